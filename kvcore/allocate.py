@@ -1,0 +1,154 @@
+"""Allocate a model's KV caches in a backend's physical layout.
+
+One storage holds every layer. It is allocated in *physical* order (``layout.physical_shape``)
+and permuted back to the logical, blocks-first view that kernels see, so a backend's stride
+order decides what is contiguous. With a cross-layer layout all layers of one block are one
+contiguous run, and a connector moves a block of the whole model with one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvcore.backend import AttentionBackend
+from kvcore.config import parse_dtype
+from kvcore.layout import KVCacheLayout
+from kvcore.ops.validation import cache_torch_dtype
+
+__all__ = ["KVCaches", "allocate_kv_caches"]
+
+
+@dataclass
+class KVCaches:
+    """A model's KV caches: per-layer logical views over one physical storage.
+
+    Attributes:
+        layers: one logical view per layer, shape ``layout.layer_shape`` (blocks-first,
+            e.g. ``(num_blocks, 2, block_size, num_kv_heads, head_size)``), strides from the
+            physical layout. Pass ``layers[i]`` to the backend's ``forward``.
+        storage: the physical tensor, shape ``layout.physical_shape``, contiguous.
+        layout: the layout of ``storage``, with a leading ``L`` (layer) dim.
+        backend_name: the backend whose layout this is.
+    """
+
+    layers: list[torch.Tensor]
+    storage: torch.Tensor
+    layout: KVCacheLayout
+    backend_name: str
+    _kv_connector_note: str = field(default="", repr=False)
+
+    @property
+    def is_cross_layer(self) -> bool:
+        return self.layout.is_cross_layer
+
+    @property
+    def num_layers(self) -> int:
+        return self.layout.num_layers
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer."""
+        return self.layout.page_size_bytes
+
+    def block_view(self, layer: int | None = None) -> torch.Tensor:
+        """The blocks as raw bytes: what connectors copy.
+
+        Returns a uint8 ``(num_blocks, page_bytes)`` view sharing memory with the cache:
+        ``page_bytes = page_size_bytes`` for one ``layer``, or ``num_layers *
+        page_size_bytes`` for all layers at once (``layer=None``, cross-layer caches only:
+        each row is then one contiguous run).
+        """
+        if not self.layout.is_blocks_first:
+            raise ValueError(
+                f"the KV cache of {self.backend_name} has layout {self.layout} whose block dim "
+                f"is not outermost, so blocks are not contiguous byte runs; "
+                f"{self._kv_connector_note or 'use a blocks-first backend'}"
+            )
+        raw = self.storage.view(torch.uint8)
+        page = self.page_size_bytes
+        if layer is None:
+            if not self.is_cross_layer:
+                raise ValueError(
+                    f"layer=None asks for all layers per block, but this cache is not "
+                    f"cross-layer (layout {self.layout}); pass layer=0..{self.num_layers - 1}"
+                )
+            return raw.view(self.num_blocks, self.num_layers * page)
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int or None, got {type(layer).__name__}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range (0..{self.num_layers - 1})")
+        if self.is_cross_layer:
+            return raw.view(self.num_blocks, self.num_layers, page)[:, layer]
+        return raw.view(self.num_layers, self.num_blocks, page)[layer]
+
+    def layer_block_views(self) -> list[torch.Tensor]:
+        """:meth:`block_view` of every layer."""
+        return [self.block_view(i) for i in range(self.num_layers)]
+
+
+def allocate_kv_caches(
+    backend: type[AttentionBackend] | str,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    cross_layer: bool | Literal["auto"] = "auto",
+    kv_cache_dtype: str = "auto",
+) -> KVCaches:
+    """Allocate ``num_layers`` KV caches in ``backend``'s layout, zero-filled.
+
+    Args:
+        backend: a backend class or its registry name.
+        num_layers, num_blocks, block_size, num_kv_heads, head_size: sizes (MLA backends
+            take ``num_kv_heads=1`` and the latent size as ``head_size``).
+        dtype: the model dtype; the storage dtype follows ``kv_cache_dtype``.
+        device: where to allocate.
+        cross_layer: ``True`` for a cross-layer allocation (the backend must opt in through
+            ``get_kv_cache_stride_order(True)``), ``False`` for layers outermost, ``"auto"`` for
+            cross-layer exactly when the backend opts in.
+        kv_cache_dtype: ``"auto"`` (model dtype) or an fp8 name.
+    """
+    if isinstance(backend, str):
+        from kvcore.registry import resolve_backend
+
+        backend = resolve_backend(backend)
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        raise TypeError(
+            f"backend must be an AttentionBackend subclass or a registered name, got {backend!r}"
+        )
+    for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                        ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                        ("head_size", head_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if cross_layer not in (True, False, "auto"):
+        raise ValueError(f"cross_layer={cross_layer!r} must be True, False or 'auto'")
+    model_dtype = parse_dtype(dtype)
+    storage_dtype = cache_torch_dtype(kv_cache_dtype, model_dtype)
+    use_cross_layer = backend.supports_cross_layer() if cross_layer == "auto" else cross_layer
+    layout = KVCacheLayout.from_backend(
+        backend, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+        head_size=head_size, dtype=storage_dtype, num_layers=num_layers,
+        cross_layer=use_cross_layer, cache_dtype_str=kv_cache_dtype,
+    )
+    storage = torch.zeros(layout.physical_shape, dtype=storage_dtype, device=torch.device(device))
+    logical = storage.permute(layout.inverse_stride_order())
+    note = "" if backend.supports_kv_connector() else backend.kv_connector_unsupported_reason()
+    return KVCaches(
+        layers=list(logical.unbind(0)),
+        storage=storage,
+        layout=layout,
+        backend_name=backend.get_name(),
+        _kv_connector_note=note,
+    )

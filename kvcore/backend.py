@@ -1,0 +1,486 @@
+"""The attention-backend contract every backend honours.
+
+A backend is a class whose *capabilities* are declared once, as class attributes
+(``SUPPORTED_DTYPES``, ``SUPPORTED_HEAD_SIZES``, ``MIN_DEVICE_CAPABILITY``, ...). Validation,
+rejection reasons, the ``kvcore list`` columns and the docs are all derived from those
+declarations, so a capability is stated in exactly one place.
+
+The KV cache of a backend is **blocks-first**: its logical shape is
+``(num_blocks, 2, block_size, num_kv_heads, head_size)`` (MLA: ``(num_blocks, block_size,
+head_size)``), and ``get_kv_cache_stride_order`` fixes how those logical dims are laid out in
+memory. Kernels get ``kv_cache.unbind(1)`` views and must take strides from them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from kvcore.config import AttentionSelectorConfig
+from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionLayer",
+    "AttentionMetadata",
+    "AttentionType",
+    "LayerScales",
+    "build_attention_metadata",
+    "FEATURE_FLAGS",
+]
+
+#: Optional features: (config field, backend capability attribute, what the feature is).
+#: A config that asks for a feature the backend does not declare gets a reason naming it.
+FEATURE_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("has_sink", "SUPPORTS_SINK", "attention sinks"),
+    ("use_sparse", "SUPPORTS_SPARSE", "sparse attention"),
+    ("use_mm_prefix", "SUPPORTS_MM_PREFIX", "bidirectional multimodal prefixes"),
+    ("use_per_head_quant_scales", "SUPPORTS_PER_HEAD_QUANT_SCALES", "per-head KV quant scales"),
+    ("use_non_causal", "SUPPORTS_NON_CAUSAL", "non-causal attention"),
+    ("use_batch_invariant", "SUPPORTS_BATCH_INVARIANT", "batch-invariant numerics"),
+)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _format_supported(values: Any) -> str:
+    if isinstance(values, MultipleOf):
+        return str(values)
+    return ", ".join(
+        _dtype_name(v) if isinstance(v, torch.dtype) else str(v) for v in values
+    )
+
+
+def _is_supported(value: Any, supported: Any) -> bool:
+    """``value`` in a tuple that may mix plain values and :class:`MultipleOf` entries."""
+    if supported is None:
+        return True
+    if isinstance(supported, MultipleOf):
+        return value in supported
+    return any(value in s if isinstance(s, MultipleOf) else value == s for s in supported)
+
+
+class AttentionBackend(ABC):
+    """Static description of an attention backend: capabilities, layout, implementation.
+
+    Subclasses set the capability class attributes below and implement :meth:`get_name` and
+    :meth:`get_impl_cls`. Everything else has a default derived from the declarations.
+    """
+
+    #: Model (query/key/value) dtypes the kernels accept.
+    SUPPORTED_DTYPES: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    #: ``kv_cache_dtype`` names (``"auto"`` = model dtype; fp8 names store scaled fp8).
+    SUPPORTED_KV_CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("auto",)
+    #: Head sizes: a tuple of ints (may include :class:`MultipleOf`), or ``None`` for any.
+    SUPPORTED_HEAD_SIZES: ClassVar[tuple[int | MultipleOf, ...] | None] = None
+    #: Block sizes (tokens per block): a tuple of ints / :class:`MultipleOf`, ``None`` for any.
+    SUPPORTED_BLOCK_SIZES: ClassVar[tuple[int | MultipleOf, ...] | None] = None
+    #: Lowest device capability the kernels run on (``None``: no requirement).
+    MIN_DEVICE_CAPABILITY: ClassVar[DeviceCapability | None] = None
+    #: Highest device capability the kernels were built for (``None``: no limit).
+    MAX_DEVICE_CAPABILITY: ClassVar[DeviceCapability | None] = None
+    #: Whether this backend runs MLA layers (and only those).
+    IS_MLA: ClassVar[bool] = False
+    SUPPORTS_SINK: ClassVar[bool] = False
+    SUPPORTS_SPARSE: ClassVar[bool] = False
+    SUPPORTS_MM_PREFIX: ClassVar[bool] = False
+    SUPPORTS_PER_HEAD_QUANT_SCALES: ClassVar[bool] = False
+    SUPPORTS_NON_CAUSAL: ClassVar[bool] = False
+    SUPPORTS_BATCH_INVARIANT: ClassVar[bool] = False
+    #: Attention types the backend implements.
+    SUPPORTED_ATTN_TYPES: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    #: Platform names the backend runs on (``"cpu"``, ``"cuda"``, ``"rocm"``, a plugin's).
+    PLATFORMS: ClassVar[tuple[str, ...]] = ()
+    #: Importable modules the backend needs, with the pip requirement that provides each,
+    #: e.g. ``(("flash_attn", "flash-attn"),)``. A missing one is a reason, not an ImportError.
+    REQUIRED_PACKAGES: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str:
+        """The registry name, e.g. ``"FLASH_ATTN"`` (upper case, stable)."""
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        """The implementation class; import kernel libraries here, not at module import."""
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """Logical (blocks-first) shape of one layer's KV cache.
+
+        The default is ``(num_blocks, 2, block_size, num_kv_heads, head_size)``: dim 0 is the
+        block, dim 1 splits K from V (``kv_cache.unbind(1)``).
+        """
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """Physical order of the logical dims, outermost first.
+
+        Example: the logical shape ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` with
+        the order ``(0, 1, 3, 2, 4)`` is stored as ``(num_blocks, 2, num_kv_heads, block_size,
+        head_size)`` (HND); the identity order is NHD. Allocate in physical order and
+        ``permute`` back to get the logical view.
+
+        With ``include_num_layers_dimension=True`` the logical shape gains a leading
+        ``num_layers`` dim. A backend whose kernels are verified on strided pages returns an
+        order with the block dim outermost, e.g. ``(1, 0, 2, 3, 4, 5)``: all layers of one block
+        are then contiguous (*cross-layer*). The default keeps the layer dim outermost, which
+        means "no cross-layer": the safe choice for unverified kernels.
+        """
+        return tuple(range(6 if include_num_layers_dimension else 5))
+
+    @classmethod
+    def supports_cross_layer(cls) -> bool:
+        """Derived from :meth:`get_kv_cache_stride_order`: is the block dim outermost?"""
+        order = cls.get_kv_cache_stride_order(include_num_layers_dimension=True)
+        return len(order) > 1 and order[0] == 1
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        """Whether KV connectors may move this backend's blocks (blocks-first layout)."""
+        return True
+
+    @classmethod
+    def kv_connector_unsupported_reason(cls) -> str:
+        """Why :meth:`supports_kv_connector` is False, with the alternative to use."""
+        return f"{cls.get_name()} does not use the blocks-first layout that connectors move"
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        """Reasons this backend cannot run in this Python environment (missing packages).
+
+        Derived from ``REQUIRED_PACKAGES`` without importing them. Backends that need a
+        runtime check (a compiled extension, a driver feature) extend this.
+        """
+        reasons = []
+        for module, requirement in cls.REQUIRED_PACKAGES:
+            if importlib.util.find_spec(module) is None:
+                reasons.append(f"{requirement} not installed (pip install {requirement})")
+        return reasons
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The declared capabilities as plain data (for ``kvcore list`` and docs)."""
+        return {
+            "name": cls.get_name(),
+            "platforms": list(cls.PLATFORMS),
+            "dtypes": [_dtype_name(d) for d in cls.SUPPORTED_DTYPES],
+            "kv_cache_dtypes": list(cls.SUPPORTED_KV_CACHE_DTYPES),
+            "head_sizes": "any" if cls.SUPPORTED_HEAD_SIZES is None
+            else _format_supported(cls.SUPPORTED_HEAD_SIZES),
+            "block_sizes": "any" if cls.SUPPORTED_BLOCK_SIZES is None
+            else _format_supported(cls.SUPPORTED_BLOCK_SIZES),
+            "min_device_capability": str(cls.MIN_DEVICE_CAPABILITY)
+            if cls.MIN_DEVICE_CAPABILITY else None,
+            "mla": cls.IS_MLA,
+            "attn_types": [t.value for t in cls.SUPPORTED_ATTN_TYPES],
+            "features": [field for field, attr, _ in FEATURE_FLAGS if getattr(cls, attr)],
+            "cross_layer": cls.supports_cross_layer(),
+            "kv_connector": cls.supports_kv_connector(),
+            "stride_order": list(cls.get_kv_cache_stride_order()),
+        }
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str | None,
+        block_size: int,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        use_per_head_quant_scales: bool,
+        device_capability: DeviceCapability | None,
+        attn_type: AttentionType | str,
+        use_non_causal: bool = False,
+        use_batch_invariant: bool = False,
+        use_kv_connector: bool = False,
+    ) -> list[str]:
+        """Every reason this backend cannot run the configuration; empty means valid.
+
+        Each reason is self-contained: the field, the value, what is supported and, where one
+        exists, the fix. Derived from the capability attributes, then
+        :meth:`check_combination` adds cross-field rules.
+        """
+        config = AttentionSelectorConfig(
+            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto",
+            block_size=block_size, use_mla=use_mla, has_sink=has_sink, use_sparse=use_sparse,
+            use_mm_prefix=use_mm_prefix, use_per_head_quant_scales=use_per_head_quant_scales,
+            attn_type=attn_type, use_non_causal=use_non_causal,
+            use_batch_invariant=use_batch_invariant, use_kv_connector=use_kv_connector,
+        )
+        return cls.validate_config(config, device_capability)
+
+    @classmethod
+    def validate_config(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        """:meth:`validate_configuration` taking an :class:`AttentionSelectorConfig`."""
+        name = cls.get_name()
+        reasons: list[str] = []
+        if not _is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES):
+            reasons.append(
+                f"head_size={config.head_size} "
+                f"(supported: {_format_supported(cls.SUPPORTED_HEAD_SIZES)})"
+            )
+        if config.dtype not in cls.SUPPORTED_DTYPES:
+            reasons.append(
+                f"dtype={_dtype_name(config.dtype)} "
+                f"(supported: {_format_supported(cls.SUPPORTED_DTYPES)})"
+            )
+        if config.kv_cache_dtype not in cls.SUPPORTED_KV_CACHE_DTYPES:
+            reasons.append(
+                f"kv_cache_dtype={config.kv_cache_dtype} "
+                f"(supported: {_format_supported(cls.SUPPORTED_KV_CACHE_DTYPES)})"
+            )
+        if not _is_supported(config.block_size, cls.SUPPORTED_BLOCK_SIZES):
+            reasons.append(
+                f"block_size={config.block_size} "
+                f"(supported: {_format_supported(cls.SUPPORTED_BLOCK_SIZES)})"
+            )
+        if config.use_mla and not cls.IS_MLA:
+            reasons.append(f"use_mla=True but {name} is not an MLA backend (choose an MLA backend)")
+        elif cls.IS_MLA and not config.use_mla:
+            reasons.append(f"use_mla=False but {name} only runs MLA layers")
+        for field, attr, feature in FEATURE_FLAGS:
+            if getattr(config, field) and not getattr(cls, attr):
+                reasons.append(f"{field}=True: {name} does not support {feature}")
+        if config.attn_type not in cls.SUPPORTED_ATTN_TYPES:
+            supported = ", ".join(t.value for t in cls.SUPPORTED_ATTN_TYPES)
+            reasons.append(f"attn_type={config.attn_type.value} (supported: {supported})")
+        reasons.extend(cls._capability_reasons(device_capability))
+        if config.use_kv_connector and not cls.supports_kv_connector():
+            reasons.append(f"KV connector not supported: {cls.kv_connector_unsupported_reason()}")
+        reasons.extend(cls.check_combination(config, device_capability))
+        reasons.extend(cls.unavailable_reasons())
+        return reasons
+
+    @classmethod
+    def _capability_reasons(cls, capability: DeviceCapability | None) -> list[str]:
+        lo, hi = cls.MIN_DEVICE_CAPABILITY, cls.MAX_DEVICE_CAPABILITY
+        if lo is None and hi is None:
+            return []
+        wanted = " and ".join(
+            part for part in (f">= {lo}" if lo else "", f"<= {hi}" if hi else "") if part
+        )
+        if capability is None:
+            return [
+                f"device capability unknown; {cls.get_name()} needs {wanted} "
+                "(set KVCORE_DEVICE_CAPABILITY, e.g. 9.0, to simulate a device)"
+            ]
+        if (lo and not capability.at_least(lo)) or (hi and not hi.at_least(capability)):
+            return [f"device capability {capability} (supported: {wanted})"]
+        return []
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        """Cross-field rules a single capability attribute cannot express (override).
+
+        E.g. "fp8 KV cache needs device capability >= 8.9". Return reasons in the same
+        self-contained form as the derived ones.
+        """
+        return []
+
+
+@runtime_checkable
+class AttentionLayer(Protocol):
+    """What a backend reads from the engine's attention layer: the KV quantisation scales."""
+
+    k_scale: torch.Tensor | float
+    v_scale: torch.Tensor | float
+
+
+@dataclass
+class LayerScales:
+    """A minimal :class:`AttentionLayer` for engines without their own layer object."""
+
+    k_scale: torch.Tensor | float = 1.0
+    v_scale: torch.Tensor | float = 1.0
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch description shared by every backend.
+
+    A batch mixes prefill requests (possibly with a cached prefix) and decode requests; their
+    new tokens are packed along dim 0 of query/key/value.
+
+    Attributes:
+        query_start_loc: ``(num_seqs + 1,)`` int32, cumulative new-token counts.
+        seq_lens: ``(num_seqs,)`` int32, cached + new tokens per request.
+        block_table: ``(num_seqs, max_blocks_per_seq)`` int32 block ids (padding is 0).
+        slot_mapping: ``(num_tokens,)`` int64 cache slot of each new token
+            (``block_id * block_size + offset``; negative = padding, not written).
+        max_query_len, max_seq_len: maxima of the above, on the host.
+        num_actual_tokens: new tokens in the batch (rows of query beyond are padding).
+        causal: whether queries are masked to earlier positions.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+    causal: bool = True
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every request has exactly one new token."""
+        return self.max_query_len == 1
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    causal: bool = True,
+) -> AttentionMetadata:
+    """Build :class:`AttentionMetadata` from per-request counts and block tables.
+
+    Args:
+        query_lens: new tokens per request (1 for decode, the prompt chunk for prefill).
+        context_lens: tokens already in the cache per request (the cached prefix).
+        block_tables: block ids per request; must cover ``context_len + query_len`` tokens.
+        block_size: tokens per block.
+        device: where the tensors are placed.
+        causal: forwarded to :attr:`AttentionMetadata.causal`.
+    """
+    if len(query_lens) != len(context_lens) or len(query_lens) != len(block_tables):
+        raise ValueError(
+            f"query_lens ({len(query_lens)}), context_lens ({len(context_lens)}) and "
+            f"block_tables ({len(block_tables)}) must have one entry per request"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size={block_size!r} must be a positive integer")
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    for i, (q_len, ctx_len, blocks) in enumerate(
+        zip(query_lens, context_lens, block_tables, strict=True)
+    ):
+        if q_len < 0 or ctx_len < 0:
+            raise ValueError(
+                f"request {i}: query_lens={q_len} and context_lens={ctx_len} must be >= 0"
+            )
+        seq_len = ctx_len + q_len
+        needed = -(-seq_len // block_size)
+        if len(blocks) < needed:
+            raise ValueError(
+                f"block_tables[{i}] has {len(blocks)} blocks but {seq_len} tokens need "
+                f"{needed} blocks of {block_size}"
+            )
+        if any(b < 0 for b in blocks[:needed]):
+            raise ValueError(f"block_tables[{i}] contains a negative block id: {list(blocks)}")
+        seq_lens.append(seq_len)
+        for pos in range(ctx_len, seq_len):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    width = max((len(b) for b in block_tables), default=0)
+    table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int32)
+    for i, blocks in enumerate(block_tables):
+        if blocks:
+            table[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        num_actual_tokens=starts[-1],
+        causal=causal,
+    )
+
+
+class AttentionImpl(ABC):
+    """Per-layer state of a backend and the two calls an engine makes every step.
+
+    Shapes: ``query`` is ``(num_tokens, num_heads, head_size)``; ``key``/``value`` are
+    ``(num_tokens, num_kv_heads, head_size)``; ``kv_cache`` is the layer's logical view from
+    :func:`kvcore.allocate_kv_caches` (for K/V backends ``(num_blocks, 2, block_size,
+    num_kv_heads, head_size)`` of any strides).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType | str = AttentionType.DECODER,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+            )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+
+    @abstractmethod
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write the new tokens' K and V into ``kv_cache`` at ``slot_mapping`` (negative: skip)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query`` over the paged cache (already updated for this step).
+
+        Returns ``(num_tokens, num_heads, head_size)``, written into ``output`` when given.
+        """

@@ -1,0 +1,9 @@
+"""The backends that ship with kvcore itself, registered through the same hook and entry
+point as any plugin: ``CPU_ATTN`` (pure torch, always there) and ``TRITON_ATTN``."""
+
+from kvcore.hookspecs import hookimpl
+
+
+@hookimpl
+def kvcore_register_backends(register):
+    register("CPU_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")

@@ -1,0 +1,83 @@
+"""CPU_ATTN: the pure-torch backend, the embedded default and the numerical reference.
+
+Runs the reference ops of :mod:`kvcore.ops.reference`, which take strides from the views they
+get, so it runs on cross-layer caches unchanged. Slow by design on large batches; correct on
+everything it declares.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.backend import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
+from kvcore.platform_types import AttentionType
+
+
+class CpuAttentionBackend(AttentionBackend):
+    SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    SUPPORTED_HEAD_SIZES = None
+    SUPPORTED_BLOCK_SIZES = None
+    SUPPORTS_NON_CAUSAL = True
+    # Each request is computed on its own, so results do not depend on the batch.
+    SUPPORTS_BATCH_INVARIANT = True
+    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    PLATFORMS = ("cpu",)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return CpuAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # The reference ops index through the views' strides: cross-layer is safe.
+        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+
+class CpuAttentionImpl(AttentionImpl):
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        key_cache, value_cache = kv_cache.unbind(1)
+        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping,
+                              self.kv_cache_dtype, layer.k_scale, layer.v_scale)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache.unbind(1)
+        n = attn_metadata.num_actual_tokens
+        if output is None:
+            output = torch.empty_like(query)
+        causal = attn_metadata.causal and self.attn_type == AttentionType.DECODER
+        paged_attention_ref(
+            query[:n], key_cache, value_cache,
+            query_start_loc=attn_metadata.query_start_loc,
+            seq_lens=attn_metadata.seq_lens,
+            block_table=attn_metadata.block_table,
+            scale=self.scale,
+            causal=causal,
+            sliding_window=self.sliding_window,
+            kv_cache_dtype=self.kv_cache_dtype,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+            output=output[:n],
+        )
+        return output

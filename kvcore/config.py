@@ -1,0 +1,88 @@
+"""The attention configuration a backend is selected and validated for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from kvcore.ops.validation import KV_CACHE_DTYPES
+from kvcore.platform_types import AttentionType
+
+__all__ = ["AttentionSelectorConfig", "parse_dtype"]
+
+_DTYPE_NAMES = {
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(value: torch.dtype | str) -> torch.dtype:
+    """``torch.bfloat16`` or one of its names (``"bfloat16"``, ``"bf16"``, ``"torch.bfloat16"``)."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.removeprefix("torch.").lower()
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+        raise ValueError(
+            f"dtype={value!r} is not a known dtype name (known: {', '.join(sorted(_DTYPE_NAMES))})"
+        )
+    raise TypeError(f"dtype must be a torch.dtype or its name, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class AttentionSelectorConfig:
+    """Everything about an attention layer that decides which backend may run it.
+
+    Frozen and hashable, so selections can be cached per config. ``dtype`` accepts a
+    ``torch.dtype`` or its name; ``attn_type`` an :class:`AttentionType` or its value.
+    """
+
+    head_size: int
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    use_mla: bool = False
+    has_sink: bool = False
+    use_sparse: bool = False
+    use_mm_prefix: bool = False
+    use_per_head_quant_scales: bool = False
+    attn_type: AttentionType = AttentionType.DECODER
+    use_non_causal: bool = False
+    use_batch_invariant: bool = False
+    use_kv_connector: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
+        for name in ("head_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
+            )
+
+    def as_kwargs(self) -> dict[str, object]:
+        """The fields as keyword arguments of ``AttentionBackend.validate_configuration``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def describe(self) -> str:
+        """One line naming every field, for error messages and logs."""
+        parts = []
+        for key, value in self.as_kwargs().items():
+            if isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            elif isinstance(value, AttentionType):
+                value = value.value
+            parts.append(f"{key}={value}")
+        return ", ".join(parts)

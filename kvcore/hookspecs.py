@@ -1,0 +1,67 @@
+"""pluggy hook specifications of the ``kvcore`` project.
+
+A plugin is a module (or object) with functions marked ``@kvcore.hookimpl`` named after the
+hooks below, published through the ``kvcore.plugins`` entry-point group::
+
+    # pyproject.toml of a vendor package
+    [project.entry-points."kvcore.plugins"]
+    acme = "acme_kvcore.plugin"
+
+    # acme_kvcore/plugin.py
+    import kvcore
+
+    @kvcore.hookimpl
+    def kvcore_register_backends(register):
+        register("ACME_ATTN", "acme_kvcore.backend:AcmeBackend")
+
+Registration is by lazy ``"module:Class"`` path: nothing is imported until the backend,
+platform or connector is actually chosen, so registering never loads a kernel library.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import pluggy
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec", "RegisterFn"]
+
+PROJECT_NAME = "kvcore"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class RegisterFn(Protocol):
+    """The ``register`` callback a registration hook receives."""
+
+    def __call__(self, name: str, target: str) -> None:
+        """Register ``name`` as the class at ``target`` (``"package.module:ClassName"``)."""
+
+
+@hookspec
+def kvcore_register_backends(register: RegisterFn) -> None:
+    """Register attention backends.
+
+    Call ``register(NAME, "module:Class")`` once per backend. ``NAME`` is the upper-case name
+    engines and ``KVCORE_ATTENTION_BACKEND`` use and must equal the class's ``get_name()``; the
+    class must subclass :class:`kvcore.AttentionBackend`.
+    """
+
+
+@hookspec
+def kvcore_register_platforms(register: RegisterFn) -> None:
+    """Register platforms.
+
+    Call ``register(name, "module:Class")`` once per platform; ``name`` is lower case (the
+    value of ``KVCORE_PLATFORM``) and must equal the class's ``name``; the class must subclass
+    :class:`kvcore.Platform`.
+    """
+
+
+@hookspec
+def kvcore_register_connectors(register: RegisterFn) -> None:
+    """Register KV connectors.
+
+    Call ``register(name, "module:Class")`` once per connector; ``name`` is lower case (what
+    ``kvcore.connectors.get_connector`` takes).
+    """

@@ -1,0 +1,168 @@
+"""Pure-torch reference implementations of kvcore's ops.
+
+These run on any device, in any float dtype (float64 included), and are the numerical
+reference every fast path is tested against. They take strides from the tensors they get:
+a per-layer view of a cross-layer allocation or the K/V halves of a legacy
+``(2, num_blocks, ...)`` cache work unchanged.
+
+Conventions shared by every implementation:
+
+- ``key_cache`` / ``value_cache``: ``(num_blocks, block_size, num_kv_heads, head_size)`` views of
+  any strides (``kv_cache.unbind(1)`` of the blocks-first cache).
+- ``slot_mapping[i] = block_id * block_size + offset_in_block`` for new token ``i``; a negative
+  slot is padding and is skipped.
+- A request ``i`` of a batch owns queries ``query_start_loc[i]:query_start_loc[i+1]`` and has
+  ``seq_lens[i]`` tokens in total (cached prefix plus its new tokens), so its query ``j`` sits at
+  position ``seq_lens[i] - q_len + j``. Causal masking lets a query see keys at positions
+  ``<=`` its own; a sliding window ``w`` keeps only the last ``w`` of those (``q_pos - k_pos < w``).
+- fp8 caches store ``x / scale`` (per-tensor ``k_scale`` / ``v_scale``) and are read back as
+  ``stored * scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.ops.validation import (
+    FP8_KV_CACHE_DTYPES,
+    validate_paged_attention,
+    validate_reshape_and_cache,
+)
+
+__all__ = ["reshape_and_cache_ref", "paged_attention_ref", "gather_kv_ref", "scale_value"]
+
+
+def scale_value(scale: torch.Tensor | float | None) -> float:
+    """A per-tensor scale as a Python float (1.0 when absent)."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        return float(scale.reshape(()).item())
+    return float(scale)
+
+
+def _quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        limit = torch.finfo(cache_dtype).max
+        return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+) -> None:
+    """Scatter new tokens into a paged cache, in place.
+
+    Args:
+        key, value: ``(num_tokens, num_kv_heads, head_size)``.
+        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)``, any strides.
+        slot_mapping: ``(num_tokens,)`` int32/int64; negative entries are skipped.
+        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``x / scale``.
+    """
+    validate_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                               kv_cache_dtype, k_scale, v_scale)
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    ks = scale_value(k_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
+    vs = scale_value(v_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
+    # Advanced indexing on (block, offset) writes through the view's real strides.
+    key_cache[blocks, offsets] = _quantize(key[keep], key_cache.dtype, ks)
+    value_cache[blocks, offsets] = _quantize(value[keep], value_cache.dtype, vs)
+
+
+def gather_kv_ref(
+    cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one request as ``(seq_len, num_kv_heads, head_size)``.
+
+    ``block_ids`` are the request's block-table entries; fp8 data is dequantised with ``scale``.
+    """
+    block_size = cache.shape[1]
+    num_blocks_used = -(-seq_len // block_size)
+    pages = cache[block_ids[:num_blocks_used].to(torch.int64)]
+    tokens = pages.reshape(-1, *cache.shape[2:])[:seq_len]
+    out = tokens.to(dtype)
+    if scale != 1.0:
+        out = out * scale
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    output: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention over a paged KV cache for a batch mixing prefill and decode requests.
+
+    Args:
+        query: ``(num_tokens, num_heads, head_size)``; ``num_heads`` a multiple of the cache's
+            ``num_kv_heads`` (MHA, GQA and MQA).
+        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)``, any strides.
+        query_start_loc: ``(num_seqs + 1,)`` cumulative query lengths.
+        seq_lens: ``(num_seqs,)`` total tokens per request (cached prefix + new).
+        block_table: ``(num_seqs, max_blocks_per_seq)`` block ids.
+        scale: softmax scale, usually ``head_size ** -0.5``.
+        causal: mask keys after each query's position; ``False`` lets every query of a request
+            see all ``seq_lens[i]`` keys.
+        sliding_window: keep only the last ``sliding_window`` keys up to each query.
+        output: optional ``(num_tokens, num_heads, head_size)`` tensor written in place.
+
+    Returns:
+        ``(num_tokens, num_heads, head_size)`` in ``query.dtype`` (``output`` if given).
+        Computed in float32, or float64 when ``query`` is float64.
+    """
+    validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+                             block_table, kv_cache_dtype=kv_cache_dtype,
+                             sliding_window=sliding_window, output=output)
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    ks = scale_value(k_scale) if fp8 else 1.0
+    vs = scale_value(v_scale) if fp8 else 1.0
+    num_heads = query.shape[1]
+    group = num_heads // key_cache.shape[2]
+    out = output if output is not None else torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        k = gather_kv_ref(key_cache, block_table[i], seq_len, ks, compute)
+        v = gather_kv_ref(value_cache, block_table[i], seq_len, vs, compute)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        q = query[q_lo:q_hi].to(compute)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        allowed = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device)
+        if causal:
+            allowed &= k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= (q_pos - k_pos) < sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out

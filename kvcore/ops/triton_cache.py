@@ -1,0 +1,181 @@
+"""Triton cache write: scatter new K/V tokens into a paged, blocks-first KV cache.
+
+``reshape_and_cache`` implements exactly :func:`kvcore.ops.reference.reshape_and_cache_ref`:
+``key``/``value`` are ``(num_tokens, num_kv_heads, head_size)`` and the caches are
+``(num_blocks, block_size, num_kv_heads, head_size)`` views of any strides (a per-layer view,
+``kv_cache.unbind(1)`` of the blocks-first cache, one layer of a cross-layer allocation, the
+halves of a legacy ``(2, num_blocks, ...)`` cache). Every stride is taken from the tensors, so
+a kernel launched on a view writes only the bytes that view covers.
+
+One program writes one token's K and V for a block of heads (all heads when they fit in
+``_MAX_TILE`` elements), with 16-byte vector loads and stores along ``head_size``. All address
+arithmetic is int64: a layer of a 32-layer cross-layer pool with block ids above 2,048 sits
+more than 2**31 elements from the storage's start.
+
+This module imports triton at import time; :mod:`kvcore.ops` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_reshape_and_cache
+
+__all__ = ["reshape_and_cache"]
+
+# Elements of one program's (heads x head_size) tile: 2,048 bf16 values keep 16 bytes per
+# thread per tensor with 4 warps, without spilling for large head counts.
+_MAX_TILE = 2048
+
+
+@triton.jit
+def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """Round fp32 ``y`` (already clamped to the fp8 range) to the nearest fp8 value, ties to even.
+
+    Only used under the interpreter, whose fp32 -> fp8 conversion rounds half away from zero
+    and drops the carry into the exponent (125.0 -> 64.0 in e4m3); the rounded value is
+    representable, so the conversion that follows is exact.
+    """
+    a = tl.abs(y)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, MIN_EXPONENT)  # subnormals share the smallest quantum
+    quantum = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2**23 makes fp32 addition round the quotient to an integer, ties to even.
+    r = ((a / quantum + 12582912.0) - 12582912.0) * quantum
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    k_scale, v_scale,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    block_size, num_kv_heads, head_size,
+    FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, FP8_MAX: tl.constexpr,
+    EXACT_FP8_ROUNDING: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    block = slot // block_size
+    offset = slot % block_size
+
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
+    heads64 = heads.to(tl.int64)[:, None]
+    dims64 = dims.to(tl.int64)[None, :]
+
+    k = tl.load(key_ptr + token * stride_kt + heads64 * stride_kh + dims64 * stride_kd, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads64 * stride_vh + dims64 * stride_vd,
+                mask=mask)
+    if FP8:
+        if SCALE_IS_TENSOR:
+            ks = tl.load(k_scale).to(tl.float32)
+            vs = tl.load(v_scale).to(tl.float32)
+        else:
+            ks = k_scale
+            vs = v_scale
+        k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
+        if EXACT_FP8_ROUNDING:
+            k = _round_to_fp8_grid(k, MANTISSA_BITS, MIN_EXPONENT)
+            v = _round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT)
+
+    kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs
+    vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs
+    tl.store(kc + heads64 * stride_kch + dims64 * stride_kcd,
+             k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + heads64 * stride_vch + dims64 * stride_vcd,
+             v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _scale_arg(scale: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | float:
+    """A per-tensor scale as the kernel takes it: a device tensor (read in the kernel, so no
+    host sync and CUDA-graph safe) or a Python float."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.device == device:
+            return scale
+        return float(scale.reshape(()).item())
+    return float(scale)
+
+
+def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
+    """(largest finite value, mantissa bits, smallest normal exponent) of an fp8 dtype."""
+    if dtype == torch.float8_e4m3fn:
+        return 448.0, 3, -6
+    return 57344.0, 2, -14  # float8_e5m2
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+) -> None:
+    """Write ``key``/``value`` into the paged cache at ``slot_mapping``, in place (Triton).
+
+    Args:
+        key, value: ``(num_tokens, num_kv_heads, head_size)``, any strides (e.g. slices of a
+            fused QKV projection).
+        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)`` views of
+            any strides; the storage dtype is the model dtype, or fp8 (e4m3/e5m2) when
+            ``kv_cache_dtype`` names one.
+        slot_mapping: ``(num_tokens,)`` int32/int64, ``block_id * block_size + offset``;
+            negative slots are skipped.
+        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``clamp(x / scale)`` rounded to
+            nearest even, exactly like the reference.
+        k_scale, v_scale: per-tensor fp8 scales: a 1-element tensor (read on the device) or a
+            float; ignored unless the cache is fp8.
+
+    Raises:
+        ValueError, TypeError: from :func:`kvcore.ops.validation.validate_reshape_and_cache`,
+            before anything is launched.
+    """
+    validate_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                               kv_cache_dtype, k_scale, v_scale)
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    fp8_max, mantissa_bits, min_exponent = _fp8_format(key_cache.dtype)
+    ks = _scale_arg(k_scale if fp8 else None, key_cache.device)
+    vs = _scale_arg(v_scale if fp8 else None, key_cache.device)
+    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
+        # The kernel reads both scales the same way; a mixed pair becomes two floats.
+        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
+        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
+
+    block_d = triton.next_power_of_2(head_size)
+    block_h = max(1, min(triton.next_power_of_2(num_kv_heads), _MAX_TILE // block_d))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _reshape_and_cache_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping,
+        ks, vs,
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        key_cache.shape[1], num_kv_heads, head_size,
+        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), FP8_MAX=fp8_max,
+        EXACT_FP8_ROUNDING=_interpreting(), MANTISSA_BITS=mantissa_bits,
+        MIN_EXPONENT=min_exponent,
+        BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4,
+    )

@@ -1,0 +1,282 @@
+"""Argument checks shared by every implementation of kvcore's ops.
+
+Each check raises ``ValueError`` or ``TypeError`` naming the argument, the value it got and
+what is expected, *before* any kernel is launched. The reference ops and every fast path
+(Triton, CUDA C++, vendor libraries) call the same functions, so a bad argument produces the
+same message whichever implementation runs.
+
+Checks that need to read tensor *values* (slot and block ids within range) synchronise with
+the device. They are on by default; a serving engine that has validated its scheduler can turn
+them off with :func:`set_value_checks` or ``KVCORE_CHECK_INDICES=0``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "FP8_KV_CACHE_DTYPES",
+    "KV_CACHE_DTYPES",
+    "cache_torch_dtype",
+    "set_value_checks",
+    "value_checks_enabled",
+    "validate_reshape_and_cache",
+    "validate_paged_attention",
+    "check_block_indices",
+]
+
+#: Names accepted for ``kv_cache_dtype``; ``"auto"`` means "same dtype as the model".
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_KV_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+_value_checks = os.environ.get("KVCORE_CHECK_INDICES", "1").lower() not in ("0", "false", "no")
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the value-range checks (which synchronise with the device) on or off."""
+    global _value_checks
+    _value_checks = bool(enabled)
+
+
+def value_checks_enabled() -> bool:
+    return _value_checks
+
+
+def cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of a KV cache given its ``kv_cache_dtype`` name and the model dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    raise ValueError(
+        f"kv_cache_dtype={kv_cache_dtype!r} is not a known KV cache dtype "
+        f"(supported: {', '.join(KV_CACHE_DTYPES)})"
+    )
+
+
+def _require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _require_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
+
+
+def _require_int_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def _require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    first_name, first = names_and_tensors[0]
+    for name, t in names_and_tensors[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all tensors of one call must be on the same device"
+            )
+
+
+def _check_scale(name: str, scale: object, kv_cache_dtype: str) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(
+                f"{name} must be a single per-tensor scale (numel 1), got shape {tuple(scale.shape)}"
+            )
+    elif not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
+
+
+def _check_cache_dtype(
+    name: str, cache: torch.Tensor, kv_cache_dtype: str, model_dtype: torch.dtype
+) -> None:
+    expected = cache_torch_dtype(kv_cache_dtype, model_dtype)
+    if cache.dtype != expected:
+        raise TypeError(
+            f"{name} has dtype {cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with model "
+            f"dtype {model_dtype} needs {expected}"
+        )
+
+
+def check_block_indices(name: str, indices: torch.Tensor, num_blocks: int) -> None:
+    """Check that every (non-negative) entry of ``indices`` is a block id below ``num_blocks``."""
+    if not _value_checks or indices.numel() == 0:
+        return
+    hi = int(indices.max())
+    if hi >= num_blocks:
+        raise ValueError(
+            f"{name} contains block id {hi}, but the cache has only {num_blocks} blocks "
+            f"(valid ids: 0..{num_blocks - 1})"
+        )
+
+
+def validate_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+) -> None:
+    """Validate the arguments of ``reshape_and_cache`` (see :func:`kvcore.ops.reshape_and_cache`)."""
+    for n, t in (("key", key), ("value", value), ("key_cache", key_cache),
+                 ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        _require_tensor(n, t)
+    _require_ndim("key", key, 3, "(num_tokens, num_kv_heads, head_size)")
+    _require_ndim("value", value, 3, "(num_tokens, num_kv_heads, head_size)")
+    _require_ndim("key_cache", key_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
+    _require_ndim("value_cache", value_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
+    _require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    _require_int_dtype("slot_mapping", slot_mapping)
+    _require_same_device([("key", key), ("value", value), ("key_cache", key_cache),
+                          ("value_cache", value_cache), ("slot_mapping", slot_mapping)])
+    if value.shape != key.shape:
+        raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
+            f"{tuple(key_cache.shape)}"
+        )
+    if key.dtype != value.dtype:
+        raise TypeError(f"value has dtype {value.dtype} but key has {key.dtype}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
+        )
+    _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, key.dtype)
+    _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, key.dtype)
+    _check_scale("k_scale", k_scale, kv_cache_dtype)
+    _check_scale("v_scale", v_scale, kv_cache_dtype)
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    if key.shape[1:] != (num_kv_heads, head_size):
+        raise ValueError(
+            f"key has (num_kv_heads, head_size)={tuple(key.shape[1:])} but the cache holds "
+            f"{(num_kv_heads, head_size)}"
+        )
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
+        )
+    if _value_checks and slot_mapping.numel():
+        hi = int(slot_mapping.max())
+        if hi >= num_blocks * block_size:
+            raise ValueError(
+                f"slot_mapping contains slot {hi}, but the cache holds only "
+                f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} slots"
+            )
+
+
+def validate_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    kv_cache_dtype: str = "auto",
+    sliding_window: int | None = None,
+    output: torch.Tensor | None = None,
+) -> None:
+    """Validate the arguments of ``paged_attention`` (see :func:`kvcore.ops.paged_attention`)."""
+    for n, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                 ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                 ("block_table", block_table)):
+        _require_tensor(n, t)
+    _require_ndim("query", query, 3, "(num_tokens, num_heads, head_size)")
+    _require_ndim("key_cache", key_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
+    _require_ndim("value_cache", value_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
+    _require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    _require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    _require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
+    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                 ("block_table", block_table)):
+        _require_int_dtype(n, t)
+    _require_same_device([("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                          ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                          ("block_table", block_table)])
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
+            f"{tuple(key_cache.shape)}"
+        )
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
+        )
+    _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, query.dtype)
+    _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, query.dtype)
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    num_tokens, num_heads, q_head_size = query.shape
+    if q_head_size != head_size:
+        raise ValueError(f"query has head_size {q_head_size} but the cache has {head_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"query has {num_heads} heads, which is not a multiple of the cache's "
+            f"{num_kv_heads} KV heads (GQA needs num_heads % num_kv_heads == 0)"
+        )
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries but seq_lens has "
+            f"{num_seqs} sequences (expected num_seqs + 1 = {num_seqs + 1})"
+        )
+    if block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_table has {block_table.shape[0]} rows but seq_lens has {num_seqs} sequences"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    if output is not None:
+        _require_tensor("output", output)
+        if output.shape != query.shape:
+            raise ValueError(
+                f"output has shape {tuple(output.shape)} but query has {tuple(query.shape)}"
+            )
+        if output.device != query.device:
+            raise ValueError(f"output is on {output.device} but query is on {query.device}")
+    if not _value_checks or num_seqs == 0:
+        return
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if qsl[0] != 0 or qsl[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, got "
+            f"{qsl[0]}..{qsl[-1]}"
+        )
+    max_blocks = block_table.shape[1]
+    for i in range(num_seqs):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len < 0:
+            raise ValueError(f"query_start_loc decreases at sequence {i}: {qsl[i]} -> {qsl[i + 1]}")
+        if lens[i] < q_len:
+            raise ValueError(
+                f"seq_lens[{i}]={lens[i]} is shorter than its {q_len} query tokens "
+                "(seq_lens counts cached plus new tokens)"
+            )
+        if -(-lens[i] // block_size) > max_blocks:
+            raise ValueError(
+                f"seq_lens[{i}]={lens[i]} needs {-(-lens[i] // block_size)} blocks of "
+                f"{block_size} but block_table has only {max_blocks} columns"
+            )
+    used = [block_table[i, : -(-lens[i] // block_size)] for i in range(num_seqs)]
+    ids = torch.cat(used) if used else block_table.new_empty(0)
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"block_table refers to block id {bad}, but the cache has {num_blocks} blocks "
+                f"(valid ids: 0..{num_blocks - 1})"
+            )

@@ -1,0 +1,269 @@
+"""Platforms: what hardware runs attention here, its capability, and its backend priorities.
+
+A platform (``cpu``, ``cuda``, ``rocm``, or a plugin's) is registered through
+``kvcore_register_platforms``. The *current* platform is detected lazily: the first registered
+platform whose :meth:`Platform.probe` finds its device, by :attr:`Platform.detection_priority`.
+
+Environment overrides (so CUDA and ROCm selection logic is testable on a CPU machine):
+    ``KVCORE_PLATFORM``: force a platform by name, present or not (a platform used while its
+        device is absent is *simulated*: selection works, kernels do not).
+    ``KVCORE_DEVICE_CAPABILITY``: force the device capability (``9.0``, ``90``, ``gfx942``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from kvcore.config import AttentionSelectorConfig
+from kvcore.platform_types import DeviceCapability
+
+__all__ = [
+    "Platform",
+    "DeviceCapability",
+    "current_platform",
+    "get_platform",
+    "available_platforms",
+    "clear_platform_cache",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_block_copy_args(
+    src_cache: torch.Tensor,
+    dst_cache: torch.Tensor,
+    src_block_indices: torch.Tensor,
+    dst_block_indices: torch.Tensor,
+    layout: object | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    for name, value in (("src_cache", src_cache), ("dst_cache", dst_cache),
+                        ("src_block_indices", src_block_indices),
+                        ("dst_block_indices", dst_block_indices)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if layout is not None and not getattr(layout, "is_blocks_first", False):
+        raise ValueError(
+            f"the cache layout {layout} is not blocks-first (its block dim is not outermost); "
+            "block movement indexes dim 0 and would move the wrong data. Use a backend with "
+            "the blocks-first layout"
+        )
+    if src_cache.dim() == 0 or dst_cache.dim() == 0:
+        raise ValueError("src_cache and dst_cache must have a leading block dim")
+    if src_cache.shape[1:] != dst_cache.shape[1:]:
+        raise ValueError(
+            f"src_cache blocks have shape {tuple(src_cache.shape[1:])} but dst_cache blocks "
+            f"have {tuple(dst_cache.shape[1:])}; both caches must hold the same page layout"
+        )
+    if src_cache.dtype != dst_cache.dtype:
+        raise TypeError(f"src_cache is {src_cache.dtype} but dst_cache is {dst_cache.dtype}")
+    indices = []
+    for name, idx, cache in (("src_block_indices", src_block_indices, src_cache),
+                             ("dst_block_indices", dst_block_indices, dst_cache)):
+        if idx.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+        if idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= cache.shape[0]:
+                raise ValueError(
+                    f"{name} contains block id {lo if lo < 0 else hi}, outside the cache's "
+                    f"{cache.shape[0]} blocks (valid ids: 0..{cache.shape[0] - 1})"
+                )
+        indices.append(idx.to(torch.int64))
+    if indices[0].numel() != indices[1].numel():
+        raise ValueError(
+            f"src_block_indices has {indices[0].numel()} entries but dst_block_indices has "
+            f"{indices[1].numel()}"
+        )
+    return indices[0], indices[1]
+
+
+class Platform(ABC):
+    """A kind of hardware kvcore can run attention on.
+
+    Subclasses set :attr:`name` and :attr:`device_type`, implement :meth:`probe` and
+    :meth:`get_backend_priorities`, and override :meth:`query_device_capability` if the
+    device has one.
+    """
+
+    #: Registry name, lower case (``"cuda"``); the value of ``KVCORE_PLATFORM``.
+    name: ClassVar[str]
+    #: The ``torch.device`` type tensors of this platform live on.
+    device_type: ClassVar[str]
+    #: Higher probes first during detection; the CPU fallback is lowest.
+    detection_priority: ClassVar[int] = 50
+    #: Backends this platform prefers that ship in separate distributions: name -> package,
+    #: so an uninstalled one is reported with what to install.
+    BACKEND_PROVIDERS: ClassVar[dict[str, str]] = {}
+
+    @abstractmethod
+    def probe(self) -> str | None:
+        """``None`` if this platform's device is present, else a sentence saying why not."""
+
+    def query_device_capability(self, device_id: int = 0) -> DeviceCapability | None:
+        """The device's capability as the hardware reports it (``None``: not applicable)."""
+        return None
+
+    def get_device_capability(self, device_id: int = 0) -> DeviceCapability | None:
+        """``KVCORE_DEVICE_CAPABILITY`` if set, else the hardware's (``None`` if absent)."""
+        override = os.environ.get("KVCORE_DEVICE_CAPABILITY")
+        if override:
+            return DeviceCapability.parse(override)
+        if self.probe() is not None:
+            return None
+        return self.query_device_capability(device_id)
+
+    @property
+    def is_simulated(self) -> bool:
+        """Used although its device is absent (forced by name): selection works, kernels not."""
+        return self.probe() is not None
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device(self.device_type, index) if self.device_type != "cpu" \
+            else torch.device("cpu")
+
+    @abstractmethod
+    def get_backend_priorities(
+        self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        """Backend names to try for ``config``, best first.
+
+        Names need not be installed: the selector reports a missing one with the package that
+        provides it (:attr:`BACKEND_PROVIDERS`). Backends registered for this platform but not
+        listed here are tried after these.
+        """
+
+    def _copy_blocks(
+        self,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_block_indices: torch.Tensor,
+        dst_block_indices: torch.Tensor,
+        layout: object | None,
+    ) -> None:
+        src_idx, dst_idx = _check_block_copy_args(
+            src_cache, dst_cache, src_block_indices, dst_block_indices, layout
+        )
+        if src_idx.numel() == 0:
+            return
+        blocks = src_cache.index_select(0, src_idx.to(src_cache.device))
+        non_blocking = blocks.device.type == "cpu" and blocks.is_pinned()
+        dst_cache.index_copy_(
+            0, dst_idx.to(dst_cache.device), blocks.to(dst_cache.device, non_blocking=non_blocking)
+        )
+
+    def insert_blocks_to_device(
+        self,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_block_indices: torch.Tensor,
+        dst_block_indices: torch.Tensor,
+        *,
+        layout: object | None = None,
+    ) -> None:
+        """Copy host blocks ``src_cache[src_block_indices]`` into ``dst_cache[dst_block_indices]``.
+
+        Both caches are blocks-first (dim 0 is the block); pass the cache's
+        :class:`~kvcore.KVCacheLayout` as ``layout`` to have a non-blocks-first cache refused.
+        Indices are validated (1-D, integer, equal length, in range) before anything moves.
+        """
+        self._copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices, layout)
+
+    def swap_out_blocks_to_host(
+        self,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_block_indices: torch.Tensor,
+        dst_block_indices: torch.Tensor,
+        *,
+        layout: object | None = None,
+    ) -> None:
+        """Copy device blocks ``src_cache[src_block_indices]`` to host ``dst_cache[...]``.
+
+        Same contract as :meth:`insert_blocks_to_device`, in the other direction.
+        """
+        self._copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices, layout)
+
+    def describe(self) -> str:
+        capability = self.get_device_capability()
+        text = self.name
+        if capability is not None:
+            text += f" (capability {capability})"
+        if self.is_simulated:
+            text += f" [simulated: {self.probe()}]"
+        return text
+
+
+_platform_lock = threading.RLock()
+_current: Platform | None = None
+_instances: dict[str, Platform] = {}
+
+
+def clear_platform_cache() -> None:
+    """Forget the detected platform (after changing ``KVCORE_PLATFORM`` or the plugins)."""
+    global _current
+    with _platform_lock:
+        _current = None
+        _instances.clear()
+
+
+def get_platform(name: str) -> Platform:
+    """The platform registered as ``name`` (``ValueError`` listing the valid names if none)."""
+    from kvcore.registry import platform_registry, resolve_platform_class
+
+    key = platform_registry().normalize(name)
+    with _platform_lock:
+        if key not in _instances:
+            _instances[key] = resolve_platform_class(key)()
+        return _instances[key]
+
+
+def available_platforms() -> list[tuple[str, str | None]]:
+    """Every registered platform with ``None`` if present or the reason it is absent."""
+    from kvcore.registry import platform_registry
+
+    result = []
+    for name in platform_registry().names():
+        try:
+            result.append((name, get_platform(name).probe()))
+        except Exception as exc:
+            result.append((name, f"failed to load: {exc}"))
+    return result
+
+
+def current_platform() -> Platform:
+    """The platform this process runs on: ``KVCORE_PLATFORM`` if set, else detected."""
+    global _current
+    from kvcore.registry import platform_registry
+
+    with _platform_lock:
+        if _current is not None:
+            return _current
+        forced = os.environ.get("KVCORE_PLATFORM", "").strip()
+        if forced:
+            _current = get_platform(forced)
+            if _current.is_simulated:
+                logger.info("KVCORE_PLATFORM=%s: simulating (%s)", forced, _current.probe())
+            return _current
+        platforms = []
+        for name in platform_registry().names():
+            try:
+                platforms.append(get_platform(name))
+            except Exception as exc:
+                logger.warning("platform %r could not be loaded: %s", name, exc)
+        platforms.sort(key=lambda p: -p.detection_priority)
+        for platform in platforms:
+            if platform.probe() is None:
+                _current = platform
+                return platform
+        raise RuntimeError(
+            "no kvcore platform is available: "
+            + "; ".join(f"{p.name}: {p.probe()}" for p in platforms)
+        )

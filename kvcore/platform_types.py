@@ -1,0 +1,95 @@
+"""Small value types shared by backends, platforms and the selector.
+
+Kept apart from :mod:`kvcore.platform` so that :mod:`kvcore.backend` can use them without
+pulling in platform detection.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["AttentionType", "DeviceCapability", "MultipleOf"]
+
+
+class AttentionType(str, Enum):
+    """What an attention layer attends over."""
+
+    DECODER = "decoder"  # causal self-attention over the paged KV cache
+    ENCODER_ONLY = "encoder_only"  # bidirectional self-attention, no cache reuse across steps
+    ENCODER = "encoder"  # encoder of an encoder-decoder model
+    ENCODER_DECODER = "encoder_decoder"  # cross-attention from decoder to encoder states
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# gfx architecture names -> (major, minor) in the ordering ROCm's own tools use.
+_GFX_TO_VERSION = {
+    "gfx90a": (9, 0),
+    "gfx940": (9, 4),
+    "gfx941": (9, 4),
+    "gfx942": (9, 4),
+    "gfx950": (9, 5),
+    "gfx1100": (11, 0),
+    "gfx1101": (11, 0),
+    "gfx1200": (12, 0),
+    "gfx1201": (12, 0),
+}
+
+
+@dataclass(frozen=True, order=True)
+class DeviceCapability:
+    """A GPU's compute capability (CUDA ``major.minor``; ROCm carries its gfx name too).
+
+    Ordered by ``(major, minor)`` so backends can declare ``MIN_DEVICE_CAPABILITY``.
+    """
+
+    major: int
+    minor: int
+    # e.g. "gfx942"; None on CUDA. Not compared: ordering is by (major, minor) alone.
+    arch: str | None = field(default=None, compare=False)
+
+    def as_int(self) -> int:
+        """``90`` for 9.0, ``100`` for 10.0 (the form CUDA's ``sm_`` targets use)."""
+        return self.major * 10 + self.minor
+
+    def __str__(self) -> str:
+        base = f"{self.major}.{self.minor}"
+        return f"{self.arch} ({base})" if self.arch else base
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceCapability:
+        """Parse ``"9.0"``, ``"90"``, ``"sm_90"`` or a ROCm gfx name such as ``"gfx942"``."""
+        value = text.strip().lower()
+        if value.startswith("gfx"):
+            if value not in _GFX_TO_VERSION:
+                known = ", ".join(sorted(_GFX_TO_VERSION))
+                raise ValueError(f"device capability {text!r} is not a known gfx name ({known})")
+            major, minor = _GFX_TO_VERSION[value]
+            return cls(major, minor, value)
+        match = re.fullmatch(r"(?:sm_?)?(\d+)\.(\d+)", value) or re.fullmatch(
+            r"(?:sm_?)?(\d+)(\d)", value
+        )
+        if not match:
+            raise ValueError(
+                f"device capability {text!r} is not of the form '9.0', '90', 'sm_90' or 'gfx942'"
+            )
+        return cls(int(match.group(1)), int(match.group(2)))
+
+    def at_least(self, other: DeviceCapability) -> bool:
+        return (self.major, self.minor) >= (other.major, other.minor)
+
+
+@dataclass(frozen=True)
+class MultipleOf:
+    """A capability value meaning "any positive multiple of ``base``" (e.g. block sizes)."""
+
+    base: int
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, int) and value > 0 and value % self.base == 0
+
+    def __str__(self) -> str:
+        return f"multiples of {self.base}"

@@ -1,0 +1,240 @@
+"""Lazy ``"module:Class"`` registries of backends, platforms and connectors.
+
+Plugins register names and import paths through the hooks; a class is imported only when it
+is resolved (chosen, listed in detail, or forced). Each plugin's registration hook runs on its
+own, so one plugin that raises loses only its own entries. Two plugins registering one name is
+a conflict: the name then resolves to an error naming both plugins.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcore import plugins
+
+if TYPE_CHECKING:
+    from kvcore.backend import AttentionBackend
+    from kvcore.platform import Platform
+
+__all__ = [
+    "Registration",
+    "Registry",
+    "RegistryError",
+    "UnknownNameError",
+    "DuplicateRegistrationError",
+    "ResolveError",
+    "backend_registry",
+    "platform_registry",
+    "connector_registry",
+    "resolve_backend",
+    "resolve_platform_class",
+    "resolve_connector_class",
+]
+
+logger = logging.getLogger(__name__)
+
+_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class RegistryError(ValueError):
+    """Base of the registry's errors."""
+
+
+class UnknownNameError(RegistryError):
+    """A name no plugin registered; the message lists the valid options."""
+
+
+class DuplicateRegistrationError(RegistryError):
+    """Two plugins registered the same name; the message names both."""
+
+
+class ResolveError(RegistryError):
+    """A registered ``module:Class`` could not be imported or is not the right kind of class."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered name: where its class lives and which plugin registered it."""
+
+    kind: str
+    name: str
+    target: str
+    plugin: str
+    conflicts_with: tuple[str, ...] = ()
+
+
+@dataclass
+class Registry:
+    """Names of one kind (backend, platform, connector) mapped to lazy class paths."""
+
+    kind: str
+    hook_name: str
+    upper_case: bool
+    entries: dict[str, Registration] = field(default_factory=dict)
+    #: (plugin, error) for registration hooks that raised or registered something invalid.
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    _classes: dict[str, Any] = field(default_factory=dict)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def normalize(self, name: str) -> str:
+        if not isinstance(name, str) or not name.strip():
+            raise TypeError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        name = name.strip()
+        return name.upper() if self.upper_case else name.lower()
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and bool(name.strip()) and self.normalize(name) in self.entries
+
+    def get(self, name: str) -> Registration:
+        """The registration of ``name``; :class:`UnknownNameError` listing valid names if none."""
+        key = self.normalize(name)
+        if key not in self.entries:
+            valid = ", ".join(self.names()) or "(none registered)"
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; valid options are: {valid}")
+        return self.entries[key]
+
+    def resolve(self, name: str) -> Any:
+        """Import and return the class registered as ``name`` (cached)."""
+        reg = self.get(name)
+        if reg.conflicts_with:
+            plugins_ = ", ".join(repr(p) for p in (reg.plugin, *reg.conflicts_with))
+            raise DuplicateRegistrationError(
+                f"{self.kind} {reg.name!r} is registered by more than one plugin ({plugins_}); "
+                f"uninstall one or exclude it with KVCORE_PLUGINS"
+            )
+        with self._lock:
+            if reg.name in self._classes:
+                return self._classes[reg.name]
+            module_name, _, attr = reg.target.partition(":")
+            try:
+                obj: Any = importlib.import_module(module_name)
+                for part in attr.split("."):
+                    obj = getattr(obj, part)
+            except Exception as exc:
+                raise ResolveError(
+                    f"{self.kind} {reg.name!r} (plugin {reg.plugin!r}) failed to import from "
+                    f"{reg.target!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+            self._classes[reg.name] = obj
+            return obj
+
+    def _add(self, name: str, target: str, plugin: str, pending: dict[str, Registration]) -> None:
+        key = self.normalize(name)
+        if not isinstance(target, str) or not _TARGET.match(target):
+            raise ValueError(
+                f"{self.kind} {name!r}: target {target!r} must be a 'package.module:ClassName' "
+                "string (registration is lazy: pass the path, not the class)"
+            )
+        if key in pending:
+            raise ValueError(f"{self.kind} {key!r} is registered twice by plugin {plugin!r}")
+        pending[key] = Registration(self.kind, key, target, plugin)
+
+    def _collect(self, pm) -> None:
+        hook = getattr(pm.hook, self.hook_name)
+        for impl in hook.get_hookimpls():  # registration order
+            pending: dict[str, Registration] = {}
+
+            def register(name: str, target: str, _p=impl.plugin_name, _pending=pending) -> None:
+                self._add(name, target, _p, _pending)
+
+            try:
+                impl.function(register=register)
+            except Exception as exc:  # isolate a failing plugin
+                message = f"{type(exc).__name__}: {exc}"
+                self.errors.append((impl.plugin_name, message))
+                logger.warning("plugin %r failed in %s: %s", impl.plugin_name, self.hook_name,
+                               message)
+                continue
+            for key, reg in pending.items():
+                existing = self.entries.get(key)
+                if existing is None:
+                    self.entries[key] = reg
+                    continue
+                self.entries[key] = Registration(
+                    existing.kind, key, existing.target, existing.plugin,
+                    (*existing.conflicts_with, reg.plugin),
+                )
+                self.errors.append((
+                    reg.plugin,
+                    f"{self.kind} {key!r} is also registered by plugin {existing.plugin!r}",
+                ))
+
+
+_KINDS = {
+    "backend": ("attention backend", "kvcore_register_backends", True),
+    "platform": ("platform", "kvcore_register_platforms", False),
+    "connector": ("KV connector", "kvcore_register_connectors", False),
+}
+_registries: dict[str, Registry] = {}
+_registries_generation = -1
+_build_lock = threading.RLock()
+
+
+def _registry(kind: str) -> Registry:
+    global _registries_generation
+    with _build_lock:
+        pm = plugins.get_plugin_manager()
+        generation = plugins.plugin_generation()
+        if generation != _registries_generation:
+            _registries.clear()
+            _registries_generation = generation
+        if kind not in _registries:
+            label, hook_name, upper = _KINDS[kind]
+            registry = Registry(label, hook_name, upper)
+            registry._collect(pm)
+            _registries[kind] = registry
+        return _registries[kind]
+
+
+def backend_registry() -> Registry:
+    return _registry("backend")
+
+
+def platform_registry() -> Registry:
+    return _registry("platform")
+
+
+def connector_registry() -> Registry:
+    return _registry("connector")
+
+
+def resolve_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered as ``name`` (case-insensitive)."""
+    from kvcore.backend import AttentionBackend
+
+    registry = backend_registry()
+    cls = registry.resolve(name)
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        reg = registry.get(name)
+        raise ResolveError(
+            f"attention backend {reg.name!r} (plugin {reg.plugin!r}) resolves to {cls!r}, "
+            "which is not an AttentionBackend subclass"
+        )
+    if cls.get_name() != registry.normalize(name):
+        raise ResolveError(
+            f"attention backend registered as {registry.normalize(name)!r} reports "
+            f"get_name() == {cls.get_name()!r}; the two must match"
+        )
+    return cls
+
+
+def resolve_platform_class(name: str) -> type[Platform]:
+    from kvcore.platform import Platform
+
+    registry = platform_registry()
+    cls = registry.resolve(name)
+    if not (isinstance(cls, type) and issubclass(cls, Platform)):
+        raise ResolveError(f"platform {name!r} resolves to {cls!r}, not a Platform subclass")
+    return cls
+
+
+def resolve_connector_class(name: str) -> type:
+    return connector_registry().resolve(name)

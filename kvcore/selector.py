@@ -1,0 +1,286 @@
+"""Pick an attention backend for a platform and config, and explain every rejection.
+
+:func:`get_attn_backend` returns the first valid backend of the platform's priority list (then
+any other backend registered for the platform). A forced backend (argument or
+``KVCORE_ATTENTION_BACKEND``) that is unknown or invalid raises with its reasons: never a silent
+fallback. :func:`explain_selection` returns every candidate with its reasons, and
+:class:`NoValidBackendError` carries the same report in one message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcore.config import AttentionSelectorConfig
+from kvcore.platform import Platform, current_platform, get_platform
+from kvcore.platform_types import DeviceCapability
+from kvcore.registry import RegistryError, UnknownNameError, backend_registry, resolve_backend
+
+if TYPE_CHECKING:
+    from kvcore.backend import AttentionBackend
+
+__all__ = [
+    "AttentionSelectorConfig",
+    "BackendSelectionError",
+    "CandidateReport",
+    "NoValidBackendError",
+    "SelectionReport",
+    "clear_selection_cache",
+    "explain_selection",
+    "get_attn_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CandidateReport:
+    """One backend considered for a config: valid, or the reasons it is not."""
+
+    name: str
+    plugin: str | None
+    reasons: list[str]
+    in_priority_list: bool
+    selected: bool = False
+
+    @property
+    def valid(self) -> bool:
+        return not self.reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "plugin": self.plugin, "valid": self.valid,
+                "selected": self.selected, "in_priority_list": self.in_priority_list,
+                "reasons": list(self.reasons)}
+
+
+@dataclass
+class SelectionReport:
+    """Every candidate for a config on a platform, in the order they were tried."""
+
+    config: AttentionSelectorConfig
+    platform: str
+    simulated: bool
+    device_capability: DeviceCapability | None
+    candidates: list[CandidateReport] = field(default_factory=list)
+    forced: str | None = None
+
+    @property
+    def selected(self) -> CandidateReport | None:
+        return next((c for c in self.candidates if c.selected), None)
+
+    def format(self) -> str:
+        """Flat, greppable text: the pick, then each candidate with its reasons."""
+        capability = self.device_capability or "n/a"
+        header = f"platform: {self.platform} (device capability {capability})"
+        if self.simulated:
+            header += " [simulated]"
+        lines = [header, f"config: {self.config.describe()}"]
+        if self.forced:
+            lines.append(f"forced backend: {self.forced}")
+        pick = self.selected
+        lines.append(f"selected: {pick.name if pick else 'none'}")
+        for c in self.candidates:
+            status = "SELECTED" if c.selected else ("valid" if c.valid else "rejected")
+            origin = f" [plugin {c.plugin}]" if c.plugin else ""
+            lines.append(f"  {c.name}: {status}{origin}")
+            lines.extend(f"    - {r}" for r in c.reasons)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "simulated": self.simulated,
+            "device_capability": str(self.device_capability) if self.device_capability else None,
+            "config": {k: (str(v).removeprefix("torch.") if k == "dtype" else
+                           getattr(v, "value", v))
+                       for k, v in self.config.as_kwargs().items()},
+            "forced": self.forced,
+            "selected": self.selected.name if self.selected else None,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+class NoValidBackendError(ValueError):
+    """No candidate can run the config; the message lists the config and every reason."""
+
+    def __init__(self, report: SelectionReport) -> None:
+        self.report = report
+        super().__init__(
+            f"no valid attention backend for this config on {report.platform}.\n"
+            + report.format()
+        )
+
+
+class BackendSelectionError(ValueError):
+    """A forced backend is unknown or cannot run the config; the message says why."""
+
+    def __init__(self, message: str, report: SelectionReport | None = None) -> None:
+        self.report = report
+        super().__init__(message)
+
+
+def _resolve_platform(platform: Platform | str | None) -> Platform:
+    if platform is None:
+        return current_platform()
+    if isinstance(platform, Platform):
+        return platform
+    if isinstance(platform, str):
+        return get_platform(platform)
+    raise TypeError(f"platform must be a Platform, a platform name or None, got {platform!r}")
+
+
+def _evaluate(
+    name: str,
+    config: AttentionSelectorConfig,
+    platform: Platform,
+    capability: DeviceCapability | None,
+    in_priority_list: bool,
+) -> tuple[CandidateReport, type[AttentionBackend] | None]:
+    registry = backend_registry()
+    if name not in registry:
+        provider = platform.BACKEND_PROVIDERS.get(name)
+        hint = f"; it ships in {provider}" if provider else ""
+        return CandidateReport(
+            name, None, [f"{name} is not registered by any installed plugin{hint}"],
+            in_priority_list,
+        ), None
+    plugin = registry.get(name).plugin
+    try:
+        cls = resolve_backend(name)
+    except RegistryError as exc:
+        return CandidateReport(name, plugin, [str(exc)], in_priority_list), None
+    reasons: list[str] = []
+    if platform.name not in cls.PLATFORMS:
+        supported = ", ".join(cls.PLATFORMS) or "none declared"
+        reasons.append(f"platform={platform.name} (supported: {supported})")
+    try:
+        reasons.extend(cls.validate_config(config, capability))
+    except ImportError as exc:
+        reasons.append(f"{name} could not check the config: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # a plugin's bug must not break selection of the others
+        reasons.append(f"{name}.validate_configuration raised {type(exc).__name__}: {exc}")
+    return CandidateReport(name, plugin, reasons, in_priority_list), cls
+
+
+def _candidate_names(
+    config: AttentionSelectorConfig, platform: Platform, capability: DeviceCapability | None
+) -> tuple[list[str], set[str]]:
+    """The platform's priority list, then other backends registered for the platform."""
+    registry = backend_registry()
+    preferred = [registry.normalize(n) for n in platform.get_backend_priorities(config, capability)]
+    extra = []
+    for name in registry.names():
+        if name in preferred:
+            continue
+        try:
+            cls = resolve_backend(name)
+        except RegistryError:
+            continue
+        if platform.name in cls.PLATFORMS:
+            extra.append(name)
+    return preferred + extra, set(preferred)
+
+
+def _forced_name(backend: str | type[AttentionBackend] | None) -> tuple[str | None, str]:
+    if backend is not None:
+        name = backend if isinstance(backend, str) else backend.get_name()
+        return name, "the backend argument"
+    env = os.environ.get("KVCORE_ATTENTION_BACKEND", "").strip()
+    return (env or None), f"KVCORE_ATTENTION_BACKEND={env}"
+
+
+def explain_selection(
+    config: AttentionSelectorConfig,
+    platform: Platform | str | None = None,
+    backend: str | type[AttentionBackend] | None = None,
+) -> SelectionReport:
+    """Evaluate every candidate for ``config`` and mark the one that would be selected.
+
+    Candidates are the platform's priority list, then other backends registered for the
+    platform, then (so an operator sees everything installed) the remaining registered
+    backends with the reason they do not apply. A forced ``backend`` (or
+    ``KVCORE_ATTENTION_BACKEND``) is evaluated first and selected only if valid.
+    """
+    if not isinstance(config, AttentionSelectorConfig):
+        raise TypeError(f"config must be an AttentionSelectorConfig, got {type(config).__name__}")
+    plat = _resolve_platform(platform)
+    capability = plat.get_device_capability()
+    forced, source = _forced_name(backend)
+    registry = backend_registry()
+    if forced is not None:
+        try:
+            registry.get(forced)
+        except UnknownNameError as exc:
+            raise BackendSelectionError(f"{source}: {exc}") from None
+    report = SelectionReport(config, plat.name, plat.is_simulated, capability,
+                             forced=registry.normalize(forced) if forced else None)
+    names, preferred = _candidate_names(config, plat, capability)
+    rest = [n for n in registry.names() if n not in names]
+    for name in names + rest:
+        candidate, _ = _evaluate(name, config, plat, capability, name in preferred)
+        report.candidates.append(candidate)
+    if report.forced:
+        chosen = next(c for c in report.candidates if c.name == report.forced)
+        chosen.selected = chosen.valid
+    else:
+        for c in report.candidates[: len(names)]:
+            if c.valid:
+                c.selected = True
+                break
+    return report
+
+
+_cache: dict[tuple, type[AttentionBackend]] = {}
+_cache_lock = threading.RLock()
+
+
+def clear_selection_cache() -> None:
+    """Forget cached selections (after plugins, environment or platform changed)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def get_attn_backend(
+    config: AttentionSelectorConfig,
+    backend: str | type[AttentionBackend] | None = None,
+    platform: Platform | str | None = None,
+) -> type[AttentionBackend]:
+    """The backend class to use for ``config`` on ``platform`` (default: the current one).
+
+    Raises:
+        BackendSelectionError: the forced backend (``backend`` or ``KVCORE_ATTENTION_BACKEND``)
+            is unknown (the message lists valid names) or cannot run the config (its reasons).
+        NoValidBackendError: no candidate is valid (the message lists every reason).
+    """
+    if not isinstance(config, AttentionSelectorConfig):
+        raise TypeError(f"config must be an AttentionSelectorConfig, got {type(config).__name__}")
+    plat = _resolve_platform(platform)
+    forced, source = _forced_name(backend)
+    key = (config, forced, plat.name, plat.get_device_capability(), type(plat))
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+    report = explain_selection(config, plat, backend)
+    pick = report.selected
+    if forced is not None and pick is None:
+        candidate = next(c for c in report.candidates if c.name == report.forced)
+        raise BackendSelectionError(
+            f"attention backend {candidate.name} was requested by {source} but cannot run "
+            f"this config on {plat.name}: " + "; ".join(candidate.reasons)
+            + f" (config: {config.describe()})",
+            report,
+        )
+    if pick is None:
+        raise NoValidBackendError(report)
+    cls = resolve_backend(pick.name)
+    rejected = [f"{c.name} ({'; '.join(c.reasons)})" for c in report.candidates
+                if c.in_priority_list and not c.valid]
+    logger.info("using attention backend %s on %s%s", pick.name, plat.name,
+                f"; rejected: {', '.join(rejected)}" if rejected else "")
+    with _cache_lock:
+        _cache[key] = cls
+    return cls

@@ -1,0 +1,11 @@
+"""kvcore's built-in platforms (``cpu``, ``cuda``, ``rocm``), registered through the same
+``kvcore_register_platforms`` hook and entry point a third-party platform would use."""
+
+from kvcore.hookspecs import hookimpl
+
+
+@hookimpl
+def kvcore_register_platforms(register):
+    register("cpu", "kvcore_platforms.cpu:CpuPlatform")
+    register("cuda", "kvcore_platforms.cuda:CudaPlatform")
+    register("rocm", "kvcore_platforms.rocm:RocmPlatform")

@@ -1,0 +1,21 @@
+"""The CPU platform: always present, the embedded default (CPU_ATTN)."""
+
+from __future__ import annotations
+
+from kvcore.config import AttentionSelectorConfig
+from kvcore.platform import Platform
+from kvcore.platform_types import DeviceCapability
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    detection_priority = 0  # the fallback when no accelerator is found
+
+    def probe(self) -> str | None:
+        return None
+
+    def get_backend_priorities(
+        self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        return [] if config.use_mla else ["CPU_ATTN"]
