@@ -17,15 +17,12 @@ import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "AttentionBackend",

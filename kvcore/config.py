@@ -21,6 +21,10 @@ _DTYPE_NAMES = {
     "fp32": torch.float32,
     "float": torch.float32,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
 }
 
 

@@ -198,8 +198,12 @@ class KVCacheLayout:
     @property
     def is_blocks_first(self) -> bool:
         """Within a layer, each block is one contiguous run of :attr:`page_size_bytes`."""
-        physical = [n for n in self.physical_dim_names if n != "L"]
-        return physical[0] == "B"
+        names = self.physical_dim_names
+        b = names.index("B")
+        if names[:b] not in ((), ("L",)):
+            return False
+        # A layer dim after the block dim must follow it directly, or it splits each page.
+        return "L" not in names[b + 1:] or names[b + 1] == "L"
 
     @property
     def itemsize(self) -> int:

@@ -22,3 +22,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
+
+
+FIXTURE_PLUGINS = ("standin_rocm", "broken_import", "broken_register", "duplicate_cpu")
+
+
+@pytest.fixture(scope="session")
+def fixture_plugins_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The test-fixture plugin distributions, really installed (pip) into a temp directory.
+
+    Put the returned path on ``sys.path`` (or ``PYTHONPATH``) and entry-point discovery finds
+    them, as it finds any third-party plugin.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path_factory.mktemp("plugins")
+    root = Path(__file__).parent / "plugins"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(target), *(str(root / d) for d in FIXTURE_PLUGINS)],
+        check=True,
+    )
+    return target
+
+
+@pytest.fixture
+def fresh_kvcore(monkeypatch: pytest.MonkeyPatch):
+    """Clear kvcore's plugin, platform and selection state before and after a test."""
+    import kvcore
+
+    for var in ("KVCORE_PLATFORM", "KVCORE_DEVICE_CAPABILITY", "KVCORE_ATTENTION_BACKEND",
+                "KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGIN_AUTOLOAD"):
+        monkeypatch.delenv(var, raising=False)
+    kvcore.reset_plugins()
+    kvcore.clear_platform_cache()
+    yield kvcore
+    kvcore.reset_plugins()
+    kvcore.clear_platform_cache()
+
+
+@pytest.fixture
+def with_plugins(fixture_plugins_dir, fresh_kvcore, monkeypatch: pytest.MonkeyPatch):
+    """Make the fixture plugins discoverable; ``with_plugins("standin_rocm")`` allows a subset."""
+    import importlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(fixture_plugins_dir))
+    importlib.invalidate_caches()
+
+    def enable(*names: str) -> None:
+        monkeypatch.setenv("KVCORE_PLUGINS", ",".join(f"testfixture_{n}" for n in names))
+        fresh_kvcore.reset_plugins()
+        fresh_kvcore.clear_platform_cache()
+
+    yield enable
+    for name in list(sys.modules):
+        if name.startswith("kvcore_") and name != "kvcore_platforms":
+            sys.modules.pop(name)

@@ -1,0 +1,1 @@
+"""KV connectors (see kvcore.connectors.base)."""

@@ -1,0 +1,1 @@
+"""kvcore conformance suite for backend authors."""

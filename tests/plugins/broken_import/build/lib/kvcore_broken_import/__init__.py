@@ -1,0 +1,3 @@
+"""Test fixture: a plugin whose import fails."""
+
+raise ImportError("kvcore_broken_import needs libacme.so, which is not installed")

@@ -1,0 +1,97 @@
+"""The kvcore command, end to end in a subprocess (as an operator runs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def kvcore_cmd(*args, env=None, plugins_dir=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+    if plugins_dir is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [str(plugins_dir), full_env.get("PYTHONPATH", "")])
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kvcore.cli", *args], capture_output=True,
+                          text=True, env=full_env, timeout=120)
+
+
+def test_list_table_and_json():
+    table = kvcore_cmd("list")
+    assert table.returncode == 0
+    assert "CPU_ATTN" in table.stdout and "cross-layer" in table.stdout
+    rows = json.loads(kvcore_cmd("list", "--format", "json").stdout)
+    cpu = next(r for r in rows if r["name"] == "CPU_ATTN")
+    assert cpu["platforms"] == ["cpu"] and cpu["cross_layer"] and cpu["error"] is None
+
+
+def test_select_on_cpu_prints_the_pick():
+    result = kvcore_cmd("select", "--head-size", "64")
+    assert result.returncode == 0 and result.stdout.strip() == "CPU_ATTN"
+
+
+def test_select_explain_rocm_with_connector_excludes_rocm_attn(fixture_plugins_dir):
+    result = kvcore_cmd("select", "--explain", "--platform", "rocm", "--capability", "gfx942",
+                        "--kv-connector", plugins_dir=fixture_plugins_dir,
+                        env={"KVCORE_PLUGINS": "testfixture_standin_rocm"})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "platform: rocm (device capability gfx942 (9.4))" in out
+    assert "selected: ROCM_AITER_UNIFIED_ATTN" in out
+    assert ("  ROCM_ATTN: rejected [plugin testfixture_standin_rocm]\n"
+            "    - KV connector not supported: ROCM_ATTN keeps the legacy (2, num_blocks, ...) "
+            "layout; use ROCM_AITER_UNIFIED_ATTN") in out
+
+
+def test_select_nothing_valid_exits_nonzero_with_reasons():
+    result = kvcore_cmd("select", "--explain", "--mla", "--platform", "cpu")
+    assert result.returncode == 1
+    assert "use_mla=True but CPU_ATTN is not an MLA backend" in result.stdout
+    assert "error: no backend can run this config on cpu" in result.stderr
+
+
+def test_select_json_is_machine_readable():
+    data = json.loads(kvcore_cmd("select", "--format", "json", "--platform", "cuda",
+                                 "--capability", "9.0").stdout)
+    assert data["platform"] == "cuda" and data["device_capability"] == "9.0"
+    assert [c["name"] for c in data["candidates"]][:2] == ["FLASH_ATTN", "FLASHINFER"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["select", "--backend", "NOPE"], "unknown attention backend 'NOPE'; valid options are"),
+     (["select", "--capability", "ampere"], "device capability 'ampere' is not of the form"),
+     (["select", "--platform", "tpu"], "unknown platform 'tpu'; valid options are: cpu")],
+    ids=["unknown-backend", "bad-capability", "unknown-platform"],
+)
+def test_bad_arguments_exit_2_with_a_message(args, message):
+    result = kvcore_cmd(*args)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_plugins_reports_load_errors(fixture_plugins_dir):
+    result = kvcore_cmd("plugins", "--format", "json", plugins_dir=fixture_plugins_dir,
+                        env={"KVCORE_PLUGINS": "testfixture_broken_import,"
+                                               "testfixture_broken_register"})
+    data = json.loads(result.stdout)
+    status = {p["name"]: (p["status"], p["error"]) for p in data["plugins"]}
+    assert status["testfixture_broken_import"][0] == "failed"
+    assert "needs libacme.so" in status["testfixture_broken_import"][1]
+    assert status["testfixture_standin_rocm"] == ("not allowed", None)
+    assert {"registry": "attention backend", "plugin": "testfixture_broken_register",
+            "error": "RuntimeError: acme driver handshake failed"} in data["registration_errors"]
+    table = kvcore_cmd("plugins", plugins_dir=fixture_plugins_dir,
+                       env={"KVCORE_PLUGINS": "testfixture_broken_import"}).stdout
+    assert "testfixture_broken_import" in table and "failed" in table
+
+
+def test_collect_env():
+    data = json.loads(kvcore_cmd("collect-env", "--format", "json").stdout)
+    assert data["python"] == sys.version.split()[0]
+    assert data["platforms"]["cpu"] == "present"
+    assert data["plugins"]["builtin_backends"] == "loaded"
+    assert "torch:" in kvcore_cmd("collect-env").stdout

@@ -1,0 +1,92 @@
+"""Platforms: detection, overrides, and block movement along dim 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcore
+
+
+def test_detection_falls_back_to_cpu_here(fresh_kvcore):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert kvcore.current_platform().name == "cpu"
+    reasons = dict(kvcore.available_platforms())
+    assert reasons["cpu"] is None
+    assert reasons["cuda"].startswith("this torch build") or "is_available" in reasons["cuda"]
+
+
+def test_env_forces_a_simulated_platform_and_capability(fresh_kvcore, monkeypatch):
+    monkeypatch.setenv("KVCORE_PLATFORM", "rocm")
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "gfx950")
+    platform = kvcore.current_platform()
+    assert platform.name == "rocm"
+    assert platform.is_simulated == (platform.probe() is not None)
+    assert platform.get_device_capability() == kvcore.DeviceCapability(9, 5)
+    assert "gfx950" in platform.describe()
+
+
+def _caches(num_blocks, device="cpu"):
+    return kvcore.allocate_kv_caches("CPU_ATTN", num_layers=3, num_blocks=num_blocks,
+                                     block_size=4, num_kv_heads=2, head_size=8,
+                                     dtype=torch.float32, device=device)
+
+
+def test_swap_out_and_insert_move_whole_blocks_along_dim0():
+    cpu = kvcore.get_platform("cpu")
+    device_caches, host_caches = _caches(6), _caches(4)
+    device_caches.storage.copy_(torch.randn(device_caches.storage.shape))
+    host_caches.storage.copy_(torch.randn(host_caches.storage.shape))
+    src, dst = device_caches.layers[1], host_caches.layers[1]
+    neighbours = host_caches.layers[0].clone(), host_caches.layers[2].clone()
+    cpu.swap_out_blocks_to_host(src, dst, torch.tensor([5, 0]), torch.tensor([1, 3]),
+                                layout=device_caches.layout)
+    assert torch.equal(dst[1], src[5]) and torch.equal(dst[3], src[0])
+    assert torch.equal(host_caches.layers[0], neighbours[0])
+    assert torch.equal(host_caches.layers[2], neighbours[1])
+    back = _caches(6)
+    cpu.insert_blocks_to_device(dst, back.layers[1], torch.tensor([1, 3]), torch.tensor([2, 4]))
+    assert torch.equal(back.layers[1][2], src[5]) and torch.equal(back.layers[1][4], src[0])
+
+
+@pytest.mark.parametrize(
+    ("src_idx", "dst_idx", "message"),
+    [([6], [0], r"src_block_indices contains block id 6, outside the cache's 6 blocks"),
+     ([0], [-1], r"dst_block_indices contains block id -1"),
+     ([0, 1], [0], "src_block_indices has 2 entries but dst_block_indices has 1"),
+     ([[0]], [0], r"src_block_indices must be 1-D")],
+    ids=["src-out-of-range", "dst-negative", "length-mismatch", "not-1d"],
+)
+def test_block_movement_validates_indices(src_idx, dst_idx, message):
+    cpu = kvcore.get_platform("cpu")
+    with pytest.raises(ValueError, match=message):
+        cpu.swap_out_blocks_to_host(_caches(6).layers[0], _caches(4).layers[0],
+                                    torch.tensor(src_idx), torch.tensor(dst_idx))
+
+
+def test_block_movement_refuses_a_layout_that_is_not_blocks_first():
+    legacy = kvcore.KVCacheLayout((2, 6, 4, 2, 8), (0, 1, 2, 3, 4), ("2", "B", "N", "H", "D"),
+                                  torch.float32)
+    cache = torch.randn(2, 6, 4, 2, 8)
+    with pytest.raises(ValueError, match="the cache layout 2,B,N,H,D is not blocks-first"):
+        kvcore.get_platform("cpu").swap_out_blocks_to_host(
+            cache, torch.empty_like(cache), torch.tensor([0]), torch.tensor([1]), layout=legacy)
+
+
+def test_block_movement_refuses_mismatched_pages():
+    with pytest.raises(ValueError, match="both caches must hold the same page layout"):
+        kvcore.get_platform("cpu").insert_blocks_to_device(
+            torch.randn(4, 2, 8), torch.randn(4, 2, 4), torch.tensor([0]), torch.tensor([0]))
+
+
+@pytest.mark.gpu
+def test_round_trip_through_the_gpu():
+    platform = kvcore.current_platform()
+    device_caches, host_caches = _caches(6, platform.device()), _caches(4)
+    device_caches.storage.copy_(torch.randn(device_caches.storage.shape))
+    platform.swap_out_blocks_to_host(device_caches.layers[1], host_caches.layers[1],
+                                     torch.tensor([5]), torch.tensor([2]))
+    platform.insert_blocks_to_device(host_caches.layers[1], device_caches.layers[2],
+                                     torch.tensor([2]), torch.tensor([0]))
+    assert torch.equal(device_caches.layers[2][0], device_caches.layers[1][5])

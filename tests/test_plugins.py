@@ -1,0 +1,149 @@
+"""Plugin loading through real installed distributions discovered by entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcore
+
+
+def _plugin(name: str) -> kvcore.PluginInfo:
+    return next(p for p in kvcore.list_plugins() if p.name == name)
+
+
+def test_core_plugins_load_through_entry_points(fresh_kvcore):
+    core = {p.name: p for p in kvcore.list_plugins() if p.source == "core"}
+    assert {"builtin_backends", "builtin_platforms"} <= set(core)
+    assert all(p.status == "loaded" and p.distribution == "kvcore" for p in core.values())
+    assert "CPU_ATTN" in kvcore.backend_registry()
+    assert {"cpu", "cuda", "rocm"} <= set(kvcore.platform_registry().names())
+
+
+def test_installed_plugin_is_discovered_and_registers_backends(with_plugins):
+    with_plugins("standin_rocm")
+    info = _plugin("testfixture_standin_rocm")
+    assert (info.status, info.distribution, info.version) == (
+        "loaded", "kvcore-testfixture-standin-rocm", "0.0.1")
+    registry = kvcore.backend_registry()
+    assert registry.get("ROCM_ATTN").plugin == "testfixture_standin_rocm"
+    assert registry.get("rocm_attn").target == (
+        "kvcore_standin_rocm.backends:StandInRocmAttnBackend")
+
+
+def test_registration_is_lazy(with_plugins):
+    import sys
+
+    with_plugins("standin_rocm")
+    kvcore.backend_registry()
+    assert "kvcore_standin_rocm.backends" not in sys.modules
+    kvcore.resolve_backend("ROCM_ATTN")
+    assert "kvcore_standin_rocm.backends" in sys.modules
+
+
+def test_plugin_failing_on_import_is_isolated(with_plugins):
+    with_plugins("broken_import", "standin_rocm")
+    broken = _plugin("testfixture_broken_import")
+    assert broken.status == "failed"
+    assert broken.error == (
+        "ImportError: kvcore_broken_import needs libacme.so, which is not installed")
+    # everything else keeps working
+    assert "ROCM_ATTN" in kvcore.backend_registry()
+    assert kvcore.get_attn_backend(kvcore.AttentionSelectorConfig(head_size=64),
+                                   platform="cpu").get_name() == "CPU_ATTN"
+
+
+def test_plugin_failing_in_registration_hook_loses_only_its_entries(with_plugins):
+    with_plugins("broken_register")
+    registry = kvcore.backend_registry()
+    assert "BROKEN_EARLY" not in registry  # partial registrations are dropped
+    assert registry.errors == [
+        ("testfixture_broken_register", "RuntimeError: acme driver handshake failed")]
+    assert "CPU_ATTN" in registry
+
+
+def test_duplicate_name_is_an_error_naming_both_plugins(with_plugins):
+    with_plugins("duplicate_cpu")
+    registry = kvcore.backend_registry()
+    assert ("testfixture_duplicate_cpu",
+            "attention backend 'CPU_ATTN' is also registered by plugin 'builtin_backends'"
+            ) in registry.errors
+    with pytest.raises(kvcore.DuplicateRegistrationError,
+                       match="'builtin_backends', 'testfixture_duplicate_cpu'"):
+        kvcore.resolve_backend("CPU_ATTN")
+    report = kvcore.explain_selection(kvcore.AttentionSelectorConfig(head_size=64), "cpu")
+    cpu = next(c for c in report.candidates if c.name == "CPU_ATTN")
+    assert not cpu.valid and "more than one plugin" in cpu.reasons[0]
+
+
+def test_allowlist_excludes_other_third_party_plugins(with_plugins):
+    with_plugins("standin_rocm")
+    statuses = {p.name: p.status for p in kvcore.list_plugins()}
+    assert statuses["testfixture_standin_rocm"] == "loaded"
+    assert statuses["testfixture_broken_import"] == "not allowed"
+    assert statuses["builtin_backends"] == "loaded"  # the core is never filtered
+
+
+def test_disable_autoload_keeps_the_core(with_plugins, monkeypatch):
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.delenv("KVCORE_PLUGINS", raising=False)
+    kvcore.reset_plugins()
+    statuses = {p.name: p.status for p in kvcore.list_plugins()}
+    assert statuses["testfixture_standin_rocm"] == "disabled"
+    assert statuses["builtin_backends"] == "loaded"
+    assert "ROCM_ATTN" not in kvcore.backend_registry()
+
+
+class _RuntimePlugin:
+    """A plugin registered at run time, as an engine with private backends would."""
+
+    @kvcore.hookimpl
+    def kvcore_register_backends(self, register):
+        register("ENGINE_PRIVATE", "kvcore.backends.cpu_attn:CpuAttentionBackend")
+
+
+def test_runtime_plugin_with_mismatched_name_is_refused_on_resolve(fresh_kvcore):
+    kvcore.register_plugin(_RuntimePlugin(), "engine")
+    try:
+        with pytest.raises(kvcore.ResolveError,
+                           match="registered as 'ENGINE_PRIVATE' reports get_name"):
+            kvcore.resolve_backend("ENGINE_PRIVATE")
+        with pytest.raises(ValueError, match="already registered"):
+            kvcore.register_plugin(_RuntimePlugin(), "engine")
+    finally:
+        kvcore.unregister_plugin("engine")
+    assert "ENGINE_PRIVATE" not in kvcore.backend_registry()
+
+
+def test_registration_target_must_be_a_lazy_path(fresh_kvcore):
+    class Eager:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register("EAGER", torch.nn.Module)
+
+    kvcore.register_plugin(Eager(), "eager")
+    try:
+        registry = kvcore.backend_registry()
+        assert "EAGER" not in registry
+        assert "must be a 'package.module:ClassName' string" in registry.errors[0][1]
+    finally:
+        kvcore.unregister_plugin("eager")
+
+
+def test_hook_with_wrong_signature_is_rejected(fresh_kvcore):
+    import pluggy
+
+    class Wrong:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register, extra):
+            pass
+
+    with pytest.raises(pluggy.PluginValidationError):
+        kvcore.register_plugin(Wrong(), "wrong")
+    assert "wrong" not in {p.name for p in kvcore.list_plugins()}
+
+
+def test_unknown_backend_lists_valid_options(fresh_kvcore):
+    with pytest.raises(kvcore.UnknownNameError,
+                       match=r"unknown attention backend 'NOPE'; valid options are: .*CPU_ATTN"):
+        kvcore.resolve_backend("NOPE")
