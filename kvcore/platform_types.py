@@ -84,12 +84,14 @@ class DeviceCapability:
 
 @dataclass(frozen=True)
 class MultipleOf:
-    """A capability value meaning "any positive multiple of ``base``" (e.g. block sizes)."""
+    """A capability value meaning "any positive multiple of ``base``", optionally ``<= max``."""
 
     base: int
+    max: int | None = None
 
     def __contains__(self, value: object) -> bool:
-        return isinstance(value, int) and value > 0 and value % self.base == 0
+        return (isinstance(value, int) and value > 0 and value % self.base == 0
+                and (self.max is None or value <= self.max))
 
     def __str__(self) -> str:
-        return f"multiples of {self.base}"
+        return f"multiples of {self.base}" + (f" up to {self.max}" if self.max else "")

@@ -29,7 +29,7 @@ def contiguous_attention(q, k, v, scale, causal=True, window=None):
 
 
 def run_case(seed, block_size, num_heads, num_kv_heads, head_size, dtype, window=None,
-             cross_layer=True, kv_cache_dtype="auto"):
+             cross_layer=True, kv_cache_dtype="auto", backend_name="CPU_ATTN"):
     """A mixed batch (decode, prefill with cached prefix, fresh prefill) on shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -44,13 +44,13 @@ def run_case(seed, block_size, num_heads, num_kv_heads, head_size, dtype, window
     for n in needed:
         tables.append(ids[pos:pos + n])
         pos += n
-    caches = kvcore.allocate_kv_caches("CPU_ATTN", num_layers=3, num_blocks=num_blocks,
+    caches = kvcore.allocate_kv_caches(backend_name, num_layers=3, num_blocks=num_blocks,
                                        block_size=block_size, num_kv_heads=num_kv_heads,
                                        head_size=head_size, dtype=dtype, device="cpu",
                                        cross_layer=cross_layer, kv_cache_dtype=kv_cache_dtype)
     caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen))  # random neighbours
     kv_cache = caches.layers[1]
-    backend = kvcore.resolve_backend("CPU_ATTN")
+    backend = kvcore.resolve_backend(backend_name)
     scale = head_size ** -0.5
     impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
                                   sliding_window=window, kv_cache_dtype=kv_cache_dtype)

@@ -206,3 +206,29 @@ def test_report_serialises(fresh_kvcore):
     data = kvcore.explain_selection(Config(head_size=64), "cpu").to_dict()
     assert data["selected"] == "CPU_ATTN" and data["config"]["dtype"] == "bfloat16"
     assert data["config"]["attn_type"] == "decoder"
+
+
+def test_cuda_picks_triton_when_no_vendor_backend_is_valid(fresh_kvcore, monkeypatch):
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "9.0")
+    monkeypatch.setenv("KVCORE_PLUGINS", "")  # no vendor plugins, whatever is installed
+    kvcore.reset_plugins()
+    report = kvcore.explain_selection(Config(head_size=128), "cuda")
+    assert report.selected.name == "TRITON_ATTN"
+    assert [c.name for c in report.candidates[:4]] == [
+        "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]
+
+
+@pytest.mark.parametrize(
+    ("capability", "kwargs", "reason"),
+    [("7.5", {}, "device capability 7.5 (supported: >= 8.0)"),
+     ("8.0", {"kv_cache_dtype": "fp8"},
+      "kv_cache_dtype=fp8 needs device capability >= 8.9 on CUDA for fp8 conversions (got 8.0); "
+      "use kv_cache_dtype=auto"),
+     ("9.0", {"head_size": 320}, "head_size=320 (supported: multiples of 8 up to 256)")],
+    ids=["turing", "fp8-on-ampere", "head-size-320"],
+)
+def test_triton_attn_reasons(fresh_kvcore, monkeypatch, capability, kwargs, reason):
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", capability)
+    report = kvcore.explain_selection(Config(**{"head_size": 128, **kwargs}), "cuda")
+    triton_attn = next(c for c in report.candidates if c.name == "TRITON_ATTN")
+    assert reason in triton_attn.reasons

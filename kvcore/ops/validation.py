@@ -30,6 +30,7 @@ __all__ = [
 #: Names accepted for ``kv_cache_dtype``; ``"auto"`` means "same dtype as the model".
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 FP8_KV_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2")
+_CACHE_DIMS = "(num_blocks, block_size, num_kv_heads, head_size)"
 
 _value_checks = os.environ.get("KVCORE_CHECK_INDICES", "1").lower() not in ("0", "false", "no")
 
@@ -90,7 +91,8 @@ def _check_scale(name: str, scale: object, kv_cache_dtype: str) -> None:
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise ValueError(
-                f"{name} must be a single per-tensor scale (numel 1), got shape {tuple(scale.shape)}"
+                f"{name} must be a single per-tensor scale (numel 1), "
+                f"got shape {tuple(scale.shape)}"
             )
     elif not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
@@ -129,14 +131,14 @@ def validate_reshape_and_cache(
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
 ) -> None:
-    """Validate the arguments of ``reshape_and_cache`` (see :func:`kvcore.ops.reshape_and_cache`)."""
+    """Validate the arguments of :func:`kvcore.ops.reshape_and_cache`."""
     for n, t in (("key", key), ("value", value), ("key_cache", key_cache),
                  ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         _require_tensor(n, t)
     _require_ndim("key", key, 3, "(num_tokens, num_kv_heads, head_size)")
     _require_ndim("value", value, 3, "(num_tokens, num_kv_heads, head_size)")
-    _require_ndim("key_cache", key_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
-    _require_ndim("value_cache", value_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
+    _require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
+    _require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
     _require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
     _require_int_dtype("slot_mapping", slot_mapping)
     _require_same_device([("key", key), ("value", value), ("key_cache", key_cache),
@@ -189,14 +191,14 @@ def validate_paged_attention(
     sliding_window: int | None = None,
     output: torch.Tensor | None = None,
 ) -> None:
-    """Validate the arguments of ``paged_attention`` (see :func:`kvcore.ops.paged_attention`)."""
+    """Validate the arguments of :func:`kvcore.ops.paged_attention`."""
     for n, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                  ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
         _require_tensor(n, t)
     _require_ndim("query", query, 3, "(num_tokens, num_heads, head_size)")
-    _require_ndim("key_cache", key_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
-    _require_ndim("value_cache", value_cache, 4, "(num_blocks, block_size, num_kv_heads, head_size)")
+    _require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
+    _require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
     _require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
     _require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
     _require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
