@@ -7,3 +7,5 @@ from kvcore.hookspecs import hookimpl
 @hookimpl
 def kvcore_register_backends(register):
     register("CPU_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")
+    register("TRITON_ATTN", "kvcore.backends.triton_attn:TritonAttentionBackend")
+    register("TRITON_ATTN_HND", "kvcore.backends.triton_attn:TritonAttentionHNDBackend")

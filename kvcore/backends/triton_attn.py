@@ -1,0 +1,120 @@
+"""TRITON_ATTN: the portable Triton backend for CUDA and ROCm GPUs.
+
+Its kernels (:mod:`kvcore.ops.triton_cache`, :mod:`kvcore.ops.triton_attention`) take every
+stride from the views they get, so the backend opts in to cross-layer caches. ``TRITON_ATTN``
+stores pages NHD (``(block_size, num_kv_heads, head_size)`` inside a K or V half);
+``TRITON_ATTN_HND`` is the same kernels on an HND physical order, for engines and transfer
+peers that use that layout. Both are blocks-first, so KV connectors can move their blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.backend import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.config import AttentionSelectorConfig
+from kvcore.ops import triton_available
+from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
+
+_FP8_CAPABILITY = DeviceCapability(8, 9)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    # Any head size up to 256: the kernel pads to a power of two and masks.
+    SUPPORTED_HEAD_SIZES = (MultipleOf(8, max=256),)
+    # Every token's page is looked up on its own, so any block size works.
+    SUPPORTED_BLOCK_SIZES = None
+    # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability we know is above.
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
+    SUPPORTS_NON_CAUSAL = True
+    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    PLATFORMS = ("cuda", "rocm")
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # NHD; with layers, blocks outermost: verified bit-exact on cross-layer views.
+        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        ok, reason = triton_available()
+        return [*super().unavailable_reasons(), *([] if ok else [reason])]
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        if (config.kv_cache_dtype != "auto" and device_capability is not None
+                and device_capability.arch is None
+                and not device_capability.at_least(_FP8_CAPABILITY)):
+            return [f"kv_cache_dtype={config.kv_cache_dtype} needs device capability >= "
+                    f"{_FP8_CAPABILITY} on CUDA for fp8 conversions (got {device_capability}); "
+                    "use kv_cache_dtype=auto"]
+        return []
+
+
+class TritonAttentionHNDBackend(TritonAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN_HND"
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        from kvcore.ops.triton_cache import reshape_and_cache
+
+        key_cache, value_cache = kv_cache.unbind(1)
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                          self.kv_cache_dtype, layer.k_scale, layer.v_scale)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from kvcore.ops.triton_attention import paged_attention
+
+        key_cache, value_cache = kv_cache.unbind(1)
+        n = attn_metadata.num_actual_tokens
+        if output is None:
+            output = torch.empty_like(query)
+        paged_attention(
+            query[:n], key_cache, value_cache,
+            query_start_loc=attn_metadata.query_start_loc,
+            seq_lens=attn_metadata.seq_lens,
+            block_table=attn_metadata.block_table,
+            scale=self.scale,
+            causal=attn_metadata.causal and self.attn_type == AttentionType.DECODER,
+            sliding_window=self.sliding_window,
+            kv_cache_dtype=self.kv_cache_dtype,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+            output=output[:n],
+        )
+        return output

@@ -1,0 +1,425 @@
+"""Triton paged attention for batches that mix prefill (with a cached prefix) and decode.
+
+:func:`paged_attention` computes exactly :func:`kvcore.ops.reference.paged_attention_ref` (see
+that module for the conventions: query positions, causal mask, sliding window, fp8 scales).
+
+Kernel structure
+----------------
+``_paged_attention_kernel`` is one kernel for every request of a batch. A program owns one
+*query tile* of one request and one KV head: ``BLOCK_Q`` consecutive query tokens times the
+``num_heads // num_kv_heads`` query heads that share the KV head (padded to ``G_PAD``), i.e.
+``BLOCK_M = BLOCK_Q * G_PAD`` rows. It streams the request's keys in tiles of ``BLOCK_N``
+tokens gathered through the block table (each token's page looked up on its own, so a tile
+may span pages and block ids are arbitrary), so every K/V byte is read once per
+(request, KV head, query tile). Tiles entirely before the sliding window or after the last
+query's position (causal) are never visited. Programs find their request by a binary search
+over ``query_start_loc``, so the grid needs no host-side metadata and no device sync.
+
+Split-KV decode
+---------------
+With ``NUM_SPLITS > 1`` the key range of every (query tile, KV head) is cut into
+``NUM_SPLITS`` contiguous parts processed by separate programs, each writing a normalised
+partial output and its log-sum-exp (base 2) to a float32 workspace; ``_reduce_splits_kernel``
+then merges them. Each request is split by its *own* length, read on the device.
+
+Heuristic (:func:`default_config`, when ``num_kv_splits`` is not given): split only batches
+that are decode-only (``num_tokens == num_seqs``) and whose ``num_seqs * num_kv_heads``
+programs cannot fill the device (fewer than ``_SPLIT_TARGET_WAVES`` programs per SM); then use
+``ceil(target / (num_seqs * num_kv_heads))`` splits, at most one per ``_MIN_SPLIT_TOKENS``
+tokens of the longest possible sequence (``block_table.shape[1] * block_size``, known without
+a sync) and at most ``_MAX_SPLITS``.
+
+All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
+under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
+mishandles bf16 dots), on the GPU the dots run in the input dtype.
+
+This module imports triton at import time; :mod:`kvcore.ops` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
+
+__all__ = [
+    "MAX_HEAD_SIZE",
+    "SUPPORTED_QUERY_DTYPES",
+    "AttentionConfig",
+    "default_config",
+    "paged_attention",
+]
+
+#: Largest head size the kernel supports (any size up to it; non-powers of two are masked).
+MAX_HEAD_SIZE = 256
+#: Query / output dtypes of the Triton path.
+SUPPORTED_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_SPLIT_TARGET_WAVES = 4
+_MIN_SPLIT_TOKENS = 512
+_MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of one paged-attention call.
+
+    ``block_q`` query tokens x ``g_pad`` query heads form one program's rows; ``block_n`` keys
+    per loop step; ``num_splits`` > 1 selects the split-KV path.
+    """
+
+    block_q: int
+    g_pad: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.g_pad
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The request owning query tile ``tile``: request ``s`` owns tiles starting at
+    ``query_start_loc[s] // BLOCK_Q + s`` (strictly increasing in ``s``)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    k_scale, v_scale, qk_scale,
+    num_seqs, num_heads, num_queries_per_kv, block_size, head_size, sliding_window,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bts, stride_btb,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
+    INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // G_PAD
+    g = rows % G_PAD
+    row_valid = (q_idx < q_len) & (g < num_queries_per_kv)
+    head = (kv_head * num_queries_per_kv + g).to(tl.int64)
+    q_pos = context_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dims64 = dims.to(tl.int64)
+    d_valid = dims < head_size
+
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims64[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: up to its last query (causal) and from its first query's window.
+    first_q = context_len + q_tile * BLOCK_Q
+    last_q = context_len + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
+    if CAUSAL:
+        kv_end = last_q + 1
+    else:
+        kv_end = seq_len
+    tile_lo = 0
+    if USE_WINDOW:
+        tile_lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
+    tile_hi = tl.cdiv(kv_end, BLOCK_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+    if FP8:
+        if SCALE_IS_TENSOR:
+            ks = tl.load(k_scale).to(tl.float32)
+            vs = tl.load(v_scale).to(tl.float32)
+        else:
+            ks = k_scale
+            vs = v_scale
+        qk_scale = qk_scale * ks
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bts
+    kv_head64 = kv_head.to(tl.int64)
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < kv_end
+        page = tl.load(bt_row + (k_pos // block_size) * stride_btb, mask=k_valid, other=0)
+        page = page.to(tl.int64)
+        in_page = (k_pos % block_size).to(tl.int64)
+        kv_mask = k_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks
+                                   + kv_head64 * stride_kh)[:, None]
+                    + dims64[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs
+                                   + kv_head64 * stride_vh)[:, None]
+                    + dims64[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
+            v = v.to(q.dtype)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        mask = row_valid[:, None] & k_valid[None, :]
+        if CAUSAL:
+            mask &= k_pos[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        s = tl.where(mask, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if FP8:
+        acc = acc * vs
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + dims64[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Workspace (num_tokens, num_heads, NUM_SPLITS, head_size), contiguous float32.
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * head_size + dims64[None, :], out,
+                 mask=store_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    num_heads, head_size,
+    stride_ot, stride_oh, stride_od,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    s_valid = splits < NUM_SPLITS
+    part = (token * num_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    o = tl.load(part_out_ptr + part[:, None] * head_size + dims[None, :],
+                mask=s_valid[:, None] & (dims[None, :] < head_size), other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_size)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def default_config(
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_seq_len_bound: int,
+    device: torch.device,
+    num_kv_splits: int | None = None,
+) -> AttentionConfig:
+    """The launch configuration :func:`paged_attention` uses (see the module docstring).
+
+    ``max_seq_len_bound`` is an upper bound on every request's length
+    (``block_table.shape[1] * block_size``); only the split heuristic uses it.
+    """
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    decode_only = num_tokens == num_seqs
+    # tl.dot needs >= 16 rows; decode tiles hold one query, prefill tiles 64 rows.
+    rows = 16 if decode_only else 64
+    block_q = max(1, rows // g_pad)
+    block_n = 64 if head_size <= 128 else 32
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        work = num_seqs * num_kv_heads
+        target = _SPLIT_TARGET_WAVES * _num_sms(device)
+        if decode_only and work < target:
+            by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
+            num_kv_splits = max(1, min(-(-target // work), by_length, _MAX_SPLITS))
+    return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=block_n,
+                           num_splits=num_kv_splits, num_warps=4, num_stages=3)
+
+
+def _scale_arg(scale: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | float:
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        return scale if scale.device == device else float(scale.reshape(()).item())
+    return float(scale)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    output: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Attention over a paged KV cache for a batch mixing prefill and decode (Triton).
+
+    Args:
+        query: ``(num_tokens, num_heads, head_size)``, fp16/bf16/fp32, any strides;
+            ``head_size <= 256``.
+        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)`` views of
+            any strides (any page stride, per-layer views of cross-layer caches, legacy
+            ``(2, num_blocks, ...)`` halves); fp8 (e4m3/e5m2) when ``kv_cache_dtype`` says so.
+        query_start_loc: ``(num_seqs + 1,)`` cumulative query lengths.
+        seq_lens: ``(num_seqs,)`` cached + new tokens per request.
+        block_table: ``(num_seqs, max_blocks_per_seq)`` block ids, any order.
+        scale: softmax scale.
+        causal, sliding_window: masking, as in the reference.
+        kv_cache_dtype, k_scale, v_scale: fp8 cache and its per-tensor scales (1-element
+            tensors or floats).
+        output: optional ``(num_tokens, num_heads, head_size)`` tensor (any strides) written
+            in place.
+        num_kv_splits: force the number of KV splits (1 disables split-KV); ``None`` uses the
+            heuristic of :func:`default_config`.
+        config: full launch override (tuning and benchmarks); takes precedence over
+            ``num_kv_splits``.
+
+    Returns:
+        ``output`` (or a new tensor like ``query``).
+    """
+    validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+                             block_table, kv_cache_dtype=kv_cache_dtype,
+                             sliding_window=sliding_window, output=output)
+    if query.dtype not in SUPPORTED_QUERY_DTYPES:
+        raise TypeError(
+            f"query has dtype {query.dtype}; the Triton kernel supports "
+            f"{', '.join(str(d) for d in SUPPORTED_QUERY_DTYPES)}"
+        )
+    if output is not None and output.dtype not in SUPPORTED_QUERY_DTYPES:
+        raise TypeError(f"output has dtype {output.dtype}; expected one of fp16/bf16/fp32")
+    num_tokens, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if head_size > MAX_HEAD_SIZE:
+        raise ValueError(f"head_size={head_size} (the Triton kernel supports up to "
+                         f"{MAX_HEAD_SIZE})")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale={scale!r} must be a positive float")
+    if num_kv_splits is not None and (
+        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
+        or not 1 <= num_kv_splits <= _MAX_SPLITS
+    ):
+        raise ValueError(f"num_kv_splits={num_kv_splits!r} must be an int in 1..{_MAX_SPLITS} "
+                         "or None")
+
+    out = output if output is not None else torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cfg = config or default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
+                                   block_table.shape[1] * block_size, query.device,
+                                   num_kv_splits)
+    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    ks = _scale_arg(k_scale if fp8 else None, query.device)
+    vs = _scale_arg(v_scale if fp8 else None, query.device)
+    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
+        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
+        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
+
+    block_d = max(16, triton.next_power_of_2(head_size))
+    num_tiles = num_tokens // cfg.block_q + num_seqs
+    if cfg.num_splits > 1:
+        part_out = torch.empty(num_tokens, num_heads, cfg.num_splits, head_size,
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_tokens, num_heads, cfg.num_splits,
+                               dtype=torch.float32, device=query.device)
+    else:  # unused by the kernel; any tensor will do as the argument
+        part_out = part_lse = out
+    interpret = _interpreting()
+    _paged_attention_kernel[(num_tiles, num_kv_heads, cfg.num_splits)](
+        query, key_cache, value_cache, out, part_out, part_lse,
+        query_start_loc, seq_lens, block_table,
+        ks, vs, float(scale) * _LOG2E,
+        num_seqs, num_heads, num_heads // num_kv_heads, block_size, head_size,
+        sliding_window or 0,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+        *block_table.stride(),
+        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
+        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
+        INTERPRET=interpret,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        NUM_SPLITS=cfg.num_splits,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, num_heads, head_size, *out.stride(),
+            NUM_SPLITS=cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
+            BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
