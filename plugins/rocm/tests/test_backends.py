@@ -1,0 +1,141 @@
+"""ROCM_ATTN (legacy layout) and ROCM_AITER_UNIFIED_ATTN (Triton fallback, cross-layer) against
+CPU_ATTN and a float64 reference on a mixed batch; ROCM_AITER_FA's cache write through its
+impl; block movement refusing ROCM_ATTN's layout."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvcore
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+BLOCK_SIZE, HEAD_SIZE = 16, 64
+
+
+def _float64_attention(q, k, v, scale, window=None):
+    """One request: q (Q, Hq, D), k/v (S, Hk, D); the queries are the last Q positions."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= q_pos - k_pos < window
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, -torch.inf).softmax(-1), v)
+
+
+def run_mixed_batch(backend_name, dtype, num_heads=4, num_kv_heads=2, window=None, seed=0,
+                    cross_layer="auto"):
+    """Decode, decode, prefill on a cached prefix, fresh prefill, on shuffled blocks of layer 1
+    of a 3-layer cache whose other bytes are random. Returns (output, float64 reference, caches,
+    storage before the step)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    query_lens = [1, 1, 6, 9]
+    context_lens = [rng.randint(1, 30), rng.randint(17, 40), rng.randint(3, 20), 0]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    ids = list(range(sum(needed) + 3))
+    rng.shuffle(ids)
+    tables, pos = [], 0
+    for n in needed:
+        tables.append(ids[pos:pos + n])
+        pos += n
+    caches = kvcore.allocate_kv_caches(
+        backend_name, num_layers=3, num_blocks=len(ids), block_size=BLOCK_SIZE,
+        num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=dtype, device="cpu",
+        cross_layer=cross_layer)
+    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen))
+    before = caches.storage.clone()
+    kv_cache = caches.layers[1]
+    impl = kvcore.resolve_backend(backend_name).get_impl_cls()(
+        num_heads, HEAD_SIZE, HEAD_SIZE ** -0.5, num_kv_heads, sliding_window=window)
+    layer = kvcore.LayerScales()
+    full_k = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for s in seq_lens]
+    prefix = kvcore.build_attention_metadata(context_lens, [0] * 4, tables, BLOCK_SIZE)
+    pairs = list(zip(full_k, full_v, context_lens, strict=True))
+    impl.do_kv_cache_update(layer, torch.cat([k[:c] for k, _, c in pairs]),
+                            torch.cat([v[:c] for _, v, c in pairs]), kv_cache, prefix.slot_mapping)
+    meta = kvcore.build_attention_metadata(query_lens, context_lens, tables, BLOCK_SIZE)
+    new_k = torch.cat([k[c:] for k, _, c in pairs])
+    new_v = torch.cat([v[c:] for _, v, c in pairs])
+    impl.do_kv_cache_update(layer, new_k, new_v, kv_cache, meta.slot_mapping)
+    query = torch.randn(sum(query_lens), num_heads, HEAD_SIZE, generator=gen).to(dtype)
+    out = impl.forward(layer, query, new_k, new_v, kv_cache, meta)
+    starts = meta.query_start_loc.tolist()
+    ref = torch.cat([
+        _float64_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i],
+                           HEAD_SIZE ** -0.5, window) for i in range(4)])
+    return out, ref, caches, before
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("backend", ["ROCM_ATTN", "ROCM_AITER_UNIFIED_ATTN"])
+def test_against_cpu_attn_and_float64(backend, dtype):
+    window = 12 if dtype == torch.float16 else None
+    out, ref, caches, before = run_mixed_batch(backend, dtype, window=window)
+    cpu_out, _, _, _ = run_mixed_batch("CPU_ATTN", dtype, window=window, cross_layer=False)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, cpu_out, atol=TOL[dtype], rtol=TOL[dtype])
+    assert caches.is_cross_layer == (backend == "ROCM_AITER_UNIFIED_ATTN")
+    # Layers 0 and 2 are byte-identical: the kernels wrote only through layer 1's view.
+    for layer in (0, 2):
+        assert torch.equal(caches.layers[layer], before.permute(
+            caches.layout.inverse_stride_order())[layer])
+
+
+def test_rocm_attn_gqa_float32_layout():
+    out, ref, caches, _ = run_mixed_batch("ROCM_ATTN", torch.float32, num_heads=8,
+                                          num_kv_heads=1, seed=3)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    assert str(caches.layout) == "L,2,B,N,H,D"
+    assert caches.layers[0].shape[0] == 2  # legacy: K/V split first
+
+
+def test_aiter_fa_cache_write_and_forward_without_aiter():
+    """The FA impl writes shuffled pages (CPU: the reference) that round-trip; forward needs
+    aiter and says so."""
+    from kvcore_rocm.shuffle import gather_shuffled_kv
+
+    backend = kvcore.resolve_backend("ROCM_AITER_FA")
+    caches = kvcore.allocate_kv_caches(backend, num_layers=2, num_blocks=4, block_size=16,
+                                       num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                       device="cpu")
+    impl = backend.get_impl_cls()(2, 64, 0.125, 2)
+    key = torch.randn(20, 2, 64).bfloat16()
+    value = torch.randn(20, 2, 64).bfloat16()
+    meta = kvcore.build_attention_metadata([20], [0], [[3, 1]], 16)
+    impl.do_kv_cache_update(kvcore.LayerScales(), key, value, caches.layers[1], meta.slot_mapping)
+    k, v, _ = gather_shuffled_kv(*caches.layers[1].unbind(1), meta.block_table, meta.seq_lens)
+    assert torch.equal(k, key) and torch.equal(v, value)
+    assert not caches.layers[0].any()
+    with pytest.raises(RuntimeError, match=r"ROCM_AITER_FA needs aiter .*amd-aiter not installed"):
+        impl.forward(kvcore.LayerScales(), key, key, value, caches.layers[1], meta)
+
+
+@pytest.mark.parametrize("direction", ["swap_out_blocks_to_host", "insert_blocks_to_device"])
+def test_block_movement_refuses_rocm_attn_layout(rocm, direction):
+    rocm("gfx942")
+    caches = kvcore.allocate_kv_caches("ROCM_ATTN", num_layers=1, num_blocks=4, block_size=16,
+                                       num_kv_heads=1, head_size=32, dtype=torch.float16,
+                                       device="cpu", cross_layer=False)
+    host = torch.zeros_like(caches.layers[0])
+    move = getattr(kvcore.current_platform(), direction)
+    with pytest.raises(ValueError, match=r"the cache layout L,2,B,N,H,D is not blocks-first"):
+        move(caches.layers[0], host, torch.tensor([0]), torch.tensor([1]),
+             layout=caches.layout)
+    # The blocks-first backends' layouts are accepted.
+    ok = kvcore.allocate_kv_caches("ROCM_AITER_UNIFIED_ATTN", num_layers=1, num_blocks=4,
+                                   block_size=16, num_kv_heads=1, head_size=64,
+                                   dtype=torch.float16, device="cpu")
+    ok.layers[0].normal_()
+    dst = torch.zeros_like(ok.layers[0])
+    move(ok.layers[0], dst, torch.tensor([2]), torch.tensor([0]), layout=ok.layout)
+    assert torch.equal(dst[0], ok.layers[0][2])
