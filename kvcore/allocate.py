@@ -105,6 +105,7 @@ def allocate_kv_caches(
     device: torch.device | str,
     cross_layer: bool | Literal["auto"] = "auto",
     kv_cache_dtype: str = "auto",
+    prefer_cross_layer: bool | None = None,
 ) -> KVCaches:
     """Allocate ``num_layers`` KV caches in ``backend``'s layout, zero-filled.
 
@@ -116,8 +117,10 @@ def allocate_kv_caches(
         device: where to allocate.
         cross_layer: ``True`` for a cross-layer allocation (the backend must opt in through
             ``get_kv_cache_stride_order(True)``), ``False`` for layers outermost, ``"auto"`` for
-            cross-layer exactly when the backend opts in.
+            cross-layer when the backend opts in and ``prefer_cross_layer`` is not ``False``.
         kv_cache_dtype: ``"auto"`` (model dtype) or an fp8 name.
+        prefer_cross_layer: the KV connector's preference
+            (``connector_cls.prefer_cross_layer_blocks``); only consulted by ``"auto"``.
     """
     if isinstance(backend, str):
         from kvcore.registry import resolve_backend
@@ -136,7 +139,10 @@ def allocate_kv_caches(
         raise ValueError(f"cross_layer={cross_layer!r} must be True, False or 'auto'")
     model_dtype = parse_dtype(dtype)
     storage_dtype = cache_torch_dtype(kv_cache_dtype, model_dtype)
-    use_cross_layer = backend.supports_cross_layer() if cross_layer == "auto" else cross_layer
+    if cross_layer == "auto":
+        use_cross_layer = backend.supports_cross_layer() and prefer_cross_layer is not False
+    else:
+        use_cross_layer = cross_layer
     layout = KVCacheLayout.from_backend(
         backend, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
         head_size=head_size, dtype=storage_dtype, num_layers=num_layers,

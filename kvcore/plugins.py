@@ -42,7 +42,8 @@ ENTRY_POINT_GROUP = "kvcore.plugins"
 CORE_DISTRIBUTION = "kvcore"
 # Registered directly only when kvcore runs from a source tree without being installed (no
 # entry points exist then); an installed kvcore declares the same modules as entry points.
-_CORE_MODULES = {"builtin_backends": "kvcore.backends", "builtin_platforms": "kvcore_platforms"}
+_CORE_MODULES = {"builtin_backends": "kvcore.backends", "builtin_platforms": "kvcore_platforms",
+                 "builtin_connectors": "kvcore.connectors.builtin"}
 
 
 @dataclass

@@ -111,3 +111,13 @@ def test_bad_arguments_are_named(override, error, message):
     backend = kwargs.pop("backend")
     with pytest.raises(error, match=message):
         kvcore.allocate_kv_caches(backend, **kwargs)
+
+
+def test_auto_honours_a_connector_that_prefers_per_layer_blocks():
+    kwargs = dict(**SIZES, dtype=torch.float32, device="cpu")
+    assert not kvcore.allocate_kv_caches("CPU_ATTN", **kwargs,
+                                         prefer_cross_layer=False).is_cross_layer
+    assert kvcore.allocate_kv_caches("CPU_ATTN", **kwargs, prefer_cross_layer=True).is_cross_layer
+    # an explicit choice wins over the preference
+    assert kvcore.allocate_kv_caches("CPU_ATTN", **kwargs, cross_layer=True,
+                                     prefer_cross_layer=False).is_cross_layer

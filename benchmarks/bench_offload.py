@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""CPU offload of KV blocks against the pinned-copy limit measured in the same run (H200).
+
+Sections, each isolated (an error is logged and recorded, the run goes on):
+
+1. ``pinned``: one 1 GiB copy host->device, device->host, and both at once on two streams
+   (duplex), between pinned host memory and the GPU: the physical limit of the bus.
+2. ``offload``: the ``offload`` connector moving 1 GiB (32 layers x 512 blocks x 64 KiB pages,
+   bf16, block 16 x 8 heads x 128) out and back, cross-layer and per-layer caches, with
+   contiguous and with scattered block ids: save alone, load alone, save and load at once;
+   GB/s and the fraction of section 1 (single directions against their copy, both at once
+   against duplex). Loaded blocks are checked bit-exact against the saved ones.
+3. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
+   contiguous KV) timed alone and while a save and a load of 1 GiB each run on the side
+   streams: the slowdown.
+
+Timing: CUDA events around the copies (device time, median of trials); connector figures give
+both the device time of the copies (the handle's events) and the wall time of the call
+including kvcore's Python work. Targets (issue 4): cross-layer >= 95% and per-layer >= 85%
+of the pinned copy each way, save+load >= 85% of duplex, decode slowed <= 3%.
+
+Usage: ``python benchmarks/bench_offload.py [--out DIR] [--trials N] [--smoke]``. JSON goes to
+``--out`` (default ``$OUT``, else the temp dir) as ``bench_offload.json``; the table is
+printed last. ``--smoke`` runs tiny sizes on the CPU to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kvcore
+from kvcore.connectors import get_connector
+
+log = logging.getLogger("bench_offload")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Sizes:
+    num_layers: int
+    num_blocks: int  # blocks per transfer; the cache holds twice as many
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    decode: tuple[int, int, int, int]  # SDPA batch, heads, KV length, head dim
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * 2  # K+V, bf16
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.page_bytes
+
+
+FULL = Sizes(32, 512, 16, 8, 128, decode=(16, 32, 8192, 128))  # 1 GiB, 64 KiB pages
+SMOKE = Sizes(4, 32, 4, 2, 128, decode=(2, 4, 256, 64))  # 128 KiB, 4 KiB pages
+TARGETS = {"cross_layer": 0.95, "per_layer": 0.85, "duplex": 0.85, "decode_slowdown": 0.03}
+
+
+class Clock:
+    """Device time of a callable: CUDA events on the current stream, else perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn: Callable[[], object], *, idle: bool = True) -> float:
+        """Seconds ``fn``'s work takes; ``idle`` waits for the device to be idle first."""
+        if idle:
+            self.sync()
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def median_of(trials: int, fn: Callable[[], float]) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(trials))
+
+
+# -- 1. pinned copies -------------------------------------------------------------------------
+
+
+def bench_pinned(sizes: Sizes, device: torch.device, trials: int) -> dict[str, float]:
+    clock = Clock(device)
+    n = sizes.transfer_bytes
+    pin = device.type == "cuda"
+    host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    dev = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
+    for h, d in zip(host, dev, strict=True):
+        d.random_(0, 256)
+        h.copy_(d)  # random host bytes without a slow CPU generator
+    h2d = median_of(trials, lambda: clock.time(lambda: dev[0].copy_(host[0], non_blocking=pin)))
+    d2h = median_of(trials, lambda: clock.time(lambda: host[1].copy_(dev[1], non_blocking=pin)))
+
+    def duplex() -> float:
+        if not clock.cuda:  # no copy engines to overlap: sequential
+            return clock.time(lambda: (dev[0].copy_(host[0]), host[1].copy_(dev[1])))
+        clock.sync()
+        streams = [torch.cuda.Stream(device) for _ in range(2)]
+        begin = torch.cuda.Event(enable_timing=True)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        begin.record()
+        for s in streams:
+            s.wait_event(begin)
+        with torch.cuda.stream(streams[0]):
+            dev[0].copy_(host[0], non_blocking=True)
+            ends[0].record(streams[0])
+        with torch.cuda.stream(streams[1]):
+            host[1].copy_(dev[1], non_blocking=True)
+            ends[1].record(streams[1])
+        for e in ends:
+            e.synchronize()
+        return max(begin.elapsed_time(e) for e in ends) / 1e3
+
+    both = median_of(trials, duplex)
+    return {"h2d_gbps": n / h2d / GB, "d2h_gbps": n / d2h / GB,
+            "duplex_gbps": 2 * n / both / GB, "bytes": n}
+
+
+# -- 2. offload through the connector ---------------------------------------------------------
+
+
+def block_rows(kv: kvcore.KVCaches, ids: list[int]) -> torch.Tensor:
+    """The bytes of blocks ``ids`` of every layer, ``(len(ids), block_bytes)``."""
+    idx = torch.tensor(ids, device=kv.storage.device)
+    views = [kv.block_view()] if kv.is_cross_layer else kv.layer_block_views()
+    return torch.cat([v.index_select(0, idx) for v in views], dim=1)
+
+
+def new_keys(n: int) -> list[str]:
+    return [secrets.token_hex(32) for _ in range(n)]
+
+
+def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool):
+    kv = kvcore.allocate_kv_caches(
+        "CPU_ATTN", num_layers=sizes.num_layers, num_blocks=2 * sizes.num_blocks,
+        block_size=sizes.block_size, num_kv_heads=sizes.num_kv_heads,
+        head_size=sizes.head_size, dtype=torch.bfloat16, device=device,
+        cross_layer=cross_layer)
+    kv.storage.view(torch.uint8).random_(0, 256)
+    # Room for one transfer being saved while another is loaded.
+    conn = get_connector("offload", capacity_bytes=2 * sizes.transfer_bytes)
+    conn.register_kv_caches(kv)
+    return kv, conn
+
+
+def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, trials: int,
+                       pinned: dict[str, float]) -> dict[str, dict[str, float]]:
+    n = sizes.num_blocks
+    kv, conn = make_offload(sizes, device, cross_layer)
+    clock = Clock(device)
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for ids in ("contiguous", "scattered"):
+            if ids == "contiguous":
+                src, dst = list(range(n)), list(range(n, 2 * n))
+            else:
+                perm = torch.randperm(2 * n).tolist()
+                src, dst = perm[:n], perm[n:]
+            resident = new_keys(n)  # what loads read; saves write fresh keys each trial
+            assert conn.save(resident, src).wait().ok
+
+            def timed(call: Callable[[], list]) -> tuple[float, float, list]:
+                clock.sync()
+                start = time.perf_counter()
+                handles = call()
+                results_ = [h.wait() for h in handles]
+                wall = time.perf_counter() - start
+                assert all(r.ok for r in results_), [dict(r.failed) for r in results_]
+                return wall, max(r.seconds for r in results_), results_
+
+            calls: dict[str, Callable[[list[str]], list]] = {  # fresh keys -> handles
+                "save": lambda keys, s=src: [conn.save(keys, s)],
+                "load": lambda _keys, r=resident, d=dst: [conn.load(r, d)],
+                "both": lambda keys, s=src, r=resident, d=dst: [conn.save(keys, s),
+                                                                conn.load(r, d)],
+            }
+            rows: dict[str, list[tuple[float, float]]] = {op: [] for op in calls}
+            for _ in range(trials + 1):  # first is warm-up
+                for op, call in calls.items():
+                    fresh = new_keys(n)
+                    rows[op].append(timed(lambda c=call, k=fresh: c(k))[:2])
+            # Bit-exact: the loads wrote into dst what the saves read from src.
+            check = torch.equal(block_rows(kv, dst), block_rows(kv, src))
+            byte = sizes.transfer_bytes
+            for op, reference in (("save", "d2h_gbps"), ("load", "h2d_gbps"),
+                                  ("both", "duplex_gbps")):
+                walls = [w for w, _ in rows[op][1:]]
+                devices = [d for _, d in rows[op][1:]]
+                moved = byte * (2 if op == "both" else 1)
+                wall_gbps = moved / statistics.median(walls) / GB
+                # "both": the two copies overlap, so the span is at least the longer one;
+                # wall time is the honest figure there.
+                dev_gbps = moved / statistics.median(devices) / GB if op != "both" else None
+                key = f"{ids}/{op}"
+                results[key] = {
+                    "wall_gbps": wall_gbps,
+                    "device_gbps": dev_gbps,
+                    "reference_gbps": pinned.get(reference),
+                    "fraction_wall": wall_gbps / pinned[reference] if reference in pinned
+                    else None,
+                    "fraction_device": dev_gbps / pinned[reference]
+                    if dev_gbps and reference in pinned else None,
+                    "bit_exact": check,
+                }
+                log.info("offload %s %s: wall %.1f GB/s, device %s GB/s",
+                         "cross-layer" if cross_layer else "per-layer", key, wall_gbps,
+                         f"{dev_gbps:.1f}" if dev_gbps else "-")
+        results["stats"] = conn.stats.to_dict()
+    finally:
+        conn.close()
+        del kv
+        if clock.cuda:
+            torch.cuda.empty_cache()
+    return results
+
+
+# -- 3. decode loop under concurrent offload --------------------------------------------------
+
+
+def bench_decode(sizes: Sizes, device: torch.device, trials: int,
+                 pinned: dict[str, float]) -> dict[str, float]:
+    b, h, s, d = sizes.decode
+    q = torch.randn(b, h, 1, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16)
+    clock = Clock(device)
+
+    def loop(iters: int) -> None:
+        for _ in range(iters):
+            F.scaled_dot_product_attention(q, k, v)
+
+    per_iter = median_of(3, lambda: clock.time(lambda: loop(10))) / 10
+    # The loop should sit inside the transfers: about 80% of a save+load at duplex speed.
+    transfer_s = 2 * sizes.transfer_bytes / (pinned.get("duplex_gbps") or 1.0) / GB
+    iters = max(5, min(400, int(0.8 * transfer_s / per_iter)))
+    kv, conn = make_offload(sizes, device, cross_layer=True)
+    n = sizes.num_blocks
+    resident = new_keys(n)
+    assert conn.save(resident, list(range(n))).wait().ok
+    alone, busy, outlasted = [], [], 0
+    try:
+        for trial in range(trials + 1):
+            t_alone = clock.time(lambda: loop(iters))
+            clock.sync()
+            fresh, src, dst = new_keys(n), list(range(n)), list(range(n, 2 * n))
+            handles = [conn.save(fresh, src), conn.load(resident, dst)]
+            t_busy = clock.time(lambda: loop(iters), idle=False)  # transfers running
+            running = sum(not handle.done() for handle in handles)
+            for handle in handles:
+                assert handle.wait().ok
+            if trial:  # first is warm-up
+                alone.append(t_alone)
+                busy.append(t_busy)
+                outlasted += running == 2
+    finally:
+        conn.close()
+        del kv
+    slowdown = statistics.median(busy) / statistics.median(alone) - 1
+    kv_bytes = 2 * b * h * s * d * 2
+    log.info("decode: %d iterations, %.3f ms alone, %.3f ms with offload (%+.2f%%)", iters,
+             1e3 * statistics.median(alone), 1e3 * statistics.median(busy), 100 * slowdown)
+    return {
+        "iterations": iters,
+        "alone_ms": 1e3 * statistics.median(alone),
+        "with_offload_ms": 1e3 * statistics.median(busy),
+        "slowdown": slowdown,
+        "kv_read_gbps_alone": kv_bytes * iters / statistics.median(alone) / GB,
+        "trials_fully_overlapped": outlasted,
+        "trials": trials,
+    }
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+
+def section(name: str, results: dict, errors: dict, fn: Callable[[], object]) -> None:
+    log.info("== %s", name)
+    start = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as exc:  # keep going: one broken section must not hide the others
+        errors[name] = f"{type(exc).__name__}: {exc}"
+        log.error("%s failed:\n%s", name, traceback.format_exc())
+    log.info("== %s done in %.1f s", name, time.perf_counter() - start)
+
+
+def verdict(passed: bool, smoke: bool, failed: str) -> str:
+    if smoke:  # CPU copies of tiny sizes say nothing about the targets
+        return "smoke"
+    return "PASS" if passed else failed
+
+
+def table(results: dict, errors: dict, smoke: bool) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    pinned = results.get("pinned", {})
+    for key in ("h2d_gbps", "d2h_gbps", "duplex_gbps"):
+        if key in pinned:
+            rows.append(["pinned copy", key.removesuffix("_gbps"), f"{pinned[key]:.1f}", "", "",
+                         ""])
+    for mode in ("cross_layer", "per_layer"):
+        for key, r in sorted(results.get(f"offload_{mode}", {}).items()):
+            if key == "stats":
+                continue
+            op = key.split("/")[1]
+            target = TARGETS["duplex"] if op == "both" else TARGETS[mode]
+            frac = r["fraction_device"] if r["fraction_device"] is not None \
+                else r["fraction_wall"]
+            rows.append([
+                f"offload {mode.replace('_', '-')}", key,
+                f"{r['device_gbps']:.1f}" if r["device_gbps"] else "-",
+                f"{r['wall_gbps']:.1f}",
+                f"{100 * frac:.1f}% (>= {100 * target:.0f}%)" if frac is not None else "-",
+                verdict(frac is not None and frac >= target, smoke, "below")
+                + ("" if r["bit_exact"] else " NOT BIT-EXACT"),
+            ])
+    dec = results.get("decode")
+    if dec:
+        ok = dec["slowdown"] <= TARGETS["decode_slowdown"]
+        rows.append(["decode loop", f"{dec['iterations']} x SDPA", f"{dec['alone_ms']:.2f} ms",
+                     f"{dec['with_offload_ms']:.2f} ms",
+                     f"{100 * dec['slowdown']:+.2f}% (<= 3%)", verdict(ok, smoke, "above")])
+    for name, err in errors.items():
+        rows.append([name, "ERROR", err[:60], "", "", ""])
+    return tabulate(rows, headers=["section", "what", "GB/s device", "GB/s wall",
+                                   "of limit (target)", "verdict"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir())
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    if not args.smoke and not torch.cuda.is_available():
+        log.error("no CUDA device: run with --smoke to check the script on the CPU")
+        return 2
+    sizes, device = (SMOKE, torch.device("cpu")) if args.smoke else (FULL, torch.device("cuda"))
+    trials = 2 if args.smoke else args.trials
+    log.info("sizes %s (%.3f GiB per transfer), %d trials, device %s", sizes,
+             sizes.transfer_bytes / 2**30, trials,
+             torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    results: dict = {}
+    errors: dict = {}
+    section("pinned", results, errors, lambda: bench_pinned(sizes, device, trials))
+    pinned = results.get("pinned", {})
+    for mode, cross in (("cross_layer", True), ("per_layer", False)):
+        section(f"offload_{mode}", results, errors,
+                lambda c=cross: bench_offload_mode(sizes, device, c, trials, pinned))
+    section("decode", results, errors, lambda: bench_decode(sizes, device, trials, pinned))
+
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+        or "cpu",
+        "torch": torch.__version__,
+        "kvcore": kvcore.__version__,
+        "smoke": args.smoke,
+        "sizes": asdict(sizes),
+        "targets": TARGETS,
+        "results": results,
+        "errors": errors,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_offload.json"
+    path.write_text(json.dumps(report, indent=2))
+    log.info("wrote %s", path)
+    print(table(results, errors, args.smoke))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""``p2p``: move KV blocks between two processes over ``torch.distributed``.
+
+Two peers pair up (disaggregated prefill and decode, or any two engines): rank 0 hosts a
+``TCPStore`` rendezvous at ``host:port``, rank 1 connects to it. Each direction gets process
+groups of its own (a send and a receive never queue behind each other in one communicator,
+the deadlock of two NCCL peers sending at once): message headers go over gloo, block bytes
+over NCCL when the cache is on a CUDA device and over gloo otherwise.
+
+Every message is an int64 pair (header bytes, payload bytes), a JSON header, then the
+payload. Both sizes are checked against limits *before* anything is allocated.
+
+- ``hello``, at :meth:`~P2PConnector.register_kv_caches`: the layout
+  (:meth:`kvcore.KVCacheLayout.to_dict`), dtype and block size. Each side compares the
+  other's with its own and refuses a mismatch (NHD vs HND, cross-layer vs per-layer, another
+  dtype or block size) with a :class:`kvcore.LayoutMismatchError` naming both sides, before a
+  single block moves.
+- ``blocks``: keys, then the bytes of those blocks ``(n, block_bytes)``.
+- ``bye``: the sender is closing; the receiver answers with its own ``bye``.
+
+:meth:`save` sends blocks to the peer. A background thread receives the peer's blocks into an
+inbox bounded by ``inbox_bytes`` (oldest dropped first when full); :meth:`load` takes blocks
+from it, waiting up to ``timeout_s`` for keys not yet there; :meth:`lookup` counts leading
+keys in it. A message that does not arrive whole within ``timeout_s``, a dead peer or a
+malformed message breaks the link: waiting and later transfers fail at once with the reason,
+never hang. (gloo closes a connection whose receive timed out, so there is no resuming.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvcore import KVCacheLayout, LayoutMismatchError
+from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
+from kvcore.connectors.blocks import _host_buffer
+from kvcore.connectors.keys import check_block_keys
+
+__all__ = ["P2PConnector"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_HEADER_BYTES = 8 << 20
+_MAX_KEYS_PER_MESSAGE = 32768  # keeps a header far below _MAX_HEADER_BYTES
+_MAX_PAYLOAD_BYTES = 256 << 20  # per message (or one block if larger): bounds staging memory
+# Waiting for the next message is not a timeout: an idle peer is normal and a dead one
+# closes the connection. (A finite gloo timeout would close an idle link.)
+_IDLE = timedelta(days=365)
+_OPS = ("hello", "blocks", "bye")
+
+
+class _LinkDown(Exception):
+    """The link cannot carry blocks any more; the message says why."""
+
+
+def _positive(name: str, value: Any, kind: type = int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (kind, int)) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive {kind.__name__}")
+
+
+class P2PConnector(KVConnector):
+    """Send KV blocks to a peer process and load the blocks it sends (connector ``p2p``).
+
+    Args:
+        rank: 0 (hosts the rendezvous) or 1 (connects to it).
+        host: rank 0's address.
+        port: rank 0's port; ``0`` on rank 0 picks a free one (read it from :attr:`port`).
+        connect_timeout_s: how long connecting and the layout exchange may take.
+        timeout_s: how long one message may take to arrive once started, and how long a
+            load waits for blocks that have not arrived.
+        inbox_bytes: bound on received blocks not loaded yet (and on one message).
+        data_backend: ``"auto"`` (NCCL for CUDA caches, gloo otherwise), ``"gloo"`` (CUDA
+            caches are staged through host memory) or ``"nccl"``.
+        failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
+    """
+
+    # Both peers must agree on the layout, and per-layer is the one every blocks-first
+    # backend supports; cross-layer would only pair with cross-layer peers.
+    prefer_cross_layer_blocks = False
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connect_timeout_s: float = 60.0,
+        timeout_s: float = 30.0,
+        inbox_bytes: int = 1 << 30,
+        data_backend: str = "auto",
+        failure_policy: str = "recompute",
+    ) -> None:
+        if rank not in (0, 1) or isinstance(rank, bool):
+            raise ValueError(f"rank={rank!r} must be 0 (hosts the rendezvous) or 1")
+        if not isinstance(host, str) or not host:
+            raise TypeError(f"host must be a non-empty str, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port={port!r} must be an int in 0..65535")
+        if rank == 1 and port == 0:
+            raise ValueError("port=0 on rank 1: pass the port rank 0 listens on")
+        _positive("connect_timeout_s", connect_timeout_s, float)
+        _positive("timeout_s", timeout_s, float)
+        _positive("inbox_bytes", inbox_bytes)
+        if data_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"data_backend={data_backend!r} must be 'auto', 'gloo' or 'nccl'")
+        super().__init__(failure_policy=failure_policy)
+        self.rank, self.peer = rank, 1 - rank
+        self.host = host
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.inbox_bytes = inbox_bytes
+        self._data_backend = data_backend
+        try:
+            self._store = dist.TCPStore(host, port, 2, rank == 0,
+                                        timeout=timedelta(seconds=connect_timeout_s),
+                                        wait_for_workers=False)
+        except Exception as exc:
+            raise ConnectionError(f"p2p rank {rank}: no rendezvous at {host}:{port} within "
+                                  f"connect_timeout_s={connect_timeout_s}: {exc}") from exc
+        self.port: int = self._store.port
+        self._cond = threading.Condition()  # guards the state below and the inbox
+        self._send_lock = threading.RLock()  # one message at a time, header with payload
+        self._failure: str | None = None  # why transfers fail from now on
+        self._link_ok = True
+        self._bye_sent = False
+        self._peer_hello: dict[str, Any] | None = None
+        self._inbox: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._receiver: threading.Thread | None = None
+
+    # -- connection -------------------------------------------------------------------------
+
+    def _register(self, reg: RegisteredCaches) -> None:
+        kv = reg.kv_caches
+        self._layout = kv.layout
+        self._block_bytes = kv.num_layers * kv.page_size_bytes
+        if self.inbox_bytes < self._block_bytes:
+            raise ValueError(f"inbox_bytes={self.inbox_bytes} holds no block: a block of this "
+                             f"cache is {self._block_bytes} bytes")
+        device = kv.storage.device
+        backend = self._data_backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"data_backend='nccl' needs a CUDA cache, this one is on {device}")
+        self._wire_device = device if backend == "nccl" else torch.device("cpu")
+        self._connect(backend, device)
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="kvcore-p2p-send")
+        self._loader = ThreadPoolExecutor(4, thread_name_prefix="kvcore-p2p-load")
+        self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
+                                          name=f"kvcore-p2p-recv-{self.rank}")
+        self._receiver.start()
+        self._handshake()
+
+    def _connect(self, backend: str, device: torch.device) -> None:
+        groups: dict[str, Any] = {}
+        try:
+            # Same creation order on both sides: each group is a rendezvous.
+            for src in (0, 1):
+                name = f"kvcore-p2p/{src}to{1 - src}"
+                groups[f"ctrl{src}"] = dist.ProcessGroupGloo(
+                    dist.PrefixStore(f"{name}/gloo", self._store), self.rank, 2, _IDLE)
+                if backend == "nccl":
+                    with torch.cuda.device(device):
+                        groups[f"data{src}"] = dist.ProcessGroupNCCL(
+                            dist.PrefixStore(f"{name}/nccl", self._store), self.rank, 2)
+                else:
+                    groups[f"data{src}"] = groups[f"ctrl{src}"]
+        except Exception as exc:
+            raise ConnectionError(
+                f"p2p rank {self.rank}: could not connect to peer rank {self.peer} through "
+                f"{self.host}:{self.port} within connect_timeout_s={self.connect_timeout_s}: "
+                f"{exc}") from exc
+        self._tx_ctrl, self._tx_data = groups[f"ctrl{self.rank}"], groups[f"data{self.rank}"]
+        self._rx_ctrl, self._rx_data = groups[f"ctrl{self.peer}"], groups[f"data{self.peer}"]
+
+    def _hello(self) -> dict[str, Any]:
+        layout = self._layout
+        return {
+            "op": "hello",
+            "layout": layout.to_dict(),
+            "dtype": str(layout.dtype).removeprefix("torch."),
+            "block_size": layout.logical_shape[layout.dim_names.index("N")],
+            "inbox_bytes": self.inbox_bytes,
+        }
+
+    def _handshake(self) -> None:
+        """Exchange hellos; refuse a peer whose cache differs from ours."""
+        try:
+            self._send_message(self._hello(), None, timeout=self.connect_timeout_s)
+            with self._cond:
+                self._cond.wait_for(lambda: self._peer_hello is not None or not self._link_ok,
+                                    timeout=self.connect_timeout_s)
+                hello, failure = self._peer_hello, self._failure
+            if hello is None:
+                raise ConnectionError(f"p2p rank {self.rank}: peer rank {self.peer} sent no "
+                                      f"layout within connect_timeout_s="
+                                      f"{self.connect_timeout_s}" +
+                                      (f" ({failure})" if failure else ""))
+            self._check_peer(hello)
+        except BaseException:
+            self._shutdown_link()
+            raise
+
+    def _check_peer(self, hello: dict[str, Any]) -> None:
+        names = (f"local rank {self.rank}", f"remote rank {self.peer}")
+        try:
+            theirs = KVCacheLayout.from_dict(hello.get("layout"))
+        except (TypeError, ValueError) as exc:
+            raise LayoutMismatchError(f"{names[1]} sent a layout this kvcore cannot read "
+                                      f"({exc}); {names[0]} has {self._layout.describe()}"
+                                      ) from exc
+        # The layout holds dtype and block size (N) too; the error describes both sides.
+        self._layout.check_compatible(theirs, ignore_num_blocks=True, names=names)
+        peer_inbox = hello.get("inbox_bytes")
+        if not isinstance(peer_inbox, int) or peer_inbox < self._block_bytes:
+            raise ValueError(f"{names[1]} has inbox_bytes={peer_inbox!r}, less than one block "
+                             f"({self._block_bytes} bytes); raise inbox_bytes there")
+        self._blocks_per_message = min(self._payload_limit(peer_inbox) // self._block_bytes,
+                                       _MAX_KEYS_PER_MESSAGE)
+
+    def _payload_limit(self, inbox_bytes: int) -> int:
+        """Largest payload of one message to a peer with ``inbox_bytes``: one block at least."""
+        return min(inbox_bytes, max(_MAX_PAYLOAD_BYTES, self._block_bytes))
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _fail_link(self, reason: str) -> None:
+        with self._cond:
+            if not self._link_ok:
+                return
+            self._link_ok = False
+            if self._failure is None:
+                self._failure = reason
+            self._cond.notify_all()
+        logger.warning("p2p rank %d: link to peer rank %d is down: %s", self.rank, self.peer,
+                       reason)
+        with self._send_lock:  # (reentrant: a failing send calls this while holding it)
+            # Releasing our sending groups closes their connections, so the peer's receive
+            # fails now instead of after its timeout, or never when it is idle.
+            self._tx_ctrl = self._tx_data = None
+
+    def _send_message(self, header: dict[str, Any], payload: torch.Tensor | None,
+                      timeout: float | None = None) -> None:
+        """Send one message; on any error the link is down and the error re-raised."""
+        wait = timedelta(seconds=timeout or self.timeout_s)
+        raw = json.dumps(header).encode()
+        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        with self._send_lock:
+            with self._cond:
+                if not self._link_ok:
+                    raise _LinkDown(self._failure)
+            try:
+                sizes = torch.tensor([len(raw), nbytes], dtype=torch.int64)
+                self._tx_ctrl.send([sizes], self.peer, 0).wait(wait)
+                raw_tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                self._tx_ctrl.send([raw_tensor], self.peer, 0).wait(wait)
+                if payload is not None:
+                    self._tx_data.send([payload], self.peer, 0).wait(wait)
+            except Exception as exc:
+                reason = f"sending to peer rank {self.peer} failed: {exc}"
+                self._fail_link(reason)
+                raise _LinkDown(reason) from exc
+
+    def _recv_message(self) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """Receive one message, validating sizes before allocating; raises on any fault."""
+        sizes = torch.empty(2, dtype=torch.int64)
+        self._rx_ctrl.recv([sizes], self.peer, 0).wait()  # idle wait, see _IDLE
+        header_len, payload_len = sizes.tolist()
+        if not 0 < header_len <= _MAX_HEADER_BYTES:
+            raise _LinkDown(f"peer announced a {header_len}-byte header (limit "
+                            f"{_MAX_HEADER_BYTES})")
+        limit = self._payload_limit(self.inbox_bytes)
+        if not 0 <= payload_len <= limit:
+            raise _LinkDown(f"peer announced a {payload_len}-byte payload (limit {limit}: "
+                            f"inbox_bytes={self.inbox_bytes}, at most {_MAX_PAYLOAD_BYTES} "
+                            "per message)")
+        wait = timedelta(seconds=self.timeout_s)
+        raw = torch.empty(header_len, dtype=torch.uint8)
+        self._rx_ctrl.recv([raw], self.peer, 0).wait(wait)
+        try:
+            header = json.loads(bytes(_host_buffer(raw)))
+        except ValueError as exc:
+            raise _LinkDown(f"peer sent a header that is not JSON ({exc})") from exc
+        if not isinstance(header, dict) or header.get("op") not in _OPS:
+            raise _LinkDown(f"peer sent an unknown message {str(header)[:200]!r}")
+        expected = 0
+        if header["op"] == "blocks":
+            try:
+                keys = check_block_keys(header.get("keys"))
+            except (TypeError, ValueError) as exc:
+                raise _LinkDown(f"peer sent invalid keys ({exc})") from exc
+            expected = len(keys) * self._block_bytes
+        if payload_len != expected:
+            raise _LinkDown(f"peer's {header['op']} message carries {payload_len} bytes, "
+                            f"expected {expected}")
+        if not payload_len:
+            return header, None
+        payload = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8,
+                              device=self._wire_device)
+        self._rx_data.recv([payload], self.peer, 0).wait(wait)
+        if payload.is_cuda:  # received on this thread's stream; loads run on others
+            torch.cuda.current_stream(payload.device).synchronize()
+        return header, payload
+
+    def _receive_loop(self) -> None:
+        try:
+            self._receive_messages()
+        finally:  # nothing receives any more: release the groups (closing connections)
+            self._rx_ctrl = self._rx_data = None
+
+    def _receive_messages(self) -> None:
+        while True:
+            try:
+                header, payload = self._recv_message()
+            except Exception as exc:
+                self._fail_link(f"receiving from peer rank {self.peer} failed: {exc}")
+                return
+            op = header["op"]
+            if op == "hello":
+                with self._cond:
+                    self._peer_hello = header
+                    self._cond.notify_all()
+            elif op == "blocks":
+                self._store_blocks(header["keys"], payload)
+            else:  # bye
+                with self._cond:
+                    if self._failure is None:
+                        self._failure = f"peer rank {self.peer} closed the connection"
+                    self._cond.notify_all()
+                self._send_bye()
+                return
+
+    def _store_blocks(self, keys: list[str], payload: torch.Tensor) -> None:
+        capacity = self.inbox_bytes // self._block_bytes
+        with self._cond:
+            for key, row in zip(keys, payload.unbind(0), strict=True):
+                self._inbox.pop(key, None)
+                self._inbox[key] = row
+            dropped = 0
+            while len(self._inbox) > capacity:
+                self._inbox.popitem(last=False)
+                dropped += 1
+            self._cond.notify_all()
+        if dropped:
+            with self._stats_lock:
+                self.stats.evictions += dropped
+            logger.warning("p2p rank %d: inbox full (inbox_bytes=%d), dropped the %d oldest "
+                           "blocks nobody loaded", self.rank, self.inbox_bytes, dropped)
+
+    def _send_bye(self) -> None:
+        with self._cond:
+            if self._bye_sent or not self._link_ok:
+                return
+            self._bye_sent = True
+        try:
+            self._send_message({"op": "bye"}, None)
+        except _LinkDown:
+            pass  # the peer is gone already: nothing to say goodbye to
+
+    def _shutdown_link(self) -> None:
+        """Say bye, wait for the peer's, and stop the receiver."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = "the connector is closed"
+            self._cond.notify_all()
+        self._send_bye()
+        if self._receiver is not None:
+            self._receiver.join(self.timeout_s)
+            if self._receiver.is_alive():
+                logger.warning("p2p rank %d: peer rank %d did not answer bye within "
+                               "timeout_s=%s; its receiver thread is left behind", self.rank,
+                               self.peer, self.timeout_s)
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def _save(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        future = self._sender.submit(self._send_blocks, keys, block_ids, self._caller_fence())
+        return TransferHandle.from_future("save", self.failure_policy, future)
+
+    def _load(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        future = self._loader.submit(self._take_blocks, keys, block_ids)
+        return TransferHandle.from_future("load", self.failure_policy, future)
+
+    def _lookup(self, keys: list[str]) -> int:
+        with self._cond:
+            for i, key in enumerate(keys):
+                if key not in self._inbox:
+                    return i
+            return len(keys)
+
+    def _send_blocks(self, keys: list[str], block_ids: list[int],
+                     blocks_written: Callable[[], None]) -> TransferResult:
+        started = time.perf_counter()
+        blocks_written()
+        sent: list[int] = []
+        failed: dict[int, str] = {}
+        step = self._blocks_per_message
+        for i in range(0, len(keys), step):
+            ids = block_ids[i:i + step]
+            with self._cond:
+                failure = self._failure
+            if failure is None:
+                try:
+                    data = self._read_blocks(ids).to(self._wire_device)
+                    self._send_message({"op": "blocks", "keys": keys[i:i + step]}, data)
+                    sent.extend(ids)
+                    continue
+                except _LinkDown as exc:
+                    failure = str(exc)
+            failed.update((b, failure) for b in ids)
+        result = self._result("save", sent, failed, len(sent) * self._block_bytes,
+                              time.perf_counter() - started)
+        return self._record(result)
+
+    def _take_blocks(self, keys: list[str], block_ids: list[int]) -> TransferResult:
+        started = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._failure is not None or all(k in self._inbox for k in keys),
+                timeout=self.timeout_s)
+            rows = {k: self._inbox.pop(k) for k in keys if k in self._inbox}
+            reason = self._failure or (f"not received from peer rank {self.peer} within "
+                                       f"timeout_s={self.timeout_s}")
+        loaded = [b for k, b in zip(keys, block_ids, strict=True) if k in rows]
+        failed = {b: reason for k, b in zip(keys, block_ids, strict=True) if k not in rows}
+        if loaded:
+            data = torch.stack([rows[k] for k in keys if k in rows])
+            self._write_blocks(loaded, data, f"p2p load from rank {self.peer}")
+            storage = self._reg.kv_caches.storage
+            if storage.is_cuda:  # written on this worker thread's stream
+                torch.cuda.current_stream(storage.device).synchronize()
+        result = self._result("load", loaded, failed, len(loaded) * self._block_bytes,
+                              time.perf_counter() - started)
+        return self._record(result)
+
+    def _close(self) -> None:
+        if self._receiver is not None:
+            self._sender.shutdown(wait=True)  # queued saves leave before the bye
+            self._shutdown_link()
+            self._loader.shutdown(wait=True)
+            with self._send_lock:
+                self._tx_ctrl = self._tx_data = None
+        self._inbox.clear()
+        self._store = None

@@ -1,0 +1,211 @@
+"""``storage``: one safetensors file per KV block under a directory that processes share.
+
+Files live at ``<root>/<namespace>/<key[:2]>/<key>.safetensors``. The namespace is a digest of
+the cache layout (everything but the number of blocks), so engines whose pages differ never
+read each other's blocks; keys are content hashes (include the model in them, see
+:func:`~kvcore.connectors.hash_block_tokens`'s ``extra``). Keys are validated as hex digests,
+so no key can name a path outside the root.
+
+Each file holds one uint8 tensor ``kv`` of shape ``(num_layers, page_size_bytes)`` (the bytes
+of the block, layer-major: exact for every dtype, fp8 included) and metadata: the format, the
+layout (:meth:`kvcore.KVCacheLayout.to_dict`), dtype, block size and the SHA-256 of the bytes.
+Writes go to a temporary file that is renamed into place, so a reader sees a whole file or
+none. A load checks the layout and the checksum before a byte reaches the cache; a file that
+fails either is deleted (so :meth:`lookup` stops offering it) and its block reported failed.
+No pickle is involved anywhere: safetensors stores raw tensors and string metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvcore import KVCacheLayout
+from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
+from kvcore.connectors.blocks import _host_buffer
+from kvcore.connectors.keys import check_block_keys
+
+__all__ = ["StorageConnector", "FILE_FORMAT"]
+
+FILE_FORMAT = "kvcore-kv-block-v1"
+_TENSOR = "kv"
+
+
+def _layout_signature(layout: KVCacheLayout) -> dict:
+    """The layout as a dict with the number of blocks zeroed: what two engines must share."""
+    data = layout.to_dict()
+    data["logical_shape"][layout.block_dim] = 0
+    return data
+
+
+class _BadFile(Exception):
+    """A block file that exists but must not be loaded (the message says why)."""
+
+
+class StorageConnector(KVConnector):
+    """Save KV blocks as files under ``root`` and load them back (connector name ``storage``).
+
+    Args:
+        root: the shared directory (created if missing).
+        num_workers: threads doing file I/O; each save or load call runs on one of them.
+        failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
+    """
+
+    prefer_cross_layer_blocks = True  # a whole block is then one gather
+
+    def __init__(self, *, root: str | os.PathLike[str], num_workers: int = 4,
+                 failure_policy: str = "recompute") -> None:
+        if not isinstance(root, (str, os.PathLike)) or not str(root):
+            raise TypeError(f"root must be a directory path, got {root!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers={num_workers!r} must be a positive integer")
+        super().__init__(failure_policy=failure_policy)
+        self.root = Path(root)
+        self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kvcore-storage")
+
+    def _register(self, reg: RegisteredCaches) -> None:
+        layout = reg.kv_caches.layout
+        signature = json.dumps(_layout_signature(layout), sort_keys=True)
+        digest = hashlib.sha256(signature.encode()).hexdigest()[:16]
+        self._dir = self.root / f"{str(layout.dtype).removeprefix('torch.')}-{digest}"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._layout = layout
+        self._row_shape = (reg.kv_caches.num_layers, reg.kv_caches.page_size_bytes)
+        self._metadata = {
+            "format": FILE_FORMAT,
+            "layout": json.dumps(layout.to_dict()),
+            "dtype": str(layout.dtype).removeprefix("torch."),
+            "block_size": str(_block_size(layout)),
+        }
+
+    def path_of(self, key: str) -> Path:
+        """The file that holds ``key`` (validated: a hex digest, so always under the root)."""
+        self._registered()
+        (key,) = check_block_keys([key], "key")
+        return self._path(key)
+
+    def _path(self, key: str) -> Path:
+        return self._dir / key[:2] / f"{key}.safetensors"
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def _save(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        future = self._executor.submit(self._save_blocks, keys, block_ids, self._caller_fence())
+        return TransferHandle.from_future("save", self.failure_policy, future)
+
+    def _load(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        future = self._executor.submit(self._load_blocks, keys, block_ids)
+        return TransferHandle.from_future("load", self.failure_policy, future)
+
+    def _lookup(self, keys: list[str]) -> int:
+        for i, key in enumerate(keys):
+            if not self._path(key).is_file():
+                return i
+        return len(keys)
+
+    def _close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _save_blocks(self, keys: list[str], block_ids: list[int],
+                     blocks_written: Callable[[], None]) -> TransferResult:
+        started = time.perf_counter()
+        paths = [self._path(k) for k in keys]
+        todo = [i for i, p in enumerate(paths) if not p.is_file()]  # content-addressed: done
+        blocks_written()
+        data = self._read_blocks([block_ids[i] for i in todo]).cpu() if todo else None
+        failed: dict[int, str] = {}
+        written = 0
+        for row, i in enumerate(todo):
+            try:
+                self._write_file(paths[i], data[row])
+                written += 1
+            except OSError as exc:
+                failed[block_ids[i]] = f"writing {paths[i]}: {exc}"
+        succeeded = [b for b in block_ids if b not in failed]
+        result = self._result("save", succeeded, failed, written * self.block_bytes,
+                              time.perf_counter() - started)
+        return self._record(result)
+
+    def _write_file(self, path: Path, row: torch.Tensor) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metadata = {**self._metadata, "sha256": hashlib.sha256(_host_buffer(row)).hexdigest()}
+        # Same directory as the target, so the rename is atomic (one file system).
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            save_file({_TENSOR: row.view(self._row_shape)}, tmp, metadata=metadata)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _load_blocks(self, keys: list[str], block_ids: list[int]) -> TransferResult:
+        started = time.perf_counter()
+        rows: list[torch.Tensor] = []
+        loaded: list[int] = []
+        failed: dict[int, str] = {}
+        for key, block in zip(keys, block_ids, strict=True):
+            path = self._path(key)
+            try:
+                rows.append(self._read_file(path))
+                loaded.append(block)
+            except FileNotFoundError:
+                failed[block] = f"no file for key {key} ({path})"
+            except _BadFile as exc:
+                failed[block] = f"{path}: {exc}"
+                path.unlink(missing_ok=True)  # garbage: stop offering it to lookup()
+        if loaded:
+            self._write_blocks(loaded, torch.stack(rows).flatten(1), "storage load")
+            storage = self._reg.kv_caches.storage
+            if storage.is_cuda:  # written on this worker thread's stream
+                torch.cuda.current_stream(storage.device).synchronize()
+        result = self._result("load", loaded, failed, len(loaded) * self.block_bytes,
+                              time.perf_counter() - started)
+        return self._record(result)
+
+    def _read_file(self, path: Path) -> torch.Tensor:
+        """The verified ``(num_layers, page_size_bytes)`` bytes of a block file."""
+        if not path.is_file():
+            raise FileNotFoundError(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                names = list(f.keys())
+                tensor = f.get_tensor(_TENSOR) if names == [_TENSOR] else None
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # safetensors reports truncation and garbage as many types
+            raise _BadFile(f"unreadable safetensors file ({type(exc).__name__}: {exc})") from exc
+        if metadata.get("format") != FILE_FORMAT:
+            raise _BadFile(f"format {metadata.get('format')!r}, expected {FILE_FORMAT!r}")
+        if tensor is None:
+            raise _BadFile(f"holds tensors {names}, expected exactly [{_TENSOR!r}]")
+        try:
+            theirs = KVCacheLayout.from_dict(json.loads(metadata.get("layout", "")))
+        except (ValueError, TypeError) as exc:
+            raise _BadFile(f"unreadable layout metadata ({exc})") from exc
+        diffs = theirs.differences(self._layout, ignore_num_blocks=True)
+        if diffs:
+            raise _BadFile(f"layout mismatch (file {theirs.describe()}; this cache "
+                           f"{self._layout.describe()}): {'; '.join(diffs)}")
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != self._row_shape:
+            raise _BadFile(f"tensor is {tensor.dtype} {tuple(tensor.shape)}, expected uint8 "
+                           f"{self._row_shape}")
+        tensor = tensor.contiguous()
+        digest = hashlib.sha256(_host_buffer(tensor)).hexdigest()
+        if digest != metadata.get("sha256"):
+            raise _BadFile(f"checksum mismatch (file says {metadata.get('sha256')}, bytes hash "
+                           f"to {digest})")
+        return tensor
+
+
+def _block_size(layout: KVCacheLayout) -> int:
+    return layout.logical_shape[layout.dim_names.index("N")]

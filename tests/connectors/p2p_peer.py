@@ -1,0 +1,49 @@
+"""Rank 1 of the two-process p2p tests, run as ``python p2p_peer.py SCENARIO PORT SEED ...``.
+
+Scenarios:
+    echo LAYOUT CROSS DTYPE: send blocks 3, 7 of its own cache (random from SEED) under keys
+        ``keys_for(SEED + 1, 2)``; load the parent's two blocks (keys ``keys_for(SEED, 2)``)
+        into blocks 0, 5 and send them back under ``keys_for(SEED + 2, 2)``; close.
+    mismatch LAYOUT CROSS DTYPE: register; print the LayoutMismatchError; exit 3.
+    idle LAYOUT CROSS DTYPE: register and wait to be killed.
+
+Prints one line ``ok`` or ``mismatch: <message>`` for the parent to read.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from kv_helpers import keys_for, make_caches
+
+from kvcore import LayoutMismatchError
+from kvcore.connectors import get_connector
+
+
+def main() -> int:
+    scenario, port, seed, layout, cross, dtype = sys.argv[1:7]
+    seed = int(seed)
+    kv = make_caches(cross_layer=cross == "1", dtype=dtype, layout=layout, seed=seed)
+    conn = get_connector("p2p", rank=1, port=int(port), timeout_s=10.0, connect_timeout_s=20.0)
+    try:
+        conn.register_kv_caches(kv)
+    except LayoutMismatchError as exc:
+        print(f"mismatch: {exc}", flush=True)
+        conn.close()
+        return 3
+    if scenario == "idle":
+        print("ok", flush=True)
+        time.sleep(120)  # the parent kills this process
+        return 1
+    with conn:
+        assert conn.save(keys_for(seed + 1, 2), [3, 7]).wait(timeout=10).ok
+        loaded = conn.load(keys_for(seed, 2), [0, 5]).wait(timeout=10)
+        assert loaded.ok, loaded.failed
+        assert conn.save(keys_for(seed + 2, 2), [0, 5]).wait(timeout=10).ok
+    print("ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

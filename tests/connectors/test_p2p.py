@@ -1,0 +1,281 @@
+"""The ``p2p`` connector: blocks between two peers over torch.distributed (gloo on CPU).
+
+Two-process tests run the peer (rank 1) as a real subprocess on loopback (``p2p_peer.py``);
+the rest pair two connectors inside this process, which exercises the same protocol faster.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from kv_helpers import DTYPES, SIZES, block_bytes, keys_for, make_caches
+
+import kvcore
+from kvcore import KVCaches, LayoutMismatchError
+from kvcore.connectors import get_connector
+from kvcore.connectors.p2p import P2PConnector
+
+PEER = Path(__file__).with_name("p2p_peer.py")
+
+
+@contextmanager
+def peer_process(scenario: str, port: int, seed: int, *, layout: str = "nhd",
+                 cross: bool = False, dtype: str = "bf16") -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen(
+        [sys.executable, str(PEER), scenario, str(port), str(seed), layout,
+         "1" if cross else "0", dtype],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+@contextmanager
+def pair(kv0: KVCaches, kv1: KVCaches, **config) -> Iterator[tuple[P2PConnector, P2PConnector]]:
+    """Rank 0 and rank 1 connectors in this process, registered concurrently."""
+    config = {"timeout_s": 5.0, "connect_timeout_s": 10.0, **config}
+    c0 = get_connector("p2p", rank=0, **config)
+    c1 = get_connector("p2p", rank=1, port=c0.port, **config)
+    errors: list[BaseException] = []
+
+    def register_peer() -> None:
+        try:
+            c1.register_kv_caches(kv1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=register_peer)
+    thread.start()
+    try:
+        try:
+            c0.register_kv_caches(kv0)
+        finally:
+            thread.join(30)
+        if errors:
+            raise errors[0]
+        yield c0, c1
+    finally:
+        c1.close()
+        c0.close()
+
+
+# -- two processes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cross", "dtype"), [(False, "fp16"), (True, "fp8")],
+                         ids=["per_layer-fp16", "cross_layer-fp8"])
+def test_two_processes_exchange_blocks_bit_exact(cross, dtype):
+    seed = random.randrange(2**31)  # the peer's cache is random from this seed
+    kv = make_caches(cross_layer=cross, dtype=dtype)
+    sent = block_bytes(kv, [2, 9])
+    with get_connector("p2p", rank=0, timeout_s=10.0, connect_timeout_s=30.0) as conn, \
+            peer_process("echo", conn.port, seed, cross=cross, dtype=dtype) as proc:
+        conn.register_kv_caches(kv)
+        assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=10).ok
+
+        theirs = conn.load(keys_for(seed + 1, 2), [4, 1]).wait(timeout=10)
+        assert theirs.succeeded == (4, 1) and not theirs.failed
+        peer_cache = make_caches(cross_layer=cross, dtype=dtype, seed=seed)
+        assert torch.equal(block_bytes(kv, [4, 1]), block_bytes(peer_cache, [3, 7]))
+
+        echoed = conn.load(keys_for(seed + 2, 2), [10, 11]).wait(timeout=10)
+        assert echoed.ok
+        assert torch.equal(block_bytes(kv, [10, 11]), sent)
+        out, err = proc.communicate(timeout=30)
+        assert (proc.returncode, out.strip()) == (0, "ok"), err
+
+
+def test_two_processes_refuse_nhd_vs_hnd_naming_both_sides():
+    kv = make_caches(cross_layer=False, layout="nhd")
+    with get_connector("p2p", rank=0, connect_timeout_s=30.0) as conn, \
+            peer_process("mismatch", conn.port, 1, layout="hnd") as proc:
+        with pytest.raises(LayoutMismatchError) as info:
+            conn.register_kv_caches(kv)
+        out, err = proc.communicate(timeout=30)
+    ours = str(info.value)
+    assert "local rank 0" in ours and "remote rank 1" in ours
+    assert "physical order L,B,2,N,H,D vs L,B,2,H,N,D" in ours
+    assert proc.returncode == 3, err
+    assert "physical order L,B,2,H,N,D vs L,B,2,N,H,D" in out and "local rank 1" in out
+
+
+def test_killed_peer_process_fails_exactly_the_blocks_and_never_hangs():
+    kv = make_caches(cross_layer=False)
+    keys = keys_for(random.randrange(2**31), 3)
+    with get_connector("p2p", rank=0, timeout_s=1.0, connect_timeout_s=30.0) as conn, \
+            peer_process("idle", conn.port, 2) as proc:
+        conn.register_kv_caches(kv)
+        assert proc.stdout.readline().strip() == "ok"
+
+        # Alive but silent: a timeout, and the link stays up.
+        late = conn.load(keys, [0, 1, 2]).wait(timeout=10)
+        assert late.succeeded == () and set(late.failed) == {0, 1, 2}
+        assert all("within timeout_s=1.0" in why for why in late.failed.values())
+
+        proc.kill()
+        proc.wait(10)
+        for _ in range(5):  # the death is noticed when the socket closes, normally at once
+            dead = conn.load(keys[:2], [3, 4]).wait(timeout=10)
+            if "within timeout_s" not in dead.failed[3]:
+                break
+        assert set(dead.failed) == {3, 4} and dead.succeeded == ()
+        assert "receiving from peer rank 1 failed" in dead.failed[3]
+
+        start = time.monotonic()
+        unsent = conn.save(keys, [5, 6, 7]).wait(timeout=10)
+        assert set(unsent.failed) == {5, 6, 7} and unsent.succeeded == ()
+        assert time.monotonic() - start < 1.0  # the link is known down: no waiting
+
+
+# -- a pair in one process --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
+def test_blocks_arrive_bit_exact_in_other_block_ids(cross, dtype):
+    kv0, kv1 = make_caches(cross_layer=cross, dtype=dtype), make_caches(cross_layer=cross,
+                                                                       dtype=dtype)
+    keys = keys_for(random.randrange(2**31), 4)
+    untouched = block_bytes(kv1, [0, 1, 2])
+    with pair(kv0, kv1) as (c0, c1):
+        assert c0.save(keys, [8, 3, 5, 11]).wait(timeout=5).ok
+        result = c1.load(keys, [9, 4, 10, 6]).wait(timeout=5)
+        assert result.succeeded == (9, 4, 10, 6) and result.num_bytes == 4 * c1.block_bytes
+    assert torch.equal(block_bytes(kv1, [9, 4, 10, 6]), block_bytes(kv0, [8, 3, 5, 11]))
+    assert torch.equal(block_bytes(kv1, [0, 1, 2]), untouched)
+
+
+@pytest.mark.parametrize(
+    ("theirs", "difference"),
+    [({"cross_layer": True}, "physical order L,B,2,N,H,D vs B,L,2,N,H,D"),
+     ({"cross_layer": False, "dtype": "fp16"}, "dtype torch.bfloat16 vs torch.float16"),
+     ({"cross_layer": False, "block_size": 8}, "N size 4 vs 8")],
+    ids=["cross_layer", "dtype", "block_size"])
+def test_mismatched_peers_are_refused_before_any_block(theirs, difference):
+    with pytest.raises(LayoutMismatchError, match="local rank 0.*remote rank 1") as info, \
+            pair(make_caches(cross_layer=False), make_caches(**theirs)):
+        pass
+    assert difference in str(info.value)
+
+
+def test_silent_peer_times_out_then_late_blocks_still_load():
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 2)
+    with pair(kv0, kv1, timeout_s=0.3) as (c0, c1):
+        late = c1.load(keys, [0, 1]).wait(timeout=5)
+        assert set(late.failed) == {0, 1}
+        assert c0.save(keys, [4, 5]).wait(timeout=5).ok
+        assert c1.load(keys, [0, 1]).wait(timeout=5).ok
+    assert torch.equal(block_bytes(kv1, [0, 1]), block_bytes(kv0, [4, 5]))
+
+
+def test_partial_arrival_loads_what_came_and_fails_the_rest():
+    kv0, kv1 = make_caches(cross_layer=False), make_caches(cross_layer=False)
+    keys = keys_for(random.randrange(2**31), 3)
+    with pair(kv0, kv1, timeout_s=0.3) as (c0, c1):
+        assert c0.save(keys[:2], [1, 2]).wait(timeout=5).ok
+        result = c1.load(keys, [5, 6, 7]).wait(timeout=5)
+    assert result.succeeded == (5, 6) and set(result.failed) == {7}
+    assert torch.equal(block_bytes(kv1, [5, 6]), block_bytes(kv0, [1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("payload_blocks", "reason"),
+    [(3, "carries 2304 bytes, expected 1536"),
+     (10**6, "768000000-byte payload (limit 4608: inbox_bytes=4608")],
+    ids=["size_disagrees_with_keys", "larger_than_inbox"])
+def test_malformed_message_breaks_the_link_with_the_reason(payload_blocks, reason):
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 2)
+    with pair(kv0, kv1, inbox_bytes=6 * kv0.num_layers * kv0.page_size_bytes,
+              timeout_s=0.5) as (c0, c1):
+        # What a buggy peer would send for 2 keys: sizes, then (if the sizes pass) the
+        # header; the receiver must refuse before allocating or receiving the payload.
+        header = json.dumps({"op": "blocks", "keys": keys}).encode()
+        sizes = torch.tensor([len(header), payload_blocks * c0.block_bytes])
+        c0._tx_ctrl.send([sizes], 1, 0).wait()
+        if payload_blocks * c0.block_bytes <= c1.inbox_bytes:
+            c0._tx_ctrl.send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 1,
+                             0).wait()
+        result = c1.load(keys, [0, 1]).wait(timeout=5)
+        assert set(result.failed) == {0, 1}
+        assert reason in result.failed[0]
+        # The refusing side closed the link: the sender learns it, and does not hang.
+        start = time.monotonic()
+        assert set(c0.save(keys, [0, 1]).wait(timeout=5).failed) == {0, 1}
+        assert time.monotonic() - start < 2.0
+
+
+def test_full_inbox_drops_the_oldest_blocks():
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 3)
+    with pair(kv0, kv1, inbox_bytes=2 * kv0.num_layers * kv0.page_size_bytes,
+              timeout_s=0.3) as (c0, c1):
+        assert c0.save(keys, [0, 1, 2]).wait(timeout=5).ok
+        result = c1.load(keys, [3, 4, 5]).wait(timeout=5)
+        assert result.succeeded == (4, 5) and set(result.failed) == {3}
+        assert c1.stats.evictions == 1
+
+
+def test_lookup_counts_leading_arrived_keys():
+    kv0, kv1 = make_caches(cross_layer=False), make_caches(cross_layer=False)
+    keys = keys_for(random.randrange(2**31), 3)
+    with pair(kv0, kv1) as (c0, c1):
+        assert c0.save([keys[0], keys[2]], [1, 2]).wait(timeout=5).ok
+        deadline = time.monotonic() + 5
+        while c1.lookup(keys[2:]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # a completed send is in the peer's inbox a moment later
+        assert c1.lookup(keys) == 1
+        assert c1.lookup([keys[0], keys[2]]) == 2
+
+
+def test_closed_peer_fails_transfers_at_once():
+    kv0, kv1 = make_caches(cross_layer=False), make_caches(cross_layer=False)
+    keys = keys_for(random.randrange(2**31), 2)
+    with pair(kv0, kv1, timeout_s=5.0) as (c0, c1):
+        c1.close()
+        start = time.monotonic()
+        loaded = c0.load(keys, [0, 1]).wait(timeout=5)
+        saved = c0.save(keys, [2, 3]).wait(timeout=5)
+        assert time.monotonic() - start < 2.0
+    assert loaded.failed == {0: "peer rank 1 closed the connection",
+                             1: "peer rank 1 closed the connection"}
+    assert set(saved.failed) == {2, 3}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [({"rank": 2}, "rank=2 must be 0"),
+     ({"rank": 1, "port": 0}, "port=0 on rank 1"),
+     ({"rank": 0, "timeout_s": 0}, "timeout_s=0 must be a positive"),
+     ({"rank": 0, "data_backend": "mpi"}, "data_backend='mpi'")],
+    ids=["rank", "port", "timeout", "backend"])
+def test_bad_config_names_the_option(config, message):
+    with pytest.raises(ValueError, match=message):
+        get_connector("p2p", **config)
+
+
+@pytest.mark.gpu
+def test_cuda_caches_over_gloo_are_staged_through_host_memory_bit_exact():
+    kv0, kv1 = (kvcore.allocate_kv_caches("CPU_ATTN", **SIZES, dtype=torch.bfloat16,
+                                          device="cuda", cross_layer=True) for _ in range(2))
+    for kv in (kv0, kv1):
+        kv.storage.copy_(torch.randn(kv.storage.shape, device="cuda"))
+    keys = keys_for(random.randrange(2**31), 3)
+    with pair(kv0, kv1, data_backend="gloo") as (c0, c1):
+        assert c0.save(keys, [1, 2, 3]).wait(timeout=10).ok
+        assert c1.load(keys, [7, 8, 9]).wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv1, [7, 8, 9]), block_bytes(kv0, [1, 2, 3]))
