@@ -11,23 +11,29 @@ Kernel structure
 ``BLOCK_M = BLOCK_Q * G_PAD`` rows. It streams the request's keys in tiles of ``BLOCK_N``
 tokens gathered through the block table (each token's page looked up on its own, so a tile
 may span pages and block ids are arbitrary), so every K/V byte is read once per
-(request, KV head, query tile). Tiles entirely before the sliding window or after the last
-query's position (causal) are never visited. Programs find their request by a binary search
+(request, KV head, query tile). The page ids of the next tile are loaded one iteration ahead,
+so the K/V loads of a tile depend only on loop-carried values and Triton's pipeliner keeps
+``num_stages - 1`` tiles in flight (with the lookup in the same iteration it kept one). Tiles
+entirely before the sliding window or after the last query's position (causal) are never
+visited. Programs find their request by a binary search
 over ``query_start_loc``, so the grid needs no host-side metadata and no device sync.
 
 Split-KV decode
 ---------------
-With ``NUM_SPLITS > 1`` the key range of every (query tile, KV head) is cut into
-``NUM_SPLITS`` contiguous parts processed by separate programs, each writing a normalised
+With ``num_splits > 1`` the key range of every (query tile, KV head) is cut into
+``num_splits`` contiguous parts processed by separate programs, each writing a normalised
 partial output and its log-sum-exp (base 2) to a float32 workspace; ``_reduce_splits_kernel``
 then merges them. Each request is split by its *own* length, read on the device.
 
 Heuristic (:func:`default_config`, when ``num_kv_splits`` is not given): split only batches
 that are decode-only (``num_tokens == num_seqs``) and whose ``num_seqs * num_kv_heads``
-programs cannot fill the device (fewer than ``_SPLIT_TARGET_WAVES`` programs per SM); then use
-``ceil(target / (num_seqs * num_kv_heads))`` splits, at most one per ``_MIN_SPLIT_TOKENS``
-tokens of the longest possible sequence (``block_table.shape[1] * block_size``, known without
-a sync) and at most ``_MAX_SPLITS``.
+programs are fewer than ``_SPLIT_TARGET_WAVES`` (4) per SM; then use
+``floor(4 * num_sms / (num_seqs * num_kv_heads))`` splits, i.e. as many as keep the grid at
+or just under 4 programs per SM, at most one per ``_MIN_SPLIT_TOKENS`` tokens of the longest
+possible sequence (``block_table.shape[1] * block_size``, known without a sync) and at most
+``_MAX_SPLITS``. On the H200 (132 SMs, Hk=8) this gives 1 split at 64 x 4096 and 256 x 1024,
+8 at 8 x 32768 and 4 at 16 x 4096: the fastest of the swept split counts at each of those
+shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slower.
 
 All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
 under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
@@ -39,12 +45,13 @@ This module imports triton at import time; :mod:`kvcore.ops` imports it lazily.
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from kvcore.ops.triton_cache import _interpreting, _scale_args
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
 
 __all__ = [
@@ -81,10 +88,6 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
 
-    @property
-    def block_m(self) -> int:
-        return self.block_q * self.g_pad
-
 
 @triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
@@ -107,7 +110,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     k_scale, v_scale, qk_scale,
-    num_seqs, num_heads, num_queries_per_kv, block_size, head_size, sliding_window,
+    num_seqs, num_heads, num_queries_per_kv, block_size, head_size, sliding_window, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -117,7 +120,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     tile = tl.program_id(0)
@@ -161,8 +164,8 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         tile_lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
     tile_hi = tl.cdiv(kv_end, BLOCK_N)
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+    if SPLIT_KV:
+        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
@@ -180,17 +183,23 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bts
     kv_head64 = kv_head.to(tl.int64)
+    # Page ids are fetched one tile ahead and carried, so the K/V addresses of a tile do not
+    # wait on a load issued in the same iteration and the K/V loads can be pipelined deeper.
+    k_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+    page = tl.load(bt_row + (k_pos // block_size) * stride_btb, mask=k_pos < kv_end, other=0)
     for t in range(tile_lo, tile_hi):
         k_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         k_valid = k_pos < kv_end
-        page = tl.load(bt_row + (k_pos // block_size) * stride_btb, mask=k_valid, other=0)
-        page = page.to(tl.int64)
+        page64 = page.to(tl.int64)
+        next_pos = k_pos + BLOCK_N
+        page = tl.load(bt_row + (next_pos // block_size) * stride_btb,
+                       mask=next_pos < kv_end, other=0)
         in_page = (k_pos % block_size).to(tl.int64)
         kv_mask = k_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks
+        k = tl.load(k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
                                    + kv_head64 * stride_kh)[:, None]
                     + dims64[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs
+        v = tl.load(v_cache_ptr + (page64 * stride_vb + in_page * stride_vs
                                    + kv_head64 * stride_vh)[:, None]
                     + dims64[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if INTERPRET:
@@ -221,13 +230,13 @@ def _paged_attention_kernel(
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     store_mask = row_valid[:, None] & d_valid[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                  + dims64[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        # Workspace (num_tokens, num_heads, NUM_SPLITS, head_size), contiguous float32.
-        part = (token * num_heads + head) * NUM_SPLITS + split
+        # Workspace (num_tokens, num_heads, num_splits, head_size), contiguous float32.
+        part = (token * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * head_size + dims64[None, :], out,
                  mask=store_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -237,16 +246,16 @@ def _paged_attention_kernel(
 @triton.jit
 def _reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
-    num_heads, head_size,
+    num_heads, head_size, num_splits,
     stride_ot, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    s_valid = splits < NUM_SPLITS
-    part = (token * num_heads + head) * NUM_SPLITS + splits
+    s_valid = splits < num_splits
+    part = (token * num_heads + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
@@ -257,10 +266,7 @@ def _reduce_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < head_size)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -285,27 +291,22 @@ def default_config(
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     decode_only = num_tokens == num_seqs
-    # tl.dot needs >= 16 rows; decode tiles hold one query, prefill tiles 64 rows.
-    rows = 16 if decode_only else 64
+    # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), prefill tiles 128 rows
+    # (64 above head_size 128, where a 128-row fp32 accumulator would spill). 32 keys per step,
+    # 4 warps, 3 stages (2 tiles in flight) was the fastest tile config at every decode shape
+    # swept on the H200, and 128 x 32 the fastest prefill tile.
+    rows = 16 if decode_only else (128 if head_size <= 128 else 64)
     block_q = max(1, rows // g_pad)
-    block_n = 64 if head_size <= 128 else 32
+    block_n = 32
     if num_kv_splits is None:
         num_kv_splits = 1
         work = num_seqs * num_kv_heads
         target = _SPLIT_TARGET_WAVES * _num_sms(device)
         if decode_only and work < target:
             by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
-            num_kv_splits = max(1, min(-(-target // work), by_length, _MAX_SPLITS))
+            num_kv_splits = max(1, min(target // work, by_length, _MAX_SPLITS))
     return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=block_n,
                            num_splits=num_kv_splits, num_warps=4, num_stages=3)
-
-
-def _scale_arg(scale: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | float:
-    if scale is None:
-        return 1.0
-    if isinstance(scale, torch.Tensor):
-        return scale if scale.device == device else float(scale.reshape(()).item())
-    return float(scale)
 
 
 def paged_attention(
@@ -383,11 +384,7 @@ def paged_attention(
                                    block_table.shape[1] * block_size, query.device,
                                    num_kv_splits)
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    ks = _scale_arg(k_scale if fp8 else None, query.device)
-    vs = _scale_arg(v_scale if fp8 else None, query.device)
-    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
-        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
-        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
+    ks, vs = _scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
 
     block_d = max(16, triton.next_power_of_2(head_size))
     num_tiles = num_tokens // cfg.block_q + num_seqs
@@ -404,7 +401,7 @@ def paged_attention(
         query_start_loc, seq_lens, block_table,
         ks, vs, float(scale) * _LOG2E,
         num_seqs, num_heads, num_heads // num_kv_heads, block_size, head_size,
-        sliding_window or 0,
+        sliding_window or 0, cfg.num_splits,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
         *block_table.stride(),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
@@ -412,13 +409,13 @@ def paged_attention(
         INTERPRET=interpret,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        NUM_SPLITS=cfg.num_splits,
+        SPLIT_KV=cfg.num_splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, num_heads, head_size, *out.stride(),
-            NUM_SPLITS=cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
+            part_out, part_lse, out, num_heads, head_size, cfg.num_splits, *out.stride(),
+            SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
             BLOCK_D=block_d, num_warps=4,
         )
     return out

@@ -7,8 +7,8 @@
 halves of a legacy ``(2, num_blocks, ...)`` cache). Every stride is taken from the tensors, so
 a kernel launched on a view writes only the bytes that view covers.
 
-One program writes one token's K and V for a block of heads (all heads when they fit in
-``_MAX_TILE`` elements), with 16-byte vector loads and stores along ``head_size``. All address
+One program writes the K and V of a few tokens for a block of heads (all heads when they fit
+in ``_TILE`` elements), with 16-byte vector loads and stores along ``head_size``. All address
 arithmetic is int64: a layer of a 32-layer cross-layer pool with block ids above 2,048 sits
 more than 2**31 elements from the storage's start.
 
@@ -27,9 +27,10 @@ from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_reshape_and_cach
 
 __all__ = ["reshape_and_cache"]
 
-# Elements of one program's (heads x head_size) tile: 2,048 bf16 values keep 16 bytes per
-# thread per tensor with 4 warps, without spilling for large head counts.
-_MAX_TILE = 2048
+# Elements of one program's (tokens x heads x head_size) tile per tensor: 4,096 bf16 values are
+# 32 per thread with 4 warps (four 16-byte vectors each for K and V), without spilling.
+_TILE = 4096
+_MAX_TOKENS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -57,26 +58,30 @@ def _reshape_and_cache_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    block_size, num_kv_heads, head_size,
+    num_tokens, block_size, num_kv_heads, head_size,
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, FP8_MAX: tl.constexpr,
     EXACT_FP8_ROUNDING: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padding token
-        return
-    block = slot // block_size
-    offset = slot % block_size
+    # A (BLOCK_T tokens, BLOCK_H heads, BLOCK_D dims) tile: several tokens per program keep
+    # many independent 16-byte loads in flight behind the one slot lookup.
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_valid = tokens < num_tokens
+    slots = tl.load(slot_mapping_ptr + tokens, mask=t_valid, other=-1).to(tl.int64)
+    t_valid = t_valid & (slots >= 0)  # negative slots are padding
+    blocks = slots // block_size
+    offsets = slots % block_size
 
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
-    heads64 = heads.to(tl.int64)[:, None]
-    dims64 = dims.to(tl.int64)[None, :]
+    heads64 = heads.to(tl.int64)[None, :, None]
+    dims64 = dims.to(tl.int64)[None, None, :]
+    mask = (t_valid[:, None, None] & (heads[None, :, None] < num_kv_heads)
+            & (dims[None, None, :] < head_size))
+    t3 = tokens[:, None, None]
 
-    k = tl.load(key_ptr + token * stride_kt + heads64 * stride_kh + dims64 * stride_kd, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads64 * stride_vh + dims64 * stride_vd,
+    k = tl.load(key_ptr + t3 * stride_kt + heads64 * stride_kh + dims64 * stride_kd, mask=mask)
+    v = tl.load(value_ptr + t3 * stride_vt + heads64 * stride_vh + dims64 * stride_vd,
                 mask=mask)
     if FP8:
         if SCALE_IS_TENSOR:
@@ -91,11 +96,11 @@ def _reshape_and_cache_kernel(
             k = _round_to_fp8_grid(k, MANTISSA_BITS, MIN_EXPONENT)
             v = _round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT)
 
-    kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs
-    vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs
-    tl.store(kc + heads64 * stride_kch + dims64 * stride_kcd,
+    kc = (blocks * stride_kcb + offsets * stride_kcs)[:, None, None]
+    vc = (blocks * stride_vcb + offsets * stride_vcs)[:, None, None]
+    tl.store(key_cache_ptr + kc + heads64 * stride_kch + dims64 * stride_kcd,
              k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + heads64 * stride_vch + dims64 * stride_vcd,
+    tl.store(value_cache_ptr + vc + heads64 * stride_vch + dims64 * stride_vcd,
              v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -103,16 +108,24 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _scale_arg(scale: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | float:
-    """A per-tensor scale as the kernel takes it: a device tensor (read in the kernel, so no
-    host sync and CUDA-graph safe) or a Python float."""
-    if scale is None:
-        return 1.0
-    if isinstance(scale, torch.Tensor):
-        if scale.device == device:
-            return scale
-        return float(scale.reshape(()).item())
-    return float(scale)
+def _scale_args(
+    k_scale: torch.Tensor | float | None, v_scale: torch.Tensor | float | None,
+    device: torch.device,
+) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """Per-tensor scales as the kernels take them: both device tensors (read in the kernel, so
+    no host sync and CUDA-graph safe) or both Python floats (``None`` is 1.0)."""
+    def one(scale: torch.Tensor | float | None) -> torch.Tensor | float:
+        if scale is None:
+            return 1.0
+        if isinstance(scale, torch.Tensor):
+            return scale if scale.device == device else float(scale.reshape(()).item())
+        return float(scale)
+
+    ks, vs = one(k_scale), one(v_scale)
+    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
+        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
+        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
+    return ks, vs
 
 
 def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
@@ -158,24 +171,20 @@ def reshape_and_cache(
         return
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     fp8_max, mantissa_bits, min_exponent = _fp8_format(key_cache.dtype)
-    ks = _scale_arg(k_scale if fp8 else None, key_cache.device)
-    vs = _scale_arg(v_scale if fp8 else None, key_cache.device)
-    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
-        # The kernel reads both scales the same way; a mixed pair becomes two floats.
-        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
-        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
+    ks, vs = _scale_args(k_scale if fp8 else None, v_scale if fp8 else None, key_cache.device)
 
     block_d = triton.next_power_of_2(head_size)
-    block_h = max(1, min(triton.next_power_of_2(num_kv_heads), _MAX_TILE // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    block_h = max(1, min(triton.next_power_of_2(num_kv_heads), _TILE // block_d))
+    block_t = max(1, min(_MAX_TOKENS_PER_PROGRAM, _TILE // (block_h * block_d)))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
     _reshape_and_cache_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping,
         ks, vs,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        key_cache.shape[1], num_kv_heads, head_size,
+        num_tokens, key_cache.shape[1], num_kv_heads, head_size,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), FP8_MAX=fp8_max,
         EXACT_FP8_ROUNDING=_interpreting(), MANTISSA_BITS=mantissa_bits,
         MIN_EXPONENT=min_exponent,
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4,
     )

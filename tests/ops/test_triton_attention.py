@@ -1,0 +1,353 @@
+"""Triton paged attention against the references (fp32 and float64), on every cache layout.
+
+Runs on the CPU under ``TRITON_INTERPRET=1`` (set by ``tests/conftest.py``) on small shapes,
+and on a GPU when there is one; ``gpu``-marked tests need real sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+
+import kvcore.ops
+from kvcore.ops import paged_attention_ref, reshape_and_cache_ref
+
+triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# ||out - ref|| / ||ref|| against the float64 reference, and elementwise against the fp32 one.
+REL_TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+ATOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@dataclasses.dataclass
+class Batch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scale: float
+
+    def kwargs(self) -> dict:
+        return dict(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                    block_table=self.block_table, scale=self.scale)
+
+
+def _seed(name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+def make_batch(gen: torch.Generator, *, q_lens: list[int], seq_lens: list[int], num_heads: int,
+               num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
+               cache_dtype: torch.dtype | None = None, spare_blocks: int = 5) -> Batch:
+    """A random batch: shuffled, distinct block ids per request; unused block-table columns
+    hold -1 (never read); the cache is random everywhere (never zeros)."""
+    cache_dtype = cache_dtype or dtype
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    width = max(blocks_per_seq) + 2
+    ids = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        table[i, :n] = ids[used:used + n].to(torch.int32)
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype)
+    return Batch(query.to(DEVICE), key_cache.to(DEVICE), value_cache.to(DEVICE), qsl.to(DEVICE),
+                 torch.tensor(seq_lens, dtype=torch.int32).to(DEVICE), table.to(DEVICE),
+                 head_size ** -0.5)
+
+
+def mixed_batch(gen: torch.Generator, num_seqs: int, **kw) -> Batch:
+    """Decode requests with long contexts, prefills with a cached prefix and fresh prefills."""
+    q_lens, seq_lens = [], []
+    for i in range(num_seqs):
+        kind = i % 3
+        if kind == 0:  # decode
+            q, ctx = 1, int(torch.randint(20, 90, (1,), generator=gen))
+        elif kind == 1:  # chunked prefill over a cached prefix
+            q, ctx = int(torch.randint(3, 24, (1,), generator=gen)), \
+                int(torch.randint(1, 40, (1,), generator=gen))
+        else:  # fresh prefill
+            q, ctx = int(torch.randint(5, 30, (1,), generator=gen)), 0
+        q_lens.append(q)
+        seq_lens.append(q + ctx)
+    return make_batch(gen, q_lens=q_lens, seq_lens=seq_lens, **kw)
+
+
+def check_against_references(out: torch.Tensor, batch: Batch, **kw) -> None:
+    ref = paged_attention_ref(batch.query, batch.key_cache, batch.value_cache,
+                              **batch.kwargs(), **kw)
+    torch.testing.assert_close(out, ref, atol=ATOL[out.dtype], rtol=ATOL[out.dtype])
+    if batch.key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return  # the fp32 reference already dequantises exactly like the kernel
+    ref64 = paged_attention_ref(batch.query.double(), batch.key_cache.double(),
+                                batch.value_cache.double(), **batch.kwargs(), **kw)
+    rel = ((out.double() - ref64).norm() / ref64.norm()).item()
+    assert rel < REL_TOL[out.dtype], rel
+
+
+CASES = {
+    "B3-bs16-gqa1-D64-bf16": dict(num_seqs=3, block_size=16, num_heads=2, num_kv_heads=2,
+                                  head_size=64, dtype=torch.bfloat16),
+    "B4-bs16-gqa4-D64-fp16": dict(num_seqs=4, block_size=16, num_heads=8, num_kv_heads=2,
+                                  head_size=64, dtype=torch.float16),
+    "B3-bs32-gqa8-D64-bf16": dict(num_seqs=3, block_size=32, num_heads=16, num_kv_heads=2,
+                                  head_size=64, dtype=torch.bfloat16),
+    "B3-bs32-gqa4-D80-fp32": dict(num_seqs=3, block_size=32, num_heads=4, num_kv_heads=1,
+                                  head_size=80, dtype=torch.float32),
+    "B3-bs16-mqa6-D96-bf16": dict(num_seqs=3, block_size=16, num_heads=6, num_kv_heads=1,
+                                  head_size=96, dtype=torch.bfloat16),
+    "B2-bs64-gqa2-D128-fp16": dict(num_seqs=2, block_size=64, num_heads=4, num_kv_heads=2,
+                                   head_size=128, dtype=torch.float16),
+    "B3-bs16-gqa2-D256-bf16": dict(num_seqs=3, block_size=16, num_heads=2, num_kv_heads=1,
+                                   head_size=256, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mixed_batch_matches_references(name: str) -> None:
+    batch = mixed_batch(_seed(name), **CASES[name])
+    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                           **batch.kwargs())
+    check_against_references(out, batch)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window(window: int) -> None:
+    batch = mixed_batch(_seed(f"window{window}"), 3, block_size=16, num_heads=4,
+                        num_kv_heads=2, head_size=64, dtype=torch.float32)
+    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                           **batch.kwargs(), sliding_window=window)
+    check_against_references(out, batch, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [46, 64, 130])
+def test_sliding_window_skips_whole_tiles_exactly(window: int) -> None:
+    """Long decodes whose window starts just before / at / after a key-tile boundary."""
+    batch = make_batch(_seed(f"longwindow{window}"), q_lens=[1, 1, 1, 1, 30],
+                       seq_lens=[300, 290, 281, 270, 200], block_size=16, num_heads=4,
+                       num_kv_heads=2, head_size=64, dtype=torch.float32)
+    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                           **batch.kwargs(), sliding_window=window)
+    check_against_references(out, batch, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [None, 9], ids=["full", "window9"])
+def test_non_causal(window: int | None) -> None:
+    batch = mixed_batch(_seed(f"noncausal{window}"), 3, block_size=16, num_heads=4,
+                        num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                           **batch.kwargs(), causal=False, sliding_window=window)
+    check_against_references(out, batch, causal=False, sliding_window=window)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("scale_kind", ["tensor", "float"])
+def test_fp8_cache(kv_cache_dtype: str, scale_kind: str) -> None:
+    cache_dtype = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+    gen = _seed(f"fp8{kv_cache_dtype}{scale_kind}")
+    batch = mixed_batch(gen, 3, block_size=16, num_heads=8, num_kv_heads=2, head_size=64,
+                        dtype=torch.bfloat16, cache_dtype=cache_dtype)
+    ks, vs = 0.05, 0.08
+    if scale_kind == "tensor":
+        ks, vs = torch.tensor([ks], device=DEVICE), torch.tensor([vs], device=DEVICE)
+    # Quantise real K/V through the reference write so the stored values mean something.
+    num_slots = batch.key_cache.shape[0] * batch.key_cache.shape[1]
+    kv = torch.randn(2, num_slots, *batch.key_cache.shape[2:], generator=gen)
+    kv = kv.to(torch.bfloat16).to(DEVICE)
+    reshape_and_cache_ref(kv[0], kv[1], batch.key_cache, batch.value_cache,
+                          torch.arange(num_slots, device=DEVICE), kv_cache_dtype, ks, vs)
+    out = triton_attention.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(),
+        kv_cache_dtype=kv_cache_dtype, k_scale=ks, v_scale=vs)
+    check_against_references(out, batch, kv_cache_dtype=kv_cache_dtype, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_split_kv_equals_unsplit(splits: int, kind: str) -> None:
+    gen = _seed(f"split{splits}{kind}")
+    shape = dict(block_size=16, num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    if kind == "decode":
+        batch = make_batch(gen, q_lens=[1, 1, 1], seq_lens=[150, 7, 64], **shape)
+    else:
+        batch = mixed_batch(gen, 3, **shape)
+    whole = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), num_kv_splits=1)
+    split = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), num_kv_splits=splits,
+                                             sliding_window=None)
+    torch.testing.assert_close(split, whole, atol=2e-6, rtol=2e-6)
+    check_against_references(split, batch)
+
+
+def test_split_kv_with_window_and_bf16() -> None:
+    batch = make_batch(_seed("splitwin"), q_lens=[1, 1], seq_lens=[200, 33], block_size=32,
+                       num_heads=4, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                           **batch.kwargs(), num_kv_splits=3, sliding_window=70)
+    check_against_references(out, batch, sliding_window=70)
+
+
+def test_split_heuristic() -> None:
+    cfg = triton_attention.default_config
+    cpu = torch.device("cpu")  # one "SM": target = _SPLIT_TARGET_WAVES programs
+    assert cfg(1, 1, 8, 2, 128, 32768, cpu).num_splits == 2  # decode, 2 programs < 4
+    assert cfg(1, 1, 8, 2, 128, 600, cpu).num_splits == 1  # too short to split
+    assert cfg(9, 1, 8, 2, 128, 32768, cpu).num_splits == 1  # a prefill is never split
+    assert cfg(8, 8, 8, 2, 128, 32768, cpu).num_splits == 1  # enough programs
+    assert cfg(1, 1, 8, 2, 128, 32768, cpu, num_kv_splits=7).num_splits == 7
+
+
+def test_output_in_place_with_strides() -> None:
+    batch = mixed_batch(_seed("inplace"), 3, block_size=16, num_heads=4, num_kv_heads=2,
+                        head_size=64, dtype=torch.float16)
+    big = torch.randn(batch.query.shape[0], 2 * batch.query.shape[1], 64,
+                      dtype=torch.float16, device=DEVICE)
+    before = big.clone()
+    output = big[:, 1::2]  # every other head: non-contiguous
+    result = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                              **batch.kwargs(), output=output)
+    assert result is output
+    assert torch.equal(big[:, 0::2], before[:, 0::2])
+    check_against_references(output, batch)
+
+
+def test_key_and_value_views_with_different_strides() -> None:
+    """K in the HND physical order, V a strided layer of a cross-layer pool: each view is read
+    through its own strides."""
+    gen = _seed("kvstrides")
+    batch = mixed_batch(gen, 3, block_size=16, num_heads=4, num_kv_heads=2, head_size=64,
+                        dtype=torch.float32)
+    num_blocks = batch.key_cache.shape[0]
+    key_view = torch.empty(num_blocks, 2, 16, 64, device=DEVICE).transpose(1, 2)
+    key_view.copy_(batch.key_cache)
+    pool = torch.randn(num_blocks, 3, 2, 16, 2, 64, generator=gen).to(DEVICE)
+    value_view = pool[:, 2, 1]
+    value_view.copy_(batch.value_cache)
+    out = triton_attention.paged_attention(batch.query, key_view, value_view, **batch.kwargs())
+    check_against_references(out, batch)
+
+
+@pytest.mark.parametrize("layout", ["cross_layer", "legacy"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_layout_views_bit_exact(layout: str, splits: int) -> None:
+    """A per-layer view of a cross-layer pool (inflated page stride, non-zero offset) and the
+    halves of a legacy (2, num_blocks, ...) cache give exactly the contiguous result, and
+    attention writes nothing into the pool."""
+    gen = _seed(f"layout{layout}{splits}")
+    num_layers, block_size, hk, d = 3, 16, 2, 64
+    batch = mixed_batch(gen, 3, block_size=block_size, num_heads=8, num_kv_heads=hk,
+                        head_size=d, dtype=torch.bfloat16)
+    num_blocks = batch.key_cache.shape[0]
+    if layout == "cross_layer":
+        pool = torch.randn(num_blocks, num_layers, 2, block_size, hk, d, generator=gen).to(
+            torch.bfloat16).to(DEVICE)
+        kc, vc = pool.permute(1, 0, 2, 3, 4, 5)[1].unbind(1)
+    else:
+        pool = torch.randn(2, num_blocks, block_size, hk, d, generator=gen).to(
+            torch.bfloat16).to(DEVICE)
+        kc, vc = pool[0], pool[1]
+    assert vc.storage_offset() > 0
+    snapshot = pool.clone()
+    strided = triton_attention.paged_attention(batch.query, kc, vc, **batch.kwargs(),
+                                               num_kv_splits=splits)
+    flat = triton_attention.paged_attention(batch.query, kc.contiguous(), vc.contiguous(),
+                                            **batch.kwargs(), num_kv_splits=splits)
+    assert torch.equal(strided, flat)
+    assert torch.equal(pool, snapshot)
+
+
+def test_dispatcher() -> None:
+    batch = mixed_batch(_seed("dispatch"), 3, block_size=16, num_heads=4, num_kv_heads=2,
+                        head_size=64, dtype=torch.float32)
+    out = kvcore.ops.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                     **batch.kwargs())
+    check_against_references(out, batch)
+    q64 = kvcore.ops.paged_attention(batch.query.double(), batch.key_cache.double(),
+                                     batch.value_cache.double(), **batch.kwargs())
+    assert q64.dtype == torch.float64  # float64 always runs the reference
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "names"),
+    [
+        ("query_float64", TypeError, "query"),
+        ("head_size", ValueError, "head_size"),
+        ("splits_zero", ValueError, "num_kv_splits"),
+        ("block_id", ValueError, "block_table"),
+        ("scale", ValueError, "scale"),
+        ("heads", ValueError, "heads"),
+        ("window", ValueError, "sliding_window"),
+        ("output_shape", ValueError, "output"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(change: str, error: type, names: str) -> None:
+    d = 320 if change == "head_size" else 64
+    batch = make_batch(_seed("bad"), q_lens=[1, 3], seq_lens=[20, 3], block_size=16,
+                       num_heads=4, num_kv_heads=2, head_size=d, dtype=torch.float32)
+    query, kwargs = batch.query, batch.kwargs()
+    if change == "query_float64":
+        query = query.double()
+        batch.key_cache, batch.value_cache = batch.key_cache.double(), batch.value_cache.double()
+    elif change == "splits_zero":
+        kwargs["num_kv_splits"] = 0
+    elif change == "block_id":
+        kwargs["block_table"] = batch.block_table.clone()
+        kwargs["block_table"][0, 0] = 10_000
+    elif change == "scale":
+        kwargs["scale"] = -1.0
+    elif change == "heads":
+        query = query[:, :3]
+    elif change == "window":
+        kwargs["sliding_window"] = 0
+    elif change == "output_shape":
+        kwargs["output"] = torch.empty_like(query)[:, :2]
+    with pytest.raises(error, match=names):
+        triton_attention.paged_attention(query, batch.key_cache, batch.value_cache, **kwargs)
+
+
+@pytest.mark.gpu
+def test_real_size_decode_and_prefill_on_gpu() -> None:
+    gen = torch.Generator().manual_seed(21)
+    for q_lens, seq_lens in (([1] * 16, [4096] * 16), ([1] * 4, [32768] * 4),
+                             ([512, 1, 300], [2048, 3000, 300])):
+        batch = make_batch(gen, q_lens=q_lens, seq_lens=seq_lens, block_size=16, num_heads=32,
+                           num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                               **batch.kwargs())
+        check_against_references(out, batch)
+
+
+@pytest.mark.gpu
+def test_int64_offsets_in_a_32_layer_cross_layer_pool() -> None:
+    """Layer 31 of a 32-layer cross-layer pool, block ids above 2,048: offsets > 2**31."""
+    num_blocks, num_layers, bs, hk, d = 2200, 32, 16, 8, 128
+    pool = torch.empty(num_blocks, num_layers, 2, bs, hk, d, dtype=torch.bfloat16,
+                       device="cuda")
+    pool.normal_()
+    kc, vc = pool[:, num_layers - 1].unbind(1)
+    gen = torch.Generator().manual_seed(22)
+    table = (torch.randperm(150, generator=gen) + 2048).to(torch.int32).reshape(3, 50)
+    seq_lens = torch.tensor([800, 1, 777], dtype=torch.int32)
+    q_lens = [1, 1, 40]
+    qsl = torch.tensor([0, 1, 2, 42], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), 32, d, generator=gen).to(torch.bfloat16)
+    kwargs = dict(query_start_loc=qsl.cuda(), seq_lens=seq_lens.cuda(), block_table=table.cuda(),
+                  scale=d ** -0.5)
+    for splits in (1, 4):
+        strided = triton_attention.paged_attention(query.cuda(), kc, vc, **kwargs,
+                                                   num_kv_splits=splits)
+        flat = triton_attention.paged_attention(query.cuda(), kc.contiguous(), vc.contiguous(),
+                                                **kwargs, num_kv_splits=splits)
+        assert torch.equal(strided, flat)
