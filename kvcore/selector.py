@@ -169,12 +169,14 @@ def _evaluate(
 def _candidate_names(
     config: AttentionSelectorConfig, platform: Platform, capability: DeviceCapability | None
 ) -> tuple[list[str], set[str]]:
-    """The platform's priority list, then other backends registered for the platform."""
+    """The platform's priority list, then backends registered for the platform that it does
+    not know of (third-party ones). A backend the platform knows but left out of its list for
+    this config (e.g. ROCM_ATTN with a KV connector) stays out."""
     registry = backend_registry()
     preferred = [registry.normalize(n) for n in platform.get_backend_priorities(config, capability)]
     extra = []
     for name in registry.names():
-        if name in preferred:
+        if name in preferred or name in platform.BACKEND_PROVIDERS:
             continue
         try:
             cls = resolve_backend(name)

@@ -84,6 +84,9 @@ def test_rocm_drops_rocm_attn_with_kv_connector(with_plugins, monkeypatch, caplo
     assert report.selected.name == "ROCM_AITER_UNIFIED_ATTN"
     rocm_attn = next(c for c in report.candidates if c.name == "ROCM_ATTN")
     assert not rocm_attn.in_priority_list
+    # a backend the platform left out is listed with the non-platform ones, never tried first
+    names = [c.name for c in report.candidates]
+    assert names.index("ROCM_ATTN") > names.index("CPU_ATTN")
     assert rocm_attn.reasons == [
         "KV connector not supported: ROCM_ATTN keeps the legacy (2, num_blocks, ...) layout; "
         "use ROCM_AITER_UNIFIED_ATTN"]
