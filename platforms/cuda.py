@@ -20,7 +20,6 @@ class CudaPlatform(Platform):
         "FLASH_ATTN": _NVIDIA,
         "FLASHINFER": _NVIDIA,
         "FLEX_ATTENTION": _NVIDIA,
-        "FLASHINFER_MLA": _MLA,
         "TRITON_MLA": _MLA,
     }
 
@@ -39,7 +38,7 @@ class CudaPlatform(Platform):
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:
         if config.use_mla:
-            return ["FLASHINFER_MLA", "TRITON_MLA"]
+            return ["TRITON_MLA"]
         # On Blackwell (10.x) FlashInfer's kernels are the tuned ones; before it, flash-attn.
         if device_capability is not None and device_capability.major >= 10:
             return ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]

@@ -24,7 +24,6 @@ class RocmPlatform(Platform):
         "ROCM_ATTN": _ROCM,
         "ROCM_AITER_UNIFIED_ATTN": _ROCM,
         "ROCM_AITER_FA": _ROCM,
-        "ROCM_AITER_MLA": _ROCM,
         "TRITON_MLA": _MLA,
     }
 
@@ -47,7 +46,7 @@ class RocmPlatform(Platform):
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:
         if config.use_mla:
-            return ["ROCM_AITER_MLA", "TRITON_MLA"]
+            return ["TRITON_MLA"]
         candidates = ["ROCM_ATTN", "ROCM_AITER_UNIFIED_ATTN", "ROCM_AITER_FA", "TRITON_ATTN"]
         if config.use_kv_connector:
             # ROCM_ATTN keeps the legacy (2, num_blocks, ...) layout that connectors cannot

@@ -407,7 +407,9 @@ def paged_attention(
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
         INTERPRET=interpret,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # fp32 queries get exact dots; fp16/bf16 the backend's default (the names of the
+        # other precisions differ between NVIDIA and AMD, so none is spelled out).
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         SPLIT_KV=cfg.num_splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

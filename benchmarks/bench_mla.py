@@ -1,0 +1,694 @@
+#!/usr/bin/env python3
+"""Real-size correctness and speed of kvcore-mla's kernels on one GPU (written for the H200).
+
+One run does, in order, each section isolated (an error is logged and the run goes on):
+
+1. ceilings: device-to-device copy (bytes read + written) and read-only streaming (torch
+   ``sum`` and a Triton streaming read; the faster is the read ceiling), after a warm-up;
+2. correctness at DeepSeek sizes (kv_lora_rank 512, rope 64, 128 heads): ``concat_and_cache_mla``
+   bf16 and fp8 against the reference (exact) on a cross-layer view (neighbours untouched);
+   MLA decode (block 64) against the float64 reference, cross-layer bit-exact against
+   contiguous; TRITON_MLA's forward on a mixed prefill + decode batch against the unabsorbed
+   float64 model; the indexer write (exact, cross-layer); a 4-layer cross-layer pool of 2.4e9
+   elements written and read past element 2**31, bit-exact against a small contiguous cache;
+3. timings (CUDA-graph replays, median): MLA decode at B in {64, 128}, 4096 tokens, 128 and 16
+   heads (16 = 128 heads split over 8 GPUs), block 64, standard (layers outermost) and
+   cross-layer (layer 1 of a 4-layer pool); against plain torch (gather + matmuls);
+   ``concat_and_cache_mla`` and the indexer write at
+   N in {256, 4096, 32768} tokens against plain torch (``index_put``), standard and cross-layer;
+4. FlashInfer's MLA decode on the first decode shape, if flashinfer imports and the budget is
+   not spent (``--no-flashinfer`` skips it: its first call may JIT-compile for minutes);
+5. sweeps of launch configurations and split counts for MLA decode (tuning; time-boxed by
+   ``--budget-s``).
+
+The table printed last gives time, achieved GB/s (bytes a perfect kernel moves: each latent read
+once), the share of the measured ceiling (read ceiling for decode, copy ceiling for writes),
+the speed-up over plain torch and the cross-layer/standard time ratio. Logs and JSON go to
+``--out`` (default ``$OUT``, else ``benchmarks/results``). ``--smoke`` runs tiny shapes on the
+CPU under ``TRITON_INTERPRET=1`` to check the script itself.
+
+Usage: ``python benchmarks/bench_mla.py [--out DIR] [--budget-s 150] [--smoke]
+[--no-flashinfer]``. The whole run takes about ``budget-s`` plus half a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_ROOT), str(_ROOT / "plugins" / "mla")]
+import kvcore_mla.ops as mla_ops  # noqa: E402
+from kvcore_mla import TritonMLABackend  # noqa: E402
+
+import kvcore  # noqa: E402
+import kvcore.ops  # noqa: E402
+
+DEVICE = "cpu" if SMOKE else "cuda"
+DTYPE = torch.bfloat16
+RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
+ENTRY = RANK + ROPE
+BLOCK = 64
+POOL_LAYERS, LAYER = 4, 1  # timings use layer 1 of a 4-layer allocation
+if SMOKE:
+    RANK, ROPE, NOPE, V_DIM, ENTRY, BLOCK = 64, 16, 32, 32, 80, 16
+    DECODE_SHAPES = [(2, 16, 64), (4, 16, 40)]  # (batch, heads, tokens)
+    CHECK_DECODE = (2, 16, 70)
+    WRITE_SIZES = [16, 64]
+    CHECK_TOKENS, INT64_BLOCKS = 100, 24
+else:
+    DECODE_SHAPES = [(64, 128, 4096), (128, 128, 4096), (64, 16, 4096), (128, 16, 4096)]
+    CHECK_DECODE = (8, 128, 4096)
+    WRITE_SIZES = [256, 4096, 32768]
+    CHECK_TOKENS, INT64_BLOCKS = 4096, 16384
+# Decode launch configurations to sweep, most promising first: (block_h, block_n, warps, stages).
+SWEEP_CONFIGS = [(16, 32, 4, 2), (32, 32, 8, 2), (16, 16, 4, 2), (32, 16, 8, 2), (16, 32, 4, 3),
+                 (64, 16, 8, 2), (16, 64, 8, 2)]
+SWEEP_SPLITS = [1, 2, 4, 8, 16]
+
+
+def tma():
+    from kvcore_mla.ops import triton_mla_attention as mod
+
+    return mod
+
+
+def tcache():
+    from kvcore_mla.ops import triton_cache as mod
+
+    return mod
+
+
+class Run:
+    """Log (tee to a file) and JSON results of one benchmark run."""
+
+    def __init__(self, out_dir: Path, budget_s: float) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self.log_file = open(out_dir / "bench_mla_log.txt", "w")
+        self.start = time.time()
+        self.budget_s = budget_s
+        self.results: dict = {"meta": {}, "ceilings": {}, "correctness": [], "timings": [],
+                              "sweeps": [], "errors": []}
+
+    def log(self, *parts: object) -> None:
+        line = f"[{time.time() - self.start:7.1f}s] " + " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def save(self) -> None:
+        with open(self.out_dir / "bench_mla.json", "w") as fh:
+            json.dump(self.results, fh, indent=1, default=str)
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.log(f"=== {name}")
+        try:
+            yield
+        except Exception as exc:  # one failed section must not lose the others
+            self.log(f"!!! {name} failed: {type(exc).__name__}: {exc}")
+            self.log_file.write(traceback.format_exc())
+            self.results["errors"].append({"section": name,
+                                           "error": f"{type(exc).__name__}: {exc}",
+                                           "traceback": traceback.format_exc()})
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            self.save()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def time_call(fn: Callable[[], object]) -> tuple[float, str]:
+    """Median seconds of one call: replays of a CUDA graph holding several calls (no launch
+    gaps or host overhead), or ``do_bench``'s median if capture fails; wall time on the CPU."""
+    if DEVICE == "cpu":
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), "cpu-wall"
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    single = max(start.elapsed_time(end) / 3e3, 1e-6)
+    inner = max(1, min(100, int(4e-3 / single)))
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        for _ in range(3):
+            graph.replay()
+        times = []
+        for _ in range(15):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / inner)
+        return statistics.median(times), f"cuda-graph x{inner}"
+    except Exception:
+        torch.cuda.synchronize()
+        import triton.testing
+
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return ms / 1e3, "do_bench"
+
+
+def randn(*shape: int, dtype: torch.dtype = DTYPE, scale: float = 1.0) -> torch.Tensor:
+    t = torch.empty(*shape, dtype=torch.float32 if dtype.itemsize == 1 else dtype, device=DEVICE)
+    t.normal_(0.0, scale)
+    return t.to(dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def record(run: Run, name: str, ok: bool, **info: object) -> None:
+    run.results["correctness"].append({"check": name, "ok": bool(ok), **info})
+    run.log(f"{'PASS' if ok else 'FAIL'} {name} {info if info else ''}")
+
+
+def layer_pool(num_blocks: int, cross_layer: bool, dtype: torch.dtype = DTYPE,
+               kv_cache_dtype: str = "auto") -> kvcore.KVCaches:
+    """A ``POOL_LAYERS``-layer TRITON_MLA allocation, cross-layer or layers outermost."""
+    return kvcore.allocate_kv_caches(
+        TritonMLABackend, num_layers=POOL_LAYERS, num_blocks=num_blocks, block_size=BLOCK,
+        num_kv_heads=1, head_size=ENTRY, dtype=dtype, device=DEVICE, cross_layer=cross_layer,
+        kv_cache_dtype=kv_cache_dtype)
+
+
+def others_bytes(caches: kvcore.KVCaches) -> list[torch.Tensor]:
+    return [caches.layers[i].contiguous().view(torch.uint8) for i in range(POOL_LAYERS)
+            if i != LAYER]
+
+
+class DecodeBatch:
+    """``batch`` decode requests of ``tokens`` tokens, each over shuffled pages of a latent
+    cache; the cache lives in layer ``LAYER`` of a standard and of a cross-layer allocation,
+    with random data in every layer."""
+
+    def __init__(self, batch: int, heads: int, tokens: int) -> None:
+        self.batch, self.heads, self.tokens = batch, heads, tokens
+        pages = -(-tokens // BLOCK)
+        num_blocks = batch * pages + 16
+        self.pools = {}
+        for cross_layer in (False, True):
+            caches = layer_pool(num_blocks, cross_layer)
+            caches.storage.normal_()
+            self.pools[cross_layer] = caches
+        self.pools[True].layers[LAYER].copy_(self.pools[False].layers[LAYER])
+        perm = torch.randperm(num_blocks, device=DEVICE)[: batch * pages]
+        self.block_table = perm.view(batch, pages).to(torch.int32)
+        self.seq_lens = torch.full((batch,), tokens, dtype=torch.int32, device=DEVICE)
+        self.q = randn(batch, heads, ENTRY)
+        self.scale = (NOPE + ROPE) ** -0.5
+
+    def cache(self, cross_layer: bool) -> torch.Tensor:
+        return self.pools[cross_layer].layers[LAYER]
+
+    def kv_bytes(self) -> int:
+        """Bytes of latents a perfect kernel reads: each one once."""
+        return self.batch * self.tokens * ENTRY * DTYPE.itemsize
+
+    def run(self, cross_layer: bool, num_splits: int, config=None
+            ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        cache = self.cache(cross_layer)
+        o = torch.empty(self.batch, self.heads, RANK, dtype=DTYPE, device=DEVICE)
+        lse = torch.empty(self.batch, self.heads, dtype=torch.float32, device=DEVICE)
+        logits = torch.empty(self.batch, self.heads, num_splits, RANK + 1,
+                             dtype=torch.float32, device=DEVICE)
+        fwd = tma().decode_attention_fwd
+
+        def call() -> tuple[torch.Tensor, torch.Tensor]:
+            fwd(self.q, cache, cache[..., :RANK], o, lse, self.block_table, self.seq_lens,
+                logits, num_splits, self.scale, BLOCK, True, config=config)
+            return o, lse
+
+        return call
+
+    def default_splits(self) -> int:
+        cfg = tma().default_config(self.heads, 1, RANK, decode=True)
+        return tma().default_num_kv_splits(self.batch, -(-self.heads // cfg.block_h),
+                                           self.tokens, torch.device(DEVICE))
+
+    def torch_decode(self) -> Callable[[], torch.Tensor]:
+        """Plain torch: gather each request's latents, then two batched matmuls."""
+        cache = self.cache(False)
+
+        def call() -> torch.Tensor:
+            lat = cache[self.block_table.long()].reshape(self.batch, -1, ENTRY)
+            scores = torch.bmm(self.q, lat.transpose(1, 2)).float() * self.scale
+            probs = torch.softmax(scores, dim=-1).to(DTYPE)
+            return torch.bmm(probs, lat[..., :RANK])
+
+        return call
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+
+def measure_ceilings(run: Run) -> None:
+    """Copy and read bandwidth after a warm-up (an idle GPU needs a moment to raise clocks)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _stream_read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(ITERS):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+    nbytes = (1 << 16) if SMOKE else (2 << 30)
+    x = randn(nbytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    warm_until = time.time() + (0.0 if SMOKE else 1.0)
+    while time.time() < warm_until:
+        for _ in range(20):
+            y.copy_(x)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    t_copy, how = time_call(lambda: y.copy_(x))
+    t_sum, _ = time_call(lambda: torch.sum(x))
+    block, iters = 4096, 16
+    grid = (triton.cdiv(x.numel(), block * iters),)
+    partial = torch.empty(grid[0], dtype=torch.float32, device=DEVICE)
+    _stream_read[grid](x, partial, x.numel(), BLOCK=block, ITERS=iters, num_warps=8)
+    if not math.isclose(partial.double().sum().item(), x.double().sum().item(),
+                        rel_tol=1e-3, abs_tol=1.0):
+        raise RuntimeError("the streaming-read kernel computed a wrong sum")
+    t_read, _ = time_call(lambda: _stream_read[grid](x, partial, x.numel(), BLOCK=block,
+                                                     ITERS=iters, num_warps=8))
+    c = run.results["ceilings"]
+    c.update(copy_GBps=2 * nbytes / t_copy / 1e9, read_torch_sum_GBps=nbytes / t_sum / 1e9,
+             read_triton_GBps=nbytes / t_read / 1e9, buffer_bytes=nbytes, method=how)
+    c["read_GBps"] = max(c["read_torch_sum_GBps"], c["read_triton_GBps"])
+    run.log(f"copy {c['copy_GBps']:.0f} GB/s (read+write), read {c['read_GBps']:.0f} GB/s "
+            f"(torch.sum {c['read_torch_sum_GBps']:.0f}, triton {c['read_triton_GBps']:.0f})")
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def check_concat(run: Run) -> None:
+    n = CHECK_TOKENS
+    num_blocks = 2 * n // BLOCK + 1
+    fused = randn(n, ENTRY)
+    kv_c, k_pe = fused[:, :RANK], fused[:, RANK:]
+    slots = torch.randperm(num_blocks * BLOCK, device=DEVICE)[:n]
+    slots[::97] = -1
+    scale = torch.tensor([0.3], device=DEVICE)
+    for kv_cache_dtype in ("auto", "fp8"):
+        caches = layer_pool(num_blocks, True, kv_cache_dtype=kv_cache_dtype)
+        caches.storage.view(torch.uint8).random_(0, 120)  # finite garbage in every layer
+        before = others_bytes(caches)
+        view = caches.layers[LAYER]
+        ref = view.clone()
+        tcache().concat_and_cache_mla(kv_c, k_pe, view, slots, kv_cache_dtype, scale)
+        mla_ops.concat_and_cache_mla_ref(kv_c, k_pe, ref, slots, kv_cache_dtype, scale)
+        same = torch.equal(view.view(torch.uint8), ref.view(torch.uint8))
+        untouched = all(torch.equal(a, b) for a, b in zip(before, others_bytes(caches),
+                                                          strict=True))
+        record(run, f"concat_and_cache_mla.{kv_cache_dtype}.cross_layer.exact",
+               same and untouched, tokens=n, neighbours_untouched=untouched)
+
+
+def check_indexer(run: Run) -> None:
+    n, head_dim = CHECK_TOKENS, 128
+    entry = mla_ops.indexer_cache_head_size(head_dim, 128)
+    num_blocks = 2 * n // BLOCK + 1
+    k = randn(n, head_dim)
+    slots = torch.randperm(num_blocks * BLOCK, device=DEVICE)[:n]
+    pool = torch.randint(0, 256, (num_blocks, POOL_LAYERS, BLOCK, entry), dtype=torch.uint8,
+                         device=DEVICE)
+    before = pool.clone()
+    view = pool[:, LAYER]
+    ref = view.clone()
+    tcache().indexer_k_quant_and_cache(k, view, slots, 128, "ue8m0")
+    mla_ops.indexer_k_quant_and_cache_ref(k, ref, slots, 128, "ue8m0")
+    others = [i for i in range(POOL_LAYERS) if i != LAYER]
+    record(run, "indexer_k_quant_and_cache.cross_layer.exact",
+           torch.equal(view, ref) and torch.equal(pool[:, others], before[:, others]), tokens=n)
+
+
+def check_decode(run: Run) -> None:
+    batch, heads, tokens = CHECK_DECODE
+    data = DecodeBatch(batch, heads, tokens)
+    splits = max(2, data.default_splits())
+    o, lse = data.run(False, splits)()
+    o, lse = o.clone(), lse.clone()
+    o_xl, lse_xl = data.run(True, splits)()
+    record(run, "mla_decode.cross_layer.bit_exact", torch.equal(o, o_xl) and
+           torch.equal(lse, lse_xl), batch=batch, heads=heads, tokens=tokens, splits=splits)
+    cache = data.cache(False).double()
+    o_ref = torch.empty(batch, heads, RANK, dtype=torch.float64, device=DEVICE)
+    lse_ref = torch.empty(batch, heads, dtype=torch.float64, device=DEVICE)
+    mla_ops.decode_attention_ref(data.q.double(), cache, cache[..., :RANK], o_ref, lse_ref,
+                                 data.block_table, data.seq_lens, None, 1, data.scale, BLOCK,
+                                 True)
+    err_o, err_lse = rel_err(o, o_ref), rel_err(lse, lse_ref)
+    record(run, "mla_decode.vs_float64", err_o < 1e-2 and err_lse < 1e-3,
+           rel_err_o=err_o, rel_err_lse=err_lse)
+
+
+def check_backend(run: Run) -> None:
+    """TRITON_MLA forward (absorbed) against the unabsorbed float64 model, mixed batch."""
+    heads = DECODE_SHAPES[0][1]
+    w = randn(heads * (NOPE + V_DIM), RANK, scale=RANK ** -0.5)
+    for kv_cache_dtype in ("auto", "fp8"):
+        impl = TritonMLABackend.get_impl_cls()(
+            heads, ENTRY, (NOPE + ROPE) ** -0.5, kv_cache_dtype=kv_cache_dtype,
+            kv_lora_rank=RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM,
+            kv_b_proj_weight=w)
+        lens = [CHECK_TOKENS // 2, CHECK_TOKENS, 300 if not SMOKE else 30]
+        num_blocks = sum(-(-n // BLOCK) for n in lens) + 4
+        caches = layer_pool(num_blocks, True, kv_cache_dtype=kv_cache_dtype)
+        cache = caches.layers[LAYER]
+        table = torch.randperm(num_blocks)[: num_blocks - 4].tolist()
+        tables, start = [], 0
+        for n in lens:
+            tables.append(table[start:start + -(-n // BLOCK)])
+            start += -(-n // BLOCK)
+        layer = kvcore.LayerScales(k_scale=torch.tensor([0.5], device=DEVICE))
+        history = kvcore.build_attention_metadata(lens, [0] * 3, tables, BLOCK, device=DEVICE)
+        impl.do_kv_cache_update(layer, randn(history.num_actual_tokens, RANK),
+                                randn(history.num_actual_tokens, ROPE), cache,
+                                history.slot_mapping)
+        q_lens = [lens[0] // 4, 1, 1]
+        meta = kvcore.build_attention_metadata(
+            q_lens, [n - q for n, q in zip(lens, q_lens, strict=True)], tables, BLOCK,
+            device=DEVICE)
+        query = randn(meta.num_actual_tokens, heads, NOPE + ROPE)
+        out = impl.forward(layer, query, None, None, cache, meta)
+        ref = mla_ops.mla_forward_ref(
+            query.double(), cache, w, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
+            v_head_dim=V_DIM, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+            block_table=meta.block_table, scale=impl.scale, kv_cache_dtype=kv_cache_dtype,
+            k_scale=layer.k_scale)
+        err = rel_err(out, ref)
+        record(run, f"triton_mla.forward.mixed_batch.{kv_cache_dtype}.vs_float64", err < 1e-2,
+               rel_err=err, query_lens=q_lens, seq_lens=lens)
+
+
+def check_int64(run: Run) -> None:
+    """Layer 3 of a 4-layer cross-layer pool past element 2**31: exact vs a small cache."""
+    caches = kvcore.allocate_kv_caches(
+        TritonMLABackend, num_layers=4, num_blocks=INT64_BLOCKS, block_size=BLOCK,
+        num_kv_heads=1, head_size=ENTRY, dtype=DTYPE, device=DEVICE)
+    view = caches.layers[3]
+    used = min(40, INT64_BLOCKS // 2)
+    high = torch.arange(INT64_BLOCKS - used, INT64_BLOCKS, device=DEVICE)
+    max_offset = (INT64_BLOCKS - 1) * view.stride(0) + 3 * BLOCK * ENTRY
+    n = used * BLOCK - 5
+    kv_c, k_pe = randn(n, RANK), randn(n, ROPE)
+    pos = torch.arange(n, device=DEVICE)
+    tcache().concat_and_cache_mla(kv_c, k_pe, view, high[pos // BLOCK] * BLOCK + pos % BLOCK)
+    small = torch.zeros(used, BLOCK, ENTRY, dtype=DTYPE, device=DEVICE)
+    tcache().concat_and_cache_mla(kv_c, k_pe, small, pos)
+    written = torch.equal(view[high], small)
+    untouched = caches.layers[2][high].abs().max().item() == 0
+    q = randn(1, DECODE_SHAPES[0][1], ENTRY)
+    lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for cache, table in ((view, high[None].int()),
+                         (small, torch.arange(used, device=DEVICE)[None].int())):
+        o = torch.empty(1, q.shape[1], RANK, dtype=DTYPE, device=DEVICE)
+        lse = torch.empty(1, q.shape[1], dtype=torch.float32, device=DEVICE)
+        logits = torch.empty(1, q.shape[1], 4, RANK + 1, dtype=torch.float32, device=DEVICE)
+        tma().decode_attention_fwd(q, cache, cache[..., :RANK], o, lse, table, lens, logits, 4,
+                                   0.1, BLOCK, True)
+        outs.append((o, lse))
+    read = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    record(run, "int64_pool.write_and_decode.exact", written and untouched and read,
+           pool_elements=caches.storage.numel(), max_element_offset=max_offset,
+           beyond_2pow31=max_offset > 2**31, neighbour_untouched=untouched)
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def add_timing(run: Run, **row: object) -> None:
+    run.results["timings"].append(row)
+    run.log("TIME", row)
+
+
+def time_decode(run: Run) -> None:
+    read_ceiling = run.results["ceilings"].get("read_GBps")
+    for batch, heads, tokens in DECODE_SHAPES:
+        data = DecodeBatch(batch, heads, tokens)
+        splits = data.default_splits()
+        t_torch, _ = time_call(data.torch_decode())
+        times = {}
+        for cross_layer in (False, True):
+            t, how = time_call(data.run(cross_layer, splits))
+            times[cross_layer] = t
+            gbps = data.kv_bytes() / t / 1e9
+            add_timing(run, op="mla_decode", shape=f"B{batch} H{heads} L{tokens} bs{BLOCK}",
+                       layout="cross-layer" if cross_layer else "standard", splits=splits,
+                       time_us=t * 1e6, GBps=gbps,
+                       ceiling_frac=gbps / read_ceiling if read_ceiling else None,
+                       vs_torch=t_torch / t, method=how,
+                       xl_over_std=t / times[False] if cross_layer else None)
+        add_timing(run, op="mla_decode_torch", shape=f"B{batch} H{heads} L{tokens} bs{BLOCK}",
+                   layout="standard", time_us=t_torch * 1e6,
+                   GBps=data.kv_bytes() / t_torch / 1e9)
+        del data
+
+
+def time_flashinfer(run: Run, deadline: float) -> None:
+    """FlashInfer's MLA decode on the first decode shape, when flashinfer imports, and only
+    within the budget: its JIT build can take minutes."""
+    try:
+        import flashinfer.mla
+    except Exception as exc:
+        run.results["flashinfer"] = f"not available: {type(exc).__name__}: {exc}"
+        run.log(run.results["flashinfer"])
+        return
+    if time.time() > deadline:
+        run.results["flashinfer"] = "skipped: the time budget is spent"
+        run.log(run.results["flashinfer"])
+        return
+    data = DecodeBatch(*DECODE_SHAPES[0])
+    t_ours, _ = time_call(data.run(False, data.default_splits()))
+    try:
+        cache = data.cache(False)
+        pages = data.block_table.shape[1]
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            torch.empty(128 << 20, dtype=torch.int8, device=DEVICE))
+        qo_indptr = torch.arange(data.batch + 1, dtype=torch.int32, device=DEVICE)
+        kv_indptr = qo_indptr * pages
+        wrapper.plan(qo_indptr, kv_indptr, data.block_table.flatten(), data.seq_lens,
+                     data.heads, RANK, ROPE, BLOCK, False, data.scale, DTYPE, DTYPE)
+        q_nope, q_pe = data.q[..., :RANK].contiguous(), data.q[..., RANK:].contiguous()
+        ckv, kpe = cache[..., :RANK], cache[..., RANK:]
+        out = wrapper.run(q_nope, q_pe, ckv, kpe)
+        ours, _ = data.run(False, data.default_splits())()
+        err = rel_err(out, ours)
+        t, how = time_call(lambda: wrapper.run(q_nope, q_pe, ckv, kpe))
+        add_timing(run, op="mla_decode_flashinfer",
+                   shape=f"B{data.batch} H{data.heads} L{data.tokens} bs{BLOCK}",
+                   layout="standard", time_us=t * 1e6, GBps=data.kv_bytes() / t / 1e9,
+                   ours_over_flashinfer=t_ours / t, rel_err_vs_ours=err, method=how)
+    except Exception as exc:
+        run.log(f"flashinfer MLA decode failed: {type(exc).__name__}: {exc}")
+        run.results["errors"].append({"section": "flashinfer", "error": repr(exc)})
+
+
+def time_writes(run: Run) -> None:
+    copy_ceiling = run.results["ceilings"].get("copy_GBps")
+    for n in WRITE_SIZES:
+        num_blocks = 2 * n // BLOCK + 1
+        fused = randn(n, ENTRY)  # kv_c and k_pe as column slices of one projection output
+        slots = torch.randperm(num_blocks * BLOCK, device=DEVICE)[:n]
+        moved = 2 * n * ENTRY * DTYPE.itemsize  # read the latents, write them
+        times = {}
+        for cross_layer in (False, True):
+            cache = layer_pool(num_blocks, cross_layer).layers[LAYER]
+
+            def torch_write(c: torch.Tensor = cache, s: torch.Tensor = slots,
+                            latent: torch.Tensor = fused) -> None:
+                c[s // BLOCK, s % BLOCK] = latent
+
+            def triton_write(c: torch.Tensor = cache, s: torch.Tensor = slots,
+                             latent: torch.Tensor = fused) -> None:
+                tcache().concat_and_cache_mla(latent[:, :RANK], latent[:, RANK:], c, s)
+
+            t_torch, _ = time_call(torch_write)
+            t, how = time_call(triton_write)
+            times[cross_layer] = t
+            gbps = moved / t / 1e9
+            add_timing(run, op="concat_and_cache_mla", shape=f"N{n}",
+                       layout="cross-layer" if cross_layer else "standard", time_us=t * 1e6,
+                       GBps=gbps, ceiling_frac=gbps / copy_ceiling if copy_ceiling else None,
+                       vs_torch=t_torch / t, method=how,
+                       xl_over_std=t / times[False] if cross_layer else None)
+        k = randn(n, 128)
+        entry = mla_ops.indexer_cache_head_size()
+        icache = torch.zeros(num_blocks, BLOCK, entry, dtype=torch.uint8, device=DEVICE)
+        args = (k, icache, slots)
+        t, how = time_call(lambda a=args: tcache().indexer_k_quant_and_cache(*a))
+        t_ref, _ = time_call(lambda a=args: mla_ops.indexer_k_quant_and_cache_ref(*a))
+        moved_idx = n * (128 * DTYPE.itemsize + entry)
+        add_timing(run, op="indexer_k_quant_and_cache", shape=f"N{n}", layout="standard",
+                   time_us=t * 1e6, GBps=moved_idx / t / 1e9,
+                   ceiling_frac=moved_idx / t / 1e9 / copy_ceiling if copy_ceiling else None,
+                   vs_torch=t_ref / t, method=how)
+
+
+def sweep_decode(run: Run, deadline: float) -> None:
+    """Launch configurations at the default split count, then split counts for the best one,
+    for the first (128-head) and third (16-head) decode shapes."""
+    for index in (0, 2):
+        if index >= len(DECODE_SHAPES) or time.time() > deadline:
+            return
+        batch, heads, tokens = DECODE_SHAPES[index]
+        data = DecodeBatch(batch, heads, tokens)
+        splits = data.default_splits()
+        best = None
+        for block_h, block_n, warps, stages in SWEEP_CONFIGS:
+            if time.time() > deadline:
+                break
+            cfg = tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n,
+                                     num_warps=warps, num_stages=stages)
+            try:
+                t, _ = time_call(data.run(False, splits, cfg))
+            except Exception as exc:
+                run.log(f"config {cfg} failed: {type(exc).__name__}: {exc}")
+                continue
+            row = dict(shape=f"B{batch} H{heads} L{tokens}", block_h=block_h, block_n=block_n,
+                       num_warps=warps, num_stages=stages, splits=splits, time_us=t * 1e6,
+                       GBps=data.kv_bytes() / t / 1e9)
+            run.results["sweeps"].append(row)
+            run.log("SWEEP", row)
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        for s in SWEEP_SPLITS:
+            if best is None or time.time() > deadline or s == splits:
+                continue
+            t, _ = time_call(data.run(False, s, best[1]))
+            row = dict(shape=f"B{batch} H{heads} L{tokens}", block_h=best[1].block_h,
+                       block_n=best[1].block_n, num_warps=best[1].num_warps,
+                       num_stages=best[1].num_stages, splits=s, time_us=t * 1e6,
+                       GBps=data.kv_bytes() / t / 1e9)
+            run.results["sweeps"].append(row)
+            run.log("SWEEP", row)
+        del data
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def print_table(run: Run) -> None:
+    headers = ["op", "shape", "layout", "splits", "time us", "GB/s", "% ceiling", "x torch",
+               "xl/std"]
+    rows = []
+    for r in run.results["timings"]:
+        def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
+            v = row.get(key)
+            return "" if v is None else format(v * scale, spec)
+        rows.append([r["op"], r["shape"], r["layout"], str(r.get("splits", "")),
+                     fmt("time_us", ".1f"), fmt("GBps", ".0f"), fmt("ceiling_frac", ".1f", 100),
+                     fmt("vs_torch", ".2f"), fmt("xl_over_std", ".3f")])
+    c = run.results["ceilings"]
+    checks = run.results["correctness"]
+    lines = [f"device: {run.results['meta'].get('device')}; ceilings: copy "
+             f"{c.get('copy_GBps', float('nan')):.0f} GB/s, read "
+             f"{c.get('read_GBps', float('nan')):.0f} GB/s; correctness: "
+             f"{sum(x['ok'] for x in checks)}/{len(checks)} passed; errors: "
+             f"{len(run.results['errors'])}"]
+    try:
+        from tabulate import tabulate
+
+        lines.append(tabulate(rows, headers=headers, tablefmt="github"))
+    except ImportError:
+        lines.extend(" | ".join(row) for row in [headers, *rows])
+    for check in checks:
+        if not check["ok"]:
+            lines.append(f"FAILED check: {check}")
+    text = "\n".join(lines)
+    run.log("\n" + text)
+    (run.out_dir / "bench_mla_table.txt").write_text(text + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path,
+                        default=Path(os.environ.get("OUT", _ROOT / "benchmarks" / "results")))
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="stop starting new sweep points after this many seconds")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
+                        help="skip FlashInfer's MLA decode (its first call may JIT-compile)")
+    args = parser.parse_args()
+    if not SMOKE and not torch.cuda.is_available():
+        sys.exit("no GPU: run with --smoke to check the script on the CPU")
+    run = Run(args.out, args.budget_s)
+    import triton
+
+    run.results["meta"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor()
+        or "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "smoke": SMOKE,
+        "dims": {"kv_lora_rank": RANK, "rope": ROPE, "block_size": BLOCK, "dtype": str(DTYPE)},
+    }
+    run.log("meta", run.results["meta"])
+    torch.manual_seed(0)
+    # The value checks synchronise with the device; timings and graph capture need them off.
+    kvcore.ops.set_value_checks(False)
+    for name, fn in (("ceilings", measure_ceilings), ("check concat_and_cache_mla", check_concat),
+                     ("check indexer", check_indexer), ("check decode", check_decode),
+                     ("check TRITON_MLA forward", check_backend), ("check int64 pool",
+                                                                    check_int64),
+                     ("time decode", time_decode), ("time writes", time_writes)):
+        with run.section(name):
+            fn(run)
+    if args.flashinfer:
+        with run.section("time flashinfer"):
+            time_flashinfer(run, run.start + args.budget_s)
+    with run.section("sweep decode"):
+        sweep_decode(run, run.start + args.budget_s)
+    print_table(run)
+    run.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,555 @@
+"""Triton split-KV attention over paged caches: MLA latents, and K/V caches for GQA/MHA.
+
+Two entry points share one kernel:
+
+- :func:`decode_attention_fwd`: the decode API engines know from SGLang/vLLM (one query per
+  request, a float32 split workspace ``attn_logits``), for MLA (``is_mla=True``: keys are the
+  whole latent, values its first ``v_head_dim`` channels) and for GQA/MHA caches.
+- :func:`mla_attention`: latent-space MLA for a batch that mixes prefill (with a cached
+  prefix) and decode requests, as the TRITON_MLA backend calls it.
+
+Kernel structure
+----------------
+A program owns ``BLOCK_Q`` consecutive query tokens of one request times ``BLOCK_H`` query
+heads that share one KV head (``BLOCK_M = BLOCK_Q * BLOCK_H`` rows; MLA's single latent "KV
+head" is shared by all heads), and one of ``NUM_SPLITS`` contiguous parts of the request's key
+range. It streams ``BLOCK_N`` keys per step, each token's page looked up in the block table and
+addressed as ``page * stride(0) + offset * stride(1)`` with the cache's *real* strides, so a
+per-layer view of a cross-layer pool (page stride ``num_layers`` times the page size) reads
+exactly the bytes of its layer and gives bit-identical results. MLA tiles are loaded once: the
+``[0, v_head_dim)`` channels serve as the value tile and as the first part of the key, the rope
+channels ``[v_head_dim, head_dim)`` as a second, small key part (576 = 512 + 64 needs no padding
+to 1024). Scores use ``exp2`` with ``log2(e)`` folded into the scale; partial results of each
+split (normalised output and base-2 log-sum-exp) go to a float32 workspace that
+``_merge_splits_kernel`` reduces, also producing the natural-log ``lse``. With one split the
+attention kernel writes ``o`` and ``lse`` itself.
+
+Programs are numbered with the head block fastest, then the split, then the query tile: the
+programs that read the same keys (one request, one split, all head blocks) run side by side
+and share them through L2.
+
+All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
+under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
+mishandles low-precision dots); on a GPU the dots run in the query dtype.
+
+This module imports triton at import time; :mod:`kvcore_mla.ops` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.ops import FP8_KV_CACHE_DTYPES
+from kvcore_mla.ops.triton_utils import interpreting, is_rocm, scale_arg
+from kvcore_mla.ops.validation import (
+    FP8_DTYPES,
+    validate_decode_attention,
+    validate_mla_attention,
+)
+
+__all__ = [
+    "MAX_KV_SPLITS",
+    "LaunchConfig",
+    "decode_attention_fwd",
+    "default_config",
+    "default_num_kv_splits",
+    "mla_attention",
+]
+
+#: Most KV splits one call may use.
+MAX_KV_SPLITS = 64
+# Split a decode batch until it has this many programs per SM ...
+_SPLIT_TARGET_WAVES = 2
+# ... but give every split at least this many keys of the longest request.
+_MIN_SPLIT_TOKENS = 256
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Launch parameters of one attention call (see the module docstring).
+
+    ``block_q`` query tokens x ``block_h`` query heads form one program's rows (``block_q`` is 1
+    on the decode path; rows must number at least 16 for ``tl.dot``); ``block_n`` keys per loop
+    step.
+    """
+
+    block_q: int
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_h", "block_n"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two")
+        if self.block_q * self.block_h < 16 or self.block_n < 16:
+            raise ValueError(
+                f"block_q * block_h = {self.block_q * self.block_h} and block_n = "
+                f"{self.block_n} must be >= 16 (tl.dot tiles)"
+            )
+
+
+def default_config(num_heads: int, num_kv_heads: int, k_main_dim: int, *,
+                   decode: bool) -> LaunchConfig:
+    """The launch configuration used when none is given.
+
+    ``k_main_dim`` is the width of the key part that is not rope (MLA: ``kv_lora_rank``).
+    Decode: one query per program and 16 head rows (padded for GQA/MHA, as ``tl.dot`` needs
+    16). Prefill: up to 16 heads of one KV head times enough tokens for 32 rows (MLA, whose
+    512-wide accumulator limits rows) or 64 rows.
+    """
+    group = num_heads // num_kv_heads
+    wide = k_main_dim > 256
+    rocm = is_rocm()
+    if decode:
+        block_q, block_h = 1, 16
+    else:
+        block_h = min(triton.next_power_of_2(group), 16)
+        block_q = max(1, (32 if wide else 64) // block_h)
+    if wide:
+        # ROCm's 64 KiB of LDS per CU does not hold two stages of 32 x 576 bf16 keys.
+        block_n = 16 if rocm else 32
+    else:
+        block_n = 32 if k_main_dim > 128 else 64
+    num_warps = 8 if wide and not decode else 4
+    return LaunchConfig(block_q=block_q, block_h=block_h, block_n=block_n,
+                        num_warps=num_warps, num_stages=1 if rocm else 2)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
+                          device: torch.device) -> int:
+    """KV splits for a decode batch: enough programs for ``_SPLIT_TARGET_WAVES`` per SM, at
+    most one split per ``_MIN_SPLIT_TOKENS`` keys of the longest request, at most
+    :data:`MAX_KV_SPLITS`."""
+    programs = max(1, num_seqs * num_head_blocks)
+    target = _SPLIT_TARGET_WAVES * _num_sms(device)
+    if programs >= target:
+        return 1
+    by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
+    return max(1, min(-(-target // programs), by_length, MAX_KV_SPLITS))
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The request owning query tile ``tile``: request ``s`` owns the tiles from
+    ``query_start_loc[s] // BLOCK_Q + s`` on (strictly increasing in ``s``)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    k_scale, v_scale, qk_scale,
+    num_seqs, num_head_blocks, group, blocks_per_kv_head, k_main_dim, k_dim, v_dim,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    stride_pt, stride_ph, stride_ps, stride_pd,
+    stride_bts, stride_btb,
+    PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, IS_MLA: tl.constexpr, HAS_PE: tl.constexpr,
+    FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, WRITE_LSE: tl.constexpr,
+    INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    pid = tl.program_id(0)
+    head_block = pid % num_head_blocks
+    rest = pid // num_head_blocks
+    split = rest % NUM_SPLITS
+    tile = rest // NUM_SPLITS
+
+    if VARLEN:
+        seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_tile = tile - (q_start // BLOCK_Q + seq)
+        if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # Keys this tile sees (causal): up to its last query.
+        kv_end = seq_len - q_len + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q)
+    else:  # decode: request i has exactly one query, token i, which sees every key
+        seq = tile
+        q_start = tile
+        q_len = 1
+        q_tile = 0
+        seq_len = tl.load(seq_lens_ptr + seq)
+        kv_end = seq_len
+    context_len = seq_len - q_len
+
+    kv_head = head_block // blocks_per_kv_head
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // BLOCK_H
+    g = (head_block % blocks_per_kv_head) * BLOCK_H + rows % BLOCK_H
+    row_valid = (q_idx < q_len) & (g < group)
+    head = (kv_head * group + g).to(tl.int64)
+    token = (q_start + q_idx).to(tl.int64)
+    q_pos = context_len + q_idx
+    q_row = q_ptr + token * stride_qt + head * stride_qh
+
+    dk = tl.arange(0, BLOCK_DK).to(tl.int64)
+    dk_valid = dk < k_main_dim
+    q = tl.load(q_row[:, None] + dk[None, :] * stride_qd,
+                mask=row_valid[:, None] & dk_valid[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    if HAS_PE:
+        dpe = k_main_dim + tl.arange(0, BLOCK_DPE).to(tl.int64)
+        dpe_valid = dpe < k_dim
+        q_pe = tl.load(q_row[:, None] + dpe[None, :] * stride_qd,
+                       mask=row_valid[:, None] & dpe_valid[None, :], other=0.0)
+        if INTERPRET:
+            q_pe = q_pe.to(tl.float32)
+    if not IS_MLA:
+        dv = tl.arange(0, BLOCK_DV).to(tl.int64)
+        dv_valid = dv < v_dim
+
+    if FP8:
+        if SCALE_IS_TENSOR:
+            ks = tl.load(k_scale).to(tl.float32)
+            vs = tl.load(v_scale).to(tl.float32)
+        else:
+            ks = k_scale
+            vs = v_scale
+        qk_scale = qk_scale * ks
+
+    # The keys are cut into NUM_SPLITS parts of whole BLOCK_N tiles.
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, num_kv_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bts
+    kv_head64 = kv_head.to(tl.int64)
+    for t in range(t_lo, t_hi):
+        k_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < kv_end
+        page = tl.load(bt_row + (k_pos // PAGE_SIZE) * stride_btb, mask=k_valid, other=0)
+        in_page = (k_pos % PAGE_SIZE).to(tl.int64)
+        # The page's address from the cache's own page stride: see the module docstring.
+        k_row = k_ptr + page.to(tl.int64) * stride_kb + in_page * stride_ks + kv_head64 * stride_kh
+        k = tl.load(k_row[:, None] + dk[None, :] * stride_kd,
+                    mask=k_valid[:, None] & dk_valid[None, :], other=0.0)
+        if INTERPRET:
+            k = k.to(tl.float32)
+        else:
+            k = k.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_PE:
+            k_pe = tl.load(k_row[:, None] + dpe[None, :] * stride_kd,
+                           mask=k_valid[:, None] & dpe_valid[None, :], other=0.0)
+            if INTERPRET:
+                k_pe = k_pe.to(tl.float32)
+            else:
+                k_pe = k_pe.to(q.dtype)
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        s = s * qk_scale
+        mask = row_valid[:, None] & k_valid[None, :]
+        if VARLEN:  # causal within the tile's queries; a decode query sees all kv_end keys
+            mask &= k_pos[None, :] <= q_pos[:, None]
+        s = tl.where(mask, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IS_MLA:
+            v = k  # the latent's first v_dim channels are the value
+        else:
+            v_row = (v_ptr + page.to(tl.int64) * stride_vb + in_page * stride_vs
+                     + kv_head64 * stride_vh)
+            v = tl.load(v_row[:, None] + dv[None, :] * stride_vd,
+                        mask=k_valid[:, None] & dv_valid[None, :], other=0.0)
+            if INTERPRET:
+                v = v.to(tl.float32)
+            else:
+                v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if FP8:
+        acc = acc * vs
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    d_out = tl.arange(0, BLOCK_DV).to(tl.int64)
+    out_mask = row_valid[:, None] & (d_out[None, :] < v_dim)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None]
+                 + d_out[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if WRITE_LSE:
+            tl.store(lse_ptr + token * stride_lt + head * stride_lh,
+                     (lse2 * 0.6931471805599453).to(lse_ptr.dtype.element_ty),  # x ln(2)
+                     mask=row_valid)
+    else:
+        # Workspace (tokens, heads, splits, v_dim + 1): the split's normalised output, then
+        # its base-2 log-sum-exp.
+        part = part_ptr + token * stride_pt + head * stride_ph + split * stride_ps
+        tl.store(part[:, None] + d_out[None, :] * stride_pd, out, mask=out_mask)
+        tl.store(part + v_dim * stride_pd, lse2, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, out_ptr, lse_ptr, v_dim,
+    stride_pt, stride_ph, stride_ps, stride_pd,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD).to(tl.int64)
+    s_valid = splits < NUM_SPLITS
+    d = tl.arange(0, BLOCK_DV).to(tl.int64)
+    d_valid = d < v_dim
+    part = part_ptr + token * stride_pt + head * stride_ph + splits * stride_ps
+    lse2 = tl.load(part + v_dim * stride_pd, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse2, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse2 - m_use)  # 0 for empty splits
+    o = tl.load(part[:, None] + d[None, :] * stride_pd, mask=s_valid[:, None] & d_valid[None, :],
+                other=0.0)
+    total = tl.sum(w, 0)
+    has_keys = total > 0
+    out = tl.sum(w[:, None] * o, 0) / tl.where(has_keys, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_valid)
+    if WRITE_LSE:
+        lse = tl.where(has_keys, (m_use + tl.log2(tl.where(has_keys, total, 1.0))), float("-inf"))
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh,
+                 (lse * 0.6931471805599453).to(lse_ptr.dtype.element_ty))  # x ln(2)
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | float | None,
+    v_scale: torch.Tensor | float | None,
+    num_splits: int,
+    is_mla: bool,
+    config: LaunchConfig,
+) -> None:
+    """Launch the attention kernel (and the merge when split). Caches are 4-dim
+    ``(num_pages, page_size, num_kv_heads, dim)``; ``query_start_loc=None`` selects the decode
+    path (query ``i`` belongs to request ``i``)."""
+    num_tokens, num_heads, k_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    v_dim = v_cache.shape[3]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    blocks_per_kv_head = -(-group // config.block_h)
+    num_head_blocks = num_kv_heads * blocks_per_kv_head
+    varlen = query_start_loc is not None
+    num_tiles = num_tokens // config.block_q + num_seqs if varlen else num_tokens
+    k_main_dim = v_dim if is_mla else k_dim
+    pe_dim = k_dim - k_main_dim
+    fp8 = k_cache.dtype in FP8_DTYPES
+    ks = scale_arg(k_scale if fp8 else None, q.device)
+    vs = scale_arg(v_scale if fp8 else None, q.device)
+    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
+        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
+        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
+    block_dk = max(16, triton.next_power_of_2(k_main_dim))
+    block_dv = block_dk if is_mla else max(16, triton.next_power_of_2(v_dim))
+    split = num_splits > 1
+    lse_arg = lse if lse is not None else out
+    part = workspace if split else out
+    part_strides = workspace.stride() if split else (0, 0, 0, 0)
+    lse_strides = lse.stride() if lse is not None else (0, 0)
+    _attention_kernel[(num_tiles * num_splits * num_head_blocks,)](
+        q, k_cache, v_cache, out, lse_arg, part,
+        query_start_loc if varlen else seq_lens, seq_lens, block_table,
+        ks, vs, float(scale) * _LOG2E,
+        num_seqs, num_head_blocks, group, blocks_per_kv_head, k_main_dim, k_dim, v_dim,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse_strides,
+        *part_strides, *block_table.stride(),
+        PAGE_SIZE=page_size, VARLEN=varlen, IS_MLA=is_mla, HAS_PE=pe_dim > 0,
+        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), WRITE_LSE=lse is not None,
+        INTERPRET=interpreting(),
+        # fp32 queries (tests) get exact dots; others the backend's default (names differ
+        # between NVIDIA and AMD, so none is spelled out).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        BLOCK_Q=config.block_q, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        BLOCK_DK=block_dk, BLOCK_DPE=max(16, triton.next_power_of_2(max(pe_dim, 1))),
+        BLOCK_DV=block_dv, NUM_SPLITS=num_splits,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            workspace, out, lse_arg, v_dim, *workspace.stride(), *out.stride(), *lse_strides,
+            WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
+        )
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    req_to_page: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    attn_logits: torch.Tensor,
+    num_kv_splits: int,
+    sm_scale: float,
+    page_size: int,
+    is_mla: bool = False,
+    *,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    config: LaunchConfig | None = None,
+) -> None:
+    """Split-KV decode attention over a paged cache, in place (Triton).
+
+    Args:
+        q: ``(batch, num_heads, qk_head_dim)``; request ``i``'s single query, at position
+            ``b_seq_len[i] - 1``. fp16/bf16/fp32, any strides.
+        k_buffer: ``(num_pages, page_size, num_kv_heads, qk_head_dim)``, or ``(num_pages,
+            page_size, qk_head_dim)`` for one KV head (an MLA latent cache), of any strides:
+            the page stride ``stride(0)`` may exceed the page size (one layer of a cross-layer
+            pool). q's dtype, or fp8 (read as ``stored * k_scale``).
+        v_buffer: ``(num_pages, page_size, num_kv_heads, v_head_dim)`` (or 3-dim), any
+            strides. With ``is_mla=True`` it must be ``k_buffer[..., :v_head_dim]``: the kernel
+            then reads each latent once for keys and values.
+        o: ``(batch, num_heads, v_head_dim)`` output, any strides.
+        lse: ``(batch, num_heads)`` natural-log log-sum-exp of ``sm_scale * q.k`` per head.
+        req_to_page: ``(batch, max_pages)`` int32/int64 page ids (the block table).
+        b_seq_len: ``(batch,)`` tokens per request (a request with 0 tokens gets ``o = 0``,
+            ``lse = -inf``).
+        attn_logits: float32 workspace ``(batch, num_heads, num_kv_splits, v_head_dim + 1)``
+            (unused with one split); afterwards it holds each split's normalised output and
+            base-2 log-sum-exp.
+        num_kv_splits: parts each request's keys are cut into (1..:data:`MAX_KV_SPLITS`).
+        sm_scale: softmax scale.
+        page_size: tokens per page; must equal ``k_buffer.shape[1]``.
+        is_mla: MLA mode (one latent: keys = all channels, values = the first ``v_head_dim``).
+        k_scale, v_scale: fp8 per-tensor scales (1-element tensors or floats).
+        config: launch override (tuning, benchmarks); :func:`default_config` otherwise.
+    """
+    k_buffer, v_buffer = validate_decode_attention(
+        q, k_buffer, v_buffer, o, lse, req_to_page, b_seq_len, attn_logits, num_kv_splits,
+        sm_scale, page_size, is_mla, k_scale, v_scale)
+    if num_kv_splits > MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits={num_kv_splits} exceeds {MAX_KV_SPLITS}")
+    if q.dtype == torch.float64:
+        raise TypeError("q has dtype float64; the Triton kernels take fp16/bf16/fp32 "
+                        "(use kvcore_mla.ops.reference.decode_attention_ref)")
+    cfg = config or default_config(q.shape[1], k_buffer.shape[2],
+                                   v_buffer.shape[3] if is_mla else k_buffer.shape[3],
+                                   decode=True)
+    if cfg.block_q != 1:
+        raise ValueError(f"config.block_q={cfg.block_q}; decode runs one query per program (1)")
+    _launch(q, k_buffer, v_buffer, o, lse, attn_logits, None, b_seq_len, req_to_page,
+            sm_scale, k_scale, v_scale, num_kv_splits, is_mla, cfg)
+
+
+def mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    output: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Latent-space MLA attention for a batch mixing prefill and decode requests (Triton).
+
+    Semantics and shapes are those of :func:`kvcore_mla.ops.reference.mla_attention_ref`:
+    ``q`` ``(num_tokens, num_heads, kv_lora_rank + rope_dim)`` (absorbed ``W_UK^T q_nope``,
+    then ``q_pe``); ``kv_cache`` ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` of any
+    strides; causal; returns ``(num_tokens, num_heads, kv_lora_rank)`` (``output`` if given).
+
+    Args:
+        max_query_len: host-side maximum query length; when it is 1 and every request has one
+            token the batch takes the decode path (one query per program, split-KV).
+        max_seq_len: host-side bound on ``seq_lens`` for the split heuristic (default
+            ``block_table.shape[1] * block_size``).
+        num_kv_splits: force the number of splits (decode and prefill); ``None``: the
+            heuristic :func:`default_num_kv_splits` on the decode path, 1 otherwise.
+        config: launch override; :func:`default_config` otherwise.
+    """
+    validate_mla_attention(q, kv_cache, kv_lora_rank, query_start_loc, seq_lens, block_table,
+                           scale, kv_cache_dtype, k_scale, output)
+    if q.dtype == torch.float64:
+        raise TypeError("q has dtype float64; the Triton kernels take fp16/bf16/fp32 "
+                        "(use kvcore_mla.ops.reference.mla_attention_ref)")
+    if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits={num_kv_splits} must be in 1..{MAX_KV_SPLITS} or None")
+    num_tokens, num_heads, _ = q.shape
+    num_seqs = seq_lens.shape[0]
+    out = output if output is not None else torch.empty(
+        num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    decode = max_query_len == 1 and num_tokens == num_seqs
+    cfg = config or default_config(num_heads, 1, kv_lora_rank, decode=decode)
+    if decode and cfg.block_q != 1:
+        raise ValueError(f"config.block_q={cfg.block_q}; a decode batch needs 1")
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        if decode:
+            bound = max_seq_len if max_seq_len is not None else (
+                block_table.shape[1] * kv_cache.shape[1])
+            num_kv_splits = default_num_kv_splits(
+                num_seqs, -(-num_heads // cfg.block_h), bound, q.device)
+    workspace = None
+    if num_kv_splits > 1:
+        workspace = torch.empty(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1,
+                                dtype=torch.float32, device=q.device)
+    k_cache = kv_cache.unsqueeze(2)
+    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    scale_used = k_scale if fp8 else None
+    _launch(q, k_cache, k_cache[..., :kv_lora_rank], out, None, workspace,
+            None if decode else query_start_loc, seq_lens, block_table, scale,
+            scale_used, scale_used, num_kv_splits, True, cfg)
+    return out

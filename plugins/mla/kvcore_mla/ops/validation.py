@@ -1,0 +1,422 @@
+"""Argument checks shared by the reference and the Triton implementation of every MLA op.
+
+Each check raises ``ValueError`` or ``TypeError`` naming the argument, the value it got and
+what is expected, before anything is launched, so a bad argument gets the same message
+whichever implementation runs. Checks that read tensor values (slot and block ids in range)
+synchronise with the device and follow kvcore's switch
+(:func:`kvcore.ops.set_value_checks`, ``KVCORE_CHECK_INDICES=0``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.ops import (
+    KV_CACHE_DTYPES,
+    cache_torch_dtype,
+    check_block_indices,
+    value_checks_enabled,
+)
+
+__all__ = [
+    "FP8_DTYPES",
+    "INDEXER_SCALE_FORMATS",
+    "indexer_cache_head_size",
+    "validate_concat_and_cache_mla",
+    "validate_decode_attention",
+    "validate_indexer_k_quant_and_cache",
+    "validate_mla_attention",
+]
+
+#: Storage dtypes read as scaled fp8 (``stored * scale``).
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: ``scale_fmt`` values of :func:`~kvcore_mla.ops.indexer_k_quant_and_cache`: ``None`` keeps
+#: the exact ``amax / 448`` scale, ``"ue8m0"`` rounds it up to a power of two (DeepSeek-V3.2).
+INDEXER_SCALE_FORMATS: tuple[str | None, ...] = (None, "ue8m0")
+
+
+def _tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _ndim(name: str, t: torch.Tensor, ndims: tuple[int, ...], layout: str) -> None:
+    if t.dim() not in ndims:
+        want = " or ".join(str(n) for n in ndims)
+        raise ValueError(f"{name} must have {want} dims {layout}, got shape {tuple(t.shape)}")
+
+
+def _int_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def _float_dtype(name: str, t: torch.Tensor) -> None:
+    if not t.dtype.is_floating_point or t.dtype in FP8_DTYPES:
+        raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got {t.dtype}")
+
+
+def _same_device(named: list[tuple[str, torch.Tensor]]) -> None:
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all tensors of one call must be on the same device"
+            )
+
+
+def _scale(name: str, scale: object) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(
+                f"{name} must be a per-tensor scale (1 element), got shape {tuple(scale.shape)}"
+            )
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
+
+
+def _kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
+        )
+
+
+def _slots_in_range(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    if not value_checks_enabled() or slot_mapping.numel() == 0:
+        return
+    hi = int(slot_mapping.max())
+    if hi >= num_blocks * block_size:
+        raise ValueError(
+            f"slot_mapping contains slot {hi}, but the cache holds only {num_blocks} blocks x "
+            f"{block_size} tokens = {num_blocks * block_size} slots"
+        )
+
+
+def validate_concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    scale: torch.Tensor | float | None,
+) -> torch.Tensor:
+    """Validate ``concat_and_cache_mla``'s arguments; returns ``k_pe`` as ``(num_tokens, rope)``."""
+    for n, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
+                 ("slot_mapping", slot_mapping)):
+        _tensor(n, t)
+    _ndim("kv_c", kv_c, (2,), "(num_tokens, kv_lora_rank)")
+    _ndim("k_pe", k_pe, (2, 3), "(num_tokens, rope_dim) or (num_tokens, 1, rope_dim)")
+    _ndim("kv_cache", kv_cache, (3,), "(num_blocks, block_size, kv_lora_rank + rope_dim)")
+    _ndim("slot_mapping", slot_mapping, (1,), "(num_tokens,)")
+    _int_dtype("slot_mapping", slot_mapping)
+    _float_dtype("kv_c", kv_c)
+    _same_device([("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
+                  ("slot_mapping", slot_mapping)])
+    if k_pe.dim() == 3:
+        if k_pe.shape[1] != 1:
+            raise ValueError(
+                f"k_pe has shape {tuple(k_pe.shape)}; a 3-dim k_pe must be (num_tokens, 1, "
+                "rope_dim) (MLA shares one rope key across heads)"
+            )
+        k_pe = k_pe[:, 0]
+    if k_pe.dtype != kv_c.dtype:
+        raise TypeError(f"k_pe has dtype {k_pe.dtype} but kv_c has {kv_c.dtype}")
+    num_tokens, kv_lora_rank = kv_c.shape
+    if k_pe.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"kv_c has {num_tokens} tokens but k_pe has {k_pe.shape[0]} and slot_mapping "
+            f"{slot_mapping.shape[0]}; all three need one row per token"
+        )
+    entry = kv_lora_rank + k_pe.shape[1]
+    if kv_cache.shape[2] != entry:
+        raise ValueError(
+            f"kv_cache holds {kv_cache.shape[2]} channels per token but kv_lora_rank="
+            f"{kv_lora_rank} + rope_dim={k_pe.shape[1]} = {entry}"
+        )
+    _kv_cache_dtype(kv_cache_dtype)
+    expected = cache_torch_dtype(kv_cache_dtype, kv_c.dtype)
+    if kv_cache.dtype != expected:
+        raise TypeError(
+            f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with "
+            f"kv_c of dtype {kv_c.dtype} needs {expected}"
+        )
+    _scale("scale", scale)
+    _slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
+    return k_pe
+
+
+def indexer_cache_head_size(head_dim: int = 128, quant_block_size: int = 128) -> int:
+    """Bytes per token of the DeepSeek-V3.2 indexer cache: fp8 keys plus one float32 scale
+    per ``quant_block_size`` channels (``128 + 4 = 132`` for DeepSeek-V3.2)."""
+    for name, value in (("head_dim", head_dim), ("quant_block_size", quant_block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if head_dim % quant_block_size:
+        raise ValueError(
+            f"head_dim={head_dim} must be a multiple of quant_block_size={quant_block_size}"
+        )
+    return head_dim + head_dim // quant_block_size * 4
+
+
+def validate_indexer_k_quant_and_cache(
+    k: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    quant_block_size: int,
+    scale_fmt: str | None,
+) -> None:
+    """Validate ``indexer_k_quant_and_cache``'s arguments."""
+    for n, t in (("k", k), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        _tensor(n, t)
+    _ndim("k", k, (2,), "(num_tokens, head_dim)")
+    _ndim("kv_cache", kv_cache, (3,),
+          "(num_blocks, block_size, head_dim + 4 * head_dim // quant_block_size)")
+    _ndim("slot_mapping", slot_mapping, (1,), "(num_tokens,)")
+    _int_dtype("slot_mapping", slot_mapping)
+    _float_dtype("k", k)
+    _same_device([("k", k), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)])
+    if kv_cache.dtype != torch.uint8:
+        raise TypeError(f"kv_cache must be uint8 (fp8 bytes and float32 scales), got "
+                        f"{kv_cache.dtype}")
+    if scale_fmt not in INDEXER_SCALE_FORMATS:
+        raise ValueError(f"scale_fmt={scale_fmt!r} (supported: None, 'ue8m0')")
+    head_dim = k.shape[1]
+    expected = indexer_cache_head_size(head_dim, quant_block_size)
+    if kv_cache.shape[2] != expected:
+        raise ValueError(
+            f"kv_cache holds {kv_cache.shape[2]} bytes per token but head_dim={head_dim} with "
+            f"quant_block_size={quant_block_size} needs {expected}"
+        )
+    # The in-block layout (all fp8 keys of the block, then all scales) is a byte layout of the
+    # whole block, so a block must be one contiguous run; blocks may lie anywhere (stride(0)).
+    packed = kv_cache.stride(2) == 1 and (
+        kv_cache.shape[1] == 1 or kv_cache.stride(1) == kv_cache.shape[2]
+    )
+    if not packed:
+        raise ValueError(
+            f"kv_cache has strides {tuple(kv_cache.stride())}; each block must be one "
+            f"contiguous run (stride(1) == {kv_cache.shape[2]}, stride(2) == 1); only "
+            "stride(0), the block stride, may be larger"
+        )
+    if kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4:
+        raise ValueError(
+            f"kv_cache starts at byte {kv_cache.data_ptr() % 4} of a 4-byte word and has block "
+            f"stride {kv_cache.stride(0)}; both must be multiples of 4 bytes, as each block "
+            "stores float32 scales"
+        )
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens"
+        )
+    _slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
+
+
+def _block_table_in_range(
+    name: str, block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+    num_pages: int,
+) -> None:
+    if not value_checks_enabled() or seq_lens.numel() == 0:
+        return
+    lens = seq_lens.tolist()
+    width = block_table.shape[1]
+    for i, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"sequence {i} has a negative length {n}")
+        if -(-n // page_size) > width:
+            raise ValueError(
+                f"sequence {i} has {n} tokens, which need {-(-n // page_size)} pages of "
+                f"{page_size}, but {name} has only {width} columns"
+            )
+    used = [block_table[i, : -(-n // page_size)] for i, n in enumerate(lens)]
+    ids = torch.cat(used)
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(f"{name} refers to page id {int(ids.min())}; page ids must be >= 0")
+    check_block_indices(name, ids, num_pages)
+
+
+def validate_decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    req_to_page: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    attn_logits: torch.Tensor | None,
+    num_kv_splits: int,
+    sm_scale: float,
+    page_size: int,
+    is_mla: bool,
+    k_scale: torch.Tensor | float | None,
+    v_scale: torch.Tensor | float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``decode_attention_fwd``'s arguments.
+
+    Returns ``(k_buffer, v_buffer)`` as 4-dim ``(num_pages, page_size, num_kv_heads, dim)``
+    views (a 3-dim MLA cache gains its single KV-head dim). ``attn_logits=None`` is accepted
+    by the reference, which needs no workspace.
+    """
+    for n, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o),
+                 ("lse", lse), ("req_to_page", req_to_page), ("b_seq_len", b_seq_len)):
+        _tensor(n, t)
+    _ndim("q", q, (3,), "(batch, num_heads, qk_head_dim)")
+    layout = "(num_pages, page_size, num_kv_heads, head_dim) or (num_pages, page_size, head_dim)"
+    _ndim("k_buffer", k_buffer, (3, 4), layout)
+    _ndim("v_buffer", v_buffer, (3, 4), layout)
+    _ndim("o", o, (3,), "(batch, num_heads, v_head_dim)")
+    _ndim("lse", lse, (2,), "(batch, num_heads)")
+    _ndim("req_to_page", req_to_page, (2,), "(batch, max_pages_per_request)")
+    _ndim("b_seq_len", b_seq_len, (1,), "(batch,)")
+    _int_dtype("req_to_page", req_to_page)
+    _int_dtype("b_seq_len", b_seq_len)
+    _float_dtype("q", q)
+    _float_dtype("o", o)
+    _float_dtype("lse", lse)
+    named = [("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("lse", lse),
+             ("req_to_page", req_to_page), ("b_seq_len", b_seq_len)]
+    if attn_logits is not None:
+        _tensor("attn_logits", attn_logits)
+        named.append(("attn_logits", attn_logits))
+    _same_device(named)
+    if k_buffer.dim() == 3:
+        k_buffer = k_buffer.unsqueeze(2)
+    if v_buffer.dim() == 3:
+        v_buffer = v_buffer.unsqueeze(2)
+    batch, num_heads, qk_dim = q.shape
+    num_pages, block, num_kv_heads, k_dim = k_buffer.shape
+    v_dim = v_buffer.shape[3]
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size != block:
+        raise ValueError(f"page_size={page_size!r} but k_buffer has pages of {block} tokens "
+                         f"(k_buffer.shape[1])")
+    if qk_dim != k_dim:
+        raise ValueError(f"q has head dim {qk_dim} but k_buffer has {k_dim}")
+    if v_buffer.shape[:3] != k_buffer.shape[:3]:
+        raise ValueError(
+            f"v_buffer has (num_pages, page_size, num_kv_heads)={tuple(v_buffer.shape[:3])} "
+            f"but k_buffer has {tuple(k_buffer.shape[:3])}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads, not a multiple of the cache's "
+                         f"{num_kv_heads} KV heads")
+    if k_buffer.dtype != v_buffer.dtype:
+        raise TypeError(f"v_buffer has dtype {v_buffer.dtype} but k_buffer has {k_buffer.dtype}")
+    if k_buffer.dtype != q.dtype and k_buffer.dtype not in FP8_DTYPES:
+        raise TypeError(f"k_buffer has dtype {k_buffer.dtype}; expected q's dtype {q.dtype} or "
+                        "fp8 (float8_e4m3fn / float8_e5m2)")
+    if is_mla:
+        # MLA's values are the first v_head_dim channels of the latent cache: v_buffer must be
+        # that view, so the kernel reads every latent once and uses it for both K and V.
+        # Strides of size-1 dims are arbitrary (an unsqueezed KV-head dim), so they are skipped.
+        same_strides = all(vs == ks for vs, ks, n in zip(v_buffer.stride(), k_buffer.stride(),
+                                                          k_buffer.shape, strict=True) if n > 1)
+        aliased = v_buffer.data_ptr() == k_buffer.data_ptr() and same_strides and v_dim <= k_dim
+        if not aliased:
+            raise ValueError(
+                "is_mla=True needs v_buffer = k_buffer[..., :v_head_dim] (the latent's first "
+                f"channels, same storage and strides); got v_buffer of shape "
+                f"{tuple(v_buffer.shape)} and strides {v_buffer.stride()} for k_buffer of shape "
+                f"{tuple(k_buffer.shape)} and strides {k_buffer.stride()}"
+            )
+    if o.shape != (batch, num_heads, v_dim):
+        raise ValueError(f"o has shape {tuple(o.shape)}; expected (batch, num_heads, v_head_dim)"
+                         f" = {(batch, num_heads, v_dim)}")
+    if lse.shape != (batch, num_heads):
+        raise ValueError(f"lse has shape {tuple(lse.shape)}; expected {(batch, num_heads)}")
+    if req_to_page.shape[0] != batch or b_seq_len.shape[0] != batch:
+        raise ValueError(
+            f"q has batch {batch} but req_to_page has {req_to_page.shape[0]} rows and "
+            f"b_seq_len {b_seq_len.shape[0]} entries"
+        )
+    if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits={num_kv_splits!r} must be a positive int")
+    if attn_logits is not None:
+        expected = (batch, num_heads, num_kv_splits, v_dim + 1)
+        if tuple(attn_logits.shape) != expected or attn_logits.dtype != torch.float32:
+            raise ValueError(
+                f"attn_logits has shape {tuple(attn_logits.shape)} and dtype {attn_logits.dtype};"
+                f" expected float32 (batch, num_heads, num_kv_splits, v_head_dim + 1) = {expected}"
+            )
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive float")
+    _scale("k_scale", k_scale)
+    _scale("v_scale", v_scale)
+    _block_table_in_range("req_to_page", req_to_page, b_seq_len, page_size, num_pages)
+    return k_buffer, v_buffer
+
+
+def validate_mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_lora_rank: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | float | None,
+    output: torch.Tensor | None,
+) -> None:
+    """Validate the arguments of the latent-space ``mla_attention`` (mixed batches)."""
+    for n, t in (("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
+                 ("seq_lens", seq_lens), ("block_table", block_table)):
+        _tensor(n, t)
+    _ndim("q", q, (3,), "(num_tokens, num_heads, kv_lora_rank + rope_dim)")
+    _ndim("kv_cache", kv_cache, (3,), "(num_blocks, block_size, kv_lora_rank + rope_dim)")
+    _ndim("query_start_loc", query_start_loc, (1,), "(num_seqs + 1,)")
+    _ndim("seq_lens", seq_lens, (1,), "(num_seqs,)")
+    _ndim("block_table", block_table, (2,), "(num_seqs, max_blocks_per_seq)")
+    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                 ("block_table", block_table)):
+        _int_dtype(n, t)
+    _float_dtype("q", q)
+    _same_device([("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
+                  ("seq_lens", seq_lens), ("block_table", block_table)])
+    num_tokens, num_heads, entry = q.shape
+    if kv_cache.shape[2] != entry:
+        raise ValueError(f"q has {entry} channels but kv_cache holds {kv_cache.shape[2]}")
+    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int) or not (
+        0 < kv_lora_rank <= entry
+    ):
+        raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in 1..{entry}")
+    _kv_cache_dtype(kv_cache_dtype)
+    expected = cache_torch_dtype(kv_cache_dtype, q.dtype)
+    if kv_cache.dtype != expected:
+        raise TypeError(f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype="
+                        f"{kv_cache_dtype!r} with q of dtype {q.dtype} needs {expected}")
+    _scale("k_scale", k_scale)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale={scale!r} must be a positive float")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"seq_lens has {num_seqs} sequences, so query_start_loc needs {num_seqs + 1} entries "
+            f"(got {query_start_loc.shape[0]}) and block_table {num_seqs} rows (got "
+            f"{block_table.shape[0]})"
+        )
+    if output is not None:
+        _tensor("output", output)
+        want = (num_tokens, num_heads, kv_lora_rank)
+        if tuple(output.shape) != want or output.device != q.device:
+            raise ValueError(f"output has shape {tuple(output.shape)} on {output.device}; "
+                             f"expected {want} on {q.device}")
+    if not value_checks_enabled() or num_seqs == 0:
+        return
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise ValueError(f"query_start_loc must run from 0 to num_tokens={num_tokens}, got "
+                         f"{starts[0]}..{starts[-1]}")
+    for i in range(num_seqs):
+        q_len = starts[i + 1] - starts[i]
+        if q_len < 0 or lens[i] < q_len:
+            raise ValueError(
+                f"sequence {i} has {q_len} query tokens and seq_lens[{i}]={lens[i]}; query "
+                "lengths must be >= 0 and seq_lens counts cached plus new tokens"
+            )
+    _block_table_in_range("block_table", block_table, seq_lens, kv_cache.shape[1],
+                          kv_cache.shape[0])

@@ -1,0 +1,13 @@
+"""kvcore-mla's registration hook, loaded through the ``kvcore.plugins`` entry point.
+
+Registers by lazy ``"module:Class"`` path: loading the plugin imports no kernel code.
+"""
+
+from __future__ import annotations
+
+from kvcore import hookimpl
+
+
+@hookimpl
+def kvcore_register_backends(register) -> None:
+    register("TRITON_MLA", "kvcore_mla.triton_mla:TritonMLABackend")

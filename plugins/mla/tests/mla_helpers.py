@@ -1,0 +1,92 @@
+"""Shared helpers of kvcore-mla's tests: devices, random batches, cross-layer views, tolerances."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+#: (atol, rtol) of a kernel's output against the float64 reference, per input dtype. Under the
+#: interpreter everything is computed in float32; on a GPU, bf16/fp16 dots round ``p`` too.
+TOLERANCE = {
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def generator(*key: object) -> torch.Generator:
+    """A CPU generator seeded from ``key`` (a test's parameters), stable across runs."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
+          scale: float = 1.0) -> torch.Tensor:
+    """Random normal data of any dtype (fp8 included) on :data:`DEVICE`."""
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def random_bytes(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).to(DEVICE)
+
+
+def block_tables(seq_lens: list[int], page_size: int, num_pages: int,
+                 gen: torch.Generator) -> torch.Tensor:
+    """``(num_seqs, max_pages)`` int32 tables of distinct random page ids covering each request."""
+    need = [-(-n // page_size) for n in seq_lens]
+    width = max(max(need), 1)
+    if sum(need) > num_pages:
+        raise ValueError(f"{sum(need)} pages needed but only {num_pages} exist")
+    ids = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = ids[start:start + n]
+        start += n
+    return table.to(DEVICE)
+
+
+def cross_layer_view(per_layer_shape: tuple[int, ...], num_layers: int, layer: int,
+                     dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random ``(num_blocks, num_layers, *rest)`` pool and its layer ``layer`` view.
+
+    The view has the per-layer shape ``(num_blocks, *rest)`` and a block stride ``num_layers``
+    times the page size, exactly what a cross-layer allocation hands a kernel. The other layers
+    hold random data, so a kernel that assumes packed pages reads or writes the wrong bytes.
+    """
+    num_blocks, *rest = per_layer_shape
+    if dtype == torch.uint8:
+        pool = random_bytes((num_blocks, num_layers, *rest), gen)
+    else:
+        pool = randn((num_blocks, num_layers, *rest), dtype, gen)
+    return pool, pool[:, layer]
+
+
+def other_layers(pool: torch.Tensor, layer: int) -> torch.Tensor:
+    """Every layer of a ``(num_blocks, num_layers, ...)`` pool except ``layer``, as raw bytes."""
+    keep = [i for i in range(pool.shape[1]) if i != layer]
+    return pool[:, keep].contiguous().view(torch.uint8)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                 what: str) -> None:
+    """``actual`` within the per-dtype :data:`TOLERANCE` of the float64 ``expected``.
+
+    Element-wise ``|err| <= atol + rtol * |expected|``, and the error's norm at most ``rtol``
+    of the expected values' norm: attention outputs averaged over thousands of keys are small,
+    and an absolute tolerance alone would pass a wrong kernel.
+    """
+    atol, rtol = TOLERANCE[dtype]
+    a = actual.double()
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(a), finite), f"{what}: non-finite entries differ"
+    err = (a[finite] - expected[finite]).abs()
+    if err.numel() == 0:
+        return
+    bound = atol + rtol * expected[finite].abs()
+    assert (err <= bound).all(), (
+        f"{what}: max |err| {err.max().item():.3g} exceeds atol={atol} rtol={rtol}")
+    relative = err.norm().item() / max(expected[finite].norm().item(), 1e-30)
+    assert relative <= rtol, f"{what}: relative error {relative:.3g} exceeds {rtol}"

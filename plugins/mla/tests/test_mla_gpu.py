@@ -1,0 +1,184 @@
+"""The MLA kernels at real sizes on a GPU (DeepSeek: kv_lora_rank 512, rope 64, 16 and 128
+heads, blocks of 64 and 16, thousands of tokens), through the public dispatching ops, and on a
+cross-layer pool of more than 2**31 elements."""
+
+from __future__ import annotations
+
+import kvcore_mla.ops as ops
+import pytest
+import torch
+from kvcore_mla import TritonMLABackend
+from mla_helpers import assert_close, block_tables, cross_layer_view, generator, other_layers, randn
+
+import kvcore
+
+pytestmark = pytest.mark.gpu
+
+RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
+ENTRY = RANK + ROPE
+
+
+def _decode(q, k, v, table, lens, page_size, num_splits, is_mla, out_dtype=torch.bfloat16,
+            impl=None):
+    batch, heads, _ = q.shape
+    v_dim = v.shape[-1]
+    o = torch.empty(batch, heads, v_dim, dtype=out_dtype, device=q.device)
+    lse = torch.empty(batch, heads, dtype=torch.float32 if out_dtype != torch.float64
+                      else torch.float64, device=q.device)
+    logits = torch.empty(batch, heads, num_splits, v_dim + 1, dtype=torch.float32,
+                         device=q.device)
+    (impl or ops.decode_attention_fwd)(q, k, v, o, lse, table, lens, logits, num_splits,
+                                       q.shape[-1] ** -0.5, page_size, is_mla)
+    return o, lse
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_concat_and_cache_mla_real_sizes_cross_layer(kv_cache_dtype: str) -> None:
+    gen = generator("gpu-concat", kv_cache_dtype)
+    num_blocks, block_size, num_tokens = 256, 64, 8192
+    cache_dtype = torch.bfloat16 if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    fused = randn((num_tokens, ENTRY), torch.bfloat16, gen)
+    kv_c, k_pe = fused[:, :RANK], fused[:, RANK:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].cuda()
+    scale = torch.tensor([0.3], device="cuda")
+    expected = torch.zeros(num_blocks, block_size, ENTRY, dtype=cache_dtype, device="cuda")
+    ops.concat_and_cache_mla_ref(kv_c, k_pe, expected, slots, kv_cache_dtype, scale)
+    pool, view = cross_layer_view((num_blocks, block_size, ENTRY), 3, 1, cache_dtype, gen)
+    neighbours = other_layers(pool, 1)
+    view.zero_()
+    ops.concat_and_cache_mla(kv_c, k_pe, view, slots, kv_cache_dtype, scale)
+    assert torch.equal(view.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(other_layers(pool, 1), neighbours)
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_mla_decode_real_sizes(num_heads: int, page_size: int) -> None:
+    gen = generator("gpu-decode", num_heads, page_size)
+    lens = [4096, 3001, 1, 777]
+    num_pages = sum(-(-n // page_size) for n in lens) + 7
+    table = block_tables(lens, page_size, num_pages, gen)
+    b_seq_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = randn((len(lens), num_heads, ENTRY), torch.bfloat16, gen)
+    _, view = cross_layer_view((num_pages, page_size, 1, ENTRY), 3, 1, torch.bfloat16, gen)
+    cache = view.contiguous()
+    # One split and eight at block 64; eight at block 16 (each count is a separate compile).
+    for splits in (1, 8) if page_size == 64 else (8,):
+        o, lse = _decode(q, cache, cache[..., :RANK], table, b_seq_len, page_size, splits, True)
+        o_xl, lse_xl = _decode(q, view, view[..., :RANK], table, b_seq_len, page_size, splits,
+                               True)
+        assert torch.equal(o, o_xl) and torch.equal(lse, lse_xl)
+        c64 = cache.double()
+        o_ref, lse_ref = _decode(q.double(), c64, c64[..., :RANK], table, b_seq_len, page_size,
+                                 splits, True, torch.float64, ops.decode_attention_ref)
+        assert_close(o, o_ref, torch.bfloat16, f"o (splits={splits})")
+        assert_close(lse, lse_ref, torch.bfloat16, f"lse (splits={splits})")
+
+
+@pytest.mark.parametrize("shape", [(16, 1, 576, 512, True), (32, 8, 128, 128, False),
+                                   (32, 32, 128, 128, False)], ids=["MLA", "GQA", "MHA"])
+def test_decode_cross_layer_seed_shapes(shape: tuple) -> None:
+    """The upstream seed's test at its sizes: 3 requests of 1027 tokens, a 16384-token cache."""
+    num_heads, num_kv_heads, qk_dim, v_dim, is_mla = shape
+    gen = generator("gpu-seed", shape)
+    page_size, num_pages, lens = 16, 16384 // 16, [1027, 1027, 1027]
+    table = block_tables(lens, page_size, num_pages, gen)
+    b_seq_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = randn((3, num_heads, qk_dim), torch.bfloat16, gen)
+    _, k_view = cross_layer_view((num_pages, page_size, num_kv_heads, qk_dim), 3, 1,
+                                      torch.bfloat16, gen)
+    k = k_view.contiguous()
+    if is_mla:
+        v, v_view = k[..., :v_dim], k_view[..., :v_dim]
+    else:
+        _, v_view = cross_layer_view((num_pages, page_size, num_kv_heads, v_dim), 3, 1,
+                                          torch.bfloat16, gen)
+        v = v_view.contiguous()
+    o, lse = _decode(q, k, v, table, b_seq_len, page_size, 8, is_mla)
+    o_xl, lse_xl = _decode(q, k_view, v_view, table, b_seq_len, page_size, 8, is_mla)
+    assert torch.equal(o, o_xl) and torch.equal(lse, lse_xl)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_triton_mla_backend_real_sizes(kv_cache_dtype: str) -> None:
+    """DeepSeek-V3 dims, 128 heads: a prefill with a 2000-token prefix plus decodes."""
+    gen = generator("gpu-backend", kv_cache_dtype)
+    num_heads, block_size = 128, 64
+    w = randn((num_heads * (NOPE + V_DIM), RANK), torch.bfloat16, gen, scale=RANK ** -0.5)
+    impl = TritonMLABackend.get_impl_cls()(
+        num_heads, ENTRY, (NOPE + ROPE) ** -0.5, kv_cache_dtype=kv_cache_dtype,
+        kv_lora_rank=RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM,
+        kv_b_proj_weight=w)
+    caches = kvcore.allocate_kv_caches(
+        TritonMLABackend, num_layers=2, num_blocks=256, block_size=block_size, num_kv_heads=1,
+        head_size=ENTRY, dtype=torch.bfloat16, device="cuda", kv_cache_dtype=kv_cache_dtype)
+    cache = caches.layers[1]
+    layer = kvcore.LayerScales(k_scale=torch.tensor([0.5], device="cuda"))
+    lens = [3000, 4000, 1500]
+    table = block_tables(lens, block_size, 256, gen).tolist()
+    history = kvcore.build_attention_metadata(lens, [0, 0, 0], table, block_size, device="cuda")
+    kv_c = randn((history.num_actual_tokens, RANK), torch.bfloat16, gen)
+    k_pe = randn((history.num_actual_tokens, ROPE), torch.bfloat16, gen)
+    impl.do_kv_cache_update(layer, kv_c, k_pe, cache, history.slot_mapping)
+    for query_lens in ([1000, 1, 1], [1, 1, 1]):
+        meta = kvcore.build_attention_metadata(
+            query_lens, [n - q for n, q in zip(lens, query_lens, strict=True)], table,
+            block_size, device="cuda")
+        query = randn((meta.num_actual_tokens, num_heads, NOPE + ROPE), torch.bfloat16, gen)
+        out = impl.forward(layer, query, None, None, cache, meta)
+        expected = ops.mla_forward_ref(
+            query.double(), cache, w, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
+            v_head_dim=V_DIM, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+            block_table=meta.block_table, scale=impl.scale, kv_cache_dtype=kv_cache_dtype,
+            k_scale=layer.k_scale)
+        assert_close(out, expected, torch.bfloat16, f"output {query_lens}")
+
+
+def test_cross_layer_pool_beyond_2_pow_31_elements() -> None:
+    """Layer 3 of a 4-layer cross-layer pool of 2.4e9 elements: blocks past element 2**31
+    are written and read exactly like a small contiguous cache's, neighbours untouched."""
+    gen = generator("gpu-int64")
+    num_blocks, block_size, num_layers = 16384, 64, 4
+    caches = kvcore.allocate_kv_caches(
+        TritonMLABackend, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+        num_kv_heads=1, head_size=ENTRY, dtype=torch.bfloat16, device="cuda")
+    assert caches.storage.numel() > 2**31 and caches.is_cross_layer
+    view = caches.layers[3]
+    high = torch.arange(num_blocks - 40, num_blocks, device="cuda")  # element offsets > 2**31
+    assert int(high[0]) * view.stride(0) + 3 * block_size * ENTRY > 2**31
+    lens = [40 * block_size - 5]
+    num_tokens = lens[0]
+    kv_c = randn((num_tokens, RANK), torch.bfloat16, gen)
+    k_pe = randn((num_tokens, ROPE), torch.bfloat16, gen)
+    pos = torch.arange(num_tokens, device="cuda")
+    big_slots = high[pos // block_size] * block_size + pos % block_size
+    ops.concat_and_cache_mla(kv_c, k_pe, view, big_slots)
+    small = torch.zeros(40, block_size, ENTRY, dtype=torch.bfloat16, device="cuda")
+    ops.concat_and_cache_mla(kv_c, k_pe, small, pos)
+    assert torch.equal(view[high], small)
+    assert caches.layers[2][high].abs().max().item() == 0  # the neighbour layer is untouched
+
+    q = randn((1, 128, ENTRY), torch.bfloat16, gen)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    big = _decode(q, view, view[..., :RANK], high[None].int(), lens_t, block_size, 4, True)
+    ref = _decode(q, small, small[..., :RANK], torch.arange(40, device="cuda")[None].int(),
+                  lens_t, block_size, 4, True)
+    assert torch.equal(big[0], ref[0]) and torch.equal(big[1], ref[1])
+
+
+def test_indexer_write_beyond_2_pow_31_bytes() -> None:
+    gen = generator("gpu-indexer-int64")
+    num_blocks, block_size, num_layers, entry = 65536, 64, 4, ops.indexer_cache_head_size()
+    pool = torch.zeros(num_blocks, num_layers, block_size, entry, dtype=torch.uint8,
+                       device="cuda")
+    assert pool.numel() > 2**31
+    view = pool[:, 3]
+    k = randn((4096, 128), torch.bfloat16, gen)
+    high = torch.arange(num_blocks - 64, num_blocks, device="cuda")
+    pos = torch.arange(4096, device="cuda")
+    ops.indexer_k_quant_and_cache(k, view, high[pos // block_size] * block_size
+                                  + pos % block_size, 128, "ue8m0")
+    small = torch.zeros(64, block_size, entry, dtype=torch.uint8, device="cuda")
+    ops.indexer_k_quant_and_cache_ref(k, small, pos, 128, "ue8m0")
+    assert torch.equal(view[high], small)
+    assert pool[high, 2].max().item() == 0

@@ -1,0 +1,108 @@
+"""MLA selection on simulated CUDA and ROCm machines: MLA configs get MLA backends only,
+non-MLA configs never get one, and unsupported features are rejected with a reason."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kvcore
+
+
+@pytest.fixture
+def simulate(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """``simulate(platform, capability)`` forces the platform; caches are cleared around it."""
+
+    def apply(platform: str, capability: str) -> None:
+        monkeypatch.setenv("KVCORE_PLATFORM", platform)
+        monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", capability)
+        kvcore.clear_platform_cache()
+        kvcore.clear_selection_cache()
+
+    monkeypatch.delenv("KVCORE_ATTENTION_BACKEND", raising=False)
+    yield apply
+    kvcore.clear_platform_cache()
+    kvcore.clear_selection_cache()
+
+
+PLATFORMS = [("cuda", "9.0"), ("rocm", "gfx942")]
+MLA_CONFIG = dict(head_size=576, dtype=torch.bfloat16, block_size=64, use_mla=True)
+
+
+def test_plugin_registers_triton_mla_through_its_entry_point() -> None:
+    info = next(p for p in kvcore.list_plugins() if p.name == "mla")
+    assert (info.distribution, info.source, info.status) == ("kvcore-mla", "entry point", "loaded")
+    assert kvcore.backend_registry().get("TRITON_MLA").plugin == "mla"
+
+
+@pytest.mark.parametrize(("platform", "capability"), PLATFORMS)
+def test_mla_config_selects_triton_mla(simulate, platform: str, capability: str) -> None:
+    simulate(platform, capability)
+    config = kvcore.AttentionSelectorConfig(**MLA_CONFIG)
+    assert kvcore.get_attn_backend(config).get_name() == "TRITON_MLA"
+    report = kvcore.explain_selection(config)
+    for candidate in report.candidates:
+        if candidate.valid:
+            assert kvcore.resolve_backend(candidate.name).IS_MLA, candidate.name
+
+
+@pytest.mark.parametrize(("platform", "capability"), PLATFORMS)
+@pytest.mark.parametrize("head_size", [64, 128, 576])
+def test_non_mla_config_never_gets_an_mla_backend(simulate, platform: str, capability: str,
+                                                  head_size: int) -> None:
+    simulate(platform, capability)
+    config = kvcore.AttentionSelectorConfig(head_size=head_size, dtype=torch.bfloat16)
+    report = kvcore.explain_selection(config)
+    triton_mla = next(c for c in report.candidates if c.name == "TRITON_MLA")
+    assert "use_mla=False but TRITON_MLA only runs MLA layers" in triton_mla.reasons
+    for candidate in report.candidates:
+        if candidate.valid:
+            assert not kvcore.resolve_backend(candidate.name).IS_MLA, candidate.name
+
+
+def test_forcing_triton_mla_for_a_non_mla_layer_raises_its_reason(simulate, monkeypatch) -> None:
+    simulate("cuda", "9.0")
+    monkeypatch.setenv("KVCORE_ATTENTION_BACKEND", "TRITON_MLA")
+    config = kvcore.AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16)
+    with pytest.raises(kvcore.BackendSelectionError, match="only runs MLA layers"):
+        kvcore.get_attn_backend(config)
+
+
+@pytest.mark.parametrize(("platform", "capability"), PLATFORMS)
+def test_sparse_mla_is_rejected_with_a_reason(simulate, platform: str, capability: str) -> None:
+    simulate(platform, capability)
+    config = kvcore.AttentionSelectorConfig(**MLA_CONFIG, use_sparse=True)
+    with pytest.raises(kvcore.NoValidBackendError) as info:
+        kvcore.get_attn_backend(config)
+    triton_mla = next(c for c in info.value.report.candidates if c.name == "TRITON_MLA")
+    assert "use_sparse=True: TRITON_MLA does not support sparse attention" in triton_mla.reasons
+    assert "use_sparse=True: TRITON_MLA" in str(info.value)
+
+
+@pytest.mark.parametrize(("platform", "capability", "kv_cache_dtype", "dtype", "reason"), [
+    ("cuda", "8.0", "fp8", torch.bfloat16, "kv_cache_dtype=fp8 needs device capability >= 8.9"),
+    ("cuda", "7.5", "auto", torch.float16, "device capability 7.5 (supported: >= 8.0)"),
+    ("cuda", "9.0", "fp8", torch.bfloat16, None),
+    ("cuda", "8.0", "auto", torch.bfloat16, None),
+    ("rocm", "gfx942", "fp8", torch.bfloat16, None),
+])
+def test_device_limits_are_reasons(simulate, platform: str, capability: str,
+                                   kv_cache_dtype: str, dtype: torch.dtype,
+                                   reason: str | None) -> None:
+    simulate(platform, capability)
+    config = kvcore.AttentionSelectorConfig(head_size=576, dtype=dtype, block_size=64,
+                                            use_mla=True, kv_cache_dtype=kv_cache_dtype)
+    report = kvcore.explain_selection(config)
+    triton_mla = next(c for c in report.candidates if c.name == "TRITON_MLA")
+    if reason is None:
+        assert triton_mla.valid, triton_mla.reasons
+    else:
+        assert any(reason in r for r in triton_mla.reasons), triton_mla.reasons
+
+
+def test_cpu_has_no_mla_backend(simulate) -> None:
+    simulate("cpu", "9.0")
+    with pytest.raises(kvcore.NoValidBackendError, match="platform=cpu"):
+        kvcore.get_attn_backend(kvcore.AttentionSelectorConfig(**MLA_CONFIG))
