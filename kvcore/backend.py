@@ -102,6 +102,9 @@ class AttentionBackend(ABC):
     #: Importable modules the backend needs, with the pip requirement that provides each,
     #: e.g. ``(("flash_attn", "flash-attn"),)``. A missing one is a reason, not an ImportError.
     REQUIRED_PACKAGES: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: Conformance-suite tolerances that widen the defaults: ``{dtype or kv-cache dtype name:
+    #: (atol, rtol)}`` (see ``docs/conformance.md``). Empty: the suite's defaults.
+    CONFORMANCE_TOLERANCES: ClassVar[dict[torch.dtype | str, tuple[float, float]]] = {}
 
     @staticmethod
     @abstractmethod

@@ -82,7 +82,7 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        from kvcore.ops.triton_cache import reshape_and_cache
+        from kvcore.ops import triton_reshape_and_cache as reshape_and_cache
 
         key_cache, value_cache = kv_cache.unbind(1)
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
@@ -98,7 +98,7 @@ class TritonAttentionImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from kvcore.ops.triton_attention import paged_attention
+        from kvcore.ops import triton_paged_attention as paged_attention
 
         key_cache, value_cache = kv_cache.unbind(1)
         n = attn_metadata.num_actual_tokens

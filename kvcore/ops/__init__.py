@@ -48,6 +48,8 @@ __all__ = [
     "scale_value",
     "set_value_checks",
     "triton_available",
+    "triton_paged_attention",
+    "triton_reshape_and_cache",
     "validate_paged_attention",
     "validate_reshape_and_cache",
     "value_checks_enabled",
@@ -78,6 +80,22 @@ def triton_available() -> tuple[bool, str]:
         need = ".".join(map(str, MIN_TRITON_VERSION))
         return False, f"triton {version} is too old (need >= {need}; pip install -U triton)"
     return True, ""
+
+
+def triton_reshape_and_cache(*args, **kwargs) -> None:
+    """:func:`reshape_and_cache` on the Triton kernel, whatever the device (CPU tensors need
+    ``TRITON_INTERPRET=1``). The public handle plugins use for the portable kernel."""
+    from kvcore.ops.triton_cache import reshape_and_cache as impl
+
+    impl(*args, **kwargs)
+
+
+def triton_paged_attention(*args, **kwargs) -> torch.Tensor:
+    """:func:`paged_attention` on the Triton kernel, whatever the device; also takes
+    ``num_kv_splits`` and ``config`` (see :mod:`kvcore.ops.triton_attention`)."""
+    from kvcore.ops.triton_attention import paged_attention as impl
+
+    return impl(*args, **kwargs)
 
 
 def _on_gpu(t: object) -> bool:

@@ -34,9 +34,8 @@ def test_builtins_register_through_the_hook_lazily(fresh_kvcore):
     import sys
 
     registry = kvcore.connector_registry()
-    assert {n: registry.get(n).plugin for n in registry.names()} == {
-        "offload": "builtin_connectors", "p2p": "builtin_connectors",
-        "storage": "builtin_connectors"}
+    builtins = {n for n in registry.names() if registry.get(n).plugin == "builtin_connectors"}
+    assert builtins == {"offload", "p2p", "storage"}
     code = ("import sys, kvcore; kvcore.connector_registry()\n"
             "print(sorted(m for m in sys.modules if m.startswith(('kvcore.connectors.',"
             " 'safetensors'))))")
@@ -56,10 +55,12 @@ def test_get_connector_resolves_by_name(tmp_path, name, cls):
         assert type(conn) is cls
 
 
-def test_unknown_connector_lists_the_valid_names():
+def test_unknown_connector_lists_the_valid_names(fresh_kvcore, monkeypatch):
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")  # only kvcore's own connectors
+    kvcore.reset_plugins()
     with pytest.raises(kvcore.UnknownNameError,
                        match="unknown KV connector 'nixl'; valid options are: offload, p2p, "
-                             "storage"):
+                             "storage$"):
         get_connector("nixl")
 
 

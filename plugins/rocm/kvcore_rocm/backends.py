@@ -16,7 +16,7 @@ Kernels:
 
 - ``ROCM_AITER_UNIFIED_ATTN`` calls aiter's ``unified_attention`` when ``amd-aiter`` is
   installed and the tensors are on the GPU; otherwise kvcore's portable Triton kernels
-  (:mod:`kvcore.ops.triton_cache`, :mod:`kvcore.ops.triton_attention`), which take every stride
+  (``kvcore.ops.triton_reshape_and_cache`` / ``triton_paged_attention``), which take every stride
   from the views, so the backend opts in to cross-layer caches when it runs on them.
 - ``ROCM_AITER_FA`` writes the cache with the stride-aware Triton
   :func:`~kvcore_rocm.shuffle.reshape_and_cache_shuffle` and needs aiter for attention: the
@@ -100,7 +100,7 @@ def _triton_forward(
     output: torch.Tensor,
 ) -> None:
     """Portable Triton attention over ``(num_blocks, N, H, D)`` halves of any strides."""
-    from kvcore.ops.triton_attention import paged_attention
+    from kvcore.ops import triton_paged_attention as paged_attention
 
     n = attn_metadata.num_actual_tokens
     paged_attention(
@@ -122,7 +122,7 @@ def _triton_cache_write(
     impl: AttentionImpl, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
     key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
-    from kvcore.ops.triton_cache import reshape_and_cache
+    from kvcore.ops import triton_reshape_and_cache as reshape_and_cache
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                       impl.kv_cache_dtype, layer.k_scale, layer.v_scale)

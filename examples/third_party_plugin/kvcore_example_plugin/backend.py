@@ -1,0 +1,126 @@
+"""SDPA_GATHER: gather each request's pages, then one ``scaled_dot_product_attention`` call.
+
+Pure torch, so it runs on any torch device. It is written the way a vendor backend is: only
+kvcore's public API (``kvcore``, ``kvcore.ops``), capabilities declared once as class
+attributes, kernels that read the cache through the strides of the views they are given.
+
+Layout: HND pages (``get_kv_cache_stride_order() == (0, 1, 3, 2, 4)``), stored as
+``(num_blocks, 2, num_kv_heads, block_size, head_size)``. The gather indexes the logical view,
+so any stride order would work; HND shows that a non-identity order is just a declaration.
+Because nothing assumes contiguous pages, the backend opts in to cross-layer caches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kvcore
+from kvcore.ops import FP8_KV_CACHE_DTYPES, reshape_and_cache_ref, scale_value
+
+
+class SdpaGatherBackend(kvcore.AttentionBackend):
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    # SDPA falls back to its math kernel for shapes the fused kernels refuse: any size works.
+    SUPPORTED_HEAD_SIZES = None
+    SUPPORTED_BLOCK_SIZES = None
+    SUPPORTS_NON_CAUSAL = True
+    PLATFORMS = ("cpu", "cuda", "rocm")
+    # fp32 SDPA computes in fp32 on every device (no TF32), tighter than kvcore's default.
+    CONFORMANCE_TOLERANCES = {torch.float32: (1e-4, 1e-4)}
+
+    @staticmethod
+    def get_name() -> str:
+        return "SDPA_GATHER"
+
+    @staticmethod
+    def get_impl_cls() -> type[kvcore.AttentionImpl]:
+        return SdpaGatherImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # Logical (num_blocks, 2, block_size, num_kv_heads, head_size), stored HND. With a
+        # leading layer dim: block outermost, then layer, then the same per-layer order.
+        return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
+
+
+def _gather_pages(cache: torch.Tensor, table: torch.Tensor, scale: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``(num_seqs, pages * block_size, num_kv_heads, head_size)`` in ``dtype``.
+
+    ``cache`` is a K or V view ``(num_blocks, block_size, num_kv_heads, head_size)`` of any
+    strides; ``table`` is ``(num_seqs, pages)`` block ids. fp8 pages are dequantised.
+    """
+    pages = cache[table]  # advanced indexing reads through the view's strides
+    tokens = pages.reshape(table.shape[0], -1, *cache.shape[2:]).to(dtype)
+    return tokens * scale if scale != 1.0 else tokens
+
+
+class SdpaGatherImpl(kvcore.AttentionImpl):
+    def do_kv_cache_update(
+        self,
+        layer: kvcore.AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter ``key``/``value`` ``(num_tokens, num_kv_heads, head_size)`` into the cache."""
+        key_cache, value_cache = kv_cache.unbind(1)
+        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping,
+                              self.kv_cache_dtype, layer.k_scale, layer.v_scale)
+
+    def forward(
+        self,
+        layer: kvcore.AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: kvcore.AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query`` ``(num_tokens, num_heads, head_size)`` over the paged cache.
+
+        Every request is padded to the batch's longest query and sequence so that the whole
+        batch is one SDPA call; a boolean mask ``(num_seqs, 1, max_query_len, max_seq_len)``
+        hides the padding, the future (causal) and what falls out of the sliding window.
+        """
+        m = attn_metadata
+        n = m.num_actual_tokens
+        if output is None:
+            output = torch.empty_like(query)
+        if n == 0:
+            return output
+        device = query.device
+        fp8 = self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        key_cache, value_cache = kv_cache.unbind(1)
+        block_size = key_cache.shape[1]
+        table = m.block_table[:, : -(-m.max_seq_len // block_size)].long()
+        k = _gather_pages(key_cache, table, scale_value(layer.k_scale) if fp8 else 1.0,
+                          query.dtype)
+        v = _gather_pages(value_cache, table, scale_value(layer.v_scale) if fp8 else 1.0,
+                          query.dtype)
+
+        # Where each packed query row goes in the padded (num_seqs, max_query_len) batch.
+        q_lens = (m.query_start_loc[1:] - m.query_start_loc[:-1]).long()
+        seq_of_row = torch.repeat_interleave(torch.arange(m.num_seqs, device=device), q_lens)
+        row_in_seq = torch.arange(n, device=device) - m.query_start_loc[seq_of_row].long()
+        q = query.new_zeros(m.num_seqs, m.max_query_len, *query.shape[1:])
+        q[seq_of_row, row_in_seq] = query[:n]
+
+        seq_lens = m.seq_lens.long()
+        q_pos = (seq_lens - q_lens)[:, None] + torch.arange(m.max_query_len, device=device)
+        k_pos = torch.arange(k.shape[1], device=device)
+        allowed = k_pos[None, None, :] < seq_lens[:, None, None]  # (num_seqs, 1, keys)
+        if m.causal and self.attn_type == kvcore.AttentionType.DECODER:
+            allowed = allowed & (k_pos[None, None, :] <= q_pos[:, :, None])
+        if self.sliding_window is not None:
+            allowed = allowed & (q_pos[:, :, None] - k_pos[None, None, :] < self.sliding_window)
+
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=allowed[:, None], scale=self.scale, enable_gqa=True)
+        output[:n] = out.transpose(1, 2)[seq_of_row, row_in_seq]
+        return output

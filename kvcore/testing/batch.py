@@ -1,0 +1,156 @@
+"""Random inputs for the conformance checks: a mixed batch over a paged cache.
+
+Everything is drawn from a seeded CPU generator and then moved to the device, so a failing case
+reproduces on any machine from its id alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.backend import AttentionMetadata, build_attention_metadata
+from kvcore.config import parse_dtype
+
+__all__ = ["CaseConfig", "MixedBatch", "make_mixed_batch", "random_like", "short_dtype"]
+
+#: Query heads and KV heads of every batch: GQA with 4 query heads per KV head.
+NUM_HEADS = 8
+NUM_KV_HEADS = 2
+#: Padding rows appended after the real tokens (slot -1, beyond ``num_actual_tokens``).
+NUM_PADDING_TOKENS = 2
+
+_SHORT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                 torch.float64: "fp64"}
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    """``bf16`` for ``torch.bfloat16``: the form used in case ids."""
+    return _SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class CaseConfig:
+    """The attention configuration one numerical case runs."""
+
+    dtype: torch.dtype
+    head_size: int
+    block_size: int
+    kv_cache_dtype: str = "auto"
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    def label(self) -> str:
+        """Readable id part, e.g. ``bf16-D64-bs16`` or ``bf16-D64-bs16-fp8_e4m3``."""
+        parts = [short_dtype(self.dtype), f"D{self.head_size}", f"bs{self.block_size}"]
+        if self.is_fp8:
+            parts.append(self.kv_cache_dtype)
+        if not self.causal:
+            parts.append("noncausal")
+        return "-".join(parts)
+
+    def describe(self) -> str:
+        return (f"dtype={short_dtype(self.dtype)}, head_size={self.head_size}, "
+                f"block_size={self.block_size}, kv_cache_dtype={self.kv_cache_dtype}, "
+                f"causal={self.causal}, num_heads={NUM_HEADS}, num_kv_heads={NUM_KV_HEADS}")
+
+
+def random_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> torch.Tensor:
+    """Standard-normal values of ``shape`` in ``dtype`` (fp8 included) on ``device``."""
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+
+@dataclass
+class MixedBatch:
+    """One step of a batch mixing decode and prefill requests.
+
+    Attributes:
+        query: ``(num_tokens + NUM_PADDING_TOKENS, NUM_HEADS, head_size)``.
+        key, value: ``(num_tokens + NUM_PADDING_TOKENS, NUM_KV_HEADS, head_size)``.
+        metadata: ``num_actual_tokens == num_tokens``; the padding rows have slot -1.
+        kinds: what each request is (``"decode"``, ``"prefill with cached prefix"``, ...).
+        num_blocks: blocks the cache must have (the block tables use ids below it).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    metadata: AttentionMetadata
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    kinds: list[str]
+    num_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.metadata.num_actual_tokens
+
+    def locate(self, token: int) -> str:
+        """Which request and query position a packed token row belongs to."""
+        start = 0
+        for i, q_len in enumerate(self.query_lens):
+            if token < start + q_len:
+                position = self.context_lens[i] + token - start
+                return f"request {i} ({self.kinds[i]}), token at position {position}"
+            start += q_len
+        return f"padding row {token - start}"
+
+    def describe(self) -> str:
+        requests = "; ".join(
+            f"{i}: {kind}, {ctx} cached + {q} new tokens, blocks {table}"
+            for i, (kind, ctx, q, table) in enumerate(
+                zip(self.kinds, self.context_lens, self.query_lens, self.block_tables,
+                    strict=True))
+        )
+        return f"batch of {len(self.kinds)} requests ({requests}); {self.num_blocks} blocks"
+
+
+def make_mixed_batch(
+    config: CaseConfig, device: torch.device, gen: torch.Generator, extra_blocks: int = 3
+) -> MixedBatch:
+    """A decode with a long context, a decode that fills its block, a prefill with a cached
+    prefix that crosses a block boundary, and a fresh prefill; block ids shuffled."""
+    bs = config.block_size
+    requests = [
+        (3 * bs + 5, 1, "decode"),
+        (bs - 1, 1, "decode filling its block"),
+        (bs + 3, bs // 2 + 3, "prefill with cached prefix"),
+        (0, bs + 1, "prefill"),
+    ]
+    needed = [-(-(ctx + q) // bs) for ctx, q, _ in requests]
+    num_blocks = sum(needed) + extra_blocks
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for n in needed:
+        tables.append(ids[start:start + n])
+        start += n
+    context_lens = [ctx for ctx, _, _ in requests]
+    query_lens = [q for _, q, _ in requests]
+    metadata = build_attention_metadata(query_lens, context_lens, tables, bs, device=device,
+                                        causal=config.causal)
+    padding = torch.full((NUM_PADDING_TOKENS,), -1, dtype=torch.int64, device=device)
+    metadata = dataclasses.replace(
+        metadata, slot_mapping=torch.cat([metadata.slot_mapping, padding]))
+    rows = metadata.num_actual_tokens + NUM_PADDING_TOKENS
+    d = config.head_size
+    return MixedBatch(
+        query=random_like((rows, NUM_HEADS, d), config.dtype, device, gen),
+        key=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, gen),
+        value=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, gen),
+        metadata=metadata,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_tables=tables,
+        kinds=[kind for _, _, kind in requests],
+        num_blocks=num_blocks,
+    )

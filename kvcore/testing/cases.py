@@ -1,0 +1,378 @@
+"""Turn a backend's declared capabilities into the list of conformance cases to run.
+
+The numerical configurations are derived from the declarations (``SUPPORTED_DTYPES``,
+``SUPPORTED_HEAD_SIZES``, ...): a base configuration, then one axis varied at a time, so every
+declared dtype and KV-cache dtype runs once and a claim like "any head size" is tried on an
+unusual one. Validation probes are derived the same way: for each capability, the first value
+the declaration excludes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcore.backend import FEATURE_FLAGS, AttentionBackend, _is_supported
+from kvcore.ops.validation import KV_CACHE_DTYPES
+from kvcore.platform_types import AttentionType, DeviceCapability
+from kvcore.testing import checks
+from kvcore.testing.batch import CaseConfig, short_dtype
+
+__all__ = ["ConformanceCase", "conformance_cases", "resolve_backend_spec"]
+
+_DTYPE_PREFERENCE = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_HEAD_SIZE_PREFERENCE = (64, 128, 32, 96, 80, 256, 16, 8)
+# The second head size: a non-power of two first, to exercise padded and masked tiles.
+_SECOND_HEAD_SIZE_PREFERENCE = (80, 96, 128, 256, 32)
+_BLOCK_SIZE_PREFERENCE = (16, 32, 8, 64, 128, 256, 1)
+# Tried when the backend declares "any": values kernels written for powers of two get wrong.
+_UNUSUAL_HEAD_SIZE = 80
+_UNUSUAL_BLOCK_SIZE = 12
+_MLA_NOTE = ("kvcore.ops has no MLA attention reference yet, so the numerical checks do not "
+             "run for MLA backends; the contract and validation checks do")
+
+
+def resolve_backend_spec(spec: str | type[AttentionBackend]) -> type[AttentionBackend]:
+    """A backend class from a class, a registered name, or a ``"module:Class"`` path.
+
+    The path form checks a backend before it is registered (``pytest --kvcore-backend
+    acme_kvcore.backend:AcmeBackend``).
+    """
+    if isinstance(spec, type):
+        cls: Any = spec
+    elif isinstance(spec, str) and ":" in spec:
+        module, _, attr = spec.partition(":")
+        cls = importlib.import_module(module)
+        for part in attr.split("."):
+            cls = getattr(cls, part)
+    elif isinstance(spec, str):
+        from kvcore.registry import resolve_backend
+
+        cls = resolve_backend(spec)
+    else:
+        raise TypeError(f"backend must be a class, a registered name or 'module:Class', "
+                        f"got {spec!r}")
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise TypeError(f"backend {spec!r} is {cls!r}, not an AttentionBackend subclass")
+    return cls
+
+
+def _first_supported(preference: tuple[int, ...], supported: Any, default: int) -> int:
+    """The most common declared value (``default`` when any value is declared)."""
+    if supported is None:
+        return default
+    return next((v for v in (*preference, *range(1, 1025)) if _is_supported(v, supported)),
+                default)
+
+
+def _second_supported(preference: tuple[int, ...], supported: Any, base: int,
+                      unusual: int) -> int | None:
+    """A second declared value (an unusual one when "any" is declared), or ``None``."""
+    if supported is None:
+        return unusual
+    for value in (*preference, *range(1, 1025)):
+        if value != base and _is_supported(value, supported):
+            return value
+    return None
+
+
+def _first_unsupported(supported: Any) -> int | None:
+    if supported is None:
+        return None
+    return next((v for v in range(1, 1025) if not _is_supported(v, supported)), None)
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """What the suite derives from a backend's declarations."""
+
+    dtype: torch.dtype
+    head_size: int
+    block_size: int
+    kv_cache_dtype: str
+    attn_type: AttentionType
+    capability: DeviceCapability | None
+
+    @classmethod
+    def of(cls, backend: type[AttentionBackend]) -> _Declared:
+        dtypes = backend.SUPPORTED_DTYPES
+        dtype = next((d for d in _DTYPE_PREFERENCE if d in dtypes), dtypes[0] if dtypes else
+                     torch.bfloat16)
+        kv = "auto" if "auto" in backend.SUPPORTED_KV_CACHE_DTYPES else (
+            backend.SUPPORTED_KV_CACHE_DTYPES or ("auto",))[0]
+        return cls(
+            dtype=dtype,
+            head_size=_first_supported(_HEAD_SIZE_PREFERENCE, backend.SUPPORTED_HEAD_SIZES, 64),
+            block_size=_first_supported(_BLOCK_SIZE_PREFERENCE, backend.SUPPORTED_BLOCK_SIZES,
+                                        16),
+            kv_cache_dtype=kv,
+            attn_type=(backend.SUPPORTED_ATTN_TYPES or (AttentionType.DECODER,))[0],
+            capability=backend.MIN_DEVICE_CAPABILITY or backend.MAX_DEVICE_CAPABILITY,
+        )
+
+    def validate_kwargs(self, backend: type[AttentionBackend]) -> dict[str, Any]:
+        """Keyword arguments of ``validate_configuration`` for the base configuration."""
+        return {
+            "head_size": self.head_size, "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
+            "use_mla": backend.IS_MLA, "has_sink": False, "use_sparse": False,
+            "use_mm_prefix": False, "use_per_head_quant_scales": False,
+            "device_capability": self.capability, "attn_type": self.attn_type,
+            "use_non_causal": False, "use_batch_invariant": False, "use_kv_connector": False,
+        }
+
+    def base_config(self) -> CaseConfig:
+        return CaseConfig(self.dtype, self.head_size, self.block_size, self.kv_cache_dtype)
+
+
+def _validation_probes(
+    backend: type[AttentionBackend], declared: _Declared
+) -> list[tuple[str, dict[str, Any]]]:
+    """``(field named by the reason, change to the base kwargs)`` for each excluded value."""
+    probes: list[tuple[str, dict[str, Any]]] = []
+    if (head := _first_unsupported(backend.SUPPORTED_HEAD_SIZES)) is not None:
+        probes.append(("head_size", {"head_size": head}))
+    if (dtype := next((d for d in _DTYPE_PREFERENCE if d not in backend.SUPPORTED_DTYPES),
+                      None)) is not None:
+        probes.append(("dtype", {"dtype": dtype}))
+    if (kv := next((k for k in KV_CACHE_DTYPES if k not in backend.SUPPORTED_KV_CACHE_DTYPES),
+                   None)) is not None:
+        probes.append(("kv_cache_dtype", {"kv_cache_dtype": kv}))
+    if (block := _first_unsupported(backend.SUPPORTED_BLOCK_SIZES)) is not None:
+        probes.append(("block_size", {"block_size": block}))
+    probes.append(("use_mla", {"use_mla": not backend.IS_MLA}))
+    for flag, attr, _ in FEATURE_FLAGS:
+        if not getattr(backend, attr):
+            probes.append((flag, {flag: True}))
+    if (attn := next((t for t in AttentionType if t not in backend.SUPPORTED_ATTN_TYPES),
+                     None)) is not None:
+        probes.append(("attn_type", {"attn_type": attn}))
+    low, high = backend.MIN_DEVICE_CAPABILITY, backend.MAX_DEVICE_CAPABILITY
+    if low is not None and (low.major, low.minor) > (0, 0):
+        below = (DeviceCapability(low.major, low.minor - 1) if low.minor
+                 else DeviceCapability(low.major - 1, 9))
+        probes.append(("capability", {"device_capability": below}))
+    if high is not None:
+        probes.append(("capability", {"device_capability": DeviceCapability(high.major + 1, 0)}))
+    return probes
+
+
+def _numeric_configs(backend: type[AttentionBackend], declared: _Declared) -> list[CaseConfig]:
+    """The base configuration, then one axis varied at a time."""
+    base = declared.base_config()
+    configs = [base]
+    for dtype in backend.SUPPORTED_DTYPES:
+        configs.append(CaseConfig(dtype, base.head_size, base.block_size, base.kv_cache_dtype))
+    for kv in backend.SUPPORTED_KV_CACHE_DTYPES:
+        configs.append(CaseConfig(base.dtype, base.head_size, base.block_size, kv))
+    head = _second_supported(_SECOND_HEAD_SIZE_PREFERENCE, backend.SUPPORTED_HEAD_SIZES,
+                             base.head_size, _UNUSUAL_HEAD_SIZE)
+    if head is not None:
+        configs.append(CaseConfig(base.dtype, head, base.block_size, base.kv_cache_dtype))
+    block = _second_supported(_BLOCK_SIZE_PREFERENCE, backend.SUPPORTED_BLOCK_SIZES,
+                              base.block_size, _UNUSUAL_BLOCK_SIZE)
+    if block is not None:
+        configs.append(CaseConfig(base.dtype, base.head_size, block, base.kv_cache_dtype))
+    return list(dict.fromkeys(configs))
+
+
+def _devices(backend: type[AttentionBackend]) -> tuple[list[str], str | None]:
+    """Device types of the backend's platforms present here, or why none is."""
+    from kvcore.platform import get_platform
+
+    devices: list[str] = []
+    absent: list[str] = []
+    for name in backend.PLATFORMS:
+        try:
+            platform = get_platform(name)
+        except Exception as exc:
+            absent.append(f"{name}: {exc}")
+            continue
+        why = platform.probe()
+        if why is None:
+            if platform.device_type not in devices:
+                devices.append(platform.device_type)
+        else:
+            absent.append(f"{name}: {why}")
+    if devices:
+        return devices, None
+    return [], ("no platform the backend declares is present here (" + "; ".join(absent)
+                + "); run on such a machine, or pass --kvcore-device cpu to run it on CPU "
+                "tensors (e.g. Triton kernels with TRITON_INTERPRET=1)")
+
+
+def _capability(backend: type[AttentionBackend], device: str) -> DeviceCapability | None:
+    """The device capability validation sees for ``device``: the present platform's."""
+    from kvcore.platform import get_platform
+
+    for name in backend.PLATFORMS:
+        try:
+            platform = get_platform(name)
+        except Exception:
+            continue
+        if platform.device_type == device and platform.probe() is None:
+            return platform.get_device_capability()
+    override = os.environ.get("KVCORE_DEVICE_CAPABILITY")
+    return DeviceCapability.parse(override) if override else None
+
+
+def _skip(reason: str) -> None:
+    import pytest
+
+    pytest.skip(reason)
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One check of one backend; ``run()`` raises :class:`ConformanceError` if it fails.
+
+    Parametrise a test with these (``ids=str``) and call :meth:`run`; a case that cannot run
+    here (``skip_reason``) calls ``pytest.skip``.
+    """
+
+    #: e.g. ``CPU_ATTN-cpu-forward-bf16-D64-bs16``.
+    id: str
+    #: The rule this case checks first (a key of :data:`kvcore.testing.RULES`).
+    rule: str
+    #: The check, e.g. ``forward`` or ``validation-refuses``.
+    kind: str
+    backend: type[AttentionBackend] = field(repr=False)
+    function: Callable[[], str | None] = field(repr=False, compare=False)
+    skip_reason: str | None = None
+
+    def __str__(self) -> str:
+        return self.id
+
+    def run(self) -> None:
+        if self.skip_reason:
+            _skip(self.skip_reason)
+        skipped = self.function()
+        if skipped:
+            _skip(skipped)
+
+
+def _seed(case_id: str) -> int:
+    return zlib.crc32(case_id.encode())
+
+
+def conformance_cases(
+    backend: str | type[AttentionBackend], devices: list[str] | None = None
+) -> list[ConformanceCase]:
+    """Every conformance case for ``backend``.
+
+    Args:
+        backend: a backend class, a registered name, or a ``"module:Class"`` path.
+        devices: torch device types to run the numerical checks on (``["cpu"]``). Default:
+            those of the backend's ``PLATFORMS`` present on this machine; with none present,
+            the numerical cases are returned skipped, with the reason.
+
+    Case ids read ``NAME-check`` for device-free checks and ``NAME-device-check-config``
+    (e.g. ``CPU_ATTN-cpu-forward-bf16-D64-bs16``) for numerical ones.
+    """
+    cls = resolve_backend_spec(backend)
+    name = checks.backend_label(cls)
+    declared = _Declared.of(cls)
+    base_kwargs = declared.validate_kwargs(cls)
+    cases: list[ConformanceCase] = []
+
+    def add(kind: str, rule: str, fn: Callable[..., str | None], *args: Any,
+            device: str | None = None, suffix: str = "", skip: str | None = None) -> None:
+        parts = [name, *([device] if device else []), kind, *([suffix] if suffix else [])]
+        bound: Callable[[], str | None] = lambda: fn(*args)  # noqa: E731
+        cases.append(ConformanceCase("-".join(parts), rule, kind, cls, bound, skip))
+
+    add("identity", "backend-identity", checks.check_backend_identity, cls)
+    add("shape", "shape-blocks-first", checks.check_shape, cls, declared.block_size,
+        declared.head_size)
+    add("stride-order", "stride-order-permutation", checks.check_stride_order, cls)
+    add("cross-layer-claim", "cross-layer-claim", checks.check_cross_layer_claim, cls)
+    add("kv-connector-claim", "kv-connector-claim", checks.check_kv_connector_claim, cls,
+        base_kwargs)
+    unavailable = cls.unavailable_reasons()
+    add("validation-accepts-declared", "validation-accepts-declared",
+        checks.check_validation_accepts, cls, base_kwargs,
+        skip=f"{name} cannot run here: {'; '.join(unavailable)}" if unavailable else None)
+    for field_name, change in _validation_probes(cls, declared):
+        add("validation-refuses", "validation-reasons", checks.check_validation_refuses, cls,
+            base_kwargs, change, field_name, suffix=next(iter(change)))
+
+    if devices is None:
+        devices, no_device = _devices(cls)
+        if no_device:
+            devices = [cls.PLATFORMS[0] if cls.PLATFORMS else "none"]
+    else:
+        no_device = None
+    skip = no_device or (_MLA_NOTE if cls.IS_MLA else None)
+    configs = _numeric_configs(cls, declared)
+    cross_layer = _opts_in_cross_layer(cls)
+    for device in devices:
+        def numeric(kind: str, rule: str, fn: Callable[..., str | None],
+                    config: CaseConfig, device: str = device) -> None:
+            seed = _seed(f"{name}-{device}-{kind}-{config.label()}")
+            add(kind, rule, _gated, cls, fn, config, device, seed, device=device,
+                suffix=config.label(), skip=skip)
+
+        base = declared.base_config()
+        for config in configs:
+            numeric("cache-write", "cache-write-reference", checks.check_cache_write, config)
+            numeric("forward", "forward-reference",
+                    functools.partial(checks.check_forward, without_output=config == base),
+                    config)
+        if cls.SUPPORTS_NON_CAUSAL:
+            noncausal = CaseConfig(base.dtype, base.head_size, base.block_size,
+                                   base.kv_cache_dtype, causal=False)
+            numeric("forward", "forward-reference", checks.check_forward, noncausal)
+        if cls.SUPPORTS_BATCH_INVARIANT:
+            numeric("batch-invariant", "batch-invariant", checks.check_batch_invariant, base)
+        if cross_layer:
+            # Each model dtype, and one fp8 cache: strides, not values, are what is checked.
+            fp8 = next((c for c in configs if c.is_fp8), None)
+            for config in configs:
+                if ((config.head_size, config.block_size) == (base.head_size, base.block_size)
+                        and (not config.is_fp8 or config is fp8)):
+                    numeric("cross-layer", "cross-layer-bit-exact", checks.check_cross_layer,
+                            config)
+        if device == "cuda":
+            numeric("int64-offsets", "int64-offsets", checks.check_int64_offsets, base)
+        else:
+            add("int64-offsets", "int64-offsets", checks.check_int64_offsets, cls, base,
+                device, 0, device=device, suffix=base.label(),
+                skip="a cache over 2**31 elements takes GiBs: checked on GPUs only")
+    return cases
+
+
+def _opts_in_cross_layer(backend: type[AttentionBackend]) -> bool:
+    """Whether the backend opts in to cross-layer caches (the order's outermost dim is 1)."""
+    try:
+        order = tuple(backend.get_kv_cache_stride_order(True))
+    except Exception:
+        return False
+    return bool(order) and order[0] == 1
+
+
+def _gated(backend: type[AttentionBackend], fn: Callable[..., str | None], config: CaseConfig,
+           device: str, seed: int) -> str | None:
+    """Run a numerical check if validation accepts its configuration on ``device``.
+
+    A refused configuration is skipped with the reasons (refusing is the backend's right);
+    an accepted one must then run (rule ``validation-refuses-before-kernel``).
+    """
+    capability = _capability(backend, device)
+    reasons = backend.validate_configuration(
+        head_size=config.head_size, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
+        block_size=config.block_size, use_mla=backend.IS_MLA, has_sink=False,
+        use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+        device_capability=capability, attn_type=AttentionType.DECODER,
+        use_non_causal=not config.causal)
+    if reasons:
+        return (f"validate_configuration refuses {short_dtype(config.dtype)}/"
+                f"{config.kv_cache_dtype} on {device} (capability {capability}): "
+                + "; ".join(reasons))
+    return fn(backend, config, torch.device(device), seed)

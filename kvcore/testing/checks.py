@@ -1,0 +1,639 @@
+"""The conformance checks: one function per check, each raising :class:`ConformanceError`.
+
+Contract and validation checks need no device. Numerical checks allocate through
+:func:`kvcore.allocate_kv_caches` (the backend's declared layout), fill the whole cache with
+random data, and compare the backend against :mod:`kvcore.ops.reference` (float64) or, for
+layout equivalence, against itself on a contiguous cache, bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcore.allocate import KVCaches, allocate_kv_caches
+from kvcore.backend import AttentionBackend, AttentionImpl, LayerScales, build_attention_metadata
+from kvcore.layout import KVCacheLayout
+from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
+from kvcore.ops.validation import FP8_KV_CACHE_DTYPES
+from kvcore.platform_types import AttentionType
+from kvcore.testing.batch import (
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    CaseConfig,
+    MixedBatch,
+    make_mixed_batch,
+    random_like,
+)
+from kvcore.testing.rules import ConformanceError
+
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "backend_label",
+    "check_backend_identity",
+    "check_batch_invariant",
+    "check_cache_write",
+    "check_cross_layer",
+    "check_cross_layer_claim",
+    "check_forward",
+    "check_int64_offsets",
+    "check_kv_connector_claim",
+    "check_shape",
+    "check_stride_order",
+    "check_validation_accepts",
+    "check_validation_refuses",
+    "tolerance_for",
+]
+
+#: ``(atol, rtol)`` per key. A model dtype bounds ``forward`` against the float64 reference; an
+#: fp8 ``kv_cache_dtype`` name bounds a cache write against the reference quantisation,
+#: compared as stored values (one fp8 step: e4m3 has 3 mantissa bits, e5m2 two). Writes of
+#: ``"auto"`` caches are copies and are always compared bit for bit. A backend narrows or
+#: widens an entry with a ``CONFORMANCE_TOLERANCES`` class attribute of the same form.
+DEFAULT_TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    # TF32 tensor-core products (Triton's default for fp32 dot) round inputs to 10 bits.
+    torch.float32: (2e-3, 2e-3),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+    "fp8": (2.0**-9, 2.0**-3),
+    "fp8_e4m3": (2.0**-9, 2.0**-3),
+    "fp8_e5m2": (2.0**-16, 2.0**-2),
+}
+
+_DIM_WORDS = {"B": "block", "2": "K/V", "N": "token", "H": "head", "D": "dim", "L": "layer"}
+_WORD = re.compile(r"[A-Za-z_]+")
+
+
+def backend_label(backend: type[AttentionBackend]) -> str:
+    """``get_name()``, or the class name when ``get_name`` itself is broken."""
+    try:
+        name = backend.get_name()
+    except Exception:
+        return backend.__name__
+    return name if isinstance(name, str) and name else backend.__name__
+
+
+def _fail(backend: type[AttentionBackend], rule: str, detail: str) -> ConformanceError:
+    return ConformanceError(backend_label(backend), rule, detail)
+
+
+def tolerance_for(
+    backend: type[AttentionBackend], key: torch.dtype | str
+) -> tuple[tuple[float, float], str]:
+    """``((atol, rtol), source)`` for ``key``: the backend's declaration or the default table."""
+    declared = backend.CONFORMANCE_TOLERANCES
+    if key in declared:
+        return tuple(declared[key]), f"{backend_label(backend)}.CONFORMANCE_TOLERANCES"
+    return DEFAULT_TOLERANCES[key], "kvcore.testing.DEFAULT_TOLERANCES"
+
+
+# -- contract ------------------------------------------------------------------------------
+
+
+def check_backend_identity(backend: type[AttentionBackend]) -> None:
+    """Rule ``backend-identity``."""
+    problems = []
+    try:
+        name = backend.get_name()
+    except Exception as exc:
+        problems.append(f"get_name() raised {type(exc).__name__}: {exc}")
+    else:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
+            problems.append(f"get_name() returned {name!r}; use an upper-case name like "
+                            "'ACME_ATTN'")
+    try:
+        impl = backend.get_impl_cls()
+    except ImportError as exc:
+        if not backend.unavailable_reasons():
+            problems.append(
+                f"get_impl_cls() raised {type(exc).__name__}: {exc}, but unavailable_reasons() "
+                "is empty; declare the package in REQUIRED_PACKAGES so a missing kernel "
+                "library is a reason, not an import error")
+    else:
+        if not (isinstance(impl, type) and issubclass(impl, AttentionImpl)):
+            problems.append(f"get_impl_cls() returned {impl!r}, not an AttentionImpl subclass")
+    platforms = backend.PLATFORMS
+    if not platforms or not all(isinstance(p, str) and p == p.lower() for p in platforms):
+        problems.append(f"PLATFORMS={platforms!r}; declare the lower-case platform names the "
+                        "backend runs on, e.g. ('cuda',), or no selector ever picks it")
+    try:
+        backend.capabilities()
+    except Exception as exc:
+        problems.append(f"capabilities() (what `kvcore list` shows) raised "
+                        f"{type(exc).__name__}: {exc}")
+    if problems:
+        raise _fail(backend, "backend-identity", "\n".join(problems))
+
+
+def check_shape(backend: type[AttentionBackend], block_size: int, head_size: int) -> None:
+    """Rule ``shape-blocks-first``, at two size sets whose values are all distinct.
+
+    MLA caches hold one latent per token, shared by the heads: ``num_kv_heads`` is 1 there.
+    """
+    for nb, h in ((13, 1), (29, 1)) if backend.IS_MLA else ((13, 3), (29, 5)):
+        shape = tuple(backend.get_kv_cache_shape(nb, block_size, h, head_size))
+        if backend.IS_MLA:
+            expected = (nb, block_size, head_size)
+        else:
+            expected = (nb, 2, block_size, h, head_size)
+        if shape == expected:
+            continue
+        legacy = (2, nb, block_size, h, head_size)
+        if shape == legacy and not backend.IS_MLA:
+            if backend.supports_kv_connector():
+                raise _fail(backend, "shape-blocks-first", (
+                    f"get_kv_cache_shape({nb}, {block_size}, {h}, {head_size}) = {shape} is the "
+                    "legacy (2, num_blocks, ...) shape, but supports_kv_connector() is True: "
+                    "connectors index dim 0 as the block and would move half-blocks. Return "
+                    "the blocks-first shape, or return False from supports_kv_connector()"))
+            continue
+        raise _fail(backend, "shape-blocks-first", (
+            f"get_kv_cache_shape(num_blocks={nb}, block_size={block_size}, num_kv_heads={h}, "
+            f"head_size={head_size}) returned {shape}, expected {expected}"))
+
+
+def _orders(backend: type[AttentionBackend]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    ndim = 3 if backend.IS_MLA else 5
+    per_layer = tuple(backend.get_kv_cache_stride_order(False))
+    with_layers = tuple(backend.get_kv_cache_stride_order(True))
+    return per_layer, with_layers, ndim
+
+
+def check_stride_order(backend: type[AttentionBackend]) -> None:
+    """Rule ``stride-order-permutation``."""
+    per_layer, with_layers, ndim = _orders(backend)
+    for label, order, n in (("get_kv_cache_stride_order(False)", per_layer, ndim),
+                            ("get_kv_cache_stride_order(True)", with_layers, ndim + 1)):
+        if sorted(order) != list(range(n)):
+            raise _fail(backend, "stride-order-permutation", (
+                f"{label} = {order} is not a permutation of {tuple(range(n))}: it must name "
+                f"each of the {n} logical dims exactly once, outermost first"))
+
+
+def check_cross_layer_claim(backend: type[AttentionBackend]) -> None:
+    """Rule ``cross-layer-claim``."""
+    check_stride_order(backend)
+    per_layer, with_layers, _ = _orders(backend)
+    shifted = tuple(d + 1 for d in per_layer)
+    if with_layers[0] == 0:
+        expected, kind = (0, *shifted), "no cross-layer (layer dim outermost)"
+    elif with_layers[0] == 1:
+        # A layer's page inside a cross-layer block must be laid out as the per-layer order
+        # says, or a connector copying pages between the two allocations scrambles them.
+        expected, kind = (1, 0, *(d for d in shifted if d != 1)), "cross-layer"
+    else:
+        raise _fail(backend, "cross-layer-claim", (
+            f"get_kv_cache_stride_order(True) = {with_layers} puts logical dim "
+            f"{with_layers[0]} outermost; it must start with 0 (layers outermost) or with 1, 0 "
+            "(block outermost, then layer)"))
+    if with_layers != expected:
+        raise _fail(backend, "cross-layer-claim", (
+            f"get_kv_cache_stride_order(True) = {with_layers} claims {kind}, so with the "
+            f"per-layer order {per_layer} it must be {expected}"))
+    claimed = backend.supports_cross_layer()
+    if claimed != (with_layers[0] == 1):
+        raise _fail(backend, "cross-layer-claim", (
+            f"supports_cross_layer() is {claimed} but get_kv_cache_stride_order(True) = "
+            f"{with_layers} says {kind}; derive one from the other"))
+
+
+def check_kv_connector_claim(backend: type[AttentionBackend], base: dict[str, Any]) -> None:
+    """Rule ``kv-connector-claim``; ``base`` holds valid validate_configuration kwargs."""
+    per_layer, _, _ = _orders(backend)
+    if backend.supports_kv_connector():
+        if per_layer[0] != 0:
+            raise _fail(backend, "kv-connector-claim", (
+                f"supports_kv_connector() is True but get_kv_cache_stride_order(False) = "
+                f"{per_layer} puts logical dim {per_layer[0]} outermost in memory, so a block "
+                "is not one contiguous page; keep the block dim first or opt out of connectors"))
+        return
+    reason = backend.kv_connector_unsupported_reason()
+    if not _is_sentence(reason):
+        raise _fail(backend, "kv-connector-claim", (
+            f"supports_kv_connector() is False but kv_connector_unsupported_reason() returned "
+            f"{reason!r}; say why, and which backend to use instead"))
+    reasons = backend.validate_configuration(**{**base, "use_kv_connector": True})
+    if not any("connector" in r.lower() for r in reasons if isinstance(r, str)):
+        raise _fail(backend, "kv-connector-claim", (
+            f"supports_kv_connector() is False but validate_configuration(use_kv_connector="
+            f"True) returned {reasons!r}, with no reason naming the KV connector"))
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _is_sentence(text: object) -> bool:
+    return isinstance(text, str) and bool(text.strip()) and "\n" not in text and len(
+        _WORD.findall(text)) >= 2
+
+
+def _validate(backend: type[AttentionBackend], kwargs: dict[str, Any]) -> list[str]:
+    try:
+        reasons = backend.validate_configuration(**kwargs)
+    except Exception as exc:
+        raise _fail(backend, "validation-reasons", (
+            f"validate_configuration({_kwargs_text(kwargs)}) raised {type(exc).__name__}: {exc}; "
+            "it must return reasons, never raise (a missing kernel library is a reason too)"
+        )) from exc
+    if not isinstance(reasons, list):
+        raise _fail(backend, "validation-reasons", (
+            f"validate_configuration({_kwargs_text(kwargs)}) returned {reasons!r}, not a list "
+            "of reasons"))
+    return reasons
+
+
+def _kwargs_text(kwargs: dict[str, Any]) -> str:
+    def show(v: Any) -> str:
+        if isinstance(v, torch.dtype):
+            return str(v).removeprefix("torch.")
+        if isinstance(v, AttentionType):
+            return v.value
+        return str(v)
+
+    return ", ".join(f"{k}={show(v)}" for k, v in kwargs.items())
+
+
+def check_validation_refuses(
+    backend: type[AttentionBackend], base: dict[str, Any], change: dict[str, Any], field: str
+) -> None:
+    """Rule ``validation-reasons``: ``base`` with ``change`` applied is outside the declared
+    capabilities, so it must be refused with a one-line reason naming ``field``."""
+    kwargs = {**base, **change}
+    reasons = _validate(backend, kwargs)
+    what = _kwargs_text(change)
+    if not reasons:
+        raise _fail(backend, "validation-reasons", (
+            f"validate_configuration accepted {what}, which the declared capabilities exclude "
+            f"(full call: {_kwargs_text(kwargs)}); derive validation from the declarations"))
+    bad = [r for r in reasons if not _is_sentence(r)]
+    if bad:
+        raise _fail(backend, "validation-reasons", (
+            f"for {what}, validate_configuration returned reasons that are not one-line "
+            f"sentences: {bad!r}"))
+    pattern = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(field)}(?![A-Za-z0-9_])")
+    if not any(pattern.search(r) for r in reasons):
+        raise _fail(backend, "validation-reasons", (
+            f"for {what}, no reason names {field!r}: {reasons!r}; a user must see which "
+            f"setting to change, e.g. \"{field}=... (supported: ...)\""))
+
+
+def check_validation_accepts(backend: type[AttentionBackend], base: dict[str, Any]) -> None:
+    """Rule ``validation-accepts-declared``."""
+    reasons = _validate(backend, base)
+    if reasons:
+        raise _fail(backend, "validation-accepts-declared", (
+            f"validate_configuration({_kwargs_text(base)}) refused a configuration built from "
+            f"the declared capabilities: {reasons!r}"))
+
+
+# -- numerical checks ----------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` as integers of the same width (NaN-safe, exact comparison)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def _split_kv(kv_cache: torch.Tensor, layout: KVCacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views ``(num_blocks, block_size, num_kv_heads, head_size)`` of one layer."""
+    key_cache, value_cache = kv_cache.unbind(layout.layer_dim_names.index("2"))
+    return key_cache, value_cache
+
+
+def _scales(config: CaseConfig, device: torch.device) -> LayerScales:
+    if not config.is_fp8:
+        return LayerScales()
+    # Non-trivial per-tensor scales, as fp8 engines pass them: 1-element float32 tensors.
+    return LayerScales(torch.tensor([0.5], device=device), torch.tensor([0.25], device=device))
+
+
+class _Run:
+    """One numerical case: the backend, its config and device, and the helpers to call it."""
+
+    def __init__(self, backend: type[AttentionBackend], config: CaseConfig,
+                 device: torch.device, seed: int) -> None:
+        self.backend = backend
+        self.config = config
+        self.device = device
+        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        # The numerical checks only make sense once the layout contract holds.
+        check_shape(backend, config.block_size, config.head_size)
+        check_cross_layer_claim(backend)
+
+    def where(self) -> str:
+        return f"config: {self.config.describe()}; device {self.device}; seed {self.seed}"
+
+    def fail(self, rule: str, detail: str) -> ConformanceError:
+        return _fail(self.backend, rule, f"{detail}\n{self.where()}")
+
+    def allocate(self, num_blocks: int, num_layers: int = 1, cross_layer: bool = False,
+                 fill: bool = True) -> KVCaches:
+        caches = allocate_kv_caches(
+            self.backend, num_layers=num_layers, num_blocks=num_blocks,
+            block_size=self.config.block_size, num_kv_heads=NUM_KV_HEADS,
+            head_size=self.config.head_size, dtype=self.config.dtype, device=self.device,
+            cross_layer=cross_layer, kv_cache_dtype=self.config.kv_cache_dtype)
+        if fill:  # random everywhere, so stray writes and reads of stale data show
+            caches.storage.copy_(random_like(caches.storage.shape, caches.storage.dtype,
+                                             self.device, self.gen))
+        return caches
+
+    def impl(self) -> AttentionImpl:
+        d = self.config.head_size
+        return self.call("constructing the AttentionImpl", self.backend.get_impl_cls(),
+                         num_heads=NUM_HEADS, head_size=d, scale=d**-0.5,
+                         num_kv_heads=NUM_KV_HEADS, sliding_window=None,
+                         kv_cache_dtype=self.config.kv_cache_dtype,
+                         attn_type=AttentionType.DECODER)
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise self.fail("validation-refuses-before-kernel", (
+                f"validate_configuration accepted this configuration, but {what} raised "
+                f"{type(exc).__name__}: {exc}")) from exc
+
+    def write(self, impl: AttentionImpl, scales: LayerScales, batch: MixedBatch,
+              kv_cache: torch.Tensor) -> None:
+        self.call("do_kv_cache_update", impl.do_kv_cache_update, scales, batch.key,
+                  batch.value, kv_cache, batch.metadata.slot_mapping)
+
+    def forward(self, impl: AttentionImpl, scales: LayerScales, batch: MixedBatch,
+                kv_cache: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
+        result = self.call("forward", impl.forward, scales, batch.query, batch.key, batch.value,
+                           kv_cache, batch.metadata, output=output)
+        rows = batch.query.shape
+        if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(rows):
+            raise self.fail("forward-reference", (
+                f"forward returned {_shape_text(result)}; it must return the output, shape "
+                f"{tuple(rows)} (num_tokens, num_heads, head_size)"))
+        return result
+
+    def reference_forward(self, batch: MixedBatch, kv_cache: torch.Tensor,
+                          layout: KVCacheLayout, scales: LayerScales) -> torch.Tensor:
+        """float64 attention of the real tokens over ``kv_cache`` as it is now."""
+        key_cache, value_cache = _split_kv(kv_cache, layout)
+        if not self.config.is_fp8:
+            key_cache, value_cache = key_cache.double(), value_cache.double()
+        m = batch.metadata
+        n = m.num_actual_tokens
+        return paged_attention_ref(
+            batch.query[:n].double(), key_cache, value_cache,
+            query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
+            scale=self.config.head_size**-0.5, causal=m.causal,
+            kv_cache_dtype=self.config.kv_cache_dtype, k_scale=scales.k_scale,
+            v_scale=scales.v_scale)
+
+    def output_diff(self, out: torch.Tensor, ref: torch.Tensor, batch: MixedBatch) -> str | None:
+        (atol, rtol), source = tolerance_for(self.backend, self.config.dtype)
+        err = (out.double() - ref).abs()
+        bad = ~(err <= atol + rtol * ref.abs())  # NaN counts as bad
+        if not bad.any():
+            return None
+        token, head, dim = bad.nonzero()[0].tolist()
+        finite = torch.isfinite(out)
+        worst = err[finite.to(err.device)].max().item() if finite.any() else float("nan")
+        return (
+            f"{int(bad.sum())} of {bad.numel()} output elements exceed atol={atol:g}, "
+            f"rtol={rtol:g} (from {source}); largest finite error {worst:.3g}; "
+            f"{int((~finite).sum())} non-finite. First at {batch.locate(token)}, head {head}, "
+            f"dim {dim}: got {out[token, head, dim].item():.6g}, expected "
+            f"{ref[token, head, dim].item():.6g}.\n{batch.describe()}")
+
+
+def _shape_text(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)
+
+
+def _cache_diff(got: torch.Tensor, expected: torch.Tensor, layout: KVCacheLayout,
+                batch: MixedBatch, block_size: int, tol: tuple[float, float] | None) -> str | None:
+    """Where a written cache differs from the expected one, or ``None`` if it does not."""
+    if tol is None:
+        bad = _bits(got) != _bits(expected)
+    else:
+        g, e = got.float(), expected.float()
+        bad = ~((g - e).abs() <= tol[0] + tol[1] * e.abs())
+    if not bad.any():
+        return None
+    names = layout.layer_dim_names
+    idx = bad.nonzero().cpu()
+    slots = idx[:, names.index("B")] * block_size + idx[:, names.index("N")]
+    targets = batch.metadata.slot_mapping.cpu()
+    in_target = torch.isin(slots, targets[targets >= 0])
+    first = idx[0].tolist()
+    where = ", ".join(f"{_DIM_WORDS[n]} {v}" for n, v in zip(names, first, strict=True))
+    tolerance = "bit-exact" if tol is None else f"atol={tol[0]:g}, rtol={tol[1]:g}"
+    return (
+        f"{int(bad.sum())} of {bad.numel()} cache elements differ ({tolerance}): "
+        f"{int(in_target.sum())} in slots slot_mapping names (wrong values), "
+        f"{int((~in_target).sum())} in slots it does not name (written where nothing should "
+        f"be). First at {where}: got {got[tuple(first)].float().item():.6g}, expected "
+        f"{expected[tuple(first)].float().item():.6g}.\n{batch.describe()}")
+
+
+def check_cache_write(backend: type[AttentionBackend], config: CaseConfig,
+                      device: torch.device, seed: int) -> None:
+    """Rule ``cache-write-reference``, on a per-layer (not cross-layer) allocation."""
+    run = _Run(backend, config, device, seed)
+    batch = make_mixed_batch(config, device, run.gen)
+    caches = run.allocate(batch.num_blocks)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    expected = layer.clone()
+    key_exp, value_exp = _split_kv(expected, caches.layout)
+    reshape_and_cache_ref(batch.key, batch.value, key_exp, value_exp, batch.metadata.slot_mapping,
+                          config.kv_cache_dtype, scales.k_scale, scales.v_scale)
+    run.write(run.impl(), scales, batch, layer)
+    tol = None
+    if config.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        tol, _ = tolerance_for(backend, config.kv_cache_dtype)
+    diff = _cache_diff(layer, expected, caches.layout, batch, config.block_size, tol)
+    if diff:
+        raise run.fail("cache-write-reference", diff)
+
+
+def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: torch.device,
+                  seed: int, without_output: bool = False) -> None:
+    """Rule ``forward-reference``, leaving the cache unchanged; ``without_output`` also checks
+    the ``output=None`` path (once per backend is enough: it only allocates)."""
+    run = _Run(backend, config, device, seed)
+    batch = make_mixed_batch(config, device, run.gen)
+    caches = run.allocate(batch.num_blocks)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    impl = run.impl()
+    run.write(impl, scales, batch, layer)
+    before = _bits(layer).clone()
+    ref = run.reference_forward(batch, layer, caches.layout, scales)
+    n = batch.num_tokens
+    output = random_like(tuple(batch.query.shape), config.dtype, device, run.gen)
+    result = run.forward(impl, scales, batch, layer, output)
+    diff = run.output_diff(output[:n], ref, batch)
+    if diff:
+        raise run.fail("forward-reference", f"forward(..., output=output): {diff}")
+    if not torch.equal(_bits(result[:n]), _bits(output[:n])):
+        raise run.fail("forward-reference", (
+            "forward(..., output=output) returned a tensor whose rows differ from output; "
+            "write the result into output and return it"))
+    if without_output:
+        diff = run.output_diff(run.forward(impl, scales, batch, layer, None)[:n], ref, batch)
+        if diff:
+            raise run.fail("forward-reference", f"forward(..., output=None): {diff}")
+    if not torch.equal(_bits(layer), before):
+        changed = int((_bits(layer) != before).sum())
+        raise run.fail("forward-reference", (
+            f"forward changed {changed} elements of the KV cache; it must only read it"))
+
+
+def check_batch_invariant(backend: type[AttentionBackend], config: CaseConfig,
+                          device: torch.device, seed: int) -> None:
+    """Rule ``batch-invariant``: each request alone gives the bits it gets in the batch."""
+    run = _Run(backend, config, device, seed)
+    batch = make_mixed_batch(config, device, run.gen)
+    caches = run.allocate(batch.num_blocks)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    impl = run.impl()
+    run.write(impl, scales, batch, layer)
+    together = run.forward(impl, scales, batch, layer, None)
+    start = 0
+    for i, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+        alone = MixedBatch(
+            query=batch.query[start:start + q_len], key=batch.key[start:start + q_len],
+            value=batch.value[start:start + q_len],
+            metadata=build_attention_metadata([q_len], [ctx], [batch.block_tables[i]],
+                                              config.block_size, device=device,
+                                              causal=config.causal),
+            query_lens=[q_len], context_lens=[ctx], block_tables=[batch.block_tables[i]],
+            kinds=[batch.kinds[i]], num_blocks=batch.num_blocks)
+        single = run.forward(impl, scales, alone, layer, None)
+        if not torch.equal(_bits(single), _bits(together[start:start + q_len])):
+            raise run.fail("batch-invariant", (
+                f"request {i} ({batch.kinds[i]}) alone differs from the same request in the "
+                f"batch (max difference "
+                f"{(single.double() - together[start:start + q_len].double()).abs().max():.3g})"
+                f"\n{batch.describe()}"))
+        start += q_len
+
+
+def check_cross_layer(backend: type[AttentionBackend], config: CaseConfig,
+                      device: torch.device, seed: int) -> None:
+    """Rules ``cross-layer-untouched-neighbours`` and ``cross-layer-bit-exact``.
+
+    The middle layer of a 3-layer cross-layer allocation (its pages strided by three pages,
+    non-zero storage offset, random neighbours) against a contiguous single-layer copy.
+    """
+    run = _Run(backend, config, device, seed)
+    batch = make_mixed_batch(config, device, run.gen)
+    cross = run.allocate(batch.num_blocks, num_layers=3, cross_layer=True)
+    plain = run.allocate(batch.num_blocks, fill=False)
+    layer, contiguous = cross.layers[1], plain.layers[0]
+    contiguous.copy_(layer)
+    neighbours = {i: cross.block_view(i).clone() for i in (0, 2)}
+    scales = _scales(config, device)
+    impl = run.impl()
+
+    def check_neighbours(after: str) -> None:
+        for i, snapshot in neighbours.items():
+            changed = (cross.block_view(i) != snapshot).any(dim=1).nonzero().flatten().tolist()
+            if changed:
+                raise run.fail("cross-layer-untouched-neighbours", (
+                    f"after {after} on layer 1 of a 3-layer cross-layer cache (layout "
+                    f"{cross.layout}, per-layer view strides {tuple(layer.stride())}), layer {i} "
+                    f"changed in blocks {changed[:10]}{' ...' if len(changed) > 10 else ''}: "
+                    "the kernel computed addresses from the sizes instead of the view's strides"
+                    f"\n{batch.describe()}"))
+
+    run.write(impl, scales, batch, layer)
+    run.write(impl, scales, batch, contiguous)
+    check_neighbours("do_kv_cache_update")
+    if not torch.equal(_bits(layer), _bits(contiguous)):
+        changed = int((_bits(layer) != _bits(contiguous)).sum())
+        raise run.fail("cross-layer-bit-exact", (
+            f"do_kv_cache_update wrote {changed} elements differently on layer 1 of a 3-layer "
+            f"cross-layer cache (layout {cross.layout}, strides {tuple(layer.stride())}) than "
+            f"on a contiguous cache (strides {tuple(contiguous.stride())})\n{batch.describe()}"))
+    n = batch.num_tokens
+    out_cross = run.forward(impl, scales, batch, layer, None)[:n]
+    out_plain = run.forward(impl, scales, batch, contiguous, None)[:n]
+    check_neighbours("forward")
+    if not torch.equal(_bits(out_cross), _bits(out_plain)):
+        bad = (_bits(out_cross) != _bits(out_plain)).nonzero()[0].tolist()
+        raise run.fail("cross-layer-bit-exact", (
+            f"forward on layer 1 of a 3-layer cross-layer cache (layout {cross.layout}, page "
+            f"stride {layer.stride(0)} elements) differs from forward on a contiguous cache "
+            f"(page stride {contiguous.stride(0)}), first at {batch.locate(bad[0])}, head "
+            f"{bad[1]}: got {out_cross[tuple(bad)].item():.6g}, contiguous gives "
+            f"{out_plain[tuple(bad)].item():.6g}; the kernel must take the page stride from "
+            f"the tensor\n{batch.describe()}"))
+
+
+#: Element count the int64 check's cache exceeds.
+INT32_LIMIT = 2**31
+
+
+def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
+                        device: torch.device, seed: int) -> str | None:
+    """Rule ``int64-offsets`` on a GPU. Returns a reason to skip (too little memory) or ``None``.
+
+    One layer of more than 2**31 elements; one request in the last blocks, one in the first.
+    """
+    run = _Run(backend, config, device, seed)
+    bs, d = config.block_size, config.head_size
+    page = 2 * bs * NUM_KV_HEADS * d
+    num_blocks = INT32_LIMIT // page + 4
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    need = num_blocks * page * (1 if config.is_fp8 else itemsize)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need * 1.25 > free:
+        return f"needs {need / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} GiB free"
+    high = [num_blocks - 3, num_blocks - 2, num_blocks - 1]
+    low = [0, 1]
+    q_lens, tables = [2 * bs + 3, bs + 1], [high, low]
+    meta = build_attention_metadata(q_lens, [0, 0], tables, bs, device=device)
+    rows = meta.num_actual_tokens
+    batch = MixedBatch(
+        query=random_like((rows, NUM_HEADS, d), config.dtype, device, run.gen),
+        key=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, run.gen),
+        value=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, run.gen),
+        metadata=meta, query_lens=q_lens, context_lens=[0, 0], block_tables=tables,
+        kinds=["prefill in the last blocks", "prefill in the first blocks"],
+        num_blocks=num_blocks)
+    caches = run.allocate(num_blocks, fill=False)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    impl = run.impl()
+    run.write(impl, scales, batch, layer)
+    out = run.forward(impl, scales, batch, layer, None)
+    # The same requests on a compact cache holding only the five used blocks, renumbered.
+    used = torch.tensor(high + low, device=device)
+    block_dim = caches.layout.layer_dim_names.index("B")
+    compact_meta = build_attention_metadata(q_lens, [0, 0], [[0, 1, 2], [3, 4]], bs,
+                                            device=device)
+    compact = torch.zeros_like(layer.index_select(block_dim, used))
+    key_c, value_c = _split_kv(compact, caches.layout)
+    reshape_and_cache_ref(batch.key, batch.value, key_c, value_c, compact_meta.slot_mapping,
+                          config.kv_cache_dtype, scales.k_scale, scales.v_scale)
+    if not torch.equal(_bits(layer.index_select(block_dim, used)), _bits(compact)):
+        raise run.fail("int64-offsets", (
+            f"do_kv_cache_update into blocks {high} of a {num_blocks}-block cache "
+            f"({num_blocks * page} elements > 2**31) did not store what the reference stores; "
+            "some offset was computed in int32"))
+    ref_batch = MixedBatch(batch.query, batch.key, batch.value, compact_meta, q_lens, [0, 0],
+                           [[0, 1, 2], [3, 4]], batch.kinds, 5)
+    ref = run.reference_forward(ref_batch, compact, caches.layout, scales)
+    diff = run.output_diff(out, ref, batch)
+    if diff:
+        raise run.fail("int64-offsets", (
+            f"forward over blocks {high} of a {num_blocks}-block cache ({num_blocks * page} "
+            f"elements > 2**31) is wrong: {diff}"))
+    return None

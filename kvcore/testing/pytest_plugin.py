@@ -1,0 +1,92 @@
+"""The ``kvcore`` pytest plugin (``pytest11`` entry point): the conformance suite on demand.
+
+pytest loads it in every run of an environment where kvcore is installed, so it stays inert
+unless asked: without ``--kvcore-backend`` it adds only its options and marker and collects
+nothing. With it:
+
+- ``pytest --kvcore-backend NAME`` runs the conformance suite (:mod:`kvcore.testing.suite`) on
+  each named backend, and only that; give paths as well to run those tests too.
+- Any test taking a ``kvcore_backend`` argument runs once per named backend (the class), and
+  one taking ``kvcore_conformance_case`` once per conformance case, so a plugin author can
+  build on the suite. Without the option they are skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).with_name("suite.py")
+#: Node id prefix of the suite's tests, the same wherever kvcore is installed.
+SUITE_NODEID = "kvcore/testing/suite.py"
+_NO_BACKEND = "no backend given: pass --kvcore-backend NAME (or module:Class) to run this"
+_backends_key = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvcore", "kvcore backend conformance")
+    group.addoption(
+        "--kvcore-backend", action="append", default=[], metavar="NAME",
+        dest="kvcore_backends",
+        help="run kvcore's conformance suite on this attention backend: a registered name "
+             "or a 'module:Class' path (repeatable)")
+    group.addoption(
+        "--kvcore-device", action="append", default=[], metavar="DEVICE",
+        dest="kvcore_devices",
+        help="torch device type for the numerical checks, e.g. cpu (repeatable; default: "
+             "the devices of the backend's platforms present here)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "kvcore_conformance: a case of kvcore's backend conformance suite")
+    specs = config.getoption("kvcore_backends")
+    if not specs:
+        return
+    from kvcore.testing.cases import resolve_backend_spec
+
+    backends = []
+    for spec in specs:
+        try:
+            backends.append(resolve_backend_spec(spec))
+        except Exception as exc:
+            raise pytest.UsageError(f"--kvcore-backend {spec}: {exc}") from exc
+    config.stash[_backends_key] = backends
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        config.args.append(str(SUITE))
+    else:  # no paths given: the suite replaces testpaths / the current directory
+        config.args[:] = [str(SUITE)]
+
+
+def pytest_pycollect_makemodule(
+    module_path: Path, parent: pytest.Collector
+) -> pytest.Module | None:
+    # Outside the rootdir (kvcore in site-packages) pytest would give the suite an empty node
+    # id; a fixed one keeps `-k`, reports and --lf readable everywhere.
+    if Path(module_path).resolve() == SUITE.resolve():
+        return pytest.Module.from_parent(parent, path=Path(module_path), nodeid=SUITE_NODEID)
+    return None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    backends = metafunc.config.stash.get(_backends_key, [])
+    skip = pytest.mark.skip(reason=_NO_BACKEND)
+    if "kvcore_conformance_case" in metafunc.fixturenames:
+        from kvcore.testing.cases import conformance_cases
+
+        devices = metafunc.config.getoption("kvcore_devices") or None
+        params = [
+            pytest.param(case, id=case.id, marks=[pytest.mark.skip(reason=case.skip_reason)]
+                         if case.skip_reason else [])
+            for backend in backends for case in conformance_cases(backend, devices)
+        ]
+        metafunc.parametrize("kvcore_conformance_case",
+                             params or [pytest.param(None, id="none", marks=skip)])
+    if "kvcore_backend" in metafunc.fixturenames:
+        from kvcore.testing.checks import backend_label
+
+        metafunc.parametrize(
+            "kvcore_backend",
+            [pytest.param(b, id=backend_label(b)) for b in backends]
+            or [pytest.param(None, id="none", marks=skip)])

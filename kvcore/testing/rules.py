@@ -1,0 +1,99 @@
+"""The rules of the backend contract that the conformance suite checks.
+
+Each rule has a stable id, one sentence stating it, and the place it is documented: a section
+of ``docs/conformance.md`` whose heading is the rule id. A failing check raises
+:class:`ConformanceError` naming the backend, the rule, that sentence and the doc anchor, so a
+backend author reads what was broken and where the contract explains it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RULES", "ConformanceError", "Rule"]
+
+DOC = "docs/conformance.md"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of the contract: ``id`` is also the heading of its section in the docs."""
+
+    id: str
+    statement: str
+
+    @property
+    def doc(self) -> str:
+        """Where the rule is documented, e.g. ``docs/conformance.md#shape-blocks-first``."""
+        return f"{DOC}#{self.id}"
+
+
+_RULES = (
+    Rule("backend-identity",
+         "get_name() is a non-empty upper-case name, get_impl_cls() returns an AttentionImpl "
+         "subclass, and PLATFORMS names at least one platform"),
+    Rule("shape-blocks-first",
+         "get_kv_cache_shape returns the blocks-first shape (num_blocks, 2, block_size, "
+         "num_kv_heads, head_size), or (num_blocks, block_size, head_size) for MLA; only a "
+         "backend that opts out of KV connectors may keep the legacy (2, num_blocks, ...) shape"),
+    Rule("stride-order-permutation",
+         "get_kv_cache_stride_order(False) is a permutation of the logical dims and "
+         "get_kv_cache_stride_order(True) a permutation of those dims plus the leading layer dim"),
+    Rule("cross-layer-claim",
+         "get_kv_cache_stride_order(True) either keeps the layer dim outermost (no cross-layer) "
+         "or puts the block dim first and the layer dim second (cross-layer), with the per-layer "
+         "order unchanged behind them; supports_cross_layer() agrees with it"),
+    Rule("kv-connector-claim",
+         "a backend that supports KV connectors keeps each block of a layer one contiguous page "
+         "(block dim outermost in memory); one that does not says why in a sentence and has "
+         "use_kv_connector=True refused by validate_configuration"),
+    Rule("validation-reasons",
+         "validate_configuration never raises and refuses every configuration outside the "
+         "declared capabilities with non-empty, one-line reasons that name the field"),
+    Rule("validation-accepts-declared",
+         "validate_configuration accepts a configuration built from the declared capabilities "
+         "(reasons for it must come from check_combination and say which fields clash)"),
+    Rule("validation-refuses-before-kernel",
+         "a configuration validate_configuration accepts runs: an unsupported one is refused "
+         "there, never by an exception (or a crash) inside do_kv_cache_update or forward"),
+    Rule("cache-write-reference",
+         "do_kv_cache_update writes each new token's K and V into exactly the slot slot_mapping "
+         "names (skipping negative slots) and leaves every other byte of the cache unchanged"),
+    Rule("forward-reference",
+         "forward over a mixed batch (decode, prefill with a cached prefix, fresh prefill, "
+         "padding rows) matches the float64 reference within the backend's tolerances, writes "
+         "into the given output, and leaves the KV cache unchanged"),
+    Rule("batch-invariant",
+         "a backend declaring SUPPORTS_BATCH_INVARIANT gives every request bit-identical "
+         "results whether it runs alone or in a batch"),
+    Rule("cross-layer-untouched-neighbours",
+         "on a per-layer view of a cross-layer allocation, do_kv_cache_update and forward touch "
+         "no byte of the neighbouring layers"),
+    Rule("cross-layer-bit-exact",
+         "on a per-layer view of a cross-layer allocation, do_kv_cache_update and forward give "
+         "results bit-identical to the same call on a contiguous per-layer cache (kernels take "
+         "the page stride from the tensor, never from the sizes)"),
+    Rule("int64-offsets",
+         "cache writes and attention address a cache larger than 2**31 elements correctly "
+         "(all index arithmetic is int64)"),
+)
+
+#: Every rule by id.
+RULES: dict[str, Rule] = {rule.id: rule for rule in _RULES}
+
+
+class ConformanceError(AssertionError):
+    """A backend broke a rule of the contract.
+
+    The message names the backend, the rule id and statement, where the rule is documented,
+    and the specific finding (``detail``).
+    """
+
+    def __init__(self, backend: str, rule: str, detail: str) -> None:
+        self.backend = backend
+        self.rule = RULES[rule]
+        self.detail = detail
+        super().__init__(
+            f"{backend} broke conformance rule {rule!r} (documented in {self.rule.doc}): "
+            f"{self.rule.statement}.\n{detail}"
+        )

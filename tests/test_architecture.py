@@ -1,0 +1,171 @@
+"""The dependency rule, checked on the source: kvcore imports no plugin, and plugins (the
+in-repo ones under ``plugins/`` and the example under ``examples/``) use only kvcore's public
+API: the names ``kvcore``, ``kvcore.ops``, ``kvcore.connectors`` and ``kvcore.testing`` export.
+
+The plugin packages are found by scanning those directories and the installed ``kvcore.plugins``
+entry points, so a new plugin is covered without editing this file. ``.importlinter`` states
+the same rules for import-linter, which also follows indirect imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+PUBLIC_MODULES = ("kvcore", "kvcore.ops", "kvcore.connectors", "kvcore.testing")
+PLUGIN_DIRS = ("plugins", "examples")
+_SKIP_PARTS = {"build", "dist", "__pycache__"}
+
+
+def python_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py")
+                  if not _SKIP_PARTS & set(p.relative_to(root).parts)
+                  and not any(part.endswith(".egg-info") for part in p.parts))
+
+
+def plugin_distributions() -> list[Path]:
+    return sorted(d for top in PLUGIN_DIRS for d in (REPO / top).glob("*")
+                  if (d / "pyproject.toml").is_file())
+
+
+def plugin_packages() -> set[str]:
+    """Top-level packages of the in-repo plugins and of every installed third-party plugin."""
+    names = {p.name for d in plugin_distributions() for p in d.iterdir()
+             if (p / "__init__.py").is_file() and p.name != "tests"}
+    for ep in metadata.entry_points(group="kvcore.plugins"):
+        if ep.dist is not None and ep.dist.metadata["Name"].lower() != "kvcore":
+            names.add(ep.value.split(".")[0].split(":")[0])
+    return names
+
+
+def imports(path: Path) -> list[tuple[int, str, list[str], str | None]]:
+    """``(line, module, imported names, bound name)``.
+
+    ``import a.b`` has no names and binds ``a``; ``import a.b as c`` binds ``c`` to ``a.b``;
+    ``from a import x`` binds nothing of interest here.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name, [], alias.asname or alias.name.split(".")[0])
+                         for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module, [a.name for a in node.names], None))
+    return found
+
+
+def public_names(module: str) -> set[str]:
+    names = set(importlib.import_module(module).__all__)
+    # Public subpackages are reachable as attributes too (``kvcore.ops.paged_attention``).
+    return names | {m.rsplit(".", 1)[1] for m in PUBLIC_MODULES if m.startswith(f"{module}.")}
+
+
+def attribute_chains(path: Path, aliases: dict[str, str]) -> list[tuple[int, str, str]]:
+    """``(line, module, attribute)`` for ``alias.attribute`` where alias names a kvcore module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in aliases:
+            found.append((node.lineno, aliases[node.value.id], node.attr))
+    return found
+
+
+def private_uses(path: Path, root: Path = REPO) -> list[str]:
+    """Every use in ``path`` of a kvcore name outside the public API, one line each."""
+    problems = []
+    aliases: dict[str, str] = {}
+    for line, module, names, bound in imports(path):
+        if module.split(".")[0] != "kvcore":
+            continue
+        where = f"{path.relative_to(root)}:{line}"
+        if module not in PUBLIC_MODULES:
+            problems.append(f"{where}: imports {module}, which is not public API "
+                            f"(public: {', '.join(PUBLIC_MODULES)})")
+            continue
+        if bound is not None:
+            aliases[bound] = module if bound != "kvcore" else "kvcore"
+        for name in sorted(set(names) - public_names(module)):
+            problems.append(f"{where}: imports {name} from {module}, which does not export it "
+                            f"(not in {module}.__all__)")
+    for line, module, attr in attribute_chains(path, aliases):
+        if attr not in public_names(module):
+            problems.append(f"{path.relative_to(root)}:{line}: uses {module}.{attr}, which is "
+                            f"not in {module}.__all__")
+    return problems
+
+
+def test_kvcore_imports_no_plugin():
+    forbidden = plugin_packages()
+    assert {"kvcore_example_plugin"} <= forbidden
+    problems = [
+        f"{path.relative_to(REPO)}:{line}: imports {module}"
+        for top in ("kvcore", "platforms") for path in python_files(REPO / top)
+        for line, module, _, _ in imports(path) if module.split(".")[0] in forbidden
+    ]
+    assert not problems, "kvcore must not import plugins:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("distribution", plugin_distributions(),
+                         ids=lambda d: str(d.relative_to(REPO)))
+def test_plugin_uses_only_public_kvcore_api(distribution):
+    problems = [p for path in python_files(distribution) for p in private_uses(path)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_guard_catches_private_imports(tmp_path):
+    source = tmp_path / "plugin.py"
+    source.write_text(
+        "import kvcore\n"
+        "from kvcore.backend import AttentionBackend\n"
+        "from kvcore.ops import _on_gpu, paged_attention\n"
+        "x = kvcore.registry\n"
+        "y = kvcore.AttentionBackend\n"
+        "import kvcore.connectors as kc\n"
+        "z = kc.base\n")
+    assert private_uses(source, root=tmp_path) == [
+        "plugin.py:2: imports kvcore.backend, which is not public API (public: kvcore, "
+        "kvcore.ops, kvcore.connectors, kvcore.testing)",
+        "plugin.py:3: imports _on_gpu from kvcore.ops, which does not export it "
+        "(not in kvcore.ops.__all__)",
+        "plugin.py:4: uses kvcore.registry, which is not in kvcore.__all__",
+        "plugin.py:7: uses kvcore.connectors.base, which is not in kvcore.connectors.__all__",
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("importlinter") is None,
+                    reason="import-linter is not installed (pip install import-linter)")
+def test_import_linter_contracts_hold():
+    lint = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), str(REPO / ".importlinter")], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_importlinter_covers_every_plugin_the_dev_setup_installs():
+    """Plugins installed by requirements-dev.txt are importable in CI, so lint-imports checks
+    them; ``.importlinter`` must name each in root_packages and in both contracts."""
+    config = configparser.ConfigParser()
+    config.read(REPO / ".importlinter")
+    installed = re.findall(r"^-e ((?:plugins|examples)/\S+)$",
+                           (REPO / "requirements-dev.txt").read_text(), re.MULTILINE)
+    packages = {p.name for d in installed for p in (REPO / d).iterdir()
+                if (p / "__init__.py").is_file() and p.name != "tests"}
+    assert packages
+
+    def listed(section: str, key: str) -> set[str]:
+        return set(config[section][key].split())
+
+    assert packages <= listed("importlinter", "root_packages")
+    assert packages <= listed("importlinter:contract:core-imports-no-plugin",
+                              "forbidden_modules")
+    assert packages <= listed("importlinter:contract:plugins-use-public-api", "source_modules")

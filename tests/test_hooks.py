@@ -1,0 +1,95 @@
+"""One end-to-end test per hook of ``kvcore/hookspecs.py``, named ``test_hook_<hook>``.
+
+Each registers a plugin at run time (as an engine with private backends does) and follows the
+registration through to what a user sees: selection, platform detection, ``get_connector``.
+``tests/test_meta.py`` checks that every hook has such a test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcore
+from kvcore.backends.cpu_attn import CpuAttentionBackend
+from kvcore.cli import main as kvcore_cli
+from kvcore.connectors import get_connector
+from kvcore.connectors.offload import OffloadConnector
+
+
+class AcmeBackend(CpuAttentionBackend):
+    """CPU_ATTN's kernels under another name, for the ``acme`` platform only."""
+
+    PLATFORMS = ("acme",)
+
+    @staticmethod
+    def get_name() -> str:
+        return "ACME_ATTN"
+
+
+class AcmePlatform(kvcore.Platform):
+    name = "acme"
+    device_type = "cpu"
+    detection_priority = -1  # never detected ahead of the real platforms
+
+    def probe(self) -> str | None:
+        return "no ACME accelerator in this machine"
+
+    def get_backend_priorities(self, config, device_capability):
+        return ["ACME_ATTN"]
+
+
+class AcmePlugin:
+    @kvcore.hookimpl
+    def kvcore_register_backends(self, register):
+        register("ACME_ATTN", f"{__name__}:AcmeBackend")
+
+    @kvcore.hookimpl
+    def kvcore_register_platforms(self, register):
+        register("acme", f"{__name__}:AcmePlatform")
+
+    @kvcore.hookimpl
+    def kvcore_register_connectors(self, register):
+        register("acme_offload", "kvcore.connectors.offload:OffloadConnector")
+
+
+@pytest.fixture
+def acme(fresh_kvcore):
+    kvcore.register_plugin(AcmePlugin(), "acme")
+    yield
+    kvcore.unregister_plugin("acme")
+
+
+def test_hook_kvcore_register_backends(acme, capsys):
+    registration = kvcore.backend_registry().get("acme_attn")
+    assert (registration.name, registration.plugin) == ("ACME_ATTN", "acme")
+    config = kvcore.AttentionSelectorConfig(head_size=64, dtype=torch.float32)
+    assert kvcore.get_attn_backend(config, backend="ACME_ATTN", platform="acme") is AcmeBackend
+    report = kvcore.explain_selection(config, platform="cpu")
+    (candidate,) = [c for c in report.candidates if c.name == "ACME_ATTN"]
+    assert candidate.reasons == ["platform=cpu (supported: acme)"]
+    assert kvcore_cli(["list"]) == 0
+    assert any(line.split()[:2] == ["ACME_ATTN", "acme"]
+               for line in capsys.readouterr().out.splitlines())
+
+
+def test_hook_kvcore_register_platforms(acme, monkeypatch):
+    assert kvcore.get_platform("acme").probe() == "no ACME accelerator in this machine"
+    assert kvcore.current_platform().name != "acme"  # absent, so never detected
+    monkeypatch.setenv("KVCORE_PLATFORM", "acme")
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "2.1")
+    kvcore.clear_platform_cache()
+    platform = kvcore.current_platform()
+    assert (platform.name, platform.is_simulated) == ("acme", True)
+    assert platform.get_device_capability() == kvcore.DeviceCapability(2, 1)
+    config = kvcore.AttentionSelectorConfig(head_size=64, dtype=torch.float32)
+    assert kvcore.get_attn_backend(config) is AcmeBackend
+
+
+def test_hook_kvcore_register_connectors(acme):
+    assert kvcore.connector_registry().get("acme_offload").plugin == "acme"
+    connector = get_connector("acme_offload", capacity_bytes=1 << 16)
+    assert type(connector) is OffloadConnector
+    connector.close()
+    with pytest.raises(kvcore.UnknownNameError, match="valid options are: .*acme_offload"):
+        get_connector("acme_offlaod")

@@ -1,0 +1,164 @@
+"""Deliberately broken backends, each with a bug real kernels have shipped with.
+
+``test_conformance_suite.py`` runs the conformance suite on each (``--kvcore-backend
+broken_backends:Class``) and checks that it fails with the rule the bug breaks. They run on
+CPU, in float32 only, to keep those runs short.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import kvcore
+from kvcore.ops import paged_attention_ref, reshape_and_cache_ref
+
+
+def assume_contiguous_pages(cache: torch.Tensor) -> torch.Tensor:
+    """THE BUG: a K or V view whose page stride is what a contiguous cache would have.
+
+    Right on a per-layer allocation; on a layer of a cross-layer allocation the real page
+    stride is ``num_layers`` times larger, so page ``b`` lands in other layers' memory.
+    """
+    page = 2 * math.prod(cache.shape[1:])
+    return cache.as_strided(cache.shape, (page, *cache.stride()[1:]), cache.storage_offset())
+
+
+class ReferenceImpl(kvcore.AttentionImpl):
+    """Correct: the pure-torch reference ops on the views it is given."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        key_cache, value_cache = self.kv_views(kv_cache, writing=True)
+        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+        key_cache, value_cache = self.kv_views(kv_cache, writing=False)
+        n = attn_metadata.num_actual_tokens
+        output = torch.empty_like(query) if output is None else output
+        self.attend(query[:n], key_cache, value_cache, attn_metadata, output[:n])
+        return output
+
+    def kv_views(self, kv_cache, writing):
+        return kv_cache.unbind(1)
+
+    def attend(self, query, key_cache, value_cache, meta, output):
+        paged_attention_ref(query, key_cache, value_cache, query_start_loc=meta.query_start_loc,
+                            seq_lens=meta.seq_lens, block_table=meta.block_table,
+                            scale=self.scale, causal=meta.causal, output=output)
+
+
+class CorrectBackend(kvcore.AttentionBackend):
+    """A correct backend, NHD and cross-layer; the broken ones below change one thing."""
+
+    SUPPORTED_DTYPES = (torch.float32,)
+    PLATFORMS = ("cpu",)
+
+    @staticmethod
+    def get_name():
+        return "CORRECT"
+
+    @staticmethod
+    def get_impl_cls():
+        return ReferenceImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension=False):
+        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+
+class StrideOrderNotPermutation(CorrectBackend):
+    """Meant HND, typed (0, 1, 3, 3, 4): dim 2 is never placed."""
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_STRIDE_ORDER"
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension=False):
+        return (1, 0, 2, 4, 4, 5) if include_num_layers_dimension else (0, 1, 3, 3, 4)
+
+
+class CrossLayerOrderSplitsPages(CorrectBackend):
+    """Block outermost, but K/V before the layer: a layer's page is two separate halves."""
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_CROSS_LAYER_ORDER"
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension=False):
+        return (1, 2, 0, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+
+class PageStrideIgnoringImpl(ReferenceImpl):
+    def kv_views(self, kv_cache, writing):
+        key_cache, value_cache = kv_cache.unbind(1)
+        if writing:
+            return key_cache, value_cache
+        return assume_contiguous_pages(key_cache), assume_contiguous_pages(value_cache)
+
+
+class IgnoresPageStride(CorrectBackend):
+    """Opts in to cross-layer, but its attention kernel reads pages at the contiguous stride."""
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_PAGE_STRIDE"
+
+    @staticmethod
+    def get_impl_cls():
+        return PageStrideIgnoringImpl
+
+
+class NeighbourWritingImpl(ReferenceImpl):
+    def kv_views(self, kv_cache, writing):
+        key_cache, value_cache = kv_cache.unbind(1)
+        if not writing:
+            return key_cache, value_cache
+        return assume_contiguous_pages(key_cache), assume_contiguous_pages(value_cache)
+
+
+class WritesIntoNeighbourLayer(CorrectBackend):
+    """Opts in to cross-layer, but its cache write scatters at the contiguous page stride."""
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_NEIGHBOUR_WRITE"
+
+    @staticmethod
+    def get_impl_cls():
+        return NeighbourWritingImpl
+
+
+class PowerOfTwoImpl(ReferenceImpl):
+    def attend(self, query, key_cache, value_cache, meta, output):
+        if self.head_size & (self.head_size - 1):
+            raise RuntimeError(f"tile size {self.head_size} is not a power of two")
+        super().attend(query, key_cache, value_cache, meta, output)
+
+
+class ClaimsAnyHeadSize(CorrectBackend):
+    """Declares every head size, but its kernel handles powers of two only."""
+
+    SUPPORTED_HEAD_SIZES = None
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_HEAD_SIZE_CLAIM"
+
+    @staticmethod
+    def get_impl_cls():
+        return PowerOfTwoImpl
+
+
+class VagueReasons(CorrectBackend):
+    """Refuses what it should, but with a reason nobody can act on."""
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_REASONS"
+
+    @classmethod
+    def validate_config(cls, config, device_capability):
+        return ["not supported"] if super().validate_config(config, device_capability) else []

@@ -1,0 +1,131 @@
+"""The conformance suite catches real contract violations, and stays out of unrelated runs.
+
+Each broken backend of ``broken_backends.py`` is run through ``pytest --kvcore-backend`` in a
+pytester session; the test checks which rules the failures name and that each failure points
+at its documentation.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from kvcore.testing import RULES, conformance_cases
+
+pytest_plugins = ["pytester"]
+
+HERE = Path(__file__).parent
+RULE_IN_MESSAGE = re.compile(r"broke conformance rule '([a-z0-9-]+)' \(documented in "
+                             r"docs/conformance\.md#\1\)")
+
+
+def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.HookRecorder:
+    pytester.syspathinsert(HERE)
+    # hypothesis re-imports itself in every in-process run (1.5 s); the suite does not use it.
+    return pytester.inline_run(*args, "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+
+
+def failed_rules(recorder: pytest.HookRecorder) -> dict[str, str]:
+    """Case id -> the rule its failure message names."""
+    rules = {}
+    for report in recorder.getfailures():
+        match = RULE_IN_MESSAGE.search(report.longreprtext)
+        assert match, f"{report.nodeid} failed without naming a rule:\n{report.longreprtext}"
+        rules[report.nodeid.split("[", 1)[1].rstrip("]")] = match.group(1)
+    return rules
+
+
+def test_correct_reference_backend_passes(pytester):
+    recorder = run_suite(pytester, "--kvcore-backend", "broken_backends:CorrectBackend")
+    passed, skipped, failed = recorder.listoutcomes()
+    assert not failed
+    assert len(passed) >= 20
+    assert [r.nodeid.split("[")[1] for r in skipped] == ["CORRECT-cpu-int64-offsets-fp32-D64-bs16]"]
+
+
+@pytest.mark.parametrize(("backend", "rule", "failing_checks", "says"), [
+    pytest.param("StrideOrderNotPermutation", "stride-order-permutation",
+                 {"stride-order", "cross-layer-claim", "cache-write", "forward", "cross-layer"},
+                 ["get_kv_cache_stride_order(False) = (0, 1, 3, 3, 4) is not a permutation of "
+                  "(0, 1, 2, 3, 4)"],
+                 id="stride-order-not-a-permutation"),
+    pytest.param("CrossLayerOrderSplitsPages", "cross-layer-claim",
+                 {"cross-layer-claim", "cache-write", "forward", "cross-layer"},
+                 ["get_kv_cache_stride_order(True) = (1, 2, 0, 3, 4, 5) claims cross-layer, so "
+                  "with the per-layer order (0, 1, 2, 3, 4) it must be (1, 0, 2, 3, 4, 5)"],
+                 id="cross-layer-order-splits-pages"),
+    pytest.param("IgnoresPageStride", "cross-layer-bit-exact", {"cross-layer"},
+                 ["forward on layer 1 of a 3-layer cross-layer cache (layout B,L,2,N,H,D, page "
+                  "stride 12288 elements) differs from forward on a contiguous cache (page "
+                  "stride 4096)"],
+                 id="kernel-ignores-page-stride"),
+    pytest.param("WritesIntoNeighbourLayer", "cross-layer-untouched-neighbours", {"cross-layer"},
+                 ["after do_kv_cache_update on layer 1 of a 3-layer cross-layer cache",
+                  "config: dtype=fp32, head_size=64, block_size=16"],
+                 id="writes-into-neighbour-layer"),
+    pytest.param("ClaimsAnyHeadSize", "validation-refuses-before-kernel", {"forward"},
+                 ["validate_configuration accepted this configuration, but forward raised "
+                  "RuntimeError: tile size 80 is not a power of two"],
+                 id="kernel-crashes-on-accepted-head-size"),
+    pytest.param("VagueReasons", "validation-reasons", {"validation-refuses"},
+                 ["for dtype=bfloat16, no reason names 'dtype': ['not supported']"],
+                 id="reasons-name-no-field"),
+])
+def test_suite_fails_broken_backend_with_the_rule_it_breaks(pytester, monkeypatch, backend,
+                                                            rule, failing_checks, says):
+    spec = f"broken_backends:{backend}"
+    recorder = run_suite(pytester, "--kvcore-backend", spec)
+    rules = failed_rules(recorder)
+    assert set(rules.values()) == {rule}
+    monkeypatch.syspath_prepend(HERE)
+    kinds = {case.id: case.kind for case in conformance_cases(spec)}
+    assert {kinds[case_id] for case_id in rules} == failing_checks
+    messages = "\n".join(r.longreprtext for r in recorder.getfailures())
+    for text in says:
+        assert text in messages
+    passed, _, _ = recorder.listoutcomes()
+    assert any(r.nodeid.endswith("-identity]") for r in passed)  # the rest still holds
+
+
+def test_every_case_names_a_documented_rule():
+    cases = conformance_cases("CPU_ATTN")
+    assert {c.rule for c in cases} <= set(RULES)
+    assert len({c.id for c in cases}) == len(cases)
+
+
+def test_plugin_is_registered_through_the_pytest11_entry_point(pytester):
+    (entry,) = [e for e in metadata.entry_points(group="pytest11") if e.name == "kvcore"]
+    assert entry.value == "kvcore.testing.pytest_plugin"
+    config = pytester.parseconfig()
+    assert config.pluginmanager.get_plugin("kvcore") is entry.load()
+
+
+def test_plugin_adds_no_tests_without_the_option(pytester):
+    pytester.makepyfile(test_unrelated="def test_one():\n    pass\n")
+    recorder = run_suite(pytester)
+    recorder.assertoutcome(passed=1)
+
+
+def test_fixtures_skip_without_the_option_and_parametrise_with_it(pytester):
+    pytester.makepyfile(test_vendor=(
+        "def test_name(kvcore_backend):\n"
+        "    assert kvcore_backend.get_name() == 'CPU_ATTN'\n"))
+    skipped = run_suite(pytester).getreports("pytest_runtest_logreport")
+    (report,) = [r for r in skipped if r.when == "setup"]
+    assert report.skipped and "pass --kvcore-backend NAME" in report.longreprtext
+    recorder = run_suite(pytester, "--kvcore-backend", "CPU_ATTN", "test_vendor.py")
+    passed, _, failed = recorder.listoutcomes()
+    assert not failed
+    ids = {r.nodeid for r in passed}
+    assert "test_vendor.py::test_name[CPU_ATTN]" in ids
+    assert "kvcore/testing/suite.py::test_conformance[CPU_ATTN-identity]" in ids
+
+
+def test_unknown_backend_is_a_usage_error_listing_valid_names(pytester):
+    result = pytester.runpytest("--kvcore-backend", "NOPE", "-p", "no:hypothesispytest")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--kvcore-backend NOPE: unknown attention backend 'NOPE'; valid options are: *CPU_ATTN*"])
