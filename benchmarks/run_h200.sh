@@ -5,10 +5,15 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/plugins/rocm:$PWD/plugins/mla:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 export PATH=$(dirname "$(which python3)"):$PATH
+# Install kvcore and the in-repo plugins (editable, offline) so entry points are discovered
+# exactly as on a user's machine.
+plugins=(); for p in plugins/*/ examples/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . "${plugins[@]}" \
+    || echo "!!! editable install failed: plugins will not register"
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
     echo "=== $name"
@@ -20,6 +25,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests plugins/rocm/tests plugins/mla/tests
+# The conformance suite on every GPU backend that is installed (a missing one fails its step).
+conformance=(); for b in ${CONFORMANCE_BACKENDS:-TRITON_ATTN TRITON_ATTN_HND SDPA_GATHER}; do
+    conformance+=(--kvcore-backend "$b"); done
+step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider \
+    -o addopts="" "${conformance[@]}" --kvcore-device cuda
 # name:seconds; the limits keep the whole script inside one 10-minute device call
 for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70}; do
     bench=${entry%%:*}
