@@ -14,6 +14,7 @@ from kvcore.backend import (
     AttentionLayer,
     AttentionMetadata,
     LayerScales,
+    PagedAttentionImpl,
     build_attention_metadata,
 )
 from kvcore.config import AttentionSelectorConfig, parse_dtype
@@ -77,6 +78,7 @@ __all__ = [
     "MLAAttentionSpec",
     "MultipleOf",
     "NoValidBackendError",
+    "PagedAttentionImpl",
     "Platform",
     "PluginInfo",
     "ResolveError",

@@ -484,3 +484,65 @@ class AttentionImpl(ABC):
 
         Returns ``(num_tokens, num_heads, head_size)``, written into ``output`` when given.
         """
+
+
+class PagedAttentionImpl(AttentionImpl):
+    """An :class:`AttentionImpl` over two ops with the signatures of :mod:`kvcore.ops`.
+
+    Subclasses set :meth:`write_kv` (``reshape_and_cache``'s signature) and :meth:`attend`
+    (``paged_attention``'s) and get ``do_kv_cache_update`` / ``forward`` on the standard
+    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` cache split with ``unbind(1)``,
+    output written in place, padding rows beyond ``num_actual_tokens`` left untouched.
+    """
+
+    @staticmethod
+    @abstractmethod
+    def write_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+                 v_scale) -> None:
+        """Scatter new tokens into the K and V caches (see ``kvcore.ops.reshape_and_cache``)."""
+
+    @staticmethod
+    @abstractmethod
+    def attend(query, key_cache, value_cache, **kwargs) -> torch.Tensor:
+        """Paged attention with ``kvcore.ops.paged_attention``'s keyword arguments."""
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        key_cache, value_cache = kv_cache.unbind(1)
+        self.write_kv(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
+                      layer.k_scale, layer.v_scale)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache.unbind(1)
+        n = attn_metadata.num_actual_tokens
+        if output is None:
+            output = torch.empty_like(query)
+        self.attend(
+            query[:n], key_cache, value_cache,
+            query_start_loc=attn_metadata.query_start_loc,
+            seq_lens=attn_metadata.seq_lens,
+            block_table=attn_metadata.block_table,
+            scale=self.scale,
+            causal=attn_metadata.causal and self.attn_type == AttentionType.DECODER,
+            sliding_window=self.sliding_window,
+            kv_cache_dtype=self.kv_cache_dtype,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+            output=output[:n],
+        )
+        return output

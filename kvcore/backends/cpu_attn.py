@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.backend import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.backend import AttentionBackend, AttentionImpl, PagedAttentionImpl
 from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
 from kvcore.platform_types import AttentionType
 
@@ -39,45 +39,6 @@ class CpuAttentionBackend(AttentionBackend):
         return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
 
 
-class CpuAttentionImpl(AttentionImpl):
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        key_cache, value_cache = kv_cache.unbind(1)
-        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping,
-                              self.kv_cache_dtype, layer.k_scale, layer.v_scale)
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache.unbind(1)
-        n = attn_metadata.num_actual_tokens
-        if output is None:
-            output = torch.empty_like(query)
-        causal = attn_metadata.causal and self.attn_type == AttentionType.DECODER
-        paged_attention_ref(
-            query[:n], key_cache, value_cache,
-            query_start_loc=attn_metadata.query_start_loc,
-            seq_lens=attn_metadata.seq_lens,
-            block_table=attn_metadata.block_table,
-            scale=self.scale,
-            causal=causal,
-            sliding_window=self.sliding_window,
-            kv_cache_dtype=self.kv_cache_dtype,
-            k_scale=layer.k_scale,
-            v_scale=layer.v_scale,
-            output=output[:n],
-        )
-        return output
+class CpuAttentionImpl(PagedAttentionImpl):
+    write_kv = staticmethod(reshape_and_cache_ref)
+    attend = staticmethod(paged_attention_ref)

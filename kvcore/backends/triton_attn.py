@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.backend import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.backend import AttentionBackend, AttentionImpl, PagedAttentionImpl
 from kvcore.config import AttentionSelectorConfig
-from kvcore.ops import triton_available
+from kvcore.ops import triton_available, triton_paged_attention, triton_reshape_and_cache
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
 
 _FP8_CAPABILITY = DeviceCapability(8, 9)
@@ -73,48 +73,8 @@ class TritonAttentionHNDBackend(TritonAttentionBackend):
         return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
 
 
-class TritonAttentionImpl(AttentionImpl):
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        from kvcore.ops import triton_reshape_and_cache as reshape_and_cache
-
-        key_cache, value_cache = kv_cache.unbind(1)
-        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                          self.kv_cache_dtype, layer.k_scale, layer.v_scale)
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        from kvcore.ops import triton_paged_attention as paged_attention
-
-        key_cache, value_cache = kv_cache.unbind(1)
-        n = attn_metadata.num_actual_tokens
-        if output is None:
-            output = torch.empty_like(query)
-        paged_attention(
-            query[:n], key_cache, value_cache,
-            query_start_loc=attn_metadata.query_start_loc,
-            seq_lens=attn_metadata.seq_lens,
-            block_table=attn_metadata.block_table,
-            scale=self.scale,
-            causal=attn_metadata.causal and self.attn_type == AttentionType.DECODER,
-            sliding_window=self.sliding_window,
-            kv_cache_dtype=self.kv_cache_dtype,
-            k_scale=layer.k_scale,
-            v_scale=layer.v_scale,
-            output=output[:n],
-        )
-        return output
+class TritonAttentionImpl(PagedAttentionImpl):
+    # Called on any device (CPU tensors run under TRITON_INTERPRET=1); triton is imported on
+    # first call, not when the backend is registered or selected.
+    write_kv = staticmethod(triton_reshape_and_cache)
+    attend = staticmethod(triton_paged_attention)
