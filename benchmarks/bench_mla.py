@@ -78,10 +78,15 @@ else:
     CHECK_DECODE = (8, 128, 4096)
     WRITE_SIZES = [256, 4096, 32768]
     CHECK_TOKENS, INT64_BLOCKS = 4096, 16384
-# Decode launch configurations to sweep, most promising first: (block_h, block_n, warps, stages).
-SWEEP_CONFIGS = [(16, 32, 4, 2), (32, 32, 8, 2), (16, 16, 4, 2), (32, 16, 8, 2), (16, 32, 4, 3),
-                 (64, 16, 8, 2), (16, 64, 8, 2)]
-SWEEP_SPLITS = [1, 2, 4, 8, 16]
+# Decode launch configurations to sweep, most promising first: (block_h, block_n, warps, stages),
+# by head count (64-head programs use wgmma on Hopper; 16-head ones are bandwidth-bound).
+SWEEP_CONFIGS = {
+    "many": [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 32, 16, 2),
+             (64, 16, 8, 3), (32, 32, 8, 2), (16, 32, 4, 2)],
+    "few": [(16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 4, 3), (16, 64, 8, 2),
+            (16, 32, 8, 2), (16, 16, 4, 3)],
+}
+SWEEP_SPLITS = [1, 2, 3, 4, 8, 16]
 
 
 def tma():
@@ -121,6 +126,8 @@ class Run:
     @contextmanager
     def section(self, name: str) -> Iterator[None]:
         self.log(f"=== {name}")
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()  # nothing of an earlier section still in flight
         try:
             yield
         except Exception as exc:  # one failed section must not lose the others
@@ -139,9 +146,29 @@ class Run:
 # ----------------------------------------------------------------------------- helpers
 
 
-def time_call(fn: Callable[[], object]) -> tuple[float, str]:
+def _time_with_events(fn: Callable[[], object], inner: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(15):
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(times)
+
+
+def time_call(fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
     """Median seconds of one call: replays of a CUDA graph holding several calls (no launch
-    gaps or host overhead), or ``do_bench``'s median if capture fails; wall time on the CPU."""
+    gaps or host overhead), or CUDA events around back-to-back calls when ``graph`` is false
+    (functions that synchronise with the host, e.g. the torch references' boolean indexing,
+    cannot be captured) or when capture fails; wall time on the CPU.
+
+    Nothing here draws random numbers, and the inputs are made before (see :func:`randn`):
+    a random call inside a capture, or a failed capture with the default CUDA generator
+    registered, poisons torch's CUDA RNG ("Offset increment outside graph capture") for the
+    rest of the process."""
     if DEVICE == "cpu":
         times = []
         for _ in range(2):
@@ -159,6 +186,8 @@ def time_call(fn: Callable[[], object]) -> tuple[float, str]:
     torch.cuda.synchronize()
     single = max(start.elapsed_time(end) / 3e3, 1e-6)
     inner = max(1, min(100, int(4e-3 / single)))
+    if not graph:
+        return _time_with_events(fn, max(1, min(20, inner))), "events"
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -179,18 +208,61 @@ def time_call(fn: Callable[[], object]) -> tuple[float, str]:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / inner)
         return statistics.median(times), f"cuda-graph x{inner}"
-    except Exception:
+    except Exception as exc:
         torch.cuda.synchronize()
-        import triton.testing
+        print(f"    (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing with "
+              "events)", flush=True)
+        return _time_with_events(fn, max(1, min(20, inner))), "events (capture failed)"
 
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        return ms / 1e3, "do_bench"
+
+_SEED = [0]
+
+
+def _next_seed() -> int:
+    _SEED[0] += 1
+    return 1000 + _SEED[0]
+
+
+def cpu_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(_next_seed())
+
+
+def _fresh_generator(device: torch.device) -> torch.Generator:
+    """A new generator per call, never torch's default CUDA generator: even if some capture
+    failed and poisoned that one, fresh generators keep working."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_next_seed())
+    return gen
+
+
+def fill_normal_(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Fill a floating tensor (a big cache pool) with normal data, outside any capture."""
+    if t.dtype.itemsize == 1:  # fp8: fill through a wider tensor, in chunks of blocks
+        for chunk in t.view(t.shape[0], -1).split(1024):
+            chunk.copy_(torch.empty(chunk.shape, dtype=torch.bfloat16, device=t.device)
+                        .normal_(0.0, scale, generator=_fresh_generator(t.device)))
+        return t
+    return t.normal_(0.0, scale, generator=_fresh_generator(t.device))
+
+
+def fill_bytes_(t: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    return t.random_(low, high, generator=_fresh_generator(t.device))
+
+
+def randperm(n: int) -> torch.Tensor:
+    """A permutation drawn on the CPU (``torch.randperm`` on CUDA uses the global RNG)."""
+    return torch.randperm(n, generator=cpu_generator()).to(DEVICE)
 
 
 def randn(*shape: int, dtype: torch.dtype = DTYPE, scale: float = 1.0) -> torch.Tensor:
-    t = torch.empty(*shape, dtype=torch.float32 if dtype.itemsize == 1 else dtype, device=DEVICE)
-    t.normal_(0.0, scale)
-    return t.to(dtype)
+    """Normal data made before any timing: drawn on the CPU for small tensors, by a fresh
+    device generator for large ones; never the global CUDA RNG."""
+    numel = math.prod(shape)
+    if DEVICE == "cpu" or numel <= (1 << 22):
+        t = torch.randn(*shape, generator=cpu_generator()) * scale
+        return t.to(dtype).to(DEVICE)
+    t = torch.empty(*shape, dtype=torch.float32, device=DEVICE)
+    return fill_normal_(t, scale).to(dtype)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -229,10 +301,10 @@ class DecodeBatch:
         self.pools = {}
         for cross_layer in (False, True):
             caches = layer_pool(num_blocks, cross_layer)
-            caches.storage.normal_()
+            fill_normal_(caches.storage)
             self.pools[cross_layer] = caches
         self.pools[True].layers[LAYER].copy_(self.pools[False].layers[LAYER])
-        perm = torch.randperm(num_blocks, device=DEVICE)[: batch * pages]
+        perm = randperm(num_blocks)[: batch * pages]
         self.block_table = perm.view(batch, pages).to(torch.int32)
         self.seq_lens = torch.full((batch,), tokens, dtype=torch.int32, device=DEVICE)
         self.q = randn(batch, heads, ENTRY)
@@ -261,10 +333,11 @@ class DecodeBatch:
 
         return call
 
-    def default_splits(self) -> int:
-        cfg = tma().default_config(self.heads, 1, RANK, decode=True)
+    def default_splits(self, config=None) -> int:
+        cfg = config or tma().default_config(self.heads, 1, RANK, decode=True)
         return tma().default_num_kv_splits(self.batch, -(-self.heads // cfg.block_h),
-                                           self.tokens, torch.device(DEVICE))
+                                           self.tokens, torch.device(DEVICE),
+                                           block_h=cfg.block_h)
 
     def torch_decode(self) -> Callable[[], torch.Tensor]:
         """Plain torch: gather each request's latents, then two batched matmuls."""
@@ -332,12 +405,12 @@ def check_concat(run: Run) -> None:
     num_blocks = 2 * n // BLOCK + 1
     fused = randn(n, ENTRY)
     kv_c, k_pe = fused[:, :RANK], fused[:, RANK:]
-    slots = torch.randperm(num_blocks * BLOCK, device=DEVICE)[:n]
+    slots = randperm(num_blocks * BLOCK)[:n]
     slots[::97] = -1
     scale = torch.tensor([0.3], device=DEVICE)
     for kv_cache_dtype in ("auto", "fp8"):
         caches = layer_pool(num_blocks, True, kv_cache_dtype=kv_cache_dtype)
-        caches.storage.view(torch.uint8).random_(0, 120)  # finite garbage in every layer
+        fill_bytes_(caches.storage.view(torch.uint8), 0, 120)  # finite garbage in every layer
         before = others_bytes(caches)
         view = caches.layers[LAYER]
         ref = view.clone()
@@ -355,9 +428,9 @@ def check_indexer(run: Run) -> None:
     entry = mla_ops.indexer_cache_head_size(head_dim, 128)
     num_blocks = 2 * n // BLOCK + 1
     k = randn(n, head_dim)
-    slots = torch.randperm(num_blocks * BLOCK, device=DEVICE)[:n]
-    pool = torch.randint(0, 256, (num_blocks, POOL_LAYERS, BLOCK, entry), dtype=torch.uint8,
-                         device=DEVICE)
+    slots = randperm(num_blocks * BLOCK)[:n]
+    pool = fill_bytes_(torch.empty(num_blocks, POOL_LAYERS, BLOCK, entry, dtype=torch.uint8,
+                                   device=DEVICE), 0, 256)
     before = pool.clone()
     view = pool[:, LAYER]
     ref = view.clone()
@@ -401,7 +474,7 @@ def check_backend(run: Run) -> None:
         num_blocks = sum(-(-n // BLOCK) for n in lens) + 4
         caches = layer_pool(num_blocks, True, kv_cache_dtype=kv_cache_dtype)
         cache = caches.layers[LAYER]
-        table = torch.randperm(num_blocks)[: num_blocks - 4].tolist()
+        table = torch.randperm(num_blocks, generator=cpu_generator())[: num_blocks - 4].tolist()
         tables, start = [], 0
         for n in lens:
             tables.append(table[start:start + -(-n // BLOCK)])
@@ -536,7 +609,7 @@ def time_writes(run: Run) -> None:
     for n in WRITE_SIZES:
         num_blocks = 2 * n // BLOCK + 1
         fused = randn(n, ENTRY)  # kv_c and k_pe as column slices of one projection output
-        slots = torch.randperm(num_blocks * BLOCK, device=DEVICE)[:n]
+        slots = randperm(num_blocks * BLOCK)[:n]
         moved = 2 * n * ENTRY * DTYPE.itemsize  # read the latents, write them
         times = {}
         for cross_layer in (False, True):
@@ -564,7 +637,9 @@ def time_writes(run: Run) -> None:
         icache = torch.zeros(num_blocks, BLOCK, entry, dtype=torch.uint8, device=DEVICE)
         args = (k, icache, slots)
         t, how = time_call(lambda a=args: tcache().indexer_k_quant_and_cache(*a))
-        t_ref, _ = time_call(lambda a=args: mla_ops.indexer_k_quant_and_cache_ref(*a))
+        # The reference indexes with boolean masks (a host sync): not capturable.
+        t_ref, _ = time_call(lambda a=args: mla_ops.indexer_k_quant_and_cache_ref(*a),
+                             graph=False)
         moved_idx = n * (128 * DTYPE.itemsize + entry)
         add_timing(run, op="indexer_k_quant_and_cache", shape=f"N{n}", layout="standard",
                    time_us=t * 1e6, GBps=moved_idx / t / 1e9,
@@ -572,43 +647,81 @@ def time_writes(run: Run) -> None:
                    vs_torch=t_ref / t, method=how)
 
 
+def _sweep_point(run: Run, data: DecodeBatch, shape: str, o_ref: torch.Tensor,
+                 lse_ref: torch.Tensor, cfg, splits: int) -> float | None:
+    """Time one sweep point after checking it against the default's output; None if it
+    failed or is wrong."""
+    try:
+        call = data.run(False, splits, cfg)
+        o, lse = call()
+        err = rel_err(o, o_ref)
+        lse_err = rel_err(lse, lse_ref)
+        ok = err < 2e-2 and lse_err < 1e-3
+        t, how = time_call(call) if ok else (float("nan"), "-")
+    except Exception as exc:  # e.g. out of shared memory for this tile
+        msg = str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ""
+        run.log(f"SWEEP {shape} {cfg} splits={splits} failed: {type(exc).__name__}: "
+                f"{msg}")
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return None
+    row = dict(shape=shape, block_h=cfg.block_h, block_n=cfg.block_n,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, splits=splits,
+               time_us=t * 1e6, GBps=data.kv_bytes() / t / 1e9 if ok else None,
+               rel_err_vs_default=err, correct=ok, method=how)
+    run.results["sweeps"].append(row)
+    run.log("SWEEP", row)
+    return t if ok else None
+
+
 def sweep_decode(run: Run, deadline: float) -> None:
-    """Launch configurations at the default split count, then split counts for the best one,
-    for the first (128-head) and third (16-head) decode shapes."""
+    """Tune MLA decode: each launch configuration of ``SWEEP_CONFIGS`` at its own default split
+    count, then split counts for the best, for the first (128-head) and third (16-head) decode
+    shapes; stops starting points at ``deadline``. Every point is checked against the default
+    configuration's output (a wrong result disqualifies it); the winner is logged as ``BEST``
+    with its speed-up over the default and stored in ``results["sweep_best"]``."""
     for index in (0, 2):
         if index >= len(DECODE_SHAPES) or time.time() > deadline:
             return
         batch, heads, tokens = DECODE_SHAPES[index]
         data = DecodeBatch(batch, heads, tokens)
-        splits = data.default_splits()
-        best = None
-        for block_h, block_n, warps, stages in SWEEP_CONFIGS:
+        default_cfg = tma().default_config(heads, 1, RANK, decode=True)
+        default_splits = data.default_splits()
+        o_ref, lse_ref = (x.clone() for x in data.run(False, default_splits)())
+        t_default, _ = time_call(data.run(False, default_splits))
+        shape = f"B{batch} H{heads} L{tokens}"
+        best = (t_default, default_cfg, default_splits)
+        run.log(f"SWEEP {shape}: default {default_cfg} splits={default_splits} "
+                f"{t_default * 1e6:.1f} us")
+
+        kind = "many" if heads >= 64 else "few"
+        for block_h, block_n, warps, stages in SWEEP_CONFIGS[kind]:
             if time.time() > deadline:
                 break
             cfg = tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n,
                                      num_warps=warps, num_stages=stages)
-            try:
-                t, _ = time_call(data.run(False, splits, cfg))
-            except Exception as exc:
-                run.log(f"config {cfg} failed: {type(exc).__name__}: {exc}")
+            splits = data.default_splits(cfg)
+            if cfg == default_cfg and splits == default_splits:
                 continue
-            row = dict(shape=f"B{batch} H{heads} L{tokens}", block_h=block_h, block_n=block_n,
-                       num_warps=warps, num_stages=stages, splits=splits, time_us=t * 1e6,
-                       GBps=data.kv_bytes() / t / 1e9)
-            run.results["sweeps"].append(row)
-            run.log("SWEEP", row)
-            if best is None or t < best[0]:
-                best = (t, cfg)
+            t = _sweep_point(run, data, shape, o_ref, lse_ref, cfg, splits)
+            if t is not None and t < best[0]:
+                best = (t, cfg, splits)
         for s in SWEEP_SPLITS:
-            if best is None or time.time() > deadline or s == splits:
+            if time.time() > deadline:
+                break
+            if s == best[2]:
                 continue
-            t, _ = time_call(data.run(False, s, best[1]))
-            row = dict(shape=f"B{batch} H{heads} L{tokens}", block_h=best[1].block_h,
-                       block_n=best[1].block_n, num_warps=best[1].num_warps,
-                       num_stages=best[1].num_stages, splits=s, time_us=t * 1e6,
-                       GBps=data.kv_bytes() / t / 1e9)
-            run.results["sweeps"].append(row)
-            run.log("SWEEP", row)
+            t = _sweep_point(run, data, shape, o_ref, lse_ref, best[1], s)
+            if t is not None and t < best[0]:
+                best = (t, best[1], s)
+        t, cfg, splits = best
+        winner = dict(shape=shape, block_h=cfg.block_h, block_n=cfg.block_n,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, splits=splits,
+                      time_us=t * 1e6, GBps=data.kv_bytes() / t / 1e9,
+                      default=f"{default_cfg} splits={default_splits}",
+                      default_time_us=t_default * 1e6, speedup_vs_default=t_default / t)
+        run.results.setdefault("sweep_best", []).append(winner)
+        run.log("BEST", winner)
         del data
 
 
@@ -639,6 +752,12 @@ def print_table(run: Run) -> None:
         lines.append(tabulate(rows, headers=headers, tablefmt="github"))
     except ImportError:
         lines.extend(" | ".join(row) for row in [headers, *rows])
+    for best in run.results.get("sweep_best", []):
+        lines.append(f"sweep winner {best['shape']}: block_h={best['block_h']} "
+                     f"block_n={best['block_n']} warps={best['num_warps']} "
+                     f"stages={best['num_stages']} splits={best['splits']}: "
+                     f"{best['time_us']:.1f} us, {best['GBps']:.0f} GB/s, "
+                     f"x{best['speedup_vs_default']:.2f} vs default ({best['default']})")
     for check in checks:
         if not check["ok"]:
             lines.append(f"FAILED check: {check}")

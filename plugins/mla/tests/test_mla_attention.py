@@ -60,6 +60,7 @@ def _reference(case: dict, **scales) -> tuple[torch.Tensor, torch.Tensor]:
 
 DECODE_SHAPES = {
     "MLA-H16-576": (16, 1, 576, 512, True),
+    "MLA-H128-576": (128, 1, 576, 512, True),  # default config: 64-head programs (wgmma)
     "MLA-H32-80": (32, 1, 80, 64, True),
     "GQA-H8-KV2-D64": (8, 2, 64, 64, False),
     "MHA-H4-D32-V48": (4, 4, 32, 48, False),

@@ -15,6 +15,7 @@ from kvcore_mla.ops import (
     indexer_k_dequant_ref,
     indexer_k_quant_and_cache_ref,
 )
+from kvcore_mla.ops.reference import fp8_inverse_scale
 from mla_helpers import DEVICE, generator, randn, random_bytes
 
 triton_cache = pytest.importorskip("kvcore_mla.ops.triton_cache")
@@ -78,6 +79,66 @@ def test_concat_and_cache_mla_fp8_matches_reference_bytes(kv_cache_dtype: str,
     triton_cache.concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype, scale)
     concat_and_cache_mla_ref(kv_c, k_pe, expected, slots, kv_cache_dtype, scale)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def _all_finite_bf16() -> torch.Tensor:
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return x[torch.isfinite(x)]
+
+
+@pytest.mark.parametrize("scale_kind", ["tensor", "float"])
+def test_fp8_quantisation_multiplies_by_the_float32_reciprocal(scale_kind: str) -> None:
+    """The one fp8 definition: ``fp8_rne(clamp(x * float32(1 / float32(scale))))``.
+
+    That is what torch computes on CUDA for ``x.float() / scale`` (a CPU scalar divisor becomes
+    a reciprocal multiply) and not what a true division gives: with scale 0.3 the bf16 value
+    9 * 2**-11 lands on an e4m3 rounding tie (7.5 subnormal quanta) only through the reciprocal,
+    so the kernel and the reference must agree on this one definition (the bug seen on the
+    H200: the kernel divided, torch multiplied).
+    """
+    x = _all_finite_bf16()
+    n = x.numel()
+    rank, rope, block_size = 64, 16, 64
+    entry = rank + rope
+    pad = (-n) % entry
+    x = torch.cat([x, torch.zeros(pad, dtype=torch.bfloat16)]).view(-1, entry)
+    kv_c, k_pe = x[:, :rank], x[:, rank:]
+    num_tokens = x.shape[0]
+    num_blocks = -(-num_tokens // block_size)
+    scale = torch.tensor([0.3], device=DEVICE) if scale_kind == "tensor" else 0.3
+    slots = torch.arange(num_tokens, device=DEVICE)
+    cache = torch.zeros(num_blocks, block_size, entry, dtype=torch.float8_e4m3fn, device=DEVICE)
+    expected = cache.clone()
+    concat_and_cache_mla_ref(kv_c.to(DEVICE), k_pe.to(DEVICE), expected, slots, "fp8", scale)
+    inv = torch.ones((), dtype=torch.float32) / torch.tensor(0.3, dtype=torch.float32)
+    assert fp8_inverse_scale(0.3) == inv.item()
+    by_hand = (x.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+    got = expected.view(-1, entry)[:num_tokens].cpu()
+    assert torch.equal(got.view(torch.uint8), by_hand.view(torch.uint8))
+    divided = (x.float() / torch.tensor(0.3, dtype=torch.float32)).clamp(-448, 448)
+    assert not torch.equal(divided.to(torch.float8_e4m3fn).view(torch.uint8),
+                           by_hand.view(torch.uint8))  # the definition matters
+    tie = torch.tensor([[9 * 2.0**-11]], dtype=torch.bfloat16)
+    assert (tie.float() * inv).to(torch.float8_e4m3fn).view(torch.uint8).item() == 8
+    # The kernel gives the same bytes (here under the interpreter; on a GPU in test_mla_gpu).
+    triton_cache.concat_and_cache_mla(kv_c.to(DEVICE), k_pe.to(DEVICE), cache, slots, "fp8",
+                                      scale)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_indexer_reference_divides_on_every_device() -> None:
+    """The indexer's scale is ``amax / 448`` and its keys ``k / scale``, true IEEE divisions
+    (not torch-CUDA's reciprocal multiply by a scalar): checked against float64 arithmetic
+    rounded once to float32."""
+    gen = generator("indexer-div")
+    k = randn((64, 128), torch.bfloat16, gen, scale=3.0)
+    cache = torch.zeros(4, 16, indexer_cache_head_size(128, 128), dtype=torch.uint8,
+                        device=DEVICE)
+    indexer_k_quant_and_cache_ref(k, cache, torch.arange(64, device=DEVICE), 128, None)
+    rows = cache.view(4, -1).cpu()
+    scales = rows[:, 16 * 128:].contiguous().view(torch.float32).reshape(64)
+    amax = k.float().abs().amax(dim=1).clamp_min(1e-4).cpu()
+    assert torch.equal(scales, (amax.double() / 448.0).float())
 
 
 def test_concat_reference_stores_the_latent_and_skips_padding() -> None:

@@ -51,6 +51,45 @@ def test_concat_and_cache_mla_real_sizes_cross_layer(kv_cache_dtype: str) -> Non
     assert torch.equal(other_layers(pool, 1), neighbours)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scale", [0.3, 0.37, 1.0, 2.5])
+def test_concat_and_cache_mla_fp8_every_bf16_value(cache_dtype: torch.dtype, scale: float) -> None:
+    """Every finite bf16 value (+-0, subnormals, ties, saturation) through the kernel's fp8
+    path, bytes equal to the reference's ``fp8(clamp(x * float32(1 / scale)))``."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)]
+    x = torch.cat([x, torch.zeros((-x.numel()) % ENTRY, dtype=torch.bfloat16)]).view(-1, ENTRY)
+    x = x.cuda()
+    n = x.shape[0]
+    kind = "fp8" if cache_dtype == torch.float8_e4m3fn else "fp8_e5m2"
+    slots = torch.arange(n, device="cuda")
+    s = torch.tensor([scale], device="cuda")
+    expected = torch.zeros(-(-n // 64), 64, ENTRY, dtype=cache_dtype, device="cuda")
+    ops.concat_and_cache_mla_ref(x[:, :RANK], x[:, RANK:], expected, slots, kind, s)
+    pool, view = cross_layer_view(expected.shape, 2, 1, cache_dtype, generator("fp8-all"))
+    neighbours = other_layers(pool, 1)
+    view.zero_()
+    ops.concat_and_cache_mla(x[:, :RANK], x[:, RANK:], view, slots, kind, s)
+    assert torch.equal(other_layers(pool, 1), neighbours)
+    diff = (view.view(torch.uint8) != expected.view(torch.uint8)).flatten()
+    assert diff.sum().item() == 0, (
+        f"{diff.sum().item()} bytes differ, e.g. x={x.flatten()[diff.nonzero()[:8, 0]].tolist()}")
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_indexer_write_real_sizes_matches_reference(scale_fmt: str | None) -> None:
+    gen = generator("gpu-indexer", scale_fmt)
+    k = randn((8192, 128), torch.bfloat16, gen, scale=3.0)
+    num_blocks = 257
+    slots = torch.randperm(num_blocks * 64, generator=gen)[:8192].cuda()
+    cache = torch.zeros(num_blocks, 64, ops.indexer_cache_head_size(), dtype=torch.uint8,
+                        device="cuda")
+    expected = cache.clone()
+    ops.indexer_k_quant_and_cache(k, cache, slots, 128, scale_fmt)
+    ops.indexer_k_quant_and_cache_ref(k, expected, slots, 128, scale_fmt)
+    assert torch.equal(cache, expected)
+
+
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("page_size", [64, 16])
 def test_mla_decode_real_sizes(num_heads: int, page_size: int) -> None:

@@ -11,7 +11,13 @@ Conventions (shared with the Triton kernels):
 - ``slot_mapping[i] = block_id * block_size + offset``; negative slots are padding, skipped.
 - A request with ``q_len`` new tokens and ``seq_len`` tokens in total has its query ``j`` at
   position ``seq_len - q_len + j``; it sees the keys at positions ``<=`` its own (causal).
-- fp8 caches store ``clamp(x / scale)`` and are read back as ``stored * scale``.
+- fp8 caches store ``fp8(clamp(x * inv_scale))``, ``inv_scale = float32(1 / float32(scale))``
+  (see :func:`fp8_inverse_scale`): one float32 multiply by the rounded reciprocal, then
+  round-to-nearest-even into fp8 (after clamping to its largest finite value). This is exactly
+  what ``x.float() / scale`` computes on CUDA for a Python ``scale`` (torch replaces a division by
+  a CPU scalar with a multiplication by its float32 reciprocal) but *not* what it computes on the
+  CPU (a true division), so the references spell it out and give the same bytes on every device;
+  the Triton kernels compute the same two roundings. Caches are read back as ``stored * scale``.
 - ``lse`` is the natural-log log-sum-exp of the scaled scores ``scale * q.k`` of a query
   head (``-inf`` for a query that sees no key, whose output is 0).
 """
@@ -31,6 +37,7 @@ from kvcore_mla.ops.validation import (
 
 __all__ = [
     "INDEXER_FP8_MAX",
+    "fp8_inverse_scale",
     "concat_and_cache_mla_ref",
     "decode_attention_ref",
     "indexer_k_dequant_ref",
@@ -45,10 +52,22 @@ INDEXER_FP8_MAX = 448.0
 _INDEXER_MIN_AMAX = 1e-4
 
 
+def fp8_inverse_scale(scale: float) -> float:
+    """``float32(1 / float32(scale))`` as a Python float (exactly a float32 value).
+
+    The one definition of the fp8 quantisation multiplier shared by the references and the
+    Triton kernels (which compute ``div_rn(1.0, float32(scale))`` on the device).
+    """
+    s = torch.tensor(scale, dtype=torch.float32)
+    return (torch.ones((), dtype=torch.float32) / s).item()  # CPU: an IEEE division
+
+
 def _quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     if cache_dtype in FP8_DTYPES:
         limit = torch.finfo(cache_dtype).max
-        return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
+        # x * inv with inv a float32 value: one float32 multiply on every device (see the
+        # module docstring), then clamp and round to nearest even.
+        return (x.float() * fp8_inverse_scale(scale)).clamp(-limit, limit).to(cache_dtype)
     return x.to(cache_dtype)
 
 
@@ -91,7 +110,9 @@ def _indexer_quantize(
     n, head_dim = k.shape
     groups = k.float().reshape(n, head_dim // quant_block_size, quant_block_size)
     amax = groups.abs().amax(dim=-1).clamp_min(_INDEXER_MIN_AMAX)
-    scale = amax / INDEXER_FP8_MAX
+    # True IEEE divisions on every device, as in the kernel: a same-device tensor divisor
+    # (torch turns a division by a Python/CPU scalar into a reciprocal multiply on CUDA only).
+    scale = amax / torch.full_like(amax, INDEXER_FP8_MAX)
     if scale_fmt == "ue8m0":
         # Round up to a power of two from the exponent, not exp2(ceil(log2(s))): float32 log2
         # rounds to an integer for values just above a power of two.
@@ -112,7 +133,7 @@ def indexer_k_quant_and_cache_ref(
 
     Every ``quant_block_size`` channels of a key share one float32 scale
     ``max(amax, 1e-4) / 448`` (``scale_fmt="ue8m0"``: rounded up to a power of two); the cache
-    stores ``fp8(k / scale)``.
+    stores ``fp8(k / scale)``; both divisions are IEEE float32 divisions on every device.
 
     Args:
         k: ``(num_tokens, head_dim)`` float keys.

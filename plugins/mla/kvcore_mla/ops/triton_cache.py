@@ -56,14 +56,20 @@ def _concat_and_cache_mla_kernel(
             s = tl.load(scale).to(tl.float32)
         else:
             s = scale
-        # div_rn: Triton's "/" is an approximate division on NVIDIA; the reference's is IEEE.
-        kv_c = tl.clamp(tl.math.div_rn(kv_c.to(tl.float32), s), -FP8_MAX, FP8_MAX)
-        k_pe = tl.clamp(tl.math.div_rn(k_pe.to(tl.float32), s), -FP8_MAX, FP8_MAX)
+        # The reference's definition (kvcore_mla.ops.reference.fp8_inverse_scale): one IEEE
+        # float32 reciprocal (div_rn: Triton's "/" is approximate on NVIDIA), then a float32
+        # multiply. Not x / s: torch on CUDA computes x * (1/s) for a scalar s, and the two
+        # differ in the last bit often enough to change fp8 bytes.
+        inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), s.to(tl.float32))
+        kv_c = tl.clamp(kv_c.to(tl.float32) * inv, -FP8_MAX, FP8_MAX)
+        k_pe = tl.clamp(k_pe.to(tl.float32) * inv, -FP8_MAX, FP8_MAX)
         if EXACT_FP8_ROUNDING:
             kv_c = round_to_fp8_grid(kv_c, MANTISSA_BITS, MIN_EXPONENT)
             k_pe = round_to_fp8_grid(k_pe, MANTISSA_BITS, MIN_EXPONENT)
 
-    # The block's address comes from the cache's own stride(0): see the module docstring.
+    # fp32 -> fp8 is round-to-nearest-even (cvt.rn.satfinite on sm_89+), values already
+    # clamped to the finite range, like torch's .to(float8). The block's address comes from
+    # the cache's own stride(0): see the module docstring.
     dst = cache_ptr + block * stride_cache_b + offset * stride_cache_s
     tl.store(dst + c * stride_cache_d, kv_c.to(cache_ptr.dtype.element_ty), mask=c_mask)
     tl.store(dst + (kv_lora_rank + r) * stride_cache_d, k_pe.to(cache_ptr.dtype.element_ty),
@@ -88,8 +94,9 @@ def concat_and_cache_mla(
             (e4m3/e5m2) when ``kv_cache_dtype`` says so.
         slot_mapping: ``(num_tokens,)`` int32/int64 ``block * block_size + offset``;
             negative entries are padding and are skipped.
-        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``clamp(x / scale)`` rounded to
-            nearest even.
+        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``clamp(x * inv_scale)``
+            rounded to nearest even, ``inv_scale = float32(1 / float32(scale))`` (see
+            :func:`kvcore_mla.ops.reference.fp8_inverse_scale`).
         scale: per-tensor fp8 scale: a 1-element tensor (read on the device) or a float;
             ignored unless the cache is fp8.
     """

@@ -108,8 +108,16 @@ def default_config(num_heads: int, num_kv_heads: int, k_main_dim: int, *,
     group = num_heads // num_kv_heads
     wide = k_main_dim > 256
     rocm = is_rocm()
+    if decode and wide and group >= 64 and not rocm:
+        # Many heads (MLA at 128 heads/GPU): decode is compute-bound, so one program takes 64
+        # heads against each latent tile: tl.dot with M = 64 runs on Hopper's wgmma (M = 16
+        # ran mma.sync at ~10% of peak and re-read every tile from L2 eight times). 64 x 512
+        # float32 accumulators need 8 warps (128 registers a thread); two stages of 32 x 576
+        # bf16 keys plus the 64 x 576 query tile take ~144 KiB of shared memory.
+        return LaunchConfig(block_q=1, block_h=64, block_n=32, num_warps=8, num_stages=2)
     if decode:
-        block_q, block_h = 1, 16
+        block_q = 1
+        block_h = 32 if wide and group >= 32 and not rocm else 16
     else:
         block_h = min(triton.next_power_of_2(group), 16)
         block_q = max(1, (32 if wide else 64) // block_h)
@@ -118,7 +126,7 @@ def default_config(num_heads: int, num_kv_heads: int, k_main_dim: int, *,
         block_n = 16 if rocm else 32
     else:
         block_n = 32 if k_main_dim > 128 else 64
-    num_warps = 8 if wide and not decode else 4
+    num_warps = 8 if wide and (not decode or block_h > 16) else 4
     return LaunchConfig(block_q=block_q, block_h=block_h, block_n=block_n,
                         num_warps=num_warps, num_stages=1 if rocm else 2)
 
@@ -130,12 +138,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
-                          device: torch.device) -> int:
-    """KV splits for a decode batch: enough programs for ``_SPLIT_TARGET_WAVES`` per SM, at
-    most one split per ``_MIN_SPLIT_TOKENS`` keys of the longest request, at most
+                          device: torch.device, *, block_h: int = 16) -> int:
+    """KV splits for a decode batch: enough programs for ``_SPLIT_TARGET_WAVES`` per SM (one
+    per SM for programs of 64+ heads, which fill an SM's shared memory alone), at most one
+    split per ``_MIN_SPLIT_TOKENS`` keys of the longest request, at most
     :data:`MAX_KV_SPLITS`."""
     programs = max(1, num_seqs * num_head_blocks)
-    target = _SPLIT_TARGET_WAVES * _num_sms(device)
+    target = (1 if block_h >= 64 else _SPLIT_TARGET_WAVES) * _num_sms(device)
     if programs >= target:
         return 1
     by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
@@ -541,7 +550,7 @@ def mla_attention(
             bound = max_seq_len if max_seq_len is not None else (
                 block_table.shape[1] * kv_cache.shape[1])
             num_kv_splits = default_num_kv_splits(
-                num_seqs, -(-num_heads // cfg.block_h), bound, q.device)
+                num_seqs, -(-num_heads // cfg.block_h), bound, q.device, block_h=cfg.block_h)
     workspace = None
     if num_kv_splits > 1:
         workspace = torch.empty(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1,

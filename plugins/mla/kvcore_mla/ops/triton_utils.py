@@ -25,7 +25,11 @@ def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr
     quantum = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
     # Adding 1.5 * 2**23 makes fp32 addition round the quotient to an integer, ties to even.
     r = ((a / quantum + 12582912.0) - 12582912.0) * quantum
-    return tl.where(y < 0, -r, r)
+    # y's sign bit on the result: -0.0 and negatives that round to zero stay -0.0 (0x80 in
+    # fp8), as torch and the GPU's conversion give.
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 def interpreting() -> bool:
