@@ -9,19 +9,27 @@ Sections, each isolated (an error is logged and recorded, the run goes on):
    bf16, block 16 x 8 heads x 128) out and back, cross-layer and per-layer caches, with
    contiguous and with scattered block ids: save alone, load alone, save and load at once;
    GB/s and the fraction of section 1 (single directions against their copy, both at once
-   against duplex). Loaded blocks are checked bit-exact against the saved ones.
-3. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
+   against duplex). Loaded blocks are checked bit-exact against the saved ones, and the path
+   the connector took is recorded (``direct`` run copies or ``staged`` gather/scatter through
+   device staging, with host<->device copies per transfer): scattered and per-layer transfers
+   must go through staging with about one copy per chunk, not one per block and layer.
+3. ``chunk_sweep``: per-layer scattered blocks with other staging chunk sizes (16, 256 MiB).
+4. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
    contiguous KV) timed alone and while a save and a load of 1 GiB each run on the side
-   streams: the slowdown.
+   streams: the slowdown. Also timed under plain pinned copies of the same size on two
+   streams (the physical floor: what the bus traffic alone costs the loop) and under a
+   staged (per-layer, scattered) offload, whose gather/scatter kernels share the GPU.
 
 Timing: CUDA events around the copies (device time, median of trials); connector figures give
 both the device time of the copies (the handle's events) and the wall time of the call
 including kvcore's Python work. Targets (issue 4): cross-layer >= 95% and per-layer >= 85%
 of the pinned copy each way, save+load >= 85% of duplex, decode slowed <= 3%.
 
-Usage: ``python benchmarks/bench_offload.py [--out DIR] [--trials N] [--smoke]``. JSON goes to
+Usage: ``python benchmarks/bench_offload.py [--out DIR] [--trials N] [--chunk-mib M]
+[--smoke]``. JSON goes to
 ``--out`` (default ``$OUT``, else the temp dir) as ``bench_offload.json``; the table is
-printed last. ``--smoke`` runs tiny sizes on the CPU to check the script itself.
+printed last. ``--smoke`` runs tiny sizes on the CPU to check the script itself (with
+chunks of a few blocks, so the staged path crosses chunk boundaries there too).
 """
 
 from __future__ import annotations
@@ -73,6 +81,9 @@ class Sizes:
 
 FULL = Sizes(32, 512, 16, 8, 128, decode=(16, 32, 8192, 128))  # 1 GiB, 64 KiB pages
 SMOKE = Sizes(4, 32, 4, 2, 128, decode=(2, 4, 256, 64))  # 128 KiB, 4 KiB pages
+#: Staging chunk of the connector (its default) and the sweep's others, in MiB; on smoke sizes
+#: chunks are counted in blocks instead (5 blocks: transfers of 32 cross chunk boundaries).
+CHUNK_MIB, SWEEP_MIB, SMOKE_CHUNK_BLOCKS = 64, (16, 256), 5
 TARGETS = {"cross_layer": 0.95, "per_layer": 0.85, "duplex": 0.85, "decode_slowdown": 0.03}
 
 
@@ -161,7 +172,7 @@ def new_keys(n: int) -> list[str]:
     return [secrets.token_hex(32) for _ in range(n)]
 
 
-def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool):
+def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool, chunk_bytes: int):
     kv = kvcore.allocate_kv_caches(
         "CPU_ATTN", num_layers=sizes.num_layers, num_blocks=2 * sizes.num_blocks,
         block_size=sizes.block_size, num_kv_heads=sizes.num_kv_heads,
@@ -169,19 +180,30 @@ def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool):
         cross_layer=cross_layer)
     kv.storage.view(torch.uint8).random_(0, 256)
     # Room for one transfer being saved while another is loaded.
-    conn = get_connector("offload", capacity_bytes=2 * sizes.transfer_bytes)
+    conn = get_connector("offload", capacity_bytes=2 * sizes.transfer_bytes,
+                         chunk_bytes=chunk_bytes)
     conn.register_kv_caches(kv)
     return kv, conn
 
 
+def expected_path(cross_layer: bool, ids: str) -> str:
+    """The path the connector should take: run copies only for contiguous cross-layer
+    blocks; per-layer caches and scattered blocks gather through device staging."""
+    return "direct" if cross_layer and ids == "contiguous" else "staged"
+
+
 def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, trials: int,
-                       pinned: dict[str, float]) -> dict[str, dict[str, float]]:
+                       pinned: dict[str, float], chunk_bytes: int,
+                       id_kinds: tuple[str, ...] = ("contiguous", "scattered"),
+                       ) -> dict[str, dict[str, float]]:
     n = sizes.num_blocks
-    kv, conn = make_offload(sizes, device, cross_layer)
+    kv, conn = make_offload(sizes, device, cross_layer, chunk_bytes)
     clock = Clock(device)
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, float]] = {"config": {
+        "chunk_bytes": chunk_bytes, "chunk_blocks": conn.chunk_blocks,
+        "block_bytes": conn.block_bytes, "num_slots": conn.num_slots}}
     try:
-        for ids in ("contiguous", "scattered"):
+        for ids in id_kinds:
             if ids == "contiguous":
                 src, dst = list(range(n)), list(range(n, 2 * n))
             else:
@@ -206,10 +228,19 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
                                                                 conn.load(r, d)],
             }
             rows: dict[str, list[tuple[float, float]]] = {op: [] for op in calls}
+            paths_before = dict(conn.paths)
             for _ in range(trials + 1):  # first is warm-up
                 for op, call in calls.items():
                     fresh = new_keys(n)
                     rows[op].append(timed(lambda c=call, k=fresh: c(k))[:2])
+            # Which path the transfers took, and host<->device copies per transfer.
+            transfers = 4 * (trials + 1)  # save, load, and one of each in "both"
+            took = {k: conn.paths[k] - paths_before[k] for k in conn.paths}
+            path = ("staged" if took["staged"] == transfers else
+                    "direct" if took["direct"] == transfers else "mixed")
+            path_info = {"path": path, "expected_path": expected_path(cross_layer, ids),
+                         "copies_per_transfer": took["copies"] / transfers,
+                         "chunks_per_transfer": took["chunks"] / transfers}
             # Bit-exact: the loads wrote into dst what the saves read from src.
             check = torch.equal(block_rows(kv, dst), block_rows(kv, src))
             byte = sizes.transfer_bytes
@@ -232,11 +263,14 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
                     "fraction_device": dev_gbps / pinned[reference]
                     if dev_gbps and reference in pinned else None,
                     "bit_exact": check,
+                    **path_info,
                 }
-                log.info("offload %s %s: wall %.1f GB/s, device %s GB/s",
-                         "cross-layer" if cross_layer else "per-layer", key, wall_gbps,
-                         f"{dev_gbps:.1f}" if dev_gbps else "-")
+                log.info("offload %s %s: wall %.1f GB/s, device %s GB/s (%s, %.1f copies "
+                         "per transfer)", "cross-layer" if cross_layer else "per-layer", key,
+                         wall_gbps, f"{dev_gbps:.1f}" if dev_gbps else "-", path,
+                         path_info["copies_per_transfer"])
         results["stats"] = conn.stats.to_dict()
+        results["config"]["paths"] = dict(conn.paths)
     finally:
         conn.close()
         del kv
@@ -249,7 +283,9 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
 
 
 def bench_decode(sizes: Sizes, device: torch.device, trials: int,
-                 pinned: dict[str, float]) -> dict[str, float]:
+                 pinned: dict[str, float], chunk_bytes: int) -> dict[str, dict[str, float]]:
+    """The decode loop alone and under three kinds of concurrent traffic (see the module
+    docstring); ``offload`` (cross-layer, contiguous) is the row with the target."""
     b, h, s, d = sizes.decode
     q = torch.randn(b, h, 1, d, device=device, dtype=torch.bfloat16)
     k = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16)
@@ -264,41 +300,116 @@ def bench_decode(sizes: Sizes, device: torch.device, trials: int,
     # The loop should sit inside the transfers: about 80% of a save+load at duplex speed.
     transfer_s = 2 * sizes.transfer_bytes / (pinned.get("duplex_gbps") or 1.0) / GB
     iters = max(5, min(400, int(0.8 * transfer_s / per_iter)))
-    kv, conn = make_offload(sizes, device, cross_layer=True)
+    kv_bytes = 2 * b * h * s * d * 2
     n = sizes.num_blocks
-    resident = new_keys(n)
-    assert conn.save(resident, list(range(n))).wait().ok
-    alone, busy, outlasted = [], [], 0
-    try:
+
+    def under(start: Callable[[], tuple[Callable[[], int], Callable[[], None]]]
+              ) -> dict[str, float]:
+        """Time the loop alone, then right after ``start()`` issues its traffic; ``start``
+        returns (how many of its transfers still run, wait for them all)."""
+        alone, busy, outlasted = [], [], 0
         for trial in range(trials + 1):
             t_alone = clock.time(lambda: loop(iters))
             clock.sync()
-            fresh, src, dst = new_keys(n), list(range(n)), list(range(n, 2 * n))
-            handles = [conn.save(fresh, src), conn.load(resident, dst)]
+            running, finish = start()
             t_busy = clock.time(lambda: loop(iters), idle=False)  # transfers running
-            running = sum(not handle.done() for handle in handles)
-            for handle in handles:
-                assert handle.wait().ok
+            still = running()
+            finish()
             if trial:  # first is warm-up
                 alone.append(t_alone)
                 busy.append(t_busy)
-                outlasted += running == 2
-    finally:
-        conn.close()
-        del kv
-    slowdown = statistics.median(busy) / statistics.median(alone) - 1
-    kv_bytes = 2 * b * h * s * d * 2
-    log.info("decode: %d iterations, %.3f ms alone, %.3f ms with offload (%+.2f%%)", iters,
-             1e3 * statistics.median(alone), 1e3 * statistics.median(busy), 100 * slowdown)
-    return {
-        "iterations": iters,
-        "alone_ms": 1e3 * statistics.median(alone),
-        "with_offload_ms": 1e3 * statistics.median(busy),
-        "slowdown": slowdown,
-        "kv_read_gbps_alone": kv_bytes * iters / statistics.median(alone) / GB,
-        "trials_fully_overlapped": outlasted,
-        "trials": trials,
-    }
+                outlasted += still == 2
+        slowdown = statistics.median(busy) / statistics.median(alone) - 1
+        return {
+            "iterations": iters,
+            "alone_ms": 1e3 * statistics.median(alone),
+            "with_offload_ms": 1e3 * statistics.median(busy),
+            "slowdown": slowdown,
+            "kv_read_gbps_alone": kv_bytes * iters / statistics.median(alone) / GB,
+            "trials_fully_overlapped": outlasted,
+            "trials": trials,
+        }
+
+    results: dict[str, dict[str, float]] = {}
+
+    # Plain pinned copies of the same bytes, one per direction on two streams: the floor.
+    pin = clock.cuda
+    host = [torch.empty(sizes.transfer_bytes, dtype=torch.uint8, pin_memory=pin)
+            for _ in range(2)]
+    dev = [torch.empty(sizes.transfer_bytes, dtype=torch.uint8, device=device)
+           for _ in range(2)]
+    streams = [torch.cuda.Stream(device) for _ in range(2)] if clock.cuda else []
+
+    def raw_copies() -> tuple[Callable[[], int], Callable[[], None]]:
+        if not clock.cuda:
+            dev[0].copy_(host[0])
+            host[1].copy_(dev[1])
+            return lambda: 0, lambda: None
+        ends = []
+        for stream, copy in zip(streams, (lambda: dev[0].copy_(host[0], non_blocking=True),
+                                          lambda: host[1].copy_(dev[1], non_blocking=True)),
+                                strict=True):
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                copy()
+                ends.append(torch.cuda.Event())
+                ends[-1].record(stream)
+        return (lambda: sum(not e.query() for e in ends),
+                lambda: [e.synchronize() for e in ends] and None)
+
+    results["pinned_copy"] = under(raw_copies)
+    host.clear()  # free the 2 x 2 transfers before the connectors allocate theirs
+    dev.clear()
+
+    for name, cross, ids in (("offload", True, "contiguous"),
+                             ("offload_staged", False, "scattered")):
+        kv, conn = make_offload(sizes, device, cross, chunk_bytes)
+        try:
+            resident = new_keys(n)
+            if ids == "contiguous":
+                src, dst = list(range(n)), list(range(n, 2 * n))
+            else:
+                perm = torch.randperm(2 * n).tolist()
+                src, dst = perm[:n], perm[n:]
+            assert conn.save(resident, src).wait().ok
+            expected = block_rows(kv, src)
+
+            def offload(c=conn, r=resident, s_=src, d_=dst
+                        ) -> tuple[Callable[[], int], Callable[[], None]]:
+                handles = [c.save(new_keys(n), s_), c.load(r, d_)]
+
+                def finish() -> None:
+                    for handle in handles:
+                        assert handle.wait().ok
+
+                return lambda: sum(not hd.done() for hd in handles), finish
+
+            before = dict(conn.paths)
+            results[name] = under(offload)
+            results[name]["bit_exact"] = torch.equal(block_rows(kv, dst), expected)
+            results[name]["path"] = ("staged" if conn.paths["staged"] > before["staged"]
+                                     else "direct")
+            results[name]["layout"] = "cross-layer" if cross else "per-layer"
+            results[name]["ids"] = ids
+        finally:
+            conn.close()
+            del kv
+            if clock.cuda:
+                torch.cuda.empty_cache()
+    for name, r in results.items():
+        log.info("decode under %s: %d iterations, %.3f ms alone, %.3f ms busy (%+.2f%%)",
+                 name, r["iterations"], r["alone_ms"], r["with_offload_ms"],
+                 100 * r["slowdown"])
+    return results
+
+
+def bench_chunk_sweep(sizes: Sizes, device: torch.device, trials: int,
+                      pinned: dict[str, float], chunks: dict[str, int]
+                      ) -> dict[str, dict[str, dict[str, float]]]:
+    """Per-layer scattered transfers with other staging chunk sizes."""
+    return {label: bench_offload_mode(sizes, device, False, trials, pinned, chunk_bytes,
+                                      id_kinds=("scattered",))
+            for label, chunk_bytes in chunks.items()}
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -321,6 +432,34 @@ def verdict(passed: bool, smoke: bool, failed: str) -> str:
     return "PASS" if passed else failed
 
 
+def path_ok(r: dict) -> bool:
+    """Scattered and per-layer transfers must all be staged; contiguous cross-layer ones are
+    direct, or "mixed" when LRU eviction left some saves' slots fragmented."""
+    if r["expected_path"] == "staged":
+        return r["path"] == "staged"
+    return r["path"] in ("direct", "mixed")
+
+
+def offload_rows(section_name: str, label: str, mode: str, res: dict, smoke: bool) -> list:
+    rows = []
+    for key, r in sorted(res.items()):
+        if key in ("stats", "config"):
+            continue
+        op = key.split("/")[1]
+        target = TARGETS["duplex"] if op == "both" else TARGETS[mode]
+        frac = r["fraction_device"] if r["fraction_device"] is not None else r["fraction_wall"]
+        rows.append([
+            label, key,
+            f"{r['device_gbps']:.1f}" if r["device_gbps"] else "-",
+            f"{r['wall_gbps']:.1f}",
+            f"{100 * frac:.1f}% (>= {100 * target:.0f}%)" if frac is not None else "-",
+            verdict(frac is not None and frac >= target, smoke, "below")
+            + ("" if r["bit_exact"] else " NOT BIT-EXACT")
+            + ("" if path_ok(r) else f" PATH {r['path']}"),
+        ])
+    return rows
+
+
 def table(results: dict, errors: dict, smoke: bool) -> str:
     from tabulate import tabulate
 
@@ -331,37 +470,59 @@ def table(results: dict, errors: dict, smoke: bool) -> str:
             rows.append(["pinned copy", key.removesuffix("_gbps"), f"{pinned[key]:.1f}", "", "",
                          ""])
     for mode in ("cross_layer", "per_layer"):
-        for key, r in sorted(results.get(f"offload_{mode}", {}).items()):
-            if key == "stats":
-                continue
-            op = key.split("/")[1]
-            target = TARGETS["duplex"] if op == "both" else TARGETS[mode]
-            frac = r["fraction_device"] if r["fraction_device"] is not None \
-                else r["fraction_wall"]
-            rows.append([
-                f"offload {mode.replace('_', '-')}", key,
-                f"{r['device_gbps']:.1f}" if r["device_gbps"] else "-",
-                f"{r['wall_gbps']:.1f}",
-                f"{100 * frac:.1f}% (>= {100 * target:.0f}%)" if frac is not None else "-",
-                verdict(frac is not None and frac >= target, smoke, "below")
-                + ("" if r["bit_exact"] else " NOT BIT-EXACT"),
-            ])
-    dec = results.get("decode")
-    if dec:
-        ok = dec["slowdown"] <= TARGETS["decode_slowdown"]
-        rows.append(["decode loop", f"{dec['iterations']} x SDPA", f"{dec['alone_ms']:.2f} ms",
-                     f"{dec['with_offload_ms']:.2f} ms",
-                     f"{100 * dec['slowdown']:+.2f}% (<= 3%)", verdict(ok, smoke, "above")])
+        rows += offload_rows(f"offload_{mode}", f"offload {mode.replace('_', '-')}", mode,
+                             results.get(f"offload_{mode}", {}), smoke)
+    for label, res in results.get("chunk_sweep", {}).items():
+        rows += offload_rows("chunk_sweep", f"per-layer chunk {label}", "per_layer", res, smoke)
+    dec = results.get("decode", {})
+    for name, what in (("pinned_copy", "pinned copy (floor)"), ("offload", "offload"),
+                       ("offload_staged", "offload staged")):
+        r = dec.get(name)
+        if not r:
+            continue
+        if name == "pinned_copy":  # a reference, not a target: what the bus traffic costs
+            check = "smoke" if smoke else "reference"
+        else:
+            check = verdict(r["slowdown"] <= TARGETS["decode_slowdown"], smoke, "above") + (
+                "" if r["bit_exact"] else " NOT BIT-EXACT")
+        rows.append([f"decode + {what}", f"{r['iterations']} x SDPA",
+                     f"{r['alone_ms']:.2f} ms", f"{r['with_offload_ms']:.2f} ms",
+                     f"{100 * r['slowdown']:+.2f}% (<= 3%)", check])
     for name, err in errors.items():
         rows.append([name, "ERROR", err[:60], "", "", ""])
     return tabulate(rows, headers=["section", "what", "GB/s device", "GB/s wall",
                                    "of limit (target)", "verdict"])
 
 
+def self_check(results: dict) -> list[str]:
+    """What is wrong regardless of speed: bytes not bit-exact, a transfer on the wrong path."""
+    problems = []
+    sections = {f"offload_{m}": results.get(f"offload_{m}", {}) for m in ("cross_layer",
+                                                                         "per_layer")}
+    for label, res in results.get("chunk_sweep", {}).items():
+        sections[f"chunk_sweep/{label}"] = res
+    for name, res in sections.items():
+        for key, r in res.items():
+            if key in ("stats", "config"):
+                continue
+            if not r["bit_exact"]:
+                problems.append(f"{name} {key}: loaded blocks differ from the saved ones")
+            if not path_ok(r):
+                problems.append(f"{name} {key}: took the {r['path']} path, expected "
+                                f"{r['expected_path']}")
+    for name, r in results.get("decode", {}).items():
+        if r.get("bit_exact") is False:
+            problems.append(f"decode {name}: loaded blocks differ from the saved ones")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir())
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=int, default=CHUNK_MIB,
+                        help="staging chunk of the offload connector (MiB)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the chunk-size sweep")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
@@ -371,8 +532,15 @@ def main() -> int:
         return 2
     sizes, device = (SMOKE, torch.device("cpu")) if args.smoke else (FULL, torch.device("cuda"))
     trials = 2 if args.smoke else args.trials
-    log.info("sizes %s (%.3f GiB per transfer), %d trials, device %s", sizes,
-             sizes.transfer_bytes / 2**30, trials,
+    block = sizes.num_layers * sizes.page_bytes
+    if args.smoke:  # chunks of a few blocks: the staged path crosses chunk boundaries
+        chunk_bytes = SMOKE_CHUNK_BLOCKS * block
+        sweep = {f"{c} blocks": c * block for c in (3, 64)}
+    else:
+        chunk_bytes = args.chunk_mib << 20
+        sweep = {f"{m} MiB": m << 20 for m in SWEEP_MIB if m != args.chunk_mib}
+    log.info("sizes %s (%.3f GiB per transfer), %d trials, staging chunk %d bytes, device %s",
+             sizes, sizes.transfer_bytes / 2**30, trials, chunk_bytes,
              torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     results: dict = {}
     errors: dict = {}
@@ -380,8 +548,16 @@ def main() -> int:
     pinned = results.get("pinned", {})
     for mode, cross in (("cross_layer", True), ("per_layer", False)):
         section(f"offload_{mode}", results, errors,
-                lambda c=cross: bench_offload_mode(sizes, device, c, trials, pinned))
-    section("decode", results, errors, lambda: bench_decode(sizes, device, trials, pinned))
+                lambda c=cross: bench_offload_mode(sizes, device, c, trials, pinned,
+                                                   chunk_bytes))
+    if not args.no_sweep:
+        section("chunk_sweep", results, errors,
+                lambda: bench_chunk_sweep(sizes, device, min(trials, 3), pinned, sweep))
+    section("decode", results, errors,
+            lambda: bench_decode(sizes, device, trials, pinned, chunk_bytes))
+    problems = self_check(results)
+    for problem in problems:
+        log.error("check failed: %s", problem)
 
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -391,9 +567,11 @@ def main() -> int:
         "kvcore": kvcore.__version__,
         "smoke": args.smoke,
         "sizes": asdict(sizes),
+        "chunk_bytes": chunk_bytes,
         "targets": TARGETS,
         "results": results,
         "errors": errors,
+        "check_failures": problems,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -401,7 +579,9 @@ def main() -> int:
     path.write_text(json.dumps(report, indent=2))
     log.info("wrote %s", path)
     print(table(results, errors, args.smoke))
-    return 1 if errors else 0
+    for problem in problems:
+        print(f"CHECK FAILED: {problem}")
+    return 1 if errors or problems else 0
 
 
 if __name__ == "__main__":

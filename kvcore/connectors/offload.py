@@ -2,16 +2,26 @@
 
 The pool is allocated once, when the KV caches are registered: ``capacity_bytes //
 block_bytes`` slots, pinned when the cache is on a CUDA device so copies are asynchronous DMA.
-It is laid out like the cache so that runs of consecutive blocks copy as one run:
+A slot holds a whole block, every layer, layer-major (``(num_slots, block_bytes)``), whatever
+the cache's layout, so a run of consecutive slots is one contiguous host region: one copy.
 
-- cross-layer cache: ``(1, num_slots, num_layers * page_size_bytes)``; a block is one copy
-  (and consecutive blocks in consecutive slots merge into one copy);
-- per-layer cache: ``(num_layers, num_slots, page_size_bytes)``; each layer copies each run
-  of consecutive blocks with one copy.
+Blocks move in one of two ways, chosen per transfer:
 
-On CUDA, saves run on one side stream and loads on another (so both directions of the bus work
-at once), ordered after the engine's current stream, and a handle completes on a CUDA event.
-On CPU, copies are synchronous and handles are complete when returned.
+- **direct**: cross-layer caches whose blocks and slots form long runs (e.g. contiguous block
+  ids) copy each run straight between the cache and the pool, one copy per run;
+- **staged** (per-layer caches, and scattered cross-layer blocks): the transfer is cut into
+  chunks of at most ``chunk_bytes``; a save gathers a chunk's blocks of every layer into a
+  contiguous device staging buffer with one indexed copy (``index_select`` over a
+  ``(num_blocks, num_layers, page)`` view of the cache) and copies it to the pool with one copy
+  per run of consecutive slots (usually one per chunk); a load copies the slots into staging
+  and scatters them into the blocks with one ``index_copy_``. Two staging buffers per direction
+  alternate, so the gather (or scatter) of one chunk overlaps the bus copy of the other.
+
+On CUDA, saves and loads each own a copy stream and a kernel stream (so both directions of the
+bus work at once, and gathers overlap copies), ordered after the engine's current stream with
+events, and a handle completes on a CUDA event. Nothing waits on the host, nothing runs on the
+engine's stream, and the staging buffers are allocated once at registration. On CPU the same
+staged logic runs synchronously on plain tensors and handles are complete when returned.
 
 A block with a transfer in flight (a save not yet complete, a load reading its slot) is never
 evicted; if every slot is in flight, saving more fails for those blocks.
@@ -23,6 +33,7 @@ import heapq
 import threading
 import time
 from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +48,12 @@ from kvcore.connectors.base import (
 )
 
 __all__ = ["OffloadConnector"]
+
+#: Default staging chunk: a 64 MiB copy keeps the bus busy (per-copy overhead is microseconds)
+#: while two staging buffers per direction cost 256 MiB of device memory in all.
+DEFAULT_CHUNK_BYTES = 64 << 20
+#: Cross-layer runs at least this large on average are copied directly (no staging kernel).
+DIRECT_MIN_RUN_BYTES = 16 << 20
 
 
 @dataclass
@@ -104,6 +121,126 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(b, s, n) for b, s, n in runs]
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """Rows ``start:stop`` of a staged transfer (in slot order) that go through staging at
+    once; each segment ``(row, slot, count)`` (row counted from ``start``) is one copy
+    between staging rows ``row:row + count`` and pool slots ``slot:slot + count``."""
+
+    start: int
+    stop: int
+    segments: tuple[tuple[int, int, int], ...]
+
+
+def _chunks(slots: list[int], chunk_blocks: int) -> list[_Chunk]:
+    """Cut a transfer whose ``i``-th row goes to or from pool slot ``slots[i]`` into chunks
+    of at most ``chunk_blocks`` rows, each with its runs of consecutive slots."""
+    if chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks={chunk_blocks} must be >= 1")
+    chunks: list[_Chunk] = []
+    start = 0
+    segments: list[list[int]] = []
+    for i, slot in enumerate(slots):
+        if i - start == chunk_blocks:
+            chunks.append(_Chunk(start, i, tuple(map(tuple, segments))))
+            start, segments = i, []
+        if segments and slot == segments[-1][1] + segments[-1][2]:
+            segments[-1][2] += 1
+        else:
+            segments.append([i - start, slot, 1])
+    if segments:
+        chunks.append(_Chunk(start, len(slots), tuple(map(tuple, segments))))
+    return chunks
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one transfer moves: ``runs`` (direct) or ``blocks`` + ``chunks`` (staged)."""
+
+    runs: list[tuple[int, int, int]] | None = None
+    blocks: list[int] | None = None  # device block of each staged row, in slot order
+    chunks: list[_Chunk] | None = None
+
+    @property
+    def staged(self) -> bool:
+        return self.chunks is not None
+
+    @property
+    def copies(self) -> int:
+        """Host<->device copies this plan issues."""
+        if self.chunks is None:
+            return len(self.runs or ())
+        return sum(len(c.segments) for c in self.chunks)
+
+
+def _word_size(row_bytes: int, views: list[torch.Tensor]) -> int:
+    """The widest of 8, 4, 2, 1 bytes that divides every row, stride and address, so the
+    indexed copies move words, not bytes."""
+    for size in (8, 4, 2):
+        if row_bytes % size == 0 and all(
+            v.data_ptr() % size == 0 and all(s % size == 0 for s in v.stride()[:-1])
+            for v in views
+        ):
+            return size
+    return 1
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The views ``(num_blocks, W)`` as one ``(num_blocks, len(views), W)`` view when they are
+    equally spaced in one storage (then one indexed copy moves every layer), else None."""
+    first = views[0]
+    if len(views) == 1:
+        return first.unsqueeze(1)
+    step = views[1].data_ptr() - first.data_ptr()
+    size = first.element_size()
+    if step <= 0 or step % size:
+        return None
+    for i, v in enumerate(views):
+        if (v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype
+                or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or v.data_ptr() - first.data_ptr() != i * step):
+            return None
+    n, w = first.shape
+    return first.as_strided((n, len(views), w), (first.stride(0), step // size, first.stride(1)),
+                            first.storage_offset())
+
+
+def _on(stream: torch.cuda.Stream | None) -> AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _after(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+class _Staging:
+    """One direction's two device staging buffers, and when each is free again."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+        #: Event after which buffer ``i`` may be overwritten (None: now).
+        self.free: list[torch.cuda.Event | None] = [None, None]
+        self.next = 0
+        self.lock = threading.Lock()  # one transfer issues its chunks at a time
+
+    def take(self) -> int:
+        i, self.next = self.next, self.next ^ 1
+        return i
+
+
 class OffloadConnector(KVConnector):
     """Offload KV blocks to CPU memory and load them back (connector name ``offload``).
 
@@ -111,18 +248,24 @@ class OffloadConnector(KVConnector):
         capacity_bytes: size of the CPU pool; it holds ``capacity_bytes // block_bytes``
             blocks (``block_bytes = num_layers * page_size_bytes``).
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
+        chunk_bytes: most bytes a staged transfer moves per bus copy (at least one block);
+            each direction keeps two device staging buffers of this size.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
 
-    def __init__(self, *, capacity_bytes: int, failure_policy: str = "recompute") -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
-                or capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes={capacity_bytes!r} must be a positive integer")
+    def __init__(self, *, capacity_bytes: int, failure_policy: str = "recompute",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        for name, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         super().__init__(failure_policy=failure_policy)
         self.capacity_bytes = capacity_bytes
+        self.chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
         self._pending: list[TransferHandle] = []
+        #: Transfers and host<->device copies issued per path, for benchmarks and tests.
+        self.paths = {"direct": 0, "staged": 0, "copies": 0, "chunks": 0}
 
     def _register(self, reg: RegisteredCaches) -> None:
         kv = reg.kv_caches
@@ -135,19 +278,40 @@ class OffloadConnector(KVConnector):
             )
         device = kv.storage.device
         self._async = device.type == "cuda"
-        # Pinned host memory is what lets a device copy run asynchronously.
-        self._host = torch.empty((len(reg.views), num_slots, reg.views[0].shape[1]),
-                                 dtype=torch.uint8, pin_memory=self._async)
-        self._host_views = list(self._host.unbind(0))
+        row_bytes = reg.views[0].shape[1]
+        word = _WORDS[_word_size(row_bytes, reg.views)]
+        # The cache's rows as words, and (when the layers are equally spaced) all layers as one
+        # (num_blocks, num_views, row_words) view: one indexed copy per chunk moves them all.
+        self._dev_views = [v.view(word) for v in reg.views]
+        self._dev3 = _stacked(self._dev_views)
+        row_words = self._dev_views[0].shape[1]
+        # Pinned host memory is what lets a device copy run asynchronously. Slot-major: a run
+        # of consecutive slots is one contiguous region whatever the cache's layout.
+        self._host = torch.empty((num_slots, block_bytes), dtype=torch.uint8,
+                                 pin_memory=self._async)
+        self._host3 = self._host.view(word).view(num_slots, len(reg.views), row_words)
         self._index = _SlotIndex(num_slots)
-        if self._async:
-            self._streams = {"save": torch.cuda.Stream(device), "load": torch.cuda.Stream(device)}
+        self._chunk_blocks = max(1, min(num_slots, self.chunk_bytes // block_bytes))
+        shape = (self._chunk_blocks, len(reg.views), row_words)
+        self._staging = {op: _Staging(shape, word, device) for op in ("save", "load")}
+        self._streams: dict[str, tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]] = {
+            op: (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self._async
+            else (None, None)
+            for op in ("save", "load")
+        }
 
     @property
     def num_slots(self) -> int:
         """How many blocks the pool holds."""
         self._registered()
         return self._index.num_slots
+
+    @property
+    def chunk_blocks(self) -> int:
+        """Blocks per staged chunk: ``chunk_bytes // block_bytes``, at least 1, at most the
+        pool's slots."""
+        self._registered()
+        return self._chunk_blocks
 
     def cached_keys(self) -> list[str]:
         """Keys in the pool, least recently used first (the next eviction candidate first)."""
@@ -225,37 +389,132 @@ class OffloadConnector(KVConnector):
                     return i
             return len(keys)
 
+    def _plan(self, pairs: list[tuple[int, int]]) -> _Plan:
+        """Direct run copies for a cross-layer cache whose blocks and slots form long runs (no
+        device kernel at all), else staged chunks."""
+        if not pairs:
+            return _Plan(runs=[])
+        if len(self._dev_views) == 1:
+            runs = _runs(pairs)
+            staged_copies = -(-len(pairs) // self._chunk_blocks)  # at least one per chunk
+            if (len(runs) <= staged_copies
+                    or len(pairs) * self.block_bytes >= DIRECT_MIN_RUN_BYTES * len(runs)):
+                return _Plan(runs=runs)
+        by_slot = sorted(pairs, key=lambda p: p[1])
+        return _Plan(blocks=[b for b, _ in by_slot],
+                     chunks=_chunks([s for _, s in by_slot], self._chunk_blocks))
+
     def _copy(self, op: Op, pairs: list[tuple[int, int]], after: list[torch.cuda.Event]
               ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """Copy ``(block_id, slot)`` pairs in direction ``op``; on CUDA, asynchronously on the
-        op's side stream after ``after`` events, returning its (start, end) events."""
-        runs = _runs(pairs)
-        views = self._registered().views
+        op's side streams after ``after`` events, returning its (start, end) events."""
+        plan = self._plan(pairs)
+        copy_stream, kernel_stream = self._streams[op]
+        staging = self._staging[op]
+        with staging.lock:
+            start = end = None
+            if copy_stream is not None:
+                # Saves read what the engine's stream wrote; loads overwrite what it may still
+                # read. GPU-side waits only: the host never blocks here.
+                copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))
+                for event in after:  # a load of a block whose save is still running
+                    copy_stream.wait_event(event)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(copy_stream)
+            if plan.staged:
+                last = self._copy_staged(op, plan, staging, copy_stream, kernel_stream, start)
+            else:
+                self._copy_runs(op, plan.runs, copy_stream)
+                last = copy_stream
+            if end is not None:
+                end.record(last)
+        if pairs:
+            with self._stats_lock:
+                self.paths["staged" if plan.staged else "direct"] += 1
+                self.paths["copies"] += plan.copies
+                self.paths["chunks"] += len(plan.chunks or ())
+        return None if start is None else (start, end)
 
-        def copy_runs() -> None:
-            for device_view, host_view in zip(views, self._host_views, strict=True):
-                for block, slot, n in runs:
-                    dev, host = device_view[block:block + n], host_view[slot:slot + n]
-                    if op == "save":
-                        host.copy_(dev, non_blocking=self._async)
-                    else:
-                        dev.copy_(host, non_blocking=self._async)
+    def _copy_runs(self, op: Op, runs: list[tuple[int, int, int]],
+                   stream: torch.cuda.Stream | None) -> None:
+        """Direct copies, one per run (single-view caches only)."""
+        device_view, host_view = self._dev_views[0], self._host3[:, 0]
+        with _on(stream):
+            for block, slot, n in runs:
+                dev, host = device_view[block:block + n], host_view[slot:slot + n]
+                if op == "save":
+                    host.copy_(dev, non_blocking=self._async)
+                else:
+                    dev.copy_(host, non_blocking=self._async)
 
+    def _copy_staged(self, op: Op, plan: _Plan, staging: _Staging,
+                     copy_stream: torch.cuda.Stream | None,
+                     kernel_stream: torch.cuda.Stream | None,
+                     start: torch.cuda.Event | None) -> torch.cuda.Stream | None:
+        """Chunks through the two staging buffers; returns the stream that runs last.
+
+        Save: kernel stream gathers chunk i into buffer i % 2 (after that buffer's previous
+        copy), copy stream copies it to the pool. Load: copy stream fills the buffer from the
+        pool (after its previous scatter), kernel stream scatters it into the blocks.
+        """
+        _after(kernel_stream, start)  # the gathers/scatters too follow the engine's stream
+        with _on(kernel_stream):  # the ids live on the stream that indexes with them
+            ids = self._device_ids(plan.blocks)
+        for chunk in plan.chunks:
+            b = staging.take()
+            buf = staging.buffers[b][:chunk.stop - chunk.start]
+            chunk_ids = ids[chunk.start:chunk.stop]
+            if op == "save":
+                with _on(kernel_stream):
+                    _after(kernel_stream, staging.free[b])
+                    self._gather(chunk_ids, buf)
+                    gathered = _mark(kernel_stream)
+                _after(copy_stream, gathered)
+                with _on(copy_stream):
+                    for row, slot, n in chunk.segments:
+                        self._host3[slot:slot + n].copy_(buf[row:row + n],
+                                                         non_blocking=self._async)
+                    staging.free[b] = _mark(copy_stream)
+            else:
+                with _on(copy_stream):
+                    _after(copy_stream, staging.free[b])
+                    for row, slot, n in chunk.segments:
+                        buf[row:row + n].copy_(self._host3[slot:slot + n],
+                                               non_blocking=self._async)
+                    copied = _mark(copy_stream)
+                _after(kernel_stream, copied)
+                with _on(kernel_stream):
+                    self._scatter(chunk_ids, buf)
+                    staging.free[b] = _mark(kernel_stream)
+        if op == "save":
+            return copy_stream
+        return kernel_stream
+
+    def _device_ids(self, blocks: list[int]) -> torch.Tensor:
+        """``blocks`` as an int64 tensor on the cache's device, copied asynchronously on the
+        current stream from pinned memory (the caching host allocator keeps that memory until
+        the copy is done)."""
+        ids = torch.tensor(blocks, dtype=torch.int64)
         if not self._async:
-            copy_runs()
-            return None
-        stream = self._streams[op]
-        # Saves read what the engine's stream wrote; loads overwrite what it may still read.
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        for event in after:  # a load of a block whose save is still running
-            stream.wait_event(event)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            copy_runs()
-            end.record(stream)
-        return start, end
+            return ids
+        return ids.pin_memory().to(self._dev_views[0].device, non_blocking=True)
+
+    def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[i] = blocks ids[i]`` of every layer (``out`` is ``(n, num_views, words)``)."""
+        if self._dev3 is not None:
+            torch.index_select(self._dev3, 0, ids, out=out)
+            return
+        for layer, view in enumerate(self._dev_views):
+            out[:, layer].copy_(view.index_select(0, ids))
+
+    def _scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Blocks ``ids[i]`` of every layer ``= src[i]``."""
+        if self._dev3 is not None:
+            self._dev3.index_copy_(0, ids, src)
+            return
+        for layer, view in enumerate(self._dev_views):
+            view.index_copy_(0, ids, src[:, layer])
 
     def _handle(self, op: Op, succeeded: list[int], failed: dict[int, str],
                 entries: list[_Entry], events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
@@ -313,4 +572,4 @@ class OffloadConnector(KVConnector):
                 handle.wait()
             except KVTransferError:  # nobody waits for this result any more
                 pass
-        del self._host, self._host_views
+        del self._host, self._host3, self._staging, self._dev_views, self._dev3

@@ -15,8 +15,8 @@ Conventions shared by every implementation:
   ``seq_lens[i]`` tokens in total (cached prefix plus its new tokens), so its query ``j`` sits at
   position ``seq_lens[i] - q_len + j``. Causal masking lets a query see keys at positions
   ``<=`` its own; a sliding window ``w`` keeps only the last ``w`` of those (``q_pos - k_pos < w``).
-- fp8 caches store ``x / scale`` (per-tensor ``k_scale`` / ``v_scale``) and are read back as
-  ``stored * scale``.
+- fp8 caches store ``x * float32(1 / scale)`` (per-tensor ``k_scale`` / ``v_scale``), clamped to
+  the fp8 range and rounded to nearest even, and are read back as ``stored * scale``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ def scale_value(scale: torch.Tensor | float | None) -> float:
 def _quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         limit = torch.finfo(cache_dtype).max
-        return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
+        # x * float32(1 / scale), not x / scale: torch turns a division by a scalar into this
+        # multiply on CUDA but not on CPU, so only the multiply gives the same bytes everywhere.
+        inverse = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
+        return (x.float() * inverse.to(x.device)).clamp(-limit, limit).to(cache_dtype)
     return x.to(cache_dtype)
 
 

@@ -47,7 +47,8 @@ def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
     quantum = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
     # Adding 1.5 * 2**23 makes fp32 addition round the quotient to an integer, ties to even.
     r = ((a / quantum + 12582912.0) - 12582912.0) * quantum
-    return tl.where(y < 0, -r, r)
+    # The sign bit, not y < 0: -0.0 and negatives that round to zero stay -0 (as on the GPU).
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
 
 
 @triton.jit
@@ -90,8 +91,12 @@ def _reshape_and_cache_kernel(
         else:
             ks = k_scale
             vs = v_scale
-        k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
+        # One definition everywhere (see kvcore.ops.reference): multiply by the float32
+        # reciprocal of the scale, computed with an exact division.
+        k_inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), ks)
+        v_inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), vs)
+        k = tl.clamp(k.to(tl.float32) * k_inv, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) * v_inv, -FP8_MAX, FP8_MAX)
         if EXACT_FP8_ROUNDING:
             k = _round_to_fp8_grid(k, MANTISSA_BITS, MIN_EXPONENT)
             v = _round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT)
@@ -155,7 +160,7 @@ def reshape_and_cache(
             ``kv_cache_dtype`` names one.
         slot_mapping: ``(num_tokens,)`` int32/int64, ``block_id * block_size + offset``;
             negative slots are skipped.
-        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``clamp(x / scale)`` rounded to
+        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``clamp(x * (1 / scale))`` rounded to
             nearest even, exactly like the reference.
         k_scale, v_scale: per-tensor fp8 scales: a 1-element tensor (read on the device) or a
             float; ignored unless the cache is fp8.

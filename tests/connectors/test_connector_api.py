@@ -67,7 +67,7 @@ def test_unknown_connector_lists_the_valid_names(fresh_kvcore, monkeypatch):
 def test_unknown_and_missing_options_are_named():
     with pytest.raises(TypeError, match=r"connector 'offload': unknown option\(s\) capacity; "
                                         r"missing option\(s\) capacity_bytes \(options: "
-                                        r"capacity_bytes, failure_policy\)"):
+                                        r"capacity_bytes, chunk_bytes, failure_policy\)"):
         get_connector("offload", capacity=1 << 20)
 
 

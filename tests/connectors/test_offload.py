@@ -36,12 +36,19 @@ def test_save_drop_load_into_other_blocks_is_bit_exact(cross, dtype):
         assert torch.equal(block_bytes(kv, [8, 10]), others)  # nothing else written
 
 
-def test_pool_is_laid_out_like_the_cache():
+def test_pool_is_slot_major_whatever_the_cache_layout():
     per_layer, cross = make_caches(cross_layer=False), make_caches(cross_layer=True)
     with offload_for(per_layer, 4) as a, offload_for(cross, 4) as b:
-        page = per_layer.page_size_bytes
-        assert tuple(a._host.shape) == (per_layer.num_layers, 4, page)
-        assert tuple(b._host.shape) == (1, 4, cross.num_layers * page)
+        block = per_layer.num_layers * per_layer.page_size_bytes
+        # a slot is a whole block, layer-major: consecutive slots are one contiguous region
+        assert tuple(a._host.shape) == tuple(b._host.shape) == (4, block)
+        for conn, kv in ((a, per_layer), (b, cross)):
+            keys = keys_for(random.randrange(2**31), 3)
+            assert conn.save(keys, [7, 2, 5]).wait().ok
+            slots = [conn._index.get(k).slot for k in keys]
+            assert slots == [0, 1, 2]
+            assert torch.equal(conn._host[slots].view(3, kv.num_layers, -1),
+                               block_bytes(kv, [7, 2, 5]))
 
 
 def test_lru_evicts_the_least_recently_used_block():
@@ -108,6 +115,8 @@ def test_capacity_below_one_block_names_capacity_bytes():
 def test_bad_capacity_is_refused(capacity):
     with pytest.raises(ValueError, match=f"capacity_bytes={capacity!r} must be a positive"):
         get_connector("offload", capacity_bytes=capacity)
+    with pytest.raises(ValueError, match=f"chunk_bytes={capacity!r} must be a positive"):
+        get_connector("offload", capacity_bytes=1 << 20, chunk_bytes=capacity)
 
 
 @pytest.mark.gpu

@@ -255,3 +255,21 @@ def test_int64_offsets_in_a_32_layer_cross_layer_pool() -> None:
     reshape_and_cache_ref(key, value, ekc, evc, slots)
     triton_cache.reshape_and_cache(key, value, kc, vc, slots)
     assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_of_every_bf16_value_is_the_same_bytes_as_the_reference(device: str) -> None:
+    """fp8 is defined as x * float32(1/scale) everywhere; at scale 0.3 a true division and the
+    reciprocal multiply round some values (e.g. +-9*2**-11) to different e4m3 bytes."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[torch.isfinite(values)].to(device)
+    values = values[values.abs() < 400]  # inside e4m3's range after scaling by 1/0.3
+    n = (values.numel() // 8) * 8
+    key = values[:n].reshape(-1, 1, 8)
+    num_blocks = -(-key.shape[0] // 16)
+    kc = torch.zeros(num_blocks, 16, 1, 8, dtype=torch.float8_e4m3fn, device=device)
+    vc, expected_k, expected_v = (torch.zeros_like(kc) for _ in range(3))
+    slots = torch.arange(key.shape[0], device=device)
+    reshape_and_cache_ref(key, key, expected_k, expected_v, slots, "fp8", 0.3, 0.3)
+    triton_cache.reshape_and_cache(key, key, kc, vc, slots, "fp8", 0.3, 0.3)
+    assert torch.equal(_as_bytes(kc), _as_bytes(expected_k))
