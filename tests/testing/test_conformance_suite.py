@@ -98,9 +98,19 @@ def test_every_case_names_a_documented_rule():
 
 def test_plugin_is_registered_through_the_pytest11_entry_point(pytester):
     (entry,) = [e for e in metadata.entry_points(group="pytest11") if e.name == "kvcore"]
-    assert entry.value == "kvcore.testing.pytest_plugin"
+    assert entry.value == "kvcore_pytest"
     config = pytester.parseconfig()
     assert config.pluginmanager.get_plugin("kvcore") is entry.load()
+
+
+def test_loading_the_pytest_plugin_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, kvcore_pytest; print('torch' in sys.modules, kvcore_pytest.SUITE.is_file())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True"]
 
 
 def test_plugin_adds_no_tests_without_the_option(pytester):

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-SUITE = Path(__file__).with_name("suite.py")
+# A top-level module, not part of the kvcore package: pytest imports it in every run, and
+# importing anything under kvcore would import torch. The suite sits beside it in kvcore/.
+SUITE = Path(__file__).parent / "kvcore" / "testing" / "suite.py"
 #: Node id prefix of the suite's tests, the same wherever kvcore is installed.
 SUITE_NODEID = "kvcore/testing/suite.py"
 _NO_BACKEND = "no backend given: pass --kvcore-backend NAME (or module:Class) to run this"
