@@ -1,4 +1,7 @@
-"""The ``kvcore`` command: what is installed, what would be picked and why.
+"""The ``kvcore`` command: what is installed, what would be picked and why; and the
+end-to-end demo, the benchmarks and the layout view (``demo``, ``bench``, ``layout``), whose
+code lives in :mod:`kvcore.demo`, :mod:`kvcore.bench` and :mod:`kvcore.layout_view` and is
+imported only when those commands run.
 
 Every listing prints a flat, greppable table by default and JSON with ``--format json``.
 """
@@ -17,6 +20,7 @@ from tabulate import tabulate
 
 import kvcore
 from kvcore.config import AttentionSelectorConfig
+from kvcore.demo_model import MODEL_PRESETS
 from kvcore.ops.validation import KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType, DeviceCapability
 
@@ -173,10 +177,54 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvcore.demo import DemoOptions, run_demo_cli
+
+    options = DemoOptions(
+        model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, dtype=args.dtype,
+        platform=args.platform, backend=args.backend, seed=args.seed,
+        progress=not args.no_progress, corrupt_loaded_block=args.corrupt_loaded_block,
+    )
+    return run_demo_cli(options, args.format)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvcore.bench import BenchOptions, run_bench_cli
+
+    options = BenchOptions(size=args.size, dtype=args.dtype, platform=args.platform,
+                           progress=not args.no_progress)
+    return run_bench_cli(options, args.format, args.plot)
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from kvcore.layout_view import describe_layout, format_layout, plot_layout
+
+    if args.plot:
+        from kvcore.plotting import check_plot_path
+
+        check_plot_path(args.plot)
+    backend = kvcore.resolve_backend(args.backend)
+    # MLA caches hold one latent vector per token: one "head" of kv_lora_rank + rope dims.
+    heads = args.num_kv_heads or (1 if backend.IS_MLA else 2)
+    head_size = args.head_size or (576 if backend.IS_MLA else 128)
+    view = describe_layout(
+        backend, num_layers=args.num_layers, num_blocks=args.num_blocks,
+        block_size=args.block_size, num_kv_heads=heads, head_size=head_size,
+        dtype=args.dtype, cross_layer=args.cross_layer, show_layers=args.show_layers,
+        show_blocks=args.show_blocks)
+    _emit(args, view.to_dict(), format_layout(view))
+    if args.plot:
+        path = plot_layout(view, args.plot)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcore",
-        description="Inspect kvcore's attention backends, plugins and platform selection.",
+        description="Inspect kvcore's attention backends, plugins, platform selection and "
+                    "KV-cache layouts; run the end-to-end demo and the benchmarks.",
     )
     parser.add_argument("--version", action="version", version=f"kvcore {kvcore.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -209,6 +257,58 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--capability", default=None,
                      help="device capability to simulate, e.g. 9.0 or gfx942")
     sel.add_argument("--backend", default=None, help="force a backend by name")
+
+    demo = with_format(sub.add_parser(
+        "demo", help="serve a small model end to end: select, allocate, batch, offload, "
+                     "reload prefixes, and check every token"))
+    demo.add_argument("--model", default="small", choices=tuple(MODEL_PRESETS),
+                      help="model size (tiny/small: seconds on a CPU; medium/large: a GPU)")
+    demo.add_argument("--batch", type=int, default=8, help="requests per batch (two batches)")
+    demo.add_argument("--new-tokens", type=int, default=16,
+                      help="most tokens generated per request")
+    demo.add_argument("--max-num-seqs", type=int, default=4,
+                      help="most requests in one step (the rest wait: continuous batching)")
+    demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    demo.add_argument("--platform", default=None,
+                      help="platform to run on (default: detected); must be present")
+    demo.add_argument("--backend", default=None, help="force a backend by name")
+    demo.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--corrupt-loaded-block", action="store_true",
+                      help="self-test: overwrite a block after it is loaded back, to see the "
+                           "checks fail (exit status 1)")
+
+    bench = with_format(sub.add_parser(
+        "bench", help="kernels, cache writes and connector throughput against ceilings "
+                      "measured in the same run"))
+    bench.add_argument("--size", default=None,
+                       help="shapes: small (default on a CPU) or full (default on a GPU)")
+    bench.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                       help="model dtype (default: float32 on a CPU, bfloat16 on a GPU)")
+    bench.add_argument("--platform", default=None,
+                       help="platform to measure (default: detected); must be present")
+    bench.add_argument("--plot", metavar="FILE.png", default=None,
+                       help="bar chart of achieved bandwidth against its ceiling per case")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    lay = with_format(sub.add_parser(
+        "layout", help="a backend's KV-cache shapes, strides and where its blocks lie"))
+    lay.add_argument("backend", help="backend name, e.g. TRITON_ATTN (see kvcore list)")
+    lay.add_argument("--cross-layer", action="store_true",
+                     help="the cross-layer allocation (all layers of a block contiguous)")
+    lay.add_argument("--plot", metavar="FILE.png", default=None,
+                     help="draw where each layer's K and V of the first blocks lie")
+    lay.add_argument("--num-layers", type=int, default=4)
+    lay.add_argument("--num-blocks", type=int, default=8)
+    lay.add_argument("--block-size", type=int, default=16)
+    lay.add_argument("--num-kv-heads", type=int, default=None, help="default 2 (MLA: 1)")
+    lay.add_argument("--head-size", type=int, default=None, help="default 128 (MLA: 576)")
+    lay.add_argument("--dtype", default="bfloat16")
+    lay.add_argument("--show-layers", type=int, default=4, help="layers in the block table "
+                     "and the picture")
+    lay.add_argument("--show-blocks", type=int, default=3, help="blocks per layer in the "
+                     "block table and the picture")
     return parser
 
 
@@ -217,6 +317,9 @@ _COMMANDS = {
     "plugins": cmd_plugins,
     "select": cmd_select,
     "collect-env": cmd_collect_env,
+    "demo": cmd_demo,
+    "bench": cmd_bench,
+    "layout": cmd_layout,
 }
 
 

@@ -1,0 +1,497 @@
+"""``kvcore demo``: serve a small model end to end over kvcore, and check every token.
+
+What it does, in the order an engine does it:
+
+1. **Select** an attention backend for the model's config on this platform (with a KV
+   connector in use) and print why, including why every other backend was passed over.
+2. **Allocate** the KV cache in the backend's layout, cross-layer when the ``offload``
+   connector prefers it and the backend opts in; register it with the connector.
+3. **Batch 1**: serve a batch of requests (two shared system prompts, distinct user turns)
+   with continuous batching; each finished request offloads its full blocks to CPU memory.
+4. **Evict**: free every device block and overwrite it with noise, so nothing of batch 1 is
+   left on the device.
+5. **Batch 2**: follow-up turns of batch-1 conversations and new conversations on the same
+   system prompts; their shared prefixes are loaded back through the connector (prefix hits)
+   instead of being recomputed.
+6. **Check**: every generated token equals (a) the same requests served by the same engine
+   without a connector, which recomputes everything, and (b) a non-paged reference: each
+   finished sequence recomputed in float64 with plain causal attention over contiguous K/V,
+   where every generated token must be the greedy choice. Both allow only near ties that
+   rounding in the model dtype may decide either way (:data:`TIE_TOLERANCE`; float32 leaves
+   essentially none).
+
+Any mismatch is printed and makes :func:`run_demo_cli`'s exit status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvcore.allocate import allocate_kv_caches
+from kvcore.backend import AttentionBackend
+from kvcore.config import AttentionSelectorConfig, parse_dtype
+from kvcore.connectors import KVConnector, get_connector, get_connector_class
+from kvcore.demo_engine import BatchStats, Engine, Request
+from kvcore.demo_model import MODEL_PRESETS, DemoModel, contiguous_attention
+from kvcore.platform import Platform, current_platform, get_platform
+from kvcore.registry import resolve_backend
+from kvcore.selector import SelectionReport, explain_selection, get_attn_backend
+
+__all__ = ["TIE_TOLERANCE", "DemoOptions", "DemoResult", "TokenCheck", "check_against_reference",
+           "compare_runs", "format_summary", "present_platform", "reference_logits", "run_demo",
+           "run_demo_cli"]
+
+#: Largest gap between the float64 reference logits of two tokens, in standard deviations of
+#: that position's logits, for them to count as a tie that rounding in the model dtype may
+#: decide either way. The demo model's logits have std ~1 and top-2 gaps ~0.3, so float32
+#: ties are vanishingly rare; bf16 rounding flips a few in a few hundred tokens.
+TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+@dataclass
+class DemoOptions:
+    """Options of :func:`run_demo` (the ``kvcore demo`` flags)."""
+
+    model: str = "small"
+    batch: int = 8
+    max_new_tokens: int = 16
+    max_num_seqs: int = 4
+    block_size: int = 16
+    dtype: str = "float32"
+    platform: str | None = None
+    backend: str | None = None
+    seed: int = 0
+    progress: bool = True
+    corrupt_loaded_block: bool = False
+
+    def validate(self) -> None:
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model={self.model!r} (choose from: {', '.join(MODEL_PRESETS)})")
+        for name in ("batch", "max_new_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if parse_dtype(self.dtype) not in TIE_TOLERANCE:
+            raise ValueError(f"dtype={self.dtype!r} (supported: float32, bfloat16, float16)")
+
+
+@dataclass
+class DemoResult:
+    """Everything the summary prints, as data (``kvcore demo --format json``)."""
+
+    platform: str
+    device: str
+    model: str
+    model_description: str
+    dtype: str
+    backend: str
+    selection: dict[str, Any]
+    layout: str
+    layout_description: str
+    cross_layer: bool
+    cross_layer_reason: str
+    num_blocks: int
+    block_bytes: int
+    batches: list[dict[str, Any]]
+    offload: dict[str, Any]
+    evicted_blocks: int
+    checks: dict[str, Any]
+    mismatches: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def present_platform(name: str | None) -> Platform:
+    """The platform ``name`` (default: the current one), which must be present here.
+
+    ``kvcore demo`` and ``kvcore bench`` run real kernels, so a simulated platform (forced by
+    name while its device is absent) is a ``ValueError`` naming the platform and why.
+    """
+    platform = current_platform() if name is None else get_platform(name)
+    why_absent = platform.probe()
+    if why_absent is not None:
+        raise ValueError(f"platform={platform.name} is not present on this machine "
+                         f"({why_absent}); this command runs real kernels, so choose a "
+                         "platform that is present (kvcore collect-env lists them)")
+    return platform
+
+
+def _selection_summary(report: SelectionReport) -> dict[str, Any]:
+    """The pick and why; for every other candidate its reasons (``others``), and separately
+    the names of backends registered for other platforms only (``other_platforms``)."""
+    pick = report.selected
+    assert pick is not None  # get_attn_backend raised otherwise
+    if report.forced:
+        why = "forced with --backend (or KVCORE_ATTENTION_BACKEND) and valid"
+    else:
+        order = [c.name for c in report.candidates if c.in_priority_list]
+        why = f"first valid backend in {report.platform}'s priority list ({', '.join(order)})"
+    others: dict[str, str] = {}
+    other_platforms: list[str] = []
+    for c in report.candidates:
+        if c.selected:
+            continue
+        try:
+            elsewhere = report.platform not in resolve_backend(c.name).PLATFORMS
+        except Exception:  # a broken plugin: show its reasons, which say what failed
+            elsewhere = False
+        if elsewhere:
+            other_platforms.append(c.name)
+        else:
+            others[c.name] = "valid, lower priority" if c.valid else "; ".join(c.reasons)
+    return {"selected": pick.name, "why": why, "others": others,
+            "other_platforms": other_platforms, "config": report.config.describe(),
+            "report": report.to_dict()}
+
+
+def _conversations(rng: random.Random, vocab: int, n: int, block_size: int,
+                   max_new_tokens: int, system_prompts: list[list[int]]) -> list[Request]:
+    """Batch 1: each request is a system prompt (shared by every other request) plus its own
+    user turn; output lengths vary so requests finish at different steps."""
+    requests = []
+    for i in range(n):
+        user = [rng.randrange(vocab) for _ in range(rng.randint(block_size // 2 + 1,
+                                                               2 * block_size))]
+        requests.append(Request(f"b1-{i}", system_prompts[i % len(system_prompts)] + user,
+                                rng.randint(max(1, max_new_tokens // 2), max_new_tokens)))
+    return requests
+
+
+def _follow_ups(rng: random.Random, vocab: int, first: list[Request], block_size: int,
+                max_new_tokens: int, system_prompts: list[list[int]]) -> list[Request]:
+    """Batch 2: even requests continue a batch-1 conversation (its prompt and answer, then a
+    new turn); odd ones start a new conversation on a batch-1 system prompt."""
+    requests = []
+    for i, prev in enumerate(first):
+        turn = [rng.randrange(vocab) for _ in range(rng.randint(2, block_size))]
+        prefix = prev.prompt + prev.output if i % 2 == 0 else system_prompts[i % 2]
+        requests.append(Request(f"b2-{i}", prefix + turn,
+                                rng.randint(max(1, max_new_tokens // 2), max_new_tokens)))
+    return requests
+
+
+def _fresh(requests: list[Request]) -> list[Request]:
+    return [Request(r.request_id, list(r.prompt), r.max_new_tokens) for r in requests]
+
+
+def _batch_dict(name: str, stats: BatchStats) -> dict[str, Any]:
+    return {"name": name, **asdict(stats), "prefix_hit_rate": stats.prefix_hit_rate,
+            "tokens_per_second": stats.generated_tokens / stats.seconds if stats.seconds else 0.0}
+
+
+@dataclass
+class TokenCheck:
+    """Outcome of comparing generated tokens with something: ``agreed`` of ``checked`` tokens
+    were equal, ``ties`` more differed only by a near tie (see :data:`TIE_TOLERANCE`), and
+    ``problems`` has one ``MISMATCH`` line per request that really differs."""
+
+    agreed: int = 0
+    ties: int = 0
+    checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def _is_tie(logits: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> bool:
+    """Whether tokens ``a`` and ``b`` are within rounding of ``dtype`` of each other."""
+    return abs(float(logits[a] - logits[b])) <= TIE_TOLERANCE[dtype] * float(logits.std())
+
+
+@torch.inference_mode()
+def reference_logits(model: DemoModel, requests: list[Request]) -> list[torch.Tensor]:
+    """Per request, the float64 logits that chose each generated token: ``(len(output),
+    vocab_size)``, from one causal pass over the request's tokens with plain attention over
+    contiguous K/V (no paging) and the model's weights in float64."""
+    ref = model.to(torch.float64)
+    scale = model.config.head_size ** -0.5
+
+    def attend(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return contiguous_attention(q, k, v, scale)
+
+    out = []
+    for req in requests:
+        fed = req.tokens[:-1]  # the last sampled token is never fed back
+        ids = torch.tensor(fed, dtype=torch.int64, device=model.device)
+        positions = torch.arange(len(fed), dtype=torch.int64, device=model.device)
+        out.append(ref.logits(ref.forward(ids, positions, attend))[len(req.prompt) - 1:])
+    return out
+
+
+def check_against_reference(requests: list[Request], logits: list[torch.Tensor],
+                            dtype: torch.dtype) -> TokenCheck:
+    """Every generated token must be the reference's greedy choice, or a near tie with it.
+    Checking a request stops at its first real mismatch: later tokens follow from it."""
+    check = TokenCheck()
+    for req, z in zip(requests, logits, strict=True):
+        for i, tok in enumerate(req.output):
+            best = int(z[i].argmax())
+            check.checked += 1
+            if best == tok:
+                check.agreed += 1
+            elif _is_tie(z[i], best, tok, dtype):
+                check.ties += 1
+            else:
+                gap = float(z[i][best] - z[i][tok])
+                check.problems.append(
+                    f"MISMATCH {req.request_id}: token {i} is {tok} but the float64 reference "
+                    f"picks {best} (logit gap {gap:.3g}, more than a tie)")
+                break
+    return check
+
+
+def compare_runs(main: list[Request], baseline: list[Request], logits: list[torch.Tensor],
+                 dtype: torch.dtype) -> TokenCheck:
+    """Tokens of ``main`` against the same requests served by ``baseline``, up to each
+    request's first difference. A difference where the reference ``logits`` (of ``main``)
+    call the two tokens a near tie is counted in ``ties`` (the runs batch differently, so
+    reduced precision may round such a tie either way); any other is a problem."""
+    check = TokenCheck()
+    for a, b, z in zip(main, baseline, logits, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(a.output, b.output, strict=True))
+                      if x != y), None)
+        if first is None:
+            check.agreed += len(a.output)
+            check.checked += len(a.output)
+            continue
+        check.agreed += first
+        check.checked += first + 1
+        if _is_tie(z[first], a.output[first], b.output[first], dtype):
+            check.ties += 1
+        else:
+            check.problems.append(
+                f"MISMATCH {a.request_id}: token {first} is {a.output[first]} with offload "
+                f"but {b.output[first]} in the run without offload")
+    return check
+
+
+def _cross_layer_reason(backend: type[AttentionBackend], cross_layer: bool) -> str:
+    name = backend.get_name()
+    if cross_layer:
+        return (f"the offload connector copies a block of every layer in one run, and {name} "
+                "opts in")
+    if not backend.supports_cross_layer():
+        order = backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+        return f"{name} keeps layers outermost (get_kv_cache_stride_order(True) = {order})"
+    return "the offload connector does not prefer cross-layer blocks"
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """Run CPU ops on one thread. The demo's ops are tiny: intra-op threads cost more in
+    synchronisation than they save, and on a machine busy with other work OpenMP's waiting
+    threads made the demo 5-40x slower in our measurements."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_demo(options: DemoOptions) -> DemoResult:
+    """Run the demo (see the module docstring) and return its result.
+
+    Prints nothing but a progress bar on ``sys.stderr`` (when ``options.progress`` is set and
+    stderr is a terminal). Raises ``ValueError`` naming the option for bad options, an absent
+    platform, or a backend that cannot run the model (with its reasons).
+    """
+    options.validate()
+    platform = present_platform(options.platform)
+    with _one_cpu_thread(platform.device()):
+        return _run(options, platform)
+
+
+def _run(options: DemoOptions, platform: Platform) -> DemoResult:
+    started = time.perf_counter()
+    dtype = parse_dtype(options.dtype)
+    preset = MODEL_PRESETS[options.model]
+    device = platform.device()
+    bs = options.block_size
+
+    config = AttentionSelectorConfig(head_size=preset.head_size, dtype=dtype, block_size=bs,
+                                     use_kv_connector=True)
+    backend = get_attn_backend(config, options.backend, platform)
+    selection = _selection_summary(explain_selection(config, platform, options.backend))
+    cross_layer = get_connector_class("offload").cross_layer_for(backend)
+
+    rng = random.Random(options.seed)
+    system_prompts = [[rng.randrange(preset.vocab_size) for _ in range(2 * bs)]
+                      for _ in range(2)]
+    batch1 = _conversations(rng, preset.vocab_size, options.batch, bs, options.max_new_tokens,
+                            system_prompts)
+    # The longest batch-2 request continues the longest conversation: size the device pool
+    # for max_num_seqs of those at once.
+    longest = max(len(r.prompt) for r in batch1) + 2 * options.max_new_tokens + bs
+    num_blocks = options.max_num_seqs * -(-longest // bs) + 1
+    block_bytes = preset.num_layers * 2 * bs * preset.num_kv_heads * preset.head_size \
+        * dtype.itemsize
+    # Room for every full block batch 1 writes, twice over: the demo needs no CPU eviction.
+    capacity_bytes = 2 * sum(-(-r.max_len // bs) for r in batch1) * block_bytes
+    model = DemoModel(preset, seed=options.seed, dtype=dtype, device=device)
+    key_salt = f"kvcore-demo:{options.model}:seed={options.seed}:{options.dtype}"
+
+    def noise() -> torch.Generator:
+        return torch.Generator().manual_seed(options.seed + 1)
+
+    def new_engine(connector: KVConnector | None, on_step: Callable[[int], None]) -> Engine:
+        kv = allocate_kv_caches(
+            backend, num_layers=preset.num_layers, num_blocks=num_blocks, block_size=bs,
+            num_kv_heads=preset.num_kv_heads, head_size=preset.head_size, dtype=dtype,
+            device=device, cross_layer=cross_layer)
+        on_loaded = None
+        if connector is not None:
+            connector.register_kv_caches(kv)
+            if options.corrupt_loaded_block:
+                def on_loaded(block_ids: list[int]) -> None:
+                    # Self-test: damage the first loaded block of every layer after its load.
+                    for layer in kv.layers:
+                        damage = torch.randn(layer.shape[1:], generator=noise())
+                        layer[block_ids[0]].copy_(damage)
+        return Engine(model, backend, kv, max_num_seqs=options.max_num_seqs,
+                      max_num_batched_tokens=max(256, longest), connector=connector,
+                      key_salt=key_salt, on_loaded=on_loaded, on_step=on_step)
+
+    with tqdm(total=4 * options.batch * options.max_new_tokens, desc="kvcore demo", unit="tok",
+              file=sys.stderr, disable=None if options.progress else True, leave=False) as bar:
+        with get_connector("offload", capacity_bytes=capacity_bytes) as connector:
+            engine = new_engine(connector, bar.update)
+            stats1 = engine.serve(batch1)
+            evicted = engine.poison_free_blocks(noise())
+            batch2 = _follow_ups(rng, preset.vocab_size, batch1, bs, options.max_new_tokens,
+                                 system_prompts)
+            bar.total = 2 * sum(r.max_new_tokens for r in batch1 + batch2)
+            bar.refresh()
+            stats2 = engine.serve(batch2)
+            offload = {**connector.stats.to_dict(), "capacity_bytes": capacity_bytes,
+                       "copied_save_blocks": connector.stats.saved_bytes // block_bytes}
+        # The same engine without a connector: batch 2 recomputes every prefix.
+        baseline = new_engine(None, bar.update)
+        base1, base2 = _fresh(batch1), _fresh(batch2)
+        baseline.serve(base1)
+        baseline.poison_free_blocks(noise())
+        baseline.serve(base2)
+
+    served = batch1 + batch2
+    logits = reference_logits(model, served)
+    vs_baseline = compare_runs(served, base1 + base2, logits, dtype)
+    vs_reference = check_against_reference(served, logits, dtype)
+    layout = engine.kv_caches.layout
+    return DemoResult(
+        platform=platform.name,
+        device=str(device),
+        model=options.model,
+        model_description=preset.describe(),
+        dtype=str(dtype).removeprefix("torch."),
+        backend=backend.get_name(),
+        selection=selection,
+        layout=str(layout),
+        layout_description=layout.describe(),
+        cross_layer=layout.is_cross_layer,
+        cross_layer_reason=_cross_layer_reason(backend, cross_layer),
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        batches=[_batch_dict("batch 1", stats1), _batch_dict("batch 2", stats2)],
+        offload=offload,
+        evicted_blocks=len(evicted),
+        checks={
+            "without_offload": asdict(vs_baseline), "reference": asdict(vs_reference),
+            "generated_tokens": sum(len(r.output) for r in served),
+            "tie_tolerance_std": TIE_TOLERANCE[dtype],
+        },
+        mismatches=vs_baseline.problems + vs_reference.problems,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:.2f} MB"
+
+
+def format_summary(result: DemoResult) -> str:
+    """The human-readable summary ``kvcore demo`` prints."""
+    from tabulate import tabulate
+
+    sel = result.selection
+    lines = [
+        f"kvcore demo: {result.model} model ({result.model_description}), {result.dtype}, "
+        f"on {result.platform} ({result.device})",
+        "",
+        f"backend   {result.backend}: {sel['why']}",
+    ]
+    lines += [f"          - {name}: {why}" for name, why in sel["others"].items()]
+    if sel["other_platforms"]:
+        lines.append(f"          - not for {result.platform}: {', '.join(sel['other_platforms'])}")
+    lines += [
+        f"layout    {result.layout}  ({result.layout_description})",
+        f"          cross-layer: {'yes' if result.cross_layer else 'no'}, "
+        f"{result.cross_layer_reason}",
+        f"          device pool {result.num_blocks} blocks of {result.block_bytes} B "
+        "(all layers)",
+        "",
+    ]
+    rows = []
+    for b in result.batches:
+        hit = (f"{b['prefix_blocks_hit']}/{b['prefix_blocks_eligible']} "
+               f"({100 * b['prefix_hit_rate']:.0f}%)")
+        rows.append([b["name"], b["requests"], b["prompt_tokens"], b["computed_prompt_tokens"],
+                     hit, b["generated_tokens"], b["steps"], b["mixed_steps"], b["max_running"],
+                     f"{b['tokens_per_second']:.0f}"])
+    lines.append(tabulate(rows, headers=["", "requests", "prompt tokens", "computed",
+                                         "prefix hits (blocks)", "generated", "steps",
+                                         "mixed steps", "max batch", "tok/s"]))
+    off = result.offload
+    lines += [
+        "",
+        f"offload   saved {off['saved_blocks']} blocks ({off['copied_save_blocks']} copied, "
+        f"{_mb(off['saved_bytes'])}, the others already in the pool) at "
+        f"{off['save_gbps']:.2f} GB/s; "
+        f"loaded {off['loaded_blocks']} blocks ({_mb(off['loaded_bytes'])}) at "
+        f"{off['load_gbps']:.2f} GB/s",
+        f"          evicted {result.evicted_blocks} device blocks between the batches (freed "
+        "and overwritten with noise)",
+    ]
+    failures = sum(b["load_failures"] for b in result.batches)
+    if failures:
+        lines.append(f"          {failures} blocks failed to load and were recomputed")
+    c = result.checks
+    lines.append("")
+    for what, key, tie_note in (
+            ("a run without offload", "without_offload",
+             "requests diverged at a near tie, not compared after it"),
+            ("the non-paged float64 reference", "reference", "near ties")):
+        check = c[key]
+        ties = f" ({check['ties']} {tie_note})" if check["ties"] else ""
+        lines.append(f"check     tokens equal to {what}: {check['agreed']}/"
+                     f"{c['generated_tokens']}{ties}")
+    lines += result.mismatches
+    verdict = "PASS" if result.ok else f"FAIL ({len(result.mismatches)} mismatches)"
+    lines.append(f"result    {verdict} in {result.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def run_demo_cli(options: DemoOptions, output_format: str = "table") -> int:
+    """Run the demo, print the summary (or JSON); 0 if every check passed, else 1."""
+    result = run_demo(options)
+    if output_format == "json":
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_summary(result))
+    return 0 if result.ok else 1

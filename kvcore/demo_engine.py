@@ -1,0 +1,373 @@
+"""A minimal serving engine over kvcore, for ``kvcore demo``: what an engine does every step.
+
+- A **block pool** hands out device block ids; a request owns a *block table* of them.
+- **Continuous batching**: every step runs one new token of each running request (decode)
+  plus the prompts of newly admitted requests (prefill), packed into one batch; a request
+  that finishes leaves the batch and a waiting one takes its place in the next step.
+- **Attention** goes through the selected backend: per layer, ``do_kv_cache_update`` writes
+  the step's K/V at the slots of :func:`kvcore.build_attention_metadata`, then ``forward``
+  attends over the paged cache.
+- **Prefix reuse through a KV connector**: a finished request saves its full blocks under
+  content keys (:func:`kvcore.connectors.hash_request_tokens`); a new request whose prompt
+  starts with saved blocks loads them instead of computing them.
+
+Simplifications a real engine does not make: a request reserves the blocks of its whole
+length when admitted (so nothing is ever preempted), prompts are never chunked, and loads are
+waited for at admission instead of overlapping the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcore.allocate import KVCaches
+from kvcore.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerScales,
+    build_attention_metadata,
+)
+from kvcore.connectors import KVConnector, TransferHandle, hash_request_tokens
+from kvcore.demo_model import DemoModel
+
+__all__ = ["BatchStats", "BlockPool", "Engine", "Request"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Request:
+    """One generation request and its state in the engine.
+
+    ``num_computed`` tokens of :attr:`tokens` have their K/V in the cache (computed, or
+    loaded through the connector); the others are fed in the next step.
+    """
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"request {self.request_id}: prompt must not be empty")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"request {self.request_id}: max_new_tokens="
+                             f"{self.max_new_tokens} must be >= 1")
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+    @property
+    def max_len(self) -> int:
+        """Tokens whose K/V this request will have written when it finishes (the last
+        sampled token is never fed back)."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+
+class BlockPool:
+    """The free device block ids, lowest first so a request's blocks tend to be consecutive
+    (and a connector copies them as one run)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_ids(self) -> list[int]:
+        return sorted(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"block pool exhausted: {n} blocks wanted, {len(self._free)} of "
+                               f"{self.num_blocks} free")
+        self._free.sort()
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        self._free.extend(block_ids)
+
+
+@dataclass
+class BatchStats:
+    """What one :meth:`Engine.serve` call did.
+
+    ``prefix_blocks_eligible`` counts the prompt blocks a cache hit could have replaced (full
+    blocks, leaving at least one prompt token to compute for the first logits);
+    ``prefix_blocks_hit`` those loaded through the connector.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    mixed_steps: int = 0
+    max_running: int = 0
+    prefix_blocks_eligible: int = 0
+    prefix_blocks_hit: int = 0
+    load_failures: int = 0
+    saved_blocks: int = 0
+    seconds: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        if not self.prefix_blocks_eligible:
+            return 0.0
+        return self.prefix_blocks_hit / self.prefix_blocks_eligible
+
+
+class Engine:
+    """Serve :class:`Request` s with a :class:`DemoModel` over a paged KV cache.
+
+    Args:
+        model: the model; its sizes must match ``kv_caches``.
+        backend: the selected attention backend (one ``AttentionImpl`` per layer is built).
+        kv_caches: from :func:`kvcore.allocate_kv_caches`, one layer per model layer.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of a step (a prompt longer than the budget runs
+            alone).
+        connector: a KV connector with ``kv_caches`` registered, or ``None`` (no reuse).
+        key_salt: mixed into every block key (``extra`` of the key hash): the model's
+            identity, so KV of another model or dtype never matches.
+        on_loaded: called with the block ids of each successful load, before the blocks are
+            read (``kvcore demo --corrupt-loaded-block`` uses it to damage one).
+        on_step: called after every step with the number of tokens it generated.
+    """
+
+    def __init__(
+        self,
+        model: DemoModel,
+        backend: type[AttentionBackend],
+        kv_caches: KVCaches,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        connector: KVConnector | None = None,
+        key_salt: str | None = None,
+        on_loaded: Callable[[list[int]], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        c = model.config
+        if kv_caches.num_layers != c.num_layers:
+            raise ValueError(f"kv_caches has {kv_caches.num_layers} layers but the model has "
+                             f"{c.num_layers}")
+        layer_shape = kv_caches.layout.layer_shape
+        if layer_shape[3:] != (c.num_kv_heads, c.head_size):
+            raise ValueError(f"kv_caches layer shape {layer_shape} does not hold "
+                             f"{c.num_kv_heads} KV heads of {c.head_size}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = layer_shape[2]
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.connector = connector
+        self.key_salt = key_salt
+        self.on_loaded = on_loaded
+        self.on_step = on_step
+        impl_cls = backend.get_impl_cls()
+        self.impls = [impl_cls(num_heads=c.num_heads, head_size=c.head_size,
+                               scale=c.head_size ** -0.5, num_kv_heads=c.num_kv_heads)
+                      for _ in range(c.num_layers)]
+        # The demo cache is unquantised: unit scales.
+        self.scales = LayerScales()
+        self.pool = BlockPool(kv_caches.num_blocks)
+        self._pending_saves: list[tuple[TransferHandle, list[int]]] = []
+
+    # -- public -----------------------------------------------------------------------------
+
+    def serve(self, requests: Sequence[Request]) -> BatchStats:
+        """Run ``requests`` to completion with continuous batching; returns the statistics.
+
+        Outputs are written into the requests. Blocks of finished requests are saved through
+        the connector (if any) and returned to the pool once their save completed.
+        """
+        stats = BatchStats(requests=len(requests))
+        for req in requests:
+            need = _cdiv(req.max_len, self.block_size)
+            if need > self.pool.num_blocks:
+                raise ValueError(f"request {req.request_id} needs {need} blocks of "
+                                 f"{self.block_size} tokens but the pool has "
+                                 f"{self.pool.num_blocks}; raise num_blocks")
+        started = time.perf_counter()
+        waiting = deque(requests)
+        running: list[Request] = []
+        while waiting or running:
+            decodes = list(running)
+            prefills = self._admit(waiting, len(decodes), stats)
+            batch = decodes + prefills
+            if not batch:
+                raise RuntimeError("no request could be scheduled although none is running "
+                                   "(a bug in the demo engine's admission)")
+            self._step(batch)
+            stats.steps += 1
+            stats.mixed_steps += bool(decodes and prefills)
+            stats.max_running = max(stats.max_running, len(batch))
+            stats.generated_tokens += len(batch)
+            running = []
+            for req in batch:
+                if req.finished:
+                    stats.saved_blocks += self._finish(req)
+                else:
+                    running.append(req)
+            if self.on_step is not None:
+                self.on_step(len(batch))
+        self.wait_for_saves()
+        if self.kv_caches.storage.is_cuda:
+            torch.cuda.synchronize(self.kv_caches.storage.device)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def wait_for_saves(self) -> None:
+        """Wait for every save in flight, then return its blocks to the pool."""
+        for handle, blocks in self._pending_saves:
+            handle.wait()
+            self.pool.release(blocks)
+        self._pending_saves.clear()
+
+    def poison_free_blocks(self, generator: torch.Generator | None = None) -> list[int]:
+        """Overwrite every free block with random K/V, as if other requests had reused them.
+
+        After this, a request that reads a block it did not write or load gets wrong tokens,
+        so the demo's checks prove that reused prefixes came back through the connector.
+        Returns the ids overwritten.
+        """
+        self.wait_for_saves()
+        ids = self.pool.free_ids()
+        if ids:
+            index = torch.tensor(ids, dtype=torch.int64, device=self.kv_caches.storage.device)
+            for layer in self.kv_caches.layers:
+                noise = torch.randn((len(ids), *layer.shape[1:]), generator=generator)
+                layer.index_copy_(0, index, noise.to(device=layer.device, dtype=layer.dtype))
+        return ids
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def _keys(self, tokens: Sequence[int]) -> list[str]:
+        return hash_request_tokens(list(tokens), self.block_size, self.key_salt)
+
+    def _admit(self, waiting: deque[Request], num_decodes: int, stats: BatchStats
+               ) -> list[Request]:
+        """Move waiting requests into the batch while sequences, tokens and blocks allow."""
+        admitted: list[Request] = []
+        budget = self.max_num_batched_tokens - num_decodes
+        self._reap_saves()
+        while waiting and num_decodes + len(admitted) < self.max_num_seqs:
+            req = waiting[0]
+            need = _cdiv(req.max_len, self.block_size)
+            if need > self.pool.num_free:
+                self.wait_for_saves()  # blocks still held by saves in flight come back
+                if need > self.pool.num_free:
+                    break
+            # At least one prompt token is computed: its logits give the first output token.
+            eligible = (len(req.prompt) - 1) // self.block_size
+            keys = self._keys(req.prompt)[:eligible]
+            hits = self.connector.lookup(keys) if (self.connector and keys) else 0
+            to_compute = len(req.prompt) - hits * self.block_size
+            if to_compute > budget and (admitted or num_decodes):
+                break
+            waiting.popleft()
+            req.block_ids = self.pool.allocate(need)
+            if hits:
+                wanted, hits = hits, self._load(req, keys[:hits])
+                stats.load_failures += wanted - hits
+            req.num_computed = hits * self.block_size
+            budget -= len(req.prompt) - req.num_computed
+            stats.prompt_tokens += len(req.prompt)
+            stats.computed_prompt_tokens += len(req.prompt) - req.num_computed
+            stats.prefix_blocks_eligible += eligible
+            stats.prefix_blocks_hit += hits
+            admitted.append(req)
+        return admitted
+
+    def _load(self, req: Request, keys: list[str]) -> int:
+        """Load ``keys`` into the request's first blocks; returns how many leading blocks
+        arrived (a failed block and everything after it is recomputed instead)."""
+        assert self.connector is not None
+        targets = req.block_ids[:len(keys)]
+        result = self.connector.load(keys, targets).wait()
+        loaded = next((i for i, block in enumerate(targets) if block in result.failed),
+                      len(targets))
+        if loaded and self.on_loaded is not None:
+            self.on_loaded(targets[:loaded])
+        return loaded
+
+    def _finish(self, req: Request) -> int:
+        """Save the request's full blocks (if a connector is set) and free its blocks; returns
+        the number of blocks saved."""
+        keys = self._keys(req.tokens[:req.num_computed]) if self.connector else []
+        blocks = req.block_ids
+        req.block_ids = []
+        if not keys:
+            self.pool.release(blocks)
+            return 0
+        handle = self.connector.save(keys, blocks[:len(keys)])
+        # Blocks being saved stay out of the pool until the copy is done.
+        self.pool.release(blocks[len(keys):])
+        self._pending_saves.append((handle, blocks[:len(keys)]))
+        return len(keys)
+
+    def _reap_saves(self) -> None:
+        still = []
+        for handle, blocks in self._pending_saves:
+            if handle.done():
+                handle.wait()
+                self.pool.release(blocks)
+            else:
+                still.append((handle, blocks))
+        self._pending_saves = still
+
+    # -- execution --------------------------------------------------------------------------
+
+    def _step(self, batch: list[Request]) -> None:
+        """One forward pass over the batch's new tokens; appends one token to each request."""
+        device = self.kv_caches.storage.device
+        new_tokens = [req.tokens[req.num_computed:] for req in batch]
+        ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64)
+        positions = torch.tensor(
+            [p for req, toks in zip(batch, new_tokens, strict=True)
+             for p in range(req.num_computed, req.num_computed + len(toks))],
+            dtype=torch.int64)
+        meta = build_attention_metadata(
+            query_lens=[len(t) for t in new_tokens],
+            context_lens=[req.num_computed for req in batch],
+            block_tables=[req.block_ids for req in batch],
+            block_size=self.block_size,
+            device=device,
+        )
+        hidden = self.model.forward(ids.to(device), positions.to(device), self._attend(meta))
+        last = meta.query_start_loc[1:].to(torch.int64) - 1
+        next_tokens = self.model.logits(hidden[last]).argmax(dim=-1).tolist()
+        for req, toks, tok in zip(batch, new_tokens, next_tokens, strict=True):
+            req.num_computed += len(toks)
+            req.output.append(int(tok))
+
+    def _attend(self, meta: AttentionMetadata):
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> torch.Tensor:
+            cache = self.kv_caches.layers[layer]
+            impl = self.impls[layer]
+            impl.do_kv_cache_update(self.scales, k, v, cache, meta.slot_mapping)
+            return impl.forward(self.scales, q, k, v, cache, meta)
+
+        return attend

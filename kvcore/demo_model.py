@@ -1,0 +1,202 @@
+"""A small decoder-only transformer with fixed-seed random weights, for ``kvcore demo``.
+
+Llama-shaped: token embedding, ``num_layers`` blocks of (RMSNorm, GQA self-attention with
+rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an LM head. It has no
+attention of its own: :meth:`DemoModel.forward` hands each layer's projected ``q``, ``k``, ``v``
+to a callback, so one set of weights runs over kvcore's paged cache in the engine and over
+plain contiguous K/V in the reference.
+
+Tokens are *packed*: a step's new tokens of every request are concatenated along dim 0
+(``(num_tokens,)`` ids and positions), the layout :class:`kvcore.AttentionMetadata` describes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["MODEL_PRESETS", "AttendFn", "DemoModel", "DemoModelConfig", "contiguous_attention"]
+
+#: ``attend(layer, q, k, v) -> out``: ``q`` ``(num_tokens, num_heads, head_size)``, ``k``/``v``
+#: ``(num_tokens, num_kv_heads, head_size)``, ``out`` shaped like ``q``.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DemoModelConfig:
+    """Sizes of a :class:`DemoModel`; ``num_heads`` must be a multiple of ``num_kv_heads``."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if name in ("rope_theta", "rms_eps"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+        if self.head_size % 2:
+            raise ValueError(f"head_size={self.head_size} must be even (rotary embeddings "
+                             "rotate pairs of dims)")
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} query / "
+                f"{self.num_kv_heads} KV heads of {self.head_size}, vocab {self.vocab_size}")
+
+
+#: ``--model`` sizes. ``tiny`` and ``small`` run in seconds on a CPU; ``large`` is for a GPU.
+MODEL_PRESETS: dict[str, DemoModelConfig] = {
+    "tiny": DemoModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_size=32, intermediate_size=256),
+    "small": DemoModelConfig(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
+                             num_kv_heads=2, head_size=64, intermediate_size=512),
+    "medium": DemoModelConfig(vocab_size=2048, hidden_size=1024, num_layers=8, num_heads=16,
+                              num_kv_heads=4, head_size=64, intermediate_size=2816),
+    "large": DemoModelConfig(vocab_size=8192, hidden_size=2048, num_layers=16, num_heads=16,
+                             num_kv_heads=4, head_size=128, intermediate_size=5632),
+}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in at least float32: bf16 squares lose the small components.
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, "rotate half" convention: ``x`` ``(num_tokens, heads, head_size)``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DemoModel:
+    """The weights of a demo model and its packed forward pass (inference only, no autograd).
+
+    Weights are drawn once in float32 on the CPU from ``torch.Generator().manual_seed(seed)``,
+    so every device and dtype gets the same model, rounded to ``dtype``. Matrices have
+    standard deviation ``1 / sqrt(fan_in)``, which keeps activations and logits of order one:
+    greedy decoding then has clear winners, not ties decided by rounding.
+    """
+
+    def __init__(self, config: DemoModelConfig, *, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        gen = torch.Generator().manual_seed(seed)
+        c = config
+
+        def matrix(rows: int, cols: int) -> torch.Tensor:
+            w = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+            return w.to(device=self.device, dtype=dtype)
+
+        def norm_weight() -> torch.Tensor:
+            w = 1.0 + 0.1 * torch.randn(c.hidden_size, generator=gen)
+            return w.to(device=self.device, dtype=dtype)
+
+        q_out, kv_out = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
+        self.embed = torch.randn(c.vocab_size, c.hidden_size, generator=gen).to(
+            device=self.device, dtype=dtype)
+        self.layers = [
+            {
+                "attn_norm": norm_weight(),
+                "wq": matrix(q_out, c.hidden_size),
+                "wk": matrix(kv_out, c.hidden_size),
+                "wv": matrix(kv_out, c.hidden_size),
+                "wo": matrix(c.hidden_size, q_out),
+                "mlp_norm": norm_weight(),
+                "w_gate": matrix(c.intermediate_size, c.hidden_size),
+                "w_up": matrix(c.intermediate_size, c.hidden_size),
+                "w_down": matrix(c.hidden_size, c.intermediate_size),
+            }
+            for _ in range(c.num_layers)
+        ]
+        self.final_norm = norm_weight()
+        self.lm_head = matrix(c.vocab_size, c.hidden_size)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_size, 2, dtype=torch.float64)
+                                           / c.head_size))
+        self._inv_freq = inv_freq.to(self.device)
+
+    def to(self, dtype: torch.dtype) -> DemoModel:
+        """A copy with every weight cast to ``dtype`` (the float64 reference uses the rounded
+        weights of a bf16 model, so both compute the same function)."""
+        other = object.__new__(DemoModel)
+        other.config, other.dtype, other.device = self.config, dtype, self.device
+        other.embed = self.embed.to(dtype)
+        other.layers = [{k: w.to(dtype) for k, w in layer.items()} for layer in self.layers]
+        other.final_norm = self.final_norm.to(dtype)
+        other.lm_head = self.lm_head.to(dtype)
+        other._inv_freq = self._inv_freq
+        return other
+
+    def parameter_bytes(self) -> int:
+        tensors = [self.embed, self.final_norm, self.lm_head,
+                   *(w for layer in self.layers for w in layer.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                attend: AttendFn) -> torch.Tensor:
+        """Hidden states after the final norm, ``(num_tokens, hidden_size)``.
+
+        Args:
+            token_ids: ``(num_tokens,)`` int64, the packed new tokens of a step.
+            positions: ``(num_tokens,)`` int64, each token's position in its own sequence.
+            attend: runs attention for one layer (see :data:`AttendFn`); it sees the rotated
+                ``q`` and ``k``, so a cache stores keys with their positions applied.
+        """
+        c = self.config
+        n = token_ids.shape[0]
+        angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
+        cos = angles.cos().to(self.dtype)[:, None, :]
+        sin = angles.sin().to(self.dtype)[:, None, :]
+        x = self.embed[token_ids]
+        for i, w in enumerate(self.layers):
+            h = _rms_norm(x, w["attn_norm"], c.rms_eps)
+            q = (h @ w["wq"].T).view(n, c.num_heads, c.head_size)
+            k = (h @ w["wk"].T).view(n, c.num_kv_heads, c.head_size)
+            v = (h @ w["wv"].T).view(n, c.num_kv_heads, c.head_size)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            attn = attend(i, q.contiguous(), k.contiguous(), v.contiguous())
+            x = x + attn.reshape(n, -1) @ w["wo"].T
+            h = _rms_norm(x, w["mlp_norm"], c.rms_eps)
+            gate = torch.nn.functional.silu(h @ w["w_gate"].T)
+            x = x + (gate * (h @ w["w_up"].T)) @ w["w_down"].T
+        return _rms_norm(x, self.final_norm, c.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(num_tokens, vocab_size)`` logits of hidden states from :meth:`forward`."""
+        return hidden @ self.lm_head.T
+
+
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Plain causal attention of one sequence over its contiguous K/V (the reference).
+
+    ``q`` ``(seq_len, num_heads, head_size)``, ``k``/``v`` ``(seq_len, num_kv_heads,
+    head_size)``; query ``i`` sees keys ``0..i``. Computed in ``q``'s dtype.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    n = q.shape[0]
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)

@@ -1,0 +1,68 @@
+"""``kvcore bench``: every case runs on the CPU against a ceiling measured in the same run,
+and the table, the JSON and the plot are produced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcore.bench import BenchOptions, format_report, plot_report, run_bench
+from kvcore.cli import main as kvcore_cli
+
+CASE_FIELDS = {"name", "backend", "shape", "num_bytes", "seconds", "gbps", "ceiling",
+               "ceiling_gbps", "fraction_of_ceiling", "error"}
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_bench(BenchOptions(platform="cpu", progress=False))  # CPU even on a GPU machine
+
+
+def test_bench_json_has_the_expected_fields(report):
+    data = json.loads(json.dumps(report.to_dict()))
+    assert {"date", "device", "platform", "selected_backend", "dtype", "size", "torch",
+            "kvcore", "seconds", "ceilings", "cases"} <= set(data)
+    assert (data["platform"], data["selected_backend"], data["size"]) == ("cpu", "CPU_ATTN",
+                                                                          "small")
+    assert [c["name"] for c in data["ceilings"]] == ["device read", "device copy"]
+    assert all(c["gbps"] > 0 for c in data["ceilings"])
+    for case in data["cases"]:
+        assert set(case) == CASE_FIELDS
+        assert case["error"] is None, case
+        assert case["gbps"] > 0 and case["ceiling"] in ("device read", "device copy")
+        assert case["fraction_of_ceiling"] == pytest.approx(case["gbps"] / case["ceiling_gbps"])
+
+
+def test_bench_covers_kernels_cache_writes_and_the_connector(report):
+    cases = {(c.name, c.backend, "cross-layer" in c.shape) for c in report.cases}
+    assert {("decode attention", "CPU_ATTN", False), ("decode attention", "CPU_ATTN", True),
+            ("cache write", "CPU_ATTN", False), ("offload save", "CPU_ATTN", False),
+            ("offload load", "CPU_ATTN", True)} <= cases
+
+
+def test_bench_table_and_plot(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    table = format_report(report)
+    assert "selected backend: CPU_ATTN" in table and "of ceiling" in table
+    ceiling = report.cases[0].ceiling
+    assert len([line for line in table.splitlines() if ceiling in line]) == \
+        1 + len(report.cases)  # the ceiling row and every case
+    path = plot_report(report, tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_bench_checks_the_plot_path_before_running(tmp_path, capsys):
+    assert kvcore_cli(["bench", "--platform", "cpu", "--plot",
+                       str(tmp_path / "missing" / "b.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_bench_on_the_gpu_runs_every_case_of_its_backends():
+    gpu = run_bench(BenchOptions(size="small", progress=False))
+    assert gpu.platform in ("cuda", "rocm") and gpu.selected_backend != "CPU_ATTN"
+    assert [c.error for c in gpu.cases if c.error] == []
+    assert {"device->host (pinned)", "host->device (pinned)"} <= {c.name for c in gpu.ceilings}
+    assert {c.ceiling for c in gpu.cases if c.name.startswith("offload")} == {
+        "device->host (pinned)", "host->device (pinned)"}
