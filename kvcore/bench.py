@@ -317,10 +317,10 @@ def _valid_backends(config: AttentionSelectorConfig, platform: Platform
 
 def run_bench(options: BenchOptions) -> BenchReport:
     """Measure the ceilings, then every case (see the module docstring)."""
-    from kvcore.demo import present_platform
+    from kvcore.platform import require_present_platform
 
     started = time.perf_counter()
-    platform = present_platform(options.platform)
+    platform = require_present_platform(options.platform)
     device = platform.device()
     on_gpu = device.type != "cpu"
     size_name = options.size or ("full" if on_gpu else "small")

@@ -43,12 +43,12 @@ from kvcore.config import AttentionSelectorConfig, parse_dtype
 from kvcore.connectors import KVConnector, get_connector, get_connector_class
 from kvcore.demo_engine import BatchStats, Engine, Request
 from kvcore.demo_model import MODEL_PRESETS, DemoModel, contiguous_attention
-from kvcore.platform import Platform, current_platform, get_platform
+from kvcore.platform import Platform, require_present_platform
 from kvcore.registry import resolve_backend
 from kvcore.selector import SelectionReport, explain_selection, get_attn_backend
 
 __all__ = ["TIE_TOLERANCE", "DemoOptions", "DemoResult", "TokenCheck", "check_against_reference",
-           "compare_runs", "format_summary", "present_platform", "reference_logits", "run_demo",
+           "compare_runs", "format_summary", "reference_logits", "run_demo",
            "run_demo_cli"]
 
 #: Largest gap between the float64 reference logits of two tokens, in standard deviations of
@@ -115,21 +115,6 @@ class DemoResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
-
-
-def present_platform(name: str | None) -> Platform:
-    """The platform ``name`` (default: the current one), which must be present here.
-
-    ``kvcore demo`` and ``kvcore bench`` run real kernels, so a simulated platform (forced by
-    name while its device is absent) is a ``ValueError`` naming the platform and why.
-    """
-    platform = current_platform() if name is None else get_platform(name)
-    why_absent = platform.probe()
-    if why_absent is not None:
-        raise ValueError(f"platform={platform.name} is not present on this machine "
-                         f"({why_absent}); this command runs real kernels, so choose a "
-                         "platform that is present (kvcore collect-env lists them)")
-    return platform
 
 
 def _selection_summary(report: SelectionReport) -> dict[str, Any]:
@@ -314,7 +299,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
     platform, or a backend that cannot run the model (with its reasons).
     """
     options.validate()
-    platform = present_platform(options.platform)
+    platform = require_present_platform(options.platform)
     with _one_cpu_thread(platform.device()):
         return _run(options, platform)
 

@@ -28,6 +28,7 @@ __all__ = [
     "DeviceCapability",
     "current_platform",
     "get_platform",
+    "require_present_platform",
     "available_platforms",
     "clear_platform_cache",
 ]
@@ -267,3 +268,18 @@ def current_platform() -> Platform:
             "no kvcore platform is available: "
             + "; ".join(f"{p.name}: {p.probe()}" for p in platforms)
         )
+
+
+def require_present_platform(name: str | None = None) -> Platform:
+    """The platform ``name`` (default: the current one), which must be present here.
+
+    For code that runs real kernels: a simulated platform (forced by name while its device is
+    absent) is a ``ValueError`` naming the platform and why it is absent.
+    """
+    platform = current_platform() if name is None else get_platform(name)
+    why_absent = platform.probe()
+    if why_absent is not None:
+        raise ValueError(f"platform={platform.name} is not present on this machine "
+                         f"({why_absent}); this command runs real kernels, so choose a "
+                         "platform that is present (kvcore collect-env lists them)")
+    return platform
