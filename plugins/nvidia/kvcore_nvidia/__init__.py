@@ -1,0 +1,17 @@
+"""kvcore-nvidia: NVIDIA attention backends and CUDA C++ kernels for kvcore.
+
+Backends (registered lazily by :mod:`kvcore_nvidia.plugin`, implemented in
+:mod:`kvcore_nvidia.backends`), all on kvcore's blocks-first cache
+``(num_blocks, 2, block_size, num_kv_heads, head_size)``:
+
+- ``FLASHINFER``: FlashInfer's paged prefill/decode wrappers (``flashinfer-python``).
+- ``FLASH_ATTN``: flash-attn 2's ``flash_attn_varlen_func`` with a block table (``flash-attn``).
+- ``FLEX_ATTENTION``: torch's ``flex_attention`` with a block mask built from the block table;
+  runs on CUDA (compiled) and on CPU (eager).
+
+Kernels (:mod:`kvcore_nvidia.ops`): ``reshape_and_cache_flash`` (stride-aware cache write,
+optional fp8) and ``copy_blocks`` (batched block copy between GPU and pinned host memory),
+CUDA C++ built on first use with ``torch.utils.cpp_extension``.
+
+Importing this package imports no kernel library and builds nothing.
+"""

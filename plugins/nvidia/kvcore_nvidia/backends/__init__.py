@@ -1,0 +1,1 @@
+"""The NVIDIA attention backends; each module imports its kernel library only when run."""

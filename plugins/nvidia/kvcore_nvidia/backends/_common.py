@@ -1,0 +1,91 @@
+"""Helpers shared by the NVIDIA backends: metadata conversions and the common cache write."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, AttentionType
+from kvcore.ops import reshape_and_cache, triton_available
+
+T = TypeVar("T")
+
+
+def is_causal(impl: AttentionImpl, attn_metadata: AttentionMetadata) -> bool:
+    """Causal masking applies to decoder layers whose metadata asks for it."""
+    return attn_metadata.causal and impl.attn_type == AttentionType.DECODER
+
+
+def cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` lengths -> ``(n + 1,)`` int32 offsets starting at 0 (``cu_seqlens``)."""
+    out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+    torch.cumsum(lengths, dim=0, out=out[1:])
+    return out
+
+
+def pages_per_request(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``ceil(seq_lens / block_size)``: the block-table entries each request uses."""
+    return (seq_lens.to(torch.int32) + block_size - 1) // block_size
+
+
+def triton_reasons() -> list[str]:
+    """Why kvcore's Triton cache write (used on GPU tensors) cannot run, if it cannot."""
+    ok, reason = triton_available()
+    return [] if ok else [reason]
+
+
+def write_cache(
+    impl: AttentionImpl,
+    layer: AttentionLayer,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """kvcore's stride-aware cache write on the ``kv_cache.unbind(1)`` halves.
+
+    Triton on GPU tensors, the reference on CPU tensors (:func:`kvcore.ops.reshape_and_cache`
+    dispatches on the cache's device); both use int64 offsets and the view's strides.
+    """
+    key_cache, value_cache = kv_cache.unbind(1)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl.kv_cache_dtype,
+                      layer.k_scale, layer.v_scale)
+
+
+class StepCache:
+    """Reuses what one step's :class:`kvcore.AttentionMetadata` costs to prepare (a FlashInfer
+    plan, a flex block mask) across the layers of that step.
+
+    An engine calls every layer's ``forward`` with the same metadata object. The key is that
+    object's identity (a reference is kept, so the identity cannot be recycled), its scalar
+    fields, each of its tensors' data pointer, shape and version counter (torch bumps it on
+    every in-place write), and the caller's ``extra`` (layer parameters, device): a metadata
+    object refilled in place for the next step, or a layer with another sliding window, misses.
+    Writes that bypass torch (a raw-pointer kernel filling the tensors) are not seen: build a
+    new ``AttentionMetadata`` per step, as :func:`kvcore.build_attention_metadata` does.
+    One entry: a miss replaces it. Not thread-safe (engines run layers one after another).
+    """
+
+    def __init__(self) -> None:
+        self._metadata: AttentionMetadata | None = None
+        self._key: tuple | None = None
+        self._value: object = None
+
+    @staticmethod
+    def _key_of(attn_metadata: AttentionMetadata, extra: tuple) -> tuple:
+        tensors = (attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                   attn_metadata.block_table)
+        return (id(attn_metadata), attn_metadata.max_query_len, attn_metadata.max_seq_len,
+                attn_metadata.num_actual_tokens, attn_metadata.causal,
+                *((t.data_ptr(), tuple(t.shape), t._version) for t in tensors), extra)
+
+    def get(self, attn_metadata: AttentionMetadata, extra: tuple,
+            build: Callable[[], T]) -> T:
+        """The value cached for this metadata and ``extra``, or ``build()`` (then cached)."""
+        key = self._key_of(attn_metadata, extra)
+        if self._metadata is not attn_metadata or self._key != key:
+            self._value = build()
+            self._metadata, self._key = attn_metadata, key
+        return self._value  # type: ignore[return-value]

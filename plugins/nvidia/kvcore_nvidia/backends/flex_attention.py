@@ -1,0 +1,360 @@
+"""FLEX_ATTENTION: torch's ``flex_attention`` over kvcore's paged, blocks-first KV cache.
+
+The paged cache as one flex sequence
+------------------------------------
+``flex_attention`` attends a query sequence to *one* key/value sequence, so a layer's cache
+``(num_blocks, 2, block_size, H, D)`` is presented as one long *virtual* sequence, without a
+copy: the K half ``kv_cache.unbind(1)[0]`` (strides ``(sB, sN, sH, sD)``) is re-strided to
+``(1, H, S, D)`` with token stride ``sN``. Its block ``b`` then starts at virtual token
+``b * m * block_size`` with ``m = sB // (block_size * sN)`` (``m = 2`` for the standard NHD
+cache: between two K pages lies the V page of the same block). The V half gets the same view
+from its own start, so one virtual index addresses K and V of the same token.
+
+The block table becomes a :class:`~torch.nn.attention.flex_attention.BlockMask` built directly
+(``BlockMask.from_kv_blocks``, no ``create_block_mask``): the queries are cut into tiles of
+:data:`Q_TILE` tokens; each tile lists the virtual blocks ``b * m`` of every page of every
+request that has a token in the tile (deduplicated: prefix-shared pages appear once). Its
+``mask_mod`` maps a virtual key index back to (physical block, offset), looks up the logical
+block of that page *in the query's own request* (``-1`` if the page is not the request's) and
+applies ``position < seq_len``, causality (bottom-right aligned: query ``j`` of a request with
+``q_len`` new tokens sits at ``seq_len - q_len + j``) and the sliding window.
+
+Devices: on CUDA ``flex_attention`` runs compiled (``torch.compile``, Triton kernels, block
+sparse). On CPU it runs **eagerly**, for two reasons measured with torch 2.13: compiling it
+took 33 s for one small shape on a 2-core machine (and again for every new shape), and
+inductor's CPU template asserts that the block mask is as wide as the whole key sequence
+(``num_blocks * m`` columns per query tile instead of a few pages). The eager path is torch's
+unfused implementation: it evaluates ``mask_mod`` on the dense ``(num_tokens, S)`` score
+matrix, exact but memory-hungry (``num_heads * num_tokens * S`` floats). It exists for
+testing and portability; CPU_ATTN is the CPU platform's backend.
+
+Limits
+------
+- **int32 offsets.** torch's flex_attention kernel template computes K/V element offsets in
+  int32 (pytorch/pytorch issue 185262, fix proposed in PR 185264), so a cache view whose
+  elements span more than ``2**31`` from its first to its last element reads wrong memory.
+  :meth:`FlexAttentionImpl.forward` refuses such a view with ``ValueError`` before launching
+  (:data:`FlexAttentionBackend.MAX_KV_CACHE_SPAN`; engines can check sizes before allocating
+  with :meth:`FlexAttentionBackend.kv_cache_size_reasons`). The same rule holds on CPU, so a
+  configuration accepted on CPU is accepted on the GPU.
+- **No cross-layer.** A per-layer view of a cross-layer allocation spans all layers, so the
+  int32 limit would fall ``num_layers`` times lower; the stride order keeps layers outermost.
+- **Finite cache contents.** Masked positions are zero weights, but ``0 * NaN`` is NaN: the
+  kernel reads whole pages (and, on CPU, every page), so the cache must not hold NaN/Inf bit
+  patterns. ``kvcore.allocate_kv_caches`` allocates zeros.
+- kvcore has no per-step metadata hook: ``forward`` builds the block mask when it sees a new
+  step and keeps it for the next layers given the same, unmodified metadata object
+  (:class:`~kvcore_nvidia.backends._common.StepCache`). Building it syncs with the host: not
+  CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcore import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionSelectorConfig,
+    AttentionType,
+    DeviceCapability,
+)
+from kvcore.ops import validate_paged_attention
+from kvcore_nvidia.backends._common import StepCache, is_causal, triton_reasons, write_cache
+
+__all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "build_block_mask",
+           "paged_sequence_views"]
+
+#: Query tokens per row tile of the block mask (the kernel's ``BLOCK_M`` on CUDA).
+Q_TILE = 16
+_BF16_CAPABILITY = DeviceCapability(8, 0)
+_INT32_ISSUE = "torch's flex_attention kernel computes K/V offsets in int32 (pytorch issue 185262)"
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from the first to the last element a view reaches (``numel`` if contiguous)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """torch ``flex_attention`` on the NHD blocks-first cache; CUDA compiled, CPU eager."""
+
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+    # Powers of two: the CUDA kernel tiles head_size with tl.arange.
+    SUPPORTED_HEAD_SIZES = (32, 64, 128, 256)
+    # The block mask's KV tile is one page and the CUDA kernel's BLOCK_N equals it: a power
+    # of two of at least 16 (the smallest tl.dot tile).
+    SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+    SUPPORTS_NON_CAUSAL = True
+    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    PLATFORMS = ("cuda", "cpu")
+    #: Most elements one layer's ``kv_cache`` view may span (see the module docstring): its
+    #: largest element offset must fit in int32.
+    MAX_KV_CACHE_SPAN = 2**31
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLEX_ATTENTION"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return FlexAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # NHD; layers outermost (no cross-layer): a cross-layer view multiplies the span.
+        return tuple(range(6 if include_num_layers_dimension else 5))
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        # The cache write on GPU tensors is kvcore's Triton kernel.
+        return [*super().unavailable_reasons(), *triton_reasons()]
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        if (config.dtype == torch.bfloat16 and device_capability is not None
+                and not device_capability.at_least(_BF16_CAPABILITY)):
+            return [f"dtype=bfloat16 needs device capability >= {_BF16_CAPABILITY} (got "
+                    f"{device_capability}); use dtype=float16"]
+        return []
+
+    @classmethod
+    def max_num_blocks(cls, block_size: int, num_kv_heads: int, head_size: int) -> int:
+        """Most blocks a contiguous per-layer cache may have under :data:`MAX_KV_CACHE_SPAN`."""
+        return cls.MAX_KV_CACHE_SPAN // (2 * block_size * num_kv_heads * head_size)
+
+    @classmethod
+    def kv_cache_size_reasons(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> list[str]:
+        """Why a contiguous per-layer cache of these sizes cannot run (empty: it can).
+
+        For engines to call before allocating; :meth:`FlexAttentionImpl.forward` applies the
+        same limit to the actual view (its strides included).
+        """
+        elements = num_blocks * 2 * block_size * num_kv_heads * head_size
+        if elements <= cls.MAX_KV_CACHE_SPAN:
+            return []
+        limit = cls.max_num_blocks(block_size, num_kv_heads, head_size)
+        return [f"num_blocks={num_blocks}: one layer's cache would hold {elements} elements, "
+                f"over FLEX_ATTENTION's limit of 2**31 ({_INT32_ISSUE}); use at most "
+                f"{limit} blocks per layer at block_size={block_size}, "
+                f"num_kv_heads={num_kv_heads}, head_size={head_size}, or another backend"]
+
+
+def _refuse_int32_overflow(kv_cache: torch.Tensor) -> None:
+    span = _span(kv_cache)
+    if span > FlexAttentionBackend.MAX_KV_CACHE_SPAN:
+        raise ValueError(
+            f"kv_cache spans {span} elements (shape {tuple(kv_cache.shape)}, strides "
+            f"{kv_cache.stride()}), over FLEX_ATTENTION's limit of 2**31 elements per layer: "
+            f"{_INT32_ISSUE} and would read wrong memory. Allocate fewer blocks per layer "
+            "(FlexAttentionBackend.max_num_blocks gives the limit) or use another backend"
+        )
+
+
+def paged_sequence_views(
+    key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The K and V halves as one virtual flex sequence each, and the page stride ``m``.
+
+    Args:
+        key_cache, value_cache: ``(num_blocks, block_size, H, D)`` views with equal strides
+            (``kv_cache.unbind(1)``).
+
+    Returns:
+        ``(k_seq, v_seq, m)``: ``(1, H, S, D)`` views of the same memory with
+        ``S = (num_blocks - 1) * m * block_size + block_size``; block ``b``'s token ``t`` is
+        virtual token ``b * m * block_size + t`` in both.
+
+    Raises:
+        ValueError: the block stride is not a whole number of token runs, so no single
+            token stride reaches every page.
+    """
+    num_blocks, block_size, num_heads, head_size = key_cache.shape
+    s_block, s_token, s_head, s_dim = key_cache.stride()
+    if value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value_cache has strides {value_cache.stride()} but key_cache has "
+                         f"{key_cache.stride()}; both must be halves of one kv_cache")
+    if s_token <= 0 or s_block % (block_size * s_token):
+        raise ValueError(
+            f"key_cache strides {key_cache.stride()}: the block stride {s_block} is not a "
+            f"multiple of block_size * token stride = {block_size * s_token}, so the pages "
+            "cannot be addressed as one sequence"
+        )
+    m = s_block // (block_size * s_token)
+    length = (num_blocks - 1) * m * block_size + block_size
+    size = (1, num_heads, length, head_size)
+    stride = (0, s_head, s_token, s_dim)
+    k_seq = key_cache.as_strided(size, stride, key_cache.storage_offset())
+    v_seq = value_cache.as_strided(size, stride, value_cache.storage_offset())
+    return k_seq, v_seq, m
+
+
+def build_block_mask(
+    attn_metadata: AttentionMetadata,
+    num_blocks: int,
+    block_size: int,
+    page_stride: int,
+    causal: bool,
+    sliding_window: int | None,
+) -> Any:
+    """The ``BlockMask`` of one batch over the virtual sequence of :func:`paged_sequence_views`.
+
+    Args:
+        attn_metadata: the batch; its first ``num_actual_tokens`` query rows are attended.
+        num_blocks, block_size: the cache's.
+        page_stride: ``m`` from :func:`paged_sequence_views`.
+        causal: bottom-right aligned causal masking within each request.
+        sliding_window: keep keys with ``q_pos - k_pos < sliding_window`` (``None``: all).
+
+    Returns:
+        A ``BlockMask`` with ``Q_TILE x block_size`` tiles: each query tile lists the virtual
+        blocks of every page of the requests it touches; ``mask_mod`` does the token masking.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = attn_metadata.block_table.device
+    n = attn_metadata.num_actual_tokens
+    qsl = attn_metadata.query_start_loc.to(torch.int64)
+    seq_lens = attn_metadata.seq_lens.to(torch.int64)
+    table = attn_metadata.block_table.to(torch.int64)
+    num_seqs, width = table.shape
+    q_lens = qsl[1:] - qsl[:-1]
+    # Request and absolute position of every query token.
+    doc = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=n)
+    q_pos = seq_lens[doc] - q_lens[doc] + torch.arange(n, device=device) - qsl[doc]
+    cols = torch.arange(width, device=device)
+    used = cols[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
+    # physical -> logical block per request; -1 where the page is not the request's. Unused
+    # table entries are scattered into a spare column that is then dropped (no host sync).
+    p2l = torch.full((num_seqs, num_blocks + 1), -1, dtype=torch.int64, device=device)
+    p2l.scatter_(1, torch.where(used, table, num_blocks), torch.where(used, cols, -1))
+    p2l = p2l[:, :num_blocks]
+
+    # Pages each query tile must visit: the used pages of each of its tokens' requests,
+    # sorted and deduplicated (num_blocks is the "empty" sentinel and sorts last).
+    tiles = -(-n // Q_TILE)
+    pages = torch.full((tiles * Q_TILE, width), num_blocks, dtype=torch.int64, device=device)
+    pages[:n] = torch.where(used[doc], table[doc], num_blocks)
+    pages = pages.view(tiles, Q_TILE * width).sort(dim=1).values
+    repeat = torch.zeros_like(pages, dtype=torch.bool)
+    repeat[:, 1:] = pages[:, 1:] == pages[:, :-1]
+    pages = pages.masked_fill(repeat, num_blocks).sort(dim=1).values
+    listed = pages < num_blocks
+    kv_num_blocks = listed.sum(dim=1).to(torch.int32)
+    kv_indices = torch.where(listed, pages * page_stride, 0).to(torch.int32)
+    span = page_stride * block_size
+    window = sliding_window
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        virtual_block = kv_idx // block_size
+        block = kv_idx // span
+        logical = p2l[doc[q_idx], block]
+        k_pos = logical * block_size + kv_idx % block_size
+        keep = ((virtual_block % page_stride == 0) & (logical >= 0)
+                & (k_pos < seq_lens[doc[q_idx]]))
+        if causal:
+            keep = keep & (k_pos <= q_pos[q_idx])
+        if window is not None:
+            keep = keep & (q_pos[q_idx] - k_pos < window)
+        return keep
+
+    length = (num_blocks - 1) * span + block_size
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=(Q_TILE, block_size),
+        mask_mod=mask_mod, seq_lengths=(n, length), compute_q_blocks=False)
+
+
+_MASKS = StepCache()
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+def _run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+              scale: float, block_size: int) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = query.shape[1] != key.shape[1]
+    if query.device.type == "cuda":
+        # The kernel tiles must divide the block mask's tiles (Q_TILE x one page).
+        options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_TILE, "BLOCK_N": block_size}
+        return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale,
+                                enable_gqa=gqa, kernel_options=options)
+    with warnings.catch_warnings():
+        # The eager path is the CPU choice (module docstring); its "use torch.compile" warning
+        # would repeat on every call.
+        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
+        return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
+                              enable_gqa=gqa)
+
+
+class FlexAttentionImpl(AttentionImpl):
+    """Cache write: kvcore's Triton ``reshape_and_cache`` (GPU) or its reference (CPU).
+
+    Attention: ``flex_attention`` over :func:`paged_sequence_views` with the block mask of
+    :func:`build_block_mask`; refuses caches beyond :data:`FlexAttentionBackend.MAX_KV_CACHE_SPAN`.
+    """
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_cache(self, layer, key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _refuse_int32_overflow(kv_cache)
+        key_cache, value_cache = kv_cache.unbind(1)
+        n = attn_metadata.num_actual_tokens
+        validate_paged_attention(
+            query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
+            attn_metadata.seq_lens, attn_metadata.block_table,
+            kv_cache_dtype=self.kv_cache_dtype, sliding_window=self.sliding_window,
+            output=None if output is None else output[:n])
+        if output is None:
+            output = torch.empty_like(query)
+        if n == 0:
+            return output
+        num_blocks, block_size = key_cache.shape[:2]
+        k_seq, v_seq, page_stride = paged_sequence_views(key_cache, value_cache)
+        causal = is_causal(self, attn_metadata)
+        block_mask = _MASKS.get(
+            attn_metadata,
+            (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window),
+            lambda: build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
+                                     self.sliding_window))
+        q = query[:n].transpose(0, 1).unsqueeze(0)  # (1, num_heads, n, head_size)
+        out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size)
+        output[:n].copy_(out[0].transpose(0, 1))
+        return output

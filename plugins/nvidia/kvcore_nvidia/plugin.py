@@ -1,0 +1,17 @@
+"""Entry point of kvcore-nvidia (group ``kvcore.plugins``): registers the NVIDIA backends
+by ``module:Class`` path, so registering imports no kernel library."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import kvcore
+
+_BACKENDS = "kvcore_nvidia.backends"
+
+
+@kvcore.hookimpl
+def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
+    register("FLASHINFER", f"{_BACKENDS}.flashinfer:FlashInferBackend")
+    register("FLASH_ATTN", f"{_BACKENDS}.flash_attn:FlashAttentionBackend")
+    register("FLEX_ATTENTION", f"{_BACKENDS}.flex_attention:FlexAttentionBackend")

@@ -1,0 +1,83 @@
+"""Batches and references shared by kvcore-nvidia's CPU and GPU tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kvcore
+from kvcore.ops import paged_attention_ref
+
+#: Relative-error bound of a low-precision result against the float64 reference:
+#: ||out - ref|| / ||ref|| (bf16 probabilities and output rounding stay well under it).
+REL_ERR = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Batch:
+    """One step: the metadata, its new tokens' q/k/v, and the cache they were written into."""
+
+    meta: kvcore.AttentionMetadata
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
+                 gen: torch.Generator, shared_prefix: int = 0) -> list[list[int]]:
+    """Shuffled, distinct block ids per request; the first ``shared_prefix`` blocks of every
+    request are the same pages (prefix caching)."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shared, rest = perm[:shared_prefix], perm[shared_prefix:]
+    tables = []
+    for n in seq_lens:
+        own = -(-n // block_size) - shared_prefix
+        tables.append(shared + rest[:own])
+        rest = rest[own:]
+    return tables
+
+
+def mixed_batch(impl: kvcore.AttentionImpl, kv_cache: torch.Tensor, gen: torch.Generator,
+                q_lens: tuple[int, ...] = (1, 1, 19, 7),
+                ctx_lens: tuple[int, ...] = (37, 15, 16, 0), shared_prefix: int = 0,
+                causal: bool = True) -> Batch:
+    """A batch of decodes and prefills (with and without a cached prefix) over random block
+    tables, its new K/V written into ``kv_cache`` through ``impl.do_kv_cache_update``.
+
+    The default requests: a decode after 37 cached tokens, a decode that fills its block, a
+    prefill of 19 tokens after a 1-block prefix (crossing a block boundary), a fresh prefill.
+    """
+    num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    device, dtype = kv_cache.device, kv_cache.dtype
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
+    tables = block_tables(seq_lens, block_size, num_blocks, gen, shared_prefix)
+    meta = kvcore.build_attention_metadata(list(q_lens), list(ctx_lens), tables, block_size,
+                                           device=device, causal=causal)
+    n = meta.num_actual_tokens
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+    batch = Batch(meta, rand(n, impl.num_heads, head_size), rand(n, num_kv_heads, head_size),
+                  rand(n, num_kv_heads, head_size))
+    impl.do_kv_cache_update(kvcore.LayerScales(), batch.key, batch.value, kv_cache,
+                            meta.slot_mapping)
+    return batch
+
+
+def reference(impl: kvcore.AttentionImpl, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+    """float64 attention of the batch's queries over ``kv_cache`` (kvcore's reference)."""
+    key_cache, value_cache = kv_cache.unbind(1)
+    m = batch.meta
+    causal = m.causal and impl.attn_type == kvcore.AttentionType.DECODER
+    return paged_attention_ref(
+        batch.query.double(), key_cache.double(), value_cache.double(),
+        query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
+        scale=impl.scale, causal=causal, sliding_window=impl.sliding_window)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN if out has a NaN)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm())

@@ -1,0 +1,181 @@
+"""FLEX_ATTENTION on CPU (eager flex_attention): numerics against the float64 reference and
+CPU_ATTN on mixed batches, the block mask it builds, its int32 limit, and kvcore's
+conformance suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_nvidia.backends.flex_attention import (
+    Q_TILE,
+    FlexAttentionBackend,
+    build_block_mask,
+    paged_sequence_views,
+)
+from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
+from torch.nn.attention.flex_attention import create_mask
+
+import kvcore
+from kvcore.testing import conformance_cases
+
+BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_SIZE, NUM_BLOCKS = 16, 2, 8, 32, 24
+
+
+def _setup(dtype: torch.dtype, seed: int, sliding_window: int | None = None,
+           attn_type: kvcore.AttentionType = kvcore.AttentionType.DECODER):
+    gen = torch.Generator().manual_seed(seed)
+    caches = kvcore.allocate_kv_caches(
+        FlexAttentionBackend, num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype, device="cpu")
+    kv_cache = caches.layers[0]
+    kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen).to(dtype))  # stale data shows
+    impl = FlexAttentionBackend.get_impl_cls()(
+        num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
+        num_kv_heads=NUM_KV_HEADS, sliding_window=sliding_window, attn_type=attn_type)
+    return gen, kv_cache, impl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_mixed_batch_matches_float64_reference_and_cpu_attn(dtype, causal):
+    gen, kv_cache, impl = _setup(dtype, seed=1)
+    batch = mixed_batch(impl, kv_cache, gen, causal=causal)
+    out = torch.full_like(batch.query, float("nan"))  # every row must be written
+    returned = impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value,
+                            kv_cache, batch.meta, output=out)
+    assert returned is out
+    ref = reference(impl, batch, kv_cache)
+    assert rel_err(out, ref) < REL_ERR[dtype]
+    cpu_impl = kvcore.resolve_backend("CPU_ATTN").get_impl_cls()(
+        num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
+        num_kv_heads=NUM_KV_HEADS)
+    cpu_out = cpu_impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value,
+                               kv_cache, batch.meta)
+    assert rel_err(out, cpu_out) < 2 * REL_ERR[dtype]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_sliding_window_and_shared_prefix_pages(causal):
+    """Requests sharing their first two pages (prefix caching) and a window of 9 keys."""
+    gen, kv_cache, impl = _setup(torch.float32, seed=2, sliding_window=9)
+    batch = mixed_batch(impl, kv_cache, gen, q_lens=(1, 5, 18), ctx_lens=(40, 33, 32),
+                        shared_prefix=2, causal=causal)
+    out = impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                       batch.meta)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+
+
+def test_encoder_only_layers_ignore_the_causal_flag():
+    gen, kv_cache, impl = _setup(torch.float32, seed=3,
+                                 attn_type=kvcore.AttentionType.ENCODER_ONLY)
+    batch = mixed_batch(impl, kv_cache, gen, q_lens=(9, 20), ctx_lens=(0, 0))
+    out = impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                       batch.meta)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+
+
+def test_the_block_mask_is_built_once_per_step(monkeypatch):
+    # Patched where the impl looks it up (another test may have re-imported the module).
+    namespace = FlexAttentionBackend.get_impl_cls().forward.__globals__
+    builds = []
+    build = namespace["build_block_mask"]
+    monkeypatch.setitem(namespace, "build_block_mask",
+                        lambda *a: (builds.append(a[-1]), build(*a))[1])
+    gen, kv_cache, impl = _setup(torch.float32, seed=6)
+    windowed = FlexAttentionBackend.get_impl_cls()(
+        num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
+        num_kv_heads=NUM_KV_HEADS, sliding_window=5)
+    batch = mixed_batch(impl, kv_cache, gen)
+    for layer in (impl, impl, windowed, windowed):
+        out = layer.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                            batch.meta)
+        assert rel_err(out, reference(layer, batch, kv_cache)) < REL_ERR[torch.float32]
+    assert builds == [None, 5]
+    batch.meta.block_table[0, 0] = batch.meta.block_table[0, 0]  # an in-place write
+    impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                 batch.meta)
+    assert builds == [None, 5, None]
+
+
+def test_block_mask_lists_each_needed_page_once():
+    """Every (query, key) pair the mask allows lies in a page its query tile lists, and no
+    tile lists a page twice (shared prefix pages included): on CPU flex runs densely, so only
+    this check covers the block-sparse structure the CUDA kernel follows."""
+    gen, kv_cache, impl = _setup(torch.float32, seed=4)
+    batch = mixed_batch(impl, kv_cache, gen, q_lens=(1, 1, 3, 30, 1), ctx_lens=(60, 16, 20, 17, 0),
+                        shared_prefix=1)
+    key_cache, value_cache = kv_cache.unbind(1)
+    _, _, m = paged_sequence_views(key_cache, value_cache)
+    assert m == 2  # the V page of each block lies between two K pages
+    mask = build_block_mask(batch.meta, NUM_BLOCKS, BLOCK_SIZE, m, causal=True,
+                            sliding_window=None)
+    n, length = mask.seq_lengths
+    dense = create_mask(mask.mask_mod, 1, 1, n, length, device="cpu")[0, 0]
+    counts, indices = mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0]
+    for tile in range(counts.shape[0]):
+        listed = indices[tile, : counts[tile]].tolist()
+        assert len(listed) == len(set(listed))
+        assert all(b % m == 0 for b in listed)  # only K pages
+        rows = dense[tile * Q_TILE:(tile + 1) * Q_TILE]
+        needed = set((rows.any(dim=0).nonzero().squeeze(1) // BLOCK_SIZE).tolist())
+        assert needed <= set(listed), (tile, needed - set(listed))
+    # Each query sees exactly its own request's keys up to its position.
+    assert int(dense.sum()) == sum(
+        sum(range(ctx + 1, ctx + q + 1)) for q, ctx in zip((1, 1, 3, 30, 1), (60, 16, 20, 17, 0),
+                                                           strict=True))
+
+
+def test_sequence_views_address_every_page_of_the_cache():
+    _, kv_cache, _ = _setup(torch.float32, seed=5)
+    key_cache, value_cache = kv_cache.unbind(1)
+    k_seq, v_seq, m = paged_sequence_views(key_cache, value_cache)
+    for block in (0, 7, NUM_BLOCKS - 1):
+        start = block * m * BLOCK_SIZE
+        assert torch.equal(k_seq[0, :, start:start + BLOCK_SIZE].transpose(0, 1), key_cache[block])
+        assert torch.equal(v_seq[0, :, start:start + BLOCK_SIZE].transpose(0, 1),
+                           value_cache[block])
+
+
+def test_sequence_views_refuse_pages_no_token_stride_reaches():
+    cache = torch.zeros(4, 2, 16, 2, 32)
+    odd = cache[:, :, :15]  # 15 of 16 slots: block stride 2048 is not a multiple of 15 * 64
+    with pytest.raises(ValueError, match=r"the block stride 2048 is not a multiple of "
+                                         r"block_size \* token stride = 960"):
+        paged_sequence_views(*odd.unbind(1))
+
+
+def test_refuses_a_cache_beyond_2_pow_31_elements_before_launching():
+    # 2**31 + one block of elements, on the meta device: only shapes and strides are read.
+    num_blocks = 2**31 // (2 * 16 * 8 * 128) + 1
+    kv_cache = torch.empty(num_blocks, 2, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+    impl = FlexAttentionBackend.get_impl_cls()(num_heads=8, head_size=128, scale=1.0)
+    meta = kvcore.build_attention_metadata([1], [0], [[0]], 16)
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError) as err:
+        impl.forward(kvcore.LayerScales(), q, q, q, kv_cache, meta)
+    assert str(err.value) == (
+        "kv_cache spans 2147516416 elements (shape (65537, 2, 16, 8, 128), strides "
+        "(32768, 16384, 1024, 128, 1)), over FLEX_ATTENTION's limit of 2**31 elements per "
+        "layer: torch's flex_attention kernel computes K/V offsets in int32 (pytorch issue "
+        "185262) and would read wrong memory. Allocate fewer blocks per layer "
+        "(FlexAttentionBackend.max_num_blocks gives the limit) or use another backend")
+
+
+def test_size_reasons_state_the_limit_and_the_largest_allowed_cache():
+    assert FlexAttentionBackend.MAX_KV_CACHE_SPAN == 2**31
+    assert FlexAttentionBackend.max_num_blocks(16, 8, 128) == 65536
+    assert FlexAttentionBackend.kv_cache_size_reasons(65536, 16, 8, 128) == []
+    assert FlexAttentionBackend.kv_cache_size_reasons(65537, 16, 8, 128) == [
+        "num_blocks=65537: one layer's cache would hold 2147516416 elements, over "
+        "FLEX_ATTENTION's limit of 2**31 (torch's flex_attention kernel computes K/V offsets "
+        "in int32 (pytorch issue 185262)); use at most 65536 blocks per layer at "
+        "block_size=16, num_kv_heads=8, head_size=128, or another backend"]
+
+
+CONFORMANCE = conformance_cases(FlexAttentionBackend, devices=["cpu"])
+
+
+@pytest.mark.parametrize("case", CONFORMANCE, ids=str)
+def test_conforms(case):
+    case.run()

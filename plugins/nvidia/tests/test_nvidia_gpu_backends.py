@@ -1,0 +1,138 @@
+"""FLASHINFER and FLEX_ATTENTION on an NVIDIA GPU at real sizes (Hq 32, Hk 8, D 128, bf16,
+blocks of 16): mixed batches against the float64 reference, cross-layer views bit-exact
+against a contiguous copy, a layer over 2**31 elements, and kvcore's conformance cases.
+
+Every FlashInfer case here is bf16, so the run builds three FlashInfer JIT modules (head size
+128 with and without a sliding window, head size 64 for the conformance suite's cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_nvidia.backends.flashinfer import FlashInferBackend
+from kvcore_nvidia.backends.flex_attention import FlexAttentionBackend
+from nvidia_helpers import mixed_batch, reference, rel_err
+
+import kvcore
+from kvcore.testing import conformance_cases
+
+pytestmark = pytest.mark.gpu
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 32, 8, 128, 16, 16384
+#: ||out - ref|| / ||ref|| of a bf16 kernel against float64 (bf16 rounding is ~4e-3 per value).
+BF16_REL_ERR = 1e-2
+_FI_MISSING = FlashInferBackend.unavailable_reasons()
+needs_flashinfer = pytest.mark.skipif(bool(_FI_MISSING), reason="; ".join(_FI_MISSING))
+
+MIXED = dict(q_lens=(1, 1, 300, 257, 1), ctx_lens=(1000, 15, 64, 0, 4095))
+DECODE = dict(q_lens=(1,) * 48, ctx_lens=tuple(range(40, 48 * 97, 97)))
+
+
+def _impl(backend: type[kvcore.AttentionBackend], sliding_window: int | None = None,
+          ) -> kvcore.AttentionImpl:
+    return backend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
+                                  num_kv_heads=KV_HEADS, sliding_window=sliding_window)
+
+
+def _cache(backend: type[kvcore.AttentionBackend], num_blocks: int, gen: torch.Generator,
+           num_layers: int = 1, cross_layer: bool = False) -> kvcore.KVCaches:
+    # Cross-layer pools take TRITON_ATTN's layout (same logical shape, blocks outermost), so
+    # the check does not depend on the backend's own opt-in, which it is the evidence for.
+    caches = kvcore.allocate_kv_caches(
+        "TRITON_ATTN" if cross_layer else backend, num_layers=num_layers, num_blocks=num_blocks,
+        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+        dtype=torch.bfloat16, device="cuda", cross_layer=cross_layer)
+    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
+    return caches
+
+
+def _forward(impl: kvcore.AttentionImpl, batch, kv_cache: torch.Tensor) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                 batch.meta, output=out)
+    return out
+
+
+@needs_flashinfer
+@pytest.mark.parametrize(("shape", "causal", "window"), [
+    ("mixed", True, None), ("mixed", False, None), ("decode", True, None),
+    ("mixed", True, 256), ("decode", True, 256)])
+def test_flashinfer_matches_float64_reference(shape, causal, window):
+    gen = torch.Generator().manual_seed(hash((shape, causal, window)) % 2**31)
+    kv_cache = _cache(FlashInferBackend, NUM_BLOCKS, gen).layers[0]
+    impl = _impl(FlashInferBackend, window)
+    batch = mixed_batch(impl, kv_cache, gen, causal=causal,
+                        **(MIXED if shape == "mixed" else DECODE))
+    out = _forward(impl, batch, kv_cache)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("shape", ["mixed", "decode"])
+def test_flashinfer_on_a_cross_layer_view_is_bit_exact(shape):
+    """The evidence behind FLASHINFER's cross-layer opt-in: on layer 1 of a 3-layer
+    cross-layer pool it returns exactly what it returns on a contiguous copy."""
+    gen = torch.Generator().manual_seed(7 if shape == "mixed" else 8)
+    caches = _cache(FlashInferBackend, NUM_BLOCKS, gen, num_layers=3, cross_layer=True)
+    view = caches.layers[1]
+    assert not view.is_contiguous()
+    impl = _impl(FlashInferBackend)
+    neighbours = [caches.layers[i].clone() for i in (0, 2)]
+    batch = mixed_batch(impl, view, gen, **(MIXED if shape == "mixed" else DECODE))
+    out_view = _forward(impl, batch, view)
+    out_plain = _forward(impl, batch, view.contiguous())
+    assert torch.equal(out_view, out_plain)
+    assert all(torch.equal(caches.layers[i], n) for i, n in zip((0, 2), neighbours, strict=True))
+
+
+@needs_flashinfer
+def test_flashinfer_beyond_2_pow_31_elements():
+    """Requests in the last blocks of a 4.3 GB layer read the right pages."""
+    page = 2 * BLOCK_SIZE * KV_HEADS * HEAD_SIZE
+    num_blocks = 2**31 // page + 8
+    gen = torch.Generator().manual_seed(9)
+    kv_cache = torch.zeros(num_blocks, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE,
+                           dtype=torch.bfloat16, device="cuda")
+    impl = _impl(FlashInferBackend)
+    tables = [[num_blocks - 1, num_blocks - 3], [num_blocks - 2, 5]]
+    meta = kvcore.build_attention_metadata([20, 1], [0, 30], tables, BLOCK_SIZE, device="cuda")
+    n = meta.num_actual_tokens
+    kv_cache[[5, num_blocks - 2]] = torch.randn(2, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE,
+                                                generator=gen).to(torch.bfloat16).cuda()
+    q, k, v = (torch.randn(n, h, HEAD_SIZE, generator=gen).to(torch.bfloat16).cuda()
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    impl.do_kv_cache_update(kvcore.LayerScales(), k, v, kv_cache, meta.slot_mapping)
+    out = impl.forward(kvcore.LayerScales(), q, k, v, kv_cache, meta)
+    used = torch.tensor(sorted({b for t in tables for b in t}), device="cuda")
+    compact = kv_cache[used]
+    renumber = {b: i for i, b in enumerate(used.tolist())}
+    compact_meta = kvcore.build_attention_metadata(
+        [20, 1], [0, 30], [[renumber[b] for b in t] for t in tables], BLOCK_SIZE, device="cuda")
+    ref = kvcore.ops.paged_attention_ref(
+        q.double(), *(c.double() for c in compact.unbind(1)),
+        query_start_loc=compact_meta.query_start_loc, seq_lens=compact_meta.seq_lens,
+        block_table=compact_meta.block_table, scale=impl.scale)
+    assert rel_err(out, ref) < BF16_REL_ERR
+
+
+def _bf16_cases(backend: type[kvcore.AttentionBackend]) -> list:
+    """Every conformance case but the fp16 ones: each (dtype, head size) is a FlashInfer JIT
+    module to build, and the bf16 ones (head sizes 64 and 128) cover every rule, cross-layer
+    and int64 offsets included."""
+    return [c for c in conformance_cases(backend, ["cuda"]) if "-fp16-" not in f"{c.id}-"]
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("case", _bf16_cases(FlashInferBackend), ids=str)
+def test_flashinfer_conforms(case):
+    case.run()
+
+
+@pytest.mark.parametrize("shape", ["mixed", "decode"])
+def test_flex_attention_compiled_matches_float64_reference(shape):
+    gen = torch.Generator().manual_seed(11 if shape == "mixed" else 12)
+    kv_cache = _cache(FlexAttentionBackend, NUM_BLOCKS, gen).layers[0]
+    impl = _impl(FlexAttentionBackend)
+    batch = mixed_batch(impl, kv_cache, gen, **(MIXED if shape == "mixed" else DECODE))
+    out = _forward(impl, batch, kv_cache)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR

@@ -1,0 +1,157 @@
+"""Selection and validation of FLASHINFER, FLASH_ATTN and FLEX_ATTENTION on a simulated CUDA
+platform (capabilities 8.0, 9.0, 10.0), with the exact reasons an operator reads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvcore
+
+NVIDIA = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+FLASHINFER_MISSING = "flashinfer-python not installed (pip install flashinfer-python)"
+FLASH_ATTN_MISSING = "flash-attn not installed (pip install flash-attn)"
+FA_BLOCK_16 = "block_size=16 (supported: multiples of 256)"
+
+
+def _config(**kw) -> kvcore.AttentionSelectorConfig:
+    return kvcore.AttentionSelectorConfig(**{"head_size": 128, "dtype": torch.bfloat16, **kw})
+
+
+def _reasons(name: str, config: kvcore.AttentionSelectorConfig) -> list[str]:
+    report = kvcore.explain_selection(config)
+    return next(c for c in report.candidates if c.name == name).reasons
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch):
+    """``installed("FLASHINFER", ...)``: pretend those backends' kernel libraries are there.
+
+    Patches the class the registry resolves (another test may have re-imported the module)."""
+
+    def install(*names: str) -> None:
+        for name in names:
+            monkeypatch.setattr(kvcore.resolve_backend(name), "REQUIRED_PACKAGES", ())
+        kvcore.clear_selection_cache()
+
+    return install
+
+
+@pytest.mark.parametrize(("capability", "order"), [
+    ("8.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]),
+    ("9.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]),
+    ("10.0", ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]),
+])
+def test_priority_order_and_reasons_without_vendor_libraries(cuda, capability, order):
+    cuda(capability)
+    report = kvcore.explain_selection(_config())
+    names = [c.name for c in report.candidates]
+    assert [n for n in names if n in NVIDIA] == order
+    assert names[:4] == order  # the platform's list comes first, in its order
+    by_name = {c.name: c for c in report.candidates}
+    assert by_name["FLASHINFER"].reasons == [FLASHINFER_MISSING]
+    assert by_name["FLASH_ATTN"].reasons == [FA_BLOCK_16, FLASH_ATTN_MISSING]
+    assert by_name["FLEX_ATTENTION"].valid
+    for name in ("FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"):
+        assert by_name[name].plugin == "nvidia"
+    assert report.selected.name == "TRITON_ATTN"
+    assert kvcore.get_attn_backend(_config()).get_name() == "TRITON_ATTN"
+
+
+@pytest.mark.parametrize(("capability", "block_size", "expected"), [
+    ("9.0", 16, "FLASHINFER"),    # FLASH_ATTN first, but its paged blocks are 256-multiples
+    ("9.0", 256, "FLASH_ATTN"),
+    ("10.0", 16, "FLASHINFER"),
+    ("10.0", 256, "FLASH_ATTN"),  # FLASHINFER first, but declares blocks of 16, 32, 64
+])
+def test_vendor_backends_win_when_installed(cuda, installed, capability, block_size, expected):
+    cuda(capability)
+    installed("FLASHINFER", "FLASH_ATTN")
+    for use_kv_connector in (False, True):  # all are blocks-first: connectors change nothing
+        config = _config(block_size=block_size, use_kv_connector=use_kv_connector)
+        chosen = kvcore.get_attn_backend(config)
+        assert chosen.get_name() == expected
+        assert chosen.supports_kv_connector()
+
+
+def test_flex_attention_is_the_fallback_of_last_resort(cuda):
+    cuda("9.0")
+    config = _config(dtype=torch.float32, head_size=64)  # fp32: no vendor kernel declares it
+    assert _reasons("FLASHINFER", config) == [
+        "dtype=float32 (supported: float16, bfloat16)", FLASHINFER_MISSING]
+    assert kvcore.get_attn_backend(config).get_name() == "TRITON_ATTN"
+    assert _reasons("FLEX_ATTENTION", config) == []
+
+
+def test_exact_reasons_for_unsupported_configurations(cuda):
+    cuda("9.0")
+    assert _reasons("FLASHINFER", _config(head_size=80, kv_cache_dtype="fp8")) == [
+        "head_size=80 (supported: 64, 128, 256)", "kv_cache_dtype=fp8 (supported: auto)",
+        FLASHINFER_MISSING]
+    assert _reasons("FLASH_ATTN", _config(head_size=260, block_size=512)) == [
+        "head_size=260 (supported: multiples of 8 up to 256)", FLASH_ATTN_MISSING]
+    assert _reasons("FLEX_ATTENTION", _config(head_size=80, block_size=24)) == [
+        "head_size=80 (supported: 32, 64, 128, 256)",
+        "block_size=24 (supported: 16, 32, 64, 128)"]
+    assert _reasons("FLEX_ATTENTION", _config(has_sink=True)) == [
+        "has_sink=True: FLEX_ATTENTION does not support attention sinks"]
+    assert _reasons("FLASHINFER", _config(attn_type="encoder")) == [
+        "attn_type=encoder (supported: decoder, encoder_only)", FLASHINFER_MISSING]
+
+
+def test_capability_below_ampere(cuda):
+    cuda("7.5")
+    assert _reasons("FLASHINFER", _config()) == [
+        "device capability 7.5 (supported: >= 8.0)", FLASHINFER_MISSING]
+    assert _reasons("FLASH_ATTN", _config(block_size=256)) == [
+        "device capability 7.5 (supported: >= 8.0)", FLASH_ATTN_MISSING]
+    assert _reasons("FLEX_ATTENTION", _config()) == [
+        "dtype=bfloat16 needs device capability >= 8.0 (got 7.5); use dtype=float16"]
+    assert _reasons("FLEX_ATTENTION", _config(dtype=torch.float16)) == []
+
+
+def test_forced_backend_that_cannot_run_raises_with_its_reasons(cuda, monkeypatch):
+    cuda("9.0")
+    with pytest.raises(kvcore.BackendSelectionError) as err:
+        kvcore.get_attn_backend(_config(), backend="FLASH_ATTN")
+    assert str(err.value).startswith(
+        "attention backend FLASH_ATTN was requested by the backend argument but cannot run "
+        f"this config on cuda: {FA_BLOCK_16}; {FLASH_ATTN_MISSING} (config: ")
+    monkeypatch.setenv("KVCORE_ATTENTION_BACKEND", "FLASHINFER")
+    kvcore.clear_selection_cache()
+    with pytest.raises(kvcore.BackendSelectionError, match="pip install flashinfer-python"):
+        kvcore.get_attn_backend(_config())
+
+
+def test_without_the_plugin_the_platform_names_the_package(cuda, monkeypatch):
+    cuda("9.0")
+    monkeypatch.setenv("KVCORE_PLUGINS", "rocm")  # an allowlist without nvidia
+    kvcore.reset_plugins()
+    assert _reasons("FLASHINFER", _config()) == [
+        "FLASHINFER is not registered by any installed plugin; it ships in kvcore-nvidia "
+        "(pip install -e plugins/nvidia)"]
+
+
+def test_cli_explain_shows_the_cuda_order_and_reasons():
+    env = {**os.environ, "KVCORE_PLUGINS": "nvidia"}
+    for var in ("KVCORE_PLATFORM", "KVCORE_DEVICE_CAPABILITY", "KVCORE_ATTENTION_BACKEND"):
+        env.pop(var, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcore.cli", "select", "--explain", "--platform", "cuda",
+         "--capability", "9.0", "--kv-connector"],
+        capture_output=True, text=True, env=env, check=True).stdout
+    lines = out.splitlines()
+    assert "selected: TRITON_ATTN" in lines
+    rows = [line for line in lines if line.startswith("  ") and not line.startswith("    ")]
+    assert rows[:4] == ["  FLASH_ATTN: rejected [plugin nvidia]",
+                        "  FLASHINFER: rejected [plugin nvidia]",
+                        "  TRITON_ATTN: SELECTED [plugin builtin_backends]",
+                        "  FLEX_ATTENTION: valid [plugin nvidia]"]
+    fa = lines.index("  FLASH_ATTN: rejected [plugin nvidia]")
+    assert lines[fa + 1:fa + 3] == [f"    - {FA_BLOCK_16}", f"    - {FLASH_ATTN_MISSING}"]
+    fi = lines.index("  FLASHINFER: rejected [plugin nvidia]")
+    assert lines[fi + 1] == f"    - {FLASHINFER_MISSING}"

@@ -1,0 +1,211 @@
+"""The FLASHINFER and FLASH_ATTN glue on CPU, against stand-ins for the two libraries.
+
+Neither library runs here (flash-attn runs nowhere in this project: no wheel for the GPU
+machine). Each stand-in implements the library's *documented* contract independently of
+kvcore — FlashInfer's ragged page lists (``indptr``, ``indices``, ``last_page_len``) and
+``window_left``; flash-attn's ``cu_seqlens_k``, ``block_table`` and ``window_size`` with its
+bottom-right causal alignment — and refuses what the library refuses. The backends must then
+agree with kvcore's float64 reference: that checks how they translate kvcore's metadata, not
+the libraries' kernels (those are checked on the GPU, FlashInfer only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+from kvcore_nvidia.backends import flashinfer as fi_backend
+from kvcore_nvidia.backends.flash_attn import FlashAttentionBackend
+from kvcore_nvidia.backends.flashinfer import FlashInferBackend, flashinfer_page_table
+from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
+
+import kvcore
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of ``q`` (s_q, Hq, D) over ``k``/``v`` (s_k, Hk, D), GQA, float64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _positions(s_q: int, s_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows aligned to the end of the keys (both libraries' convention)."""
+    return torch.arange(s_q)[:, None] + s_k - s_q, torch.arange(s_k)[None, :]
+
+
+class _FakeWrapper:
+    """FlashInfer's paged wrappers as documented: ``plan`` takes the ragged page lists,
+    ``run`` reads pages ``indices[indptr[b]:indptr[b+1]]``, the last one holding
+    ``last_page_len[b]`` tokens."""
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str, **kwargs: object) -> None:
+        assert kv_layout == "NHD" and kwargs.get("backend") == "fa2"
+        self.decode = "use_tensor_cores" in kwargs
+        self.planned: dict[str, object] = {}
+
+    def plan(self, *args: object, **kwargs: object) -> None:
+        if self.decode:
+            indptr, indices, last, _, _, _, page = args
+            qo = torch.arange(indptr.numel(), dtype=torch.int32)
+            kwargs.setdefault("causal", False)
+        else:
+            qo, indptr, indices, last, _, _, _, page = args
+        self.planned = dict(qo=qo.cpu(), indptr=indptr.cpu(), indices=indices.cpu(),
+                            last=last.cpu(), page=page, **kwargs)
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            out: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = paged_kv_cache
+        p = self.planned
+        for b in range(p["indptr"].numel() - 1):
+            pages = p["indices"][p["indptr"][b]:p["indptr"][b + 1]]
+            s_k = (pages.numel() - 1) * p["page"] + int(p["last"][b]) if pages.numel() else 0
+            rows = slice(int(p["qo"][b]), int(p["qo"][b + 1]))
+            s_q = rows.stop - rows.start
+            k = k_cache[pages].flatten(0, 1)[:s_k]
+            v = v_cache[pages].flatten(0, 1)[:s_k]
+            qi, kj = _positions(s_q, s_k)
+            allowed = torch.ones(s_q, s_k, dtype=torch.bool)
+            if p["causal"]:
+                allowed &= kj <= qi
+            if p["window_left"] >= 0:
+                allowed &= kj >= qi - p["window_left"]
+            out[rows] = _attend(q[rows], k, v, p["sm_scale"], allowed).to(out.dtype)
+        return out
+
+
+def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, softmax_scale, causal, window_size, block_table):
+    """flash-attn 2's paged varlen forward as its docstring states it."""
+    page = k.shape[1]
+    if page % 256:
+        raise RuntimeError("Paged KV cache block size must be divisible by 256")
+    out = torch.empty_like(q)
+    left, right = window_size
+    for b in range(cu_seqlens_q.numel() - 1):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        s_q, s_k = rows.stop - rows.start, int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert s_q <= max_seqlen_q and s_k <= max_seqlen_k
+        pages = block_table[b, : -(-s_k // page)].long()
+        keys, values = k[pages].flatten(0, 1)[:s_k], v[pages].flatten(0, 1)[:s_k]
+        qi, kj = _positions(s_q, s_k)
+        allowed = torch.ones(s_q, s_k, dtype=torch.bool)
+        if causal:
+            allowed &= kj <= qi
+        if left >= 0:
+            allowed &= kj >= qi - left
+        if right >= 0 and not causal:
+            allowed &= kj <= qi + right
+        out[rows] = _attend(q[rows], keys, values, softmax_scale, allowed).to(q.dtype)
+    return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    module = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper,
+                                   BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    fi_backend._wrappers.cache_clear()
+    yield
+    fi_backend._wrappers.cache_clear()
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_varlen_func = _fake_flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
+def _run(backend: type[kvcore.AttentionBackend], block_size: int, num_blocks: int,
+         sliding_window: int | None, causal: bool, shape: dict, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(num_blocks, 2, block_size, 2, 32, generator=gen)
+    impl = backend.get_impl_cls()(num_heads=8, head_size=32, scale=32**-0.5, num_kv_heads=2,
+                                  sliding_window=sliding_window)
+    batch = mixed_batch(impl, kv_cache, gen, causal=causal, **shape)
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                 batch.meta, output=out)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+
+
+MIXED = dict(q_lens=(1, 1, 19, 7, 0), ctx_lens=(37, 15, 16, 0, 5))
+DECODE = dict(q_lens=(1, 1, 1), ctx_lens=(37, 15, 0))
+
+
+@pytest.mark.parametrize(("shape", "causal", "window"), [
+    (MIXED, True, None), (MIXED, False, None), (MIXED, True, 6), (MIXED, False, 6),
+    (DECODE, True, None), (DECODE, True, 6)], ids=[
+    "mixed", "mixed-noncausal", "mixed-window", "mixed-noncausal-window", "decode",
+    "decode-window"])
+def test_flashinfer_glue_matches_the_reference(fake_flashinfer, shape, causal, window):
+    _run(FlashInferBackend, 16, 24, window, causal, shape, seed=1)
+
+
+def test_flashinfer_plans_the_decode_wrapper_only_for_one_token_per_request(fake_flashinfer):
+    impl = FlashInferBackend.get_impl_cls()(num_heads=8, head_size=32, scale=1.0,
+                                            num_kv_heads=2)
+    key_cache = torch.zeros(8, 16, 2, 32)
+    for q_lens, decode in (((1, 1), True), ((1, 2), False), ((1, 0), False)):
+        meta = kvcore.build_attention_metadata(list(q_lens), [3, 4], [[0], [1]], 16)
+        q = torch.zeros(meta.num_actual_tokens, 8, 32)
+        assert impl.plan(q, key_cache, meta).decode is decode
+
+
+def test_flashinfer_page_table_of_a_mixed_batch():
+    meta = kvcore.build_attention_metadata([1, 3, 0, 2], [16, 30, 0, 0], [[7, 2], [4, 5, 6], [],
+                                                                          [9]], 16)
+    indptr, indices, last = flashinfer_page_table(meta, 16)
+    assert indptr.tolist() == [0, 2, 5, 5, 6]
+    assert indices.tolist() == [7, 2, 4, 5, 6, 9]
+    assert last.tolist() == [1, 1, 0, 2]
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, None), (True, 100),
+                                                (False, 100)])
+def test_flash_attn_glue_matches_the_reference(fake_flash_attn, causal, window):
+    shape = dict(q_lens=(1, 40, 300), ctx_lens=(700, 256, 0))
+    _run(FlashAttentionBackend, 256, 12, window, causal, shape, seed=2)
+
+
+def test_flashinfer_plans_once_per_step_and_replans_when_anything_changes(fake_flashinfer,
+                                                                          monkeypatch):
+    plans = []
+    plan = _FakeWrapper.plan
+    monkeypatch.setattr(_FakeWrapper, "plan",
+                        lambda self, *a, **kw: (plans.append(kw["window_left"]),
+                                                plan(self, *a, **kw)))
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(24, 2, 16, 2, 32, generator=gen)
+
+    def layer(window: int | None) -> kvcore.AttentionImpl:
+        return FlashInferBackend.get_impl_cls()(num_heads=8, head_size=32, scale=32**-0.5,
+                                                num_kv_heads=2, sliding_window=window)
+
+    plain, windowed = layer(None), layer(6)
+    batch = mixed_batch(plain, kv_cache, gen, **MIXED)
+
+    def forward(impl: kvcore.AttentionImpl, meta: kvcore.AttentionMetadata) -> None:
+        out = impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                           meta)
+        assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+
+    for _ in range(3):  # three layers of one step: one plan
+        forward(plain, batch.meta)
+    assert plans == [-1]
+    forward(windowed, batch.meta)  # another window: another plan
+    forward(plain, batch.meta)     # one entry: planned again
+    assert plans == [-1, 5, -1]
+    batch.meta.seq_lens.add_(0)    # refilled in place (same values): the version moved
+    forward(plain, batch.meta)
+    forward(plain, dataclasses.replace(batch.meta))  # a new metadata object
+    assert plans == [-1, 5, -1, -1, -1]
