@@ -241,45 +241,6 @@ class _Staging:
         return i
 
 
-class _IdsRing:
-    """Pinned int64 buffers for block ids, reused round-robin, uploaded on a side stream.
-
-    The upload stream never waits on other work, so the host-side wait before reusing a
-    buffer (for that buffer's previous upload) is short even while the engine is busy.
-    """
-
-    SIZE = 4
-
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        self.buffers = [torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-                        for _ in range(self.SIZE)]
-        self.events: list[torch.cuda.Event | None] = [None] * self.SIZE
-        self.stream = torch.cuda.Stream(device)
-        self.device = device
-        self.next = 0
-        self.lock = threading.Lock()
-
-    def upload(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids`` on the device; the calling thread's current stream waits for the upload."""
-        n = ids.numel()
-        consumer = torch.cuda.current_stream(self.device)
-        with self.lock:
-            slot, self.next = self.next, (self.next + 1) % self.SIZE
-            if self.events[slot] is not None:
-                self.events[slot].synchronize()
-            host = self.buffers[slot][:n]
-            host.copy_(ids)
-            out = torch.empty(n, dtype=torch.int64, device=self.device)
-            with torch.cuda.stream(self.stream):
-                out.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            out.record_stream(self.stream)
-            self.events[slot] = event
-        consumer.wait_event(event)
-        return out
-
-
 class OffloadConnector(KVConnector):
     """Offload KV blocks to CPU memory and load them back (connector name ``offload``).
 
@@ -338,10 +299,21 @@ class OffloadConnector(KVConnector):
             else (None, None)
             for op in ("save", "load")
         }
-        # Block ids go up through a ring of pinned buffers allocated here, on a stream that
-        # waits on nothing: pinning per transfer (cudaHostAlloc) would block the host until
-        # the device is idle, and a busy engine stream must never stall save()/load().
-        self._ids_ring = _IdsRing(kv.num_blocks, device) if self._async else None
+        if self._async:
+            self._warm_up(device)
+
+    def _warm_up(self, device: torch.device) -> None:
+        """Launch the gather and scatter kernels once, at registration.
+
+        With CUDA's lazy module loading the first launch of a kernel loads its module, which
+        waits for the device to be idle: without this, the first staged save() would block
+        the host for as long as the engine's stream is busy. Block 0 goes back onto itself.
+        """
+        ids = torch.zeros(1, dtype=torch.int64, device=device)
+        row = self._staging["save"].buffers[0][:1]
+        self._gather(ids, row)
+        self._scatter(ids, row)
+        torch.cuda.synchronize(device)
 
     @property
     def num_slots(self) -> int:
@@ -535,12 +507,13 @@ class OffloadConnector(KVConnector):
         return kernel_stream
 
     def _device_ids(self, blocks: list[int]) -> torch.Tensor:
-        """``blocks`` as an int64 tensor on the cache's device; the current stream waits for
-        its asynchronous upload (see :class:`_IdsRing`)."""
+        """``blocks`` as an int64 tensor on the cache's device, copied asynchronously on the
+        current stream from pinned memory (the caching host allocator keeps that memory until
+        the copy is done)."""
         ids = torch.tensor(blocks, dtype=torch.int64)
-        if self._ids_ring is None:
+        if not self._async:
             return ids
-        return self._ids_ring.upload(ids)
+        return ids.pin_memory().to(self._dev_views[0].device, non_blocking=True)
 
     def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = blocks ids[i]`` of every layer (``out`` is ``(n, num_views, words)``)."""
@@ -614,4 +587,4 @@ class OffloadConnector(KVConnector):
                 handle.wait()
             except KVTransferError:  # nobody waits for this result any more
                 pass
-        del self._host, self._host3, self._staging, self._dev_views, self._dev3, self._ids_ring
+        del self._host, self._host3, self._staging, self._dev_views, self._dev3
