@@ -491,9 +491,15 @@ class PagedAttentionImpl(AttentionImpl):
 
     Subclasses set :meth:`write_kv` (``reshape_and_cache``'s signature) and :meth:`attend`
     (``paged_attention``'s) and get ``do_kv_cache_update`` / ``forward`` on the standard
-    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` cache split with ``unbind(1)``,
-    output written in place, padding rows beyond ``num_actual_tokens`` left untouched.
+    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` cache split with ``unbind(1)``
+    (override :meth:`split_kv` for another layout), output written in place, padding rows
+    beyond ``num_actual_tokens`` left untouched.
     """
+
+    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V ``(num_blocks, block_size, num_kv_heads, head_size)`` views."""
+        key_cache, value_cache = kv_cache.unbind(1)
+        return key_cache, value_cache
 
     @staticmethod
     @abstractmethod
@@ -514,7 +520,7 @@ class PagedAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        key_cache, value_cache = kv_cache.unbind(1)
+        key_cache, value_cache = self.split_kv(kv_cache)
         self.write_kv(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
                       layer.k_scale, layer.v_scale)
 
@@ -528,7 +534,7 @@ class PagedAttentionImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache.unbind(1)
+        key_cache, value_cache = self.split_kv(kv_cache)
         n = attn_metadata.num_actual_tokens
         if output is None:
             output = torch.empty_like(query)

@@ -44,8 +44,9 @@ from kvcore import (
     AttentionMetadata,
     DeviceCapability,
     MultipleOf,
+    PagedAttentionImpl,
 )
-from kvcore.ops import triton_available
+from kvcore.ops import triton_available, triton_paged_attention, triton_reshape_and_cache
 
 __all__ = [
     "AITER_DISTRIBUTION",
@@ -88,44 +89,6 @@ def _triton_reasons() -> list[str]:
 def _window(sliding_window: int | None) -> tuple[int, int]:
     """flash-attn style ``(left, right)`` window: ``window`` keys including the query itself."""
     return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-
-
-def _triton_forward(
-    impl: AttentionImpl,
-    layer: AttentionLayer,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    attn_metadata: AttentionMetadata,
-    output: torch.Tensor,
-) -> None:
-    """Portable Triton attention over ``(num_blocks, N, H, D)`` halves of any strides."""
-    from kvcore.ops import triton_paged_attention as paged_attention
-
-    n = attn_metadata.num_actual_tokens
-    paged_attention(
-        query[:n], key_cache, value_cache,
-        query_start_loc=attn_metadata.query_start_loc,
-        seq_lens=attn_metadata.seq_lens,
-        block_table=attn_metadata.block_table,
-        scale=impl.scale,
-        causal=attn_metadata.causal,
-        sliding_window=impl.sliding_window,
-        kv_cache_dtype=impl.kv_cache_dtype,
-        k_scale=layer.k_scale,
-        v_scale=layer.v_scale,
-        output=output[:n],
-    )
-
-
-def _triton_cache_write(
-    impl: AttentionImpl, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
-    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-) -> None:
-    from kvcore.ops import triton_reshape_and_cache as reshape_and_cache
-
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                      impl.kv_cache_dtype, layer.k_scale, layer.v_scale)
 
 
 # -- ROCM_ATTN ------------------------------------------------------------------------------
@@ -180,34 +143,14 @@ class RocmAttentionBackend(AttentionBackend):
         return [*super().unavailable_reasons(), *_triton_reasons()]
 
 
-class RocmAttentionImpl(AttentionImpl):
+class RocmAttentionImpl(PagedAttentionImpl):
     """Triton kernels on ``kv_cache.unbind(0)``: K and V ``(num_blocks, N, H, D)`` halves."""
 
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        key_cache, value_cache = _legacy_halves(kv_cache)
-        _triton_cache_write(self, layer, key, value, key_cache, value_cache, slot_mapping)
+    write_kv = staticmethod(triton_reshape_and_cache)
+    attend = staticmethod(triton_paged_attention)
 
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        key_cache, value_cache = _legacy_halves(kv_cache)
-        output = torch.empty_like(query) if output is None else output
-        _triton_forward(self, layer, query, key_cache, value_cache, attn_metadata, output)
-        return output
+    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _legacy_halves(kv_cache)
 
 
 def _legacy_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,23 +205,15 @@ class AiterUnifiedAttentionBackend(AttentionBackend):
         return [*super().unavailable_reasons(), *_triton_reasons()]
 
 
-class AiterUnifiedAttentionImpl(AttentionImpl):
+class AiterUnifiedAttentionImpl(PagedAttentionImpl):
     """Cache write: kvcore's Triton ``reshape_and_cache`` on ``kv_cache.unbind(1)`` (both paths).
 
     Attention: aiter's ``unified_attention`` (UNVERIFIED, see the module docstring) for GPU
     tensors when aiter is installed, the portable Triton ``paged_attention`` otherwise.
     """
 
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        key_cache, value_cache = kv_cache.unbind(1)
-        _triton_cache_write(self, layer, key, value, key_cache, value_cache, slot_mapping)
+    write_kv = staticmethod(triton_reshape_and_cache)
+    attend = staticmethod(triton_paged_attention)
 
     def forward(
         self,
@@ -290,12 +225,11 @@ class AiterUnifiedAttentionImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache.unbind(1)
+        key_cache, value_cache = self.split_kv(kv_cache)
+        if not _use_aiter(key_cache):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         output = torch.empty_like(query) if output is None else output
-        if _use_aiter(key_cache):
-            self._aiter_forward(query, key_cache, value_cache, attn_metadata, output)
-        else:
-            _triton_forward(self, layer, query, key_cache, value_cache, attn_metadata, output)
+        self._aiter_forward(query, key_cache, value_cache, attn_metadata, output)
         return output
 
     def _aiter_forward(
