@@ -148,6 +148,18 @@ def allocate_kv_caches(
         head_size=head_size, dtype=storage_dtype, num_layers=num_layers,
         cross_layer=use_cross_layer, cache_dtype_str=kv_cache_dtype,
     )
+    limit = backend.MAX_KV_CACHE_SPAN
+    if limit is not None and layout.layer_span() > limit:
+        # The span grows by a fixed step per block, so the largest fit is one division.
+        one_block = _span_for(layout, 1)
+        fits = max(0, (limit - one_block) // (_span_for(layout, 2) - one_block) + 1)
+        raise ValueError(
+            f"num_blocks={num_blocks}: one layer's view of this {layout} cache would span "
+            f"{layout.layer_span()} elements, over {backend.get_name()}'s MAX_KV_CACHE_SPAN of "
+            f"{limit}; allocate at most {fits} blocks"
+            + (" (or cross_layer=False)" if layout.is_cross_layer else "")
+            + " or use another backend"
+        )
     storage = torch.zeros(layout.physical_shape, dtype=storage_dtype, device=torch.device(device))
     logical = storage.permute(layout.inverse_stride_order())
     note = "" if backend.supports_kv_connector() else backend.kv_connector_unsupported_reason()
@@ -158,3 +170,11 @@ def allocate_kv_caches(
         backend_name=backend.get_name(),
         _kv_connector_note=note,
     )
+
+
+def _span_for(layout: KVCacheLayout, num_blocks: int) -> int:
+    """:meth:`KVCacheLayout.layer_span` of the same layout with ``num_blocks`` blocks."""
+    shape = list(layout.logical_shape)
+    shape[layout.block_dim] = num_blocks
+    return KVCacheLayout(tuple(shape), layout.stride_order, layout.dim_names,
+                         layout.dtype).layer_span()

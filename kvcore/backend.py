@@ -102,6 +102,10 @@ class AttentionBackend(ABC):
     #: Importable modules the backend needs, with the pip requirement that provides each,
     #: e.g. ``(("flash_attn", "flash-attn"),)``. A missing one is a reason, not an ImportError.
     REQUIRED_PACKAGES: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: Largest number of elements one layer's cache view may span (``None``: no limit, every
+    #: offset int64). For kernels with 32-bit offsets; ``allocate_kv_caches`` refuses a larger
+    #: cache with the limit and the largest ``num_blocks`` that fits.
+    MAX_KV_CACHE_SPAN: ClassVar[int | None] = None
     #: Conformance-suite tolerances that widen the defaults: ``{dtype or kv-cache dtype name:
     #: (atol, rtol)}`` (see ``docs/conformance.md``). Empty: the suite's defaults.
     CONFORMANCE_TOLERANCES: ClassVar[dict[torch.dtype | str, tuple[float, float]]] = {}
@@ -196,6 +200,7 @@ class AttentionBackend(ABC):
             "features": [field for field, attr, _ in FEATURE_FLAGS if getattr(cls, attr)],
             "cross_layer": cls.supports_cross_layer(),
             "kv_connector": cls.supports_kv_connector(),
+            "max_kv_cache_span": cls.MAX_KV_CACHE_SPAN,
             "stride_order": list(cls.get_kv_cache_stride_order()),
         }
 

@@ -233,6 +233,17 @@ class KVCacheLayout:
             strides[logical_dim] = physical_strides[phys_pos]
         return tuple(strides)
 
+    def layer_span(self) -> int:
+        """Elements from the first to the last element of one layer's view, inclusive.
+
+        What a kernel with 32-bit offsets must be able to address: with a cross-layer layout
+        a layer's view spans (almost) every layer.
+        """
+        strides = self.logical_strides()
+        shape, strides = ((self.logical_shape[1:], strides[1:]) if self.has_layer_dim
+                          else (self.logical_shape, strides))
+        return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+
     def inverse_stride_order(self) -> tuple[int, ...]:
         """Permutation that turns the physical tensor back into the logical view."""
         inverse = [0] * len(self.stride_order)

@@ -121,3 +121,25 @@ def test_auto_honours_a_connector_that_prefers_per_layer_blocks():
     # an explicit choice wins over the preference
     assert kvcore.allocate_kv_caches("CPU_ATTN", **kwargs, cross_layer=True,
                                      prefer_cross_layer=False).is_cross_layer
+
+
+def test_declared_span_limit_refuses_a_larger_cache_before_allocating():
+    class Int32Offsets(kvcore.resolve_backend("CPU_ATTN")):  # type: ignore[misc]
+        MAX_KV_CACHE_SPAN = 2 * 16 * 2 * 8 * 5  # five blocks of one layer
+
+        @staticmethod
+        def get_name():
+            return "INT32_OFFSETS"
+
+    kwargs = dict(num_layers=3, block_size=16, num_kv_heads=2, head_size=8,
+                  dtype=torch.float32, device="meta")
+    stacked = kvcore.allocate_kv_caches(Int32Offsets, num_blocks=5, cross_layer=False, **kwargs)
+    assert stacked.layout.layer_span() == Int32Offsets.MAX_KV_CACHE_SPAN
+    with pytest.raises(ValueError, match=r"num_blocks=6: one layer's view of this L,B,2,N,H,D "
+                                         r"cache would span 3072 elements, over INT32_OFFSETS's "
+                                         r"MAX_KV_CACHE_SPAN of 2560; allocate at most 5 blocks "
+                                         r"or use another backend"):
+        kvcore.allocate_kv_caches(Int32Offsets, num_blocks=6, cross_layer=False, **kwargs)
+    # cross-layer: a layer's view strides over every layer, so far fewer blocks fit
+    with pytest.raises(ValueError, match=r"allocate at most 2 blocks \(or cross_layer=False\)"):
+        kvcore.allocate_kv_caches(Int32Offsets, num_blocks=5, cross_layer=True, **kwargs)

@@ -587,6 +587,10 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
 
     One layer of more than 2**31 elements; one request in the last blocks, one in the first.
     """
+    limit = backend.MAX_KV_CACHE_SPAN
+    if limit is not None and limit <= INT32_LIMIT:
+        return (f"{backend_label(backend)} declares MAX_KV_CACHE_SPAN={limit}: "
+                "kvcore.allocate_kv_caches refuses larger caches instead of addressing them")
     run = _Run(backend, config, device, seed)
     bs, d = config.block_size, config.head_size
     page = 2 * bs * NUM_KV_HEADS * d
