@@ -412,8 +412,8 @@ def build_attention_metadata(
     width = max((len(b) for b in block_tables), default=0)
     table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int32)
     for i, blocks in enumerate(block_tables):
-        if blocks:
-            table[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+        if len(blocks):
+            table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)

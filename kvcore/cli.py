@@ -102,9 +102,23 @@ def _config_from_args(args: argparse.Namespace) -> AttentionSelectorConfig:
 
 
 def cmd_select(args: argparse.Namespace) -> int:
-    if args.capability:
-        DeviceCapability.parse(args.capability)  # fail early with a clear message
-        os.environ["KVCORE_DEVICE_CAPABILITY"] = args.capability
+    if not args.capability:
+        return _select(args)
+    DeviceCapability.parse(args.capability)  # fail early with a clear message
+    # The platform reads the capability from the environment; restore it afterwards so an
+    # in-process caller of main() is not left simulating this device.
+    previous = os.environ.get("KVCORE_DEVICE_CAPABILITY")
+    os.environ["KVCORE_DEVICE_CAPABILITY"] = args.capability
+    try:
+        return _select(args)
+    finally:
+        if previous is None:
+            os.environ.pop("KVCORE_DEVICE_CAPABILITY", None)
+        else:
+            os.environ["KVCORE_DEVICE_CAPABILITY"] = previous
+
+
+def _select(args: argparse.Namespace) -> int:
     config = _config_from_args(args)
     report = kvcore.explain_selection(config, args.platform, args.backend)
     if args.format == "json":

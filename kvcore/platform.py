@@ -83,6 +83,13 @@ def _check_block_copy_args(
             f"src_block_indices has {indices[0].numel()} entries but dst_block_indices has "
             f"{indices[1].numel()}"
         )
+    dst_unique, dst_counts = indices[1].unique(return_counts=True)
+    if dst_unique.numel() != indices[1].numel():
+        repeated = dst_unique[dst_counts > 1].tolist()
+        raise ValueError(
+            f"dst_block_indices repeats block ids {repeated}: each destination block is "
+            "written once (which source would win is undefined)"
+        )
     return indices[0], indices[1]
 
 
@@ -260,14 +267,18 @@ def current_platform() -> Platform:
             except Exception as exc:
                 logger.warning("platform %r could not be loaded: %s", name, exc)
         platforms.sort(key=lambda p: -p.detection_priority)
+        absent = []
         for platform in platforms:
-            if platform.probe() is None:
+            try:
+                why_absent = platform.probe()
+            except Exception as exc:  # one platform's broken probe must not hide the others
+                why_absent = f"probe failed: {type(exc).__name__}: {exc}"
+                logger.warning("platform %r: %s", platform.name, why_absent)
+            if why_absent is None:
                 _current = platform
                 return platform
-        raise RuntimeError(
-            "no kvcore platform is available: "
-            + "; ".join(f"{p.name}: {p.probe()}" for p in platforms)
-        )
+            absent.append(f"{platform.name}: {why_absent}")
+        raise RuntimeError("no kvcore platform is available: " + "; ".join(absent))
 
 
 def require_present_platform(name: str | None = None) -> Platform:

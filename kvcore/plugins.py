@@ -205,6 +205,9 @@ def reset_plugins() -> None:
 
 
 def _on_change() -> None:
+    # Platform instances and selections were made from the old plugin set: forget both.
+    from kvcore.platform import clear_platform_cache
     from kvcore.selector import clear_selection_cache
 
+    clear_platform_cache()
     clear_selection_cache()

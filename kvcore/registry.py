@@ -181,8 +181,10 @@ _build_lock = threading.RLock()
 def _registry(kind: str) -> Registry:
     global _registries_generation
     with _build_lock:
-        pm = plugins.get_plugin_manager()
+        # Generation first: a plugin change between the two reads then only causes a
+        # rebuild on the next call, never a registry from the old manager kept as current.
         generation = plugins.plugin_generation()
+        pm = plugins.get_plugin_manager()
         if generation != _registries_generation:
             _registries.clear()
             _registries_generation = generation

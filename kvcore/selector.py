@@ -173,7 +173,10 @@ def _candidate_names(
     not know of (third-party ones). A backend the platform knows but left out of its list for
     this config (e.g. ROCM_ATTN with a KV connector) stays out."""
     registry = backend_registry()
-    preferred = [registry.normalize(n) for n in platform.get_backend_priorities(config, capability)]
+    # dict.fromkeys: a name listed twice is one candidate, tried at its first position.
+    preferred = list(dict.fromkeys(
+        registry.normalize(n) for n in platform.get_backend_priorities(config, capability)
+    ))
     extra = []
     for name in registry.names():
         if name in preferred or name in platform.BACKEND_PROVIDERS:

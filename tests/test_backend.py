@@ -130,3 +130,10 @@ def test_device_capability_parse_rejects_nonsense():
         DeviceCapability.parse("ampere")
     with pytest.raises(ValueError, match="'gfx123' is not a known gfx name"):
         DeviceCapability.parse("gfx123")
+
+
+def test_build_attention_metadata_accepts_tensor_block_table_rows():
+    rows = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
+    meta = kvcore.build_attention_metadata([2, 1], [1, 0], list(rows), block_size=2)
+    assert meta.block_table.tolist() == [[3, 4], [5, 6]]
+    assert meta.slot_mapping.tolist() == [7, 8, 10]

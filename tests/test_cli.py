@@ -95,3 +95,15 @@ def test_collect_env():
     assert data["platforms"]["cpu"] == "present"
     assert data["plugins"]["builtin_backends"] == "loaded"
     assert "torch:" in kvcore_cmd("collect-env").stdout
+
+
+def test_select_capability_does_not_leak_into_the_environment(fresh_kvcore, monkeypatch, capsys):
+    from kvcore.cli import main
+
+    monkeypatch.delenv("KVCORE_DEVICE_CAPABILITY", raising=False)
+    main(["select", "--platform", "cuda", "--capability", "9.0", "--format", "json"])
+    assert json.loads(capsys.readouterr().out)["device_capability"] == "9.0"
+    assert "KVCORE_DEVICE_CAPABILITY" not in os.environ
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "8.0")
+    main(["select", "--platform", "cuda", "--capability", "9.0", "--format", "json"])
+    assert os.environ["KVCORE_DEVICE_CAPABILITY"] == "8.0"

@@ -90,3 +90,49 @@ def test_round_trip_through_the_gpu():
     platform.insert_blocks_to_device(host_caches.layers[1], device_caches.layers[2],
                                      torch.tensor([2]), torch.tensor([0]))
     assert torch.equal(device_caches.layers[2][0], device_caches.layers[1][5])
+
+
+def test_block_movement_refuses_duplicate_destination_ids():
+    src, dst = _caches(4), _caches(4)
+    before = dst.storage.clone()
+    with pytest.raises(ValueError, match=r"dst_block_indices repeats block ids \[2\]"):
+        kvcore.get_platform("cpu").insert_blocks_to_device(
+            src.layers[0], dst.layers[0], torch.tensor([0, 1]), torch.tensor([2, 2]))
+    assert torch.equal(dst.storage, before)  # nothing moved
+    # A repeated *source* is fine: one block copied to two places.
+    kvcore.get_platform("cpu").insert_blocks_to_device(
+        src.layers[0], dst.layers[0], torch.tensor([1, 1]), torch.tensor([2, 3]))
+
+
+class _ExplodingPlatform(kvcore.Platform):
+    name = "exploding"
+    device_type = "cpu"
+    detection_priority = 1000  # probed first
+
+    def probe(self):
+        raise RuntimeError("driver exploded")
+
+    def get_backend_priorities(self, config, device_capability):
+        return []
+
+
+class _ExplodingPlugin:
+    @kvcore.hookimpl
+    def kvcore_register_platforms(self, register):
+        register("exploding", f"{__name__}:_ExplodingPlatform")
+
+
+def test_a_platform_whose_probe_raises_does_not_break_detection(fresh_kvcore):
+    kvcore.register_plugin(_ExplodingPlugin(), "exploding")
+    try:
+        assert kvcore.current_platform().name == "cpu"
+    finally:
+        kvcore.unregister_plugin("exploding")
+
+
+def test_plugin_changes_forget_platform_instances(fresh_kvcore):
+    kvcore.register_plugin(_ExplodingPlugin(), "exploding")
+    assert isinstance(kvcore.get_platform("exploding"), _ExplodingPlatform)
+    kvcore.unregister_plugin("exploding")
+    with pytest.raises(kvcore.UnknownNameError, match="exploding"):
+        kvcore.get_platform("exploding")

@@ -147,3 +147,29 @@ def test_unknown_backend_lists_valid_options(fresh_kvcore):
     with pytest.raises(kvcore.UnknownNameError,
                        match=r"unknown attention backend 'NOPE'; valid options are: .*CPU_ATTN"):
         kvcore.resolve_backend("NOPE")
+
+
+def test_registry_built_while_plugins_change_is_rebuilt(fresh_kvcore, monkeypatch):
+    """A plugin reset between the registry's two reads must not leave a stale registry."""
+    from kvcore import plugins, registry
+
+    class Late:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register("LATE_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")
+
+    kvcore.register_plugin(Late(), "late")
+    real = plugins.get_plugin_manager
+    raced = []
+
+    def racing_get_plugin_manager():
+        pm = real()
+        if not raced:  # another thread resets the plugins right after we got the manager
+            raced.append(True)
+            kvcore.reset_plugins()
+        return pm
+
+    monkeypatch.setattr(registry.plugins, "get_plugin_manager", racing_get_plugin_manager)
+    registry.backend_registry()  # built from the manager that was just discarded
+    monkeypatch.setattr(registry.plugins, "get_plugin_manager", real)
+    assert "LATE_ATTN" not in registry.backend_registry()

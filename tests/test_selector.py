@@ -235,3 +235,12 @@ def test_triton_attn_reasons(fresh_kvcore, monkeypatch, capability, kwargs, reas
     report = kvcore.explain_selection(Config(**{"head_size": 128, **kwargs}), "cuda")
     triton_attn = next(c for c in report.candidates if c.name == "TRITON_ATTN")
     assert reason in triton_attn.reasons
+
+
+def test_a_backend_listed_twice_by_a_platform_is_one_candidate(fresh_kvcore, monkeypatch):
+    cpu = kvcore.get_platform("cpu")
+    monkeypatch.setattr(type(cpu), "get_backend_priorities",
+                        lambda self, config, capability: ["CPU_ATTN", "cpu_attn"])
+    report = kvcore.explain_selection(Config(head_size=64, dtype=torch.float32), platform=cpu)
+    names = [c.name for c in report.candidates]
+    assert names.count("CPU_ATTN") == 1 and report.selected.name == "CPU_ATTN"

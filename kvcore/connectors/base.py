@@ -152,6 +152,7 @@ class TransferHandle:
         self._block = block
         self._collect = collect
         self._result: TransferResult | None = None
+        self._error: Exception | None = None  # what collect() raised, re-raised by wait()
         self._lock = threading.Lock()
 
     @classmethod
@@ -169,18 +170,28 @@ class TransferHandle:
         return cls(op, failure_policy, future.done, block, future.result)
 
     def _finish(self) -> TransferResult:
+        """Run ``collect`` once; a transfer that raised raises the same error every time."""
         with self._lock:
-            if self._result is None:
-                self._result = self._collect()
+            if self._result is None and self._error is None:
+                try:
+                    self._result = self._collect()
+                except Exception as exc:
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
             return self._result
 
     def done(self) -> bool:
-        """Whether the transfer finished (never raises, never blocks)."""
-        if self._result is not None:
+        """Whether the transfer finished (never raises, never blocks); a transfer that raised
+        is done, and :meth:`wait` raises its error."""
+        if self._result is not None or self._error is not None:
             return True
         if not self._is_done():
             return False
-        self._finish()
+        try:
+            self._finish()
+        except Exception:
+            pass  # kept on the handle: wait() raises it
         return True
 
     def wait(self, timeout: float | None = None) -> TransferResult:
@@ -192,7 +203,7 @@ class TransferHandle:
         """
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout={timeout!r} must be None or a number of seconds >= 0")
-        if self._result is None and not self._block(timeout):
+        if self._result is None and self._error is None and not self._block(timeout):
             raise TimeoutError(f"{self.op} still running after timeout={timeout} s; "
                                "call wait() again or poll done()")
         result = self._finish()
@@ -286,7 +297,8 @@ class KVConnector(ABC):
         """
         keys, ids = self._check_transfer("save", keys, block_ids)
         if len(set(keys)) != len(keys):
-            raise ValueError("keys has duplicates; each block is saved under its own key")
+            repeated = sorted({k for k in keys if keys.count(k) > 1})
+            raise ValueError(f"keys repeats {repeated}; each block is saved under its own key")
         return self._save(keys, ids)
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int] | torch.Tensor

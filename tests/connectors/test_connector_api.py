@@ -124,7 +124,7 @@ def test_bad_transfer_arguments_are_named(connector, keys, block_ids, error, mes
 def test_duplicates_are_refused(connector):
     connector.register_kv_caches(make_caches(cross_layer=True))
     keys = keys_for(4, 2)
-    with pytest.raises(ValueError, match="keys has duplicates"):
+    with pytest.raises(ValueError, match=rf"keys repeats \['{keys[0]}'\]"):
         connector.save([keys[0], keys[0]], [0, 1])
     with pytest.raises(ValueError, match=r"block_ids repeats \[3\]"):
         connector.load(keys, [3, 3])
@@ -175,6 +175,29 @@ def test_handle_wait_timeout_and_result():
         handle.wait(timeout=-1)
     assert TransferHandle.completed("load", "recompute", result).wait() is result
     assert result.gbps == 4.0 and result.ok
+
+
+def test_handle_of_a_transfer_that_raised_is_done_and_wait_raises():
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    future.set_exception(RuntimeError("worker died"))
+    handle = TransferHandle.from_future("save", "recompute", future)
+    assert handle.done()  # polling never raises
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="worker died"):
+            handle.wait(timeout=0)
+    calls = []
+
+    def collect():
+        calls.append(1)
+        raise OSError("disk gone")
+
+    handle = TransferHandle("load", "recompute", lambda: True, lambda t: True, collect)
+    assert handle.done() and handle.done()
+    with pytest.raises(OSError, match="disk gone"):
+        handle.wait()
+    assert len(calls) == 1  # collect releases resources: it runs once
 
 
 @pytest.mark.parametrize(
