@@ -107,3 +107,13 @@ def test_select_capability_does_not_leak_into_the_environment(fresh_kvcore, monk
     monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "8.0")
     main(["select", "--platform", "cuda", "--capability", "9.0", "--format", "json"])
     assert os.environ["KVCORE_DEVICE_CAPABILITY"] == "8.0"
+
+
+def test_output_cut_short_by_the_reader_is_not_a_traceback():
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "list"], env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before anything is written: EPIPE on write
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr

@@ -101,7 +101,9 @@ def inject_kv_into_layer(
     if ids.numel() and ids.unique().numel() != ids.numel():
         raise ValueError(f"request {request_id!r}: block_ids has duplicates: "
                          f"{sorted(ids.tolist())}")
-    layer.index_copy_(0, ids, kv.to(layer.device, non_blocking=True))
+    # non_blocking only towards a GPU: a GPU -> CPU copy that returned early could be read by
+    # index_copy_ on the host before it landed.
+    layer.index_copy_(0, ids, kv.to(layer.device, non_blocking=layer.device.type != "cpu"))
 
 
 def virtually_split_kv_in_blocks(kv_caches: KVCaches) -> list[torch.Tensor]:
