@@ -65,12 +65,6 @@ class KVCaches:
         page_size_bytes`` for all layers at once (``layer=None``, cross-layer caches only:
         each row is then one contiguous run).
         """
-        if not self.layout.is_blocks_first:
-            raise ValueError(
-                f"the KV cache of {self.backend_name} has layout {self.layout} whose block dim "
-                f"is not outermost, so blocks are not contiguous byte runs; "
-                f"{self._kv_connector_note or 'use a blocks-first backend'}"
-            )
         raw = self.storage.view(torch.uint8)
         page = self.page_size_bytes
         if layer is None:
@@ -80,6 +74,13 @@ class KVCaches:
                     f"cross-layer (layout {self.layout}); pass layer=0..{self.num_layers - 1}"
                 )
             return raw.view(self.num_blocks, self.num_layers * page)
+        if not self.layout.is_blocks_first:
+            raise ValueError(
+                f"the KV cache of {self.backend_name} has layout {self.layout}, in which one "
+                f"layer's block is not one contiguous byte run; "
+                + ("move whole blocks with layer=None" if self.is_cross_layer else
+                   self._kv_connector_note or "use a blocks-first backend")
+            )
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"layer must be an int or None, got {type(layer).__name__}")
         if not 0 <= layer < self.num_layers:

@@ -143,3 +143,22 @@ def test_declared_span_limit_refuses_a_larger_cache_before_allocating():
     # cross-layer: a layer's view strides over every layer, so far fewer blocks fit
     with pytest.raises(ValueError, match=r"allocate at most 2 blocks \(or cross_layer=False\)"):
         kvcore.allocate_kv_caches(Int32Offsets, num_blocks=5, cross_layer=True, **kwargs)
+
+
+def test_cross_layer_order_that_splits_pages_moves_whole_blocks_only():
+    class KVOuter(kvcore.resolve_backend("CPU_ATTN")):  # type: ignore[misc]
+        @staticmethod
+        def get_name():
+            return "KV_OUTER"
+
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            # B,2,L,N,H,D: all layers of a block are one run, but a layer's K and V are apart
+            return (1, 2, 0, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+    caches = kvcore.allocate_kv_caches(KVOuter, **SIZES, dtype=torch.float32, device="cpu")
+    assert str(caches.layout) == "B,2,L,N,H,D" and caches.is_cross_layer
+    assert tuple(caches.block_view().shape) == (7, 3 * caches.page_size_bytes)
+    with pytest.raises(ValueError, match="one layer's block is not one contiguous byte run; "
+                                         "move whole blocks with layer=None"):
+        caches.block_view(0)

@@ -94,7 +94,7 @@ def test_register_checks_its_argument(connector):
 
 
 def test_legacy_layout_is_refused_with_its_reason(connector):
-    with pytest.raises(ValueError, match="block dim is not outermost"):
+    with pytest.raises(ValueError, match="block is not one contiguous byte run"):
         connector.register_kv_caches(make_caches(cross_layer=False, layout="legacy"))
 
 
