@@ -92,3 +92,37 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             "kvcore_backend",
             [pytest.param(b, id=backend_label(b)) for b in backends]
             or [pytest.param(None, id="none", marks=skip)])
+
+
+@pytest.fixture
+def kvcore_simulate(monkeypatch: pytest.MonkeyPatch):
+    """Select backends as on another device, for tests of selection and validation.
+
+    ``kvcore_simulate("rocm", "gfx942", plugins=("rocm",))`` forces the platform and device
+    capability (``KVCORE_PLATFORM`` / ``KVCORE_DEVICE_CAPABILITY``), allows only the named
+    third-party plugins (``KVCORE_PLUGINS``; ``None`` leaves the allowlist alone) and resets
+    kvcore's plugin, platform and selection state. Everything is restored after the test.
+    """
+    import kvcore
+
+    def reset() -> None:
+        kvcore.reset_plugins()
+        kvcore.clear_platform_cache()
+        kvcore.clear_selection_cache()
+
+    def simulate(platform: str, capability: str | None = None,
+                 plugins: tuple[str, ...] | None = None) -> None:
+        monkeypatch.delenv("KVCORE_ATTENTION_BACKEND", raising=False)
+        monkeypatch.delenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+        if plugins is not None:
+            monkeypatch.setenv("KVCORE_PLUGINS", ",".join(plugins))
+        monkeypatch.setenv("KVCORE_PLATFORM", platform)
+        if capability is None:
+            monkeypatch.delenv("KVCORE_DEVICE_CAPABILITY", raising=False)
+        else:
+            monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", capability)
+        reset()
+
+    yield simulate
+    monkeypatch.undo()
+    reset()

@@ -9,7 +9,6 @@ skipped without a GPU.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,25 +34,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
-    """``cuda("9.0")``: simulate a CUDA device of that capability with only the kvcore-nvidia
-    plugin allowed (third-party plugins installed beside it, such as the example plugin's
-    SDPA_GATHER, would otherwise join the candidates)."""
-    import kvcore
-
-    def reset() -> None:
-        kvcore.reset_plugins()
-        kvcore.clear_platform_cache()
-        kvcore.clear_selection_cache()
-
-    def simulate(capability: str) -> None:
-        monkeypatch.delenv("KVCORE_ATTENTION_BACKEND", raising=False)
-        monkeypatch.delenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-        monkeypatch.setenv("KVCORE_PLUGINS", "nvidia")
-        monkeypatch.setenv("KVCORE_PLATFORM", "cuda")
-        monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", capability)
-        reset()
-
-    yield simulate
-    monkeypatch.undo()
-    reset()
+def cuda(kvcore_simulate):
+    """``cuda("9.0")``: simulate a CUDA device of that capability with only the
+    kvcore-nvidia plugin allowed (third-party plugins installed beside it, such as the example
+    plugin's SDPA_GATHER, would otherwise join the candidates)."""
+    return lambda capability: kvcore_simulate("cuda", capability, plugins=("nvidia",))

@@ -16,24 +16,7 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture
-def rocm(monkeypatch: pytest.MonkeyPatch):
-    """``rocm("gfx942")``: simulate a ROCm device of that capability with only the kvcore-rocm
-    plugin allowed (so the test stand-ins under tests/plugins never collide with it)."""
-    import kvcore
-
-    def reset() -> None:
-        kvcore.reset_plugins()
-        kvcore.clear_platform_cache()
-        kvcore.clear_selection_cache()
-
-    def simulate(capability: str) -> None:
-        monkeypatch.delenv("KVCORE_ATTENTION_BACKEND", raising=False)
-        monkeypatch.delenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-        monkeypatch.setenv("KVCORE_PLUGINS", "rocm")
-        monkeypatch.setenv("KVCORE_PLATFORM", "rocm")
-        monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", capability)
-        reset()
-
-    yield simulate
-    monkeypatch.undo()
-    reset()
+def rocm(kvcore_simulate):
+    """``rocm("gfx942")``: simulate a ROCm device of that capability with only the
+    kvcore-rocm plugin allowed (so the test stand-ins under tests/plugins never collide with it)."""
+    return lambda capability: kvcore_simulate("rocm", capability, plugins=("rocm",))
