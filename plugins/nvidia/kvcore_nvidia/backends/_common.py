@@ -8,7 +8,7 @@ from typing import TypeVar
 import torch
 
 from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, AttentionType
-from kvcore.ops import reshape_and_cache, triton_available
+from kvcore.ops import reshape_and_cache, triton_available, validate_paged_attention
 
 T = TypeVar("T")
 
@@ -89,3 +89,25 @@ class StepCache:
             self._value = build()
             self._metadata, self._key = attn_metadata, key
         return self._value  # type: ignore[return-value]
+
+
+def begin_forward(
+    impl: AttentionImpl,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    output: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """What every forward of this plugin does first: split K/V with ``unbind(1)``, validate
+    the batch against the cache (before any kernel), and allocate ``output`` if not given.
+
+    Returns ``(key_cache, value_cache, num_actual_tokens, output)``.
+    """
+    key_cache, value_cache = kv_cache.unbind(1)
+    n = attn_metadata.num_actual_tokens
+    validate_paged_attention(
+        query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
+        attn_metadata.seq_lens, attn_metadata.block_table,
+        kv_cache_dtype=impl.kv_cache_dtype, sliding_window=impl.sliding_window,
+        output=None if output is None else output[:n])
+    return key_cache, value_cache, n, torch.empty_like(query) if output is None else output

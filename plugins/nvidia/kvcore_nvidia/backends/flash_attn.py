@@ -30,8 +30,13 @@ from kvcore import (
     DeviceCapability,
     MultipleOf,
 )
-from kvcore.ops import validate_paged_attention
-from kvcore_nvidia.backends._common import cumulative, is_causal, triton_reasons, write_cache
+from kvcore_nvidia.backends._common import (
+    begin_forward,
+    cumulative,
+    is_causal,
+    triton_reasons,
+    write_cache,
+)
 
 __all__ = ["FlashAttentionBackend", "FlashAttentionImpl"]
 
@@ -93,15 +98,8 @@ class FlashAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func
 
-        key_cache, value_cache = kv_cache.unbind(1)
-        n = attn_metadata.num_actual_tokens
-        validate_paged_attention(
-            query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table,
-            kv_cache_dtype=self.kv_cache_dtype, sliding_window=self.sliding_window,
-            output=None if output is None else output[:n])
-        if output is None:
-            output = torch.empty_like(query)
+        key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
+                                                          output)
         if n == 0:
             return output
         causal = is_causal(self, attn_metadata)

@@ -47,9 +47,9 @@ from kvcore import (
     AttentionType,
     DeviceCapability,
 )
-from kvcore.ops import validate_paged_attention
 from kvcore_nvidia.backends._common import (
     StepCache,
+    begin_forward,
     cumulative,
     is_causal,
     pages_per_request,
@@ -190,15 +190,8 @@ class FlashInferImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache.unbind(1)
-        n = attn_metadata.num_actual_tokens
-        validate_paged_attention(
-            query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table,
-            kv_cache_dtype=self.kv_cache_dtype, sliding_window=self.sliding_window,
-            output=None if output is None else output[:n])
-        if output is None:
-            output = torch.empty_like(query)
+        key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
+                                                          output)
         if n == 0:
             return output
         q = query[:n].contiguous()

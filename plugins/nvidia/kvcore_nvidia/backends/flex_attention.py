@@ -66,8 +66,13 @@ from kvcore import (
     AttentionType,
     DeviceCapability,
 )
-from kvcore.ops import validate_paged_attention
-from kvcore_nvidia.backends._common import StepCache, is_causal, triton_reasons, write_cache
+from kvcore_nvidia.backends._common import (
+    StepCache,
+    begin_forward,
+    is_causal,
+    triton_reasons,
+    write_cache,
+)
 
 __all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "build_block_mask",
            "paged_sequence_views"]
@@ -335,15 +340,8 @@ class FlexAttentionImpl(AttentionImpl):
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _refuse_int32_overflow(kv_cache)
-        key_cache, value_cache = kv_cache.unbind(1)
-        n = attn_metadata.num_actual_tokens
-        validate_paged_attention(
-            query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table,
-            kv_cache_dtype=self.kv_cache_dtype, sliding_window=self.sliding_window,
-            output=None if output is None else output[:n])
-        if output is None:
-            output = torch.empty_like(query)
+        key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
+                                                          output)
         if n == 0:
             return output
         num_blocks, block_size = key_cache.shape[:2]
