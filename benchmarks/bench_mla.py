@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -56,12 +56,15 @@ import torch  # noqa: E402
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(_ROOT), str(_ROOT / "plugins" / "mla")]
 import kvcore_mla.ops as mla_ops  # noqa: E402
+import timing  # noqa: E402
 from kvcore_mla import TritonMLABackend  # noqa: E402
+from timing import rel_err  # noqa: E402
 
 import kvcore  # noqa: E402
 import kvcore.ops  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
+time_call = functools.partial(timing.time_call, device=DEVICE)
 DTYPE = torch.bfloat16
 RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
 ENTRY = RANK + ROPE
@@ -146,75 +149,6 @@ class Run:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _time_with_events(fn: Callable[[], object], inner: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(15):
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    return statistics.median(times)
-
-
-def time_call(fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
-    """Median seconds of one call: replays of a CUDA graph holding several calls (no launch
-    gaps or host overhead), or CUDA events around back-to-back calls when ``graph`` is false
-    (functions that synchronise with the host, e.g. the torch references' boolean indexing,
-    cannot be captured) or when capture fails; wall time on the CPU.
-
-    Nothing here draws random numbers, and the inputs are made before (see :func:`randn`):
-    a random call inside a capture, or a failed capture with the default CUDA generator
-    registered, poisons torch's CUDA RNG ("Offset increment outside graph capture") for the
-    rest of the process."""
-    if DEVICE == "cpu":
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), "cpu-wall"
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    single = max(start.elapsed_time(end) / 3e3, 1e-6)
-    inner = max(1, min(100, int(4e-3 / single)))
-    if not graph:
-        return _time_with_events(fn, max(1, min(20, inner))), "events"
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(15):
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / inner)
-        return statistics.median(times), f"cuda-graph x{inner}"
-    except Exception as exc:
-        torch.cuda.synchronize()
-        print(f"    (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing with "
-              "events)", flush=True)
-        return _time_with_events(fn, max(1, min(20, inner))), "events (capture failed)"
-
-
 _SEED = [0]
 
 
@@ -263,11 +197,6 @@ def randn(*shape: int, dtype: torch.dtype = DTYPE, scale: float = 1.0) -> torch.
         return t.to(dtype).to(DEVICE)
     t = torch.empty(*shape, dtype=torch.float32, device=DEVICE)
     return fill_normal_(t, scale).to(dtype)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def record(run: Run, name: str, ok: bool, **info: object) -> None:

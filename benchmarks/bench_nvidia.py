@@ -35,12 +35,10 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,6 +47,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from timing import time_call  # noqa: E402
 
 import kvcore  # noqa: E402
 from kvcore.ops import reshape_and_cache_ref, set_value_checks  # noqa: E402
@@ -117,59 +117,6 @@ class Run:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def time_call(fn: Callable[[], object], device: str, graph: bool = True) -> tuple[float, str]:
-    """Median seconds of one call: replays of a CUDA graph holding several calls (no launch
-    gaps, no host work), else an event-timed loop (host work of each call included)."""
-    if device == "cpu":
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), "cpu-wall"
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    single = max(start.elapsed_time(end) / 3e3, 1e-6)
-    inner = max(1, min(100, int(5e-3 / single)))
-    if graph:
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(inner):
-                    fn()
-            g.replay()
-            times = []
-            for _ in range(11):
-                start.record()
-                g.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3 / inner)
-            return statistics.median(times), f"cuda-graph x{inner}"
-        except Exception:
-            torch.cuda.synchronize()
-    times = []
-    for _ in range(11):
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    return statistics.median(times), f"event loop x{inner}"
 
 
 def randn(*shape: int, device: str, dtype: torch.dtype = DTYPE) -> torch.Tensor:

@@ -36,11 +36,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -55,10 +55,14 @@ if SMOKE:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import timing  # noqa: E402
+from timing import rel_err  # noqa: E402
+
 import kvcore.ops as ops  # noqa: E402
 from kvcore.ops import paged_attention_ref, reshape_and_cache_ref  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
+time_call = functools.partial(timing.time_call, device=DEVICE)
 DTYPE = torch.bfloat16
 HQ, HK, D, BS = 32, 8, 128, 16
 if SMOKE:
@@ -130,54 +134,6 @@ class Run:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_call(fn: Callable[[], object]) -> tuple[float, str]:
-    """Median seconds of one call of ``fn``: replays of a CUDA graph holding several calls
-    (no launch gaps, no host overhead), or ``do_bench``'s median if capture fails."""
-    if DEVICE == "cpu":
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), "cpu-wall"
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    single = max(start.elapsed_time(end) / 3e3, 1e-6)
-    inner = max(1, min(200, int(4e-3 / single)))
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # allocations of the first call on this stream stay out of the graph pool
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(15):
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / inner)
-        return statistics.median(times), f"cuda-graph x{inner}"
-    except Exception:
-        torch.cuda.synchronize()
-        import triton.testing
-
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        return ms / 1e3, "do_bench"
-
-
 # ----------------------------------------------------------------------------- data
 
 
@@ -185,11 +141,6 @@ def randn(*shape: int, dtype: torch.dtype = DTYPE, scale: float = 1.0) -> torch.
     t = torch.empty(*shape, dtype=torch.float32 if dtype.itemsize == 1 else dtype, device=DEVICE)
     t.normal_(0.0, scale)
     return t.to(dtype)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 class DecodeBatch:
