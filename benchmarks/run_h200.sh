@@ -2,7 +2,14 @@
 # One combined GPU session on the H200 (device tool): GPU tests first, then each benchmark.
 # Logs and JSON land under $OUT; every step runs even if an earlier one fails.
 # Usage (device run): bash benchmarks/run_h200.sh
+#   STEPS="gpu_tests conformance benches" (default) picks steps; also nvidia_tests (the NVIDIA
+#   plugin's GPU tests: carry .whl for FlashInfer) and sanitizer (the offload connector's GPU
+#   tests under PyTorch's CUDA stream sanitizer, which reports unsynchronised cross-stream use).
+#   On a machine with two GPUs the p2p NCCL tests in gpu_tests run instead of skipping.
 set -u
+STEPS=${STEPS:-gpu_tests conformance benches}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast (shared machines)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -22,16 +29,24 @@ step() {  # step NAME TIMEOUT CMD...
     tail -n 25 "$OUT/$name.log"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+[ "$(nvidia-smi -L | wc -l)" -gt 1 ] && nvidia-smi topo -m
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests plugins/rocm/tests plugins/mla/tests
+has gpu_tests && step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
+    -p no:cacheprovider -o addopts="" tests plugins/rocm/tests plugins/mla/tests
+has nvidia_tests && step nvidia_tests ${NVIDIA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q \
+    -p no:cacheprovider -o addopts="" plugins/nvidia/tests
+has sanitizer && step sanitizer ${SANITIZER_LIMIT:-200} env TORCH_CUDA_SANITIZER=1 \
+    python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+    tests/connectors/test_offload.py tests/connectors/test_offload_staging.py
 # The conformance suite on every GPU backend that is installed (a missing one fails its step).
 conformance=(); for b in ${CONFORMANCE_BACKENDS:-TRITON_ATTN TRITON_ATTN_HND SDPA_GATHER}; do
     conformance+=(--kvcore-backend "$b"); done
-step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider \
-    -o addopts="" "${conformance[@]}" --kvcore-device cuda
+has conformance && step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
+    -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda
 # name:seconds; the limits keep the whole script inside one 10-minute device call
-for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70}; do
-    bench=${entry%%:*}
-    [ -f "benchmarks/$bench.py" ] && step "$bench" "${entry##*:}" python3 "benchmarks/$bench.py"
-done
+if has benches; then
+    for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70}; do
+        bench=${entry%%:*}
+        [ -f "benchmarks/$bench.py" ] && step "$bench" "${entry##*:}" python3 "benchmarks/$bench.py"
+    done
+fi

@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -54,6 +54,8 @@ __all__ = ["OffloadConnector"]
 DEFAULT_CHUNK_BYTES = 64 << 20
 #: Cross-layer runs at least this large on average are copied directly (no staging kernel).
 DIRECT_MIN_RUN_BYTES = 16 << 20
+#: Block ids the pinned upload ring holds (512 KiB); a larger transfer uploads in pieces.
+ID_RING_ENTRIES = 1 << 16
 
 
 @dataclass
@@ -225,6 +227,70 @@ def _after(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> 
         stream.wait_event(event)
 
 
+class _IdUploader:
+    """Block ids to the device without ever blocking the host (CUDA only).
+
+    Pinning host memory per transfer calls ``cudaHostAlloc``, which waits until the device
+    is idle: a save issued behind a busy engine stream would return only once that stream
+    drained. Instead, ids are written into a pinned ring allocated once and copied on a
+    stream of their own that waits for nothing, so each copy finishes within microseconds
+    even while the engine's stream is busy, and a region of the ring is free again almost at
+    once. (Copied on the kernel stream, behind the engine's work, a region would stay in use
+    until the engine drained; writing it again before that would change the ids of a gather
+    not yet run.) Reusing a region whose copy has not finished waits for that copy, which
+    depends on nothing but the bus. The device tensor is allocated on the upload stream and
+    recorded on the consuming stream, so the caching allocator hands its memory out again
+    only after the consumer's kernels have run.
+    """
+
+    def __init__(self, device: torch.device, entries: int) -> None:
+        self._host = torch.empty(entries, dtype=torch.int64, pin_memory=True)
+        self._stream = torch.cuda.Stream(device)
+        self._device = device
+        self._next = 0
+        #: ``(start, stop, event)`` of ring regions whose copies may still run, oldest first.
+        self._busy: deque[tuple[int, int, torch.cuda.Event]] = deque()
+        self._lock = threading.Lock()
+        #: How often the host waited for a ring region (a copy still running); for tests.
+        self.waits = 0
+
+    def upload(self, ids: list[int], consumer: torch.cuda.Stream) -> torch.Tensor:
+        """``ids`` as an int64 device tensor that ``consumer`` may use from now on."""
+        entries = self._host.numel()
+        values = torch.tensor(ids, dtype=torch.int64)
+        with self._lock, torch.cuda.stream(self._stream):
+            out = torch.empty(len(ids), dtype=torch.int64, device=self._device)
+            for first in range(0, len(ids), entries):
+                piece = values[first:first + entries]
+                start, stop = self._region(piece.numel())
+                self._host[start:stop].copy_(piece)
+                out[first:first + piece.numel()].copy_(self._host[start:stop],
+                                                      non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
+                self._busy.append((start, stop, copied))
+        consumer.wait_stream(self._stream)
+        out.record_stream(consumer)
+        return out
+
+    def _region(self, n: int) -> tuple[int, int]:
+        """A free ``[start, stop)`` of the ring for ``n`` ids (``n`` <= its size)."""
+        start = self._next if self._next + n <= self._host.numel() else 0
+        stop = start + n
+        overlapping = [i for i, (a, b, _) in enumerate(self._busy) if a < stop and start < b]
+        if overlapping:
+            # One stream: once the newest overlapping copy is done, so are all older ones.
+            last = overlapping[-1]
+            self._busy[last][2].synchronize()
+            self.waits += 1
+            for _ in range(last + 1):
+                self._busy.popleft()
+        while self._busy and self._busy[0][2].query():
+            self._busy.popleft()
+        self._next = stop
+        return start, stop
+
+
 class _Staging:
     """One direction's two device staging buffers, and when each is free again."""
 
@@ -299,6 +365,7 @@ class OffloadConnector(KVConnector):
             else (None, None)
             for op in ("save", "load")
         }
+        self._ids = _IdUploader(device, ID_RING_ENTRIES) if self._async else None
         if self._async:
             self._warm_up(device)
 
@@ -309,7 +376,8 @@ class OffloadConnector(KVConnector):
         waits for the device to be idle: without this, the first staged save() would block
         the host for as long as the engine's stream is busy. Block 0 goes back onto itself.
         """
-        ids = torch.zeros(1, dtype=torch.int64, device=device)
+        stream = torch.cuda.current_stream(device)
+        ids = self._device_ids([0], stream)  # also caches device memory for the upload stream
         row = self._staging["save"].buffers[0][:1]
         self._gather(ids, row)
         self._scatter(ids, row)
@@ -474,8 +542,7 @@ class OffloadConnector(KVConnector):
         pool (after its previous scatter), kernel stream scatters it into the blocks.
         """
         _after(kernel_stream, start)  # the gathers/scatters too follow the engine's stream
-        with _on(kernel_stream):  # the ids live on the stream that indexes with them
-            ids = self._device_ids(plan.blocks)
+        ids = self._device_ids(plan.blocks, kernel_stream)
         for chunk in plan.chunks:
             b = staging.take()
             buf = staging.buffers[b][:chunk.stop - chunk.start]
@@ -506,14 +573,12 @@ class OffloadConnector(KVConnector):
             return copy_stream
         return kernel_stream
 
-    def _device_ids(self, blocks: list[int]) -> torch.Tensor:
-        """``blocks`` as an int64 tensor on the cache's device, copied asynchronously on the
-        current stream from pinned memory (the caching host allocator keeps that memory until
-        the copy is done)."""
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        if not self._async:
-            return ids
-        return ids.pin_memory().to(self._dev_views[0].device, non_blocking=True)
+    def _device_ids(self, blocks: list[int], stream: torch.cuda.Stream | None) -> torch.Tensor:
+        """``blocks`` as an int64 tensor on the cache's device, ready for ``stream`` (on CPU,
+        a plain tensor)."""
+        if self._ids is None:
+            return torch.tensor(blocks, dtype=torch.int64)
+        return self._ids.upload(blocks, stream)
 
     def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = blocks ids[i]`` of every layer (``out`` is ``(n, num_views, words)``)."""
@@ -587,4 +652,4 @@ class OffloadConnector(KVConnector):
                 handle.wait()
             except KVTransferError:  # nobody waits for this result any more
                 pass
-        del self._host, self._host3, self._staging, self._dev_views, self._dev3
+        del self._host, self._host3, self._staging, self._dev_views, self._dev3, self._ids

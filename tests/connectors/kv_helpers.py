@@ -96,20 +96,20 @@ BACKENDS = {"nhd": "CPU_ATTN", "hnd": HndBackend, "interleaved": InterleavedBack
 
 
 def make_caches(*, cross_layer: bool, dtype: str = "bf16", layout: str = "nhd",
-                seed: int | None = None, **sizes: int) -> KVCaches:
+                seed: int | None = None, device: str = "cpu", **sizes: int) -> KVCaches:
     """A cache filled with random values (``seed`` makes them reproducible in another
-    process; ``None`` draws fresh ones)."""
+    process, on any device; ``None`` draws fresh ones)."""
     model_dtype, kv_cache_dtype = DTYPES[dtype]
     kv = kvcore.allocate_kv_caches(
         BACKENDS[layout], **{**SIZES, **sizes}, dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
-        device="cpu", cross_layer=cross_layer)
+        device=device, cross_layer=cross_layer)
     randomize(kv, seed)
     return kv
 
 
 def randomize(kv: KVCaches, seed: int | None = None) -> None:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    values = torch.randn(kv.storage.shape, generator=gen) * 4
+    values = torch.randn(kv.storage.shape, generator=gen) * 4  # on the CPU: same per seed
     kv.storage.copy_(values.to(kv.storage.dtype))
 
 

@@ -4,6 +4,7 @@ chunking, ordering and bit-exactness are checked here; the CUDA streams only add
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -282,3 +283,57 @@ def test_cuda_staged_transfers_back_to_back_and_concurrent_are_bit_exact(cross):
             out = random.sample(range(128, 256), 40)
             assert conn.load(k, out).wait(timeout=60).ok
             assert torch.equal(block_bytes(kv, out).cpu(), e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
+def test_cuda_overlapping_transfers_behind_a_busy_engine_match_a_dictionary(cross, monkeypatch):
+    """Rounds of saves and loads issued while the engine's stream sleeps: every call returns
+    at once (nothing waits for the device), and every load holds exactly what was saved under
+    its key. The id ring is made tiny so that it wraps within a round: an id region reused
+    before its copy ran would move the wrong blocks."""
+    import time
+
+    import kvcore
+    from kvcore.connectors import offload
+
+    monkeypatch.setattr(offload, "ID_RING_ENTRIES", 48)
+    rnd = random.Random(1234)
+    kv = kvcore.allocate_kv_caches("CPU_ATTN", num_layers=4, num_blocks=256, block_size=16,
+                                   num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                                   device="cuda", cross_layer=cross)
+    sources, targets = range(128), range(128, 256)
+    model: dict[str, torch.Tensor] = {}  # key -> the bytes saved under it
+    with offload_for(kv, 200, chunk_blocks=9) as conn:
+        for _ in range(5):
+            kv.storage.copy_(torch.randn(kv.storage.shape, device="cuda"))
+            snapshot = block_bytes(kv, list(sources)).cpu()  # what this round's saves read
+            torch.cuda._sleep(1_000_000_000)  # the engine is busy for a good while
+            issued = time.perf_counter()
+            saves, loads = [], []
+            free_targets = rnd.sample(targets, len(targets))
+            for _ in range(4):
+                ids = rnd.sample(sources, 25)
+                keys = keys_for(rnd.randrange(2**31), 25)
+                saves.append((conn.save(keys, ids), keys, ids))
+                # loads of keys saved earlier, this round or before, into blocks no other
+                # load of the round writes
+                known = [k for k in conn.cached_keys() if k in model or k in keys]
+                wanted = rnd.sample(known, min(20, len(known)))
+                dst = [free_targets.pop() for _ in wanted]
+                for k, b in zip(keys, ids, strict=True):
+                    model.setdefault(k, snapshot[b])
+                loads.append((conn.load(wanted, dst), wanted, dst))
+            elapsed = time.perf_counter() - issued
+            assert not saves[0][0].done(), "the engine's stream should still be asleep"
+            if not os.environ.get("TORCH_CUDA_SANITIZER"):  # it slows every op down
+                assert elapsed < 0.25, f"issuing 8 transfers took {elapsed:.3f} s: the host " \
+                    "waited for the device"
+            for handle, _, _ in saves:
+                assert handle.wait(timeout=60).ok
+            for handle, wanted, dst in loads:
+                assert handle.wait(timeout=60).ok
+                got = block_bytes(kv, dst).cpu()
+                for key, row in zip(wanted, got, strict=True):
+                    assert torch.equal(row, model[key]), "a loaded block differs from its save"
+        assert conn.paths["staged"] > 0

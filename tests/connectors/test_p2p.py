@@ -30,10 +30,11 @@ PEER = Path(__file__).with_name("p2p_peer.py")
 
 @contextmanager
 def peer_process(scenario: str, port: int, seed: int, *, layout: str = "nhd",
-                 cross: bool = False, dtype: str = "bf16") -> Iterator[subprocess.Popen]:
+                 cross: bool = False, dtype: str = "bf16", device: str = "cpu"
+                 ) -> Iterator[subprocess.Popen]:
     proc = subprocess.Popen(
         [sys.executable, str(PEER), scenario, str(port), str(seed), layout,
-         "1" if cross else "0", dtype],
+         "1" if cross else "0", dtype, device],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc
@@ -279,3 +280,51 @@ def test_cuda_caches_over_gloo_are_staged_through_host_memory_bit_exact():
         assert c0.save(keys, [1, 2, 3]).wait(timeout=10).ok
         assert c1.load(keys, [7, 8, 9]).wait(timeout=10).ok
     assert torch.equal(block_bytes(kv1, [7, 8, 9]), block_bytes(kv0, [1, 2, 3]))
+
+
+def _two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA GPUs (NCCL pairs one rank per GPU); this machine has "
+                    f"{torch.cuda.device_count()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
+def test_two_processes_on_two_gpus_exchange_blocks_over_nccl_bit_exact(cross):
+    _two_gpus()
+    seed = random.randrange(2**31)
+    kv = make_caches(cross_layer=cross, device="cuda:0")
+    sent = block_bytes(kv, [2, 9]).cpu()
+    with get_connector("p2p", rank=0, timeout_s=30.0, connect_timeout_s=60.0) as conn, \
+            peer_process("echo", conn.port, seed, cross=cross, device="cuda:1") as proc:
+        conn.register_kv_caches(kv)
+        assert conn._tx_data is not conn._tx_ctrl  # blocks go over their own (NCCL) group
+        assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=30).ok
+        theirs = conn.load(keys_for(seed + 1, 2), [4, 1]).wait(timeout=30)
+        assert theirs.succeeded == (4, 1) and not theirs.failed
+        peer_cache = make_caches(cross_layer=cross, seed=seed)  # same values, on the CPU
+        assert torch.equal(block_bytes(kv, [4, 1]).cpu(), block_bytes(peer_cache, [3, 7]))
+        echoed = conn.load(keys_for(seed + 2, 2), [10, 11]).wait(timeout=30)
+        assert echoed.ok
+        assert torch.equal(block_bytes(kv, [10, 11]).cpu(), sent)
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out.strip()) == (0, "ok"), err
+
+
+@pytest.mark.gpu
+def test_killed_peer_on_another_gpu_fails_exactly_the_blocks_and_never_hangs():
+    _two_gpus()
+    kv = make_caches(cross_layer=False, device="cuda:0")
+    keys = keys_for(random.randrange(2**31), 3)
+    with get_connector("p2p", rank=0, timeout_s=2.0, connect_timeout_s=60.0) as conn, \
+            peer_process("idle", conn.port, 2, device="cuda:1") as proc:
+        conn.register_kv_caches(kv)
+        assert proc.stdout.readline().strip() == "ok"
+        proc.kill()
+        proc.wait(10)
+        start = time.monotonic()
+        dead = conn.load(keys, [3, 4, 5]).wait(timeout=30)
+        assert set(dead.failed) == {3, 4, 5} and dead.succeeded == ()
+        unsent = conn.save(keys, [0, 1, 2]).wait(timeout=30)
+        assert set(unsent.failed) == {0, 1, 2} and unsent.succeeded == ()
+        assert time.monotonic() - start < 15.0
