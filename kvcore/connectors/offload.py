@@ -370,17 +370,22 @@ class OffloadConnector(KVConnector):
             self._warm_up(device)
 
     def _warm_up(self, device: torch.device) -> None:
-        """Launch the gather and scatter kernels once, at registration.
+        """Launch the gather and scatter kernels at registration, at every size class.
 
         With CUDA's lazy module loading the first launch of a kernel loads its module, which
-        waits for the device to be idle: without this, the first staged save() would block
-        the host for as long as the engine's stream is busy. Block 0 goes back onto itself.
+        waits for the device to be idle: a kernel first met inside save() would block the host
+        for as long as the engine's stream is busy. PyTorch picks among several kernels by
+        the number of indices (at most 16 or more) and by how the shapes collapse (one row
+        or several), so each of those sizes runs once here: blocks ``0..n-1`` are gathered
+        and written back onto themselves.
         """
         stream = torch.cuda.current_stream(device)
-        ids = self._device_ids([0], stream)  # also caches device memory for the upload stream
-        row = self._staging["save"].buffers[0][:1]
-        self._gather(ids, row)
-        self._scatter(ids, row)
+        rows = min(self._chunk_blocks, self._dev_views[0].shape[0])
+        for n in sorted({min(n, rows) for n in (1, 2, 16, 17, rows)}):
+            ids = self._device_ids(list(range(n)), stream)  # the upload path warms up too
+            buf = self._staging["save"].buffers[0][:n]
+            self._gather(ids, buf)
+            self._scatter(ids, buf)
         torch.cuda.synchronize(device)
 
     @property
@@ -622,6 +627,7 @@ class OffloadConnector(KVConnector):
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(50e-6)
+            end.synchronize()  # immediate; tells stream-order checkers the host waited
             return True
 
         def collect() -> TransferResult:
