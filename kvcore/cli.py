@@ -68,7 +68,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     registration_errors = [
         {"registry": registry.kind, "plugin": plugin, "error": error}
         for registry in (kvcore.backend_registry(), kvcore.platform_registry(),
-                         kvcore.connector_registry())
+                         kvcore.connector_registry(), kvcore.block_copier_registry())
         for plugin, error in registry.errors
     ]
     table = tabulate(

@@ -65,3 +65,13 @@ def kvcore_register_connectors(register: RegisterFn) -> None:
     Call ``register(name, "module:Class")`` once per connector; ``name`` is lower case (what
     ``kvcore.connectors.get_connector`` takes).
     """
+
+
+@hookspec
+def kvcore_register_block_copiers(register: RegisterFn) -> None:
+    """Register block copiers (vendor ways to move many blocks between device and host).
+
+    Call ``register(name, "module:Class")`` once per copier; ``name`` is lower case (what the
+    ``offload`` connector's ``block_copier`` option takes) and must equal the class's
+    ``name``; the class must subclass :class:`kvcore.connectors.BlockCopier`.
+    """

@@ -172,6 +172,7 @@ _KINDS = {
     "backend": ("attention backend", "kvcore_register_backends", True),
     "platform": ("platform", "kvcore_register_platforms", False),
     "connector": ("KV connector", "kvcore_register_connectors", False),
+    "block_copier": ("block copier", "kvcore_register_block_copiers", False),
 }
 _registries: dict[str, Registry] = {}
 _registries_generation = -1
@@ -206,6 +207,10 @@ def platform_registry() -> Registry:
 
 def connector_registry() -> Registry:
     return _registry("connector")
+
+
+def block_copier_registry() -> Registry:
+    return _registry("block_copier")
 
 
 def resolve_backend(name: str) -> type[AttentionBackend]:

@@ -13,7 +13,7 @@ import torch
 import kvcore
 from kvcore.backends.cpu_attn import CpuAttentionBackend
 from kvcore.cli import main as kvcore_cli
-from kvcore.connectors import get_connector
+from kvcore.connectors import BlockCopier, get_block_copier, get_connector
 from kvcore.connectors.offload import OffloadConnector
 
 
@@ -51,6 +51,23 @@ class AcmePlugin:
     @kvcore.hookimpl
     def kvcore_register_connectors(self, register):
         register("acme_offload", "kvcore.connectors.offload:OffloadConnector")
+
+    @kvcore.hookimpl
+    def kvcore_register_block_copiers(self, register):
+        register("acme_rows", f"{__name__}:AcmeRowCopier")
+
+
+class AcmeRowCopier(BlockCopier):
+    """Copies rows with index_select/index_copy_ (CPU caches only)."""
+
+    name = "acme_rows"
+
+    def unavailable_reason(self, device):
+        return None if device.type == "cpu" else f"acme_rows copies CPU tensors, not {device}"
+
+    def copy_blocks(self, src, dst, block_mapping):
+        dst.index_copy_(0, block_mapping[:, 1], src.index_select(0, block_mapping[:, 0]))
+        return block_mapping.shape[0]
 
 
 @pytest.fixture
@@ -93,3 +110,23 @@ def test_hook_kvcore_register_connectors(acme):
     connector.close()
     with pytest.raises(kvcore.UnknownNameError, match="valid options are: .*acme_offload"):
         get_connector("acme_offlaod")
+
+
+def test_hook_kvcore_register_block_copiers(acme):
+    assert kvcore.block_copier_registry().get("acme_rows").plugin == "acme"
+    assert isinstance(get_block_copier("ACME_ROWS"), AcmeRowCopier)
+    kv = kvcore.allocate_kv_caches("CPU_ATTN", num_layers=2, num_blocks=8, block_size=4,
+                                   num_kv_heads=1, head_size=8, dtype=torch.float32,
+                                   device="cpu", cross_layer=False)
+    kv.storage.copy_(torch.randn(kv.storage.shape))
+    before = [layer.clone() for layer in kv.layers]
+    with get_connector("offload", capacity_bytes=1 << 16, block_copier="acme_rows") as conn:
+        conn.register_kv_caches(kv)
+        keys = [f"{i:064x}" for i in range(3)]
+        assert conn.save(keys, [5, 1, 6]).wait().ok
+        assert conn.load(keys, [0, 2, 7]).wait().ok
+        assert conn.paths["copier"] == 2
+    for layer_before, layer in zip(before, kv.layers, strict=True):
+        assert torch.equal(layer[[0, 2, 7]], layer_before[[5, 1, 6]])
+    with pytest.raises(kvcore.UnknownNameError, match="valid options are: .*acme_rows"):
+        get_block_copier("acme_rowz")

@@ -8,6 +8,9 @@ by name with :func:`get_connector`. Built-ins (registered through the same
 ``p2p``      another process over ``torch.distributed`` (:mod:`kvcore.connectors.p2p`)
 ``storage``  one safetensors file per block under a shared directory
              (:mod:`kvcore.connectors.storage`)
+
+Block copiers (:mod:`kvcore.connectors.copiers`) are vendor ways to move many blocks between a
+device and pinned memory, registered by plugins; ``offload`` can use one.
 """
 
 from __future__ import annotations
@@ -29,19 +32,23 @@ from kvcore.connectors.blocks import (
     inject_kv_into_layer,
     virtually_split_kv_in_blocks,
 )
+from kvcore.connectors.copiers import BlockCopier, block_copier_names, get_block_copier
 from kvcore.connectors.keys import check_block_keys, hash_block_tokens, hash_request_tokens
 from kvcore.registry import ResolveError, connector_registry
 
 __all__ = [
     "FAILURE_POLICIES",
+    "BlockCopier",
     "ConnectorStats",
     "KVConnector",
     "KVTransferError",
     "RegisteredCaches",
     "TransferHandle",
     "TransferResult",
+    "block_copier_names",
     "check_block_keys",
     "extract_kv_from_layer",
+    "get_block_copier",
     "get_connector",
     "get_connector_class",
     "hash_block_tokens",

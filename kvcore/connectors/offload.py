@@ -23,6 +23,11 @@ events, and a handle completes on a CUDA event. Nothing waits on the host, nothi
 engine's stream, and the staging buffers are allocated once at registration. On CPU the same
 staged logic runs synchronously on plain tensors and handles are complete when returned.
 
+With ``block_copier=NAME`` (a :class:`~kvcore.connectors.BlockCopier` registered by a plugin,
+e.g. ``cuda_batch`` from kvcore-nvidia), transfers that would be staged go to that copier
+instead, layer by layer on the copy stream: no staging buffers and no SM kernels, the copy
+engines move each run of blocks. Direct transfers stay direct.
+
 A block with a transfer in flight (a save not yet complete, a load reading its slot) is never
 evicted; if every slot is in flight, saving more fails for those blocks.
 """
@@ -46,6 +51,7 @@ from kvcore.connectors.base import (
     TransferHandle,
     TransferResult,
 )
+from kvcore.connectors.copiers import BlockCopier, get_block_copier
 
 __all__ = ["OffloadConnector"]
 
@@ -157,22 +163,18 @@ def _chunks(slots: list[int], chunk_blocks: int) -> list[_Chunk]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one transfer moves: ``runs`` (direct) or ``blocks`` + ``chunks`` (staged)."""
+    """How one transfer moves: ``runs`` (direct), ``blocks`` + ``chunks`` (staged) or
+    ``pairs`` (through the block copier)."""
 
     runs: list[tuple[int, int, int]] | None = None
     blocks: list[int] | None = None  # device block of each staged row, in slot order
     chunks: list[_Chunk] | None = None
+    pairs: list[tuple[int, int]] | None = None  # (block, slot) for the block copier
 
     @property
-    def staged(self) -> bool:
-        return self.chunks is not None
-
-    @property
-    def copies(self) -> int:
-        """Host<->device copies this plan issues."""
-        if self.chunks is None:
-            return len(self.runs or ())
-        return sum(len(c.segments) for c in self.chunks)
+    def path(self) -> str:
+        return ("direct" if self.runs is not None else "staged" if self.chunks is not None
+                else "copier")
 
 
 def _word_size(row_bytes: int, views: list[torch.Tensor]) -> int:
@@ -300,7 +302,6 @@ class _Staging:
         #: Event after which buffer ``i`` may be overwritten (None: now).
         self.free: list[torch.cuda.Event | None] = [None, None]
         self.next = 0
-        self.lock = threading.Lock()  # one transfer issues its chunks at a time
 
     def take(self) -> int:
         i, self.next = self.next, self.next ^ 1
@@ -316,22 +317,35 @@ class OffloadConnector(KVConnector):
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
         chunk_bytes: most bytes a staged transfer moves per bus copy (at least one block);
             each direction keeps two device staging buffers of this size.
+        block_copier: name of a registered :class:`~kvcore.connectors.BlockCopier` that moves
+            the transfers otherwise staged (no staging buffers are allocated then); ``None``
+            stages them. See :func:`kvcore.connectors.block_copier_names`.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
 
     def __init__(self, *, capacity_bytes: int, failure_policy: str = "recompute",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_copier: str | None = None
+                 ) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if block_copier is not None and not isinstance(block_copier, str):
+            raise TypeError(f"block_copier must be a registered copier's name or None, got "
+                            f"{type(block_copier).__name__}")
         super().__init__(failure_policy=failure_policy)
         self.capacity_bytes = capacity_bytes
         self.chunk_bytes = chunk_bytes
+        self.block_copier = block_copier
+        # Resolved now, so an unknown name fails here (listing the valid ones), not at
+        # registration.
+        self._copier: BlockCopier | None = (None if block_copier is None
+                                            else get_block_copier(block_copier))
+        self._op_locks = {"save": threading.Lock(), "load": threading.Lock()}
         self._lock = threading.Lock()
         self._pending: list[TransferHandle] = []
         #: Transfers and host<->device copies issued per path, for benchmarks and tests.
-        self.paths = {"direct": 0, "staged": 0, "copies": 0, "chunks": 0}
+        self.paths = {"direct": 0, "staged": 0, "copier": 0, "copies": 0, "chunks": 0}
 
     def _register(self, reg: RegisteredCaches) -> None:
         kv = reg.kv_caches
@@ -343,6 +357,11 @@ class OffloadConnector(KVConnector):
                 f"is {block_bytes} bytes ({kv.num_layers} layers x {kv.page_size_bytes})"
             )
         device = kv.storage.device
+        if self._copier is not None:
+            reason = self._copier.unavailable_reason(device)
+            if reason is not None:
+                raise ValueError(f"block_copier={self.block_copier!r} cannot move the blocks of "
+                                 f"this cache: {reason}")
         self._async = device.type == "cuda"
         row_bytes = reg.views[0].shape[1]
         word = _WORDS[_word_size(row_bytes, reg.views)]
@@ -359,7 +378,8 @@ class OffloadConnector(KVConnector):
         self._index = _SlotIndex(num_slots)
         self._chunk_blocks = max(1, min(num_slots, self.chunk_bytes // block_bytes))
         shape = (self._chunk_blocks, len(reg.views), row_words)
-        self._staging = {op: _Staging(shape, word, device) for op in ("save", "load")}
+        self._staging = ({} if self._copier is not None else
+                         {op: _Staging(shape, word, device) for op in ("save", "load")})
         self._streams: dict[str, tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]] = {
             op: (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self._async
             else (None, None)
@@ -377,8 +397,14 @@ class OffloadConnector(KVConnector):
         for as long as the engine's stream is busy. PyTorch picks among several kernels by
         the number of indices (at most 16 or more) and by how the shapes collapse (one row
         or several), so each of those sizes runs once here: blocks ``0..n-1`` are gathered
-        and written back onto themselves.
+        and written back onto themselves. A block copier instead copies block 0 to slot 0 (free
+        still) and back, which also builds or loads whatever the copier's plugin needs.
         """
+        if self._copier is not None:
+            self._copy_with_copier("save", [(0, 0)])
+            self._copy_with_copier("load", [(0, 0)])
+            torch.cuda.synchronize(device)
+            return
         stream = torch.cuda.current_stream(device)
         rows = min(self._chunk_blocks, self._dev_views[0].shape[0])
         for n in sorted({min(n, rows) for n in (1, 2, 16, 17, rows)}):
@@ -488,6 +514,8 @@ class OffloadConnector(KVConnector):
             if (len(runs) <= staged_copies
                     or len(pairs) * self.block_bytes >= DIRECT_MIN_RUN_BYTES * len(runs)):
                 return _Plan(runs=runs)
+        if self._copier is not None:
+            return _Plan(pairs=pairs)
         by_slot = sorted(pairs, key=lambda p: p[1])
         return _Plan(blocks=[b for b, _ in by_slot],
                      chunks=_chunks([s for _, s in by_slot], self._chunk_blocks))
@@ -498,8 +526,7 @@ class OffloadConnector(KVConnector):
         op's side streams after ``after`` events, returning its (start, end) events."""
         plan = self._plan(pairs)
         copy_stream, kernel_stream = self._streams[op]
-        staging = self._staging[op]
-        with staging.lock:
+        with self._op_locks[op]:  # one transfer per direction issues its copies at a time
             start = end = None
             if copy_stream is not None:
                 # Saves read what the engine's stream wrote; loads overwrite what it may still
@@ -510,19 +537,38 @@ class OffloadConnector(KVConnector):
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record(copy_stream)
-            if plan.staged:
-                last = self._copy_staged(op, plan, staging, copy_stream, kernel_stream, start)
+            last = copy_stream
+            if plan.path == "staged":
+                last = self._copy_staged(op, plan, self._staging[op], copy_stream,
+                                         kernel_stream, start)
+                copies = sum(len(c.segments) for c in plan.chunks)
+            elif plan.path == "copier":
+                with _on(copy_stream):
+                    copies = self._copy_with_copier(op, plan.pairs)
             else:
                 self._copy_runs(op, plan.runs, copy_stream)
-                last = copy_stream
+                copies = len(plan.runs)
             if end is not None:
                 end.record(last)
         if pairs:
             with self._stats_lock:
-                self.paths["staged" if plan.staged else "direct"] += 1
-                self.paths["copies"] += plan.copies
+                self.paths[plan.path] += 1
+                self.paths["copies"] += copies
                 self.paths["chunks"] += len(plan.chunks or ())
         return None if start is None else (start, end)
+
+    def _copy_with_copier(self, op: Op, pairs: list[tuple[int, int]]) -> int:
+        """``(block_id, slot)`` pairs through the block copier, one call per layer view, on
+        the current stream; returns the copies it issued."""
+        mapping = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        if op == "load":
+            mapping = mapping.flip(1).contiguous()  # (slot, block): slots are the source
+        copies = 0
+        for layer, view in enumerate(self._dev_views):
+            host = self._host3[:, layer]
+            src, dst = (view, host) if op == "save" else (host, view)
+            copies += self._copier.copy_blocks(src, dst, mapping)
+        return copies
 
     def _copy_runs(self, op: Op, runs: list[tuple[int, int, int]],
                    stream: torch.cuda.Stream | None) -> None:

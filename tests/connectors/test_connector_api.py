@@ -43,7 +43,8 @@ def test_builtins_register_through_the_hook_lazily(fresh_kvcore):
                          check=True).stdout.strip()
     # Registering imported the hook module, not a connector (nor safetensors).
     assert out == "['kvcore.connectors.base', 'kvcore.connectors.blocks', " \
-                  "'kvcore.connectors.builtin', 'kvcore.connectors.keys']"
+                  "'kvcore.connectors.builtin', 'kvcore.connectors.copiers', " \
+                  "'kvcore.connectors.keys']"
 
 
 @pytest.mark.parametrize(("name", "cls"), [("offload", OffloadConnector),
@@ -67,7 +68,8 @@ def test_unknown_connector_lists_the_valid_names(fresh_kvcore, monkeypatch):
 def test_unknown_and_missing_options_are_named():
     with pytest.raises(TypeError, match=r"connector 'offload': unknown option\(s\) capacity; "
                                         r"missing option\(s\) capacity_bytes \(options: "
-                                        r"capacity_bytes, chunk_bytes, failure_policy\)"):
+                                        r"block_copier, capacity_bytes, chunk_bytes, "
+                                        r"failure_policy\)"):
         get_connector("offload", capacity=1 << 20)
 
 

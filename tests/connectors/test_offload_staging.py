@@ -91,11 +91,11 @@ def test_cross_layer_contiguous_copies_directly_and_scattered_goes_through_stagi
     with offload_for(kv, 40, chunk_blocks=4) as conn:
         keys = keys_for(random.randrange(2**31), 12)
         assert conn.save(keys, list(range(12))).wait().ok
-        assert conn.paths == {"direct": 1, "staged": 0, "copies": 1, "chunks": 0}
+        assert conn.paths == {"direct": 1, "staged": 0, "copier": 0, "copies": 1, "chunks": 0}
         scattered = random.sample(range(40), 12)
         assert conn.load(keys, scattered).wait().ok
         # 12 slots in a row, 4 blocks per chunk: 3 gathers/scatters and 3 copies, not 12
-        assert conn.paths == {"direct": 1, "staged": 1, "copies": 4, "chunks": 3}
+        assert conn.paths == {"direct": 1, "staged": 1, "copier": 0, "copies": 4, "chunks": 3}
 
 
 def test_per_layer_always_goes_through_staging_with_one_copy_per_chunk():
@@ -103,9 +103,9 @@ def test_per_layer_always_goes_through_staging_with_one_copy_per_chunk():
     with offload_for(kv, 40, chunk_blocks=5) as conn:
         keys = keys_for(random.randrange(2**31), 12)
         assert conn.save(keys, list(range(12))).wait().ok  # 3 layers: 3 copies before
-        assert conn.paths == {"direct": 0, "staged": 1, "copies": 3, "chunks": 3}
+        assert conn.paths == {"direct": 0, "staged": 1, "copier": 0, "copies": 3, "chunks": 3}
         assert conn.load(keys, random.sample(range(40), 12)).wait().ok
-        assert conn.paths == {"direct": 0, "staged": 2, "copies": 6, "chunks": 6}
+        assert conn.paths == {"direct": 0, "staged": 2, "copier": 0, "copies": 6, "chunks": 6}
 
 
 def test_staging_is_bounded_by_chunk_bytes_and_the_pool():

@@ -1,5 +1,6 @@
-"""Entry point of kvcore-nvidia (group ``kvcore.plugins``): registers the NVIDIA backends
-by ``module:Class`` path, so registering imports no kernel library."""
+"""Entry point of kvcore-nvidia (group ``kvcore.plugins``): registers the NVIDIA backends and
+the ``cuda_batch`` block copier by ``module:Class`` path, so registering imports no kernel
+library."""
 
 from __future__ import annotations
 
@@ -15,3 +16,8 @@ def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
     register("FLASHINFER", f"{_BACKENDS}.flashinfer:FlashInferBackend")
     register("FLASH_ATTN", f"{_BACKENDS}.flash_attn:FlashAttentionBackend")
     register("FLEX_ATTENTION", f"{_BACKENDS}.flex_attention:FlexAttentionBackend")
+
+
+@kvcore.hookimpl
+def kvcore_register_block_copiers(register: Callable[[str, str], None]) -> None:
+    register("cuda_batch", "kvcore_nvidia.copier:CudaBatchCopier")
