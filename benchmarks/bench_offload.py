@@ -14,6 +14,9 @@ Sections, each isolated (an error is logged and recorded, the run goes on):
    device staging, with host<->device copies per transfer): scattered and per-layer transfers
    must go through staging with about one copy per chunk, not one per block and layer.
 3. ``chunk_sweep``: per-layer scattered blocks with other staging chunk sizes (16, 256 MiB).
+   ``copier``: scattered blocks (per-layer and cross-layer) through a plugin's block copier
+   (``--block-copier``, default kvcore-nvidia's ``cuda_batch``) instead of device staging,
+   when it is installed and usable; the decode section then adds a row for it too.
 4. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
    contiguous KV) timed alone and while a save and a load of 1 GiB each run on the side
    streams: the slowdown. Also timed under plain pinned copies of the same size on two
@@ -59,7 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvcore
-from kvcore.connectors import get_connector
+from kvcore.connectors import block_copier_names, get_block_copier, get_connector
 
 log = logging.getLogger("bench_offload")
 GB = 1e9
@@ -189,7 +192,8 @@ def new_keys(n: int) -> list[str]:
     return [secrets.token_hex(32) for _ in range(n)]
 
 
-def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool, chunk_bytes: int):
+def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool, chunk_bytes: int,
+                 block_copier: str | None = None):
     kv = kvcore.allocate_kv_caches(
         "CPU_ATTN", num_layers=sizes.num_layers, num_blocks=2 * sizes.num_blocks,
         block_size=sizes.block_size, num_kv_heads=sizes.num_kv_heads,
@@ -198,23 +202,26 @@ def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool, chunk_by
     kv.storage.view(torch.uint8).random_(0, 256)
     # Room for one transfer being saved while another is loaded.
     conn = get_connector("offload", capacity_bytes=2 * sizes.transfer_bytes,
-                         chunk_bytes=chunk_bytes)
+                         chunk_bytes=chunk_bytes, block_copier=block_copier)
     conn.register_kv_caches(kv)
     return kv, conn
 
 
-def expected_path(cross_layer: bool, ids: str) -> str:
+def expected_path(cross_layer: bool, ids: str, block_copier: str | None = None) -> str:
     """The path the connector should take: run copies only for contiguous cross-layer
-    blocks; per-layer caches and scattered blocks gather through device staging."""
-    return "direct" if cross_layer and ids == "contiguous" else "staged"
+    blocks; per-layer caches and scattered blocks gather through device staging, or go to
+    the block copier when one is set."""
+    if cross_layer and ids == "contiguous":
+        return "direct"
+    return "staged" if block_copier is None else "copier"
 
 
 def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, trials: int,
                        pinned: dict[str, float], chunk_bytes: int,
                        id_kinds: tuple[str, ...] = ("contiguous", "scattered"),
-                       ) -> dict[str, dict[str, float]]:
+                       block_copier: str | None = None) -> dict[str, dict[str, float]]:
     n = sizes.num_blocks
-    kv, conn = make_offload(sizes, device, cross_layer, chunk_bytes)
+    kv, conn = make_offload(sizes, device, cross_layer, chunk_bytes, block_copier)
     clock = Clock(device)
     results: dict[str, dict[str, float]] = {"config": {
         "chunk_bytes": chunk_bytes, "chunk_blocks": conn.chunk_blocks,
@@ -265,9 +272,10 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
             # Which path the transfers took, and host<->device copies per transfer.
             transfers = 6 * (trials + 1)  # save, load, and one of each in both "both"s
             took = {k: conn.paths[k] - paths_before[k] for k in conn.paths}
-            path = ("staged" if took["staged"] == transfers else
-                    "direct" if took["direct"] == transfers else "mixed")
-            path_info = {"path": path, "expected_path": expected_path(cross_layer, ids),
+            path = next((p for p in ("staged", "direct", "copier") if took[p] == transfers),
+                        "mixed")
+            path_info = {"path": path,
+                         "expected_path": expected_path(cross_layer, ids, block_copier),
                          "copies_per_transfer": took["copies"] / transfers,
                          "chunks_per_transfer": took["chunks"] / transfers}
             # Bit-exact: the loads wrote into dst what the saves read from src.
@@ -312,7 +320,8 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
 
 
 def bench_decode(sizes: Sizes, device: torch.device, trials: int,
-                 pinned: dict[str, float], chunk_bytes: int) -> dict[str, dict[str, float]]:
+                 pinned: dict[str, float], chunk_bytes: int, block_copier: str | None = None
+                 ) -> dict[str, dict[str, float]]:
     """The decode loop alone and under three kinds of concurrent traffic (see the module
     docstring); ``offload`` (cross-layer, contiguous) is the row with the target."""
     b, h, s, d = sizes.decode
@@ -390,9 +399,11 @@ def bench_decode(sizes: Sizes, device: torch.device, trials: int,
     host.clear()  # free the 2 x 2 transfers before the connectors allocate theirs
     dev.clear()
 
-    for name, cross, ids in (("offload", True, "contiguous"),
-                             ("offload_staged", False, "scattered")):
-        kv, conn = make_offload(sizes, device, cross, chunk_bytes)
+    cases = [("offload", True, "contiguous", None), ("offload_staged", False, "scattered", None)]
+    if block_copier is not None:
+        cases.append(("offload_copier", False, "scattered", block_copier))
+    for name, cross, ids, copier in cases:
+        kv, conn = make_offload(sizes, device, cross, chunk_bytes, copier)
         try:
             resident = new_keys(n)
             if ids == "contiguous":
@@ -416,8 +427,8 @@ def bench_decode(sizes: Sizes, device: torch.device, trials: int,
             before = dict(conn.paths)
             results[name] = under(offload)
             results[name]["bit_exact"] = torch.equal(block_rows(kv, dst), expected)
-            results[name]["path"] = ("staged" if conn.paths["staged"] > before["staged"]
-                                     else "direct")
+            results[name]["path"] = next(p for p in ("staged", "copier", "direct")
+                                         if conn.paths[p] > before[p] or p == "direct")
             results[name]["layout"] = "cross-layer" if cross else "per-layer"
             results[name]["ids"] = ids
         finally:
@@ -464,8 +475,8 @@ def verdict(passed: bool, smoke: bool, failed: str) -> str:
 def path_ok(r: dict) -> bool:
     """Scattered and per-layer transfers must all be staged; contiguous cross-layer ones are
     direct, or "mixed" when LRU eviction left some saves' slots fragmented."""
-    if r["expected_path"] == "staged":
-        return r["path"] == "staged"
+    if r["expected_path"] in ("staged", "copier"):
+        return r["path"] == r["expected_path"]
     return r["path"] in ("direct", "mixed")
 
 
@@ -503,9 +514,12 @@ def table(results: dict, errors: dict, smoke: bool) -> str:
                              results.get(f"offload_{mode}", {}), smoke)
     for label, res in results.get("chunk_sweep", {}).items():
         rows += offload_rows("chunk_sweep", f"per-layer chunk {label}", "per_layer", res, smoke)
+    for mode, res in results.get("copier", {}).items():
+        rows += offload_rows("copier", f"{mode.replace('_', '-')} via copier", mode, res, smoke)
     dec = results.get("decode", {})
     for name, what in (("pinned_copy", "pinned copy (floor)"), ("offload", "offload"),
-                       ("offload_staged", "offload staged")):
+                       ("offload_staged", "offload staged"),
+                       ("offload_copier", "offload via copier")):
         r = dec.get(name)
         if not r:
             continue
@@ -530,6 +544,8 @@ def self_check(results: dict) -> list[str]:
                                                                          "per_layer")}
     for label, res in results.get("chunk_sweep", {}).items():
         sections[f"chunk_sweep/{label}"] = res
+    for mode, res in results.get("copier", {}).items():
+        sections[f"copier/{mode}"] = res
     for name, res in sections.items():
         for key, r in res.items():
             if key in ("stats", "config"):
@@ -552,6 +568,9 @@ def main() -> int:
     parser.add_argument("--chunk-mib", type=int, default=CHUNK_MIB,
                         help="staging chunk of the offload connector (MiB)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the chunk-size sweep")
+    parser.add_argument("--block-copier", default="cuda_batch",
+                        help="also measure scattered transfers through this block copier when "
+                             "it is installed and usable (default: cuda_batch)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
@@ -582,8 +601,19 @@ def main() -> int:
     if not args.no_sweep:
         section("chunk_sweep", results, errors,
                 lambda: bench_chunk_sweep(sizes, device, min(trials, 3), pinned, sweep))
+    # A plugin's block copier (kvcore-nvidia's cuda_batch), when installed and usable here.
+    copier = args.block_copier
+    if copier is not None and (copier not in block_copier_names()
+                               or get_block_copier(copier).unavailable_reason(device)):
+        log.info("block copier %s not available here: its rows are skipped", copier)
+        copier = None
+    if copier is not None:
+        section("copier", results, errors, lambda: {
+            mode: bench_offload_mode(sizes, device, cross, trials, pinned, chunk_bytes,
+                                     id_kinds=("scattered",), block_copier=copier)
+            for mode, cross in (("per_layer", False), ("cross_layer", True))})
     section("decode", results, errors,
-            lambda: bench_decode(sizes, device, trials, pinned, chunk_bytes))
+            lambda: bench_decode(sizes, device, trials, pinned, chunk_bytes, copier))
     problems = self_check(results)
     for problem in problems:
         log.error("check failed: %s", problem)
