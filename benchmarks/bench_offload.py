@@ -93,8 +93,8 @@ SMOKE = Sizes(4, 32, 4, 2, 128, decode=(2, 4, 256, 64))  # 128 KiB, 4 KiB pages
 CHUNK_MIB, SWEEP_MIB, SMOKE_CHUNK_BLOCKS = 64, (16, 256), 5
 TARGETS = {"cross_layer": 0.95, "per_layer": 0.85, "duplex": 0.85, "decode_slowdown": 0.03}
 #: How long the engine's stream is held busy while "both" issues its save and load, so the two
-#: start together on the device (issuing both takes a few ms of Python).
-HOLD_S = 0.05
+#: start together on the device (issuing both takes a few ms, tens through a block copier).
+HOLD_S = 0.25
 
 
 class Clock:

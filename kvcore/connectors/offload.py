@@ -369,12 +369,22 @@ class OffloadConnector(KVConnector):
         # (num_blocks, num_views, row_words) view: one indexed copy per chunk moves them all.
         self._dev_views = [v.view(word) for v in reg.views]
         self._dev3 = _stacked(self._dev_views)
+        #: (device rows, host rows): every (layer, block) as row ``layer * num_blocks + block``
+        #: of one device view and (slot, layer) as row ``slot * num_layers + layer`` of the
+        #: pool, when the layers lie back to back (see _copy_with_copier); else None.
+        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
         row_words = self._dev_views[0].shape[1]
         # Pinned host memory is what lets a device copy run asynchronously. Slot-major: a run
         # of consecutive slots is one contiguous region whatever the cache's layout.
         self._host = torch.empty((num_slots, block_bytes), dtype=torch.uint8,
                                  pin_memory=self._async)
         self._host3 = self._host.view(word).view(num_slots, len(reg.views), row_words)
+        dev3 = self._dev3
+        if dev3 is not None and dev3.stride(1) == dev3.shape[0] * dev3.stride(0):
+            self._flat = (dev3.as_strided((dev3.shape[0] * dev3.shape[1], dev3.shape[2]),
+                                          (dev3.stride(0), dev3.stride(2)),
+                                          dev3.storage_offset()),
+                          self._host3.view(-1, row_words))
         self._index = _SlotIndex(num_slots)
         self._chunk_blocks = max(1, min(num_slots, self.chunk_bytes // block_bytes))
         shape = (self._chunk_blocks, len(reg.views), row_words)
@@ -558,9 +568,25 @@ class OffloadConnector(KVConnector):
         return None if start is None else (start, end)
 
     def _copy_with_copier(self, op: Op, pairs: list[tuple[int, int]]) -> int:
-        """``(block_id, slot)`` pairs through the block copier, one call per layer view, on
-        the current stream; returns the copies it issued."""
+        """``(block_id, slot)`` pairs through the block copier on the current stream; returns
+        the copies it issued.
+
+        When the layers lie back to back in one storage (the usual per-layer layout, and any
+        cross-layer cache) every ``(layer, block)`` row is a row of one flat view, so a single
+        call moves every layer; otherwise one call per layer view.
+        """
         mapping = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        if self._flat is not None:
+            device_rows, host_rows = self._flat
+            layers = torch.arange(self._host3.shape[1])
+            num_blocks = self._dev_views[0].shape[0]
+            dev_ids = (layers[None, :] * num_blocks + mapping[:, :1]).reshape(-1)
+            host_ids = (mapping[:, 1:] * layers.numel() + layers[None, :]).reshape(-1)
+            if op == "save":
+                return self._copier.copy_blocks(device_rows, host_rows,
+                                                torch.stack([dev_ids, host_ids], 1))
+            return self._copier.copy_blocks(host_rows, device_rows,
+                                            torch.stack([host_ids, dev_ids], 1))
         if op == "load":
             mapping = mapping.flip(1).contiguous()  # (slot, block): slots are the source
         copies = 0
@@ -705,3 +731,4 @@ class OffloadConnector(KVConnector):
             except KVTransferError:  # nobody waits for this result any more
                 pass
         del self._host, self._host3, self._staging, self._dev_views, self._dev3, self._ids
+        self._flat = None

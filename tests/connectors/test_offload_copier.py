@@ -79,9 +79,24 @@ def test_scattered_roundtrip_through_the_copier_is_bit_exact(copiers, cross, dty
         assert torch.equal(block_bytes(kv, dst), expected)
         assert torch.equal(block_bytes(kv, list(range(12))), untouched)
         assert conn.paths["copier"] == 2 and conn.paths["staged"] == 0
-    # one call per layer view and direction: every layer's rows, or one cross-layer row
-    views = 1 if cross else kv.num_layers
-    assert [rows for _, rows in CountingCopier.calls] == [7] * (2 * views)  # save, load
+    # one call per direction moving every (layer, block) row: the layers lie back to back
+    layers = 1 if cross else kv.num_layers
+    assert [rows for _, rows in CountingCopier.calls] == [7 * layers] * 2  # save, load
+
+
+def test_layers_not_back_to_back_go_one_call_per_layer(copiers):
+    kv = make_caches(cross_layer=False, num_blocks=24)
+    src, dst = random.sample(range(12), 5), random.sample(range(12, 24), 5)
+    keys = keys_for(random.randrange(2**31), 5)
+    expected = block_bytes(kv, src)
+    with offload_with_copier(kv, 16) as conn:
+        assert conn._flat is not None
+        conn._flat = None  # as if the layers were separate tensors
+        assert conn.save(keys, src).wait().ok
+        randomize(kv)
+        assert conn.load(keys, dst).wait().ok
+    assert torch.equal(block_bytes(kv, dst), expected)
+    assert [rows for _, rows in CountingCopier.calls] == [5] * (2 * kv.num_layers)
 
 
 def test_contiguous_cross_layer_blocks_stay_direct(copiers):
