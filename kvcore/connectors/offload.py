@@ -20,13 +20,19 @@ Blocks move in one of two ways, chosen per transfer:
 On CUDA, saves and loads each own a copy stream and a kernel stream (so both directions of the
 bus work at once, and gathers overlap copies), ordered after the engine's current stream with
 events, and a handle completes on a CUDA event. Nothing waits on the host, nothing runs on the
-engine's stream, and the staging buffers are allocated once at registration. On CPU the same
-staged logic runs synchronously on plain tensors and handles are complete when returned.
+engine's stream, and the staging buffers are allocated once at registration. Block ids reach
+the device through a pinned ring on a stream of their own (pinning per transfer would wait for
+an idle device), and every gather/scatter kernel variant is launched once at registration
+(CUDA loads a kernel's module lazily on first launch, which also waits for an idle device).
+On CPU the same staged logic runs synchronously on plain tensors and handles are complete when
+returned.
 
 With ``block_copier=NAME`` (a :class:`~kvcore.connectors.BlockCopier` registered by a plugin,
 e.g. ``cuda_batch`` from kvcore-nvidia), transfers that would be staged go to that copier
-instead, layer by layer on the copy stream: no staging buffers and no SM kernels, the copy
-engines move each run of blocks. Direct transfers stay direct.
+instead, on the copy stream (one call for every layer when they lie back to back in one
+storage): no staging buffers and no SM kernels, the copy engines move each run of blocks.
+Direct transfers stay direct. Staging is the default because it is faster; a copier takes
+less from the engine (numbers in ``benchmarks/RESULTS.md``).
 
 A block with a transfer in flight (a save not yet complete, a load reading its slot) is never
 evicted; if every slot is in flight, saving more fails for those blocks.
