@@ -30,7 +30,7 @@ returned.
 With ``block_copier=NAME`` (a :class:`~kvcore.connectors.BlockCopier` registered by a plugin,
 e.g. ``cuda_batch`` from kvcore-nvidia), transfers that would be staged go to that copier
 instead, on the copy stream (one call for every layer when they lie back to back in one
-storage): no staging buffers and no SM kernels, the copy engines move each run of blocks.
+storage, as in the usual per-layer layout): no staging buffers and no SM kernels, the copy engines move each run of blocks.
 Direct transfers stay direct. Staging is the default because it is faster; a copier takes
 less from the engine (numbers in ``benchmarks/RESULTS.md``).
 
@@ -259,8 +259,6 @@ class _IdUploader:
         #: ``(start, stop, event)`` of ring regions whose copies may still run, oldest first.
         self._busy: deque[tuple[int, int, torch.cuda.Event]] = deque()
         self._lock = threading.Lock()
-        #: How often the host waited for a ring region (a copy still running); for tests.
-        self.waits = 0
 
     def upload(self, ids: list[int], consumer: torch.cuda.Stream) -> torch.Tensor:
         """``ids`` as an int64 device tensor that ``consumer`` may use from now on."""
@@ -290,7 +288,6 @@ class _IdUploader:
             # One stream: once the newest overlapping copy is done, so are all older ones.
             last = overlapping[-1]
             self._busy[last][2].synchronize()
-            self.waits += 1
             for _ in range(last + 1):
                 self._busy.popleft()
         while self._busy and self._busy[0][2].query():
@@ -577,9 +574,9 @@ class OffloadConnector(KVConnector):
         """``(block_id, slot)`` pairs through the block copier on the current stream; returns
         the copies it issued.
 
-        When the layers lie back to back in one storage (the usual per-layer layout, and any
-        cross-layer cache) every ``(layer, block)`` row is a row of one flat view, so a single
-        call moves every layer; otherwise one call per layer view.
+        When the layers lie back to back in one storage (the usual per-layer layout) every
+        ``(layer, block)`` row is a row of one flat view, so a single call moves every layer;
+        otherwise one call per layer view (a cross-layer cache has one view: one call).
         """
         mapping = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
         if self._flat is not None:
