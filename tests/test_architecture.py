@@ -1,6 +1,7 @@
 """The dependency rule, checked on the source: kvcore imports no plugin, and plugins (the
 in-repo ones under ``plugins/`` and the example under ``examples/``) use only kvcore's public
-API: the names ``kvcore``, ``kvcore.ops``, ``kvcore.connectors`` and ``kvcore.testing`` export.
+API: the names ``kvcore``, ``kvcore.ops``, ``kvcore.ops.triton_utils`` (helpers for plugin Triton
+kernels), ``kvcore.connectors`` and ``kvcore.testing`` export.
 
 The plugin packages are found by scanning those directories and the installed ``kvcore.plugins``
 entry points, so a new plugin is covered without editing this file. ``.importlinter`` states
@@ -22,7 +23,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[1]
-PUBLIC_MODULES = ("kvcore", "kvcore.ops", "kvcore.connectors", "kvcore.testing")
+PUBLIC_MODULES = ("kvcore", "kvcore.ops", "kvcore.ops.triton_utils", "kvcore.connectors",
+                  "kvcore.testing")
 PLUGIN_DIRS = ("plugins", "examples")
 _SKIP_PARTS = {"build", "dist", "__pycache__"}
 
@@ -134,7 +136,7 @@ def test_the_guard_catches_private_imports(tmp_path):
         "z = kc.base\n")
     assert private_uses(source, root=tmp_path) == [
         "plugin.py:2: imports kvcore.backend, which is not public API (public: kvcore, "
-        "kvcore.ops, kvcore.connectors, kvcore.testing)",
+        "kvcore.ops, kvcore.ops.triton_utils, kvcore.connectors, kvcore.testing)",
         "plugin.py:3: imports _on_gpu from kvcore.ops, which does not export it "
         "(not in kvcore.ops.__all__)",
         "plugin.py:4: uses kvcore.registry, which is not in kvcore.__all__",

@@ -31,9 +31,8 @@ With ``block_copier=NAME`` (a :class:`~kvcore.connectors.BlockCopier` registered
 e.g. ``cuda_batch`` from kvcore-nvidia), transfers that would be staged go to that copier
 instead, on the copy stream (one call for every layer when they lie back to back in one
 storage, as in the usual per-layer layout): no staging buffers and no SM kernels, the copy
-engines move each run of blocks.
-Direct transfers stay direct. Staging is the default because it is faster; a copier takes
-less from the engine (numbers in ``benchmarks/RESULTS.md``).
+engines move each run of blocks. Direct transfers stay direct. Staging is the default because
+it is faster; a copier takes less from the engine (numbers in ``benchmarks/RESULTS.md``).
 
 A block with a transfer in flight (a save not yet complete, a load reading its slot) is never
 evicted; if every slot is in flight, saving more fails for those blocks.

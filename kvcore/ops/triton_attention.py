@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.triton_cache import _interpreting, _scale_args
+from kvcore.ops.triton_utils import find_sequence, interpreting, scale_args
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
 
 __all__ = [
@@ -90,22 +90,6 @@ class AttentionConfig:
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """The request owning query tile ``tile``: request ``s`` owns tiles starting at
-    ``query_start_loc[s] // BLOCK_Q + s`` (strictly increasing in ``s``)."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= tile:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -127,7 +111,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_tile = tile - (q_start // BLOCK_Q + seq)
@@ -384,7 +368,7 @@ def paged_attention(
                                    block_table.shape[1] * block_size, query.device,
                                    num_kv_splits)
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    ks, vs = _scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
+    ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
 
     block_d = max(16, triton.next_power_of_2(head_size))
     num_tiles = num_tokens // cfg.block_q + num_seqs
@@ -395,7 +379,7 @@ def paged_attention(
                                dtype=torch.float32, device=query.device)
     else:  # unused by the kernel; any tensor will do as the argument
         part_out = part_lse = out
-    interpret = _interpreting()
+    interpret = interpreting()
     _paged_attention_kernel[(num_tiles, num_kv_heads, cfg.num_splits)](
         query, key_cache, value_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_table,

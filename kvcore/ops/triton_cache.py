@@ -17,12 +17,11 @@ This module imports triton at import time; :mod:`kvcore.ops` imports it lazily.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kvcore.ops.triton_utils import fp8_format, interpreting, round_to_fp8_grid, scale_args
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_reshape_and_cache
 
 __all__ = ["reshape_and_cache"]
@@ -31,24 +30,6 @@ __all__ = ["reshape_and_cache"]
 # 32 per thread with 4 warps (four 16-byte vectors each for K and V), without spilling.
 _TILE = 4096
 _MAX_TOKENS_PER_PROGRAM = 16
-
-
-@triton.jit
-def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """Round fp32 ``y`` (already clamped to the fp8 range) to the nearest fp8 value, ties to even.
-
-    Only used under the interpreter, whose fp32 -> fp8 conversion rounds half away from zero
-    and drops the carry into the exponent (125.0 -> 64.0 in e4m3); the rounded value is
-    representable, so the conversion that follows is exact.
-    """
-    a = tl.abs(y)
-    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exponent = tl.maximum(exponent, MIN_EXPONENT)  # subnormals share the smallest quantum
-    quantum = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
-    # Adding 1.5 * 2**23 makes fp32 addition round the quotient to an integer, ties to even.
-    r = ((a / quantum + 12582912.0) - 12582912.0) * quantum
-    # The sign bit, not y < 0: -0.0 and negatives that round to zero stay -0 (as on the GPU).
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
 
 
 @triton.jit
@@ -98,8 +79,8 @@ def _reshape_and_cache_kernel(
         k = tl.clamp(k.to(tl.float32) * k_inv, -FP8_MAX, FP8_MAX)
         v = tl.clamp(v.to(tl.float32) * v_inv, -FP8_MAX, FP8_MAX)
         if EXACT_FP8_ROUNDING:
-            k = _round_to_fp8_grid(k, MANTISSA_BITS, MIN_EXPONENT)
-            v = _round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT)
+            k = round_to_fp8_grid(k, MANTISSA_BITS, MIN_EXPONENT)
+            v = round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT)
 
     kc = (blocks * stride_kcb + offsets * stride_kcs)[:, None, None]
     vc = (blocks * stride_vcb + offsets * stride_vcs)[:, None, None]
@@ -107,37 +88,6 @@ def _reshape_and_cache_kernel(
              k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + vc + heads64 * stride_vch + dims64 * stride_vcd,
              v.to(value_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _scale_args(
-    k_scale: torch.Tensor | float | None, v_scale: torch.Tensor | float | None,
-    device: torch.device,
-) -> tuple[torch.Tensor | float, torch.Tensor | float]:
-    """Per-tensor scales as the kernels take them: both device tensors (read in the kernel, so
-    no host sync and CUDA-graph safe) or both Python floats (``None`` is 1.0)."""
-    def one(scale: torch.Tensor | float | None) -> torch.Tensor | float:
-        if scale is None:
-            return 1.0
-        if isinstance(scale, torch.Tensor):
-            return scale if scale.device == device else float(scale.reshape(()).item())
-        return float(scale)
-
-    ks, vs = one(k_scale), one(v_scale)
-    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
-        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
-        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
-    return ks, vs
-
-
-def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
-    """(largest finite value, mantissa bits, smallest normal exponent) of an fp8 dtype."""
-    if dtype == torch.float8_e4m3fn:
-        return 448.0, 3, -6
-    return 57344.0, 2, -14  # float8_e5m2
 
 
 def reshape_and_cache(
@@ -175,8 +125,8 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    fp8_max, mantissa_bits, min_exponent = _fp8_format(key_cache.dtype)
-    ks, vs = _scale_args(k_scale if fp8 else None, v_scale if fp8 else None, key_cache.device)
+    fp8_max, mantissa_bits, min_exponent = fp8_format(key_cache.dtype)
+    ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, key_cache.device)
 
     block_d = triton.next_power_of_2(head_size)
     block_h = max(1, min(triton.next_power_of_2(num_kv_heads), _TILE // block_d))
@@ -188,7 +138,7 @@ def reshape_and_cache(
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         num_tokens, key_cache.shape[1], num_kv_heads, head_size,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), FP8_MAX=fp8_max,
-        EXACT_FP8_ROUNDING=_interpreting(), MANTISSA_BITS=mantissa_bits,
+        EXACT_FP8_ROUNDING=interpreting(), MANTISSA_BITS=mantissa_bits,
         MIN_EXPONENT=min_exponent,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4,

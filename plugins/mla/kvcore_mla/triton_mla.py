@@ -74,7 +74,7 @@ class TritonMLABackend(MLACommonBackend):
 
 
 def _check_runnable(kv_cache: torch.Tensor) -> None:
-    from kvcore_mla.ops.triton_utils import interpreting
+    from kvcore.ops.triton_utils import interpreting
 
     if kv_cache.device.type != "cuda" and not interpreting():
         raise ValueError(

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES
+from kvcore.ops.triton_utils import fp8_format, interpreting, round_to_fp8_grid, scale_arg
 from kvcore_mla.ops.reference import INDEXER_FP8_MAX
-from kvcore_mla.ops.triton_utils import fp8_format, interpreting, round_to_fp8_grid, scale_arg
 from kvcore_mla.ops.validation import (
     validate_concat_and_cache_mla,
     validate_indexer_k_quant_and_cache,

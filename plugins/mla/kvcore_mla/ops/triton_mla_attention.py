@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES
-from kvcore_mla.ops.triton_utils import interpreting, is_rocm, scale_arg
+from kvcore.ops.triton_utils import find_sequence, interpreting, scale_arg
+from kvcore_mla.ops.triton_utils import is_rocm
 from kvcore_mla.ops.validation import (
     FP8_DTYPES,
     validate_decode_attention,
@@ -152,22 +153,6 @@ def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """The request owning query tile ``tile``: request ``s`` owns the tiles from
-    ``query_start_loc[s] // BLOCK_Q + s`` on (strictly increasing in ``s``)."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= tile:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -195,7 +180,7 @@ def _attention_kernel(
     tile = rest // NUM_SPLITS
 
     if VARLEN:
-        seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+        seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         q_tile = tile - (q_start // BLOCK_Q + seq)

@@ -1,0 +1,92 @@
+"""Helpers for Triton kernels written against kvcore's conventions, public for plugins.
+
+kvcore's own kernels (:mod:`kvcore.ops.triton_cache`, :mod:`kvcore.ops.triton_attention`) and
+plugin kernels (kvcore-mla) share them, so the fp8 rounding, the per-tensor scale convention
+and the varlen tile-to-request lookup have one definition. This module imports triton; nothing
+imports it at ``import kvcore`` or ``import kvcore.ops``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["find_sequence", "fp8_format", "interpreting", "round_to_fp8_grid", "scale_arg",
+           "scale_args"]
+
+
+@triton.jit
+def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """Round fp32 ``y`` (already clamped to the fp8 range) to the nearest fp8 value, ties to even.
+
+    For the interpreter only, whose fp32 -> fp8 conversion rounds half away from zero and
+    drops the carry into the exponent (125.0 -> 64.0 in e4m3); the rounded value is
+    representable, so the conversion that follows is exact. On a GPU the conversion
+    instruction rounds correctly.
+    """
+    a = tl.abs(y)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, MIN_EXPONENT)  # subnormals share the smallest quantum
+    quantum = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2**23 makes fp32 addition round the quotient to an integer, ties to even.
+    r = ((a / quantum + 12582912.0) - 12582912.0) * quantum
+    # The sign bit, not y < 0: -0.0 and negatives that round to zero stay -0 (as on the GPU).
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
+
+
+@triton.jit
+def find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The request owning query tile ``tile`` of a varlen batch: request ``s`` owns the tiles
+    starting at ``query_start_loc[s] // BLOCK_Q + s`` (strictly increasing in ``s``)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
+    """(largest finite value, mantissa bits, smallest normal exponent) of an fp8 dtype
+    (float8_e4m3fn, float8_e5m2); ``(0.0, 0, 0)`` for other dtypes, which are not rounded."""
+    if dtype == torch.float8_e4m3fn:
+        return 448.0, 3, -6
+    if dtype == torch.float8_e5m2:
+        return 57344.0, 2, -14
+    return 0.0, 0, 0
+
+
+def scale_arg(scale: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | float:
+    """A per-tensor scale as kernels take it: a one-element tensor on ``device`` (read in the
+    kernel, so no host sync and CUDA-graph safe) or a Python float (1.0 when absent; a tensor
+    on another device is read once)."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.device == device:
+            return scale.reshape(1)
+        return float(scale.reshape(()).item())
+    return float(scale)
+
+
+def scale_args(k_scale: torch.Tensor | float | None, v_scale: torch.Tensor | float | None,
+               device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """K and V scales for a kernel with one ``SCALE_IS_TENSOR`` flag: both device tensors or
+    both floats (see :func:`scale_arg`)."""
+    ks, vs = scale_arg(k_scale, device), scale_arg(v_scale, device)
+    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
+        ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
+        vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
+    return ks, vs
