@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.config import parse_dtype
+from kvcore.dtypes import parse_dtype
 
 if TYPE_CHECKING:
     from kvcore.backend import AttentionBackend

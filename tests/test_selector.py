@@ -79,7 +79,7 @@ def test_rocm_drops_rocm_attn_with_kv_connector(with_plugins, monkeypatch, caplo
     monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "gfx942")
     plain = kvcore.get_attn_backend(Config(head_size=128), platform="rocm")
     assert plain.get_name() == "ROCM_ATTN"
-    with caplog.at_level("INFO", logger="kvcore_platforms.rocm"):
+    with caplog.at_level("INFO", logger="kvcore.platforms.rocm"):
         report = kvcore.explain_selection(Config(head_size=128, use_kv_connector=True), "rocm")
     assert report.selected.name == "ROCM_AITER_UNIFIED_ATTN"
     rocm_attn = next(c for c in report.candidates if c.name == "ROCM_ATTN")
