@@ -13,16 +13,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvcore import plugins
+from kvcore.backend import AttentionBackend
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform import Platform, current_platform, get_platform
 from kvcore.platform_types import DeviceCapability
 from kvcore.registry import RegistryError, UnknownNameError, backend_registry, resolve_backend
-
-if TYPE_CHECKING:
-    from kvcore.backend import AttentionBackend
 
 __all__ = [
     "AttentionSelectorConfig",

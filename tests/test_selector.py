@@ -199,6 +199,27 @@ def test_selection_is_cached_and_cache_clears(fresh_kvcore, monkeypatch):
         kvcore.get_attn_backend(config, platform="cpu")
 
 
+def test_plugin_changes_forget_cached_selections(fresh_kvcore, monkeypatch):
+    from kvcore import selector
+
+    class Other:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register("OTHER_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")
+
+    config = Config(head_size=64)
+    kvcore.get_attn_backend(config, platform="cpu")
+    monkeypatch.setattr(selector, "explain_selection",
+                        lambda *a, **k: pytest.fail("not re-selected"))
+    kvcore.get_attn_backend(config, platform="cpu")  # cached
+    kvcore.register_plugin(Other(), "other")
+    try:
+        with pytest.raises(pytest.fail.Exception, match="not re-selected"):
+            kvcore.get_attn_backend(config, platform="cpu")
+    finally:
+        kvcore.unregister_plugin("other")
+
+
 def test_unknown_platform_lists_valid_names(fresh_kvcore):
     with pytest.raises(kvcore.UnknownNameError,
                        match="unknown platform 'tpu'; valid options are: cpu, cuda, rocm"):
