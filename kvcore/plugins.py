@@ -203,4 +203,3 @@ def reset_plugins() -> None:
         _manager = None
         _infos.clear()
         _generation += 1
-
