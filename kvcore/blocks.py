@@ -93,6 +93,11 @@ def check_block_mapping(
     return src_out, dst_out
 
 
+# Mappings up to this many pairs are merged by a Python loop: there, the fixed cost of a dozen
+# torch ops outweighs sorting in Python (the offload connector's usual transfers are this small).
+_PYTHON_MAX_PAIRS = 128
+
+
 def block_runs(
     src_ids: torch.Tensor | Sequence[int],
     dst_ids: torch.Tensor | Sequence[int],
@@ -115,19 +120,33 @@ def block_runs(
         ``first_src .. first_src + count - 1`` to destination blocks
         ``first_dst .. first_dst + count - 1``.
     """
-    src = torch.as_tensor(src_ids).detach().to("cpu", torch.int64).reshape(-1)
-    dst = torch.as_tensor(dst_ids).detach().to("cpu", torch.int64).reshape(-1)
-    if src.numel() != dst.numel():
-        raise ValueError(f"src_ids has {src.numel()} entries but dst_ids has {dst.numel()}")
-    if src.numel() == 0:
-        return torch.empty(0, 3, dtype=torch.int64)
+    src = (src_ids.detach().to("cpu", torch.int64).reshape(-1)
+           if isinstance(src_ids, torch.Tensor) else src_ids)
+    dst = (dst_ids.detach().to("cpu", torch.int64).reshape(-1)
+           if isinstance(dst_ids, torch.Tensor) else dst_ids)
+    if len(src) != len(dst):
+        raise ValueError(f"src_ids has {len(src)} entries but dst_ids has {len(dst)}")
+    merge = src_adjacent and dst_adjacent
+    if len(src) <= _PYTHON_MAX_PAIRS:
+        if isinstance(src, torch.Tensor):
+            src, dst = src.tolist(), dst.tolist()
+        runs: list[list[int]] = []
+        for s, d in sorted(zip(src, dst, strict=True)):
+            last = runs[-1] if runs else None
+            if merge and last and s == last[0] + last[2] and d == last[1] + last[2]:
+                last[2] += 1
+            else:
+                runs.append([s, d, 1])
+        return torch.tensor(runs, dtype=torch.int64).view(-1, 3)
+    src = torch.as_tensor(src, dtype=torch.int64)
+    dst = torch.as_tensor(dst, dtype=torch.int64)
     # Sort by source, ties (a source block read twice) by destination: a stable sort by the
     # secondary key, then by the primary one.
     order = torch.argsort(dst, stable=True)
     order = order[torch.argsort(src[order], stable=True)]
     src, dst = src[order], dst[order]
     starts = torch.ones_like(src, dtype=torch.bool)
-    if src_adjacent and dst_adjacent:
+    if merge:
         starts[1:] = (src[1:] != src[:-1] + 1) | (dst[1:] != dst[:-1] + 1)
     first = starts.nonzero().squeeze(1)
     counts = torch.diff(first, append=torch.tensor([src.numel()]))

@@ -87,7 +87,7 @@ def test_random_operations_match_the_model():
             elif not known:
                 continue
             elif op == "get":
-                key = rnd.choice(known + ["absent"])
+                key = rnd.choice([*known, "absent"])
                 entry, slot = index.get(key), model.get(key)
                 assert (entry.slot if entry is not None else None) == slot
             elif op == "pin":
