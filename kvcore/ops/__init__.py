@@ -8,6 +8,11 @@ and :func:`paged_attention` run the Triton kernels (:mod:`kvcore.ops.triton_cach
 :mod:`kvcore.ops.triton_attention`) when the cache is on a GPU (torch device type ``cuda``,
 which is also ROCm's), and the pure-torch references otherwise. Call the Triton modules
 directly to run them elsewhere (e.g. on CPU tensors under ``TRITON_INTERPRET=1``).
+
+Block movement by id (:mod:`kvcore.blocks`): :func:`check_block_mapping` validates a mapping
+``src[src_ids[i]] -> dst[dst_ids[i]]`` between two blocks-first caches (messages name the
+caller's arguments), and :func:`block_runs` merges it into ``(first_src, first_dst, count)``
+runs, one copy each. Block copiers and platforms use them instead of their own checks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import importlib.util
 
 import torch
 
+from kvcore.blocks import block_runs, check_block_mapping
 from kvcore.ops.reference import (
     gather_kv_ref,
     paged_attention_ref,
@@ -38,8 +44,10 @@ __all__ = [
     "MIN_TRITON_VERSION",
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
+    "block_runs",
     "cache_torch_dtype",
     "check_block_indices",
+    "check_block_mapping",
     "gather_kv_ref",
     "paged_attention",
     "paged_attention_ref",
