@@ -8,24 +8,9 @@ import pytest
 import torch
 
 import kvcore
+from kvcore.testing import contiguous_attention_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-
-
-def contiguous_attention(q, k, v, scale, causal=True, window=None):
-    """float64 attention of one request: q (Q, Hq, D), k/v (S, Hk, D); queries are the last Q."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-    k_pos = torch.arange(k.shape[0])[None]
-    mask = torch.ones_like(s[0], dtype=torch.bool)
-    if causal:
-        mask &= k_pos <= q_pos
-    if window:
-        mask &= q_pos - k_pos < window
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, -torch.inf).softmax(-1), v)
 
 
 def run_case(seed, block_size, num_heads, num_kv_heads, head_size, dtype, window=None,
@@ -84,7 +69,7 @@ def test_mixed_batch_matches_float64_reference(dtype, num_heads, num_kv_heads, b
         num_kv_heads=num_kv_heads, head_size=32, dtype=dtype)
     starts = meta.query_start_loc.tolist()
     for i in range(meta.num_seqs):
-        ref = contiguous_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
+        ref = contiguous_attention_ref(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
         got = out[starts[i]:starts[i + 1]].double()
         assert (got - ref).abs().max() <= TOL[dtype] * max(1.0, ref.abs().max()), f"request {i}"
 
@@ -96,8 +81,8 @@ def test_sliding_window(window):
         dtype=torch.float32, window=window)
     starts = meta.query_start_loc.tolist()
     for i in range(meta.num_seqs):
-        ref = contiguous_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale,
-                                   window=window)
+        ref = contiguous_attention_ref(query[starts[i]:starts[i + 1]], full_k[i], full_v[i],
+                                       scale, sliding_window=window)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]].double(), ref, atol=2e-5,
                                    rtol=2e-5)
 
@@ -108,7 +93,7 @@ def test_fp8_cache_within_fp8_error():
         kv_cache_dtype="fp8")
     starts = meta.query_start_loc.tolist()
     for i in range(meta.num_seqs):
-        ref = contiguous_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
+        ref = contiguous_attention_ref(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
         assert (out[starts[i]:starts[i + 1]].double() - ref).abs().max() < 0.15
 
 

@@ -10,6 +10,11 @@ with kvcore), or parametrise a test of your own::
     def test_acme_conforms(case):
         case.run()
 
+Helpers for a plugin's own tests: :func:`contiguous_attention_ref` (a float64 attention
+reference on contiguous K/V) and the GPU / Triton-interpreter setup of a ``conftest.py``
+(:func:`use_triton_interpreter_without_gpu`, :func:`skip_gpu_tests_without_gpu`,
+:data:`GPU_MARKER`).
+
 Every failure is a :class:`ConformanceError` that names the rule of the contract that was
 broken and the section of ``docs/conformance.md`` that documents it. See that document for the
 rules, the tolerances and the options.
@@ -17,15 +22,25 @@ rules, the tolerances and the options.
 
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
 from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
+from kvcore.testing.gpu import (
+    GPU_MARKER,
+    skip_gpu_tests_without_gpu,
+    use_triton_interpreter_without_gpu,
+)
+from kvcore.testing.reference import contiguous_attention_ref
 from kvcore.testing.rules import RULES, ConformanceError, Rule
 
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "GPU_MARKER",
     "RULES",
     "ConformanceCase",
     "ConformanceError",
     "Rule",
     "conformance_cases",
+    "contiguous_attention_ref",
     "resolve_backend_spec",
+    "skip_gpu_tests_without_gpu",
     "tolerance_for",
+    "use_triton_interpreter_without_gpu",
 ]

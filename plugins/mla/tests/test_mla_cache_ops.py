@@ -15,7 +15,7 @@ from kvcore_mla.ops import (
     indexer_k_dequant_ref,
     indexer_k_quant_and_cache_ref,
 )
-from kvcore_mla.ops.reference import fp8_inverse_scale
+from kvcore.ops import fp8_inverse_scale
 from mla_helpers import DEVICE, generator, randn, random_bytes
 
 triton_cache = pytest.importorskip("kvcore_mla.ops.triton_cache")

@@ -70,11 +70,10 @@ def reference(impl: kvcore.AttentionImpl, batch: Batch, kv_cache: torch.Tensor) 
     """float64 attention of the batch's queries over ``kv_cache`` (kvcore's reference)."""
     key_cache, value_cache = kv_cache.unbind(1)
     m = batch.meta
-    causal = m.causal and impl.attn_type == kvcore.AttentionType.DECODER
     return paged_attention_ref(
         batch.query.double(), key_cache.double(), value_cache.double(),
         query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
-        scale=impl.scale, causal=causal, sliding_window=impl.sliding_window)
+        scale=impl.scale, causal=impl.is_causal(m), sliding_window=impl.sliding_window)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,18 +1,32 @@
-"""Test setup for kvcore-rocm.
+"""kvcore-rocm test setup.
 
-``TRITON_INTERPRET=1`` must be set before triton is imported, so it is set here, at conftest
-import, when torch sees no GPU: the Triton kernels then run on CPU through the interpreter.
+Without a GPU, the Triton kernels run on the CPU through the interpreter and tests marked
+``gpu`` are skipped (:mod:`kvcore.testing.gpu`, called at conftest import, before triton is
+imported).
 """
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kvcore.testing import (
+    GPU_MARKER,
+    skip_gpu_tests_without_gpu,
+    use_triton_interpreter_without_gpu,
+)
+
+use_triton_interpreter_without_gpu()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Declared here too so the plugin's tests run on their own (``pytest plugins/rocm/tests``).
+    config.addinivalue_line("markers", GPU_MARKER)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu_tests_without_gpu(items, under=Path(__file__).parent)
 
 
 @pytest.fixture

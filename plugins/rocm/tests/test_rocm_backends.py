@@ -10,23 +10,10 @@ import pytest
 import torch
 
 import kvcore
+from kvcore.testing import contiguous_attention_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 BLOCK_SIZE, HEAD_SIZE = 16, 64
-
-
-def _float64_attention(q, k, v, scale, window=None):
-    """One request: q (Q, Hq, D), k/v (S, Hk, D); the queries are the last Q positions."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-    k_pos = torch.arange(k.shape[0])[None]
-    mask = k_pos <= q_pos
-    if window:
-        mask &= q_pos - k_pos < window
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, -torch.inf).softmax(-1), v)
 
 
 def run_mixed_batch(backend_name, dtype, num_heads=4, num_kv_heads=2, window=None, seed=0,
@@ -70,8 +57,8 @@ def run_mixed_batch(backend_name, dtype, num_heads=4, num_kv_heads=2, window=Non
     out = impl.forward(layer, query, new_k, new_v, kv_cache, meta)
     starts = meta.query_start_loc.tolist()
     ref = torch.cat([
-        _float64_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i],
-                           HEAD_SIZE ** -0.5, window) for i in range(4)])
+        contiguous_attention_ref(query[starts[i]:starts[i + 1]], full_k[i], full_v[i],
+                                 HEAD_SIZE ** -0.5, sliding_window=window) for i in range(4)])
     return out, ref, caches, before
 
 
@@ -102,7 +89,7 @@ def test_rocm_attn_gqa_float32_layout():
 def test_aiter_fa_cache_write_and_forward_without_aiter():
     """The FA impl writes shuffled pages (CPU: the reference) that round-trip; forward needs
     aiter and says so."""
-    from kvcore_rocm.shuffle import gather_shuffled_kv
+    from kvcore_rocm.ops.shuffle import gather_shuffled_kv
 
     backend = kvcore.resolve_backend("ROCM_AITER_FA")
     caches = kvcore.allocate_kv_caches(backend, num_layers=2, num_blocks=4, block_size=16,

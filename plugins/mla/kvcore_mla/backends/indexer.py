@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvcore import AttentionBackend, AttentionImpl
-from kvcore_mla.common import latent_cache_shape
+from kvcore_mla.backends.common import latent_cache_shape
 
 __all__ = ["DeepseekV32IndexerBackend"]
 
