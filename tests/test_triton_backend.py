@@ -6,9 +6,8 @@ import pytest
 import torch
 from test_cpu_backend import run_case
 
-from kvcore.testing import contiguous_attention_ref
-
 import kvcore
+from kvcore.testing import contiguous_attention_ref
 
 pytest.importorskip("triton")
 

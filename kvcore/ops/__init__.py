@@ -17,7 +17,6 @@ import importlib.util
 
 import torch
 
-from kvcore.platform_types import DeviceCapability
 from kvcore.ops.reference import (
     fp8_inverse_scale,
     gather_kv_ref,
@@ -44,6 +43,7 @@ from kvcore.ops.validation import (
     validate_reshape_and_cache,
     value_checks_enabled,
 )
+from kvcore.platform_types import DeviceCapability
 
 __all__ = [
     "MIN_TRITON_VERSION",

@@ -13,6 +13,7 @@ Importing this module imports no kernel library: triton is imported when the imp
 from __future__ import annotations
 
 import torch
+from kvcore_mla.backends.common import MLACommonBackend, MLACommonImpl
 
 from kvcore import (
     AttentionImpl,
@@ -22,7 +23,6 @@ from kvcore import (
     DeviceCapability,
 )
 from kvcore.ops import triton_fp8_reasons, triton_unavailable_reasons
-from kvcore_mla.backends.common import MLACommonBackend, MLACommonImpl
 
 __all__ = ["TritonMLABackend", "TritonMLAImpl"]
 

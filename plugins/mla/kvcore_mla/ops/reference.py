@@ -13,11 +13,12 @@ Conventions (shared with the Triton kernels):
   position ``seq_len - q_len + j``; it sees the keys at positions ``<=`` its own (causal).
 - fp8 caches store ``fp8(clamp(x * inv_scale))``, ``inv_scale = float32(1 / float32(scale))``
   (:func:`kvcore.ops.fp8_inverse_scale`, :func:`kvcore.ops.quantize_to_cache`): one float32
-  multiply by the rounded reciprocal, then round-to-nearest-even into fp8 (after clamping to its largest finite value). This is exactly
-  what ``x.float() / scale`` computes on CUDA for a Python ``scale`` (torch replaces a division by
-  a CPU scalar with a multiplication by its float32 reciprocal) but *not* what it computes on the
-  CPU (a true division), so the references spell it out and give the same bytes on every device;
-  the Triton kernels compute the same two roundings. Caches are read back as ``stored * scale``.
+  multiply by the rounded reciprocal, then round-to-nearest-even into fp8 (after clamping to
+  its largest finite value). This is exactly what ``x.float() / scale`` computes on CUDA for a
+  Python ``scale`` (torch replaces a division by a CPU scalar with a multiplication by its
+  float32 reciprocal) but *not* what it computes on the CPU (a true division), so the
+  references spell it out and give the same bytes on every device; the Triton kernels compute
+  the same two roundings. Caches are read back as ``stored * scale``.
 - ``lse`` is the natural-log log-sum-exp of the scaled scores ``scale * q.k`` of a query
   head (``-inf`` for a query that sees no key, whose output is 0).
 """
@@ -28,7 +29,6 @@ import torch
 
 from kvcore.ops import (
     FP8_KV_CACHE_DTYPES,
-    fp8_inverse_scale,
     gather_kv_ref,
     quantize_to_cache,
     scale_value,

@@ -1,4 +1,5 @@
-"""ROCM_AITER_FA: blocks-first cache whose pages hold AITER's shuffled layout; attention needs aiter.
+"""ROCM_AITER_FA: a blocks-first cache whose pages hold AITER's shuffled layout; attention on
+aiter.
 
 **Unverified:** the aiter call (``aiter.flash_attn_varlen_func``) is written from aiter's
 documented Python entry point but has never run: no machine here has an AMD GPU or aiter. The
