@@ -1,21 +1,18 @@
 """Test-wide setup.
 
-On a machine without a GPU the Triton kernels run on the CPU through the interpreter (small
-shapes only) and tests marked ``gpu`` are skipped: :mod:`kvcore.testing.gpu`, called at
-conftest import, before any ``@triton.jit`` runs.
+Without a GPU, the Triton kernels run on the CPU through the interpreter (small shapes only)
+and tests marked ``gpu`` are skipped (:class:`kvcore.testing.GpuTestSetup`, made at conftest
+import, before any ``@triton.jit`` runs).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kvcore.testing import skip_gpu_tests_without_gpu, use_triton_interpreter_without_gpu
+from kvcore.testing import GpuTestSetup
 
-use_triton_interpreter_without_gpu()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_gpu_tests_without_gpu(items)
+_setup = GpuTestSetup()
+pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
 
 
 FIXTURE_PLUGINS = ("standin_rocm", "broken_import", "broken_register", "duplicate_cpu")

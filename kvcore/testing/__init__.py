@@ -12,8 +12,8 @@ with kvcore), or parametrise a test of your own::
 
 Helpers for a plugin's own tests: :func:`contiguous_attention_ref` (a float64 attention
 reference on contiguous K/V) and the GPU / Triton-interpreter setup of a ``conftest.py``
-(:func:`use_triton_interpreter_without_gpu`, :func:`skip_gpu_tests_without_gpu`,
-:data:`GPU_MARKER`).
+(:class:`GpuTestSetup`, built on :func:`use_triton_interpreter_without_gpu` and
+:func:`skip_gpu_tests_without_gpu`).
 
 Every failure is a :class:`ConformanceError` that names the rule of the contract that was
 broken and the section of ``docs/conformance.md`` that documents it. See that document for the
@@ -24,6 +24,7 @@ from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_bac
 from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
 from kvcore.testing.gpu import (
     GPU_MARKER,
+    GpuTestSetup,
     skip_gpu_tests_without_gpu,
     use_triton_interpreter_without_gpu,
 )
@@ -33,6 +34,7 @@ from kvcore.testing.rules import RULES, ConformanceError, Rule
 __all__ = [
     "DEFAULT_TOLERANCES",
     "GPU_MARKER",
+    "GpuTestSetup",
     "RULES",
     "ConformanceCase",
     "ConformanceError",

@@ -1,21 +1,18 @@
 """The GPU / Triton-interpreter test setup every kvcore test folder needs, in one place.
 
 Triton must see ``TRITON_INTERPRET=1`` before any ``@triton.jit`` runs, so a ``conftest.py``
-calls :func:`use_triton_interpreter_without_gpu` at import: on a machine without a GPU the
-Triton kernels then run on the CPU through the interpreter (small shapes only). Tests marked
-``gpu`` are skipped there by :func:`skip_gpu_tests_without_gpu`::
+makes a :class:`GpuTestSetup` at import: on a machine without a GPU the Triton kernels then
+run on the CPU through the interpreter (small shapes only), and the tests of that folder marked
+``gpu`` are skipped::
 
     # conftest.py
-    from kvcore.testing import (GPU_MARKER, skip_gpu_tests_without_gpu,
-                                use_triton_interpreter_without_gpu)
+    from pathlib import Path
 
-    use_triton_interpreter_without_gpu()
+    from kvcore.testing import GpuTestSetup
 
-    def pytest_configure(config):
-        config.addinivalue_line("markers", GPU_MARKER)
-
-    def pytest_collection_modifyitems(config, items):
-        skip_gpu_tests_without_gpu(items)
+    _setup = GpuTestSetup(under=Path(__file__).parent)
+    pytest_configure = _setup.pytest_configure
+    pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
 """
 
 from __future__ import annotations
@@ -26,7 +23,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GPU_MARKER", "skip_gpu_tests_without_gpu", "use_triton_interpreter_without_gpu"]
+__all__ = [
+    "GPU_MARKER",
+    "GpuTestSetup",
+    "skip_gpu_tests_without_gpu",
+    "use_triton_interpreter_without_gpu",
+]
 
 #: The ``gpu`` marker's declaration (``config.addinivalue_line("markers", GPU_MARKER)``).
 GPU_MARKER = "gpu: needs a CUDA or ROCm GPU (skipped cleanly without one)"
@@ -63,3 +65,24 @@ def skip_gpu_tests_without_gpu(items: Iterable, *, under: Path | None = None,
     for item in items:
         if "gpu" in item.keywords and (under is None or under in Path(item.path).parents):
             item.add_marker(skip)
+
+
+class GpuTestSetup:
+    """A folder's GPU / interpreter test setup; its two methods are a ``conftest.py``'s hooks.
+
+    Making one calls :func:`use_triton_interpreter_without_gpu` (so make it at conftest
+    import). Args as :func:`skip_gpu_tests_without_gpu`.
+    """
+
+    def __init__(self, *, under: Path | None = None, reason: str = _NO_GPU) -> None:
+        self.has_gpu = use_triton_interpreter_without_gpu()
+        self.under = under
+        self.reason = reason
+
+    def pytest_configure(self, config) -> None:
+        """Declare the ``gpu`` marker, so the folder's tests also run on their own."""
+        config.addinivalue_line("markers", GPU_MARKER)
+
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        """Skip this folder's ``gpu`` tests when there is no GPU."""
+        skip_gpu_tests_without_gpu(items, under=self.under, reason=self.reason)

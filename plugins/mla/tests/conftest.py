@@ -1,29 +1,13 @@
-"""kvcore-mla test setup.
-
-Without a GPU, the Triton kernels run on the CPU through the interpreter and tests marked
-``gpu`` are skipped (:mod:`kvcore.testing.gpu`, called at conftest import, before triton is
-imported).
-"""
+"""kvcore-mla test setup: without a GPU, Triton kernels run on the CPU through the interpreter
+and the ``gpu`` tests are skipped (:class:`kvcore.testing.GpuTestSetup`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from kvcore.testing import GpuTestSetup
 
-from kvcore.testing import (
-    GPU_MARKER,
-    skip_gpu_tests_without_gpu,
-    use_triton_interpreter_without_gpu,
-)
-
-use_triton_interpreter_without_gpu()
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # Declared here too so the plugin's tests run on their own (``pytest plugins/mla/tests``).
-    config.addinivalue_line("markers", GPU_MARKER)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_gpu_tests_without_gpu(items, under=Path(__file__).parent)
+# Made at conftest import: TRITON_INTERPRET must be set before triton is imported.
+_setup = GpuTestSetup(under=Path(__file__).parent)
+pytest_configure = _setup.pytest_configure
+pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
