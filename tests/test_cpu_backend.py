@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcore
-from kvcore.testing import contiguous_attention_ref
+from kvcore.testing import contiguous_attention_ref, random_block_tables
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -21,14 +21,8 @@ def run_case(seed, block_size, num_heads, num_kv_heads, head_size, dtype, window
     query_lens = [1, 1, 7, 19]
     context_lens = [rng.randint(1, 40), rng.randint(30, 70), rng.randint(5, 33), 0]
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + 5
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)  # non-contiguous, unordered block tables
-    tables, pos = [], 0
-    for n in needed:
-        tables.append(ids[pos:pos + n])
-        pos += n
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 5
+    tables = random_block_tables(seq_lens, block_size, num_blocks, gen)  # unordered pages
     caches = kvcore.allocate_kv_caches(backend_name, num_layers=3, num_blocks=num_blocks,
                                        block_size=block_size, num_kv_heads=num_kv_heads,
                                        head_size=head_size, dtype=dtype, device="cpu",

@@ -11,15 +11,16 @@ with kvcore), or parametrise a test of your own::
         case.run()
 
 Helpers for a plugin's own tests: :func:`contiguous_attention_ref` (a float64 attention
-reference on contiguous K/V) and the GPU / Triton-interpreter setup of a ``conftest.py``
-(:class:`GpuTestSetup`, built on :func:`use_triton_interpreter_without_gpu` and
-:func:`skip_gpu_tests_without_gpu`).
+reference on contiguous K/V), :func:`random_block_tables` (shuffled block tables) and the
+GPU / Triton-interpreter setup of a ``conftest.py`` (:class:`GpuTestSetup`, built on
+:func:`use_triton_interpreter_without_gpu` and :func:`skip_gpu_tests_without_gpu`).
 
 Every failure is a :class:`ConformanceError` that names the rule of the contract that was
 broken and the section of ``docs/conformance.md`` that documents it. See that document for the
 rules, the tolerances and the options.
 """
 
+from kvcore.testing.batch import random_block_tables
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
 from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
 from kvcore.testing.gpu import (
@@ -41,6 +42,7 @@ __all__ = [
     "Rule",
     "conformance_cases",
     "contiguous_attention_ref",
+    "random_block_tables",
     "resolve_backend_spec",
     "skip_gpu_tests_without_gpu",
     "tolerance_for",

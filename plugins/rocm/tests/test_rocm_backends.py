@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcore
-from kvcore.testing import contiguous_attention_ref
+from kvcore.testing import contiguous_attention_ref, random_block_tables
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 BLOCK_SIZE, HEAD_SIZE = 16, 64
@@ -26,15 +26,10 @@ def run_mixed_batch(backend_name, dtype, num_heads=4, num_kv_heads=2, window=Non
     query_lens = [1, 1, 6, 9]
     context_lens = [rng.randint(1, 30), rng.randint(17, 40), rng.randint(3, 20), 0]
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    ids = list(range(sum(needed) + 3))
-    rng.shuffle(ids)
-    tables, pos = [], 0
-    for n in needed:
-        tables.append(ids[pos:pos + n])
-        pos += n
+    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3
+    tables = random_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)
     caches = kvcore.allocate_kv_caches(
-        backend_name, num_layers=3, num_blocks=len(ids), block_size=BLOCK_SIZE,
+        backend_name, num_layers=3, num_blocks=num_blocks, block_size=BLOCK_SIZE,
         num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=dtype, device="cpu",
         cross_layer=cross_layer)
     caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen))
