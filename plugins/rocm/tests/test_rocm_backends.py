@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcore
-from kvcore.testing import contiguous_attention_ref, random_block_tables
+from kvcore.testing import run_mixed_step
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 BLOCK_SIZE, HEAD_SIZE = 16, 64
@@ -21,40 +21,14 @@ def run_mixed_batch(backend_name, dtype, num_heads=4, num_kv_heads=2, window=Non
     """Decode, decode, prefill on a cached prefix, fresh prefill, on shuffled blocks of layer 1
     of a 3-layer cache whose other bytes are random. Returns (output, float64 reference, caches,
     storage before the step)."""
-    gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    query_lens = [1, 1, 6, 9]
-    context_lens = [rng.randint(1, 30), rng.randint(17, 40), rng.randint(3, 20), 0]
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3
-    tables = random_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)
-    caches = kvcore.allocate_kv_caches(
-        backend_name, num_layers=3, num_blocks=num_blocks, block_size=BLOCK_SIZE,
-        num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=dtype, device="cpu",
-        cross_layer=cross_layer)
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen))
-    before = caches.storage.clone()
-    kv_cache = caches.layers[1]
-    impl = kvcore.resolve_backend(backend_name).get_impl_cls()(
-        num_heads, HEAD_SIZE, HEAD_SIZE ** -0.5, num_kv_heads, sliding_window=window)
-    layer = kvcore.LayerScales()
-    full_k = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for s in seq_lens]
-    full_v = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for s in seq_lens]
-    prefix = kvcore.build_attention_metadata(context_lens, [0] * 4, tables, BLOCK_SIZE)
-    pairs = list(zip(full_k, full_v, context_lens, strict=True))
-    impl.do_kv_cache_update(layer, torch.cat([k[:c] for k, _, c in pairs]),
-                            torch.cat([v[:c] for _, v, c in pairs]), kv_cache, prefix.slot_mapping)
-    meta = kvcore.build_attention_metadata(query_lens, context_lens, tables, BLOCK_SIZE)
-    new_k = torch.cat([k[c:] for k, _, c in pairs])
-    new_v = torch.cat([v[c:] for _, v, c in pairs])
-    impl.do_kv_cache_update(layer, new_k, new_v, kv_cache, meta.slot_mapping)
-    query = torch.randn(sum(query_lens), num_heads, HEAD_SIZE, generator=gen).to(dtype)
-    out = impl.forward(layer, query, new_k, new_v, kv_cache, meta)
-    starts = meta.query_start_loc.tolist()
-    ref = torch.cat([
-        contiguous_attention_ref(query[starts[i]:starts[i + 1]], full_k[i], full_v[i],
-                                 HEAD_SIZE ** -0.5, sliding_window=window) for i in range(4)])
-    return out, ref, caches, before
+    step = run_mixed_step(
+        backend_name, query_lens=[1, 1, 6, 9],
+        context_lens=[rng.randint(1, 30), rng.randint(17, 40), rng.randint(3, 20), 0],
+        block_size=BLOCK_SIZE, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=HEAD_SIZE, dtype=dtype, gen=torch.Generator().manual_seed(seed),
+        sliding_window=window, cross_layer=cross_layer)
+    return step.output, step.reference(), step.caches, step.before
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
