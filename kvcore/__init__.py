@@ -17,7 +17,8 @@ from kvcore.backend import (
     PagedAttentionImpl,
     build_attention_metadata,
 )
-from kvcore.config import AttentionSelectorConfig, parse_dtype
+from kvcore.config import AttentionSelectorConfig
+from kvcore.dtypes import parse_dtype
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import KVCacheLayout, LayoutMismatchError
 from kvcore.platform import (
