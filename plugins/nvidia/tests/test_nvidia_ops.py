@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_nvidia import _build, ops
+from kvcore_nvidia import ops
+from kvcore_nvidia.ops import _build
 
 import kvcore
 from kvcore.ops import reshape_and_cache_ref

@@ -1,8 +1,9 @@
-"""kvcore-nvidia's CUDA C++ ops: a stride-aware cache write and a batched block copy.
+"""The Python bindings of kvcore-nvidia's CUDA C++ ops: a stride-aware cache write and a batched
+block copy.
 
 Both validate their arguments in Python (errors name the argument) before anything is built
 or launched, then call the extension compiled from ``kvcore_nvidia/csrc`` on first use
-(:mod:`kvcore_nvidia._build`). On a machine that cannot build it (no CUDA torch, no GPU, no
+(:mod:`kvcore_nvidia.ops._build`). On a machine that cannot build it (no CUDA torch, no GPU, no
 nvcc) they raise ``RuntimeError`` with :func:`extension_unavailable_reason`.
 
 - :func:`reshape_and_cache_flash` computes exactly :func:`kvcore.ops.reshape_and_cache_ref`
@@ -21,7 +22,7 @@ from typing import Literal
 import torch
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_reshape_and_cache
-from kvcore_nvidia import _build
+from kvcore_nvidia.ops import _build
 
 __all__ = [
     "COPY_METHODS",
@@ -197,9 +198,8 @@ def _check_copy_args(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.
     return src_ids, dst_ids
 
 
-#: Default of :func:`copy_blocks`'s ``streams``: on the H200 (2026-11-29) four batches in
-#: flight moved 512 MiB of scattered 64 KiB blocks in 12.8-14.0 ms, one batch in 14.8-19.2 ms
-#: (two runs), and 2 MiB runs no slower (``benchmarks/RESULTS.md``).
+#: Default of :func:`copy_blocks`'s ``streams``: four batches in flight moved scattered blocks
+#: faster than one, and large runs no slower (measurements in ``benchmarks/RESULTS.md``).
 DEFAULT_COPY_STREAMS = 4
 
 
