@@ -15,7 +15,6 @@ nothing; the attention backends' cache write is kvcore's portable Triton kernel.
 from kvcore_nvidia.ops.bindings import (
     COPY_METHODS,
     DEFAULT_COPY_STREAMS,
-    block_runs,
     build_extension,
     copy_blocks,
     extension_unavailable_reason,
@@ -25,7 +24,6 @@ from kvcore_nvidia.ops.bindings import (
 __all__ = [
     "COPY_METHODS",
     "DEFAULT_COPY_STREAMS",
-    "block_runs",
     "build_extension",
     "copy_blocks",
     "extension_unavailable_reason",
