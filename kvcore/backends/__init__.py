@@ -9,3 +9,8 @@ def kvcore_register_backends(register):
     register("CPU_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")
     register("TRITON_ATTN", "kvcore.backends.triton_attn:TritonAttentionBackend")
     register("TRITON_ATTN_HND", "kvcore.backends.triton_attn:TritonAttentionHNDBackend")
+
+
+@hookimpl
+def kvcore_register_kernel_compile_cases(register):
+    register("kvcore", "kvcore.ops.compile_cases:compile_cases")

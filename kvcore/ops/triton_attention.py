@@ -266,11 +266,14 @@ def default_config(
     max_seq_len_bound: int,
     device: torch.device,
     num_kv_splits: int | None = None,
+    *,
+    num_sms: int | None = None,
 ) -> AttentionConfig:
     """The launch configuration :func:`paged_attention` uses (see the module docstring).
 
     ``max_seq_len_bound`` is an upper bound on every request's length
-    (``block_table.shape[1] * block_size``); only the split heuristic uses it.
+    (``block_table.shape[1] * block_size``); only the split heuristic uses it, with
+    ``num_sms`` (default: ``device``'s SM count; the compile check passes its target's).
     """
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
@@ -285,7 +288,7 @@ def default_config(
     if num_kv_splits is None:
         num_kv_splits = 1
         work = num_seqs * num_kv_heads
-        target = _SPLIT_TARGET_WAVES * _num_sms(device)
+        target = _SPLIT_TARGET_WAVES * (num_sms or _num_sms(device))
         if decode_only and work < target:
             by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
             num_kv_splits = max(1, min(target // work, by_length, _MAX_SPLITS))

@@ -16,14 +16,17 @@ rules, the tolerances and the options.
 """
 
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
+from kvcore.testing.compile_check import CompileTarget, KernelCase
 from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
 from kvcore.testing.rules import RULES, ConformanceError, Rule
 
 __all__ = [
     "DEFAULT_TOLERANCES",
     "RULES",
+    "CompileTarget",
     "ConformanceCase",
     "ConformanceError",
+    "KernelCase",
     "Rule",
     "conformance_cases",
     "resolve_backend_spec",
