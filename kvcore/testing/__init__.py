@@ -16,8 +16,8 @@ rules, the tolerances and the options.
 """
 
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
-from kvcore.testing.compile_check import CompileTarget, KernelCase
 from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
+from kvcore.testing.compile_check import CompileTarget, KernelCase
 from kvcore.testing.rules import RULES, ConformanceError, Rule
 
 __all__ = [

@@ -40,6 +40,7 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import sys
 import tempfile
 import time
@@ -139,6 +140,7 @@ class CompileResult:
     kernel: str
     target: str
     config: str = ""
+    key: str = ""  # the compile's cache key: equal keys are one compile
     registers: int | None = None
     spills: int | None = None
     shared: int | None = None
@@ -179,17 +181,13 @@ def capture_launches() -> Iterator[list[KernelLaunch]]:
         JITFunction.run = original
 
 
-def case_providers(extra: Sequence[str] = ()) -> list[tuple[str, str, Callable]]:
-    """``(owner, "module:function", provider)`` for every registered case provider, plus
-    ``extra`` ``"module:function"`` paths (owner ``"extra"``)."""
+def case_providers() -> list[tuple[str, str, Callable]]:
+    """``(owner, "module:function", provider)`` for every registered case provider."""
     from kvcore.registry import kernel_compile_case_registry
 
     registry = kernel_compile_case_registry()
-    found = [(name, registry.get(name).target, registry.resolve(name))
-             for name in registry.names()]
-    for path in extra:
-        found.append(("extra", path, _import_path(path)))
-    return found
+    return [(name, registry.get(name).target, registry.resolve(name))
+            for name in registry.names()]
 
 
 def _import_path(path: str) -> Any:
@@ -329,22 +327,27 @@ def run_check(
     extra_providers: Sequence[str] = (),
     jobs: int | None = None,
     use_cache: bool = True,
+    compile: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> list[CompileResult]:
     """Compile every registered case for ``targets`` and judge the results.
 
-    ``owners`` limits the check to those providers (registered names); ``extra_providers``
-    adds ``"module:function"`` providers. ``jobs`` compiles in parallel (default: one per CPU,
-    at most 4). Returns one :class:`CompileResult` per (case, kernel launch, target).
+    ``owners`` limits the check to those registered providers; ``extra_providers``
+    (``"module:function"`` paths) checks those instead of the registered ones, or besides
+    ``owners`` when both are given. ``jobs`` compiles in parallel (default: one per CPU, at
+    most 4). ``compile=False`` only runs the cases and lists what they launch. Returns one
+    :class:`CompileResult` per (case, kernel launch, target).
     """
     resolved = [t if isinstance(t, CompileTarget) else _target(t) for t in targets]
-    providers = [p for p in case_providers(extra_providers)
-                 if owners is None or p[0] in owners or p[0] == "extra"]
+    registered = case_providers()
     if owners is not None:
-        unknown = set(owners) - {p[0] for p in providers}
+        unknown = set(owners) - {name for name, _, _ in registered}
         if unknown:
-            valid = ", ".join(name for name, _, _ in case_providers())
+            valid = ", ".join(name for name, _, _ in registered)
             raise ValueError(f"unknown kernel owner(s) {sorted(unknown)}; registered: {valid}")
+    providers = [p for p in registered
+                 if (owners is None and not extra_providers) or (owners and p[0] in owners)]
+    providers += [("extra", path, _import_path(path)) for path in extra_providers]
 
     results: list[CompileResult] = []
     pending: dict[str, list[tuple[CompileResult, int]]] = {}
@@ -366,12 +369,14 @@ def run_check(
                     continue
                 for launch, job in specialised:
                     result = CompileResult(owner, case.name, launch.fn.fn.__name__, target.name,
-                                           config=_config_text(launch.fn, job),
+                                           config=_config_text(launch.fn, job), key=job.key,
                                            shared_limit=target.shared_memory_limit)
                     results.append(result)
                     pending.setdefault(job.key, []).append((result, case.max_spills))
                     todo[job.key] = job
 
+    if not compile:
+        return results
     cache = _cache_dir()
     metrics: dict[str, dict[str, Any]] = {}
     for key in todo:
@@ -460,9 +465,8 @@ def format_summary(results: Sequence[CompileResult]) -> str:
 
 def format_markdown(results: Sequence[CompileResult]) -> str:
     """``docs/kernels.md``: the kernel x target summary and every case."""
-    from tabulate import tabulate
-
     import triton
+    from tabulate import tabulate
 
     lines = [
         "# Triton kernels compiled for real GPUs",
@@ -518,7 +522,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only this provider's kernels, e.g. kvcore or kvcore_mla "
                              "(repeatable)")
     parser.add_argument("--cases", action="append", default=[], metavar="MODULE:FUNCTION",
-                        help="an extra case provider to check (repeatable)")
+                        help="check this case provider (repeatable) instead of the registered "
+                             "ones (besides those named by --owner)")
+    parser.add_argument("--list", action="store_true",
+                        help="run the cases and list the kernel launches, compile nothing")
     parser.add_argument("--jobs", type=int, default=None,
                         help="parallel compiles (default: one per CPU, at most 4)")
     parser.add_argument("--no-cache", action="store_true",
@@ -532,18 +539,28 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = run_check(args.target or tuple(TARGETS), owners=args.owner,
                         extra_providers=args.cases, jobs=args.jobs, use_cache=not args.no_cache,
+                        compile=not args.list,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+    failed = [r for r in results if not r.ok]
     if args.format == "json":
         print(json.dumps([r.to_dict() for r in results], indent=2))
+    elif args.list:
+        from tabulate import tabulate
+
+        print(tabulate([[r.owner, r.kernel, r.case, r.target, r.config,
+                         "; ".join(r.failures)] for r in results],
+                       headers=["owner", "kernel", "case", "target", "config", "error"]))
     elif args.format == "markdown":
         print(format_markdown(results))
     else:
         print(format_table(results))
         print()
         print(format_summary(results))
-    failed = [r for r in results if not r.ok]
-    compiled = sum(not r.cached for r in results)
-    print(f"{len(results)} kernel compiles ({compiled} compiled, {len(results) - compiled} "
-          f"cached) in {time.perf_counter() - start:.0f}s; {len(failed)} failed",
-          file=sys.stderr)
+    distinct = {r.key: r.cached for r in results if r.key}
+    new = sum(not cached for cached in distinct.values())
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the compile workers and ptxas
+    print(f"{len(results)} kernel launches, {len(distinct)} distinct compiles "
+          f"({new} compiled, {len(distinct) - new} from the cache) in "
+          f"{time.perf_counter() - start:.0f}s ({usage.ru_utime + usage.ru_stime:.0f} CPU-s "
+          f"in compile workers); {len(failed)} failed", file=sys.stderr)
     return 1 if failed else 0

@@ -11,3 +11,8 @@ from kvcore import hookimpl
 @hookimpl
 def kvcore_register_backends(register) -> None:
     register("TRITON_MLA", "kvcore_mla.triton_mla:TritonMLABackend")
+
+
+@hookimpl
+def kvcore_register_kernel_compile_cases(register) -> None:
+    register("kvcore_mla", "kvcore_mla.compile_cases:compile_cases")
