@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from kvcore.allocate import allocate_kv_caches
+from kvcore.config import AttentionSelectorConfig
+from kvcore.registry import resolve_backend
 from kvcore.testing.compile_check import CompileTarget, KernelCase
 
 __all__ = ["compile_cases"]
@@ -26,6 +28,15 @@ def _caches(backend: str, num_kv_heads: int, head_size: int, dtype: torch.dtype)
                             block_size=_BLOCK_SIZE, num_kv_heads=num_kv_heads,
                             head_size=head_size, dtype=dtype, device="cpu")
     return kv.layers[1].unbind(1)  # the second layer: a view into the pool, like a real one
+
+
+def _skip(backend: str, target: CompileTarget, head_size: int, dtype: torch.dtype,
+          kv_cache_dtype: str) -> str | None:
+    """The backend's own reasons against the config on the target (e.g. fp8 before 8.9)."""
+    config = AttentionSelectorConfig(head_size=head_size, dtype=dtype,
+                                     kv_cache_dtype=kv_cache_dtype, block_size=_BLOCK_SIZE)
+    reasons = resolve_backend(backend).validate_config(config, target.device_capability)
+    return f"{backend}: {'; '.join(reasons)}" if reasons else None
 
 
 def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
@@ -55,10 +66,11 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
                         sliding_window=sliding_window, kv_cache_dtype=kv_cache_dtype,
                         k_scale=scale, v_scale=scale, config=config)
 
-    return KernelCase(name, launch)
+    return KernelCase(name, launch,
+                      skip=_skip(backend, target, head_size, dtype, kv_cache_dtype))
 
 
-def _cache_write_case(name: str, *, num_tokens: int, num_kv_heads: int, head_size: int,
+def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_kv_heads: int, head_size: int,
                       dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KernelCase:
     def launch() -> None:
         from kvcore.ops.triton_cache import reshape_and_cache
@@ -72,7 +84,8 @@ def _cache_write_case(name: str, *, num_tokens: int, num_kv_heads: int, head_siz
         scale = torch.ones(1) if fp8 else None
         reshape_and_cache(key, value, k_cache, v_cache, slots, kv_cache_dtype, scale, scale)
 
-    return KernelCase(name, launch)
+    return KernelCase(name, launch,
+                      skip=_skip("TRITON_ATTN", target, head_size, dtype, kv_cache_dtype))
 
 
 def compile_cases(target: CompileTarget) -> list[KernelCase]:
@@ -88,7 +101,7 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
                             context=4095, dtype=dtype, **llama8b),
             _attention_case(target, f"mixed 2x2048+62x1 ctx2048 Hq32/Hk8 D128 {tag}",
                             q_lens=mixed, context=2048, dtype=dtype, **llama8b),
-            _cache_write_case(f"cache write 2048 tok Hk8 D128 {tag}", num_tokens=2048,
+            _cache_write_case(target, f"cache write 2048 tok Hk8 D128 {tag}", num_tokens=2048,
                               num_kv_heads=8, head_size=128, dtype=dtype),
         ]
     cases += [
@@ -107,9 +120,9 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
         _attention_case(target, "mixed 2x2048+62x1 Hq16/Hk8 D256 bf16 window 4096",
                         q_lens=mixed, context=2048, num_heads=16, num_kv_heads=8,
                         head_size=256, dtype=bf16, sliding_window=4096),
-        _cache_write_case("cache write 2048 tok Hk8 D128 bf16 -> fp8-e4m3", num_tokens=2048,
+        _cache_write_case(target, "cache write 2048 tok Hk8 D128 bf16 -> fp8-e4m3", num_tokens=2048,
                           num_kv_heads=8, head_size=128, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
-        _cache_write_case("cache write 2048 tok Hk8 D256 bf16", num_tokens=2048,
+        _cache_write_case(target, "cache write 2048 tok Hk8 D256 bf16", num_tokens=2048,
                           num_kv_heads=8, head_size=256, dtype=bf16),
     ]
     return cases

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+import kvcore
 from kvcore.testing import CompileTarget, KernelCase
 
 __all__ = ["compile_cases"]
@@ -27,6 +28,25 @@ def _block_table(num_seqs: int, max_len: int, block_size: int) -> torch.Tensor:
     pages = -(-max_len // block_size)
     return (torch.arange(num_seqs * pages, dtype=torch.int32) % _NUM_BLOCKS).reshape(
         num_seqs, pages)
+
+
+def _skip(backend: str, target: CompileTarget, dtype: torch.dtype,
+          kv_cache_dtype: str = "auto") -> str | None:
+    """The backend's own reasons against the config on the target (e.g. fp8 before 8.9)."""
+    if backend == "DEEPSEEK_V32_INDEXER":  # a layout (not registered): its capability only
+        from kvcore_mla.indexer import DeepseekV32IndexerBackend
+
+        need = DeepseekV32IndexerBackend.MIN_DEVICE_CAPABILITY
+        if need is not None and not target.device_capability.at_least(need):
+            return (f"{backend}: device capability {target.device_capability} (needs >= {need} "
+                    "for fp8 e4m3 conversions)")
+        return None
+    cls = kvcore.resolve_backend(backend)
+    config = kvcore.AttentionSelectorConfig(
+        head_size=_KV_LORA_RANK + _ROPE_DIM, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        block_size=_BLOCK_SIZE, use_mla=True)
+    reasons = cls.validate_config(config, target.device_capability)
+    return f"{backend}: {'; '.join(reasons)}" if reasons else None
 
 
 def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: int,
@@ -62,7 +82,7 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
                       k_scale=torch.ones(1) if fp8 else None, max_query_len=max(q_lens),
                       max_seq_len=max_seq_len, num_kv_splits=splits, config=config)
 
-    return KernelCase(name, launch)
+    return KernelCase(name, launch, skip=_skip("TRITON_MLA", target, dtype, kv_cache_dtype))
 
 
 def _gqa_decode_case(target: CompileTarget, name: str, *, batch: int, context: int,
@@ -94,7 +114,7 @@ def _gqa_decode_case(target: CompileTarget, name: str, *, batch: int, context: i
     return KernelCase(name, launch)
 
 
-def _latent_write_case(name: str, *, dtype: torch.dtype,
+def _latent_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype,
                        kv_cache_dtype: str = "auto") -> KernelCase:
     def launch() -> None:
         from kvcore_mla.ops.triton_cache import concat_and_cache_mla
@@ -109,10 +129,10 @@ def _latent_write_case(name: str, *, dtype: torch.dtype,
         concat_and_cache_mla(kv_c, k_pe, kv_cache, slots, kv_cache_dtype,
                              torch.ones(1) if fp8 else None)
 
-    return KernelCase(name, launch)
+    return KernelCase(name, launch, skip=_skip("TRITON_MLA", target, dtype, kv_cache_dtype))
 
 
-def _indexer_write_case(name: str, *, dtype: torch.dtype, scale_fmt: str | None) -> KernelCase:
+def _indexer_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype, scale_fmt: str | None) -> KernelCase:
     def launch() -> None:
         from kvcore_mla.ops import indexer_cache_head_size
         from kvcore_mla.ops.triton_cache import indexer_k_quant_and_cache
@@ -124,7 +144,7 @@ def _indexer_write_case(name: str, *, dtype: torch.dtype, scale_fmt: str | None)
         slots = torch.arange(num_tokens) % (_NUM_BLOCKS * _INDEXER_BLOCK_SIZE)
         indexer_k_quant_and_cache(k, kv_cache, slots, quant_block, scale_fmt)
 
-    return KernelCase(name, launch)
+    return KernelCase(name, launch, skip=_skip("DEEPSEEK_V32_INDEXER", target, dtype))
 
 
 def compile_cases(target: CompileTarget) -> list[KernelCase]:
@@ -148,11 +168,11 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
         _gqa_decode_case(target, "GQA decode 64x4096 Hq32/Hk8 D128 bf16", batch=64,
                          context=4096, num_heads=32, num_kv_heads=8, head_size=128,
                          dtype=bf16),
-        _latent_write_case("latent write 2048 tok bf16", dtype=bf16),
-        _latent_write_case("latent write 2048 tok fp16", dtype=fp16),
-        _latent_write_case("latent write 2048 tok bf16 -> fp8-e4m3", dtype=bf16,
+        _latent_write_case(target, "latent write 2048 tok bf16", dtype=bf16),
+        _latent_write_case(target, "latent write 2048 tok fp16", dtype=fp16),
+        _latent_write_case(target, "latent write 2048 tok bf16 -> fp8-e4m3", dtype=bf16,
                            kv_cache_dtype="fp8_e4m3"),
-        _indexer_write_case("indexer write 2048 tok D128 bf16", dtype=bf16, scale_fmt=None),
-        _indexer_write_case("indexer write 2048 tok D128 bf16 ue8m0", dtype=bf16,
+        _indexer_write_case(target, "indexer write 2048 tok D128 bf16", dtype=bf16, scale_fmt=None),
+        _indexer_write_case(target, "indexer write 2048 tok D128 bf16 ue8m0", dtype=bf16,
                             scale_fmt="ue8m0"),
     ]
