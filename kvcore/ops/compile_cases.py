@@ -70,8 +70,9 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
                       skip=_skip(backend, target, head_size, dtype, kv_cache_dtype))
 
 
-def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_kv_heads: int, head_size: int,
-                      dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KernelCase:
+def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_kv_heads: int,
+                      head_size: int, dtype: torch.dtype,
+                      kv_cache_dtype: str = "auto") -> KernelCase:
     def launch() -> None:
         from kvcore.ops.triton_cache import reshape_and_cache
 

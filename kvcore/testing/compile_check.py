@@ -250,7 +250,8 @@ def _specialize(launch: KernelLaunch, target: CompileTarget) -> _Job:
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
                                                          specialization, options)
     options = dict(options.__dict__)
-    key_data = json.dumps([_METRICS_VERSION, fn.cache_key, signature, sorted(map(repr, constexprs.items())),
+    key_data = json.dumps([_METRICS_VERSION, fn.cache_key, signature,
+                           sorted(map(repr, constexprs.items())),
                            sorted(map(repr, attrs.items())), sorted(map(repr, options.items())),
                            dataclasses.astuple(target), triton.__version__])
     key = hashlib.sha256(key_data.encode()).hexdigest()[:32]

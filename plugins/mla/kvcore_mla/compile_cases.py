@@ -132,7 +132,8 @@ def _latent_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype,
     return KernelCase(name, launch, skip=_skip("TRITON_MLA", target, dtype, kv_cache_dtype))
 
 
-def _indexer_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype, scale_fmt: str | None) -> KernelCase:
+def _indexer_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype,
+                        scale_fmt: str | None) -> KernelCase:
     def launch() -> None:
         from kvcore_mla.ops import indexer_cache_head_size
         from kvcore_mla.ops.triton_cache import indexer_k_quant_and_cache
