@@ -1,5 +1,6 @@
 """The backends that ship with kvcore itself, registered through the same hook and entry
-point as any plugin: ``CPU_ATTN`` (pure torch, always there) and ``TRITON_ATTN``."""
+point as any plugin: ``CPU_ATTN`` (pure torch, always there) and ``TRITON_ATTN``; and the
+compile-check cases of kvcore's Triton kernels (:mod:`kvcore.ops.compile_cases`)."""
 
 from kvcore.hookspecs import hookimpl
 
