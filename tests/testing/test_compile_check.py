@@ -160,3 +160,47 @@ def test_a_tile_that_needs_more_lds_than_gfx942_has_fails_the_check(tmp_path):
     assert again.returncode == 1
     (row,) = json.loads(again.stdout)
     assert row["cached"] and row["shared"] == broken["shared"]
+
+
+@pytest.mark.gpu
+def test_the_ahead_of_time_compile_matches_the_jit_on_this_gpu():
+    """On a real GPU: Triton's JIT, given the same launches on device tensors of the same
+    strides, builds kernels with exactly the registers and shared memory the check reports."""
+    import torch
+
+    from kvcore.ops.compile_cases import compile_cases
+    from kvcore.testing.compile_check import capture_launches, run_check
+
+    major, minor = torch.cuda.get_device_capability()
+    if torch.version.hip is not None:
+        name = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    else:
+        name = f"sm{major}{minor}"
+    if name not in TARGETS:
+        pytest.skip(f"{name} is not a compile-check target ({', '.join(TARGETS)})")
+    target = TARGETS[name]
+    expected = {(r.case, r.kernel): r for r in run_check([name], owners=["kvcore"])}
+    assert all(r.ok for r in expected.values())
+
+    def on_device(value):
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
+                                       device="cuda")
+        return value
+
+    checked = 0
+    for case in compile_cases(target):
+        if case.skip:
+            continue
+        with capture_launches() as launches:
+            case.launch()
+        for launch in launches:
+            kernel = launch.fn.warmup(*map(on_device, launch.args), grid=(1,),
+                                      **{k: on_device(v) for k, v in launch.kwargs.items()})
+            kernel._init_handles()
+            aot = expected[case.name, launch.fn.fn.__name__]
+            assert kernel.metadata.shared == aot.shared, case.name
+            if not target.is_rocm:  # the HIP driver counts registers differently
+                assert kernel.n_regs == aot.registers, case.name
+            checked += 1
+    assert checked >= 10
