@@ -411,15 +411,20 @@ def run_check(
         if use_cache and path.exists():
             metrics[key] = dict(json.loads(path.read_text()), cached=True)
     to_compile = [job for key, job in todo.items() if key not in metrics]
+    workers = jobs or min(4, os.cpu_count() or 1)
     if to_compile:
-        workers = jobs or min(4, os.cpu_count() or 1)
-        # fork: the workers inherit the imported kernels; no CUDA context exists to break.
-        context = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        if workers == 1:  # in this process (e.g. one that holds a GPU context: no fork)
+            finished: Iterable[tuple[_Job, dict]] = ((job, _compile(job)) for job in to_compile)
+            pool = contextlib.nullcontext()
+        else:  # fork: the workers inherit the imported kernels
+            pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("fork"))
             futures = {pool.submit(_compile, job): job for job in to_compile}
-            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                job = futures[future]
-                metrics[job.key] = dict(future.result(), cached=False)
+            finished = ((futures[f], f.result())
+                        for f in concurrent.futures.as_completed(futures))
+        with pool:
+            for done, (job, compiled) in enumerate(finished, 1):
+                metrics[job.key] = dict(compiled, cached=False)
                 if progress is not None:
                     progress(f"[{done}/{len(to_compile)}] {job.kernel.split(':')[1]} "
                              f"{job.target.name} {metrics[job.key]['seconds']:.1f}s")
