@@ -139,7 +139,7 @@ def test_every_triton_kernel_is_launched_by_a_case_on_some_target(tmp_path):
 
 @pytest.mark.slow
 def test_a_tile_that_needs_more_lds_than_gfx942_has_fails_the_check(tmp_path):
-    proc = _kvcore_kernels("--target", "gfx942", "--target", "gfx950", "--format", "json",
+    proc = _kvcore_kernels("--target", "gfx942", "--format", "json",
                            "--cases", "broken_compile_cases:too_much_lds",
                            "--cases", "broken_compile_cases:fits", cache=tmp_path)
     assert proc.returncode == 1, proc.stderr
@@ -149,10 +149,8 @@ def test_a_tile_that_needs_more_lds_than_gfx942_has_fails_the_check(tmp_path):
     assert broken["shared"] > 64 * 1024
     assert any("KiB of LDS per program; gfx942 (MI300X) has 64 KiB" in failure
                for failure in broken["failures"])
-    assert rows["prefill 128x64 tile D256 3 stages", "gfx950"]["shared"] <= 160 * 1024
-    for target in ("gfx942", "gfx950"):
-        good = rows["cache write bf16", target]
-        assert good["ok"] and good["registers"] > 0 and good["spills"] == 0
+    good = rows["cache write bf16", "gfx942"]
+    assert good["ok"] and good["registers"] > 0 and good["spills"] == 0
 
     # Cached: the second run compiles nothing and gives the same verdicts.
     again = _kvcore_kernels("--target", "gfx942", "--format", "json",
