@@ -66,12 +66,12 @@ __all__ = [
 
 #: Bytes of registers a kernel may spill per thread (NVIDIA: ``ptxas``' spill stores; AMD:
 #: spilled VGPRs x 4 bytes of scratch per lane). 512 bytes is 128 registers, half of the 255
-#: a thread can address: below it the spill is a few values kept across the key loop (the tuned
-#: configs spill up to a few hundred bytes on NVIDIA, e.g. the 64-head MLA decode tile on
-#: sm_90, and are still the fastest measured, benchmarks/RESULTS.md); above it the tile's
-#: accumulator itself no longer fits (the 128-row head_size 256 prefill tile that
-#: ``default_config`` avoids spills 2.7 KiB on sm_90 and 15 KiB on sm_80). A case may set its
-#: own :attr:`KernelCase.max_spills`.
+#: a thread can address: below it the spill is a few values kept across the key loop (the
+#: configs tuned by sweeps on the H200, benchmarks/RESULTS.md, spill up to a few hundred bytes,
+#: e.g. the 64-head MLA decode tile on sm_90); above it the tile's accumulator itself no
+#: longer fits (the 128-row head_size 256 prefill tile that ``default_config`` avoids spills
+#: 2.9 KiB on sm_90, 3.3 KiB on sm_100, 15.7 KiB on sm_80). A case may set its own
+#: :attr:`KernelCase.max_spills`.
 MAX_SPILLS = 512
 
 
@@ -536,10 +536,10 @@ def format_markdown(results: Sequence[CompileResult]) -> str:
         "spilled VGPRs x 4. The check fails on a compile error, on shared memory / LDS above "
         f"the target's limit, and on spills above {MAX_SPILLS} bytes (128 registers, half of "
         "what a thread can address): below that a spill is a few values kept across the key "
-        "loop, and the tuned configs that spill some are still the fastest measured "
-        "(benchmarks/RESULTS.md); above it the tile's accumulator no longer fits (the 128-row "
-        "head_size 256 prefill tile that `default_config` avoids spills 2.7 KiB on sm90, "
-        "15 KiB on sm80).",
+        "loop (the configs tuned by sweeps on the H200, benchmarks/RESULTS.md, spill up to a few "
+        "hundred bytes, e.g. the 64-head MLA decode tile on sm90); above it "
+        "the tile's accumulator no longer fits (the 128-row head_size 256 prefill tile that "
+        "`default_config` avoids spills 2.9 KiB on sm90, 3.3 KiB on sm100, 15.7 KiB on sm80).",
         "",
         format_summary(results),
         "",

@@ -19,7 +19,8 @@ __all__ = ["compile_cases"]
 
 _KV_LORA_RANK = 512
 _ROPE_DIM = 64
-_BLOCK_SIZE = 16  # the latent cache's page size (a constexpr of the attention kernel)
+_BLOCK_SIZE = 64  # the latent cache's page size (a constexpr of the attention kernel), as
+# benchmarks/bench_mla.py measures it
 _INDEXER_BLOCK_SIZE = 64
 _NUM_BLOCKS = 64  # block ids wrap around these: only shapes and strides reach the kernels
 
