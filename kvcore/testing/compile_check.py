@@ -60,7 +60,10 @@ __all__ = [
     "capture_launches",
     "case_providers",
     "format_markdown",
+    "format_summary",
     "format_table",
+    "parse_amdgcn_metadata",
+    "parse_ptxas_log",
     "run_check",
 ]
 
@@ -237,7 +240,9 @@ _METRICS_VERSION = 2
 
 
 def _specialize(launch: KernelLaunch, target: CompileTarget) -> _Job:
-    """What Triton's JIT would compile for this launch on ``target`` (its own binder)."""
+    """What Triton's JIT would compile for this launch on ``target``: its own binder and
+    argument packing (``create_function_from_signature``, ``JITFunction._pack_args``, Triton
+    internals that ``test_compile_check.py``'s slow tests exercise on every Triton upgrade)."""
     import triton
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
