@@ -2,8 +2,8 @@
 
 The shuffled cache write of ROCM_AITER_FA
 (:func:`kvcore_rocm.ops.shuffle.reshape_and_cache_shuffle`) runs only on ROCm, so it is
-compiled for the AMD targets only; ROCM_ATTN and ROCM_AITER_UNIFIED_ATTN launch kvcore's portable kernels, which kvcore's own cases compile.
-Registered by :mod:`kvcore_rocm.plugin`.
+compiled for the AMD targets only; ROCM_ATTN and ROCM_AITER_UNIFIED_ATTN launch kvcore's
+portable kernels, which kvcore's own cases compile. Registered by :mod:`kvcore_rocm.plugin`.
 """
 
 from __future__ import annotations
