@@ -419,11 +419,13 @@ class _Producer:
                     pub.lease = None
             logger.warning("nixl producer: consumer %s did not confirm lease %s in time; its "
                            "blocks are published again", lease.consumer, lease.lease_id)
-        for key in list(self.published):
-            for pub in list(self.published[key]):
-                if pub.lease is None and pub.deadline <= now:
-                    self._unpublish(pub)
-                    self._settle(pub, self._unread_reason())
+        expired = [pub for pubs in self.published.values() for pub in pubs
+                   if pub.lease is None and pub.deadline <= now]
+        for pub in expired:
+            self._unpublish(pub)
+            self._settle(pub, self._unread_reason())
+        if expired:
+            self.cond.notify_all()
 
     def _unread_reason(self) -> str:
         conn = self.conn
