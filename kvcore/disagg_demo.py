@@ -31,9 +31,14 @@ from typing import Any
 
 import torch
 
-from kvcore import AttentionSelectorConfig, allocate_kv_caches, get_attn_backend, get_platform
-from kvcore import current_platform as _current_platform
-from kvcore import parse_dtype
+from kvcore import (
+    AttentionSelectorConfig,
+    allocate_kv_caches,
+    current_platform,
+    get_attn_backend,
+    get_platform,
+    parse_dtype,
+)
 from kvcore.connectors import get_connector, get_connector_class
 from kvcore.demo_engine import Engine, Request
 from kvcore.demo_model import MODEL_PRESETS, DemoModel
@@ -117,7 +122,7 @@ class _Setup:
     """What both engines share: backend, model, cache sizes (same on both sides)."""
 
     def __init__(self, options: DisaggOptions) -> None:
-        platform = get_platform(options.platform) if options.platform else _current_platform()
+        platform = get_platform(options.platform) if options.platform else current_platform()
         self.device = platform.device()
         self.dtype = parse_dtype(options.dtype)
         self.preset = MODEL_PRESETS[options.model]
