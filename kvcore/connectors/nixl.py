@@ -357,17 +357,14 @@ class _Producer:
     def fetch(self, consumer: str, keys: list[str], lease_s: float) -> tuple[str, list[Any]]:
         lease_id = f"{next(self.lease_ids)}-{uuid.uuid4().hex[:8]}"
         with self.cond:
-            pubs = [self._available(k) for k in keys]
             blocks: list[Any] = []
             taken: list[_Publication | None] = []
-            for pub in pubs:
-                if pub is None or pub.lease is not None:  # a key repeated in one fetch
-                    blocks.append(None)
-                    taken.append(None)
-                else:
+            for key in keys:
+                pub = self._available(key)  # after the previous keys took theirs
+                if pub is not None:
                     pub.lease = lease_id
-                    blocks.append(pub.block)
-                    taken.append(pub)
+                blocks.append(None if pub is None else pub.block)
+                taken.append(pub)
             if any(p is not None for p in taken):
                 self.leases[lease_id] = _Lease(lease_id, consumer, taken,
                                                time.monotonic() + lease_s)
@@ -523,7 +520,8 @@ class _Producer:
                                     names=("producer", f"consumer {addr[0]}"))
         except (TypeError, ValueError) as exc:  # LayoutMismatchError is a ValueError
             logger.warning("nixl producer: refused consumer %s: %s", addr, exc)
-            _send_frame(sock, {**self.hello, "ok": False, "error": str(exc)})
+            _send_frame(sock, {"ok": False, "error": str(exc), "protocol": _PROTOCOL,
+                               "layout": layout.to_dict()})
             return None
         consumer = hello.get("agent")
         if not isinstance(consumer, str) or not consumer:
@@ -942,6 +940,7 @@ class NixlConnector(KVConnector):
         remote, local = consumer.regions, self._regions
         read: list[int] = []
         errors: dict[int, str] = {}
+        timed_out: set[int] = set()
         active: list[_Run] = []
         with agent.lock:
             nixl = agent.agent
@@ -984,32 +983,41 @@ class NixlConnector(KVConnector):
             active = still
             if active and time.monotonic() >= deadline:
                 for run in active:
-                    errors.update((j, f"NIXL READ did not finish within timeout_s="
-                                      f"{self.timeout_s}") for j in range(run.first, run.end))
+                    why = f"NIXL READ did not finish within timeout_s={self.timeout_s}"
                     with agent.lock:
-                        self._release_handle(run)
+                        if not self._release_handle(run):
+                            why += ("; the READ could not be cancelled, so these blocks may "
+                                    "still change: do not reuse them before close()")
+                    errors.update((j, why) for j in range(run.first, run.end))
+                    # Not given back: the producer keeps them until the lease ends, beyond
+                    # any READ that could not be cancelled.
+                    timed_out.update(range(run.first, run.end))
                 break
             if active:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.005)
-        if errors:
+        finished = sorted(set(errors) - timed_out)  # failed and over: readable again
+        if finished:
             try:
-                consumer.request({"op": "giveback", "lease": lease, "indices": sorted(errors)})
+                consumer.request({"op": "giveback", "lease": lease, "indices": finished})
             except _ChannelError:
                 pass  # the lease expires on the producer
         if read and self._regions.mem_type == "VRAM":
             torch.cuda.synchronize(self._reg.kv_caches.storage.device)
         return read, errors
 
-    def _release_handle(self, run: _Run) -> None:
-        """Free a transfer handle (caller holds the agent lock); an active one is cancelled."""
+    def _release_handle(self, run: _Run) -> bool:
+        """Free a transfer handle (caller holds the agent lock); NIXL cancels an active one.
+        Returns whether that worked (NIXL keeps a handle it could not cancel)."""
         if run.handle is None:
-            return
+            return True
+        handle, run.handle = run.handle, None
         try:
-            self._agent.agent.release_xfer_handle(run.handle)
+            self._agent.agent.release_xfer_handle(handle)
         except Exception as exc:
             logger.warning("nixl consumer: releasing a transfer handle failed: %s", exc)
-        run.handle = None
+            return False
+        return True
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -207,6 +207,37 @@ def test_dead_or_frozen_producer_fails_exactly_the_unread_blocks(fault):
         assert not [t.name for t in threading.enumerate() if t.name.startswith("kvcore-nixl")]
 
 
+CONSUMER_WITHOUT_CLOSE = """
+import sys
+sys.path.insert(0, {helpers!r})
+from kv_helpers import keys_for, make_caches
+from kvcore.connectors import get_connector
+conn = get_connector("nixl", role="consumer", port={port}, timeout_s=1.0)
+conn.register_kv_caches(make_caches(cross_layer=True))
+assert conn.load(keys_for(1, 2), [0, 1]).wait(timeout=10).ok
+late = conn.load(keys_for(2, 1), [5]).wait(timeout=10)  # never published: times out
+assert list(late.failed) == [5], late
+print("ok", flush=True)
+# no close(): the connector must still let the interpreter exit cleanly
+"""
+
+
+@needs_nixl
+@pytest.mark.slow
+def test_interpreter_exits_cleanly_without_close():
+    with producer() as prod:
+        kv = make_caches(cross_layer=True)
+        prod.register_kv_caches(kv)
+        save = prod.save(keys_for(1, 2), [3, 4])
+        code = CONSUMER_WITHOUT_CLOSE.format(helpers=str(PEER.parent), port=prod.port)
+        env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip() == "ok"
+        assert save.wait(timeout=10).ok
+
+
 # -- in one process ---------------------------------------------------------------------------
 
 
@@ -271,6 +302,21 @@ def test_several_consumers_and_a_key_published_twice():
             assert c2.lookup(keys) == 0
     assert torch.equal(block_bytes(kv1, [6, 7, 8]), block_bytes(kv_p, [0, 1, 2]))
     assert torch.equal(block_bytes(kv2, [3]), block_bytes(kv_p, [5]))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvcore-nixl")]
+
+
+@needs_nixl
+def test_a_key_repeated_in_one_load_takes_two_publications():
+    kv_p, kv_c = make_caches(cross_layer=False), make_caches(cross_layer=False)
+    key = keys_for(9, 1)
+    with producer() as prod, consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        saves = [prod.save(key, [2]), prod.save(key, [6])]
+        result = conn.load(key * 2, [0, 1]).wait(timeout=10)
+        assert result.succeeded == (0, 1)
+        assert all(s.wait(timeout=10).ok for s in saves)
+    assert torch.equal(block_bytes(kv_c, [0, 1]), block_bytes(kv_p, [2, 6]))
 
 
 @needs_nixl
