@@ -146,6 +146,16 @@ def _recv_frame(sock: socket.socket) -> dict[str, Any]:
 # -- NIXL ----------------------------------------------------------------------------------
 
 
+def _memory_kind(storage: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id of a tensor: ``VRAM`` and the GPU, or ``DRAM``."""
+    if storage.is_cuda:
+        return "VRAM", storage.device.index or 0
+    if storage.device.type != "cpu":
+        raise ValueError(f"the nixl connector moves CPU (DRAM) or CUDA (VRAM) caches; this "
+                         f"one is on {storage.device}")
+    return "DRAM", 0
+
+
 @dataclass(frozen=True)
 class _Regions:
     """Where the blocks of a cache are: per byte view, the address of block 0, the distance
@@ -159,12 +169,9 @@ class _Regions:
 
     @classmethod
     def of(cls, reg: RegisteredCaches) -> _Regions:
-        storage = reg.kv_caches.storage
         views = reg.views
         return cls(tuple(v.data_ptr() for v in views), tuple(v.stride(0) for v in views),
-                   tuple(v.shape[1] for v in views),
-                   "VRAM" if storage.is_cuda else "DRAM",
-                   storage.device.index or 0 if storage.is_cuda else 0)
+                   tuple(v.shape[1] for v in views), *_memory_kind(reg.kv_caches.storage))
 
     def to_dict(self) -> dict[str, Any]:
         return {"addrs": list(self.addrs), "strides": list(self.strides),
@@ -207,13 +214,20 @@ class _Agent:
         self.name = name
         self.lock = threading.Lock()
         self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
-        mem_type = "VRAM" if storage.is_cuda else "DRAM"
-        dev_id = storage.device.index or 0 if storage.is_cuda else 0
+        missing = [b for b in backends if b not in self.agent.backends]
+        if missing:  # NIXL only logs a warning for these
+            raise ValueError(f"backends={list(backends)!r}: NIXL has no plugin for "
+                             f"{', '.join(missing)} (available: "
+                             f"{', '.join(self.agent.get_plugin_list())})")
+        self.mem_type, dev_id = _memory_kind(storage)
         nbytes = storage.numel() * storage.element_size()
-        self._reg_descs = self.agent.get_reg_descs(
-            [(storage.data_ptr(), nbytes, dev_id, "")], mem_type)
-        self.agent.register_memory(self._reg_descs)
-        self.mem_type = mem_type
+        try:
+            self._reg_descs = self.agent.register_memory(
+                [(storage.data_ptr(), nbytes, dev_id, "")], self.mem_type)
+        except Exception as exc:
+            raise RuntimeError(f"NIXL could not register the KV cache ({nbytes} bytes of "
+                               f"{self.mem_type} on {storage.device}) with backends "
+                               f"{list(backends)}: {exc}") from exc
         self._storage = storage  # the registered memory stays alive while the agent is
 
     def metadata(self) -> bytes:

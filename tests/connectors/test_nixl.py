@@ -330,6 +330,15 @@ def test_in_process_dtype_mismatch_is_refused():
 
 
 @needs_nixl
+def test_unknown_nixl_backend_is_refused_at_registration():
+    conn = get_connector("nixl", role="producer", backends=["NO_SUCH_BACKEND"])
+    with pytest.raises(ValueError, match=r"NIXL has no plugin for NO_SUCH_BACKEND "
+                                         r"\(available: .*UCX"):
+        conn.register_kv_caches(make_caches(cross_layer=True))
+    conn.close()
+
+
+@needs_nixl
 def test_roles_that_do_not_apply_fail_per_block_with_the_reason():
     with producer() as prod:
         prod.register_kv_caches(make_caches(cross_layer=True))
