@@ -60,6 +60,7 @@ class DisaggOptions:
     block_size: int = 16
     dtype: str = "float32"
     platform: str | None = None
+    backend: str | None = None
     seed: int = 0
     host: str = "127.0.0.1"
     timeout_s: float = 60.0
@@ -128,7 +129,7 @@ class _Setup:
         self.preset = MODEL_PRESETS[options.model]
         config = AttentionSelectorConfig(head_size=self.preset.head_size, dtype=self.dtype,
                                          block_size=options.block_size, use_kv_connector=True)
-        self.backend = get_attn_backend(config, platform=platform)
+        self.backend = get_attn_backend(config, options.backend, platform)
         self.cross_layer = get_connector_class("nixl").cross_layer_for(self.backend)
         self.requests = _requests(options, self.preset.vocab_size)
         longest = max(len(r.prompt) for r in self.requests) + options.max_new_tokens
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument("--platform", default=None)
+    parser.add_argument("--backend", default=None, help="force a backend by name")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--timeout", dest="timeout_s", type=float, default=defaults.timeout_s)
     result = run_disaggregated(DisaggOptions(**vars(parser.parse_args(argv))))
