@@ -682,12 +682,15 @@ class _Consumer:
                                 f"{reply.get('error')}")
         return reply
 
-    def close(self) -> None:
-        with self.lock:
-            if self.failure is None:
-                self.failure = "the connector is closed"
-            if self.sock is not None:
-                _close_socket(self.sock)
+    def disconnect(self) -> None:
+        """Down the link: requests in flight fail now, later ones at once."""
+        if self.failure is None:
+            self.failure = "the connector is closed"
+        if self.sock is not None:
+            _close_socket(self.sock)  # (without the lock: it wakes a request holding it)
+
+    def forget_producer(self) -> None:
+        """Drop the producer's agent (after the last READ)."""
         if self.remote:
             with self.agent.lock:
                 if self.agent.agent is not None:
@@ -835,10 +838,12 @@ class NixlConnector(KVConnector):
         consumer, loader, agent = parts
         if producer is not None:
             producer.stop(join_s)
-        if loader is not None:
-            loader.shutdown(wait=True)  # loads are bounded by timeout_s
         if consumer is not None:
-            consumer.close()
+            consumer.disconnect()  # queued loads fail at once
+        if loader is not None:
+            loader.shutdown(wait=True)  # a READ in flight ends within timeout_s
+        if consumer is not None:
+            consumer.forget_producer()
         if agent is not None:
             agent.close()
 
