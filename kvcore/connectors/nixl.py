@@ -26,14 +26,16 @@ with :class:`kvcore.LayoutMismatchError` before any byte moves. Then:
   names the producer's block of each key (``null``: not published yet). The consumer READs
   them with the notification ``<lease>:<first>:<end>`` per run; when the notification
   arrives the producer releases the blocks and the save reports them done;
-- ``giveback`` {lease, indices}: runs the consumer could not read go back to published.
+- ``giveback`` {lease, indices}: runs whose READ NIXL reported failed go back to published
+  (runs that timed out stay leased until the lease ends, see below).
 
 Lifetimes, all bounded: a published block stays pinned until a consumer's READ of it is
 notified, or ``publish_timeout_s`` after the save (then the save reports it failed, naming
 the reason). A lease lasts twice the consumer's ``timeout_s``, longer than the consumer
-ever waits for its READ, so a producer never hands a block back to its engine while a READ
-may still be running. A consumer's load fails, within ``timeout_s``, every block it could
-not read whole: a producer that died, froze or never published the key.
+ever waits for its READ, so a producer does not hand a block back to its engine while the
+consumer may still count it as read. A consumer's load fails, within ``timeout_s``, every
+block it could not read whole: a producer that died, froze or never published the key; a
+READ that times out is cancelled (a failure to cancel is named in the block's reason).
 """
 
 from __future__ import annotations
