@@ -14,7 +14,8 @@ for UCX's first use of the memory), then the median of the others. The reference
 device-to-device copy on a GPU), median of the same number of trials. The last load is
 checked bit-exact against the producer's bytes (regenerated here from the same seed).
 
-Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda] [--mib N] [--trials N]
+Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
+one)] [--mib N] [--trials N]
 [--per-layer] [--out DIR]``; JSON goes to ``--out`` (default ``$OUT``, else the temp dir) as
 ``bench_nixl.json``. Set ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
 """
@@ -95,7 +96,7 @@ def copy_seconds(kv: kvcore.KVCaches, trials: int) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--block-kib", type=int, default=64)
