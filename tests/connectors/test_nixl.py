@@ -283,6 +283,36 @@ def test_unread_blocks_are_released_after_publish_timeout():
 
 
 @needs_nixl
+def test_closing_the_producer_fails_what_nobody_read():
+    prod = get_connector("nixl", role="producer", port=0)
+    prod.register_kv_caches(make_caches(cross_layer=True))
+    handle = prod.save(keys_for(3, 2), [0, 1])
+    prod.close()
+    result = handle.wait(timeout=5)
+    assert sorted(result.failed) == [0, 1]
+    assert "closed before a consumer read it" in result.failed[0]
+
+
+@needs_nixl
+def test_a_lease_nobody_confirms_is_published_again():
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(4, 1)
+    with producer() as prod, consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [8])
+        # A consumer that took the block and froze before reading it.
+        prod._producer.fetch("frozen-consumer", keys, lease_s=0.3)
+        assert conn.lookup(keys) == 0
+        deadline = time.monotonic() + 5
+        while conn.lookup(keys) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert conn.load(keys, [2]).wait(timeout=10).ok
+        assert save.wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv_c, [2]), block_bytes(kv_p, [8]))
+
+
+@needs_nixl
 def test_several_consumers_and_a_key_published_twice():
     kv_p = make_caches(cross_layer=True)
     keys = keys_for(7, 3)
