@@ -62,6 +62,7 @@ import torch
 
 from kvcore import KVCacheLayout, LayoutMismatchError
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
+from kvcore.connectors.keys import check_block_keys
 
 __all__ = ["NixlConnector", "nixl_unavailable_reason"]
 
@@ -567,8 +568,6 @@ class _Producer:
 
 
 def _keys(request: dict[str, Any]) -> list[str]:
-    from kvcore.connectors.keys import check_block_keys
-
     return check_block_keys(request.get("keys"))
 
 
