@@ -13,16 +13,24 @@ payload. Both sizes are checked against limits *before* anything is allocated.
   (:meth:`kvcore.KVCacheLayout.to_dict`), dtype and block size. Each side compares the
   other's with its own and refuses a mismatch (NHD vs HND, cross-layer vs per-layer, another
   dtype or block size) with a :class:`kvcore.LayoutMismatchError` naming both sides, before a
-  single block moves.
+  single block moves. The agreement holds for the session: a later hello that differs breaks
+  the link and drops the blocks received from that peer.
 - ``blocks``: keys, then the bytes of those blocks ``(n, block_bytes)``.
 - ``bye``: the sender is closing; the receiver answers with its own ``bye``.
 
 :meth:`save` sends blocks to the peer. A background thread receives the peer's blocks into an
 inbox bounded by ``inbox_bytes`` (oldest dropped first when full); :meth:`load` takes blocks
 from it, waiting up to ``timeout_s`` for keys not yet there; :meth:`lookup` counts leading
-keys in it. A message that does not arrive whole within ``timeout_s``, a dead peer or a
-malformed message breaks the link: waiting and later transfers fail at once with the reason,
-never hang. (gloo closes a connection whose receive timed out, so there is no resuming.)
+keys in it. Blocks wait in the message they came in, without a copy, until some of that
+message's blocks are loaded and the inbox is over its bound: then the waiting ones are copied
+out, so the bound counts the memory really held (plus one message being received). A message
+that does not arrive whole within ``timeout_s``, a dead peer or a malformed message breaks the
+link: waiting and later transfers fail at once with the reason, never hang. (gloo closes a
+connection whose receive timed out, so there is no resuming.)
+
+Every wait is bounded: connecting by ``connect_timeout_s``, messages by ``timeout_s``, and
+:meth:`close` by a few ``timeout_s`` even against a frozen peer; close leaves no thread and no
+pending receive behind.
 """
 
 from __future__ import annotations

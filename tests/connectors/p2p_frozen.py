@@ -34,10 +34,12 @@ def main() -> int:
     scenario = sys.argv[1]
     kv = make_caches(cross_layer=False, **SIZES)
     conn = get_connector("p2p", rank=0, timeout_s=TIMEOUT_S, connect_timeout_s=60.0)
+    # Not our stderr: the parent reads our output to its end, which a frozen peer holding it
+    # open would delay until the peer is killed.
     peer = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("p2p_peer.py")), "idle", str(conn.port),
          "1", "nhd", "0", "bf16", "cpu", json.dumps(SIZES)],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     report: dict = {"peer_pid": peer.pid}
     print(json.dumps(report), flush=True)  # the parent can kill the peer whatever happens
     conn.register_kv_caches(kv)
