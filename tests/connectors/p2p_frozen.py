@@ -5,8 +5,9 @@
     idle: closes (the peer never answers the bye).
 
 Prints one JSON line (the peer's pid, the save's failures, how long close took, the
-connector threads still alive after close) and exits normally with the peer still frozen,
-so that anything close() left behind meets the interpreter's exit. The parent kills the peer.
+connector threads still alive after close), kills the peer and exits, so that anything
+close() left behind meets the interpreter's exit. (The parent kills the peer too if this
+process fails first.)
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from kvcore.connectors import get_connector
 #: Blocks of 48 KiB: one save of all of them is 24 MiB, more than loopback socket buffers hold.
 SIZES = {"num_blocks": 512, "head_size": 512}
 TIMEOUT_S = 1.0
+#: The connector stays referenced until the interpreter exits, as an engine's would.
+KEPT = []
 
 
 def main() -> int:
     scenario = sys.argv[1]
     kv = make_caches(cross_layer=False, **SIZES)
     conn = get_connector("p2p", rank=0, timeout_s=TIMEOUT_S, connect_timeout_s=60.0)
+    KEPT.append(conn)
     # Not our stderr: the parent reads our output to its end, which a frozen peer holding it
     # open would delay until the peer is killed.
     peer = subprocess.Popen(
@@ -55,6 +59,9 @@ def main() -> int:
     report["close_s"] = time.monotonic() - start
     report["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("kvcore")]
     print(json.dumps(report), flush=True)
+    # The frozen peer dies as this process exits (its supervisor kills it): a receive still
+    # waiting on it fails in the middle of the interpreter's shutdown, which used to abort.
+    os.kill(peer.pid, signal.SIGKILL)
     return 0
 
 
