@@ -480,7 +480,7 @@ class P2PConnector(KVConnector):
         try:
             self._check_peer(hello)
             why = "its options changed"
-        except (LayoutMismatchError, ValueError) as exc:
+        except Exception as exc:  # LayoutMismatchError, or a hello that cannot be read
             why = str(exc)
         with self._cond:
             dropped = len(self._inbox)
@@ -489,13 +489,16 @@ class P2PConnector(KVConnector):
         self._fail_link(f"peer rank {self.peer} announced another layout after registration, "
                         f"refused ({why}); {dropped} received blocks dropped")
 
-    def _store_blocks(self, keys: list[str], payload: torch.Tensor) -> None:
+    def _store_blocks(self, keys: list[str], payload: torch.Tensor | None) -> None:
+        if payload is None:  # a message of no blocks
+            return
         message = _Message(payload)
+        rows = {key: i for i, key in enumerate(keys)}  # a repeated key: its last row counts
         with self._cond:
-            for i, key in enumerate(keys):
+            for key, i in rows.items():
                 self._forget(key)
                 self._inbox[key] = (message, i)
-                message.live += 1
+            message.live = len(rows)
             self._inbox_held += message.nbytes
             dropped = 0
             while len(self._inbox) > self.inbox_bytes // self._block_bytes:

@@ -361,6 +361,17 @@ def test_inbox_bytes_bounds_the_memory_of_partly_loaded_messages():
     assert torch.equal(block_bytes(kv1, [7, 8, 9, 10, 11]), block_bytes(kv0, [5, 7, 9, 11, 1]))
 
 
+def test_a_key_repeated_in_one_message_keeps_its_last_row_and_the_count_exact():
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    (key,) = keys_for(random.randrange(2**31), 1)
+    with pair(kv0, kv1) as (c0, c1):
+        rows = c0._read_blocks([2, 3])
+        c0._send_message({"op": "blocks", "keys": [key, key]}, rows)  # what a buggy peer sends
+        assert c1.load([key], [9]).wait(timeout=10).ok
+        assert c1.inbox_held_bytes == 0 and held_bytes(c1) == 0
+    assert torch.equal(block_bytes(kv1, [9]), block_bytes(kv0, [3]))
+
+
 def test_a_second_hello_with_another_layout_breaks_the_link():
     kv0, kv1 = make_caches(cross_layer=False), make_caches(cross_layer=False)
     keys = keys_for(random.randrange(2**31), 4)
