@@ -166,8 +166,11 @@ def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        _shut_down_sockets_to(port, existing)
-        thread.join(1.0)
+        for _ in range(5):  # again if the client, still inside its own timeout, reconnected
+            _shut_down_sockets_to(port, existing)
+            thread.join(0.2)
+            if not thread.is_alive():
+                break
         raise ConnectionError(
             f"p2p rank 1: {host}:{port} accepted the connection but did not answer the "
             f"rendezvous handshake within connect_timeout_s={timeout_s} (is it rank 0's "
