@@ -381,6 +381,9 @@ def test_a_second_hello_with_another_layout_breaks_the_link():
         assert c0.save(keys[:2], [1, 2]).wait(timeout=10).ok
         assert c1.load(keys[:1], [5]).wait(timeout=10).ok
         c0._send_message({**c0._hello(), "layout": hnd}, None)
+        deadline = time.monotonic() + 10
+        while c1.lookup(keys[1:2]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the receiver handles the hello a moment after it is sent
         refused = c1.load(keys[1:2], [6]).wait(timeout=10)
         assert set(refused.failed) == {6}  # received under the old layout: dropped too
         why = refused.failed[6]
