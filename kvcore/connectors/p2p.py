@@ -195,7 +195,8 @@ class P2PConnector(KVConnector):
         timeout_s: how long one message may take to arrive once started, and how long a
             load waits for blocks that have not arrived. Both timeouts are finite seconds,
             at most 365 days.
-        inbox_bytes: bound on received blocks not loaded yet (and on one message).
+        inbox_bytes: bound on the memory that received blocks not loaded yet hold (see
+            :attr:`inbox_held_bytes`), and on one message.
         data_backend: ``"auto"`` (NCCL for CUDA caches, gloo otherwise), ``"gloo"`` (CUDA
             caches are staged through host memory) or ``"nccl"``.
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
