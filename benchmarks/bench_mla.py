@@ -36,15 +36,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import platform
 import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv

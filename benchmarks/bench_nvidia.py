@@ -38,8 +38,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch

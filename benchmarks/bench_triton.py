@@ -38,14 +38,11 @@ import dataclasses
 import datetime
 import functools
 import json
-import math
 import os
 import platform
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv

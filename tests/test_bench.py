@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvcore.bench import BenchOptions, format_report, plot_report, run_bench
 from kvcore.cli import main as kvcore_cli
+from kvcore.cli.bench import BenchOptions, format_report, plot_report, run_bench
 
 CASE_FIELDS = {"name", "backend", "shape", "num_bytes", "seconds", "gbps", "ceiling",
                "ceiling_gbps", "fraction_of_ceiling", "error"}

@@ -122,12 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``kvcore`` with ``argv`` (default: the process's arguments); returns the exit
-    status: 0, 1 (a command's checks failed), 2 (bad arguments or input)."""
+    status: 0; 1 when a command's checks failed or the ``kvcore[cli]`` extra is missing; 2 for
+    bad arguments or input."""
     missing = _missing_cli_dependencies()
     if missing:
         print(f"error: the kvcore command needs {', '.join(missing)}: "
               "pip install 'kvcore[cli]'", file=sys.stderr)
-        return 2
+        return 1
     parser = build_parser()
     args = parser.parse_args(argv)
     from kvcore.cli.commands import COMMANDS

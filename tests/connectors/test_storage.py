@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,10 @@ def test_cuda_cache_roundtrip_bit_exact(tmp_path):
         assert conn.save(keys, [0, 4, 8]).wait().ok
         assert conn.load(keys, [1, 5, 9]).wait().ok
         assert torch.equal(block_bytes(kv, [1, 5, 9]), saved)
+
+
+def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'kvcore\[storage\]'"):
+        get_connector("storage", root=tmp_path)
