@@ -102,11 +102,11 @@ def test_faults_fail_exactly_the_bad_blocks_and_stay_failed(tmp_path):
 
 
 def test_interrupted_write_leaves_no_file_and_fails_the_block(tmp_path, monkeypatch):
-    import kvcore.connectors.storage as storage
+    import safetensors.torch
 
     kv = make_caches(cross_layer=False)
     keys = keys_for(random.randrange(2**31), 2)
-    real_save_file = storage.save_file
+    real_save_file = safetensors.torch.save_file
 
     def disk_full_on_second(tensors, filename, metadata):
         if Path(filename).name.startswith(f".{keys[1]}"):
@@ -114,7 +114,7 @@ def test_interrupted_write_leaves_no_file_and_fails_the_block(tmp_path, monkeypa
             raise OSError(28, "No space left on device")
         real_save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(storage, "save_file", disk_full_on_second)
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full_on_second)
     with storage_for(kv, tmp_path) as conn:
         result = conn.save(keys, [3, 4]).wait()
         assert result.succeeded == (3,) and list(result.failed) == [4]
