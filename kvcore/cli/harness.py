@@ -319,6 +319,10 @@ class Run:
         self.log_file.write(line + "\n")
         self.log_file.flush()
 
+    def elapsed(self) -> float:
+        """Seconds since the run started (for sections time-boxed by ``budget_s``)."""
+        return time.time() - self.start
+
     def save(self) -> None:
         with open(self.out_dir / f"{self.name}.json", "w") as fh:
             json.dump(self.results, fh, indent=1, default=str)
