@@ -22,7 +22,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "FEATURE_FLAGS", "AttentionBackend", "AttentionImpl", "AttentionLayer",
         "AttentionMetadata", "LayerScales", "PagedAttentionImpl", "build_attention_metadata",
     ),
-    "kvcore.config": ("AttentionSelectorConfig", "parse_dtype"),
+    "kvcore.config": ("AttentionSelectorConfig",),
+    "kvcore.dtypes": ("parse_dtype",),
     "kvcore.hookspecs": ("hookimpl",),
     "kvcore.layout": ("KVCacheLayout", "LayoutMismatchError"),
     "kvcore.platform": (
@@ -57,7 +58,8 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         PagedAttentionImpl,
         build_attention_metadata,
     )
-    from kvcore.config import AttentionSelectorConfig, parse_dtype
+    from kvcore.config import AttentionSelectorConfig
+    from kvcore.dtypes import parse_dtype
     from kvcore.hookspecs import hookimpl
     from kvcore.layout import KVCacheLayout, LayoutMismatchError
     from kvcore.platform import (

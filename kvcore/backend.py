@@ -226,7 +226,9 @@ class AttentionBackend(ABC):
 
         Each reason is self-contained: the field, the value, what is supported and, where one
         exists, the fix. Derived from the capability attributes, then
-        :meth:`check_combination` adds cross-field rules.
+        :meth:`check_combination` adds cross-field rules. With an
+        :class:`AttentionSelectorConfig` ``config``, call
+        ``validate_configuration(**config.as_kwargs(), device_capability=...)``.
         """
         config = AttentionSelectorConfig(
             head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto",
@@ -235,13 +237,6 @@ class AttentionBackend(ABC):
             attn_type=attn_type, use_non_causal=use_non_causal,
             use_batch_invariant=use_batch_invariant, use_kv_connector=use_kv_connector,
         )
-        return cls.validate_config(config, device_capability)
-
-    @classmethod
-    def validate_config(
-        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
-    ) -> list[str]:
-        """:meth:`validate_configuration` taking an :class:`AttentionSelectorConfig`."""
         name = cls.get_name()
         reasons: list[str] = []
         if not _is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES):
@@ -356,11 +351,6 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
-
-    @property
-    def is_pure_decode(self) -> bool:
-        """Every request has exactly one new token."""
-        return self.max_query_len == 1
 
 
 def build_attention_metadata(

@@ -20,8 +20,10 @@ from typing import ClassVar
 
 import torch
 
+from kvcore import plugins
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform_types import DeviceCapability
+from kvcore.registry import ResolveError, platform_registry
 
 __all__ = [
     "Platform",
@@ -212,10 +214,25 @@ class Platform(ABC):
 _platform_lock = threading.RLock()
 _current: Platform | None = None
 _instances: dict[str, Platform] = {}
+# The plugin generation the two caches above were filled under (see _check_generation).
+_generation = -1
+
+
+def _check_generation() -> None:
+    """Forget the cached platforms when the plugins changed since they were made."""
+    global _generation
+    with _platform_lock:
+        generation = plugins.plugin_generation()
+        if generation != _generation:
+            clear_platform_cache()
+            _generation = generation
 
 
 def clear_platform_cache() -> None:
-    """Forget the detected platform (after changing ``KVCORE_PLATFORM`` or the plugins)."""
+    """Forget the detected platform (after changing ``KVCORE_PLATFORM``).
+
+    A change of plugins (:func:`kvcore.register_plugin`, ...) is noticed without this call.
+    """
     global _current
     with _platform_lock:
         _current = None
@@ -224,19 +241,22 @@ def clear_platform_cache() -> None:
 
 def get_platform(name: str) -> Platform:
     """The platform registered as ``name`` (``ValueError`` listing the valid names if none)."""
-    from kvcore.registry import platform_registry, resolve_platform_class
-
-    key = platform_registry().normalize(name)
     with _platform_lock:
+        _check_generation()
+        registry = platform_registry()
+        key = registry.normalize(name)
         if key not in _instances:
-            _instances[key] = resolve_platform_class(key)()
+            cls = registry.resolve(key)
+            if not (isinstance(cls, type) and issubclass(cls, Platform)):
+                raise ResolveError(
+                    f"platform {key!r} resolves to {cls!r}, not a Platform subclass"
+                )
+            _instances[key] = cls()
         return _instances[key]
 
 
 def available_platforms() -> list[tuple[str, str | None]]:
     """Every registered platform with ``None`` if present or the reason it is absent."""
-    from kvcore.registry import platform_registry
-
     result = []
     for name in platform_registry().names():
         try:
@@ -249,9 +269,8 @@ def available_platforms() -> list[tuple[str, str | None]]:
 def current_platform() -> Platform:
     """The platform this process runs on: ``KVCORE_PLATFORM`` if set, else detected."""
     global _current
-    from kvcore.registry import platform_registry
-
     with _platform_lock:
+        _check_generation()
         if _current is not None:
             return _current
         forced = os.environ.get("KVCORE_PLATFORM", "").strip()

@@ -79,5 +79,5 @@ def with_plugins(fixture_plugins_dir, fresh_kvcore, monkeypatch: pytest.MonkeyPa
 
     yield enable
     for name in list(sys.modules):
-        if name.startswith("kvcore_") and name != "kvcore_platforms":
+        if name.startswith("kvcore_"):
             sys.modules.pop(name)

@@ -16,6 +16,10 @@ import os
 
 import torch
 
+from kvcore.dtypes import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, cache_torch_dtype
+
+# The dtype tables live in kvcore.dtypes (the contract uses them too); they stay importable
+# from here and from kvcore.ops.
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
@@ -27,9 +31,6 @@ __all__ = [
     "check_block_indices",
 ]
 
-#: Names accepted for ``kv_cache_dtype``; ``"auto"`` means "same dtype as the model".
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-FP8_KV_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _CACHE_DIMS = "(num_blocks, block_size, num_kv_heads, head_size)"
 
 _value_checks = os.environ.get("KVCORE_CHECK_INDICES", "1").lower() not in ("0", "false", "no")
@@ -43,20 +44,6 @@ def set_value_checks(enabled: bool) -> None:
 
 def value_checks_enabled() -> bool:
     return _value_checks
-
-
-def cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype of a KV cache given its ``kv_cache_dtype`` name and the model dtype."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return torch.float8_e4m3fn
-    if kv_cache_dtype == "fp8_e5m2":
-        return torch.float8_e5m2
-    raise ValueError(
-        f"kv_cache_dtype={kv_cache_dtype!r} is not a known KV cache dtype "
-        f"(supported: {', '.join(KV_CACHE_DTYPES)})"
-    )
 
 
 def _require_tensor(name: str, value: object) -> torch.Tensor:

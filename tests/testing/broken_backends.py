@@ -160,5 +160,5 @@ class VagueReasons(CorrectBackend):
         return "BROKEN_REASONS"
 
     @classmethod
-    def validate_config(cls, config, device_capability):
-        return ["not supported"] if super().validate_config(config, device_capability) else []
+    def validate_configuration(cls, *args, **kwargs):
+        return ["not supported"] if super().validate_configuration(*args, **kwargs) else []
