@@ -5,7 +5,9 @@ The public API (what plugins may import) is what this module, :mod:`kvcore.ops`,
 :mod:`kvcore.connectors` and :mod:`kvcore.testing` export. Importing kvcore loads no plugin
 and no kernel library: backends are resolved when selected. The names below are imported on
 first use (PEP 562), so ``import kvcore`` alone, as the ``kvcore`` command's ``--help`` does,
-does not import torch.
+does not import torch: the first name used imports the whole API at once (the modules wire
+themselves together as they are imported: the registry gives ``allocate_kv_caches`` its
+backend-name resolver), except the names of :data:`_LEAF_MODULES`, which import nothing else.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.spec": ("FullAttentionSpec", "KVCacheSpec", "MLAAttentionSpec"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+#: Modules that import neither torch nor the rest of kvcore: their names load alone.
+_LEAF_MODULES = frozenset({"kvcore.platform_types"})
 
 if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.allocate import KVCaches, allocate_kv_caches
@@ -160,9 +164,11 @@ def __getattr__(name: str) -> Any:
             if exc.name != f"{__name__}.{name}":
                 raise
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    for loading in (module,) if module in _LEAF_MODULES else _EXPORTS:
+        loaded = importlib.import_module(loading)
+        for export in _EXPORTS[loading]:
+            globals()[export] = getattr(loaded, export)  # later lookups skip this function
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
