@@ -453,6 +453,15 @@ class AttentionImpl(ABC):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = AttentionType(attn_type)
 
+    def is_causal(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether this layer masks each query to the keys at or before its position.
+
+        The one causal rule of every backend: the step's metadata asks for it
+        (:attr:`AttentionMetadata.causal`) and the layer is a decoder; an encoder-only layer
+        sees every key of its request.
+        """
+        return attn_metadata.causal and self.attn_type == AttentionType.DECODER
+
     @abstractmethod
     def do_kv_cache_update(
         self,
@@ -539,7 +548,7 @@ class PagedAttentionImpl(AttentionImpl):
             seq_lens=attn_metadata.seq_lens,
             block_table=attn_metadata.block_table,
             scale=self.scale,
-            causal=attn_metadata.causal and self.attn_type == AttentionType.DECODER,
+            causal=self.is_causal(attn_metadata),
             sliding_window=self.sliding_window,
             kv_cache_dtype=self.kv_cache_dtype,
             k_scale=layer.k_scale,

@@ -29,6 +29,14 @@ __all__ = [
     "validate_reshape_and_cache",
     "validate_paged_attention",
     "check_block_indices",
+    "check_kv_cache_dtype",
+    "check_scale",
+    "check_slots_in_range",
+    "require_float_dtype",
+    "require_int_dtype",
+    "require_ndim",
+    "require_same_device",
+    "require_tensor",
 ]
 
 _CACHE_DIMS = "(num_blocks, block_size, num_kv_heads, head_size)"
@@ -46,23 +54,36 @@ def value_checks_enabled() -> bool:
     return _value_checks
 
 
-def _require_tensor(name: str, value: object) -> torch.Tensor:
+def require_tensor(name: str, value: object) -> torch.Tensor:
+    """``value`` if it is a tensor; ``TypeError`` naming ``name`` otherwise."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
 
 
-def _require_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
+def require_ndim(name: str, t: torch.Tensor, ndim: int | tuple[int, ...], layout: str) -> None:
+    """``ValueError`` unless ``t`` has ``ndim`` dims (or one of them); ``layout`` names them,
+    e.g. ``"(num_tokens, num_kv_heads, head_size)"``."""
+    allowed = (ndim,) if isinstance(ndim, int) else ndim
+    if t.dim() not in allowed:
+        want = " or ".join(str(n) for n in allowed)
+        raise ValueError(f"{name} must have {want} dims {layout}, got shape {tuple(t.shape)}")
 
 
-def _require_int_dtype(name: str, t: torch.Tensor) -> None:
+def require_int_dtype(name: str, t: torch.Tensor) -> None:
+    """``TypeError`` unless ``t`` is int32 or int64 (ids, lengths, offsets)."""
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
-def _require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> None:
+def require_float_dtype(name: str, t: torch.Tensor) -> None:
+    """``TypeError`` unless ``t`` holds model values: a floating dtype that is not fp8."""
+    if not t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got {t.dtype}")
+
+
+def require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """``ValueError`` naming the first tensor that is not on the first one's device."""
     first_name, first = names_and_tensors[0]
     for name, t in names_and_tensors[1:]:
         if t.device != first.device:
@@ -72,17 +93,25 @@ def _require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> N
             )
 
 
-def _check_scale(name: str, scale: object, kv_cache_dtype: str) -> None:
+def check_scale(name: str, scale: object) -> None:
+    """A per-tensor fp8 scale: ``None``, a number or a 1-element tensor."""
     if scale is None:
         return
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise ValueError(
-                f"{name} must be a single per-tensor scale (numel 1), "
-                f"got shape {tuple(scale.shape)}"
+                f"{name} must be a per-tensor scale (1 element), got shape {tuple(scale.shape)}"
             )
-    elif not isinstance(scale, (int, float)):
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """``ValueError`` unless ``kv_cache_dtype`` is one of :data:`KV_CACHE_DTYPES`."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
+        )
 
 
 def _check_cache_dtype(
@@ -93,6 +122,19 @@ def _check_cache_dtype(
         raise TypeError(
             f"{name} has dtype {cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with model "
             f"dtype {model_dtype} needs {expected}"
+        )
+
+
+def check_slots_in_range(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Every slot of ``slot_mapping`` below ``num_blocks * block_size`` (a value check: see
+    :func:`set_value_checks`)."""
+    if not _value_checks or slot_mapping.numel() == 0:
+        return
+    hi = int(slot_mapping.max())
+    if hi >= num_blocks * block_size:
+        raise ValueError(
+            f"slot_mapping contains slot {hi}, but the cache holds only "
+            f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} slots"
         )
 
 
@@ -121,14 +163,14 @@ def validate_reshape_and_cache(
     """Validate the arguments of :func:`kvcore.ops.reshape_and_cache`."""
     for n, t in (("key", key), ("value", value), ("key_cache", key_cache),
                  ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
-        _require_tensor(n, t)
-    _require_ndim("key", key, 3, "(num_tokens, num_kv_heads, head_size)")
-    _require_ndim("value", value, 3, "(num_tokens, num_kv_heads, head_size)")
-    _require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
-    _require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
-    _require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
-    _require_int_dtype("slot_mapping", slot_mapping)
-    _require_same_device([("key", key), ("value", value), ("key_cache", key_cache),
+        require_tensor(n, t)
+    require_ndim("key", key, 3, "(num_tokens, num_kv_heads, head_size)")
+    require_ndim("value", value, 3, "(num_tokens, num_kv_heads, head_size)")
+    require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
+    require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
+    require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    require_int_dtype("slot_mapping", slot_mapping)
+    require_same_device([("key", key), ("value", value), ("key_cache", key_cache),
                           ("value_cache", value_cache), ("slot_mapping", slot_mapping)])
     if value.shape != key.shape:
         raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}")
@@ -139,14 +181,11 @@ def validate_reshape_and_cache(
         )
     if key.dtype != value.dtype:
         raise TypeError(f"value has dtype {value.dtype} but key has {key.dtype}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
-        )
+    check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, key.dtype)
     _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, key.dtype)
-    _check_scale("k_scale", k_scale, kv_cache_dtype)
-    _check_scale("v_scale", v_scale, kv_cache_dtype)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     if key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(
@@ -157,13 +196,7 @@ def validate_reshape_and_cache(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
         )
-    if _value_checks and slot_mapping.numel():
-        hi = int(slot_mapping.max())
-        if hi >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping contains slot {hi}, but the cache holds only "
-                f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} slots"
-            )
+    check_slots_in_range(slot_mapping, num_blocks, block_size)
 
 
 def validate_paged_attention(
@@ -182,17 +215,17 @@ def validate_paged_attention(
     for n, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                  ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
-        _require_tensor(n, t)
-    _require_ndim("query", query, 3, "(num_tokens, num_heads, head_size)")
-    _require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
-    _require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
-    _require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
-    _require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
-    _require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
+        require_tensor(n, t)
+    require_ndim("query", query, 3, "(num_tokens, num_heads, head_size)")
+    require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
+    require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
+    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
     for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
-        _require_int_dtype(n, t)
-    _require_same_device([("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+        require_int_dtype(n, t)
+    require_same_device([("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                           ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                           ("block_table", block_table)])
     if value_cache.shape != key_cache.shape:
@@ -200,10 +233,7 @@ def validate_paged_attention(
             f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
             f"{tuple(key_cache.shape)}"
         )
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
-        )
+    check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, query.dtype)
     _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, query.dtype)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -228,7 +258,7 @@ def validate_paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
     if output is not None:
-        _require_tensor("output", output)
+        require_tensor("output", output)
         if output.shape != query.shape:
             raise ValueError(
                 f"output has shape {tuple(output.shape)} but query has {tuple(query.shape)}"
