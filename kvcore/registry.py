@@ -168,6 +168,8 @@ _KINDS = {
     "platform": ("platform", "kvcore_register_platforms", False),
     "connector": ("KV connector", "kvcore_register_connectors", False),
     "block_copier": ("block copier", "kvcore_register_block_copiers", False),
+    "kernel_compile_cases": ("kernel compile cases", "kvcore_register_kernel_compile_cases",
+                             False),
 }
 _registries: dict[str, Registry] = {}
 _registries_generation = -1
@@ -206,6 +208,11 @@ def connector_registry() -> Registry:
 
 def block_copier_registry() -> Registry:
     return _registry("block_copier")
+
+
+def kernel_compile_case_registry() -> Registry:
+    """Case providers of the Triton compile check (:mod:`kvcore.testing.compile_check`)."""
+    return _registry("kernel_compile_cases")
 
 
 def resolve_backend(name: str) -> type[AttentionBackend]:

@@ -232,6 +232,12 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from kvcore.testing.compile_check import cmd_kernels as run
+
+    return run(args)
+
+
 #: ``kvcore <command>`` -> its function; each returns the exit status.
 COMMANDS = {
     "list": cmd_list,
@@ -241,4 +247,5 @@ COMMANDS = {
     "demo": cmd_demo,
     "bench": cmd_bench,
     "layout": cmd_layout,
+    "kernels": cmd_kernels,
 }

@@ -28,7 +28,9 @@ def _missing_cli_dependencies() -> list[str]:
     return [name for name in CLI_DEPENDENCIES if importlib.util.find_spec(name) is None]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
+    """The ``kvcore`` parser; without ``with_kernels_options`` the ``kernels`` command has no
+    options yet (and nothing imports torch)."""
     parser = argparse.ArgumentParser(
         prog="kvcore",
         description="Inspect kvcore's attention backends, plugins, platform selection and "
@@ -117,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "and the picture")
     lay.add_argument("--show-blocks", type=int, default=3, help="blocks per layer in the "
                      "block table and the picture")
+    kernels = sub.add_parser(
+        "kernels", help="compile every Triton kernel for real GPUs (sm80/90/100, gfx942/950) "
+                        "and check registers, spills and shared memory")
+    if with_kernels_options:
+        # The compile check (kvcore.testing.compile_check) owns the options; it imports torch,
+        # so they are added only when this command runs (or shows its own --help).
+        from kvcore.testing import compile_check
+
+        compile_check.add_arguments(kernels)
     return parser
 
 
@@ -129,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the kvcore command needs {', '.join(missing)}: "
               "pip install 'kvcore[cli]'", file=sys.stderr)
         return 1
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The top level takes no option with a value: its first word that is no option is the
+    # command.
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(with_kernels_options=command == "kernels").parse_args(argv)
     from kvcore.cli.commands import COMMANDS
 
     try:

@@ -266,11 +266,16 @@ def default_config(
     max_seq_len_bound: int,
     device: torch.device,
     num_kv_splits: int | None = None,
+    *,
+    num_sms: int | None = None,
+    rocm: bool | None = None,
 ) -> AttentionConfig:
     """The launch configuration :func:`paged_attention` uses (see the module docstring).
 
     ``max_seq_len_bound`` is an upper bound on every request's length
-    (``block_table.shape[1] * block_size``); only the split heuristic uses it.
+    (``block_table.shape[1] * block_size``); only the split heuristic uses it, with
+    ``num_sms`` (default: ``device``'s SM count). ``rocm`` picks the AMD configs (default: the
+    torch build's platform). The compile check passes its target's values for both.
     """
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
@@ -285,12 +290,17 @@ def default_config(
     if num_kv_splits is None:
         num_kv_splits = 1
         work = num_seqs * num_kv_heads
-        target = _SPLIT_TARGET_WAVES * _num_sms(device)
+        target = _SPLIT_TARGET_WAVES * (num_sms or _num_sms(device))
         if decode_only and work < target:
             by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
             num_kv_splits = max(1, min(target // work, by_length, _MAX_SPLITS))
+    if rocm is None:
+        rocm = getattr(torch.version, "hip", None) is not None
+    # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
+    # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
+    num_stages = 2 if rocm and head_size > 128 else 3
     return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=block_n,
-                           num_splits=num_kv_splits, num_warps=4, num_stages=3)
+                           num_splits=num_kv_splits, num_warps=4, num_stages=num_stages)
 
 
 def paged_attention(

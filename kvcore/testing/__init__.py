@@ -24,6 +24,7 @@ rules, the tolerances and the options.
 from kvcore.testing.batch import random_block_tables
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
 from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
+from kvcore.testing.compile_check import CompileTarget, KernelCase
 from kvcore.testing.gpu import (
     GPU_MARKER,
     GpuTestSetup,
@@ -40,8 +41,10 @@ __all__ = [
     "GpuTestSetup",
     "MixedStep",
     "RULES",
+    "CompileTarget",
     "ConformanceCase",
     "ConformanceError",
+    "KernelCase",
     "Rule",
     "conformance_cases",
     "contiguous_attention_ref",

@@ -13,3 +13,8 @@ _BACKENDS = "kvcore_mla.backends"
 @kvcore.hookimpl
 def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
     register("TRITON_MLA", f"{_BACKENDS}.triton_mla:TritonMLABackend")
+
+
+@kvcore.hookimpl
+def kvcore_register_kernel_compile_cases(register: Callable[[str, str], None]) -> None:
+    register("kvcore_mla", "kvcore_mla.ops.compile_cases:compile_cases")

@@ -16,3 +16,8 @@ def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
     register("ROCM_AITER_UNIFIED_ATTN",
              f"{_BACKENDS}.aiter_unified_attn:AiterUnifiedAttentionBackend")
     register("ROCM_AITER_FA", f"{_BACKENDS}.aiter_fa:AiterFlashAttentionBackend")
+
+
+@kvcore.hookimpl
+def kvcore_register_kernel_compile_cases(register: Callable[[str, str], None]) -> None:
+    register("kvcore_rocm", "kvcore_rocm.ops.compile_cases:compile_cases")
