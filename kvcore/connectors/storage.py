@@ -16,7 +16,8 @@ A save counts a key as stored only after the same check: a corrupted file is del
 written again. Every error of a save or a load (a full disk, a read-only or vanished
 directory, whatever exception the file library raises) fails the blocks it hit, each with the
 reason, never the whole transfer; the blocks written before it are reported saved.
-No pickle is involved anywhere: safetensors stores raw tensors and string metadata.
+No pickle is involved anywhere: safetensors stores raw tensors and string metadata. safetensors
+is the ``kvcore[storage]`` extra, imported when a connector is made.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
@@ -57,6 +57,18 @@ class _BadFile(Exception):
     """A block file that exists but must not be loaded (the message says why)."""
 
 
+def _safetensors() -> Any:
+    """The ``safetensors.torch`` module, or an ``ImportError`` saying how to install it."""
+    try:
+        import safetensors.torch
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "safetensors":
+            raise
+        raise ImportError("the storage connector needs safetensors, which is not installed "
+                          "(pip install 'kvcore[storage]')") from None
+    return safetensors.torch
+
+
 class StorageConnector(KVConnector):
     """Save KV blocks as files under ``root`` and load them back (connector name ``storage``).
 
@@ -74,6 +86,7 @@ class StorageConnector(KVConnector):
             raise TypeError(f"root must be a directory path, got {root!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} must be a positive integer")
+        self._st = _safetensors()
         super().__init__(failure_policy=failure_policy)
         self.root = Path(root)
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kvcore-storage")
@@ -159,7 +172,7 @@ class StorageConnector(KVConnector):
         # Same directory as the target, so the rename is atomic (one file system).
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            save_file({_TENSOR: row.view(self._row_shape)}, tmp, metadata=metadata)
+            self._st.save_file({_TENSOR: row.view(self._row_shape)}, tmp, metadata=metadata)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -193,7 +206,7 @@ class StorageConnector(KVConnector):
         if not path.is_file():
             raise FileNotFoundError(path)
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with self._st.safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
                 names = list(f.keys())
                 tensor = f.get_tensor(_TENSOR) if names == [_TENSOR] else None

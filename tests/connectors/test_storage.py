@@ -103,11 +103,11 @@ def test_faults_fail_exactly_the_bad_blocks_and_stay_failed(tmp_path):
 
 
 def test_interrupted_write_leaves_no_file_and_fails_the_block(tmp_path, monkeypatch):
-    import kvcore.connectors.storage as storage
+    import safetensors.torch
 
     kv = make_caches(cross_layer=False)
     keys = keys_for(random.randrange(2**31), 2)
-    real_save_file = storage.save_file
+    real_save_file = safetensors.torch.save_file
 
     def disk_full_on_second(tensors, filename, metadata):
         if Path(filename).name.startswith(f".{keys[1]}"):
@@ -115,7 +115,7 @@ def test_interrupted_write_leaves_no_file_and_fails_the_block(tmp_path, monkeypa
             raise OSError(28, "No space left on device")
         real_save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(storage, "save_file", disk_full_on_second)
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full_on_second)
     with storage_for(kv, tmp_path) as conn:
         result = conn.save(keys, [3, 4]).wait()
         assert result.succeeded == (3,) and list(result.failed) == [4]
@@ -126,11 +126,11 @@ def test_interrupted_write_leaves_no_file_and_fails_the_block(tmp_path, monkeypa
 
 def test_write_errors_of_any_type_fail_their_blocks_and_keep_the_written_ones(tmp_path,
                                                                              monkeypatch):
-    import kvcore.connectors.storage as storage
+    import safetensors.torch
 
     kv = make_caches(cross_layer=True)
     keys = keys_for(random.randrange(2**31), 4)
-    real_save_file = storage.save_file
+    real_save_file = safetensors.torch.save_file
     calls = []
 
     def full_after_two(tensors, filename, metadata):
@@ -140,7 +140,7 @@ def test_write_errors_of_any_type_fail_their_blocks_and_keep_the_written_ones(tm
                                   "device (os error 28)")
         real_save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(storage, "save_file", full_after_two)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_after_two)
     with storage_for(kv, tmp_path) as conn:
         result = conn.save(keys, [3, 4, 5, 6]).wait()
         assert result.succeeded == (3, 4) and set(result.failed) == {5, 6}
@@ -203,7 +203,7 @@ def test_saving_over_a_corrupted_file_rewrites_it(tmp_path, damage):
 
 def test_a_failed_rewrite_of_a_corrupted_file_is_reported_and_leaves_no_file(tmp_path,
                                                                               monkeypatch):
-    import kvcore.connectors.storage as storage
+    import safetensors.torch
 
     kv = make_caches(cross_layer=True)
     (key,) = keys_for(random.randrange(2**31), 1)
@@ -215,7 +215,7 @@ def test_a_failed_rewrite_of_a_corrupted_file_is_reported_and_leaves_no_file(tmp
         def disk_full(tensors, filename, metadata):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(storage, "save_file", disk_full)
+        monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
         result = conn.save([key], [0]).wait()
         assert result.succeeded == () and "No space left on device" in result.failed[0]
         assert not path.exists() and conn.lookup([key]) == 0
@@ -272,3 +272,10 @@ def test_cuda_cache_roundtrip_bit_exact(tmp_path):
         assert conn.save(keys, [0, 4, 8]).wait().ok
         assert conn.load(keys, [1, 5, 9]).wait().ok
         assert torch.equal(block_bytes(kv, [1, 5, 9]), saved)
+
+
+def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'kvcore\[storage\]'"):
+        get_connector("storage", root=tmp_path)
