@@ -13,11 +13,14 @@ from kvcore.backend import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
+    CudaGraphSupport,
     LayerScales,
     PagedAttentionImpl,
     build_attention_metadata,
 )
+from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig, parse_dtype
+from kvcore.cuda_graphs import CudaGraphRunner
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import KVCacheLayout, LayoutMismatchError
 from kvcore.platform import (
@@ -64,10 +67,13 @@ __all__ = [
     "AttentionImpl",
     "AttentionLayer",
     "AttentionMetadata",
+    "AttentionMetadataBuilder",
     "AttentionSelectorConfig",
     "AttentionType",
     "BackendSelectionError",
     "CandidateReport",
+    "CudaGraphRunner",
+    "CudaGraphSupport",
     "DeviceCapability",
     "DuplicateRegistrationError",
     "FullAttentionSpec",
@@ -80,6 +86,7 @@ __all__ = [
     "MultipleOf",
     "NoValidBackendError",
     "PagedAttentionImpl",
+    "PersistentMetadataBuilder",
     "Platform",
     "PluginInfo",
     "ResolveError",

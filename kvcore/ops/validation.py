@@ -5,22 +5,37 @@ what is expected, *before* any kernel is launched. The reference ops and every f
 (Triton, CUDA C++, vendor libraries) call the same functions, so a bad argument produces the
 same message whichever implementation runs.
 
-Checks that need to read tensor *values* (slot and block ids within range) synchronise with
-the device. They are on by default; a serving engine that has validated its scheduler can turn
-them off with :func:`set_value_checks` or ``KVCORE_CHECK_INDICES=0``.
+Checks that need to read tensor *values* (slot and block ids within range, lengths consistent)
+are on by default. Read from the device they synchronise with it, so an engine step does them
+once instead: :func:`kvcore.build_attention_metadata` derives the step's :class:`StepFacts`
+from its host-side lists (or an :class:`kvcore.AttentionMetadataBuilder` reads the tensors
+once) and *marks* the step's tensors with them (:func:`mark_step_checked`). An op given marked
+tensors compares the facts with the cache it was given (no device read) and skips only those
+value checks; shape, dtype and device checks always run. A mark is tied to the tensor object
+and to its version counter: a view, a copy, or an in-place write through torch carries no
+valid mark, so such a tensor is checked by reading it. Marks are plain attributes of immutable
+records, so marking and checking from several threads is safe. A serving engine whose
+scheduler is validated can still turn all value checks off with :func:`set_value_checks` or
+``KVCORE_CHECK_INDICES=0``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
+    "StepFacts",
     "cache_torch_dtype",
+    "checked_step_facts",
+    "mark_step_checked",
     "set_value_checks",
+    "step_facts_from_tensors",
     "value_checks_enabled",
     "validate_reshape_and_cache",
     "validate_paged_attention",
@@ -121,6 +136,207 @@ def check_block_indices(name: str, indices: torch.Tensor, num_blocks: int) -> No
         )
 
 
+_MARK = "_kvcore_step_facts"
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the value checks established about one step's metadata tensors.
+
+    Made by :func:`kvcore.build_attention_metadata` (from its host-side lists) or
+    :func:`step_facts_from_tensors` (one device read), which check everything that does not
+    depend on the cache: ``query_start_loc`` starts at 0 and never decreases, every
+    ``seq_len`` covers its query tokens and fits the block table's columns, the block ids a
+    request uses are not negative. What depends on the cache (ids below its size) each op
+    compares with the maxima here, against the cache it is given.
+
+    Attributes:
+        num_tokens: ``query_start_loc[-1]``, the query rows the step attends for.
+        num_seqs: requests.
+        block_size: tokens per block the lengths were checked with.
+        max_blocks_per_seq: most block-table entries one request uses
+            (``ceil(seq_len / block_size)``).
+        max_block_id: largest block id a request uses (-1: none).
+        max_slot: largest entry of ``slot_mapping`` (-1: none, or only padding).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    block_size: int
+    max_blocks_per_seq: int
+    max_block_id: int
+    max_slot: int
+
+
+def _version(t: torch.Tensor) -> int | None:
+    # Inference tensors have no version counter: an in-place write would go unseen, so they
+    # are never marked (and always checked by reading them).
+    return None if t.is_inference() else t._version
+
+
+def mark_step_checked(
+    facts: StepFacts,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor | None = None,
+) -> bool:
+    """Mark one step's metadata tensors as checked, with the facts the checks established.
+
+    Ops given these very tensors (not views or copies), unmodified since (torch's version
+    counter), take the value facts from the mark instead of reading the tensors. Call it only
+    with facts established for exactly these tensors' values (:func:`step_facts_from_tensors`
+    does both). The shapes are compared with the facts here.
+
+    Returns:
+        ``False`` if a tensor is an inference tensor (created under ``torch.inference_mode``,
+        which keeps no version counter): nothing is marked and the ops keep reading the
+        values. Make metadata tensors outside inference mode to get the fast path.
+    """
+    tensors = {"query_start_loc": query_start_loc, "seq_lens": seq_lens,
+               "block_table": block_table}
+    if slot_mapping is not None:
+        tensors["slot_mapping"] = slot_mapping
+    for name, t in tensors.items():
+        _require_tensor(name, t)
+    expected = {"query_start_loc": facts.num_seqs + 1, "seq_lens": facts.num_seqs,
+                "block_table": facts.num_seqs}
+    for name, rows in expected.items():
+        if tensors[name].dim() < 1 or tensors[name].shape[0] != rows:
+            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)} but the step's "
+                             f"facts describe {facts.num_seqs} sequences ({rows} rows)")
+    if block_table.dim() != 2 or block_table.shape[1] < facts.max_blocks_per_seq:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)} but a request of "
+                         f"the step uses {facts.max_blocks_per_seq} blocks")
+    versions = {name: _version(t) for name, t in tensors.items()}
+    if any(v is None for v in versions.values()):
+        return False
+    for name, t in tensors.items():
+        setattr(t, _MARK, (facts, versions[name], t.data_ptr()))
+    return True
+
+
+def checked_step_facts(*tensors: torch.Tensor) -> StepFacts | None:
+    """The facts every one of ``tensors`` is validly marked with (one and the same record), or
+    ``None``: unmarked, marked for different steps, or written since they were marked."""
+    found = None
+    for t in tensors:
+        mark = getattr(t, _MARK, None)
+        if mark is None:
+            return None
+        facts, version, ptr = mark
+        if (found is not None and facts is not found) or t._version != version \
+                or t.data_ptr() != ptr:
+            return None
+        found = facts
+    return found
+
+
+def _check_lengths(qsl: list[int], lens: list[int], num_tokens: int, block_size: int,
+                   max_blocks: int) -> None:
+    """The host-side length rules of :func:`validate_paged_attention` (lists of the tensors)."""
+    if qsl[0] != 0 or qsl[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, got "
+            f"{qsl[0]}..{qsl[-1]}"
+        )
+    for i in range(len(lens)):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len < 0:
+            raise ValueError(f"query_start_loc decreases at sequence {i}: {qsl[i]} -> {qsl[i + 1]}")
+        if lens[i] < q_len:
+            raise ValueError(
+                f"seq_lens[{i}]={lens[i]} is shorter than its {q_len} query tokens "
+                "(seq_lens counts cached plus new tokens)"
+            )
+        if -(-lens[i] // block_size) > max_blocks:
+            raise ValueError(
+                f"seq_lens[{i}]={lens[i]} needs {-(-lens[i] // block_size)} blocks of "
+                f"{block_size} but block_table has only {max_blocks} columns"
+            )
+
+
+def _block_range_error(bad: int, num_blocks: int) -> ValueError:
+    return ValueError(
+        f"block_table refers to block id {bad}, but the cache has {num_blocks} blocks "
+        f"(valid ids: 0..{num_blocks - 1})"
+    )
+
+
+def _slot_range_error(hi: int, num_blocks: int, block_size: int) -> ValueError:
+    return ValueError(
+        f"slot_mapping contains slot {hi}, but the cache holds only "
+        f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} slots"
+    )
+
+
+def step_facts_from_tensors(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    *,
+    mark: bool = True,
+) -> StepFacts:
+    """Check one step's metadata tensors with one device read and return their facts.
+
+    The reductions run on the tensors' device and come back in one transfer (one sync per
+    step, instead of one per op and layer); only a failing step is read again, for the
+    detailed message. With ``mark`` the tensors are then marked (:func:`mark_step_checked`).
+
+    Raises:
+        ValueError: a length rule of :class:`StepFacts` is broken (naming the request), or a
+            used block id is negative.
+    """
+    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                 ("block_table", block_table), ("slot_mapping", slot_mapping)):
+        _require_tensor(n, t)
+        _require_int_dtype(n, t)
+    _require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    _require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    _require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
+    _require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries and block_table "
+            f"{block_table.shape[0]} rows for {num_seqs} sequences (expected {num_seqs + 1} "
+            f"and {num_seqs})"
+        )
+    width = block_table.shape[1]
+    qsl = query_start_loc.to(torch.int64)
+    minus_one = torch.full((1,), -1, dtype=torch.int64, device=slot_mapping.device)
+    slot_max = torch.cat([minus_one, slot_mapping.to(torch.int64)]).max().reshape(1)
+    if num_seqs:
+        q_lens = qsl[1:] - qsl[:-1]
+        lens = seq_lens.to(torch.int64)
+        needed = (lens + block_size - 1) // block_size
+        used = torch.arange(width, device=block_table.device)[None, :] < needed[:, None]
+        ids = block_table.to(torch.int64)
+        big = torch.iinfo(torch.int64).max
+        stats = torch.stack([
+            qsl[0], qsl[-1], q_lens.min(), (lens - q_lens).min(), needed.max(),
+            torch.where(used, ids, big).min(), torch.where(used, ids, -1).max(), slot_max[0],
+        ]).tolist()
+        first, last, min_q, min_ctx, most, lo, hi, top_slot = stats
+    else:
+        first, top_slot = torch.cat([qsl[:1], slot_max]).tolist()
+        last, min_q, min_ctx, most, lo, hi = first, 0, 0, 0, 0, -1
+    if first != 0 or min_q < 0 or min_ctx < 0 or most > width:
+        _check_lengths(query_start_loc.tolist(), seq_lens.tolist(), last, block_size, width)
+    if most > 0 and lo < 0:
+        raise ValueError(f"block_table refers to block id {lo}; the block ids a request uses "
+                         "must be >= 0")
+    facts = StepFacts(num_tokens=last, num_seqs=num_seqs, block_size=block_size,
+                      max_blocks_per_seq=most, max_block_id=hi, max_slot=top_slot)
+    if mark:
+        mark_step_checked(facts, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                          block_table=block_table, slot_mapping=slot_mapping)
+    return facts
+
+
 def validate_reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -171,12 +387,10 @@ def validate_reshape_and_cache(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
         )
     if _value_checks and slot_mapping.numel():
-        hi = int(slot_mapping.max())
+        facts = checked_step_facts(slot_mapping)
+        hi = facts.max_slot if facts is not None else int(slot_mapping.max())
         if hi >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping contains slot {hi}, but the cache holds only "
-                f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} slots"
-            )
+            raise _slot_range_error(hi, num_blocks, block_size)
 
 
 def validate_paged_attention(
@@ -250,35 +464,20 @@ def validate_paged_attention(
             raise ValueError(f"output is on {output.device} but query is on {query.device}")
     if not _value_checks or num_seqs == 0:
         return
+    max_blocks = block_table.shape[1]
+    facts = checked_step_facts(query_start_loc, seq_lens, block_table)
+    if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (
+            num_tokens, num_seqs, block_size):
+        # Checked once for the step (see the module docstring); compare with this cache.
+        if facts.max_block_id >= num_blocks:
+            raise _block_range_error(facts.max_block_id, num_blocks)
+        return
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    if qsl[0] != 0 or qsl[-1] != num_tokens:
-        raise ValueError(
-            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, got "
-            f"{qsl[0]}..{qsl[-1]}"
-        )
-    max_blocks = block_table.shape[1]
-    for i in range(num_seqs):
-        q_len = qsl[i + 1] - qsl[i]
-        if q_len < 0:
-            raise ValueError(f"query_start_loc decreases at sequence {i}: {qsl[i]} -> {qsl[i + 1]}")
-        if lens[i] < q_len:
-            raise ValueError(
-                f"seq_lens[{i}]={lens[i]} is shorter than its {q_len} query tokens "
-                "(seq_lens counts cached plus new tokens)"
-            )
-        if -(-lens[i] // block_size) > max_blocks:
-            raise ValueError(
-                f"seq_lens[{i}]={lens[i]} needs {-(-lens[i] // block_size)} blocks of "
-                f"{block_size} but block_table has only {max_blocks} columns"
-            )
+    _check_lengths(qsl, lens, num_tokens, block_size, max_blocks)
     used = [block_table[i, : -(-lens[i] // block_size)] for i in range(num_seqs)]
     ids = torch.cat(used) if used else block_table.new_empty(0)
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_blocks:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"block_table refers to block id {bad}, but the cache has {num_blocks} blocks "
-                f"(valid ids: 0..{num_blocks - 1})"
-            )
+            raise _block_range_error(lo if lo < 0 else hi, num_blocks)
