@@ -17,7 +17,6 @@ later step of that size; :class:`kvcore.CudaGraphRunner` does the capture and th
 
 from __future__ import annotations
 
-import enum
 import torch
 
 from kvcore.backend import AttentionMetadata, CudaGraphSupport
@@ -151,10 +150,11 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
     same memory every step, no new tensors. With ``graph_batch_size`` the views have the
     shapes of that batch size, whatever the step's size, the host values are the captured
     size's (``max_query_len`` 1, ``max_seq_len`` = ``max_model_len``, an upper bound), and a
-    uniform-decode step smaller than it is padded with harmless requests (one token at slot -1, which writes nothing,
-    attending to the first slot of block 0); so a step captured in a CUDA graph for that size
-    replays correctly for every later step of at most that size. Graph-capable backends
-    subclass this and add their own per-step choices (stable for a ``graph_batch_size``).
+    uniform-decode step smaller than it is padded with harmless requests (one token at slot
+    -1, which writes nothing, attending to the first slot of block 0); so a step captured in
+    a CUDA graph for that size replays correctly for every later step of at most that size.
+    Graph-capable backends subclass this and add their own per-step choices (stable for a
+    ``graph_batch_size``).
 
     The metadata :meth:`build` returns is valid until the next :meth:`build`, which
     overwrites the buffers.

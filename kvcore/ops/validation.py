@@ -22,7 +22,6 @@ scheduler is validated can still turn all value checks off with :func:`set_value
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
