@@ -15,8 +15,8 @@ from kvcore.cli import main as kvcore_cli
 from kvcore.demo import (
     DemoOptions,
     check_against_reference,
-    format_summary,
     compare_runs,
+    format_summary,
     reference_logits,
     run_demo,
 )
