@@ -391,3 +391,21 @@ def test_uncaptured_runner_runs_steps_eagerly_through_the_builder():
     assert out.tolist() == [2.0, 2.0]
     assert (runner.eager_steps, runner.replayed_steps) == (1, 0)
     assert pointers(seen[0]) == [t.data_ptr() for t in builder.buffers().values()]
+
+
+def test_bench_step_smoke_runs_on_the_cpu(tmp_path):
+    """benchmarks/bench_step.py --smoke: the script's CPU path, end to end."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_step.py"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads((tmp_path / "bench_step.json").read_text())
+    assert results["correctness"] and all(c["ok"] for c in results["correctness"])
+    assert {c["variant"] for c in results["checks"]} >= {"value checks off",
+                                                         "value checks on (step facts, default)"}
+    assert "vs checks off" in done.stdout
