@@ -31,7 +31,7 @@ def engine():
     spec = kvcore.FullAttentionSpec(block_size=BS, dtype=torch.bfloat16, num_kv_heads=HK,
                                     head_size=D)
     builder = backend.get_builder_cls()(spec, num_heads=HQ, max_num_seqs=8,
-                                        max_num_batched_tokens=64, max_model_len=512,
+                                        max_num_batched_tokens=64, max_model_len=4096,
                                         device=device)
     impl = backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK)
     scales = kvcore.LayerScales()

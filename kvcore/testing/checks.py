@@ -758,7 +758,9 @@ def _tensor_fields(value: object, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def _graph_builder(run: _Run) -> PersistentMetadataBuilder:
-    builder = _make_builder(run, max_model_len=8 * run.config.block_size)
+    # A long max_model_len: split-KV backends then split graph steps whose requests are much
+    # shorter, leaving some splits empty.
+    builder = _make_builder(run, max_model_len=64 * run.config.block_size)
     if not isinstance(builder, PersistentMetadataBuilder):
         raise run.fail("builder-persistent-buffers", (
             f"CUDA_GRAPH_SUPPORT = {run.backend.CUDA_GRAPH_SUPPORT.name} but get_builder_cls() "
