@@ -410,3 +410,19 @@ def test_bench_step_smoke_runs_on_the_cpu(tmp_path):
     assert {c["variant"] for c in results["checks"]} >= {"value checks off",
                                                          "value checks on (step facts, default)"}
     assert "vs checks off" in done.stdout
+
+
+def test_step_facts_of_steps_without_requests_or_columns():
+    empty = kvcore.build_attention_metadata([], [], [], BS)
+    assert facts_of(empty).num_seqs == 0
+    facts = ops.step_facts_from_tensors(torch.tensor([0, 0, 0], dtype=torch.int32),
+                                        torch.zeros(2, dtype=torch.int32),
+                                        torch.zeros(2, 0, dtype=torch.int32),
+                                        torch.zeros(0, dtype=torch.int64), BS)
+    assert (facts.num_seqs, facts.max_blocks_per_seq, facts.max_block_id) == (2, 0, -1)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=1 needs 1 blocks of 4 but block_table "
+                                         "has only 0 columns"):
+        ops.step_facts_from_tensors(torch.tensor([0, 1], dtype=torch.int32),
+                                    torch.ones(1, dtype=torch.int32),
+                                    torch.zeros(1, 0, dtype=torch.int32),
+                                    torch.zeros(1, dtype=torch.int64), BS)

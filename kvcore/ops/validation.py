@@ -308,7 +308,7 @@ def step_facts_from_tensors(
     qsl = query_start_loc.to(torch.int64)
     minus_one = torch.full((1,), -1, dtype=torch.int64, device=slot_mapping.device)
     slot_max = torch.cat([minus_one, slot_mapping.to(torch.int64)]).max().reshape(1)
-    if num_seqs:
+    if num_seqs and width:
         q_lens = qsl[1:] - qsl[:-1]
         lens = seq_lens.to(torch.int64)
         needed = (lens + block_size - 1) // block_size
@@ -320,10 +320,13 @@ def step_facts_from_tensors(
             torch.where(used, ids, big).min(), torch.where(used, ids, -1).max(), slot_max[0],
         ]).tolist()
         first, last, min_q, min_ctx, most, lo, hi, top_slot = stats
-    else:
-        first, top_slot = torch.cat([qsl[:1], slot_max]).tolist()
-        last, min_q, min_ctx, most, lo, hi = first, 0, 0, 0, 0, -1
-    if first != 0 or min_q < 0 or min_ctx < 0 or most > width:
+    else:  # no requests, or no block-table columns (only empty requests fit): read them
+        qsl_list = query_start_loc.tolist()
+        first, last = qsl_list[0], qsl_list[-1]
+        _check_lengths(qsl_list, seq_lens.tolist(), last, block_size, width)
+        min_q = min_ctx = most = lo = 0
+        hi, top_slot = -1, int(slot_max)
+    if first != 0 or min_q < 0 or min_ctx < 0 or most > width:  # read again, name the request
         _check_lengths(query_start_loc.tolist(), seq_lens.tolist(), last, block_size, width)
     if most > 0 and lo < 0:
         raise ValueError(f"block_table refers to block id {lo}; the block ids a request uses "
@@ -468,6 +471,9 @@ def validate_paged_attention(
     if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (
             num_tokens, num_seqs, block_size):
         # Checked once for the step (see the module docstring); compare with this cache.
+        if facts.max_blocks_per_seq > max_blocks:
+            raise ValueError(f"a request of the step uses {facts.max_blocks_per_seq} blocks "
+                             f"but block_table has only {max_blocks} columns")
         if facts.max_block_id >= num_blocks:
             raise _block_range_error(facts.max_block_id, num_blocks)
         return
