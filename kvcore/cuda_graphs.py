@@ -143,7 +143,9 @@ class CudaGraphRunner:
                 self.step_fn(inputs, meta)
             torch.cuda.current_stream(self.builder.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: other threads of the engine (a connector's copies) may keep
+            # using CUDA while this thread captures.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 output = self.step_fn(inputs, meta)
             if not isinstance(output, torch.Tensor) or output.shape[0] != size:
                 raise ValueError(f"step_fn must return a tensor with one row per token "
