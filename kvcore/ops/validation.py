@@ -13,7 +13,9 @@ once) and *marks* the step's tensors with them (:func:`mark_step_checked`). An o
 tensors compares the facts with the cache it was given (no device read) and skips only those
 value checks; shape, dtype and device checks always run. A mark is tied to the tensor object
 and to its version counter: a view, a copy, or an in-place write through torch carries no
-valid mark, so such a tensor is checked by reading it. Marks are plain attributes of immutable
+valid mark, so such a tensor is checked by reading it. Writes that bypass torch's version
+counter (a kernel or numpy writing through a raw pointer, ``tensor.data``) are not seen: mark
+again (build the step again) after such a write. Marks are plain attributes holding immutable
 records, so marking and checking from several threads is safe. A serving engine whose
 scheduler is validated can still turn all value checks off with :func:`set_value_checks` or
 ``KVCORE_CHECK_INDICES=0``.
