@@ -14,8 +14,9 @@ tensors compares the facts with the cache it was given (no device read) and skip
 value checks; shape, dtype and device checks always run. A mark is tied to the tensor object
 and to its version counter: a view, a copy, or an in-place write through torch carries no
 valid mark, so such a tensor is checked by reading it. Writes that bypass torch's version
-counter (a kernel or numpy writing through a raw pointer, ``tensor.data``) are not seen: mark
-again (build the step again) after such a write. Marks are plain attributes holding immutable
+counter (a kernel or numpy writing through a raw pointer, ``tensor.data``) are not seen: make
+the step's tensors anew (e.g. :func:`kvcore.build_attention_metadata`) rather than refilling
+marked ones that way. Marks are plain attributes holding immutable
 records, so marking and checking from several threads is safe. A serving engine whose
 scheduler is validated can still turn all value checks off with :func:`set_value_checks` or
 ``KVCORE_CHECK_INDICES=0``.
