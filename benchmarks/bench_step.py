@@ -216,6 +216,17 @@ def wall_per_step(fn: Callable[[], object], steps: int = STEPS) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5,
+                steps: int = STEPS) -> dict[str, float]:
+    """Median over ``rounds`` of :func:`wall_per_step` for each variant, the variants taking
+    turns within a round (load from other processes then drifts into all of them alike)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(wall_per_step(fn, steps))
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
 # ----------------------------------------------------------------------------- sections
 
 
@@ -357,16 +368,17 @@ def time_checks(run: Run, name: str) -> None:
         "value checks on, read by every op (no builder, no marks)":
             lambda: model.step(model.inputs, own),
     }
-    times = {}
-    for what, fn in variants.items():
-        times[what] = wall_per_step(fn)
     checks = ops.value_checks_enabled()
-    ops.set_value_checks(False)
-    try:
-        times["value checks off"] = wall_per_step(
-            lambda: model.step(model.inputs, model.builder.build(model.common)))
-    finally:
-        ops.set_value_checks(checks)
+
+    def checks_off() -> None:
+        ops.set_value_checks(False)
+        try:
+            model.step(model.inputs, model.builder.build(model.common))
+        finally:
+            ops.set_value_checks(checks)
+
+    times = interleaved({**variants, "value checks off": checks_off},
+                        rounds=1 if SMOKE else 5)
     off = times["value checks off"]
     for what, t in times.items():
         row = {"backend": name, "shape": f"{b}x{length}", "layers": LAYERS, "variant": what,
@@ -386,14 +398,17 @@ def time_checks(run: Run, name: str) -> None:
                                              meta.block_table, output=model.outputs[0][:b])
         return fn
 
-    host = {"validators: step facts (default)": validators(model.common),
-            "validators: read by every op": validators(own)}
-    times = {what: wall_per_step(fn, 50) for what, fn in host.items()}
-    ops.set_value_checks(False)
-    try:
-        times["validators: value checks off"] = wall_per_step(validators(model.common), 50)
-    finally:
-        ops.set_value_checks(checks)
+    def validators_off() -> None:
+        ops.set_value_checks(False)
+        try:
+            validators(model.common)()
+        finally:
+            ops.set_value_checks(checks)
+
+    times = interleaved({"validators: step facts (default)": validators(model.common),
+                         "validators: read by every op": validators(own),
+                         "validators: value checks off": validators_off},
+                        rounds=1 if SMOKE else 5, steps=20)
     off = times["validators: value checks off"]
     for what, t in times.items():
         row = {"backend": name, "shape": f"{b}x{length}", "layers": LAYERS, "variant": what,
