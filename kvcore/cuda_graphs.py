@@ -153,11 +153,16 @@ class CudaGraphRunner:
             self._graphs[size] = _Graph(graph, output, _signature(meta))
         torch.cuda.synchronize(self.builder.device)
 
+    def replayable(self, common: AttentionMetadata) -> bool:
+        """Whether a step like ``common`` replays once captured: uniform decode (one new token
+        per request, no padding rows) of at most the largest batch size."""
+        return is_uniform_decode(common) and common.num_seqs <= self.batch_sizes[-1]
+
     def graph_size(self, common: AttentionMetadata) -> int | None:
-        """The captured size that would replay ``common``, or ``None`` (run eagerly)."""
-        if not self._graphs or not is_uniform_decode(common):
+        """The captured size that replays ``common``, or ``None`` (run eagerly)."""
+        if not self._graphs or not self.replayable(common):
             return None
-        return next((s for s in self.batch_sizes if s >= common.num_seqs), None)
+        return next(s for s in self.batch_sizes if s >= common.num_seqs)
 
     def run(self, inputs: Mapping[str, torch.Tensor], common: AttentionMetadata
             ) -> torch.Tensor:

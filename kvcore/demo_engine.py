@@ -35,7 +35,6 @@ from kvcore.backend import (
     LayerScales,
     build_attention_metadata,
 )
-from kvcore.builder import graph_batch_sizes, is_uniform_decode
 from kvcore.connectors import KVConnector, TransferHandle, hash_request_tokens
 from kvcore.cuda_graphs import CudaGraphRunner
 from kvcore.demo_model import DemoModel
@@ -214,8 +213,7 @@ class Engine:
         if (cuda_graphs and device.type == "cuda"
                 and backend.CUDA_GRAPH_SUPPORT is not CudaGraphSupport.NEVER):
             self.graphs = CudaGraphRunner(self.builder, self._graph_step,
-                                          num_blocks=kv_caches.num_blocks,
-                                          batch_sizes=graph_batch_sizes(max_num_seqs))
+                                          num_blocks=kv_caches.num_blocks)
         self.pool = BlockPool(kv_caches.num_blocks)
         self._pending_saves: list[tuple[TransferHandle, list[int]]] = []
 
@@ -382,7 +380,7 @@ class Engine:
             device=device,
         )
         ids, positions = ids.to(device), positions.to(device)
-        replayed = self.graphs is not None and is_uniform_decode(meta)
+        replayed = self.graphs is not None and self.graphs.replayable(meta)
         if replayed:
             if not self.graphs.captured:
                 self.graphs.capture({"ids": ids[:1], "positions": positions[:1]})

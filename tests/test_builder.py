@@ -387,6 +387,8 @@ def test_uncaptured_runner_runs_steps_eagerly_through_the_builder():
     seen = []
     runner = kvcore.CudaGraphRunner(builder, lambda i, m: (seen.append(m), i["x"] * 2)[1],
                                     num_blocks=8)
+    assert runner.replayable(decode([1, 2], [[0], [1]])) and not runner.replayable(step())
+    assert runner.graph_size(decode([1, 2], [[0], [1]])) is None  # nothing captured yet
     out = runner.run({"x": torch.ones(2)}, decode([1, 2], [[0], [1]]))
     assert out.tolist() == [2.0, 2.0]
     assert (runner.eager_steps, runner.replayed_steps) == (1, 0)
