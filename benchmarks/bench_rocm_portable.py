@@ -63,7 +63,7 @@ def main() -> int:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     import torch
-    from kvcore_rocm.shuffle import reshape_and_cache_shuffle, reshape_and_cache_shuffle_ref
+    from kvcore_rocm.ops.shuffle import reshape_and_cache_shuffle, reshape_and_cache_shuffle_ref
     from tabulate import tabulate
 
     import kvcore

@@ -19,8 +19,9 @@ from kvcore.backend import (
     build_attention_metadata,
 )
 from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
-from kvcore.config import AttentionSelectorConfig, parse_dtype
+from kvcore.config import AttentionSelectorConfig
 from kvcore.cuda_graphs import CudaGraphRunner
+from kvcore.dtypes import parse_dtype
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import KVCacheLayout, LayoutMismatchError
 from kvcore.platform import (

@@ -8,17 +8,27 @@ contiguous run, and a connector moves a block of the whole model with one copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from kvcore.backend import AttentionBackend
-from kvcore.config import parse_dtype
+from kvcore.dtypes import cache_torch_dtype, parse_dtype
 from kvcore.layout import KVCacheLayout
-from kvcore.ops.validation import cache_torch_dtype
 
-__all__ = ["KVCaches", "allocate_kv_caches"]
+__all__ = ["KVCaches", "allocate_kv_caches", "set_backend_name_resolver"]
+
+# How a backend name becomes its class. The registry that knows the names sits above this
+# module, so it installs its resolver here when it is imported (``import kvcore`` imports it).
+_resolve_backend_name: Callable[[str], type[AttentionBackend]] | None = None
+
+
+def set_backend_name_resolver(resolver: Callable[[str], type[AttentionBackend]]) -> None:
+    """Make :func:`allocate_kv_caches` accept backend names, resolved by ``resolver``."""
+    global _resolve_backend_name
+    _resolve_backend_name = resolver
 
 
 @dataclass
@@ -123,10 +133,8 @@ def allocate_kv_caches(
         prefer_cross_layer: the KV connector's preference
             (``connector_cls.prefer_cross_layer_blocks``); only consulted by ``"auto"``.
     """
-    if isinstance(backend, str):
-        from kvcore.registry import resolve_backend
-
-        backend = resolve_backend(backend)
+    if isinstance(backend, str) and _resolve_backend_name is not None:
+        backend = _resolve_backend_name(backend)
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         raise TypeError(
             f"backend must be an AttentionBackend subclass or a registered name, got {backend!r}"

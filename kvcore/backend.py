@@ -267,7 +267,9 @@ class AttentionBackend(ABC):
 
         Each reason is self-contained: the field, the value, what is supported and, where one
         exists, the fix. Derived from the capability attributes, then
-        :meth:`check_combination` adds cross-field rules.
+        :meth:`check_combination` adds cross-field rules. With an
+        :class:`AttentionSelectorConfig` ``config``, call
+        ``validate_configuration(**config.as_kwargs(), device_capability=...)``.
         """
         config = AttentionSelectorConfig(
             head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto",
@@ -276,13 +278,6 @@ class AttentionBackend(ABC):
             attn_type=attn_type, use_non_causal=use_non_causal,
             use_batch_invariant=use_batch_invariant, use_kv_connector=use_kv_connector,
         )
-        return cls.validate_config(config, device_capability)
-
-    @classmethod
-    def validate_config(
-        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
-    ) -> list[str]:
-        """:meth:`validate_configuration` taking an :class:`AttentionSelectorConfig`."""
         name = cls.get_name()
         reasons: list[str] = []
         if not _is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES):
@@ -397,11 +392,6 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
-
-    @property
-    def is_pure_decode(self) -> bool:
-        """Every request has exactly one new token."""
-        return self.max_query_len == 1
 
 
 def build_attention_metadata(
@@ -540,6 +530,15 @@ class AttentionImpl(ABC):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = AttentionType(attn_type)
 
+    def is_causal(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether this layer masks each query to the keys at or before its position.
+
+        The one causal rule of every backend: the step's metadata asks for it
+        (:attr:`AttentionMetadata.causal`) and the layer is a decoder; an encoder-only layer
+        sees every key of its request.
+        """
+        return attn_metadata.causal and self.attn_type == AttentionType.DECODER
+
     @abstractmethod
     def do_kv_cache_update(
         self,
@@ -631,7 +630,7 @@ class PagedAttentionImpl(AttentionImpl):
             seq_lens=attn_metadata.seq_lens,
             block_table=attn_metadata.block_table,
             scale=self.scale,
-            causal=attn_metadata.causal and self.attn_type == AttentionType.DECODER,
+            causal=self.is_causal(attn_metadata),
             sliding_window=self.sliding_window,
             kv_cache_dtype=self.kv_cache_dtype,
             k_scale=layer.k_scale,

@@ -323,7 +323,19 @@ def build_parser() -> argparse.ArgumentParser:
                      "and the picture")
     lay.add_argument("--show-blocks", type=int, default=3, help="blocks per layer in the "
                      "block table and the picture")
+    # The Triton compile check; its options and command live in kvcore.testing.compile_check.
+    from kvcore.testing import compile_check
+
+    compile_check.add_arguments(sub.add_parser(
+        "kernels", help="compile every Triton kernel for real GPUs (sm80/90/100, gfx942/950) "
+                        "and check registers, spills and shared memory"))
     return parser
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from kvcore.testing.compile_check import cmd_kernels as run
+
+    return run(args)
 
 
 _COMMANDS = {
@@ -334,6 +346,7 @@ _COMMANDS = {
     "demo": cmd_demo,
     "bench": cmd_bench,
     "layout": cmd_layout,
+    "kernels": cmd_kernels,
 }
 
 

@@ -6,40 +6,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvcore.ops.validation import KV_CACHE_DTYPES
+from kvcore.dtypes import KV_CACHE_DTYPES, parse_dtype
 from kvcore.platform_types import AttentionType
 
-__all__ = ["AttentionSelectorConfig", "parse_dtype"]
-
-_DTYPE_NAMES = {
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
-
-
-def parse_dtype(value: torch.dtype | str) -> torch.dtype:
-    """``torch.bfloat16`` or one of its names (``"bfloat16"``, ``"bf16"``, ``"torch.bfloat16"``)."""
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        key = value.removeprefix("torch.").lower()
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
-        raise ValueError(
-            f"dtype={value!r} is not a known dtype name (known: {', '.join(sorted(_DTYPE_NAMES))})"
-        )
-    raise TypeError(f"dtype must be a torch.dtype or its name, got {type(value).__name__}")
+__all__ = ["AttentionSelectorConfig"]
 
 
 @dataclass(frozen=True)

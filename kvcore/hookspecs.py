@@ -75,3 +75,14 @@ def kvcore_register_block_copiers(register: RegisterFn) -> None:
     ``offload`` connector's ``block_copier`` option takes) and must equal the class's
     ``name``; the class must subclass :class:`kvcore.connectors.BlockCopier`.
     """
+
+
+@hookspec
+def kvcore_register_kernel_compile_cases(register: RegisterFn) -> None:
+    """Register the cases that compile a plugin's Triton kernels for real GPUs.
+
+    Call ``register(name, "module:function")`` once per owner (``name`` lower case, e.g. the
+    package name). The function takes a :class:`kvcore.testing.CompileTarget` and returns
+    :class:`kvcore.testing.KernelCase` objects; ``kvcore kernels`` compiles what they launch
+    (see :mod:`kvcore.testing.compile_check`).
+    """

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvcore.config import parse_dtype
-
-if TYPE_CHECKING:
-    from kvcore.backend import AttentionBackend
+from kvcore.backend import AttentionBackend
+from kvcore.dtypes import parse_dtype
 
 __all__ = ["KVCacheLayout", "LayoutMismatchError", "KV_DIM_NAMES", "MLA_DIM_NAMES"]
 

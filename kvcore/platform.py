@@ -20,8 +20,11 @@ from typing import ClassVar
 
 import torch
 
+from kvcore import plugins
+from kvcore.blocks import check_block_mapping
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform_types import DeviceCapability
+from kvcore.registry import ResolveError, platform_registry
 
 __all__ = [
     "Platform",
@@ -43,54 +46,17 @@ def _check_block_copy_args(
     dst_block_indices: torch.Tensor,
     layout: object | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    for name, value in (("src_cache", src_cache), ("dst_cache", dst_cache),
-                        ("src_block_indices", src_block_indices),
-                        ("dst_block_indices", dst_block_indices)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    """The layout check, then :func:`kvcore.blocks.check_block_mapping`: int64 CPU ids."""
     if layout is not None and not getattr(layout, "is_blocks_first", False):
         raise ValueError(
             f"the cache layout {layout} is not blocks-first (its block dim is not outermost); "
             "block movement indexes dim 0 and would move the wrong data. Use a backend with "
             "the blocks-first layout"
         )
-    if src_cache.dim() == 0 or dst_cache.dim() == 0:
-        raise ValueError("src_cache and dst_cache must have a leading block dim")
-    if src_cache.shape[1:] != dst_cache.shape[1:]:
-        raise ValueError(
-            f"src_cache blocks have shape {tuple(src_cache.shape[1:])} but dst_cache blocks "
-            f"have {tuple(dst_cache.shape[1:])}; both caches must hold the same page layout"
-        )
-    if src_cache.dtype != dst_cache.dtype:
-        raise TypeError(f"src_cache is {src_cache.dtype} but dst_cache is {dst_cache.dtype}")
-    indices = []
-    for name, idx, cache in (("src_block_indices", src_block_indices, src_cache),
-                             ("dst_block_indices", dst_block_indices, dst_cache)):
-        if idx.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
-        if idx.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
-        if idx.numel():
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= cache.shape[0]:
-                raise ValueError(
-                    f"{name} contains block id {lo if lo < 0 else hi}, outside the cache's "
-                    f"{cache.shape[0]} blocks (valid ids: 0..{cache.shape[0] - 1})"
-                )
-        indices.append(idx.to(torch.int64))
-    if indices[0].numel() != indices[1].numel():
-        raise ValueError(
-            f"src_block_indices has {indices[0].numel()} entries but dst_block_indices has "
-            f"{indices[1].numel()}"
-        )
-    dst_unique, dst_counts = indices[1].unique(return_counts=True)
-    if dst_unique.numel() != indices[1].numel():
-        repeated = dst_unique[dst_counts > 1].tolist()
-        raise ValueError(
-            f"dst_block_indices repeats block ids {repeated}: each destination block is "
-            "written once (which source would win is undefined)"
-        )
-    return indices[0], indices[1]
+    return check_block_mapping(
+        src_cache, dst_cache, src_block_indices, dst_block_indices,
+        names=("src_cache", "dst_cache", "src_block_indices", "dst_block_indices"),
+    )
 
 
 class Platform(ABC):
@@ -212,10 +178,25 @@ class Platform(ABC):
 _platform_lock = threading.RLock()
 _current: Platform | None = None
 _instances: dict[str, Platform] = {}
+# The plugin generation the two caches above were filled under (see _check_generation).
+_generation = -1
+
+
+def _check_generation() -> None:
+    """Forget the cached platforms when the plugins changed since they were made."""
+    global _generation
+    with _platform_lock:
+        generation = plugins.plugin_generation()
+        if generation != _generation:
+            clear_platform_cache()
+            _generation = generation
 
 
 def clear_platform_cache() -> None:
-    """Forget the detected platform (after changing ``KVCORE_PLATFORM`` or the plugins)."""
+    """Forget the detected platform (after changing ``KVCORE_PLATFORM``).
+
+    A change of plugins (:func:`kvcore.register_plugin`, ...) is noticed without this call.
+    """
     global _current
     with _platform_lock:
         _current = None
@@ -224,19 +205,22 @@ def clear_platform_cache() -> None:
 
 def get_platform(name: str) -> Platform:
     """The platform registered as ``name`` (``ValueError`` listing the valid names if none)."""
-    from kvcore.registry import platform_registry, resolve_platform_class
-
-    key = platform_registry().normalize(name)
     with _platform_lock:
+        _check_generation()
+        registry = platform_registry()
+        key = registry.normalize(name)
         if key not in _instances:
-            _instances[key] = resolve_platform_class(key)()
+            cls = registry.resolve(key)
+            if not (isinstance(cls, type) and issubclass(cls, Platform)):
+                raise ResolveError(
+                    f"platform {key!r} resolves to {cls!r}, not a Platform subclass"
+                )
+            _instances[key] = cls()
         return _instances[key]
 
 
 def available_platforms() -> list[tuple[str, str | None]]:
     """Every registered platform with ``None`` if present or the reason it is absent."""
-    from kvcore.registry import platform_registry
-
     result = []
     for name in platform_registry().names():
         try:
@@ -249,9 +233,8 @@ def available_platforms() -> list[tuple[str, str | None]]:
 def current_platform() -> Platform:
     """The platform this process runs on: ``KVCORE_PLATFORM`` if set, else detected."""
     global _current
-    from kvcore.registry import platform_registry
-
     with _platform_lock:
+        _check_generation()
         if _current is not None:
             return _current
         forced = os.environ.get("KVCORE_PLATFORM", "").strip()

@@ -42,7 +42,7 @@ ENTRY_POINT_GROUP = "kvcore.plugins"
 CORE_DISTRIBUTION = "kvcore"
 # Registered directly only when kvcore runs from a source tree without being installed (no
 # entry points exist then); an installed kvcore declares the same modules as entry points.
-_CORE_MODULES = {"builtin_backends": "kvcore.backends", "builtin_platforms": "kvcore_platforms",
+_CORE_MODULES = {"builtin_backends": "kvcore.backends", "builtin_platforms": "kvcore.platforms",
                  "builtin_connectors": "kvcore.connectors.builtin"}
 
 
@@ -149,7 +149,11 @@ def get_plugin_manager() -> pluggy.PluginManager:
 
 
 def plugin_generation() -> int:
-    """Bumped whenever the set of plugins changes; registries rebuild when it moves."""
+    """Bumped whenever the set of plugins changes.
+
+    What was built from the plugins (registries, platform instances, cached selections)
+    compares it with the generation it was built under and rebuilds when it moved.
+    """
     return _generation
 
 
@@ -178,7 +182,6 @@ def register_plugin(plugin: object, name: str) -> None:
         _infos.append(PluginInfo(name, None, None, getattr(plugin, "__name__", repr(plugin)),
                                  "runtime", "loaded"))
         _generation += 1
-    _on_change()
 
 
 def unregister_plugin(name: str) -> None:
@@ -191,7 +194,6 @@ def unregister_plugin(name: str) -> None:
         pm.unregister(name=name)
         _infos[:] = [i for i in _infos if i.name != name]
         _generation += 1
-    _on_change()
 
 
 def reset_plugins() -> None:
@@ -201,13 +203,3 @@ def reset_plugins() -> None:
         _manager = None
         _infos.clear()
         _generation += 1
-    _on_change()
-
-
-def _on_change() -> None:
-    # Platform instances and selections were made from the old plugin set: forget both.
-    from kvcore.platform import clear_platform_cache
-    from kvcore.selector import clear_selection_cache
-
-    clear_platform_cache()
-    clear_selection_cache()

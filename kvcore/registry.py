@@ -13,13 +13,10 @@ import logging
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvcore import plugins
-
-if TYPE_CHECKING:
-    from kvcore.backend import AttentionBackend
-    from kvcore.platform import Platform
+from kvcore import allocate, plugins
+from kvcore.backend import AttentionBackend
 
 __all__ = [
     "Registration",
@@ -32,8 +29,6 @@ __all__ = [
     "platform_registry",
     "connector_registry",
     "resolve_backend",
-    "resolve_platform_class",
-    "resolve_connector_class",
 ]
 
 logger = logging.getLogger(__name__)
@@ -173,6 +168,8 @@ _KINDS = {
     "platform": ("platform", "kvcore_register_platforms", False),
     "connector": ("KV connector", "kvcore_register_connectors", False),
     "block_copier": ("block copier", "kvcore_register_block_copiers", False),
+    "kernel_compile_cases": ("kernel compile cases", "kvcore_register_kernel_compile_cases",
+                             False),
 }
 _registries: dict[str, Registry] = {}
 _registries_generation = -1
@@ -213,10 +210,13 @@ def block_copier_registry() -> Registry:
     return _registry("block_copier")
 
 
+def kernel_compile_case_registry() -> Registry:
+    """Case providers of the Triton compile check (:mod:`kvcore.testing.compile_check`)."""
+    return _registry("kernel_compile_cases")
+
+
 def resolve_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered as ``name`` (case-insensitive)."""
-    from kvcore.backend import AttentionBackend
-
     registry = backend_registry()
     cls = registry.resolve(name)
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
@@ -233,15 +233,4 @@ def resolve_backend(name: str) -> type[AttentionBackend]:
     return cls
 
 
-def resolve_platform_class(name: str) -> type[Platform]:
-    from kvcore.platform import Platform
-
-    registry = platform_registry()
-    cls = registry.resolve(name)
-    if not (isinstance(cls, type) and issubclass(cls, Platform)):
-        raise ResolveError(f"platform {name!r} resolves to {cls!r}, not a Platform subclass")
-    return cls
-
-
-def resolve_connector_class(name: str) -> type:
-    return connector_registry().resolve(name)
+allocate.set_backend_name_resolver(resolve_backend)

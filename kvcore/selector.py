@@ -13,15 +13,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvcore import plugins
+from kvcore.backend import AttentionBackend
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform import Platform, current_platform, get_platform
 from kvcore.platform_types import DeviceCapability
 from kvcore.registry import RegistryError, UnknownNameError, backend_registry, resolve_backend
-
-if TYPE_CHECKING:
-    from kvcore.backend import AttentionBackend
 
 __all__ = [
     "AttentionSelectorConfig",
@@ -163,7 +162,9 @@ def _evaluate(
         supported = ", ".join(cls.PLATFORMS) or "none declared"
         reasons.append(f"platform={platform.name} (supported: {supported})")
     try:
-        reasons.extend(cls.validate_config(config, capability))
+        reasons.extend(
+            cls.validate_configuration(**config.as_kwargs(), device_capability=capability)
+        )
     except ImportError as exc:
         reasons.append(f"{name} could not check the config: {type(exc).__name__}: {exc}")
     except Exception as exc:  # a plugin's bug must not break selection of the others
@@ -248,10 +249,23 @@ def explain_selection(
 
 _cache: dict[tuple, type[AttentionBackend]] = {}
 _cache_lock = threading.RLock()
+# The plugin generation the cache was filled under: selections from other plugins are stale.
+_cache_generation = -1
+
+
+def _current_cache_generation() -> int:
+    """The plugin generation, after forgetting selections made under an older one."""
+    global _cache_generation
+    with _cache_lock:
+        generation = plugins.plugin_generation()
+        if generation != _cache_generation:
+            _cache.clear()
+            _cache_generation = generation
+        return generation
 
 
 def clear_selection_cache() -> None:
-    """Forget cached selections (after plugins, environment or platform changed)."""
+    """Forget cached selections (after the environment changed; new plugins are noticed)."""
     with _cache_lock:
         _cache.clear()
 
@@ -274,6 +288,7 @@ def get_attn_backend(
     forced, source = _forced_name(backend)
     key = (config, forced, plat.name, plat.get_device_capability(), type(plat))
     with _cache_lock:
+        generation = _current_cache_generation()
         if key in _cache:
             return _cache[key]
     report = explain_selection(config, plat, backend)
@@ -294,5 +309,6 @@ def get_attn_backend(
     logger.info("using attention backend %s on %s%s", pick.name, plat.name,
                 f"; rejected: {', '.join(rejected)}" if rejected else "")
     with _cache_lock:
-        _cache[key] = cls
+        if _current_cache_generation() == generation:  # else the plugins changed meanwhile
+            _cache[key] = cls
     return cls

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.config import parse_dtype
-from kvcore.ops.validation import cache_torch_dtype
+from kvcore.dtypes import cache_torch_dtype, parse_dtype
 
 __all__ = ["KVCacheSpec", "FullAttentionSpec", "MLAAttentionSpec"]
 

@@ -1,27 +1,18 @@
 """Test-wide setup.
 
-Triton must see ``TRITON_INTERPRET=1`` before any ``@triton.jit`` runs, so it is set here, at
-conftest import, whenever this machine has no GPU: CI then runs the Triton kernels on the CPU
-through the interpreter (small shapes only).
+Without a GPU, the Triton kernels run on the CPU through the interpreter (small shapes only)
+and tests marked ``gpu`` are skipped (:class:`kvcore.testing.GpuTestSetup`, made at conftest
+import, before any ``@triton.jit`` runs).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kvcore.testing import GpuTestSetup
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA or ROCm GPU; this machine has none")
-    for item in items:
-        if "gpu" in item.keywords and not HAS_GPU:
-            item.add_marker(skip_gpu)
+_setup = GpuTestSetup()
+pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
 
 
 FIXTURE_PLUGINS = ("standin_rocm", "broken_import", "broken_register", "duplicate_cpu")
@@ -79,5 +70,5 @@ def with_plugins(fixture_plugins_dir, fresh_kvcore, monkeypatch: pytest.MonkeyPa
 
     yield enable
     for name in list(sys.modules):
-        if name.startswith("kvcore_") and name != "kvcore_platforms":
+        if name.startswith("kvcore_"):
             sys.modules.pop(name)

@@ -8,69 +8,33 @@ import pytest
 import torch
 
 import kvcore
+from kvcore.testing import run_mixed_step
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def contiguous_attention(q, k, v, scale, causal=True, window=None):
-    """float64 attention of one request: q (Q, Hq, D), k/v (S, Hk, D); queries are the last Q."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-    k_pos = torch.arange(k.shape[0])[None]
-    mask = torch.ones_like(s[0], dtype=torch.bool)
-    if causal:
-        mask &= k_pos <= q_pos
-    if window:
-        mask &= q_pos - k_pos < window
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, -torch.inf).softmax(-1), v)
-
-
 def run_case(seed, block_size, num_heads, num_kv_heads, head_size, dtype, window=None,
              cross_layer=True, kv_cache_dtype="auto", backend_name="CPU_ATTN"):
-    """A mixed batch (decode, prefill with cached prefix, fresh prefill) on shuffled blocks."""
-    gen = torch.Generator().manual_seed(seed)
+    """A mixed batch (decodes, prefill with cached prefix, fresh prefill) on shuffled blocks of
+    layer 1 of a 3-layer cache."""
     rng = random.Random(seed)
-    query_lens = [1, 1, 7, 19]
-    context_lens = [rng.randint(1, 40), rng.randint(30, 70), rng.randint(5, 33), 0]
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + 5
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)  # non-contiguous, unordered block tables
-    tables, pos = [], 0
-    for n in needed:
-        tables.append(ids[pos:pos + n])
-        pos += n
-    caches = kvcore.allocate_kv_caches(backend_name, num_layers=3, num_blocks=num_blocks,
-                                       block_size=block_size, num_kv_heads=num_kv_heads,
-                                       head_size=head_size, dtype=dtype, device="cpu",
-                                       cross_layer=cross_layer, kv_cache_dtype=kv_cache_dtype)
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen))  # random neighbours
-    kv_cache = caches.layers[1]
-    backend = kvcore.resolve_backend(backend_name)
-    scale = head_size ** -0.5
-    impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
-                                  sliding_window=window, kv_cache_dtype=kv_cache_dtype)
-    layer = kvcore.LayerScales(k_scale=0.5, v_scale=0.25) if kv_cache_dtype != "auto" \
-        else kvcore.LayerScales()
-    full_k = [torch.randn(s, num_kv_heads, head_size, generator=gen).to(dtype) for s in seq_lens]
-    full_v = [torch.randn(s, num_kv_heads, head_size, generator=gen).to(dtype) for s in seq_lens]
-    # step 1: the cached prefixes
-    prefix = kvcore.build_attention_metadata(context_lens, [0] * 4, tables, block_size)
-    pairs = list(zip(full_k, full_v, context_lens, strict=True))
-    impl.do_kv_cache_update(layer, torch.cat([k[:c] for k, _, c in pairs]),
-                            torch.cat([v[:c] for _, v, c in pairs]), kv_cache, prefix.slot_mapping)
-    # step 2: this step's new tokens
-    meta = kvcore.build_attention_metadata(query_lens, context_lens, tables, block_size)
-    new_k = torch.cat([k[c:] for k, _, c in pairs])
-    new_v = torch.cat([v[c:] for _, v, c in pairs])
-    impl.do_kv_cache_update(layer, new_k, new_v, kv_cache, meta.slot_mapping)
-    query = torch.randn(sum(query_lens), num_heads, head_size, generator=gen).to(dtype)
-    out = impl.forward(layer, query, new_k, new_v, kv_cache, meta)
-    return out, query, full_k, full_v, meta, scale
+    scales = (kvcore.LayerScales(k_scale=0.5, v_scale=0.25) if kv_cache_dtype != "auto"
+              else kvcore.LayerScales())
+    return run_mixed_step(
+        backend_name, query_lens=[1, 1, 7, 19],
+        context_lens=[rng.randint(1, 40), rng.randint(30, 70), rng.randint(5, 33), 0],
+        block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=head_size, dtype=dtype, gen=torch.Generator().manual_seed(seed),
+        sliding_window=window, kv_cache_dtype=kv_cache_dtype, layer_scales=scales,
+        cross_layer=cross_layer, spare_blocks=5)
+
+
+def assert_each_request_close(step, tol: float) -> None:
+    """Every request's rows within ``tol`` (relative to its largest value) of the reference."""
+    ref, starts = step.reference(), step.metadata.query_start_loc.tolist()
+    for i in range(step.metadata.num_seqs):
+        got, want = step.output[starts[i]:starts[i + 1]].double(), ref[starts[i]:starts[i + 1]]
+        assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), f"request {i}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
@@ -79,44 +43,30 @@ def run_case(seed, block_size, num_heads, num_kv_heads, head_size, dtype, window
                          ids=["mha", "gqa4", "mqa"])
 @pytest.mark.parametrize("block_size", [16, 32, 5], ids=lambda b: f"bs{b}")
 def test_mixed_batch_matches_float64_reference(dtype, num_heads, num_kv_heads, block_size):
-    out, query, full_k, full_v, meta, scale = run_case(
+    step = run_case(
         seed=block_size * 100 + num_heads, block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_size=32, dtype=dtype)
-    starts = meta.query_start_loc.tolist()
-    for i in range(meta.num_seqs):
-        ref = contiguous_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
-        got = out[starts[i]:starts[i + 1]].double()
-        assert (got - ref).abs().max() <= TOL[dtype] * max(1.0, ref.abs().max()), f"request {i}"
+    assert_each_request_close(step, TOL[dtype])
 
 
 @pytest.mark.parametrize("window", [1, 8, 37], ids=lambda w: f"window{w}")
 def test_sliding_window(window):
-    out, query, full_k, full_v, meta, scale = run_case(
-        seed=window, block_size=16, num_heads=4, num_kv_heads=2, head_size=16,
-        dtype=torch.float32, window=window)
-    starts = meta.query_start_loc.tolist()
-    for i in range(meta.num_seqs):
-        ref = contiguous_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale,
-                                   window=window)
-        torch.testing.assert_close(out[starts[i]:starts[i + 1]].double(), ref, atol=2e-5,
-                                   rtol=2e-5)
+    step = run_case(seed=window, block_size=16, num_heads=4, num_kv_heads=2, head_size=16,
+                    dtype=torch.float32, window=window)
+    torch.testing.assert_close(step.output.double(), step.reference(), atol=2e-5, rtol=2e-5)
 
 
 def test_fp8_cache_within_fp8_error():
-    out, query, full_k, full_v, meta, scale = run_case(
-        seed=3, block_size=16, num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
-        kv_cache_dtype="fp8")
-    starts = meta.query_start_loc.tolist()
-    for i in range(meta.num_seqs):
-        ref = contiguous_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
-        assert (out[starts[i]:starts[i + 1]].double() - ref).abs().max() < 0.15
+    step = run_case(seed=3, block_size=16, num_heads=4, num_kv_heads=2, head_size=32,
+                    dtype=torch.bfloat16, kv_cache_dtype="fp8")
+    assert (step.output.double() - step.reference()).abs().max() < 0.15
 
 
 def test_cross_layer_view_gives_bit_identical_output():
     a = run_case(seed=11, block_size=16, num_heads=8, num_kv_heads=2, head_size=32,
-                 dtype=torch.bfloat16, cross_layer=True)[0]
+                 dtype=torch.bfloat16, cross_layer=True).output
     b = run_case(seed=11, block_size=16, num_heads=8, num_kv_heads=2, head_size=32,
-                 dtype=torch.bfloat16, cross_layer=False)[0]
+                 dtype=torch.bfloat16, cross_layer=False).output
     assert torch.equal(a, b)
 
 

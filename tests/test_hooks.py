@@ -15,6 +15,8 @@ from kvcore.backends.cpu_attn import CpuAttentionBackend
 from kvcore.cli import main as kvcore_cli
 from kvcore.connectors import BlockCopier, get_block_copier, get_connector
 from kvcore.connectors.offload import OffloadConnector
+from kvcore.testing import KernelCase
+from kvcore.testing.compile_check import TARGETS, case_providers
 
 
 class AcmeBackend(CpuAttentionBackend):
@@ -55,6 +57,15 @@ class AcmePlugin:
     @kvcore.hookimpl
     def kvcore_register_block_copiers(self, register):
         register("acme_rows", f"{__name__}:AcmeRowCopier")
+
+    @kvcore.hookimpl
+    def kvcore_register_kernel_compile_cases(self, register):
+        register("acme_kernels", f"{__name__}:acme_compile_cases")
+
+
+def acme_compile_cases(target):
+    """One case per target; the launch is never run here (the session interprets Triton)."""
+    return [KernelCase(f"acme write on {target.name}", lambda: None)]
 
 
 class AcmeRowCopier(BlockCopier):
@@ -130,3 +141,12 @@ def test_hook_kvcore_register_block_copiers(acme):
         assert torch.equal(layer[[0, 2, 7]], layer_before[[5, 1, 6]])
     with pytest.raises(kvcore.UnknownNameError, match="valid options are: .*acme_rows"):
         get_block_copier("acme_rowz")
+
+
+def test_hook_kvcore_register_kernel_compile_cases(acme):
+    providers = {owner: (path, provider) for owner, path, provider in case_providers()}
+    assert providers["acme_kernels"][0] == f"{__name__}:acme_compile_cases"
+    (case,) = providers["acme_kernels"][1](TARGETS["gfx942"])
+    assert case.name == "acme write on gfx942"
+    # kvcore's own kernels come through the same hook, as do the installed plugins'.
+    assert {"kvcore", "kvcore_mla", "kvcore_rocm"} <= set(providers)

@@ -98,8 +98,8 @@ def test_layout_contract_of_every_backend_valid_here(platform):
             continue
         if platform.name not in backend.PLATFORMS:
             continue
-        config = next((c for c in CONFIGS.values()
-                       if not backend.validate_config(c, capability)), None)
+        config = next((c for c in CONFIGS.values() if not backend.validate_configuration(
+            **c.as_kwargs(), device_capability=capability)), None)
         if config is None:
             continue
         check_shape(backend, config.block_size, config.head_size)

@@ -79,7 +79,7 @@ def test_rocm_drops_rocm_attn_with_kv_connector(with_plugins, monkeypatch, caplo
     monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "gfx942")
     plain = kvcore.get_attn_backend(Config(head_size=128), platform="rocm")
     assert plain.get_name() == "ROCM_ATTN"
-    with caplog.at_level("INFO", logger="kvcore_platforms.rocm"):
+    with caplog.at_level("INFO", logger="kvcore.platforms.rocm"):
         report = kvcore.explain_selection(Config(head_size=128, use_kv_connector=True), "rocm")
     assert report.selected.name == "ROCM_AITER_UNIFIED_ATTN"
     rocm_attn = next(c for c in report.candidates if c.name == "ROCM_ATTN")
@@ -197,6 +197,27 @@ def test_selection_is_cached_and_cache_clears(fresh_kvcore, monkeypatch):
     kvcore.clear_selection_cache()
     with pytest.raises(pytest.fail.Exception):
         kvcore.get_attn_backend(config, platform="cpu")
+
+
+def test_plugin_changes_forget_cached_selections(fresh_kvcore, monkeypatch):
+    from kvcore import selector
+
+    class Other:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register("OTHER_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")
+
+    config = Config(head_size=64)
+    kvcore.get_attn_backend(config, platform="cpu")
+    monkeypatch.setattr(selector, "explain_selection",
+                        lambda *a, **k: pytest.fail("not re-selected"))
+    kvcore.get_attn_backend(config, platform="cpu")  # cached
+    kvcore.register_plugin(Other(), "other")
+    try:
+        with pytest.raises(pytest.fail.Exception, match="not re-selected"):
+            kvcore.get_attn_backend(config, platform="cpu")
+    finally:
+        kvcore.unregister_plugin("other")
 
 
 def test_unknown_platform_lists_valid_names(fresh_kvcore):

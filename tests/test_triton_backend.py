@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_backend import contiguous_attention, run_case
+from test_cpu_backend import assert_each_request_close, run_case
 
 import kvcore
 
@@ -17,21 +17,16 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_mixed_batch_matches_float64_reference(backend_name, dtype):
-    out, query, full_k, full_v, meta, scale = run_case(
-        seed=5, block_size=16, num_heads=8, num_kv_heads=2, head_size=32, dtype=dtype,
-        backend_name=backend_name)
-    starts = meta.query_start_loc.tolist()
-    for i in range(meta.num_seqs):
-        ref = contiguous_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
-        got = out[starts[i]:starts[i + 1]].double()
-        assert (got - ref).abs().max() <= TOL[dtype] * max(1.0, ref.abs().max()), f"request {i}"
+    step = run_case(seed=5, block_size=16, num_heads=8, num_kv_heads=2, head_size=32,
+                    dtype=dtype, backend_name=backend_name)
+    assert_each_request_close(step, TOL[dtype])
 
 
 def test_cross_layer_equals_stacked_bit_exactly():
     a = run_case(seed=7, block_size=16, num_heads=4, num_kv_heads=4, head_size=16,
-                 dtype=torch.float32, cross_layer=True, backend_name="TRITON_ATTN")[0]
+                 dtype=torch.float32, cross_layer=True, backend_name="TRITON_ATTN").output
     b = run_case(seed=7, block_size=16, num_heads=4, num_kv_heads=4, head_size=16,
-                 dtype=torch.float32, cross_layer=False, backend_name="TRITON_ATTN")[0]
+                 dtype=torch.float32, cross_layer=False, backend_name="TRITON_ATTN").output
     assert torch.equal(a, b)
 
 

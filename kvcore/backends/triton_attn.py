@@ -30,10 +30,13 @@ from kvcore.backend import (
 )
 from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
-from kvcore.ops import triton_available, triton_paged_attention, triton_reshape_and_cache
+from kvcore.ops import (
+    triton_fp8_reasons,
+    triton_paged_attention,
+    triton_reshape_and_cache,
+    triton_unavailable_reasons,
+)
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
-
-_FP8_CAPABILITY = DeviceCapability(8, 9)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -71,20 +74,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
-        ok, reason = triton_available()
-        return [*super().unavailable_reasons(), *([] if ok else [reason])]
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
     @classmethod
     def check_combination(
         cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:
-        if (config.kv_cache_dtype != "auto" and device_capability is not None
-                and device_capability.arch is None
-                and not device_capability.at_least(_FP8_CAPABILITY)):
-            return [f"kv_cache_dtype={config.kv_cache_dtype} needs device capability >= "
-                    f"{_FP8_CAPABILITY} on CUDA for fp8 conversions (got {device_capability}); "
-                    "use kv_cache_dtype=auto"]
-        return []
+        return triton_fp8_reasons(config.kv_cache_dtype, device_capability)
 
 
 class TritonAttentionHNDBackend(TritonAttentionBackend):

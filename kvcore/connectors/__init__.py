@@ -8,6 +8,8 @@ by name with :func:`get_connector`. Built-ins (registered through the same
 ``p2p``      another process over ``torch.distributed`` (:mod:`kvcore.connectors.p2p`)
 ``storage``  one safetensors file per block under a shared directory
              (:mod:`kvcore.connectors.storage`)
+``nixl``     another engine's cache, read through NIXL, for disaggregated prefill/decode
+             (:mod:`kvcore.connectors.nixl`; needs ``pip install 'kvcore[nixl]'``)
 
 Block copiers (:mod:`kvcore.connectors.copiers`) are vendor ways to move many blocks between a
 device and pinned memory, registered by plugins; ``offload`` can use one.

@@ -9,6 +9,11 @@ and :func:`paged_attention` run the Triton kernels (:mod:`kvcore.ops.triton_cach
 :mod:`kvcore.ops.triton_attention`) when the cache is on a GPU (torch device type ``cuda``,
 which is also ROCm's), and the pure-torch references otherwise. Call the Triton modules
 directly to run them elsewhere (e.g. on CPU tensors under ``TRITON_INTERPRET=1``).
+
+Block movement by id (:mod:`kvcore.blocks`): :func:`check_block_mapping` validates a mapping
+``src[src_ids[i]] -> dst[dst_ids[i]]`` between two blocks-first caches (messages name the
+caller's arguments), and :func:`block_runs` merges it into ``(first_src, first_dst, count)``
+runs, one copy each. Block copiers and platforms use them instead of their own checks.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import importlib.util
 
 import torch
 
+from kvcore.blocks import block_runs, check_block_mapping
 from kvcore.ops.reference import (
+    fp8_inverse_scale,
     gather_kv_ref,
     paged_attention_ref,
+    quantize_to_cache,
     reshape_and_cache_ref,
     scale_value,
 )
@@ -30,35 +38,59 @@ from kvcore.ops.validation import (
     StepFacts,
     cache_torch_dtype,
     check_block_indices,
+    check_kv_cache_dtype,
+    check_scale,
+    check_slots_in_range,
     checked_step_facts,
     mark_step_checked,
+    require_float_dtype,
+    require_int_dtype,
+    require_ndim,
+    require_same_device,
+    require_tensor,
     set_value_checks,
     step_facts_from_tensors,
     validate_paged_attention,
     validate_reshape_and_cache,
     value_checks_enabled,
 )
+from kvcore.platform_types import DeviceCapability
 
 __all__ = [
     "MIN_TRITON_VERSION",
+    "TRITON_FP8_CAPABILITY",
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
     "StepFacts",
+    "block_runs",
     "cache_torch_dtype",
     "check_block_indices",
+    "check_block_mapping",
+    "check_kv_cache_dtype",
+    "check_scale",
+    "check_slots_in_range",
     "checked_step_facts",
+    "fp8_inverse_scale",
     "gather_kv_ref",
     "mark_step_checked",
     "paged_attention",
     "paged_attention_ref",
+    "quantize_to_cache",
+    "require_float_dtype",
+    "require_int_dtype",
+    "require_ndim",
+    "require_same_device",
+    "require_tensor",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "scale_value",
     "set_value_checks",
     "step_facts_from_tensors",
     "triton_available",
+    "triton_fp8_reasons",
     "triton_paged_attention",
     "triton_reshape_and_cache",
+    "triton_unavailable_reasons",
     "validate_paged_attention",
     "validate_reshape_and_cache",
     "value_checks_enabled",
@@ -89,6 +121,35 @@ def triton_available() -> tuple[bool, str]:
         need = ".".join(map(str, MIN_TRITON_VERSION))
         return False, f"triton {version} is too old (need >= {need}; pip install -U triton)"
     return True, ""
+
+
+def triton_unavailable_reasons() -> list[str]:
+    """:func:`triton_available` as a backend's unavailable reasons: ``[]`` when triton can run,
+    else ``[reason]``. A backend whose kernels (or cache write) are Triton adds these to its
+    :meth:`~kvcore.AttentionBackend.unavailable_reasons`."""
+    ok, reason = triton_available()
+    return [] if ok else [reason]
+
+
+#: Triton's fp8 conversions on NVIDIA GPUs need this device capability (Ada, Hopper and later).
+TRITON_FP8_CAPABILITY = DeviceCapability(8, 9)
+
+
+def triton_fp8_reasons(kv_cache_dtype: str,
+                       device_capability: DeviceCapability | None) -> list[str]:
+    """Why a Triton kernel cannot use an fp8 ``kv_cache_dtype`` on this device, if it cannot.
+
+    Triton converts to and from fp8 on CUDA devices of capability >=
+    :data:`TRITON_FP8_CAPABILITY`; ROCm devices (``device_capability.arch`` set) and an unknown
+    device (``None``) are not refused. For a backend's ``check_combination``.
+    """
+    if (kv_cache_dtype in FP8_KV_CACHE_DTYPES and device_capability is not None
+            and device_capability.arch is None
+            and not device_capability.at_least(TRITON_FP8_CAPABILITY)):
+        return [f"kv_cache_dtype={kv_cache_dtype} needs device capability >= "
+                f"{TRITON_FP8_CAPABILITY} on CUDA for fp8 conversions (got {device_capability}); "
+                "use kv_cache_dtype=auto"]
+    return []
 
 
 def triton_reshape_and_cache(*args, **kwargs) -> None:

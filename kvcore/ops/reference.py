@@ -29,7 +29,14 @@ from kvcore.ops.validation import (
     validate_reshape_and_cache,
 )
 
-__all__ = ["reshape_and_cache_ref", "paged_attention_ref", "gather_kv_ref", "scale_value"]
+__all__ = [
+    "fp8_inverse_scale",
+    "gather_kv_ref",
+    "paged_attention_ref",
+    "quantize_to_cache",
+    "reshape_and_cache_ref",
+    "scale_value",
+]
 
 
 def scale_value(scale: torch.Tensor | float | None) -> float:
@@ -41,13 +48,28 @@ def scale_value(scale: torch.Tensor | float | None) -> float:
     return float(scale)
 
 
-def _quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+def fp8_inverse_scale(scale: float) -> float:
+    """``float32(1 / float32(scale))`` as a Python float (exactly a float32 value).
+
+    The one definition of the fp8 quantisation multiplier: references and kernels store
+    ``x * fp8_inverse_scale(scale)``, never ``x / scale``. torch turns a division by a scalar
+    into this multiply on CUDA but not on CPU, so only the multiply gives the same bytes on
+    every device (Triton kernels compute ``div_rn(1.0, float32(scale))`` on the device).
+    """
+    s = torch.tensor(scale, dtype=torch.float32)
+    return (torch.ones((), dtype=torch.float32) / s).item()  # CPU: an IEEE division
+
+
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as stored in a cache of ``cache_dtype``.
+
+    fp8 (``float8_e4m3fn``, ``float8_e5m2``): ``x * fp8_inverse_scale(scale)`` in float32,
+    clamped to the fp8 range and rounded to nearest even; any other dtype: a plain cast
+    (``scale`` unused).
+    """
     if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         limit = torch.finfo(cache_dtype).max
-        # x * float32(1 / scale), not x / scale: torch turns a division by a scalar into this
-        # multiply on CUDA but not on CPU, so only the multiply gives the same bytes everywhere.
-        inverse = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
-        return (x.float() * inverse.to(x.device)).clamp(-limit, limit).to(cache_dtype)
+        return (x.float() * fp8_inverse_scale(scale)).clamp(-limit, limit).to(cache_dtype)
     return x.to(cache_dtype)
 
 
@@ -79,8 +101,8 @@ def reshape_and_cache_ref(
     ks = scale_value(k_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
     vs = scale_value(v_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
     # Advanced indexing on (block, offset) writes through the view's real strides.
-    key_cache[blocks, offsets] = _quantize(key[keep], key_cache.dtype, ks)
-    value_cache[blocks, offsets] = _quantize(value[keep], value_cache.dtype, vs)
+    key_cache[blocks, offsets] = quantize_to_cache(key[keep], key_cache.dtype, ks)
+    value_cache[blocks, offsets] = quantize_to_cache(value[keep], value_cache.dtype, vs)
 
 
 def gather_kv_ref(

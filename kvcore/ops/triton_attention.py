@@ -260,15 +260,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
-                          max_seq_len_bound: int, device: torch.device) -> int:
+                          max_seq_len_bound: int, device: torch.device, *,
+                          num_sms: int | None = None) -> int:
     """The split-KV heuristic of the module docstring: 1 unless the batch is decode-only and
-    too small to fill the GPU; ``max_seq_len_bound`` bounds every request's length.
+    too small to fill the GPU; ``max_seq_len_bound`` bounds every request's length and
+    ``num_sms`` (default: ``device``'s SM count) sets the target.
 
     The result depends only on its arguments, so a builder that passes a fixed bound (e.g.
     ``max_model_len``) gets a choice that is stable for a batch size (CUDA-graph replays).
     """
     work = num_seqs * num_kv_heads
-    target = _SPLIT_TARGET_WAVES * _num_sms(device)
+    target = _SPLIT_TARGET_WAVES * (num_sms or _num_sms(device))
     if num_tokens != num_seqs or work == 0 or work >= target:
         return 1
     by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
@@ -295,11 +297,16 @@ def default_config(
     max_seq_len_bound: int,
     device: torch.device,
     num_kv_splits: int | None = None,
+    *,
+    num_sms: int | None = None,
+    rocm: bool | None = None,
 ) -> AttentionConfig:
     """The launch configuration :func:`paged_attention` uses (see the module docstring).
 
     ``max_seq_len_bound`` is an upper bound on every request's length
-    (``block_table.shape[1] * block_size``); only the split heuristic uses it.
+    (``block_table.shape[1] * block_size``); only the split heuristic uses it, with
+    ``num_sms`` (default: ``device``'s SM count). ``rocm`` picks the AMD configs (default: the
+    torch build's platform). The compile check passes its target's values for both.
     """
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
@@ -313,9 +320,14 @@ def default_config(
     block_n = 32
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_tokens, num_seqs, num_kv_heads,
-                                              max_seq_len_bound, device)
+                                              max_seq_len_bound, device, num_sms=num_sms)
+    if rocm is None:
+        rocm = getattr(torch.version, "hip", None) is not None
+    # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
+    # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
+    num_stages = 2 if rocm and head_size > 128 else 3
     return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=block_n,
-                           num_splits=num_kv_splits, num_warps=4, num_stages=3)
+                           num_splits=num_kv_splits, num_warps=4, num_stages=num_stages)
 
 
 def _check_workspace(workspace: object, device: torch.device,

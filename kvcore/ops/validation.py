@@ -29,6 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.dtypes import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, cache_torch_dtype
+
+# The dtype tables live in kvcore.dtypes (the contract uses them too); they stay importable
+# from here and from kvcore.ops.
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
@@ -42,11 +46,16 @@ __all__ = [
     "validate_reshape_and_cache",
     "validate_paged_attention",
     "check_block_indices",
+    "check_kv_cache_dtype",
+    "check_scale",
+    "check_slots_in_range",
+    "require_float_dtype",
+    "require_int_dtype",
+    "require_ndim",
+    "require_same_device",
+    "require_tensor",
 ]
 
-#: Names accepted for ``kv_cache_dtype``; ``"auto"`` means "same dtype as the model".
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-FP8_KV_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _CACHE_DIMS = "(num_blocks, block_size, num_kv_heads, head_size)"
 
 _value_checks = os.environ.get("KVCORE_CHECK_INDICES", "1").lower() not in ("0", "false", "no")
@@ -62,37 +71,36 @@ def value_checks_enabled() -> bool:
     return _value_checks
 
 
-def cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype of a KV cache given its ``kv_cache_dtype`` name and the model dtype."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return torch.float8_e4m3fn
-    if kv_cache_dtype == "fp8_e5m2":
-        return torch.float8_e5m2
-    raise ValueError(
-        f"kv_cache_dtype={kv_cache_dtype!r} is not a known KV cache dtype "
-        f"(supported: {', '.join(KV_CACHE_DTYPES)})"
-    )
-
-
-def _require_tensor(name: str, value: object) -> torch.Tensor:
+def require_tensor(name: str, value: object) -> torch.Tensor:
+    """``value`` if it is a tensor; ``TypeError`` naming ``name`` otherwise."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
 
 
-def _require_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
+def require_ndim(name: str, t: torch.Tensor, ndim: int | tuple[int, ...], layout: str) -> None:
+    """``ValueError`` unless ``t`` has ``ndim`` dims (or one of them); ``layout`` names them,
+    e.g. ``"(num_tokens, num_kv_heads, head_size)"``."""
+    allowed = (ndim,) if isinstance(ndim, int) else ndim
+    if t.dim() not in allowed:
+        want = " or ".join(str(n) for n in allowed)
+        raise ValueError(f"{name} must have {want} dims {layout}, got shape {tuple(t.shape)}")
 
 
-def _require_int_dtype(name: str, t: torch.Tensor) -> None:
+def require_int_dtype(name: str, t: torch.Tensor) -> None:
+    """``TypeError`` unless ``t`` is int32 or int64 (ids, lengths, offsets)."""
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
-def _require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> None:
+def require_float_dtype(name: str, t: torch.Tensor) -> None:
+    """``TypeError`` unless ``t`` holds model values: a floating dtype that is not fp8."""
+    if not t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got {t.dtype}")
+
+
+def require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """``ValueError`` naming the first tensor that is not on the first one's device."""
     first_name, first = names_and_tensors[0]
     for name, t in names_and_tensors[1:]:
         if t.device != first.device:
@@ -102,17 +110,25 @@ def _require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> N
             )
 
 
-def _check_scale(name: str, scale: object, kv_cache_dtype: str) -> None:
+def check_scale(name: str, scale: object) -> None:
+    """A per-tensor fp8 scale: ``None``, a number or a 1-element tensor."""
     if scale is None:
         return
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise ValueError(
-                f"{name} must be a single per-tensor scale (numel 1), "
-                f"got shape {tuple(scale.shape)}"
+                f"{name} must be a per-tensor scale (1 element), got shape {tuple(scale.shape)}"
             )
-    elif not isinstance(scale, (int, float)):
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """``ValueError`` unless ``kv_cache_dtype`` is one of :data:`KV_CACHE_DTYPES`."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
+        )
 
 
 def _check_cache_dtype(
@@ -124,6 +140,18 @@ def _check_cache_dtype(
             f"{name} has dtype {cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with model "
             f"dtype {model_dtype} needs {expected}"
         )
+
+
+def check_slots_in_range(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Every slot of ``slot_mapping`` below ``num_blocks * block_size`` (a value check: see
+    :func:`set_value_checks`). A ``slot_mapping`` marked with its step's facts
+    (:func:`mark_step_checked`) is not read: its largest slot is in the facts."""
+    if not _value_checks or slot_mapping.numel() == 0:
+        return
+    facts = checked_step_facts(slot_mapping)
+    hi = facts.max_slot if facts is not None else int(slot_mapping.max())
+    if hi >= num_blocks * block_size:
+        raise _slot_range_error(hi, num_blocks, block_size)
 
 
 def check_block_indices(name: str, indices: torch.Tensor, num_blocks: int) -> None:
@@ -201,7 +229,7 @@ def mark_step_checked(
     if slot_mapping is not None:
         tensors["slot_mapping"] = slot_mapping
     for name, t in tensors.items():
-        _require_tensor(name, t)
+        require_tensor(name, t)
     expected = {"query_start_loc": facts.num_seqs + 1, "seq_lens": facts.num_seqs,
                 "block_table": facts.num_seqs}
     for name, rows in expected.items():
@@ -294,12 +322,12 @@ def step_facts_from_tensors(
     """
     for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table), ("slot_mapping", slot_mapping)):
-        _require_tensor(n, t)
-        _require_int_dtype(n, t)
-    _require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
-    _require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
-    _require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
-    _require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+        require_tensor(n, t)
+        require_int_dtype(n, t)
+    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
+    require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
         raise ValueError(
@@ -355,14 +383,14 @@ def validate_reshape_and_cache(
     """Validate the arguments of :func:`kvcore.ops.reshape_and_cache`."""
     for n, t in (("key", key), ("value", value), ("key_cache", key_cache),
                  ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
-        _require_tensor(n, t)
-    _require_ndim("key", key, 3, "(num_tokens, num_kv_heads, head_size)")
-    _require_ndim("value", value, 3, "(num_tokens, num_kv_heads, head_size)")
-    _require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
-    _require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
-    _require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
-    _require_int_dtype("slot_mapping", slot_mapping)
-    _require_same_device([("key", key), ("value", value), ("key_cache", key_cache),
+        require_tensor(n, t)
+    require_ndim("key", key, 3, "(num_tokens, num_kv_heads, head_size)")
+    require_ndim("value", value, 3, "(num_tokens, num_kv_heads, head_size)")
+    require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
+    require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
+    require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    require_int_dtype("slot_mapping", slot_mapping)
+    require_same_device([("key", key), ("value", value), ("key_cache", key_cache),
                           ("value_cache", value_cache), ("slot_mapping", slot_mapping)])
     if value.shape != key.shape:
         raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}")
@@ -373,14 +401,11 @@ def validate_reshape_and_cache(
         )
     if key.dtype != value.dtype:
         raise TypeError(f"value has dtype {value.dtype} but key has {key.dtype}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
-        )
+    check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, key.dtype)
     _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, key.dtype)
-    _check_scale("k_scale", k_scale, kv_cache_dtype)
-    _check_scale("v_scale", v_scale, kv_cache_dtype)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     if key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(
@@ -391,11 +416,7 @@ def validate_reshape_and_cache(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
         )
-    if _value_checks and slot_mapping.numel():
-        facts = checked_step_facts(slot_mapping)
-        hi = facts.max_slot if facts is not None else int(slot_mapping.max())
-        if hi >= num_blocks * block_size:
-            raise _slot_range_error(hi, num_blocks, block_size)
+    check_slots_in_range(slot_mapping, num_blocks, block_size)
 
 
 def validate_paged_attention(
@@ -414,17 +435,17 @@ def validate_paged_attention(
     for n, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                  ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
-        _require_tensor(n, t)
-    _require_ndim("query", query, 3, "(num_tokens, num_heads, head_size)")
-    _require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
-    _require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
-    _require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
-    _require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
-    _require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
+        require_tensor(n, t)
+    require_ndim("query", query, 3, "(num_tokens, num_heads, head_size)")
+    require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
+    require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
+    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
     for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
-        _require_int_dtype(n, t)
-    _require_same_device([("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+        require_int_dtype(n, t)
+    require_same_device([("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                           ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                           ("block_table", block_table)])
     if value_cache.shape != key_cache.shape:
@@ -432,10 +453,7 @@ def validate_paged_attention(
             f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
             f"{tuple(key_cache.shape)}"
         )
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
-        )
+    check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, query.dtype)
     _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, query.dtype)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -460,7 +478,7 @@ def validate_paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
     if output is not None:
-        _require_tensor("output", output)
+        require_tensor("output", output)
         if output.shape != query.shape:
             raise ValueError(
                 f"output has shape {tuple(output.shape)} but query has {tuple(query.shape)}"

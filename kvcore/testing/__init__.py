@@ -10,22 +10,48 @@ with kvcore), or parametrise a test of your own::
     def test_acme_conforms(case):
         case.run()
 
+Helpers for a plugin's own tests: :func:`contiguous_attention_ref` (a float64 attention
+reference on contiguous K/V), :func:`random_block_tables` (shuffled block tables),
+:func:`run_mixed_step` (one engine step of a mixed batch through a backend) and the GPU /
+Triton-interpreter setup of a ``conftest.py`` (:class:`GpuTestSetup`, built on
+:func:`use_triton_interpreter_without_gpu` and :func:`skip_gpu_tests_without_gpu`).
+
 Every failure is a :class:`ConformanceError` that names the rule of the contract that was
 broken and the section of ``docs/conformance.md`` that documents it. See that document for the
 rules, the tolerances and the options.
 """
 
+from kvcore.testing.batch import random_block_tables
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
 from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
+from kvcore.testing.compile_check import CompileTarget, KernelCase
+from kvcore.testing.gpu import (
+    GPU_MARKER,
+    GpuTestSetup,
+    skip_gpu_tests_without_gpu,
+    use_triton_interpreter_without_gpu,
+)
+from kvcore.testing.reference import contiguous_attention_ref
 from kvcore.testing.rules import RULES, ConformanceError, Rule
+from kvcore.testing.steps import MixedStep, run_mixed_step
 
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "GPU_MARKER",
+    "GpuTestSetup",
+    "MixedStep",
     "RULES",
+    "CompileTarget",
     "ConformanceCase",
     "ConformanceError",
+    "KernelCase",
     "Rule",
     "conformance_cases",
+    "contiguous_attention_ref",
+    "random_block_tables",
     "resolve_backend_spec",
+    "run_mixed_step",
+    "skip_gpu_tests_without_gpu",
     "tolerance_for",
+    "use_triton_interpreter_without_gpu",
 ]

@@ -154,3 +154,27 @@ def make_mixed_batch(
         kinds=[kind for _, _, kind in requests],
         num_blocks=num_blocks,
     )
+
+
+def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
+                        gen: torch.Generator, *, shared_prefix: int = 0) -> list[list[int]]:
+    """Shuffled, distinct block ids for each request, as an engine's block tables.
+
+    Request ``i`` gets ``ceil(seq_lens[i] / block_size)`` blocks drawn from a random
+    permutation of ``range(num_blocks)``, so pages are neither contiguous nor ordered; the first
+    ``shared_prefix`` blocks of every request are the same pages (prefix caching).
+
+    Raises:
+        ValueError: the requests need more than ``num_blocks`` blocks.
+    """
+    need = [-(-n // block_size) - shared_prefix for n in seq_lens]
+    if shared_prefix + sum(need) > num_blocks:
+        raise ValueError(f"the requests need {shared_prefix + sum(need)} blocks of {block_size} "
+                         f"tokens but num_blocks={num_blocks}")
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shared, rest = perm[:shared_prefix], perm[shared_prefix:]
+    tables = []
+    for n in need:
+        tables.append(shared + rest[:n])
+        rest = rest[n:]
+    return tables

@@ -9,7 +9,7 @@ import torch
 from kv_helpers import DTYPES, block_bytes, keys_for, make_caches, randomize
 
 from kvcore.connectors import get_connector
-from kvcore.connectors.offload import OffloadConnector, _runs, _SlotIndex
+from kvcore.connectors.offload import OffloadConnector
 
 
 def offload_for(kv, blocks: int) -> OffloadConnector:
@@ -83,24 +83,6 @@ def test_saving_a_stored_key_copies_nothing():
         conn.save(keys, [0, 1]).wait()
         again = conn.save(keys, [0, 1]).wait()
         assert again.succeeded == (0, 1) and again.num_bytes == 0
-
-
-def test_in_flight_blocks_are_never_evicted():
-    index = _SlotIndex(3)
-    for key in ("a", "b", "c"):
-        index.allocate(key)
-    index.get("a").pins += 1  # a save or load of "a" is running
-    index.get("b").pins += 1
-    entry = index.allocate("d")  # "a" is least recently used, but in flight
-    assert entry is not None and index.keys() == ["a", "b", "d"]
-    index.get("d").pins += 1
-    assert index.allocate("e") is None  # every slot in flight: nothing to evict
-    assert index.keys() == ["a", "b", "d"] and index.evictions == 1
-
-
-def test_copies_merge_runs_of_consecutive_blocks_and_slots():
-    assert _runs([(5, 0), (6, 1), (7, 2), (9, 3), (10, 5), (2, 7)]) == [
-        (2, 7, 1), (5, 0, 3), (9, 3, 1), (10, 5, 1)]
 
 
 def test_capacity_below_one_block_names_capacity_bytes():

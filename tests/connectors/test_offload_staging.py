@@ -14,13 +14,8 @@ from hypothesis import strategies as st
 from kv_helpers import DTYPES, block_bytes, keys_for, make_caches, randomize
 
 from kvcore.connectors import get_connector
-from kvcore.connectors.offload import (
-    OffloadConnector,
-    _Chunk,
-    _chunks,
-    _stacked,
-    _word_size,
-)
+from kvcore.connectors.offload import OffloadConnector
+from kvcore.connectors.offload.views import stacked_layers, word_size
 
 
 def offload_for(kv, blocks: int, chunk_blocks: int | None = None) -> OffloadConnector:
@@ -45,42 +40,6 @@ def roundtrip(kv, conn, src: list[int], dst: list[int]) -> None:
     assert result.num_bytes == len(dst) * kv.num_layers * kv.page_size_bytes
     assert torch.equal(block_bytes(kv, dst), expected)
     assert torch.equal(block_bytes(kv, others), untouched)
-
-
-# -- chunking ---------------------------------------------------------------------------------
-
-
-def test_chunks_cut_at_chunk_boundaries_and_split_runs_of_slots():
-    assert _chunks([0, 1, 2, 3, 4], 2) == [
-        _Chunk(0, 2, ((0, 0, 2),)), _Chunk(2, 4, ((0, 2, 2),)), _Chunk(4, 5, ((0, 4, 1),))]
-    # one chunk, two runs of slots: one gather, two copies
-    assert _chunks([0, 1, 5, 6, 7, 9], 4) == [
-        _Chunk(0, 4, ((0, 0, 2), (2, 5, 2))), _Chunk(4, 6, ((0, 7, 1), (1, 9, 1)))]
-    assert _chunks([3, 4, 5], 3) == [_Chunk(0, 3, ((0, 3, 3),))]
-    assert _chunks([], 4) == []
-    with pytest.raises(ValueError, match="chunk_blocks=0 must be >= 1"):
-        _chunks([1], 0)
-
-
-@given(st.sets(st.integers(0, 200), max_size=80), st.integers(1, 20))
-def test_chunks_cover_every_row_once_in_runs_of_consecutive_slots(slots, chunk_blocks):
-    slots = sorted(slots)
-    chunks = _chunks(slots, chunk_blocks)
-    rebuilt = []
-    assert [c.start for c in chunks] == list(range(0, len(slots), chunk_blocks))
-    for chunk in chunks:
-        assert 0 < chunk.stop - chunk.start <= chunk_blocks
-        row = 0
-        for seg_row, slot, n in chunk.segments:
-            assert seg_row == row and n >= 1  # segments tile the chunk's rows in order
-            rebuilt += range(slot, slot + n)
-            row += n
-        assert row == chunk.stop - chunk.start
-    assert rebuilt == slots
-    # runs split only at chunk boundaries: no two segments of a chunk could merge
-    for chunk in chunks:
-        for (r0, s0, n0), (_, s1, _) in zip(chunk.segments, chunk.segments[1:], strict=False):
-            assert s1 != s0 + n0, (r0, chunk)
 
 
 # -- which path -------------------------------------------------------------------------------
@@ -193,27 +152,27 @@ def test_layers_that_are_not_equally_spaced_gather_layer_by_layer():
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def test_stacked_view_is_every_layer_of_each_block():
+def test_stacked_layers_view_is_every_layer_of_each_block():
     kv = make_caches(cross_layer=False, num_blocks=6)
     views = kv.layer_block_views()
-    stacked = _stacked(views)
+    stacked = stacked_layers(views)
     assert stacked.shape == (6, kv.num_layers, kv.page_size_bytes)
     assert stacked.data_ptr() == views[0].data_ptr()
     assert torch.equal(stacked, torch.stack(views, dim=1))
-    assert _stacked(views[::-1]) is None  # descending addresses
-    assert _stacked([views[0], views[2], views[1]]) is None  # not equally spaced
-    assert _stacked([views[0], views[1].clone()]) is None  # another storage
+    assert stacked_layers(views[::-1]) is None  # descending addresses
+    assert stacked_layers([views[0], views[2], views[1]]) is None  # not equally spaced
+    assert stacked_layers([views[0], views[1].clone()]) is None  # another storage
     cross = make_caches(cross_layer=True, num_blocks=6).block_view()
-    assert _stacked([cross]).shape == (6, 1, cross.shape[1])
+    assert stacked_layers([cross]).shape == (6, 1, cross.shape[1])
 
 
 def test_word_size_is_the_widest_that_divides_rows_and_strides():
     base = torch.zeros(64, dtype=torch.uint8)
-    assert _word_size(16, [base.view(4, 16)]) == 8
-    assert _word_size(12, [base[:48].view(4, 12)]) == 4
-    assert _word_size(6, [base[:48].view(8, 6)]) == 2
-    assert _word_size(5, [base[:40].view(8, 5)]) == 1
-    assert _word_size(16, [base[1:49].view(3, 16)]) == 1  # odd address
+    assert word_size(16, [base.view(4, 16)]) == 8
+    assert word_size(12, [base[:48].view(4, 12)]) == 4
+    assert word_size(6, [base[:48].view(8, 6)]) == 2
+    assert word_size(5, [base[:40].view(8, 5)]) == 1
+    assert word_size(16, [base[1:49].view(3, 16)]) == 1  # odd address
 
 
 # -- model-based: any sequence of saves and loads ---------------------------------------------
@@ -295,9 +254,9 @@ def test_cuda_overlapping_transfers_behind_a_busy_engine_match_a_dictionary(cros
     import time
 
     import kvcore
-    from kvcore.connectors import offload
+    from kvcore.connectors.offload import connector
 
-    monkeypatch.setattr(offload, "ID_RING_ENTRIES", 48)
+    monkeypatch.setattr(connector, "ID_RING_ENTRIES", 48)
     rnd = random.Random(1234)
     kv = kvcore.allocate_kv_caches("CPU_ATTN", num_layers=4, num_blocks=256, block_size=16,
                                    num_kv_heads=8, head_size=128, dtype=torch.bfloat16,

@@ -14,6 +14,7 @@ import torch
 
 import kvcore.ops
 from kvcore.ops import paged_attention_ref, reshape_and_cache_ref
+from kvcore.testing import random_block_tables
 
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
 
@@ -51,12 +52,9 @@ def make_batch(gen: torch.Generator, *, q_lens: list[int], seq_lens: list[int], 
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     width = max(blocks_per_seq) + 2
-    ids = torch.randperm(num_blocks, generator=gen)
     table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_seq):
-        table[i, :n] = ids[used:used + n].to(torch.int32)
-        used += n
+    for i, ids in enumerate(random_block_tables(seq_lens, block_size, num_blocks, gen)):
+        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_size)
     key_cache = torch.randn(shape, generator=gen).to(cache_dtype)
     value_cache = torch.randn(shape, generator=gen).to(cache_dtype)

@@ -7,6 +7,7 @@ CPU, in float32 only, to keep those runs short.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -160,8 +161,8 @@ class VagueReasons(CorrectBackend):
         return "BROKEN_REASONS"
 
     @classmethod
-    def validate_config(cls, config, device_capability):
-        return ["not supported"] if super().validate_config(config, device_capability) else []
+    def validate_configuration(cls, *args, **kwargs):
+        return ["not supported"] if super().validate_configuration(*args, **kwargs) else []
 
 
 class GraphClaimWithoutBuffers(CorrectBackend):
@@ -178,8 +179,6 @@ class FreshTensorsBuilder(kvcore.PersistentMetadataBuilder):
     """THE BUG: copies the step into its buffers, then hands out a copy of them."""
 
     def build(self, common, *, graph_batch_size=None):
-        import dataclasses
-
         meta = super().build(common, graph_batch_size=graph_batch_size)
         return dataclasses.replace(meta, seq_lens=meta.seq_lens.clone())
 
@@ -199,8 +198,6 @@ class OffByOneBuilder(kvcore.AttentionMetadataBuilder):
     """THE BUG: "precomputes" every request's length one token short."""
 
     def build(self, common, *, graph_batch_size=None):
-        import dataclasses
-
         common = super().build(common, graph_batch_size=graph_batch_size)
         return dataclasses.replace(common, seq_lens=common.seq_lens - 1)
 

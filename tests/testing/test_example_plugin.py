@@ -34,7 +34,7 @@ def test_discovered_through_its_entry_point(example_installed):
     assert (info.distribution, info.source, info.status, info.module) == (
         DISTRIBUTION, "entry point", "loaded", "kvcore_example_plugin.plugin")
     assert kvcore.backend_registry().get("SDPA_GATHER").target == (
-        "kvcore_example_plugin.backend:SdpaGatherBackend")
+        "kvcore_example_plugin.backends.sdpa_gather:SdpaGatherBackend")
     assert kvcore.connector_registry().get("example_memory").plugin == "example"
 
 

@@ -1,17 +1,24 @@
-"""The module the ``kvcore.plugins`` entry point names: registration hooks only.
+"""Entry point of kvcore-example-plugin (group ``kvcore.plugins``): registration hooks only.
 
 Registration is lazy: the ``"module:Class"`` paths are imported only when kvcore selects,
 lists or resolves the backend or connector, so installing this plugin costs nothing until then.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
 import kvcore
 
-
-@kvcore.hookimpl
-def kvcore_register_backends(register):
-    register("SDPA_GATHER", "kvcore_example_plugin.backend:SdpaGatherBackend")
+_BACKENDS = "kvcore_example_plugin.backends"
+_CONNECTORS = "kvcore_example_plugin.connectors"
 
 
 @kvcore.hookimpl
-def kvcore_register_connectors(register):
-    register("example_memory", "kvcore_example_plugin.connector:InMemoryConnector")
+def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
+    register("SDPA_GATHER", f"{_BACKENDS}.sdpa_gather:SdpaGatherBackend")
+
+
+@kvcore.hookimpl
+def kvcore_register_connectors(register: Callable[[str, str], None]) -> None:
+    register("example_memory", f"{_CONNECTORS}.in_memory:InMemoryConnector")

@@ -12,9 +12,9 @@ Importing this package imports no kernel library; the backend registers through 
 ``kvcore.plugins`` entry point (:mod:`kvcore_mla.plugin`).
 """
 
-from kvcore_mla.common import MLACommonBackend, MLACommonImpl
-from kvcore_mla.indexer import DeepseekV32IndexerBackend
-from kvcore_mla.triton_mla import TritonMLABackend, TritonMLAImpl
+from kvcore_mla.backends.common import MLACommonBackend, MLACommonImpl
+from kvcore_mla.backends.indexer import DeepseekV32IndexerBackend
+from kvcore_mla.backends.triton_mla import TritonMLABackend, TritonMLAImpl
 
 __version__ = "0.1.0"
 

@@ -1,13 +1,20 @@
-"""kvcore-mla's registration hook, loaded through the ``kvcore.plugins`` entry point.
-
-Registers by lazy ``"module:Class"`` path: loading the plugin imports no kernel code.
-"""
+"""Entry point of kvcore-mla (group ``kvcore.plugins``): registers the MLA backends by
+``module:Class`` path, so registering imports no kernel library."""
 
 from __future__ import annotations
 
-from kvcore import hookimpl
+from collections.abc import Callable
+
+import kvcore
+
+_BACKENDS = "kvcore_mla.backends"
 
 
-@hookimpl
-def kvcore_register_backends(register) -> None:
-    register("TRITON_MLA", "kvcore_mla.triton_mla:TritonMLABackend")
+@kvcore.hookimpl
+def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
+    register("TRITON_MLA", f"{_BACKENDS}.triton_mla:TritonMLABackend")
+
+
+@kvcore.hookimpl
+def kvcore_register_kernel_compile_cases(register: Callable[[str, str], None]) -> None:
+    register("kvcore_mla", "kvcore_mla.ops.compile_cases:compile_cases")

@@ -6,6 +6,8 @@ import zlib
 
 import torch
 
+from kvcore.testing import random_block_tables
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 #: (atol, rtol) of a kernel's output against the float64 reference, per input dtype. Under the
@@ -34,17 +36,12 @@ def random_bytes(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
 
 def block_tables(seq_lens: list[int], page_size: int, num_pages: int,
                  gen: torch.Generator) -> torch.Tensor:
-    """``(num_seqs, max_pages)`` int32 tables of distinct random page ids covering each request."""
-    need = [-(-n // page_size) for n in seq_lens]
-    width = max(max(need), 1)
-    if sum(need) > num_pages:
-        raise ValueError(f"{sum(need)} pages needed but only {num_pages} exist")
-    ids = torch.randperm(num_pages, generator=gen)
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(need):
-        table[i, :n] = ids[start:start + n]
-        start += n
+    """``(num_seqs, max_pages)`` int32 tables of distinct random page ids covering each request
+    (:func:`kvcore.testing.random_block_tables`), zero-padded, on the test device."""
+    tables = random_block_tables(seq_lens, page_size, num_pages, gen)
+    table = torch.zeros(len(seq_lens), max(max(map(len, tables)), 1), dtype=torch.int32)
+    for i, ids in enumerate(tables):
+        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return table.to(DEVICE)
 
 

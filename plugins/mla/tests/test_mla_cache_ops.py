@@ -15,8 +15,9 @@ from kvcore_mla.ops import (
     indexer_k_dequant_ref,
     indexer_k_quant_and_cache_ref,
 )
-from kvcore_mla.ops.reference import fp8_inverse_scale
 from mla_helpers import DEVICE, generator, randn, random_bytes
+
+from kvcore.ops import fp8_inverse_scale
 
 triton_cache = pytest.importorskip("kvcore_mla.ops.triton_cache")
 
@@ -93,8 +94,8 @@ def test_fp8_quantisation_multiplies_by_the_float32_reciprocal(scale_kind: str) 
     That is what torch computes on CUDA for ``x.float() / scale`` (a CPU scalar divisor becomes
     a reciprocal multiply) and not what a true division gives: with scale 0.3 the bf16 value
     9 * 2**-11 lands on an e4m3 rounding tie (7.5 subnormal quanta) only through the reciprocal,
-    so the kernel and the reference must agree on this one definition (the bug seen on the
-    H200: the kernel divided, torch multiplied).
+    so the kernel and the reference must agree on this one definition (a kernel that divided
+    gave other bytes than torch, which multiplied, on a GPU).
     """
     x = _all_finite_bf16()
     n = x.numel()

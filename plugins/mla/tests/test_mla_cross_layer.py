@@ -67,7 +67,7 @@ def test_indexer_write_into_the_middle_layer() -> None:
 
 
 # (num_heads, num_kv_heads, qk_head_dim, v_head_dim, is_mla): MLA (values = the latent's first
-# channels), GQA and MHA, as in the seed's test of the decode kernel.
+# channels), GQA and MHA, as in the upstream decode kernel's own test.
 DECODE_SHAPES = [
     (16, 1, 576, 512, True),
     (8, 2, 64, 64, False),

@@ -116,10 +116,11 @@ def test_mla_decode_real_sizes(num_heads: int, page_size: int) -> None:
 
 @pytest.mark.parametrize("shape", [(16, 1, 576, 512, True), (32, 8, 128, 128, False),
                                    (32, 32, 128, 128, False)], ids=["MLA", "GQA", "MHA"])
-def test_decode_cross_layer_seed_shapes(shape: tuple) -> None:
-    """The upstream seed's test at its sizes: 3 requests of 1027 tokens, a 16384-token cache."""
+def test_decode_cross_layer_upstream_shapes(shape: tuple) -> None:
+    """The upstream decode kernel's own test sizes: 3 requests of 1027 tokens, a 16384-token
+    cache."""
     num_heads, num_kv_heads, qk_dim, v_dim, is_mla = shape
-    gen = generator("gpu-seed", shape)
+    gen = generator("gpu-upstream", shape)
     page_size, num_pages, lens = 16, 16384 // 16, [1027, 1027, 1027]
     table = block_tables(lens, page_size, num_pages, gen)
     b_seq_len = torch.tensor(lens, dtype=torch.int32, device="cuda")

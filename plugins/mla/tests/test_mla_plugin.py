@@ -13,7 +13,8 @@ def test_loading_and_resolving_the_backend_imports_no_kernel_library() -> None:
         "import sys, torch, kvcore\n"
         "kvcore.list_plugins()\n"
         "cls = kvcore.resolve_backend('TRITON_MLA')\n"
-        "cls.validate_config(kvcore.AttentionSelectorConfig(head_size=576, use_mla=True), None)\n"
+        "config = kvcore.AttentionSelectorConfig(head_size=576, use_mla=True)\n"
+        "cls.validate_configuration(**config.as_kwargs(), device_capability=None)\n"
         "cls.get_impl_cls()\n"
         "print('triton' in sys.modules)\n"
     )

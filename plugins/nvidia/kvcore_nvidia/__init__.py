@@ -10,8 +10,9 @@ Backends (registered lazily by :mod:`kvcore_nvidia.plugin`, implemented in
   runs on CUDA (compiled) and on CPU (eager).
 
 Kernels (:mod:`kvcore_nvidia.ops`): ``reshape_and_cache_flash`` (stride-aware cache write,
-optional fp8) and ``copy_blocks`` (batched block copy between GPU and pinned host memory),
-CUDA C++ built on first use with ``torch.utils.cpp_extension``.
+optional fp8) and ``copy_blocks`` (batched block copy between GPU and pinned host memory,
+also the offload connector's ``cuda_batch`` block copier), CUDA C++ built on first use with
+``torch.utils.cpp_extension``.
 
 Importing this package imports no kernel library and builds nothing.
 """

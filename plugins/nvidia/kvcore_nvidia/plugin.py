@@ -9,6 +9,7 @@ from collections.abc import Callable
 import kvcore
 
 _BACKENDS = "kvcore_nvidia.backends"
+_OPS = "kvcore_nvidia.ops"
 
 
 @kvcore.hookimpl
@@ -20,4 +21,4 @@ def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
 
 @kvcore.hookimpl
 def kvcore_register_block_copiers(register: Callable[[str, str], None]) -> None:
-    register("cuda_batch", "kvcore_nvidia.copier:CudaBatchCopier")
+    register("cuda_batch", f"{_OPS}.copier:CudaBatchCopier")

@@ -1,36 +1,19 @@
-"""kvcore-nvidia test setup.
-
-``TRITON_INTERPRET=1`` must be set before triton is imported, so it is set here, at conftest
-import, when torch sees no GPU: kvcore's Triton cache write (used by these backends on GPU
-tensors) then also runs on CPU tensors through the interpreter. Tests marked ``gpu`` are
-skipped without a GPU.
-"""
+"""kvcore-nvidia test setup: without a GPU, Triton kernels run on the CPU through the interpreter
+and the ``gpu`` tests are skipped (:class:`kvcore.testing.GpuTestSetup`)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kvcore.testing import GpuTestSetup
 
-_HERE = Path(__file__).parent
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # Declared here too so the plugin's tests run on their own (``pytest plugins/nvidia/tests``).
-    config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm GPU (skipped without one)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU; this machine has none")
-    for item in items:
-        if "gpu" in item.keywords and not HAS_GPU and _HERE in item.path.parents:
-            item.add_marker(skip_gpu)
+# Made at conftest import: TRITON_INTERPRET must be set before triton is imported.
+_setup = GpuTestSetup(under=Path(__file__).parent,
+                      reason="needs an NVIDIA GPU; this machine has none")
+pytest_configure = _setup.pytest_configure
+pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
 
 
 @pytest.fixture

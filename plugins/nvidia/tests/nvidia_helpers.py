@@ -8,6 +8,7 @@ import torch
 
 import kvcore
 from kvcore.ops import paged_attention_ref
+from kvcore.testing import random_block_tables
 
 #: Relative-error bound of a low-precision result against the float64 reference:
 #: ||out - ref|| / ||ref|| (bf16 probabilities and output rounding stay well under it).
@@ -24,20 +25,6 @@ class Batch:
     value: torch.Tensor
 
 
-def block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
-                 gen: torch.Generator, shared_prefix: int = 0) -> list[list[int]]:
-    """Shuffled, distinct block ids per request; the first ``shared_prefix`` blocks of every
-    request are the same pages (prefix caching)."""
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    shared, rest = perm[:shared_prefix], perm[shared_prefix:]
-    tables = []
-    for n in seq_lens:
-        own = -(-n // block_size) - shared_prefix
-        tables.append(shared + rest[:own])
-        rest = rest[own:]
-    return tables
-
-
 def mixed_batch(impl: kvcore.AttentionImpl, kv_cache: torch.Tensor, gen: torch.Generator,
                 q_lens: tuple[int, ...] = (1, 1, 19, 7),
                 ctx_lens: tuple[int, ...] = (37, 15, 16, 0), shared_prefix: int = 0,
@@ -51,7 +38,8 @@ def mixed_batch(impl: kvcore.AttentionImpl, kv_cache: torch.Tensor, gen: torch.G
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
     device, dtype = kv_cache.device, kv_cache.dtype
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
-    tables = block_tables(seq_lens, block_size, num_blocks, gen, shared_prefix)
+    tables = random_block_tables(seq_lens, block_size, num_blocks, gen,
+                                 shared_prefix=shared_prefix)
     meta = kvcore.build_attention_metadata(list(q_lens), list(ctx_lens), tables, block_size,
                                            device=device, causal=causal)
     n = meta.num_actual_tokens
@@ -70,11 +58,10 @@ def reference(impl: kvcore.AttentionImpl, batch: Batch, kv_cache: torch.Tensor) 
     """float64 attention of the batch's queries over ``kv_cache`` (kvcore's reference)."""
     key_cache, value_cache = kv_cache.unbind(1)
     m = batch.meta
-    causal = m.causal and impl.attn_type == kvcore.AttentionType.DECODER
     return paged_attention_ref(
         batch.query.double(), key_cache.double(), value_cache.double(),
         query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
-        scale=impl.scale, causal=causal, sliding_window=impl.sliding_window)
+        scale=impl.scale, causal=impl.is_causal(m), sliding_window=impl.sliding_window)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

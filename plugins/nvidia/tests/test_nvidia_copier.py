@@ -16,10 +16,10 @@ from kvcore.connectors import get_block_copier, get_connector
 
 def test_the_plugin_registers_cuda_batch():
     entry = kvcore.block_copier_registry().get("cuda_batch")
-    assert (entry.plugin, entry.target) == ("nvidia", "kvcore_nvidia.copier:CudaBatchCopier")
+    assert (entry.plugin, entry.target) == ("nvidia", "kvcore_nvidia.ops.copier:CudaBatchCopier")
     copier = get_block_copier("cuda_batch")  # (other tests may re-import the plugin's modules)
     assert (type(copier).__module__, type(copier).__qualname__, copier.name) == (
-        "kvcore_nvidia.copier", "CudaBatchCopier", "cuda_batch")
+        "kvcore_nvidia.ops.copier", "CudaBatchCopier", "cuda_batch")
 
 
 def test_a_cpu_cache_is_refused_with_what_to_do_instead():

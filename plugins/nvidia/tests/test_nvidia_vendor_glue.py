@@ -23,16 +23,7 @@ from kvcore_nvidia.backends.flashinfer import FlashInferBackend, flashinfer_page
 from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
 
 import kvcore
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of ``q`` (s_q, Hq, D) over ``k``/``v`` (s_k, Hk, D), GQA, float64."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+from kvcore.testing import contiguous_attention_ref
 
 
 def _positions(s_q: int, s_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +68,8 @@ class _FakeWrapper:
                 allowed &= kj <= qi
             if p["window_left"] >= 0:
                 allowed &= kj >= qi - p["window_left"]
-            out[rows] = _attend(q[rows], k, v, p["sm_scale"], allowed).to(out.dtype)
+            out[rows] = contiguous_attention_ref(q[rows], k, v, p["sm_scale"],
+                                                 allowed=allowed).to(out.dtype)
         return out
 
 
@@ -103,7 +95,8 @@ def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
             allowed &= kj >= qi - left
         if right >= 0 and not causal:
             allowed &= kj <= qi + right
-        out[rows] = _attend(q[rows], keys, values, softmax_scale, allowed).to(q.dtype)
+        out[rows] = contiguous_attention_ref(q[rows], keys, values, softmax_scale,
+                                             allowed=allowed).to(q.dtype)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Entry point of kvcore-rocm (group ``kvcore.plugins``): registers the ROCm backends lazily."""
+"""Entry point of kvcore-rocm (group ``kvcore.plugins``): registers the ROCm backends by
+``module:Class`` path, so registering imports no kernel library."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ from collections.abc import Callable
 
 import kvcore
 
-_MODULE = "kvcore_rocm.backends"
+_BACKENDS = "kvcore_rocm.backends"
 
 
 @kvcore.hookimpl
 def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
-    register("ROCM_ATTN", f"{_MODULE}:RocmAttentionBackend")
-    register("ROCM_AITER_UNIFIED_ATTN", f"{_MODULE}:AiterUnifiedAttentionBackend")
-    register("ROCM_AITER_FA", f"{_MODULE}:AiterFlashAttentionBackend")
+    register("ROCM_ATTN", f"{_BACKENDS}.rocm_attn:RocmAttentionBackend")
+    register("ROCM_AITER_UNIFIED_ATTN",
+             f"{_BACKENDS}.aiter_unified_attn:AiterUnifiedAttentionBackend")
+    register("ROCM_AITER_FA", f"{_BACKENDS}.aiter_fa:AiterFlashAttentionBackend")
+
+
+@kvcore.hookimpl
+def kvcore_register_kernel_compile_cases(register: Callable[[str, str], None]) -> None:
+    register("kvcore_rocm", "kvcore_rocm.ops.compile_cases:compile_cases")

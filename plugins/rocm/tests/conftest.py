@@ -1,18 +1,18 @@
-"""Test setup for kvcore-rocm.
-
-``TRITON_INTERPRET=1`` must be set before triton is imported, so it is set here, at conftest
-import, when torch sees no GPU: the Triton kernels then run on CPU through the interpreter.
-"""
+"""kvcore-rocm test setup: without a GPU, Triton kernels run on the CPU through the interpreter
+and the ``gpu`` tests are skipped (:class:`kvcore.testing.GpuTestSetup`)."""
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kvcore.testing import GpuTestSetup
+
+# Made at conftest import: TRITON_INTERPRET must be set before triton is imported.
+_setup = GpuTestSetup(under=Path(__file__).parent)
+pytest_configure = _setup.pytest_configure
+pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
 
 
 @pytest.fixture

@@ -12,12 +12,13 @@ Conventions (shared with the Triton kernels):
 - A request with ``q_len`` new tokens and ``seq_len`` tokens in total has its query ``j`` at
   position ``seq_len - q_len + j``; it sees the keys at positions ``<=`` its own (causal).
 - fp8 caches store ``fp8(clamp(x * inv_scale))``, ``inv_scale = float32(1 / float32(scale))``
-  (see :func:`fp8_inverse_scale`): one float32 multiply by the rounded reciprocal, then
-  round-to-nearest-even into fp8 (after clamping to its largest finite value). This is exactly
-  what ``x.float() / scale`` computes on CUDA for a Python ``scale`` (torch replaces a division by
-  a CPU scalar with a multiplication by its float32 reciprocal) but *not* what it computes on the
-  CPU (a true division), so the references spell it out and give the same bytes on every device;
-  the Triton kernels compute the same two roundings. Caches are read back as ``stored * scale``.
+  (:func:`kvcore.ops.fp8_inverse_scale`, :func:`kvcore.ops.quantize_to_cache`): one float32
+  multiply by the rounded reciprocal, then round-to-nearest-even into fp8 (after clamping to
+  its largest finite value). This is exactly what ``x.float() / scale`` computes on CUDA for a
+  Python ``scale`` (torch replaces a division by a CPU scalar with a multiplication by its
+  float32 reciprocal) but *not* what it computes on the CPU (a true division), so the
+  references spell it out and give the same bytes on every device; the Triton kernels compute
+  the same two roundings. Caches are read back as ``stored * scale``.
 - ``lse`` is the natural-log log-sum-exp of the scaled scores ``scale * q.k`` of a query
   head (``-inf`` for a query that sees no key, whose output is 0).
 """
@@ -26,7 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.ops import FP8_KV_CACHE_DTYPES, gather_kv_ref, scale_value
+from kvcore.ops import (
+    FP8_KV_CACHE_DTYPES,
+    gather_kv_ref,
+    quantize_to_cache,
+    scale_value,
+)
 from kvcore_mla.ops.validation import (
     FP8_DTYPES,
     validate_concat_and_cache_mla,
@@ -37,7 +43,6 @@ from kvcore_mla.ops.validation import (
 
 __all__ = [
     "INDEXER_FP8_MAX",
-    "fp8_inverse_scale",
     "concat_and_cache_mla_ref",
     "decode_attention_ref",
     "indexer_k_dequant_ref",
@@ -50,25 +55,6 @@ __all__ = [
 INDEXER_FP8_MAX = 448.0
 # Smallest indexer scale numerator, so an all-zero block gets a finite, positive scale.
 _INDEXER_MIN_AMAX = 1e-4
-
-
-def fp8_inverse_scale(scale: float) -> float:
-    """``float32(1 / float32(scale))`` as a Python float (exactly a float32 value).
-
-    The one definition of the fp8 quantisation multiplier shared by the references and the
-    Triton kernels (which compute ``div_rn(1.0, float32(scale))`` on the device).
-    """
-    s = torch.tensor(scale, dtype=torch.float32)
-    return (torch.ones((), dtype=torch.float32) / s).item()  # CPU: an IEEE division
-
-
-def _quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    if cache_dtype in FP8_DTYPES:
-        limit = torch.finfo(cache_dtype).max
-        # x * inv with inv a float32 value: one float32 multiply on every device (see the
-        # module docstring), then clamp and round to nearest even.
-        return (x.float() * fp8_inverse_scale(scale)).clamp(-limit, limit).to(cache_dtype)
-    return x.to(cache_dtype)
 
 
 def concat_and_cache_mla_ref(
@@ -99,8 +85,8 @@ def concat_and_cache_mla_ref(
     s = scale_value(scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
     rank = kv_c.shape[1]
     # Advanced indexing on (block, offset) writes through the view's real strides.
-    kv_cache[blocks, offsets, :rank] = _quantize(kv_c[keep], kv_cache.dtype, s)
-    kv_cache[blocks, offsets, rank:] = _quantize(k_pe[keep], kv_cache.dtype, s)
+    kv_cache[blocks, offsets, :rank] = quantize_to_cache(kv_c[keep], kv_cache.dtype, s)
+    kv_cache[blocks, offsets, rank:] = quantize_to_cache(k_pe[keep], kv_cache.dtype, s)
 
 
 def _indexer_quantize(

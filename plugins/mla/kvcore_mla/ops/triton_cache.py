@@ -56,7 +56,7 @@ def _concat_and_cache_mla_kernel(
             s = tl.load(scale).to(tl.float32)
         else:
             s = scale
-        # The reference's definition (kvcore_mla.ops.reference.fp8_inverse_scale): one IEEE
+        # The reference's definition (kvcore.ops.fp8_inverse_scale): one IEEE
         # float32 reciprocal (div_rn: Triton's "/" is approximate on NVIDIA), then a float32
         # multiply. Not x / s: torch on CUDA computes x * (1/s) for a scalar s, and the two
         # differ in the last bit often enough to change fp8 bytes.
@@ -96,7 +96,7 @@ def concat_and_cache_mla(
             negative entries are padding and are skipped.
         kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``clamp(x * inv_scale)``
             rounded to nearest even, ``inv_scale = float32(1 / float32(scale))`` (see
-            :func:`kvcore_mla.ops.reference.fp8_inverse_scale`).
+            :func:`kvcore.ops.fp8_inverse_scale`).
         scale: per-tensor fp8 scale: a 1-element tensor (read on the device) or a float;
             ignored unless the cache is fp8.
     """

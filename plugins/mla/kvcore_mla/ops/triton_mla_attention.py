@@ -98,17 +98,18 @@ class LaunchConfig:
 
 
 def default_config(num_heads: int, num_kv_heads: int, k_main_dim: int, *,
-                   decode: bool) -> LaunchConfig:
+                   decode: bool, rocm: bool | None = None) -> LaunchConfig:
     """The launch configuration used when none is given.
 
     ``k_main_dim`` is the width of the key part that is not rope (MLA: ``kv_lora_rank``).
     Decode: one query per program and 16 head rows (padded for GQA/MHA, as ``tl.dot`` needs
     16). Prefill: up to 16 heads of one KV head times enough tokens for 32 rows (MLA, whose
-    512-wide accumulator limits rows) or 64 rows.
+    512-wide accumulator limits rows) or 64 rows. ``rocm`` picks the AMD configs (default: the
+    torch build's platform; the compile check passes its target's).
     """
     group = num_heads // num_kv_heads
     wide = k_main_dim > 256
-    rocm = is_rocm()
+    rocm = is_rocm() if rocm is None else rocm
     if decode and wide and group >= 64 and not rocm:
         # Many heads (MLA at 128 heads/GPU): decode is compute-bound, so one program takes 64
         # heads against each latent tile: tl.dot with M = 64 runs on Hopper's wgmma (M = 16
@@ -139,13 +140,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
-                          device: torch.device, *, block_h: int = 16) -> int:
+                          device: torch.device, *, block_h: int = 16,
+                          num_sms: int | None = None) -> int:
     """KV splits for a decode batch: enough programs for ``_SPLIT_TARGET_WAVES`` per SM (one
     per SM for programs of 64+ heads, which fill an SM's shared memory alone), at most one
     split per ``_MIN_SPLIT_TOKENS`` keys of the longest request, at most
-    :data:`MAX_KV_SPLITS`."""
+    :data:`MAX_KV_SPLITS`. ``num_sms`` defaults to ``device``'s SM count."""
     programs = max(1, num_seqs * num_head_blocks)
-    target = (1 if block_h >= 64 else _SPLIT_TARGET_WAVES) * _num_sms(device)
+    target = (1 if block_h >= 64 else _SPLIT_TARGET_WAVES) * (num_sms or _num_sms(device))
     if programs >= target:
         return 1
     by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)

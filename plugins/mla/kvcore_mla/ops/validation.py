@@ -12,9 +12,16 @@ from __future__ import annotations
 import torch
 
 from kvcore.ops import (
-    KV_CACHE_DTYPES,
     cache_torch_dtype,
     check_block_indices,
+    check_kv_cache_dtype,
+    check_scale,
+    check_slots_in_range,
+    require_float_dtype,
+    require_int_dtype,
+    require_ndim,
+    require_same_device,
+    require_tensor,
     value_checks_enabled,
 )
 
@@ -35,68 +42,6 @@ FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 INDEXER_SCALE_FORMATS: tuple[str | None, ...] = (None, "ue8m0")
 
 
-def _tensor(name: str, value: object) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _ndim(name: str, t: torch.Tensor, ndims: tuple[int, ...], layout: str) -> None:
-    if t.dim() not in ndims:
-        want = " or ".join(str(n) for n in ndims)
-        raise ValueError(f"{name} must have {want} dims {layout}, got shape {tuple(t.shape)}")
-
-
-def _int_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-
-
-def _float_dtype(name: str, t: torch.Tensor) -> None:
-    if not t.dtype.is_floating_point or t.dtype in FP8_DTYPES:
-        raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got {t.dtype}")
-
-
-def _same_device(named: list[tuple[str, torch.Tensor]]) -> None:
-    first_name, first = named[0]
-    for name, t in named[1:]:
-        if t.device != first.device:
-            raise ValueError(
-                f"{name} is on {t.device} but {first_name} is on {first.device}; "
-                "all tensors of one call must be on the same device"
-            )
-
-
-def _scale(name: str, scale: object) -> None:
-    if scale is None:
-        return
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(
-                f"{name} must be a per-tensor scale (1 element), got shape {tuple(scale.shape)}"
-            )
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
-
-
-def _kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"
-        )
-
-
-def _slots_in_range(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
-    if not value_checks_enabled() or slot_mapping.numel() == 0:
-        return
-    hi = int(slot_mapping.max())
-    if hi >= num_blocks * block_size:
-        raise ValueError(
-            f"slot_mapping contains slot {hi}, but the cache holds only {num_blocks} blocks x "
-            f"{block_size} tokens = {num_blocks * block_size} slots"
-        )
-
-
 def validate_concat_and_cache_mla(
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -108,14 +53,14 @@ def validate_concat_and_cache_mla(
     """Validate ``concat_and_cache_mla``'s arguments; returns ``k_pe`` as ``(num_tokens, rope)``."""
     for n, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
                  ("slot_mapping", slot_mapping)):
-        _tensor(n, t)
-    _ndim("kv_c", kv_c, (2,), "(num_tokens, kv_lora_rank)")
-    _ndim("k_pe", k_pe, (2, 3), "(num_tokens, rope_dim) or (num_tokens, 1, rope_dim)")
-    _ndim("kv_cache", kv_cache, (3,), "(num_blocks, block_size, kv_lora_rank + rope_dim)")
-    _ndim("slot_mapping", slot_mapping, (1,), "(num_tokens,)")
-    _int_dtype("slot_mapping", slot_mapping)
-    _float_dtype("kv_c", kv_c)
-    _same_device([("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
+        require_tensor(n, t)
+    require_ndim("kv_c", kv_c, 2, "(num_tokens, kv_lora_rank)")
+    require_ndim("k_pe", k_pe, (2, 3), "(num_tokens, rope_dim) or (num_tokens, 1, rope_dim)")
+    require_ndim("kv_cache", kv_cache, 3, "(num_blocks, block_size, kv_lora_rank + rope_dim)")
+    require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    require_int_dtype("slot_mapping", slot_mapping)
+    require_float_dtype("kv_c", kv_c)
+    require_same_device([("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
                   ("slot_mapping", slot_mapping)])
     if k_pe.dim() == 3:
         if k_pe.shape[1] != 1:
@@ -138,15 +83,15 @@ def validate_concat_and_cache_mla(
             f"kv_cache holds {kv_cache.shape[2]} channels per token but kv_lora_rank="
             f"{kv_lora_rank} + rope_dim={k_pe.shape[1]} = {entry}"
         )
-    _kv_cache_dtype(kv_cache_dtype)
+    check_kv_cache_dtype(kv_cache_dtype)
     expected = cache_torch_dtype(kv_cache_dtype, kv_c.dtype)
     if kv_cache.dtype != expected:
         raise TypeError(
             f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with "
             f"kv_c of dtype {kv_c.dtype} needs {expected}"
         )
-    _scale("scale", scale)
-    _slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
+    check_scale("scale", scale)
+    check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
     return k_pe
 
 
@@ -172,14 +117,14 @@ def validate_indexer_k_quant_and_cache(
 ) -> None:
     """Validate ``indexer_k_quant_and_cache``'s arguments."""
     for n, t in (("k", k), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
-        _tensor(n, t)
-    _ndim("k", k, (2,), "(num_tokens, head_dim)")
-    _ndim("kv_cache", kv_cache, (3,),
+        require_tensor(n, t)
+    require_ndim("k", k, 2, "(num_tokens, head_dim)")
+    require_ndim("kv_cache", kv_cache, 3,
           "(num_blocks, block_size, head_dim + 4 * head_dim // quant_block_size)")
-    _ndim("slot_mapping", slot_mapping, (1,), "(num_tokens,)")
-    _int_dtype("slot_mapping", slot_mapping)
-    _float_dtype("k", k)
-    _same_device([("k", k), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)])
+    require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    require_int_dtype("slot_mapping", slot_mapping)
+    require_float_dtype("k", k)
+    require_same_device([("k", k), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)])
     if kv_cache.dtype != torch.uint8:
         raise TypeError(f"kv_cache must be uint8 (fp8 bytes and float32 scales), got "
                         f"{kv_cache.dtype}")
@@ -213,7 +158,7 @@ def validate_indexer_k_quant_and_cache(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens"
         )
-    _slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
+    check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
 
 
 def _block_table_in_range(
@@ -263,26 +208,26 @@ def validate_decode_attention(
     """
     for n, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o),
                  ("lse", lse), ("req_to_page", req_to_page), ("b_seq_len", b_seq_len)):
-        _tensor(n, t)
-    _ndim("q", q, (3,), "(batch, num_heads, qk_head_dim)")
+        require_tensor(n, t)
+    require_ndim("q", q, 3, "(batch, num_heads, qk_head_dim)")
     layout = "(num_pages, page_size, num_kv_heads, head_dim) or (num_pages, page_size, head_dim)"
-    _ndim("k_buffer", k_buffer, (3, 4), layout)
-    _ndim("v_buffer", v_buffer, (3, 4), layout)
-    _ndim("o", o, (3,), "(batch, num_heads, v_head_dim)")
-    _ndim("lse", lse, (2,), "(batch, num_heads)")
-    _ndim("req_to_page", req_to_page, (2,), "(batch, max_pages_per_request)")
-    _ndim("b_seq_len", b_seq_len, (1,), "(batch,)")
-    _int_dtype("req_to_page", req_to_page)
-    _int_dtype("b_seq_len", b_seq_len)
-    _float_dtype("q", q)
-    _float_dtype("o", o)
-    _float_dtype("lse", lse)
+    require_ndim("k_buffer", k_buffer, (3, 4), layout)
+    require_ndim("v_buffer", v_buffer, (3, 4), layout)
+    require_ndim("o", o, 3, "(batch, num_heads, v_head_dim)")
+    require_ndim("lse", lse, 2, "(batch, num_heads)")
+    require_ndim("req_to_page", req_to_page, 2, "(batch, max_pages_per_request)")
+    require_ndim("b_seq_len", b_seq_len, 1, "(batch,)")
+    require_int_dtype("req_to_page", req_to_page)
+    require_int_dtype("b_seq_len", b_seq_len)
+    require_float_dtype("q", q)
+    require_float_dtype("o", o)
+    require_float_dtype("lse", lse)
     named = [("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("lse", lse),
              ("req_to_page", req_to_page), ("b_seq_len", b_seq_len)]
     if attn_logits is not None:
-        _tensor("attn_logits", attn_logits)
+        require_tensor("attn_logits", attn_logits)
         named.append(("attn_logits", attn_logits))
-    _same_device(named)
+    require_same_device(named)
     if k_buffer.dim() == 3:
         k_buffer = k_buffer.unsqueeze(2)
     if v_buffer.dim() == 3:
@@ -343,8 +288,8 @@ def validate_decode_attention(
             )
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive float")
-    _scale("k_scale", k_scale)
-    _scale("v_scale", v_scale)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     _block_table_in_range("req_to_page", req_to_page, b_seq_len, page_size, num_pages)
     return k_buffer, v_buffer
 
@@ -364,17 +309,17 @@ def validate_mla_attention(
     """Validate the arguments of the latent-space ``mla_attention`` (mixed batches)."""
     for n, t in (("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
                  ("seq_lens", seq_lens), ("block_table", block_table)):
-        _tensor(n, t)
-    _ndim("q", q, (3,), "(num_tokens, num_heads, kv_lora_rank + rope_dim)")
-    _ndim("kv_cache", kv_cache, (3,), "(num_blocks, block_size, kv_lora_rank + rope_dim)")
-    _ndim("query_start_loc", query_start_loc, (1,), "(num_seqs + 1,)")
-    _ndim("seq_lens", seq_lens, (1,), "(num_seqs,)")
-    _ndim("block_table", block_table, (2,), "(num_seqs, max_blocks_per_seq)")
+        require_tensor(n, t)
+    require_ndim("q", q, 3, "(num_tokens, num_heads, kv_lora_rank + rope_dim)")
+    require_ndim("kv_cache", kv_cache, 3, "(num_blocks, block_size, kv_lora_rank + rope_dim)")
+    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
     for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
-        _int_dtype(n, t)
-    _float_dtype("q", q)
-    _same_device([("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
+        require_int_dtype(n, t)
+    require_float_dtype("q", q)
+    require_same_device([("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
                   ("seq_lens", seq_lens), ("block_table", block_table)])
     num_tokens, num_heads, entry = q.shape
     if kv_cache.shape[2] != entry:
@@ -383,12 +328,12 @@ def validate_mla_attention(
         0 < kv_lora_rank <= entry
     ):
         raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in 1..{entry}")
-    _kv_cache_dtype(kv_cache_dtype)
+    check_kv_cache_dtype(kv_cache_dtype)
     expected = cache_torch_dtype(kv_cache_dtype, q.dtype)
     if kv_cache.dtype != expected:
         raise TypeError(f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype="
                         f"{kv_cache_dtype!r} with q of dtype {q.dtype} needs {expected}")
-    _scale("k_scale", k_scale)
+    check_scale("k_scale", k_scale)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale={scale!r} must be a positive float")
     num_seqs = seq_lens.shape[0]
@@ -399,7 +344,7 @@ def validate_mla_attention(
             f"{block_table.shape[0]})"
         )
     if output is not None:
-        _tensor("output", output)
+        require_tensor("output", output)
         want = (num_tokens, num_heads, kv_lora_rank)
         if tuple(output.shape) != want or output.device != q.device:
             raise ValueError(f"output has shape {tuple(output.shape)} on {output.device}; "

@@ -30,11 +30,10 @@ from kvcore import (
     DeviceCapability,
     MultipleOf,
 )
-from kvcore_nvidia.backends._common import (
+from kvcore.ops import triton_unavailable_reasons
+from kvcore_nvidia.backends.common import (
     begin_forward,
     cumulative,
-    is_causal,
-    triton_reasons,
     write_cache,
 )
 
@@ -70,7 +69,7 @@ class FlashAttentionBackend(AttentionBackend):
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
         # The cache write is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_reasons()]
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
 
 class FlashAttentionImpl(AttentionImpl):
@@ -102,7 +101,7 @@ class FlashAttentionImpl(AttentionImpl):
                                                           output)
         if n == 0:
             return output
-        causal = is_causal(self, attn_metadata)
+        causal = self.is_causal(attn_metadata)
         # flash-attn's window: keys in [q - left, q + right]; kvcore's window keeps the last
         # `sliding_window` keys up to the query (and, non-causal, every key after it).
         if self.sliding_window is None:

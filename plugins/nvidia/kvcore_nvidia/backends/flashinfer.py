@@ -20,14 +20,14 @@ and sliding-window on/off) serves decode and prefill. They share one 128 MiB flo
 device (:data:`FlashInferBackend.WORKSPACE_BYTES`, FlashInfer's recommended size), created on
 first use. kvcore has no per-step metadata hook, so ``forward`` plans when it sees a new step:
 the plan is kept for the next layers that get the same metadata object, unmodified, with the
-same layer parameters (:class:`~kvcore_nvidia.backends._common.StepCache`). Planning syncs
+same layer parameters (:class:`~kvcore_nvidia.backends.common.StepCache`). Planning syncs
 with the host, so ``forward`` is not CUDA-graph capturable.
 
-Cross-layer caches: FLASHINFER opts in. On the H200 (2026-11-29, FlashInfer 0.7.2.post1) its
-prefill and decode kernels returned bit-identical outputs on layer 1 of a 3-layer cross-layer
-pool and on a contiguous copy, and left the other layers untouched
-(``test_flashinfer_on_a_cross_layer_view_is_bit_exact``), and with the opt-in the conformance
-suite's cross-layer case passed there too: FlashInfer takes the page stride from the tensors.
+Cross-layer caches: FLASHINFER opts in. FlashInfer takes the page stride from the tensors: its
+prefill and decode kernels give bit-identical outputs on a layer of a cross-layer pool and on a
+contiguous copy and leave the other layers untouched
+(``test_flashinfer_on_a_cross_layer_view_is_bit_exact``, a GPU test; the runs are recorded in
+``benchmarks/RESULTS.md``), and the conformance suite's cross-layer case passes.
 
 The cache write is kvcore's Triton ``reshape_and_cache`` (stride-aware, int64 offsets).
 """
@@ -47,13 +47,12 @@ from kvcore import (
     AttentionType,
     DeviceCapability,
 )
-from kvcore_nvidia.backends._common import (
+from kvcore.ops import triton_unavailable_reasons
+from kvcore_nvidia.backends.common import (
     StepCache,
     begin_forward,
     cumulative,
-    is_causal,
     pages_per_request,
-    triton_reasons,
     write_cache,
 )
 
@@ -88,13 +87,13 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
         # NHD, FlashInfer's native paged layout; with layers, blocks outermost (cross-layer):
-        # shown bit-exact on per-layer views on the H200 (module docstring).
+        # shown bit-exact on per-layer views (module docstring).
         return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
         # The cache write is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_reasons()]
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
 
 def flashinfer_page_table(
@@ -157,7 +156,7 @@ class FlashInferImpl(AttentionImpl):
         """
         extra = (key_cache.device, key_cache.shape[1], key_cache.dtype, query.dtype,
                  self.num_heads, self.num_kv_heads, self.head_size, self.scale,
-                 self.sliding_window, is_causal(self, attn_metadata))
+                 self.sliding_window, self.is_causal(attn_metadata))
         return _PLANS.get(attn_metadata, extra,
                           lambda: self._plan(query, key_cache, attn_metadata))
 
@@ -177,7 +176,7 @@ class FlashInferImpl(AttentionImpl):
             return decode
         prefill.plan(attn_metadata.query_start_loc.to(torch.int32), indptr, indices,
                      last_page_len, self.num_heads, self.num_kv_heads, self.head_size,
-                     block_size, causal=is_causal(self, attn_metadata), **common)
+                     block_size, causal=self.is_causal(attn_metadata), **common)
         return prefill
 
     def forward(

@@ -44,7 +44,7 @@ Limits
   patterns. ``kvcore.allocate_kv_caches`` allocates zeros.
 - kvcore has no per-step metadata hook: ``forward`` builds the block mask when it sees a new
   step and keeps it for the next layers given the same, unmodified metadata object
-  (:class:`~kvcore_nvidia.backends._common.StepCache`). Building it syncs with the host: not
+  (:class:`~kvcore_nvidia.backends.common.StepCache`). Building it syncs with the host: not
   CUDA-graph capturable.
 """
 
@@ -66,11 +66,10 @@ from kvcore import (
     AttentionType,
     DeviceCapability,
 )
-from kvcore_nvidia.backends._common import (
+from kvcore.ops import triton_unavailable_reasons
+from kvcore_nvidia.backends.common import (
     StepCache,
     begin_forward,
-    is_causal,
-    triton_reasons,
     write_cache,
 )
 
@@ -123,7 +122,7 @@ class FlexAttentionBackend(AttentionBackend):
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
         # The cache write on GPU tensors is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_reasons()]
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
     @classmethod
     def check_combination(
@@ -346,7 +345,7 @@ class FlexAttentionImpl(AttentionImpl):
             return output
         num_blocks, block_size = key_cache.shape[:2]
         k_seq, v_seq, page_stride = paged_sequence_views(key_cache, value_cache)
-        causal = is_causal(self, attn_metadata)
+        causal = self.is_causal(attn_metadata)
         block_mask = _MASKS.get(
             attn_metadata,
             (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window),

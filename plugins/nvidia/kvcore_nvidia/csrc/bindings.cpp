@@ -1,4 +1,4 @@
-// Python bindings of the kvcore-nvidia extension (built by kvcore_nvidia/_build.py).
+// Python bindings of the kvcore-nvidia extension (built by kvcore_nvidia/ops/_build.py).
 #include <torch/extension.h>
 
 #include "kvcore_nvidia.h"

@@ -1,4 +1,4 @@
-// kvcore-nvidia CUDA C++ ops. Python validates every argument first (kvcore_nvidia/ops.py,
+// kvcore-nvidia CUDA C++ ops. Python validates every argument first (kvcore_nvidia/ops/bindings.py,
 // with kvcore.ops' validators); the TORCH_CHECKs here guard only what a direct caller of the
 // extension could get wrong in a way that would corrupt memory.
 #pragma once

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_rocm.shuffle import (
+from kvcore_rocm.ops.shuffle import (
     gather_shuffled_kv,
     reshape_and_cache_shuffle,
     reshape_and_cache_shuffle_ref,

@@ -6,6 +6,6 @@ from kvcore.hookspecs import hookimpl
 
 @hookimpl
 def kvcore_register_platforms(register):
-    register("cpu", "kvcore_platforms.cpu:CpuPlatform")
-    register("cuda", "kvcore_platforms.cuda:CudaPlatform")
-    register("rocm", "kvcore_platforms.rocm:RocmPlatform")
+    register("cpu", "kvcore.platforms.cpu:CpuPlatform")
+    register("cuda", "kvcore.platforms.cuda:CudaPlatform")
+    register("rocm", "kvcore.platforms.rocm:RocmPlatform")

@@ -7,15 +7,10 @@ from typing import TypeVar
 
 import torch
 
-from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, AttentionType
-from kvcore.ops import reshape_and_cache, triton_available, validate_paged_attention
+from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.ops import reshape_and_cache, validate_paged_attention
 
 T = TypeVar("T")
-
-
-def is_causal(impl: AttentionImpl, attn_metadata: AttentionMetadata) -> bool:
-    """Causal masking applies to decoder layers whose metadata asks for it."""
-    return attn_metadata.causal and impl.attn_type == AttentionType.DECODER
 
 
 def cumulative(lengths: torch.Tensor) -> torch.Tensor:
@@ -28,12 +23,6 @@ def cumulative(lengths: torch.Tensor) -> torch.Tensor:
 def pages_per_request(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """``ceil(seq_lens / block_size)``: the block-table entries each request uses."""
     return (seq_lens.to(torch.int32) + block_size - 1) // block_size
-
-
-def triton_reasons() -> list[str]:
-    """Why kvcore's Triton cache write (used on GPU tensors) cannot run, if it cannot."""
-    ok, reason = triton_available()
-    return [] if ok else [reason]
 
 
 def write_cache(

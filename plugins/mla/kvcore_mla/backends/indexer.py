@@ -22,9 +22,9 @@ not verified on strided pages.
 from __future__ import annotations
 
 import torch
+from kvcore_mla.backends.common import latent_cache_shape
 
-from kvcore import AttentionBackend, AttentionImpl
-from kvcore_mla.common import latent_cache_shape
+from kvcore import AttentionBackend, AttentionImpl, DeviceCapability
 
 __all__ = ["DeepseekV32IndexerBackend"]
 
@@ -34,6 +34,9 @@ class DeepseekV32IndexerBackend(AttentionBackend):
 
     SUPPORTED_DTYPES = (torch.uint8,)
     PLATFORMS = ("cuda", "rocm")
+    # Its write quantises to fp8 e4m3, which Triton converts on NVIDIA from 8.9 on
+    # (`kvcore kernels --target sm80` does not compile it).
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 9)
 
     @staticmethod
     def get_name() -> str:

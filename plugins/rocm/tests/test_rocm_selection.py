@@ -22,6 +22,10 @@ def _config(**kw) -> kvcore.AttentionSelectorConfig:
     return kvcore.AttentionSelectorConfig(**{"head_size": 128, "dtype": torch.bfloat16, **kw})
 
 
+def _reasons(backend, config, capability) -> list[str]:
+    return backend.validate_configuration(**config.as_kwargs(), device_capability=capability)
+
+
 @pytest.mark.parametrize(("capability", "plain", "with_connector"), [
     # gfx90a (MI200) is below AITER's gfx942, so a connector falls through to TRITON_ATTN.
     ("gfx90a", "ROCM_ATTN", "TRITON_ATTN"),
@@ -54,17 +58,17 @@ def test_validation_reasons_exact_text(rocm):
     unified = kvcore.resolve_backend("ROCM_AITER_UNIFIED_ATTN")
     rocm_attn = kvcore.resolve_backend("ROCM_ATTN")
     gfx942 = kvcore.DeviceCapability.parse("gfx942")
-    assert fa.validate_config(_config(head_size=80), gfx942) == [
+    assert _reasons(fa, _config(head_size=80), gfx942) == [
         "head_size=80 (supported: 64, 128, 256)", AITER_MISSING]
-    assert unified.validate_config(_config(head_size=80), gfx942) == [
+    assert _reasons(unified, _config(head_size=80), gfx942) == [
         "head_size=80 (supported: 64, 128, 256)"]
-    assert rocm_attn.validate_config(_config(head_size=48), gfx942) == [
+    assert _reasons(rocm_attn, _config(head_size=48), gfx942) == [
         "head_size=48 (supported: 32, 64, 80, 96, 128, 160, 192, 224, 256)"]
-    assert unified.validate_config(_config(), kvcore.DeviceCapability.parse("gfx90a")) == [
+    assert _reasons(unified, _config(), kvcore.DeviceCapability.parse("gfx90a")) == [
         "device capability gfx90a (9.0) (supported: >= gfx942 (9.4) and <= gfx950 (9.5))"]
-    assert rocm_attn.validate_config(_config(use_kv_connector=True), gfx942) == [
+    assert _reasons(rocm_attn, _config(use_kv_connector=True), gfx942) == [
         ROCM_ATTN_CONNECTOR]
-    assert unified.validate_config(_config(use_kv_connector=True), gfx942) == []
+    assert _reasons(unified, _config(use_kv_connector=True), gfx942) == []
 
 
 def test_forced_rocm_attn_with_connector_raises(rocm, monkeypatch):

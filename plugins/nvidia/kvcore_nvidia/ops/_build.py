@@ -20,7 +20,8 @@ from types import ModuleType
 import torch
 
 EXTENSION_NAME = "kvcore_nvidia_C"
-CSRC = Path(__file__).with_name("csrc")
+# The sources stay at the package root (kvcore_nvidia/csrc), shipped as package data.
+CSRC = Path(__file__).parent.parent / "csrc"
 SOURCES = ("bindings.cpp", "cache_kernels.cu", "copy_blocks.cu")
 _HEADERS = ("kvcore_nvidia.h",)
 

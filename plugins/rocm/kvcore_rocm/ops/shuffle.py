@@ -22,7 +22,7 @@ blocks-first page; only kernels that read tokens need to know the shuffle.
 :func:`shuffled_views` builds AITER's 5-D views over the halves (strided in the block dim);
 :func:`reshape_and_cache_shuffle_ref` and :func:`gather_shuffled_kv` are the pure-torch cache
 write and read; :func:`reshape_and_cache_shuffle` is the Triton cache write, which takes the K
-and V block strides from the views it gets (the seed's ``k_cache_block_stride`` /
+and V block strides from the views it gets (``k_cache_block_stride`` /
 ``v_cache_block_stride``) so it writes correctly into ``unbind(1)`` and cross-layer views and
 touches no byte outside the slots it writes. Triton is imported on the first call.
 """
@@ -189,6 +189,6 @@ def reshape_and_cache_shuffle(
     x = _check_write_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
     if key.shape[0] == 0:
         return
-    from kvcore_rocm._triton_shuffle import launch_reshape_and_cache_shuffle
+    from kvcore_rocm.ops._triton_shuffle import launch_reshape_and_cache_shuffle
 
     launch_reshape_and_cache_shuffle(key, value, key_cache, value_cache, slot_mapping, x)

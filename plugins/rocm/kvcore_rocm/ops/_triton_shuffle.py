@@ -1,6 +1,6 @@
-"""The Triton kernel behind :func:`kvcore_rocm.shuffle.reshape_and_cache_shuffle`.
+"""The Triton kernel behind :func:`kvcore_rocm.ops.shuffle.reshape_and_cache_shuffle`.
 
-Imports triton at import time; :mod:`kvcore_rocm.shuffle` imports this module on first use.
+Imports triton at import time; :mod:`kvcore_rocm.ops.shuffle` imports this module on first use.
 Arguments are validated by the caller.
 """
 

@@ -10,23 +10,10 @@ import pytest
 import torch
 
 import kvcore
+from kvcore.testing import run_mixed_step
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 BLOCK_SIZE, HEAD_SIZE = 16, 64
-
-
-def _float64_attention(q, k, v, scale, window=None):
-    """One request: q (Q, Hq, D), k/v (S, Hk, D); the queries are the last Q positions."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-    k_pos = torch.arange(k.shape[0])[None]
-    mask = k_pos <= q_pos
-    if window:
-        mask &= q_pos - k_pos < window
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, -torch.inf).softmax(-1), v)
 
 
 def run_mixed_batch(backend_name, dtype, num_heads=4, num_kv_heads=2, window=None, seed=0,
@@ -34,45 +21,14 @@ def run_mixed_batch(backend_name, dtype, num_heads=4, num_kv_heads=2, window=Non
     """Decode, decode, prefill on a cached prefix, fresh prefill, on shuffled blocks of layer 1
     of a 3-layer cache whose other bytes are random. Returns (output, float64 reference, caches,
     storage before the step)."""
-    gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    query_lens = [1, 1, 6, 9]
-    context_lens = [rng.randint(1, 30), rng.randint(17, 40), rng.randint(3, 20), 0]
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    ids = list(range(sum(needed) + 3))
-    rng.shuffle(ids)
-    tables, pos = [], 0
-    for n in needed:
-        tables.append(ids[pos:pos + n])
-        pos += n
-    caches = kvcore.allocate_kv_caches(
-        backend_name, num_layers=3, num_blocks=len(ids), block_size=BLOCK_SIZE,
-        num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=dtype, device="cpu",
-        cross_layer=cross_layer)
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen))
-    before = caches.storage.clone()
-    kv_cache = caches.layers[1]
-    impl = kvcore.resolve_backend(backend_name).get_impl_cls()(
-        num_heads, HEAD_SIZE, HEAD_SIZE ** -0.5, num_kv_heads, sliding_window=window)
-    layer = kvcore.LayerScales()
-    full_k = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for s in seq_lens]
-    full_v = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for s in seq_lens]
-    prefix = kvcore.build_attention_metadata(context_lens, [0] * 4, tables, BLOCK_SIZE)
-    pairs = list(zip(full_k, full_v, context_lens, strict=True))
-    impl.do_kv_cache_update(layer, torch.cat([k[:c] for k, _, c in pairs]),
-                            torch.cat([v[:c] for _, v, c in pairs]), kv_cache, prefix.slot_mapping)
-    meta = kvcore.build_attention_metadata(query_lens, context_lens, tables, BLOCK_SIZE)
-    new_k = torch.cat([k[c:] for k, _, c in pairs])
-    new_v = torch.cat([v[c:] for _, v, c in pairs])
-    impl.do_kv_cache_update(layer, new_k, new_v, kv_cache, meta.slot_mapping)
-    query = torch.randn(sum(query_lens), num_heads, HEAD_SIZE, generator=gen).to(dtype)
-    out = impl.forward(layer, query, new_k, new_v, kv_cache, meta)
-    starts = meta.query_start_loc.tolist()
-    ref = torch.cat([
-        _float64_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i],
-                           HEAD_SIZE ** -0.5, window) for i in range(4)])
-    return out, ref, caches, before
+    step = run_mixed_step(
+        backend_name, query_lens=[1, 1, 6, 9],
+        context_lens=[rng.randint(1, 30), rng.randint(17, 40), rng.randint(3, 20), 0],
+        block_size=BLOCK_SIZE, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=HEAD_SIZE, dtype=dtype, gen=torch.Generator().manual_seed(seed),
+        sliding_window=window, cross_layer=cross_layer)
+    return step.output, step.reference(), step.caches, step.before
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
@@ -102,7 +58,7 @@ def test_rocm_attn_gqa_float32_layout():
 def test_aiter_fa_cache_write_and_forward_without_aiter():
     """The FA impl writes shuffled pages (CPU: the reference) that round-trip; forward needs
     aiter and says so."""
-    from kvcore_rocm.shuffle import gather_shuffled_kv
+    from kvcore_rocm.ops.shuffle import gather_shuffled_kv
 
     backend = kvcore.resolve_backend("ROCM_AITER_FA")
     caches = kvcore.allocate_kv_caches(backend, num_layers=2, num_blocks=4, block_size=16,

@@ -1,7 +1,7 @@
 """TRITON_MLA: portable MLA backend (NVIDIA and AMD) on kvcore-mla's Triton kernels.
 
 Writes latents with :func:`kvcore_mla.ops.triton_cache.concat_and_cache_mla` and computes the
-absorbed latent-space attention of :class:`kvcore_mla.common.MLACommonImpl` with
+absorbed latent-space attention of :class:`kvcore_mla.backends.common.MLACommonImpl` with
 :func:`kvcore_mla.ops.triton_mla_attention.mla_attention`: split-KV decode for pure-decode
 batches, causal query tiles for mixed prefill/decode batches. Both kernels address pages
 through the cache's real strides and are verified bit-exact on per-layer views of cross-layer
@@ -13,6 +13,7 @@ Importing this module imports no kernel library: triton is imported when the imp
 from __future__ import annotations
 
 import torch
+from kvcore_mla.backends.common import MLACommonBackend, MLACommonImpl
 
 from kvcore import (
     AttentionImpl,
@@ -21,12 +22,9 @@ from kvcore import (
     AttentionSelectorConfig,
     DeviceCapability,
 )
-from kvcore.ops import FP8_KV_CACHE_DTYPES, triton_available
-from kvcore_mla.common import MLACommonBackend, MLACommonImpl
+from kvcore.ops import triton_fp8_reasons, triton_unavailable_reasons
 
 __all__ = ["TritonMLABackend", "TritonMLAImpl"]
-
-_FP8_CAPABILITY = DeviceCapability(8, 9)
 
 
 class TritonMLABackend(MLACommonBackend):
@@ -53,24 +51,14 @@ class TritonMLABackend(MLACommonBackend):
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
-        reasons = super().unavailable_reasons()
-        ok, why = triton_available()
-        if not ok:
-            reasons.append(why)
-        return reasons
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
     @classmethod
     def check_combination(
         cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:
         """fp8 caches need Triton's fp8 conversions, which NVIDIA GPUs have from 8.9 on."""
-        if (config.kv_cache_dtype in FP8_KV_CACHE_DTYPES and device_capability is not None
-                and device_capability.arch is None
-                and not device_capability.at_least(_FP8_CAPABILITY)):
-            return [f"kv_cache_dtype={config.kv_cache_dtype} needs device capability >= "
-                    f"{_FP8_CAPABILITY} on CUDA for fp8 conversions (got {device_capability}); "
-                    "use kv_cache_dtype=auto"]
-        return []
+        return triton_fp8_reasons(config.kv_cache_dtype, device_capability)
 
 
 def _check_runnable(kv_cache: torch.Tensor) -> None:
@@ -84,7 +72,7 @@ def _check_runnable(kv_cache: torch.Tensor) -> None:
 
 
 class TritonMLAImpl(MLACommonImpl):
-    """:class:`~kvcore_mla.common.MLACommonImpl` on the Triton kernels (same arguments)."""
+    """:class:`~kvcore_mla.backends.common.MLACommonImpl` on the Triton kernels (same arguments)."""
 
     def do_kv_cache_update(
         self,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import kvcore
 from kvcore.ops import FP8_KV_CACHE_DTYPES, reshape_and_cache_ref, scale_value
+from kvcore_example_plugin.ops.gather import gather_pages
 
 
 class SdpaGatherBackend(kvcore.AttentionBackend):
@@ -43,18 +44,6 @@ class SdpaGatherBackend(kvcore.AttentionBackend):
         # Logical (num_blocks, 2, block_size, num_kv_heads, head_size), stored HND. With a
         # leading layer dim: block outermost, then layer, then the same per-layer order.
         return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
-
-
-def _gather_pages(cache: torch.Tensor, table: torch.Tensor, scale: float,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """``(num_seqs, pages * block_size, num_kv_heads, head_size)`` in ``dtype``.
-
-    ``cache`` is a K or V view ``(num_blocks, block_size, num_kv_heads, head_size)`` of any
-    strides; ``table`` is ``(num_seqs, pages)`` block ids. fp8 pages are dequantised.
-    """
-    pages = cache[table]  # advanced indexing reads through the view's strides
-    tokens = pages.reshape(table.shape[0], -1, *cache.shape[2:]).to(dtype)
-    return tokens * scale if scale != 1.0 else tokens
 
 
 class SdpaGatherImpl(kvcore.AttentionImpl):
@@ -98,9 +87,9 @@ class SdpaGatherImpl(kvcore.AttentionImpl):
         key_cache, value_cache = kv_cache.unbind(1)
         block_size = key_cache.shape[1]
         table = m.block_table[:, : -(-m.max_seq_len // block_size)].long()
-        k = _gather_pages(key_cache, table, scale_value(layer.k_scale) if fp8 else 1.0,
+        k = gather_pages(key_cache, table, scale_value(layer.k_scale) if fp8 else 1.0,
                           query.dtype)
-        v = _gather_pages(value_cache, table, scale_value(layer.v_scale) if fp8 else 1.0,
+        v = gather_pages(value_cache, table, scale_value(layer.v_scale) if fp8 else 1.0,
                           query.dtype)
 
         # Where each packed query row goes in the padded (num_seqs, max_query_len) batch.
@@ -114,7 +103,7 @@ class SdpaGatherImpl(kvcore.AttentionImpl):
         q_pos = (seq_lens - q_lens)[:, None] + torch.arange(m.max_query_len, device=device)
         k_pos = torch.arange(k.shape[1], device=device)
         allowed = k_pos[None, None, :] < seq_lens[:, None, None]  # (num_seqs, 1, keys)
-        if m.causal and self.attn_type == kvcore.AttentionType.DECODER:
+        if self.is_causal(m):
             allowed = allowed & (k_pos[None, None, :] <= q_pos[:, :, None])
         if self.sliding_window is not None:
             allowed = allowed & (q_pos[:, :, None] - k_pos[None, None, :] < self.sliding_window)

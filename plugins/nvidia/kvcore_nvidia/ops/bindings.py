@@ -1,8 +1,9 @@
-"""kvcore-nvidia's CUDA C++ ops: a stride-aware cache write and a batched block copy.
+"""The Python bindings of kvcore-nvidia's CUDA C++ ops: a stride-aware cache write and a batched
+block copy.
 
 Both validate their arguments in Python (errors name the argument) before anything is built
 or launched, then call the extension compiled from ``kvcore_nvidia/csrc`` on first use
-(:mod:`kvcore_nvidia._build`). On a machine that cannot build it (no CUDA torch, no GPU, no
+(:mod:`kvcore_nvidia.ops._build`). On a machine that cannot build it (no CUDA torch, no GPU, no
 nvcc) they raise ``RuntimeError`` with :func:`extension_unavailable_reason`.
 
 - :func:`reshape_and_cache_flash` computes exactly :func:`kvcore.ops.reshape_and_cache_ref`
@@ -20,13 +21,17 @@ from typing import Literal
 
 import torch
 
-from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_reshape_and_cache
-from kvcore_nvidia import _build
+from kvcore.ops import (
+    FP8_KV_CACHE_DTYPES,
+    block_runs,
+    check_block_mapping,
+    validate_reshape_and_cache,
+)
+from kvcore_nvidia.ops import _build
 
 __all__ = [
     "COPY_METHODS",
     "DEFAULT_COPY_STREAMS",
-    "block_runs",
     "build_extension",
     "copy_blocks",
     "extension_unavailable_reason",
@@ -110,68 +115,25 @@ def reshape_and_cache_flash(
         k_tensor, v_tensor, k_value, v_value)
 
 
-def block_runs(src_blocks: torch.Tensor, dst_blocks: torch.Tensor, src_adjacent: bool,
-               dst_adjacent: bool) -> torch.Tensor:
-    """Merge a block mapping into runs of consecutive blocks, one copy each.
-
-    Args:
-        src_blocks, dst_blocks: ``(n,)`` integer block ids; ``src_blocks[i]`` goes to
-            ``dst_blocks[i]``.
-        src_adjacent, dst_adjacent: whether block ``b + 1`` starts where block ``b`` ends in
-            the source / destination memory (only then can a run span several blocks).
-
-    Returns:
-        ``(num_runs, 3)`` int64 CPU tensor of ``(src_block, dst_block, num_blocks)``, sorted
-        by source block.
-    """
-    src = src_blocks.detach().to("cpu", torch.int64)
-    dst = dst_blocks.detach().to("cpu", torch.int64)
-    if src.numel() == 0:
-        return torch.empty(0, 3, dtype=torch.int64)
-    order = torch.argsort(src, stable=True)
-    src, dst = src[order], dst[order]
-    starts = torch.ones_like(src, dtype=torch.bool)
-    if src_adjacent and dst_adjacent:
-        starts[1:] = (src[1:] != src[:-1] + 1) | (dst[1:] != dst[:-1] + 1)
-    first = starts.nonzero().squeeze(1)
-    lengths = torch.diff(first, append=torch.tensor([src.numel()]))
-    return torch.stack([src[first], dst[first], lengths], dim=1)
-
-
 def _check_copy_args(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
                      method: str, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What is copied first (method, shapes, mapping), then where the memory lives."""
-    for name, t in (("src", src), ("dst", dst), ("block_mapping", block_mapping)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(block_mapping, torch.Tensor):
+        raise TypeError(f"block_mapping must be a torch.Tensor, got {type(block_mapping).__name__}")
     if method not in COPY_METHODS:
         raise ValueError(f"method={method!r} (supported: {', '.join(COPY_METHODS)})")
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 8:
         raise ValueError(f"streams={streams!r} must be an integer from 1 to 8")
-    if src.dim() == 0 or dst.dim() == 0:
-        raise ValueError("src and dst must have a leading block dim (e.g. KVCaches.block_view())")
-    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError(
-            f"src blocks are {tuple(src.shape[1:])} {src.dtype} but dst blocks are "
-            f"{tuple(dst.shape[1:])} {dst.dtype}; both must hold the same page layout")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be (num_pairs, 2) (src_block, dst_block), got "
+                         f"shape {tuple(block_mapping.shape)}")
+    src_ids, dst_ids = check_block_mapping(
+        src, dst, block_mapping[:, 0], block_mapping[:, 1],
+        names=("src", "dst", "block_mapping[:, 0]", "block_mapping[:, 1]"))
     for name, t in (("src", src), ("dst", dst)):
         if t.shape[0] and not t[0].is_contiguous():
             raise ValueError(f"{name}'s blocks are not contiguous (strides {t.stride()}); pass "
                              "a blocks-first view whose every block is one run of bytes")
-    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
-        raise ValueError(f"block_mapping must be (num_pairs, 2) (src_block, dst_block), got "
-                         f"shape {tuple(block_mapping.shape)}")
-    if block_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"block_mapping must be int32 or int64, got {block_mapping.dtype}")
-    mapping = block_mapping.detach().to("cpu", torch.int64)
-    src_ids, dst_ids = mapping[:, 0], mapping[:, 1]
-    for name, ids, t in (("src", src_ids, src), ("dst", dst_ids, dst)):
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.shape[0]):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise ValueError(f"block_mapping has {name} block {bad}, outside {name}'s "
-                             f"{t.shape[0]} blocks (valid ids: 0..{t.shape[0] - 1})")
-    if dst_ids.unique().numel() != dst_ids.numel():
-        raise ValueError("block_mapping writes some dst block twice; dst blocks must be unique")
     for name, t in (("src", src), ("dst", dst)):
         if t.device.type == "cpu" and not t.is_pinned():
             raise ValueError(f"{name} is in pageable host memory; copy_blocks needs pinned "
@@ -197,9 +159,8 @@ def _check_copy_args(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.
     return src_ids, dst_ids
 
 
-#: Default of :func:`copy_blocks`'s ``streams``: on the H200 (2026-11-29) four batches in
-#: flight moved 512 MiB of scattered 64 KiB blocks in 12.8-14.0 ms, one batch in 14.8-19.2 ms
-#: (two runs), and 2 MiB runs no slower (``benchmarks/RESULTS.md``).
+#: Default of :func:`copy_blocks`'s ``streams``: four batches in flight moved scattered blocks
+#: faster than one, and large runs no slower (measurements in ``benchmarks/RESULTS.md``).
 DEFAULT_COPY_STREAMS = 4
 
 

@@ -1,0 +1,292 @@
+"""Disaggregated prefill/decode with the demo engine: KV moves between processes through NIXL.
+
+Two engines, two processes, one model (same weights from the same seed):
+
+1. The **prefill** process (a child) serves every request for one token. Each finished
+   request publishes its full prompt blocks through the ``nixl`` connector
+   (``role="producer"``), which pins them until the decode engine has read them.
+2. The **decode** process (the caller) connects to it (``role="consumer"``), overwrites its
+   free blocks with noise (so only KV that really arrives can be right), and serves the same
+   requests to their full length: at admission each request finds its prompt blocks with
+   ``lookup`` and READs them straight from the prefill engine's cache with ``load``; only the
+   prompt's last, partial block is computed again (the demo engine computes at least one
+   prompt token to get the first token's logits).
+3. **Check**: every token equals the same requests served by one engine alone (no connector,
+   everything computed), the prefill engine's first token included, and every eligible block
+   was loaded rather than recomputed.
+
+Run it with ``python -m kvcore.disagg_demo`` (``--help`` for options). On a GPU both
+processes use the one device and their caches are VRAM regions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from kvcore import (
+    AttentionSelectorConfig,
+    allocate_kv_caches,
+    current_platform,
+    get_attn_backend,
+    get_platform,
+    parse_dtype,
+)
+from kvcore.connectors import get_connector, get_connector_class
+from kvcore.demo_engine import Engine, Request
+from kvcore.demo_model import MODEL_PRESETS, DemoModel
+
+__all__ = ["DisaggOptions", "DisaggResult", "format_result", "main", "run_disaggregated"]
+
+#: Allowance for the prefill process to start (Python, torch, NIXL) on top of ``timeout_s``.
+_STARTUP_S = 60.0
+
+
+@dataclass
+class DisaggOptions:
+    """Options of :func:`run_disaggregated`."""
+
+    model: str = "tiny"
+    batch: int = 4
+    max_new_tokens: int = 8
+    max_num_seqs: int = 4
+    block_size: int = 16
+    dtype: str = "float32"
+    platform: str | None = None
+    backend: str | None = None
+    seed: int = 0
+    host: str = "127.0.0.1"
+    timeout_s: float = 60.0
+
+    def validate(self) -> None:
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model={self.model!r} (choose from: {', '.join(MODEL_PRESETS)})")
+        for name in ("batch", "max_new_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        parse_dtype(self.dtype)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be a finite number > 0")
+
+
+@dataclass
+class DisaggResult:
+    """What the run did and whether its checks passed."""
+
+    backend: str
+    device: str
+    layout: str
+    requests: int
+    generated_tokens: int
+    blocks_eligible: int
+    blocks_loaded: int
+    loaded_bytes: int
+    load_seconds: float
+    seconds: float
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def _requests(options: DisaggOptions, vocab: int) -> list[Request]:
+    """Prompts on two shared system prompts; no prompt ends on a block boundary (its last
+    full block would be published, but the decode engine computes the last prompt token
+    itself, so nobody would read it and the producer would hold it until its timeout)."""
+    rng = random.Random(options.seed)
+    bs = options.block_size
+    system = [[rng.randrange(vocab) for _ in range(2 * bs)] for _ in range(2)]
+    requests = []
+    for i in range(options.batch):
+        n = rng.randint(bs // 2 + 1, 2 * bs)
+        if (len(system[i % 2]) + n) % bs == 0:
+            n += 1
+        user = [rng.randrange(vocab) for _ in range(n)]
+        requests.append(Request(f"r{i}", system[i % 2] + user, options.max_new_tokens))
+    return requests
+
+
+class _Setup:
+    """What both engines share: backend, model, cache sizes (same on both sides)."""
+
+    def __init__(self, options: DisaggOptions) -> None:
+        platform = get_platform(options.platform) if options.platform else current_platform()
+        self.device = platform.device()
+        self.dtype = parse_dtype(options.dtype)
+        self.preset = MODEL_PRESETS[options.model]
+        config = AttentionSelectorConfig(head_size=self.preset.head_size, dtype=self.dtype,
+                                         block_size=options.block_size, use_kv_connector=True)
+        self.backend = get_attn_backend(config, options.backend, platform)
+        self.cross_layer = get_connector_class("nixl").cross_layer_for(self.backend)
+        self.requests = _requests(options, self.preset.vocab_size)
+        longest = max(len(r.prompt) for r in self.requests) + options.max_new_tokens
+        # Every request's blocks at once: the prefill engine holds them until they are read.
+        self.num_blocks = len(self.requests) * -(-longest // options.block_size) + 1
+        self.model = DemoModel(self.preset, seed=options.seed, dtype=self.dtype,
+                               device=self.device)
+        self.options = options
+
+    def engine(self, connector: Any, *, on_step: Any = None) -> Engine:
+        kv = allocate_kv_caches(
+            self.backend, num_layers=self.preset.num_layers, num_blocks=self.num_blocks,
+            block_size=self.options.block_size, num_kv_heads=self.preset.num_kv_heads,
+            head_size=self.preset.head_size, dtype=self.dtype, device=self.device,
+            cross_layer=self.cross_layer)
+        if connector is not None:
+            connector.register_kv_caches(kv)
+        return Engine(self.model, self.backend, kv, max_num_seqs=self.options.max_num_seqs,
+                      max_num_batched_tokens=4096, connector=connector,
+                      key_salt=f"kvcore-disagg:{self.options.model}:{self.options.seed}",
+                      on_step=on_step)
+
+
+def _prefill_main(options: DisaggOptions, pipe: Any) -> None:
+    """The prefill process: publish every request's prompt blocks, report the first tokens,
+    and stay until the decode engine has read them (or ``timeout_s`` releases them)."""
+    try:
+        torch.set_num_threads(1)
+        setup = _Setup(options)
+        requests = [Request(r.request_id, r.prompt, 1) for r in setup.requests]
+        with get_connector("nixl", role="producer", host=options.host, port=0,
+                           publish_timeout_s=options.timeout_s) as producer:
+            sent = []
+
+            def on_step(_tokens: int) -> None:
+                # Called after a step's finished requests published their blocks.
+                if not sent and all(r.finished for r in requests):
+                    pipe.send(("published", [r.output[0] for r in requests]))
+                    sent.append(True)
+
+            engine = setup.engine(producer, on_step=on_step)
+            pipe.send(("port", producer.port))
+            engine.serve(requests)  # returns once every published block was read
+            pipe.send(("done", producer.stats.to_dict()))
+    except BaseException as exc:
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _receive(pipe: Any, proc: Any, what: str, timeout_s: float) -> Any:
+    if not pipe.poll(timeout_s):
+        raise TimeoutError(f"the prefill process sent no {what} within timeout_s={timeout_s} "
+                           f"(alive: {proc.is_alive()})")
+    kind, payload = pipe.recv()
+    if kind == "error":
+        raise RuntimeError(f"the prefill process failed: {payload}")
+    if kind != what:
+        raise RuntimeError(f"the prefill process sent {kind!r}, expected {what!r}")
+    return payload
+
+
+def run_disaggregated(options: DisaggOptions) -> DisaggResult:
+    """Prefill in a child process, decode here, KV through ``nixl``; see the module doc."""
+    options.validate()
+    started = time.perf_counter()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads cost more than they give on a busy CPU
+    try:
+        setup = _Setup(options)
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_prefill_main, args=(options, theirs), daemon=True,
+                           name="kvcore-disagg-prefill")
+        proc.start()
+        try:
+            result = _decode(setup, ours, proc, started)
+        finally:
+            proc.join(options.timeout_s + _STARTUP_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    finally:
+        torch.set_num_threads(before)
+    return result
+
+
+def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult:
+    options = setup.options
+    # The prefill process also starts Python, imports torch and NIXL and runs the prompts.
+    wait_s = options.timeout_s + _STARTUP_S
+    port = _receive(pipe, proc, "port", wait_s)
+    decode_reqs = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
+    with get_connector("nixl", role="consumer", host=options.host, port=port,
+                       timeout_s=min(10.0, options.timeout_s),
+                       connect_timeout_s=options.timeout_s) as consumer:
+        engine = setup.engine(consumer)
+        engine.poison_free_blocks(torch.Generator().manual_seed(options.seed + 1))
+        first_tokens = _receive(pipe, proc, "published", wait_s)
+        stats = engine.serve(decode_reqs)
+        _receive(pipe, proc, "done", wait_s)
+        loaded_bytes, load_seconds = consumer.stats.loaded_bytes, consumer.stats.load_seconds
+    # One engine alone, computing everything: the tokens to match.
+    single = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
+    setup.engine(None).serve(single)
+    mismatches = []
+    for d, s, first in zip(decode_reqs, single, first_tokens, strict=True):
+        if d.output != s.output:
+            mismatches.append(f"MISMATCH {d.request_id}: disaggregated {d.output} vs single "
+                              f"engine {s.output}")
+        if first != s.output[0]:
+            mismatches.append(f"MISMATCH {d.request_id}: the prefill engine's first token "
+                              f"{first} vs single engine {s.output[0]}")
+    if stats.prefix_blocks_hit != stats.prefix_blocks_eligible:
+        mismatches.append(f"only {stats.prefix_blocks_hit} of {stats.prefix_blocks_eligible} "
+                          f"prompt blocks came through nixl ({stats.load_failures} failed)")
+    return DisaggResult(
+        backend=setup.backend.get_name(), device=str(setup.device),
+        layout=str(engine.kv_caches.layout), requests=len(decode_reqs),
+        generated_tokens=sum(len(r.output) for r in decode_reqs),
+        blocks_eligible=stats.prefix_blocks_eligible, blocks_loaded=stats.prefix_blocks_hit,
+        loaded_bytes=loaded_bytes, load_seconds=load_seconds,
+        seconds=time.perf_counter() - started, mismatches=mismatches)
+
+
+def format_result(result: DisaggResult) -> str:
+    lines = [
+        f"disaggregated prefill/decode over nixl: {result.backend} on {result.device}, "
+        f"layout {result.layout}",
+        f"  {result.requests} requests, {result.generated_tokens} tokens decoded; "
+        f"{result.blocks_loaded} of {result.blocks_eligible} prompt blocks READ from the "
+        f"prefill engine ({result.loaded_bytes / 1e6:.2f} MB in "
+        f"{result.load_seconds * 1e3:.1f} ms of loads)",
+        f"  tokens identical to one engine alone: {'yes' if result.ok else 'NO'} "
+        f"({result.seconds:.1f} s)",
+    ]
+    return "\n".join(lines + [f"  {m}" for m in result.mismatches])
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = DisaggOptions()
+    parser = argparse.ArgumentParser(prog="python -m kvcore.disagg_demo",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=defaults.model, choices=list(MODEL_PRESETS))
+    parser.add_argument("--batch", type=int, default=defaults.batch)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int,
+                        default=defaults.max_new_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--dtype", default=defaults.dtype)
+    parser.add_argument("--platform", default=None)
+    parser.add_argument("--backend", default=None, help="force a backend by name")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--timeout", dest="timeout_s", type=float, default=defaults.timeout_s)
+    result = run_disaggregated(DisaggOptions(**vars(parser.parse_args(argv))))
+    print(format_result(result))
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""ROCM_AITER_UNIFIED_ATTN: aiter's unified attention when installed, kvcore's Triton otherwise.
+
+**Unverified:** the aiter call (``aiter.ops.triton.unified_attention.unified_attention``) is
+written from aiter's documented Python entry point but has never run: no machine here has an
+AMD GPU or aiter. The Triton path is tested on CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, PagedAttentionImpl
+from kvcore.ops import (
+    triton_paged_attention,
+    triton_reshape_and_cache,
+    triton_unavailable_reasons,
+)
+from kvcore_rocm.backends.common import AiterBackend, aiter_installed, use_aiter, window
+
+__all__ = ["AiterUnifiedAttentionBackend", "AiterUnifiedAttentionImpl"]
+
+
+class AiterUnifiedAttentionBackend(AiterBackend):
+    """ROCM_AITER_UNIFIED_ATTN: blocks-first NHD cache; aiter when installed, Triton otherwise.
+
+    Cross-layer: the portable Triton kernels are verified bit-exact on per-layer views of a
+    cross-layer cache, so the backend opts in when it will run them (aiter not installed). With
+    aiter installed it keeps layers outermost: aiter's kernel has not been verified on strided
+    pages.
+    """
+
+    @staticmethod
+    def get_name() -> str:
+        return "ROCM_AITER_UNIFIED_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return AiterUnifiedAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        if not include_num_layers_dimension:
+            return (0, 1, 2, 3, 4)
+        return (0, 1, 2, 3, 4, 5) if aiter_installed() else (1, 0, 2, 3, 4, 5)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        # Either kernel source is enough; Triton is the fallback when aiter is missing.
+        if aiter_installed():
+            return super().unavailable_reasons()
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+
+
+class AiterUnifiedAttentionImpl(PagedAttentionImpl):
+    """Cache write: kvcore's Triton ``reshape_and_cache`` on ``kv_cache.unbind(1)`` (both paths).
+
+    Attention: aiter's ``unified_attention`` (UNVERIFIED, see the module docstring) for GPU
+    tensors when aiter is installed, the portable Triton ``paged_attention`` otherwise.
+    """
+
+    write_kv = staticmethod(triton_reshape_and_cache)
+    attend = staticmethod(triton_paged_attention)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        key_cache, value_cache = self.split_kv(kv_cache)
+        if not use_aiter(key_cache):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        output = torch.empty_like(query) if output is None else output
+        self._aiter_forward(query, key_cache, value_cache, attn_metadata, output)
+        return output
+
+    def _aiter_forward(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata, output: torch.Tensor,
+    ) -> None:
+        """UNVERIFIED: aiter's Triton unified attention (vLLM's argument convention)."""
+        from aiter.ops.triton.unified_attention import unified_attention
+
+        n = attn_metadata.num_actual_tokens
+        unified_attention(
+            q=query[:n], k=key_cache, v=value_cache, out=output[:n],
+            cu_seqlens_q=attn_metadata.query_start_loc,
+            max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=attn_metadata.seq_lens,
+            max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=self.scale,
+            causal=self.is_causal(attn_metadata),
+            window_size=window(self.sliding_window),
+            block_table=attn_metadata.block_table,
+            softcap=0,
+            q_descale=None, k_descale=None, v_descale=None,
+        )

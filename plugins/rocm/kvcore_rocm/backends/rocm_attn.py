@@ -1,0 +1,87 @@
+"""ROCM_ATTN: kvcore's portable Triton kernels on the legacy ``(2, num_blocks, ...)`` cache.
+
+KV connectors are not supported: dim 0 splits K from V, so a block is not one run of memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore import AttentionBackend, AttentionImpl, MultipleOf, PagedAttentionImpl
+from kvcore.ops import (
+    triton_paged_attention,
+    triton_reshape_and_cache,
+    triton_unavailable_reasons,
+)
+from kvcore_rocm.backends.common import GFX90A
+
+__all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
+
+
+class RocmAttentionBackend(AttentionBackend):
+    """ROCM_ATTN: legacy ``(2, num_blocks, block_size, num_kv_heads, head_size)`` cache.
+
+    Dim 0 splits K from V, so one block is two separate runs of memory and connectors (which
+    move ``cache[block_ids]``) would move the wrong bytes: the backend opts out of them.
+    """
+
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    # The sizes ROCm's paged-attention kernels are built for; the Triton kernels that run them
+    # here take any multiple of 8 up to 256, so this is the narrower of the two.
+    SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 128, 160, 192, 224, 256)
+    SUPPORTED_BLOCK_SIZES = (MultipleOf(16),)
+    MIN_DEVICE_CAPABILITY = GFX90A
+    PLATFORMS = ("rocm",)
+
+    @staticmethod
+    def get_name() -> str:
+        return "ROCM_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return RocmAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """Legacy ``(2, num_blocks, block_size, num_kv_heads, head_size)``: K/V split first."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def kv_connector_unsupported_reason(cls) -> str:
+        return ("ROCM_ATTN keeps the legacy (2, num_blocks, ...) layout; "
+                "use ROCM_AITER_UNIFIED_ATTN")
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+
+
+class RocmAttentionImpl(PagedAttentionImpl):
+    """Triton kernels on ``kv_cache.unbind(0)``: K and V ``(num_blocks, N, H, D)`` halves."""
+
+    write_kv = staticmethod(triton_reshape_and_cache)
+    attend = staticmethod(triton_paged_attention)
+
+    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _legacy_halves(kv_cache)
+
+
+def _legacy_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; ROCM_ATTN expects the legacy "
+            "(2, num_blocks, block_size, num_kv_heads, head_size)"
+        )
+    key_cache, value_cache = kv_cache.unbind(0)
+    return key_cache, value_cache

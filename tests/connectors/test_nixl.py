@@ -1,0 +1,409 @@
+"""The ``nixl`` connector: a producer publishes blocks, consumers READ them through NIXL.
+
+Two-process tests run the producer as a real subprocess on loopback (``nixl_peer.py``) with
+DRAM caches; the rest pair connectors inside this process, which runs the same protocol
+(sockets and NIXL agents) faster.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from kv_helpers import block_bytes, keys_for, make_caches
+
+from kvcore import LayoutMismatchError
+from kvcore.connectors import get_connector
+from kvcore.connectors import nixl as nixl_module
+from kvcore.connectors.nixl import NixlConnector, nixl_unavailable_reason
+
+PEER = Path(__file__).with_name("nixl_peer.py")
+needs_nixl = pytest.mark.skipif(nixl_unavailable_reason() is not None,
+                                reason=str(nixl_unavailable_reason()))
+
+
+class Peer:
+    """A producer subprocess; its stdout lines arrive on a queue (readable with a timeout)."""
+
+    def __init__(self, *args: str) -> None:
+        # NIXL logs INFO lines to stdout unless told otherwise.
+        env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+        self.proc = subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def line(self, timeout: float = 60.0) -> str:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"the producer said nothing within {timeout} s; stderr: "
+                                 f"{self.proc.stderr.read()[-2000:]}") from None
+
+    def port(self) -> int:
+        line = self.line()
+        assert line.startswith("port "), line
+        return int(line.split()[1])
+
+
+@contextmanager
+def producer_process(scenario: str, seed: int, *, layout: str = "nhd", cross: bool = False,
+                     dtype: str = "bf16", device: str = "cpu") -> Iterator[Peer]:
+    peer = Peer(scenario, str(seed), layout, "1" if cross else "0", dtype, device)
+    try:
+        yield peer
+    finally:
+        if peer.proc.poll() is None:
+            try:
+                os.kill(peer.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            peer.proc.stdin.close()
+            try:
+                peer.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                peer.proc.kill()
+                peer.proc.wait(timeout=30)
+
+
+def consumer(port: int, **config) -> NixlConnector:
+    return get_connector("nixl", role="consumer", port=port,
+                         **{"timeout_s": 5.0, "connect_timeout_s": 30.0, **config})
+
+
+# -- arguments and availability ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    ({"role": "server"}, "role='server' must be 'producer'"),
+    ({"role": "consumer"}, "port=0 for a consumer"),
+    ({"role": "producer", "port": 70000}, "port=70000 must be an int in 0..65535"),
+    ({"role": "producer", "port": True}, "port=True"),
+    ({"role": "producer", "timeout_s": float("nan")}, "timeout_s=nan must be a finite"),
+    ({"role": "producer", "timeout_s": 0}, "timeout_s=0 must be"),
+    ({"role": "producer", "connect_timeout_s": float("inf")}, "connect_timeout_s=inf"),
+    ({"role": "producer", "publish_timeout_s": -1}, "publish_timeout_s=-1"),
+    ({"role": "producer", "publish_timeout_s": True}, "publish_timeout_s=True"),
+    ({"role": "producer", "backends": "UCX"}, "backends must be a non-empty list"),
+    ({"role": "producer", "backends": []}, "backends must be a non-empty list"),
+    ({"role": "producer", "host": ""}, "host must be a non-empty str"),
+], ids=lambda v: str(v) if isinstance(v, str) else None)
+def test_bad_arguments_are_named(config, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        get_connector("nixl", **config)
+
+
+def test_missing_nixl_is_a_clear_reason(monkeypatch):
+    monkeypatch.setattr(nixl_module, "_NIXL_MODULES", ("kvcore_no_such_nixl._api",))
+    reason = nixl_unavailable_reason()
+    assert "pip install 'kvcore[nixl]'" in reason and "kvcore_no_such_nixl" in reason
+    with pytest.raises(RuntimeError, match=r"the nixl connector is unavailable: NIXL's Python"):
+        get_connector("nixl", role="producer")
+
+
+# -- two processes ----------------------------------------------------------------------------
+
+
+@needs_nixl
+@pytest.mark.parametrize(("layout", "cross", "dtype"),
+                         [("nhd", True, "fp8"), ("hnd", False, "bf16")],
+                         ids=["cross_layer-nhd-fp8", "per_layer-hnd-bf16"])
+def test_round_trip_between_two_processes_is_bit_exact(layout, cross, dtype):
+    seed = 11
+    with producer_process("serve", seed, layout=layout, cross=cross, dtype=dtype) as peer:
+        port = peer.port()
+        kv = make_caches(cross_layer=cross, dtype=dtype, layout=layout)  # fresh random data
+        before = block_bytes(kv, list(range(kv.num_blocks)))
+        keys = keys_for(seed, 4)
+        with consumer(port) as conn:
+            conn.register_kv_caches(kv)
+            deadline = time.monotonic() + 30
+            while conn.lookup(keys) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert conn.lookup(keys) == 4
+            # 3, 4, 5 -> 0, 1, 2 is one run (one transfer); 9 -> 7 another.
+            result = conn.load(keys, [0, 1, 2, 7]).wait(timeout=30)
+            assert result.ok, result.failed
+            assert result.succeeded == (0, 1, 2, 7)
+            assert result.num_bytes == 4 * conn.block_bytes
+            assert peer.line() == "saved True 4 0"  # the READ notifications released them
+            assert conn.lookup(keys) == 0  # taken: published once, read once
+        theirs = make_caches(cross_layer=cross, dtype=dtype, layout=layout, seed=seed)
+        after = block_bytes(kv, list(range(kv.num_blocks)))
+        assert torch.equal(after[[0, 1, 2, 7]], block_bytes(theirs, [3, 4, 5, 9]))
+        untouched = [b for b in range(kv.num_blocks) if b not in (0, 1, 2, 7)]
+        assert torch.equal(after[untouched], before[untouched])
+
+
+@needs_nixl
+def test_layout_mismatch_is_refused_before_any_byte_moves():
+    with producer_process("serve", 3, layout="nhd") as peer:
+        port = peer.port()
+        kv = make_caches(cross_layer=False, layout="hnd")
+        before = kv.storage.clone()
+        conn = consumer(port)
+        with pytest.raises(LayoutMismatchError, match=r"consumer .*producer 127\.0\.0\.1:"
+                                                      r"\d+.*physical order"):
+            conn.register_kv_caches(kv)
+        conn.close()
+        assert torch.equal(kv.storage.view(torch.uint8), before.view(torch.uint8))
+        peer.proc.kill()  # (it would wait for a consumer until publish_timeout_s)
+        assert "nixl producer: refused consumer" in peer.proc.stderr.read()
+
+
+@needs_nixl
+@pytest.mark.parametrize("fault", ["killed", pytest.param("frozen", marks=pytest.mark.slow)])
+def test_dead_or_frozen_producer_fails_exactly_the_unread_blocks(fault):
+    seed, timeout_s = 5, 3.0
+    with producer_process("partial", seed) as peer:
+        port = peer.port()
+        kv = make_caches(cross_layer=False)
+        before = block_bytes(kv, list(range(kv.num_blocks)))
+        keys = keys_for(seed, 4)
+        conn = consumer(port, timeout_s=timeout_s)
+        conn.register_kv_caches(kv)
+        while conn.lookup(keys[:2]) < 2:
+            time.sleep(0.01)
+        started = time.monotonic()
+        handle = conn.load(keys, [0, 1, 2, 3])  # reads the two published, polls for the rest
+        assert peer.line(timeout=30) == "served"
+        if fault == "killed":
+            peer.proc.kill()
+        else:
+            os.kill(peer.proc.pid, signal.SIGSTOP)
+        result = handle.wait(timeout=timeout_s + 5)
+        elapsed = time.monotonic() - started
+        assert result.succeeded == (0, 1)
+        assert sorted(result.failed) == [2, 3]
+        assert elapsed < timeout_s + 1.5, elapsed
+        theirs = make_caches(cross_layer=False, seed=seed)
+        after = block_bytes(kv, list(range(kv.num_blocks)))
+        assert torch.equal(after[[0, 1]], block_bytes(theirs, [3, 4]))
+        assert torch.equal(after[2:], before[2:])  # nothing partial written
+        # Later requests fail within the timeout too, and closing leaves no thread behind.
+        started = time.monotonic()
+        assert conn.lookup(keys) == 0
+        later = conn.load(keys[2:], [4, 5]).wait(timeout=timeout_s + 5)
+        assert sorted(later.failed) == [4, 5]
+        assert time.monotonic() - started < 2 * timeout_s + 1.5
+        conn.close()
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("kvcore-nixl")]
+
+
+CONSUMER_WITHOUT_CLOSE = """
+import sys
+sys.path.insert(0, {helpers!r})
+from kv_helpers import keys_for, make_caches
+from kvcore.connectors import get_connector
+conn = get_connector("nixl", role="consumer", port={port}, timeout_s=1.0)
+conn.register_kv_caches(make_caches(cross_layer=True))
+assert conn.load(keys_for(1, 2), [0, 1]).wait(timeout=10).ok
+late = conn.load(keys_for(2, 1), [5]).wait(timeout=10)  # never published: times out
+assert list(late.failed) == [5], late
+print("ok", flush=True)
+# no close(): the connector must still let the interpreter exit cleanly
+"""
+
+
+@needs_nixl
+@pytest.mark.slow
+def test_interpreter_exits_cleanly_without_close():
+    with producer() as prod:
+        kv = make_caches(cross_layer=True)
+        prod.register_kv_caches(kv)
+        save = prod.save(keys_for(1, 2), [3, 4])
+        code = CONSUMER_WITHOUT_CLOSE.format(helpers=str(PEER.parent), port=prod.port)
+        env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip() == "ok"
+        assert save.wait(timeout=10).ok
+
+
+# -- in one process ---------------------------------------------------------------------------
+
+
+@contextmanager
+def producer(**config) -> Iterator[NixlConnector]:
+    with get_connector("nixl", role="producer", port=0, **config) as conn:
+        yield conn
+
+
+def test_never_connecting_producer_is_a_clear_error_within_the_timeout():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    conn = get_connector("nixl", role="consumer", port=port, connect_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"no producer answered at 127\.0\.0\.1:{port} "
+                                              r"within connect_timeout_s=1\.0.*firewall"):
+        conn.register_kv_caches(make_caches(cross_layer=True))
+    assert time.monotonic() - started < 3
+    conn.close()
+
+
+def test_silent_server_is_a_clear_error_within_the_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        conn = get_connector("nixl", role="consumer", port=silent.getsockname()[1],
+                             connect_timeout_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="did not complete the handshake within "
+                                                  r"connect_timeout_s=1\.0"):
+            conn.register_kv_caches(make_caches(cross_layer=True))
+        assert time.monotonic() - started < 3
+        conn.close()
+
+
+@needs_nixl
+def test_unread_blocks_are_released_after_publish_timeout():
+    with producer(publish_timeout_s=0.5) as prod:
+        prod.register_kv_caches(make_caches(cross_layer=True))
+        result = prod.save(keys_for(1, 2), [1, 2]).wait(timeout=5)
+    assert sorted(result.failed) == [1, 2]
+    assert "no consumer connected to 127.0.0.1" in result.failed[1]
+    assert "publish_timeout_s=0.5" in result.failed[1]
+
+
+@needs_nixl
+def test_closing_the_producer_fails_what_nobody_read():
+    prod = get_connector("nixl", role="producer", port=0)
+    prod.register_kv_caches(make_caches(cross_layer=True))
+    handle = prod.save(keys_for(3, 2), [0, 1])
+    prod.close()
+    result = handle.wait(timeout=5)
+    assert sorted(result.failed) == [0, 1]
+    assert "closed before a consumer read it" in result.failed[0]
+
+
+@needs_nixl
+def test_a_lease_nobody_confirms_is_published_again():
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(4, 1)
+    with producer() as prod, consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [8])
+        # A consumer that took the block and froze before reading it.
+        prod._producer.fetch("frozen-consumer", keys, lease_s=0.3)
+        assert conn.lookup(keys) == 0
+        deadline = time.monotonic() + 5
+        while conn.lookup(keys) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert conn.load(keys, [2]).wait(timeout=10).ok
+        assert save.wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv_c, [2]), block_bytes(kv_p, [8]))
+
+
+@needs_nixl
+def test_several_consumers_and_a_key_published_twice():
+    kv_p = make_caches(cross_layer=True)
+    keys = keys_for(7, 3)
+    with producer() as prod:
+        prod.register_kv_caches(kv_p)
+        with consumer(prod.port) as c1, consumer(prod.port) as c2:
+            kv1, kv2 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+            c1.register_kv_caches(kv1)
+            c2.register_kv_caches(kv2)
+            first = prod.save(keys, [0, 1, 2])
+            second = prod.save(keys[:1], [5])  # same key, another block (same contents)
+            assert c1.lookup(keys) == 3
+            assert c1.load(keys, [6, 7, 8]).wait(timeout=10).ok
+            assert c2.lookup(keys) == 1  # the second copy of keys[0] is still published
+            assert c2.load(keys[:1], [3]).wait(timeout=10).ok
+            assert first.wait(timeout=10).ok and second.wait(timeout=10).ok
+            assert c2.lookup(keys) == 0
+    assert torch.equal(block_bytes(kv1, [6, 7, 8]), block_bytes(kv_p, [0, 1, 2]))
+    assert torch.equal(block_bytes(kv2, [3]), block_bytes(kv_p, [5]))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvcore-nixl")]
+
+
+@needs_nixl
+def test_a_key_repeated_in_one_load_takes_two_publications():
+    kv_p, kv_c = make_caches(cross_layer=False), make_caches(cross_layer=False)
+    key = keys_for(9, 1)
+    with producer() as prod, consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        saves = [prod.save(key, [2]), prod.save(key, [6])]
+        result = conn.load(key * 2, [0, 1]).wait(timeout=10)
+        assert result.succeeded == (0, 1)
+        assert all(s.wait(timeout=10).ok for s in saves)
+    assert torch.equal(block_bytes(kv_c, [0, 1]), block_bytes(kv_p, [2, 6]))
+
+
+@needs_nixl
+def test_in_process_dtype_mismatch_is_refused():
+    with producer() as prod:
+        prod.register_kv_caches(make_caches(cross_layer=False, dtype="bf16"))
+        conn = consumer(prod.port)
+        with pytest.raises(LayoutMismatchError, match="dtype"):
+            conn.register_kv_caches(make_caches(cross_layer=False, dtype="fp16"))
+        conn.close()
+
+
+@needs_nixl
+def test_unknown_nixl_backend_is_refused_at_registration():
+    conn = get_connector("nixl", role="producer", backends=["NO_SUCH_BACKEND"])
+    with pytest.raises(ValueError, match=r"NIXL has no plugin for NO_SUCH_BACKEND "
+                                         r"\(available: .*UCX"):
+        conn.register_kv_caches(make_caches(cross_layer=True))
+    conn.close()
+
+
+@needs_nixl
+def test_roles_that_do_not_apply_fail_per_block_with_the_reason():
+    with producer() as prod:
+        prod.register_kv_caches(make_caches(cross_layer=True))
+        assert prod.lookup(keys_for(1, 2)) == 0
+        loaded = prod.load(keys_for(1, 2), [0, 1]).wait()
+        assert sorted(loaded.failed) == [0, 1] and "role='producer'" in loaded.failed[0]
+        with consumer(prod.port) as conn:
+            conn.register_kv_caches(make_caches(cross_layer=True))
+            saved = conn.save(keys_for(2, 1), [4]).wait()
+            assert saved.failed[4].startswith("role='consumer' only loads")
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+
+@needs_nixl
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cross", [True, False], ids=["cross_layer", "per_layer"])
+def test_vram_round_trip_between_two_processes_on_one_gpu(cross):
+    seed = 21
+    with producer_process("serve", seed, cross=cross, dtype="bf16", device="cuda") as peer:
+        port = peer.port()
+        kv = make_caches(cross_layer=cross, dtype="bf16", device="cuda")
+        before = block_bytes(kv, list(range(kv.num_blocks))).cpu()
+        keys = keys_for(seed, 4)
+        with consumer(port, timeout_s=20.0) as conn:
+            conn.register_kv_caches(kv)
+            while conn.lookup(keys) < 4:
+                time.sleep(0.01)
+            result = conn.load(keys, [0, 1, 2, 7]).wait(timeout=30)
+            assert result.ok, result.failed
+            assert peer.line() == "saved True 4 0"
+        theirs = make_caches(cross_layer=cross, dtype="bf16", seed=seed)  # same bytes on CPU
+        after = block_bytes(kv, list(range(kv.num_blocks))).cpu()
+        assert torch.equal(after[[0, 1, 2, 7]], block_bytes(theirs, [3, 4, 5, 9]))
+        untouched = [b for b in range(kv.num_blocks) if b not in (0, 1, 2, 7)]
+        assert torch.equal(after[untouched], before[untouched])

@@ -1,0 +1,204 @@
+"""The Triton compile check (``kvcore kernels``, :mod:`kvcore.testing.compile_check`).
+
+The fast tests cover the metric parsers and the verdicts. The slow ones run ``kvcore kernels``
+in a subprocess (this test session interprets Triton kernels, ``TRITON_INTERPRET=1``; the
+check needs the compiled ones): every ``@triton.jit`` kernel of kvcore and the plugins is
+launched by some case, a deliberately broken config fails the check on gfx942's LDS and the
+command exits 1, and a good kernel passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcore.testing.compile_check import (
+    TARGETS,
+    CompileResult,
+    _judge,
+    parse_amdgcn_metadata,
+    parse_ptxas_log,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_paged_attention_kernel' for 'sm_90a'
+ptxas info    : Function properties for _paged_attention_kernel
+    96 bytes stack frame, 40 bytes spill stores, 44 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers
+"""
+
+AMDGCN_METADATA = """\
+    .amdhsa_next_free_vgpr 120
+amdhsa.kernels:
+  - .agpr_count:     4
+    .group_segment_fixed_size: 0
+    .sgpr_count:     104
+    .sgpr_spill_count: 2
+    .vgpr_count:     116
+    .vgpr_spill_count: 12
+"""
+
+
+def test_ptxas_log_gives_registers_and_spill_store_bytes():
+    assert parse_ptxas_log(PTXAS_LOG) == (255, 40)
+
+
+def test_ptxas_log_without_a_report_is_an_error():
+    with pytest.raises(ValueError, match="no register/spill report"):
+        parse_ptxas_log("ptxas info    : 0 bytes gmem\n")
+
+
+def test_amdgcn_metadata_gives_vector_registers_and_spilled_vgpr_bytes():
+    assert parse_amdgcn_metadata(AMDGCN_METADATA) == (116 + 4, 12 * 4)
+
+
+@pytest.mark.parametrize(("name", "kib"), [("gfx942", 64), ("gfx950", 160), ("sm80", 163),
+                                           ("sm90", 227), ("sm100", 227)])
+def test_shared_memory_limits_are_the_targets(name, kib):
+    assert TARGETS[name].shared_memory_limit == kib * 1024
+
+
+@pytest.mark.parametrize(("name", "capability"), [("sm80", "8.0"), ("sm90", "9.0"),
+                                                  ("sm100", "10.0"), ("gfx942", "gfx942 (9.4)"),
+                                                  ("gfx950", "gfx950 (9.5)")])
+def test_targets_have_the_capability_backends_validate_against(name, capability):
+    assert str(TARGETS[name].device_capability) == capability
+
+
+def _result(**metrics) -> CompileResult:
+    return CompileResult("kvcore", "case", "_kernel", "gfx942", **metrics)
+
+
+def test_lds_over_the_limit_fails_naming_target_and_sizes():
+    result = _result(registers=100, spills=0, shared=68 * 1024)
+    _judge(result, TARGETS["gfx942"], max_spills=0)
+    assert not result.ok
+    assert result.failures == [
+        "needs 68.0 KiB of LDS per program; gfx942 (MI300X) has 64 KiB: use smaller tiles or "
+        "fewer stages for this target"]
+    fits = _result(registers=100, spills=0, shared=68 * 1024)
+    _judge(fits, TARGETS["gfx950"], max_spills=0)
+    assert fits.ok
+
+
+def test_spills_over_the_allowance_fail():
+    result = _result(registers=255, spills=84, shared=0)
+    _judge(result, TARGETS["sm90"], max_spills=64)
+    assert result.failures == ["spills 84 bytes per thread on sm90 (allowed: 64): use smaller "
+                               "tiles or more warps"]
+    allowed = _result(registers=255, spills=84, shared=0)
+    _judge(allowed, TARGETS["sm90"], max_spills=128)
+    assert allowed.ok
+
+
+def test_a_compile_error_fails():
+    result = _result(error="CompilationError: at 12:4: boom")
+    _judge(result, TARGETS["sm80"], max_spills=0)
+    assert result.failures == ["does not compile for sm80: CompilationError: at 12:4: boom"]
+
+
+def _kvcore_kernels(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KVCORE_COMPILE_CACHE"] = str(cache)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
+                                         env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "kvcore.cli", "kernels", *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+def _triton_kernels_in_source() -> set[str]:
+    """Every launched ``@triton.jit`` kernel (named ``*_kernel``) of kvcore and the plugins."""
+    names = set()
+    for root in (REPO / "kvcore", REPO / "plugins"):
+        for path in root.rglob("*.py"):
+            if "tests" in path.parts:
+                continue
+            names |= set(re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", path.read_text()))
+    return names
+
+
+@pytest.mark.slow
+def test_every_triton_kernel_is_launched_by_a_case_on_some_target(tmp_path):
+    proc = _kvcore_kernels("--list", "--format", "json", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert rows and all(row["ok"] for row in rows), [r for r in rows if not r["ok"]]
+    launched = {row["kernel"] for row in rows if not row["skipped"]}
+    assert _triton_kernels_in_source() == launched
+    assert {row["target"] for row in rows} == set(TARGETS)
+
+
+@pytest.mark.slow
+def test_a_tile_that_needs_more_lds_than_gfx942_has_fails_the_check(tmp_path):
+    proc = _kvcore_kernels("--target", "gfx942", "--format", "json",
+                           "--cases", "broken_compile_cases:too_much_lds",
+                           "--cases", "broken_compile_cases:fits", cache=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    rows = {(r["case"], r["target"]): r for r in json.loads(proc.stdout)}
+    broken = rows["prefill 128x64 tile D256 3 stages", "gfx942"]
+    assert broken["kernel"] == "_paged_attention_kernel"
+    assert broken["shared"] > 64 * 1024
+    assert any("KiB of LDS per program; gfx942 (MI300X) has 64 KiB" in failure
+               for failure in broken["failures"])
+    good = rows["cache write bf16", "gfx942"]
+    assert good["ok"] and good["registers"] > 0 and good["spills"] == 0
+
+    # Cached: the second run compiles nothing and gives the same verdicts.
+    again = _kvcore_kernels("--target", "gfx942", "--format", "json",
+                            "--cases", "broken_compile_cases:too_much_lds", cache=tmp_path)
+    assert again.returncode == 1
+    (row,) = json.loads(again.stdout)
+    assert row["cached"] and row["shared"] == broken["shared"]
+
+
+@pytest.mark.gpu
+def test_the_ahead_of_time_compile_matches_the_jit_on_this_gpu():
+    """On a real GPU: Triton's JIT, given the same launches on device tensors of the same
+    strides, builds kernels with exactly the registers and shared memory the check reports."""
+    import torch
+
+    from kvcore.testing.compile_cases import compile_cases
+    from kvcore.testing.compile_check import capture_launches, run_check
+
+    major, minor = torch.cuda.get_device_capability()
+    if torch.version.hip is not None:
+        name = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    else:
+        name = f"sm{major}{minor}"
+    if name not in TARGETS:
+        pytest.skip(f"{name} is not a compile-check target ({', '.join(TARGETS)})")
+    target = TARGETS[name]
+    expected = {(r.case, r.kernel): r for r in run_check([name], owners=["kvcore"], jobs=1)}
+    assert all(r.ok for r in expected.values())
+
+    def on_device(value):
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
+                                       device="cuda")
+        return value
+
+    checked = 0
+    for case in compile_cases(target):
+        if case.skip:
+            continue
+        with capture_launches() as launches:
+            case.launch()
+        for launch in launches:
+            kernel = launch.fn.warmup(*map(on_device, launch.args), grid=(1,),
+                                      **{k: on_device(v) for k, v in launch.kwargs.items()})
+            kernel._init_handles()
+            aot = expected[case.name, launch.fn.fn.__name__]
+            assert kernel.metadata.shared == aot.shared, case.name
+            if not target.is_rocm:  # the HIP driver counts registers differently
+                assert kernel.n_regs == aot.registers, case.name
+            checked += 1
+    assert checked >= 10
