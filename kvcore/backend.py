@@ -18,16 +18,13 @@ import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from kvcore.config import AttentionSelectorConfig
-from kvcore.ops.validation import StepFacts, mark_step_checked
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
-
-if TYPE_CHECKING:
-    from kvcore.builder import AttentionMetadataBuilder
+from kvcore.step_facts import StepFacts, mark_step_checked
 
 __all__ = [
     "AttentionBackend",
@@ -72,6 +69,12 @@ def _is_supported(value: Any, supported: Any) -> bool:
     if isinstance(supported, MultipleOf):
         return value in supported
     return any(value in s if isinstance(s, MultipleOf) else value == s for s in supported)
+
+
+#: The default builder class. kvcore.builder (a layer above this module, importing it) fills
+#: the slot when it is imported, and ``import kvcore`` imports it, so it is set before any
+#: backend can be used.
+_default_builder: list[type] = []
 
 
 class CudaGraphSupport(enum.Enum):
@@ -149,16 +152,15 @@ class AttentionBackend(ABC):
         """The implementation class; import kernel libraries here, not at module import."""
 
     @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        """The per-step metadata builder the engine makes once and calls once per step.
+    def get_builder_cls() -> type:
+        """The per-step metadata builder (a :class:`kvcore.AttentionMetadataBuilder`
+        subclass) the engine makes once and calls once per step.
 
         Default: :class:`kvcore.AttentionMetadataBuilder`, which checks the step's values
         once and returns the metadata unchanged. Override for per-step work (a kernel
         library's plan, split choices, workspaces) and for CUDA-graph support.
         """
-        from kvcore.builder import AttentionMetadataBuilder
-
-        return AttentionMetadataBuilder
+        return _default_builder[0]
 
     @staticmethod
     def get_kv_cache_shape(

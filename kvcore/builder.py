@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore import backend as _backend
 from kvcore.backend import AttentionMetadata, CudaGraphSupport
 from kvcore.ops.validation import (
     StepFacts,
@@ -261,6 +262,10 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
                           max_slot=facts.max_slot),
                 query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots)
         return meta
+
+
+# AttentionBackend.get_builder_cls() returns this class unless a backend overrides it.
+_backend._default_builder[:] = [AttentionMetadataBuilder]
 
 
 def is_uniform_decode(common: AttentionMetadata) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcore
-from kvcore import ops
+from kvcore import ops, step_facts
 from kvcore.builder import graph_batch_sizes, is_uniform_decode
 from kvcore.ops import validation
 from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
@@ -183,7 +183,7 @@ def test_inference_tensors_are_never_marked():
     facts = facts_of(meta)
     assert not ops.mark_step_checked(facts, query_start_loc=meta.query_start_loc.clone(),
                                      seq_lens=seq_lens, block_table=meta.block_table.clone())
-    assert getattr(seq_lens, validation._MARK, None) is None
+    assert getattr(seq_lens, step_facts._MARK, None) is None
 
 
 def test_mark_step_checked_compares_shapes_with_the_facts():

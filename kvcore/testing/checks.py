@@ -35,6 +35,7 @@ from kvcore.testing.batch import (
     CaseConfig,
     MixedBatch,
     make_mixed_batch,
+    random_block_tables,
     random_like,
 )
 from kvcore.testing.rules import ConformanceError
@@ -678,12 +679,7 @@ def _decode_batch(config: CaseConfig, device: torch.device, gen: torch.Generator
     """Decode requests with the given cached lengths over random distinct blocks of a cache
     of ``num_blocks``."""
     bs = config.block_size
-    needed = [-(-(c + 1) // bs) for c in context_lens]
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in needed:
-        tables.append(ids[start:start + n])
-        start += n
+    tables = random_block_tables([c + 1 for c in context_lens], bs, num_blocks, gen)
     n = len(context_lens)
     meta = build_attention_metadata([1] * n, context_lens, tables, bs, device=device,
                                     causal=config.causal)
