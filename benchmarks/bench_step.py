@@ -52,11 +52,10 @@ if SMOKE:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kvcore.cli import harness  # noqa: E402
-from kvcore.cli.harness import rel_err  # noqa: E402
-
 import kvcore  # noqa: E402
 from kvcore import ops  # noqa: E402
+from kvcore.cli import harness  # noqa: E402
+from kvcore.cli.harness import rel_err  # noqa: E402
 from kvcore.ops.reference import paged_attention_ref  # noqa: E402
 
 DEVICE = "cpu" if CPU else "cuda"
