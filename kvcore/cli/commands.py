@@ -190,6 +190,8 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.disaggregated:
+        return _demo_disaggregated(args)
     from kvcore.demo.scenario import DemoOptions, run_demo_cli
 
     options = DemoOptions(
@@ -199,6 +201,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         progress=not args.no_progress, corrupt_loaded_block=args.corrupt_loaded_block,
     )
     return run_demo_cli(options, args.format)
+
+
+def _demo_disaggregated(args: argparse.Namespace) -> int:
+    from kvcore.demo.disagg import DisaggOptions, format_result, run_disaggregated
+
+    result = run_disaggregated(DisaggOptions(
+        model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, dtype=args.dtype,
+        platform=args.platform, backend=args.backend, seed=args.seed))
+    _emit(args, result.to_dict(), format_result(result))
+    return 0 if result.ok else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -88,6 +88,10 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--corrupt-loaded-block", action="store_true",
                       help="self-test: overwrite a block after it is loaded back, to see the "
                            "checks fail (exit status 1)")
+    demo.add_argument("--disaggregated", action="store_true",
+                      help="prefill in a second process and decode here, the KV read through "
+                           "the nixl connector (needs kvcore[nixl]); tokens checked against "
+                           "one engine alone")
 
     bench = with_format(sub.add_parser(
         "bench", help="kernels, cache writes and connector throughput against ceilings "
