@@ -99,7 +99,8 @@ def _to_output(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         if dtype == tl.bfloat16:
             bits = x.to(tl.int32, bitcast=True)
             bits += 0x7FFF + ((bits >> 16) & 1)  # the truncation below then rounds to even
-            x = bits.to(tl.float32, bitcast=True)
+            # Zeros and subnormals keep their value (a biased zero would be a subnormal).
+            x = tl.where(tl.abs(x) < 1.1754943508222875e-38, x, bits.to(tl.float32, bitcast=True))
     return x.to(dtype)
 
 
