@@ -2,8 +2,8 @@
 blocks of 16): mixed batches against the float64 reference, cross-layer views bit-exact
 against a contiguous copy, a layer over 2**31 elements, and kvcore's conformance cases.
 
-Every FlashInfer case here is bf16, so the run builds three FlashInfer JIT modules (head size
-128 with and without a sliding window, head size 64 for the conformance suite's cases)."""
+Every FlashInfer case here is bf16, so the run builds four FlashInfer JIT modules (head sizes
+128 and 64, each with and without a sliding window; 64 for the conformance suite's cases)."""
 
 from __future__ import annotations
 
