@@ -16,6 +16,7 @@ from kvcore.backend import (
     LayerScales,
     PagedAttentionImpl,
     build_attention_metadata,
+    encoder_only_cache,
 )
 from kvcore.config import AttentionSelectorConfig
 from kvcore.dtypes import parse_dtype
@@ -95,6 +96,7 @@ __all__ = [
     "clear_selection_cache",
     "connector_registry",
     "current_platform",
+    "encoder_only_cache",
     "explain_selection",
     "get_attn_backend",
     "get_platform",

@@ -159,7 +159,8 @@ def paged_attention_ref(
     """
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
-                             sliding_window=sliding_window, output=output)
+                             sliding_window=sliding_window, output=output, scale=scale,
+                             k_scale=k_scale, v_scale=v_scale)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks = scale_value(k_scale) if fp8 else 1.0

@@ -348,7 +348,8 @@ def paged_attention(
     """
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
-                             sliding_window=sliding_window, output=output)
+                             sliding_window=sliding_window, output=output, scale=scale,
+                             k_scale=k_scale, v_scale=v_scale)
     if query.dtype not in SUPPORTED_QUERY_DTYPES:
         raise TypeError(
             f"query has dtype {query.dtype}; the Triton kernel supports "
@@ -361,8 +362,6 @@ def paged_attention(
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size={head_size} (the Triton kernel supports up to "
                          f"{MAX_HEAD_SIZE})")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale={scale!r} must be a positive float")
     if num_kv_splits is not None and (
         isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
         or not 1 <= num_kv_splits <= _MAX_SPLITS

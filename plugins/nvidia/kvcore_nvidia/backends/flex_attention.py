@@ -70,6 +70,7 @@ from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
     StepCache,
     begin_forward,
+    step_kv,
     write_cache,
 )
 
@@ -339,6 +340,7 @@ class FlexAttentionImpl(AttentionImpl):
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _refuse_int32_overflow(kv_cache)
+        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
         key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
                                                           output)
         if n == 0:
