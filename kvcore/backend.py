@@ -208,6 +208,15 @@ class AttentionBackend(ABC):
         return reasons
 
     @classmethod
+    def stale_bytes_reason(cls, device_type: str) -> str | None:
+        """Why ``forward`` on ``device_type`` may let NaN/Inf bit patterns in cache slots a
+        request does not own (the tail of its last block, other blocks) reach its output;
+        ``None``, the contract, when it never does (loads masked, not multiplied by zero).
+        A backend wrapping a kernel it cannot change says so here; the conformance rule
+        ``stale-bytes-masked`` is then skipped with this reason."""
+        return None
+
+    @classmethod
     def import_reasons(cls) -> list[str]:
         """Reasons from importing each ``REQUIRED_PACKAGES`` module that is installed: a
         package found by name whose import raises (a broken build, a missing shared library)
