@@ -1,7 +1,7 @@
 """Stale bytes never leak: NaN/Inf bit patterns in cache slots a request does not own (the tail
 of its last block, other blocks) leave its output unchanged, in the reference and in the
 Triton kernel (``TRITON_INTERPRET=1`` without a GPU). Inside a prefill, a NaN key after a
-query is masked out exactly; what a NaN *value* does there is documented in docs/kernels.md.
+query is masked out exactly; what a NaN *value* does there is documented in docs/faults-ops.md.
 
 The backends (CPU_ATTN, TRITON_ATTN, FLEX_ATTENTION, the example plugin) are checked by the
 conformance rule ``stale-bytes-masked``.
@@ -86,7 +86,7 @@ def test_a_nan_key_after_a_query_is_masked_exactly(path):
 
 def test_a_nan_value_after_a_query_is_masked_exactly_in_the_reference():
     """The reference is the specification: a V the query cannot see contributes exactly
-    nothing, NaN or not (the Triton kernel's tensor-core product cannot: docs/kernels.md)."""
+    nothing, NaN or not (the Triton kernel's tensor-core product cannot: docs/faults-ops.md)."""
     query, k, v, kw = _batch(torch.Generator().manual_seed(11), [12], [12])
     clean = paged_attention_ref(query, k, v, **kw)
     bad = v.clone()
