@@ -35,6 +35,12 @@ possible sequence (``block_table.shape[1] * block_size``, known without a sync) 
 8 at 8 x 32768 and 4 at 16 x 4096: the fastest of the swept split counts at each of those
 shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slower.
 
+Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
+a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
+scores are set to ``-inf`` with ``where``, so a NaN *key* after a query changes nothing. A
+NaN/Inf *value* after a query, within the 32-key tile a query tile visits, does reach that
+tile's earlier queries (``0 * NaN`` in the ``p @ V`` product; docs/faults-ops.md).
+
 All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
 under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
 mishandles bf16 dots), on the GPU the dots run in the input dtype.
