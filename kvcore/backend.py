@@ -13,12 +13,13 @@ memory. Kernels get ``kv_cache.unbind(1)`` views and must take strides from them
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
+import itertools
 import math
 import operator
 from abc import ABC, abstractmethod
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -534,7 +535,7 @@ def encoder_only_cache(
     n = attn_metadata.num_actual_tokens
     block_size = kv_cache.shape[2] if kv_cache.dim() == 5 else kv_cache.shape[1]
     starts = attn_metadata.query_start_loc.tolist()
-    q_lens = [hi - lo for lo, hi in zip(starts, starts[1:])]
+    q_lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
     seq_lens = attn_metadata.seq_lens.tolist()
     if seq_lens != q_lens:
         raise ValueError(
@@ -547,7 +548,7 @@ def encoder_only_cache(
         first.append(first[-1] + c)
     table = torch.zeros(len(q_lens), max(max(counts, default=0), 1), dtype=torch.int32)
     slots: list[int] = []
-    for i, (q_len, c) in enumerate(zip(q_lens, counts)):
+    for i, (q_len, c) in enumerate(zip(q_lens, counts, strict=True)):
         table[i, :c] = torch.arange(first[i], first[i] + c, dtype=torch.int32)
         slots.extend(range(first[i] * block_size, first[i] * block_size + q_len))
     device = kv_cache.device

@@ -142,7 +142,8 @@ def check_distinct_pages(key_cache: torch.Tensor, value_cache: torch.Tensor) -> 
     halves); an ``expand``-ed or overlapping view is refused, since a write to one block
     would change another.
     """
-    dims = [(st, sz) for st, sz in zip(key_cache.stride(), key_cache.shape) if sz > 1]
+    dims = [(st, sz) for st, sz in zip(key_cache.stride(), key_cache.shape, strict=True)
+            if sz > 1]
     same_storage = (key_cache.untyped_storage().data_ptr()
                     == value_cache.untyped_storage().data_ptr())
     if same_storage and value_cache.numel() and key_cache.numel():

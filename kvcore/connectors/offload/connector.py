@@ -180,8 +180,9 @@ class OffloadConnector(KVConnector):
 
         Also one direct copy per direction when the cache is one view (cross-layer), so the
         direct path's first transfer pays nothing either. With CUDA's lazy module loading the
-        first launch of a kernel loads its module, which waits for the device to be idle: a kernel first met inside save() would block the host
-        for as long as the engine's stream is busy. PyTorch picks among several kernels by
+        first launch of a kernel loads its module, which waits for the device to be idle: a
+        kernel first met inside save() would block the host for as long as the engine's
+        stream is busy. PyTorch picks among several kernels by
         the number of indices (at most 16 or more) and by how the shapes collapse (one row
         or several), so each of those sizes runs once here: blocks ``0..n-1`` are gathered
         and written back onto themselves. A block copier instead copies block 0 to slot 0 (free

@@ -121,7 +121,7 @@ class HostPool:
         region = self.tensor[first:stop]
         try:
             self._pin(region.data_ptr(), region.numel())
-        except Exception as exc:  # noqa: BLE001 - reported, the pool just stays smaller
+        except Exception as exc:
             with self._lock:
                 if self.error is None:
                     self.error = (f"pinning slots {first}..{stop - 1} of the CPU pool failed: "
@@ -159,6 +159,6 @@ class HostPool:
         for i in pinned:
             try:
                 self._unpin(self.tensor[self._chunks[i][0]].data_ptr())
-            except Exception as exc:  # noqa: BLE001 - at teardown, say so and go on
+            except Exception as exc:
                 logger.warning("offload: unpinning CPU pool chunk %d failed: %s", i, exc)
         self._finished.set()
