@@ -132,6 +132,11 @@ def check_softmax_scale(scale: object) -> None:
                          "(usually head_size ** -0.5)")
 
 
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``(stride, size)`` of the dims of ``t`` that have more than one element."""
+    return [(st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1]
+
+
 def check_distinct_pages(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """``ValueError`` if two blocks (or a block's K and V) of the caches share memory.
 
@@ -142,26 +147,27 @@ def check_distinct_pages(key_cache: torch.Tensor, value_cache: torch.Tensor) -> 
     halves); an ``expand``-ed or overlapping view is refused, since a write to one block
     would change another.
     """
-    dims = [(st, sz) for st, sz in zip(key_cache.stride(), key_cache.shape, strict=True)
-            if sz > 1]
+    if key_cache.device.type == "meta":
+        return  # no memory to share
+    views = [_dims(key_cache), _dims(value_cache)]
     same_storage = (key_cache.untyped_storage().data_ptr()
                     == value_cache.untyped_storage().data_ptr())
-    if same_storage and value_cache.numel() and key_cache.numel():
-        if key_cache.stride() != value_cache.stride():
-            return  # not K/V halves of one cache; nothing general to say
+    if (same_storage and key_cache.numel() and key_cache.stride() == value_cache.stride()
+            and key_cache.shape == value_cache.shape):
         distance = value_cache.data_ptr() - key_cache.data_ptr()
         if distance % key_cache.element_size() == 0:
-            dims.append((abs(distance) // key_cache.element_size(), 2))
-    span = 1
-    for stride, size in sorted(dims):
-        if stride < span:
-            raise ValueError(
-                f"key_cache/value_cache views overlap (shape {tuple(key_cache.shape)}, strides "
-                f"{key_cache.stride()} / {value_cache.stride()}): two blocks, or a block's K "
-                "and V, share memory, so a write to one would change the other; allocate the "
-                "caches with kvcore.allocate_kv_caches"
-            )
-        span = stride * (size - 1) + span
+            views.append([*views[0], (abs(distance) // key_cache.element_size(), 2)])
+    for dims in views:
+        span = 1
+        for stride, size in sorted(dims):
+            if stride < span:
+                raise ValueError(
+                    f"key_cache/value_cache views overlap (shape {tuple(key_cache.shape)}, "
+                    f"strides {key_cache.stride()} / {value_cache.stride()}): two blocks, or a "
+                    "block's K and V, share memory, so a write to one would change the other; "
+                    "allocate the caches with kvcore.allocate_kv_caches"
+                )
+            span = stride * (size - 1) + span
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:

@@ -96,12 +96,15 @@ def test_duplicate_slots_in_one_write_are_refused(path, value_checks):
 
 
 @pytest.mark.parametrize("path", list(WRITE))
-@pytest.mark.parametrize("alias", ["expanded-blocks", "k-is-v", "overlapping-pages"])
+@pytest.mark.parametrize("alias", ["expanded-blocks", "v-expanded", "k-is-v",
+                                   "overlapping-pages"])
 def test_caches_whose_blocks_alias_are_refused(path, alias):
     key, value, kc, vc, slots = _write_args()
     if alias == "expanded-blocks":  # every block is the same memory
         kc = torch.zeros(1, 4, 2, 16).expand(4, 4, 2, 16)
         vc = torch.zeros(1, 4, 2, 16).expand(4, 4, 2, 16)
+    elif alias == "v-expanded":
+        vc = torch.zeros(4, 4, 2, 1).expand(4, 4, 2, 16)
     elif alias == "k-is-v":
         vc = kc
     else:  # pages of 128 elements placed 64 apart: block b's second half is block b+1's first
