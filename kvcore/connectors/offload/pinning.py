@@ -16,7 +16,9 @@ is not pinned yet: the pool grows under the engine instead of blocking its start
 
 from __future__ import annotations
 
+import itertools
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -52,12 +54,17 @@ class HostPool:
     """``(num_slots, slot_bytes)`` uint8 host memory whose slots become usable as they are
     pinned.
 
+    The memory starts on a page boundary and the chunks are whole pages (a page registered
+    twice is an error), so a chunk boundary may cut a slot: a slot is ready once every byte
+    of it lies in the pinned prefix.
+
     Args:
         num_slots, slot_bytes: the pool's shape.
         pin: page-lock the memory (``False``: plain memory, every slot ready at once).
         background: pin the chunks after the first one on worker threads after returning
             (``False``: before returning, still in parallel).
-        chunk_bytes, workers: pinning granularity and parallelism.
+        chunk_bytes, workers: pinning granularity (rounded up to whole pages; the first chunk
+            holds at least one slot) and parallelism.
         pin_fn, unpin_fn: how to pin and unpin a region (default: ``cudaHostRegister`` /
             ``cudaHostUnregister``; tests pass stand-ins).
 
@@ -73,31 +80,41 @@ class HostPool:
                  chunk_bytes: int = PIN_CHUNK_BYTES, workers: int = PIN_WORKERS,
                  pin_fn: PinFn | None = None, unpin_fn: UnpinFn | None = None) -> None:
         started = time.perf_counter()
-        self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8)
+        total = num_slots * slot_bytes
+        page = mmap.PAGESIZE
+        # Room to start on a page and to round the last chunk up to a whole page.
+        self._raw = torch.empty(total + 2 * page, dtype=torch.uint8)
+        offset = -self._raw.data_ptr() % page
+        self.tensor = self._raw[offset:offset + total].view(num_slots, slot_bytes)
         self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
         self.error: str | None = None
         self.pinned_seconds: float | None = None
         self._pin = pin_fn or cuda_pin
         self._unpin = unpin_fn or cuda_unpin
         self._lock = threading.Lock()
         self._closed = False
-        per_chunk = max(1, chunk_bytes // slot_bytes)
-        self._chunks = [(s, min(s + per_chunk, num_slots)) for s in range(0, num_slots, per_chunk)]
+        step = _round_up(max(chunk_bytes, 1), page)
+        first = _round_up(max(step, slot_bytes), page)
+        end = _round_up(total, page)
+        bounds = [0, *range(first, end, step), end] if total else [0]
+        #: ``[start, stop)`` byte ranges from the pool's start, whole pages each.
+        self._chunks = list(itertools.pairwise(bounds))
         self._done = [not pin] * len(self._chunks)
         self._pinned: list[int] = []  # chunk indices whose memory is registered
-        self._ready = num_slots if not pin else 0
+        self._ready_bytes = end if not pin else 0
+        self._base = self.tensor.data_ptr()
         self._executor: ThreadPoolExecutor | None = None
         self._finished = threading.Event()
-        if not pin:
+        if not pin or not self._chunks:
             self._finished.set()
             self.pinned_seconds = 0.0
         else:
             self._pin_chunk(0, started)  # usable at once
-            rest = range(1, len(self._chunks))
-            if rest:
+            if len(self._chunks) > 1:
                 self._executor = ThreadPoolExecutor(max(1, workers),
                                                     thread_name_prefix="kvcore-pin")
-                for i in rest:
+                for i in range(1, len(self._chunks)):
                     self._executor.submit(self._pin_chunk, i, started)
                 if not background:
                     self._finished.wait()
@@ -106,42 +123,43 @@ class HostPool:
     def ready_slots(self) -> int:
         """Slots ``0 .. ready_slots() - 1`` are pinned (all of them once pinning is done)."""
         with self._lock:
-            return self._ready
+            return min(self.num_slots, self._ready_bytes // self.slot_bytes)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until pinning is over (every chunk pinned, or one failed); False on timeout."""
         return self._finished.wait(timeout)
 
     def _pin_chunk(self, i: int, started: float) -> None:
-        first, stop = self._chunks[i]
+        start, stop = self._chunks[i]
         with self._lock:
             if self._closed or self.error is not None:
-                self._mark(i, started, failed=True)
+                self._mark(i, started)
                 return
-        region = self.tensor[first:stop]
         try:
-            self._pin(region.data_ptr(), region.numel())
-        except Exception as exc:
+            self._pin(self._base + start, stop - start)
+        except Exception as exc:  # reported; the pool just stays smaller
             with self._lock:
                 if self.error is None:
-                    self.error = (f"pinning slots {first}..{stop - 1} of the CPU pool failed: "
+                    first_slot = start // self.slot_bytes
+                    self.error = (f"pinning slots from {first_slot} on of the CPU pool failed: "
                                   f"{type(exc).__name__}: {exc}; the pool keeps the "
-                                  f"{self._ready} slots pinned before them")
+                                  f"{min(self.num_slots, self._ready_bytes // self.slot_bytes)}"
+                                  " slots pinned before them")
                     logger.warning("offload: %s", self.error)
-                self._mark(i, started, failed=True)
+                self._mark(i, started)
             return
         with self._lock:
             self._pinned.append(i)
-            self._mark(i, started, failed=False)
+            self._mark(i, started)
 
-    def _mark(self, i: int, started: float, *, failed: bool) -> None:
-        """Record chunk ``i`` as finished (lock held) and advance the ready prefix."""
+    def _mark(self, i: int, started: float) -> None:
+        """Record chunk ``i`` as finished (lock held) and advance the pinned prefix over the
+        chunks pinned in order."""
         self._done[i] = True
-        if not failed and self.error is None:
-            j = next((k for k, (s, _) in enumerate(self._chunks) if s >= self._ready), None)
-            while j is not None and j < len(self._chunks) and self._done[j] and j in self._pinned:
-                self._ready = self._chunks[j][1]
-                j += 1
+        pinned = set(self._pinned)
+        for j, (start, stop) in enumerate(self._chunks):
+            if start == self._ready_bytes and j in pinned:
+                self._ready_bytes = stop
         if all(self._done):
             self.pinned_seconds = time.perf_counter() - started
             self._finished.set()
@@ -155,10 +173,14 @@ class HostPool:
             self._executor.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             pinned, self._pinned = self._pinned, []
-            self._ready = 0
+            self._ready_bytes = 0
         for i in pinned:
             try:
-                self._unpin(self.tensor[self._chunks[i][0]].data_ptr())
-            except Exception as exc:
+                self._unpin(self._base + self._chunks[i][0])
+            except Exception as exc:  # at teardown: say so and go on
                 logger.warning("offload: unpinning CPU pool chunk %d failed: %s", i, exc)
         self._finished.set()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
