@@ -42,12 +42,14 @@ UnpinFn = Callable[[int], None]
 
 
 def cuda_pin(data_ptr: int, nbytes: int) -> None:
-    """``cudaHostRegister`` (portable), raising ``RuntimeError`` with CUDA's error."""
-    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 1)))
+    """``cudaHostRegister`` (portable), raising ``torch.cuda.CudaError`` with CUDA's error.
+    The runtime call releases the GIL, so worker threads pin in parallel."""
+    # check_error compares the returned cudaError enum with cudaError.success: pass it as is.
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 1))
 
 
 def cuda_unpin(data_ptr: int) -> None:
-    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(data_ptr)))
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(data_ptr))
 
 
 class HostPool:
