@@ -1,21 +1,25 @@
-"""The pool's host memory, pinned in slot-aligned chunks by worker threads, in the background.
+"""The pool's host memory, pinned in page-aligned chunks by worker threads, in the background.
 
 Pinning is what makes host<->device copies asynchronous DMA, and it is slow: the kernel faults
 in and locks every page (seconds for tens of GiB). Allocating the pool with
 ``torch.empty(..., pin_memory=True)`` does all of it at once, on the registering thread, before
-the engine can start. :class:`HostPool` instead allocates pageable memory and pins it in chunks
-of whole slots with ``cudaHostRegister``, several chunks at a time on worker threads (page
-faulting and locking scale with threads). The first chunk is pinned before the constructor
-returns, the rest in the background (or before it returns, with ``background=False``).
+the engine can start. :class:`HostPool` instead allocates pageable memory and pins it in
+chunks of whole pages with ``cudaHostRegister``, several chunks at a time on worker threads.
+The runtime is called through ctypes when its library is found, which releases the GIL for
+the call, so pinning runs beside the engine's Python (torch's own binding, the fallback,
+holds it). The first chunk is pinned before the constructor returns, the rest in the
+background (or before it returns, with ``background=False``).
 
-**Only pinned slots are used.** :meth:`HostPool.ready_slots` is the length of the pinned
-*prefix* of the pool (chunks finish out of order; a later chunk counts once every earlier one
-is done). The connector hands out only slots below it, so no transfer ever touches memory that
-is not pinned yet: the pool grows under the engine instead of blocking its start.
+**Only pinned slots are used.** :meth:`HostPool.ready_slots` counts the slots lying wholly in
+the pinned *prefix* of the pool (chunks finish out of order; a later chunk counts once every
+earlier one is done). The connector hands out only those slots, so no transfer ever touches
+memory that is not pinned yet: the pool grows under the engine instead of blocking its start.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import logging
 import mmap
@@ -41,15 +45,52 @@ PinFn = Callable[[int, int], None]
 UnpinFn = Callable[[int], None]
 
 
+@functools.cache
+def _runtime_calls() -> tuple[Callable[..., int], Callable[..., int]] | None:
+    """``(register, unregister)`` of the CUDA (or HIP) runtime library torch loaded, called
+    through ctypes, which releases the GIL for the call: pinning threads then run beside the
+    engine's Python. ``None`` when the library is not found (a static runtime)."""
+    torch.cuda.init()
+    hip = getattr(torch.version, "hip", None) is not None
+    stem, prefix = ("libamdhip64.so", "hip") if hip else ("libcudart.so", "cuda")
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if stem in line})
+    except OSError:
+        return None
+    if not paths:
+        return None
+    lib = ctypes.CDLL(paths[0])
+    register = getattr(lib, f"{prefix}HostRegister")
+    register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    register.restype = ctypes.c_int
+    unregister = getattr(lib, f"{prefix}HostUnregister")
+    unregister.argtypes = [ctypes.c_void_p]
+    unregister.restype = ctypes.c_int
+    return register, unregister
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"{what} failed with runtime error {code}")
+
+
 def cuda_pin(data_ptr: int, nbytes: int) -> None:
-    """``cudaHostRegister`` (portable), raising ``torch.cuda.CudaError`` with CUDA's error.
-    The runtime call releases the GIL, so worker threads pin in parallel."""
-    # check_error compares the returned cudaError enum with cudaError.success: pass it as is.
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 1))
+    """``cudaHostRegister`` (portable) of ``[data_ptr, data_ptr + nbytes)``; ``RuntimeError``
+    with the runtime's error code on failure."""
+    calls = _runtime_calls()
+    if calls is not None:
+        _check(calls[0](data_ptr, nbytes, 1), "cudaHostRegister")
+    else:  # torch's binding (holds the GIL while the pages are locked)
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 1))
 
 
 def cuda_unpin(data_ptr: int) -> None:
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(data_ptr))
+    calls = _runtime_calls()
+    if calls is not None:
+        _check(calls[1](data_ptr), "cudaHostUnregister")
+    else:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(data_ptr))
 
 
 class HostPool:
