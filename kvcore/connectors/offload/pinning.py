@@ -207,10 +207,18 @@ class HostPool:
             self.pinned_seconds = time.perf_counter() - started
             self._finished.set()
 
+    def __del__(self) -> None:
+        # Memory freed while still registered would stay locked, and a later registration
+        # overlapping it would fail: unpin whatever the owner forgot to close.
+        if not getattr(self, "_closed", True):
+            self.close()
+
     def close(self) -> None:
         """Stop pinning, wait for the workers, unpin what was pinned. Call once no transfer
-        uses the pool any more."""
+        uses the pool any more; calling it again does nothing."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
