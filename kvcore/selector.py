@@ -45,6 +45,8 @@ class CandidateReport:
     reasons: list[str]
     in_priority_list: bool
     selected: bool = False
+    #: The backend's ``CUDA_GRAPH_SUPPORT`` value (``None``: the class could not be loaded).
+    cuda_graphs: str | None = None
     #: Facts about how the backend runs here that are not rejections (e.g. no cross-layer).
     notes: list[str] = field(default_factory=list)
 
@@ -55,7 +57,8 @@ class CandidateReport:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "plugin": self.plugin, "valid": self.valid,
                 "selected": self.selected, "in_priority_list": self.in_priority_list,
-                "reasons": list(self.reasons), "notes": list(self.notes)}
+                "cuda_graphs": self.cuda_graphs, "reasons": list(self.reasons),
+                "notes": list(self.notes)}
 
 
 @dataclass
@@ -84,6 +87,9 @@ class SelectionReport:
             lines.append(f"forced backend: {self.forced}")
         pick = self.selected
         lines.append(f"selected: {pick.name if pick else 'none'}")
+        if pick is not None and pick.cuda_graphs is not None:
+            lines.append(f"cuda graphs: {pick.cuda_graphs} (the selected backend's "
+                         "CUDA_GRAPH_SUPPORT)")
         for c in self.candidates:
             status = "SELECTED" if c.selected else ("valid" if c.valid else "rejected")
             origin = f" [plugin {c.plugin}]" if c.plugin else ""
@@ -171,7 +177,9 @@ def _evaluate(
     if platform.name in cls.PLATFORMS and cls.supports_cross_layer() and not (
             cls.supports_cross_layer(platform.name)):
         notes.append(cls.cross_layer_note(platform.name))
-    return CandidateReport(name, plugin, reasons, in_priority_list, notes=notes), cls
+    graphs = getattr(cls, "CUDA_GRAPH_SUPPORT", None)
+    return CandidateReport(name, plugin, reasons, in_priority_list,
+                           cuda_graphs=getattr(graphs, "value", None), notes=notes), cls
 
 
 def _importable(candidate: CandidateReport) -> bool:

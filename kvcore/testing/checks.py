@@ -8,6 +8,7 @@ layout equivalence, against itself on a contiguous cache, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -15,17 +16,26 @@ from typing import Any
 import torch
 
 from kvcore.allocate import KVCaches, allocate_kv_caches
-from kvcore.backend import AttentionBackend, AttentionImpl, LayerScales, build_attention_metadata
+from kvcore.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    LayerScales,
+    build_attention_metadata,
+)
+from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
 from kvcore.layout import KVCacheLayout
 from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType
+from kvcore.spec import FullAttentionSpec
 from kvcore.testing.batch import (
     NUM_HEADS,
     NUM_KV_HEADS,
     CaseConfig,
     MixedBatch,
     make_mixed_batch,
+    random_block_tables,
     random_like,
 )
 from kvcore.testing.rules import ConformanceError
@@ -35,9 +45,12 @@ __all__ = [
     "backend_label",
     "check_backend_identity",
     "check_batch_invariant",
+    "check_builder",
+    "check_builder_buffers",
     "check_cache_write",
     "check_cross_layer",
     "check_cross_layer_claim",
+    "check_cuda_graph_replay",
     "check_forward",
     "check_int64_offsets",
     "check_kv_connector_claim",
@@ -681,3 +694,223 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
             f"forward over blocks {high} of a {num_blocks}-block cache ({num_blocks * page} "
             f"elements > 2**31) is wrong: {diff}"))
     return None
+
+
+# -- the engine step: builders and CUDA graphs ------------------------------------------------
+
+#: Maxima the conformance builders are made with (the steps below stay within them).
+_BUILDER_MAX_SEQS = 8
+_BUILDER_MAX_TOKENS = 128
+
+
+def _make_builder(run: _Run, max_model_len: int) -> AttentionMetadataBuilder:
+    config = run.config
+    spec = FullAttentionSpec(block_size=config.block_size, dtype=config.dtype,
+                             kv_cache_dtype=config.kv_cache_dtype, num_kv_heads=NUM_KV_HEADS,
+                             head_size=config.head_size)
+    builder_cls = run.call("get_builder_cls()", run.backend.get_builder_cls)
+    return run.call("constructing the builder", builder_cls, spec, num_heads=NUM_HEADS,
+                    max_num_seqs=_BUILDER_MAX_SEQS, max_num_batched_tokens=_BUILDER_MAX_TOKENS,
+                    max_model_len=max_model_len, device=run.device)
+
+
+def _decode_batch(config: CaseConfig, device: torch.device, gen: torch.Generator,
+                  num_blocks: int, context_lens: list[int]) -> MixedBatch:
+    """Decode requests with the given cached lengths over random distinct blocks of a cache
+    of ``num_blocks``."""
+    bs = config.block_size
+    tables = random_block_tables([c + 1 for c in context_lens], bs, num_blocks, gen)
+    n = len(context_lens)
+    meta = build_attention_metadata([1] * n, context_lens, tables, bs, device=device,
+                                    causal=config.causal)
+    d = config.head_size
+    return MixedBatch(
+        query=random_like((n, NUM_HEADS, d), config.dtype, device, gen),
+        key=random_like((n, NUM_KV_HEADS, d), config.dtype, device, gen),
+        value=random_like((n, NUM_KV_HEADS, d), config.dtype, device, gen),
+        metadata=meta, query_lens=[1] * n, context_lens=list(context_lens),
+        block_tables=tables, kinds=["decode"] * n, num_blocks=num_blocks)
+
+
+def _step_through(run: _Run, impl: AttentionImpl, scales: LayerScales, batch: MixedBatch,
+                  layer: torch.Tensor, caches: KVCaches, meta: AttentionMetadata, what: str,
+                  rule: str) -> torch.Tensor:
+    """Write and attend ``batch`` with ``meta`` (a builder's); compare with the reference."""
+    run.call("do_kv_cache_update", impl.do_kv_cache_update, scales, batch.key, batch.value,
+             layer, meta.slot_mapping)
+    ref = run.reference_forward(batch, layer, caches.layout, scales)
+    n = batch.num_tokens
+    rows = batch.query.shape[0]
+    try:
+        out = impl.forward(scales, batch.query, batch.key, batch.value, layer, meta,
+                           output=random_like(tuple(batch.query.shape), run.config.dtype,
+                                              run.device, run.gen))
+    except Exception as exc:  # the same impl ran the plain metadata in the other checks
+        raise run.fail(rule, f"forward with builder.build()'s metadata for {what} raised "
+                             f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(out, torch.Tensor) or out.shape[0] != rows:
+        raise run.fail(rule, f"forward with the builder's metadata for {what} returned "
+                             f"{_shape_text(out)}")
+    diff = run.output_diff(out[:n], ref, batch)
+    if diff:
+        raise run.fail(rule, f"forward with builder.build()'s metadata for {what}: {diff}")
+    return out
+
+
+def check_builder(backend: type[AttentionBackend], config: CaseConfig, device: torch.device,
+                  seed: int) -> None:
+    """Rule ``builder-reference``: one builder, three steps of different shapes (the mixed
+    batch, three decodes, the mixed batch again), each through ``build()`` and ``forward``."""
+    run = _Run(backend, config, device, seed)
+    batch = make_mixed_batch(config, device, run.gen)
+    bs = config.block_size
+    caches = run.allocate(batch.num_blocks)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    impl = run.impl()
+    builder = _make_builder(run, max_model_len=8 * bs)
+    decode = _decode_batch(config, device, run.gen, batch.num_blocks, [2 * bs + 2, bs - 3, 3])
+    for what, step in (("the mixed batch", batch), ("a decode-only batch after it", decode),
+                       ("the mixed batch again", batch)):
+        meta = run.call("builder.build", builder.build, step.metadata)
+        if not isinstance(meta, AttentionMetadata):
+            raise run.fail("builder-reference", (
+                f"builder.build() returned {type(meta).__name__} for {what}; it must return "
+                "an AttentionMetadata (or a subclass) that every layer's forward accepts"))
+        _step_through(run, impl, scales, step, layer, caches, meta, what, "builder-reference")
+
+
+def _tensor_fields(value: object, prefix: str) -> dict[str, torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    found: dict[str, torch.Tensor] = {}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            found.update(_tensor_fields(getattr(value, f.name), f"{prefix}.{f.name}"))
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            found.update(_tensor_fields(v, f"{prefix}[{i}]"))
+    return found
+
+
+def _graph_builder(run: _Run) -> PersistentMetadataBuilder:
+    # A long max_model_len: split-KV backends then split graph steps whose requests are much
+    # shorter, leaving some splits empty.
+    builder = _make_builder(run, max_model_len=64 * run.config.block_size)
+    if not isinstance(builder, PersistentMetadataBuilder):
+        raise run.fail("builder-persistent-buffers", (
+            f"CUDA_GRAPH_SUPPORT = {run.backend.CUDA_GRAPH_SUPPORT.name} but get_builder_cls() "
+            f"returns {type(builder).__name__}, which keeps no persistent buffers: subclass "
+            "kvcore.PersistentMetadataBuilder, or declare CudaGraphSupport.NEVER"))
+    return builder
+
+
+def check_builder_buffers(backend: type[AttentionBackend], config: CaseConfig,
+                          device: torch.device, seed: int) -> None:
+    """Rule ``builder-persistent-buffers``: two uniform-decode steps of different lengths and
+    block tables built for one graph size give the same tensors (addresses, shapes, strides)
+    and host values, and each, padded, gives the reference's rows."""
+    run = _Run(backend, config, device, seed)
+    bs = config.block_size
+    builder = _graph_builder(run)
+    num_blocks = 12
+    caches = run.allocate(num_blocks)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    impl = run.impl()
+    size = 4
+    seen: list[tuple[dict[str, tuple], dict[str, object]]] = []
+    for context_lens in ([2 * bs + 2, bs - 3, 3], [5 * bs, 1]):
+        step = _decode_batch(config, device, run.gen, num_blocks, context_lens)
+        meta = run.call("builder.build(common, graph_batch_size=4)", builder.build,
+                        step.metadata, graph_batch_size=size)
+        tensors = {name: (t.data_ptr(), tuple(t.shape), t.stride())
+                   for name, t in _tensor_fields(meta, "metadata").items()}
+        host = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)
+                if not _tensor_fields(getattr(meta, f.name), "")}
+        seen.append((tensors, host))
+        padded = _pad_batch(step, size)
+        _step_through(run, impl, scales, padded, layer, caches, meta,
+                      f"a decode step of {len(context_lens)} requests padded to {size}",
+                      "builder-persistent-buffers")
+    (first, host1), (second, host2) = seen
+    if first != second:
+        moved = sorted(k for k in set(first) | set(second) if first.get(k) != second.get(k))
+        raise run.fail("builder-persistent-buffers", (
+            f"two steps built for graph_batch_size={size} differ in {', '.join(moved)} "
+            f"({[first.get(k) for k in moved]} vs {[second.get(k) for k in moved]}, as "
+            "(address, shape, strides)): a captured graph would read stale memory"))
+    if host1 != host2:
+        moved = sorted(k for k in host1 if host1[k] != host2.get(k))
+        raise run.fail("builder-persistent-buffers", (
+            f"two steps built for graph_batch_size={size} differ in the host values "
+            f"{', '.join(f'{k}={host1[k]!r} vs {host2.get(k)!r}' for k in moved)}: what a "
+            "forward reads on the host is frozen into a captured graph"))
+
+
+def _pad_batch(step: MixedBatch, size: int) -> MixedBatch:
+    """``step`` with zero input rows up to ``size`` (the padding requests' rows); its metadata
+    stays the real step's, so the reference and the comparison cover the real rows."""
+    n = step.query.shape[0]
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, torch.zeros((size - n, *t.shape[1:]), dtype=t.dtype,
+                                         device=t.device)])
+
+    return MixedBatch(pad(step.query), pad(step.key), pad(step.value), step.metadata,
+                      step.query_lens, step.context_lens, step.block_tables, step.kinds,
+                      step.num_blocks)
+
+
+def check_cuda_graph_replay(backend: type[AttentionBackend], config: CaseConfig,
+                            device: torch.device, seed: int) -> None:
+    """Rule ``cuda-graph-replay`` (a GPU): a layer's write + forward captured once for 4
+    requests, replayed for two later steps with other lengths and block tables, equals the
+    same step run eagerly (bit for bit) and the reference."""
+    from kvcore.cuda_graphs import CudaGraphRunner
+
+    run = _Run(backend, config, device, seed)
+    bs = config.block_size
+    builder = _graph_builder(run)
+    num_blocks = 12
+    caches = run.allocate(num_blocks)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    impl = run.impl()
+    size = 4
+
+    def step_fn(inputs: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        impl.do_kv_cache_update(scales, inputs["key"], inputs["value"], layer,
+                                meta.slot_mapping)
+        out = torch.empty_like(inputs["query"])
+        return impl.forward(scales, inputs["query"], inputs["key"], inputs["value"], layer,
+                            meta, output=out)
+
+    runner = CudaGraphRunner(builder, step_fn, num_blocks=num_blocks, batch_sizes=[size])
+    d = config.head_size
+    examples = {"query": torch.zeros(1, NUM_HEADS, d, dtype=config.dtype, device=device),
+                "key": torch.zeros(1, NUM_KV_HEADS, d, dtype=config.dtype, device=device),
+                "value": torch.zeros(1, NUM_KV_HEADS, d, dtype=config.dtype, device=device)}
+    run.call("capturing a decode step (CudaGraphRunner.capture)", runner.capture, examples)
+    for context_lens in ([2 * bs + 2, bs - 3, 3], [5 * bs, 1]):
+        step = _decode_batch(config, device, run.gen, num_blocks, context_lens)
+        inputs = {"query": step.query, "key": step.key, "value": step.value}
+        replayed = run.call("a replay (CudaGraphRunner.run)", runner.run, inputs,
+                            step.metadata).clone()
+        if runner.replayed_steps == 0:
+            raise run.fail("cuda-graph-replay", "CudaGraphRunner.run did not replay a "
+                                                "uniform-decode step of a captured size")
+        # The same step eagerly, on the same padded metadata (the write is idempotent).
+        meta = builder.build(step.metadata, graph_batch_size=size)
+        padded = _pad_batch(step, size)
+        eager = _step_through(run, impl, scales, padded, layer, caches, meta,
+                              f"{len(context_lens)} decode requests padded to {size}",
+                              "cuda-graph-replay")
+        n = len(context_lens)
+        if not torch.equal(_bits(replayed), _bits(eager[:n])):
+            worst = (replayed.double() - eager[:n].double()).abs().max().item()
+            raise run.fail("cuda-graph-replay", (
+                f"the step replayed from a CUDA graph captured for {size} requests differs "
+                f"from the same step run eagerly (max difference {worst:.3g}) after the "
+                f"builder was rebuilt for {step.describe()}: forward reads something the "
+                "builder does not update in place, or decides on the host"))

@@ -37,15 +37,22 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvcore.allocate import allocate_kv_caches
-from kvcore.backend import AttentionBackend
-from kvcore.config import AttentionSelectorConfig, parse_dtype
+from kvcore import (
+    AttentionBackend,
+    AttentionSelectorConfig,
+    Platform,
+    SelectionReport,
+    allocate_kv_caches,
+    explain_selection,
+    get_attn_backend,
+    parse_dtype,
+    require_present_platform,
+    resolve_backend,
+)
 from kvcore.connectors import KVConnector, get_connector, get_connector_class
-from kvcore.demo_engine import BatchStats, Engine, Request
-from kvcore.demo_model import MODEL_PRESETS, DemoModel, contiguous_attention
-from kvcore.platform import Platform, require_present_platform
-from kvcore.registry import resolve_backend
-from kvcore.selector import SelectionReport, explain_selection, get_attn_backend
+from kvcore.demo.config import MODEL_PRESETS
+from kvcore.demo.engine import BatchStats, Engine, Request
+from kvcore.demo.model import DemoModel, contiguous_attention
 
 __all__ = ["TIE_TOLERANCE", "DemoOptions", "DemoResult", "TokenCheck", "check_against_reference",
            "compare_runs", "format_summary", "reference_logits", "run_demo",
@@ -108,6 +115,9 @@ class DemoResult:
     checks: dict[str, Any]
     mismatches: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: ``support`` (the backend's CUDA_GRAPH_SUPPORT), ``replayed_steps`` and ``steps`` of
+    #: the engine with offload (decode-only steps replay from CUDA graphs on a GPU).
+    cuda_graphs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -403,6 +413,9 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
         },
         mismatches=vs_baseline.problems + vs_reference.problems,
         seconds=time.perf_counter() - started,
+        cuda_graphs={"support": backend.CUDA_GRAPH_SUPPORT.value,
+                     "replayed_steps": stats1.graph_steps + stats2.graph_steps,
+                     "steps": stats1.steps + stats2.steps},
     )
 
 
@@ -442,6 +455,11 @@ def format_summary(result: DemoResult) -> str:
     lines.append(tabulate(rows, headers=["", "requests", "prompt tokens", "computed",
                                          "prefix hits (blocks)", "generated", "steps",
                                          "mixed steps", "max batch", "tok/s"]))
+    graphs = result.cuda_graphs
+    if graphs:
+        lines.append(f"\ngraphs    {graphs['replayed_steps']} of {graphs['steps']} steps replayed "
+                     f"from CUDA graphs ({result.backend}: CUDA_GRAPH_SUPPORT="
+                     f"{graphs['support']}; decode-only steps on a CUDA device replay)")
     off = result.offload
     lines += [
         "",
