@@ -131,3 +131,23 @@ def test_every_layout_kvcore_allocates_passes_the_alias_check():
                 check_distinct_pages(*layer.unbind(1))
     legacy = torch.zeros(2, 5, 4, 2, 16)  # ROCM_ATTN's (2, num_blocks, ...) halves
     check_distinct_pages(legacy[0], legacy[1])
+
+
+def test_duplicate_slots_are_refused_once_per_step():
+    """With the step's metadata checked once (build_attention_metadata on the host lists,
+    step_facts_from_tensors with one device read), a marked slot_mapping is not read again
+    by each layer's write, and a step giving one slot to two tokens is refused up front."""
+    from kvcore.ops import checked_step_facts, step_facts_from_tensors
+
+    with pytest.raises(ValueError, match=r"the block tables give slots \[4, 5\] to more than "
+                                         "one new token"):
+        kvcore.build_attention_metadata([2, 2], [0, 0], [[1], [1]], block_size=4)
+    meta = kvcore.build_attention_metadata([2, 1], [0, 3], [[1], [2]], block_size=4)
+    assert checked_step_facts(meta.slot_mapping) is not None
+    key, value, kc, vc, _ = _write_args()
+    reshape_and_cache_ref(key, value, kc, vc, meta.slot_mapping)
+    bad = torch.tensor([4, -1, 4])
+    with pytest.raises(ValueError, match=r"slot_mapping writes slots \[4\] more than once"):
+        step_facts_from_tensors(torch.tensor([0, 3], dtype=torch.int32),
+                                torch.tensor([3], dtype=torch.int32),
+                                torch.tensor([[1]], dtype=torch.int32), bad, 4)
