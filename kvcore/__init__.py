@@ -23,7 +23,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.backend": (
         "FEATURE_FLAGS", "AttentionBackend", "AttentionImpl", "AttentionLayer",
         "AttentionMetadata", "CudaGraphSupport", "LayerScales", "PagedAttentionImpl",
-        "build_attention_metadata",
+        "build_attention_metadata", "encoder_only_cache",
     ),
     "kvcore.builder": ("AttentionMetadataBuilder", "PersistentMetadataBuilder"),
     "kvcore.config": ("AttentionSelectorConfig",),
@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         LayerScales,
         PagedAttentionImpl,
         build_attention_metadata,
+        encoder_only_cache,
     )
     from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
     from kvcore.config import AttentionSelectorConfig
@@ -148,6 +149,7 @@ __all__ = [
     "clear_platform_cache",
     "clear_selection_cache",
     "connector_registry",
+    "encoder_only_cache",
     "current_platform",
     "explain_selection",
     "get_attn_backend",

@@ -318,13 +318,13 @@ def run_bench(options: BenchOptions) -> BenchReport:
         name = backend.get_name()
         jobs.append((f"decode {name}", lambda c, b=backend: [
             _decode_case(b, size, dtype, device, False, measure, c["memory"])]))
-        if backend is selected and backend.supports_cross_layer():
+        if backend is selected and backend.supports_cross_layer(platform.name):
             jobs.append((f"decode {name} cross-layer", lambda c, b=backend: [
                 _decode_case(b, size, dtype, device, True, measure, c["memory"])]))
         jobs.append((f"cache write {name}", lambda c, b=backend: [
             _write_case(b, size, dtype, device, measure, c["memory"])]))
     if selected.supports_kv_connector():
-        for cross in ((False, True) if selected.supports_cross_layer() else (False,)):
+        for cross in ((False, True) if selected.supports_cross_layer(platform.name) else (False,)):
             jobs.append((f"offload {'cross-layer' if cross else 'per-layer'}",
                          lambda c, x=cross: _offload_cases(
                              selected, size, dtype, device, x, measure,

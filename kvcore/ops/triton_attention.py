@@ -35,6 +35,12 @@ possible sequence (``block_table.shape[1] * block_size``, known without a sync) 
 8 at 8 x 32768 and 4 at 16 x 4096: the fastest of the swept split counts at each of those
 shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slower.
 
+Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
+a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
+scores are set to ``-inf`` with ``where``, so a NaN *key* after a query changes nothing. A
+NaN/Inf *value* after a query, within the 32-key tile a query tile visits, does reach that
+tile's earlier queries (``0 * NaN`` in the ``p @ V`` product; docs/faults.md).
+
 All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
 under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
 mishandles bf16 dots), on the GPU the dots run in the input dtype; the interpreter also
@@ -411,7 +417,8 @@ def paged_attention(
     """
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
-                             sliding_window=sliding_window, output=output)
+                             sliding_window=sliding_window, output=output, scale=scale,
+                             k_scale=k_scale, v_scale=v_scale)
     if query.dtype not in SUPPORTED_QUERY_DTYPES:
         raise TypeError(
             f"query has dtype {query.dtype}; the Triton kernel supports "
@@ -424,8 +431,6 @@ def paged_attention(
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size={head_size} (the Triton kernel supports up to "
                          f"{MAX_HEAD_SIZE})")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale={scale!r} must be a positive float")
     if num_kv_splits is not None and (
         isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
         or not 1 <= num_kv_splits <= _MAX_SPLITS

@@ -317,10 +317,11 @@ def conformance_cases(
     cross_layer = _opts_in_cross_layer(cls)
     for device in devices:
         def numeric(kind: str, rule: str, fn: Callable[..., str | None],
-                    config: CaseConfig, device: str = device) -> None:
+                    config: CaseConfig, device: str = device,
+                    excuse: str | None = None) -> None:
             seed = _seed(f"{name}-{device}-{kind}-{config.label()}")
             add(kind, rule, _gated, cls, fn, config, device, seed, device=device,
-                suffix=config.label(), skip=skip)
+                suffix=config.label(), skip=skip or excuse)
 
         base = declared.base_config()
         for config in configs:
@@ -328,6 +329,8 @@ def conformance_cases(
             numeric("forward", "forward-reference",
                     functools.partial(checks.check_forward, without_output=config == base),
                     config)
+        numeric("stale-bytes", "stale-bytes-masked", checks.check_stale_bytes, base,
+                excuse=cls.stale_bytes_reason(torch.device(device).type))
         if cls.SUPPORTS_NON_CAUSAL:
             noncausal = CaseConfig(base.dtype, base.head_size, base.block_size,
                                    base.kv_cache_dtype, causal=False)

@@ -59,6 +59,7 @@ __all__ = [
     "check_int64_offsets",
     "check_kv_connector_claim",
     "check_shape",
+    "check_stale_bytes",
     "check_stride_order",
     "check_validation_accepts",
     "check_validation_refuses",
@@ -560,6 +561,45 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
         changed = int((_bits(layer) != before).sum())
         raise run.fail("forward-reference", (
             f"forward changed {changed} elements of the KV cache; it must only read it"))
+
+
+def _poison_unowned(kv_cache: torch.Tensor, layout: KVCacheLayout, batch: MixedBatch,
+                    block_size: int) -> None:
+    """NaN in every slot of ``kv_cache`` outside the requests' first ``seq_len`` tokens: the
+    tail of each last block and every block no request owns."""
+    key_cache, value_cache = _split_kv(kv_cache, layout)
+    owned = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for blocks, q_len, ctx in zip(batch.block_tables, batch.query_lens, batch.context_lens,
+                                  strict=True):
+        for pos in range(ctx + q_len):
+            owned[int(blocks[pos // block_size]), pos % block_size] = True
+    stale = ~owned.to(kv_cache.device)
+    for cache in (key_cache, value_cache):
+        if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            cache.view(torch.uint8)[stale] = 0x7F  # NaN in both fp8 formats
+        else:
+            cache[stale] = float("nan")
+
+
+def check_stale_bytes(backend: type[AttentionBackend], config: CaseConfig,
+                      device: torch.device, seed: int) -> None:
+    """Rule ``stale-bytes-masked``: ``forward`` over a cache whose unowned slots hold NaN
+    matches the reference computed before they were poisoned."""
+    run = _Run(backend, config, device, seed)
+    batch = make_mixed_batch(config, device, run.gen)
+    caches = run.allocate(batch.num_blocks)
+    layer = caches.layers[0]
+    scales = _scales(config, device)
+    impl = run.impl()
+    run.write(impl, scales, batch, layer)
+    ref = run.reference_forward(batch, layer, caches.layout, scales)
+    _poison_unowned(layer, caches.layout, batch, config.block_size)
+    n = batch.num_tokens
+    diff = run.output_diff(run.forward(impl, scales, batch, layer, None)[:n], ref, batch)
+    if diff:
+        raise run.fail("stale-bytes-masked", (
+            "with NaN in every cache slot the batch does not own (the tail of each request's "
+            f"last block, blocks no request owns): {diff}"))
 
 
 def check_batch_invariant(backend: type[AttentionBackend], config: CaseConfig,

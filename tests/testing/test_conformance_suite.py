@@ -48,13 +48,14 @@ def test_correct_reference_backend_passes(pytester):
 
 @pytest.mark.parametrize(("backend", "rule", "failing_checks", "says"), [
     pytest.param("StrideOrderNotPermutation", "stride-order-permutation",
-                 {"stride-order", "cross-layer-claim", "cache-write", "forward", "cross-layer",
-                  "builder"},
+                 {"stride-order", "cross-layer-claim", "cache-write", "forward", "stale-bytes",
+                  "cross-layer", "builder"},
                  ["get_kv_cache_stride_order(False) = (0, 1, 3, 3, 4) is not a permutation of "
                   "(0, 1, 2, 3, 4)"],
                  id="stride-order-not-a-permutation"),
     pytest.param("CrossLayerOrderSplitsPages", "cross-layer-claim",
-                 {"cross-layer-claim", "cache-write", "forward", "cross-layer", "builder"},
+                 {"cross-layer-claim", "cache-write", "forward", "stale-bytes", "cross-layer",
+                  "builder"},
                  ["get_kv_cache_stride_order(True) = (1, 2, 0, 3, 4, 5) claims cross-layer, so "
                   "with the per-layer order (0, 1, 2, 3, 4) it must be (1, 0, 2, 3, 4, 5)"],
                  id="cross-layer-order-splits-pages"),

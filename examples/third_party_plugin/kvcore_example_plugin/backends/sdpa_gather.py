@@ -103,6 +103,10 @@ class SdpaGatherImpl(kvcore.AttentionImpl):
         q_pos = (seq_lens - q_lens)[:, None] + torch.arange(m.max_query_len, device=device)
         k_pos = torch.arange(k.shape[1], device=device)
         allowed = k_pos[None, None, :] < seq_lens[:, None, None]  # (num_seqs, 1, keys)
+        # Whatever lies beyond a request's length (its last page's tail, padding pages) may be
+        # stale NaN: zero it, since SDPA weights it by 0 and 0 * NaN is NaN.
+        beyond = ~allowed[:, 0, :, None, None]
+        k, v = k.masked_fill(beyond, 0), v.masked_fill(beyond, 0)
         if self.is_causal(m):
             allowed = allowed & (k_pos[None, None, :] <= q_pos[:, :, None])
         if self.sliding_window is not None:

@@ -9,14 +9,19 @@ synchronise with the device and follow kvcore's switch
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcore.ops import (
+    FP8_KV_CACHE_DTYPES,
     cache_torch_dtype,
     check_block_indices,
+    check_distinct_slots,
     check_kv_cache_dtype,
     check_scale,
     check_slots_in_range,
+    check_softmax_scale,
     require_float_dtype,
     require_int_dtype,
     require_ndim,
@@ -90,8 +95,9 @@ def validate_concat_and_cache_mla(
             f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with "
             f"kv_c of dtype {kv_c.dtype} needs {expected}"
         )
-    check_scale("scale", scale)
+    check_scale("scale", scale, used=kv_cache_dtype in FP8_KV_CACHE_DTYPES)
     check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
+    check_distinct_slots(slot_mapping)
     return k_pe
 
 
@@ -286,8 +292,9 @@ def validate_decode_attention(
                 f"attn_logits has shape {tuple(attn_logits.shape)} and dtype {attn_logits.dtype};"
                 f" expected float32 (batch, num_heads, num_kv_splits, v_head_dim + 1) = {expected}"
             )
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
-        raise ValueError(f"sm_scale={sm_scale!r} must be a positive float")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not (
+            math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a finite, positive float")
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
     _block_table_in_range("req_to_page", req_to_page, b_seq_len, page_size, num_pages)
@@ -333,9 +340,8 @@ def validate_mla_attention(
     if kv_cache.dtype != expected:
         raise TypeError(f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype="
                         f"{kv_cache_dtype!r} with q of dtype {q.dtype} needs {expected}")
-    check_scale("k_scale", k_scale)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale={scale!r} must be a positive float")
+    check_scale("k_scale", k_scale, used=kv_cache_dtype in FP8_KV_CACHE_DTYPES)
+    check_softmax_scale(scale)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
         raise ValueError(

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import torch
 
-from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, encoder_only_cache
 from kvcore.ops import reshape_and_cache, validate_paged_attention
 
 T = TypeVar("T")
@@ -38,9 +38,33 @@ def write_cache(
     Triton on GPU tensors, the reference on CPU tensors (:func:`kvcore.ops.reshape_and_cache`
     dispatches on the cache's device); both use int64 offsets and the view's strides.
     """
+    if not impl.writes_kv_cache():  # encoder-only layers keep nothing in the cache
+        return
+    _write(impl, layer, key, value, kv_cache, slot_mapping)
+
+
+def _write(impl: AttentionImpl, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     key_cache, value_cache = kv_cache.unbind(1)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl.kv_cache_dtype,
                       layer.k_scale, layer.v_scale)
+
+
+def step_kv(
+    impl: AttentionImpl,
+    layer: AttentionLayer,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The cache and metadata a forward reads: the layer's own for decoders; for an
+    encoder-only layer (which never writes the cache) a private cache of this step's tokens
+    (:func:`kvcore.encoder_only_cache`)."""
+    if impl.writes_kv_cache():
+        return kv_cache, attn_metadata
+    return encoder_only_cache(key, value, kv_cache, attn_metadata,
+                              lambda k, v, c, s: _write(impl, layer, k, v, c, s))
 
 
 class StepCache:
@@ -114,5 +138,5 @@ def begin_forward(
         query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
         attn_metadata.seq_lens, attn_metadata.block_table,
         kv_cache_dtype=impl.kv_cache_dtype, sliding_window=impl.sliding_window,
-        output=None if output is None else output[:n])
+        output=None if output is None else output[:n], scale=impl.scale)
     return key_cache, value_cache, n, torch.empty_like(query) if output is None else output

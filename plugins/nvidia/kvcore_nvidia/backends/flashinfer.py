@@ -53,6 +53,7 @@ from kvcore_nvidia.backends.common import (
     begin_forward,
     cumulative,
     pages_per_request,
+    step_kv,
     write_cache,
 )
 
@@ -189,6 +190,7 @@ class FlashInferImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
         key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
                                                           output)
         if n == 0:
