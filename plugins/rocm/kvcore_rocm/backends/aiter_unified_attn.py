@@ -26,8 +26,11 @@ class AiterUnifiedAttentionBackend(AiterBackend):
     Cross-layer: the portable Triton kernels are verified bit-exact on per-layer views of a
     cross-layer cache, so the backend opts in when it will run them (aiter not installed). With
     aiter installed it keeps layers outermost: aiter's kernel has not been verified on strided
-    pages.
+    pages. The bit-exact cross-layer tests of the Triton path ran on an NVIDIA GPU only, so on
+    ROCm the cache stays per-layer (``CROSS_LAYER_PLATFORMS``) until they pass on an AMD GPU.
     """
+
+    CROSS_LAYER_PLATFORMS = ("cuda",)
 
     @staticmethod
     def get_name() -> str:
