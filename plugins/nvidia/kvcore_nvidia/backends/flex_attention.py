@@ -42,14 +42,20 @@ Limits
 - **Finite cache contents.** Masked positions are zero weights, but ``0 * NaN`` is NaN: the
   kernel reads whole pages (and, on CPU, every page), so the cache must not hold NaN/Inf bit
   patterns. ``kvcore.allocate_kv_caches`` allocates zeros.
-- kvcore has no per-step metadata hook: ``forward`` builds the block mask when it sees a new
-  step and keeps it for the next layers given the same, unmodified metadata object
-  (:class:`~kvcore_nvidia.backends.common.StepCache`). Building it syncs with the host: not
-  CUDA-graph capturable.
+- **Block masks once per step.** The builder (:class:`FlexAttentionMetadataBuilder`) gives
+  every step a :class:`FlexAttentionMetadata` that holds the step's block masks: a mask also
+  depends on the cache (its number of blocks and page stride) and on the layer (causal,
+  sliding window), which the builder does not know, so the first layer of each kind builds its
+  mask and every later layer of the step reuses it (a model alternating windowed and global
+  layers builds two masks per step, not one per layer). Metadata that did not come from the
+  builder keeps the last mask built (:class:`~kvcore_nvidia.backends.common.StepCache`).
+  Building a mask syncs with the host: not CUDA-graph capturable (``CUDA_GRAPH_SUPPORT`` is
+  ``NEVER``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -62,6 +68,7 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionSelectorConfig,
     AttentionType,
     DeviceCapability,
@@ -73,8 +80,8 @@ from kvcore_nvidia.backends.common import (
     write_cache,
 )
 
-__all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "build_block_mask",
-           "paged_sequence_views"]
+__all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "FlexAttentionMetadata",
+           "FlexAttentionMetadataBuilder", "build_block_mask", "paged_sequence_views"]
 
 #: Query tokens per row tile of the block mask (the kernel's ``BLOCK_M`` on CUDA).
 Q_TILE = 16
@@ -113,6 +120,10 @@ class FlexAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return FlexAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return FlexAttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -286,6 +297,29 @@ def build_block_mask(
 _MASKS = StepCache()
 
 
+@dataclasses.dataclass
+class FlexAttentionMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the step's block masks (see the module).
+
+    Attributes:
+        block_masks: ``BlockMask`` by ``(device, num_blocks, block_size, page_stride, causal,
+            sliding_window)``, filled by the first layer of the step that needs each.
+    """
+
+    block_masks: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+
+
+class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Checks the step once and gives it a fresh :class:`FlexAttentionMetadata`, whose block
+    masks the step's layers share (see the module docstring)."""
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> FlexAttentionMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        return FlexAttentionMetadata(
+            **{f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)})
+
+
 @functools.cache
 def _compiled_flex() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
@@ -346,11 +380,18 @@ class FlexAttentionImpl(AttentionImpl):
         num_blocks, block_size = key_cache.shape[:2]
         k_seq, v_seq, page_stride = paged_sequence_views(key_cache, value_cache)
         causal = self.is_causal(attn_metadata)
-        block_mask = _MASKS.get(
-            attn_metadata,
-            (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window),
-            lambda: build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
-                                     self.sliding_window))
+        key = (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window)
+
+        def make() -> Any:
+            return build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
+                                    self.sliding_window)
+
+        if isinstance(attn_metadata, FlexAttentionMetadata):
+            block_mask = attn_metadata.block_masks.get(key)
+            if block_mask is None:
+                block_mask = attn_metadata.block_masks[key] = make()
+        else:
+            block_mask = _MASKS.get(attn_metadata, key, make)
         q = query[:n].transpose(0, 1).unsqueeze(0)  # (1, num_heads, n, head_size)
         out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size)
         output[:n].copy_(out[0].transpose(0, 1))
