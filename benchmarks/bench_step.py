@@ -327,6 +327,15 @@ def op_direct(model: Model) -> Callable[[], torch.Tensor]:
         block_table=m.block_table, scale=D**-0.5, output=out)
 
 
+def op_splits(model: Model) -> int:
+    """The split count TRITON_ATTN's op chooses by itself for the model's step."""
+    from kvcore.ops.triton_attention import default_num_kv_splits
+
+    m = model.common
+    return default_num_kv_splits(m.num_actual_tokens, m.num_seqs, HK,
+                                 m.block_table.shape[1] * BS, torch.device(DEVICE))
+
+
 def alternating(fns: dict[str, Callable[[], object]], rounds: int = 2
                 ) -> dict[str, tuple[float, list[float], str]]:
     """``time_call`` of each variant, the variants taking turns for ``rounds`` rounds (a drift
@@ -365,12 +374,13 @@ def time_layer(run: Run, b: int, length: int, names: list[str], flashinfer: bool
                 variants[f"{name} op, eager metadata"] = op_direct(model)
             timed = alternating(variants)
             for impl, (t, samples, how) in timed.items():
-                got = variants[impl]().clone() if impl != f"kvcore {name}" else result
+                builder_row = impl == f"kvcore {name}"
+                got = result if builder_row else variants[impl]().clone()
                 row = {"impl": impl, "shape": shape, "time_us": t * 1e6,
                        "GBps": nbytes / t / 1e9, "timing": how,
                        "rounds_us": [x * 1e6 for x in samples],
-                       "num_kv_splits": getattr(meta, "num_kv_splits", None)
-                       if impl == f"kvcore {name}" else None,
+                       "num_kv_splits": getattr(meta, "num_kv_splits", None) if builder_row
+                       else op_splits(model),
                        "rel_err_vs_ref": rel_err(got, model.reference(0))}
                 run.results["layers"].append(row)
                 run.log(json.dumps(row))
