@@ -59,7 +59,6 @@ _ON_DEMAND_MODULES = frozenset({"kvcore.backends.triton_attn"})
 
 if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.allocate import KVCaches, allocate_kv_caches
-    from kvcore.backends.triton_attn import TritonAttentionMetadata, TritonAttentionMetadataBuilder
     from kvcore.backend import (
         FEATURE_FLAGS,
         AttentionBackend,
@@ -71,6 +70,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         PagedAttentionImpl,
         build_attention_metadata,
     )
+    from kvcore.backends.triton_attn import TritonAttentionMetadata, TritonAttentionMetadataBuilder
     from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
     from kvcore.config import AttentionSelectorConfig
     from kvcore.cuda_graphs import CudaGraphRunner
