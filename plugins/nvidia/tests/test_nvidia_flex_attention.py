@@ -108,6 +108,33 @@ def test_the_block_mask_is_built_once_per_step(monkeypatch):
     assert builds == [None, 5, None]
 
 
+def test_the_builders_steps_build_each_layer_kinds_mask_once(monkeypatch):
+    """With the builder's metadata, layers alternating a sliding window and none build two
+    masks per step (not one per layer); a new step builds them again."""
+    namespace = FlexAttentionBackend.get_impl_cls().forward.__globals__
+    builds = []
+    build = namespace["build_block_mask"]
+    monkeypatch.setitem(namespace, "build_block_mask",
+                        lambda *a: (builds.append(a[-1]), build(*a))[1])
+    gen, kv_cache, impl = _setup(torch.float32, seed=8)
+    windowed = FlexAttentionBackend.get_impl_cls()(
+        num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
+        num_kv_heads=NUM_KV_HEADS, sliding_window=5)
+    batch = mixed_batch(impl, kv_cache, gen)
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
+                                    num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE)
+    builder = FlexAttentionBackend.get_builder_cls()(
+        spec, num_heads=NUM_HEADS, max_num_seqs=8, max_num_batched_tokens=256,
+        max_model_len=NUM_BLOCKS * BLOCK_SIZE, device="cpu")
+    for _step in range(2):
+        meta = builder.build(batch.meta)
+        for layer in (impl, windowed, impl, windowed):
+            out = layer.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value,
+                                kv_cache, meta)
+            assert rel_err(out, reference(layer, batch, kv_cache)) < REL_ERR[torch.float32]
+    assert builds == [None, 5, None, 5]
+
+
 def test_block_mask_lists_each_needed_page_once():
     """Every (query, key) pair the mask allows lies in a page its query tile lists, and no
     tile lists a page twice (shared prefix pages included): on CPU flex runs densely, so only

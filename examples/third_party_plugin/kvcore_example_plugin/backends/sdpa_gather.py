@@ -30,6 +30,9 @@ class SdpaGatherBackend(kvcore.AttentionBackend):
     PLATFORMS = ("cpu", "cuda", "rocm")
     # fp32 SDPA computes in fp32 on every device (no TF32), tighter than kvcore's default.
     CONFORMANCE_TOLERANCES = {torch.float32: (1e-4, 1e-4)}
+    # forward pads every request to the step's longest (sizes read on the host) and allocates
+    # per call: a captured step could not replay another step's shapes.
+    CUDA_GRAPH_SUPPORT = kvcore.CudaGraphSupport.NEVER
 
     @staticmethod
     def get_name() -> str:
@@ -38,6 +41,14 @@ class SdpaGatherBackend(kvcore.AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[kvcore.AttentionImpl]:
         return SdpaGatherImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[kvcore.AttentionMetadataBuilder]:
+        # The default builder (what AttentionBackend returns anyway, spelled out as a model):
+        # once per step it checks the step's values and returns the metadata unchanged. A
+        # backend with per-step work (a plan, split choices, a mask) subclasses it, or
+        # kvcore.PersistentMetadataBuilder to support CUDA graphs (docs/backend-plugin.md).
+        return kvcore.AttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ from kvcore.ops import (
     check_scale,
     check_slots_in_range,
     check_softmax_scale,
+    checked_step_facts,
     require_float_dtype,
     require_int_dtype,
     require_ndim,
@@ -356,6 +357,19 @@ def validate_mla_attention(
             raise ValueError(f"output has shape {tuple(output.shape)} on {output.device}; "
                              f"expected {want} on {q.device}")
     if not value_checks_enabled() or num_seqs == 0:
+        return
+    facts = checked_step_facts(query_start_loc, seq_lens, block_table)
+    if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (
+            num_tokens, num_seqs, kv_cache.shape[1]):
+        # Checked once for the step (kvcore.ops.mark_step_checked): compare with this cache
+        # instead of reading the tensors back (a sync per layer, impossible in a CUDA graph).
+        if facts.max_blocks_per_seq > block_table.shape[1]:
+            raise ValueError(f"a request of the step uses {facts.max_blocks_per_seq} blocks "
+                             f"but block_table has only {block_table.shape[1]} columns")
+        if facts.max_block_id >= kv_cache.shape[0]:
+            raise ValueError(f"block_table contains block id {facts.max_block_id}, but the "
+                             f"cache has only {kv_cache.shape[0]} blocks (valid ids: "
+                             f"0..{kv_cache.shape[0] - 1})")
         return
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()

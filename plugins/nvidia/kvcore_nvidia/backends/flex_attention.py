@@ -48,14 +48,20 @@ Limits
   allocates zeros and kvcore's cache writes never store NaN from finite inputs, so this needs
   a cache corrupted from outside; :meth:`FlexAttentionBackend.stale_bytes_reason` says so,
   and the conformance rule ``stale-bytes-masked`` is skipped there with this reason.
-- kvcore has no per-step metadata hook: ``forward`` builds the block mask when it sees a new
-  step and keeps it for the next layers given the same, unmodified metadata object
-  (:class:`~kvcore_nvidia.backends.common.StepCache`). Building it syncs with the host: not
-  CUDA-graph capturable.
+- **Block masks once per step.** The builder (:class:`FlexAttentionMetadataBuilder`) gives
+  every step a :class:`FlexAttentionMetadata` that holds the step's block masks: a mask also
+  depends on the cache (its number of blocks and page stride) and on the layer (causal,
+  sliding window), which the builder does not know, so the first layer of each kind builds its
+  mask and every later layer of the step reuses it (a model alternating windowed and global
+  layers builds two masks per step, not one per layer). Metadata that did not come from the
+  builder keeps the last mask built (:class:`~kvcore_nvidia.backends.common.StepCache`).
+  Building a mask syncs with the host: not CUDA-graph capturable (``CUDA_GRAPH_SUPPORT`` is
+  ``NEVER``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -68,6 +74,7 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionSelectorConfig,
     AttentionType,
     DeviceCapability,
@@ -80,8 +87,8 @@ from kvcore_nvidia.backends.common import (
     write_cache,
 )
 
-__all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "build_block_mask",
-           "paged_sequence_views"]
+__all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "FlexAttentionMetadata",
+           "FlexAttentionMetadataBuilder", "build_block_mask", "paged_sequence_views"]
 
 #: Query tokens per row tile of the block mask (the kernel's ``BLOCK_M`` on CUDA).
 Q_TILE = 16
@@ -120,6 +127,10 @@ class FlexAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return FlexAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return FlexAttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -318,6 +329,29 @@ def owned_positions(attn_metadata: AttentionMetadata, num_blocks: int, block_siz
 _MASKS = StepCache()
 
 
+@dataclasses.dataclass
+class FlexAttentionMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the step's block masks (see the module).
+
+    Attributes:
+        block_masks: ``BlockMask`` by ``(device, num_blocks, block_size, page_stride, causal,
+            sliding_window)``, filled by the first layer of the step that needs each.
+    """
+
+    block_masks: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+
+
+class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Checks the step once and gives it a fresh :class:`FlexAttentionMetadata`, whose block
+    masks the step's layers share (see the module docstring)."""
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> FlexAttentionMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        return FlexAttentionMetadata(
+            **{f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)})
+
+
 @functools.cache
 def _compiled_flex() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
@@ -379,14 +413,22 @@ class FlexAttentionImpl(AttentionImpl):
         num_blocks, block_size = key_cache.shape[:2]
         k_seq, v_seq, page_stride = paged_sequence_views(key_cache, value_cache)
         causal = self.is_causal(attn_metadata)
+        key = (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window)
         on_cpu = key_cache.device.type == "cpu"
-        block_mask, owned = _MASKS.get(
-            attn_metadata,
-            (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window),
-            lambda: (build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
-                                      self.sliding_window),
-                     owned_positions(attn_metadata, num_blocks, block_size, page_stride)
-                     if on_cpu else None))
+
+        def make() -> Any:
+            return (build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
+                                     self.sliding_window),
+                    owned_positions(attn_metadata, num_blocks, block_size, page_stride)
+                    if on_cpu else None)
+
+        if isinstance(attn_metadata, FlexAttentionMetadata):
+            masks = attn_metadata.block_masks.get(key)
+            if masks is None:
+                masks = attn_metadata.block_masks[key] = make()
+        else:
+            masks = _MASKS.get(attn_metadata, key, make)
+        block_mask, owned = masks
         if owned is not None:
             # The eager path multiplies every cache position's V by its (zero) weight: stale
             # NaN/Inf anywhere would poison every output. Unowned positions read as zero.
