@@ -18,7 +18,7 @@ Sections, each isolated (an error is logged and recorded, the run goes on):
    (``--block-copier``, default kvcore-nvidia's ``cuda_batch``) instead of device staging,
    when it is installed and usable; the decode section then adds a row for it too.
    ``startup``: how long ``register_kv_caches`` blocks for 8 and 32 GiB pools
-   (``--startup-gib``; the pool is pinned in parallel chunks in the background) and when the
+   (``--startup-gib``; default pinning: torch's pinned allocator) and when the
    whole pool is pinned; then the first save and first two loads of one cross-layer transfer
    after registration, against the pinned copy (what the registration warm-up leaves).
 4. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
@@ -288,9 +288,9 @@ STARTUP_GIB = (8, 32)
 
 def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
                   pool_bytes: tuple[int, ...]) -> dict[str, dict[str, float]]:
-    """Per pool size: how long ``register_kv_caches`` blocks (the pool pinned in the
-    background, usable as it grows) and how long until all of it is pinned. Then, on a fresh
-    connector, the first save and the first two loads of one cross-layer transfer (contiguous
+    """Per pool size: how long ``register_kv_caches`` blocks with the default pinning (torch's
+    pinned allocator; ``pin_in_background`` is opt-in) and how long until all of it is
+    pinned. Then, on a fresh connector, the first save and the first two loads of one cross-layer transfer (contiguous
     blocks, the direct path) after registration: what warm-up at registration leaves to the
     first transfers, against the pinned copy."""
     results: dict[str, dict[str, float]] = {}

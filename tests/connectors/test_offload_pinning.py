@@ -126,7 +126,8 @@ def test_saves_never_use_a_slot_that_is_not_pinned_yet(monkeypatch):
     fake = FakePinning(hold_rest=True)
     monkeypatch.setattr(offload_connector, "HostPool", fake.pool)
     num_slots = 3 * (2 * PAGE // slot_bytes) + 3  # several chunks
-    conn = get_connector("offload", capacity_bytes=num_slots * slot_bytes)
+    conn = get_connector("offload", capacity_bytes=num_slots * slot_bytes,
+                         pin_in_background=True)
     conn.register_kv_caches(kv)
     try:
         ready = conn.ready_slots
@@ -154,10 +155,15 @@ def test_saves_never_use_a_slot_that_is_not_pinned_yet(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="on the H200 the first transfer from a pool pinned "
+                   "with cudaHostRegister chunks failed (cudaErrorInvalidValue), and torch's "
+                   "is_pinned() does not see such memory (2026-12-01): pin_in_background is "
+                   "opt-in until this passes")
 def test_registration_returns_before_a_large_pool_is_pinned():
     kv = make_caches(cross_layer=True, device="cuda")
     slot = kv.num_layers * kv.page_size_bytes
-    conn = get_connector("offload", capacity_bytes=max(1, (4 << 30) // slot) * slot)
+    conn = get_connector("offload", capacity_bytes=max(1, (4 << 30) // slot) * slot,
+                         pin_in_background=True)
     conn.register_kv_caches(kv)
     try:
         assert conn.ready_slots >= 1

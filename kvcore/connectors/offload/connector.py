@@ -52,15 +52,18 @@ class OffloadConnector(KVConnector):
             stages them. See :func:`kvcore.connectors.block_copier_names`.
         pin_in_background: on CUDA, return from registration once the first chunk of the
             pool is pinned and pin the rest on worker threads, the pool growing as they go
-            (:mod:`~kvcore.connectors.offload.pinning`); ``False`` pins all of it (still in
-            parallel) before registration returns.
+            (:mod:`~kvcore.connectors.offload.pinning`). Experimental and off by default: on
+            the H200 the first transfer from a pool pinned this way failed with
+            cudaErrorInvalidValue (``benchmarks/RESULTS.md``, 2026-12-01). ``False`` (the
+            default) allocates the pool with torch's pinned allocator before registration
+            returns.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
 
     def __init__(self, *, capacity_bytes: int, failure_policy: str = "recompute",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_copier: str | None = None,
-                 pin_in_background: bool = True) -> None:
+                 pin_in_background: bool = False) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -104,8 +104,11 @@ class HostPool:
     Args:
         num_slots, slot_bytes: the pool's shape.
         pin: page-lock the memory (``False``: plain memory, every slot ready at once).
-        background: pin the chunks after the first one on worker threads after returning
-            (``False``: before returning, still in parallel).
+        background: allocate pageable memory and pin it in chunks with ``cudaHostRegister``,
+            the chunks after the first one on worker threads after returning. ``False`` (with
+            the default ``pin_fn``): torch's pinned allocation, all of it before returning.
+            The chunked path failed on the H200 (cudaErrorInvalidValue at the first transfer,
+            2026-12-01; ``benchmarks/RESULTS.md``) and is opt-in until that is understood.
         chunk_bytes, workers: pinning granularity (rounded up to whole pages; the first chunk
             holds at least one slot) and parallelism.
         pin_fn, unpin_fn: how to pin and unpin a region (default: ``cudaHostRegister`` /
@@ -124,19 +127,33 @@ class HostPool:
                  pin_fn: PinFn | None = None, unpin_fn: UnpinFn | None = None) -> None:
         started = time.perf_counter()
         total = num_slots * slot_bytes
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finished = threading.Event()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pinned: list[int] = []  # chunk indices whose memory is registered
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.error: str | None = None
+        if pin and not background and pin_fn is None:
+            # torch's own pinned allocation, at once: the path the offload benchmarks verified
+            # on the H200. The chunked ``cudaHostRegister`` path below failed there (the
+            # first transfer raised cudaErrorInvalidValue, 2026-12-01), so it is opt-in.
+            self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8,
+                                      pin_memory=True)
+            self._chunks: list[tuple[int, int]] = []
+            self._ready_bytes = total
+            self._finished.set()
+            self.pinned_seconds = self.startup_seconds = time.perf_counter() - started
+            return
         page = mmap.PAGESIZE
         # Room to start on a page and to round the last chunk up to a whole page.
         self._raw = torch.empty(total + 2 * page, dtype=torch.uint8)
         offset = -self._raw.data_ptr() % page
         self.tensor = self._raw[offset:offset + total].view(num_slots, slot_bytes)
-        self.num_slots = num_slots
-        self.slot_bytes = slot_bytes
-        self.error: str | None = None
         self.pinned_seconds: float | None = None
         self._pin = pin_fn or cuda_pin
         self._unpin = unpin_fn or cuda_unpin
-        self._lock = threading.Lock()
-        self._closed = False
         step = _round_up(max(chunk_bytes, 1), page)
         first = _round_up(max(step, slot_bytes), page)
         end = _round_up(total, page)
@@ -144,11 +161,8 @@ class HostPool:
         #: ``[start, stop)`` byte ranges from the pool's start, whole pages each.
         self._chunks = list(itertools.pairwise(bounds))
         self._done = [not pin] * len(self._chunks)
-        self._pinned: list[int] = []  # chunk indices whose memory is registered
         self._ready_bytes = end if not pin else 0
         self._base = self.tensor.data_ptr()
-        self._executor: ThreadPoolExecutor | None = None
-        self._finished = threading.Event()
         if not pin or not self._chunks:
             self._finished.set()
             self.pinned_seconds = 0.0
