@@ -290,8 +290,8 @@ def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
                   pool_bytes: tuple[int, ...]) -> dict[str, dict[str, float]]:
     """Per pool size: how long ``register_kv_caches`` blocks with the default pinning (torch's
     pinned allocator; ``pin_in_background`` is opt-in) and how long until all of it is
-    pinned. Then, on a fresh connector, the first save and the first two loads of one cross-layer transfer (contiguous
-    blocks, the direct path) after registration: what warm-up at registration leaves to the
+    pinned. Then, on a fresh connector, the first save and the first two loads of one
+    cross-layer transfer (contiguous blocks, the direct path) after registration: what warm-up at registration leaves to the
     first transfers, against the pinned copy."""
     results: dict[str, dict[str, float]] = {}
     kv = kvcore.allocate_kv_caches(
