@@ -291,8 +291,8 @@ def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
     """Per pool size: how long ``register_kv_caches`` blocks with the default pinning (torch's
     pinned allocator; ``pin_in_background`` is opt-in) and how long until all of it is
     pinned. Then, on a fresh connector, the first save and the first two loads of one
-    cross-layer transfer (contiguous blocks, the direct path) after registration: what warm-up at registration leaves to the
-    first transfers, against the pinned copy."""
+    cross-layer transfer (contiguous blocks, the direct path) after registration: what
+    warm-up at registration leaves to the first transfers, against the pinned copy."""
     results: dict[str, dict[str, float]] = {}
     kv = kvcore.allocate_kv_caches(
         "CPU_ATTN", num_layers=sizes.num_layers, num_blocks=2 * sizes.num_blocks,
