@@ -128,7 +128,8 @@ def test_layout_command_prints_shapes_strides_and_the_named_dims(capsys):
     assert kvcore_cli(["layout", "CPU_ATTN", "--cross-layer"]) == 0
     out = capsys.readouterr().out
     for expected in (
-        "layout: B,L,2,N,H,D  (cross-layer;",
+        "layout: B,L,2,N,H,D = B=8 x L=4 x 2=2 x N=16 x H=2 x D=128 (bfloat16, cross-layer, "
+        "page 16384 B)\n",
         "logical shape: (L=4, B=8, 2=2, N=16, H=2, D=128)",
         "physical shape: (B=8, L=4, 2=2, N=16, H=2, D=128)",
         "logical strides (elements): (L=8192, B=32768, 2=4096, N=256, H=128, D=1)",
@@ -136,6 +137,7 @@ def test_layout_command_prints_shapes_strides_and_the_named_dims(capsys):
         "(32768, 4096, 256, 128, 1)",
     ):
         assert expected in out
+    assert out.count("cross-layer") == 2  # the layout line and "cross-layer capable"
 
 
 def test_layout_json_has_the_layout_fields(capsys):

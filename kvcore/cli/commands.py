@@ -227,7 +227,9 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
     env = collect_env()
     lines = []
     for key, value in env.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and not value:
+            lines.append(f"{key}: (none set)")
+        elif isinstance(value, dict):
             lines.append(f"{key}:")
             lines.extend(f"  {k}: {v}" for k, v in value.items())
         elif isinstance(value, list):

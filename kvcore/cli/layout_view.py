@@ -198,10 +198,12 @@ def format_layout(view: LayoutView) -> str:
 
     lay = view.layout
     strides = lay.logical_strides()
-    kind = "cross-layer" if lay.is_cross_layer else "per-layer (layers outermost)"
+    # describe() names the kind (cross-layer, blocks-first, ...); a per-layer one adds where
+    # the layers are.
     lines = [
         f"backend: {view.backend}",
-        f"layout: {lay}  ({kind}; {lay.describe()})",
+        f"layout: {lay} = {lay.describe()}"
+        + ("" if lay.is_cross_layer else "; per-layer: layers outermost"),
         "dims: " + ", ".join(f"{n}={_DIM_MEANING.get(n, n)}" for n in dict.fromkeys(
             lay.dim_names)),
         f"logical shape: {_shape(lay.dim_names, lay.logical_shape)}",
