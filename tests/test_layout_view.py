@@ -158,6 +158,30 @@ def test_layout_plot_writes_a_png(tmp_path, capsys):
     assert f"wrote {path}" in capsys.readouterr().err
 
 
+def test_layout_plot_shades_odd_kv_heads_in_k_and_v_as_its_legend_says():
+    pytest.importorskip("matplotlib")
+    from kvcore.cli.layout_view import layout_figure
+
+    view = describe_layout("CPU_ATTN", num_layers=1, num_blocks=1, num_kv_heads=2,
+                           show_blocks=1)
+    fig = layout_figure(view)
+    ax = fig.axes[0]
+    # Patches in drawing order: one per piece of view.head_regions (in that order here, one
+    # page per row, since a page holds the block of the single layer).
+    colours: dict[tuple[str, int], set[tuple[float, ...]]] = {}
+    pieces = [(r.part, r.head) for r in view.head_regions for _ in r.runs]
+    for (part, head), patch in zip(pieces, ax.patches, strict=True):
+        *rgb, alpha = patch.get_facecolor()  # as seen over the white background
+        colours.setdefault((part, head), set()).add(
+            tuple(round(alpha * c + 1 - alpha, 6) for c in rgb))
+    assert all(len(c) == 1 for c in colours.values())
+    for part in ("K", "V"):  # the striping shows in both halves, clearly
+        (even,), (odd,) = colours[(part, 0)], colours[(part, 1)]
+        assert max(abs(a - b) for a, b in zip(even, odd, strict=True)) > 0.15, part
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "odd KV head (darker)" in labels and "even KV head" in labels
+
+
 def test_layout_plot_refuses_a_file_that_is_not_png(tmp_path, capsys):
     assert kvcore_cli(["layout", "CPU_ATTN", "--plot", str(tmp_path / "x.jpg")]) == 2
     assert "must end in .png" in capsys.readouterr().err
