@@ -108,3 +108,14 @@ def test_doc_commands_run_as_written_in_the_activated_environment(path, command)
         known = set(re.findall(r'"(--kvcore-[a-z-]+)"', (REPO / "kvcore_pytest.py").read_text()))
         used = {w.split("=")[0] for w in words if w.startswith("--kvcore-")}
         assert used <= known, f"unknown pytest options {used - known}"
+
+
+def test_backend_plugin_doc_lists_every_attribute_an_impl_gets():
+    import kvcore
+
+    class Impl(kvcore.AttentionImpl):
+        do_kv_cache_update = forward = None
+
+    documented = set(re.findall(r"^\| `self\.([a-z_]+)` \|", (DOCS / "backend-plugin.md")
+                                .read_text(), re.MULTILINE))
+    assert documented == set(vars(Impl(8, 64, 0.125, 2)))
