@@ -16,6 +16,8 @@ request.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvcore.ops.reference import scale_value
@@ -117,7 +119,7 @@ def paged_attention_torch(
     pages_per_chunk = max(1, CHUNK_TOKENS // block_size)
     chunk = pages_per_chunk * block_size
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    q_lens = [hi - lo for lo, hi in zip(starts, starts[1:])]
+    q_lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
 
     def run(seqs: list[int], num_q: int) -> torch.Tensor:
         """Requests ``seqs`` with ``num_q`` query tokens each: ``(n, num_q, heads, D)``."""
