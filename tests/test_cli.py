@@ -190,6 +190,8 @@ def _cli(capsys, *args) -> tuple[int, str, str]:
      "argument --head-size: 0 is not a positive integer", "B,"),
     (["layout", "ROCM_ATTN", "--cross-layer"],
      "--cross-layer: ROCM_ATTN does not opt in to cross-layer KV caches", "cross_layer="),
+    (["layout", "TRITON_MLA", "--num-kv-heads", "2"],
+     "--num-kv-heads 2: TRITON_MLA is an MLA backend", "num_kv_heads="),
     (["layout", "NOPE"], "layout NOPE: unknown attention backend; valid names: CPU_ATTN, ",
      "argument"),
     (["demo", "--backend", "NOPE"], "--backend NOPE: unknown attention backend", "argument"),
@@ -200,8 +202,8 @@ def _cli(capsys, *args) -> tuple[int, str, str]:
     (["bench", "--size", "huge"], "argument --size: invalid choice: 'huge'", "size="),
     (["select", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'", "dtype="),
 ], ids=["demo-new-tokens", "layout-num-blocks", "layout-head-size-zero", "layout-cross-layer",
-        "layout-unknown-backend", "demo-unknown-backend", "demo-invalid-backend",
-        "demo-absent-platform", "bench-size", "select-dtype"])
+        "layout-mla-heads", "layout-unknown-backend", "demo-unknown-backend",
+        "demo-invalid-backend", "demo-absent-platform", "bench-size", "select-dtype"])
 def test_errors_name_the_flags_the_user_typed(fresh_kvcore, capsys, args, says, not_says):
     status, _, err = _cli(capsys, *args)
     assert status == 2 and says in err and not_says not in err, err

@@ -282,6 +282,12 @@ def cmd_layout(args: argparse.Namespace) -> int:
             "kernels are not declared safe on pages strided across layers); leave out "
             "--cross-layer for its per-layer layout")
     # MLA caches hold one latent vector per token: one "head" of kv_lora_rank + rope dims.
+    if backend.IS_MLA and args.num_kv_heads not in (None, 1):
+        raise ValueError(
+            f"--num-kv-heads {args.num_kv_heads}: {backend.get_name()} is an MLA backend, whose "
+            "cache holds one latent vector per token shared by all heads; leave out "
+            "--num-kv-heads and give the latent size (kv_lora_rank + rope dims, e.g. 576) as "
+            "--head-size")
     heads = args.num_kv_heads or (1 if backend.IS_MLA else 2)
     head_size = args.head_size or (576 if backend.IS_MLA else 128)
     view = describe_layout(
