@@ -94,8 +94,9 @@ class SelectionReport:
         if self.forced:
             lines.append(f"forced backend: {self.forced}")
         pick = self.selected
-        lines.append(f"selected: {pick.name}: {self.why_selected()}" if pick else
-                     "selected: none")
+        lines.append(f"selected: {pick.name if pick else 'none'}")
+        if pick:
+            lines.append(f"why: {self.why_selected()}")
         for c in self.candidates:
             status = ("SELECTED" if c.selected else "rejected" if not c.valid
                       else "valid, not forced" if self.forced

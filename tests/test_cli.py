@@ -217,7 +217,8 @@ def test_select_explain_says_why_the_winner_beat_the_other_valid_backends(fresh_
                                                                            capsys):
     status, out, _ = _cli(capsys, "select", "--explain", "--platform", "cpu")
     assert status == 0
-    assert "selected: CPU_ATTN: first valid backend in cpu's priority list (CPU_ATTN)" in out
+    assert ("selected: CPU_ATTN\nwhy: first valid backend in cpu's priority list (CPU_ATTN)"
+            in out)
     assert "  SDPA_GATHER: valid, lower priority [plugin example]" in out
 
 
@@ -229,16 +230,16 @@ def test_select_without_capability_suggests_the_flag_with_the_platforms_spelling
     assert ("ROCM_AITER_UNIFIED_ATTN needs >= gfx942 (9.4) and <= gfx950 (9.5) (pass "
             "--capability gfx942 to simulate such a device)") in out
     # Valid without a capability (pure torch, any ROCm GPU), and the why says so.
-    assert ("selected: SDPA_GATHER: no backend in rocm's priority list (ROCM_AITER_UNIFIED_ATTN, "
-            "ROCM_AITER_FA, TRITON_ATTN) is valid; first valid of the other backends "
-            "registered for rocm") in out
+    assert ("selected: SDPA_GATHER\nwhy: no backend in rocm's priority list "
+            "(ROCM_AITER_UNIFIED_ATTN, ROCM_AITER_FA, TRITON_ATTN) is valid; first valid of the "
+            "other backends registered for rocm") in out
     assert out.rstrip().endswith("pass --capability to simulate a device, e.g. --capability "
                                  "gfx942")
     _, out, err = _cli(capsys, "select", "--platform", "cuda")
     assert "e.g. --capability 9.0" in err
     status, out, _ = _cli(capsys, "select", "--explain", "--platform", "rocm", "--kv-connector",
                           "--capability", "gfx942")
-    assert "selected: ROCM_AITER_UNIFIED_ATTN: first valid backend" in out
+    assert "selected: ROCM_AITER_UNIFIED_ATTN\nwhy: first valid backend" in out
     assert "note:" not in out
 
 
