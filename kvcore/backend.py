@@ -384,9 +384,13 @@ class AttentionBackend(ABC):
             part for part in (f">= {lo}" if lo else "", f"<= {hi}" if hi else "") if part
         )
         if capability is None:
+            # The example is the bound itself, spelled the way its platform names devices
+            # (gfx942 on ROCm, 9.0 on CUDA).
+            bound = lo or hi
+            example = bound.arch or f"{bound.major}.{bound.minor}"
             return [
                 f"device capability unknown; {cls.get_name()} needs {wanted} "
-                "(set KVCORE_DEVICE_CAPABILITY, e.g. 9.0, to simulate a device)"
+                f"(set KVCORE_DEVICE_CAPABILITY={example} to simulate such a device)"
             ]
         if (lo and not capability.at_least(lo)) or (hi and not hi.at_least(capability)):
             return [f"device capability {capability} (supported: {wanted})"]

@@ -90,6 +90,9 @@ class Platform(ABC):
     #: Backends this platform prefers that ship in separate distributions: name -> package,
     #: so an uninstalled one is reported with what to install.
     BACKEND_PROVIDERS: ClassVar[dict[str, str]] = {}
+    #: A device capability as this platform spells it (``"9.0"``, ``"gfx942"``), for
+    #: messages that tell a user how to simulate a device; ``None``: no capabilities.
+    CAPABILITY_EXAMPLE: ClassVar[str | None] = None
 
     @abstractmethod
     def probe(self) -> str | None:

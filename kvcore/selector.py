@@ -76,8 +76,21 @@ class SelectionReport:
     def selected(self) -> CandidateReport | None:
         return next((c for c in self.candidates if c.selected), None)
 
+    def why_selected(self) -> str | None:
+        """Why the selected backend won over the other valid ones (``None`` if none won)."""
+        pick = self.selected
+        if pick is None:
+            return None
+        if self.forced:
+            return "forced by name (backend argument or KVCORE_ATTENTION_BACKEND), and valid"
+        order = ", ".join(c.name for c in self.candidates if c.in_priority_list)
+        if pick.in_priority_list:
+            return f"first valid backend in {self.platform}'s priority list ({order})"
+        return (f"no backend in {self.platform}'s priority list ({order}) is valid; first valid "
+                f"of the other backends registered for {self.platform}")
+
     def format(self) -> str:
-        """Flat, greppable text: the pick, then each candidate with its reasons."""
+        """Flat, greppable text: the pick and why, then each candidate with its reasons."""
         capability = self.device_capability or "n/a"
         header = f"platform: {self.platform} (device capability {capability})"
         if self.simulated:
@@ -87,11 +100,15 @@ class SelectionReport:
             lines.append(f"forced backend: {self.forced}")
         pick = self.selected
         lines.append(f"selected: {pick.name if pick else 'none'}")
+        if pick:
+            lines.append(f"why: {self.why_selected()}")
         if pick is not None and pick.cuda_graphs is not None:
             lines.append(f"cuda graphs: {pick.cuda_graphs} (the selected backend's "
                          "CUDA_GRAPH_SUPPORT)")
         for c in self.candidates:
-            status = "SELECTED" if c.selected else ("valid" if c.valid else "rejected")
+            status = ("SELECTED" if c.selected else "rejected" if not c.valid
+                      else "valid, not forced" if self.forced
+                      else "valid, lower priority" if pick else "valid")
             origin = f" [plugin {c.plugin}]" if c.plugin else ""
             lines.append(f"  {c.name}: {status}{origin}")
             lines.extend(f"    - {r}" for r in c.reasons)

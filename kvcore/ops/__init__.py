@@ -32,6 +32,7 @@ from kvcore.ops.reference import (
     reshape_and_cache_ref,
     scale_value,
 )
+from kvcore.ops.torch_attention import paged_attention_torch
 from kvcore.ops.validation import (
     FP8_KV_CACHE_DTYPES,
     KV_CACHE_DTYPES,
@@ -81,6 +82,7 @@ __all__ = [
     "mark_step_checked",
     "paged_attention",
     "paged_attention_ref",
+    "paged_attention_torch",
     "quantize_to_cache",
     "require_float_dtype",
     "require_int_dtype",
