@@ -35,15 +35,17 @@ def failures(pytester: pytest.Pytester, spec: str) -> tuple[dict[str, str], str,
 
 def forward_ids(spec: str, monkeypatch: pytest.MonkeyPatch) -> set[str]:
     monkeypatch.syspath_prepend(HERE)
-    return {c.id for c in conformance_cases(spec) if c.kind in ("forward", "builder")}
+    return {c.id for c in conformance_cases(spec)
+            if c.kind in ("forward", "builder", "stale-bytes")}
 
 
 def test_a_one_percent_error_fails_every_forward_case_in_every_dtype(pytester, monkeypatch):
     spec = "broken_numerics:ScaledOutput"
     failed, messages, passed = failures(pytester, spec)
-    forwards = forward_ids(spec, monkeypatch)  # the builder case runs forward too
+    forwards = forward_ids(spec, monkeypatch)  # the builder and stale-bytes cases run forward
     assert set(failed) == forwards
-    assert set(failed.values()) == {"forward-reference", "builder-reference"}
+    assert set(failed.values()) == {"forward-reference", "builder-reference",
+                                    "stale-bytes-masked"}
     for label in ("-forward-bf16-D64-bs16", "-forward-fp16-", "-forward-fp32-",
                   "-bf16-D64-bs16-fp8_e4m3", "-bf16-D64-bs16-fp8_e5m2", "-window19",
                   "-noncausal", "-encoder_only"):
