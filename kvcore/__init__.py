@@ -17,6 +17,7 @@ from kvcore.backend import (
     PagedAttentionImpl,
     build_attention_metadata,
 )
+from kvcore.backends.mla_common import MLACommonBackend, MLACommonImpl, latent_cache_shape
 from kvcore.config import AttentionSelectorConfig
 from kvcore.dtypes import parse_dtype
 from kvcore.hookspecs import hookimpl
@@ -78,6 +79,8 @@ __all__ = [
     "LayerScales",
     "LayoutMismatchError",
     "MLAAttentionSpec",
+    "MLACommonBackend",
+    "MLACommonImpl",
     "MultipleOf",
     "NoValidBackendError",
     "PagedAttentionImpl",
@@ -98,6 +101,7 @@ __all__ = [
     "explain_selection",
     "get_attn_backend",
     "get_platform",
+    "latent_cache_shape",
     "hookimpl",
     "list_plugins",
     "parse_dtype",

@@ -8,6 +8,7 @@ layout equivalence, against itself on a contiguous cache, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,8 @@ import torch
 from kvcore.allocate import KVCaches, allocate_kv_caches
 from kvcore.backend import AttentionBackend, AttentionImpl, LayerScales, build_attention_metadata
 from kvcore.layout import KVCacheLayout
-from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
+from kvcore.ops.mla_reference import concat_and_cache_mla_ref
+from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref, scale_value
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType
 from kvcore.testing.batch import (
@@ -26,12 +28,15 @@ from kvcore.testing.batch import (
     CaseConfig,
     MixedBatch,
     make_mixed_batch,
+    mla_dims,
     random_like,
 )
+from kvcore.testing.reference import contiguous_mla_ref
 from kvcore.testing.rules import ConformanceError
 
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "MLA_NORM_TOLERANCES",
     "backend_label",
     "check_backend_identity",
     "check_batch_invariant",
@@ -62,6 +67,17 @@ DEFAULT_TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
     "fp8": (2.0**-9, 2.0**-3),
     "fp8_e4m3": (2.0**-9, 2.0**-3),
     "fp8_e5m2": (2.0**-16, 2.0**-2),
+}
+
+#: Largest relative error norm of one token's output (all heads) for MLA backends, against
+#: the float64 reference rounded to the model dtype. Below 1%, so a 1% error fails; above what
+#: a correct absorbed kernel's roundings (``q_latent`` and the latent output in the model
+#: dtype) give.
+MLA_NORM_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-3,
+    torch.float16: 2e-3,
+    torch.bfloat16: 6e-3,
 }
 
 _DIM_WORDS = {"B": "block", "2": "K/V", "N": "token", "H": "head", "D": "dim", "L": "layer"}
@@ -315,6 +331,9 @@ def _scales(config: CaseConfig, device: torch.device) -> LayerScales:
 class _Run:
     """One numerical case: the backend, its config and device, and the helpers to call it."""
 
+    #: What the last dim of the output is, for messages.
+    OUTPUT_DIM = "head_size"
+
     def __init__(self, backend: type[AttentionBackend], config: CaseConfig,
                  device: torch.device, seed: int) -> None:
         self.backend = backend
@@ -327,7 +346,32 @@ class _Run:
         check_cross_layer_claim(backend)
 
     def where(self) -> str:
-        return f"config: {self.config.describe()}; device {self.device}; seed {self.seed}"
+        return (f"config: {self.config.describe(self.backend.IS_MLA)}; device {self.device}; "
+                f"seed {self.seed}")
+
+    def make_batch(self) -> MixedBatch:
+        return make_mixed_batch(self.config, self.device, self.gen)
+
+    def tokens(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Random ``(query, key, value)`` for ``rows`` new tokens."""
+        d, dtype = self.config.head_size, self.config.dtype
+        return (random_like((rows, NUM_HEADS, d), dtype, self.device, self.gen),
+                random_like((rows, NUM_KV_HEADS, d), dtype, self.device, self.gen),
+                random_like((rows, NUM_KV_HEADS, d), dtype, self.device, self.gen))
+
+    def page_elements(self) -> int:
+        """Elements of one block of one layer."""
+        return 2 * self.config.block_size * NUM_KV_HEADS * self.config.head_size
+
+    def output_shape(self, batch: MixedBatch) -> tuple[int, ...]:
+        return tuple(batch.query.shape)
+
+    def reference_write(self, batch: MixedBatch, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                        scales: LayerScales, slot_mapping: torch.Tensor) -> None:
+        """What ``do_kv_cache_update`` must do, done by the reference on ``kv_cache``."""
+        key_cache, value_cache = _split_kv(kv_cache, layout)
+        reshape_and_cache_ref(batch.key, batch.value, key_cache, value_cache, slot_mapping,
+                              self.config.kv_cache_dtype, scales.k_scale, scales.v_scale)
 
     def fail(self, rule: str, detail: str) -> ConformanceError:
         return _fail(self.backend, rule, f"{detail}\n{self.where()}")
@@ -369,11 +413,11 @@ class _Run:
                 kv_cache: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         result = self.call("forward", impl.forward, scales, batch.query, batch.key, batch.value,
                            kv_cache, batch.metadata, output=output)
-        rows = batch.query.shape
+        rows = self.output_shape(batch)
         if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(rows):
             raise self.fail("forward-reference", (
                 f"forward returned {_shape_text(result)}; it must return the output, shape "
-                f"{tuple(rows)} (num_tokens, num_heads, head_size)"))
+                f"{tuple(rows)} (num_tokens, num_heads, {self.OUTPUT_DIM})"))
         return result
 
     def reference_forward(self, batch: MixedBatch, kv_cache: torch.Tensor,
@@ -406,6 +450,117 @@ class _Run:
             f"{int((~finite).sum())} non-finite. First at {batch.locate(token)}, head {head}, "
             f"dim {dim}: got {out[token, head, dim].item():.6g}, expected "
             f"{ref[token, head, dim].item():.6g}.\n{batch.describe()}")
+
+
+class _MLARun(_Run):
+    """A numerical case of an MLA backend: latent cache, ``kv_b_proj`` weight, model dims.
+
+    ``head_size`` is the latent size; :func:`mla_dims` splits it. ``key`` / ``value`` of a
+    batch are ``kv_c`` ``(rows, kv_lora_rank)`` / ``k_pe`` ``(rows, rope_dim)``.
+    """
+
+    OUTPUT_DIM = "v_head_dim"
+
+    def __init__(self, backend: type[AttentionBackend], config: CaseConfig,
+                 device: torch.device, seed: int) -> None:
+        super().__init__(backend, config, device, seed)
+        self.dims = mla_dims(config.head_size)
+        d = self.dims
+        # Scaled so that k = W_UK c and v = W_UV c have unit variance, as in a trained model.
+        self.weight = (torch.randn(NUM_HEADS * (d.qk_nope_head_dim + d.v_head_dim),
+                                   d.kv_lora_rank, generator=self.gen)
+                       * d.kv_lora_rank**-0.5).to(config.dtype).to(device)
+        self.scale = (d.qk_nope_head_dim + d.qk_rope_head_dim) ** -0.5
+
+    def make_batch(self) -> MixedBatch:
+        batch = make_mixed_batch(self.config, self.device, self.gen)
+        query, kv_c, k_pe = self.tokens(batch.query.shape[0])
+        return dataclasses.replace(batch, query=query, key=kv_c, value=k_pe)
+
+    def tokens(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d, dtype, device = self.dims, self.config.dtype, self.device
+        return (random_like((rows, NUM_HEADS, d.qk_nope_head_dim + d.qk_rope_head_dim), dtype,
+                            device, self.gen),
+                random_like((rows, d.kv_lora_rank), dtype, device, self.gen),
+                random_like((rows, d.qk_rope_head_dim), dtype, device, self.gen))
+
+    def page_elements(self) -> int:
+        return self.config.block_size * self.config.head_size
+
+    def output_shape(self, batch: MixedBatch) -> tuple[int, ...]:
+        return (batch.query.shape[0], NUM_HEADS, self.dims.v_head_dim)
+
+    def allocate(self, num_blocks: int, num_layers: int = 1, cross_layer: bool = False,
+                 fill: bool = True) -> KVCaches:
+        caches = allocate_kv_caches(
+            self.backend, num_layers=num_layers, num_blocks=num_blocks,
+            block_size=self.config.block_size, num_kv_heads=1,
+            head_size=self.config.head_size, dtype=self.config.dtype, device=self.device,
+            cross_layer=cross_layer, kv_cache_dtype=self.config.kv_cache_dtype)
+        if fill:
+            caches.storage.copy_(random_like(caches.storage.shape, caches.storage.dtype,
+                                             self.device, self.gen))
+        return caches
+
+    def impl(self) -> AttentionImpl:
+        d = self.dims
+        return self.call("constructing the AttentionImpl", self.backend.get_impl_cls(),
+                         num_heads=NUM_HEADS, head_size=self.config.head_size,
+                         scale=self.scale, num_kv_heads=1, sliding_window=None,
+                         kv_cache_dtype=self.config.kv_cache_dtype,
+                         attn_type=AttentionType.DECODER, kv_lora_rank=d.kv_lora_rank,
+                         qk_nope_head_dim=d.qk_nope_head_dim,
+                         qk_rope_head_dim=d.qk_rope_head_dim, v_head_dim=d.v_head_dim,
+                         kv_b_proj_weight=self.weight)
+
+    def reference_write(self, batch: MixedBatch, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                        scales: LayerScales, slot_mapping: torch.Tensor) -> None:
+        concat_and_cache_mla_ref(batch.key, batch.value, kv_cache, slot_mapping,
+                                 self.config.kv_cache_dtype, scales.k_scale)
+
+    def reference_forward(self, batch: MixedBatch, kv_cache: torch.Tensor,
+                          layout: KVCacheLayout, scales: LayerScales) -> torch.Tensor:
+        """float64, unabsorbed MLA of the real tokens over each request's latents, read from
+        ``kv_cache`` as it is now and laid out contiguously (fp8 dequantised)."""
+        m = batch.metadata
+        starts, lens = m.query_start_loc.tolist(), m.seq_lens.tolist()
+        scale = scale_value(scales.k_scale) if self.config.is_fp8 else 1.0
+        rank = self.dims.kv_lora_rank
+        block_size = self.config.block_size
+        outs = []
+        for i, seq_len in enumerate(lens):
+            pos = torch.arange(seq_len, device=kv_cache.device)
+            table = torch.tensor(batch.block_tables[i], device=kv_cache.device, dtype=torch.int64)
+            latents = kv_cache[table[pos // block_size], pos % block_size].double() * scale
+            outs.append(contiguous_mla_ref(
+                batch.query[starts[i]:starts[i + 1]], latents[:, :rank], latents[:, rank:],
+                self.weight, self.scale, qk_nope_head_dim=self.dims.qk_nope_head_dim,
+                v_head_dim=self.dims.v_head_dim))
+        return torch.cat(outs)
+
+    def output_diff(self, out: torch.Tensor, ref: torch.Tensor, batch: MixedBatch) -> str | None:
+        """Element-wise bound against the reference rounded to the model dtype (what a
+        correct kernel's last rounding gives), then each token's relative error norm over its
+        heads, which a systematic 1% error exceeds in every dtype."""
+        rounded = ref.to(self.config.dtype).double()
+        diff = super().output_diff(out, rounded, batch)
+        if diff:
+            return diff
+        limit = MLA_NORM_TOLERANCES[self.config.dtype]
+        source = "kvcore.testing.checks.MLA_NORM_TOLERANCES"
+        err = (out.double() - rounded).flatten(1).norm(dim=1)
+        rel = err / rounded.flatten(1).norm(dim=1).clamp_min(1e-30)
+        if not (rel > limit).any():
+            return None
+        token = int(rel.argmax())
+        return (f"{int((rel > limit).sum())} of {rel.numel()} tokens have a relative error "
+                f"norm over their heads above {limit:g} (from {source}); worst "
+                f"{rel[token].item():.3g} at {batch.locate(token)}.\n{batch.describe()}")
+
+
+def _run(backend: type[AttentionBackend], config: CaseConfig, device: torch.device,
+         seed: int) -> _Run:
+    return (_MLARun if backend.IS_MLA else _Run)(backend, config, device, seed)
 
 
 def _shape_text(value: object) -> str:
@@ -443,15 +598,13 @@ def _cache_diff(got: torch.Tensor, expected: torch.Tensor, layout: KVCacheLayout
 def check_cache_write(backend: type[AttentionBackend], config: CaseConfig,
                       device: torch.device, seed: int) -> None:
     """Rule ``cache-write-reference``, on a per-layer (not cross-layer) allocation."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
     expected = layer.clone()
-    key_exp, value_exp = _split_kv(expected, caches.layout)
-    reshape_and_cache_ref(batch.key, batch.value, key_exp, value_exp, batch.metadata.slot_mapping,
-                          config.kv_cache_dtype, scales.k_scale, scales.v_scale)
+    run.reference_write(batch, expected, caches.layout, scales, batch.metadata.slot_mapping)
     run.write(run.impl(), scales, batch, layer)
     tol = None
     if config.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
@@ -465,8 +618,8 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
                   seed: int, without_output: bool = False) -> None:
     """Rule ``forward-reference``, leaving the cache unchanged; ``without_output`` also checks
     the ``output=None`` path (once per backend is enough: it only allocates)."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
@@ -475,7 +628,7 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
     before = _bits(layer).clone()
     ref = run.reference_forward(batch, layer, caches.layout, scales)
     n = batch.num_tokens
-    output = random_like(tuple(batch.query.shape), config.dtype, device, run.gen)
+    output = random_like(run.output_shape(batch), config.dtype, device, run.gen)
     result = run.forward(impl, scales, batch, layer, output)
     diff = run.output_diff(output[:n], ref, batch)
     if diff:
@@ -497,8 +650,8 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
 def check_batch_invariant(backend: type[AttentionBackend], config: CaseConfig,
                           device: torch.device, seed: int) -> None:
     """Rule ``batch-invariant``: each request alone gives the bits it gets in the batch."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
@@ -532,8 +685,8 @@ def check_cross_layer(backend: type[AttentionBackend], config: CaseConfig,
     The middle layer of a 3-layer cross-layer allocation (its pages strided by three pages,
     non-zero storage offset, random neighbours) against a contiguous single-layer copy.
     """
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     cross = run.allocate(batch.num_blocks, num_layers=3, cross_layer=True)
     plain = run.allocate(batch.num_blocks, fill=False)
     layer, contiguous = cross.layers[1], plain.layers[0]
@@ -591,9 +744,9 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
     if limit is not None and limit <= INT32_LIMIT:
         return (f"{backend_label(backend)} declares MAX_KV_CACHE_SPAN={limit}: "
                 "kvcore.allocate_kv_caches refuses larger caches instead of addressing them")
-    run = _Run(backend, config, device, seed)
-    bs, d = config.block_size, config.head_size
-    page = 2 * bs * NUM_KV_HEADS * d
+    run = _run(backend, config, device, seed)
+    bs = config.block_size
+    page = run.page_elements()
     num_blocks = INT32_LIMIT // page + 4
     itemsize = torch.empty((), dtype=config.dtype).element_size()
     need = num_blocks * page * (1 if config.is_fp8 else itemsize)
@@ -604,12 +757,9 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
     low = [0, 1]
     q_lens, tables = [2 * bs + 3, bs + 1], [high, low]
     meta = build_attention_metadata(q_lens, [0, 0], tables, bs, device=device)
-    rows = meta.num_actual_tokens
+    query, key, value = run.tokens(meta.num_actual_tokens)
     batch = MixedBatch(
-        query=random_like((rows, NUM_HEADS, d), config.dtype, device, run.gen),
-        key=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, run.gen),
-        value=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, run.gen),
-        metadata=meta, query_lens=q_lens, context_lens=[0, 0], block_tables=tables,
+        query=query, key=key, value=value, metadata=meta, query_lens=q_lens, context_lens=[0, 0], block_tables=tables,
         kinds=["prefill in the last blocks", "prefill in the first blocks"],
         num_blocks=num_blocks)
     caches = run.allocate(num_blocks, fill=False)
@@ -624,16 +774,14 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
     compact_meta = build_attention_metadata(q_lens, [0, 0], [[0, 1, 2], [3, 4]], bs,
                                             device=device)
     compact = torch.zeros_like(layer.index_select(block_dim, used))
-    key_c, value_c = _split_kv(compact, caches.layout)
-    reshape_and_cache_ref(batch.key, batch.value, key_c, value_c, compact_meta.slot_mapping,
-                          config.kv_cache_dtype, scales.k_scale, scales.v_scale)
+    run.reference_write(batch, compact, caches.layout, scales, compact_meta.slot_mapping)
     if not torch.equal(_bits(layer.index_select(block_dim, used)), _bits(compact)):
         raise run.fail("int64-offsets", (
             f"do_kv_cache_update into blocks {high} of a {num_blocks}-block cache "
             f"({num_blocks * page} elements > 2**31) did not store what the reference stores; "
             "some offset was computed in int32"))
-    ref_batch = MixedBatch(batch.query, batch.key, batch.value, compact_meta, q_lens, [0, 0],
-                           [[0, 1, 2], [3, 4]], batch.kinds, 5)
+    ref_batch = dataclasses.replace(batch, metadata=compact_meta,
+                                    block_tables=[[0, 1, 2], [3, 4]], num_blocks=5)
     ref = run.reference_forward(ref_batch, compact, caches.layout, scales)
     diff = run.output_diff(out, ref, batch)
     if diff:

@@ -1,7 +1,7 @@
 """TRITON_MLA: portable MLA backend (NVIDIA and AMD) on kvcore-mla's Triton kernels.
 
 Writes latents with :func:`kvcore_mla.ops.triton_cache.concat_and_cache_mla` and computes the
-absorbed latent-space attention of :class:`kvcore_mla.backends.common.MLACommonImpl` with
+absorbed latent-space attention of :class:`kvcore.MLACommonImpl` with
 :func:`kvcore_mla.ops.triton_mla_attention.mla_attention`: split-KV decode for pure-decode
 batches, causal query tiles for mixed prefill/decode batches. Both kernels address pages
 through the cache's real strides and are verified bit-exact on per-layer views of cross-layer
@@ -13,7 +13,6 @@ Importing this module imports no kernel library: triton is imported when the imp
 from __future__ import annotations
 
 import torch
-from kvcore_mla.backends.common import MLACommonBackend, MLACommonImpl
 
 from kvcore import (
     AttentionImpl,
@@ -21,6 +20,8 @@ from kvcore import (
     AttentionMetadata,
     AttentionSelectorConfig,
     DeviceCapability,
+    MLACommonBackend,
+    MLACommonImpl,
 )
 from kvcore.ops import triton_fp8_reasons, triton_unavailable_reasons
 
@@ -72,7 +73,7 @@ def _check_runnable(kv_cache: torch.Tensor) -> None:
 
 
 class TritonMLAImpl(MLACommonImpl):
-    """:class:`~kvcore_mla.backends.common.MLACommonImpl` on the Triton kernels (same arguments)."""
+    """:class:`kvcore.MLACommonImpl` on the Triton kernels (the same arguments as CPU_MLA's)."""
 
     def do_kv_cache_update(
         self,
