@@ -75,9 +75,10 @@ DEFAULT_TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
 #: dtype) give.
 MLA_NORM_TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-10,
-    torch.float32: 1e-3,
+    # TF32 dots (Triton's default for fp32) round inputs to 10 bits.
+    torch.float32: 2e-3,
     torch.float16: 2e-3,
-    torch.bfloat16: 6e-3,
+    torch.bfloat16: 7e-3,
 }
 
 _DIM_WORDS = {"B": "block", "2": "K/V", "N": "token", "H": "head", "D": "dim", "L": "layer"}
