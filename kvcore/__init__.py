@@ -17,7 +17,7 @@ from kvcore.backend import (
     PagedAttentionImpl,
     build_attention_metadata,
 )
-from kvcore.backends.mla_common import MLACommonBackend, MLACommonImpl, latent_cache_shape
+from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
 from kvcore.config import AttentionSelectorConfig
 from kvcore.dtypes import parse_dtype
 from kvcore.hookspecs import hookimpl

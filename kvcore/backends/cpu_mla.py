@@ -1,7 +1,7 @@
 """CPU_MLA: the pure-torch MLA backend, the embedded default for MLA layers on the CPU.
 
 The same cache and the same implementation interface as every MLA backend
-(:class:`~kvcore.backends.mla_common.MLACommonImpl`: the latent cache ``(num_blocks,
+(:class:`~kvcore.mla.MLACommonImpl`: the latent cache ``(num_blocks,
 block_size, kv_lora_rank + qk_rope_head_dim)``, the model's ``kv_b_proj`` weight at
 construction, the absorbed forward), so an engine switches between CPU_MLA and TRITON_MLA by
 name only. Its kernels are the references of :mod:`kvcore.ops.mla_reference`: a vectorised
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.backend import AttentionImpl, AttentionLayer, AttentionMetadata
-from kvcore.backends.mla_common import MLACommonBackend, MLACommonImpl
+from kvcore.mla import MLACommonBackend, MLACommonImpl
 from kvcore.ops.mla_reference import concat_and_cache_mla_ref, mla_attention_ref
 
 __all__ = ["CpuMLABackend", "CpuMLAImpl"]
