@@ -31,7 +31,7 @@ from kvcore.testing.gpu import (
     skip_gpu_tests_without_gpu,
     use_triton_interpreter_without_gpu,
 )
-from kvcore.testing.reference import contiguous_attention_ref
+from kvcore.testing.reference import contiguous_attention_ref, contiguous_mla_ref
 from kvcore.testing.rules import RULES, ConformanceError, Rule
 from kvcore.testing.steps import MixedStep, run_mixed_step
 
@@ -48,6 +48,7 @@ __all__ = [
     "Rule",
     "conformance_cases",
     "contiguous_attention_ref",
+    "contiguous_mla_ref",
     "random_block_tables",
     "resolve_backend_spec",
     "run_mixed_step",
