@@ -17,11 +17,11 @@ from kvcore.backend import (
     PagedAttentionImpl,
     build_attention_metadata,
 )
-from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
 from kvcore.config import AttentionSelectorConfig
 from kvcore.dtypes import parse_dtype
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import KVCacheLayout, LayoutMismatchError
+from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
 from kvcore.platform import (
     Platform,
     available_platforms,

@@ -46,13 +46,12 @@ def run_step(dtype, *, query_lens, context_lens, block_size=16, kv_cache_dtype="
     layer = caches.layers[1]
     prefix = kvcore.build_attention_metadata(context_lens, [0] * len(seq_lens), tables,
                                              block_size)
-    impl.do_kv_cache_update(scales, torch.cat([c[:n] for c, n in zip(kv_c, context_lens)]),
-                            torch.cat([p[:n] for p, n in zip(k_pe, context_lens)]), layer,
-                            prefix.slot_mapping)
+    cached = list(zip(kv_c, k_pe, context_lens, strict=True))
+    impl.do_kv_cache_update(scales, torch.cat([c[:n] for c, _, n in cached]),
+                            torch.cat([p[:n] for _, p, n in cached]), layer, prefix.slot_mapping)
     meta = kvcore.build_attention_metadata(query_lens, context_lens, tables, block_size)
-    impl.do_kv_cache_update(scales, torch.cat([c[n:] for c, n in zip(kv_c, context_lens)]),
-                            torch.cat([p[n:] for p, n in zip(k_pe, context_lens)]), layer,
-                            meta.slot_mapping)
+    impl.do_kv_cache_update(scales, torch.cat([c[n:] for c, _, n in cached]),
+                            torch.cat([p[n:] for _, p, n in cached]), layer, meta.slot_mapping)
     query = torch.randn(sum(query_lens), HEADS, NOPE + ROPE, generator=gen).to(dtype)
     out = impl.forward(scales, query, None, None, layer, meta)
     for before, i in zip(neighbours, (0, 2), strict=True):
@@ -133,7 +132,7 @@ def test_absorbed_reference_equals_unabsorbed_in_float64():
     """mla_attention_ref (absorbed, latent space) is exactly mla_forward_ref (expanded K/V)."""
     gen = torch.Generator().manual_seed(5)
     q_lens, ctx, bs = [1, 4, 7], [12, 0, 9], 4
-    lens = [c + q for c, q in zip(ctx, q_lens)]
+    lens = [c + q for c, q in zip(ctx, q_lens, strict=True)]
     meta = kvcore.build_attention_metadata(q_lens, ctx, random_block_tables(lens, bs, 16, gen),
                                            bs)
     cache = torch.randn(16, bs, RANK + ROPE, generator=gen, dtype=torch.float64)

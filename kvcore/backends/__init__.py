@@ -1,6 +1,7 @@
 """The backends that ship with kvcore itself, registered through the same hook and entry
 point as any plugin: ``CPU_ATTN`` and ``CPU_MLA`` (pure torch, always there) and
-``TRITON_ATTN``; and the compile-check cases of kvcore's Triton kernels (:mod:`kvcore.testing.compile_cases`)."""
+``TRITON_ATTN``; and the compile-check cases of kvcore's Triton kernels
+(:mod:`kvcore.testing.compile_cases`)."""
 
 from kvcore.hookspecs import hookimpl
 

@@ -760,7 +760,8 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
     meta = build_attention_metadata(q_lens, [0, 0], tables, bs, device=device)
     query, key, value = run.tokens(meta.num_actual_tokens)
     batch = MixedBatch(
-        query=query, key=key, value=value, metadata=meta, query_lens=q_lens, context_lens=[0, 0], block_tables=tables,
+        query=query, key=key, value=value, metadata=meta, query_lens=q_lens,
+        context_lens=[0, 0], block_tables=tables,
         kinds=["prefill in the last blocks", "prefill in the first blocks"],
         num_blocks=num_blocks)
     caches = run.allocate(num_blocks, fill=False)

@@ -5,9 +5,9 @@ Importing this package imports no kernel library. Each op below runs its Triton 
 cache is on a GPU (torch device type ``cuda``, which is also ROCm's) and the query is not
 float64, and its reference otherwise: kvcore's for the MLA cache write and attention
 (``concat_and_cache_mla_ref``, ``mla_attention_ref``, ``mla_forward_ref``, re-exported here
-from :mod:`kvcore.ops`), :mod:`kvcore_mla.ops.reference` for the plugin's own kernels. Call the Triton
-modules directly to run them elsewhere (e.g. on CPU tensors under ``TRITON_INTERPRET=1``).
-Every implementation validates its arguments with the same checks
+from :mod:`kvcore.ops`), :mod:`kvcore_mla.ops.reference` for the plugin's own kernels. Call
+the Triton modules directly to run them elsewhere (e.g. on CPU tensors under
+``TRITON_INTERPRET=1``). Every implementation validates its arguments with the same checks
 (:mod:`kvcore_mla.ops.validation`).
 """
 

@@ -2,12 +2,12 @@
 
 ``concat_and_cache_mla`` and ``indexer_k_quant_and_cache`` compute exactly their references
 (:func:`kvcore.ops.concat_and_cache_mla_ref`,
-:func:`kvcore_mla.ops.reference.indexer_k_quant_and_cache_ref`; bit for bit, fp8 included). Both address a block through
-the cache's real ``stride(0)``, never through ``block_size * entry_size``: a per-layer view of a
-cross-layer pool has a block stride ``num_layers`` times larger, and a kernel that assumed
-packed pages would write into the neighbouring layers (the bug behind garbled MLA output with
-KV offloading). All address arithmetic is int64, so views more than 2**31 elements into a
-pool work.
+:func:`kvcore_mla.ops.reference.indexer_k_quant_and_cache_ref`; bit for bit, fp8 included).
+Both address a block through the cache's real ``stride(0)``, never through
+``block_size * entry_size``: a per-layer view of a cross-layer pool has a block stride
+``num_layers`` times larger, and a kernel that assumed packed pages would write into the
+neighbouring layers (the bug behind garbled MLA output with KV offloading). All address
+arithmetic is int64, so views more than 2**31 elements into a pool work.
 
 This module imports triton at import time; :mod:`kvcore_mla.ops` imports it lazily.
 """
