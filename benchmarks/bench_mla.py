@@ -36,15 +36,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import platform
 import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -56,15 +53,15 @@ import torch  # noqa: E402
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(_ROOT), str(_ROOT / "plugins" / "mla")]
 import kvcore_mla.ops as mla_ops  # noqa: E402
-import timing  # noqa: E402
 from kvcore_mla import TritonMLABackend  # noqa: E402
-from timing import rel_err  # noqa: E402
 
 import kvcore  # noqa: E402
 import kvcore.ops  # noqa: E402
+from kvcore.cli import harness  # noqa: E402
+from kvcore.cli.harness import Run, rel_err  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
-time_call = functools.partial(timing.time_call, device=DEVICE)
+time_call = functools.partial(harness.time_call, device=DEVICE)
 DTYPE = torch.bfloat16
 RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
 ENTRY = RANK + ROPE
@@ -102,48 +99,6 @@ def tcache():
     from kvcore_mla.ops import triton_cache as mod
 
     return mod
-
-
-class Run:
-    """Log (tee to a file) and JSON results of one benchmark run."""
-
-    def __init__(self, out_dir: Path, budget_s: float) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir = out_dir
-        self.log_file = open(out_dir / "bench_mla_log.txt", "w")
-        self.start = time.time()
-        self.budget_s = budget_s
-        self.results: dict = {"meta": {}, "ceilings": {}, "correctness": [], "timings": [],
-                              "sweeps": [], "errors": []}
-
-    def log(self, *parts: object) -> None:
-        line = f"[{time.time() - self.start:7.1f}s] " + " ".join(str(p) for p in parts)
-        print(line, flush=True)
-        self.log_file.write(line + "\n")
-        self.log_file.flush()
-
-    def save(self) -> None:
-        with open(self.out_dir / "bench_mla.json", "w") as fh:
-            json.dump(self.results, fh, indent=1, default=str)
-
-    @contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        self.log(f"=== {name}")
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()  # nothing of an earlier section still in flight
-        try:
-            yield
-        except Exception as exc:  # one failed section must not lose the others
-            self.log(f"!!! {name} failed: {type(exc).__name__}: {exc}")
-            self.log_file.write(traceback.format_exc())
-            self.results["errors"].append({"section": name,
-                                           "error": f"{type(exc).__name__}: {exc}",
-                                           "traceback": traceback.format_exc()})
-        finally:
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            self.save()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -197,11 +152,6 @@ def randn(*shape: int, dtype: torch.dtype = DTYPE, scale: float = 1.0) -> torch.
         return t.to(dtype).to(DEVICE)
     t = torch.empty(*shape, dtype=torch.float32, device=DEVICE)
     return fill_normal_(t, scale).to(dtype)
-
-
-def record(run: Run, name: str, ok: bool, **info: object) -> None:
-    run.results["correctness"].append({"check": name, "ok": bool(ok), **info})
-    run.log(f"{'PASS' if ok else 'FAIL'} {name} {info if info else ''}")
 
 
 def layer_pool(num_blocks: int, cross_layer: bool, dtype: torch.dtype = DTYPE,
@@ -286,41 +236,16 @@ class DecodeBatch:
 
 def measure_ceilings(run: Run) -> None:
     """Copy and read bandwidth after a warm-up (an idle GPU needs a moment to raise clocks)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _stream_read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-        acc = tl.zeros([BLOCK], tl.float32)
-        for i in range(ITERS):
-            offs = base + i * BLOCK + tl.arange(0, BLOCK)
-            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
-
     nbytes = (1 << 16) if SMOKE else (2 << 30)
     x = randn(nbytes // 4, dtype=torch.float32)
     y = torch.empty_like(x)
-    warm_until = time.time() + (0.0 if SMOKE else 1.0)
-    while time.time() < warm_until:
-        for _ in range(20):
-            y.copy_(x)
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-    t_copy, how = time_call(lambda: y.copy_(x))
-    t_sum, _ = time_call(lambda: torch.sum(x))
-    block, iters = 4096, 16
-    grid = (triton.cdiv(x.numel(), block * iters),)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=DEVICE)
-    _stream_read[grid](x, partial, x.numel(), BLOCK=block, ITERS=iters, num_warps=8)
-    if not math.isclose(partial.double().sum().item(), x.double().sum().item(),
-                        rel_tol=1e-3, abs_tol=1.0):
-        raise RuntimeError("the streaming-read kernel computed a wrong sum")
-    t_read, _ = time_call(lambda: _stream_read[grid](x, partial, x.numel(), BLOCK=block,
-                                                     ITERS=iters, num_warps=8))
+    harness.warm_up(y, x, 0.0 if SMOKE else 1.0)
+    copy, how = harness.copy_gbps(y, x, time_call)
+    read_sum, _ = harness.read_gbps(x, time_call)
+    read_triton, _ = harness.triton_read_gbps(x, time_call)
     c = run.results["ceilings"]
-    c.update(copy_GBps=2 * nbytes / t_copy / 1e9, read_torch_sum_GBps=nbytes / t_sum / 1e9,
-             read_triton_GBps=nbytes / t_read / 1e9, buffer_bytes=nbytes, method=how)
+    c.update(copy_GBps=copy, read_torch_sum_GBps=read_sum, read_triton_GBps=read_triton,
+             buffer_bytes=nbytes, method=how)
     c["read_GBps"] = max(c["read_torch_sum_GBps"], c["read_triton_GBps"])
     run.log(f"copy {c['copy_GBps']:.0f} GB/s (read+write), read {c['read_GBps']:.0f} GB/s "
             f"(torch.sum {c['read_torch_sum_GBps']:.0f}, triton {c['read_triton_GBps']:.0f})")
@@ -348,8 +273,8 @@ def check_concat(run: Run) -> None:
         same = torch.equal(view.view(torch.uint8), ref.view(torch.uint8))
         untouched = all(torch.equal(a, b) for a, b in zip(before, others_bytes(caches),
                                                           strict=True))
-        record(run, f"concat_and_cache_mla.{kv_cache_dtype}.cross_layer.exact",
-               same and untouched, tokens=n, neighbours_untouched=untouched)
+        run.check(f"concat_and_cache_mla.{kv_cache_dtype}.cross_layer.exact",
+                  same and untouched, tokens=n, neighbours_untouched=untouched)
 
 
 def check_indexer(run: Run) -> None:
@@ -366,8 +291,8 @@ def check_indexer(run: Run) -> None:
     tcache().indexer_k_quant_and_cache(k, view, slots, 128, "ue8m0")
     mla_ops.indexer_k_quant_and_cache_ref(k, ref, slots, 128, "ue8m0")
     others = [i for i in range(POOL_LAYERS) if i != LAYER]
-    record(run, "indexer_k_quant_and_cache.cross_layer.exact",
-           torch.equal(view, ref) and torch.equal(pool[:, others], before[:, others]), tokens=n)
+    run.check("indexer_k_quant_and_cache.cross_layer.exact",
+              torch.equal(view, ref) and torch.equal(pool[:, others], before[:, others]), tokens=n)
 
 
 def check_decode(run: Run) -> None:
@@ -377,8 +302,8 @@ def check_decode(run: Run) -> None:
     o, lse = data.run(False, splits)()
     o, lse = o.clone(), lse.clone()
     o_xl, lse_xl = data.run(True, splits)()
-    record(run, "mla_decode.cross_layer.bit_exact", torch.equal(o, o_xl) and
-           torch.equal(lse, lse_xl), batch=batch, heads=heads, tokens=tokens, splits=splits)
+    run.check("mla_decode.cross_layer.bit_exact", torch.equal(o, o_xl) and
+              torch.equal(lse, lse_xl), batch=batch, heads=heads, tokens=tokens, splits=splits)
     cache = data.cache(False).double()
     o_ref = torch.empty(batch, heads, RANK, dtype=torch.float64, device=DEVICE)
     lse_ref = torch.empty(batch, heads, dtype=torch.float64, device=DEVICE)
@@ -386,8 +311,8 @@ def check_decode(run: Run) -> None:
                                  data.block_table, data.seq_lens, None, 1, data.scale, BLOCK,
                                  True)
     err_o, err_lse = rel_err(o, o_ref), rel_err(lse, lse_ref)
-    record(run, "mla_decode.vs_float64", err_o < 1e-2 and err_lse < 1e-3,
-           rel_err_o=err_o, rel_err_lse=err_lse)
+    run.check("mla_decode.vs_float64", err_o < 1e-2 and err_lse < 1e-3,
+              rel_err_o=err_o, rel_err_lse=err_lse)
 
 
 def check_backend(run: Run) -> None:
@@ -425,8 +350,8 @@ def check_backend(run: Run) -> None:
             block_table=meta.block_table, scale=impl.scale, kv_cache_dtype=kv_cache_dtype,
             k_scale=layer.k_scale)
         err = rel_err(out, ref)
-        record(run, f"triton_mla.forward.mixed_batch.{kv_cache_dtype}.vs_float64", err < 1e-2,
-               rel_err=err, query_lens=q_lens, seq_lens=lens)
+        run.check(f"triton_mla.forward.mixed_batch.{kv_cache_dtype}.vs_float64", err < 1e-2,
+                  rel_err=err, query_lens=q_lens, seq_lens=lens)
 
 
 def check_int64(run: Run) -> None:
@@ -458,9 +383,9 @@ def check_int64(run: Run) -> None:
                                    0.1, BLOCK, True)
         outs.append((o, lse))
     read = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    record(run, "int64_pool.write_and_decode.exact", written and untouched and read,
-           pool_elements=caches.storage.numel(), max_element_offset=max_offset,
-           beyond_2pow31=max_offset > 2**31, neighbour_untouched=untouched)
+    run.check("int64_pool.write_and_decode.exact", written and untouched and read,
+              pool_elements=caches.storage.numel(), max_element_offset=max_offset,
+              beyond_2pow31=max_offset > 2**31, neighbour_untouched=untouched)
 
 
 # ----------------------------------------------------------------------------- timings
@@ -708,7 +633,8 @@ def main() -> None:
     args = parser.parse_args()
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
-    run = Run(args.out, args.budget_s)
+    run = Run(args.out, "bench_mla", ("correctness", "timings", "sweeps"), checks="correctness",
+              device=DEVICE, budget_s=args.budget_s)
     import triton
 
     run.results["meta"] = {

@@ -38,8 +38,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -48,9 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from timing import time_call  # noqa: E402
-
 import kvcore  # noqa: E402
+from kvcore.cli import harness  # noqa: E402
+from kvcore.cli.harness import Skip, time_call  # noqa: E402
 from kvcore.ops import reshape_and_cache_ref, set_value_checks  # noqa: E402
 
 HQ, HK, D, BS = 32, 8, 128, 16
@@ -58,48 +56,13 @@ DTYPE = torch.bfloat16
 GiB = 1 << 30
 
 
-class Skip(Exception):
-    """A section that cannot run on this machine; the message says why."""
-
-
-class Run:
+class Run(harness.Run):
     """The log (also written to a file) and the JSON results of one run."""
 
     def __init__(self, out_dir: Path, smoke: bool) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir = out_dir
+        super().__init__(out_dir, "bench_nvidia", ("checks", "timings", "skipped"),
+                         device="cuda" if torch.cuda.is_available() else "cpu")
         self.smoke = smoke
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.log_file = open(out_dir / "bench_nvidia_log.txt", "w")
-        self.start = time.time()
-        self.results: dict = {"meta": {}, "ceilings": {}, "checks": [], "timings": [],
-                              "skipped": [], "errors": []}
-
-    def log(self, *parts: object) -> None:
-        line = f"[{time.time() - self.start:7.1f}s] " + " ".join(str(p) for p in parts)
-        print(line, flush=True)
-        self.log_file.write(line + "\n")
-        self.log_file.flush()
-
-    @contextmanager
-    def section(self, name: str):
-        self.log(f"=== {name}")
-        try:
-            yield
-        except Skip as why:
-            self.results["skipped"].append({"section": name, "reason": str(why)})
-            self.log(f"SKIPPED {name}: {why}")
-        except Exception as exc:
-            self.results["errors"].append({"section": name, "error": repr(exc)})
-            self.log(f"SECTION FAILED {name}: {type(exc).__name__}: {exc}")
-            self.log(traceback.format_exc())
-            if self.device == "cuda":
-                torch.cuda.synchronize()
-        self.save()
-
-    def check(self, name: str, ok: bool, **info: object) -> None:
-        self.results["checks"].append({"check": name, "ok": bool(ok), **info})
-        self.log(f"{'PASS' if ok else 'FAIL'} {name} {info if info else ''}")
 
     def timing(self, op: str, case: str, impl: str, seconds: float, how: str,
                nbytes: float, **info: object) -> None:
@@ -108,10 +71,6 @@ class Run:
                                         "us": seconds * 1e6, "GB/s": gbps, "how": how, **info})
         self.log(f"{op} {case} {impl}: {seconds * 1e6:.1f} us, {gbps:.0f} GB/s [{how}]"
                  + (f" {info}" if info else ""))
-
-    def save(self) -> None:
-        with open(self.out_dir / "bench_nvidia.json", "w") as fh:
-            json.dump(self.results, fh, indent=1, default=str)
 
 
 def sync(device: str) -> None:
@@ -132,27 +91,20 @@ def measure_ceilings(run: Run, label: str) -> None:
     src = torch.empty(n_bytes, dtype=torch.uint8, device=dev).random_()
     dst = torch.empty_like(src)
     ceilings = run.results["ceilings"].setdefault(label, {})
-    t, _ = time_call(lambda: dst.copy_(src), dev, graph=False)
-    ceilings["device_copy_memcpy_GBps"] = 2 * n_bytes / t / 1e9
-    t, _ = time_call(lambda: src.view(torch.bfloat16).sum(dtype=torch.float32), dev,
-                     graph=False)
-    ceilings["read_torch_sum_GBps"] = n_bytes / t / 1e9
+    timer = functools.partial(time_call, device=dev, graph=False)
+    ceilings["device_copy_memcpy_GBps"], _ = harness.copy_gbps(dst, src, timer)
+    ceilings["read_torch_sum_GBps"], _ = harness.read_gbps(
+        src.view(torch.bfloat16), timer, lambda x: x.sum(dtype=torch.float32))
     if dev == "cuda":
         from kvcore_nvidia import ops
 
         blocks_src, blocks_dst = src.view(-1, 1 << 20), dst.view(-1, 1 << 20)
         whole = torch.arange(blocks_src.shape[0])
         pairs = torch.stack([whole, whole], 1)
-        t, _ = time_call(lambda: ops.copy_blocks(blocks_src, blocks_dst, pairs, "kernel"), dev,
-                         graph=False)
+        t, _ = timer(lambda: ops.copy_blocks(blocks_src, blocks_dst, pairs, "kernel"))
         ceilings["device_copy_sm_kernel_GBps"] = 2 * n_bytes / t / 1e9
-        pinned_bytes = (64 << 20) if run.smoke else GiB
-        host = torch.empty(pinned_bytes, dtype=torch.uint8, pin_memory=True)
-        device_buf = src[:pinned_bytes]
-        t, _ = time_call(lambda: host.copy_(device_buf, non_blocking=True), dev, graph=False)
-        ceilings["pinned_d2h_GBps"] = pinned_bytes / t / 1e9
-        t, _ = time_call(lambda: device_buf.copy_(host, non_blocking=True), dev, graph=False)
-        ceilings["pinned_h2d_GBps"] = pinned_bytes / t / 1e9
+        pinned = harness.pinned_copy_gbps(src[:(64 << 20) if run.smoke else GiB], timer)
+        ceilings["pinned_d2h_GBps"], ceilings["pinned_h2d_GBps"] = pinned["d2h"], pinned["h2d"]
     run.log(f"ceilings ({label}): " + ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items()))
 
 

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvcore
+from kvcore.cli.harness import Clock, median_of
 from kvcore.connectors import block_copier_names, get_block_copier, get_connector
 
 log = logging.getLogger("bench_offload")
@@ -95,47 +96,6 @@ TARGETS = {"cross_layer": 0.95, "per_layer": 0.85, "duplex": 0.85, "decode_slowd
 #: How long the engine's stream is held busy while "both" issues its save and load, so the two
 #: start together on the device (issuing both takes a few ms, tens through a block copier).
 HOLD_S = 0.25
-
-
-class Clock:
-    """Device time of a callable: CUDA events on the current stream, else perf_counter."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time(self, fn: Callable[[], object], *, idle: bool = True) -> float:
-        """Seconds ``fn``'s work takes; ``idle`` waits for the device to be idle first."""
-        if idle:
-            self.sync()
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
-
-    def hold(self, seconds: float) -> None:
-        """Keep the current stream (the engine) busy for about ``seconds``: transfers issued
-        meanwhile wait for it, so they all start on the device at the same moment."""
-        if not self.cuda:
-            return
-        if not hasattr(self, "_cycles_per_s"):
-            probe = 20_000_000
-            self._cycles_per_s = probe / self.time(lambda: torch.cuda._sleep(probe))
-        torch.cuda._sleep(int(seconds * self._cycles_per_s))
-
-
-def median_of(trials: int, fn: Callable[[], float]) -> float:
-    fn()  # warm-up
-    return statistics.median(fn() for _ in range(trials))
 
 
 # -- 1. pinned copies -------------------------------------------------------------------------

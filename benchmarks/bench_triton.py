@@ -38,14 +38,11 @@ import dataclasses
 import datetime
 import functools
 import json
-import math
 import os
 import platform
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -55,14 +52,13 @@ if SMOKE:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import timing  # noqa: E402
-from timing import rel_err  # noqa: E402
-
 import kvcore.ops as ops  # noqa: E402
+from kvcore.cli import harness  # noqa: E402
+from kvcore.cli.harness import Run, rel_err  # noqa: E402
 from kvcore.ops import paged_attention_ref, reshape_and_cache_ref  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
-time_call = functools.partial(timing.time_call, device=DEVICE)
+time_call = functools.partial(harness.time_call, device=DEVICE)
 DTYPE = torch.bfloat16
 HQ, HK, D, BS = 32, 8, 128, 16
 if SMOKE:
@@ -86,52 +82,6 @@ DECODE_TILES = [(64, 4, 3), (32, 4, 4), (64, 4, 4), (128, 4, 2), (32, 4, 3), (64
                 (64, 4, 2), (128, 8, 3), (64, 2, 3), (32, 2, 4)]
 PREFILL_TILES = [(16, 64, 4, 3), (32, 64, 8, 3), (16, 32, 4, 3), (32, 32, 4, 3), (32, 64, 4, 2),
                  (64, 64, 8, 2)]
-
-
-class Run:
-    """Log (tee to a file) and JSON results of one benchmark run."""
-
-    def __init__(self, out_dir: Path, budget_s: float) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir = out_dir
-        self.log_file = open(out_dir / "bench_triton_log.txt", "w")
-        self.start = time.time()
-        self.budget_s = budget_s
-        self.results: dict = {"meta": {}, "ceilings": {}, "correctness": [], "timings": [],
-                              "sweeps": [], "errors": []}
-
-    def log(self, *parts: object) -> None:
-        line = " ".join(str(p) for p in parts)
-        stamp = f"[{time.time() - self.start:7.1f}s] "
-        print(stamp + line, flush=True)
-        self.log_file.write(stamp + line + "\n")
-        self.log_file.flush()
-
-    def elapsed(self) -> float:
-        return time.time() - self.start
-
-    def save(self) -> None:
-        with open(self.out_dir / "bench_triton.json", "w") as fh:
-            json.dump(self.results, fh, indent=1, default=str)
-
-    @contextmanager
-    def section(self, name: str):
-        self.log(f"=== {name}")
-        try:
-            yield
-        except Exception as exc:  # keep going: one failed section must not lose the others
-            self.log(f"!!! {name} failed: {type(exc).__name__}: {exc}")
-            self.log_file.write(traceback.format_exc())
-            self.results["errors"].append({"section": name, "error": f"{type(exc).__name__}: "
-                                           f"{exc}", "traceback": traceback.format_exc()})
-        finally:
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            self.save()
-
-
-# ----------------------------------------------------------------------------- timing
 
 
 # ----------------------------------------------------------------------------- data
@@ -197,57 +147,17 @@ def measure_ceilings(run: Run, tag: str) -> None:
     Triton streaming copy: on the H200 (2026-11-29) ``copy_`` of a contiguous tensor goes
     through ``cudaMemcpyAsync`` and moved only 2.7 TB/s, less than the cache-write kernels, so
     it is no ceiling on its own."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _stream_read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-        acc = tl.zeros([BLOCK], tl.float32)
-        for i in range(ITERS):
-            offs = base + i * BLOCK + tl.arange(0, BLOCK)
-            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
-
-    @triton.jit
-    def _stream_copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-        for i in range(ITERS):
-            offs = base + i * BLOCK + tl.arange(0, BLOCK)
-            tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
-
     nbytes = (1 << 16) if SMOKE else (2 << 30)
     x = randn(nbytes // 4, dtype=torch.float32)
     y = torch.empty_like(x)
-    warm_until = time.time() + (0.0 if SMOKE else 1.0)
-    while time.time() < warm_until:
-        for _ in range(20):
-            y.copy_(x)
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-    t, how = time_call(lambda: y.copy_(x))
-    block, iters = 4096, 16
-    grid = (triton.cdiv(x.numel(), block * iters),)
-    y.zero_()
-    _stream_copy[grid](x, y, x.numel(), BLOCK=block, ITERS=iters, num_warps=8)
-    if not torch.equal(x, y):
-        raise RuntimeError("streaming-copy kernel copied wrongly")
-    t_copy, _ = time_call(lambda: _stream_copy[grid](x, y, x.numel(), BLOCK=block, ITERS=iters,
-                                                     num_warps=8))
-    copy = 2 * nbytes / min(t, t_copy)
-    t_sum, _ = time_call(lambda: torch.sum(x))
-    partial = torch.empty(grid[0], dtype=torch.float32, device=DEVICE)
-    _stream_read[grid](x, partial, x.numel(), BLOCK=block, ITERS=iters, num_warps=8)
-    if not math.isclose(partial.double().sum().item(), x.double().sum().item(),
-                        rel_tol=1e-3, abs_tol=1.0):
-        raise RuntimeError("streaming-read kernel computed a wrong sum")
-    t_read, _ = time_call(lambda: _stream_read[grid](x, partial, x.numel(), BLOCK=block,
-                                                     ITERS=iters, num_warps=8))
-    measured = {"copy_GBps": copy / 1e9, "copy_torch_GBps": 2 * nbytes / t / 1e9,
-                "copy_triton_GBps": 2 * nbytes / t_copy / 1e9,
-                "read_torch_sum_GBps": nbytes / t_sum / 1e9,
-                "read_triton_GBps": nbytes / t_read / 1e9,
-                "read_GBps": max(nbytes / t_sum, nbytes / t_read) / 1e9,
+    harness.warm_up(y, x, 0.0 if SMOKE else 1.0)
+    copy_torch, how = harness.copy_gbps(y, x, time_call)
+    copy_triton, _ = harness.triton_copy_gbps(x, y, time_call)
+    read_torch, _ = harness.read_gbps(x, time_call)
+    read_triton, _ = harness.triton_read_gbps(x, time_call)
+    measured = {"copy_GBps": max(copy_torch, copy_triton), "copy_torch_GBps": copy_torch,
+                "copy_triton_GBps": copy_triton, "read_torch_sum_GBps": read_torch,
+                "read_triton_GBps": read_triton, "read_GBps": max(read_torch, read_triton),
                 "buffer_bytes": nbytes, "method": how}
     ceilings = run.results["ceilings"]
     ceilings[tag] = measured
@@ -262,11 +172,6 @@ def measure_ceilings(run: Run, tag: str) -> None:
 # ----------------------------------------------------------------------------- correctness
 
 
-def record(run: Run, name: str, ok: bool, **info: object) -> None:
-    run.results["correctness"].append({"check": name, "ok": bool(ok), **info})
-    run.log(f"{'PASS' if ok else 'FAIL'} {name} {info if info else ''}")
-
-
 def check_cache_writes(run: Run) -> None:
     tc = triton_cache()
     n = 256 if SMOKE else 32768
@@ -279,7 +184,7 @@ def check_cache_writes(run: Run) -> None:
     ref = kv.clone()
     tc.reshape_and_cache(key, value, *kv.unbind(1), slots)
     reshape_and_cache_ref(key, value, *ref.unbind(1), slots)
-    record(run, "cache_write.standard.exact", torch.equal(kv, ref), tokens=n)
+    run.check("cache_write.standard.exact", torch.equal(kv, ref), tokens=n)
     # fp8 e4m3, scales as device tensors
     kv8 = randn(num_blocks, 2, BS, HK, D, dtype=torch.float8_e4m3fn)
     ref8 = kv8.clone()
@@ -288,7 +193,7 @@ def check_cache_writes(run: Run) -> None:
     tc.reshape_and_cache(key, value, *kv8.unbind(1), slots, "fp8", ks, vs)
     reshape_and_cache_ref(key, value, *ref8.unbind(1), slots, "fp8", ks, vs)
     diff = (kv8.view(torch.uint8) != ref8.view(torch.uint8)).sum().item()
-    record(run, "cache_write.fp8_e4m3.exact", diff == 0, differing_bytes=diff)
+    run.check("cache_write.fp8_e4m3.exact", diff == 0, differing_bytes=diff)
     # cross-layer: layer 4 of an 8-layer pool against a contiguous copy; neighbours untouched
     pool = randn(num_blocks, CROSS_LAYERS, 2, BS, HK, D)
     before = pool.clone()
@@ -296,17 +201,17 @@ def check_cache_writes(run: Run) -> None:
     tc.reshape_and_cache(key, value, *pool[:, CROSS_LAYERS // 2].unbind(1), slots)
     tc.reshape_and_cache(key, value, *flat.unbind(1), slots)
     others = [i for i in range(CROSS_LAYERS) if i != CROSS_LAYERS // 2]
-    record(run, "cache_write.cross_layer.bit_exact",
-           torch.equal(pool[:, CROSS_LAYERS // 2], flat)
-           and torch.equal(pool[:, others], before[:, others]))
+    run.check("cache_write.cross_layer.bit_exact",
+              torch.equal(pool[:, CROSS_LAYERS // 2], flat)
+              and torch.equal(pool[:, others], before[:, others]))
     del pool, before, flat
     # legacy (2, num_blocks, ...) halves
     legacy = randn(2, num_blocks, BS, HK, D)
     flat_k, flat_v = legacy[0].clone(), legacy[1].clone()
     tc.reshape_and_cache(key, value, legacy[0], legacy[1], slots)
     tc.reshape_and_cache(key, value, flat_k, flat_v, slots)
-    record(run, "cache_write.legacy.bit_exact",
-           torch.equal(legacy[0], flat_k) and torch.equal(legacy[1], flat_v))
+    run.check("cache_write.legacy.bit_exact",
+              torch.equal(legacy[0], flat_k) and torch.equal(legacy[1], flat_v))
 
 
 def check_int64_pool(run: Run) -> None:
@@ -327,8 +232,8 @@ def check_int64_pool(run: Run) -> None:
     expected = pool.clone()
     reshape_and_cache_ref(key, value, *expected[:, layer].unbind(1), slots)
     tc.reshape_and_cache(key, value, kc, vc, slots)
-    record(run, "int64_pool.cache_write.exact_incl_neighbours", torch.equal(pool, expected),
-           max_offset_elements=max_offset)
+    run.check("int64_pool.cache_write.exact_incl_neighbours", torch.equal(pool, expected),
+              max_offset_elements=max_offset)
     del expected
     # Attention on the top blocks: decode + a prefill with a cached prefix.
     pages = high // 3
@@ -344,10 +249,10 @@ def check_int64_pool(run: Run) -> None:
     for splits in (1, 4):
         strided = ta.paged_attention(query, kc, vc, **kwargs, num_kv_splits=splits)
         flat = ta.paged_attention(query, kflat, vflat, **kwargs, num_kv_splits=splits)
-        record(run, f"int64_pool.attention.splits{splits}.bit_exact", torch.equal(strided, flat))
+        run.check(f"int64_pool.attention.splits{splits}.bit_exact", torch.equal(strided, flat))
     ref = paged_attention_ref(query, kflat, vflat, **kwargs)
     err = rel_err(strided, ref)
-    record(run, "int64_pool.attention.vs_reference", err < 1e-2, rel_err=err)
+    run.check("int64_pool.attention.vs_reference", err < 1e-2, rel_err=err)
 
 
 def check_attention(run: Run) -> None:
@@ -360,8 +265,8 @@ def check_attention(run: Run) -> None:
     ref = paged_attention_ref(batch.query, kc, vc, **batch.kwargs())
     ref64 = paged_attention_ref(batch.query.double(), kc.double(), vc.double(), **batch.kwargs())
     e32, e64 = rel_err(out, ref), rel_err(out, ref64)
-    record(run, f"attention.decode.{b}x{length}.vs_reference", e64 < 1e-2,
-           rel_err_fp32_ref=e32, rel_err_fp64_ref=e64)
+    run.check(f"attention.decode.{b}x{length}.vs_reference", e64 < 1e-2,
+              rel_err_fp32_ref=e32, rel_err_fp64_ref=e64)
     # split-KV (heuristic) vs unsplit, long sequences at small batch
     b, length = (2, 1024) if SMOKE else (8, 32768)
     batch = DecodeBatch(b, length)
@@ -371,9 +276,9 @@ def check_attention(run: Run) -> None:
     split = ta.paged_attention(batch.query, kc, vc, **batch.kwargs())
     whole = ta.paged_attention(batch.query, kc, vc, **batch.kwargs(), num_kv_splits=1)
     ref = paged_attention_ref(batch.query, kc, vc, **batch.kwargs())
-    record(run, f"attention.split_kv.{b}x{length}", rel_err(split, ref) < 1e-2,
-           heuristic_splits=cfg.num_splits, rel_err_split=rel_err(split, ref),
-           rel_err_unsplit=rel_err(whole, ref), split_vs_unsplit=rel_err(split, whole))
+    run.check(f"attention.split_kv.{b}x{length}", rel_err(split, ref) < 1e-2,
+              heuristic_splits=cfg.num_splits, rel_err_split=rel_err(split, ref),
+              rel_err_unsplit=rel_err(whole, ref), split_vs_unsplit=rel_err(split, whole))
     # mixed batch: prefill with a cached prefix + fresh prefill + decodes, sliding window, fp8
     q_lens = [300, 1, 1, 512, 1] if not SMOKE else [20, 1, 1, 33, 1]
     seq_lens = [1000, 2000, 77, 512, 4096] if not SMOKE else [60, 90, 7, 33, 200]
@@ -397,7 +302,7 @@ def check_attention(run: Run) -> None:
         out = ta.paged_attention(query, kc, vc, **kwargs, **extra)
         ref64 = paged_attention_ref(query.double(), kc.double(), vc.double(), **kwargs, **extra)
         err = rel_err(out, ref64)
-        record(run, f"attention.{name}.vs_reference", err < 1e-2, rel_err_fp64_ref=err)
+        run.check(f"attention.{name}.vs_reference", err < 1e-2, rel_err_fp64_ref=err)
     kv8 = randn(num_blocks, 2, BS, HK, D, dtype=torch.float8_e4m3fn)
     k8, v8 = kv8.unbind(1)
     out = ta.paged_attention(query, k8, v8, **kwargs, kv_cache_dtype="fp8",
@@ -405,7 +310,7 @@ def check_attention(run: Run) -> None:
     ref = paged_attention_ref(query, k8, v8, **kwargs, kv_cache_dtype="fp8", k_scale=0.3,
                               v_scale=0.7)
     err = rel_err(out, ref)
-    record(run, "attention.mixed.fp8.vs_reference", err < 1e-2, rel_err_fp32_ref=err)
+    run.check("attention.mixed.fp8.vs_reference", err < 1e-2, rel_err_fp32_ref=err)
 
 
 # ----------------------------------------------------------------------------- peers
@@ -486,8 +391,8 @@ def time_decode(run: Run, b: int, length: int, config=None) -> None:
         t, how = time_call(fn)
         add_timing(run, "decode", shape, layout, impl, t, how, nbytes,
                    config=dataclass_dict(cfg))
-    record(run, f"decode.{shape}.{impl}.cross_layer_vs_standard.bit_exact",
-           torch.equal(outs["standard"], outs["cross_layer"]))
+    run.check(f"decode.{shape}.{impl}.cross_layer_vs_standard.bit_exact",
+              torch.equal(outs["standard"], outs["cross_layer"]))
     if config is not None:
         return
     with run.section(f"torch decode {shape}"):
@@ -510,8 +415,8 @@ def time_decode_flashinfer(run: Run, b: int, length: int) -> None:
             kv = batch.pool[:, CROSS_LAYERS // 2] if layout == "cross_layer" else batch.kv
             fn = flashinfer_decode(batch, kv)
             err = rel_err(fn(), ours)
-            record(run, f"decode.{shape}.{layout}.flashinfer_vs_kvcore", err < 1e-2,
-                   rel_err=err)
+            run.check(f"decode.{shape}.{layout}.flashinfer_vs_kvcore", err < 1e-2,
+                      rel_err=err)
             t, how = time_call(fn)
             add_timing(run, "decode", shape, layout, "flashinfer", t, how, nbytes,
                        rel_err_vs_kvcore=err)
@@ -554,7 +459,7 @@ def time_cache_write(run: Run, n: int, flashinfer: bool = False) -> None:
         ours, theirs = kv.clone(), kv.clone()
         tc.reshape_and_cache(key, value, *ours.unbind(1), slots)
         fi.append_paged_kv_cache(key, value, paged_kv_cache=theirs, kv_layout="NHD", **fi_args)
-        record(run, f"cache_write.N={n}.flashinfer_equals_kvcore", torch.equal(ours, theirs))
+        run.check(f"cache_write.N={n}.flashinfer_equals_kvcore", torch.equal(ours, theirs))
         t, how = time_call(lambda: fi.append_paged_kv_cache(
             key, value, paged_kv_cache=kv, kv_layout="NHD", **fi_args))
         add_timing(run, "cache_write", f"N={n}", "standard", "flashinfer", t, how, nbytes)
@@ -602,7 +507,7 @@ def time_prefill(run: Run, flashinfer: bool = False, config=None) -> None:
         fi_out = torch.empty_like(batch.query)
         wrapper.run(batch.query, batch.kv, out=fi_out)
         err = rel_err(fi_out, out)
-        record(run, f"prefill.{shape}.flashinfer_vs_kvcore", err < 1e-2, rel_err=err)
+        run.check(f"prefill.{shape}.flashinfer_vs_kvcore", err < 1e-2, rel_err=err)
         t, how = time_call(lambda: wrapper.run(batch.query, batch.kv, out=fi_out))
         add_timing(run, "prefill", shape, "standard", "flashinfer", t, how, flops=flops,
                    rel_err_vs_kvcore=err)
@@ -610,8 +515,8 @@ def time_prefill(run: Run, flashinfer: bool = False, config=None) -> None:
     impl = "kvcore-triton" if config is None else "kvcore-triton-best"
     if config is None:
         ref = paged_attention_ref(batch.query, kc, vc, **batch.kwargs())
-        record(run, f"prefill.{shape}.vs_reference", rel_err(out, ref) < 1e-2,
-               rel_err_fp32_ref=rel_err(out, ref))
+        run.check(f"prefill.{shape}.vs_reference", rel_err(out, ref) < 1e-2,
+                  rel_err_fp32_ref=rel_err(out, ref))
     t, how = time_call(fn)
     used = config or ta.default_config(b * length, b, HQ, HK, D, batch.block_table.shape[1] * BS,
                                        torch.device(DEVICE))
@@ -771,7 +676,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.flashinfer_warmup:
         return flashinfer_warmup()
-    run = Run(Path(args.out), args.budget_s)
+    run = Run(Path(args.out), "bench_triton", ("correctness", "timings", "sweeps"),
+              checks="correctness", device=DEVICE, budget_s=args.budget_s)
     meta = run.results["meta"]
     meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
                 torch=torch.__version__, smoke=SMOKE, shapes=dict(hq=HQ, hk=HK, d=D, bs=BS,

@@ -3,62 +3,107 @@ connectors for LLM inference engines.
 
 The public API (what plugins may import) is what this module, :mod:`kvcore.ops`,
 :mod:`kvcore.connectors` and :mod:`kvcore.testing` export. Importing kvcore loads no plugin
-and no kernel library: backends are resolved when selected.
+and no kernel library: backends are resolved when selected. The names below are imported on
+first use (PEP 562), so ``import kvcore`` alone, as the ``kvcore`` command's ``--help`` does,
+does not import torch: the first name used imports the whole API at once (the modules wire
+themselves together as they are imported: the registry gives ``allocate_kv_caches`` its
+backend-name resolver), except the names of :data:`_LEAF_MODULES`, which import nothing else.
 """
 
-from kvcore.allocate import KVCaches, allocate_kv_caches
-from kvcore.backend import (
-    FEATURE_FLAGS,
-    AttentionBackend,
-    AttentionImpl,
-    AttentionLayer,
-    AttentionMetadata,
-    LayerScales,
-    PagedAttentionImpl,
-    build_attention_metadata,
-)
-from kvcore.config import AttentionSelectorConfig
-from kvcore.dtypes import parse_dtype
-from kvcore.hookspecs import hookimpl
-from kvcore.layout import KVCacheLayout, LayoutMismatchError
-from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
-from kvcore.platform import (
-    Platform,
-    available_platforms,
-    clear_platform_cache,
-    current_platform,
-    get_platform,
-)
-from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
-from kvcore.plugins import (
-    PluginInfo,
-    list_plugins,
-    register_plugin,
-    reset_plugins,
-    unregister_plugin,
-)
-from kvcore.registry import (
-    DuplicateRegistrationError,
-    ResolveError,
-    UnknownNameError,
-    backend_registry,
-    block_copier_registry,
-    connector_registry,
-    platform_registry,
-    resolve_backend,
-)
-from kvcore.selector import (
-    BackendSelectionError,
-    CandidateReport,
-    NoValidBackendError,
-    SelectionReport,
-    clear_selection_cache,
-    explain_selection,
-    get_attn_backend,
-)
-from kvcore.spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it (imported on first access).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "kvcore.allocate": ("KVCaches", "allocate_kv_caches"),
+    "kvcore.backend": (
+        "FEATURE_FLAGS", "AttentionBackend", "AttentionImpl", "AttentionLayer",
+        "AttentionMetadata", "LayerScales", "PagedAttentionImpl", "build_attention_metadata",
+    ),
+    "kvcore.config": ("AttentionSelectorConfig",),
+    "kvcore.dtypes": ("parse_dtype",),
+    "kvcore.hookspecs": ("hookimpl",),
+    "kvcore.layout": ("KVCacheLayout", "LayoutMismatchError"),
+    "kvcore.mla": ("MLACommonBackend", "MLACommonImpl", "latent_cache_shape"),
+    "kvcore.platform": (
+        "Platform", "available_platforms", "clear_platform_cache", "current_platform",
+        "get_platform", "require_present_platform",
+    ),
+    "kvcore.platform_types": ("AttentionType", "DeviceCapability", "MultipleOf"),
+    "kvcore.plugins": (
+        "PluginInfo", "list_plugins", "register_plugin", "reset_plugins", "unregister_plugin",
+    ),
+    "kvcore.registry": (
+        "DuplicateRegistrationError", "ResolveError", "UnknownNameError", "backend_registry",
+        "block_copier_registry", "connector_registry", "platform_registry", "resolve_backend",
+    ),
+    "kvcore.selector": (
+        "BackendSelectionError", "CandidateReport", "NoValidBackendError", "SelectionReport",
+        "clear_selection_cache", "explain_selection", "get_attn_backend",
+    ),
+    "kvcore.spec": ("FullAttentionSpec", "KVCacheSpec", "MLAAttentionSpec"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+#: Modules that import neither torch nor the rest of kvcore: their names load alone.
+_LEAF_MODULES = frozenset({"kvcore.platform_types"})
+
+if TYPE_CHECKING:  # what type checkers and import-linter see
+    from kvcore.allocate import KVCaches, allocate_kv_caches
+    from kvcore.backend import (
+        FEATURE_FLAGS,
+        AttentionBackend,
+        AttentionImpl,
+        AttentionLayer,
+        AttentionMetadata,
+        LayerScales,
+        PagedAttentionImpl,
+        build_attention_metadata,
+    )
+    from kvcore.config import AttentionSelectorConfig
+    from kvcore.dtypes import parse_dtype
+    from kvcore.hookspecs import hookimpl
+    from kvcore.layout import KVCacheLayout, LayoutMismatchError
+    from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
+    from kvcore.platform import (
+        Platform,
+        available_platforms,
+        clear_platform_cache,
+        current_platform,
+        get_platform,
+        require_present_platform,
+    )
+    from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
+    from kvcore.plugins import (
+        PluginInfo,
+        list_plugins,
+        register_plugin,
+        reset_plugins,
+        unregister_plugin,
+    )
+    from kvcore.registry import (
+        DuplicateRegistrationError,
+        ResolveError,
+        UnknownNameError,
+        backend_registry,
+        block_copier_registry,
+        connector_registry,
+        platform_registry,
+        resolve_backend,
+    )
+    from kvcore.selector import (
+        BackendSelectionError,
+        CandidateReport,
+        NoValidBackendError,
+        SelectionReport,
+        clear_selection_cache,
+        explain_selection,
+        get_attn_backend,
+    )
+    from kvcore.spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 
 __all__ = [
     "FEATURE_FLAGS",
@@ -101,14 +146,35 @@ __all__ = [
     "explain_selection",
     "get_attn_backend",
     "get_platform",
-    "latent_cache_shape",
     "hookimpl",
+    "latent_cache_shape",
     "list_plugins",
     "parse_dtype",
     "platform_registry",
     "register_plugin",
+    "require_present_platform",
     "reset_plugins",
     "resolve_backend",
     "unregister_plugin",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:  # a submodule, e.g. ``kvcore.ops`` after a bare ``import kvcore``
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    for loading in (module,) if module in _LEAF_MODULES else _EXPORTS:
+        loaded = importlib.import_module(loading)
+        for export in _EXPORTS[loading]:
+            globals()[export] = getattr(loaded, export)  # later lookups skip this function
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

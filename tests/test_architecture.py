@@ -124,6 +124,16 @@ def test_plugin_uses_only_public_kvcore_api(distribution):
     assert not problems, "\n".join(problems)
 
 
+def test_tools_use_only_public_kvcore_api():
+    """The command line and the demo (kvcore.cli, kvcore.demo) sit outside the contract: they
+    use kvcore's public API and each other, as a third party would."""
+    # ... and kvcore.testing.compile_check, which owns the `kvcore kernels` command.
+    own = r"imports kvcore\.(cli|demo|testing\.compile_check)\b|compile_check from kvcore\.testing"
+    problems = [p for top in ("cli", "demo") for path in python_files(REPO / "kvcore" / top)
+                for p in private_uses(path) if not re.search(own, p)]
+    assert not problems, "\n".join(problems)
+
+
 def test_the_guard_catches_private_imports(tmp_path):
     source = tmp_path / "plugin.py"
     source.write_text(

@@ -4,11 +4,15 @@ and the table, the JSON and the plot are produced."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvcore.bench import BenchOptions, format_report, plot_report, run_bench
 from kvcore.cli import main as kvcore_cli
+from kvcore.cli.bench import BenchOptions, format_report, plot_report, run_bench
 
 CASE_FIELDS = {"name", "backend", "shape", "num_bytes", "seconds", "gbps", "ceiling",
                "ceiling_gbps", "fraction_of_ceiling", "error"}
@@ -66,3 +70,32 @@ def test_bench_on_the_gpu_runs_every_case_of_its_backends():
     assert {"device->host (pinned)", "host->device (pinned)"} <= {c.name for c in gpu.ceilings}
     assert {c.ceiling for c in gpu.cases if c.name.startswith("offload")} == {
         "device->host (pinned)", "host->device (pinned)"}
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "args", "lists"), [
+    ("bench_triton", ["--budget-s", "0"], {"correctness", "timings", "sweeps"}),
+    ("bench_mla", ["--budget-s", "0", "--no-flashinfer"], {"correctness", "timings", "sweeps"}),
+    ("bench_offload", ["--no-sweep"], set()),
+], ids=["triton", "mla", "offload"])
+def test_benchmark_scripts_run_through_the_shared_harness(script, args, lists, tmp_path):
+    """The GPU benchmarks on tiny shapes (``--smoke``, CPU): the run log, the JSON and the
+    table come out, every correctness check passes (kvcore-nvidia's and kvcore-rocm's have
+    their own smoke tests)."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(BENCHMARKS / f"{script}.py"), "--smoke",
+                             "--out", str(tmp_path), *args], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / f"{script}.json").read_text())
+    if lists:  # a harness.Run: meta, ceilings, the script's lists, errors; a log beside it
+        assert {"meta", "ceilings", "errors"} | lists <= set(data)
+        assert data["ceilings"] and data["correctness"]
+        assert all(c["ok"] for c in data["correctness"]), data["correctness"]
+        assert all("flashinfer" in e["error"] for e in data["errors"]), data["errors"]
+        assert (tmp_path / f"{script}_log.txt").read_text().strip()
+    else:
+        assert data["errors"] == {} and data["check_failures"] == []

@@ -118,3 +118,49 @@ def test_output_cut_short_by_the_reader_is_not_a_traceback():
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr
+
+
+_TORCH_AFTER = """
+import sys
+from kvcore.cli import main
+try:
+    status = main({args!r})
+except SystemExit as exc:
+    status = exc.code
+print("torch imported:", "torch" in sys.modules, "status:", status)
+"""
+
+
+@pytest.mark.parametrize(("args", "status"), [
+    (["--help"], 0), (["--version"], 0), (["demo", "--help"], 0), (["select", "--help"], 0),
+    (["select", "--head-size", "x"], 2), (["nope"], 2), ([], 2)],
+    ids=["help", "version", "demo-help", "select-help", "bad-int", "bad-command", "no-command"])
+def test_help_version_and_argument_errors_do_not_import_torch(args, status):
+    result = subprocess.run([sys.executable, "-c", _TORCH_AFTER.format(args=args)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == f"torch imported: False status: {status}", \
+        result.stdout + result.stderr
+
+
+def test_version_is_the_distribution_version():
+    from importlib import metadata
+
+    result = kvcore_cmd("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"kvcore {metadata.version('kvcore')}"
+
+
+def test_missing_cli_extra_is_one_line_naming_the_extra(monkeypatch, capsys):
+    from kvcore.cli import main
+
+    monkeypatch.setitem(sys.modules, "tabulate", None)  # as if not installed
+    assert main(["list"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: the kvcore command needs tabulate: pip install 'kvcore[cli]'\n"
+
+
+def test_kv_cache_dtype_choices_are_kvcores():
+    import kvcore.ops
+    from kvcore.cli.main import KV_CACHE_DTYPE_CHOICES
+
+    assert KV_CACHE_DTYPE_CHOICES == kvcore.ops.KV_CACHE_DTYPES

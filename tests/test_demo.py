@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from kvcore.cli import main as kvcore_cli
-from kvcore.demo import (
+from kvcore.demo.config import MODEL_PRESETS
+from kvcore.demo.engine import BlockPool, Request
+from kvcore.demo.model import DemoModel
+from kvcore.demo.scenario import (
     DemoOptions,
     check_against_reference,
     compare_runs,
     reference_logits,
     run_demo,
 )
-from kvcore.demo_engine import BlockPool, Request
-from kvcore.demo_model import MODEL_PRESETS, DemoModel
 
 # On the CPU even on a GPU machine: the tests check CPU_ATTN's run.
 FAST = ["--model", "tiny", "--batch", "4", "--new-tokens", "8", "--max-num-seqs", "2",

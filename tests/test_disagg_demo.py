@@ -1,4 +1,4 @@
-"""``python -m kvcore.disagg_demo``: prefill in one process, decode in another, KV through
+"""``python -m kvcore.demo.disagg``: prefill in one process, decode in another, KV through
 ``nixl``; the tokens match one engine alone, and the check catches KV that did not arrive."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcore.connectors.nixl import NixlConnector, nixl_unavailable_reason
-from kvcore.disagg_demo import DisaggOptions, format_result, run_disaggregated
+from kvcore.demo.disagg import DisaggOptions, format_result, run_disaggregated
 
 pytestmark = pytest.mark.skipif(nixl_unavailable_reason() is not None,
                                 reason=str(nixl_unavailable_reason()))

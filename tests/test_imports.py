@@ -28,3 +28,22 @@ def test_registering_plugins_imports_no_backend_module():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_public_names_load_on_first_use_and_wire_the_whole_api():
+    """``import kvcore`` imports no torch (the ``kvcore`` command's ``--help``); the first
+    public name imports the whole API, wired as an eager import would be: a backend name
+    works in ``allocate_kv_caches`` right away, with no registry call before it."""
+    code = (
+        "import sys, kvcore\n"
+        "print('torch' in sys.modules, kvcore.__version__)\n"
+        "kvcore.AttentionType\n"
+        "print('torch' in sys.modules)\n"
+        "kv = kvcore.allocate_kv_caches('CPU_ATTN', num_layers=1, num_blocks=2, block_size=4,\n"
+        "                               num_kv_heads=1, head_size=8, dtype='float32',\n"
+        "                               device='cpu')\n"
+        "print(kv.layout, [n for n in kvcore.__all__ if n not in vars(kvcore)])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.splitlines() == ["False 0.1.0", "False", "B,L,2,N,H,D []"]

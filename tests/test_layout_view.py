@@ -11,7 +11,7 @@ import torch
 
 import kvcore
 from kvcore.cli import main as kvcore_cli
-from kvcore.layout_view import describe_layout
+from kvcore.cli.layout_view import describe_layout
 
 SIZES = {"num_layers": 3, "num_blocks": 5, "block_size": 4, "num_kv_heads": 2, "head_size": 8}
 

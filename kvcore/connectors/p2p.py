@@ -13,22 +13,33 @@ payload. Both sizes are checked against limits *before* anything is allocated.
   (:meth:`kvcore.KVCacheLayout.to_dict`), dtype and block size. Each side compares the
   other's with its own and refuses a mismatch (NHD vs HND, cross-layer vs per-layer, another
   dtype or block size) with a :class:`kvcore.LayoutMismatchError` naming both sides, before a
-  single block moves.
+  single block moves. The agreement holds for the session: a later hello that differs breaks
+  the link and drops the blocks received from that peer.
 - ``blocks``: keys, then the bytes of those blocks ``(n, block_bytes)``.
 - ``bye``: the sender is closing; the receiver answers with its own ``bye``.
 
 :meth:`save` sends blocks to the peer. A background thread receives the peer's blocks into an
 inbox bounded by ``inbox_bytes`` (oldest dropped first when full); :meth:`load` takes blocks
 from it, waiting up to ``timeout_s`` for keys not yet there; :meth:`lookup` counts leading
-keys in it. A message that does not arrive whole within ``timeout_s``, a dead peer or a
-malformed message breaks the link: waiting and later transfers fail at once with the reason,
-never hang. (gloo closes a connection whose receive timed out, so there is no resuming.)
+keys in it. Blocks wait in the message they came in, without a copy, until some of that
+message's blocks are loaded and the inbox is over its bound: then the waiting ones are copied
+out, so the bound counts the memory really held (plus one message being received). A message
+that does not arrive whole within ``timeout_s``, a dead peer or a malformed message breaks the
+link: waiting and later transfers fail at once with the reason, never hang. (gloo closes a
+connection whose receive timed out, so there is no resuming.)
+
+Every wait is bounded: connecting by ``connect_timeout_s``, messages by ``timeout_s``, and
+:meth:`close` by a few ``timeout_s`` even against a frozen peer; close leaves no thread and no
+pending receive behind.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -53,18 +64,121 @@ _MAX_HEADER_BYTES = 8 << 20
 _MAX_KEYS_PER_MESSAGE = 32768  # keeps a header far below _MAX_HEADER_BYTES
 _MAX_PAYLOAD_BYTES = 256 << 20  # per message (or one block if larger): bounds staging memory
 # Waiting for the next message is not a timeout: an idle peer is normal and a dead one
-# closes the connection. (A finite gloo timeout would close an idle link.)
+# closes the connection. (A finite gloo timeout would close an idle link.) gloo waits without
+# an explicit timeout use the group's, which is the connect timeout: every wait passes one.
 _IDLE = timedelta(days=365)
+_MAX_SECONDS = _IDLE.total_seconds()
 _OPS = ("hello", "blocks", "bye")
+# A tag no message uses: a send on it that times out closes the gloo pair, which is how a
+# receive blocked on a frozen peer is woken (gloo has no way to cancel a receive).
+_UNBLOCK_TAG = 1
+_UNBLOCK_S = 0.05
 
 
 class _LinkDown(Exception):
     """The link cannot carry blocks any more; the message says why."""
 
 
-def _positive(name: str, value: Any, kind: type = int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (kind, int)) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive {kind.__name__}")
+class _Message:
+    """The blocks of one received message, ``(n, block_bytes)`` uint8; ``live`` counts its
+    rows still in the inbox."""
+
+    __slots__ = ("data", "live", "nbytes")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.live = 0
+        self.nbytes = data.numel()
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def _seconds(name: str, value: Any) -> float:
+    """A timeout option as float seconds: finite, > 0 and at most 365 days."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 < value <= _MAX_SECONDS):
+        raise ValueError(f"{name}={value!r} must be a positive finite number of seconds, at "
+                         f"most {_MAX_SECONDS:.0f} (365 days)")
+    return float(value)
+
+
+def _sockets() -> dict[str, int]:
+    """This process's sockets, ``"socket:[inode]"`` -> fd (Linux; empty where there is no
+    ``/proc``)."""
+    found: dict[str, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:"):
+            found[target] = int(name)
+    return found
+
+
+def _shut_down_sockets_to(port: int, existing: dict[str, int]) -> None:
+    """Shut down the sockets not in ``existing`` that are connected to ``port``: wakes a
+    thread blocked reading one of them (the fd stays its owner's to close)."""
+    for inode, fd in _sockets().items():
+        if inode in existing:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            peer = sock.getpeername()
+            if isinstance(peer, tuple) and peer[1] == port:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected, or closed meanwhile
+        finally:
+            sock.close()
+
+
+def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 1's client of rank 0's ``TCPStore``, within ``timeout_s`` in every case.
+
+    torch's client waits for the server's answer to its handshake without a timeout, so a port
+    whose server accepts but never answers would hang it: it connects on a helper thread,
+    and when that thread is still waiting at the deadline its socket is shut down, which ends
+    the wait (with an error) and the thread.
+    """
+    existing = _sockets()
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, 2, False,
+                                         timeout=timedelta(seconds=timeout_s),
+                                         wait_for_workers=False)
+        except Exception as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=connect, daemon=True, name="kvcore-p2p-connect")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        for _ in range(5):  # again if the client, still inside its own timeout, reconnected
+            _shut_down_sockets_to(port, existing)
+            thread.join(0.2)
+            if not thread.is_alive():
+                break
+        raise ConnectionError(
+            f"p2p rank 1: {host}:{port} accepted the connection but did not answer the "
+            f"rendezvous handshake within connect_timeout_s={timeout_s} (is it rank 0's "
+            "p2p port?)")
+    if "error" in box:
+        raise ConnectionError(f"p2p rank 1: no rendezvous at {host}:{port} within "
+                              f"connect_timeout_s={timeout_s}: {box['error']}") from box["error"]
+    return box["store"]
 
 
 class P2PConnector(KVConnector):
@@ -74,10 +188,15 @@ class P2PConnector(KVConnector):
         rank: 0 (hosts the rendezvous) or 1 (connects to it).
         host: rank 0's address.
         port: rank 0's port; ``0`` on rank 0 picks a free one (read it from :attr:`port`).
-        connect_timeout_s: how long connecting and the layout exchange may take.
+        connect_timeout_s: how long connecting to rank 0's rendezvous (rank 1, at
+            construction) and then pairing with the peer and exchanging layouts (at
+            :meth:`register_kv_caches`) may each take; a peer that does not come in time is a
+            ``ConnectionError`` naming this option.
         timeout_s: how long one message may take to arrive once started, and how long a
-            load waits for blocks that have not arrived.
-        inbox_bytes: bound on received blocks not loaded yet (and on one message).
+            load waits for blocks that have not arrived. Both timeouts are finite seconds,
+            at most 365 days.
+        inbox_bytes: bound on the memory that received blocks not loaded yet hold (see
+            :attr:`inbox_held_bytes`), and on one message.
         data_backend: ``"auto"`` (NCCL for CUDA caches, gloo otherwise), ``"gloo"`` (CUDA
             caches are staged through host memory) or ``"nccl"``.
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
@@ -107,25 +226,28 @@ class P2PConnector(KVConnector):
             raise ValueError(f"port={port!r} must be an int in 0..65535")
         if rank == 1 and port == 0:
             raise ValueError("port=0 on rank 1: pass the port rank 0 listens on")
-        _positive("connect_timeout_s", connect_timeout_s, float)
-        _positive("timeout_s", timeout_s, float)
+        connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
+        timeout_s = _seconds("timeout_s", timeout_s)
         _positive("inbox_bytes", inbox_bytes)
         if data_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"data_backend={data_backend!r} must be 'auto', 'gloo' or 'nccl'")
         super().__init__(failure_policy=failure_policy)
         self.rank, self.peer = rank, 1 - rank
         self.host = host
-        self.timeout_s = float(timeout_s)
-        self.connect_timeout_s = float(connect_timeout_s)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.inbox_bytes = inbox_bytes
         self._data_backend = data_backend
-        try:
-            self._store = dist.TCPStore(host, port, 2, rank == 0,
-                                        timeout=timedelta(seconds=connect_timeout_s),
-                                        wait_for_workers=False)
-        except Exception as exc:
-            raise ConnectionError(f"p2p rank {rank}: no rendezvous at {host}:{port} within "
-                                  f"connect_timeout_s={connect_timeout_s}: {exc}") from exc
+        if rank == 1:
+            self._store = _connect_store(host, port, connect_timeout_s)
+        else:
+            try:
+                self._store = dist.TCPStore(host, port, 2, True,
+                                            timeout=timedelta(seconds=connect_timeout_s),
+                                            wait_for_workers=False)
+            except Exception as exc:
+                raise ConnectionError(f"p2p rank 0: cannot host the rendezvous at "
+                                      f"{host}:{port}: {exc}") from exc
         self.port: int = self._store.port
         self._cond = threading.Condition()  # guards the state below and the inbox
         self._send_lock = threading.RLock()  # one message at a time, header with payload
@@ -133,7 +255,10 @@ class P2PConnector(KVConnector):
         self._link_ok = True
         self._bye_sent = False
         self._peer_hello: dict[str, Any] | None = None
-        self._inbox: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # key -> (message, row): rows wait in the messages they came in (no copy); what the
+        # inbox holds is counted by whole message, see _compact.
+        self._inbox: OrderedDict[str, tuple[_Message, int]] = OrderedDict()
+        self._inbox_held = 0
         self._receiver: threading.Thread | None = None
 
     # -- connection -------------------------------------------------------------------------
@@ -152,22 +277,28 @@ class P2PConnector(KVConnector):
         if backend == "nccl" and device.type != "cuda":
             raise ValueError(f"data_backend='nccl' needs a CUDA cache, this one is on {device}")
         self._wire_device = device if backend == "nccl" else torch.device("cpu")
-        self._connect(backend, device)
+        deadline = time.monotonic() + self.connect_timeout_s
+        self._connect(backend, device, deadline)
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="kvcore-p2p-send")
         self._loader = ThreadPoolExecutor(4, thread_name_prefix="kvcore-p2p-load")
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
                                           name=f"kvcore-p2p-recv-{self.rank}")
         self._receiver.start()
-        self._handshake()
+        self._handshake(deadline)
 
-    def _connect(self, backend: str, device: torch.device) -> None:
+    def _connect(self, backend: str, device: torch.device, deadline: float) -> None:
         groups: dict[str, Any] = {}
         try:
-            # Same creation order on both sides: each group is a rendezvous.
+            # Same creation order on both sides: each group is a rendezvous, which waits for
+            # the peer at most until the deadline.
             for src in (0, 1):
                 name = f"kvcore-p2p/{src}to{1 - src}"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no time left")
                 groups[f"ctrl{src}"] = dist.ProcessGroupGloo(
-                    dist.PrefixStore(f"{name}/gloo", self._store), self.rank, 2, _IDLE)
+                    dist.PrefixStore(f"{name}/gloo", self._store), self.rank, 2,
+                    timedelta(seconds=left))
                 if backend == "nccl":
                     with torch.cuda.device(device):
                         groups[f"data{src}"] = dist.ProcessGroupNCCL(
@@ -176,9 +307,9 @@ class P2PConnector(KVConnector):
                     groups[f"data{src}"] = groups[f"ctrl{src}"]
         except Exception as exc:
             raise ConnectionError(
-                f"p2p rank {self.rank}: could not connect to peer rank {self.peer} through "
-                f"{self.host}:{self.port} within connect_timeout_s={self.connect_timeout_s}: "
-                f"{exc}") from exc
+                f"p2p rank {self.rank}: peer rank {self.peer} did not join through "
+                f"{self.host}:{self.port} within connect_timeout_s={self.connect_timeout_s} "
+                f"(waited for it to register its KV caches): {exc}") from exc
         self._tx_ctrl, self._tx_data = groups[f"ctrl{self.rank}"], groups[f"data{self.rank}"]
         self._rx_ctrl, self._rx_data = groups[f"ctrl{self.peer}"], groups[f"data{self.peer}"]
 
@@ -192,25 +323,28 @@ class P2PConnector(KVConnector):
             "inbox_bytes": self.inbox_bytes,
         }
 
-    def _handshake(self) -> None:
+    def _handshake(self, deadline: float) -> None:
         """Exchange hellos; refuse a peer whose cache differs from ours."""
         try:
-            self._send_message(self._hello(), None, timeout=self.connect_timeout_s)
+            self._send_message(self._hello(), None,
+                               timeout=max(deadline - time.monotonic(), _UNBLOCK_S))
             with self._cond:
                 self._cond.wait_for(lambda: self._peer_hello is not None or not self._link_ok,
-                                    timeout=self.connect_timeout_s)
+                                    timeout=max(deadline - time.monotonic(), 0.0))
                 hello, failure = self._peer_hello, self._failure
             if hello is None:
                 raise ConnectionError(f"p2p rank {self.rank}: peer rank {self.peer} sent no "
                                       f"layout within connect_timeout_s="
                                       f"{self.connect_timeout_s}" +
                                       (f" ({failure})" if failure else ""))
-            self._check_peer(hello)
+            self._blocks_per_message = self._check_peer(hello)
         except BaseException:
             self._shutdown_link()
             raise
 
-    def _check_peer(self, hello: dict[str, Any]) -> None:
+    def _check_peer(self, hello: dict[str, Any]) -> int:
+        """Raise unless the peer's hello matches our cache; return how many blocks one
+        message to it may carry."""
         names = (f"local rank {self.rank}", f"remote rank {self.peer}")
         try:
             theirs = KVCacheLayout.from_dict(hello.get("layout"))
@@ -224,8 +358,7 @@ class P2PConnector(KVConnector):
         if not isinstance(peer_inbox, int) or peer_inbox < self._block_bytes:
             raise ValueError(f"{names[1]} has inbox_bytes={peer_inbox!r}, less than one block "
                              f"({self._block_bytes} bytes); raise inbox_bytes there")
-        self._blocks_per_message = min(self._payload_limit(peer_inbox) // self._block_bytes,
-                                       _MAX_KEYS_PER_MESSAGE)
+        return min(self._payload_limit(peer_inbox) // self._block_bytes, _MAX_KEYS_PER_MESSAGE)
 
     def _payload_limit(self, inbox_bytes: int) -> int:
         """Largest payload of one message to a peer with ``inbox_bytes``: one block at least."""
@@ -273,7 +406,7 @@ class P2PConnector(KVConnector):
     def _recv_message(self) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Receive one message, validating sizes before allocating; raises on any fault."""
         sizes = torch.empty(2, dtype=torch.int64)
-        self._rx_ctrl.recv([sizes], self.peer, 0).wait()  # idle wait, see _IDLE
+        self._rx_ctrl.recv([sizes], self.peer, 0).wait(_IDLE)  # idle wait, see _IDLE
         header_len, payload_len = sizes.tolist()
         if not 0 < header_len <= _MAX_HEADER_BYTES:
             raise _LinkDown(f"peer announced a {header_len}-byte header (limit "
@@ -327,8 +460,13 @@ class P2PConnector(KVConnector):
             op = header["op"]
             if op == "hello":
                 with self._cond:
-                    self._peer_hello = header
-                    self._cond.notify_all()
+                    first = self._peer_hello
+                    if first is None:  # checked by _handshake, on the registering thread
+                        self._peer_hello = header
+                        self._cond.notify_all()
+                if first is not None and header != first:
+                    self._refuse_hello(header)
+                    return
             elif op == "blocks":
                 self._store_blocks(header["keys"], payload)
             else:  # bye
@@ -339,16 +477,39 @@ class P2PConnector(KVConnector):
                 self._send_bye()
                 return
 
-    def _store_blocks(self, keys: list[str], payload: torch.Tensor) -> None:
-        capacity = self.inbox_bytes // self._block_bytes
+    def _refuse_hello(self, hello: dict[str, Any]) -> None:
+        """A second hello that differs from the first: the layout agreed at registration holds
+        for the whole session, so the link goes down and the blocks received so far, from a
+        peer that no longer agrees with them, are dropped."""
+        try:
+            self._check_peer(hello)
+            why = "its options changed"
+        except Exception as exc:  # LayoutMismatchError, or a hello that cannot be read
+            why = str(exc)
         with self._cond:
-            for key, row in zip(keys, payload.unbind(0), strict=True):
-                self._inbox.pop(key, None)
-                self._inbox[key] = row
+            dropped = len(self._inbox)
+            self._inbox.clear()
+            self._inbox_held = 0
+        self._fail_link(f"peer rank {self.peer} announced another layout after registration, "
+                        f"refused ({why}); {dropped} received blocks dropped")
+
+    def _store_blocks(self, keys: list[str], payload: torch.Tensor | None) -> None:
+        if payload is None:  # a message of no blocks
+            return
+        message = _Message(payload)
+        rows = {key: i for i, key in enumerate(keys)}  # a repeated key: its last row counts
+        with self._cond:
+            for key, i in rows.items():
+                self._forget(key)
+                self._inbox[key] = (message, i)
+            message.live = len(rows)
+            self._inbox_held += message.nbytes
             dropped = 0
-            while len(self._inbox) > capacity:
-                self._inbox.popitem(last=False)
+            while len(self._inbox) > self.inbox_bytes // self._block_bytes:
+                self._forget(next(iter(self._inbox)))
                 dropped += 1
+            if self._inbox_held > self.inbox_bytes:  # then rows wait in partly loaded messages
+                self._compact()  # holds len(self._inbox) * block_bytes <= inbox_bytes
             self._cond.notify_all()
         if dropped:
             with self._stats_lock:
@@ -356,29 +517,83 @@ class P2PConnector(KVConnector):
             logger.warning("p2p rank %d: inbox full (inbox_bytes=%d), dropped the %d oldest "
                            "blocks nobody loaded", self.rank, self.inbox_bytes, dropped)
 
-    def _send_bye(self) -> None:
+    def _forget(self, key: str) -> torch.Tensor | None:
+        """Take ``key`` out of the inbox (caller holds ``_cond``); returns its row, a view
+        that keeps the row's message alive only as long as the caller holds it."""
+        entry = self._inbox.pop(key, None)
+        if entry is None:
+            return None
+        message, i = entry
+        row = message.data[i]
+        message.live -= 1
+        if message.live == 0:
+            self._inbox_held -= message.nbytes
+        return row
+
+    def _compact(self) -> None:
+        """Copy the rows still waiting in partly loaded messages into messages of their own
+        (caller holds ``_cond``), so that the inbox holds what it counts: a row is a view, and
+        one unloaded row would keep its whole message alive."""
+        partial: dict[int, list[str]] = {}
+        for key, (message, _) in self._inbox.items():
+            if message.live < message.data.shape[0]:
+                partial.setdefault(id(message), []).append(key)
+        for keys in partial.values():
+            old = self._inbox[keys[0]][0]
+            rows = torch.tensor([self._inbox[k][1] for k in keys], device=old.data.device)
+            new = _Message(old.data.index_select(0, rows))
+            if new.data.is_cuda:  # copied on this thread's stream; loads run on others
+                torch.cuda.current_stream(new.data.device).synchronize()
+            for i, key in enumerate(keys):
+                self._inbox[key] = (new, i)  # (keeps the key's place in the order)
+            new.live, old.live = len(keys), 0
+            self._inbox_held += new.nbytes - old.nbytes
+
+    def _send_bye(self) -> bool:
+        """Tell the peer we are closing; whether the bye went out."""
         with self._cond:
             if self._bye_sent or not self._link_ok:
-                return
+                return False
             self._bye_sent = True
         try:
             self._send_message({"op": "bye"}, None)
         except _LinkDown:
-            pass  # the peer is gone already: nothing to say goodbye to
+            return False  # the peer is gone already: nothing to say goodbye to
+        return True
 
     def _shutdown_link(self) -> None:
-        """Say bye, wait for the peer's, and stop the receiver."""
+        """Say bye, wait for the peer's, and stop the receiver, within ``2 * timeout_s``."""
         with self._cond:
             if self._failure is None:
                 self._failure = "the connector is closed"
             self._cond.notify_all()
-        self._send_bye()
-        if self._receiver is not None:
-            self._receiver.join(self.timeout_s)
-            if self._receiver.is_alive():
-                logger.warning("p2p rank %d: peer rank %d did not answer bye within "
-                               "timeout_s=%s; its receiver thread is left behind", self.rank,
-                               self.peer, self.timeout_s)
+        answer_expected = self._send_bye()
+        receiver = self._receiver
+        if receiver is None:
+            return
+        receiver.join(self.timeout_s if answer_expected else 0.0)
+        if receiver.is_alive():
+            # No bye came back: the peer is frozen, or the link broke one way only. The
+            # receiver may wait forever on it, and a gloo receive left waiting at exit aborts
+            # the process: end the wait.
+            self._unblock_receiver()
+            receiver.join(self.timeout_s)
+        if receiver.is_alive():
+            logger.warning("p2p rank %d: the receiver thread did not stop within timeout_s=%s "
+                           "after close", self.rank, self.timeout_s)
+
+    def _unblock_receiver(self) -> None:
+        """End a receive from the peer that would wait forever: a send on a tag the peer never
+        receives times out at once, and gloo then closes the connection, failing the receive
+        too."""
+        group = self._rx_ctrl
+        if group is None:
+            return
+        try:
+            group.send([torch.zeros(1, dtype=torch.uint8)], self.peer,
+                       _UNBLOCK_TAG).wait(timedelta(seconds=_UNBLOCK_S))
+        except Exception:
+            pass  # the expected outcome: the timeout closed the connection
 
     # -- transfers --------------------------------------------------------------------------
 
@@ -389,6 +604,12 @@ class P2PConnector(KVConnector):
     def _load(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
         future = self._loader.submit(self._take_blocks, keys, block_ids)
         return TransferHandle.from_future("load", self.failure_policy, future)
+
+    @property
+    def inbox_held_bytes(self) -> int:
+        """Bytes of received blocks the inbox holds now (at most :attr:`inbox_bytes`)."""
+        with self._cond:
+            return self._inbox_held
 
     def _lookup(self, keys: list[str]) -> int:
         with self._cond:
@@ -427,7 +648,7 @@ class P2PConnector(KVConnector):
             self._cond.wait_for(
                 lambda: self._failure is not None or all(k in self._inbox for k in keys),
                 timeout=self.timeout_s)
-            rows = {k: self._inbox.pop(k) for k in keys if k in self._inbox}
+            rows = {k: self._forget(k) for k in keys if k in self._inbox}
             reason = self._failure or (f"not received from peer rank {self.peer} within "
                                        f"timeout_s={self.timeout_s}")
         loaded = [b for k, b in zip(keys, block_ids, strict=True) if k in rows]
@@ -449,5 +670,7 @@ class P2PConnector(KVConnector):
             self._loader.shutdown(wait=True)
             with self._send_lock:
                 self._tx_ctrl = self._tx_data = None
-        self._inbox.clear()
+        with self._cond:
+            self._inbox.clear()
+            self._inbox_held = 0
         self._store = None

@@ -12,11 +12,17 @@ layout (:meth:`kvcore.KVCacheLayout.to_dict`), dtype, block size and the SHA-256
 Writes go to a temporary file that is renamed into place, so a reader sees a whole file or
 none. A load checks the layout and the checksum before a byte reaches the cache; a file that
 fails either is deleted (so :meth:`lookup` stops offering it) and its block reported failed.
-No pickle is involved anywhere: safetensors stores raw tensors and string metadata.
+A save counts a key as stored only after the same check: a corrupted file is deleted and
+written again. Every error of a save or a load (a full disk, a read-only or vanished
+directory, whatever exception the file library raises) fails the blocks it hit, each with the
+reason, never the whole transfer; the blocks written before it are reported saved.
+No pickle is involved anywhere: safetensors stores raw tensors and string metadata. safetensors
+is the ``kvcore[storage]`` extra, imported when a connector is made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,10 +31,9 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
@@ -52,6 +57,18 @@ class _BadFile(Exception):
     """A block file that exists but must not be loaded (the message says why)."""
 
 
+def _safetensors() -> Any:
+    """The ``safetensors.torch`` module, or an ``ImportError`` saying how to install it."""
+    try:
+        import safetensors.torch
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "safetensors":
+            raise
+        raise ImportError("the storage connector needs safetensors, which is not installed "
+                          "(pip install 'kvcore[storage]')") from None
+    return safetensors.torch
+
+
 class StorageConnector(KVConnector):
     """Save KV blocks as files under ``root`` and load them back (connector name ``storage``).
 
@@ -69,6 +86,7 @@ class StorageConnector(KVConnector):
             raise TypeError(f"root must be a directory path, got {root!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} must be a positive integer")
+        self._st = _safetensors()
         super().__init__(failure_policy=failure_policy)
         self.root = Path(root)
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kvcore-storage")
@@ -120,7 +138,7 @@ class StorageConnector(KVConnector):
                      blocks_written: Callable[[], None]) -> TransferResult:
         started = time.perf_counter()
         paths = [self._path(k) for k in keys]
-        todo = [i for i, p in enumerate(paths) if not p.is_file()]  # content-addressed: done
+        todo = [i for i, p in enumerate(paths) if not self._holds(p)]  # content-addressed
         blocks_written()
         data = self._read_blocks([block_ids[i] for i in todo]).cpu() if todo else None
         failed: dict[int, str] = {}
@@ -129,12 +147,24 @@ class StorageConnector(KVConnector):
             try:
                 self._write_file(paths[i], data[row])
                 written += 1
-            except OSError as exc:
-                failed[block_ids[i]] = f"writing {paths[i]}: {exc}"
+            except Exception as exc:  # OSError, and safetensors' own error type for the same
+                failed[block_ids[i]] = f"writing {paths[i]}: {type(exc).__name__}: {exc}"
         succeeded = [b for b in block_ids if b not in failed]
         result = self._result("save", succeeded, failed, written * self.block_bytes,
                               time.perf_counter() - started)
         return self._record(result)
+
+    def _holds(self, path: Path) -> bool:
+        """Whether ``path`` holds a block that a load would accept. A file that fails the
+        check is deleted, so that a save rewrites it and a failed rewrite leaves nothing."""
+        try:
+            self._read_file(path)
+        except FileNotFoundError:
+            return False
+        except _BadFile:
+            _unlink(path)
+            return False
+        return True
 
     def _write_file(self, path: Path, row: torch.Tensor) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +172,7 @@ class StorageConnector(KVConnector):
         # Same directory as the target, so the rename is atomic (one file system).
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            save_file({_TENSOR: row.view(self._row_shape)}, tmp, metadata=metadata)
+            self._st.save_file({_TENSOR: row.view(self._row_shape)}, tmp, metadata=metadata)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -161,7 +191,7 @@ class StorageConnector(KVConnector):
                 failed[block] = f"no file for key {key} ({path})"
             except _BadFile as exc:
                 failed[block] = f"{path}: {exc}"
-                path.unlink(missing_ok=True)  # garbage: stop offering it to lookup()
+                _unlink(path)  # garbage: stop offering it to lookup()
         if loaded:
             self._write_blocks(loaded, torch.stack(rows).flatten(1), "storage load")
             storage = self._reg.kv_caches.storage
@@ -176,7 +206,7 @@ class StorageConnector(KVConnector):
         if not path.is_file():
             raise FileNotFoundError(path)
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with self._st.safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
                 names = list(f.keys())
                 tensor = f.get_tensor(_TENSOR) if names == [_TENSOR] else None
@@ -205,6 +235,13 @@ class StorageConnector(KVConnector):
             raise _BadFile(f"checksum mismatch (file says {metadata.get('sha256')}, bytes hash "
                            f"to {digest})")
         return tensor
+
+
+def _unlink(path: Path) -> None:
+    """Delete a bad block file; one that cannot be deleted (read-only share) stays, and the
+    next load or save checks it again."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _block_size(layout: KVCacheLayout) -> int:

@@ -1,6 +1,7 @@
 """Rank 1 of the two-process p2p tests, run as ``python p2p_peer.py SCENARIO PORT SEED LAYOUT
-CROSS DTYPE [DEVICE]`` (the cache's device, ``cpu`` by default: blocks then go over gloo; on
-a CUDA device over NCCL).
+CROSS DTYPE [DEVICE [SIZES]]`` (the cache's device, ``cpu`` by default: blocks then go over
+gloo; on a CUDA device over NCCL; SIZES a JSON dict of cache sizes that replace
+``kv_helpers.SIZES``'s).
 
 Scenarios:
     echo LAYOUT CROSS DTYPE: send blocks 3, 7 of its own cache (random from SEED) under keys
@@ -14,6 +15,7 @@ Prints one line ``ok`` or ``mismatch: <message>`` for the parent to read.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -26,9 +28,10 @@ from kvcore.connectors import get_connector
 def main() -> int:
     scenario, port, seed, layout, cross, dtype = sys.argv[1:7]
     device = sys.argv[7] if len(sys.argv) > 7 else "cpu"
+    sizes = json.loads(sys.argv[8]) if len(sys.argv) > 8 else {}
     seed = int(seed)
     kv = make_caches(cross_layer=cross == "1", dtype=dtype, layout=layout, seed=seed,
-                     device=device)
+                     device=device, **sizes)
     conn = get_connector("p2p", rank=1, port=int(port), timeout_s=10.0, connect_timeout_s=20.0)
     try:
         conn.register_kv_caches(kv)

@@ -6,8 +6,12 @@ the rest pair two connectors inside this process, which exercises the same proto
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +30,31 @@ from kvcore.connectors import get_connector
 from kvcore.connectors.p2p import P2PConnector
 
 PEER = Path(__file__).with_name("p2p_peer.py")
+FROZEN = Path(__file__).with_name("p2p_frozen.py")
+
+
+def bounded(call, limit_s: float):
+    """Run ``call()`` on a daemon thread: its result, or what it raised; fails the test when
+    it is still running after ``limit_s`` (a hang must not hang the suite)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"still waiting after {limit_s} s"
+    box["seconds"] = time.monotonic() - start
+    return box
+
+
+def p2p_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvcore-p2p")]
 
 
 @contextmanager
@@ -141,6 +170,75 @@ def test_killed_peer_process_fails_exactly_the_blocks_and_never_hangs():
         assert time.monotonic() - start < 1.0  # the link is known down: no waiting
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["send", "idle"],
+                         ids=["after_a_send_timed_out", "bye_unanswered"])
+def test_close_against_a_frozen_peer_is_bounded_and_the_process_exits_cleanly(scenario):
+    proc = subprocess.Popen([sys.executable, str(FROZEN), scenario], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=FROZEN.parent)
+    peer_pid = None
+    try:
+        peer_pid = json.loads(proc.stdout.readline())["peer_pid"]
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if peer_pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # killed by the driver normally
+                os.kill(peer_pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {err[-2000:]}"
+    report = json.loads(out.splitlines()[-1])
+    if scenario == "send":
+        assert report["failed"] == 512 and "Timed out" in report["reason"]
+    assert report["close_s"] < 10.0  # timeout_s=1.0 twice at most, with a margin
+    assert report["threads"] == []
+
+
+def test_rank0_without_a_peer_fails_within_connect_timeout():
+    conn = get_connector("p2p", rank=0, connect_timeout_s=1.0, timeout_s=1.0)
+    try:
+        box = bounded(lambda: conn.register_kv_caches(make_caches(cross_layer=False)), 30)
+    finally:
+        conn.close()
+    assert isinstance(box.get("error"), ConnectionError)
+    assert "peer rank 1 did not join" in str(box["error"])
+    assert "within connect_timeout_s=1.0" in str(box["error"])
+    assert box["seconds"] < 10.0
+    assert p2p_threads() == []
+
+
+def test_rank1_whose_rank0_never_registers_fails_within_connect_timeout():
+    host = get_connector("p2p", rank=0, connect_timeout_s=1.0)  # listens, never registers
+    conn = get_connector("p2p", rank=1, port=host.port, connect_timeout_s=1.0, timeout_s=1.0)
+    try:
+        box = bounded(lambda: conn.register_kv_caches(make_caches(cross_layer=False)), 30)
+    finally:
+        conn.close()
+        host.close()
+    assert isinstance(box.get("error"), ConnectionError)
+    assert "peer rank 0 did not join" in str(box["error"])
+    assert "within connect_timeout_s=1.0" in str(box["error"])
+    assert box["seconds"] < 10.0
+
+
+def test_port_that_accepts_but_never_answers_fails_within_connect_timeout():
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    try:
+        box = bounded(lambda: get_connector("p2p", rank=1, port=server.getsockname()[1],
+                                            connect_timeout_s=1.0), 30)
+    finally:
+        for sock in (*accepted, server):
+            sock.close()
+    assert isinstance(box.get("error"), ConnectionError)
+    assert "did not answer the rendezvous handshake within connect_timeout_s=1.0" in str(
+        box["error"])
+    assert box["seconds"] < 10.0
+    time.sleep(0.2)  # the connecting thread ends when its socket is shut down
+    assert [t for t in threading.enumerate() if t.name == "kvcore-p2p-connect"] == []
+
+
 # -- a pair in one process --------------------------------------------------------------------
 
 
@@ -220,6 +318,81 @@ def test_malformed_message_breaks_the_link_with_the_reason(payload_blocks, reaso
         assert time.monotonic() - start < 2.0
 
 
+def held_bytes(conn: P2PConnector) -> int:
+    """Bytes of memory the inbox's entries keep alive: every distinct storage reachable from
+    them, whole (a row view keeps all of its storage)."""
+    storages: dict[int, int] = {}
+
+    def visit(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                visit(item)
+        elif hasattr(obj, "__slots__"):
+            for name in obj.__slots__:
+                visit(getattr(obj, name, None))
+
+    with conn._cond:
+        visit(list(conn._inbox.values()))
+    return sum(storages.values())
+
+
+def test_inbox_bytes_bounds_the_memory_of_partly_loaded_messages():
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    block = kv0.num_layers * kv0.page_size_bytes
+    keys = keys_for(random.randrange(2**31), 24)
+    held = []
+    with pair(kv0, kv1, inbox_bytes=8 * block, timeout_s=5.0) as (c0, c1):
+        for m in range(6):  # 6 messages of 4 blocks; the receiver loads 3 of each
+            four = keys[4 * m:4 * m + 4]
+            assert c0.save(four, [(2 * m + i) % 12 for i in range(4)]).wait(timeout=10).ok
+            assert c1.load(four[:3], [4, 5, 6]).wait(timeout=10).ok
+            held.append(held_bytes(c1))
+        assert max(held) <= 8 * block  # one unloaded row per message used to hold them all
+        assert c1.inbox_held_bytes == held_bytes(c1)
+        left = [keys[4 * m + 3] for m in range(6)]
+        # 8 blocks fit: the 5 latest stragglers (and then the 4 of message 6)
+        assert [c1.lookup([k]) for k in left] == [0, 1, 1, 1, 1, 1]
+        assert c1.stats.evictions == 1
+        result = c1.load(left[1:], [7, 8, 9, 10, 11]).wait(timeout=10)  # copied, still exact
+        assert result.ok and c1.inbox_held_bytes == 0
+    assert torch.equal(block_bytes(kv1, [7, 8, 9, 10, 11]), block_bytes(kv0, [5, 7, 9, 11, 1]))
+
+
+def test_a_key_repeated_in_one_message_keeps_its_last_row_and_the_count_exact():
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    (key,) = keys_for(random.randrange(2**31), 1)
+    with pair(kv0, kv1) as (c0, c1):
+        rows = c0._read_blocks([2, 3])
+        c0._send_message({"op": "blocks", "keys": [key, key]}, rows)  # what a buggy peer sends
+        assert c1.load([key], [9]).wait(timeout=10).ok
+        assert c1.inbox_held_bytes == 0 and held_bytes(c1) == 0
+    assert torch.equal(block_bytes(kv1, [9]), block_bytes(kv0, [3]))
+
+
+def test_a_second_hello_with_another_layout_breaks_the_link():
+    kv0, kv1 = make_caches(cross_layer=False), make_caches(cross_layer=False)
+    keys = keys_for(random.randrange(2**31), 4)
+    hnd = make_caches(cross_layer=False, layout="hnd").layout.to_dict()
+    with pair(kv0, kv1, timeout_s=1.0) as (c0, c1):
+        c0._send_message(c0._hello(), None)  # the same hello again: harmless
+        assert c0.save(keys[:2], [1, 2]).wait(timeout=10).ok
+        assert c1.load(keys[:1], [5]).wait(timeout=10).ok
+        c0._send_message({**c0._hello(), "layout": hnd}, None)
+        deadline = time.monotonic() + 10
+        while c1.lookup(keys[1:2]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the receiver handles the hello a moment after it is sent
+        refused = c1.load(keys[1:2], [6]).wait(timeout=10)
+        assert set(refused.failed) == {6}  # received under the old layout: dropped too
+        why = refused.failed[6]
+        assert "peer rank 0 announced another layout after registration, refused" in why
+        assert "L,B,2,N,H,D vs L,B,2,H,N,D" in why
+        assert set(c1.save(keys[2:], [7, 8]).wait(timeout=10).failed) == {7, 8}
+        assert set(c0.save(keys[2:], [7, 8]).wait(timeout=10).failed) == {7, 8}
+
+
 def test_full_inbox_drops_the_oldest_blocks():
     kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
     keys = keys_for(random.randrange(2**31), 3)
@@ -261,9 +434,17 @@ def test_closed_peer_fails_transfers_at_once():
     ("config", "message"),
     [({"rank": 2}, "rank=2 must be 0"),
      ({"rank": 1, "port": 0}, "port=0 on rank 1"),
-     ({"rank": 0, "timeout_s": 0}, "timeout_s=0 must be a positive"),
+     ({"rank": 0, "timeout_s": 0}, "timeout_s=0 must be a positive finite number"),
+     ({"rank": 0, "timeout_s": -1.5}, "timeout_s=-1.5 must be a positive finite number"),
+     ({"rank": 0, "timeout_s": float("nan")}, "timeout_s=nan must be a positive finite"),
+     ({"rank": 0, "timeout_s": True}, "timeout_s=True must be a positive finite"),
+     ({"rank": 0, "connect_timeout_s": float("inf")},
+      r"connect_timeout_s=inf must be a positive finite number of seconds, at most 31536000"),
+     ({"rank": 0, "connect_timeout_s": 1e9}, "connect_timeout_s=1000000000.0 must be"),
+     ({"rank": 0, "inbox_bytes": 0}, "inbox_bytes=0 must be a positive int"),
      ({"rank": 0, "data_backend": "mpi"}, "data_backend='mpi'")],
-    ids=["rank", "port", "timeout", "backend"])
+    ids=["rank", "port", "timeout", "negative_timeout", "nan_timeout", "bool_timeout",
+         "inf_connect_timeout", "huge_connect_timeout", "inbox", "backend"])
 def test_bad_config_names_the_option(config, message):
     with pytest.raises(ValueError, match=message):
         get_connector("p2p", **config)

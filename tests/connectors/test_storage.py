@@ -6,12 +6,14 @@ import json
 import random
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from kv_helpers import DTYPES, SIZES, block_bytes, keys_for, make_caches
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 import kvcore
 from kvcore import KVCaches
@@ -101,11 +103,11 @@ def test_faults_fail_exactly_the_bad_blocks_and_stay_failed(tmp_path):
 
 
 def test_interrupted_write_leaves_no_file_and_fails_the_block(tmp_path, monkeypatch):
-    import kvcore.connectors.storage as storage
+    import safetensors.torch
 
     kv = make_caches(cross_layer=False)
     keys = keys_for(random.randrange(2**31), 2)
-    real_save_file = storage.save_file
+    real_save_file = safetensors.torch.save_file
 
     def disk_full_on_second(tensors, filename, metadata):
         if Path(filename).name.startswith(f".{keys[1]}"):
@@ -113,13 +115,110 @@ def test_interrupted_write_leaves_no_file_and_fails_the_block(tmp_path, monkeypa
             raise OSError(28, "No space left on device")
         real_save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(storage, "save_file", disk_full_on_second)
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full_on_second)
     with storage_for(kv, tmp_path) as conn:
         result = conn.save(keys, [3, 4]).wait()
         assert result.succeeded == (3,) and list(result.failed) == [4]
         assert "No space left on device" in result.failed[4]
         assert conn.lookup(keys) == 1
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [f"{keys[0]}.safetensors"]
+
+
+def test_write_errors_of_any_type_fail_their_blocks_and_keep_the_written_ones(tmp_path,
+                                                                             monkeypatch):
+    import safetensors.torch
+
+    kv = make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 4)
+    real_save_file = safetensors.torch.save_file
+    calls = []
+
+    def full_after_two(tensors, filename, metadata):
+        calls.append(filename)
+        if len(calls) > 2:  # what safetensors raises on ENOSPC: not an OSError
+            raise SafetensorError("Error while serializing: I/O error: No space left on "
+                                  "device (os error 28)")
+        real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_after_two)
+    with storage_for(kv, tmp_path) as conn:
+        result = conn.save(keys, [3, 4, 5, 6]).wait()
+        assert result.succeeded == (3, 4) and set(result.failed) == {5, 6}
+        assert "SafetensorError: Error while serializing" in result.failed[5]
+        assert result.num_bytes == 2 * conn.block_bytes
+        assert (conn.stats.saved_blocks, conn.stats.failed_blocks) == (2, 2)
+        assert conn.lookup(keys) == 2
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def _can_mount_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+def test_full_filesystem_fails_the_blocks_that_did_not_fit(tmp_path):
+    if not _can_mount_tmpfs():
+        pytest.skip("cannot mount a tmpfs here (needs unshare -Urm: user namespaces)")
+    # A 256 KiB tmpfs in a private mount namespace holds 4 to 5 files of 48 KiB blocks.
+    script = Path(__file__).with_name("storage_full_disk.py")
+    proc = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$0" && '
+         'exec "$1" "$2" "$0"', str(tmp_path), sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300, cwd=script.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    succeeded, failed = report["succeeded"], {int(b): why for b, why in
+                                              report["failed"].items()}
+    assert 0 < len(succeeded) < 12 and sorted(succeeded + list(failed)) == list(range(12))
+    assert all("No space left on device" in why for why in failed.values())
+    assert report["num_bytes"] == len(succeeded) * report["block_bytes"]
+    assert report["stats"] == {"saved_blocks": len(succeeded), "failed_blocks": len(failed)}
+    # Exactly the reported blocks are on disk, whole (they load bit-exact), no temp files.
+    assert report["files"] == sorted(f"{report['keys'][b]}.safetensors" for b in succeeded)
+    assert report["loaded_ok"] and report["exact"]
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "truncated", "not_safetensors"])
+def test_saving_over_a_corrupted_file_rewrites_it(tmp_path, damage):
+    kv = make_caches(cross_layer=False)
+    keys = keys_for(random.randrange(2**31), 2)
+    with storage_for(kv, tmp_path) as conn:
+        assert conn.save(keys, [1, 2]).wait().ok
+        path = conn.path_of(keys[0])
+        data = path.read_bytes()
+        bad = {"flipped_byte": data[:-3] + bytes([data[-3] ^ 0x5A]) + data[-2:],
+               "truncated": data[:-100],
+               "not_safetensors": b"garbage"}[damage]
+        path.write_bytes(bad)
+        result = conn.save(keys, [1, 2]).wait()
+        assert result.succeeded == (1, 2) and result.num_bytes == conn.block_bytes  # 1 copy
+        assert path.read_bytes() != bad
+        assert conn.load(keys, [5, 6]).wait().ok  # verified: layout and checksum
+    assert torch.equal(block_bytes(kv, [5, 6]), block_bytes(kv, [1, 2]))
+
+
+def test_a_failed_rewrite_of_a_corrupted_file_is_reported_and_leaves_no_file(tmp_path,
+                                                                              monkeypatch):
+    import safetensors.torch
+
+    kv = make_caches(cross_layer=True)
+    (key,) = keys_for(random.randrange(2**31), 1)
+    with storage_for(kv, tmp_path) as conn:
+        assert conn.save([key], [0]).wait().ok
+        path = conn.path_of(key)
+        path.write_bytes(path.read_bytes()[:-100])
+
+        def disk_full(tensors, filename, metadata):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+        result = conn.save([key], [0]).wait()
+        assert result.succeeded == () and "No space left on device" in result.failed[0]
+        assert not path.exists() and conn.lookup([key]) == 0
 
 
 def test_fail_policy_raises_with_the_result(tmp_path):
@@ -173,3 +272,10 @@ def test_cuda_cache_roundtrip_bit_exact(tmp_path):
         assert conn.save(keys, [0, 4, 8]).wait().ok
         assert conn.load(keys, [1, 5, 9]).wait().ok
         assert torch.equal(block_bytes(kv, [1, 5, 9]), saved)
+
+
+def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'kvcore\[storage\]'"):
+        get_connector("storage", root=tmp_path)

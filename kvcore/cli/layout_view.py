@@ -21,9 +21,7 @@ from typing import Any
 
 import torch
 
-from kvcore.backend import AttentionBackend
-from kvcore.config import parse_dtype
-from kvcore.layout import KVCacheLayout
+from kvcore import AttentionBackend, KVCacheLayout, parse_dtype, resolve_backend
 
 __all__ = ["LayoutView", "Region", "describe_layout", "format_layout", "plot_layout"]
 
@@ -169,8 +167,6 @@ def describe_layout(
     size as ``head_size``. Nothing is allocated.
     """
     if isinstance(backend, str):
-        from kvcore.registry import resolve_backend
-
         backend = resolve_backend(backend)
     for name, value in (("show_layers", show_layers), ("show_blocks", show_blocks)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -263,7 +259,7 @@ def plot_layout(view: LayoutView, path: str | Path) -> Path:
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
 
-    from kvcore.plotting import new_figure, save_figure
+    from kvcore.cli.plotting import new_figure, save_figure
 
     lay = view.layout
     page = lay.page_size_bytes

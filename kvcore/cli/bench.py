@@ -13,18 +13,19 @@ Every case counts the bytes it must move at least once and reports GB/s (10**9 B
 a ceiling measured in the same run. Kernels are held to the faster of the device read (a
 ``sum`` over a large tensor, bytes read) and the device copy (``Tensor.copy_`` of a large
 tensor, bytes read plus written; on a CPU a large memcpy). The connector is held to the
-pinned host<->device copy on a GPU, and to the same memory ceiling on a CPU. Timings are
-medians over repetitions after warm-up (CUDA events on a GPU).
+pinned host<->device copy on a GPU, and to the same memory ceiling on a CPU. Timings and
+ceilings come from :mod:`kvcore.cli.harness`, as in ``benchmarks/``: medians over repetitions
+after warm-up (CUDA events around back-to-back calls on a GPU).
 The ``small`` size runs in seconds on a CPU; ``full`` uses serving-sized shapes for a GPU.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import secrets
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,11 +37,18 @@ import torch
 from tqdm import tqdm
 
 import kvcore
-from kvcore.allocate import KVCaches, allocate_kv_caches
-from kvcore.backend import AttentionBackend, LayerScales, build_attention_metadata
-from kvcore.config import AttentionSelectorConfig, parse_dtype
+from kvcore import (
+    AttentionBackend,
+    AttentionSelectorConfig,
+    KVCaches,
+    LayerScales,
+    Platform,
+    allocate_kv_caches,
+    build_attention_metadata,
+    parse_dtype,
+)
+from kvcore.cli import harness
 from kvcore.connectors import get_connector
-from kvcore.platform import Platform
 
 __all__ = ["SIZES", "BenchCase", "BenchOptions", "BenchReport", "BenchSize", "Ceiling",
            "format_report", "plot_report", "run_bench", "run_bench_cli"]
@@ -97,6 +105,10 @@ class Ceiling:
     def gbps(self) -> float:
         return self.num_bytes / self.seconds / 1e9
 
+    @classmethod
+    def from_gbps(cls, name: str, num_bytes: int, gbps: float) -> Ceiling:
+        return cls(name, num_bytes, num_bytes / (gbps * 1e9))
+
 
 @dataclass
 class BenchCase:
@@ -151,62 +163,23 @@ class BenchReport:
         }
 
 
-def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:
-    """A function that times a callable: median seconds per call over ``reps`` runs, after
-    two warm-up calls (the first compiles Triton kernels)."""
-    cuda = device.type == "cuda"
-
-    def measure(fn: Callable[[], object]) -> float:
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(reps):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return measure
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform as py_platform
-
-    return f"CPU ({py_platform.processor() or py_platform.machine()}, " \
-           f"{torch.get_num_threads()} threads)"
-
-
-def _copy_seconds(dst: torch.Tensor, src: torch.Tensor, measure) -> float:
-    return measure(lambda: dst.copy_(src, non_blocking=True))
-
-
-def _ceilings(device: torch.device, size: BenchSize, measure) -> list[Ceiling]:
+def _ceilings(device: torch.device, size: BenchSize, measure: harness.Timer
+              ) -> list[Ceiling]:
     """Device read (a sum: bytes read) and device copy (bytes read + written); on a GPU also
     the pinned host<->device copies the connector is bound by."""
     n = size.copy_bytes
     ones = torch.ones(n // 4, dtype=torch.float32, device=device)
-    ceilings = [Ceiling("device read", n, measure(lambda: ones.sum()))]
     src = ones.view(torch.uint8)
-    ceilings.append(Ceiling("device copy", 2 * n, _copy_seconds(torch.empty_like(src), src,
-                                                                measure)))
+    ceilings = [
+        Ceiling.from_gbps("device read", n, harness.read_gbps(ones, measure)[0]),
+        Ceiling.from_gbps("device copy", 2 * n, harness.copy_gbps(
+            torch.empty_like(src), src, measure, non_blocking=True)[0]),
+    ]
     if device.type == "cuda":
         m = min(n, 512 << 20)
-        host = torch.empty(m, dtype=torch.uint8, pin_memory=True)
-        ceilings.append(Ceiling("device->host (pinned)", m,
-                                _copy_seconds(host, src[:m], measure)))
-        ceilings.append(Ceiling("host->device (pinned)", m,
-                                _copy_seconds(src[:m], host, measure)))
+        pinned = harness.pinned_copy_gbps(src[:m], measure)
+        ceilings.append(Ceiling.from_gbps("device->host (pinned)", m, pinned["d2h"]))
+        ceilings.append(Ceiling.from_gbps("host->device (pinned)", m, pinned["h2d"]))
     return ceilings
 
 
@@ -222,8 +195,8 @@ def _kv_caches(backend: type[AttentionBackend], size: BenchSize, num_blocks: int
 
 
 def _decode_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.dtype,
-                 device: torch.device, cross_layer: bool, measure, ceiling: Ceiling
-                 ) -> BenchCase:
+                 device: torch.device, cross_layer: bool, measure: harness.Timer,
+                 ceiling: Ceiling) -> BenchCase:
     """Decode: ``batch`` requests, one new token each, over ``context`` cached tokens."""
     bs, ctx = size.block_size, size.context
     per_seq = math.ceil(ctx / bs)
@@ -246,7 +219,7 @@ def _decode_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.
     num_bytes = (2 * size.batch * ctx * size.num_kv_heads * size.head_size * item
                  + 2 * q.numel() * item)
     # forward reads K/V from the cache only; the key/value arguments are not used again.
-    seconds = measure(lambda: impl.forward(scales, q, k, k, layer, meta, output=out))
+    seconds, _ = measure(lambda: impl.forward(scales, q, k, k, layer, meta, output=out))
     shape = (f"B={size.batch} ctx={ctx} Hq={size.num_heads} Hk={size.num_kv_heads} "
              f"D={size.head_size}" + (" cross-layer" if cross_layer else ""))
     return BenchCase("decode attention", backend.get_name(), shape, num_bytes, seconds,
@@ -254,7 +227,7 @@ def _decode_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.
 
 
 def _write_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.dtype,
-                device: torch.device, measure, ceiling: Ceiling) -> BenchCase:
+                device: torch.device, measure: harness.Timer, ceiling: Ceiling) -> BenchCase:
     """Cache write of ``write_tokens`` new tokens to distinct, shuffled slots."""
     n, bs = size.write_tokens, size.block_size
     num_blocks = math.ceil(n / bs) * 2
@@ -268,14 +241,14 @@ def _write_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.d
     scales = LayerScales()
     # K and V read from the inputs and written to the cache, plus the slot ids.
     num_bytes = 2 * 2 * k.numel() * dtype.itemsize + slots.numel() * 8
-    seconds = measure(lambda: impl.do_kv_cache_update(scales, k, v, kv.layers[0], slots))
+    seconds, _ = measure(lambda: impl.do_kv_cache_update(scales, k, v, kv.layers[0], slots))
     shape = f"tokens={n} Hk={size.num_kv_heads} D={size.head_size}"
     return BenchCase("cache write", backend.get_name(), shape, num_bytes, seconds,
                      ceiling.name, ceiling.gbps)
 
 
 def _offload_cases(backend: type[AttentionBackend], size: BenchSize, dtype: torch.dtype,
-                   device: torch.device, cross_layer: bool, measure,
+                   device: torch.device, cross_layer: bool, measure: harness.Timer,
                    save_ceiling: Ceiling, load_ceiling: Ceiling) -> list[BenchCase]:
     """Save then load ``offload_blocks`` whole blocks (every layer) through ``offload``."""
     m = size.offload_blocks
@@ -295,8 +268,8 @@ def _offload_cases(backend: type[AttentionBackend], size: BenchSize, dtype: torc
             keys[:] = [secrets.token_hex(32) for _ in range(m)]
             conn.save(keys, src).wait()
 
-        save_s = measure(save)
-        load_s = measure(lambda: conn.load(keys, dst).wait())
+        save_s, _ = measure(save)
+        load_s, _ = measure(lambda: conn.load(keys, dst).wait())
     return [
         BenchCase("offload save", backend.get_name(), shape, m * block_bytes, save_s,
                   save_ceiling.name, save_ceiling.gbps),
@@ -317,10 +290,8 @@ def _valid_backends(config: AttentionSelectorConfig, platform: Platform
 
 def run_bench(options: BenchOptions) -> BenchReport:
     """Measure the ceilings, then every case (see the module docstring)."""
-    from kvcore.platform import require_present_platform
-
     started = time.perf_counter()
-    platform = require_present_platform(options.platform)
+    platform = kvcore.require_present_platform(options.platform)
     device = platform.device()
     on_gpu = device.type != "cpu"
     size_name = options.size or ("full" if on_gpu else "small")
@@ -331,9 +302,12 @@ def run_bench(options: BenchOptions) -> BenchReport:
     config = AttentionSelectorConfig(head_size=size.head_size, dtype=dtype,
                                      block_size=size.block_size)
     selected, backends = _valid_backends(config, platform)
-    measure = _timer(device, size.reps)
+    # Two warm-up calls (the first compiles Triton kernels); calls that wait for the host
+    # (the connector's) cannot be captured in a CUDA graph, so every case is timed with events.
+    measure = functools.partial(harness.time_call, device=device, graph=False, warmup=2,
+                                samples=size.reps)
     report = BenchReport(
-        date=datetime.date.today().isoformat(), device=_device_name(device),
+        date=datetime.date.today().isoformat(), device=harness.device_name(device),
         platform=platform.name, selected_backend=selected.get_name(),
         dtype=str(dtype).removeprefix("torch."), size=size_name,
         torch_version=torch.__version__, kvcore_version=kvcore.__version__)
@@ -401,7 +375,7 @@ def format_report(report: BenchReport) -> str:
 
 def plot_report(report: BenchReport, path: str | Path) -> Path:
     """Bar chart into the PNG ``path``: achieved GB/s per case over its ceiling."""
-    from kvcore.plotting import new_figure, save_figure
+    from kvcore.cli.plotting import new_figure, save_figure
 
     cases = [c for c in report.cases if c.error is None]
     if not cases:
@@ -436,7 +410,7 @@ def run_bench_cli(options: BenchOptions, output_format: str = "table",
     """Run the bench and print the table (or JSON); write the plot if asked. Returns 0, or 1
     when a case failed."""
     if plot:
-        from kvcore.plotting import check_plot_path
+        from kvcore.cli.plotting import check_plot_path
 
         check_plot_path(plot)
     report = run_bench(options)

@@ -37,15 +37,22 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvcore.allocate import allocate_kv_caches
-from kvcore.backend import AttentionBackend
-from kvcore.config import AttentionSelectorConfig, parse_dtype
+from kvcore import (
+    AttentionBackend,
+    AttentionSelectorConfig,
+    Platform,
+    SelectionReport,
+    allocate_kv_caches,
+    explain_selection,
+    get_attn_backend,
+    parse_dtype,
+    require_present_platform,
+    resolve_backend,
+)
 from kvcore.connectors import KVConnector, get_connector, get_connector_class
-from kvcore.demo_engine import BatchStats, Engine, Request
-from kvcore.demo_model import MODEL_PRESETS, DemoModel, contiguous_attention
-from kvcore.platform import Platform, require_present_platform
-from kvcore.registry import resolve_backend
-from kvcore.selector import SelectionReport, explain_selection, get_attn_backend
+from kvcore.demo.config import MODEL_PRESETS
+from kvcore.demo.engine import BatchStats, Engine, Request
+from kvcore.demo.model import DemoModel, contiguous_attention
 
 __all__ = ["TIE_TOLERANCE", "DemoOptions", "DemoResult", "TokenCheck", "check_against_reference",
            "compare_runs", "format_summary", "reference_logits", "run_demo",

@@ -1,7 +1,8 @@
-"""The ``kvcore`` command: what is installed, what would be picked and why; and the
+"""The ``kvcore`` subcommands: what is installed, what would be picked and why; and the
 end-to-end demo, the benchmarks and the layout view (``demo``, ``bench``, ``layout``), whose
-code lives in :mod:`kvcore.demo`, :mod:`kvcore.bench` and :mod:`kvcore.layout_view` and is
-imported only when those commands run.
+code lives in :mod:`kvcore.demo`, :mod:`kvcore.cli.bench` and :mod:`kvcore.cli.layout_view`
+and is imported only when those commands run. :mod:`kvcore.cli.main` parses the arguments and
+imports this module (and with it torch) only once a command runs.
 
 Every listing prints a flat, greppable table by default and JSON with ``--format json``.
 """
@@ -19,10 +20,7 @@ from typing import Any
 from tabulate import tabulate
 
 import kvcore
-from kvcore.config import AttentionSelectorConfig
-from kvcore.demo_model import MODEL_PRESETS
-from kvcore.ops.validation import KV_CACHE_DTYPES
-from kvcore.platform_types import AttentionType, DeviceCapability
+from kvcore import AttentionSelectorConfig, AttentionType, DeviceCapability
 
 
 def _emit(args: argparse.Namespace, data: Any, table: str) -> None:
@@ -192,7 +190,7 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvcore.demo import DemoOptions, run_demo_cli
+    from kvcore.demo.scenario import DemoOptions, run_demo_cli
 
     options = DemoOptions(
         model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
@@ -204,7 +202,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvcore.bench import BenchOptions, run_bench_cli
+    from kvcore.cli.bench import BenchOptions, run_bench_cli
 
     options = BenchOptions(size=args.size, dtype=args.dtype, platform=args.platform,
                            progress=not args.no_progress)
@@ -212,10 +210,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from kvcore.layout_view import describe_layout, format_layout, plot_layout
+    from kvcore.cli.layout_view import describe_layout, format_layout, plot_layout
 
     if args.plot:
-        from kvcore.plotting import check_plot_path
+        from kvcore.cli.plotting import check_plot_path
 
         check_plot_path(args.plot)
     backend = kvcore.resolve_backend(args.backend)
@@ -234,111 +232,14 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvcore",
-        description="Inspect kvcore's attention backends, plugins, platform selection and "
-                    "KV-cache layouts; run the end-to-end demo and the benchmarks.",
-    )
-    parser.add_argument("--version", action="version", version=f"kvcore {kvcore.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def with_format(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--format", choices=("table", "json"), default="table")
-        return p
-
-    with_format(sub.add_parser("list", help="registered attention backends and capabilities"))
-    with_format(sub.add_parser("plugins", help="loaded plugins, versions and load errors"))
-    with_format(sub.add_parser("collect-env", help="machine and installation facts"))
-
-    sel = with_format(sub.add_parser(
-        "select", help="which backend a config gets, and why the others were rejected"))
-    sel.add_argument("--explain", action="store_true",
-                     help="print every candidate with its rejection reasons")
-    sel.add_argument("--head-size", type=int, default=128)
-    sel.add_argument("--dtype", default="bfloat16")
-    sel.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    sel.add_argument("--block-size", type=int, default=16)
-    sel.add_argument("--mla", action="store_true", help="an MLA layer")
-    sel.add_argument("--sink", action="store_true", help="attention sinks")
-    sel.add_argument("--sparse", action="store_true", help="sparse attention")
-    sel.add_argument("--non-causal", action="store_true")
-    sel.add_argument("--batch-invariant", action="store_true")
-    sel.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType])
-    sel.add_argument("--kv-connector", action="store_true", help="a KV connector is in use")
-    sel.add_argument("--platform", default=None,
-                     help="platform name (default: detected, or KVCORE_PLATFORM)")
-    sel.add_argument("--capability", default=None,
-                     help="device capability to simulate, e.g. 9.0 or gfx942")
-    sel.add_argument("--backend", default=None, help="force a backend by name")
-
-    demo = with_format(sub.add_parser(
-        "demo", help="serve a small model end to end: select, allocate, batch, offload, "
-                     "reload prefixes, and check every token"))
-    demo.add_argument("--model", default="small", choices=tuple(MODEL_PRESETS),
-                      help="model size (tiny/small: seconds on a CPU; medium/large: a GPU)")
-    demo.add_argument("--batch", type=int, default=8, help="requests per batch (two batches)")
-    demo.add_argument("--new-tokens", type=int, default=16,
-                      help="most tokens generated per request")
-    demo.add_argument("--max-num-seqs", type=int, default=4,
-                      help="most requests in one step (the rest wait: continuous batching)")
-    demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    demo.add_argument("--platform", default=None,
-                      help="platform to run on (default: detected); must be present")
-    demo.add_argument("--backend", default=None, help="force a backend by name")
-    demo.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.add_argument("--corrupt-loaded-block", action="store_true",
-                      help="self-test: overwrite a block after it is loaded back, to see the "
-                           "checks fail (exit status 1)")
-
-    bench = with_format(sub.add_parser(
-        "bench", help="kernels, cache writes and connector throughput against ceilings "
-                      "measured in the same run"))
-    bench.add_argument("--size", default=None,
-                       help="shapes: small (default on a CPU) or full (default on a GPU)")
-    bench.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                       help="model dtype (default: float32 on a CPU, bfloat16 on a GPU)")
-    bench.add_argument("--platform", default=None,
-                       help="platform to measure (default: detected); must be present")
-    bench.add_argument("--plot", metavar="FILE.png", default=None,
-                       help="bar chart of achieved bandwidth against its ceiling per case")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    lay = with_format(sub.add_parser(
-        "layout", help="a backend's KV-cache shapes, strides and where its blocks lie"))
-    lay.add_argument("backend", help="backend name, e.g. TRITON_ATTN (see kvcore list)")
-    lay.add_argument("--cross-layer", action="store_true",
-                     help="the cross-layer allocation (all layers of a block contiguous)")
-    lay.add_argument("--plot", metavar="FILE.png", default=None,
-                     help="draw where each layer's K and V of the first blocks lie")
-    lay.add_argument("--num-layers", type=int, default=4)
-    lay.add_argument("--num-blocks", type=int, default=8)
-    lay.add_argument("--block-size", type=int, default=16)
-    lay.add_argument("--num-kv-heads", type=int, default=None, help="default 2 (MLA: 1)")
-    lay.add_argument("--head-size", type=int, default=None, help="default 128 (MLA: 576)")
-    lay.add_argument("--dtype", default="bfloat16")
-    lay.add_argument("--show-layers", type=int, default=4, help="layers in the block table "
-                     "and the picture")
-    lay.add_argument("--show-blocks", type=int, default=3, help="blocks per layer in the "
-                     "block table and the picture")
-    # The Triton compile check; its options and command live in kvcore.testing.compile_check.
-    from kvcore.testing import compile_check
-
-    compile_check.add_arguments(sub.add_parser(
-        "kernels", help="compile every Triton kernel for real GPUs (sm80/90/100, gfx942/950) "
-                        "and check registers, spills and shared memory"))
-    return parser
-
-
 def cmd_kernels(args: argparse.Namespace) -> int:
     from kvcore.testing.compile_check import cmd_kernels as run
 
     return run(args)
 
 
-_COMMANDS = {
+#: ``kvcore <command>`` -> its function; each returns the exit status.
+COMMANDS = {
     "list": cmd_list,
     "plugins": cmd_plugins,
     "select": cmd_select,
@@ -348,21 +249,3 @@ _COMMANDS = {
     "layout": cmd_layout,
     "kernels": cmd_kernels,
 }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return _COMMANDS[args.command](args)
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # the reader went away, e.g. `kvcore list | head`
-        # Python flushes stdout at exit; point it at devnull so that flush cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

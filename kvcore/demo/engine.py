@@ -25,15 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcore.allocate import KVCaches
-from kvcore.backend import (
+from kvcore import (
     AttentionBackend,
     AttentionMetadata,
+    KVCaches,
     LayerScales,
     build_attention_metadata,
 )
 from kvcore.connectors import KVConnector, TransferHandle, hash_request_tokens
-from kvcore.demo_model import DemoModel
+from kvcore.demo.model import DemoModel
 
 __all__ = ["BatchStats", "BlockPool", "Engine", "Request"]
 

@@ -15,7 +15,7 @@ Two engines, two processes, one model (same weights from the same seed):
    everything computed), the prefill engine's first token included, and every eligible block
    was loaded rather than recomputed.
 
-Run it with ``python -m kvcore.disagg_demo`` (``--help`` for options). On a GPU both
+Run it with ``python -m kvcore.demo.disagg`` (``--help`` for options). On a GPU both
 processes use the one device and their caches are VRAM regions.
 """
 
@@ -40,8 +40,9 @@ from kvcore import (
     parse_dtype,
 )
 from kvcore.connectors import get_connector, get_connector_class
-from kvcore.demo_engine import Engine, Request
-from kvcore.demo_model import MODEL_PRESETS, DemoModel
+from kvcore.demo.config import MODEL_PRESETS
+from kvcore.demo.engine import Engine, Request
+from kvcore.demo.model import DemoModel
 
 __all__ = ["DisaggOptions", "DisaggResult", "format_result", "main", "run_disaggregated"]
 
@@ -270,7 +271,7 @@ def format_result(result: DisaggResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     defaults = DisaggOptions()
-    parser = argparse.ArgumentParser(prog="python -m kvcore.disagg_demo",
+    parser = argparse.ArgumentParser(prog="python -m kvcore.demo.disagg",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=defaults.model, choices=list(MODEL_PRESETS))
     parser.add_argument("--batch", type=int, default=defaults.batch)
