@@ -22,9 +22,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.allocate": ("KVCaches", "allocate_kv_caches"),
     "kvcore.backend": (
         "FEATURE_FLAGS", "AttentionBackend", "AttentionImpl", "AttentionLayer",
-        "AttentionMetadata", "LayerScales", "PagedAttentionImpl", "build_attention_metadata",
+        "AttentionMetadata", "CudaGraphSupport", "LayerScales", "PagedAttentionImpl",
+        "build_attention_metadata",
     ),
+    "kvcore.builder": ("AttentionMetadataBuilder", "PersistentMetadataBuilder"),
     "kvcore.config": ("AttentionSelectorConfig",),
+    "kvcore.cuda_graphs": ("CudaGraphRunner",),
     "kvcore.dtypes": ("parse_dtype",),
     "kvcore.hookspecs": ("hookimpl",),
     "kvcore.layout": ("KVCacheLayout", "LayoutMismatchError"),
@@ -59,11 +62,14 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         AttentionImpl,
         AttentionLayer,
         AttentionMetadata,
+        CudaGraphSupport,
         LayerScales,
         PagedAttentionImpl,
         build_attention_metadata,
     )
+    from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
     from kvcore.config import AttentionSelectorConfig
+    from kvcore.cuda_graphs import CudaGraphRunner
     from kvcore.dtypes import parse_dtype
     from kvcore.hookspecs import hookimpl
     from kvcore.layout import KVCacheLayout, LayoutMismatchError
@@ -111,10 +117,13 @@ __all__ = [
     "AttentionImpl",
     "AttentionLayer",
     "AttentionMetadata",
+    "AttentionMetadataBuilder",
     "AttentionSelectorConfig",
     "AttentionType",
     "BackendSelectionError",
     "CandidateReport",
+    "CudaGraphRunner",
+    "CudaGraphSupport",
     "DeviceCapability",
     "DuplicateRegistrationError",
     "FullAttentionSpec",
@@ -129,6 +138,7 @@ __all__ = [
     "MultipleOf",
     "NoValidBackendError",
     "PagedAttentionImpl",
+    "PersistentMetadataBuilder",
     "Platform",
     "PluginInfo",
     "ResolveError",

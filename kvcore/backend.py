@@ -13,6 +13,7 @@ memory. Kernels get ``kv_cache.unbind(1)`` views and must take strides from them
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ import torch
 
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
+from kvcore.step_facts import StepFacts, mark_step_checked
 
 __all__ = [
     "AttentionBackend",
@@ -30,6 +32,7 @@ __all__ = [
     "AttentionLayer",
     "AttentionMetadata",
     "AttentionType",
+    "CudaGraphSupport",
     "LayerScales",
     "build_attention_metadata",
     "FEATURE_FLAGS",
@@ -66,6 +69,30 @@ def _is_supported(value: Any, supported: Any) -> bool:
     if isinstance(supported, MultipleOf):
         return value in supported
     return any(value in s if isinstance(s, MultipleOf) else value == s for s in supported)
+
+
+#: The default builder class. kvcore.builder (a layer above this module, importing it) fills
+#: the slot when it is imported, and ``import kvcore`` imports it, so it is set before any
+#: backend can be used.
+_default_builder: list[type] = []
+
+
+class CudaGraphSupport(enum.Enum):
+    """How much of a step a backend's ``forward`` lets an engine capture in a CUDA graph
+    (declared as ``AttentionBackend.CUDA_GRAPH_SUPPORT``; see :mod:`kvcore.builder`).
+
+    - ``NEVER``: ``forward`` may synchronise with the host or allocate per call; run eagerly.
+    - ``UNIFORM_DECODE``: a step where every request has exactly one new token, padded to a
+      captured batch size, replays correctly for any later lengths and block tables: the
+      builder keeps the step's tensors in persistent buffers, and ``forward`` does no host
+      sync and allocates nothing when given ``output``.
+    - ``ALWAYS``: the same for any batch, prefill and mixed steps included, at a captured
+      (tokens, requests) size.
+    """
+
+    NEVER = "never"
+    UNIFORM_DECODE = "uniform_decode"
+    ALWAYS = "always"
 
 
 class AttentionBackend(ABC):
@@ -109,6 +136,10 @@ class AttentionBackend(ABC):
     #: Conformance-suite tolerances that widen the defaults: ``{dtype or kv-cache dtype name:
     #: (atol, rtol)}`` (see ``docs/conformance.md``). Empty: the suite's defaults.
     CONFORMANCE_TOLERANCES: ClassVar[dict[torch.dtype | str, tuple[float, float]]] = {}
+    #: Which steps an engine may capture in a CUDA graph and replay (see
+    #: :class:`CudaGraphSupport`); anything but ``NEVER`` needs a builder with persistent
+    #: buffers (:class:`kvcore.PersistentMetadataBuilder`) from :meth:`get_builder_cls`.
+    CUDA_GRAPH_SUPPORT: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     @staticmethod
     @abstractmethod
@@ -119,6 +150,17 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]:
         """The implementation class; import kernel libraries here, not at module import."""
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        """The per-step metadata builder (a :class:`kvcore.AttentionMetadataBuilder`
+        subclass) the engine makes once and calls once per step.
+
+        Default: :class:`kvcore.AttentionMetadataBuilder`, which checks the step's values
+        once and returns the metadata unchanged. Override for per-step work (a kernel
+        library's plan, split choices, workspaces) and for CUDA-graph support.
+        """
+        return _default_builder[0]
 
     @staticmethod
     def get_kv_cache_shape(
@@ -202,6 +244,7 @@ class AttentionBackend(ABC):
             "kv_connector": cls.supports_kv_connector(),
             "max_kv_cache_span": cls.MAX_KV_CACHE_SPAN,
             "stride_order": list(cls.get_kv_cache_stride_order()),
+            "cuda_graphs": cls.CUDA_GRAPH_SUPPORT.value,
         }
 
     @classmethod
@@ -360,8 +403,16 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     causal: bool = True,
+    num_blocks: int | None = None,
 ) -> AttentionMetadata:
     """Build :class:`AttentionMetadata` from per-request counts and block tables.
+
+    The value checks happen here, once per step, on the host lists: lengths and block
+    coverage, ids not negative and, with ``num_blocks``, below it. The tensors are marked
+    with the step's :class:`kvcore.ops.StepFacts` (:func:`kvcore.ops.mark_step_checked`), so
+    the ops of every layer compare those facts with their cache instead of reading the
+    tensors back from the device. The tensors are made outside inference mode (inference
+    tensors cannot be marked).
 
     Args:
         query_lens: new tokens per request (1 for decode, the prompt chunk for prefill).
@@ -370,6 +421,8 @@ def build_attention_metadata(
         block_size: tokens per block.
         device: where the tensors are placed.
         causal: forwarded to :attr:`AttentionMetadata.causal`.
+        num_blocks: blocks of the KV cache, to refuse out-of-range ids here, with the
+            request named (otherwise each op refuses them against its cache).
     """
     if len(query_lens) != len(context_lens) or len(query_lens) != len(block_tables):
         raise ValueError(
@@ -378,8 +431,13 @@ def build_attention_metadata(
         )
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size={block_size!r} must be a positive integer")
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                   or num_blocks <= 0):
+        raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer or None")
     slots: list[int] = []
     seq_lens: list[int] = []
+    rows: list[Sequence[int]] = []
+    max_needed, max_block = 0, -1
     for i, (q_len, ctx_len, blocks) in enumerate(
         zip(query_lens, context_lens, block_tables, strict=True)
     ):
@@ -387,6 +445,9 @@ def build_attention_metadata(
             raise ValueError(
                 f"request {i}: query_lens={q_len} and context_lens={ctx_len} must be >= 0"
             )
+        if isinstance(blocks, torch.Tensor):
+            blocks = blocks.tolist()
+        rows.append(blocks)
         seq_len = ctx_len + q_len
         needed = -(-seq_len // block_size)
         if len(blocks) < needed:
@@ -394,29 +455,47 @@ def build_attention_metadata(
                 f"block_tables[{i}] has {len(blocks)} blocks but {seq_len} tokens need "
                 f"{needed} blocks of {block_size}"
             )
-        if any(b < 0 for b in blocks[:needed]):
-            raise ValueError(f"block_tables[{i}] contains a negative block id: {list(blocks)}")
+        if needed:
+            used = blocks[:needed]
+            if min(used) < 0:
+                raise ValueError(f"block_tables[{i}] contains a negative block id: {list(blocks)}")
+            top = max(used)
+            if num_blocks is not None and top >= num_blocks:
+                raise ValueError(
+                    f"block_tables[{i}] refers to block id {top}, but the cache has "
+                    f"{num_blocks} blocks (valid ids: 0..{num_blocks - 1})"
+                )
+            max_block = max(max_block, top)
+            max_needed = max(max_needed, needed)
         seq_lens.append(seq_len)
         for pos in range(ctx_len, seq_len):
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    width = max((len(b) for b in block_tables), default=0)
-    table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int32)
-    for i, blocks in enumerate(block_tables):
-        if len(blocks):
-            table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+    width = max((len(b) for b in rows), default=0)
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_table=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        num_actual_tokens=starts[-1],
-        causal=causal,
-    )
+    with torch.inference_mode(False):
+        table = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
+        for i, blocks in enumerate(rows):
+            if len(blocks):
+                table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            num_actual_tokens=starts[-1],
+            causal=causal,
+        )
+    facts = StepFacts(num_tokens=starts[-1], num_seqs=len(rows), block_size=block_size,
+                      max_blocks_per_seq=max_needed, max_block_id=max_block,
+                      max_slot=max(slots, default=-1))
+    mark_step_checked(facts, query_start_loc=metadata.query_start_loc,
+                      seq_lens=metadata.seq_lens, block_table=metadata.block_table,
+                      slot_mapping=metadata.slot_mapping)
+    return metadata
 
 
 class AttentionImpl(ABC):
@@ -528,6 +607,11 @@ class PagedAttentionImpl(AttentionImpl):
         self.write_kv(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
                       layer.k_scale, layer.v_scale)
 
+    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
+        """Extra keyword arguments of :meth:`attend` for this step (default none): what a
+        backend's builder chose for the step, e.g. split counts and workspaces."""
+        return {}
+
     def forward(
         self,
         layer: AttentionLayer,
@@ -554,5 +638,6 @@ class PagedAttentionImpl(AttentionImpl):
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
             output=output[:n],
+            **self.attend_options(attn_metadata),
         )
         return output

@@ -45,6 +45,8 @@ class CandidateReport:
     reasons: list[str]
     in_priority_list: bool
     selected: bool = False
+    #: The backend's ``CUDA_GRAPH_SUPPORT`` value (``None``: the class could not be loaded).
+    cuda_graphs: str | None = None
 
     @property
     def valid(self) -> bool:
@@ -53,7 +55,7 @@ class CandidateReport:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "plugin": self.plugin, "valid": self.valid,
                 "selected": self.selected, "in_priority_list": self.in_priority_list,
-                "reasons": list(self.reasons)}
+                "cuda_graphs": self.cuda_graphs, "reasons": list(self.reasons)}
 
 
 @dataclass
@@ -82,6 +84,9 @@ class SelectionReport:
             lines.append(f"forced backend: {self.forced}")
         pick = self.selected
         lines.append(f"selected: {pick.name if pick else 'none'}")
+        if pick is not None and pick.cuda_graphs is not None:
+            lines.append(f"cuda graphs: {pick.cuda_graphs} (the selected backend's "
+                         "CUDA_GRAPH_SUPPORT)")
         for c in self.candidates:
             status = "SELECTED" if c.selected else ("valid" if c.valid else "rejected")
             origin = f" [plugin {c.plugin}]" if c.plugin else ""
@@ -164,7 +169,9 @@ def _evaluate(
         reasons.append(f"{name} could not check the config: {type(exc).__name__}: {exc}")
     except Exception as exc:  # a plugin's bug must not break selection of the others
         reasons.append(f"{name}.validate_configuration raised {type(exc).__name__}: {exc}")
-    return CandidateReport(name, plugin, reasons, in_priority_list), cls
+    graphs = getattr(cls, "CUDA_GRAPH_SUPPORT", None)
+    return CandidateReport(name, plugin, reasons, in_priority_list,
+                           cuda_graphs=getattr(graphs, "value", None)), cls
 
 
 def _candidate_names(

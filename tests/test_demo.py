@@ -19,6 +19,7 @@ from kvcore.demo.scenario import (
     DemoOptions,
     check_against_reference,
     compare_runs,
+    format_summary,
     reference_logits,
     run_demo,
 )
@@ -148,6 +149,24 @@ def test_demo_on_the_gpu_with_its_best_backend():
                                 platform=None))
     assert gpu.ok, gpu.mismatches
     assert gpu.platform in ("cuda", "rocm") and gpu.backend != "CPU_ATTN"
+
+
+def test_demo_reports_its_cuda_graph_steps(result):
+    assert result.cuda_graphs == {"support": "never", "replayed_steps": 0,
+                                  "steps": sum(b["steps"] for b in result.batches)}
+    assert "graphs    0 of" in format_summary(result)
+
+
+@pytest.mark.gpu
+def test_demo_replays_decode_steps_from_cuda_graphs_with_identical_tokens():
+    gpu = run_demo(fast_options(model="small", batch=8, max_new_tokens=16, max_num_seqs=4,
+                                platform=None, backend="TRITON_ATTN", dtype="bfloat16"))
+    assert gpu.ok, gpu.mismatches
+    graphs = gpu.cuda_graphs
+    assert graphs["support"] == "uniform_decode"
+    # Decode-only steps are among the steps that are not mixed; only they replay.
+    decode_only = sum(b["steps"] - b["mixed_steps"] for b in gpu.batches)
+    assert 0 < graphs["replayed_steps"] <= decode_only
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,30 @@ stride from the views they get, so the backend opts in to cross-layer caches. ``
 stores pages NHD (``(block_size, num_kv_heads, head_size)`` inside a K or V half);
 ``TRITON_ATTN_HND`` is the same kernels on an HND physical order, for engines and transfer
 peers that use that layout. Both are blocks-first, so KV connectors can move their blocks.
+
+The builder (:class:`TritonAttentionMetadataBuilder`) keeps the step in persistent buffers,
+chooses the split-KV count once per step and owns the split-KV workspace, so uniform-decode
+steps can be captured in CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the
+split count depends only on the captured batch size and ``max_model_len`` (requests shorter
+than that leave some splits empty, which the kernel and the merge handle), eagerly it follows
+the step's longest request.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
-from kvcore.backend import AttentionBackend, AttentionImpl, PagedAttentionImpl
+from kvcore.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    CudaGraphSupport,
+    PagedAttentionImpl,
+)
+from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
 from kvcore.ops import (
     triton_fp8_reasons,
@@ -34,6 +51,9 @@ class TritonAttentionBackend(AttentionBackend):
     SUPPORTS_NON_CAUSAL = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda", "rocm")
+    # The launch depends only on shapes and the builder's choices: no host sync, no
+    # allocation with the builder's workspace and a given output.
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
     @staticmethod
     def get_name() -> str:
@@ -42,6 +62,10 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -69,8 +93,82 @@ class TritonAttentionHNDBackend(TritonAttentionBackend):
         return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
 
 
+@dataclasses.dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the builder's launch choices for the step.
+
+    Attributes:
+        num_kv_splits: split-KV count for every layer of the step (1: no split).
+        workspace: the builder's float32 split-KV workspace ``(partial outputs,
+            log-sum-exps)``, or ``None`` when the step does not split.
+    """
+
+    num_kv_splits: int = 1
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
+    """Persistent step buffers, the split-KV choice and its workspace (see the module).
+
+    The workspace is sized at construction for the largest split decode any step up to the
+    maxima can choose, so no step allocates.
+    """
+
+    def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, device) -> None:
+        super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, device=device)
+        from kvcore.ops.triton_attention import default_num_kv_splits, workspace_numel
+
+        num_kv_heads = getattr(spec, "num_kv_heads", None)
+        if num_kv_heads is None:
+            raise TypeError(f"spec must be a kvcore.FullAttentionSpec (K/V heads), got "
+                            f"{type(spec).__name__}")
+        self._splits = default_num_kv_splits
+        self._num_kv_heads = num_kv_heads
+        # Graph steps split by the captured size and max_model_len; eager ones by the step's
+        # longest request, never more: the graph choice bounds the workspace.
+        most = max(workspace_numel(b, num_heads, spec.head_size, self.graph_num_kv_splits(b))
+                   for b in range(1, max_num_seqs + 1))
+        self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        if most[0]:
+            with torch.inference_mode(False):
+                self.workspace = (torch.empty(most[0], dtype=torch.float32, device=self.device),
+                                  torch.empty(most[1], dtype=torch.float32, device=self.device))
+
+    def graph_num_kv_splits(self, batch_size: int) -> int:
+        """The split count of a uniform-decode step captured for ``batch_size`` requests."""
+        return self._splits(batch_size, batch_size, self._num_kv_heads, self.max_model_len,
+                            self.device)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        found = super().buffers()
+        if self.workspace is not None:
+            found["workspace_out"], found["workspace_lse"] = self.workspace
+        return found
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> TritonAttentionMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        if graph_batch_size is not None:
+            splits = self.graph_num_kv_splits(graph_batch_size)
+        else:
+            splits = self._splits(meta.num_actual_tokens, meta.num_seqs, self._num_kv_heads,
+                                  meta.max_seq_len, self.device)
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        return TritonAttentionMetadata(**fields, num_kv_splits=splits,
+                                       workspace=self.workspace if splits > 1 else None)
+
+
 class TritonAttentionImpl(PagedAttentionImpl):
     # Called on any device (CPU tensors run under TRITON_INTERPRET=1); triton is imported on
     # first call, not when the backend is registered or selected.
     write_kv = staticmethod(triton_reshape_and_cache)
     attend = staticmethod(triton_paged_attention)
+
+    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
+        if isinstance(attn_metadata, TritonAttentionMetadata):
+            return {"num_kv_splits": attn_metadata.num_kv_splits,
+                    "workspace": attn_metadata.workspace}
+        return {}

@@ -50,12 +50,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         [
             [r["name"], r["plugin"], ",".join(r.get("platforms", [])) or "-",
              _yes_no(r.get("cross_layer", False)), _yes_no(r.get("kv_connector", False)),
-             _yes_no(r.get("mla", False)), ",".join(r.get("dtypes", [])),
-             r.get("head_sizes", "-"), r["error"] or ""]
+             _yes_no(r.get("mla", False)), r.get("cuda_graphs", "-"),
+             ",".join(r.get("dtypes", [])), r.get("head_sizes", "-"), r["error"] or ""]
             for r in rows
         ],
         headers=["backend", "plugin", "platforms", "cross-layer", "kv-connector", "mla",
-                 "dtypes", "head sizes", "error"],
+                 "cuda graphs", "dtypes", "head sizes", "error"],
     )
     _emit(args, rows, table)
     return 0

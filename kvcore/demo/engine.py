@@ -4,9 +4,11 @@
 - **Continuous batching**: every step runs one new token of each running request (decode)
   plus the prompts of newly admitted requests (prefill), packed into one batch; a request
   that finishes leaves the batch and a waiting one takes its place in the next step.
-- **Attention** goes through the selected backend: per layer, ``do_kv_cache_update`` writes
-  the step's K/V at the slots of :func:`kvcore.build_attention_metadata`, then ``forward``
-  attends over the paged cache.
+- **Attention** goes through the selected backend: the backend's builder builds the step
+  once (:func:`kvcore.build_attention_metadata`, then ``builder.build``), then per layer
+  ``do_kv_cache_update`` writes the step's K/V and ``forward`` attends over the paged cache.
+  On a GPU, with a backend that supports CUDA graphs, decode-only steps are replayed from
+  graphs captured per batch size (:class:`kvcore.CudaGraphRunner`).
 - **Prefix reuse through a KV connector**: a finished request saves its full blocks under
   content keys (:func:`kvcore.connectors.hash_request_tokens`); a new request whose prompt
   starts with saved blocks loads them instead of computing them.
@@ -28,8 +30,13 @@ import torch
 from kvcore import (
     AttentionBackend,
     AttentionMetadata,
+    CudaGraphRunner,
+    CudaGraphSupport,
+    FullAttentionSpec,
     KVCaches,
+    KVCacheSpec,
     LayerScales,
+    MLAAttentionSpec,
     build_attention_metadata,
 )
 from kvcore.connectors import KVConnector, TransferHandle, hash_request_tokens
@@ -123,6 +130,7 @@ class BatchStats:
     generated_tokens: int = 0
     steps: int = 0
     mixed_steps: int = 0
+    graph_steps: int = 0
     max_running: int = 0
     prefix_blocks_eligible: int = 0
     prefix_blocks_hit: int = 0
@@ -153,6 +161,8 @@ class Engine:
         on_loaded: called with the block ids of each successful load, before the blocks are
             read (``kvcore demo --corrupt-loaded-block`` uses it to damage one).
         on_step: called after every step with the number of tokens it generated.
+        cuda_graphs: replay decode-only steps from CUDA graphs when the cache is on a CUDA
+            device and the backend declares graph support (captured at the first such step).
     """
 
     def __init__(
@@ -167,6 +177,7 @@ class Engine:
         key_salt: str | None = None,
         on_loaded: Callable[[list[int]], None] | None = None,
         on_step: Callable[[int], None] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         c = model.config
         if kv_caches.num_layers != c.num_layers:
@@ -201,6 +212,25 @@ class Engine:
                           for _ in range(c.num_layers)]
         # The demo cache is unquantised: unit scales.
         self.scales = LayerScales()
+        device = kv_caches.storage.device
+        # A prompt longer than the token budget runs alone; no request outgrows the pool.
+        max_model_len = kv_caches.num_blocks * self.block_size
+        spec: KVCacheSpec = (
+            MLAAttentionSpec(block_size=self.block_size, dtype=model.dtype,
+                             kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+            if c.is_mla else
+            FullAttentionSpec(block_size=self.block_size, dtype=model.dtype,
+                              num_kv_heads=c.num_kv_heads, head_size=c.head_size))
+        self.builder = backend.get_builder_cls()(
+            spec,
+            num_heads=c.num_heads, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len, max_num_seqs),
+            max_model_len=max_model_len, device=device)
+        self.graphs: CudaGraphRunner | None = None
+        if (cuda_graphs and device.type == "cuda"
+                and backend.CUDA_GRAPH_SUPPORT is not CudaGraphSupport.NEVER):
+            self.graphs = CudaGraphRunner(self.builder, self._graph_step,
+                                          num_blocks=kv_caches.num_blocks)
         self.pool = BlockPool(kv_caches.num_blocks)
         self._pending_saves: list[tuple[TransferHandle, list[int]]] = []
 
@@ -229,7 +259,7 @@ class Engine:
             if not batch:
                 raise RuntimeError("no request could be scheduled although none is running "
                                    "(a bug in the demo engine's admission)")
-            self._step(batch)
+            stats.graph_steps += self._step(batch)
             stats.steps += 1
             stats.mixed_steps += bool(decodes and prefills)
             stats.max_running = max(stats.max_running, len(batch))
@@ -349,8 +379,9 @@ class Engine:
 
     # -- execution --------------------------------------------------------------------------
 
-    def _step(self, batch: list[Request]) -> None:
-        """One forward pass over the batch's new tokens; appends one token to each request."""
+    def _step(self, batch: list[Request]) -> bool:
+        """One forward pass over the batch's new tokens; appends one token to each request.
+        Returns whether the step was replayed from a CUDA graph."""
         device = self.kv_caches.storage.device
         new_tokens = [req.tokens[req.num_computed:] for req in batch]
         ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64)
@@ -365,12 +396,28 @@ class Engine:
             block_size=self.block_size,
             device=device,
         )
-        hidden = self.model.forward(ids.to(device), positions.to(device), self._attend(meta))
-        last = meta.query_start_loc[1:].to(torch.int64) - 1
-        next_tokens = self.model.logits(hidden[last]).argmax(dim=-1).tolist()
+        ids, positions = ids.to(device), positions.to(device)
+        replayed = self.graphs is not None and self.graphs.replayable(meta)
+        if replayed:
+            if not self.graphs.captured:
+                self.graphs.capture({"ids": ids[:1], "positions": positions[:1]})
+            logits = self.graphs.run({"ids": ids, "positions": positions}, meta)
+        else:
+            hidden = self.model.forward(ids, positions, self._attend(self.builder.build(meta)))
+            last = meta.query_start_loc[1:].to(torch.int64) - 1
+            logits = self.model.logits(hidden[last])
+        next_tokens = logits.argmax(dim=-1).tolist()
         for req, toks, tok in zip(batch, new_tokens, next_tokens, strict=True):
             req.num_computed += len(toks)
             req.output.append(int(tok))
+        return replayed
+
+    def _graph_step(self, inputs: dict[str, torch.Tensor], meta: AttentionMetadata
+                    ) -> torch.Tensor:
+        """A decode step for :class:`~kvcore.CudaGraphRunner`: one token per request, so
+        every row's logits are wanted."""
+        hidden = self.model.forward(inputs["ids"], inputs["positions"], self._attend(meta))
+        return self.model.logits(hidden)
 
     def _attend(self, meta: AttentionMetadata):
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

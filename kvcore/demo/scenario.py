@@ -116,6 +116,9 @@ class DemoResult:
     checks: dict[str, Any]
     mismatches: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: ``support`` (the backend's CUDA_GRAPH_SUPPORT), ``replayed_steps`` and ``steps`` of
+    #: the engine with offload (decode-only steps replay from CUDA graphs on a GPU).
+    cuda_graphs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -418,6 +421,9 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
         },
         mismatches=vs_baseline.problems + vs_reference.problems,
         seconds=time.perf_counter() - started,
+        cuda_graphs={"support": backend.CUDA_GRAPH_SUPPORT.value,
+                     "replayed_steps": stats1.graph_steps + stats2.graph_steps,
+                     "steps": stats1.steps + stats2.steps},
     )
 
 
@@ -457,6 +463,11 @@ def format_summary(result: DemoResult) -> str:
     lines.append(tabulate(rows, headers=["", "requests", "prompt tokens", "computed",
                                          "prefix hits (blocks)", "generated", "steps",
                                          "mixed steps", "max batch", "tok/s"]))
+    graphs = result.cuda_graphs
+    if graphs:
+        lines.append(f"\ngraphs    {graphs['replayed_steps']} of {graphs['steps']} steps replayed "
+                     f"from CUDA graphs ({result.backend}: CUDA_GRAPH_SUPPORT="
+                     f"{graphs['support']}; decode-only steps on a CUDA device replay)")
     off = result.offload
     lines += [
         "",

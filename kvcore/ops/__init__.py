@@ -1,7 +1,8 @@
 """kvcore's ops: pure-torch references and the portable fast paths that plugins reuse.
 
 Importing this package imports no kernel library; Triton kernels are imported when first
-called. Every op validates its arguments (see :mod:`kvcore.ops.validation`) before launching.
+called. Every op validates its arguments (see :mod:`kvcore.ops.validation`) before launching;
+the value checks of a step's metadata run once per step, not per op (:class:`StepFacts`).
 
 Dispatch is explicit and depends only on where the tensors live: :func:`reshape_and_cache`
 and :func:`paged_attention` run the Triton kernels (:mod:`kvcore.ops.triton_cache`,
@@ -48,17 +49,21 @@ from kvcore.ops.reference import (
 from kvcore.ops.validation import (
     FP8_KV_CACHE_DTYPES,
     KV_CACHE_DTYPES,
+    StepFacts,
     cache_torch_dtype,
     check_block_indices,
     check_kv_cache_dtype,
     check_scale,
     check_slots_in_range,
+    checked_step_facts,
+    mark_step_checked,
     require_float_dtype,
     require_int_dtype,
     require_ndim,
     require_same_device,
     require_tensor,
     set_value_checks,
+    step_facts_from_tensors,
     validate_paged_attention,
     validate_reshape_and_cache,
     value_checks_enabled,
@@ -70,6 +75,7 @@ __all__ = [
     "TRITON_FP8_CAPABILITY",
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
+    "StepFacts",
     "block_runs",
     "cache_torch_dtype",
     "check_block_indices",
@@ -78,9 +84,11 @@ __all__ = [
     "check_kv_cache_dtype",
     "check_scale",
     "check_slots_in_range",
+    "checked_step_facts",
     "concat_and_cache_mla_ref",
     "fp8_inverse_scale",
     "gather_kv_ref",
+    "mark_step_checked",
     "mla_attention_ref",
     "mla_forward_ref",
     "paged_attention",
@@ -95,6 +103,7 @@ __all__ = [
     "reshape_and_cache_ref",
     "scale_value",
     "set_value_checks",
+    "step_facts_from_tensors",
     "triton_available",
     "triton_fp8_reasons",
     "triton_paged_attention",
@@ -173,7 +182,7 @@ def triton_reshape_and_cache(*args, **kwargs) -> None:
 
 def triton_paged_attention(*args, **kwargs) -> torch.Tensor:
     """:func:`paged_attention` on the Triton kernel, whatever the device; also takes
-    ``num_kv_splits`` and ``config`` (see :mod:`kvcore.ops.triton_attention`)."""
+    ``num_kv_splits``, ``config`` and ``workspace`` (see :mod:`kvcore.ops.triton_attention`)."""
     from kvcore.ops.triton_attention import paged_attention as impl
 
     return impl(*args, **kwargs)
@@ -224,6 +233,7 @@ def paged_attention(
     v_scale: torch.Tensor | float | None = None,
     output: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention over a paged KV cache for a batch mixing prefill and decode requests.
 
@@ -232,8 +242,9 @@ def paged_attention(
     any strides, varlen ``query_start_loc``/``seq_lens``, ``block_table`` ``(num_seqs,
     max_blocks_per_seq)``). Runs :func:`kvcore.ops.triton_attention.paged_attention` when the
     tensors are on a GPU and ``query`` is fp16/bf16/fp32; the reference otherwise (CPU
-    tensors, float64 queries). ``num_kv_splits`` forces the Triton split-KV path (ignored by
-    the reference).
+    tensors, float64 queries). ``num_kv_splits`` forces the Triton split-KV path and
+    ``workspace`` gives it preallocated partial-result buffers (both ignored by the
+    reference).
     """
     common = dict(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                   scale=scale, causal=causal, sliding_window=sliding_window,
@@ -242,5 +253,6 @@ def paged_attention(
     if _on_gpu(key_cache) and _on_gpu(query) and query.dtype != torch.float64:
         from kvcore.ops.triton_attention import paged_attention as impl
 
-        return impl(query, key_cache, value_cache, num_kv_splits=num_kv_splits, **common)
+        return impl(query, key_cache, value_cache, num_kv_splits=num_kv_splits,
+                    workspace=workspace, **common)
     return paged_attention_ref(query, key_cache, value_cache, **common)

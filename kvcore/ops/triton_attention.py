@@ -59,7 +59,9 @@ __all__ = [
     "SUPPORTED_QUERY_DTYPES",
     "AttentionConfig",
     "default_config",
+    "default_num_kv_splits",
     "paged_attention",
+    "workspace_numel",
 ]
 
 #: Largest head size the kernel supports (any size up to it; non-powers of two are masked).
@@ -257,6 +259,35 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
+def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
+                          max_seq_len_bound: int, device: torch.device, *,
+                          num_sms: int | None = None) -> int:
+    """The split-KV heuristic of the module docstring: 1 unless the batch is decode-only and
+    too small to fill the GPU; ``max_seq_len_bound`` bounds every request's length and
+    ``num_sms`` (default: ``device``'s SM count) sets the target.
+
+    The result depends only on its arguments, so a builder that passes a fixed bound (e.g.
+    ``max_model_len``) gets a choice that is stable for a batch size (CUDA-graph replays).
+    """
+    work = num_seqs * num_kv_heads
+    target = _SPLIT_TARGET_WAVES * (num_sms or _num_sms(device))
+    if num_tokens != num_seqs or work == 0 or work >= target:
+        return 1
+    by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
+    return max(1, min(target // work, by_length, _MAX_SPLITS))
+
+
+def workspace_numel(num_tokens: int, num_heads: int, head_size: int,
+                    num_kv_splits: int) -> tuple[int, int]:
+    """Elements of the two float32 split-KV workspaces :func:`paged_attention` needs: partial
+    outputs ``(num_tokens, num_heads, num_kv_splits, head_size)`` and their log-sum-exps
+    ``(num_tokens, num_heads, num_kv_splits)`` (0 without splits)."""
+    if num_kv_splits <= 1:
+        return 0, 0
+    lse = num_tokens * num_heads * num_kv_splits
+    return lse * head_size, lse
+
+
 def default_config(
     num_tokens: int,
     num_seqs: int,
@@ -288,12 +319,8 @@ def default_config(
     block_q = max(1, rows // g_pad)
     block_n = 32
     if num_kv_splits is None:
-        num_kv_splits = 1
-        work = num_seqs * num_kv_heads
-        target = _SPLIT_TARGET_WAVES * (num_sms or _num_sms(device))
-        if decode_only and work < target:
-            by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
-            num_kv_splits = max(1, min(target // work, by_length, _MAX_SPLITS))
+        num_kv_splits = default_num_kv_splits(num_tokens, num_seqs, num_kv_heads,
+                                              max_seq_len_bound, device, num_sms=num_sms)
     if rocm is None:
         rocm = getattr(torch.version, "hip", None) is not None
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
@@ -301,6 +328,22 @@ def default_config(
     num_stages = 2 if rocm and head_size > 128 else 3
     return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=block_n,
                            num_splits=num_kv_splits, num_warps=4, num_stages=num_stages)
+
+
+def _check_workspace(workspace: object, device: torch.device,
+                     needed: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(workspace, (tuple, list)) and len(workspace) == 2
+            and all(isinstance(t, torch.Tensor) for t in workspace)):
+        raise TypeError("workspace must be a pair of tensors (partial outputs, log-sum-exps), "
+                        f"got {type(workspace).__name__}")
+    for name, t, n in zip(("workspace[0]", "workspace[1]"), workspace, needed, strict=True):
+        if t.dtype != torch.float32 or t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 tensor on {device}, got "
+                             f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})")
+        if t.numel() < n:
+            raise ValueError(f"{name} has {t.numel()} elements but this call's split-KV "
+                             f"path needs {n} (see workspace_numel)")
+    return workspace[0], workspace[1]
 
 
 def paged_attention(
@@ -320,6 +363,7 @@ def paged_attention(
     output: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     config: AttentionConfig | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention over a paged KV cache for a batch mixing prefill and decode (Triton).
 
@@ -342,6 +386,10 @@ def paged_attention(
             heuristic of :func:`default_config`.
         config: full launch override (tuning and benchmarks); takes precedence over
             ``num_kv_splits``.
+        workspace: preallocated ``(partial outputs, log-sum-exps)`` for the split-KV path,
+            contiguous float32 tensors on the query's device with at least
+            :func:`workspace_numel` elements (a builder owns them, so a step allocates
+            nothing and can be captured in a CUDA graph); ``None`` allocates per call.
 
     Returns:
         ``output`` (or a new tensor like ``query``).
@@ -382,7 +430,10 @@ def paged_attention(
 
     block_d = max(16, triton.next_power_of_2(head_size))
     num_tiles = num_tokens // cfg.block_q + num_seqs
-    if cfg.num_splits > 1:
+    if cfg.num_splits > 1 and workspace is not None:
+        part_out, part_lse = _check_workspace(workspace, query.device, workspace_numel(
+            num_tokens, num_heads, head_size, cfg.num_splits))
+    elif cfg.num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, cfg.num_splits, head_size,
                                dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_tokens, num_heads, cfg.num_splits,

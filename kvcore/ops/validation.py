@@ -5,9 +5,21 @@ what is expected, *before* any kernel is launched. The reference ops and every f
 (Triton, CUDA C++, vendor libraries) call the same functions, so a bad argument produces the
 same message whichever implementation runs.
 
-Checks that need to read tensor *values* (slot and block ids within range) synchronise with
-the device. They are on by default; a serving engine that has validated its scheduler can turn
-them off with :func:`set_value_checks` or ``KVCORE_CHECK_INDICES=0``.
+Checks that need to read tensor *values* (slot and block ids within range, lengths consistent)
+are on by default. Read from the device they synchronise with it, so an engine step does them
+once instead: :func:`kvcore.build_attention_metadata` derives the step's :class:`StepFacts`
+from its host-side lists (or an :class:`kvcore.AttentionMetadataBuilder` reads the tensors
+once) and *marks* the step's tensors with them (:func:`mark_step_checked`). An op given marked
+tensors compares the facts with the cache it was given (no device read) and skips only those
+value checks; shape, dtype and device checks always run. A mark is tied to the tensor object
+and to its version counter: a view, a copy, or an in-place write through torch carries no
+valid mark, so such a tensor is checked by reading it. Writes that bypass torch's version
+counter (a kernel or numpy writing through a raw pointer, ``tensor.data``) are not seen: make
+the step's tensors anew (e.g. :func:`kvcore.build_attention_metadata`) rather than refilling
+marked ones that way. Marks are plain attributes holding immutable
+records, so marking and checking from several threads is safe. A serving engine whose
+scheduler is validated can still turn all value checks off with :func:`set_value_checks` or
+``KVCORE_CHECK_INDICES=0``.
 """
 
 from __future__ import annotations
@@ -17,14 +29,19 @@ import os
 import torch
 
 from kvcore.dtypes import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, cache_torch_dtype
+from kvcore.step_facts import StepFacts, checked_step_facts, mark_step_checked
 
 # The dtype tables live in kvcore.dtypes (the contract uses them too); they stay importable
 # from here and from kvcore.ops.
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
+    "StepFacts",
     "cache_torch_dtype",
+    "checked_step_facts",
+    "mark_step_checked",
     "set_value_checks",
+    "step_facts_from_tensors",
     "value_checks_enabled",
     "validate_reshape_and_cache",
     "validate_paged_attention",
@@ -127,15 +144,14 @@ def _check_cache_dtype(
 
 def check_slots_in_range(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
     """Every slot of ``slot_mapping`` below ``num_blocks * block_size`` (a value check: see
-    :func:`set_value_checks`)."""
+    :func:`set_value_checks`). A ``slot_mapping`` marked with its step's facts
+    (:func:`mark_step_checked`) is not read: its largest slot is in the facts."""
     if not _value_checks or slot_mapping.numel() == 0:
         return
-    hi = int(slot_mapping.max())
+    facts = checked_step_facts(slot_mapping)
+    hi = facts.max_slot if facts is not None else int(slot_mapping.max())
     if hi >= num_blocks * block_size:
-        raise ValueError(
-            f"slot_mapping contains slot {hi}, but the cache holds only "
-            f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} slots"
-        )
+        raise _slot_range_error(hi, num_blocks, block_size)
 
 
 def check_block_indices(name: str, indices: torch.Tensor, num_blocks: int) -> None:
@@ -148,6 +164,113 @@ def check_block_indices(name: str, indices: torch.Tensor, num_blocks: int) -> No
             f"{name} contains block id {hi}, but the cache has only {num_blocks} blocks "
             f"(valid ids: 0..{num_blocks - 1})"
         )
+
+
+def _check_lengths(qsl: list[int], lens: list[int], num_tokens: int, block_size: int,
+                   max_blocks: int) -> None:
+    """The host-side length rules of :func:`validate_paged_attention` (lists of the tensors)."""
+    if qsl[0] != 0 or qsl[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, got "
+            f"{qsl[0]}..{qsl[-1]}"
+        )
+    for i in range(len(lens)):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len < 0:
+            raise ValueError(f"query_start_loc decreases at sequence {i}: {qsl[i]} -> {qsl[i + 1]}")
+        if lens[i] < q_len:
+            raise ValueError(
+                f"seq_lens[{i}]={lens[i]} is shorter than its {q_len} query tokens "
+                "(seq_lens counts cached plus new tokens)"
+            )
+        if -(-lens[i] // block_size) > max_blocks:
+            raise ValueError(
+                f"seq_lens[{i}]={lens[i]} needs {-(-lens[i] // block_size)} blocks of "
+                f"{block_size} but block_table has only {max_blocks} columns"
+            )
+
+
+def _block_range_error(bad: int, num_blocks: int) -> ValueError:
+    return ValueError(
+        f"block_table refers to block id {bad}, but the cache has {num_blocks} blocks "
+        f"(valid ids: 0..{num_blocks - 1})"
+    )
+
+
+def _slot_range_error(hi: int, num_blocks: int, block_size: int) -> ValueError:
+    return ValueError(
+        f"slot_mapping contains slot {hi}, but the cache holds only "
+        f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} slots"
+    )
+
+
+def step_facts_from_tensors(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    *,
+    mark: bool = True,
+) -> StepFacts:
+    """Check one step's metadata tensors with one device read and return their facts.
+
+    The reductions run on the tensors' device and come back in one transfer (one sync per
+    step, instead of one per op and layer); only a failing step is read again, for the
+    detailed message. With ``mark`` the tensors are then marked (:func:`mark_step_checked`).
+
+    Raises:
+        ValueError: a length rule of :class:`StepFacts` is broken (naming the request), or a
+            used block id is negative.
+    """
+    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                 ("block_table", block_table), ("slot_mapping", slot_mapping)):
+        require_tensor(n, t)
+        require_int_dtype(n, t)
+    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
+    require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries and block_table "
+            f"{block_table.shape[0]} rows for {num_seqs} sequences (expected {num_seqs + 1} "
+            f"and {num_seqs})"
+        )
+    width = block_table.shape[1]
+    qsl = query_start_loc.to(torch.int64)
+    minus_one = torch.full((1,), -1, dtype=torch.int64, device=slot_mapping.device)
+    slot_max = torch.cat([minus_one, slot_mapping.to(torch.int64)]).max().reshape(1)
+    if num_seqs and width:
+        q_lens = qsl[1:] - qsl[:-1]
+        lens = seq_lens.to(torch.int64)
+        needed = (lens + block_size - 1) // block_size
+        used = torch.arange(width, device=block_table.device)[None, :] < needed[:, None]
+        ids = block_table.to(torch.int64)
+        big = torch.iinfo(torch.int64).max
+        stats = torch.stack([
+            qsl[0], qsl[-1], q_lens.min(), (lens - q_lens).min(), needed.max(),
+            torch.where(used, ids, big).min(), torch.where(used, ids, -1).max(), slot_max[0],
+        ]).tolist()
+        first, last, min_q, min_ctx, most, lo, hi, top_slot = stats
+    else:  # no requests, or no block-table columns (only empty requests fit): read them
+        qsl_list = query_start_loc.tolist()
+        first, last = qsl_list[0], qsl_list[-1]
+        _check_lengths(qsl_list, seq_lens.tolist(), last, block_size, width)
+        min_q = min_ctx = most = lo = 0
+        hi, top_slot = -1, int(slot_max)
+    if first != 0 or min_q < 0 or min_ctx < 0 or most > width:  # read again, name the request
+        _check_lengths(query_start_loc.tolist(), seq_lens.tolist(), last, block_size, width)
+    if most > 0 and lo < 0:
+        raise ValueError(f"block_table refers to block id {lo}; the block ids a request uses "
+                         "must be >= 0")
+    facts = StepFacts(num_tokens=last, num_seqs=num_seqs, block_size=block_size,
+                      max_blocks_per_seq=most, max_block_id=hi, max_slot=top_slot)
+    if mark:
+        mark_step_checked(facts, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                          block_table=block_table, slot_mapping=slot_mapping)
+    return facts
 
 
 def validate_reshape_and_cache(
@@ -267,35 +390,23 @@ def validate_paged_attention(
             raise ValueError(f"output is on {output.device} but query is on {query.device}")
     if not _value_checks or num_seqs == 0:
         return
+    max_blocks = block_table.shape[1]
+    facts = checked_step_facts(query_start_loc, seq_lens, block_table)
+    if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (
+            num_tokens, num_seqs, block_size):
+        # Checked once for the step (see the module docstring); compare with this cache.
+        if facts.max_blocks_per_seq > max_blocks:
+            raise ValueError(f"a request of the step uses {facts.max_blocks_per_seq} blocks "
+                             f"but block_table has only {max_blocks} columns")
+        if facts.max_block_id >= num_blocks:
+            raise _block_range_error(facts.max_block_id, num_blocks)
+        return
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    if qsl[0] != 0 or qsl[-1] != num_tokens:
-        raise ValueError(
-            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, got "
-            f"{qsl[0]}..{qsl[-1]}"
-        )
-    max_blocks = block_table.shape[1]
-    for i in range(num_seqs):
-        q_len = qsl[i + 1] - qsl[i]
-        if q_len < 0:
-            raise ValueError(f"query_start_loc decreases at sequence {i}: {qsl[i]} -> {qsl[i + 1]}")
-        if lens[i] < q_len:
-            raise ValueError(
-                f"seq_lens[{i}]={lens[i]} is shorter than its {q_len} query tokens "
-                "(seq_lens counts cached plus new tokens)"
-            )
-        if -(-lens[i] // block_size) > max_blocks:
-            raise ValueError(
-                f"seq_lens[{i}]={lens[i]} needs {-(-lens[i] // block_size)} blocks of "
-                f"{block_size} but block_table has only {max_blocks} columns"
-            )
+    _check_lengths(qsl, lens, num_tokens, block_size, max_blocks)
     used = [block_table[i, : -(-lens[i] // block_size)] for i in range(num_seqs)]
     ids = torch.cat(used) if used else block_table.new_empty(0)
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_blocks:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"block_table refers to block id {bad}, but the cache has {num_blocks} blocks "
-                f"(valid ids: 0..{num_blocks - 1})"
-            )
+            raise _block_range_error(lo if lo < 0 else hi, num_blocks)

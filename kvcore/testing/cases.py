@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvcore.backend import FEATURE_FLAGS, AttentionBackend, _is_supported
+from kvcore.backend import FEATURE_FLAGS, AttentionBackend, CudaGraphSupport, _is_supported
 from kvcore.ops.validation import KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType, DeviceCapability
 from kvcore.testing import checks
@@ -337,6 +337,13 @@ def conformance_cases(
                         and (not config.is_fp8 or config is fp8)):
                     numeric("cross-layer", "cross-layer-bit-exact", checks.check_cross_layer,
                             config)
+        numeric("builder", "builder-reference", checks.check_builder, base)
+        if cls.CUDA_GRAPH_SUPPORT is not CudaGraphSupport.NEVER:
+            numeric("builder-buffers", "builder-persistent-buffers",
+                    checks.check_builder_buffers, base)
+            if device == "cuda":
+                numeric("cuda-graph-replay", "cuda-graph-replay",
+                        checks.check_cuda_graph_replay, base)
         if device == "cuda":
             numeric("int64-offsets", "int64-offsets", checks.check_int64_offsets, base)
         else:

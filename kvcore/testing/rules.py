@@ -73,6 +73,19 @@ _RULES = (
          "on a per-layer view of a cross-layer allocation, do_kv_cache_update and forward give "
          "results bit-identical to the same call on a contiguous per-layer cache (kernels take "
          "the page stride from the tensor, never from the sizes)"),
+    Rule("builder-reference",
+         "forward with the metadata of the backend's builder (get_builder_cls(), build() once "
+         "per step) matches the float64 reference, and one builder serves steps of different "
+         "shapes one after another"),
+    Rule("builder-persistent-buffers",
+         "a backend declaring CUDA_GRAPH_SUPPORT other than NEVER has a builder with persistent "
+         "buffers: steps built for one graph batch size give the same tensors (addresses, "
+         "shapes, strides) and host values whatever their lengths and block tables, and the "
+         "padded step gives the reference's rows"),
+    Rule("cuda-graph-replay",
+         "a decode step captured in a CUDA graph for a batch size and replayed after the "
+         "builder was rebuilt with other lengths and block tables gives exactly the output of "
+         "the same step run eagerly"),
     Rule("int64-offsets",
          "cache writes and attention address a cache larger than 2**31 elements correctly "
          "(all index arithmetic is int64)"),

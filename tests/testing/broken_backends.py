@@ -7,6 +7,7 @@ CPU, in float32 only, to keep those runs short.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -162,6 +163,54 @@ class VagueReasons(CorrectBackend):
     @classmethod
     def validate_configuration(cls, *args, **kwargs):
         return ["not supported"] if super().validate_configuration(*args, **kwargs) else []
+
+
+class GraphClaimWithoutBuffers(CorrectBackend):
+    """Declares CUDA-graph support but keeps the default builder (new tensors every step)."""
+
+    CUDA_GRAPH_SUPPORT = kvcore.CudaGraphSupport.UNIFORM_DECODE
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_GRAPH_CLAIM"
+
+
+class FreshTensorsBuilder(kvcore.PersistentMetadataBuilder):
+    """THE BUG: copies the step into its buffers, then hands out a copy of them."""
+
+    def build(self, common, *, graph_batch_size=None):
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        return dataclasses.replace(meta, seq_lens=meta.seq_lens.clone())
+
+
+class BuilderAllocatesPerStep(GraphClaimWithoutBuffers):
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_GRAPH_BUFFERS"
+
+    @staticmethod
+    def get_builder_cls():
+        return FreshTensorsBuilder
+
+
+class OffByOneBuilder(kvcore.AttentionMetadataBuilder):
+    """THE BUG: "precomputes" every request's length one token short."""
+
+    def build(self, common, *, graph_batch_size=None):
+        common = super().build(common, graph_batch_size=graph_batch_size)
+        return dataclasses.replace(common, seq_lens=common.seq_lens - 1)
+
+
+class BuilderDropsAToken(CorrectBackend):
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_BUILDER"
+
+    @staticmethod
+    def get_builder_cls():
+        return OffByOneBuilder
 
 
 # -- MLA ---------------------------------------------------------------------------------------

@@ -48,12 +48,13 @@ def test_correct_reference_backend_passes(pytester):
 
 @pytest.mark.parametrize(("backend", "rule", "failing_checks", "says"), [
     pytest.param("StrideOrderNotPermutation", "stride-order-permutation",
-                 {"stride-order", "cross-layer-claim", "cache-write", "forward", "cross-layer"},
+                 {"stride-order", "cross-layer-claim", "cache-write", "forward", "cross-layer",
+                  "builder"},
                  ["get_kv_cache_stride_order(False) = (0, 1, 3, 3, 4) is not a permutation of "
                   "(0, 1, 2, 3, 4)"],
                  id="stride-order-not-a-permutation"),
     pytest.param("CrossLayerOrderSplitsPages", "cross-layer-claim",
-                 {"cross-layer-claim", "cache-write", "forward", "cross-layer"},
+                 {"cross-layer-claim", "cache-write", "forward", "cross-layer", "builder"},
                  ["get_kv_cache_stride_order(True) = (1, 2, 0, 3, 4, 5) claims cross-layer, so "
                   "with the per-layer order (0, 1, 2, 3, 4) it must be (1, 0, 2, 3, 4, 5)"],
                  id="cross-layer-order-splits-pages"),
@@ -70,6 +71,17 @@ def test_correct_reference_backend_passes(pytester):
                  ["validate_configuration accepted this configuration, but forward raised "
                   "RuntimeError: tile size 80 is not a power of two"],
                  id="kernel-crashes-on-accepted-head-size"),
+    pytest.param("GraphClaimWithoutBuffers", "builder-persistent-buffers", {"builder-buffers"},
+                 ["CUDA_GRAPH_SUPPORT = UNIFORM_DECODE but get_builder_cls() returns "
+                  "AttentionMetadataBuilder, which keeps no persistent buffers"],
+                 id="graph-claim-without-buffers"),
+    pytest.param("BuilderAllocatesPerStep", "builder-persistent-buffers", {"builder-buffers"},
+                 ["two steps built for graph_batch_size=4 differ in metadata.seq_lens"],
+                 id="builder-allocates-per-step"),
+    pytest.param("BuilderDropsAToken", "builder-reference", {"builder"},
+                 ["forward with builder.build()'s metadata for the mixed batch raised "
+                  "ValueError: seq_lens[3]=16 is shorter than its 17 query tokens"],
+                 id="builder-changes-the-step"),
     pytest.param("VagueReasons", "validation-reasons", {"validation-refuses"},
                  ["for dtype=bfloat16, no reason names 'dtype': ['not supported']"],
                  id="reasons-name-no-field"),

@@ -1,0 +1,518 @@
+#!/usr/bin/env python3
+"""An engine's decode step through kvcore: builder, CUDA-graph replay, value checks (one GPU).
+
+One run does, in order, each section isolated (an error is logged and the run goes on):
+
+1. correctness: a 32-layer decode step (write + attention per layer, Hq 32, Hk 8, D 128,
+   bf16, block 16) of 5 requests padded to a captured batch of 8, for each backend (TRITON_ATTN,
+   FLASHINFER when it imports): replayed from a CUDA graph (if the backend declares graph
+   support) against the same step run eagerly on the same metadata (bit for bit), the step
+   run eagerly on its own metadata, and the float64 reference (first and last layer);
+2. the 32-layer step at B16 x 4096 and B64 x 4096 through kvcore's engine path: per step
+   ``CudaGraphRunner.run`` (the builder copies the step into its buffers, then one replay)
+   when the backend supports graphs, else ``builder.build`` and the 32 layers eagerly; steps
+   back to back, wall time per step, beside the sum of the kernels' own times (one layer's
+   write and attention, each timed alone from a graph of repeated calls, times 32): the
+   difference is the host overhead;
+3. one-layer decode at 64 x 4096, 8 x 32768, 256 x 1024, 16 x 4096: each backend through its
+   builder (``graph_batch_size`` when it supports graphs) timed from a captured graph, beside
+   FlashInfer called directly (planned once, captured) when installed;
+4. the eager 32-layer step (TRITON_ATTN, B16 x 4096) with the default value checks (the step's
+   facts, checked once), without value checks, and with the per-op reads of metadata an engine
+   made itself (no builder, no marks: the behaviour before step facts).
+
+The table printed last has the step times and ratios. Logs and JSON go to ``--out`` (default
+``$OUT``, else ``benchmarks/results``). ``--cpu`` runs section 4 on the CPU with CPU_ATTN
+(small shapes); ``--smoke`` runs tiny shapes on the CPU (Triton under ``TRITON_INTERPRET=1``)
+to check the script.
+
+Usage: ``python benchmarks/bench_step.py [--out DIR] [--cpu | --smoke]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+CPU = SMOKE or "--cpu" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kvcore  # noqa: E402
+from kvcore import ops  # noqa: E402
+from kvcore.cli import harness  # noqa: E402
+from kvcore.cli.harness import rel_err  # noqa: E402
+from kvcore.ops.reference import paged_attention_ref  # noqa: E402
+
+DEVICE = "cpu" if CPU else "cuda"
+time_call = functools.partial(harness.time_call, device=DEVICE)
+DTYPE = torch.bfloat16
+HQ, HK, D, BS, LAYERS = 32, 8, 128, 16, 32
+STEP_SHAPES = [(16, 4096), (64, 4096)]
+LAYER_SHAPES = [(64, 4096), (8, 32768), (256, 1024), (16, 4096)]
+CHECK_SHAPE = (5, 1024, 8)  # requests, tokens each, captured batch size
+CHECKS_SHAPE = (16, 4096)
+STEPS = 20
+if CPU:
+    DTYPE = torch.float32
+    HQ, HK, D, LAYERS = 8, 2, 64, 32
+    STEP_SHAPES, LAYER_SHAPES = [], []
+    CHECK_SHAPE = (3, 64, 4)
+    CHECKS_SHAPE = (4, 64)
+    STEPS = 5
+if SMOKE:
+    LAYERS = 2
+    CHECKS_SHAPE = (2, 64)
+    STEPS = 2
+BACKENDS = ["CPU_ATTN"] if CPU and not SMOKE else ["TRITON_ATTN", "FLASHINFER"]
+
+
+class Run:
+    """Log (tee to a file) and JSON results of one benchmark run."""
+
+    def __init__(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self.log_file = open(out_dir / "bench_step_log.txt", "w")
+        self.start = time.time()
+        self.results: dict = {"meta": {}, "correctness": [], "steps": [], "layers": [],
+                              "checks": [], "errors": []}
+
+    def log(self, *parts: object) -> None:
+        line = " ".join(str(p) for p in parts)
+        stamp = f"[{time.time() - self.start:7.1f}s] "
+        print(stamp + line, flush=True)
+        self.log_file.write(stamp + line + "\n")
+        self.log_file.flush()
+
+    def save(self) -> None:
+        with open(self.out_dir / "bench_step.json", "w") as fh:
+            json.dump(self.results, fh, indent=1, default=str)
+
+    @contextmanager
+    def section(self, name: str):
+        self.log(f"=== {name}")
+        try:
+            yield
+        except Exception as exc:  # keep going: one failed section must not lose the others
+            self.log(f"!!! {name} failed: {type(exc).__name__}: {exc}")
+            self.log_file.write(traceback.format_exc())
+            self.results["errors"].append({"section": name, "error": f"{type(exc).__name__}: "
+                                           f"{exc}", "traceback": traceback.format_exc()})
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            self.save()
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def available(name: str) -> str | None:
+    """Why ``name`` cannot run here, or ``None``."""
+    try:
+        backend = kvcore.resolve_backend(name)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    reasons = backend.unavailable_reasons()
+    return "; ".join(reasons) if reasons else None
+
+
+class Model:
+    """``LAYERS`` attention layers of one backend over a shared random paged cache: the
+    engine's side of a decode step (the same query, key and value feed every layer)."""
+
+    def __init__(self, backend_name: str, b: int, length: int, max_num_seqs: int | None = None,
+                 layers: int = LAYERS) -> None:
+        self.backend = kvcore.resolve_backend(backend_name)
+        self.b, self.length = b, length
+        pages = -(-length // BS)
+        self.num_blocks = b * pages + 8
+        self.caches = kvcore.allocate_kv_caches(
+            self.backend, num_layers=layers, num_blocks=self.num_blocks, block_size=BS,
+            num_kv_heads=HK, head_size=D, dtype=DTYPE, device=DEVICE)
+        self.caches.storage.normal_()
+        gen = torch.Generator().manual_seed(b * 7919 + length)
+        ids = torch.randperm(self.num_blocks, generator=gen).tolist()
+        self.tables = [ids[i * pages:(i + 1) * pages] for i in range(b)]
+        # Decode: the step's token is the last of each request (the write lands in it).
+        self.common = kvcore.build_attention_metadata([1] * b, [length - 1] * b, self.tables,
+                                                      BS, device=DEVICE)
+        self.spec = kvcore.FullAttentionSpec(block_size=BS, dtype=DTYPE, num_kv_heads=HK,
+                                             head_size=D)
+        seqs = max_num_seqs or b
+        self.builder = self.backend.get_builder_cls()(
+            self.spec, num_heads=HQ, max_num_seqs=seqs, max_num_batched_tokens=seqs,
+            max_model_len=length, device=DEVICE)
+        self.impl = self.backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D**-0.5,
+                                                num_kv_heads=HK)
+        self.scales = kvcore.LayerScales()
+        self.inputs = {"query": torch.randn(b, HQ, D, generator=gen).to(DEVICE, DTYPE),
+                       "key": torch.randn(b, HK, D, generator=gen).to(DEVICE, DTYPE),
+                       "value": torch.randn(b, HK, D, generator=gen).to(DEVICE, DTYPE)}
+        self.outputs = [torch.empty(seqs, HQ, D, dtype=DTYPE, device=DEVICE) for _ in
+                        self.caches.layers]
+        self.graphs = self.backend.CUDA_GRAPH_SUPPORT is not kvcore.CudaGraphSupport.NEVER
+
+    def step(self, inputs: dict[str, torch.Tensor], meta: kvcore.AttentionMetadata
+             ) -> torch.Tensor:
+        """Every layer's write and attention; the outputs side by side ``(rows, LAYERS, HQ,
+        D)`` (a fresh tensor, so a captured graph owns it)."""
+        rows = inputs["query"].shape[0]
+        for layer, out in zip(self.caches.layers, self.outputs, strict=True):
+            self.impl.do_kv_cache_update(self.scales, inputs["key"], inputs["value"], layer,
+                                         meta.slot_mapping)
+            self.impl.forward(self.scales, inputs["query"], inputs["key"], inputs["value"],
+                              layer, meta, output=out[:rows])
+        return torch.stack([out[:rows] for out in self.outputs], dim=1)
+
+    def runner(self, sizes: list[int]) -> kvcore.CudaGraphRunner:
+        runner = kvcore.CudaGraphRunner(self.builder, self.step, num_blocks=self.num_blocks,
+                                        batch_sizes=sizes)
+        runner.capture({k: v[:1] for k, v in self.inputs.items()})
+        return runner
+
+    def reference(self, layer: int) -> torch.Tensor:
+        k, v = self.caches.layers[layer].unbind(1)
+        m = self.common
+        return paged_attention_ref(self.inputs["query"].double(), k.double(), v.double(),
+                                   query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
+                                   block_table=m.block_table, scale=D**-0.5)
+
+
+def padded(inputs: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([v, v.new_zeros((size - v.shape[0], *v.shape[1:]))])
+            for k, v in inputs.items()}
+
+
+def wall_per_step(fn: Callable[[], object], steps: int = STEPS) -> float:
+    """Seconds per call of ``fn`` run back to back (host and device overlap, as in an
+    engine), after up to three warm-up calls."""
+    for _ in range(min(3, steps)):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5,
+                steps: int = STEPS) -> dict[str, float]:
+    """Median over ``rounds`` of :func:`wall_per_step` for each variant, the variants taking
+    turns within a round (load from other processes then drifts into all of them alike)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(wall_per_step(fn, steps))
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def check_step(run: Run, name: str) -> None:
+    b, length, size = CHECK_SHAPE
+    model = Model(name, b, length, max_num_seqs=size)
+    eager = model.step(model.inputs, model.builder.build(model.common)).clone()
+    row: dict = {"backend": name, "shape": f"{b}x{length}", "layers": LAYERS}
+    for layer in (0, LAYERS - 1):
+        row[f"rel_err_eager_vs_ref_layer{layer}"] = rel_err(eager[:, layer], model.reference(layer))
+    if model.graphs and DEVICE == "cuda":
+        runner = model.runner([size])
+        replayed = runner.run(model.inputs, model.common).clone()
+        same_meta = model.step(padded(model.inputs, size),
+                               model.builder.build(model.common, graph_batch_size=size))[:b]
+        row["replay_equals_eager_same_metadata"] = bool(torch.equal(replayed, same_meta))
+        row["rel_err_replay_vs_eager"] = rel_err(replayed, eager)
+        for layer in (0, LAYERS - 1):
+            row[f"rel_err_replay_vs_ref_layer{layer}"] = rel_err(replayed[:, layer],
+                                                                 model.reference(layer))
+        row["replayed_steps"] = runner.replayed_steps
+    errs = [v for k, v in row.items() if k.startswith("rel_err")]
+    row["ok"] = max(errs) < 2e-2 and row.get("replay_equals_eager_same_metadata", True)
+    run.results["correctness"].append(row)
+    run.log(json.dumps(row))
+
+
+def time_step(run: Run, name: str, b: int, length: int) -> None:
+    model = Model(name, b, length)
+    row: dict = {"backend": name, "shape": f"{b}x{length}", "layers": LAYERS,
+                 "cuda_graphs": model.backend.CUDA_GRAPH_SUPPORT.value}
+    if model.graphs:
+        runner = model.runner([b])
+        row["path"] = "builder + graph replay"
+        row["step_us"] = wall_per_step(lambda: runner.run(model.inputs, model.common)) * 1e6
+        host = []
+        for _ in range(STEPS):
+            t0 = time.perf_counter()
+            runner.run(model.inputs, model.common)
+            host.append(time.perf_counter() - t0)
+            sync()
+        row["host_us_per_step"] = sorted(host)[len(host) // 2] * 1e6
+        row["replayed_steps"] = runner.replayed_steps
+    else:
+        row["path"] = "builder + eager layers"
+        row["step_us"] = wall_per_step(
+            lambda: model.step(model.inputs, model.builder.build(model.common))) * 1e6
+    # The kernels' own times: one layer's write and attention, each alone.
+    meta = (model.builder.build(model.common, graph_batch_size=b) if model.graphs
+            else model.builder.build(model.common))
+    layer, out = model.caches.layers[0], model.outputs[0]
+    q, k, v = (model.inputs[n] for n in ("query", "key", "value"))
+    checks = ops.value_checks_enabled()
+    ops.set_value_checks(False)  # kernels only: what the graph replays
+    try:
+        t_write, how_w = time_call(lambda: model.impl.do_kv_cache_update(
+            model.scales, k, v, layer, meta.slot_mapping))
+        t_attn, how_a = time_call(lambda: model.impl.forward(model.scales, q, k, v, layer, meta,
+                                                             output=out))
+    finally:
+        ops.set_value_checks(checks)
+    row.update(write_us=t_write * 1e6, attention_us=t_attn * 1e6, timing=f"{how_w}, {how_a}",
+               kernels_us=LAYERS * (t_write + t_attn) * 1e6)
+    row["host_overhead_pct"] = 100 * (row["step_us"] - row["kernels_us"]) / row["step_us"]
+    run.results["steps"].append(row)
+    run.log(json.dumps(row))
+
+
+def flashinfer_direct(model: Model) -> Callable[[], torch.Tensor]:
+    """FlashInfer's decode wrapper called directly on the layer-0 cache, planned once."""
+    import flashinfer
+
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                            use_tensor_cores=True, backend="fa2")
+    b, pages = model.b, len(model.tables[0])
+    indptr = (torch.arange(b + 1, device=DEVICE) * pages).to(torch.int32)
+    indices = torch.tensor(model.tables, dtype=torch.int32, device=DEVICE).flatten()
+    last = torch.full((b,), model.length - (pages - 1) * BS, dtype=torch.int32, device=DEVICE)
+    wrapper.plan(indptr, indices, last, HQ, HK, D, BS, q_data_type=DTYPE, kv_data_type=DTYPE,
+                 sm_scale=D**-0.5)
+    out = torch.empty_like(model.inputs["query"])
+    kv = model.caches.layers[0]
+    return lambda: wrapper.run(model.inputs["query"], kv, out=out)
+
+
+def time_layer(run: Run, b: int, length: int, names: list[str], flashinfer: bool) -> None:
+    shape = f"{b}x{length}"
+    nbytes = 2 * b * length * HK * D * DTYPE.itemsize
+    ours = None
+    for name in names:
+        with run.section(f"one-layer decode {shape} {name}"):
+            model = Model(name, b, length, layers=1)
+            meta = (model.builder.build(model.common, graph_batch_size=b) if model.graphs
+                    else model.builder.build(model.common))
+            q, k, v = (model.inputs[n] for n in ("query", "key", "value"))
+            layer, out = model.caches.layers[0], model.outputs[0]
+
+            def fn(model=model, meta=meta, q=q, k=k, v=v, layer=layer, out=out):
+                return model.impl.forward(model.scales, q, k, v, layer, meta, output=out)
+
+            result = fn().clone()
+            ours = ours if ours is not None else (model, result)
+            t, how = time_call(fn)
+            row = {"impl": f"kvcore {name}", "shape": shape, "time_us": t * 1e6,
+                   "GBps": nbytes / t / 1e9, "timing": how,
+                   "num_kv_splits": getattr(meta, "num_kv_splits", None),
+                   "rel_err_vs_ref": rel_err(result, model.reference(0))}
+            run.results["layers"].append(row)
+            run.log(json.dumps(row))
+            del model
+    if flashinfer and ours is not None:
+        with run.section(f"one-layer decode {shape} flashinfer direct"):
+            model, result = ours
+            fn = flashinfer_direct(model)
+            err = rel_err(fn(), result)
+            t, how = time_call(fn)
+            row = {"impl": "flashinfer direct", "shape": shape, "time_us": t * 1e6,
+                   "GBps": nbytes / t / 1e9, "timing": how, "rel_err_vs_kvcore": err}
+            run.results["layers"].append(row)
+            run.log(json.dumps(row))
+
+
+def time_checks(run: Run, name: str) -> None:
+    b, length = CHECKS_SHAPE
+    model = Model(name, b, length)
+    own = kvcore.AttentionMetadata(  # tensors an engine made itself: not marked
+        *(t.clone() for t in (model.common.query_start_loc, model.common.seq_lens,
+                              model.common.block_table, model.common.slot_mapping)),
+        model.common.max_query_len, model.common.max_seq_len, model.common.num_actual_tokens)
+    variants = {
+        "value checks on (step facts, default)":
+            lambda: model.step(model.inputs, model.builder.build(model.common)),
+        "value checks on, engine-made metadata (one read per step)":
+            lambda: model.step(model.inputs, model.builder.build(
+                kvcore.AttentionMetadata(*(t.clone() for t in (
+                    own.query_start_loc, own.seq_lens, own.block_table, own.slot_mapping)),
+                    own.max_query_len, own.max_seq_len, own.num_actual_tokens))),
+        "value checks on, read by every op (no builder, no marks)":
+            lambda: model.step(model.inputs, own),
+    }
+    checks = ops.value_checks_enabled()
+
+    def checks_off() -> None:
+        ops.set_value_checks(False)
+        try:
+            model.step(model.inputs, model.builder.build(model.common))
+        finally:
+            ops.set_value_checks(checks)
+
+    times = interleaved({**variants, "value checks off": checks_off},
+                        rounds=1 if SMOKE else 5)
+    off = times["value checks off"]
+    for what, t in times.items():
+        row = {"backend": name, "shape": f"{b}x{length}", "layers": LAYERS, "variant": what,
+               "step_us": t * 1e6, "vs_checks_off": t / off}
+        run.results["checks"].append(row)
+        run.log(json.dumps(row))
+    # The validators alone (what the checks add to a step's host time on any device).
+    q, k, v = (model.inputs[n] for n in ("query", "key", "value"))
+    layer = model.caches.layers[0]
+    kc, vc = layer.unbind(1)
+
+    def validators(meta: kvcore.AttentionMetadata) -> Callable[[], None]:
+        def fn() -> None:
+            for _ in range(LAYERS):
+                ops.validate_reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+                ops.validate_paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens,
+                                             meta.block_table, output=model.outputs[0][:b])
+        return fn
+
+    def validators_off() -> None:
+        ops.set_value_checks(False)
+        try:
+            validators(model.common)()
+        finally:
+            ops.set_value_checks(checks)
+
+    times = interleaved({"validators: step facts (default)": validators(model.common),
+                         "validators: read by every op": validators(own),
+                         "validators: value checks off": validators_off},
+                        rounds=1 if SMOKE else 5, steps=20)
+    off = times["validators: value checks off"]
+    for what, t in times.items():
+        row = {"backend": name, "shape": f"{b}x{length}", "layers": LAYERS, "variant": what,
+               "step_us": t * 1e6, "vs_checks_off": t / off}
+        run.results["checks"].append(row)
+        run.log(json.dumps(row))
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summary_table(run: Run) -> str:
+    from tabulate import tabulate
+
+    r = run.results
+    parts = []
+    if r["correctness"]:
+        parts.append(tabulate(
+            [[c["backend"], c["shape"], c.get("replay_equals_eager_same_metadata", "-"),
+              f"{c.get('rel_err_replay_vs_ref_layer0', float('nan')):.2e}",
+              f"{c['rel_err_eager_vs_ref_layer0']:.2e}", "ok" if c["ok"] else "FAIL"]
+             for c in r["correctness"]],
+            headers=["correctness", "shape", "replay == eager", "replay vs ref",
+                     "eager vs ref", ""]))
+    if r["steps"]:
+        parts.append(tabulate(
+            [[s["backend"], s["shape"], s["path"], f"{s['step_us'] / 1e3:.3f}",
+              f"{s['kernels_us'] / 1e3:.3f}", f"{s['host_overhead_pct']:.1f}%",
+              f"{s.get('host_us_per_step', float('nan')):.0f}"] for s in r["steps"]],
+            headers=[f"{LAYERS}-layer decode step", "shape", "path", "step ms",
+                     "kernels ms", "host overhead", "host us/step"]))
+    if r["layers"]:
+        direct = {x["shape"]: x for x in r["layers"] if x["impl"] == "flashinfer direct"}
+        parts.append(tabulate(
+            [[x["impl"], x["shape"], f"{x['time_us']:.1f}", f"{x['GBps']:.0f}",
+              x.get("num_kv_splits") or "-",
+              f"{direct[x['shape']]['time_us'] / x['time_us']:.3f}x"
+              if x["shape"] in direct else "-"] for x in r["layers"]],
+            headers=["one-layer decode", "shape", "us", "GB/s", "splits",
+                     "FlashInfer direct / this"]))
+    if r["checks"]:
+        parts.append(tabulate(
+            [[c["backend"], c["shape"], c["variant"], f"{c['step_us'] / 1e3:.3f}",
+              f"{c['vs_checks_off']:.2f}x"] for c in r["checks"]],
+            headers=[f"eager {LAYERS}-layer step", "shape", "variant", "ms", "vs checks off"]))
+    if r["errors"]:
+        parts.append("errors: " + "; ".join(f"{e['section']}: {e['error']}"
+                                            for e in r["errors"]))
+    return "\n\n".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or
+                        str(Path(__file__).parent / "results"))
+    parser.add_argument("--cpu", action="store_true",
+                        help="section 4 only, on the CPU with CPU_ATTN (small shapes)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU, Triton under TRITON_INTERPRET=1")
+    args = parser.parse_args()
+    if DEVICE == "cpu":
+        # Tiny ops: intra-op threads cost more than they save on a shared machine.
+        torch.set_num_threads(1)
+    run = Run(Path(args.out))
+    meta = run.results["meta"]
+    meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
+                torch=torch.__version__, smoke=SMOKE, cpu=CPU,
+                shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, layers=LAYERS, dtype=str(DTYPE)))
+    if DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
+    names = []
+    for name in BACKENDS:
+        why = available(name)
+        meta[f"{name}_unavailable"] = why
+        if why is None:
+            names.append(name)
+        else:
+            run.log(f"{name} skipped: {why}")
+    try:
+        import flashinfer
+
+        meta["flashinfer"] = flashinfer.__version__
+        has_flashinfer = DEVICE == "cuda"
+    except Exception as exc:
+        meta["flashinfer"] = f"unavailable: {type(exc).__name__}: {exc}"
+        has_flashinfer = False
+    run.log(json.dumps(meta))
+    torch.manual_seed(0)
+
+    for name in names:
+        with run.section(f"correctness {name}"):
+            check_step(run, name)
+    for name in names:
+        for b, length in STEP_SHAPES:
+            with run.section(f"{LAYERS}-layer step {name} {b}x{length}"):
+                time_step(run, name, b, length)
+    for b, length in LAYER_SHAPES:
+        time_layer(run, b, length, names, has_flashinfer)
+    with run.section("eager step: value checks"):
+        time_checks(run, names[0])
+    run.log("\n" + summary_table(run))
+    run.save()
+    return 1 if run.results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

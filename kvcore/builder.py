@@ -1,0 +1,283 @@
+"""The engine step: per-step metadata builders and the CUDA-graph support they declare.
+
+An engine's step builds the batch's :class:`~kvcore.AttentionMetadata` once, then for every
+layer writes the new K/V and runs attention. A backend's *builder* is the per-step half of
+the backend contract: the engine makes one per backend at start-up
+(``backend.get_builder_cls()(spec, num_heads=..., max_num_seqs=..., max_num_batched_tokens=...,
+max_model_len=..., device=...)``) and calls :meth:`AttentionMetadataBuilder.build` once per
+step, before the layers; what it returns is passed to every layer's ``forward``. Per-step work
+(the value checks, a kernel library's plan, split-KV choices, workspaces) happens there, never
+per layer.
+
+:class:`CudaGraphSupport` is what a backend declares as ``CUDA_GRAPH_SUPPORT``. A backend that
+supports graphs has a builder that keeps the step's device tensors in persistent buffers
+(:class:`PersistentMetadataBuilder`), so a step captured once for a batch size replays for any
+later step of that size; :class:`kvcore.CudaGraphRunner` does the capture and the replays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore import backend as _backend
+from kvcore.backend import AttentionMetadata, CudaGraphSupport
+from kvcore.ops.validation import (
+    StepFacts,
+    checked_step_facts,
+    mark_step_checked,
+    step_facts_from_tensors,
+    value_checks_enabled,
+)
+from kvcore.spec import KVCacheSpec
+
+__all__ = ["AttentionMetadataBuilder", "CudaGraphSupport", "PersistentMetadataBuilder",
+           "graph_batch_sizes", "is_uniform_decode"]
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+class AttentionMetadataBuilder:
+    """Builds what one backend's layers need for a step, once per step (the default builder).
+
+    Args:
+        spec: the layers' KV cache spec (block size, dtypes, heads and head size).
+        num_heads: query heads per layer.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: most query tokens (rows) in one step, padding rows included.
+        max_model_len: longest request (cached + new tokens).
+        device: where the layers run.
+
+    :meth:`build` checks the step's values once (see :mod:`kvcore.ops.validation`): for
+    tensors from :func:`kvcore.build_attention_metadata` that is free (they carry the facts
+    checked on the host); for tensors an engine made itself it is one device read per step.
+    Either way the tensors end up marked, and the ops of every layer skip reading them back.
+    It also refuses a step beyond the maxima given here. The default returns ``common``
+    itself; subclasses add per-step work and return a subclass of
+    :class:`~kvcore.AttentionMetadata` that their ``forward`` understands.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        num_heads: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        device: torch.device | str,
+    ) -> None:
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"spec must be a kvcore.KVCacheSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.num_heads = _positive("num_heads", num_heads)
+        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive("max_num_batched_tokens",
+                                                max_num_batched_tokens)
+        self.max_model_len = _positive("max_model_len", max_model_len)
+        self.device = torch.device(device)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table columns a request of ``max_model_len`` tokens needs."""
+        return -(-self.max_model_len // self.spec.block_size)
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> AttentionMetadata:
+        """The metadata every layer's ``forward`` gets for this step.
+
+        Args:
+            common: the step, e.g. from :func:`kvcore.build_attention_metadata`.
+            graph_batch_size: build for replay in a CUDA graph captured for this many
+                requests (see :class:`PersistentMetadataBuilder`); the default builder keeps
+                no persistent buffers and refuses it.
+
+        Raises:
+            ValueError: a value check fails, the step exceeds the maxima given at
+                construction, or ``graph_batch_size`` is given to a builder without graphs.
+        """
+        if graph_batch_size is not None:
+            raise ValueError(
+                f"graph_batch_size={graph_batch_size}: {type(self).__name__} keeps no "
+                "persistent buffers, so its steps cannot be replayed from a CUDA graph (the "
+                "backend declares CUDA_GRAPH_SUPPORT = NEVER); call build(common)")
+        self.check(common)
+        return common
+
+    def check(self, common: AttentionMetadata) -> StepFacts | None:
+        """The step's value checks, once: the facts its tensors are marked with, or one device
+        read that establishes and marks them; then the maxima of this builder.
+
+        Returns the facts (``None`` when value checks are off, see
+        :func:`kvcore.ops.set_value_checks`).
+        """
+        if not isinstance(common, AttentionMetadata):
+            raise TypeError(f"common must be a kvcore.AttentionMetadata, got "
+                            f"{type(common).__name__}")
+        if common.num_seqs > self.max_num_seqs:
+            raise ValueError(f"the step has {common.num_seqs} requests but the builder was "
+                             f"made for max_num_seqs={self.max_num_seqs}")
+        rows = common.slot_mapping.shape[0]
+        if rows > self.max_num_batched_tokens:
+            raise ValueError(f"the step has {rows} token rows but the builder was made for "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}")
+        if common.max_seq_len > self.max_model_len:
+            raise ValueError(f"the step has a request of {common.max_seq_len} tokens but the "
+                             f"builder was made for max_model_len={self.max_model_len}")
+        if not value_checks_enabled():
+            return None
+        facts = checked_step_facts(common.query_start_loc, common.seq_lens, common.block_table,
+                                   common.slot_mapping)
+        if facts is None:
+            facts = step_facts_from_tensors(common.query_start_loc, common.seq_lens,
+                                            common.block_table, common.slot_mapping,
+                                            self.spec.block_size)
+        if facts.block_size != self.spec.block_size:
+            raise ValueError(f"the step's metadata was built for block_size={facts.block_size} "
+                             f"but the builder's spec has block_size={self.spec.block_size}")
+        if facts.num_tokens != common.num_actual_tokens:
+            raise ValueError(f"query_start_loc ends at {facts.num_tokens} but "
+                             f"num_actual_tokens={common.num_actual_tokens}")
+        return facts
+
+
+class PersistentMetadataBuilder(AttentionMetadataBuilder):
+    """A builder whose steps live in device buffers allocated once, sized by the maxima.
+
+    :meth:`build` copies the step into the buffers in place and returns views of them: the
+    same memory every step, no new tensors. With ``graph_batch_size`` the views have the
+    shapes of that batch size, whatever the step's size, the host values are the captured
+    size's (``max_query_len`` 1, ``max_seq_len`` = ``max_model_len``, an upper bound), and a
+    uniform-decode step smaller than it is padded with harmless requests (one token at slot
+    -1, which writes nothing, attending to the first slot of block 0); so a step captured in
+    a CUDA graph for that size replays correctly for every later step of at most that size.
+    Graph-capable backends subclass this and add their own per-step choices (stable for a
+    ``graph_batch_size``).
+
+    The metadata :meth:`build` returns is valid until the next :meth:`build`, which
+    overwrites the buffers.
+
+    Buffers: ``query_start_loc`` ``(max_num_seqs + 1,)`` and ``seq_lens`` ``(max_num_seqs,)``
+    int32, ``block_table`` ``(max_num_seqs, ceil(max_model_len / block_size))`` int32,
+    ``slot_mapping`` ``(max_num_batched_tokens,)`` int64.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        num_heads: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, device=device)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={max_num_seqs} (a decode step has a token per "
+                             "request)")
+        dev = self.device
+        # Normal tensors even when made inside inference mode: marks need version counters.
+        with torch.inference_mode(False):
+            self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=dev)
+            self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=dev)
+            self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq,
+                                           dtype=torch.int32, device=dev)
+            self.slot_mapping = torch.full((max_num_batched_tokens,), -1, dtype=torch.int64,
+                                           device=dev)
+            # Source of the padding requests' query_start_loc entries (one token each).
+            self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=dev)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers by name (what a captured graph reads)."""
+        return {"query_start_loc": self.query_start_loc, "seq_lens": self.seq_lens,
+                "block_table": self.block_table, "slot_mapping": self.slot_mapping}
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> AttentionMetadata:
+        """Copy the step into the buffers; see the class docstring.
+
+        Raises:
+            ValueError: as :meth:`AttentionMetadataBuilder.build`; with ``graph_batch_size``
+                also for a step that is not uniform decode (one new token per request) or
+                larger than it.
+        """
+        facts = self.check(common)
+        n = common.num_seqs
+        rows = common.slot_mapping.shape[0]
+        if graph_batch_size is None:
+            size, total = n, rows
+        else:
+            size = _positive("graph_batch_size", graph_batch_size)
+            if size > self.max_num_seqs:
+                raise ValueError(f"graph_batch_size={size} exceeds max_num_seqs="
+                                 f"{self.max_num_seqs}")
+            if not is_uniform_decode(common):
+                raise ValueError(
+                    f"graph_batch_size={size} needs a uniform-decode step (one new token per "
+                    f"request, no padding rows); this step has {common.num_actual_tokens} "
+                    f"tokens in {rows} rows for {n} requests (max_query_len="
+                    f"{common.max_query_len}): run it eagerly")
+            if n > size:
+                raise ValueError(f"the step has {n} requests, more than "
+                                 f"graph_batch_size={size}")
+            total = size
+        qsl = self.query_start_loc[:size + 1]
+        seq_lens = self.seq_lens[:size]
+        table = self.block_table[:size]
+        slots = self.slot_mapping[:total]
+        width = min(common.block_table.shape[1], table.shape[1])
+        qsl[:n + 1].copy_(common.query_start_loc)
+        seq_lens[:n].copy_(common.seq_lens)
+        if n:
+            table[:n, :width].copy_(common.block_table[:, :width])
+        slots[:rows].copy_(common.slot_mapping)
+        if size > n:  # padding requests (uniform decode: token i is request i)
+            qsl[n + 1:].copy_(self._arange[n + 1:size + 1])
+            seq_lens[n:].fill_(1)
+            table[n:, :1].fill_(0)
+            slots[rows:].fill_(-1)
+        if graph_batch_size is None:
+            max_query_len, max_seq_len = common.max_query_len, common.max_seq_len
+        else:  # host values of the captured size, the same for every step replayed
+            max_query_len, max_seq_len = 1, self.max_model_len
+        meta = AttentionMetadata(
+            query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            num_actual_tokens=common.num_actual_tokens + (size - n), causal=common.causal,
+        )
+        if facts is not None:
+            padded = size > n
+            mark_step_checked(
+                StepFacts(num_tokens=meta.num_actual_tokens, num_seqs=size,
+                          block_size=facts.block_size,
+                          max_blocks_per_seq=max(facts.max_blocks_per_seq, int(padded)),
+                          max_block_id=max(facts.max_block_id, 0 if padded else -1),
+                          max_slot=facts.max_slot),
+                query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots)
+        return meta
+
+
+# AttentionBackend.get_builder_cls() returns this class unless a backend overrides it.
+_backend._default_builder[:] = [AttentionMetadataBuilder]
+
+
+def is_uniform_decode(common: AttentionMetadata) -> bool:
+    """Every request has exactly one new token and there are no padding rows."""
+    n = common.num_seqs
+    return (common.num_actual_tokens == n and common.slot_mapping.shape[0] == n
+            and common.max_query_len <= 1)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes worth capturing up to ``max_num_seqs``: 1, 2, 4, the multiples of 8 below
+    it, and ``max_num_seqs`` itself (a padded step wastes at most 7 requests' work)."""
+    _positive("max_num_seqs", max_num_seqs)
+    sizes = {1, 2, 4, *range(8, max_num_seqs, 8), max_num_seqs}
+    return sorted(s for s in sizes if s <= max_num_seqs)

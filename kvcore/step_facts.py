@@ -1,0 +1,130 @@
+"""A step's value facts, checked once and carried by its metadata tensors.
+
+The value checks of the ops' arguments (slot and block ids within the cache, lengths
+consistent) need tensor values; read from a GPU they synchronise with it, once per op and
+layer. A step establishes them once instead: :func:`kvcore.build_attention_metadata` from its
+host lists, a builder with one device read (:func:`kvcore.ops.step_facts_from_tensors`). The
+result, a :class:`StepFacts`, is attached to the step's tensors (:func:`mark_step_checked`);
+the ops' validators (:mod:`kvcore.ops.validation`) find it (:func:`checked_step_facts`) and
+compare its maxima with the cache they are given instead of reading the tensors.
+
+A mark is tied to the tensor object and to its version counter: a view, a copy, or an in-place
+write through torch carries no valid mark, so such a tensor is checked by reading it. Writes
+that bypass torch's version counter (a kernel or numpy writing through a raw pointer,
+``tensor.data``) are not seen: make the step's tensors anew rather than refilling marked ones
+that way. Marks are plain attributes holding immutable records, so marking and checking from
+several threads is safe.
+
+This module sits at the bottom of kvcore's layers (the contract's
+:func:`~kvcore.build_attention_metadata` and the ops both use it) and imports only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StepFacts", "checked_step_facts", "mark_step_checked"]
+
+
+def _require_tensor(name: str, value: object) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+_MARK = "_kvcore_step_facts"
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the value checks established about one step's metadata tensors.
+
+    Made by :func:`kvcore.build_attention_metadata` (from its host-side lists) or
+    :func:`step_facts_from_tensors` (one device read), which check everything that does not
+    depend on the cache: ``query_start_loc`` starts at 0 and never decreases, every
+    ``seq_len`` covers its query tokens and fits the block table's columns, the block ids a
+    request uses are not negative. What depends on the cache (ids below its size) each op
+    compares with the maxima here, against the cache it is given.
+
+    Attributes:
+        num_tokens: ``query_start_loc[-1]``, the query rows the step attends for.
+        num_seqs: requests.
+        block_size: tokens per block the lengths were checked with.
+        max_blocks_per_seq: most block-table entries one request uses
+            (``ceil(seq_len / block_size)``).
+        max_block_id: largest block id a request uses (-1: none).
+        max_slot: largest entry of ``slot_mapping`` (-1: none, or only padding).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    block_size: int
+    max_blocks_per_seq: int
+    max_block_id: int
+    max_slot: int
+
+
+def _version(t: torch.Tensor) -> int | None:
+    # Inference tensors have no version counter: an in-place write would go unseen, so they
+    # are never marked (and always checked by reading them).
+    return None if t.is_inference() else t._version
+
+
+def mark_step_checked(
+    facts: StepFacts,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor | None = None,
+) -> bool:
+    """Mark one step's metadata tensors as checked, with the facts the checks established.
+
+    Ops given these very tensors (not views or copies), unmodified since (torch's version
+    counter), take the value facts from the mark instead of reading the tensors. Call it only
+    with facts established for exactly these tensors' values (:func:`step_facts_from_tensors`
+    does both). The shapes are compared with the facts here.
+
+    Returns:
+        ``False`` if a tensor is an inference tensor (created under ``torch.inference_mode``,
+        which keeps no version counter): nothing is marked and the ops keep reading the
+        values. Make metadata tensors outside inference mode to get the fast path.
+    """
+    tensors = {"query_start_loc": query_start_loc, "seq_lens": seq_lens,
+               "block_table": block_table}
+    if slot_mapping is not None:
+        tensors["slot_mapping"] = slot_mapping
+    for name, t in tensors.items():
+        _require_tensor(name, t)
+    expected = {"query_start_loc": facts.num_seqs + 1, "seq_lens": facts.num_seqs,
+                "block_table": facts.num_seqs}
+    for name, rows in expected.items():
+        if tensors[name].dim() < 1 or tensors[name].shape[0] != rows:
+            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)} but the step's "
+                             f"facts describe {facts.num_seqs} sequences ({rows} rows)")
+    if block_table.dim() != 2 or block_table.shape[1] < facts.max_blocks_per_seq:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)} but a request of "
+                         f"the step uses {facts.max_blocks_per_seq} blocks")
+    versions = {name: _version(t) for name, t in tensors.items()}
+    if any(v is None for v in versions.values()):
+        return False
+    for name, t in tensors.items():
+        setattr(t, _MARK, (facts, versions[name], t.data_ptr()))
+    return True
+
+
+def checked_step_facts(*tensors: torch.Tensor) -> StepFacts | None:
+    """The facts every one of ``tensors`` is validly marked with (one and the same record), or
+    ``None``: unmarked, marked for different steps, or written since they were marked."""
+    found = None
+    for t in tensors:
+        mark = getattr(t, _MARK, None)
+        if mark is None:
+            return None
+        facts, version, ptr = mark
+        if (found is not None and facts is not found) or t._version != version \
+                or t.data_ptr() != ptr:
+            return None
+        found = facts
+    return found

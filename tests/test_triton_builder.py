@@ -1,0 +1,112 @@
+"""TRITON_ATTN's builder: persistent buffers, the split-KV choice and its workspace (Triton
+interpreter on CPU; the captured-graph replays are in ``tests/test_cuda_graphs.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcore
+from kvcore.ops.reference import paged_attention_ref
+
+pytest.importorskip("triton")
+
+BS, HQ, HK, D = 4, 4, 2, 16
+SPEC = kvcore.FullAttentionSpec(block_size=BS, dtype=torch.float32, num_kv_heads=HK,
+                                head_size=D)
+
+
+def builder(max_model_len=1024, max_num_seqs=4):
+    cls = kvcore.resolve_backend("TRITON_ATTN").get_builder_cls()
+    return cls(SPEC, num_heads=HQ, max_num_seqs=max_num_seqs, max_num_batched_tokens=16,
+               max_model_len=max_model_len, device="cpu")
+
+
+def decode(context_lens, tables):
+    return kvcore.build_attention_metadata([1] * len(context_lens), list(context_lens),
+                                           tables, BS)
+
+
+def forward(meta, kv, query, impl=None):
+    impl = impl or kvcore.resolve_backend("TRITON_ATTN").get_impl_cls()(
+        num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK)
+    out = torch.full_like(query, float("nan"))
+    return impl.forward(kvcore.LayerScales(), query, query, query, kv, meta, output=out)
+
+
+def reference(meta, kv, query, rows):
+    k, v = kv.unbind(1)
+    return paged_attention_ref(query[:rows].double(), k.double(), v.double(),
+                               query_start_loc=meta.query_start_loc[:rows + 1],
+                               seq_lens=meta.seq_lens[:rows], block_table=meta.block_table[:rows],
+                               scale=D**-0.5)
+
+
+@pytest.fixture
+def kv():
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(12, 2, BS, HK, D, generator=gen)
+
+
+def test_graph_split_count_depends_only_on_the_batch_size():
+    b = builder()
+    # On the CPU the heuristic sees one "SM": only a single request (2 KV heads) is split.
+    assert [b.graph_num_kv_splits(n) for n in (1, 2, 3, 4)] == [2, 1, 1, 1]
+    short = b.build(decode([0], [[5]]), graph_batch_size=1)
+    assert short.num_kv_splits == 2
+    assert b.build(decode([0], [[5]])).num_kv_splits == 1  # eagerly: by the step's length
+    assert builder(max_model_len=256).graph_num_kv_splits(1) == 1
+
+
+def test_builder_owns_the_workspace_and_reuses_every_buffer(kv):
+    b = builder()
+    assert b.workspace is not None
+    first = b.build(decode([2, 5, 9], [[1], [2, 3], [4, 5, 6]]))
+    second = b.build(decode([30], [[0, 1, 2, 3, 4, 5, 6, 7]]), graph_batch_size=1)
+    assert second.workspace is b.workspace and first.workspace is None
+    tensors = [first.query_start_loc, first.seq_lens, first.block_table, first.slot_mapping]
+    again = [second.query_start_loc, second.seq_lens, second.block_table, second.slot_mapping]
+    assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in again]
+
+
+@pytest.mark.parametrize("context_lens", [[20], [0], [2, 9]], ids=["long", "one-token", "two"])
+def test_graph_built_steps_equal_the_reference_with_empty_splits(kv, context_lens):
+    """A step built for a graph of 2 requests (split as if every request were max_model_len
+    long) gives the reference's rows; the short requests leave splits empty."""
+    b = builder(max_model_len=1024, max_num_seqs=2)
+    tables = [[3, 7, 1, 8, 0, 11][: -(-(c + 1) // BS)] for c in context_lens]
+    meta = b.build(decode(context_lens, tables), graph_batch_size=2)
+    query = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(4))
+    out = forward(meta, kv, query)
+    n = len(context_lens)
+    ref = reference(meta, kv, query, n)
+    assert torch.allclose(out[:n].double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_forced_splits_use_the_workspace_and_equal_the_reference(kv):
+    b = builder()
+    meta = b.build(decode([13], [[4, 9, 2, 6]]), graph_batch_size=1)
+    assert meta.num_kv_splits == 2
+    b.workspace[0].fill_(float("nan"))  # stale partials must be overwritten, never read
+    query = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(5))
+    out = forward(meta, kv, query)
+    assert torch.allclose(out.double(), reference(meta, kv, query, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_the_op_refuses_a_workspace_it_cannot_use(kv):
+    from kvcore.ops.triton_attention import paged_attention
+
+    meta = decode([13], [[4, 9, 2, 6]])
+    k, v = kv.unbind(1)
+    query = torch.randn(1, HQ, D)
+    args = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                block_table=meta.block_table, scale=0.25, num_kv_splits=2)
+    small = (torch.empty(10), torch.empty(10))
+    with pytest.raises(ValueError, match=r"workspace\[0\] has 10 elements but this call's "
+                                         "split-KV path needs 128"):
+        paged_attention(query, k, v, workspace=small, **args)
+    wrong = (torch.empty(256, dtype=torch.float16), torch.empty(16))
+    with pytest.raises(ValueError, match=r"workspace\[0\] must be a contiguous float32 tensor"):
+        paged_attention(query, k, v, workspace=wrong, **args)
+    with pytest.raises(TypeError, match="workspace must be a pair of tensors"):
+        paged_attention(query, k, v, workspace=torch.empty(256), **args)
