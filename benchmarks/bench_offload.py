@@ -17,6 +17,10 @@ Sections, each isolated (an error is logged and recorded, the run goes on):
    ``copier``: scattered blocks (per-layer and cross-layer) through a plugin's block copier
    (``--block-copier``, default kvcore-nvidia's ``cuda_batch``) instead of device staging,
    when it is installed and usable; the decode section then adds a row for it too.
+   ``startup``: how long ``register_kv_caches`` blocks for 8 and 32 GiB pools
+   (``--startup-gib``; default pinning: torch's pinned allocator) and when the
+   whole pool is pinned; then the first save and first two loads of one cross-layer transfer
+   after registration, against the pinned copy (what the registration warm-up leaves).
 4. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
    contiguous KV) timed alone and while a save and a load of 1 GiB each run on the side
    streams: the slowdown. Also timed under plain pinned copies of the same size on two
@@ -276,6 +280,79 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
     return results
 
 
+# -- 2b. start-up: registering a pool, and the first transfers after it ----------------------
+
+#: Pool sizes whose registration is timed (GiB); smoke runs use a few MiB.
+STARTUP_GIB = (8, 32)
+
+
+def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
+                  pool_bytes: tuple[int, ...]) -> dict[str, dict[str, float]]:
+    """Per pool size: how long ``register_kv_caches`` blocks with the default pinning (torch's
+    pinned allocator; ``pin_in_background`` is opt-in) and how long until all of it is
+    pinned. Then, on a fresh connector, the first save and the first two loads of one
+    cross-layer transfer (contiguous blocks, the direct path) after registration: what
+    warm-up at registration leaves to the first transfers, against the pinned copy."""
+    results: dict[str, dict[str, float]] = {}
+    kv = kvcore.allocate_kv_caches(
+        "CPU_ATTN", num_layers=sizes.num_layers, num_blocks=2 * sizes.num_blocks,
+        block_size=sizes.block_size, num_kv_heads=sizes.num_kv_heads,
+        head_size=sizes.head_size, dtype=torch.bfloat16, device=device, cross_layer=True)
+    kv.storage.view(torch.uint8).random_(0, 256)
+    try:
+        for nbytes in pool_bytes:
+            conn = get_connector("offload", capacity_bytes=nbytes)
+            start = time.perf_counter()
+            conn.register_kv_caches(kv)
+            registered = time.perf_counter() - start
+            ready_at_return = conn.ready_slots
+            conn.wait_pinned()
+            label = (f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30
+                     else f"{nbytes / 2**20:g} MiB")
+            results[f"pool {label}"] = {
+                "pool_bytes": nbytes, "register_s": registered,
+                "pinned_s": conn.pinned_seconds, "slots_ready_at_return": ready_at_return,
+                "num_slots": conn.num_slots}
+            log.info("startup: %s pool: register %.3f s (%d of %d slots ready), all pinned "
+                     "after %.3f s", label, registered, ready_at_return, conn.num_slots,
+                     conn.pinned_seconds)
+            conn.close()
+        n = sizes.num_blocks
+        conn = get_connector("offload", capacity_bytes=2 * sizes.transfer_bytes)
+        conn.register_kv_caches(kv)
+        conn.wait_pinned()  # the first transfers' own cost, not the pinning's
+        keys = new_keys(n)
+        firsts = {}
+        for name, call, reference in (
+                ("first_save", lambda: conn.save(keys, list(range(n))), "d2h_gbps"),
+                ("first_load", lambda: conn.load(keys, list(range(n, 2 * n))), "h2d_gbps"),
+                ("second_load", lambda: conn.load(keys, list(range(n, 2 * n))), "h2d_gbps")):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = call().wait()
+            wall = time.perf_counter() - start
+            assert result.ok, dict(result.failed)
+            gbps = result.num_bytes / result.seconds / GB if result.seconds > 0 else None
+            firsts[name] = {
+                "wall_s": wall, "device_gbps": gbps,
+                "fraction_device": gbps / pinned[reference] if gbps and reference in pinned
+                else None}
+            log.info("startup: %s %.1f GB/s device (%s of the pinned copy), %.4f s wall",
+                     name, gbps or float("nan"),
+                     f"{firsts[name]['fraction_device']:.0%}"
+                     if firsts[name]["fraction_device"] else "-", wall)
+        firsts["bit_exact"] = torch.equal(block_rows(kv, list(range(n, 2 * n))),
+                                          block_rows(kv, list(range(n))))
+        results["first_transfers"] = firsts
+        conn.close()
+    finally:
+        del kv
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
 # -- 3. decode loop under concurrent offload --------------------------------------------------
 
 
@@ -491,6 +568,20 @@ def table(results: dict, errors: dict, smoke: bool) -> str:
         rows.append([f"decode + {what}", f"{r['iterations']} x SDPA",
                      f"{r['alone_ms']:.2f} ms", f"{r['with_offload_ms']:.2f} ms",
                      f"{100 * r['slowdown']:+.2f}% (<= 3%)", check])
+    for label, r in results.get("startup", {}).items():
+        if label == "first_transfers":
+            for name, f in r.items():
+                if name == "bit_exact":
+                    continue
+                rows.append([f"offload {name.replace('_', ' ')}", "after registration",
+                             f"{f['device_gbps']:.1f}" if f["device_gbps"] else "-",
+                             f"{f['wall_s'] * 1e3:.1f} ms",
+                             f"{f['fraction_device']:.0%}" if f["fraction_device"] else "",
+                             "" if r["bit_exact"] else "NOT BIT-EXACT"])
+        else:
+            rows.append([f"register {label}", "start-up", "",
+                         f"{r['register_s']:.3f} s",
+                         f"all pinned after {r['pinned_s']:.2f} s", "reference"])
     for name, err in errors.items():
         rows.append([name, "ERROR", err[:60], "", "", ""])
     return tabulate(rows, headers=["section", "what", "GB/s device", "GB/s wall",
@@ -515,6 +606,8 @@ def self_check(results: dict) -> list[str]:
             if not path_ok(r):
                 problems.append(f"{name} {key}: took the {r['path']} path, expected "
                                 f"{r['expected_path']}")
+    if results.get("startup", {}).get("first_transfers", {}).get("bit_exact") is False:
+        problems.append("startup first transfers: loaded blocks differ from the saved ones")
     for name, r in results.get("decode", {}).items():
         if r.get("bit_exact") is False:
             problems.append(f"decode {name}: loaded blocks differ from the saved ones")
@@ -531,6 +624,8 @@ def main() -> int:
     parser.add_argument("--block-copier", default="cuda_batch",
                         help="also measure scattered transfers through this block copier when "
                              "it is installed and usable (default: cuda_batch)")
+    parser.add_argument("--startup-gib", type=int, nargs="*", default=list(STARTUP_GIB),
+                        help="pool sizes (GiB) whose registration time is measured")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
@@ -558,6 +653,10 @@ def main() -> int:
         section(f"offload_{mode}", results, errors,
                 lambda c=cross: bench_offload_mode(sizes, device, c, trials, pinned,
                                                    chunk_bytes))
+    startup_pools = ((2 << 20, 8 << 20) if args.smoke
+                     else tuple(g << 30 for g in args.startup_gib))
+    section("startup", results, errors,
+            lambda: bench_startup(sizes, device, pinned, startup_pools))
     if not args.no_sweep:
         section("chunk_sweep", results, errors,
                 lambda: bench_chunk_sweep(sizes, device, min(trials, 3), pinned, sweep))

@@ -6,6 +6,10 @@
 #   plugin's GPU tests: carry .whl for FlashInfer) and sanitizer (the offload connector's GPU
 #   tests under PyTorch's CUDA stream sanitizer, which reports unsynchronised cross-stream use).
 #   On a machine with two GPUs the p2p NCCL tests in gpu_tests run instead of skipping.
+#   step_tests: the engine-step tests whole (builders, graphs, bench_step --smoke; not only the
+#   gpu-marked ones, since the CPU-written ones must also pass where a GPU is present); demos:
+#   `kvcore demo` (graph replay on a GPU) with each backend of DEMO_BACKENDS.
+#   NVIDIA_TESTS narrows nvidia_tests to some files.
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -33,8 +37,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 has gpu_tests && step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
     -p no:cacheprovider -o addopts="" tests plugins/rocm/tests plugins/mla/tests
+has step_tests && step step_tests ${STEP_TESTS_LIMIT:-150} python3 -m pytest -q \
+    -p no:cacheprovider -o addopts="" tests/test_builder.py tests/test_triton_builder.py \
+    tests/test_cuda_graphs.py plugins/mla/tests/test_mla_builder.py
 has nvidia_tests && step nvidia_tests ${NVIDIA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q \
-    -p no:cacheprovider -o addopts="" plugins/nvidia/tests
+    -p no:cacheprovider -o addopts="" ${NVIDIA_TESTS:-plugins/nvidia/tests}
 has sanitizer && step sanitizer ${SANITIZER_LIMIT:-200} env TORCH_CUDA_SANITIZER=1 \
     python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/connectors/test_offload.py tests/connectors/test_offload_staging.py
@@ -48,5 +55,10 @@ if has benches; then
     for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70}; do
         bench=${entry%%:*}
         [ -f "benchmarks/$bench.py" ] && step "$bench" "${entry##*:}" python3 "benchmarks/$bench.py"
+    done
+fi
+if has demos; then
+    for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
+        step "demo_$b" ${DEMO_LIMIT:-60} kvcore demo --backend "$b" --no-progress
     done
 fi

@@ -205,6 +205,22 @@ def random_prompts(n: int, vocab_size: int, *, seed: int = 0) -> list[list[int]]
             for length in lengths]
 
 
+def device_problem(device: str) -> str | None:
+    """Why ``--device`` cannot run here (one line: the problem and what to do), or ``None``."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        return f"--device {device} is not a torch device (use cpu, cuda or cuda:N)"
+    if kind != "cuda" or torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return (f"--device {device}: CUDA is not available in this torch build "
+                f"({torch.__version__}, CPU only); install a CUDA build of torch "
+                "(https://pytorch.org/get-started/locally/) or run with --device cpu")
+    return (f"--device {device}: torch.cuda.is_available() is False (no GPU or driver visible "
+            "to this torch); check the driver and CUDA_VISIBLE_DEVICES, or run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
@@ -213,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args(argv)
+    problem = device_problem(args.device)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     model = tiny_llama(dtype=kvcore.parse_dtype(args.dtype), device=args.device)
     prompts = random_prompts(args.requests, model.config.vocab_size)
     paged, backend = generate_paged(model, prompts, args.new_tokens, backend=args.backend)

@@ -20,10 +20,11 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it (imported on first access).
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.allocate": ("KVCaches", "allocate_kv_caches"),
+    "kvcore.backends.triton_attn": ("TritonAttentionMetadata", "TritonAttentionMetadataBuilder"),
     "kvcore.backend": (
         "FEATURE_FLAGS", "AttentionBackend", "AttentionImpl", "AttentionLayer",
         "AttentionMetadata", "CudaGraphSupport", "LayerScales", "PagedAttentionImpl",
-        "build_attention_metadata",
+        "build_attention_metadata", "encoder_only_cache",
     ),
     "kvcore.builder": ("AttentionMetadataBuilder", "PersistentMetadataBuilder"),
     "kvcore.config": ("AttentionSelectorConfig",),
@@ -53,6 +54,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 #: Modules that import neither torch nor the rest of kvcore: their names load alone.
 _LEAF_MODULES = frozenset({"kvcore.platform_types"})
+#: Backend modules: loaded only when one of their names is used (after the rest of the API),
+#: so that registering the backends still imports none of them.
+_ON_DEMAND_MODULES = frozenset({"kvcore.backends.triton_attn"})
 
 if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.allocate import KVCaches, allocate_kv_caches
@@ -66,7 +70,9 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         LayerScales,
         PagedAttentionImpl,
         build_attention_metadata,
+        encoder_only_cache,
     )
+    from kvcore.backends.triton_attn import TritonAttentionMetadata, TritonAttentionMetadataBuilder
     from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
     from kvcore.config import AttentionSelectorConfig
     from kvcore.cuda_graphs import CudaGraphRunner
@@ -143,6 +149,8 @@ __all__ = [
     "PluginInfo",
     "ResolveError",
     "SelectionReport",
+    "TritonAttentionMetadata",
+    "TritonAttentionMetadataBuilder",
     "UnknownNameError",
     "allocate_kv_caches",
     "available_platforms",
@@ -152,6 +160,7 @@ __all__ = [
     "clear_platform_cache",
     "clear_selection_cache",
     "connector_registry",
+    "encoder_only_cache",
     "current_platform",
     "explain_selection",
     "get_attn_backend",
@@ -179,7 +188,12 @@ def __getattr__(name: str) -> Any:
             if exc.name != f"{__name__}.{name}":
                 raise
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    for loading in (module,) if module in _LEAF_MODULES else _EXPORTS:
+    if module in _LEAF_MODULES:
+        modules = [module]
+    else:
+        modules = [m for m in _EXPORTS if m not in _ON_DEMAND_MODULES]
+        modules += [module] if module in _ON_DEMAND_MODULES else []
+    for loading in modules:
         loaded = importlib.import_module(loading)
         for export in _EXPORTS[loading]:
             globals()[export] = getattr(loaded, export)  # later lookups skip this function

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from kvcore.backend import AttentionBackend
+from kvcore.backend import AttentionBackend, _format_supported, _is_supported
 from kvcore.dtypes import cache_torch_dtype, parse_dtype
 from kvcore.layout import KVCacheLayout
 
@@ -117,6 +117,7 @@ def allocate_kv_caches(
     cross_layer: bool | Literal["auto"] = "auto",
     kv_cache_dtype: str = "auto",
     prefer_cross_layer: bool | None = None,
+    platform: str | None = None,
 ) -> KVCaches:
     """Allocate ``num_layers`` KV caches in ``backend``'s layout, zero-filled.
 
@@ -132,6 +133,14 @@ def allocate_kv_caches(
         kv_cache_dtype: ``"auto"`` (model dtype) or an fp8 name.
         prefer_cross_layer: the KV connector's preference
             (``connector_cls.prefer_cross_layer_blocks``); only consulted by ``"auto"``.
+        platform: the platform name the cache is for (default: from ``device``: ``cpu``,
+            or ``cuda``/``rocm`` by the torch build). On a platform the backend runs on but
+            did not verify cross-layer on (:attr:`AttentionBackend.CROSS_LAYER_PLATFORMS`),
+            ``"auto"`` allocates per layer and ``True`` is refused.
+
+    Raises:
+        ValueError, TypeError: a size, dtype, head size or block size the backend does not
+            declare, or a cross-layer request the backend cannot honour here.
     """
     if isinstance(backend, str) and _resolve_backend_name is not None:
         backend = _resolve_backend_name(backend)
@@ -148,9 +157,21 @@ def allocate_kv_caches(
         raise ValueError(f"cross_layer={cross_layer!r} must be True, False or 'auto'")
     model_dtype = parse_dtype(dtype)
     storage_dtype = cache_torch_dtype(kv_cache_dtype, model_dtype)
+    _check_declared(backend, model_dtype, kv_cache_dtype, block_size, head_size)
+    device = torch.device(device)
+    if platform is None:
+        platform = _platform_of(device)
+    # Cross-layer where the backend opts in, except on one of its platforms where the opt-in
+    # was not verified (a platform it does not run on, e.g. CPU under TRITON_INTERPRET, keeps
+    # the backend's declared order).
+    cross_ok = backend.supports_cross_layer() and (
+        platform not in backend.PLATFORMS or backend.supports_cross_layer(platform))
     if cross_layer == "auto":
-        use_cross_layer = backend.supports_cross_layer() and prefer_cross_layer is not False
+        use_cross_layer = cross_ok and prefer_cross_layer is not False
     else:
+        if cross_layer and backend.supports_cross_layer() and not cross_ok:
+            raise ValueError(f"cross_layer=True: {backend.cross_layer_note(platform)}; use "
+                             "cross_layer=False or 'auto'")
         use_cross_layer = cross_layer
     layout = KVCacheLayout.from_backend(
         backend, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
@@ -169,7 +190,7 @@ def allocate_kv_caches(
             + (" (or cross_layer=False)" if layout.is_cross_layer else "")
             + " or use another backend"
         )
-    storage = torch.zeros(layout.physical_shape, dtype=storage_dtype, device=torch.device(device))
+    storage = torch.zeros(layout.physical_shape, dtype=storage_dtype, device=device)
     logical = storage.permute(layout.inverse_stride_order())
     note = "" if backend.supports_kv_connector() else backend.kv_connector_unsupported_reason()
     return KVCaches(
@@ -179,6 +200,31 @@ def allocate_kv_caches(
         backend_name=backend.get_name(),
         _kv_connector_note=note,
     )
+
+
+def _platform_of(device: torch.device) -> str:
+    """The platform name of a torch device (``cuda`` devices are ROCm's on a HIP build)."""
+    if device.type == "cuda":
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return device.type
+
+
+def _check_declared(backend: type[AttentionBackend], dtype: torch.dtype, kv_cache_dtype: str,
+                    block_size: int, head_size: int) -> None:
+    """The backend's declared dtypes, head sizes and block sizes (what selection checks)."""
+    name = backend.get_name()
+    if dtype not in backend.SUPPORTED_DTYPES:
+        raise TypeError(f"dtype={str(dtype).removeprefix('torch.')}: {name} supports "
+                        f"{_format_supported(backend.SUPPORTED_DTYPES)}")
+    if kv_cache_dtype not in backend.SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: {name} supports "
+                         f"{_format_supported(backend.SUPPORTED_KV_CACHE_DTYPES)}")
+    if not _is_supported(head_size, backend.SUPPORTED_HEAD_SIZES):
+        raise ValueError(f"head_size={head_size}: {name} supports "
+                         f"{_format_supported(backend.SUPPORTED_HEAD_SIZES)}")
+    if not _is_supported(block_size, backend.SUPPORTED_BLOCK_SIZES):
+        raise ValueError(f"block_size={block_size}: {name} supports "
+                         f"{_format_supported(backend.SUPPORTED_BLOCK_SIZES)}")
 
 
 def _span_for(layout: KVCacheLayout, num_blocks: int) -> int:

@@ -13,10 +13,15 @@ memory. Kernels get ``kv_cache.unbind(1)`` views and must take strides from them
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import importlib
 import importlib.util
+import itertools
+import math
+import operator
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -35,6 +40,7 @@ __all__ = [
     "CudaGraphSupport",
     "LayerScales",
     "build_attention_metadata",
+    "encoder_only_cache",
     "FEATURE_FLAGS",
 ]
 
@@ -133,6 +139,10 @@ class AttentionBackend(ABC):
     #: offset int64). For kernels with 32-bit offsets; ``allocate_kv_caches`` refuses a larger
     #: cache with the limit and the largest ``num_blocks`` that fits.
     MAX_KV_CACHE_SPAN: ClassVar[int | None] = None
+    #: Platforms where the cross-layer order of :meth:`get_kv_cache_stride_order` was verified
+    #: (the bit-exact tests run there); ``None``: every platform in ``PLATFORMS``. A Triton
+    #: backend verified on NVIDIA only lists ``("cuda",)`` and stays per-layer on ROCm.
+    CROSS_LAYER_PLATFORMS: ClassVar[tuple[str, ...] | None] = None
     #: Conformance-suite tolerances that widen the defaults: ``{dtype or kv-cache dtype name:
     #: (atol, rtol)}`` (see ``docs/conformance.md``). Empty: the suite's defaults.
     CONFORMANCE_TOLERANCES: ClassVar[dict[torch.dtype | str, tuple[float, float]]] = {}
@@ -195,10 +205,27 @@ class AttentionBackend(ABC):
         return tuple(range(6 if include_num_layers_dimension else 5))
 
     @classmethod
-    def supports_cross_layer(cls) -> bool:
-        """Derived from :meth:`get_kv_cache_stride_order`: is the block dim outermost?"""
+    def supports_cross_layer(cls, platform: str | None = None) -> bool:
+        """Derived from :meth:`get_kv_cache_stride_order` (is the block dim outermost?) and,
+        given a ``platform`` name, from :attr:`CROSS_LAYER_PLATFORMS` (verified there?)."""
         order = cls.get_kv_cache_stride_order(include_num_layers_dimension=True)
-        return len(order) > 1 and order[0] == 1
+        if not (len(order) > 1 and order[0] == 1):
+            return False
+        return (platform is None or cls.CROSS_LAYER_PLATFORMS is None
+                or platform in cls.CROSS_LAYER_PLATFORMS)
+
+    @classmethod
+    def cross_layer_note(cls, platform: str) -> str:
+        """Why ``platform`` gets per-layer caches from this backend ("" when it gets
+        cross-layer): for ``kvcore select --explain`` and ``kvcore layout``."""
+        if cls.supports_cross_layer(platform):
+            return ""
+        if not cls.supports_cross_layer():
+            return f"{cls.get_name()} does not opt in to cross-layer KV caches (per-layer caches)"
+        verified = ", ".join(cls.CROSS_LAYER_PLATFORMS or ())
+        return (f"{cls.get_name()}'s cross-layer layout is verified on {verified} only; on "
+                f"{platform} it allocates per-layer caches until the bit-exact cross-layer "
+                "tests pass there")
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
@@ -224,6 +251,33 @@ class AttentionBackend(ABC):
         return reasons
 
     @classmethod
+    def stale_bytes_reason(cls, device_type: str) -> str | None:
+        """Why ``forward`` on ``device_type`` may let NaN/Inf bit patterns in cache slots a
+        request does not own (the tail of its last block, other blocks) reach its output;
+        ``None``, the contract, when it never does (loads masked, not multiplied by zero).
+        A backend wrapping a kernel it cannot change says so here; the conformance rule
+        ``stale-bytes-masked`` is then skipped with this reason."""
+        return None
+
+    @classmethod
+    def import_reasons(cls) -> list[str]:
+        """Reasons from importing each ``REQUIRED_PACKAGES`` module that is installed: a
+        package found by name whose import raises (a broken build, a missing shared library)
+        gives its error. The selector calls this for the backend it is about to pick only
+        (importing kernel libraries is slow), so a broken package is a rejection reason, not
+        a failure at the first forward."""
+        reasons = []
+        for module, requirement in cls.REQUIRED_PACKAGES:
+            if importlib.util.find_spec(module) is None:
+                continue  # unavailable_reasons() already says so
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # whatever a broken package raises
+                reasons.append(f"{requirement} is installed but importing {module} fails: "
+                               f"{type(exc).__name__}: {exc} (reinstall {requirement})")
+        return reasons
+
+    @classmethod
     def capabilities(cls) -> dict[str, Any]:
         """The declared capabilities as plain data (for ``kvcore list`` and docs)."""
         return {
@@ -241,6 +295,8 @@ class AttentionBackend(ABC):
             "attn_types": [t.value for t in cls.SUPPORTED_ATTN_TYPES],
             "features": [field for field, attr, _ in FEATURE_FLAGS if getattr(cls, attr)],
             "cross_layer": cls.supports_cross_layer(),
+            "cross_layer_platforms": None if cls.CROSS_LAYER_PLATFORMS is None
+            else list(cls.CROSS_LAYER_PLATFORMS),
             "kv_connector": cls.supports_kv_connector(),
             "max_kv_cache_span": cls.MAX_KV_CACHE_SPAN,
             "stride_order": list(cls.get_kv_cache_stride_order()),
@@ -328,9 +384,13 @@ class AttentionBackend(ABC):
             part for part in (f">= {lo}" if lo else "", f"<= {hi}" if hi else "") if part
         )
         if capability is None:
+            # The example is the bound itself, spelled the way its platform names devices
+            # (gfx942 on ROCm, 9.0 on CUDA).
+            bound = lo or hi
+            example = bound.arch or f"{bound.major}.{bound.minor}"
             return [
                 f"device capability unknown; {cls.get_name()} needs {wanted} "
-                "(set KVCORE_DEVICE_CAPABILITY, e.g. 9.0, to simulate a device)"
+                f"(set KVCORE_DEVICE_CAPABILITY={example} to simulate such a device)"
             ]
         if (lo and not capability.at_least(lo)) or (hi and not hi.at_least(capability)):
             return [f"device capability {capability} (supported: {wanted})"]
@@ -396,6 +456,37 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
+#: Largest block id an int32 block table holds.
+_MAX_BLOCK_ID = 2**31 - 1
+
+
+def _is_index(value: object) -> bool:
+    """An integer in any form (int, numpy int, 0-dim integer tensor), not a float."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_block_ids(i: int, blocks: Sequence[int] | torch.Tensor) -> None:
+    """Block ids must be integers that fit the int32 block table."""
+    if isinstance(blocks, torch.Tensor):
+        if blocks.dtype.is_floating_point or blocks.dtype.is_complex:
+            raise TypeError(f"block_tables[{i}] has dtype {blocks.dtype}; block ids must be ints")
+        hi = int(blocks.max()) if blocks.numel() else 0
+    else:
+        for b in blocks:
+            if isinstance(b, bool) or not _is_index(b):
+                raise TypeError(f"block_tables[{i}] contains {b!r} ({type(b).__name__}); "
+                                "block ids must be ints")
+        hi = max((int(b) for b in blocks), default=0)
+    if hi > _MAX_BLOCK_ID:
+        raise ValueError(
+            f"block_tables[{i}] contains block id {hi}, above {_MAX_BLOCK_ID}: the block table "
+            "is int32, as the kernels read it (no cache has that many blocks)")
+
+
 def build_attention_metadata(
     query_lens: Sequence[int],
     context_lens: Sequence[int],
@@ -441,6 +532,11 @@ def build_attention_metadata(
     for i, (q_len, ctx_len, blocks) in enumerate(
         zip(query_lens, context_lens, block_tables, strict=True)
     ):
+        for arg, n in (("query_lens", q_len), ("context_lens", ctx_len)):
+            if isinstance(n, bool) or not _is_index(n):
+                raise TypeError(f"{arg}[{i}]={n!r} must be an int (a token count), got "
+                                f"{type(n).__name__}")
+        _check_block_ids(i, blocks)
         if q_len < 0 or ctx_len < 0:
             raise ValueError(
                 f"request {i}: query_lens={q_len} and context_lens={ctx_len} must be >= 0"
@@ -470,6 +566,11 @@ def build_attention_metadata(
         seq_lens.append(seq_len)
         for pos in range(ctx_len, seq_len):
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    if len(set(slots)) != len(slots):  # two new tokens in one slot: which lands is a race
+        seen: set[int] = set()
+        repeated = sorted({s for s in slots if s in seen or seen.add(s)})
+        raise ValueError(f"the block tables give slots {repeated[:8]} to more than one new "
+                         "token of the step; every new token needs its own slot")
     width = max((len(b) for b in rows), default=0)
     starts = [0]
     for q_len in query_lens:
@@ -498,6 +599,55 @@ def build_attention_metadata(
     return metadata
 
 
+def encoder_only_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """A private paged cache holding only this step's tokens, for encoder-only layers.
+
+    An encoder-only layer must not write the engine's cache (:meth:`AttentionImpl.
+    writes_kv_cache`) but its kernels read K/V through a block table. This returns a fresh
+    ``(num_blocks', *kv_cache.shape[1:])`` cache (contiguous, ``kv_cache``'s dtype), filled
+    with ``key[:n]`` / ``value[:n]`` by ``write(key, value, cache, slot_mapping)`` (the
+    backend's own cache write, so fp8 is quantised as usual), each request in its own run of
+    blocks, and a copy of ``attn_metadata`` whose ``block_table`` and ``slot_mapping`` point
+    into it. Reads the query lengths on the host (one sync per layer: encoder-only steps
+    are not graph-captured).
+
+    Raises:
+        ValueError: a request has a cached prefix (``seq_lens`` must equal its query length).
+    """
+    n = attn_metadata.num_actual_tokens
+    block_size = kv_cache.shape[2] if kv_cache.dim() == 5 else kv_cache.shape[1]
+    starts = attn_metadata.query_start_loc.tolist()
+    q_lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
+    seq_lens = attn_metadata.seq_lens.tolist()
+    if seq_lens != q_lens:
+        raise ValueError(
+            f"encoder-only layers attend over the step's own tokens, but seq_lens={seq_lens} "
+            f"differ from the query lengths {q_lens}; give every request context length 0"
+        )
+    counts = [-(-q // block_size) for q in q_lens]
+    first = [0]
+    for c in counts:
+        first.append(first[-1] + c)
+    table = torch.zeros(len(q_lens), max(max(counts, default=0), 1), dtype=torch.int32)
+    slots: list[int] = []
+    for i, (q_len, c) in enumerate(zip(q_lens, counts, strict=True)):
+        table[i, :c] = torch.arange(first[i], first[i] + c, dtype=torch.int32)
+        slots.extend(range(first[i] * block_size, first[i] * block_size + q_len))
+    device = kv_cache.device
+    cache = torch.zeros((max(first[-1], 1), *kv_cache.shape[1:]), dtype=kv_cache.dtype,
+                        device=device)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    write(key[:n], value[:n], cache, slot_mapping)
+    return cache, dataclasses.replace(attn_metadata, block_table=table.to(device),
+                                      slot_mapping=slot_mapping)
+
+
 class AttentionImpl(ABC):
     """Per-layer state of a backend and the two calls an engine makes every step.
 
@@ -524,6 +674,10 @@ class AttentionImpl(ABC):
             )
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+                math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale={scale!r} must be a finite, positive float "
+                             "(usually head_size ** -0.5)")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -540,6 +694,13 @@ class AttentionImpl(ABC):
         sees every key of its request.
         """
         return attn_metadata.causal and self.attn_type == AttentionType.DECODER
+
+    def writes_kv_cache(self) -> bool:
+        """Whether :meth:`do_kv_cache_update` writes anything: the one cache-write rule of
+        every backend. An encoder-only layer keeps nothing across steps, so it never writes
+        the paged cache (its ``forward`` attends over the step's own ``key``/``value``,
+        e.g. through :func:`encoder_only_cache`)."""
+        return self.attn_type != AttentionType.ENCODER_ONLY
 
     @abstractmethod
     def do_kv_cache_update(
@@ -603,6 +764,8 @@ class PagedAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        if not self.writes_kv_cache():
+            return
         key_cache, value_cache = self.split_kv(kv_cache)
         self.write_kv(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
                       layer.k_scale, layer.v_scale)
@@ -622,6 +785,13 @@ class PagedAttentionImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if not self.writes_kv_cache():
+            def write(k, v, cache, slots):
+                self.write_kv(k, v, *self.split_kv(cache), slots, self.kv_cache_dtype,
+                              layer.k_scale, layer.v_scale)
+
+            kv_cache, attn_metadata = encoder_only_cache(key, value, kv_cache, attn_metadata,
+                                                         write)
         key_cache, value_cache = self.split_kv(kv_cache)
         n = attn_metadata.num_actual_tokens
         if output is None:

@@ -41,6 +41,14 @@ class AttentionSelectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # A string such as "no" would read as True: the flags must be real booleans.
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise TypeError(
+                    f"{f.name}={value!r} must be a bool (True or False), got "
+                    f"{type(value).__name__}"
+                )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} (supported: {', '.join(KV_CACHE_DTYPES)})"

@@ -28,7 +28,7 @@ import torch
 
 from kvcore.backend import AttentionMetadata, build_attention_metadata
 from kvcore.builder import PersistentMetadataBuilder, graph_batch_sizes, is_uniform_decode
-from kvcore.ops.validation import checked_step_facts
+from kvcore.ops.validation import checked_step_facts, value_checks_enabled
 
 __all__ = ["CudaGraphRunner", "StepFn"]
 
@@ -136,6 +136,16 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.batch_sizes):
             meta = self.builder.build(empty, graph_batch_size=size)
+            if value_checks_enabled() and checked_step_facts(
+                    meta.query_start_loc, meta.seq_lens, meta.block_table,
+                    meta.slot_mapping) is None:
+                # The ops would read the tensors back to check them: a sync, which a capture
+                # cannot contain.
+                raise ValueError(
+                    f"{type(self.builder).__name__}.build(graph_batch_size={size}) returned "
+                    "metadata tensors not marked with the step's facts, so every op would read "
+                    "them back from the device, which a CUDA graph cannot capture: mark them "
+                    "(kvcore.ops.mark_step_checked) as PersistentMetadataBuilder.build does")
             inputs = {name: buf[:size] for name, buf in self._inputs.items()}
             side = torch.cuda.Stream(self.builder.device)
             side.wait_stream(torch.cuda.current_stream(self.builder.device))

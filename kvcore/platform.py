@@ -23,6 +23,7 @@ import torch
 from kvcore import plugins
 from kvcore.blocks import check_block_mapping
 from kvcore.config import AttentionSelectorConfig
+from kvcore.layout import KVCacheLayout
 from kvcore.platform_types import DeviceCapability
 from kvcore.registry import ResolveError, platform_registry
 
@@ -44,15 +45,28 @@ def _check_block_copy_args(
     dst_cache: torch.Tensor,
     src_block_indices: torch.Tensor,
     dst_block_indices: torch.Tensor,
-    layout: object | None,
+    layout: KVCacheLayout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layout check, then :func:`kvcore.blocks.check_block_mapping`: int64 CPU ids."""
-    if layout is not None and not getattr(layout, "is_blocks_first", False):
+    if not isinstance(layout, KVCacheLayout):
+        raise TypeError(
+            f"layout must be the caches' KVCacheLayout (KVCaches.layout), got "
+            f"{type(layout).__name__}: block movement indexes dim 0, which is the block only "
+            "in a blocks-first layout, so the layout is required to refuse any other"
+        )
+    if not layout.is_blocks_first:
         raise ValueError(
             f"the cache layout {layout} is not blocks-first (its block dim is not outermost); "
             "block movement indexes dim 0 and would move the wrong data. Use a backend with "
             "the blocks-first layout"
         )
+    page = tuple(layout.layer_shape[1:])
+    for name, cache in (("src_cache", src_cache), ("dst_cache", dst_cache)):
+        if isinstance(cache, torch.Tensor) and tuple(cache.shape[1:]) != page:
+            raise ValueError(
+                f"{name} has shape {tuple(cache.shape)}, which is not a cache of the given "
+                f"layout {layout} (pages of shape {page}); pass the layout of these caches"
+            )
     return check_block_mapping(
         src_cache, dst_cache, src_block_indices, dst_block_indices,
         names=("src_cache", "dst_cache", "src_block_indices", "dst_block_indices"),
@@ -76,6 +90,9 @@ class Platform(ABC):
     #: Backends this platform prefers that ship in separate distributions: name -> package,
     #: so an uninstalled one is reported with what to install.
     BACKEND_PROVIDERS: ClassVar[dict[str, str]] = {}
+    #: A device capability as this platform spells it (``"9.0"``, ``"gfx942"``), for
+    #: messages that tell a user how to simulate a device; ``None``: no capabilities.
+    CAPABILITY_EXAMPLE: ClassVar[str | None] = None
 
     @abstractmethod
     def probe(self) -> str | None:
@@ -120,7 +137,7 @@ class Platform(ABC):
         dst_cache: torch.Tensor,
         src_block_indices: torch.Tensor,
         dst_block_indices: torch.Tensor,
-        layout: object | None,
+        layout: KVCacheLayout,
     ) -> None:
         src_idx, dst_idx = _check_block_copy_args(
             src_cache, dst_cache, src_block_indices, dst_block_indices, layout
@@ -140,13 +157,14 @@ class Platform(ABC):
         src_block_indices: torch.Tensor,
         dst_block_indices: torch.Tensor,
         *,
-        layout: object | None = None,
+        layout: KVCacheLayout,
     ) -> None:
         """Copy host blocks ``src_cache[src_block_indices]`` into ``dst_cache[dst_block_indices]``.
 
-        Both caches are blocks-first (dim 0 is the block); pass the cache's
-        :class:`~kvcore.KVCacheLayout` as ``layout`` to have a non-blocks-first cache refused.
-        Indices are validated (1-D, integer, equal length, in range) before anything moves.
+        ``layout`` (required, keyword-only) is the caches' :class:`~kvcore.KVCacheLayout`
+        (``KVCaches.layout``): both caches must be blocks-first pages of it (dim 0 the block);
+        a legacy ``(2, num_blocks, ...)`` cache is refused instead of moving K halves. Indices
+        are validated (1-D, integer, equal length, in range) before anything moves.
         """
         self._copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices, layout)
 
@@ -157,7 +175,7 @@ class Platform(ABC):
         src_block_indices: torch.Tensor,
         dst_block_indices: torch.Tensor,
         *,
-        layout: object | None = None,
+        layout: KVCacheLayout,
     ) -> None:
         """Copy device blocks ``src_cache[src_block_indices]`` to host ``dst_cache[...]``.
 

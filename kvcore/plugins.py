@@ -30,6 +30,7 @@ __all__ = [
     "CORE_DISTRIBUTION",
     "PluginInfo",
     "get_plugin_manager",
+    "is_core_plugin",
     "list_plugins",
     "register_plugin",
     "unregister_plugin",
@@ -128,11 +129,26 @@ def _load(pm: pluggy.PluginManager) -> None:
             _infos.append(info)
             continue
         _register_module(pm, ep.name, ep.load, info)
+    if allow is not None and autoload:
+        known = {i.name for i in _infos if i.source != "core"} | {
+            i.distribution for i in _infos if i.source != "core" and i.distribution}
+        unknown = sorted(allow - known)
+        if unknown:
+            names = ", ".join(sorted(i.name for i in _infos if i.source != "core")) or "none"
+            logger.warning(
+                "KVCORE_PLUGINS names %s, which no installed plugin matches (entry-point or "
+                "distribution name); installed plugins: %s", ", ".join(map(repr, unknown)), names)
     if not seen_core:
         logger.debug("kvcore is not installed; registering its built-in plugins directly")
         for name, module in _CORE_MODULES.items():
             info = PluginInfo(name, CORE_DISTRIBUTION, None, module, "core", "loaded")
             _register_module(pm, name, lambda m=module: importlib.import_module(m), info)
+
+
+def is_core_plugin(name: str) -> bool:
+    """Whether ``name`` is one of kvcore's own plugins (whose registered names are protected)."""
+    return name in _CORE_MODULES or any(
+        i.name == name and i.source == "core" for i in _infos)
 
 
 def get_plugin_manager() -> pluggy.PluginManager:

@@ -15,8 +15,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvcore import allocate, plugins
 from kvcore.backend import AttentionBackend
+from kvcore.layout import KVCacheLayout
 
 __all__ = [
     "Registration",
@@ -153,6 +156,21 @@ class Registry:
                 if existing is None:
                     self.entries[key] = reg
                     continue
+                new_core, old_core = plugins.is_core_plugin(reg.plugin), plugins.is_core_plugin(
+                    existing.plugin)
+                if new_core != old_core:
+                    # A core name is protected: the other plugin's registration is the error,
+                    # whichever ran first, and the core's entry stays usable.
+                    core, other = (reg, existing) if new_core else (existing, reg)
+                    self.entries[key] = core
+                    self.errors.append((
+                        other.plugin,
+                        f"{self.kind} {key!r} is a built-in name of kvcore (plugin "
+                        f"{core.plugin!r}); plugin {other.plugin!r} may not register it again: "
+                        "register the backend under another name",
+                    ))
+                    logger.warning("plugin %r: %s", other.plugin, self.errors[-1][1])
+                    continue
                 self.entries[key] = Registration(
                     existing.kind, key, existing.target, existing.plugin,
                     (*existing.conflicts_with, reg.plugin),
@@ -230,7 +248,48 @@ def resolve_backend(name: str) -> type[AttentionBackend]:
             f"attention backend registered as {registry.normalize(name)!r} reports "
             f"get_name() == {cls.get_name()!r}; the two must match"
         )
+    if cls not in _valid_layouts:
+        problem = _layout_problem(cls)
+        if problem:
+            reg = registry.get(name)
+            raise ResolveError(
+                f"attention backend {reg.name!r} (plugin {reg.plugin!r}) declares an invalid KV "
+                f"cache layout: {problem}"
+            )
+        _valid_layouts.add(cls)
     return cls
+
+
+def _smallest(supported: tuple | None, default: int) -> int:
+    """A size the declaration allows: its first int or first ``MultipleOf`` base."""
+    if not supported:
+        return default
+    first = supported[0]
+    return first if isinstance(first, int) else first.base
+
+
+# Backend classes whose declared layout passed :func:`_layout_problem` (checked once each).
+_valid_layouts: set[type] = set()
+
+
+def _layout_problem(cls: type[AttentionBackend]) -> str:
+    """Why ``cls``'s declared shapes and stride orders cannot lay out a cache ("" if they can).
+
+    Builds the per-layer layout, and the cross-layer one when the backend opts in, for small
+    sizes it declares: what :func:`kvcore.allocate_kv_caches` would do, so an invalid backend
+    is rejected when first resolved instead of selected and then failing at allocation.
+    """
+    try:
+        head_size, block_size = (_smallest(cls.SUPPORTED_HEAD_SIZES, 64),
+                                 _smallest(cls.SUPPORTED_BLOCK_SIZES, 16))
+        dtype = (cls.SUPPORTED_DTYPES or (torch.bfloat16,))[0]
+        for cross in (False, True) if cls.supports_cross_layer() else (False,):
+            KVCacheLayout.from_backend(cls, num_blocks=3, block_size=block_size,
+                                       num_kv_heads=1, head_size=head_size, dtype=dtype,
+                                       num_layers=2, cross_layer=cross)
+    except Exception as exc:  # a plugin's declaration, whatever it raises
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 allocate.set_backend_name_resolver(resolve_backend)

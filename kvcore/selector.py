@@ -47,6 +47,8 @@ class CandidateReport:
     selected: bool = False
     #: The backend's ``CUDA_GRAPH_SUPPORT`` value (``None``: the class could not be loaded).
     cuda_graphs: str | None = None
+    #: Facts about how the backend runs here that are not rejections (e.g. no cross-layer).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -55,7 +57,8 @@ class CandidateReport:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "plugin": self.plugin, "valid": self.valid,
                 "selected": self.selected, "in_priority_list": self.in_priority_list,
-                "cuda_graphs": self.cuda_graphs, "reasons": list(self.reasons)}
+                "cuda_graphs": self.cuda_graphs, "reasons": list(self.reasons),
+                "notes": list(self.notes)}
 
 
 @dataclass
@@ -73,8 +76,21 @@ class SelectionReport:
     def selected(self) -> CandidateReport | None:
         return next((c for c in self.candidates if c.selected), None)
 
+    def why_selected(self) -> str | None:
+        """Why the selected backend won over the other valid ones (``None`` if none won)."""
+        pick = self.selected
+        if pick is None:
+            return None
+        if self.forced:
+            return "forced by name (backend argument or KVCORE_ATTENTION_BACKEND), and valid"
+        order = ", ".join(c.name for c in self.candidates if c.in_priority_list)
+        if pick.in_priority_list:
+            return f"first valid backend in {self.platform}'s priority list ({order})"
+        return (f"no backend in {self.platform}'s priority list ({order}) is valid; first valid "
+                f"of the other backends registered for {self.platform}")
+
     def format(self) -> str:
-        """Flat, greppable text: the pick, then each candidate with its reasons."""
+        """Flat, greppable text: the pick and why, then each candidate with its reasons."""
         capability = self.device_capability or "n/a"
         header = f"platform: {self.platform} (device capability {capability})"
         if self.simulated:
@@ -84,14 +100,19 @@ class SelectionReport:
             lines.append(f"forced backend: {self.forced}")
         pick = self.selected
         lines.append(f"selected: {pick.name if pick else 'none'}")
+        if pick:
+            lines.append(f"why: {self.why_selected()}")
         if pick is not None and pick.cuda_graphs is not None:
             lines.append(f"cuda graphs: {pick.cuda_graphs} (the selected backend's "
                          "CUDA_GRAPH_SUPPORT)")
         for c in self.candidates:
-            status = "SELECTED" if c.selected else ("valid" if c.valid else "rejected")
+            status = ("SELECTED" if c.selected else "rejected" if not c.valid
+                      else "valid, not forced" if self.forced
+                      else "valid, lower priority" if pick else "valid")
             origin = f" [plugin {c.plugin}]" if c.plugin else ""
             lines.append(f"  {c.name}: {status}{origin}")
             lines.extend(f"    - {r}" for r in c.reasons)
+            lines.extend(f"    note: {n}" for n in c.notes)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,9 +190,20 @@ def _evaluate(
         reasons.append(f"{name} could not check the config: {type(exc).__name__}: {exc}")
     except Exception as exc:  # a plugin's bug must not break selection of the others
         reasons.append(f"{name}.validate_configuration raised {type(exc).__name__}: {exc}")
+    notes = []
+    if platform.name in cls.PLATFORMS and cls.supports_cross_layer() and not (
+            cls.supports_cross_layer(platform.name)):
+        notes.append(cls.cross_layer_note(platform.name))
     graphs = getattr(cls, "CUDA_GRAPH_SUPPORT", None)
     return CandidateReport(name, plugin, reasons, in_priority_list,
-                           cuda_graphs=getattr(graphs, "value", None)), cls
+                           cuda_graphs=getattr(graphs, "value", None), notes=notes), cls
+
+
+def _importable(candidate: CandidateReport) -> bool:
+    """Import the packages of a valid candidate about to be picked; a package that fails to
+    import becomes its reason (see :meth:`AttentionBackend.import_reasons`)."""
+    candidate.reasons.extend(resolve_backend(candidate.name).import_reasons())
+    return candidate.valid
 
 
 def _candidate_names(
@@ -238,10 +270,10 @@ def explain_selection(
         report.candidates.append(candidate)
     if report.forced:
         chosen = next(c for c in report.candidates if c.name == report.forced)
-        chosen.selected = chosen.valid
+        chosen.selected = chosen.valid and _importable(chosen)
     else:
         for c in report.candidates[: len(names)]:
-            if c.valid:
+            if c.valid and _importable(c):
                 c.selected = True
                 break
     return report

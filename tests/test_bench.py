@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.cli import main as kvcore_cli
-from kvcore.cli.bench import BenchOptions, format_report, plot_report, run_bench
+from kvcore.cli.bench import BenchOptions, bench_figure, format_report, plot_report, run_bench
 
 CASE_FIELDS = {"name", "backend", "shape", "num_bytes", "seconds", "gbps", "ceiling",
                "ceiling_gbps", "fraction_of_ceiling", "error"}
@@ -54,6 +54,21 @@ def test_bench_table_and_plot(report, tmp_path):
         1 + len(report.cases)  # the ceiling row and every case
     path = plot_report(report, tmp_path / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_bench_plot_has_a_legend_entry_per_bar_colour(report):
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    fig = bench_figure(report)
+    (legend,) = fig.legends
+    entries = {t.get_text(): to_hex(h.get_facecolor()) for t, h in
+               zip(legend.get_texts(), legend.legend_handles, strict=True)}
+    bars = {to_hex(p.get_facecolor()) for p in fig.axes[0].patches}
+    kinds = {c.name for c in report.cases}
+    assert set(entries) == {"ceiling (measured in this run)",
+                            *(f"achieved: {kind}" for kind in kinds)}
+    assert bars == set(entries.values()) and len(bars) == 1 + len(kinds)
 
 
 def test_bench_checks_the_plot_path_before_running(tmp_path, capsys):

@@ -64,9 +64,11 @@ def test_select_json_is_machine_readable():
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["select", "--backend", "NOPE"], "unknown attention backend 'NOPE'; valid options are"),
+    [(["select", "--backend", "NOPE"],
+      "--backend NOPE: unknown attention backend; valid names: CPU_ATTN, "),
      (["select", "--capability", "ampere"], "device capability 'ampere' is not of the form"),
-     (["select", "--platform", "tpu"], "unknown platform 'tpu'; valid options are: cpu")],
+     (["select", "--platform", "tpu"],
+      "--platform tpu: unknown platform 'tpu'; valid options are: cpu")],
     ids=["unknown-backend", "bad-capability", "unknown-platform"],
 )
 def test_bad_arguments_exit_2_with_a_message(args, message):
@@ -95,7 +97,9 @@ def test_collect_env():
     assert data["python"] == sys.version.split()[0]
     assert data["platforms"]["cpu"] == "present"
     assert data["plugins"]["builtin_backends"] == "loaded"
-    assert "torch:" in kvcore_cmd("collect-env").stdout
+    table = kvcore_cmd("collect-env").stdout
+    assert "torch:" in table and not table.rstrip().endswith(":")
+    assert "environment: (none set)" in table or "\n  KVCORE_" in table or "\n  TRITON" in table
 
 
 def test_select_capability_does_not_leak_into_the_environment(fresh_kvcore, monkeypatch, capsys):
@@ -164,3 +168,100 @@ def test_kv_cache_dtype_choices_are_kvcores():
     from kvcore.cli.main import KV_CACHE_DTYPE_CHOICES
 
     assert KV_CACHE_DTYPE_CHOICES == kvcore.ops.KV_CACHE_DTYPES
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """``kvcore ARGS`` in this process: (exit status, stdout, stderr)."""
+    from kvcore.cli import main
+
+    try:
+        status = main(list(args))
+    except SystemExit as exc:  # argparse's errors
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize(("args", "says", "not_says"), [
+    (["demo", "--new-tokens", "-1"], "argument --new-tokens: -1 is not a positive integer",
+     "max_new_tokens"),
+    (["layout", "TRITON_ATTN", "--num-blocks", "-1"],
+     "argument --num-blocks: -1 is not a positive integer", "logical_shape"),
+    (["layout", "TRITON_ATTN", "--head-size", "0"],
+     "argument --head-size: 0 is not a positive integer", "B,"),
+    (["layout", "ROCM_ATTN", "--cross-layer"],
+     "--cross-layer: ROCM_ATTN does not opt in to cross-layer KV caches", "cross_layer="),
+    (["layout", "TRITON_MLA", "--num-kv-heads", "2"],
+     "--num-kv-heads 2: TRITON_MLA is an MLA backend", "num_kv_heads="),
+    (["layout", "NOPE"], "layout NOPE: unknown attention backend; valid names: CPU_ATTN, ",
+     "argument"),
+    (["demo", "--backend", "NOPE"], "--backend NOPE: unknown attention backend", "argument"),
+    (["demo", "--backend", "TRITON_MLA", "--model", "tiny"],
+     "TRITON_MLA was requested by --backend but cannot run", "the backend argument"),
+    (["demo", "--platform", "cuda"], "--platform cuda: not present on this machine",
+     "platform="),
+    (["bench", "--size", "huge"], "argument --size: invalid choice: 'huge'", "size="),
+    (["select", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'", "dtype="),
+], ids=["demo-new-tokens", "layout-num-blocks", "layout-head-size-zero", "layout-cross-layer",
+        "layout-mla-heads", "layout-unknown-backend", "demo-unknown-backend",
+        "demo-invalid-backend", "demo-absent-platform", "bench-size", "select-dtype"])
+def test_errors_name_the_flags_the_user_typed(fresh_kvcore, capsys, args, says, not_says):
+    status, _, err = _cli(capsys, *args)
+    assert status == 2 and says in err and not_says not in err, err
+
+
+def test_dtype_aliases_are_accepted(fresh_kvcore, capsys):
+    assert _cli(capsys, "select", "--dtype", "bf16", "--format", "json")[0] == 0
+
+
+def test_select_explain_says_why_the_winner_beat_the_other_valid_backends(fresh_kvcore,
+                                                                           capsys):
+    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "cpu")
+    assert status == 0
+    assert ("selected: CPU_ATTN\nwhy: first valid backend in cpu's priority list (CPU_ATTN)"
+            in out)
+    assert "  SDPA_GATHER: valid, lower priority [plugin example]" in out
+
+
+def test_select_without_capability_suggests_the_flag_with_the_platforms_spelling(
+        fresh_kvcore, capsys, monkeypatch):
+    monkeypatch.delenv("KVCORE_DEVICE_CAPABILITY", raising=False)
+    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "rocm", "--kv-connector")
+    assert status == 0 and "KVCORE_DEVICE_CAPABILITY" not in out
+    assert ("ROCM_AITER_UNIFIED_ATTN needs >= gfx942 (9.4) and <= gfx950 (9.5) (pass "
+            "--capability gfx942 to simulate such a device)") in out
+    # Valid without a capability (pure torch, any ROCm GPU), and the why says so.
+    assert ("selected: SDPA_GATHER\nwhy: no backend in rocm's priority list "
+            "(ROCM_AITER_UNIFIED_ATTN, ROCM_AITER_FA, TRITON_ATTN) is valid; first valid of the "
+            "other backends registered for rocm") in out
+    assert out.rstrip().endswith("pass --capability to simulate a device, e.g. --capability "
+                                 "gfx942")
+    _, out, err = _cli(capsys, "select", "--platform", "cuda")
+    assert "e.g. --capability 9.0" in err
+    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "rocm", "--kv-connector",
+                          "--capability", "gfx942")
+    assert "selected: ROCM_AITER_UNIFIED_ATTN\nwhy: first valid backend" in out
+    assert "pass --capability" not in out
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from kvcore.cli.main import build_parser
+
+    parser = build_parser(with_kernels_options=True)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+               for name, sub in commands.choices.items() for action in sub._actions
+               if not action.help or action.help == argparse.SUPPRESS]
+    assert len(commands.choices) >= 8 and missing == []
+
+
+def test_choices_spelled_out_in_the_parser_are_kvcores():
+    import kvcore
+    from kvcore.cli.bench import SIZES
+    from kvcore.cli.main import BENCH_SIZE_CHOICES, CACHE_DTYPE_CHOICES
+
+    assert BENCH_SIZE_CHOICES == tuple(SIZES)
+    for name in CACHE_DTYPE_CHOICES:
+        assert str(kvcore.parse_dtype(name)) == f"torch.{name}"

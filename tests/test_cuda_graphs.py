@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvcore
+from kvcore import ops
 from kvcore.ops.reference import paged_attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -125,9 +126,22 @@ def test_a_builder_that_moves_its_tensors_cannot_replay(engine):
     builder, step_fn, _ = engine
 
     class Moving(type(builder)):
+        """Returns a new ``seq_lens`` every step, marked with the step's facts (so the ops
+        skip their value reads, as for the real buffers) and kept alive (so the allocator
+        cannot hand the next step the same address)."""
+
+        kept = []
+
         def build(self, common, *, graph_batch_size=None):
             meta = super().build(common, graph_batch_size=graph_batch_size)
-            return dataclasses.replace(meta, seq_lens=meta.seq_lens.clone())
+            moved = dataclasses.replace(meta, seq_lens=meta.seq_lens.clone())
+            facts = ops.checked_step_facts(meta.query_start_loc, meta.seq_lens,
+                                           meta.block_table, meta.slot_mapping)
+            ops.mark_step_checked(facts, query_start_loc=moved.query_start_loc,
+                                  seq_lens=moved.seq_lens, block_table=moved.block_table,
+                                  slot_mapping=moved.slot_mapping)
+            self.kept.append(moved.seq_lens)
+            return moved
 
     moving = Moving(builder.spec, num_heads=HQ, max_num_seqs=8, max_num_batched_tokens=64,
                     max_model_len=512, device="cuda")
@@ -139,3 +153,22 @@ def test_a_builder_that_moves_its_tensors_cannot_replay(engine):
     with pytest.raises(RuntimeError, match="returned other tensors or host values than at "
                                            "capture"):
         runner.run(inputs, meta)
+
+
+def test_a_builder_that_leaves_its_tensors_unmarked_cannot_capture(engine):
+    """Unmarked metadata would make every op read it back (a sync) inside the capture."""
+    builder, step_fn, _ = engine
+
+    class Unmarked(type(builder)):
+        def build(self, common, *, graph_batch_size=None):
+            meta = super().build(common, graph_batch_size=graph_batch_size)
+            return dataclasses.replace(meta, seq_lens=meta.seq_lens.clone())
+
+    unmarked = Unmarked(builder.spec, num_heads=HQ, max_num_seqs=8, max_num_batched_tokens=64,
+                        max_model_len=512, device="cuda")
+    runner = kvcore.CudaGraphRunner(unmarked, step_fn, num_blocks=BLOCKS, batch_sizes=[2])
+    with pytest.raises(ValueError, match=r"Unmarked.build\(graph_batch_size=2\) returned "
+                                         "metadata tensors not marked"):
+        runner.capture({"query": torch.zeros(1, HQ, D, dtype=torch.bfloat16, device="cuda"),
+                        "key": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda"),
+                        "value": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda")})

@@ -121,7 +121,7 @@ def test_kvcore_demo_json_and_exit_status_on_mismatch(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for an absent GPU")
 def test_demo_refuses_a_platform_that_is_not_present(capsys):
     assert kvcore_cli(["demo", *FAST[:-2], "--platform", "cuda"]) == 2
-    assert "platform=cuda is not present on this machine" in capsys.readouterr().err
+    assert "--platform cuda: not present on this machine" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("option", "value", "message"), [

@@ -1,4 +1,4 @@
-"""``python -m kvcore.demo.disagg``: prefill in one process, decode in another, KV through
+"""``kvcore demo --disaggregated``: prefill in one process, decode in another, KV through
 ``nixl``; the tokens match one engine alone, and the check catches KV that did not arrive."""
 
 from __future__ import annotations
@@ -41,3 +41,14 @@ def test_bad_options_are_named():
         run_disaggregated(options(batch=0))
     with pytest.raises(ValueError, match="timeout_s=nan"):
         run_disaggregated(options(timeout_s=float("nan")))
+
+
+def test_the_demo_command_runs_disaggregated(capsys):
+    from kvcore.cli import main as kvcore_cli
+
+    status = kvcore_cli(["demo", "--disaggregated", "--model", "tiny", "--batch", "2",
+                         "--new-tokens", "3", "--platform", "cpu"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "disaggregated prefill/decode over nixl" in out
+    assert "tokens identical to one engine alone: yes" in out

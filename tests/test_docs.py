@@ -65,3 +65,57 @@ def test_tolerance_table_is_the_default_table():
     documented = {key if key.startswith("fp8") else getattr(torch, key):
                   (float(atol), float(rtol)) for key, atol, rtol in rows}
     assert documented == DEFAULT_TOLERANCES
+
+
+def shell_commands(path: Path) -> list[str]:
+    """The command lines of the ``bash`` blocks of ``path``, comments and env prefixes gone."""
+    commands = []
+    for block in re.findall(r"^```(?:bash|sh|console)\n(.*?)^```", path.read_text(),
+                            re.MULTILINE | re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s)#.*$", "", line).strip()
+            for part in filter(None, (p.strip() for p in line.split("&&"))):
+                commands.append(re.sub(r"^(?:[A-Z_]+=\S+\s+)+", "", part))
+    return commands
+
+
+DOC_COMMANDS = [(p, c) for p in [REPO / "README.md", *MARKDOWN] for c in shell_commands(p)]
+
+
+@pytest.mark.parametrize(("path", "command"), DOC_COMMANDS,
+                         ids=[f"{p.relative_to(REPO)}: {c[:50]}" for p, c in DOC_COMMANDS])
+def test_doc_commands_run_as_written_in_the_activated_environment(path, command):
+    """Each program is one the README's setup puts in ``.venv/bin`` (or the system's python3),
+    and every ``kvcore`` / ``pytest --kvcore-...`` command parses with kvcore's parser and
+    pytest plugin options, so that following the docs gives no "command not found" and no
+    "unrecognized arguments"."""
+    import shlex
+    import sys
+
+    from kvcore.cli.main import build_parser
+
+    words = shlex.split(command)
+    program = words[0].removeprefix(".venv/bin/")
+    bin_dir = Path(sys.executable).parent
+    assert program in ("python3", "source", "cd", "git") or (bin_dir / program).exists(), \
+        f"{program!r} is not installed by the README's setup"
+    if program == "kvcore":
+        try:
+            build_parser(with_kernels_options=True).parse_args(words[1:])
+        except SystemExit as exc:
+            assert exc.code == 0, f"kvcore rejects: {command}"
+    if program == "pytest" or words[:3] == ["python", "-m", "pytest"]:
+        known = set(re.findall(r'"(--kvcore-[a-z-]+)"', (REPO / "kvcore_pytest.py").read_text()))
+        used = {w.split("=")[0] for w in words if w.startswith("--kvcore-")}
+        assert used <= known, f"unknown pytest options {used - known}"
+
+
+def test_backend_plugin_doc_lists_every_attribute_an_impl_gets():
+    import kvcore
+
+    class Impl(kvcore.AttentionImpl):
+        do_kv_cache_update = forward = None
+
+    documented = set(re.findall(r"^\| `self\.([a-z_]+)` \|", (DOCS / "backend-plugin.md")
+                                .read_text(), re.MULTILINE))
+    assert documented == set(vars(Impl(8, 64, 0.125, 2)))

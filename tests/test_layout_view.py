@@ -128,7 +128,8 @@ def test_layout_command_prints_shapes_strides_and_the_named_dims(capsys):
     assert kvcore_cli(["layout", "CPU_ATTN", "--cross-layer"]) == 0
     out = capsys.readouterr().out
     for expected in (
-        "layout: B,L,2,N,H,D  (cross-layer;",
+        "layout: B,L,2,N,H,D = B=8 x L=4 x 2=2 x N=16 x H=2 x D=128 (bfloat16, cross-layer, "
+        "page 16384 B)\n",
         "logical shape: (L=4, B=8, 2=2, N=16, H=2, D=128)",
         "physical shape: (B=8, L=4, 2=2, N=16, H=2, D=128)",
         "logical strides (elements): (L=8192, B=32768, 2=4096, N=256, H=128, D=1)",
@@ -136,6 +137,7 @@ def test_layout_command_prints_shapes_strides_and_the_named_dims(capsys):
         "(32768, 4096, 256, 128, 1)",
     ):
         assert expected in out
+    assert out.count("cross-layer") == 2  # the layout line and "cross-layer capable"
 
 
 def test_layout_json_has_the_layout_fields(capsys):
@@ -154,6 +156,30 @@ def test_layout_plot_writes_a_png(tmp_path, capsys):
     assert kvcore_cli(["layout", "CPU_ATTN", "--cross-layer", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
     assert f"wrote {path}" in capsys.readouterr().err
+
+
+def test_layout_plot_shades_odd_kv_heads_in_k_and_v_as_its_legend_says():
+    pytest.importorskip("matplotlib")
+    from kvcore.cli.layout_view import layout_figure
+
+    view = describe_layout("CPU_ATTN", num_layers=1, num_blocks=1, num_kv_heads=2,
+                           show_blocks=1)
+    fig = layout_figure(view)
+    ax = fig.axes[0]
+    # Patches in drawing order: one per piece of view.head_regions (in that order here, one
+    # page per row, since a page holds the block of the single layer).
+    colours: dict[tuple[str, int], set[tuple[float, ...]]] = {}
+    pieces = [(r.part, r.head) for r in view.head_regions for _ in r.runs]
+    for (part, head), patch in zip(pieces, ax.patches, strict=True):
+        *rgb, alpha = patch.get_facecolor()  # as seen over the white background
+        colours.setdefault((part, head), set()).add(
+            tuple(round(alpha * c + 1 - alpha, 6) for c in rgb))
+    assert all(len(c) == 1 for c in colours.values())
+    for part in ("K", "V"):  # the striping shows in both halves, clearly
+        (even,), (odd,) = colours[(part, 0)], colours[(part, 1)]
+        assert max(abs(a - b) for a, b in zip(even, odd, strict=True)) > 0.15, part
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "odd KV head (darker)" in labels and "even KV head" in labels
 
 
 def test_layout_plot_refuses_a_file_that_is_not_png(tmp_path, capsys):

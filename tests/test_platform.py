@@ -48,7 +48,8 @@ def test_swap_out_and_insert_move_whole_blocks_along_dim0():
     assert torch.equal(host_caches.layers[0], neighbours[0])
     assert torch.equal(host_caches.layers[2], neighbours[1])
     back = _caches(6)
-    cpu.insert_blocks_to_device(dst, back.layers[1], torch.tensor([1, 3]), torch.tensor([2, 4]))
+    cpu.insert_blocks_to_device(dst, back.layers[1], torch.tensor([1, 3]), torch.tensor([2, 4]),
+                                layout=back.layout)
     assert torch.equal(back.layers[1][2], src[5]) and torch.equal(back.layers[1][4], src[0])
 
 
@@ -63,8 +64,10 @@ def test_swap_out_and_insert_move_whole_blocks_along_dim0():
 def test_block_movement_validates_indices(src_idx, dst_idx, message):
     cpu = kvcore.get_platform("cpu")
     with pytest.raises(ValueError, match=message):
-        cpu.swap_out_blocks_to_host(_caches(6).layers[0], _caches(4).layers[0],
-                                    torch.tensor(src_idx), torch.tensor(dst_idx))
+        src = _caches(6)
+        cpu.swap_out_blocks_to_host(src.layers[0], _caches(4).layers[0],
+                                    torch.tensor(src_idx), torch.tensor(dst_idx),
+                                    layout=src.layout)
 
 
 def test_block_movement_refuses_a_layout_that_is_not_blocks_first():
@@ -77,9 +80,23 @@ def test_block_movement_refuses_a_layout_that_is_not_blocks_first():
 
 
 def test_block_movement_refuses_mismatched_pages():
-    with pytest.raises(ValueError, match="both caches must hold the same page layout"):
+    caches = _caches(4)
+    with pytest.raises(ValueError, match=r"dst_cache has shape \(4, 2, 4, 2, 4\), which is not"):
         kvcore.get_platform("cpu").insert_blocks_to_device(
-            torch.randn(4, 2, 8), torch.randn(4, 2, 4), torch.tensor([0]), torch.tensor([0]))
+            caches.layers[0], caches.layers[0][..., :4], torch.tensor([0]), torch.tensor([0]),
+            layout=caches.layout)
+
+
+@pytest.mark.parametrize("direction", ["swap_out_blocks_to_host", "insert_blocks_to_device"])
+def test_block_movement_requires_the_layout(direction):
+    """Without the layout a legacy (2, num_blocks, ...) cache would have its K halves moved
+    as if they were blocks: the layout is a required keyword, None is refused."""
+    legacy = torch.randn(2, 6, 4, 2, 8)
+    move = getattr(kvcore.get_platform("cpu"), direction)
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'layout'"):
+        move(legacy, torch.empty_like(legacy), torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(TypeError, match="layout must be the caches' KVCacheLayout"):
+        move(legacy, torch.empty_like(legacy), torch.tensor([0]), torch.tensor([1]), layout=None)
 
 
 @pytest.mark.gpu
@@ -88,9 +105,11 @@ def test_round_trip_through_the_gpu():
     device_caches, host_caches = _caches(6, platform.device()), _caches(4)
     device_caches.storage.copy_(torch.randn(device_caches.storage.shape))
     platform.swap_out_blocks_to_host(device_caches.layers[1], host_caches.layers[1],
-                                     torch.tensor([5]), torch.tensor([2]))
+                                     torch.tensor([5]), torch.tensor([2]),
+                                     layout=device_caches.layout)
     platform.insert_blocks_to_device(host_caches.layers[1], device_caches.layers[2],
-                                     torch.tensor([2]), torch.tensor([0]))
+                                     torch.tensor([2]), torch.tensor([0]),
+                                     layout=device_caches.layout)
     assert torch.equal(device_caches.layers[2][0], device_caches.layers[1][5])
 
 
@@ -99,11 +118,13 @@ def test_block_movement_refuses_duplicate_destination_ids():
     before = dst.storage.clone()
     with pytest.raises(ValueError, match=r"dst_block_indices repeats block ids \[2\]"):
         kvcore.get_platform("cpu").insert_blocks_to_device(
-            src.layers[0], dst.layers[0], torch.tensor([0, 1]), torch.tensor([2, 2]))
+            src.layers[0], dst.layers[0], torch.tensor([0, 1]), torch.tensor([2, 2]),
+            layout=dst.layout)
     assert torch.equal(dst.storage, before)  # nothing moved
     # A repeated *source* is fine: one block copied to two places.
     kvcore.get_platform("cpu").insert_blocks_to_device(
-        src.layers[0], dst.layers[0], torch.tensor([1, 1]), torch.tensor([2, 3]))
+        src.layers[0], dst.layers[0], torch.tensor([1, 1]), torch.tensor([2, 3]),
+        layout=dst.layout)
 
 
 class _ExplodingPlatform(kvcore.Platform):

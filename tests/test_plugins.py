@@ -62,18 +62,38 @@ def test_plugin_failing_in_registration_hook_loses_only_its_entries(with_plugins
     assert "CPU_ATTN" in registry
 
 
-def test_duplicate_name_is_an_error_naming_both_plugins(with_plugins):
+def test_a_builtin_name_registered_again_is_that_plugins_error(with_plugins):
+    """Registering CPU_ATTN again does not knock the core backend out of selection: the
+    later (non-core) registration is the error, reported as that plugin's."""
     with_plugins("duplicate_cpu")
     registry = kvcore.backend_registry()
-    assert ("testfixture_duplicate_cpu",
-            "attention backend 'CPU_ATTN' is also registered by plugin 'builtin_backends'"
+    assert registry.errors == [(
+        "testfixture_duplicate_cpu",
+        "attention backend 'CPU_ATTN' is a built-in name of kvcore (plugin 'builtin_backends'); "
+        "plugin 'testfixture_duplicate_cpu' may not register it again: register the backend "
+        "under another name")]
+    assert registry.get("CPU_ATTN").plugin == "builtin_backends"
+    assert kvcore.resolve_backend("CPU_ATTN").get_name() == "CPU_ATTN"
+    config = kvcore.AttentionSelectorConfig(head_size=64, dtype=torch.float32)
+    assert kvcore.get_attn_backend(config, platform="cpu").get_name() == "CPU_ATTN"
+
+
+def test_duplicate_third_party_name_is_an_error_naming_both_plugins(fresh_kvcore):
+    class _Acme:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register("ACME_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")
+
+    kvcore.register_plugin(_Acme(), "acme_one")
+    kvcore.register_plugin(_Acme(), "acme_two")
+    registry = kvcore.backend_registry()
+    assert ("acme_two", "attention backend 'ACME_ATTN' is also registered by plugin 'acme_one'"
             ) in registry.errors
-    with pytest.raises(kvcore.DuplicateRegistrationError,
-                       match="'builtin_backends', 'testfixture_duplicate_cpu'"):
-        kvcore.resolve_backend("CPU_ATTN")
+    with pytest.raises(kvcore.DuplicateRegistrationError, match="'acme_one', 'acme_two'"):
+        kvcore.resolve_backend("ACME_ATTN")
     report = kvcore.explain_selection(kvcore.AttentionSelectorConfig(head_size=64), "cpu")
-    cpu = next(c for c in report.candidates if c.name == "CPU_ATTN")
-    assert not cpu.valid and "more than one plugin" in cpu.reasons[0]
+    acme = next(c for c in report.candidates if c.name == "ACME_ATTN")
+    assert not acme.valid and "more than one plugin" in acme.reasons[0]
 
 
 def test_allowlist_excludes_other_third_party_plugins(with_plugins):

@@ -1,5 +1,8 @@
-"""TRITON_ATTN's builder: persistent buffers, the split-KV choice and its workspace (Triton
-interpreter on CPU; the captured-graph replays are in ``tests/test_cuda_graphs.py``)."""
+"""TRITON_ATTN's builder: persistent buffers, the split-KV choice and its workspace.
+
+The kernels run on the GPU when there is one, else on the CPU under the Triton interpreter
+(``tests/conftest.py`` sets it only without a GPU, so CPU tensors never reach a compiled
+kernel); the captured-graph replays are in ``tests/test_cuda_graphs.py``."""
 
 from __future__ import annotations
 
@@ -11,41 +14,50 @@ from kvcore.ops.reference import paged_attention_ref
 
 pytest.importorskip("triton")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS, HQ, HK, D = 4, 4, 2, 16
-SPEC = kvcore.FullAttentionSpec(block_size=BS, dtype=torch.float32, num_kv_heads=HK,
-                                head_size=D)
 
 
-def builder(max_model_len=1024, max_num_seqs=4):
+def spec(hk=HK):
+    return kvcore.FullAttentionSpec(block_size=BS, dtype=torch.float32, num_kv_heads=hk,
+                                    head_size=D)
+
+
+def builder(max_model_len=1024, max_num_seqs=4, device="cpu", hk=HK):
     cls = kvcore.resolve_backend("TRITON_ATTN").get_builder_cls()
-    return cls(SPEC, num_heads=HQ, max_num_seqs=max_num_seqs, max_num_batched_tokens=16,
-               max_model_len=max_model_len, device="cpu")
+    return cls(spec(hk), num_heads=HQ, max_num_seqs=max_num_seqs, max_num_batched_tokens=16,
+               max_model_len=max_model_len, device=device)
 
 
-def decode(context_lens, tables):
+def decode(context_lens, tables, device="cpu"):
     return kvcore.build_attention_metadata([1] * len(context_lens), list(context_lens),
-                                           tables, BS)
+                                           tables, BS, device=device)
 
 
-def forward(meta, kv, query, impl=None):
-    impl = impl or kvcore.resolve_backend("TRITON_ATTN").get_impl_cls()(
-        num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK)
+def forward(meta, kv, query):
+    impl = kvcore.resolve_backend("TRITON_ATTN").get_impl_cls()(
+        num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=kv.shape[3])
     out = torch.full_like(query, float("nan"))
     return impl.forward(kvcore.LayerScales(), query, query, query, kv, meta, output=out)
 
 
 def reference(meta, kv, query, rows):
     k, v = kv.unbind(1)
-    return paged_attention_ref(query[:rows].double(), k.double(), v.double(),
-                               query_start_loc=meta.query_start_loc[:rows + 1],
-                               seq_lens=meta.seq_lens[:rows], block_table=meta.block_table[:rows],
-                               scale=D**-0.5)
+    return paged_attention_ref(query[:rows].double().cpu(), k.double().cpu(), v.double().cpu(),
+                               query_start_loc=meta.query_start_loc[:rows + 1].cpu(),
+                               seq_lens=meta.seq_lens[:rows].cpu(),
+                               block_table=meta.block_table[:rows].cpu(), scale=D**-0.5)
+
+
+def random_kv(hk=HK):
+    """A random cache on ``DEVICE`` (the kernels' device: the GPU, else the interpreter)."""
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(12, 2, BS, hk, D, generator=gen).to(DEVICE)
 
 
 @pytest.fixture
 def kv():
-    gen = torch.Generator().manual_seed(3)
-    return torch.randn(12, 2, BS, HK, D, generator=gen)
+    return random_kv()
 
 
 def test_graph_split_count_depends_only_on_the_batch_size():
@@ -70,43 +82,48 @@ def test_builder_owns_the_workspace_and_reuses_every_buffer(kv):
 
 
 @pytest.mark.parametrize("context_lens", [[20], [0], [2, 9]], ids=["long", "one-token", "two"])
-def test_graph_built_steps_equal_the_reference_with_empty_splits(kv, context_lens):
+def test_graph_built_steps_equal_the_reference_with_empty_splits(context_lens):
     """A step built for a graph of 2 requests (split as if every request were max_model_len
-    long) gives the reference's rows; the short requests leave splits empty."""
-    b = builder(max_model_len=1024, max_num_seqs=2)
+    long) gives the reference's rows; the short requests leave splits empty. One KV head, so
+    that 2 requests split on the CPU's single "SM" too."""
+    kv = random_kv(hk=1)
+    b = builder(max_model_len=1024, max_num_seqs=2, device=DEVICE, hk=1)
     tables = [[3, 7, 1, 8, 0, 11][: -(-(c + 1) // BS)] for c in context_lens]
-    meta = b.build(decode(context_lens, tables), graph_batch_size=2)
-    query = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(4))
+    meta = b.build(decode(context_lens, tables, DEVICE), graph_batch_size=2)
+    assert meta.num_kv_splits == 2  # as if each request were max_model_len long
+    query = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     out = forward(meta, kv, query)
     n = len(context_lens)
     ref = reference(meta, kv, query, n)
-    assert torch.allclose(out[:n].double(), ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(out[:n].double().cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_forced_splits_use_the_workspace_and_equal_the_reference(kv):
-    b = builder()
-    meta = b.build(decode([13], [[4, 9, 2, 6]]), graph_batch_size=1)
-    assert meta.num_kv_splits == 2
+    b = builder(device=DEVICE)
+    meta = b.build(decode([13], [[4, 9, 2, 6]], DEVICE), graph_batch_size=1)
+    assert meta.num_kv_splits == 2 and meta.workspace is b.workspace
     b.workspace[0].fill_(float("nan"))  # stale partials must be overwritten, never read
-    query = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(5))
+    query = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     out = forward(meta, kv, query)
-    assert torch.allclose(out.double(), reference(meta, kv, query, 1), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(out.double().cpu(), reference(meta, kv, query, 1), atol=1e-4,
+                          rtol=1e-4)
 
 
 def test_the_op_refuses_a_workspace_it_cannot_use(kv):
     from kvcore.ops.triton_attention import paged_attention
 
-    meta = decode([13], [[4, 9, 2, 6]])
+    meta = decode([13], [[4, 9, 2, 6]], DEVICE)
     k, v = kv.unbind(1)
-    query = torch.randn(1, HQ, D)
+    query = torch.randn(1, HQ, D, device=DEVICE)
     args = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
                 block_table=meta.block_table, scale=0.25, num_kv_splits=2)
-    small = (torch.empty(10), torch.empty(10))
+    small = (torch.empty(10, device=DEVICE), torch.empty(10, device=DEVICE))
     with pytest.raises(ValueError, match=r"workspace\[0\] has 10 elements but this call's "
                                          "split-KV path needs 128"):
         paged_attention(query, k, v, workspace=small, **args)
-    wrong = (torch.empty(256, dtype=torch.float16), torch.empty(16))
+    wrong = (torch.empty(256, dtype=torch.float16, device=DEVICE),
+             torch.empty(16, device=DEVICE))
     with pytest.raises(ValueError, match=r"workspace\[0\] must be a contiguous float32 tensor"):
         paged_attention(query, k, v, workspace=wrong, **args)
     with pytest.raises(TypeError, match="workspace must be a pair of tensors"):
-        paged_attention(query, k, v, workspace=torch.empty(256), **args)
+        paged_attention(query, k, v, workspace=torch.empty(256, device=DEVICE), **args)

@@ -1,8 +1,9 @@
 """CPU_ATTN: the pure-torch backend, the embedded default and the numerical reference.
 
-Runs the reference ops of :mod:`kvcore.ops.reference`, which take strides from the views they
-get, so it runs on cross-layer caches unchanged. Slow by design on large batches; correct on
-everything it declares.
+Writes the cache with :func:`kvcore.ops.reshape_and_cache_ref` and attends with
+:func:`kvcore.ops.paged_attention_torch` (the decode requests of a batch in one batched
+matmul; tested against the float64-checkable :func:`kvcore.ops.paged_attention_ref`). Both
+take strides from the views they get, so CPU_ATTN runs on cross-layer caches unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from kvcore.backend import AttentionBackend, AttentionImpl, PagedAttentionImpl
-from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
+from kvcore.ops.reference import reshape_and_cache_ref
+from kvcore.ops.torch_attention import paged_attention_torch
 from kvcore.platform_types import AttentionType
 
 
@@ -20,7 +22,7 @@ class CpuAttentionBackend(AttentionBackend):
     SUPPORTED_HEAD_SIZES = None
     SUPPORTED_BLOCK_SIZES = None
     SUPPORTS_NON_CAUSAL = True
-    # Each request is computed on its own, so results do not depend on the batch.
+    # paged_attention_torch gives a request the same bits alone as in any batch.
     SUPPORTS_BATCH_INVARIANT = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cpu",)
@@ -35,10 +37,10 @@ class CpuAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # The reference ops index through the views' strides: cross-layer is safe.
+        # The ops index through the views' strides: cross-layer is safe.
         return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
 
 
 class CpuAttentionImpl(PagedAttentionImpl):
     write_kv = staticmethod(reshape_and_cache_ref)
-    attend = staticmethod(paged_attention_ref)
+    attend = staticmethod(paged_attention_torch)

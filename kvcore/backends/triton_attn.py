@@ -51,6 +51,9 @@ class TritonAttentionBackend(AttentionBackend):
     SUPPORTS_NON_CAUSAL = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda", "rocm")
+    # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
+    # ROCm run passes them.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
     # The launch depends only on shapes and the builder's choices: no host sync, no
     # allocation with the builder's workspace and a given output.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
@@ -106,12 +109,20 @@ class TritonAttentionMetadata(AttentionMetadata):
     num_kv_splits: int = 1
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def attend_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`kvcore.ops.triton_paged_attention` that carry the
+        builder's choices (what a :class:`kvcore.PagedAttentionImpl` over the Triton kernels
+        returns from ``attend_options``)."""
+        return {"num_kv_splits": self.num_kv_splits, "workspace": self.workspace}
+
 
 class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
     """Persistent step buffers, the split-KV choice and its workspace (see the module).
 
     The workspace is sized at construction for the largest split decode any step up to the
-    maxima can choose, so no step allocates.
+    maxima can choose, so no step allocates. Public (``kvcore.TritonAttentionMetadataBuilder``)
+    for plugins whose backends run kvcore's Triton kernels: their
+    :class:`kvcore.PagedAttentionImpl` passes ``TritonAttentionMetadata.attend_options()`` on.
     """
 
     def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
@@ -169,6 +180,5 @@ class TritonAttentionImpl(PagedAttentionImpl):
 
     def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
         if isinstance(attn_metadata, TritonAttentionMetadata):
-            return {"num_kv_splits": attn_metadata.num_kv_splits,
-                    "workspace": attn_metadata.workspace}
+            return attn_metadata.attend_options()
         return {}

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -50,8 +50,11 @@ from kvcore import (
 from kvcore.cli import harness
 from kvcore.connectors import get_connector
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = ["SIZES", "BenchCase", "BenchOptions", "BenchReport", "BenchSize", "Ceiling",
-           "format_report", "plot_report", "run_bench", "run_bench_cli"]
+           "bench_figure", "format_report", "plot_report", "run_bench", "run_bench_cli"]
 
 
 @dataclass(frozen=True)
@@ -318,13 +321,13 @@ def run_bench(options: BenchOptions) -> BenchReport:
         name = backend.get_name()
         jobs.append((f"decode {name}", lambda c, b=backend: [
             _decode_case(b, size, dtype, device, False, measure, c["memory"])]))
-        if backend is selected and backend.supports_cross_layer():
+        if backend is selected and backend.supports_cross_layer(platform.name):
             jobs.append((f"decode {name} cross-layer", lambda c, b=backend: [
                 _decode_case(b, size, dtype, device, True, measure, c["memory"])]))
         jobs.append((f"cache write {name}", lambda c, b=backend: [
             _write_case(b, size, dtype, device, measure, c["memory"])]))
     if selected.supports_kv_connector():
-        for cross in ((False, True) if selected.supports_cross_layer() else (False,)):
+        for cross in ((False, True) if selected.supports_cross_layer(platform.name) else (False,)):
             jobs.append((f"offload {'cross-layer' if cross else 'per-layer'}",
                          lambda c, x=cross: _offload_cases(
                              selected, size, dtype, device, x, measure,
@@ -375,7 +378,16 @@ def format_report(report: BenchReport) -> str:
 
 def plot_report(report: BenchReport, path: str | Path) -> Path:
     """Bar chart into the PNG ``path``: achieved GB/s per case over its ceiling."""
-    from kvcore.cli.plotting import new_figure, save_figure
+    from kvcore.cli.plotting import save_figure
+
+    return save_figure(bench_figure(report, path), path)
+
+
+def bench_figure(report: BenchReport, path: str | Path = "") -> Figure:
+    """The figure of :func:`plot_report` (``path`` only names the plot in errors)."""
+    from matplotlib.patches import Patch
+
+    from kvcore.cli.plotting import new_figure
 
     cases = [c for c in report.cases if c.error is None]
     if not cases:
@@ -388,7 +400,7 @@ def plot_report(report: BenchReport, path: str | Path) -> Path:
     colors = {"decode attention": "tab:blue", "cache write": "tab:green",
               "offload save": "tab:orange", "offload load": "tab:red"}
     ax.barh(ys, [c.gbps for c in cases], height=0.5,
-            color=[colors.get(c.name, "tab:gray") for c in cases], label="achieved")
+            color=[colors.get(c.name, "tab:gray") for c in cases])
     top = max(max(c.ceiling_gbps, c.gbps) for c in cases)
     for y, c in zip(ys, cases, strict=True):
         ax.text(max(c.gbps, c.ceiling_gbps) + 0.01 * top, y,
@@ -401,8 +413,14 @@ def plot_report(report: BenchReport, path: str | Path) -> Path:
     ax.set_title(f"kvcore bench on {report.device}, {report.dtype}, {report.date}\n"
                  f"selected backend {report.selected_backend}; grey bars: the ceiling each "
                  "case is measured against", fontsize=10)
-    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
-    return save_figure(fig, path)
+    # One legend entry per bar colour: the ceiling, then what was achieved per kind of case.
+    handles, _ = ax.get_legend_handles_labels()
+    kinds = dict.fromkeys(c.name for c in cases)
+    handles += [Patch(facecolor=colors.get(kind, "tab:gray"), label=f"achieved: {kind}")
+                for kind in kinds]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(5, len(handles)),
+               fontsize=8, frameon=False)
+    return fig
 
 
 def run_bench_cli(options: BenchOptions, output_format: str = "table",

@@ -21,6 +21,7 @@ from tabulate import tabulate
 
 import kvcore
 from kvcore import AttentionSelectorConfig, AttentionType, DeviceCapability
+from kvcore.cli.words import in_cli_words
 
 
 def _emit(args: argparse.Namespace, data: Any, table: str) -> None:
@@ -32,6 +33,32 @@ def _emit(args: argparse.Namespace, data: Any, table: str) -> None:
 
 def _yes_no(value: bool) -> str:
     return "yes" if value else "no"
+
+
+def _check_backend_name(name: str, flag: str) -> str:
+    """``name`` if a plugin registered that backend, else a ``ValueError`` naming ``flag``
+    (what the user typed) and the valid names."""
+    registry = kvcore.backend_registry()
+    if name not in registry:
+        raise ValueError(f"{flag} {name}: unknown attention backend; valid names: "
+                         f"{', '.join(registry.names())} (kvcore list describes them)")
+    return name
+
+
+def _check_platform_name(name: str, *, present: bool) -> str:
+    """``--platform name`` checked: registered, and present here when the command runs real
+    kernels; else a ``ValueError`` naming the flag."""
+    registry = kvcore.platform_registry()
+    if name not in registry:
+        raise ValueError(f"--platform {name}: unknown platform {name!r}; valid options are: "
+                         f"{', '.join(registry.names())}")
+    if present:
+        why_absent = kvcore.get_platform(name).probe()
+        if why_absent is not None:
+            raise ValueError(f"--platform {name}: not present on this machine ({why_absent}); "
+                             "this command runs real kernels, so choose a platform that is "
+                             "present (kvcore collect-env lists them)")
+    return name
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -100,6 +127,10 @@ def _config_from_args(args: argparse.Namespace) -> AttentionSelectorConfig:
 
 
 def cmd_select(args: argparse.Namespace) -> int:
+    if args.backend:
+        _check_backend_name(args.backend, "--backend")
+    if args.platform:
+        _check_platform_name(args.platform, present=False)
     if not args.capability:
         return _select(args)
     DeviceCapability.parse(args.capability)  # fail early with a clear message
@@ -116,21 +147,39 @@ def cmd_select(args: argparse.Namespace) -> int:
             os.environ["KVCORE_DEVICE_CAPABILITY"] = previous
 
 
+def _capability_note(report: kvcore.SelectionReport) -> str | None:
+    """When backends were rejected only for want of a device capability: how to give one."""
+    if report.device_capability is not None or not any(
+            r.startswith("device capability unknown") for c in report.candidates
+            for r in c.reasons):
+        return None
+    example = kvcore.get_platform(report.platform).CAPABILITY_EXAMPLE
+    return (f"note: {report.platform}'s device capability is unknown (no {report.platform} "
+            "device here to ask), so backends that need one are rejected; pass --capability "
+            "to simulate a device" + (f", e.g. --capability {example}" if example else ""))
+
+
 def _select(args: argparse.Namespace) -> int:
     config = _config_from_args(args)
     report = kvcore.explain_selection(config, args.platform, args.backend)
+    note = _capability_note(report)
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=2))
     elif args.explain:
-        print(report.format())
+        print(in_cli_words(report.format(), "select"))
+        if note:
+            print(note)
     elif report.selected:
         print(report.selected.name)
+        if note:
+            print(note, file=sys.stderr)
     if report.selected is None:
         if args.format != "json":
-            reasons = report.format() if not args.explain else ""
+            reasons = in_cli_words(report.format(), "select") if not args.explain else ""
             what = f"backend {report.forced} cannot" if report.forced else "no backend can"
             print(f"error: {what} run this config on {report.platform}" +
-                  (f"\n{reasons}" if reasons else ""), file=sys.stderr)
+                  (f"\n{reasons}" if reasons else "") +
+                  (f"\n{note}" if note and not args.explain else ""), file=sys.stderr)
         return 1
     return 0
 
@@ -178,7 +227,9 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
     env = collect_env()
     lines = []
     for key, value in env.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and not value:
+            lines.append(f"{key}: (none set)")
+        elif isinstance(value, dict):
             lines.append(f"{key}:")
             lines.extend(f"  {k}: {v}" for k, v in value.items())
         elif isinstance(value, list):
@@ -190,8 +241,14 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.disaggregated:
+        return _demo_disaggregated(args)
     from kvcore.demo.scenario import DemoOptions, run_demo_cli
 
+    if args.backend:
+        _check_backend_name(args.backend, "--backend")
+    if args.platform:
+        _check_platform_name(args.platform, present=True)
     options = DemoOptions(
         model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, dtype=args.dtype,
@@ -201,9 +258,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo_cli(options, args.format)
 
 
+def _demo_disaggregated(args: argparse.Namespace) -> int:
+    from kvcore.demo.disagg import DisaggOptions, format_result, run_disaggregated
+
+    result = run_disaggregated(DisaggOptions(
+        model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, dtype=args.dtype,
+        platform=args.platform, backend=args.backend, seed=args.seed))
+    _emit(args, result.to_dict(), format_result(result))
+    return 0 if result.ok else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcore.cli.bench import BenchOptions, run_bench_cli
 
+    if args.platform:
+        _check_platform_name(args.platform, present=True)
     options = BenchOptions(size=args.size, dtype=args.dtype, platform=args.platform,
                            progress=not args.no_progress)
     return run_bench_cli(options, args.format, args.plot)
@@ -216,8 +286,21 @@ def cmd_layout(args: argparse.Namespace) -> int:
         from kvcore.cli.plotting import check_plot_path
 
         check_plot_path(args.plot)
-    backend = kvcore.resolve_backend(args.backend)
+    backend = kvcore.resolve_backend(_check_backend_name(args.backend, "layout"))
+    if args.cross_layer and not backend.supports_cross_layer():
+        raise ValueError(
+            f"--cross-layer: {backend.get_name()} does not opt in to cross-layer KV caches "
+            f"(its get_kv_cache_stride_order(True) = "
+            f"{tuple(backend.get_kv_cache_stride_order(True))} keeps layers outermost: its "
+            "kernels are not declared safe on pages strided across layers); leave out "
+            "--cross-layer for its per-layer layout")
     # MLA caches hold one latent vector per token: one "head" of kv_lora_rank + rope dims.
+    if backend.IS_MLA and args.num_kv_heads not in (None, 1):
+        raise ValueError(
+            f"--num-kv-heads {args.num_kv_heads}: {backend.get_name()} is an MLA backend, whose "
+            "cache holds one latent vector per token shared by all heads; leave out "
+            "--num-kv-heads and give the latent size (kv_lora_rank + rope dims, e.g. 576) as "
+            "--head-size")
     heads = args.num_kv_heads or (1 if backend.IS_MLA else 2)
     head_size = args.head_size or (576 if backend.IS_MLA else 128)
     view = describe_layout(

@@ -17,13 +17,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvcore import AttentionBackend, KVCacheLayout, parse_dtype, resolve_backend
 
-__all__ = ["LayoutView", "Region", "describe_layout", "format_layout", "plot_layout"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["LayoutView", "Region", "describe_layout", "format_layout", "layout_figure",
+           "plot_layout"]
 
 _DIM_MEANING = {"L": "layer", "B": "block", "2": "K/V", "N": "token in block",
                 "H": "KV head", "D": "head dim"}
@@ -198,10 +202,12 @@ def format_layout(view: LayoutView) -> str:
 
     lay = view.layout
     strides = lay.logical_strides()
-    kind = "cross-layer" if lay.is_cross_layer else "per-layer (layers outermost)"
+    # describe() names the kind (cross-layer, blocks-first, ...); a per-layer one adds where
+    # the layers are.
     lines = [
         f"backend: {view.backend}",
-        f"layout: {lay}  ({kind}; {lay.describe()})",
+        f"layout: {lay} = {lay.describe()}"
+        + ("" if lay.is_cross_layer else "; per-layer: layers outermost"),
         "dims: " + ", ".join(f"{n}={_DIM_MEANING.get(n, n)}" for n in dict.fromkeys(
             lay.dim_names)),
         f"logical shape: {_shape(lay.dim_names, lay.logical_shape)}",
@@ -250,16 +256,24 @@ def _block_sentence(lay: KVCacheLayout) -> str:
 
 
 def plot_layout(view: LayoutView, path: str | Path) -> Path:
-    """Draw the memory map of :attr:`LayoutView.head_regions` into the PNG ``path``.
+    """Draw :func:`layout_figure` into the PNG ``path``."""
+    from kvcore.cli.plotting import save_figure
+
+    return save_figure(layout_figure(view), path)
+
+
+def layout_figure(view: LayoutView) -> Figure:
+    """The memory map of :attr:`LayoutView.head_regions`.
 
     Rows are consecutive pages of the allocation (page = one block of one layer); pages
     holding none of the shown blocks are elided and marked with the number skipped. Colour
-    is the layer, K is solid and V hatched, and alternate shades mark consecutive KV heads.
+    is the layer, K is solid and V a lighter tint, hatched; odd KV heads are darker than even
+    ones, in K and V alike.
     """
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
 
-    from kvcore.cli.plotting import new_figure, save_figure
+    from kvcore.cli.plotting import new_figure
 
     lay = view.layout
     page = lay.page_size_bytes
@@ -289,12 +303,19 @@ def plot_layout(view: LayoutView, path: str | Path) -> Path:
     ax = fig.add_subplot()
     colors = [to_rgb(c) for c in ("tab:blue", "tab:orange", "tab:green", "tab:red",
                                   "tab:purple", "tab:brown", "tab:pink", "tab:olive")]
+
+    def color(layer: int, part: str, head: int | None) -> tuple[float, ...]:
+        # V is a lighter tint of the layer's colour (opaque, so that the head shading stays
+        # visible under the hatching); odd KV heads are darker.
+        base = colors[layer % len(colors)]
+        if part == "V":
+            base = tuple(0.45 + 0.55 * c for c in base)
+        shade = 0.72 if (head or 0) % 2 else 1.0
+        return tuple(c * shade for c in base)
+
     for row, x0, width, r in pieces:
-        base = colors[r.layer % len(colors)]
-        shade = 0.78 if (r.head or 0) % 2 else 1.0  # alternate heads a little darker
-        color = tuple(c * shade for c in base)
-        ax.add_patch(Rectangle((x0, y_of[row] + 0.08), width, 0.84, facecolor=color,
-                               edgecolor="none", alpha=1.0 if r.part != "V" else 0.55,
+        ax.add_patch(Rectangle((x0, y_of[row] + 0.08), width, 0.84,
+                               facecolor=color(r.layer, r.part, r.head), edgecolor="none",
                                hatch="///" if r.part == "V" else None))
     # One label per (layer, block, part) and row, where its pieces in the row are contiguous.
     spans: dict[tuple[int, int, int, str], list[tuple[float, float]]] = {}
@@ -330,11 +351,13 @@ def plot_layout(view: LayoutView, path: str | Path) -> Path:
         f" in memory order, top to bottom\n{_block_sentence(lay)}", fontsize=10)
     handles = [Patch(facecolor=colors[i % len(colors)], label=f"layer {i}")
                for i in shown_layers]
+    first = shown_layers[0]
     if any(r.part == "K" for r in view.head_regions):
-        handles += [Patch(facecolor="0.6", label="K"),
-                    Patch(facecolor="0.6", alpha=0.55, hatch="///", label="V")]
+        handles += [Patch(facecolor=color(first, "K", 0), label="K"),
+                    Patch(facecolor=color(first, "V", 0), hatch="///", label="V (lighter)")]
     if any(r.head for r in view.head_regions):
-        handles.append(Patch(facecolor="0.45", label="darker: odd KV head"))
+        handles += [Patch(facecolor=color(first, "K", 0), label="even KV head"),
+                    Patch(facecolor=color(first, "K", 1), label="odd KV head (darker)")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
               frameon=False)
-    return save_figure(fig, path)
+    return fig

@@ -13,9 +13,12 @@ import os
 import sys
 
 from kvcore import AttentionType, __version__
+from kvcore.cli.words import in_cli_words
 from kvcore.demo.config import MODEL_PRESETS
 
-__all__ = ["CLI_DEPENDENCIES", "KV_CACHE_DTYPE_CHOICES", "build_parser", "main"]
+__all__ = ["BENCH_SIZE_CHOICES", "CACHE_DTYPE_CHOICES", "CLI_DEPENDENCIES",
+           "KV_CACHE_DTYPE_CHOICES", "MODEL_DTYPE_CHOICES", "build_parser",
+           "main"]
 
 #: ``--kv-cache-dtype`` values: kvcore's ``KV_CACHE_DTYPES`` (a test keeps the two equal),
 #: spelled out here because the module that defines them imports torch.
@@ -26,6 +29,44 @@ CLI_DEPENDENCIES = ("tabulate", "tqdm")
 
 def _missing_cli_dependencies() -> list[str]:
     return [name for name in CLI_DEPENDENCIES if importlib.util.find_spec(name) is None]
+
+
+#: ``--dtype`` values of ``select`` (the model's dtype) and their accepted aliases.
+MODEL_DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+#: ``layout --dtype`` values (the cache's element type): model dtypes and fp8.
+CACHE_DTYPE_CHOICES = (*MODEL_DTYPE_CHOICES, "float8_e4m3fn", "float8_e5m2")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32"}
+#: ``bench --size`` values: the keys of :data:`kvcore.cli.bench.SIZES` (a test keeps them
+#: equal; that module imports torch).
+BENCH_SIZE_CHOICES = ("small", "full")
+
+
+def _dtype_name(text: str) -> str:
+    """A dtype name with its alias and ``torch.`` prefix resolved (argparse then checks it
+    against the option's choices)."""
+    key = text.removeprefix("torch.").lower()
+    return _DTYPE_ALIASES.get(key, key)
+
+
+def _int_at_least(minimum: int):
+    """An argparse ``type``: an integer ``>= minimum``; argparse names the flag on error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise argparse.ArgumentTypeError(f"{value} is not {what}")
+        return value
+
+    parse.__name__ = "positive integer" if minimum == 1 else f"integer >= {minimum}"
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
 
 
 def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
@@ -40,7 +81,8 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_format(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--format", choices=("table", "json"), default="table")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="output: a table for people (default) or JSON for programs")
         return p
 
     with_format(sub.add_parser("list", help="registered attention backends and capabilities"))
@@ -50,51 +92,80 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     sel = with_format(sub.add_parser(
         "select", help="which backend a config gets, and why the others were rejected"))
     sel.add_argument("--explain", action="store_true",
-                     help="print every candidate with its rejection reasons")
-    sel.add_argument("--head-size", type=int, default=128)
-    sel.add_argument("--dtype", default="bfloat16")
-    sel.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
-    sel.add_argument("--block-size", type=int, default=16)
+                     help="print every candidate with its rejection reasons, and why the "
+                          "selected one won")
+    sel.add_argument("--head-size", type=positive_int, default=128,
+                     help="size of one attention head (default: 128)")
+    sel.add_argument("--dtype", type=_dtype_name, default="bfloat16",
+                     choices=MODEL_DTYPE_CHOICES,
+                     help="the model's dtype: %(choices)s (aliases bf16, fp16, fp32; "
+                          "default: %(default)s)")
+    sel.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                     help="KV cache storage: auto (the model's dtype) or an fp8 format "
+                          "(default: %(default)s)")
+    sel.add_argument("--block-size", type=positive_int, default=16,
+                     help="tokens per KV-cache block (default: %(default)s)")
     sel.add_argument("--mla", action="store_true", help="an MLA layer")
     sel.add_argument("--sink", action="store_true", help="attention sinks")
     sel.add_argument("--sparse", action="store_true", help="sparse attention")
-    sel.add_argument("--non-causal", action="store_true")
-    sel.add_argument("--batch-invariant", action="store_true")
-    sel.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType])
-    sel.add_argument("--kv-connector", action="store_true", help="a KV connector is in use")
+    sel.add_argument("--non-causal", action="store_true",
+                     help="queries also see later tokens (bidirectional attention)")
+    sel.add_argument("--batch-invariant", action="store_true",
+                     help="require batch-invariant numerics: a request gets the same bits "
+                          "whatever else is in the batch")
+    sel.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType],
+                     help="what the layer attends over: %(choices)s (default: %(default)s)")
+    sel.add_argument("--kv-connector", action="store_true",
+                     help="a KV connector is in use (offload, transfer): backends that keep "
+                          "a layout connectors cannot move are rejected")
     sel.add_argument("--platform", default=None,
-                     help="platform name (default: detected, or KVCORE_PLATFORM)")
+                     help="platform name, e.g. cpu, cuda, rocm (default: detected, or "
+                          "KVCORE_PLATFORM); need not be present here")
     sel.add_argument("--capability", default=None,
-                     help="device capability to simulate, e.g. 9.0 or gfx942")
-    sel.add_argument("--backend", default=None, help="force a backend by name")
+                     help="device capability to simulate: 9.0 style on CUDA, gfx942 style on "
+                          "ROCm (default: the device's, or KVCORE_DEVICE_CAPABILITY)")
+    sel.add_argument("--backend", default=None,
+                     help="force a backend by name (see kvcore list); it is never replaced "
+                          "silently")
 
     demo = with_format(sub.add_parser(
         "demo", help="serve a small model end to end: select, allocate, batch, offload, "
                      "reload prefixes, and check every token"))
     demo.add_argument("--model", default="small", choices=tuple(MODEL_PRESETS),
                       help="model size (tiny/small: seconds on a CPU; medium/large: a GPU)")
-    demo.add_argument("--batch", type=int, default=8, help="requests per batch (two batches)")
-    demo.add_argument("--new-tokens", type=int, default=16,
-                      help="most tokens generated per request")
-    demo.add_argument("--max-num-seqs", type=int, default=4,
-                      help="most requests in one step (the rest wait: continuous batching)")
-    demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    demo.add_argument("--batch", type=positive_int, default=8,
+                      help="requests per batch (two batches; default: %(default)s)")
+    demo.add_argument("--new-tokens", type=positive_int, default=16,
+                      help="most tokens generated per request (default: %(default)s)")
+    demo.add_argument("--max-num-seqs", type=positive_int, default=4,
+                      help="most requests in one step (the rest wait: continuous batching; "
+                           "default: %(default)s)")
+    demo.add_argument("--block-size", type=positive_int, default=16,
+                      help="tokens per KV-cache block (default: %(default)s)")
+    demo.add_argument("--dtype", default="float32", type=_dtype_name,
+                      choices=MODEL_DTYPE_CHOICES,
+                      help="the model's dtype: %(choices)s (default: %(default)s)")
     demo.add_argument("--platform", default=None,
                       help="platform to run on (default: detected); must be present")
-    demo.add_argument("--backend", default=None, help="force a backend by name")
-    demo.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    demo.add_argument("--backend", default=None,
+                      help="force a backend by name (default: the platform's pick)")
+    demo.add_argument("--seed", type=non_negative_int, default=0,
+                      help="seed of weights and prompts (default: %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--corrupt-loaded-block", action="store_true",
                       help="self-test: overwrite a block after it is loaded back, to see the "
                            "checks fail (exit status 1)")
+    demo.add_argument("--disaggregated", action="store_true",
+                      help="prefill in a second process and decode here, the KV read through "
+                           "the nixl connector (needs kvcore[nixl]); tokens checked against "
+                           "one engine alone")
 
     bench = with_format(sub.add_parser(
         "bench", help="kernels, cache writes and connector throughput against ceilings "
                       "measured in the same run"))
-    bench.add_argument("--size", default=None,
+    bench.add_argument("--size", default=None, choices=BENCH_SIZE_CHOICES,
                        help="shapes: small (default on a CPU) or full (default on a GPU)")
-    bench.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+    bench.add_argument("--dtype", default=None, type=_dtype_name, choices=MODEL_DTYPE_CHOICES,
                        help="model dtype (default: float32 on a CPU, bfloat16 on a GPU)")
     bench.add_argument("--platform", default=None,
                        help="platform to measure (default: detected); must be present")
@@ -106,19 +177,28 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
         "layout", help="a backend's KV-cache shapes, strides and where its blocks lie"))
     lay.add_argument("backend", help="backend name, e.g. TRITON_ATTN (see kvcore list)")
     lay.add_argument("--cross-layer", action="store_true",
-                     help="the cross-layer allocation (all layers of a block contiguous)")
+                     help="the cross-layer allocation (all layers of a block contiguous); "
+                          "only for backends that opt in")
     lay.add_argument("--plot", metavar="FILE.png", default=None,
                      help="draw where each layer's K and V of the first blocks lie")
-    lay.add_argument("--num-layers", type=int, default=4)
-    lay.add_argument("--num-blocks", type=int, default=8)
-    lay.add_argument("--block-size", type=int, default=16)
-    lay.add_argument("--num-kv-heads", type=int, default=None, help="default 2 (MLA: 1)")
-    lay.add_argument("--head-size", type=int, default=None, help="default 128 (MLA: 576)")
-    lay.add_argument("--dtype", default="bfloat16")
-    lay.add_argument("--show-layers", type=int, default=4, help="layers in the block table "
-                     "and the picture")
-    lay.add_argument("--show-blocks", type=int, default=3, help="blocks per layer in the "
-                     "block table and the picture")
+    lay.add_argument("--num-layers", type=positive_int, default=4,
+                     help="layers in the allocation (default: %(default)s)")
+    lay.add_argument("--num-blocks", type=positive_int, default=8,
+                     help="blocks per layer (default: %(default)s)")
+    lay.add_argument("--block-size", type=positive_int, default=16,
+                     help="tokens per block (default: %(default)s)")
+    lay.add_argument("--num-kv-heads", type=positive_int, default=None,
+                     help="KV heads (default: 2; MLA: 1)")
+    lay.add_argument("--head-size", type=positive_int, default=None,
+                     help="size of one head (default: 128; MLA: 576, the latent)")
+    lay.add_argument("--dtype", default="bfloat16", type=_dtype_name,
+                     choices=CACHE_DTYPE_CHOICES,
+                     help="the cache's element type: %(choices)s (default: %(default)s)")
+    lay.add_argument("--show-layers", type=positive_int, default=4,
+                     help="layers in the block table and the picture (default: %(default)s)")
+    lay.add_argument("--show-blocks", type=positive_int, default=3,
+                     help="blocks per layer in the block table and the picture "
+                          "(default: %(default)s)")
     kernels = sub.add_parser(
         "kernels", help="compile every Triton kernel for real GPUs (sm80/90/100, gfx942/950) "
                         "and check registers, spills and shared memory")
@@ -150,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {in_cli_words(str(exc), args.command)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away, e.g. `kvcore list | head`
         # Python flushes stdout at exit; point it at devnull so that flush cannot fail again.

@@ -74,14 +74,24 @@ _ROLES = ("producer", "consumer")
 
 
 #: Where NIXL's Python API lives: the ``nixl`` meta package, or one CUDA build's wheel alone
-#: (``nixl-cu12`` installs the module ``nixl_cu12``).
+#: (``nixl-cu12`` installs the module ``nixl_cu12``, ``nixl-cu13`` the module ``nixl_cu13``).
 _NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
+def _nixl_module_order() -> tuple[str, ...]:
+    """:data:`_NIXL_MODULES`, the build matching torch's CUDA major version first: UCX's CUDA
+    transport of the other build cannot load, and NIXL then refuses to register VRAM."""
+    cuda = getattr(torch.version, "cuda", None)
+    if not cuda:
+        return _NIXL_MODULES
+    own = f"nixl_cu{cuda.split('.')[0]}._api"
+    return tuple(sorted(_NIXL_MODULES, key=lambda name: name != own))
 
 
 def _nixl_api() -> Any:
     """NIXL's ``_api`` module (with ``nixl_agent`` and ``nixl_agent_config``)."""
     errors = []
-    for name in _NIXL_MODULES:
+    for name in _nixl_module_order():
         try:
             module = importlib.import_module(name)
         except Exception as exc:  # an ImportError, or a broken install raising anything
@@ -99,7 +109,8 @@ def nixl_unavailable_reason() -> str | None:
         _nixl_api()
     except ImportError as exc:
         return (f"NIXL's Python API is not importable ({exc}); install it with "
-                "pip install 'kvcore[nixl]' (the nixl-cu12 wheel, Linux only)")
+                "pip install 'kvcore[nixl]' (the nixl-cu12 wheel, Linux only; on CUDA 13, "
+                "pip install nixl-cu13)")
     return None
 
 

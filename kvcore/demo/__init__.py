@@ -7,7 +7,7 @@
 - :mod:`kvcore.demo.model`: a small Llama-shaped transformer with fixed random weights;
 - :mod:`kvcore.demo.config`: its sizes and the ``--model`` presets (no torch needed).
 - :mod:`kvcore.demo.disagg`: disaggregated prefill/decode, two processes with KV through the
-  ``nixl`` connector (``python -m kvcore.demo.disagg``).
+  ``nixl`` connector (``kvcore demo --disaggregated``).
 
 Like :mod:`kvcore.cli`, it uses kvcore's public API only. Nothing is imported here, so the
 ``kvcore`` command reads the presets without importing torch.

@@ -15,16 +15,14 @@ Two engines, two processes, one model (same weights from the same seed):
    everything computed), the prefill engine's first token included, and every eligible block
    was loaded rather than recomputed.
 
-Run it with ``python -m kvcore.demo.disagg`` (``--help`` for options). On a GPU both
+Run it with ``kvcore demo --disaggregated`` (the demo's options apply). On a GPU both
 processes use the one device and their caches are VRAM regions.
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,7 +42,7 @@ from kvcore.demo.config import MODEL_PRESETS
 from kvcore.demo.engine import Engine, Request
 from kvcore.demo.model import DemoModel
 
-__all__ = ["DisaggOptions", "DisaggResult", "format_result", "main", "run_disaggregated"]
+__all__ = ["DisaggOptions", "DisaggResult", "format_result", "run_disaggregated"]
 
 #: Allowance for the prefill process to start (Python, torch, NIXL) on top of ``timeout_s``.
 _STARTUP_S = 60.0
@@ -267,27 +265,3 @@ def format_result(result: DisaggResult) -> str:
         f"({result.seconds:.1f} s)",
     ]
     return "\n".join(lines + [f"  {m}" for m in result.mismatches])
-
-
-def main(argv: list[str] | None = None) -> int:
-    defaults = DisaggOptions()
-    parser = argparse.ArgumentParser(prog="python -m kvcore.demo.disagg",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=defaults.model, choices=list(MODEL_PRESETS))
-    parser.add_argument("--batch", type=int, default=defaults.batch)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int,
-                        default=defaults.max_new_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--dtype", default=defaults.dtype)
-    parser.add_argument("--platform", default=None)
-    parser.add_argument("--backend", default=None, help="force a backend by name")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--timeout", dest="timeout_s", type=float, default=defaults.timeout_s)
-    result = run_disaggregated(DisaggOptions(**vars(parser.parse_args(argv))))
-    print(format_result(result))
-    return 0 if result.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -133,11 +133,8 @@ def _selection_summary(report: SelectionReport) -> dict[str, Any]:
     the names of backends registered for other platforms only (``other_platforms``)."""
     pick = report.selected
     assert pick is not None  # get_attn_backend raised otherwise
-    if report.forced:
-        why = "forced with --backend (or KVCORE_ATTENTION_BACKEND) and valid"
-    else:
-        order = [c.name for c in report.candidates if c.in_priority_list]
-        why = f"first valid backend in {report.platform}'s priority list ({', '.join(order)})"
+    why = ("forced with --backend (or KVCORE_ATTENTION_BACKEND) and valid" if report.forced
+           else report.why_selected())
     others: dict[str, str] = {}
     other_platforms: list[str] = []
     for c in report.candidates:

@@ -31,9 +31,12 @@ from kvcore.ops.validation import (
     FP8_KV_CACHE_DTYPES,
     cache_torch_dtype,
     check_block_indices,
+    check_distinct_slots,
     check_kv_cache_dtype,
     check_scale,
     check_slots_in_range,
+    check_softmax_scale,
+    checked_step_facts,
     require_float_dtype,
     require_int_dtype,
     require_ndim,
@@ -103,8 +106,9 @@ def validate_concat_and_cache_mla(
             f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with "
             f"kv_c of dtype {kv_c.dtype} needs {expected}"
         )
-    check_scale("scale", scale)
+    check_scale("scale", scale, used=kv_cache_dtype in FP8_KV_CACHE_DTYPES)
     check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
+    check_distinct_slots(slot_mapping)
     return k_pe
 
 
@@ -172,9 +176,8 @@ def validate_mla_attention(
     if kv_cache.dtype != expected:
         raise TypeError(f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype="
                         f"{kv_cache_dtype!r} with q of dtype {q.dtype} needs {expected}")
-    check_scale("k_scale", k_scale)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale={scale!r} must be a positive float")
+    check_scale("k_scale", k_scale, used=kv_cache_dtype in FP8_KV_CACHE_DTYPES)
+    check_softmax_scale(scale)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
         raise ValueError(
@@ -189,6 +192,19 @@ def validate_mla_attention(
             raise ValueError(f"output has shape {tuple(output.shape)} on {output.device}; "
                              f"expected {want} on {q.device}")
     if not value_checks_enabled() or num_seqs == 0:
+        return
+    facts = checked_step_facts(query_start_loc, seq_lens, block_table)
+    if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (
+            num_tokens, num_seqs, kv_cache.shape[1]):
+        # Checked once for the step (kvcore.ops.mark_step_checked): compare with this cache
+        # instead of reading the tensors back (a sync per layer, impossible in a CUDA graph).
+        if facts.max_blocks_per_seq > block_table.shape[1]:
+            raise ValueError(f"a request of the step uses {facts.max_blocks_per_seq} blocks "
+                             f"but block_table has only {block_table.shape[1]} columns")
+        if facts.max_block_id >= kv_cache.shape[0]:
+            raise ValueError(f"block_table contains block id {facts.max_block_id}, but the "
+                             f"cache has only {kv_cache.shape[0]} blocks (valid ids: "
+                             f"0..{kv_cache.shape[0] - 1})")
         return
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -246,7 +262,8 @@ def _gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens:
     """The latents of the requests, padded: ``(num_seqs, max(seq_lens), entry)`` in ``dtype``.
 
     One gather for all of them (int64 page and token indices through the cache's strides);
-    positions past a request's length read page 0 and are masked by the caller.
+    positions past a request's length read page 0 and are zeroed here (a stale NaN there
+    would survive a zero probability), and masked out of the softmax by the caller.
     """
     block_size = kv_cache.shape[1]
     device = kv_cache.device
@@ -255,7 +272,7 @@ def _gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens:
     col = (pos // block_size).clamp_max(max(block_table.shape[1] - 1, 0))
     pages = block_table.to(torch.int64)[:, col].masked_fill(~valid, 0)
     offsets = (pos % block_size).expand_as(pages)
-    latents = kv_cache[pages, offsets].to(dtype)
+    latents = kv_cache[pages, offsets].to(dtype).masked_fill(~valid[..., None], 0.0)
     return latents * scale if scale != 1.0 else latents
 
 

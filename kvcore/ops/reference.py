@@ -159,7 +159,8 @@ def paged_attention_ref(
     """
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
-                             sliding_window=sliding_window, output=output)
+                             sliding_window=sliding_window, output=output, scale=scale,
+                             k_scale=k_scale, v_scale=v_scale)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks = scale_value(k_scale) if fp8 else 1.0
@@ -187,7 +188,23 @@ def paged_attention_ref(
             allowed &= k_pos <= q_pos
         if sliding_window is not None:
             allowed &= (q_pos - k_pos) < sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~allowed, float("-inf"))  # NaN keys masked: exactly out
         probs = torch.softmax(scores, dim=-1)
-        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        out[q_lo:q_hi] = _weighted_values(probs, v, allowed).to(out.dtype)
     return out
+
+
+def _weighted_values(probs: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+                     ) -> torch.Tensor:
+    """``probs @ v`` per head (``(h, q, k) x (k, h, d) -> (q, h, d)``) in which a key a query
+    may not see contributes exactly nothing, even when its V holds NaN/Inf (``0 * NaN`` would
+    poison the query). A non-finite V at a key the query sees still reaches its output."""
+    bad = ~torch.isfinite(v)
+    if not bad.any():
+        return torch.einsum("hqk,khd->qhd", probs, v)
+    keys = bad.flatten(1).any(1).nonzero().squeeze(1)  # the few keys with non-finite V
+    clean = v.index_fill(0, keys, 0)
+    vb = v[keys].permute(1, 0, 2)[:, None]  # (h, 1, nb, d)
+    pb = probs[:, :, keys, None]  # (h, q, nb, 1)
+    term = torch.where(allowed[None, :, keys, None], pb * vb, 0).sum(2)  # (h, q, d)
+    return torch.einsum("hqk,khd->qhd", probs, clean) + term.permute(1, 0, 2)

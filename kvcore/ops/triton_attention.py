@@ -35,9 +35,17 @@ possible sequence (``block_table.shape[1] * block_size``, known without a sync) 
 8 at 8 x 32768 and 4 at 16 x 4096: the fastest of the swept split counts at each of those
 shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slower.
 
+Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
+a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
+scores are set to ``-inf`` with ``where``, so a NaN *key* after a query changes nothing. A
+NaN/Inf *value* after a query, within the 32-key tile a query tile visits, does reach that
+tile's earlier queries (``0 * NaN`` in the ``p @ V`` product; docs/faults.md).
+
 All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
 under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
-mishandles bf16 dots), on the GPU the dots run in the input dtype.
+mishandles bf16 dots), on the GPU the dots run in the input dtype; the interpreter also
+truncates float32 to bf16, so there outputs are rounded to nearest even first, as a GPU does
+(:func:`_to_output`).
 
 This module imports triton at import time; :mod:`kvcore.ops` imports it lazily.
 """
@@ -89,6 +97,19 @@ class AttentionConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+
+
+@triton.jit
+def _to_output(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x.to(dtype)`` with float32 -> bf16 rounded to nearest even under the interpreter too
+    (it truncates, a bias of half a bf16 step that the conformance suite's bound sees)."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.int32, bitcast=True)
+            bits += 0x7FFF + ((bits >> 16) & 1)  # the truncation below then rounds to even
+            # Zeros and subnormals keep their value (a biased zero would be a subnormal).
+            x = tl.where(tl.abs(x) < 1.1754943508222875e-38, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)
 
 
 @triton.jit
@@ -219,7 +240,7 @@ def _paged_attention_kernel(
     if not SPLIT_KV:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                  + dims64[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+                 _to_output(out, out_ptr.dtype.element_ty, INTERPRET), mask=store_mask)
     else:
         # Workspace (num_tokens, num_heads, num_splits, head_size), contiguous float32.
         part = (token * num_heads + head) * num_splits + split
@@ -234,7 +255,7 @@ def _reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     num_heads, head_size, num_splits,
     stride_ot, stride_oh, stride_od,
-    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -249,7 +270,7 @@ def _reduce_splits_kernel(
                 mask=s_valid[:, None] & (dims[None, :] < head_size), other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=dims < head_size)
+             _to_output(out, out_ptr.dtype.element_ty, INTERPRET), mask=dims < head_size)
 
 
 @functools.cache
@@ -396,7 +417,8 @@ def paged_attention(
     """
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
-                             sliding_window=sliding_window, output=output)
+                             sliding_window=sliding_window, output=output, scale=scale,
+                             k_scale=k_scale, v_scale=v_scale)
     if query.dtype not in SUPPORTED_QUERY_DTYPES:
         raise TypeError(
             f"query has dtype {query.dtype}; the Triton kernel supports "
@@ -409,8 +431,6 @@ def paged_attention(
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size={head_size} (the Triton kernel supports up to "
                          f"{MAX_HEAD_SIZE})")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale={scale!r} must be a positive float")
     if num_kv_splits is not None and (
         isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
         or not 1 <= num_kv_splits <= _MAX_SPLITS
@@ -463,7 +483,7 @@ def paged_attention(
         _reduce_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_heads, head_size, cfg.num_splits, *out.stride(),
             SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
-            BLOCK_D=block_d, num_warps=4,
+            BLOCK_D=block_d, INTERPRET=interpret, num_warps=4,
         )
     return out
 

@@ -24,6 +24,7 @@ scheduler is validated can still turn all value checks off with :func:`set_value
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -47,7 +48,10 @@ __all__ = [
     "validate_paged_attention",
     "check_block_indices",
     "check_kv_cache_dtype",
+    "check_distinct_pages",
+    "check_distinct_slots",
     "check_scale",
+    "check_softmax_scale",
     "check_slots_in_range",
     "require_float_dtype",
     "require_int_dtype",
@@ -110,8 +114,13 @@ def require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> No
             )
 
 
-def check_scale(name: str, scale: object) -> None:
-    """A per-tensor fp8 scale: ``None``, a number or a 1-element tensor."""
+def check_scale(name: str, scale: object, *, used: bool = False) -> None:
+    """A per-tensor fp8 scale: ``None``, a number or a 1-element tensor.
+
+    With ``used=True`` (the cache is fp8, so the scale is applied) it must also be finite and
+    positive: a 0, NaN or inf scale stores garbage. A number is checked always; a tensor's
+    value only when value checks are on (reading it synchronises with the device).
+    """
     if scale is None:
         return
     if isinstance(scale, torch.Tensor):
@@ -119,8 +128,63 @@ def check_scale(name: str, scale: object) -> None:
             raise ValueError(
                 f"{name} must be a per-tensor scale (1 element), got shape {tuple(scale.shape)}"
             )
+        if not used or not _value_checks:
+            return
+        value = float(scale.reshape(()).item())
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
+    else:
+        value = float(scale)
+    if used and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value} must be a finite, positive fp8 scale (the cache stores "
+                         "x / scale); check the checkpoint's KV scales")
+
+
+def check_softmax_scale(scale: object) -> None:
+    """The softmax scale: a finite, positive number (usually ``head_size ** -0.5``)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r} must be a finite, positive float "
+                         "(usually head_size ** -0.5)")
+
+
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``(stride, size)`` of the dims of ``t`` that have more than one element."""
+    return [(st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1]
+
+
+def check_distinct_pages(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """``ValueError`` if two blocks (or a block's K and V) of the caches share memory.
+
+    Decided from shapes and strides alone (no device sync): the K/V pair is seen as one
+    tensor with an extra dim of size 2 (the distance between the two views) when they share
+    a storage, and no dim of size > 1 may start inside the span of the smaller ones. Every
+    layout kvcore allocates passes (per-layer views of cross-layer caches, HND, legacy
+    halves); an ``expand``-ed or overlapping view is refused, since a write to one block
+    would change another.
+    """
+    if key_cache.device.type == "meta":
+        return  # no memory to share
+    views = [_dims(key_cache), _dims(value_cache)]
+    same_storage = (key_cache.untyped_storage().data_ptr()
+                    == value_cache.untyped_storage().data_ptr())
+    if (same_storage and key_cache.numel() and key_cache.stride() == value_cache.stride()
+            and key_cache.shape == value_cache.shape):
+        distance = value_cache.data_ptr() - key_cache.data_ptr()
+        if distance % key_cache.element_size() == 0:
+            views.append([*views[0], (abs(distance) // key_cache.element_size(), 2)])
+    for dims in views:
+        span = 1
+        for stride, size in sorted(dims):
+            if stride < span:
+                raise ValueError(
+                    f"key_cache/value_cache views overlap (shape {tuple(key_cache.shape)}, "
+                    f"strides {key_cache.stride()} / {value_cache.stride()}): two blocks, or a "
+                    "block's K and V, share memory, so a write to one would change the other; "
+                    "allocate the caches with kvcore.allocate_kv_caches"
+                )
+            span = stride * (size - 1) + span
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -152,6 +216,33 @@ def check_slots_in_range(slot_mapping: torch.Tensor, num_blocks: int, block_size
     hi = facts.max_slot if facts is not None else int(slot_mapping.max())
     if hi >= num_blocks * block_size:
         raise _slot_range_error(hi, num_blocks, block_size)
+
+
+def _repeated_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """How many entries repeat an earlier non-negative slot, as a 0-dim device tensor (no
+    sync): padding slots are made distinct, the rest sorted and neighbours compared."""
+    slots = slot_mapping.to(torch.int64)
+    pad = -1 - torch.arange(slots.numel(), device=slots.device)
+    ordered = torch.where(slots >= 0, slots, pad).sort().values
+    return (ordered[1:] == ordered[:-1]).sum()
+
+
+def check_distinct_slots(slot_mapping: torch.Tensor) -> None:
+    """No slot written twice in one call (a value check: see :func:`set_value_checks`): which
+    of two tokens for one slot lands depends on the kernel's schedule. A ``slot_mapping``
+    marked with its step's facts was checked once for the step (:func:`step_facts_from_tensors`,
+    :func:`kvcore.build_attention_metadata`) and is not read again."""
+    if not _value_checks or slot_mapping.numel() < 2 or checked_step_facts(slot_mapping):
+        return
+    slots = slot_mapping[slot_mapping >= 0]
+    unique = torch.unique(slots)
+    if unique.numel() != slots.numel():
+        values, counts = torch.unique(slots, return_counts=True)
+        repeated = values[counts > 1][:8].tolist()
+        raise ValueError(
+            f"slot_mapping writes slots {repeated} more than once in one call; every new "
+            "token needs its own slot (padding uses negative slots)"
+        )
 
 
 def check_block_indices(name: str, indices: torch.Tensor, num_blocks: int) -> None:
@@ -242,6 +333,7 @@ def step_facts_from_tensors(
     qsl = query_start_loc.to(torch.int64)
     minus_one = torch.full((1,), -1, dtype=torch.int64, device=slot_mapping.device)
     slot_max = torch.cat([minus_one, slot_mapping.to(torch.int64)]).max().reshape(1)
+    repeats = _repeated_slots(slot_mapping)
     if num_seqs and width:
         q_lens = qsl[1:] - qsl[:-1]
         lens = seq_lens.to(torch.int64)
@@ -252,19 +344,22 @@ def step_facts_from_tensors(
         stats = torch.stack([
             qsl[0], qsl[-1], q_lens.min(), (lens - q_lens).min(), needed.max(),
             torch.where(used, ids, big).min(), torch.where(used, ids, -1).max(), slot_max[0],
+            repeats,
         ]).tolist()
-        first, last, min_q, min_ctx, most, lo, hi, top_slot = stats
+        first, last, min_q, min_ctx, most, lo, hi, top_slot, repeated = stats
     else:  # no requests, or no block-table columns (only empty requests fit): read them
         qsl_list = query_start_loc.tolist()
         first, last = qsl_list[0], qsl_list[-1]
         _check_lengths(qsl_list, seq_lens.tolist(), last, block_size, width)
         min_q = min_ctx = most = lo = 0
-        hi, top_slot = -1, int(slot_max)
+        hi, top_slot, repeated = -1, int(slot_max), int(repeats)
     if first != 0 or min_q < 0 or min_ctx < 0 or most > width:  # read again, name the request
         _check_lengths(query_start_loc.tolist(), seq_lens.tolist(), last, block_size, width)
     if most > 0 and lo < 0:
         raise ValueError(f"block_table refers to block id {lo}; the block ids a request uses "
                          "must be >= 0")
+    if repeated:
+        check_distinct_slots(slot_mapping)  # read again for the message
     facts = StepFacts(num_tokens=last, num_seqs=num_seqs, block_size=block_size,
                       max_blocks_per_seq=most, max_block_id=hi, max_slot=top_slot)
     if mark:
@@ -307,8 +402,10 @@ def validate_reshape_and_cache(
     check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, key.dtype)
     _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, key.dtype)
-    check_scale("k_scale", k_scale)
-    check_scale("v_scale", v_scale)
+    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    check_scale("k_scale", k_scale, used=fp8)
+    check_scale("v_scale", v_scale, used=fp8)
+    check_distinct_pages(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     if key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(
@@ -320,6 +417,7 @@ def validate_reshape_and_cache(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
         )
     check_slots_in_range(slot_mapping, num_blocks, block_size)
+    check_distinct_slots(slot_mapping)
 
 
 def validate_paged_attention(
@@ -333,8 +431,12 @@ def validate_paged_attention(
     kv_cache_dtype: str = "auto",
     sliding_window: int | None = None,
     output: torch.Tensor | None = None,
+    scale: float | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> None:
-    """Validate the arguments of :func:`kvcore.ops.paged_attention`."""
+    """Validate the arguments of :func:`kvcore.ops.paged_attention` (``scale``, the softmax
+    scale, is checked when given; every kvcore path gives it)."""
     for n, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                  ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
@@ -359,6 +461,12 @@ def validate_paged_attention(
     check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_dtype("key_cache", key_cache, kv_cache_dtype, query.dtype)
     _check_cache_dtype("value_cache", value_cache, kv_cache_dtype, query.dtype)
+    if scale is not None:
+        check_softmax_scale(scale)
+    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    check_scale("k_scale", k_scale, used=fp8)
+    check_scale("v_scale", v_scale, used=fp8)
+    check_distinct_pages(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     num_tokens, num_heads, q_head_size = query.shape
     if q_head_size != head_size:
@@ -388,6 +496,7 @@ def validate_paged_attention(
             )
         if output.device != query.device:
             raise ValueError(f"output is on {output.device} but query is on {query.device}")
+        require_float_dtype("output", output)
     if not _value_checks or num_seqs == 0:
         return
     max_blocks = block_table.shape[1]

@@ -16,6 +16,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
     detection_priority = 100
+    CAPABILITY_EXAMPLE = "9.0"  # H100, H200
     BACKEND_PROVIDERS = {
         "FLASH_ATTN": _NVIDIA,
         "FLASHINFER": _NVIDIA,

@@ -20,6 +20,7 @@ class RocmPlatform(Platform):
     name = "rocm"
     device_type = "cuda"  # torch exposes HIP devices as "cuda"
     detection_priority = 100
+    CAPABILITY_EXAMPLE = "gfx942"  # MI300X
     BACKEND_PROVIDERS = {
         "ROCM_ATTN": _ROCM,
         "ROCM_AITER_UNIFIED_ATTN": _ROCM,

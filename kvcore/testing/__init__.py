@@ -23,7 +23,12 @@ rules, the tolerances and the options.
 
 from kvcore.testing.batch import random_block_tables
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
-from kvcore.testing.checks import DEFAULT_TOLERANCES, tolerance_for
+from kvcore.testing.checks import (
+    DEFAULT_TOLERANCES,
+    MLA_NORM_TOLERANCES,
+    NORM_TOLERANCES,
+    tolerance_for,
+)
 from kvcore.testing.compile_check import CompileTarget, KernelCase
 from kvcore.testing.gpu import (
     GPU_MARKER,
@@ -40,6 +45,8 @@ __all__ = [
     "GPU_MARKER",
     "GpuTestSetup",
     "MixedStep",
+    "MLA_NORM_TOLERANCES",
+    "NORM_TOLERANCES",
     "RULES",
     "CompileTarget",
     "ConformanceCase",

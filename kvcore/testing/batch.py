@@ -13,6 +13,7 @@ import torch
 
 from kvcore.backend import AttentionMetadata, build_attention_metadata
 from kvcore.config import parse_dtype
+from kvcore.platform_types import AttentionType
 
 __all__ = ["CaseConfig", "MLADims", "MixedBatch", "make_mixed_batch", "mla_dims", "random_like",
            "short_dtype"]
@@ -41,9 +42,14 @@ class CaseConfig:
     block_size: int
     kv_cache_dtype: str = "auto"
     causal: bool = True
+    #: The layer's ``sliding_window`` (``None``: every key up to the query).
+    sliding_window: int | None = None
+    #: The layer's ``attn_type``; any other than ``DECODER`` attends without the causal mask.
+    attn_type: AttentionType = AttentionType.DECODER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
 
     @property
     def is_fp8(self) -> bool:
@@ -56,6 +62,10 @@ class CaseConfig:
             parts.append(self.kv_cache_dtype)
         if not self.causal:
             parts.append("noncausal")
+        if self.sliding_window is not None:
+            parts.append(f"window{self.sliding_window}")
+        if self.attn_type is not AttentionType.DECODER:
+            parts.append(self.attn_type.value)
         return "-".join(parts)
 
     def describe(self, mla: bool = False) -> str:
@@ -66,9 +76,14 @@ class CaseConfig:
                     f"qk_nope_head_dim={d.qk_nope_head_dim}, v_head_dim={d.v_head_dim}, "
                     f"block_size={self.block_size}, kv_cache_dtype={self.kv_cache_dtype}, "
                     f"num_heads={NUM_HEADS}")
+        extra = "".join(
+            [f", sliding_window={self.sliding_window}" if self.sliding_window else "",
+             f", attn_type={self.attn_type.value}"
+             if self.attn_type is not AttentionType.DECODER else ""])
         return (f"dtype={short_dtype(self.dtype)}, head_size={self.head_size}, "
                 f"block_size={self.block_size}, kv_cache_dtype={self.kv_cache_dtype}, "
-                f"causal={self.causal}, num_heads={NUM_HEADS}, num_kv_heads={NUM_KV_HEADS}")
+                f"causal={self.causal}{extra}, num_heads={NUM_HEADS}, "
+                f"num_kv_heads={NUM_KV_HEADS}")
 
 
 @dataclass(frozen=True)
@@ -146,7 +161,11 @@ def make_mixed_batch(
     config: CaseConfig, device: torch.device, gen: torch.Generator, extra_blocks: int = 3
 ) -> MixedBatch:
     """A decode with a long context, a decode that fills its block, a prefill with a cached
-    prefix that crosses a block boundary, and a fresh prefill; block ids shuffled."""
+    prefix that crosses a block boundary, and a fresh prefill; block ids shuffled.
+
+    For a layer that is not a decoder (``config.attn_type``): four fresh prefills of those
+    lengths instead, since such a layer has no cached context to attend to.
+    """
     bs = config.block_size
     requests = [
         (3 * bs + 5, 1, "decode"),
@@ -154,6 +173,8 @@ def make_mixed_batch(
         (bs + 3, bs // 2 + 3, "prefill with cached prefix"),
         (0, bs + 1, "prefill"),
     ]
+    if config.attn_type is not AttentionType.DECODER:
+        requests = [(0, ctx + q, "prefill") for ctx, q, _ in requests]
     needed = [-(-(ctx + q) // bs) for ctx, q, _ in requests]
     num_blocks = sum(needed) + extra_blocks
     ids = torch.randperm(num_blocks, generator=gen).tolist()

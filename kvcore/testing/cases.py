@@ -9,6 +9,7 @@ the declaration excludes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -35,6 +36,8 @@ _BLOCK_SIZE_PREFERENCE = (16, 32, 8, 64, 128, 256, 1)
 # Tried when the backend declares "any": values kernels written for powers of two get wrong.
 _UNUSUAL_HEAD_SIZE = 80
 _UNUSUAL_BLOCK_SIZE = 12
+# Declared features that forward has no argument for: reported as skipped cases.
+_UNCHECKED_FEATURES = ("has_sink", "use_sparse", "use_mm_prefix", "use_per_head_quant_scales")
 
 
 def resolve_backend_spec(spec: str | type[AttentionBackend]) -> type[AttentionBackend]:
@@ -312,10 +315,11 @@ def conformance_cases(
     cross_layer = _opts_in_cross_layer(cls)
     for device in devices:
         def numeric(kind: str, rule: str, fn: Callable[..., str | None],
-                    config: CaseConfig, device: str = device) -> None:
+                    config: CaseConfig, device: str = device,
+                    excuse: str | None = None) -> None:
             seed = _seed(f"{name}-{device}-{kind}-{config.label()}")
             add(kind, rule, _gated, cls, fn, config, device, seed, device=device,
-                suffix=config.label(), skip=skip)
+                suffix=config.label(), skip=skip or excuse)
 
         base = declared.base_config()
         for config in configs:
@@ -323,10 +327,25 @@ def conformance_cases(
             numeric("forward", "forward-reference",
                     functools.partial(checks.check_forward, without_output=config == base),
                     config)
+        numeric("stale-bytes", "stale-bytes-masked", checks.check_stale_bytes, base,
+                excuse=cls.stale_bytes_reason(torch.device(device).type))
         if cls.SUPPORTS_NON_CAUSAL:
             noncausal = CaseConfig(base.dtype, base.head_size, base.block_size,
                                    base.kv_cache_dtype, causal=False)
             numeric("forward", "forward-reference", checks.check_forward, noncausal)
+        if not cls.IS_MLA:
+            # Every K/V AttentionImpl takes sliding_window; the window cuts inside a block.
+            window = dataclasses.replace(base, sliding_window=base.block_size + 3)
+            numeric("forward", "forward-reference", checks.check_forward, window)
+        for attn_type in cls.SUPPORTED_ATTN_TYPES:
+            if attn_type is not AttentionType.DECODER:
+                numeric("forward", "forward-reference", checks.check_forward,
+                        dataclasses.replace(base, attn_type=attn_type))
+        for flag, attr, feature in FEATURE_FLAGS:
+            if getattr(cls, attr) and flag in _UNCHECKED_FEATURES:
+                add("feature", "forward-reference", _noop, device=device, suffix=flag,
+                    skip=f"{name} declares {attr}, but kvcore's AttentionImpl API has no way "
+                    f"to pass {feature} to forward yet, so the suite cannot check the claim")
         if cls.SUPPORTS_BATCH_INVARIANT:
             numeric("batch-invariant", "batch-invariant", checks.check_batch_invariant, base)
         if cross_layer:
@@ -353,6 +372,10 @@ def conformance_cases(
     return cases
 
 
+def _noop() -> None:
+    return None
+
+
 def _opts_in_cross_layer(backend: type[AttentionBackend]) -> bool:
     """Whether the backend opts in to cross-layer caches (the order's outermost dim is 1)."""
     try:
@@ -374,7 +397,7 @@ def _gated(backend: type[AttentionBackend], fn: Callable[..., str | None], confi
         head_size=config.head_size, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
         block_size=config.block_size, use_mla=backend.IS_MLA, has_sink=False,
         use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-        device_capability=capability, attn_type=AttentionType.DECODER,
+        device_capability=capability, attn_type=config.attn_type,
         use_non_causal=not config.causal)
     if reasons:
         return (f"validate_configuration refuses {short_dtype(config.dtype)}/"

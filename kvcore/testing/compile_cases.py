@@ -23,10 +23,12 @@ _BLOCK_SIZE = 16
 _NUM_BLOCKS = 64  # the block table's ids wrap around these: only shapes and strides matter
 
 
-def _caches(backend: str, num_kv_heads: int, head_size: int, dtype: torch.dtype):
-    kv = allocate_kv_caches(backend, num_layers=2, num_blocks=_NUM_BLOCKS,
+def _caches(backend: str, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+            kv_cache_dtype: str, num_blocks: int = _NUM_BLOCKS):
+    kv = allocate_kv_caches(backend, num_layers=2, num_blocks=num_blocks,
                             block_size=_BLOCK_SIZE, num_kv_heads=num_kv_heads,
-                            head_size=head_size, dtype=dtype, device="cpu")
+                            head_size=head_size, dtype=dtype, device="cpu",
+                            kv_cache_dtype=kv_cache_dtype)
     return kv.layers[1].unbind(1)  # the second layer: a view into the pool, like a real one
 
 
@@ -49,8 +51,7 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
         from kvcore.ops.triton_attention import default_config, paged_attention
 
         fp8 = kv_cache_dtype != "auto"
-        k_cache, v_cache = _caches(backend, num_kv_heads, head_size,
-                                   torch.float8_e4m3fn if fp8 else dtype)
+        k_cache, v_cache = _caches(backend, num_kv_heads, head_size, dtype, kv_cache_dtype)
         num_tokens, num_seqs = sum(q_lens), len(q_lens)
         seq_lens = torch.tensor([context + n for n in q_lens], dtype=torch.int32)
         query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).int()
@@ -78,11 +79,13 @@ def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_
         from kvcore.ops.triton_cache import reshape_and_cache
 
         fp8 = kv_cache_dtype != "auto"
-        k_cache, v_cache = _caches("TRITON_ATTN", num_kv_heads, head_size,
-                                   torch.float8_e4m3fn if fp8 else dtype)
+        # One slot per token: a slot written twice in one call is refused.
+        k_cache, v_cache = _caches("TRITON_ATTN", num_kv_heads, head_size, dtype,
+                                   kv_cache_dtype,
+                                   max(_NUM_BLOCKS, -(-num_tokens // _BLOCK_SIZE)))
         key = torch.empty(num_tokens, num_kv_heads, head_size, dtype=dtype)
         value = torch.empty_like(key)
-        slots = torch.arange(num_tokens) % (_NUM_BLOCKS * _BLOCK_SIZE)
+        slots = torch.arange(num_tokens)
         scale = torch.ones(1) if fp8 else None
         reshape_and_cache(key, value, k_cache, v_cache, slots, kv_cache_dtype, scale, scale)
 

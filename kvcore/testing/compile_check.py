@@ -578,7 +578,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true",
                         help="compile everything again (the cache is $KVCORE_COMPILE_CACHE, "
                              "default ~/.cache/kvcore/kernel-compile)")
-    parser.add_argument("--format", choices=("table", "json", "markdown"), default="table")
+    parser.add_argument("--format", choices=("table", "json", "markdown"), default="table",
+                        help="output: a table (default), JSON, or a Markdown table")
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:

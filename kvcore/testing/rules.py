@@ -61,8 +61,14 @@ _RULES = (
          "names (skipping negative slots) and leaves every other byte of the cache unchanged"),
     Rule("forward-reference",
          "forward over a mixed batch (decode, prefill with a cached prefix, fresh prefill, "
-         "padding rows) matches the float64 reference within the backend's tolerances, writes "
-         "into the given output, and leaves the KV cache unchanged"),
+         "padding rows) matches the float64 reference within the backend's element-wise "
+         "tolerances and, token by token, within the model dtype's rounding "
+         "(NORM_TOLERANCES), for every declared configuration, sliding window and attention "
+         "type; it writes into the given output and leaves the KV cache unchanged"),
+    Rule("stale-bytes-masked",
+         "forward reads only the tokens each request owns: NaN bit patterns in the unused tail "
+         "of a request's last block and in blocks it does not own leave its output unchanged "
+         "(masked loads, not a multiply by zero)"),
     Rule("batch-invariant",
          "a backend declaring SUPPORTS_BATCH_INVARIANT gives every request bit-identical "
          "results whether it runs alone or in a batch"),

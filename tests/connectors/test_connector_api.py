@@ -69,7 +69,7 @@ def test_unknown_and_missing_options_are_named():
     with pytest.raises(TypeError, match=r"connector 'offload': unknown option\(s\) capacity; "
                                         r"missing option\(s\) capacity_bytes \(options: "
                                         r"block_copier, capacity_bytes, chunk_bytes, "
-                                        r"failure_policy\)"):
+                                        r"failure_policy, pin_in_background\)"):
         get_connector("offload", capacity=1 << 20)
 
 

@@ -407,3 +407,11 @@ def test_vram_round_trip_between_two_processes_on_one_gpu(cross):
         assert torch.equal(after[[0, 1, 2, 7]], block_bytes(theirs, [3, 4, 5, 9]))
         untouched = [b for b in range(kv.num_blocks) if b not in (0, 1, 2, 7)]
         assert torch.equal(after[untouched], before[untouched])
+
+
+@pytest.mark.parametrize(("cuda", "first"), [("13.0", "nixl_cu13._api"), ("12.8", "nixl_cu12._api"),
+                                             (None, "nixl._api")])
+def test_the_nixl_build_matching_torchs_cuda_is_tried_first(monkeypatch, cuda, first):
+    monkeypatch.setattr(nixl_module.torch.version, "cuda", cuda)
+    order = nixl_module._nixl_module_order()
+    assert order[0] == first and sorted(order) == sorted(nixl_module._NIXL_MODULES)

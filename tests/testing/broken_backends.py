@@ -46,7 +46,8 @@ class ReferenceImpl(kvcore.AttentionImpl):
     def attend(self, query, key_cache, value_cache, meta, output):
         paged_attention_ref(query, key_cache, value_cache, query_start_loc=meta.query_start_loc,
                             seq_lens=meta.seq_lens, block_table=meta.block_table,
-                            scale=self.scale, causal=meta.causal, output=output)
+                            scale=self.scale, causal=self.is_causal(meta),
+                            sliding_window=self.sliding_window, output=output)
 
 
 class CorrectBackend(kvcore.AttentionBackend):

@@ -48,13 +48,14 @@ def test_correct_reference_backend_passes(pytester):
 
 @pytest.mark.parametrize(("backend", "rule", "failing_checks", "says"), [
     pytest.param("StrideOrderNotPermutation", "stride-order-permutation",
-                 {"stride-order", "cross-layer-claim", "cache-write", "forward", "cross-layer",
-                  "builder"},
+                 {"stride-order", "cross-layer-claim", "cache-write", "forward", "stale-bytes",
+                  "cross-layer", "builder"},
                  ["get_kv_cache_stride_order(False) = (0, 1, 3, 3, 4) is not a permutation of "
                   "(0, 1, 2, 3, 4)"],
                  id="stride-order-not-a-permutation"),
     pytest.param("CrossLayerOrderSplitsPages", "cross-layer-claim",
-                 {"cross-layer-claim", "cache-write", "forward", "cross-layer", "builder"},
+                 {"cross-layer-claim", "cache-write", "forward", "stale-bytes", "cross-layer",
+                  "builder"},
                  ["get_kv_cache_stride_order(True) = (1, 2, 0, 3, 4, 5) claims cross-layer, so "
                   "with the per-layer order (0, 1, 2, 3, 4) it must be (1, 0, 2, 3, 4, 5)"],
                  id="cross-layer-order-splits-pages"),
@@ -85,9 +86,10 @@ def test_correct_reference_backend_passes(pytester):
     pytest.param("VagueReasons", "validation-reasons", {"validation-refuses"},
                  ["for dtype=bfloat16, no reason names 'dtype': ['not supported']"],
                  id="reasons-name-no-field"),
-    # The builder check runs forward too (with the builder's metadata) and catches it as well.
-    pytest.param("MLAOnePercentOff", {"forward-reference", "builder-reference"},
-                 {"forward", "builder"},
+    # The builder and stale-bytes checks run forward too and catch it as well.
+    pytest.param("MLAOnePercentOff",
+                 {"forward-reference", "builder-reference", "stale-bytes-masked"},
+                 {"forward", "builder", "stale-bytes"},
                  ["tokens have a relative error norm over their heads above 0.007",
                   "MLA latent 64 = kv_lora_rank 48 + rope 16"],
                  id="mla-output-one-percent-off"),

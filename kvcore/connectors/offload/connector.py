@@ -24,6 +24,7 @@ from kvcore.connectors.offload.cuda import (
     record_event,
     wait_for_event,
 )
+from kvcore.connectors.offload.pinning import HostPool
 from kvcore.connectors.offload.planning import TransferPlan, plan_transfer
 from kvcore.connectors.offload.slots import SlotEntry, SlotIndex
 from kvcore.connectors.offload.views import WORD_DTYPES, stacked_layers, word_size
@@ -49,20 +50,33 @@ class OffloadConnector(KVConnector):
         block_copier: name of a registered :class:`~kvcore.connectors.BlockCopier` that moves
             the transfers otherwise staged (no staging buffers are allocated then); ``None``
             stages them. See :func:`kvcore.connectors.block_copier_names`.
+        pin_in_background: on CUDA, return from registration once the first chunk of the
+            pool is pinned and pin the rest on worker threads, the pool growing as they go
+            (:mod:`~kvcore.connectors.offload.pinning`). Experimental and off by default: on
+            the H200 the first transfer from a pool pinned this way failed with
+            cudaErrorInvalidValue (``benchmarks/RESULTS.md``, 2026-12-01). ``False`` (the
+            default) allocates the pool with torch's pinned allocator before registration
+            returns.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
 
     def __init__(self, *, capacity_bytes: int, failure_policy: str = "recompute",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_copier: str | None = None
-                 ) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_copier: str | None = None,
+                 pin_in_background: bool = False) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if block_copier is not None and not isinstance(block_copier, str):
             raise TypeError(f"block_copier must be a registered copier's name or None, got "
                             f"{type(block_copier).__name__}")
+        if not isinstance(pin_in_background, bool):
+            raise TypeError(f"pin_in_background must be a bool, got {pin_in_background!r}")
         super().__init__(failure_policy=failure_policy)
+        self.pin_in_background = pin_in_background
+        #: Seconds :meth:`register_kv_caches` blocked (allocation, first pinned chunk,
+        #: staging, warm-up): what an engine's start-up pays.
+        self.register_seconds = 0.0
         self.capacity_bytes = capacity_bytes
         self.chunk_bytes = chunk_bytes
         self.block_copier = block_copier
@@ -103,10 +117,17 @@ class OffloadConnector(KVConnector):
         #: pool, when the layers lie back to back (see _copy_with_copier); else None.
         self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
         row_words = self._dev_views[0].shape[1]
-        # Pinned host memory is what lets a device copy run asynchronously. Slot-major: a run
-        # of consecutive slots is one contiguous region whatever the cache's layout.
-        self._host = torch.empty((num_slots, block_bytes), dtype=torch.uint8,
-                                 pin_memory=self._async)
+        # Pinned host memory is what lets a device copy run asynchronously; it is pinned in
+        # chunks, the pool growing as they finish (pinning.py). Slot-major: a run of
+        # consecutive slots is one contiguous region whatever the cache's layout.
+        started = time.perf_counter()
+        self._pool = HostPool(num_slots, block_bytes, pin=self._async,
+                              background=self.pin_in_background)
+        if self._pool.ready_slots() == 0:
+            error = self._pool.error
+            self._pool.close()
+            raise RuntimeError(f"the CPU pool could not be pinned: {error}")
+        self._host = self._pool.tensor
         self._host3 = self._host.view(word).view(num_slots, len(reg.views), row_words)
         dev3 = self._dev3
         if dev3 is not None and dev3.stride(1) == dev3.shape[0] * dev3.stride(0):
@@ -114,7 +135,7 @@ class OffloadConnector(KVConnector):
                                           (dev3.stride(0), dev3.stride(2)),
                                           dev3.storage_offset()),
                           self._host3.view(-1, row_words))
-        self._index = SlotIndex(num_slots)
+        self._index = SlotIndex(num_slots, available=self._pool.ready_slots())
         self._chunk_blocks = max(1, min(num_slots, self.chunk_bytes // block_bytes))
         shape = (self._chunk_blocks, len(reg.views), row_words)
         self._staging = ({} if self._copier is not None else
@@ -127,13 +148,44 @@ class OffloadConnector(KVConnector):
         self._ids = IdUploader(device, ID_RING_ENTRIES) if self._async else None
         if self._async:
             self._warm_up(device)
+        self.register_seconds = time.perf_counter() - started
+
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Block until the whole pool is pinned (see ``pin_in_background``); False on
+        timeout. Saves before then use the slots pinned so far."""
+        self._registered()
+        done = self._pool.wait(timeout)
+        with self._lock:
+            self._grow()
+        return done
+
+    @property
+    def pinned_seconds(self) -> float | None:
+        """Seconds from registration until the whole pool was pinned (``None`` while it
+        still is being pinned)."""
+        self._registered()
+        return self._pool.pinned_seconds
+
+    @property
+    def ready_slots(self) -> int:
+        """Slots usable now: all of them once pinning is over."""
+        self._registered()
+        return self._pool.ready_slots()
+
+    def _grow(self) -> None:
+        """Hand out the slots pinned since the last call (``self._lock`` held)."""
+        ready = self._pool.ready_slots()
+        if ready > self._index.available:
+            self._index.grow(ready)
 
     def _warm_up(self, device: torch.device) -> None:
         """Launch the gather and scatter kernels at registration, at every size class.
 
-        With CUDA's lazy module loading the first launch of a kernel loads its module, which
-        waits for the device to be idle: a kernel first met inside save() would block the host
-        for as long as the engine's stream is busy. PyTorch picks among several kernels by
+        Also one direct copy per direction when the cache is one view (cross-layer), so the
+        direct path's first transfer pays nothing either. With CUDA's lazy module loading the
+        first launch of a kernel loads its module, which waits for the device to be idle: a
+        kernel first met inside save() would block the host for as long as the engine's
+        stream is busy. PyTorch picks among several kernels by
         the number of indices (at most 16 or more) and by how the shapes collapse (one row
         or several), so each of those sizes runs once here: blocks ``0..n-1`` are gathered
         and written back onto themselves. A block copier instead copies block 0 to slot 0 (free
@@ -145,6 +197,14 @@ class OffloadConnector(KVConnector):
             torch.cuda.synchronize(device)
             return
         stream = torch.cuda.current_stream(device)
+        # The direct path's first host<->device copy in each direction (block 0 <-> slot 0,
+        # still free; the block is written back onto itself), on the streams transfers use.
+        if len(self._dev_views) == 1:
+            for op in ("save", "load"):
+                copy_stream = self._streams[op][0]
+                copy_stream.wait_stream(stream)
+                self._copy_runs(op, [(0, 0, 1)], copy_stream)
+                stream.wait_stream(copy_stream)
         rows = min(self._chunk_blocks, self._dev_views[0].shape[0])
         for n in sorted({min(n, rows) for n in (1, 2, 16, 17, rows)}):
             ids = self._device_ids(list(range(n)), stream)  # the upload path warms up too
@@ -183,6 +243,7 @@ class OffloadConnector(KVConnector):
         # The copies are issued under the lock: a load that finds a new entry must also find
         # the event its data waits for (or, on CPU, the data).
         with self._lock:
+            self._grow()
             evictions = self._index.evictions
             for key, block in zip(keys, block_ids, strict=True):
                 if self._index.get(key) is not None:
@@ -190,8 +251,12 @@ class OffloadConnector(KVConnector):
                     continue
                 entry = self._index.allocate(key)
                 if entry is None:
-                    failed[block] = (f"CPU pool full: all {self._index.num_slots} slots hold "
-                                     "blocks with transfers in flight")
+                    failed[block] = (f"CPU pool full: all {self._index.available} usable "
+                                     "slots hold blocks with transfers in flight"
+                                     + (f" ({self._index.num_slots - self._index.available} "
+                                        "more are still being pinned)"
+                                        if self._index.available < self._index.num_slots
+                                        else ""))
                     continue
                 entry.pins += 1
                 todo.append((block, key, entry))
@@ -451,5 +516,7 @@ class OffloadConnector(KVConnector):
                 handle.wait()
             except KVTransferError:  # nobody waits for this result any more
                 pass
+        self._pool.close()
         del self._host, self._host3, self._staging, self._dev_views, self._dev3, self._ids
+        del self._pool
         self._flat = None

@@ -29,12 +29,15 @@ class SlotIndex:
     without a transfer in flight (``pins == 0``) is evicted.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, available: int | None = None) -> None:
         self.num_slots = num_slots
+        #: Slots ``0 .. available - 1`` may be handed out (the rest are not ready yet, e.g.
+        #: still being pinned); :meth:`grow` raises it.
+        self.available = num_slots if available is None else available
         self._entries: OrderedDict[str, SlotEntry] = OrderedDict()
         # Lowest free slot first: blocks saved together land in consecutive slots and their
         # copies merge into runs.
-        self._free = list(range(num_slots))
+        self._free = list(range(self.available))
         #: Entries evicted so far.
         self.evictions = 0
 
@@ -65,6 +68,13 @@ class SlotIndex:
             self.evictions += 1
         entry = self._entries[key] = SlotEntry(slot)
         return entry
+
+    def grow(self, available: int) -> None:
+        """Make slots up to ``available`` (at most ``num_slots``) free to hand out."""
+        available = min(available, self.num_slots)
+        for slot in range(self.available, available):
+            heapq.heappush(self._free, slot)
+        self.available = max(self.available, available)
 
     def discard(self, key: str) -> None:
         """Remove ``key``; its slot is free again."""

@@ -108,3 +108,21 @@ def test_cpu_runs_mla_on_cpu_mla_not_triton_mla(simulate) -> None:
     assert report.selected.name == "CPU_MLA"
     triton_mla = next(c for c in report.candidates if c.name == "TRITON_MLA")
     assert "platform=cpu (supported: cuda, rocm)" in triton_mla.reasons
+
+
+def test_triton_mla_is_cross_layer_on_cuda_only(simulate) -> None:
+    """Verified bit-exact on NVIDIA only: per-layer caches on ROCm until a ROCm run passes the
+    cross-layer tests, and the explanation says so."""
+    backend = kvcore.resolve_backend("TRITON_MLA")
+    assert backend.supports_cross_layer("cuda") and not backend.supports_cross_layer("rocm")
+    args = dict(num_layers=2, num_blocks=4, block_size=64, num_kv_heads=1, head_size=576,
+                dtype=torch.bfloat16, device="meta")
+    assert kvcore.allocate_kv_caches(backend, platform="cuda", **args).is_cross_layer
+    assert not kvcore.allocate_kv_caches(backend, platform="rocm", **args).is_cross_layer
+    with pytest.raises(ValueError, match="TRITON_MLA's cross-layer layout is verified on cuda "
+                                         "only; on rocm"):
+        kvcore.allocate_kv_caches(backend, platform="rocm", cross_layer=True, **args)
+    simulate("rocm", "gfx942")
+    report = kvcore.explain_selection(kvcore.AttentionSelectorConfig(**MLA_CONFIG))
+    mla = next(c for c in report.candidates if c.name == "TRITON_MLA")
+    assert mla.selected and mla.notes == [backend.cross_layer_note("rocm")]

@@ -66,13 +66,23 @@ def test_sliding_window_and_shared_prefix_pages(causal):
     assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
 
 
-def test_encoder_only_layers_ignore_the_causal_flag():
+def test_encoder_only_layers_ignore_the_causal_flag_and_never_write_the_cache():
     gen, kv_cache, impl = _setup(torch.float32, seed=3,
                                  attn_type=kvcore.AttentionType.ENCODER_ONLY)
+    kv_cache.normal_(generator=gen)
+    before = kv_cache.clone()
     batch = mixed_batch(impl, kv_cache, gen, q_lens=(9, 20), ctx_lens=(0, 0))
     out = impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
                        batch.meta)
-    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+    assert torch.equal(kv_cache, before)  # encoder-only: no cache write, not even in forward
+    # Expected: the same tokens written into a scratch cache by a decoder layer, non-causal.
+    writer = FlexAttentionBackend.get_impl_cls()(num_heads=NUM_HEADS, head_size=HEAD_SIZE,
+                                                 scale=HEAD_SIZE**-0.5,
+                                                 num_kv_heads=NUM_KV_HEADS)
+    scratch = torch.zeros_like(kv_cache)
+    writer.do_kv_cache_update(kvcore.LayerScales(), batch.key, batch.value, scratch,
+                              batch.meta.slot_mapping)
+    assert rel_err(out, reference(impl, batch, scratch)) < REL_ERR[torch.float32]
 
 
 def test_the_block_mask_is_built_once_per_step(monkeypatch):
@@ -96,6 +106,33 @@ def test_the_block_mask_is_built_once_per_step(monkeypatch):
     impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
                  batch.meta)
     assert builds == [None, 5, None]
+
+
+def test_the_builders_steps_build_each_layer_kinds_mask_once(monkeypatch):
+    """With the builder's metadata, layers alternating a sliding window and none build two
+    masks per step (not one per layer); a new step builds them again."""
+    namespace = FlexAttentionBackend.get_impl_cls().forward.__globals__
+    builds = []
+    build = namespace["build_block_mask"]
+    monkeypatch.setitem(namespace, "build_block_mask",
+                        lambda *a: (builds.append(a[-1]), build(*a))[1])
+    gen, kv_cache, impl = _setup(torch.float32, seed=8)
+    windowed = FlexAttentionBackend.get_impl_cls()(
+        num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
+        num_kv_heads=NUM_KV_HEADS, sliding_window=5)
+    batch = mixed_batch(impl, kv_cache, gen)
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
+                                    num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE)
+    builder = FlexAttentionBackend.get_builder_cls()(
+        spec, num_heads=NUM_HEADS, max_num_seqs=8, max_num_batched_tokens=256,
+        max_model_len=NUM_BLOCKS * BLOCK_SIZE, device="cpu")
+    for _step in range(2):
+        meta = builder.build(batch.meta)
+        for layer in (impl, windowed, impl, windowed):
+            out = layer.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value,
+                                kv_cache, meta)
+            assert rel_err(out, reference(layer, batch, kv_cache)) < REL_ERR[torch.float32]
+    assert builds == [None, 5, None, 5]
 
 
 def test_block_mask_lists_each_needed_page_once():

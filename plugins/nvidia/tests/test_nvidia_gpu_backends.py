@@ -2,8 +2,8 @@
 blocks of 16): mixed batches against the float64 reference, cross-layer views bit-exact
 against a contiguous copy, a layer over 2**31 elements, and kvcore's conformance cases.
 
-Every FlashInfer case here is bf16, so the run builds three FlashInfer JIT modules (head size
-128 with and without a sliding window, head size 64 for the conformance suite's cases)."""
+Every FlashInfer case here is bf16, so the run builds four FlashInfer JIT modules (head sizes
+128 and 64, each with and without a sliding window; 64 for the conformance suite's cases)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,36 @@ def test_flashinfer_matches_float64_reference(shape, causal, window):
 
 
 @needs_flashinfer
+@needs_flashinfer
+@pytest.mark.parametrize("shape", ["mixed", "decode"])
+def test_flashinfer_builder_plans_once_and_refuses_a_layer_it_did_not_plan_for(shape):
+    """The builder's plan serves every layer with the planned parameters (no plan in forward);
+    a layer with a sliding window is refused with the reason, not run on the wrong plan."""
+    gen = torch.Generator().manual_seed(11 if shape == "mixed" else 12)
+    kv_cache = _cache(FlashInferBackend, NUM_BLOCKS, gen).layers[0]
+    impl = _impl(FlashInferBackend)
+    batch = mixed_batch(impl, kv_cache, gen, **(MIXED if shape == "mixed" else DECODE))
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
+    builder = FlashInferBackend.get_builder_cls()(
+        spec, num_heads=HEADS, max_num_seqs=64, max_num_batched_tokens=1024,
+        max_model_len=8192, device="cuda")
+    meta = builder.build(batch.meta)
+    planned = impl.plan
+    impl.plan = lambda *a: pytest.fail("forward planned although the builder had")
+    try:
+        out = torch.full_like(batch.query, float("nan"))
+        impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache, meta,
+                     output=out)
+    finally:
+        impl.plan = planned
+    assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR
+    with pytest.raises(ValueError, match="this layer needs .*sliding_window=256 but the step "
+                                         "was planned by FlashInferMetadataBuilder"):
+        _impl(FlashInferBackend, 256).forward(kvcore.LayerScales(), batch.query, batch.key,
+                                              batch.value, kv_cache, meta)
+
+
 @pytest.mark.parametrize("shape", ["mixed", "decode"])
 def test_flashinfer_on_a_cross_layer_view_is_bit_exact(shape):
     """The evidence behind FLASHINFER's cross-layer opt-in: on layer 1 of a 3-layer

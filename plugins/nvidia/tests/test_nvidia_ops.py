@@ -24,7 +24,7 @@ def test_unavailable_reason_on_a_cpu_torch():
     cache = torch.zeros(2, 4, 1, 8)
     with pytest.raises(ValueError, match="key_cache is on cpu; reshape_and_cache_flash runs on "
                                          r"CUDA tensors \(kvcore.ops.reshape_and_cache_ref"):
-        ops.reshape_and_cache_flash(key, key, cache, cache, torch.tensor([3]))
+        ops.reshape_and_cache_flash(key, key, cache, cache.clone(), torch.tensor([3]))
     with pytest.raises(RuntimeError, match="kvcore-nvidia CUDA C..? kernels are unavailable: "
                                            "this torch build"):
         ops.build_extension()
@@ -51,10 +51,10 @@ def test_cache_write_arguments_are_checked_before_anything_is_built():
     key = torch.zeros(3, 2, 8, dtype=torch.float64)
     cache = torch.zeros(4, 4, 2, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match="slot_mapping must be int32 or int64, got torch.float32"):
-        ops.reshape_and_cache_flash(key, key, cache, cache, torch.zeros(3))
+        ops.reshape_and_cache_flash(key, key, cache, cache.clone(), torch.zeros(3))
     with pytest.raises(TypeError, match="key has dtype torch.float64; reshape_and_cache_flash "
                                         "supports float16, bfloat16 and float32"):
-        ops.reshape_and_cache_flash(key, key, cache, cache, torch.arange(3))
+        ops.reshape_and_cache_flash(key, key, cache, cache.clone(), torch.arange(3))
 
 
 def test_copy_arguments_name_what_is_wrong():

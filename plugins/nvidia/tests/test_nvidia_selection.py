@@ -150,7 +150,7 @@ def test_cli_explain_shows_the_cuda_order_and_reasons():
     assert rows[:4] == ["  FLASH_ATTN: rejected [plugin nvidia]",
                         "  FLASHINFER: rejected [plugin nvidia]",
                         "  TRITON_ATTN: SELECTED [plugin builtin_backends]",
-                        "  FLEX_ATTENTION: valid [plugin nvidia]"]
+                        "  FLEX_ATTENTION: valid, lower priority [plugin nvidia]"]
     fa = lines.index("  FLASH_ATTN: rejected [plugin nvidia]")
     assert lines[fa + 1:fa + 3] == [f"    - {FA_BLOCK_16}", f"    - {FLASH_ATTN_MISSING}"]
     fi = lines.index("  FLASHINFER: rejected [plugin nvidia]")

@@ -30,6 +30,9 @@ class SdpaGatherBackend(kvcore.AttentionBackend):
     PLATFORMS = ("cpu", "cuda", "rocm")
     # fp32 SDPA computes in fp32 on every device (no TF32), tighter than kvcore's default.
     CONFORMANCE_TOLERANCES = {torch.float32: (1e-4, 1e-4)}
+    # forward pads every request to the step's longest (sizes read on the host) and allocates
+    # per call: a captured step could not replay another step's shapes.
+    CUDA_GRAPH_SUPPORT = kvcore.CudaGraphSupport.NEVER
 
     @staticmethod
     def get_name() -> str:
@@ -38,6 +41,14 @@ class SdpaGatherBackend(kvcore.AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[kvcore.AttentionImpl]:
         return SdpaGatherImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[kvcore.AttentionMetadataBuilder]:
+        # The default builder (what AttentionBackend returns anyway, spelled out as a model):
+        # once per step it checks the step's values and returns the metadata unchanged. A
+        # backend with per-step work (a plan, split choices, a mask) subclasses it, or
+        # kvcore.PersistentMetadataBuilder to support CUDA graphs (docs/backend-plugin.md).
+        return kvcore.AttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -103,6 +114,10 @@ class SdpaGatherImpl(kvcore.AttentionImpl):
         q_pos = (seq_lens - q_lens)[:, None] + torch.arange(m.max_query_len, device=device)
         k_pos = torch.arange(k.shape[1], device=device)
         allowed = k_pos[None, None, :] < seq_lens[:, None, None]  # (num_seqs, 1, keys)
+        # Whatever lies beyond a request's length (its last page's tail, padding pages) may be
+        # stale NaN: zero it, since SDPA weights it by 0 and 0 * NaN is NaN.
+        beyond = ~allowed[:, 0, :, None, None]
+        k, v = k.masked_fill(beyond, 0), v.masked_fill(beyond, 0)
         if self.is_causal(m):
             allowed = allowed & (k_pos[None, None, :] <= q_pos[:, :, None])
         if self.sliding_window is not None:

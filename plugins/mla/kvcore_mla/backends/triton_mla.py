@@ -7,10 +7,19 @@ batches, causal query tiles for mixed prefill/decode batches. Both kernels addre
 through the cache's real strides and are verified bit-exact on per-layer views of cross-layer
 pools, so this backend opts in to cross-layer KV caches.
 
+The builder (:class:`TritonMLAMetadataBuilder`) keeps the step in persistent buffers, chooses
+the decode split count once per step and owns the split-KV workspace, so uniform-decode steps
+can be captured in CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the split
+count depends only on the captured batch size and ``max_model_len``, eagerly on the step's
+longest request. With its metadata a layer's forward launches only (the value checks were done
+once for the step, nothing is allocated for the splits).
+
 Importing this module imports no kernel library: triton is imported when the impl first runs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -18,14 +27,18 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionSelectorConfig,
+    CudaGraphSupport,
     DeviceCapability,
+    MLAAttentionSpec,
     MLACommonBackend,
     MLACommonImpl,
+    PersistentMetadataBuilder,
 )
 from kvcore.ops import triton_fp8_reasons, triton_unavailable_reasons
 
-__all__ = ["TritonMLABackend", "TritonMLAImpl"]
+__all__ = ["TritonMLABackend", "TritonMLAImpl", "TritonMLAMetadata", "TritonMLAMetadataBuilder"]
 
 
 class TritonMLABackend(MLACommonBackend):
@@ -35,6 +48,12 @@ class TritonMLABackend(MLACommonBackend):
     # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability kvcore knows is above.
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
     PLATFORMS = ("cuda", "rocm")
+    # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
+    # ROCm run passes them.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
+    # With the builder's metadata the launch depends only on shapes and the builder's choices:
+    # no host sync, no split-KV allocation (module docstring).
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
     @staticmethod
     def get_name() -> str:
@@ -43,6 +62,10 @@ class TritonMLABackend(MLACommonBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonMLAMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -60,6 +83,81 @@ class TritonMLABackend(MLACommonBackend):
     ) -> list[str]:
         """fp8 caches need Triton's fp8 conversions, which NVIDIA GPUs have from 8.9 on."""
         return triton_fp8_reasons(config.kv_cache_dtype, device_capability)
+
+
+@dataclasses.dataclass
+class TritonMLAMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the builder's launch choices for the step.
+
+    Attributes:
+        num_kv_splits: split count of a decode step (1 for other steps).
+        workspace: the builder's float32 split-KV workspace, or ``None`` without splits.
+    """
+
+    num_kv_splits: int = 1
+    workspace: torch.Tensor | None = None
+
+
+def _is_decode(meta: AttentionMetadata) -> bool:
+    return meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_seqs
+
+
+class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
+    """Persistent step buffers, the decode split choice and its workspace (see the module).
+
+    The workspace is sized at construction for the largest split decode any step up to the
+    maxima can choose (``max_num_seqs`` requests of ``max_model_len``), so no step allocates.
+    ``spec`` must be a :class:`kvcore.MLAAttentionSpec`.
+    """
+
+    def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, device) -> None:
+        if not isinstance(spec, MLAAttentionSpec):
+            raise TypeError(f"spec must be a kvcore.MLAAttentionSpec (latent cache), got "
+                            f"{type(spec).__name__}")
+        super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, device=device)
+        from kvcore_mla.ops.triton_mla_attention import default_config, mla_workspace_numel
+
+        self._block_h = default_config(num_heads, 1, spec.kv_lora_rank, decode=True).block_h
+        # Graph steps split by the captured size and max_model_len; eager ones by the step's
+        # longest request, never more: the graph choice bounds the workspace.
+        most = max(mla_workspace_numel(b, num_heads, spec.kv_lora_rank, self.num_kv_splits(b))
+                   for b in range(1, max_num_seqs + 1))
+        self.workspace: torch.Tensor | None = None
+        if most:
+            with torch.inference_mode(False):
+                self.workspace = torch.empty(most, dtype=torch.float32, device=self.device)
+
+    def num_kv_splits(self, num_seqs: int, max_seq_len: int | None = None) -> int:
+        """The split count of a decode step of ``num_seqs`` requests no longer than
+        ``max_seq_len`` (default ``max_model_len``: what a step captured for ``num_seqs``
+        uses)."""
+        from kvcore_mla.ops.triton_mla_attention import default_num_kv_splits
+
+        bound = self.max_model_len if max_seq_len is None else max_seq_len
+        return default_num_kv_splits(num_seqs, -(-self.num_heads // self._block_h), bound,
+                                     self.device, block_h=self._block_h)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        found = super().buffers()
+        if self.workspace is not None:
+            found["workspace"] = self.workspace
+        return found
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> TritonMLAMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        if graph_batch_size is not None:
+            splits = self.num_kv_splits(graph_batch_size)
+        elif _is_decode(meta):
+            splits = self.num_kv_splits(meta.num_seqs, meta.max_seq_len)
+        else:
+            splits = 1
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        return TritonMLAMetadata(**fields, num_kv_splits=splits,
+                                 workspace=self.workspace if splits > 1 else None)
 
 
 def _check_runnable(kv_cache: torch.Tensor) -> None:
@@ -107,4 +205,7 @@ class TritonMLAImpl(MLACommonImpl):
             block_table=attn_metadata.block_table, scale=self.scale,
             kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
             max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
+            **({"num_kv_splits": attn_metadata.num_kv_splits,
+                "workspace": attn_metadata.workspace}
+               if isinstance(attn_metadata, TritonMLAMetadata) else {}),
         )

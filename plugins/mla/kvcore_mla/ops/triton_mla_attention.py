@@ -55,6 +55,7 @@ __all__ = [
     "default_config",
     "default_num_kv_splits",
     "mla_attention",
+    "mla_workspace_numel",
 ]
 
 #: Most KV splits one call may use.
@@ -495,6 +496,7 @@ def mla_attention(
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
     config: LaunchConfig | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Latent-space MLA attention for a batch mixing prefill and decode requests (Triton).
 
@@ -511,6 +513,9 @@ def mla_attention(
         num_kv_splits: force the number of splits (decode and prefill); ``None``: the
             heuristic :func:`default_num_kv_splits` on the decode path, 1 otherwise.
         config: launch override; :func:`default_config` otherwise.
+        workspace: float32 split-KV workspace, contiguous, on ``q``'s device, with at least
+            :func:`mla_workspace_numel` elements (a builder owns it, so a step allocates
+            nothing and can be captured in a CUDA graph); ``None`` allocates per call.
     """
     validate_mla_attention(q, kv_cache, kv_lora_rank, query_start_loc, seq_lens, block_table,
                            scale, kv_cache_dtype, k_scale, output)
@@ -534,14 +539,38 @@ def mla_attention(
                 block_table.shape[1] * kv_cache.shape[1])
             num_kv_splits = default_num_kv_splits(
                 num_seqs, -(-num_heads // cfg.block_h), bound, q.device, block_h=cfg.block_h)
-    workspace = None
+    part = None
     if num_kv_splits > 1:
-        workspace = torch.empty(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1,
-                                dtype=torch.float32, device=q.device)
+        shape = (num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)
+        if workspace is None:
+            part = torch.empty(shape, dtype=torch.float32, device=q.device)
+        else:
+            needed = mla_workspace_numel(num_tokens, num_heads, kv_lora_rank, num_kv_splits)
+            if not isinstance(workspace, torch.Tensor):
+                raise TypeError(f"workspace must be a tensor, got {type(workspace).__name__}")
+            if (workspace.dtype != torch.float32 or workspace.device != q.device
+                    or not workspace.is_contiguous()):
+                raise ValueError(f"workspace must be a contiguous float32 tensor on {q.device}, "
+                                 f"got {workspace.dtype} on {workspace.device} (contiguous: "
+                                 f"{workspace.is_contiguous()})")
+            if workspace.numel() < needed:
+                raise ValueError(f"workspace has {workspace.numel()} elements but this call's "
+                                 f"split-KV path needs {needed} (see mla_workspace_numel)")
+            part = workspace.reshape(-1)[:needed].view(shape)
     k_cache = kv_cache.unsqueeze(2)
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     scale_used = k_scale if fp8 else None
-    _launch(q, k_cache, k_cache[..., :kv_lora_rank], out, None, workspace,
+    _launch(q, k_cache, k_cache[..., :kv_lora_rank], out, None, part,
             None if decode else query_start_loc, seq_lens, block_table, scale,
             scale_used, scale_used, num_kv_splits, True, cfg)
     return out
+
+
+def mla_workspace_numel(num_tokens: int, num_heads: int, kv_lora_rank: int,
+                        num_kv_splits: int) -> int:
+    """float32 elements of :func:`mla_attention`'s split-KV workspace: each split's normalised
+    output and log-sum-exp, ``(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)`` (0
+    without splits)."""
+    if num_kv_splits <= 1:
+        return 0
+    return num_tokens * num_heads * num_kv_splits * (kv_lora_rank + 1)

@@ -12,6 +12,8 @@ synchronise with the device and follow kvcore's switch
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcore.ops import (
@@ -208,8 +210,9 @@ def validate_decode_attention(
                 f"attn_logits has shape {tuple(attn_logits.shape)} and dtype {attn_logits.dtype};"
                 f" expected float32 (batch, num_heads, num_kv_splits, v_head_dim + 1) = {expected}"
             )
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
-        raise ValueError(f"sm_scale={sm_scale!r} must be a positive float")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not (
+            math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a finite, positive float")
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
     check_block_table("req_to_page", req_to_page, b_seq_len, page_size, num_pages)

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import torch
 
-from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, encoder_only_cache
 from kvcore.ops import reshape_and_cache, validate_paged_attention
 
 T = TypeVar("T")
@@ -38,9 +38,33 @@ def write_cache(
     Triton on GPU tensors, the reference on CPU tensors (:func:`kvcore.ops.reshape_and_cache`
     dispatches on the cache's device); both use int64 offsets and the view's strides.
     """
+    if not impl.writes_kv_cache():  # encoder-only layers keep nothing in the cache
+        return
+    _write(impl, layer, key, value, kv_cache, slot_mapping)
+
+
+def _write(impl: AttentionImpl, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     key_cache, value_cache = kv_cache.unbind(1)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl.kv_cache_dtype,
                       layer.k_scale, layer.v_scale)
+
+
+def step_kv(
+    impl: AttentionImpl,
+    layer: AttentionLayer,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The cache and metadata a forward reads: the layer's own for decoders; for an
+    encoder-only layer (which never writes the cache) a private cache of this step's tokens
+    (:func:`kvcore.encoder_only_cache`)."""
+    if impl.writes_kv_cache():
+        return kv_cache, attn_metadata
+    return encoder_only_cache(key, value, kv_cache, attn_metadata,
+                              lambda k, v, c, s: _write(impl, layer, k, v, c, s))
 
 
 class StepCache:
@@ -49,34 +73,50 @@ class StepCache:
 
     An engine calls every layer's ``forward`` with the same metadata object. The key is that
     object's identity (a reference is kept, so the identity cannot be recycled), its scalar
-    fields, each of its tensors' data pointer, shape and version counter (torch bumps it on
-    every in-place write), and the caller's ``extra`` (layer parameters, device): a metadata
-    object refilled in place for the next step, or a layer with another sliding window, misses.
-    Writes that bypass torch (a raw-pointer kernel filling the tensors) are not seen: build a
-    new ``AttentionMetadata`` per step, as :func:`kvcore.build_attention_metadata` does.
+    fields, each of its tensors' data pointer and shape, and the caller's ``extra`` (layer
+    parameters, device); the tensors' contents are checked too: a metadata object refilled in
+    place for the next step, or a layer with another sliding window, misses. Contents are
+    checked through torch's version counter (bumped by every in-place write) or, for
+    inference tensors (made under ``torch.inference_mode()``, which have no version counter),
+    by comparing them with a copy taken when the entry was built. Writes that bypass torch (a
+    raw-pointer kernel filling ordinary tensors) are not seen: build a new
+    ``AttentionMetadata`` per step, as :func:`kvcore.build_attention_metadata` does.
     One entry: a miss replaces it. Not thread-safe (engines run layers one after another).
     """
 
     def __init__(self) -> None:
         self._metadata: AttentionMetadata | None = None
         self._key: tuple | None = None
+        self._snapshots: tuple[torch.Tensor | None, ...] = ()
         self._value: object = None
 
     @staticmethod
-    def _key_of(attn_metadata: AttentionMetadata, extra: tuple) -> tuple:
-        tensors = (attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                   attn_metadata.block_table)
+    def _tensors(attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        return (attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table)
+
+    @classmethod
+    def _key_of(cls, attn_metadata: AttentionMetadata, extra: tuple) -> tuple:
+        # An inference tensor has no version counter (reading it raises): its snapshot stands in.
         return (id(attn_metadata), attn_metadata.max_query_len, attn_metadata.max_seq_len,
                 attn_metadata.num_actual_tokens, attn_metadata.causal,
-                *((t.data_ptr(), tuple(t.shape), t._version) for t in tensors), extra)
+                *((t.data_ptr(), tuple(t.shape), None if t.is_inference() else t._version)
+                  for t in cls._tensors(attn_metadata)), extra)
+
+    def _unchanged(self, attn_metadata: AttentionMetadata) -> bool:
+        return all(snap is None or torch.equal(snap, t)
+                   for snap, t in zip(self._snapshots, self._tensors(attn_metadata),
+                                      strict=True))
 
     def get(self, attn_metadata: AttentionMetadata, extra: tuple,
             build: Callable[[], T]) -> T:
         """The value cached for this metadata and ``extra``, or ``build()`` (then cached)."""
         key = self._key_of(attn_metadata, extra)
-        if self._metadata is not attn_metadata or self._key != key:
+        if (self._metadata is not attn_metadata or self._key != key
+                or not self._unchanged(attn_metadata)):
             self._value = build()
             self._metadata, self._key = attn_metadata, key
+            self._snapshots = tuple(t.clone() if t.is_inference() else None
+                                    for t in self._tensors(attn_metadata))
         return self._value  # type: ignore[return-value]
 
 
@@ -98,5 +138,5 @@ def begin_forward(
         query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
         attn_metadata.seq_lens, attn_metadata.block_table,
         kv_cache_dtype=impl.kv_cache_dtype, sliding_window=impl.sliding_window,
-        output=None if output is None else output[:n])
+        output=None if output is None else output[:n], scale=impl.scale)
     return key_cache, value_cache, n, torch.empty_like(query) if output is None else output

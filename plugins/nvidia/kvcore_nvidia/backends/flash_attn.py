@@ -34,6 +34,7 @@ from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
     begin_forward,
     cumulative,
+    step_kv,
     write_cache,
 )
 
@@ -97,6 +98,7 @@ class FlashAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func
 
+        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
         key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
                                                           output)
         if n == 0:

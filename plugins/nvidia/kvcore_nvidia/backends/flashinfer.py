@@ -16,12 +16,22 @@ block-table entries in order, ``last_page_len``), plans, and runs:
   (the queries are the last tokens of each request), as kvcore's convention requires.
 
 Both wrappers use FlashInfer's ``fa2`` kernels, so one JIT-built module (per dtype, head size
-and sliding-window on/off) serves decode and prefill. They share one 128 MiB float workspace per
-device (:data:`FlashInferBackend.WORKSPACE_BYTES`, FlashInfer's recommended size), created on
-first use. kvcore has no per-step metadata hook, so ``forward`` plans when it sees a new step:
-the plan is kept for the next layers that get the same metadata object, unmodified, with the
-same layer parameters (:class:`~kvcore_nvidia.backends.common.StepCache`). Planning syncs
-with the host, so ``forward`` is not CUDA-graph capturable.
+and sliding-window on/off) serves decode and prefill.
+
+The builder (:class:`FlashInferMetadataBuilder`, what an engine uses) plans once per step in
+``build()``, never in ``forward``: it owns a 128 MiB float workspace
+(:data:`FlashInferBackend.WORKSPACE_BYTES`, FlashInfer's recommended size), one prefill and one
+decode wrapper, and for every batch size a step is built for with ``graph_batch_size`` a decode
+wrapper in FlashInfer's CUDA-graph mode (``use_cuda_graph=True``, its page lists in buffers of
+that size made once), planned again by every ``build()`` before the replay: so uniform-decode
+steps can be captured (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``). A plan fixes the softmax
+scale, the sliding window and, for prefill, the causal mask, which the builder's constructor
+does not receive: it plans for ``1 / sqrt(head_size)``, no window, and the step's ``causal``,
+and ``forward`` refuses a layer that needs other values (clear error). Metadata that did not
+come from the builder (``forward`` called with :class:`kvcore.AttentionMetadata` directly) is
+planned on its first layer and the plan kept for the next layers of the same step
+(:class:`~kvcore_nvidia.backends.common.StepCache`); planning syncs with the host, so that path
+is not capturable.
 
 Cross-layer caches: FLASHINFER opts in. FlashInfer takes the page stride from the tensors: its
 prefill and decode kernels give bit-identical outputs on a layer of a cross-layer pool and on a
@@ -34,7 +44,9 @@ The cache write is kvcore's Triton ``reshape_and_cache`` (stride-aware, int64 of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import torch
@@ -44,8 +56,11 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionType,
+    CudaGraphSupport,
     DeviceCapability,
+    PersistentMetadataBuilder,
 )
 from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
@@ -53,10 +68,12 @@ from kvcore_nvidia.backends.common import (
     begin_forward,
     cumulative,
     pages_per_request,
+    step_kv,
     write_cache,
 )
 
-__all__ = ["FlashInferBackend", "FlashInferImpl", "flashinfer_page_table"]
+__all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferMetadata",
+           "FlashInferMetadataBuilder", "flashinfer_page_table"]
 
 
 class FlashInferBackend(AttentionBackend):
@@ -73,8 +90,11 @@ class FlashInferBackend(AttentionBackend):
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda",)
     REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
-    #: Bytes of the float workspace shared by the wrappers of one device.
+    #: Bytes of the float workspace shared by the wrappers of one builder (or device).
     WORKSPACE_BYTES = 128 * 1024 * 1024
+    # The builder plans every step (graph-mode decode wrappers per batch size) and forward
+    # only launches: no host sync, no allocation for a contiguous output.
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
     @staticmethod
     def get_name() -> str:
@@ -83,6 +103,10 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return FlashInferImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return FlashInferMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -121,16 +145,121 @@ def flashinfer_page_table(
 _PLANS = StepCache()
 
 
-@functools.cache
-def _wrappers(device: torch.device) -> tuple[Any, Any]:
-    """The (prefill, decode) wrappers of ``device``, sharing one float workspace."""
+def _new_wrappers(workspace: torch.Tensor) -> tuple[Any, Any]:
+    """A (prefill, decode) pair of eager wrappers sharing ``workspace``."""
     import flashinfer
 
-    workspace = torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
     decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_tensor_cores=True, backend="fa2")
     return prefill, decode
+
+
+@functools.cache
+def _wrappers(device: torch.device) -> tuple[Any, Any]:
+    """The (prefill, decode) wrappers of ``device`` for metadata not made by the builder."""
+    return _new_wrappers(torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8,
+                                     device=device))
+
+
+def _plan_args(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+               scale: float, sliding_window: int | None, q_dtype: torch.dtype,
+               kv_dtype: torch.dtype) -> tuple[tuple, dict]:
+    window_left = -1 if sliding_window is None else sliding_window - 1
+    return ((num_heads, num_kv_heads, head_size, block_size),
+            dict(window_left=window_left, sm_scale=scale, q_data_type=q_dtype,
+                 kv_data_type=kv_dtype))
+
+
+def _is_decode(attn_metadata: AttentionMetadata) -> bool:
+    return (attn_metadata.max_query_len == 1
+            and attn_metadata.num_actual_tokens == attn_metadata.num_seqs)
+
+
+@dataclasses.dataclass
+class FlashInferMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the wrapper :class:`FlashInferMetadataBuilder`
+    planned for the step.
+
+    Attributes:
+        wrapper: the planned FlashInfer wrapper (``run`` is all a layer does).
+        planned: ``(scale, sliding_window, causal)`` the plan was made for; ``causal`` is
+            ``None`` for a decode plan (one query per request: causal or not is the same).
+        dtype: the query and cache dtype the plan was made for.
+    """
+
+    wrapper: Any = None
+    planned: tuple[float, int | None, bool | None] = (0.0, None, None)
+    dtype: torch.dtype | None = None
+
+
+class FlashInferMetadataBuilder(PersistentMetadataBuilder):
+    """Plans FlashInfer's wrappers once per step (see the module docstring).
+
+    The step's tensors live in the persistent buffers of
+    :class:`kvcore.PersistentMetadataBuilder`; FlashInfer's page lists are made from them in
+    ``build()``. A step built with ``graph_batch_size`` is planned on that size's CUDA-graph
+    wrapper, whose page-list buffers (``graph_batch_size + 1``, ``graph_batch_size *
+    ceil(max_model_len / block_size)`` and ``graph_batch_size`` int32) are made on the first
+    build for that size, outside any capture (:class:`kvcore.CudaGraphRunner` builds each size
+    before capturing it).
+    """
+
+    def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, device) -> None:
+        super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, device=device)
+        num_kv_heads = getattr(spec, "num_kv_heads", None)
+        if num_kv_heads is None:
+            raise TypeError(f"spec must be a kvcore.FullAttentionSpec (K/V heads), got "
+                            f"{type(spec).__name__}")
+        self.num_kv_heads = num_kv_heads
+        #: The softmax scale every plan is made for (see the module docstring).
+        self.scale = spec.head_size ** -0.5
+        self.workspace = torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8,
+                                     device=self.device)
+        self._prefill, self._decode = _new_wrappers(self.workspace)
+        self._graph_wrappers: dict[int, Any] = {}
+
+    def _graph_wrapper(self, size: int) -> Any:
+        wrapper = self._graph_wrappers.get(size)
+        if wrapper is None:
+            import flashinfer
+
+            dev = self.device
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=torch.zeros(size * self.max_blocks_per_seq,
+                                                    dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=dev),
+                backend="fa2")
+            self._graph_wrappers[size] = wrapper
+        return wrapper
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> FlashInferMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
+            return FlashInferMetadata(**fields)
+        block_size = self.spec.block_size
+        indptr, indices, last_page_len = flashinfer_page_table(meta, block_size)
+        shape, options = _plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
+                                    block_size, self.scale, None, self.spec.dtype,
+                                    self.spec.dtype)
+        if graph_batch_size is not None or _is_decode(meta):
+            wrapper = (self._graph_wrapper(graph_batch_size) if graph_batch_size is not None
+                       else self._decode)
+            wrapper.plan(indptr, indices, last_page_len, *shape, **options)
+            causal = None
+        else:
+            wrapper, causal = self._prefill, meta.causal
+            wrapper.plan(meta.query_start_loc, indptr, indices, last_page_len, *shape,
+                         causal=causal, **options)
+        return FlashInferMetadata(**fields, wrapper=wrapper, planned=(self.scale, None, causal),
+                                  dtype=self.spec.dtype)
 
 
 class FlashInferImpl(AttentionImpl):
@@ -165,19 +294,38 @@ class FlashInferImpl(AttentionImpl):
         block_size = key_cache.shape[1]
         indptr, indices, last_page_len = flashinfer_page_table(attn_metadata, block_size)
         prefill, decode = _wrappers(key_cache.device)
-        window_left = -1 if self.sliding_window is None else self.sliding_window - 1
-        common = dict(window_left=window_left, sm_scale=self.scale, q_data_type=query.dtype,
-                      kv_data_type=key_cache.dtype)
-        n = query.shape[0]
-        if attn_metadata.max_query_len == 1 and n == attn_metadata.num_seqs:
+        shape, options = _plan_args(self.num_heads, self.num_kv_heads, self.head_size,
+                                    block_size, self.scale, self.sliding_window, query.dtype,
+                                    key_cache.dtype)
+        if _is_decode(attn_metadata) and query.shape[0] == attn_metadata.num_seqs:
             # One query per request sees every key up to itself: causal or not is the same.
-            decode.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads,
-                        self.head_size, block_size, **common)
+            decode.plan(indptr, indices, last_page_len, *shape, **options)
             return decode
         prefill.plan(attn_metadata.query_start_loc.to(torch.int32), indptr, indices,
-                     last_page_len, self.num_heads, self.num_kv_heads, self.head_size,
-                     block_size, causal=self.is_causal(attn_metadata), **common)
+                     last_page_len, *shape, causal=self.is_causal(attn_metadata), **options)
         return prefill
+
+    def _planned_wrapper(self, query: torch.Tensor, key_cache: torch.Tensor,
+                         attn_metadata: FlashInferMetadata) -> Any:
+        """The builder's plan, after checking it fits this layer."""
+        scale, window, causal = attn_metadata.planned
+        wanted = (self.scale, self.sliding_window,
+                  None if causal is None else self.is_causal(attn_metadata))
+        if (not math.isclose(self.scale, scale, rel_tol=1e-6)
+                or wanted[1:] != attn_metadata.planned[1:]):
+            raise ValueError(
+                f"this layer needs scale={self.scale}, sliding_window={self.sliding_window}"
+                f"{'' if causal is None else f', causal={wanted[2]}'} but the step was "
+                f"planned by FlashInferMetadataBuilder for scale={scale}, "
+                f"sliding_window={window}{'' if causal is None else f', causal={causal}'} "
+                "(a FlashInfer plan fixes them for every layer of a step): use a backend "
+                "without per-step plans (e.g. TRITON_ATTN) for this model")
+        dtypes = (query.dtype, key_cache.dtype)
+        if any(d != attn_metadata.dtype for d in dtypes):
+            raise ValueError(f"query is {query.dtype} and the cache {key_cache.dtype} but the "
+                             f"step was planned for {attn_metadata.dtype} (the builder's "
+                             "spec.dtype)")
+        return attn_metadata.wrapper
 
     def forward(
         self,
@@ -189,12 +337,16 @@ class FlashInferImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
         key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
                                                           output)
         if n == 0:
             return output
         q = query[:n].contiguous()
-        wrapper = self.plan(q, key_cache, attn_metadata)
+        if isinstance(attn_metadata, FlashInferMetadata) and attn_metadata.wrapper is not None:
+            wrapper = self._planned_wrapper(q, key_cache, attn_metadata)
+        else:
+            wrapper = self.plan(q, key_cache, attn_metadata)
         target = output[:n]
         out = target if target.is_contiguous() else torch.empty_like(q)
         wrapper.run(q, (key_cache, value_cache), out=out)

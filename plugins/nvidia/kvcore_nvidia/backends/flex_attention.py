@@ -39,17 +39,29 @@ Limits
   configuration accepted on CPU is accepted on the GPU.
 - **No cross-layer.** A per-layer view of a cross-layer allocation spans all layers, so the
   int32 limit would fall ``num_layers`` times lower; the stride order keeps layers outermost.
-- **Finite cache contents.** Masked positions are zero weights, but ``0 * NaN`` is NaN: the
-  kernel reads whole pages (and, on CPU, every page), so the cache must not hold NaN/Inf bit
-  patterns. ``kvcore.allocate_kv_caches`` allocates zeros.
-- kvcore has no per-step metadata hook: ``forward`` builds the block mask when it sees a new
-  step and keeps it for the next layers given the same, unmodified metadata object
-  (:class:`~kvcore_nvidia.backends.common.StepCache`). Building it syncs with the host: not
-  CUDA-graph capturable.
+- **Stale bytes.** Masked positions are zero weights, but ``0 * NaN`` is NaN. On CPU the
+  eager path would multiply every page of the cache, so it reads V through a copy whose
+  unowned positions are zero (:func:`owned_positions`): stale NaN/Inf never reach an output.
+  On CUDA the compiled kernel visits only the batch's pages, but whole pages: NaN/Inf bit
+  patterns in the unused tail of a request's last page (or, within one prefill, in V of a
+  key after the query in the same page) make that output NaN. ``allocate_kv_caches``
+  allocates zeros and kvcore's cache writes never store NaN from finite inputs, so this needs
+  a cache corrupted from outside; :meth:`FlexAttentionBackend.stale_bytes_reason` says so,
+  and the conformance rule ``stale-bytes-masked`` is skipped there with this reason.
+- **Block masks once per step.** The builder (:class:`FlexAttentionMetadataBuilder`) gives
+  every step a :class:`FlexAttentionMetadata` that holds the step's block masks: a mask also
+  depends on the cache (its number of blocks and page stride) and on the layer (causal,
+  sliding window), which the builder does not know, so the first layer of each kind builds its
+  mask and every later layer of the step reuses it (a model alternating windowed and global
+  layers builds two masks per step, not one per layer). Metadata that did not come from the
+  builder keeps the last mask built (:class:`~kvcore_nvidia.backends.common.StepCache`).
+  Building a mask syncs with the host: not CUDA-graph capturable (``CUDA_GRAPH_SUPPORT`` is
+  ``NEVER``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -62,6 +74,7 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionSelectorConfig,
     AttentionType,
     DeviceCapability,
@@ -70,11 +83,12 @@ from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
     StepCache,
     begin_forward,
+    step_kv,
     write_cache,
 )
 
-__all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "build_block_mask",
-           "paged_sequence_views"]
+__all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "FlexAttentionMetadata",
+           "FlexAttentionMetadataBuilder", "build_block_mask", "paged_sequence_views"]
 
 #: Query tokens per row tile of the block mask (the kernel's ``BLOCK_M`` on CUDA).
 Q_TILE = 16
@@ -115,6 +129,10 @@ class FlexAttentionBackend(AttentionBackend):
         return FlexAttentionImpl
 
     @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return FlexAttentionMetadataBuilder
+
+    @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
         # NHD; layers outermost (no cross-layer): a cross-layer view multiplies the span.
         return tuple(range(6 if include_num_layers_dimension else 5))
@@ -133,6 +151,14 @@ class FlexAttentionBackend(AttentionBackend):
             return [f"dtype=bfloat16 needs device capability >= {_BF16_CAPABILITY} (got "
                     f"{device_capability}); use dtype=float16"]
         return []
+
+    @classmethod
+    def stale_bytes_reason(cls, device_type: str) -> str | None:
+        if device_type != "cuda":
+            return None
+        return ("torch's compiled flex_attention kernel weights masked keys of a visited page "
+                "by zero, and 0 * NaN is NaN: NaN/Inf in the unused tail of a request's last "
+                "page reach its output (see the module docstring)")
 
     @classmethod
     def max_num_blocks(cls, block_size: int, num_kv_heads: int, head_size: int) -> int:
@@ -283,7 +309,47 @@ def build_block_mask(
         mask_mod=mask_mod, seq_lengths=(n, length), compute_q_blocks=False)
 
 
+def owned_positions(attn_metadata: AttentionMetadata, num_blocks: int, block_size: int,
+                    page_stride: int) -> torch.Tensor:
+    """``(S,)`` bool over the virtual sequence of :func:`paged_sequence_views`: True at the
+    tokens some request of the batch owns (its first ``seq_len`` tokens)."""
+    table = attn_metadata.block_table.to(torch.int64)
+    seq_lens = attn_metadata.seq_lens.to(torch.int64)
+    width = table.shape[1]
+    pos = torch.arange(width * block_size, device=table.device)
+    valid = pos[None, :] < seq_lens[:, None]  # (num_seqs, width * block_size)
+    virtual = (table.repeat_interleave(block_size, dim=1) * page_stride * block_size
+               + pos % block_size)
+    length = (num_blocks - 1) * page_stride * block_size + block_size
+    owned = torch.zeros(length + 1, dtype=torch.bool, device=table.device)
+    owned[torch.where(valid, virtual, length)] = True  # invalid entries land in a spare slot
+    return owned[:length]
+
+
 _MASKS = StepCache()
+
+
+@dataclasses.dataclass
+class FlexAttentionMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the step's block masks (see the module).
+
+    Attributes:
+        block_masks: ``BlockMask`` by ``(device, num_blocks, block_size, page_stride, causal,
+            sliding_window)``, filled by the first layer of the step that needs each.
+    """
+
+    block_masks: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+
+
+class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Checks the step once and gives it a fresh :class:`FlexAttentionMetadata`, whose block
+    masks the step's layers share (see the module docstring)."""
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> FlexAttentionMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        return FlexAttentionMetadata(
+            **{f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)})
 
 
 @functools.cache
@@ -339,6 +405,7 @@ class FlexAttentionImpl(AttentionImpl):
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _refuse_int32_overflow(kv_cache)
+        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
         key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
                                                           output)
         if n == 0:
@@ -346,11 +413,26 @@ class FlexAttentionImpl(AttentionImpl):
         num_blocks, block_size = key_cache.shape[:2]
         k_seq, v_seq, page_stride = paged_sequence_views(key_cache, value_cache)
         causal = self.is_causal(attn_metadata)
-        block_mask = _MASKS.get(
-            attn_metadata,
-            (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window),
-            lambda: build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
-                                     self.sliding_window))
+        key = (key_cache.device, num_blocks, block_size, page_stride, causal, self.sliding_window)
+        on_cpu = key_cache.device.type == "cpu"
+
+        def make() -> Any:
+            return (build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
+                                     self.sliding_window),
+                    owned_positions(attn_metadata, num_blocks, block_size, page_stride)
+                    if on_cpu else None)
+
+        if isinstance(attn_metadata, FlexAttentionMetadata):
+            masks = attn_metadata.block_masks.get(key)
+            if masks is None:
+                masks = attn_metadata.block_masks[key] = make()
+        else:
+            masks = _MASKS.get(attn_metadata, key, make)
+        block_mask, owned = masks
+        if owned is not None:
+            # The eager path multiplies every cache position's V by its (zero) weight: stale
+            # NaN/Inf anywhere would poison every output. Unowned positions read as zero.
+            v_seq = v_seq.masked_fill(~owned[None, None, :, None], 0)
         q = query[:n].transpose(0, 1).unsqueeze(0)  # (1, num_heads, n, head_size)
         out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size)
         output[:n].copy_(out[0].transpose(0, 1))

@@ -7,9 +7,19 @@ AMD GPU or aiter. The Triton path is tested on CPU under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, PagedAttentionImpl
+from kvcore import (
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    PagedAttentionImpl,
+    TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
+)
 from kvcore.ops import (
     triton_paged_attention,
     triton_reshape_and_cache,
@@ -26,8 +36,15 @@ class AiterUnifiedAttentionBackend(AiterBackend):
     Cross-layer: the portable Triton kernels are verified bit-exact on per-layer views of a
     cross-layer cache, so the backend opts in when it will run them (aiter not installed). With
     aiter installed it keeps layers outermost: aiter's kernel has not been verified on strided
-    pages.
+    pages. The bit-exact cross-layer tests of the Triton path ran on an NVIDIA GPU only, so on
+    ROCm the cache stays per-layer (``CROSS_LAYER_PLATFORMS``) until they pass on an AMD GPU.
+
+    Builder: TRITON_ATTN's (its split choice and workspace serve the Triton path; aiter's call
+    reads only the common fields). CUDA graphs: not declared, since aiter's kernel has never
+    run here, let alone been replayed.
     """
+
+    CROSS_LAYER_PLATFORMS = ("cuda",)
 
     @staticmethod
     def get_name() -> str:
@@ -36,6 +53,10 @@ class AiterUnifiedAttentionBackend(AiterBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return AiterUnifiedAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -60,6 +81,11 @@ class AiterUnifiedAttentionImpl(PagedAttentionImpl):
 
     write_kv = staticmethod(triton_reshape_and_cache)
     attend = staticmethod(triton_paged_attention)
+
+    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
+        if isinstance(attn_metadata, TritonAttentionMetadata):
+            return attn_metadata.attend_options()
+        return {}
 
     def forward(
         self,

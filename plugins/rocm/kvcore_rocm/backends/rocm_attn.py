@@ -5,9 +5,21 @@ KV connectors are not supported: dim 0 splits K from V, so a block is not one ru
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kvcore import AttentionBackend, AttentionImpl, MultipleOf, PagedAttentionImpl
+from kvcore import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CudaGraphSupport,
+    MultipleOf,
+    PagedAttentionImpl,
+    TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
+)
 from kvcore.ops import (
     triton_paged_attention,
     triton_reshape_and_cache,
@@ -33,6 +45,9 @@ class RocmAttentionBackend(AttentionBackend):
     SUPPORTED_BLOCK_SIZES = (MultipleOf(16),)
     MIN_DEVICE_CAPABILITY = GFX90A
     PLATFORMS = ("rocm",)
+    # TRITON_ATTN's kernels and builder (persistent buffers, split choice, workspace): the
+    # same launches as TRITON_ATTN's, on the other halves of the cache.
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
     @staticmethod
     def get_name() -> str:
@@ -41,6 +56,10 @@ class RocmAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return RocmAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_shape(
@@ -75,6 +94,11 @@ class RocmAttentionImpl(PagedAttentionImpl):
 
     def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _legacy_halves(kv_cache)
+
+    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
+        if isinstance(attn_metadata, TritonAttentionMetadata):
+            return attn_metadata.attend_options()
+        return {}
 
 
 def _legacy_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

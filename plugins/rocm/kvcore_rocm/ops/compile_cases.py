@@ -15,7 +15,7 @@ from kvcore.testing import CompileTarget, KernelCase
 
 __all__ = ["compile_cases"]
 
-_NUM_BLOCKS = 64  # slots wrap around these: only shapes and strides reach the kernel
+_NUM_BLOCKS = 64  # at least; a write gets one slot per token (a slot written twice is refused)
 
 
 def _shuffle_write_case(name: str, *, num_tokens: int, num_kv_heads: int, head_size: int,
@@ -24,12 +24,13 @@ def _shuffle_write_case(name: str, *, num_tokens: int, num_kv_heads: int, head_s
         from kvcore_rocm.ops.shuffle import reshape_and_cache_shuffle
 
         block_size = 16
-        kv = kvcore.allocate_kv_caches("ROCM_AITER_FA", num_layers=2, num_blocks=_NUM_BLOCKS,
+        num_blocks = max(_NUM_BLOCKS, -(-num_tokens // block_size))
+        kv = kvcore.allocate_kv_caches("ROCM_AITER_FA", num_layers=2, num_blocks=num_blocks,
                                        block_size=block_size, num_kv_heads=num_kv_heads,
                                        head_size=head_size, dtype=dtype, device="cpu")
         key_cache, value_cache = kv.layers[1].unbind(1)
         key = torch.empty(num_tokens, num_kv_heads, head_size, dtype=dtype)
-        slots = torch.arange(num_tokens) % (_NUM_BLOCKS * block_size)
+        slots = torch.arange(num_tokens)
         reshape_and_cache_shuffle(key, torch.empty_like(key), key_cache, value_cache, slots)
 
     return KernelCase(name, launch)

@@ -1,0 +1,144 @@
+"""TRITON_MLA's builder: persistent buffers, the decode split choice and its workspace.
+
+The kernels run on the GPU when there is one, else under the Triton interpreter (set by the
+conftest only without a GPU); CUDA-graph replays of the backend are the conformance rule
+``cuda-graph-replay`` (GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_mla import TritonMLABackend
+from kvcore_mla.ops import mla_attention_ref
+from mla_helpers import DEVICE, assert_close, block_tables, generator, randn
+
+import kvcore
+from kvcore import ops
+
+tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+
+HEADS, RANK, ROPE, PAGE, PAGES = 16, 64, 16, 8, 24
+SPEC = kvcore.MLAAttentionSpec(block_size=PAGE, dtype=torch.float32, kv_lora_rank=RANK,
+                               qk_rope_head_dim=ROPE)
+
+
+def builder(max_model_len: int = 1024, max_num_seqs: int = 4) -> kvcore.PersistentMetadataBuilder:
+    return TritonMLABackend.get_builder_cls()(
+        SPEC, num_heads=HEADS, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
+        max_model_len=max_model_len, device=DEVICE)
+
+
+def decode(gen: torch.Generator, context_lens: list[int]) -> kvcore.AttentionMetadata:
+    seq_lens = [c + 1 for c in context_lens]
+    table = block_tables(seq_lens, PAGE, PAGES, gen).tolist()
+    return kvcore.build_attention_metadata([1] * len(seq_lens), context_lens, table, PAGE,
+                                           device=DEVICE)
+
+
+def attend(meta: kvcore.AttentionMetadata, q: torch.Tensor, cache: torch.Tensor
+           ) -> torch.Tensor:
+    """The backend's latent attention with ``meta``."""
+    impl = TritonMLABackend.get_impl_cls()(
+        HEADS, RANK + ROPE, 0.12, kv_lora_rank=RANK, qk_nope_head_dim=16,
+        qk_rope_head_dim=ROPE, v_head_dim=16,
+        kv_b_proj_weight=torch.zeros(HEADS * 32, RANK, device=DEVICE))
+    return impl._latent_attention(kvcore.LayerScales(), q, cache, meta)
+
+
+def latent(meta: kvcore.AttentionMetadata, q: torch.Tensor, cache: torch.Tensor, rows: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backend's latent attention with ``meta`` and the float64 reference's first rows."""
+    out = attend(meta, q, cache)
+    n = rows
+    expected = mla_attention_ref(q[:n].double(), cache.double(), kv_lora_rank=RANK,
+                                 query_start_loc=meta.query_start_loc[:n + 1],
+                                 seq_lens=meta.seq_lens[:n], block_table=meta.block_table[:n],
+                                 scale=0.12)
+    return out[:n], expected
+
+
+def test_the_builder_needs_an_mla_spec() -> None:
+    spec = kvcore.FullAttentionSpec(block_size=PAGE, dtype=torch.float32, num_kv_heads=1,
+                                    head_size=RANK + ROPE)
+    with pytest.raises(TypeError, match="spec must be a kvcore.MLAAttentionSpec"):
+        TritonMLABackend.get_builder_cls()(spec, num_heads=HEADS, max_num_seqs=2,
+                                           max_num_batched_tokens=2, max_model_len=64,
+                                           device=DEVICE)
+
+
+def test_graph_steps_split_by_batch_size_and_reuse_every_buffer() -> None:
+    b = builder()
+    gen = generator("mla-builder-buffers")
+    # One request: split on any device (the CPU counts as one SM).
+    short = b.build(decode(gen, [3]), graph_batch_size=1)
+    longer = b.build(decode(gen, [40]), graph_batch_size=1)
+    assert short.num_kv_splits == longer.num_kv_splits == b.num_kv_splits(1) > 1
+    assert short.workspace is b.workspace and longer.workspace is b.workspace
+    fields = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    assert [getattr(short, f).data_ptr() for f in fields] == \
+        [getattr(longer, f).data_ptr() for f in fields]
+    # Eagerly the split count follows the step's longest request (never above the graph's).
+    eager = b.build(decode(gen, [3]))
+    assert eager.num_kv_splits == b.num_kv_splits(1, eager.max_seq_len) <= b.num_kv_splits(1)
+
+
+@pytest.mark.parametrize(("context_lens", "size"), [([40], 1), ([0], 1), ([9], 2)],
+                         ids=["long", "one-token", "padded"])
+def test_graph_built_steps_equal_the_reference_with_empty_splits(context_lens, size) -> None:
+    """Split as if every request were max_model_len long: short requests leave splits empty;
+    the workspace holds stale values that must never be read; a padded step's real rows are
+    right."""
+    b = builder(max_model_len=1024, max_num_seqs=2)
+    gen = generator("mla-builder-graph", context_lens)
+    meta = b.build(decode(gen, context_lens), graph_batch_size=size)
+    assert meta.num_kv_splits == b.num_kv_splits(size)
+    if size == 1:
+        assert meta.num_kv_splits > 1 and meta.workspace is b.workspace
+        b.workspace.fill_(float("nan"))
+    q = randn((size, HEADS, RANK + ROPE), torch.float32, gen)
+    cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen)
+    out, expected = latent(meta, q, cache, len(context_lens))
+    assert_close(out, expected, torch.float32, "latent output with the builder's metadata")
+
+
+def test_a_marked_step_is_not_read_back_and_still_refuses_blocks_beyond_the_cache(
+        monkeypatch) -> None:
+    b = builder()
+    gen = generator("mla-builder-facts")
+    meta = b.build(decode(gen, [5, 17]))
+    assert ops.checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table)
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a marked step's tensors were read back")
+
+    q = randn((2, HEADS, RANK + ROPE), torch.float32, gen)
+    cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", no_reads)
+        out = attend(meta, q, cache)
+    expected = latent(meta, q, cache, 2)[1]
+    assert_close(out, expected, torch.float32, "latent output")
+    small = cache[:2]
+    with pytest.raises(ValueError, match="block_table contains block id .*, but the cache "
+                                         "has only 2 blocks"):
+        tma.mla_attention(q, small, kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
+                          seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12)
+
+
+def test_the_op_refuses_a_workspace_it_cannot_use() -> None:
+    gen = generator("mla-builder-workspace")
+    meta = decode(gen, [30])
+    q = randn((1, HEADS, RANK + ROPE), torch.float32, gen)
+    cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen)
+    args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
+                seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12,
+                max_query_len=1, num_kv_splits=2)
+    needed = tma.mla_workspace_numel(1, HEADS, RANK, 2)
+    assert needed == HEADS * 2 * (RANK + 1)
+    with pytest.raises(ValueError, match=f"workspace has 10 elements but this call's split-KV "
+                                         f"path needs {needed}"):
+        tma.mla_attention(q, cache, workspace=torch.empty(10, device=DEVICE), **args)
+    with pytest.raises(ValueError, match="workspace must be a contiguous float32 tensor"):
+        tma.mla_attention(q, cache, workspace=torch.empty(needed, dtype=torch.float16,
+                                                          device=DEVICE), **args)
