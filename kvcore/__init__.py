@@ -32,6 +32,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.dtypes": ("parse_dtype",),
     "kvcore.hookspecs": ("hookimpl",),
     "kvcore.layout": ("KVCacheLayout", "LayoutMismatchError"),
+    "kvcore.mla": ("MLACommonBackend", "MLACommonImpl", "latent_cache_shape"),
     "kvcore.platform": (
         "Platform", "available_platforms", "clear_platform_cache", "current_platform",
         "get_platform", "require_present_platform",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.dtypes import parse_dtype
     from kvcore.hookspecs import hookimpl
     from kvcore.layout import KVCacheLayout, LayoutMismatchError
+    from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
     from kvcore.platform import (
         Platform,
         available_platforms,
@@ -137,6 +139,8 @@ __all__ = [
     "LayerScales",
     "LayoutMismatchError",
     "MLAAttentionSpec",
+    "MLACommonBackend",
+    "MLACommonImpl",
     "MultipleOf",
     "NoValidBackendError",
     "PagedAttentionImpl",
@@ -162,6 +166,7 @@ __all__ = [
     "get_attn_backend",
     "get_platform",
     "hookimpl",
+    "latent_cache_shape",
     "list_plugins",
     "parse_dtype",
     "platform_registry",

@@ -48,9 +48,10 @@ def test_select_explain_rocm_with_connector_excludes_rocm_attn(fixture_plugins_d
 
 
 def test_select_nothing_valid_exits_nonzero_with_reasons():
-    result = kvcore_cmd("select", "--explain", "--mla", "--platform", "cpu")
+    result = kvcore_cmd("select", "--explain", "--mla", "--sink", "--platform", "cpu")
     assert result.returncode == 1
     assert "use_mla=True but CPU_ATTN is not an MLA backend" in result.stdout
+    assert "has_sink=True: CPU_MLA does not support attention sinks" in result.stdout
     assert "error: no backend can run this config on cpu" in result.stderr
 
 

@@ -125,7 +125,7 @@ def test_demo_refuses_a_platform_that_is_not_present(capsys):
 
 
 @pytest.mark.parametrize(("option", "value", "message"), [
-    ("model", "huge", "model='huge' (choose from: tiny, small, medium, large)"),
+    ("model", "huge", "model='huge' (choose from: tiny, small, medium, large, mla-small)"),
     ("batch", 0, "batch=0 must be a positive integer"),
     ("dtype", "float64", "dtype='float64' (supported: float32, bfloat16, float16)"),
 ])
@@ -167,3 +167,38 @@ def test_demo_replays_decode_steps_from_cuda_graphs_with_identical_tokens():
     # Decode-only steps are among the steps that are not mixed; only they replay.
     decode_only = sum(b["steps"] - b["mixed_steps"] for b in gpu.batches)
     assert 0 < graphs["replayed_steps"] <= decode_only
+
+
+@pytest.fixture(scope="module")
+def mla_result():
+    return run_demo(fast_options(model="mla-small", batch=6, max_num_seqs=3))
+
+
+def test_mla_demo_serves_an_mla_model_on_cpu_mla(mla_result):
+    """Continuous batching, offload and prefix reuse with MLA latents; every token equal to
+    the unabsorbed float64 reference (or a near tie) and to the run without offload."""
+    assert mla_result.ok, mla_result.mismatches
+    assert mla_result.backend == "CPU_MLA"
+    assert mla_result.layout == "B,L,N,D" and mla_result.cross_layer
+    first, second = mla_result.batches
+    assert first["mixed_steps"] > 0 and second["prefix_blocks_hit"] > 0
+    assert mla_result.offload["loaded_blocks"] == (first["prefix_blocks_hit"]
+                                                   + second["prefix_blocks_hit"])
+    generated = sum(b["generated_tokens"] for b in mla_result.batches)
+    assert mla_result.checks["reference"]["checked"] == generated
+    assert mla_result.checks["without_offload"]["agreed"] == generated
+
+
+def test_a_corrupted_loaded_latent_block_fails_the_mla_demo():
+    bad = run_demo(fast_options(model="mla-small", batch=6, max_num_seqs=3,
+                                corrupt_loaded_block=True))
+    assert not bad.ok
+    assert any("float64 reference picks" in m for m in bad.mismatches)
+
+
+@pytest.mark.gpu
+def test_mla_demo_on_the_gpu_with_its_best_mla_backend():
+    gpu = run_demo(fast_options(model="mla-small", batch=8, max_new_tokens=16, max_num_seqs=4,
+                                platform=None, dtype="bfloat16"))
+    assert gpu.ok, gpu.mismatches
+    assert gpu.platform in ("cuda", "rocm") and gpu.backend != "CPU_MLA"

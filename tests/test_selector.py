@@ -40,13 +40,20 @@ def test_config_rejects_bad_values(kwargs, message):
 
 def test_no_valid_backend_lists_config_and_every_reason(fresh_kvcore):
     with pytest.raises(kvcore.NoValidBackendError) as err:
-        kvcore.get_attn_backend(Config(head_size=64, use_mla=True), platform="cpu")
+        kvcore.get_attn_backend(Config(head_size=64, use_mla=True, has_sink=True), platform="cpu")
     text = str(err.value)
     assert "no valid attention backend for this config on cpu" in text
     assert "config: head_size=64, dtype=bfloat16" in text
     assert "  CPU_ATTN: rejected [plugin builtin_backends]\n" \
            "    - use_mla=True but CPU_ATTN is not an MLA backend (choose an MLA backend)" in text
+    assert "  CPU_MLA: rejected [plugin builtin_backends]\n" \
+           "    - has_sink=True: CPU_MLA does not support attention sinks" in text
     assert err.value.report.selected is None
+
+
+def test_cpu_picks_cpu_mla_for_mla_layers(fresh_kvcore):
+    assert kvcore.get_attn_backend(Config(head_size=576, use_mla=True),
+                                   platform="cpu").get_name() == "CPU_MLA"
 
 
 def test_cuda_without_vendor_plugins_explains_what_to_install(fresh_kvcore, monkeypatch):

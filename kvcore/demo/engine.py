@@ -34,7 +34,9 @@ from kvcore import (
     CudaGraphSupport,
     FullAttentionSpec,
     KVCaches,
+    KVCacheSpec,
     LayerScales,
+    MLAAttentionSpec,
     build_attention_metadata,
 )
 from kvcore.connectors import KVConnector, TransferHandle, hash_request_tokens
@@ -182,12 +184,15 @@ class Engine:
             raise ValueError(f"kv_caches has {kv_caches.num_layers} layers but the model has "
                              f"{c.num_layers}")
         layer_shape = kv_caches.layout.layer_shape
-        if layer_shape[3:] != (c.num_kv_heads, c.head_size):
+        # Blocks-first: (blocks, 2, block_size, kv heads, head size); MLA (blocks, block_size,
+        # latent).
+        entry = (c.cache_head_size,) if c.is_mla else (c.num_kv_heads, c.head_size)
+        if layer_shape[-len(entry):] != entry:
             raise ValueError(f"kv_caches layer shape {layer_shape} does not hold "
-                             f"{c.num_kv_heads} KV heads of {c.head_size}")
+                             f"{' x '.join(map(str, entry))} channels per token")
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = layer_shape[2]
+        self.block_size = layer_shape[-len(entry) - 1]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
@@ -195,17 +200,29 @@ class Engine:
         self.on_loaded = on_loaded
         self.on_step = on_step
         impl_cls = backend.get_impl_cls()
-        self.impls = [impl_cls(num_heads=c.num_heads, head_size=c.head_size,
-                               scale=c.head_size ** -0.5, num_kv_heads=c.num_kv_heads)
-                      for _ in range(c.num_layers)]
+        if c.is_mla:  # the MLA impl interface: model dims and the layer's kv_b_proj weight
+            self.impls = [impl_cls(num_heads=c.num_heads, head_size=c.cache_head_size,
+                                   scale=c.attn_scale, kv_lora_rank=c.kv_lora_rank,
+                                   qk_nope_head_dim=c.head_size,
+                                   qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                                   kv_b_proj_weight=w["kv_b_proj"]) for w in model.layers]
+        else:
+            self.impls = [impl_cls(num_heads=c.num_heads, head_size=c.head_size,
+                                   scale=c.head_size ** -0.5, num_kv_heads=c.num_kv_heads)
+                          for _ in range(c.num_layers)]
         # The demo cache is unquantised: unit scales.
         self.scales = LayerScales()
         device = kv_caches.storage.device
         # A prompt longer than the token budget runs alone; no request outgrows the pool.
         max_model_len = kv_caches.num_blocks * self.block_size
-        self.builder = backend.get_builder_cls()(
+        spec: KVCacheSpec = (
+            MLAAttentionSpec(block_size=self.block_size, dtype=model.dtype,
+                             kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+            if c.is_mla else
             FullAttentionSpec(block_size=self.block_size, dtype=model.dtype,
-                              num_kv_heads=c.num_kv_heads, head_size=c.head_size),
+                              num_kv_heads=c.num_kv_heads, head_size=c.head_size))
+        self.builder = backend.get_builder_cls()(
+            spec,
             num_heads=c.num_heads, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len, max_num_seqs),
             max_model_len=max_model_len, device=device)

@@ -1,10 +1,13 @@
 """A small decoder-only transformer with fixed-seed random weights, for ``kvcore demo``.
 
 Llama-shaped: token embedding, ``num_layers`` blocks of (RMSNorm, GQA self-attention with
-rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an LM head. It has no
-attention of its own: :meth:`DemoModel.forward` hands each layer's projected ``q``, ``k``, ``v``
-to a callback, so one set of weights runs over kvcore's paged cache in the engine and over
-plain contiguous K/V in the reference.
+rotary position embeddings, RMSNorm, SwiGLU MLP), a final RMSNorm and an LM head. An MLA
+config (``kv_lora_rank`` set) replaces GQA by DeepSeek-V2/V3's multi-head latent attention:
+``kv_a_proj`` makes a normalised latent ``kv_c`` and a rotated rope key ``k_pe`` per token,
+``kv_b_proj`` expands the latent to per-head keys and values. The model has no attention of
+its own: :meth:`DemoModel.forward` hands each layer's projected ``q``, ``k``, ``v`` to a
+callback, so one set of weights runs over kvcore's paged cache in the engine and over plain
+contiguous K/V in the reference.
 
 Tokens are *packed*: a step's new tokens of every request are concatenated along dim 0
 (``(num_tokens,)`` ids and positions), the layout :class:`kvcore.AttentionMetadata` describes.
@@ -22,7 +25,10 @@ from kvcore.demo.config import DemoModelConfig
 __all__ = ["AttendFn", "DemoModel", "contiguous_attention"]
 
 #: ``attend(layer, q, k, v) -> out``: ``q`` ``(num_tokens, num_heads, head_size)``, ``k``/``v``
-#: ``(num_tokens, num_kv_heads, head_size)``, ``out`` shaped like ``q``.
+#: ``(num_tokens, num_kv_heads, head_size)``, ``out`` shaped like ``q``. MLA: ``q`` ``(num_tokens,
+#: num_heads, head_size + qk_rope_head_dim)``, ``k`` = ``kv_c`` ``(num_tokens, kv_lora_rank)``,
+#: ``v`` = ``k_pe`` ``(num_tokens, qk_rope_head_dim)`` (what an MLA backend caches), ``out``
+#: ``(num_tokens, num_heads, v_head_dim)``.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -62,20 +68,30 @@ class DemoModel:
             w = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
             return w.to(device=self.device, dtype=dtype)
 
-        def norm_weight() -> torch.Tensor:
-            w = 1.0 + 0.1 * torch.randn(c.hidden_size, generator=gen)
+        def norm_weight(size: int = c.hidden_size) -> torch.Tensor:
+            w = 1.0 + 0.1 * torch.randn(size, generator=gen)
             return w.to(device=self.device, dtype=dtype)
 
-        q_out, kv_out = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
+        def attention() -> dict[str, torch.Tensor]:
+            if c.is_mla:
+                return {
+                    "wq": matrix(c.num_heads * (c.head_size + c.qk_rope_head_dim), c.hidden_size),
+                    "kv_a_proj": matrix(c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),
+                    "kv_norm": norm_weight(c.kv_lora_rank),
+                    "kv_b_proj": matrix(c.num_heads * (c.head_size + c.v_head_dim),
+                                        c.kv_lora_rank),
+                    "wo": matrix(c.hidden_size, c.num_heads * c.v_head_dim),
+                }
+            q_out, kv_out = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
+            return {"wq": matrix(q_out, c.hidden_size), "wk": matrix(kv_out, c.hidden_size),
+                    "wv": matrix(kv_out, c.hidden_size), "wo": matrix(c.hidden_size, q_out)}
+
         self.embed = torch.randn(c.vocab_size, c.hidden_size, generator=gen).to(
             device=self.device, dtype=dtype)
         self.layers = [
             {
                 "attn_norm": norm_weight(),
-                "wq": matrix(q_out, c.hidden_size),
-                "wk": matrix(kv_out, c.hidden_size),
-                "wv": matrix(kv_out, c.hidden_size),
-                "wo": matrix(c.hidden_size, q_out),
+                **attention(),
                 "mlp_norm": norm_weight(),
                 "w_gate": matrix(c.intermediate_size, c.hidden_size),
                 "w_up": matrix(c.intermediate_size, c.hidden_size),
@@ -85,8 +101,8 @@ class DemoModel:
         ]
         self.final_norm = norm_weight()
         self.lm_head = matrix(c.vocab_size, c.hidden_size)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_size, 2, dtype=torch.float64)
-                                           / c.head_size))
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.rope_dim, 2, dtype=torch.float64)
+                                           / c.rope_dim))
         self._inv_freq = inv_freq.to(self.device)
 
     def to(self, dtype: torch.dtype) -> DemoModel:
@@ -125,11 +141,20 @@ class DemoModel:
         x = self.embed[token_ids]
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, w["attn_norm"], c.rms_eps)
-            q = (h @ w["wq"].T).view(n, c.num_heads, c.head_size)
-            k = (h @ w["wk"].T).view(n, c.num_kv_heads, c.head_size)
-            v = (h @ w["wv"].T).view(n, c.num_kv_heads, c.head_size)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            attn = attend(i, q.contiguous(), k.contiguous(), v.contiguous())
+            if c.is_mla:
+                q = (h @ w["wq"].T).view(n, c.num_heads, c.head_size + c.qk_rope_head_dim)
+                q_nope, q_pe = q.split([c.head_size, c.qk_rope_head_dim], dim=-1)
+                q = torch.cat([q_nope, _rotate(q_pe, cos, sin)], dim=-1)
+                latent = h @ w["kv_a_proj"].T
+                kv_c = _rms_norm(latent[:, :c.kv_lora_rank], w["kv_norm"], c.rms_eps)
+                k_pe = _rotate(latent[:, None, c.kv_lora_rank:], cos, sin)[:, 0]
+                attn = attend(i, q.contiguous(), kv_c.contiguous(), k_pe.contiguous())
+            else:
+                q = (h @ w["wq"].T).view(n, c.num_heads, c.head_size)
+                k = (h @ w["wk"].T).view(n, c.num_kv_heads, c.head_size)
+                v = (h @ w["wv"].T).view(n, c.num_kv_heads, c.head_size)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                attn = attend(i, q.contiguous(), k.contiguous(), v.contiguous())
             x = x + attn.reshape(n, -1) @ w["wo"].T
             h = _rms_norm(x, w["mlp_norm"], c.rms_eps)
             gate = torch.nn.functional.silu(h @ w["w_gate"].T)

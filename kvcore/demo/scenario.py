@@ -53,6 +53,7 @@ from kvcore.connectors import KVConnector, get_connector, get_connector_class
 from kvcore.demo.config import MODEL_PRESETS
 from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel, contiguous_attention
+from kvcore.testing import contiguous_mla_ref
 
 __all__ = ["TIE_TOLERANCE", "DemoOptions", "DemoResult", "TokenCheck", "check_against_reference",
            "compare_runs", "format_summary", "reference_logits", "run_demo",
@@ -208,11 +209,16 @@ def _is_tie(logits: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> bool:
 def reference_logits(model: DemoModel, requests: list[Request]) -> list[torch.Tensor]:
     """Per request, the float64 logits that chose each generated token: ``(len(output),
     vocab_size)``, from one causal pass over the request's tokens with plain attention over
-    contiguous K/V (no paging) and the model's weights in float64."""
+    contiguous K/V (no paging) and the model's weights in float64; MLA unabsorbed (every latent
+    expanded to per-head K and V, :func:`kvcore.testing.contiguous_mla_ref`)."""
     ref = model.to(torch.float64)
-    scale = model.config.head_size ** -0.5
+    c = model.config
+    scale = c.attn_scale if c.is_mla else c.head_size ** -0.5
 
-    def attend(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if c.is_mla:
+            return contiguous_mla_ref(q, k, v, ref.layers[layer]["kv_b_proj"], scale,
+                                      qk_nope_head_dim=c.head_size, v_head_dim=c.v_head_dim)
         return contiguous_attention(q, k, v, scale)
 
     out = []
@@ -318,7 +324,8 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
     device = platform.device()
     bs = options.block_size
 
-    config = AttentionSelectorConfig(head_size=preset.head_size, dtype=dtype, block_size=bs,
+    config = AttentionSelectorConfig(head_size=preset.cache_head_size, dtype=dtype,
+                                     block_size=bs, use_mla=preset.is_mla,
                                      use_kv_connector=True)
     backend = get_attn_backend(config, options.backend, platform)
     selection = _selection_summary(explain_selection(config, platform, options.backend))
@@ -333,8 +340,9 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
     # for max_num_seqs of those at once.
     longest = max(len(r.prompt) for r in batch1) + 2 * options.max_new_tokens + bs
     num_blocks = options.max_num_seqs * -(-longest // bs) + 1
-    block_bytes = preset.num_layers * 2 * bs * preset.num_kv_heads * preset.head_size \
-        * dtype.itemsize
+    per_token = preset.cache_head_size if preset.is_mla \
+        else 2 * preset.num_kv_heads * preset.head_size
+    block_bytes = preset.num_layers * bs * per_token * dtype.itemsize
     # Room for every full block batch 1 writes, twice over: the demo needs no CPU eviction.
     capacity_bytes = 2 * sum(-(-r.max_len // bs) for r in batch1) * block_bytes
     model = DemoModel(preset, seed=options.seed, dtype=dtype, device=device)
@@ -346,7 +354,7 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
     def new_engine(connector: KVConnector | None, on_step: Callable[[int], None]) -> Engine:
         kv = allocate_kv_caches(
             backend, num_layers=preset.num_layers, num_blocks=num_blocks, block_size=bs,
-            num_kv_heads=preset.num_kv_heads, head_size=preset.head_size, dtype=dtype,
+            num_kv_heads=preset.num_kv_heads, head_size=preset.cache_head_size, dtype=dtype,
             device=device, cross_layer=cross_layer)
         on_loaded = None
         if connector is not None:

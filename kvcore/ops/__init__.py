@@ -10,6 +10,12 @@ and :func:`paged_attention` run the Triton kernels (:mod:`kvcore.ops.triton_cach
 which is also ROCm's), and the pure-torch references otherwise. Call the Triton modules
 directly to run them elsewhere (e.g. on CPU tensors under ``TRITON_INTERPRET=1``).
 
+MLA (:mod:`kvcore.ops.mla_reference`): :func:`concat_and_cache_mla_ref` writes latents,
+:func:`mla_attention_ref` is the absorbed latent-space attention (the CPU_MLA backend's kernel)
+and :func:`mla_forward_ref` the model's unabsorbed math; MLA plugins validate with the same
+checks (:func:`validate_concat_and_cache_mla`, :func:`validate_mla_attention`,
+:func:`check_block_table`).
+
 Block movement by id (:mod:`kvcore.blocks`): :func:`check_block_mapping` validates a mapping
 ``src[src_ids[i]] -> dst[dst_ids[i]]`` between two blocks-first caches (messages name the
 caller's arguments), and :func:`block_runs` merges it into ``(first_src, first_dst, count)``
@@ -24,6 +30,14 @@ import importlib.util
 import torch
 
 from kvcore.blocks import block_runs, check_block_mapping
+from kvcore.ops.mla_reference import (
+    check_block_table,
+    concat_and_cache_mla_ref,
+    mla_attention_ref,
+    mla_forward_ref,
+    validate_concat_and_cache_mla,
+    validate_mla_attention,
+)
 from kvcore.ops.reference import (
     fp8_inverse_scale,
     gather_kv_ref,
@@ -70,6 +84,7 @@ __all__ = [
     "cache_torch_dtype",
     "check_block_indices",
     "check_block_mapping",
+    "check_block_table",
     "check_distinct_pages",
     "check_distinct_slots",
     "check_kv_cache_dtype",
@@ -77,9 +92,12 @@ __all__ = [
     "check_softmax_scale",
     "check_slots_in_range",
     "checked_step_facts",
+    "concat_and_cache_mla_ref",
     "fp8_inverse_scale",
     "gather_kv_ref",
     "mark_step_checked",
+    "mla_attention_ref",
+    "mla_forward_ref",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_torch",
@@ -99,6 +117,8 @@ __all__ = [
     "triton_paged_attention",
     "triton_reshape_and_cache",
     "triton_unavailable_reasons",
+    "validate_concat_and_cache_mla",
+    "validate_mla_attention",
     "validate_paged_attention",
     "validate_reshape_and_cache",
     "value_checks_enabled",

@@ -1,4 +1,4 @@
-"""The CPU platform: always present, the embedded default (CPU_ATTN)."""
+"""The CPU platform: always present, the embedded default (CPU_ATTN; CPU_MLA for MLA)."""
 
 from __future__ import annotations
 
@@ -18,4 +18,4 @@ class CpuPlatform(Platform):
     def get_backend_priorities(
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:
-        return [] if config.use_mla else ["CPU_ATTN"]
+        return ["CPU_MLA"] if config.use_mla else ["CPU_ATTN"]

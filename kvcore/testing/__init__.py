@@ -23,7 +23,12 @@ rules, the tolerances and the options.
 
 from kvcore.testing.batch import random_block_tables
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
-from kvcore.testing.checks import DEFAULT_TOLERANCES, NORM_TOLERANCES, tolerance_for
+from kvcore.testing.checks import (
+    DEFAULT_TOLERANCES,
+    MLA_NORM_TOLERANCES,
+    NORM_TOLERANCES,
+    tolerance_for,
+)
 from kvcore.testing.compile_check import CompileTarget, KernelCase
 from kvcore.testing.gpu import (
     GPU_MARKER,
@@ -31,7 +36,7 @@ from kvcore.testing.gpu import (
     skip_gpu_tests_without_gpu,
     use_triton_interpreter_without_gpu,
 )
-from kvcore.testing.reference import contiguous_attention_ref
+from kvcore.testing.reference import contiguous_attention_ref, contiguous_mla_ref
 from kvcore.testing.rules import RULES, ConformanceError, Rule
 from kvcore.testing.steps import MixedStep, run_mixed_step
 
@@ -40,6 +45,7 @@ __all__ = [
     "GPU_MARKER",
     "GpuTestSetup",
     "MixedStep",
+    "MLA_NORM_TOLERANCES",
     "NORM_TOLERANCES",
     "RULES",
     "CompileTarget",
@@ -49,6 +55,7 @@ __all__ = [
     "Rule",
     "conformance_cases",
     "contiguous_attention_ref",
+    "contiguous_mla_ref",
     "random_block_tables",
     "resolve_backend_spec",
     "run_mixed_step",

@@ -15,7 +15,8 @@ from kvcore.backend import AttentionMetadata, build_attention_metadata
 from kvcore.config import parse_dtype
 from kvcore.platform_types import AttentionType
 
-__all__ = ["CaseConfig", "MixedBatch", "make_mixed_batch", "random_like", "short_dtype"]
+__all__ = ["CaseConfig", "MLADims", "MixedBatch", "make_mixed_batch", "mla_dims", "random_like",
+           "short_dtype"]
 
 #: Query heads and KV heads of every batch: GQA with 4 query heads per KV head.
 NUM_HEADS = 8
@@ -67,7 +68,14 @@ class CaseConfig:
             parts.append(self.attn_type.value)
         return "-".join(parts)
 
-    def describe(self) -> str:
+    def describe(self, mla: bool = False) -> str:
+        if mla:
+            d = mla_dims(self.head_size)
+            return (f"dtype={short_dtype(self.dtype)}, MLA latent {self.head_size} = "
+                    f"kv_lora_rank {d.kv_lora_rank} + rope {d.qk_rope_head_dim}, "
+                    f"qk_nope_head_dim={d.qk_nope_head_dim}, v_head_dim={d.v_head_dim}, "
+                    f"block_size={self.block_size}, kv_cache_dtype={self.kv_cache_dtype}, "
+                    f"num_heads={NUM_HEADS}")
         extra = "".join(
             [f", sliding_window={self.sliding_window}" if self.sliding_window else "",
              f", attn_type={self.attn_type.value}"
@@ -76,6 +84,25 @@ class CaseConfig:
                 f"block_size={self.block_size}, kv_cache_dtype={self.kv_cache_dtype}, "
                 f"causal={self.causal}{extra}, num_heads={NUM_HEADS}, "
                 f"num_kv_heads={NUM_KV_HEADS}")
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """The model dims of an MLA case; ``kv_lora_rank + qk_rope_head_dim`` is the latent size."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+
+def mla_dims(head_size: int) -> MLADims:
+    """MLA dims for a latent of ``head_size`` channels: DeepSeek's rope dim (64) for a
+    DeepSeek-sized latent, 16 for the small ones of CPU runs; the nope and value dims differ
+    from each other and from the rank, so a swapped dim shows."""
+    rope = 64 if head_size >= 512 else (16 if head_size > 32 else head_size // 2)
+    return MLADims(kv_lora_rank=head_size - rope, qk_rope_head_dim=rope, qk_nope_head_dim=32,
+                   v_head_dim=24)
 
 
 def random_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -38,8 +38,6 @@ _UNUSUAL_HEAD_SIZE = 80
 _UNUSUAL_BLOCK_SIZE = 12
 # Declared features that forward has no argument for: reported as skipped cases.
 _UNCHECKED_FEATURES = ("has_sink", "use_sparse", "use_mm_prefix", "use_per_head_quant_scales")
-_MLA_NOTE = ("kvcore.ops has no MLA attention reference yet, so the numerical checks do not "
-             "run for MLA backends; the contract and validation checks do")
 
 
 def resolve_backend_spec(spec: str | type[AttentionBackend]) -> type[AttentionBackend]:
@@ -312,7 +310,7 @@ def conformance_cases(
             devices = [cls.PLATFORMS[0] if cls.PLATFORMS else "none"]
     else:
         no_device = None
-    skip = no_device or (_MLA_NOTE if cls.IS_MLA else None)
+    skip = no_device
     configs = _numeric_configs(cls, declared)
     cross_layer = _opts_in_cross_layer(cls)
     for device in devices:

@@ -26,25 +26,28 @@ from kvcore.backend import (
 )
 from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
 from kvcore.layout import KVCacheLayout
-from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
+from kvcore.ops.mla_reference import concat_and_cache_mla_ref
+from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref, scale_value
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType
-from kvcore.spec import FullAttentionSpec
+from kvcore.spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from kvcore.testing.batch import (
     NUM_HEADS,
     NUM_KV_HEADS,
     CaseConfig,
     MixedBatch,
     make_mixed_batch,
+    mla_dims,
     random_block_tables,
     random_like,
     short_dtype,
 )
-from kvcore.testing.reference import contiguous_attention_ref
+from kvcore.testing.reference import contiguous_attention_ref, contiguous_mla_ref
 from kvcore.testing.rules import ConformanceError
 
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "MLA_NORM_TOLERANCES",
     "NORM_TOLERANCES",
     "backend_label",
     "check_backend_identity",
@@ -94,6 +97,17 @@ NORM_TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 2e-3,  # TF32 dots (Triton's default for fp32) round inputs to 10 bits
     torch.float16: 2e-3,
     torch.bfloat16: 5e-3,
+}
+
+#: :data:`NORM_TOLERANCES` for MLA backends (``_MLARun.norm_tolerances``). Below 1%, so a 1%
+#: error fails; above what a correct absorbed kernel's extra roundings (``q_latent`` and the
+#: latent output in the model dtype) give, which in bf16 is near 4e-3.
+MLA_NORM_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    # TF32 dots (Triton's default for fp32) round inputs to 10 bits.
+    torch.float32: 2e-3,
+    torch.float16: 2e-3,
+    torch.bfloat16: 7e-3,
 }
 
 _DIM_WORDS = {"B": "block", "2": "K/V", "N": "token", "H": "head", "D": "dim", "L": "layer"}
@@ -347,6 +361,8 @@ def _scales(config: CaseConfig, device: torch.device) -> LayerScales:
 class _Run:
     """One numerical case: the backend, its config and device, and the helpers to call it."""
 
+    #: What the last dim of the output is, for messages.
+    OUTPUT_DIM = "head_size"
     #: Per-token error norm bounds of :meth:`output_diff` (a kind of attention whose correct
     #: kernels round more, e.g. MLA's absorbed path, sets its own) and their name in messages.
     norm_tolerances: dict[torch.dtype, float] = NORM_TOLERANCES
@@ -364,7 +380,32 @@ class _Run:
         check_cross_layer_claim(backend)
 
     def where(self) -> str:
-        return f"config: {self.config.describe()}; device {self.device}; seed {self.seed}"
+        return (f"config: {self.config.describe(self.backend.IS_MLA)}; device {self.device}; "
+                f"seed {self.seed}")
+
+    def make_batch(self) -> MixedBatch:
+        return make_mixed_batch(self.config, self.device, self.gen)
+
+    def tokens(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Random ``(query, key, value)`` for ``rows`` new tokens."""
+        d, dtype = self.config.head_size, self.config.dtype
+        return (random_like((rows, NUM_HEADS, d), dtype, self.device, self.gen),
+                random_like((rows, NUM_KV_HEADS, d), dtype, self.device, self.gen),
+                random_like((rows, NUM_KV_HEADS, d), dtype, self.device, self.gen))
+
+    def page_elements(self) -> int:
+        """Elements of one block of one layer."""
+        return 2 * self.config.block_size * NUM_KV_HEADS * self.config.head_size
+
+    def output_shape(self, rows: int) -> tuple[int, ...]:
+        return (rows, NUM_HEADS, self.config.head_size)
+
+    def reference_write(self, batch: MixedBatch, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                        scales: LayerScales, slot_mapping: torch.Tensor) -> None:
+        """What ``do_kv_cache_update`` must do, done by the reference on ``kv_cache``."""
+        key_cache, value_cache = _split_kv(kv_cache, layout)
+        reshape_and_cache_ref(batch.key, batch.value, key_cache, value_cache, slot_mapping,
+                              self.config.kv_cache_dtype, scales.k_scale, scales.v_scale)
 
     def fail(self, rule: str, detail: str) -> ConformanceError:
         return _fail(self.backend, rule, f"{detail}\n{self.where()}")
@@ -406,11 +447,11 @@ class _Run:
                 kv_cache: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         result = self.call("forward", impl.forward, scales, batch.query, batch.key, batch.value,
                            kv_cache, batch.metadata, output=output)
-        rows = batch.query.shape
+        rows = self.output_shape(batch.query.shape[0])
         if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(rows):
             raise self.fail("forward-reference", (
                 f"forward returned {_shape_text(result)}; it must return the output, shape "
-                f"{tuple(rows)} (num_tokens, num_heads, head_size)"))
+                f"{tuple(rows)} (num_tokens, num_heads, {self.OUTPUT_DIM})"))
         return result
 
     def reference_forward(self, batch: MixedBatch, kv_cache: torch.Tensor,
@@ -477,6 +518,105 @@ class _Run:
             f"{batch.describe()}")
 
 
+class _MLARun(_Run):
+    """A numerical case of an MLA backend: latent cache, ``kv_b_proj`` weight, model dims.
+
+    ``head_size`` is the latent size; :func:`mla_dims` splits it. ``key`` / ``value`` of a
+    batch are ``kv_c`` ``(rows, kv_lora_rank)`` / ``k_pe`` ``(rows, rope_dim)``.
+    """
+
+    OUTPUT_DIM = "v_head_dim"
+    norm_tolerances = MLA_NORM_TOLERANCES
+    norm_source = "kvcore.testing.MLA_NORM_TOLERANCES"
+
+    def __init__(self, backend: type[AttentionBackend], config: CaseConfig,
+                 device: torch.device, seed: int) -> None:
+        super().__init__(backend, config, device, seed)
+        self.dims = mla_dims(config.head_size)
+        d = self.dims
+        # Scaled so that k = W_UK c and v = W_UV c have unit variance, as in a trained model.
+        self.weight = (torch.randn(NUM_HEADS * (d.qk_nope_head_dim + d.v_head_dim),
+                                   d.kv_lora_rank, generator=self.gen)
+                       * d.kv_lora_rank**-0.5).to(config.dtype).to(device)
+        self.scale = (d.qk_nope_head_dim + d.qk_rope_head_dim) ** -0.5
+
+    def make_batch(self) -> MixedBatch:
+        batch = make_mixed_batch(self.config, self.device, self.gen)
+        query, kv_c, k_pe = self.tokens(batch.query.shape[0])
+        return dataclasses.replace(batch, query=query, key=kv_c, value=k_pe)
+
+    def tokens(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d, dtype, device = self.dims, self.config.dtype, self.device
+        return (random_like((rows, NUM_HEADS, d.qk_nope_head_dim + d.qk_rope_head_dim), dtype,
+                            device, self.gen),
+                random_like((rows, d.kv_lora_rank), dtype, device, self.gen),
+                random_like((rows, d.qk_rope_head_dim), dtype, device, self.gen))
+
+    def page_elements(self) -> int:
+        return self.config.block_size * self.config.head_size
+
+    def output_shape(self, rows: int) -> tuple[int, ...]:
+        return (rows, NUM_HEADS, self.dims.v_head_dim)
+
+    def allocate(self, num_blocks: int, num_layers: int = 1, cross_layer: bool = False,
+                 fill: bool = True) -> KVCaches:
+        caches = allocate_kv_caches(
+            self.backend, num_layers=num_layers, num_blocks=num_blocks,
+            block_size=self.config.block_size, num_kv_heads=1,
+            head_size=self.config.head_size, dtype=self.config.dtype, device=self.device,
+            cross_layer=cross_layer, kv_cache_dtype=self.config.kv_cache_dtype)
+        if fill:
+            caches.storage.copy_(random_like(caches.storage.shape, caches.storage.dtype,
+                                             self.device, self.gen))
+        return caches
+
+    def impl(self) -> AttentionImpl:
+        d = self.dims
+        return self.call("constructing the AttentionImpl", self.backend.get_impl_cls(),
+                         num_heads=NUM_HEADS, head_size=self.config.head_size,
+                         scale=self.scale, num_kv_heads=1, sliding_window=None,
+                         kv_cache_dtype=self.config.kv_cache_dtype,
+                         attn_type=AttentionType.DECODER, kv_lora_rank=d.kv_lora_rank,
+                         qk_nope_head_dim=d.qk_nope_head_dim,
+                         qk_rope_head_dim=d.qk_rope_head_dim, v_head_dim=d.v_head_dim,
+                         kv_b_proj_weight=self.weight)
+
+    def reference_write(self, batch: MixedBatch, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                        scales: LayerScales, slot_mapping: torch.Tensor) -> None:
+        concat_and_cache_mla_ref(batch.key, batch.value, kv_cache, slot_mapping,
+                                 self.config.kv_cache_dtype, scales.k_scale)
+
+    def reference_forward(self, batch: MixedBatch, kv_cache: torch.Tensor,
+                          layout: KVCacheLayout, scales: LayerScales) -> torch.Tensor:
+        """float64, unabsorbed MLA of the real tokens over each request's latents, read from
+        ``kv_cache`` as it is now and laid out contiguously (fp8 dequantised)."""
+        m = batch.metadata
+        starts, lens = m.query_start_loc.tolist(), m.seq_lens.tolist()
+        scale = scale_value(scales.k_scale) if self.config.is_fp8 else 1.0
+        rank = self.dims.kv_lora_rank
+        block_size = self.config.block_size
+        outs = []
+        for i, seq_len in enumerate(lens):
+            pos = torch.arange(seq_len, device=kv_cache.device)
+            table = torch.tensor(batch.block_tables[i], device=kv_cache.device, dtype=torch.int64)
+            latents = kv_cache[table[pos // block_size], pos % block_size].double() * scale
+            outs.append(contiguous_mla_ref(
+                batch.query[starts[i]:starts[i + 1]], latents[:, :rank], latents[:, rank:],
+                self.weight, self.scale, qk_nope_head_dim=self.dims.qk_nope_head_dim,
+                v_head_dim=self.dims.v_head_dim))
+        return torch.cat(outs)
+
+    def output_diff(self, out: torch.Tensor, ref: torch.Tensor, batch: MixedBatch) -> str | None:
+        """The element-wise bound too against the reference rounded to the model dtype: the
+        absorbed path rounds more than a last rounding can, element by element."""
+        return super().output_diff(out, ref.to(self.config.dtype).double(), batch)
+
+
+def _run(backend: type[AttentionBackend], config: CaseConfig, device: torch.device,
+         seed: int) -> _Run:
+    return (_MLARun if backend.IS_MLA else _Run)(backend, config, device, seed)
+
+
 def _shape_text(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
@@ -512,15 +652,13 @@ def _cache_diff(got: torch.Tensor, expected: torch.Tensor, layout: KVCacheLayout
 def check_cache_write(backend: type[AttentionBackend], config: CaseConfig,
                       device: torch.device, seed: int) -> None:
     """Rule ``cache-write-reference``, on a per-layer (not cross-layer) allocation."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
     expected = layer.clone()
-    key_exp, value_exp = _split_kv(expected, caches.layout)
-    reshape_and_cache_ref(batch.key, batch.value, key_exp, value_exp, batch.metadata.slot_mapping,
-                          config.kv_cache_dtype, scales.k_scale, scales.v_scale)
+    run.reference_write(batch, expected, caches.layout, scales, batch.metadata.slot_mapping)
     run.write(run.impl(), scales, batch, layer)
     tol = None
     if config.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
@@ -534,8 +672,8 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
                   seed: int, without_output: bool = False) -> None:
     """Rule ``forward-reference``, leaving the cache unchanged; ``without_output`` also checks
     the ``output=None`` path (once per backend is enough: it only allocates)."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
@@ -544,7 +682,7 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
     before = _bits(layer).clone()
     ref = run.reference_forward(batch, layer, caches.layout, scales)
     n = batch.num_tokens
-    output = random_like(tuple(batch.query.shape), config.dtype, device, run.gen)
+    output = random_like(run.output_shape(batch.query.shape[0]), config.dtype, device, run.gen)
     result = run.forward(impl, scales, batch, layer, output)
     diff = run.output_diff(output[:n], ref, batch)
     if diff:
@@ -566,15 +704,15 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
 def _poison_unowned(kv_cache: torch.Tensor, layout: KVCacheLayout, batch: MixedBatch,
                     block_size: int) -> None:
     """NaN in every slot of ``kv_cache`` outside the requests' first ``seq_len`` tokens: the
-    tail of each last block and every block no request owns."""
-    key_cache, value_cache = _split_kv(kv_cache, layout)
-    owned = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    tail of each last block and every block no request owns. An MLA cache has no K/V dim."""
+    caches = _split_kv(kv_cache, layout) if "2" in layout.layer_dim_names else (kv_cache,)
+    owned = torch.zeros(caches[0].shape[:2], dtype=torch.bool)
     for blocks, q_len, ctx in zip(batch.block_tables, batch.query_lens, batch.context_lens,
                                   strict=True):
         for pos in range(ctx + q_len):
             owned[int(blocks[pos // block_size]), pos % block_size] = True
     stale = ~owned.to(kv_cache.device)
-    for cache in (key_cache, value_cache):
+    for cache in caches:
         if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             cache.view(torch.uint8)[stale] = 0x7F  # NaN in both fp8 formats
         else:
@@ -585,8 +723,8 @@ def check_stale_bytes(backend: type[AttentionBackend], config: CaseConfig,
                       device: torch.device, seed: int) -> None:
     """Rule ``stale-bytes-masked``: ``forward`` over a cache whose unowned slots hold NaN
     matches the reference computed before they were poisoned."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
@@ -605,8 +743,8 @@ def check_stale_bytes(backend: type[AttentionBackend], config: CaseConfig,
 def check_batch_invariant(backend: type[AttentionBackend], config: CaseConfig,
                           device: torch.device, seed: int) -> None:
     """Rule ``batch-invariant``: each request alone gives the bits it gets in the batch."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
@@ -640,8 +778,8 @@ def check_cross_layer(backend: type[AttentionBackend], config: CaseConfig,
     The middle layer of a 3-layer cross-layer allocation (its pages strided by three pages,
     non-zero storage offset, random neighbours) against a contiguous single-layer copy.
     """
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     cross = run.allocate(batch.num_blocks, num_layers=3, cross_layer=True)
     plain = run.allocate(batch.num_blocks, fill=False)
     layer, contiguous = cross.layers[1], plain.layers[0]
@@ -699,9 +837,9 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
     if limit is not None and limit <= INT32_LIMIT:
         return (f"{backend_label(backend)} declares MAX_KV_CACHE_SPAN={limit}: "
                 "kvcore.allocate_kv_caches refuses larger caches instead of addressing them")
-    run = _Run(backend, config, device, seed)
-    bs, d = config.block_size, config.head_size
-    page = 2 * bs * NUM_KV_HEADS * d
+    run = _run(backend, config, device, seed)
+    bs = config.block_size
+    page = run.page_elements()
     num_blocks = INT32_LIMIT // page + 4
     itemsize = torch.empty((), dtype=config.dtype).element_size()
     need = num_blocks * page * (1 if config.is_fp8 else itemsize)
@@ -712,12 +850,10 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
     low = [0, 1]
     q_lens, tables = [2 * bs + 3, bs + 1], [high, low]
     meta = build_attention_metadata(q_lens, [0, 0], tables, bs, device=device)
-    rows = meta.num_actual_tokens
+    query, key, value = run.tokens(meta.num_actual_tokens)
     batch = MixedBatch(
-        query=random_like((rows, NUM_HEADS, d), config.dtype, device, run.gen),
-        key=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, run.gen),
-        value=random_like((rows, NUM_KV_HEADS, d), config.dtype, device, run.gen),
-        metadata=meta, query_lens=q_lens, context_lens=[0, 0], block_tables=tables,
+        query=query, key=key, value=value, metadata=meta, query_lens=q_lens,
+        context_lens=[0, 0], block_tables=tables,
         kinds=["prefill in the last blocks", "prefill in the first blocks"],
         num_blocks=num_blocks)
     caches = run.allocate(num_blocks, fill=False)
@@ -732,16 +868,14 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
     compact_meta = build_attention_metadata(q_lens, [0, 0], [[0, 1, 2], [3, 4]], bs,
                                             device=device)
     compact = torch.zeros_like(layer.index_select(block_dim, used))
-    key_c, value_c = _split_kv(compact, caches.layout)
-    reshape_and_cache_ref(batch.key, batch.value, key_c, value_c, compact_meta.slot_mapping,
-                          config.kv_cache_dtype, scales.k_scale, scales.v_scale)
+    run.reference_write(batch, compact, caches.layout, scales, compact_meta.slot_mapping)
     if not torch.equal(_bits(layer.index_select(block_dim, used)), _bits(compact)):
         raise run.fail("int64-offsets", (
             f"do_kv_cache_update into blocks {high} of a {num_blocks}-block cache "
             f"({num_blocks * page} elements > 2**31) did not store what the reference stores; "
             "some offset was computed in int32"))
-    ref_batch = MixedBatch(batch.query, batch.key, batch.value, compact_meta, q_lens, [0, 0],
-                           [[0, 1, 2], [3, 4]], batch.kinds, 5)
+    ref_batch = dataclasses.replace(batch, metadata=compact_meta,
+                                    block_tables=[[0, 1, 2], [3, 4]], num_blocks=5)
     ref = run.reference_forward(ref_batch, compact, caches.layout, scales)
     diff = run.output_diff(out, ref, batch)
     if diff:
@@ -760,31 +894,36 @@ _BUILDER_MAX_TOKENS = 128
 
 def _make_builder(run: _Run, max_model_len: int) -> AttentionMetadataBuilder:
     config = run.config
-    spec = FullAttentionSpec(block_size=config.block_size, dtype=config.dtype,
-                             kv_cache_dtype=config.kv_cache_dtype, num_kv_heads=NUM_KV_HEADS,
-                             head_size=config.head_size)
+    spec: KVCacheSpec
+    if isinstance(run, _MLARun):
+        spec = MLAAttentionSpec(block_size=config.block_size, dtype=config.dtype,
+                                kv_cache_dtype=config.kv_cache_dtype,
+                                kv_lora_rank=run.dims.kv_lora_rank,
+                                qk_rope_head_dim=run.dims.qk_rope_head_dim)
+    else:
+        spec = FullAttentionSpec(block_size=config.block_size, dtype=config.dtype,
+                                 kv_cache_dtype=config.kv_cache_dtype,
+                                 num_kv_heads=NUM_KV_HEADS, head_size=config.head_size)
     builder_cls = run.call("get_builder_cls()", run.backend.get_builder_cls)
     return run.call("constructing the builder", builder_cls, spec, num_heads=NUM_HEADS,
                     max_num_seqs=_BUILDER_MAX_SEQS, max_num_batched_tokens=_BUILDER_MAX_TOKENS,
                     max_model_len=max_model_len, device=run.device)
 
 
-def _decode_batch(config: CaseConfig, device: torch.device, gen: torch.Generator,
-                  num_blocks: int, context_lens: list[int]) -> MixedBatch:
+def _decode_batch(run: _Run, num_blocks: int, context_lens: list[int]) -> MixedBatch:
     """Decode requests with the given cached lengths over random distinct blocks of a cache
     of ``num_blocks``."""
+    config, device = run.config, run.device
     bs = config.block_size
-    tables = random_block_tables([c + 1 for c in context_lens], bs, num_blocks, gen)
+    tables = random_block_tables([c + 1 for c in context_lens], bs, num_blocks, run.gen)
     n = len(context_lens)
     meta = build_attention_metadata([1] * n, context_lens, tables, bs, device=device,
                                     causal=config.causal)
-    d = config.head_size
+    query, key, value = run.tokens(n)
     return MixedBatch(
-        query=random_like((n, NUM_HEADS, d), config.dtype, device, gen),
-        key=random_like((n, NUM_KV_HEADS, d), config.dtype, device, gen),
-        value=random_like((n, NUM_KV_HEADS, d), config.dtype, device, gen),
-        metadata=meta, query_lens=[1] * n, context_lens=list(context_lens),
-        block_tables=tables, kinds=["decode"] * n, num_blocks=num_blocks)
+        query=query, key=key, value=value, metadata=meta, query_lens=[1] * n,
+        context_lens=list(context_lens), block_tables=tables, kinds=["decode"] * n,
+        num_blocks=num_blocks)
 
 
 def _step_through(run: _Run, impl: AttentionImpl, scales: LayerScales, batch: MixedBatch,
@@ -798,7 +937,7 @@ def _step_through(run: _Run, impl: AttentionImpl, scales: LayerScales, batch: Mi
     rows = batch.query.shape[0]
     try:
         out = impl.forward(scales, batch.query, batch.key, batch.value, layer, meta,
-                           output=random_like(tuple(batch.query.shape), run.config.dtype,
+                           output=random_like(run.output_shape(rows), run.config.dtype,
                                               run.device, run.gen))
     except Exception as exc:  # the same impl ran the plain metadata in the other checks
         raise run.fail(rule, f"forward with builder.build()'s metadata for {what} raised "
@@ -816,15 +955,15 @@ def check_builder(backend: type[AttentionBackend], config: CaseConfig, device: t
                   seed: int) -> None:
     """Rule ``builder-reference``: one builder, three steps of different shapes (the mixed
     batch, three decodes, the mixed batch again), each through ``build()`` and ``forward``."""
-    run = _Run(backend, config, device, seed)
-    batch = make_mixed_batch(config, device, run.gen)
+    run = _run(backend, config, device, seed)
+    batch = run.make_batch()
     bs = config.block_size
     caches = run.allocate(batch.num_blocks)
     layer = caches.layers[0]
     scales = _scales(config, device)
     impl = run.impl()
     builder = _make_builder(run, max_model_len=8 * bs)
-    decode = _decode_batch(config, device, run.gen, batch.num_blocks, [2 * bs + 2, bs - 3, 3])
+    decode = _decode_batch(run, batch.num_blocks, [2 * bs + 2, bs - 3, 3])
     for what, step in (("the mixed batch", batch), ("a decode-only batch after it", decode),
                        ("the mixed batch again", batch)):
         meta = run.call("builder.build", builder.build, step.metadata)
@@ -865,7 +1004,7 @@ def check_builder_buffers(backend: type[AttentionBackend], config: CaseConfig,
     """Rule ``builder-persistent-buffers``: two uniform-decode steps of different lengths and
     block tables built for one graph size give the same tensors (addresses, shapes, strides)
     and host values, and each, padded, gives the reference's rows."""
-    run = _Run(backend, config, device, seed)
+    run = _run(backend, config, device, seed)
     bs = config.block_size
     builder = _graph_builder(run)
     num_blocks = 12
@@ -876,7 +1015,7 @@ def check_builder_buffers(backend: type[AttentionBackend], config: CaseConfig,
     size = 4
     seen: list[tuple[dict[str, tuple], dict[str, object]]] = []
     for context_lens in ([2 * bs + 2, bs - 3, 3], [5 * bs, 1]):
-        step = _decode_batch(config, device, run.gen, num_blocks, context_lens)
+        step = _decode_batch(run, num_blocks, context_lens)
         meta = run.call("builder.build(common, graph_batch_size=4)", builder.build,
                         step.metadata, graph_batch_size=size)
         tensors = {name: (t.data_ptr(), tuple(t.shape), t.stride())
@@ -924,7 +1063,7 @@ def check_cuda_graph_replay(backend: type[AttentionBackend], config: CaseConfig,
     same step run eagerly (bit for bit) and the reference."""
     from kvcore.cuda_graphs import CudaGraphRunner
 
-    run = _Run(backend, config, device, seed)
+    run = _run(backend, config, device, seed)
     bs = config.block_size
     builder = _graph_builder(run)
     num_blocks = 12
@@ -937,18 +1076,16 @@ def check_cuda_graph_replay(backend: type[AttentionBackend], config: CaseConfig,
     def step_fn(inputs: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         impl.do_kv_cache_update(scales, inputs["key"], inputs["value"], layer,
                                 meta.slot_mapping)
-        out = torch.empty_like(inputs["query"])
+        out = inputs["query"].new_empty(run.output_shape(inputs["query"].shape[0]))
         return impl.forward(scales, inputs["query"], inputs["key"], inputs["value"], layer,
                             meta, output=out)
 
     runner = CudaGraphRunner(builder, step_fn, num_blocks=num_blocks, batch_sizes=[size])
-    d = config.head_size
-    examples = {"query": torch.zeros(1, NUM_HEADS, d, dtype=config.dtype, device=device),
-                "key": torch.zeros(1, NUM_KV_HEADS, d, dtype=config.dtype, device=device),
-                "value": torch.zeros(1, NUM_KV_HEADS, d, dtype=config.dtype, device=device)}
+    examples = dict(zip(("query", "key", "value"), (t.zero_() for t in run.tokens(1)),
+                        strict=True))
     run.call("capturing a decode step (CudaGraphRunner.capture)", runner.capture, examples)
     for context_lens in ([2 * bs + 2, bs - 3, 3], [5 * bs, 1]):
-        step = _decode_batch(config, device, run.gen, num_blocks, context_lens)
+        step = _decode_batch(run, num_blocks, context_lens)
         inputs = {"query": step.query, "key": step.key, "value": step.value}
         replayed = run.call("a replay (CudaGraphRunner.run)", runner.run, inputs,
                             step.metadata).clone()

@@ -1,4 +1,5 @@
-"""A float64 attention reference on contiguous K/V, for backend and kernel tests.
+"""float64 attention references on contiguous K/V (and MLA latents), for backend and kernel
+tests.
 
 Independent of the paged ops (no block table, no cache): a test writes a request's tokens
 through a backend, runs it, and compares against this on the same tokens held contiguously.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["contiguous_attention_ref"]
+__all__ = ["contiguous_attention_ref", "contiguous_mla_ref"]
 
 
 def contiguous_attention_ref(
@@ -52,3 +53,38 @@ def contiguous_attention_ref(
             allowed &= q_pos - k_pos < sliding_window
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def contiguous_mla_ref(
+    query: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    scale: float,
+    *,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+) -> torch.Tensor:
+    """float64 MLA attention of one request, unabsorbed, over its contiguous latents.
+
+    The model's definition, independent of any cache or absorption: each latent is expanded
+    per head to ``k = [W_UK c, k_pe]`` and ``v = W_UV c``, then causal softmax attention runs.
+
+    Args:
+        query: ``(q_len, num_heads, qk_nope_head_dim + rope_dim)``: the request's last
+            ``q_len`` positions (kvcore's convention).
+        kv_c: ``(seq_len, kv_lora_rank)`` and k_pe: ``(seq_len, rope_dim)``, the request's
+            latents in position order (as stored: dequantise fp8 first).
+        kv_b_proj_weight: ``(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)``, per
+            head the ``W_UK`` rows, then the ``W_UV`` rows.
+        scale: softmax scale of ``q . k``.
+
+    Returns:
+        ``(q_len, num_heads, v_head_dim)`` float64 on ``query``'s device.
+    """
+    q, c, pe = query.double(), kv_c.double(), k_pe.double()
+    num_heads = q.shape[1]
+    w = kv_b_proj_weight.double().view(num_heads, qk_nope_head_dim + v_head_dim, c.shape[1])
+    kv = torch.einsum("sl,hel->she", c, w)
+    k = torch.cat([kv[..., :qk_nope_head_dim], pe[:, None, :].expand(-1, num_heads, -1)], -1)
+    return contiguous_attention_ref(q, k, kv[..., qk_nope_head_dim:], scale)

@@ -212,3 +212,82 @@ class BuilderDropsAToken(CorrectBackend):
     @staticmethod
     def get_builder_cls():
         return OffByOneBuilder
+
+
+# -- MLA ---------------------------------------------------------------------------------------
+
+
+def mla_contiguous_pages(cache: torch.Tensor) -> torch.Tensor:
+    """THE BUG, for a latent cache ``(num_blocks, block_size, entry)``: the page stride of a
+    contiguous cache, wrong on a layer of a cross-layer allocation."""
+    page = math.prod(cache.shape[1:])
+    return cache.as_strided(cache.shape, (page, *cache.stride()[1:]), cache.storage_offset())
+
+
+_CpuMLA = kvcore.resolve_backend("CPU_MLA")
+
+
+class CorrectMLABackend(_CpuMLA):
+    """CPU_MLA in float32 with an ``auto`` cache only (short runs)."""
+
+    SUPPORTED_DTYPES = (torch.float32,)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+
+    @staticmethod
+    def get_name():
+        return "CORRECT_MLA"
+
+
+class OnePercentOffImpl(_CpuMLA.get_impl_cls()):
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs).mul_(1.01)
+
+
+class MLAOnePercentOff(CorrectMLABackend):
+    """Every output 1% too large (e.g. a softmax scale or normalisation slightly off), in
+    bfloat16, whose element-wise tolerance alone would let it pass."""
+
+    SUPPORTED_DTYPES = (torch.bfloat16,)
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_MLA_ONE_PERCENT"
+
+    @staticmethod
+    def get_impl_cls():
+        return OnePercentOffImpl
+
+
+class MLAPageStrideIgnoringImpl(_CpuMLA.get_impl_cls()):
+    def _latent_attention(self, layer, q, kv_cache, attn_metadata):
+        return super()._latent_attention(layer, q, mla_contiguous_pages(kv_cache), attn_metadata)
+
+
+class MLAIgnoresPageStride(CorrectMLABackend):
+    """Opts in to cross-layer, but its attention reads latents at the contiguous page stride."""
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_MLA_PAGE_STRIDE"
+
+    @staticmethod
+    def get_impl_cls():
+        return MLAPageStrideIgnoringImpl
+
+
+class MLANeighbourWritingImpl(_CpuMLA.get_impl_cls()):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        super().do_kv_cache_update(layer, key, value, mla_contiguous_pages(kv_cache),
+                                   slot_mapping)
+
+
+class MLAWritesIntoNeighbourLayer(CorrectMLABackend):
+    """Opts in to cross-layer, but its latent write scatters at the contiguous page stride."""
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_MLA_NEIGHBOUR_WRITE"
+
+    @staticmethod
+    def get_impl_cls():
+        return MLANeighbourWritingImpl

@@ -1,7 +1,8 @@
 """``pytest --kvcore-backend NAME`` passes for every backend that ships with kvcore.
 
 The backends are read from the registry (every registration whose class lives in ``kvcore.``),
-so a new built-in backend is checked without touching this file. One whose platforms are
+so a new built-in backend is checked without touching this file, plus the portable Triton
+backends of the in-repo plugins (:data:`PORTABLE_PLUGIN_BACKENDS`). One whose platforms are
 absent here (the Triton backends on a machine without a GPU) runs on CPU tensors under
 ``TRITON_INTERPRET=1``, which conftest sets when there is no GPU.
 """
@@ -24,9 +25,18 @@ pytest_plugins = ["pytester"]
 INTERPRETED_CAPABILITY = "9.0"
 
 
+#: Backends of the in-repo plugins whose kernels are Triton only, so the interpreter runs them.
+PORTABLE_PLUGIN_BACKENDS = ("TRITON_MLA",)
+
+
 def builtin_backends() -> list[str]:
     registry = kvcore.backend_registry()
     return [name for name in registry.names() if registry.get(name).target.startswith("kvcore.")]
+
+
+def suite_backends() -> list[str]:
+    names = kvcore.backend_registry().names()
+    return [*builtin_backends(), *(n for n in PORTABLE_PLUGIN_BACKENDS if n in names)]
 
 
 def platform_present(backend: type[kvcore.AttentionBackend]) -> bool:
@@ -44,7 +54,7 @@ def triton_imported() -> None:
         importlib.import_module("triton")
 
 
-@pytest.mark.parametrize("name", builtin_backends())
+@pytest.mark.parametrize("name", suite_backends())
 def test_builtin_backend_passes_the_conformance_suite(triton_imported, pytester, monkeypatch,
                                                       name):
     backend = kvcore.resolve_backend(name)
@@ -64,5 +74,5 @@ def test_builtin_backend_passes_the_conformance_suite(triton_imported, pytester,
     assert all(any(f"-{kind}-" in case for case in numeric) for kind in kinds), numeric
 
 
-def test_cpu_attn_is_among_the_builtin_backends():
-    assert "CPU_ATTN" in builtin_backends()
+def test_cpu_backends_are_among_the_builtin_backends():
+    assert {"CPU_ATTN", "CPU_MLA"} <= set(builtin_backends())

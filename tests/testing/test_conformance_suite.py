@@ -86,13 +86,29 @@ def test_correct_reference_backend_passes(pytester):
     pytest.param("VagueReasons", "validation-reasons", {"validation-refuses"},
                  ["for dtype=bfloat16, no reason names 'dtype': ['not supported']"],
                  id="reasons-name-no-field"),
+    # The builder and stale-bytes checks run forward too and catch it as well.
+    pytest.param("MLAOnePercentOff",
+                 {"forward-reference", "builder-reference", "stale-bytes-masked"},
+                 {"forward", "builder", "stale-bytes"},
+                 ["tokens have a relative error norm over their heads above 0.007",
+                  "MLA latent 64 = kv_lora_rank 48 + rope 16"],
+                 id="mla-output-one-percent-off"),
+    pytest.param("MLAIgnoresPageStride", "cross-layer-bit-exact", {"cross-layer"},
+                 ["forward on layer 1 of a 3-layer cross-layer cache (layout B,L,N,D, page "
+                  "stride 3072 elements) differs from forward on a contiguous cache (page "
+                  "stride 1024)"],
+                 id="mla-kernel-ignores-page-stride"),
+    pytest.param("MLAWritesIntoNeighbourLayer", "cross-layer-untouched-neighbours",
+                 {"cross-layer"}, ["after do_kv_cache_update on layer 1 of a 3-layer "
+                                   "cross-layer cache (layout B,L,N,D"],
+                 id="mla-writes-into-neighbour-layer"),
 ])
 def test_suite_fails_broken_backend_with_the_rule_it_breaks(pytester, monkeypatch, backend,
                                                             rule, failing_checks, says):
     spec = f"broken_backends:{backend}"
     recorder = run_suite(pytester, "--kvcore-backend", spec)
     rules = failed_rules(recorder)
-    assert set(rules.values()) == {rule}
+    assert set(rules.values()) == ({rule} if isinstance(rule, str) else rule)
     monkeypatch.syspath_prepend(HERE)
     kinds = {case.id: case.kind for case in conformance_cases(spec)}
     assert {kinds[case_id] for case_id in rules} == failing_checks
@@ -101,6 +117,16 @@ def test_suite_fails_broken_backend_with_the_rule_it_breaks(pytester, monkeypatc
         assert text in messages
     passed, _, _ = recorder.listoutcomes()
     assert any(r.nodeid.endswith("-identity]") for r in passed)  # the rest still holds
+
+
+def test_correct_mla_backend_passes_every_numerical_check(pytester):
+    recorder = run_suite(pytester, "--kvcore-backend", "broken_backends:CorrectMLABackend")
+    passed, skipped, failed = recorder.listoutcomes()
+    assert not failed, "\n\n".join(r.longreprtext for r in failed)
+    ran = {r.nodeid.split("[")[1].split("-")[2] for r in passed if "-cpu-" in r.nodeid}
+    assert {"cache", "forward", "cross"} <= ran
+    assert [r.nodeid.split("[")[1] for r in skipped] == [
+        "CORRECT_MLA-cpu-int64-offsets-fp32-D64-bs16]"]
 
 
 def test_every_case_names_a_documented_rule():

@@ -1,7 +1,7 @@
 """kvcore-mla: MLA attention backends for kvcore.
 
-- :class:`MLACommonBackend` / :class:`MLACommonImpl`: the latent-cache layout ``(num_blocks,
-  block_size, kv_lora_rank + rope_dim)`` (opted out of cross-layer) and the absorbed forward.
+- The MLA common base (latent-cache layout, absorbed forward) is kvcore's:
+  :class:`kvcore.MLACommonBackend` / :class:`kvcore.MLACommonImpl`, shared with CPU_MLA.
 - :class:`TritonMLABackend` (``TRITON_MLA``, cuda and rocm): Triton kernels, cross-layer
   verified.
 - :class:`DeepseekV32IndexerBackend`: the layout of DeepSeek-V3.2's indexer key cache.
@@ -12,7 +12,6 @@ Importing this package imports no kernel library; the backend registers through 
 ``kvcore.plugins`` entry point (:mod:`kvcore_mla.plugin`).
 """
 
-from kvcore_mla.backends.common import MLACommonBackend, MLACommonImpl
 from kvcore_mla.backends.indexer import DeepseekV32IndexerBackend
 from kvcore_mla.backends.triton_mla import TritonMLABackend, TritonMLAImpl
 
@@ -20,8 +19,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DeepseekV32IndexerBackend",
-    "MLACommonBackend",
-    "MLACommonImpl",
     "TritonMLABackend",
     "TritonMLAImpl",
     "__version__",

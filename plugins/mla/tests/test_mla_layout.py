@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_mla import (
-    DeepseekV32IndexerBackend,
-    MLACommonBackend,
-    MLACommonImpl,
-    TritonMLABackend,
-)
+from kvcore_mla import DeepseekV32IndexerBackend, TritonMLABackend
 from kvcore_mla.ops import indexer_cache_head_size
 
 import kvcore
+from kvcore import MLACommonBackend, MLACommonImpl
 
 #: MLA backends whose kernels pass the cross-layer tests (test_mla_cross_layer.py).
 VERIFIED_CROSS_LAYER = [TritonMLABackend]

@@ -102,10 +102,12 @@ def test_device_limits_are_reasons(simulate, platform: str, capability: str,
         assert any(reason in r for r in triton_mla.reasons), triton_mla.reasons
 
 
-def test_cpu_has_no_mla_backend(simulate) -> None:
+def test_cpu_runs_mla_on_cpu_mla_not_triton_mla(simulate) -> None:
     simulate("cpu", "9.0")
-    with pytest.raises(kvcore.NoValidBackendError, match="platform=cpu"):
-        kvcore.get_attn_backend(kvcore.AttentionSelectorConfig(**MLA_CONFIG))
+    report = kvcore.explain_selection(kvcore.AttentionSelectorConfig(**MLA_CONFIG))
+    assert report.selected.name == "CPU_MLA"
+    triton_mla = next(c for c in report.candidates if c.name == "TRITON_MLA")
+    assert "platform=cpu (supported: cuda, rocm)" in triton_mla.reasons
 
 
 def test_triton_mla_is_cross_layer_on_cuda_only(simulate) -> None:

@@ -22,9 +22,8 @@ not verified on strided pages.
 from __future__ import annotations
 
 import torch
-from kvcore_mla.backends.common import latent_cache_shape
 
-from kvcore import AttentionBackend, AttentionImpl, DeviceCapability
+from kvcore import AttentionBackend, AttentionImpl, DeviceCapability, latent_cache_shape
 
 __all__ = ["DeepseekV32IndexerBackend"]
 

@@ -1,7 +1,7 @@
 """TRITON_MLA: portable MLA backend (NVIDIA and AMD) on kvcore-mla's Triton kernels.
 
 Writes latents with :func:`kvcore_mla.ops.triton_cache.concat_and_cache_mla` and computes the
-absorbed latent-space attention of :class:`kvcore_mla.backends.common.MLACommonImpl` with
+absorbed latent-space attention of :class:`kvcore.MLACommonImpl` with
 :func:`kvcore_mla.ops.triton_mla_attention.mla_attention`: split-KV decode for pure-decode
 batches, causal query tiles for mixed prefill/decode batches. Both kernels address pages
 through the cache's real strides and are verified bit-exact on per-layer views of cross-layer
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from kvcore_mla.backends.common import MLACommonBackend, MLACommonImpl
 
 from kvcore import (
     AttentionImpl,
@@ -33,6 +32,8 @@ from kvcore import (
     CudaGraphSupport,
     DeviceCapability,
     MLAAttentionSpec,
+    MLACommonBackend,
+    MLACommonImpl,
     PersistentMetadataBuilder,
 )
 from kvcore.ops import triton_fp8_reasons, triton_unavailable_reasons
@@ -170,7 +171,7 @@ def _check_runnable(kv_cache: torch.Tensor) -> None:
 
 
 class TritonMLAImpl(MLACommonImpl):
-    """:class:`~kvcore_mla.backends.common.MLACommonImpl` on the Triton kernels (same arguments)."""
+    """:class:`kvcore.MLACommonImpl` on the Triton kernels (the same arguments as CPU_MLA's)."""
 
     def do_kv_cache_update(
         self,

@@ -3,9 +3,11 @@
 Importing this package imports no kernel library. Each op below runs its Triton kernel
 (:mod:`kvcore_mla.ops.triton_cache`, :mod:`kvcore_mla.ops.triton_mla_attention`) when the
 cache is on a GPU (torch device type ``cuda``, which is also ROCm's) and the query is not
-float64, and its reference (:mod:`kvcore_mla.ops.reference`) otherwise. Call the Triton
-modules directly to run them elsewhere (e.g. on CPU tensors under ``TRITON_INTERPRET=1``).
-Every implementation validates its arguments with the same checks
+float64, and its reference otherwise: kvcore's for the MLA cache write and attention
+(``concat_and_cache_mla_ref``, ``mla_attention_ref``, ``mla_forward_ref``, re-exported here
+from :mod:`kvcore.ops`), :mod:`kvcore_mla.ops.reference` for the plugin's own kernels. Call
+the Triton modules directly to run them elsewhere (e.g. on CPU tensors under
+``TRITON_INTERPRET=1``). Every implementation validates its arguments with the same checks
 (:mod:`kvcore_mla.ops.validation`).
 """
 
@@ -13,14 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.ops import concat_and_cache_mla_ref, mla_attention_ref, mla_forward_ref
 from kvcore_mla.ops.reference import (
     INDEXER_FP8_MAX,
-    concat_and_cache_mla_ref,
     decode_attention_ref,
     indexer_k_dequant_ref,
     indexer_k_quant_and_cache_ref,
-    mla_attention_ref,
-    mla_forward_ref,
 )
 from kvcore_mla.ops.validation import INDEXER_SCALE_FORMATS, indexer_cache_head_size
 
@@ -54,7 +54,7 @@ def concat_and_cache_mla(
 ) -> None:
     """Write latents ``[kv_c, k_pe]`` into the MLA cache at ``slot_mapping``, in place.
 
-    See :func:`kvcore_mla.ops.reference.concat_and_cache_mla_ref` for shapes and semantics.
+    See :func:`kvcore.ops.concat_and_cache_mla_ref` for shapes and semantics.
     """
     if _on_gpu(kv_cache):
         from kvcore_mla.ops.triton_cache import concat_and_cache_mla as impl

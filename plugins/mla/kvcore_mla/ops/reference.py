@@ -1,4 +1,7 @@
-"""Pure-torch references of the MLA ops: the numerical ground truth of every fast path.
+"""Pure-torch references of the plugin's own kernels (split-KV decode, the DeepSeek-V3.2
+indexer cache): the numerical ground truth of their fast paths. The MLA cache write and
+attention references are kvcore's (:mod:`kvcore.ops`: ``concat_and_cache_mla_ref``,
+``mla_attention_ref``, ``mla_forward_ref``).
 
 They run on any device and in any float dtype (float64 included) and take strides from the
 tensors they get, so a per-layer view of a cross-layer cache works unchanged.
@@ -27,66 +30,24 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.ops import (
-    FP8_KV_CACHE_DTYPES,
-    gather_kv_ref,
-    quantize_to_cache,
-    scale_value,
-)
+from kvcore.ops import gather_kv_ref, scale_value
 from kvcore_mla.ops.validation import (
     FP8_DTYPES,
-    validate_concat_and_cache_mla,
     validate_decode_attention,
     validate_indexer_k_quant_and_cache,
-    validate_mla_attention,
 )
 
 __all__ = [
     "INDEXER_FP8_MAX",
-    "concat_and_cache_mla_ref",
     "decode_attention_ref",
     "indexer_k_dequant_ref",
     "indexer_k_quant_and_cache_ref",
-    "mla_attention_ref",
-    "mla_forward_ref",
 ]
 
 #: Largest finite float8_e4m3fn value: the indexer scales each block of keys to it.
 INDEXER_FP8_MAX = 448.0
 # Smallest indexer scale numerator, so an all-zero block gets a finite, positive scale.
 _INDEXER_MIN_AMAX = 1e-4
-
-
-def concat_and_cache_mla_ref(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    scale: torch.Tensor | float | None = None,
-) -> None:
-    """Write each token's latent ``[kv_c, k_pe]`` into the MLA cache, in place.
-
-    Args:
-        kv_c: ``(num_tokens, kv_lora_rank)``, the compressed KV.
-        k_pe: ``(num_tokens, rope_dim)`` or ``(num_tokens, 1, rope_dim)``, the rope key.
-        kv_cache: ``(num_blocks, block_size, kv_lora_rank + rope_dim)``, any strides.
-        slot_mapping: ``(num_tokens,)`` int32/int64; negative entries are skipped.
-        kv_cache_dtype: ``"auto"`` (cache dtype = ``kv_c``'s) or an fp8 name.
-        scale: per-tensor fp8 scale (float or 1-element tensor); ignored unless fp8.
-    """
-    k_pe = validate_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
-                                         scale)
-    slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    slots = slots[keep]
-    block_size = kv_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    s = scale_value(scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
-    rank = kv_c.shape[1]
-    # Advanced indexing on (block, offset) writes through the view's real strides.
-    kv_cache[blocks, offsets, :rank] = quantize_to_cache(kv_c[keep], kv_cache.dtype, s)
-    kv_cache[blocks, offsets, rank:] = quantize_to_cache(k_pe[keep], kv_cache.dtype, s)
 
 
 def _indexer_quantize(
@@ -248,100 +209,3 @@ def decode_attention_ref(
         float(sm_scale), _fp8_scale(k_buffer, k_scale), _fp8_scale(v_buffer, v_scale))
     o.copy_(out)
     lse.copy_(row_lse)
-
-
-def mla_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    output: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Latent-space MLA attention for a batch mixing prefill and decode (reference).
-
-    Args:
-        q: ``(num_tokens, num_heads, kv_lora_rank + rope_dim)``: ``[W_UK^T q_nope, q_pe]``.
-        kv_cache: ``(num_blocks, block_size, kv_lora_rank + rope_dim)``, any strides; keys are
-            whole latents, values their first ``kv_lora_rank`` channels.
-        query_start_loc, seq_lens, block_table: the batch, as in
-            :class:`kvcore.AttentionMetadata`.
-        scale: softmax scale of ``q.k``.
-        kv_cache_dtype, k_scale: fp8 cache and its per-tensor scale.
-        output: optional ``(num_tokens, num_heads, kv_lora_rank)``, written in place.
-
-    Returns:
-        ``(num_tokens, num_heads, kv_lora_rank)`` latent outputs in ``q.dtype``.
-    """
-    validate_mla_attention(q, kv_cache, kv_lora_rank, query_start_loc, seq_lens, block_table,
-                           scale, kv_cache_dtype, k_scale, output)
-    ks = scale_value(k_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
-    k_cache = kv_cache.unsqueeze(2)
-    out, _ = _attention_with_lse(q, k_cache, k_cache[..., :kv_lora_rank],
-                                 query_start_loc.tolist(), seq_lens.tolist(), block_table,
-                                 float(scale), ks, ks)
-    if output is None:
-        output = torch.empty(*q.shape[:2], kv_lora_rank, dtype=q.dtype, device=q.device)
-    output.copy_(out)
-    return output
-
-
-def mla_forward_ref(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_b_proj_weight: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-) -> torch.Tensor:
-    """MLA attention as the model defines it: latents expanded to per-head K and V (reference).
-
-    Independent of the absorption used by the backends: each cached latent ``[c, k_pe]`` is
-    expanded with ``kv_b_proj`` to ``k = [W_UK c, k_pe]`` and ``v = W_UV c`` per head, then
-    ordinary causal attention runs.
-
-    Args:
-        query: ``(num_tokens, num_heads, qk_nope_head_dim + rope_dim)``.
-        kv_cache: ``(num_blocks, block_size, kv_lora_rank + rope_dim)``, any strides.
-        kv_b_proj_weight: ``(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)``,
-            the checkpoint's ``kv_b_proj.weight`` (per head: W_UK rows, then W_UV rows).
-        query_start_loc, seq_lens, block_table, scale, kv_cache_dtype, k_scale: as in
-            :func:`mla_attention_ref`.
-
-    Returns:
-        ``(num_tokens, num_heads, v_head_dim)``, float64 for a float64 query, else float32.
-    """
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    num_tokens, num_heads, _ = query.shape
-    w = kv_b_proj_weight.to(compute).view(num_heads, qk_nope_head_dim + v_head_dim,
-                                          kv_lora_rank)
-    ks = scale_value(k_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
-    out = torch.zeros(num_tokens, num_heads, v_head_dim, dtype=compute, device=query.device)
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        lo, hi = starts[i], starts[i + 1]
-        if hi == lo:
-            continue
-        latent = gather_kv_ref(kv_cache, block_table[i], seq_len, ks, compute)
-        c, k_pe = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
-        kv = torch.einsum("sl,hel->she", c, w)
-        k_nope, v = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, num_heads, -1)], dim=-1)
-        scores = torch.einsum("qhd,khd->hqk", query[lo:hi].to(compute), k) * scale
-        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)[:, None]
-        k_pos = torch.arange(seq_len, device=query.device)[None, :]
-        probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out

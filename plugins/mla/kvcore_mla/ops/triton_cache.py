@@ -1,12 +1,13 @@
 """Triton cache writes of MLA: the latent cache and the DeepSeek-V3.2 indexer cache.
 
 ``concat_and_cache_mla`` and ``indexer_k_quant_and_cache`` compute exactly their references
-in :mod:`kvcore_mla.ops.reference` (bit for bit, fp8 included). Both address a block through
-the cache's real ``stride(0)``, never through ``block_size * entry_size``: a per-layer view of a
-cross-layer pool has a block stride ``num_layers`` times larger, and a kernel that assumed
-packed pages would write into the neighbouring layers (the bug behind garbled MLA output with
-KV offloading). All address arithmetic is int64, so views more than 2**31 elements into a
-pool work.
+(:func:`kvcore.ops.concat_and_cache_mla_ref`,
+:func:`kvcore_mla.ops.reference.indexer_k_quant_and_cache_ref`; bit for bit, fp8 included).
+Both address a block through the cache's real ``stride(0)``, never through
+``block_size * entry_size``: a per-layer view of a cross-layer pool has a block stride
+``num_layers`` times larger, and a kernel that assumed packed pages would write into the
+neighbouring layers (the bug behind garbled MLA output with KV offloading). All address
+arithmetic is int64, so views more than 2**31 elements into a pool work.
 
 This module imports triton at import time; :mod:`kvcore_mla.ops` imports it lazily.
 """
@@ -17,13 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops import FP8_KV_CACHE_DTYPES
+from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_concat_and_cache_mla
 from kvcore.ops.triton_utils import fp8_format, interpreting, round_to_fp8_grid, scale_arg
 from kvcore_mla.ops.reference import INDEXER_FP8_MAX
-from kvcore_mla.ops.validation import (
-    validate_concat_and_cache_mla,
-    validate_indexer_k_quant_and_cache,
-)
+from kvcore_mla.ops.validation import validate_indexer_k_quant_and_cache
 
 __all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache"]
 

@@ -43,14 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops import FP8_KV_CACHE_DTYPES
+from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_mla_attention
 from kvcore.ops.triton_utils import find_sequence, interpreting, scale_arg
 from kvcore_mla.ops.triton_utils import is_rocm
-from kvcore_mla.ops.validation import (
-    FP8_DTYPES,
-    validate_decode_attention,
-    validate_mla_attention,
-)
+from kvcore_mla.ops.validation import FP8_DTYPES, validate_decode_attention
 
 __all__ = [
     "MAX_KV_SPLITS",
@@ -504,7 +500,7 @@ def mla_attention(
 ) -> torch.Tensor:
     """Latent-space MLA attention for a batch mixing prefill and decode requests (Triton).
 
-    Semantics and shapes are those of :func:`kvcore_mla.ops.reference.mla_attention_ref`:
+    Semantics and shapes are those of :func:`kvcore.ops.mla_attention_ref`:
     ``q`` ``(num_tokens, num_heads, kv_lora_rank + rope_dim)`` (absorbed ``W_UK^T q_nope``,
     then ``q_pe``); ``kv_cache`` ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` of any
     strides; causal; returns ``(num_tokens, num_heads, kv_lora_rank)`` (``output`` if given).
@@ -525,7 +521,7 @@ def mla_attention(
                            scale, kv_cache_dtype, k_scale, output)
     if q.dtype == torch.float64:
         raise TypeError("q has dtype float64; the Triton kernels take fp16/bf16/fp32 "
-                        "(use kvcore_mla.ops.reference.mla_attention_ref)")
+                        "(use kvcore.ops.mla_attention_ref)")
     if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits={num_kv_splits} must be in 1..{MAX_KV_SPLITS} or None")
     num_tokens, num_heads, _ = q.shape

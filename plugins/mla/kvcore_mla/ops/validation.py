@@ -1,4 +1,7 @@
-"""Argument checks shared by the reference and the Triton implementation of every MLA op.
+"""Argument checks shared by the reference and the Triton implementation of the plugin's ops.
+
+The checks of the MLA cache write and attention are kvcore's
+(:func:`kvcore.ops.validate_concat_and_cache_mla`, :func:`kvcore.ops.validate_mla_attention`).
 
 Each check raises ``ValueError`` or ``TypeError`` naming the argument, the value it got and
 what is expected, before anything is launched, so a bad argument gets the same message
@@ -14,31 +17,22 @@ import math
 import torch
 
 from kvcore.ops import (
-    FP8_KV_CACHE_DTYPES,
-    cache_torch_dtype,
-    check_block_indices,
-    check_distinct_slots,
-    check_kv_cache_dtype,
+    check_block_table,
     check_scale,
     check_slots_in_range,
-    check_softmax_scale,
-    checked_step_facts,
     require_float_dtype,
     require_int_dtype,
     require_ndim,
     require_same_device,
     require_tensor,
-    value_checks_enabled,
 )
 
 __all__ = [
     "FP8_DTYPES",
     "INDEXER_SCALE_FORMATS",
     "indexer_cache_head_size",
-    "validate_concat_and_cache_mla",
     "validate_decode_attention",
     "validate_indexer_k_quant_and_cache",
-    "validate_mla_attention",
 ]
 
 #: Storage dtypes read as scaled fp8 (``stored * scale``).
@@ -46,60 +40,6 @@ FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: ``scale_fmt`` values of :func:`~kvcore_mla.ops.indexer_k_quant_and_cache`: ``None`` keeps
 #: the exact ``amax / 448`` scale, ``"ue8m0"`` rounds it up to a power of two (DeepSeek-V3.2).
 INDEXER_SCALE_FORMATS: tuple[str | None, ...] = (None, "ue8m0")
-
-
-def validate_concat_and_cache_mla(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    scale: torch.Tensor | float | None,
-) -> torch.Tensor:
-    """Validate ``concat_and_cache_mla``'s arguments; returns ``k_pe`` as ``(num_tokens, rope)``."""
-    for n, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
-                 ("slot_mapping", slot_mapping)):
-        require_tensor(n, t)
-    require_ndim("kv_c", kv_c, 2, "(num_tokens, kv_lora_rank)")
-    require_ndim("k_pe", k_pe, (2, 3), "(num_tokens, rope_dim) or (num_tokens, 1, rope_dim)")
-    require_ndim("kv_cache", kv_cache, 3, "(num_blocks, block_size, kv_lora_rank + rope_dim)")
-    require_ndim("slot_mapping", slot_mapping, 1, "(num_tokens,)")
-    require_int_dtype("slot_mapping", slot_mapping)
-    require_float_dtype("kv_c", kv_c)
-    require_same_device([("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
-                  ("slot_mapping", slot_mapping)])
-    if k_pe.dim() == 3:
-        if k_pe.shape[1] != 1:
-            raise ValueError(
-                f"k_pe has shape {tuple(k_pe.shape)}; a 3-dim k_pe must be (num_tokens, 1, "
-                "rope_dim) (MLA shares one rope key across heads)"
-            )
-        k_pe = k_pe[:, 0]
-    if k_pe.dtype != kv_c.dtype:
-        raise TypeError(f"k_pe has dtype {k_pe.dtype} but kv_c has {kv_c.dtype}")
-    num_tokens, kv_lora_rank = kv_c.shape
-    if k_pe.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
-        raise ValueError(
-            f"kv_c has {num_tokens} tokens but k_pe has {k_pe.shape[0]} and slot_mapping "
-            f"{slot_mapping.shape[0]}; all three need one row per token"
-        )
-    entry = kv_lora_rank + k_pe.shape[1]
-    if kv_cache.shape[2] != entry:
-        raise ValueError(
-            f"kv_cache holds {kv_cache.shape[2]} channels per token but kv_lora_rank="
-            f"{kv_lora_rank} + rope_dim={k_pe.shape[1]} = {entry}"
-        )
-    check_kv_cache_dtype(kv_cache_dtype)
-    expected = cache_torch_dtype(kv_cache_dtype, kv_c.dtype)
-    if kv_cache.dtype != expected:
-        raise TypeError(
-            f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with "
-            f"kv_c of dtype {kv_c.dtype} needs {expected}"
-        )
-    check_scale("scale", scale, used=kv_cache_dtype in FP8_KV_CACHE_DTYPES)
-    check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
-    check_distinct_slots(slot_mapping)
-    return k_pe
 
 
 def indexer_cache_head_size(head_dim: int = 128, quant_block_size: int = 128) -> int:
@@ -166,29 +106,6 @@ def validate_indexer_k_quant_and_cache(
             f"slot_mapping has {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens"
         )
     check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
-
-
-def _block_table_in_range(
-    name: str, block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-    num_pages: int,
-) -> None:
-    if not value_checks_enabled() or seq_lens.numel() == 0:
-        return
-    lens = seq_lens.tolist()
-    width = block_table.shape[1]
-    for i, n in enumerate(lens):
-        if n < 0:
-            raise ValueError(f"sequence {i} has a negative length {n}")
-        if -(-n // page_size) > width:
-            raise ValueError(
-                f"sequence {i} has {n} tokens, which need {-(-n // page_size)} pages of "
-                f"{page_size}, but {name} has only {width} columns"
-            )
-    used = [block_table[i, : -(-n // page_size)] for i, n in enumerate(lens)]
-    ids = torch.cat(used)
-    if ids.numel() and int(ids.min()) < 0:
-        raise ValueError(f"{name} refers to page id {int(ids.min())}; page ids must be >= 0")
-    check_block_indices(name, ids, num_pages)
 
 
 def validate_decode_attention(
@@ -298,90 +215,5 @@ def validate_decode_attention(
         raise ValueError(f"sm_scale={sm_scale!r} must be a finite, positive float")
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
-    _block_table_in_range("req_to_page", req_to_page, b_seq_len, page_size, num_pages)
+    check_block_table("req_to_page", req_to_page, b_seq_len, page_size, num_pages)
     return k_buffer, v_buffer
-
-
-def validate_mla_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_lora_rank: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor | float | None,
-    output: torch.Tensor | None,
-) -> None:
-    """Validate the arguments of the latent-space ``mla_attention`` (mixed batches)."""
-    for n, t in (("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
-                 ("seq_lens", seq_lens), ("block_table", block_table)):
-        require_tensor(n, t)
-    require_ndim("q", q, 3, "(num_tokens, num_heads, kv_lora_rank + rope_dim)")
-    require_ndim("kv_cache", kv_cache, 3, "(num_blocks, block_size, kv_lora_rank + rope_dim)")
-    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
-    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
-    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
-    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                 ("block_table", block_table)):
-        require_int_dtype(n, t)
-    require_float_dtype("q", q)
-    require_same_device([("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
-                  ("seq_lens", seq_lens), ("block_table", block_table)])
-    num_tokens, num_heads, entry = q.shape
-    if kv_cache.shape[2] != entry:
-        raise ValueError(f"q has {entry} channels but kv_cache holds {kv_cache.shape[2]}")
-    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int) or not (
-        0 < kv_lora_rank <= entry
-    ):
-        raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in 1..{entry}")
-    check_kv_cache_dtype(kv_cache_dtype)
-    expected = cache_torch_dtype(kv_cache_dtype, q.dtype)
-    if kv_cache.dtype != expected:
-        raise TypeError(f"kv_cache has dtype {kv_cache.dtype} but kv_cache_dtype="
-                        f"{kv_cache_dtype!r} with q of dtype {q.dtype} needs {expected}")
-    check_scale("k_scale", k_scale, used=kv_cache_dtype in FP8_KV_CACHE_DTYPES)
-    check_softmax_scale(scale)
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
-        raise ValueError(
-            f"seq_lens has {num_seqs} sequences, so query_start_loc needs {num_seqs + 1} entries "
-            f"(got {query_start_loc.shape[0]}) and block_table {num_seqs} rows (got "
-            f"{block_table.shape[0]})"
-        )
-    if output is not None:
-        require_tensor("output", output)
-        want = (num_tokens, num_heads, kv_lora_rank)
-        if tuple(output.shape) != want or output.device != q.device:
-            raise ValueError(f"output has shape {tuple(output.shape)} on {output.device}; "
-                             f"expected {want} on {q.device}")
-    if not value_checks_enabled() or num_seqs == 0:
-        return
-    facts = checked_step_facts(query_start_loc, seq_lens, block_table)
-    if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (
-            num_tokens, num_seqs, kv_cache.shape[1]):
-        # Checked once for the step (kvcore.ops.mark_step_checked): compare with this cache
-        # instead of reading the tensors back (a sync per layer, impossible in a CUDA graph).
-        if facts.max_blocks_per_seq > block_table.shape[1]:
-            raise ValueError(f"a request of the step uses {facts.max_blocks_per_seq} blocks "
-                             f"but block_table has only {block_table.shape[1]} columns")
-        if facts.max_block_id >= kv_cache.shape[0]:
-            raise ValueError(f"block_table contains block id {facts.max_block_id}, but the "
-                             f"cache has only {kv_cache.shape[0]} blocks (valid ids: "
-                             f"0..{kv_cache.shape[0] - 1})")
-        return
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    if starts[0] != 0 or starts[-1] != num_tokens:
-        raise ValueError(f"query_start_loc must run from 0 to num_tokens={num_tokens}, got "
-                         f"{starts[0]}..{starts[-1]}")
-    for i in range(num_seqs):
-        q_len = starts[i + 1] - starts[i]
-        if q_len < 0 or lens[i] < q_len:
-            raise ValueError(
-                f"sequence {i} has {q_len} query tokens and seq_lens[{i}]={lens[i]}; query "
-                "lengths must be >= 0 and seq_lens counts cached plus new tokens"
-            )
-    _block_table_in_range("block_table", block_table, seq_lens, kv_cache.shape[1],
-                          kv_cache.shape[0])

@@ -1,4 +1,6 @@
-"""The MLA common base: the latent-cache layout and the absorbed forward of every MLA backend.
+"""The MLA common base: the latent-cache layout and the absorbed forward of every MLA backend
+(CPU_MLA here, TRITON_MLA and others in plugins), public as ``kvcore.MLACommonBackend`` /
+``kvcore.MLACommonImpl``.
 
 Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash) caches one latent per
 token, ``[kv_c, k_pe]`` of ``kv_lora_rank + rope_dim`` channels (512 + 64), shared by all heads:
@@ -24,7 +26,8 @@ from abc import abstractmethod
 
 import torch
 
-from kvcore import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata, AttentionType
+from kvcore.backend import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.platform_types import AttentionType
 
 __all__ = ["MLACommonBackend", "MLACommonImpl", "latent_cache_shape"]
 
@@ -51,7 +54,7 @@ class MLACommonBackend(AttentionBackend):
     Opted out of cross-layer KV caches: ``get_kv_cache_stride_order(True)`` keeps the layer dim
     outermost, so a new MLA backend is safe by default. A backend opts in by returning
     ``(1, 0, 2, 3)`` once all its kernels are shown bit-exact on a per-layer view of a
-    cross-layer pool (see ``plugins/mla/tests/test_mla_cross_layer.py``).
+    cross-layer pool (the conformance suite's ``cross-layer`` cases check exactly that).
     """
 
     IS_MLA = True
