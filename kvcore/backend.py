@@ -771,9 +771,12 @@ class PagedAttentionImpl(AttentionImpl):
                       layer.k_scale, layer.v_scale)
 
     def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
-        """Extra keyword arguments of :meth:`attend` for this step (default none): what a
-        backend's builder chose for the step, e.g. split counts and workspaces."""
-        return {}
+        """Extra keyword arguments of :meth:`attend` for this step: what a backend's builder
+        chose for the step, e.g. split counts and workspaces. Metadata that carries such
+        choices has an ``attend_options()`` method (e.g. ``kvcore.TritonAttentionMetadata``);
+        other metadata adds none."""
+        options = getattr(attn_metadata, "attend_options", None)
+        return options() if callable(options) else {}
 
     def forward(
         self,

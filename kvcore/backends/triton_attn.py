@@ -177,8 +177,3 @@ class TritonAttentionImpl(PagedAttentionImpl):
     # first call, not when the backend is registered or selected.
     write_kv = staticmethod(triton_reshape_and_cache)
     attend = staticmethod(triton_paged_attention)
-
-    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
-        if isinstance(attn_metadata, TritonAttentionMetadata):
-            return attn_metadata.attend_options()
-        return {}

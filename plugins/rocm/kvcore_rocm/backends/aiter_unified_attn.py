@@ -7,8 +7,6 @@ AMD GPU or aiter. The Triton path is tested on CPU under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvcore import (
@@ -17,7 +15,6 @@ from kvcore import (
     AttentionMetadata,
     AttentionMetadataBuilder,
     PagedAttentionImpl,
-    TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
 from kvcore.ops import (
@@ -81,11 +78,6 @@ class AiterUnifiedAttentionImpl(PagedAttentionImpl):
 
     write_kv = staticmethod(triton_reshape_and_cache)
     attend = staticmethod(triton_paged_attention)
-
-    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
-        if isinstance(attn_metadata, TritonAttentionMetadata):
-            return attn_metadata.attend_options()
-        return {}
 
     def forward(
         self,

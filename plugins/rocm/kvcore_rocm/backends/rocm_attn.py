@@ -5,19 +5,15 @@ KV connectors are not supported: dim 0 splits K from V, so a block is not one ru
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvcore import (
     AttentionBackend,
     AttentionImpl,
-    AttentionMetadata,
     AttentionMetadataBuilder,
     CudaGraphSupport,
     MultipleOf,
     PagedAttentionImpl,
-    TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
 from kvcore.ops import (
@@ -94,11 +90,6 @@ class RocmAttentionImpl(PagedAttentionImpl):
 
     def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _legacy_halves(kv_cache)
-
-    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
-        if isinstance(attn_metadata, TritonAttentionMetadata):
-            return attn_metadata.attend_options()
-        return {}
 
 
 def _legacy_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
