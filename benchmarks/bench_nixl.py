@@ -15,9 +15,20 @@ device-to-device copy on a GPU), median of the same number of trials. The last l
 checked bit-exact against the producer's bytes (regenerated here from the same seed).
 
 Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
-one)] [--mib N] [--trials N]
-[--per-layer] [--out DIR]``; JSON goes to ``--out`` (default ``$OUT``, else the temp dir) as
+one)] [--mib N] [--trials N] [--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none]
+[--out DIR]``; JSON goes to ``--out`` (default ``$OUT``, else the temp dir) as
 ``bench_nixl.json``. Set ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
+``--ucx-tls`` and ``--ucx-error-mode`` reach both processes' connectors (``ucx_tls=`` and
+``backend_params={"UCX": {"ucx_error_handling_mode": ...}}``).
+
+``--matrix`` runs the transport matrix instead, each configuration in its own pair of
+processes, cross-layer and per-layer: UCX's default, ``UCX_TLS=cuda_ipc,cuda_copy,tcp``,
+``UCX_TLS=cuda_ipc,cuda_copy,sm,self``, and the first of those with UCX's peer error
+handling off (which some transports, CUDA IPC among them in some UCX builds, do not
+support). Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL=info``; its log goes to
+``--out`` and the lines naming the transports UCX chose are printed. The table (GB/s, the
+fraction of the device copy measured in the same run, bit-exact) is printed last and written
+as ``bench_nixl_matrix.json``.
 """
 
 from __future__ import annotations
@@ -26,10 +37,12 @@ import argparse
 import datetime
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,10 +79,90 @@ def trial_keys(trial: int, num_blocks: int) -> list[str]:
     return keys
 
 
+def transport_options(args: argparse.Namespace) -> dict:
+    """The connector's transport options from the command line."""
+    options: dict = {}
+    if args.ucx_tls:
+        options["ucx_tls"] = args.ucx_tls
+    if args.ucx_error_mode:
+        options["backend_params"] = {"UCX": {"ucx_error_handling_mode": args.ucx_error_mode}}
+    return options
+
+
+#: ``--matrix``: (name, --ucx-tls, --ucx-error-mode).
+MATRIX = (
+    ("default", None, None),
+    ("cuda_ipc,cuda_copy,tcp", "cuda_ipc,cuda_copy,tcp", None),
+    ("cuda_ipc,cuda_copy,sm,self", "cuda_ipc,cuda_copy,sm,self", None),
+    ("cuda_ipc,cuda_copy,tcp err=none", "cuda_ipc,cuda_copy,tcp", "none"),
+)
+#: Words in UCX's log that name a transport choice.
+TRANSPORT_WORDS = ("cuda_ipc", "cuda_copy", "tcp", "posix", "sysv", "cma", "rc_", "dc_",
+                   "ud_", "gdr_copy", "self/")
+
+
+def matrix(args: argparse.Namespace) -> int:
+    """Every configuration of :data:`MATRIX`, cross-layer and per-layer, each a run of this
+    script in its own processes (UCX reads its configuration once per process)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, records = [], []
+    for name, tls, err in MATRIX:
+        for per_layer in (False, True):
+            label = f"{name} {'per-layer' if per_layer else 'cross-layer'}"
+            slug = "".join(c if c.isalnum() else "_" for c in label)
+            cmd = [sys.executable, __file__, "--device", args.device, "--mib", str(args.mib),
+                   "--layers", str(args.layers), "--block-kib", str(args.block_kib),
+                   "--trials", str(args.trials), "--out", str(out / slug)]
+            cmd += ["--per-layer"] if per_layer else []
+            cmd += ["--ucx-tls", tls] if tls else []
+            cmd += ["--ucx-error-mode", err] if err else []
+            env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info",
+                   "NIXL_LOG_LEVEL": "WARN"}
+            env.pop("UCX_TLS", None)
+            started = time.perf_counter()
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                      timeout=args.run_timeout)
+                log, rc = done.stdout + done.stderr, done.returncode
+            except subprocess.TimeoutExpired as exc:
+                log = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMED OUT after {args.run_timeout} s"
+                rc = None
+            (out / f"{slug}.log").write_text(log if isinstance(log, str) else str(log))
+            chosen = sorted({line.strip()[:160] for line in str(log).splitlines()
+                             if any(w in line for w in TRANSPORT_WORDS)
+                             and ("UCX" in line or "|" in line)})
+            print(f"== {label}: rc {rc}, {time.perf_counter() - started:.0f} s; transports "
+                  f"in UCX's log ({len(chosen)} lines, first 12):")
+            for line in chosen[:12]:
+                print(f"   {line}")
+            result_file = out / slug / "bench_nixl.json"
+            record = json.loads(result_file.read_text()) if result_file.exists() else {}
+            record.update(config=name, per_layer=per_layer, rc=rc, transport_lines=chosen[:40])
+            records.append(record)
+            rows.append((label, record.get("nixl_gbps"), record.get("nixl_first_gbps"),
+                         record.get("copy_gbps"), record.get("fraction_of_copy"),
+                         record.get("bit_exact"), rc))
+    (out / "bench_nixl_matrix.json").write_text(json.dumps(records, indent=2))
+    print(f"\nnixl READ matrix, {args.mib} MiB, {args.device}, median of {args.trials - 1} "
+          "loads (first apart); copy = same bytes in one process, same run")
+    print(f"{'configuration':44} {'GB/s':>9} {'first':>9} {'copy GB/s':>10} {'of copy':>8} "
+          f"{'bit-exact':>9} {'rc':>4}")
+
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    for label, gbps, first, copy, frac, exact, rc in rows:
+        print(f"{label:44} {num(gbps, '9.2f')} {num(first, '9.2f')} {num(copy, '10.1f')} "
+              f"{num(frac, '8.4f')} {str(exact):>9} {str(rc):>4}")
+    return 0 if all(r[5] is True and r[6] == 0 for r in rows) else 1
+
+
 def serve(args: argparse.Namespace) -> int:
     """The producer: publish every block under each trial's keys; wait until read."""
     kv = make_cache(args, fill=True)
-    with get_connector("nixl", role="producer", port=0, publish_timeout_s=600.0) as producer:
+    with get_connector("nixl", role="producer", port=0, publish_timeout_s=600.0,
+                       **transport_options(args)) as producer:
         producer.register_kv_caches(kv)
         ids = list(range(kv.num_blocks))
         handles = [producer.save(trial_keys(t, kv.num_blocks), ids) for t in range(args.trials)]
@@ -103,38 +196,69 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--per-layer", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir())
+    parser.add_argument("--ucx-tls", default=None,
+                        help="UCX transports for both connectors (UCX_TLS syntax)")
+    parser.add_argument("--ucx-error-mode", choices=("peer", "none"), default=None,
+                        help="the UCX backend's ucx_error_handling_mode (NIXL's default: peer)")
+    parser.add_argument("--matrix", action="store_true",
+                        help="run the transport matrix (see the module docstring)")
+    parser.add_argument("--run-timeout", type=float, default=240.0,
+                        help="--matrix: seconds one configuration may take")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trials < 2:
         parser.error("--trials must be >= 2 (the first load is listed apart)")
     if args.serve:
         return serve(args)
+    if args.matrix:
+        return matrix(args)
 
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
     proc = subprocess.Popen([sys.executable, __file__, "--serve", *sys.argv[1:]],
                             stdout=subprocess.PIPE, text=True, env=env)
+    # The producer's stdout carries "port N" and "served ..." lines, and UCX's own log when
+    # it is on (UCX logs to stdout): a thread drains it, so the producer never blocks on it.
+    port_line: queue.Queue[str] = queue.Queue()
+    tagged: dict[str, str] = {}
+
+    def drain() -> None:
+        for line in proc.stdout:
+            if line.startswith(("port ", "served ")):
+                tagged[line.split()[0]] = line.strip()
+                if line.startswith("port "):
+                    port_line.put(line.strip())
+            else:
+                sys.stderr.write(f"[producer] {line}")
+        port_line.put("")  # the producer closed its stdout
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
     try:
-        line = proc.stdout.readline().strip()
+        line = port_line.get(timeout=300)
         if not line.startswith("port "):
-            raise RuntimeError(f"the producer did not start: {line!r}")
+            raise RuntimeError(f"the producer did not start (rc {proc.poll()})")
         port = int(line.split()[1])
         kv = make_cache(args, fill=False)
         nbytes = kv.storage.numel() * kv.storage.element_size()
         times = []
-        with get_connector("nixl", role="consumer", port=port, timeout_s=120.0) as consumer:
+        with get_connector("nixl", role="consumer", port=port, timeout_s=120.0,
+                           **transport_options(args)) as consumer:
             consumer.register_kv_caches(kv)
             ids = list(range(kv.num_blocks))
             for t in range(args.trials):
                 keys = trial_keys(t, kv.num_blocks)
                 t0 = time.perf_counter()
                 result = consumer.load(keys, ids).wait(timeout=300)
+                if kv.storage.is_cuda:
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
                 if not result.ok:
                     raise RuntimeError(f"trial {t}: {len(result.failed)} blocks failed, e.g. "
                                        f"{next(iter(result.failed.values()))}")
-        served = proc.stdout.readline().strip()
     finally:
         proc.wait(timeout=120)
+        drainer.join(30)
+    served = tagged.get("served", "served ?")
     expected = make_cache(args, fill=True)
     exact = torch.equal(kv.storage.view(torch.uint8).cpu(),
                         expected.storage.view(torch.uint8).cpu())

@@ -17,10 +17,14 @@ Sections, each isolated (an error is logged and recorded, the run goes on):
    ``copier``: scattered blocks (per-layer and cross-layer) through a plugin's block copier
    (``--block-copier``, default kvcore-nvidia's ``cuda_batch``) instead of device staging,
    when it is installed and usable; the decode section then adds a row for it too.
-   ``startup``: how long ``register_kv_caches`` blocks for 8 and 32 GiB pools
-   (``--startup-gib``; default pinning: torch's pinned allocator) and when the
-   whole pool is pinned; then the first save and first two loads of one cross-layer transfer
-   after registration, against the pinned copy (what the registration warm-up leaves).
+   ``startup``: how long ``register_kv_caches`` blocks (the time until the first slot is
+   usable) for 1, 8 and 32 GiB pools (``--startup-gib``), pinned in the background (the
+   default) and at once, when the whole pool is pinned, and how long a tiny device op on the
+   engine's thread took at worst meanwhile; then the first save and first two loads of one
+   cross-layer transfer after registration, against the pinned copy (what the registration
+   warm-up leaves), and the same sequence of plain copies on a fresh pinned buffer plus one
+   after the GPU idled 2 s (is the first transfers' cost kvcore's, the memory's or the idle
+   GPU's?).
 4. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
    contiguous KV) timed alone and while a save and a load of 1 GiB each run on the side
    streams: the slowdown. Also timed under plain pinned copies of the same size on two
@@ -283,16 +287,75 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
 # -- 2b. start-up: registering a pool, and the first transfers after it ----------------------
 
 #: Pool sizes whose registration is timed (GiB); smoke runs use a few MiB.
-STARTUP_GIB = (8, 32)
+STARTUP_GIB = (1, 8, 32)
+
+
+def _event_seconds(device: torch.device, fn: Callable[[], object]) -> float:
+    """Device seconds of ``fn``'s work on the current stream (wall seconds on the CPU)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
+def bench_first_copies(sizes: Sizes, device: torch.device) -> dict[str, float]:
+    """Plain copies between a freshly allocated pinned buffer and the device, in the order
+    the connector's first transfers run (save, load, load again, save again), then again
+    after the GPU idled 2 s: whether the first transfers' cost is the memory's first use or
+    the idle GPU's, independently of kvcore. GB/s per copy."""
+    n = sizes.transfer_bytes
+    pin = device.type == "cuda"
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    dev.random_(0, 256)
+    out = {}
+    for name, fn in (("d2h_first", lambda: host.copy_(dev, non_blocking=pin)),
+                     ("h2d_first", lambda: dev.copy_(host, non_blocking=pin)),
+                     ("h2d_second", lambda: dev.copy_(host, non_blocking=pin)),
+                     ("d2h_second", lambda: host.copy_(dev, non_blocking=pin))):
+        out[name] = n / _event_seconds(device, fn) / GB
+    time.sleep(0.2 if device.type != "cuda" else 2.0)
+    out["h2d_after_idle"] = n / _event_seconds(
+        device, lambda: dev.copy_(host, non_blocking=pin)) / GB
+    log.info("startup: plain copies on a fresh pinned buffer (GB/s): %s",
+             ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
+    return out
+
+
+def _launch_stalls(device: torch.device, until: Callable[[], bool]) -> float:
+    """While ``until()`` is False: the longest time one tiny device op took from launch to
+    completion on this (the engine's) thread; what background pinning costs the engine."""
+    if device.type != "cuda":
+        return 0.0
+    x = torch.zeros(1, device=device)
+    worst = 0.0
+    deadline = time.monotonic() + 120
+    while not until() and time.monotonic() < deadline:
+        start = time.perf_counter()
+        x.add_(1)
+        torch.cuda.synchronize()
+        worst = max(worst, time.perf_counter() - start)
+        time.sleep(0.001)
+    return worst
 
 
 def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
                   pool_bytes: tuple[int, ...]) -> dict[str, dict[str, float]]:
-    """Per pool size: how long ``register_kv_caches`` blocks with the default pinning (torch's
-    pinned allocator; ``pin_in_background`` is opt-in) and how long until all of it is
-    pinned. Then, on a fresh connector, the first save and the first two loads of one
-    cross-layer transfer (contiguous blocks, the direct path) after registration: what
-    warm-up at registration leaves to the first transfers, against the pinned copy."""
+    """Per pool size, pinned in the background (the default) and at once
+    (``pin_in_background=False``): how long ``register_kv_caches`` blocks (the time until
+    the first slot is usable), how many slots are usable when it returns, how long until the
+    whole pool is pinned, and (background) the longest a tiny device op on the engine's
+    thread took meanwhile. Then, on a fresh connector, the first save and the first two
+    loads of one cross-layer transfer (contiguous blocks, the direct path) after
+    registration, against the pinned copy, and the same sequence of plain copies on a fresh
+    pinned buffer (:func:`bench_first_copies`)."""
     results: dict[str, dict[str, float]] = {}
     kv = kvcore.allocate_kv_caches(
         "CPU_ATTN", num_layers=sizes.num_layers, num_blocks=2 * sizes.num_blocks,
@@ -301,22 +364,28 @@ def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
     kv.storage.view(torch.uint8).random_(0, 256)
     try:
         for nbytes in pool_bytes:
-            conn = get_connector("offload", capacity_bytes=nbytes)
-            start = time.perf_counter()
-            conn.register_kv_caches(kv)
-            registered = time.perf_counter() - start
-            ready_at_return = conn.ready_slots
-            conn.wait_pinned()
             label = (f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30
                      else f"{nbytes / 2**20:g} MiB")
-            results[f"pool {label}"] = {
-                "pool_bytes": nbytes, "register_s": registered,
-                "pinned_s": conn.pinned_seconds, "slots_ready_at_return": ready_at_return,
-                "num_slots": conn.num_slots}
-            log.info("startup: %s pool: register %.3f s (%d of %d slots ready), all pinned "
-                     "after %.3f s", label, registered, ready_at_return, conn.num_slots,
-                     conn.pinned_seconds)
-            conn.close()
+            # At once too, up to 8 GiB (the 32 GiB figure at once is known: 17 s).
+            for background in (True, False) if nbytes <= 8 << 30 else (True,):
+                conn = get_connector("offload", capacity_bytes=nbytes,
+                                     pin_in_background=background)
+                start = time.perf_counter()
+                conn.register_kv_caches(kv)
+                registered = time.perf_counter() - start
+                ready_at_return = conn.ready_slots
+                stall = _launch_stalls(device, lambda c=conn: c.wait_pinned(0))
+                conn.wait_pinned()
+                mode = "background" if background else "at once"
+                results[f"pool {label} {mode}"] = {
+                    "pool_bytes": nbytes, "background": background, "register_s": registered,
+                    "pinned_s": conn.pinned_seconds, "slots_ready_at_return": ready_at_return,
+                    "num_slots": conn.num_slots, "worst_launch_s": stall}
+                log.info("startup: %s pool (%s): register %.3f s (%d of %d slots ready), all "
+                         "pinned after %.3f s, worst tiny-op latency meanwhile %.1f ms", label,
+                         mode, registered, ready_at_return, conn.num_slots,
+                         conn.pinned_seconds, stall * 1e3)
+                conn.close()
         n = sizes.num_blocks
         conn = get_connector("offload", capacity_bytes=2 * sizes.transfer_bytes)
         conn.register_kv_caches(kv)
@@ -346,6 +415,7 @@ def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
                                           block_rows(kv, list(range(n))))
         results["first_transfers"] = firsts
         conn.close()
+        results["first_plain_copies"] = bench_first_copies(sizes, device)
     finally:
         del kv
         if device.type == "cuda":
@@ -569,6 +639,10 @@ def table(results: dict, errors: dict, smoke: bool) -> str:
                      f"{r['alone_ms']:.2f} ms", f"{r['with_offload_ms']:.2f} ms",
                      f"{100 * r['slowdown']:+.2f}% (<= 3%)", check])
     for label, r in results.get("startup", {}).items():
+        if label == "first_plain_copies":
+            rows.append(["plain copies, fresh pinned", "first use / idle", ", ".join(
+                f"{k} {v:.1f}" for k, v in r.items()), "", "", "reference"])
+            continue
         if label == "first_transfers":
             for name, f in r.items():
                 if name == "bit_exact":
@@ -579,9 +653,12 @@ def table(results: dict, errors: dict, smoke: bool) -> str:
                              f"{f['fraction_device']:.0%}" if f["fraction_device"] else "",
                              "" if r["bit_exact"] else "NOT BIT-EXACT"])
         else:
-            rows.append([f"register {label}", "start-up", "",
-                         f"{r['register_s']:.3f} s",
-                         f"all pinned after {r['pinned_s']:.2f} s", "reference"])
+            rows.append([f"register {label}", "start-up",
+                         f"{r['slots_ready_at_return']}/{r['num_slots']} slots at return",
+                         f"{r['register_s']:.3f} s to first slot",
+                         f"all pinned after {r['pinned_s']:.2f} s",
+                         f"worst op {r['worst_launch_s'] * 1e3:.1f} ms"
+                         if r["background"] else "reference"])
     for name, err in errors.items():
         rows.append([name, "ERROR", err[:60], "", "", ""])
     return tabulate(rows, headers=["section", "what", "GB/s device", "GB/s wall",

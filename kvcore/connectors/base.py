@@ -23,6 +23,7 @@ load must not be read, until its handle reports done.
 
 from __future__ import annotations
 
+import math
 import logging
 import threading
 import time
@@ -197,12 +198,19 @@ class TransferHandle:
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Block until done (at most ``timeout`` seconds) and return the result.
 
-        Raises ``TimeoutError`` if still running after ``timeout`` (call again to keep
-        waiting), and :class:`KVTransferError` for a load with failed blocks under
+        ``timeout``: seconds, ``>= 0``; ``None`` or ``math.inf`` wait without limit. Raises
+        ``ValueError`` for anything else (NaN, negative, a bool or a non-number), before
+        waiting. Raises ``TimeoutError`` if still running after ``timeout`` (call again to
+        keep waiting), and :class:`KVTransferError` for a load with failed blocks under
         ``failure_policy="fail"``.
         """
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise ValueError(f"timeout={timeout!r} must be None or a number of seconds >= 0")
+        if timeout is not None:
+            if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                    or math.isnan(timeout) or timeout < 0):
+                raise ValueError(f"timeout={timeout!r} must be None (no limit), math.inf (no "
+                                 "limit) or a number of seconds >= 0")
+            if math.isinf(timeout):
+                timeout = None
         if self._result is None and self._error is None and not self._block(timeout):
             raise TimeoutError(f"{self.op} still running after timeout={timeout} s; "
                                "call wait() again or poll done()")

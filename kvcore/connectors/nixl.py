@@ -41,11 +41,13 @@ READ that times out is cancelled (a failure to cancel is named in the block's re
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import itertools
 import json
 import logging
 import math
+import os
 import socket
 import struct
 import threading
@@ -53,7 +55,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,20 +221,56 @@ class _Regions:
         return descs
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (one block at a time)."""
+    if not values:
+        yield
+        return
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
 class _Agent:
     """One NIXL agent with the cache's storage registered; every call into NIXL goes through
     it, under one lock (the Python API is not documented as thread-safe)."""
 
-    def __init__(self, name: str, storage: torch.Tensor, backends: tuple[str, ...]) -> None:
+    def __init__(self, name: str, storage: torch.Tensor, backends: tuple[str, ...],
+                 backend_params: Mapping[str, Mapping[str, str]] | None = None,
+                 ucx_tls: str | None = None) -> None:
         api = _nixl_api()
         self.name = name
         self.lock = threading.Lock()
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
-        missing = [b for b in backends if b not in self.agent.backends]
-        if missing:  # NIXL only logs a warning for these
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+        available = self.agent.get_plugin_list()
+        missing = [b for b in backends if b not in available]
+        if missing:
             raise ValueError(f"backends={list(backends)!r}: NIXL has no plugin for "
-                             f"{', '.join(missing)} (available: "
-                             f"{', '.join(self.agent.get_plugin_list())})")
+                             f"{', '.join(missing)} (available: {', '.join(available)})")
+        for backend in backends:
+            params = dict((backend_params or {}).get(backend, {}))
+            # UCX reads its transports from the environment when the backend is created.
+            tls = ucx_tls if backend == "UCX" else None
+            with _environment({"UCX_TLS": tls} if tls else {}):
+                try:
+                    self.agent.create_backend(backend, params)
+                except Exception as exc:
+                    raise RuntimeError(f"NIXL could not create backend {backend} with "
+                                       f"parameters {params}" +
+                                       (f" and UCX_TLS={tls}" if tls else "") +
+                                       f": {exc}") from exc
         self.mem_type, dev_id = _memory_kind(storage)
         nbytes = storage.numel() * storage.element_size()
         try:
@@ -761,6 +799,15 @@ class NixlConnector(KVConnector):
         publish_timeout_s: producer: how long a saved block waits for a consumer; then it is
             released and the save reports it failed.
         backends: NIXL transfer backends to create (``UCX`` by default).
+        backend_params: per backend, its NIXL init parameters (strings), e.g.
+            ``{"UCX": {"ucx_error_handling_mode": "none"}}``; NIXL lists a plugin's with
+            ``nixl_agent.get_plugin_params(name)`` (UCX: ``ucx_devices``, ``num_workers``,
+            ``ucx_error_handling_mode``). Unknown backends are refused.
+        ucx_tls: the UCX transports to allow (UCX's ``UCX_TLS`` syntax, e.g.
+            ``"cuda_ipc,cuda_copy,tcp"`` for VRAM between processes on one host), set only
+            while the UCX backend is created; ``None``: UCX's own choice, or ``UCX_TLS`` from
+            the environment. Which transports UCX picked: run with ``UCX_PROTO_INFO=y``
+            (``benchmarks/bench_nixl.py --matrix`` does).
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
     """
 
@@ -777,6 +824,8 @@ class NixlConnector(KVConnector):
         timeout_s: float = 10.0,
         publish_timeout_s: float = 60.0,
         backends: Sequence[str] = ("UCX",),
+        backend_params: Mapping[str, Mapping[str, str]] | None = None,
+        ucx_tls: str | None = None,
         failure_policy: str = "recompute",
     ) -> None:
         if role not in _ROLES:
@@ -795,6 +844,24 @@ class NixlConnector(KVConnector):
                 or not all(isinstance(b, str) and b for b in backends):
             raise TypeError(f"backends must be a non-empty list of NIXL backend names such as "
                             f"['UCX'], got {backends!r}")
+        if backend_params is not None:
+            if not isinstance(backend_params, Mapping) or not all(
+                    isinstance(params, Mapping)
+                    and all(isinstance(k, str) and isinstance(v, str)
+                            for k, v in params.items())
+                    for params in backend_params.values()):
+                raise TypeError("backend_params must map a backend name to a dict of str "
+                                f"parameters, e.g. {{'UCX': {{'num_workers': '2'}}}}, got "
+                                f"{backend_params!r}")
+            unknown = [b for b in backend_params if b not in backends]
+            if unknown:
+                raise ValueError(f"backend_params names {unknown}, which are not in "
+                                 f"backends={list(backends)!r}: add them there or drop them")
+        if ucx_tls is not None and (not isinstance(ucx_tls, str) or not ucx_tls.strip()
+                                    or "UCX" not in backends):
+            raise ValueError(f"ucx_tls={ucx_tls!r} must be a non-empty UCX_TLS string such as "
+                             "'cuda_ipc,cuda_copy,tcp', with 'UCX' in backends "
+                             f"(backends={list(backends)!r})")
         reason = nixl_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the nixl connector is unavailable: {reason}")
@@ -803,6 +870,8 @@ class NixlConnector(KVConnector):
         self.host = host
         self.port = port
         self.backends = tuple(backends)
+        self.backend_params = {b: dict(p) for b, p in (backend_params or {}).items()}
+        self.ucx_tls = ucx_tls
         self.agent_name = f"kvcore-{role}-{uuid.uuid4().hex[:12]}"
         self._agent: _Agent | None = None
         self._producer: _Producer | None = None
@@ -822,7 +891,8 @@ class NixlConnector(KVConnector):
     def _register(self, reg: RegisteredCaches) -> None:
         self._layout = reg.kv_caches.layout
         regions = _Regions.of(reg)
-        agent = _Agent(self.agent_name, reg.kv_caches.storage, self.backends)
+        agent = _Agent(self.agent_name, reg.kv_caches.storage, self.backends,
+                       self.backend_params, self.ucx_tls)
         try:
             if self.role == "producer":
                 hello = {"protocol": _PROTOCOL, "layout": self._layout.to_dict(),

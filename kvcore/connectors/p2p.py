@@ -79,6 +79,34 @@ class _LinkDown(Exception):
     """The link cannot carry blocks any more; the message says why."""
 
 
+#: How often a bounded wait on a data-group transfer polls for completion.
+_POLL_S = 1e-3
+
+
+def wait_bounded(work: Any, group: Any, timeout_s: float, what: str) -> None:
+    """Wait for ``work`` (a send or receive on ``group``) at most ``timeout_s`` seconds by
+    polling its completion on the host; past that, abort ``group`` (so the transfer never
+    completes into memory reused later, and nothing is left to NCCL's watchdog, which would
+    take the process down) and raise ``TimeoutError``.
+
+    NCCL's ``Work.wait`` only orders the current stream after the transfer unless blocking
+    wait is enabled process-wide, so a receive from a peer that never sends would hang the
+    next synchronisation (or the watchdog would abort the process); polling bounds it.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            abort = getattr(group, "abort", None) or getattr(group, "_abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception as exc:  # still failing the transfer below
+                    logger.warning("p2p: aborting the data group failed: %s", exc)
+            raise TimeoutError(f"{what} did not complete within timeout_s={timeout_s}")
+        time.sleep(_POLL_S)
+    work.wait()  # completed: orders the current stream after it (and raises its error)
+
+
 class _Message:
     """The blocks of one received message, ``(n, block_bytes)`` uint8; ``live`` counts its
     rows still in the inbox."""
@@ -397,7 +425,12 @@ class P2PConnector(KVConnector):
                 raw_tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
                 self._tx_ctrl.send([raw_tensor], self.peer, 0).wait(wait)
                 if payload is not None:
-                    self._tx_data.send([payload], self.peer, 0).wait(wait)
+                    work = self._tx_data.send([payload], self.peer, 0)
+                    if payload.is_cuda:
+                        wait_bounded(work, self._tx_data, wait.total_seconds(),
+                                     f"sending {nbytes} bytes to peer rank {self.peer}")
+                    else:
+                        work.wait(wait)
             except Exception as exc:
                 reason = f"sending to peer rank {self.peer} failed: {exc}"
                 self._fail_link(reason)
@@ -439,7 +472,12 @@ class P2PConnector(KVConnector):
             return header, None
         payload = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8,
                               device=self._wire_device)
-        self._rx_data.recv([payload], self.peer, 0).wait(wait)
+        work = self._rx_data.recv([payload], self.peer, 0)
+        if payload.is_cuda:  # NCCL: bounded by polling (see wait_bounded)
+            wait_bounded(work, self._rx_data, self.timeout_s,
+                         f"receiving {payload_len} bytes from peer rank {self.peer}")
+        else:
+            work.wait(wait)
         if payload.is_cuda:  # received on this thread's stream; loads run on others
             torch.cuda.current_stream(payload.device).synchronize()
         return header, payload

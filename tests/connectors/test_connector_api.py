@@ -173,10 +173,29 @@ def test_handle_wait_timeout_and_result():
     assert not handle.done()
     with pytest.raises(TimeoutError, match=r"load still running after timeout=0.01 s"):
         handle.wait(timeout=0.01)
-    with pytest.raises(ValueError, match="timeout=-1 must be None or a number"):
-        handle.wait(timeout=-1)
     assert TransferHandle.completed("load", "recompute", result).wait() is result
     assert result.gbps == 4.0 and result.ok
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.5, float("nan"), -float("inf"), True, "1", [1]],
+                         ids=repr)
+def test_handle_wait_refuses_a_timeout_that_is_no_duration_before_waiting(timeout):
+    blocked = []
+    handle = TransferHandle("save", "recompute", lambda: False,
+                            lambda t: blocked.append(t) or False, lambda: None)
+    with pytest.raises(ValueError, match=r"timeout=.* must be None \(no limit\), math.inf "
+                       r"\(no limit\) or a number of seconds >= 0"):
+        handle.wait(timeout=timeout)
+    assert blocked == []  # refused before any wait
+
+
+def test_handle_wait_with_an_infinite_timeout_waits_without_limit():
+    result = TransferResult("load", (1,), {}, 8, 0.5)
+    waited = []
+    handle = TransferHandle("load", "recompute", lambda: False,
+                            lambda t: waited.append(t) or True, lambda: result)
+    assert handle.wait(timeout=float("inf")) is result
+    assert waited == [None]  # "no limit", never a deadline computed from inf
 
 
 def test_handle_of_a_transfer_that_raised_is_done_and_wait_raises():

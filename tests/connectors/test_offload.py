@@ -41,13 +41,14 @@ def test_pool_is_slot_major_whatever_the_cache_layout():
     with offload_for(per_layer, 4) as a, offload_for(cross, 4) as b:
         block = per_layer.num_layers * per_layer.page_size_bytes
         # a slot is a whole block, layer-major: consecutive slots are one contiguous region
-        assert tuple(a._host.shape) == tuple(b._host.shape) == (4, block)
+        for pool in (a._pool, b._pool):
+            assert pool.chunk(0).shape == (4, block) and pool.chunk(0).is_contiguous()
         for conn, kv in ((a, per_layer), (b, cross)):
             keys = keys_for(random.randrange(2**31), 3)
             assert conn.save(keys, [7, 2, 5]).wait().ok
             slots = [conn._index.get(k).slot for k in keys]
             assert slots == [0, 1, 2]
-            assert torch.equal(conn._host[slots].view(3, kv.num_layers, -1),
+            assert torch.equal(conn._pool.rows(slots).view(3, kv.num_layers, -1),
                                block_bytes(kv, [7, 2, 5]))
 
 
@@ -114,7 +115,7 @@ def test_cuda_roundtrip_is_asynchronous_and_bit_exact(cross):
     src = list(range(0, 256, 2))
     dst = random.sample(range(256), 128)
     with offload_for(kv, 200) as conn:
-        assert conn._host.is_pinned()
+        assert conn._pool.is_pinned()
         expected = block_bytes(kv, src).cpu()
         torch.cuda._sleep(2_000_000_000)  # busy engine stream: the save waits behind it
         save = conn.save(keys, src)

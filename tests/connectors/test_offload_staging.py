@@ -222,7 +222,7 @@ def test_cuda_staged_transfers_back_to_back_and_concurrent_are_bit_exact(cross):
                                    device="cuda", cross_layer=cross)
     kv.storage.copy_(torch.randn(kv.storage.shape, device="cuda"))
     with offload_for(kv, 192, chunk_blocks=7) as conn:
-        assert conn._host.is_pinned()
+        assert conn._pool.is_pinned()
         groups = [random.sample(range(128), 40) for _ in range(3)]
         keys = [keys_for(random.randrange(2**31), 40) for _ in groups]
         expected = [block_bytes(kv, g).cpu() for g in groups]

@@ -509,3 +509,52 @@ def test_killed_peer_on_another_gpu_fails_exactly_the_blocks_and_never_hangs():
         unsent = conn.save(keys, [0, 1, 2]).wait(timeout=30)
         assert set(unsent.failed) == {0, 1, 2} and unsent.succeeded == ()
         assert time.monotonic() - start < 15.0
+
+
+# -- NCCL data transfers: bounded by polling, the group aborted past the timeout ---------------
+
+
+class _Work:
+    """A send/receive that completes after ``polls`` completion checks (never: ``None``);
+    its ``wait`` ignores timeouts, as NCCL's does without blocking wait."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls, self.checks, self.waited = polls, 0, False
+
+    def is_completed(self) -> bool:
+        self.checks += 1
+        return self.polls is not None and self.checks > self.polls
+
+    def wait(self, timeout=None) -> bool:
+        self.waited = True
+        return True
+
+
+class _Group:
+    def __init__(self, name: str = "abort") -> None:
+        self.aborted = 0
+        setattr(self, name, self._abort_impl)
+
+    def _abort_impl(self) -> None:
+        self.aborted += 1
+
+
+@pytest.mark.parametrize("abort_name", ["abort", "_abort"])
+def test_a_data_transfer_that_never_completes_fails_within_the_timeout_and_aborts(abort_name):
+    from kvcore.connectors.p2p import wait_bounded
+
+    work, group = _Work(None), _Group(abort_name)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"receiving 64 bytes from peer rank 1 did not "
+                       r"complete within timeout_s=0.2"):
+        wait_bounded(work, group, 0.2, "receiving 64 bytes from peer rank 1")
+    assert 0.2 <= time.monotonic() - start < 2.0
+    assert group.aborted == 1 and not work.waited  # nothing completes into reused memory
+
+
+def test_a_data_transfer_that_completes_is_waited_for_and_nothing_aborted():
+    from kvcore.connectors.p2p import wait_bounded
+
+    work, group = _Work(3), _Group()
+    wait_bounded(work, group, 5.0, "sending")
+    assert work.checks == 4 and work.waited and group.aborted == 0

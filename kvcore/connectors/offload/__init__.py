@@ -2,11 +2,13 @@
 
 The pool is allocated once, when the KV caches are registered: ``capacity_bytes //
 block_bytes`` slots, pinned when the cache is on a CUDA device so copies are asynchronous DMA.
-Pinning tens of GiB takes seconds, so registration returns once the first chunk is pinned and
-worker threads pin the rest, the pool growing as they go (``pinning``; only pinned slots are
-ever handed out; ``pin_in_background=False`` waits, ``wait_pinned()`` waits later).
-A slot holds a whole block, every layer, layer-major (``(num_slots, block_bytes)``), whatever
-the cache's layout, so a run of consecutive slots is one contiguous host region: one copy.
+Pinning tens of GiB takes seconds, so the pool is chunks of 256 MiB, each allocated pinned by
+torch; registration returns once the first chunk exists and worker threads allocate the rest,
+the pool growing as they go (``pinning``; only allocated slots are ever handed out;
+``pin_in_background=False`` waits, ``wait_pinned()`` waits later). A slot holds a whole
+block, every layer, layer-major (``(slots, block_bytes)`` per chunk), whatever the cache's
+layout, so a run of consecutive slots within a chunk is one contiguous host region: one copy
+(a run crossing a chunk boundary is one copy per chunk).
 
 Blocks move in one of two ways, chosen per transfer:
 
@@ -47,7 +49,7 @@ The package, one module per concern:
 ``planning``   which path a transfer takes, its runs and its staging chunks
 ``views``      word-sized and all-layers-at-once views of the cache's blocks
 ``cuda``       stream ordering, the pinned block-id ring, the staging buffers
-``pinning``    the pool's host memory, pinned in page-aligned chunks in the background
+``pinning``    the pool's host memory, pinned chunks allocated in the background
 """
 
 from __future__ import annotations

@@ -51,19 +51,17 @@ class OffloadConnector(KVConnector):
             the transfers otherwise staged (no staging buffers are allocated then); ``None``
             stages them. See :func:`kvcore.connectors.block_copier_names`.
         pin_in_background: on CUDA, return from registration once the first chunk of the
-            pool is pinned and pin the rest on worker threads, the pool growing as they go
-            (:mod:`~kvcore.connectors.offload.pinning`). Experimental and off by default: on
-            the H200 the first transfer from a pool pinned this way failed with
-            cudaErrorInvalidValue (``benchmarks/RESULTS.md``, 2026-12-01). ``False`` (the
-            default) allocates the pool with torch's pinned allocator before registration
-            returns.
+            pool is allocated (pinned) and allocate the rest on worker threads, the pool
+            growing as they go (:mod:`~kvcore.connectors.offload.pinning`; saves use only the
+            slots allocated so far, ``wait_pinned()`` waits for all). ``False``: every chunk
+            before registration returns.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
 
     def __init__(self, *, capacity_bytes: int, failure_policy: str = "recompute",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_copier: str | None = None,
-                 pin_in_background: bool = False) -> None:
+                 pin_in_background: bool = True) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -112,29 +110,27 @@ class OffloadConnector(KVConnector):
         # (num_blocks, num_views, row_words) view: one indexed copy per chunk moves them all.
         self._dev_views = [v.view(word) for v in reg.views]
         self._dev3 = stacked_layers(self._dev_views)
-        #: (device rows, host rows): every (layer, block) as row ``layer * num_blocks + block``
-        #: of one device view and (slot, layer) as row ``slot * num_layers + layer`` of the
-        #: pool, when the layers lie back to back (see _copy_with_copier); else None.
-        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: Every (layer, block) as row ``layer * num_blocks + block`` of one device view, when
+        #: the layers lie back to back (see _copy_with_copier); else None.
+        self._flat: torch.Tensor | None = None
         row_words = self._dev_views[0].shape[1]
-        # Pinned host memory is what lets a device copy run asynchronously; it is pinned in
-        # chunks, the pool growing as they finish (pinning.py). Slot-major: a run of
-        # consecutive slots is one contiguous region whatever the cache's layout.
+        # Pinned host memory is what lets a device copy run asynchronously; it is allocated in
+        # chunks, the pool growing as they arrive (pinning.py). Slot-major: a run of
+        # consecutive slots within a chunk is one contiguous region whatever the layout.
         started = time.perf_counter()
         self._pool = HostPool(num_slots, block_bytes, pin=self._async,
                               background=self.pin_in_background)
         if self._pool.ready_slots() == 0:
             error = self._pool.error
             self._pool.close()
-            raise RuntimeError(f"the CPU pool could not be pinned: {error}")
-        self._host = self._pool.tensor
-        self._host3 = self._host.view(word).view(num_slots, len(reg.views), row_words)
+            raise RuntimeError(f"the CPU pool could not be allocated: {error}")
+        self._word = word
+        self._row_words = row_words
         dev3 = self._dev3
         if dev3 is not None and dev3.stride(1) == dev3.shape[0] * dev3.stride(0):
-            self._flat = (dev3.as_strided((dev3.shape[0] * dev3.shape[1], dev3.shape[2]),
-                                          (dev3.stride(0), dev3.stride(2)),
-                                          dev3.storage_offset()),
-                          self._host3.view(-1, row_words))
+            self._flat = dev3.as_strided((dev3.shape[0] * dev3.shape[1], dev3.shape[2]),
+                                         (dev3.stride(0), dev3.stride(2)),
+                                         dev3.storage_offset())
         self._index = SlotIndex(num_slots, available=self._pool.ready_slots())
         self._chunk_blocks = max(1, min(num_slots, self.chunk_bytes // block_bytes))
         shape = (self._chunk_blocks, len(reg.views), row_words)
@@ -333,15 +329,13 @@ class OffloadConnector(KVConnector):
                 start.record(copy_stream)
             last = copy_stream
             if plan.path == "staged":
-                last = self._copy_staged(op, plan, self._staging[op], copy_stream,
-                                         kernel_stream, start)
-                copies = sum(len(c.segments) for c in plan.chunks)
+                last, copies = self._copy_staged(op, plan, self._staging[op], copy_stream,
+                                                 kernel_stream, start)
             elif plan.path == "copier":
                 with on_stream(copy_stream):
                     copies = self._copy_with_copier(op, plan.pairs)
             else:
-                self._copy_runs(op, plan.runs, copy_stream)
-                copies = len(plan.runs)
+                copies = self._copy_runs(op, plan.runs, copy_stream)
             if end is not None:
                 end.record(last)
         if pairs:
@@ -351,52 +345,80 @@ class OffloadConnector(KVConnector):
                 self.paths["chunks"] += len(plan.chunks or ())
         return None if start is None else (start, end)
 
+    def _host_rows(self, slot: int, count: int) -> list[tuple[int, torch.Tensor]]:
+        """Slots ``slot .. slot + count - 1`` as ``(offset, (n, num_views, row_words))`` word
+        views, one per pool chunk they touch (one copy each)."""
+        return [(offset, rows.view(self._word).view(rows.shape[0], -1, self._row_words))
+                for offset, rows in self._pool.pieces(slot, count)]
+
     def _copy_with_copier(self, op: Op, pairs: list[tuple[int, int]]) -> int:
         """``(block_id, slot)`` pairs through the block copier on the current stream; returns
         the copies it issued.
 
-        When the layers lie back to back in one storage (the usual per-layer layout) every
-        ``(layer, block)`` row is a row of one flat view, so a single call moves every layer;
-        otherwise one call per layer view (a cross-layer cache has one view: one call).
+        One call per pool chunk the slots lie in. When the layers lie back to back in one
+        storage (the usual per-layer layout) every ``(layer, block)`` row is a row of one flat
+        view, so a single call moves every layer; otherwise one call per layer view (a
+        cross-layer cache has one view: one call).
         """
         mapping = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        chunk = mapping[:, 1].div(self._pool.chunk_slots, rounding_mode="floor")
+        row = mapping[:, 1] - chunk * self._pool.chunk_slots
+        copies = 0
+        for index in chunk.unique().tolist():
+            mine = chunk == index
+            local = torch.stack([mapping[mine, 0], row[mine]], 1)
+            host3 = self._host_rows(index * self._pool.chunk_slots,
+                                    self._pool.chunk(index).shape[0])[0][1]
+            copies += self._copier_call(op, local, host3)
+        return copies
+
+    def _copier_call(self, op: Op, mapping: torch.Tensor, host3: torch.Tensor) -> int:
+        """``(block_id, row)`` pairs between the cache and the ``(rows, num_views, words)``
+        host view ``host3`` (one pool chunk) through the block copier."""
         if self._flat is not None:
-            device_rows, host_rows = self._flat
-            layers = torch.arange(self._host3.shape[1])
+            layers = torch.arange(host3.shape[1])
             num_blocks = self._dev_views[0].shape[0]
             dev_ids = (layers[None, :] * num_blocks + mapping[:, :1]).reshape(-1)
             host_ids = (mapping[:, 1:] * layers.numel() + layers[None, :]).reshape(-1)
+            host_rows = host3.reshape(-1, host3.shape[2])
             if op == "save":
-                return self._copier.copy_blocks(device_rows, host_rows,
+                return self._copier.copy_blocks(self._flat, host_rows,
                                                 torch.stack([dev_ids, host_ids], 1))
-            return self._copier.copy_blocks(host_rows, device_rows,
+            return self._copier.copy_blocks(host_rows, self._flat,
                                             torch.stack([host_ids, dev_ids], 1))
         if op == "load":
-            mapping = mapping.flip(1).contiguous()  # (slot, block): slots are the source
+            mapping = mapping.flip(1).contiguous()  # (row, block): the pool is the source
         copies = 0
         for layer, view in enumerate(self._dev_views):
-            host = self._host3[:, layer]
+            host = host3[:, layer]
             src, dst = (view, host) if op == "save" else (host, view)
             copies += self._copier.copy_blocks(src, dst, mapping)
         return copies
 
     def _copy_runs(self, op: Op, runs: list[tuple[int, int, int]],
-                   stream: torch.cuda.Stream | None) -> None:
-        """Direct copies, one per run (single-view caches only)."""
-        device_view, host_view = self._dev_views[0], self._host3[:, 0]
+                   stream: torch.cuda.Stream | None) -> int:
+        """Direct copies, one per run and pool chunk (single-view caches only); returns the
+        copies issued."""
+        device_view = self._dev_views[0]
+        copies = 0
         with on_stream(stream):
             for block, slot, n in runs:
-                dev, host = device_view[block:block + n], host_view[slot:slot + n]
-                if op == "save":
-                    host.copy_(dev, non_blocking=self._async)
-                else:
-                    dev.copy_(host, non_blocking=self._async)
+                for offset, rows in self._host_rows(slot, n):
+                    host = rows[:, 0]
+                    dev = device_view[block + offset:block + offset + host.shape[0]]
+                    if op == "save":
+                        host.copy_(dev, non_blocking=self._async)
+                    else:
+                        dev.copy_(host, non_blocking=self._async)
+                    copies += 1
+        return copies
 
     def _copy_staged(self, op: Op, plan: TransferPlan, staging: Staging,
                      copy_stream: torch.cuda.Stream | None,
                      kernel_stream: torch.cuda.Stream | None,
-                     start: torch.cuda.Event | None) -> torch.cuda.Stream | None:
-        """Chunks through the two staging buffers; returns the stream that runs last.
+                     start: torch.cuda.Event | None) -> tuple[torch.cuda.Stream | None, int]:
+        """Chunks through the two staging buffers; returns the stream that runs last and the
+        host<->device copies issued.
 
         Save: kernel stream gathers chunk i into buffer i % 2 (after that buffer's previous
         copy), copy stream copies it to the pool. Load: copy stream fills the buffer from the
@@ -405,6 +427,7 @@ class OffloadConnector(KVConnector):
         # The gathers/scatters too follow the engine's stream.
         wait_for_event(kernel_stream, start)
         ids = self._device_ids(plan.blocks, kernel_stream)
+        copies = 0
         for chunk in plan.chunks:
             b = staging.take()
             buf = staging.buffers[b][:chunk.stop - chunk.start]
@@ -417,23 +440,27 @@ class OffloadConnector(KVConnector):
                 wait_for_event(copy_stream, gathered)
                 with on_stream(copy_stream):
                     for row, slot, n in chunk.segments:
-                        self._host3[slot:slot + n].copy_(buf[row:row + n],
-                                                         non_blocking=self._async)
+                        for offset, host in self._host_rows(slot, n):
+                            start_row = row + offset
+                            host.copy_(buf[start_row:start_row + host.shape[0]],
+                                       non_blocking=self._async)
+                            copies += 1
                     staging.free[b] = record_event(copy_stream)
             else:
                 with on_stream(copy_stream):
                     wait_for_event(copy_stream, staging.free[b])
                     for row, slot, n in chunk.segments:
-                        buf[row:row + n].copy_(self._host3[slot:slot + n],
-                                               non_blocking=self._async)
+                        for offset, host in self._host_rows(slot, n):
+                            start_row = row + offset
+                            buf[start_row:start_row + host.shape[0]].copy_(
+                                host, non_blocking=self._async)
+                            copies += 1
                     copied = record_event(copy_stream)
                 wait_for_event(kernel_stream, copied)
                 with on_stream(kernel_stream):
                     self._scatter(chunk_ids, buf)
                     staging.free[b] = record_event(kernel_stream)
-        if op == "save":
-            return copy_stream
-        return kernel_stream
+        return (copy_stream if op == "save" else kernel_stream), copies
 
     def _device_ids(self, blocks: list[int], stream: torch.cuda.Stream | None) -> torch.Tensor:
         """``blocks`` as an int64 tensor on the cache's device, ready for ``stream`` (on CPU,
@@ -517,6 +544,6 @@ class OffloadConnector(KVConnector):
             except KVTransferError:  # nobody waits for this result any more
                 pass
         self._pool.close()
-        del self._host, self._host3, self._staging, self._dev_views, self._dev3, self._ids
+        del self._staging, self._dev_views, self._dev3, self._ids
         del self._pool
         self._flat = None

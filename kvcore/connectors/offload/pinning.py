@@ -1,235 +1,205 @@
-"""The pool's host memory, pinned in page-aligned chunks by worker threads, in the background.
+"""The pool's host memory: separately pinned chunks, allocated in the background.
 
 Pinning is what makes host<->device copies asynchronous DMA, and it is slow: the kernel faults
-in and locks every page (seconds for tens of GiB). Allocating the pool with
+in and locks every page (seconds for tens of GiB). Allocating the pool as one
 ``torch.empty(..., pin_memory=True)`` does all of it at once, on the registering thread, before
-the engine can start. :class:`HostPool` instead allocates pageable memory and pins it in
-chunks of whole pages with ``cudaHostRegister``, several chunks at a time on worker threads.
-The runtime is called through ctypes when its library is found, which releases the GIL for
-the call, so pinning runs beside the engine's Python (torch's own binding, the fallback,
-holds it). The first chunk is pinned before the constructor returns, the rest in the
-background (or before it returns, with ``background=False``).
+the engine can start. :class:`HostPool` instead allocates the pool as chunks of whole slots,
+each its own ``torch.empty(..., pin_memory=True)`` (torch's pinned host allocator, the memory
+every torch copy path recognises as pinned), the first one before the constructor returns and
+the rest on worker threads (torch releases the GIL while it allocates, so they run beside the
+engine's Python).
 
-**Only pinned slots are used.** :meth:`HostPool.ready_slots` counts the slots lying wholly in
-the pinned *prefix* of the pool (chunks finish out of order; a later chunk counts once every
-earlier one is done). The connector hands out only those slots, so no transfer ever touches
-memory that is not pinned yet: the pool grows under the engine instead of blocking its start.
+**Only pinned slots are used.** :meth:`HostPool.ready_slots` counts the slots of the chunks
+allocated so far, in order (chunks may finish out of order; a later chunk counts once every
+earlier one is done). The connector hands out only those slots, so no transfer ever touches a
+chunk that does not exist yet: the pool grows under the engine instead of blocking its start.
+A run of consecutive slots may span two chunks; :meth:`HostPool.pieces` cuts it at chunk
+boundaries (one copy per piece).
+
+torch's pinned allocator rounds every allocation up to a power of two, so a chunk is sized to
+fill one (``chunk_bytes``, a power of two, holds ``chunk_bytes // slot_bytes`` slots) and
+memory is lost only in the last chunk. :meth:`HostPool.close` returns the memory to the system
+(torch would otherwise keep it pinned in its cache).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import itertools
 import logging
-import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["PIN_CHUNK_BYTES", "PIN_WORKERS", "HostPool"]
+__all__ = ["PIN_CHUNK_BYTES", "PIN_WORKERS", "HostPool", "pinned_rows"]
 
 logger = logging.getLogger(__name__)
 
-#: Bytes one worker pins per call (rounded down to whole slots, at least one slot).
+#: Bytes of one chunk (a power of two, see the module docstring; at least one slot).
 PIN_CHUNK_BYTES = 256 << 20
-#: Worker threads pinning at once.
-PIN_WORKERS = 4
+#: Worker threads allocating chunks at once.
+PIN_WORKERS = 2
 
-#: ``(data_ptr, nbytes)``: pin (page-lock) host memory for the device; raise on failure.
-PinFn = Callable[[int, int], None]
-#: ``data_ptr``: undo :data:`PinFn` for the region starting there.
-UnpinFn = Callable[[int], None]
+#: ``(rows, row_bytes)`` -> a uint8 ``(rows, row_bytes)`` host tensor; raises on failure.
+AllocFn = Callable[[int, int], torch.Tensor]
 
 
-@functools.cache
-def _runtime_calls() -> tuple[Callable[..., int], Callable[..., int]] | None:
-    """``(register, unregister)`` of the CUDA (or HIP) runtime library torch loaded, called
-    through ctypes, which releases the GIL for the call: pinning threads then run beside the
-    engine's Python. ``None`` when the library is not found (a static runtime)."""
-    torch.cuda.init()
-    hip = getattr(torch.version, "hip", None) is not None
-    stem, prefix = ("libamdhip64.so", "hip") if hip else ("libcudart.so", "cuda")
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if stem in line})
-    except OSError:
-        return None
-    if not paths:
-        return None
-    lib = ctypes.CDLL(paths[0])
-    register = getattr(lib, f"{prefix}HostRegister")
-    register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    register.restype = ctypes.c_int
-    unregister = getattr(lib, f"{prefix}HostUnregister")
-    unregister.argtypes = [ctypes.c_void_p]
-    unregister.restype = ctypes.c_int
-    return register, unregister
+def pinned_rows(rows: int, row_bytes: int) -> torch.Tensor:
+    """``(rows, row_bytes)`` uint8 memory from torch's pinned host allocator."""
+    return torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=True)
 
 
-def _check(code: int, what: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"{what} failed with runtime error {code}")
-
-
-def cuda_pin(data_ptr: int, nbytes: int) -> None:
-    """``cudaHostRegister`` (portable) of ``[data_ptr, data_ptr + nbytes)``; ``RuntimeError``
-    with the runtime's error code on failure."""
-    calls = _runtime_calls()
-    if calls is not None:
-        _check(calls[0](data_ptr, nbytes, 1), "cudaHostRegister")
-    else:  # torch's binding (holds the GIL while the pages are locked)
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 1))
-
-
-def cuda_unpin(data_ptr: int) -> None:
-    calls = _runtime_calls()
-    if calls is not None:
-        _check(calls[1](data_ptr), "cudaHostUnregister")
-    else:
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(data_ptr))
+def _plain_rows(rows: int, row_bytes: int) -> torch.Tensor:
+    return torch.empty((rows, row_bytes), dtype=torch.uint8)
 
 
 class HostPool:
-    """``(num_slots, slot_bytes)`` uint8 host memory whose slots become usable as they are
-    pinned.
-
-    The memory starts on a page boundary and the chunks are whole pages (a page registered
-    twice is an error), so a chunk boundary may cut a slot: a slot is ready once every byte
-    of it lies in the pinned prefix.
+    """``num_slots`` host slots of ``slot_bytes`` bytes in chunks that become usable as they
+    are allocated.
 
     Args:
         num_slots, slot_bytes: the pool's shape.
-        pin: page-lock the memory (``False``: plain memory, every slot ready at once).
-        background: allocate pageable memory and pin it in chunks with ``cudaHostRegister``,
-            the chunks after the first one on worker threads after returning. ``False`` (with
-            the default ``pin_fn``): torch's pinned allocation, all of it before returning.
-            The chunked path failed on the H200 (cudaErrorInvalidValue at the first transfer,
-            2026-12-01; ``benchmarks/RESULTS.md``) and is opt-in until that is understood.
-        chunk_bytes, workers: pinning granularity (rounded up to whole pages; the first chunk
-            holds at least one slot) and parallelism.
-        pin_fn, unpin_fn: how to pin and unpin a region (default: ``cudaHostRegister`` /
-            ``cudaHostUnregister``; tests pass stand-ins).
+        pin: allocate pinned memory (``False``: plain memory, one chunk, every slot ready at
+            once).
+        background: return once the first chunk is allocated, the others following on worker
+            threads. ``False``: every chunk before returning (still in parallel).
+        chunk_bytes, workers: chunk size (whole slots, at least one) and parallelism.
+        alloc_fn: how a chunk is allocated (default: :func:`pinned_rows`; tests pass
+            stand-ins).
 
     Attributes:
-        tensor: the memory.
-        startup_seconds: time the constructor blocked (allocation and the first chunk).
-        pinned_seconds: time until every chunk was pinned (``None`` while pinning goes on).
-        error: the first pinning failure (the slots from that chunk on stay unusable), else
+        startup_seconds: time the constructor blocked (the first chunk, or all of them).
+        pinned_seconds: time until every chunk was allocated (``None`` while that goes on).
+        error: the first allocation failure (the slots from that chunk on stay unusable), else
             ``None``.
     """
 
     def __init__(self, num_slots: int, slot_bytes: int, *, pin: bool, background: bool = True,
                  chunk_bytes: int = PIN_CHUNK_BYTES, workers: int = PIN_WORKERS,
-                 pin_fn: PinFn | None = None, unpin_fn: UnpinFn | None = None) -> None:
+                 alloc_fn: AllocFn | None = None) -> None:
         started = time.perf_counter()
-        total = num_slots * slot_bytes
         self._lock = threading.Lock()
         self._closed = False
         self._finished = threading.Event()
         self._executor: ThreadPoolExecutor | None = None
-        self._pinned: list[int] = []  # chunk indices whose memory is registered
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.error: str | None = None
-        if pin and not background and pin_fn is None:
-            # torch's own pinned allocation, at once: the path the offload benchmarks verified
-            # on the H200. The chunked ``cudaHostRegister`` path below failed there (the
-            # first transfer raised cudaErrorInvalidValue, 2026-12-01), so it is opt-in.
-            self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8,
-                                      pin_memory=True)
-            self._chunks: list[tuple[int, int]] = []
-            self._ready_bytes = total
-            self._finished.set()
-            self.pinned_seconds = self.startup_seconds = time.perf_counter() - started
-            return
-        page = mmap.PAGESIZE
-        # Room to start on a page and to round the last chunk up to a whole page.
-        self._raw = torch.empty(total + 2 * page, dtype=torch.uint8)
-        offset = -self._raw.data_ptr() % page
-        self.tensor = self._raw[offset:offset + total].view(num_slots, slot_bytes)
         self.pinned_seconds: float | None = None
-        self._pin = pin_fn or cuda_pin
-        self._unpin = unpin_fn or cuda_unpin
-        step = _round_up(max(chunk_bytes, 1), page)
-        first = _round_up(max(step, slot_bytes), page)
-        end = _round_up(total, page)
-        bounds = [0, *range(first, end, step), end] if total else [0]
-        #: ``[start, stop)`` byte ranges from the pool's start, whole pages each.
-        self._chunks = list(itertools.pairwise(bounds))
-        self._done = [not pin] * len(self._chunks)
-        self._ready_bytes = end if not pin else 0
-        self._base = self.tensor.data_ptr()
-        if not pin or not self._chunks:
-            self._finished.set()
-            self.pinned_seconds = 0.0
-        else:
-            self._pin_chunk(0, started)  # usable at once
-            if len(self._chunks) > 1:
-                self._executor = ThreadPoolExecutor(max(1, workers),
-                                                    thread_name_prefix="kvcore-pin")
-                for i in range(1, len(self._chunks)):
-                    self._executor.submit(self._pin_chunk, i, started)
-                if not background:
-                    self._finished.wait()
+        self._pinned = pin
+        self._alloc = alloc_fn or (pinned_rows if pin else _plain_rows)
+        #: Slots per chunk (every chunk but the last holds exactly this many).
+        self.chunk_slots = (num_slots if not pin and alloc_fn is None
+                            else max(1, min(num_slots, chunk_bytes // slot_bytes)))
+        count = -(-num_slots // self.chunk_slots)
+        self._chunks: list[torch.Tensor | None] = [None] * count
+        self._done = [False] * count
+        self._ready = 0  # chunks 0 .. _ready - 1 are allocated
+        self._allocate(0, started)  # usable at once
+        if count > 1 and self.error is None:
+            self._executor = ThreadPoolExecutor(max(1, workers), thread_name_prefix="kvcore-pin")
+            for i in range(1, count):
+                self._executor.submit(self._allocate, i, started)
+            if not background:
+                self._finished.wait()
+        elif count > 1:  # the first chunk failed: nothing follows
+            self._done = [True] * count
+            self._finish(started)
         self.startup_seconds = time.perf_counter() - started
 
     def ready_slots(self) -> int:
-        """Slots ``0 .. ready_slots() - 1`` are pinned (all of them once pinning is done)."""
+        """Slots ``0 .. ready_slots() - 1`` are usable (all of them once allocation is over)."""
         with self._lock:
-            return min(self.num_slots, self._ready_bytes // self.slot_bytes)
+            return min(self.num_slots, self._ready * self.chunk_slots)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until pinning is over (every chunk pinned, or one failed); False on timeout."""
+        """Block until allocation is over (every chunk done, or one failed); False on
+        timeout."""
         return self._finished.wait(timeout)
 
-    def _pin_chunk(self, i: int, started: float) -> None:
-        start, stop = self._chunks[i]
+    def is_pinned(self) -> bool:
+        """Whether every chunk allocated so far is pinned memory (as torch sees it)."""
+        with self._lock:
+            chunks = [c for c in self._chunks[:self._ready] if c is not None]
+        return bool(chunks) and all(c.is_pinned() for c in chunks)
+
+    def pieces(self, slot: int, count: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Slots ``slot .. slot + count - 1`` (all ready) as ``(offset, rows)`` pieces, one per
+        chunk they touch: ``rows`` is the ``(n, slot_bytes)`` uint8 view of slots
+        ``slot + offset ..``."""
+        offset = 0
+        while offset < count:
+            index, first = divmod(slot + offset, self.chunk_slots)
+            chunk = self._chunks[index]
+            n = min(count - offset, self.chunk_slots - first)
+            yield offset, chunk[first:first + n]
+            offset += n
+
+    def chunk_of(self, slot: int) -> tuple[int, int]:
+        """``(chunk index, row in that chunk)`` of ``slot``."""
+        return divmod(slot, self.chunk_slots)
+
+    def chunk(self, index: int) -> torch.Tensor:
+        """Chunk ``index`` (allocated), ``(slots in it, slot_bytes)`` uint8."""
+        chunk = self._chunks[index]
+        if chunk is None:
+            raise RuntimeError(f"chunk {index} of the CPU pool is not allocated")
+        return chunk
+
+    def rows(self, slots: list[int]) -> torch.Tensor:
+        """A copy of ``slots`` (all ready), ``(len(slots), slot_bytes)``: for inspection."""
+        out = torch.empty((len(slots), self.slot_bytes), dtype=torch.uint8)
+        for i, slot in enumerate(slots):
+            index, row = self.chunk_of(slot)
+            out[i] = self.chunk(index)[row]
+        return out
+
+    def _allocate(self, i: int, started: float) -> None:
         with self._lock:
             if self._closed or self.error is not None:
                 self._mark(i, started)
                 return
+        rows = min(self.chunk_slots, self.num_slots - i * self.chunk_slots)
         try:
-            self._pin(self._base + start, stop - start)
+            chunk = self._alloc(rows, self.slot_bytes)
         except Exception as exc:  # reported; the pool just stays smaller
             with self._lock:
                 if self.error is None:
-                    first_slot = start // self.slot_bytes
-                    self.error = (f"pinning slots from {first_slot} on of the CPU pool failed: "
+                    self.error = (f"allocating {'pinned ' if self._pinned else ''}slots from "
+                                  f"{i * self.chunk_slots} on of the CPU pool failed: "
                                   f"{type(exc).__name__}: {exc}; the pool keeps the "
-                                  f"{min(self.num_slots, self._ready_bytes // self.slot_bytes)}"
-                                  " slots pinned before them")
+                                  f"{min(self.num_slots, self._ready * self.chunk_slots)}"
+                                  " slots allocated before them")
                     logger.warning("offload: %s", self.error)
                 self._mark(i, started)
             return
         with self._lock:
-            self._pinned.append(i)
+            if self._closed:
+                chunk = None
+            self._chunks[i] = chunk
             self._mark(i, started)
 
     def _mark(self, i: int, started: float) -> None:
-        """Record chunk ``i`` as finished (lock held) and advance the pinned prefix over the
-        chunks pinned in order."""
+        """Record chunk ``i`` as finished (lock held) and advance the ready prefix over the
+        chunks allocated in order."""
         self._done[i] = True
-        pinned = set(self._pinned)
-        for j, (start, stop) in enumerate(self._chunks):
-            if start == self._ready_bytes and j in pinned:
-                self._ready_bytes = stop
+        while self._ready < len(self._chunks) and self._chunks[self._ready] is not None:
+            self._ready += 1
         if all(self._done):
-            self.pinned_seconds = time.perf_counter() - started
-            self._finished.set()
+            self._finish(started)
+
+    def _finish(self, started: float) -> None:
+        self.pinned_seconds = time.perf_counter() - started
+        self._finished.set()
 
     def __del__(self) -> None:
-        # Memory freed while still registered would stay locked, and a later registration
-        # overlapping it would fail: unpin whatever the owner forgot to close.
         if not getattr(self, "_closed", True):
             self.close()
 
     def close(self) -> None:
-        """Stop pinning, wait for the workers, unpin what was pinned. Call once no transfer
-        uses the pool any more; calling it again does nothing."""
+        """Stop allocating, wait for the workers, free the chunks. Call once no transfer uses
+        the pool any more; calling it again does nothing."""
         with self._lock:
             if self._closed:
                 return
@@ -237,15 +207,14 @@ class HostPool:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            pinned, self._pinned = self._pinned, []
-            self._ready_bytes = 0
-        for i in pinned:
-            try:
-                self._unpin(self._base + self._chunks[i][0])
-            except Exception as exc:  # at teardown: say so and go on
-                logger.warning("offload: unpinning CPU pool chunk %d failed: %s", i, exc)
+            self._chunks = [None] * len(self._chunks)
+            self._ready = 0
+        if self._pinned and torch.cuda.is_initialized():
+            # torch keeps freed pinned blocks cached (still locked); give them back. (The public
+            # call is torch.accelerator.empty_host_cache where it exists; older torch only
+            # has the private binding.)
+            empty = (getattr(torch.accelerator, "empty_host_cache", None)
+                     or getattr(torch._C, "_host_emptyCache", None))
+            if empty is not None:
+                empty()
         self._finished.set()
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
