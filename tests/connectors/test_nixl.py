@@ -104,6 +104,13 @@ def consumer(port: int, **config) -> NixlConnector:
     ({"role": "producer", "backends": "UCX"}, "backends must be a non-empty list"),
     ({"role": "producer", "backends": []}, "backends must be a non-empty list"),
     ({"role": "producer", "host": ""}, "host must be a non-empty str"),
+    ({"role": "producer", "backend_params": {"GDS": {}}},
+     r"backend_params names \['GDS'\], which are not in backends=\['UCX'\]"),
+    ({"role": "producer", "backend_params": {"UCX": {"num_workers": 2}}},
+     "backend_params must map a backend name to a dict of str parameters"),
+    ({"role": "producer", "ucx_tls": ""}, "ucx_tls='' must be a non-empty UCX_TLS string"),
+    ({"role": "producer", "ucx_tls": "tcp", "backends": ["POSIX"]},
+     r"ucx_tls='tcp' must be .* with 'UCX' in backends"),
 ], ids=lambda v: str(v) if isinstance(v, str) else None)
 def test_bad_arguments_are_named(config, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -357,6 +364,29 @@ def test_in_process_dtype_mismatch_is_refused():
         with pytest.raises(LayoutMismatchError, match="dtype"):
             conn.register_kv_caches(make_caches(cross_layer=False, dtype="fp16"))
         conn.close()
+
+
+@needs_nixl
+def test_ucx_transports_and_backend_params_reach_ucx_and_the_environment_is_restored(
+        monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(11, 2)
+    with producer(ucx_tls="tcp", backend_params={"UCX": {"num_workers": "2"}}) as prod, \
+            consumer(prod.port, ucx_tls="tcp") as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [0, 1])
+        assert conn.load(keys, [4, 5]).wait(timeout=10).ok and save.wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv_c, [4, 5]), block_bytes(kv_p, [0, 1]))
+    assert "UCX_TLS" not in os.environ
+    # UCX really reads it: a transport that does not exist leaves UCX nothing to use.
+    bogus = get_connector("nixl", role="producer", ucx_tls="no_such_transport")
+    with pytest.raises(RuntimeError, match=r"NIXL could not create backend UCX with parameters "
+                       r"\{\} and UCX_TLS=no_such_transport"):
+        bogus.register_kv_caches(make_caches(cross_layer=True))
+    bogus.close()
+    assert "UCX_TLS" not in os.environ
 
 
 @needs_nixl

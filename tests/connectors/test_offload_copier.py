@@ -126,3 +126,23 @@ def test_unknown_or_misnamed_copiers_are_refused_when_the_connector_is_made(copi
         get_connector("offload", capacity_bytes=1 << 20, block_copier="misnamed")
     with pytest.raises(TypeError, match="block_copier must be a registered copier's name"):
         get_connector("offload", capacity_bytes=1 << 20, block_copier=CountingCopier())
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
+def test_copier_transfers_whose_slots_span_pool_chunks_are_bit_exact(copiers, monkeypatch,
+                                                                     cross):
+    """A pool in chunks of two slots: the copier is called once per chunk with that chunk's
+    rows, and the round trip is bit-exact."""
+    from test_offload_pinning import FakePinning, roundtrip_spanning_chunks
+
+    import kvcore.connectors.offload.connector as offload_connector
+
+    kv = make_caches(cross_layer=cross)
+    monkeypatch.setattr(offload_connector, "HostPool", FakePinning().pool)
+    conn = offload_with_copier(kv, kv.num_blocks)
+    try:
+        assert conn.wait_pinned(10) and conn._pool.chunk_slots == 2
+        roundtrip_spanning_chunks(kv, conn, copier=True)
+        assert CountingCopier.calls  # the copier moved the scattered transfers
+    finally:
+        conn.close()
