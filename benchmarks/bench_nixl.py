@@ -23,9 +23,10 @@ one)] [--mib N] [--trials N] [--per-layer] [--ucx-tls TLS] [--ucx-error-mode pee
 
 ``--matrix`` runs the transport matrix instead, each configuration in its own pair of
 processes, cross-layer and per-layer: UCX's default, ``UCX_TLS=cuda_ipc,cuda_copy,tcp``,
-``UCX_TLS=cuda_ipc,cuda_copy,sm,self``, and the first of those with UCX's peer error
-handling off (which some transports, CUDA IPC among them in some UCX builds, do not
-support). Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL=info``; its log goes to
+``UCX_TLS=cuda_ipc,cuda_copy,sm,self``, and both of those with UCX's peer error handling
+off (``ucx_error_handling_mode=none``: with NIXL's default, ``peer``, UCX uses only
+transports that detect a dead peer; shared memory does not, so ``sm,self`` alone has no
+transport for its active messages). Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL=info``; its log goes to
 ``--out`` and the lines naming the transports UCX chose are printed. The table (GB/s, the
 fraction of the device copy measured in the same run, bit-exact) is printed last and written
 as ``bench_nixl_matrix.json``.
@@ -95,6 +96,7 @@ MATRIX = (
     ("cuda_ipc,cuda_copy,tcp", "cuda_ipc,cuda_copy,tcp", None),
     ("cuda_ipc,cuda_copy,sm,self", "cuda_ipc,cuda_copy,sm,self", None),
     ("cuda_ipc,cuda_copy,tcp err=none", "cuda_ipc,cuda_copy,tcp", "none"),
+    ("cuda_ipc,cuda_copy,sm,self err=none", "cuda_ipc,cuda_copy,sm,self", "none"),
 )
 #: Words in UCX's log that name a transport choice.
 TRANSPORT_WORDS = ("cuda_ipc", "cuda_copy", "tcp", "posix", "sysv", "cma", "rc_", "dc_",
@@ -118,7 +120,7 @@ def matrix(args: argparse.Namespace) -> int:
             cmd += ["--ucx-tls", tls] if tls else []
             cmd += ["--ucx-error-mode", err] if err else []
             env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info",
-                   "NIXL_LOG_LEVEL": "WARN"}
+                   "NIXL_LOG_LEVEL": "WARN"}  # UCX reads its config once per process
             env.pop("UCX_TLS", None)
             started = time.perf_counter()
             try:
