@@ -26,8 +26,9 @@ processes, cross-layer and per-layer: UCX's default, ``UCX_TLS=cuda_ipc,cuda_cop
 ``UCX_TLS=cuda_ipc,cuda_copy,sm,self``, and both of those with UCX's peer error handling
 off (``ucx_error_handling_mode=none``: with NIXL's default, ``peer``, UCX uses only
 transports that detect a dead peer; shared memory does not, so ``sm,self`` alone has no
-transport for its active messages). Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL=info``; its log goes to
-``--out`` and the lines naming the transports UCX chose are printed. The table (GB/s, the
+transport for its active messages). Each run sets ``UCX_PROTO_INFO=y`` and
+``UCX_LOG_LEVEL=info``; its log goes to ``--out`` and the lines naming the transports UCX
+chose are printed. The table (GB/s, the
 fraction of the device copy measured in the same run, bit-exact) is printed last and written
 as ``bench_nixl_matrix.json``.
 """
@@ -156,7 +157,7 @@ def matrix(args: argparse.Namespace) -> int:
 
     for label, gbps, first, copy, frac, exact, rc in rows:
         print(f"{label:44} {num(gbps, '9.2f')} {num(first, '9.2f')} {num(copy, '10.1f')} "
-              f"{num(frac, '8.4f')} {str(exact):>9} {str(rc):>4}")
+              f"{num(frac, '8.4f')} {exact!s:>9} {rc!s:>4}")
     return 0 if all(r[5] is True and r[6] == 0 for r in rows) else 1
 
 

@@ -18,9 +18,9 @@ Sections, each isolated (an error is logged and recorded, the run goes on):
    (``--block-copier``, default kvcore-nvidia's ``cuda_batch``) instead of device staging,
    when it is installed and usable; the decode section then adds a row for it too.
    ``startup``: how long ``register_kv_caches`` blocks (the time until the first slot is
-   usable) for 1, 8 and 32 GiB pools (``--startup-gib``), pinned in the background (the
-   default) and at once, when the whole pool is pinned, and how long a tiny device op on the
-   engine's thread took at worst meanwhile; then the first save and first two loads of one
+   usable) for 1, 8 and 32 GiB pools (``--startup-gib``), pinned in the background
+   (``pin_in_background=True``) and at once (the default), when the whole pool is pinned,
+   and how long a tiny device op on the engine's thread took at worst meanwhile; then the first save and first two loads of one
    cross-layer transfer after registration, against the pinned copy (what the registration
    warm-up leaves), and the same sequence of plain copies on a fresh pinned buffer plus one
    after the GPU idled 2 s (is the first transfers' cost kvcore's, the memory's or the idle
@@ -172,6 +172,7 @@ def make_offload(sizes: Sizes, device: torch.device, cross_layer: bool, chunk_by
     conn = get_connector("offload", capacity_bytes=2 * sizes.transfer_bytes,
                          chunk_bytes=chunk_bytes, block_copier=block_copier)
     conn.register_kv_caches(kv)
+    conn.wait_pinned()
     return kv, conn
 
 
@@ -348,8 +349,8 @@ def _launch_stalls(device: torch.device, until: Callable[[], bool]) -> float:
 
 def bench_startup(sizes: Sizes, device: torch.device, pinned: dict[str, float],
                   pool_bytes: tuple[int, ...]) -> dict[str, dict[str, float]]:
-    """Per pool size, pinned in the background (the default) and at once
-    (``pin_in_background=False``): how long ``register_kv_caches`` blocks (the time until
+    """Per pool size, pinned in the background (``pin_in_background=True``) and at once (the
+    default): how long ``register_kv_caches`` blocks (the time until
     the first slot is usable), how many slots are usable when it returns, how long until the
     whole pool is pinned, and (background) the longest a tiny device op on the engine's
     thread took meanwhile. Then, on a fresh connector, the first save and the first two

@@ -23,8 +23,8 @@ load must not be read, until its handle reports done.
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod

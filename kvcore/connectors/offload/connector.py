@@ -53,15 +53,16 @@ class OffloadConnector(KVConnector):
         pin_in_background: on CUDA, return from registration once the first chunk of the
             pool is allocated (pinned) and allocate the rest on worker threads, the pool
             growing as they go (:mod:`~kvcore.connectors.offload.pinning`; saves use only the
-            slots allocated so far, ``wait_pinned()`` waits for all). ``False``: every chunk
-            before registration returns.
+            slots allocated so far, ``wait_pinned()`` waits for all). ``False`` (the
+            default, so a caller finds the whole pool usable): every chunk, allocated in
+            parallel, before registration returns.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
 
     def __init__(self, *, capacity_bytes: int, failure_policy: str = "recompute",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_copier: str | None = None,
-                 pin_in_background: bool = True) -> None:
+                 pin_in_background: bool = False) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
