@@ -22,9 +22,9 @@ Sections, each isolated (an error is logged and recorded, the run goes on):
    (``pin_in_background=True``) and at once (the default), when the whole pool is pinned,
    and how long a tiny device op on the engine's thread took at worst meanwhile; then the
    first save and first two loads of one cross-layer transfer after registration, against
-   the pinned copy (what the registration warm-up leaves), and the same sequence of plain copies on a fresh pinned buffer plus one
-   after the GPU idled 2 s (is the first transfers' cost kvcore's, the memory's or the idle
-   GPU's?).
+   the pinned copy (what the registration warm-up leaves), and the same sequence of plain
+   copies on a fresh pinned buffer plus one after the GPU idled 2 s (is the first transfers'
+   cost kvcore's, the memory's or the idle GPU's?).
 4. ``decode``: a decode-like loop (torch SDPA, one query token per sequence over a large
    contiguous KV) timed alone and while a save and a load of 1 GiB each run on the side
    streams: the slowdown. Also timed under plain pinned copies of the same size on two
