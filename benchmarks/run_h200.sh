@@ -10,6 +10,9 @@
 #   gpu-marked ones, since the CPU-written ones must also pass where a GPU is present); demos:
 #   `kvcore demo` (graph replay on a GPU) with each backend of DEMO_BACKENDS.
 #   NVIDIA_TESTS narrows nvidia_tests to some files.
+#   connectors: the connectors' GPU tests, bench_offload (start-up and first transfers
+#   included) and the disaggregated demo in bfloat16 and float32 (nixl carried in .whl);
+#   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -57,6 +60,18 @@ if has benches; then
         [ -f "benchmarks/$bench.py" ] && step "$bench" "${entry##*:}" python3 "benchmarks/$bench.py"
     done
 fi
+if has connectors; then
+    step conn_gpu_tests ${CONN_TESTS_LIMIT:-150} python3 -m pytest -m gpu -q \
+        -p no:cacheprovider -o addopts="" tests/connectors
+    step bench_offload ${BENCH_OFFLOAD_LIMIT:-240} python3 benchmarks/bench_offload.py --no-sweep
+    for dtype in bfloat16 float32; do
+        step "demo_disagg_$dtype" ${DISAGG_LIMIT:-90} kvcore demo --disaggregated \
+            --platform cuda --model large --dtype "$dtype"
+    done
+fi
+has nixl_matrix && step bench_nixl_matrix ${NIXL_MATRIX_LIMIT:-560} python3 \
+    benchmarks/bench_nixl.py --device cuda --mib 1024 --trials 3 --matrix \
+    --out "$OUT/nixl_matrix"
 if has demos; then
     for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
         step "demo_$b" ${DEMO_LIMIT:-60} kvcore demo --backend "$b" --no-progress
