@@ -9,7 +9,8 @@
 #   step_tests: the engine-step tests whole (builders, graphs, bench_step --smoke; not only the
 #   gpu-marked ones, since the CPU-written ones must also pass where a GPU is present); demos:
 #   `kvcore demo` (graph replay on a GPU) with each backend of DEMO_BACKENDS.
-#   NVIDIA_TESTS narrows nvidia_tests to some files.
+#   NVIDIA_TESTS narrows nvidia_tests to some files. STEPS=none only installs the carried
+#   wheels (FlashInfer into /tmp/site, kept while the machine stays warm).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -17,8 +18,14 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast (shared machines)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# FlashInfer: carry .whl once; later calls on the same warm machine reuse /tmp/site.
+[ -d .whl ] && [ ! -d /tmp/site/flashinfer ] && python3 -m pip install -q --no-index --no-deps \
+    --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# flash-attn-4: a first call carrying .fa4a leaves /tmp/fa4/ir.so.xz, then a call carrying .fa4b
+# installs it (see ../shared/tools/fa4_wheels.sh); FA4=prepare only copies the first part.
+if [ "${FA4:-}" = prepare ]; then mkdir -p /tmp/fa4 && cp .fa4a/ir.so.xz /tmp/fa4/ && exit 0; fi
+[ -f .fa4b/install.sh ] && source .fa4b/install.sh
 export PATH=$(dirname "$(which python3)"):$PATH
 # Install kvcore and the in-repo plugins (editable, offline) so entry points are discovered
 # exactly as on a user's machine.
