@@ -18,9 +18,12 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast (shared machines)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# FlashInfer: carry .whl once; later calls on the same warm machine reuse /tmp/site.
-[ -d .whl ] && [ ! -d /tmp/site/flashinfer ] && python3 -m pip install -q --no-index --no-deps \
-    --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+# FlashInfer: carry .whl (its wheel and apache-tvm-ffi) or .whl_fi (its wheel alone, beside
+# .fa4b, which holds the same apache-tvm-ffi) once; later calls on a warm machine reuse /tmp/site.
+for w in .whl .whl_fi; do
+    [ -d $w ] && [ ! -d /tmp/site/flashinfer ] && python3 -m pip install -q --no-index \
+        --no-deps --no-compile --no-cache-dir --target /tmp/site $w/*.whl
+done
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 # flash-attn-4: a first call carrying .fa4a leaves /tmp/fa4/ir.so.xz, then a call carrying .fa4b
 # installs it (see ../shared/tools/fa4_wheels.sh); FA4=prepare only copies the first part.
