@@ -6,6 +6,8 @@ Backends (registered lazily by :mod:`kvcore_nvidia.plugin`, implemented in
 
 - ``FLASHINFER``: FlashInfer's paged prefill/decode wrappers (``flashinfer-python``).
 - ``FLASH_ATTN``: flash-attn 2's ``flash_attn_varlen_func`` with a block table (``flash-attn``).
+- ``FLASHINFER_MLA``: FlashInfer's MLA wrapper on kvcore's latent cache
+  ``(num_blocks, block_size, 576)`` (``flashinfer-python``).
 - ``FLEX_ATTENTION``: torch's ``flex_attention`` with a block mask built from the block table;
   runs on CUDA (compiled) and on CPU (eager).
 
