@@ -229,9 +229,10 @@ def _plan(wrapper: Any, meta: AttentionMetadata, num_heads: int, block_size: int
     import flashinfer.mla
 
     kv_indptr, kv_indices = mla_page_lists(meta.seq_lens, meta.block_table, block_size)
+    # FlashInfer takes contiguous int32 metadata; the builder's buffers already are.
     metadata = flashinfer.mla.MLAPlanMetadata.csr(
-        meta.query_start_loc.to(torch.int32), kv_indptr, kv_indices,
-        meta.seq_lens.to(torch.int32))
+        meta.query_start_loc.to(torch.int32).contiguous(), kv_indptr, kv_indices,
+        meta.seq_lens.to(torch.int32).contiguous())
     try:
         wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=KV_LORA_RANK,
                      head_dim_kpe=ROPE_DIM, page_size=block_size, causal=not _is_decode(meta),
