@@ -8,8 +8,9 @@ and token strides from them. So the layer's cache is passed as the two views
 ``kv_cache[..., :512]`` and ``kv_cache[..., 512:]``: nothing is copied, and the query is
 passed the same way (``[W_UK^T q_nope, q_pe]`` split at 512).
 
-How a step runs. Every request, prefill or decode, goes through the absorbed path of
-:class:`kvcore.MLACommonImpl` and the same wrapper: FlashInfer's MLA kernels take ragged
+How a step runs. The kernels are FlashInfer's ``fa3`` MLA family on Hopper and ``fa2``
+elsewhere (named explicitly, :func:`_fa_backend`). Every request, prefill or decode, goes
+through the absorbed path of :class:`kvcore.MLACommonImpl` and the same wrapper: they take ragged
 queries (``qo_indptr``), so a mixed batch is one launch. A batch with a request of more than
 one new token is planned ``causal`` (bottom-right aligned: the queries are the last tokens of
 their request, as kvcore's convention requires); a decode-only batch is planned non-causal,
