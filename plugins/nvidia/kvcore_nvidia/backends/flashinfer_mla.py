@@ -205,13 +205,16 @@ def _new_wrapper(workspace: torch.Tensor, size: int | None = None,
 
 
 def _fa_backend(device: torch.device) -> str:
-    """FlashInfer's MLA kernel family used: ``fa3`` on Hopper, ``fa2`` elsewhere.
+    """FlashInfer's MLA kernel family used: ``fa3`` on Hopper (FlashInfer's own test for it),
+    ``fa2`` elsewhere.
 
     Named explicitly (not FlashInfer's ``auto``, which picks these two on Ampere and Hopper
     too): both schedule on the host and take the softmax scale at run time (:func:`_run`),
     and both can be planned again in CUDA-graph mode; other families differ in these.
     """
-    return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+    from flashinfer.utils import is_sm90a_supported  # Hopper with a CUDA >= 12.3 torch
+
+    return "fa3" if is_sm90a_supported(device) else "fa2"
 
 
 @dataclasses.dataclass(frozen=True)
