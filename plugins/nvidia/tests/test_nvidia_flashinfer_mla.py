@@ -5,6 +5,8 @@ path on CPU tensors) against the MLA reference, bit for bit, on a cross-layer vi
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from kvcore_nvidia.backends.flashinfer_mla import FlashInferMLABackend, mla_page_lists
@@ -19,9 +21,8 @@ RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
 
 def _reasons(**changes) -> list[str]:
     config = kvcore.AttentionSelectorConfig(**{**MLA, **changes})
-    capability = changes.pop("capability", kvcore.DeviceCapability(9, 0))
     return FlashInferMLABackend.validate_configuration(
-        **config.as_kwargs(), device_capability=capability)
+        **config.as_kwargs(), device_capability=kvcore.DeviceCapability(9, 0))
 
 
 def _without_install_reasons(reasons: list[str]) -> list[str]:
@@ -85,7 +86,7 @@ def flashinfer_present(monkeypatch):
 def test_mla_priority_on_cuda(kvcore_simulate, flashinfer_present, capability, present,
                               selected, order):
     kvcore_simulate("cuda", capability, plugins=("nvidia", "mla"))
-    if importlib_find("flashinfer") and not present:
+    if importlib.util.find_spec("flashinfer") is not None and not present:
         pytest.skip("flashinfer is installed here: its absence cannot be simulated this way")
     flashinfer_present(present)
     config = kvcore.AttentionSelectorConfig(**MLA)
@@ -98,12 +99,6 @@ def test_mla_priority_on_cuda(kvcore_simulate, flashinfer_present, capability, p
         assert fi.valid
     else:
         assert fi.reasons == [FLASHINFER_MISSING]
-
-
-def importlib_find(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def test_a_non_mla_config_never_gets_flashinfer_mla(kvcore_simulate, flashinfer_present):
