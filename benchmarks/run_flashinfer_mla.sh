@@ -9,6 +9,8 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Where run_h200.sh's preamble installs wheels carried in .whl/ (FlashInfer among them).
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 step() {  # step NAME TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
     echo "=== $name"
