@@ -47,10 +47,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kvcore  # noqa: E402
-from kvcore.cli import harness  # noqa: E402
-from kvcore.cli.harness import rel_err  # noqa: E402
-from kvcore.ops.reference import paged_attention_ref  # noqa: E402
+import kvcore
+from kvcore.cli import harness
+from kvcore.cli.harness import rel_err
+from kvcore.ops.reference import paged_attention_ref
 
 DTYPE = torch.bfloat16
 HQ, HK, D, BS = 32, 8, 128, 16
@@ -349,7 +349,8 @@ def summary_table(run: Run) -> str:
             lines.append(f"| {x['builder']} | {phases} | {x['total_s']:.2f} |")
         parts.append("\n".join(lines))
     if r["correctness"]:
-        lines = ["| correctness | rel err vs float64 | vs direct | ok |", "| --- | --- | --- | --- |"]
+        lines = ["| correctness | rel err vs float64 | vs direct | ok |",
+                 "| --- | --- | --- | --- |"]
         for x in r["correctness"]:
             err = x.get("rel_err_vs_ref_last_rows", x.get("rel_err_vs_ref"))
             vs = x.get("rel_err_vs_direct")

@@ -237,7 +237,7 @@ def test_graph_decode_plans_only_when_the_page_counts_change():
 
 
 def test_builder_reused_across_steps_of_different_shapes():
-    kv_cache, gen = _cache(4)
+    kv_cache, _ = _cache(4)
     impl, builder = _impl(), _builder()
     for seed, shape in enumerate(["decode-only", "mixed-decodes-first", "prefill-only",
                                   "mixed-decode-after-prefill", "decode-only"]):
