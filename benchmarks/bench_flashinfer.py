@@ -16,7 +16,8 @@ One run does, in order, each section isolated (an error is logged and the run go
    faster round); TFLOP/s of the attention FLOPs (4 * D * Hq per visible query-key pair);
 4. one-layer decode at 64 x 4096, 8 x 32768, 256 x 1024, 16 x 4096: kvcore through the
    builder (``graph_batch_size``) against FlashInfer's decode wrapper (the same tensor-core
-   choice) planned once, both captured, taking turns for two rounds;
+   choice) planned once, and the same in FlashInfer's CUDA-graph mode (the mode kvcore's
+   replayable steps need), all captured, taking turns for two rounds;
 5. the 32-layer decode step at 16 x 4096 and 64 x 4096 through ``CudaGraphRunner`` (the
    builder's ``build()`` then one replay per step, steps back to back) beside the kernels'
    own times (``bench_step.time_step``): the host overhead.
@@ -184,16 +185,23 @@ def direct_prefill(case: Case) -> Callable[[], object]:
     return lambda: wrapper.run(case.query, case.kv_cache, out=out)
 
 
-def direct_decode(case: Case) -> Callable[[], object]:
-    """FlashInfer's decode wrapper with kvcore's tensor-core choice, planned once."""
+def direct_decode(case: Case, graph_mode: bool = False) -> Callable[[], object]:
+    """FlashInfer's decode wrapper with kvcore's tensor-core choice, planned once; with
+    ``graph_mode`` in FlashInfer's CUDA-graph mode (what replays any later step of the batch
+    size, as kvcore's builder needs: its plan is made for the worst case of that size)."""
     import flashinfer
     from kvcore_nvidia.backends.flashinfer import flashinfer_page_table
 
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    indptr, indices, last = flashinfer_page_table(case.common, BS)
+    buffers = {}
+    if graph_mode:
+        buffers = dict(use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
+                       paged_kv_indices_buffer=torch.empty_like(indices),
+                       paged_kv_last_page_len_buffer=torch.empty_like(last))
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_tensor_cores=case.builder.kernels.decode_tensor_cores,
-        backend="fa2")
-    indptr, indices, last = flashinfer_page_table(case.common, BS)
+        backend="fa2", **buffers)
     wrapper.plan(indptr, indices, last, HQ, HK, D, BS, sm_scale=D**-0.5, q_data_type=DTYPE,
                  kv_data_type=DTYPE)
     out = torch.empty_like(case.query)
@@ -280,7 +288,8 @@ def decode(run: Run) -> None:
     for b, length in DECODE_SHAPES:
         with run.section(f"one-layer decode {b}x{length}"):
             case = Case(b, 1, length - 1, graph=True, seed=4)
-            times = alternating({"kvcore": case.kvcore(), "direct": direct_decode(case)})
+            times = alternating({"kvcore": case.kvcore(), "direct": direct_decode(case),
+                                 "direct_graph_mode": direct_decode(case, graph_mode=True)})
             row = {"shape": f"{b}x{length}", **times,
                    "ratio_direct_over_kvcore": times["direct"]["time_us"] / times["kvcore"][
                        "time_us"]}
@@ -368,11 +377,12 @@ def summary_table(run: Run) -> str:
                          f"{x['ratio_direct_over_kvcore']:.3f} |")
         parts.append("\n".join(lines))
     if r["decode"]:
-        lines = ["| one-layer decode | kvcore us | direct us | direct / kvcore |",
-                 "| --- | --- | --- | --- |"]
+        lines = ["| one-layer decode | kvcore us | direct us | direct / kvcore | direct in "
+                 "FlashInfer's CUDA-graph mode us |", "| --- | --- | --- | --- | --- |"]
         for x in r["decode"]:
             lines.append(f"| {x['shape']} | {x['kvcore']['time_us']:.1f} | "
-                         f"{x['direct']['time_us']:.1f} | {x['ratio_direct_over_kvcore']:.3f} |")
+                         f"{x['direct']['time_us']:.1f} | {x['ratio_direct_over_kvcore']:.3f} | "
+                         f"{x['direct_graph_mode']['time_us']:.1f} |")
         parts.append("\n".join(lines))
     if r["steps"]:
         lines = ["| 32-layer decode step | step us | kernels us | host overhead |",
