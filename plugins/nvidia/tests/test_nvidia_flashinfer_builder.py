@@ -147,9 +147,12 @@ SHAPES = {
     "mixed-decode-after-prefill": dict(q_lens=(1, 19, 1, 7), ctx_lens=(37, 16, 40, 0)),
     "prefill-only": dict(q_lens=(19, 7), ctx_lens=(16, 0)),
     "decode-only": dict(q_lens=(1, 1, 1), ctx_lens=(37, 15, 0)),
+    # requests without new tokens after the decodes: nothing for the prefill kernel
+    "decodes-then-idle": dict(q_lens=(1, 1, 0), ctx_lens=(37, 15, 5)),
 }
 SPLITS = {"mixed-decodes-first": 2, "mixed-decode-after-prefill": 1, "prefill-only": 0,
-          "decode-only": 3}
+          "decode-only": 3, "decodes-then-idle": 2}
+HAS_PREFILL = {"mixed-decodes-first", "mixed-decode-after-prefill", "prefill-only"}
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
@@ -162,7 +165,7 @@ def test_builder_splits_the_batch_and_matches_the_reference(shape, causal):
     k = SPLITS[shape]
     assert meta.num_decodes == k
     assert (meta.decode_wrapper is not None) == (k > 0)
-    assert (meta.prefill_wrapper is not None) == (k < batch.meta.num_seqs)
+    assert (meta.prefill_wrapper is not None) == (shape in HAS_PREFILL)
     if meta.decode_wrapper is not None:
         assert meta.decode_wrapper.lists["indptr"].numel() == k + 1
     assert rel_err(_forward(impl, batch, kv_cache, meta),

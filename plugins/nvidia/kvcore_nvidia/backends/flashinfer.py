@@ -470,7 +470,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             self._plan(decode, pages.indptr[:k + 1], indices[:int(pages.indptr[k])],
                        pages.last_page_len[:k],
                        *shape, **options)
-        if k < size:
+        if int(pages.qo_indptr[-1]) > int(pages.qo_indptr[k]):  # query tokens after the decodes
             rest = pages.tail(k)
             prefill = self._prefill
             self._plan(prefill, rest.qo_indptr, rest.indptr, indices[int(pages.indptr[k]):],
