@@ -72,3 +72,8 @@ if has demos; then
         step "demo_$b" ${DEMO_LIMIT:-60} kvcore demo --backend "$b" --no-progress
     done
 fi
+# At most 8 files come back from the device machine: pack everything into one archive.
+if [ -z "${KEEP_OUT_FILES:-}" ]; then
+    tar czf /tmp/run_h200_out.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+        && mv /tmp/run_h200_out.tgz "$OUT/run_h200_${RUN_TAG:-out}.tgz"
+fi
