@@ -9,7 +9,8 @@
 #   step_tests: the engine-step tests whole (builders, graphs, bench_step --smoke; not only the
 #   gpu-marked ones, since the CPU-written ones must also pass where a GPU is present); demos:
 #   `kvcore demo` (graph replay on a GPU) with each backend of DEMO_BACKENDS.
-#   NVIDIA_TESTS narrows nvidia_tests to some files.
+#   NVIDIA_TESTS narrows nvidia_tests to some files. STEPS=none only installs the carried
+#   wheels (FlashInfer into /tmp/site, kept while the machine stays warm).
 #   connectors: the connectors' GPU tests, bench_offload (start-up and first transfers
 #   included) and the disaggregated demo in bfloat16 and float32 (nixl carried in .whl);
 #   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call).
@@ -20,8 +21,17 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast (shared machines)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# FlashInfer: carry .whl (its wheel and apache-tvm-ffi) or .whl_fi (its wheel alone, beside
+# .fa4b, which holds the same apache-tvm-ffi) once; later calls on a warm machine reuse /tmp/site.
+for w in .whl .whl_fi; do
+    [ -d $w ] && [ ! -d /tmp/site/flashinfer ] && python3 -m pip install -q --no-index \
+        --no-deps --no-compile --no-cache-dir --target /tmp/site $w/*.whl
+done
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# flash-attn-4: a first call carrying .fa4a leaves /tmp/fa4/ir.so.xz, then a call carrying .fa4b
+# installs it (see ../shared/tools/fa4_wheels.sh); FA4=prepare only copies the first part.
+if [ "${FA4:-}" = prepare ]; then mkdir -p /tmp/fa4 && cp .fa4a/ir.so.xz /tmp/fa4/ && exit 0; fi
+[ -f .fa4b/install.sh ] && source .fa4b/install.sh
 export PATH=$(dirname "$(which python3)"):$PATH
 # Install kvcore and the in-repo plugins (editable, offline) so entry points are discovered
 # exactly as on a user's machine.
@@ -76,4 +86,9 @@ if has demos; then
     for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
         step "demo_$b" ${DEMO_LIMIT:-60} kvcore demo --backend "$b" --no-progress
     done
+fi
+# At most 8 files come back from the device machine: pack everything into one archive.
+if [ -z "${KEEP_OUT_FILES:-}" ]; then
+    tar czf /tmp/run_h200_out.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+        && mv /tmp/run_h200_out.tgz "$OUT/run_h200_${RUN_TAG:-out}.tgz"
 fi

@@ -440,6 +440,10 @@ class AttentionMetadata:
         max_query_len, max_seq_len: maxima of the above, on the host.
         num_actual_tokens: new tokens in the batch (rows of query beyond are padding).
         causal: whether queries are masked to earlier positions.
+        query_start_loc_cpu, seq_lens_cpu: optional host (CPU) copies of ``query_start_loc``
+            and ``seq_lens`` with the same values, for builders that plan on the host (e.g.
+            FlashInfer's ``plan``): with them a builder needs no device read. ``None`` when
+            the engine has none; :func:`build_attention_metadata` fills them.
     """
 
     query_start_loc: torch.Tensor
@@ -450,6 +454,8 @@ class AttentionMetadata:
     max_seq_len: int
     num_actual_tokens: int
     causal: bool = True
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -580,15 +586,19 @@ def build_attention_metadata(
         for i, blocks in enumerate(rows):
             if len(blocks):
                 table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+        starts_cpu = torch.tensor(starts, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=starts_cpu.to(device, copy=True),
+            seq_lens=seq_lens_cpu.to(device, copy=True),
             block_table=table.to(device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             num_actual_tokens=starts[-1],
             causal=causal,
+            query_start_loc_cpu=starts_cpu,
+            seq_lens_cpu=seq_lens_cpu,
         )
     facts = StepFacts(num_tokens=starts[-1], num_seqs=len(rows), block_size=block_size,
                       max_blocks_per_seq=max_needed, max_block_id=max_block,

@@ -107,6 +107,14 @@ class AttentionMetadataBuilder:
         self.check(common)
         return common
 
+    def warmup(self) -> dict[str, float]:
+        """Prepare at start-up what the first steps would otherwise pay for (a kernel
+        library's JIT compilation, say): an engine calls it once after making the builder.
+
+        Returns the seconds each part took, by name (the default prepares nothing: ``{}``).
+        """
+        return {}
+
     def check(self, common: AttentionMetadata) -> StepFacts | None:
         """The step's value checks, once: the facts its tensors are marked with, or one device
         read that establishes and marks them; then the maxima of this builder.

@@ -226,6 +226,8 @@ class Engine:
             num_heads=c.num_heads, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len, max_num_seqs),
             max_model_len=max_model_len, device=device)
+        #: Seconds the builder's start-up preparation took, by part (JIT builds, say).
+        self.warmup_seconds = self.builder.warmup()
         self.graphs: CudaGraphRunner | None = None
         if (cuda_graphs and device.type == "cuda"
                 and backend.CUDA_GRAPH_SUPPORT is not CudaGraphSupport.NEVER):

@@ -21,6 +21,7 @@ class CudaPlatform(Platform):
         "FLASH_ATTN": _NVIDIA,
         "FLASHINFER": _NVIDIA,
         "FLEX_ATTENTION": _NVIDIA,
+        "FLASHINFER_MLA": _NVIDIA,
         "TRITON_MLA": _MLA,
     }
 
@@ -39,7 +40,10 @@ class CudaPlatform(Platform):
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:
         if config.use_mla:
-            return ["TRITON_MLA"]
+            # FlashInfer's MLA kernels (fa3) lead on Hopper and later; before it, TRITON_MLA.
+            if device_capability is not None and device_capability.major >= 9:
+                return ["FLASHINFER_MLA", "TRITON_MLA"]
+            return ["TRITON_MLA", "FLASHINFER_MLA"]
         # On Blackwell (10.x) FlashInfer's kernels are the tuned ones; before it, flash-attn.
         if device_capability is not None and device_capability.major >= 10:
             return ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]

@@ -1,11 +1,13 @@
 """kvcore-nvidia: NVIDIA attention backends and CUDA C++ kernels for kvcore.
 
 Backends (registered lazily by :mod:`kvcore_nvidia.plugin`, implemented in
-:mod:`kvcore_nvidia.backends`), all on kvcore's blocks-first cache
-``(num_blocks, 2, block_size, num_kv_heads, head_size)``:
+:mod:`kvcore_nvidia.backends`), all on kvcore's blocks-first caches
+(``(num_blocks, 2, block_size, num_kv_heads, head_size)``, the MLA one below excepted):
 
 - ``FLASHINFER``: FlashInfer's paged prefill/decode wrappers (``flashinfer-python``).
 - ``FLASH_ATTN``: flash-attn 2's ``flash_attn_varlen_func`` with a block table (``flash-attn``).
+- ``FLASHINFER_MLA``: FlashInfer's MLA wrapper on kvcore's MLA latent cache
+  ``(num_blocks, block_size, 576)`` (``flashinfer-python``).
 - ``FLEX_ATTENTION``: torch's ``flex_attention`` with a block mask built from the block table;
   runs on CUDA (compiled) and on CPU (eager).
 

@@ -17,6 +17,7 @@ def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
     register("FLASHINFER", f"{_BACKENDS}.flashinfer:FlashInferBackend")
     register("FLASH_ATTN", f"{_BACKENDS}.flash_attn:FlashAttentionBackend")
     register("FLEX_ATTENTION", f"{_BACKENDS}.flex_attention:FlexAttentionBackend")
+    register("FLASHINFER_MLA", f"{_BACKENDS}.flashinfer_mla:FlashInferMLABackend")
 
 
 @kvcore.hookimpl

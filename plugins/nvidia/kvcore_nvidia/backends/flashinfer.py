@@ -3,35 +3,46 @@
 FlashInfer's NHD paged layout is ``(max_num_pages, 2, page_size, num_kv_heads, head_dim)``
 with ``paged_kv_cache[:, 0]`` the keys: exactly kvcore's logical shape with the identity
 stride order, so the layer's ``kv_cache.unbind(1)`` halves are passed as they are (FlashInfer
-takes the page, token and head strides from the tensors; nothing is copied).
+takes the page, token and head strides from the tensors, its SM90 kernels included; K and V
+share their strides, as those require; nothing is copied).
 
-Per call, :meth:`FlashInferImpl.forward` turns :class:`kvcore.AttentionMetadata` into
-FlashInfer's page lists (``indptr`` = cumulative pages per request, ``indices`` = the used
-block-table entries in order, ``last_page_len``), plans, and runs:
+Kernels (chosen in one place, :func:`flashinfer_kernels`, per GPU and phase):
 
-- a decode-only batch (one new token per request) through ``BatchDecodeWithPagedKVCacheWrapper``
-  with tensor cores;
-- anything else (prefill, prefill with a cached prefix, mixed batches) through
-  ``BatchPrefillWithPagedKVCacheWrapper``, whose causal mask is bottom-right aligned
-  (the queries are the last tokens of each request), as kvcore's convention requires.
-
-Both wrappers use FlashInfer's ``fa2`` kernels, so one JIT-built module (per dtype, head size
-and sliding-window on/off) serves decode and prefill.
+- prefill (and prefill with a cached prefix) through ``BatchPrefillWithPagedKVCacheWrapper``
+  on FlashInfer's SM90 kernels (``backend="fa3"``) on Hopper, its ``fa2`` kernels elsewhere;
+  the causal mask is bottom-right aligned (the queries are the last tokens of each request),
+  as kvcore's convention requires;
+- decode (one new token per request) through ``BatchDecodeWithPagedKVCacheWrapper``, with
+  tensor cores (FlashInfer's fa2 prefill kernel, the query heads of a K/V head packed into
+  one tile) when a K/V head serves at least 4 query heads, else its CUDA-core decode kernel;
+- a mixed batch whose decode requests come first (the order engines schedule them in) is
+  split: the decode requests run on the decode kernel, the rest on the prefill kernel, each
+  writing its own rows of the output. Otherwise the whole batch runs on the prefill kernel.
 
 The builder (:class:`FlashInferMetadataBuilder`, what an engine uses) plans once per step in
-``build()``, never in ``forward``: it owns a 128 MiB float workspace
-(:data:`FlashInferBackend.WORKSPACE_BYTES`, FlashInfer's recommended size), one prefill and one
-decode wrapper, and for every batch size a step is built for with ``graph_batch_size`` a decode
-wrapper in FlashInfer's CUDA-graph mode (``use_cuda_graph=True``, its page lists in buffers of
-that size made once), planned again by every ``build()`` before the replay: so uniform-decode
-steps can be captured (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``). A plan fixes the softmax
-scale, the sliding window and, for prefill, the causal mask, which the builder's constructor
-does not receive: it plans for ``1 / sqrt(head_size)``, no window, and the step's ``causal``,
-and ``forward`` refuses a layer that needs other values (clear error). Metadata that did not
-come from the builder (``forward`` called with :class:`kvcore.AttentionMetadata` directly) is
-planned on its first layer and the plan kept for the next layers of the same step
-(:class:`~kvcore_nvidia.backends.common.StepCache`); planning syncs with the host, so that path
-is not capturable.
+``build()``, never in ``forward``, from host-side lengths (the metadata's
+``query_start_loc_cpu`` / ``seq_lens_cpu``, which :func:`kvcore.build_attention_metadata`
+fills; one device read otherwise), so a build does not wait for the device: the host prepares
+step N+1 while the GPU runs step N. It owns a 128 MiB float workspace
+(:data:`FlashInferBackend.WORKSPACE_BYTES`, FlashInfer's recommended size), the page lists in
+device buffers sized at start-up (the used block-table entries are gathered into them on the
+device), one prefill and one decode wrapper, and for every batch size a step is built for with
+``graph_batch_size`` a decode wrapper in FlashInfer's CUDA-graph mode over those buffers: so
+uniform-decode steps can be captured (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``). FlashInfer's
+plan of a decode wrapper depends on the pages per request, not on the tokens in the last page
+(its scheduler splits work by page counts): a CUDA-graph decode step with the same page counts
+as the last one planned on that wrapper refreshes the buffers and skips the plan (a request
+crosses into a new page once every ``block_size`` steps). :meth:`FlashInferMetadataBuilder.
+warmup` builds FlashInfer's JIT modules of the configuration at start-up.
+
+A plan fixes the softmax scale, the sliding window and, for prefill, the causal mask, which the
+builder's constructor does not receive: it plans for ``1 / sqrt(head_size)``, no window, and
+the step's ``causal``, and ``forward`` refuses a layer that needs other values (clear error).
+Metadata that did not come from the builder (``forward`` called with
+:class:`kvcore.AttentionMetadata` directly) is planned on its first layer (the whole batch on
+one wrapper, prefill or decode) and the plan kept for the next layers of the same step
+(:class:`~kvcore_nvidia.backends.common.StepCache`); planning there reads the lengths back
+from the device, so that path is not capturable.
 
 Cross-layer caches: FLASHINFER opts in. FlashInfer takes the page stride from the tensors: its
 prefill and decode kernels give bit-identical outputs on a layer of a cross-layer pool and on a
@@ -61,6 +72,7 @@ from kvcore import (
     CudaGraphSupport,
     DeviceCapability,
     PersistentMetadataBuilder,
+    build_attention_metadata,
 )
 from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
@@ -72,8 +84,8 @@ from kvcore_nvidia.backends.common import (
     write_cache,
 )
 
-__all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferMetadata",
-           "FlashInferMetadataBuilder", "flashinfer_page_table"]
+__all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferKernels", "FlashInferMetadata",
+           "FlashInferMetadataBuilder", "flashinfer_kernels", "flashinfer_page_table"]
 
 
 class FlashInferBackend(AttentionBackend):
@@ -140,26 +152,70 @@ def flashinfer_page_table(
     return cumulative(pages), indices, last_page_len.to(torch.int32)
 
 
-#: The last plan of the shared wrappers (every plan goes through it, so a hit means the
-#: wrapper it returns still holds that plan).
-_PLANS = StepCache()
+@dataclasses.dataclass(frozen=True)
+class FlashInferKernels:
+    """The FlashInfer kernels a configuration runs (see :func:`flashinfer_kernels`).
+
+    Attributes:
+        prefill: the prefill wrapper's ``backend``: ``"fa3"`` (FlashInfer's SM90 kernels) or
+            ``"fa2"``.
+        decode_tensor_cores: the decode wrapper's ``use_tensor_cores``.
+    """
+
+    prefill: str
+    decode_tensor_cores: bool
 
 
-def _new_wrappers(workspace: torch.Tensor) -> tuple[Any, Any]:
+#: Query heads per K/V head from which tensor-core decode is the faster decode kernel:
+#: FlashInfer packs the group's query heads into the rows of one tensor-core tile, so each
+#: K/V page is read once for the group; with fewer heads per group the tile is mostly empty
+#: and the CUDA-core decode kernel is faster (FlashInfer's own guidance, as in vLLM).
+TENSOR_CORE_DECODE_MIN_GROUP = 4
+
+
+def flashinfer_kernels(capability: tuple[int, int] | None, num_heads: int,
+                       num_kv_heads: int) -> FlashInferKernels:
+    """The fastest FlashInfer kernels per phase: the one place they are chosen.
+
+    - Prefill: on SM 9.x (Hopper: H100, H200) FlashInfer's SM90 kernels (``"fa3"``: wgmma and
+      TMA), which take the cache's strides like fa2 and cover what this backend declares
+      (fp16/bf16, head sizes 64/128/256, causal or not, sliding window). On Ampere and Ada
+      (8.x) ``"fa2"``, FlashInfer's fastest there. On Blackwell (10.x, 12.x) ``"fa2"`` too:
+      FlashInfer's Blackwell prefill kernels (``"cutlass"``, ``"trtllm-gen"``) come with other
+      layout and option constraints and have not been verified on kvcore's cache.
+      ``capability`` ``None`` (no GPU: the CPU tests' stand-ins) gives ``"fa2"``.
+    - Decode: tensor cores when a K/V head serves at least
+      :data:`TENSOR_CORE_DECODE_MIN_GROUP` query heads, else the CUDA-core decode kernel.
+
+    A mixed batch runs its decode requests on the decode kernel and the rest on the prefill
+    kernel (see the module docstring).
+    """
+    prefill = "fa3" if capability is not None and capability[0] == 9 else "fa2"
+    group = num_heads // max(num_kv_heads, 1)
+    return FlashInferKernels(prefill=prefill,
+                             decode_tensor_cores=group >= TENSOR_CORE_DECODE_MIN_GROUP)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def _new_wrappers(workspace: torch.Tensor, kernels: FlashInferKernels) -> tuple[Any, Any]:
     """A (prefill, decode) pair of eager wrappers sharing ``workspace``."""
     import flashinfer
 
-    prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD",
+                                                             backend=kernels.prefill)
     decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_tensor_cores=True, backend="fa2")
+        workspace, "NHD", use_tensor_cores=kernels.decode_tensor_cores, backend="fa2")
     return prefill, decode
 
 
 @functools.cache
-def _wrappers(device: torch.device) -> tuple[Any, Any]:
+def _wrappers(device: torch.device, kernels: FlashInferKernels) -> tuple[Any, Any]:
     """The (prefill, decode) wrappers of ``device`` for metadata not made by the builder."""
     return _new_wrappers(torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8,
-                                     device=device))
+                                     device=device), kernels)
 
 
 def _plan_args(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -176,19 +232,82 @@ def _is_decode(attn_metadata: AttentionMetadata) -> bool:
             and attn_metadata.num_actual_tokens == attn_metadata.num_seqs)
 
 
+#: The last plan of the shared wrappers (every plan goes through it, so a hit means the
+#: wrapper it returns still holds that plan).
+_PLANS = StepCache()
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPages:
+    """One step's FlashInfer page lists on the host (all int32, CPU).
+
+    Attributes:
+        qo_indptr: ``(n + 1,)`` cumulative query tokens.
+        seq_lens: ``(n,)`` cached + new tokens per request.
+        pages: ``(n,)`` block-table entries each request uses.
+        indptr: ``(n + 1,)`` cumulative ``pages``.
+        last_page_len: ``(n,)`` tokens in each request's last page (0 for an empty request).
+    """
+
+    qo_indptr: torch.Tensor
+    seq_lens: torch.Tensor
+    pages: torch.Tensor
+    indptr: torch.Tensor
+    last_page_len: torch.Tensor
+
+    @classmethod
+    def of(cls, qo_indptr: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+           pin: bool = False) -> HostPages:
+        """The lists of a step with these host lengths; ``pin``: in page-locked memory (one
+        allocation), so copies to the device run asynchronously."""
+        qo_indptr, seq_lens = qo_indptr.to(torch.int32), seq_lens.to(torch.int32)
+        pages = pages_per_request(seq_lens, block_size)
+        indptr = cumulative(pages)
+        last = torch.where(pages > 0, seq_lens - (pages - 1) * block_size, 0).to(torch.int32)
+        parts = (qo_indptr, seq_lens, pages, indptr, last)
+        if pin:
+            packed = torch.cat(parts).pin_memory()
+            parts = tuple(packed.split([p.numel() for p in parts]))
+        return cls(*parts)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def leading_decodes(self) -> int:
+        """How many requests at the front have exactly one query token."""
+        other = ((self.qo_indptr[1:] - self.qo_indptr[:-1]) != 1).nonzero()
+        return int(other[0, 0]) if other.numel() else self.num_seqs
+
+    def tail(self, k: int) -> HostPages:
+        """The lists of requests ``k..n-1``, offsets rebased to 0 (``indices`` start at
+        ``indptr[k]``)."""
+        if k == 0:
+            return self
+        return HostPages(self.qo_indptr[k:] - self.qo_indptr[k], self.seq_lens[k:],
+                         self.pages[k:], self.indptr[k:] - self.indptr[k],
+                         self.last_page_len[k:])
+
+
 @dataclasses.dataclass
 class FlashInferMetadata(AttentionMetadata):
-    """:class:`~kvcore.AttentionMetadata` plus the wrapper :class:`FlashInferMetadataBuilder`
+    """:class:`~kvcore.AttentionMetadata` plus the wrappers :class:`FlashInferMetadataBuilder`
     planned for the step.
 
     Attributes:
-        wrapper: the planned FlashInfer wrapper (``run`` is all a layer does).
-        planned: ``(scale, sliding_window, causal)`` the plan was made for; ``causal`` is
-            ``None`` for a decode plan (one query per request: causal or not is the same).
-        dtype: the query and cache dtype the plan was made for.
+        decode_wrapper: planned for the first ``num_decodes`` requests (one query token each:
+            query rows ``[0, num_decodes)``), or ``None``.
+        prefill_wrapper: planned for the other requests (rows ``[num_decodes,
+            num_actual_tokens)``), or ``None``.
+        num_decodes: requests (and query rows) the decode wrapper serves.
+        planned: ``(scale, sliding_window, causal)`` the plans were made for; ``causal`` is
+            ``None`` for a decode-only step (one query per request: causal or not is the same).
+        dtype: the query and cache dtype the plans were made for.
     """
 
-    wrapper: Any = None
+    decode_wrapper: Any = None
+    prefill_wrapper: Any = None
+    num_decodes: int = 0
     planned: tuple[float, int | None, bool | None] = (0.0, None, None)
     dtype: torch.dtype | None = None
 
@@ -197,12 +316,19 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     """Plans FlashInfer's wrappers once per step (see the module docstring).
 
     The step's tensors live in the persistent buffers of
-    :class:`kvcore.PersistentMetadataBuilder`; FlashInfer's page lists are made from them in
-    ``build()``. A step built with ``graph_batch_size`` is planned on that size's CUDA-graph
-    wrapper, whose page-list buffers (``graph_batch_size + 1``, ``graph_batch_size *
-    ceil(max_model_len / block_size)`` and ``graph_batch_size`` int32) are made on the first
-    build for that size, outside any capture (:class:`kvcore.CudaGraphRunner` builds each size
-    before capturing it).
+    :class:`kvcore.PersistentMetadataBuilder`; FlashInfer's page lists are made on the host
+    from the step's host-side lengths, and the used block-table entries gathered on the device
+    into a buffer of ``max_num_seqs * ceil(max_model_len / block_size)`` int32 (beside it the
+    same number of int64 gather positions, and ``max_num_seqs + 1`` / ``max_num_seqs`` int32
+    for ``indptr`` / ``last_page_len``, the buffers of the CUDA-graph decode wrappers). A
+    step built with ``graph_batch_size`` is planned on that size's CUDA-graph wrapper, made on
+    the first build for that size, outside any capture (:class:`kvcore.CudaGraphRunner`
+    builds each size before capturing it).
+
+    Attributes:
+        kernels: the :class:`FlashInferKernels` the steps run on.
+        plans: plans made so far (a CUDA-graph decode step whose page counts did not change
+            refreshes the buffers instead).
     """
 
     def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
@@ -217,25 +343,109 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         self.num_kv_heads = num_kv_heads
         #: The softmax scale every plan is made for (see the module docstring).
         self.scale = spec.head_size ** -0.5
-        self.workspace = torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8,
-                                     device=self.device)
-        self._prefill, self._decode = _new_wrappers(self.workspace)
+        self.kernels = flashinfer_kernels(_capability(self.device), num_heads, num_kv_heads)
+        self.plans = 0
+        dev = self.device
+        entries = max_num_seqs * self.max_blocks_per_seq
+        with torch.inference_mode(False):
+            self.workspace = torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8,
+                                         device=dev)
+            self._indices = torch.zeros(entries, dtype=torch.int32, device=dev)
+            self._positions = torch.zeros(entries, dtype=torch.int64, device=dev)
+            self._indptr = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=dev)
+            self._last_page_len = torch.zeros(max_num_seqs, dtype=torch.int32, device=dev)
+        self._prefill, self._decode = _new_wrappers(self.workspace, self.kernels)
         self._graph_wrappers: dict[int, Any] = {}
+        # Page counts each CUDA-graph wrapper was last planned for (the plan depends on them).
+        self._graph_plans: dict[int, torch.Tensor] = {}
+        # Page counts self._positions holds the gather positions of.
+        self._gathered: torch.Tensor | None = None
+        # Per wrapper: an event after its last plan. FlashInfer stages a plan in the wrapper's
+        # page-locked buffer and copies it to the device asynchronously; the next plan of that
+        # wrapper waits for that copy (the previous step's), not for the device to be idle.
+        self._plan_events: dict[int, Any] = {}
 
     def _graph_wrapper(self, size: int) -> Any:
         wrapper = self._graph_wrappers.get(size)
         if wrapper is None:
             import flashinfer
 
-            dev = self.device
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=dev),
-                paged_kv_indices_buffer=torch.zeros(size * self.max_blocks_per_seq,
-                                                    dtype=torch.int32, device=dev),
-                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=dev),
+                self.workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.kernels.decode_tensor_cores,
+                paged_kv_indptr_buffer=self._indptr[:size + 1],
+                paged_kv_indices_buffer=self._indices,
+                paged_kv_last_page_len_buffer=self._last_page_len[:size],
                 backend="fa2")
             self._graph_wrappers[size] = wrapper
+        return wrapper
+
+    def _host_pages(self, common: AttentionMetadata, size: int) -> HostPages:
+        """The step's page lists on the host, padded to ``size`` requests (one token each):
+        from the metadata's host copies, else one device read."""
+        n = common.num_seqs
+        qo, seq = common.query_start_loc_cpu, common.seq_lens_cpu
+        if qo is None or seq is None:
+            both = torch.cat([common.query_start_loc.to(torch.int32),
+                              common.seq_lens.to(torch.int32)]).cpu()
+            qo, seq = both[:n + 1], both[n + 1:]
+        elif tuple(qo.shape) != (n + 1,) or tuple(seq.shape) != (n,):
+            raise ValueError(f"query_start_loc_cpu {tuple(qo.shape)} and seq_lens_cpu "
+                             f"{tuple(seq.shape)} must have the shapes of query_start_loc "
+                             f"({n + 1},) and seq_lens ({n},)")
+        qo, seq = qo.to(torch.int32), seq.to(torch.int32)
+        if size > n:  # the padding requests of PersistentMetadataBuilder: one token each
+            qo = torch.cat([qo, qo[-1] + torch.arange(1, size - n + 1, dtype=torch.int32)])
+            seq = torch.cat([seq, torch.ones(size - n, dtype=torch.int32)])
+        return HostPages.of(qo, seq, self.spec.block_size, pin=self.device.type == "cuda")
+
+    def _gather_indices(self, pages: HostPages) -> torch.Tensor:
+        """FlashInfer's ``indices``: the used entries of the persistent block table, gathered
+        on the device (no sync); the gather positions are copied only when the page counts
+        changed."""
+        total = int(pages.indptr[-1])
+        if self._gathered is None or not torch.equal(self._gathered, pages.pages):
+            width = self.block_table.shape[1]
+            counts = pages.pages.to(torch.int64)
+            row_start = torch.arange(pages.num_seqs, dtype=torch.int64) * width
+            flat = (torch.repeat_interleave(row_start - pages.indptr[:-1].to(torch.int64),
+                                            counts, output_size=total)
+                    + torch.arange(total, dtype=torch.int64))
+            if self.device.type == "cuda":
+                flat = flat.pin_memory()
+            self._positions[:total].copy_(flat, non_blocking=True)
+            self._gathered = pages.pages.clone()
+        indices = self._indices[:total]
+        torch.index_select(self.block_table.view(-1), 0, self._positions[:total], out=indices)
+        return indices
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        event = self._plan_events.get(id(wrapper))
+        if event is not None:
+            event.synchronize()
+        wrapper.plan(*args, **kwargs)
+        self.plans += 1
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._plan_events[id(wrapper)] = event
+
+    def _options(self) -> tuple[tuple, dict]:
+        return _plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
+                          self.spec.block_size, self.scale, None, self.spec.dtype,
+                          self.spec.dtype)
+
+    def _plan_graph_decode(self, size: int, pages: HostPages, indices: torch.Tensor) -> Any:
+        wrapper = self._graph_wrapper(size)
+        planned = self._graph_plans.get(size)
+        if planned is not None and torch.equal(planned, pages.pages):
+            # Same page counts, same plan: refresh what the kernels read.
+            self._indptr[:size + 1].copy_(pages.indptr, non_blocking=True)
+            self._last_page_len[:size].copy_(pages.last_page_len, non_blocking=True)
+            return wrapper
+        shape, options = self._options()
+        self._plan(wrapper, pages.indptr, indices, pages.last_page_len, *shape, **options)
+        self._graph_plans[size] = pages.pages.clone()
         return wrapper
 
     def build(self, common: AttentionMetadata, *,
@@ -244,22 +454,60 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
         if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
             return FlashInferMetadata(**fields)
-        block_size = self.spec.block_size
-        indptr, indices, last_page_len = flashinfer_page_table(meta, block_size)
-        shape, options = _plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
-                                    block_size, self.scale, None, self.spec.dtype,
-                                    self.spec.dtype)
-        if graph_batch_size is not None or _is_decode(meta):
-            wrapper = (self._graph_wrapper(graph_batch_size) if graph_batch_size is not None
-                       else self._decode)
-            wrapper.plan(indptr, indices, last_page_len, *shape, **options)
-            causal = None
-        else:
-            wrapper, causal = self._prefill, meta.causal
-            wrapper.plan(meta.query_start_loc, indptr, indices, last_page_len, *shape,
-                         causal=causal, **options)
-        return FlashInferMetadata(**fields, wrapper=wrapper, planned=(self.scale, None, causal),
-                                  dtype=self.spec.dtype)
+        size = meta.num_seqs
+        pages = self._host_pages(common, size)
+        indices = self._gather_indices(pages)
+        planned = dict(dtype=self.spec.dtype)
+        if graph_batch_size is not None:
+            wrapper = self._plan_graph_decode(size, pages, indices)
+            return FlashInferMetadata(**fields, decode_wrapper=wrapper, num_decodes=size,
+                                      planned=(self.scale, None, None), **planned)
+        shape, options = self._options()
+        k = pages.leading_decodes()
+        decode = prefill = None
+        if k:
+            decode = self._decode
+            self._plan(decode, pages.indptr[:k + 1], indices[:int(pages.indptr[k])],
+                       pages.last_page_len[:k],
+                       *shape, **options)
+        if int(pages.qo_indptr[-1]) > int(pages.qo_indptr[k]):  # query tokens after the decodes
+            rest = pages.tail(k)
+            prefill = self._prefill
+            self._plan(prefill, rest.qo_indptr, rest.indptr, indices[int(pages.indptr[k]):],
+                       rest.last_page_len, *shape, causal=meta.causal,
+                       seq_lens=rest.seq_lens, **options)
+        causal = None if prefill is None else meta.causal
+        return FlashInferMetadata(**fields, decode_wrapper=decode, prefill_wrapper=prefill,
+                                  num_decodes=k, planned=(self.scale, None, causal), **planned)
+
+    def warmup(self) -> dict[str, float]:
+        """Build (JIT-compile, or load from FlashInfer's cache) the modules this builder's
+        steps run, by planning and running a one-request step of each phase on a two-block
+        scratch cache; returns the seconds each phase took (``"decode"``, ``"prefill"``), so
+        an engine calls it at start-up and the first request pays nothing."""
+        import time
+
+        block_size, dtype = self.spec.block_size, self.spec.dtype
+        cache = torch.zeros(2, 2, block_size, self.num_kv_heads, self.spec.head_size,
+                            dtype=dtype, device=self.device)
+        key_cache, value_cache = cache.unbind(1)
+        steps = {"decode": 1}
+        if self.max_num_batched_tokens >= 2:
+            steps["prefill"] = 2
+        seconds = {}
+        for phase, q_len in steps.items():
+            t0 = time.perf_counter()
+            common = build_attention_metadata([q_len], [1], [[0]], block_size,
+                                              device=self.device)
+            meta = self.build(common)
+            query = torch.zeros(q_len, self.num_heads, self.spec.head_size, dtype=dtype,
+                                device=self.device)
+            wrapper = meta.decode_wrapper if phase == "decode" else meta.prefill_wrapper
+            wrapper.run(query, (key_cache, value_cache), out=torch.empty_like(query))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds[phase] = time.perf_counter() - t0
+        return seconds
 
 
 class FlashInferImpl(AttentionImpl):
@@ -293,7 +541,9 @@ class FlashInferImpl(AttentionImpl):
               attn_metadata: AttentionMetadata) -> Any:
         block_size = key_cache.shape[1]
         indptr, indices, last_page_len = flashinfer_page_table(attn_metadata, block_size)
-        prefill, decode = _wrappers(key_cache.device)
+        kernels = flashinfer_kernels(_capability(key_cache.device), self.num_heads,
+                                     self.num_kv_heads)
+        prefill, decode = _wrappers(key_cache.device, kernels)
         shape, options = _plan_args(self.num_heads, self.num_kv_heads, self.head_size,
                                     block_size, self.scale, self.sliding_window, query.dtype,
                                     key_cache.dtype)
@@ -305,9 +555,9 @@ class FlashInferImpl(AttentionImpl):
                      last_page_len, *shape, causal=self.is_causal(attn_metadata), **options)
         return prefill
 
-    def _planned_wrapper(self, query: torch.Tensor, key_cache: torch.Tensor,
-                         attn_metadata: FlashInferMetadata) -> Any:
-        """The builder's plan, after checking it fits this layer."""
+    def _check_plan(self, query: torch.Tensor, key_cache: torch.Tensor,
+                    attn_metadata: FlashInferMetadata) -> None:
+        """Refuse a layer the builder's plan does not fit."""
         scale, window, causal = attn_metadata.planned
         wanted = (self.scale, self.sliding_window,
                   None if causal is None else self.is_causal(attn_metadata))
@@ -325,7 +575,6 @@ class FlashInferImpl(AttentionImpl):
             raise ValueError(f"query is {query.dtype} and the cache {key_cache.dtype} but the "
                              f"step was planned for {attn_metadata.dtype} (the builder's "
                              "spec.dtype)")
-        return attn_metadata.wrapper
 
     def forward(
         self,
@@ -343,13 +592,20 @@ class FlashInferImpl(AttentionImpl):
         if n == 0:
             return output
         q = query[:n].contiguous()
-        if isinstance(attn_metadata, FlashInferMetadata) and attn_metadata.wrapper is not None:
-            wrapper = self._planned_wrapper(q, key_cache, attn_metadata)
-        else:
-            wrapper = self.plan(q, key_cache, attn_metadata)
         target = output[:n]
         out = target if target.is_contiguous() else torch.empty_like(q)
-        wrapper.run(q, (key_cache, value_cache), out=out)
+        kv = (key_cache, value_cache)
+        if isinstance(attn_metadata, FlashInferMetadata) and (
+                attn_metadata.decode_wrapper is not None
+                or attn_metadata.prefill_wrapper is not None):
+            self._check_plan(q, key_cache, attn_metadata)
+            k = attn_metadata.num_decodes
+            if attn_metadata.decode_wrapper is not None:
+                attn_metadata.decode_wrapper.run(q[:k], kv, out=out[:k])
+            if attn_metadata.prefill_wrapper is not None:
+                attn_metadata.prefill_wrapper.run(q[k:], kv, out=out[k:])
+        else:
+            self.plan(q, key_cache, attn_metadata).run(q, kv, out=out)
         if out is not target:
             target.copy_(out)
         return output

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""FLASHINFER_MLA through kvcore (builder + CUDA graph) against FlashInfer's MLA wrapper called
+directly, on the same latent cache, on one GPU (written for the H200).
+
+MLA decode, DeepSeek dims (kv_lora_rank 512, rope 64), bf16, blocks of 64, shuffled pages, at
+B64 x 4096 tokens with 16 and 128 heads, B8 x 32768 and B128 x 2048 with 128 heads. One run
+does, each section isolated (an error is logged and the run goes on):
+
+1. the read ceiling (torch ``sum`` and a Triton streaming read, the faster counts);
+2. correctness per shape: kvcore's latent attention against the float64 reference
+   (``kvcore.ops.mla_attention_ref``) and against FlashInfer direct;
+3. timings per shape (median of CUDA-graph replays, the harness's ``time_call``):
+   - ``flashinfer direct``: ``BatchMLAPagedAttentionWrapper`` (``backend="auto"``) planned once,
+     ``run`` on the cache's two views, the query halves contiguous;
+   - ``FLASHINFER_MLA``: the step built by ``FlashInferMLAMetadataBuilder.build(common,
+     graph_batch_size=B)`` (its CUDA-graph wrapper), then the impl's latent attention, the
+     part FlashInfer replaces (``forward`` adds the two absorption matmuls);
+   - ``FLASHINFER_MLA forward``: the whole layer forward (absorption, attention, ``W_UV``),
+     for context;
+   - the builder's ``build()`` host time per step (the plan: once per step, not per layer).
+   ``--fp8`` adds the fp8-cache rows (another FlashInfer JIT module) at B64 x 4096 H128.
+
+The table printed last gives time, GB/s (latent bytes a perfect kernel reads: each once), % of
+the read ceiling, TFLOP/s (``2 * B * H * L * (576 + 512)``) and kvcore's ratio to direct
+(direct time / kvcore time: >= 0.99 is the target). Logs and JSON go to ``--out`` (default
+``$OUT``, else ``benchmarks/results``).
+
+Usage: ``python benchmarks/bench_flashinfer_mla.py [--out DIR] [--fp8]``; about a minute plus
+FlashInfer's JIT build on a cold cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_ROOT), str(_ROOT / "plugins" / "nvidia")]
+import kvcore  # noqa: E402
+import kvcore.ops  # noqa: E402
+from kvcore.cli import harness  # noqa: E402
+from kvcore.cli.harness import Run, rel_err  # noqa: E402
+
+DEVICE = "cuda"
+time_call = functools.partial(harness.time_call, device=DEVICE)
+RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
+ENTRY = RANK + ROPE
+BLOCK = 64
+SHAPES = [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)]
+FP8_SHAPE = (64, 128, 4096)
+
+
+def shape_name(batch: int, heads: int, tokens: int) -> str:
+    return f"B{batch}x{tokens} H{heads}"
+
+
+class Decode:
+    """``batch`` decode requests of ``tokens`` tokens over shuffled pages of a random latent
+    cache, and their latent queries ``[W_UK^T q_nope, q_pe]`` ``(batch, heads, 576)``."""
+
+    def __init__(self, batch: int, heads: int, tokens: int, kv_cache_dtype: str = "auto"):
+        self.batch, self.heads, self.tokens = batch, heads, tokens
+        self.kv_cache_dtype = kv_cache_dtype
+        pages = -(-tokens // BLOCK)
+        num_blocks = batch * pages + 16
+        g = torch.Generator(device=DEVICE).manual_seed(batch * 7919 + heads * 31 + tokens)
+        cache = torch.randn(num_blocks, BLOCK, ENTRY, generator=g, device=DEVICE)
+        self.fp8 = kv_cache_dtype != "auto"
+        self.k_scale = 0.25 if self.fp8 else 1.0
+        self.cache = ((cache / self.k_scale).to(torch.float8_e4m3fn) if self.fp8
+                      else cache.to(torch.bfloat16))
+        perm = torch.randperm(num_blocks, generator=g, device=DEVICE)[: batch * pages]
+        tables = perm.view(batch, pages).tolist()
+        self.common = kvcore.build_attention_metadata([1] * batch, [tokens - 1] * batch,
+                                                      tables, BLOCK, device=DEVICE)
+        self.q = (torch.randn(batch, heads, ENTRY, generator=g, device=DEVICE)
+                  .to(torch.bfloat16))
+        self.scale = (NOPE + ROPE) ** -0.5
+
+    def kv_bytes(self) -> int:
+        return self.batch * self.tokens * ENTRY * self.cache.element_size()
+
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.heads * self.tokens * (ENTRY + RANK)
+
+
+# ----------------------------------------------------------------------------- the two paths
+
+
+def direct(d: Decode):
+    """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``."""
+    import flashinfer.mla
+
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
+    m = d.common
+    pages = (m.seq_lens + BLOCK - 1) // BLOCK
+    kv_indptr = torch.zeros(d.batch + 1, dtype=torch.int32, device=DEVICE)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    kv_indices = m.block_table.flatten().contiguous()  # every request uses all its pages
+    wrapper.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(
+                     m.query_start_loc, kv_indptr, kv_indices, m.seq_lens),
+                 num_heads=d.heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=BLOCK,
+                 causal=False, sm_scale=d.scale, q_data_type=torch.bfloat16,
+                 kv_data_type=d.cache.dtype, query_layout="split", kv_cache_layout="split")
+    q_nope, q_pe = d.q[..., :RANK].contiguous(), d.q[..., RANK:].contiguous()
+    ckv, kpe = d.cache[..., :RANK], d.cache[..., RANK:]
+    out = torch.empty(d.batch, d.heads, RANK, dtype=torch.bfloat16, device=DEVICE)
+    fp8 = {"ckv_scale": d.k_scale, "kpe_scale": d.k_scale} if d.fp8 else {}
+
+    def call() -> torch.Tensor:
+        return wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), out=out, **fp8)
+
+    return call
+
+
+class Kvcore:
+    """FLASHINFER_MLA as an engine runs it: one builder, the step built for a CUDA graph of
+    the batch size, one layer's impl."""
+
+    def __init__(self, d: Decode) -> None:
+        from kvcore_nvidia.backends.flashinfer_mla import FlashInferMLABackend
+
+        g = torch.Generator(device=DEVICE).manual_seed(d.heads)
+        self.weight = (torch.randn(d.heads * (NOPE + V_DIM), RANK, generator=g, device=DEVICE)
+                       * RANK**-0.5).to(torch.bfloat16)
+        self.impl = FlashInferMLABackend.get_impl_cls()(
+            d.heads, ENTRY, d.scale, kv_cache_dtype=d.kv_cache_dtype, kv_lora_rank=RANK,
+            qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM,
+            kv_b_proj_weight=self.weight)
+        spec = kvcore.MLAAttentionSpec(block_size=BLOCK, dtype=torch.bfloat16,
+                                       kv_cache_dtype=d.kv_cache_dtype)
+        self.builder = FlashInferMLABackend.get_builder_cls()(
+            spec, num_heads=d.heads, max_num_seqs=d.batch, max_num_batched_tokens=d.batch,
+            max_model_len=d.tokens, device=DEVICE)
+        self.layer = kvcore.LayerScales(k_scale=d.k_scale, v_scale=d.k_scale)
+        self.d = d
+        self.meta = self.build()
+
+    def build(self) -> kvcore.AttentionMetadata:
+        return self.builder.build(self.d.common, graph_batch_size=self.d.batch)
+
+    def latent(self) -> torch.Tensor:
+        # The latent attention alone: what FlashInfer direct computes.
+        return self.impl._latent_attention(self.layer, self.d.q, self.d.cache, self.meta)
+
+    def forward_call(self):
+        query = torch.randn(self.d.batch, self.d.heads, NOPE + ROPE, device=DEVICE,
+                            dtype=torch.bfloat16)
+        out = torch.empty(self.d.batch, self.d.heads, V_DIM, dtype=torch.bfloat16,
+                          device=DEVICE)
+
+        def call() -> torch.Tensor:
+            return self.impl.forward(self.layer, query, None, None, self.d.cache, self.meta,
+                                     output=out)
+
+        return call
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def measure_ceiling(run: Run) -> None:
+    x = torch.randn((2 << 30) // 4, device=DEVICE)
+    harness.warm_up(torch.empty_like(x), x, 1.0)
+    read_sum, _ = harness.read_gbps(x, time_call)
+    read_triton, _ = harness.triton_read_gbps(x, time_call)
+    c = run.results["ceilings"]
+    c.update(read_torch_sum_GBps=read_sum, read_triton_GBps=read_triton,
+             read_GBps=max(read_sum, read_triton))
+    run.log(f"read ceiling {c['read_GBps']:.0f} GB/s (torch.sum {read_sum:.0f}, triton "
+            f"{read_triton:.0f})")
+
+
+def check_and_time(run: Run, batch: int, heads: int, tokens: int,
+                   kv_cache_dtype: str = "auto") -> None:
+    d = Decode(batch, heads, tokens, kv_cache_dtype)
+    name = shape_name(batch, heads, tokens) + ("" if kv_cache_dtype == "auto" else " fp8")
+    ours = Kvcore(d)
+    fi = direct(d)
+    out_fi = fi().clone()
+    out_ours = ours.latent().clone()
+    m = d.common
+    ref = kvcore.ops.mla_attention_ref(
+        d.q.double(), d.cache, kv_lora_rank=RANK, query_start_loc=m.query_start_loc,
+        seq_lens=m.seq_lens, block_table=m.block_table, scale=d.scale,
+        kv_cache_dtype=kv_cache_dtype, k_scale=d.k_scale)
+    err_ref, err_fi = rel_err(out_ours, ref), rel_err(out_ours, out_fi)
+    run.check(f"{name}: FLASHINFER_MLA vs float64 reference", err_ref < 2e-2, rel_err=err_ref)
+    run.check(f"{name}: FLASHINFER_MLA vs FlashInfer direct", err_fi < 1e-2, rel_err=err_fi,
+              bit_exact=bool(torch.equal(out_ours, out_fi)))
+    del ref
+    t_fi, how_fi = time_call(fi)
+    t_ours, how_ours = time_call(ours.latent)
+    t_fwd, how_fwd = time_call(ours.forward_call())
+    builds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        ours.meta = ours.build()
+        torch.cuda.synchronize()
+        builds.append(time.perf_counter() - t0)
+    ceiling = run.results["ceilings"].get("read_GBps")
+    for label, t, how in (("flashinfer direct", t_fi, how_fi), ("FLASHINFER_MLA", t_ours, how_ours),
+                          ("FLASHINFER_MLA forward", t_fwd, how_fwd)):
+        gbps = d.kv_bytes() / t / 1e9
+        row = dict(path=label, shape=name, time_us=t * 1e6, GBps=gbps,
+                   ceiling_frac=gbps / ceiling if ceiling else None,
+                   TFLOPs=d.flops() / t / 1e12, method=how)
+        if label == "FLASHINFER_MLA":
+            row.update(direct_over_kvcore=t_fi / t,
+                       build_ms=sorted(builds)[len(builds) // 2] * 1e3)
+        run.results["timings"].append(row)
+        run.log("TIME", row)
+
+
+def print_table(run: Run) -> None:
+    headers = ["path", "shape", "time us", "GB/s", "% read", "TFLOP/s", "direct/kvcore",
+               "build ms"]
+    rows = []
+    for r in run.results["timings"]:
+        def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
+            v = row.get(key)
+            return "" if v is None else format(v * scale, spec)
+        rows.append([r["path"], r["shape"], fmt("time_us", ".1f"), fmt("GBps", ".0f"),
+                     fmt("ceiling_frac", ".1f", 100), fmt("TFLOPs", ".0f"),
+                     fmt("direct_over_kvcore", ".3f"), fmt("build_ms", ".2f")])
+    checks = run.results["checks"]
+    lines = [f"device: {run.results['meta'].get('device')}; read ceiling "
+             f"{run.results['ceilings'].get('read_GBps', float('nan')):.0f} GB/s; correctness: "
+             f"{sum(x['ok'] for x in checks)}/{len(checks)} passed; errors: "
+             f"{len(run.results['errors'])}"]
+    try:
+        from tabulate import tabulate
+
+        lines.append(tabulate(rows, headers=headers, tablefmt="github"))
+    except ImportError:
+        lines.extend(" | ".join(row) for row in [headers, *rows])
+    lines.extend(f"FAILED check: {c}" for c in checks if not c["ok"])
+    text = "\n".join(lines)
+    run.log("\n" + text)
+    (run.out_dir / "bench_flashinfer_mla_table.txt").write_text(text + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path,
+                        default=Path(os.environ.get("OUT", _ROOT / "benchmarks" / "results")))
+    parser.add_argument("--fp8", action="store_true",
+                        help=f"also the fp8 cache at {shape_name(*FP8_SHAPE)} (Hopper only)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no GPU: this benchmark compares two GPU paths")
+    from kvcore_nvidia.backends.flashinfer_mla import FlashInferMLABackend
+
+    missing = FlashInferMLABackend.unavailable_reasons()
+    if missing:
+        sys.exit("FLASHINFER_MLA cannot run here: " + "; ".join(missing))
+    import flashinfer
+
+    run = Run(args.out, "bench_flashinfer_mla", ("checks", "timings"), device=DEVICE)
+    run.results["meta"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "flashinfer": getattr(flashinfer, "__version__", "?"),
+        "dims": {"kv_lora_rank": RANK, "rope": ROPE, "block_size": BLOCK, "dtype": "bfloat16"},
+    }
+    run.log("meta", run.results["meta"])
+    # Checked once per step by the builder; the timings capture graphs, which cannot sync.
+    kvcore.ops.set_value_checks(False)
+    with run.section("ceiling"):
+        measure_ceiling(run)
+    for shape in SHAPES:
+        with run.section(shape_name(*shape)):
+            check_and_time(run, *shape)
+    if args.fp8:
+        with run.section(shape_name(*FP8_SHAPE) + " fp8"):
+            if torch.cuda.get_device_capability()[0] != 9:
+                raise harness.Skip("FlashInfer's fp8 MLA cache needs capability 9.x")
+            check_and_time(run, *FP8_SHAPE, kv_cache_dtype="fp8")
+    print_table(run)
+    run.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,453 @@
+"""FLASHINFER_MLA: FlashInfer's MLA kernels (``flashinfer.mla.BatchMLAPagedAttentionWrapper``)
+on kvcore's latent cache.
+
+kvcore's MLA cache ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` holds ``[kv_c, k_pe]``
+per token; FlashInfer's MLA wrapper takes the compressed KV and the rope keys as two paged
+tensors ``(num_pages, page_size, 512)`` and ``(num_pages, page_size, 64)`` and reads the page
+and token strides from them. So the layer's cache is passed as the two views
+``kv_cache[..., :512]`` and ``kv_cache[..., 512:]``: nothing is copied, and the query is
+passed the same way (``[W_UK^T q_nope, q_pe]`` split at 512).
+
+How a step runs. The kernels are FlashInfer's ``fa3`` MLA family on Hopper and ``fa2``
+elsewhere (named explicitly, :func:`_fa_backend`). Every request, prefill or decode, goes
+through the absorbed path of :class:`kvcore.MLACommonImpl` and the same wrapper: they take ragged
+queries (``qo_indptr``), so a mixed batch is one launch. A batch with a request of more than
+one new token is planned ``causal`` (bottom-right aligned: the queries are the last tokens of
+their request, as kvcore's convention requires); a decode-only batch is planned non-causal,
+which for one query per request is the same attention. Long prefills pay the absorbed path's
+compute (576 multiply-adds per score instead of 192); nothing is delegated to another backend.
+
+The builder (:class:`FlashInferMLAMetadataBuilder`, what an engine uses) plans once per step
+in ``build()``: it turns the step into FlashInfer's CSR page lists (``kv_indptr``,
+``kv_indices`` = the used block-table entries request after request, ``kv_len_arr`` =
+``seq_lens``) and plans an eager wrapper, or, for a step built with ``graph_batch_size``, that
+size's wrapper in FlashInfer's CUDA-graph mode (its metadata buffers made once, on the first
+build for that size, outside any capture; every later ``build()`` plans it again in place).
+For a uniform decode of a fixed head count FlashInfer's plan keeps the same launch grid and
+workspace offsets, so a step captured once replays for every later step of that size
+(``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``). The layers' forward only launches. A plan does not
+depend on the softmax scale (FlashInfer passes it to the kernel at run time), but the wrapper
+keeps the planned scale and offers no run-time argument for it: each layer sets its own
+``scale`` on the planned kernel before running it (:func:`_run`), so layers with different
+scales share one plan. Metadata that did not come from the builder (``forward`` called with
+:class:`kvcore.AttentionMetadata` directly) is planned on its first layer and the plan kept
+for the next layers of the same step; planning reads the step back to the host, so that path
+is not capturable.
+
+fp8: FlashInfer's MLA kernels read an e4m3 cache with bf16 queries on Hopper (capability 9.x)
+only; they take the dequantisation scale as a host float, so a tensor ``layer.k_scale`` is
+read back once per layer call in eager steps and baked into a captured step (a graph replays
+the scale it was captured with).
+
+Cross-layer caches: FLASHINFER_MLA keeps per-layer caches (the default of
+:class:`kvcore.MLACommonBackend`) until the bit-exact cross-layer tests
+(``test_flashinfer_mla_gpu.py``) pass on a GPU run; FlashInfer takes the page stride from the
+tensors (int64 page offsets), which is what those tests check.
+
+The cache write is kvcore's stride-aware Triton ``reshape_and_cache``: the latent
+``[kv_c, k_pe]`` (576 channels) is written as two equal halves of 288 channels, the "key" and
+"value" of a one-head cache view, which is exactly the latent's bytes (fp8 with the same
+scale on both halves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import torch
+
+from kvcore import (
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSelectorConfig,
+    CudaGraphSupport,
+    DeviceCapability,
+    MLAAttentionSpec,
+    MLACommonBackend,
+    MLACommonImpl,
+    PersistentMetadataBuilder,
+)
+from kvcore.ops import (
+    FP8_KV_CACHE_DTYPES,
+    reshape_and_cache,
+    scale_value,
+    triton_unavailable_reasons,
+    validate_concat_and_cache_mla,
+    validate_mla_attention,
+)
+from kvcore_nvidia.backends.common import StepCache
+
+__all__ = ["FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadata",
+           "FlashInferMLAMetadataBuilder", "mla_page_lists"]
+
+#: The only MLA shape FlashInfer's fp8 path is built for, and DeepSeek-V2/V3's.
+KV_LORA_RANK, ROPE_DIM = 512, 64
+#: fp8 reads need Hopper (FlashInfer's fp8 MLA repack is SM90-only).
+_FP8_CAPABILITY = DeviceCapability(9, 0)
+
+
+class FlashInferMLABackend(MLACommonBackend):
+    """FlashInfer's paged MLA kernels (``flashinfer-python``) on the latent cache."""
+
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+    # FlashInfer's fp8 MLA cache is e4m3 (``"fp8"`` is e4m3 in kvcore); e5m2 is not read.
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+    # kv_lora_rank 512 + rope 64: the dims FlashInfer's MLA kernels are built and tested for.
+    SUPPORTED_HEAD_SIZES = (KV_LORA_RANK + ROPE_DIM,)
+    # FlashInfer's kernels take any page size; these are the ones the GPU tests run.
+    SUPPORTED_BLOCK_SIZES = (16, 32, 64)
+    #: Query heads per layer (per rank): FlashInfer tiles (query x head) rows by 64 or 128, and
+    #: its causal tiling is exact only when the head count divides the tile.
+    SUPPORTED_NUM_HEADS: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # FlashInfer's fa2 MLA kernels need Ampere; Hopper runs its fa3 kernels.
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
+    PLATFORMS = ("cuda",)
+    REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
+    #: Bytes of the float workspace of one builder (or device): FlashInfer's recommended size.
+    WORKSPACE_BYTES: ClassVar[int] = 128 * 1024 * 1024
+    # The builder plans every step (graph-mode wrappers per batch size), forward only
+    # launches: no host sync (float fp8 scales aside, see the module), no plan.
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return FlashInferMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return FlashInferMLAMetadataBuilder
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        # The cache write is kvcore's Triton kernel.
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        """FlashInfer reads an fp8 MLA cache with bf16 queries on Hopper (9.x) only."""
+        if config.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            return []
+        reasons = []
+        if config.dtype != torch.bfloat16:
+            reasons.append(f"kv_cache_dtype={config.kv_cache_dtype} with dtype="
+                           f"{str(config.dtype).removeprefix('torch.')}: FlashInfer's fp8 MLA "
+                           "kernels take bfloat16 queries only; use dtype=bfloat16 or "
+                           "kv_cache_dtype=auto")
+        if device_capability is not None and device_capability.major != 9:
+            reasons.append(f"kv_cache_dtype={config.kv_cache_dtype} needs device capability "
+                           f"9.x (Hopper) for FlashInfer's fp8 MLA kernels (got "
+                           f"{device_capability}); use kv_cache_dtype=auto")
+        return reasons
+
+    @classmethod
+    def num_heads_reason(cls, num_heads: int) -> str | None:
+        """Why ``num_heads`` query heads per layer cannot run, or ``None``."""
+        if num_heads in cls.SUPPORTED_NUM_HEADS:
+            return None
+        return (f"num_heads={num_heads} (FLASHINFER_MLA supports "
+                f"{', '.join(map(str, cls.SUPPORTED_NUM_HEADS))} query heads per layer: "
+                "FlashInfer's causal MLA tiles are exact only for these); use TRITON_MLA")
+
+
+def _check_num_heads(num_heads: int) -> None:
+    reason = FlashInferMLABackend.num_heads_reason(num_heads)
+    if reason:
+        raise ValueError(reason)
+
+
+def mla_page_lists(seq_lens: torch.Tensor, block_table: torch.Tensor,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kvcore's block table as FlashInfer's CSR page lists.
+
+    Returns ``(kv_indptr, kv_indices)``: ``(num_seqs + 1,)`` cumulative page counts and
+    ``(kv_indptr[-1],)`` the used block-table entries request after request, int32 on the
+    block table's device (this reads the page count back to size ``kv_indices``).
+    """
+    pages = (seq_lens.to(torch.int32) + block_size - 1) // block_size
+    indptr = torch.zeros(pages.shape[0] + 1, dtype=torch.int32, device=pages.device)
+    torch.cumsum(pages, dim=0, out=indptr[1:])
+    used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+            < pages[:, None])
+    return indptr, block_table.to(torch.int32)[used]
+
+
+def _is_decode(meta: AttentionMetadata) -> bool:
+    return meta.max_query_len <= 1 and meta.num_actual_tokens == meta.num_seqs
+
+
+def _new_wrapper(workspace: torch.Tensor, size: int | None = None,
+                 max_pages: int = 0) -> Any:
+    """An eager wrapper, or (``size`` given) one in CUDA-graph mode with its metadata buffers
+    for ``size`` requests of at most ``max_pages`` pages in all."""
+    import flashinfer.mla
+
+    backend = _fa_backend(workspace.device)
+    if size is None:
+        return flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend=backend)
+    dev = workspace.device
+
+    def buf(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int32, device=dev)
+
+    return flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        workspace, use_cuda_graph=True, qo_indptr=buf(size + 1), kv_indptr=buf(size + 1),
+        kv_indices=buf(max(max_pages, 1)), kv_len_arr=buf(size), backend=backend)
+
+
+def _fa_backend(device: torch.device) -> str:
+    """FlashInfer's MLA kernel family used: ``fa3`` on Hopper (FlashInfer's own test for it),
+    ``fa2`` elsewhere.
+
+    Named explicitly (not FlashInfer's ``auto``, which picks these two on Ampere and Hopper
+    too): both schedule on the host and take the softmax scale at run time (:func:`_run`),
+    and both can be planned again in CUDA-graph mode; other families differ in these.
+    """
+    from flashinfer.utils import is_sm90a_supported  # Hopper with a CUDA >= 12.3 torch
+
+    return "fa3" if is_sm90a_supported(device) else "fa2"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a wrapper was planned for: the checks a layer's forward makes before it runs."""
+
+    num_heads: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    block_size: int
+
+
+def _plan(wrapper: Any, meta: AttentionMetadata, num_heads: int, block_size: int,
+          q_dtype: torch.dtype, kv_dtype: torch.dtype) -> _Plan:
+    """Plan ``wrapper`` for the step ``meta`` (host sync: FlashInfer schedules on the host)."""
+    import flashinfer.mla
+
+    kv_indptr, kv_indices = mla_page_lists(meta.seq_lens, meta.block_table, block_size)
+    # FlashInfer takes contiguous int32 metadata; the builder's buffers already are.
+    metadata = flashinfer.mla.MLAPlanMetadata.csr(
+        meta.query_start_loc.to(torch.int32).contiguous(), kv_indptr, kv_indices,
+        meta.seq_lens.to(torch.int32).contiguous())
+    try:
+        wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=KV_LORA_RANK,
+                     head_dim_kpe=ROPE_DIM, page_size=block_size, causal=not _is_decode(meta),
+                     # Replaced per layer at run time (_run); the schedule does not use it.
+                     sm_scale=1.0, q_data_type=q_dtype, kv_data_type=kv_dtype,
+                     query_layout="split", kv_cache_layout="split")
+    except ValueError as exc:  # FlashInfer's refusals (work-item capacity, shapes) are these
+        raise ValueError(
+            f"FlashInfer cannot plan this MLA step ({meta.num_seqs} requests, "
+            f"{meta.num_actual_tokens} tokens, longest {meta.max_seq_len}, {num_heads} heads): "
+            f"{exc}; run fewer tokens per step or use TRITON_MLA") from exc
+    return _Plan(num_heads, q_dtype, kv_dtype, block_size)
+
+
+def _run(wrapper: Any, scale: float, q: torch.Tensor, kv_cache: torch.Tensor,
+         out: torch.Tensor, kv_scale: float | None) -> None:
+    """Run the planned ``wrapper`` with this layer's softmax ``scale``.
+
+    FlashInfer's fa2/fa3 MLA backends pass the planned object's ``_sm_scale`` to the kernel at
+    run time and plan nothing with it; the wrapper has no run-time argument for it, so it is
+    set here for this call.
+    """
+    planned = getattr(wrapper, "_planned_backend", None)
+    if planned is None or not hasattr(planned, "_sm_scale"):
+        raise RuntimeError(
+            "this flashinfer-python's MLA wrapper does not keep its planned softmax scale "
+            "where FLASHINFER_MLA sets each layer's (wrapper._planned_backend._sm_scale); "
+            "install flashinfer-python 0.7.x or use TRITON_MLA")
+    planned._sm_scale = scale
+    fp8 = {} if kv_scale is None else {"ckv_scale": kv_scale, "kpe_scale": kv_scale}
+    wrapper.run(query=(q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]),
+                kv_cache=(kv_cache[..., :KV_LORA_RANK], kv_cache[..., KV_LORA_RANK:]),
+                out=out, **fp8)
+
+
+@dataclasses.dataclass
+class FlashInferMLAMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the wrapper
+    :class:`FlashInferMLAMetadataBuilder` planned for the step.
+
+    Attributes:
+        wrapper: the planned ``BatchMLAPagedAttentionWrapper`` (``None`` for an empty step).
+        plan: the heads, dtypes and block size it was planned for.
+    """
+
+    wrapper: Any = None
+    plan: _Plan | None = None
+
+
+class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
+    """Plans FlashInfer's MLA wrapper once per step (see the module docstring).
+
+    The step's tensors live in the persistent buffers of
+    :class:`kvcore.PersistentMetadataBuilder`. The builder owns a float workspace of
+    :attr:`FlashInferMLABackend.WORKSPACE_BYTES`, one eager wrapper, and one CUDA-graph
+    wrapper per ``graph_batch_size`` it was asked for, with metadata buffers of
+    ``graph_batch_size + 1``, ``graph_batch_size + 1``, ``graph_batch_size *
+    ceil(max_model_len / block_size)`` and ``graph_batch_size`` int32 made on its first build
+    (:class:`kvcore.CudaGraphRunner` builds each size before capturing it). ``spec`` must be a
+    :class:`kvcore.MLAAttentionSpec` of kv_lora_rank 512 and rope 64; ``num_heads`` one of
+    :attr:`FlashInferMLABackend.SUPPORTED_NUM_HEADS`.
+    """
+
+    def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, device) -> None:
+        if not isinstance(spec, MLAAttentionSpec):
+            raise TypeError(f"spec must be a kvcore.MLAAttentionSpec (latent cache), got "
+                            f"{type(spec).__name__}")
+        if (spec.kv_lora_rank, spec.qk_rope_head_dim) != (KV_LORA_RANK, ROPE_DIM):
+            raise ValueError(f"spec has kv_lora_rank={spec.kv_lora_rank}, qk_rope_head_dim="
+                             f"{spec.qk_rope_head_dim}; FLASHINFER_MLA supports "
+                             f"{KV_LORA_RANK} and {ROPE_DIM}")
+        super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, device=device)
+        _check_num_heads(self.num_heads)
+        with torch.inference_mode(False):
+            self.workspace = torch.zeros(FlashInferMLABackend.WORKSPACE_BYTES,
+                                         dtype=torch.uint8, device=self.device)
+        self._eager = _new_wrapper(self.workspace)
+        self._graph_wrappers: dict[int, Any] = {}
+
+    def _graph_wrapper(self, size: int) -> Any:
+        wrapper = self._graph_wrappers.get(size)
+        if wrapper is None:
+            wrapper = _new_wrapper(self.workspace, size, size * self.max_blocks_per_seq)
+            self._graph_wrappers[size] = wrapper
+        return wrapper
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> FlashInferMLAMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
+            return FlashInferMLAMetadata(**fields)
+        wrapper = (self._eager if graph_batch_size is None
+                   else self._graph_wrapper(graph_batch_size))
+        plan = _plan(wrapper, meta, self.num_heads, self.spec.block_size, self.spec.dtype,
+                     self.spec.cache_dtype)
+        return FlashInferMLAMetadata(**fields, wrapper=wrapper, plan=plan)
+
+
+@functools.cache
+def _device_wrapper(device: torch.device) -> Any:
+    """The eager wrapper of ``device`` for metadata not made by the builder."""
+    return _new_wrapper(torch.zeros(FlashInferMLABackend.WORKSPACE_BYTES, dtype=torch.uint8,
+                                    device=device))
+
+
+#: The last plan of the device wrappers (every such plan goes through it, so a hit means the
+#: wrapper it returns still holds that plan).
+_PLANS = StepCache()
+
+
+class FlashInferMLAImpl(MLACommonImpl):
+    """:class:`kvcore.MLACommonImpl` on FlashInfer's MLA kernels (the same arguments as
+    CPU_MLA's and TRITON_MLA's; see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _check_num_heads(self.num_heads)
+        if self.kv_lora_rank != KV_LORA_RANK:
+            raise ValueError(f"kv_lora_rank={self.kv_lora_rank}: FLASHINFER_MLA supports "
+                             f"{KV_LORA_RANK} (with qk_rope_head_dim={ROPE_DIM})")
+        if self.kv_cache_dtype not in FlashInferMLABackend.SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} (FLASHINFER_MLA supports "
+                f"{', '.join(FlashInferMLABackend.SUPPORTED_KV_CACHE_DTYPES)})")
+        #: The fp8 scale read at the last eager call, for a call inside a CUDA-graph capture.
+        self._kv_scale: float | None = None
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write latents: ``key`` = ``kv_c`` ``(num_tokens, kv_lora_rank)``, ``value`` =
+        ``k_pe`` ``(num_tokens, [1,] qk_rope_head_dim)``; fp8 caches use ``layer.k_scale``.
+
+        One launch of :func:`kvcore.ops.reshape_and_cache` on the latent's two 288-channel
+        halves (see the module docstring); stride-aware, int64 offsets, negative slots
+        skipped.
+        """
+        k_pe = validate_concat_and_cache_mla(key, value, kv_cache, slot_mapping,
+                                             self.kv_cache_dtype, layer.k_scale)
+        half = kv_cache.shape[-1] // 2
+        latent = torch.cat([key, k_pe], dim=-1)[:, None, :]
+        cache = kv_cache[:, :, None, :]
+        reshape_and_cache(latent[..., :half], latent[..., half:], cache[..., :half],
+                          cache[..., half:], slot_mapping, self.kv_cache_dtype, layer.k_scale,
+                          layer.k_scale)
+
+    def _fp8_scale(self, layer: AttentionLayer) -> float | None:
+        """The cache's dequantisation scale as a float (``None`` for a bf16/fp16 cache)."""
+        if self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            return None
+        scale = layer.k_scale
+        if isinstance(scale, torch.Tensor) and scale.is_cuda and \
+                torch.cuda.is_current_stream_capturing():
+            if self._kv_scale is None:
+                raise RuntimeError(
+                    "FLASHINFER_MLA takes the fp8 cache scale as a host float: run the step "
+                    "once eagerly before capturing it, so the layer's k_scale tensor is read "
+                    "outside the capture (CudaGraphRunner.capture does)")
+            return self._kv_scale
+        self._kv_scale = scale_value(scale)
+        return self._kv_scale
+
+    def _planned(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> Any:
+        """The wrapper planned for this step: the builder's, checked against this layer, or
+        one planned here on the step's first layer."""
+        want = _Plan(self.num_heads, q.dtype, kv_cache.dtype, kv_cache.shape[1])
+        if isinstance(meta, FlashInferMLAMetadata) and meta.wrapper is not None:
+            if meta.plan != want:
+                raise ValueError(
+                    f"this layer runs {want.num_heads} heads, query {want.q_dtype}, cache "
+                    f"{want.kv_dtype} in blocks of {want.block_size}, but the step was planned "
+                    f"by FlashInferMLAMetadataBuilder for {meta.plan.num_heads} heads, query "
+                    f"{meta.plan.q_dtype}, cache {meta.plan.kv_dtype}, blocks of "
+                    f"{meta.plan.block_size}: build the step with a builder made for this "
+                    "layer's spec and num_heads")
+            return meta.wrapper
+        def plan() -> Any:
+            wrapper = _device_wrapper(kv_cache.device)
+            _plan(wrapper, meta, self.num_heads, kv_cache.shape[1], q.dtype, kv_cache.dtype)
+            return wrapper
+
+        return _PLANS.get(meta, (kv_cache.device, want), plan)
+
+    def _latent_attention(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        m = attn_metadata
+        validate_mla_attention(q, kv_cache, self.kv_lora_rank, m.query_start_loc, m.seq_lens,
+                               m.block_table, self.scale, self.kv_cache_dtype, layer.k_scale,
+                               None)
+        if kv_cache.device.type != "cuda":
+            raise ValueError(f"kv_cache is on {kv_cache.device}; FLASHINFER_MLA runs "
+                             "FlashInfer's CUDA kernels on GPU tensors")
+        if kv_cache.stride(-1) != 1:
+            raise ValueError(f"kv_cache has strides {kv_cache.stride()}; FlashInfer reads "
+                             "each latent's channels contiguously (last stride 1)")
+        wrapper = self._planned(q, kv_cache, m)
+        out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
+        _run(wrapper, self.scale, q, kv_cache, out, self._fp8_scale(layer))
+        return out

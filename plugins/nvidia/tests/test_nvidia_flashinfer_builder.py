@@ -1,0 +1,267 @@
+"""FLASHINFER's builder on CPU, against a stand-in for FlashInfer's wrappers: kernel choice,
+host-side page lists, mixed batches split into decode and prefill parts, CUDA-graph decode
+wrappers whose plan is skipped while the page counts stay, warmup.
+
+The stand-in keeps FlashInfer's documented contract: an eager wrapper keeps the page lists
+``plan`` was given (device tensors by reference, as ``.to(device)`` of a device tensor is the
+tensor itself); a CUDA-graph wrapper copies them into the buffers it was made with and reads
+those at ``run``; a plan fixes the work split, which depends on the page counts per request,
+so a ``run`` whose buffers hold other page counts than the plan's is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+from kvcore_nvidia.backends import flashinfer as fi_backend
+from kvcore_nvidia.backends.flashinfer import (
+    FlashInferBackend,
+    FlashInferKernels,
+    FlashInferMetadata,
+    HostPages,
+    flashinfer_kernels,
+)
+from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
+
+import kvcore
+from kvcore.testing import contiguous_attention_ref
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 32, 16, 40
+
+
+class _Wrapper:
+    """FlashInfer's paged wrappers as documented (see the module docstring)."""
+
+    made: list[_Wrapper] = []
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str, **kwargs: object) -> None:
+        assert kv_layout == "NHD"
+        self.kwargs = kwargs
+        self.decode = "use_tensor_cores" in kwargs
+        self.graph = bool(kwargs.get("use_cuda_graph"))
+        self.plans = 0
+        self.lists: dict[str, object] = {}
+        _Wrapper.made.append(self)
+
+    def plan(self, *args: object, **kwargs: object) -> None:
+        if self.decode:
+            indptr, indices, last, _, _, _, page = args
+            qo = torch.arange(indptr.numel(), dtype=torch.int32)
+            kwargs.setdefault("causal", False)
+        else:
+            qo, indptr, indices, last, _, _, _, page = args
+        assert not any(t.device.type == "cuda" for t in (qo, indptr, last)), \
+            "host lists are planned on the host"
+        if self.graph:
+            k = self.kwargs
+            assert indptr.numel() == k["paged_kv_indptr_buffer"].numel()
+            k["paged_kv_indptr_buffer"].copy_(indptr)
+            k["paged_kv_last_page_len_buffer"].copy_(last)
+            k["paged_kv_indices_buffer"][:indices.numel()].copy_(indices)
+            indptr, last = k["paged_kv_indptr_buffer"], k["paged_kv_last_page_len_buffer"]
+            indices = k["paged_kv_indices_buffer"]
+        self.lists = dict(qo=qo.clone(), indptr=indptr, indices=indices, last=last, page=page,
+                          planned_pages=(indptr[1:] - indptr[:-1]).clone(), **kwargs)
+        self.plans += 1
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            out: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = paged_kv_cache
+        p = self.lists
+        indptr = p["indptr"]
+        assert torch.equal(indptr[1:] - indptr[:-1], p["planned_pages"]), \
+            "run on page counts the plan was not made for"
+        assert q.shape[0] == int(p["qo"][-1]) and out.shape == q.shape
+        for b in range(indptr.numel() - 1):
+            pages = p["indices"][indptr[b]:indptr[b + 1]].long()
+            s_k = (pages.numel() - 1) * p["page"] + int(p["last"][b]) if pages.numel() else 0
+            rows = slice(int(p["qo"][b]), int(p["qo"][b + 1]))
+            s_q = rows.stop - rows.start
+            k = k_cache[pages].flatten(0, 1)[:s_k]
+            v = v_cache[pages].flatten(0, 1)[:s_k]
+            qi = torch.arange(s_q)[:, None] + s_k - s_q
+            allowed = torch.ones(s_q, s_k, dtype=torch.bool)
+            if p["causal"]:
+                allowed &= torch.arange(s_k)[None, :] <= qi
+            out[rows] = contiguous_attention_ref(q[rows], k, v, p["sm_scale"],
+                                                 allowed=allowed).to(out.dtype)
+        return out
+
+
+@pytest.fixture(autouse=True)
+def fake_flashinfer(monkeypatch):
+    module = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
+                                   BatchDecodeWithPagedKVCacheWrapper=_Wrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    _Wrapper.made = []
+    fi_backend._wrappers.cache_clear()
+    yield
+    fi_backend._wrappers.cache_clear()
+
+
+def _builder(max_num_seqs: int = 8) -> fi_backend.FlashInferMetadataBuilder:
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
+    return FlashInferBackend.get_builder_cls()(
+        spec, num_heads=HEADS, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+        max_model_len=512, device="cpu")
+
+
+def _impl() -> kvcore.AttentionImpl:
+    return FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS)
+
+
+def _cache(seed: int) -> tuple[torch.Tensor, torch.Generator]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, generator=gen), gen
+
+
+def _forward(impl, batch, kv_cache, meta) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache, meta,
+                 output=out)
+    return out
+
+
+@pytest.mark.parametrize(("capability", "heads", "expected"), [
+    ((9, 0), (32, 8), FlashInferKernels("fa3", True)),
+    ((8, 0), (32, 8), FlashInferKernels("fa2", True)),
+    ((8, 9), (32, 16), FlashInferKernels("fa2", False)),
+    ((10, 0), (32, 8), FlashInferKernels("fa2", True)),
+    ((12, 0), (8, 8), FlashInferKernels("fa2", False)),
+    (None, (32, 8), FlashInferKernels("fa2", True)),
+], ids=["hopper", "ampere", "ada-gqa2", "blackwell", "blackwell-mha", "no-gpu"])
+def test_kernels_per_gpu_and_phase(capability, heads, expected):
+    assert flashinfer_kernels(capability, *heads) == expected
+
+
+SHAPES = {
+    # decodes first, then prefills with and without a cached prefix: split in two
+    "mixed-decodes-first": dict(q_lens=(1, 1, 19, 7, 0), ctx_lens=(37, 15, 16, 0, 5)),
+    # a decode after a prefill: only the leading decode goes to the decode kernel
+    "mixed-decode-after-prefill": dict(q_lens=(1, 19, 1, 7), ctx_lens=(37, 16, 40, 0)),
+    "prefill-only": dict(q_lens=(19, 7), ctx_lens=(16, 0)),
+    "decode-only": dict(q_lens=(1, 1, 1), ctx_lens=(37, 15, 0)),
+    # requests without new tokens after the decodes: nothing for the prefill kernel
+    "decodes-then-idle": dict(q_lens=(1, 1, 0), ctx_lens=(37, 15, 5)),
+}
+SPLITS = {"mixed-decodes-first": 2, "mixed-decode-after-prefill": 1, "prefill-only": 0,
+          "decode-only": 3, "decodes-then-idle": 2}
+HAS_PREFILL = {"mixed-decodes-first", "mixed-decode-after-prefill", "prefill-only"}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_builder_splits_the_batch_and_matches_the_reference(shape, causal):
+    kv_cache, gen = _cache(1)
+    impl = _impl()
+    batch = mixed_batch(impl, kv_cache, gen, causal=causal, **SHAPES[shape])
+    meta = _builder().build(batch.meta)
+    k = SPLITS[shape]
+    assert meta.num_decodes == k
+    assert (meta.decode_wrapper is not None) == (k > 0)
+    assert (meta.prefill_wrapper is not None) == (shape in HAS_PREFILL)
+    if meta.decode_wrapper is not None:
+        assert meta.decode_wrapper.lists["indptr"].numel() == k + 1
+    assert rel_err(_forward(impl, batch, kv_cache, meta),
+                   reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+
+
+def test_builder_reads_the_lengths_back_when_the_metadata_has_no_host_copies():
+    kv_cache, gen = _cache(2)
+    impl = _impl()
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES["mixed-decodes-first"])
+    plain = dataclasses.replace(batch.meta, query_start_loc_cpu=None, seq_lens_cpu=None)
+    out = _forward(impl, batch, kv_cache, _builder().build(plain))
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+    wrong = dataclasses.replace(batch.meta, seq_lens_cpu=batch.meta.seq_lens_cpu[:-1])
+    with pytest.raises(ValueError, match="seq_lens_cpu .* must have the shapes"):
+        _builder().build(wrong)
+
+
+def test_build_attention_metadata_carries_host_copies():
+    meta = kvcore.build_attention_metadata([1, 3], [16, 0], [[7, 2], [4]], 16)
+    assert torch.equal(meta.query_start_loc_cpu, meta.query_start_loc)
+    assert torch.equal(meta.seq_lens_cpu, meta.seq_lens)
+    assert meta.seq_lens_cpu.device.type == "cpu"
+
+
+def test_host_pages_of_a_mixed_batch():
+    pages = HostPages.of(torch.tensor([0, 1, 4, 4, 6]), torch.tensor([17, 33, 0, 2]), 16)
+    assert pages.indptr.tolist() == [0, 2, 5, 5, 6]
+    assert pages.last_page_len.tolist() == [1, 1, 0, 2]
+    assert pages.leading_decodes() == 1
+    tail = pages.tail(1)
+    assert tail.qo_indptr.tolist() == [0, 3, 3, 5]
+    assert tail.indptr.tolist() == [0, 3, 3, 4]
+
+
+def _decode_step(tables, lengths):
+    n = len(lengths)
+    return kvcore.build_attention_metadata([1] * n, [x - 1 for x in lengths], tables,
+                                           BLOCK_SIZE)
+
+
+def test_graph_decode_plans_only_when_the_page_counts_change():
+    """Steps built for one captured size: the wrapper, its buffers and the metadata's tensors
+    stay; the plan is skipped while every request keeps its page count, and the output is
+    right in every step (the stand-in reads the buffers, as a replay does)."""
+    kv_cache, gen = _cache(3)
+    impl, builder = _impl(), _builder()
+    tables = [[3, 9, 4], [11, 12, 13], [20, 21, 22]]
+    steps = [[17, 29], [18, 30], [19, 31], [20, 32],  # same pages (2, 2): plan once
+             [33, 32],                                # request 0 enters page 3: plan
+             [34, 33, 5]]                             # a third request (padding changes)
+    expected_plans = [1, 1, 1, 1, 2, 3]
+    wrappers, pointers = set(), set()
+    for lengths, plans in zip(steps, expected_plans, strict=True):
+        common = _decode_step(tables[:len(lengths)], lengths)
+        meta = builder.build(common, graph_batch_size=4)
+        assert isinstance(meta, FlashInferMetadata) and meta.prefill_wrapper is None
+        wrappers.add(id(meta.decode_wrapper))
+        pointers.add(tuple(t.data_ptr() for t in (meta.seq_lens, meta.block_table)))
+        assert builder.plans == plans
+        n = len(lengths)
+        q = torch.randn(4, HEADS, HEAD_SIZE, generator=gen)
+        out = torch.full_like(q, float("nan"))
+        impl.forward(kvcore.LayerScales(), q, q[:, :KV_HEADS], q[:, :KV_HEADS], kv_cache, meta,
+                     output=out)
+        ref = kvcore.ops.paged_attention_ref(
+            q[:n].double(), *(c.double() for c in kv_cache.unbind(1)),
+            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
+            block_table=common.block_table, scale=impl.scale)
+        assert rel_err(out[:n], ref) < REL_ERR[torch.float32]
+    assert len(wrappers) == 1 and len(pointers) == 1
+
+
+def test_builder_reused_across_steps_of_different_shapes():
+    kv_cache, _ = _cache(4)
+    impl, builder = _impl(), _builder()
+    for seed, shape in enumerate(["decode-only", "mixed-decodes-first", "prefill-only",
+                                  "mixed-decode-after-prefill", "decode-only"]):
+        batch = mixed_batch(impl, kv_cache, torch.Generator().manual_seed(seed),
+                            **SHAPES[shape])
+        out = _forward(impl, batch, kv_cache, builder.build(batch.meta))
+        assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32], shape
+
+
+def test_warmup_builds_each_phase_once():
+    builder = _builder()
+    seconds = builder.warmup()
+    assert set(seconds) == {"decode", "prefill"}
+    assert all(s >= 0 for s in seconds.values())
+    assert builder.plans == 2
+
+
+def test_default_builder_warmup_does_nothing():
+    spec = kvcore.FullAttentionSpec(block_size=16, dtype=torch.float32, num_kv_heads=2,
+                                    head_size=32)
+    builder = kvcore.AttentionMetadataBuilder(spec, num_heads=8, max_num_seqs=4,
+                                              max_num_batched_tokens=64, max_model_len=64,
+                                              device="cpu")
+    assert builder.warmup() == {}

@@ -1,0 +1,146 @@
+"""FLASHINFER's builder on an NVIDIA GPU at real sizes (Hq 32, Hk 8, D 128, bf16, blocks of
+16): prefill, decode and mixed batches on the kernels :func:`flashinfer_kernels` picks for
+the GPU (SM90 prefill on Hopper) against the float64 reference; one builder reused across
+steps of different shapes; a captured decode step replayed after rebuilding with other
+lengths equals the eager step; warmup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_nvidia.backends.flashinfer import FlashInferBackend
+from nvidia_helpers import mixed_batch, reference, rel_err
+
+import kvcore
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 32, 8, 128, 16, 4096
+#: ||out - ref|| / ||ref|| of a bf16 kernel against float64 (bf16 rounding is ~4e-3 per value).
+BF16_REL_ERR = 1e-2
+_MISSING = FlashInferBackend.unavailable_reasons()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_MISSING), reason="; ".join(_MISSING))]
+
+SHAPES = {
+    "prefill": dict(q_lens=(300, 257), ctx_lens=(0, 0)),
+    "chunked-prefill": dict(q_lens=(128, 64, 200), ctx_lens=(2000, 640, 33)),
+    "decode": dict(q_lens=(1,) * 24, ctx_lens=tuple(range(40, 24 * 97, 97))),
+    "mixed-decodes-first": dict(q_lens=(1, 1, 1, 300, 57), ctx_lens=(1000, 15, 4095, 64, 0)),
+    "mixed-decode-last": dict(q_lens=(1, 300, 257, 1), ctx_lens=(1000, 64, 0, 4095)),
+}
+
+
+def _impl() -> kvcore.AttentionImpl:
+    return FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS)
+
+
+def _cache(gen: torch.Generator) -> torch.Tensor:
+    caches = kvcore.allocate_kv_caches(FlashInferBackend, num_layers=1, num_blocks=NUM_BLOCKS,
+                                       block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS,
+                                       head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
+    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
+    return caches.layers[0]
+
+
+def _builder(max_num_seqs: int = 64) -> kvcore.AttentionMetadataBuilder:
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
+    return FlashInferBackend.get_builder_cls()(
+        spec, num_heads=HEADS, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+        max_model_len=8192, device="cuda")
+
+
+def _forward(impl, batch, kv_cache, meta) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache, meta,
+                 output=out)
+    return out
+
+
+def test_kernels_on_this_gpu():
+    builder = _builder()
+    major = torch.cuda.get_device_capability()[0]
+    assert builder.kernels.prefill == ("fa3" if major == 9 else "fa2")
+    assert builder.kernels.decode_tensor_cores  # 4 query heads per K/V head
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_builder_matches_float64_reference(shape, causal):
+    gen = torch.Generator().manual_seed(len(shape) * 31 + causal)
+    kv_cache = _cache(gen)
+    impl = _impl()
+    batch = mixed_batch(impl, kv_cache, gen, causal=causal, **SHAPES[shape])
+    meta = _builder().build(batch.meta)
+    out = _forward(impl, batch, kv_cache, meta)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR
+
+
+def test_builder_reused_across_steps_of_different_shapes():
+    gen = torch.Generator().manual_seed(5)
+    kv_cache = _cache(gen)
+    impl, builder = _impl(), _builder()
+    for shape in ["decode", "mixed-decodes-first", "prefill", "chunked-prefill",
+                  "mixed-decode-last", "decode"]:
+        batch = mixed_batch(impl, kv_cache, gen, **SHAPES[shape])
+        out = _forward(impl, batch, kv_cache, builder.build(batch.meta))
+        assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR, shape
+
+
+def test_captured_decode_step_replays_after_rebuild():
+    """A decode step captured for 8 requests, replayed after ``build()`` of steps with other
+    lengths (the same page counts: plan skipped; new page counts: planned again) and fewer
+    requests, equals the eager step on the same metadata and the float64 reference."""
+    gen = torch.Generator().manual_seed(6)
+    kv_cache = _cache(gen)
+    impl, builder = _impl(), _builder(max_num_seqs=8)
+    size = 8
+    q = torch.randn(size, HEADS, HEAD_SIZE, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.empty_like(q)
+    ids = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = [ids[i * 64:(i + 1) * 64] for i in range(size)]
+
+    def common(lengths):
+        n = len(lengths)
+        return kvcore.build_attention_metadata([1] * n, [x - 1 for x in lengths], tables[:n],
+                                               BLOCK_SIZE, device="cuda")
+
+    first = [100 + 37 * i for i in range(size)]
+    meta = builder.build(common(first), graph_batch_size=size)
+
+    def step():
+        impl.forward(kvcore.LayerScales(), q, q[:, :KV_HEADS], q[:, :KV_HEADS], kv_cache, meta,
+                     output=out)
+
+    step()  # outside the capture: nothing lazy left
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    plans = builder.plans
+    for lengths in ([101 + 37 * i for i in range(size)],   # same page counts: no plan
+                    [900 - 50 * i for i in range(size)],   # new page counts: planned
+                    [33, 17, 1000, 5, 64]):                # fewer requests: padded
+        c = common(lengths)
+        rebuilt = builder.build(c, graph_batch_size=size)
+        assert all(a.data_ptr() == b.data_ptr() for a, b in (
+            (rebuilt.seq_lens, meta.seq_lens), (rebuilt.block_table, meta.block_table)))
+        assert rebuilt.decode_wrapper is meta.decode_wrapper
+        graph.replay()
+        replayed = out.clone()
+        eager = torch.empty_like(out)
+        impl.forward(kvcore.LayerScales(), q, q[:, :KV_HEADS], q[:, :KV_HEADS], kv_cache,
+                     rebuilt, output=eager)
+        n = len(lengths)
+        assert torch.equal(replayed[:n], eager[:n])
+        k, v = kv_cache.unbind(1)
+        ref = kvcore.ops.paged_attention_ref(
+            q[:n].double(), k.double(), v.double(), query_start_loc=c.query_start_loc,
+            seq_lens=c.seq_lens, block_table=c.block_table, scale=impl.scale)
+        assert rel_err(replayed[:n], ref) < BF16_REL_ERR
+    assert builder.plans - plans == 2  # the first rebuild kept the plan
+
+
+def test_warmup_builds_the_modules_then_costs_little():
+    first = _builder().warmup()
+    assert set(first) == {"decode", "prefill"}
+    again = _builder().warmup()
+    assert all(again[p] < max(first[p], 1.0) for p in again)

@@ -1,0 +1,192 @@
+"""FLASHINFER_MLA without a GPU: its declared capabilities and the reasons derived from them,
+its place in the CUDA MLA priority list (simulated devices, FlashInfer simulated present or
+absent), the argument checks of its impl and builder, and its latent write (the reference
+path on CPU tensors) against the MLA reference, bit for bit, on a cross-layer view."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from kvcore_nvidia.backends.flashinfer_mla import FlashInferMLABackend, mla_page_lists
+
+import kvcore
+from kvcore.ops import concat_and_cache_mla_ref
+
+FLASHINFER_MISSING = "flashinfer-python not installed (pip install flashinfer-python)"
+MLA = dict(head_size=576, dtype=torch.bfloat16, block_size=64, use_mla=True)
+RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
+
+
+def _reasons(**changes) -> list[str]:
+    config = kvcore.AttentionSelectorConfig(**{**MLA, **changes})
+    return FlashInferMLABackend.validate_configuration(
+        **config.as_kwargs(), device_capability=kvcore.DeviceCapability(9, 0))
+
+
+def _without_install_reasons(reasons: list[str]) -> list[str]:
+    return [r for r in reasons if "not installed" not in r]
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    (dict(head_size=512), "head_size=512 (supported: 576)"),
+    (dict(block_size=128), "block_size=128 (supported: 16, 32, 64)"),
+    (dict(dtype=torch.float32), "dtype=float32 (supported: float16, bfloat16)"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype=fp8_e5m2 (supported: auto, fp8, fp8_e4m3)"),
+    (dict(kv_cache_dtype="fp8", dtype=torch.float16),
+     "kv_cache_dtype=fp8 with dtype=float16: FlashInfer's fp8 MLA kernels take bfloat16 queries "
+     "only; use dtype=bfloat16 or kv_cache_dtype=auto"),
+    (dict(use_mla=False), "use_mla=False but FLASHINFER_MLA only runs MLA layers"),
+], ids=["head-size", "block-size", "dtype", "e5m2", "fp8-fp16", "not-mla"])
+def test_declared_capabilities_give_full_reasons(change, reason):
+    assert _without_install_reasons(_reasons(**change)) == [reason]
+
+
+@pytest.mark.parametrize(("capability", "fp8_ok"), [("8.0", False), ("8.9", False),
+                                                    ("9.0", True), ("10.0", False)])
+def test_fp8_cache_is_hopper_only(capability, fp8_ok):
+    cap = kvcore.DeviceCapability.parse(capability)
+    reasons = _without_install_reasons(FlashInferMLABackend.validate_configuration(
+        **kvcore.AttentionSelectorConfig(**MLA, kv_cache_dtype="fp8").as_kwargs(),
+        device_capability=cap))
+    expected = [] if fp8_ok else [
+        f"kv_cache_dtype=fp8 needs device capability 9.x (Hopper) for FlashInfer's fp8 MLA "
+        f"kernels (got {cap}); use kv_cache_dtype=auto"]
+    assert reasons == expected
+
+
+def test_capability_below_ampere_is_refused():
+    reasons = FlashInferMLABackend.validate_configuration(
+        **kvcore.AttentionSelectorConfig(**MLA).as_kwargs(),
+        device_capability=kvcore.DeviceCapability(7, 5))
+    assert "device capability 7.5 (supported: >= 8.0)" in reasons
+
+
+@pytest.fixture
+def flashinfer_present(monkeypatch):
+    """``flashinfer_present(True)``: pretend flashinfer-python is installed (the class the
+    registry resolves no longer requires it); ``False`` leaves it required."""
+
+    def set_present(present: bool) -> None:
+        if present:
+            monkeypatch.setattr(kvcore.resolve_backend("FLASHINFER_MLA"), "REQUIRED_PACKAGES",
+                                ())
+        kvcore.clear_selection_cache()
+
+    return set_present
+
+
+@pytest.mark.parametrize(("capability", "present", "selected", "order"), [
+    ("9.0", True, "FLASHINFER_MLA", ["FLASHINFER_MLA", "TRITON_MLA"]),
+    ("10.0", True, "FLASHINFER_MLA", ["FLASHINFER_MLA", "TRITON_MLA"]),
+    ("8.0", True, "TRITON_MLA", ["TRITON_MLA", "FLASHINFER_MLA"]),
+    ("9.0", False, "TRITON_MLA", ["FLASHINFER_MLA", "TRITON_MLA"]),
+], ids=["hopper", "blackwell", "ampere", "hopper-without-flashinfer"])
+def test_mla_priority_on_cuda(kvcore_simulate, flashinfer_present, capability, present,
+                              selected, order):
+    kvcore_simulate("cuda", capability, plugins=("nvidia", "mla"))
+    if importlib.util.find_spec("flashinfer") is not None and not present:
+        pytest.skip("flashinfer is installed here: its absence cannot be simulated this way")
+    flashinfer_present(present)
+    config = kvcore.AttentionSelectorConfig(**MLA)
+    report = kvcore.explain_selection(config)
+    assert [c.name for c in report.candidates][:2] == order
+    assert kvcore.get_attn_backend(config).get_name() == selected
+    fi = next(c for c in report.candidates if c.name == "FLASHINFER_MLA")
+    assert fi.plugin == "nvidia"
+    if present:
+        assert fi.valid
+    else:
+        assert fi.reasons == [FLASHINFER_MISSING]
+
+
+def test_a_non_mla_config_never_gets_flashinfer_mla(kvcore_simulate, flashinfer_present):
+    kvcore_simulate("cuda", "9.0", plugins=("nvidia", "mla"))
+    flashinfer_present(True)
+    report = kvcore.explain_selection(kvcore.AttentionSelectorConfig(head_size=576,
+                                                                     dtype=torch.bfloat16))
+    fi = next(c for c in report.candidates if c.name == "FLASHINFER_MLA")
+    assert fi.reasons == ["use_mla=False but FLASHINFER_MLA only runs MLA layers"]
+
+
+def _weight(num_heads: int, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(num_heads * (NOPE + V_DIM), RANK, generator=gen)
+            * RANK**-0.5).to(torch.bfloat16)
+
+
+def _impl(num_heads: int = 16, **kw) -> kvcore.AttentionImpl:
+    gen = torch.Generator().manual_seed(num_heads)
+    return FlashInferMLABackend.get_impl_cls()(
+        num_heads, RANK + ROPE, (NOPE + ROPE) ** -0.5, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE, v_head_dim=V_DIM, kv_b_proj_weight=_weight(num_heads, gen), **kw)
+
+
+def test_impl_refuses_head_counts_and_caches_it_cannot_run():
+    with pytest.raises(ValueError, match=r"num_heads=12 \(FLASHINFER_MLA supports 1, 2, 4, 8, "
+                                         r"16, 32, 64, 128 query heads per layer"):
+        _impl(12)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2' \(FLASHINFER_MLA supports "
+                                         r"auto, fp8, fp8_e4m3\)"):
+        _impl(kv_cache_dtype="fp8_e5m2")
+
+
+def test_builder_refuses_specs_and_head_counts_it_cannot_plan():
+    cls = FlashInferMLABackend.get_builder_cls()
+    sizes = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, device="cpu")
+    full = kvcore.FullAttentionSpec(block_size=64, dtype=torch.bfloat16, num_kv_heads=1,
+                                    head_size=576)
+    with pytest.raises(TypeError, match="spec must be a kvcore.MLAAttentionSpec"):
+        cls(full, num_heads=16, **sizes)
+    small = kvcore.MLAAttentionSpec(block_size=64, dtype=torch.bfloat16, kv_lora_rank=256)
+    with pytest.raises(ValueError, match="kv_lora_rank=256, qk_rope_head_dim=64; FLASHINFER_MLA "
+                                         "supports 512 and 64"):
+        cls(small, num_heads=16, **sizes)
+    spec = kvcore.MLAAttentionSpec(block_size=64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="num_heads=24 "):
+        cls(spec, num_heads=24, **sizes)
+
+
+def test_forward_on_cpu_tensors_is_refused_before_any_kernel():
+    impl = _impl()
+    meta = kvcore.build_attention_metadata([1], [10], [[0]], 64)
+    cache = torch.randn(2, 64, RANK + ROPE).to(torch.bfloat16)
+    query = torch.randn(1, 16, NOPE + ROPE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache is on cpu; FLASHINFER_MLA runs FlashInfer's "
+                                         "CUDA kernels on GPU tensors"):
+        impl.forward(kvcore.LayerScales(), query, None, None, cache, meta)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_latent_write_into_a_cross_layer_view_equals_the_mla_reference(kv_cache_dtype):
+    """The two 288-channel halves written through reshape_and_cache are exactly the latent
+    concat_and_cache_mla_ref writes, in the middle layer of a 3-layer pool only."""
+    gen = torch.Generator().manual_seed(5 if kv_cache_dtype == "auto" else 6)
+    impl = _impl(kv_cache_dtype=kv_cache_dtype)
+    block_size, num_blocks, tokens = 16, 6, 40
+    cache_dtype = torch.bfloat16 if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    kv_c = torch.randn(tokens, RANK, generator=gen).to(torch.bfloat16)
+    k_pe = torch.randn(tokens, 1, ROPE, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[3] = -1  # a padding token writes nothing
+    layer = kvcore.LayerScales(k_scale=torch.tensor([0.5]), v_scale=torch.tensor([0.25]))
+
+    expected = torch.zeros(num_blocks, block_size, RANK + ROPE).to(cache_dtype)
+    concat_and_cache_mla_ref(kv_c, k_pe, expected, slots, kv_cache_dtype, layer.k_scale)
+    pool = torch.randn(num_blocks, 3, block_size, RANK + ROPE, generator=gen).to(cache_dtype)
+    view = pool[:, 1]
+    view.zero_()
+    neighbours = pool[:, [0, 2]].clone()
+    impl.do_kv_cache_update(layer, kv_c, k_pe, view, slots)
+    assert torch.equal(view.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(pool[:, [0, 2]].view(torch.uint8), neighbours.view(torch.uint8))
+
+
+def test_page_lists_are_the_used_block_table_entries_in_order():
+    seq_lens = torch.tensor([1, 64, 65, 0, 130], dtype=torch.int32)
+    table = torch.tensor([[7, 99, 99], [3, 99, 99], [4, 5, 99], [99, 99, 99], [8, 9, 10]],
+                         dtype=torch.int32)
+    indptr, indices = mla_page_lists(seq_lens, table, 64)
+    assert indptr.tolist() == [0, 1, 2, 4, 4, 7]
+    assert indices.tolist() == [7, 3, 4, 5, 8, 9, 10]
+    assert indptr.dtype == indices.dtype == torch.int32
