@@ -12,7 +12,7 @@
 #   NVIDIA_TESTS narrows nvidia_tests to some files. STEPS=none only installs the carried
 #   wheels (FlashInfer into /tmp/site, kept while the machine stays warm).
 #   connectors: the connectors' GPU tests, bench_offload (start-up and first transfers
-#   included) and the disaggregated demo in bfloat16 and float32 (nixl carried in .whl);
+#   included) and the disaggregated demo in bfloat16 and float32 (nixl carried in .whl_nixl);
 #   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
@@ -21,13 +21,15 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast (shared machines)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# FlashInfer: carry .whl (its wheel and apache-tvm-ffi) or .whl_fi (its wheel alone, beside
-# .fa4b, which holds the same apache-tvm-ffi) once; later calls on a warm machine reuse /tmp/site.
-for w in .whl .whl_fi; do
-    [ -d $w ] && [ ! -d /tmp/site/flashinfer ] && python3 -m pip install -q --no-index \
-        --no-deps --no-compile --no-cache-dir --target /tmp/site $w/*.whl
+# Carried wheels: .whl (FlashInfer and apache-tvm-ffi), .whl_fi (FlashInfer alone, beside .fa4b,
+# which holds the same apache-tvm-ffi), .whl_nixl (nixl-cu13). Each folder is installed into
+# /tmp/site once per warm machine; later calls reuse it without carrying it again.
+mkdir -p /tmp/site
+for w in .whl .whl_fi .whl_nixl; do
+    [ -d $w ] && [ ! -f /tmp/site/.done$w ] && python3 -m pip install -q --no-index --no-deps \
+        --no-compile --no-cache-dir --upgrade --target /tmp/site $w/*.whl && touch /tmp/site/.done$w
 done
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 # flash-attn-4: a first call carrying .fa4a leaves /tmp/fa4/ir.so.xz, then a call carrying .fa4b
 # installs it (see ../shared/tools/fa4_wheels.sh); FA4=prepare only copies the first part.
 if [ "${FA4:-}" = prepare ]; then mkdir -p /tmp/fa4 && cp .fa4a/ir.so.xz /tmp/fa4/ && exit 0; fi
