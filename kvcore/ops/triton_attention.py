@@ -5,8 +5,10 @@ that module for the conventions: query positions, causal mask, sliding window, f
 
 Kernel structure
 ----------------
-``_paged_attention_kernel`` is one kernel for every request of a batch. A program owns one
-*query tile* of one request and one KV head: ``BLOCK_Q`` consecutive query tokens times the
+Two kernels share one tiling: ``_paged_attention_kernel`` runs decode-only batches (and any
+batch with split-KV), ``_prefill_attention_kernel`` every other batch (prefill, chunked
+prefill, mixed); :func:`default_config` picks one (``AttentionConfig.prefill``). A program
+owns one *query tile* of one request and one KV head: ``BLOCK_Q`` consecutive query tokens times the
 ``num_heads // num_kv_heads`` query heads that share the KV head (padded to ``G_PAD``), i.e.
 ``BLOCK_M = BLOCK_Q * G_PAD`` rows. It streams the request's keys in tiles of ``BLOCK_N``
 tokens gathered through the block table (each token's page looked up on its own, so a tile
@@ -17,6 +19,18 @@ so the K/V loads of a tile depend only on loop-carried values and Triton's pipel
 entirely before the sliding window or after the last query's position (causal) are never
 visited. Programs find their request by a binary search
 over ``query_start_loc``, so the grid needs no host-side metadata and no device sync.
+
+Prefill kernel
+--------------
+The same program tile, with the key loop cut in up to three loops (``_prefill_tiles``): key
+tiles every query of the query tile sees (after the window's lower edge of its last query, up
+to its first query's position) run with no mask, no load guard and the softmax scale folded
+into one multiply-add before ``exp2``; only the tiles on the causal diagonal, on the window's
+lower edge and past the last key mask scores and loads. The dots take bf16/fp16 operands and
+accumulate in fp32 (``tl.dot(p, v, acc)``). Programs run last query tile first, so the
+longest causal tiles start first and the short ones fill the last wave. Tiles per GPU come
+from :data:`PREFILL_TILES`, a fixed table (no autotuning inside a step or a graph capture)
+filled from ``benchmarks/bench_triton_prefill.py`` sweeps.
 
 Split-KV decode
 ---------------
@@ -38,8 +52,8 @@ shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slow
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
 scores are set to ``-inf`` with ``where``, so a NaN *key* after a query changes nothing. A
-NaN/Inf *value* after a query, within the 32-key tile a query tile visits, does reach that
-tile's earlier queries (``0 * NaN`` in the ``p @ V`` product; docs/faults.md).
+NaN/Inf *value* after a query, within the key tile (``BLOCK_N`` keys) a query tile visits,
+does reach that tile's earlier queries (``0 * NaN`` in the ``p @ V`` product; docs/faults.md).
 
 All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
 under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter

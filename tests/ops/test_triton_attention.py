@@ -401,7 +401,8 @@ def test_bad_inputs_raise_naming_the_argument(change: str, error: type, names: s
 def test_real_size_decode_and_prefill_on_gpu() -> None:
     gen = torch.Generator().manual_seed(21)
     for q_lens, seq_lens in (([1] * 16, [4096] * 16), ([1] * 4, [32768] * 4),
-                             ([512, 1, 300], [2048, 3000, 300])):
+                             ([512, 1, 300], [2048, 3000, 300]), ([1000], [1000]),
+                             ([256, 256], [3256, 4000])):
         batch = make_batch(gen, q_lens=q_lens, seq_lens=seq_lens, block_size=16, num_heads=32,
                            num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
         out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
