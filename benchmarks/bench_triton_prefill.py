@@ -65,7 +65,8 @@ DECODE_BEFORE_US = {"64x4096": 252.0, "8x32768": 255.0, "256x1024": 264.0, "16x4
 FLASHINFER_BEFORE_US = {"4x2048": 326.0, "1x8192": 1009.0, "4x512+16k": 953.0}
 #: Candidate prefill tiles (rows, block_n, num_warps, num_stages), the current sm90 row first.
 CANDIDATES = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3),
-              (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3)]
+              (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3),
+              (64, 128, 4, 2)]
 MATMUL_N = 8192
 if SMOKE:
     DTYPE = torch.float32

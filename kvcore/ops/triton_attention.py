@@ -134,11 +134,11 @@ class PrefillTile:
 #: them; ``cuda`` and ``rocm`` for the others), for head sizes up to 128 and above 128. A
 #: deterministic table, filled from ``benchmarks/bench_triton_prefill.py`` sweeps, so no
 #: autotuning runs inside a step or a CUDA-graph capture. Above head size 128 the tile keeps
-#: 64 rows: a 128-row fp32 accumulator of 256 columns spills.
+#: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
+#: sm80 (``kvcore kernels``), which keeps the 32-key tile.
 PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
     "sm90": (PrefillTile(128, 64, 8, 3), PrefillTile(64, 32, 4, 3)),
     "sm100": (PrefillTile(128, 64, 8, 3), PrefillTile(64, 32, 4, 3)),
-    "sm80": (PrefillTile(128, 64, 4, 3), PrefillTile(64, 32, 4, 3)),
     "cuda": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
