@@ -15,7 +15,8 @@ from kvcore.cli import main as kvcore_cli
 from kvcore.cli.bench import BenchOptions, bench_figure, format_report, plot_report, run_bench
 
 CASE_FIELDS = {"name", "backend", "shape", "num_bytes", "seconds", "gbps", "ceiling",
-               "ceiling_gbps", "fraction_of_ceiling", "error"}
+               "ceiling_gbps", "fraction_of_ceiling", "error", "flops", "tflops",
+               "ceiling_tflops"}
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +30,28 @@ def test_bench_json_has_the_expected_fields(report):
             "kvcore", "seconds", "ceilings", "cases"} <= set(data)
     assert (data["platform"], data["selected_backend"], data["size"]) == ("cpu", "CPU_ATTN",
                                                                           "small")
-    assert [c["name"] for c in data["ceilings"]] == ["device read", "device copy"]
+    assert [c["name"] for c in data["ceilings"]] == ["device read", "device copy", "matmul"]
     assert all(c["gbps"] > 0 for c in data["ceilings"])
+    assert [c["tflops"] > 0 for c in data["ceilings"]] == [False, False, True]
     for case in data["cases"]:
         assert set(case) == CASE_FIELDS
         assert case["error"] is None, case
-        assert case["gbps"] > 0 and case["ceiling"] in ("device read", "device copy")
-        assert case["fraction_of_ceiling"] == pytest.approx(case["gbps"] / case["ceiling_gbps"])
+        assert case["gbps"] > 0
+        if case["name"] == "prefill attention":  # compute-bound: held to the matmul
+            assert case["ceiling"] == "matmul" and case["tflops"] > 0
+            assert case["fraction_of_ceiling"] == pytest.approx(
+                case["tflops"] / case["ceiling_tflops"])
+        else:
+            assert case["ceiling"] in ("device read", "device copy") and case["flops"] == 0
+            assert case["fraction_of_ceiling"] == pytest.approx(
+                case["gbps"] / case["ceiling_gbps"])
 
 
 def test_bench_covers_kernels_cache_writes_and_the_connector(report):
     cases = {(c.name, c.backend, "cross-layer" in c.shape) for c in report.cases}
     assert {("decode attention", "CPU_ATTN", False), ("decode attention", "CPU_ATTN", True),
-            ("cache write", "CPU_ATTN", False), ("offload save", "CPU_ATTN", False),
+            ("prefill attention", "CPU_ATTN", False), ("cache write", "CPU_ATTN", False),
+            ("offload save", "CPU_ATTN", False),
             ("offload load", "CPU_ATTN", True)} <= cases
 
 
@@ -49,9 +59,9 @@ def test_bench_table_and_plot(report, tmp_path):
     pytest.importorskip("matplotlib")
     table = format_report(report)
     assert "selected backend: CPU_ATTN" in table and "of ceiling" in table
-    ceiling = report.cases[0].ceiling
-    assert len([line for line in table.splitlines() if ceiling in line]) == \
-        1 + len(report.cases)  # the ceiling row and every case
+    for ceiling in {c.ceiling for c in report.cases}:  # its row and every case held to it
+        assert len([line for line in table.splitlines() if f" {ceiling} " in f" {line} "]) == \
+            1 + len([c for c in report.cases if c.ceiling == ceiling])
     path = plot_report(report, tmp_path / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
 
@@ -65,7 +75,9 @@ def test_bench_plot_has_a_legend_entry_per_bar_colour(report):
     entries = {t.get_text(): to_hex(h.get_facecolor()) for t, h in
                zip(legend.get_texts(), legend.legend_handles, strict=True)}
     bars = {to_hex(p.get_facecolor()) for p in fig.axes[0].patches}
-    kinds = {c.name for c in report.cases}
+    kinds = {c.name for c in report.cases if not c.flops}  # prefill (TFLOP/s): in the table
+    assert "prefill attention" not in kinds and "prefill attention" in {
+        c.name for c in report.cases}
     assert set(entries) == {"ceiling (measured in this run)",
                             *(f"achieved: {kind}" for kind in kinds)}
     assert bars == set(entries.values()) and len(bars) == 1 + len(kinds)
@@ -95,7 +107,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
     ("bench_triton", ["--budget-s", "0"], {"correctness", "timings", "sweeps"}),
     ("bench_mla", ["--budget-s", "0", "--no-flashinfer"], {"correctness", "timings", "sweeps"}),
     ("bench_offload", ["--no-sweep"], set()),
-], ids=["triton", "mla", "offload"])
+    ("bench_triton_prefill", [], {"correctness", "sweeps", "decode"}),
+], ids=["triton", "mla", "offload", "triton-prefill"])
 def test_benchmark_scripts_run_through_the_shared_harness(script, args, lists, tmp_path):
     """The GPU benchmarks on tiny shapes (``--smoke``, CPU): the run log, the JSON and the
     table come out, every correctness check passes (kvcore-nvidia's and kvcore-rocm's have

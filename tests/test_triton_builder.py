@@ -109,6 +109,28 @@ def test_forced_splits_use_the_workspace_and_equal_the_reference(kv):
                           rtol=1e-4)
 
 
+def test_prefill_steps_are_never_split_and_run_the_prefill_kernel(kv):
+    """A chunked prefill beside a fresh one and a decode: no split, no workspace, the prefill
+    kernel's config, the reference's rows."""
+    b = builder(device=DEVICE)
+    meta = b.build(kvcore.build_attention_metadata([6, 5, 1], [7, 0, 20],
+                                                   [[3, 7, 1, 8], [2, 5], [0, 4, 6, 9, 10, 11]],
+                                                   BS, device=DEVICE))
+    assert meta.num_kv_splits == 1 and meta.workspace is None
+    from kvcore.ops.triton_attention import default_config
+
+    assert default_config(12, 3, HQ, HK, D, 6 * BS, torch.device(DEVICE),
+                          num_kv_splits=meta.num_kv_splits).prefill
+    query = torch.randn(12, HQ, D, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    out = forward(meta, kv, query)
+    k, v = kv.unbind(1)
+    ref = paged_attention_ref(query.double().cpu(), k.double().cpu(), v.double().cpu(),
+                              query_start_loc=meta.query_start_loc.cpu(),
+                              seq_lens=meta.seq_lens.cpu(), block_table=meta.block_table.cpu(),
+                              scale=D**-0.5)
+    assert torch.allclose(out.double().cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_the_op_refuses_a_workspace_it_cannot_use(kv):
     from kvcore.ops.triton_attention import paged_attention
 

@@ -11,7 +11,10 @@ chooses the split-KV count once per step and owns the split-KV workspace, so uni
 steps can be captured in CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the
 split count depends only on the captured batch size and ``max_model_len`` (requests shorter
 than that leave some splits empty, which the kernel and the merge handle), eagerly it follows
-the step's longest request.
+the step's longest request. The phase picks the kernel: decode-only steps run the decode
+kernel with the builder's split count; steps with more tokens than requests (prefill, chunked
+prefill, mixed) are never split and run the prefill kernel with the GPU's tile
+(:data:`kvcore.ops.triton_attention.PREFILL_TILES`).
 """
 
 from __future__ import annotations

@@ -6,13 +6,17 @@ Cases, for the current platform:
 - **decode attention** of the selected backend and of every other valid one (one new token
   per request over a long paged context), on a per-layer cache, plus the selected backend on a
   layer of a cross-layer cache when it opts in;
+- **prefill attention** of the same backends (fresh causal prompts whose K/V are in the
+  cache);
 - **cache write** (``do_kv_cache_update``) of the same backends;
 - **offload connector** save and load of whole blocks, per-layer and cross-layer.
 
 Every case counts the bytes it must move at least once and reports GB/s (10**9 B/s) next to
 a ceiling measured in the same run. Kernels are held to the faster of the device read (a
 ``sum`` over a large tensor, bytes read) and the device copy (``Tensor.copy_`` of a large
-tensor, bytes read plus written; on a CPU a large memcpy). The connector is held to the
+tensor, bytes read plus written; on a CPU a large memcpy); prefill, bound by compute, also
+counts its attention FLOPs (QK^T and PV over the keys each query sees) and is held to a
+square matmul in the bench's dtype (TFLOP/s). The connector is held to the
 pinned host<->device copy on a GPU, and to the same memory ceiling on a CPU. Timings and
 ceilings come from :mod:`kvcore.cli.harness`, as in ``benchmarks/``: medians over repetitions
 after warm-up (CUDA events around back-to-back calls on a GPU).
@@ -68,6 +72,9 @@ class BenchSize:
     head_size: int
     block_size: int
     write_tokens: int  #: tokens per cache write
+    prefill_batch: int  #: prefill requests
+    prefill_tokens: int  #: new tokens per prefill request
+    matmul_size: int  #: n of the n x n x n matmul ceiling
     offload_layers: int
     offload_blocks: int  #: blocks per save / load
     copy_bytes: int  #: size of the device-copy ceiling's tensor
@@ -78,10 +85,12 @@ SIZES = {
     # Transfers and the copy ceiling exceed a server CPU's last-level cache (32 MiB here),
     # so both measure memory, not cache, bandwidth.
     "small": BenchSize(batch=4, context=512, num_heads=8, num_kv_heads=2, head_size=128,
-                       block_size=16, write_tokens=8192, offload_layers=8, offload_blocks=192,
+                       block_size=16, write_tokens=8192, prefill_batch=2, prefill_tokens=128,
+                       matmul_size=512, offload_layers=8, offload_blocks=192,
                        copy_bytes=128 << 20, reps=11),
     "full": BenchSize(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_size=128,
-                      block_size=16, write_tokens=32768, offload_layers=32, offload_blocks=256,
+                      block_size=16, write_tokens=32768, prefill_batch=4, prefill_tokens=2048,
+                      matmul_size=8192, offload_layers=32, offload_blocks=256,
                       copy_bytes=2 << 30, reps=20),
 }
 
@@ -100,13 +109,21 @@ class BenchOptions:
 
 @dataclass
 class Ceiling:
+    """A bound measured in the run: ``num_bytes`` moved (and ``flops`` done, for the compute
+    ceiling) in ``seconds``."""
+
     name: str
     num_bytes: int
     seconds: float
+    flops: float = 0.0
 
     @property
     def gbps(self) -> float:
         return self.num_bytes / self.seconds / 1e9
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.seconds / 1e12
 
     @classmethod
     def from_gbps(cls, name: str, num_bytes: int, gbps: float) -> Ceiling:
@@ -115,7 +132,9 @@ class Ceiling:
 
 @dataclass
 class BenchCase:
-    """One timed case: ``num_bytes`` moved per call in ``seconds`` (median)."""
+    """One timed case: ``num_bytes`` moved per call in ``seconds`` (median). A compute-bound
+    case also counts its ``flops`` and is held to ``ceiling_tflops`` instead of
+    ``ceiling_gbps``."""
 
     name: str
     backend: str
@@ -125,17 +144,25 @@ class BenchCase:
     ceiling: str
     ceiling_gbps: float
     error: str | None = None
+    flops: float = 0.0
+    ceiling_tflops: float = 0.0
 
     @property
     def gbps(self) -> float:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @property
+    def tflops(self) -> float:
+        return self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0
+
+    @property
     def fraction_of_ceiling(self) -> float:
+        if self.flops:
+            return self.tflops / self.ceiling_tflops if self.ceiling_tflops > 0 else 0.0
         return self.gbps / self.ceiling_gbps if self.ceiling_gbps > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "gbps": self.gbps,
+        return {**asdict(self), "gbps": self.gbps, "tflops": self.tflops,
                 "fraction_of_ceiling": self.fraction_of_ceiling}
 
 
@@ -161,15 +188,17 @@ class BenchReport:
             "selected_backend": self.selected_backend, "dtype": self.dtype, "size": self.size,
             "torch": self.torch_version, "kvcore": self.kvcore_version,
             "seconds": self.seconds,
-            "ceilings": [{**asdict(c), "gbps": c.gbps} for c in self.ceilings],
+            "ceilings": [{**asdict(c), "gbps": c.gbps, "tflops": c.tflops}
+                         for c in self.ceilings],
             "cases": [c.to_dict() for c in self.cases],
         }
 
 
-def _ceilings(device: torch.device, size: BenchSize, measure: harness.Timer
-              ) -> list[Ceiling]:
-    """Device read (a sum: bytes read) and device copy (bytes read + written); on a GPU also
-    the pinned host<->device copies the connector is bound by."""
+def _ceilings(device: torch.device, size: BenchSize, dtype: torch.dtype,
+              measure: harness.Timer) -> list[Ceiling]:
+    """Device read (a sum: bytes read), device copy (bytes read + written) and a square
+    matmul in ``dtype`` (FLOPs; bytes of its operands and result); on a GPU also the pinned
+    host<->device copies the connector is bound by."""
     n = size.copy_bytes
     ones = torch.ones(n // 4, dtype=torch.float32, device=device)
     src = ones.view(torch.uint8)
@@ -178,6 +207,12 @@ def _ceilings(device: torch.device, size: BenchSize, measure: harness.Timer
         Ceiling.from_gbps("device copy", 2 * n, harness.copy_gbps(
             torch.empty_like(src), src, measure, non_blocking=True)[0]),
     ]
+    m = size.matmul_size
+    a = torch.randn(m, m, device=device).to(dtype)
+    b = torch.randn(m, m, device=device).to(dtype)
+    c = torch.empty_like(a)
+    seconds, _ = measure(lambda: torch.matmul(a, b, out=c))
+    ceilings.append(Ceiling("matmul", 3 * m * m * dtype.itemsize, seconds, 2.0 * m**3))
     if device.type == "cuda":
         m = min(n, 512 << 20)
         pinned = harness.pinned_copy_gbps(src[:m], measure)
@@ -227,6 +262,33 @@ def _decode_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.
              f"D={size.head_size}" + (" cross-layer" if cross_layer else ""))
     return BenchCase("decode attention", backend.get_name(), shape, num_bytes, seconds,
                      ceiling.name, ceiling.gbps)
+
+
+def _prefill_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.dtype,
+                  device: torch.device, measure: harness.Timer, ceiling: Ceiling) -> BenchCase:
+    """Prefill: ``prefill_batch`` fresh requests of ``prefill_tokens`` tokens, causal, their
+    K/V already in the cache (attention only, as ``forward`` runs after the write)."""
+    b, n, bs = size.prefill_batch, size.prefill_tokens, size.block_size
+    per_seq = math.ceil(n / bs)
+    num_blocks = b * per_seq
+    kv = _kv_caches(backend, size, num_blocks, dtype, device)
+    gen = torch.Generator().manual_seed(2)
+    tables = torch.randperm(num_blocks, generator=gen).view(b, per_seq).tolist()
+    meta = build_attention_metadata([n] * b, [0] * b, tables, bs, device=device)
+    impl = backend.get_impl_cls()(num_heads=size.num_heads, head_size=size.head_size,
+                                  scale=size.head_size ** -0.5, num_kv_heads=size.num_kv_heads)
+    q = torch.randn(b * n, size.num_heads, size.head_size, dtype=dtype, device=device)
+    k = torch.randn(b * n, size.num_kv_heads, size.head_size, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    item = dtype.itemsize
+    num_bytes = 2 * b * n * size.num_kv_heads * size.head_size * item + 2 * q.numel() * item
+    flops = 4.0 * b * size.num_heads * size.head_size * n * (n + 1) / 2
+    seconds, _ = measure(lambda: impl.forward(LayerScales(), q, k, k, kv.layers[0], meta,
+                                              output=out))
+    shape = (f"B={b} new={n} causal Hq={size.num_heads} Hk={size.num_kv_heads} "
+             f"D={size.head_size}")
+    return BenchCase("prefill attention", backend.get_name(), shape, num_bytes, seconds,
+                     ceiling.name, ceiling.gbps, flops=flops, ceiling_tflops=ceiling.tflops)
 
 
 def _write_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch.dtype,
@@ -324,6 +386,8 @@ def run_bench(options: BenchOptions) -> BenchReport:
         if backend is selected and backend.supports_cross_layer(platform.name):
             jobs.append((f"decode {name} cross-layer", lambda c, b=backend: [
                 _decode_case(b, size, dtype, device, True, measure, c["memory"])]))
+        jobs.append((f"prefill {name}", lambda c, b=backend: [
+            _prefill_case(b, size, dtype, device, measure, c["matmul"])]))
         jobs.append((f"cache write {name}", lambda c, b=backend: [
             _write_case(b, size, dtype, device, measure, c["memory"])]))
     if selected.supports_kv_connector():
@@ -337,7 +401,7 @@ def run_bench(options: BenchOptions) -> BenchReport:
     with tqdm(total=1 + len(jobs), desc="kvcore bench", unit="case", file=sys.stderr,
               disable=None if options.progress else True, leave=False) as bar:
         bar.set_postfix_str("ceilings")
-        report.ceilings = _ceilings(device, size, measure)
+        report.ceilings = _ceilings(device, size, dtype, measure)
         ceilings = {c.name: c for c in report.ceilings}
         # Kernels are held to the fastest the device memory moved in this run: on an H200 a
         # tuned write kernel outruns cudaMemcpy, so the copy alone is no ceiling for it.
@@ -363,21 +427,23 @@ def format_report(report: BenchReport) -> str:
     lines = [f"kvcore bench: {report.device}, platform {report.platform}, {report.dtype}, "
              f"size {report.size}, {report.date} (torch {report.torch_version})",
              f"selected backend: {report.selected_backend}", ""]
-    lines.append(tabulate([[c.name, f"{c.gbps:.1f}"] for c in report.ceilings],
-                          headers=["ceiling", "GB/s"]))
+    lines.append(tabulate([[c.name, f"{c.gbps:.1f}", f"{c.tflops:.3g}" if c.flops else ""]
+                           for c in report.ceilings], headers=["ceiling", "GB/s", "TFLOP/s"]))
     lines.append("")
     rows = [[c.name, c.backend, c.shape, f"{c.seconds * 1e6:.1f}", f"{c.gbps:.1f}",
-             c.ceiling, f"{100 * c.fraction_of_ceiling:.0f}%"] if c.error is None else
-            [c.name, c.backend, "", "", "", "", f"error: {c.error}"]
+             f"{c.tflops:.3g}" if c.flops else "", c.ceiling,
+             f"{100 * c.fraction_of_ceiling:.0f}%"] if c.error is None else
+            [c.name, c.backend, "", "", "", "", "", f"error: {c.error}"]
             for c in report.cases]
     lines.append(tabulate(rows, headers=["case", "backend", "shape", "time (us)", "GB/s",
-                                         "ceiling", "of ceiling"]))
+                                         "TFLOP/s", "ceiling", "of ceiling"]))
     lines.append(f"\n{len(report.cases)} cases in {report.seconds:.1f} s")
     return "\n".join(lines)
 
 
 def plot_report(report: BenchReport, path: str | Path) -> Path:
-    """Bar chart into the PNG ``path``: achieved GB/s per case over its ceiling."""
+    """Bar chart into the PNG ``path``: achieved GB/s per memory-bound case over its ceiling
+    (compute-bound cases, prefill, are in the table)."""
     from kvcore.cli.plotting import save_figure
 
     return save_figure(bench_figure(report, path), path)
@@ -389,7 +455,7 @@ def bench_figure(report: BenchReport, path: str | Path = "") -> Figure:
 
     from kvcore.cli.plotting import new_figure
 
-    cases = [c for c in report.cases if c.error is None]
+    cases = [c for c in report.cases if c.error is None and not c.flops]
     if not cases:
         raise ValueError(f"--plot {path}: no case ran without an error, nothing to plot")
     fig = new_figure(11, 1.6 + 0.45 * len(cases))
@@ -412,7 +478,7 @@ def bench_figure(report: BenchReport, path: str | Path = "") -> Figure:
     ax.set_xlabel("GB/s (10^9 bytes per second; bytes each case must move at least once)")
     ax.set_title(f"kvcore bench on {report.device}, {report.dtype}, {report.date}\n"
                  f"selected backend {report.selected_backend}; grey bars: the ceiling each "
-                 "case is measured against", fontsize=10)
+                 "case is measured against; prefill (TFLOP/s) is in the table", fontsize=10)
     # One legend entry per bar colour: the ceiling, then what was achieved per kind of case.
     handles, _ = ax.get_legend_handles_labels()
     kinds = dict.fromkeys(c.name for c in cases)

@@ -5,8 +5,10 @@ that module for the conventions: query positions, causal mask, sliding window, f
 
 Kernel structure
 ----------------
-``_paged_attention_kernel`` is one kernel for every request of a batch. A program owns one
-*query tile* of one request and one KV head: ``BLOCK_Q`` consecutive query tokens times the
+Two kernels share one tiling: ``_paged_attention_kernel`` runs decode-only batches (and any
+batch with split-KV), ``_prefill_attention_kernel`` every other batch (prefill, chunked
+prefill, mixed); :func:`default_config` picks one (``AttentionConfig.prefill``). A program
+owns one *query tile* of one request and one KV head: ``BLOCK_Q`` consecutive query tokens times the
 ``num_heads // num_kv_heads`` query heads that share the KV head (padded to ``G_PAD``), i.e.
 ``BLOCK_M = BLOCK_Q * G_PAD`` rows. It streams the request's keys in tiles of ``BLOCK_N``
 tokens gathered through the block table (each token's page looked up on its own, so a tile
@@ -17,6 +19,18 @@ so the K/V loads of a tile depend only on loop-carried values and Triton's pipel
 entirely before the sliding window or after the last query's position (causal) are never
 visited. Programs find their request by a binary search
 over ``query_start_loc``, so the grid needs no host-side metadata and no device sync.
+
+Prefill kernel
+--------------
+The same program tile, with the key loop cut in up to three loops (``_prefill_tiles``): key
+tiles every query of the query tile sees (after the window's lower edge of its last query, up
+to its first query's position) run with no mask, no load guard and the softmax scale folded
+into one multiply-add before ``exp2``; only the tiles on the causal diagonal, on the window's
+lower edge and past the last key mask scores and loads. The dots take bf16/fp16 operands and
+accumulate in fp32 (``tl.dot(p, v, acc)``). Programs run last query tile first, so the
+longest causal tiles start first and the short ones fill the last wave. Tiles per GPU come
+from :data:`PREFILL_TILES`, a fixed table (no autotuning inside a step or a graph capture)
+filled from ``benchmarks/bench_triton_prefill.py`` sweeps.
 
 Split-KV decode
 ---------------
@@ -38,8 +52,8 @@ shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slow
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
 scores are set to ``-inf`` with ``where``, so a NaN *key* after a query changes nothing. A
-NaN/Inf *value* after a query, within the 32-key tile a query tile visits, does reach that
-tile's earlier queries (``0 * NaN`` in the ``p @ V`` product; docs/faults.md).
+NaN/Inf *value* after a query, within the key tile (``BLOCK_N`` keys) a query tile visits,
+does reach that tile's earlier queries (``0 * NaN`` in the ``p @ V`` product; docs/faults.md).
 
 All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
 under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
@@ -66,9 +80,13 @@ __all__ = [
     "MAX_HEAD_SIZE",
     "SUPPORTED_QUERY_DTYPES",
     "AttentionConfig",
+    "PREFILL_TILES",
+    "PrefillTile",
     "default_config",
     "default_num_kv_splits",
+    "device_arch",
     "paged_attention",
+    "prefill_tile",
     "workspace_numel",
 ]
 
@@ -88,7 +106,8 @@ class AttentionConfig:
     """Launch parameters of one paged-attention call.
 
     ``block_q`` query tokens x ``g_pad`` query heads form one program's rows; ``block_n`` keys
-    per loop step; ``num_splits`` > 1 selects the split-KV path.
+    per loop step; ``num_splits`` > 1 selects the split-KV path. ``prefill`` selects the
+    prefill kernel (key loop split into unmasked tiles and masked edges; no split-KV).
     """
 
     block_q: int
@@ -97,6 +116,34 @@ class AttentionConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    prefill: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTile:
+    """One row of :data:`PREFILL_TILES`: ``rows`` = query tokens x padded GQA group per
+    program, ``block_n`` keys per step, and the launch's warps and pipeline stages."""
+
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: Prefill tiles per GPU architecture (``sm90``, ``gfx942``, ... as :func:`device_arch` names
+#: them; ``cuda`` and ``rocm`` for the others), for head sizes up to 128 and above 128. A
+#: deterministic table, filled from ``benchmarks/bench_triton_prefill.py`` sweeps, so no
+#: autotuning runs inside a step or a CUDA-graph capture. Above head size 128 the tile keeps
+#: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
+#: sm80 (``kvcore kernels``), which keeps the 32-key tile.
+PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
+    "sm90": (PrefillTile(128, 64, 8, 3), PrefillTile(64, 32, 4, 3)),
+    "sm100": (PrefillTile(128, 64, 8, 3), PrefillTile(64, 32, 4, 3)),
+    "cuda": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
+    # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
+    # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
+    "rocm": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 2)),
+}
 
 
 @triton.jit
@@ -251,6 +298,190 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _prefill_tiles(
+    acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64, d_valid,
+    lo, hi, kv_end, block_size, sliding_window, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key tiles ``lo <= t < hi`` of one query tile. ``MASKED=False`` tiles are entirely
+    visible to every query of the tile (no mask, no load guard); ``MASKED`` ones (the causal
+    diagonal, the window's lower edge, the tail past ``kv_end``) mask scores and loads."""
+    offs_n = tl.arange(0, BLOCK_N)
+    k_pos = lo * BLOCK_N + offs_n
+    page = tl.load(bt_row + (k_pos // block_size) * stride_btb, mask=k_pos < kv_end, other=0)
+    for t in range(lo, hi):
+        k_pos = t * BLOCK_N + offs_n
+        page64 = page.to(tl.int64)
+        # The next tile's page ids, carried: the K/V addresses below depend only on
+        # loop-carried values, so the pipeliner keeps num_stages - 1 tiles in flight.
+        next_pos = k_pos + BLOCK_N
+        page = tl.load(bt_row + (next_pos // block_size) * stride_btb,
+                       mask=next_pos < kv_end, other=0)
+        in_page = (k_pos % block_size).to(tl.int64)
+        k_ptrs = (k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
+                                 + kv_head64 * stride_kh)[:, None] + dims64[None, :] * stride_kd)
+        v_ptrs = (v_cache_ptr + (page64 * stride_vb + in_page * stride_vs
+                                 + kv_head64 * stride_vh)[:, None] + dims64[None, :] * stride_vd)
+        if MASKED:
+            k_valid = k_pos < kv_end
+            kv_mask = k_valid[:, None] & d_valid[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_valid[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+        if INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
+            v = v.to(q.dtype)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            mask = k_valid[None, :]
+            if CAUSAL:
+                mask &= k_pos[None, :] <= q_pos[:, None]
+            if USE_WINDOW:
+                mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+            s = tl.where(mask, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+        else:
+            # qk_scale > 0 (validated), so the row maximum of the scaled scores is the scaled
+            # maximum, and the scale folds into one multiply-add per score.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    k_scale, v_scale, qk_scale,
+    num_seqs, num_queries_per_kv, block_size, head_size, sliding_window,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bts, stride_btb,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
+    INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    # Last tiles first: under a causal mask they have the most keys, and the short ones then
+    # fill the last wave.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // G_PAD
+    g = rows % G_PAD
+    row_valid = (q_idx < q_len) & (g < num_queries_per_kv)
+    head = (kv_head * num_queries_per_kv + g).to(tl.int64)
+    q_pos = context_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dims64 = dims.to(tl.int64)
+    d_valid = dims < head_size
+
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims64[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+
+    if FP8:
+        if SCALE_IS_TENSOR:
+            ks = tl.load(k_scale).to(tl.float32)
+            vs = tl.load(v_scale).to(tl.float32)
+        else:
+            ks = k_scale
+            vs = v_scale
+        qk_scale = qk_scale * ks
+
+    # Key tiles [lo, hi) hold every key some query of the tile sees; [full_lo, full_hi) those
+    # every query sees: after the window's lower edge of the last query, up to the first
+    # query's position (causal) or the last full tile (not causal).
+    first_q = context_len + q_tile * BLOCK_Q
+    last_q = context_len + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
+    if CAUSAL:
+        kv_end = last_q + 1
+        full_hi = (first_q + 1) // BLOCK_N
+    else:
+        kv_end = seq_len
+        full_hi = seq_len // BLOCK_N
+    hi = tl.cdiv(kv_end, BLOCK_N)
+    lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_q - sliding_window + 1, 0), BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bts
+    kv_head64 = kv_head.to(tl.int64)
+    if USE_WINDOW:
+        acc, l_i, m_i = _prefill_tiles(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
+            d_valid, lo, full_lo, kv_end, block_size, sliding_window, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
+            EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+    acc, l_i, m_i = _prefill_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
+        d_valid, full_lo, full_hi, kv_end, block_size, sliding_window, qk_scale,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+        stride_vd, stride_btb, MASKED=False, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
+        EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+    acc, l_i, m_i = _prefill_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
+        d_valid, full_hi, hi, kv_end, block_size, sliding_window, qk_scale,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+        stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
+        EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+
+    if FP8:
+        acc = acc * vs
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+             + dims64[None, :] * stride_od,
+             _to_output(out, out_ptr.dtype.element_ty, INTERPRET),
+             mask=row_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
 def _reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     num_heads, head_size, num_splits,
@@ -309,6 +540,29 @@ def workspace_numel(num_tokens: int, num_heads: int, head_size: int,
     return lse * head_size, lse
 
 
+def device_arch(device: torch.device) -> str:
+    """The key of :data:`PREFILL_TILES` for ``device``: ``sm<major><minor>`` on NVIDIA, the
+    gfx name on AMD (``gfx942``), ``cpu`` otherwise."""
+    return _device_arch(device.type, device.index)
+
+
+@functools.cache
+def _device_arch(device_type: str, index: int | None) -> str:
+    if device_type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(index or 0)
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+def prefill_tile(head_size: int, arch: str, rocm: bool) -> PrefillTile:
+    """The :data:`PREFILL_TILES` entry for ``arch`` (the platform's default when the table
+    has no row for it)."""
+    row = PREFILL_TILES.get(arch) or PREFILL_TILES["rocm" if rocm else "cuda"]
+    return row[0] if head_size <= 128 else row[1]
+
+
 def default_config(
     num_tokens: int,
     num_seqs: int,
@@ -321,33 +575,41 @@ def default_config(
     *,
     num_sms: int | None = None,
     rocm: bool | None = None,
+    arch: str | None = None,
 ) -> AttentionConfig:
     """The launch configuration :func:`paged_attention` uses (see the module docstring).
 
+    Decode-only batches (``num_tokens == num_seqs``) and forced splits run the decode kernel;
+    other batches the prefill kernel with the :func:`prefill_tile` of the GPU.
     ``max_seq_len_bound`` is an upper bound on every request's length
     (``block_table.shape[1] * block_size``); only the split heuristic uses it, with
     ``num_sms`` (default: ``device``'s SM count). ``rocm`` picks the AMD configs (default: the
-    torch build's platform). The compile check passes its target's values for both.
+    torch build's platform), ``arch`` the row of :data:`PREFILL_TILES` (default:
+    :func:`device_arch`). The compile check passes its target's values for all three.
     """
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     decode_only = num_tokens == num_seqs
-    # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), prefill tiles 128 rows
-    # (64 above head_size 128, where a 128-row fp32 accumulator would spill). 32 keys per step,
-    # 4 warps, 3 stages (2 tiles in flight) was the fastest tile config at every decode shape
-    # swept on the H200, and 128 x 32 the fastest prefill tile.
-    rows = 16 if decode_only else (128 if head_size <= 128 else 64)
-    block_q = max(1, rows // g_pad)
-    block_n = 32
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_tokens, num_seqs, num_kv_heads,
                                               max_seq_len_bound, device, num_sms=num_sms)
     if rocm is None:
         rocm = getattr(torch.version, "hip", None) is not None
+    if not decode_only and num_kv_splits == 1:
+        tile = prefill_tile(head_size, arch or device_arch(device), rocm)
+        return AttentionConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,
+                               block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
+                               num_stages=tile.num_stages, prefill=True)
+    # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), split prefill tiles 128
+    # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill). 32 keys per
+    # step, 4 warps, 3 stages (2 tiles in flight) was the fastest tile config at every decode
+    # shape swept on the H200.
+    rows = 16 if decode_only else (128 if head_size <= 128 else 64)
+    block_q = max(1, rows // g_pad)
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
     num_stages = 2 if rocm and head_size > 128 else 3
-    return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=block_n,
+    return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=32,
                            num_splits=num_kv_splits, num_warps=4, num_stages=num_stages)
 
 
@@ -445,6 +707,9 @@ def paged_attention(
     cfg = config or default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
                                    block_table.shape[1] * block_size, query.device,
                                    num_kv_splits)
+    if cfg.prefill and cfg.num_splits != 1:
+        raise ValueError(f"config has prefill=True and num_splits={cfg.num_splits}: the "
+                         "prefill kernel does not split keys (set num_splits=1 or prefill=False)")
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
 
@@ -461,6 +726,25 @@ def paged_attention(
     else:  # unused by the kernel; any tensor will do as the argument
         part_out = part_lse = out
     interpret = interpreting()
+    # fp32 queries get exact dots; fp16/bf16 the backend's default (the names of the other
+    # precisions differ between NVIDIA and AMD, so none is spelled out).
+    dot_precision = "ieee" if query.dtype == torch.float32 else None
+    if cfg.prefill:
+        _prefill_attention_kernel[(num_tiles, num_kv_heads)](
+            query, key_cache, value_cache, out,
+            query_start_loc, seq_lens, block_table,
+            ks, vs, float(scale) * _LOG2E,
+            num_seqs, num_heads // num_kv_heads, block_size, head_size, sliding_window or 0,
+            *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+            *block_table.stride(),
+            CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
+            FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
+            INTERPRET=interpret, DOT_PRECISION=dot_precision,
+            BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            EVEN_D=block_d == head_size,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
     _paged_attention_kernel[(num_tiles, num_kv_heads, cfg.num_splits)](
         query, key_cache, value_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_table,
@@ -471,10 +755,7 @@ def paged_attention(
         *block_table.stride(),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
-        INTERPRET=interpret,
-        # fp32 queries get exact dots; fp16/bf16 the backend's default (the names of the
-        # other precisions differ between NVIDIA and AMD, so none is spelled out).
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        INTERPRET=interpret, DOT_PRECISION=dot_precision,
         BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         SPLIT_KV=cfg.num_splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -61,7 +61,7 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
         query = torch.empty(num_tokens, num_heads, head_size, dtype=dtype)
         config = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
                                 pages * _BLOCK_SIZE, query.device, num_sms=target.num_sms,
-                                rocm=target.is_rocm)
+                                rocm=target.is_rocm, arch=target.name)
         scale = torch.ones(1) if fp8 else None
         paged_attention(query, k_cache, v_cache, query_start_loc=query_start_loc,
                         seq_lens=seq_lens, block_table=block_table, scale=head_size ** -0.5,

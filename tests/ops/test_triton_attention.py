@@ -207,6 +207,88 @@ def test_split_heuristic() -> None:
     assert cfg(1, 1, 8, 2, 128, 32768, cpu, num_kv_splits=7).num_splits == 7
 
 
+def test_prefill_batches_route_to_the_prefill_kernel_with_the_gpus_tile() -> None:
+    cfg, cpu = triton_attention.default_config, torch.device("cpu")
+    decode = cfg(8, 8, 32, 8, 128, 4096, cpu, arch="sm90")
+    assert not decode.prefill and (decode.block_q, decode.block_n) == (4, 32)  # unchanged
+    tile = triton_attention.PREFILL_TILES["sm90"][0]
+    prefill = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90")
+    assert prefill.prefill and prefill.num_splits == 1
+    assert (prefill.block_q * prefill.g_pad, prefill.block_n, prefill.num_warps,
+            prefill.num_stages) == (tile.rows, tile.block_n, tile.num_warps, tile.num_stages)
+    big = triton_attention.PREFILL_TILES["sm90"][1]
+    assert cfg(4096, 2, 16, 8, 256, 4096, cpu, arch="sm90").block_n == big.block_n
+    # An architecture without a row gets its platform's default; forced splits keep the
+    # decode kernel, which has the split-KV path.
+    assert cfg(99, 2, 32, 8, 128, 4096, cpu, arch="sm75").block_n == \
+        triton_attention.PREFILL_TILES["cuda"][0].block_n
+    assert cfg(99, 2, 32, 8, 128, 4096, cpu, arch="gfx1100", rocm=True).num_stages == \
+        triton_attention.PREFILL_TILES["rocm"][0].num_stages
+    assert not cfg(99, 2, 32, 8, 128, 4096, cpu, num_kv_splits=2).prefill
+
+
+def _prefill_config(rows: int, block_n: int, num_heads: int, num_kv_heads: int):
+    g_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
+    return triton_attention.AttentionConfig(block_q=rows // g_pad, g_pad=g_pad, block_n=block_n,
+                                            num_splits=1, num_warps=4, num_stages=2,
+                                            prefill=True)
+
+
+# (query tokens, cached tokens) per request: a decode, fresh prefills of one tile and of one
+# tile and one token, chunks whose first query sits two before / one before / on a key-tile
+# boundary (62, 63, 64 for 16-, 32- and 64-key tiles alike), a long chunk.
+RAGGED = [(1, 70), (16, 0), (17, 0), (9, 62), (20, 63), (13, 64), (40, 5)]
+PREFILL_CASES = {
+    "gqa1-bs16-m16n16-fp32": (2, 2, 16, 16, 16, torch.float32),
+    "gqa1-bs64-m32n64-bf16": (2, 2, 64, 32, 64, torch.bfloat16),
+    "gqa4-bs32-m64n32-fp32": (8, 2, 32, 64, 32, torch.float32),
+    "gqa4-bs16-m128n64-fp16": (4, 1, 16, 128, 64, torch.float16),
+    "gqa8-bs64-m16n64-fp32": (8, 1, 64, 16, 64, torch.float32),
+    "gqa8-bs32-m64n16-bf16": (16, 2, 32, 64, 16, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_kernel_tiles_match_references(name: str) -> None:
+    """The prefill kernel at several tile shapes, GQA ratios and block sizes, on ragged
+    requests whose causal diagonals fall on and beside key-tile edges."""
+    num_heads, num_kv_heads, block_size, rows, block_n, dtype = PREFILL_CASES[name]
+    batch = make_batch(_seed(name), q_lens=[q for q, _ in RAGGED],
+                       seq_lens=[q + c for q, c in RAGGED], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_size=32, block_size=block_size,
+                       dtype=dtype)
+    out = triton_attention.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(),
+        config=_prefill_config(rows, block_n, num_heads, num_kv_heads))
+    check_against_references(out, batch)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, 20), (True, 33), (False, None),
+                                                 (False, 12)],
+                         ids=["causal-window20", "causal-window33", "noncausal",
+                              "noncausal-window12"])
+def test_prefill_kernel_window_edges_and_non_causal_tails(causal: bool, window: int | None
+                                                          ) -> None:
+    """Windows narrower and wider than a 16-key tile (masked lower edge, unmasked middle,
+    masked diagonal) and non-causal requests whose last key tile is partial."""
+    batch = make_batch(_seed(f"prefill-edges{causal}{window}"), q_lens=[24, 5, 33],
+                       seq_lens=[90, 41, 33], num_heads=4, num_kv_heads=1, head_size=40,
+                       block_size=16, dtype=torch.float32)
+    out = triton_attention.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
+        sliding_window=window, config=_prefill_config(16, 16, 4, 1))
+    check_against_references(out, batch, causal=causal, sliding_window=window)
+
+
+def test_prefill_config_with_splits_is_refused() -> None:
+    batch = make_batch(_seed("prefill-splits"), q_lens=[4], seq_lens=[4], num_heads=2,
+                       num_kv_heads=1, head_size=32, block_size=16, dtype=torch.float32)
+    config = dataclasses.replace(_prefill_config(16, 16, 2, 1), num_splits=2)
+    with pytest.raises(ValueError, match="prefill=True and num_splits=2"):
+        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                         **batch.kwargs(), config=config)
+
+
 def test_output_in_place_with_strides() -> None:
     batch = mixed_batch(_seed("inplace"), 3, block_size=16, num_heads=4, num_kv_heads=2,
                         head_size=64, dtype=torch.float16)
@@ -319,7 +401,8 @@ def test_bad_inputs_raise_naming_the_argument(change: str, error: type, names: s
 def test_real_size_decode_and_prefill_on_gpu() -> None:
     gen = torch.Generator().manual_seed(21)
     for q_lens, seq_lens in (([1] * 16, [4096] * 16), ([1] * 4, [32768] * 4),
-                             ([512, 1, 300], [2048, 3000, 300])):
+                             ([512, 1, 300], [2048, 3000, 300]), ([1000], [1000]),
+                             ([256, 256], [3256, 4000])):
         batch = make_batch(gen, q_lens=q_lens, seq_lens=seq_lens, block_size=16, num_heads=32,
                            num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
         out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
