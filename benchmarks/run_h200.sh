@@ -13,6 +13,7 @@
 #   wheels (FlashInfer into /tmp/site, kept while the machine stays warm).
 #   connectors: the connectors' GPU tests, bench_offload (start-up and first transfers
 #   included) and the disaggregated demo in bfloat16 and float32 (nixl carried in .whl_nixl);
+#   fimla: FLASHINFER_MLA's GPU tests, conformance and benchmark (FlashInfer carried);
 #   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
@@ -65,6 +66,15 @@ conformance=(); for b in ${CONFORMANCE_BACKENDS:-TRITON_ATTN TRITON_ATTN_HND SDP
     conformance+=(--kvcore-backend "$b"); done
 has conformance && step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
     -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda
+# FLASHINFER_MLA (FlashInfer carried): its GPU tests, the conformance suite on it, the benchmark.
+if has fimla; then
+    step fimla_tests ${FIMLA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider \
+        -o addopts="" plugins/nvidia/tests/test_nvidia_flashinfer_mla_gpu.py
+    step fimla_conformance ${FIMLA_CONFORMANCE_LIMIT:-180} python3 -m pytest -q \
+        -p no:cacheprovider -o addopts="" --kvcore-backend FLASHINFER_MLA --kvcore-device cuda
+    step bench_flashinfer_mla ${FIMLA_BENCH_LIMIT:-150} python3 \
+        benchmarks/bench_flashinfer_mla.py ${FIMLA_BENCH_ARGS:---fp8}
+fi
 # name:seconds; the limits keep the whole script inside one 10-minute device call
 if has benches; then
     for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70}; do
