@@ -19,6 +19,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# flash-attn-4 (FLASH_ATTN on Hopper): carry .fa4b after a call that carried .fa4a (see
+# ../shared/tools/fa4_wheels.sh); its install.sh puts it on PYTHONPATH.
+[ -f .fa4b/install.sh ] && { source .fa4b/install.sh || echo "!!! flash-attn-4 not installed"; }
 export PATH=$(dirname "$(which python3)"):$PATH
 # Install kvcore and the in-repo plugins (editable, offline) so entry points are discovered
 # exactly as on a user's machine.
@@ -52,7 +55,8 @@ has conformance && step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pyt
     -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda
 # name:seconds; the limits keep the whole script inside one 10-minute device call
 if has benches; then
-    for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70}; do
+    for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70 \
+                           bench_backends:240}; do
         bench=${entry%%:*}
         [ -f "benchmarks/$bench.py" ] && step "$bench" "${entry##*:}" python3 "benchmarks/$bench.py"
     done
