@@ -212,3 +212,35 @@ def _bf16_cases() -> list:
 @pytest.mark.parametrize("case", _bf16_cases(), ids=str)
 def test_flash_attn_conforms(case):
     case.run()
+
+
+@pytest.mark.parametrize("shape", ["mixed", "decode"])
+def test_flex_attention_on_a_cross_layer_view_is_bit_exact(shape):
+    """The evidence for FLEX_ATTENTION's cross-layer opt-in on CUDA (its order is the same
+    ``B,L,N,2,H,D``): the compiled kernel on layer 1 of a 3-layer pool gives exactly what it
+    gives on a contiguous per-layer copy, and layers 0 and 2 are untouched."""
+    from kvcore_nvidia.backends.flex_attention import FlexAttentionBackend
+
+    gen = torch.Generator().manual_seed(17 if shape == "mixed" else 18)
+    layout = kvcore.KVCacheLayout.from_backend(
+        FlexAttentionBackend, num_blocks=2048, block_size=16, num_kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE, dtype=torch.bfloat16, num_layers=3, cross_layer=True)
+    storage = torch.randn(layout.physical_shape, generator=gen).to("cuda", torch.bfloat16)
+    layers = storage.permute(layout.inverse_stride_order()).unbind(0)
+    view = layers[1]
+    plain = kvcore.allocate_kv_caches(
+        FlexAttentionBackend, num_layers=1, num_blocks=2048, block_size=16,
+        num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16,
+        device="cuda").layers[0]
+    plain.copy_(view)
+    neighbours = [layers[i].clone() for i in (0, 2)]
+    impl = FlexAttentionBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                               scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS)
+    small = dict(q_lens=(1, 1, 100, 37, 1), ctx_lens=(1000, 15, 64, 0, 2000))
+    batch = mixed_batch(impl, view, gen, **(small if shape == "mixed" else dict(
+        q_lens=(1,) * 16, ctx_lens=tuple(range(40, 16 * 97, 97)))))
+    impl.do_kv_cache_update(kvcore.LayerScales(), batch.key, batch.value, plain,
+                            batch.meta.slot_mapping)
+    assert torch.equal(view, plain)
+    assert torch.equal(_forward(impl, batch, view), _forward(impl, batch, plain))
+    assert all(torch.equal(layers[i], n) for i, n in zip((0, 2), neighbours, strict=True))

@@ -58,6 +58,7 @@ def _install_flash_attn(monkeypatch: pytest.MonkeyPatch, *libraries: str) -> Non
     modules = {k.module for k in backend.KERNELS if k.library in libraries}
     monkeypatch.setattr(sys.modules[backend.__module__], "module_installed",
                         lambda name: name in modules)
+    monkeypatch.setattr(backend, "import_reasons", classmethod(lambda cls: []))
     kvcore.clear_selection_cache()
 
 

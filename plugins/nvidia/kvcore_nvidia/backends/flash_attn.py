@@ -203,6 +203,14 @@ class FlashAttentionBackend(AttentionBackend):
         return next((k for k in covering if k.installed()), covering[0] if covering else None)
 
     @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The envelope (the base class's fields) plus each library of :attr:`KERNELS`."""
+        return {**super().capabilities(), "libraries": [
+            {"library": k.library, "devices": k.devices(), "head_sizes": _format(k.head_sizes),
+             "block_sizes": "any" if k.block_sizes is None else _format(k.block_sizes),
+             "installed": k.installed()} for k in cls.KERNELS]}
+
+    @classmethod
     def unavailable_reasons(cls) -> list[str]:
         reasons = []
         if not any(k.installed() for k in cls.KERNELS):
@@ -214,8 +222,13 @@ class FlashAttentionBackend(AttentionBackend):
 
     @classmethod
     def import_reasons(cls) -> list[str]:
+        # The library this machine's GPU runs, else every installed one.
+        libraries = [k for k in cls.KERNELS if k.installed()]
+        if torch.cuda.is_available():
+            chosen = cls.kernels_for(DeviceCapability(*torch.cuda.get_device_capability()))
+            libraries = [chosen] if chosen in libraries else libraries
         reasons = []
-        for k in {k.module: k for k in cls.KERNELS if k.installed()}.values():
+        for k in {k.module: k for k in libraries}.values():
             try:
                 importlib.import_module(k.module)
             except Exception as exc:  # whatever a broken package raises

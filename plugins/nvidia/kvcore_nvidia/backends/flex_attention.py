@@ -43,9 +43,11 @@ Limits
   4, 5)`` with layers, as upstream FlexAttention backends declare them, so an engine using
   either lays blocks out the same way. A per-layer view of a cross-layer allocation spans all
   layers, so the int32 limit falls ``num_layers`` times lower (``allocate_kv_caches`` refuses
-  a larger one with the largest ``num_blocks`` that fits). Cross-layer is verified bit-exact on
-  the CPU (eager path); on CUDA (``CROSS_LAYER_PLATFORMS``) the cache stays per layer until the
-  GPU test ``test_flex_attention_on_a_cross_layer_view_is_bit_exact`` passes there.
+  a larger one with the largest ``num_blocks`` that fits). Cross-layer is not verified
+  (``CROSS_LAYER_PLATFORMS`` is empty), so caches stay per layer: on the CPU the eager path
+  is not bit-exact across layouts (it reduces over the whole virtual sequence, whose length
+  follows the page stride), and on CUDA the GPU test
+  ``test_flex_attention_on_a_cross_layer_view_is_bit_exact`` has to pass first.
 - **Stale bytes.** Masked positions are zero weights, but ``0 * NaN`` is NaN. On CPU the
   eager path would multiply every page of the cache, so it reads V through a copy whose
   unowned positions are zero (:func:`owned_positions`): stale NaN/Inf never reach an output.
@@ -140,8 +142,8 @@ class FlexAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
         return FlexAttentionMetadataBuilder
 
-    # Cross-layer shown bit-exact on the CPU only so far (see the module docstring).
-    CROSS_LAYER_PLATFORMS = ("cpu",)
+    # The order opts in to cross-layer, but no platform is verified yet (module docstring).
+    CROSS_LAYER_PLATFORMS: tuple[str, ...] = ()
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
