@@ -57,6 +57,7 @@ import functools
 import importlib
 import importlib.machinery
 import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +95,13 @@ def module_installed(name: str) -> bool:
     ``flash_attn`` is a namespace package when only flash-attn-4 is installed, and flash-attn
     2's ``flash_attn/__init__.py`` loads its CUDA extension: neither may be imported to ask.
     """
+    if name in sys.modules:
+        return True
     head, *parts = name.split(".")
-    spec = importlib.util.find_spec(head)
+    try:
+        spec = importlib.util.find_spec(head)
+    except ValueError:  # a module in sys.modules without a spec (made at run time)
+        return False
     for part in parts:
         locations = list(spec.submodule_search_locations or []) if spec else []
         spec = importlib.machinery.PathFinder.find_spec(part, locations) if locations else None
