@@ -365,11 +365,13 @@ def conformance_cases(
             numeric("batch-invariant", "batch-invariant", checks.check_batch_invariant, base)
         if cross_layer:
             # Each model dtype, and one fp8 cache: strides, not values, are what is checked.
-            # A platform the backend has not verified its cross-layer order on allocates per
-            # layer (CROSS_LAYER_PLATFORMS): nothing cross-layer to check there.
+            # One of the backend's platforms where it has not verified its cross-layer order
+            # allocates per layer (CROSS_LAYER_PLATFORMS, as allocate_kv_caches does): nothing
+            # cross-layer to check there. Other devices (CPU for a GPU backend's Triton
+            # kernels under the interpreter) keep the declared order.
             platform = _platform_name(cls, device)
-            unverified = (None if cls.supports_cross_layer(platform)
-                          else cls.cross_layer_note(platform))
+            unverified = (cls.cross_layer_note(platform) if platform in cls.PLATFORMS
+                          and not cls.supports_cross_layer(platform) else None)
             fp8 = next((c for c in configs if c.is_fp8), None)
             for config in configs:
                 if ((config.head_size, config.block_size) == (base.head_size, base.block_size)
