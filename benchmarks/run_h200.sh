@@ -34,7 +34,7 @@ export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 # flash-attn-4: a first call carrying .fa4a leaves /tmp/fa4/ir.so.xz, then a call carrying .fa4b
 # installs it (see ../shared/tools/fa4_wheels.sh); FA4=prepare only copies the first part.
 if [ "${FA4:-}" = prepare ]; then mkdir -p /tmp/fa4 && cp .fa4a/ir.so.xz /tmp/fa4/ && exit 0; fi
-[ -f .fa4b/install.sh ] && source .fa4b/install.sh
+[ -f .fa4b/install.sh ] && { source .fa4b/install.sh || echo "!!! flash-attn-4 not installed"; }
 export PATH=$(dirname "$(which python3)"):$PATH
 # Install kvcore and the in-repo plugins (editable, offline) so entry points are discovered
 # exactly as on a user's machine.
@@ -77,7 +77,8 @@ if has fimla; then
 fi
 # name:seconds; the limits keep the whole script inside one 10-minute device call
 if has benches; then
-    for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70}; do
+    for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70 \
+                           bench_backends:240}; do
         bench=${entry%%:*}
         [ -f "benchmarks/$bench.py" ] && step "$bench" "${entry##*:}" python3 "benchmarks/$bench.py"
     done

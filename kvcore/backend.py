@@ -223,9 +223,9 @@ class AttentionBackend(ABC):
         if not cls.supports_cross_layer():
             return f"{cls.get_name()} does not opt in to cross-layer KV caches (per-layer caches)"
         verified = ", ".join(cls.CROSS_LAYER_PLATFORMS or ())
-        return (f"{cls.get_name()}'s cross-layer layout is verified on {verified} only; on "
-                f"{platform} it allocates per-layer caches until the bit-exact cross-layer "
-                "tests pass there")
+        where = f"is verified on {verified} only" if verified else "is not verified yet"
+        return (f"{cls.get_name()}'s cross-layer layout {where}; on {platform} it allocates "
+                "per-layer caches until the bit-exact cross-layer tests pass there")
 
     @classmethod
     def supports_kv_connector(cls) -> bool:

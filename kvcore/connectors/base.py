@@ -256,10 +256,12 @@ class KVConnector(ABC):
         self._closed = False
 
     @classmethod
-    def cross_layer_for(cls, backend: type[AttentionBackend]) -> bool:
+    def cross_layer_for(cls, backend: type[AttentionBackend], platform: str | None = None
+                        ) -> bool:
         """The ``cross_layer`` argument of :func:`kvcore.allocate_kv_caches` this connector
-        wants with ``backend``: cross-layer when both prefer and support it."""
-        return cls.prefer_cross_layer_blocks and backend.supports_cross_layer()
+        wants with ``backend``: cross-layer when both prefer and support it (on ``platform``,
+        a platform name, when given: see :attr:`AttentionBackend.CROSS_LAYER_PLATFORMS`)."""
+        return cls.prefer_cross_layer_blocks and backend.supports_cross_layer(platform)
 
     # -- worker side ------------------------------------------------------------------------
 

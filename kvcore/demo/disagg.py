@@ -137,7 +137,8 @@ class _Setup:
         config = AttentionSelectorConfig(head_size=self.preset.head_size, dtype=self.dtype,
                                          block_size=options.block_size, use_kv_connector=True)
         self.backend = get_attn_backend(config, options.backend, platform)
-        self.cross_layer = get_connector_class("nixl").cross_layer_for(self.backend)
+        self.cross_layer = get_connector_class("nixl").cross_layer_for(self.backend,
+                                                                          platform.name)
         self.requests = _requests(options, self.preset.vocab_size)
         longest = max(len(r.prompt) for r in self.requests) + options.max_new_tokens
         # Every request's blocks at once: the prefill engine holds them until they are read.

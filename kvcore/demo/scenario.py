@@ -277,7 +277,8 @@ def compare_runs(main: list[Request], baseline: list[Request], logits: list[torc
     return check
 
 
-def _cross_layer_reason(backend: type[AttentionBackend], cross_layer: bool) -> str:
+def _cross_layer_reason(backend: type[AttentionBackend], cross_layer: bool,
+                        platform: str) -> str:
     name = backend.get_name()
     if cross_layer:
         return (f"the offload connector copies a block of every layer in one run, and {name} "
@@ -285,6 +286,8 @@ def _cross_layer_reason(backend: type[AttentionBackend], cross_layer: bool) -> s
     if not backend.supports_cross_layer():
         order = backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
         return f"{name} keeps layers outermost (get_kv_cache_stride_order(True) = {order})"
+    if not backend.supports_cross_layer(platform):
+        return backend.cross_layer_note(platform)
     return "the offload connector does not prefer cross-layer blocks"
 
 
@@ -329,7 +332,7 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
                                      use_kv_connector=True)
     backend = get_attn_backend(config, options.backend, platform)
     selection = _selection_summary(explain_selection(config, platform, options.backend))
-    cross_layer = get_connector_class("offload").cross_layer_for(backend)
+    cross_layer = get_connector_class("offload").cross_layer_for(backend, platform.name)
 
     rng = random.Random(options.seed)
     system_prompts = [[rng.randrange(preset.vocab_size) for _ in range(2 * bs)]
@@ -405,7 +408,7 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
         layout=str(layout),
         layout_description=layout.describe(),
         cross_layer=layout.is_cross_layer,
-        cross_layer_reason=_cross_layer_reason(backend, cross_layer),
+        cross_layer_reason=_cross_layer_reason(backend, cross_layer, platform.name),
         num_blocks=num_blocks,
         block_bytes=block_bytes,
         batches=[_batch_dict("batch 1", stats1), _batch_dict("batch 2", stats2)],

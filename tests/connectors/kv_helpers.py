@@ -40,7 +40,8 @@ class HndBackend(AttentionBackend):
 
 
 class InterleavedBackend(HndBackend):
-    """K and V interleaved per token (``B,N,2,H,D``), per-layer only."""
+    """K and V interleaved per token (``B,N,2,H,D``; cross-layer ``B,L,N,2,H,D``): the stride
+    orders FLASH_ATTN and FLEX_ATTENTION declare."""
 
     @staticmethod
     def get_name() -> str:
@@ -48,7 +49,7 @@ class InterleavedBackend(HndBackend):
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        return (0, 1, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
+        return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
 
 
 class MlaBackend(HndBackend):

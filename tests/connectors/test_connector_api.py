@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from kv_helpers import HndBackend, InterleavedBackend, keys_for, make_caches
+from kv_helpers import HndBackend, InterleavedBackend, LegacyBackend, keys_for, make_caches
 
 import kvcore
 from kvcore.backends.cpu_attn import CpuAttentionBackend
@@ -225,9 +225,11 @@ def test_handle_of_a_transfer_that_raised_is_done_and_wait_raises():
     ("connector_cls", "backend", "expected"),
     [(OffloadConnector, CpuAttentionBackend, True),
      (StorageConnector, HndBackend, True),
-     (OffloadConnector, InterleavedBackend, False),  # no cross-layer support
+     (OffloadConnector, InterleavedBackend, True),
+     (OffloadConnector, LegacyBackend, False),  # no cross-layer support
      (P2PConnector, CpuAttentionBackend, False)],  # prefers per-layer
-    ids=["offload-cpu_attn", "storage-hnd", "offload-interleaved", "p2p-cpu_attn"])
+    ids=["offload-cpu_attn", "storage-hnd", "offload-interleaved", "offload-legacy",
+         "p2p-cpu_attn"])
 def test_cross_layer_allocation_follows_the_connector(connector_cls, backend, expected):
     cross = connector_cls.cross_layer_for(backend)
     assert cross is expected

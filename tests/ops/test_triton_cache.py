@@ -110,6 +110,22 @@ def _cross_layer_views(num_blocks: int, num_layers: int, bs: int, h: int, d: int
     return pool, key_cache, value_cache
 
 
+def _interleaved_views(num_blocks: int, num_layers: int | None, bs: int, h: int, d: int,
+                       dtype: torch.dtype, gen: torch.Generator):
+    """K and V side by side per token, the FLASH_ATTN / FLEX_ATTENTION order: a physical
+    ``(num_blocks, bs, 2, h, d)`` cache, or with ``num_layers`` a cross-layer ``(num_blocks,
+    num_layers, bs, 2, h, d)`` pool and layer 1; the K/V views (token stride ``2 * h * d``)."""
+    if num_layers is None:
+        pool = _random_cache((num_blocks, bs, 2, h, d), dtype, gen)
+        layer = pool
+    else:
+        pool = _random_cache((num_blocks, num_layers, bs, 2, h, d), dtype, gen)
+        layer = pool[:, 1]
+    key_cache, value_cache = layer.permute(0, 2, 1, 3, 4).unbind(1)
+    assert key_cache.stride(1) == 2 * h * d
+    return pool, key_cache, value_cache
+
+
 def _legacy_views(num_blocks: int, bs: int, h: int, d: int, dtype: torch.dtype,
                   gen: torch.Generator):
     """A legacy ``(2, num_blocks, bs, h, d)`` cache and its K/V halves."""
@@ -117,7 +133,8 @@ def _legacy_views(num_blocks: int, bs: int, h: int, d: int, dtype: torch.dtype,
     return pool, pool[0], pool[1]
 
 
-@pytest.mark.parametrize("layout", ["cross_layer", "legacy"])
+@pytest.mark.parametrize("layout", ["cross_layer", "legacy", "interleaved",
+                                    "interleaved_cross_layer"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_layout_views_bit_exact(layout: str, kv_cache_dtype: str) -> None:
     """Writing through a strided view equals writing a contiguous cache, and touches nothing
@@ -128,6 +145,9 @@ def test_layout_views_bit_exact(layout: str, kv_cache_dtype: str) -> None:
     cache_dtype = FP8["fp8"] if kv_cache_dtype == "fp8" else dtype
     if layout == "cross_layer":
         pool, kc, vc = _cross_layer_views(num_blocks, 3, bs, h, d, cache_dtype, gen)
+    elif layout.startswith("interleaved"):
+        layers = 3 if layout.endswith("cross_layer") else None
+        pool, kc, vc = _interleaved_views(num_blocks, layers, bs, h, d, cache_dtype, gen)
     else:
         pool, kc, vc = _legacy_views(num_blocks, bs, h, d, cache_dtype, gen)
     kc_flat, vc_flat = kc.contiguous(), vc.contiguous()
@@ -143,11 +163,17 @@ def test_layout_views_bit_exact(layout: str, kv_cache_dtype: str) -> None:
     expected = before.view((*pool.shape, -1)).clone()
     written = slots[slots >= 0].long()
     blocks, offsets = written // bs, written % bs
+    k_new = _as_bytes(kc_flat).view(num_blocks, bs, h, d, -1)[blocks, offsets]
+    v_new = _as_bytes(vc_flat).view(num_blocks, bs, h, d, -1)[blocks, offsets]
     if layout == "cross_layer":
-        expected[blocks, 1, 0, offsets] = _as_bytes(kc_flat).view(num_blocks, bs, h, d, -1)[
-            blocks, offsets]
-        expected[blocks, 1, 1, offsets] = _as_bytes(vc_flat).view(num_blocks, bs, h, d, -1)[
-            blocks, offsets]
+        expected[blocks, 1, 0, offsets] = k_new
+        expected[blocks, 1, 1, offsets] = v_new
+    elif layout == "interleaved":
+        expected[blocks, offsets, 0] = k_new
+        expected[blocks, offsets, 1] = v_new
+    elif layout == "interleaved_cross_layer":
+        expected[blocks, 1, offsets, 0] = k_new
+        expected[blocks, 1, offsets, 1] = v_new
     else:
         expected[0, blocks, offsets] = _as_bytes(kc_flat).view(num_blocks, bs, h, d, -1)[
             blocks, offsets]

@@ -5,7 +5,8 @@ Backends (registered lazily by :mod:`kvcore_nvidia.plugin`, implemented in
 (``(num_blocks, 2, block_size, num_kv_heads, head_size)``, the MLA one below excepted):
 
 - ``FLASHINFER``: FlashInfer's paged prefill/decode wrappers (``flashinfer-python``).
-- ``FLASH_ATTN``: flash-attn 2's ``flash_attn_varlen_func`` with a block table (``flash-attn``).
+- ``FLASH_ATTN``: FlashAttention's paged varlen kernels: flash-attn-4 (``flash_attn.cute``) on
+  Hopper/Blackwell, flash-attn 2 elsewhere; K and V side by side per token (``B,N,2,H,D``).
 - ``FLASHINFER_MLA``: FlashInfer's MLA wrapper on kvcore's MLA latent cache
   ``(num_blocks, block_size, 576)`` (``flashinfer-python``).
 - ``FLEX_ATTENTION``: torch's ``flex_attention`` with a block mask built from the block table;

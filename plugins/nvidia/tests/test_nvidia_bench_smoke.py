@@ -28,3 +28,19 @@ def test_bench_smoke(tmp_path):
             "correctness: FLASHINFER", "block copy timings", "FLASHINFER decode timings"}
         assert {(t["impl"], t["layout"]) for t in results["timings"]} == {
             ("triton", "standard"), ("torch", "standard"), ("triton", "cross_layer")}
+
+
+def test_bench_backends_smoke(tmp_path):
+    """benchmarks/bench_backends.py --smoke: TRITON_ATTN on tiny decode and prefill shapes on
+    the CPU; every row checked against the reference, the JSON at --json, the table last."""
+    script = SCRIPT.parent / "bench_backends.py"
+    result = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path),
+                             "--json", str(tmp_path / "rows.json")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "rows.json").read_text())
+    assert results["errors"] == [] and results["checks"]
+    assert all(c["ok"] for c in results["checks"])
+    assert [(r["kind"], r["shape"]) for r in results["rows"]] == [
+        ("decode", "3x40"), ("decode", "2x70"), ("prefill", "2x24"), ("prefill", "1x8+40")]
+    assert result.stdout.splitlines()[-1] == "checks: 4 passed, 0 failed"

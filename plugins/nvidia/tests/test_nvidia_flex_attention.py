@@ -135,16 +135,21 @@ def test_the_builders_steps_build_each_layer_kinds_mask_once(monkeypatch):
     assert builds == [None, 5, None, 5]
 
 
-def test_block_mask_lists_each_needed_page_once():
+@pytest.mark.parametrize(("layout", "page_stride"), [("own", 1), ("nhd", 2)])
+def test_block_mask_lists_each_needed_page_once(layout, page_stride):
     """Every (query, key) pair the mask allows lies in a page its query tile lists, and no
     tile lists a page twice (shared prefix pages included): on CPU flex runs densely, so only
-    this check covers the block-sparse structure the CUDA kernel follows."""
+    this check covers the block-sparse structure the CUDA kernel follows. On FLEX_ATTENTION's
+    own ``B,N,2,H,D`` cache the pages are adjacent (``m = 1``); on an NHD ``B,2,N,H,D`` cache
+    the V page of each block lies between two K pages (``m = 2``)."""
     gen, kv_cache, impl = _setup(torch.float32, seed=4)
+    if layout == "nhd":
+        kv_cache = kv_cache.contiguous()
     batch = mixed_batch(impl, kv_cache, gen, q_lens=(1, 1, 3, 30, 1), ctx_lens=(60, 16, 20, 17, 0),
                         shared_prefix=1)
     key_cache, value_cache = kv_cache.unbind(1)
     _, _, m = paged_sequence_views(key_cache, value_cache)
-    assert m == 2  # the V page of each block lies between two K pages
+    assert m == page_stride
     mask = build_block_mask(batch.meta, NUM_BLOCKS, BLOCK_SIZE, m, causal=True,
                             sliding_window=None)
     n, length = mask.seq_lengths

@@ -63,33 +63,42 @@ def _clean_env() -> dict[str, str]:
                          "KVCORE_DISABLE_PLUGIN_AUTOLOAD", "KVCORE_DEVICE_CAPABILITY")}
 
 
-# FLASHINFER opts in to cross-layer caches (bit-exact on a GPU); FLASH_ATTN never ran
-# anywhere; FLEX_ATTENTION would multiply its int32-limited span by the number of layers.
-CROSS_LAYER = {"FLASHINFER": True, "FLASH_ATTN": False, "FLEX_ATTENTION": False}
+# (per-layer order, order with layers, layout of a 2-layer cache on CUDA). FLASHINFER is NHD
+# and cross-layer (bit-exact on a GPU); FLASH_ATTN and FLEX_ATTENTION interleave K and V per
+# token as upstream does, and stay per-layer on CUDA until their cross-layer GPU tests pass.
+LAYOUTS = {
+    "FLASHINFER": ((0, 1, 2, 3, 4), (1, 0, 2, 3, 4, 5), "B,L,2,N,H,D"),
+    "FLASH_ATTN": ((0, 2, 1, 3, 4), (1, 0, 3, 2, 4, 5), "L,B,N,2,H,D"),
+    "FLEX_ATTENTION": ((0, 2, 1, 3, 4), (1, 0, 3, 2, 4, 5), "L,B,N,2,H,D"),
+}
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_layout_is_blocks_first_nhd_and_connector_safe(name):
+def test_layout_is_blocks_first_and_connector_safe(name):
     backend = kvcore.resolve_backend(name)
+    per_layer, with_layers, on_cuda = LAYOUTS[name]
     assert backend.get_kv_cache_shape(10, 16, 2, 64) == (10, 2, 16, 2, 64)
-    assert backend.get_kv_cache_stride_order() == (0, 1, 2, 3, 4)
-    with_layers = backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
-    assert with_layers == ((1, 0, 2, 3, 4, 5) if CROSS_LAYER[name] else tuple(range(6)))
-    assert backend.supports_cross_layer() is CROSS_LAYER[name]
+    assert backend.get_kv_cache_stride_order() == per_layer
+    assert backend.get_kv_cache_stride_order(include_num_layers_dimension=True) == with_layers
+    assert backend.supports_cross_layer()  # the order opts in ...
+    assert backend.supports_cross_layer("cuda") is on_cuda.startswith("B")  # ... verified?
     assert backend.supports_kv_connector()
-    block_size = 256 if name == "FLASH_ATTN" else 16  # a declared block size
-    caches = kvcore.allocate_kv_caches(backend, num_layers=2, num_blocks=3, block_size=block_size,
+    caches = kvcore.allocate_kv_caches(backend, num_layers=2, num_blocks=3, block_size=16,
                                        num_kv_heads=2, head_size=64, dtype=torch.float16,
-                                       device="meta")
-    assert caches.layout.is_blocks_first and caches.is_cross_layer is CROSS_LAYER[name]
-    assert str(caches.layout) == ("B,L,2,N,H,D" if CROSS_LAYER[name] else "L,B,2,N,H,D")
+                                       device="meta", platform="cuda")
+    assert caches.layout.is_blocks_first and str(caches.layout) == on_cuda
 
 
 def test_capabilities_are_listed_for_operators():
     rows = {name: kvcore.resolve_backend(name).capabilities() for name in BACKENDS}
     assert rows["FLASHINFER"]["head_sizes"] == "64, 128, 256"
-    assert rows["FLASH_ATTN"]["block_sizes"] == "multiples of 256"
+    assert rows["FLASH_ATTN"]["block_sizes"] == "any"  # the envelope; per library below
     assert rows["FLASH_ATTN"]["head_sizes"] == "multiples of 8 up to 256"
+    assert [(k["library"], k["devices"], k["head_sizes"], k["block_sizes"])
+            for k in rows["FLASH_ATTN"]["libraries"]] == [
+        ("flash-attn-4", "9.0-9.x", "multiples of 8 up to 256", "any"),
+        ("flash-attn-4", "10.0-11.x", "multiples of 8 up to 128, 256", "any"),
+        ("flash-attn 2", ">= 8.0", "multiples of 8 up to 256", "multiples of 256")]
     assert rows["FLEX_ATTENTION"]["platforms"] == ["cuda", "cpu"]
     assert rows["FLEX_ATTENTION"]["min_device_capability"] is None
     assert {rows[n]["min_device_capability"] for n in ("FLASHINFER", "FLASH_ATTN")} == {"8.0"}

@@ -14,8 +14,15 @@ import kvcore
 
 NVIDIA = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 FLASHINFER_MISSING = "flashinfer-python not installed (pip install flashinfer-python)"
-FLASH_ATTN_MISSING = "flash-attn not installed (pip install flash-attn)"
-FA_BLOCK_16 = "block_size=16 (supported: multiples of 256)"
+FLASH_ATTN_MISSING = ("neither flash-attn-4 (Hopper/Blackwell: pip install "
+                      "'kvcore-nvidia[flash-attn]') nor flash-attn 2 (Ampere: pip install "
+                      "flash-attn) is installed")
+
+
+def fa2_block(block_size: int, capability: str) -> str:
+    return (f"block_size={block_size}: flash-attn 2 (the kernels on device capability "
+            f"{capability}) supports multiples of 256; flash-attn-4 takes any block size on "
+            "Hopper and Blackwell")
 
 
 def _config(**kw) -> kvcore.AttentionSelectorConfig:
@@ -35,18 +42,35 @@ def installed(monkeypatch: pytest.MonkeyPatch):
 
     def install(*names: str) -> None:
         for name in names:
-            monkeypatch.setattr(kvcore.resolve_backend(name), "REQUIRED_PACKAGES", ())
+            if name == "FLASH_ATTN":
+                _install_flash_attn(monkeypatch, "flash-attn-4", "flash-attn 2")
+            else:
+                monkeypatch.setattr(kvcore.resolve_backend(name), "REQUIRED_PACKAGES", ())
         kvcore.clear_selection_cache()
 
     return install
 
 
-@pytest.mark.parametrize(("capability", "order"), [
-    ("8.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]),
-    ("9.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]),
-    ("10.0", ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]),
+def _install_flash_attn(monkeypatch: pytest.MonkeyPatch, *libraries: str) -> None:
+    """Pretend these FlashAttention libraries (``"flash-attn-4"``, ``"flash-attn 2"``) and no
+    other are installed, in the module the registry resolves FLASH_ATTN from."""
+    backend = kvcore.resolve_backend("FLASH_ATTN")
+    modules = {k.module for k in backend.KERNELS if k.library in libraries}
+    monkeypatch.setattr(sys.modules[backend.__module__], "module_installed",
+                        lambda name: name in modules)
+    monkeypatch.setattr(backend, "import_reasons", classmethod(lambda cls: []))
+    kvcore.clear_selection_cache()
+
+
+@pytest.mark.parametrize(("capability", "order", "flash_attn"), [
+    ("8.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"],
+     [fa2_block(16, "8.0"), FLASH_ATTN_MISSING]),
+    ("9.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"], [FLASH_ATTN_MISSING]),
+    ("10.0", ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"],
+     [FLASH_ATTN_MISSING]),
 ])
-def test_priority_order_and_reasons_without_vendor_libraries(cuda, capability, order):
+def test_priority_order_and_reasons_without_vendor_libraries(cuda, capability, order,
+                                                             flash_attn):
     cuda(capability)
     report = kvcore.explain_selection(_config())
     names = [c.name for c in report.candidates]
@@ -54,7 +78,7 @@ def test_priority_order_and_reasons_without_vendor_libraries(cuda, capability, o
     assert names[:4] == order  # the platform's list comes first, in its order
     by_name = {c.name: c for c in report.candidates}
     assert by_name["FLASHINFER"].reasons == [FLASHINFER_MISSING]
-    assert by_name["FLASH_ATTN"].reasons == [FA_BLOCK_16, FLASH_ATTN_MISSING]
+    assert by_name["FLASH_ATTN"].reasons == flash_attn
     assert by_name["FLEX_ATTENTION"].valid
     for name in ("FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"):
         assert by_name[name].plugin == "nvidia"
@@ -63,8 +87,9 @@ def test_priority_order_and_reasons_without_vendor_libraries(cuda, capability, o
 
 
 @pytest.mark.parametrize(("capability", "block_size", "expected"), [
-    ("9.0", 16, "FLASHINFER"),    # FLASH_ATTN first, but its paged blocks are 256-multiples
-    ("9.0", 256, "FLASH_ATTN"),
+    ("8.0", 16, "FLASHINFER"),    # FLASH_ATTN first, but flash-attn 2's blocks are 256-multiples
+    ("8.0", 256, "FLASH_ATTN"),
+    ("9.0", 16, "FLASH_ATTN"),    # flash-attn-4: any block size
     ("10.0", 16, "FLASHINFER"),
     ("10.0", 256, "FLASH_ATTN"),  # FLASHINFER first, but declares blocks of 16, 32, 64
 ])
@@ -120,7 +145,7 @@ def test_forced_backend_that_cannot_run_raises_with_its_reasons(cuda, monkeypatc
         kvcore.get_attn_backend(_config(), backend="FLASH_ATTN")
     assert str(err.value).startswith(
         "attention backend FLASH_ATTN was requested by the backend argument but cannot run "
-        f"this config on cuda: {FA_BLOCK_16}; {FLASH_ATTN_MISSING} (config: ")
+        f"this config on cuda: {FLASH_ATTN_MISSING} (config: ")
     monkeypatch.setenv("KVCORE_ATTENTION_BACKEND", "FLASHINFER")
     kvcore.clear_selection_cache()
     with pytest.raises(kvcore.BackendSelectionError, match="pip install flashinfer-python"):
@@ -152,6 +177,97 @@ def test_cli_explain_shows_the_cuda_order_and_reasons():
                         "  TRITON_ATTN: SELECTED [plugin builtin_backends]",
                         "  FLEX_ATTENTION: valid, lower priority [plugin nvidia]"]
     fa = lines.index("  FLASH_ATTN: rejected [plugin nvidia]")
-    assert lines[fa + 1:fa + 3] == [f"    - {FA_BLOCK_16}", f"    - {FLASH_ATTN_MISSING}"]
+    assert lines[fa + 1:fa + 2] == [f"    - {FLASH_ATTN_MISSING}"]
     fi = lines.index("  FLASHINFER: rejected [plugin nvidia]")
     assert lines[fi + 1] == f"    - {FLASHINFER_MISSING}"
+
+
+# -- FLASH_ATTN: flash-attn-4 on Hopper/Blackwell, flash-attn 2 on Ampere ----------------------
+
+FA4_ONLY_ON_AMPERE = ("flash-attn-4 is installed but its paged kernels run on device capability "
+                      "9.0-9.x, 10.0-11.x only; on 8.0 FLASH_ATTN needs flash-attn 2 (pip "
+                      "install flash-attn)")
+
+
+@pytest.mark.parametrize(("capability", "libraries", "config", "reasons"), [
+    ("9.0", ("flash-attn-4",), {}, []),
+    ("9.0", ("flash-attn-4",), {"head_size": 256, "block_size": 64}, []),
+    ("9.0", ("flash-attn-4",), {"head_size": 192, "block_size": 1}, []),
+    ("10.0", ("flash-attn-4",), {"head_size": 256}, []),
+    ("10.0", ("flash-attn-4",), {"head_size": 192}, [
+        "head_size=192: flash-attn-4 (the kernels on device capability 10.0) supports "
+        "multiples of 8 up to 128, 256"]),
+    ("9.0", ("flash-attn-4",), {"head_size": 100}, [
+        "head_size=100 (supported: multiples of 8 up to 256)"]),
+    ("9.0", ("flash-attn-4",), {"dtype": torch.float32}, [
+        "dtype=float32 (supported: float16, bfloat16)"]),
+    ("9.0", ("flash-attn-4",), {"kv_cache_dtype": "fp8"}, [
+        "kv_cache_dtype=fp8 (supported: auto)"]),
+    ("8.0", ("flash-attn-4",), {}, [fa2_block(16, "8.0"), FA4_ONLY_ON_AMPERE]),
+    ("8.0", ("flash-attn-4",), {"block_size": 256}, [FA4_ONLY_ON_AMPERE]),
+    ("8.0", ("flash-attn 2",), {"block_size": 512}, []),
+    ("8.0", ("flash-attn 2",), {}, [fa2_block(16, "8.0")]),
+    ("9.0", ("flash-attn 2",), {}, [fa2_block(16, "9.0")]),  # only flash-attn 2 here
+    ("9.0", ("flash-attn 2",), {"block_size": 256}, []),
+    ("9.0", ("flash-attn-4", "flash-attn 2"), {}, []),  # flash-attn-4 preferred
+    ("12.0", ("flash-attn-4",), {"block_size": 256}, [
+        "flash-attn-4 is installed but its paged kernels run on device capability 9.0-9.x, "
+        "10.0-11.x only; on 12.0 FLASH_ATTN needs flash-attn 2 (pip install flash-attn)"]),
+    ("7.5", ("flash-attn-4", "flash-attn 2"), {"block_size": 256}, [
+        "device capability 7.5 (supported: >= 8.0)"]),
+], ids=["h-fa4", "h-fa4-d256-b64", "h-fa4-d192-b1", "b-fa4-d256", "b-fa4-d192",
+        "h-fa4-d100", "h-fa4-fp32", "h-fa4-fp8", "a-fa4-b16", "a-fa4-b256", "a-fa2-b512",
+        "a-fa2-b16", "h-fa2-b16", "h-fa2-b256", "h-both", "sm120-fa4", "turing"])
+def test_flash_attn_reasons_follow_the_library_of_the_device(cuda, monkeypatch, capability,
+                                                             libraries, config, reasons):
+    cuda(capability)
+    _install_flash_attn(monkeypatch, *libraries)
+    assert _reasons("FLASH_ATTN", _config(**config)) == reasons
+
+
+@pytest.mark.parametrize(("capability", "libraries", "library"), [
+    ("9.0", ("flash-attn-4", "flash-attn 2"), "flash-attn-4"),
+    ("10.0", ("flash-attn-4",), "flash-attn-4"),
+    ("9.0", ("flash-attn 2",), "flash-attn 2"),
+    ("8.0", ("flash-attn-4", "flash-attn 2"), "flash-attn 2"),
+    ("8.0", (), "flash-attn 2"),  # none installed: the one that would run
+])
+def test_flash_attn_runs_the_first_installed_library_that_covers_the_device(
+        monkeypatch, capability, libraries, library):
+    _install_flash_attn(monkeypatch, *libraries)
+    backend = kvcore.resolve_backend("FLASH_ATTN")
+    assert backend.kernels_for(kvcore.DeviceCapability.parse(capability)).library == library
+
+
+def test_flash_attn_declared_envelope_covers_every_library():
+    """The class attributes allocation and ``kvcore list`` read hold what any library takes."""
+    backend = kvcore.resolve_backend("FLASH_ATTN")
+    module = sys.modules[backend.__module__]
+    for kernels in backend.KERNELS:
+        assert kernels.min_capability.at_least(backend.MIN_DEVICE_CAPABILITY)
+        for head_size in range(1, 513):
+            if module._accepts(head_size, kernels.head_sizes):
+                assert module._accepts(head_size, backend.SUPPORTED_HEAD_SIZES), head_size
+    assert backend.SUPPORTED_BLOCK_SIZES is None  # flash-attn-4 takes any
+
+
+def test_flash_attn_wins_on_hopper_at_block_16_with_flash_attn_4(cuda, monkeypatch):
+    cuda("9.0")
+    _install_flash_attn(monkeypatch, "flash-attn-4")
+    assert kvcore.get_attn_backend(_config()).get_name() == "FLASH_ATTN"
+    cuda("8.0")
+    _install_flash_attn(monkeypatch, "flash-attn-4")
+    assert kvcore.get_attn_backend(_config()).get_name() == "TRITON_ATTN"
+
+
+def test_module_installed_finds_submodules_without_importing_them(tmp_path, monkeypatch):
+    from kvcore_nvidia.backends.flash_attn import module_installed
+
+    # A namespace package (no __init__.py), as flash-attn-4 installs flash_attn/cute.
+    (tmp_path / "nspkg_fa" / "cute").mkdir(parents=True)
+    (tmp_path / "nspkg_fa" / "cute" / "__init__.py").write_text("raise ImportError('no')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_installed("nspkg_fa.cute")
+    assert not module_installed("nspkg_fa.flash_attn_interface")
+    assert not module_installed("nspkg_missing.cute")
+    assert "nspkg_fa.cute" not in sys.modules

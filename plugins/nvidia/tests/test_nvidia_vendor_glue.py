@@ -1,12 +1,13 @@
-"""The FLASHINFER and FLASH_ATTN glue on CPU, against stand-ins for the two libraries.
+"""The FLASHINFER and FLASH_ATTN glue on CPU, against stand-ins for the libraries.
 
-Neither library runs here (flash-attn runs nowhere in this project: no wheel for the GPU
-machine). Each stand-in implements the library's *documented* contract independently of
-kvcore — FlashInfer's ragged page lists (``indptr``, ``indices``, ``last_page_len``) and
-``window_left``; flash-attn's ``cu_seqlens_k``, ``block_table`` and ``window_size`` with its
-bottom-right causal alignment — and refuses what the library refuses. The backends must then
-agree with kvcore's float64 reference: that checks how they translate kvcore's metadata, not
-the libraries' kernels (those are checked on the GPU, FlashInfer only).
+None of the libraries runs here (no GPU). Each stand-in implements the library's *documented*
+contract independently of kvcore — FlashInfer's ragged page lists (``indptr``, ``indices``,
+``last_page_len``) and ``window_left``; flash-attn 2's ``cu_seqlens_k``, ``block_table`` and
+``window_size``; flash-attn-4's ``seqused_k``, int32 ``page_table``, ``window_size`` with
+``None`` for unbounded and its ``(out, lse)`` result; both with bottom-right causal alignment —
+and refuses what the library refuses. The backends must then agree with kvcore's float64
+reference on caches in their own stride order: that checks how they translate kvcore's metadata
+and strides, not the libraries' kernels (those are checked on the GPU).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import types
 
 import pytest
 import torch
+from kvcore_nvidia.backends import flash_attn as fa_backend
 from kvcore_nvidia.backends import flashinfer as fi_backend
 from kvcore_nvidia.backends.flash_attn import FlashAttentionBackend
 from kvcore_nvidia.backends.flashinfer import FlashInferBackend, flashinfer_page_table
@@ -100,6 +102,44 @@ def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     return out
 
 
+def _fake_flash_attn_4_varlen_func(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k,
+                                   max_seqlen_k, page_table, softmax_scale, causal,
+                                   window_size):
+    """flash-attn-4's paged varlen forward as ``flash_attn.cute.interface`` states it."""
+    assert page_table.dtype == cu_seqlens_q.dtype == seqused_k.dtype == torch.int32
+    assert page_table.stride(-1) == 1 and page_table.shape[0] == seqused_k.shape[0]
+    assert k.shape == v.shape and k.dim() == 4  # (num_pages, page_size, nheads_k, headdim)
+    align = 16 // k.element_size()
+    for t in (k, v):  # anything else it would copy (maybe_contiguous)
+        assert t.stride(-1) == 1 and all(st % align == 0 for st in t.stride()[:-1])
+        assert t.data_ptr() % 16 == 0
+    page = k.shape[1]
+    out = torch.empty_like(q)
+    left, right = window_size
+    for b in range(cu_seqlens_q.numel() - 1):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        s_q, s_k = rows.stop - rows.start, int(seqused_k[b])
+        assert s_q <= max_seqlen_q and s_k <= max_seqlen_k
+        pages = page_table[b, : -(-s_k // page)].long()
+        keys, values = k[pages].flatten(0, 1)[:s_k], v[pages].flatten(0, 1)[:s_k]
+        qi, kj = _positions(s_q, s_k)
+        allowed = torch.ones(s_q, s_k, dtype=torch.bool)
+        if causal:
+            allowed &= kj <= qi
+        if left is not None:
+            allowed &= kj >= qi - left
+        if right is not None and not causal:
+            allowed &= kj <= qi + right
+        out[rows] = contiguous_attention_ref(q[rows], keys, values, softmax_scale,
+                                             allowed=allowed).to(q.dtype)
+    return out, None
+
+
+def _use_library(monkeypatch: pytest.MonkeyPatch, library: str) -> None:
+    kernels = next(k for k in FlashAttentionBackend.KERNELS if k.library == library)
+    monkeypatch.setattr(fa_backend, "device_kernels", lambda device: kernels)
+
+
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     module = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper,
@@ -115,12 +155,32 @@ def fake_flash_attn(monkeypatch):
     module = types.ModuleType("flash_attn")
     module.flash_attn_varlen_func = _fake_flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", module)
+    _use_library(monkeypatch, "flash-attn 2")
+
+
+@pytest.fixture
+def fake_flash_attn_4(monkeypatch):
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface.flash_attn_varlen_func = _fake_flash_attn_4_varlen_func
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    _use_library(monkeypatch, "flash-attn-4")
+
+
+def _cache(backend: type[kvcore.AttentionBackend], shape: tuple[int, ...],
+           gen: torch.Generator) -> torch.Tensor:
+    """A random ``shape`` cache laid out in ``backend``'s stride order (its logical view)."""
+    order = backend.get_kv_cache_stride_order()
+    storage = torch.randn([shape[d] for d in order], generator=gen)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return storage.permute(inverse)
 
 
 def _run(backend: type[kvcore.AttentionBackend], block_size: int, num_blocks: int,
          sliding_window: int | None, causal: bool, shape: dict, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    kv_cache = torch.randn(num_blocks, 2, block_size, 2, 32, generator=gen)
+    kv_cache = _cache(backend, (num_blocks, 2, block_size, 2, 32), gen)
     impl = backend.get_impl_cls()(num_heads=8, head_size=32, scale=32**-0.5, num_kv_heads=2,
                                   sliding_window=sliding_window)
     batch = mixed_batch(impl, kv_cache, gen, causal=causal, **shape)
@@ -168,6 +228,57 @@ def test_flashinfer_page_table_of_a_mixed_batch():
 def test_flash_attn_glue_matches_the_reference(fake_flash_attn, causal, window):
     shape = dict(q_lens=(1, 40, 300), ctx_lens=(700, 256, 0))
     _run(FlashAttentionBackend, 256, 12, window, causal, shape, seed=2)
+
+
+@pytest.mark.parametrize(("shape", "causal", "window", "block_size"), [
+    (MIXED, True, None, 16), (MIXED, False, None, 16), (MIXED, True, 6, 16),
+    (MIXED, False, 6, 16), (DECODE, True, None, 16), (DECODE, True, 6, 16),
+    (MIXED, True, None, 5)], ids=[
+    "mixed", "mixed-noncausal", "mixed-window", "mixed-noncausal-window", "decode",
+    "decode-window", "mixed-block5"])
+def test_flash_attn_4_glue_matches_the_reference(fake_flash_attn_4, shape, causal, window,
+                                                 block_size):
+    _run(FlashAttentionBackend, block_size, 40, window, causal, shape, seed=4)
+
+
+def test_flash_attn_4_glue_through_the_builder(fake_flash_attn_4):
+    gen = torch.Generator().manual_seed(5)
+    kv_cache = _cache(FlashAttentionBackend, (40, 2, 16, 2, 32), gen)
+    impl = FlashAttentionBackend.get_impl_cls()(num_heads=8, head_size=32, scale=32**-0.5,
+                                                num_kv_heads=2)
+    batch = mixed_batch(impl, kv_cache, gen, **MIXED)
+    spec = kvcore.FullAttentionSpec(block_size=16, dtype=torch.float32, num_kv_heads=2,
+                                    head_size=32)
+    builder = FlashAttentionBackend.get_builder_cls()(
+        spec, num_heads=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+        device="cpu")
+    meta = builder.build(batch.meta)
+    assert meta.seq_lens.data_ptr() == builder.seq_lens.data_ptr()  # persistent buffers
+    assert meta.cu_seqlens_k.tolist() == [0, *torch.cumsum(batch.meta.seq_lens, 0).tolist()]
+    out = impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                       meta)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+
+
+def test_flash_attn_4_refuses_a_cache_it_would_copy(fake_flash_attn_4):
+    impl = FlashAttentionBackend.get_impl_cls()(num_heads=2, head_size=12, scale=1.0,
+                                                num_kv_heads=1)
+    kv_cache = torch.zeros(4, 2, 16, 1, 12, dtype=torch.float16)  # strides of 12 elements
+    meta = kvcore.build_attention_metadata([1], [3], [[1]], 16)
+    q = torch.zeros(1, 2, 12, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"key_cache has strides \(384, 12, 12, 1\).*multiples "
+                                         r"of 8 elements"):
+        impl.forward(kvcore.LayerScales(), q, q[:, :1], q[:, :1], kv_cache, meta)
+
+
+def test_flash_attn_refuses_a_cpu_cache_without_a_library():
+    impl = FlashAttentionBackend.get_impl_cls()(num_heads=2, head_size=16, scale=1.0,
+                                                num_kv_heads=1)
+    kv_cache = torch.zeros(4, 2, 16, 1, 16)
+    meta = kvcore.build_attention_metadata([1], [3], [[1]], 16)
+    q = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="FLASH_ATTN runs on CUDA devices only, got cpu"):
+        impl.forward(kvcore.LayerScales(), q, q[:, :1], q[:, :1], kv_cache, meta)
 
 
 def test_flashinfer_plans_once_per_step_and_replans_when_anything_changes(fake_flashinfer,

@@ -1,23 +1,65 @@
-"""FLASH_ATTN: flash-attn 2's ``flash_attn_varlen_func`` with a block table.
+"""FLASH_ATTN: FlashAttention's paged varlen kernels on kvcore's blocks-first cache.
 
-flash-attn's paged mode takes ``k``/``v`` as ``(num_blocks, page_block_size, nheads_k,
-headdim)`` tensors plus a ``(batch, max_blocks_per_seq)`` int32 ``block_table``: the layer's
-``kv_cache.unbind(1)`` halves, passed as they are (the kernel takes the block stride from
-the tensor; only the last dim must be contiguous). Causal masking is bottom-right aligned
-(flash-attn >= 2.1), matching kvcore's convention that a request's queries are its last
-tokens. ``cu_seqlens_k`` is the running sum of ``seq_lens``.
+Two kernel libraries, one backend
+---------------------------------
+FLASH_ATTN runs whichever FlashAttention library covers the device and is installed
+(:attr:`FlashAttentionBackend.KERNELS`, first match wins):
 
-Capabilities are flash-attn 2's documented limits: Ampere or newer (capability >= 8.0),
-fp16/bf16, head dims up to 256 (multiples of 8: the Python wrapper would otherwise pad, which
-on a paged cache means copying it), and paged KV blocks that are a multiple of 256 tokens
-(``mha_varlen_fwd``: "Paged KV cache block size must be divisible by 256").
+- **flash-attn-4** (``flash_attn.cute``, FlashAttention in the CuTe DSL, a pure-Python wheel that
+  compiles its kernels on first use) on Hopper (9.x) and Blackwell (10.x, 11.x):
+  ``flash_attn_varlen_func(q, k, v, cu_seqlens_q=..., max_seqlen_q=..., seqused_k=...,
+  page_table=..., causal=..., window_size=...)``. It takes any page size (pages that do not hold
+  whole key tiles are gathered row by row with ``cp.async``), strided pages (the K and V halves
+  of the cache as they are) and int32 ``seqused_k`` / ``page_table``. Head sizes: multiples of 8
+  up to 256 on 9.x; up to 128, or 256, on 10.x/11.x. It has no paged path on 8.x or 12.x.
+- **flash-attn** 2 (``flash_attn.flash_attn_varlen_func`` with ``block_table``) on Ampere and
+  newer where flash-attn-4 is not installed: head sizes multiples of 8 up to 256, and paged
+  blocks that are a multiple of 256 tokens (``mha_varlen_fwd``: "Paged KV cache block size must
+  be divisible by 256").
 
-**Unverified:** flash-attn publishes no binary wheel for the GPU machine's torch, so this
-backend has never run; it is written from flash-attn 2.8's documented ``flash_attn_varlen_func``
-signature. Its selection, validation and reasons are tested on CPU.
+Both take fp16/bf16 with a model-dtype cache, causal masking aligned bottom-right (a request's
+queries are its last tokens, kvcore's convention), a sliding window (``window_size``) and
+grouped-query attention. Both also have a logit soft-cap and flash-attn-4 learnable sinks;
+kvcore's backend contract carries neither (no config field, no layer parameter), so FLASH_ATTN
+does not declare them.
+
+Layout
+------
+The stride order is the one upstream FlashAttention backends declare: ``(0, 2, 1, 3, 4)`` per
+layer (physical ``B,N,2,H,D``: a token's K and V side by side) and ``(1, 0, 3, 2, 4, 5)`` with
+layers. The kernels get the ``kv_cache.unbind(1)`` halves, ``(num_blocks, block_size, H, D)``
+views whose token stride is ``2 * H * D``, and take every stride from them. flash-attn-4 needs
+16-byte aligned pointers and strides (else it silently copies the tensor, here the whole cache):
+:meth:`FlashAttentionImpl.forward` refuses such a view instead.
+
+**Cross-layer is declared but not yet verified** (:attr:`FlashAttentionBackend.
+CROSS_LAYER_PLATFORMS` is empty): caches stay per layer until the bit-exact GPU test
+(``test_flash_attn_on_a_cross_layer_view_is_bit_exact``) passes on an H200.
+
+Per step
+--------
+:class:`FlashAttentionMetadataBuilder` keeps the step in persistent int32 buffers (what both
+libraries read: ``query_start_loc`` as ``cu_seqlens_q``, ``seq_lens`` as ``seqused_k``, the
+block table as ``page_table``, plus flash-attn 2's ``cu_seqlens_k``) and picks the library once.
+``forward`` only launches. CUDA-graph support is ``NEVER`` until the replay test
+(``test_flash_attn_decode_replays_from_a_cuda_graph``) passes on a GPU: flash-attn-4 allocates
+its output per call and has not been shown to replay correctly.
+
+**Stale bytes.** flash-attn-4 loads whole pages by TMA when a page holds whole key tiles: masked
+rows get probability 0, but ``0 * NaN`` is NaN, so the unused tail of a request's last page must
+hold finite values (``allocate_kv_caches`` allocates zeros; kvcore's writes store finite values).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,9 +68,12 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSelectorConfig,
     AttentionType,
     DeviceCapability,
     MultipleOf,
+    PersistentMetadataBuilder,
 )
 from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
@@ -38,21 +83,105 @@ from kvcore_nvidia.backends.common import (
     write_cache,
 )
 
-__all__ = ["FlashAttentionBackend", "FlashAttentionImpl"]
+__all__ = ["FlashAttentionBackend", "FlashAttentionImpl", "FlashAttentionMetadata",
+           "FlashAttentionMetadataBuilder", "FlashAttnKernels", "device_kernels",
+           "module_installed"]
+
+
+def module_installed(name: str) -> bool:
+    """Whether the dotted module ``name`` is installed, found without importing it or its
+    parent packages.
+
+    ``flash_attn`` is a namespace package when only flash-attn-4 is installed, and flash-attn
+    2's ``flash_attn/__init__.py`` loads its CUDA extension: neither may be imported to ask.
+    """
+    if name in sys.modules:
+        return True
+    head, *parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(head)
+    except ValueError:  # a module in sys.modules without a spec (made at run time)
+        return False
+    for part in parts:
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        spec = importlib.machinery.PathFinder.find_spec(part, locations) if locations else None
+    return spec is not None
+
+
+@dataclass(frozen=True)
+class FlashAttnKernels:
+    """One FlashAttention library on one range of devices: what FLASH_ATTN can run there.
+
+    Attributes:
+        library: the library's name in reasons (``"flash-attn-4"``).
+        requirement: what to ``pip install``.
+        module: the module whose presence means the library is installed.
+        min_capability, max_capability: the devices its paged kernels run on (inclusive).
+        head_sizes: head sizes its kernels are built for.
+        block_sizes: tokens per page it accepts (``None``: any).
+    """
+
+    library: str
+    requirement: str
+    module: str
+    min_capability: DeviceCapability
+    max_capability: DeviceCapability | None
+    head_sizes: tuple[int | MultipleOf, ...]
+    block_sizes: tuple[int | MultipleOf, ...] | None
+
+    def covers(self, capability: DeviceCapability) -> bool:
+        return capability.at_least(self.min_capability) and (
+            self.max_capability is None or self.max_capability.at_least(capability))
+
+    def devices(self) -> str:
+        """The capability range, e.g. ``9.0-9.x``."""
+        hi = self.max_capability
+        return f"{self.min_capability}-{hi.major}.x" if hi else f">= {self.min_capability}"
+
+    def installed(self) -> bool:
+        return module_installed(self.module)
+
+
+def _accepts(value: int, supported: tuple[int | MultipleOf, ...] | None) -> bool:
+    if supported is None:
+        return True
+    return any(value in s if isinstance(s, MultipleOf) else value == s for s in supported)
+
+
+def _format(supported: tuple[int | MultipleOf, ...]) -> str:
+    return ", ".join(str(s) for s in supported)
+
+
+_FA4 = ("flash-attn-4", "kvcore-nvidia[flash-attn]", "flash_attn.cute")
+_FA2 = ("flash-attn 2", "flash-attn", "flash_attn.flash_attn_interface")
 
 
 class FlashAttentionBackend(AttentionBackend):
-    """flash-attn 2 (``flash-attn``) paged varlen attention on the NHD blocks-first cache."""
+    """FlashAttention (flash-attn-4, else flash-attn 2) paged varlen attention (see module)."""
 
+    #: The libraries FLASH_ATTN runs, in preference order; a device takes the first one that
+    #: covers it and is installed. Validation, reasons and the kernel choice derive from this.
+    KERNELS: tuple[FlashAttnKernels, ...] = (
+        FlashAttnKernels(*_FA4, DeviceCapability(9, 0), DeviceCapability(9, 9),
+                         (MultipleOf(8, max=256),), None),
+        FlashAttnKernels(*_FA4, DeviceCapability(10, 0), DeviceCapability(11, 9),
+                         (MultipleOf(8, max=128), 256), None),
+        FlashAttnKernels(*_FA2, DeviceCapability(8, 0), None, (MultipleOf(8, max=256),),
+                         (MultipleOf(256),)),
+    )
+    # The envelope of KERNELS (what some library accepts on some device), for allocation and
+    # `kvcore list`; check_combination narrows it to the library that runs on the device.
     SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
     SUPPORTED_KV_CACHE_DTYPES = ("auto",)
     SUPPORTED_HEAD_SIZES = (MultipleOf(8, max=256),)
-    SUPPORTED_BLOCK_SIZES = (MultipleOf(256),)
+    SUPPORTED_BLOCK_SIZES = None
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
     SUPPORTS_NON_CAUSAL = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda",)
-    REQUIRED_PACKAGES = (("flash_attn", "flash-attn"),)
+    # Declared with layers first-by-block, but not verified on strided pages across layers
+    # yet: empty until the bit-exact GPU test passes (see the module docstring).
+    CROSS_LAYER_PLATFORMS: tuple[str, ...] = ()
 
     @staticmethod
     def get_name() -> str:
@@ -63,18 +192,194 @@ class FlashAttentionBackend(AttentionBackend):
         return FlashAttentionImpl
 
     @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return FlashAttentionMetadataBuilder
+
+    @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # NHD; no cross-layer opt-in: never run on strided pages (see the module docstring).
-        return tuple(range(6 if include_num_layers_dimension else 5))
+        # Physical B,N,2,H,D (a token's K and V side by side), as upstream FlashAttention
+        # backends lay blocks out; with layers B,L,N,2,H,D.
+        return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
+
+    @classmethod
+    def kernels_for(cls, capability: DeviceCapability | None) -> FlashAttnKernels | None:
+        """The library FLASH_ATTN runs on ``capability``: the first of :attr:`KERNELS` that
+        covers it and is installed, else the first that covers it (``None``: none does)."""
+        covering = [k for k in cls.KERNELS if capability is None or k.covers(capability)]
+        return next((k for k in covering if k.installed()), covering[0] if covering else None)
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The envelope (the base class's fields) plus each library of :attr:`KERNELS`."""
+        return {**super().capabilities(), "libraries": [
+            {"library": k.library, "devices": k.devices(), "head_sizes": _format(k.head_sizes),
+             "block_sizes": "any" if k.block_sizes is None else _format(k.block_sizes),
+             "installed": k.installed()} for k in cls.KERNELS]}
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
+        reasons = []
+        if not any(k.installed() for k in cls.KERNELS):
+            reasons.append("neither flash-attn-4 (Hopper/Blackwell: pip install "
+                           "'kvcore-nvidia[flash-attn]') nor flash-attn 2 (Ampere: pip install "
+                           "flash-attn) is installed")
         # The cache write is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+        return [*reasons, *triton_unavailable_reasons()]
+
+    @classmethod
+    def import_reasons(cls) -> list[str]:
+        # The library this machine's GPU runs, else every installed one.
+        libraries = [k for k in cls.KERNELS if k.installed()]
+        if torch.cuda.is_available():
+            chosen = cls.kernels_for(DeviceCapability(*torch.cuda.get_device_capability()))
+            libraries = [chosen] if chosen in libraries else libraries
+        reasons = []
+        for k in {k.module: k for k in libraries}.values():
+            try:
+                importlib.import_module(k.module)
+            except Exception as exc:  # whatever a broken package raises
+                reasons.append(f"{k.library} is installed but importing {k.module} fails: "
+                               f"{type(exc).__name__}: {exc} (reinstall {k.requirement})")
+        return reasons
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        if device_capability is None:
+            return []  # the base class already asks for the capability
+        kernels = cls.kernels_for(device_capability)
+        if kernels is None:
+            return []  # below every library's minimum: the base class says so
+        on = f"{kernels.library} (the kernels on device capability {device_capability})"
+        reasons = []
+        # Values outside the envelope already have the base class's reason.
+        if _accepts(config.head_size, cls.SUPPORTED_HEAD_SIZES) and not _accepts(
+                config.head_size, kernels.head_sizes):
+            reasons.append(f"head_size={config.head_size}: {on} supports "
+                           f"{_format(kernels.head_sizes)}")
+        if not _accepts(config.block_size, kernels.block_sizes):
+            assert kernels.block_sizes is not None
+            reasons.append(f"block_size={config.block_size}: {on} supports "
+                           f"{_format(kernels.block_sizes)}"
+                           + ("; flash-attn-4 takes any block size on Hopper and Blackwell"
+                              if kernels.library == "flash-attn 2" else ""))
+        installed = [k for k in cls.KERNELS if k.installed()]
+        if not kernels.installed() and installed:
+            library = installed[0].library
+            devices = ", ".join(k.devices() for k in installed if k.library == library)
+            reasons.append(f"{library} is installed but its paged kernels run on device "
+                           f"capability {devices} only; on {device_capability} FLASH_ATTN "
+                           f"needs {kernels.library} (pip install {kernels.requirement})")
+        return reasons
+
+    @classmethod
+    def stale_bytes_reason(cls, device_type: str) -> str | None:
+        if device_type != "cuda":
+            return None
+        return ("flash-attn-4 loads whole pages by TMA when a page holds whole key tiles and "
+                "weights masked rows by zero, and 0 * NaN is NaN: NaN/Inf in the unused tail of "
+                "a request's last page reach its output (flash_attn.cute.interface documents it)")
+
+
+def device_kernels(device: torch.device | str) -> FlashAttnKernels:
+    """The library FLASH_ATTN runs on ``device`` (a CUDA device), installed.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device, or no installed library runs on it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"FLASH_ATTN runs on CUDA devices only, got {device} (use CPU_ATTN or "
+                         "FLEX_ATTENTION on the CPU)")
+    return _cuda_kernels(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_kernels(index: int) -> FlashAttnKernels:
+    capability = DeviceCapability(*torch.cuda.get_device_capability(index))
+    kernels = FlashAttentionBackend.kernels_for(capability)
+    if kernels is None or not kernels.installed():
+        reasons = FlashAttentionBackend.check_combination(
+            AttentionSelectorConfig(head_size=128), capability) or \
+            FlashAttentionBackend.unavailable_reasons() or [
+            f"no FlashAttention library runs on device capability {capability}"]
+        raise ValueError(f"FLASH_ATTN cannot run on cuda:{index}: {'; '.join(reasons)}")
+    return kernels
+
+
+@dataclasses.dataclass
+class FlashAttentionMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus what FlashAttention reads, made once per step.
+
+    Attributes:
+        cu_seqlens_k: ``(num_seqs + 1,)`` int32 running sum of ``seq_lens`` (flash-attn 2's
+            ``cu_seqlens_k``; flash-attn-4 reads ``seq_lens`` as ``seqused_k``), or ``None``
+            when the library does not need it.
+        kernels: the library the builder chose for its device.
+    """
+
+    cu_seqlens_k: torch.Tensor | None = None
+    kernels: FlashAttnKernels | None = None
+
+
+class FlashAttentionMetadataBuilder(PersistentMetadataBuilder):
+    """The step in persistent int32 buffers (see :class:`kvcore.PersistentMetadataBuilder`),
+    plus flash-attn 2's ``cu_seqlens_k`` in one more, ``(max_num_seqs + 1,)``; the library is
+    chosen once, for the builder's device."""
+
+    def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, device) -> None:
+        super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, device=device)
+        self.kernels = device_kernels(self.device) if self.device.type == "cuda" else None
+        with torch.inference_mode(False):
+            self.cu_seqlens_k = torch.zeros(max_num_seqs + 1, dtype=torch.int32,
+                                            device=self.device)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {**super().buffers(), "cu_seqlens_k": self.cu_seqlens_k}
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> FlashAttentionMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        cu_seqlens_k = None
+        if self.kernels is None or self.kernels.library == "flash-attn 2":
+            cu_seqlens_k = self.cu_seqlens_k[:meta.num_seqs + 1]
+            torch.cumsum(meta.seq_lens, dim=0, out=cu_seqlens_k[1:])
+        return FlashAttentionMetadata(**fields, cu_seqlens_k=cu_seqlens_k, kernels=self.kernels)
+
+
+def _check_aligned(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """flash-attn-4 copies a K/V tensor whose pointer or strides are not 16-byte aligned (here:
+    the whole cache, every call); refuse it instead."""
+    per_16 = max(1, 16 // key_cache.element_size())
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if (t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(s % per_16 for s in t.stride()[:-1])):
+            raise ValueError(
+                f"{name} has strides {t.stride()} and address {t.data_ptr():#x}: flash-attn-4 "
+                f"needs the head dim contiguous, 16-byte aligned addresses and strides that are "
+                f"multiples of {per_16} elements (it would copy the whole cache otherwise); "
+                "allocate the cache with kvcore.allocate_kv_caches and a head size that is a "
+                "multiple of 8")
+
+
+def _window(sliding_window: int | None, causal: bool, fa2: bool) -> tuple[Any, Any]:
+    """kvcore's window (the last ``sliding_window`` keys up to the query, and, non-causal,
+    every key after it) as FlashAttention's ``(left, right)``: keys in ``[q - left, q +
+    right]``; unbounded is ``-1`` in flash-attn 2, ``None`` in flash-attn-4."""
+    unbounded = -1 if fa2 else None
+    if sliding_window is None:
+        return (unbounded, unbounded)
+    return (sliding_window - 1, 0 if causal else unbounded)
 
 
 class FlashAttentionImpl(AttentionImpl):
-    """Cache write: kvcore's Triton ``reshape_and_cache``. Attention: ``flash_attn_varlen_func``."""
+    """Cache write: kvcore's Triton ``reshape_and_cache`` (stride-aware). Attention:
+    flash-attn-4's or flash-attn 2's ``flash_attn_varlen_func`` (see the module docstring)."""
 
     def do_kv_cache_update(
         self,
@@ -96,30 +401,36 @@ class FlashAttentionImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func
-
         kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
         key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
                                                           output)
         if n == 0:
             return output
+        kernels = getattr(attn_metadata, "kernels", None) or device_kernels(key_cache.device)
         causal = self.is_causal(attn_metadata)
-        # flash-attn's window: keys in [q - left, q + right]; kvcore's window keeps the last
-        # `sliding_window` keys up to the query (and, non-causal, every key after it).
-        if self.sliding_window is None:
-            window = (-1, -1)
+        m = attn_metadata
+        if kernels.library == "flash-attn 2":
+            from flash_attn import flash_attn_varlen_func
+
+            cu_seqlens_k = getattr(m, "cu_seqlens_k", None)
+            out = flash_attn_varlen_func(
+                query[:n], key_cache, value_cache,
+                cu_seqlens_q=m.query_start_loc.to(torch.int32),
+                cu_seqlens_k=cumulative(m.seq_lens) if cu_seqlens_k is None else cu_seqlens_k,
+                max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len,
+                softmax_scale=self.scale, causal=causal,
+                window_size=_window(self.sliding_window, causal, fa2=True),
+                block_table=m.block_table.to(torch.int32))
         else:
-            window = (self.sliding_window - 1, 0 if causal else -1)
-        out = flash_attn_varlen_func(
-            query[:n], key_cache, value_cache,
-            cu_seqlens_q=attn_metadata.query_start_loc.to(torch.int32),
-            cu_seqlens_k=cumulative(attn_metadata.seq_lens),
-            max_seqlen_q=attn_metadata.max_query_len,
-            max_seqlen_k=attn_metadata.max_seq_len,
-            softmax_scale=self.scale,
-            causal=causal,
-            window_size=window,
-            block_table=attn_metadata.block_table.to(torch.int32),
-        )
+            from flash_attn.cute.interface import flash_attn_varlen_func
+
+            _check_aligned(key_cache, value_cache)
+            out, _ = flash_attn_varlen_func(
+                query[:n], key_cache, value_cache,
+                cu_seqlens_q=m.query_start_loc.to(torch.int32), max_seqlen_q=m.max_query_len,
+                seqused_k=m.seq_lens.to(torch.int32), max_seqlen_k=m.max_seq_len,
+                page_table=m.block_table.to(torch.int32),
+                softmax_scale=self.scale, causal=causal,
+                window_size=_window(self.sliding_window, causal, fa2=False))
         output[:n].copy_(out)
         return output

@@ -6,9 +6,11 @@ The paged cache as one flex sequence
 ``(num_blocks, 2, block_size, H, D)`` is presented as one long *virtual* sequence, without a
 copy: the K half ``kv_cache.unbind(1)[0]`` (strides ``(sB, sN, sH, sD)``) is re-strided to
 ``(1, H, S, D)`` with token stride ``sN``. Its block ``b`` then starts at virtual token
-``b * m * block_size`` with ``m = sB // (block_size * sN)`` (``m = 2`` for the standard NHD
-cache: between two K pages lies the V page of the same block). The V half gets the same view
-from its own start, so one virtual index addresses K and V of the same token.
+``b * m * block_size`` with ``m = sB // (block_size * sN)``: ``m = 1`` for FLEX_ATTENTION's own
+per-layer order ``B,N,2,H,D`` (a token's K and V side by side, token stride ``2 * H * D``),
+``m = num_layers`` for one layer of its cross-layer order ``B,L,N,2,H,D``, ``m = 2`` for an NHD
+``B,2,N,H,D`` cache (between two K pages lies the V page of the same block). The V half gets
+the same view from its own start, so one virtual index addresses K and V of the same token.
 
 The block table becomes a :class:`~torch.nn.attention.flex_attention.BlockMask` built directly
 (``BlockMask.from_kv_blocks``, no ``create_block_mask``): the queries are cut into tiles of
@@ -37,8 +39,15 @@ Limits
   (:data:`FlexAttentionBackend.MAX_KV_CACHE_SPAN`; engines can check sizes before allocating
   with :meth:`FlexAttentionBackend.kv_cache_size_reasons`). The same rule holds on CPU, so a
   configuration accepted on CPU is accepted on the GPU.
-- **No cross-layer.** A per-layer view of a cross-layer allocation spans all layers, so the
-  int32 limit would fall ``num_layers`` times lower; the stride order keeps layers outermost.
+- **Stride order.** ``(0, 2, 1, 3, 4)`` per layer (physical ``B,N,2,H,D``) and ``(1, 0, 3, 2,
+  4, 5)`` with layers, as upstream FlexAttention backends declare them, so an engine using
+  either lays blocks out the same way. A per-layer view of a cross-layer allocation spans all
+  layers, so the int32 limit falls ``num_layers`` times lower (``allocate_kv_caches`` refuses
+  a larger one with the largest ``num_blocks`` that fits). Cross-layer is not verified
+  (``CROSS_LAYER_PLATFORMS`` is empty), so caches stay per layer: on the CPU the eager path
+  is not bit-exact across layouts (it reduces over the whole virtual sequence, whose length
+  follows the page stride), and on CUDA the GPU test
+  ``test_flex_attention_on_a_cross_layer_view_is_bit_exact`` has to pass first.
 - **Stale bytes.** Masked positions are zero weights, but ``0 * NaN`` is NaN. On CPU the
   eager path would multiply every page of the cache, so it reads V through a copy whose
   unowned positions are zero (:func:`owned_positions`): stale NaN/Inf never reach an output.
@@ -104,7 +113,8 @@ def _span(t: torch.Tensor) -> int:
 
 
 class FlexAttentionBackend(AttentionBackend):
-    """torch ``flex_attention`` on the NHD blocks-first cache; CUDA compiled, CPU eager."""
+    """torch ``flex_attention`` on the blocks-first ``B,N,2,H,D`` cache; CUDA compiled, CPU
+    eager."""
 
     SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
     SUPPORTED_KV_CACHE_DTYPES = ("auto",)
@@ -132,10 +142,14 @@ class FlexAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
         return FlexAttentionMetadataBuilder
 
+    # The order opts in to cross-layer, but no platform is verified yet (module docstring).
+    CROSS_LAYER_PLATFORMS: tuple[str, ...] = ()
+
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # NHD; layers outermost (no cross-layer): a cross-layer view multiplies the span.
-        return tuple(range(6 if include_num_layers_dimension else 5))
+        # Physical B,N,2,H,D (a token's K and V side by side), with layers B,L,N,2,H,D: the
+        # upstream FlexAttention order. The kernel takes the token stride from the view.
+        return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
