@@ -76,9 +76,9 @@ def test_a_failed_build_is_a_reason_remembered_across_processes(fresh_choice, mo
     assert calls == [str(directory)]
     assert (directory / "FAILED").read_text() == (
         "RuntimeError: Error building extension 'kvcore_nvidia_C'\n")
-    assert ops.cache_write_status().startswith(
-        "triton (the CUDA C++ extension's build failed: the build failed (RuntimeError: Error "
-        "building extension 'kvcore_nvidia_C')")
+    assert ops.cache_write_status() == (
+        "triton (the CUDA C++ extension is unavailable: the build failed (RuntimeError: Error "
+        f"building extension 'kvcore_nvidia_C'); delete {directory} to retry)")
     with pytest.raises(RuntimeError, match="kvcore-nvidia CUDA C.. kernels are unavailable: "
                                            "the build failed"):
         ops.build_extension()

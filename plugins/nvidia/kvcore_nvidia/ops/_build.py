@@ -95,18 +95,15 @@ def _recorded_failure(directory: Path) -> str | None:
 
 def status() -> str:
     """One line for ``kvcore plugins`` / ``kvcore collect-env``, without building anything:
-    ``loaded``, ``built``, ``not built yet``, ``build failed: ...`` or ``unavailable: ...``."""
+    ``loaded (path)``, ``built (path)``, ``not built yet: ...`` or ``unavailable: reason``
+    (a failed build included)."""
     if load_or_reason.cache_info().currsize:  # this process already tried
-        module, error = load_or_reason()
-        return f"loaded ({module.__file__})" if module else f"build failed: {error}"
-    reason = unavailable_reason()
+        module, reason = load_or_reason()
+        return f"loaded ({module.__file__})" if module else f"unavailable: {reason}"
+    reason = unavailable_reason() or _recorded_failure(build_directory())
     if reason is not None:
         return f"unavailable: {reason}"
-    directory = build_directory()
-    failure = _recorded_failure(directory)
-    if failure is not None:
-        return f"build failed: {failure}"
-    library = _library(directory)
+    library = _library(build_directory())
     if library is not None:
         return f"built ({library})"
     return ("not built yet: compiled on first use (about a minute of nvcc), or now with "

@@ -81,17 +81,11 @@ def cache_write_status() -> str:
         return f"error: {exc}"
     if wanted == "triton":
         return f"triton ({source})"
-    if cache_write_kernel.cache_info().currsize:  # decided in this process
-        kernel = cache_write_kernel()
-        if kernel == "cuda":
-            return f"cuda ({source})"
-        _, reason = _build.load_or_reason()
-        return f"triton (the CUDA C++ extension is unavailable: {reason})"
+    if cache_write_kernel.cache_info().currsize and cache_write_kernel() == "cuda":
+        return f"cuda ({source})"
     extension = _build.status()
     if extension.startswith("unavailable"):
         return f"triton (the CUDA C++ extension is {extension})"
-    if extension.startswith("build failed"):
-        return f"triton (the CUDA C++ extension's {extension})"
     return f"cuda ({source}; the CUDA C++ extension is {extension.split(' (')[0]})"
 
 
