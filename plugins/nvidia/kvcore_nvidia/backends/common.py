@@ -9,7 +9,6 @@ import torch
 
 from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, encoder_only_cache
 from kvcore.ops import validate_paged_attention
-from kvcore_nvidia.ops.cache_write import write_kv_cache
 
 T = TypeVar("T")
 
@@ -48,6 +47,9 @@ def write_cache(
 
 def _write(impl: AttentionImpl, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # Imported here: validating a backend loads none of the extension's build machinery.
+    from kvcore_nvidia.ops.cache_write import write_kv_cache
+
     key_cache, value_cache = kv_cache.unbind(1)
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping, impl.kv_cache_dtype,
                    layer.k_scale, layer.v_scale)
