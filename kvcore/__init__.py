@@ -43,7 +43,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "kvcore.registry": (
         "DuplicateRegistrationError", "ResolveError", "UnknownNameError", "backend_registry",
-        "block_copier_registry", "connector_registry", "platform_registry", "resolve_backend",
+        "block_copier_registry", "connector_registry", "platform_registry",
+        "plugin_status_reports", "resolve_backend",
     ),
     "kvcore.selector": (
         "BackendSelectionError", "CandidateReport", "NoValidBackendError", "SelectionReport",
@@ -104,6 +105,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         block_copier_registry,
         connector_registry,
         platform_registry,
+        plugin_status_reports,
         resolve_backend,
     )
     from kvcore.selector import (
@@ -170,6 +172,7 @@ __all__ = [
     "list_plugins",
     "parse_dtype",
     "platform_registry",
+    "plugin_status_reports",
     "register_plugin",
     "require_present_platform",
     "reset_plugins",

@@ -86,3 +86,16 @@ def kvcore_register_kernel_compile_cases(register: RegisterFn) -> None:
     :class:`kvcore.testing.KernelCase` objects; ``kvcore kernels`` compiles what they launch
     (see :mod:`kvcore.testing.compile_check`).
     """
+
+
+@hookspec
+def kvcore_register_status_reports(register: RegisterFn) -> None:
+    """Register what a plugin reports about its own state in ``kvcore plugins`` and
+    ``kvcore collect-env`` (whether its compiled extension is built, which kernel a path uses
+    and why).
+
+    Call ``register(name, "module:function")`` once (``name`` lower case, usually the plugin's
+    name). The function takes no argument and returns ``{fact: one-line value}``; it must be
+    cheap: it builds nothing and imports no kernel library. A function that raises is shown as
+    an error of that plugin; the others still report.
+    """

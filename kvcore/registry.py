@@ -31,6 +31,7 @@ __all__ = [
     "backend_registry",
     "platform_registry",
     "connector_registry",
+    "plugin_status_reports",
     "resolve_backend",
 ]
 
@@ -188,6 +189,7 @@ _KINDS = {
     "block_copier": ("block copier", "kvcore_register_block_copiers", False),
     "kernel_compile_cases": ("kernel compile cases", "kvcore_register_kernel_compile_cases",
                              False),
+    "status_report": ("status report", "kvcore_register_status_reports", False),
 }
 _registries: dict[str, Registry] = {}
 _registries_generation = -1
@@ -231,6 +233,28 @@ def block_copier_registry() -> Registry:
 def kernel_compile_case_registry() -> Registry:
     """Case providers of the Triton compile check (:mod:`kvcore.testing.compile_check`)."""
     return _registry("kernel_compile_cases")
+
+
+def status_report_registry() -> Registry:
+    """Plugins' self-reports for ``kvcore plugins`` / ``kvcore collect-env``."""
+    return _registry("status_report")
+
+
+def plugin_status_reports() -> dict[str, dict[str, str]]:
+    """Every registered status report, ``{name: {fact: value}}``, in name order.
+
+    A report that fails to import or raises becomes ``{"error": "..."}``: one plugin's fault
+    never hides the others'.
+    """
+    registry = status_report_registry()
+    reports: dict[str, dict[str, str]] = {}
+    for name in registry.names():
+        try:
+            facts = registry.resolve(name)()
+            reports[name] = {str(k): str(v) for k, v in dict(facts).items()}
+        except Exception as exc:  # isolate a failing plugin
+            reports[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return reports
 
 
 def resolve_backend(name: str) -> type[AttentionBackend]:

@@ -7,6 +7,8 @@ registration through to what a user sees: selection, platform detection, ``get_c
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -61,6 +63,19 @@ class AcmePlugin:
     @kvcore.hookimpl
     def kvcore_register_kernel_compile_cases(self, register):
         register("acme_kernels", f"{__name__}:acme_compile_cases")
+
+    @kvcore.hookimpl
+    def kvcore_register_status_reports(self, register):
+        register("acme", f"{__name__}:acme_status")
+        register("acme_broken", f"{__name__}:acme_broken_status")
+
+
+def acme_status():
+    return {"extension": "built (/tmp/acme.so)", "cache_write": "acme (the default)"}
+
+
+def acme_broken_status():
+    raise RuntimeError("the ACME driver is not loaded")
 
 
 def acme_compile_cases(target):
@@ -150,3 +165,18 @@ def test_hook_kvcore_register_kernel_compile_cases(acme):
     assert case.name == "acme write on gfx942"
     # kvcore's own kernels come through the same hook, as do the installed plugins'.
     assert {"kvcore", "kvcore_mla", "kvcore_rocm"} <= set(providers)
+
+
+def test_hook_kvcore_register_status_reports(acme, capsys):
+    reports = kvcore.plugin_status_reports()
+    assert reports["acme"] == {"extension": "built (/tmp/acme.so)",
+                               "cache_write": "acme (the default)"}
+    # One plugin's failing report is its error; the others still report.
+    assert reports["acme_broken"] == {"error": "RuntimeError: the ACME driver is not loaded"}
+    assert kvcore_cli(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "  acme.extension: built (/tmp/acme.so)\n" in out
+    assert "  acme_broken.error: RuntimeError: the ACME driver is not loaded" in out
+    assert kvcore_cli(["collect-env", "--format", "json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    assert env["plugin_status"]["acme.cache_write"] == "acme (the default)"

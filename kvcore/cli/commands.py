@@ -101,11 +101,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
           i.error or ""] for i in infos],
         headers=["plugin", "distribution", "version", "module", "source", "status", "error"],
     )
+    status = kvcore.plugin_status_reports()
+    if status:
+        table += "\n\nstatus:\n" + "\n".join(
+            f"  {name}.{fact}: {value}" for name, facts in status.items()
+            for fact, value in facts.items())
     if registration_errors:
         table += "\n\nregistration errors:\n" + "\n".join(
             f"  {e['plugin']} ({e['registry']}): {e['error']}" for e in registration_errors
         )
-    _emit(args, {"plugins": [i.to_dict() for i in infos],
+    _emit(args, {"plugins": [i.to_dict() for i in infos], "status": status,
                  "registration_errors": registration_errors}, table)
     return 0
 
@@ -218,6 +223,9 @@ def collect_env() -> dict[str, Any]:
                       kvcore.available_platforms()},
         "current_platform": current_desc,
         "plugins": {i.name: i.status for i in kvcore.list_plugins()},
+        # What plugins say about themselves (compiled extensions, kernel choices), flattened.
+        "plugin_status": {f"{name}.{fact}": value for name, facts in
+                          kvcore.plugin_status_reports().items() for fact, value in facts.items()},
         "environment": {k: v for k, v in sorted(os.environ.items())
                         if k.startswith(("KVCORE_", "TRITON_INTERPRET", "CUDA_VISIBLE"))},
     }

@@ -1,6 +1,6 @@
-"""Entry point of kvcore-nvidia (group ``kvcore.plugins``): registers the NVIDIA backends and
-the ``cuda_batch`` block copier by ``module:Class`` path, so registering imports no kernel
-library."""
+"""Entry point of kvcore-nvidia (group ``kvcore.plugins``): registers the NVIDIA backends, the
+``cuda_batch`` block copier and the plugin's status report by ``module:name`` path, so
+registering imports no kernel library."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
 @kvcore.hookimpl
 def kvcore_register_block_copiers(register: Callable[[str, str], None]) -> None:
     register("cuda_batch", f"{_OPS}.copier:CudaBatchCopier")
+
+
+@kvcore.hookimpl
+def kvcore_register_status_reports(register: Callable[[str, str], None]) -> None:
+    register("nvidia", f"{_OPS}.cache_write:status_report")

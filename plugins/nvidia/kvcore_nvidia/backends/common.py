@@ -8,7 +8,7 @@ from typing import TypeVar
 import torch
 
 from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, encoder_only_cache
-from kvcore.ops import reshape_and_cache, validate_paged_attention
+from kvcore.ops import validate_paged_attention
 
 T = TypeVar("T")
 
@@ -33,10 +33,12 @@ def write_cache(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """kvcore's stride-aware cache write on the ``kv_cache.unbind(1)`` halves.
+    """The plugin's stride-aware cache write on the ``kv_cache.unbind(1)`` halves.
 
-    Triton on GPU tensors, the reference on CPU tensors (:func:`kvcore.ops.reshape_and_cache`
-    dispatches on the cache's device); both use int64 offsets and the view's strides.
+    On GPU tensors the CUDA C++ kernel where the extension builds, else kvcore's Triton
+    kernel (:func:`kvcore_nvidia.ops.write_kv_cache` says which and why); the reference on
+    CPU tensors. All use int64 offsets and the view's strides, so every stride order the
+    backends declare (per layer and cross-layer) is written in place.
     """
     if not impl.writes_kv_cache():  # encoder-only layers keep nothing in the cache
         return
@@ -45,9 +47,12 @@ def write_cache(
 
 def _write(impl: AttentionImpl, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # Imported here: validating a backend loads none of the extension's build machinery.
+    from kvcore_nvidia.ops.cache_write import write_kv_cache
+
     key_cache, value_cache = kv_cache.unbind(1)
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, impl.kv_cache_dtype,
-                      layer.k_scale, layer.v_scale)
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping, impl.kv_cache_dtype,
+                   layer.k_scale, layer.v_scale)
 
 
 def step_kv(

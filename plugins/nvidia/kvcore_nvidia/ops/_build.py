@@ -1,35 +1,52 @@
-"""Build and load kvcore-nvidia's CUDA C++ extension (``kvcore_nvidia/csrc``) on first use.
+"""Build and load kvcore-nvidia's CUDA C++ extension when first asked for, never at import.
 
-The sources ship inside the package, so an installed wheel builds them too. The build runs
-``torch.utils.cpp_extension.load`` (ninja + nvcc) for the architectures of the visible GPUs
-and is cached: the build directory is keyed by a hash of the sources, the torch version and
-its CUDA version, so a second process (or a second run on the same machine) only loads the
-compiled library. ``KVCORE_NVIDIA_BUILD_DIR`` moves the cache (default
-``~/.cache/kvcore_nvidia``).
+The sources live in the repository's top-level ``csrc/nvidia/``; ``kvcore_nvidia/csrc`` is a
+symlink to it, so an editable install reads them in place, and a built wheel holds real copies
+(setuptools copies the package data through the link). The build runs
+``torch.utils.cpp_extension.load`` (ninja + nvcc) for the architectures of the visible GPUs and
+is cached: the build directory is keyed by a hash of the sources, the torch version and its
+CUDA version, so a later process only loads the compiled library. ``KVCORE_NVIDIA_BUILD_DIR``
+moves the cache (default ``~/.cache/kvcore_nvidia``).
+
+A failed build is remembered (in the process, and as a ``FAILED`` file in the build directory,
+so the next process does not spend minutes on nvcc again): :func:`status` reports it, and
+deleting the directory retries.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 EXTENSION_NAME = "kvcore_nvidia_C"
-# The sources stay at the package root (kvcore_nvidia/csrc), shipped as package data.
+#: The sources: a symlink to the repository's ``csrc/nvidia`` in a checkout, real files in a
+#: wheel.
 CSRC = Path(__file__).parent.parent / "csrc"
 SOURCES = ("bindings.cpp", "cache_kernels.cu", "copy_blocks.cu")
-_HEADERS = ("kvcore_nvidia.h",)
+HEADERS = ("kvcore_nvidia.h",)
+_FAILED = "FAILED"
+_lock = threading.Lock()
 
 
 def _cuda_home() -> str | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
     return CUDA_HOME
+
+
+def missing_sources() -> list[str]:
+    """Source files that are not readable where the build looks for them."""
+    return [name for name in (*SOURCES, *HEADERS) if not (CSRC / name).is_file()]
 
 
 def unavailable_reason() -> str | None:
@@ -39,6 +56,10 @@ def unavailable_reason() -> str | None:
                 "CUDA C++ kernels need a CUDA build of torch and an NVIDIA GPU")
     if not torch.cuda.is_available():
         return "no NVIDIA GPU is visible (torch.cuda.is_available() is False)"
+    missing = missing_sources()
+    if missing:
+        return (f"the CUDA C++ sources {', '.join(missing)} are missing from {CSRC}; reinstall "
+                "kvcore-nvidia (pip install -e plugins/nvidia from a full checkout)")
     home = _cuda_home()
     if home is None or not (Path(home) / "bin" / "nvcc").exists():
         return ("nvcc not found: the CUDA C++ kernels are compiled on first use; install the "
@@ -51,34 +72,91 @@ def unavailable_reason() -> str | None:
 def build_directory() -> Path:
     """Where the extension is (or will be) built: one directory per sources/torch/CUDA."""
     digest = hashlib.sha256()
-    for name in (*SOURCES, *_HEADERS):
-        digest.update((CSRC / name).read_bytes())
+    for name in (*SOURCES, *HEADERS):
+        path = CSRC / name
+        digest.update(path.read_bytes() if path.is_file() else b"")
     digest.update(f"{torch.__version__}|{torch.version.cuda}".encode())
     root = Path(os.environ.get("KVCORE_NVIDIA_BUILD_DIR",
                                Path.home() / ".cache" / "kvcore_nvidia"))
     return root / f"{EXTENSION_NAME}-{digest.hexdigest()[:16]}"
 
 
-@functools.cache
-def load() -> ModuleType:
-    """The compiled extension, built on the first call of the process if not cached on disk.
+def _library(directory: Path) -> Path | None:
+    return next(iter(sorted(directory.glob(f"{EXTENSION_NAME}*.so"))), None)
 
-    Raises:
-        RuntimeError: the kernels cannot be built here; the message gives the reason.
+
+def _recorded_failure(directory: Path) -> str | None:
+    marker = directory / _FAILED
+    if not marker.is_file():
+        return None
+    return (f"the build failed in an earlier run ({marker.read_text().strip()}); delete "
+            f"{directory} to retry")
+
+
+def status() -> str:
+    """One line for ``kvcore plugins`` / ``kvcore collect-env``, without building anything:
+    ``loaded (path)``, ``built (path)``, ``not built yet: ...`` or ``unavailable: reason``
+    (a failed build included)."""
+    if load_or_reason.cache_info().currsize:  # this process already tried
+        module, reason = load_or_reason()
+        return f"loaded ({module.__file__})" if module else f"unavailable: {reason}"
+    reason = unavailable_reason() or _recorded_failure(build_directory())
+    if reason is not None:
+        return f"unavailable: {reason}"
+    library = _library(build_directory())
+    if library is not None:
+        return f"built ({library})"
+    return ("not built yet: compiled on first use (about a minute of nvcc), or now with "
+            "kvcore_nvidia.ops.build_extension()")
+
+
+@functools.cache
+def load_or_reason() -> tuple[ModuleType | None, str | None]:
+    """``(extension, None)``, building it on the first call of the process unless cached on
+    disk, or ``(None, reason)`` when it cannot be built here or the build failed; never raises.
     """
     reason = unavailable_reason()
     if reason is not None:
-        raise RuntimeError(f"kvcore-nvidia CUDA C++ kernels are unavailable: {reason}")
+        return None, reason
+    directory = build_directory()
+    failure = _recorded_failure(directory)
+    if failure is not None:
+        return None, failure
     from torch.utils.cpp_extension import load as cpp_load
 
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    # No fast math: the fp8 path divides by the scale exactly as the reference does.
-    return cpp_load(
-        name=EXTENSION_NAME,
-        sources=[str(CSRC / name) for name in SOURCES],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3"],
-        build_directory=str(directory),
-        verbose=os.environ.get("KVCORE_NVIDIA_BUILD_VERBOSE") == "1",
-    )
+    with _lock:
+        directory.mkdir(parents=True, exist_ok=True)
+        if _library(directory) is None:
+            logger.warning("kvcore-nvidia: compiling the CUDA C++ extension once (nvcc, about "
+                           "a minute); cached in %s", directory)
+        try:
+            # No fast math: the fp8 path rounds its multiply exactly as the reference does.
+            module = cpp_load(
+                name=EXTENSION_NAME,
+                sources=[str(CSRC / name) for name in SOURCES],
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3"],
+                build_directory=str(directory),
+                verbose=os.environ.get("KVCORE_NVIDIA_BUILD_VERBOSE") == "1",
+            )
+        except Exception as exc:  # nvcc/ninja/loader errors: a reason, never a crash
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            message = f"{type(exc).__name__}: {first}"
+            (directory / _FAILED).write_text(message + "\n")
+            logger.warning("kvcore-nvidia: building the CUDA C++ extension failed (%s); "
+                           "KVCORE_NVIDIA_BUILD_VERBOSE=1 shows the compiler output", message)
+            return None, f"the build failed ({message}); delete {directory} to retry"
+    return module, None
+
+
+def load() -> ModuleType:
+    """The compiled extension (see :func:`load_or_reason`).
+
+    Raises:
+        RuntimeError: the kernels cannot be built here or the build failed; the message gives
+            the reason.
+    """
+    module, reason = load_or_reason()
+    if module is None:
+        raise RuntimeError(f"kvcore-nvidia CUDA C++ kernels are unavailable: {reason}")
+    return module

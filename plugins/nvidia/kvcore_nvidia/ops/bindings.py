@@ -2,7 +2,7 @@
 block copy.
 
 Both validate their arguments in Python (errors name the argument) before anything is built
-or launched, then call the extension compiled from ``kvcore_nvidia/csrc`` on first use
+or launched, then call the extension compiled from ``csrc/nvidia`` on first use
 (:mod:`kvcore_nvidia.ops._build`). On a machine that cannot build it (no CUDA torch, no GPU, no
 nvcc) they raise ``RuntimeError`` with :func:`extension_unavailable_reason`.
 
@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_COPY_STREAMS",
     "build_extension",
     "copy_blocks",
+    "extension_status",
     "extension_unavailable_reason",
     "reshape_and_cache_flash",
 ]
@@ -52,8 +53,19 @@ def extension_unavailable_reason() -> str | None:
     return _build.unavailable_reason()
 
 
+def extension_status() -> str:
+    """Whether the extension is loaded, built, not built yet, failed or unavailable (and why),
+    without building it: what ``kvcore plugins`` and ``kvcore collect-env`` show."""
+    return _build.status()
+
+
 def build_extension() -> ModuleType:
-    """Build (or load from the cache) the extension now rather than on the first call."""
+    """Build (or load from the on-disk cache) the extension now rather than on the first call:
+    an engine calls it at start-up to keep the one-time nvcc compile out of its first step.
+
+    Raises:
+        RuntimeError: it cannot be built here or the build failed (the reason says why).
+    """
     return _build.load()
 
 
@@ -90,8 +102,9 @@ def reshape_and_cache_flash(
             included); the model dtype, or fp8 when ``kv_cache_dtype`` names one.
         slot_mapping: ``(num_tokens,)`` int32/int64 ``block * block_size + offset``; negative
             slots are skipped.
-        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``satfinite(x / scale)``
-            rounded to nearest even, exactly like :func:`kvcore.ops.reshape_and_cache_ref`.
+        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores
+            ``satfinite(x * float32(1 / scale))`` rounded to nearest even, exactly like
+            :func:`kvcore.ops.reshape_and_cache_ref`.
         k_scale, v_scale: per-tensor fp8 scales (1-element tensors or floats).
 
     Raises:

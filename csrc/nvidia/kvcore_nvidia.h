@@ -12,8 +12,8 @@ namespace kvcore_nvidia {
 // Scatter key/value (num_tokens, num_kv_heads, head_size) into key_cache/value_cache
 // (num_blocks, block_size, num_kv_heads, head_size) views of any strides at slot_mapping
 // (int32/int64; negative = skip). fp8_kind: 0 = same dtype copy, 1 = e4m3, 2 = e5m2 (stores
-// satfinite(round_to_nearest_even(x / scale))). A scale tensor (1 float32 element on the
-// cache's device, read in the kernel) wins over the float.
+// satfinite(round_to_nearest_even(x * float32(1 / scale)))). A scale tensor (1 float32
+// element on the cache's device, read in the kernel) wins over the float.
 void reshape_and_cache_flash(const at::Tensor& key, const at::Tensor& value,
                              at::Tensor& key_cache, at::Tensor& value_cache,
                              const at::Tensor& slot_mapping, int64_t fp8_kind,

@@ -25,14 +25,17 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// fp8 stores x * float32(1 / scale) (kvcore.ops.fp8_inverse_scale: the one definition shared
+// with the reference and the Triton write), never x / scale: the two differ in the last bit
+// for scales that are not powers of two.
 template <typename scalar_t, typename cache_t, int KIND>
-__device__ __forceinline__ cache_t convert(scalar_t x, float scale) {
+__device__ __forceinline__ cache_t convert(scalar_t x, float inv_scale) {
   if constexpr (KIND == kNoFp8) {
     return x;  // same dtype: the bytes are copied unchanged
   } else {
-    // IEEE division (no fast math) then round-to-nearest-even with saturation to the
-    // largest finite value: exactly kvcore's reference (clamp, then convert).
-    const float y = __fdiv_rn(static_cast<float>(x), scale);
+    // IEEE multiply (no fast math, no contraction) then round-to-nearest-even with saturation
+    // to the largest finite value: exactly the reference's clamp-then-convert.
+    const float y = __fmul_rn(static_cast<float>(x), inv_scale);
     return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, KIND == kE4M3 ? __NV_E4M3 : __NV_E5M2);
   }
 }
@@ -58,10 +61,10 @@ __global__ void reshape_and_cache_flash_kernel(
   if (slot < 0) return;  // padding
   const int64_t block = slot / block_size;
   const int64_t offset = slot % block_size;
-  float k_scale = 1.f, v_scale = 1.f;
+  float k_scale = 1.f, v_scale = 1.f;  // the reciprocals of the fp8 scales
   if constexpr (KIND != kNoFp8) {
-    k_scale = k_scale_ptr != nullptr ? *k_scale_ptr : k_scale_arg;
-    v_scale = v_scale_ptr != nullptr ? *v_scale_ptr : v_scale_arg;
+    k_scale = __frcp_rn(k_scale_ptr != nullptr ? *k_scale_ptr : k_scale_arg);
+    v_scale = __frcp_rn(v_scale_ptr != nullptr ? *v_scale_ptr : v_scale_arg);
   }
   const scalar_t* k_src = key + token * ks.token;
   const scalar_t* v_src = value + token * vs.token;

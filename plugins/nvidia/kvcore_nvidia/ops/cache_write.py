@@ -1,0 +1,126 @@
+"""The NVIDIA backends' cache write: the plugin's CUDA C++ kernel or kvcore's Triton kernel.
+
+Both compute exactly :func:`kvcore.ops.reshape_and_cache_ref` (fp8 included) on caches of any
+strides with int64 offsets; which one runs on a GPU is chosen once per process:
+
+1. ``KVCORE_NVIDIA_CACHE_WRITE`` (``cuda`` or ``triton``) when set, else
+   :data:`DEFAULT_CACHE_WRITE` (chosen from measurements);
+2. ``cuda`` runs only where the CUDA C++ extension builds (:mod:`kvcore_nvidia.ops._build`):
+   the first GPU write builds it (or loads it from the on-disk cache); call
+   :func:`kvcore_nvidia.ops.build_extension` at start-up to keep the compile out of the first
+   step. When it cannot be built the write is Triton, with the reason logged once and shown by
+   ``kvcore plugins`` and ``kvcore collect-env`` (:func:`cache_write_status`); a failed build
+   never raises in a forward.
+
+CPU tensors get the reference (as :func:`kvcore.ops.reshape_and_cache` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Literal
+
+import torch
+
+from kvcore.ops import reshape_and_cache, triton_reshape_and_cache
+from kvcore_nvidia.ops import _build
+
+__all__ = ["CACHE_WRITE_KERNELS", "DEFAULT_CACHE_WRITE", "cache_write_kernel",
+           "cache_write_status", "status_report", "write_kv_cache"]
+
+logger = logging.getLogger(__name__)
+
+CacheWriteKernel = Literal["cuda", "triton"]
+CACHE_WRITE_KERNELS: tuple[str, ...] = ("cuda", "triton")
+
+#: The GPU cache write when both kernels can run. Set from ``benchmarks/bench_cache_write.py``
+#: on the H200 (bf16, 8 KV heads, head size 128, block 16; numbers in benchmarks/RESULTS.md):
+#: CUDA C++ vs Triton, % of the device-copy ceiling at 4096 / 32768 / 131072 tokens:
+#:   cuda   ? / ? / ?      triton   ? / ? / ?      (the coordinator fills these in)
+DEFAULT_CACHE_WRITE: CacheWriteKernel = "cuda"
+
+_ENV = "KVCORE_NVIDIA_CACHE_WRITE"
+# Model dtypes the CUDA kernel is instantiated for; others (float64) go to Triton.
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _requested() -> tuple[str, str]:
+    """The kernel asked for and where that came from; a bad environment value raises."""
+    raw = os.environ.get(_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_CACHE_WRITE, "the default"
+    value = raw.strip().lower()
+    if value not in CACHE_WRITE_KERNELS:
+        raise ValueError(f"{_ENV}={raw!r} (supported: {', '.join(CACHE_WRITE_KERNELS)}); unset "
+                         f"it for the default ({DEFAULT_CACHE_WRITE})")
+    return value, f"{_ENV}={value}"
+
+
+@functools.cache
+def cache_write_kernel() -> CacheWriteKernel:
+    """The kernel GPU cache writes use in this process (builds the extension if it is asked
+    for and not built yet; falls back to Triton, logging why, when it cannot be built)."""
+    wanted, _ = _requested()
+    if wanted == "triton":
+        return "triton"
+    module, reason = _build.load_or_reason()
+    if module is None:
+        logger.warning("kvcore-nvidia: the cache write uses Triton: the CUDA C++ extension is "
+                       "unavailable (%s)", reason)
+        return "triton"
+    return "cuda"
+
+
+def cache_write_status() -> str:
+    """Which kernel GPU cache writes use and why, without building anything."""
+    try:
+        wanted, source = _requested()
+    except ValueError as exc:
+        return f"error: {exc}"
+    if wanted == "triton":
+        return f"triton ({source})"
+    if cache_write_kernel.cache_info().currsize and cache_write_kernel() == "cuda":
+        return f"cuda ({source})"
+    extension = _build.status()
+    if extension.startswith("unavailable"):
+        return f"triton (the CUDA C++ extension is {extension})"
+    return f"cuda ({source}; the CUDA C++ extension is {extension.split(' (')[0]})"
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+) -> None:
+    """Scatter new tokens into the paged cache, in place, with :func:`cache_write_kernel`.
+
+    Shapes and semantics are those of :func:`kvcore.ops.reshape_and_cache_ref`: ``key``/
+    ``value`` ``(num_tokens, num_kv_heads, head_size)``; caches ``(num_blocks, block_size,
+    num_kv_heads, head_size)`` of any strides (``kv_cache.unbind(1)`` of any stride order,
+    per-layer views of a cross-layer cache included); negative slots skipped; fp8 caches store
+    ``x * float32(1 / scale)``. Arguments are validated before any kernel runs.
+    """
+    if (key_cache.device.type == "cuda" and key.dtype in _CUDA_DTYPES
+            and cache_write_kernel() == "cuda"):
+        from kvcore_nvidia.ops.bindings import reshape_and_cache_flash
+
+        reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                kv_cache_dtype, k_scale, v_scale)
+    elif key_cache.device.type == "cuda":
+        triton_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                 kv_cache_dtype, k_scale, v_scale)
+    else:
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                          k_scale, v_scale)
+
+
+def status_report() -> dict[str, str]:
+    """kvcore-nvidia's lines in ``kvcore plugins`` and ``kvcore collect-env``."""
+    return {"cuda_extension": _build.status(), "cache_write": cache_write_status()}
