@@ -13,6 +13,7 @@
 #   wheels (FlashInfer into /tmp/site, kept while the machine stays warm).
 #   connectors: the connectors' GPU tests, bench_offload (start-up and first transfers
 #   included) and the disaggregated demo in bfloat16 and float32 (nixl carried in .whl_nixl);
+#   PARALLEL=1: the test steps run side by side (then the benchmarks, alone).
 #   fimla: FLASHINFER_MLA's GPU tests, conformance and benchmark (FlashInfer carried);
 #   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call).
 set -u
@@ -48,15 +49,20 @@ step() {  # step NAME TIMEOUT CMD...
     echo "=== $name rc=$?"
     tail -n 25 "$OUT/$name.log"
 }
+# PARALLEL=1 runs the test steps side by side (correctness only: they share the GPU, and
+# FlashInfer's JIT compiles on the CPU cores); benchmarks always run alone, after them.
+test_step() {
+    if [ -n "${PARALLEL:-}" ]; then step "$@" & else step "$@"; fi
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && nvidia-smi topo -m
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-has gpu_tests && step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
+has gpu_tests && test_step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
     -p no:cacheprovider -o addopts="" tests plugins/rocm/tests plugins/mla/tests
-has step_tests && step step_tests ${STEP_TESTS_LIMIT:-150} python3 -m pytest -q \
+has step_tests && test_step step_tests ${STEP_TESTS_LIMIT:-150} python3 -m pytest -q \
     -p no:cacheprovider -o addopts="" tests/test_builder.py tests/test_triton_builder.py \
     tests/test_cuda_graphs.py plugins/mla/tests/test_mla_builder.py
-has nvidia_tests && step nvidia_tests ${NVIDIA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q \
+has nvidia_tests && test_step nvidia_tests ${NVIDIA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q \
     -p no:cacheprovider -o addopts="" ${NVIDIA_TESTS:-plugins/nvidia/tests}
 has sanitizer && step sanitizer ${SANITIZER_LIMIT:-200} env TORCH_CUDA_SANITIZER=1 \
     python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
@@ -64,17 +70,18 @@ has sanitizer && step sanitizer ${SANITIZER_LIMIT:-200} env TORCH_CUDA_SANITIZER
 # The conformance suite on every GPU backend that is installed (a missing one fails its step).
 conformance=(); for b in ${CONFORMANCE_BACKENDS:-TRITON_ATTN TRITON_ATTN_HND SDPA_GATHER}; do
     conformance+=(--kvcore-backend "$b"); done
-has conformance && step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
+has conformance && test_step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
     -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda
 # FLASHINFER_MLA (FlashInfer carried): its GPU tests, the conformance suite on it, the benchmark.
 if has fimla; then
-    step fimla_tests ${FIMLA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider \
+    test_step fimla_tests ${FIMLA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider \
         -o addopts="" plugins/nvidia/tests/test_nvidia_flashinfer_mla_gpu.py
-    step fimla_conformance ${FIMLA_CONFORMANCE_LIMIT:-180} python3 -m pytest -q \
+    test_step fimla_conformance ${FIMLA_CONFORMANCE_LIMIT:-180} python3 -m pytest -q \
         -p no:cacheprovider -o addopts="" --kvcore-backend FLASHINFER_MLA --kvcore-device cuda
-    step bench_flashinfer_mla ${FIMLA_BENCH_LIMIT:-150} python3 \
-        benchmarks/bench_flashinfer_mla.py ${FIMLA_BENCH_ARGS:---fp8}
 fi
+wait  # for the test steps run side by side
+has fimla && step bench_flashinfer_mla ${FIMLA_BENCH_LIMIT:-150} python3 \
+    benchmarks/bench_flashinfer_mla.py ${FIMLA_BENCH_ARGS:---fp8}
 # name:seconds; the limits keep the whole script inside one 10-minute device call
 if has benches; then
     for entry in ${BENCHES:-bench_offload:110 bench_mla:170 bench_rocm_portable:70 \
