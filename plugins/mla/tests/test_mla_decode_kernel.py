@@ -109,7 +109,7 @@ def test_mla_decode_on_a_cross_layer_view_is_bit_exact(splits: int) -> None:
 def test_mla_attention_decode_path_takes_the_decode_kernel() -> None:
     """mla_attention on a decode batch (through its own split choice) equals the reference."""
     gen = generator("mla-decode-kernel-op")
-    q, cache, table, lens = _case(gen, 32, 16, [1, 45, 16])
+    q, cache, table, _ = _case(gen, 32, 16, [1, 45, 16])
     meta = kvcore.build_attention_metadata([1, 1, 1], [0, 44, 15], table.tolist(), 16,
                                            device=DEVICE)
     args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
@@ -157,7 +157,7 @@ def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
         device=DEVICE, decode_config=config, num_sms=8)
     assert builder.decode_config == config
     gen = generator("mla-decode-kernel-builder")
-    q, cache, table, lens = _case(gen, 64, 16, [100, 7])
+    q, cache, table, _ = _case(gen, 64, 16, [100, 7])
     step = kvcore.build_attention_metadata([1, 1], [99, 6], table.tolist(), 16, device=DEVICE)
     meta = builder.build(step, graph_batch_size=2)
     assert meta.decode_config == config

@@ -67,6 +67,7 @@ __all__ = [
     "decode_attention_fwd",
     "default_config",
     "default_num_kv_splits",
+    "family_of",
     "gpu_family",
     "mla_attention",
     "mla_decode_config",
@@ -198,12 +199,19 @@ def gpu_family(device: torch.device | str | None = None) -> str:
     if is_rocm():
         return "rocm"
     dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type != "cuda" or not torch.cuda.is_available():
+    if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
         return "default"
-    major, minor = torch.cuda.get_device_capability(dev)
-    if major == 9:
+    return family_of(torch.cuda.get_device_capability(dev), rocm=False)
+
+
+def family_of(capability: tuple[int, int], *, rocm: bool) -> str:
+    """The key of :data:`MLA_DECODE_CONFIGS` for a GPU of compute ``capability`` (``(major,
+    minor)``; any on ROCm), e.g. a compile target's."""
+    if rocm:
+        return "rocm"
+    if capability[0] == 9:
         return "sm90"
-    if (major, minor) == (8, 0):
+    if tuple(capability) == (8, 0):
         return "sm80"
     return "default"
 
