@@ -179,3 +179,25 @@ def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
         TritonMLABackend.get_builder_cls()(
             spec, num_heads=64, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=256,
             device=DEVICE, decode_config=tma.LaunchConfig(2, 16, 16, 4, 1))
+
+
+def test_mla_decode_rank_not_a_power_of_two() -> None:
+    """A latent width below its power-of-two tile (48 of 64) is masked by channel too."""
+    gen = generator("mla-decode-kernel-rank48")
+    rank, rope, page, lens = 48, 16, 16, [37, 3]
+    pages = sum(-(-n // page) for n in lens) + 2
+    cache = randn((pages, page, rank + rope), torch.float32, gen)
+    table = block_tables(lens, page, pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = randn((2, 16, rank + rope), torch.float32, gen)
+    outs = []
+    for impl, dtype in ((tma.decode_attention_fwd, torch.float32),
+                        (decode_attention_ref, torch.float64)):
+        o = torch.empty(2, 16, rank, dtype=dtype, device=DEVICE)
+        lse = torch.empty(2, 16, dtype=dtype, device=DEVICE)
+        logits = torch.empty(2, 16, 2, rank + 1, dtype=torch.float32, device=DEVICE)
+        c = cache.to(dtype)
+        impl(q.to(dtype), c, c[..., :rank], o, lse, table, seq_lens, logits, 2, 0.1, page, True)
+        outs.append((o, lse))
+    assert_close(outs[0][0], outs[1][0], torch.float32, "o")
+    assert_close(outs[0][1], outs[1][1], torch.float32, "lse")

@@ -475,7 +475,10 @@ def _mla_decode_kernel(
     h_valid = heads < num_heads
     heads64 = heads.to(tl.int64)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
-    d_valid = d < D_NOPE  # all true (folded away) when D_NOPE is a power of two
+    # Latent rows are masked by token only when the width is a power of two (MLA's 512): a
+    # mask along the contiguous dim could cost the 16-byte vector loads.
+    EVEN_D: tl.constexpr = BLOCK_D == D_NOPE
+    d_valid = d < D_NOPE
     q_rows = q_ptr + seq * stride_qb + heads64 * stride_qh
     q = tl.load(q_rows[:, None] + d[None, :] * stride_qd,
                 mask=h_valid[:, None] & d_valid[None, :], other=0.0)
@@ -513,8 +516,11 @@ def _mla_decode_kernel(
             rows = kv_ptr + page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * \
                 stride_ks
         # The latent tile, read once: keys (with the rope part) and values.
-        kv = tl.load(rows[:, None] + d[None, :] * stride_kd,
-                     mask=valid[:, None] & d_valid[None, :], other=0.0)
+        if EVEN_D:
+            kv = tl.load(rows[:, None] + d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        else:
+            kv = tl.load(rows[:, None] + d[None, :] * stride_kd,
+                         mask=valid[:, None] & d_valid[None, :], other=0.0)
         if INTERPRET:
             kv = kv.to(tl.float32)
         else:
