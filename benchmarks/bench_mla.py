@@ -94,10 +94,8 @@ PROD_SHAPES = ([(2, 16, 64), (2, 32, 96)] if SMOKE else
 # Candidate decode configs (block_h, block_n, warps, stages) by head count; the table's own
 # row is always timed first.
 PROD_CANDIDATES = {
-    "many": [(64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 3), (64, 16, 8, 4),
-             (32, 32, 4, 2)],
-    "few": [(16, 32, 4, 3), (16, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 1),
-            (16, 16, 4, 4)],
+    "many": [(64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16, 8, 4), (32, 32, 4, 2)],
+    "few": [(16, 32, 4, 4), (16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 6), (16, 128, 8, 1)],
 }
 
 
@@ -614,8 +612,9 @@ def check_prod(run: Run) -> None:
 def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
     """At every production shape: the table's config, then the candidates of
     ``PROD_CANDIDATES`` (each checked against the table's output), the best one at half and
-    twice its split count, cross-layer against contiguous at the first shape, and FlashInfer
-    direct (captured too). New points stop at ``deadline``; FlashInfer is always timed."""
+    twice its split count (and four times with few heads), cross-layer against contiguous at
+    the first shape, and FlashInfer direct (captured too). New points stop at ``deadline``;
+    the table's config and FlashInfer are always timed."""
     for index, (batch, heads, tokens) in enumerate(PROD_SHAPES):
         case = ProdCase(batch, heads, tokens, cross_layer=index == 0)
         default = case.default_config()
@@ -634,7 +633,10 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                 break
             best = _prod_point(run, case, cfg, forced, expected, best)
         t, cfg, s = best
-        for forced in sorted({max(1, s // 2), min(tma().MAX_KV_SPLITS, 2 * s)} - {s}):
+        # Half and twice the chosen splits (four times too for memory-bound shapes, where two
+        # programs an SM may stream better than one).
+        variants = {max(1, s // 2), 2 * s} | ({4 * s} if kind == "few" else set())
+        for forced in sorted({min(tma().MAX_KV_SPLITS, v) for v in variants} - {s}):
             if time.time() > deadline:
                 break
             best = _prod_point(run, case, cfg, forced, expected, best)

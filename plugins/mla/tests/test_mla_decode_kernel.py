@@ -144,7 +144,7 @@ def test_the_split_choice_fills_the_gpu_and_no_more() -> None:
     assert tma.mla_decode_num_splits(8, 128, 32768, many, 132) == 8
     assert tma.mla_decode_num_splits(64, 16, 4096, few, 132) == 2
     assert tma.mla_decode_num_splits(1, 16, 1 << 20, few, 132) == tma.MAX_KV_SPLITS
-    assert tma.mla_decode_num_splits(1, 16, 320, few, 132) == 10  # 10 tiles of 32
+    assert tma.mla_decode_num_splits(1, 16, 320, few, 132) == 5  # 5 tiles of 64
     assert tma.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
 
 

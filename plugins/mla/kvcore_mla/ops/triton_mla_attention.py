@@ -174,10 +174,11 @@ def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
 #: rows of this table.
 MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # Hopper: 64-head programs for 64+ heads (tl.dot with M = 64 runs on wgmma; the 64 x 512
-    # float32 accumulator needs 8 warps); 16-head programs (memory-bound) keep three 32-latent
-    # stages in flight.
-    "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=32, num_warps=8, num_stages=2)),
-             (1, LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3))),
+    # float32 accumulator needs 8 warps; 64 latents a step leave no shared memory for a second
+    # stage beside the 64 x 576 query tile); 16-head programs (memory-bound) stream 64 latents
+    # a step, double-buffered. Both were the best of the previous kernel's H200 sweep.
+    "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=1)),
+             (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=2))),
     # A100 (164 KiB of shared memory a block): 32-head programs at most.
     "sm80": ((32, LaunchConfig(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=2)),
              (1, LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=2))),
