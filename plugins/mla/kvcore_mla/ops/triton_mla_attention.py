@@ -174,11 +174,11 @@ def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
 #: rows of this table.
 MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # Hopper: 64-head programs for 64+ heads (tl.dot with M = 64 runs on wgmma; the 64 x 512
-    # float32 accumulator needs 8 warps; 64 latents a step leave no shared memory for a second
-    # stage beside the 64 x 576 query tile); 16-head programs (memory-bound) stream 64 latents
-    # a step, double-buffered. Both were the best of the previous kernel's H200 sweep.
-    "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=1)),
-             (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=2))),
+    # float32 accumulator needs 8 warps); two buffers of 64 latents beside the 64 x 576 query
+    # tile take 216 KiB of shared memory. 16-head programs (memory-bound) keep two tiles of 64
+    # latents in flight (164 KiB). Both as compiled for sm90 by `kvcore kernels`.
+    "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2)),
+             (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=3))),
     # A100 (164 KiB of shared memory a block): 32-head programs at most.
     "sm80": ((32, LaunchConfig(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=2)),
              (1, LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=2))),
@@ -504,18 +504,32 @@ def _mla_decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + seq * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
+    # Page ids are read one tile ahead and carried into the next iteration: a latent load whose
+    # address comes from a block-table load of the same iteration is not multi-buffered by
+    # Triton's pipeliner (one tile in flight); from a carried value it is (num_stages - 1).
+    if PAGE_SIZE % BLOCK_N == 0:  # a tile lies in one page: one block-table read a tile
+        page_next = tl.load(bt_row + ((t_lo * BLOCK_N) // PAGE_SIZE) * stride_btp,
+                            mask=t_lo < t_hi, other=0)
+    else:
+        pos_next = t_lo * BLOCK_N + offs_n
+        page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
+                            mask=pos_next < seq_len, other=0)
     for t in range(t_lo, t_hi):
         start = t * BLOCK_N
         pos = start + offs_n
         valid = pos < seq_len  # every tile holds at least one key: rows never see only -inf
-        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one block-table read
-            page = tl.load(bt_row + (start // PAGE_SIZE) * stride_btp).to(tl.int64)
+        page = page_next.to(tl.int64)
+        if PAGE_SIZE % BLOCK_N == 0:
             rows = kv_ptr + page * stride_kb + ((start % PAGE_SIZE) + offs_n).to(tl.int64) * \
                 stride_ks
+            page_next = tl.load(bt_row + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp,
+                                mask=t + 1 < t_hi, other=0)
         else:
-            page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btp, mask=valid, other=0)
-            rows = kv_ptr + page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * \
-                stride_ks
+            rows = kv_ptr + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
+            pos_next = pos + BLOCK_N
+            page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
+                                mask=(pos_next < seq_len) & (pos_next < t_hi * BLOCK_N),
+                                other=0)
         # The latent tile, read once: keys (with the rope part) and values.
         if EVEN_D:
             kv = tl.load(rows[:, None] + d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
