@@ -585,7 +585,7 @@ def _prod_row(run: Run, case: ProdCase, kind: str, name: str, t: float, **extra:
     row = dict(shape=case.shape(), kind=kind, config=name, time_us=t * 1e6, GBps=gbps,
                read_frac=gbps / read if read else None, TFLOPs=case.flops() / t / 1e12,
                **extra)
-    run.results["prod"].append(row)
+    run.results["sweeps"].append(row)
     run.log("PROD", row)
     return row
 
@@ -669,7 +669,7 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                 run.log(f"flashinfer MLA at {case.shape()} failed: {type(exc).__name__}: {exc}")
                 run.results["errors"].append({"section": f"flashinfer {case.shape()}",
                                               "error": repr(exc)})
-        run.results["prod_best"].append(winner)
+        run.results["sweep_best"].append(winner)
         run.log("PROD BEST", winner, "" if fi else "(no FlashInfer)")
         del case
 
@@ -701,7 +701,7 @@ def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, expected: tor
 def prod_table(run: Run) -> list[str]:
     """The production sweep as a table, then the winners as rows of MLA_DECODE_CONFIGS."""
     rows = []
-    for r in run.results["prod"]:
+    for r in run.results["sweeps"]:
         def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
             v = row.get(key)
             return "" if v is None else format(v * scale, spec)
@@ -716,13 +716,13 @@ def prod_table(run: Run) -> list[str]:
         lines = [tabulate(rows, headers=headers, tablefmt="github")]
     except ImportError:
         lines = [" | ".join(row) for row in [headers, *rows]]
-    for w in run.results["prod_best"]:
+    for w in run.results["sweep_best"]:
         fi = (f", {w['time_over_flashinfer']:.2f}x FlashInfer's time"
               if "time_over_flashinfer" in w else "")
         lines.append(f"best {w['shape']}: {w['config']} splits={w['splits']} "
                      f"{w['time_us']:.1f} us (table {w['default_time_us']:.1f} us){fi}")
     family = tma().gpu_family(DEVICE) if DEVICE == "cuda" else "default"
-    for w in run.results["prod_best"]:
+    for w in run.results["sweep_best"]:
         c = w["launch"]
         lines.append(f"suggested {family!r} row for {w['heads']} heads ({w['shape']}): "
                      f"({w['heads']}, LaunchConfig(block_q=1, block_h={c['block_h']}, "
@@ -782,7 +782,7 @@ def main() -> None:
     args = parser.parse_args()
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
-    run = Run(args.out, "bench_mla", ("correctness", "timings", "prod", "prod_best"),
+    run = Run(args.out, "bench_mla", ("correctness", "timings", "sweeps", "sweep_best"),
               checks="correctness",
               device=DEVICE, budget_s=args.budget_s)
     import triton
