@@ -201,3 +201,29 @@ def test_mla_decode_rank_not_a_power_of_two() -> None:
         outs.append((o, lse))
     assert_close(outs[0][0], outs[1][0], torch.float32, "o")
     assert_close(outs[0][1], outs[1][1], torch.float32, "lse")
+
+
+def test_an_eager_step_never_splits_beyond_the_workspace() -> None:
+    """The split choice is not monotone in the length (rounding): on 12 SMs one request of 257
+    tokens would take 9 splits where max_model_len=512 takes 8. The builder caps eager steps
+    at the graph choice its workspace was sized for, and the result is still right."""
+    spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.float32, kv_lora_rank=RANK,
+                                   qk_rope_head_dim=ROPE)
+    builder = TritonMLABackend.get_builder_cls()(
+        spec, num_heads=16, max_num_seqs=1, max_num_batched_tokens=4, max_model_len=512,
+        device=DEVICE, num_sms=12)
+    assert builder.num_kv_splits(1, 257) > builder.num_kv_splits(1) == 8
+    gen = generator("mla-decode-kernel-cap")
+    q, cache, table, _ = _case(gen, 16, 16, [257])
+    meta = builder.build(kvcore.build_attention_metadata([1], [256], table.tolist(), 16,
+                                                         device=DEVICE))
+    assert meta.num_kv_splits == 8
+    impl = TritonMLABackend.get_impl_cls()(
+        16, RANK + ROPE, 0.1, kv_lora_rank=RANK, qk_nope_head_dim=16, qk_rope_head_dim=ROPE,
+        v_head_dim=16, kv_b_proj_weight=torch.zeros(16 * 32, RANK, device=DEVICE))
+    out = impl._latent_attention(kvcore.LayerScales(), q, cache, meta)
+    expected = mla_attention_ref(q.double(), cache.double(), kv_lora_rank=RANK,
+                                 query_start_loc=meta.query_start_loc,
+                                 seq_lens=meta.seq_lens, block_table=meta.block_table,
+                                 scale=0.1)
+    assert_close(out, expected, torch.float32, "latent output")

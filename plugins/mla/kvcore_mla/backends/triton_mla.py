@@ -180,8 +180,9 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         decode = graph_batch_size is not None or _is_decode(meta)
         if graph_batch_size is not None:
             splits = self.num_kv_splits(graph_batch_size)
-        elif decode:
-            splits = self.num_kv_splits(meta.num_seqs, meta.max_seq_len)
+        elif decode:  # never above the graph choice, which sized the workspace
+            splits = min(self.num_kv_splits(meta.num_seqs, meta.max_seq_len),
+                         self.num_kv_splits(meta.num_seqs))
         else:
             splits = 1
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
