@@ -129,14 +129,13 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
         from kvcore_mla.ops.triton_mla_attention import (
-            LaunchConfig,
             gpu_family,
             mla_decode_config,
             mla_workspace_numel,
         )
 
-        if decode_config is not None and (not isinstance(decode_config, LaunchConfig)
-                                          or decode_config.block_q != 1):
+        # Checked by its fields, not its class: a reloaded module makes a second class.
+        if decode_config is not None and getattr(decode_config, "block_q", None) != 1:
             raise ValueError(f"decode_config={decode_config!r} must be a LaunchConfig with "
                              "block_q=1 (decode runs one query per program)")
         #: The decode kernel's launch configuration for every decode step.
