@@ -11,24 +11,32 @@ One run does, in order, each section isolated (an error is logged and the run go
    contiguous; TRITON_MLA's forward on a mixed prefill + decode batch against the unabsorbed
    float64 model; the indexer write (exact, cross-layer); a 4-layer cross-layer pool of 2.4e9
    elements written and read past element 2**31, bit-exact against a small contiguous cache;
-3. timings (CUDA-graph replays, median): MLA decode at B in {64, 128}, 4096 tokens, 128 and 16
-   heads (16 = 128 heads split over 8 GPUs), block 64, standard (layers outermost) and
-   cross-layer (layer 1 of a 4-layer pool); against plain torch (gather + matmuls);
-   ``concat_and_cache_mla`` and the indexer write at
-   N in {256, 4096, 32768} tokens against plain torch (``index_put``), standard and cross-layer;
-4. FlashInfer's MLA decode on the first decode shape, if flashinfer imports and the budget is
-   not spent (``--no-flashinfer`` skips it: its first call may JIT-compile for minutes);
-5. sweeps of launch configurations and split counts for MLA decode (tuning; time-boxed by
-   ``--budget-s``).
+3. timings (CUDA-graph replays, median): MLA decode (``decode_attention_fwd``) at B64, 4096
+   tokens, 128 and 16 heads (16 = 128 heads split over 8 GPUs), block 64, standard (layers
+   outermost) and cross-layer (layer 1 of a 4-layer pool), against plain torch (gather +
+   matmuls); ``concat_and_cache_mla`` and the indexer write at N in {256, 4096, 32768} tokens
+   against plain torch (``index_put``), standard and cross-layer;
+4. the production sweep (TRITON_MLA's builder metadata, CUDA-graph replays) at B64 x 4096 with
+   16 and 128 heads, B8 x 32768 and B128 x 2048 with 128 heads: the config table's row, then
+   the candidates of ``PROD_CANDIDATES`` (each checked against the table's output) and the
+   best one at half and twice its split count (time-boxed by ``--budget-s``), cross-layer
+   against contiguous at the first shape, and FlashInfer's ``BatchMLAPagedAttentionWrapper``
+   direct on the same cache (``ckv``/``kpe`` views), planned once and captured, if flashinfer
+   imports (``--no-flashinfer`` skips it: its first call may JIT-compile for a minute). The
+   correctness of the table's configs at these shapes (float32 torch reference, cross-layer
+   bit-exact) is checked in step 2.
 
-The table printed last gives time, achieved GB/s (bytes a perfect kernel moves: each latent read
+The tables printed last give time, achieved GB/s (bytes a perfect kernel moves: each latent read
 once), the share of the measured ceiling (read ceiling for decode, copy ceiling for writes),
-the speed-up over plain torch and the cross-layer/standard time ratio. Logs and JSON go to
-``--out`` (default ``$OUT``, else ``benchmarks/results``). ``--smoke`` runs tiny shapes on the
-CPU under ``TRITON_INTERPRET=1`` to check the script itself.
+the speed-up over plain torch and the cross-layer/standard time ratio; then the production
+sweep with % of read bandwidth and TFLOP/s, the best config per shape against FlashInfer, and
+the winners as rows for ``MLA_DECODE_CONFIGS``. Logs and JSON go to ``--out`` (default
+``$OUT``, else ``benchmarks/results``); ``--json`` also prints the JSON. ``--smoke`` runs tiny
+shapes on the CPU under ``TRITON_INTERPRET=1`` to check the script itself.
 
 Usage: ``python benchmarks/bench_mla.py [--out DIR] [--budget-s 150] [--smoke]
-[--no-flashinfer]``. The whole run takes about ``budget-s`` plus half a minute.
+[--no-flashinfer] [--json]``. The whole run takes about ``budget-s`` plus FlashInfer's
+compilation and a minute.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import math
 import os
 import platform
@@ -74,19 +83,21 @@ if SMOKE:
     WRITE_SIZES = [16, 64]
     CHECK_TOKENS, INT64_BLOCKS = 100, 24
 else:
-    DECODE_SHAPES = [(64, 128, 4096), (128, 128, 4096), (64, 16, 4096), (128, 16, 4096)]
+    DECODE_SHAPES = [(64, 128, 4096), (64, 16, 4096)]
     CHECK_DECODE = (8, 128, 4096)
     WRITE_SIZES = [256, 4096, 32768]
     CHECK_TOKENS, INT64_BLOCKS = 4096, 16384
-# Decode launch configurations to sweep, most promising first: (block_h, block_n, warps, stages),
-# by head count (64-head programs use wgmma on Hopper; 16-head ones are bandwidth-bound).
-SWEEP_CONFIGS = {
-    "many": [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 32, 16, 2),
-             (64, 16, 8, 3), (32, 32, 8, 2), (16, 32, 4, 2)],
-    "few": [(16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 4, 3), (16, 64, 8, 2),
-            (16, 32, 8, 2), (16, 16, 4, 3)],
+# The production sweep (builder + CUDA graph, beside FlashInfer): (batch, heads, tokens); the
+# first shape is also timed on a cross-layer view.
+PROD_SHAPES = ([(2, 16, 64), (2, 32, 96)] if SMOKE else
+               [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
+# Candidate decode configs (block_h, block_n, warps, stages) by head count; the table's own
+# row is always timed first. Compiles dominate the sweep's time (a 64-head tile takes ~15 s of
+# one CPU core for sm90); later shapes reuse the first shapes' kernels.
+PROD_CANDIDATES = {
+    "many": [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 4), (32, 64, 8, 2)],
+    "few": [(16, 32, 4, 4), (16, 64, 8, 2), (16, 32, 4, 3), (16, 16, 4, 6)],
 }
-SWEEP_SPLITS = [1, 2, 3, 4, 8, 16]
 
 
 def tma():
@@ -212,11 +223,12 @@ class DecodeBatch:
 
         return call
 
-    def default_splits(self, config=None) -> int:
-        cfg = config or tma().default_config(self.heads, 1, RANK, decode=True)
-        return tma().default_num_kv_splits(self.batch, -(-self.heads // cfg.block_h),
-                                           self.tokens, torch.device(DEVICE),
-                                           block_h=cfg.block_h)
+    def default_splits(self) -> int:
+        """The split count TRITON_MLA's builder picks for this batch on this GPU."""
+        cfg = tma().mla_decode_config(self.heads, tma().gpu_family(DEVICE))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" \
+            else 1
+        return tma().mla_decode_num_splits(self.batch, self.heads, self.tokens, cfg, sms)
 
     def torch_decode(self) -> Callable[[], torch.Tensor]:
         """Plain torch: gather each request's latents, then two batched matmuls."""
@@ -419,45 +431,6 @@ def time_decode(run: Run) -> None:
         del data
 
 
-def time_flashinfer(run: Run, deadline: float) -> None:
-    """FlashInfer's MLA decode on the first decode shape, when flashinfer imports, and only
-    within the budget: its JIT build can take minutes."""
-    try:
-        import flashinfer.mla
-    except Exception as exc:
-        run.results["flashinfer"] = f"not available: {type(exc).__name__}: {exc}"
-        run.log(run.results["flashinfer"])
-        return
-    if time.time() > deadline:
-        run.results["flashinfer"] = "skipped: the time budget is spent"
-        run.log(run.results["flashinfer"])
-        return
-    data = DecodeBatch(*DECODE_SHAPES[0])
-    t_ours, _ = time_call(data.run(False, data.default_splits()))
-    try:
-        cache = data.cache(False)
-        pages = data.block_table.shape[1]
-        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            torch.empty(128 << 20, dtype=torch.int8, device=DEVICE))
-        qo_indptr = torch.arange(data.batch + 1, dtype=torch.int32, device=DEVICE)
-        kv_indptr = qo_indptr * pages
-        wrapper.plan(qo_indptr, kv_indptr, data.block_table.flatten(), data.seq_lens,
-                     data.heads, RANK, ROPE, BLOCK, False, data.scale, DTYPE, DTYPE)
-        q_nope, q_pe = data.q[..., :RANK].contiguous(), data.q[..., RANK:].contiguous()
-        ckv, kpe = cache[..., :RANK], cache[..., RANK:]
-        out = wrapper.run(q_nope, q_pe, ckv, kpe)
-        ours, _ = data.run(False, data.default_splits())()
-        err = rel_err(out, ours)
-        t, how = time_call(lambda: wrapper.run(q_nope, q_pe, ckv, kpe))
-        add_timing(run, op="mla_decode_flashinfer",
-                   shape=f"B{data.batch} H{data.heads} L{data.tokens} bs{BLOCK}",
-                   layout="standard", time_us=t * 1e6, GBps=data.kv_bytes() / t / 1e9,
-                   ours_over_flashinfer=t_ours / t, rel_err_vs_ours=err, method=how)
-    except Exception as exc:
-        run.log(f"flashinfer MLA decode failed: {type(exc).__name__}: {exc}")
-        run.results["errors"].append({"section": "flashinfer", "error": repr(exc)})
-
-
 def time_writes(run: Run) -> None:
     copy_ceiling = run.results["ceilings"].get("copy_GBps")
     for n in WRITE_SIZES:
@@ -501,82 +474,262 @@ def time_writes(run: Run) -> None:
                    vs_torch=t_ref / t, method=how)
 
 
-def _sweep_point(run: Run, data: DecodeBatch, shape: str, o_ref: torch.Tensor,
-                 lse_ref: torch.Tensor, cfg, splits: int) -> float | None:
-    """Time one sweep point after checking it against the default's output; None if it
-    failed or is wrong."""
+# ----------------------------------------------------------------------------- production sweep
+
+
+def _cfg(block_h: int, block_n: int, warps: int, stages: int):
+    return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
+                              num_stages=stages)
+
+
+def _cfg_name(cfg) -> str:
+    return f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+class ProdCase:
+    """A uniform-decode step of ``batch`` requests of ``tokens`` tokens and ``heads`` heads,
+    run as TRITON_MLA runs it: its builder's metadata (config, splits, workspace) for a CUDA
+    graph of this batch size, then ``mla_attention`` with exactly the arguments the backend's
+    forward passes. The cache is layer ``LAYER`` of a standard allocation (and of a cross-layer
+    one when ``cross_layer``), every layer random, pages shuffled."""
+
+    def __init__(self, batch: int, heads: int, tokens: int, cross_layer: bool = False) -> None:
+        self.batch, self.heads, self.tokens = batch, heads, tokens
+        pages = -(-tokens // BLOCK)
+        num_blocks = batch * pages + 8
+        self.pools = {False: layer_pool(num_blocks, False)}
+        fill_normal_(self.pools[False].storage)
+        if cross_layer:
+            self.pools[True] = layer_pool(num_blocks, True)
+            fill_normal_(self.pools[True].storage)
+            self.pools[True].layers[LAYER].copy_(self.pools[False].layers[LAYER])
+        table = randperm(num_blocks)[: batch * pages].view(batch, pages).to(torch.int32)
+        self.common = kvcore.build_attention_metadata(
+            [1] * batch, [tokens - 1] * batch, table.tolist(), BLOCK, device=DEVICE)
+        self.q = randn(batch, heads, ENTRY)
+        self.scale = (NOPE + ROPE) ** -0.5
+        self.spec = kvcore.MLAAttentionSpec(block_size=BLOCK, dtype=DTYPE, kv_lora_rank=RANK,
+                                            qk_rope_head_dim=ROPE)
+
+    def cache(self, cross_layer: bool = False) -> torch.Tensor:
+        return self.pools[cross_layer].layers[LAYER]
+
+    def shape(self) -> str:
+        return f"B{self.batch} H{self.heads} L{self.tokens}"
+
+    def kv_bytes(self) -> int:
+        return self.batch * self.tokens * ENTRY * DTYPE.itemsize
+
+    def flops(self) -> float:
+        """Scores (576-wide) and the latent-weighted sum (512-wide), multiply-adds x 2."""
+        return 2.0 * self.batch * self.heads * self.tokens * (ENTRY + RANK)
+
+    def default_config(self):
+        return tma().mla_decode_config(self.heads, tma().gpu_family(DEVICE))
+
+    def call(self, config=None, cross_layer: bool = False, splits: int | None = None):
+        """``(fn, out, splits)``: one forward of the step through the builder's metadata;
+        ``splits`` overrides the builder's split count (with a workspace of its own)."""
+        builder = TritonMLABackend.get_builder_cls()(
+            self.spec, num_heads=self.heads, max_num_seqs=self.batch,
+            max_num_batched_tokens=self.batch, max_model_len=self.tokens, device=DEVICE,
+            decode_config=config)
+        meta = builder.build(self.common, graph_batch_size=self.batch)
+        n, workspace = meta.num_kv_splits, meta.workspace
+        if splits is not None and splits != n:
+            n = splits
+            numel = tma().mla_workspace_numel(self.batch, self.heads, RANK, n)
+            workspace = torch.empty(numel, dtype=torch.float32, device=DEVICE) if numel else None
+        cache = self.cache(cross_layer)
+        out = torch.empty(self.batch, self.heads, RANK, dtype=DTYPE, device=DEVICE)
+
+        def fn() -> torch.Tensor:
+            return tma().mla_attention(
+                self.q, cache, kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
+                seq_lens=meta.seq_lens, block_table=meta.block_table, scale=self.scale,
+                output=out, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                num_kv_splits=n, workspace=workspace, config=meta.decode_config)
+
+        return fn, out, n
+
+    def reference(self) -> torch.Tensor:
+        """float32 torch on the same bf16 data: gather, scores, softmax, weighted sum."""
+        table = self.common.block_table.long()
+        lat = self.cache()[table].reshape(self.batch, -1, ENTRY)[:, :self.tokens].float()
+        scores = torch.einsum("bhd,bnd->bhn", self.q.float(), lat) * self.scale
+        return torch.einsum("bhn,bnd->bhd", torch.softmax(scores, -1), lat[..., :RANK])
+
+    def flashinfer(self):
+        """FlashInfer's MLA decode on the same cache (``ckv``/``kpe`` are views of it),
+        planned once; ``None`` when flashinfer does not import."""
+        try:
+            import flashinfer.mla
+        except Exception:
+            return None
+        pages = -(-self.tokens // BLOCK)
+        cache = self.cache()
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            torch.empty(128 << 20, dtype=torch.int8, device=DEVICE))
+        qo_indptr = torch.arange(self.batch + 1, dtype=torch.int32, device=DEVICE)
+        wrapper.plan(qo_indptr, qo_indptr * pages, self.common.block_table.flatten(),
+                     self.common.seq_lens, self.heads, RANK, ROPE, BLOCK, False, self.scale,
+                     DTYPE, DTYPE)
+        q_nope, q_pe = self.q[..., :RANK].contiguous(), self.q[..., RANK:].contiguous()
+        ckv, kpe = cache[..., :RANK], cache[..., RANK:]
+        return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
+def _prod_row(run: Run, case: ProdCase, kind: str, name: str, t: float, **extra: object
+              ) -> dict:
+    read = run.results["ceilings"].get("read_GBps")
+    gbps = case.kv_bytes() / t / 1e9
+    row = dict(shape=case.shape(), kind=kind, config=name, time_us=t * 1e6, GBps=gbps,
+               read_frac=gbps / read if read else None, TFLOPs=case.flops() / t / 1e12,
+               **extra)
+    run.results["sweeps"].append(row)
+    run.log("PROD", row)
+    return row
+
+
+def check_prod(run: Run) -> None:
+    """Correctness first: the table's config at every production shape against float32 torch,
+    then bit-exact on a cross-layer view at the first shape."""
+    for index, (batch, heads, tokens) in enumerate(PROD_SHAPES):
+        case = ProdCase(batch, heads, tokens, cross_layer=index == 0)
+        fn, out, splits = case.call()
+        fn()
+        err = rel_err(out, case.reference())
+        run.check(f"triton_mla.decode.{case.shape()}.vs_float32", err < 1e-2, rel_err=err,
+                  splits=splits, config=_cfg_name(case.default_config()))
+        if index == 0:
+            contiguous = out.clone()
+            fn_xl, out_xl, _ = case.call(cross_layer=True)
+            fn_xl()
+            run.check(f"triton_mla.decode.{case.shape()}.cross_layer.bit_exact",
+                      torch.equal(contiguous, out_xl))
+        del case
+
+
+def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
+    """At every production shape: the table's config, then the candidates of
+    ``PROD_CANDIDATES`` (each checked against the table's output), the best one at half and
+    twice its split count (and four times with few heads), cross-layer against contiguous at
+    the first shape, and FlashInfer direct (captured too). New points stop at ``deadline``;
+    the table's config and FlashInfer are always timed."""
+    for index, (batch, heads, tokens) in enumerate(PROD_SHAPES):
+        case = ProdCase(batch, heads, tokens, cross_layer=index == 0)
+        default = case.default_config()
+        fn, out, splits = case.call()
+        t_default, how = time_call(fn)
+        expected = out.clone()
+        _prod_row(run, case, "triton", _cfg_name(default), t_default, splits=splits,
+                  table=True, method=how)
+        best = (t_default, default, splits)
+        kind = "many" if heads >= 64 else "few"
+        points = [(_cfg(*c), None) for c in PROD_CANDIDATES[kind]
+                  if _cfg(*c) != default and (_cfg(*c).block_h <= max(16, heads))]
+        for cfg, forced in points:
+            if time.time() > deadline:
+                run.log(f"PROD {case.shape()}: budget spent, candidates skipped")
+                break
+            best = _prod_point(run, case, cfg, forced, expected, best)
+        t, cfg, s = best
+        # Half and twice the chosen splits (four times too for memory-bound shapes, where two
+        # programs an SM may stream better than one).
+        variants = {max(1, s // 2), 2 * s} | ({4 * s} if kind == "few" else set())
+        for forced in sorted({min(tma().MAX_KV_SPLITS, v) for v in variants} - {s}):
+            if time.time() > deadline:
+                break
+            best = _prod_point(run, case, cfg, forced, expected, best)
+        if index == 0:
+            t, cfg, s = best
+            fn_xl, _, _ = case.call(cfg, cross_layer=True, splits=s)
+            fn_std, _, _ = case.call(cfg, splits=s)
+            t_std, _ = time_call(fn_std)
+            t_xl, how = time_call(fn_xl)
+            _prod_row(run, case, "triton cross-layer", _cfg_name(cfg), t_xl, splits=s,
+                      xl_over_std=t_xl / t_std, method=how)
+        t, cfg, s = best
+        winner = dict(shape=case.shape(), heads=heads, config=_cfg_name(cfg), splits=s,
+                      time_us=t * 1e6, default_time_us=t_default * 1e6,
+                      speedup_vs_table=t_default / t,
+                      launch=dict(block_h=cfg.block_h, block_n=cfg.block_n,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        fi = None
+        if flashinfer:
+            try:
+                fi_fn = case.flashinfer()
+                if fi_fn is not None:
+                    err = rel_err(fi_fn(), expected)
+                    t_fi, how = time_call(fi_fn)
+                    fi = _prod_row(run, case, "flashinfer", "BatchMLAPagedAttentionWrapper",
+                                   t_fi, rel_err_vs_triton=err, method=how)
+                    winner["flashinfer_us"] = t_fi * 1e6
+                    winner["time_over_flashinfer"] = t / t_fi
+            except Exception as exc:
+                run.log(f"flashinfer MLA at {case.shape()} failed: {type(exc).__name__}: {exc}")
+                run.results["errors"].append({"section": f"flashinfer {case.shape()}",
+                                              "error": repr(exc)})
+        run.results["sweep_best"].append(winner)
+        run.log("PROD BEST", winner, "" if fi else "(no FlashInfer)")
+        del case
+
+
+def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, expected: torch.Tensor,
+                best: tuple):
+    """Time one candidate (checked against the table config's output first); returns the
+    better of it and ``best``."""
     try:
-        call = data.run(False, splits, cfg)
-        o, lse = call()
-        err = rel_err(o, o_ref)
-        lse_err = rel_err(lse, lse_ref)
-        ok = err < 2e-2 and lse_err < 1e-3
-        t, how = time_call(call) if ok else (float("nan"), "-")
+        fn, out, splits = case.call(cfg, splits=forced)
+        fn()
+        err = rel_err(out, expected)
+        if err > 2e-2:
+            run.log(f"PROD {case.shape()} {_cfg_name(cfg)} splits={splits}: WRONG "
+                    f"(rel_err {err:.3g} vs the table config)")
+            return best
+        t, how = time_call(fn)
     except Exception as exc:  # e.g. out of shared memory for this tile
         msg = str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ""
-        run.log(f"SWEEP {shape} {cfg} splits={splits} failed: {type(exc).__name__}: "
-                f"{msg}")
+        run.log(f"PROD {case.shape()} {_cfg_name(cfg)} failed: {type(exc).__name__}: {msg}")
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        return None
-    row = dict(shape=shape, block_h=cfg.block_h, block_n=cfg.block_n,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages, splits=splits,
-               time_us=t * 1e6, GBps=data.kv_bytes() / t / 1e9 if ok else None,
-               rel_err_vs_default=err, correct=ok, method=how)
-    run.results["sweeps"].append(row)
-    run.log("SWEEP", row)
-    return t if ok else None
+        return best
+    _prod_row(run, case, "triton", _cfg_name(cfg), t, splits=splits, method=how,
+              rel_err_vs_table=err)
+    return (t, cfg, splits) if t < best[0] else best
 
 
-def sweep_decode(run: Run, deadline: float) -> None:
-    """Tune MLA decode: each launch configuration of ``SWEEP_CONFIGS`` at its own default split
-    count, then split counts for the best, for the first (128-head) and third (16-head) decode
-    shapes; stops starting points at ``deadline``. Every point is checked against the default
-    configuration's output (a wrong result disqualifies it); the winner is logged as ``BEST``
-    with its speed-up over the default and stored in ``results["sweep_best"]``."""
-    for index in (0, 2):
-        if index >= len(DECODE_SHAPES) or time.time() > deadline:
-            return
-        batch, heads, tokens = DECODE_SHAPES[index]
-        data = DecodeBatch(batch, heads, tokens)
-        default_cfg = tma().default_config(heads, 1, RANK, decode=True)
-        default_splits = data.default_splits()
-        o_ref, lse_ref = (x.clone() for x in data.run(False, default_splits)())
-        t_default, _ = time_call(data.run(False, default_splits))
-        shape = f"B{batch} H{heads} L{tokens}"
-        best = (t_default, default_cfg, default_splits)
-        run.log(f"SWEEP {shape}: default {default_cfg} splits={default_splits} "
-                f"{t_default * 1e6:.1f} us")
+def prod_table(run: Run) -> list[str]:
+    """The production sweep as a table, then the winners as rows of MLA_DECODE_CONFIGS."""
+    rows = []
+    for r in run.results["sweeps"]:
+        def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
+            v = row.get(key)
+            return "" if v is None else format(v * scale, spec)
+        rows.append([r["shape"], r["kind"] + (" (table)" if r.get("table") else ""),
+                     r["config"], str(r.get("splits", "")), fmt("time_us", ".1f"),
+                     fmt("read_frac", ".1f", 100), fmt("TFLOPs", ".0f"),
+                     fmt("xl_over_std", ".3f")])
+    headers = ["shape", "kernel", "config", "splits", "time us", "% read", "TFLOP/s", "xl/std"]
+    try:
+        from tabulate import tabulate
 
-        kind = "many" if heads >= 64 else "few"
-        for block_h, block_n, warps, stages in SWEEP_CONFIGS[kind]:
-            if time.time() > deadline:
-                break
-            cfg = tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n,
-                                     num_warps=warps, num_stages=stages)
-            splits = data.default_splits(cfg)
-            if cfg == default_cfg and splits == default_splits:
-                continue
-            t = _sweep_point(run, data, shape, o_ref, lse_ref, cfg, splits)
-            if t is not None and t < best[0]:
-                best = (t, cfg, splits)
-        for s in SWEEP_SPLITS:
-            if time.time() > deadline:
-                break
-            if s == best[2]:
-                continue
-            t = _sweep_point(run, data, shape, o_ref, lse_ref, best[1], s)
-            if t is not None and t < best[0]:
-                best = (t, best[1], s)
-        t, cfg, splits = best
-        winner = dict(shape=shape, block_h=cfg.block_h, block_n=cfg.block_n,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, splits=splits,
-                      time_us=t * 1e6, GBps=data.kv_bytes() / t / 1e9,
-                      default=f"{default_cfg} splits={default_splits}",
-                      default_time_us=t_default * 1e6, speedup_vs_default=t_default / t)
-        run.results.setdefault("sweep_best", []).append(winner)
-        run.log("BEST", winner)
-        del data
+        lines = [tabulate(rows, headers=headers, tablefmt="github")]
+    except ImportError:
+        lines = [" | ".join(row) for row in [headers, *rows]]
+    for w in run.results["sweep_best"]:
+        fi = (f", {w['time_over_flashinfer']:.2f}x FlashInfer's time"
+              if "time_over_flashinfer" in w else "")
+        lines.append(f"best {w['shape']}: {w['config']} splits={w['splits']} "
+                     f"{w['time_us']:.1f} us (table {w['default_time_us']:.1f} us){fi}")
+    family = tma().gpu_family(DEVICE) if DEVICE == "cuda" else "default"
+    for w in run.results["sweep_best"]:
+        c = w["launch"]
+        lines.append(f"suggested {family!r} row for {w['heads']} heads ({w['shape']}): "
+                     f"({w['heads']}, LaunchConfig(block_q=1, block_h={c['block_h']}, "
+                     f"block_n={c['block_n']}, num_warps={c['num_warps']}, "
+                     f"num_stages={c['num_stages']}))")
+    return lines
 
 
 # ----------------------------------------------------------------------------- report
@@ -606,12 +759,7 @@ def print_table(run: Run) -> None:
         lines.append(tabulate(rows, headers=headers, tablefmt="github"))
     except ImportError:
         lines.extend(" | ".join(row) for row in [headers, *rows])
-    for best in run.results.get("sweep_best", []):
-        lines.append(f"sweep winner {best['shape']}: block_h={best['block_h']} "
-                     f"block_n={best['block_n']} warps={best['num_warps']} "
-                     f"stages={best['num_stages']} splits={best['splits']}: "
-                     f"{best['time_us']:.1f} us, {best['GBps']:.0f} GB/s, "
-                     f"x{best['speedup_vs_default']:.2f} vs default ({best['default']})")
+    lines.extend(prod_table(run))
     for check in checks:
         if not check["ok"]:
             lines.append(f"FAILED check: {check}")
@@ -630,10 +778,13 @@ def main() -> None:
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
                         help="skip FlashInfer's MLA decode (its first call may JIT-compile)")
+    parser.add_argument("--json", action="store_true",
+                        help="also print the results as one JSON line (before the table)")
     args = parser.parse_args()
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
-    run = Run(args.out, "bench_mla", ("correctness", "timings", "sweeps"), checks="correctness",
+    run = Run(args.out, "bench_mla", ("correctness", "timings", "sweeps", "sweep_best"),
+              checks="correctness",
               device=DEVICE, budget_s=args.budget_s)
     import triton
 
@@ -652,16 +803,16 @@ def main() -> None:
                      ("check indexer", check_indexer), ("check decode", check_decode),
                      ("check TRITON_MLA forward", check_backend), ("check int64 pool",
                                                                     check_int64),
+                     ("check production decode", check_prod),
                      ("time decode", time_decode), ("time writes", time_writes)):
         with run.section(name):
             fn(run)
-    if args.flashinfer:
-        with run.section("time flashinfer"):
-            time_flashinfer(run, run.start + args.budget_s)
-    with run.section("sweep decode"):
-        sweep_decode(run, run.start + args.budget_s)
-    print_table(run)
+    with run.section("production sweep"):
+        sweep_prod(run, run.start + args.budget_s, args.flashinfer)
     run.save()
+    if args.json:
+        print(json.dumps(run.results, default=str), flush=True)
+    print_table(run)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ SPEC = kvcore.MLAAttentionSpec(block_size=PAGE, dtype=torch.float32, kv_lora_ran
 
 
 def builder(max_model_len: int = 1024, max_num_seqs: int = 4) -> kvcore.PersistentMetadataBuilder:
+    # 16 SMs on any device, so a step of one or two requests splits (a CPU counts as one).
     return TritonMLABackend.get_builder_cls()(
         SPEC, num_heads=HEADS, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
-        max_model_len=max_model_len, device=DEVICE)
+        max_model_len=max_model_len, device=DEVICE, num_sms=16)
 
 
 def decode(gen: torch.Generator, context_lens: list[int]) -> kvcore.AttentionMetadata:
@@ -70,7 +71,7 @@ def test_the_builder_needs_an_mla_spec() -> None:
 def test_graph_steps_split_by_batch_size_and_reuse_every_buffer() -> None:
     b = builder()
     gen = generator("mla-builder-buffers")
-    # One request: split on any device (the CPU counts as one SM).
+    # One request of 16 heads on 16 SMs: split.
     short = b.build(decode(gen, [3]), graph_batch_size=1)
     longer = b.build(decode(gen, [40]), graph_batch_size=1)
     assert short.num_kv_splits == longer.num_kv_splits == b.num_kv_splits(1) > 1

@@ -222,3 +222,54 @@ def test_indexer_write_beyond_2_pow_31_bytes() -> None:
     ops.indexer_k_quant_and_cache_ref(k, small, pos, 128, "ue8m0")
     assert torch.equal(view[high], small)
     assert pool[high, 2].max().item() == 0
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_mla_decode_graph_replays_a_later_step(num_heads: int) -> None:
+    """TRITON_MLA's decode step captured once in a CUDA graph through its builder (the table's
+    launch config, splits for max_model_len, the persistent workspace), replayed for a later
+    step of other lengths and pages: equal to the float64 reference, and to eager."""
+    gen = generator("gpu-decode-graph", num_heads)
+    page, max_len, batch = 64, 8192, 6
+    spec = kvcore.MLAAttentionSpec(block_size=page, dtype=torch.bfloat16, kv_lora_rank=RANK,
+                                   qk_rope_head_dim=ROPE)
+    builder = TritonMLABackend.get_builder_cls()(
+        spec, num_heads=num_heads, max_num_seqs=batch, max_num_batched_tokens=batch,
+        max_model_len=max_len, device="cuda")
+    num_pages = batch * max_len // page
+    cache = randn((num_pages, page, ENTRY), torch.bfloat16, gen)
+    q = torch.empty(batch, num_heads, ENTRY, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(batch, num_heads, RANK, dtype=torch.bfloat16, device="cuda")
+
+    def step(lens: list[int]) -> kvcore.AttentionMetadata:
+        table = block_tables(lens, page, num_pages, gen).tolist()
+        common = kvcore.build_attention_metadata([1] * batch, [n - 1 for n in lens], table,
+                                                 page, device="cuda")
+        return builder.build(common, graph_batch_size=batch)
+
+    def run(meta) -> None:
+        from kvcore_mla.ops.triton_mla_attention import mla_attention
+
+        mla_attention(q, cache, kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
+                      seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.07,
+                      output=out, max_query_len=meta.max_query_len,
+                      max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits,
+                      workspace=meta.workspace, config=meta.decode_config)
+
+    meta = step([4096, 1, 700, 8192, 63, 2000])
+    q.copy_(randn((batch, num_heads, ENTRY), torch.bfloat16, gen))
+    run(meta)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(meta)
+    later = step([5, 8000, 64, 129, 3333, 1])  # the same buffers, new values
+    q.copy_(randn((batch, num_heads, ENTRY), torch.bfloat16, gen))
+    graph.replay()
+    replayed = out.clone()
+    run(later)
+    assert torch.equal(replayed, out)
+    expected = ops.mla_attention_ref(q.double(), cache.double(), kv_lora_rank=RANK,
+                                     query_start_loc=later.query_start_loc,
+                                     seq_lens=later.seq_lens, block_table=later.block_table,
+                                     scale=0.07)
+    assert_close(replayed, expected, torch.bfloat16, "replayed decode")

@@ -8,7 +8,10 @@ through the cache's real strides and are verified bit-exact on per-layer views o
 pools, so this backend opts in to cross-layer KV caches.
 
 The builder (:class:`TritonMLAMetadataBuilder`) keeps the step in persistent buffers, chooses
-the decode split count once per step and owns the split-KV workspace, so uniform-decode steps
+the decode launch configuration (the GPU's row of
+:data:`~kvcore_mla.ops.triton_mla_attention.MLA_DECODE_CONFIGS`) at start-up and the decode
+split count once per step (from the batch size, the head count, the longest request and the SM
+count), and owns the split-KV workspace, so uniform-decode steps
 can be captured in CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the split
 count depends only on the captured batch size and ``max_model_len``, eagerly on the step's
 longest request. With its metadata a layer's forward launches only (the value checks were done
@@ -20,6 +23,7 @@ Importing this module imports no kernel library: triton is imported when the imp
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -92,10 +96,14 @@ class TritonMLAMetadata(AttentionMetadata):
     Attributes:
         num_kv_splits: split count of a decode step (1 for other steps).
         workspace: the builder's float32 split-KV workspace, or ``None`` without splits.
+        decode_config: the decode kernel's launch configuration (a
+            :class:`kvcore_mla.ops.triton_mla_attention.LaunchConfig`), ``None`` for other
+            steps.
     """
 
     num_kv_splits: int = 1
     workspace: torch.Tensor | None = None
+    decode_config: Any = None
 
 
 def _is_decode(meta: AttentionMetadata) -> bool:
@@ -107,20 +115,39 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
 
     The workspace is sized at construction for the largest split decode any step up to the
     maxima can choose (``max_num_seqs`` requests of ``max_model_len``), so no step allocates.
-    ``spec`` must be a :class:`kvcore.MLAAttentionSpec`.
+    ``spec`` must be a :class:`kvcore.MLAAttentionSpec`. ``decode_config`` overrides the
+    table's launch configuration (tuning, benchmarks); ``num_sms`` the SM count the split
+    choice assumes (default: the device's; 1 on a CPU).
     """
 
     def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
-                 max_model_len, device) -> None:
+                 max_model_len, device, decode_config=None, num_sms=None) -> None:
         if not isinstance(spec, MLAAttentionSpec):
             raise TypeError(f"spec must be a kvcore.MLAAttentionSpec (latent cache), got "
                             f"{type(spec).__name__}")
         super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
-        from kvcore_mla.ops.triton_mla_attention import default_config, mla_workspace_numel
+        from kvcore_mla.ops.triton_mla_attention import (
+            gpu_family,
+            mla_decode_config,
+            mla_workspace_numel,
+        )
 
-        self._block_h = default_config(num_heads, 1, spec.kv_lora_rank, decode=True).block_h
+        # Checked by its fields, not its class: a reloaded module makes a second class.
+        if decode_config is not None and getattr(decode_config, "block_q", None) != 1:
+            raise ValueError(f"decode_config={decode_config!r} must be a LaunchConfig with "
+                             "block_q=1 (decode runs one query per program)")
+        #: The decode kernel's launch configuration for every decode step.
+        self.decode_config = decode_config or mla_decode_config(num_heads,
+                                                                gpu_family(self.device))
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 1)
+        elif isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+            raise ValueError(f"num_sms={num_sms!r} must be a positive integer or None")
+        #: SM count the decode split choice assumes.
+        self.num_sms = num_sms
         # Graph steps split by the captured size and max_model_len; eager ones by the step's
         # longest request, never more: the graph choice bounds the workspace.
         most = max(mla_workspace_numel(b, num_heads, spec.kv_lora_rank, self.num_kv_splits(b))
@@ -134,11 +161,11 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         """The split count of a decode step of ``num_seqs`` requests no longer than
         ``max_seq_len`` (default ``max_model_len``: what a step captured for ``num_seqs``
         uses)."""
-        from kvcore_mla.ops.triton_mla_attention import default_num_kv_splits
+        from kvcore_mla.ops.triton_mla_attention import mla_decode_num_splits
 
         bound = self.max_model_len if max_seq_len is None else max_seq_len
-        return default_num_kv_splits(num_seqs, -(-self.num_heads // self._block_h), bound,
-                                     self.device, block_h=self._block_h)
+        return mla_decode_num_splits(num_seqs, self.num_heads, bound, self.decode_config,
+                                     self.num_sms)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         found = super().buffers()
@@ -149,15 +176,18 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> TritonMLAMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
+        decode = graph_batch_size is not None or _is_decode(meta)
         if graph_batch_size is not None:
             splits = self.num_kv_splits(graph_batch_size)
-        elif _is_decode(meta):
-            splits = self.num_kv_splits(meta.num_seqs, meta.max_seq_len)
+        elif decode:  # never above the graph choice, which sized the workspace
+            splits = min(self.num_kv_splits(meta.num_seqs, meta.max_seq_len),
+                         self.num_kv_splits(meta.num_seqs))
         else:
             splits = 1
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
         return TritonMLAMetadata(**fields, num_kv_splits=splits,
-                                 workspace=self.workspace if splits > 1 else None)
+                                 workspace=self.workspace if splits > 1 else None,
+                                 decode_config=self.decode_config if decode else None)
 
 
 def _check_runnable(kv_cache: torch.Tensor) -> None:
@@ -206,6 +236,6 @@ class TritonMLAImpl(MLACommonImpl):
             kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
             max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
             **({"num_kv_splits": attn_metadata.num_kv_splits,
-                "workspace": attn_metadata.workspace}
+                "workspace": attn_metadata.workspace, "config": attn_metadata.decode_config}
                if isinstance(attn_metadata, TritonMLAMetadata) else {}),
         )

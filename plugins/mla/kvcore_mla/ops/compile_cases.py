@@ -2,10 +2,12 @@
 
 Each case calls an op of :mod:`kvcore_mla.ops` on CPU tensors of DeepSeek-V3/V3.2 shapes
 (``kv_lora_rank`` 512, rope 64; 128 query heads on one GPU, 16 with 8-way tensor parallelism;
-the indexer's 128-dim keys), with the launch config and split count the ops' choosers
-(:func:`~kvcore_mla.ops.triton_mla_attention.default_config`,
-:func:`~kvcore_mla.ops.triton_mla_attention.default_num_kv_splits`) pick for the target: its
-vendor and its SM/CU count. Registered by :mod:`kvcore_mla.plugin`.
+the indexer's 128-dim keys), with the launch config and split count the ops' choosers pick
+for the target (its vendor, capability and SM/CU count): for MLA decode the table row
+(:func:`~kvcore_mla.ops.triton_mla_attention.mla_decode_config`) and
+:func:`~kvcore_mla.ops.triton_mla_attention.mla_decode_num_splits`, as TRITON_MLA's builder
+does; :func:`~kvcore_mla.ops.triton_mla_attention.default_config` for the rest. Registered by
+:mod:`kvcore_mla.plugin`.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
     def launch() -> None:
         from kvcore_mla.ops.triton_mla_attention import (
             default_config,
-            default_num_kv_splits,
+            family_of,
             mla_attention,
+            mla_decode_config,
+            mla_decode_num_splits,
         )
 
         fp8 = kv_cache_dtype != "auto"
@@ -69,13 +73,16 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
         query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).int()
         max_seq_len = int(seq_lens.max())
         decode = max(q_lens) == 1
-        config = default_config(num_heads, 1, _KV_LORA_RANK, decode=decode,
-                                rocm=target.is_rocm)
         splits = 1
-        if decode:  # as mla_attention does, with the target's SM count
-            splits = default_num_kv_splits(num_seqs, -(-num_heads // config.block_h),
-                                           max_seq_len, torch.device("cpu"),
-                                           block_h=config.block_h, num_sms=target.num_sms)
+        if decode:  # as TRITON_MLA's builder does, with the target's table row and SM count
+            cap = target.device_capability
+            config = mla_decode_config(num_heads, family_of((cap.major, cap.minor),
+                                                            rocm=target.is_rocm))
+            splits = mla_decode_num_splits(num_seqs, num_heads, max_seq_len, config,
+                                           target.num_sms)
+        else:
+            config = default_config(num_heads, 1, _KV_LORA_RANK, decode=False,
+                                    rocm=target.is_rocm)
         q = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
         mla_attention(q, kv_cache, kv_lora_rank=_KV_LORA_RANK, query_start_loc=query_start_loc,
                       seq_lens=seq_lens, block_table=_block_table(num_seqs, max_seq_len,

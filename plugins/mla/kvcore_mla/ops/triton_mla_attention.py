@@ -1,6 +1,6 @@
 """Triton split-KV attention over paged caches: MLA latents, and K/V caches for GQA/MHA.
 
-Two entry points share one kernel:
+Two entry points, two attention kernels:
 
 - :func:`decode_attention_fwd`: the decode API engines know from SGLang/vLLM (one query per
   request, a float32 split workspace ``attn_logits``), for MLA (``is_mla=True``: keys are the
@@ -8,8 +8,20 @@ Two entry points share one kernel:
 - :func:`mla_attention`: latent-space MLA for a batch that mixes prefill (with a cached
   prefix) and decode requests, as the TRITON_MLA backend calls it.
 
-Kernel structure
-----------------
+MLA decode (``_mla_decode_kernel``)
+-----------------------------------
+The decode path of both entry points for a cache of one latent per token (DeepSeek-class
+models). A program owns one request, one group of ``BLOCK_H`` query heads and one of the
+request's KV splits; it loads ``BLOCK_N`` latents a step, each read once for the whole head
+group, and computes the group's scores with ``tl.dot`` (``[BLOCK_H, kv_lora_rank] x
+[kv_lora_rank, BLOCK_N]`` plus the rope part), so 16 heads (8-way tensor parallelism) are
+bandwidth-bound and 128 heads (one GPU) run on the tensor cores. The value is the same tile
+(``acc += p x latent``). A tile that lies in one page costs one block-table read. Split counts
+come from :func:`mla_decode_num_splits`, launch configurations from the per-GPU table
+:data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does).
+
+Mixed batches and GQA/MHA decode (``_attention_kernel``)
+--------------------------------------------------------
 A program owns ``BLOCK_Q`` consecutive query tokens of one request times ``BLOCK_H`` query
 heads that share one KV head (``BLOCK_M = BLOCK_Q * BLOCK_H`` rows; MLA's single latent "KV
 head" is shared by all heads), and one of ``NUM_SPLITS`` contiguous parts of the request's key
@@ -24,9 +36,9 @@ split (normalised output and base-2 log-sum-exp) go to a float32 workspace that
 ``_merge_splits_kernel`` reduces, also producing the natural-log ``lse``. With one split the
 attention kernel writes ``o`` and ``lse`` itself.
 
-Programs are numbered with the head block fastest, then the split, then the query tile: the
-programs that read the same keys (one request, one split, all head blocks) run side by side
-and share them through L2.
+In both kernels programs are numbered with the head block fastest, then the split, then the
+query tile: the programs that read the same keys (one request, one split, all head blocks)
+run side by side and share them through L2.
 
 All address arithmetic is int64. ``tl.make_block_ptr`` is not used (removed in triton 3.9);
 under ``TRITON_INTERPRET=1`` tiles are cast to float32 before ``tl.dot`` (the interpreter
@@ -50,11 +62,16 @@ from kvcore_mla.ops.validation import FP8_DTYPES, validate_decode_attention
 
 __all__ = [
     "MAX_KV_SPLITS",
+    "MLA_DECODE_CONFIGS",
     "LaunchConfig",
     "decode_attention_fwd",
     "default_config",
     "default_num_kv_splits",
+    "family_of",
+    "gpu_family",
     "mla_attention",
+    "mla_decode_config",
+    "mla_decode_num_splits",
     "mla_workspace_numel",
 ]
 
@@ -149,6 +166,87 @@ def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
         return 1
     by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
     return max(1, min(-(-target // programs), by_length, MAX_KV_SPLITS))
+
+
+#: MLA decode launch configurations per GPU family (:func:`gpu_family`): rows of
+#: ``(min_heads, config)``, most heads first; the first row with ``num_heads >= min_heads``
+#: applies. ``benchmarks/bench_mla.py`` sweeps candidates on a GPU and prints the winners as
+#: rows of this table.
+MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
+    # Hopper: 64-head programs for 64+ heads (tl.dot with M = 64 runs on wgmma; the 64 x 512
+    # float32 accumulator needs 8 warps); two buffers of 64 latents beside the 64 x 576 query
+    # tile take 216 KiB of shared memory. 16-head programs (memory-bound) keep two tiles of 64
+    # latents in flight (164 KiB). Both as compiled for sm90 by `kvcore kernels`.
+    "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2)),
+             (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=8, num_stages=3))),
+    # A100 (164 KiB of shared memory a block): 32-head programs at most.
+    "sm80": ((32, LaunchConfig(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=2)),
+             (1, LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=2))),
+    # AMD: 64 KiB of LDS a CU holds one stage of 16 latents beside the query tile.
+    "rocm": ((32, LaunchConfig(block_q=1, block_h=32, block_n=16, num_warps=8, num_stages=1)),
+             (1, LaunchConfig(block_q=1, block_h=16, block_n=16, num_warps=4, num_stages=1))),
+    # Anything else (consumer GPUs with ~100 KiB of shared memory, the CPU interpreter).
+    "default": ((1, LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4,
+                                 num_stages=2)),),
+}
+#: A split's fixed cost (its partial output written and merged) in latent tiles, for
+#: :func:`mla_decode_num_splits`.
+_SPLIT_COST_TILES = 1.0
+
+
+def gpu_family(device: torch.device | str | None = None) -> str:
+    """The key of :data:`MLA_DECODE_CONFIGS` for ``device`` (default: the current GPU; a CPU
+    device, e.g. under ``TRITON_INTERPRET=1``, is ``"default"``)."""
+    if is_rocm():
+        return "rocm"
+    dev = torch.device(device) if device is not None else None
+    if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
+        return "default"
+    return family_of(torch.cuda.get_device_capability(dev), rocm=False)
+
+
+def family_of(capability: tuple[int, int], *, rocm: bool) -> str:
+    """The key of :data:`MLA_DECODE_CONFIGS` for a GPU of compute ``capability`` (``(major,
+    minor)``; any on ROCm), e.g. a compile target's."""
+    if rocm:
+        return "rocm"
+    if capability[0] == 9:
+        return "sm90"
+    if tuple(capability) == (8, 0):
+        return "sm80"
+    return "default"
+
+
+def mla_decode_config(num_heads: int, family: str = "default") -> LaunchConfig:
+    """The MLA decode launch configuration of :data:`MLA_DECODE_CONFIGS` for ``num_heads``
+    query heads on a GPU of ``family`` (see :func:`gpu_family`); ``block_h`` never exceeds
+    ``num_heads`` rounded up to a power of two (at least 16, as ``tl.dot`` needs)."""
+    if family not in MLA_DECODE_CONFIGS:
+        raise ValueError(f"family={family!r} (known: {', '.join(MLA_DECODE_CONFIGS)})")
+    rows = MLA_DECODE_CONFIGS[family]
+    config = next((c for least, c in rows if num_heads >= least), rows[-1][1])
+    block_h = min(config.block_h, max(16, triton.next_power_of_2(num_heads)))
+    return dataclasses.replace(config, block_h=block_h)
+
+
+def mla_decode_num_splits(num_seqs: int, num_heads: int, max_seq_len: int,
+                          config: LaunchConfig, num_sms: int) -> int:
+    """KV splits for an MLA decode batch, from its shape and the SM count.
+
+    Each SM gets ``ceil(programs / num_sms)`` programs (programs = requests x head groups x
+    splits) and each program ``ceil(tiles / splits)`` latent tiles of ``config.block_n`` plus a
+    fixed cost for a split's partial result: the count with the least work on the busiest SM
+    wins (the fewest splits on ties), at most :data:`MAX_KV_SPLITS` and one tile a split.
+    """
+    programs = max(1, num_seqs) * -(-num_heads // config.block_h)
+    tiles = max(1, -(-max_seq_len // config.block_n))
+    best, best_cost = 1, float("inf")
+    for splits in range(1, min(MAX_KV_SPLITS, tiles) + 1):
+        cost = -(-programs * splits // max(1, num_sms)) * (
+            -(-tiles // splits) + (_SPLIT_COST_TILES if splits > 1 else 0.0))
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 @triton.jit
@@ -346,6 +444,140 @@ def _merge_splits_kernel(
                  (lse * 0.6931471805599453).to(lse_ptr.dtype.element_ty))  # x ln(2)
 
 
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr, kv_ptr, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
+    k_scale, qk_scale, num_heads, num_head_blocks, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kd,
+    stride_ob, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_btb, stride_btp,
+    D_NOPE: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (head group, KV split, request) of MLA decode; see :func:`_launch_mla_decode`."""
+    pid = tl.program_id(0)
+    head_block = pid % num_head_blocks
+    rest = pid // num_head_blocks
+    split = rest % num_splits
+    seq = (rest // num_splits).to(tl.int64)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, num_tiles)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_valid = heads < num_heads
+    heads64 = heads.to(tl.int64)
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    # Latent rows are masked by token only when the width is a power of two (MLA's 512): a
+    # mask along the contiguous dim could cost the 16-byte vector loads.
+    EVEN_D: tl.constexpr = BLOCK_D == D_NOPE
+    d_valid = d < D_NOPE
+    q_rows = q_ptr + seq * stride_qb + heads64 * stride_qh
+    q = tl.load(q_rows[:, None] + d[None, :] * stride_qd,
+                mask=h_valid[:, None] & d_valid[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    if D_PE > 0:
+        dpe = D_NOPE + tl.arange(0, BLOCK_PE).to(tl.int64)
+        dpe_valid = dpe < D_NOPE + D_PE
+        q_pe = tl.load(q_rows[:, None] + dpe[None, :] * stride_qd,
+                       mask=h_valid[:, None] & dpe_valid[None, :], other=0.0)
+        if INTERPRET:
+            q_pe = q_pe.to(tl.float32)
+    if FP8:
+        if SCALE_IS_TENSOR:
+            ks = tl.load(k_scale).to(tl.float32)
+        else:
+            ks = k_scale
+        qk_scale = qk_scale * ks
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + seq * stride_btb
+    offs_n = tl.arange(0, BLOCK_N)
+    # Page ids are read one tile ahead and carried into the next iteration: a latent load whose
+    # address comes from a block-table load of the same iteration is not multi-buffered by
+    # Triton's pipeliner (one tile in flight); from a carried value it is (num_stages - 1).
+    if PAGE_SIZE % BLOCK_N == 0:  # a tile lies in one page: one block-table read a tile
+        page_next = tl.load(bt_row + ((t_lo * BLOCK_N) // PAGE_SIZE) * stride_btp,
+                            mask=t_lo < t_hi, other=0)
+    else:
+        pos_next = t_lo * BLOCK_N + offs_n
+        page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
+                            mask=pos_next < seq_len, other=0)
+    for t in range(t_lo, t_hi):
+        start = t * BLOCK_N
+        pos = start + offs_n
+        valid = pos < seq_len  # every tile holds at least one key: rows never see only -inf
+        page = page_next.to(tl.int64)
+        if PAGE_SIZE % BLOCK_N == 0:
+            rows = kv_ptr + page * stride_kb + ((start % PAGE_SIZE) + offs_n).to(tl.int64) * \
+                stride_ks
+            page_next = tl.load(bt_row + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp,
+                                mask=t + 1 < t_hi, other=0)
+        else:
+            rows = kv_ptr + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
+            pos_next = pos + BLOCK_N
+            page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
+                                mask=(pos_next < seq_len) & (pos_next < t_hi * BLOCK_N),
+                                other=0)
+        # The latent tile, read once: keys (with the rope part) and values.
+        if EVEN_D:
+            kv = tl.load(rows[:, None] + d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        else:
+            kv = tl.load(rows[:, None] + d[None, :] * stride_kd,
+                         mask=valid[:, None] & d_valid[None, :], other=0.0)
+        if INTERPRET:
+            kv = kv.to(tl.float32)
+        else:
+            kv = kv.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        if D_PE > 0:
+            kpe = tl.load(rows[:, None] + dpe[None, :] * stride_kd,
+                          mask=valid[:, None] & dpe_valid[None, :], other=0.0)
+            if INTERPRET:
+                kpe = kpe.to(tl.float32)
+            else:
+                kpe = kpe.to(q.dtype)
+            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if FP8:
+        acc = acc * ks
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    out_mask = h_valid[:, None] & d_valid[None, :]
+    if SPLIT:
+        # Workspace (batch, heads, splits, D_NOPE + 1): normalised output, base-2 LSE.
+        part = part_ptr + seq * stride_pb + heads64 * stride_ph + split * stride_ps
+        tl.store(part[:, None] + d[None, :] * stride_pd, out, mask=out_mask)
+        tl.store(part + D_NOPE * stride_pd, lse2, mask=h_valid)
+    else:
+        o_rows = out_ptr + seq * stride_ob + heads64 * stride_oh
+        tl.store(o_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+        if WRITE_LSE:
+            tl.store(lse_ptr + seq * stride_lb + heads64 * stride_lh,
+                     (lse2 * 0.6931471805599453).to(lse_ptr.dtype.element_ty),  # x ln(2)
+                     mask=h_valid)
+
+
 def _launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -418,6 +650,64 @@ def _launch(
         )
 
 
+def _launch_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_lora_rank: int,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | float | None,
+    num_splits: int,
+    config: LaunchConfig,
+) -> None:
+    """MLA decode: one program per (head group of ``config.block_h`` heads, KV split,
+    request), head group fastest so the programs that read the same latents run side by side
+    (L2). Each streams ``config.block_n`` latents a step, read once: scores against the whole
+    head group with ``tl.dot`` (``[block_h, kv_lora_rank] x [kv_lora_rank, block_n]`` plus the
+    rope part), online softmax in float32 with ``exp2``, and the same tile as the value
+    (``acc += p x latent``). With splits, each split's normalised output and base-2 LSE go to
+    ``workspace`` ``(batch, heads, splits, kv_lora_rank + 1)`` and :func:`_merge_splits_kernel`
+    reduces them. ``kv_cache`` is 3-dim ``(num_pages, page_size, kv_lora_rank + rope)`` of any
+    strides; ``q`` ``(batch, heads, kv_lora_rank + rope)``; k_scale is used for fp8 caches."""
+    batch, num_heads, k_dim = q.shape
+    if batch == 0:
+        return
+    page_size = kv_cache.shape[1]
+    pe_dim = k_dim - kv_lora_rank
+    fp8 = kv_cache.dtype in FP8_DTYPES
+    ks = scale_arg(k_scale if fp8 else None, q.device)
+    num_head_blocks = -(-num_heads // config.block_h)
+    split = num_splits > 1
+    lse_arg = lse if lse is not None else out
+    lse_strides = lse.stride() if lse is not None else (0, 0)
+    part = workspace if split else out
+    part_strides = workspace.stride() if split else (0, 0, 0, 0)
+    block_d = max(16, triton.next_power_of_2(kv_lora_rank))
+    _mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
+        q, kv_cache, out, lse_arg, part, seq_lens, block_table,
+        ks, float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits,
+        *q.stride(), *kv_cache.stride(), *out.stride(), *lse_strides, *part_strides,
+        *block_table.stride(),
+        D_NOPE=kv_lora_rank, D_PE=pe_dim, BLOCK_D=block_d,
+        BLOCK_PE=max(16, triton.next_power_of_2(max(pe_dim, 1))),
+        PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), SPLIT=split,
+        WRITE_LSE=lse is not None, INTERPRET=interpreting(),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(batch, num_heads)](
+            workspace, out, lse_arg, kv_lora_rank, *workspace.stride(), *out.stride(),
+            *lse_strides, WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_d, num_warps=4,
+        )
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -461,7 +751,8 @@ def decode_attention_fwd(
         page_size: tokens per page; must equal ``k_buffer.shape[1]``.
         is_mla: MLA mode (one latent: keys = all channels, values = the first ``v_head_dim``).
         k_scale, v_scale: fp8 per-tensor scales (1-element tensors or floats).
-        config: launch override (tuning, benchmarks); :func:`default_config` otherwise.
+        config: launch override (tuning, benchmarks); otherwise :func:`mla_decode_config`
+            for an MLA cache of one latent per token, :func:`default_config` for the rest.
     """
     k_buffer, v_buffer = validate_decode_attention(
         q, k_buffer, v_buffer, o, lse, req_to_page, b_seq_len, attn_logits, num_kv_splits,
@@ -471,11 +762,19 @@ def decode_attention_fwd(
     if q.dtype == torch.float64:
         raise TypeError("q has dtype float64; the Triton kernels take fp16/bf16/fp32 "
                         "(use kvcore_mla.ops.reference.decode_attention_ref)")
-    cfg = config or default_config(q.shape[1], k_buffer.shape[2],
-                                   v_buffer.shape[3] if is_mla else k_buffer.shape[3],
-                                   decode=True)
+    mla = is_mla and k_buffer.shape[2] == 1  # one latent per token: the MLA decode kernel
+    if mla:
+        cfg = config or mla_decode_config(q.shape[1], gpu_family(q.device))
+    else:
+        cfg = config or default_config(q.shape[1], k_buffer.shape[2],
+                                       v_buffer.shape[3] if is_mla else k_buffer.shape[3],
+                                       decode=True)
     if cfg.block_q != 1:
         raise ValueError(f"config.block_q={cfg.block_q}; decode runs one query per program (1)")
+    if mla:
+        _launch_mla_decode(q, k_buffer[:, :, 0], v_buffer.shape[3], o, lse, attn_logits,
+                           b_seq_len, req_to_page, sm_scale, k_scale, num_kv_splits, cfg)
+        return
     _launch(q, k_buffer, v_buffer, o, lse, attn_logits, None, b_seq_len, req_to_page,
             sm_scale, k_scale, v_scale, num_kv_splits, is_mla, cfg)
 
@@ -510,9 +809,11 @@ def mla_attention(
             token the batch takes the decode path (one query per program, split-KV).
         max_seq_len: host-side bound on ``seq_lens`` for the split heuristic (default
             ``block_table.shape[1] * block_size``).
-        num_kv_splits: force the number of splits (decode and prefill); ``None``: the
-            heuristic :func:`default_num_kv_splits` on the decode path, 1 otherwise.
-        config: launch override; :func:`default_config` otherwise.
+        num_kv_splits: force the number of splits (decode and prefill); ``None``:
+            :func:`mla_decode_num_splits` on the decode path, 1 otherwise.
+        config: launch override; otherwise :func:`mla_decode_config` (the GPU's row of
+            :data:`MLA_DECODE_CONFIGS`) on the decode path, :func:`default_config` for mixed
+            batches.
         workspace: float32 split-KV workspace, contiguous, on ``q``'s device, with at least
             :func:`mla_workspace_numel` elements (a builder owns it, so a step allocates
             nothing and can be captured in a CUDA graph); ``None`` allocates per call.
@@ -529,7 +830,10 @@ def mla_attention(
     out = output if output is not None else torch.empty(
         num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     decode = max_query_len == 1 and num_tokens == num_seqs
-    cfg = config or default_config(num_heads, 1, kv_lora_rank, decode=decode)
+    if decode:
+        cfg = config or mla_decode_config(num_heads, gpu_family(q.device))
+    else:
+        cfg = config or default_config(num_heads, 1, kv_lora_rank, decode=False)
     if decode and cfg.block_q != 1:
         raise ValueError(f"config.block_q={cfg.block_q}; a decode batch needs 1")
     if num_kv_splits is None:
@@ -537,8 +841,8 @@ def mla_attention(
         if decode:
             bound = max_seq_len if max_seq_len is not None else (
                 block_table.shape[1] * kv_cache.shape[1])
-            num_kv_splits = default_num_kv_splits(
-                num_seqs, -(-num_heads // cfg.block_h), bound, q.device, block_h=cfg.block_h)
+            num_kv_splits = mla_decode_num_splits(num_seqs, num_heads, bound, cfg,
+                                                  _num_sms(q.device))
     part = None
     if num_kv_splits > 1:
         shape = (num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)
@@ -557,11 +861,15 @@ def mla_attention(
                 raise ValueError(f"workspace has {workspace.numel()} elements but this call's "
                                  f"split-KV path needs {needed} (see mla_workspace_numel)")
             part = workspace.reshape(-1)[:needed].view(shape)
-    k_cache = kv_cache.unsqueeze(2)
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     scale_used = k_scale if fp8 else None
+    if decode:
+        _launch_mla_decode(q, kv_cache, kv_lora_rank, out, None, part, seq_lens, block_table,
+                           scale, scale_used, num_kv_splits, cfg)
+        return out
+    k_cache = kv_cache.unsqueeze(2)
     _launch(q, k_cache, k_cache[..., :kv_lora_rank], out, None, part,
-            None if decode else query_start_loc, seq_lens, block_table, scale,
+            query_start_loc, seq_lens, block_table, scale,
             scale_used, scale_used, num_kv_splits, True, cfg)
     return out
 

@@ -1,0 +1,229 @@
+"""The MLA decode kernel (head-group tiles, split-KV, reduce) against the float64 reference:
+launch configurations, split counts, ragged lengths, head counts (16, and 128 scaled down to
+64), page sizes smaller and larger than the tile; cross-layer views bit-exact; the per-GPU
+config table and the split chooser; the builder's choices reaching the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_mla import TritonMLABackend
+from kvcore_mla.ops import decode_attention_ref, mla_attention_ref
+from mla_helpers import DEVICE, assert_close, block_tables, cross_layer_view, generator, randn
+
+import kvcore
+
+tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+
+RANK, ROPE = 64, 16  # scaled down from 512 + 64 so the interpreter stays fast
+LENS = [0, 1, 17, 64, 130]  # empty, one token, inside a page, a page boundary, several pages
+
+
+def _config(block_h: int, block_n: int, num_warps: int = 4, num_stages: int = 2):
+    return tma.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=num_warps,
+                            num_stages=num_stages)
+
+
+def _decode(q, cache, table, lens, splits, config=None, scale=0.1, **scales):
+    batch, heads, _ = q.shape
+    o = torch.full((batch, heads, RANK), float("nan"), dtype=q.dtype, device=DEVICE)
+    lse = torch.full((batch, heads), float("nan"), dtype=torch.float32, device=DEVICE)
+    logits = torch.full((batch, heads, splits, RANK + 1), float("nan"), dtype=torch.float32,
+                        device=DEVICE)
+    tma.decode_attention_fwd(q, cache, cache[..., :RANK], o, lse, table, lens, logits, splits,
+                             scale, cache.shape[1], True, config=config, **scales)
+    return o, lse
+
+
+def _reference(q, cache, table, lens, scale=0.1):
+    batch, heads, _ = q.shape
+    c = cache.double()
+    o = torch.empty(batch, heads, RANK, dtype=torch.float64, device=DEVICE)
+    lse = torch.empty(batch, heads, dtype=torch.float64, device=DEVICE)
+    decode_attention_ref(q.double(), c, c[..., :RANK], o, lse, table, lens, None, 1, scale,
+                         cache.shape[1], True)
+    return o, lse
+
+
+def _case(gen, heads: int, page: int, lens: list[int], dtype=torch.float32):
+    pages = sum(-(-n // page) for n in lens) + 3
+    cache = randn((pages, page, RANK + ROPE), dtype, gen)
+    table = block_tables(lens, page, pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return randn((len(lens), heads, RANK + ROPE), dtype, gen), cache, table, seq_lens
+
+
+@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
+    (16, 16, 16, 16, 1),
+    (16, 16, 32, 64, 3),   # tiles inside one page: one block-table read a tile
+    (16, 16, 64, 16, 2),   # tiles across pages: a block-table read per latent
+    (16, 32, 16, 8, 4),    # head rows padded past the head count
+    (64, 16, 32, 32, 1),   # 128 heads scaled down: four head groups
+    (64, 64, 16, 64, 5),   # one 64-head group, more splits than some requests have tiles
+    (64, 32, 32, 16, 2),
+], ids=lambda v: str(v))
+def test_mla_decode_matches_float64_reference(heads, block_h, block_n, page, splits) -> None:
+    gen = generator("mla-decode-kernel", heads, block_h, block_n, page, splits)
+    q, cache, table, lens = _case(gen, heads, page, LENS)
+    o, lse = _decode(q, cache, table, lens, splits, _config(block_h, block_n))
+    o_ref, lse_ref = _reference(q, cache, table, lens)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mla_decode_low_precision_within_tolerance(dtype: torch.dtype) -> None:
+    gen = generator("mla-decode-kernel-dtype", dtype)
+    q, cache, table, lens = _case(gen, 16, 16, [50, 9, 33], dtype)
+    o, lse = _decode(q, cache, table, lens, 2, _config(16, 32))
+    o_ref, lse_ref = _reference(q, cache, table, lens)
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, dtype, "lse")
+
+
+def test_mla_decode_fp8_cache_within_tolerance() -> None:
+    gen = generator("mla-decode-kernel-fp8")
+    q, cache, table, lens = _case(gen, 16, 16, [40, 3], torch.bfloat16)
+    fp8 = cache.to(torch.float8_e4m3fn)
+    o, lse = _decode(q, fp8, table, lens, 2, _config(16, 16), k_scale=0.5, v_scale=0.5)
+    o_ref, lse_ref = _reference(q, fp8.double() * 0.5, table, lens)
+    assert_close(o, o_ref, torch.bfloat16, "o")
+    assert_close(lse, lse_ref, torch.bfloat16, "lse")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_on_a_cross_layer_view_is_bit_exact(splits: int) -> None:
+    gen = generator("mla-decode-kernel-xl", splits)
+    q, cache, table, lens = _case(gen, 16, 16, [70, 5, 33])
+    pool, view = cross_layer_view(tuple(cache.shape), 3, 1, torch.float32, gen)
+    view.copy_(cache)
+    before = pool.clone()
+    ours = _decode(q, view, table, lens, splits, _config(16, 32))
+    contiguous = _decode(q, cache, table, lens, splits, _config(16, 32))
+    assert view.stride(0) == 3 * cache.stride(0)
+    assert all(torch.equal(a, b) for a, b in zip(ours, contiguous, strict=True))
+    assert torch.equal(pool, before)  # nothing written into any layer
+
+
+def test_mla_attention_decode_path_takes_the_decode_kernel() -> None:
+    """mla_attention on a decode batch (through its own split choice) equals the reference."""
+    gen = generator("mla-decode-kernel-op")
+    q, cache, table, _ = _case(gen, 32, 16, [1, 45, 16])
+    meta = kvcore.build_attention_metadata([1, 1, 1], [0, 44, 15], table.tolist(), 16,
+                                           device=DEVICE)
+    args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
+                seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.1)
+    out = tma.mla_attention(q, cache, **args, max_query_len=1, num_kv_splits=3)
+    expected = mla_attention_ref(q.double(), cache.double(), **args)
+    assert_close(out, expected, torch.float32, "latent output")
+
+
+def test_the_config_table_rows_are_launchable() -> None:
+    for family, rows in tma.MLA_DECODE_CONFIGS.items():
+        assert rows[-1][0] == 1, f"{family}: the last row must cover every head count"
+        assert [least for least, _ in rows] == sorted((least for least, _ in rows),
+                                                      reverse=True), family
+        for _, config in rows:
+            assert config.block_q == 1 and config.block_h >= 16 and config.block_n >= 16
+    assert tma.mla_decode_config(128, "sm90").block_h == 64
+    assert tma.mla_decode_config(16, "sm90").block_h == 16
+    # block_h never exceeds the heads (rounded up to a power of two, at least 16).
+    assert tma.mla_decode_config(20, "sm80").block_h == 16
+    with pytest.raises(ValueError, match="family='tpu' \\(known: sm90"):
+        tma.mla_decode_config(16, "tpu")
+
+
+def test_the_split_choice_fills_the_gpu_and_no_more() -> None:
+    """On 132 SMs (an H200): a batch with a program per SM is not split; few long requests
+    are; never more splits than tiles or MAX_KV_SPLITS."""
+    many = tma.mla_decode_config(128, "sm90")
+    few = tma.mla_decode_config(16, "sm90")
+    assert tma.mla_decode_num_splits(64, 128, 4096, many, 132) == 1
+    assert tma.mla_decode_num_splits(128, 128, 2048, many, 132) == 1
+    assert tma.mla_decode_num_splits(8, 128, 32768, many, 132) == 8
+    assert tma.mla_decode_num_splits(64, 16, 4096, few, 132) == 2
+    assert tma.mla_decode_num_splits(1, 16, 1 << 20, few, 132) == tma.MAX_KV_SPLITS
+    assert tma.mla_decode_num_splits(1, 16, 320, few, 132) == 5  # 5 tiles of 64
+    assert tma.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
+
+
+def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
+    spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.float32, kv_lora_rank=RANK,
+                                   qk_rope_head_dim=ROPE)
+    config = _config(32, 16)
+    builder = TritonMLABackend.get_builder_cls()(
+        spec, num_heads=64, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=256,
+        device=DEVICE, decode_config=config, num_sms=8)
+    assert builder.decode_config == config
+    gen = generator("mla-decode-kernel-builder")
+    q, cache, table, _ = _case(gen, 64, 16, [100, 7])
+    step = kvcore.build_attention_metadata([1, 1], [99, 6], table.tolist(), 16, device=DEVICE)
+    meta = builder.build(step, graph_batch_size=2)
+    assert meta.decode_config == config
+    assert meta.num_kv_splits == builder.num_kv_splits(2) > 1
+    impl = TritonMLABackend.get_impl_cls()(
+        64, RANK + ROPE, 0.1, kv_lora_rank=RANK, qk_nope_head_dim=16, qk_rope_head_dim=ROPE,
+        v_head_dim=16, kv_b_proj_weight=torch.zeros(64 * 32, RANK, device=DEVICE))
+    out = impl._latent_attention(kvcore.LayerScales(), q, cache, meta)
+    expected = mla_attention_ref(q.double(), cache.double(), kv_lora_rank=RANK,
+                                 query_start_loc=meta.query_start_loc,
+                                 seq_lens=meta.seq_lens, block_table=meta.block_table,
+                                 scale=0.1)
+    assert_close(out, expected, torch.float32, "latent output")
+    prefill = builder.build(kvcore.build_attention_metadata([3], [4], table[:1].tolist(), 16,
+                                                            device=DEVICE))
+    assert prefill.decode_config is None and prefill.num_kv_splits == 1
+    with pytest.raises(ValueError, match="decode_config=.* must be a LaunchConfig with "
+                                         "block_q=1"):
+        TritonMLABackend.get_builder_cls()(
+            spec, num_heads=64, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=256,
+            device=DEVICE, decode_config=tma.LaunchConfig(2, 16, 16, 4, 1))
+
+
+def test_mla_decode_rank_not_a_power_of_two() -> None:
+    """A latent width below its power-of-two tile (48 of 64) is masked by channel too."""
+    gen = generator("mla-decode-kernel-rank48")
+    rank, rope, page, lens = 48, 16, 16, [37, 3]
+    pages = sum(-(-n // page) for n in lens) + 2
+    cache = randn((pages, page, rank + rope), torch.float32, gen)
+    table = block_tables(lens, page, pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = randn((2, 16, rank + rope), torch.float32, gen)
+    outs = []
+    for impl, dtype in ((tma.decode_attention_fwd, torch.float32),
+                        (decode_attention_ref, torch.float64)):
+        o = torch.empty(2, 16, rank, dtype=dtype, device=DEVICE)
+        lse = torch.empty(2, 16, dtype=dtype, device=DEVICE)
+        logits = torch.empty(2, 16, 2, rank + 1, dtype=torch.float32, device=DEVICE)
+        c = cache.to(dtype)
+        impl(q.to(dtype), c, c[..., :rank], o, lse, table, seq_lens, logits, 2, 0.1, page, True)
+        outs.append((o, lse))
+    assert_close(outs[0][0], outs[1][0], torch.float32, "o")
+    assert_close(outs[0][1], outs[1][1], torch.float32, "lse")
+
+
+def test_an_eager_step_never_splits_beyond_the_workspace() -> None:
+    """The split choice is not monotone in the length (rounding): on 12 SMs one request of 257
+    tokens would take 9 splits where max_model_len=512 takes 8. The builder caps eager steps
+    at the graph choice its workspace was sized for, and the result is still right."""
+    spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.float32, kv_lora_rank=RANK,
+                                   qk_rope_head_dim=ROPE)
+    builder = TritonMLABackend.get_builder_cls()(
+        spec, num_heads=16, max_num_seqs=1, max_num_batched_tokens=4, max_model_len=512,
+        device=DEVICE, num_sms=12)
+    assert builder.num_kv_splits(1, 257) > builder.num_kv_splits(1) == 8
+    gen = generator("mla-decode-kernel-cap")
+    q, cache, table, _ = _case(gen, 16, 16, [257])
+    meta = builder.build(kvcore.build_attention_metadata([1], [256], table.tolist(), 16,
+                                                         device=DEVICE))
+    assert meta.num_kv_splits == 8
+    impl = TritonMLABackend.get_impl_cls()(
+        16, RANK + ROPE, 0.1, kv_lora_rank=RANK, qk_nope_head_dim=16, qk_rope_head_dim=ROPE,
+        v_head_dim=16, kv_b_proj_weight=torch.zeros(16 * 32, RANK, device=DEVICE))
+    out = impl._latent_attention(kvcore.LayerScales(), q, cache, meta)
+    expected = mla_attention_ref(q.double(), cache.double(), kv_lora_rank=RANK,
+                                 query_start_loc=meta.query_start_loc,
+                                 seq_lens=meta.seq_lens, block_table=meta.block_table,
+                                 scale=0.1)
+    assert_close(out, expected, torch.float32, "latent output")
