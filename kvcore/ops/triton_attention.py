@@ -136,9 +136,13 @@ class PrefillTile:
 #: autotuning runs inside a step or a CUDA-graph capture. Above head size 128 the tile keeps
 #: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
 #: sm80 (``kvcore kernels``), which keeps the 32-key tile.
+#: sm90: 128 x 32, 4 warps, 3 stages won all three prefill cases of the H200 sweep
+#: (benchmarks/RESULTS.md, 2026-12-01: 522 / 1731 / 1711 us at 4 x 2048, 1 x 8192 and
+#: 4 x 512 over 16k cached; 128 x 64 x 8 x 3 was 4% slower, 64-row tiles 20-25% slower).
+#: sm100 has not been measured: it takes the sm90 row.
 PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
-    "sm90": (PrefillTile(128, 64, 8, 3), PrefillTile(64, 32, 4, 3)),
-    "sm100": (PrefillTile(128, 64, 8, 3), PrefillTile(64, 32, 4, 3)),
+    "sm90": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
+    "sm100": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
     "cuda": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
