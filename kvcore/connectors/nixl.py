@@ -883,12 +883,14 @@ class NixlConnector(KVConnector):
                              "'cuda_ipc,cuda_copy,tcp', with 'UCX' in backends "
                              f"(backends={list(backends)!r})")
         if ucx_tls is not None:
-            mode = (backend_params or {}).get("UCX", {}).get("ucx_error_handling_mode", "peer")
+            given = (backend_params or {}).get("UCX", {}).get("ucx_error_handling_mode")
+            mode = "peer" if given is None else given
             if mode != "none" and _no_peer_failure_handling(ucx_tls):
                 raise ValueError(
                     f"ucx_tls={ucx_tls!r} lists only transports without peer failure handling "
                     "(shared memory, self, CUDA), and with ucx_error_handling_mode "
-                    f"{mode!r} (the default is 'peer') UCX finds no transport for its messages "
+                    f"{mode!r}{' (the default)' if given is None else ''} UCX finds no "
+                    "transport for its messages "
                     "and NIXL cannot create the backend: add tcp or an RDMA transport (e.g. "
                     "'cuda_ipc,cuda_copy,tcp'), or pass backend_params={'UCX': "
                     "{'ucx_error_handling_mode': 'none'}} (UCX then no longer reports a dead "

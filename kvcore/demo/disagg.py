@@ -53,7 +53,7 @@ from kvcore.connectors import (
     get_connector_class,
 )
 from kvcore.demo.config import MODEL_PRESETS
-from kvcore.demo.engine import Engine, Request
+from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel
 
 __all__ = ["DisaggOptions", "DisaggResult", "format_result", "run_disaggregated"]
@@ -253,7 +253,7 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         stats = engine.serve(decode_reqs)
         _receive(pipe, proc, "done", wait_s)
         loaded_bytes, load_seconds = consumer.stats.loaded_bytes, consumer.stats.load_seconds
-    same_first, same_steps = _same_steps_reference(setup)
+    same_first, same_steps, same_stats = _same_steps_reference(setup)
     # One engine alone, computing everything (batched differently).
     single = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
     setup.engine(None).serve(single)
@@ -273,6 +273,10 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
                 f"{d.output} vs one engine alone {s.output}" +
                 ("" if exact_single else f" ({options.dtype}: the prefill engine batches the "
                  "prompts differently and may round differently at near ties)"))
+    if same_stats.prefix_blocks_hit != stats.prefix_blocks_hit:
+        mismatches.append(f"the one-process reference loaded {same_stats.prefix_blocks_hit} "
+                          f"prompt blocks, the disaggregated run {stats.prefix_blocks_hit}: "
+                          "they did not run the same steps")
     if stats.prefix_blocks_hit != stats.prefix_blocks_eligible:
         mismatches.append(f"only {stats.prefix_blocks_hit} of {stats.prefix_blocks_eligible} "
                           f"prompt blocks came through nixl ({stats.load_failures} failed)")
@@ -331,12 +335,12 @@ class _Handover(KVConnector):
         return self._finished("load", block_ids, {}, data.numel(), started)
 
 
-def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request]]:
+def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request], BatchStats]:
     """The disaggregated run's steps in one process (see :class:`_Handover`): one engine
     prefills every prompt for one token, computing all of it and publishing its full blocks;
     a second engine on the same caches, its free blocks poisoned, serves the requests to their
     full length, loading each request's own copies of its blocks. Returns the first engine's
-    tokens and the requests."""
+    tokens, the requests and the second engine's statistics."""
     options = setup.options
     kv = setup.caches()
     with _Handover() as handover:
@@ -347,8 +351,8 @@ def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request]]:
         decode = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
         engine = setup.engine(handover, kv=kv)
         engine.poison_free_blocks(torch.Generator().manual_seed(options.seed + 1))
-        engine.serve(decode)
-    return [r.output[0] for r in prefill], decode
+        stats = engine.serve(decode)
+    return [r.output[0] for r in prefill], decode, stats
 
 
 def format_result(result: DisaggResult) -> str:

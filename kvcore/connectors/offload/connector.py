@@ -55,9 +55,9 @@ class OffloadConnector(KVConnector):
             the connector's own set-up, the pool growing as it goes
             (:mod:`~kvcore.connectors.offload.pinning`; saves use only the slots allocated so
             far, ``wait_pinned()`` waits for all). Each chunk's allocation holds a CUDA
-            driver lock, so an engine's CUDA call may wait for up to one chunk meanwhile. ``False`` (the
-            default, so a caller finds the whole pool usable): every chunk, allocated in
-            parallel, before registration returns.
+            driver lock, so an engine's CUDA call may wait for up to one chunk meanwhile.
+            ``False`` (the default, so a caller finds the whole pool usable): every chunk,
+            allocated in parallel, before registration returns.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
