@@ -4,9 +4,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvcore.connectors.nixl import NixlConnector, nixl_unavailable_reason
-from kvcore.demo.disagg import DisaggOptions, format_result, run_disaggregated
+from kvcore.demo.disagg import (
+    DisaggOptions,
+    _Handover,
+    _Setup,
+    format_result,
+    run_disaggregated,
+)
 
 pytestmark = pytest.mark.skipif(nixl_unavailable_reason() is not None,
                                 reason=str(nixl_unavailable_reason()))
@@ -34,6 +41,37 @@ def test_bfloat16_is_checked_against_the_same_steps_and_one_engine_is_a_note():
     assert result.ok, result.mismatches
     assert all(n.startswith("note ") and "near ties" in n for n in result.notes)
     assert "tokens identical to the same steps in one process" in format_result(result)
+
+
+def test_bfloat16_with_shared_prefixes_across_prefill_steps_matches_the_same_steps():
+    """Two requests per step: later prompts share a system prompt with earlier, finished ones.
+    The producer's engine computes them anyway (a producer finds nothing) and the consumer
+    reads each request's own copy; the one-process reference must do the same (with the
+    offload connector it loaded the earlier copy, and bfloat16 tokens differed on the H200)."""
+    result = run_disaggregated(options(dtype="bfloat16", batch=6, max_num_seqs=2))
+    assert result.ok, result.mismatches
+    assert result.blocks_loaded == result.blocks_eligible > 0
+
+
+def test_the_one_process_reference_publishes_a_copy_per_save_and_reads_them_in_order():
+    kv = _Setup(options()).caches()
+    for layer in kv.layers:
+        layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(1)))
+    with _Handover() as handover:
+        handover.register_kv_caches(kv)
+        first, second = handover._read_blocks([0]), handover._read_blocks([1])
+        assert not torch.equal(first, second)
+        assert handover.save(["a" * 64], [0]).wait().ok
+        assert handover.save(["a" * 64], [1]).wait().ok
+        assert handover.lookup(["a" * 64]) == 0  # the prefill side finds nothing
+        handover.consuming = True
+        assert handover.lookup(["a" * 64, "b" * 64]) == 1
+        assert handover.load(["a" * 64], [2]).wait().ok
+        assert torch.equal(handover._read_blocks([2]), first)
+        assert handover.load(["a" * 64], [3]).wait().ok
+        assert torch.equal(handover._read_blocks([3]), second)
+        assert handover.lookup(["a" * 64]) == 0  # each copy is read once
+        assert not handover.load(["a" * 64], [2]).wait().ok
 
 
 @pytest.mark.slow

@@ -243,6 +243,22 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                     os.environ[key] = value
 
 
+#: UCX transports (and UCX_TLS aliases of them) that cannot handle a peer's failure, so
+#: UCX's default error handling mode ('peer') refuses them for its active messages.
+_NO_PEER_FAILURE_TLS = frozenset({
+    "self", "sm", "shm", "sysv", "posix", "cma", "knem", "xpmem", "cuda", "cuda_ipc",
+    "cuda_copy", "gdr_copy", "rocm", "rocm_ipc", "rocm_copy"})
+
+
+def _no_peer_failure_handling(ucx_tls: str) -> bool:
+    """Whether a ``UCX_TLS`` list allows only transports in :data:`_NO_PEER_FAILURE_TLS` (an
+    exclusion list, ``all`` or a name not known here is left to UCX)."""
+    names = [n.strip().lower() for n in ucx_tls.split(",") if n.strip()]
+    if not names or ucx_tls.strip().startswith("^"):
+        return False
+    return all(n in _NO_PEER_FAILURE_TLS for n in names)
+
+
 class _Agent:
     """One NIXL agent with the cache's storage registered; every call into NIXL goes through
     it, under one lock (the Python API is not documented as thread-safe)."""
@@ -805,9 +821,13 @@ class NixlConnector(KVConnector):
             ``ucx_error_handling_mode``). Unknown backends are refused.
         ucx_tls: the UCX transports to allow (UCX's ``UCX_TLS`` syntax, e.g.
             ``"cuda_ipc,cuda_copy,tcp"`` for VRAM between processes on one host), set only
-            while the UCX backend is created; ``None``: UCX's own choice, or ``UCX_TLS`` from
-            the environment. Which transports UCX picked: run with ``UCX_PROTO_INFO=y``
-            (``benchmarks/bench_nixl.py --matrix`` does).
+            while the UCX backend is created; ``None`` (the default): UCX's own choice, or
+            ``UCX_TLS`` from the environment. A list of shared-memory and CUDA transports only
+            (``"cuda_ipc,cuda_copy,sm,self"``) needs ``ucx_error_handling_mode`` ``"none"``
+            (UCX's default ``peer`` mode finds no transport for its messages among them);
+            it is refused otherwise. Which transports UCX picked: run with
+            ``UCX_PROTO_INFO=y`` (``benchmarks/bench_nixl.py --matrix`` does); see
+            ``docs/connector.md`` for what was measured.
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
     """
 
@@ -862,6 +882,19 @@ class NixlConnector(KVConnector):
             raise ValueError(f"ucx_tls={ucx_tls!r} must be a non-empty UCX_TLS string such as "
                              "'cuda_ipc,cuda_copy,tcp', with 'UCX' in backends "
                              f"(backends={list(backends)!r})")
+        if ucx_tls is not None:
+            given = (backend_params or {}).get("UCX", {}).get("ucx_error_handling_mode")
+            mode = "peer" if given is None else given
+            if mode != "none" and _no_peer_failure_handling(ucx_tls):
+                raise ValueError(
+                    f"ucx_tls={ucx_tls!r} lists only transports without peer failure handling "
+                    "(shared memory, self, CUDA), and with ucx_error_handling_mode "
+                    f"{mode!r}{' (the default)' if given is None else ''} UCX finds no "
+                    "transport for its messages "
+                    "and NIXL cannot create the backend: add tcp or an RDMA transport (e.g. "
+                    "'cuda_ipc,cuda_copy,tcp'), or pass backend_params={'UCX': "
+                    "{'ucx_error_handling_mode': 'none'}} (UCX then no longer reports a dead "
+                    "peer; the connector's timeouts still bound every wait)")
         reason = nixl_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the nixl connector is unavailable: {reason}")

@@ -12,8 +12,9 @@ Two engines, two processes, one model (same weights from the same seed):
    prompt's last, partial block is computed again (the demo engine computes at least one
    prompt token to get the first token's logits).
 3. **Check**: every token, the prefill engine's first token included, equals a one-process
-   run of the *same steps* (one engine prefills the prompts for one token, a second engine on
-   poisoned blocks loads their blocks through the ``offload`` connector and decodes), and
+   run of the *same steps* (one engine prefills the prompts for one token, computing all of
+   them as the producer's engine does; a second engine on poisoned blocks loads each request's
+   own copies of its blocks, as the consumer does, and decodes), and
    every eligible block was loaded rather than recomputed. The computation is then the same
    batch by batch, so any difference is the transfer's fault, in every dtype.
    The tokens are also compared with one engine alone (no connector, everything computed,
@@ -30,6 +31,7 @@ from __future__ import annotations
 import multiprocessing
 import random
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,9 +45,15 @@ from kvcore import (
     get_platform,
     parse_dtype,
 )
-from kvcore.connectors import get_connector, get_connector_class
+from kvcore.connectors import (
+    KVConnector,
+    RegisteredCaches,
+    TransferHandle,
+    get_connector,
+    get_connector_class,
+)
 from kvcore.demo.config import MODEL_PRESETS
-from kvcore.demo.engine import Engine, Request
+from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel
 
 __all__ = ["DisaggOptions", "DisaggResult", "format_result", "run_disaggregated"]
@@ -245,7 +253,7 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         stats = engine.serve(decode_reqs)
         _receive(pipe, proc, "done", wait_s)
         loaded_bytes, load_seconds = consumer.stats.loaded_bytes, consumer.stats.load_seconds
-    same_first, same_steps = _same_steps_reference(setup)
+    same_first, same_steps, same_stats = _same_steps_reference(setup)
     # One engine alone, computing everything (batched differently).
     single = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
     setup.engine(None).serve(single)
@@ -265,6 +273,10 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
                 f"{d.output} vs one engine alone {s.output}" +
                 ("" if exact_single else f" ({options.dtype}: the prefill engine batches the "
                  "prompts differently and may round differently at near ties)"))
+    if same_stats.prefix_blocks_hit != stats.prefix_blocks_hit:
+        mismatches.append(f"the one-process reference loaded {same_stats.prefix_blocks_hit} "
+                          f"prompt blocks, the disaggregated run {stats.prefix_blocks_hit}: "
+                          "they did not run the same steps")
     if stats.prefix_blocks_hit != stats.prefix_blocks_eligible:
         mismatches.append(f"only {stats.prefix_blocks_hit} of {stats.prefix_blocks_eligible} "
                           f"prompt blocks came through nixl ({stats.load_failures} failed)")
@@ -277,23 +289,70 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         seconds=time.perf_counter() - started, mismatches=mismatches, notes=notes)
 
 
-def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request]]:
-    """The disaggregated run's steps in one process, KV through the ``offload`` connector:
-    one engine prefills every prompt for one token (saving their full blocks), a second
-    engine on the same caches, its free blocks poisoned, serves the requests to their full
-    length (loading those blocks). Returns the first engine's tokens and the requests."""
+class _Handover(KVConnector):
+    """The ``nixl`` producer/consumer pair's semantics in one process, copies in host memory.
+
+    The one-process reference must repeat exactly what the two engines compute, and the
+    ``offload`` connector does not: its lookups also serve the prefill engine (a later prompt
+    would load a shared prefix the producer's engine computes, since a producer never finds
+    anything), and it keeps one copy per key (the consumer reads the copy published by the
+    same request: every save publishes its own, read oldest first, once). In ``bfloat16`` a
+    prefix computed in another batch may round differently, so either difference changes
+    tokens. Here ``lookup`` finds nothing until :attr:`consuming` is set, every save keeps its
+    own copy of the blocks, and a load takes the oldest unread copy of each key.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.consuming = False
+        self._copies: dict[str, deque[torch.Tensor]] = {}
+
+    def _register(self, reg: RegisteredCaches) -> None:
+        pass
+
+    def _close(self) -> None:
+        self._copies.clear()
+
+    def _lookup(self, keys: list[str]) -> int:
+        if not self.consuming:
+            return 0
+        return next((i for i, key in enumerate(keys) if not self._copies.get(key)), len(keys))
+
+    def _save(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        started = time.perf_counter()
+        data = self._read_blocks(block_ids).cpu()
+        for key, row in zip(keys, data, strict=True):
+            self._copies.setdefault(key, deque()).append(row)
+        return self._finished("save", block_ids, {}, data.numel(), started)
+
+    def _load(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        started = time.perf_counter()
+        if not self.consuming or any(not self._copies.get(key) for key in keys):
+            return self._finished("load", [], dict.fromkeys(block_ids, "not published"),
+                                  0, started)
+        data = torch.stack([self._copies[key].popleft() for key in keys])
+        self._write_blocks(block_ids, data, "load")
+        return self._finished("load", block_ids, {}, data.numel(), started)
+
+
+def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request], BatchStats]:
+    """The disaggregated run's steps in one process (see :class:`_Handover`): one engine
+    prefills every prompt for one token, computing all of it and publishing its full blocks;
+    a second engine on the same caches, its free blocks poisoned, serves the requests to their
+    full length, loading each request's own copies of its blocks. Returns the first engine's
+    tokens, the requests and the second engine's statistics."""
     options = setup.options
     kv = setup.caches()
-    block_bytes = kv.num_layers * kv.page_size_bytes
-    with get_connector("offload", capacity_bytes=setup.num_blocks * block_bytes) as offload:
-        offload.register_kv_caches(kv)
+    with _Handover() as handover:
+        handover.register_kv_caches(kv)
         prefill = [Request(r.request_id, r.prompt, 1) for r in setup.requests]
-        setup.engine(offload, kv=kv).serve(prefill)
+        setup.engine(handover, kv=kv).serve(prefill)
+        handover.consuming = True
         decode = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
-        engine = setup.engine(offload, kv=kv)
+        engine = setup.engine(handover, kv=kv)
         engine.poison_free_blocks(torch.Generator().manual_seed(options.seed + 1))
-        engine.serve(decode)
-    return [r.output[0] for r in prefill], decode
+        stats = engine.serve(decode)
+    return [r.output[0] for r in prefill], decode, stats
 
 
 def format_result(result: DisaggResult) -> str:

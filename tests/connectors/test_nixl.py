@@ -111,6 +111,11 @@ def consumer(port: int, **config) -> NixlConnector:
     ({"role": "producer", "ucx_tls": ""}, "ucx_tls='' must be a non-empty UCX_TLS string"),
     ({"role": "producer", "ucx_tls": "tcp", "backends": ["POSIX"]},
      r"ucx_tls='tcp' must be .* with 'UCX' in backends"),
+    ({"role": "producer", "ucx_tls": "cuda_ipc,cuda_copy,sm,self"},
+     r"ucx_tls='cuda_ipc,cuda_copy,sm,self' lists only transports without peer failure "
+     r"handling .*_handling_mode 'peer' .* add tcp .*'ucx_error_handling_mode': 'none'"),
+    ({"role": "producer", "ucx_tls": "sm", "backend_params": {"UCX": {
+        "ucx_error_handling_mode": "peer"}}}, r"ucx_tls='sm' lists only transports"),
 ], ids=lambda v: str(v) if isinstance(v, str) else None)
 def test_bad_arguments_are_named(config, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -387,6 +392,18 @@ def test_ucx_transports_and_backend_params_reach_ucx_and_the_environment_is_rest
         bogus.register_kv_caches(make_caches(cross_layer=True))
     bogus.close()
     assert "UCX_TLS" not in os.environ
+
+
+def test_shared_memory_transports_are_accepted_with_error_handling_off():
+    from kvcore.connectors.nixl import _no_peer_failure_handling
+
+    assert _no_peer_failure_handling("cuda_ipc,cuda_copy,sm,self")
+    assert not _no_peer_failure_handling("cuda_ipc,cuda_copy,tcp")
+    assert not _no_peer_failure_handling("^tcp")  # an exclusion list: UCX decides
+    assert not _no_peer_failure_handling("sm,no_such_transport")  # unknown: UCX decides
+    if nixl_unavailable_reason() is None:
+        get_connector("nixl", role="producer", ucx_tls="cuda_ipc,cuda_copy,sm,self",
+                      backend_params={"UCX": {"ucx_error_handling_mode": "none"}}).close()
 
 
 @needs_nixl

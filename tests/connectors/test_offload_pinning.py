@@ -33,10 +33,20 @@ class FakePinning:
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.calls = 0
+        self.active = self.most_active = 0  # allocations in progress, and the most at once
 
     def alloc(self, rows: int, row_bytes: int) -> torch.Tensor:
         with self.lock:
             index, self.calls = self.calls, self.calls + 1
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+        try:
+            return self._alloc(index, rows, row_bytes)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def _alloc(self, index: int, rows: int, row_bytes: int) -> torch.Tensor:
         if index in self.hold or (self.hold_rest and index):
             assert self.release.wait(10)
         if index == self.fail_at:
@@ -55,17 +65,70 @@ class FakePinning:
 
 
 def test_the_pool_is_usable_once_its_first_chunk_exists_and_grows_in_order():
-    fake = FakePinning(hold=frozenset({1}))  # chunk 1 (slots 2-3) waits
-    pool = fake.pool(8, 64, workers=3)
+    fake = FakePinning(hold=frozenset({2}))  # chunk 2 (slots 4-5) waits
+    pool = fake.pool(8, 64)
     assert pool.ready_slots() == 2  # the first chunk, allocated before returning
-    assert not pool.wait(0.2)  # chunks 2 and 3 finish, but the prefix stops at chunk 1
-    assert pool.ready_slots() == 2 and pool.pinned_seconds is None
+    pool.start()
+    assert not pool.wait(0.2)  # chunk 3 waits behind chunk 2 (one at a time, in order)
+    assert pool.ready_slots() == 4 and pool.pinned_seconds is None
     fake.release.set()
     assert pool.wait(10) and pool.ready_slots() == 8
     assert sorted(c.shape[0] for c in fake.chunks) == [2, 2, 2, 2]
     assert pool.pinned_seconds is not None and pool.startup_seconds <= pool.pinned_seconds
     pool.close()
     assert pool.ready_slots() == 0
+
+
+def test_a_background_pool_allocates_nothing_more_until_started_then_one_chunk_at_a_time():
+    """The rest of the pool waits for start() (the connector calls it after its own CUDA
+    set-up, which cudaHostAlloc's driver lock would otherwise hold up), then comes one chunk
+    at a time."""
+    fake = FakePinning()
+    pool = fake.pool(10, 64, workers=4)
+    assert not pool.wait(0.2)
+    assert fake.calls == 1 and pool.ready_slots() == 2 and pool.pinned_seconds is None
+    pool.start()
+    pool.start()  # again: nothing more
+    assert pool.wait(10) and pool.ready_slots() == 10 and fake.calls == 5
+    assert fake.most_active == 1
+    pool.close()
+
+
+def test_pool_at_once_allocates_in_parallel_before_returning():
+    fake = FakePinning(hold=frozenset({1, 2}))
+    threading.Timer(0.3, fake.release.set).start()  # both held chunks wait side by side
+    pool = fake.pool(8, 64, background=False, workers=3)
+    assert pool.ready_slots() == 8 and pool.wait(0) and fake.most_active >= 2
+    pool.close()
+
+
+def test_registration_starts_pinning_the_rest_after_its_own_setup(monkeypatch):
+    kv = make_caches(cross_layer=True)
+    fake = FakePinning()
+    seen: dict[str, object] = {}
+
+    def pool(*args, **kwargs):
+        made = fake.pool(*args, **kwargs)
+        start = made.start
+
+        def spy() -> None:
+            seen["calls"] = fake.calls
+            seen["set_up"] = all(hasattr(conn, name) for name in
+                                 ("_index", "_staging", "_streams", "_ids"))
+            start()
+
+        made.start = spy
+        return made
+
+    monkeypatch.setattr(offload_connector, "HostPool", pool)
+    slot_bytes = kv.num_layers * kv.page_size_bytes
+    conn = get_connector("offload", capacity_bytes=7 * slot_bytes, pin_in_background=True)
+    conn.register_kv_caches(kv)
+    try:
+        assert seen == {"calls": 1, "set_up": True}  # started once, by registration
+        assert conn.wait_pinned(10) and conn.ready_slots == 7
+    finally:
+        conn.close()
 
 
 def test_runs_are_cut_at_chunk_boundaries_and_address_the_right_rows():
@@ -226,7 +289,7 @@ def test_registration_returns_before_a_large_pool_is_pinned():
                          pin_in_background=True)
     conn.register_kv_caches(kv)
     try:
-        assert 1 <= conn.ready_slots < conn.num_slots  # 16 chunks; registration took one
+        assert 1 <= conn.ready_slots < conn.num_slots  # 64 chunks; registration took one
         assert conn._pool.is_pinned()
         assert conn.wait_pinned(120) and conn.ready_slots == conn.num_slots
         assert conn._pool.is_pinned()

@@ -4,8 +4,10 @@ The pool is allocated once, when the KV caches are registered: ``capacity_bytes 
 block_bytes`` slots, pinned when the cache is on a CUDA device so copies are asynchronous DMA.
 Pinning tens of GiB takes seconds, so the pool is chunks of 256 MiB, each allocated pinned by
 torch, in parallel; with ``pin_in_background=True`` registration returns once the first chunk
-exists and worker threads allocate the rest, the pool growing as they go (``pinning``; only
-allocated slots are ever handed out; ``wait_pinned()`` waits for all). A slot holds a whole
+(64 MiB) exists and a worker thread allocates the rest, one chunk at a time, after the
+connector's own CUDA set-up, the pool growing as it goes (``pinning``: pinned allocation holds
+a CUDA driver lock; only allocated slots are ever handed out; ``wait_pinned()`` waits for
+all). A slot holds a whole
 block, every layer, layer-major (``(slots, block_bytes)`` per chunk), whatever the cache's
 layout, so a run of consecutive slots within a chunk is one contiguous host region: one copy
 (a run crossing a chunk boundary is one copy per chunk).

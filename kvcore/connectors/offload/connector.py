@@ -51,11 +51,13 @@ class OffloadConnector(KVConnector):
             the transfers otherwise staged (no staging buffers are allocated then); ``None``
             stages them. See :func:`kvcore.connectors.block_copier_names`.
         pin_in_background: on CUDA, return from registration once the first chunk of the
-            pool is allocated (pinned) and allocate the rest on worker threads, the pool
-            growing as they go (:mod:`~kvcore.connectors.offload.pinning`; saves use only the
-            slots allocated so far, ``wait_pinned()`` waits for all). ``False`` (the
-            default, so a caller finds the whole pool usable): every chunk, allocated in
-            parallel, before registration returns.
+            pool is allocated (pinned) and allocate the rest on a worker thread started after
+            the connector's own set-up, the pool growing as it goes
+            (:mod:`~kvcore.connectors.offload.pinning`; saves use only the slots allocated so
+            far, ``wait_pinned()`` waits for all). Each chunk's allocation holds a CUDA
+            driver lock, so an engine's CUDA call may wait for up to one chunk meanwhile.
+            ``False`` (the default, so a caller finds the whole pool usable): every chunk,
+            allocated in parallel, before registration returns.
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one copy
@@ -145,6 +147,9 @@ class OffloadConnector(KVConnector):
         self._ids = IdUploader(device, ID_RING_ENTRIES) if self._async else None
         if self._async:
             self._warm_up(device)
+        # Only now the rest of the pool: pinning holds a CUDA driver lock that the set-up
+        # above would otherwise wait behind (pinning.py).
+        self._pool.start()
         self.register_seconds = time.perf_counter() - started
 
     def wait_pinned(self, timeout: float | None = None) -> bool:

@@ -5,9 +5,20 @@ in and locks every page (seconds for tens of GiB). Allocating the pool as one
 ``torch.empty(..., pin_memory=True)`` does all of it at once, on the registering thread, before
 the engine can start. :class:`HostPool` instead allocates the pool as chunks of whole slots,
 each its own ``torch.empty(..., pin_memory=True)`` (torch's pinned host allocator, the memory
-every torch copy path recognises as pinned), the first one before the constructor returns and
-the rest on worker threads (torch releases the GIL while it allocates, so they run beside the
-engine's Python).
+every torch copy path recognises as pinned): the first one before the constructor returns, the
+rest on worker threads.
+
+**Background pinning waits for the caller's CUDA set-up.** ``cudaHostAlloc`` (what torch's
+pinned allocator calls) holds a lock of the CUDA driver for the whole allocation, and most
+other driver calls of the process (stream and event creation, device allocations, kernel
+launches, copies, synchronisation) wait for it. Workers allocating back to back therefore
+starve the registering thread: its own set-up (staging buffers, streams, kernel warm-up)
+finished only once (nearly) every chunk was pinned, so registration did not return early.
+So with ``background=True`` the constructor allocates the first chunk only, and the workers
+start when the caller says its set-up is done (:meth:`HostPool.start`). They then allocate one
+chunk at a time, smaller chunks (:data:`PIN_BACKGROUND_CHUNK_BYTES`), pausing between them so a
+waiting driver call of the engine gets the lock: an engine call waits for at most about one
+chunk's allocation. ``background=False`` allocates with :data:`PIN_WORKERS` threads and waits.
 
 **Only pinned slots are used.** :meth:`HostPool.ready_slots` counts the slots of the chunks
 allocated so far, in order (chunks may finish out of order; a later chunk counts once every
@@ -17,9 +28,10 @@ A run of consecutive slots may span two chunks; :meth:`HostPool.pieces` cuts it 
 boundaries (one copy per piece).
 
 torch's pinned allocator rounds every allocation up to a power of two, so a chunk is sized to
-fill one (``chunk_bytes``, a power of two, holds ``chunk_bytes // slot_bytes`` slots) and
-memory is lost only in the last chunk. :meth:`HostPool.close` returns the memory to the system
-(torch would otherwise keep it pinned in its cache).
+fill one (``chunk_bytes``, a power of two, holds ``chunk_bytes // slot_bytes`` slots, losing
+less than a slot) and more is lost only in the last chunk: it is rounded up too, so up to
+half of ``chunk_bytes`` there. :meth:`HostPool.close` returns the memory to the system (torch
+would otherwise keep it pinned in its cache).
 """
 
 from __future__ import annotations
@@ -32,14 +44,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["PIN_CHUNK_BYTES", "PIN_WORKERS", "HostPool", "pinned_rows"]
+__all__ = ["PIN_BACKGROUND_CHUNK_BYTES", "PIN_CHUNK_BYTES", "PIN_PAUSE_S", "PIN_WORKERS",
+           "HostPool", "pinned_rows"]
 
 logger = logging.getLogger(__name__)
 
 #: Bytes of one chunk (a power of two, see the module docstring; at least one slot).
 PIN_CHUNK_BYTES = 256 << 20
-#: Worker threads allocating chunks at once.
+#: Bytes of one chunk when pinning in the background: smaller, so an engine's driver call
+#: waiting behind one allocation waits less.
+PIN_BACKGROUND_CHUNK_BYTES = 64 << 20
+#: Worker threads allocating chunks at once (``background=False``; in the background one).
 PIN_WORKERS = 2
+#: Seconds a background worker pauses between chunks, leaving the driver lock to the engine.
+PIN_PAUSE_S = 0.002
 
 #: ``(rows, row_bytes)`` -> a uint8 ``(rows, row_bytes)`` host tensor; raises on failure.
 AllocFn = Callable[[int, int], torch.Tensor]
@@ -62,9 +80,13 @@ class HostPool:
         num_slots, slot_bytes: the pool's shape.
         pin: allocate pinned memory (``False``: plain memory, one chunk, every slot ready at
             once).
-        background: return once the first chunk is allocated, the others following on worker
-            threads. ``False``: every chunk before returning (still in parallel).
-        chunk_bytes, workers: chunk size (whole slots, at least one) and parallelism.
+        background: return once the first chunk is allocated; the others follow on a worker
+            thread once :meth:`start` is called (after the caller's own CUDA set-up, see the
+            module docstring), one at a time. ``False``: every chunk before returning, on
+            ``workers`` threads.
+        chunk_bytes: chunk size (whole slots, at least one); default
+            :data:`PIN_BACKGROUND_CHUNK_BYTES` in the background, else :data:`PIN_CHUNK_BYTES`.
+        workers: threads allocating at once when ``background=False``.
         alloc_fn: how a chunk is allocated (default: :func:`pinned_rows`; tests pass
             stand-ins).
 
@@ -76,13 +98,18 @@ class HostPool:
     """
 
     def __init__(self, num_slots: int, slot_bytes: int, *, pin: bool, background: bool = True,
-                 chunk_bytes: int = PIN_CHUNK_BYTES, workers: int = PIN_WORKERS,
+                 chunk_bytes: int | None = None, workers: int = PIN_WORKERS,
                  alloc_fn: AllocFn | None = None) -> None:
         started = time.perf_counter()
+        if chunk_bytes is None:
+            chunk_bytes = PIN_BACKGROUND_CHUNK_BYTES if background else PIN_CHUNK_BYTES
         self._lock = threading.Lock()
         self._closed = False
         self._finished = threading.Event()
         self._executor: ThreadPoolExecutor | None = None
+        self._started = started
+        self._background = background
+        self._workers = max(1, workers)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.error: str | None = None
@@ -97,16 +124,26 @@ class HostPool:
         self._done = [False] * count
         self._ready = 0  # chunks 0 .. _ready - 1 are allocated
         self._allocate(0, started)  # usable at once
-        if count > 1 and self.error is None:
-            self._executor = ThreadPoolExecutor(max(1, workers), thread_name_prefix="kvcore-pin")
-            for i in range(1, count):
-                self._executor.submit(self._allocate, i, started)
-            if not background:
-                self._finished.wait()
-        elif count > 1:  # the first chunk failed: nothing follows
+        if count > 1 and self.error is not None:  # the first chunk failed: nothing follows
             self._done = [True] * count
             self._finish(started)
+        elif not background:
+            self.start()
+            self._finished.wait()
         self.startup_seconds = time.perf_counter() - started
+
+    def start(self) -> None:
+        """Start allocating the other chunks (``background=True``: call it once the caller's
+        own CUDA set-up is done; with ``background=False`` the constructor did). Calling it
+        again does nothing."""
+        with self._lock:
+            if self._executor is not None or self._closed or all(self._done):
+                return
+            pause = PIN_PAUSE_S if self._background and self._pinned else 0.0
+            self._executor = ThreadPoolExecutor(1 if self._background else self._workers,
+                                                thread_name_prefix="kvcore-pin")
+            for i in range(1, len(self._chunks)):
+                self._executor.submit(self._allocate, i, self._started, pause)
 
     def ready_slots(self) -> int:
         """Slots ``0 .. ready_slots() - 1`` are usable (all of them once allocation is over)."""
@@ -115,7 +152,7 @@ class HostPool:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until allocation is over (every chunk done, or one failed); False on
-        timeout."""
+        timeout (also before :meth:`start` of a background pool)."""
         return self._finished.wait(timeout)
 
     def is_pinned(self) -> bool:
@@ -155,7 +192,9 @@ class HostPool:
             out[i] = self.chunk(index)[row]
         return out
 
-    def _allocate(self, i: int, started: float) -> None:
+    def _allocate(self, i: int, started: float, pause: float = 0.0) -> None:
+        if pause:
+            time.sleep(pause)
         with self._lock:
             if self._closed or self.error is not None:
                 self._mark(i, started)
