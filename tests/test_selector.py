@@ -246,7 +246,7 @@ def test_cuda_picks_triton_when_no_vendor_backend_is_valid(fresh_kvcore, monkeyp
     report = kvcore.explain_selection(Config(head_size=128), "cuda")
     assert report.selected.name == "TRITON_ATTN"
     assert [c.name for c in report.candidates[:4]] == [
-        "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]
+        "FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
 
 
 @pytest.mark.parametrize(
