@@ -51,6 +51,7 @@ def test_the_sources_resolve_to_the_top_level_csrc():
 
 def test_without_the_extension_the_write_is_triton_and_says_why(fresh_choice, monkeypatch,
                                                                  caplog):
+    monkeypatch.setenv("KVCORE_NVIDIA_CACHE_WRITE", "cuda")  # asked for; Triton is the default
     monkeypatch.setattr(_build, "unavailable_reason", lambda: "no NVIDIA GPU is visible")
     assert _build.status() == "unavailable: no NVIDIA GPU is visible"
     assert ops.cache_write_status() == ("triton (the CUDA C++ extension is unavailable: no "
@@ -63,6 +64,7 @@ def test_without_the_extension_the_write_is_triton_and_says_why(fresh_choice, mo
 
 def test_a_failed_build_is_a_reason_remembered_across_processes(fresh_choice, monkeypatch):
     _buildable(monkeypatch)
+    monkeypatch.setenv("KVCORE_NVIDIA_CACHE_WRITE", "cuda")  # asked for; Triton is the default
     calls = []
 
     def failing_load(**kwargs):
