@@ -66,11 +66,11 @@ class CudaPlatform(Platform):
         return _MEASURED_PHASES
 
 
-_MEASURED = "H200 (9.0), bf16, 32 query / 8 KV heads, head size 128, block 16"
-#: What the priority list's comment quotes, per phase (backends within ~5% share a group).
+#: What the priority list's comment quotes, per phase (backends within ~5% share a group):
+#: decode at 16x4096, 64x4096, 8x32768 and 256x1024 requests x tokens; prefill of 4x2048,
+#: 1x8192 and 4x512 new tokens over a 16k prefix.
+_MEASURED = "an H200 (9.0), bf16, 32 query / 8 KV heads, head size 128, block 16"
 _MEASURED_PHASES = (
-    PhaseRanking("decode", (("TRITON_ATTN", "FLASHINFER"), ("FLASH_ATTN",)),
-                 f"{_MEASURED}; 16x4096, 64x4096, 8x32768, 256x1024 requests x tokens"),
-    PhaseRanking("prefill", (("FLASHINFER", "FLASH_ATTN"), ("TRITON_ATTN",)),
-                 f"{_MEASURED}; 4x2048, 1x8192 and 4x512 new tokens over a 16k prefix"),
+    PhaseRanking("decode", (("TRITON_ATTN", "FLASHINFER"), ("FLASH_ATTN",)), _MEASURED),
+    PhaseRanking("prefill", (("FLASHINFER", "FLASH_ATTN"), ("TRITON_ATTN",)), _MEASURED),
 )

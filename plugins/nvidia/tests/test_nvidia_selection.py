@@ -339,7 +339,7 @@ def test_explain_says_the_fastest_backend_differs_between_decode_and_prefill(cud
         "among the fastest"]
     assert lines[2].startswith("note: the fastest backend differs between decode and prefill "
                                "(FLASHINFER among the fastest in each); the priority list "
-                               "picks one for every step. Measured on H200 (9.0)")
+                               "picks one for every step. Measured on an H200 (9.0), bf16")
     assert "\n".join(lines) in report.format()
     assert report.to_dict()["phase_rankings"][0]["tiers"] == [["TRITON_ATTN", "FLASHINFER"],
                                                               ["FLASH_ATTN"]]
