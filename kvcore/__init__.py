@@ -37,7 +37,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Platform", "available_platforms", "clear_platform_cache", "current_platform",
         "get_platform", "require_present_platform",
     ),
-    "kvcore.platform_types": ("AttentionType", "DeviceCapability", "MultipleOf"),
+    "kvcore.platform_types": ("AttentionType", "DeviceCapability", "MultipleOf", "PhaseRanking"),
     "kvcore.plugins": (
         "PluginInfo", "list_plugins", "register_plugin", "reset_plugins", "unregister_plugin",
     ),
@@ -89,7 +89,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         get_platform,
         require_present_platform,
     )
-    from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
+    from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf, PhaseRanking
     from kvcore.plugins import (
         PluginInfo,
         list_plugins,
@@ -147,6 +147,7 @@ __all__ = [
     "NoValidBackendError",
     "PagedAttentionImpl",
     "PersistentMetadataBuilder",
+    "PhaseRanking",
     "Platform",
     "PluginInfo",
     "ResolveError",

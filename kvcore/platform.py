@@ -24,7 +24,7 @@ from kvcore import plugins
 from kvcore.blocks import check_block_mapping
 from kvcore.config import AttentionSelectorConfig
 from kvcore.layout import KVCacheLayout
-from kvcore.platform_types import DeviceCapability
+from kvcore.platform_types import DeviceCapability, PhaseRanking
 from kvcore.registry import ResolveError, platform_registry
 
 __all__ = [
@@ -130,6 +130,18 @@ class Platform(ABC):
         provides it (:attr:`BACKEND_PROVIDERS`). Backends registered for this platform but not
         listed here are tried after these.
         """
+
+    def phase_rankings(
+        self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> tuple[PhaseRanking, ...]:
+        """Measured speed of the backends per phase of a step (decode, prefill) for ``config``
+        on ``device_capability``, or ``()`` where nothing was measured.
+
+        :func:`kvcore.explain_selection` reports them (``kvcore select --explain``), and says
+        so when the fastest backends differ between phases: the priority list picks one
+        backend for both. Declare them where the benchmarks are, next to the priority list.
+        """
+        return ()
 
     def _copy_blocks(
         self,

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["AttentionType", "DeviceCapability", "MultipleOf"]
+__all__ = ["AttentionType", "DeviceCapability", "MultipleOf", "PhaseRanking"]
 
 
 class AttentionType(str, Enum):
@@ -95,3 +95,41 @@ class MultipleOf:
 
     def __str__(self) -> str:
         return f"multiples of {self.base}" + (f" up to {self.max}" if self.max else "")
+
+
+@dataclass(frozen=True)
+class PhaseRanking:
+    """How fast backends were measured in one phase of a step on a platform's devices.
+
+    Declared by a platform (:meth:`kvcore.Platform.phase_rankings`) from benchmarks, so that
+    ``kvcore select --explain`` can say when the fastest backend differs between decode and
+    prefill: the priority list picks one backend for both.
+
+    Attributes:
+        phase: the phase, e.g. ``"decode"`` or ``"prefill"``.
+        tiers: backend names in groups, fastest group first; the backends of one group were
+            within a few percent of each other.
+        measured: what was measured, for the reader of the note (device, dtype, shapes).
+    """
+
+    phase: str
+    tiers: tuple[tuple[str, ...], ...]
+    measured: str
+
+    def __post_init__(self) -> None:
+        if not self.tiers or not all(self.tiers):
+            raise ValueError(f"tiers={self.tiers!r}: give at least one non-empty group of "
+                             "backend names, fastest first")
+
+    @property
+    def fastest(self) -> tuple[str, ...]:
+        """The fastest group."""
+        return self.tiers[0]
+
+    def rank(self, backend: str) -> int | None:
+        """0 for the fastest group, 1 for the next, ...; ``None``: not measured."""
+        return next((i for i, tier in enumerate(self.tiers) if backend in tier), None)
+
+    def describe(self) -> str:
+        """``TRITON_ATTN = FLASHINFER > FLASH_ATTN``."""
+        return " > ".join(" = ".join(tier) for tier in self.tiers)

@@ -19,7 +19,7 @@ from kvcore import plugins
 from kvcore.backend import AttentionBackend
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform import Platform, current_platform, get_platform
-from kvcore.platform_types import DeviceCapability
+from kvcore.platform_types import DeviceCapability, PhaseRanking
 from kvcore.registry import RegistryError, UnknownNameError, backend_registry, resolve_backend
 
 __all__ = [
@@ -71,6 +71,8 @@ class SelectionReport:
     device_capability: DeviceCapability | None
     candidates: list[CandidateReport] = field(default_factory=list)
     forced: str | None = None
+    #: The platform's measured speed per phase for this config (:meth:`Platform.phase_rankings`).
+    phase_rankings: tuple[PhaseRanking, ...] = ()
 
     @property
     def selected(self) -> CandidateReport | None:
@@ -89,6 +91,31 @@ class SelectionReport:
         return (f"no backend in {self.platform}'s priority list ({order}) is valid; first valid "
                 f"of the other backends registered for {self.platform}")
 
+    def phase_lines(self) -> list[str]:
+        """The measured order per phase, where the selected backend stands in it, and a note
+        when the fastest backends differ between phases (``[]``: nothing measured)."""
+        if not self.phase_rankings:
+            return []
+        pick = self.selected
+        lines = []
+        for ranking in self.phase_rankings:
+            line = f"{ranking.phase} (measured): {ranking.describe()}"
+            if pick is not None:
+                rank = ranking.rank(pick.name)
+                where = ("not measured" if rank is None else "among the fastest" if rank == 0
+                         else f"in group {rank + 1} of {len(ranking.tiers)}")
+                line += f"; selected {pick.name} is {where}"
+            lines.append(line)
+        if len({frozenset(r.fastest) for r in self.phase_rankings}) > 1:
+            phases = " and ".join(r.phase for r in self.phase_rankings)
+            both = set.intersection(*(set(r.fastest) for r in self.phase_rankings))
+            lines.append(
+                f"note: the fastest backend differs between {phases}"
+                + (f" ({', '.join(sorted(both))} among the fastest in each)" if both else "")
+                + "; the priority list picks one for every step. Measured on "
+                + "; ".join(dict.fromkeys(r.measured for r in self.phase_rankings)))
+        return lines
+
     def format(self) -> str:
         """Flat, greppable text: the pick and why, then each candidate with its reasons."""
         capability = self.device_capability or "n/a"
@@ -105,6 +132,7 @@ class SelectionReport:
         if pick is not None and pick.cuda_graphs is not None:
             lines.append(f"cuda graphs: {pick.cuda_graphs} (the selected backend's "
                          "CUDA_GRAPH_SUPPORT)")
+        lines.extend(self.phase_lines())
         for c in self.candidates:
             status = ("SELECTED" if c.selected else "rejected" if not c.valid
                       else "valid, not forced" if self.forced
@@ -126,6 +154,8 @@ class SelectionReport:
             "forced": self.forced,
             "selected": self.selected.name if self.selected else None,
             "candidates": [c.to_dict() for c in self.candidates],
+            "phase_rankings": [{"phase": r.phase, "tiers": [list(t) for t in r.tiers],
+                                "measured": r.measured} for r in self.phase_rankings],
         }
 
 
@@ -262,7 +292,8 @@ def explain_selection(
         except UnknownNameError as exc:
             raise BackendSelectionError(f"{source}: {exc}") from None
     report = SelectionReport(config, plat.name, plat.is_simulated, capability,
-                             forced=registry.normalize(forced) if forced else None)
+                             forced=registry.normalize(forced) if forced else None,
+                             phase_rankings=tuple(plat.phase_rankings(config, capability)))
     names, preferred = _candidate_names(config, plat, capability)
     rest = [n for n in registry.names() if n not in names]
     for name in names + rest:

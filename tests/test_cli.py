@@ -59,7 +59,8 @@ def test_select_json_is_machine_readable():
     data = json.loads(kvcore_cmd("select", "--format", "json", "--platform", "cuda",
                                  "--capability", "9.0").stdout)
     assert data["platform"] == "cuda" and data["device_capability"] == "9.0"
-    assert [c["name"] for c in data["candidates"]][:2] == ["FLASH_ATTN", "FLASHINFER"]
+    assert [c["name"] for c in data["candidates"]][:2] == ["FLASHINFER", "FLASH_ATTN"]
+    assert [r["phase"] for r in data["phase_rankings"]] == ["decode", "prefill"]
 
 
 @pytest.mark.parametrize(

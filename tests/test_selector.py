@@ -63,8 +63,8 @@ def test_cuda_without_vendor_plugins_explains_what_to_install(fresh_kvcore, monk
     assert report.platform == "cuda" and report.simulated
     assert report.device_capability == kvcore.DeviceCapability(9, 0)
     names = [c.name for c in report.candidates]
-    assert names[:2] == ["FLASH_ATTN", "FLASHINFER"]
-    flash = report.candidates[0]
+    assert names[:2] == ["FLASHINFER", "FLASH_ATTN"]
+    flash = report.candidates[1]
     if "FLASH_ATTN" not in kvcore.backend_registry():
         assert flash.reasons == [
             "FLASH_ATTN is not registered by any installed plugin; it ships in kvcore-nvidia "
@@ -73,12 +73,32 @@ def test_cuda_without_vendor_plugins_explains_what_to_install(fresh_kvcore, monk
     assert cpu.reasons == ["platform=cuda (supported: cpu)"] and not cpu.in_priority_list
 
 
-def test_cuda_priorities_depend_on_capability(fresh_kvcore, monkeypatch):
-    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "10.0")
+def test_cuda_priorities_follow_the_h200_measurements(fresh_kvcore):
+    """FLASHINFER fastest or tied in decode and prefill, FLASH_ATTN as fast in prefill only,
+    TRITON_ATTN as fast in decode only; MLA layers still depend on the capability."""
+    cuda = kvcore.get_platform("cuda")
+    for capability in ("8.0", "9.0", "10.0"):
+        assert cuda.get_backend_priorities(
+            Config(head_size=128), kvcore.DeviceCapability.parse(capability)) == [
+            "FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
+    mla = Config(head_size=576, use_mla=True)
+    assert cuda.get_backend_priorities(mla, kvcore.DeviceCapability(9, 0))[0] == "FLASHINFER_MLA"
+    assert cuda.get_backend_priorities(mla, kvcore.DeviceCapability(8, 0))[0] == "TRITON_MLA"
+
+
+def test_cuda_declares_its_measured_phase_ranks_on_hopper_only(fresh_kvcore):
     cuda = kvcore.get_platform("cuda")
     config = Config(head_size=128)
-    assert cuda.get_backend_priorities(config, cuda.get_device_capability())[0] == "FLASHINFER"
-    assert cuda.get_backend_priorities(config, kvcore.DeviceCapability(8, 0))[0] == "FLASH_ATTN"
+    decode, prefill = cuda.phase_rankings(config, kvcore.DeviceCapability(9, 0))
+    assert (decode.phase, decode.describe()) == ("decode", "TRITON_ATTN = FLASHINFER > FLASH_ATTN")
+    assert (prefill.phase, prefill.describe()) == (
+        "prefill", "FLASHINFER = FLASH_ATTN > TRITON_ATTN")
+    assert prefill.rank("TRITON_ATTN") == 1 and prefill.rank("FLEX_ATTENTION") is None
+    assert cuda.phase_rankings(config, kvcore.DeviceCapability(10, 0)) == ()
+    assert cuda.phase_rankings(config, None) == ()
+    assert kvcore.get_platform("cpu").phase_rankings(config, None) == ()
+    with pytest.raises(ValueError, match="tiers"):
+        kvcore.PhaseRanking("decode", (), "nothing")
 
 
 def test_rocm_drops_rocm_attn_with_kv_connector(with_plugins, monkeypatch, caplog):
@@ -246,7 +266,7 @@ def test_cuda_picks_triton_when_no_vendor_backend_is_valid(fresh_kvcore, monkeyp
     report = kvcore.explain_selection(Config(head_size=128), "cuda")
     assert report.selected.name == "TRITON_ATTN"
     assert [c.name for c in report.candidates[:4]] == [
-        "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]
+        "FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
 
 
 @pytest.mark.parametrize(

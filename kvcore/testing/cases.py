@@ -313,7 +313,8 @@ def conformance_cases(
         base_kwargs)
     unavailable = cls.unavailable_reasons()
     add("validation-accepts-declared", "validation-accepts-declared",
-        checks.check_validation_accepts, cls, base_kwargs,
+        checks.check_validation_accepts, cls,
+        {**base_kwargs, "device_capability": _accepts_capability(cls, declared)},
         skip=f"{name} cannot run here: {'; '.join(unavailable)}" if unavailable else None)
     for field_name, change in _validation_probes(cls, declared):
         add("validation-refuses", "validation-reasons", checks.check_validation_refuses, cls,
@@ -396,6 +397,23 @@ def conformance_cases(
 
 def _noop() -> None:
     return None
+
+
+def _accepts_capability(backend: type[AttentionBackend],
+                        declared: _Declared) -> DeviceCapability | None:
+    """The capability of the base case of ``validation-accepts-declared``: this machine's
+    (a present platform of the backend's, else ``KVCORE_DEVICE_CAPABILITY``) when the
+    declarations cover it, else the declared minimum. What a backend runs can depend on the
+    device and on what is installed for it (e.g. one kernel library per architecture)."""
+    here = next((c for c in (_capability(backend, d) for d in _devices(backend)[0])
+                 if c is not None), None)
+    if here is None:
+        override = os.environ.get("KVCORE_DEVICE_CAPABILITY")
+        here = DeviceCapability.parse(override) if override else None
+    low, high = backend.MIN_DEVICE_CAPABILITY, backend.MAX_DEVICE_CAPABILITY
+    if here is None or (low and not here.at_least(low)) or (high and not high.at_least(here)):
+        return declared.capability
+    return here
 
 
 def _opts_in_cross_layer(backend: type[AttentionBackend]) -> bool:

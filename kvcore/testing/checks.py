@@ -25,6 +25,7 @@ from kvcore.backend import (
     build_attention_metadata,
 )
 from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
+from kvcore.config import AttentionSelectorConfig
 from kvcore.layout import KVCacheLayout
 from kvcore.ops.mla_reference import concat_and_cache_mla_ref
 from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref, scale_value
@@ -332,13 +333,34 @@ def check_validation_refuses(
             f"setting to change, e.g. \"{field}=... (supported: ...)\""))
 
 
+def _named_fields(reason: str, kwargs: dict[str, Any]) -> list[str]:
+    """The fields of ``kwargs`` that ``reason`` names as ``field=value``."""
+    return [k for k in kwargs if re.search(rf"(?<![A-Za-z0-9_]){re.escape(k)}=", reason)]
+
+
 def check_validation_accepts(backend: type[AttentionBackend], base: dict[str, Any]) -> None:
-    """Rule ``validation-accepts-declared``."""
+    """Rule ``validation-accepts-declared``.
+
+    The one refusal allowed is a clash between declared values (each fine alone, e.g. a block
+    size one library takes and the minimum device capability, where another library runs):
+    a reason from ``check_combination`` that names at least two fields as ``field=value``.
+    """
     reasons = _validate(backend, base)
-    if reasons:
+    if not reasons:
+        return
+    config_fields = {k: v for k, v in base.items() if k != "device_capability"}
+    try:
+        combination = backend.check_combination(AttentionSelectorConfig(**config_fields),
+                                                 base["device_capability"])
+    except Exception:  # an override of validate_configuration need not call it
+        combination = []
+    unexplained = [r for r in reasons if r not in combination
+                   or len(_named_fields(r, base)) < 2]
+    if unexplained:
         raise _fail(backend, "validation-accepts-declared", (
             f"validate_configuration({_kwargs_text(base)}) refused a configuration built from "
-            f"the declared capabilities: {reasons!r}"))
+            f"the declared capabilities: {unexplained!r}; only check_combination may refuse it, "
+            "with reasons that name each clashing field as field=value"))
 
 
 # -- numerical checks ----------------------------------------------------------------------

@@ -12,8 +12,11 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
-from kvcore.testing import RULES, conformance_cases
+import kvcore
+from kvcore.testing import RULES, ConformanceError, conformance_cases
+from kvcore.testing.checks import check_validation_accepts
 
 pytest_plugins = ["pytester"]
 
@@ -178,3 +181,73 @@ def test_unknown_backend_is_a_usage_error_listing_valid_names(pytester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["*--kvcore-backend NOPE: unknown attention backend 'NOPE'; valid options are: *CPU_ATTN*"])
+
+
+def _refusing_backend(combination: list[str], derived: list[str] = ()) -> type:
+    """A backend whose check_combination returns ``combination`` and whose validation adds
+    ``derived`` (a refusal the declarations do not explain)."""
+    class Refusing(kvcore.AttentionBackend):
+        SUPPORTED_DTYPES = (torch.float32,)
+        MIN_DEVICE_CAPABILITY = kvcore.DeviceCapability(8, 0)
+
+        @staticmethod
+        def get_name():
+            return "REFUSING"
+
+        @staticmethod
+        def get_impl_cls():
+            raise NotImplementedError
+
+        @classmethod
+        def check_combination(cls, config, device_capability):
+            return list(combination)
+
+        @classmethod
+        def validate_configuration(cls, **kwargs):
+            return [*super().validate_configuration(**kwargs), *derived]
+
+    return Refusing
+
+
+BASE = {"head_size": 64, "dtype": torch.float32, "kv_cache_dtype": "auto", "block_size": 16,
+        "use_mla": False, "has_sink": False, "use_sparse": False, "use_mm_prefix": False,
+        "use_per_head_quant_scales": False, "attn_type": "decoder",
+        "device_capability": None}
+
+
+@pytest.mark.parametrize(("combination", "derived", "fails_with"), [
+    pytest.param([], [], None, id="accepted"),
+    pytest.param(["block_size=16 with device_capability=8.0: this library takes multiples of "
+                  "256 there"], [], None, id="a-clash-naming-both-fields"),
+    pytest.param(["block_size=16: this library takes multiples of 256"], [],
+                 "with reasons that name each clashing field", id="a-reason-naming-one-field"),
+    pytest.param([], ["block_size=16 with head_size=64 are not supported"],
+                 "only check_combination may refuse it", id="not-from-check-combination"),
+])
+def test_validation_accepts_declared_allows_only_a_clash_of_named_fields(combination, derived,
+                                                                         fails_with):
+    """The base case may be refused only by a cross-field rule that names the fields."""
+    backend = _refusing_backend(combination, derived)
+    base = {**BASE, "device_capability": kvcore.DeviceCapability(8, 0)}
+    if fails_with is None:
+        check_validation_accepts(backend, base)
+        return
+    with pytest.raises(ConformanceError, match="validation-accepts-declared") as info:
+        check_validation_accepts(backend, base)
+    assert fails_with in str(info.value)
+
+
+def test_validation_accepts_declared_runs_on_this_machines_capability(monkeypatch):
+    """With a device capability here (simulated), the base case is built for it when the
+    declarations cover it, else for the declared minimum."""
+    backend = _refusing_backend([])
+    seen = []
+    monkeypatch.setattr(backend, "check_combination", classmethod(
+        lambda cls, config, capability: seen.append(capability) or []))
+    for here, used in (("9.0", "9.0"), ("7.5", "8.0")):
+        monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", here)
+        (case,) = [c for c in conformance_cases(backend, ["cpu"])
+                   if c.kind == "validation-accepts-declared"]
+        seen.clear()
+        case.run()
+        assert seen == [kvcore.DeviceCapability.parse(used)]

@@ -63,12 +63,13 @@ def _clean_env() -> dict[str, str]:
                          "KVCORE_DISABLE_PLUGIN_AUTOLOAD", "KVCORE_DEVICE_CAPABILITY")}
 
 
-# (per-layer order, order with layers, layout of a 2-layer cache on CUDA). FLASHINFER is NHD
-# and cross-layer (bit-exact on a GPU); FLASH_ATTN and FLEX_ATTENTION interleave K and V per
-# token as upstream does, and stay per-layer on CUDA until their cross-layer GPU tests pass.
+# (per-layer order, order with layers, layout of a 2-layer cache on CUDA). FLASHINFER is NHD;
+# FLASH_ATTN and FLEX_ATTENTION interleave K and V per token as upstream does. FLASHINFER and
+# FLASH_ATTN are cross-layer on CUDA (bit-exact on the H200); FLEX_ATTENTION stays per-layer
+# there until its cross-layer GPU test passes.
 LAYOUTS = {
     "FLASHINFER": ((0, 1, 2, 3, 4), (1, 0, 2, 3, 4, 5), "B,L,2,N,H,D"),
-    "FLASH_ATTN": ((0, 2, 1, 3, 4), (1, 0, 3, 2, 4, 5), "L,B,N,2,H,D"),
+    "FLASH_ATTN": ((0, 2, 1, 3, 4), (1, 0, 3, 2, 4, 5), "B,L,N,2,H,D"),
     "FLEX_ATTENTION": ((0, 2, 1, 3, 4), (1, 0, 3, 2, 4, 5), "L,B,N,2,H,D"),
 }
 

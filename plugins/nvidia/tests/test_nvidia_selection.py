@@ -20,9 +20,9 @@ FLASH_ATTN_MISSING = ("neither flash-attn-4 (Hopper/Blackwell: pip install "
 
 
 def fa2_block(block_size: int, capability: str) -> str:
-    return (f"block_size={block_size}: flash-attn 2 (the kernels on device capability "
-            f"{capability}) supports multiples of 256; flash-attn-4 takes any block size on "
-            "Hopper and Blackwell")
+    return (f"block_size={block_size} with device_capability={capability}: flash-attn 2 (the "
+            "kernels there, devices >= 8.0) supports multiples of 256; flash-attn-4 takes any "
+            "block size on Hopper and Blackwell (9.x-11.x)")
 
 
 def _config(**kw) -> kvcore.AttentionSelectorConfig:
@@ -62,12 +62,14 @@ def _install_flash_attn(monkeypatch: pytest.MonkeyPatch, *libraries: str) -> Non
     kvcore.clear_selection_cache()
 
 
+# The H200 measurements' order (kvcore/platforms/cuda.py), on every capability.
+CUDA_ORDER = ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
+
+
 @pytest.mark.parametrize(("capability", "order", "flash_attn"), [
-    ("8.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"],
-     [fa2_block(16, "8.0"), FLASH_ATTN_MISSING]),
-    ("9.0", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"], [FLASH_ATTN_MISSING]),
-    ("10.0", ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"],
-     [FLASH_ATTN_MISSING]),
+    ("8.0", CUDA_ORDER, [fa2_block(16, "8.0"), FLASH_ATTN_MISSING]),
+    ("9.0", CUDA_ORDER, [FLASH_ATTN_MISSING]),
+    ("10.0", CUDA_ORDER, [FLASH_ATTN_MISSING]),
 ])
 def test_priority_order_and_reasons_without_vendor_libraries(cuda, capability, order,
                                                              flash_attn):
@@ -87,11 +89,12 @@ def test_priority_order_and_reasons_without_vendor_libraries(cuda, capability, o
 
 
 @pytest.mark.parametrize(("capability", "block_size", "expected"), [
-    ("8.0", 16, "FLASHINFER"),    # FLASH_ATTN first, but flash-attn 2's blocks are 256-multiples
-    ("8.0", 256, "FLASH_ATTN"),
-    ("9.0", 16, "FLASH_ATTN"),    # flash-attn-4: any block size
+    ("8.0", 16, "FLASHINFER"),
+    ("8.0", 256, "FLASH_ATTN"),   # FLASHINFER first, but declares blocks of 16, 32, 64
+    ("9.0", 16, "FLASHINFER"),
+    ("9.0", 100, "FLASH_ATTN"),   # flash-attn-4: any block size
     ("10.0", 16, "FLASHINFER"),
-    ("10.0", 256, "FLASH_ATTN"),  # FLASHINFER first, but declares blocks of 16, 32, 64
+    ("10.0", 256, "FLASH_ATTN"),
 ])
 def test_vendor_backends_win_when_installed(cuda, installed, capability, block_size, expected):
     cuda(capability)
@@ -172,10 +175,16 @@ def test_cli_explain_shows_the_cuda_order_and_reasons():
     lines = out.splitlines()
     assert "selected: TRITON_ATTN" in lines
     rows = [line for line in lines if line.startswith("  ") and not line.startswith("    ")]
-    assert rows[:4] == ["  FLASH_ATTN: rejected [plugin nvidia]",
-                        "  FLASHINFER: rejected [plugin nvidia]",
+    assert rows[:4] == ["  FLASHINFER: rejected [plugin nvidia]",
+                        "  FLASH_ATTN: rejected [plugin nvidia]",
                         "  TRITON_ATTN: SELECTED [plugin builtin_backends]",
                         "  FLEX_ATTENTION: valid, lower priority [plugin nvidia]"]
+    assert ("decode (measured): TRITON_ATTN = FLASHINFER > FLASH_ATTN; selected TRITON_ATTN is "
+            "among the fastest") in lines
+    assert ("prefill (measured): FLASHINFER = FLASH_ATTN > TRITON_ATTN; selected TRITON_ATTN is "
+            "in group 2 of 2") in lines
+    assert any(line.startswith("note: the fastest backend differs between decode and prefill")
+               for line in lines)
     fa = lines.index("  FLASH_ATTN: rejected [plugin nvidia]")
     assert lines[fa + 1:fa + 2] == [f"    - {FLASH_ATTN_MISSING}"]
     fi = lines.index("  FLASHINFER: rejected [plugin nvidia]")
@@ -184,9 +193,9 @@ def test_cli_explain_shows_the_cuda_order_and_reasons():
 
 # -- FLASH_ATTN: flash-attn-4 on Hopper/Blackwell, flash-attn 2 on Ampere ----------------------
 
-FA4_ONLY_ON_AMPERE = ("flash-attn-4 is installed but its paged kernels run on device capability "
-                      "9.0-9.x, 10.0-11.x only; on 8.0 FLASH_ATTN needs flash-attn 2 (pip "
-                      "install flash-attn)")
+FA4_ONLY_ON_AMPERE = ("device_capability=8.0: flash-attn-4 is installed but its paged kernels "
+                      "run on device capability 9.0-9.x, 10.0-11.x only; there FLASH_ATTN "
+                      "needs flash-attn 2 (pip install flash-attn)")
 
 
 @pytest.mark.parametrize(("capability", "libraries", "config", "reasons"), [
@@ -195,8 +204,8 @@ FA4_ONLY_ON_AMPERE = ("flash-attn-4 is installed but its paged kernels run on de
     ("9.0", ("flash-attn-4",), {"head_size": 192, "block_size": 1}, []),
     ("10.0", ("flash-attn-4",), {"head_size": 256}, []),
     ("10.0", ("flash-attn-4",), {"head_size": 192}, [
-        "head_size=192: flash-attn-4 (the kernels on device capability 10.0) supports "
-        "multiples of 8 up to 128, 256"]),
+        "head_size=192 with device_capability=10.0: flash-attn-4 (the kernels there, devices "
+        "10.0-11.x) supports multiples of 8 up to 128, 256"]),
     ("9.0", ("flash-attn-4",), {"head_size": 100}, [
         "head_size=100 (supported: multiples of 8 up to 256)"]),
     ("9.0", ("flash-attn-4",), {"dtype": torch.float32}, [
@@ -211,8 +220,9 @@ FA4_ONLY_ON_AMPERE = ("flash-attn-4 is installed but its paged kernels run on de
     ("9.0", ("flash-attn 2",), {"block_size": 256}, []),
     ("9.0", ("flash-attn-4", "flash-attn 2"), {}, []),  # flash-attn-4 preferred
     ("12.0", ("flash-attn-4",), {"block_size": 256}, [
-        "flash-attn-4 is installed but its paged kernels run on device capability 9.0-9.x, "
-        "10.0-11.x only; on 12.0 FLASH_ATTN needs flash-attn 2 (pip install flash-attn)"]),
+        "device_capability=12.0: flash-attn-4 is installed but its paged kernels run on device "
+        "capability 9.0-9.x, 10.0-11.x only; there FLASH_ATTN needs flash-attn 2 (pip install "
+        "flash-attn)"]),
     ("7.5", ("flash-attn-4", "flash-attn 2"), {"block_size": 256}, [
         "device capability 7.5 (supported: >= 8.0)"]),
 ], ids=["h-fa4", "h-fa4-d256-b64", "h-fa4-d192-b1", "b-fa4-d256", "b-fa4-d192",
@@ -271,3 +281,84 @@ def test_module_installed_finds_submodules_without_importing_them(tmp_path, monk
     assert not module_installed("nspkg_fa.flash_attn_interface")
     assert not module_installed("nspkg_missing.cute")
     assert "nspkg_fa.cute" not in sys.modules
+
+
+# -- the conformance suite's device-free cases on simulated devices ---------------------------
+
+@pytest.mark.parametrize(("capability", "libraries"), [
+    ("9.0", ("flash-attn-4",)),  # the H200's, where the base case was once built for 8.0
+    ("10.0", ("flash-attn-4",)),
+    ("8.0", ("flash-attn 2",)),  # block 16 clashes with 8.0: a reason naming both fields
+    ("9.0", ("flash-attn 2",)),
+    ("9.0", ("flash-attn-4", "flash-attn 2")),
+])
+def test_flash_attn_passes_the_device_free_conformance_cases(cuda, monkeypatch, capability,
+                                                              libraries):
+    from kvcore.testing import conformance_cases
+
+    cuda(capability)
+    _install_flash_attn(monkeypatch, *libraries)
+    backend = kvcore.resolve_backend("FLASH_ATTN")
+    cases = [c for c in conformance_cases(backend, ["cuda"]) if c.kind in (
+        "identity", "shape", "stride-order", "cross-layer-claim", "kv-connector-claim",
+        "validation-accepts-declared", "validation-refuses")]
+    assert any(c.kind == "validation-accepts-declared" for c in cases)
+    for case in cases:
+        case.run()
+
+
+def test_flash_attn_base_case_refused_by_one_field_breaks_the_rule(cuda, monkeypatch):
+    """The rule still bites FLASH_ATTN: flash-attn-4 alone on an Ampere device cannot run the
+    base case, and that reason is not a clash of two fields."""
+    from kvcore.testing import ConformanceError, conformance_cases
+
+    cuda("8.0")
+    _install_flash_attn(monkeypatch, "flash-attn-4")
+    backend = kvcore.resolve_backend("FLASH_ATTN")
+    (case,) = [c for c in conformance_cases(backend, ["cuda"])
+               if c.kind == "validation-accepts-declared"]
+    with pytest.raises(ConformanceError, match="flash-attn-4 is installed but"):
+        case.run()
+
+
+# -- per-phase measurements in select --explain -----------------------------------------------
+
+def test_explain_says_the_fastest_backend_differs_between_decode_and_prefill(cuda, installed):
+    cuda("9.0")
+    installed("FLASHINFER", "FLASH_ATTN")
+    report = kvcore.explain_selection(_config())
+    assert report.selected.name == "FLASHINFER"
+    assert [(r.phase, r.tiers) for r in report.phase_rankings] == [
+        ("decode", (("TRITON_ATTN", "FLASHINFER"), ("FLASH_ATTN",))),
+        ("prefill", (("FLASHINFER", "FLASH_ATTN"), ("TRITON_ATTN",)))]
+    lines = report.phase_lines()
+    assert lines[:2] == [
+        "decode (measured): TRITON_ATTN = FLASHINFER > FLASH_ATTN; selected FLASHINFER is "
+        "among the fastest",
+        "prefill (measured): FLASHINFER = FLASH_ATTN > TRITON_ATTN; selected FLASHINFER is "
+        "among the fastest"]
+    assert lines[2].startswith("note: the fastest backend differs between decode and prefill "
+                               "(FLASHINFER among the fastest in each); the priority list "
+                               "picks one for every step. Measured on an H200 (9.0), bf16")
+    assert "\n".join(lines) in report.format()
+    assert report.to_dict()["phase_rankings"][0]["tiers"] == [["TRITON_ATTN", "FLASHINFER"],
+                                                              ["FLASH_ATTN"]]
+
+
+def test_explain_places_a_forced_backend_in_each_phase(cuda, installed):
+    cuda("9.0")
+    installed("FLASHINFER", "FLASH_ATTN")
+    lines = kvcore.explain_selection(_config(), backend="FLASH_ATTN").phase_lines()
+    assert lines[0].endswith("selected FLASH_ATTN is in group 2 of 2")
+    assert lines[1].endswith("selected FLASH_ATTN is among the fastest")
+
+
+@pytest.mark.parametrize(("capability", "config"), [
+    ("8.0", {}), ("10.0", {}),  # not measured there
+    ("9.0", {"use_mla": True, "head_size": 576}),  # measured without MLA
+])
+def test_no_phase_note_where_nothing_was_measured(cuda, capability, config):
+    cuda(capability)
+    report = kvcore.explain_selection(_config(**config))
+    assert report.phase_rankings == () and report.phase_lines() == []
+    assert "(measured)" not in report.format()

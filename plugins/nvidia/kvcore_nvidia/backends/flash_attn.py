@@ -32,18 +32,23 @@ views whose token stride is ``2 * H * D``, and take every stride from them. flas
 16-byte aligned pointers and strides (else it silently copies the tensor, here the whole cache):
 :meth:`FlashAttentionImpl.forward` refuses such a view instead.
 
-**Cross-layer is declared but not yet verified** (:attr:`FlashAttentionBackend.
-CROSS_LAYER_PLATFORMS` is empty): caches stay per layer until the bit-exact GPU test
-(``test_flash_attn_on_a_cross_layer_view_is_bit_exact``) passes on an H200.
+**Cross-layer on CUDA** (:attr:`FlashAttentionBackend.CROSS_LAYER_PLATFORMS`): verified on
+an H200 with flash-attn-4 (``test_flash_attn_on_a_cross_layer_view_is_bit_exact``: a per-layer
+view of a cross-layer cache gives exactly the contiguous cache's output, neighbouring layers
+untouched). The declaration is per backend, not per library: flash-attn 2 takes the same
+strided views, but that test has not run on it.
 
 Per step
 --------
 :class:`FlashAttentionMetadataBuilder` keeps the step in persistent int32 buffers (what both
 libraries read: ``query_start_loc`` as ``cu_seqlens_q``, ``seq_lens`` as ``seqused_k``, the
 block table as ``page_table``, plus flash-attn 2's ``cu_seqlens_k``) and picks the library once.
-``forward`` only launches. CUDA-graph support is ``NEVER`` until the replay test
-(``test_flash_attn_decode_replays_from_a_cuda_graph``) passes on a GPU: flash-attn-4 allocates
-its output per call and has not been shown to replay correctly.
+``forward`` only launches. CUDA graphs: ``UNIFORM_DECODE``, verified with flash-attn-4 on an
+H200 (``test_flash_attn_decode_replays_from_a_cuda_graph``: a decode step captured for 8
+requests replays later steps of other lengths and block tables exactly as they run eagerly).
+flash-attn-4 allocates its output per call, inside the graph's memory pool when captured, and
+``forward`` copies it into ``output``. Per backend, like cross-layer: flash-attn 2 has not run
+that test.
 
 **Stale bytes.** flash-attn-4 loads whole pages by TMA when a page holds whole key tiles: masked
 rows get probability 0, but ``0 * NaN`` is NaN, so the unused tail of a request's last page must
@@ -71,6 +76,7 @@ from kvcore import (
     AttentionMetadataBuilder,
     AttentionSelectorConfig,
     AttentionType,
+    CudaGraphSupport,
     DeviceCapability,
     MultipleOf,
     PersistentMetadataBuilder,
@@ -179,9 +185,10 @@ class FlashAttentionBackend(AttentionBackend):
     SUPPORTS_NON_CAUSAL = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda",)
-    # Declared with layers first-by-block, but not verified on strided pages across layers
-    # yet: empty until the bit-exact GPU test passes (see the module docstring).
-    CROSS_LAYER_PLATFORMS: tuple[str, ...] = ()
+    # Both verified with flash-attn-4 on an H200 (the bit-exact cross-layer and the graph
+    # replay GPU tests); per backend, so flash-attn 2 inherits them unverified.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
     @staticmethod
     def get_name() -> str:
@@ -251,26 +258,29 @@ class FlashAttentionBackend(AttentionBackend):
         kernels = cls.kernels_for(device_capability)
         if kernels is None:
             return []  # below every library's minimum: the base class says so
-        on = f"{kernels.library} (the kernels on device capability {device_capability})"
+        # Each is a clash of two fields, both within the envelope: named as field=value.
+        on = (f"with device_capability={device_capability}: {kernels.library} (the kernels "
+              f"there, devices {kernels.devices()})")
         reasons = []
         # Values outside the envelope already have the base class's reason.
         if _accepts(config.head_size, cls.SUPPORTED_HEAD_SIZES) and not _accepts(
                 config.head_size, kernels.head_sizes):
-            reasons.append(f"head_size={config.head_size}: {on} supports "
+            reasons.append(f"head_size={config.head_size} {on} supports "
                            f"{_format(kernels.head_sizes)}")
         if not _accepts(config.block_size, kernels.block_sizes):
             assert kernels.block_sizes is not None
-            reasons.append(f"block_size={config.block_size}: {on} supports "
+            reasons.append(f"block_size={config.block_size} {on} supports "
                            f"{_format(kernels.block_sizes)}"
-                           + ("; flash-attn-4 takes any block size on Hopper and Blackwell"
-                              if kernels.library == "flash-attn 2" else ""))
+                           + ("; flash-attn-4 takes any block size on Hopper and Blackwell "
+                              "(9.x-11.x)" if kernels.library == "flash-attn 2" else ""))
         installed = [k for k in cls.KERNELS if k.installed()]
         if not kernels.installed() and installed:
             library = installed[0].library
             devices = ", ".join(k.devices() for k in installed if k.library == library)
-            reasons.append(f"{library} is installed but its paged kernels run on device "
-                           f"capability {devices} only; on {device_capability} FLASH_ATTN "
-                           f"needs {kernels.library} (pip install {kernels.requirement})")
+            reasons.append(f"device_capability={device_capability}: {library} is installed "
+                           f"but its paged kernels run on device capability {devices} only; "
+                           f"there FLASH_ATTN needs {kernels.library} "
+                           f"(pip install {kernels.requirement})")
         return reasons
 
     @classmethod

@@ -5,7 +5,8 @@ strides with int64 offsets; which one runs on a GPU is chosen once per process:
 
 1. ``KVCORE_NVIDIA_CACHE_WRITE`` (``cuda`` or ``triton``) when set, else
    :data:`DEFAULT_CACHE_WRITE` (chosen from measurements);
-2. ``cuda`` runs only where the CUDA C++ extension builds (:mod:`kvcore_nvidia.ops._build`):
+2. ``cuda`` (``KVCORE_NVIDIA_CACHE_WRITE=cuda``; Triton is the default, as fast or faster on
+   the H200) runs only where the CUDA C++ extension builds (:mod:`kvcore_nvidia.ops._build`):
    the first GPU write builds it (or loads it from the on-disk cache); call
    :func:`kvcore_nvidia.ops.build_extension` at start-up to keep the compile out of the first
    step. When it cannot be built the write is Triton, with the reason logged once and shown by
@@ -35,11 +36,16 @@ logger = logging.getLogger(__name__)
 CacheWriteKernel = Literal["cuda", "triton"]
 CACHE_WRITE_KERNELS: tuple[str, ...] = ("cuda", "triton")
 
-#: The GPU cache write when both kernels can run. Set from ``benchmarks/bench_cache_write.py``
-#: on the H200 (bf16, 8 KV heads, head size 128, block 16; numbers in benchmarks/RESULTS.md):
-#: CUDA C++ vs Triton, % of the device-copy ceiling at 4096 / 32768 / 131072 tokens:
-#:   cuda   ? / ? / ?      triton   ? / ? / ?      (the coordinator fills these in)
-DEFAULT_CACHE_WRITE: CacheWriteKernel = "cuda"
+#: The GPU cache write when ``KVCORE_NVIDIA_CACHE_WRITE`` is unset. Set from
+#: ``benchmarks/bench_cache_write.py`` on the H200 (bf16, 8 KV heads, head size 128, block 16,
+#: auto cache, standard layout; numbers in benchmarks/RESULTS.md), microseconds (% of the
+#: device-copy ceiling) at 4096 / 32768 / 131072 tokens:
+#:   triton   5.8 (137%) / 71.1 (89.4%) / 275.4 (92.3%)
+#:   cuda     6.5 (122%) / 70.9 (89.6%) / 276.2 (92.0%)
+#: Triton time / CUDA time 0.89 / 1.00 / 1.00 (geomean 0.96); fp8_e4m3 caches: Triton faster
+#: at every size (5.5 vs 7.1, 51.7 vs 53.4, 199.9 vs 204.4 us). The CUDA C++ write stays
+#: available with ``KVCORE_NVIDIA_CACHE_WRITE=cuda``.
+DEFAULT_CACHE_WRITE: CacheWriteKernel = "triton"
 
 _ENV = "KVCORE_NVIDIA_CACHE_WRITE"
 # Model dtypes the CUDA kernel is instantiated for; others (float64) go to Triton.
