@@ -1,7 +1,8 @@
 """FLASHINFER_MLA without a GPU: its declared capabilities and the reasons derived from them,
 its place in the CUDA MLA priority list (simulated devices, FlashInfer simulated present or
-absent), the argument checks of its impl and builder, and its latent write (the reference
-path on CPU tensors) against the MLA reference, bit for bit, on a cross-layer view."""
+absent), the argument checks of its impl and builder, its latent write (the reference
+path on CPU tensors) against the MLA reference, bit for bit, on a cross-layer view, and the
+GPU test's cross-layer allocation comparison with the MLA reference in FlashInfer's place."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import importlib.util
 import pytest
 import torch
 from kvcore_nvidia.backends.flashinfer_mla import FlashInferMLABackend, mla_page_lists
+from nvidia_helpers import fill_layers
 
 import kvcore
-from kvcore.ops import concat_and_cache_mla_ref
+from kvcore.ops import concat_and_cache_mla_ref, mla_attention_ref
+from kvcore.testing import random_block_tables
 
 FLASHINFER_MISSING = "flashinfer-python not installed (pip install flashinfer-python)"
 MLA = dict(head_size=576, dtype=torch.bfloat16, block_size=64, use_mla=True)
@@ -190,3 +193,46 @@ def test_page_lists_are_the_used_block_table_entries_in_order():
     assert indptr.tolist() == [0, 1, 2, 4, 4, 7]
     assert indices.tolist() == [7, 3, 4, 5, 8, 9, 10]
     assert indptr.dtype == indices.dtype == torch.int32
+
+
+def test_write_and_forward_on_a_cross_layer_allocation_equal_layers_outermost(monkeypatch):
+    """The GPU test's allocation comparison on the CPU, FlashInfer's kernel replaced by the
+    MLA reference reading the same layer view: a cross-layer and a layers-outermost allocation
+    filled layer by layer from equal generators hold the same history, so the latent write
+    leaves the same bytes and the forward gives the same output; the other layers untouched."""
+
+    def latent_ref(self, layer, q, kv_cache, m):
+        return mla_attention_ref(q, kv_cache, kv_lora_rank=RANK,
+                                 query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
+                                 block_table=m.block_table, scale=self.scale)
+
+    monkeypatch.setattr(FlashInferMLABackend.get_impl_cls(), "_latent_attention", latent_ref)
+    gen = torch.Generator().manual_seed(11)
+    impl = _impl()
+    block_size, num_blocks, num_layers, index = 16, 12, 3, 1
+    lens, query_lens = [70, 20, 1], [5, 1, 1]
+    tables = random_block_tables(lens, block_size, num_blocks, gen)
+    meta = kvcore.build_attention_metadata(
+        query_lens, [n - q for n, q in zip(lens, query_lens, strict=True)], tables, block_size)
+    n = meta.num_actual_tokens
+    kv_c = torch.randn(n, RANK, generator=gen).to(torch.bfloat16)
+    k_pe = torch.randn(n, ROPE, generator=gen).to(torch.bfloat16)
+    query = torch.randn(n, 16, NOPE + ROPE, generator=gen).to(torch.bfloat16)
+    written, outputs = [], []
+    for cross_layer in (True, False):
+        caches = kvcore.allocate_kv_caches(
+            "CPU_MLA" if cross_layer else FlashInferMLABackend, num_layers=num_layers,
+            num_blocks=num_blocks, block_size=block_size, num_kv_heads=1, head_size=RANK + ROPE,
+            dtype=torch.bfloat16, device="cpu", cross_layer=cross_layer)
+        assert caches.is_cross_layer == cross_layer
+        fill_layers(caches, torch.Generator().manual_seed(12))
+        others = [caches.layers[i].clone() for i in range(num_layers) if i != index]
+        impl.do_kv_cache_update(kvcore.LayerScales(), kv_c, k_pe, caches.layers[index],
+                                meta.slot_mapping)
+        written.append(caches.layers[index].clone())
+        outputs.append(impl.forward(kvcore.LayerScales(), query, None, None,
+                                    caches.layers[index], meta))
+        assert all(torch.equal(a, caches.layers[i]) for a, i in
+                   zip(others, [i for i in range(num_layers) if i != index], strict=True))
+    assert torch.equal(written[0], written[1])
+    assert torch.equal(outputs[0], outputs[1])

@@ -40,9 +40,13 @@ read back once per layer call in eager steps and baked into a captured step (a g
 the scale it was captured with).
 
 Cross-layer caches: FLASHINFER_MLA keeps per-layer caches (the default of
-:class:`kvcore.MLACommonBackend`) until the bit-exact cross-layer tests
-(``test_flashinfer_mla_gpu.py``) pass on a GPU run; FlashInfer takes the page stride from the
-tensors (int64 page offsets), which is what those tests check.
+:class:`kvcore.MLACommonBackend`) until all the cross-layer tests of
+``test_nvidia_flashinfer_mla_gpu.py`` pass in one GPU run. FlashInfer takes the page and token
+strides from the two views (int64 page offsets): attention on a layer view of a cross-layer
+pool bit-identical to a contiguous copy, and the latent write into such a view, passed on the
+H200. The whole-allocation test (write + forward on a cross-layer allocation against a
+layers-outermost one) compared two different histories in its first version (it filled the
+physical storage, whose order differs); corrected, it has yet to run on a GPU.
 
 The cache write is kvcore's stride-aware Triton ``reshape_and_cache``: the latent
 ``[kv_c, k_pe]`` (576 channels) is written as two equal halves of 288 channels, the "key" and
