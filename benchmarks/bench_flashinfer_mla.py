@@ -154,7 +154,7 @@ class Kvcore:
                                        kv_cache_dtype=d.kv_cache_dtype)
         self.builder = FlashInferMLABackend.get_builder_cls()(
             spec, num_heads=d.heads, max_num_seqs=d.batch, max_num_batched_tokens=d.batch,
-            max_model_len=d.tokens, device=DEVICE)
+            max_model_len=d.tokens, device=DEVICE, scale=d.scale)
         self.layer = kvcore.LayerScales(k_scale=d.k_scale, v_scale=d.k_scale)
         self.d = d
         self.meta = self.build()
