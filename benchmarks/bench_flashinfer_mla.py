@@ -65,22 +65,23 @@ class Decode:
     """``batch`` decode requests of ``tokens`` tokens over shuffled pages of a random latent
     cache, and their latent queries ``[W_UK^T q_nope, q_pe]`` ``(batch, heads, 576)``."""
 
-    def __init__(self, batch: int, heads: int, tokens: int, kv_cache_dtype: str = "auto"):
+    def __init__(self, batch: int, heads: int, tokens: int, kv_cache_dtype: str = "auto",
+                 device: str = DEVICE):
         self.batch, self.heads, self.tokens = batch, heads, tokens
         self.kv_cache_dtype = kv_cache_dtype
         pages = -(-tokens // BLOCK)
         num_blocks = batch * pages + 16
-        g = torch.Generator(device=DEVICE).manual_seed(batch * 7919 + heads * 31 + tokens)
-        cache = torch.randn(num_blocks, BLOCK, ENTRY, generator=g, device=DEVICE)
+        g = torch.Generator(device=device).manual_seed(batch * 7919 + heads * 31 + tokens)
+        cache = torch.randn(num_blocks, BLOCK, ENTRY, generator=g, device=device)
         self.fp8 = kv_cache_dtype != "auto"
         self.k_scale = 0.25 if self.fp8 else 1.0
         self.cache = ((cache / self.k_scale).to(torch.float8_e4m3fn) if self.fp8
                       else cache.to(torch.bfloat16))
-        perm = torch.randperm(num_blocks, generator=g, device=DEVICE)[: batch * pages]
+        perm = torch.randperm(num_blocks, generator=g, device=device)[: batch * pages]
         tables = perm.view(batch, pages).tolist()
         self.common = kvcore.build_attention_metadata([1] * batch, [tokens - 1] * batch,
-                                                      tables, BLOCK, device=DEVICE)
-        self.q = (torch.randn(batch, heads, ENTRY, generator=g, device=DEVICE)
+                                                      tables, BLOCK, device=device)
+        self.q = (torch.randn(batch, heads, ENTRY, generator=g, device=device)
                   .to(torch.bfloat16))
         self.scale = (NOPE + ROPE) ** -0.5
 
@@ -89,6 +90,20 @@ class Decode:
 
     def flops(self) -> float:
         return 2.0 * self.batch * self.heads * self.tokens * (ENTRY + RANK)
+
+
+def reference(d: Decode) -> torch.Tensor:
+    """The float64 latent attention of ``d`` (``kvcore.ops.mla_attention_ref``).
+
+    A float64 query needs a float64 cache (an fp8 cache is read as it is, dequantised by the
+    reference): a bf16 cache is widened first, which is exact.
+    """
+    m = d.common
+    cache = d.cache if d.fp8 else d.cache.double()
+    return kvcore.ops.mla_attention_ref(
+        d.q.double(), cache, kv_lora_rank=RANK, query_start_loc=m.query_start_loc,
+        seq_lens=m.seq_lens, block_table=m.block_table, scale=d.scale,
+        kv_cache_dtype=d.kv_cache_dtype, k_scale=d.k_scale)
 
 
 # ----------------------------------------------------------------------------- the two paths
@@ -139,7 +154,7 @@ class Kvcore:
                                        kv_cache_dtype=d.kv_cache_dtype)
         self.builder = FlashInferMLABackend.get_builder_cls()(
             spec, num_heads=d.heads, max_num_seqs=d.batch, max_num_batched_tokens=d.batch,
-            max_model_len=d.tokens, device=DEVICE)
+            max_model_len=d.tokens, device=DEVICE, scale=d.scale)
         self.layer = kvcore.LayerScales(k_scale=d.k_scale, v_scale=d.k_scale)
         self.d = d
         self.meta = self.build()
@@ -187,11 +202,7 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
     fi = direct(d)
     out_fi = fi().clone()
     out_ours = ours.latent().clone()
-    m = d.common
-    ref = kvcore.ops.mla_attention_ref(
-        d.q.double(), d.cache, kv_lora_rank=RANK, query_start_loc=m.query_start_loc,
-        seq_lens=m.seq_lens, block_table=m.block_table, scale=d.scale,
-        kv_cache_dtype=kv_cache_dtype, k_scale=d.k_scale)
+    ref = reference(d)
     err_ref, err_fi = rel_err(out_ours, ref), rel_err(out_ours, out_fi)
     run.check(f"{name}: FLASHINFER_MLA vs float64 reference", err_ref < 2e-2, rel_err=err_ref)
     run.check(f"{name}: FLASHINFER_MLA vs FlashInfer direct", err_fi < 1e-2, rel_err=err_fi,

@@ -68,3 +68,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN if out has a NaN)."""
     out, ref = out.double().cpu(), ref.double().cpu()
     return float((out - ref).norm() / ref.norm())
+
+
+def fill_layers(caches: kvcore.KVCaches, gen: torch.Generator) -> None:
+    """Random values in every layer of ``caches``, drawn layer after layer in each layer's
+    logical order: a cross-layer allocation and a layers-outermost one filled from equal
+    generators hold the same values layer for layer. (Filling ``caches.storage`` would not:
+    its physical order differs between the two, so the same draws land in other layers.)"""
+    for view in caches.layers:
+        view.copy_(torch.randn(view.shape, generator=gen).to(view.dtype))

@@ -3,11 +3,13 @@ without a GPU the CUDA sections are skipped with their reasons, never failed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_nvidia.py"
@@ -65,3 +67,28 @@ def test_cache_write_bench_smoke(tmp_path):
         assert {s["section"] for s in results["skipped"]} == {
             "build the CUDA C++ extension", "correctness: a layer beyond 2**31 elements"}
         assert {t["impl"] for t in results["timings"]} == {"triton", "torch"}
+
+
+def _load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_flashinfer_mla_bench_reference_reads_bf16_and_fp8_caches(kv_cache_dtype):
+    """benchmarks/bench_flashinfer_mla.py's float64 reference, on a tiny decode on the CPU,
+    equals the latent attention computed here request by request from the block table (a bf16
+    cache is widened to float64, an fp8 one dequantised)."""
+    bench = _load_bench("bench_flashinfer_mla")
+    d = bench.Decode(3, 4, 150, kv_cache_dtype, device="cpu")
+    ref = bench.reference(d)
+    assert ref.dtype == torch.float64 and ref.shape == (3, 4, bench.RANK)
+    cache = d.cache.double() * d.k_scale
+    tables = d.common.block_table
+    for i in range(d.batch):
+        latents = cache[tables[i].long()].reshape(-1, bench.ENTRY)[:d.tokens]
+        probs = torch.softmax(d.q[i].double() @ latents.T * d.scale, dim=-1)
+        torch.testing.assert_close(ref[i], probs @ latents[:, :bench.RANK], rtol=1e-9,
+                                   atol=1e-12)

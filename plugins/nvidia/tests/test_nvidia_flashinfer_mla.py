@@ -1,18 +1,24 @@
 """FLASHINFER_MLA without a GPU: its declared capabilities and the reasons derived from them,
 its place in the CUDA MLA priority list (simulated devices, FlashInfer simulated present or
-absent), the argument checks of its impl and builder, and its latent write (the reference
-path on CPU tensors) against the MLA reference, bit for bit, on a cross-layer view."""
+absent), the argument checks of its impl and builder, its latent write (the reference
+path on CPU tensors) against the MLA reference, bit for bit, on a cross-layer view, and the
+GPU test's cross-layer allocation comparison with the MLA reference in FlashInfer's place."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
+from kvcore_nvidia.backends import flashinfer_mla
 from kvcore_nvidia.backends.flashinfer_mla import FlashInferMLABackend, mla_page_lists
+from nvidia_helpers import fill_layers, rel_err
 
 import kvcore
-from kvcore.ops import concat_and_cache_mla_ref
+from kvcore.ops import concat_and_cache_mla_ref, mla_attention_ref
+from kvcore.testing import random_block_tables
 
 FLASHINFER_MISSING = "flashinfer-python not installed (pip install flashinfer-python)"
 MLA = dict(head_size=576, dtype=torch.bfloat16, block_size=64, use_mla=True)
@@ -115,10 +121,11 @@ def _weight(num_heads: int, gen: torch.Generator) -> torch.Tensor:
             * RANK**-0.5).to(torch.bfloat16)
 
 
-def _impl(num_heads: int = 16, **kw) -> kvcore.AttentionImpl:
+def _impl(num_heads: int = 16, scale: float = (NOPE + ROPE) ** -0.5,
+          **kw) -> kvcore.AttentionImpl:
     gen = torch.Generator().manual_seed(num_heads)
     return FlashInferMLABackend.get_impl_cls()(
-        num_heads, RANK + ROPE, (NOPE + ROPE) ** -0.5, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
+        num_heads, RANK + ROPE, scale, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
         qk_rope_head_dim=ROPE, v_head_dim=V_DIM, kv_b_proj_weight=_weight(num_heads, gen), **kw)
 
 
@@ -190,3 +197,173 @@ def test_page_lists_are_the_used_block_table_entries_in_order():
     assert indptr.tolist() == [0, 1, 2, 4, 4, 7]
     assert indices.tolist() == [7, 3, 4, 5, 8, 9, 10]
     assert indptr.dtype == indices.dtype == torch.int32
+
+
+def test_write_and_forward_on_a_cross_layer_allocation_equal_layers_outermost(monkeypatch):
+    """The GPU test's allocation comparison on the CPU, FlashInfer's kernel replaced by the
+    MLA reference reading the same layer view: a cross-layer and a layers-outermost allocation
+    filled layer by layer from equal generators hold the same history, so the latent write
+    leaves the same bytes and the forward gives the same output; the other layers untouched."""
+
+    def latent_ref(self, layer, q, kv_cache, m):
+        return mla_attention_ref(q, kv_cache, kv_lora_rank=RANK,
+                                 query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
+                                 block_table=m.block_table, scale=self.scale)
+
+    monkeypatch.setattr(FlashInferMLABackend.get_impl_cls(), "_latent_attention", latent_ref)
+    gen = torch.Generator().manual_seed(11)
+    impl = _impl()
+    block_size, num_blocks, num_layers, index = 16, 12, 3, 1
+    lens, query_lens = [70, 20, 1], [5, 1, 1]
+    tables = random_block_tables(lens, block_size, num_blocks, gen)
+    meta = kvcore.build_attention_metadata(
+        query_lens, [n - q for n, q in zip(lens, query_lens, strict=True)], tables, block_size)
+    n = meta.num_actual_tokens
+    kv_c = torch.randn(n, RANK, generator=gen).to(torch.bfloat16)
+    k_pe = torch.randn(n, ROPE, generator=gen).to(torch.bfloat16)
+    query = torch.randn(n, 16, NOPE + ROPE, generator=gen).to(torch.bfloat16)
+    written, outputs = [], []
+    for cross_layer in (True, False):
+        caches = kvcore.allocate_kv_caches(
+            "CPU_MLA" if cross_layer else FlashInferMLABackend, num_layers=num_layers,
+            num_blocks=num_blocks, block_size=block_size, num_kv_heads=1, head_size=RANK + ROPE,
+            dtype=torch.bfloat16, device="cpu", cross_layer=cross_layer)
+        assert caches.is_cross_layer == cross_layer
+        fill_layers(caches, torch.Generator().manual_seed(12))
+        others = [caches.layers[i].clone() for i in range(num_layers) if i != index]
+        impl.do_kv_cache_update(kvcore.LayerScales(), kv_c, k_pe, caches.layers[index],
+                                meta.slot_mapping)
+        written.append(caches.layers[index].clone())
+        outputs.append(impl.forward(kvcore.LayerScales(), query, None, None,
+                                    caches.layers[index], meta))
+        assert all(torch.equal(a, caches.layers[i]) for a, i in
+                   zip(others, [i for i in range(num_layers) if i != index], strict=True))
+    assert torch.equal(written[0], written[1])
+    assert torch.equal(outputs[0], outputs[1])
+
+
+# -- the softmax scale, through a stand-in for FlashInfer's MLA wrapper ---------------------
+
+#: ||out - ref|| / ||ref|| of a bf16 latent attention against float64 (a query rescaled in
+#: bf16 adds one rounding; a wrong scale is far above).
+REL_ERR = 2e-2
+
+
+class _FakeMLAWrapper:
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` as FLASHINFER_MLA calls it: ``plan``
+    keeps the CSR page lists and ``sm_scale``, ``run`` is the MLA reference over those pages
+    with the planned scale (``run`` takes none, like FlashInfer's fa2/fa3 kernels)."""
+
+    def __init__(self, workspace, use_cuda_graph=False, backend="auto", **buffers) -> None:
+        self.plans: list[dict] = []
+
+    def plan(self, *, metadata, sm_scale, page_size, **options) -> None:
+        self.plans.append(dict(metadata=metadata, sm_scale=sm_scale, page_size=page_size))
+
+    def run(self, *, query, kv_cache, out):
+        plan = self.plans[-1]
+        qo_indptr, kv_indptr, kv_indices, kv_len = plan["metadata"]
+        tables = torch.zeros(len(kv_len), int((kv_indptr[1:] - kv_indptr[:-1]).max()),
+                             dtype=torch.int32)
+        for i in range(len(kv_len)):
+            pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+            tables[i, :len(pages)] = pages
+        out.copy_(mla_attention_ref(torch.cat(query, -1), torch.cat(kv_cache, -1),
+                                    kv_lora_rank=RANK, query_start_loc=qo_indptr,
+                                    seq_lens=kv_len, block_table=tables,
+                                    scale=plan["sm_scale"]))
+        return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """``flashinfer`` replaced by the stand-in above (its ``fa2`` family, never Hopper's)."""
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = _FakeMLAWrapper
+    mla.MLAPlanMetadata = types.SimpleNamespace(csr=lambda *tensors: tensors)
+    utils = types.ModuleType("flashinfer.utils")
+    utils.is_sm90a_supported = lambda device: False
+    package = types.ModuleType("flashinfer")
+    package.mla, package.utils = mla, utils
+    for name, module in (("flashinfer", package), ("flashinfer.mla", mla),
+                         ("flashinfer.utils", utils)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def _scale_step(num_heads: int = 16):
+    gen = torch.Generator().manual_seed(21)
+    cache = torch.randn(12, 16, RANK + ROPE, generator=gen).to(torch.bfloat16)
+    tables = random_block_tables([40, 17, 3], 16, 12, gen)
+    meta = kvcore.build_attention_metadata([1, 4, 3], [39, 13, 0], tables, 16)
+    q = torch.randn(meta.num_actual_tokens, num_heads, RANK + ROPE,
+                    generator=gen).to(torch.bfloat16)
+    return cache, meta, q
+
+
+def _latent(impl, meta, q, cache) -> torch.Tensor:
+    """The impl's latent attention as ``_latent_attention`` runs it once planned (that method
+    refuses CPU tensors before reaching FlashInfer)."""
+    wrapper, planned_scale = impl._planned(q, cache, meta)
+    out = q.new_empty(q.shape[0], impl.num_heads, RANK)
+    flashinfer_mla._run(wrapper, planned_scale, impl.scale, q, cache, out, None)
+    return out
+
+
+def _ref(q, cache, meta, scale) -> torch.Tensor:
+    return mla_attention_ref(q, cache, kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
+                             seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale)
+
+
+def _mla_builder(**kw):
+    spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.bfloat16)
+    return FlashInferMLABackend.get_builder_cls()(
+        spec, num_heads=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+        device="cpu", **kw)
+
+
+def test_a_builder_plans_for_the_scale_it_is_given(fake_flashinfer):
+    """Through the public ``plan(sm_scale=...)``: a layer of the builder's scale runs the plan
+    as it is (exactly the reference at that scale), a layer of another scale carries the
+    ratio in its query (the reference at its own scale, to bf16 rounding)."""
+    cache, meta, q = _scale_step()
+    builder = _mla_builder(scale=0.2)
+    step = builder.build(meta)
+    assert step.scale == 0.2 and [p["sm_scale"] for p in step.wrapper.plans] == [0.2]
+    same, other = _impl(scale=0.2), _impl(scale=0.05)
+    assert torch.equal(_latent(same, step, q, cache), _ref(q, cache, meta, 0.2))
+    rescaled = _latent(other, step, q, cache)
+    assert step.wrapper.plans[-1]["sm_scale"] == 0.2  # nothing planned per layer
+    assert rel_err(rescaled, _ref(q.double(), cache.double(), meta, 0.05)) < REL_ERR
+    assert not torch.equal(rescaled, _ref(q, cache, meta, 0.2))
+    assert builder.scale == 0.2  # a given scale is kept
+
+
+def test_a_builder_without_a_scale_plans_for_the_first_layer_s_from_the_next_step(
+        fake_flashinfer):
+    cache, meta, q = _scale_step()
+    builder = _mla_builder()
+    first = builder.build(meta)
+    assert first.scale == flashinfer_mla.DEFAULT_SCALE == (NOPE + ROPE) ** -0.5
+    layers = [_impl(scale=0.11), _impl(scale=0.3)]
+    for impl in layers:
+        out = _latent(impl, first, q, cache)
+        assert rel_err(out, _ref(q.double(), cache.double(), meta, impl.scale)) < REL_ERR
+    assert builder.scale == 0.11
+    second = builder.build(meta)
+    assert second.scale == 0.11 and second.wrapper.plans[-1]["sm_scale"] == 0.11
+    assert torch.equal(_latent(layers[0], second, q, cache), _ref(q, cache, meta, 0.11))
+
+
+def test_plain_metadata_is_planned_for_its_first_layer_s_scale(fake_flashinfer):
+    cache, meta, q = _scale_step()
+    first, second = _impl(scale=0.13), _impl(scale=0.07)
+    assert torch.equal(_latent(first, meta, q, cache), _ref(q, cache, meta, 0.13))
+    wrapper, planned = second._planned(q, cache, meta)
+    assert planned == 0.13 and len(wrapper.plans) == 1  # the step's plan, kept
+    out = _latent(second, meta, q, cache)
+    assert rel_err(out, _ref(q.double(), cache.double(), meta, 0.07)) < REL_ERR
+
+
+def test_a_builder_refuses_a_scale_that_is_not_a_positive_float():
+    with pytest.raises(ValueError, match="scale=-1.0 must be a finite, positive float"):
+        _mla_builder(scale=-1.0)

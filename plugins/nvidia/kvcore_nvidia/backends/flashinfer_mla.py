@@ -25,14 +25,19 @@ size's wrapper in FlashInfer's CUDA-graph mode (its metadata buffers made once, 
 build for that size, outside any capture; every later ``build()`` plans it again in place).
 For a uniform decode of a fixed head count FlashInfer's plan keeps the same launch grid and
 workspace offsets, so a step captured once replays for every later step of that size
-(``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``). The layers' forward only launches. A plan does not
-depend on the softmax scale (FlashInfer passes it to the kernel at run time), but the wrapper
-keeps the planned scale and offers no run-time argument for it: each layer sets its own
-``scale`` on the planned kernel before running it (:func:`_run`), so layers with different
-scales share one plan. Metadata that did not come from the builder (``forward`` called with
-:class:`kvcore.AttentionMetadata` directly) is planned on its first layer and the plan kept
-for the next layers of the same step; planning reads the step back to the host, so that path
-is not capturable.
+(``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``). The layers' forward only launches. Metadata that
+did not come from the builder (``forward`` called with :class:`kvcore.AttentionMetadata`
+directly) is planned on its first layer and the plan kept for the next layers of the same
+step; planning reads the step back to the host, so that path is not capturable.
+
+The softmax scale. FlashInfer takes it in ``plan(sm_scale=...)`` only (its ``run`` has no
+scale argument for the fa2/fa3 kernels), so a step is planned for one scale: the builder's
+``scale`` when it was given one; else the scale of the first layer that ran a step of that
+builder (:data:`DEFAULT_SCALE`, DeepSeek's ``(128 + 64) ** -0.5``, until one has); for plain
+metadata, the scale of the step's first layer. All layers of a model share one scale in
+practice, so they run the plan as it is. A layer with another scale multiplies its latent
+query by the ratio first (one more elementwise pass and one more rounding of the query to
+the model dtype, well inside the bf16 error of the absorbed path); it is never refused.
 
 fp8: FlashInfer's MLA kernels read an e4m3 cache with bf16 queries on Hopper (capability 9.x)
 only; they take the dequantisation scale as a host float, so a tensor ``layer.k_scale`` is
@@ -40,9 +45,13 @@ read back once per layer call in eager steps and baked into a captured step (a g
 the scale it was captured with).
 
 Cross-layer caches: FLASHINFER_MLA keeps per-layer caches (the default of
-:class:`kvcore.MLACommonBackend`) until the bit-exact cross-layer tests
-(``test_flashinfer_mla_gpu.py``) pass on a GPU run; FlashInfer takes the page stride from the
-tensors (int64 page offsets), which is what those tests check.
+:class:`kvcore.MLACommonBackend`) until all the cross-layer tests of
+``test_nvidia_flashinfer_mla_gpu.py`` pass in one GPU run. FlashInfer takes the page and token
+strides from the two views (int64 page offsets): attention on a layer view of a cross-layer
+pool bit-identical to a contiguous copy, and the latent write into such a view, passed on the
+H200. The whole-allocation test (write + forward on a cross-layer allocation against a
+layers-outermost one) compared two different histories in its first version (it filled the
+physical storage, whose order differs); corrected, it has yet to run on a GPU.
 
 The cache write is kvcore's stride-aware Triton ``reshape_and_cache``: the latent
 ``[kv_c, k_pe]`` (576 channels) is written as two equal halves of 288 channels, the "key" and
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -73,6 +83,7 @@ from kvcore import (
 )
 from kvcore.ops import (
     FP8_KV_CACHE_DTYPES,
+    check_softmax_scale,
     reshape_and_cache,
     scale_value,
     triton_unavailable_reasons,
@@ -81,13 +92,16 @@ from kvcore.ops import (
 )
 from kvcore_nvidia.backends.common import StepCache
 
-__all__ = ["FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadata",
+__all__ = ["DEFAULT_SCALE", "FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadata",
            "FlashInferMLAMetadataBuilder", "mla_page_lists"]
 
 #: The only MLA shape FlashInfer's fp8 path is built for, and DeepSeek-V2/V3's.
 KV_LORA_RANK, ROPE_DIM = 512, 64
 #: fp8 reads need Hopper (FlashInfer's fp8 MLA repack is SM90-only).
 _FP8_CAPABILITY = DeviceCapability(9, 0)
+#: The softmax scale a builder given none plans for until a layer has run one of its steps:
+#: DeepSeek's ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` without YaRN.
+DEFAULT_SCALE = (128 + ROPE_DIM) ** -0.5
 
 
 class FlashInferMLABackend(MLACommonBackend):
@@ -209,8 +223,8 @@ def _fa_backend(device: torch.device) -> str:
     ``fa2`` elsewhere.
 
     Named explicitly (not FlashInfer's ``auto``, which picks these two on Ampere and Hopper
-    too): both schedule on the host and take the softmax scale at run time (:func:`_run`),
-    and both can be planned again in CUDA-graph mode; other families differ in these.
+    too): both schedule on the host and both can be planned again in CUDA-graph mode; other
+    families differ in these.
     """
     from flashinfer.utils import is_sm90a_supported  # Hopper with a CUDA >= 12.3 torch
 
@@ -228,8 +242,9 @@ class _Plan:
 
 
 def _plan(wrapper: Any, meta: AttentionMetadata, num_heads: int, block_size: int,
-          q_dtype: torch.dtype, kv_dtype: torch.dtype) -> _Plan:
-    """Plan ``wrapper`` for the step ``meta`` (host sync: FlashInfer schedules on the host)."""
+          q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> _Plan:
+    """Plan ``wrapper`` for the step ``meta`` with softmax ``scale`` (host sync: FlashInfer
+    schedules on the host)."""
     import flashinfer.mla
 
     kv_indptr, kv_indices = mla_page_lists(meta.seq_lens, meta.block_table, block_size)
@@ -240,8 +255,7 @@ def _plan(wrapper: Any, meta: AttentionMetadata, num_heads: int, block_size: int
     try:
         wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=KV_LORA_RANK,
                      head_dim_kpe=ROPE_DIM, page_size=block_size, causal=not _is_decode(meta),
-                     # Replaced per layer at run time (_run); the schedule does not use it.
-                     sm_scale=1.0, q_data_type=q_dtype, kv_data_type=kv_dtype,
+                     sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
                      query_layout="split", kv_cache_layout="split")
     except ValueError as exc:  # FlashInfer's refusals (work-item capacity, shapes) are these
         raise ValueError(
@@ -251,21 +265,12 @@ def _plan(wrapper: Any, meta: AttentionMetadata, num_heads: int, block_size: int
     return _Plan(num_heads, q_dtype, kv_dtype, block_size)
 
 
-def _run(wrapper: Any, scale: float, q: torch.Tensor, kv_cache: torch.Tensor,
-         out: torch.Tensor, kv_scale: float | None) -> None:
-    """Run the planned ``wrapper`` with this layer's softmax ``scale``.
-
-    FlashInfer's fa2/fa3 MLA backends pass the planned object's ``_sm_scale`` to the kernel at
-    run time and plan nothing with it; the wrapper has no run-time argument for it, so it is
-    set here for this call.
-    """
-    planned = getattr(wrapper, "_planned_backend", None)
-    if planned is None or not hasattr(planned, "_sm_scale"):
-        raise RuntimeError(
-            "this flashinfer-python's MLA wrapper does not keep its planned softmax scale "
-            "where FLASHINFER_MLA sets each layer's (wrapper._planned_backend._sm_scale); "
-            "install flashinfer-python 0.7.x or use TRITON_MLA")
-    planned._sm_scale = scale
+def _run(wrapper: Any, planned_scale: float, scale: float, q: torch.Tensor,
+         kv_cache: torch.Tensor, out: torch.Tensor, kv_scale: float | None) -> None:
+    """Run ``wrapper`` (planned for softmax ``planned_scale``) for a layer of softmax
+    ``scale``: a different scale is carried by the query (see the module docstring)."""
+    if not math.isclose(scale, planned_scale, rel_tol=1e-6):
+        q = q * (scale / planned_scale)
     fp8 = {} if kv_scale is None else {"ckv_scale": kv_scale, "kpe_scale": kv_scale}
     wrapper.run(query=(q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]),
                 kv_cache=(kv_cache[..., :KV_LORA_RANK], kv_cache[..., KV_LORA_RANK:]),
@@ -280,10 +285,14 @@ class FlashInferMLAMetadata(AttentionMetadata):
     Attributes:
         wrapper: the planned ``BatchMLAPagedAttentionWrapper`` (``None`` for an empty step).
         plan: the heads, dtypes and block size it was planned for.
+        scale: the softmax scale it was planned for.
+        builder: the builder that planned it (a layer tells it the model's scale).
     """
 
     wrapper: Any = None
     plan: _Plan | None = None
+    scale: float | None = None
+    builder: FlashInferMLAMetadataBuilder | None = None
 
 
 class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
@@ -298,10 +307,15 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
     (:class:`kvcore.CudaGraphRunner` builds each size before capturing it). ``spec`` must be a
     :class:`kvcore.MLAAttentionSpec` of kv_lora_rank 512 and rope 64; ``num_heads`` one of
     :attr:`FlashInferMLABackend.SUPPORTED_NUM_HEADS`.
+
+    ``scale`` (optional, beyond the arguments every builder takes): the layers' softmax scale,
+    which every step is planned for. Without it the builder plans for :data:`DEFAULT_SCALE`
+    until a layer runs one of its steps, then for that layer's scale (see the module
+    docstring); :attr:`scale` is the one it plans for now.
     """
 
     def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
-                 max_model_len, device) -> None:
+                 max_model_len, device, scale: float | None = None) -> None:
         if not isinstance(spec, MLAAttentionSpec):
             raise TypeError(f"spec must be a kvcore.MLAAttentionSpec (latent cache), got "
                             f"{type(spec).__name__}")
@@ -313,11 +327,22 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
         _check_num_heads(self.num_heads)
+        if scale is not None:
+            check_softmax_scale(scale)
+        #: The softmax scale steps are planned for.
+        self.scale = DEFAULT_SCALE if scale is None else float(scale)
+        self._scale_known = scale is not None
         with torch.inference_mode(False):
             self.workspace = torch.zeros(FlashInferMLABackend.WORKSPACE_BYTES,
                                          dtype=torch.uint8, device=self.device)
         self._eager = _new_wrapper(self.workspace)
         self._graph_wrappers: dict[int, Any] = {}
+
+    def layer_scale(self, scale: float) -> None:
+        """A layer of ``scale`` ran a step of this builder: without a ``scale`` given at
+        construction, the first such layer's is the one later steps are planned for."""
+        if not self._scale_known:
+            self.scale, self._scale_known = scale, True
 
     def _graph_wrapper(self, size: int) -> Any:
         wrapper = self._graph_wrappers.get(size)
@@ -335,8 +360,9 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
         wrapper = (self._eager if graph_batch_size is None
                    else self._graph_wrapper(graph_batch_size))
         plan = _plan(wrapper, meta, self.num_heads, self.spec.block_size, self.spec.dtype,
-                     self.spec.cache_dtype)
-        return FlashInferMLAMetadata(**fields, wrapper=wrapper, plan=plan)
+                     self.spec.cache_dtype, self.scale)
+        return FlashInferMLAMetadata(**fields, wrapper=wrapper, plan=plan, scale=self.scale,
+                                     builder=self)
 
 
 @functools.cache
@@ -409,9 +435,10 @@ class FlashInferMLAImpl(MLACommonImpl):
         return self._kv_scale
 
     def _planned(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> Any:
-        """The wrapper planned for this step: the builder's, checked against this layer, or
-        one planned here on the step's first layer."""
+                 meta: AttentionMetadata) -> tuple[Any, float]:
+        """The wrapper planned for this step and the softmax scale it was planned for: the
+        builder's, checked against this layer, or one planned here on the step's first
+        layer."""
         want = _Plan(self.num_heads, q.dtype, kv_cache.dtype, kv_cache.shape[1])
         if isinstance(meta, FlashInferMLAMetadata) and meta.wrapper is not None:
             if meta.plan != want:
@@ -422,11 +449,15 @@ class FlashInferMLAImpl(MLACommonImpl):
                     f"{meta.plan.q_dtype}, cache {meta.plan.kv_dtype}, blocks of "
                     f"{meta.plan.block_size}: build the step with a builder made for this "
                     "layer's spec and num_heads")
-            return meta.wrapper
-        def plan() -> Any:
+            if meta.builder is not None:
+                meta.builder.layer_scale(self.scale)
+            return meta.wrapper, meta.scale
+
+        def plan() -> tuple[Any, float]:
             wrapper = _device_wrapper(kv_cache.device)
-            _plan(wrapper, meta, self.num_heads, kv_cache.shape[1], q.dtype, kv_cache.dtype)
-            return wrapper
+            _plan(wrapper, meta, self.num_heads, kv_cache.shape[1], q.dtype, kv_cache.dtype,
+                  self.scale)
+            return wrapper, self.scale
 
         return _PLANS.get(meta, (kv_cache.device, want), plan)
 
@@ -447,7 +478,7 @@ class FlashInferMLAImpl(MLACommonImpl):
         if kv_cache.stride(-1) != 1:
             raise ValueError(f"kv_cache has strides {kv_cache.stride()}; FlashInfer reads "
                              "each latent's channels contiguously (last stride 1)")
-        wrapper = self._planned(q, kv_cache, m)
+        wrapper, planned_scale = self._planned(q, kv_cache, m)
         out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
-        _run(wrapper, self.scale, q, kv_cache, out, self._fp8_scale(layer))
+        _run(wrapper, planned_scale, self.scale, q, kv_cache, out, self._fp8_scale(layer))
         return out
