@@ -265,3 +265,21 @@ def test_backend_forward_runs_on_the_cuda_write(backend, monkeypatch):
                  batch.meta, output=out)
     assert rel_err(out, reference(impl, batch, kv_cache)) < 1e-2
     cache_write.cache_write_kernel.cache_clear()
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_block_the_next(fresh_choice, monkeypatch):
+    """torch's build lock file outlives a build killed mid-way (seen on the H200: every later
+    build waited on it); under kvcore's OS lock a leftover one is stale and is removed."""
+    _buildable(monkeypatch)
+    directory = _build.build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "lock").write_text("")  # what a killed cpp_extension.load leaves
+    seen = []
+
+    def load(**kwargs):
+        seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    _build.load_or_reason()
+    assert seen == [False]

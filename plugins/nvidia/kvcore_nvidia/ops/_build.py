@@ -11,6 +11,12 @@ moves the cache (default ``~/.cache/kvcore_nvidia``).
 A failed build is remembered (in the process, and as a ``FAILED`` file in the build directory,
 so the next process does not spend minutes on nvcc again): :func:`status` reports it, and
 deleting the directory retries.
+
+Builds of several processes are serialised by an OS file lock (``flock``), which the kernel
+releases when its holder dies. torch's own lock file (``lock`` in the build directory) is not:
+a build killed mid-way (a time limit, Ctrl-C) leaves it behind, and every later
+``cpp_extension.load`` waits on it forever. Holding the OS lock, a leftover torch lock can only
+be stale, so it is removed before building.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -35,7 +43,32 @@ CSRC = Path(__file__).parent.parent / "csrc"
 SOURCES = ("bindings.cpp", "cache_kernels.cu", "copy_blocks.cu")
 HEADERS = ("kvcore_nvidia.h",)
 _FAILED = "FAILED"
+#: torch.utils.cpp_extension's lock file in the build directory (its ``FileBaton``).
+_TORCH_BATON = "lock"
 _lock = threading.Lock()
+
+
+@contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold an OS file lock on ``directory`` (released by the kernel if this process dies) and
+    remove torch's lock file left by a build that was killed: with the OS lock held, no other
+    kvcore process is building there."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file is all there is
+        yield
+        return
+    with open(directory / ".kvcore_build_lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = directory / _TORCH_BATON
+            if baton.exists():
+                logger.warning("kvcore-nvidia: removing %s, left by a build that did not "
+                               "finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _cuda_home() -> str | None:
@@ -124,8 +157,8 @@ def load_or_reason() -> tuple[ModuleType | None, str | None]:
         return None, failure
     from torch.utils.cpp_extension import load as cpp_load
 
-    with _lock:
-        directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _lock, _build_lock(directory):
         if _library(directory) is None:
             logger.warning("kvcore-nvidia: compiling the CUDA C++ extension once (nvcc, about "
                            "a minute); cached in %s", directory)
