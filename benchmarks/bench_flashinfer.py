@@ -38,10 +38,8 @@ import os
 import platform
 import sys
 import time
-import traceback
 import types
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvcore
 from kvcore.cli import harness
-from kvcore.cli.harness import rel_err
+from kvcore.cli.harness import Run, rel_err
 from kvcore.ops.reference import paged_attention_ref
 
 DTYPE = torch.bfloat16
@@ -61,45 +59,6 @@ DECODE_SHAPES = [(64, 4096), (8, 32768), (256, 1024), (16, 4096)]
 STEP_SHAPES = [(16, 4096), (64, 4096)]
 #: Rows per request checked against the float64 reference (the last ones: the whole context).
 REF_ROWS = 256
-
-
-class Run:
-    """Log (tee to a file) and JSON results of one benchmark run."""
-
-    def __init__(self, out_dir: Path) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir = out_dir
-        self.log_file = open(out_dir / "bench_flashinfer_log.txt", "w")
-        self.start = time.time()
-        self.results: dict = {"meta": {}, "warmup": [], "correctness": [], "prefill": [],
-                              "decode": [], "steps": [], "build_cpu": [], "errors": []}
-
-    def log(self, *parts: object) -> None:
-        line = " ".join(str(p) for p in parts)
-        stamp = f"[{time.time() - self.start:7.1f}s] "
-        print(stamp + line, flush=True)
-        self.log_file.write(stamp + line + "\n")
-        self.log_file.flush()
-
-    def save(self) -> None:
-        with open(self.out_dir / "bench_flashinfer.json", "w") as fh:
-            json.dump(self.results, fh, indent=1, default=str)
-
-    @contextmanager
-    def section(self, name: str):
-        self.log(f"=== {name}")
-        try:
-            yield
-        except Exception as exc:  # keep going: one failed section must not lose the others
-            self.log(f"!!! {name} failed: {type(exc).__name__}: {exc}")
-            self.log_file.write(traceback.format_exc())
-            self.results["errors"].append({"section": name, "error": f"{type(exc).__name__}: "
-                                           f"{exc}", "traceback": traceback.format_exc()})
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            self.save()
 
 
 def _spec() -> kvcore.FullAttentionSpec:
@@ -300,13 +259,9 @@ def decode(run: Run) -> None:
 def steps(run: Run) -> None:
     import bench_step
 
-    inner = bench_step.Run(run.out_dir)
     for b, length in STEP_SHAPES:
         with run.section(f"32-layer decode step {b}x{length}"):
-            bench_step.time_step(inner, "FLASHINFER", b, length)
-            row = inner.results["steps"][-1]
-            run.results["steps"].append(row)
-            run.log(json.dumps(row))
+            bench_step.time_step(run, "FLASHINFER", b, length)  # appends to results["steps"]
 
 
 def build_cpu(run: Run) -> None:
@@ -411,7 +366,9 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true",
                         help="time build() on the CPU against a no-op FlashInfer stand-in")
     args = parser.parse_args()
-    run = Run(Path(args.out))
+    run = Run(Path(args.out), "bench_flashinfer",
+              ("warmup", "correctness", "prefill", "decode", "steps", "build_cpu"),
+              checks="correctness", device="cpu" if args.cpu else "cuda")
     meta = run.results["meta"]
     meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
                 torch=torch.__version__, cpu=args.cpu,

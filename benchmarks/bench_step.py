@@ -41,9 +41,7 @@ import os
 import platform
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -58,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvcore  # noqa: E402
 from kvcore import ops  # noqa: E402
 from kvcore.cli import harness  # noqa: E402
-from kvcore.cli.harness import rel_err  # noqa: E402
+from kvcore.cli.harness import Run, rel_err  # noqa: E402
 from kvcore.ops.reference import paged_attention_ref  # noqa: E402
 
 DEVICE = "cpu" if CPU else "cuda"
@@ -84,45 +82,6 @@ if SMOKE:
 # --smoke runs only what runs on the CPU (FlashInfer needs a GPU even where it is installed).
 BACKENDS = (["CPU_ATTN"] if not SMOKE else ["TRITON_ATTN"]) if CPU else ["TRITON_ATTN",
                                                                        "FLASHINFER"]
-
-
-class Run:
-    """Log (tee to a file) and JSON results of one benchmark run."""
-
-    def __init__(self, out_dir: Path) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir = out_dir
-        self.log_file = open(out_dir / "bench_step_log.txt", "w")
-        self.start = time.time()
-        self.results: dict = {"meta": {}, "correctness": [], "steps": [], "layers": [],
-                              "checks": [], "errors": []}
-
-    def log(self, *parts: object) -> None:
-        line = " ".join(str(p) for p in parts)
-        stamp = f"[{time.time() - self.start:7.1f}s] "
-        print(stamp + line, flush=True)
-        self.log_file.write(stamp + line + "\n")
-        self.log_file.flush()
-
-    def save(self) -> None:
-        with open(self.out_dir / "bench_step.json", "w") as fh:
-            json.dump(self.results, fh, indent=1, default=str)
-
-    @contextmanager
-    def section(self, name: str):
-        self.log(f"=== {name}")
-        try:
-            yield
-        except Exception as exc:  # keep going: one failed section must not lose the others
-            self.log(f"!!! {name} failed: {type(exc).__name__}: {exc}")
-            self.log_file.write(traceback.format_exc())
-            self.results["errors"].append({"section": name, "error": f"{type(exc).__name__}: "
-                                           f"{exc}", "traceback": traceback.format_exc()})
-        finally:
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            self.save()
 
 
 def sync() -> None:
@@ -519,7 +478,8 @@ def main() -> int:
     if DEVICE == "cpu":
         # Tiny ops: intra-op threads cost more than they save on a shared machine.
         torch.set_num_threads(1)
-    run = Run(Path(args.out))
+    run = Run(Path(args.out), "bench_step", ("correctness", "steps", "layers", "checks"),
+              checks="correctness", device=DEVICE)
     meta = run.results["meta"]
     meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
                 torch=torch.__version__, smoke=SMOKE, cpu=CPU,
