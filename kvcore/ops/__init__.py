@@ -214,9 +214,9 @@ def reshape_and_cache(
 
     Shapes and semantics are those of :func:`reshape_and_cache_ref`: ``key``/``value``
     ``(num_tokens, num_kv_heads, head_size)``; caches ``(num_blocks, block_size, num_kv_heads,
-    head_size)`` of any strides; negative slots skipped; fp8 caches store ``x / scale``.
-    Runs :func:`kvcore.ops.triton_cache.reshape_and_cache` when ``key_cache`` is on a GPU,
-    the reference otherwise.
+    head_size)`` of any strides; negative slots skipped; fp8 caches store
+    ``x * float32(1 / scale)``. Runs :func:`kvcore.ops.triton_cache.reshape_and_cache` when
+    ``key_cache`` is on a GPU, the reference otherwise.
     """
     if _on_gpu(key_cache):
         from kvcore.ops.triton_cache import reshape_and_cache as impl

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from kvcore.ops import reshape_and_cache, triton_reshape_and_cache
+from kvcore.ops import reshape_and_cache
 from kvcore_nvidia.ops import _build
 
 __all__ = ["CACHE_WRITE_KERNELS", "DEFAULT_CACHE_WRITE", "cache_write_kernel",
@@ -119,10 +119,7 @@ def write_kv_cache(
 
         reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
                                 kv_cache_dtype, k_scale, v_scale)
-    elif key_cache.device.type == "cuda":
-        triton_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                 kv_cache_dtype, k_scale, v_scale)
-    else:
+    else:  # kvcore's own dispatch: Triton on a GPU, the reference on the CPU
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                           k_scale, v_scale)
 
