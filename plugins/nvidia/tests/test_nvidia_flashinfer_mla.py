@@ -354,6 +354,31 @@ def test_a_builder_without_a_scale_plans_for_the_first_layer_s_from_the_next_ste
     assert torch.equal(_latent(layers[0], second, q, cache), _ref(q, cache, meta, 0.11))
 
 
+def test_a_captured_step_keeps_the_scale_it_was_planned_for(fake_flashinfer):
+    """Once a CUDA-graph step was built, a layer's scale no longer changes the plan: the graph
+    holds the layers' query rescaling for the scale it was captured with, and a replay planned
+    for the layer's own scale would apply the ratio twice (what the conformance rule
+    ``cuda-graph-replay`` caught on the H200)."""
+    gen = torch.Generator().manual_seed(22)
+    cache = torch.randn(12, 16, RANK + ROPE, generator=gen).to(torch.bfloat16)
+    tables = random_block_tables([40, 17, 3], 16, 12, gen)
+    meta = kvcore.build_attention_metadata([1, 1, 1], [39, 16, 2], tables, 16)
+    q = torch.randn(3, 16, RANK + ROPE, generator=gen).to(torch.bfloat16)
+    builder = _mla_builder()
+    captured = builder.build(meta, graph_batch_size=4)
+    assert captured.scale == flashinfer_mla.DEFAULT_SCALE
+    layer = _impl(scale=0.11)
+    padded = torch.cat([q, q[:1]])  # a query for the builder's padding request
+    _latent(layer, captured, padded, cache)
+    assert builder.scale == flashinfer_mla.DEFAULT_SCALE  # not the layer's: fixed for good
+    replay = builder.build(meta, graph_batch_size=4)
+    assert replay.wrapper is captured.wrapper
+    assert [p["sm_scale"] for p in replay.wrapper.plans] == [flashinfer_mla.DEFAULT_SCALE] * 2
+    assert builder.build(meta).scale == flashinfer_mla.DEFAULT_SCALE  # eager steps too
+    out = _latent(layer, replay, padded, cache)[:3]
+    assert rel_err(out, _ref(q.double(), cache.double(), meta, 0.11)) < REL_ERR
+
+
 def test_plain_metadata_is_planned_for_its_first_layer_s_scale(fake_flashinfer):
     cache, meta, q = _scale_step()
     first, second = _impl(scale=0.13), _impl(scale=0.07)

@@ -33,7 +33,9 @@ step; planning reads the step back to the host, so that path is not capturable.
 The softmax scale. FlashInfer takes it in ``plan(sm_scale=...)`` only (its ``run`` has no
 scale argument for the fa2/fa3 kernels), so a step is planned for one scale: the builder's
 ``scale`` when it was given one; else the scale of the first layer that ran a step of that
-builder (:data:`DEFAULT_SCALE`, DeepSeek's ``(128 + 64) ** -0.5``, until one has); for plain
+builder (:data:`DEFAULT_SCALE`, DeepSeek's ``(128 + 64) ** -0.5``, until one has, and for
+good once a CUDA-graph step was built: a captured step holds the query rescaling of its
+layers, so its replays must be planned for the scale it was captured with); for plain
 metadata, the scale of the step's first layer. All layers of a model share one scale in
 practice, so they run the plan as it is. A layer with another scale multiplies its latent
 query by the ratio first (one more elementwise pass and one more rounding of the query to
@@ -44,14 +46,13 @@ only; they take the dequantisation scale as a host float, so a tensor ``layer.k_
 read back once per layer call in eager steps and baked into a captured step (a graph replays
 the scale it was captured with).
 
-Cross-layer caches: FLASHINFER_MLA keeps per-layer caches (the default of
-:class:`kvcore.MLACommonBackend`) until all the cross-layer tests of
-``test_nvidia_flashinfer_mla_gpu.py`` pass in one GPU run. FlashInfer takes the page and token
-strides from the two views (int64 page offsets): attention on a layer view of a cross-layer
-pool bit-identical to a contiguous copy, and the latent write into such a view, passed on the
-H200. The whole-allocation test (write + forward on a cross-layer allocation against a
-layers-outermost one) compared two different histories in its first version (it filled the
-physical storage, whose order differs); corrected, it has yet to run on a GPU.
+Cross-layer caches: FLASHINFER_MLA declares the cross-layer order ``B,L,N,D`` on CUDA (the
+same as TRITON_MLA). FlashInfer takes the page and token strides from the two views (int64
+page offsets), and the cross-layer test families of ``test_nvidia_flashinfer_mla_gpu.py``
+passed together in one H200 run: the latent write into a layer view of a cross-layer pool and
+attention on it bit-identical to a contiguous copy, and write + forward on a cross-layer
+allocation bit-identical to a layers-outermost one with the same history, the other layers
+untouched.
 
 The cache write is kvcore's stride-aware Triton ``reshape_and_cache``: the latent
 ``[kv_c, k_pe]`` (576 channels) is written as two equal halves of 288 channels, the "key" and
@@ -126,6 +127,8 @@ class FlashInferMLABackend(MLACommonBackend):
     # The builder plans every step (graph-mode wrappers per batch size), forward only
     # launches: no host sync (float fp8 scales aside, see the module), no plan.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+    # The cross-layer tests ran on NVIDIA (module docstring); CUDA is this backend's platform.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
 
     @staticmethod
     def get_name() -> str:
@@ -138,6 +141,12 @@ class FlashInferMLABackend(MLACommonBackend):
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
         return FlashInferMLAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): FlashInfer reads the page stride
+        of each layer's view."""
+        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -340,13 +349,18 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
 
     def layer_scale(self, scale: float) -> None:
         """A layer of ``scale`` ran a step of this builder: without a ``scale`` given at
-        construction, the first such layer's is the one later steps are planned for."""
+        construction, and before any CUDA-graph step was built, the first such layer's is the
+        one later steps are planned for."""
         if not self._scale_known:
             self.scale, self._scale_known = scale, True
 
     def _graph_wrapper(self, size: int) -> Any:
         wrapper = self._graph_wrappers.get(size)
         if wrapper is None:
+            # A step captured now bakes the layers' query rescaling (scale / planned scale)
+            # into the graph, so the planned scale is fixed from here on: a replay re-planned
+            # for another scale would apply the ratio twice.
+            self._scale_known = True
             wrapper = _new_wrapper(self.workspace, size, size * self.max_blocks_per_seq)
             self._graph_wrappers[size] = wrapper
         return wrapper
