@@ -109,23 +109,36 @@ def reference(d: Decode) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the two paths
 
 
-def direct(d: Decode):
-    """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``."""
+def direct(d: Decode, graph_mode: bool = False, query_views: bool = False):
+    """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``.
+
+    ``graph_mode``: the wrapper in FlashInfer's CUDA-graph mode (its metadata in buffers given
+    at construction), as a step that is captured once and replayed for later steps must use;
+    ``query_views``: the query halves passed as views of the ``[B, H, 576]`` query (as
+    FLASHINFER_MLA passes them) instead of contiguous copies."""
     import flashinfer.mla
 
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-        torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
     m = d.common
     pages = (m.seq_lens + BLOCK - 1) // BLOCK
     kv_indptr = torch.zeros(d.batch + 1, dtype=torch.int32, device=DEVICE)
     torch.cumsum(pages, 0, out=kv_indptr[1:])
     kv_indices = m.block_table.flatten().contiguous()  # every request uses all its pages
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE)
+    if graph_mode:
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            workspace, use_cuda_graph=True, qo_indptr=m.query_start_loc.clone(),
+            kv_indptr=kv_indptr.clone(), kv_indices=kv_indices.clone(),
+            kv_len_arr=m.seq_lens.clone())
+    else:
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
     wrapper.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(
                      m.query_start_loc, kv_indptr, kv_indices, m.seq_lens),
                  num_heads=d.heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=BLOCK,
                  causal=False, sm_scale=d.scale, q_data_type=torch.bfloat16,
                  kv_data_type=d.cache.dtype, query_layout="split", kv_cache_layout="split")
-    q_nope, q_pe = d.q[..., :RANK].contiguous(), d.q[..., RANK:].contiguous()
+    q_nope, q_pe = d.q[..., :RANK], d.q[..., RANK:]
+    if not query_views:
+        q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
     ckv, kpe = d.cache[..., :RANK], d.cache[..., RANK:]
     out = torch.empty(d.batch, d.heads, RANK, dtype=torch.bfloat16, device=DEVICE)
     fp8 = {"ckv_scale": d.k_scale, "kpe_scale": d.k_scale} if d.fp8 else {}
@@ -210,6 +223,16 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
     del ref
     t_fi, how_fi = time_call(fi)
     t_ours, how_ours = time_call(ours.latent)
+    # Where a gap to direct comes from: FlashInfer's CUDA-graph mode, the query views.
+    variants = {}
+    for label, kw in (("flashinfer direct, graph mode", dict(graph_mode=True)),
+                      ("flashinfer direct, query views", dict(query_views=True))):
+        try:
+            call = direct(d, **kw)
+            same = bool(torch.equal(call(), out_fi))
+            variants[label] = (*time_call(call), same)
+        except Exception as exc:  # a variant's failure is logged, not fatal
+            run.log(f"{name}: {label} failed: {type(exc).__name__}: {exc}")
     t_fwd, how_fwd = time_call(ours.forward_call())
     builds = []
     for _ in range(5):
@@ -218,8 +241,11 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
         torch.cuda.synchronize()
         builds.append(time.perf_counter() - t0)
     ceiling = run.results["ceilings"].get("read_GBps")
-    for label, t, how in (("flashinfer direct", t_fi, how_fi), ("FLASHINFER_MLA", t_ours, how_ours),
-                          ("FLASHINFER_MLA forward", t_fwd, how_fwd)):
+    rows = [("flashinfer direct", t_fi, how_fi),
+            *((label, t, f"{how}, same output as direct: {same}")
+              for label, (t, how, same) in variants.items()),
+            ("FLASHINFER_MLA", t_ours, how_ours), ("FLASHINFER_MLA forward", t_fwd, how_fwd)]
+    for label, t, how in rows:
         gbps = d.kv_bytes() / t / 1e9
         row = dict(path=label, shape=name, time_us=t * 1e6, GBps=gbps,
                    ceiling_frac=gbps / ceiling if ceiling else None,
@@ -227,13 +253,16 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
         if label == "FLASHINFER_MLA":
             row.update(direct_over_kvcore=t_fi / t,
                        build_ms=sorted(builds)[len(builds) // 2] * 1e3)
+            if "flashinfer direct, graph mode" in variants:
+                row.update(graph_direct_over_kvcore=(
+                    variants["flashinfer direct, graph mode"][0] / t))
         run.results["timings"].append(row)
         run.log("TIME", row)
 
 
 def print_table(run: Run) -> None:
     headers = ["path", "shape", "time us", "GB/s", "% read", "TFLOP/s", "direct/kvcore",
-               "build ms"]
+               "graph-mode direct/kvcore", "build ms"]
     rows = []
     for r in run.results["timings"]:
         def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
@@ -241,7 +270,8 @@ def print_table(run: Run) -> None:
             return "" if v is None else format(v * scale, spec)
         rows.append([r["path"], r["shape"], fmt("time_us", ".1f"), fmt("GBps", ".0f"),
                      fmt("ceiling_frac", ".1f", 100), fmt("TFLOPs", ".0f"),
-                     fmt("direct_over_kvcore", ".3f"), fmt("build_ms", ".2f")])
+                     fmt("direct_over_kvcore", ".3f"), fmt("graph_direct_over_kvcore", ".3f"),
+                     fmt("build_ms", ".2f")])
     checks = run.results["checks"]
     lines = [f"device: {run.results['meta'].get('device')}; read ceiling "
              f"{run.results['ceilings'].get('read_GBps', float('nan')):.0f} GB/s; correctness: "
