@@ -26,11 +26,13 @@ processes, cross-layer and per-layer: UCX's default, ``UCX_TLS=cuda_ipc,cuda_cop
 ``UCX_TLS=cuda_ipc,cuda_copy,sm,self``, and both of those with UCX's peer error handling
 off (``ucx_error_handling_mode=none``: with NIXL's default, ``peer``, UCX uses only
 transports that detect a dead peer; shared memory does not, so ``sm,self`` alone has no
-transport for its active messages). Each run sets ``UCX_PROTO_INFO=y`` and
-``UCX_LOG_LEVEL=info``; its log goes to ``--out`` and the lines naming the transports UCX
-chose are printed. The table (GB/s, the
-fraction of the device copy measured in the same run, bit-exact) is printed last and written
-as ``bench_nixl_matrix.json``.
+transport for its active messages), and the default and ``cuda_ipc,cuda_copy,tcp`` with
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (cuda_ipc offers READs only between NVLink-connected GPUs
+unless told to); ``--matrix-only TEXT`` runs the configurations whose name contains TEXT.
+Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL=info``; its log goes to ``--out`` and
+the lines naming the transports UCX chose are printed. The table (GB/s, the fraction of the
+device copy measured in the same run, bit-exact) is printed last and written as
+``bench_nixl_matrix.json``.
 """
 
 from __future__ import annotations
@@ -91,13 +93,19 @@ def transport_options(args: argparse.Namespace) -> dict:
     return options
 
 
-#: ``--matrix``: (name, --ucx-tls, --ucx-error-mode).
+#: UCX's cuda_ipc transport offers GET (what a consumer's READ is) only between GPUs it finds
+#: NVLink between; two processes on one GPU have none, so READs went over tcp or cma. This
+#: UCX setting offers it anyway.
+GET_ZCOPY = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+#: ``--matrix``: (name, --ucx-tls, --ucx-error-mode, extra environment).
 MATRIX = (
-    ("default", None, None),
-    ("cuda_ipc,cuda_copy,tcp", "cuda_ipc,cuda_copy,tcp", None),
-    ("cuda_ipc,cuda_copy,sm,self", "cuda_ipc,cuda_copy,sm,self", None),
-    ("cuda_ipc,cuda_copy,tcp err=none", "cuda_ipc,cuda_copy,tcp", "none"),
-    ("cuda_ipc,cuda_copy,sm,self err=none", "cuda_ipc,cuda_copy,sm,self", "none"),
+    ("default", None, None, {}),
+    ("cuda_ipc,cuda_copy,tcp", "cuda_ipc,cuda_copy,tcp", None, {}),
+    ("cuda_ipc,cuda_copy,sm,self", "cuda_ipc,cuda_copy,sm,self", None, {}),
+    ("cuda_ipc,cuda_copy,tcp err=none", "cuda_ipc,cuda_copy,tcp", "none", {}),
+    ("cuda_ipc,cuda_copy,sm,self err=none", "cuda_ipc,cuda_copy,sm,self", "none", {}),
+    ("default get_zcopy=y", None, None, GET_ZCOPY),
+    ("cuda_ipc,cuda_copy,tcp get_zcopy=y", "cuda_ipc,cuda_copy,tcp", None, GET_ZCOPY),
 )
 #: Words in UCX's log that name a transport choice.
 TRANSPORT_WORDS = ("cuda_ipc", "cuda_copy", "tcp", "posix", "sysv", "cma", "rc_", "dc_",
@@ -110,7 +118,9 @@ def matrix(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, records = [], []
-    for name, tls, err in MATRIX:
+    for name, tls, err, extra_env in MATRIX:
+        if args.matrix_only and args.matrix_only not in name:
+            continue
         for per_layer in (False, True):
             label = f"{name} {'per-layer' if per_layer else 'cross-layer'}"
             slug = "".join(c if c.isalnum() else "_" for c in label)
@@ -121,7 +131,7 @@ def matrix(args: argparse.Namespace) -> int:
             cmd += ["--ucx-tls", tls] if tls else []
             cmd += ["--ucx-error-mode", err] if err else []
             env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info",
-                   "NIXL_LOG_LEVEL": "WARN"}  # UCX reads its config once per process
+                   "NIXL_LOG_LEVEL": "WARN", **extra_env}  # UCX reads it once per process
             env.pop("UCX_TLS", None)
             started = time.perf_counter()
             try:
@@ -205,6 +215,8 @@ def main() -> int:
                         help="the UCX backend's ucx_error_handling_mode (NIXL's default: peer)")
     parser.add_argument("--matrix", action="store_true",
                         help="run the transport matrix (see the module docstring)")
+    parser.add_argument("--matrix-only", default=None, metavar="TEXT",
+                        help="--matrix: only the configurations whose name contains TEXT")
     parser.add_argument("--run-timeout", type=float, default=240.0,
                         help="--matrix: seconds one configuration may take")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

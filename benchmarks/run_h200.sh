@@ -15,7 +15,8 @@
 #   included) and the disaggregated demo in bfloat16 and float32 (nixl carried in .whl_nixl);
 #   PARALLEL=1: the test steps run side by side (then the benchmarks, alone).
 #   fimla: FLASHINFER_MLA's GPU tests, conformance and benchmark (FlashInfer carried);
-#   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call).
+#   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call);
+#   NIXL_MATRIX_ONLY=TEXT keeps the configurations whose name contains TEXT, NIXL_MATRIX_MIB sizes.
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -106,7 +107,8 @@ if has connectors; then
     done
 fi
 has nixl_matrix && step bench_nixl_matrix ${NIXL_MATRIX_LIMIT:-560} python3 \
-    benchmarks/bench_nixl.py --device cuda --mib 1024 --trials 3 --matrix \
+    benchmarks/bench_nixl.py --device cuda --mib "${NIXL_MATRIX_MIB:-1024}" --trials 3 --matrix \
+    ${NIXL_MATRIX_ONLY:+--matrix-only "$NIXL_MATRIX_ONLY"} \
     --out "$OUT/nixl_matrix"
 if has demos; then
     for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
