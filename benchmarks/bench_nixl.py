@@ -22,17 +22,18 @@ one)] [--mib N] [--trials N] [--per-layer] [--ucx-tls TLS] [--ucx-error-mode pee
 ``backend_params={"UCX": {"ucx_error_handling_mode": ...}}``).
 
 ``--matrix`` runs the transport matrix instead, each configuration in its own pair of
-processes, cross-layer and per-layer: UCX's default, ``UCX_TLS=cuda_ipc,cuda_copy,tcp``,
+processes, cross-layer and per-layer, first with UCX's own rule for CUDA IPC reads
+(``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto``): UCX's default, ``UCX_TLS=cuda_ipc,cuda_copy,tcp``,
 ``UCX_TLS=cuda_ipc,cuda_copy,sm,self``, and both of those with UCX's peer error handling
 off (``ucx_error_handling_mode=none``: with NIXL's default, ``peer``, UCX uses only
 transports that detect a dead peer; shared memory does not, so ``sm,self`` alone has no
-transport for its active messages), and the default and ``cuda_ipc,cuda_copy,tcp`` with
-``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (cuda_ipc offers READs only between NVLink-connected GPUs
-unless told to); ``--matrix-only TEXT`` runs the configurations whose name contains TEXT.
-Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL=info``; its log goes to ``--out`` and
-the lines naming the transports UCX chose are printed. The table (GB/s, the fraction of the
-device copy measured in the same run, bit-exact) is printed last and written as
-``bench_nixl_matrix.json``.
+transport for its active messages); then the default and ``cuda_ipc,cuda_copy,tcp`` with
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``, the connector's default (cuda_ipc offers READs only
+between NVLink-connected GPUs unless told to). ``--matrix-only TEXT`` runs the configurations
+whose name contains TEXT. Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL=info``; its
+log goes to ``--out`` and the lines naming the transports UCX chose are printed. The table
+(GB/s, the fraction of the device copy measured in the same run, bit-exact) is printed last
+and written as ``bench_nixl_matrix.json``.
 """
 
 from __future__ import annotations
@@ -94,16 +95,19 @@ def transport_options(args: argparse.Namespace) -> dict:
 
 
 #: UCX's cuda_ipc transport offers GET (what a consumer's READ is) only between GPUs it finds
-#: NVLink between; two processes on one GPU have none, so READs went over tcp or cma. This
-#: UCX setting offers it anyway.
+#: NVLink between (``auto``, UCX's rule); two processes on one GPU have none, so READs went
+#: over tcp or cma. The connector sets ``y`` (``kvcore.connectors.nixl.UCX_DEFAULTS``).
 GET_ZCOPY = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+UCX_RULE = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}
 #: ``--matrix``: (name, --ucx-tls, --ucx-error-mode, extra environment).
 MATRIX = (
-    ("default", None, None, {}),
-    ("cuda_ipc,cuda_copy,tcp", "cuda_ipc,cuda_copy,tcp", None, {}),
-    ("cuda_ipc,cuda_copy,sm,self", "cuda_ipc,cuda_copy,sm,self", None, {}),
-    ("cuda_ipc,cuda_copy,tcp err=none", "cuda_ipc,cuda_copy,tcp", "none", {}),
-    ("cuda_ipc,cuda_copy,sm,self err=none", "cuda_ipc,cuda_copy,sm,self", "none", {}),
+    ("default get_zcopy=auto", None, None, UCX_RULE),
+    ("cuda_ipc,cuda_copy,tcp get_zcopy=auto", "cuda_ipc,cuda_copy,tcp", None, UCX_RULE),
+    ("cuda_ipc,cuda_copy,sm,self get_zcopy=auto", "cuda_ipc,cuda_copy,sm,self", None, UCX_RULE),
+    ("cuda_ipc,cuda_copy,tcp err=none get_zcopy=auto", "cuda_ipc,cuda_copy,tcp", "none",
+     UCX_RULE),
+    ("cuda_ipc,cuda_copy,sm,self err=none get_zcopy=auto", "cuda_ipc,cuda_copy,sm,self", "none",
+     UCX_RULE),
     ("default get_zcopy=y", None, None, GET_ZCOPY),
     ("cuda_ipc,cuda_copy,tcp get_zcopy=y", "cuda_ipc,cuda_copy,tcp", None, GET_ZCOPY),
 )

@@ -66,7 +66,7 @@ from kvcore import KVCacheLayout, LayoutMismatchError
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
 from kvcore.connectors.keys import check_block_keys
 
-__all__ = ["NixlConnector", "nixl_unavailable_reason"]
+__all__ = ["UCX_DEFAULTS", "NixlConnector", "nixl_unavailable_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +259,14 @@ def _no_peer_failure_handling(ucx_tls: str) -> bool:
     return all(n in _NO_PEER_FAILURE_TLS for n in names)
 
 
+#: UCX settings applied while the UCX backend of a cache in CUDA memory is created, each
+#: unless the environment sets it. UCX's cuda_ipc transport offers GET (a consumer's READ)
+#: only between GPUs it finds NVLink between; two processes on one GPU, or GPUs on PCIe, then
+#: READ over TCP or host memory instead, hundreds of times slower (``docs/connector.md``).
+#: Set ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`` to keep UCX's own rule.
+UCX_DEFAULTS: Mapping[str, str] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
 class _Agent:
     """One NIXL agent with the cache's storage registered; every call into NIXL goes through
     it, under one lock (the Python API is not documented as thread-safe)."""
@@ -277,9 +285,13 @@ class _Agent:
                              f"{', '.join(missing)} (available: {', '.join(available)})")
         for backend in backends:
             params = dict((backend_params or {}).get(backend, {}))
-            # UCX reads its transports from the environment when the backend is created.
+            # UCX reads its settings from the environment when the backend is created.
             tls = ucx_tls if backend == "UCX" else None
-            with _environment({"UCX_TLS": tls} if tls else {}):
+            env = {"UCX_TLS": tls} if tls else {}
+            if backend == "UCX" and storage.is_cuda and torch.version.hip is None:
+                # CUDA settings only for CUDA memory (UCX warns of unused variables elsewhere).
+                env.update((k, v) for k, v in UCX_DEFAULTS.items() if k not in os.environ)
+            with _environment(env):
                 try:
                     self.agent.create_backend(backend, params)
                 except Exception as exc:

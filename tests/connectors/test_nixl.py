@@ -394,6 +394,50 @@ def test_ucx_transports_and_backend_params_reach_ucx_and_the_environment_is_rest
     assert "UCX_TLS" not in os.environ
 
 
+def _ucx_setting_at_backend_creation(monkeypatch, preset: str | None, device: str) -> list:
+    """What ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` was while a producer on ``device`` created its
+    NIXL backends (the variable preset to ``preset`` or unset); checks it is restored."""
+    from kvcore.connectors import nixl as nixl_connector
+
+    name = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    if preset is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, preset)
+    agent_cls = nixl_connector._nixl_api().nixl_agent
+    create_backend, seen = agent_cls.create_backend, []
+
+    def spy(self, backend, params):
+        seen.append((backend, os.environ.get(name)))
+        return create_backend(self, backend, params)
+
+    monkeypatch.setattr(agent_cls, "create_backend", spy)
+    with producer() as prod:
+        prod.register_kv_caches(make_caches(cross_layer=True, device=device))
+    assert os.environ.get(name) == preset  # restored after the backend was created
+    return seen
+
+
+@needs_nixl
+def test_ucx_cuda_defaults_stay_out_of_a_host_memory_cache(monkeypatch):
+    # UCX warns of a CUDA variable it does not use; a DRAM cache gets none of them.
+    assert _ucx_setting_at_backend_creation(monkeypatch, None, "cpu") == [("UCX", None)]
+
+
+@needs_nixl
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                    reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", [None, "auto"], ids=["unset", "set-by-the-user"])
+def test_ucx_cuda_defaults_apply_to_a_vram_cache_unless_the_environment_sets_them(
+        monkeypatch, preset):
+    from kvcore.connectors import nixl as nixl_connector
+
+    assert nixl_connector.UCX_DEFAULTS == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    seen = _ucx_setting_at_backend_creation(monkeypatch, preset, "cuda")
+    assert seen == [("UCX", preset or "y")]
+
+
 def test_shared_memory_transports_are_accepted_with_error_handling_off():
     from kvcore.connectors.nixl import _no_peer_failure_handling
 
