@@ -53,7 +53,7 @@ parameters and the decode tile are per-GPU rows of :data:`DECODE_TILES`.
 Kernel variants
 ---------------
 Both kernels share their prologue (:func:`_locate_tile`, :func:`_load_query_tile`) and page
-lookup (:func:`_page_ids`, :func:`_kv_rows`). ``AttentionConfig.const_block`` compiles the
+lookup (:func:`_page_ids`, :func:`_in_page`). ``AttentionConfig.const_block`` compiles the
 block size in (shifts instead of integer divisions per key row); the prefill kernel can also
 pipeline its masked edge loops at their own depth (``edge_stages``) and warp-specialise its
 unmasked loop (``warp_specialize``, where Triton has it). They change speed only, never the
@@ -273,8 +273,12 @@ def _load_query_tile(
 def _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR: tl.constexpr):
     """The fp8 cache's per-tensor K and V scales (device scalars or launch arguments)."""
     if SCALE_IS_TENSOR:
-        return tl.load(k_scale).to(tl.float32), tl.load(v_scale).to(tl.float32)
-    return k_scale, v_scale
+        ks = tl.load(k_scale).to(tl.float32)
+        vs = tl.load(v_scale).to(tl.float32)
+    else:
+        ks = k_scale
+        vs = v_scale
+    return ks, vs
 
 
 @triton.jit
@@ -289,14 +293,13 @@ def _page_ids(bt_row, k_pos, kv_end, block_size, stride_btb, PAGE: tl.constexpr)
 
 
 @triton.jit
-def _kv_rows(page, k_pos, block_size, kv_head64, stride_b, stride_s, stride_h,
-             PAGE: tl.constexpr):
-    """int64 element offsets of the rows of keys ``k_pos`` (in blocks ``page``) of a head."""
+def _in_page(k_pos, block_size, PAGE: tl.constexpr):
+    """int64 slots of key positions ``k_pos`` in their blocks."""
     if PAGE > 0:
-        in_page = (k_pos % PAGE).to(tl.int64)
+        slot = k_pos % PAGE
     else:
-        in_page = (k_pos % block_size).to(tl.int64)
-    return page.to(tl.int64) * stride_b + in_page * stride_s + kv_head64 * stride_h
+        slot = k_pos % block_size
+    return slot.to(tl.int64)
 
 
 @triton.jit
@@ -359,16 +362,16 @@ def _paged_attention_kernel(
     for t in range(tile_lo, tile_hi):
         k_pos = t * BLOCK_N + offs_n
         k_valid = k_pos < kv_end
-        k_rows = _kv_rows(page, k_pos, block_size, kv_head64, stride_kb, stride_ks, stride_kh,
-                          PAGE)
-        v_rows = _kv_rows(page, k_pos, block_size, kv_head64, stride_vb, stride_vs, stride_vh,
-                          PAGE)
+        page64 = page.to(tl.int64)
         page = _page_ids(bt_row, k_pos + BLOCK_N, kv_end, block_size, stride_btb, PAGE)
+        in_page = _in_page(k_pos, block_size, PAGE)
         kv_mask = k_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + k_rows[:, None] + dims64[None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + dims64[None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)
+        k = tl.load(k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
+                                   + kv_head64 * stride_kh)[:, None]
+                    + dims64[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (page64 * stride_vb + in_page * stride_vs
+                                   + kv_head64 * stride_vh)[:, None]
+                    + dims64[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if INTERPRET:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -423,13 +426,15 @@ def _prefill_step(
     """Key tile ``t`` of one query tile (its block ids ``page``); returns the updated state
     and the next tile's block ids."""
     k_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_rows = _kv_rows(page, k_pos, block_size, kv_head64, stride_kb, stride_ks, stride_kh, PAGE)
-    v_rows = _kv_rows(page, k_pos, block_size, kv_head64, stride_vb, stride_vs, stride_vh, PAGE)
+    page64 = page.to(tl.int64)
     # The next tile's page ids, carried: the K/V addresses below depend only on loop-carried
     # values, so the pipeliner keeps num_stages - 1 tiles in flight.
     page = _page_ids(bt_row, k_pos + BLOCK_N, kv_end, block_size, stride_btb, PAGE)
-    k_ptrs = k_cache_ptr + k_rows[:, None] + dims64[None, :] * stride_kd
-    v_ptrs = v_cache_ptr + v_rows[:, None] + dims64[None, :] * stride_vd
+    in_page = _in_page(k_pos, block_size, PAGE)
+    k_ptrs = (k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
+                             + kv_head64 * stride_kh)[:, None] + dims64[None, :] * stride_kd)
+    v_ptrs = (v_cache_ptr + (page64 * stride_vb + in_page * stride_vs
+                             + kv_head64 * stride_vh)[:, None] + dims64[None, :] * stride_vd)
     if MASKED:
         k_valid = k_pos < kv_end
         kv_mask = k_valid[:, None] & d_valid[None, :]
