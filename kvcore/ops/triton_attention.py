@@ -176,13 +176,15 @@ class DecodeTile:
 #: Prefill tiles per GPU architecture (``sm90``, ``gfx942``, ... as :func:`device_arch` names
 #: them; ``cuda`` and ``rocm`` for the others), for head sizes up to 128 and above 128. A
 #: deterministic table, filled from ``benchmarks/bench_triton_prefill.py`` sweeps (the sweep
-#: prints the winner of each case as a ``PrefillTile(...)`` to paste here), so no
+#: prints its winner over the three prefill cases as a ``PrefillTile(...)`` to paste), so no
 #: autotuning runs inside a step or a CUDA-graph capture. Above head size 128 the tile keeps
 #: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
 #: sm80 (``kvcore kernels``), which keeps the 32-key tile.
 #: sm90: 128 x 32, 4 warps, 3 stages won all three prefill cases of the H200 sweep
 #: (benchmarks/RESULTS.md, 2026-12-01; 128 x 64 x 8 x 3 was 4% slower, 64-row tiles 20-25%
-#: slower). sm100 has not been measured: it takes the sm90 row.
+#: slower). sm100 has not been measured: it takes the sm90 row. Compiled for sm_90a (the
+#: compile check's register report), that tile uses 255 registers and spills 40 bytes per
+#: thread; with ``const_block=True, edge_stages=1`` it spills none (a sweep candidate).
 PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
     "sm90": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
     "sm100": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
