@@ -1,31 +1,44 @@
 #!/usr/bin/env python3
-"""TRITON_ATTN prefill on one GPU (written for the H200): correctness, a tile sweep, decode
-unchanged, FlashInfer beside it.
+"""TRITON_ATTN prefill on one GPU (written for the H200): correctness, a tile and kernel-variant
+sweep, a decode sweep, FlashInfer beside it.
 
 One run does, in order, each section isolated (an error is logged and the run goes on):
 
 1. ceiling: a bf16 matmul (TFLOP/s), the compute bound prefill is held to;
-2. correctness of the default prefill configuration on the three prefill cases against torch
-   SDPA in float32 on the gathered K/V (max abs error and relative error);
-3. the sweep: every candidate tile of :data:`CANDIDATES` (rows = query tokens x padded GQA
-   group, keys per step, warps, stages) on every case, each output checked against the
-   case's SDPA output before it is timed; us and TFLOP/s per config, the best per case;
-4. the four decode shapes through the production path (``paged_attention`` with its default
-   configuration, split-KV chosen by the heuristic);
+2. correctness of the default prefill configuration and of EVERY prefill candidate on the
+   three prefill cases against torch SDPA in float32 on the gathered K/V (max abs error and
+   relative error); a candidate that fails or does not compile is not timed;
+3. the prefill sweep: every candidate of :func:`prefill_candidates`
+   (:class:`~kvcore.ops.triton_attention.PrefillTile`: rows = query tokens x padded GQA
+   group, keys per step, warps, stages, and the kernel variants ``const_block``,
+   ``edge_stages``, ``warp_specialize``) on every case; us and TFLOP/s. The
+   ``warp_specialize`` candidates are first compiled in a child process
+   (``--probe-warp-specialize``), so a Triton that crashes on them cannot end this run;
+4. the decode sweep on the four decode shapes through the production entry point
+   (``paged_attention`` with an explicit ``AttentionConfig`` and a preallocated split-KV
+   workspace, as the builder passes): split counts around the heuristic's (x1/2, x1, x2, and
+   1) times the tiles of :func:`decode_candidates`, each output checked against SDPA before
+   it is timed; the default configuration's time beside the best;
 5. FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (default backend, planned once,
    timed in a CUDA graph) on the same caches, when ``flashinfer`` imports, checked against
-   kvcore's output; last, so its JIT build cannot cost the rest.
+   kvcore's output; with ``--flashinfer-decode`` also its tensor-core decode on the decode
+   shapes (otherwise the decode ratios use FlashInfer's times recorded in RESULTS.md); last,
+   so their JIT builds cannot cost the rest.
 
 Cases (Hq 32, Hk 8, D 128, bf16, block 16, causal, shuffled pages): 4 x 2048 new tokens,
 1 x 8192 new tokens, 4 x 512 new tokens over 16,384 cached (chunked prefill). TFLOP/s count
 the attention FLOPs (QK^T and PV over the keys each query sees). Timings are CUDA-graph
 replays of one call (median; :func:`kvcore.cli.harness.time_call`).
 
-The table is printed last (``--json``: the JSON instead); log and JSON go to ``--out``
-(default ``$OUT``, else ``benchmarks/results``). ``--smoke`` runs tiny shapes on the CPU under
+The tables are printed last (``--json``: the JSON instead), each ending with the winners
+written as the ``PrefillTile(...)`` / ``DecodeTile(...)`` rows to paste into
+``PREFILL_TILES`` / ``DECODE_TILES`` of ``kvcore/ops/triton_attention.py``. Log and JSON go to
+``--out`` (default ``$OUT``, else ``benchmarks/results``). ``--budget-s`` stops starting new
+prefill candidates after that many seconds. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` to check the script.
 
-Usage: ``python benchmarks/bench_triton_prefill.py [--out DIR] [--json] [--smoke]``
+Usage: ``python benchmarks/bench_triton_prefill.py [--out DIR] [--json] [--smoke]
+[--budget-s S] [--flashinfer-decode]``
 """
 
 from __future__ import annotations
@@ -35,8 +48,10 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,25 +72,93 @@ DTYPE = torch.bfloat16
 HQ, HK, D, BS = 32, 8, 128, 16
 #: name -> (requests, new tokens per request, cached tokens per request)
 CASES = {"4x2048": (4, 2048, 0), "1x8192": (1, 8192, 0), "4x512+16k": (4, 512, 16384)}
-#: name -> (requests, context): the decode shapes, and their time before the prefill kernel
+#: name -> (requests, context): the decode shapes
 DECODES = {"64x4096": (64, 4096), "8x32768": (8, 32768), "256x1024": (256, 1024),
            "16x4096": (16, 4096)}
-DECODE_BEFORE_US = {"64x4096": 252.0, "8x32768": 255.0, "256x1024": 264.0, "16x4096": 72.0}
-#: FlashInfer direct prefill measured before (issue 19), for the ratio when it is missing.
-FLASHINFER_BEFORE_US = {"4x2048": 326.0, "1x8192": 1009.0, "4x512+16k": 953.0}
-#: Candidate prefill tiles (rows, block_n, num_warps, num_stages), the current sm90 row first.
-CANDIDATES = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3),
-              (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3),
-              (64, 128, 4, 2)]
+#: FlashInfer direct, measured before (RESULTS.md, 2026-12-01 third session), for the ratios
+#: when it is not measured in this run.
+FLASHINFER_BEFORE_US = {"4x2048": 311.1, "1x8192": 1031.2, "4x512+16k": 973.3}
+FLASHINFER_DECODE_BEFORE_US = {"64x4096": 245.8, "8x32768": 245.8, "256x1024": 259.9,
+                               "16x4096": 71.6}
 MATMUL_N = 8192
+#: The probe's shape for the warp-specialised candidates (compile + one run in a child).
+PROBE = (1, 256, 0)
 if SMOKE:
     DTYPE = torch.float32
     HQ, HK, D = 8, 2, 32
     CASES = {"2x40": (2, 40, 0), "1x70": (1, 70, 0), "2x9+50": (2, 9, 50)}
     DECODES = {"4x100": (4, 100)}
-    DECODE_BEFORE_US = {}
-    CANDIDATES = [(32, 16, 4, 2), (16, 32, 4, 2)]
     MATMUL_N = 256
+    PROBE = (1, 20, 0)
+
+
+def triton_attention():
+    from kvcore.ops import triton_attention as mod
+
+    return mod
+
+
+def prefill_candidates() -> list:
+    """The prefill candidates, the current table row first: tile shapes around it, then the
+    kernel variants on the strongest shapes (warp-specialised ones last)."""
+    tile = triton_attention().PrefillTile
+    if SMOKE:
+        return [tile(32, 16, 4, 2), tile(16, 32, 4, 2, const_block=True, edge_stages=1),
+                tile(32, 16, 4, 2, const_block=True, warp_specialize=True)]
+    # Compiled for sm_90a by Triton 3.9 with its register report (compile_check), the
+    # current 128 x 32 x 4 x 3 tile uses 255 registers and spills 44 bytes; the block size
+    # compiled in leaves 20, unpipelined edge loops 0. 4-warp 128-row tiles run 2 programs
+    # per SM; 64 x 32 x 4 (153 registers, 64 KiB) 3.
+    shapes = [tile(128, 32, 4, 3), tile(128, 64, 8, 3), tile(128, 128, 8, 2),
+              tile(64, 64, 4, 3), tile(128, 32, 4, 3, const_block=True),
+              tile(128, 32, 4, 3, edge_stages=1)]
+    c, e = dict(const_block=True), dict(const_block=True, edge_stages=1)
+    variants = [tile(128, 32, 4, 3, **e), tile(128, 32, 4, 4, **e), tile(128, 32, 4, 2, **e),
+                tile(64, 32, 4, 3, **e), tile(64, 32, 4, 4, **e), tile(64, 64, 4, 3, **e),
+                tile(64, 64, 4, 2, **e), tile(128, 64, 8, 3, **e), tile(128, 64, 8, 2, **e),
+                tile(128, 128, 8, 2, **e), tile(128, 32, 8, 3, **e), tile(256, 32, 8, 3, **e),
+                tile(128, 64, 8, 3, **c)]
+    specialised = [tile(128, 32, 4, 3, **e, warp_specialize=True),
+                   tile(64, 32, 4, 3, **e, warp_specialize=True),
+                   tile(128, 64, 8, 3, **e, warp_specialize=True),
+                   tile(128, 128, 8, 2, **e, warp_specialize=True)]
+    return list(dict.fromkeys([table_rows()[0], *shapes, *variants, *specialised]))
+
+
+def table_rows() -> tuple:
+    """This GPU's current :data:`PREFILL_TILES` and :data:`DECODE_TILES` entries."""
+    ta = triton_attention()
+    arch = ta.device_arch(torch.device(DEVICE))
+    rocm = getattr(torch.version, "hip", None) is not None
+    return ta.prefill_tile(D, arch, rocm), ta.decode_tile(arch, rocm)
+
+
+def decode_candidates() -> list:
+    """Decode tiles (keys per step, warps, stages, const_block), the current one first."""
+    tile = triton_attention().DecodeTile
+    if SMOKE:
+        return [tile(), tile(16, 4, 2, const_block=True)]
+    return list(dict.fromkeys([
+            table_rows()[1], tile(), tile(32, 4, 3, const_block=True),
+            tile(16, 4, 3, const_block=True),
+            tile(64, 4, 3, const_block=True), tile(64, 8, 3, const_block=True),
+            tile(32, 4, 2, const_block=True), tile(32, 4, 4, const_block=True),
+            tile(32, 8, 3, const_block=True), tile(16, 2, 4, const_block=True)]))
+
+
+def label(tile) -> str:
+    """A candidate as the row to paste into its table: the constructor with its positional
+    fields and the variant fields that differ from the defaults."""
+    cls = type(tile)
+    fields = dataclasses.fields(cls)
+    if cls.__name__ == "PrefillTile":
+        parts = [str(getattr(tile, f.name)) for f in fields[:4]]
+        rest = fields[4:]
+    else:
+        parts, rest = [], fields
+    parts += [f"{f.name}={getattr(tile, f.name)}" for f in rest
+              if getattr(tile, f.name) != f.default]
+    return f"{cls.__name__}({', '.join(parts)})"
 
 
 def randn(*shape: int) -> torch.Tensor:
@@ -129,23 +212,24 @@ class Batch:
         return out
 
 
-def triton_attention():
-    from kvcore.ops import triton_attention as mod
-
-    return mod
-
-
-def config_for(tile: tuple[int, int, int, int]):
-    """An :class:`~kvcore.ops.triton_attention.AttentionConfig` of the prefill kernel."""
+def config_for(tile):
+    """The prefill kernel's :class:`~kvcore.ops.triton_attention.AttentionConfig` of a
+    candidate."""
     ta = triton_attention()
-    rows, block_n, warps, stages = tile
     g_pad = 1 << (HQ // HK - 1).bit_length()
-    return ta.AttentionConfig(block_q=max(1, rows // g_pad), g_pad=g_pad, block_n=block_n,
-                              num_splits=1, num_warps=warps, num_stages=stages, prefill=True)
+    return ta.AttentionConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,
+                              block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
+                              num_stages=tile.num_stages, prefill=True,
+                              const_block=tile.const_block, edge_stages=tile.edge_stages,
+                              warp_specialize=tile.warp_specialize)
 
 
-def tile_of(cfg) -> list[int]:
-    return [cfg.block_q * cfg.g_pad, cfg.block_n, cfg.num_warps, cfg.num_stages]
+def tile_of(cfg) -> str:
+    """The :class:`PrefillTile` a prefill config came from, as its label."""
+    ta = triton_attention()
+    return label(ta.PrefillTile(cfg.block_q * cfg.g_pad, cfg.block_n, cfg.num_warps,
+                                cfg.num_stages, cfg.const_block, cfg.edge_stages,
+                                cfg.warp_specialize))
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -176,48 +260,143 @@ def check_default(run: Run, name: str, batch: Batch, ref: torch.Tensor) -> None:
               tile=tile_of(cfg), **err)
 
 
-def sweep_case(run: Run, name: str, batch: Batch, ref: torch.Tensor) -> None:
+def probe_warp_specialize() -> int:
+    """Child process: compile and run each warp-specialised candidate once on a small
+    prefill; prints ``OK <label>`` per candidate that ran (a crash ends the child only)."""
+    ta = triton_attention()
+    torch.manual_seed(0)
+    batch = Batch(*PROBE)
+    for tile in prefill_candidates():
+        if tile.warp_specialize:
+            ta.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(),
+                               config=config_for(tile))
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            print("OK", label(tile), flush=True)
+    return 0
+
+
+def usable_candidates(run: Run) -> list:
+    """The candidates this Triton can run: warp-specialised ones only where ``tl.range``
+    takes the flag and the child process compiled and ran them."""
+    ta = triton_attention()
+    cands = prefill_candidates()
+    if not any(t.warp_specialize for t in cands):
+        return cands
+    ok: set[str] = set()
+    if not ta.warp_specialize_supported():
+        run.log("warp_specialize: this Triton's tl.range does not take it; those candidates "
+                "are left out")
+    else:
+        cmd = [sys.executable, __file__, "--probe-warp-specialize"] + (["--smoke"] if SMOKE
+                                                                       else [])
+        try:
+            child = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+            out = child.stdout + child.stderr
+            ok = {line[3:].strip() for line in child.stdout.splitlines()
+                  if line.startswith("OK ")}
+            run.log(f"warp_specialize probe: rc {child.returncode}, {len(ok)} ran; "
+                    f"{out[-1500:] if child.returncode else ''}")
+        except subprocess.TimeoutExpired:
+            run.log("warp_specialize probe: timed out after 150 s; those candidates are "
+                    "left out")
+    run.results["meta"]["warp_specialize_ok"] = sorted(ok)
+    return [t for t in cands if not t.warp_specialize or label(t) in ok]
+
+
+def check_candidates(run: Run, cands: list, batches: dict, refs: dict, budget_s: float
+                     ) -> list:
+    """Every candidate on every case against SDPA; returns those that passed all."""
+    ta = triton_attention()
+    passed = []
+    for tile in cands:
+        if budget_s and run.elapsed() > budget_s:
+            run.log(f"budget: {label(tile)} and later candidates not run")
+            run.results["meta"].setdefault("not_run", []).append(label(tile))
+            continue
+        good = True
+        for name, batch in batches.items():
+            out = torch.empty_like(batch.query)
+            try:
+                ta.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(),
+                                   output=out, config=config_for(tile))
+                err = errors(out, refs[name])
+            except Exception as exc:  # a tile that does not compile here (shared memory)
+                run.check(f"prefill.{name}.{label(tile)}_runs", False,
+                          error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                good = False
+                break
+            ok = err["rel_err"] < tolerance()
+            run.check(f"prefill.{name}.{label(tile)}_vs_sdpa", ok, **err)
+            good &= ok
+        if good:
+            passed.append(tile)
+    return passed
+
+
+def sweep_case(run: Run, name: str, batch: Batch, cands: list) -> None:
     ta = triton_attention()
     out = torch.empty_like(batch.query)
-    for tile in CANDIDATES:
+    for tile in cands:
         cfg = config_for(tile)
-
-        def call(cfg=cfg) -> None:
-            ta.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(),
-                               output=out, config=cfg)
-        try:
-            call()
-            err = errors(out, ref)
-            ok = err["rel_err"] < tolerance()
-            run.check(f"prefill.{name}.tile{tile}_vs_sdpa", ok, **err)
-            if not ok:
-                continue
-            t, how = time_call(call)
-        except Exception as exc:  # a tile that does not compile here (shared memory)
-            run.log(f"tile {tile} on {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
-            continue
-        row = {"case": name, "tile": list(tile), "time_us": t * 1e6,
+        t, how = time_call(lambda cfg=cfg: ta.paged_attention(
+            batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(), output=out,
+            config=cfg))
+        row = {"case": name, "tile": label(tile), "time_us": t * 1e6,
                "TFLOPs": batch.flops() / t / 1e12, "method": how}
         run.results["sweeps"].append(row)
-        run.log(f"{name} tile {tile}: {row['time_us']:.1f} us, {row['TFLOPs']:.0f} TFLOP/s "
+        run.log(f"{name} {row['tile']}: {row['time_us']:.1f} us, {row['TFLOPs']:.0f} TFLOP/s "
                 f"[{how}]")
 
 
-def time_decodes(run: Run) -> None:
+def split_options(splits: int) -> list[int]:
+    """Split counts around the heuristic's: 1, half, itself, double."""
+    return sorted({1, max(1, splits // 2), splits, min(64, 2 * splits)})
+
+
+def sweep_decodes(run: Run) -> None:
+    """Every decode tile x split count on every decode shape, through ``paged_attention``
+    with an explicit config and a preallocated workspace; each checked before it is timed."""
     ta = triton_attention()
     for name, (b, length) in DECODES.items():
         batch = Batch(b, 1, length - 1)
+        ref = batch.sdpa_reference()
         out = torch.empty_like(batch.query)
-        cfg = ta.default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
-                                torch.device(DEVICE))
-        t, how = time_call(lambda batch=batch, out=out: ta.paged_attention(
-            batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(), output=out))
-        kv_bytes = 2 * b * length * HK * D * DTYPE.itemsize
-        row = {"case": name, "time_us": t * 1e6, "GBps": kv_bytes / t / 1e9, "method": how,
-               "config": dataclasses.asdict(cfg), "before_us": DECODE_BEFORE_US.get(name)}
-        run.results["decode"].append(row)
-        run.log(f"decode {name}: {row['time_us']:.1f} us, {row['GBps']:.0f} GB/s, "
-                f"{cfg.num_splits} splits [{how}]")
+        default = ta.default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
+                                    torch.device(DEVICE))
+        for tile in decode_candidates():
+            for splits in split_options(default.num_splits):
+                cfg = ta.AttentionConfig(block_q=default.block_q, g_pad=default.g_pad,
+                                         block_n=tile.block_n, num_splits=splits,
+                                         num_warps=tile.num_warps, num_stages=tile.num_stages,
+                                         const_block=tile.const_block)
+                numel = ta.workspace_numel(b, HQ, D, splits)
+                ws = (torch.empty(max(1, numel[0]), device=DEVICE),
+                      torch.empty(max(1, numel[1]), device=DEVICE))
+                tag = f"decode.{name}.{label(tile)}.splits{splits}"
+
+                def call(cfg=cfg, ws=ws, batch=batch, out=out) -> None:
+                    ta.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                       **batch.kwargs(), output=out, config=cfg, workspace=ws)
+                try:
+                    call()
+                    err = errors(out, ref)
+                except Exception as exc:
+                    run.check(f"{tag}_runs", False, error=f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                ok = err["rel_err"] < tolerance()
+                run.check(f"{tag}_vs_sdpa", ok, **err)
+                if not ok:
+                    continue
+                t, how = time_call(call)
+                kv_bytes = 2 * b * length * HK * D * DTYPE.itemsize
+                row = {"case": name, "tile": label(tile), "splits": splits,
+                       "default": tile == table_rows()[1] and splits == default.num_splits,
+                       "heuristic_splits": default.num_splits, "time_us": t * 1e6,
+                       "GBps": kv_bytes / t / 1e9, "method": how}
+                run.results["decode"].append(row)
+                run.log(f"decode {name} {row['tile']} splits {splits}: {row['time_us']:.1f} "
+                        f"us, {row['GBps']:.0f} GB/s [{how}]")
 
 
 def time_flashinfer(run: Run, name: str, batch: Batch, kvcore_out: torch.Tensor) -> None:
@@ -246,40 +425,117 @@ def time_flashinfer(run: Run, name: str, batch: Batch, kvcore_out: torch.Tensor)
     run.log(f"flashinfer {name}: {row['time_us']:.1f} us, {row['TFLOPs']:.0f} TFLOP/s [{how}]")
 
 
-def table(run: Run) -> str:
+def time_flashinfer_decode(run: Run, name: str) -> None:
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise Skip(f"flashinfer does not import: {exc}") from exc
+    b, length = DECODES[name]
+    batch = Batch(b, 1, length - 1)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                            use_tensor_cores=True)
+    pages = batch.block_table.shape[1]
+    wrapper.plan((torch.arange(b + 1, device=DEVICE) * pages).to(torch.int32),
+                 batch.block_table.flatten(),
+                 torch.full((b,), length - (pages - 1) * BS, dtype=torch.int32, device=DEVICE),
+                 HQ, HK, D, BS, sm_scale=batch.scale, q_data_type=DTYPE, kv_data_type=DTYPE)
+    out = torch.empty_like(batch.query)
+    wrapper.run(batch.query, batch.kv, out=out)
+    err = errors(out, batch.sdpa_reference())
+    run.check(f"decode.{name}.flashinfer_vs_sdpa", err["rel_err"] < tolerance(), **err)
+    t, how = time_call(lambda: wrapper.run(batch.query, batch.kv, out=out))
+    run.results["flashinfer"].append({"case": name, "impl": "flashinfer decode",
+                                      "time_us": t * 1e6, "method": how})
+    run.log(f"flashinfer decode {name}: {t * 1e6:.1f} us [{how}]")
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def prefill_table(res: dict) -> list[str]:
     from tabulate import tabulate
 
-    res = run.results
     ceiling = res["ceilings"].get("matmul_tflops", 0.0)
-    fi = {r["case"]: r["time_us"] for r in res["flashinfer"]}
-    default_tile = {c["check"].split(".")[1]: c["tile"] for c in res["correctness"]
-                    if c["check"].endswith("default_vs_sdpa")}
+    fi = {r["case"]: r["time_us"] for r in res["flashinfer"] if r["impl"] == "flashinfer"}
+    base = {c: fi.get(c) or FLASHINFER_BEFORE_US.get(c) for c in CASES}
+    default_tile = next((c["tile"] for c in res["correctness"]
+                         if c["check"].endswith("default_vs_sdpa")), None)
+    times = {(r["tile"], r["case"]): r for r in res["sweeps"]}
+    tiles = list(dict.fromkeys(r["tile"] for r in res["sweeps"]))
+    best = {c: min((t for t in tiles if (t, c) in times),
+                   key=lambda t, c=c: times[(t, c)]["time_us"], default=None) for c in CASES}
     rows = []
-    for r in sorted(res["sweeps"], key=lambda r: (list(CASES).index(r["case"]), r["time_us"])):
-        base = fi.get(r["case"]) or FLASHINFER_BEFORE_US.get(r["case"])
-        best = r is min((s for s in res["sweeps"] if s["case"] == r["case"]),
-                        key=lambda s: s["time_us"])
-        rows.append([r["case"], "x".join(map(str, r["tile"])),
-                     ("default " if r["tile"] == default_tile.get(r["case"]) else "")
-                     + ("best" if best else ""),
-                     f"{r['time_us']:.1f}", f"{r['TFLOPs']:.0f}",
-                     f"{100 * r['TFLOPs'] / ceiling:.0f}%" if ceiling else "",
-                     f"{base / r['time_us']:.2f}x" if base else ""])
-    for r in res["flashinfer"]:
-        rows.append([r["case"], "flashinfer direct", "", f"{r['time_us']:.1f}",
-                     f"{r['TFLOPs']:.0f}",
-                     f"{100 * r['TFLOPs'] / ceiling:.0f}%" if ceiling else "", "1.00x"])
+    for t in tiles:
+        cells, ratios = [], []
+        for c in CASES:
+            r = times.get((t, c))
+            if r is None:
+                cells.append("")
+                continue
+            ratio = base[c] / r["time_us"] if base[c] else float("nan")
+            ratios.append(ratio)
+            cells.append(f"{r['time_us']:.1f} ({r['TFLOPs']:.0f} TF, {ratio:.2f}x)"
+                         + (" *" if best[c] == t else ""))
+        rows.append([t + (" [default]" if t == default_tile else ""), *cells,
+                     f"{geomean(ratios):.3f}" if len(ratios) == len(CASES) else ""])
+    rows.append(["FlashInfer direct" + ("" if fi else " (recorded, not measured)"),
+                 *[f"{base[c]:.1f}" if base[c] else "" for c in CASES], "1.000"])
+    complete = [t for t in tiles if all((t, c) in times for c in CASES)]
+    winner = min(complete, key=lambda t: geomean([times[(t, c)]["time_us"] for c in CASES]),
+                 default=None)
     lines = [f"matmul ceiling: {ceiling:.0f} TFLOP/s",
-             tabulate(rows, headers=["prefill", "tile rows x n x warps x stages", "",
-                                     "us", "TFLOP/s", "of matmul", "FlashInfer / this"],
-                      disable_numparse=True), ""]
-    drows = [[r["case"], f"{r['time_us']:.1f}", f"{r['GBps']:.0f}", r["config"]["num_splits"],
-              f"{r['before_us']:.0f}" if r["before_us"] else "",
-              f"{r['time_us'] / r['before_us']:.3f}" if r["before_us"] else ""]
-             for r in res["decode"]]
-    lines.append(tabulate(drows, headers=["decode", "us", "GB/s", "splits", "before us",
-                                          "now / before"],
-                           disable_numparse=True))
+             "prefill: us (TFLOP/s, FlashInfer / this), * = best of the case",
+             tabulate(rows, headers=["candidate", *CASES, "geomean FI/this"],
+                      disable_numparse=True)]
+    if winner:
+        lines.append(f"prefill winner (best geomean time): {winner}  -> "
+                     "PREFILL_TILES['sm90'][0] in kvcore/ops/triton_attention.py")
+    return lines
+
+
+def decode_table(res: dict) -> list[str]:
+    from tabulate import tabulate
+
+    fi = {r["case"]: r["time_us"] for r in res["flashinfer"] if r["impl"] == "flashinfer decode"}
+    rows, at_heuristic = [], {}
+    for name in DECODES:
+        mine = [r for r in res["decode"] if r["case"] == name]
+        if not mine:
+            continue
+        ref = fi.get(name) or FLASHINFER_DECODE_BEFORE_US.get(name)
+        default = next((r for r in mine if r["default"]), None)
+        shown = sorted(mine, key=lambda r: r["time_us"])[:4]
+        if default is not None and default not in shown:
+            shown.append(default)
+        for r in shown:
+            rows.append([name, r["tile"], r["splits"], f"{r['time_us']:.1f}",
+                         f"{r['GBps']:.0f}",
+                         f"{default['time_us'] / r['time_us']:.3f}" if default else "",
+                         f"{ref / r['time_us']:.3f}" if ref else "",
+                         "default" if r["default"] else ""])
+        for r in mine:
+            if r["splits"] == r["heuristic_splits"]:
+                at_heuristic.setdefault(r["tile"], {})[name] = r["time_us"]
+    lines = ["decode (production entry, explicit config): 4 fastest per shape and the default",
+             tabulate(rows, headers=["decode", "tile", "splits", "us", "GB/s",
+                                     "default/this", "FlashInfer/this", ""],
+                      disable_numparse=True)]
+    complete = {t: v for t, v in at_heuristic.items() if len(v) == len(DECODES)}
+    default_label = label(table_rows()[1])
+    if complete and default_label in complete:
+        score = {t: geomean([complete[default_label][n] / v[n] for n in DECODES])
+                 for t, v in complete.items()}
+        winner = max(score, key=score.get)
+        lines.append(f"decode tile winner at the heuristic's splits (geomean default/this "
+                     f"{score[winner]:.3f}): {winner} -> DECODE_TILES['sm90']")
+    return lines
+
+
+def table(run: Run) -> str:
+    res = run.results
+    lines = [*prefill_table(res), "", *decode_table(res)]
     failed = [c["check"] for c in res["correctness"] if not c["ok"]]
     lines.append(f"\ncorrectness: {len(res['correctness']) - len(failed)} passed, "
                  f"{len(failed)} failed {failed if failed else ''}; "
@@ -294,7 +550,16 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--budget-s", type=float, default=0 if SMOKE else 150,
+                        help="start no new prefill candidate after this many seconds (0: no "
+                             "limit)")
+    parser.add_argument("--flashinfer-decode", action="store_true",
+                        help="also time FlashInfer's decode (a ~30 s JIT build when cold)")
+    parser.add_argument("--probe-warp-specialize", action="store_true",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe_warp_specialize:
+        return probe_warp_specialize()
     run = Run(Path(args.out), "bench_triton_prefill",
               ("correctness", "sweeps", "decode", "flashinfer"), checks="correctness",
               device=DEVICE)
@@ -315,24 +580,35 @@ def main() -> int:
 
     with run.section("ceiling"):
         measure_ceiling(run)
+    cands: list = []
+    with run.section("warp_specialize probe"):
+        cands = usable_candidates(run)
     batches, refs, outs = {}, {}, {}
     for name, shape in CASES.items():
         with run.section(f"correctness {name}"):
             batches[name] = Batch(*shape)
             refs[name] = batches[name].sdpa_reference()
             check_default(run, name, batches[name], refs[name])
+    passed: list = []
+    with run.section("correctness of every candidate"):
+        cands = cands or [t for t in prefill_candidates() if not t.warp_specialize]
+        passed = check_candidates(run, cands, batches, refs, args.budget_s)
+    refs.clear()
     for name in CASES:
         with run.section(f"sweep {name}"):
-            sweep_case(run, name, batches[name], refs[name])
+            sweep_case(run, name, batches[name], passed)
             outs[name] = triton_attention().paged_attention(
                 batches[name].query, batches[name].k_cache, batches[name].v_cache,
                 **batches[name].kwargs())
-    refs.clear()
-    with run.section("decode (production path)"):
-        time_decodes(run)
+    with run.section("decode sweep (production entry point)"):
+        sweep_decodes(run)
     for name in CASES:
         with run.section(f"flashinfer {name}"):
             time_flashinfer(run, name, batches[name], outs[name])
+    if args.flashinfer_decode:
+        for name in DECODES:
+            with run.section(f"flashinfer decode {name}"):
+                time_flashinfer_decode(run, name)
     run.save()
     print(json.dumps(run.results, indent=1, default=str) if args.json else table(run))
     return 0 if all(c["ok"] for c in run.results["correctness"]) else 1

@@ -14,7 +14,8 @@ than that leave some splits empty, which the kernel and the merge handle), eager
 the step's longest request. The phase picks the kernel: decode-only steps run the decode
 kernel with the builder's split count; steps with more tokens than requests (prefill, chunked
 prefill, mixed) are never split and run the prefill kernel with the GPU's tile
-(:data:`kvcore.ops.triton_attention.PREFILL_TILES`).
+(:data:`kvcore.ops.triton_attention.PREFILL_TILES`; the decode tile and the split rule are the
+GPU's row of :data:`kvcore.ops.triton_attention.DECODE_TILES`).
 """
 
 from __future__ import annotations

@@ -41,13 +41,23 @@ then merges them. Each request is split by its *own* length, read on the device.
 
 Heuristic (:func:`default_config`, when ``num_kv_splits`` is not given): split only batches
 that are decode-only (``num_tokens == num_seqs``) and whose ``num_seqs * num_kv_heads``
-programs are fewer than ``_SPLIT_TARGET_WAVES`` (4) per SM; then use
+programs are fewer than ``split_waves`` (4) per SM; then use
 ``floor(4 * num_sms / (num_seqs * num_kv_heads))`` splits, i.e. as many as keep the grid at
-or just under 4 programs per SM, at most one per ``_MIN_SPLIT_TOKENS`` tokens of the longest
-possible sequence (``block_table.shape[1] * block_size``, known without a sync) and at most
+or just under 4 programs per SM, at most one per ``min_split_tokens`` (512) tokens of the
+longest possible sequence (``block_table.shape[1] * block_size``, known without a sync) and at most
 ``_MAX_SPLITS``. On the H200 (132 SMs, Hk=8) this gives 1 split at 64 x 4096 and 256 x 1024,
 8 at 8 x 32768 and 4 at 16 x 4096: the fastest of the swept split counts at each of those
-shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slower.
+shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slower. The two
+parameters and the decode tile are per-GPU rows of :data:`DECODE_TILES`.
+
+Kernel variants
+---------------
+Both kernels share their prologue (:func:`_locate_tile`, :func:`_load_query_tile`) and page
+lookup (:func:`_page_ids`, :func:`_in_page`). ``AttentionConfig.const_block`` compiles the
+block size in (shifts instead of integer divisions per key row); the prefill kernel can also
+pipeline its masked edge loops at their own depth (``edge_stages``) and warp-specialise its
+unmasked loop (``warp_specialize``, where Triton has it). They change speed only, never the
+result; the tables say which ones a GPU uses.
 
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
@@ -68,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 import triton
@@ -80,13 +91,17 @@ __all__ = [
     "MAX_HEAD_SIZE",
     "SUPPORTED_QUERY_DTYPES",
     "AttentionConfig",
+    "DECODE_TILES",
+    "DecodeTile",
     "PREFILL_TILES",
     "PrefillTile",
     "default_config",
+    "decode_tile",
     "default_num_kv_splits",
     "device_arch",
     "paged_attention",
     "prefill_tile",
+    "warp_specialize_supported",
     "workspace_numel",
 ]
 
@@ -95,8 +110,6 @@ MAX_HEAD_SIZE = 256
 #: Query / output dtypes of the Triton path.
 SUPPORTED_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_SPLIT_TARGET_WAVES = 4
-_MIN_SPLIT_TOKENS = 512
 _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
@@ -108,6 +121,13 @@ class AttentionConfig:
     ``block_q`` query tokens x ``g_pad`` query heads form one program's rows; ``block_n`` keys
     per loop step; ``num_splits`` > 1 selects the split-KV path. ``prefill`` selects the
     prefill kernel (key loop split into unmasked tiles and masked edges; no split-KV).
+
+    Kernel variants (all compute the same result): ``const_block`` compiles the cache's block
+    size into the kernel (page lookups by shifts, not integer divisions; one compiled kernel
+    per block size). Prefill kernel only: ``edge_stages`` > 0 pipelines the masked edge loops
+    (causal diagonal, window edge) that deep instead of ``num_stages``, and
+    ``warp_specialize`` asks Triton to warp-specialise the unmasked key loop (needs a Triton
+    whose ``tl.range`` takes ``warp_specialize``: :func:`warp_specialize_supported`).
     """
 
     block_q: int
@@ -117,29 +137,54 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     prefill: bool = False
+    const_block: bool = False
+    edge_stages: int = 0
+    warp_specialize: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillTile:
-    """One row of :data:`PREFILL_TILES`: ``rows`` = query tokens x padded GQA group per
-    program, ``block_n`` keys per step, and the launch's warps and pipeline stages."""
+    """One entry of :data:`PREFILL_TILES`: ``rows`` = query tokens x padded GQA group per
+    program, ``block_n`` keys per step, the launch's warps and pipeline stages, and the
+    kernel variants of :class:`AttentionConfig` (``const_block``, ``edge_stages``,
+    ``warp_specialize``)."""
 
     rows: int
     block_n: int
     num_warps: int
     num_stages: int
+    const_block: bool = False
+    edge_stages: int = 0
+    warp_specialize: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """One entry of :data:`DECODE_TILES`: the decode kernel's keys per step, warps, stages
+    and ``const_block`` variant, and the split-KV heuristic's parameters: split while the grid
+    has fewer than ``split_waves`` programs per SM, at most one split per
+    ``min_split_tokens`` tokens (module docstring)."""
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    const_block: bool = False
+    split_waves: int = 4
+    min_split_tokens: int = 512
 
 
 #: Prefill tiles per GPU architecture (``sm90``, ``gfx942``, ... as :func:`device_arch` names
 #: them; ``cuda`` and ``rocm`` for the others), for head sizes up to 128 and above 128. A
-#: deterministic table, filled from ``benchmarks/bench_triton_prefill.py`` sweeps, so no
+#: deterministic table, filled from ``benchmarks/bench_triton_prefill.py`` sweeps (the sweep
+#: prints its winner over the three prefill cases as a ``PrefillTile(...)`` to paste), so no
 #: autotuning runs inside a step or a CUDA-graph capture. Above head size 128 the tile keeps
 #: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
 #: sm80 (``kvcore kernels``), which keeps the 32-key tile.
 #: sm90: 128 x 32, 4 warps, 3 stages won all three prefill cases of the H200 sweep
-#: (benchmarks/RESULTS.md, 2026-12-01: 522 / 1731 / 1711 us at 4 x 2048, 1 x 8192 and
-#: 4 x 512 over 16k cached; 128 x 64 x 8 x 3 was 4% slower, 64-row tiles 20-25% slower).
-#: sm100 has not been measured: it takes the sm90 row.
+#: (benchmarks/RESULTS.md, 2026-12-01; 128 x 64 x 8 x 3 was 4% slower, 64-row tiles 20-25%
+#: slower). sm100 has not been measured: it takes the sm90 row. Compiled for sm_90a (the
+#: compile check's register report), that tile uses 255 registers and spills 40 bytes per
+#: thread; with ``const_block=True, edge_stages=1`` it spills none (a sweep candidate).
 PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
     "sm90": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
     "sm100": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
@@ -148,6 +193,25 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
     "rocm": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 2)),
 }
+
+#: Decode tiles and split-KV heuristic per GPU architecture (keys as in
+#: :data:`PREFILL_TILES`), filled from the decode sweep of ``benchmarks/bench_triton_prefill.py``.
+#: 32 keys per step, 4 warps, 3 stages (2 tiles in flight) was the fastest tile at every
+#: decode shape swept on the H200, and 4 waves / 512 tokens per split the fastest split rule
+#: (benchmarks/RESULTS.md). Above head size 128 on ROCm the decode kernel keeps one tile in
+#: flight (LDS, as in :data:`PREFILL_TILES`).
+DECODE_TILES: dict[str, DecodeTile] = {
+    "sm90": DecodeTile(),
+    "cuda": DecodeTile(),
+    "rocm": DecodeTile(),
+}
+
+
+@functools.cache
+def warp_specialize_supported() -> bool:
+    """Whether the installed Triton's ``tl.range`` takes ``warp_specialize`` (Triton >= 3.4;
+    whether it pays off on a GPU is for the sweep to say)."""
+    return "warp_specialize" in inspect.signature(tl.range).parameters
 
 
 @triton.jit
@@ -161,6 +225,83 @@ def _to_output(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
             # Zeros and subnormals keep their value (a biased zero would be a subnormal).
             x = tl.where(tl.abs(x) < 1.1754943508222875e-38, x, bits.to(tl.float32, bitcast=True))
     return x.to(dtype)
+
+
+@triton.jit
+def _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """(request, its first token, its query length, the tile's index in it) of query tile
+    ``tile``; ``q_tile * BLOCK_Q >= q_len`` past the last tile of the batch or for an empty
+    request (the caller returns)."""
+    seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    return seq, q_start, q_len, q_tile
+
+
+@triton.jit
+def _load_query_tile(
+    q_ptr, seq_lens_ptr, seq, q_start, q_len, q_tile, kv_head, num_queries_per_kv, head_size,
+    stride_qt, stride_qh, stride_qd,
+    INTERPRET: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The program's rows (``BLOCK_Q`` tokens x ``G_PAD`` query heads of ``kv_head``) and its
+    query tile: ``(q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q,
+    last_q)``, positions counted in the request's keys."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // G_PAD
+    g = rows % G_PAD
+    row_valid = (q_idx < q_len) & (g < num_queries_per_kv)
+    head = (kv_head * num_queries_per_kv + g).to(tl.int64)
+    q_pos = context_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dims64 = dims.to(tl.int64)
+    d_valid = dims < head_size
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims64[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    first_q = context_len + q_tile * BLOCK_Q
+    last_q = context_len + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
+    return q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q, last_q
+
+
+@triton.jit
+def _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR: tl.constexpr):
+    """The fp8 cache's per-tensor K and V scales (device scalars or launch arguments)."""
+    if SCALE_IS_TENSOR:
+        ks = tl.load(k_scale).to(tl.float32)
+        vs = tl.load(v_scale).to(tl.float32)
+    else:
+        ks = k_scale
+        vs = v_scale
+    return ks, vs
+
+
+@triton.jit
+def _page_ids(bt_row, k_pos, kv_end, block_size, stride_btb, PAGE: tl.constexpr):
+    """Block ids of key positions ``k_pos`` (0 past ``kv_end``, never read). ``PAGE`` > 0 is
+    the block size as a compile-time constant (shifts instead of integer divisions)."""
+    if PAGE > 0:
+        idx = k_pos // PAGE
+    else:
+        idx = k_pos // block_size
+    return tl.load(bt_row + idx * stride_btb, mask=k_pos < kv_end, other=0)
+
+
+@triton.jit
+def _in_page(k_pos, block_size, PAGE: tl.constexpr):
+    """int64 slots of key positions ``k_pos`` in their blocks."""
+    if PAGE > 0:
+        slot = k_pos % PAGE
+    else:
+        slot = k_pos % block_size
+    return slot.to(tl.int64)
 
 
 @triton.jit
@@ -178,42 +319,22 @@ def _paged_attention_kernel(
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_KV: tl.constexpr,
+    SPLIT_KV: tl.constexpr, PAGE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
-
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // G_PAD
-    g = rows % G_PAD
-    row_valid = (q_idx < q_len) & (g < num_queries_per_kv)
-    head = (kv_head * num_queries_per_kv + g).to(tl.int64)
-    q_pos = context_len + q_idx
-    token = (q_start + q_idx).to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
-    dims64 = dims.to(tl.int64)
-    d_valid = dims < head_size
-
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-                + dims64[None, :] * stride_qd,
-                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    if INTERPRET:
-        q = q.to(tl.float32)
+    q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q, last_q = \
+        _load_query_tile(q_ptr, seq_lens_ptr, seq, q_start, q_len, q_tile, kv_head,
+                         num_queries_per_kv, head_size, stride_qt, stride_qh, stride_qd,
+                         INTERPRET=INTERPRET, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_D=BLOCK_D)
 
     # Keys this tile can see: up to its last query (causal) and from its first query's window.
-    first_q = context_len + q_tile * BLOCK_Q
-    last_q = context_len + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
     if CAUSAL:
         kv_end = last_q + 1
     else:
@@ -228,12 +349,7 @@ def _paged_attention_kernel(
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     if FP8:
-        if SCALE_IS_TENSOR:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
+        ks, vs = _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -243,16 +359,14 @@ def _paged_attention_kernel(
     kv_head64 = kv_head.to(tl.int64)
     # Page ids are fetched one tile ahead and carried, so the K/V addresses of a tile do not
     # wait on a load issued in the same iteration and the K/V loads can be pipelined deeper.
-    k_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
-    page = tl.load(bt_row + (k_pos // block_size) * stride_btb, mask=k_pos < kv_end, other=0)
+    offs_n = tl.arange(0, BLOCK_N)
+    page = _page_ids(bt_row, tile_lo * BLOCK_N + offs_n, kv_end, block_size, stride_btb, PAGE)
     for t in range(tile_lo, tile_hi):
-        k_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_pos = t * BLOCK_N + offs_n
         k_valid = k_pos < kv_end
         page64 = page.to(tl.int64)
-        next_pos = k_pos + BLOCK_N
-        page = tl.load(bt_row + (next_pos // block_size) * stride_btb,
-                       mask=next_pos < kv_end, other=0)
-        in_page = (k_pos % block_size).to(tl.int64)
+        page = _page_ids(bt_row, k_pos + BLOCK_N, kv_end, block_size, stride_btb, PAGE)
+        in_page = _in_page(k_pos, block_size, PAGE)
         kv_mask = k_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
                                    + kv_head64 * stride_kh)[:, None]
@@ -302,6 +416,70 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _prefill_step(
+    acc, l_i, m_i, page, t, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
+    d_valid, kv_end, block_size, sliding_window, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+):
+    """Key tile ``t`` of one query tile (its block ids ``page``); returns the updated state
+    and the next tile's block ids."""
+    k_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    page64 = page.to(tl.int64)
+    # The next tile's page ids, carried: the K/V addresses below depend only on loop-carried
+    # values, so the pipeliner keeps num_stages - 1 tiles in flight.
+    page = _page_ids(bt_row, k_pos + BLOCK_N, kv_end, block_size, stride_btb, PAGE)
+    in_page = _in_page(k_pos, block_size, PAGE)
+    k_ptrs = (k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
+                             + kv_head64 * stride_kh)[:, None] + dims64[None, :] * stride_kd)
+    v_ptrs = (v_cache_ptr + (page64 * stride_vb + in_page * stride_vs
+                             + kv_head64 * stride_vh)[:, None] + dims64[None, :] * stride_vd)
+    if MASKED:
+        k_valid = k_pos < kv_end
+        kv_mask = k_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_valid[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+    if INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
+        v = v.to(q.dtype)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        mask = k_valid[None, :]
+        if CAUSAL:
+            mask &= k_pos[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        s = tl.where(mask, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+    else:
+        # qk_scale > 0 (validated), so the row maximum of the scaled scores is the scaled
+        # maximum, and the scale folds into one multiply-add per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new, page
+
+
+@triton.jit
 def _prefill_tiles(
     acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64, d_valid,
     lo, hi, kv_end, block_size, sliding_window, qk_scale,
@@ -309,67 +487,43 @@ def _prefill_tiles(
     stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Key tiles ``lo <= t < hi`` of one query tile. ``MASKED=False`` tiles are entirely
     visible to every query of the tile (no mask, no load guard); ``MASKED`` ones (the causal
-    diagonal, the window's lower edge, the tail past ``kv_end``) mask scores and loads."""
-    offs_n = tl.arange(0, BLOCK_N)
-    k_pos = lo * BLOCK_N + offs_n
-    page = tl.load(bt_row + (k_pos // block_size) * stride_btb, mask=k_pos < kv_end, other=0)
-    for t in range(lo, hi):
-        k_pos = t * BLOCK_N + offs_n
-        page64 = page.to(tl.int64)
-        # The next tile's page ids, carried: the K/V addresses below depend only on
-        # loop-carried values, so the pipeliner keeps num_stages - 1 tiles in flight.
-        next_pos = k_pos + BLOCK_N
-        page = tl.load(bt_row + (next_pos // block_size) * stride_btb,
-                       mask=next_pos < kv_end, other=0)
-        in_page = (k_pos % block_size).to(tl.int64)
-        k_ptrs = (k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
-                                 + kv_head64 * stride_kh)[:, None] + dims64[None, :] * stride_kd)
-        v_ptrs = (v_cache_ptr + (page64 * stride_vb + in_page * stride_vs
-                                 + kv_head64 * stride_vh)[:, None] + dims64[None, :] * stride_vd)
-        if MASKED:
-            k_valid = k_pos < kv_end
-            kv_mask = k_valid[:, None] & d_valid[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_valid[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
-        if INTERPRET:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
-            v = v.to(q.dtype)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED:
-            mask = k_valid[None, :]
-            if CAUSAL:
-                mask &= k_pos[None, :] <= q_pos[:, None]
-            if USE_WINDOW:
-                mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-            s = tl.where(mask, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-        else:
-            # qk_scale > 0 (validated), so the row maximum of the scaled scores is the scaled
-            # maximum, and the scale folds into one multiply-add per score.
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    diagonal, the window's lower edge, the tail past ``kv_end``) mask scores and loads.
+    ``STAGES`` > 0 pipelines this loop that deep instead of the launch's ``num_stages``;
+    ``WARP_SPECIALIZE`` asks Triton for producer/consumer warps (Hopper and later)."""
+    page = _page_ids(bt_row, lo * BLOCK_N + tl.arange(0, BLOCK_N), kv_end, block_size,
+                     stride_btb, PAGE)
+    if WARP_SPECIALIZE:
+        for t in tl.range(lo, hi, warp_specialize=True):
+            acc, l_i, m_i, page = _prefill_step(
+                acc, l_i, m_i, page, t, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64,
+                dims64, d_valid, kv_end, block_size, sliding_window, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
+                MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
+    elif STAGES > 0:
+        for t in tl.range(lo, hi, num_stages=STAGES):
+            acc, l_i, m_i, page = _prefill_step(
+                acc, l_i, m_i, page, t, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64,
+                dims64, d_valid, kv_end, block_size, sliding_window, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
+                MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
+    else:
+        for t in range(lo, hi):
+            acc, l_i, m_i, page = _prefill_step(
+                acc, l_i, m_i, page, t, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64,
+                dims64, d_valid, kv_end, block_size, sliding_window, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
+                MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
     return acc, l_i, m_i
 
 
@@ -388,7 +542,8 @@ def _prefill_attention_kernel(
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, PAGE: tl.constexpr, EDGE_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Last tiles first: under a causal mask they have the most keys, and the short ones then
@@ -396,46 +551,21 @@ def _prefill_attention_kernel(
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
-
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // G_PAD
-    g = rows % G_PAD
-    row_valid = (q_idx < q_len) & (g < num_queries_per_kv)
-    head = (kv_head * num_queries_per_kv + g).to(tl.int64)
-    q_pos = context_len + q_idx
-    token = (q_start + q_idx).to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
-    dims64 = dims.to(tl.int64)
-    d_valid = dims < head_size
-
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-                + dims64[None, :] * stride_qd,
-                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    if INTERPRET:
-        q = q.to(tl.float32)
+    q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q, last_q = \
+        _load_query_tile(q_ptr, seq_lens_ptr, seq, q_start, q_len, q_tile, kv_head,
+                         num_queries_per_kv, head_size, stride_qt, stride_qh, stride_qd,
+                         INTERPRET=INTERPRET, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_D=BLOCK_D)
 
     if FP8:
-        if SCALE_IS_TENSOR:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
+        ks, vs = _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     # Key tiles [lo, hi) hold every key some query of the tile sees; [full_lo, full_hi) those
     # every query sees: after the window's lower edge of the last query, up to the first
     # query's position (causal) or the last full tile (not causal).
-    first_q = context_len + q_tile * BLOCK_Q
-    last_q = context_len + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
     if CAUSAL:
         kv_end = last_q + 1
         full_hi = (first_q + 1) // BLOCK_N
@@ -462,19 +592,22 @@ def _prefill_attention_kernel(
             d_valid, lo, full_lo, kv_end, block_size, sliding_window, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
-            EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+            EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
+            PAGE=PAGE, STAGES=EDGE_STAGES, WARP_SPECIALIZE=False)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
         d_valid, full_lo, full_hi, kv_end, block_size, sliding_window, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
         stride_vd, stride_btb, MASKED=False, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
-        EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+        EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
+        PAGE=PAGE, STAGES=0, WARP_SPECIALIZE=WARP_SPECIALIZE)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
         d_valid, full_hi, hi, kv_end, block_size, sliding_window, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
         stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
-        EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+        EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
+        PAGE=PAGE, STAGES=EDGE_STAGES, WARP_SPECIALIZE=False)
 
     if FP8:
         acc = acc * vs
@@ -517,19 +650,22 @@ def _num_sms(device: torch.device) -> int:
 
 def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
                           max_seq_len_bound: int, device: torch.device, *,
-                          num_sms: int | None = None) -> int:
+                          num_sms: int | None = None, arch: str | None = None,
+                          rocm: bool | None = None) -> int:
     """The split-KV heuristic of the module docstring: 1 unless the batch is decode-only and
     too small to fill the GPU; ``max_seq_len_bound`` bounds every request's length and
-    ``num_sms`` (default: ``device``'s SM count) sets the target.
+    ``num_sms`` (default: ``device``'s SM count) sets the target; the waves and tokens per
+    split come from the :func:`decode_tile` of ``arch`` (default: :func:`device_arch`).
 
     The result depends only on its arguments, so a builder that passes a fixed bound (e.g.
     ``max_model_len``) gets a choice that is stable for a batch size (CUDA-graph replays).
     """
+    rule = decode_tile(arch or device_arch(device), _is_rocm(rocm))
     work = num_seqs * num_kv_heads
-    target = _SPLIT_TARGET_WAVES * (num_sms or _num_sms(device))
+    target = rule.split_waves * (num_sms or _num_sms(device))
     if num_tokens != num_seqs or work == 0 or work >= target:
         return 1
-    by_length = max(1, max_seq_len_bound // _MIN_SPLIT_TOKENS)
+    by_length = max(1, max_seq_len_bound // rule.min_split_tokens)
     return max(1, min(target // work, by_length, _MAX_SPLITS))
 
 
@@ -560,11 +696,21 @@ def _device_arch(device_type: str, index: int | None) -> str:
     return f"sm{props.major}{props.minor}"
 
 
+def _is_rocm(rocm: bool | None) -> bool:
+    return getattr(torch.version, "hip", None) is not None if rocm is None else rocm
+
+
 def prefill_tile(head_size: int, arch: str, rocm: bool) -> PrefillTile:
     """The :data:`PREFILL_TILES` entry for ``arch`` (the platform's default when the table
     has no row for it)."""
     row = PREFILL_TILES.get(arch) or PREFILL_TILES["rocm" if rocm else "cuda"]
     return row[0] if head_size <= 128 else row[1]
+
+
+def decode_tile(arch: str, rocm: bool) -> DecodeTile:
+    """The :data:`DECODE_TILES` entry for ``arch`` (the platform's default when the table has
+    no row for it)."""
+    return DECODE_TILES.get(arch) or DECODE_TILES["rocm" if rocm else "cuda"]
 
 
 def default_config(
@@ -588,33 +734,36 @@ def default_config(
     ``max_seq_len_bound`` is an upper bound on every request's length
     (``block_table.shape[1] * block_size``); only the split heuristic uses it, with
     ``num_sms`` (default: ``device``'s SM count). ``rocm`` picks the AMD configs (default: the
-    torch build's platform), ``arch`` the row of :data:`PREFILL_TILES` (default:
-    :func:`device_arch`). The compile check passes its target's values for all three.
+    torch build's platform), ``arch`` the row of :data:`PREFILL_TILES` and :data:`DECODE_TILES`
+    (default: :func:`device_arch`). The compile check passes its target's values for all three.
     """
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     decode_only = num_tokens == num_seqs
+    rocm = _is_rocm(rocm)
+    arch = arch or device_arch(device)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_tokens, num_seqs, num_kv_heads,
-                                              max_seq_len_bound, device, num_sms=num_sms)
-    if rocm is None:
-        rocm = getattr(torch.version, "hip", None) is not None
+                                              max_seq_len_bound, device, num_sms=num_sms,
+                                              arch=arch, rocm=rocm)
     if not decode_only and num_kv_splits == 1:
-        tile = prefill_tile(head_size, arch or device_arch(device), rocm)
+        tile = prefill_tile(head_size, arch, rocm)
         return AttentionConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,
                                block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
-                               num_stages=tile.num_stages, prefill=True)
+                               num_stages=tile.num_stages, prefill=True,
+                               const_block=tile.const_block, edge_stages=tile.edge_stages,
+                               warp_specialize=tile.warp_specialize)
     # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), split prefill tiles 128
-    # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill). 32 keys per
-    # step, 4 warps, 3 stages (2 tiles in flight) was the fastest tile config at every decode
-    # shape swept on the H200.
+    # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill).
     rows = 16 if decode_only else (128 if head_size <= 128 else 64)
     block_q = max(1, rows // g_pad)
+    tile = decode_tile(arch, rocm)
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
-    num_stages = 2 if rocm and head_size > 128 else 3
-    return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=32,
-                           num_splits=num_kv_splits, num_warps=4, num_stages=num_stages)
+    num_stages = min(tile.num_stages, 2) if rocm and head_size > 128 else tile.num_stages
+    return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=tile.block_n,
+                           num_splits=num_kv_splits, num_warps=tile.num_warps,
+                           num_stages=num_stages, const_block=tile.const_block)
 
 
 def _check_workspace(workspace: object, device: torch.device,
@@ -714,6 +863,17 @@ def paged_attention(
     if cfg.prefill and cfg.num_splits != 1:
         raise ValueError(f"config has prefill=True and num_splits={cfg.num_splits}: the "
                          "prefill kernel does not split keys (set num_splits=1 or prefill=False)")
+    if not cfg.prefill and (cfg.edge_stages or cfg.warp_specialize):
+        raise ValueError(f"config has edge_stages={cfg.edge_stages} and warp_specialize="
+                         f"{cfg.warp_specialize} with prefill=False: only the prefill kernel "
+                         "has these variants (set prefill=True or leave them at 0/False)")
+    if cfg.warp_specialize and not warp_specialize_supported():
+        raise ValueError(f"config has warp_specialize=True but Triton {triton.__version__}'s "
+                         "tl.range does not take warp_specialize (Triton >= 3.4 does); set "
+                         "warp_specialize=False")
+    if cfg.edge_stages < 0:
+        raise ValueError(f"config has edge_stages={cfg.edge_stages}; it must be >= 0 (0: the "
+                         "launch's num_stages)")
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
 
@@ -745,7 +905,8 @@ def paged_attention(
             FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
             INTERPRET=interpret, DOT_PRECISION=dot_precision,
             BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            EVEN_D=block_d == head_size,
+            EVEN_D=block_d == head_size, PAGE=block_size if cfg.const_block else 0,
+            EDGE_STAGES=cfg.edge_stages, WARP_SPECIALIZE=cfg.warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
@@ -761,7 +922,7 @@ def paged_attention(
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
         INTERPRET=interpret, DOT_PRECISION=dot_precision,
         BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        SPLIT_KV=cfg.num_splits > 1,
+        SPLIT_KV=cfg.num_splits > 1, PAGE=block_size if cfg.const_block else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:

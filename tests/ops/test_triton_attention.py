@@ -289,6 +289,122 @@ def test_prefill_config_with_splits_is_refused() -> None:
                                          **batch.kwargs(), config=config)
 
 
+#: Kernel variants of AttentionConfig: each changes speed only, never a bit of the output.
+VARIANTS = {
+    "const-block": dict(const_block=True),
+    "edge-stages1": dict(edge_stages=1),
+    "edge-stages3": dict(edge_stages=3),
+    "warp-specialize": dict(warp_specialize=True),
+    "all": dict(const_block=True, edge_stages=1, warp_specialize=True),
+}
+# (kernel kwargs, heads, kv heads, block size, rows, block_n, cache dtype): causal GQA over
+# ragged requests with key tiles wider / narrower than a block, a window, non-causal, fp8.
+VARIANT_CASES = {
+    "causal-gqa4-bs16-n32-bf16": (dict(), 8, 2, 16, 64, 32, None),
+    "causal-gqa2-bs32-n16-fp16": (dict(), 4, 2, 32, 32, 16, None),
+    "window20-gqa4-bs16-n16-fp32": (dict(sliding_window=20), 4, 1, 16, 16, 16, None),
+    "noncausal-gqa1-bs64-n32-bf16": (dict(causal=False), 2, 2, 64, 32, 32, None),
+    "fp8-gqa4-bs16-n32-bf16": (dict(kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.08), 4, 1,
+                               16, 32, 32, torch.float8_e4m3fn),
+}
+
+
+def _variant_batch(case: str) -> tuple[Batch, dict, triton_attention.AttentionConfig]:
+    kwargs, num_heads, num_kv_heads, block_size, rows, block_n, cache_dtype = \
+        VARIANT_CASES[case]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        case.rsplit("-", 1)[1]]
+    batch = make_batch(_seed(f"variant-{case}"), q_lens=[q for q, _ in RAGGED],
+                       seq_lens=[q + c for q, c in RAGGED], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_size=32, block_size=block_size,
+                       dtype=dtype, cache_dtype=cache_dtype)
+    return batch, kwargs, _prefill_config(rows, block_n, num_heads, num_kv_heads)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_prefill_kernel_variants_equal_the_plain_kernel(case: str, variant: str) -> None:
+    """Each variant against the references, and bit for bit against the plain kernel under
+    the interpreter (on a GPU another schedule may round differently: tolerances only)."""
+    batch, kwargs, base = _variant_batch(case)
+    plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), **kwargs, config=base)
+    out = triton_attention.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), **kwargs,
+        config=dataclasses.replace(base, **VARIANTS[variant]))
+    check_against_references(out, batch, **kwargs)
+    if DEVICE == "cpu":
+        assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_kernel_with_the_block_size_compiled_in(splits: int, block_size: int) -> None:
+    """``const_block`` on the decode kernel (split and unsplit, mixed batch, window) equals
+    the plain kernel and the references."""
+    batch = mixed_batch(_seed(f"const-block{splits}{block_size}"), 4, block_size=block_size,
+                        num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    cfg = triton_attention.AttentionConfig(block_q=4, g_pad=4, block_n=32, num_splits=splits,
+                                           num_warps=4, num_stages=2)
+    outs = [triton_attention.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), sliding_window=50,
+        config=dataclasses.replace(cfg, const_block=const)) for const in (False, True)]
+    check_against_references(outs[1], batch, sliding_window=50)
+    if DEVICE == "cpu":
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (dict(edge_stages=2), "edge_stages=2 and warp_specialize=False with prefill=False"),
+    (dict(warp_specialize=True), "only the prefill kernel has these variants"),
+    (dict(prefill=True, edge_stages=-1), "edge_stages=-1; it must be >= 0"),
+], ids=["edge-stages-on-decode", "warp-specialize-on-decode", "negative-edge-stages"])
+def test_variant_configs_the_kernel_cannot_run_are_refused(change: dict, match: str) -> None:
+    batch = make_batch(_seed("variant-refused"), q_lens=[4], seq_lens=[9], num_heads=2,
+                       num_kv_heads=1, head_size=32, block_size=16, dtype=torch.float32)
+    cfg = dataclasses.replace(_prefill_config(16, 16, 2, 1), **{"prefill": False, **change})
+    with pytest.raises(ValueError, match=match):
+        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                         **batch.kwargs(), config=cfg)
+
+
+def test_warp_specialize_without_triton_support_is_refused(monkeypatch) -> None:
+    batch = make_batch(_seed("ws-refused"), q_lens=[4], seq_lens=[9], num_heads=2,
+                       num_kv_heads=1, head_size=32, block_size=16, dtype=torch.float32)
+    monkeypatch.setattr(triton_attention, "warp_specialize_supported", lambda: False)
+    cfg = dataclasses.replace(_prefill_config(16, 16, 2, 1), warp_specialize=True)
+    with pytest.raises(ValueError, match="does not take warp_specialize"):
+        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                         **batch.kwargs(), config=cfg)
+
+
+def test_default_configs_come_from_the_tables(monkeypatch) -> None:
+    """Editing one row of PREFILL_TILES / DECODE_TILES changes the launches and the split
+    heuristic for that GPU, and only for it."""
+    cfg, cpu = triton_attention.default_config, torch.device("cpu")
+    prefill = triton_attention.PrefillTile(64, 64, 8, 2, const_block=True, edge_stages=1,
+                                           warp_specialize=True)
+    decode = triton_attention.DecodeTile(block_n=64, num_warps=8, num_stages=2,
+                                         const_block=True, split_waves=1,
+                                         min_split_tokens=2048)
+    monkeypatch.setitem(triton_attention.PREFILL_TILES, "sm90",
+                        (prefill, triton_attention.PREFILL_TILES["sm90"][1]))
+    monkeypatch.setitem(triton_attention.DECODE_TILES, "sm90", decode)
+    p = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132)
+    assert (p.block_q * p.g_pad, p.block_n, p.num_warps, p.num_stages, p.const_block,
+            p.edge_stages, p.warp_specialize) == (64, 64, 8, 2, True, 1, True)
+    d = cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132)
+    # 128 programs, 1 wave of 132 SMs: split by the table's 1 wave (1 split), not 4 (4).
+    assert (d.block_n, d.num_warps, d.num_stages, d.const_block, d.num_splits) == \
+        (64, 8, 2, True, 1)
+    assert cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm80", num_sms=132).num_splits == 4
+    # 8 programs: 16 fit a wave, but 4096 tokens allow 2 splits of 2048.
+    assert triton_attention.default_num_kv_splits(1, 1, 8, 4096, cpu, num_sms=16,
+                                                  arch="sm90") == 2
+    other = cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm80", num_sms=132)
+    assert (other.block_n, other.const_block) == (32, False)
+
+
 def test_output_in_place_with_strides() -> None:
     batch = mixed_batch(_seed("inplace"), 3, block_size=16, num_heads=4, num_kv_heads=2,
                         head_size=64, dtype=torch.float16)
@@ -432,3 +548,11 @@ def test_int64_offsets_in_a_32_layer_cross_layer_pool() -> None:
         flat = triton_attention.paged_attention(query.cuda(), kc.contiguous(), vc.contiguous(),
                                                 **kwargs, num_kv_splits=splits)
         assert torch.equal(strided, flat)
+    # The block size compiled in (shifts, not divisions), on both kernels.
+    for num_tokens, splits in ((42, 1), (42, 4)):
+        cfg = triton_attention.default_config(num_tokens, 3, 32, hk, d, 50 * bs,
+                                              torch.device("cuda"), splits)
+        plain = triton_attention.paged_attention(query.cuda(), kc, vc, **kwargs, config=cfg)
+        const = triton_attention.paged_attention(
+            query.cuda(), kc, vc, **kwargs, config=dataclasses.replace(cfg, const_block=True))
+        torch.testing.assert_close(const, plain, atol=0, rtol=0)
