@@ -109,31 +109,47 @@ def reference(d: Decode) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the two paths
 
 
-def direct(d: Decode):
-    """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``."""
+def flashinfer_mla_direct(q: torch.Tensor, cache: torch.Tensor,
+                          common: kvcore.AttentionMetadata, scale: float, *,
+                          k_scale: float | None = None):
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` as a user calls it on kvcore's MLA cache,
+    planned once for a decode batch: returns ``run() -> out`` (``(batch, heads, 512)`` bf16).
+
+    ``q`` ``(batch, heads, 576)`` latent queries (bf16); ``cache`` ``(num_blocks, block, 576)``
+    (bf16, or fp8 with ``k_scale``), read through its ``ckv``/``kpe`` views (no copies);
+    ``common`` the step's metadata (every request uses all of its block-table columns).
+    Shared by this script and ``bench_mla.py``, so both time FlashInfer the same way.
+    """
     import flashinfer.mla
 
+    batch, heads, _ = q.shape
+    block = cache.shape[1]
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-        torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
-    m = d.common
-    pages = (m.seq_lens + BLOCK - 1) // BLOCK
-    kv_indptr = torch.zeros(d.batch + 1, dtype=torch.int32, device=DEVICE)
+        torch.empty(128 << 20, dtype=torch.uint8, device=q.device))
+    pages = (common.seq_lens + block - 1) // block
+    kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(pages, 0, out=kv_indptr[1:])
-    kv_indices = m.block_table.flatten().contiguous()  # every request uses all its pages
+    kv_indices = common.block_table.flatten().contiguous()
     wrapper.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(
-                     m.query_start_loc, kv_indptr, kv_indices, m.seq_lens),
-                 num_heads=d.heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=BLOCK,
-                 causal=False, sm_scale=d.scale, q_data_type=torch.bfloat16,
-                 kv_data_type=d.cache.dtype, query_layout="split", kv_cache_layout="split")
-    q_nope, q_pe = d.q[..., :RANK].contiguous(), d.q[..., RANK:].contiguous()
-    ckv, kpe = d.cache[..., :RANK], d.cache[..., RANK:]
-    out = torch.empty(d.batch, d.heads, RANK, dtype=torch.bfloat16, device=DEVICE)
-    fp8 = {"ckv_scale": d.k_scale, "kpe_scale": d.k_scale} if d.fp8 else {}
+                     common.query_start_loc, kv_indptr, kv_indices, common.seq_lens),
+                 num_heads=heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=block,
+                 causal=False, sm_scale=scale, q_data_type=torch.bfloat16,
+                 kv_data_type=cache.dtype, query_layout="split", kv_cache_layout="split")
+    q_nope, q_pe = q[..., :RANK].contiguous(), q[..., RANK:].contiguous()
+    ckv, kpe = cache[..., :RANK], cache[..., RANK:]
+    out = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device=q.device)
+    fp8 = {"ckv_scale": k_scale, "kpe_scale": k_scale} if k_scale is not None else {}
 
     def call() -> torch.Tensor:
         return wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), out=out, **fp8)
 
     return call
+
+
+def direct(d: Decode):
+    """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``."""
+    return flashinfer_mla_direct(d.q, d.cache, d.common, d.scale,
+                                 k_scale=d.k_scale if d.fp8 else None)
 
 
 class Kvcore:

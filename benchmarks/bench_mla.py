@@ -91,12 +91,19 @@ else:
 # first shape is also timed on a cross-layer view.
 PROD_SHAPES = ([(2, 16, 64), (2, 32, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
-# Candidate decode configs (block_h, block_n, warps, stages) by head count; the table's own
-# row is always timed first. Compiles dominate the sweep's time (a 64-head tile takes ~15 s of
-# one CPU core for sm90); later shapes reuse the first shapes' kernels.
+# Candidate decode configs (block_h, block_n, warps, stages[, split_latent]) by head count; the
+# table's own row is always timed first. Many heads (compute-bound): 16 warps (a quarter of the
+# 64 x 512 float32 accumulator a warpgroup), 128-head programs (each latent read once per 128
+# heads), the latent as two halves, fewer stages. Few heads (memory-bound): more bytes in
+# flight (stages, tile size) or more programs an SM (smaller tiles). Compiles dominate the
+# sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90): worker processes compile
+# every candidate in parallel first (``--compile-workers``), filling Triton's disk cache.
 PROD_CANDIDATES = {
-    "many": [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 4), (32, 64, 8, 2)],
-    "few": [(16, 32, 4, 4), (16, 64, 8, 2), (16, 32, 4, 3), (16, 16, 4, 6)],
+    "many": [(64, 64, 16, 2), (64, 64, 8, 2, True), (64, 64, 16, 2, True), (64, 32, 8, 3),
+             (64, 32, 16, 3), (64, 32, 16, 4, True), (128, 32, 16, 2), (128, 32, 16, 1),
+             (128, 64, 16, 1)],
+    "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 8, 5), (16, 64, 8, 3, True),
+            (32, 32, 8, 3), (16, 16, 4, 8)],
 }
 
 
@@ -477,13 +484,14 @@ def time_writes(run: Run) -> None:
 # ----------------------------------------------------------------------------- production sweep
 
 
-def _cfg(block_h: int, block_n: int, warps: int, stages: int):
+def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False):
     return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
-                              num_stages=stages)
+                              num_stages=stages, split_latent=split_latent)
 
 
 def _cfg_name(cfg) -> str:
-    return f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+    return (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            + (" halves" if cfg.split_latent else ""))
 
 
 class ProdCase:
@@ -561,22 +569,15 @@ class ProdCase:
 
     def flashinfer(self):
         """FlashInfer's MLA decode on the same cache (``ckv``/``kpe`` are views of it),
-        planned once; ``None`` when flashinfer does not import."""
+        planned once, as ``bench_flashinfer_mla.py`` calls it; ``None`` when flashinfer does
+        not import."""
         try:
-            import flashinfer.mla
+            import flashinfer.mla  # noqa: F401
         except Exception:
             return None
-        pages = -(-self.tokens // BLOCK)
-        cache = self.cache()
-        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            torch.empty(128 << 20, dtype=torch.int8, device=DEVICE))
-        qo_indptr = torch.arange(self.batch + 1, dtype=torch.int32, device=DEVICE)
-        wrapper.plan(qo_indptr, qo_indptr * pages, self.common.block_table.flatten(),
-                     self.common.seq_lens, self.heads, RANK, ROPE, BLOCK, False, self.scale,
-                     DTYPE, DTYPE)
-        q_nope, q_pe = self.q[..., :RANK].contiguous(), self.q[..., RANK:].contiguous()
-        ckv, kpe = cache[..., :RANK], cache[..., RANK:]
-        return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+        from bench_flashinfer_mla import flashinfer_mla_direct
+
+        return flashinfer_mla_direct(self.q, self.cache(), self.common, self.scale)
 
 
 def _prod_row(run: Run, case: ProdCase, kind: str, name: str, t: float, **extra: object
@@ -610,41 +611,128 @@ def check_prod(run: Run) -> None:
         del case
 
 
+def _candidates(heads: int) -> list:
+    """The table's config for ``heads``, then ``PROD_CANDIDATES``' (no duplicates, none with
+    more head rows than the heads need)."""
+    default = tma().mla_decode_config(heads, tma().gpu_family(DEVICE))
+    configs = [default]
+    for c in PROD_CANDIDATES["many" if heads >= 64 else "few"]:
+        cfg = _cfg(*c)
+        if cfg not in configs and cfg.block_h <= max(16, heads):
+            configs.append(cfg)
+    return configs
+
+
+def _split_variants(heads: int, splits: int) -> list[int]:
+    """Split counts tried beside the best config's own: half and twice (four times too for
+    memory-bound shapes, where two programs an SM may stream better than one)."""
+    variants = {max(1, splits // 2), 2 * splits} | ({4 * splits} if heads < 64 else set())
+    return sorted({min(tma().MAX_KV_SPLITS, v) for v in variants} - {splits})
+
+
+def _compile_job(job: tuple) -> str:
+    """Worker: compile one decode launch (Triton's disk cache keeps it for the main process)
+    on a small batch with the same specialisations as the production call (head count, split
+    count, strides), or warm FlashInfer's JIT. Returns what it did."""
+    kvcore.ops.set_value_checks(False)
+    if job[0] == "flashinfer":
+        case = ProdCase(2, 16, 2 * BLOCK)
+        fn = case.flashinfer()
+        if fn is not None:
+            fn()
+            torch.cuda.synchronize()
+        return "flashinfer"
+    _, heads, pages, cfg_tuple, splits = job
+    cfg = _cfg(*cfg_tuple)
+    # One request of one page, its table as wide as the production one (the table stride
+    # is specialised), the cache and workspace shaped like the production ones.
+    table = torch.zeros(1, pages, dtype=torch.int32, device=DEVICE)
+    cache = torch.zeros(2, BLOCK, ENTRY, dtype=DTYPE, device=DEVICE)
+    q = torch.zeros(1, heads, ENTRY, dtype=DTYPE, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    try:
+        tma().mla_attention(q, cache, kv_lora_rank=RANK, query_start_loc=starts, seq_lens=one,
+                            block_table=table, scale=0.1, max_query_len=1, max_seq_len=1,
+                            num_kv_splits=splits, config=cfg)
+        torch.cuda.synchronize()
+    except Exception as exc:  # e.g. out of shared memory: the sweep reports it
+        return f"{_cfg_name(cfg)} splits={splits}: {type(exc).__name__}"
+    return f"{_cfg_name(cfg)} splits={splits}"
+
+
+def precompile(run: Run, workers: int, flashinfer: bool) -> None:
+    """Compile every candidate of the sweep in ``workers`` processes at once (and warm
+    FlashInfer's JIT), so the sweep's budget goes to timing. Splits 1, 2 and 16 cover the
+    specialisations of every split count (1, even, a multiple of 16)."""
+    if workers <= 0 or DEVICE != "cuda":
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    jobs: list[tuple] = [("flashinfer",)] if flashinfer else []
+    seen = set()
+    for _, heads, tokens in PROD_SHAPES:
+        pages = -(-tokens // BLOCK)
+        for cfg in _candidates(heads):
+            for splits in (1, 2, 16):
+                key = (heads, pages % 16 == 0, cfg, splits)
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append(("decode", heads, pages, (
+                        cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                        cfg.split_latent), splits))
+    t0 = time.time()
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = list(pool.map(_compile_job, jobs))
+    except Exception as exc:  # a crashed compiler: the sweep compiles what is left itself
+        run.log(f"precompile stopped: {type(exc).__name__}: {exc}")
+        done = []
+    run.results["meta"]["precompile_s"] = time.time() - t0
+    run.log(f"precompiled {len(done)}/{len(jobs)} launches in {time.time() - t0:.1f} s with "
+            f"{workers} workers", [d for d in done if ":" in d])
+
+
 def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
-    """At every production shape: the table's config, then the candidates of
-    ``PROD_CANDIDATES`` (each checked against the table's output), the best one at half and
-    twice its split count (and four times with few heads), cross-layer against contiguous at
-    the first shape, and FlashInfer direct (captured too). New points stop at ``deadline``;
-    the table's config and FlashInfer are always timed."""
+    """At every production shape: every candidate (the table's config first, then
+    ``PROD_CANDIDATES``) checked against float32 torch, then timed; the best one at other
+    split counts (:func:`_split_variants`), cross-layer against contiguous at the first
+    shape, and FlashInfer direct (captured too). New points stop at ``deadline``; the table's
+    config and FlashInfer are always timed."""
     for index, (batch, heads, tokens) in enumerate(PROD_SHAPES):
         case = ProdCase(batch, heads, tokens, cross_layer=index == 0)
-        default = case.default_config()
+        reference = case.reference()
+        default, *others = _candidates(heads)
         fn, out, splits = case.call()
+        fn()
+        err = rel_err(out, reference)
+        run.check(f"sweep.{case.shape()}.{_cfg_name(default)}.s{splits}.vs_float32",
+                  err < 1e-2, rel_err=err)
         t_default, how = time_call(fn)
         expected = out.clone()
         _prod_row(run, case, "triton", _cfg_name(default), t_default, splits=splits,
-                  table=True, method=how)
+                  table=True, method=how, rel_err=err)
         best = (t_default, default, splits)
-        kind = "many" if heads >= 64 else "few"
-        points = [(_cfg(*c), None) for c in PROD_CANDIDATES[kind]
-                  if _cfg(*c) != default and (_cfg(*c).block_h <= max(16, heads))]
-        for cfg, forced in points:
+        for cfg in others:
             if time.time() > deadline:
                 run.log(f"PROD {case.shape()}: budget spent, candidates skipped")
                 break
-            best = _prod_point(run, case, cfg, forced, expected, best)
+            best = _prod_point(run, case, cfg, None, reference, best)
         t, cfg, s = best
-        # Half and twice the chosen splits (four times too for memory-bound shapes, where two
-        # programs an SM may stream better than one).
-        variants = {max(1, s // 2), 2 * s} | ({4 * s} if kind == "few" else set())
-        for forced in sorted({min(tma().MAX_KV_SPLITS, v) for v in variants} - {s}):
+        for forced in _split_variants(heads, s):
             if time.time() > deadline:
                 break
-            best = _prod_point(run, case, cfg, forced, expected, best)
+            best = _prod_point(run, case, cfg, forced, reference, best)
         if index == 0:
             t, cfg, s = best
-            fn_xl, _, _ = case.call(cfg, cross_layer=True, splits=s)
-            fn_std, _, _ = case.call(cfg, splits=s)
+            fn_xl, out_xl, _ = case.call(cfg, cross_layer=True, splits=s)
+            fn_std, out_std, _ = case.call(cfg, splits=s)
+            fn_xl()
+            fn_std()
+            run.check(f"sweep.{case.shape()}.{_cfg_name(cfg)}.s{s}.cross_layer.bit_exact",
+                      torch.equal(out_xl, out_std))
             t_std, _ = time_call(fn_std)
             t_xl, how = time_call(fn_xl)
             _prod_row(run, case, "triton cross-layer", _cfg_name(cfg), t_xl, splits=s,
@@ -654,7 +742,8 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                       time_us=t * 1e6, default_time_us=t_default * 1e6,
                       speedup_vs_table=t_default / t,
                       launch=dict(block_h=cfg.block_h, block_n=cfg.block_n,
-                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                  split_latent=cfg.split_latent))
         fi = None
         if flashinfer:
             try:
@@ -675,17 +764,20 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
         del case
 
 
-def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, expected: torch.Tensor,
+def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, reference: torch.Tensor,
                 best: tuple):
-    """Time one candidate (checked against the table config's output first); returns the
-    better of it and ``best``."""
+    """Check one candidate against the float32 reference, then time it; returns the better
+    of it and ``best`` (a wrong or failing candidate never wins)."""
     try:
         fn, out, splits = case.call(cfg, splits=forced)
         fn()
-        err = rel_err(out, expected)
-        if err > 2e-2:
+        err = rel_err(out, reference)
+        ok = err < 1e-2
+        run.check(f"sweep.{case.shape()}.{_cfg_name(cfg)}.s{splits}.vs_float32", ok,
+                  rel_err=err)
+        if not ok:
             run.log(f"PROD {case.shape()} {_cfg_name(cfg)} splits={splits}: WRONG "
-                    f"(rel_err {err:.3g} vs the table config)")
+                    f"(rel_err {err:.3g} vs float32 torch)")
             return best
         t, how = time_call(fn)
     except Exception as exc:  # e.g. out of shared memory for this tile
@@ -694,8 +786,7 @@ def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, expected: tor
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         return best
-    _prod_row(run, case, "triton", _cfg_name(cfg), t, splits=splits, method=how,
-              rel_err_vs_table=err)
+    _prod_row(run, case, "triton", _cfg_name(cfg), t, splits=splits, method=how, rel_err=err)
     return (t, cfg, splits) if t < best[0] else best
 
 
@@ -728,7 +819,8 @@ def prod_table(run: Run) -> list[str]:
         lines.append(f"suggested {family!r} row for {w['heads']} heads ({w['shape']}): "
                      f"({w['heads']}, LaunchConfig(block_q=1, block_h={c['block_h']}, "
                      f"block_n={c['block_n']}, num_warps={c['num_warps']}, "
-                     f"num_stages={c['num_stages']}))")
+                     f"num_stages={c['num_stages']}"
+                     + (", split_latent=True" if c.get("split_latent") else "") + "))")
     return lines
 
 
@@ -780,6 +872,13 @@ def main() -> None:
                         help="skip FlashInfer's MLA decode (its first call may JIT-compile)")
     parser.add_argument("--json", action="store_true",
                         help="also print the results as one JSON line (before the table)")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="only the ceilings, the decode checks and the production sweep "
+                             "(no cache-write checks and timings)")
+    parser.add_argument("--compile-workers", type=int,
+                        default=max(0, min(12, (os.cpu_count() or 1) - 2)),
+                        help="processes that compile the sweep's candidates in parallel "
+                             "before it starts (0: the sweep compiles as it goes)")
     args = parser.parse_args()
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
@@ -799,12 +898,17 @@ def main() -> None:
     torch.manual_seed(0)
     # The value checks synchronise with the device; timings and graph capture need them off.
     kvcore.ops.set_value_checks(False)
-    for name, fn in (("ceilings", measure_ceilings), ("check concat_and_cache_mla", check_concat),
-                     ("check indexer", check_indexer), ("check decode", check_decode),
-                     ("check TRITON_MLA forward", check_backend), ("check int64 pool",
-                                                                    check_int64),
-                     ("check production decode", check_prod),
-                     ("time decode", time_decode), ("time writes", time_writes)):
+    sections = [("ceilings", measure_ceilings), ("check concat_and_cache_mla", check_concat),
+                ("check indexer", check_indexer), ("check decode", check_decode),
+                ("check TRITON_MLA forward", check_backend), ("check int64 pool", check_int64),
+                ("check production decode", check_prod),
+                ("time decode", time_decode), ("time writes", time_writes)]
+    if args.sweep_only:
+        sweep_sections = ("ceilings", "check decode", "check production decode")
+        sections = [(name, fn) for name, fn in sections if name in sweep_sections]
+    with run.section("precompile"):
+        precompile(run, 0 if SMOKE else args.compile_workers, args.flashinfer)
+    for name, fn in sections:
         with run.section(name):
             fn(run)
     with run.section("production sweep"):
