@@ -89,7 +89,7 @@ else:
     CHECK_TOKENS, INT64_BLOCKS = 4096, 16384
 # The production sweep (builder + CUDA graph, beside FlashInfer): (batch, heads, tokens); the
 # first shape is also timed on a cross-layer view.
-PROD_SHAPES = ([(2, 16, 64), (2, 32, 96)] if SMOKE else
+PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
 # Candidate decode configs (block_h, block_n, warps, stages[, split_latent]) by head count; the
 # table's own row is always timed first. Many heads (compute-bound): 16 warps (a quarter of the
@@ -101,9 +101,9 @@ PROD_SHAPES = ([(2, 16, 64), (2, 32, 96)] if SMOKE else
 PROD_CANDIDATES = {
     "many": [(64, 64, 16, 2), (64, 64, 8, 2, True), (64, 64, 16, 2, True), (64, 32, 8, 3),
              (64, 32, 16, 3), (64, 32, 16, 4, True), (128, 32, 16, 2), (128, 32, 16, 1),
-             (128, 64, 16, 1)],
-    "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 8, 5), (16, 64, 8, 3, True),
-            (32, 32, 8, 3), (16, 16, 4, 8)],
+             (128, 16, 16, 2)],
+    "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 4, 3), (16, 32, 8, 5),
+            (16, 64, 8, 3, True), (32, 32, 8, 3), (16, 16, 4, 8)],
 }
 
 
@@ -662,26 +662,29 @@ def _compile_job(job: tuple) -> str:
 
 
 def precompile(run: Run, workers: int, flashinfer: bool) -> None:
-    """Compile every candidate of the sweep in ``workers`` processes at once (and warm
-    FlashInfer's JIT), so the sweep's budget goes to timing. Splits 1, 2 and 16 cover the
-    specialisations of every split count (1, even, a multiple of 16)."""
+    """Compile every candidate of the sweep at the split count the builder gives it, in
+    ``workers`` processes at once (and warm FlashInfer's JIT), so the sweep's budget goes to
+    timing. Triton specialises integers on being 1 or a multiple of 16: splits 1, 2 and 16
+    stand for every count. The best config's other split counts compile in the sweep."""
     if workers <= 0 or DEVICE != "cuda":
         return
     import concurrent.futures
     import multiprocessing
 
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs: list[tuple] = [("flashinfer",)] if flashinfer else []
     seen = set()
-    for _, heads, tokens in PROD_SHAPES:
+    for batch, heads, tokens in PROD_SHAPES:
         pages = -(-tokens // BLOCK)
         for cfg in _candidates(heads):
-            for splits in (1, 2, 16):
-                key = (heads, pages % 16 == 0, cfg, splits)
-                if key not in seen:
-                    seen.add(key)
-                    jobs.append(("decode", heads, pages, (
-                        cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                        cfg.split_latent), splits))
+            splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg, sms)
+            splits = 1 if splits == 1 else 16 if splits % 16 == 0 else 2
+            key = (heads, pages % 16 == 0, cfg, splits)
+            if key not in seen:
+                seen.add(key)
+                jobs.append(("decode", heads, pages, (
+                    cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                    cfg.split_latent), splits))
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     try:
@@ -876,7 +879,7 @@ def main() -> None:
                         help="only the ceilings, the decode checks and the production sweep "
                              "(no cache-write checks and timings)")
     parser.add_argument("--compile-workers", type=int,
-                        default=max(0, min(12, (os.cpu_count() or 1) - 2)),
+                        default=max(0, min(14, (os.cpu_count() or 1) - 2)),
                         help="processes that compile the sweep's candidates in parallel "
                              "before it starts (0: the sweep compiles as it goes)")
     args = parser.parse_args()
