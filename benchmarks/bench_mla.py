@@ -42,6 +42,7 @@ compilation and a minute.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -580,13 +581,14 @@ class ProdCase:
         return flashinfer_mla_direct(self.q, self.cache(), self.common, self.scale)
 
 
-def _prod_row(run: Run, case: ProdCase, kind: str, name: str, t: float, **extra: object
-              ) -> dict:
+def _prod_row(run: Run, case: ProdCase, kind: str, name: str, t: float, *, rates: bool = True,
+              **extra: object) -> dict:
+    """A sweep row; ``rates=False`` for a part of the step (no bandwidth or TFLOP/s)."""
     read = run.results["ceilings"].get("read_GBps")
-    gbps = case.kv_bytes() / t / 1e9
+    gbps = case.kv_bytes() / t / 1e9 if rates else None
     row = dict(shape=case.shape(), kind=kind, config=name, time_us=t * 1e6, GBps=gbps,
-               read_frac=gbps / read if read else None, TFLOPs=case.flops() / t / 1e12,
-               **extra)
+               read_frac=gbps / read if read and rates else None,
+               TFLOPs=case.flops() / t / 1e12 if rates else None, **extra)
     run.results["sweeps"].append(row)
     run.log("PROD", row)
     return row
@@ -723,6 +725,10 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                 run.log(f"PROD {case.shape()}: budget spent, candidates skipped")
                 break
             best = _prod_point(run, case, cfg, None, reference, best)
+            if heads < 64:  # memory-bound: smaller tiles may fit two programs an SM
+                builder_splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg,
+                                                             _num_sms())
+                best = _prod_point(run, case, cfg, 2 * builder_splits, reference, best)
         t, cfg, s = best
         for forced in _split_variants(heads, s):
             if time.time() > deadline:
@@ -741,12 +747,15 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
             _prod_row(run, case, "triton cross-layer", _cfg_name(cfg), t_xl, splits=s,
                       xl_over_std=t_xl / t_std, method=how)
         t, cfg, s = best
+        if s > 1:
+            _time_merge(run, case, s)
         winner = dict(shape=case.shape(), heads=heads, config=_cfg_name(cfg), splits=s,
                       time_us=t * 1e6, default_time_us=t_default * 1e6,
                       speedup_vs_table=t_default / t,
                       launch=dict(block_h=cfg.block_h, block_n=cfg.block_n,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                  split_latent=cfg.split_latent))
+                                  split_latent=cfg.split_latent,
+                                  programs_per_sm=_programs_per_sm(case, cfg, s)))
         fi = None
         if flashinfer:
             try:
@@ -765,6 +774,32 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
         run.results["sweep_best"].append(winner)
         run.log("PROD BEST", winner, "" if fi else "(no FlashInfer)")
         del case
+
+
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 1
+
+
+def _programs_per_sm(case: ProdCase, cfg, splits: int) -> int | None:
+    """The smallest ``LaunchConfig.programs_per_sm`` (1-4) for which the split chooser picks
+    ``splits`` at this shape (``None``: none does; the table row then keeps 1)."""
+    for p in range(1, 5):
+        trial = dataclasses.replace(cfg, programs_per_sm=p)
+        if tma().mla_decode_num_splits(case.batch, case.heads, case.tokens, trial,
+                                       _num_sms()) == splits:
+            return p
+    return None
+
+
+def _time_merge(run: Run, case: ProdCase, splits: int) -> None:
+    """The split reduction alone (its share of the best time), on a workspace of this shape's
+    size."""
+    workspace = randn(case.batch, case.heads, splits, RANK + 1, dtype=torch.float32)
+    out = torch.empty(case.batch, case.heads, RANK, dtype=DTYPE, device=DEVICE)
+    block_d = max(16, 1 << (RANK - 1).bit_length())
+    t, how = time_call(lambda: tma()._merge_splits(workspace, out, None, RANK, splits, block_d))
+    _prod_row(run, case, "merge only", f"{splits} splits", t, rates=False, splits=splits,
+              method=how)
 
 
 def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, reference: torch.Tensor,
@@ -823,7 +858,11 @@ def prod_table(run: Run) -> list[str]:
                      f"({w['heads']}, LaunchConfig(block_q=1, block_h={c['block_h']}, "
                      f"block_n={c['block_n']}, num_warps={c['num_warps']}, "
                      f"num_stages={c['num_stages']}"
-                     + (", split_latent=True" if c.get("split_latent") else "") + "))")
+                     + (", split_latent=True" if c.get("split_latent") else "")
+                     + (f", programs_per_sm={c['programs_per_sm']}"
+                        if (c.get("programs_per_sm") or 1) > 1 else "") + "))"
+                     + ("" if c.get("programs_per_sm") else
+                        f" (its {w['splits']} splits: no programs_per_sm reproduces them)"))
     return lines
 
 

@@ -182,6 +182,19 @@ def test_the_split_choice_fills_the_gpu_and_no_more() -> None:
     assert tma.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
 
 
+def test_the_split_choice_counts_programs_an_sm_runs_at_once() -> None:
+    """A config whose programs fit two to an SM fills twice the slots: 64 requests of 4096
+    tokens at 16 heads in tiles of 32 take 4 splits (256 programs on 264 slots), not 2."""
+    one = _config(16, 32, num_warps=4, num_stages=3)
+    two = tma.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
+                           programs_per_sm=2)
+    assert tma.mla_decode_num_splits(64, 16, 4096, one, 132) == 2
+    assert tma.mla_decode_num_splits(64, 16, 4096, two, 132) == 4
+    with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1"):
+        tma.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
+                         programs_per_sm=0)
+
+
 def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
     spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.float32, kv_lora_rank=RANK,
                                    qk_rope_head_dim=ROPE)

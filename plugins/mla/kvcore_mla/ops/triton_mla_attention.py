@@ -90,9 +90,12 @@ class LaunchConfig:
 
     ``block_q`` query tokens x ``block_h`` query heads form one program's rows (``block_q`` is 1
     on the decode path; rows must number at least 16 for ``tl.dot``); ``block_n`` keys per loop
-    step. ``split_latent`` (MLA decode kernel only; the other kernel ignores it) processes the
-    latent as two column halves: two score dots, two value dots with the same probabilities
-    into two float32 accumulators of half the width, so each dot chain is independent.
+    step. MLA decode kernel only (the other kernel ignores them): ``split_latent`` processes
+    the latent as two column halves (two score dots, two value dots with the same
+    probabilities into two float32 accumulators of half the width, so each dot chain is
+    independent); ``programs_per_sm`` is how many programs of this config an SM runs at once
+    (shared memory and registers permitting), which :func:`mla_decode_num_splits` counts as
+    slots when it chooses the split count.
     """
 
     block_q: int
@@ -101,12 +104,15 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     split_latent: bool = False
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_h", "block_n"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1")
         if self.block_q * self.block_h < 16 or self.block_n < 16:
             raise ValueError(
                 f"block_q * block_h = {self.block_q * self.block_h} and block_n = "
@@ -236,16 +242,18 @@ def mla_decode_num_splits(num_seqs: int, num_heads: int, max_seq_len: int,
                           config: LaunchConfig, num_sms: int) -> int:
     """KV splits for an MLA decode batch, from its shape and the SM count.
 
-    Each SM gets ``ceil(programs / num_sms)`` programs (programs = requests x head groups x
-    splits) and each program ``ceil(tiles / splits)`` latent tiles of ``config.block_n`` plus a
-    fixed cost for a split's partial result: the count with the least work on the busiest SM
-    wins (the fewest splits on ties), at most :data:`MAX_KV_SPLITS` and one tile a split.
+    Each of the ``num_sms * config.programs_per_sm`` slots gets ``ceil(programs / slots)``
+    programs (programs = requests x head groups x splits) and each program ``ceil(tiles /
+    splits)`` latent tiles of ``config.block_n`` plus a fixed cost for a split's partial
+    result: the count with the least work on the busiest slot wins (the fewest splits on
+    ties), at most :data:`MAX_KV_SPLITS` and one tile a split.
     """
     programs = max(1, num_seqs) * -(-num_heads // config.block_h)
     tiles = max(1, -(-max_seq_len // config.block_n))
+    slots = max(1, num_sms) * config.programs_per_sm
     best, best_cost = 1, float("inf")
     for splits in range(1, min(MAX_KV_SPLITS, tiles) + 1):
-        cost = -(-programs * splits // max(1, num_sms)) * (
+        cost = -(-programs * splits // slots) * (
             -(-tiles // splits) + (_SPLIT_COST_TILES if splits > 1 else 0.0))
         if cost < best_cost:
             best, best_cost = splits, cost
@@ -609,6 +617,21 @@ def _mla_decode_kernel(
                      mask=h_valid)
 
 
+def _merge_splits(workspace: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                  v_dim: int, num_splits: int, block_dv: int) -> None:
+    """Reduce the split workspace ``(tokens, heads, num_splits, v_dim + 1)`` into ``out``
+    ``(tokens, heads, v_dim)`` (and the natural-log ``lse`` ``(tokens, heads)`` if given): one
+    program per (token, head). ``benchmarks/bench_mla.py`` times it alone."""
+    num_tokens, num_heads = out.shape[0], out.shape[1]
+    lse_arg = lse if lse is not None else out
+    lse_strides = lse.stride() if lse is not None else (0, 0)
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        workspace, out, lse_arg, v_dim, *workspace.stride(), *out.stride(), *lse_strides,
+        WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
+    )
+
+
 def _launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -674,11 +697,7 @@ def _launch(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            workspace, out, lse_arg, v_dim, *workspace.stride(), *out.stride(), *lse_strides,
-            WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
-        )
+        _merge_splits(workspace, out, lse, v_dim, num_splits, block_dv)
 
 
 def _launch_mla_decode(
@@ -734,11 +753,7 @@ def _launch_mla_decode(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _merge_splits_kernel[(batch, num_heads)](
-            workspace, out, lse_arg, kv_lora_rank, *workspace.stride(), *out.stride(),
-            *lse_strides, WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_d, num_warps=4,
-        )
+        _merge_splits(workspace, out, lse, kv_lora_rank, num_splits, block_d)
 
 
 def decode_attention_fwd(
