@@ -92,19 +92,21 @@ else:
 # first shape is also timed on a cross-layer view.
 PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
-# Candidate decode configs (block_h, block_n, warps, stages[, split_latent]) by head count; the
-# table's own row is always timed first. Many heads (compute-bound): 16 warps (a quarter of the
-# 64 x 512 float32 accumulator a warpgroup), 128-head programs (each latent read once per 128
-# heads), the latent as two halves, fewer stages. Few heads (memory-bound): more bytes in
-# flight (stages, tile size) or more programs an SM (smaller tiles). Compiles dominate the
-# sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90): worker processes compile
-# every candidate in parallel first (``--compile-workers``), filling Triton's disk cache.
+# Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize]])
+# by head count; the table's own row is always timed first. Many heads (compute-bound): 16
+# warps (a quarter of the 64 x 512 float32 accumulator a warpgroup), 128-head programs (each
+# latent read once per 128 heads), the latent as two halves, fewer stages, a warp-specialised
+# loop. Few heads (memory-bound): more bytes in flight (stages, tile size) or more programs an
+# SM (smaller tiles). Compiles dominate the sweep's time (a 64-head tile takes ~15 s of one CPU
+# core for sm90): one process per candidate compiles it first, many at once
+# (``--compile-workers``), filling Triton's disk cache; a candidate whose compiler crashed is
+# left out of the sweep.
 PROD_CANDIDATES = {
     "many": [(64, 64, 16, 2), (64, 64, 8, 2, True), (64, 64, 16, 2, True), (64, 32, 8, 3),
              (64, 32, 16, 3), (64, 32, 16, 4, True), (128, 32, 16, 2), (128, 32, 16, 1),
-             (128, 16, 16, 2)],
+             (128, 16, 16, 2), (64, 64, 8, 2, False, True), (64, 32, 8, 3, True, True)],
     "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 4, 3), (16, 32, 8, 5),
-            (16, 64, 8, 3, True), (32, 32, 8, 3), (16, 16, 4, 8)],
+            (16, 64, 8, 3, True), (32, 32, 8, 3), (16, 16, 4, 8), (16, 64, 8, 3, False, True)],
 }
 
 
@@ -485,14 +487,25 @@ def time_writes(run: Run) -> None:
 # ----------------------------------------------------------------------------- production sweep
 
 
-def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False):
+def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False,
+         warp_specialize: bool = False):
     return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
-                              num_stages=stages, split_latent=split_latent)
+                              num_stages=stages, split_latent=split_latent,
+                              warp_specialize=warp_specialize)
+
+
+def _cfg_tuple(cfg) -> tuple:
+    return (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.split_latent,
+            cfg.warp_specialize)
 
 
 def _cfg_name(cfg) -> str:
     return (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-            + (" halves" if cfg.split_latent else ""))
+            + (" halves" if cfg.split_latent else "") + (" ws" if cfg.warp_specialize else ""))
+
+
+#: Candidates whose compile crashed the compiler's process (filled by :func:`precompile`).
+_CRASHED: set = set()
 
 
 class ProdCase:
@@ -620,7 +633,7 @@ def _candidates(heads: int) -> list:
     configs = [default]
     for c in PROD_CANDIDATES["many" if heads >= 64 else "few"]:
         cfg = _cfg(*c)
-        if cfg not in configs and cfg.block_h <= max(16, heads):
+        if cfg not in configs and cfg.block_h <= max(16, heads) and cfg not in _CRASHED:
             configs.append(cfg)
     return configs
 
@@ -657,47 +670,60 @@ def _compile_job(job: tuple) -> str:
         tma().mla_attention(q, cache, kv_lora_rank=RANK, query_start_loc=starts, seq_lens=one,
                             block_table=table, scale=0.1, max_query_len=1, max_seq_len=1,
                             num_kv_splits=splits, config=cfg)
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
     except Exception as exc:  # e.g. out of shared memory: the sweep reports it
         return f"{_cfg_name(cfg)} splits={splits}: {type(exc).__name__}"
     return f"{_cfg_name(cfg)} splits={splits}"
 
 
 def precompile(run: Run, workers: int, flashinfer: bool) -> None:
-    """Compile every candidate of the sweep at the split count the builder gives it, in
-    ``workers`` processes at once (and warm FlashInfer's JIT), so the sweep's budget goes to
-    timing. Triton specialises integers on being 1 or a multiple of 16: splits 1, 2 and 16
+    """Compile every candidate of the sweep at the split count the builder gives it, one
+    process per launch, ``workers`` at once (and warm FlashInfer's JIT), so the sweep's budget
+    goes to timing and a compiler crash (an abort, not an exception) costs one candidate, not
+    the run. Triton specialises integers on being 1 or a multiple of 16: splits 1, 2 and 16
     stand for every count. The best config's other split counts compile in the sweep."""
-    if workers <= 0 or DEVICE != "cuda":
+    if workers <= 0:
         return
     import concurrent.futures
-    import multiprocessing
+    import subprocess
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs: list[tuple] = [("flashinfer",)] if flashinfer else []
     seen = set()
     for batch, heads, tokens in PROD_SHAPES:
         pages = -(-tokens // BLOCK)
         for cfg in _candidates(heads):
-            splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg, sms)
+            splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg, _num_sms())
             splits = 1 if splits == 1 else 16 if splits % 16 == 0 else 2
             key = (heads, pages % 16 == 0, cfg, splits)
             if key not in seen:
                 seen.add(key)
-                jobs.append(("decode", heads, pages, (
-                    cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    cfg.split_latent), splits))
+                jobs.append(("decode", heads, pages, _cfg_tuple(cfg), splits))
+
+    def compile_one(job: tuple) -> tuple:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-job", json.dumps(job),
+               *(["--smoke"] if SMOKE else [])]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            return job, "timeout", ""
+        return job, r.returncode, (r.stdout.strip().splitlines() or [""])[-1]
+
     t0 = time.time()
-    ctx = multiprocessing.get_context("spawn")
-    try:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            done = list(pool.map(_compile_job, jobs))
-    except Exception as exc:  # a crashed compiler: the sweep compiles what is left itself
-        run.log(f"precompile stopped: {type(exc).__name__}: {exc}")
-        done = []
-    run.results["meta"]["precompile_s"] = time.time() - t0
-    run.log(f"precompiled {len(done)}/{len(jobs)} launches in {time.time() - t0:.1f} s with "
-            f"{workers} workers", [d for d in done if ":" in d])
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(compile_one, jobs))
+    for job, rc, said in results:
+        if rc != 0 and job[0] == "decode":
+            _CRASHED.add(_cfg(*job[3]))
+            run.log(f"precompile: {_cfg_name(_cfg(*job[3]))} splits={job[4]} crashed the "
+                    f"compiler (rc {rc}): left out of the sweep")
+        elif ":" in said or rc != 0:
+            run.log(f"precompile {job[0]}: rc {rc}: {said}")
+    run.results["meta"]["precompile"] = dict(
+        seconds=time.time() - t0, launches=len(jobs), workers=workers,
+        crashed=sorted(_cfg_name(c) for c in _CRASHED))
+    run.log(f"precompiled {len(jobs)} launches in {time.time() - t0:.1f} s with {workers} "
+            f"processes; crashed: {sorted(_cfg_name(c) for c in _CRASHED) or 'none'}")
 
 
 def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
@@ -917,11 +943,15 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true",
                         help="only the ceilings, the decode checks and the production sweep "
                              "(no cache-write checks and timings)")
+    parser.add_argument("--compile-job", help=argparse.SUPPRESS)  # precompile's child
     parser.add_argument("--compile-workers", type=int,
                         default=max(0, min(14, (os.cpu_count() or 1) - 2)),
                         help="processes that compile the sweep's candidates in parallel "
                              "before it starts (0: the sweep compiles as it goes)")
     args = parser.parse_args()
+    if args.compile_job:
+        print(_compile_job(tuple(json.loads(args.compile_job))), flush=True)
+        return
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
     run = Run(args.out, "bench_mla", ("correctness", "timings", "sweeps", "sweep_best"),

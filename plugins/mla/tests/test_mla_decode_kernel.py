@@ -102,6 +102,20 @@ def test_mla_decode_split_latent_matches_float64_reference(heads, block_h, block
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
 
 
+@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
+def test_mla_decode_warp_specialized_loop_matches_float64_reference(split_latent: bool) -> None:
+    """The warp-specialise request reaches the loop (a hint: the interpreter runs the loop as
+    it is; the GPU tests compile it) and changes no result."""
+    gen = generator("mla-decode-kernel-ws", split_latent)
+    q, cache, table, lens = _case(gen, 16, 16, LENS)
+    config = tma.LaunchConfig(block_q=1, block_h=16, block_n=16, num_warps=4, num_stages=2,
+                              split_latent=split_latent, warp_specialize=True)
+    o, lse = _decode(q, cache, table, lens, 2, config)
+    o_ref, lse_ref = _reference(q, cache, table, lens)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_mla_decode_split_latent_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     gen = generator("mla-decode-kernel-halves-dtype", dtype)

@@ -93,9 +93,12 @@ class LaunchConfig:
     step. MLA decode kernel only (the other kernel ignores them): ``split_latent`` processes
     the latent as two column halves (two score dots, two value dots with the same
     probabilities into two float32 accumulators of half the width, so each dot chain is
-    independent); ``programs_per_sm`` is how many programs of this config an SM runs at once
-    (shared memory and registers permitting), which :func:`mla_decode_num_splits` counts as
-    slots when it chooses the split count.
+    independent); ``warp_specialize`` asks Triton to warp-specialise the key loop (``tl.range(...,
+    warp_specialize=True)``: loads and dots in separate warp groups; the compiler may refuse it
+    on some targets, so only configs measured to compile belong in the table);
+    ``programs_per_sm`` is how many programs of this config an SM runs at once (shared memory
+    and registers permitting), which :func:`mla_decode_num_splits` counts as slots when it
+    chooses the split count.
     """
 
     block_q: int
@@ -104,6 +107,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     split_latent: bool = False
+    warp_specialize: bool = False
     programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
@@ -498,7 +502,7 @@ def _mla_decode_kernel(
     stride_btb, stride_btp,
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_LATENT: tl.constexpr, BLOCK_C: tl.constexpr,
+    SPLIT_LATENT: tl.constexpr, BLOCK_C: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -556,7 +560,7 @@ def _mla_decode_kernel(
         pos_next = t_lo * BLOCK_N + offs_n
         page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
                             mask=pos_next < seq_len, other=0)
-    for t in range(t_lo, t_hi):
+    for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPECIALIZE):
         start = t * BLOCK_N
         pos = start + offs_n
         valid = pos < seq_len  # every tile holds at least one key: rows never see only -inf
@@ -747,6 +751,7 @@ def _launch_mla_decode(
         PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         SPLIT_LATENT=config.split_latent,
         BLOCK_C=block_d // 2 if config.split_latent else block_d,
+        WARP_SPECIALIZE=config.warp_specialize,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), SPLIT=split,
         WRITE_LSE=lse is not None, INTERPRET=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
