@@ -3,6 +3,9 @@
 
 One run does, in order, each section isolated (an error is logged and the run goes on):
 
+0. precompile: every sweep candidate compiled at once, one process each (``--compile-workers``,
+   default cores - 2, at most 14), FlashInfer's JIT warmed beside them; a candidate whose
+   compiler crashes is left out of the sweep;
 1. ceilings: device-to-device copy (bytes read + written) and read-only streaming (torch
    ``sum`` and a Triton streaming read; the faster is the read ceiling), after a warm-up;
 2. correctness at DeepSeek sizes (kv_lora_rank 512, rope 64, 128 heads): ``concat_and_cache_mla``
@@ -18,25 +21,28 @@ One run does, in order, each section isolated (an error is logged and the run go
    against plain torch (``index_put``), standard and cross-layer;
 4. the production sweep (TRITON_MLA's builder metadata, CUDA-graph replays) at B64 x 4096 with
    16 and 128 heads, B8 x 32768 and B128 x 2048 with 128 heads: the config table's row, then
-   the candidates of ``PROD_CANDIDATES`` (each checked against the table's output) and the
-   best one at half and twice its split count (time-boxed by ``--budget-s``), cross-layer
-   against contiguous at the first shape, and FlashInfer's ``BatchMLAPagedAttentionWrapper``
-   direct on the same cache (``ckv``/``kpe`` views), planned once and captured, if flashinfer
-   imports (``--no-flashinfer`` skips it: its first call may JIT-compile for a minute). The
-   correctness of the table's configs at these shapes (float32 torch reference, cross-layer
-   bit-exact) is checked in step 2.
+   the candidates of ``PROD_CANDIDATES`` (16 heads: each at the builder's split count and
+   twice it), every point checked against float32 torch before it is timed, and the best
+   one at half and twice its split count (time-boxed by ``--budget-s``, counted from the
+   start of the run); the split reduction alone; the best one cross-layer against contiguous
+   (bit-exact, then timed) at the first shape; and FlashInfer's
+   ``BatchMLAPagedAttentionWrapper`` direct on the same cache (``ckv``/``kpe`` views),
+   planned once and captured, through ``bench_flashinfer_mla.flashinfer_mla_direct``, if
+   flashinfer imports (``--no-flashinfer`` skips it).
 
 The tables printed last give time, achieved GB/s (bytes a perfect kernel moves: each latent read
 once), the share of the measured ceiling (read ceiling for decode, copy ceiling for writes),
 the speed-up over plain torch and the cross-layer/standard time ratio; then the production
 sweep with % of read bandwidth and TFLOP/s, the best config per shape against FlashInfer, and
-the winners as rows for ``MLA_DECODE_CONFIGS``. Logs and JSON go to ``--out`` (default
-``$OUT``, else ``benchmarks/results``); ``--json`` also prints the JSON. ``--smoke`` runs tiny
-shapes on the CPU under ``TRITON_INTERPRET=1`` to check the script itself.
+the winners as rows for ``MLA_DECODE_CONFIGS`` (with ``programs_per_sm`` when the winning
+split count needs it). Logs and JSON go to ``--out`` (default ``$OUT``, else
+``benchmarks/results``); ``--json`` also prints the JSON. ``--smoke`` runs tiny shapes on the
+CPU under ``TRITON_INTERPRET=1`` to check the script itself. ``--sweep-only`` keeps steps 0, 1,
+the decode checks of step 2 and step 4.
 
 Usage: ``python benchmarks/bench_mla.py [--out DIR] [--budget-s 150] [--smoke]
-[--no-flashinfer] [--json]``. The whole run takes about ``budget-s`` plus FlashInfer's
-compilation and a minute.
+[--no-flashinfer] [--json] [--sweep-only] [--compile-workers N]``. The whole run takes about
+``budget-s`` and half a minute.
 """
 
 from __future__ import annotations
@@ -781,6 +787,7 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                       launch=dict(block_h=cfg.block_h, block_n=cfg.block_n,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                   split_latent=cfg.split_latent,
+                                  warp_specialize=cfg.warp_specialize,
                                   programs_per_sm=_programs_per_sm(case, cfg, s)))
         fi = None
         if flashinfer:
@@ -885,6 +892,7 @@ def prod_table(run: Run) -> list[str]:
                      f"block_n={c['block_n']}, num_warps={c['num_warps']}, "
                      f"num_stages={c['num_stages']}"
                      + (", split_latent=True" if c.get("split_latent") else "")
+                     + (", warp_specialize=True" if c.get("warp_specialize") else "")
                      + (f", programs_per_sm={c['programs_per_sm']}"
                         if (c.get("programs_per_sm") or 1) > 1 else "") + "))"
                      + ("" if c.get("programs_per_sm") else

@@ -18,7 +18,11 @@ group, and computes the group's scores with ``tl.dot`` (``[BLOCK_H, kv_lora_rank
 bandwidth-bound and 128 heads (one GPU) run on the tensor cores. The value is the same tile
 (``acc += p x latent``). A tile that lies in one page costs one block-table read. Split counts
 come from :func:`mla_decode_num_splits`, launch configurations from the per-GPU table
-:data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does).
+:data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does). A
+configuration may also cut the latent into two halves with an accumulator each
+(``split_latent``), ask for a warp-specialised loop (``warp_specialize``) and tell the split
+chooser how many of its programs an SM holds (``programs_per_sm``); ``benchmarks/bench_mla.py``
+sweeps these and prints the winners as table rows.
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
