@@ -206,6 +206,12 @@ def test_mla_decode_launch_variants_real_sizes(variant: tuple) -> None:
         return _decode(q[: t.shape[0]], c, c[..., :RANK], t, s, page, splits, True,
                        impl=functools.partial(tma.decode_attention_fwd, config=config))
 
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        run(cache, table, seq_lens, 1)
+    except OutOfResources as exc:  # a variant may need more shared memory than a GPU has
+        pytest.skip(f"{variant} does not fit on this GPU: {exc}")
     for splits in (1, 5):
         o, lse = run(cache, table, seq_lens, splits)
         o_xl, lse_xl = run(view, table, seq_lens, splits)
