@@ -4,8 +4,8 @@
 One run does, in order, each section isolated (an error is logged and the run goes on):
 
 0. precompile: every sweep candidate compiled at once, one process each (``--compile-workers``,
-   default cores - 2, at most 14), FlashInfer's JIT warmed beside them; a candidate whose
-   compiler crashes is left out of the sweep;
+   by default cores - 2, at most 14, with ``--sweep-only``; none otherwise), FlashInfer's JIT
+   warmed beside them; a candidate whose compiler crashes is left out of the sweep;
 1. ceilings: device-to-device copy (bytes read + written) and read-only streaming (torch
    ``sum`` and a Triton streaming read; the faster is the read ceiling), after a warm-up;
 2. correctness at DeepSeek sizes (kv_lora_rank 512, rope 64, 128 heads): ``concat_and_cache_mla``
@@ -952,10 +952,10 @@ def main() -> None:
                         help="only the ceilings, the decode checks and the production sweep "
                              "(no cache-write checks and timings)")
     parser.add_argument("--compile-job", help=argparse.SUPPRESS)  # precompile's child
-    parser.add_argument("--compile-workers", type=int,
-                        default=max(0, min(14, (os.cpu_count() or 1) - 2)),
+    parser.add_argument("--compile-workers", type=int, default=None,
                         help="processes that compile the sweep's candidates in parallel "
-                             "before it starts (0: the sweep compiles as it goes)")
+                             "before it starts (0: the sweep compiles as it goes; default: "
+                             "cores - 2, at most 14, with --sweep-only, else 0)")
     args = parser.parse_args()
     if args.compile_job:
         print(_compile_job(tuple(json.loads(args.compile_job))), flush=True)
@@ -987,7 +987,10 @@ def main() -> None:
         sweep_sections = ("ceilings", "check decode", "check production decode")
         sections = [(name, fn) for name, fn in sections if name in sweep_sections]
     with run.section("precompile"):
-        precompile(run, 0 if SMOKE else args.compile_workers, args.flashinfer)
+        workers = args.compile_workers
+        if workers is None:
+            workers = max(0, min(14, (os.cpu_count() or 1) - 2)) if args.sweep_only else 0
+        precompile(run, 0 if SMOKE else workers, args.flashinfer)
     for name, fn in sections:
         with run.section(name):
             fn(run)
