@@ -512,6 +512,9 @@ def _cfg_name(cfg) -> str:
 
 #: Candidates whose compile crashed the compiler's process (filled by :func:`precompile`).
 _CRASHED: set = set()
+#: Whether :func:`precompile` ran: without it, warp-specialised candidates (whose compiler may
+#: abort the process on some triton versions) stay out of the sweep.
+_PRECOMPILED = [SMOKE]
 
 
 class ProdCase:
@@ -639,7 +642,8 @@ def _candidates(heads: int) -> list:
     configs = [default]
     for c in PROD_CANDIDATES["many" if heads >= 64 else "few"]:
         cfg = _cfg(*c)
-        if cfg not in configs and cfg.block_h <= max(16, heads) and cfg not in _CRASHED:
+        if (cfg not in configs and cfg.block_h <= max(16, heads) and cfg not in _CRASHED
+                and (_PRECOMPILED[0] or not cfg.warp_specialize)):
             configs.append(cfg)
     return configs
 
@@ -694,6 +698,16 @@ def precompile(run: Run, workers: int, flashinfer: bool) -> None:
     import concurrent.futures
     import subprocess
 
+    def compile_one(job: tuple) -> tuple:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-job", json.dumps(job),
+               *(["--smoke"] if SMOKE else [])]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            return job, "timeout", ""
+        return job, r.returncode, (r.stdout.strip().splitlines() or [""])[-1]
+
+    _PRECOMPILED[0] = True  # before the jobs: they list the warp-specialised candidates too
     jobs: list[tuple] = [("flashinfer",)] if flashinfer else []
     seen = set()
     for batch, heads, tokens in PROD_SHAPES:
@@ -705,16 +719,6 @@ def precompile(run: Run, workers: int, flashinfer: bool) -> None:
             if key not in seen:
                 seen.add(key)
                 jobs.append(("decode", heads, pages, _cfg_tuple(cfg), splits))
-
-    def compile_one(job: tuple) -> tuple:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-job", json.dumps(job),
-               *(["--smoke"] if SMOKE else [])]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired:
-            return job, "timeout", ""
-        return job, r.returncode, (r.stdout.strip().splitlines() or [""])[-1]
-
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(compile_one, jobs))
