@@ -99,18 +99,22 @@ else:
 PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
 # Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize]])
-# by head count; the table's own row is always timed first. Many heads (compute-bound): 16
-# warps (a quarter of the 64 x 512 float32 accumulator a warpgroup), 128-head programs (each
-# latent read once per 128 heads), the latent as two halves, fewer stages, a warp-specialised
-# loop. Few heads (memory-bound): more bytes in flight (stages, tile size) or more programs an
-# SM (smaller tiles). Compiles dominate the sweep's time (a 64-head tile takes ~15 s of one CPU
-# core for sm90): one process per candidate compiles it first, many at once
-# (``--compile-workers``), filling Triton's disk cache; a candidate whose compiler crashed is
-# left out of the sweep.
+# by head count; the table's own row is always timed first. Many heads (compute-bound): the
+# 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps and the score tile is
+# held by both warpgroups, so smaller key tiles spill less (``kvcore kernels`` for sm90 with
+# triton 3.9: n64 s2 255 registers and 312 bytes of spills, n32 s2 68, n16 s4 52; latent
+# halves spill more, 16 warps spill 600+ bytes, 128-head programs need more than the 128
+# registers 16 warps leave and do not compile: both left out; n64 s3 does not fit in shared
+# memory), 32-head programs (no spills, the
+# latent read four times per 128 heads), one warp-specialised loop. Few heads (memory-bound):
+# more bytes in flight (stages, tile size) or more programs an SM (smaller tiles). Compiles
+# dominate the sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90): one process
+# per candidate compiles it first, many at once (``--compile-workers``), filling Triton's disk
+# cache; a candidate whose compiler crashed is left out of the sweep.
 PROD_CANDIDATES = {
-    "many": [(64, 64, 16, 2), (64, 64, 8, 2, True), (64, 64, 16, 2, True), (64, 32, 8, 3),
-             (64, 32, 16, 3), (64, 32, 16, 4, True), (128, 32, 16, 2), (128, 32, 16, 1),
-             (128, 16, 16, 2), (64, 64, 8, 2, False, True), (64, 32, 8, 3, True, True)],
+    "many": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 4), (64, 16, 8, 3),
+             (64, 64, 8, 2, True), (64, 32, 8, 3, True), (32, 64, 8, 3), (32, 32, 8, 4),
+             (64, 64, 8, 2, False, True)],
     "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 4, 3), (16, 32, 8, 5),
             (16, 64, 8, 3, True), (32, 32, 8, 3), (16, 16, 4, 8), (16, 64, 8, 3, False, True)],
 }
