@@ -101,13 +101,12 @@ PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
 # Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize]])
 # by head count; the table's own row is always timed first. Many heads (compute-bound): the
 # 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps and the score tile is
-# held by both warpgroups, so smaller key tiles spill less (``kvcore kernels`` for sm90 with
-# triton 3.9: n64 s2 255 registers and 312 bytes of spills, n32 s2 68, n16 s4 52; latent
-# halves spill more, 16 warps spill 600+ bytes, 128-head programs need more than the 128
-# registers 16 warps leave and do not compile: both left out; n64 s3 does not fit in shared
-# memory), 32-head programs (no spills, the
-# latent read four times per 128 heads), one warp-specialised loop. Few heads (memory-bound):
-# more bytes in flight (stages, tile size) or more programs an SM (smaller tiles). Compiles
+# held by both warpgroups, so smaller key tiles spill less (``kvcore kernels --target sm90``
+# reports registers and spills per launch; latent halves spill more, 16 warps spill several
+# hundred bytes and 128-head programs do not compile for lack of registers: both left out),
+# 32-head programs (no spills, the latent read four times per 128 heads), one
+# warp-specialised loop. Few heads (memory-bound): more bytes in flight (stages, tile size) or
+# more programs an SM (smaller tiles). Compiles
 # dominate the sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90): one process
 # per candidate compiles it first, many at once (``--compile-workers``), filling Triton's disk
 # cache; a candidate whose compiler crashed is left out of the sweep.
