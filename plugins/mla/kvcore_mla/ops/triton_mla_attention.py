@@ -98,8 +98,9 @@ class LaunchConfig:
     the latent as two column halves (two score dots, two value dots with the same
     probabilities into two float32 accumulators of half the width, so each dot chain is
     independent); ``warp_specialize`` asks Triton to warp-specialise the key loop (``tl.range(...,
-    warp_specialize=True)``: loads and dots in separate warp groups; the compiler may refuse it
-    on some targets, so only configs measured to compile belong in the table);
+    warp_specialize=True)``, a hint: where the compiler can, loads and dots run in separate
+    warps; elsewhere it is ignored or refused, so only configs measured to compile and to
+    help belong in the table);
     ``programs_per_sm`` is how many programs of this config an SM runs at once (shared memory
     and registers permitting), which :func:`mla_decode_num_splits` counts as slots when it
     chooses the split count.
@@ -490,6 +491,7 @@ def _load_query(q_rows, cols, stride_d, h_valid, width: tl.constexpr, INTERPRET:
 
 @triton.jit
 def _store_rows(base, cols, stride_d, values, h_valid, width: tl.constexpr):
+    """``values`` into columns ``cols`` (those inside ``width``) of the head rows ``base``."""
     tl.store(base[:, None] + cols[None, :] * stride_d, values.to(base.dtype.element_ty),
              mask=h_valid[:, None] & (cols < width)[None, :])
 
