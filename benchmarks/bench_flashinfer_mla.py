@@ -109,44 +109,62 @@ def reference(d: Decode) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the two paths
 
 
-def direct(d: Decode, graph_mode: bool = False, query_views: bool = False):
-    """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``.
+def flashinfer_mla_direct(q: torch.Tensor, cache: torch.Tensor,
+                          common: kvcore.AttentionMetadata, scale: float, *,
+                          k_scale: float | None = None, graph_mode: bool = False,
+                          query_views: bool = False):
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` as a user calls it on kvcore's MLA cache,
+    planned once for a decode batch: returns ``run() -> out`` (``(batch, heads, 512)`` bf16).
 
+    ``q`` ``(batch, heads, 576)`` latent queries (bf16); ``cache`` ``(num_blocks, block, 576)``
+    (bf16, or fp8 with ``k_scale``), read through its ``ckv``/``kpe`` views (no copies);
+    ``common`` the step's metadata (every request uses all of its block-table columns).
     ``graph_mode``: the wrapper in FlashInfer's CUDA-graph mode (its metadata in buffers given
-    at construction), as a step that is captured once and replayed for later steps must use;
-    ``query_views``: the query halves passed as views of the ``[B, H, 576]`` query (as
-    FLASHINFER_MLA passes them) instead of contiguous copies."""
+    at construction), as a step captured once and replayed for later steps must use;
+    ``query_views``: the query halves passed as views of ``q`` (as FLASHINFER_MLA passes
+    them) instead of contiguous copies. Shared by this script and ``bench_mla.py``, so both
+    time FlashInfer the same way.
+    """
     import flashinfer.mla
 
-    m = d.common
-    pages = (m.seq_lens + BLOCK - 1) // BLOCK
-    kv_indptr = torch.zeros(d.batch + 1, dtype=torch.int32, device=DEVICE)
+    batch, heads, _ = q.shape
+    block = cache.shape[1]
+    pages = (common.seq_lens + block - 1) // block
+    kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(pages, 0, out=kv_indptr[1:])
-    kv_indices = m.block_table.flatten().contiguous()  # every request uses all its pages
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE)
+    kv_indices = common.block_table.flatten().contiguous()
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
     if graph_mode:
         wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            workspace, use_cuda_graph=True, qo_indptr=m.query_start_loc.clone(),
+            workspace, use_cuda_graph=True, qo_indptr=common.query_start_loc.clone(),
             kv_indptr=kv_indptr.clone(), kv_indices=kv_indices.clone(),
-            kv_len_arr=m.seq_lens.clone())
+            kv_len_arr=common.seq_lens.clone())
     else:
         wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
     wrapper.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(
-                     m.query_start_loc, kv_indptr, kv_indices, m.seq_lens),
-                 num_heads=d.heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=BLOCK,
-                 causal=False, sm_scale=d.scale, q_data_type=torch.bfloat16,
-                 kv_data_type=d.cache.dtype, query_layout="split", kv_cache_layout="split")
-    q_nope, q_pe = d.q[..., :RANK], d.q[..., RANK:]
+                     common.query_start_loc, kv_indptr, kv_indices, common.seq_lens),
+                 num_heads=heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=block,
+                 causal=False, sm_scale=scale, q_data_type=torch.bfloat16,
+                 kv_data_type=cache.dtype, query_layout="split", kv_cache_layout="split")
+    q_nope, q_pe = q[..., :RANK], q[..., RANK:]
     if not query_views:
         q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
-    ckv, kpe = d.cache[..., :RANK], d.cache[..., RANK:]
-    out = torch.empty(d.batch, d.heads, RANK, dtype=torch.bfloat16, device=DEVICE)
-    fp8 = {"ckv_scale": d.k_scale, "kpe_scale": d.k_scale} if d.fp8 else {}
+    ckv, kpe = cache[..., :RANK], cache[..., RANK:]
+    out = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device=q.device)
+    fp8 = {"ckv_scale": k_scale, "kpe_scale": k_scale} if k_scale is not None else {}
 
     def call() -> torch.Tensor:
         return wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), out=out, **fp8)
 
     return call
+
+
+def direct(d: Decode, graph_mode: bool = False, query_views: bool = False):
+    """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``
+    (the options: :func:`flashinfer_mla_direct`'s)."""
+    return flashinfer_mla_direct(d.q, d.cache, d.common, d.scale,
+                                 k_scale=d.k_scale if d.fp8 else None, graph_mode=graph_mode,
+                                 query_views=query_views)
 
 
 class Kvcore:

@@ -3,6 +3,9 @@
 
 One run does, in order, each section isolated (an error is logged and the run goes on):
 
+0. precompile: every sweep candidate compiled at once, one process each (``--compile-workers``,
+   by default cores - 2, at most 14, with ``--sweep-only``; none otherwise), FlashInfer's JIT
+   warmed beside them; a candidate whose compiler crashes is left out of the sweep;
 1. ceilings: device-to-device copy (bytes read + written) and read-only streaming (torch
    ``sum`` and a Triton streaming read; the faster is the read ceiling), after a warm-up;
 2. correctness at DeepSeek sizes (kv_lora_rank 512, rope 64, 128 heads): ``concat_and_cache_mla``
@@ -18,30 +21,34 @@ One run does, in order, each section isolated (an error is logged and the run go
    against plain torch (``index_put``), standard and cross-layer;
 4. the production sweep (TRITON_MLA's builder metadata, CUDA-graph replays) at B64 x 4096 with
    16 and 128 heads, B8 x 32768 and B128 x 2048 with 128 heads: the config table's row, then
-   the candidates of ``PROD_CANDIDATES`` (each checked against the table's output) and the
-   best one at half and twice its split count (time-boxed by ``--budget-s``), cross-layer
-   against contiguous at the first shape, and FlashInfer's ``BatchMLAPagedAttentionWrapper``
-   direct on the same cache (``ckv``/``kpe`` views), planned once and captured, if flashinfer
-   imports (``--no-flashinfer`` skips it: its first call may JIT-compile for a minute). The
-   correctness of the table's configs at these shapes (float32 torch reference, cross-layer
-   bit-exact) is checked in step 2.
+   the candidates of ``PROD_CANDIDATES`` (16 heads: each at the builder's split count and
+   twice it), every point checked against float32 torch before it is timed, and the best
+   one at half and twice its split count (time-boxed by ``--budget-s``, counted from the
+   start of the run); the split reduction alone; the best one cross-layer against contiguous
+   (bit-exact, then timed) at the first shape; and FlashInfer's
+   ``BatchMLAPagedAttentionWrapper`` direct on the same cache (``ckv``/``kpe`` views),
+   planned once and captured, through ``bench_flashinfer_mla.flashinfer_mla_direct``, if
+   flashinfer imports (``--no-flashinfer`` skips it).
 
 The tables printed last give time, achieved GB/s (bytes a perfect kernel moves: each latent read
 once), the share of the measured ceiling (read ceiling for decode, copy ceiling for writes),
 the speed-up over plain torch and the cross-layer/standard time ratio; then the production
 sweep with % of read bandwidth and TFLOP/s, the best config per shape against FlashInfer, and
-the winners as rows for ``MLA_DECODE_CONFIGS``. Logs and JSON go to ``--out`` (default
-``$OUT``, else ``benchmarks/results``); ``--json`` also prints the JSON. ``--smoke`` runs tiny
-shapes on the CPU under ``TRITON_INTERPRET=1`` to check the script itself.
+the winners as rows for ``MLA_DECODE_CONFIGS`` (with ``programs_per_sm`` when the winning
+split count needs it). Logs and JSON go to ``--out`` (default ``$OUT``, else
+``benchmarks/results``); ``--json`` also prints the JSON. ``--smoke`` runs tiny shapes on the
+CPU under ``TRITON_INTERPRET=1`` to check the script itself. ``--sweep-only`` keeps steps 0, 1,
+the decode checks of step 2 and step 4.
 
 Usage: ``python benchmarks/bench_mla.py [--out DIR] [--budget-s 150] [--smoke]
-[--no-flashinfer] [--json]``. The whole run takes about ``budget-s`` plus FlashInfer's
-compilation and a minute.
+[--no-flashinfer] [--json] [--sweep-only] [--compile-workers N]``. The whole run takes about
+``budget-s`` and half a minute.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -89,14 +96,26 @@ else:
     CHECK_TOKENS, INT64_BLOCKS = 4096, 16384
 # The production sweep (builder + CUDA graph, beside FlashInfer): (batch, heads, tokens); the
 # first shape is also timed on a cross-layer view.
-PROD_SHAPES = ([(2, 16, 64), (2, 32, 96)] if SMOKE else
+PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
-# Candidate decode configs (block_h, block_n, warps, stages) by head count; the table's own
-# row is always timed first. Compiles dominate the sweep's time (a 64-head tile takes ~15 s of
-# one CPU core for sm90); later shapes reuse the first shapes' kernels.
+# Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize]])
+# by head count; the table's own row is always timed first. Many heads (compute-bound): the
+# 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps and the score tile is
+# held by both warpgroups, so smaller key tiles spill less (``kvcore kernels --target sm90``
+# reports registers and spills per launch; latent halves spill more, 16 warps spill several
+# hundred bytes and 128-head programs do not compile for lack of registers: both left out),
+# 32-head programs (no spills, the latent read four times per 128 heads), one
+# warp-specialised loop. Few heads (memory-bound): more bytes in flight (stages, tile size) or
+# more programs an SM (smaller tiles). Compiles
+# dominate the sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90): one process
+# per candidate compiles it first, many at once (``--compile-workers``), filling Triton's disk
+# cache; a candidate whose compiler crashed is left out of the sweep.
 PROD_CANDIDATES = {
-    "many": [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 4), (32, 64, 8, 2)],
-    "few": [(16, 32, 4, 4), (16, 64, 8, 2), (16, 32, 4, 3), (16, 16, 4, 6)],
+    "many": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 4), (64, 16, 8, 3),
+             (64, 64, 8, 2, True), (64, 32, 8, 3, True), (32, 64, 8, 3), (32, 32, 8, 4),
+             (64, 64, 8, 2, False, True)],
+    "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 4, 3), (16, 32, 8, 5),
+            (16, 64, 8, 3, True), (32, 32, 8, 3), (16, 16, 4, 8), (16, 64, 8, 3, False, True)],
 }
 
 
@@ -477,13 +496,28 @@ def time_writes(run: Run) -> None:
 # ----------------------------------------------------------------------------- production sweep
 
 
-def _cfg(block_h: int, block_n: int, warps: int, stages: int):
+def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False,
+         warp_specialize: bool = False):
     return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
-                              num_stages=stages)
+                              num_stages=stages, split_latent=split_latent,
+                              warp_specialize=warp_specialize)
+
+
+def _cfg_tuple(cfg) -> tuple:
+    return (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.split_latent,
+            cfg.warp_specialize)
 
 
 def _cfg_name(cfg) -> str:
-    return f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+    return (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            + (" halves" if cfg.split_latent else "") + (" ws" if cfg.warp_specialize else ""))
+
+
+#: Candidates whose compile crashed the compiler's process (filled by :func:`precompile`).
+_CRASHED: set = set()
+#: Whether :func:`precompile` ran: without it, warp-specialised candidates (whose compiler may
+#: abort the process on some triton versions) stay out of the sweep.
+_PRECOMPILED = [SMOKE]
 
 
 class ProdCase:
@@ -561,31 +595,25 @@ class ProdCase:
 
     def flashinfer(self):
         """FlashInfer's MLA decode on the same cache (``ckv``/``kpe`` are views of it),
-        planned once; ``None`` when flashinfer does not import."""
+        planned once, as ``bench_flashinfer_mla.py`` calls it; ``None`` when flashinfer does
+        not import."""
         try:
-            import flashinfer.mla
+            import flashinfer.mla  # noqa: F401
         except Exception:
             return None
-        pages = -(-self.tokens // BLOCK)
-        cache = self.cache()
-        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            torch.empty(128 << 20, dtype=torch.int8, device=DEVICE))
-        qo_indptr = torch.arange(self.batch + 1, dtype=torch.int32, device=DEVICE)
-        wrapper.plan(qo_indptr, qo_indptr * pages, self.common.block_table.flatten(),
-                     self.common.seq_lens, self.heads, RANK, ROPE, BLOCK, False, self.scale,
-                     DTYPE, DTYPE)
-        q_nope, q_pe = self.q[..., :RANK].contiguous(), self.q[..., RANK:].contiguous()
-        ckv, kpe = cache[..., :RANK], cache[..., RANK:]
-        return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+        from bench_flashinfer_mla import flashinfer_mla_direct
+
+        return flashinfer_mla_direct(self.q, self.cache(), self.common, self.scale)
 
 
-def _prod_row(run: Run, case: ProdCase, kind: str, name: str, t: float, **extra: object
-              ) -> dict:
+def _prod_row(run: Run, case: ProdCase, kind: str, name: str, t: float, *, rates: bool = True,
+              **extra: object) -> dict:
+    """A sweep row; ``rates=False`` for a part of the step (no bandwidth or TFLOP/s)."""
     read = run.results["ceilings"].get("read_GBps")
-    gbps = case.kv_bytes() / t / 1e9
+    gbps = case.kv_bytes() / t / 1e9 if rates else None
     row = dict(shape=case.shape(), kind=kind, config=name, time_us=t * 1e6, GBps=gbps,
-               read_frac=gbps / read if read else None, TFLOPs=case.flops() / t / 1e12,
-               **extra)
+               read_frac=gbps / read if read and rates else None,
+               TFLOPs=case.flops() / t / 1e12 if rates else None, **extra)
     run.results["sweeps"].append(row)
     run.log("PROD", row)
     return row
@@ -610,51 +638,164 @@ def check_prod(run: Run) -> None:
         del case
 
 
+def _candidates(heads: int) -> list:
+    """The table's config for ``heads``, then ``PROD_CANDIDATES``' (no duplicates, none with
+    more head rows than the heads need)."""
+    default = tma().mla_decode_config(heads, tma().gpu_family(DEVICE))
+    configs = [default]
+    for c in PROD_CANDIDATES["many" if heads >= 64 else "few"]:
+        cfg = _cfg(*c)
+        if (cfg not in configs and cfg.block_h <= max(16, heads) and cfg not in _CRASHED
+                and (_PRECOMPILED[0] or not cfg.warp_specialize)):
+            configs.append(cfg)
+    return configs
+
+
+def _split_variants(heads: int, splits: int) -> list[int]:
+    """Split counts tried beside the best config's own: half and twice (four times too for
+    memory-bound shapes, where two programs an SM may stream better than one)."""
+    variants = {max(1, splits // 2), 2 * splits} | ({4 * splits} if heads < 64 else set())
+    return sorted({min(tma().MAX_KV_SPLITS, v) for v in variants} - {splits})
+
+
+def _compile_job(job: tuple) -> str:
+    """Worker: compile one decode launch (Triton's disk cache keeps it for the main process)
+    on a small batch with the same specialisations as the production call (head count, split
+    count, strides), or warm FlashInfer's JIT. Returns what it did."""
+    kvcore.ops.set_value_checks(False)
+    if job[0] == "flashinfer":
+        case = ProdCase(2, 16, 2 * BLOCK)
+        fn = case.flashinfer()
+        if fn is not None:
+            fn()
+            torch.cuda.synchronize()
+        return "flashinfer"
+    _, heads, pages, cfg_tuple, splits = job
+    cfg = _cfg(*cfg_tuple)
+    # One request of one page, its table as wide as the production one (the table stride
+    # is specialised), the cache and workspace shaped like the production ones.
+    table = torch.zeros(1, pages, dtype=torch.int32, device=DEVICE)
+    cache = torch.zeros(2, BLOCK, ENTRY, dtype=DTYPE, device=DEVICE)
+    q = torch.zeros(1, heads, ENTRY, dtype=DTYPE, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    try:
+        tma().mla_attention(q, cache, kv_lora_rank=RANK, query_start_loc=starts, seq_lens=one,
+                            block_table=table, scale=0.1, max_query_len=1, max_seq_len=1,
+                            num_kv_splits=splits, config=cfg)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    except Exception as exc:  # e.g. out of shared memory: the sweep reports it
+        return f"{_cfg_name(cfg)} splits={splits}: {type(exc).__name__}"
+    return f"{_cfg_name(cfg)} splits={splits}"
+
+
+def precompile(run: Run, workers: int, flashinfer: bool) -> None:
+    """Compile every candidate of the sweep at the split count the builder gives it, one
+    process per launch, ``workers`` at once (and warm FlashInfer's JIT), so the sweep's budget
+    goes to timing and a compiler crash (an abort, not an exception) costs one candidate, not
+    the run. Triton specialises integers on being 1 or a multiple of 16: splits 1, 2 and 16
+    stand for every count. The best config's other split counts compile in the sweep."""
+    if workers <= 0:
+        return
+    import concurrent.futures
+    import subprocess
+
+    def compile_one(job: tuple) -> tuple:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-job", json.dumps(job),
+               *(["--smoke"] if SMOKE else [])]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            return job, "timeout", ""
+        return job, r.returncode, (r.stdout.strip().splitlines() or [""])[-1]
+
+    _PRECOMPILED[0] = True  # before the jobs: they list the warp-specialised candidates too
+    jobs: list[tuple] = [("flashinfer",)] if flashinfer else []
+    seen = set()
+    for batch, heads, tokens in PROD_SHAPES:
+        pages = -(-tokens // BLOCK)
+        for cfg in _candidates(heads):
+            splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg, _num_sms())
+            splits = 1 if splits == 1 else 16 if splits % 16 == 0 else 2
+            key = (heads, pages % 16 == 0, cfg, splits)
+            if key not in seen:
+                seen.add(key)
+                jobs.append(("decode", heads, pages, _cfg_tuple(cfg), splits))
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(compile_one, jobs))
+    for job, rc, said in results:
+        if rc != 0 and job[0] == "decode":
+            _CRASHED.add(_cfg(*job[3]))
+            run.log(f"precompile: {_cfg_name(_cfg(*job[3]))} splits={job[4]} crashed the "
+                    f"compiler (rc {rc}): left out of the sweep")
+        elif ":" in said or rc != 0:
+            run.log(f"precompile {job[0]}: rc {rc}: {said}")
+    run.results["meta"]["precompile"] = dict(
+        seconds=time.time() - t0, launches=len(jobs), workers=workers,
+        crashed=sorted(_cfg_name(c) for c in _CRASHED))
+    run.log(f"precompiled {len(jobs)} launches in {time.time() - t0:.1f} s with {workers} "
+            f"processes; crashed: {sorted(_cfg_name(c) for c in _CRASHED) or 'none'}")
+
+
 def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
-    """At every production shape: the table's config, then the candidates of
-    ``PROD_CANDIDATES`` (each checked against the table's output), the best one at half and
-    twice its split count (and four times with few heads), cross-layer against contiguous at
-    the first shape, and FlashInfer direct (captured too). New points stop at ``deadline``;
-    the table's config and FlashInfer are always timed."""
+    """At every production shape: every candidate (the table's config first, then
+    ``PROD_CANDIDATES``) checked against float32 torch, then timed; the best one at other
+    split counts (:func:`_split_variants`), cross-layer against contiguous at the first
+    shape, and FlashInfer direct (captured too). New points stop at ``deadline``; the table's
+    config and FlashInfer are always timed."""
     for index, (batch, heads, tokens) in enumerate(PROD_SHAPES):
         case = ProdCase(batch, heads, tokens, cross_layer=index == 0)
-        default = case.default_config()
+        reference = case.reference()
+        default, *others = _candidates(heads)
         fn, out, splits = case.call()
+        fn()
+        err = rel_err(out, reference)
+        run.check(f"sweep.{case.shape()}.{_cfg_name(default)}.s{splits}.vs_float32",
+                  err < 1e-2, rel_err=err)
         t_default, how = time_call(fn)
         expected = out.clone()
         _prod_row(run, case, "triton", _cfg_name(default), t_default, splits=splits,
-                  table=True, method=how)
+                  table=True, method=how, rel_err=err)
         best = (t_default, default, splits)
-        kind = "many" if heads >= 64 else "few"
-        points = [(_cfg(*c), None) for c in PROD_CANDIDATES[kind]
-                  if _cfg(*c) != default and (_cfg(*c).block_h <= max(16, heads))]
-        for cfg, forced in points:
+        for cfg in others:
             if time.time() > deadline:
                 run.log(f"PROD {case.shape()}: budget spent, candidates skipped")
                 break
-            best = _prod_point(run, case, cfg, forced, expected, best)
+            best = _prod_point(run, case, cfg, None, reference, best)
+            if heads < 64:  # memory-bound: smaller tiles may fit two programs an SM
+                builder_splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg,
+                                                             _num_sms())
+                best = _prod_point(run, case, cfg, 2 * builder_splits, reference, best)
         t, cfg, s = best
-        # Half and twice the chosen splits (four times too for memory-bound shapes, where two
-        # programs an SM may stream better than one).
-        variants = {max(1, s // 2), 2 * s} | ({4 * s} if kind == "few" else set())
-        for forced in sorted({min(tma().MAX_KV_SPLITS, v) for v in variants} - {s}):
+        for forced in _split_variants(heads, s):
             if time.time() > deadline:
                 break
-            best = _prod_point(run, case, cfg, forced, expected, best)
+            best = _prod_point(run, case, cfg, forced, reference, best)
         if index == 0:
             t, cfg, s = best
-            fn_xl, _, _ = case.call(cfg, cross_layer=True, splits=s)
-            fn_std, _, _ = case.call(cfg, splits=s)
+            fn_xl, out_xl, _ = case.call(cfg, cross_layer=True, splits=s)
+            fn_std, out_std, _ = case.call(cfg, splits=s)
+            fn_xl()
+            fn_std()
+            run.check(f"sweep.{case.shape()}.{_cfg_name(cfg)}.s{s}.cross_layer.bit_exact",
+                      torch.equal(out_xl, out_std))
             t_std, _ = time_call(fn_std)
             t_xl, how = time_call(fn_xl)
             _prod_row(run, case, "triton cross-layer", _cfg_name(cfg), t_xl, splits=s,
                       xl_over_std=t_xl / t_std, method=how)
         t, cfg, s = best
+        if s > 1:
+            _time_merge(run, case, s)
         winner = dict(shape=case.shape(), heads=heads, config=_cfg_name(cfg), splits=s,
                       time_us=t * 1e6, default_time_us=t_default * 1e6,
                       speedup_vs_table=t_default / t,
                       launch=dict(block_h=cfg.block_h, block_n=cfg.block_n,
-                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                  split_latent=cfg.split_latent,
+                                  warp_specialize=cfg.warp_specialize,
+                                  programs_per_sm=_programs_per_sm(case, cfg, s)))
         fi = None
         if flashinfer:
             try:
@@ -675,17 +816,46 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
         del case
 
 
-def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, expected: torch.Tensor,
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 1
+
+
+def _programs_per_sm(case: ProdCase, cfg, splits: int) -> int | None:
+    """The smallest ``LaunchConfig.programs_per_sm`` (1-4) for which the split chooser picks
+    ``splits`` at this shape (``None``: none does; the table row then keeps 1)."""
+    for p in range(1, 5):
+        trial = dataclasses.replace(cfg, programs_per_sm=p)
+        if tma().mla_decode_num_splits(case.batch, case.heads, case.tokens, trial,
+                                       _num_sms()) == splits:
+            return p
+    return None
+
+
+def _time_merge(run: Run, case: ProdCase, splits: int) -> None:
+    """The split reduction alone (its share of the best time), on a workspace of this shape's
+    size."""
+    workspace = randn(case.batch, case.heads, splits, RANK + 1, dtype=torch.float32)
+    out = torch.empty(case.batch, case.heads, RANK, dtype=DTYPE, device=DEVICE)
+    block_d = max(16, 1 << (RANK - 1).bit_length())
+    t, how = time_call(lambda: tma()._merge_splits(workspace, out, None, RANK, splits, block_d))
+    _prod_row(run, case, "merge only", f"{splits} splits", t, rates=False, splits=splits,
+              method=how)
+
+
+def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, reference: torch.Tensor,
                 best: tuple):
-    """Time one candidate (checked against the table config's output first); returns the
-    better of it and ``best``."""
+    """Check one candidate against the float32 reference, then time it; returns the better
+    of it and ``best`` (a wrong or failing candidate never wins)."""
     try:
         fn, out, splits = case.call(cfg, splits=forced)
         fn()
-        err = rel_err(out, expected)
-        if err > 2e-2:
+        err = rel_err(out, reference)
+        ok = err < 1e-2
+        run.check(f"sweep.{case.shape()}.{_cfg_name(cfg)}.s{splits}.vs_float32", ok,
+                  rel_err=err)
+        if not ok:
             run.log(f"PROD {case.shape()} {_cfg_name(cfg)} splits={splits}: WRONG "
-                    f"(rel_err {err:.3g} vs the table config)")
+                    f"(rel_err {err:.3g} vs float32 torch)")
             return best
         t, how = time_call(fn)
     except Exception as exc:  # e.g. out of shared memory for this tile
@@ -694,8 +864,7 @@ def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, expected: tor
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         return best
-    _prod_row(run, case, "triton", _cfg_name(cfg), t, splits=splits, method=how,
-              rel_err_vs_table=err)
+    _prod_row(run, case, "triton", _cfg_name(cfg), t, splits=splits, method=how, rel_err=err)
     return (t, cfg, splits) if t < best[0] else best
 
 
@@ -728,7 +897,13 @@ def prod_table(run: Run) -> list[str]:
         lines.append(f"suggested {family!r} row for {w['heads']} heads ({w['shape']}): "
                      f"({w['heads']}, LaunchConfig(block_q=1, block_h={c['block_h']}, "
                      f"block_n={c['block_n']}, num_warps={c['num_warps']}, "
-                     f"num_stages={c['num_stages']}))")
+                     f"num_stages={c['num_stages']}"
+                     + (", split_latent=True" if c.get("split_latent") else "")
+                     + (", warp_specialize=True" if c.get("warp_specialize") else "")
+                     + (f", programs_per_sm={c['programs_per_sm']}"
+                        if (c.get("programs_per_sm") or 1) > 1 else "") + "))"
+                     + ("" if c.get("programs_per_sm") else
+                        f" (its {w['splits']} splits: no programs_per_sm reproduces them)"))
     return lines
 
 
@@ -780,7 +955,18 @@ def main() -> None:
                         help="skip FlashInfer's MLA decode (its first call may JIT-compile)")
     parser.add_argument("--json", action="store_true",
                         help="also print the results as one JSON line (before the table)")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="only the ceilings, the decode checks and the production sweep "
+                             "(no cache-write checks and timings)")
+    parser.add_argument("--compile-job", help=argparse.SUPPRESS)  # precompile's child
+    parser.add_argument("--compile-workers", type=int, default=None,
+                        help="processes that compile the sweep's candidates in parallel "
+                             "before it starts (0: the sweep compiles as it goes; default: "
+                             "cores - 2, at most 14, with --sweep-only, else 0)")
     args = parser.parse_args()
+    if args.compile_job:
+        print(_compile_job(tuple(json.loads(args.compile_job))), flush=True)
+        return
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
     run = Run(args.out, "bench_mla", ("correctness", "timings", "sweeps", "sweep_best"),
@@ -799,12 +985,20 @@ def main() -> None:
     torch.manual_seed(0)
     # The value checks synchronise with the device; timings and graph capture need them off.
     kvcore.ops.set_value_checks(False)
-    for name, fn in (("ceilings", measure_ceilings), ("check concat_and_cache_mla", check_concat),
-                     ("check indexer", check_indexer), ("check decode", check_decode),
-                     ("check TRITON_MLA forward", check_backend), ("check int64 pool",
-                                                                    check_int64),
-                     ("check production decode", check_prod),
-                     ("time decode", time_decode), ("time writes", time_writes)):
+    sections = [("ceilings", measure_ceilings), ("check concat_and_cache_mla", check_concat),
+                ("check indexer", check_indexer), ("check decode", check_decode),
+                ("check TRITON_MLA forward", check_backend), ("check int64 pool", check_int64),
+                ("check production decode", check_prod),
+                ("time decode", time_decode), ("time writes", time_writes)]
+    if args.sweep_only:
+        sweep_sections = ("ceilings", "check decode", "check production decode")
+        sections = [(name, fn) for name, fn in sections if name in sweep_sections]
+    with run.section("precompile"):
+        workers = args.compile_workers
+        if workers is None:
+            workers = max(0, min(14, (os.cpu_count() or 1) - 2)) if args.sweep_only else 0
+        precompile(run, 0 if SMOKE else workers, args.flashinfer)
+    for name, fn in sections:
         with run.section(name):
             fn(run)
     with run.section("production sweep"):

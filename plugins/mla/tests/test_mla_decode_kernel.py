@@ -19,9 +19,10 @@ RANK, ROPE = 64, 16  # scaled down from 512 + 64 so the interpreter stays fast
 LENS = [0, 1, 17, 64, 130]  # empty, one token, inside a page, a page boundary, several pages
 
 
-def _config(block_h: int, block_n: int, num_warps: int = 4, num_stages: int = 2):
+def _config(block_h: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
+            split_latent: bool = False):
     return tma.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=num_warps,
-                            num_stages=num_stages)
+                            num_stages=num_stages, split_latent=split_latent)
 
 
 def _decode(q, cache, table, lens, splits, config=None, scale=0.1, **scales):
@@ -82,25 +83,72 @@ def test_mla_decode_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     assert_close(lse, lse_ref, dtype, "lse")
 
 
-def test_mla_decode_fp8_cache_within_tolerance() -> None:
+@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
+    (16, 16, 32, 64, 1),
+    (16, 16, 16, 8, 3),    # tiles across pages
+    (64, 64, 32, 32, 4),   # one 64-head group, split
+    (64, 32, 16, 16, 1),
+], ids=lambda v: str(v))
+def test_mla_decode_split_latent_matches_float64_reference(heads, block_h, block_n, page,
+                                                           splits) -> None:
+    """Two latent halves (two accumulators, same probabilities) give the reference result."""
+    gen = generator("mla-decode-kernel-halves", heads, block_h, block_n, page, splits)
+    q, cache, table, lens = _case(gen, heads, page, LENS)
+    o, lse = _decode(q, cache, table, lens, splits,
+                     _config(block_h, block_n, split_latent=True))
+    o_ref, lse_ref = _reference(q, cache, table, lens)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
+
+
+@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
+def test_mla_decode_warp_specialized_loop_matches_float64_reference(split_latent: bool) -> None:
+    """The warp-specialise request reaches the loop (a hint: the interpreter runs the loop as
+    it is; the GPU tests compile it) and changes no result."""
+    gen = generator("mla-decode-kernel-ws", split_latent)
+    q, cache, table, lens = _case(gen, 16, 16, LENS)
+    config = tma.LaunchConfig(block_q=1, block_h=16, block_n=16, num_warps=4, num_stages=2,
+                              split_latent=split_latent, warp_specialize=True)
+    o, lse = _decode(q, cache, table, lens, 2, config)
+    o_ref, lse_ref = _reference(q, cache, table, lens)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mla_decode_split_latent_low_precision_within_tolerance(dtype: torch.dtype) -> None:
+    gen = generator("mla-decode-kernel-halves-dtype", dtype)
+    q, cache, table, lens = _case(gen, 16, 16, [50, 9, 33], dtype)
+    o, lse = _decode(q, cache, table, lens, 2, _config(16, 32, split_latent=True))
+    o_ref, lse_ref = _reference(q, cache, table, lens)
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, dtype, "lse")
+
+
+@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
+def test_mla_decode_fp8_cache_within_tolerance(split_latent: bool) -> None:
     gen = generator("mla-decode-kernel-fp8")
     q, cache, table, lens = _case(gen, 16, 16, [40, 3], torch.bfloat16)
     fp8 = cache.to(torch.float8_e4m3fn)
-    o, lse = _decode(q, fp8, table, lens, 2, _config(16, 16), k_scale=0.5, v_scale=0.5)
+    o, lse = _decode(q, fp8, table, lens, 2, _config(16, 16, split_latent=split_latent),
+                     k_scale=0.5, v_scale=0.5)
     o_ref, lse_ref = _reference(q, fp8.double() * 0.5, table, lens)
     assert_close(o, o_ref, torch.bfloat16, "o")
     assert_close(lse, lse_ref, torch.bfloat16, "lse")
 
 
+@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_mla_decode_on_a_cross_layer_view_is_bit_exact(splits: int) -> None:
-    gen = generator("mla-decode-kernel-xl", splits)
+def test_mla_decode_on_a_cross_layer_view_is_bit_exact(splits: int, split_latent: bool) -> None:
+    gen = generator("mla-decode-kernel-xl", splits, split_latent)
     q, cache, table, lens = _case(gen, 16, 16, [70, 5, 33])
     pool, view = cross_layer_view(tuple(cache.shape), 3, 1, torch.float32, gen)
     view.copy_(cache)
     before = pool.clone()
-    ours = _decode(q, view, table, lens, splits, _config(16, 32))
-    contiguous = _decode(q, cache, table, lens, splits, _config(16, 32))
+    config = _config(16, 32, split_latent=split_latent)
+    ours = _decode(q, view, table, lens, splits, config)
+    contiguous = _decode(q, cache, table, lens, splits, config)
     assert view.stride(0) == 3 * cache.stride(0)
     assert all(torch.equal(a, b) for a, b in zip(ours, contiguous, strict=True))
     assert torch.equal(pool, before)  # nothing written into any layer
@@ -148,6 +196,19 @@ def test_the_split_choice_fills_the_gpu_and_no_more() -> None:
     assert tma.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
 
 
+def test_the_split_choice_counts_programs_an_sm_runs_at_once() -> None:
+    """A config whose programs fit two to an SM fills twice the slots: 64 requests of 4096
+    tokens at 16 heads in tiles of 32 take 4 splits (256 programs on 264 slots), not 2."""
+    one = _config(16, 32, num_warps=4, num_stages=3)
+    two = tma.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
+                           programs_per_sm=2)
+    assert tma.mla_decode_num_splits(64, 16, 4096, one, 132) == 2
+    assert tma.mla_decode_num_splits(64, 16, 4096, two, 132) == 4
+    with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1"):
+        tma.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
+                         programs_per_sm=0)
+
+
 def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
     spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.float32, kv_lora_rank=RANK,
                                    qk_rope_head_dim=ROPE)
@@ -181,9 +242,11 @@ def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
             device=DEVICE, decode_config=tma.LaunchConfig(2, 16, 16, 4, 1))
 
 
-def test_mla_decode_rank_not_a_power_of_two() -> None:
-    """A latent width below its power-of-two tile (48 of 64) is masked by channel too."""
-    gen = generator("mla-decode-kernel-rank48")
+@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
+def test_mla_decode_rank_not_a_power_of_two(split_latent: bool) -> None:
+    """A latent width below its power-of-two tile (48 of 64) is masked by channel too (with
+    halves: the second half is partly masked)."""
+    gen = generator("mla-decode-kernel-rank48", split_latent)
     rank, rope, page, lens = 48, 16, 16, [37, 3]
     pages = sum(-(-n // page) for n in lens) + 2
     cache = randn((pages, page, rank + rope), torch.float32, gen)
@@ -197,7 +260,10 @@ def test_mla_decode_rank_not_a_power_of_two() -> None:
         lse = torch.empty(2, 16, dtype=dtype, device=DEVICE)
         logits = torch.empty(2, 16, 2, rank + 1, dtype=torch.float32, device=DEVICE)
         c = cache.to(dtype)
-        impl(q.to(dtype), c, c[..., :rank], o, lse, table, seq_lens, logits, 2, 0.1, page, True)
+        config = {"config": _config(16, 16, split_latent=split_latent)} if dtype != torch.float64 \
+            else {}
+        impl(q.to(dtype), c, c[..., :rank], o, lse, table, seq_lens, logits, 2, 0.1, page, True,
+             **config)
         outs.append((o, lse))
     assert_close(outs[0][0], outs[1][0], torch.float32, "o")
     assert_close(outs[0][1], outs[1][1], torch.float32, "lse")

@@ -4,6 +4,8 @@ cross-layer pool of more than 2**31 elements."""
 
 from __future__ import annotations
 
+import functools
+
 import kvcore_mla.ops as ops
 import pytest
 import torch
@@ -172,6 +174,65 @@ def test_triton_mla_backend_real_sizes(kv_cache_dtype: str) -> None:
             block_table=meta.block_table, scale=impl.scale, kv_cache_dtype=kv_cache_dtype,
             k_scale=layer.k_scale)
         assert_close(out, expected, torch.bfloat16, f"output {query_lens}")
+
+
+# Launch variants the benchmark sweeps beside the table's rows (a failing one must fail here,
+# not only lose the sweep): latent halves, smaller key tiles, 32-head programs. One split count
+# each (5 splits and 4 compile to one kernel): a 64-head tile takes ~15 s to compile.
+_VARIANTS = [(64, 64, 8, 2, True), (64, 32, 8, 3, False), (32, 64, 8, 3, False),
+             (16, 64, 8, 3, True)]
+
+
+@pytest.mark.parametrize("variant", _VARIANTS, ids=lambda v: "h{}n{}w{}s{}{}".format(
+    *v[:4], "-halves" if v[4] else ""))
+def test_mla_decode_launch_variants_real_sizes(variant: tuple) -> None:
+    """Each variant at 128 heads, blocks of 64: against float64, cross-layer bit-exact, and
+    on a pool of more than 2**31 elements (its high blocks) bit-exact against a small cache."""
+    from kvcore_mla.ops import triton_mla_attention as tma
+
+    block_h, block_n, warps, stages, halves = variant
+    config = tma.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
+                              num_stages=stages, split_latent=halves)
+    gen = generator("gpu-decode-variant", variant)
+    page, lens = 64, [4096, 3001, 1, 777]
+    num_pages = sum(-(-n // page) for n in lens) + 7
+    table = block_tables(lens, page, num_pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = randn((len(lens), 128, ENTRY), torch.bfloat16, gen)
+    pool, view = cross_layer_view((num_pages, page, ENTRY), 3, 1, torch.bfloat16, gen)
+    cache = view.contiguous()
+    before = pool.clone()
+
+    def run(c, t, s, splits):
+        return _decode(q[: t.shape[0]], c, c[..., :RANK], t, s, page, splits, True,
+                       impl=functools.partial(tma.decode_attention_fwd, config=config))
+
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        o, lse = run(cache, table, seq_lens, 5)
+    except OutOfResources as exc:  # a variant may need more shared memory than a GPU has
+        pytest.skip(f"{variant} does not fit on this GPU: {exc}")
+    o_xl, lse_xl = run(view, table, seq_lens, 5)
+    assert torch.equal(o, o_xl) and torch.equal(lse, lse_xl)
+    c64 = cache.double()
+    o_ref, lse_ref = _decode(q.double(), c64, c64[..., :RANK], table, seq_lens, page, 5, True,
+                             torch.float64, ops.decode_attention_ref)
+    assert_close(o, o_ref, torch.bfloat16, "o")
+    assert_close(lse, lse_ref, torch.bfloat16, "lse")
+    assert torch.equal(pool, before)
+
+    caches = kvcore.allocate_kv_caches(
+        TritonMLABackend, num_layers=4, num_blocks=16384, block_size=page, num_kv_heads=1,
+        head_size=ENTRY, dtype=torch.bfloat16, device="cuda")
+    big = caches.layers[3]
+    high = torch.arange(16384 - 64, 16384, device="cuda")
+    assert int(high[0]) * big.stride(0) > 2**31
+    big[high] = cache[:64]
+    one = seq_lens[:1]
+    far = run(big, high[None].int(), one, 4)
+    near = run(cache, torch.arange(64, device="cuda")[None].int(), one, 4)
+    assert torch.equal(far[0], near[0]) and torch.equal(far[1], near[1])
 
 
 def test_cross_layer_pool_beyond_2_pow_31_elements() -> None:

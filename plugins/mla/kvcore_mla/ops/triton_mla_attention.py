@@ -18,7 +18,11 @@ group, and computes the group's scores with ``tl.dot`` (``[BLOCK_H, kv_lora_rank
 bandwidth-bound and 128 heads (one GPU) run on the tensor cores. The value is the same tile
 (``acc += p x latent``). A tile that lies in one page costs one block-table read. Split counts
 come from :func:`mla_decode_num_splits`, launch configurations from the per-GPU table
-:data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does).
+:data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does). A
+configuration may also cut the latent into two halves with an accumulator each
+(``split_latent``), ask for a warp-specialised loop (``warp_specialize``) and tell the split
+chooser how many of its programs an SM holds (``programs_per_sm``); ``benchmarks/bench_mla.py``
+sweeps these and prints the winners as table rows.
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
@@ -90,7 +94,16 @@ class LaunchConfig:
 
     ``block_q`` query tokens x ``block_h`` query heads form one program's rows (``block_q`` is 1
     on the decode path; rows must number at least 16 for ``tl.dot``); ``block_n`` keys per loop
-    step.
+    step. MLA decode kernel only (the other kernel ignores them): ``split_latent`` processes
+    the latent as two column halves (two score dots, two value dots with the same
+    probabilities into two float32 accumulators of half the width, so each dot chain is
+    independent); ``warp_specialize`` asks Triton to warp-specialise the key loop (``tl.range(...,
+    warp_specialize=True)``, a hint: where the compiler can, loads and dots run in separate
+    warps; elsewhere it is ignored or refused, so only configs measured to compile and to
+    help belong in the table);
+    ``programs_per_sm`` is how many programs of this config an SM runs at once (shared memory
+    and registers permitting), which :func:`mla_decode_num_splits` counts as slots when it
+    chooses the split count.
     """
 
     block_q: int
@@ -98,12 +111,17 @@ class LaunchConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    split_latent: bool = False
+    warp_specialize: bool = False
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_h", "block_n"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1")
         if self.block_q * self.block_h < 16 or self.block_n < 16:
             raise ValueError(
                 f"block_q * block_h = {self.block_q * self.block_h} and block_n = "
@@ -233,16 +251,18 @@ def mla_decode_num_splits(num_seqs: int, num_heads: int, max_seq_len: int,
                           config: LaunchConfig, num_sms: int) -> int:
     """KV splits for an MLA decode batch, from its shape and the SM count.
 
-    Each SM gets ``ceil(programs / num_sms)`` programs (programs = requests x head groups x
-    splits) and each program ``ceil(tiles / splits)`` latent tiles of ``config.block_n`` plus a
-    fixed cost for a split's partial result: the count with the least work on the busiest SM
-    wins (the fewest splits on ties), at most :data:`MAX_KV_SPLITS` and one tile a split.
+    Each of the ``num_sms * config.programs_per_sm`` slots gets ``ceil(programs / slots)``
+    programs (programs = requests x head groups x splits) and each program ``ceil(tiles /
+    splits)`` latent tiles of ``config.block_n`` plus a fixed cost for a split's partial
+    result: the count with the least work on the busiest slot wins (the fewest splits on
+    ties), at most :data:`MAX_KV_SPLITS` and one tile a split.
     """
     programs = max(1, num_seqs) * -(-num_heads // config.block_h)
     tiles = max(1, -(-max_seq_len // config.block_n))
+    slots = max(1, num_sms) * config.programs_per_sm
     best, best_cost = 1, float("inf")
     for splits in range(1, min(MAX_KV_SPLITS, tiles) + 1):
-        cost = -(-programs * splits // max(1, num_sms)) * (
+        cost = -(-programs * splits // slots) * (
             -(-tiles // splits) + (_SPLIT_COST_TILES if splits > 1 else 0.0))
         if cost < best_cost:
             best, best_cost = splits, cost
@@ -445,6 +465,38 @@ def _merge_splits_kernel(
 
 
 @triton.jit
+def _load_latent(rows, cols, stride_d, valid, like, width: tl.constexpr, EVEN: tl.constexpr):
+    """Columns ``cols`` of the latent rows ``rows`` (masked rows read 0) in ``like``'s dtype
+    (the query tile's: fp8 -> model dtype is exact, the scale is applied outside; float32 under
+    the interpreter). The column mask is left out when every column is inside ``width``, so
+    the loads stay 16-byte vectors."""
+    if EVEN:
+        tile = tl.load(rows[:, None] + cols[None, :] * stride_d, mask=valid[:, None], other=0.0)
+    else:
+        tile = tl.load(rows[:, None] + cols[None, :] * stride_d,
+                       mask=valid[:, None] & (cols < width)[None, :], other=0.0)
+    return tile.to(like.dtype)
+
+
+@triton.jit
+def _load_query(q_rows, cols, stride_d, h_valid, width: tl.constexpr, INTERPRET: tl.constexpr):
+    """Query columns ``cols`` of the head rows ``q_rows`` (float32 under the interpreter, which
+    mishandles low-precision dots)."""
+    q = tl.load(q_rows[:, None] + cols[None, :] * stride_d,
+                mask=h_valid[:, None] & (cols < width)[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _store_rows(base, cols, stride_d, values, h_valid, width: tl.constexpr):
+    """``values`` into columns ``cols`` (those inside ``width``) of the head rows ``base``."""
+    tl.store(base[:, None] + cols[None, :] * stride_d, values.to(base.dtype.element_ty),
+             mask=h_valid[:, None] & (cols < width)[None, :])
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
     k_scale, qk_scale, num_heads, num_head_blocks, num_splits,
@@ -456,6 +508,7 @@ def _mla_decode_kernel(
     stride_btb, stride_btp,
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_LATENT: tl.constexpr, BLOCK_C: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -475,23 +528,20 @@ def _mla_decode_kernel(
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = heads < num_heads
     heads64 = heads.to(tl.int64)
-    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    # SPLIT_LATENT: the latent is two column halves of BLOCK_C = BLOCK_D / 2, each its own key
+    # part, value tile and float32 accumulator (same P): two independent dot chains a tile.
+    c0 = tl.arange(0, BLOCK_C).to(tl.int64)
+    c1 = BLOCK_C + c0
     # Latent rows are masked by token only when the width is a power of two (MLA's 512): a
     # mask along the contiguous dim could cost the 16-byte vector loads.
     EVEN_D: tl.constexpr = BLOCK_D == D_NOPE
-    d_valid = d < D_NOPE
     q_rows = q_ptr + seq * stride_qb + heads64 * stride_qh
-    q = tl.load(q_rows[:, None] + d[None, :] * stride_qd,
-                mask=h_valid[:, None] & d_valid[None, :], other=0.0)
-    if INTERPRET:
-        q = q.to(tl.float32)
+    q0 = _load_query(q_rows, c0, stride_qd, h_valid, D_NOPE, INTERPRET)
+    if SPLIT_LATENT:
+        q1 = _load_query(q_rows, c1, stride_qd, h_valid, D_NOPE, INTERPRET)
     if D_PE > 0:
         dpe = D_NOPE + tl.arange(0, BLOCK_PE).to(tl.int64)
-        dpe_valid = dpe < D_NOPE + D_PE
-        q_pe = tl.load(q_rows[:, None] + dpe[None, :] * stride_qd,
-                       mask=h_valid[:, None] & dpe_valid[None, :], other=0.0)
-        if INTERPRET:
-            q_pe = q_pe.to(tl.float32)
+        q_pe = _load_query(q_rows, dpe, stride_qd, h_valid, D_NOPE + D_PE, INTERPRET)
     if FP8:
         if SCALE_IS_TENSOR:
             ks = tl.load(k_scale).to(tl.float32)
@@ -501,7 +551,9 @@ def _mla_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    if SPLIT_LATENT:
+        acc1 = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     bt_row = block_table_ptr + seq * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
     # Page ids are read one tile ahead and carried into the next iteration: a latent load whose
@@ -514,7 +566,7 @@ def _mla_decode_kernel(
         pos_next = t_lo * BLOCK_N + offs_n
         page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
                             mask=pos_next < seq_len, other=0)
-    for t in range(t_lo, t_hi):
+    for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPECIALIZE):
         start = t * BLOCK_N
         pos = start + offs_n
         valid = pos < seq_len  # every tile holds at least one key: rows never see only -inf
@@ -531,51 +583,63 @@ def _mla_decode_kernel(
                                 mask=(pos_next < seq_len) & (pos_next < t_hi * BLOCK_N),
                                 other=0)
         # The latent tile, read once: keys (with the rope part) and values.
-        if EVEN_D:
-            kv = tl.load(rows[:, None] + d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
-        else:
-            kv = tl.load(rows[:, None] + d[None, :] * stride_kd,
-                         mask=valid[:, None] & d_valid[None, :], other=0.0)
-        if INTERPRET:
-            kv = kv.to(tl.float32)
-        else:
-            kv = kv.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        kv0 = _load_latent(rows, c0, stride_kd, valid, q0, D_NOPE, EVEN_D)
+        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+        if SPLIT_LATENT:
+            kv1 = _load_latent(rows, c1, stride_kd, valid, q0, D_NOPE, EVEN_D)
+            s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
         if D_PE > 0:
-            kpe = tl.load(rows[:, None] + dpe[None, :] * stride_kd,
-                          mask=valid[:, None] & dpe_valid[None, :], other=0.0)
-            if INTERPRET:
-                kpe = kpe.to(tl.float32)
-            else:
-                kpe = kpe.to(q.dtype)
+            kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
             s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        p = p.to(kv0.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+        if SPLIT_LATENT:
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if FP8:
-        acc = acc * ks
+        acc0 = acc0 * ks
+        if SPLIT_LATENT:
+            acc1 = acc1 * ks
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    l_safe = tl.where(has_keys, l_i, 1.0)[:, None]
     lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    out_mask = h_valid[:, None] & d_valid[None, :]
     if SPLIT:
         # Workspace (batch, heads, splits, D_NOPE + 1): normalised output, base-2 LSE.
         part = part_ptr + seq * stride_pb + heads64 * stride_ph + split * stride_ps
-        tl.store(part[:, None] + d[None, :] * stride_pd, out, mask=out_mask)
+        _store_rows(part, c0, stride_pd, acc0 / l_safe, h_valid, D_NOPE)
+        if SPLIT_LATENT:
+            _store_rows(part, c1, stride_pd, acc1 / l_safe, h_valid, D_NOPE)
         tl.store(part + D_NOPE * stride_pd, lse2, mask=h_valid)
     else:
         o_rows = out_ptr + seq * stride_ob + heads64 * stride_oh
-        tl.store(o_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        _store_rows(o_rows, c0, stride_od, acc0 / l_safe, h_valid, D_NOPE)
+        if SPLIT_LATENT:
+            _store_rows(o_rows, c1, stride_od, acc1 / l_safe, h_valid, D_NOPE)
         if WRITE_LSE:
             tl.store(lse_ptr + seq * stride_lb + heads64 * stride_lh,
                      (lse2 * 0.6931471805599453).to(lse_ptr.dtype.element_ty),  # x ln(2)
                      mask=h_valid)
+
+
+def _merge_splits(workspace: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                  v_dim: int, num_splits: int, block_dv: int) -> None:
+    """Reduce the split workspace ``(tokens, heads, num_splits, v_dim + 1)`` into ``out``
+    ``(tokens, heads, v_dim)`` (and the natural-log ``lse`` ``(tokens, heads)`` if given): one
+    program per (token, head). ``benchmarks/bench_mla.py`` times it alone."""
+    num_tokens, num_heads = out.shape[0], out.shape[1]
+    lse_arg = lse if lse is not None else out
+    lse_strides = lse.stride() if lse is not None else (0, 0)
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        workspace, out, lse_arg, v_dim, *workspace.stride(), *out.stride(), *lse_strides,
+        WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
+    )
 
 
 def _launch(
@@ -643,11 +707,7 @@ def _launch(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            workspace, out, lse_arg, v_dim, *workspace.stride(), *out.stride(), *lse_strides,
-            WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
-        )
+        _merge_splits(workspace, out, lse, v_dim, num_splits, block_dv)
 
 
 def _launch_mla_decode(
@@ -695,17 +755,16 @@ def _launch_mla_decode(
         D_NOPE=kv_lora_rank, D_PE=pe_dim, BLOCK_D=block_d,
         BLOCK_PE=max(16, triton.next_power_of_2(max(pe_dim, 1))),
         PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        SPLIT_LATENT=config.split_latent,
+        BLOCK_C=block_d // 2 if config.split_latent else block_d,
+        WARP_SPECIALIZE=config.warp_specialize,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), SPLIT=split,
         WRITE_LSE=lse is not None, INTERPRET=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _merge_splits_kernel[(batch, num_heads)](
-            workspace, out, lse_arg, kv_lora_rank, *workspace.stride(), *out.stride(),
-            *lse_strides, WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_d, num_warps=4,
-        )
+        _merge_splits(workspace, out, lse, kv_lora_rank, num_splits, block_d)
 
 
 def decode_attention_fwd(
