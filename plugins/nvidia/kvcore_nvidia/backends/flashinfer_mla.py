@@ -75,10 +75,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore import (
-    AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionSelectorConfig,
     CudaGraphSupport,
     DeviceCapability,
@@ -134,17 +132,9 @@ class FlashInferMLABackend(MLACommonBackend):
     # scales; forward only launches: no host sync, no plan.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return FlashInferMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return FlashInferMLAMetadataBuilder
+    NAME = "FLASHINFER_MLA"
+    IMPL_CLS = "FlashInferMLAImpl"
+    BUILDER_CLS = "FlashInferMLAMetadataBuilder"
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
