@@ -96,9 +96,13 @@ def _resolve_class(backend: type, attr: str) -> type:
         module_name, _, name = value.partition(":")
         module = importlib.import_module(module_name)
     else:
-        # The module of the class that declares the name, not of a subclass inheriting it.
+        # The module of the class that declares the name, not of a subclass inheriting it;
+        # the one it was defined in (kept at definition: sys.modules may have dropped it since,
+        # as pytest's in-process runs do).
         owner = next(k for k in backend.__mro__ if attr in vars(k))
-        module, name = sys.modules[owner.__module__], value
+        module, name = vars(owner).get("_defining_module"), value
+        if module is None:
+            module = importlib.import_module(owner.__module__)
     try:
         return getattr(module, name)
     except AttributeError:
@@ -187,6 +191,10 @@ class AttentionBackend:
     #: :class:`CudaGraphSupport`); anything but ``NEVER`` needs a builder with persistent
     #: buffers (:class:`kvcore.PersistentMetadataBuilder`) from :meth:`get_builder_cls`.
     CUDA_GRAPH_SUPPORT: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._defining_module = sys.modules.get(cls.__module__)
 
     @classmethod
     def get_name(cls) -> str:
