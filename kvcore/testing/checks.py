@@ -18,10 +18,12 @@ import torch
 
 from kvcore.allocate import KVCaches, allocate_kv_caches
 from kvcore.backend import (
+    FEATURE_FLAGS,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
     LayerScales,
+    _is_supported,
     build_attention_metadata,
 )
 from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
@@ -298,15 +300,17 @@ def _validate(backend: type[AttentionBackend], kwargs: dict[str, Any]) -> list[s
     return reasons
 
 
-def _kwargs_text(kwargs: dict[str, Any]) -> str:
-    def show(v: Any) -> str:
-        if isinstance(v, torch.dtype):
-            return str(v).removeprefix("torch.")
-        if isinstance(v, AttentionType):
-            return v.value
-        return str(v)
+def _show(value: Any) -> str:
+    """A validate_configuration argument as reasons write it (``dtype=bfloat16``)."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, AttentionType):
+        return value.value
+    return str(value)
 
-    return ", ".join(f"{k}={show(v)}" for k, v in kwargs.items())
+
+def _kwargs_text(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_show(v)}" for k, v in kwargs.items())
 
 
 def check_validation_refuses(
@@ -334,16 +338,61 @@ def check_validation_refuses(
 
 
 def _named_fields(reason: str, kwargs: dict[str, Any]) -> list[str]:
-    """The fields of ``kwargs`` that ``reason`` names as ``field=value``."""
-    return [k for k in kwargs if re.search(rf"(?<![A-Za-z0-9_]){re.escape(k)}=", reason)]
+    """The fields of ``kwargs`` that ``reason`` names with their value, as ``field=value``
+    (``block_size=16``, not ``block_size=160``; ``dtype=bfloat16`` or ``torch.bfloat16``)."""
+    return [k for k, v in kwargs.items() if re.search(
+        rf"(?<![A-Za-z0-9_]){re.escape(k)}=(torch\.)?{re.escape(_show(v))}(?![A-Za-z0-9_]|\.\d)",
+        reason)]
+
+
+#: Sizes tried for another declared head or block size (those the declaration includes).
+_COMMON_SIZES = (16, 32, 64, 128, 256, 8, 96, 80, 512, 576, 1)
+
+
+def _declared_values(backend: type[AttentionBackend], field: str) -> tuple[Any, ...]:
+    """The values of the validate_configuration argument ``field`` that the backend's
+    capability attributes declare (the common sizes among declared head and block sizes;
+    nothing for an argument no attribute declares, e.g. ``device_capability``)."""
+    sizes = {"head_size": backend.SUPPORTED_HEAD_SIZES,
+             "block_size": backend.SUPPORTED_BLOCK_SIZES}
+    if field in sizes:
+        supported = sizes[field]
+        listed = () if supported is None else tuple(v for v in supported if isinstance(v, int))
+        return tuple(v for v in dict.fromkeys((*listed, *_COMMON_SIZES))
+                     if _is_supported(v, supported))
+    features = {flag: attr for flag, attr, _ in FEATURE_FLAGS}
+    if field in features:
+        return (False, True) if getattr(backend, features[field]) else (False,)
+    return {"dtype": backend.SUPPORTED_DTYPES,
+            "kv_cache_dtype": backend.SUPPORTED_KV_CACHE_DTYPES,
+            "attn_type": backend.SUPPORTED_ATTN_TYPES}.get(field, ())
+
+
+def _refused_everywhere(backend: type[AttentionBackend], base: dict[str, Any], field: str,
+                        partners: list[str]) -> str | None:
+    """Why ``base[field]`` is not fine alone (refused with every declared value of the
+    ``partners`` it clashes with), or ``None`` when some such configuration is accepted."""
+    choices = [[v for v in _declared_values(backend, p) if v != base[p]] for p in partners]
+    for values in itertools.product(*choices):
+        if not _validate(backend, {**base, **dict(zip(partners, values, strict=True))}):
+            return None
+    tried = "; ".join(f"{p}: {', '.join(map(_show, c)) or 'no other declared value'}"
+                      for p, c in zip(partners, choices, strict=True))
+    return (f"{field}={_show(base[field])} is refused with every other declared value of "
+            f"{', '.join(partners)} too ({tried}), so it is not a clash of values each fine "
+            "alone: the declarations promise a value the validation takes back everywhere")
 
 
 def check_validation_accepts(backend: type[AttentionBackend], base: dict[str, Any]) -> None:
     """Rule ``validation-accepts-declared``.
 
-    The one refusal allowed is a clash between declared values (each fine alone, e.g. a block
-    size one library takes and the minimum device capability, where another library runs):
-    a reason from ``check_combination`` that names at least two fields as ``field=value``.
+    The one refusal allowed is a clash between declared values that are each fine alone (e.g.
+    a block size one library takes and the minimum device capability, where another library
+    runs): a reason from ``check_combination`` that names at least two fields with their
+    values as ``field=value``, where each named value is accepted with some other declared
+    value of the fields it clashes with. A value that clashes with ``device_capability`` is
+    exempt from that search (what runs on another device may need a library that is not
+    installed here); the capability itself is not.
     """
     reasons = _validate(backend, base)
     if not reasons:
@@ -360,7 +409,19 @@ def check_validation_accepts(backend: type[AttentionBackend], base: dict[str, An
         raise _fail(backend, "validation-accepts-declared", (
             f"validate_configuration({_kwargs_text(base)}) refused a configuration built from "
             f"the declared capabilities: {unexplained!r}; only check_combination may refuse it, "
-            "with reasons that name each clashing field as field=value"))
+            "with reasons that name each clashing field with its value as field=value"))
+    for reason in reasons:
+        named = _named_fields(reason, base)
+        for field in named:
+            partners = [p for p in named if p != field]
+            if field != "device_capability" and "device_capability" in partners:
+                continue
+            why = _refused_everywhere(backend, base, field, partners)
+            if why:
+                raise _fail(backend, "validation-accepts-declared", (
+                    f"validate_configuration({_kwargs_text(base)}) refused a configuration "
+                    f"built from the declared capabilities with {reason!r}: {why}; narrow the "
+                    "declaration or fix check_combination"))
 
 
 # -- numerical checks ----------------------------------------------------------------------
