@@ -928,12 +928,7 @@ def print_table(run: Run) -> None:
              f"{c.get('read_GBps', float('nan')):.0f} GB/s; correctness: "
              f"{sum(x['ok'] for x in checks)}/{len(checks)} passed; errors: "
              f"{len(run.results['errors'])}"]
-    try:
-        from tabulate import tabulate
-
-        lines.append(tabulate(rows, headers=headers, tablefmt="github"))
-    except ImportError:
-        lines.extend(" | ".join(row) for row in [headers, *rows])
+    lines.append(harness.format_table(rows, headers))
     lines.extend(prod_table(run))
     for check in checks:
         if not check["ok"]:

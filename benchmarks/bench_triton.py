@@ -636,12 +636,7 @@ def summary_table(run: Run) -> str:
             ])
     headers = ["op", "shape", "layout", "kvcore", "config", "us", "rate", "% ceiling",
                "torch/kvcore", "FI us", "FI % ceil", "FI/kvcore"]
-    try:
-        from tabulate import tabulate
-
-        return tabulate(rows, headers=headers)
-    except ImportError:
-        return "\n".join(" | ".join(map(str, r)) for r in [headers, *rows])
+    return harness.format_table(rows, headers, tablefmt="simple")
 
 
 def flashinfer_warmup() -> int:

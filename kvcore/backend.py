@@ -20,6 +20,7 @@ import importlib.util
 import itertools
 import math
 import operator
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,32 @@ def _is_supported(value: Any, supported: Any) -> bool:
 _default_builder: list[type] = []
 
 
+def _resolve_class(backend: type, attr: str) -> type:
+    """The class ``backend.<attr>`` names (see :attr:`AttentionBackend.IMPL_CLS`)."""
+    value = getattr(backend, attr)
+    if isinstance(value, type):
+        return value
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{backend.__qualname__}.{attr}={value!r} must be a class, a class "
+                        "name of its module or 'package.module:Class'")
+    if ":" in value:
+        module_name, _, name = value.partition(":")
+        module = importlib.import_module(module_name)
+    else:
+        # The module of the class that declares the name, not of a subclass inheriting it;
+        # the one it was defined in (kept at definition: sys.modules may have dropped it since,
+        # as pytest's in-process runs do).
+        owner = next(k for k in backend.__mro__ if attr in vars(k))
+        module, name = vars(owner).get("_defining_module"), value
+        if module is None:
+            module = importlib.import_module(owner.__module__)
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise AttributeError(f"{backend.__qualname__}.{attr}={value!r}: module "
+                             f"{module.__name__} has no class {name!r}") from None
+
+
 class CudaGraphSupport(enum.Enum):
     """How much of a step a backend's ``forward`` lets an engine capture in a CUDA graph
     (declared as ``AttentionBackend.CUDA_GRAPH_SUPPORT``; see :mod:`kvcore.builder`).
@@ -101,12 +128,26 @@ class CudaGraphSupport(enum.Enum):
     ALWAYS = "always"
 
 
-class AttentionBackend(ABC):
+class AttentionBackend:
     """Static description of an attention backend: capabilities, layout, implementation.
 
-    Subclasses set the capability class attributes below and implement :meth:`get_name` and
-    :meth:`get_impl_cls`. Everything else has a default derived from the declarations.
+    Subclasses set :attr:`NAME`, :attr:`IMPL_CLS` (and :attr:`BUILDER_CLS` for their own
+    builder) and the capability class attributes below; :meth:`get_name`,
+    :meth:`get_impl_cls` and :meth:`get_builder_cls` return them, and a subclass may still
+    override those methods instead. Everything else has a default derived from the
+    declarations.
     """
+
+    #: The registry name, e.g. ``"FLASH_ATTN"`` (upper case, stable): :meth:`get_name`.
+    NAME: ClassVar[str | None] = None
+    #: The :class:`AttentionImpl` subclass (:meth:`get_impl_cls`): the class itself, or its
+    #: name, resolved when it is asked for: a class of the module that declares the attribute
+    #: (``"AcmeImpl"``, for a class defined below the backend) or ``"package.module:Class"``
+    #: (imported then, so kernel libraries are not imported with the backend).
+    IMPL_CLS: ClassVar[type[AttentionImpl] | str | None] = None
+    #: The per-step metadata builder (:meth:`get_builder_cls`), in the same forms as
+    #: :attr:`IMPL_CLS`; ``None``: :class:`kvcore.AttentionMetadataBuilder`.
+    BUILDER_CLS: ClassVar[type | str | None] = None
 
     #: Model (query/key/value) dtypes the kernels accept.
     SUPPORTED_DTYPES: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
@@ -151,26 +192,39 @@ class AttentionBackend(ABC):
     #: buffers (:class:`kvcore.PersistentMetadataBuilder`) from :meth:`get_builder_cls`.
     CUDA_GRAPH_SUPPORT: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
-    @staticmethod
-    @abstractmethod
-    def get_name() -> str:
-        """The registry name, e.g. ``"FLASH_ATTN"`` (upper case, stable)."""
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._defining_module = sys.modules.get(cls.__module__)
 
-    @staticmethod
-    @abstractmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        """The implementation class; import kernel libraries here, not at module import."""
+    @classmethod
+    def get_name(cls) -> str:
+        """The registry name, e.g. ``"FLASH_ATTN"`` (upper case, stable): :attr:`NAME`."""
+        if cls.NAME is None:
+            raise NotImplementedError(f"{cls.__qualname__} declares no NAME; set the class "
+                                      "attribute NAME (or override get_name())")
+        return cls.NAME
 
-    @staticmethod
-    def get_builder_cls() -> type:
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        """The implementation class, :attr:`IMPL_CLS`; kernel libraries are imported by it
+        (or when this resolves its ``"module:Class"``), not at the backend's import."""
+        if cls.IMPL_CLS is None:
+            raise NotImplementedError(f"{cls.__qualname__} declares no IMPL_CLS; set the class "
+                                      "attribute IMPL_CLS (or override get_impl_cls())")
+        return _resolve_class(cls, "IMPL_CLS")
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
         """The per-step metadata builder (a :class:`kvcore.AttentionMetadataBuilder`
-        subclass) the engine makes once and calls once per step.
+        subclass) the engine makes once and calls once per step: :attr:`BUILDER_CLS`.
 
         Default: :class:`kvcore.AttentionMetadataBuilder`, which checks the step's values
-        once and returns the metadata unchanged. Override for per-step work (a kernel
+        once and returns the metadata unchanged. Declare your own for per-step work (a kernel
         library's plan, split choices, workspaces) and for CUDA-graph support.
         """
-        return _default_builder[0]
+        if cls.BUILDER_CLS is None:
+            return _default_builder[0]
+        return _resolve_class(cls, "BUILDER_CLS")
 
     @staticmethod
     def get_kv_cache_shape(

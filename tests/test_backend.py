@@ -137,3 +137,53 @@ def test_build_attention_metadata_accepts_tensor_block_table_rows():
     meta = kvcore.build_attention_metadata([2, 1], [1, 0], list(rows), block_size=2)
     assert meta.block_table.tolist() == [[3, 4], [5, 6]]
     assert meta.slot_mapping.tolist() == [7, 8, 10]
+
+
+# -- NAME / IMPL_CLS / BUILDER_CLS: the methods derived from class attributes ----------------
+
+
+class _NamedImpl(kvcore.PagedAttentionImpl):
+    write_kv = staticmethod(kvcore.ops.reshape_and_cache_ref)
+    attend = staticmethod(kvcore.ops.paged_attention_torch)
+
+
+class _Named(AttentionBackend):
+    NAME = "NAMED"
+    IMPL_CLS = "_NamedImpl"  # a class of this module, defined above or below
+
+
+class _NamedElsewhere(_Named):
+    """Inherits IMPL_CLS: resolved in _Named's module, whatever module the subclass is in."""
+
+    __module__ = "kvcore.backend"  # as if defined in another package, which has no _NamedImpl
+    NAME = "NAMED_ELSEWHERE"
+    BUILDER_CLS = "kvcore.builder:PersistentMetadataBuilder"
+
+
+def test_get_methods_return_the_declared_attributes():
+    assert _Named.get_name() == "NAMED" and _Named.get_impl_cls() is _NamedImpl
+    assert _Named.get_builder_cls() is kvcore.AttentionMetadataBuilder  # the default
+    assert _NamedElsewhere.get_name() == "NAMED_ELSEWHERE"
+    assert _NamedElsewhere.get_impl_cls() is _NamedImpl
+    assert _NamedElsewhere.get_builder_cls() is kvcore.PersistentMetadataBuilder
+    # A backend that overrides the methods (as plugins written before the attributes do)
+    # keeps its own: the methods stay the public API.
+    assert Declared.get_name() == "DECLARED" and Declared.NAME is None
+
+
+def test_missing_or_wrong_declarations_say_what_to_set():
+    class Bare(AttentionBackend):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Bare declares no NAME; set the class "
+                                                  r"attribute NAME \(or override get_name"):
+        Bare.get_name()
+    with pytest.raises(NotImplementedError, match="declares no IMPL_CLS"):
+        Bare.get_impl_cls()
+
+    class Typo(_Named):
+        IMPL_CLS = "_NoSuchImpl"
+
+    with pytest.raises(AttributeError, match=f"IMPL_CLS='_NoSuchImpl': module {__name__} "
+                                             "has no class '_NoSuchImpl'"):
+        Typo.get_impl_cls()

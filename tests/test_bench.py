@@ -127,3 +127,15 @@ def test_benchmark_scripts_run_through_the_shared_harness(script, args, lists, t
         assert (tmp_path / f"{script}_log.txt").read_text().strip()
     else:
         assert data["errors"] == {} and data["check_failures"] == []
+
+
+def test_harness_table_falls_back_to_plain_lines_without_tabulate(monkeypatch):
+    from tabulate import tabulate
+
+    from kvcore.cli.harness import format_table
+
+    rows, headers = [["decode", 12.5], ["prefill", None]], ["op", "us"]
+    assert format_table(rows, headers) == tabulate(rows, headers=headers, tablefmt="github")
+    assert format_table(rows, headers, "simple") == tabulate(rows, headers=headers)
+    monkeypatch.setitem(sys.modules, "tabulate", None)  # import tabulate -> ImportError
+    assert format_table(rows, headers) == "op | us\ndecode | 12.5\nprefill | None"

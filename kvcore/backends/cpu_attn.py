@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.backend import AttentionBackend, AttentionImpl, PagedAttentionImpl
+from kvcore.backend import AttentionBackend, PagedAttentionImpl
 from kvcore.ops.reference import reshape_and_cache_ref
 from kvcore.ops.torch_attention import paged_attention_torch
 from kvcore.platform_types import AttentionType
@@ -27,13 +27,8 @@ class CpuAttentionBackend(AttentionBackend):
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cpu",)
 
-    @staticmethod
-    def get_name() -> str:
-        return "CPU_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return CpuAttentionImpl
+    NAME = "CPU_ATTN"
+    IMPL_CLS = "CpuAttentionImpl"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.backend import AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.backend import AttentionLayer, AttentionMetadata
 from kvcore.mla import MLACommonBackend, MLACommonImpl
 from kvcore.ops.mla_reference import concat_and_cache_mla_ref, mla_attention_ref
 
@@ -27,13 +27,8 @@ class CpuMLABackend(MLACommonBackend):
     SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     PLATFORMS = ("cpu",)
 
-    @staticmethod
-    def get_name() -> str:
-        return "CPU_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return CpuMLAImpl
+    NAME = "CPU_MLA"
+    IMPL_CLS = "CpuMLAImpl"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

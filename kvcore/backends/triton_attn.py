@@ -27,12 +27,11 @@ import torch
 
 from kvcore.backend import (
     AttentionBackend,
-    AttentionImpl,
     AttentionMetadata,
     CudaGraphSupport,
     PagedAttentionImpl,
 )
-from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
+from kvcore.builder import PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
 from kvcore.ops import (
     triton_fp8_reasons,
@@ -62,17 +61,9 @@ class TritonAttentionBackend(AttentionBackend):
     # allocation with the builder's workspace and a given output.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
-    @staticmethod
-    def get_name() -> str:
-        return "TRITON_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return TritonAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return TritonAttentionMetadataBuilder
+    NAME = "TRITON_ATTN"
+    IMPL_CLS = "TritonAttentionImpl"
+    BUILDER_CLS = "TritonAttentionMetadataBuilder"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -91,9 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 class TritonAttentionHNDBackend(TritonAttentionBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "TRITON_ATTN_HND"
+    NAME = "TRITON_ATTN_HND"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

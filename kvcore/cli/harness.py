@@ -13,6 +13,8 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
 - **Run log.** :class:`Run` writes a timestamped log to the terminal and a file, keeps the
   results as a dict saved as JSON after every section, and isolates sections: one that fails
   (or raises :class:`Skip`) is recorded and the run goes on.
+- **Tables.** :func:`format_table` prints the results as a tabulate table, or as plain
+  ``a | b`` lines where tabulate (the ``cli`` extra) is not installed.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ import math
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Clock", "Run", "Skip", "Timer", "copy_gbps", "device_name", "median_of",
-           "pinned_copy_gbps", "read_gbps", "rel_err", "time_call", "triton_copy_gbps",
+__all__ = ["Clock", "Run", "Skip", "Timer", "copy_gbps", "device_name", "format_table",
+           "median_of", "pinned_copy_gbps", "read_gbps", "rel_err", "time_call", "triton_copy_gbps",
            "triton_read_gbps", "warm_up"]
 
 #: Aim each timed GPU sample (a graph replay or an event-timed loop) at this many seconds.
@@ -286,6 +288,21 @@ def triton_copy_gbps(x: torch.Tensor, y: torch.Tensor, timer: Timer) -> tuple[fl
         raise RuntimeError("the streaming-copy kernel copied wrongly")
     seconds, how = timer(call)
     return 2 * x.numel() * 4 / seconds / 1e9, how
+
+
+# -- tables ------------------------------------------------------------------------------------
+
+
+def format_table(rows: Sequence[Sequence[object]], headers: Sequence[str],
+                 tablefmt: str = "github") -> str:
+    """``rows`` under ``headers`` as text: tabulate's ``tablefmt`` table, or one
+    ``a | b | c`` line per row (headers first) where tabulate is not installed, so a
+    benchmark still prints its results on a machine without the ``cli`` extra."""
+    try:
+        from tabulate import tabulate
+    except ImportError:
+        return "\n".join(" | ".join(map(str, row)) for row in [headers, *rows])
+    return tabulate(rows, headers=headers, tablefmt=tablefmt)
 
 
 # -- run log -----------------------------------------------------------------------------------

@@ -11,17 +11,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from kvcore.allocate import KVCaches, allocate_kv_caches
 from kvcore.backend import (
+    FEATURE_FLAGS,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
     LayerScales,
+    _is_supported,
     build_attention_metadata,
 )
 from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
@@ -298,15 +300,17 @@ def _validate(backend: type[AttentionBackend], kwargs: dict[str, Any]) -> list[s
     return reasons
 
 
-def _kwargs_text(kwargs: dict[str, Any]) -> str:
-    def show(v: Any) -> str:
-        if isinstance(v, torch.dtype):
-            return str(v).removeprefix("torch.")
-        if isinstance(v, AttentionType):
-            return v.value
-        return str(v)
+def _show(value: Any) -> str:
+    """A validate_configuration argument as reasons write it (``dtype=bfloat16``)."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, AttentionType):
+        return value.value
+    return str(value)
 
-    return ", ".join(f"{k}={show(v)}" for k, v in kwargs.items())
+
+def _kwargs_text(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_show(v)}" for k, v in kwargs.items())
 
 
 def check_validation_refuses(
@@ -334,16 +338,61 @@ def check_validation_refuses(
 
 
 def _named_fields(reason: str, kwargs: dict[str, Any]) -> list[str]:
-    """The fields of ``kwargs`` that ``reason`` names as ``field=value``."""
-    return [k for k in kwargs if re.search(rf"(?<![A-Za-z0-9_]){re.escape(k)}=", reason)]
+    """The fields of ``kwargs`` that ``reason`` names with their value, as ``field=value``
+    (``block_size=16``, not ``block_size=160``; ``dtype=bfloat16`` or ``torch.bfloat16``)."""
+    return [k for k, v in kwargs.items() if re.search(
+        rf"(?<![A-Za-z0-9_]){re.escape(k)}=(torch\.)?{re.escape(_show(v))}(?![A-Za-z0-9_]|\.\d)",
+        reason)]
+
+
+#: Sizes tried for another declared head or block size (those the declaration includes).
+_COMMON_SIZES = (16, 32, 64, 128, 256, 8, 96, 80, 512, 576, 1)
+
+
+def _declared_values(backend: type[AttentionBackend], field: str) -> tuple[Any, ...]:
+    """The values of the validate_configuration argument ``field`` that the backend's
+    capability attributes declare (the common sizes among declared head and block sizes;
+    nothing for an argument no attribute declares, e.g. ``device_capability``)."""
+    sizes = {"head_size": backend.SUPPORTED_HEAD_SIZES,
+             "block_size": backend.SUPPORTED_BLOCK_SIZES}
+    if field in sizes:
+        supported = sizes[field]
+        listed = () if supported is None else tuple(v for v in supported if isinstance(v, int))
+        return tuple(v for v in dict.fromkeys((*listed, *_COMMON_SIZES))
+                     if _is_supported(v, supported))
+    features = {flag: attr for flag, attr, _ in FEATURE_FLAGS}
+    if field in features:
+        return (False, True) if getattr(backend, features[field]) else (False,)
+    return {"dtype": backend.SUPPORTED_DTYPES,
+            "kv_cache_dtype": backend.SUPPORTED_KV_CACHE_DTYPES,
+            "attn_type": backend.SUPPORTED_ATTN_TYPES}.get(field, ())
+
+
+def _refused_everywhere(backend: type[AttentionBackend], base: dict[str, Any], field: str,
+                        partners: list[str]) -> str | None:
+    """Why ``base[field]`` is not fine alone (refused with every declared value of the
+    ``partners`` it clashes with), or ``None`` when some such configuration is accepted."""
+    choices = [[v for v in _declared_values(backend, p) if v != base[p]] for p in partners]
+    for values in itertools.product(*choices):
+        if not _validate(backend, {**base, **dict(zip(partners, values, strict=True))}):
+            return None
+    tried = "; ".join(f"{p}: {', '.join(map(_show, c)) or 'no other declared value'}"
+                      for p, c in zip(partners, choices, strict=True))
+    return (f"{field}={_show(base[field])} is refused with every other declared value of "
+            f"{', '.join(partners)} too ({tried}), so it is not a clash of values each fine "
+            "alone: the declarations promise a value the validation takes back everywhere")
 
 
 def check_validation_accepts(backend: type[AttentionBackend], base: dict[str, Any]) -> None:
     """Rule ``validation-accepts-declared``.
 
-    The one refusal allowed is a clash between declared values (each fine alone, e.g. a block
-    size one library takes and the minimum device capability, where another library runs):
-    a reason from ``check_combination`` that names at least two fields as ``field=value``.
+    The one refusal allowed is a clash between declared values that are each fine alone (e.g.
+    a block size one library takes and the minimum device capability, where another library
+    runs): a reason from ``check_combination`` that names at least two fields with their
+    values as ``field=value``, where each named value is accepted with some other declared
+    value of the fields it clashes with. A value that clashes with ``device_capability`` is
+    exempt from that search (what runs on another device may need a library that is not
+    installed here); the capability itself is not.
     """
     reasons = _validate(backend, base)
     if not reasons:
@@ -360,7 +409,19 @@ def check_validation_accepts(backend: type[AttentionBackend], base: dict[str, An
         raise _fail(backend, "validation-accepts-declared", (
             f"validate_configuration({_kwargs_text(base)}) refused a configuration built from "
             f"the declared capabilities: {unexplained!r}; only check_combination may refuse it, "
-            "with reasons that name each clashing field as field=value"))
+            "with reasons that name each clashing field with its value as field=value"))
+    for reason in reasons:
+        named = _named_fields(reason, base)
+        for field in named:
+            partners = [p for p in named if p != field]
+            if field != "device_capability" and "device_capability" in partners:
+                continue
+            why = _refused_everywhere(backend, base, field, partners)
+            if why:
+                raise _fail(backend, "validation-accepts-declared", (
+                    f"validate_configuration({_kwargs_text(base)}) refused a configuration "
+                    f"built from the declared capabilities with {reason!r}: {why}; narrow the "
+                    "declaration or fix check_combination"))
 
 
 # -- numerical checks ----------------------------------------------------------------------
@@ -378,18 +439,13 @@ def _split_kv(kv_cache: torch.Tensor, layout: KVCacheLayout) -> tuple[torch.Tens
     return key_cache, value_cache
 
 
-def _scales(config: CaseConfig, device: torch.device) -> LayerScales:
-    if not config.is_fp8:
-        return LayerScales()
-    # Non-trivial per-tensor scales, as fp8 engines pass them: 1-element float32 tensors.
-    return LayerScales(torch.tensor([0.5], device=device), torch.tensor([0.25], device=device))
-
-
 class _Run:
     """One numerical case: the backend, its config and device, and the helpers to call it."""
 
     #: What the last dim of the output is, for messages.
     OUTPUT_DIM = "head_size"
+    #: ``num_kv_heads`` of the caches this kind of attention allocates.
+    CACHE_KV_HEADS = NUM_KV_HEADS
     #: Per-token error norm bounds of :meth:`output_diff` (a kind of attention whose correct
     #: kernels round more, e.g. MLA's absorbed path, sets its own) and their name in messages.
     norm_tolerances: dict[torch.dtype, float] = NORM_TOLERANCES
@@ -441,7 +497,7 @@ class _Run:
                  fill: bool = True) -> KVCaches:
         caches = allocate_kv_caches(
             self.backend, num_layers=num_layers, num_blocks=num_blocks,
-            block_size=self.config.block_size, num_kv_heads=NUM_KV_HEADS,
+            block_size=self.config.block_size, num_kv_heads=self.CACHE_KV_HEADS,
             head_size=self.config.head_size, dtype=self.config.dtype, device=self.device,
             cross_layer=cross_layer, kv_cache_dtype=self.config.kv_cache_dtype,
             platform=_UNVERIFIED if cross_layer else None)
@@ -450,13 +506,30 @@ class _Run:
                                              self.device, self.gen))
         return caches
 
-    def impl(self) -> AttentionImpl:
+    def scales(self) -> LayerScales:
+        if not self.config.is_fp8:
+            return LayerScales()
+        # Non-trivial per-tensor scales, as fp8 engines pass them: 1-element float32 tensors.
+        return LayerScales(torch.tensor([0.5], device=self.device),
+                           torch.tensor([0.25], device=self.device))
+
+    def impl_kwargs(self) -> dict[str, Any]:
+        """What the case's ``AttentionImpl`` is constructed with."""
         d = self.config.head_size
+        return dict(num_heads=NUM_HEADS, head_size=d, scale=d**-0.5, num_kv_heads=NUM_KV_HEADS,
+                    sliding_window=self.config.sliding_window,
+                    kv_cache_dtype=self.config.kv_cache_dtype, attn_type=self.config.attn_type)
+
+    def impl(self) -> AttentionImpl:
         return self.call("constructing the AttentionImpl", self.backend.get_impl_cls(),
-                         num_heads=NUM_HEADS, head_size=d, scale=d**-0.5,
-                         num_kv_heads=NUM_KV_HEADS, sliding_window=self.config.sliding_window,
-                         kv_cache_dtype=self.config.kv_cache_dtype,
-                         attn_type=self.config.attn_type)
+                         **self.impl_kwargs())
+
+    def setup_layer(self, num_blocks: int, fill: bool = True
+                    ) -> tuple[KVCaches, torch.Tensor, LayerScales, AttentionImpl]:
+        """What most checks start from: a one-layer allocation of ``num_blocks`` (random
+        unless ``fill=False``), its layer view, the case's scales and a fresh impl."""
+        caches = self.allocate(num_blocks, fill=fill)
+        return caches, caches.layers[0], self.scales(), self.impl()
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -554,6 +627,7 @@ class _MLARun(_Run):
     """
 
     OUTPUT_DIM = "v_head_dim"
+    CACHE_KV_HEADS = 1
     norm_tolerances = MLA_NORM_TOLERANCES
     norm_source = "kvcore.testing.MLA_NORM_TOLERANCES"
 
@@ -586,29 +660,14 @@ class _MLARun(_Run):
     def output_shape(self, rows: int) -> tuple[int, ...]:
         return (rows, NUM_HEADS, self.dims.v_head_dim)
 
-    def allocate(self, num_blocks: int, num_layers: int = 1, cross_layer: bool = False,
-                 fill: bool = True) -> KVCaches:
-        caches = allocate_kv_caches(
-            self.backend, num_layers=num_layers, num_blocks=num_blocks,
-            block_size=self.config.block_size, num_kv_heads=1,
-            head_size=self.config.head_size, dtype=self.config.dtype, device=self.device,
-            cross_layer=cross_layer, kv_cache_dtype=self.config.kv_cache_dtype,
-            platform=_UNVERIFIED if cross_layer else None)
-        if fill:
-            caches.storage.copy_(random_like(caches.storage.shape, caches.storage.dtype,
-                                             self.device, self.gen))
-        return caches
-
-    def impl(self) -> AttentionImpl:
+    def impl_kwargs(self) -> dict[str, Any]:
         d = self.dims
-        return self.call("constructing the AttentionImpl", self.backend.get_impl_cls(),
-                         num_heads=NUM_HEADS, head_size=self.config.head_size,
-                         scale=self.scale, num_kv_heads=1, sliding_window=None,
-                         kv_cache_dtype=self.config.kv_cache_dtype,
-                         attn_type=AttentionType.DECODER, kv_lora_rank=d.kv_lora_rank,
-                         qk_nope_head_dim=d.qk_nope_head_dim,
-                         qk_rope_head_dim=d.qk_rope_head_dim, v_head_dim=d.v_head_dim,
-                         kv_b_proj_weight=self.weight)
+        return dict(num_heads=NUM_HEADS, head_size=self.config.head_size, scale=self.scale,
+                    num_kv_heads=1, sliding_window=None,
+                    kv_cache_dtype=self.config.kv_cache_dtype, attn_type=AttentionType.DECODER,
+                    kv_lora_rank=d.kv_lora_rank, qk_nope_head_dim=d.qk_nope_head_dim,
+                    qk_rope_head_dim=d.qk_rope_head_dim, v_head_dim=d.v_head_dim,
+                    kv_b_proj_weight=self.weight)
 
     def reference_write(self, batch: MixedBatch, kv_cache: torch.Tensor, layout: KVCacheLayout,
                         scales: LayerScales, slot_mapping: torch.Tensor) -> None:
@@ -683,12 +742,10 @@ def check_cache_write(backend: type[AttentionBackend], config: CaseConfig,
     """Rule ``cache-write-reference``, on a per-layer (not cross-layer) allocation."""
     run = _run(backend, config, device, seed)
     batch = run.make_batch()
-    caches = run.allocate(batch.num_blocks)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
+    caches, layer, scales, impl = run.setup_layer(batch.num_blocks)
     expected = layer.clone()
     run.reference_write(batch, expected, caches.layout, scales, batch.metadata.slot_mapping)
-    run.write(run.impl(), scales, batch, layer)
+    run.write(impl, scales, batch, layer)
     tol = None
     if config.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         tol, _ = tolerance_for(backend, config.kv_cache_dtype)
@@ -703,10 +760,7 @@ def check_forward(backend: type[AttentionBackend], config: CaseConfig, device: t
     the ``output=None`` path (once per backend is enough: it only allocates)."""
     run = _run(backend, config, device, seed)
     batch = run.make_batch()
-    caches = run.allocate(batch.num_blocks)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
-    impl = run.impl()
+    caches, layer, scales, impl = run.setup_layer(batch.num_blocks)
     run.write(impl, scales, batch, layer)
     before = _bits(layer).clone()
     ref = run.reference_forward(batch, layer, caches.layout, scales)
@@ -754,10 +808,7 @@ def check_stale_bytes(backend: type[AttentionBackend], config: CaseConfig,
     matches the reference computed before they were poisoned."""
     run = _run(backend, config, device, seed)
     batch = run.make_batch()
-    caches = run.allocate(batch.num_blocks)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
-    impl = run.impl()
+    caches, layer, scales, impl = run.setup_layer(batch.num_blocks)
     run.write(impl, scales, batch, layer)
     ref = run.reference_forward(batch, layer, caches.layout, scales)
     _poison_unowned(layer, caches.layout, batch, config.block_size)
@@ -774,10 +825,7 @@ def check_batch_invariant(backend: type[AttentionBackend], config: CaseConfig,
     """Rule ``batch-invariant``: each request alone gives the bits it gets in the batch."""
     run = _run(backend, config, device, seed)
     batch = run.make_batch()
-    caches = run.allocate(batch.num_blocks)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
-    impl = run.impl()
+    _, layer, scales, impl = run.setup_layer(batch.num_blocks)
     run.write(impl, scales, batch, layer)
     together = run.forward(impl, scales, batch, layer, None)
     start = 0
@@ -814,8 +862,7 @@ def check_cross_layer(backend: type[AttentionBackend], config: CaseConfig,
     layer, contiguous = cross.layers[1], plain.layers[0]
     contiguous.copy_(layer)
     neighbours = {i: cross.block_view(i).clone() for i in (0, 2)}
-    scales = _scales(config, device)
-    impl = run.impl()
+    scales, impl = run.scales(), run.impl()
 
     def check_neighbours(after: str) -> None:
         for i, snapshot in neighbours.items():
@@ -885,10 +932,7 @@ def check_int64_offsets(backend: type[AttentionBackend], config: CaseConfig,
         context_lens=[0, 0], block_tables=tables,
         kinds=["prefill in the last blocks", "prefill in the first blocks"],
         num_blocks=num_blocks)
-    caches = run.allocate(num_blocks, fill=False)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
-    impl = run.impl()
+    caches, layer, scales, impl = run.setup_layer(num_blocks, fill=False)
     run.write(impl, scales, batch, layer)
     out = run.forward(impl, scales, batch, layer, None)
     # The same requests on a compact cache holding only the five used blocks, renumbered.
@@ -987,10 +1031,7 @@ def check_builder(backend: type[AttentionBackend], config: CaseConfig, device: t
     run = _run(backend, config, device, seed)
     batch = run.make_batch()
     bs = config.block_size
-    caches = run.allocate(batch.num_blocks)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
-    impl = run.impl()
+    caches, layer, scales, impl = run.setup_layer(batch.num_blocks)
     builder = _make_builder(run, max_model_len=8 * bs)
     decode = _decode_batch(run, batch.num_blocks, [2 * bs + 2, bs - 3, 3])
     for what, step in (("the mixed batch", batch), ("a decode-only batch after it", decode),
@@ -1016,6 +1057,11 @@ def _tensor_fields(value: object, prefix: str) -> dict[str, torch.Tensor]:
     return found
 
 
+#: The graph checks' batch size and cache blocks.
+_GRAPH_SIZE = 4
+_GRAPH_NUM_BLOCKS = 12
+
+
 def _graph_builder(run: _Run) -> PersistentMetadataBuilder:
     # A long max_model_len: split-KV backends then split graph steps whose requests are much
     # shorter, leaving some splits empty.
@@ -1028,24 +1074,26 @@ def _graph_builder(run: _Run) -> PersistentMetadataBuilder:
     return builder
 
 
+def _graph_steps(run: _Run) -> Iterator[MixedBatch]:
+    """The graph checks' two uniform-decode steps for one graph size, with other lengths and
+    block tables (made one at a time, as the check consumes them)."""
+    bs = run.config.block_size
+    for context_lens in ([2 * bs + 2, bs - 3, 3], [5 * bs, 1]):
+        yield _decode_batch(run, _GRAPH_NUM_BLOCKS, context_lens)
+
+
 def check_builder_buffers(backend: type[AttentionBackend], config: CaseConfig,
                           device: torch.device, seed: int) -> None:
     """Rule ``builder-persistent-buffers``: two uniform-decode steps of different lengths and
     block tables built for one graph size give the same tensors (addresses, shapes, strides)
     and host values, and each, padded, gives the reference's rows."""
     run = _run(backend, config, device, seed)
-    bs = config.block_size
     builder = _graph_builder(run)
-    num_blocks = 12
-    caches = run.allocate(num_blocks)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
-    impl = run.impl()
-    size = 4
+    caches, layer, scales, impl = run.setup_layer(_GRAPH_NUM_BLOCKS)
+    size = _GRAPH_SIZE
     seen: list[tuple[dict[str, tuple], dict[str, object]]] = []
-    for context_lens in ([2 * bs + 2, bs - 3, 3], [5 * bs, 1]):
-        step = _decode_batch(run, num_blocks, context_lens)
-        meta = run.call("builder.build(common, graph_batch_size=4)", builder.build,
+    for step in _graph_steps(run):
+        meta = run.call(f"builder.build(common, graph_batch_size={size})", builder.build,
                         step.metadata, graph_batch_size=size)
         tensors = {name: (t.data_ptr(), tuple(t.shape), t.stride())
                    for name, t in _tensor_fields(meta, "metadata").items()}
@@ -1054,7 +1102,7 @@ def check_builder_buffers(backend: type[AttentionBackend], config: CaseConfig,
         seen.append((tensors, host))
         padded = _pad_batch(step, size)
         _step_through(run, impl, scales, padded, layer, caches, meta,
-                      f"a decode step of {len(context_lens)} requests padded to {size}",
+                      f"a decode step of {len(step.context_lens)} requests padded to {size}",
                       "builder-persistent-buffers")
     (first, host1), (second, host2) = seen
     if first != second:
@@ -1093,14 +1141,9 @@ def check_cuda_graph_replay(backend: type[AttentionBackend], config: CaseConfig,
     from kvcore.cuda_graphs import CudaGraphRunner
 
     run = _run(backend, config, device, seed)
-    bs = config.block_size
     builder = _graph_builder(run)
-    num_blocks = 12
-    caches = run.allocate(num_blocks)
-    layer = caches.layers[0]
-    scales = _scales(config, device)
-    impl = run.impl()
-    size = 4
+    caches, layer, scales, impl = run.setup_layer(_GRAPH_NUM_BLOCKS)
+    size = _GRAPH_SIZE
 
     def step_fn(inputs: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         impl.do_kv_cache_update(scales, inputs["key"], inputs["value"], layer,
@@ -1109,12 +1152,12 @@ def check_cuda_graph_replay(backend: type[AttentionBackend], config: CaseConfig,
         return impl.forward(scales, inputs["query"], inputs["key"], inputs["value"], layer,
                             meta, output=out)
 
-    runner = CudaGraphRunner(builder, step_fn, num_blocks=num_blocks, batch_sizes=[size])
+    runner = CudaGraphRunner(builder, step_fn, num_blocks=_GRAPH_NUM_BLOCKS,
+                             batch_sizes=[size])
     examples = dict(zip(("query", "key", "value"), (t.zero_() for t in run.tokens(1)),
                         strict=True))
     run.call("capturing a decode step (CudaGraphRunner.capture)", runner.capture, examples)
-    for context_lens in ([2 * bs + 2, bs - 3, 3], [5 * bs, 1]):
-        step = _decode_batch(run, num_blocks, context_lens)
+    for step in _graph_steps(run):
         inputs = {"query": step.query, "key": step.key, "value": step.value}
         replayed = run.call("a replay (CudaGraphRunner.run)", runner.run, inputs,
                             step.metadata).clone()
@@ -1124,10 +1167,9 @@ def check_cuda_graph_replay(backend: type[AttentionBackend], config: CaseConfig,
         # The same step eagerly, on the same padded metadata (the write is idempotent).
         meta = builder.build(step.metadata, graph_batch_size=size)
         padded = _pad_batch(step, size)
+        n = len(step.context_lens)
         eager = _step_through(run, impl, scales, padded, layer, caches, meta,
-                              f"{len(context_lens)} decode requests padded to {size}",
-                              "cuda-graph-replay")
-        n = len(context_lens)
+                              f"{n} decode requests padded to {size}", "cuda-graph-replay")
         if not torch.equal(_bits(replayed), _bits(eager[:n])):
             worst = (replayed.double() - eager[:n].double()).abs().max().item()
             raise run.fail("cuda-graph-replay", (

@@ -52,7 +52,8 @@ _RULES = (
          "declared capabilities with non-empty, one-line reasons that name the field"),
     Rule("validation-accepts-declared",
          "validate_configuration accepts a configuration built from the declared capabilities "
-         "(reasons for it must come from check_combination and say which fields clash)"),
+         "(reasons for it must come from check_combination and name the clashing fields with "
+         "their values, each of which is accepted with another declared value of the others)"),
     Rule("validation-refuses-before-kernel",
          "a configuration validate_configuration accepts runs: an unsupported one is refused "
          "there, never by an exception (or a crash) inside do_kv_cache_update or forward"),

@@ -166,6 +166,24 @@ class VagueReasons(CorrectBackend):
         return ["not supported"] if super().validate_configuration(*args, **kwargs) else []
 
 
+class DeclaresABlockSizeItRefuses(CorrectBackend):
+    """Declares block size 16 (a list copied from another backend), but its kernel tiles 64
+    tokens; check_combination refuses 16 whatever the dtype, worded as a clash of two fields."""
+
+    SUPPORTED_BLOCK_SIZES = (16, 64)
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_BLOCK_SIZE_CLAIM"
+
+    @classmethod
+    def check_combination(cls, config, device_capability):
+        if config.block_size % 64:
+            return [f"block_size={config.block_size} with dtype="
+                    f"{str(config.dtype).removeprefix('torch.')}: the kernel tiles 64 tokens"]
+        return []
+
+
 class GraphClaimWithoutBuffers(CorrectBackend):
     """Declares CUDA-graph support but keeps the default builder (new tensors every step)."""
 

@@ -86,6 +86,12 @@ def test_correct_reference_backend_passes(pytester):
                  ["forward with builder.build()'s metadata for the mixed batch raised "
                   "ValueError: seq_lens[3]=16 is shorter than its 17 query tokens"],
                  id="builder-changes-the-step"),
+    pytest.param("DeclaresABlockSizeItRefuses", "validation-accepts-declared",
+                 {"validation-accepts-declared"},
+                 ["with 'block_size=16 with dtype=float32: the kernel tiles 64 tokens': "
+                  "block_size=16 is refused with every other declared value of dtype too "
+                  "(dtype: no other declared value)"],
+                 id="declares-a-block-size-it-refuses"),
     pytest.param("VagueReasons", "validation-reasons", {"validation-refuses"},
                  ["for dtype=bfloat16, no reason names 'dtype': ['not supported']"],
                  id="reasons-name-no-field"),
@@ -183,11 +189,13 @@ def test_unknown_backend_is_a_usage_error_listing_valid_names(pytester):
         ["*--kvcore-backend NOPE: unknown attention backend 'NOPE'; valid options are: *CPU_ATTN*"])
 
 
-def _refusing_backend(combination: list[str], derived: list[str] = ()) -> type:
-    """A backend whose check_combination returns ``combination`` and whose validation adds
-    ``derived`` (a refusal the declarations do not explain)."""
+def _refusing_backend(combination=lambda config, capability: [], derived: list[str] = ()
+                      ) -> type:
+    """A backend of float32 and float16 on devices >= 8.0 whose check_combination returns
+    ``combination(config, capability)`` and whose validation adds ``derived`` (a refusal the
+    declarations do not explain)."""
     class Refusing(kvcore.AttentionBackend):
-        SUPPORTED_DTYPES = (torch.float32,)
+        SUPPORTED_DTYPES = (torch.float32, torch.float16)
         MIN_DEVICE_CAPABILITY = kvcore.DeviceCapability(8, 0)
 
         @staticmethod
@@ -200,7 +208,7 @@ def _refusing_backend(combination: list[str], derived: list[str] = ()) -> type:
 
         @classmethod
         def check_combination(cls, config, device_capability):
-            return list(combination)
+            return combination(config, device_capability)
 
         @classmethod
         def validate_configuration(cls, **kwargs):
@@ -215,18 +223,45 @@ BASE = {"head_size": 64, "dtype": torch.float32, "kv_cache_dtype": "auto", "bloc
         "device_capability": None}
 
 
+def _dtype(config) -> str:
+    return str(config.dtype).removeprefix("torch.")
+
+
 @pytest.mark.parametrize(("combination", "derived", "fails_with"), [
-    pytest.param([], [], None, id="accepted"),
-    pytest.param(["block_size=16 with device_capability=8.0: this library takes multiples of "
-                  "256 there"], [], None, id="a-clash-naming-both-fields"),
-    pytest.param(["block_size=16: this library takes multiples of 256"], [],
+    pytest.param(lambda c, cap: [], [], None, id="accepted"),
+    # Blocks of 256 run on 8.0: the capability is fine alone (a block size clashing with the
+    # device need not be shown to run on another one: its library may not be installed here).
+    pytest.param(lambda c, cap: [f"block_size={c.block_size} with device_capability={cap}: "
+                                 "this library takes multiples of 256 there"]
+                 if c.block_size % 256 else [], [], None, id="a-clash-with-the-device"),
+    # Block 16 runs in float16, float32 with other blocks: each value is fine alone.
+    pytest.param(lambda c, cap: [f"block_size=16 with dtype={_dtype(c)}: the float32 kernel "
+                                 "tiles 32 tokens"]
+                 if c.block_size == 16 and c.dtype == torch.float32 else [], [], None,
+                 id="a-clash-of-two-declared-values"),
+    pytest.param(lambda c, cap: ["block_size=16: this library takes multiples of 256"]
+                 if c.block_size == 16 else [], [],
                  "with reasons that name each clashing field", id="a-reason-naming-one-field"),
-    pytest.param([], ["block_size=16 with head_size=64 are not supported"],
+    pytest.param(lambda c, cap: ["block_size=160 with device_capability=9.0: other values"]
+                 if c.block_size == 16 else [], [],
+                 "with reasons that name each clashing field", id="a-reason-naming-other-values"),
+    pytest.param(lambda c, cap: [], ["block_size=16 with head_size=64 are not supported"],
                  "only check_combination may refuse it", id="not-from-check-combination"),
+    # THE FAULT the rule exists for: block 16 is declared (any block size) but refused with
+    # every declared dtype, dressed up as a clash of two fields.
+    pytest.param(lambda c, cap: [f"block_size=16 with dtype={_dtype(c)}: the kernel tiles "
+                                 "32 tokens"] if c.block_size == 16 else [], [],
+                 "block_size=16 is refused with every other declared value of dtype too "
+                 "(dtype: float16)", id="a-declared-value-refused-everywhere"),
+    pytest.param(lambda c, cap: [f"block_size={c.block_size} with device_capability={cap}: "
+                                 "nothing runs there"], [],
+                 "device_capability=8.0 is refused with every other declared value of "
+                 "block_size too", id="a-declared-device-refused-everywhere"),
 ])
-def test_validation_accepts_declared_allows_only_a_clash_of_named_fields(combination, derived,
-                                                                         fails_with):
-    """The base case may be refused only by a cross-field rule that names the fields."""
+def test_validation_accepts_declared_allows_only_a_clash_of_values_each_fine_alone(
+        combination, derived, fails_with):
+    """The base case may be refused only by a cross-field rule that names the fields with
+    their values, each of which is accepted with another declared value of the others."""
     backend = _refusing_backend(combination, derived)
     base = {**BASE, "device_capability": kvcore.DeviceCapability(8, 0)}
     if fails_with is None:
@@ -240,7 +275,7 @@ def test_validation_accepts_declared_allows_only_a_clash_of_named_fields(combina
 def test_validation_accepts_declared_runs_on_this_machines_capability(monkeypatch):
     """With a device capability here (simulated), the base case is built for it when the
     declarations cover it, else for the declared minimum."""
-    backend = _refusing_backend([])
+    backend = _refusing_backend()
     seen = []
     monkeypatch.setattr(backend, "check_combination", classmethod(
         lambda cls, config, capability: seen.append(capability) or []))

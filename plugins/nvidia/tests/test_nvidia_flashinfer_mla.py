@@ -2,7 +2,9 @@
 its place in the CUDA MLA priority list (simulated devices, FlashInfer simulated present or
 absent), the argument checks of its impl and builder, its latent write (the reference
 path on CPU tensors) against the MLA reference, bit for bit, on a cross-layer view, and the
-GPU test's cross-layer allocation comparison with the MLA reference in FlashInfer's place."""
+GPU test's cross-layer allocation comparison with the MLA reference in FlashInfer's place,
+the softmax scale and the fp8 scale (read by the builder once per step, never per layer)
+through a stand-in for FlashInfer's wrapper."""
 
 from __future__ import annotations
 
@@ -392,3 +394,75 @@ def test_plain_metadata_is_planned_for_its_first_layer_s_scale(fake_flashinfer):
 def test_a_builder_refuses_a_scale_that_is_not_a_positive_float():
     with pytest.raises(ValueError, match="scale=-1.0 must be a finite, positive float"):
         _mla_builder(scale=-1.0)
+
+
+# -- the fp8 scale tensor: read by the builder once per step, never in a layer's forward ----
+
+#: Tensor calls that read a tensor's value back to the host (a device sync on a GPU).
+_HOST_READS = {"item", "tolist", "__float__", "__int__", "__bool__", "cpu", "to", "numpy"}
+
+
+class _WatchedScale(torch.Tensor):
+    """A scale tensor that records every host read made on it (and on tensors made from it)."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _HOST_READS:
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _FakeFp8Wrapper(_FakeMLAWrapper):
+    """The stand-in wrapper, recording the fp8 scales each ``run`` is given (not computing)."""
+
+    scales: list[float] = []
+
+    def run(self, *, query, kv_cache, out, ckv_scale=None, kpe_scale=None):
+        assert isinstance(ckv_scale, float) and ckv_scale == kpe_scale
+        self.scales.append(ckv_scale)
+        return out
+
+
+def test_fp8_scale_tensors_are_read_once_per_step_by_the_builder_not_per_layer(
+        fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(sys.modules["flashinfer.mla"], "BatchMLAPagedAttentionWrapper",
+                        _FakeFp8Wrapper)
+    monkeypatch.setattr(_FakeFp8Wrapper, "scales", [])
+    monkeypatch.setattr(_WatchedScale, "reads", [])
+    monkeypatch.setattr(flashinfer_mla, "_check_on_gpu", lambda kv_cache: None)  # CPU tensors
+    gen = torch.Generator().manual_seed(5)
+    spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.bfloat16, kv_cache_dtype="fp8")
+    builder = FlashInferMLABackend.get_builder_cls()(
+        spec, num_heads=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+        device="cpu")
+    cache = torch.randn(12, 16, RANK + ROPE, generator=gen).to(torch.float8_e4m3fn)
+    tables = random_block_tables([40, 17, 3], 16, 12, gen)
+    common = kvcore.build_attention_metadata([1, 4, 3], [39, 13, 0], tables, 16)
+    query = torch.randn(common.num_actual_tokens, 16, NOPE + ROPE,
+                        generator=gen).to(torch.bfloat16)
+    values = [0.5, 0.25, 2.0]
+    layers = [kvcore.LayerScales(k_scale=torch.tensor([v]).as_subclass(_WatchedScale))
+              for v in values]
+    impls = [_impl(kv_cache_dtype="fp8") for _ in layers]
+
+    def step() -> tuple[list[str], list[str]]:
+        """One step: the host reads of the builder, then those of all the layers' forwards."""
+        _WatchedScale.reads.clear()
+        meta = builder.build(common)
+        in_build = list(_WatchedScale.reads)
+        _WatchedScale.reads.clear()
+        for impl, layer in zip(impls, layers, strict=True):
+            impl.forward(layer, query, None, None, cache, meta)
+        return in_build, list(_WatchedScale.reads)
+
+    in_build, in_forward = step()  # each layer reads its scale once, handing it to the builder
+    assert in_build == [] and len(in_forward) == len(layers)
+    for _ in range(2):
+        in_build, in_forward = step()
+        assert in_build == ["to"] * len(layers) + ["tolist"]  # one read back for all layers
+        assert in_forward == []
+    layers[1].k_scale.fill_(0.125)  # a scale changed between steps is read at the next build
+    step()
+    assert _FakeFp8Wrapper.scales == values * 3 + [0.5, 0.125, 2.0]

@@ -34,21 +34,14 @@ class SdpaGatherBackend(kvcore.AttentionBackend):
     # per call: a captured step could not replay another step's shapes.
     CUDA_GRAPH_SUPPORT = kvcore.CudaGraphSupport.NEVER
 
-    @staticmethod
-    def get_name() -> str:
-        return "SDPA_GATHER"
-
-    @staticmethod
-    def get_impl_cls() -> type[kvcore.AttentionImpl]:
-        return SdpaGatherImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[kvcore.AttentionMetadataBuilder]:
-        # The default builder (what AttentionBackend returns anyway, spelled out as a model):
-        # once per step it checks the step's values and returns the metadata unchanged. A
-        # backend with per-step work (a plan, split choices, a mask) subclasses it, or
-        # kvcore.PersistentMetadataBuilder to support CUDA graphs (docs/backend-plugin.md).
-        return kvcore.AttentionMetadataBuilder
+    NAME = "SDPA_GATHER"
+    # The impl class is defined below: named here, resolved by get_impl_cls().
+    IMPL_CLS = "SdpaGatherImpl"
+    # The default builder (what AttentionBackend uses anyway, spelled out as a model): once
+    # per step it checks the step's values and returns the metadata unchanged. A backend with
+    # per-step work (a plan, split choices, a mask) subclasses it, or
+    # kvcore.PersistentMetadataBuilder to support CUDA graphs (docs/backend-plugin.md).
+    BUILDER_CLS = kvcore.AttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

@@ -37,9 +37,7 @@ class DeepseekV32IndexerBackend(AttentionBackend):
     # (`kvcore kernels --target sm80` does not compile it).
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 9)
 
-    @staticmethod
-    def get_name() -> str:
-        return "DEEPSEEK_V32_INDEXER"
+    NAME = "DEEPSEEK_V32_INDEXER"
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

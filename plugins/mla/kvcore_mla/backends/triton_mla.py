@@ -28,10 +28,8 @@ from typing import Any
 import torch
 
 from kvcore import (
-    AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionSelectorConfig,
     CudaGraphSupport,
     DeviceCapability,
@@ -59,17 +57,9 @@ class TritonMLABackend(MLACommonBackend):
     # no host sync, no split-KV allocation (module docstring).
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
-    @staticmethod
-    def get_name() -> str:
-        return "TRITON_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return TritonMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return TritonMLAMetadataBuilder
+    NAME = "TRITON_MLA"
+    IMPL_CLS = "TritonMLAImpl"
+    BUILDER_CLS = "TritonMLAMetadataBuilder"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

@@ -73,7 +73,6 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionSelectorConfig,
     AttentionType,
     CudaGraphSupport,
@@ -190,17 +189,9 @@ class FlashAttentionBackend(AttentionBackend):
     CROSS_LAYER_PLATFORMS = ("cuda",)
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
-    @staticmethod
-    def get_name() -> str:
-        return "FLASH_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return FlashAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return FlashAttentionMetadataBuilder
+    NAME = "FLASH_ATTN"
+    IMPL_CLS = "FlashAttentionImpl"
+    BUILDER_CLS = "FlashAttentionMetadataBuilder"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

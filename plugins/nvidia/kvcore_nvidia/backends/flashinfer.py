@@ -67,7 +67,6 @@ from kvcore import (
     AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionType,
     CudaGraphSupport,
     DeviceCapability,
@@ -108,17 +107,9 @@ class FlashInferBackend(AttentionBackend):
     # only launches: no host sync, no allocation for a contiguous output.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return FlashInferImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return FlashInferMetadataBuilder
+    NAME = "FLASHINFER"
+    IMPL_CLS = "FlashInferImpl"
+    BUILDER_CLS = "FlashInferMetadataBuilder"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

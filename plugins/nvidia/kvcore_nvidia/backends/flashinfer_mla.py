@@ -42,9 +42,15 @@ query by the ratio first (one more elementwise pass and one more rounding of the
 the model dtype, well inside the bf16 error of the absorbed path); it is never refused.
 
 fp8: FlashInfer's MLA kernels read an e4m3 cache with bf16 queries on Hopper (capability 9.x)
-only; they take the dequantisation scale as a host float, so a tensor ``layer.k_scale`` is
-read back once per layer call in eager steps and baked into a captured step (a graph replays
-the scale it was captured with).
+only; they take the dequantisation scale as a host float (``run(ckv_scale=, kpe_scale=)``, no
+tensor form for a per-tensor scale). A tensor ``layer.k_scale`` is therefore read back on the
+host, but once per step, not once per layer: a layer's first step reads its own scale and
+hands the tensor to the builder, and from then on the builder reads all the layers' scale
+tensors in ``build()`` (one device read per step, beside the plan's); forward takes its float
+from the step's metadata and never reads the tensor. A scale is read when the step is built,
+so it must not change between ``build()`` and the layer's forward. A captured step keeps the
+scale it was captured with (a graph replays it). Plain metadata (no builder) reads the scale in
+every layer, as that path already reads the step back to plan it.
 
 Cross-layer caches: FLASHINFER_MLA declares the cross-layer order ``B,L,N,D`` on CUDA (the
 same as TRITON_MLA). FlashInfer takes the page and token strides from the two views (int64
@@ -70,10 +76,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore import (
-    AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionSelectorConfig,
     CudaGraphSupport,
     DeviceCapability,
@@ -84,6 +88,7 @@ from kvcore import (
 )
 from kvcore.ops import (
     FP8_KV_CACHE_DTYPES,
+    check_scale,
     check_softmax_scale,
     reshape_and_cache,
     scale_value,
@@ -124,23 +129,15 @@ class FlashInferMLABackend(MLACommonBackend):
     REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
     #: Bytes of the float workspace of one builder (or device): FlashInfer's recommended size.
     WORKSPACE_BYTES: ClassVar[int] = 128 * 1024 * 1024
-    # The builder plans every step (graph-mode wrappers per batch size), forward only
-    # launches: no host sync (float fp8 scales aside, see the module), no plan.
+    # The builder plans every step (graph-mode wrappers per batch size) and reads the fp8
+    # scales; forward only launches: no host sync, no plan.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
     # The cross-layer tests ran on NVIDIA (module docstring); CUDA is this backend's platform.
     CROSS_LAYER_PLATFORMS = ("cuda",)
 
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return FlashInferMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return FlashInferMLAMetadataBuilder
+    NAME = "FLASHINFER_MLA"
+    IMPL_CLS = "FlashInferMLAImpl"
+    BUILDER_CLS = "FlashInferMLAMetadataBuilder"
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -202,6 +199,12 @@ def mla_page_lists(seq_lens: torch.Tensor, block_table: torch.Tensor,
     used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
             < pages[:, None])
     return indptr, block_table.to(torch.int32)[used]
+
+
+def _check_on_gpu(kv_cache: torch.Tensor) -> None:
+    if kv_cache.device.type != "cuda":
+        raise ValueError(f"kv_cache is on {kv_cache.device}; FLASHINFER_MLA runs "
+                         "FlashInfer's CUDA kernels on GPU tensors")
 
 
 def _is_decode(meta: AttentionMetadata) -> bool:
@@ -295,13 +298,17 @@ class FlashInferMLAMetadata(AttentionMetadata):
         wrapper: the planned ``BatchMLAPagedAttentionWrapper`` (``None`` for an empty step).
         plan: the heads, dtypes and block size it was planned for.
         scale: the softmax scale it was planned for.
-        builder: the builder that planned it (a layer tells it the model's scale).
+        builder: the builder that planned it (a layer tells it the model's scale and hands it
+            its fp8 scale tensor).
+        kv_scales: the values of the layers' fp8 scale tensors at this step, read by the
+            builder, keyed by ``id(tensor)`` (see the module docstring).
     """
 
     wrapper: Any = None
     plan: _Plan | None = None
     scale: float | None = None
     builder: FlashInferMLAMetadataBuilder | None = None
+    kv_scales: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
@@ -321,6 +328,9 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
     which every step is planned for. Without it the builder plans for :data:`DEFAULT_SCALE`
     until a layer runs one of its steps, then for that layer's scale (see the module
     docstring); :attr:`scale` is the one it plans for now.
+
+    The fp8 scale tensors the layers hand it (:meth:`add_kv_scale`) are read once per
+    ``build()``, all in one device read, into the step's ``kv_scales``.
     """
 
     def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
@@ -346,6 +356,8 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
                                          dtype=torch.uint8, device=self.device)
         self._eager = _new_wrapper(self.workspace)
         self._graph_wrappers: dict[int, Any] = {}
+        #: The layers' fp8 scale tensors by ``id`` (held, so an id cannot be recycled).
+        self._kv_scale_tensors: dict[int, torch.Tensor] = {}
 
     def layer_scale(self, scale: float) -> None:
         """A layer of ``scale`` ran a step of this builder: without a ``scale`` given at
@@ -353,6 +365,18 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
         one later steps are planned for."""
         if not self._scale_known:
             self.scale, self._scale_known = scale, True
+
+    def add_kv_scale(self, k_scale: torch.Tensor) -> None:
+        """A layer's fp8 scale tensor, read from the next ``build()`` on (once per step)."""
+        self._kv_scale_tensors.setdefault(id(k_scale), k_scale)
+
+    def _read_kv_scales(self) -> dict[int, float]:
+        """Every known scale tensor's value, in one read back to the host."""
+        if not self._kv_scale_tensors:
+            return {}
+        values = torch.stack([t.detach().reshape(()).to(self.device, torch.float64)
+                              for t in self._kv_scale_tensors.values()]).tolist()
+        return dict(zip(self._kv_scale_tensors, values, strict=True))
 
     def _graph_wrapper(self, size: int) -> Any:
         wrapper = self._graph_wrappers.get(size)
@@ -376,7 +400,7 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
         plan = _plan(wrapper, meta, self.num_heads, self.spec.block_size, self.spec.dtype,
                      self.spec.cache_dtype, self.scale)
         return FlashInferMLAMetadata(**fields, wrapper=wrapper, plan=plan, scale=self.scale,
-                                     builder=self)
+                                     builder=self, kv_scales=self._read_kv_scales())
 
 
 @functools.cache
@@ -405,8 +429,6 @@ class FlashInferMLAImpl(MLACommonImpl):
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} (FLASHINFER_MLA supports "
                 f"{', '.join(FlashInferMLABackend.SUPPORTED_KV_CACHE_DTYPES)})")
-        #: The fp8 scale read at the last eager call, for a call inside a CUDA-graph capture.
-        self._kv_scale: float | None = None
 
     def do_kv_cache_update(
         self,
@@ -432,21 +454,29 @@ class FlashInferMLAImpl(MLACommonImpl):
                           cache[..., half:], slot_mapping, self.kv_cache_dtype, layer.k_scale,
                           layer.k_scale)
 
-    def _fp8_scale(self, layer: AttentionLayer) -> float | None:
-        """The cache's dequantisation scale as a float (``None`` for a bf16/fp16 cache)."""
+    def _fp8_scale(self, layer: AttentionLayer, meta: AttentionMetadata) -> float | None:
+        """The cache's dequantisation scale as a float (``None`` for a bf16/fp16 cache): for a
+        tensor, the value the builder read for this step; read here only on the layer's first
+        step (which hands the tensor to the builder) and for plain metadata."""
         if self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
             return None
         scale = layer.k_scale
-        if isinstance(scale, torch.Tensor) and scale.is_cuda and \
-                torch.cuda.is_current_stream_capturing():
-            if self._kv_scale is None:
-                raise RuntimeError(
-                    "FLASHINFER_MLA takes the fp8 cache scale as a host float: run the step "
-                    "once eagerly before capturing it, so the layer's k_scale tensor is read "
-                    "outside the capture (CudaGraphRunner.capture does)")
-            return self._kv_scale
-        self._kv_scale = scale_value(scale)
-        return self._kv_scale
+        check_scale("k_scale", scale)  # its type and size; the value is checked as a float
+        if not isinstance(scale, torch.Tensor):
+            return scale_value(scale)
+        step = meta if isinstance(meta, FlashInferMLAMetadata) else None
+        if step is not None and id(scale) in step.kv_scales:
+            return step.kv_scales[id(scale)]
+        if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "FLASHINFER_MLA takes the fp8 cache scale as a host float: run the step once "
+                "eagerly before capturing it, so the layer's k_scale tensor is read outside "
+                "the capture (CudaGraphRunner.capture does)")
+        value = scale_value(scale)
+        if step is not None and step.builder is not None:
+            step.builder.add_kv_scale(scale)
+            step.kv_scales[id(scale)] = value  # a capture of this step reuses it
+        return value
 
     def _planned(self, q: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[Any, float]:
@@ -483,16 +513,16 @@ class FlashInferMLAImpl(MLACommonImpl):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         m = attn_metadata
+        kv_scale = self._fp8_scale(layer, m)
+        # The float, not the tensor: the check then reads nothing back from the device.
         validate_mla_attention(q, kv_cache, self.kv_lora_rank, m.query_start_loc, m.seq_lens,
-                               m.block_table, self.scale, self.kv_cache_dtype, layer.k_scale,
-                               None)
-        if kv_cache.device.type != "cuda":
-            raise ValueError(f"kv_cache is on {kv_cache.device}; FLASHINFER_MLA runs "
-                             "FlashInfer's CUDA kernels on GPU tensors")
+                               m.block_table, self.scale, self.kv_cache_dtype,
+                               layer.k_scale if kv_scale is None else kv_scale, None)
+        _check_on_gpu(kv_cache)
         if kv_cache.stride(-1) != 1:
             raise ValueError(f"kv_cache has strides {kv_cache.stride()}; FlashInfer reads "
                              "each latent's channels contiguously (last stride 1)")
         wrapper, planned_scale = self._planned(q, kv_cache, m)
         out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
-        _run(wrapper, planned_scale, self.scale, q, kv_cache, out, self._fp8_scale(layer))
+        _run(wrapper, planned_scale, self.scale, q, kv_cache, out, kv_scale)
         return out

@@ -130,17 +130,9 @@ class FlexAttentionBackend(AttentionBackend):
     #: largest element offset must fit in int32.
     MAX_KV_CACHE_SPAN = 2**31
 
-    @staticmethod
-    def get_name() -> str:
-        return "FLEX_ATTENTION"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return FlexAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return FlexAttentionMetadataBuilder
+    NAME = "FLEX_ATTENTION"
+    IMPL_CLS = "FlexAttentionImpl"
+    BUILDER_CLS = "FlexAttentionMetadataBuilder"
 
     # The order opts in to cross-layer, but no platform is verified yet (module docstring).
     CROSS_LAYER_PLATFORMS: tuple[str, ...] = ()

@@ -28,13 +28,8 @@ class AiterFlashAttentionBackend(AiterBackend):
     opt-in: the attention path (aiter) has not been verified on strided pages.
     """
 
-    @staticmethod
-    def get_name() -> str:
-        return "ROCM_AITER_FA"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return AiterFlashAttentionImpl
+    NAME = "ROCM_AITER_FA"
+    IMPL_CLS = "AiterFlashAttentionImpl"
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

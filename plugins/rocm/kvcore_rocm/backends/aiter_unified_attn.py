@@ -10,10 +10,8 @@ from __future__ import annotations
 import torch
 
 from kvcore import (
-    AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     PagedAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
@@ -43,17 +41,9 @@ class AiterUnifiedAttentionBackend(AiterBackend):
 
     CROSS_LAYER_PLATFORMS = ("cuda",)
 
-    @staticmethod
-    def get_name() -> str:
-        return "ROCM_AITER_UNIFIED_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return AiterUnifiedAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return TritonAttentionMetadataBuilder
+    NAME = "ROCM_AITER_UNIFIED_ATTN"
+    IMPL_CLS = "AiterUnifiedAttentionImpl"
+    BUILDER_CLS = TritonAttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

@@ -9,8 +9,6 @@ import torch
 
 from kvcore import (
     AttentionBackend,
-    AttentionImpl,
-    AttentionMetadataBuilder,
     CudaGraphSupport,
     MultipleOf,
     PagedAttentionImpl,
@@ -45,17 +43,9 @@ class RocmAttentionBackend(AttentionBackend):
     # same launches as TRITON_ATTN's, on the other halves of the cache.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
-    @staticmethod
-    def get_name() -> str:
-        return "ROCM_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return RocmAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        return TritonAttentionMetadataBuilder
+    NAME = "ROCM_ATTN"
+    IMPL_CLS = "RocmAttentionImpl"
+    BUILDER_CLS = TritonAttentionMetadataBuilder
 
     @staticmethod
     def get_kv_cache_shape(
