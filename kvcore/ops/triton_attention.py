@@ -180,14 +180,16 @@ class DecodeTile:
 #: autotuning runs inside a step or a CUDA-graph capture. Above head size 128 the tile keeps
 #: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
 #: sm80 (``kvcore kernels``), which keeps the 32-key tile.
-#: sm90: 128 x 32, 4 warps, 3 stages won all three prefill cases of the H200 sweep
-#: (benchmarks/RESULTS.md, 2026-12-01; 128 x 64 x 8 x 3 was 4% slower, 64-row tiles 20-25%
-#: slower). sm100 has not been measured: it takes the sm90 row. Compiled for sm_90a (the
-#: compile check's register report), that tile uses 255 registers and spills 40 bytes per
-#: thread; with ``const_block=True, edge_stages=1`` it spills none (a sweep candidate).
+#: sm90: 256 rows x 32 keys, 8 warps, 3 stages, the block size compiled in and one stage on
+#: the masked edge won all three prefill cases of the H200 sweep (benchmarks/RESULTS.md,
+#: fourth session: 1.16-1.23x the earlier 128 x 32 x 4 x 3 tile, which spilled 40 bytes per
+#: thread on sm_90a; 128 x 64 x 8 warps and warp-specialised loops 2-6% behind). sm100 has not
+#: been measured: it takes the sm90 row.
 PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
-    "sm90": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
-    "sm100": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
+    "sm90": (PrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1),
+             PrefillTile(64, 32, 4, 3)),
+    "sm100": (PrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1),
+              PrefillTile(64, 32, 4, 3)),
     "cuda": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 3)),
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
@@ -197,11 +199,12 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
 #: Decode tiles and split-KV heuristic per GPU architecture (keys as in
 #: :data:`PREFILL_TILES`), filled from the decode sweep of ``benchmarks/bench_triton_prefill.py``.
 #: 32 keys per step, 4 warps, 3 stages (2 tiles in flight) was the fastest tile at every
-#: decode shape swept on the H200, and 4 waves / 512 tokens per split the fastest split rule
+#: decode shape swept on the H200, and 4 waves / 512 tokens per split the fastest split rule;
+#: on sm90 the block size compiled in (``const_block``) is 0-2% faster at every shape
 #: (benchmarks/RESULTS.md). Above head size 128 on ROCm the decode kernel keeps one tile in
 #: flight (LDS, as in :data:`PREFILL_TILES`).
 DECODE_TILES: dict[str, DecodeTile] = {
-    "sm90": DecodeTile(),
+    "sm90": DecodeTile(const_block=True),
     "cuda": DecodeTile(),
     "rocm": DecodeTile(),
 }
