@@ -84,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.triton_utils import find_sequence, interpreting, scale_args
+from kvcore.ops.triton_utils import find_sequence, interpreting, load_kv_scales, scale_args
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
 
 __all__ = [
@@ -275,18 +275,6 @@ def _load_query_tile(
 
 
 @triton.jit
-def _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR: tl.constexpr):
-    """The fp8 cache's per-tensor K and V scales (device scalars or launch arguments)."""
-    if SCALE_IS_TENSOR:
-        ks = tl.load(k_scale).to(tl.float32)
-        vs = tl.load(v_scale).to(tl.float32)
-    else:
-        ks = k_scale
-        vs = v_scale
-    return ks, vs
-
-
-@triton.jit
 def _page_ids(bt_row, k_pos, kv_end, block_size, stride_btb, PAGE: tl.constexpr):
     """Block ids of key positions ``k_pos`` (0 past ``kv_end``, never read). ``PAGE`` > 0 is
     the block size as a compile-time constant (shifts instead of integer divisions)."""
@@ -352,7 +340,7 @@ def _paged_attention_kernel(
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     if FP8:
-        ks, vs = _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -563,7 +551,7 @@ def _prefill_attention_kernel(
                          INTERPRET=INTERPRET, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_D=BLOCK_D)
 
     if FP8:
-        ks, vs = _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     # Key tiles [lo, hi) hold every key some query of the tile sees; [full_lo, full_hi) those

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_mla_attention
-from kvcore.ops.triton_utils import find_sequence, interpreting, scale_arg
+from kvcore.ops.triton_utils import find_sequence, interpreting, load_kv_scales, scale_arg
 from kvcore_mla.ops.triton_utils import is_rocm
 from kvcore_mla.ops.validation import FP8_DTYPES, validate_decode_attention
 
@@ -346,12 +346,7 @@ def _attention_kernel(
         dv_valid = dv < v_dim
 
     if FP8:
-        if SCALE_IS_TENSOR:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     # The keys are cut into NUM_SPLITS parts of whole BLOCK_N tiles.
