@@ -181,10 +181,9 @@ class DecodeTile:
 #: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
 #: sm80 (``kvcore kernels``), which keeps the 32-key tile.
 #: sm90: 256 rows x 32 keys, 8 warps, 3 stages, the block size compiled in and one stage on
-#: the masked edge won all three prefill cases of the H200 sweep (benchmarks/RESULTS.md,
-#: fourth session: 1.16-1.23x the earlier 128 x 32 x 4 x 3 tile, which spilled 40 bytes per
-#: thread on sm_90a; 128 x 64 x 8 warps and warp-specialised loops 2-6% behind). sm100 has not
-#: been measured: it takes the sm90 row.
+#: the masked edge won all three prefill cases of the H200 sweep (benchmarks/RESULTS.md: ahead
+#: of the earlier 128 x 32 x 4 x 3 tile, which spills on sm_90a, and of 128 x 64 x 8 warps and
+#: warp-specialised loops). sm100 has not been measured: it takes the sm90 row.
 PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
     "sm90": (PrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1),
              PrefillTile(64, 32, 4, 3)),

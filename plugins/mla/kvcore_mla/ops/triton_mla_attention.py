@@ -195,8 +195,8 @@ MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # float32 accumulator needs 8 warps); two buffers of 64 latents beside the 64 x 576 query
     # tile take 216 KiB of shared memory. 16-head programs (memory-bound) keep two tiles of 64
     # latents in flight (164 KiB). Both as compiled for sm90 by `kvcore kernels`. From the
-    # H200 sweep (benchmarks/RESULTS.md, fourth session): the latent in two 256-wide halves
-    # (1-7% faster at 128 heads) and 4 warps for 16-head programs (6% faster).
+    # H200 sweep (benchmarks/RESULTS.md): the latent in two 256-wide halves (faster at 128
+    # heads) and 4 warps for 16-head programs (faster than 8).
     "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
                                split_latent=True)),
              (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=4, num_stages=3))),
