@@ -121,7 +121,8 @@ class LaunchConfig:
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two")
         if self.programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1")
+            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1: the "
+                             "programs of this config one SM runs at once (1 when unsure)")
         if self.block_q * self.block_h < 16 or self.block_n < 16:
             raise ValueError(
                 f"block_q * block_h = {self.block_q * self.block_h} and block_n = "
