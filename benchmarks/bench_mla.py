@@ -880,12 +880,7 @@ def prod_table(run: Run) -> list[str]:
                      fmt("read_frac", ".1f", 100), fmt("TFLOPs", ".0f"),
                      fmt("xl_over_std", ".3f")])
     headers = ["shape", "kernel", "config", "splits", "time us", "% read", "TFLOP/s", "xl/std"]
-    try:
-        from tabulate import tabulate
-
-        lines = [tabulate(rows, headers=headers, tablefmt="github")]
-    except ImportError:
-        lines = [" | ".join(row) for row in [headers, *rows]]
+    lines = [harness.format_table(rows, headers)]
     for w in run.results["sweep_best"]:
         fi = (f", {w['time_over_flashinfer']:.2f}x FlashInfer's time"
               if "time_over_flashinfer" in w else "")

@@ -106,9 +106,9 @@ def prefill_candidates() -> list:
         return [tile(32, 16, 4, 2), tile(16, 32, 4, 2, const_block=True, edge_stages=1),
                 tile(32, 16, 4, 2, const_block=True, warp_specialize=True)]
     # Compiled for sm_90a by Triton 3.9 with its register report (compile_check), the
-    # current 128 x 32 x 4 x 3 tile uses 255 registers and spills 44 bytes; the block size
-    # compiled in leaves 20, unpipelined edge loops 0. 4-warp 128-row tiles run 2 programs
-    # per SM; 64 x 32 x 4 (153 registers, 64 KiB) 3.
+    # 128 x 32 x 4 x 3 tile (the sm90 row before 256 x 32 x 8 x 3) uses 255 registers and
+    # spills 44 bytes; the block size compiled in leaves 20, unpipelined edge loops 0. 4-warp
+    # 128-row tiles run 2 programs per SM; 64 x 32 x 4 (153 registers, 64 KiB) 3.
     shapes = [tile(128, 32, 4, 3), tile(128, 64, 8, 3), tile(128, 128, 8, 2),
               tile(64, 64, 4, 3), tile(128, 32, 4, 3, const_block=True),
               tile(128, 32, 4, 3, edge_stages=1)]

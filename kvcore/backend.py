@@ -89,12 +89,22 @@ def _resolve_class(backend: type, attr: str) -> type:
     value = getattr(backend, attr)
     if isinstance(value, type):
         return value
+    where = f"{backend.__qualname__}.{attr}={value!r}"
     if not isinstance(value, str) or not value:
-        raise TypeError(f"{backend.__qualname__}.{attr}={value!r} must be a class, a class "
-                        "name of its module or 'package.module:Class'")
+        raise TypeError(f"{where} is not a class or a class name; set it to the class, its "
+                        "name in the backend's module or 'package.module:Class'")
     if ":" in value:
         module_name, _, name = value.partition(":")
-        module = importlib.import_module(module_name)
+        if not module_name or not name:
+            raise ValueError(f"{where} lacks a module or a class name; write it as "
+                             "'package.module:Class'")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not f"{module_name}.".startswith(f"{exc.name}."):
+                raise  # a module it imports (a kernel library) is missing: say that one
+            raise ModuleNotFoundError(f"{where}: there is no module {module_name!r}; correct "
+                                      "the module path", name=module_name) from None
     else:
         # The module of the class that declares the name, not of a subclass inheriting it;
         # the one it was defined in (kept at definition: sys.modules may have dropped it since,
@@ -104,10 +114,14 @@ def _resolve_class(backend: type, attr: str) -> type:
         if module is None:
             module = importlib.import_module(owner.__module__)
     try:
-        return getattr(module, name)
+        found = getattr(module, name)
     except AttributeError:
-        raise AttributeError(f"{backend.__qualname__}.{attr}={value!r}: module "
-                             f"{module.__name__} has no class {name!r}") from None
+        raise AttributeError(f"{where}: module {module.__name__} has no class {name!r}; define "
+                             "it there or name its module as 'package.module:Class'") from None
+    if not isinstance(found, type):
+        raise TypeError(f"{where} names {found!r}, which is not a class; name the class "
+                        "itself")
+    return found
 
 
 class CudaGraphSupport(enum.Enum):

@@ -187,3 +187,39 @@ def test_missing_or_wrong_declarations_say_what_to_set():
     with pytest.raises(AttributeError, match=f"IMPL_CLS='_NoSuchImpl': module {__name__} "
                                              "has no class '_NoSuchImpl'"):
         Typo.get_impl_cls()
+
+
+_not_a_class = object()
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (42, TypeError, r"IMPL_CLS=42 is not a class or a class name; set it"),
+    ("", TypeError, r"IMPL_CLS='' is not a class or a class name"),
+    (":_NamedImpl", ValueError, r"lacks a module or a class name; write it as "
+                                r"'package.module:Class'"),
+    ("tests.test_backend:", ValueError, r"lacks a module or a class name"),
+    ("no_such_package_kvcore.impl:Impl", ModuleNotFoundError,
+     r"there is no module 'no_such_package_kvcore.impl'; correct the module path"),
+    ("_not_a_class", TypeError, r"names <object object at .*>, which is not a class; name the "
+                                r"class itself"),
+], ids=["int", "empty", "no-module", "no-class", "missing-module", "not-a-class"])
+def test_impl_cls_declarations_that_name_no_class_are_refused_clearly(value, error, message):
+    class Wrong(_Named):
+        IMPL_CLS = value
+
+    with pytest.raises(error, match=message):
+        Wrong.get_impl_cls()
+
+
+def test_impl_module_missing_a_kernel_library_names_the_library(tmp_path, monkeypatch):
+    # The module exists but imports a library that is not installed: the ImportError names the
+    # library (what REQUIRED_PACKAGES declares), not the backend's module path.
+    (tmp_path / "kvcore_test_impl_module.py").write_text("import no_such_kernel_library_kvcore\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class NeedsLibrary(_Named):
+        IMPL_CLS = "kvcore_test_impl_module:Impl"
+
+    with pytest.raises(ModuleNotFoundError, match="no_such_kernel_library_kvcore") as info:
+        NeedsLibrary.get_impl_cls()
+    assert info.value.name == "no_such_kernel_library_kvcore"

@@ -295,9 +295,11 @@ class _Agent:
                 try:
                     self.agent.create_backend(backend, params)
                 except Exception as exc:
+                    # Every variable set for it: a default of UCX_DEFAULTS may be the cause.
+                    settings = ", ".join(f"{k}={v}" for k, v in env.items())
                     raise RuntimeError(f"NIXL could not create backend {backend} with "
                                        f"parameters {params}" +
-                                       (f" and UCX_TLS={tls}" if tls else "") +
+                                       (f" and {settings}" if settings else "") +
                                        f": {exc}") from exc
         self.mem_type, dev_id = _memory_kind(storage)
         nbytes = storage.numel() * storage.element_size()

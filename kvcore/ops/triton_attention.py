@@ -84,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.triton_utils import find_sequence, interpreting, scale_args
+from kvcore.ops.triton_utils import find_sequence, interpreting, load_kv_scales, scale_args
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
 
 __all__ = [
@@ -181,10 +181,9 @@ class DecodeTile:
 #: 64 rows: a 128-row fp32 accumulator of 256 columns spills; so does 128 x 64 with 4 warps on
 #: sm80 (``kvcore kernels``), which keeps the 32-key tile.
 #: sm90: 256 rows x 32 keys, 8 warps, 3 stages, the block size compiled in and one stage on
-#: the masked edge won all three prefill cases of the H200 sweep (benchmarks/RESULTS.md,
-#: fourth session: 1.16-1.23x the earlier 128 x 32 x 4 x 3 tile, which spilled 40 bytes per
-#: thread on sm_90a; 128 x 64 x 8 warps and warp-specialised loops 2-6% behind). sm100 has not
-#: been measured: it takes the sm90 row.
+#: the masked edge won all three prefill cases of the H200 sweep (benchmarks/RESULTS.md: ahead
+#: of the earlier 128 x 32 x 4 x 3 tile, which spills on sm_90a, and of 128 x 64 x 8 warps and
+#: warp-specialised loops). sm100 has not been measured: it takes the sm90 row.
 PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
     "sm90": (PrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1),
              PrefillTile(64, 32, 4, 3)),
@@ -275,18 +274,6 @@ def _load_query_tile(
 
 
 @triton.jit
-def _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR: tl.constexpr):
-    """The fp8 cache's per-tensor K and V scales (device scalars or launch arguments)."""
-    if SCALE_IS_TENSOR:
-        ks = tl.load(k_scale).to(tl.float32)
-        vs = tl.load(v_scale).to(tl.float32)
-    else:
-        ks = k_scale
-        vs = v_scale
-    return ks, vs
-
-
-@triton.jit
 def _page_ids(bt_row, k_pos, kv_end, block_size, stride_btb, PAGE: tl.constexpr):
     """Block ids of key positions ``k_pos`` (0 past ``kv_end``, never read). ``PAGE`` > 0 is
     the block size as a compile-time constant (shifts instead of integer divisions)."""
@@ -352,7 +339,7 @@ def _paged_attention_kernel(
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     if FP8:
-        ks, vs = _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -563,7 +550,7 @@ def _prefill_attention_kernel(
                          INTERPRET=INTERPRET, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_D=BLOCK_D)
 
     if FP8:
-        ks, vs = _kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     # Key tiles [lo, hi) hold every key some query of the tile sees; [full_lo, full_hi) those

@@ -21,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.triton_utils import fp8_format, interpreting, round_to_fp8_grid, scale_args
+from kvcore.ops.triton_utils import (
+    fp8_format,
+    interpreting,
+    load_kv_scales,
+    round_to_fp8_grid,
+    scale_args,
+)
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_reshape_and_cache
 
 __all__ = ["reshape_and_cache"]
@@ -66,12 +72,7 @@ def _reshape_and_cache_kernel(
     v = tl.load(value_ptr + t3 * stride_vt + heads64 * stride_vh + dims64 * stride_vd,
                 mask=mask)
     if FP8:
-        if SCALE_IS_TENSOR:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         # One definition everywhere (see kvcore.ops.reference): multiply by the float32
         # reciprocal of the scale, computed with an exact division.
         k_inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), ks)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["find_sequence", "fp8_format", "interpreting", "round_to_fp8_grid", "scale_arg",
-           "scale_args"]
+__all__ = ["find_sequence", "fp8_format", "interpreting", "load_kv_scales", "round_to_fp8_grid",
+           "scale_arg", "scale_args"]
 
 
 @triton.jit
@@ -51,6 +51,20 @@ def find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR: tl.constexpr):
+    """The fp8 cache's per-tensor K and V scales in a kernel: read as fp32 from one-element
+    device tensors when ``SCALE_IS_TENSOR``, else the float launch arguments themselves (what
+    :func:`scale_args` passes)."""
+    if SCALE_IS_TENSOR:
+        ks = tl.load(k_scale).to(tl.float32)
+        vs = tl.load(v_scale).to(tl.float32)
+    else:
+        ks = k_scale
+        vs = v_scale
+    return ks, vs
 
 
 def interpreting() -> bool:

@@ -438,6 +438,51 @@ def test_ucx_cuda_defaults_apply_to_a_vram_cache_unless_the_environment_sets_the
     assert seen == [("UCX", preset or "y")]
 
 
+class _RefusingAgent:
+    """A stand-in NIXL agent whose UCX backend fails, recording the environment it saw."""
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    def __init__(self, name, config):
+        pass
+
+    def get_plugin_list(self):
+        return ["UCX"]
+
+    def create_backend(self, backend, params):
+        self.seen.append((os.environ.get("UCX_TLS"),
+                          os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")))
+        raise RuntimeError("no usable transport")
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="the CUDA defaults are for CUDA")
+@pytest.mark.parametrize("is_cuda, preset, applied", [
+    (True, None, "y"), (True, "auto", "auto"), (False, None, None)],
+    ids=["vram-unset", "vram-set-by-the-user", "dram"])
+def test_a_failed_ucx_backend_names_the_settings_it_was_created_with(monkeypatch, is_cuda,
+                                                                      preset, applied):
+    # Without NIXL: a stand-in agent checks which UCX_DEFAULTS reach UCX (a VRAM cache only,
+    # unless the environment sets them), that the failure names them, and the restore.
+    import types
+
+    name = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    if preset is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, preset)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    api = types.SimpleNamespace(nixl_agent=_RefusingAgent, nixl_agent_config=lambda **kw: kw)
+    monkeypatch.setattr(nixl_module, "_nixl_api", lambda: api)
+    monkeypatch.setattr(_RefusingAgent, "seen", [])
+    storage = types.SimpleNamespace(is_cuda=is_cuda)  # never registered: creation fails first
+    expected = "UCX_TLS=tcp" + (f", {name}=y" if is_cuda and preset is None else "")
+    with pytest.raises(RuntimeError, match=rf"NIXL could not create backend UCX with "
+                                           rf"parameters \{{\}} and {expected}: no usable"):
+        nixl_module._Agent("a", storage, ("UCX",), ucx_tls="tcp")
+    assert _RefusingAgent.seen == [("tcp", applied)]
+    assert os.environ.get(name) == preset and "UCX_TLS" not in os.environ
+
+
 def test_shared_memory_transports_are_accepted_with_error_handling_off():
     from kvcore.connectors.nixl import _no_peer_failure_handling
 

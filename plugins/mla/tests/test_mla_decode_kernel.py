@@ -204,7 +204,8 @@ def test_the_split_choice_counts_programs_an_sm_runs_at_once() -> None:
                            programs_per_sm=2)
     assert tma.mla_decode_num_splits(64, 16, 4096, one, 132) == 2
     assert tma.mla_decode_num_splits(64, 16, 4096, two, 132) == 4
-    with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1"):
+    with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1: the programs of "
+                                         "this config one SM runs at once"):
         tma.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
                          programs_per_sm=0)
 

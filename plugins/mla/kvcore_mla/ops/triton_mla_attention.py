@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_mla_attention
-from kvcore.ops.triton_utils import find_sequence, interpreting, scale_arg
+from kvcore.ops.triton_utils import find_sequence, interpreting, load_kv_scales, scale_arg
 from kvcore_mla.ops.triton_utils import is_rocm
 from kvcore_mla.ops.validation import FP8_DTYPES, validate_decode_attention
 
@@ -121,7 +121,8 @@ class LaunchConfig:
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two")
         if self.programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1")
+            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1: the "
+                             "programs of this config one SM runs at once (1 when unsure)")
         if self.block_q * self.block_h < 16 or self.block_n < 16:
             raise ValueError(
                 f"block_q * block_h = {self.block_q * self.block_h} and block_n = "
@@ -195,8 +196,8 @@ MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # float32 accumulator needs 8 warps); two buffers of 64 latents beside the 64 x 576 query
     # tile take 216 KiB of shared memory. 16-head programs (memory-bound) keep two tiles of 64
     # latents in flight (164 KiB). Both as compiled for sm90 by `kvcore kernels`. From the
-    # H200 sweep (benchmarks/RESULTS.md, fourth session): the latent in two 256-wide halves
-    # (1-7% faster at 128 heads) and 4 warps for 16-head programs (6% faster).
+    # H200 sweep (benchmarks/RESULTS.md): the latent in two 256-wide halves (faster at 128
+    # heads) and 4 warps for 16-head programs (faster than 8).
     "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
                                split_latent=True)),
              (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=4, num_stages=3))),
@@ -346,12 +347,7 @@ def _attention_kernel(
         dv_valid = dv < v_dim
 
     if FP8:
-        if SCALE_IS_TENSOR:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
     # The keys are cut into NUM_SPLITS parts of whole BLOCK_N tiles.
