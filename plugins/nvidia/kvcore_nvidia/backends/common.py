@@ -25,6 +25,16 @@ def pages_per_request(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     return (seq_lens.to(torch.int32) + block_size - 1) // block_size
 
 
+def used_blocks(seq_lens: torch.Tensor, block_table: torch.Tensor,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pages, indices)``: :func:`pages_per_request` and the block-table entries those pages
+    are, request after request (``(pages.sum(),)`` int32 on the block table's device; this
+    reads the page count back to size it)."""
+    pages = pages_per_request(seq_lens, block_size)
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
+    return pages, block_table.to(torch.int32)[used]
+
+
 def write_cache(
     impl: AttentionImpl,
     layer: AttentionLayer,

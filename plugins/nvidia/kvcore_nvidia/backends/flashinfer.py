@@ -80,6 +80,7 @@ from kvcore_nvidia.backends.common import (
     cumulative,
     pages_per_request,
     step_kv,
+    used_blocks,
     write_cache,
 )
 
@@ -135,10 +136,7 @@ def flashinfer_page_table(
         all int32 on the block table's device.
     """
     seq_lens = attn_metadata.seq_lens.to(torch.int32)
-    pages = pages_per_request(seq_lens, block_size)
-    table = attn_metadata.block_table
-    used = torch.arange(table.shape[1], device=table.device)[None, :] < pages[:, None]
-    indices = table.to(torch.int32)[used]  # row-major: request after request
+    pages, indices = used_blocks(seq_lens, attn_metadata.block_table, block_size)
     last_page_len = torch.where(pages > 0, seq_lens - (pages - 1) * block_size, 0)
     return cumulative(pages), indices, last_page_len.to(torch.int32)
 

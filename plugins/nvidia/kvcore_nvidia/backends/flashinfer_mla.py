@@ -96,7 +96,7 @@ from kvcore.ops import (
     validate_concat_and_cache_mla,
     validate_mla_attention,
 )
-from kvcore_nvidia.backends.common import StepCache
+from kvcore_nvidia.backends.common import StepCache, cumulative, used_blocks
 
 __all__ = ["DEFAULT_SCALE", "FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadata",
            "FlashInferMLAMetadataBuilder", "mla_page_lists"]
@@ -193,12 +193,8 @@ def mla_page_lists(seq_lens: torch.Tensor, block_table: torch.Tensor,
     ``(kv_indptr[-1],)`` the used block-table entries request after request, int32 on the
     block table's device (this reads the page count back to size ``kv_indices``).
     """
-    pages = (seq_lens.to(torch.int32) + block_size - 1) // block_size
-    indptr = torch.zeros(pages.shape[0] + 1, dtype=torch.int32, device=pages.device)
-    torch.cumsum(pages, dim=0, out=indptr[1:])
-    used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-            < pages[:, None])
-    return indptr, block_table.to(torch.int32)[used]
+    pages, indices = used_blocks(seq_lens, block_table, block_size)
+    return cumulative(pages), indices
 
 
 def _check_on_gpu(kv_cache: torch.Tensor) -> None:
