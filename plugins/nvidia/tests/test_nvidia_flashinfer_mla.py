@@ -8,9 +8,11 @@ through a stand-in for FlashInfer's wrapper."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -466,3 +468,14 @@ def test_fp8_scale_tensors_are_read_once_per_step_by_the_builder_not_per_layer(
     layers[1].k_scale.fill_(0.125)  # a scale changed between steps is read at the next build
     step()
     assert _FakeFp8Wrapper.scales == values * 3 + [0.5, 0.125, 2.0]
+    # A layer that replaces its scale tensor: the new one is read from then on, and the
+    # builder lets the old one go (no longer read at build, no longer kept alive).
+    replaced = weakref.ref(layers[2].k_scale)
+    layers[2].k_scale = torch.tensor([4.0]).as_subclass(_WatchedScale)
+    in_build, in_forward = step()  # the new tensor is read in its forward, as on a first step
+    assert in_build == ["to"] * len(layers) + ["tolist"] and len(in_forward) == 1
+    in_build, in_forward = step()
+    assert in_build == ["to"] * len(layers) + ["tolist"] and in_forward == []
+    gc.collect()
+    assert replaced() is None
+    assert _FakeFp8Wrapper.scales[-6:] == [0.5, 0.125, 4.0] * 2

@@ -47,10 +47,12 @@ tensor form for a per-tensor scale). A tensor ``layer.k_scale`` is therefore rea
 host, but once per step, not once per layer: a layer's first step reads its own scale and
 hands the tensor to the builder, and from then on the builder reads all the layers' scale
 tensors in ``build()`` (one device read per step, beside the plan's); forward takes its float
-from the step's metadata and never reads the tensor. A scale is read when the step is built,
-so it must not change between ``build()`` and the layer's forward. A captured step keeps the
-scale it was captured with (a graph replays it). Plain metadata (no builder) reads the scale in
-every layer, as that path already reads the step back to plan it.
+from the step's metadata and never reads the tensor. A layer that replaces its ``k_scale``
+tensor is handled like a first step (the builder then reads the new tensor, not the old). A
+scale is read when the step is built, so it must not change between ``build()`` and the
+layer's forward. A captured step keeps the scale it was captured with (a graph replays it).
+Plain metadata (no builder) reads the scale in every layer, as that path already reads the
+step back to plan it.
 
 Cross-layer caches: FLASHINFER_MLA declares the cross-layer order ``B,L,N,D`` on CUDA (the
 same as TRITON_MLA). FlashInfer takes the page and token strides from the two views (int64
@@ -352,8 +354,12 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
                                          dtype=torch.uint8, device=self.device)
         self._eager = _new_wrapper(self.workspace)
         self._graph_wrappers: dict[int, Any] = {}
-        #: The layers' fp8 scale tensors by ``id`` (held, so an id cannot be recycled).
-        self._kv_scale_tensors: dict[int, torch.Tensor] = {}
+        #: Each layer's current fp8 scale tensor, by ``id(layer)`` (the layer is held, so its
+        #: id cannot be recycled).
+        self._kv_scale_tensors: dict[int, tuple[AttentionLayer, torch.Tensor]] = {}
+        #: Scale tensors a layer replaced during the current step: held until the next
+        #: ``build()``, so no new tensor can take the id the step's ``kv_scales`` knows them by.
+        self._replaced: list[torch.Tensor] = []
 
     def layer_scale(self, scale: float) -> None:
         """A layer of ``scale`` ran a step of this builder: without a ``scale`` given at
@@ -362,17 +368,23 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
         if not self._scale_known:
             self.scale, self._scale_known = scale, True
 
-    def add_kv_scale(self, k_scale: torch.Tensor) -> None:
-        """A layer's fp8 scale tensor, read from the next ``build()`` on (once per step)."""
-        self._kv_scale_tensors.setdefault(id(k_scale), k_scale)
+    def add_kv_scale(self, layer: AttentionLayer, k_scale: torch.Tensor) -> None:
+        """``layer``'s fp8 scale tensor, read from the next ``build()`` on (once per step); it
+        replaces the tensor ``layer`` handed before, which is then no longer read or held."""
+        previous = self._kv_scale_tensors.get(id(layer))
+        if previous is not None and previous[1] is not k_scale:
+            self._replaced.append(previous[1])
+        self._kv_scale_tensors[id(layer)] = (layer, k_scale)
 
     def _read_kv_scales(self) -> dict[int, float]:
         """Every known scale tensor's value, in one read back to the host."""
-        if not self._kv_scale_tensors:
+        self._replaced.clear()  # a new step: no metadata still in use knows their ids
+        tensors = {id(t): t for _, t in self._kv_scale_tensors.values()}
+        if not tensors:
             return {}
         values = torch.stack([t.detach().reshape(()).to(self.device, torch.float64)
-                              for t in self._kv_scale_tensors.values()]).tolist()
-        return dict(zip(self._kv_scale_tensors, values, strict=True))
+                              for t in tensors.values()]).tolist()
+        return dict(zip(tensors, values, strict=True))
 
     def _graph_wrapper(self, size: int) -> Any:
         wrapper = self._graph_wrappers.get(size)
@@ -470,7 +482,7 @@ class FlashInferMLAImpl(MLACommonImpl):
                 "the capture (CudaGraphRunner.capture does)")
         value = scale_value(scale)
         if step is not None and step.builder is not None:
-            step.builder.add_kv_scale(scale)
+            step.builder.add_kv_scale(layer, scale)
             step.kv_scales[id(scale)] = value  # a capture of this step reuses it
         return value
 
