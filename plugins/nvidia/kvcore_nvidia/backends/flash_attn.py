@@ -379,7 +379,7 @@ def _window(sliding_window: int | None, causal: bool, fa2: bool) -> tuple[Any, A
 
 
 class FlashAttentionImpl(AttentionImpl):
-    """Cache write: kvcore's Triton ``reshape_and_cache`` (stride-aware). Attention:
+    """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache` (stride-aware). Attention:
     flash-attn-4's or flash-attn 2's ``flash_attn_varlen_func`` (see the module docstring)."""
 
     def do_kv_cache_update(

@@ -50,7 +50,9 @@ contiguous copy and leave the other layers untouched
 (``test_flashinfer_on_a_cross_layer_view_is_bit_exact``, a GPU test; the runs are recorded in
 ``benchmarks/RESULTS.md``), and the conformance suite's cross-layer case passes.
 
-The cache write is kvcore's Triton ``reshape_and_cache`` (stride-aware, int64 offsets).
+The cache write is :func:`kvcore_nvidia.ops.write_kv_cache` (stride-aware, int64 offsets:
+kvcore's Triton ``reshape_and_cache`` by default, the plugin's CUDA C++ kernel with
+``KVCORE_NVIDIA_CACHE_WRITE=cuda``).
 """
 
 from __future__ import annotations
@@ -500,7 +502,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
 
 
 class FlashInferImpl(AttentionImpl):
-    """Cache write: kvcore's Triton ``reshape_and_cache``. Attention: FlashInfer (see module)."""
+    """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache`. Attention: FlashInfer (see
+    module)."""
 
     def do_kv_cache_update(
         self,

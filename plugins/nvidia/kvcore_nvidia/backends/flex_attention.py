@@ -384,7 +384,7 @@ def _run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
 
 
 class FlexAttentionImpl(AttentionImpl):
-    """Cache write: kvcore's Triton ``reshape_and_cache`` (GPU) or its reference (CPU).
+    """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache` (GPU) or the reference (CPU).
 
     Attention: ``flex_attention`` over :func:`paged_sequence_views` with the block mask of
     :func:`build_block_mask`; refuses caches beyond :data:`FlexAttentionBackend.MAX_KV_CACHE_SPAN`.
