@@ -28,9 +28,39 @@ import kvcore
 from kvcore.testing import contiguous_attention_ref
 
 
-def _positions(s_q: int, s_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows aligned to the end of the keys (both libraries' convention)."""
-    return torch.arange(s_q)[:, None] + s_k - s_q, torch.arange(s_k)[None, :]
+def _allowed(s_q: int, s_k: int, causal: bool, left: int | None = None,
+             right: int | None = None) -> torch.Tensor:
+    """The ``(s_q, s_k)`` keys each query sees, query rows aligned to the end of the keys
+    (both libraries' convention): up to itself when ``causal``, at most ``left`` before and
+    (not causal) ``right`` after it; ``None`` is unbounded."""
+    qi, kj = torch.arange(s_q)[:, None] + s_k - s_q, torch.arange(s_k)[None, :]
+    allowed = torch.ones(s_q, s_k, dtype=torch.bool)
+    if causal:
+        allowed &= kj <= qi
+    if left is not None:
+        allowed &= kj >= qi - left
+    if right is not None and not causal:
+        allowed &= kj <= qi + right
+    return allowed
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, kv_lens, max_seqlen_q, max_seqlen_k, block_table,
+                  scale, causal, left, right):
+    """The paged varlen forward both flash-attn libraries document: request ``b`` has query
+    rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and its first ``kv_lens[b]`` keys in the
+    pages of ``block_table[b]``."""
+    page = k.shape[1]
+    out = torch.empty_like(q)
+    for b in range(cu_seqlens_q.numel() - 1):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        s_q, s_k = rows.stop - rows.start, int(kv_lens[b])
+        assert s_q <= max_seqlen_q and s_k <= max_seqlen_k
+        pages = block_table[b, : -(-s_k // page)].long()
+        keys, values = k[pages].flatten(0, 1)[:s_k], v[pages].flatten(0, 1)[:s_k]
+        out[rows] = contiguous_attention_ref(
+            q[rows], keys, values, scale,
+            allowed=_allowed(s_q, s_k, causal, left, right)).to(q.dtype)
+    return out
 
 
 class _FakeWrapper:
@@ -64,42 +94,22 @@ class _FakeWrapper:
             s_q = rows.stop - rows.start
             k = k_cache[pages].flatten(0, 1)[:s_k]
             v = v_cache[pages].flatten(0, 1)[:s_k]
-            qi, kj = _positions(s_q, s_k)
-            allowed = torch.ones(s_q, s_k, dtype=torch.bool)
-            if p["causal"]:
-                allowed &= kj <= qi
-            if p["window_left"] >= 0:
-                allowed &= kj >= qi - p["window_left"]
-            out[rows] = contiguous_attention_ref(q[rows], k, v, p["sm_scale"],
-                                                 allowed=allowed).to(out.dtype)
+            left = p["window_left"] if p["window_left"] >= 0 else None
+            out[rows] = contiguous_attention_ref(
+                q[rows], k, v, p["sm_scale"],
+                allowed=_allowed(s_q, s_k, p["causal"], left)).to(out.dtype)
         return out
 
 
 def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, softmax_scale, causal, window_size, block_table):
     """flash-attn 2's paged varlen forward as its docstring states it."""
-    page = k.shape[1]
-    if page % 256:
+    if k.shape[1] % 256:
         raise RuntimeError("Paged KV cache block size must be divisible by 256")
-    out = torch.empty_like(q)
-    left, right = window_size
-    for b in range(cu_seqlens_q.numel() - 1):
-        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
-        s_q, s_k = rows.stop - rows.start, int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
-        assert s_q <= max_seqlen_q and s_k <= max_seqlen_k
-        pages = block_table[b, : -(-s_k // page)].long()
-        keys, values = k[pages].flatten(0, 1)[:s_k], v[pages].flatten(0, 1)[:s_k]
-        qi, kj = _positions(s_q, s_k)
-        allowed = torch.ones(s_q, s_k, dtype=torch.bool)
-        if causal:
-            allowed &= kj <= qi
-        if left >= 0:
-            allowed &= kj >= qi - left
-        if right >= 0 and not causal:
-            allowed &= kj <= qi + right
-        out[rows] = contiguous_attention_ref(q[rows], keys, values, softmax_scale,
-                                             allowed=allowed).to(q.dtype)
-    return out
+    left, right = (None if w < 0 else w for w in window_size)  # unbounded is -1
+    return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
+                         max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
+                         left, right)
 
 
 def _fake_flash_attn_4_varlen_func(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k,
@@ -113,26 +123,9 @@ def _fake_flash_attn_4_varlen_func(q, k, v, *, cu_seqlens_q, max_seqlen_q, sequs
     for t in (k, v):  # anything else it would copy (maybe_contiguous)
         assert t.stride(-1) == 1 and all(st % align == 0 for st in t.stride()[:-1])
         assert t.data_ptr() % 16 == 0
-    page = k.shape[1]
-    out = torch.empty_like(q)
-    left, right = window_size
-    for b in range(cu_seqlens_q.numel() - 1):
-        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
-        s_q, s_k = rows.stop - rows.start, int(seqused_k[b])
-        assert s_q <= max_seqlen_q and s_k <= max_seqlen_k
-        pages = page_table[b, : -(-s_k // page)].long()
-        keys, values = k[pages].flatten(0, 1)[:s_k], v[pages].flatten(0, 1)[:s_k]
-        qi, kj = _positions(s_q, s_k)
-        allowed = torch.ones(s_q, s_k, dtype=torch.bool)
-        if causal:
-            allowed &= kj <= qi
-        if left is not None:
-            allowed &= kj >= qi - left
-        if right is not None and not causal:
-            allowed &= kj <= qi + right
-        out[rows] = contiguous_attention_ref(q[rows], keys, values, softmax_scale,
-                                             allowed=allowed).to(q.dtype)
-    return out, None
+    left, right = window_size  # unbounded is None
+    return _paged_varlen(q, k, v, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                         page_table, softmax_scale, causal, left, right), None
 
 
 def _use_library(monkeypatch: pytest.MonkeyPatch, library: str) -> None:
