@@ -210,6 +210,22 @@ def test_the_split_choice_counts_programs_an_sm_runs_at_once() -> None:
                          programs_per_sm=0)
 
 
+def _check_latent_attention(num_heads: int, q: torch.Tensor, cache: torch.Tensor,
+                            meta: kvcore.AttentionMetadata) -> None:
+    """TRITON_MLA's latent attention on the builder's metadata ``meta`` against the MLA
+    reference (scale 0.1)."""
+    impl = TritonMLABackend.get_impl_cls()(
+        num_heads, RANK + ROPE, 0.1, kv_lora_rank=RANK, qk_nope_head_dim=16,
+        qk_rope_head_dim=ROPE, v_head_dim=16,
+        kv_b_proj_weight=torch.zeros(num_heads * 32, RANK, device=DEVICE))
+    out = impl._latent_attention(kvcore.LayerScales(), q, cache, meta)
+    expected = mla_attention_ref(q.double(), cache.double(), kv_lora_rank=RANK,
+                                 query_start_loc=meta.query_start_loc,
+                                 seq_lens=meta.seq_lens, block_table=meta.block_table,
+                                 scale=0.1)
+    assert_close(out, expected, torch.float32, "latent output")
+
+
 def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
     spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.float32, kv_lora_rank=RANK,
                                    qk_rope_head_dim=ROPE)
@@ -224,15 +240,7 @@ def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
     meta = builder.build(step, graph_batch_size=2)
     assert meta.decode_config == config
     assert meta.num_kv_splits == builder.num_kv_splits(2) > 1
-    impl = TritonMLABackend.get_impl_cls()(
-        64, RANK + ROPE, 0.1, kv_lora_rank=RANK, qk_nope_head_dim=16, qk_rope_head_dim=ROPE,
-        v_head_dim=16, kv_b_proj_weight=torch.zeros(64 * 32, RANK, device=DEVICE))
-    out = impl._latent_attention(kvcore.LayerScales(), q, cache, meta)
-    expected = mla_attention_ref(q.double(), cache.double(), kv_lora_rank=RANK,
-                                 query_start_loc=meta.query_start_loc,
-                                 seq_lens=meta.seq_lens, block_table=meta.block_table,
-                                 scale=0.1)
-    assert_close(out, expected, torch.float32, "latent output")
+    _check_latent_attention(64, q, cache, meta)
     prefill = builder.build(kvcore.build_attention_metadata([3], [4], table[:1].tolist(), 16,
                                                             device=DEVICE))
     assert prefill.decode_config is None and prefill.num_kv_splits == 1
@@ -285,12 +293,4 @@ def test_an_eager_step_never_splits_beyond_the_workspace() -> None:
     meta = builder.build(kvcore.build_attention_metadata([1], [256], table.tolist(), 16,
                                                          device=DEVICE))
     assert meta.num_kv_splits == 8
-    impl = TritonMLABackend.get_impl_cls()(
-        16, RANK + ROPE, 0.1, kv_lora_rank=RANK, qk_nope_head_dim=16, qk_rope_head_dim=ROPE,
-        v_head_dim=16, kv_b_proj_weight=torch.zeros(16 * 32, RANK, device=DEVICE))
-    out = impl._latent_attention(kvcore.LayerScales(), q, cache, meta)
-    expected = mla_attention_ref(q.double(), cache.double(), kv_lora_rank=RANK,
-                                 query_start_loc=meta.query_start_loc,
-                                 seq_lens=meta.seq_lens, block_table=meta.block_table,
-                                 scale=0.1)
-    assert_close(out, expected, torch.float32, "latent output")
+    _check_latent_attention(16, q, cache, meta)
