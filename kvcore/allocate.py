@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from kvcore.backend import AttentionBackend, _format_supported, _is_supported
+from kvcore.backend import AttentionBackend, format_supported, is_supported
 from kvcore.dtypes import cache_torch_dtype, parse_dtype
 from kvcore.layout import KVCacheLayout
 
@@ -215,16 +215,16 @@ def _check_declared(backend: type[AttentionBackend], dtype: torch.dtype, kv_cach
     name = backend.get_name()
     if dtype not in backend.SUPPORTED_DTYPES:
         raise TypeError(f"dtype={str(dtype).removeprefix('torch.')}: {name} supports "
-                        f"{_format_supported(backend.SUPPORTED_DTYPES)}")
+                        f"{format_supported(backend.SUPPORTED_DTYPES)}")
     if kv_cache_dtype not in backend.SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: {name} supports "
-                         f"{_format_supported(backend.SUPPORTED_KV_CACHE_DTYPES)}")
-    if not _is_supported(head_size, backend.SUPPORTED_HEAD_SIZES):
+                         f"{format_supported(backend.SUPPORTED_KV_CACHE_DTYPES)}")
+    if not is_supported(head_size, backend.SUPPORTED_HEAD_SIZES):
         raise ValueError(f"head_size={head_size}: {name} supports "
-                         f"{_format_supported(backend.SUPPORTED_HEAD_SIZES)}")
-    if not _is_supported(block_size, backend.SUPPORTED_BLOCK_SIZES):
+                         f"{format_supported(backend.SUPPORTED_HEAD_SIZES)}")
+    if not is_supported(block_size, backend.SUPPORTED_BLOCK_SIZES):
         raise ValueError(f"block_size={block_size}: {name} supports "
-                         f"{_format_supported(backend.SUPPORTED_BLOCK_SIZES)}")
+                         f"{format_supported(backend.SUPPORTED_BLOCK_SIZES)}")
 
 
 def _span_for(layout: KVCacheLayout, num_blocks: int) -> int:

@@ -42,6 +42,8 @@ __all__ = [
     "LayerScales",
     "build_attention_metadata",
     "encoder_only_cache",
+    "format_supported",
+    "is_supported",
     "FEATURE_FLAGS",
 ]
 
@@ -61,7 +63,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _format_supported(values: Any) -> str:
+def format_supported(values: Any) -> str:
+    """A capability declaration as reasons write it: ``"16, 32, multiples of 64"`` for a tuple
+    mixing plain values, dtypes and :class:`MultipleOf` entries (or one :class:`MultipleOf`),
+    as the ``SUPPORTED_*`` attributes of :class:`AttentionBackend` hold them."""
     if isinstance(values, MultipleOf):
         return str(values)
     return ", ".join(
@@ -69,8 +74,10 @@ def _format_supported(values: Any) -> str:
     )
 
 
-def _is_supported(value: Any, supported: Any) -> bool:
-    """``value`` in a tuple that may mix plain values and :class:`MultipleOf` entries."""
+def is_supported(value: Any, supported: Any) -> bool:
+    """``value`` in a tuple that may mix plain values and :class:`MultipleOf` entries (or one
+    :class:`MultipleOf`), as the ``SUPPORTED_*`` attributes of :class:`AttentionBackend` hold
+    them; ``supported=None`` accepts anything."""
     if supported is None:
         return True
     if isinstance(supported, MultipleOf):
@@ -354,9 +361,9 @@ class AttentionBackend:
             "dtypes": [_dtype_name(d) for d in cls.SUPPORTED_DTYPES],
             "kv_cache_dtypes": list(cls.SUPPORTED_KV_CACHE_DTYPES),
             "head_sizes": "any" if cls.SUPPORTED_HEAD_SIZES is None
-            else _format_supported(cls.SUPPORTED_HEAD_SIZES),
+            else format_supported(cls.SUPPORTED_HEAD_SIZES),
             "block_sizes": "any" if cls.SUPPORTED_BLOCK_SIZES is None
-            else _format_supported(cls.SUPPORTED_BLOCK_SIZES),
+            else format_supported(cls.SUPPORTED_BLOCK_SIZES),
             "min_device_capability": str(cls.MIN_DEVICE_CAPABILITY)
             if cls.MIN_DEVICE_CAPABILITY else None,
             "mla": cls.IS_MLA,
@@ -406,25 +413,25 @@ class AttentionBackend:
         )
         name = cls.get_name()
         reasons: list[str] = []
-        if not _is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES):
+        if not is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES):
             reasons.append(
                 f"head_size={config.head_size} "
-                f"(supported: {_format_supported(cls.SUPPORTED_HEAD_SIZES)})"
+                f"(supported: {format_supported(cls.SUPPORTED_HEAD_SIZES)})"
             )
         if config.dtype not in cls.SUPPORTED_DTYPES:
             reasons.append(
                 f"dtype={_dtype_name(config.dtype)} "
-                f"(supported: {_format_supported(cls.SUPPORTED_DTYPES)})"
+                f"(supported: {format_supported(cls.SUPPORTED_DTYPES)})"
             )
         if config.kv_cache_dtype not in cls.SUPPORTED_KV_CACHE_DTYPES:
             reasons.append(
                 f"kv_cache_dtype={config.kv_cache_dtype} "
-                f"(supported: {_format_supported(cls.SUPPORTED_KV_CACHE_DTYPES)})"
+                f"(supported: {format_supported(cls.SUPPORTED_KV_CACHE_DTYPES)})"
             )
-        if not _is_supported(config.block_size, cls.SUPPORTED_BLOCK_SIZES):
+        if not is_supported(config.block_size, cls.SUPPORTED_BLOCK_SIZES):
             reasons.append(
                 f"block_size={config.block_size} "
-                f"(supported: {_format_supported(cls.SUPPORTED_BLOCK_SIZES)})"
+                f"(supported: {format_supported(cls.SUPPORTED_BLOCK_SIZES)})"
             )
         if config.use_mla and not cls.IS_MLA:
             reasons.append(f"use_mla=True but {name} is not an MLA backend (choose an MLA backend)")

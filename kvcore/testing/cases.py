@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvcore.backend import FEATURE_FLAGS, AttentionBackend, CudaGraphSupport, _is_supported
+from kvcore.backend import FEATURE_FLAGS, AttentionBackend, CudaGraphSupport, is_supported
 from kvcore.ops.validation import KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType, DeviceCapability
 from kvcore.testing import checks
@@ -69,7 +69,7 @@ def _first_supported(preference: tuple[int, ...], supported: Any, default: int) 
     """The most common declared value (``default`` when any value is declared)."""
     if supported is None:
         return default
-    return next((v for v in (*preference, *range(1, 1025)) if _is_supported(v, supported)),
+    return next((v for v in (*preference, *range(1, 1025)) if is_supported(v, supported)),
                 default)
 
 
@@ -79,7 +79,7 @@ def _second_supported(preference: tuple[int, ...], supported: Any, base: int,
     if supported is None:
         return unusual
     for value in (*preference, *range(1, 1025)):
-        if value != base and _is_supported(value, supported):
+        if value != base and is_supported(value, supported):
             return value
     return None
 
@@ -87,7 +87,7 @@ def _second_supported(preference: tuple[int, ...], supported: Any, base: int,
 def _first_unsupported(supported: Any) -> int | None:
     if supported is None:
         return None
-    return next((v for v in range(1, 1025) if not _is_supported(v, supported)), None)
+    return next((v for v in range(1, 1025) if not is_supported(v, supported)), None)
 
 
 @dataclass(frozen=True)

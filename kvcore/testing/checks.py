@@ -23,8 +23,8 @@ from kvcore.backend import (
     AttentionImpl,
     AttentionMetadata,
     LayerScales,
-    _is_supported,
     build_attention_metadata,
+    is_supported,
 )
 from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
@@ -359,7 +359,7 @@ def _declared_values(backend: type[AttentionBackend], field: str) -> tuple[Any, 
         supported = sizes[field]
         listed = () if supported is None else tuple(v for v in supported if isinstance(v, int))
         return tuple(v for v in dict.fromkeys((*listed, *_COMMON_SIZES))
-                     if _is_supported(v, supported))
+                     if is_supported(v, supported))
     features = {flag: attr for flag, attr, _ in FEATURE_FLAGS}
     if field in features:
         return (False, True) if getattr(backend, features[field]) else (False,)

@@ -79,6 +79,8 @@ from kvcore import (
     DeviceCapability,
     MultipleOf,
     PersistentMetadataBuilder,
+    format_supported,
+    is_supported,
 )
 from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
@@ -147,16 +149,6 @@ class FlashAttnKernels:
         return module_installed(self.module)
 
 
-def _accepts(value: int, supported: tuple[int | MultipleOf, ...] | None) -> bool:
-    if supported is None:
-        return True
-    return any(value in s if isinstance(s, MultipleOf) else value == s for s in supported)
-
-
-def _format(supported: tuple[int | MultipleOf, ...]) -> str:
-    return ", ".join(str(s) for s in supported)
-
-
 _FA4 = ("flash-attn-4", "kvcore-nvidia[flash-attn]", "flash_attn.cute")
 _FA2 = ("flash-attn 2", "flash-attn", "flash_attn.flash_attn_interface")
 
@@ -210,8 +202,9 @@ class FlashAttentionBackend(AttentionBackend):
     def capabilities(cls) -> dict[str, Any]:
         """The envelope (the base class's fields) plus each library of :attr:`KERNELS`."""
         return {**super().capabilities(), "libraries": [
-            {"library": k.library, "devices": k.devices(), "head_sizes": _format(k.head_sizes),
-             "block_sizes": "any" if k.block_sizes is None else _format(k.block_sizes),
+            {"library": k.library, "devices": k.devices(),
+             "head_sizes": format_supported(k.head_sizes),
+             "block_sizes": "any" if k.block_sizes is None else format_supported(k.block_sizes),
              "installed": k.installed()} for k in cls.KERNELS]}
 
     @classmethod
@@ -254,14 +247,14 @@ class FlashAttentionBackend(AttentionBackend):
               f"there, devices {kernels.devices()})")
         reasons = []
         # Values outside the envelope already have the base class's reason.
-        if _accepts(config.head_size, cls.SUPPORTED_HEAD_SIZES) and not _accepts(
+        if is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES) and not is_supported(
                 config.head_size, kernels.head_sizes):
             reasons.append(f"head_size={config.head_size} {on} supports "
-                           f"{_format(kernels.head_sizes)}")
-        if not _accepts(config.block_size, kernels.block_sizes):
+                           f"{format_supported(kernels.head_sizes)}")
+        if not is_supported(config.block_size, kernels.block_sizes):
             assert kernels.block_sizes is not None
             reasons.append(f"block_size={config.block_size} {on} supports "
-                           f"{_format(kernels.block_sizes)}"
+                           f"{format_supported(kernels.block_sizes)}"
                            + ("; flash-attn-4 takes any block size on Hopper and Blackwell "
                               "(9.x-11.x)" if kernels.library == "flash-attn 2" else ""))
         installed = [k for k in cls.KERNELS if k.installed()]
