@@ -123,10 +123,10 @@ class HostPool:
         self._chunks: list[torch.Tensor | None] = [None] * count
         self._done = [False] * count
         self._ready = 0  # chunks 0 .. _ready - 1 are allocated
-        self._allocate(0, started)  # usable at once
+        self._allocate(0)  # usable at once
         if count > 1 and self.error is not None:  # the first chunk failed: nothing follows
             self._done = [True] * count
-            self._finish(started)
+            self._finish()
         elif not background:
             self.start()
             self._finished.wait()
@@ -143,7 +143,7 @@ class HostPool:
             self._executor = ThreadPoolExecutor(1 if self._background else self._workers,
                                                 thread_name_prefix="kvcore-pin")
             for i in range(1, len(self._chunks)):
-                self._executor.submit(self._allocate, i, self._started, pause)
+                self._executor.submit(self._allocate, i, pause)
 
     def ready_slots(self) -> int:
         """Slots ``0 .. ready_slots() - 1`` are usable (all of them once allocation is over)."""
@@ -192,12 +192,12 @@ class HostPool:
             out[i] = self.chunk(index)[row]
         return out
 
-    def _allocate(self, i: int, started: float, pause: float = 0.0) -> None:
+    def _allocate(self, i: int, pause: float = 0.0) -> None:
         if pause:
             time.sleep(pause)
         with self._lock:
             if self._closed or self.error is not None:
-                self._mark(i, started)
+                self._mark(i)
                 return
         rows = min(self.chunk_slots, self.num_slots - i * self.chunk_slots)
         try:
@@ -211,25 +211,25 @@ class HostPool:
                                   f"{min(self.num_slots, self._ready * self.chunk_slots)}"
                                   " slots allocated before them")
                     logger.warning("offload: %s", self.error)
-                self._mark(i, started)
+                self._mark(i)
             return
         with self._lock:
             if self._closed:
                 chunk = None
             self._chunks[i] = chunk
-            self._mark(i, started)
+            self._mark(i)
 
-    def _mark(self, i: int, started: float) -> None:
+    def _mark(self, i: int) -> None:
         """Record chunk ``i`` as finished (lock held) and advance the ready prefix over the
         chunks allocated in order."""
         self._done[i] = True
         while self._ready < len(self._chunks) and self._chunks[self._ready] is not None:
             self._ready += 1
         if all(self._done):
-            self._finish(started)
+            self._finish()
 
-    def _finish(self, started: float) -> None:
-        self.pinned_seconds = time.perf_counter() - started
+    def _finish(self) -> None:
+        self.pinned_seconds = time.perf_counter() - self._started
         self._finished.set()
 
     def __del__(self) -> None:
