@@ -44,18 +44,12 @@ class CudaPlatform(Platform):
             if device_capability is not None and device_capability.major >= 9:
                 return ["FLASHINFER_MLA", "TRITON_MLA"]
             return ["TRITON_MLA", "FLASHINFER_MLA"]
-        # Ordered by the H200 (9.0) measurements, bf16, 32 query / 8 KV heads, head size 128,
-        # block 16 (benchmarks/RESULTS.md; per phase in _MEASURED_PHASES):
-        #   decode 16x4096: TRITON_ATTN 72.2 us (87.0% of read bandwidth), FLASHINFER 71.8
-        #     (87.6%), FLASH_ATTN 75.2 graph-timed (83.6%); 64x4096: 246.9 / 251.0 / 292.6;
-        #     8x32768: 253.6 / 250.0 / 455.3; 256x1024: 256.5 / 268.2 / 373.0.
-        #   prefill 4x2048, 1x8192, 4x512 over a 16k prefix: TRITON_ATTN 565 / 1802 / 1833 us,
-        #     FLASHINFER 311 / 1035 / 1010, FLASH_ATTN 361 / 1020 / 1001 (graph-timed 324 /
-        #     985 / 910).
-        # FLASHINFER is fastest or tied in both phases; FLASH_ATTN prefills as fast (1.8x
-        # TRITON_ATTN) but decodes slower (flash-attn-4 has no split-KV on 9.0); TRITON_ATTN
-        # decodes as fast as FLASHINFER but prefills 1.8x slower. Unmeasured on 8.x and 10.x,
-        # where the same order stands (on 8.x FLASH_ATTN's flash-attn 2 needs 256-token blocks).
+        # Ordered by the H200 (9.0) measurements of _MEASURED_PHASES (the timings are in
+        # benchmarks/RESULTS.md): FLASHINFER is fastest or tied in both phases; FLASH_ATTN
+        # prefills as fast but decodes slower (flash-attn-4 has no split-KV on 9.0);
+        # TRITON_ATTN decodes as fast as FLASHINFER but prefills about 1.8x slower. Unmeasured
+        # on 8.x and 10.x, where the same order stands (on 8.x FLASH_ATTN's flash-attn 2 needs
+        # 256-token blocks).
         return ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
 
     def phase_rankings(
@@ -66,7 +60,7 @@ class CudaPlatform(Platform):
         return _MEASURED_PHASES
 
 
-#: What the priority list's comment quotes, per phase (backends within ~5% share a group):
+#: The priority list's measurements, per phase (backends within ~5% share a group):
 #: decode at 16x4096, 64x4096, 8x32768 and 256x1024 requests x tokens; prefill of 4x2048,
 #: 1x8192 and 4x512 new tokens over a 16k prefix.
 _MEASURED = "an H200 (9.0), bf16, 32 query / 8 KV heads, head size 128, block 16"

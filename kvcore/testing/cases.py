@@ -209,9 +209,10 @@ def _devices(backend: type[AttentionBackend]) -> tuple[list[str], str | None]:
                 "tensors (e.g. Triton kernels with TRITON_INTERPRET=1)")
 
 
-def _platform_name(backend: type[AttentionBackend], device: str) -> str:
-    """The name of the backend's platform whose devices ``device`` is (``cuda`` devices are
-    ROCm's on a HIP build), else ``device``."""
+def _present_platform(backend: type[AttentionBackend], device: str) -> str | None:
+    """The name (as ``PLATFORMS`` lists it) of the backend's platform that is present here
+    with ``device`` as its device type (``cuda`` devices are ROCm's on a HIP build), else
+    ``None``."""
     from kvcore.platform import get_platform
 
     for name in backend.PLATFORMS:
@@ -221,20 +222,16 @@ def _platform_name(backend: type[AttentionBackend], device: str) -> str:
             continue
         if platform.device_type == device and platform.probe() is None:
             return name
-    return device
+    return None
 
 
 def _capability(backend: type[AttentionBackend], device: str) -> DeviceCapability | None:
     """The device capability validation sees for ``device``: the present platform's."""
     from kvcore.platform import get_platform
 
-    for name in backend.PLATFORMS:
-        try:
-            platform = get_platform(name)
-        except Exception:
-            continue
-        if platform.device_type == device and platform.probe() is None:
-            return platform.get_device_capability()
+    name = _present_platform(backend, device)
+    if name is not None:
+        return get_platform(name).get_device_capability()
     override = os.environ.get("KVCORE_DEVICE_CAPABILITY")
     return DeviceCapability.parse(override) if override else None
 
@@ -370,7 +367,7 @@ def conformance_cases(
             # allocates per layer (CROSS_LAYER_PLATFORMS, as allocate_kv_caches does): nothing
             # cross-layer to check there. Other devices (CPU for a GPU backend's Triton
             # kernels under the interpreter) keep the declared order.
-            platform = _platform_name(cls, device)
+            platform = _present_platform(cls, device) or device
             unverified = (cls.cross_layer_note(platform) if platform in cls.PLATFORMS
                           and not cls.supports_cross_layer(platform) else None)
             fp8 = next((c for c in configs if c.is_fp8), None)

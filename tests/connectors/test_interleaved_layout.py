@@ -6,12 +6,11 @@ and writes nothing outside the blocks it loads."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
 from kv_helpers import InterleavedBackend, block_bytes, keys_for, make_caches, randomize
-from test_nixl import consumer, needs_nixl, producer_process
+from test_nixl import needs_nixl, round_trip_between_two_processes
 from test_p2p import pair
 
 import kvcore
@@ -141,21 +140,4 @@ def test_p2p_refuses_a_peer_with_the_nhd_order():
 @needs_nixl
 @CROSS
 def test_nixl_round_trip_between_two_processes_is_bit_exact(cross):
-    seed = 13
-    with producer_process("serve", seed, layout="interleaved", cross=cross) as peer:
-        port = peer.port()
-        kv = make_caches(cross_layer=cross, layout="interleaved")
-        before = block_bytes(kv, list(range(kv.num_blocks)))
-        keys = keys_for(seed, 4)
-        with consumer(port) as conn:
-            conn.register_kv_caches(kv)
-            deadline = time.monotonic() + 30
-            while conn.lookup(keys) < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            result = conn.load(keys, [0, 1, 2, 7]).wait(timeout=30)
-            assert result.ok, result.failed
-        theirs = make_caches(cross_layer=cross, layout="interleaved", seed=seed)
-        after = block_bytes(kv, list(range(kv.num_blocks)))
-        assert torch.equal(after[[0, 1, 2, 7]], block_bytes(theirs, [3, 4, 5, 9]))
-        untouched = [b for b in range(kv.num_blocks) if b not in (0, 1, 2, 7)]
-        assert torch.equal(after[untouched], before[untouched])
+    round_trip_between_two_processes(13, layout="interleaved", cross=cross)

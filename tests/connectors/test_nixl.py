@@ -138,7 +138,14 @@ def test_missing_nixl_is_a_clear_reason(monkeypatch):
                          [("nhd", True, "fp8"), ("hnd", False, "bf16")],
                          ids=["cross_layer-nhd-fp8", "per_layer-hnd-bf16"])
 def test_round_trip_between_two_processes_is_bit_exact(layout, cross, dtype):
-    seed = 11
+    round_trip_between_two_processes(11, layout=layout, cross=cross, dtype=dtype)
+
+
+def round_trip_between_two_processes(seed: int, *, layout: str, cross: bool,
+                                     dtype: str = "bf16") -> None:
+    """A producer process publishes blocks 3, 4, 5, 9 of a cache drawn from ``seed``; this
+    process loads them into blocks 0, 1, 2, 7 of a fresh one, bit-exactly, and nothing else
+    changes."""
     with producer_process("serve", seed, layout=layout, cross=cross, dtype=dtype) as peer:
         port = peer.port()
         kv = make_caches(cross_layer=cross, dtype=dtype, layout=layout)  # fresh random data

@@ -197,14 +197,7 @@ def _refusing_backend(combination=lambda config, capability: [], derived: list[s
     class Refusing(kvcore.AttentionBackend):
         SUPPORTED_DTYPES = (torch.float32, torch.float16)
         MIN_DEVICE_CAPABILITY = kvcore.DeviceCapability(8, 0)
-
-        @staticmethod
-        def get_name():
-            return "REFUSING"
-
-        @staticmethod
-        def get_impl_cls():
-            raise NotImplementedError
+        NAME = "REFUSING"  # no IMPL_CLS: get_impl_cls raises NotImplementedError
 
         @classmethod
         def check_combination(cls, config, device_capability):

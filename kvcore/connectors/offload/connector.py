@@ -351,11 +351,14 @@ class OffloadConnector(KVConnector):
                 self.paths["chunks"] += len(plan.chunks or ())
         return None if start is None else (start, end)
 
+    def _words(self, rows: torch.Tensor) -> torch.Tensor:
+        """Pool rows ``(n, slot_bytes)`` as their ``(n, num_views, row_words)`` word view."""
+        return rows.view(self._word).view(rows.shape[0], -1, self._row_words)
+
     def _host_rows(self, slot: int, count: int) -> list[tuple[int, torch.Tensor]]:
         """Slots ``slot .. slot + count - 1`` as ``(offset, (n, num_views, row_words))`` word
         views, one per pool chunk they touch (one copy each)."""
-        return [(offset, rows.view(self._word).view(rows.shape[0], -1, self._row_words))
-                for offset, rows in self._pool.pieces(slot, count)]
+        return [(offset, self._words(rows)) for offset, rows in self._pool.pieces(slot, count)]
 
     def _copy_with_copier(self, op: Op, pairs: list[tuple[int, int]]) -> int:
         """``(block_id, slot)`` pairs through the block copier on the current stream; returns
@@ -373,9 +376,7 @@ class OffloadConnector(KVConnector):
         for index in chunk.unique().tolist():
             mine = chunk == index
             local = torch.stack([mapping[mine, 0], row[mine]], 1)
-            host3 = self._host_rows(index * self._pool.chunk_slots,
-                                    self._pool.chunk(index).shape[0])[0][1]
-            copies += self._copier_call(op, local, host3)
+            copies += self._copier_call(op, local, self._words(self._pool.chunk(index)))
         return copies
 
     def _copier_call(self, op: Op, mapping: torch.Tensor, host3: torch.Tensor) -> int:

@@ -121,12 +121,12 @@ class HostPool:
                             else max(1, min(num_slots, chunk_bytes // slot_bytes)))
         count = -(-num_slots // self.chunk_slots)
         self._chunks: list[torch.Tensor | None] = [None] * count
-        self._done = [False] * count
+        self._pending = count  # chunks not yet allocated (nor failed nor skipped)
         self._ready = 0  # chunks 0 .. _ready - 1 are allocated
-        self._allocate(0, started)  # usable at once
+        self._allocate(0)  # usable at once
         if count > 1 and self.error is not None:  # the first chunk failed: nothing follows
-            self._done = [True] * count
-            self._finish(started)
+            self._pending = 0
+            self._finish()
         elif not background:
             self.start()
             self._finished.wait()
@@ -137,13 +137,13 @@ class HostPool:
         own CUDA set-up is done; with ``background=False`` the constructor did). Calling it
         again does nothing."""
         with self._lock:
-            if self._executor is not None or self._closed or all(self._done):
+            if self._executor is not None or self._closed or not self._pending:
                 return
             pause = PIN_PAUSE_S if self._background and self._pinned else 0.0
             self._executor = ThreadPoolExecutor(1 if self._background else self._workers,
                                                 thread_name_prefix="kvcore-pin")
             for i in range(1, len(self._chunks)):
-                self._executor.submit(self._allocate, i, self._started, pause)
+                self._executor.submit(self._allocate, i, pause)
 
     def ready_slots(self) -> int:
         """Slots ``0 .. ready_slots() - 1`` are usable (all of them once allocation is over)."""
@@ -158,7 +158,7 @@ class HostPool:
     def is_pinned(self) -> bool:
         """Whether every chunk allocated so far is pinned memory (as torch sees it)."""
         with self._lock:
-            chunks = [c for c in self._chunks[:self._ready] if c is not None]
+            chunks = self._chunks[:self._ready]  # allocated, all of them
         return bool(chunks) and all(c.is_pinned() for c in chunks)
 
     def pieces(self, slot: int, count: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -192,12 +192,12 @@ class HostPool:
             out[i] = self.chunk(index)[row]
         return out
 
-    def _allocate(self, i: int, started: float, pause: float = 0.0) -> None:
+    def _allocate(self, i: int, pause: float = 0.0) -> None:
         if pause:
             time.sleep(pause)
         with self._lock:
             if self._closed or self.error is not None:
-                self._mark(i, started)
+                self._mark()
                 return
         rows = min(self.chunk_slots, self.num_slots - i * self.chunk_slots)
         try:
@@ -211,25 +211,25 @@ class HostPool:
                                   f"{min(self.num_slots, self._ready * self.chunk_slots)}"
                                   " slots allocated before them")
                     logger.warning("offload: %s", self.error)
-                self._mark(i, started)
+                self._mark()
             return
         with self._lock:
             if self._closed:
                 chunk = None
             self._chunks[i] = chunk
-            self._mark(i, started)
+            self._mark()
 
-    def _mark(self, i: int, started: float) -> None:
-        """Record chunk ``i`` as finished (lock held) and advance the ready prefix over the
+    def _mark(self) -> None:
+        """Record one more chunk as finished (lock held) and advance the ready prefix over the
         chunks allocated in order."""
-        self._done[i] = True
+        self._pending -= 1
         while self._ready < len(self._chunks) and self._chunks[self._ready] is not None:
             self._ready += 1
-        if all(self._done):
-            self._finish(started)
+        if not self._pending:
+            self._finish()
 
-    def _finish(self, started: float) -> None:
-        self.pinned_seconds = time.perf_counter() - started
+    def _finish(self) -> None:
+        self.pinned_seconds = time.perf_counter() - self._started
         self._finished.set()
 
     def __del__(self) -> None:
