@@ -48,11 +48,6 @@ from kvcore.testing.batch import (
 from kvcore.testing.reference import contiguous_attention_ref, contiguous_mla_ref
 from kvcore.testing.rules import ConformanceError
 
-#: The platform name the cross-layer check allocates for: none a backend lists, so the cache is
-#: cross-layer even where the backend has not verified it (``CROSS_LAYER_PLATFORMS``): this
-#: check is that verification.
-_UNVERIFIED = "conformance-check"
-
 __all__ = [
     "DEFAULT_TOLERANCES",
     "MLA_NORM_TOLERANCES",
@@ -499,8 +494,7 @@ class _Run:
             self.backend, num_layers=num_layers, num_blocks=num_blocks,
             block_size=self.config.block_size, num_kv_heads=self.CACHE_KV_HEADS,
             head_size=self.config.head_size, dtype=self.config.dtype, device=self.device,
-            cross_layer=cross_layer, kv_cache_dtype=self.config.kv_cache_dtype,
-            platform=_UNVERIFIED if cross_layer else None)
+            cross_layer=cross_layer, kv_cache_dtype=self.config.kv_cache_dtype)
         if fill:  # random everywhere, so stray writes and reads of stale data show
             caches.storage.copy_(random_like(caches.storage.shape, caches.storage.dtype,
                                              self.device, self.gen))
