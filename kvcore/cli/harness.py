@@ -14,7 +14,8 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
   results as a dict saved as JSON after every section, and isolates sections: one that fails
   (or raises :class:`Skip`) is recorded and the run goes on.
 - **Tables.** :func:`format_table` prints the results as a tabulate table, or as plain
-  ``a | b`` lines where tabulate (the ``cli`` extra) is not installed.
+  ``a | b`` lines where tabulate (the ``cli`` extra) is not installed; :func:`format_value`
+  formats one cell, blank where the row has no value.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any
 import torch
 
 __all__ = ["Clock", "Run", "Skip", "Timer", "copy_gbps", "device_name", "format_table",
-           "median_of", "pinned_copy_gbps", "read_gbps", "rel_err", "time_call", "triton_copy_gbps",
-           "triton_read_gbps", "warm_up"]
+           "format_value", "median_of", "pinned_copy_gbps", "read_gbps", "rel_err", "time_call",
+           "triton_copy_gbps", "triton_read_gbps", "warm_up"]
 
 #: Aim each timed GPU sample (a graph replay or an event-timed loop) at this many seconds.
 _SAMPLE_SECONDS = 4e-3
@@ -303,6 +304,13 @@ def format_table(rows: Sequence[Sequence[object]], headers: Sequence[str],
     except ImportError:
         return "\n".join(" | ".join(map(str, row)) for row in [headers, *rows])
     return tabulate(rows, headers=headers, tablefmt=tablefmt)
+
+
+def format_value(row: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    """A table cell: ``row[key] * scale`` formatted with ``spec``, or ``""`` where the row has
+    no value for ``key`` (missing or ``None``: its variant does not measure it)."""
+    value = row.get(key)
+    return "" if value is None else format(value * scale, spec)
 
 
 # -- run log -----------------------------------------------------------------------------------
