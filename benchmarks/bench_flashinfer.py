@@ -32,10 +32,8 @@ Usage: ``python benchmarks/bench_flashinfer.py [--out DIR] [--cpu]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 import types
@@ -370,8 +368,7 @@ def main() -> int:
               ("warmup", "correctness", "prefill", "decode", "steps", "build_cpu"),
               checks="correctness", device="cpu" if args.cpu else "cuda")
     meta = run.results["meta"]
-    meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
-                torch=torch.__version__, cpu=args.cpu,
+    meta.update(harness.run_meta("cpu" if args.cpu else "cuda"), cpu=args.cpu,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, dtype=str(DTYPE)))
     if args.cpu:
         with run.section("build() on the CPU"):
@@ -379,8 +376,6 @@ def main() -> int:
         run.log("\n" + summary_table(run))
         run.save()
         return 1 if run.results["errors"] else 0
-    props = torch.cuda.get_device_properties(0)
-    meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
     try:
         import flashinfer
 

@@ -34,11 +34,9 @@ Usage: ``python benchmarks/bench_step.py [--out DIR] [--cpu | --smoke]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -481,12 +479,8 @@ def main() -> int:
     run = Run(Path(args.out), "bench_step", ("correctness", "steps", "layers", "checks"),
               checks="correctness", device=DEVICE)
     meta = run.results["meta"]
-    meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
-                torch=torch.__version__, smoke=SMOKE, cpu=CPU,
+    meta.update(harness.run_meta(DEVICE), smoke=SMOKE, cpu=CPU,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, layers=LAYERS, dtype=str(DTYPE)))
-    if DEVICE == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
     names = []
     for name in BACKENDS:
         why = available(name)

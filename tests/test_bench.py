@@ -149,3 +149,16 @@ def test_harness_cell_is_blank_where_the_row_has_no_value():
     assert format_value(row, "ceiling_frac", ".1f", 100) == "80.0"
     assert format_value(row, "splits", "d") == ""
     assert format_value(row, "GBps", ".0f") == ""
+
+
+def test_harness_run_meta_names_the_machine_only_on_a_gpu():
+    import datetime
+    import platform
+
+    import torch
+
+    from kvcore.cli.harness import run_meta
+
+    meta = run_meta("cpu")
+    assert meta == {"date": datetime.date.today().isoformat(),
+                    "python": platform.python_version(), "torch": torch.__version__}

@@ -12,7 +12,8 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
   the pinned host<->device copies (:func:`pinned_copy_gbps`).
 - **Run log.** :class:`Run` writes a timestamped log to the terminal and a file, keeps the
   results as a dict saved as JSON after every section, and isolates sections: one that fails
-  (or raises :class:`Skip`) is recorded and the run goes on.
+  (or raises :class:`Skip`) is recorded and the run goes on; :func:`run_meta` is what its
+  ``meta`` records about the machine.
 - **Tables.** :func:`format_table` prints the results as a tabulate table, or as plain
   ``a | b`` lines where tabulate (the ``cli`` extra) is not installed; :func:`format_value`
   formats one cell, blank where the row has no value.
@@ -20,6 +21,7 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import math
@@ -34,8 +36,8 @@ from typing import Any
 import torch
 
 __all__ = ["Clock", "Run", "Skip", "Timer", "copy_gbps", "device_name", "format_table",
-           "format_value", "median_of", "pinned_copy_gbps", "read_gbps", "rel_err", "time_call",
-           "triton_copy_gbps", "triton_read_gbps", "warm_up"]
+           "format_value", "median_of", "pinned_copy_gbps", "read_gbps", "rel_err", "run_meta",
+           "time_call", "triton_copy_gbps", "triton_read_gbps", "warm_up"]
 
 #: Aim each timed GPU sample (a graph replay or an event-timed loop) at this many seconds.
 _SAMPLE_SECONDS = 4e-3
@@ -182,6 +184,19 @@ def device_name(device: str | torch.device) -> str:
 
     return f"CPU ({py_platform.processor() or py_platform.machine()}, " \
            f"{torch.get_num_threads()} threads)"
+
+
+def run_meta(device: str | torch.device) -> dict[str, Any]:
+    """What a run's JSON records about where it ran: the date, Python's and torch's versions
+    and, on a GPU, its name, SM count and CUDA version."""
+    import platform as py_platform
+
+    meta: dict[str, Any] = {"date": datetime.date.today().isoformat(),
+                            "python": py_platform.python_version(), "torch": torch.__version__}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
+    return meta
 
 
 # -- ceilings ----------------------------------------------------------------------------------
