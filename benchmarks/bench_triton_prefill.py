@@ -239,11 +239,7 @@ def tolerance() -> float:
 
 
 def measure_ceiling(run: Run) -> None:
-    a = randn(MATMUL_N, MATMUL_N)
-    b = randn(MATMUL_N, MATMUL_N)
-    c = torch.empty_like(a)
-    t, how = time_call(lambda: torch.matmul(a, b, out=c))
-    tflops = 2 * MATMUL_N**3 / t / 1e12
+    tflops, how = harness.matmul_tflops(MATMUL_N, DTYPE, DEVICE, time_call)
     run.results["ceilings"]["matmul_tflops"] = tflops
     run.log(f"ceiling: {MATMUL_N}^3 {DTYPE} matmul {tflops:.0f} TFLOP/s [{how}]")
 

@@ -208,11 +208,9 @@ def _ceilings(device: torch.device, size: BenchSize, dtype: torch.dtype,
             torch.empty_like(src), src, measure, non_blocking=True)[0]),
     ]
     m = size.matmul_size
-    a = torch.randn(m, m, device=device).to(dtype)
-    b = torch.randn(m, m, device=device).to(dtype)
-    c = torch.empty_like(a)
-    seconds, _ = measure(lambda: torch.matmul(a, b, out=c))
-    ceilings.append(Ceiling("matmul", 3 * m * m * dtype.itemsize, seconds, 2.0 * m**3))
+    tflops, _ = harness.matmul_tflops(m, dtype, device, measure)
+    ceilings.append(Ceiling("matmul", 3 * m * m * dtype.itemsize, 2.0 * m**3 / (tflops * 1e12),
+                            2.0 * m**3))
     if device.type == "cuda":
         m = min(n, 512 << 20)
         pinned = harness.pinned_copy_gbps(src[:m], measure)

@@ -8,8 +8,9 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
   own streams (overlapping transfers).
 - **Ceilings**, the physical limits the results are held to, measured in the same run: device
   copy (:func:`copy_gbps`, bytes read plus written), device read (:func:`read_gbps`), Triton
-  streaming read and copy kernels (:func:`triton_read_gbps`, :func:`triton_copy_gbps`) and
-  the pinned host<->device copies (:func:`pinned_copy_gbps`).
+  streaming read and copy kernels (:func:`triton_read_gbps`, :func:`triton_copy_gbps`),
+  the pinned host<->device copies (:func:`pinned_copy_gbps`) and, for compute-bound work, a
+  square matmul (:func:`matmul_tflops`).
 - **Run log.** :class:`Run` writes a timestamped log to the terminal and a file, keeps the
   results as a dict saved as JSON after every section, and isolates sections: one that fails
   (or raises :class:`Skip`) is recorded and the run goes on; :func:`run_meta` is what its
@@ -36,8 +37,8 @@ from typing import Any
 import torch
 
 __all__ = ["Clock", "Run", "Skip", "Timer", "copy_gbps", "device_name", "format_table",
-           "format_value", "median_of", "pinned_copy_gbps", "read_gbps", "rel_err", "run_meta",
-           "time_call", "triton_copy_gbps", "triton_read_gbps", "warm_up"]
+           "format_value", "matmul_tflops", "median_of", "pinned_copy_gbps", "read_gbps",
+           "rel_err", "run_meta", "time_call", "triton_copy_gbps", "triton_read_gbps", "warm_up"]
 
 #: Aim each timed GPU sample (a graph replay or an event-timed loop) at this many seconds.
 _SAMPLE_SECONDS = 4e-3
@@ -236,6 +237,17 @@ def pinned_copy_gbps(device_buf: torch.Tensor, timer: Timer) -> dict[str, float]
     d2h, _ = timer(lambda: host.copy_(device_buf, non_blocking=True))
     h2d, _ = timer(lambda: device_buf.copy_(host, non_blocking=True))
     return {"d2h": n / d2h / 1e9, "h2d": n / h2d / 1e9}
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device: str | torch.device, timer: Timer
+                  ) -> tuple[float, str]:
+    """Compute: an ``n x n`` by ``n x n`` matmul of random ``dtype`` operands into a
+    preallocated result: TFLOP/s (``2 n**3`` FLOPs) and how it was timed."""
+    a = torch.empty(n, n, dtype=dtype, device=device).normal_()
+    b = torch.empty(n, n, dtype=dtype, device=device).normal_()
+    c = torch.empty_like(a)
+    seconds, how = timer(lambda: torch.matmul(a, b, out=c))
+    return 2.0 * n**3 / seconds / 1e12, how
 
 
 _STREAM_BLOCK, _STREAM_ITERS = 4096, 16
