@@ -70,7 +70,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvcore
-from kvcore.cli.harness import Clock, median_of
+from kvcore.cli.harness import Clock, format_table, median_of
 from kvcore.connectors import block_copier_names, get_block_copier, get_connector
 
 log = logging.getLogger("bench_offload")
@@ -594,8 +594,6 @@ def offload_rows(section_name: str, label: str, mode: str, res: dict, smoke: boo
 
 
 def table(results: dict, errors: dict, smoke: bool) -> str:
-    from tabulate import tabulate
-
     rows = []
     pinned = results.get("pinned", {})
     for key in ("h2d_gbps", "d2h_gbps", "duplex_gbps"):
@@ -647,8 +645,8 @@ def table(results: dict, errors: dict, smoke: bool) -> str:
                          if r["background"] else "reference"])
     for name, err in errors.items():
         rows.append([name, "ERROR", err[:60], "", "", ""])
-    return tabulate(rows, headers=["section", "what", "GB/s device", "GB/s wall",
-                                   "of limit (target)", "verdict"])
+    return format_table(rows, ["section", "what", "GB/s device", "GB/s wall",
+                               "of limit (target)", "verdict"], tablefmt="simple")
 
 
 def self_check(results: dict) -> list[str]:
