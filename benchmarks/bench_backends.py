@@ -240,17 +240,12 @@ def backend_runner(name: str, case: Case, kv_cache: torch.Tensor) -> list[Runner
 def flashinfer_direct(case: Case, kv_cache: torch.Tensor) -> Runner:
     """FlashInfer's wrapper on the FLASHINFER backend's NHD cache, planned once."""
     import flashinfer
+    from kvcore_nvidia.backends.flashinfer import flashinfer_page_table
 
     step = case.step
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-    pages = [len(t) for t in step.tables]
-    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32,
-                          device=DEVICE)
-    indices = torch.tensor([p for t in step.tables for p in t], dtype=torch.int32,
-                           device=DEVICE)
-    last = torch.tensor([(q + c) - (n - 1) * BS for q, c, n in
-                         zip(step.q_lens, step.ctx_lens, pages, strict=True)],
-                        dtype=torch.int32, device=DEVICE)
+    meta = step.metadata()
+    indptr, indices, last = flashinfer_page_table(meta, BS)
     out = torch.empty_like(case.query)
     options = dict(q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=D**-0.5)
     if step.decode:
@@ -260,8 +255,8 @@ def flashinfer_direct(case: Case, kv_cache: torch.Tensor) -> Runner:
     else:
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD",
                                                                  backend="fa2")
-        qo = step.metadata().query_start_loc
-        wrapper.plan(qo, indptr, indices, last, HQ, HK, D, BS, causal=True, **options)
+        wrapper.plan(meta.query_start_loc, indptr, indices, last, HQ, HK, D, BS, causal=True,
+                     **options)
     return Runner("flashinfer direct", lambda: wrapper.run(case.query, kv_cache, out=out),
                   True, "plan once + run")
 

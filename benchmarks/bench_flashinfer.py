@@ -32,10 +32,8 @@ Usage: ``python benchmarks/bench_flashinfer.py [--out DIR] [--cpu]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 import types
@@ -303,56 +301,51 @@ def build_cpu(run: Run) -> None:
             run.log(json.dumps(row))
 
 
+def markdown(headers: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of already formatted cells (kept as written)."""
+    return "\n".join(f"| {' | '.join(row)} |"
+                     for row in [headers, ["---"] * len(headers), *rows])
+
+
 def summary_table(run: Run) -> str:
     r = run.results
     parts = []
     if r["warmup"]:
-        lines = ["| warmup | seconds by phase | total s |", "| --- | --- | --- |"]
-        for x in r["warmup"]:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in x["seconds"].items())
-            lines.append(f"| {x['builder']} | {phases} | {x['total_s']:.2f} |")
-        parts.append("\n".join(lines))
+        parts.append(markdown(["warmup", "seconds by phase", "total s"], [
+            [x["builder"], ", ".join(f"{k} {v:.2f}" for k, v in x["seconds"].items()),
+             f"{x['total_s']:.2f}"] for x in r["warmup"]]))
     if r["correctness"]:
-        lines = ["| correctness | rel err vs float64 | vs direct | ok |",
-                 "| --- | --- | --- | --- |"]
+        rows = []
         for x in r["correctness"]:
             err = x.get("rel_err_vs_ref_last_rows", x.get("rel_err_vs_ref"))
             vs = x.get("rel_err_vs_direct")
-            lines.append(f"| {x['case']} | {err:.2e} | {'' if vs is None else f'{vs:.2e}'} | "
-                         f"{x['ok']} |")
-        parts.append("\n".join(lines))
+            rows.append([x["case"], f"{err:.2e}", "" if vs is None else f"{vs:.2e}",
+                         str(x["ok"])])
+        parts.append(markdown(["correctness", "rel err vs float64", "vs direct", "ok"], rows))
     if r["prefill"]:
-        lines = ["| prefill | kvcore FLASHINFER | FlashInfer direct | direct / kvcore |",
-                 "| --- | --- | --- | --- |"]
-        for x in r["prefill"]:
-            k, d = x["kvcore"], x["direct"]
-            lines.append(f"| {x['case']} ({x['kernels']}; direct {x['direct_backend']}) | "
-                         f"{k['time_us']:.0f} us, {k['tflops']:.0f} TFLOP/s | "
-                         f"{d['time_us']:.0f} us, {d['tflops']:.0f} TFLOP/s | "
-                         f"{x['ratio_direct_over_kvcore']:.3f} |")
-        parts.append("\n".join(lines))
+        parts.append(markdown(
+            ["prefill", "kvcore FLASHINFER", "FlashInfer direct", "direct / kvcore"],
+            [[f"{x['case']} ({x['kernels']}; direct {x['direct_backend']})",
+              f"{x['kvcore']['time_us']:.0f} us, {x['kvcore']['tflops']:.0f} TFLOP/s",
+              f"{x['direct']['time_us']:.0f} us, {x['direct']['tflops']:.0f} TFLOP/s",
+              f"{x['ratio_direct_over_kvcore']:.3f}"] for x in r["prefill"]]))
     if r["decode"]:
-        lines = ["| one-layer decode | kvcore us | direct us | direct / kvcore | direct in "
-                 "FlashInfer's CUDA-graph mode us |", "| --- | --- | --- | --- | --- |"]
-        for x in r["decode"]:
-            lines.append(f"| {x['shape']} | {x['kvcore']['time_us']:.1f} | "
-                         f"{x['direct']['time_us']:.1f} | {x['ratio_direct_over_kvcore']:.3f} | "
-                         f"{x['direct_graph_mode']['time_us']:.1f} |")
-        parts.append("\n".join(lines))
+        parts.append(markdown(
+            ["one-layer decode", "kvcore us", "direct us", "direct / kvcore",
+             "direct in FlashInfer's CUDA-graph mode us"],
+            [[x["shape"], f"{x['kvcore']['time_us']:.1f}", f"{x['direct']['time_us']:.1f}",
+              f"{x['ratio_direct_over_kvcore']:.3f}", f"{x['direct_graph_mode']['time_us']:.1f}"]
+             for x in r["decode"]]))
     if r["steps"]:
-        lines = ["| 32-layer decode step | step us | kernels us | host overhead |",
-                 "| --- | --- | --- | --- |"]
-        for x in r["steps"]:
-            lines.append(f"| {x['shape']} | {x['step_us']:.0f} | {x['kernels_us']:.0f} | "
-                         f"{x['host_overhead_pct']:.1f}% |")
-        parts.append("\n".join(lines))
+        parts.append(markdown(
+            ["32-layer decode step", "step us", "kernels us", "host overhead"],
+            [[x["shape"], f"{x['step_us']:.0f}", f"{x['kernels_us']:.0f}",
+              f"{x['host_overhead_pct']:.1f}%"] for x in r["steps"]]))
     if r["build_cpu"]:
-        lines = ["| build() on the CPU (plan a no-op) | us per build | plans per step |",
-                 "| --- | --- | --- |"]
-        for x in r["build_cpu"]:
-            lines.append(f"| {x['shape']} {x['build']} | {x['us_per_build']:.0f} | "
-                         f"{x['plans_per_step']:.3f} |")
-        parts.append("\n".join(lines))
+        parts.append(markdown(
+            ["build() on the CPU (plan a no-op)", "us per build", "plans per step"],
+            [[f"{x['shape']} {x['build']}", f"{x['us_per_build']:.0f}",
+              f"{x['plans_per_step']:.3f}"] for x in r["build_cpu"]]))
     if r["errors"]:
         parts.append("errors: " + "; ".join(f"{e['section']}: {e['error']}"
                                             for e in r["errors"]))
@@ -370,8 +363,7 @@ def main() -> int:
               ("warmup", "correctness", "prefill", "decode", "steps", "build_cpu"),
               checks="correctness", device="cpu" if args.cpu else "cuda")
     meta = run.results["meta"]
-    meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
-                torch=torch.__version__, cpu=args.cpu,
+    meta.update(harness.run_meta("cpu" if args.cpu else "cuda"), cpu=args.cpu,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, dtype=str(DTYPE)))
     if args.cpu:
         with run.section("build() on the CPU"):
@@ -379,8 +371,6 @@ def main() -> int:
         run.log("\n" + summary_table(run))
         run.save()
         return 1 if run.results["errors"] else 0
-    props = torch.cuda.get_device_properties(0)
-    meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
     try:
         import flashinfer
 

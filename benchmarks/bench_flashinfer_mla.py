@@ -281,15 +281,13 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
 def print_table(run: Run) -> None:
     headers = ["path", "shape", "time us", "GB/s", "% read", "TFLOP/s", "direct/kvcore",
                "graph-mode direct/kvcore", "build ms"]
+    cell = harness.format_value
     rows = []
     for r in run.results["timings"]:
-        def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
-            v = row.get(key)
-            return "" if v is None else format(v * scale, spec)
-        rows.append([r["path"], r["shape"], fmt("time_us", ".1f"), fmt("GBps", ".0f"),
-                     fmt("ceiling_frac", ".1f", 100), fmt("TFLOPs", ".0f"),
-                     fmt("direct_over_kvcore", ".3f"), fmt("graph_direct_over_kvcore", ".3f"),
-                     fmt("build_ms", ".2f")])
+        rows.append([r["path"], r["shape"], cell(r, "time_us", ".1f"), cell(r, "GBps", ".0f"),
+                     cell(r, "ceiling_frac", ".1f", 100), cell(r, "TFLOPs", ".0f"),
+                     cell(r, "direct_over_kvcore", ".3f"),
+                     cell(r, "graph_direct_over_kvcore", ".3f"), cell(r, "build_ms", ".2f")])
     checks = run.results["checks"]
     lines = [f"device: {run.results['meta'].get('device')}; read ceiling "
              f"{run.results['ceilings'].get('read_GBps', float('nan')):.0f} GB/s; correctness: "

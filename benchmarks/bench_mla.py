@@ -870,15 +870,13 @@ def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, reference: to
 
 def prod_table(run: Run) -> list[str]:
     """The production sweep as a table, then the winners as rows of MLA_DECODE_CONFIGS."""
+    cell = harness.format_value
     rows = []
     for r in run.results["sweeps"]:
-        def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
-            v = row.get(key)
-            return "" if v is None else format(v * scale, spec)
         rows.append([r["shape"], r["kind"] + (" (table)" if r.get("table") else ""),
-                     r["config"], str(r.get("splits", "")), fmt("time_us", ".1f"),
-                     fmt("read_frac", ".1f", 100), fmt("TFLOPs", ".0f"),
-                     fmt("xl_over_std", ".3f")])
+                     r["config"], str(r.get("splits", "")), cell(r, "time_us", ".1f"),
+                     cell(r, "read_frac", ".1f", 100), cell(r, "TFLOPs", ".0f"),
+                     cell(r, "xl_over_std", ".3f")])
     headers = ["shape", "kernel", "config", "splits", "time us", "% read", "TFLOP/s", "xl/std"]
     lines = [harness.format_table(rows, headers)]
     for w in run.results["sweep_best"]:
@@ -908,14 +906,13 @@ def prod_table(run: Run) -> list[str]:
 def print_table(run: Run) -> None:
     headers = ["op", "shape", "layout", "splits", "time us", "GB/s", "% ceiling", "x torch",
                "xl/std"]
+    cell = harness.format_value
     rows = []
     for r in run.results["timings"]:
-        def fmt(key: str, spec: str, scale: float = 1.0, row: dict = r) -> str:
-            v = row.get(key)
-            return "" if v is None else format(v * scale, spec)
         rows.append([r["op"], r["shape"], r["layout"], str(r.get("splits", "")),
-                     fmt("time_us", ".1f"), fmt("GBps", ".0f"), fmt("ceiling_frac", ".1f", 100),
-                     fmt("vs_torch", ".2f"), fmt("xl_over_std", ".3f")])
+                     cell(r, "time_us", ".1f"), cell(r, "GBps", ".0f"),
+                     cell(r, "ceiling_frac", ".1f", 100), cell(r, "vs_torch", ".2f"),
+                     cell(r, "xl_over_std", ".3f")])
     c = run.results["ceilings"]
     checks = run.results["correctness"]
     lines = [f"device: {run.results['meta'].get('device')}; ceilings: copy "

@@ -143,10 +143,13 @@ def matrix(args: argparse.Namespace) -> int:
                                       timeout=args.run_timeout)
                 log, rc = done.stdout + done.stderr, done.returncode
             except subprocess.TimeoutExpired as exc:
-                log = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMED OUT after {args.run_timeout} s"
+                # What it wrote before the timeout comes as bytes, even with text=True.
+                said = b"".join(part or b"" for part in (exc.stdout, exc.stderr))
+                log = (f"{said.decode(errors='replace')}\nTIMED OUT after {args.run_timeout} "
+                       "s")
                 rc = None
-            (out / f"{slug}.log").write_text(log if isinstance(log, str) else str(log))
-            chosen = sorted({line.strip()[:160] for line in str(log).splitlines()
+            (out / f"{slug}.log").write_text(log)
+            chosen = sorted({line.strip()[:160] for line in log.splitlines()
                              if any(w in line for w in TRANSPORT_WORDS)
                              and ("UCX" in line or "|" in line)})
             print(f"== {label}: rc {rc}, {time.perf_counter() - started:.0f} s; transports "

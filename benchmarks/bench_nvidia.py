@@ -386,8 +386,6 @@ def prebuild() -> int:
 
 
 def summary(run: Run) -> str:
-    from tabulate import tabulate
-
     copy = max(ceiling(run, "device_copy_memcpy_GBps"), ceiling(run, "device_copy_sm_kernel_GBps"))
     names = {"copy": "copy", "read_torch_sum_GBps": "read", "pinned_d2h_GBps": "pinned",
              "pinned_h2d_GBps": "pinned"}
@@ -412,8 +410,8 @@ def summary(run: Run) -> str:
         f"section errors: {len(run.results['errors'])}"
         + "".join(f"\n  {e['section']}: {e['error']}" for e in run.results["errors"]),
         "",
-        tabulate(rows, headers=["op", "case", "layout", "impl", "us", "GB/s", "vs ceiling",
-                                "copies"]),
+        harness.format_table(rows, ["op", "case", "layout", "impl", "us", "GB/s", "vs ceiling",
+                                    "copies"], tablefmt="simple"),
     ]
     return "\n".join(lines)
 

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvcore
-from kvcore.cli.harness import Clock, median_of
+from kvcore.cli.harness import Clock, format_table, median_of
 from kvcore.connectors import block_copier_names, get_block_copier, get_connector
 
 log = logging.getLogger("bench_offload")
@@ -291,21 +291,6 @@ def bench_offload_mode(sizes: Sizes, device: torch.device, cross_layer: bool, tr
 STARTUP_GIB = (1, 8, 32)
 
 
-def _event_seconds(device: torch.device, fn: Callable[[], object]) -> float:
-    """Device seconds of ``fn``'s work on the current stream (wall seconds on the CPU)."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3
-
-
 def bench_first_copies(sizes: Sizes, device: torch.device) -> dict[str, float]:
     """Plain copies between a freshly allocated pinned buffer and the device, in the order
     the connector's first transfers run (save, load, load again, save again), then again
@@ -316,15 +301,15 @@ def bench_first_copies(sizes: Sizes, device: torch.device) -> dict[str, float]:
     host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
     dev = torch.empty(n, dtype=torch.uint8, device=device)
     dev.random_(0, 256)
+    clock = Clock(device)
     out = {}
     for name, fn in (("d2h_first", lambda: host.copy_(dev, non_blocking=pin)),
                      ("h2d_first", lambda: dev.copy_(host, non_blocking=pin)),
                      ("h2d_second", lambda: dev.copy_(host, non_blocking=pin)),
                      ("d2h_second", lambda: host.copy_(dev, non_blocking=pin))):
-        out[name] = n / _event_seconds(device, fn) / GB
+        out[name] = n / clock.time(fn) / GB
     time.sleep(0.2 if device.type != "cuda" else 2.0)
-    out["h2d_after_idle"] = n / _event_seconds(
-        device, lambda: dev.copy_(host, non_blocking=pin)) / GB
+    out["h2d_after_idle"] = n / clock.time(lambda: dev.copy_(host, non_blocking=pin)) / GB
     log.info("startup: plain copies on a fresh pinned buffer (GB/s): %s",
              ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
     return out
@@ -609,8 +594,6 @@ def offload_rows(section_name: str, label: str, mode: str, res: dict, smoke: boo
 
 
 def table(results: dict, errors: dict, smoke: bool) -> str:
-    from tabulate import tabulate
-
     rows = []
     pinned = results.get("pinned", {})
     for key in ("h2d_gbps", "d2h_gbps", "duplex_gbps"):
@@ -662,8 +645,8 @@ def table(results: dict, errors: dict, smoke: bool) -> str:
                          if r["background"] else "reference"])
     for name, err in errors.items():
         rows.append([name, "ERROR", err[:60], "", "", ""])
-    return tabulate(rows, headers=["section", "what", "GB/s device", "GB/s wall",
-                                   "of limit (target)", "verdict"])
+    return format_table(rows, ["section", "what", "GB/s device", "GB/s wall",
+                               "of limit (target)", "verdict"], tablefmt="simple")
 
 
 def self_check(results: dict) -> list[str]:

@@ -34,11 +34,9 @@ Usage: ``python benchmarks/bench_step.py [--out DIR] [--cpu | --smoke]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -427,12 +425,11 @@ def time_checks(run: Run, name: str) -> None:
 
 
 def summary_table(run: Run) -> str:
-    from tabulate import tabulate
-
+    table = functools.partial(harness.format_table, tablefmt="simple")
     r = run.results
     parts = []
     if r["correctness"]:
-        parts.append(tabulate(
+        parts.append(table(
             [[c["backend"], c["shape"], c.get("replay_equals_eager_same_metadata", "-"),
               f"{c.get('rel_err_replay_vs_ref_layer0', float('nan')):.2e}",
               f"{c['rel_err_eager_vs_ref_layer0']:.2e}", "ok" if c["ok"] else "FAIL"]
@@ -440,7 +437,7 @@ def summary_table(run: Run) -> str:
             headers=["correctness", "shape", "replay == eager", "replay vs ref",
                      "eager vs ref", ""]))
     if r["steps"]:
-        parts.append(tabulate(
+        parts.append(table(
             [[s["backend"], s["shape"], s["path"], f"{s['step_us'] / 1e3:.3f}",
               f"{s['kernels_us'] / 1e3:.3f}", f"{s['host_overhead_pct']:.1f}%",
               f"{s.get('host_us_per_step', float('nan')):.0f}"] for s in r["steps"]],
@@ -448,7 +445,7 @@ def summary_table(run: Run) -> str:
                      "kernels ms", "host overhead", "host us/step"]))
     if r["layers"]:
         direct = {x["shape"]: x for x in r["layers"] if x["impl"] == "flashinfer direct"}
-        parts.append(tabulate(
+        parts.append(table(
             [[x["impl"], x["shape"], f"{x['time_us']:.1f}", f"{x['GBps']:.0f}",
               x.get("num_kv_splits") or "-",
               f"{direct[x['shape']]['time_us'] / x['time_us']:.3f}x"
@@ -456,7 +453,7 @@ def summary_table(run: Run) -> str:
             headers=["one-layer decode", "shape", "us", "GB/s", "splits",
                      "FlashInfer direct / this"]))
     if r["checks"]:
-        parts.append(tabulate(
+        parts.append(table(
             [[c["backend"], c["shape"], c["variant"], f"{c['step_us'] / 1e3:.3f}",
               f"{c['vs_checks_off']:.2f}x"] for c in r["checks"]],
             headers=[f"eager {LAYERS}-layer step", "shape", "variant", "ms", "vs checks off"]))
@@ -481,12 +478,8 @@ def main() -> int:
     run = Run(Path(args.out), "bench_step", ("correctness", "steps", "layers", "checks"),
               checks="correctness", device=DEVICE)
     meta = run.results["meta"]
-    meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
-                torch=torch.__version__, smoke=SMOKE, cpu=CPU,
+    meta.update(harness.run_meta(DEVICE), smoke=SMOKE, cpu=CPU,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, layers=LAYERS, dtype=str(DTYPE)))
-    if DEVICE == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
     names = []
     for name in BACKENDS:
         why = available(name)

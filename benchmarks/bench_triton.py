@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -674,9 +672,8 @@ def main() -> int:
     run = Run(Path(args.out), "bench_triton", ("correctness", "timings", "sweeps"),
               checks="correctness", device=DEVICE, budget_s=args.budget_s)
     meta = run.results["meta"]
-    meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
-                torch=torch.__version__, smoke=SMOKE, shapes=dict(hq=HQ, hk=HK, d=D, bs=BS,
-                                                                   dtype=str(DTYPE)))
+    meta.update(harness.run_meta(DEVICE), smoke=SMOKE,
+                shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, dtype=str(DTYPE)))
     try:
         import triton
 
@@ -684,9 +681,7 @@ def main() -> int:
     except ImportError as exc:
         meta["triton"] = f"missing: {exc}"
     if DEVICE == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        meta.update(device=props.name, sms=props.multi_processor_count,
-                    memory_GiB=props.total_memory / 2**30, cuda=torch.version.cuda)
+        meta["memory_GiB"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     try:
         meta["flashinfer"] = flashinfer_module().__version__
     except Exception as exc:

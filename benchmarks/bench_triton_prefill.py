@@ -45,12 +45,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -241,11 +239,7 @@ def tolerance() -> float:
 
 
 def measure_ceiling(run: Run) -> None:
-    a = randn(MATMUL_N, MATMUL_N)
-    b = randn(MATMUL_N, MATMUL_N)
-    c = torch.empty_like(a)
-    t, how = time_call(lambda: torch.matmul(a, b, out=c))
-    tflops = 2 * MATMUL_N**3 / t / 1e12
+    tflops, how = harness.matmul_tflops(MATMUL_N, DTYPE, DEVICE, time_call)
     run.results["ceilings"]["matmul_tflops"] = tflops
     run.log(f"ceiling: {MATMUL_N}^3 {DTYPE} matmul {tflops:.0f} TFLOP/s [{how}]")
 
@@ -564,16 +558,13 @@ def main() -> int:
               ("correctness", "sweeps", "decode", "flashinfer"), checks="correctness",
               device=DEVICE)
     meta = run.results["meta"]
-    meta.update(date=datetime.date.today().isoformat(), python=platform.python_version(),
-                torch=torch.__version__, smoke=SMOKE,
+    meta.update(harness.run_meta(DEVICE), smoke=SMOKE,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, dtype=str(DTYPE)))
     import triton
 
     meta["triton"] = triton.__version__
     if DEVICE == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda,
-                    arch=triton_attention().device_arch(torch.device("cuda")))
+        meta["arch"] = triton_attention().device_arch(torch.device("cuda"))
     run.log(json.dumps(meta))
     torch.manual_seed(0)
     ops.set_value_checks(False)  # timing: no host syncs inside the calls

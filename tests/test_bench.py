@@ -139,3 +139,26 @@ def test_harness_table_falls_back_to_plain_lines_without_tabulate(monkeypatch):
     assert format_table(rows, headers, "simple") == tabulate(rows, headers=headers)
     monkeypatch.setitem(sys.modules, "tabulate", None)  # import tabulate -> ImportError
     assert format_table(rows, headers) == "op | us\ndecode | 12.5\nprefill | None"
+
+
+def test_harness_cell_is_blank_where_the_row_has_no_value():
+    from kvcore.cli.harness import format_value
+
+    row = {"time_us": 12.345, "ceiling_frac": 0.8, "splits": None}
+    assert format_value(row, "time_us", ".1f") == "12.3"
+    assert format_value(row, "ceiling_frac", ".1f", 100) == "80.0"
+    assert format_value(row, "splits", "d") == ""
+    assert format_value(row, "GBps", ".0f") == ""
+
+
+def test_harness_run_meta_names_the_machine_only_on_a_gpu():
+    import datetime
+    import platform
+
+    import torch
+
+    from kvcore.cli.harness import run_meta
+
+    meta = run_meta("cpu")
+    assert meta == {"date": datetime.date.today().isoformat(),
+                    "python": platform.python_version(), "torch": torch.__version__}

@@ -208,11 +208,9 @@ def _ceilings(device: torch.device, size: BenchSize, dtype: torch.dtype,
             torch.empty_like(src), src, measure, non_blocking=True)[0]),
     ]
     m = size.matmul_size
-    a = torch.randn(m, m, device=device).to(dtype)
-    b = torch.randn(m, m, device=device).to(dtype)
-    c = torch.empty_like(a)
-    seconds, _ = measure(lambda: torch.matmul(a, b, out=c))
-    ceilings.append(Ceiling("matmul", 3 * m * m * dtype.itemsize, seconds, 2.0 * m**3))
+    tflops, _ = harness.matmul_tflops(m, dtype, device, measure)
+    ceilings.append(Ceiling("matmul", 3 * m * m * dtype.itemsize, 2.0 * m**3 / (tflops * 1e12),
+                            2.0 * m**3))
     if device.type == "cuda":
         m = min(n, 512 << 20)
         pinned = harness.pinned_copy_gbps(src[:m], measure)
@@ -280,11 +278,11 @@ def _prefill_case(backend: type[AttentionBackend], size: BenchSize, dtype: torch
     q = torch.randn(b * n, size.num_heads, size.head_size, dtype=dtype, device=device)
     k = torch.randn(b * n, size.num_kv_heads, size.head_size, dtype=dtype, device=device)
     out = torch.empty_like(q)
+    layer, scales = kv.layers[0], LayerScales()
     item = dtype.itemsize
     num_bytes = 2 * b * n * size.num_kv_heads * size.head_size * item + 2 * q.numel() * item
     flops = 4.0 * b * size.num_heads * size.head_size * n * (n + 1) / 2
-    seconds, _ = measure(lambda: impl.forward(LayerScales(), q, k, k, kv.layers[0], meta,
-                                              output=out))
+    seconds, _ = measure(lambda: impl.forward(scales, q, k, k, layer, meta, output=out))
     shape = (f"B={b} new={n} causal Hq={size.num_heads} Hk={size.num_kv_heads} "
              f"D={size.head_size}")
     return BenchCase("prefill attention", backend.get_name(), shape, num_bytes, seconds,

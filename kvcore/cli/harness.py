@@ -8,17 +8,21 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
   own streams (overlapping transfers).
 - **Ceilings**, the physical limits the results are held to, measured in the same run: device
   copy (:func:`copy_gbps`, bytes read plus written), device read (:func:`read_gbps`), Triton
-  streaming read and copy kernels (:func:`triton_read_gbps`, :func:`triton_copy_gbps`) and
-  the pinned host<->device copies (:func:`pinned_copy_gbps`).
+  streaming read and copy kernels (:func:`triton_read_gbps`, :func:`triton_copy_gbps`),
+  the pinned host<->device copies (:func:`pinned_copy_gbps`) and, for compute-bound work, a
+  square matmul (:func:`matmul_tflops`).
 - **Run log.** :class:`Run` writes a timestamped log to the terminal and a file, keeps the
   results as a dict saved as JSON after every section, and isolates sections: one that fails
-  (or raises :class:`Skip`) is recorded and the run goes on.
+  (or raises :class:`Skip`) is recorded and the run goes on; :func:`run_meta` is what its
+  ``meta`` records about the machine.
 - **Tables.** :func:`format_table` prints the results as a tabulate table, or as plain
-  ``a | b`` lines where tabulate (the ``cli`` extra) is not installed.
+  ``a | b`` lines where tabulate (the ``cli`` extra) is not installed; :func:`format_value`
+  formats one cell, blank where the row has no value.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import math
@@ -33,8 +37,8 @@ from typing import Any
 import torch
 
 __all__ = ["Clock", "Run", "Skip", "Timer", "copy_gbps", "device_name", "format_table",
-           "median_of", "pinned_copy_gbps", "read_gbps", "rel_err", "time_call", "triton_copy_gbps",
-           "triton_read_gbps", "warm_up"]
+           "format_value", "matmul_tflops", "median_of", "pinned_copy_gbps", "read_gbps",
+           "rel_err", "run_meta", "time_call", "triton_copy_gbps", "triton_read_gbps", "warm_up"]
 
 #: Aim each timed GPU sample (a graph replay or an event-timed loop) at this many seconds.
 _SAMPLE_SECONDS = 4e-3
@@ -183,6 +187,19 @@ def device_name(device: str | torch.device) -> str:
            f"{torch.get_num_threads()} threads)"
 
 
+def run_meta(device: str | torch.device) -> dict[str, Any]:
+    """What a run's JSON records about where it ran: the date, Python's and torch's versions
+    and, on a GPU, its name, SM count and CUDA version."""
+    import platform as py_platform
+
+    meta: dict[str, Any] = {"date": datetime.date.today().isoformat(),
+                            "python": py_platform.python_version(), "torch": torch.__version__}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        meta.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
+    return meta
+
+
 # -- ceilings ----------------------------------------------------------------------------------
 
 
@@ -220,6 +237,17 @@ def pinned_copy_gbps(device_buf: torch.Tensor, timer: Timer) -> dict[str, float]
     d2h, _ = timer(lambda: host.copy_(device_buf, non_blocking=True))
     h2d, _ = timer(lambda: device_buf.copy_(host, non_blocking=True))
     return {"d2h": n / d2h / 1e9, "h2d": n / h2d / 1e9}
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device: str | torch.device, timer: Timer
+                  ) -> tuple[float, str]:
+    """Compute: an ``n x n`` by ``n x n`` matmul of random ``dtype`` operands into a
+    preallocated result: TFLOP/s (``2 n**3`` FLOPs) and how it was timed."""
+    a = torch.empty(n, n, dtype=dtype, device=device).normal_()
+    b = torch.empty(n, n, dtype=dtype, device=device).normal_()
+    c = torch.empty_like(a)
+    seconds, how = timer(lambda: torch.matmul(a, b, out=c))
+    return 2.0 * n**3 / seconds / 1e12, how
 
 
 _STREAM_BLOCK, _STREAM_ITERS = 4096, 16
@@ -303,6 +331,13 @@ def format_table(rows: Sequence[Sequence[object]], headers: Sequence[str],
     except ImportError:
         return "\n".join(" | ".join(map(str, row)) for row in [headers, *rows])
     return tabulate(rows, headers=headers, tablefmt=tablefmt)
+
+
+def format_value(row: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    """A table cell: ``row[key] * scale`` formatted with ``spec``, or ``""`` where the row has
+    no value for ``key`` (missing or ``None``: its variant does not measure it)."""
+    value = row.get(key)
+    return "" if value is None else format(value * scale, spec)
 
 
 # -- run log -----------------------------------------------------------------------------------

@@ -92,3 +92,25 @@ def test_flashinfer_mla_bench_reference_reads_bf16_and_fp8_caches(kv_cache_dtype
         probs = torch.softmax(d.q[i].double() @ latents.T * d.scale, dim=-1)
         torch.testing.assert_close(ref[i], probs @ latents[:, :bench.RANK], rtol=1e-9,
                                    atol=1e-12)
+
+
+def test_flashinfer_bench_cpu_times_build_against_a_no_op_flashinfer(tmp_path):
+    """benchmarks/bench_flashinfer.py --cpu: the builder's ``build()`` per step on the CPU
+    (FlashInfer's ``plan`` a no-op stand-in), each shape eager and graph-sized, the table
+    last."""
+    script = SCRIPT.with_name("bench_flashinfer.py")
+    result = subprocess.run([sys.executable, str(script), "--cpu", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "bench_flashinfer.json").read_text())
+    assert results["errors"] == []
+    rows = results["build_cpu"]
+    assert [(r["shape"], r["build"]) for r in rows] == [
+        (shape, build) for shape in ("16x4096", "64x4096")
+        for build in ("graph decode", "eager decode")]
+    assert all(r["us_per_build"] > 0 for r in rows)
+    assert [r["plans_per_step"] for r in rows if r["build"] == "eager decode"] == [1.0, 1.0]
+    table = result.stdout.splitlines()[-len(rows) - 2:]  # header, rule, one row each
+    assert table[0].startswith("| build() on the CPU") and table[1].startswith("| --- |")
+    assert [line.split(" | ")[0] for line in table[2:]] == [
+        f"| {r['shape']} {r['build']}" for r in rows]
