@@ -17,6 +17,9 @@ does, each section isolated (an error is logged and the run goes on):
      part FlashInfer replaces (``forward`` adds the two absorption matmuls);
    - ``FLASHINFER_MLA forward``: the whole layer forward (absorption, attention, ``W_UV``),
      for context;
+   - where a gap comes from: direct in FlashInfer's CUDA-graph mode, direct with query
+     views, kvcore's graph plan run by direct's call, and kvcore's eager plan (FlashInfer's
+     plain wrapper);
    - the builder's ``build()`` host time per step (the plan: once per step, not per layer).
    ``--fp8`` adds the fp8-cache rows (another FlashInfer JIT module) at B64 x 4096 H128.
 
@@ -247,6 +250,28 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
                       ("flashinfer direct, query views", dict(query_views=True))):
         try:
             call = direct(d, **kw)
+            same = bool(torch.equal(call(), out_fi))
+            variants[label] = (*time_call(call), same)
+        except Exception as exc:  # a variant's failure is logged, not fatal
+            run.log(f"{name}: {label} failed: {type(exc).__name__}: {exc}")
+    # Where a gap of kvcore's row comes from: its plan (the builder's wrapper run exactly as
+    # direct runs its own), or its call (the eager plan: FlashInfer's plain wrapper).
+    q_nope, q_pe = d.q[..., :RANK].contiguous(), d.q[..., RANK:].contiguous()
+    out = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device=DEVICE)
+    fp8 = {"ckv_scale": d.k_scale, "kpe_scale": d.k_scale} if d.fp8 else {}
+
+    def kvcore_plan_direct_call(wrapper=ours.meta.wrapper) -> torch.Tensor:
+        return wrapper.run(query=(q_nope, q_pe),
+                           kv_cache=(d.cache[..., :RANK], d.cache[..., RANK:]), out=out, **fp8)
+
+    eager_meta = ours.builder.build(d.common)
+
+    def kvcore_eager_plan() -> torch.Tensor:
+        return ours.impl._latent_attention(ours.layer, d.q, d.cache, eager_meta)
+
+    for label, call in (("FLASHINFER_MLA's graph plan, direct's call", kvcore_plan_direct_call),
+                        ("FLASHINFER_MLA, eager plan", kvcore_eager_plan)):
+        try:
             same = bool(torch.equal(call(), out_fi))
             variants[label] = (*time_call(call), same)
         except Exception as exc:  # a variant's failure is logged, not fatal

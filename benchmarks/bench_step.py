@@ -11,14 +11,20 @@ One run does, in order, each section isolated (an error is logged and the run go
 2. the 32-layer step at B16 x 4096 and B64 x 4096 through kvcore's engine path: per step
    ``CudaGraphRunner.run`` (the builder copies the step into its buffers, then one replay)
    when the backend supports graphs, else ``builder.build`` and the 32 layers eagerly; steps
-   back to back, wall time per step, beside the sum of the kernels' own times (one layer's
-   write and attention, each timed alone from a graph of repeated calls, times 32): the
-   difference is the host overhead;
+   back to back, wall time per step, beside the kernels' own time: the same 32 layers on
+   metadata built once, replayed from a graph of repeated steps (no builder, no runner, no
+   host work). The difference is the host overhead. The table also gives 32 times one
+   layer's write and attention, each timed alone (layer 0 over and over, so part of its
+   cache can stay in L2: a lower bound the step does not reach), and a profile of the
+   host's work per step (cProfile of ``CudaGraphRunner.run``, top functions in the log);
 3. one-layer decode at 64 x 4096, 8 x 32768, 256 x 1024, 16 x 4096: each backend through its
    builder (``graph_batch_size`` when it supports graphs) timed from a captured graph; beside
-   it TRITON_ATTN's op called directly on the step's own metadata (no builder), the two taking
-   turns for two rounds (each row: the faster round; the JSON has both); and FlashInfer called
-   directly (planned once, captured) when installed;
+   it TRITON_ATTN's op called directly on the step's own metadata (no builder), and
+   FLASHINFER built for an eager step (FlashInfer's plain wrappers), the variants taking turns
+   for two rounds (each row: the faster round; the JSON has both); and FlashInfer called
+   directly (planned once, captured) when installed, plain and in FlashInfer's CUDA-graph
+   mode (which a step replayed for later lengths needs: its launch is sized for any step);
+   each kvcore row is compared with the direct call of the same mode;
 4. the eager 32-layer step (TRITON_ATTN, B16 x 4096) with the default value checks (the step's
    facts, checked once), without value checks, and with the per-op reads of metadata an engine
    made itself (no builder, no marks: the behaviour before step facts).
@@ -34,9 +40,12 @@ Usage: ``python benchmarks/bench_step.py [--out DIR] [--cpu | --smoke]``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from collections.abc import Callable
@@ -177,6 +186,20 @@ def wall_per_step(fn: Callable[[], object], steps: int = STEPS) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def host_profile(fn: Callable[[], object], steps: int = STEPS, top: int = 18) -> str:
+    """cProfile of ``steps`` calls of ``fn`` (a sync after each, outside the profile): the
+    functions with the most time of their own, where a step's host time goes."""
+    profile = cProfile.Profile()
+    for _ in range(steps):
+        profile.enable()
+        fn()
+        profile.disable()
+        sync()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5,
                 steps: int = STEPS) -> dict[str, float]:
     """Median over ``rounds`` of :func:`wall_per_step` for each variant, the variants taking
@@ -231,11 +254,16 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
             sync()
         row["host_us_per_step"] = sorted(host)[len(host) // 2] * 1e6
         row["replayed_steps"] = runner.replayed_steps
+        run.log(f"host profile, {STEPS} steps of {name} {b}x{length}:\n"
+                + host_profile(lambda: runner.run(model.inputs, model.common)))
     else:
         row["path"] = "builder + eager layers"
         row["step_us"] = wall_per_step(
             lambda: model.step(model.inputs, model.builder.build(model.common))) * 1e6
-    # The kernels' own times: one layer's write and attention, each alone.
+    # The kernels' own times: the step's 32 layers on metadata built once (what a replay
+    # runs, with no builder and no runner around it), and one layer's write and attention,
+    # each alone (layer 0 again and again: part of its cache may stay in L2 between calls,
+    # which the step, reading 32 different caches, never gets).
     meta = (model.builder.build(model.common, graph_batch_size=b) if model.graphs
             else model.builder.build(model.common))
     layer, out = model.caches.layers[0], model.outputs[0]
@@ -243,30 +271,39 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
     checks = ops.value_checks_enabled()
     ops.set_value_checks(False)  # kernels only: what the graph replays
     try:
+        t_kernels, how_k = time_call(lambda: model.step(model.inputs, meta))
         t_write, how_w = time_call(lambda: model.impl.do_kv_cache_update(
             model.scales, k, v, layer, meta.slot_mapping))
         t_attn, how_a = time_call(lambda: model.impl.forward(model.scales, q, k, v, layer, meta,
                                                              output=out))
     finally:
         ops.set_value_checks(checks)
-    row.update(write_us=t_write * 1e6, attention_us=t_attn * 1e6, timing=f"{how_w}, {how_a}",
-               kernels_us=LAYERS * (t_write + t_attn) * 1e6)
+    row.update(kernels_us=t_kernels * 1e6, write_us=t_write * 1e6, attention_us=t_attn * 1e6,
+               timing=f"{how_k}; {how_w}, {how_a}",
+               isolated_kernels_us=LAYERS * (t_write + t_attn) * 1e6)
     row["host_overhead_pct"] = 100 * (row["step_us"] - row["kernels_us"]) / row["step_us"]
+    row["host_overhead_vs_isolated_pct"] = (
+        100 * (row["step_us"] - row["isolated_kernels_us"]) / row["step_us"])
     run.results["steps"].append(row)
     run.log(json.dumps(row))
 
 
-def flashinfer_direct(model: Model) -> Callable[[], torch.Tensor]:
-    """FlashInfer's decode wrapper called directly on the layer-0 cache, planned once."""
+def flashinfer_direct(model: Model, graph_mode: bool = False) -> Callable[[], torch.Tensor]:
+    """FlashInfer's decode wrapper called directly on the layer-0 cache, planned once;
+    ``graph_mode``: in FlashInfer's CUDA-graph mode (its page lists in buffers given at
+    construction)."""
     import flashinfer
 
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
-                                                            use_tensor_cores=True, backend="fa2")
     b, pages = model.b, len(model.tables[0])
     indptr = (torch.arange(b + 1, device=DEVICE) * pages).to(torch.int32)
     indices = torch.tensor(model.tables, dtype=torch.int32, device=DEVICE).flatten()
     last = torch.full((b,), model.length - (pages - 1) * BS, dtype=torch.int32, device=DEVICE)
+    graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr.clone(),
+                 paged_kv_indices_buffer=indices.clone(),
+                 paged_kv_last_page_len_buffer=last.clone()) if graph_mode else {}
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=True, backend="fa2", **graph)
     wrapper.plan(indptr, indices, last, HQ, HK, D, BS, q_data_type=DTYPE, kv_data_type=DTYPE,
                  sm_scale=D**-0.5)
     out = torch.empty_like(model.inputs["query"])
@@ -325,19 +362,31 @@ def time_layer(run: Run, b: int, length: int, names: list[str], flashinfer: bool
             result = fn().clone()
             ours = ours if ours is not None else (model, result)
             variants = {f"kvcore {name}": fn}
+            modes = {f"kvcore {name}": "graph" if name == "FLASHINFER" else "plain"}
             if name.startswith("TRITON_ATTN"):
                 # The same kernel without the builder: what a difference between the two
                 # rows owes to the builder's metadata (splits, buffers) and not to the kernel.
                 variants[f"{name} op, eager metadata"] = op_direct(model)
+                modes[f"{name} op, eager metadata"] = "plain"
+            if name == "FLASHINFER":
+                # The step built for eager layers: FlashInfer's plain wrappers (the same plan
+                # inputs; the graph step's buffers are separate, so both stay valid).
+                eager = model.builder.build(model.common)
+
+                def eager_fn(model=model, meta=eager, q=q, k=k, v=v, layer=layer, out=out):
+                    return model.impl.forward(model.scales, q, k, v, layer, meta, output=out)
+
+                variants[f"kvcore {name}, eager plan"] = eager_fn
+                modes[f"kvcore {name}, eager plan"] = "plain"
             timed = alternating(variants)
             for impl, (t, samples, how) in timed.items():
                 builder_row = impl == f"kvcore {name}"
                 got = result if builder_row else variants[impl]().clone()
                 row = {"impl": impl, "shape": shape, "time_us": t * 1e6,
-                       "GBps": nbytes / t / 1e9, "timing": how,
+                       "GBps": nbytes / t / 1e9, "timing": how, "mode": modes[impl],
                        "rounds_us": [x * 1e6 for x in samples],
                        "num_kv_splits": getattr(meta, "num_kv_splits", None) if builder_row
-                       else op_splits(model),
+                       else op_splits(model) if impl.endswith("op, eager metadata") else None,
                        "rel_err_vs_ref": rel_err(got, model.reference(0))}
                 run.results["layers"].append(row)
                 run.log(json.dumps(row))
@@ -345,13 +394,17 @@ def time_layer(run: Run, b: int, length: int, names: list[str], flashinfer: bool
     if flashinfer and ours is not None:
         with run.section(f"one-layer decode {shape} flashinfer direct"):
             model, result = ours
-            fn = flashinfer_direct(model)
-            err = rel_err(fn(), result)
-            t, how = time_call(fn)
-            row = {"impl": "flashinfer direct", "shape": shape, "time_us": t * 1e6,
-                   "GBps": nbytes / t / 1e9, "timing": how, "rel_err_vs_kvcore": err}
-            run.results["layers"].append(row)
-            run.log(json.dumps(row))
+            calls = {"flashinfer direct": flashinfer_direct(model),
+                     "flashinfer direct, graph mode": flashinfer_direct(model, graph_mode=True)}
+            errs = {impl: rel_err(fn(), result) for impl, fn in calls.items()}
+            for impl, (t, samples, how) in alternating(calls).items():
+                row = {"impl": impl, "shape": shape, "time_us": t * 1e6,
+                       "GBps": nbytes / t / 1e9, "timing": how,
+                       "mode": "graph" if impl.endswith("graph mode") else "plain",
+                       "rounds_us": [x * 1e6 for x in samples],
+                       "rel_err_vs_kvcore": errs[impl]}
+                run.results["layers"].append(row)
+                run.log(json.dumps(row))
 
 
 def time_checks(run: Run, name: str) -> None:
@@ -440,18 +493,25 @@ def summary_table(run: Run) -> str:
         parts.append(table(
             [[s["backend"], s["shape"], s["path"], f"{s['step_us'] / 1e3:.3f}",
               f"{s['kernels_us'] / 1e3:.3f}", f"{s['host_overhead_pct']:.1f}%",
+              f"{s['isolated_kernels_us'] / 1e3:.3f}",
               f"{s.get('host_us_per_step', float('nan')):.0f}"] for s in r["steps"]],
             headers=[f"{LAYERS}-layer decode step", "shape", "path", "step ms",
-                     "kernels ms", "host overhead", "host us/step"]))
+                     "kernels ms (in the step)", "host overhead",
+                     "32 x one layer alone, ms", "host us/step"]))
     if r["layers"]:
-        direct = {x["shape"]: x for x in r["layers"] if x["impl"] == "flashinfer direct"}
+        direct = {(x["shape"], x["mode"]): x for x in r["layers"]
+                  if x["impl"].startswith("flashinfer direct")}
+
+        def ratio(x: dict) -> str:
+            same = direct.get((x["shape"], x.get("mode")))
+            return f"{same['time_us'] / x['time_us']:.3f}x" if same else "-"
+
         parts.append(table(
             [[x["impl"], x["shape"], f"{x['time_us']:.1f}", f"{x['GBps']:.0f}",
-              x.get("num_kv_splits") or "-",
-              f"{direct[x['shape']]['time_us'] / x['time_us']:.3f}x"
-              if x["shape"] in direct else "-"] for x in r["layers"]],
-            headers=["one-layer decode", "shape", "us", "GB/s", "splits",
-                     "FlashInfer direct / this"]))
+              x.get("num_kv_splits") or "-", x.get("mode", "-"), ratio(x)]
+             for x in r["layers"]],
+            headers=["one-layer decode", "shape", "us", "GB/s", "splits", "mode",
+                     "FlashInfer direct (same mode) / this"]))
     if r["checks"]:
         parts.append(table(
             [[c["backend"], c["shape"], c["variant"], f"{c['step_us'] / 1e3:.3f}",

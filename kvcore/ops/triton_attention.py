@@ -41,14 +41,15 @@ then merges them. Each request is split by its *own* length, read on the device.
 
 Heuristic (:func:`default_config`, when ``num_kv_splits`` is not given): split only batches
 that are decode-only (``num_tokens == num_seqs``) and whose ``num_seqs * num_kv_heads``
-programs are fewer than ``split_waves`` (4) per SM; then use
-``floor(4 * num_sms / (num_seqs * num_kv_heads))`` splits, i.e. as many as keep the grid at
-or just under 4 programs per SM, at most one per ``min_split_tokens`` (512) tokens of the
-longest possible sequence (``block_table.shape[1] * block_size``, known without a sync) and at most
-``_MAX_SPLITS``. On the H200 (132 SMs, Hk=8) this gives 1 split at 64 x 4096 and 256 x 1024,
-8 at 8 x 32768 and 4 at 16 x 4096: the fastest of the swept split counts at each of those
-shapes (``benchmarks/RESULTS.md``); the next larger swept count was 1.6-10% slower. The two
-parameters and the decode tile are per-GPU rows of :data:`DECODE_TILES`.
+programs are fewer than ``split_waves`` per SM; then use
+``floor(split_waves * num_sms / (num_seqs * num_kv_heads))`` splits, i.e. as many as keep the
+grid at or just under ``split_waves`` programs per SM, at most one per ``min_split_tokens``
+(512) tokens of the longest possible sequence (``block_table.shape[1] * block_size``, known
+without a sync) and at most ``_MAX_SPLITS``. The waves, and the keys per step of a split
+launch, are per-GPU rows of :data:`DECODE_TILES`: 4 waves of 32-key programs by default; on
+sm90 2 waves of 64-key programs. On the H200 (132 SMs, Hk=8) that gives 1 split at 64 x 4096
+and 256 x 1024, 4 at 8 x 32768 and 2 at 16 x 4096, the fastest of the swept (tile, splits)
+pairs at each of those shapes (``benchmarks/RESULTS.md``).
 
 Kernel variants
 ---------------
@@ -163,7 +164,9 @@ class DecodeTile:
     """One entry of :data:`DECODE_TILES`: the decode kernel's keys per step, warps, stages
     and ``const_block`` variant, and the split-KV heuristic's parameters: split while the grid
     has fewer than ``split_waves`` programs per SM, at most one split per
-    ``min_split_tokens`` tokens (module docstring)."""
+    ``min_split_tokens`` tokens (module docstring). ``split_block_n``: keys per step of a
+    launch that splits (``None``: ``block_n``); with longer steps each split program keeps
+    more bytes in flight, so fewer splits (a lower ``split_waves``) fill the GPU."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -171,6 +174,7 @@ class DecodeTile:
     const_block: bool = False
     split_waves: int = 4
     min_split_tokens: int = 512
+    split_block_n: int | None = None
 
 
 #: Prefill tiles per GPU architecture (``sm90``, ``gfx942``, ... as :func:`device_arch` names
@@ -200,10 +204,13 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
 #: 32 keys per step, 4 warps, 3 stages (2 tiles in flight) was the fastest tile at every
 #: decode shape swept on the H200, and 4 waves / 512 tokens per split the fastest split rule;
 #: on sm90 the block size compiled in (``const_block``) is 0-2% faster at every shape
-#: (benchmarks/RESULTS.md). Above head size 128 on ROCm the decode kernel keeps one tile in
-#: flight (LDS, as in :data:`PREFILL_TILES`).
+#: (benchmarks/RESULTS.md). Launches that split run 64 keys per step at half the splits
+#: (2 waves) on sm90: 1.7-1.8% faster than 32 keys at 4 waves at the two split shapes of the
+#: sweep (8 x 32768: 4 splits, 16 x 4096: 2), while 32 keys stay fastest unsplit. Above head
+#: size 128 on ROCm the decode kernel keeps one tile in flight (LDS, as in
+#: :data:`PREFILL_TILES`).
 DECODE_TILES: dict[str, DecodeTile] = {
-    "sm90": DecodeTile(const_block=True),
+    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64),
     "cuda": DecodeTile(),
     "rocm": DecodeTile(),
 }
@@ -751,7 +758,8 @@ def default_config(
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
     num_stages = min(tile.num_stages, 2) if rocm and head_size > 128 else tile.num_stages
-    return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=tile.block_n,
+    block_n = tile.split_block_n if num_kv_splits > 1 and tile.split_block_n else tile.block_n
+    return AttentionConfig(block_q=block_q, g_pad=g_pad, block_n=block_n,
                            num_splits=num_kv_splits, num_warps=tile.num_warps,
                            num_stages=num_stages, const_block=tile.const_block)
 

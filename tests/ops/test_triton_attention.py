@@ -337,14 +337,19 @@ def test_prefill_kernel_variants_equal_the_plain_kernel(case: str, variant: str)
         assert torch.equal(out, plain)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(("splits", "block_n"), [(1, 32), (3, 32), (3, 64)],
+                         ids=["unsplit", "split", "split-64-keys"])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_decode_kernel_with_the_block_size_compiled_in(splits: int, block_size: int) -> None:
-    """``const_block`` on the decode kernel (split and unsplit, mixed batch, window) equals
-    the plain kernel and the references."""
-    batch = mixed_batch(_seed(f"const-block{splits}{block_size}"), 4, block_size=block_size,
-                        num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
-    cfg = triton_attention.AttentionConfig(block_q=4, g_pad=4, block_n=32, num_splits=splits,
+def test_decode_kernel_with_the_block_size_compiled_in(splits: int, block_n: int,
+                                                       block_size: int) -> None:
+    """``const_block`` on the decode kernel (split and unsplit, 32 or 64 keys a step as the
+    sm90 row launches splits, mixed batch, window) equals the plain kernel and the
+    references."""
+    batch = mixed_batch(_seed(f"const-block{splits}{block_n}{block_size}"), 4,
+                        block_size=block_size, num_heads=8, num_kv_heads=2, head_size=32,
+                        dtype=torch.bfloat16)
+    cfg = triton_attention.AttentionConfig(block_q=4, g_pad=4, block_n=block_n,
+                                           num_splits=splits,
                                            num_warps=4, num_stages=2)
     outs = [triton_attention.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), sliding_window=50,
@@ -403,6 +408,20 @@ def test_default_configs_come_from_the_tables(monkeypatch) -> None:
                                                   arch="sm90") == 2
     other = cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm80", num_sms=132)
     assert (other.block_n, other.const_block) == (32, False)
+
+
+@pytest.mark.parametrize(("batch", "length", "splits", "block_n"), [
+    (64, 4096, 1, 32), (256, 1024, 1, 32), (8, 32768, 4, 64), (16, 4096, 2, 64),
+    (32, 4096, 1, 32), (4, 8192, 8, 64)], ids=lambda v: str(v))
+def test_sm90_decode_rule_at_the_benchmark_shapes(batch, length, splits, block_n) -> None:
+    """The H200's row (132 SMs, Hk 8): unsplit launches keep 32 keys a step; split launches
+    take 64 keys at 2 waves (the decode sweep's fastest pairs, benchmarks/RESULTS.md), while
+    other NVIDIA GPUs keep 32 keys at 4 waves."""
+    cfg, cpu = triton_attention.default_config, torch.device("cpu")
+    d = cfg(batch, batch, 32, 8, 128, length, cpu, arch="sm90", num_sms=132)
+    assert (d.num_splits, d.block_n) == (splits, block_n)
+    other = cfg(batch, batch, 32, 8, 128, length, cpu, arch="sm80", num_sms=132)
+    assert other.block_n == 32 and other.num_splits >= d.num_splits
 
 
 def test_output_in_place_with_strides() -> None:
