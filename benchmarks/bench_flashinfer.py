@@ -167,14 +167,10 @@ def direct_decode(case: Case, graph_mode: bool = False) -> Callable[[], object]:
 
 def alternating(fns: dict[str, Callable[[], object]], rounds: int = 2) -> dict[str, dict]:
     """Each variant timed from a CUDA graph, the variants taking turns; the faster round."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    how = {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t, how[name] = harness.time_call(fn, "cuda")
-            samples[name].append(t)
-    return {name: {"time_us": min(s) * 1e6, "rounds_us": [x * 1e6 for x in s],
-                   "timing": how[name]} for name, s in samples.items()}
+    return {name: {"time_us": t * 1e6, "rounds_us": [x * 1e6 for x in samples],
+                   "timing": how}
+            for name, (t, samples, how) in harness.time_alternating(fns, "cuda",
+                                                                    rounds).items()}
 
 
 # ----------------------------------------------------------------------------- sections

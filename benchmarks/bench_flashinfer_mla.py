@@ -186,12 +186,18 @@ class Kvcore:
             kv_b_proj_weight=self.weight)
         spec = kvcore.MLAAttentionSpec(block_size=BLOCK, dtype=torch.bfloat16,
                                        kv_cache_dtype=d.kv_cache_dtype)
-        self.builder = FlashInferMLABackend.get_builder_cls()(
-            spec, num_heads=d.heads, max_num_seqs=d.batch, max_num_batched_tokens=d.batch,
-            max_model_len=d.tokens, device=DEVICE, scale=d.scale)
+        self.spec, self.d = spec, d
+        self.builder = self.make_builder()
         self.layer = kvcore.LayerScales(k_scale=d.k_scale, v_scale=d.k_scale)
-        self.d = d
         self.meta = self.build()
+
+    def make_builder(self) -> kvcore.AttentionMetadataBuilder:
+        from kvcore_nvidia.backends.flashinfer_mla import FlashInferMLABackend
+
+        d = self.d
+        return FlashInferMLABackend.get_builder_cls()(
+            self.spec, num_heads=d.heads, max_num_seqs=d.batch, max_num_batched_tokens=d.batch,
+            max_model_len=d.tokens, device=DEVICE, scale=d.scale)
 
     def build(self) -> kvcore.AttentionMetadata:
         return self.builder.build(self.d.common, graph_batch_size=self.d.batch)
@@ -242,20 +248,10 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
     run.check(f"{name}: FLASHINFER_MLA vs FlashInfer direct", err_fi < 1e-2, rel_err=err_fi,
               bit_exact=bool(torch.equal(out_ours, out_fi)))
     del ref
-    t_fi, how_fi = time_call(fi)
-    t_ours, how_ours = time_call(ours.latent)
-    # Where a gap to direct comes from: FlashInfer's CUDA-graph mode, the query views.
-    variants = {}
-    for label, kw in (("flashinfer direct, graph mode", dict(graph_mode=True)),
-                      ("flashinfer direct, query views", dict(query_views=True))):
-        try:
-            call = direct(d, **kw)
-            same = bool(torch.equal(call(), out_fi))
-            variants[label] = (*time_call(call), same)
-        except Exception as exc:  # a variant's failure is logged, not fatal
-            run.log(f"{name}: {label} failed: {type(exc).__name__}: {exc}")
-    # Where a gap of kvcore's row comes from: its plan (the builder's wrapper run exactly as
-    # direct runs its own), or its call (the eager plan: FlashInfer's plain wrapper).
+    # Every variant of the shape, timed in the same rounds (taking turns). Where a gap to
+    # direct comes from: FlashInfer's CUDA-graph mode, the query views (direct's side);
+    # kvcore's graph plan run by direct's own call, kvcore's eager plan (FlashInfer's plain
+    # wrapper, planned by a second builder: a build invalidates the previous build's step).
     q_nope, q_pe = d.q[..., :RANK].contiguous(), d.q[..., RANK:].contiguous()
     out = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device=DEVICE)
     fp8 = {"ckv_scale": d.k_scale, "kpe_scale": d.k_scale} if d.fp8 else {}
@@ -264,19 +260,27 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
         return wrapper.run(query=(q_nope, q_pe),
                            kv_cache=(d.cache[..., :RANK], d.cache[..., RANK:]), out=out, **fp8)
 
-    eager_meta = ours.builder.build(d.common)
+    eager_meta = ours.make_builder().build(d.common)
 
     def kvcore_eager_plan() -> torch.Tensor:
         return ours.impl._latent_attention(ours.layer, d.q, d.cache, eager_meta)
 
-    for label, call in (("FLASHINFER_MLA's graph plan, direct's call", kvcore_plan_direct_call),
-                        ("FLASHINFER_MLA, eager plan", kvcore_eager_plan)):
+    calls = {"flashinfer direct": fi}
+    makers = (("flashinfer direct, graph mode", lambda: direct(d, graph_mode=True)),
+              ("flashinfer direct, query views", lambda: direct(d, query_views=True)),
+              ("FLASHINFER_MLA's graph plan, direct's call", lambda: kvcore_plan_direct_call),
+              ("FLASHINFER_MLA, eager plan", lambda: kvcore_eager_plan))
+    same = {}
+    for label, make in makers:
         try:
-            same = bool(torch.equal(call(), out_fi))
-            variants[label] = (*time_call(call), same)
+            call = make()
+            same[label] = bool(torch.equal(call(), out_fi))
+            calls[label] = call
         except Exception as exc:  # a variant's failure is logged, not fatal
             run.log(f"{name}: {label} failed: {type(exc).__name__}: {exc}")
-    t_fwd, how_fwd = time_call(ours.forward_call())
+    calls["FLASHINFER_MLA"] = ours.latent
+    calls["FLASHINFER_MLA forward"] = ours.forward_call()
+    timed = harness.time_alternating(calls, DEVICE, rounds=3)
     builds = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -284,21 +288,20 @@ def check_and_time(run: Run, batch: int, heads: int, tokens: int,
         torch.cuda.synchronize()
         builds.append(time.perf_counter() - t0)
     ceiling = run.results["ceilings"].get("read_GBps")
-    rows = [("flashinfer direct", t_fi, how_fi),
-            *((label, t, f"{how}, same output as direct: {same}")
-              for label, (t, how, same) in variants.items()),
-            ("FLASHINFER_MLA", t_ours, how_ours), ("FLASHINFER_MLA forward", t_fwd, how_fwd)]
-    for label, t, how in rows:
+    t_fi = timed["flashinfer direct"][0]
+    for label, (t, samples, how) in timed.items():
         gbps = d.kv_bytes() / t / 1e9
         row = dict(path=label, shape=name, time_us=t * 1e6, GBps=gbps,
                    ceiling_frac=gbps / ceiling if ceiling else None,
-                   TFLOPs=d.flops() / t / 1e12, method=how)
+                   TFLOPs=d.flops() / t / 1e12, rounds_us=[x * 1e6 for x in samples],
+                   method=how if label not in same
+                   else f"{how}, same output as direct: {same[label]}")
         if label == "FLASHINFER_MLA":
             row.update(direct_over_kvcore=t_fi / t,
                        build_ms=sorted(builds)[len(builds) // 2] * 1e3)
-            if "flashinfer direct, graph mode" in variants:
+            if "flashinfer direct, graph mode" in timed:
                 row.update(graph_direct_over_kvcore=(
-                    variants["flashinfer direct, graph mode"][0] / t))
+                    timed["flashinfer direct, graph mode"][0] / t))
         run.results["timings"].append(row)
         run.log("TIME", row)
 

@@ -19,12 +19,12 @@ One run does, in order, each section isolated (an error is logged and the run go
    host's work per step (cProfile of ``CudaGraphRunner.run``, top functions in the log);
 3. one-layer decode at 64 x 4096, 8 x 32768, 256 x 1024, 16 x 4096: each backend through its
    builder (``graph_batch_size`` when it supports graphs) timed from a captured graph; beside
-   it TRITON_ATTN's op called directly on the step's own metadata (no builder), and
-   FLASHINFER built for an eager step (FlashInfer's plain wrappers), the variants taking turns
-   for two rounds (each row: the faster round; the JSON has both); and FlashInfer called
-   directly (planned once, captured) when installed, plain and in FlashInfer's CUDA-graph
-   mode (which a step replayed for later lengths needs: its launch is sized for any step);
-   each kvcore row is compared with the direct call of the same mode;
+   it TRITON_ATTN's op called directly on the step's own metadata (no builder), FLASHINFER
+   built for an eager step (FlashInfer's plain wrappers), and FlashInfer called directly
+   (planned once, captured) when installed, plain and in FlashInfer's CUDA-graph mode (which
+   a step replayed for later lengths needs: its launch is sized for any step); all of a
+   shape's variants take turns for three rounds (each row: the fastest round; the JSON has
+   all), and each kvcore row is compared with the direct call of the same mode;
 4. the eager 32-layer step (TRITON_ATTN, B16 x 4096) with the default value checks (the step's
    facts, checked once), without value checks, and with the per-op reads of metadata an engine
    made itself (no builder, no marks: the behaviour before step facts).
@@ -129,9 +129,8 @@ class Model:
         self.spec = kvcore.FullAttentionSpec(block_size=BS, dtype=DTYPE, num_kv_heads=HK,
                                              head_size=D)
         seqs = max_num_seqs or b
-        self.builder = self.backend.get_builder_cls()(
-            self.spec, num_heads=HQ, max_num_seqs=seqs, max_num_batched_tokens=seqs,
-            max_model_len=length, device=DEVICE)
+        self.max_num_seqs = seqs
+        self.builder = self.make_builder()
         self.impl = self.backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D**-0.5,
                                                 num_kv_heads=HK)
         self.scales = kvcore.LayerScales()
@@ -141,6 +140,12 @@ class Model:
         self.outputs = [torch.empty(seqs, HQ, D, dtype=DTYPE, device=DEVICE) for _ in
                         self.caches.layers]
         self.graphs = self.backend.CUDA_GRAPH_SUPPORT is not kvcore.CudaGraphSupport.NEVER
+
+    def make_builder(self) -> kvcore.AttentionMetadataBuilder:
+        return self.backend.get_builder_cls()(
+            self.spec, num_heads=HQ, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_seqs, max_model_len=self.length,
+            device=DEVICE)
 
     def step(self, inputs: dict[str, torch.Tensor], meta: kvcore.AttentionMetadata
              ) -> torch.Tensor:
@@ -330,81 +335,59 @@ def op_splits(model: Model) -> int:
                                  m.block_table.shape[1] * BS, torch.device(DEVICE))
 
 
-def alternating(fns: dict[str, Callable[[], object]], rounds: int = 2
-                ) -> dict[str, tuple[float, list[float], str]]:
-    """``time_call`` of each variant, the variants taking turns for ``rounds`` rounds (a drift
-    of the device shows as samples that differ between rounds): the fastest round, every
-    round's time, how it was timed."""
-    found: dict[str, tuple[float, list[float], str]] = {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t, how = time_call(fn)
-            best, samples, _ = found.get(name, (t, [], how))
-            found[name] = (min(best, t), [*samples, t], how)
-    return found
-
-
 def time_layer(run: Run, b: int, length: int, names: list[str], flashinfer: bool) -> None:
+    """Every variant of one shape timed in the same rounds, taking turns (a drift of the
+    device's clocks then touches all of them alike)."""
     shape = f"{b}x{length}"
     nbytes = 2 * b * length * HK * D * DTYPE.itemsize
-    ours = None
+    # name -> (call, mode, model it reads, splits or None)
+    variants: dict[str, tuple[Callable[[], torch.Tensor], str, Model, int | None]] = {}
+    models = []
     for name in names:
-        with run.section(f"one-layer decode {shape} {name}"):
+        with run.section(f"one-layer decode {shape} {name}: setup"):
             model = Model(name, b, length, layers=1)
-            meta = (model.builder.build(model.common, graph_batch_size=b) if model.graphs
-                    else model.builder.build(model.common))
+            models.append(model)
             q, k, v = (model.inputs[n] for n in ("query", "key", "value"))
             layer, out = model.caches.layers[0], model.outputs[0]
 
-            def fn(model=model, meta=meta, q=q, k=k, v=v, layer=layer, out=out):
-                return model.impl.forward(model.scales, q, k, v, layer, meta, output=out)
+            def forward(meta, model=model, q=q, k=k, v=v, layer=layer, out=out):
+                return lambda: model.impl.forward(model.scales, q, k, v, layer, meta,
+                                                  output=out)
 
-            result = fn().clone()
-            ours = ours if ours is not None else (model, result)
-            variants = {f"kvcore {name}": fn}
-            modes = {f"kvcore {name}": "graph" if name == "FLASHINFER" else "plain"}
+            meta = (model.builder.build(model.common, graph_batch_size=b) if model.graphs
+                    else model.builder.build(model.common))
+            variants[f"kvcore {name}"] = (forward(meta), "graph" if name == "FLASHINFER"
+                                          else "plain", model,
+                                          getattr(meta, "num_kv_splits", None))
             if name.startswith("TRITON_ATTN"):
                 # The same kernel without the builder: what a difference between the two
                 # rows owes to the builder's metadata (splits, buffers) and not to the kernel.
-                variants[f"{name} op, eager metadata"] = op_direct(model)
-                modes[f"{name} op, eager metadata"] = "plain"
+                variants[f"{name} op, eager metadata"] = (op_direct(model), "plain", model,
+                                                          op_splits(model))
             if name == "FLASHINFER":
-                # The step built for eager layers: FlashInfer's plain wrappers (the same plan
-                # inputs; the graph step's buffers are separate, so both stay valid).
-                eager = model.builder.build(model.common)
-
-                def eager_fn(model=model, meta=eager, q=q, k=k, v=v, layer=layer, out=out):
-                    return model.impl.forward(model.scales, q, k, v, layer, meta, output=out)
-
-                variants[f"kvcore {name}, eager plan"] = eager_fn
-                modes[f"kvcore {name}, eager plan"] = "plain"
-            timed = alternating(variants)
-            for impl, (t, samples, how) in timed.items():
-                builder_row = impl == f"kvcore {name}"
-                got = result if builder_row else variants[impl]().clone()
-                row = {"impl": impl, "shape": shape, "time_us": t * 1e6,
-                       "GBps": nbytes / t / 1e9, "timing": how, "mode": modes[impl],
-                       "rounds_us": [x * 1e6 for x in samples],
-                       "num_kv_splits": getattr(meta, "num_kv_splits", None) if builder_row
-                       else op_splits(model) if impl.endswith("op, eager metadata") else None,
-                       "rel_err_vs_ref": rel_err(got, model.reference(0))}
-                run.results["layers"].append(row)
-                run.log(json.dumps(row))
-            del model
-    if flashinfer and ours is not None:
-        with run.section(f"one-layer decode {shape} flashinfer direct"):
-            model, result = ours
-            calls = {"flashinfer direct": flashinfer_direct(model),
-                     "flashinfer direct, graph mode": flashinfer_direct(model, graph_mode=True)}
-            errs = {impl: rel_err(fn(), result) for impl, fn in calls.items()}
-            for impl, (t, samples, how) in alternating(calls).items():
-                row = {"impl": impl, "shape": shape, "time_us": t * 1e6,
-                       "GBps": nbytes / t / 1e9, "timing": how,
-                       "mode": "graph" if impl.endswith("graph mode") else "plain",
-                       "rounds_us": [x * 1e6 for x in samples],
-                       "rel_err_vs_kvcore": errs[impl]}
-                run.results["layers"].append(row)
-                run.log(json.dumps(row))
+                # The step built for eager layers (FlashInfer's plain wrappers), by a second
+                # builder: a build overwrites the step the previous build returned.
+                eager = model.make_builder().build(model.common)
+                variants[f"kvcore {name}, eager plan"] = (forward(eager), "plain", model, None)
+    if flashinfer and models:
+        with run.section(f"one-layer decode {shape} flashinfer direct: setup"):
+            model = models[0]
+            variants["flashinfer direct"] = (flashinfer_direct(model), "plain", model, None)
+            variants["flashinfer direct, graph mode"] = (
+                flashinfer_direct(model, graph_mode=True), "graph", model, None)
+    with run.section(f"one-layer decode {shape}"):
+        errs = {impl: rel_err(call().clone(), model.reference(0))
+                for impl, (call, _, model, _) in variants.items()}
+        timed = harness.time_alternating({impl: v[0] for impl, v in variants.items()},
+                                         DEVICE, rounds=3)
+        for impl, (t, samples, how) in timed.items():
+            _, mode, _, splits = variants[impl]
+            row = {"impl": impl, "shape": shape, "time_us": t * 1e6,
+                   "GBps": nbytes / t / 1e9, "timing": how, "mode": mode,
+                   "rounds_us": [x * 1e6 for x in samples], "num_kv_splits": splits,
+                   "rel_err_vs_ref": errs[impl]}
+            run.results["layers"].append(row)
+            run.log(json.dumps(row))
 
 
 def time_checks(run: Run, name: str) -> None:

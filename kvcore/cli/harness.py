@@ -38,7 +38,8 @@ import torch
 
 __all__ = ["Clock", "Run", "Skip", "Timer", "copy_gbps", "device_name", "format_table",
            "format_value", "matmul_tflops", "median_of", "pinned_copy_gbps", "read_gbps",
-           "rel_err", "run_meta", "time_call", "triton_copy_gbps", "triton_read_gbps", "warm_up"]
+           "rel_err", "run_meta", "time_alternating", "time_call", "triton_copy_gbps",
+           "triton_read_gbps", "warm_up"]
 
 #: Aim each timed GPU sample (a graph replay or an event-timed loop) at this many seconds.
 _SAMPLE_SECONDS = 4e-3
@@ -162,6 +163,24 @@ class Clock:
             probe = 20_000_000
             self._cycles_per_s = probe / self.time(lambda: torch.cuda._sleep(probe))
         torch.cuda._sleep(int(seconds * self._cycles_per_s))
+
+
+def time_alternating(fns: dict[str, Callable[[], object]], device: str | torch.device,
+                     rounds: int = 3) -> dict[str, tuple[float, list[float], str]]:
+    """:func:`time_call` of each variant, the variants taking turns for ``rounds`` rounds, so
+    a drift of the device (clocks, temperature, a neighbour's load) touches all of them
+    alike and shows as rounds that differ.
+
+    Returns per variant: the fastest round's seconds, every round's seconds, how it was
+    timed.
+    """
+    found: dict[str, tuple[float, list[float], str]] = {}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t, how = time_call(fn, device)
+            best, samples, _ = found.get(name, (t, [], how))
+            found[name] = (min(best, t), [*samples, t], how)
+    return found
 
 
 def median_of(trials: int, fn: Callable[[], float]) -> float:
