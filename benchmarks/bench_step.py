@@ -205,6 +205,38 @@ def host_profile(fn: Callable[[], object], steps: int = STEPS, top: int = 18) ->
     return text.getvalue()
 
 
+def profile_step(run: Run, name: str, b: int, length: int, steps: int = 30) -> None:
+    """``steps`` replayed steps back to back under ``torch.profiler``: the CUDA runtime calls
+    that took the host longest (a synchronising call shows here), and the device's idle time
+    between its kernels and copies (what the host left exposed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = Model(name, b, length)
+    runner = model.runner([b])
+    for _ in range(3):
+        runner.run(model.inputs, model.common)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.run(model.inputs, model.common)
+        sync()
+    run.log(f"profile of {steps} steps of {name} {b}x{length}, host side (self time):\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                    key=lambda e: e.time_range.start)
+    gaps, end, last = [], None, ""
+    for e in events:  # idle = no kernel or copy running (they may overlap)
+        if end is not None and e.time_range.start - end > 3:
+            gaps.append((e.time_range.start - end, last, e.name[:60]))
+        if end is None or e.time_range.end > end:
+            end, last = e.time_range.end, e.name[:60]
+    span = events[-1].time_range.end - events[0].time_range.start if events else 0
+    idle = sum(g for g, _, _ in gaps)
+    run.log(f"device: {len(events)} kernels/copies over {span:.0f} us, idle {idle:.0f} us in "
+            f"{len(gaps)} gaps > 3 us; the largest:\n" + "\n".join(
+                f"  {g:8.1f} us after {p} before {n}" for g, p, n in sorted(gaps)[::-1][:15]))
+
+
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5,
                 steps: int = STEPS) -> dict[str, float]:
     """Median over ``rounds`` of :func:`wall_per_step` for each variant, the variants taking
@@ -512,6 +544,8 @@ def main() -> int:
                         str(Path(__file__).parent / "results"))
     parser.add_argument("--cpu", action="store_true",
                         help="section 4 only, on the CPU with CPU_ATTN (small shapes)")
+    parser.add_argument("--profile", metavar="BACKEND:BxL",
+                        help="only profile that backend's replayed step (e.g. FLASHINFER:16x4096)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU, Triton under TRITON_INTERPRET=1")
     args = parser.parse_args()
@@ -542,6 +576,13 @@ def main() -> int:
     run.log(json.dumps(meta))
     torch.manual_seed(0)
 
+    if args.profile:
+        name, shape = args.profile.split(":")
+        b, length = (int(x) for x in shape.split("x"))
+        with run.section(f"profile {args.profile}"):
+            profile_step(run, name, b, length)
+        run.save()
+        return 1 if run.results["errors"] else 0
     for name in names:
         with run.section(f"correctness {name}"):
             check_step(run, name)
