@@ -162,3 +162,20 @@ def test_harness_run_meta_names_the_machine_only_on_a_gpu():
     meta = run_meta("cpu")
     assert meta == {"date": datetime.date.today().isoformat(),
                     "python": platform.python_version(), "torch": torch.__version__}
+
+
+def test_harness_alternating_timing_takes_turns_and_keeps_the_fastest_round(monkeypatch):
+    from kvcore.cli import harness
+
+    calls: list[str] = []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+
+    def fake_time_call(fn, device):
+        name = fn()
+        calls.append(name)
+        return next(times[name]), "fake"
+
+    monkeypatch.setattr(harness, "time_call", fake_time_call)
+    found = harness.time_alternating({"a": lambda: "a", "b": lambda: "b"}, "cpu", rounds=3)
+    assert calls == ["a", "b"] * 3  # turns, not one variant's rounds in a row
+    assert found == {"a": (1.0, [3.0, 1.0, 2.0], "fake"), "b": (4.0, [5.0, 6.0, 4.0], "fake")}
