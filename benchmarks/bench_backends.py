@@ -21,8 +21,10 @@ Decode shapes (requests x tokens each): 64x4096, 8x32768, 256x1024, 16x4096; rep
 and % of the read bandwidth measured in this run (``torch.sum`` over 2 GiB), counting the K
 and V bytes of every request. Prefill shapes: 4 x 2048 new tokens, 1 x 8192 new tokens, 4 x 512
 new tokens over a 16384-token cached prefix, causal; reported as TFLOP/s (4 * Hq * D flops
-per attended query-key pair) and % of ``--peak-tflops`` (default 790, the H200's bf16 dense
-peak as the issue states it). The table printed last has every row.
+per attended query-key pair), % of ``--peak-tflops`` (default 790, the H200's bf16 dense
+peak as the issue states it) and % of a bf16 8192^3 ``torch.matmul`` measured in this run (a
+ceiling the device reaches today, beside the datasheet's). The table printed last has every
+row.
 
 Usage: ``python benchmarks/bench_backends.py [--json PATH] [--out DIR] [--smoke]``
 (``--out`` default ``$OUT``, else ``benchmarks/results``; ``--json`` default
@@ -277,7 +279,8 @@ def flash_attn_4_direct(case: Case, kv_cache: torch.Tensor, fa4: Callable) -> Ru
     return Runner("flash-attn-4 direct", fn, True, "flash_attn_varlen_func")
 
 
-def run_case(run: Run, case: Case, read_gbps: float, peak_tflops: float) -> None:
+def run_case(run: Run, case: Case, read_gbps: float, peak_tflops: float,
+             matmul_tflops: float) -> None:
     fa4 = flash_attn_4() if DEVICE == "cuda" else None
     for name in BACKENDS:
         with run.section(f"{case.kind} {case.name} {name}"):
@@ -297,12 +300,12 @@ def run_case(run: Run, case: Case, read_gbps: float, peak_tflops: float) -> None
             if name == "FLASH_ATTN" and fa4 is not None:
                 runners.append(flash_attn_4_direct(case, kv_cache, fa4))
             for runner in runners:
-                measure(run, case, runner, read_gbps, peak_tflops)
+                measure(run, case, runner, read_gbps, peak_tflops, matmul_tflops)
             del caches, kv_cache, runners
 
 
 def measure(run: Run, case: Case, runner: Runner, read_gbps: float,
-            peak_tflops: float) -> None:
+            peak_tflops: float, matmul_tflops: float) -> None:
     out = runner.fn()
     err = rel_err(out[:case.checked_rows], case.reference)
     run.check(f"{case.kind} {case.name} {runner.impl} vs float64 reference",
@@ -317,19 +320,22 @@ def measure(run: Run, case: Case, runner: Runner, read_gbps: float,
     else:
         row["TFLOPs"] = case.flops / seconds / 1e12
         row["pct_peak"] = 100 * row["TFLOPs"] / peak_tflops
-        metric = f"{row['TFLOPs']:.0f} TFLOP/s, {row['pct_peak']:.1f}% of peak"
+        row["pct_matmul"] = 100 * row["TFLOPs"] / matmul_tflops
+        metric = (f"{row['TFLOPs']:.0f} TFLOP/s, {row['pct_peak']:.1f}% of peak, "
+                  f"{row['pct_matmul']:.1f}% of the measured matmul")
     run.results["rows"].append(row)
     run.log(f"{case.kind} {case.name} {runner.impl}: {row['us']:.1f} us, {metric} [{how}; "
             f"{runner.path}]")
 
 
 def table(run: Run) -> str:
-    lines = [f"{'kind':8} {'shape':12} {'impl':48} {'us':>10} {'metric':>22} {'rel_err':>9}"]
+    lines = [f"{'kind':8} {'shape':12} {'impl':48} {'us':>10} {'metric':>30} {'rel_err':>9}"]
     for row in run.results["rows"]:
         metric = (f"{row['pct_read_bw']:.1f}% read bw" if row["kind"] == "decode"
-                  else f"{row['TFLOPs']:.0f} TF/s {row['pct_peak']:.0f}%")
+                  else f"{row['TFLOPs']:.0f} TF/s {row['pct_peak']:.0f}% / "
+                       f"{row['pct_matmul']:.0f}% mm")
         lines.append(f"{row['kind']:8} {row['shape']:12} {row['impl']:48} {row['us']:10.1f} "
-                     f"{metric:>22} {row['rel_err']:9.1e}")
+                     f"{metric:>30} {row['rel_err']:9.1e}")
     failed = [c["check"] for c in run.results["checks"] if not c["ok"]]
     lines.append(f"checks: {len(run.results['checks']) - len(failed)} passed, "
                  f"{len(failed)} failed" + (f": {failed}" if failed else ""))
@@ -367,12 +373,18 @@ def main() -> int:
         run.results["ceilings"]["read_torch_sum_GBps"] = read_gbps
         run.log(f"read bandwidth: {read_gbps:.0f} GB/s [{how}]")
         del x
+    matmul = float("nan")
+    with run.section("bf16 matmul"):
+        matmul, how = harness.matmul_tflops(256 if SMOKE else 8192, torch.bfloat16, DEVICE,
+                                            time_call)
+        run.results["ceilings"]["matmul_bf16_TFLOPs"] = matmul
+        run.log(f"bf16 matmul: {matmul:.0f} TFLOP/s [{how}]")
     for b, length in DECODE:
         case = make_case("decode", f"{b}x{length}", [1] * b, [length - 1] * b)
-        run_case(run, case, read_gbps, args.peak_tflops)
+        run_case(run, case, read_gbps, args.peak_tflops, matmul)
     for name, b, q, ctx in PREFILL:
         case = make_case("prefill", name, [q] * b, [ctx] * b)
-        run_case(run, case, read_gbps, args.peak_tflops)
+        run_case(run, case, read_gbps, args.peak_tflops, matmul)
     summary = table(run)
     run.log("\n" + summary)
     run.save()
