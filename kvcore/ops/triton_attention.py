@@ -85,7 +85,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.triton_utils import find_sequence, interpreting, load_kv_scales, scale_args
+from kvcore.ops.triton_utils import (
+    find_sequence,
+    interpreting,
+    load_kv_scales,
+    next_power_of_2,
+    scale_args,
+)
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
 
 __all__ = [
@@ -735,7 +741,7 @@ def default_config(
     (default: :func:`device_arch`). The compile check passes its target's values for all three.
     """
     group = num_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_power_of_2(group)
     decode_only = num_tokens == num_seqs
     rocm = _is_rocm(rocm)
     arch = arch or device_arch(device)
@@ -875,7 +881,7 @@ def paged_attention(
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
 
-    block_d = max(16, triton.next_power_of_2(head_size))
+    block_d = max(16, next_power_of_2(head_size))
     num_tiles = num_tokens // cfg.block_q + num_seqs
     if cfg.num_splits > 1 and workspace is not None:
         part_out, part_lse = _check_workspace(workspace, query.device, workspace_numel(
@@ -926,7 +932,7 @@ def paged_attention(
     if cfg.num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_heads, head_size, cfg.num_splits, *out.stride(),
-            SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
+            SPLITS_PAD=next_power_of_2(cfg.num_splits),
             BLOCK_D=block_d, INTERPRET=interpret, num_warps=4,
         )
     return out

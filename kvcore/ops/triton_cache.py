@@ -25,6 +25,7 @@ from kvcore.ops.triton_utils import (
     fp8_format,
     interpreting,
     load_kv_scales,
+    next_power_of_2,
     round_to_fp8_grid,
     scale_args,
 )
@@ -129,8 +130,8 @@ def reshape_and_cache(
     fp8_max, mantissa_bits, min_exponent = fp8_format(key_cache.dtype)
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, key_cache.device)
 
-    block_d = triton.next_power_of_2(head_size)
-    block_h = max(1, min(triton.next_power_of_2(num_kv_heads), _TILE // block_d))
+    block_d = next_power_of_2(head_size)
+    block_h = max(1, min(next_power_of_2(num_kv_heads), _TILE // block_d))
     block_t = max(1, min(_MAX_TOKENS_PER_PROGRAM, _TILE // (block_h * block_d)))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
     _reshape_and_cache_kernel[grid](

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["find_sequence", "fp8_format", "interpreting", "load_kv_scales", "round_to_fp8_grid",
-           "scale_arg", "scale_args"]
+__all__ = ["find_sequence", "fp8_format", "interpreting", "load_kv_scales", "next_power_of_2",
+           "round_to_fp8_grid", "scale_arg", "scale_args"]
 
 
 @triton.jit
@@ -65,6 +65,15 @@ def load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR: tl.constexpr):
         ks = k_scale
         vs = v_scale
     return ks, vs
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``0`` for ``0``), as ``triton.next_power_of_2``
+    computes it, for launch parameters on the host: recent Triton makes that function a
+    constexpr function whose call costs microseconds, paid per layer per step."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n={n!r} must be a non-negative int")
+    return 1 << (n - 1).bit_length() if n else 0
 
 
 def interpreting() -> bool:

@@ -575,3 +575,15 @@ def test_int64_offsets_in_a_32_layer_cross_layer_pool() -> None:
         const = triton_attention.paged_attention(
             query.cuda(), kc, vc, **kwargs, config=dataclasses.replace(cfg, const_block=True))
         torch.testing.assert_close(const, plain, atol=0, rtol=0)
+
+
+def test_host_next_power_of_2_matches_triton_and_refuses_bad_input() -> None:
+    import triton
+
+    from kvcore.ops.triton_utils import next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(0, 2100)] == \
+        [triton.next_power_of_2(n) for n in range(0, 2100)]
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="must be a non-negative int"):
+            next_power_of_2(bad)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.ops.triton_utils import next_power_of_2
+
 
 @triton.jit
 def _reshape_and_cache_shuffle_kernel(
@@ -58,7 +60,7 @@ def launch_reshape_and_cache_shuffle(
         *key.stride(), *value.stride(),
         key_cache.stride(0), value_cache.stride(0),
         key_cache.shape[1], num_kv_heads, head_size,
-        X=x, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_size),
+        X=x, BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_size),
         num_warps=4,
     )
