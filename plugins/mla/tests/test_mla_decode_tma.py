@@ -10,8 +10,11 @@ import contextvars
 
 import pytest
 import torch
+from kvcore_mla import TritonMLABackend
 from kvcore_mla.ops import decode_attention_ref
 from mla_helpers import DEVICE, assert_close, block_tables, cross_layer_view, generator, randn
+
+import kvcore
 
 kernels = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
 
@@ -262,6 +265,20 @@ def test_the_scratch_allocator_is_scoped_to_the_launch() -> None:
         return check()
 
     assert contextvars.copy_context().run(with_user_allocator) == [users]
+
+
+def test_the_builder_refuses_a_tma_config_whose_tiles_cross_pages() -> None:
+    """At construction, not at the first decode step."""
+    spec = kvcore.MLAAttentionSpec(block_size=16, dtype=torch.float32, kv_lora_rank=RANK,
+                                   qk_rope_head_dim=ROPE)
+    args = dict(num_heads=16, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64,
+                device=DEVICE)
+    builder_cls = TritonMLABackend.get_builder_cls()
+    with pytest.raises(ValueError, match=r"decode_config.block_n=32 does not divide the block "
+                                         r"size 16: its TMA loads \(tma=True\) take tiles that "
+                                         r"lie in one page"):
+        builder_cls(spec, **args, decode_config=_config(16, 32))
+    assert builder_cls(spec, **args, decode_config=_config(16, 16)).decode_config.tma
 
 
 @pytest.mark.gpu

@@ -20,9 +20,17 @@ bandwidth-bound and 128 heads (one GPU) run on the tensor cores. The value is th
 come from :func:`mla_decode_num_splits`, launch configurations from the per-GPU table
 :data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does). A
 configuration may also cut the latent into two halves with an accumulator each
-(``split_latent``), ask for a warp-specialised loop (``warp_specialize``) and tell the split
-chooser how many of its programs an SM holds (``programs_per_sm``); ``benchmarks/bench_mla.py``
-sweeps these and prints the winners as table rows.
+(``split_latent``), ask for a warp-specialised loop (``warp_specialize``), tell the split
+chooser how many of its programs an SM holds (``programs_per_sm``) and load the latent tiles
+through tensor descriptors (``tma``): two ``tl.make_tensor_descriptor`` built on the device over
+the cache seen as rows of its token stride (the ``kv_lora_rank`` channels, and the rope
+channels), a tile being ``BLOCK_N`` rows at ``page * (page stride / token stride) + offset in
+page``. On Hopper and newer the TMA unit copies tiles into shared memory asynchronously, with no
+per-element address registers; elsewhere Triton lowers the descriptor loads to ordinary loads.
+It needs ``BLOCK_N`` to divide the page size, contiguous channels and 16-byte aligned base,
+token stride and rope offset (checked before launch); full tiles load unmasked and a request's
+last, partial tile has its rows past the request zeroed, as the masked loads of the default
+path read them. ``benchmarks/bench_mla.py`` sweeps these and prints the winners as table rows.
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
