@@ -28,9 +28,11 @@ channels), a tile being ``BLOCK_N`` rows at ``page * (page stride / token stride
 page``. On Hopper and newer the TMA unit copies tiles into shared memory asynchronously, with no
 per-element address registers; elsewhere Triton lowers the descriptor loads to ordinary loads.
 It needs ``BLOCK_N`` to divide the page size, contiguous channels and 16-byte aligned base,
-token stride and rope offset (checked before launch); full tiles load unmasked and a request's
-last, partial tile has its rows past the request zeroed, as the masked loads of the default
-path read them. ``benchmarks/bench_mla.py`` sweeps these and prints the winners as table rows.
+token stride and rope offset (checked before launch). Full tiles load unmasked; a request's
+last, partial tile loads through two more descriptors whose rows end at the request's last key,
+so the hardware zero-fills the stale rows past it (what the default path's masked loads read),
+in a loop of its own so it too streams to shared memory. ``benchmarks/bench_mla.py`` sweeps
+these and prints the winners as table rows.
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
@@ -633,26 +635,37 @@ def _mla_decode_kernel(
             if SPLIT_LATENT:
                 acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
         if (t_lo <= t_full) & (t_full < t_hi):
-            # The request's last tile, partly past seq_len, if it is this split's: the rows
-            # past seq_len are stale cache bytes (any value, NaN included), zeroed as the
-            # default path's masked loads read them.
+            # The request's last tile, partly past seq_len, if it is this split's. The rows past
+            # seq_len are stale cache bytes (any value, NaN included): descriptors whose rows
+            # end at seq_len have the hardware zero-fill them, as the default path's masked
+            # loads read them. A loop (of this one tile) so the pipeliner streams it to shared
+            # memory as in the main loop instead of through registers.
             start = t_full * BLOCK_N
-            valid = start + offs_n < seq_len
-            row = page_next.to(tl.int32) * page_rows + start % PAGE_SIZE
-            kv0 = tl.where(valid[:, None], nope_desc.load([row, 0]).to(q0.dtype), 0.0)
-            s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
-            if SPLIT_LATENT:
-                kv1 = tl.where(valid[:, None], nope_desc.load([row, BLOCK_C]).to(q0.dtype), 0.0)
-                s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
+            tail = kv_ptr + (page_next.to(tl.int64) * page_rows + start % PAGE_SIZE) * stride_ks
+            tail_nope = tl.make_tensor_descriptor(tail, shape=[seq_len - start, D_NOPE],
+                                                  strides=[stride_ks, 1],
+                                                  block_shape=[BLOCK_N, BLOCK_C])
             if D_PE > 0:
-                kpe = tl.where(valid[:, None], pe_desc.load([row, 0]).to(q0.dtype), 0.0)
-                s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-            m_i, l_i, p, alpha = _online_softmax(
-                tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
-            p = p.to(kv0.dtype)
-            acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
-            if SPLIT_LATENT:
-                acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+                tail_pe = tl.make_tensor_descriptor(tail + D_NOPE, shape=[seq_len - start, D_PE],
+                                                    strides=[stride_ks, 1],
+                                                    block_shape=[BLOCK_N, BLOCK_PE])
+            for t in tl.range(t_full, t_hi):
+                row = (t - t_full) * BLOCK_N  # 0: the loop's one tile
+                kv0 = tail_nope.load([row, 0]).to(q0.dtype)
+                s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+                if SPLIT_LATENT:
+                    kv1 = tail_nope.load([row, BLOCK_C]).to(q0.dtype)
+                    s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
+                if D_PE > 0:
+                    kpe = tail_pe.load([row, 0]).to(q0.dtype)
+                    s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+                valid = t * BLOCK_N + offs_n < seq_len
+                m_i, l_i, p, alpha = _online_softmax(
+                    tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
+                p = p.to(kv0.dtype)
+                acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+                if SPLIT_LATENT:
+                    acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
     else:
         for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPECIALIZE):
             start = t * BLOCK_N
