@@ -128,6 +128,11 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         if decode_config is not None and getattr(decode_config, "block_q", None) != 1:
             raise ValueError(f"decode_config={decode_config!r} must be a LaunchConfig with "
                              "block_q=1 (decode runs one query per program)")
+        if getattr(decode_config, "tma", False) and spec.block_size % decode_config.block_n:
+            raise ValueError(f"decode_config.block_n={decode_config.block_n} does not divide "
+                             f"the block size {spec.block_size}: its TMA loads (tma=True) take "
+                             "tiles that lie in one page; use a block_n that divides the block "
+                             "size, or tma=False")
         #: The decode kernel's launch configuration for every decode step.
         self.decode_config = decode_config or mla_decode_config(num_heads,
                                                                 gpu_family(self.device))

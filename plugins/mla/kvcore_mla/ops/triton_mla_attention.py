@@ -20,9 +20,19 @@ bandwidth-bound and 128 heads (one GPU) run on the tensor cores. The value is th
 come from :func:`mla_decode_num_splits`, launch configurations from the per-GPU table
 :data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does). A
 configuration may also cut the latent into two halves with an accumulator each
-(``split_latent``), ask for a warp-specialised loop (``warp_specialize``) and tell the split
-chooser how many of its programs an SM holds (``programs_per_sm``); ``benchmarks/bench_mla.py``
-sweeps these and prints the winners as table rows.
+(``split_latent``), ask for a warp-specialised loop (``warp_specialize``), tell the split
+chooser how many of its programs an SM holds (``programs_per_sm``) and load the latent tiles
+through tensor descriptors (``tma``): two ``tl.make_tensor_descriptor`` built on the device over
+the cache seen as rows of its token stride (the ``kv_lora_rank`` channels, and the rope
+channels), a tile being ``BLOCK_N`` rows at ``page * (page stride / token stride) + offset in
+page``. On Hopper and newer the TMA unit copies tiles into shared memory asynchronously, with no
+per-element address registers; elsewhere Triton lowers the descriptor loads to ordinary loads.
+It needs ``BLOCK_N`` to divide the page size, contiguous channels and 16-byte aligned base,
+token stride and rope offset (checked before launch). Full tiles load unmasked; a request's
+last, partial tile loads through two more descriptors whose rows end at the request's last key,
+so the hardware zero-fills the stale rows past it (what the default path's masked loads read),
+in a loop of its own so it too streams to shared memory. ``benchmarks/bench_mla.py`` sweeps
+these and prints the winners as table rows.
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
@@ -53,7 +63,11 @@ This module imports triton at import time; :mod:`kvcore_mla.ops` imports it lazi
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
 
 import torch
 import triton
@@ -103,7 +117,16 @@ class LaunchConfig:
     help belong in the table);
     ``programs_per_sm`` is how many programs of this config an SM runs at once (shared memory
     and registers permitting), which :func:`mla_decode_num_splits` counts as slots when it
-    chooses the split count.
+    chooses the split count; ``tma`` loads the latent tiles through tensor descriptors
+    (``tl.make_tensor_descriptor``: on Hopper and newer the TMA unit copies each
+    ``[block_n, latent]`` tile into shared memory asynchronously, with no per-element address
+    registers; elsewhere Triton lowers the descriptor loads to ordinary loads). It applies when
+    ``block_n`` divides the cache's page size (a tile never crosses a page), the cache's last
+    stride is 1, its base address, token stride and ``kv_lora_rank`` channels are multiples of
+    16 bytes, and Triton has ``tl.make_tensor_descriptor`` (3.4 or newer); the decode call
+    raises a ValueError naming what is not met. The kernel builds its descriptors on the
+    device, so a launch needs Triton's global scratch allocator: when none is set
+    (``triton.set_allocator``), the launch sets a torch one for its own duration only.
     """
 
     block_q: int
@@ -114,6 +137,7 @@ class LaunchConfig:
     split_latent: bool = False
     warp_specialize: bool = False
     programs_per_sm: int = 1
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_h", "block_n"):
@@ -496,9 +520,20 @@ def _store_rows(base, cols, stride_d, values, h_valid, width: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile's online-softmax step on the scaled, masked scores ``s`` ``[BLOCK_H,
+    BLOCK_N]``: the new running max and sum, the tile's probabilities ``p`` and the factor
+    ``alpha`` that rescales the accumulators (``acc = acc * alpha + p x value``)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
-    k_scale, qk_scale, num_heads, num_head_blocks, num_splits,
+    k_scale, qk_scale, num_heads, num_head_blocks, num_splits, kv_rows, page_rows,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
     stride_ob, stride_oh, stride_od,
@@ -508,6 +543,7 @@ def _mla_decode_kernel(
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_LATENT: tl.constexpr, BLOCK_C: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TMA: tl.constexpr,
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -565,41 +601,107 @@ def _mla_decode_kernel(
         pos_next = t_lo * BLOCK_N + offs_n
         page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
                             mask=pos_next < seq_len, other=0)
-    for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPECIALIZE):
-        start = t * BLOCK_N
-        pos = start + offs_n
-        valid = pos < seq_len  # every tile holds at least one key: rows never see only -inf
-        page = page_next.to(tl.int64)
-        if PAGE_SIZE % BLOCK_N == 0:
-            rows = kv_ptr + page * stride_kb + ((start % PAGE_SIZE) + offs_n).to(tl.int64) * \
-                stride_ks
+    if TMA:
+        # The cache as rows of stride_ks (a page starts every page_rows rows: the page size,
+        # more on a cross-layer view), as two descriptors: the first D_NOPE channels and the
+        # rope channels (the hardware zero-fills columns past each width). PAGE_SIZE % BLOCK_N
+        # == 0 (checked on the host): a tile is BLOCK_N consecutive rows of one page.
+        nope_desc = tl.make_tensor_descriptor(kv_ptr, shape=[kv_rows, D_NOPE],
+                                              strides=[stride_ks, 1],
+                                              block_shape=[BLOCK_N, BLOCK_C])
+        if D_PE > 0:
+            pe_desc = tl.make_tensor_descriptor(kv_ptr + D_NOPE, shape=[kv_rows, D_PE],
+                                                strides=[stride_ks, 1],
+                                                block_shape=[BLOCK_N, BLOCK_PE])
+        # Tiles whose every key is < seq_len load unmasked; only a request's last tile can be
+        # partial, and it is done after the loop.
+        t_full = tl.minimum(t_hi, seq_len // BLOCK_N)
+        for t in tl.range(t_lo, t_full, warp_specialize=WARP_SPECIALIZE):
+            start = t * BLOCK_N
+            row = page_next.to(tl.int32) * page_rows + start % PAGE_SIZE
             page_next = tl.load(bt_row + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp,
                                 mask=t + 1 < t_hi, other=0)
-        else:
-            rows = kv_ptr + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
-            pos_next = pos + BLOCK_N
-            page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
-                                mask=(pos_next < seq_len) & (pos_next < t_hi * BLOCK_N),
-                                other=0)
-        # The latent tile, read once: keys (with the rope part) and values.
-        kv0 = _load_latent(rows, c0, stride_kd, valid, q0, D_NOPE, EVEN_D)
-        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
-        if SPLIT_LATENT:
-            kv1 = _load_latent(rows, c1, stride_kd, valid, q0, D_NOPE, EVEN_D)
-            s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
-        if D_PE > 0:
-            kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
-            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(kv0.dtype)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
-        if SPLIT_LATENT:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
-        m_i = m_new
+            kv0 = nope_desc.load([row, 0]).to(q0.dtype)
+            s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+            if SPLIT_LATENT:
+                kv1 = nope_desc.load([row, BLOCK_C]).to(q0.dtype)
+                s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
+            if D_PE > 0:
+                kpe = pe_desc.load([row, 0]).to(q0.dtype)
+                s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+            m_i, l_i, p, alpha = _online_softmax(s * qk_scale, m_i, l_i)
+            p = p.to(kv0.dtype)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+            if SPLIT_LATENT:
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+        if (t_lo <= t_full) & (t_full < t_hi):
+            # The request's last tile, partly past seq_len, if it is this split's. The rows past
+            # seq_len are stale cache bytes (any value, NaN included): descriptors whose rows
+            # end at seq_len have the hardware zero-fill them, as the default path's masked
+            # loads read them. A loop (of this one tile) so the pipeliner streams it to shared
+            # memory as in the main loop instead of through registers.
+            start = t_full * BLOCK_N
+            tail = kv_ptr + (page_next.to(tl.int64) * page_rows + start % PAGE_SIZE) * stride_ks
+            tail_nope = tl.make_tensor_descriptor(tail, shape=[seq_len - start, D_NOPE],
+                                                  strides=[stride_ks, 1],
+                                                  block_shape=[BLOCK_N, BLOCK_C])
+            if D_PE > 0:
+                tail_pe = tl.make_tensor_descriptor(tail + D_NOPE, shape=[seq_len - start, D_PE],
+                                                    strides=[stride_ks, 1],
+                                                    block_shape=[BLOCK_N, BLOCK_PE])
+            for t in tl.range(t_full, t_hi):
+                row = (t - t_full) * BLOCK_N  # 0: the loop's one tile
+                kv0 = tail_nope.load([row, 0]).to(q0.dtype)
+                s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+                if SPLIT_LATENT:
+                    kv1 = tail_nope.load([row, BLOCK_C]).to(q0.dtype)
+                    s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
+                if D_PE > 0:
+                    kpe = tail_pe.load([row, 0]).to(q0.dtype)
+                    s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+                valid = t * BLOCK_N + offs_n < seq_len
+                m_i, l_i, p, alpha = _online_softmax(
+                    tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
+                p = p.to(kv0.dtype)
+                acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+                if SPLIT_LATENT:
+                    acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+    else:
+        for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPECIALIZE):
+            start = t * BLOCK_N
+            pos = start + offs_n
+            valid = pos < seq_len  # every tile holds at least one key: rows never see only -inf
+            page = page_next.to(tl.int64)
+            if PAGE_SIZE % BLOCK_N == 0:
+                rows = kv_ptr + page * stride_kb + ((start % PAGE_SIZE) + offs_n).to(tl.int64) * \
+                    stride_ks
+                page_next = tl.load(bt_row + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp,
+                                    mask=t + 1 < t_hi, other=0)
+            else:
+                rows = kv_ptr + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
+                pos_next = pos + BLOCK_N
+                page_next = tl.load(bt_row + (pos_next // PAGE_SIZE) * stride_btp,
+                                    mask=(pos_next < seq_len) & (pos_next < t_hi * BLOCK_N),
+                                    other=0)
+            # The latent tile, read once: keys (with the rope part) and values.
+            kv0 = _load_latent(rows, c0, stride_kd, valid, q0, D_NOPE, EVEN_D)
+            s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+            if SPLIT_LATENT:
+                kv1 = _load_latent(rows, c1, stride_kd, valid, q0, D_NOPE, EVEN_D)
+                s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
+            if D_PE > 0:
+                kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
+                s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p.to(kv0.dtype)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+            if SPLIT_LATENT:
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+            m_i = m_new
 
     if FP8:
         acc0 = acc0 * ks
@@ -709,6 +811,85 @@ def _launch(
         _merge_splits(workspace, out, lse, v_dim, num_splits, block_dv)
 
 
+#: TMA coordinates are signed 32-bit: the rows a descriptor spans.
+_TMA_MAX_ROWS = 2**31 - 1
+
+
+def _tma_rows(kv_cache: torch.Tensor, kv_lora_rank: int,
+              config: LaunchConfig) -> tuple[int, int]:
+    """For the TMA path (``config.tma``): ``(kv_rows, page_rows)``, the cache seen as rows of
+    ``stride(1)`` elements (``kv_rows`` of them, a page every ``page_rows``), after checking
+    what tensor descriptors need; raises ValueError naming the unmet condition and the fix."""
+    if not hasattr(tl, "make_tensor_descriptor"):
+        raise ValueError(f"config.tma=True needs tl.make_tensor_descriptor (Triton 3.4 or "
+                         f"newer); Triton {triton.__version__} lacks it: upgrade Triton or "
+                         "use tma=False")
+    num_pages, page_size, width = kv_cache.shape
+    item = kv_cache.element_size()
+    if page_size % config.block_n:
+        raise ValueError(f"config.block_n={config.block_n} does not divide the cache's page "
+                         f"size {page_size}: the TMA path loads tiles that lie in one page "
+                         "(use a block_n that divides the page size, or tma=False)")
+    if kv_cache.stride(2) != 1 and width > 1:
+        raise ValueError(f"kv_cache has last stride {kv_cache.stride(2)}; the TMA path needs "
+                         "contiguous channels (stride 1): pass a cache whose last dim is "
+                         "contiguous, or use tma=False")
+    stride_page, stride_token = kv_cache.stride(0), kv_cache.stride(1)
+    unaligned = [what for what, nbytes in (
+        (f"base address {kv_cache.data_ptr():#x}", kv_cache.data_ptr()),
+        (f"token stride ({stride_token} x {item} bytes)", stride_token * item),
+        (f"rope offset (kv_lora_rank={kv_lora_rank} x {item} bytes)", kv_lora_rank * item),
+    ) if nbytes % 16]
+    if unaligned:
+        raise ValueError(f"kv_cache's {' and '.join(unaligned)} is not a multiple of 16 bytes, "
+                         "as tensor descriptors (TMA) need: use a 16-byte aligned cache, or "
+                         "tma=False")
+    if stride_token <= 0 or stride_page % stride_token:
+        raise ValueError(f"kv_cache's page stride {stride_page} is not a multiple of its token "
+                         f"stride {stride_token}; the TMA path addresses the cache as rows of "
+                         "the token stride: use tma=False for this layout")
+    page_rows = stride_page // stride_token
+    kv_rows = (num_pages - 1) * page_rows + page_size
+    if kv_rows > _TMA_MAX_ROWS:
+        raise ValueError(f"kv_cache spans {kv_rows} rows of its token stride, past the 2**31 - 1 "
+                         "that TMA coordinates reach: use tma=False for this cache")
+    return kv_rows, page_rows
+
+
+def _torch_scratch(device: torch.device) -> Callable[[int, int, int | None], torch.Tensor]:
+    """A Triton allocator (``triton.set_allocator``'s protocol) of torch memory on
+    ``device``: its caching allocator (and a CUDA graph's pool during capture) serves it."""
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    return alloc
+
+
+def _with_scratch_allocator(device: torch.device, launch: Callable[[], None]) -> None:
+    """Run ``launch``, a kernel launch that builds tensor descriptors on the device (Triton
+    writes them to a global scratch buffer it allocates per launch), with an allocator: the
+    one the caller set with ``triton.set_allocator`` if any, else a torch one for this launch
+    only. Triton keeps its allocator in a ContextVar: it is set and reset around the launch
+    (or, should that private variable move, set in a copy of the context), so no other code
+    sees it."""
+    var = getattr(importlib.import_module("triton.runtime._allocation"), "_allocator", None)
+    if var is None:
+        def run() -> None:
+            triton.set_allocator(_torch_scratch(device))
+            launch()
+
+        contextvars.copy_context().run(run)
+        return
+    if type(var.get()).__name__ != "NullAllocator":  # the caller's allocator
+        launch()
+        return
+    token = var.set(_torch_scratch(device))
+    try:
+        launch()
+    finally:
+        var.reset(token)
+
+
 def _launch_mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -746,9 +927,13 @@ def _launch_mla_decode(
     part = workspace if split else out
     part_strides = workspace.stride() if split else (0, 0, 0, 0)
     block_d = max(16, triton.next_power_of_2(kv_lora_rank))
-    _mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
+    kv_rows = page_rows = 0
+    if config.tma:
+        kv_rows, page_rows = _tma_rows(kv_cache, kv_lora_rank, config)
+    launch = functools.partial(
+        _mla_decode_kernel[(num_head_blocks * num_splits * batch,)],
         q, kv_cache, out, lse_arg, part, seq_lens, block_table,
-        ks, float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits,
+        ks, float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, kv_rows, page_rows,
         *q.stride(), *kv_cache.stride(), *out.stride(), *lse_strides, *part_strides,
         *block_table.stride(),
         D_NOPE=kv_lora_rank, D_PE=pe_dim, BLOCK_D=block_d,
@@ -756,12 +941,16 @@ def _launch_mla_decode(
         PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         SPLIT_LATENT=config.split_latent,
         BLOCK_C=block_d // 2 if config.split_latent else block_d,
-        WARP_SPECIALIZE=config.warp_specialize,
+        WARP_SPECIALIZE=config.warp_specialize, TMA=config.tma,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), SPLIT=split,
         WRITE_LSE=lse is not None, INTERPRET=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if config.tma:
+        _with_scratch_allocator(q.device, launch)
+    else:
+        launch()
     if split:
         _merge_splits(workspace, out, lse, kv_lora_rank, num_splits, block_d)
 
