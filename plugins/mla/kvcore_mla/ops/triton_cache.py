@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_concat_and_cache_mla
-from kvcore.ops.triton_utils import fp8_format, interpreting, round_to_fp8_grid, scale_arg
+from kvcore.ops.triton_utils import (
+    fp8_format,
+    interpreting,
+    next_power_of_2,
+    round_to_fp8_grid,
+    scale_arg,
+)
 from kvcore_mla.ops.reference import INDEXER_FP8_MAX
 from kvcore_mla.ops.validation import validate_indexer_k_quant_and_cache
 
@@ -114,7 +120,7 @@ def concat_and_cache_mla(
         FP8=fp8, SCALE_IS_TENSOR=isinstance(s, torch.Tensor), FP8_MAX=fp8_max,
         EXACT_FP8_ROUNDING=fp8 and interpreting(), MANTISSA_BITS=mantissa_bits,
         MIN_EXPONENT=min_exponent,
-        BLOCK_C=triton.next_power_of_2(kv_lora_rank), BLOCK_R=triton.next_power_of_2(rope_dim),
+        BLOCK_C=next_power_of_2(kv_lora_rank), BLOCK_R=next_power_of_2(rope_dim),
         num_warps=4,
     )
 
@@ -194,6 +200,6 @@ def indexer_k_quant_and_cache(
         kv_cache.shape[1], head_dim,
         QUANT_BLOCK=quant_block_size, UE8M0=scale_fmt == "ue8m0", FP8_MAX=INDEXER_FP8_MAX,
         EXACT_FP8_ROUNDING=interpreting(),
-        BLOCK_Q=triton.next_power_of_2(quant_block_size),
+        BLOCK_Q=next_power_of_2(quant_block_size),
         num_warps=4,
     )

@@ -74,7 +74,13 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_mla_attention
-from kvcore.ops.triton_utils import find_sequence, interpreting, load_kv_scales, scale_arg
+from kvcore.ops.triton_utils import (
+    find_sequence,
+    interpreting,
+    load_kv_scales,
+    next_power_of_2,
+    scale_arg,
+)
 from kvcore_mla.ops.triton_utils import is_rocm
 from kvcore_mla.ops.validation import FP8_DTYPES, validate_decode_attention
 
@@ -178,7 +184,7 @@ def default_config(num_heads: int, num_kv_heads: int, k_main_dim: int, *,
         block_q = 1
         block_h = 32 if wide and group >= 32 and not rocm else 16
     else:
-        block_h = min(triton.next_power_of_2(group), 16)
+        block_h = min(next_power_of_2(group), 16)
         block_q = max(1, (32 if wide else 64) // block_h)
     if wide:
         # ROCm's 64 KiB of LDS per CU does not hold two stages of 32 x 576 bf16 keys.
@@ -271,7 +277,7 @@ def mla_decode_config(num_heads: int, family: str = "default") -> LaunchConfig:
         raise ValueError(f"family={family!r} (known: {', '.join(MLA_DECODE_CONFIGS)})")
     rows = MLA_DECODE_CONFIGS[family]
     config = next((c for least, c in rows if num_heads >= least), rows[-1][1])
-    block_h = min(config.block_h, max(16, triton.next_power_of_2(num_heads)))
+    block_h = min(config.block_h, max(16, next_power_of_2(num_heads)))
     return dataclasses.replace(config, block_h=block_h)
 
 
@@ -739,7 +745,7 @@ def _merge_splits(workspace: torch.Tensor, out: torch.Tensor, lse: torch.Tensor 
     _merge_splits_kernel[(num_tokens, num_heads)](
         workspace, out, lse_arg, v_dim, *workspace.stride(), *out.stride(), *lse_strides,
         WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
+        SPLITS_PAD=next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
     )
 
 
@@ -782,8 +788,8 @@ def _launch(
     if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
         ks = ks if isinstance(ks, float) else float(ks.reshape(()).item())
         vs = vs if isinstance(vs, float) else float(vs.reshape(()).item())
-    block_dk = max(16, triton.next_power_of_2(k_main_dim))
-    block_dv = block_dk if is_mla else max(16, triton.next_power_of_2(v_dim))
+    block_dk = max(16, next_power_of_2(k_main_dim))
+    block_dv = block_dk if is_mla else max(16, next_power_of_2(v_dim))
     split = num_splits > 1
     lse_arg = lse if lse is not None else out
     part = workspace if split else out
@@ -803,7 +809,7 @@ def _launch(
         # between NVIDIA and AMD, so none is spelled out).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         BLOCK_Q=config.block_q, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        BLOCK_DK=block_dk, BLOCK_DPE=max(16, triton.next_power_of_2(max(pe_dim, 1))),
+        BLOCK_DK=block_dk, BLOCK_DPE=max(16, next_power_of_2(max(pe_dim, 1))),
         BLOCK_DV=block_dv, NUM_SPLITS=num_splits,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -926,7 +932,7 @@ def _launch_mla_decode(
     lse_strides = lse.stride() if lse is not None else (0, 0)
     part = workspace if split else out
     part_strides = workspace.stride() if split else (0, 0, 0, 0)
-    block_d = max(16, triton.next_power_of_2(kv_lora_rank))
+    block_d = max(16, next_power_of_2(kv_lora_rank))
     kv_rows = page_rows = 0
     if config.tma:
         kv_rows, page_rows = _tma_rows(kv_cache, kv_lora_rank, config)
@@ -937,7 +943,7 @@ def _launch_mla_decode(
         *q.stride(), *kv_cache.stride(), *out.stride(), *lse_strides, *part_strides,
         *block_table.stride(),
         D_NOPE=kv_lora_rank, D_PE=pe_dim, BLOCK_D=block_d,
-        BLOCK_PE=max(16, triton.next_power_of_2(max(pe_dim, 1))),
+        BLOCK_PE=max(16, next_power_of_2(max(pe_dim, 1))),
         PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         SPLIT_LATENT=config.split_latent,
         BLOCK_C=block_d // 2 if config.split_latent else block_d,
