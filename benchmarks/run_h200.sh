@@ -17,6 +17,9 @@
 #   fimla: FLASHINFER_MLA's GPU tests, conformance and benchmark (FlashInfer carried);
 #   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call);
 #   NIXL_MATRIX_ONLY=TEXT keeps the configurations whose name contains TEXT, NIXL_MATRIX_MIB sizes.
+#   mla_tma: TRITON_MLA's TMA decode path: its tests (small cases compiled on the GPU, then the
+#   gpu-marked real size), then bench_mla's sweep (the TMA candidates first; carry .whl so
+#   FlashInfer MLA is timed beside it).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -105,6 +108,12 @@ if has connectors; then
         step "demo_disagg_$dtype" ${DISAGG_LIMIT:-90} kvcore demo --disaggregated \
             --platform cuda --model large --dtype "$dtype"
     done
+fi
+if has mla_tma; then
+    step mla_tma_tests ${MLA_TMA_TESTS_LIMIT:-180} python3 -m pytest -q -p no:cacheprovider \
+        -o addopts="" plugins/mla/tests/test_mla_decode_tma.py
+    step bench_mla_sweep ${MLA_SWEEP_LIMIT:-240} python3 benchmarks/bench_mla.py --sweep-only \
+        --budget-s ${MLA_SWEEP_BUDGET:-170}
 fi
 has nixl_matrix && step bench_nixl_matrix ${NIXL_MATRIX_LIMIT:-560} python3 \
     benchmarks/bench_nixl.py --device cuda --mib "${NIXL_MATRIX_MIB:-1024}" --trials 3 --matrix \
