@@ -14,9 +14,21 @@ for UCX's first use of the memory), then the median of the others. The reference
 device-to-device copy on a GPU), median of the same number of trials. The last load is
 checked bit-exact against the producer's bytes (regenerated here from the same seed).
 
+Across two devices, ``--serve-device`` puts the producer on another device than the
+consumer's ``--device`` (``--serve-device cuda:0 --device cuda:1``); the reference copy then
+goes across them too (``src`` on the producer's device, ``dst`` on the consumer's, the bytes
+of ``src`` regenerated in this process). ``--scattered``: each side moves its blocks under a
+random permutation of its own block ids (the producer's and the consumer's differ), so a
+transfer is hundreds of runs of one block instead of one run; bit-exactness is then checked
+block by block (consumer block ``c[i]`` against producer block ``p[i]``, every layer).
+``--connector p2p`` measures the ``p2p`` connector instead (torch.distributed: NCCL between
+CUDA caches, gloo otherwise): the producer, rank 0, sends a trial's blocks when the consumer,
+rank 1, writes ``go`` on its stdin; the consumer times from that line to its ``load()``'s
+result (receive, then writing the blocks into its cache).
+
 Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
-one)] [--mib N] [--trials N] [--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none]
-[--out DIR]``; JSON goes to ``--out`` (default ``$OUT``, else the temp dir) as
+one)] [--serve-device DEV] [--connector nixl|p2p] [--scattered] [--mib N] [--trials N]
+[--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--out DIR]``; JSON goes to ``--out`` (default ``$OUT``, else the temp dir) as
 ``bench_nixl.json``. Set ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
 ``--ucx-tls`` and ``--ucx-error-mode`` reach both processes' connectors (``ucx_tls=`` and
 ``backend_params={"UCX": {"ucx_error_handling_mode": ...}}``).
@@ -34,6 +46,12 @@ whose name contains TEXT. Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL
 log goes to ``--out`` and the lines naming the transports UCX chose are printed. The table
 (GB/s, the fraction of the device copy measured in the same run, bit-exact) is printed last
 and written as ``bench_nixl_matrix.json``.
+
+``--grid`` runs, each in its own pair of processes with this call's devices and sizes, every
+connector of ``--grid-connectors`` (default ``nixl,p2p``; nixl rows say why they are skipped
+where it is not installed) x cross-layer/per-layer x contiguous/scattered block ids; the
+table is printed last and written as ``bench_nixl_grid.json``. Two GPUs of one host:
+``--grid --serve-device cuda:0 --device cuda:1 --mib 1024``.
 """
 
 from __future__ import annotations
@@ -370,9 +388,9 @@ def main() -> int:
         args.serve_device = args.device
     if args.connector != "nixl" and (args.ucx_tls or args.ucx_error_mode or args.matrix):
         parser.error("--ucx-tls, --ucx-error-mode and --matrix are for --connector nixl")
-    for device in {args.device, args.serve_device}:
-        if device.startswith("cuda:"):  # NCCL and UCX work on the current device
-            torch.cuda.set_device(device if args.serve else args.device)
+    own_device = args.serve_device if args.serve else args.device
+    if own_device.startswith("cuda:"):  # this process's GPU is its current device
+        torch.cuda.set_device(torch.device(own_device))
     if args.serve:
         return serve(args)
     if args.matrix:
