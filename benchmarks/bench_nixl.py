@@ -29,7 +29,8 @@ result (receive, then writing the blocks into its cache).
 Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
 one)] [--serve-device DEV] [--connector nixl|p2p] [--scattered] [--mib N] [--trials N]
 [--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--out DIR]``; JSON goes to
-``--out`` (default ``$OUT``, else the temp dir) as ``bench_nixl.json``. Set ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
+``--out`` (default ``$OUT``, else the temp dir) as ``bench_nixl.json``. Set
+``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
 ``--ucx-tls`` and ``--ucx-error-mode`` reach both processes' connectors (``ucx_tls=`` and
 ``backend_params={"UCX": {"ucx_error_handling_mode": ...}}``).
 
