@@ -21,7 +21,8 @@
 #   in .whl_nixl): bench_nixl --grid, 1 GiB (32 layers x 512 blocks) from a producer on cuda:0 to
 #   a consumer on cuda:1, nixl and p2p (NCCL) x cross-layer/per-layer x contiguous/scattered
 #   block ids, each beside dst.copy_(src) from cuda:0 to cuda:1 in the same run (~3-4 min,
-#   at most TWO_GPUS_LIMIT s); with fewer than two GPUs it says so and skips.
+#   at most TWO_GPUS_LIMIT s), then the disaggregated demo with prefill on cuda:0 and decode on
+#   cuda:1 in bfloat16 and float32; with fewer than two GPUs it says so and skips.
 #   mla_tma: TRITON_MLA's TMA decode path: its tests (small cases compiled on the GPU, then the
 #   gpu-marked real size), then bench_mla's sweep (the TMA candidates first; carry .whl so
 #   FlashInfer MLA is timed beside it).
@@ -130,6 +131,11 @@ if has two_gpus; then
         step two_gpus ${TWO_GPUS_LIMIT:-480} python3 benchmarks/bench_nixl.py --grid \
             --serve-device cuda:0 --device cuda:1 --mib 1024 --layers 32 --block-kib 64 \
             --trials ${TWO_GPUS_TRIALS:-6} --run-timeout 100 --out "$OUT/two_gpus"
+        for dtype in bfloat16 float32; do
+            step "demo_disagg_two_gpus_$dtype" ${DISAGG_LIMIT:-90} kvcore demo --disaggregated \
+                --platform cuda --model large --dtype "$dtype" --prefill-device cuda:0 \
+                --decode-device cuda:1
+        done
     else
         echo "=== two_gpus skipped: nvidia-smi lists fewer than two GPUs (needs nvidia-h200-x2)"
     fi
