@@ -51,7 +51,9 @@ and written as ``bench_nixl_matrix.json``.
 ``--grid`` runs, each in its own pair of processes with this call's devices and sizes, every
 connector of ``--grid-connectors`` (default ``nixl,p2p``; nixl rows say why they are skipped
 where it is not installed) x cross-layer/per-layer x contiguous/scattered block ids; the
-table is printed last and written as ``bench_nixl_grid.json``. Two GPUs of one host:
+table is printed last and written as ``bench_nixl_grid.json``. ``--budget-s`` bounds the
+whole grid: cases not started in time are listed as skipped (and the exit status is 1).
+Two GPUs of one host:
 ``--grid --serve-device cuda:0 --device cuda:1 --mib 1024``.
 """
 
@@ -63,6 +65,7 @@ import itertools
 import json
 import os
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -245,6 +248,7 @@ def grid(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
+    deadline = time.monotonic() + (args.budget_s or float("inf"))
     for connector in args.grid_connectors.split(","):
         for per_layer in (False, True):
             for scattered in (False, True):
@@ -254,6 +258,9 @@ def grid(args: argparse.Namespace) -> int:
                           "scattered": scattered}
                 records.append(record)
                 missing = nixl_unavailable_reason() if connector == "nixl" else None
+                left = deadline - time.monotonic()
+                if missing is None and left < 1:
+                    missing = f"--budget-s {args.budget_s} spent before this case"
                 if missing is not None:
                     record["skipped"] = str(missing)
                     print(f"== {label}: skipped: {missing}")
@@ -267,14 +274,15 @@ def grid(args: argparse.Namespace) -> int:
                 cmd += ["--per-layer"] if per_layer else []
                 cmd += ["--scattered"] if scattered else []
                 started = time.perf_counter()
+                limit = min(args.run_timeout, left)
+                # A session of its own: a case past its time goes with its producer.
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
                 try:
-                    done = subprocess.run(cmd, capture_output=True, text=True,
-                                          timeout=args.run_timeout)
-                    log, rc = done.stdout + done.stderr, done.returncode
-                except subprocess.TimeoutExpired as exc:
-                    said = b"".join(part or b"" for part in (exc.stdout, exc.stderr))
-                    log = (f"{said.decode(errors='replace')}\nTIMED OUT after "
-                           f"{args.run_timeout} s")
+                    log, rc = proc.communicate(timeout=limit)[0], proc.returncode
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    log = f"{proc.communicate()[0]}\nTIMED OUT after {limit:.0f} s"
                     rc = None
                 seconds = time.perf_counter() - started
                 (out / f"{slug}.log").write_text(log)
@@ -302,7 +310,9 @@ def grid(args: argparse.Namespace) -> int:
               f"{num(r.get('copy_gbps'), '10.1f')} {num(r.get('fraction_of_copy'), '8.4f')} "
               f"{num(r.get('consumer_runs'), '6d')} {r.get('bit_exact')!s:>9} {r['rc']!s:>4}")
     ran = [r for r in records if "skipped" not in r]
-    return 0 if ran and all(r.get("bit_exact") is True and r["rc"] == 0 for r in ran) else 1
+    unfinished = any("--budget-s" in r.get("skipped", "") for r in records)
+    return 0 if ran and not unfinished and all(
+        r.get("bit_exact") is True and r["rc"] == 0 for r in ran) else 1
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -381,6 +391,9 @@ def main() -> int:
                         help="--grid: the connectors, comma-separated")
     parser.add_argument("--run-timeout", type=float, default=240.0,
                         help="--matrix, --grid: seconds one configuration may take")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="--grid: seconds for all cases; those not started in time are "
+                             "listed as skipped")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trials < 2:

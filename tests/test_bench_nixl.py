@@ -99,3 +99,14 @@ def test_nixl_scattered_reads_every_block_bit_exact(tmp_path):
     assert record["connector"] == "nixl" and record["bit_exact"] is True
     assert record["nixl_gbps"] == record["gbps"] > 0
     assert record["consumer_runs"] > 1
+
+
+def test_grid_lists_the_cases_its_budget_left_out_and_fails(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--grid", "--grid-connectors",
+                           "p2p", "--budget-s", "0.001", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    records = json.loads((out / "bench_nixl_grid.json").read_text())
+    assert len(records) == 4 and all("--budget-s" in r["skipped"] for r in records)
+    assert "p2p per-layer scattered        skipped: --budget-s" in done.stdout
