@@ -14,10 +14,23 @@ for UCX's first use of the memory), then the median of the others. The reference
 device-to-device copy on a GPU), median of the same number of trials. The last load is
 checked bit-exact against the producer's bytes (regenerated here from the same seed).
 
+Across two devices, ``--serve-device`` puts the producer on another device than the
+consumer's ``--device`` (``--serve-device cuda:0 --device cuda:1``); the reference copy then
+goes across them too (``src`` on the producer's device, ``dst`` on the consumer's, the bytes
+of ``src`` regenerated in this process). ``--scattered``: each side moves its blocks under a
+random permutation of its own block ids (the producer's and the consumer's differ), so a
+transfer is hundreds of runs of one block instead of one run; bit-exactness is then checked
+block by block (consumer block ``c[i]`` against producer block ``p[i]``, every layer).
+``--connector p2p`` measures the ``p2p`` connector instead (torch.distributed: NCCL between
+CUDA caches, gloo otherwise): the producer, rank 0, sends a trial's blocks when the consumer,
+rank 1, writes ``go`` on its stdin; the consumer times from that line to its ``load()``'s
+result (receive, then writing the blocks into its cache).
+
 Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
-one)] [--mib N] [--trials N] [--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none]
-[--out DIR]``; JSON goes to ``--out`` (default ``$OUT``, else the temp dir) as
-``bench_nixl.json``. Set ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
+one)] [--serve-device DEV] [--connector nixl|p2p] [--scattered] [--mib N] [--trials N]
+[--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--out DIR]``; JSON goes to
+``--out`` (default ``$OUT``, else the temp dir) as ``bench_nixl.json``. Set
+``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
 ``--ucx-tls`` and ``--ucx-error-mode`` reach both processes' connectors (``ucx_tls=`` and
 ``backend_params={"UCX": {"ucx_error_handling_mode": ...}}``).
 
@@ -34,15 +47,25 @@ whose name contains TEXT. Each run sets ``UCX_PROTO_INFO=y`` and ``UCX_LOG_LEVEL
 log goes to ``--out`` and the lines naming the transports UCX chose are printed. The table
 (GB/s, the fraction of the device copy measured in the same run, bit-exact) is printed last
 and written as ``bench_nixl_matrix.json``.
+
+``--grid`` runs, each in its own pair of processes with this call's devices and sizes, every
+connector of ``--grid-connectors`` (default ``nixl,p2p``; nixl rows say why they are skipped
+where it is not installed) x cross-layer/per-layer x contiguous/scattered block ids; the
+table is printed last and written as ``bench_nixl_grid.json``. ``--budget-s`` bounds the
+whole grid: cases not started in time are listed as skipped (and the exit status is 1).
+Two GPUs of one host:
+``--grid --serve-device cuda:0 --device cuda:1 --mib 1024``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,14 +82,17 @@ from kvcore.connectors import get_connector, hash_block_tokens
 SEED = 1234
 
 
-def make_cache(args: argparse.Namespace, fill: bool) -> kvcore.KVCaches:
+def make_cache(args: argparse.Namespace, fill: bool,
+               device: str | None = None) -> kvcore.KVCaches:
+    """The benchmark's cache on ``device`` (default ``--device``), random bytes from
+    :data:`SEED` when ``fill``."""
     # bf16, 8 KV heads of 128, block 16 -> 64 KiB per layer and block at --block-kib 64.
     block_size = max(1, args.block_kib * 1024 // (2 * 8 * 128 * 2))
     page = 2 * block_size * 8 * 128 * 2
     num_blocks = max(2, args.mib * (1 << 20) // (args.layers * page))
     kv = kvcore.allocate_kv_caches(
         "CPU_ATTN", num_layers=args.layers, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=8, head_size=128, dtype=torch.bfloat16, device=args.device,
+        num_kv_heads=8, head_size=128, dtype=torch.bfloat16, device=device or args.device,
         cross_layer=not args.per_layer)
     if fill:
         gen = torch.Generator().manual_seed(SEED)
@@ -82,6 +108,40 @@ def trial_keys(trial: int, num_blocks: int) -> list[str]:
         parent = hash_block_tokens(parent, [trial, b])
         keys.append(parent)
     return keys
+
+
+def block_ids(args: argparse.Namespace, num_blocks: int, role: str) -> list[int]:
+    """The block ids ``role`` (``producer`` or ``consumer``) moves, in key order: all blocks
+    in order, or with ``--scattered`` a random permutation of its own (each side's differs),
+    so that a transfer is runs of one block, not one run."""
+    if not args.scattered:
+        return list(range(num_blocks))
+    gen = torch.Generator().manual_seed(SEED + (1 if role == "producer" else 2))
+    return torch.randperm(num_blocks, generator=gen).tolist()
+
+
+def count_runs(ids: list[int]) -> int:
+    """How many runs of consecutive block ids ``ids`` has."""
+    return 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1) if ids else 0
+
+
+def mismatched_blocks(kv: kvcore.KVCaches, ids: list[int], expected: kvcore.KVCaches,
+                      expected_ids: list[int]) -> int:
+    """How many of the blocks ``kv[ids[i]]`` differ in any byte, in any layer, from
+    ``expected[expected_ids[i]]``."""
+    views = ([(kv.block_view(), expected.block_view())] if kv.is_cross_layer else
+             list(zip(kv.layer_block_views(), expected.layer_block_views(), strict=True)))
+    index = torch.tensor(ids, device=kv.storage.device)
+    expected_index = torch.tensor(expected_ids, device=expected.storage.device)
+    bad = torch.zeros(len(ids), dtype=torch.bool, device=kv.storage.device)
+    for got, want in views:
+        bad |= (got[index] != want[expected_index].to(got.device)).any(dim=1)
+    return int(bad.sum())
+
+
+def inbox_bytes(kv: kvcore.KVCaches) -> int:
+    """p2p: an inbox that holds a whole trial's blocks twice over (received, then loaded)."""
+    return max(1 << 30, 2 * kv.storage.numel() * kv.storage.element_size())
 
 
 def transport_options(args: argparse.Namespace) -> dict:
@@ -178,13 +238,103 @@ def matrix(args: argparse.Namespace) -> int:
     return 0 if all(r[5] is True and r[6] == 0 for r in rows) else 1
 
 
+def grid(args: argparse.Namespace) -> int:
+    """Every connector of ``--grid-connectors`` x (cross-layer, per-layer) x (contiguous,
+    scattered block ids), each a run of this script in its own pair of processes, with this
+    call's devices and sizes; the table is printed last and written as
+    ``bench_nixl_grid.json``."""
+    from kvcore.connectors.nixl import nixl_unavailable_reason
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    deadline = time.monotonic() + (args.budget_s or float("inf"))
+    for connector in args.grid_connectors.split(","):
+        for per_layer in (False, True):
+            for scattered in (False, True):
+                label = (f"{connector} {'per-layer' if per_layer else 'cross-layer'} "
+                         f"{'scattered' if scattered else 'contiguous'}")
+                record = {"case": label, "connector": connector, "per_layer": per_layer,
+                          "scattered": scattered}
+                records.append(record)
+                missing = nixl_unavailable_reason() if connector == "nixl" else None
+                left = deadline - time.monotonic()
+                if missing is None and left < 1:
+                    missing = f"--budget-s {args.budget_s} spent before this case"
+                if missing is not None:
+                    record["skipped"] = str(missing)
+                    print(f"== {label}: skipped: {missing}")
+                    continue
+                slug = label.replace(" ", "_")
+                cmd = [sys.executable, __file__, "--connector", connector,
+                       "--device", args.device, "--serve-device", args.serve_device,
+                       "--mib", str(args.mib), "--layers", str(args.layers),
+                       "--block-kib", str(args.block_kib), "--trials", str(args.trials),
+                       "--out", str(out / slug)]
+                cmd += ["--per-layer"] if per_layer else []
+                cmd += ["--scattered"] if scattered else []
+                started = time.perf_counter()
+                limit = min(args.run_timeout, left)
+                # A session of its own: a case past its time goes with its producer.
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+                try:
+                    log, rc = proc.communicate(timeout=limit)[0], proc.returncode
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    log = f"{proc.communicate()[0]}\nTIMED OUT after {limit:.0f} s"
+                    rc = None
+                seconds = time.perf_counter() - started
+                (out / f"{slug}.log").write_text(log)
+                print(f"== {label}: rc {rc}, {seconds:.0f} s")
+                print("\n".join(f"   {line}" for line in log.strip().splitlines()[-6:]))
+                result_file = out / slug / "bench_nixl.json"
+                if result_file.exists():
+                    record.update(json.loads(result_file.read_text()))
+                record.update(rc=rc, seconds=seconds)
+    (out / "bench_nixl_grid.json").write_text(json.dumps(records, indent=2))
+    print(f"\nKV transfer, {args.mib} MiB, producer {args.serve_device} -> consumer "
+          f"{args.device}, median of {args.trials - 1} loads (first apart); copy = dst.copy_(src) "
+          "of the same bytes between the same devices, same run")
+    print(f"{'case':30} {'GB/s':>9} {'first':>9} {'copy GB/s':>10} {'of copy':>8} "
+          f"{'runs':>6} {'bit-exact':>9} {'rc':>4}")
+
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    for r in records:
+        if "skipped" in r:
+            print(f"{r['case']:30} skipped: {r['skipped'][:80]}")
+            continue
+        print(f"{r['case']:30} {num(r.get('gbps'), '9.2f')} {num(r.get('first_gbps'), '9.2f')} "
+              f"{num(r.get('copy_gbps'), '10.1f')} {num(r.get('fraction_of_copy'), '8.4f')} "
+              f"{num(r.get('consumer_runs'), '6d')} {r.get('bit_exact')!s:>9} {r['rc']!s:>4}")
+    ran = [r for r in records if "skipped" not in r]
+    unfinished = any("--budget-s" in r.get("skipped", "") for r in records)
+    return 0 if ran and not unfinished and all(
+        r.get("bit_exact") is True and r["rc"] == 0 for r in ran) else 1
+
+
 def serve(args: argparse.Namespace) -> int:
-    """The producer: publish every block under each trial's keys; wait until read."""
-    kv = make_cache(args, fill=True)
+    """The producer, on ``--serve-device``. nixl: publish every block under each trial's keys;
+    wait until read. p2p: send every block under trial t's keys when this process reads
+    ``go t`` on its stdin (the consumer's clock starts then)."""
+    kv = make_cache(args, fill=True, device=args.serve_device)
+    ids = block_ids(args, kv.num_blocks, "producer")
+    if args.connector == "p2p":
+        with get_connector("p2p", rank=0, port=0, timeout_s=120.0, connect_timeout_s=120.0,
+                           inbox_bytes=inbox_bytes(kv)) as producer:
+            print(f"port {producer.port}", flush=True)
+            producer.register_kv_caches(kv)  # waits for the consumer to join
+            ok = True
+            for line in sys.stdin:
+                trial = int(line.split()[1])
+                ok &= producer.save(trial_keys(trial, kv.num_blocks), ids).wait(timeout=600).ok
+        print(f"served {ok}", flush=True)
+        return 0 if ok else 1
     with get_connector("nixl", role="producer", port=0, publish_timeout_s=600.0,
                        **transport_options(args)) as producer:
         producer.register_kv_caches(kv)
-        ids = list(range(kv.num_blocks))
         handles = [producer.save(trial_keys(t, kv.num_blocks), ids) for t in range(args.trials)]
         print(f"port {producer.port}", flush=True)
         ok = all(h.wait(timeout=600).ok for h in handles)
@@ -192,24 +342,34 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def copy_seconds(kv: kvcore.KVCaches, trials: int) -> list[float]:
-    src = kv.storage.view(torch.uint8).view(-1)
-    dst = torch.empty_like(src)
+def copy_seconds(src_kv: kvcore.KVCaches, device: str, trials: int) -> list[float]:
+    """``dst.copy_(src)`` of ``src_kv``'s bytes into a tensor on ``device`` (the same device,
+    or across two), each timed with both devices synchronised."""
+    src = src_kv.storage.view(torch.uint8).view(-1)
+    dst = torch.empty_like(src, device=device)
+    cuda = [d for d in {src.device, dst.device} if d.type == "cuda"]
     times = []
     for _ in range(trials):
-        if src.is_cuda:
-            torch.cuda.synchronize()
+        for d in cuda:
+            torch.cuda.synchronize(d)
         t0 = time.perf_counter()
         dst.copy_(src)
-        if src.is_cuda:
-            torch.cuda.synchronize()
+        for d in cuda:
+            torch.cuda.synchronize(d)
         times.append(time.perf_counter() - t0)
     return times
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the consumer's device (and the producer's, by default)")
+    parser.add_argument("--serve-device", default=None,
+                        help="the producer's device (default: --device), e.g. cuda:0 with "
+                             "--device cuda:1")
+    parser.add_argument("--connector", choices=("nixl", "p2p"), default="nixl")
+    parser.add_argument("--scattered", action="store_true",
+                        help="both sides move their blocks under shuffled block ids")
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--block-kib", type=int, default=64)
@@ -224,20 +384,39 @@ def main() -> int:
                         help="run the transport matrix (see the module docstring)")
     parser.add_argument("--matrix-only", default=None, metavar="TEXT",
                         help="--matrix: only the configurations whose name contains TEXT")
+    parser.add_argument("--grid", action="store_true",
+                        help="run every connector x layout x block ids case (see the module "
+                             "docstring)")
+    parser.add_argument("--grid-connectors", default="nixl,p2p",
+                        help="--grid: the connectors, comma-separated")
     parser.add_argument("--run-timeout", type=float, default=240.0,
-                        help="--matrix: seconds one configuration may take")
+                        help="--matrix, --grid: seconds one configuration may take")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="--grid: seconds for all cases; those not started in time are "
+                             "listed as skipped")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trials < 2:
         parser.error("--trials must be >= 2 (the first load is listed apart)")
+    if args.serve_device is None:
+        args.serve_device = args.device
+    if args.connector != "nixl" and (args.ucx_tls or args.ucx_error_mode or args.matrix):
+        parser.error("--ucx-tls, --ucx-error-mode and --matrix are for --connector nixl")
+    own_device = args.serve_device if args.serve else args.device
+    if own_device.startswith("cuda:"):  # this process's GPU is its current device
+        torch.cuda.set_device(torch.device(own_device))
     if args.serve:
         return serve(args)
     if args.matrix:
         return matrix(args)
+    if args.grid:
+        return grid(args)
 
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
+    p2p = args.connector == "p2p"
     proc = subprocess.Popen([sys.executable, __file__, "--serve", *sys.argv[1:]],
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if p2p else None,
+                            text=True, env=env)
     # The producer's stdout carries "port N" and "served ..." lines, and UCX's own log when
     # it is on (UCX logs to stdout): a thread drains it, so the producer never blocks on it.
     port_line: queue.Queue[str] = queue.Queue()
@@ -253,6 +432,10 @@ def main() -> int:
                 sys.stderr.write(f"[producer] {line}")
         port_line.put("")  # the producer closed its stdout
 
+    def go(trial: int) -> None:  # p2p: the producer sends trial's blocks now
+        proc.stdin.write(f"go {trial}\n")
+        proc.stdin.flush()
+
     drainer = threading.Thread(target=drain, daemon=True)
     drainer.start()
     try:
@@ -262,49 +445,77 @@ def main() -> int:
         port = int(line.split()[1])
         kv = make_cache(args, fill=False)
         nbytes = kv.storage.numel() * kv.storage.element_size()
+        ids = block_ids(args, kv.num_blocks, "consumer")
         times = []
-        with get_connector("nixl", role="consumer", port=port, timeout_s=120.0,
-                           **transport_options(args)) as consumer:
+        if p2p:
+            connector = get_connector("p2p", rank=1, port=port, timeout_s=120.0,
+                                      connect_timeout_s=120.0, inbox_bytes=inbox_bytes(kv))
+        else:
+            connector = get_connector("nixl", role="consumer", port=port, timeout_s=120.0,
+                                      **transport_options(args))
+        with connector as consumer:
             consumer.register_kv_caches(kv)
-            ids = list(range(kv.num_blocks))
             for t in range(args.trials):
                 keys = trial_keys(t, kv.num_blocks)
                 t0 = time.perf_counter()
+                if p2p:
+                    go(t)
                 result = consumer.load(keys, ids).wait(timeout=300)
                 if kv.storage.is_cuda:
-                    torch.cuda.synchronize()
+                    torch.cuda.synchronize(kv.storage.device)
                 times.append(time.perf_counter() - t0)
                 if not result.ok:
                     raise RuntimeError(f"trial {t}: {len(result.failed)} blocks failed, e.g. "
                                        f"{next(iter(result.failed.values()))}")
+            if p2p:
+                proc.stdin.close()  # the producer closes its end, then this one closes
     finally:
+        if p2p and not proc.stdin.closed:
+            proc.stdin.close()
         proc.wait(timeout=120)
         drainer.join(30)
     served = tagged.get("served", "served ?")
-    expected = make_cache(args, fill=True)
-    exact = torch.equal(kv.storage.view(torch.uint8).cpu(),
-                        expected.storage.view(torch.uint8).cpu())
-    copies = copy_seconds(expected, args.trials)
-    nixl_s, copy_s = statistics.median(times[1:]), statistics.median(copies[1:])
+    expected = make_cache(args, fill=True, device=args.serve_device)
+    producer_ids = block_ids(args, kv.num_blocks, "producer")
+    mismatched = mismatched_blocks(kv, ids, expected, producer_ids)
+    exact = mismatched == 0
+    across = torch.device(args.serve_device) != kv.storage.device
+    copies = copy_seconds(expected, args.device, args.trials)
+    moved_s, copy_s = statistics.median(times[1:]), statistics.median(copies[1:])
+    name = args.connector
     record = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "layout": str(kv.layout), "bytes": nbytes, "blocks": kv.num_blocks,
         "block_bytes": nbytes // kv.num_blocks, "trials": args.trials,
-        "nixl_first_gbps": nbytes / times[0] / 1e9, "nixl_gbps": nbytes / nixl_s / 1e9,
-        "copy_gbps": nbytes / copy_s / 1e9, "fraction_of_copy": copy_s / nixl_s,
+        f"{name}_first_gbps": nbytes / times[0] / 1e9, f"{name}_gbps": nbytes / moved_s / 1e9,
+        "copy_gbps": nbytes / copy_s / 1e9, "fraction_of_copy": copy_s / moved_s,
         "bit_exact": exact, "producer": served,
+        "connector": name, "first_gbps": nbytes / times[0] / 1e9, "gbps": nbytes / moved_s / 1e9,
+        "producer_device": args.serve_device, "consumer_device": args.device,
+        "copy": "across devices" if across else "same device",
+        "scattered": args.scattered, "consumer_runs": count_runs(ids),
+        "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
-    print(f"nixl READ between two processes, {record['device']}, layout {record['layout']}, "
+    what = ("nixl READ" if name == "nixl" else
+            f"p2p send/receive ({'nccl' if kv.storage.is_cuda else 'gloo'})")
+    print(f"{what} between two processes, {record['device']}, layout {record['layout']}, "
           f"{nbytes / 2**20:.0f} MiB in {kv.num_blocks} blocks of "
           f"{record['block_bytes'] / 1024:.0f} KiB")
-    print(f"  nixl load:  {record['nixl_gbps']:8.2f} GB/s (median of {args.trials - 1}; first "
-          f"load {record['nixl_first_gbps']:.2f} GB/s)")
-    print(f"  plain copy: {record['copy_gbps']:8.2f} GB/s (same bytes, one process)")
+    if across or args.scattered:
+        print(f"  producer {args.serve_device} -> consumer {args.device}; block ids "
+              f"{'scattered' if args.scattered else 'contiguous'} ({record['producer_runs']} "
+              f"runs -> {record['consumer_runs']} runs)")
+    print(f"  {name} load:  {record['gbps']:8.2f} GB/s (median of {args.trials - 1}; first "
+          f"load {record['first_gbps']:.2f} GB/s)")
+    where = (f"{args.serve_device} -> {args.device}, one process" if across else "one process")
+    print(f"  plain copy: {record['copy_gbps']:8.2f} GB/s (same bytes, {where})")
     print(f"  ratio:      {record['fraction_of_copy']:8.2f}   bit-exact: {exact}   "
           f"producer: {served}")
+    if not exact:
+        print(f"  {mismatched} of {kv.num_blocks} blocks differ")
     return 0 if exact and served == "served True" else 1
 
 

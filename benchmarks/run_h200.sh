@@ -17,6 +17,12 @@
 #   fimla: FLASHINFER_MLA's GPU tests, conformance and benchmark (FlashInfer carried);
 #   nixl_matrix: bench_nixl's UCX transport matrix, 1 GiB, both layouts (~5 min: its own call);
 #   NIXL_MATRIX_ONLY=TEXT keeps the configurations whose name contains TEXT, NIXL_MATRIX_MIB sizes.
+#   two_gpus: issue 21's transfers between two GPUs of one host (kind nvidia-h200-x2; nixl carried
+#   in .whl_nixl): bench_nixl --grid, 1 GiB (32 layers x 512 blocks) from a producer on cuda:0 to
+#   a consumer on cuda:1, nixl and p2p (NCCL) x cross-layer/per-layer x contiguous/scattered
+#   block ids, each beside dst.copy_(src) from cuda:0 to cuda:1 in the same run (~3-4 min,
+#   at most TWO_GPUS_LIMIT s), then the disaggregated demo with prefill on cuda:0 and decode on
+#   cuda:1 in bfloat16 and float32; with fewer than two GPUs it says so and skips.
 #   mla_tma: TRITON_MLA's TMA decode path: its tests (small cases compiled on the GPU, then the
 #   gpu-marked real size), then bench_mla's sweep (the TMA candidates first; carry .whl so
 #   FlashInfer MLA is timed beside it).
@@ -119,6 +125,23 @@ has nixl_matrix && step bench_nixl_matrix ${NIXL_MATRIX_LIMIT:-560} python3 \
     benchmarks/bench_nixl.py --device cuda --mib "${NIXL_MATRIX_MIB:-1024}" --trials 3 --matrix \
     ${NIXL_MATRIX_ONLY:+--matrix-only "$NIXL_MATRIX_ONLY"} \
     --out "$OUT/nixl_matrix"
+if has two_gpus; then
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        # Each case waits at most 100 s and the grid starts none after 300 s, so the table
+        # prints within the step's limit; with the two demos the step stays under 10 min.
+        step two_gpus ${TWO_GPUS_LIMIT:-360} python3 benchmarks/bench_nixl.py --grid \
+            --serve-device cuda:0 --device cuda:1 --mib 1024 --layers 32 --block-kib 64 \
+            --trials ${TWO_GPUS_TRIALS:-6} --run-timeout 100 --budget-s 300 \
+            --out "$OUT/two_gpus"
+        for dtype in bfloat16 float32; do
+            step "demo_disagg_two_gpus_$dtype" ${DISAGG_LIMIT:-90} kvcore demo --disaggregated \
+                --platform cuda --model large --dtype "$dtype" --prefill-device cuda:0 \
+                --decode-device cuda:1
+        done
+    else
+        echo "=== two_gpus skipped: nvidia-smi lists fewer than two GPUs (needs nvidia-h200-x2)"
+    fi
+fi
 if has demos; then
     for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
         step "demo_$b" ${DEMO_LIMIT:-60} kvcore demo --backend "$b" --no-progress

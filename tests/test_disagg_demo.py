@@ -9,6 +9,7 @@ import torch
 from kvcore.connectors.nixl import NixlConnector, nixl_unavailable_reason
 from kvcore.demo.disagg import (
     DisaggOptions,
+    DisaggResult,
     _Handover,
     _Setup,
     format_result,
@@ -101,3 +102,49 @@ def test_the_demo_command_runs_disaggregated(capsys):
     assert status == 0, out
     assert "disaggregated prefill/decode over nixl" in out
     assert "tokens identical to the same steps in one process" in out and ": yes" in out
+
+
+def test_the_engines_take_the_devices_they_are_given():
+    result = run_disaggregated(options(prefill_device="cpu", decode_device="cpu"))
+    assert result.ok, result.mismatches
+    assert result.prefill_device == result.device == "cpu"
+    assert result.blocks_loaded == result.blocks_eligible > 0
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"decode_device": "cuda:1"},
+     "decode_device='cuda:1' is not a device of platform cpu, whose devices are cpu"),
+    ({"prefill_device": "not a device"}, "prefill_device='not a device' is not a device name"),
+], ids=["other-platform", "not-a-device"])
+def test_bad_devices_are_named_before_anything_starts(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        run_disaggregated(options(**overrides))
+
+
+def test_devices_without_disaggregated_are_refused(capsys):
+    from kvcore.cli import main as kvcore_cli
+
+    assert kvcore_cli(["demo", "--platform", "cpu", "--decode-device", "cpu"]) == 2
+    assert "add --disaggregated" in capsys.readouterr().err
+
+
+def test_two_devices_are_shown_in_the_summary():
+    result = DisaggResult(backend="TRITON_ATTN", device="cpu", layout="B,2,N,H,D", requests=1,
+                          generated_tokens=2, blocks_eligible=1, blocks_loaded=1,
+                          loaded_bytes=1, load_seconds=0.1, seconds=1.0, prefill_device="cpu")
+    assert "TRITON_ATTN on cpu, layout" in format_result(result)
+    result.prefill_device, result.device = "cuda:0", "cuda:1"
+    assert "on cuda:0 (prefill) -> cuda:1 (decode)," in format_result(result)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_prefill_on_one_gpu_and_decode_on_another_give_the_same_tokens(dtype):
+    result = run_disaggregated(options(platform="cuda", dtype=dtype, prefill_device="cuda:0",
+                                       decode_device="cuda:1"))
+    assert result.ok, result.mismatches
+    assert (result.prefill_device, result.device) == ("cuda:0", "cuda:1")
+    assert result.blocks_loaded == result.blocks_eligible > 0
+    print(format_result(result))

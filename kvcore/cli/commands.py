@@ -251,6 +251,9 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.disaggregated:
         return _demo_disaggregated(args)
+    if args.prefill_device or args.decode_device:
+        raise ValueError("--prefill-device and --decode-device place the two engines of "
+                         "--disaggregated; add --disaggregated or drop them")
     from kvcore.demo.scenario import DemoOptions, run_demo_cli
 
     if args.backend:
@@ -272,7 +275,8 @@ def _demo_disaggregated(args: argparse.Namespace) -> int:
     result = run_disaggregated(DisaggOptions(
         model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, dtype=args.dtype,
-        platform=args.platform, backend=args.backend, seed=args.seed))
+        platform=args.platform, backend=args.backend, seed=args.seed,
+        prefill_device=args.prefill_device, decode_device=args.decode_device))
     _emit(args, result.to_dict(), format_result(result))
     return 0 if result.ok else 1
 

@@ -159,6 +159,12 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                       help="prefill in a second process and decode here, the KV read through "
                            "the nixl connector (needs kvcore[nixl]); tokens checked against "
                            "one engine alone")
+    demo.add_argument("--prefill-device", default=None, metavar="DEVICE",
+                      help="--disaggregated: the prefill engine's device, e.g. cuda:0 "
+                           "(default: the platform's first device)")
+    demo.add_argument("--decode-device", default=None, metavar="DEVICE",
+                      help="--disaggregated: the decode engine's device, e.g. cuda:1 "
+                           "(default: the platform's first device)")
 
     bench = with_format(sub.add_parser(
         "bench", help="kernels, cache writes and connector throughput against ceilings "

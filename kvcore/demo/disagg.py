@@ -23,11 +23,15 @@ Two engines, two processes, one model (same weights from the same seed):
    so there a difference is reported, not counted as a failure.
 
 Run it with ``kvcore demo --disaggregated`` (the demo's options apply). On a GPU both
-processes use the one device and their caches are VRAM regions.
+processes use the platform's first device and their caches are VRAM regions, unless
+``prefill_device`` and ``decode_device`` (``--prefill-device cuda:0 --decode-device cuda:1``)
+put the two engines on two devices of the platform; the one-process references then run on
+the decode engine's device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import random
 import time
@@ -77,6 +81,10 @@ class DisaggOptions:
     seed: int = 0
     host: str = "127.0.0.1"
     timeout_s: float = 60.0
+    #: The prefill engine's device, e.g. ``"cuda:0"`` (default: the platform's first device).
+    prefill_device: str | None = None
+    #: The decode engine's device, e.g. ``"cuda:1"`` (default: the platform's first device).
+    decode_device: str | None = None
 
     def validate(self) -> None:
         if self.model not in MODEL_PRESETS:
@@ -106,6 +114,8 @@ class DisaggResult:
     load_seconds: float
     seconds: float
     mismatches: list[str] = field(default_factory=list)
+    #: The prefill engine's device (``device`` is the decode engine's).
+    prefill_device: str = ""
     #: Differences that are no failure (one engine alone in a low-precision dtype).
     notes: list[str] = field(default_factory=list)
 
@@ -134,12 +144,38 @@ def _requests(options: DisaggOptions, vocab: int) -> list[Request]:
     return requests
 
 
-class _Setup:
-    """What both engines share: backend, model, cache sizes (same on both sides)."""
+def _device(platform: Any, name: str, value: str | None) -> torch.device:
+    """The device option ``name`` (``value``, or the platform's first device when None),
+    checked against the platform."""
+    if value is None:
+        return platform.device()
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}={value!r} is not a device name (e.g. "
+                         f"{platform.device()}): {exc}") from None
+    if device.type != platform.device().type:
+        raise ValueError(f"{name}={value!r} is not a device of platform {platform.name}, whose "
+                         f"devices are {platform.device().type}[:N]; pass e.g. "
+                         f"{platform.device()}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        device = torch.device("cuda", 0 if device.index is None else device.index)
+        if device.index >= count:
+            raise ValueError(f"{name}={value!r}: this machine has {count} CUDA device(s) "
+                             f"(cuda:0..cuda:{count - 1})")
+    return device
 
-    def __init__(self, options: DisaggOptions) -> None:
+
+class _Setup:
+    """What both engines share: backend, model, cache sizes (same on both sides), on the
+    device of ``role`` (``prefill`` or ``decode``)."""
+
+    def __init__(self, options: DisaggOptions, role: str = "decode") -> None:
         platform = get_platform(options.platform) if options.platform else current_platform()
-        self.device = platform.device()
+        self.prefill_device = _device(platform, "prefill_device", options.prefill_device)
+        self.decode_device = _device(platform, "decode_device", options.decode_device)
+        self.device = self.prefill_device if role == "prefill" else self.decode_device
         self.dtype = parse_dtype(options.dtype)
         self.preset = MODEL_PRESETS[options.model]
         config = AttentionSelectorConfig(head_size=self.preset.head_size, dtype=self.dtype,
@@ -180,7 +216,9 @@ def _prefill_main(options: DisaggOptions, pipe: Any) -> None:
     and stay until the decode engine has read them (or ``timeout_s`` releases them)."""
     try:
         torch.set_num_threads(1)
-        setup = _Setup(options)
+        setup = _Setup(options, "prefill")
+        if setup.device.type == "cuda":  # this process's GPU is its current device
+            torch.cuda.set_device(setup.device)
         requests = [Request(r.request_id, r.prompt, 1) for r in setup.requests]
         with get_connector("nixl", role="producer", host=options.host, port=0,
                            publish_timeout_s=options.timeout_s) as producer:
@@ -227,7 +265,9 @@ def run_disaggregated(options: DisaggOptions) -> DisaggResult:
                            name="kvcore-disagg-prefill")
         proc.start()
         try:
-            result = _decode(setup, ours, proc, started)
+            with (torch.cuda.device(setup.device) if setup.device.type == "cuda"
+                  else contextlib.nullcontext()):
+                result = _decode(setup, ours, proc, started)
         finally:
             proc.join(options.timeout_s + _STARTUP_S)
             if proc.is_alive():
@@ -286,7 +326,8 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         generated_tokens=sum(len(r.output) for r in decode_reqs),
         blocks_eligible=stats.prefix_blocks_eligible, blocks_loaded=stats.prefix_blocks_hit,
         loaded_bytes=loaded_bytes, load_seconds=load_seconds,
-        seconds=time.perf_counter() - started, mismatches=mismatches, notes=notes)
+        seconds=time.perf_counter() - started, mismatches=mismatches, notes=notes,
+        prefill_device=str(setup.prefill_device))
 
 
 class _Handover(KVConnector):
@@ -357,8 +398,10 @@ def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request], Batc
 
 def format_result(result: DisaggResult) -> str:
     lines = [
-        f"disaggregated prefill/decode over nixl: {result.backend} on {result.device}, "
-        f"layout {result.layout}",
+        f"disaggregated prefill/decode over nixl: {result.backend} on "
+        + (f"{result.device}" if result.prefill_device in ("", result.device) else
+           f"{result.prefill_device} (prefill) -> {result.device} (decode)")
+        + f", layout {result.layout}",
         f"  {result.requests} requests, {result.generated_tokens} tokens decoded; "
         f"{result.blocks_loaded} of {result.blocks_eligible} prompt blocks READ from the "
         f"prefill engine ({result.loaded_bytes / 1e6:.2f} MB in "
