@@ -413,7 +413,9 @@ def time_layer(run: Run, b: int, length: int, names: list[str], flashinfer: bool
             variants["flashinfer direct, graph mode"] = (
                 flashinfer_direct(model, graph_mode=True), "graph", model, None)
     with run.section(f"one-layer decode {shape}"):
-        errs = {impl: rel_err(call().clone(), model.reference(0))
+        # One float64 reference per model (several variants read the same one).
+        refs = {id(m): m.reference(0) for m in models}
+        errs = {impl: rel_err(call().clone(), refs[id(model)])
                 for impl, (call, _, model, _) in variants.items()}
         timed = harness.time_alternating({impl: v[0] for impl, v in variants.items()},
                                          DEVICE, rounds=3)

@@ -87,3 +87,52 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         f"{what}: max |err| {err.max().item():.3g} exceeds atol={atol} rtol={rtol}")
     relative = err.norm().item() / max(expected[finite].norm().item(), 1e-30)
     assert relative <= rtol, f"{what}: relative error {relative:.3g} exceeds {rtol}"
+
+
+#: Latent and rope widths of the decode-kernel tests: 512 + 64 scaled down so the interpreter
+#: stays fast.
+DECODE_RANK, DECODE_ROPE = 64, 16
+
+
+def decode_case(gen: torch.Generator, heads: int, page: int, lens: list[int],
+                dtype: torch.dtype = torch.float32, rank: int = DECODE_RANK
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode batch: latent queries ``(len(lens), heads, rank + DECODE_ROPE)``, a random
+    latent cache of pages of ``page`` tokens (3 more pages than the requests use), their block
+    table and ``seq_lens``."""
+    pages = sum(-(-n // page) for n in lens) + 3
+    cache = randn((pages, page, rank + DECODE_ROPE), dtype, gen)
+    table = block_tables(lens, page, pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return randn((len(lens), heads, rank + DECODE_ROPE), dtype, gen), cache, table, seq_lens
+
+
+def run_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+               splits: int, config=None, rank: int = DECODE_RANK, scale: float = 0.1,
+               **scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention_fwd`` of the MLA decode kernel on NaN-filled outputs: (o, lse)."""
+    from kvcore_mla.ops.triton_mla_attention import decode_attention_fwd
+
+    batch, heads, _ = q.shape
+    o = torch.full((batch, heads, rank), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, heads), float("nan"), dtype=torch.float32, device=q.device)
+    logits = torch.full((batch, heads, splits, rank + 1), float("nan"), dtype=torch.float32,
+                        device=q.device)
+    decode_attention_fwd(q, cache, cache[..., :rank], o, lse, table, lens, logits, splits,
+                         scale, cache.shape[1], True, config=config, **scales)
+    return o, lse
+
+
+def decode_reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                     lens: torch.Tensor, rank: int = DECODE_RANK, scale: float = 0.1
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 reference of :func:`run_decode`: (o, lse)."""
+    from kvcore_mla.ops import decode_attention_ref
+
+    batch, heads, _ = q.shape
+    c = cache.double()
+    o = torch.empty(batch, heads, rank, dtype=torch.float64, device=q.device)
+    lse = torch.empty(batch, heads, dtype=torch.float64, device=q.device)
+    decode_attention_ref(q.double(), c, c[..., :rank], o, lse, table, lens, None, 1, scale,
+                         cache.shape[1], True)
+    return o, lse

@@ -9,13 +9,25 @@ import pytest
 import torch
 from kvcore_mla import TritonMLABackend
 from kvcore_mla.ops import decode_attention_ref, mla_attention_ref
-from mla_helpers import DEVICE, assert_close, block_tables, cross_layer_view, generator, randn
+from mla_helpers import (
+    DECODE_RANK,
+    DECODE_ROPE,
+    DEVICE,
+    assert_close,
+    block_tables,
+    cross_layer_view,
+    decode_case,
+    decode_reference,
+    generator,
+    randn,
+    run_decode,
+)
 
 import kvcore
 
 tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
 
-RANK, ROPE = 64, 16  # scaled down from 512 + 64 so the interpreter stays fast
+RANK, ROPE = DECODE_RANK, DECODE_ROPE
 LENS = [0, 1, 17, 64, 130]  # empty, one token, inside a page, a page boundary, several pages
 
 
@@ -23,35 +35,6 @@ def _config(block_h: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
             split_latent: bool = False):
     return tma.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=num_warps,
                             num_stages=num_stages, split_latent=split_latent)
-
-
-def _decode(q, cache, table, lens, splits, config=None, scale=0.1, **scales):
-    batch, heads, _ = q.shape
-    o = torch.full((batch, heads, RANK), float("nan"), dtype=q.dtype, device=DEVICE)
-    lse = torch.full((batch, heads), float("nan"), dtype=torch.float32, device=DEVICE)
-    logits = torch.full((batch, heads, splits, RANK + 1), float("nan"), dtype=torch.float32,
-                        device=DEVICE)
-    tma.decode_attention_fwd(q, cache, cache[..., :RANK], o, lse, table, lens, logits, splits,
-                             scale, cache.shape[1], True, config=config, **scales)
-    return o, lse
-
-
-def _reference(q, cache, table, lens, scale=0.1):
-    batch, heads, _ = q.shape
-    c = cache.double()
-    o = torch.empty(batch, heads, RANK, dtype=torch.float64, device=DEVICE)
-    lse = torch.empty(batch, heads, dtype=torch.float64, device=DEVICE)
-    decode_attention_ref(q.double(), c, c[..., :RANK], o, lse, table, lens, None, 1, scale,
-                         cache.shape[1], True)
-    return o, lse
-
-
-def _case(gen, heads: int, page: int, lens: list[int], dtype=torch.float32):
-    pages = sum(-(-n // page) for n in lens) + 3
-    cache = randn((pages, page, RANK + ROPE), dtype, gen)
-    table = block_tables(lens, page, pages, gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    return randn((len(lens), heads, RANK + ROPE), dtype, gen), cache, table, seq_lens
 
 
 @pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
@@ -65,9 +48,9 @@ def _case(gen, heads: int, page: int, lens: list[int], dtype=torch.float32):
 ], ids=lambda v: str(v))
 def test_mla_decode_matches_float64_reference(heads, block_h, block_n, page, splits) -> None:
     gen = generator("mla-decode-kernel", heads, block_h, block_n, page, splits)
-    q, cache, table, lens = _case(gen, heads, page, LENS)
-    o, lse = _decode(q, cache, table, lens, splits, _config(block_h, block_n))
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    q, cache, table, lens = decode_case(gen, heads, page, LENS)
+    o, lse = run_decode(q, cache, table, lens, splits, _config(block_h, block_n))
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
@@ -76,9 +59,9 @@ def test_mla_decode_matches_float64_reference(heads, block_h, block_n, page, spl
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_mla_decode_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     gen = generator("mla-decode-kernel-dtype", dtype)
-    q, cache, table, lens = _case(gen, 16, 16, [50, 9, 33], dtype)
-    o, lse = _decode(q, cache, table, lens, 2, _config(16, 32))
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    q, cache, table, lens = decode_case(gen, 16, 16, [50, 9, 33], dtype)
+    o, lse = run_decode(q, cache, table, lens, 2, _config(16, 32))
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, dtype, "o")
     assert_close(lse, lse_ref, dtype, "lse")
 
@@ -93,10 +76,10 @@ def test_mla_decode_split_latent_matches_float64_reference(heads, block_h, block
                                                            splits) -> None:
     """Two latent halves (two accumulators, same probabilities) give the reference result."""
     gen = generator("mla-decode-kernel-halves", heads, block_h, block_n, page, splits)
-    q, cache, table, lens = _case(gen, heads, page, LENS)
-    o, lse = _decode(q, cache, table, lens, splits,
+    q, cache, table, lens = decode_case(gen, heads, page, LENS)
+    o, lse = run_decode(q, cache, table, lens, splits,
                      _config(block_h, block_n, split_latent=True))
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
@@ -107,11 +90,11 @@ def test_mla_decode_warp_specialized_loop_matches_float64_reference(split_latent
     """The warp-specialise request reaches the loop (a hint: the interpreter runs the loop as
     it is; the GPU tests compile it) and changes no result."""
     gen = generator("mla-decode-kernel-ws", split_latent)
-    q, cache, table, lens = _case(gen, 16, 16, LENS)
+    q, cache, table, lens = decode_case(gen, 16, 16, LENS)
     config = tma.LaunchConfig(block_q=1, block_h=16, block_n=16, num_warps=4, num_stages=2,
                               split_latent=split_latent, warp_specialize=True)
-    o, lse = _decode(q, cache, table, lens, 2, config)
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    o, lse = run_decode(q, cache, table, lens, 2, config)
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
 
@@ -119,9 +102,9 @@ def test_mla_decode_warp_specialized_loop_matches_float64_reference(split_latent
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_mla_decode_split_latent_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     gen = generator("mla-decode-kernel-halves-dtype", dtype)
-    q, cache, table, lens = _case(gen, 16, 16, [50, 9, 33], dtype)
-    o, lse = _decode(q, cache, table, lens, 2, _config(16, 32, split_latent=True))
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    q, cache, table, lens = decode_case(gen, 16, 16, [50, 9, 33], dtype)
+    o, lse = run_decode(q, cache, table, lens, 2, _config(16, 32, split_latent=True))
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, dtype, "o")
     assert_close(lse, lse_ref, dtype, "lse")
 
@@ -129,11 +112,11 @@ def test_mla_decode_split_latent_low_precision_within_tolerance(dtype: torch.dty
 @pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
 def test_mla_decode_fp8_cache_within_tolerance(split_latent: bool) -> None:
     gen = generator("mla-decode-kernel-fp8")
-    q, cache, table, lens = _case(gen, 16, 16, [40, 3], torch.bfloat16)
+    q, cache, table, lens = decode_case(gen, 16, 16, [40, 3], torch.bfloat16)
     fp8 = cache.to(torch.float8_e4m3fn)
-    o, lse = _decode(q, fp8, table, lens, 2, _config(16, 16, split_latent=split_latent),
+    o, lse = run_decode(q, fp8, table, lens, 2, _config(16, 16, split_latent=split_latent),
                      k_scale=0.5, v_scale=0.5)
-    o_ref, lse_ref = _reference(q, fp8.double() * 0.5, table, lens)
+    o_ref, lse_ref = decode_reference(q, fp8.double() * 0.5, table, lens)
     assert_close(o, o_ref, torch.bfloat16, "o")
     assert_close(lse, lse_ref, torch.bfloat16, "lse")
 
@@ -142,13 +125,13 @@ def test_mla_decode_fp8_cache_within_tolerance(split_latent: bool) -> None:
 @pytest.mark.parametrize("splits", [1, 3])
 def test_mla_decode_on_a_cross_layer_view_is_bit_exact(splits: int, split_latent: bool) -> None:
     gen = generator("mla-decode-kernel-xl", splits, split_latent)
-    q, cache, table, lens = _case(gen, 16, 16, [70, 5, 33])
+    q, cache, table, lens = decode_case(gen, 16, 16, [70, 5, 33])
     pool, view = cross_layer_view(tuple(cache.shape), 3, 1, torch.float32, gen)
     view.copy_(cache)
     before = pool.clone()
     config = _config(16, 32, split_latent=split_latent)
-    ours = _decode(q, view, table, lens, splits, config)
-    contiguous = _decode(q, cache, table, lens, splits, config)
+    ours = run_decode(q, view, table, lens, splits, config)
+    contiguous = run_decode(q, cache, table, lens, splits, config)
     assert view.stride(0) == 3 * cache.stride(0)
     assert all(torch.equal(a, b) for a, b in zip(ours, contiguous, strict=True))
     assert torch.equal(pool, before)  # nothing written into any layer
@@ -157,7 +140,7 @@ def test_mla_decode_on_a_cross_layer_view_is_bit_exact(splits: int, split_latent
 def test_mla_attention_decode_path_takes_the_decode_kernel() -> None:
     """mla_attention on a decode batch (through its own split choice) equals the reference."""
     gen = generator("mla-decode-kernel-op")
-    q, cache, table, _ = _case(gen, 32, 16, [1, 45, 16])
+    q, cache, table, _ = decode_case(gen, 32, 16, [1, 45, 16])
     meta = kvcore.build_attention_metadata([1, 1, 1], [0, 44, 15], table.tolist(), 16,
                                            device=DEVICE)
     args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
@@ -235,7 +218,7 @@ def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
         device=DEVICE, decode_config=config, num_sms=8)
     assert builder.decode_config == config
     gen = generator("mla-decode-kernel-builder")
-    q, cache, table, _ = _case(gen, 64, 16, [100, 7])
+    q, cache, table, _ = decode_case(gen, 64, 16, [100, 7])
     step = kvcore.build_attention_metadata([1, 1], [99, 6], table.tolist(), 16, device=DEVICE)
     meta = builder.build(step, graph_batch_size=2)
     assert meta.decode_config == config
@@ -289,7 +272,7 @@ def test_an_eager_step_never_splits_beyond_the_workspace() -> None:
         device=DEVICE, num_sms=12)
     assert builder.num_kv_splits(1, 257) > builder.num_kv_splits(1) == 8
     gen = generator("mla-decode-kernel-cap")
-    q, cache, table, _ = _case(gen, 16, 16, [257])
+    q, cache, table, _ = decode_case(gen, 16, 16, [257])
     meta = builder.build(kvcore.build_attention_metadata([1], [256], table.tolist(), 16,
                                                          device=DEVICE))
     assert meta.num_kv_splits == 8

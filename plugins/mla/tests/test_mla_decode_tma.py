@@ -11,14 +11,25 @@ import contextvars
 import pytest
 import torch
 from kvcore_mla import TritonMLABackend
-from kvcore_mla.ops import decode_attention_ref
-from mla_helpers import DEVICE, assert_close, block_tables, cross_layer_view, generator, randn
+from mla_helpers import (
+    DECODE_RANK,
+    DECODE_ROPE,
+    DEVICE,
+    assert_close,
+    block_tables,
+    cross_layer_view,
+    decode_case,
+    decode_reference,
+    generator,
+    randn,
+    run_decode,
+)
 
 import kvcore
 
 kernels = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
 
-RANK, ROPE = 64, 16  # scaled down from 512 + 64 so the interpreter stays fast
+RANK, ROPE = DECODE_RANK, DECODE_ROPE
 # Empty, one token, a partial tile, whole pages, several pages with a partial last tile.
 LENS = [0, 1, 17, 64, 130]
 
@@ -28,36 +39,6 @@ def _config(block_h: int, block_n: int, *, tma: bool = True, split_latent: bool 
     return kernels.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n,
                                 num_warps=num_warps, num_stages=num_stages,
                                 split_latent=split_latent, tma=tma)
-
-
-def _decode(q, cache, table, lens, splits, config, rank=RANK, scale=0.1, **scales):
-    """``decode_attention_fwd`` on NaN-filled outputs: (o, lse)."""
-    batch, heads, _ = q.shape
-    o = torch.full((batch, heads, rank), float("nan"), dtype=q.dtype, device=q.device)
-    lse = torch.full((batch, heads), float("nan"), dtype=torch.float32, device=q.device)
-    logits = torch.full((batch, heads, splits, rank + 1), float("nan"), dtype=torch.float32,
-                        device=q.device)
-    kernels.decode_attention_fwd(q, cache, cache[..., :rank], o, lse, table, lens, logits,
-                                 splits, scale, cache.shape[1], True, config=config, **scales)
-    return o, lse
-
-
-def _reference(q, cache, table, lens, rank=RANK, scale=0.1):
-    batch, heads, _ = q.shape
-    c = cache.double()
-    o = torch.empty(batch, heads, rank, dtype=torch.float64, device=q.device)
-    lse = torch.empty(batch, heads, dtype=torch.float64, device=q.device)
-    decode_attention_ref(q.double(), c, c[..., :rank], o, lse, table, lens, None, 1, scale,
-                         cache.shape[1], True)
-    return o, lse
-
-
-def _case(gen, heads: int, page: int, lens: list[int], dtype=torch.float32, rank=RANK):
-    pages = sum(-(-n // page) for n in lens) + 3
-    cache = randn((pages, page, rank + ROPE), dtype, gen)
-    table = block_tables(lens, page, pages, gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    return randn((len(lens), heads, rank + ROPE), dtype, gen), cache, table, seq_lens
 
 
 def _assert_same_as_default(ours, default, dtype) -> None:
@@ -78,13 +59,13 @@ def _assert_same_as_default(ours, default, dtype) -> None:
 def test_tma_matches_float64_reference_and_default_path(heads, block_h, page, block_n,
                                                         splits) -> None:
     gen = generator("mla-decode-tma", heads, block_h, page, block_n, splits)
-    q, cache, table, lens = _case(gen, heads, page, LENS)
-    o, lse = _decode(q, cache, table, lens, splits, _config(block_h, block_n))
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    q, cache, table, lens = decode_case(gen, heads, page, LENS)
+    o, lse = run_decode(q, cache, table, lens, splits, _config(block_h, block_n))
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
-    default = _decode(q, cache, table, lens, splits, _config(block_h, block_n, tma=False))
+    default = run_decode(q, cache, table, lens, splits, _config(block_h, block_n, tma=False))
     _assert_same_as_default((o, lse), default, torch.float32)
 
 
@@ -97,13 +78,13 @@ def test_tma_split_latent_matches_float64_reference_and_default_path(heads, bloc
     """Latent halves: the second half's tile is loaded at column offset ``kv_lora_rank / 2``
     of the same descriptor."""
     gen = generator("mla-decode-tma-halves", heads, block_h, block_n, page, splits)
-    q, cache, table, lens = _case(gen, heads, page, LENS)
-    o, lse = _decode(q, cache, table, lens, splits,
+    q, cache, table, lens = decode_case(gen, heads, page, LENS)
+    o, lse = run_decode(q, cache, table, lens, splits,
                      _config(block_h, block_n, split_latent=True))
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
-    default = _decode(q, cache, table, lens, splits,
+    default = run_decode(q, cache, table, lens, splits,
                       _config(block_h, block_n, tma=False, split_latent=True))
     _assert_same_as_default((o, lse), default, torch.float32)
 
@@ -111,19 +92,19 @@ def test_tma_split_latent_matches_float64_reference_and_default_path(heads, bloc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_tma_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     gen = generator("mla-decode-tma-dtype", dtype)
-    q, cache, table, lens = _case(gen, 16, 32, [50, 9, 33, 64], dtype)
-    o, lse = _decode(q, cache, table, lens, 2, _config(16, 16))
-    o_ref, lse_ref = _reference(q, cache, table, lens)
+    q, cache, table, lens = decode_case(gen, 16, 32, [50, 9, 33, 64], dtype)
+    o, lse = run_decode(q, cache, table, lens, 2, _config(16, 16))
+    o_ref, lse_ref = decode_reference(q, cache, table, lens)
     assert_close(o, o_ref, dtype, "o")
     assert_close(lse, lse_ref, dtype, "lse")
 
 
 def test_tma_fp8_cache_within_tolerance() -> None:
     gen = generator("mla-decode-tma-fp8")
-    q, cache, table, lens = _case(gen, 16, 16, [40, 3, 32], torch.bfloat16)
+    q, cache, table, lens = decode_case(gen, 16, 16, [40, 3, 32], torch.bfloat16)
     fp8 = cache.to(torch.float8_e4m3fn)
-    o, lse = _decode(q, fp8, table, lens, 2, _config(16, 16), k_scale=0.5, v_scale=0.5)
-    o_ref, lse_ref = _reference(q, fp8.double() * 0.5, table, lens)
+    o, lse = run_decode(q, fp8, table, lens, 2, _config(16, 16), k_scale=0.5, v_scale=0.5)
+    o_ref, lse_ref = decode_reference(q, fp8.double() * 0.5, table, lens)
     assert_close(o, o_ref, torch.bfloat16, "o")
     assert_close(lse, lse_ref, torch.bfloat16, "lse")
 
@@ -133,9 +114,9 @@ def test_tma_rank_not_a_power_of_two() -> None:
     and the rope descriptor starts at channel 48."""
     gen = generator("mla-decode-tma-rank48")
     rank, page, lens = 48, 16, [37, 3, 16]
-    q, cache, table, seq_lens = _case(gen, 16, page, lens, rank=rank)
-    o, lse = _decode(q, cache, table, seq_lens, 2, _config(16, 16), rank=rank)
-    o_ref, lse_ref = _reference(q, cache, table, seq_lens, rank=rank)
+    q, cache, table, seq_lens = decode_case(gen, 16, page, lens, rank=rank)
+    o, lse = run_decode(q, cache, table, seq_lens, 2, _config(16, 16), rank=rank)
+    o_ref, lse_ref = decode_reference(q, cache, table, seq_lens, rank=rank)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
 
@@ -146,12 +127,12 @@ def test_tma_ignores_stale_nan_bytes_past_the_last_key(splits: int) -> None:
     bytes): the unmasked tile loads must not let them into the output."""
     gen = generator("mla-decode-tma-stale", splits)
     page, lens = 32, [17, 45, 1, 64]
-    q, cache, table, seq_lens = _case(gen, 16, page, lens)
+    q, cache, table, seq_lens = decode_case(gen, 16, page, lens)
     for i, n in enumerate(lens):
         last = table[i, (n - 1) // page]
         cache[last, (n - 1) % page + 1:] = float("nan")
-    o, lse = _decode(q, cache, table, seq_lens, splits, _config(16, 16))
-    o_ref, lse_ref = _reference(q, torch.nan_to_num(cache, nan=0.0), table, seq_lens)
+    o, lse = run_decode(q, cache, table, seq_lens, splits, _config(16, 16))
+    o_ref, lse_ref = decode_reference(q, torch.nan_to_num(cache, nan=0.0), table, seq_lens)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
 
@@ -161,13 +142,13 @@ def test_tma_on_a_cross_layer_view_is_bit_exact(split_latent: bool) -> None:
     """A layer of a cross-layer pool (page stride 3 pages): the descriptor's rows step a page
     every ``3 * page_size`` rows; same bits as the contiguous cache, the pool untouched."""
     gen = generator("mla-decode-tma-xl", split_latent)
-    q, cache, table, lens = _case(gen, 16, 16, [70, 5, 33])
+    q, cache, table, lens = decode_case(gen, 16, 16, [70, 5, 33])
     pool, view = cross_layer_view(tuple(cache.shape), 3, 1, torch.float32, gen)
     view.copy_(cache)
     before = pool.clone()
     config = _config(16, 16, split_latent=split_latent)
-    ours = _decode(q, view, table, lens, 3, config)
-    contiguous = _decode(q, cache, table, lens, 3, config)
+    ours = run_decode(q, view, table, lens, 3, config)
+    contiguous = run_decode(q, cache, table, lens, 3, config)
     assert view.stride(0) == 3 * cache.stride(0)
     assert all(torch.equal(a, b) for a, b in zip(ours, contiguous, strict=True))
     assert torch.equal(pool, before)
@@ -302,13 +283,13 @@ def test_tma_real_size_on_the_gpu(config: dict, splits: int) -> None:
     scale = (128 + rope) ** -0.5
     tma_config = kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, tma=True, **config)
     allocator = _current_allocator()
-    o, lse = _decode(q, cache, table, seq_lens, splits, tma_config, rank=rank, scale=scale)
+    o, lse = run_decode(q, cache, table, seq_lens, splits, tma_config, rank=rank, scale=scale)
     torch.cuda.synchronize()
     assert _current_allocator() is allocator  # the launch's own allocator did not outlive it
-    o_ref, lse_ref = _reference(q, cache, table, seq_lens, rank=rank, scale=scale)
+    o_ref, lse_ref = decode_reference(q, cache, table, seq_lens, rank=rank, scale=scale)
     assert_close(o, o_ref, torch.bfloat16, "o")
     assert_close(lse, lse_ref, torch.bfloat16, "lse")
-    default = _decode(q, cache, table, seq_lens, splits,
+    default = run_decode(q, cache, table, seq_lens, splits,
                       kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, **config),
                       rank=rank, scale=scale)
     assert_close(o, default[0].double(), torch.bfloat16, "o vs default path")
