@@ -2,14 +2,15 @@
 16): prefill, decode and mixed batches on the kernels :func:`flashinfer_kernels` picks for
 the GPU (SM90 prefill on Hopper) against the float64 reference; one builder reused across
 steps of different shapes; a captured decode step replayed after rebuilding with other
-lengths equals the eager step; warmup."""
+lengths equals the eager step; steps built while the device lags behind (staging reuse);
+warmup."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from kvcore_nvidia.backends.flashinfer import FlashInferBackend
-from nvidia_helpers import mixed_batch, reference, rel_err
+from nvidia_helpers import Batch, mixed_batch, reference, rel_err
 
 import kvcore
 
@@ -144,3 +145,78 @@ def test_warmup_builds_the_modules_then_costs_little():
     assert set(first) == {"decode", "prefill"}
     again = _builder().warmup()
     assert all(again[p] < max(first[p], 1.0) for p in again)
+
+
+def test_steps_built_ahead_of_a_busy_device_stay_correct():
+    """The builder's page-locked staging slots are reused while the device is still busy with
+    earlier steps (a sleep kernel before each step keeps the host ahead, no sync until the
+    end): each step's copies from its slot must have run before the host rewrites that slot.
+    Replayed decode steps (same and new page counts, fewer requests) interleaved with eager
+    mixed steps (on their own cache, disjoint blocks per step) all equal the float64
+    reference computed at the end."""
+    gen = torch.Generator().manual_seed(8)
+    kv_cache, mixed_cache = _cache(gen), _cache(gen)
+    impl, builder = _impl(), _builder(max_num_seqs=8)
+    size = 8
+    q = torch.randn(size, HEADS, HEAD_SIZE, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.empty_like(q)
+    ids = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = [ids[i * 64:(i + 1) * 64] for i in range(size)]
+
+    def decode(lengths):
+        n = len(lengths)
+        return kvcore.build_attention_metadata([1] * n, [x - 1 for x in lengths], tables[:n],
+                                               BLOCK_SIZE, device="cuda")
+
+    def mixed(j):
+        """Decodes first, then prefills; blocks [200 j, 200 (j + 1)) of mixed_cache."""
+        q_lens, ctx_lens = (1, 1, 1, 40 + j, 9), (300 + 7 * j, 15, 1000, 64, 0)
+        blocks = iter(range(200 * j, 200 * (j + 1)))
+        step_tables = [[next(blocks) for _ in range(-(-(a + b) // BLOCK_SIZE))]
+                       for a, b in zip(q_lens, ctx_lens, strict=True)]
+        meta = kvcore.build_attention_metadata(q_lens, ctx_lens, step_tables, BLOCK_SIZE,
+                                               device="cuda")
+        n = meta.num_actual_tokens
+        query, key, value = (torch.randn(n, h, HEAD_SIZE, generator=gen).to("cuda",
+                                                                           torch.bfloat16)
+                             for h in (HEADS, KV_HEADS, KV_HEADS))
+        impl.do_kv_cache_update(kvcore.LayerScales(), key, value, mixed_cache,
+                                meta.slot_mapping)
+        return Batch(meta, query, key, value)
+
+    lengths = [100 + 37 * i for i in range(size)]
+    meta = builder.build(decode(lengths), graph_batch_size=size)
+
+    def step():
+        impl.forward(kvcore.LayerScales(), q, q[:, :KV_HEADS], q[:, :KV_HEADS], kv_cache, meta,
+                     output=out)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    results = []
+    for i in range(24):
+        torch.cuda._sleep(1_000_000)  # the device falls behind the host
+        if i % 4 == 3:  # an eager mixed step between the replays
+            batch = mixed(i // 4)
+            results.append((batch, _forward(impl, batch, mixed_cache,
+                                            builder.build(batch.meta))))
+            continue
+        lengths = [x + (17 if i % 3 else 1) for x in lengths]  # new page counts, or the same
+        common = decode(lengths[:size - (i % 5 == 0)])
+        builder.build(common, graph_batch_size=size)
+        graph.replay()
+        results.append((common, out[:common.num_seqs].clone()))
+    torch.cuda.synchronize()
+    k, v = (c.double() for c in kv_cache.unbind(1))
+    for i, (step_meta, got) in enumerate(results):
+        if isinstance(step_meta, Batch):
+            ref = reference(impl, step_meta, mixed_cache)
+        else:
+            ref = kvcore.ops.paged_attention_ref(
+                q[:step_meta.num_seqs].double(), k, v,
+                query_start_loc=step_meta.query_start_loc, seq_lens=step_meta.seq_lens,
+                block_table=step_meta.block_table, scale=impl.scale)
+        assert rel_err(got, ref) < BF16_REL_ERR, f"step {i}"

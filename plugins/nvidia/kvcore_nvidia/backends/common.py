@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, encoder_only_cache
@@ -80,6 +82,83 @@ def step_kv(
         return kv_cache, attn_metadata
     return encoder_only_cache(key, value, kv_cache, attn_metadata,
                               lambda k, v, c, s: _write(impl, layer, k, v, c, s))
+
+
+@dataclasses.dataclass(frozen=True)
+class StagingSlot:
+    """One slot of :class:`HostStaging`: its views by name, as tensors and as numpy arrays
+    (the same memory: a write through either is seen by both)."""
+
+    tensors: dict[str, torch.Tensor]
+    arrays: dict[str, np.ndarray]
+
+
+class HostStaging:
+    """Host memory a builder stages its host-to-device copies in, one slot per step in turn.
+
+    A build takes the next slot (:meth:`acquire`), writes the step's host lists into it,
+    enqueues its copies from it (``non_blocking``: from page-locked memory a copy runs while
+    the host goes on) and calls :meth:`release`, which records an event on the current
+    stream. The slot comes round again ``slots`` builds later, and :meth:`acquire` first waits
+    for that event: the host never overwrites memory a pending copy still reads, and it waits
+    only when it runs ``slots`` builds ahead of the device. Allocated once (no allocation, no
+    growing of torch's pinned cache per step).
+
+    Args:
+        fields: ``name -> (numel, dtype)``: the views each slot holds, laid out in one
+            allocation per slot (each view 64-byte aligned).
+        slots: how many slots are used in turn (at least 1).
+        pin: page-locked memory (for copies to a CUDA device).
+        new_event: makes a slot's event (``torch.cuda.Event``; anything with ``record()`` and
+            ``synchronize()``), once per slot; ``None`` where copies are synchronous (a CPU
+            device): nothing to wait for.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self, fields: dict[str, tuple[int, torch.dtype]], *, slots: int = 2,
+                 pin: bool = False, new_event: Callable[[], Any] | None = None) -> None:
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be at least 1")
+        offsets, nbytes = {}, 0
+        for name, (numel, dtype) in fields.items():
+            offsets[name] = nbytes
+            size = numel * dtype.itemsize
+            nbytes += -(-size // self._ALIGN) * self._ALIGN
+        self.slots: list[StagingSlot] = []
+        for _ in range(slots):
+            raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            tensors = {name: raw[offsets[name]:offsets[name] + numel * dtype.itemsize]
+                       .view(dtype) for name, (numel, dtype) in fields.items()}
+            self.slots.append(StagingSlot(tensors, {k: v.numpy() for k, v in tensors.items()}))
+        self._new_event = new_event
+        self._events: list[Any] = [None] * slots
+        self._next = 0
+        self._held: int | None = None
+
+    def acquire(self) -> StagingSlot:
+        """The next slot, once the copies enqueued from it by its last use have run."""
+        if self._held is not None:
+            raise RuntimeError("HostStaging.acquire() called twice without release(): "
+                               "release the slot after enqueuing its copies")
+        index = self._next
+        event = self._events[index]
+        if event is not None:
+            event.synchronize()
+        self._held = index
+        return self.slots[index]
+
+    def release(self) -> None:
+        """Every copy from the held slot is enqueued: record its event, move to the next."""
+        index = self._held
+        if index is None:
+            raise RuntimeError("HostStaging.release() without acquire()")
+        if self._new_event is not None:
+            if self._events[index] is None:
+                self._events[index] = self._new_event()
+            self._events[index].record()
+        self._held = None
+        self._next = (index + 1) % len(self.slots)
 
 
 class StepCache:

@@ -23,17 +23,19 @@ The builder (:class:`FlashInferMetadataBuilder`, what an engine uses) plans once
 ``build()``, never in ``forward``, from host-side lengths (the metadata's
 ``query_start_loc_cpu`` / ``seq_lens_cpu``, which :func:`kvcore.build_attention_metadata`
 fills; one device read otherwise), so a build does not wait for the device: the host prepares
-step N+1 while the GPU runs step N. It owns a 128 MiB float workspace
-(:data:`FlashInferBackend.WORKSPACE_BYTES`, FlashInfer's recommended size), the page lists in
-device buffers sized at start-up (the used block-table entries are gathered into them on the
-device), one prefill and one decode wrapper, and for every batch size a step is built for with
-``graph_batch_size`` a decode wrapper in FlashInfer's CUDA-graph mode over those buffers: so
-uniform-decode steps can be captured (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``). FlashInfer's
-plan of a decode wrapper depends on the pages per request, not on the tokens in the last page
-(its scheduler splits work by page counts): a CUDA-graph decode step with the same page counts
-as the last one planned on that wrapper refreshes the buffers and skips the plan (a request
-crosses into a new page once every ``block_size`` steps). :meth:`FlashInferMetadataBuilder.
-warmup` builds FlashInfer's JIT modules of the configuration at start-up.
+step N+1 while the GPU runs step N (it waits only when two builds ahead of the copies, which
+read the host lists from page-locked staging slots used in turn). It owns a 128 MiB float
+workspace (:data:`FlashInferBackend.WORKSPACE_BYTES`, FlashInfer's recommended size), the page
+lists in device buffers sized at start-up (the used block-table entries are gathered into them
+on the device), one prefill and one decode wrapper, and for every batch size a step is built
+for with ``graph_batch_size`` a decode wrapper in FlashInfer's CUDA-graph mode over those
+buffers: so uniform-decode steps can be captured (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``).
+FlashInfer's plan of a decode wrapper depends on the pages per request, not on the tokens in
+the last page (its scheduler splits work by page counts): a CUDA-graph decode step with the
+same page counts as the last one planned on that wrapper refreshes the buffers and skips the
+plan (a request crosses into a new page once every ``block_size`` steps).
+:meth:`FlashInferMetadataBuilder.warmup` builds FlashInfer's JIT modules of the configuration
+at start-up.
 
 A plan fixes the softmax scale, the sliding window and, for prefill, the causal mask, which the
 builder's constructor does not receive: it plans for ``1 / sqrt(head_size)``, no window, and
@@ -59,9 +61,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcore import (
@@ -77,10 +81,11 @@ from kvcore import (
 )
 from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
+    HostStaging,
+    StagingSlot,
     StepCache,
     begin_forward,
     cumulative,
-    pages_per_request,
     step_kv,
     used_blocks,
     write_cache,
@@ -223,9 +228,15 @@ def _is_decode(attn_metadata: AttentionMetadata) -> bool:
             and attn_metadata.num_actual_tokens == attn_metadata.num_seqs)
 
 
+_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionMetadata))
+
 #: The last plan of the shared wrappers (every plan goes through it, so a hit means the
 #: wrapper it returns still holds that plan).
 _PLANS = StepCache()
+
+
+def _numpy(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    return values.numpy() if isinstance(values, torch.Tensor) else values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,39 +256,114 @@ class HostPages:
     pages: torch.Tensor
     indptr: torch.Tensor
     last_page_len: torch.Tensor
+    # (2n + 2,) int32 beside the lists, where tail() writes its rebased offsets (so they are
+    # page-locked when the lists are); None: tail() allocates.
+    _spare: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    # numpy views of the five lists (the same memory), made once.
+    _arrays: tuple[np.ndarray, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self._arrays:
+            lists = (self.qo_indptr, self.seq_lens, self.pages, self.indptr, self.last_page_len)
+            object.__setattr__(self, "_arrays", tuple(t.numpy() for t in lists))
+
+    @staticmethod
+    def words(size: int) -> int:
+        """int32 elements the lists of ``size`` requests take in a buffer (see :meth:`of`)."""
+        return 7 * size + 4
 
     @classmethod
-    def of(cls, qo_indptr: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-           pin: bool = False) -> HostPages:
-        """The lists of a step with these host lengths; ``pin``: in page-locked memory (one
-        allocation), so copies to the device run asynchronously."""
-        qo_indptr, seq_lens = qo_indptr.to(torch.int32), seq_lens.to(torch.int32)
-        pages = pages_per_request(seq_lens, block_size)
-        indptr = cumulative(pages)
-        last = torch.where(pages > 0, seq_lens - (pages - 1) * block_size, 0).to(torch.int32)
-        parts = (qo_indptr, seq_lens, pages, indptr, last)
-        if pin:
-            packed = torch.cat(parts).pin_memory()
-            parts = tuple(packed.split([p.numel() for p in parts]))
-        return cls(*parts)
+    def in_buffer(cls, size: int, out: torch.Tensor) -> HostPages:
+        """Lists of ``size`` requests laid out in ``out`` (a contiguous int32 CPU tensor of at
+        least :meth:`words` ``(size)`` elements), to be filled by :meth:`refill`: a builder
+        keeps one per staging slot and batch size, so a step only recomputes the values."""
+        words = cls.words(size)
+        if out.dtype != torch.int32 or out.dim() != 1 or out.shape[0] < words:
+            raise ValueError(f"out must be a 1-D int32 tensor of at least {words} elements "
+                             f"for {size} requests, got {out.dtype} {tuple(out.shape)}")
+        # qo_indptr, seq_lens, pages, indptr, last_page_len, then tail()'s spare
+        sizes = (size + 1, size, size, size + 1, size, 2 * size + 2)
+        buf = out.numpy()
+        arrays = tuple(buf[a:a + m] for a, m in zip(itertools.accumulate(sizes, initial=0),
+                                                    sizes[:5], strict=False))
+        return cls(*out.split_with_sizes((*sizes, out.shape[0] - words))[:6], _arrays=arrays)
+
+    @classmethod
+    def of(cls, qo_indptr: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray,
+           block_size: int, *, size: int | None = None,
+           out: torch.Tensor | None = None) -> HostPages:
+        """The lists of a step with these host lengths (see :meth:`refill`), padded to
+        ``size`` requests (default ``n``), as views of ``out`` (see :meth:`in_buffer`; e.g.
+        a page-locked staging slot, so copies to the device run asynchronously; default: a
+        new tensor)."""
+        n = seq_lens.shape[0]
+        size = n if size is None else size
+        if out is None:
+            out = torch.empty(cls.words(size), dtype=torch.int32)
+        return cls.in_buffer(size, out).refill(qo_indptr, seq_lens, block_size)
+
+    def refill(self, qo_indptr: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray,
+               block_size: int) -> HostPages:
+        """Compute the lists of a step in place, from its host lengths (``(n + 1,)`` and
+        ``(n,)`` integers on the CPU, ``n`` at most :attr:`num_seqs`), padded to
+        :attr:`num_seqs` requests of one new token and one cached token each (the padding
+        requests of :class:`kvcore.PersistentMetadataBuilder`); returns ``self``.
+
+        A few numpy calls on numpy views of the lists' memory: no torch op on tiny tensors,
+        no new host tensor.
+        """
+        n, size = seq_lens.shape[0], self.num_seqs
+        if size < n:
+            raise ValueError(f"these lists hold {size} requests, fewer than the {n} of "
+                             "seq_lens")
+        qo, seq, pages, indptr, last = self._arrays
+        qo[:n + 1] = _numpy(qo_indptr)
+        seq[:n] = _numpy(seq_lens)
+        if size > n:
+            np.add(np.arange(1, size - n + 1, dtype=np.int32), qo[n], out=qo[n + 1:])
+            seq[n:] = 1
+        np.add(seq, block_size - 1, out=pages)
+        np.floor_divide(pages, block_size, out=pages)
+        indptr[0] = 0
+        np.add.accumulate(pages, out=indptr[1:])
+        # seq - (pages - 1) * block_size, 0 for a request without pages
+        np.multiply(pages, -block_size, out=last)
+        last += seq
+        last += block_size
+        last[pages <= 0] = 0
+        return self
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
+    def page_counts_key(self) -> bytes:
+        """The page counts as bytes: equal keys, equal request and page counts (a cheap
+        comparison with a step planned before)."""
+        return self._arrays[2].tobytes()
+
     def leading_decodes(self) -> int:
         """How many requests at the front have exactly one query token."""
-        other = ((self.qo_indptr[1:] - self.qo_indptr[:-1]) != 1).nonzero()
-        return int(other[0, 0]) if other.numel() else self.num_seqs
+        other = np.flatnonzero(np.diff(self._arrays[0]) != 1)
+        return int(other[0]) if other.size else self.num_seqs
 
     def tail(self, k: int) -> HostPages:
         """The lists of requests ``k..n-1``, offsets rebased to 0 (``indices`` start at
-        ``indptr[k]``)."""
+        ``indptr[k]``); the rebased offsets are written beside the lists (a later ``tail``
+        overwrites them)."""
         if k == 0:
             return self
-        return HostPages(self.qo_indptr[k:] - self.qo_indptr[k], self.seq_lens[k:],
-                         self.pages[k:], self.indptr[k:] - self.indptr[k],
-                         self.last_page_len[k:])
+        m = self.num_seqs - k + 1
+        spare = self._spare if self._spare is not None else torch.empty(2 * m,
+                                                                          dtype=torch.int32)
+        qo_indptr, indptr = spare[:m], spare[m:2 * m]
+        qo_array, indptr_array = qo_indptr.numpy(), indptr.numpy()
+        qo, seq, pages, full_indptr, last = self._arrays
+        np.subtract(qo[k:], qo[k], out=qo_array)
+        np.subtract(full_indptr[k:], full_indptr[k], out=indptr_array)
+        return HostPages(qo_indptr, self.seq_lens[k:], self.pages[k:], indptr,
+                         self.last_page_len[k:], _arrays=(qo_array, seq[k:], pages[k:],
+                                                          indptr_array, last[k:]))
 
 
 @dataclasses.dataclass
@@ -316,6 +402,17 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     the first build for that size, outside any capture (:class:`kvcore.CudaGraphRunner`
     builds each size before capturing it).
 
+    Host side, a step costs little and allocates nothing: its host lists are computed with
+    numpy straight into a slot of :class:`~kvcore_nvidia.backends.common.HostStaging`
+    (page-locked on a GPU, two slots used in turn, each :meth:`HostPages.words`
+    ``(max_num_seqs)`` int32 plus the gather positions above), whose copies to the device
+    run asynchronously; the gather positions are recomputed and copied only when the page
+    counts change, and a CUDA-graph decode step with the page counts of its last plan copies
+    only ``last_page_len`` (and ``indptr`` when another batch size's step overwrote it).
+    FlashInfer's ``plan`` reads these host lists (its scheduler) and enqueues copies from
+    them; the slot's event is recorded after the last plan of the step, so a slot is
+    rewritten only once those copies have run.
+
     Attributes:
         kernels: the :class:`FlashInferKernels` the steps run on.
         plans: plans made so far (a CUDA-graph decode step whose page counts did not change
@@ -337,6 +434,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         self.kernels = flashinfer_kernels(_capability(self.device), num_heads, num_kv_heads)
         self.plans = 0
         dev = self.device
+        cuda = dev.type == "cuda"
         entries = max_num_seqs * self.max_blocks_per_seq
         with torch.inference_mode(False):
             self.workspace = torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8,
@@ -345,12 +443,22 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             self._positions = torch.zeros(entries, dtype=torch.int64, device=dev)
             self._indptr = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=dev)
             self._last_page_len = torch.zeros(max_num_seqs, dtype=torch.int32, device=dev)
+            self._staging = HostStaging(
+                {"lists": (HostPages.words(max_num_seqs), torch.int32),
+                 "positions": (entries, torch.int64)},
+                slots=2, pin=cuda, new_event=torch.cuda.Event if cuda else None)
+        self._flat_table = self.block_table.view(-1)
+        # The HostPages laid out in each staging slot, per batch size (refilled each step).
+        self._lists: dict[tuple[int, int], HostPages] = {}
         self._prefill, self._decode = _new_wrappers(self.workspace, self.kernels)
         self._graph_wrappers: dict[int, Any] = {}
-        # Page counts each CUDA-graph wrapper was last planned for (the plan depends on them).
-        self._graph_plans: dict[int, torch.Tensor] = {}
-        # Page counts self._positions holds the gather positions of.
-        self._gathered: torch.Tensor | None = None
+        # Page counts (HostPages.page_counts_key) each CUDA-graph wrapper was last planned for
+        # (the plan depends on them).
+        self._graph_plans: dict[int, bytes] = {}
+        # Page counts self._positions holds the gather positions of, and those whose indptr
+        # self._indptr holds (the graph wrappers of all sizes share it).
+        self._gathered: bytes | None = None
+        self._indptr_holds: bytes | None = None
         # Per wrapper: an event after its last plan. FlashInfer stages a plan in the wrapper's
         # page-locked buffer and copies it to the device asynchronously; the next plan of that
         # wrapper waits for that copy (the previous step's), not for the device to be idle.
@@ -371,9 +479,10 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             self._graph_wrappers[size] = wrapper
         return wrapper
 
-    def _host_pages(self, common: AttentionMetadata, size: int) -> HostPages:
-        """The step's page lists on the host, padded to ``size`` requests (one token each):
-        from the metadata's host copies, else one device read."""
+    def _host_pages(self, common: AttentionMetadata, size: int, out: torch.Tensor) -> HostPages:
+        """The step's page lists on the host, padded to ``size`` requests (one token each),
+        in ``out`` (a staging slot's lists, laid out once per size): from the metadata's host
+        copies, else one device read."""
         n = common.num_seqs
         qo, seq = common.query_start_loc_cpu, common.seq_lens_cpu
         if qo is None or seq is None:
@@ -384,30 +493,28 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             raise ValueError(f"query_start_loc_cpu {tuple(qo.shape)} and seq_lens_cpu "
                              f"{tuple(seq.shape)} must have the shapes of query_start_loc "
                              f"({n + 1},) and seq_lens ({n},)")
-        qo, seq = qo.to(torch.int32), seq.to(torch.int32)
-        if size > n:  # the padding requests of PersistentMetadataBuilder: one token each
-            qo = torch.cat([qo, qo[-1] + torch.arange(1, size - n + 1, dtype=torch.int32)])
-            seq = torch.cat([seq, torch.ones(size - n, dtype=torch.int32)])
-        return HostPages.of(qo, seq, self.spec.block_size, pin=self.device.type == "cuda")
+        pages = self._lists.get((out.data_ptr(), size))
+        if pages is None:
+            pages = self._lists[out.data_ptr(), size] = HostPages.in_buffer(size, out)
+        return pages.refill(qo, seq, self.spec.block_size)
 
-    def _gather_indices(self, pages: HostPages) -> torch.Tensor:
+    def _gather_indices(self, pages: HostPages, counts: bytes, slot: StagingSlot
+                        ) -> torch.Tensor:
         """FlashInfer's ``indices``: the used entries of the persistent block table, gathered
-        on the device (no sync); the gather positions are copied only when the page counts
-        changed."""
-        total = int(pages.indptr[-1])
-        if self._gathered is None or not torch.equal(self._gathered, pages.pages):
+        on the device (no sync); the gather positions are computed (in ``slot``) and copied
+        only when the page counts (``counts``, :meth:`HostPages.page_counts_key`) changed."""
+        indptr = pages.indptr.numpy()
+        total = int(indptr[-1])
+        if counts != self._gathered:
             width = self.block_table.shape[1]
-            counts = pages.pages.to(torch.int64)
-            row_start = torch.arange(pages.num_seqs, dtype=torch.int64) * width
-            flat = (torch.repeat_interleave(row_start - pages.indptr[:-1].to(torch.int64),
-                                            counts, output_size=total)
-                    + torch.arange(total, dtype=torch.int64))
-            if self.device.type == "cuda":
-                flat = flat.pin_memory()
-            self._positions[:total].copy_(flat, non_blocking=True)
-            self._gathered = pages.pages.clone()
+            # position of entry j of request i: i * width + (j - indptr[i])
+            starts = np.arange(pages.num_seqs, dtype=np.int64) * width - indptr[:-1]
+            np.add(np.repeat(starts, pages.pages.numpy()), np.arange(total, dtype=np.int64),
+                   out=slot.arrays["positions"][:total])
+            self._positions[:total].copy_(slot.tensors["positions"][:total], non_blocking=True)
+            self._gathered = counts
         indices = self._indices[:total]
-        torch.index_select(self.block_table.view(-1), 0, self._positions[:total], out=indices)
+        torch.index_select(self._flat_table, 0, self._positions[:total], out=indices)
         return indices
 
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
@@ -417,54 +524,71 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         wrapper.plan(*args, **kwargs)
         self.plans += 1
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
+            if event is None:
+                event = self._plan_events[id(wrapper)] = torch.cuda.Event()
             event.record()
-            self._plan_events[id(wrapper)] = event
 
     def _options(self) -> tuple[tuple, dict]:
         return _plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
                           self.spec.block_size, self.scale, None, self.spec.dtype,
                           self.spec.dtype)
 
-    def _plan_graph_decode(self, size: int, pages: HostPages, indices: torch.Tensor) -> Any:
+    def _plan_graph_decode(self, size: int, pages: HostPages, counts: bytes,
+                           indices: torch.Tensor) -> Any:
         wrapper = self._graph_wrapper(size)
-        planned = self._graph_plans.get(size)
-        if planned is not None and torch.equal(planned, pages.pages):
-            # Same page counts, same plan: refresh what the kernels read.
-            self._indptr[:size + 1].copy_(pages.indptr, non_blocking=True)
+        if self._graph_plans.get(size) == counts:
+            # Same page counts, same plan and same indptr: only the last pages' lengths are
+            # new (indptr too if a step of another size overwrote the shared buffer).
+            if self._indptr_holds != counts:
+                self._indptr[:size + 1].copy_(pages.indptr, non_blocking=True)
+                self._indptr_holds = counts
             self._last_page_len[:size].copy_(pages.last_page_len, non_blocking=True)
             return wrapper
         shape, options = self._options()
+        # FlashInfer copies indptr and last_page_len into the wrapper's buffers (unknown
+        # contents until the plan has returned).
+        self._indptr_holds = None
         self._plan(wrapper, pages.indptr, indices, pages.last_page_len, *shape, **options)
-        self._graph_plans[size] = pages.pages.clone()
+        self._graph_plans[size] = self._indptr_holds = counts
         return wrapper
 
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> FlashInferMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
-        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        fields = {name: getattr(meta, name) for name in _METADATA_FIELDS}
         if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
             return FlashInferMetadata(**fields)
+        slot = self._staging.acquire()
+        try:
+            return self._build(meta, common, fields, graph_batch_size, slot)
+        finally:
+            # After the step's last copy from the slot (ours and those plan enqueued).
+            self._staging.release()
+
+    def _build(self, meta: AttentionMetadata, common: AttentionMetadata, fields: dict,
+               graph_batch_size: int | None, slot: StagingSlot) -> FlashInferMetadata:
         size = meta.num_seqs
-        pages = self._host_pages(common, size)
-        indices = self._gather_indices(pages)
+        pages = self._host_pages(common, size, slot.tensors["lists"])
+        counts = pages.page_counts_key()
+        indices = self._gather_indices(pages, counts, slot)
         planned = dict(dtype=self.spec.dtype)
         if graph_batch_size is not None:
-            wrapper = self._plan_graph_decode(size, pages, indices)
+            wrapper = self._plan_graph_decode(size, pages, counts, indices)
             return FlashInferMetadata(**fields, decode_wrapper=wrapper, num_decodes=size,
                                       planned=(self.scale, None, None), **planned)
         shape, options = self._options()
         k = pages.leading_decodes()
+        qo_indptr, indptr = pages.qo_indptr.numpy(), pages.indptr.numpy()
         decode = prefill = None
         if k:
             decode = self._decode
-            self._plan(decode, pages.indptr[:k + 1], indices[:int(pages.indptr[k])],
+            self._plan(decode, pages.indptr[:k + 1], indices[:int(indptr[k])],
                        pages.last_page_len[:k],
                        *shape, **options)
-        if int(pages.qo_indptr[-1]) > int(pages.qo_indptr[k]):  # query tokens after the decodes
+        if int(qo_indptr[-1]) > int(qo_indptr[k]):  # query tokens after the decodes
             rest = pages.tail(k)
             prefill = self._prefill
-            self._plan(prefill, rest.qo_indptr, rest.indptr, indices[int(pages.indptr[k]):],
+            self._plan(prefill, rest.qo_indptr, rest.indptr, indices[int(indptr[k]):],
                        rest.last_page_len, *shape, causal=meta.causal,
                        seq_lens=rest.seq_lens, **options)
         causal = None if prefill is None else meta.causal
