@@ -5,6 +5,8 @@ config table and the split chooser; the builder's choices reaching the kernel.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kvcore_mla import TritonMLABackend
@@ -163,6 +165,26 @@ def test_the_config_table_rows_are_launchable() -> None:
     assert tma.mla_decode_config(20, "sm80").block_h == 16
     with pytest.raises(ValueError, match="family='tpu' \\(known: sm90"):
         tma.mla_decode_config(16, "tpu")
+
+
+def test_a_table_row_keeps_tma_only_where_it_can_serve_the_cache() -> None:
+    """The sm90 128-head row loads through tensor descriptors; a page size its tile does not
+    divide, or a cache TMA cannot address, takes the same config with pointer loads."""
+    row = tma.mla_decode_config(128, "sm90")
+    has_descriptors = hasattr(tma.tl, "make_tensor_descriptor")
+    assert row.tma == has_descriptors
+    assert tma.mla_decode_config(128, "sm90", page_size=2 * row.block_n).tma == has_descriptors
+    small = tma.mla_decode_config(128, "sm90", page_size=row.block_n // 2)
+    assert not small.tma
+    assert dataclasses.replace(small, tma=row.tma) == row
+    assert not tma.mla_decode_config(128, "sm90", fp8_cache=True).tma
+    if not has_descriptors:
+        pytest.skip("this Triton has no tl.make_tensor_descriptor")
+    cache = torch.empty(4, 64, 576, dtype=torch.bfloat16)
+    assert tma.tma_unmet(cache, 512, row) is None
+    assert "does not divide the cache's page size 32" in tma.tma_unmet(cache[:, :32], 512, row)
+    odd = torch.empty(4 * 64 * 577 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 577)[..., :576]
+    assert "not a multiple of 16 bytes" in tma.tma_unmet(odd, 512, row)
 
 
 def test_the_split_choice_fills_the_gpu_and_no_more() -> None:

@@ -134,8 +134,9 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
                              "tiles that lie in one page; use a block_n that divides the block "
                              "size, or tma=False")
         #: The decode kernel's launch configuration for every decode step.
-        self.decode_config = decode_config or mla_decode_config(num_heads,
-                                                                gpu_family(self.device))
+        self.decode_config = decode_config or mla_decode_config(
+            num_heads, gpu_family(self.device), page_size=spec.block_size,
+            fp8_cache=spec.cache_dtype.itemsize == 1)
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)

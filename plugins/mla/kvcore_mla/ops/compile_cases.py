@@ -77,7 +77,8 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
         if decode:  # as TRITON_MLA's builder does, with the target's table row and SM count
             cap = target.device_capability
             config = mla_decode_config(num_heads, family_of((cap.major, cap.minor),
-                                                            rocm=target.is_rocm))
+                                                            rocm=target.is_rocm),
+                                       page_size=_BLOCK_SIZE, fp8_cache=fp8)
             splits = mla_decode_num_splits(num_seqs, num_heads, max_seq_len, config,
                                            target.num_sms)
         else:

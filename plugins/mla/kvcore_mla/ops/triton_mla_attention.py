@@ -97,6 +97,7 @@ __all__ = [
     "mla_decode_config",
     "mla_decode_num_splits",
     "mla_workspace_numel",
+    "tma_unmet",
 ]
 
 #: Most KV splits one call may use.
@@ -226,10 +227,12 @@ MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # float32 accumulator needs 8 warps); two buffers of 64 latents beside the 64 x 576 query
     # tile take 216 KiB of shared memory. 16-head programs (memory-bound) keep two tiles of 64
     # latents in flight (164 KiB). Both as compiled for sm90 by `kvcore kernels`. From the
-    # H200 sweep (benchmarks/RESULTS.md): the latent in two 256-wide halves (faster at 128
-    # heads) and 4 warps for 16-head programs (faster than 8).
+    # H200 sweeps (benchmarks/RESULTS.md): the latent in two 256-wide halves loaded through
+    # tensor descriptors (TMA; 8-10% faster than pointer loads at 128 heads; caches it cannot
+    # serve take the same config without it, see mla_decode_config) and 4 warps for 16-head
+    # programs (faster than 8).
     "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
-                               split_latent=True)),
+                               split_latent=True, tma=True)),
              (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=4, num_stages=3))),
     # A100 (164 KiB of shared memory a block): 32-head programs at most.
     "sm80": ((32, LaunchConfig(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=2)),
@@ -269,16 +272,37 @@ def family_of(capability: tuple[int, int], *, rocm: bool) -> str:
     return "default"
 
 
-def mla_decode_config(num_heads: int, family: str = "default") -> LaunchConfig:
+def mla_decode_config(num_heads: int, family: str = "default", *,
+                      page_size: int | None = None, fp8_cache: bool = False) -> LaunchConfig:
     """The MLA decode launch configuration of :data:`MLA_DECODE_CONFIGS` for ``num_heads``
     query heads on a GPU of ``family`` (see :func:`gpu_family`); ``block_h`` never exceeds
-    ``num_heads`` rounded up to a power of two (at least 16, as ``tl.dot`` needs)."""
+    ``num_heads`` rounded up to a power of two (at least 16, as ``tl.dot`` needs).
+
+    A row that loads through tensor descriptors (``tma=True``) keeps them only where they
+    can serve: with ``page_size`` given, when ``block_n`` divides it, and when the installed
+    Triton has ``tl.make_tensor_descriptor``; otherwise the same config with ``tma=False``
+    (same result, pointer loads). An fp8 cache (``fp8_cache``) keeps pointer loads too: its
+    tiles are widened in registers, and on sm90 the 128-head program then spills twice as
+    much through descriptors (``kvcore kernels``). The decode entry points given no config
+    also check the cache itself (:func:`tma_unmet`)."""
     if family not in MLA_DECODE_CONFIGS:
         raise ValueError(f"family={family!r} (known: {', '.join(MLA_DECODE_CONFIGS)})")
     rows = MLA_DECODE_CONFIGS[family]
     config = next((c for least, c in rows if num_heads >= least), rows[-1][1])
     block_h = min(config.block_h, max(16, next_power_of_2(num_heads)))
-    return dataclasses.replace(config, block_h=block_h)
+    tma = config.tma and not fp8_cache and hasattr(tl, "make_tensor_descriptor") and (
+        page_size is None or page_size % config.block_n == 0)
+    return dataclasses.replace(config, block_h=block_h, tma=tma)
+
+
+def _table_config(num_heads: int, kv_cache: torch.Tensor, kv_lora_rank: int,
+                  device: torch.device) -> LaunchConfig:
+    """The table's decode config for this cache: its TMA loads only where they can serve it."""
+    config = mla_decode_config(num_heads, gpu_family(device), page_size=kv_cache.shape[1],
+                               fp8_cache=kv_cache.dtype in FP8_DTYPES)
+    if config.tma and tma_unmet(kv_cache, kv_lora_rank, config) is not None:
+        config = dataclasses.replace(config, tma=False)
+    return config
 
 
 def mla_decode_num_splits(num_seqs: int, num_heads: int, max_seq_len: int,
@@ -821,25 +845,23 @@ def _launch(
 _TMA_MAX_ROWS = 2**31 - 1
 
 
-def _tma_rows(kv_cache: torch.Tensor, kv_lora_rank: int,
-              config: LaunchConfig) -> tuple[int, int]:
-    """For the TMA path (``config.tma``): ``(kv_rows, page_rows)``, the cache seen as rows of
-    ``stride(1)`` elements (``kv_rows`` of them, a page every ``page_rows``), after checking
-    what tensor descriptors need; raises ValueError naming the unmet condition and the fix."""
+def tma_unmet(kv_cache: torch.Tensor, kv_lora_rank: int, config: LaunchConfig) -> str | None:
+    """Why the TMA path (``config.tma``) cannot read ``kv_cache`` (3-dim ``(num_pages,
+    page_size, kv_lora_rank + rope)``), as a sentence naming the unmet condition and the fix;
+    ``None`` when it can."""
     if not hasattr(tl, "make_tensor_descriptor"):
-        raise ValueError(f"config.tma=True needs tl.make_tensor_descriptor (Triton 3.4 or "
-                         f"newer); Triton {triton.__version__} lacks it: upgrade Triton or "
-                         "use tma=False")
+        return (f"config.tma=True needs tl.make_tensor_descriptor (Triton 3.4 or newer); Triton "
+                f"{triton.__version__} lacks it: upgrade Triton or use tma=False")
     num_pages, page_size, width = kv_cache.shape
     item = kv_cache.element_size()
     if page_size % config.block_n:
-        raise ValueError(f"config.block_n={config.block_n} does not divide the cache's page "
-                         f"size {page_size}: the TMA path loads tiles that lie in one page "
-                         "(use a block_n that divides the page size, or tma=False)")
+        return (f"config.block_n={config.block_n} does not divide the cache's page size "
+                f"{page_size}: the TMA path loads tiles that lie in one page (use a block_n "
+                "that divides the page size, or tma=False)")
     if kv_cache.stride(2) != 1 and width > 1:
-        raise ValueError(f"kv_cache has last stride {kv_cache.stride(2)}; the TMA path needs "
-                         "contiguous channels (stride 1): pass a cache whose last dim is "
-                         "contiguous, or use tma=False")
+        return (f"kv_cache has last stride {kv_cache.stride(2)}; the TMA path needs contiguous "
+                "channels (stride 1): pass a cache whose last dim is contiguous, or use "
+                "tma=False")
     stride_page, stride_token = kv_cache.stride(0), kv_cache.stride(1)
     unaligned = [what for what, nbytes in (
         (f"base address {kv_cache.data_ptr():#x}", kv_cache.data_ptr()),
@@ -847,19 +869,28 @@ def _tma_rows(kv_cache: torch.Tensor, kv_lora_rank: int,
         (f"rope offset (kv_lora_rank={kv_lora_rank} x {item} bytes)", kv_lora_rank * item),
     ) if nbytes % 16]
     if unaligned:
-        raise ValueError(f"kv_cache's {' and '.join(unaligned)} is not a multiple of 16 bytes, "
-                         "as tensor descriptors (TMA) need: use a 16-byte aligned cache, or "
-                         "tma=False")
+        return (f"kv_cache's {' and '.join(unaligned)} is not a multiple of 16 bytes, as "
+                "tensor descriptors (TMA) need: use a 16-byte aligned cache, or tma=False")
     if stride_token <= 0 or stride_page % stride_token:
-        raise ValueError(f"kv_cache's page stride {stride_page} is not a multiple of its token "
-                         f"stride {stride_token}; the TMA path addresses the cache as rows of "
-                         "the token stride: use tma=False for this layout")
-    page_rows = stride_page // stride_token
-    kv_rows = (num_pages - 1) * page_rows + page_size
-    if kv_rows > _TMA_MAX_ROWS:
-        raise ValueError(f"kv_cache spans {kv_rows} rows of its token stride, past the 2**31 - 1 "
-                         "that TMA coordinates reach: use tma=False for this cache")
-    return kv_rows, page_rows
+        return (f"kv_cache's page stride {stride_page} is not a multiple of its token stride "
+                f"{stride_token}; the TMA path addresses the cache as rows of the token "
+                "stride: use tma=False for this layout")
+    if (num_pages - 1) * (stride_page // stride_token) + page_size > _TMA_MAX_ROWS:
+        return ("kv_cache spans more than 2**31 - 1 rows of its token stride, past what TMA "
+                "coordinates reach: use tma=False for this cache")
+    return None
+
+
+def _tma_rows(kv_cache: torch.Tensor, kv_lora_rank: int,
+              config: LaunchConfig) -> tuple[int, int]:
+    """For the TMA path (``config.tma``): ``(kv_rows, page_rows)``, the cache seen as rows of
+    ``stride(1)`` elements (``kv_rows`` of them, a page every ``page_rows``); raises
+    ValueError with :func:`tma_unmet`'s reason when the cache does not meet its needs."""
+    reason = tma_unmet(kv_cache, kv_lora_rank, config)
+    if reason is not None:
+        raise ValueError(reason)
+    page_rows = kv_cache.stride(0) // kv_cache.stride(1)
+    return (kv_cache.shape[0] - 1) * page_rows + kv_cache.shape[1], page_rows
 
 
 def _torch_scratch(device: torch.device) -> Callable[[int, int, int | None], torch.Tensor]:
@@ -1017,7 +1048,8 @@ def decode_attention_fwd(
                         "(use kvcore_mla.ops.reference.decode_attention_ref)")
     mla = is_mla and k_buffer.shape[2] == 1  # one latent per token: the MLA decode kernel
     if mla:
-        cfg = config or mla_decode_config(q.shape[1], gpu_family(q.device))
+        cfg = config or _table_config(q.shape[1], k_buffer[:, :, 0], v_buffer.shape[3],
+                                      q.device)
     else:
         cfg = config or default_config(q.shape[1], k_buffer.shape[2],
                                        v_buffer.shape[3] if is_mla else k_buffer.shape[3],
@@ -1084,7 +1116,7 @@ def mla_attention(
         num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     decode = max_query_len == 1 and num_tokens == num_seqs
     if decode:
-        cfg = config or mla_decode_config(num_heads, gpu_family(q.device))
+        cfg = config or _table_config(num_heads, kv_cache, kv_lora_rank, q.device)
     else:
         cfg = config or default_config(num_heads, 1, kv_lora_rank, decode=False)
     if decode and cfg.block_q != 1:
