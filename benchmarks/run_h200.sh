@@ -86,8 +86,30 @@ has sanitizer && step sanitizer ${SANITIZER_LIMIT:-200} env TORCH_CUDA_SANITIZER
 # The conformance suite on every GPU backend that is installed (a missing one fails its step).
 conformance=(); for b in ${CONFORMANCE_BACKENDS:-TRITON_ATTN TRITON_ATTN_HND SDPA_GATHER}; do
     conformance+=(--kvcore-backend "$b"); done
-has conformance && test_step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
-    -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda
+# CONFORMANCE_SHARDS=N runs the collected cases in N pytest processes side by side (FlashInfer
+# JIT-compiles a module per case on the CPU: N processes use N cores), each at most
+# CONFORMANCE_LIMIT s, one log per shard.
+if has conformance; then
+    if [ "${CONFORMANCE_SHARDS:-1}" -gt 1 ]; then
+        python3 -m pytest -q --co -p no:cacheprovider -o addopts="" "${conformance[@]}" \
+            --kvcore-device cuda 2>/dev/null | grep '::' > /tmp/conformance_ids
+        echo "=== conformance: $(wc -l < /tmp/conformance_ids) cases in $CONFORMANCE_SHARDS shards"
+        for ((i = 0; i < CONFORMANCE_SHARDS; i++)); do
+            # The suite's module is added by the plugin whatever the arguments: select by -k
+            # on the whole test names (brackets included, so no name matches a longer one).
+            mapfile -t ids < <(awk -v n="$CONFORMANCE_SHARDS" -v i=$i 'NR % n == i' \
+                /tmp/conformance_ids | sed 's/.*:://')
+            expr=$(printf '%s or ' "${ids[@]}")
+            step "conformance_gpu_$i" ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
+                -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda \
+                -k "${expr% or }" &
+        done
+        wait
+    else
+        test_step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
+            -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda
+    fi
+fi
 # FLASHINFER_MLA (FlashInfer carried): its GPU tests, the conformance suite on it, the benchmark.
 if has fimla; then
     test_step fimla_tests ${FIMLA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider \
