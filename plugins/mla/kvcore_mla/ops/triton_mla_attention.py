@@ -143,15 +143,16 @@ class LaunchConfig:
     device, so a launch needs Triton's global scratch allocator: when none is set
     (``triton.set_allocator``), the launch sets a torch one for its own duration only.
     ``lazy_rescale`` moves a program's running row maxima only when a key tile's maximum
-    exceeds them by more than ``_LAZY_RESCALE_TAU`` (``2**8`` in probability, base-2 domain),
+    exceeds them by more than ``_LAZY_RESCALE_TAU`` = 8 (base-2 scores: a factor ``2**8``),
     and then for all its rows at once (one branch for the whole program); other steps take the
     tile's probabilities against the stale maxima and skip the accumulators' rescale, the
     ``[block_h, latent]`` float32 multiply of every step that does not overlap the
     tensor-core dots (it bounds the compute-bound 128-head decode). The probabilities stay at
     most ``2**8`` (exact in float32, in range in fp16/bf16 for the value dot) and the sum
     and the accumulators share the maxima, so the output and the LSE written for the split
-    merge equal the exact path's up to float rounding. It applies to the key loop over
-    whole tiles (the TMA path's partial last tile takes the exact step).
+    merge equal the exact path's up to float rounding. It applies to the default path's key
+    loop (each of its tiles holds a key, so every row has a finite score) and to the TMA path's
+    loop over whole tiles; the TMA path's partial last tile takes the exact step.
     """
 
     block_q: int
@@ -563,8 +564,8 @@ def _lazy_online_softmax(s, m_i, l_i, TAU: tl.constexpr):
     every row at once; otherwise ``p`` is taken against the stale max (``p <= 2**TAU``).
     Returns the max, the sum, ``p``, whether the accumulators must be rescaled (a scalar: the
     same for the whole program, a uniform branch) and their factor ``alpha``. Every row of
-    ``s`` holds a finite score (whole tiles): the first step (``m_i = -inf``) always moves the
-    max, so ``s - m_i`` never meets ``-inf - -inf``."""
+    ``s`` must hold a finite score (a tile with a key): the first step (``m_i = -inf``)
+    always moves the max, so ``s - m_i`` never meets ``-inf - -inf``."""
     m_tile = tl.max(s, 1)
     rescale = tl.max(m_tile - m_i, 0) > TAU
     alpha = tl.zeros_like(m_i) + 1.0
