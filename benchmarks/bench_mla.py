@@ -99,10 +99,9 @@ else:
 PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
 # Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize[,
-# tma[, lazy_rescale]]]]) by head count; the table's own row is always timed first. Many heads
-# (compute-bound): the 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps
-# and the score tile is held by both warpgroups, so smaller key tiles spill less (``kvcore
-# kernels --target sm90``
+# tma]]]) by head count; the table's own row is always timed first. Many heads (compute-bound): the
+# 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps and the score tile is
+# held by both warpgroups, so smaller key tiles spill less (``kvcore kernels --target sm90``
 # reports registers and spills per launch; latent halves spill more, 16 warps spill several
 # hundred bytes and 128-head programs do not compile for lack of registers: both left out),
 # 32-head programs (no spills, the latent read four times per 128 heads), one
@@ -110,23 +109,18 @@ PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
 # more programs an SM (smaller tiles). Compiles
 # dominate the sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90): one process
 # per candidate compiles it first, many at once (``--compile-workers``), filling Triton's disk
-# cache; a candidate whose compiler crashed is left out of the sweep. The table rows with lazy
-# rescaling (``LaunchConfig.lazy_rescale``: the accumulator rescaled only when a row's max grows
-# by more than 2**8, the CUDA-core work that bounds 128 heads) come first, then the TMA
-# candidates (``LaunchConfig.tma``: latent tiles through tensor descriptors, fewer address
-# registers), so the budget never skips them; 64-key tiles take two stages at most (three need
+# cache; a candidate whose compiler crashed is left out of the sweep. The TMA candidates
+# (``LaunchConfig.tma``: latent tiles through tensor descriptors, fewer address registers) come
+# first so the budget never skips them; 64-key tiles take two stages at most (three need
 # ~295 KiB of shared memory beside the query tile, more than an SM has).
 PROD_CANDIDATES = {
-    "many": [(64, 64, 8, 2, True, False, False, True), (64, 64, 8, 2, True, False, True, True),
-             (64, 32, 8, 3, True, False, False, True),
-             (64, 64, 8, 2, True, False, True), (64, 64, 8, 2, False, False, True),
+    "many": [(64, 64, 8, 2, True, False, True), (64, 64, 8, 2, False, False, True),
              (64, 32, 8, 3, False, False, True), (64, 32, 8, 4, False, False, True),
              (64, 32, 8, 4, True, False, True), (64, 16, 8, 4, False, False, True),
              (64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 4), (64, 16, 8, 3),
              (64, 64, 8, 2, True), (64, 32, 8, 3, True), (32, 64, 8, 3), (32, 32, 8, 4),
              (64, 64, 8, 2, False, True)],
-    "few": [(16, 64, 4, 3, False, False, False, True),
-            (16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 4, 3), (16, 32, 8, 5),
+    "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 4, 3), (16, 32, 8, 5),
             (16, 64, 8, 3, True), (32, 32, 8, 3), (16, 16, 4, 8), (16, 64, 8, 3, False, True),
             (16, 64, 4, 3, False, False, True)],
 }
@@ -510,22 +504,21 @@ def time_writes(run: Run) -> None:
 
 
 def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False,
-         warp_specialize: bool = False, tma_loads: bool = False, lazy_rescale: bool = False):
+         warp_specialize: bool = False, tma_loads: bool = False):
     return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
                               num_stages=stages, split_latent=split_latent,
-                              warp_specialize=warp_specialize, tma=tma_loads,
-                              lazy_rescale=lazy_rescale)
+                              warp_specialize=warp_specialize, tma=tma_loads)
 
 
 def _cfg_tuple(cfg) -> tuple:
     return (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.split_latent,
-            cfg.warp_specialize, cfg.tma, cfg.lazy_rescale)
+            cfg.warp_specialize, cfg.tma)
 
 
 def _cfg_name(cfg) -> str:
     return (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             + (" halves" if cfg.split_latent else "") + (" ws" if cfg.warp_specialize else "")
-            + (" tma" if cfg.tma else "") + (" lazy" if cfg.lazy_rescale else ""))
+            + (" tma" if cfg.tma else ""))
 
 
 #: Candidates whose compile crashed the compiler's process (filled by :func:`precompile`).
@@ -810,7 +803,6 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                   split_latent=cfg.split_latent,
                                   warp_specialize=cfg.warp_specialize, tma=cfg.tma,
-                                  lazy_rescale=cfg.lazy_rescale,
                                   programs_per_sm=_programs_per_sm(case, cfg, s)))
         fi = None
         if flashinfer:
@@ -910,7 +902,6 @@ def prod_table(run: Run) -> list[str]:
                      + (", split_latent=True" if c.get("split_latent") else "")
                      + (", warp_specialize=True" if c.get("warp_specialize") else "")
                      + (", tma=True" if c.get("tma") else "")
-                     + (", lazy_rescale=True" if c.get("lazy_rescale") else "")
                      + (f", programs_per_sm={c['programs_per_sm']}"
                         if (c.get("programs_per_sm") or 1) > 1 else "") + "))"
                      + ("" if c.get("programs_per_sm") else

@@ -12,8 +12,6 @@ does; :func:`~kvcore_mla.ops.triton_mla_attention.default_config` for the rest. 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 import kvcore
@@ -56,10 +54,7 @@ def _skip(backend: str, target: CompileTarget, dtype: torch.dtype,
 
 
 def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: int,
-              num_heads: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-              lazy_rescale: bool = False) -> KernelCase:
-    """``lazy_rescale``: the decode table row with ``LaunchConfig.lazy_rescale`` (a candidate
-    of the GPU sweep, not yet a table row)."""
+              num_heads: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KernelCase:
     def launch() -> None:
         from kvcore_mla.ops.triton_mla_attention import (
             default_config,
@@ -84,7 +79,6 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
             config = mla_decode_config(num_heads, family_of((cap.major, cap.minor),
                                                             rocm=target.is_rocm),
                                        page_size=_BLOCK_SIZE, fp8_cache=fp8)
-            config = dataclasses.replace(config, lazy_rescale=lazy_rescale)
             splits = mla_decode_num_splits(num_seqs, num_heads, max_seq_len, config,
                                            target.num_sms)
         else:
@@ -165,16 +159,13 @@ def _indexer_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype,
 
 
 def compile_cases(target: CompileTarget) -> list[KernelCase]:
-    """MLA decode (128 heads, also with lazy rescaling, and 16; split-KV as chosen for the
-    target), mixed prefill+decode, fp8 latent caches, the GQA decode API, the latent and
-    indexer cache writes."""
+    """MLA decode (128 and 16 heads, split-KV as chosen for the target), mixed prefill+decode,
+    fp8 latent caches, the GQA decode API, the latent and indexer cache writes."""
     bf16, fp16 = torch.bfloat16, torch.float16
     mixed = [2048, 2048] + [1] * 62
     return [
         _mla_case(target, "MLA decode 64x4096 H128 bf16", q_lens=[1] * 64, context=4095,
                   num_heads=128, dtype=bf16),
-        _mla_case(target, "MLA decode 64x4096 H128 bf16 lazy rescale", q_lens=[1] * 64,
-                  context=4095, num_heads=128, dtype=bf16, lazy_rescale=True),
         _mla_case(target, "MLA decode 64x4096 H16 bf16", q_lens=[1] * 64, context=4095,
                   num_heads=16, dtype=bf16),
         _mla_case(target, "MLA decode 8x32768 H16 fp16", q_lens=[1] * 8, context=32767,

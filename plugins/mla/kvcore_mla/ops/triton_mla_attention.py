@@ -31,14 +31,8 @@ It needs ``BLOCK_N`` to divide the page size, contiguous channels and 16-byte al
 token stride and rope offset (checked before launch). Full tiles load unmasked; a request's
 last, partial tile loads through two more descriptors whose rows end at the request's last key,
 so the hardware zero-fills the stale rows past it (what the default path's masked loads read),
-in a loop of its own so it too streams to shared memory. A configuration may also rescale
-lazily (``lazy_rescale``, after FlashAttention-4): a program moves its running row maxima only
-when some row's tile maximum exceeds its running one by more than ``_LAZY_RESCALE_TAU`` (8 in
-the base-2 domain), for every row at once, so most key steps skip the ``[BLOCK_H, latent]``
-accumulator rescale (float32 multiplies on the CUDA cores beside the tensor-core dots);
-in between, probabilities are taken against the stale maxima (at most ``2**8``: safe in
-float32 and in the 16-bit dot). ``benchmarks/bench_mla.py`` sweeps these and prints the
-winners as table rows.
+in a loop of its own so it too streams to shared memory. ``benchmarks/bench_mla.py`` sweeps
+these and prints the winners as table rows.
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
@@ -113,9 +107,6 @@ _SPLIT_TARGET_WAVES = 2
 # ... but give every split at least this many keys of the longest request.
 _MIN_SPLIT_TOKENS = 256
 _LOG2E = 1.4426950408889634
-#: ``LaunchConfig.lazy_rescale``'s threshold on the running maximum's growth (base 2): the
-#: probabilities of a step without a rescale are at most ``2**8``.
-_LAZY_RESCALE_TAU = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +134,6 @@ class LaunchConfig:
     raises a ValueError naming what is not met. The kernel builds its descriptors on the
     device, so a launch needs Triton's global scratch allocator: when none is set
     (``triton.set_allocator``), the launch sets a torch one for its own duration only.
-    ``lazy_rescale`` moves a program's running row maxima only when a key tile's maximum
-    exceeds them by more than ``_LAZY_RESCALE_TAU`` = 8 (base-2 scores: a factor ``2**8``),
-    and then for all its rows at once (one branch for the whole program); other steps take the
-    tile's probabilities against the stale maxima and skip the accumulators' rescale, the
-    ``[block_h, latent]`` float32 multiply of every step that does not overlap the
-    tensor-core dots (it bounds the compute-bound 128-head decode). The probabilities stay at
-    most ``2**8`` (exact in float32, in range in fp16/bf16 for the value dot) and the sum
-    and the accumulators share the maxima, so the output and the LSE written for the split
-    merge equal the exact path's up to float rounding. It applies to the default path's key
-    loop (each of its tiles holds a key, so every row has a finite score) and to the TMA path's
-    loop over whole tiles; the TMA path's partial last tile takes the exact step.
     """
 
     block_q: int
@@ -165,7 +145,6 @@ class LaunchConfig:
     warp_specialize: bool = False
     programs_per_sm: int = 1
     tma: bool = False
-    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_h", "block_n"):
@@ -582,27 +561,6 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
-def _lazy_online_softmax(s, m_i, l_i, TAU: tl.constexpr):
-    """:func:`_online_softmax` with lazy rescaling (``LaunchConfig.lazy_rescale``): the running
-    max ``m_i`` moves only when some row's tile max exceeds it by more than ``TAU``, then for
-    every row at once; otherwise ``p`` is taken against the stale max (``p <= 2**TAU``).
-    Returns the max, the sum, ``p``, whether the accumulators must be rescaled (a scalar: the
-    same for the whole program, a uniform branch) and their factor ``alpha``. Every row of
-    ``s`` must hold a finite score (a tile with a key): the first step (``m_i = -inf``)
-    always moves the max, so ``s - m_i`` never meets ``-inf - -inf``."""
-    m_tile = tl.max(s, 1)
-    rescale = tl.max(m_tile - m_i, 0) > TAU
-    alpha = tl.zeros_like(m_i) + 1.0
-    if rescale:
-        m_new = tl.maximum(m_i, m_tile)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        m_i = m_new
-    p = tl.exp2(s - m_i[:, None])
-    return m_i, l_i + tl.sum(p, 1), p, rescale, alpha
-
-
-@triton.jit
 def _mla_decode_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
     k_scale, qk_scale, num_heads, num_head_blocks, num_splits, kv_rows, page_rows,
@@ -615,7 +573,7 @@ def _mla_decode_kernel(
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_LATENT: tl.constexpr, BLOCK_C: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    TMA: tl.constexpr, LAZY_RESCALE: tl.constexpr, RESCALE_TAU: tl.constexpr,
+    TMA: tl.constexpr,
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -701,24 +659,11 @@ def _mla_decode_kernel(
             if D_PE > 0:
                 kpe = pe_desc.load([row, 0]).to(q0.dtype)
                 s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-            if LAZY_RESCALE:
-                m_i, l_i, p, rescale, alpha = _lazy_online_softmax(s * qk_scale, m_i, l_i,
-                                                                   RESCALE_TAU)
-                if rescale:
-                    acc0 = acc0 * alpha[:, None]
-                    if SPLIT_LATENT:
-                        acc1 = acc1 * alpha[:, None]
-                p = p.to(kv0.dtype)
-                acc0 = tl.dot(p, kv0, acc0, input_precision=DOT_PRECISION)
-                if SPLIT_LATENT:
-                    acc1 = tl.dot(p, kv1, acc1, input_precision=DOT_PRECISION)
-            else:
-                m_i, l_i, p, alpha = _online_softmax(s * qk_scale, m_i, l_i)
-                p = p.to(kv0.dtype)
-                acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
-                if SPLIT_LATENT:
-                    acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1,
-                                                          input_precision=DOT_PRECISION)
+            m_i, l_i, p, alpha = _online_softmax(s * qk_scale, m_i, l_i)
+            p = p.to(kv0.dtype)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+            if SPLIT_LATENT:
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
         if (t_lo <= t_full) & (t_full < t_hi):
             # The request's last tile, partly past seq_len, if it is this split's. The rows past
             # seq_len are stale cache bytes (any value, NaN included): descriptors whose rows
@@ -778,27 +723,15 @@ def _mla_decode_kernel(
                 kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
                 s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            if LAZY_RESCALE:  # every tile holds a key: each row of s has a finite score
-                m_i, l_i, p, rescale, alpha = _lazy_online_softmax(s, m_i, l_i, RESCALE_TAU)
-                if rescale:
-                    acc0 = acc0 * alpha[:, None]
-                    if SPLIT_LATENT:
-                        acc1 = acc1 * alpha[:, None]
-                p = p.to(kv0.dtype)
-                acc0 = tl.dot(p, kv0, acc0, input_precision=DOT_PRECISION)
-                if SPLIT_LATENT:
-                    acc1 = tl.dot(p, kv1, acc1, input_precision=DOT_PRECISION)
-            else:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                p = p.to(kv0.dtype)
-                acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
-                if SPLIT_LATENT:
-                    acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1,
-                                                          input_precision=DOT_PRECISION)
-                m_i = m_new
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p.to(kv0.dtype)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+            if SPLIT_LATENT:
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+            m_i = m_new
 
     if FP8:
         acc0 = acc0 * ks
@@ -1046,7 +979,6 @@ def _launch_mla_decode(
         SPLIT_LATENT=config.split_latent,
         BLOCK_C=block_d // 2 if config.split_latent else block_d,
         WARP_SPECIALIZE=config.warp_specialize, TMA=config.tma,
-        LAZY_RESCALE=config.lazy_rescale, RESCALE_TAU=_LAZY_RESCALE_TAU,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), SPLIT=split,
         WRITE_LSE=lse is not None, INTERPRET=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
