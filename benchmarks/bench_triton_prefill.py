@@ -11,7 +11,7 @@ One run does, in order, each section isolated (an error is logged and the run go
 3. the prefill sweep: every candidate of :func:`prefill_candidates`
    (:class:`~kvcore.ops.triton_attention.PrefillTile`: rows = query tokens x padded GQA
    group, keys per step, warps, stages, and the kernel variants ``const_block``,
-   ``edge_stages``, ``warp_specialize``, ``lazy_rescale``) on every case; us and TFLOP/s. The
+   ``edge_stages``, ``warp_specialize``) on every case; us and TFLOP/s. The
    ``warp_specialize`` candidates are first compiled in a child process
    (``--probe-warp-specialize``), so a Triton that crashes on them cannot end this run;
 4. the decode sweep on the four decode shapes through the production entry point
@@ -97,14 +97,11 @@ def triton_attention():
 
 
 def prefill_candidates() -> list:
-    """The prefill candidates, the current table row first, then ``lazy_rescale`` on it and
-    on the strongest shapes (early, so a ``--budget-s`` cut leaves them in), tile shapes
-    around it, then the kernel variants on the strongest shapes (warp-specialised ones
-    last)."""
+    """The prefill candidates, the current table row first: tile shapes around it, then the
+    kernel variants on the strongest shapes (warp-specialised ones last)."""
     tile = triton_attention().PrefillTile
     if SMOKE:
         return [tile(32, 16, 4, 2), tile(16, 32, 4, 2, const_block=True, edge_stages=1),
-                tile(16, 16, 4, 2, const_block=True, edge_stages=1, lazy_rescale=True),
                 tile(32, 16, 4, 2, const_block=True, warp_specialize=True)]
     # Compiled for sm_90a by Triton 3.9 with its register report (compile_check), the
     # 128 x 32 x 4 x 3 tile (the sm90 row before 256 x 32 x 8 x 3) uses 255 registers and
@@ -114,9 +111,6 @@ def prefill_candidates() -> list:
               tile(64, 64, 4, 3), tile(128, 32, 4, 3, const_block=True),
               tile(128, 32, 4, 3, edge_stages=1)]
     c, e = dict(const_block=True), dict(const_block=True, edge_stages=1)
-    el = dict(e, lazy_rescale=True)
-    lazy = [dataclasses.replace(table_rows()[0], lazy_rescale=True), tile(128, 64, 8, 3, **el),
-            tile(128, 128, 8, 2, **el), tile(256, 64, 8, 2, **el), tile(256, 32, 8, 4, **el)]
     variants = [tile(128, 32, 4, 3, **e), tile(128, 32, 4, 4, **e), tile(128, 32, 4, 2, **e),
                 tile(64, 32, 4, 3, **e), tile(64, 32, 4, 4, **e), tile(64, 64, 4, 3, **e),
                 tile(64, 64, 4, 2, **e), tile(128, 64, 8, 3, **e), tile(128, 64, 8, 2, **e),
@@ -126,7 +120,7 @@ def prefill_candidates() -> list:
                    tile(64, 32, 4, 3, **e, warp_specialize=True),
                    tile(128, 64, 8, 3, **e, warp_specialize=True),
                    tile(128, 128, 8, 2, **e, warp_specialize=True)]
-    return list(dict.fromkeys([table_rows()[0], *lazy, *shapes, *variants, *specialised]))
+    return list(dict.fromkeys([table_rows()[0], *shapes, *variants, *specialised]))
 
 
 def table_rows() -> tuple:
@@ -225,8 +219,7 @@ def config_for(tile):
                               block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                               num_stages=tile.num_stages, prefill=True,
                               const_block=tile.const_block, edge_stages=tile.edge_stages,
-                              warp_specialize=tile.warp_specialize,
-                              lazy_rescale=tile.lazy_rescale)
+                              warp_specialize=tile.warp_specialize)
 
 
 def tile_of(cfg) -> str:
@@ -234,7 +227,7 @@ def tile_of(cfg) -> str:
     ta = triton_attention()
     return label(ta.PrefillTile(cfg.block_q * cfg.g_pad, cfg.block_n, cfg.num_warps,
                                 cfg.num_stages, cfg.const_block, cfg.edge_stages,
-                                cfg.warp_specialize, cfg.lazy_rescale))
+                                cfg.warp_specialize))
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

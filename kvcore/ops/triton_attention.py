@@ -58,10 +58,7 @@ lookup (:func:`_page_ids`, :func:`_in_page`). ``AttentionConfig.const_block`` co
 block size in (shifts instead of integer divisions per key row); the prefill kernel can also
 pipeline its masked edge loops at their own depth (``edge_stages``) and warp-specialise its
 unmasked loop (``warp_specialize``, where Triton has it). They change speed only, never the
-result; the tables say which ones a GPU uses. ``lazy_rescale`` (unmasked loop) moves the
-online softmax's running maximum only when a tile's maximum exceeds it by more than 8 (log2
-units) and skips the accumulator rescale in the other steps, for the whole program (one
-uniform branch): the result equals the exact path up to float rounding.
+result; the tables say which ones a GPU uses.
 
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
@@ -122,10 +119,6 @@ SUPPORTED_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
-#: ``lazy_rescale``: how far (log2 units) a row's maximum may exceed the running maximum
-#: before it moves; un-normalised probabilities stay <= 2**8: no overflow in fp32 (nor in
-#: the fp16 operand of the P x V dot), and the same relative precision as p <= 1.
-_LAZY_TAU = tl.constexpr(8.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,16 +135,6 @@ class AttentionConfig:
     (causal diagonal, window edge) that deep instead of ``num_stages``, and
     ``warp_specialize`` asks Triton to warp-specialise the unmasked key loop (needs a Triton
     whose ``tl.range`` takes ``warp_specialize``: :func:`warp_specialize_supported`).
-
-    ``lazy_rescale`` (prefill kernel, unmasked key loop): the online softmax moves a row's
-    running maximum only when a key tile's maximum exceeds it by more than 8 (log2 units),
-    and rescales the fp32 accumulator (``acc * alpha``, a CUDA-core pass over the whole
-    ``BLOCK_M x head_size`` tile per key step) only in the steps where some row of the
-    program needs it; the other steps take the probabilities against the stale maximum
-    (at most ``2**8``: no overflow in fp32 or fp16, and as bf16/fp16 dot operands the same
-    relative precision as probabilities <= 1). Probabilities and their sum share the
-    reference maximum, so the result equals the exact path up to float rounding (not bit for
-    bit, unlike the other variants). The masked edge loops keep the exact update.
     """
 
     block_q: int
@@ -164,7 +147,6 @@ class AttentionConfig:
     const_block: bool = False
     edge_stages: int = 0
     warp_specialize: bool = False
-    lazy_rescale: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +154,7 @@ class PrefillTile:
     """One entry of :data:`PREFILL_TILES`: ``rows`` = query tokens x padded GQA group per
     program, ``block_n`` keys per step, the launch's warps and pipeline stages, and the
     kernel variants of :class:`AttentionConfig` (``const_block``, ``edge_stages``,
-    ``warp_specialize``, ``lazy_rescale``: skip the accumulator rescale in the key steps
-    where no row's maximum moved by more than 8 (log2 units); equal to the exact path up to
-    float rounding)."""
+    ``warp_specialize``)."""
 
     rows: int
     block_n: int
@@ -183,7 +163,6 @@ class PrefillTile:
     const_block: bool = False
     edge_stages: int = 0
     warp_specialize: bool = False
-    lazy_rescale: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,14 +426,10 @@ def _prefill_step(
     stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Key tile ``t`` of one query tile (its block ids ``page``); returns the updated state
-    and the next tile's block ids. ``LAZY_RESCALE`` (unmasked tiles only): the running
-    maximum ``m_i`` moves only when some row's tile maximum exceeds it by more than
-    ``_LAZY_TAU`` (log2 units), and then for all rows with one rescale of ``acc`` and ``l_i``;
-    otherwise ``p`` is taken against the stale ``m_i`` (so ``p <= 2**_LAZY_TAU``) and the
-    ``acc * alpha`` pass is skipped for the whole program."""
+    and the next tile's block ids."""
     k_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
     page64 = page.to(tl.int64)
     # The next tile's page ids, carried: the K/V addresses below depend only on loop-carried
@@ -495,33 +470,16 @@ def _prefill_step(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    elif LAZY_RESCALE:
-        # Every score of an unmasked tile is finite, so m_tile is; m_i is -inf only before a
-        # row's first key (the difference is then +inf, the branch is taken, alpha is 0).
-        m_tile = tl.max(s, 1) * qk_scale
-        if tl.max(m_tile - m_i, 0) > _LAZY_TAU:
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        # p and l_i share the (possibly stale) reference m_i, so acc / l_i stays exact.
-        p = tl.exp2(s * qk_scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
     else:
         # qk_scale > 0 (validated), so the row maximum of the scaled scores is the scaled
         # maximum, and the scale folds into one multiply-add per score.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_i, page
+    return acc, l_i, m_new, page
 
 
 @triton.jit
@@ -533,15 +491,13 @@ def _prefill_tiles(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Key tiles ``lo <= t < hi`` of one query tile. ``MASKED=False`` tiles are entirely
     visible to every query of the tile (no mask, no load guard); ``MASKED`` ones (the causal
     diagonal, the window's lower edge, the tail past ``kv_end``) mask scores and loads.
     ``STAGES`` > 0 pipelines this loop that deep instead of the launch's ``num_stages``;
-    ``WARP_SPECIALIZE`` asks Triton for producer/consumer warps (Hopper and later);
-    ``LAZY_RESCALE`` (unmasked tiles) moves the running maximum only past a threshold
-    (:func:`_prefill_step`)."""
+    ``WARP_SPECIALIZE`` asks Triton for producer/consumer warps (Hopper and later)."""
     page = _page_ids(bt_row, lo * BLOCK_N + tl.arange(0, BLOCK_N), kv_end, block_size,
                      stride_btb, PAGE)
     if WARP_SPECIALIZE:
@@ -552,8 +508,7 @@ def _prefill_tiles(
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
                 MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
-                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE,
-                LAZY_RESCALE=LAZY_RESCALE)
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
     elif STAGES > 0:
         for t in tl.range(lo, hi, num_stages=STAGES):
             acc, l_i, m_i, page = _prefill_step(
@@ -562,8 +517,7 @@ def _prefill_tiles(
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
                 MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
-                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE,
-                LAZY_RESCALE=LAZY_RESCALE)
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
     else:
         for t in range(lo, hi):
             acc, l_i, m_i, page = _prefill_step(
@@ -572,8 +526,7 @@ def _prefill_tiles(
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
                 MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
-                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE,
-                LAZY_RESCALE=LAZY_RESCALE)
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
     return acc, l_i, m_i
 
 
@@ -593,7 +546,7 @@ def _prefill_attention_kernel(
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, PAGE: tl.constexpr, EDGE_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Last tiles first: under a causal mask they have the most keys, and the short ones then
@@ -643,21 +596,21 @@ def _prefill_attention_kernel(
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
             EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
-            PAGE=PAGE, STAGES=EDGE_STAGES, WARP_SPECIALIZE=False, LAZY_RESCALE=False)
+            PAGE=PAGE, STAGES=EDGE_STAGES, WARP_SPECIALIZE=False)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
         d_valid, full_lo, full_hi, kv_end, block_size, sliding_window, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
         stride_vd, stride_btb, MASKED=False, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
         EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
-        PAGE=PAGE, STAGES=0, WARP_SPECIALIZE=WARP_SPECIALIZE, LAZY_RESCALE=LAZY_RESCALE)
+        PAGE=PAGE, STAGES=0, WARP_SPECIALIZE=WARP_SPECIALIZE)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
         d_valid, full_hi, hi, kv_end, block_size, sliding_window, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
         stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
         EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
-        PAGE=PAGE, STAGES=EDGE_STAGES, WARP_SPECIALIZE=False, LAZY_RESCALE=False)
+        PAGE=PAGE, STAGES=EDGE_STAGES, WARP_SPECIALIZE=False)
 
     if FP8:
         acc = acc * vs
@@ -802,8 +755,7 @@ def default_config(
                                block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                                num_stages=tile.num_stages, prefill=True,
                                const_block=tile.const_block, edge_stages=tile.edge_stages,
-                               warp_specialize=tile.warp_specialize,
-                               lazy_rescale=tile.lazy_rescale)
+                               warp_specialize=tile.warp_specialize)
     # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), split prefill tiles 128
     # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill).
     rows = 16 if decode_only else (128 if head_size <= 128 else 64)
@@ -915,11 +867,10 @@ def paged_attention(
     if cfg.prefill and cfg.num_splits != 1:
         raise ValueError(f"config has prefill=True and num_splits={cfg.num_splits}: the "
                          "prefill kernel does not split keys (set num_splits=1 or prefill=False)")
-    if not cfg.prefill and (cfg.edge_stages or cfg.warp_specialize or cfg.lazy_rescale):
-        raise ValueError(f"config has edge_stages={cfg.edge_stages}, warp_specialize="
-                         f"{cfg.warp_specialize} and lazy_rescale={cfg.lazy_rescale} with "
-                         "prefill=False: only the prefill kernel has these variants (set "
-                         "prefill=True or leave them at 0/False)")
+    if not cfg.prefill and (cfg.edge_stages or cfg.warp_specialize):
+        raise ValueError(f"config has edge_stages={cfg.edge_stages} and warp_specialize="
+                         f"{cfg.warp_specialize} with prefill=False: only the prefill kernel "
+                         "has these variants (set prefill=True or leave them at 0/False)")
     if cfg.warp_specialize and not warp_specialize_supported():
         raise ValueError(f"config has warp_specialize=True but Triton {triton.__version__}'s "
                          "tl.range does not take warp_specialize (Triton >= 3.4 does); set "
@@ -960,7 +911,6 @@ def paged_attention(
             BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             EVEN_D=block_d == head_size, PAGE=block_size if cfg.const_block else 0,
             EDGE_STAGES=cfg.edge_stages, WARP_SPECIALIZE=cfg.warp_specialize,
-            LAZY_RESCALE=cfg.lazy_rescale,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out

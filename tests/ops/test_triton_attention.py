@@ -337,91 +337,6 @@ def test_prefill_kernel_variants_equal_the_plain_kernel(case: str, variant: str)
         assert torch.equal(out, plain)
 
 
-#: lazy_rescale alone and on the sweep's variant set (block size compiled in, one edge stage).
-LAZY_VARIANTS = {
-    "lazy": dict(lazy_rescale=True),
-    "lazy-const-block-edge-stages1": dict(lazy_rescale=True, const_block=True, edge_stages=1),
-}
-
-
-@pytest.mark.parametrize("variant", list(LAZY_VARIANTS))
-@pytest.mark.parametrize("case", list(VARIANT_CASES))
-def test_prefill_lazy_rescale_matches_the_references(case: str, variant: str) -> None:
-    """``lazy_rescale`` on the variant cases (causal GQA over chunked and fresh prefills, a
-    window, non-causal, fp8): equal to the references up to rounding, not bit for bit."""
-    batch, kwargs, base = _variant_batch(case)
-    out = triton_attention.paged_attention(
-        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), **kwargs,
-        config=dataclasses.replace(base, **LAZY_VARIANTS[variant]))
-    check_against_references(out, batch, **kwargs)
-    if DEVICE == "cpu" and case == "window20-gqa4-bs16-n16-fp32":
-        # The stale maximum rounds differently from the exact path: proof that the flag
-        # reaches the kernel (an fp32 output shows the last-bit differences).
-        plain = triton_attention.paged_attention(
-            batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), **kwargs,
-            config=base)
-        assert not torch.equal(out, plain)
-
-
-def _ramp_batch(dtype: torch.dtype, slope: float) -> Batch:
-    """Chunked prefills over long cached prefixes (and a fresh one) whose scores grow by
-    ``slope`` (log2 units) per key position on top of the random ones: query dim 0 is 4, key
-    dim 0 a ramp over the position."""
-    q_ctx = [(24, 420), (9, 380), (40, 0)]
-    batch = make_batch(_seed(f"lazy-ramp-{dtype}"), q_lens=[q for q, _ in q_ctx],
-                       seq_lens=[q + c for q, c in q_ctx], num_heads=4, num_kv_heads=1,
-                       head_size=32, block_size=16, dtype=dtype)
-    batch.query[..., 0] = 4.0
-    step = slope / (4.0 * batch.scale * 1.4426950408889634)
-    bs = batch.key_cache.shape[1]
-    for i, length in enumerate(batch.seq_lens.tolist()):
-        pos = torch.arange(length, device=batch.key_cache.device)
-        blocks = batch.block_table[i, pos // bs].long()
-        batch.key_cache[blocks, pos % bs, :, 0] = (step * pos.float()).to(dtype)[:, None]
-    return batch
-
-
-def _score_growth(batch: Batch, sliding_window: int | None, block_n: int) -> float:
-    """The largest growth (log2 units) of a query row's maximum score from its first
-    ``block_n`` visible keys to all its visible keys (reference scores, causal)."""
-    growth = 0.0
-    qsl, bs = batch.query_start_loc.tolist(), batch.key_cache.shape[1]
-    for i, length in enumerate(batch.seq_lens.tolist()):
-        pos = torch.arange(length, device=batch.key_cache.device)
-        k = batch.key_cache[batch.block_table[i, pos // bs].long(), pos % bs].double()
-        q = batch.query[qsl[i]:qsl[i + 1]].double()
-        heads = q.shape[1] // k.shape[1]
-        s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(heads, 1))
-        s = s * batch.scale * 1.4426950408889634
-        q_pos = torch.arange(length - q.shape[0], length, device=pos.device)[:, None]
-        visible = pos[None, :] <= q_pos
-        if sliding_window is not None:
-            visible &= q_pos - pos[None, :] < sliding_window
-        for row in range(q.shape[0]):
-            keys = visible[row].nonzero()[:, 0]
-            first = s[:, row, keys[:block_n]].amax()
-            growth = max(growth, (s[:, row, keys].amax() - first).item())
-    return growth
-
-
-@pytest.mark.parametrize("window", [None, 360], ids=["causal", "window360"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
-def test_prefill_lazy_rescale_moves_the_maximum_mid_loop(dtype: torch.dtype,
-                                                         window: int | None) -> None:
-    """Scores rising 0.4 (log2 units) per key: 6.4 per 16-key tile, so the running maximum
-    moves every tile or two (the threshold is 8) and stays put in between, and by more than
-    128 over a row's keys, so a kernel that stopped moving it would overflow float32."""
-    batch = _ramp_batch(dtype, slope=0.4)
-    assert _score_growth(batch, window, block_n=16) > 128
-    cfg = dataclasses.replace(_prefill_config(32, 16, 4, 1), lazy_rescale=True)
-    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                           **batch.kwargs(), sliding_window=window,
-                                           config=cfg)
-    assert out.isfinite().all()
-    check_against_references(out, batch, sliding_window=window)
-
-
 @pytest.mark.parametrize(("splits", "block_n"), [(1, 32), (3, 32), (3, 64)],
                          ids=["unsplit", "split", "split-64-keys"])
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -445,13 +360,10 @@ def test_decode_kernel_with_the_block_size_compiled_in(splits: int, block_n: int
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    (dict(edge_stages=2), "edge_stages=2, warp_specialize=False and lazy_rescale=False with "
-                          "prefill=False"),
+    (dict(edge_stages=2), "edge_stages=2 and warp_specialize=False with prefill=False"),
     (dict(warp_specialize=True), "only the prefill kernel has these variants"),
-    (dict(lazy_rescale=True), "lazy_rescale=True with prefill=False"),
     (dict(prefill=True, edge_stages=-1), "edge_stages=-1; it must be >= 0"),
-], ids=["edge-stages-on-decode", "warp-specialize-on-decode", "lazy-rescale-on-decode",
-        "negative-edge-stages"])
+], ids=["edge-stages-on-decode", "warp-specialize-on-decode", "negative-edge-stages"])
 def test_variant_configs_the_kernel_cannot_run_are_refused(change: dict, match: str) -> None:
     batch = make_batch(_seed("variant-refused"), q_lens=[4], seq_lens=[9], num_heads=2,
                        num_kv_heads=1, head_size=32, block_size=16, dtype=torch.float32)
@@ -476,7 +388,7 @@ def test_default_configs_come_from_the_tables(monkeypatch) -> None:
     heuristic for that GPU, and only for it."""
     cfg, cpu = triton_attention.default_config, torch.device("cpu")
     prefill = triton_attention.PrefillTile(64, 64, 8, 2, const_block=True, edge_stages=1,
-                                           warp_specialize=True, lazy_rescale=True)
+                                           warp_specialize=True)
     decode = triton_attention.DecodeTile(block_n=64, num_warps=8, num_stages=2,
                                          const_block=True, split_waves=1,
                                          min_split_tokens=2048)
@@ -485,8 +397,7 @@ def test_default_configs_come_from_the_tables(monkeypatch) -> None:
     monkeypatch.setitem(triton_attention.DECODE_TILES, "sm90", decode)
     p = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132)
     assert (p.block_q * p.g_pad, p.block_n, p.num_warps, p.num_stages, p.const_block,
-            p.edge_stages, p.warp_specialize, p.lazy_rescale) == (64, 64, 8, 2, True, 1, True,
-                                                                  True)
+            p.edge_stages, p.warp_specialize) == (64, 64, 8, 2, True, 1, True)
     d = cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132)
     # 128 programs, 1 wave of 132 SMs: split by the table's 1 wave (1 split), not 4 (4).
     assert (d.block_n, d.num_warps, d.num_stages, d.const_block, d.num_splits) == \
