@@ -561,6 +561,32 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def _tma_tile(q0, q1, q_pe, nope_desc, pe_desc, row, m_i, l_i, acc0, acc1, valid, qk_scale,
+              D_PE: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_LATENT: tl.constexpr,
+              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One latent tile of the TMA path: ``BLOCK_N`` rows from ``row`` of the descriptors,
+    read once as keys (scores against the head group) and values (``acc += p x latent``).
+    ``MASKED``: scores of keys where ``valid`` is False are dropped (a request's last tile)."""
+    kv0 = nope_desc.load([row, 0]).to(q0.dtype)
+    s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+    if SPLIT_LATENT:
+        kv1 = nope_desc.load([row, BLOCK_C]).to(q0.dtype)
+        s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
+    if D_PE > 0:
+        kpe = pe_desc.load([row, 0]).to(q0.dtype)
+        s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
+    p = p.to(kv0.dtype)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
+    if SPLIT_LATENT:
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc0, acc1
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
     k_scale, qk_scale, num_heads, num_head_blocks, num_splits, kv_rows, page_rows,
@@ -602,6 +628,10 @@ def _mla_decode_kernel(
     EVEN_D: tl.constexpr = BLOCK_D == D_NOPE
     q_rows = q_ptr + seq * stride_qb + heads64 * stride_qh
     q0 = _load_query(q_rows, c0, stride_qd, h_valid, D_NOPE, INTERPRET)
+    # Placeholders where a part is absent (never read: the constexpr flags skip it), so the
+    # tile helpers take one signature.
+    q1 = q0
+    q_pe = q0
     if SPLIT_LATENT:
         q1 = _load_query(q_rows, c1, stride_qd, h_valid, D_NOPE, INTERPRET)
     if D_PE > 0:
@@ -617,6 +647,7 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    acc1 = 0.0  # a scalar placeholder: no second accumulator carried without SPLIT_LATENT
     if SPLIT_LATENT:
         acc1 = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     bt_row = block_table_ptr + seq * stride_btb
@@ -639,6 +670,7 @@ def _mla_decode_kernel(
         nope_desc = tl.make_tensor_descriptor(kv_ptr, shape=[kv_rows, D_NOPE],
                                               strides=[stride_ks, 1],
                                               block_shape=[BLOCK_N, BLOCK_C])
+        pe_desc = nope_desc
         if D_PE > 0:
             pe_desc = tl.make_tensor_descriptor(kv_ptr + D_NOPE, shape=[kv_rows, D_PE],
                                                 strides=[stride_ks, 1],
@@ -651,19 +683,10 @@ def _mla_decode_kernel(
             row = page_next.to(tl.int32) * page_rows + start % PAGE_SIZE
             page_next = tl.load(bt_row + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp,
                                 mask=t + 1 < t_hi, other=0)
-            kv0 = nope_desc.load([row, 0]).to(q0.dtype)
-            s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
-            if SPLIT_LATENT:
-                kv1 = nope_desc.load([row, BLOCK_C]).to(q0.dtype)
-                s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
-            if D_PE > 0:
-                kpe = pe_desc.load([row, 0]).to(q0.dtype)
-                s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-            m_i, l_i, p, alpha = _online_softmax(s * qk_scale, m_i, l_i)
-            p = p.to(kv0.dtype)
-            acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
-            if SPLIT_LATENT:
-                acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+            m_i, l_i, acc0, acc1 = _tma_tile(
+                q0, q1, q_pe, nope_desc, pe_desc, row, m_i, l_i, acc0, acc1, offs_n, qk_scale,
+                D_PE=D_PE, BLOCK_C=BLOCK_C, SPLIT_LATENT=SPLIT_LATENT, MASKED=False,
+                DOT_PRECISION=DOT_PRECISION)
         if (t_lo <= t_full) & (t_full < t_hi):
             # The request's last tile, partly past seq_len, if it is this split's. The rows past
             # seq_len are stale cache bytes (any value, NaN included): descriptors whose rows
@@ -675,27 +698,17 @@ def _mla_decode_kernel(
             tail_nope = tl.make_tensor_descriptor(tail, shape=[seq_len - start, D_NOPE],
                                                   strides=[stride_ks, 1],
                                                   block_shape=[BLOCK_N, BLOCK_C])
+            tail_pe = tail_nope
             if D_PE > 0:
                 tail_pe = tl.make_tensor_descriptor(tail + D_NOPE, shape=[seq_len - start, D_PE],
                                                     strides=[stride_ks, 1],
                                                     block_shape=[BLOCK_N, BLOCK_PE])
             for t in tl.range(t_full, t_hi):
-                row = (t - t_full) * BLOCK_N  # 0: the loop's one tile
-                kv0 = tail_nope.load([row, 0]).to(q0.dtype)
-                s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
-                if SPLIT_LATENT:
-                    kv1 = tail_nope.load([row, BLOCK_C]).to(q0.dtype)
-                    s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
-                if D_PE > 0:
-                    kpe = tail_pe.load([row, 0]).to(q0.dtype)
-                    s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-                valid = t * BLOCK_N + offs_n < seq_len
-                m_i, l_i, p, alpha = _online_softmax(
-                    tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
-                p = p.to(kv0.dtype)
-                acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
-                if SPLIT_LATENT:
-                    acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
+                m_i, l_i, acc0, acc1 = _tma_tile(
+                    q0, q1, q_pe, tail_nope, tail_pe, (t - t_full) * BLOCK_N,  # 0: one tile
+                    m_i, l_i, acc0, acc1, t * BLOCK_N + offs_n < seq_len, qk_scale,
+                    D_PE=D_PE, BLOCK_C=BLOCK_C, SPLIT_LATENT=SPLIT_LATENT, MASKED=True,
+                    DOT_PRECISION=DOT_PRECISION)
     else:
         for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPECIALIZE):
             start = t * BLOCK_N
