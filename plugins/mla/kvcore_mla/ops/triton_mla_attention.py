@@ -230,7 +230,11 @@ MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # H200 sweeps (benchmarks/RESULTS.md): the latent in two 256-wide halves loaded through
     # tensor descriptors (TMA; 8-10% faster than pointer loads at 128 heads; caches it cannot
     # serve take the same config without it, see mla_decode_config) and 4 warps for 16-head
-    # programs (faster than 8).
+    # programs (faster than 8). What bounds the 64-head program: Triton lays a dot that feeds
+    # another dot (scores -> p x latent) with every warp along M, so on 64 rows both
+    # warpgroups issue the same score wgmmas (about half the FLOPs run twice); splitting the
+    # roles between warpgroups, as FlashMLA does, needs explicit warpgroup control (Gluon or
+    # CUDA C++), not a table row.
     "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
                                split_latent=True, tma=True)),
              (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=4, num_stages=3))),
