@@ -136,3 +136,13 @@ def decode_reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
     decode_attention_ref(q.double(), c, c[..., :rank], o, lse, table, lens, None, 1, scale,
                          cache.shape[1], True)
     return o, lse
+
+
+def assert_decode_close(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor,
+                        cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                        dtype: torch.dtype, rank: int = DECODE_RANK, scale: float = 0.1) -> None:
+    """``(o, lse)`` of :func:`run_decode` against :func:`decode_reference` on ``cache`` (the
+    values the kernel should see), within ``dtype``'s tolerance."""
+    o_ref, lse_ref = decode_reference(q, cache, table, lens, rank=rank, scale=scale)
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, dtype, "lse")

@@ -16,10 +16,10 @@ from mla_helpers import (
     DECODE_ROPE,
     DEVICE,
     assert_close,
+    assert_decode_close,
     block_tables,
     cross_layer_view,
     decode_case,
-    decode_reference,
     generator,
     randn,
     run_decode,
@@ -27,7 +27,7 @@ from mla_helpers import (
 
 import kvcore
 
-tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+kernels = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
 
 RANK, ROPE = DECODE_RANK, DECODE_ROPE
 LENS = [0, 1, 17, 64, 130]  # empty, one token, inside a page, a page boundary, several pages
@@ -35,7 +35,7 @@ LENS = [0, 1, 17, 64, 130]  # empty, one token, inside a page, a page boundary, 
 
 def _config(block_h: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
             split_latent: bool = False):
-    return tma.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=num_warps,
+    return kernels.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=num_warps,
                             num_stages=num_stages, split_latent=split_latent)
 
 
@@ -52,9 +52,7 @@ def test_mla_decode_matches_float64_reference(heads, block_h, block_n, page, spl
     gen = generator("mla-decode-kernel", heads, block_h, block_n, page, splits)
     q, cache, table, lens = decode_case(gen, heads, page, LENS)
     o, lse = run_decode(q, cache, table, lens, splits, _config(block_h, block_n))
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, torch.float32, "o")
-    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
 
 
@@ -63,9 +61,7 @@ def test_mla_decode_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     gen = generator("mla-decode-kernel-dtype", dtype)
     q, cache, table, lens = decode_case(gen, 16, 16, [50, 9, 33], dtype)
     o, lse = run_decode(q, cache, table, lens, 2, _config(16, 32))
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, dtype, "o")
-    assert_close(lse, lse_ref, dtype, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, dtype)
 
 
 @pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
@@ -81,9 +77,7 @@ def test_mla_decode_split_latent_matches_float64_reference(heads, block_h, block
     q, cache, table, lens = decode_case(gen, heads, page, LENS)
     o, lse = run_decode(q, cache, table, lens, splits,
                      _config(block_h, block_n, split_latent=True))
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, torch.float32, "o")
-    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
 
 
@@ -93,12 +87,10 @@ def test_mla_decode_warp_specialized_loop_matches_float64_reference(split_latent
     it is; the GPU tests compile it) and changes no result."""
     gen = generator("mla-decode-kernel-ws", split_latent)
     q, cache, table, lens = decode_case(gen, 16, 16, LENS)
-    config = tma.LaunchConfig(block_q=1, block_h=16, block_n=16, num_warps=4, num_stages=2,
+    config = kernels.LaunchConfig(block_q=1, block_h=16, block_n=16, num_warps=4, num_stages=2,
                               split_latent=split_latent, warp_specialize=True)
     o, lse = run_decode(q, cache, table, lens, 2, config)
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, torch.float32, "o")
-    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -106,9 +98,7 @@ def test_mla_decode_split_latent_low_precision_within_tolerance(dtype: torch.dty
     gen = generator("mla-decode-kernel-halves-dtype", dtype)
     q, cache, table, lens = decode_case(gen, 16, 16, [50, 9, 33], dtype)
     o, lse = run_decode(q, cache, table, lens, 2, _config(16, 32, split_latent=True))
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, dtype, "o")
-    assert_close(lse, lse_ref, dtype, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, dtype)
 
 
 @pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
@@ -118,9 +108,7 @@ def test_mla_decode_fp8_cache_within_tolerance(split_latent: bool) -> None:
     fp8 = cache.to(torch.float8_e4m3fn)
     o, lse = run_decode(q, fp8, table, lens, 2, _config(16, 16, split_latent=split_latent),
                      k_scale=0.5, v_scale=0.5)
-    o_ref, lse_ref = decode_reference(q, fp8.double() * 0.5, table, lens)
-    assert_close(o, o_ref, torch.bfloat16, "o")
-    assert_close(lse, lse_ref, torch.bfloat16, "lse")
+    assert_decode_close(o, lse, q, fp8.double() * 0.5, table, lens, torch.bfloat16)
 
 
 @pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
@@ -147,71 +135,71 @@ def test_mla_attention_decode_path_takes_the_decode_kernel() -> None:
                                            device=DEVICE)
     args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
                 seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.1)
-    out = tma.mla_attention(q, cache, **args, max_query_len=1, num_kv_splits=3)
+    out = kernels.mla_attention(q, cache, **args, max_query_len=1, num_kv_splits=3)
     expected = mla_attention_ref(q.double(), cache.double(), **args)
     assert_close(out, expected, torch.float32, "latent output")
 
 
 def test_the_config_table_rows_are_launchable() -> None:
-    for family, rows in tma.MLA_DECODE_CONFIGS.items():
+    for family, rows in kernels.MLA_DECODE_CONFIGS.items():
         assert rows[-1][0] == 1, f"{family}: the last row must cover every head count"
         assert [least for least, _ in rows] == sorted((least for least, _ in rows),
                                                       reverse=True), family
         for _, config in rows:
             assert config.block_q == 1 and config.block_h >= 16 and config.block_n >= 16
-    assert tma.mla_decode_config(128, "sm90").block_h == 64
-    assert tma.mla_decode_config(16, "sm90").block_h == 16
+    assert kernels.mla_decode_config(128, "sm90").block_h == 64
+    assert kernels.mla_decode_config(16, "sm90").block_h == 16
     # block_h never exceeds the heads (rounded up to a power of two, at least 16).
-    assert tma.mla_decode_config(20, "sm80").block_h == 16
+    assert kernels.mla_decode_config(20, "sm80").block_h == 16
     with pytest.raises(ValueError, match="family='tpu' \\(known: sm90"):
-        tma.mla_decode_config(16, "tpu")
+        kernels.mla_decode_config(16, "tpu")
 
 
 def test_a_table_row_keeps_tma_only_where_it_can_serve_the_cache() -> None:
     """The sm90 128-head row loads through tensor descriptors; a page size its tile does not
     divide, or a cache TMA cannot address, takes the same config with pointer loads."""
-    row = tma.mla_decode_config(128, "sm90")
-    has_descriptors = hasattr(tma.tl, "make_tensor_descriptor")
+    row = kernels.mla_decode_config(128, "sm90")
+    has_descriptors = hasattr(kernels.tl, "make_tensor_descriptor")
     assert row.tma == has_descriptors
-    assert tma.mla_decode_config(128, "sm90", page_size=2 * row.block_n).tma == has_descriptors
-    small = tma.mla_decode_config(128, "sm90", page_size=row.block_n // 2)
+    assert kernels.mla_decode_config(128, "sm90", page_size=2 * row.block_n).tma == has_descriptors
+    small = kernels.mla_decode_config(128, "sm90", page_size=row.block_n // 2)
     assert not small.tma
     assert dataclasses.replace(small, tma=row.tma) == row
-    assert not tma.mla_decode_config(128, "sm90", fp8_cache=True).tma
+    assert not kernels.mla_decode_config(128, "sm90", fp8_cache=True).tma
     if not has_descriptors:
         pytest.skip("this Triton has no tl.make_tensor_descriptor")
     cache = torch.empty(4, 64, 576, dtype=torch.bfloat16)
-    assert tma.tma_unmet(cache, 512, row) is None
-    assert "does not divide the cache's page size 32" in tma.tma_unmet(cache[:, :32], 512, row)
+    assert kernels.tma_unmet(cache, 512, row) is None
+    assert "does not divide the cache's page size 32" in kernels.tma_unmet(cache[:, :32], 512, row)
     odd = torch.empty(4 * 64 * 577 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 577)[..., :576]
-    assert "not a multiple of 16 bytes" in tma.tma_unmet(odd, 512, row)
+    assert "not a multiple of 16 bytes" in kernels.tma_unmet(odd, 512, row)
 
 
 def test_the_split_choice_fills_the_gpu_and_no_more() -> None:
     """On 132 SMs (an H200): a batch with a program per SM is not split; few long requests
     are; never more splits than tiles or MAX_KV_SPLITS."""
-    many = tma.mla_decode_config(128, "sm90")
-    few = tma.mla_decode_config(16, "sm90")
-    assert tma.mla_decode_num_splits(64, 128, 4096, many, 132) == 1
-    assert tma.mla_decode_num_splits(128, 128, 2048, many, 132) == 1
-    assert tma.mla_decode_num_splits(8, 128, 32768, many, 132) == 8
-    assert tma.mla_decode_num_splits(64, 16, 4096, few, 132) == 2
-    assert tma.mla_decode_num_splits(1, 16, 1 << 20, few, 132) == tma.MAX_KV_SPLITS
-    assert tma.mla_decode_num_splits(1, 16, 320, few, 132) == 5  # 5 tiles of 64
-    assert tma.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
+    many = kernels.mla_decode_config(128, "sm90")
+    few = kernels.mla_decode_config(16, "sm90")
+    assert kernels.mla_decode_num_splits(64, 128, 4096, many, 132) == 1
+    assert kernels.mla_decode_num_splits(128, 128, 2048, many, 132) == 1
+    assert kernels.mla_decode_num_splits(8, 128, 32768, many, 132) == 8
+    assert kernels.mla_decode_num_splits(64, 16, 4096, few, 132) == 2
+    assert kernels.mla_decode_num_splits(1, 16, 1 << 20, few, 132) == kernels.MAX_KV_SPLITS
+    assert kernels.mla_decode_num_splits(1, 16, 320, few, 132) == 5  # 5 tiles of 64
+    assert kernels.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
 
 
 def test_the_split_choice_counts_programs_an_sm_runs_at_once() -> None:
     """A config whose programs fit two to an SM fills twice the slots: 64 requests of 4096
     tokens at 16 heads in tiles of 32 take 4 splits (256 programs on 264 slots), not 2."""
     one = _config(16, 32, num_warps=4, num_stages=3)
-    two = tma.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
+    two = kernels.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
                            programs_per_sm=2)
-    assert tma.mla_decode_num_splits(64, 16, 4096, one, 132) == 2
-    assert tma.mla_decode_num_splits(64, 16, 4096, two, 132) == 4
+    assert kernels.mla_decode_num_splits(64, 16, 4096, one, 132) == 2
+    assert kernels.mla_decode_num_splits(64, 16, 4096, two, 132) == 4
     with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1: the programs of "
                                          "this config one SM runs at once"):
-        tma.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
+        kernels.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
                          programs_per_sm=0)
 
 
@@ -253,7 +241,7 @@ def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
                                          "block_q=1"):
         TritonMLABackend.get_builder_cls()(
             spec, num_heads=64, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=256,
-            device=DEVICE, decode_config=tma.LaunchConfig(2, 16, 16, 4, 1))
+            device=DEVICE, decode_config=kernels.LaunchConfig(2, 16, 16, 4, 1))
 
 
 @pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
@@ -268,7 +256,7 @@ def test_mla_decode_rank_not_a_power_of_two(split_latent: bool) -> None:
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = randn((2, 16, rank + rope), torch.float32, gen)
     outs = []
-    for impl, dtype in ((tma.decode_attention_fwd, torch.float32),
+    for impl, dtype in ((kernels.decode_attention_fwd, torch.float32),
                         (decode_attention_ref, torch.float64)):
         o = torch.empty(2, 16, rank, dtype=dtype, device=DEVICE)
         lse = torch.empty(2, 16, dtype=dtype, device=DEVICE)

@@ -16,10 +16,10 @@ from mla_helpers import (
     DECODE_ROPE,
     DEVICE,
     assert_close,
+    assert_decode_close,
     block_tables,
     cross_layer_view,
     decode_case,
-    decode_reference,
     generator,
     randn,
     run_decode,
@@ -61,9 +61,7 @@ def test_tma_matches_float64_reference_and_default_path(heads, block_h, page, bl
     gen = generator("mla-decode-tma", heads, block_h, page, block_n, splits)
     q, cache, table, lens = decode_case(gen, heads, page, LENS)
     o, lse = run_decode(q, cache, table, lens, splits, _config(block_h, block_n))
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, torch.float32, "o")
-    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
     default = run_decode(q, cache, table, lens, splits, _config(block_h, block_n, tma=False))
     _assert_same_as_default((o, lse), default, torch.float32)
@@ -81,9 +79,7 @@ def test_tma_split_latent_matches_float64_reference_and_default_path(heads, bloc
     q, cache, table, lens = decode_case(gen, heads, page, LENS)
     o, lse = run_decode(q, cache, table, lens, splits,
                      _config(block_h, block_n, split_latent=True))
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, torch.float32, "o")
-    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
     default = run_decode(q, cache, table, lens, splits,
                       _config(block_h, block_n, tma=False, split_latent=True))
     _assert_same_as_default((o, lse), default, torch.float32)
@@ -94,9 +90,7 @@ def test_tma_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     gen = generator("mla-decode-tma-dtype", dtype)
     q, cache, table, lens = decode_case(gen, 16, 32, [50, 9, 33, 64], dtype)
     o, lse = run_decode(q, cache, table, lens, 2, _config(16, 16))
-    o_ref, lse_ref = decode_reference(q, cache, table, lens)
-    assert_close(o, o_ref, dtype, "o")
-    assert_close(lse, lse_ref, dtype, "lse")
+    assert_decode_close(o, lse, q, cache, table, lens, dtype)
 
 
 def test_tma_fp8_cache_within_tolerance() -> None:
@@ -104,9 +98,7 @@ def test_tma_fp8_cache_within_tolerance() -> None:
     q, cache, table, lens = decode_case(gen, 16, 16, [40, 3, 32], torch.bfloat16)
     fp8 = cache.to(torch.float8_e4m3fn)
     o, lse = run_decode(q, fp8, table, lens, 2, _config(16, 16), k_scale=0.5, v_scale=0.5)
-    o_ref, lse_ref = decode_reference(q, fp8.double() * 0.5, table, lens)
-    assert_close(o, o_ref, torch.bfloat16, "o")
-    assert_close(lse, lse_ref, torch.bfloat16, "lse")
+    assert_decode_close(o, lse, q, fp8.double() * 0.5, table, lens, torch.bfloat16)
 
 
 def test_tma_rank_not_a_power_of_two() -> None:
@@ -116,9 +108,7 @@ def test_tma_rank_not_a_power_of_two() -> None:
     rank, page, lens = 48, 16, [37, 3, 16]
     q, cache, table, seq_lens = decode_case(gen, 16, page, lens, rank=rank)
     o, lse = run_decode(q, cache, table, seq_lens, 2, _config(16, 16), rank=rank)
-    o_ref, lse_ref = decode_reference(q, cache, table, seq_lens, rank=rank)
-    assert_close(o, o_ref, torch.float32, "o")
-    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert_decode_close(o, lse, q, cache, table, seq_lens, torch.float32, rank=rank)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -132,9 +122,8 @@ def test_tma_ignores_stale_nan_bytes_past_the_last_key(splits: int) -> None:
         last = table[i, (n - 1) // page]
         cache[last, (n - 1) % page + 1:] = float("nan")
     o, lse = run_decode(q, cache, table, seq_lens, splits, _config(16, 16))
-    o_ref, lse_ref = decode_reference(q, torch.nan_to_num(cache, nan=0.0), table, seq_lens)
-    assert_close(o, o_ref, torch.float32, "o")
-    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert_decode_close(o, lse, q, torch.nan_to_num(cache, nan=0.0), table, seq_lens,
+                        torch.float32)
 
 
 @pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
@@ -286,9 +275,8 @@ def test_tma_real_size_on_the_gpu(config: dict, splits: int) -> None:
     o, lse = run_decode(q, cache, table, seq_lens, splits, tma_config, rank=rank, scale=scale)
     torch.cuda.synchronize()
     assert _current_allocator() is allocator  # the launch's own allocator did not outlive it
-    o_ref, lse_ref = decode_reference(q, cache, table, seq_lens, rank=rank, scale=scale)
-    assert_close(o, o_ref, torch.bfloat16, "o")
-    assert_close(lse, lse_ref, torch.bfloat16, "lse")
+    assert_decode_close(o, lse, q, cache, table, seq_lens, torch.bfloat16, rank=rank,
+                        scale=scale)
     default = run_decode(q, cache, table, seq_lens, splits,
                       kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, **config),
                       rank=rank, scale=scale)

@@ -123,6 +123,7 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
             mla_decode_config,
             mla_workspace_numel,
         )
+        from kvcore_mla.ops.validation import FP8_DTYPES
 
         # Checked by its fields, not its class: a reloaded module makes a second class.
         if decode_config is not None and getattr(decode_config, "block_q", None) != 1:
@@ -136,7 +137,7 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         #: The decode kernel's launch configuration for every decode step.
         self.decode_config = decode_config or mla_decode_config(
             num_heads, gpu_family(self.device), page_size=spec.block_size,
-            fp8_cache=spec.cache_dtype.itemsize == 1)
+            fp8_cache=spec.cache_dtype in FP8_DTYPES)
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)

@@ -739,16 +739,12 @@ def _mla_decode_kernel(
             if D_PE > 0:
                 kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
                 s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i, l_i, p, alpha = _online_softmax(
+                tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
             p = p.to(kv0.dtype)
             acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
             if SPLIT_LATENT:
                 acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
-            m_i = m_new
 
     if FP8:
         acc0 = acc0 * ks

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from typing import Any
 
@@ -283,10 +282,7 @@ class HostPages:
                              f"for {size} requests, got {out.dtype} {tuple(out.shape)}")
         # qo_indptr, seq_lens, pages, indptr, last_page_len, then tail()'s spare
         sizes = (size + 1, size, size, size + 1, size, 2 * size + 2)
-        buf = out.numpy()
-        arrays = tuple(buf[a:a + m] for a, m in zip(itertools.accumulate(sizes, initial=0),
-                                                    sizes[:5], strict=False))
-        return cls(*out.split_with_sizes((*sizes, out.shape[0] - words))[:6], _arrays=arrays)
+        return cls(*out.split_with_sizes((*sizes, out.shape[0] - words))[:6])
 
     @classmethod
     def of(cls, qo_indptr: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray,
