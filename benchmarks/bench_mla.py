@@ -98,23 +98,27 @@ else:
 # first shape is also timed on a cross-layer view.
 PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
-# Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize[,
-# tma]]]) by head count; the table's own row is always timed first. Many heads (compute-bound): the
-# 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps and the score tile is
-# held by both warpgroups, so smaller key tiles spill less (``kvcore kernels --target sm90``
-# reports registers and spills per launch; latent halves spill more, 16 warps spill several
-# hundred bytes and 128-head programs do not compile for lack of registers: both left out),
-# 32-head programs (no spills, the latent read four times per 128 heads), one
-# warp-specialised loop. Few heads (memory-bound): more bytes in flight (stages, tile size) or
-# more programs an SM (smaller tiles). Compiles
-# dominate the sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90): one process
-# per candidate compiles it first, many at once (``--compile-workers``), filling Triton's disk
-# cache; a candidate whose compiler crashed is left out of the sweep. The TMA candidates
-# (``LaunchConfig.tma``: latent tiles through tensor descriptors, fewer address registers) come
-# first so the budget never skips them; 64-key tiles take two stages at most (three need
-# ~295 KiB of shared memory beside the query tile, more than an SM has).
+# Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize[, tma[,
+# split_score_keys]]]]) by head count; the table's own row is always timed first. Many heads
+# (compute-bound): the 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps and
+# the score tile is held by both warpgroups, so smaller key tiles spill less (``kvcore kernels
+# --target sm90`` reports registers and spills per launch; latent halves spill more, 16 warps spill
+# several hundred bytes and 128-head programs do not compile for lack of registers: both left out),
+# 32-head programs (no spills, the latent read four times per 128 heads), one warp-specialised loop.
+# Few heads (memory-bound): more bytes in flight (stages, tile size) or more programs an SM (smaller
+# tiles). Compiles dominate the sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90):
+# one process per candidate compiles it first, many at once (``--compile-workers``), filling
+# Triton's disk cache; a candidate whose compiler crashed is left out of the sweep. The TMA
+# candidates (``LaunchConfig.tma``: latent tiles through tensor descriptors, fewer address
+# registers) come first so the budget never skips them; 64-key tiles take two stages at most (three
+# need ~295 KiB of shared memory beside the query tile, more than an SM has). Before them, the
+# candidates whose warpgroups share the score tile by keys (``split_score_keys``: no score computed
+# twice); with pointer loads, 64-key tiles then need more shared memory than an SM has.
 PROD_CANDIDATES = {
-    "many": [(64, 64, 8, 2, True, False, True), (64, 64, 8, 2, False, False, True),
+    "many": [(64, 32, 8, 3, True, False, True, True), (64, 64, 8, 2, True, False, True, True),
+             (64, 32, 8, 4, True, False, True, True), (64, 32, 8, 3, False, False, True, True),
+             (64, 64, 8, 2, False, False, True, True), (64, 32, 8, 3, True, False, False, True),
+             (64, 64, 8, 2, True, False, True), (64, 64, 8, 2, False, False, True),
              (64, 32, 8, 3, False, False, True), (64, 32, 8, 4, False, False, True),
              (64, 32, 8, 4, True, False, True), (64, 16, 8, 4, False, False, True),
              (64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 4), (64, 16, 8, 3),
@@ -504,21 +508,22 @@ def time_writes(run: Run) -> None:
 
 
 def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False,
-         warp_specialize: bool = False, tma_loads: bool = False):
+         warp_specialize: bool = False, tma_loads: bool = False, split_score_keys: bool = False):
     return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
                               num_stages=stages, split_latent=split_latent,
-                              warp_specialize=warp_specialize, tma=tma_loads)
+                              warp_specialize=warp_specialize, tma=tma_loads,
+                              split_score_keys=split_score_keys)
 
 
 def _cfg_tuple(cfg) -> tuple:
     return (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.split_latent,
-            cfg.warp_specialize, cfg.tma)
+            cfg.warp_specialize, cfg.tma, cfg.split_score_keys)
 
 
 def _cfg_name(cfg) -> str:
     return (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             + (" halves" if cfg.split_latent else "") + (" ws" if cfg.warp_specialize else "")
-            + (" tma" if cfg.tma else ""))
+            + (" tma" if cfg.tma else "") + (" keysplit" if cfg.split_score_keys else ""))
 
 
 #: Candidates whose compile crashed the compiler's process (filled by :func:`precompile`).
@@ -803,6 +808,7 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                   split_latent=cfg.split_latent,
                                   warp_specialize=cfg.warp_specialize, tma=cfg.tma,
+                                  split_score_keys=cfg.split_score_keys,
                                   programs_per_sm=_programs_per_sm(case, cfg, s)))
         fi = None
         if flashinfer:
@@ -902,6 +908,7 @@ def prod_table(run: Run) -> list[str]:
                      + (", split_latent=True" if c.get("split_latent") else "")
                      + (", warp_specialize=True" if c.get("warp_specialize") else "")
                      + (", tma=True" if c.get("tma") else "")
+                     + (", split_score_keys=True" if c.get("split_score_keys") else "")
                      + (f", programs_per_sm={c['programs_per_sm']}"
                         if (c.get("programs_per_sm") or 1) > 1 else "") + "))"
                      + ("" if c.get("programs_per_sm") else
@@ -954,6 +961,8 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true",
                         help="only the ceilings, the decode checks and the production sweep "
                              "(no cache-write checks and timings)")
+    parser.add_argument("--heads", type=int, action="append",
+                        help="only the production shapes of this head count (repeatable)")
     parser.add_argument("--compile-job", help=argparse.SUPPRESS)  # precompile's child
     parser.add_argument("--compile-workers", type=int, default=None,
                         help="processes that compile the sweep's candidates in parallel "
@@ -965,6 +974,9 @@ def main() -> None:
         return
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no GPU: run with --smoke to check the script on the CPU")
+    if args.heads:
+        global PROD_SHAPES
+        PROD_SHAPES = [shape for shape in PROD_SHAPES if shape[1] in args.heads]
     run = Run(args.out, "bench_mla", ("correctness", "timings", "sweeps", "sweep_best"),
               checks="correctness",
               device=DEVICE, budget_s=args.budget_s)

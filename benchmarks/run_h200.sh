@@ -23,9 +23,10 @@
 #   block ids, each beside dst.copy_(src) from cuda:0 to cuda:1 in the same run (~3-4 min,
 #   at most TWO_GPUS_LIMIT s), then the disaggregated demo with prefill on cuda:0 and decode on
 #   cuda:1 in bfloat16 and float32; with fewer than two GPUs it says so and skips.
-#   mla_tma: TRITON_MLA's TMA decode path: its tests (small cases compiled on the GPU, then the
-#   gpu-marked real size), then bench_mla's sweep (the TMA candidates first; carry .whl so
-#   FlashInfer MLA is timed beside it).
+#   mla_tma: TRITON_MLA's TMA decode path and key-split scores: their tests (small cases
+#   compiled on the GPU, then the gpu-marked real size), then bench_mla's sweep (the TMA
+#   candidates first; MLA_SWEEP_HEADS=128 limits it to those shapes; carry .whl so FlashInfer
+#   MLA is timed beside it).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -139,9 +140,10 @@ if has connectors; then
 fi
 if has mla_tma; then
     step mla_tma_tests ${MLA_TMA_TESTS_LIMIT:-180} python3 -m pytest -q -p no:cacheprovider \
-        -o addopts="" plugins/mla/tests/test_mla_decode_tma.py
+        -o addopts="" plugins/mla/tests/test_mla_decode_tma.py \
+        plugins/mla/tests/test_mla_decode_score_split.py
     step bench_mla_sweep ${MLA_SWEEP_LIMIT:-240} python3 benchmarks/bench_mla.py --sweep-only \
-        --budget-s ${MLA_SWEEP_BUDGET:-170}
+        --budget-s ${MLA_SWEEP_BUDGET:-170} ${MLA_SWEEP_HEADS:+--heads $MLA_SWEEP_HEADS}
 fi
 has nixl_matrix && step bench_nixl_matrix ${NIXL_MATRIX_LIMIT:-560} python3 \
     benchmarks/bench_nixl.py --device cuda --mib "${NIXL_MATRIX_MIB:-1024}" --trials 3 --matrix \

@@ -34,6 +34,19 @@ so the hardware zero-fills the stale rows past it (what the default path's maske
 in a loop of its own so it too streams to shared memory. ``benchmarks/bench_mla.py`` sweeps
 these and prints the winners as table rows.
 
+Warps of the score tile (``split_score_keys``)
+---------------------------------------------
+Triton lays out a dot whose result feeds another dot with every warp along its rows, so a
+softmax row stays inside one warp. For a 64-head program of 8 warps that covers 128 rows: both
+warpgroups compute the same ``[64, BLOCK_N]`` scores, about half of MLA decode's FLOPs, twice.
+With ``split_score_keys`` the two warpgroups compute half the keys each (Triton's layout for a
+dot that feeds no dot); the row max and sum then cross warpgroups through shared memory, and
+the probabilities reach the value dot through shared memory too. Triton decides by following
+the score's uses: scaling each score part before they are added (otherwise the parts
+fuse into one accumulating chain of dots), and the softmax inside a branch on a runtime
+condition that always holds (``seq_len > 0``), end that walk before the value dot. The
+results are the same either way.
+
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
 A program owns ``BLOCK_Q`` consecutive query tokens of one request times ``BLOCK_H`` query
@@ -134,6 +147,8 @@ class LaunchConfig:
     raises a ValueError naming what is not met. The kernel builds its descriptors on the
     device, so a launch needs Triton's global scratch allocator: when none is set
     (``triton.set_allocator``), the launch sets a torch one for its own duration only.
+    ``split_score_keys`` has the warps share the score tile by keys, not by head rows: see
+    "Warps of the score tile" in the module docstring.
     """
 
     block_q: int
@@ -145,6 +160,7 @@ class LaunchConfig:
     warp_specialize: bool = False
     programs_per_sm: int = 1
     tma: bool = False
+    split_score_keys: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_h", "block_n"):
@@ -565,25 +581,68 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def _scores(q0, q1, q_pe, kv0, kv1, kpe, qk_scale, SPLIT_LATENT: tl.constexpr,
+            HAS_PE: tl.constexpr, SPLIT_SCORE_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A latent tile's scaled scores ``[BLOCK_H, BLOCK_N]``: the dots of the latent (one or two
+    halves) and rope parts, summed. ``SPLIT_SCORE_KEYS`` scales each part before the sum, so
+    Triton does not fuse them into one accumulating chain of dots (module docstring)."""
+    if SPLIT_SCORE_KEYS:
+        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION) * qk_scale
+        if SPLIT_LATENT:
+            s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_PE:
+            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION) * qk_scale
+    else:
+        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+        if SPLIT_LATENT:
+            s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
+        if HAS_PE:
+            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+        s = s * qk_scale
+    return s
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, like, live, SPLIT_SCORE_KEYS: tl.constexpr):
+    """:func:`_online_softmax` with ``p`` in ``like``'s dtype. ``SPLIT_SCORE_KEYS``: inside a
+    branch on ``live`` (a runtime condition that always holds), which ends Triton's walk from
+    the score dot to the value dot (module docstring); the other branch is never taken."""
+    if SPLIT_SCORE_KEYS:
+        if live:
+            m_new, l_new, p, alpha = _online_softmax(s, m_i, l_i)
+            p = p.to(like.dtype)
+        else:
+            m_new = m_i
+            l_new = l_i
+            p = tl.zeros(s.shape, like.dtype)
+            alpha = tl.full(m_i.shape, 1.0, tl.float32)
+    else:
+        m_new, l_new, p, alpha = _online_softmax(s, m_i, l_i)
+        p = p.to(like.dtype)
+    return m_new, l_new, p, alpha
+
+
+@triton.jit
 def _tma_tile(q0, q1, q_pe, nope_desc, pe_desc, row, m_i, l_i, acc0, acc1, valid, qk_scale,
-              D_PE: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_LATENT: tl.constexpr,
-              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              live, D_PE: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_LATENT: tl.constexpr,
+              SPLIT_SCORE_KEYS: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
     """One latent tile of the TMA path: ``BLOCK_N`` rows from ``row`` of the descriptors,
     read once as keys (scores against the head group) and values (``acc += p x latent``).
-    ``MASKED``: scores of keys where ``valid`` is False are dropped (a request's last tile)."""
+    ``MASKED``: scores of keys where ``valid`` is False are dropped (a request's last tile).
+    ``live``: see :func:`_softmax_step`."""
     kv0 = nope_desc.load([row, 0]).to(q0.dtype)
-    s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+    kv1 = kv0  # placeholders where a part is absent (never read)
+    kpe = kv0
     if SPLIT_LATENT:
         kv1 = nope_desc.load([row, BLOCK_C]).to(q0.dtype)
-        s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
     if D_PE > 0:
         kpe = pe_desc.load([row, 0]).to(q0.dtype)
-        s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-    s = s * qk_scale
+    s = _scores(q0, q1, q_pe, kv0, kv1, kpe, qk_scale, SPLIT_LATENT, D_PE > 0,
+                SPLIT_SCORE_KEYS, DOT_PRECISION)
     if MASKED:
         s = tl.where(valid[None, :], s, float("-inf"))
-    m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
-    p = p.to(kv0.dtype)
+    m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, kv0, live, SPLIT_SCORE_KEYS)
     acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
     if SPLIT_LATENT:
         acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
@@ -603,7 +662,7 @@ def _mla_decode_kernel(
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_LATENT: tl.constexpr, BLOCK_C: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SPLIT_SCORE_KEYS: tl.constexpr,
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -656,6 +715,7 @@ def _mla_decode_kernel(
         acc1 = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     bt_row = block_table_ptr + seq * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
+    live = seq_len > 0  # true wherever a tile is computed: see _softmax_step
     # Page ids are read one tile ahead and carried into the next iteration: a latent load whose
     # address comes from a block-table load of the same iteration is not multi-buffered by
     # Triton's pipeliner (one tile in flight); from a carried value it is (num_stages - 1).
@@ -689,8 +749,8 @@ def _mla_decode_kernel(
                                 mask=t + 1 < t_hi, other=0)
             m_i, l_i, acc0, acc1 = _tma_tile(
                 q0, q1, q_pe, nope_desc, pe_desc, row, m_i, l_i, acc0, acc1, offs_n, qk_scale,
-                D_PE=D_PE, BLOCK_C=BLOCK_C, SPLIT_LATENT=SPLIT_LATENT, MASKED=False,
-                DOT_PRECISION=DOT_PRECISION)
+                live, D_PE=D_PE, BLOCK_C=BLOCK_C, SPLIT_LATENT=SPLIT_LATENT,
+                SPLIT_SCORE_KEYS=SPLIT_SCORE_KEYS, MASKED=False, DOT_PRECISION=DOT_PRECISION)
         if (t_lo <= t_full) & (t_full < t_hi):
             # The request's last tile, partly past seq_len, if it is this split's. The rows past
             # seq_len are stale cache bytes (any value, NaN included): descriptors whose rows
@@ -710,9 +770,9 @@ def _mla_decode_kernel(
             for t in tl.range(t_full, t_hi):
                 m_i, l_i, acc0, acc1 = _tma_tile(
                     q0, q1, q_pe, tail_nope, tail_pe, (t - t_full) * BLOCK_N,  # 0: one tile
-                    m_i, l_i, acc0, acc1, t * BLOCK_N + offs_n < seq_len, qk_scale,
-                    D_PE=D_PE, BLOCK_C=BLOCK_C, SPLIT_LATENT=SPLIT_LATENT, MASKED=True,
-                    DOT_PRECISION=DOT_PRECISION)
+                    m_i, l_i, acc0, acc1, t * BLOCK_N + offs_n < seq_len, qk_scale, live,
+                    D_PE=D_PE, BLOCK_C=BLOCK_C, SPLIT_LATENT=SPLIT_LATENT,
+                    SPLIT_SCORE_KEYS=SPLIT_SCORE_KEYS, MASKED=True, DOT_PRECISION=DOT_PRECISION)
     else:
         for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPECIALIZE):
             start = t * BLOCK_N
@@ -732,16 +792,16 @@ def _mla_decode_kernel(
                                     other=0)
             # The latent tile, read once: keys (with the rope part) and values.
             kv0 = _load_latent(rows, c0, stride_kd, valid, q0, D_NOPE, EVEN_D)
-            s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
+            kv1 = kv0  # placeholders where a part is absent (never read)
+            kpe = kv0
             if SPLIT_LATENT:
                 kv1 = _load_latent(rows, c1, stride_kd, valid, q0, D_NOPE, EVEN_D)
-                s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
             if D_PE > 0:
                 kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
-                s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-            m_i, l_i, p, alpha = _online_softmax(
-                tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
-            p = p.to(kv0.dtype)
+            s = _scores(q0, q1, q_pe, kv0, kv1, kpe, qk_scale, SPLIT_LATENT, D_PE > 0,
+                        SPLIT_SCORE_KEYS, DOT_PRECISION)
+            m_i, l_i, p, alpha = _softmax_step(tl.where(valid[None, :], s, float("-inf")),
+                                               m_i, l_i, kv0, live, SPLIT_SCORE_KEYS)
             acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
             if SPLIT_LATENT:
                 acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision=DOT_PRECISION)
@@ -992,6 +1052,7 @@ def _launch_mla_decode(
         SPLIT_LATENT=config.split_latent,
         BLOCK_C=block_d // 2 if config.split_latent else block_d,
         WARP_SPECIALIZE=config.warp_specialize, TMA=config.tma,
+        SPLIT_SCORE_KEYS=config.split_score_keys,
         FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), SPLIT=split,
         WRITE_LSE=lse is not None, INTERPRET=interpreting(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,

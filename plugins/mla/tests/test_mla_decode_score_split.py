@@ -1,0 +1,180 @@
+"""The MLA decode kernel with ``LaunchConfig(split_score_keys=True)``: the warpgroups share the
+score tile by keys instead of both computing it (module docstring of
+``triton_mla_attention``). Same results as the float64 reference and as the default layout, on
+both load paths (pointers, tensor descriptors), latent whole or in halves, fp8, cross-layer
+views; compiled for sm90, the score dots really get the key-split layout; real size on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from mla_helpers import (
+    assert_close,
+    assert_decode_close,
+    block_tables,
+    cross_layer_view,
+    decode_case,
+    generator,
+    randn,
+    run_decode,
+)
+
+kernels = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+
+LENS = [0, 1, 17, 64, 130]  # empty, one token, a partial tile, whole pages, several pages
+
+
+def _config(block_h: int, block_n: int, *, tma: bool, split_latent: bool = False,
+            split_score_keys: bool = True):
+    return kernels.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=4,
+                                num_stages=2, split_latent=split_latent, tma=tma,
+                                split_score_keys=split_score_keys)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
+@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
+    (16, 16, 16, 16, 1),
+    (64, 64, 32, 64, 3),   # one 64-head group (the production shape, scaled down), split
+    (64, 32, 16, 32, 2),   # two head groups
+], ids=lambda v: str(v))
+def test_key_split_scores_match_float64_reference_and_default_layout(
+        heads, block_h, block_n, page, splits, split_latent, tma) -> None:
+    gen = generator("mla-decode-keysplit", heads, block_h, block_n, page, splits, split_latent,
+                    tma)
+    q, cache, table, lens = decode_case(gen, heads, page, LENS)
+    config = _config(block_h, block_n, tma=tma, split_latent=split_latent)
+    o, lse = run_decode(q, cache, table, lens, splits, config)
+    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
+    # Scaling each score part before the sum rounds differently: close, not bit-exact.
+    default = run_decode(q, cache, table, lens, splits,
+                         dataclasses.replace(config, split_score_keys=False))
+    assert_close(o, default[0].double(), torch.float32, "o vs default layout")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_key_split_scores_low_precision_and_fp8(dtype: torch.dtype) -> None:
+    gen = generator("mla-decode-keysplit-dtype", dtype)
+    q, cache, table, lens = decode_case(gen, 64, 16, [50, 9, 33], dtype)
+    o, lse = run_decode(q, cache, table, lens, 2, _config(64, 16, tma=True))
+    assert_decode_close(o, lse, q, cache, table, lens, dtype)
+    fp8 = cache.to(torch.float8_e4m3fn)
+    o, lse = run_decode(q, fp8, table, lens, 2, _config(64, 16, tma=False),
+                        k_scale=0.5, v_scale=0.5)
+    assert_decode_close(o, lse, q, fp8.double() * 0.5, table, lens, dtype)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_key_split_scores_on_a_cross_layer_view_are_bit_exact(tma: bool) -> None:
+    gen = generator("mla-decode-keysplit-xl", tma)
+    q, cache, table, lens = decode_case(gen, 64, 32, [70, 5, 33])
+    pool, view = cross_layer_view(tuple(cache.shape), 3, 1, torch.float32, gen)
+    view.copy_(cache)
+    before = pool.clone()
+    config = _config(64, 32, tma=tma, split_latent=True)
+    ours = run_decode(q, view, table, lens, 3, config)
+    contiguous = run_decode(q, cache, table, lens, 3, config)
+    assert all(torch.equal(a, b) for a, b in zip(ours, contiguous, strict=True))
+    assert torch.equal(pool, before)  # nothing written into any layer
+
+
+def sm90_wgmma_layouts(config_kwargs: dict) -> list[list[str]]:
+    """``[warpsPerCTA, instruction N]`` of every wgmma result layout of the production-size
+    decode kernel compiled for sm90 (ahead of time, no GPU needed) with
+    ``LaunchConfig(**config_kwargs)``. Run with ``TRITON_INTERPRET`` unset."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    from kvcore.testing import compile_check
+
+    target = compile_check.TARGETS["sm90"]
+    rank, rope, page, heads = 512, 64, 64, 128
+    q = torch.empty(2, heads, rank + rope, dtype=torch.bfloat16)
+    cache = torch.empty(8, page, 1, rank + rope, dtype=torch.bfloat16)
+    o = torch.empty(2, heads, rank, dtype=torch.bfloat16)
+    lse = torch.empty(2, heads, dtype=torch.float32)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.full((2,), 200, dtype=torch.int32)
+    config = kernels.LaunchConfig(**config_kwargs)
+    with compile_check.capture_launches() as launches:
+        kernels.decode_attention_fwd(q, cache, cache[..., :rank], o, lse, table, lens,
+                                     torch.empty(2, heads, 1, rank + 1), 1, 0.1, page, is_mla=True,
+                                     config=config)
+    (launch,) = [x for x in launches if x.fn.fn.__name__ == "_mla_decode_kernel"]
+    job = compile_check._specialize(launch, target)
+    with tempfile.TemporaryDirectory() as cache_dir, knobs.cache.scope(), \
+            contextlib.redirect_stdout(io.StringIO()):
+        knobs.cache.dir = cache_dir
+        compiled = triton.compile(ASTSource(launch.fn, job.signature, job.constexprs, job.attrs),
+                                  target=target.gpu_target(), options=job.options)
+    return [list(m) for m in re.findall(
+        r"nvidia_mma<\{versionMajor = 3[^}]*warpsPerCTA = \[(\d+, \d+)\], "
+        r"instrShape = \[16, (\d+), 16\]", compiled.asm["ttgir"])]
+
+
+def _compiled_layouts(config_kwargs: dict) -> list[list[str]]:
+    """:func:`sm90_wgmma_layouts` in a subprocess: this session interprets Triton kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    code = ("import json, sys, test_mla_decode_score_split as t; "
+            "print(json.dumps(t.sm90_wgmma_layouts(json.loads(sys.argv[1]))))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(config_kwargs)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_compiled_for_sm90_no_score_is_computed_by_both_warpgroups() -> None:
+    """The production 64-head program (8 warps, 64 keys a tile): with the default layout the
+    score dots lay all 8 warps along the 64 head rows (both warpgroups compute them); with
+    ``split_score_keys`` every wgmma layout splits its columns between the warpgroups. Fails if
+    a Triton release changes the rule the key split relies on."""
+    pytest.importorskip("triton.backends.nvidia")
+    base = dict(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2, split_latent=True,
+                tma=True)
+    assert ["8, 1", "32"] in _compiled_layouts(base)
+    key_split = _compiled_layouts(dict(base, split_score_keys=True))
+    assert key_split and all(warps == "4, 2" for warps, _ in key_split), key_split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("config", "splits"), [
+    (dict(block_n=32, num_stages=3, split_latent=True, tma=True), 1),
+    (dict(block_n=64, num_stages=2, split_latent=True, tma=True), 4),
+    (dict(block_n=32, num_stages=3, split_latent=True, tma=False), 4),
+], ids=["n32-s3-halves-tma", "n64-s2-halves-tma-splits4", "n32-s3-halves-pointers-splits4"])
+def test_key_split_scores_real_size_on_the_gpu(config: dict, splits: int) -> None:
+    """DeepSeek sizes: B4 x 1024 tokens (one request ends inside a page), 128 heads, latent
+    512 + rope 64, bf16, pages of 64, 64-head programs of 8 warps; against the float64
+    reference and the default layout."""
+    rank, rope, page, lens = 512, 64, 64, [1024, 1024, 1000, 1024]
+    gen = generator("mla-decode-keysplit-gpu", tuple(config.items()), splits)
+    pages = sum(-(-n // page) for n in lens) + 4
+    cache = randn((pages, page, rank + rope), torch.bfloat16, gen)
+    table = block_tables(lens, page, pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = randn((len(lens), 128, rank + rope), torch.bfloat16, gen)
+    scale = (128 + rope) ** -0.5
+    key_split = kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, split_score_keys=True,
+                                     **config)
+    o, lse = run_decode(q, cache, table, seq_lens, splits, key_split, rank=rank, scale=scale)
+    assert_decode_close(o, lse, q, cache, table, seq_lens, torch.bfloat16, rank=rank,
+                        scale=scale)
+    default = run_decode(q, cache, table, seq_lens, splits,
+                         dataclasses.replace(key_split, split_score_keys=False),
+                         rank=rank, scale=scale)
+    assert_close(o, default[0].double(), torch.bfloat16, "o vs default layout")
