@@ -156,16 +156,27 @@ def test_the_config_table_rows_are_launchable() -> None:
 
 
 def test_a_table_row_keeps_tma_only_where_it_can_serve_the_cache() -> None:
-    """The sm90 128-head row loads through tensor descriptors; a page size its tile does not
-    divide, or a cache TMA cannot address, takes the same config with pointer loads."""
-    row = kernels.mla_decode_config(128, "sm90")
+    """The sm90 128-head row loads through tensor descriptors, with key-split scores; a page
+    size its tile does not divide, an fp8 cache, or a cache TMA cannot address (``tma=False``)
+    take the pointer-load row of the same head count (latent halves, no key split)."""
+    tma_row, pointer_row = (c for least, c in kernels.MLA_DECODE_CONFIGS["sm90"] if least == 64)
     has_descriptors = hasattr(kernels.tl, "make_tensor_descriptor")
-    assert row.tma == has_descriptors
-    assert kernels.mla_decode_config(128, "sm90", page_size=2 * row.block_n).tma == has_descriptors
-    small = kernels.mla_decode_config(128, "sm90", page_size=row.block_n // 2)
-    assert not small.tma
-    assert dataclasses.replace(small, tma=row.tma) == row
-    assert not kernels.mla_decode_config(128, "sm90", fp8_cache=True).tma
+    row = kernels.mla_decode_config(128, "sm90")
+    assert row == (tma_row if has_descriptors else pointer_row)
+    assert tma_row.tma and tma_row.split_score_keys
+    assert not pointer_row.tma and pointer_row.split_latent and not pointer_row.split_score_keys
+    assert kernels.mla_decode_config(128, "sm90", page_size=2 * row.block_n) == row
+    for fallback in (kernels.mla_decode_config(128, "sm90", page_size=tma_row.block_n // 2),
+                     kernels.mla_decode_config(128, "sm90", fp8_cache=True),
+                     kernels.mla_decode_config(128, "sm90", tma=False)):
+        assert fallback == pointer_row
+    # A family whose only row at a head count loads through descriptors falls back to it
+    # without them.
+    lone = {"only": ((1, dataclasses.replace(tma_row, block_h=16)),)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "MLA_DECODE_CONFIGS", lone)
+        assert kernels.mla_decode_config(16, "only", tma=False) == dataclasses.replace(
+            tma_row, block_h=16, tma=False)
     if not has_descriptors:
         pytest.skip("this Triton has no tl.make_tensor_descriptor")
     cache = torch.empty(4, 64, 576, dtype=torch.bfloat16)

@@ -20,7 +20,8 @@ bandwidth-bound and 128 heads (one GPU) run on the tensor cores. The value is th
 come from :func:`mla_decode_num_splits`, launch configurations from the per-GPU table
 :data:`MLA_DECODE_CONFIGS`; a builder chooses both once per step (TRITON_MLA's does). A
 configuration may also cut the latent into two halves with an accumulator each
-(``split_latent``), ask for a warp-specialised loop (``warp_specialize``), tell the split
+(``split_latent``), have the warpgroups share the score tile by keys (``split_score_keys``,
+below), ask for a warp-specialised loop (``warp_specialize``), tell the split
 chooser how many of its programs an SM holds (``programs_per_sm``) and load the latent tiles
 through tensor descriptors (``tma``): two ``tl.make_tensor_descriptor`` built on the device over
 the cache seen as rows of its token stride (the ``kv_lora_rank`` channels, and the rope
@@ -45,7 +46,8 @@ the probabilities reach the value dot through shared memory too. Triton decides 
 the score's uses: scaling each score part before they are added (otherwise the parts
 fuse into one accumulating chain of dots), and the softmax inside a branch on a runtime
 condition that always holds (``seq_len > 0``), end that walk before the value dot. The
-results are the same either way.
+results agree within rounding (each part is scaled before the sum). The sm90 table's 64-head
+row uses it (a compile test checks the layout Triton gives it).
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
@@ -235,24 +237,26 @@ def default_num_kv_splits(num_seqs: int, num_head_blocks: int, max_seq_len: int,
 
 
 #: MLA decode launch configurations per GPU family (:func:`gpu_family`): rows of
-#: ``(min_heads, config)``, most heads first; the first row with ``num_heads >= min_heads``
-#: applies. ``benchmarks/bench_mla.py`` sweeps candidates on a GPU and prints the winners as
-#: rows of this table.
+#: ``(min_heads, config)``, most heads first; the rows of the largest ``min_heads <= num_heads``
+#: apply, the first of them whose loads can serve the cache (a row with ``tma=True`` may be
+#: followed by a pointer-load row of the same ``min_heads``: see :func:`mla_decode_config`).
+#: ``benchmarks/bench_mla.py`` sweeps candidates on a GPU and prints the winners as rows of
+#: this table.
 MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # Hopper: 64-head programs for 64+ heads (tl.dot with M = 64 runs on wgmma; the 64 x 512
     # float32 accumulator needs 8 warps); two buffers of 64 latents beside the 64 x 576 query
-    # tile take 216 KiB of shared memory. 16-head programs (memory-bound) keep two tiles of 64
-    # latents in flight (164 KiB). Both as compiled for sm90 by `kvcore kernels`. From the
-    # H200 sweeps (benchmarks/RESULTS.md): the latent in two 256-wide halves loaded through
-    # tensor descriptors (TMA; 8-10% faster than pointer loads at 128 heads; caches it cannot
-    # serve take the same config without it, see mla_decode_config) and 4 warps for 16-head
-    # programs (faster than 8). What bounds the 64-head program: Triton lays a dot that feeds
-    # another dot (scores -> p x latent) with every warp along M, so on 64 rows both
-    # warpgroups issue the same score wgmmas (about half the FLOPs run twice); splitting the
-    # roles between warpgroups, as FlashMLA does, needs explicit warpgroup control (Gluon or
-    # CUDA C++), not a table row.
+    # tile take ~220 KiB of shared memory. 16-head programs (memory-bound) keep two tiles of
+    # 64 latents in flight (164 KiB). All as compiled for sm90 by `kvcore kernels`. From the
+    # H200 sweeps (benchmarks/RESULTS.md): at 64+ heads, tiles loaded through tensor
+    # descriptors (TMA) with the warpgroups sharing the score tile by keys (split_score_keys:
+    # 13-18% faster than the best layout where both compute it); caches TMA cannot serve take
+    # the pointer-load row (the latent in two 256-wide halves; with key-split scores, pointer
+    # loads of 2-byte latents need more shared memory than an SM has). 4 warps for 16-head
+    # programs (faster than 8).
     "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
-                               split_latent=True, tma=True)),
+                               tma=True, split_score_keys=True)),
+             (64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
+                               split_latent=True)),
              (1, LaunchConfig(block_q=1, block_h=16, block_n=64, num_warps=4, num_stages=3))),
     # A100 (164 KiB of shared memory a block): 32-head programs at most.
     "sm80": ((32, LaunchConfig(block_q=1, block_h=32, block_n=32, num_warps=8, num_stages=2)),
@@ -293,35 +297,44 @@ def family_of(capability: tuple[int, int], *, rocm: bool) -> str:
 
 
 def mla_decode_config(num_heads: int, family: str = "default", *,
-                      page_size: int | None = None, fp8_cache: bool = False) -> LaunchConfig:
+                      page_size: int | None = None, fp8_cache: bool = False,
+                      tma: bool = True) -> LaunchConfig:
     """The MLA decode launch configuration of :data:`MLA_DECODE_CONFIGS` for ``num_heads``
     query heads on a GPU of ``family`` (see :func:`gpu_family`); ``block_h`` never exceeds
     ``num_heads`` rounded up to a power of two (at least 16, as ``tl.dot`` needs).
 
-    A row that loads through tensor descriptors (``tma=True``) keeps them only where they
-    can serve: with ``page_size`` given, when ``block_n`` divides it, and when the installed
-    Triton has ``tl.make_tensor_descriptor``; otherwise the same config with ``tma=False``
-    (same result, pointer loads). An fp8 cache (``fp8_cache``) keeps pointer loads too: its
-    tiles are widened in registers, and on sm90 the 128-head program then spills twice as
-    much through descriptors (``kvcore kernels``). The decode entry points given no config
-    also check the cache itself (:func:`tma_unmet`)."""
+    A row that loads through tensor descriptors (``tma=True``) applies only where they can
+    serve: ``tma`` is True (callers pass False when :func:`tma_unmet` finds the cache itself
+    unfit), with ``page_size`` given when ``block_n`` divides it, when the installed Triton
+    has ``tl.make_tensor_descriptor``, and not for an fp8 cache (``fp8_cache``: its tiles are
+    widened in registers, and on sm90 the 128-head program then spills twice as much through
+    descriptors, ``kvcore kernels``). Otherwise the next row of the same ``min_heads`` applies,
+    or, when there is none, the same config with ``tma=False`` (same result, pointer loads).
+    The decode entry points given no config check the cache with :func:`tma_unmet`."""
     if family not in MLA_DECODE_CONFIGS:
         raise ValueError(f"family={family!r} (known: {', '.join(MLA_DECODE_CONFIGS)})")
     rows = MLA_DECODE_CONFIGS[family]
-    config = next((c for least, c in rows if num_heads >= least), rows[-1][1])
+    least = next((least for least, _ in rows if num_heads >= least), rows[-1][0])
+    group = [config for row_least, config in rows if row_least == least]
+    descriptors = tma and not fp8_cache and hasattr(tl, "make_tensor_descriptor")
+
+    def serves(config: LaunchConfig) -> bool:
+        return not config.tma or (descriptors and (page_size is None
+                                                   or page_size % config.block_n == 0))
+
+    config = next((c for c in group if serves(c)), dataclasses.replace(group[0], tma=False))
     block_h = min(config.block_h, max(16, next_power_of_2(num_heads)))
-    tma = config.tma and not fp8_cache and hasattr(tl, "make_tensor_descriptor") and (
-        page_size is None or page_size % config.block_n == 0)
-    return dataclasses.replace(config, block_h=block_h, tma=tma)
+    return dataclasses.replace(config, block_h=block_h)
 
 
 def _table_config(num_heads: int, kv_cache: torch.Tensor, kv_lora_rank: int,
                   device: torch.device) -> LaunchConfig:
-    """The table's decode config for this cache: its TMA loads only where they can serve it."""
-    config = mla_decode_config(num_heads, gpu_family(device), page_size=kv_cache.shape[1],
-                               fp8_cache=kv_cache.dtype in FP8_DTYPES)
+    """The table's decode config for this cache: its TMA rows only where they can serve it."""
+    family, fp8 = gpu_family(device), kv_cache.dtype in FP8_DTYPES
+    config = mla_decode_config(num_heads, family, page_size=kv_cache.shape[1], fp8_cache=fp8)
     if config.tma and tma_unmet(kv_cache, kv_lora_rank, config) is not None:
-        config = dataclasses.replace(config, tma=False)
+        config = mla_decode_config(num_heads, family, page_size=kv_cache.shape[1],
+                                   fp8_cache=fp8, tma=False)
     return config
 
 
@@ -581,23 +594,13 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
-def _scores(q0, q1, q_pe, kv0, kv1, kpe, qk_scale, SPLIT_LATENT: tl.constexpr,
-            HAS_PE: tl.constexpr, SPLIT_SCORE_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """A latent tile's scaled scores ``[BLOCK_H, BLOCK_N]``: the dots of the latent (one or two
-    halves) and rope parts, summed. ``SPLIT_SCORE_KEYS`` scales each part before the sum, so
-    Triton does not fuse them into one accumulating chain of dots (module docstring)."""
+def _score_part(q, kv, qk_scale, SPLIT_SCORE_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One part (latent, latent half or rope) of a tile's scores ``[BLOCK_H, BLOCK_N]``: ``q x
+    kv^T``, already scaled with ``SPLIT_SCORE_KEYS`` (the parts are then summed as separate
+    dots: added unscaled, Triton fuses them into one accumulating chain of dots, which keeps
+    the chained-dot layout; module docstring); the caller scales the sum otherwise."""
+    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
     if SPLIT_SCORE_KEYS:
-        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION) * qk_scale
-        if SPLIT_LATENT:
-            s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION) * qk_scale
-        if HAS_PE:
-            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION) * qk_scale
-    else:
-        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PRECISION)
-        if SPLIT_LATENT:
-            s += tl.dot(q1, tl.trans(kv1), input_precision=DOT_PRECISION)
-        if HAS_PE:
-            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
         s = s * qk_scale
     return s
 
@@ -632,14 +635,15 @@ def _tma_tile(q0, q1, q_pe, nope_desc, pe_desc, row, m_i, l_i, acc0, acc1, valid
     ``MASKED``: scores of keys where ``valid`` is False are dropped (a request's last tile).
     ``live``: see :func:`_softmax_step`."""
     kv0 = nope_desc.load([row, 0]).to(q0.dtype)
-    kv1 = kv0  # placeholders where a part is absent (never read)
-    kpe = kv0
+    s = _score_part(q0, kv0, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
     if SPLIT_LATENT:
         kv1 = nope_desc.load([row, BLOCK_C]).to(q0.dtype)
+        s += _score_part(q1, kv1, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
     if D_PE > 0:
         kpe = pe_desc.load([row, 0]).to(q0.dtype)
-    s = _scores(q0, q1, q_pe, kv0, kv1, kpe, qk_scale, SPLIT_LATENT, D_PE > 0,
-                SPLIT_SCORE_KEYS, DOT_PRECISION)
+        s += _score_part(q_pe, kpe, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
+    if not SPLIT_SCORE_KEYS:
+        s = s * qk_scale
     if MASKED:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, kv0, live, SPLIT_SCORE_KEYS)
@@ -792,14 +796,15 @@ def _mla_decode_kernel(
                                     other=0)
             # The latent tile, read once: keys (with the rope part) and values.
             kv0 = _load_latent(rows, c0, stride_kd, valid, q0, D_NOPE, EVEN_D)
-            kv1 = kv0  # placeholders where a part is absent (never read)
-            kpe = kv0
+            s = _score_part(q0, kv0, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
             if SPLIT_LATENT:
                 kv1 = _load_latent(rows, c1, stride_kd, valid, q0, D_NOPE, EVEN_D)
+                s += _score_part(q1, kv1, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
             if D_PE > 0:
                 kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
-            s = _scores(q0, q1, q_pe, kv0, kv1, kpe, qk_scale, SPLIT_LATENT, D_PE > 0,
-                        SPLIT_SCORE_KEYS, DOT_PRECISION)
+                s += _score_part(q_pe, kpe, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
+            if not SPLIT_SCORE_KEYS:
+                s = s * qk_scale
             m_i, l_i, p, alpha = _softmax_step(tl.where(valid[None, :], s, float("-inf")),
                                                m_i, l_i, kv0, live, SPLIT_SCORE_KEYS)
             acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision=DOT_PRECISION)
