@@ -5,7 +5,8 @@
 #   STEPS="gpu_tests conformance benches" (default) picks steps; also nvidia_tests (the NVIDIA
 #   plugin's GPU tests: carry .whl for FlashInfer) and sanitizer (the offload connector's GPU
 #   tests under PyTorch's CUDA stream sanitizer, which reports unsynchronised cross-stream use).
-#   On a machine with two GPUs the p2p NCCL tests in gpu_tests run instead of skipping.
+#   On a machine with two GPUs the p2p NCCL tests in gpu_tests run instead of skipping;
+#   GPU_TESTS_PATHS narrows gpu_tests to some folders or files.
 #   step_tests: the engine-step tests whole (builders, graphs, bench_step --smoke; not only the
 #   gpu-marked ones, since the CPU-written ones must also pass where a GPU is present); demos:
 #   `kvcore demo` (graph replay on a GPU) with each backend of DEMO_BACKENDS.
@@ -75,7 +76,7 @@ if has cuda_ext; then
         "from kvcore_nvidia import ops; import time; t = time.time(); print(ops.build_extension(), time.time() - t)"
 fi
 has gpu_tests && test_step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
-    -p no:cacheprovider -o addopts="" tests plugins/rocm/tests plugins/mla/tests
+    -p no:cacheprovider -o addopts="" ${GPU_TESTS_PATHS:-tests plugins/rocm/tests plugins/mla/tests}
 has step_tests && test_step step_tests ${STEP_TESTS_LIMIT:-150} python3 -m pytest -q \
     -p no:cacheprovider -o addopts="" tests/test_builder.py tests/test_triton_builder.py \
     tests/test_cuda_graphs.py plugins/mla/tests/test_mla_builder.py
