@@ -116,18 +116,11 @@ def prefill_candidates() -> list:
                 tile(64, 64, 4, 2, **e), tile(128, 64, 8, 3, **e), tile(128, 64, 8, 2, **e),
                 tile(128, 128, 8, 2, **e), tile(128, 32, 8, 3, **e), tile(256, 32, 8, 3, **e),
                 tile(128, 64, 8, 3, **c)]
-    # The query tile in registers (the score wgmma then reads only keys from shared memory):
-    # first after the table row, so the budget never skips them.
-    registers = [tile(256, 32, 8, 3, **e, q_in_registers=True),
-                 tile(128, 32, 8, 3, **e, q_in_registers=True),
-                 tile(128, 64, 8, 3, **e, q_in_registers=True),
-                 tile(128, 64, 8, 2, **e, q_in_registers=True),
-                 tile(128, 128, 8, 2, **e, q_in_registers=True)]
     specialised = [tile(128, 32, 4, 3, **e, warp_specialize=True),
                    tile(64, 32, 4, 3, **e, warp_specialize=True),
                    tile(128, 64, 8, 3, **e, warp_specialize=True),
                    tile(128, 128, 8, 2, **e, warp_specialize=True)]
-    return list(dict.fromkeys([table_rows()[0], *registers, *shapes, *variants, *specialised]))
+    return list(dict.fromkeys([table_rows()[0], *shapes, *variants, *specialised]))
 
 
 def table_rows() -> tuple:
@@ -226,8 +219,7 @@ def config_for(tile):
                               block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                               num_stages=tile.num_stages, prefill=True,
                               const_block=tile.const_block, edge_stages=tile.edge_stages,
-                              warp_specialize=tile.warp_specialize,
-                              q_in_registers=tile.q_in_registers)
+                              warp_specialize=tile.warp_specialize)
 
 
 def tile_of(cfg) -> str:
@@ -235,7 +227,7 @@ def tile_of(cfg) -> str:
     ta = triton_attention()
     return label(ta.PrefillTile(cfg.block_q * cfg.g_pad, cfg.block_n, cfg.num_warps,
                                 cfg.num_stages, cfg.const_block, cfg.edge_stages,
-                                cfg.warp_specialize, cfg.q_in_registers))
+                                cfg.warp_specialize))
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

@@ -56,17 +56,9 @@ Kernel variants
 Both kernels share their prologue (:func:`_locate_tile`, :func:`_load_query_tile`) and page
 lookup (:func:`_page_ids`, :func:`_in_page`). ``AttentionConfig.const_block`` compiles the
 block size in (shifts instead of integer divisions per key row); the prefill kernel can also
-pipeline its masked edge loops at their own depth (``edge_stages``), warp-specialise its
-unmasked loop (``warp_specialize``, where Triton has it) and keep its query tile in registers
-(``q_in_registers``). They change speed only, never the result; the tables say which ones a
-GPU uses.
-
-``q_in_registers``: on Hopper, Triton feeds a dot's first operand to wgmma from shared memory
-when it comes straight from a load, and from registers when it is computed. A 32-key score
-wgmma with the query tile in shared memory reads 3 KiB per 16 tensor-core cycles, more than
-the SM's shared-memory bandwidth; from registers it reads only the 1 KiB key tile. The variant
-passes the loaded query through ``where(row_valid, q, 0)`` (the values it already holds: the
-load masked the same rows to 0), which makes it computed; it costs the tile's registers.
+pipeline its masked edge loops at their own depth (``edge_stages``) and warp-specialise its
+unmasked loop (``warp_specialize``, where Triton has it). They change speed only, never the
+result; the tables say which ones a GPU uses.
 
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
@@ -140,11 +132,9 @@ class AttentionConfig:
     Kernel variants (all compute the same result): ``const_block`` compiles the cache's block
     size into the kernel (page lookups by shifts, not integer divisions; one compiled kernel
     per block size). Prefill kernel only: ``edge_stages`` > 0 pipelines the masked edge loops
-    (causal diagonal, window edge) that deep instead of ``num_stages``,
+    (causal diagonal, window edge) that deep instead of ``num_stages``, and
     ``warp_specialize`` asks Triton to warp-specialise the unmasked key loop (needs a Triton
-    whose ``tl.range`` takes ``warp_specialize``: :func:`warp_specialize_supported`), and
-    ``q_in_registers`` keeps the query tile in registers for the score dot (module
-    docstring).
+    whose ``tl.range`` takes ``warp_specialize``: :func:`warp_specialize_supported`).
     """
 
     block_q: int
@@ -157,7 +147,6 @@ class AttentionConfig:
     const_block: bool = False
     edge_stages: int = 0
     warp_specialize: bool = False
-    q_in_registers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +154,7 @@ class PrefillTile:
     """One entry of :data:`PREFILL_TILES`: ``rows`` = query tokens x padded GQA group per
     program, ``block_n`` keys per step, the launch's warps and pipeline stages, and the
     kernel variants of :class:`AttentionConfig` (``const_block``, ``edge_stages``,
-    ``warp_specialize``, ``q_in_registers``)."""
+    ``warp_specialize``)."""
 
     rows: int
     block_n: int
@@ -174,7 +163,6 @@ class PrefillTile:
     const_block: bool = False
     edge_stages: int = 0
     warp_specialize: bool = False
-    q_in_registers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,7 +546,7 @@ def _prefill_attention_kernel(
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, PAGE: tl.constexpr, EDGE_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, Q_IN_REGISTERS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Last tiles first: under a causal mask they have the most keys, and the short ones then
@@ -577,8 +565,6 @@ def _prefill_attention_kernel(
     if FP8:
         ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
-    if Q_IN_REGISTERS:  # the same values, computed: wgmma then reads q from registers
-        q = tl.where(row_valid[:, None], q, 0.0).to(q.dtype)
 
     # Key tiles [lo, hi) hold every key some query of the tile sees; [full_lo, full_hi) those
     # every query sees: after the window's lower edge of the last query, up to the first
@@ -769,8 +755,7 @@ def default_config(
                                block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                                num_stages=tile.num_stages, prefill=True,
                                const_block=tile.const_block, edge_stages=tile.edge_stages,
-                               warp_specialize=tile.warp_specialize,
-                               q_in_registers=tile.q_in_registers)
+                               warp_specialize=tile.warp_specialize)
     # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), split prefill tiles 128
     # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill).
     rows = 16 if decode_only else (128 if head_size <= 128 else 64)
@@ -882,11 +867,10 @@ def paged_attention(
     if cfg.prefill and cfg.num_splits != 1:
         raise ValueError(f"config has prefill=True and num_splits={cfg.num_splits}: the "
                          "prefill kernel does not split keys (set num_splits=1 or prefill=False)")
-    if not cfg.prefill and (cfg.edge_stages or cfg.warp_specialize or cfg.q_in_registers):
-        raise ValueError(f"config has edge_stages={cfg.edge_stages}, warp_specialize="
-                         f"{cfg.warp_specialize} and q_in_registers={cfg.q_in_registers} with "
-                         "prefill=False: only the prefill kernel has these variants (set "
-                         "prefill=True or leave them at 0/False)")
+    if not cfg.prefill and (cfg.edge_stages or cfg.warp_specialize):
+        raise ValueError(f"config has edge_stages={cfg.edge_stages} and warp_specialize="
+                         f"{cfg.warp_specialize} with prefill=False: only the prefill kernel "
+                         "has these variants (set prefill=True or leave them at 0/False)")
     if cfg.warp_specialize and not warp_specialize_supported():
         raise ValueError(f"config has warp_specialize=True but Triton {triton.__version__}'s "
                          "tl.range does not take warp_specialize (Triton >= 3.4 does); set "
@@ -927,7 +911,6 @@ def paged_attention(
             BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             EVEN_D=block_d == head_size, PAGE=block_size if cfg.const_block else 0,
             EDGE_STAGES=cfg.edge_stages, WARP_SPECIALIZE=cfg.warp_specialize,
-            Q_IN_REGISTERS=cfg.q_in_registers,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
