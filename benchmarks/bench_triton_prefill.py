@@ -360,8 +360,11 @@ def sweep_decodes(run: Run) -> None:
                                     torch.device(DEVICE))
         for tile in decode_candidates():
             for splits in split_options(default.num_splits):
+                # As default_config launches a tile: split launches take split_block_n keys.
+                block_n = tile.split_block_n if splits > 1 and tile.split_block_n else \
+                    tile.block_n
                 cfg = ta.AttentionConfig(block_q=default.block_q, g_pad=default.g_pad,
-                                         block_n=tile.block_n, num_splits=splits,
+                                         block_n=block_n, num_splits=splits,
                                          num_warps=tile.num_warps, num_stages=tile.num_stages,
                                          const_block=tile.const_block)
                 numel = ta.workspace_numel(b, HQ, D, splits)
