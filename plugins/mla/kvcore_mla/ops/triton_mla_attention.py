@@ -41,13 +41,14 @@ Triton lays out a dot whose result feeds another dot with every warp along its r
 softmax row stays inside one warp. For a 64-head program of 8 warps that covers 128 rows: both
 warpgroups compute the same ``[64, BLOCK_N]`` scores, about half of MLA decode's FLOPs, twice.
 With ``split_score_keys`` the two warpgroups compute half the keys each (Triton's layout for a
-dot that feeds no dot); the row max and sum then cross warpgroups through shared memory, and
-the probabilities reach the value dot through shared memory too. Triton decides by following
-the score's uses: scaling each score part before they are added (otherwise the parts
-fuse into one accumulating chain of dots), and the softmax inside a branch on a runtime
-condition that always holds (``seq_len > 0``), end that walk before the value dot. The
-results agree within rounding (each part is scaled before the sum). The sm90 table's 64-head
-row uses it (a compile test checks the layout Triton gives it).
+dot that feeds no dot); the row max then crosses warpgroups through shared memory each step,
+and so do the probabilities on their way to the value dot. The row sums are kept per key
+column and added up once after the loop (a per-step row sum would cross warpgroups too).
+Triton decides by following the score's uses: scaling each score part before they are added
+(otherwise the parts fuse into one accumulating chain of dots), and the softmax inside a
+branch on a runtime condition that always holds (``seq_len > 0``), end that walk before the
+value dot. The results agree within rounding (each part is scaled before the sum). The sm90
+table's 64-head row uses it (a compile test checks the layout Triton gives it).
 
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
@@ -609,10 +610,16 @@ def _score_part(q, kv, qk_scale, SPLIT_SCORE_KEYS: tl.constexpr, DOT_PRECISION: 
 def _softmax_step(s, m_i, l_i, like, live, SPLIT_SCORE_KEYS: tl.constexpr):
     """:func:`_online_softmax` with ``p`` in ``like``'s dtype. ``SPLIT_SCORE_KEYS``: inside a
     branch on ``live`` (a runtime condition that always holds), which ends Triton's walk from
-    the score dot to the value dot (module docstring); the other branch is never taken."""
+    the score dot to the value dot (module docstring); the other branch is never taken. There
+    ``l_i`` is ``[BLOCK_H, BLOCK_N]``, each key column's running sum, added up once after the
+    loop: a row sum per step would cross the warpgroups through shared memory, as the row
+    max does."""
     if SPLIT_SCORE_KEYS:
         if live:
-            m_new, l_new, p, alpha = _online_softmax(s, m_i, l_i)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_new = l_i * alpha[:, None] + p
             p = p.to(like.dtype)
         else:
             m_new = m_i
@@ -712,7 +719,10 @@ def _mla_decode_kernel(
         qk_scale = qk_scale * ks
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if SPLIT_SCORE_KEYS:  # per key column, summed after the loop (see _softmax_step)
+        l_i = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     acc1 = 0.0  # a scalar placeholder: no second accumulator carried without SPLIT_LATENT
     if SPLIT_LATENT:
@@ -815,6 +825,8 @@ def _mla_decode_kernel(
         acc0 = acc0 * ks
         if SPLIT_LATENT:
             acc1 = acc1 * ks
+    if SPLIT_SCORE_KEYS:
+        l_i = tl.sum(l_i, 1)
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)[:, None]
     lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
