@@ -250,7 +250,7 @@ MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # 64 latents in flight (164 KiB). All as compiled for sm90 by `kvcore kernels`. From the
     # H200 sweeps (benchmarks/RESULTS.md): at 64+ heads, tiles loaded through tensor
     # descriptors (TMA) with the warpgroups sharing the score tile by keys (split_score_keys:
-    # 13-18% faster than the best layout where both compute it); caches TMA cannot serve take
+    # about 20% faster than the best layout where both compute it); caches TMA cannot serve take
     # the pointer-load row (the latent in two 256-wide halves; with key-split scores, pointer
     # loads of 2-byte latents need more shared memory than an SM has). 4 warps for 16-head
     # programs (faster than 8).
