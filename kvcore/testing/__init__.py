@@ -29,7 +29,12 @@ from kvcore.testing.checks import (
     NORM_TOLERANCES,
     tolerance_for,
 )
-from kvcore.testing.compile_check import CompileTarget, KernelCase
+from kvcore.testing.compile_check import (
+    CompiledLaunch,
+    CompileTarget,
+    KernelCase,
+    compile_launches,
+)
 from kvcore.testing.gpu import (
     GPU_MARKER,
     GpuTestSetup,
@@ -48,11 +53,13 @@ __all__ = [
     "MLA_NORM_TOLERANCES",
     "NORM_TOLERANCES",
     "RULES",
+    "CompiledLaunch",
     "CompileTarget",
     "ConformanceCase",
     "ConformanceError",
     "KernelCase",
     "Rule",
+    "compile_launches",
     "conformance_cases",
     "contiguous_attention_ref",
     "contiguous_mla_ref",

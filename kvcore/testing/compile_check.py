@@ -56,9 +56,11 @@ __all__ = [
     "TARGETS",
     "CompileResult",
     "CompileTarget",
+    "CompiledLaunch",
     "KernelCase",
     "capture_launches",
     "case_providers",
+    "compile_launches",
     "format_markdown",
     "format_summary",
     "format_table",
@@ -70,11 +72,10 @@ __all__ = [
 #: Bytes of registers a kernel may spill per thread (NVIDIA: ``ptxas``' spill stores; AMD:
 #: spilled VGPRs x 4 bytes of scratch per lane). 512 bytes is 128 registers, half of the 255
 #: a thread can address: below it the spill is a few values kept across the key loop (the
-#: configs tuned by sweeps on the H200, benchmarks/RESULTS.md, spill up to a few hundred bytes,
-#: e.g. the 64-head MLA decode tile on sm_90); above it the tile's accumulator itself no
-#: longer fits (the 128-row head_size 256 prefill tile that ``default_config`` avoids spills
-#: 2.9 KiB on sm_90, 3.3 KiB on sm_100, 15.7 KiB on sm_80). A case may set its own
-#: :attr:`KernelCase.max_spills`.
+#: configs tuned by sweeps on the H200, benchmarks/RESULTS.md, spill up to a few hundred
+#: bytes); above it the tile's accumulator itself usually no longer fits (the 128-row
+#: head_size 256 prefill tile that ``default_config`` avoids spills 2.9 KiB on sm_90, 3.3 KiB
+#: on sm_100, 15.7 KiB on sm_80). A case may set its own :attr:`KernelCase.max_spills`.
 MAX_SPILLS = 512
 
 
@@ -325,6 +326,44 @@ def _compile(job: _Job) -> dict[str, Any]:
             "seconds": time.perf_counter() - start, "error": None}
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledLaunch:
+    """One Triton launch compiled ahead of time by :func:`compile_launches`: the kernel's
+    name and its text stages by name (``ttir``, ``ttgir``, ``llir``, then ``ptx`` on NVIDIA or
+    ``amdgcn`` on AMD), e.g. to check the layouts the compiler chose for a tile."""
+
+    kernel: str
+    asm: dict[str, str]
+
+
+def compile_launches(launch: Callable[[], None],
+                     target: str | CompileTarget) -> list[CompiledLaunch]:
+    """Run ``launch`` (a call of ops that launch Triton kernels, on CPU tensors) with its
+    launches recorded instead of run, and compile each for ``target`` (a name of
+    :data:`TARGETS` or a :class:`CompileTarget`) ahead of time, no GPU needed, as ``kvcore
+    kernels`` does. Needs ``TRITON_INTERPRET`` unset (a RuntimeError says so otherwise)."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    resolved = target if isinstance(target, CompileTarget) else _target(target)
+    with capture_launches() as launches:
+        launch()
+    compiled = []
+    for recorded in launches:
+        job = _specialize(recorded, resolved)
+        with tempfile.TemporaryDirectory() as cache_dir, knobs.cache.scope(), \
+                contextlib.redirect_stdout(io.StringIO()):
+            knobs.cache.dir = cache_dir
+            kernel = triton.compile(ASTSource(recorded.fn, job.signature, job.constexprs,
+                                              job.attrs),
+                                    target=resolved.gpu_target(), options=job.options)
+        compiled.append(CompiledLaunch(recorded.fn.fn.__name__,
+                                       {k: v for k, v in kernel.asm.items()
+                                        if isinstance(v, str)}))
+    return compiled
+
+
 def _cache_dir() -> Path:
     if "KVCORE_COMPILE_CACHE" in os.environ:
         return Path(os.environ["KVCORE_COMPILE_CACHE"])
@@ -542,9 +581,11 @@ def format_markdown(results: Sequence[CompileResult]) -> str:
         f"the target's limit, and on spills above {MAX_SPILLS} bytes (128 registers, half of "
         "what a thread can address): below that a spill is a few values kept across the key "
         "loop (the configs tuned by sweeps on the H200, benchmarks/RESULTS.md, spill up to a few "
-        "hundred bytes, e.g. the 64-head MLA decode tile on sm90); above it "
-        "the tile's accumulator no longer fits (the 128-row head_size 256 prefill tile that "
-        "`default_config` avoids spills 2.9 KiB on sm90, 3.3 KiB on sm100, 15.7 KiB on sm80).",
+        "hundred bytes); above it the tile's accumulator usually no longer fits (the 128-row "
+        "head_size 256 prefill tile that `default_config` avoids spills 2.9 KiB on sm90, 3.3 "
+        "KiB on sm100, 15.7 KiB on sm80). A case may allow more (`KernelCase.max_spills`) for a "
+        "tile measured to be the fastest anyway, as kvcore_mla's 128-head decode case does for "
+        "the sm90 tile with key-split scores.",
         "",
         format_summary(results),
         "",

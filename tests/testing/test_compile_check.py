@@ -202,3 +202,40 @@ def test_the_ahead_of_time_compile_matches_the_jit_on_this_gpu():
                 assert kernel.n_regs == aot.registers, case.name
             checked += 1
     assert checked >= 10
+
+
+def test_compile_launches_refuses_the_interpreter(monkeypatch):
+    from kvcore.testing import compile_launches
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 is set"):
+        compile_launches(lambda: None, "sm90")
+
+
+_COMPILE_CACHE_WRITE = """
+import json, sys, torch
+from kvcore.ops.triton_cache import reshape_and_cache
+from kvcore.testing import compile_launches
+key = torch.empty(64, 8, 128, dtype=torch.bfloat16)
+k_cache = torch.empty(16, 16, 8, 128, dtype=torch.bfloat16)
+v_cache = torch.empty_like(k_cache)
+slots = torch.arange(64)
+out = compile_launches(lambda: reshape_and_cache(key, key, k_cache, v_cache, slots),
+                       sys.argv[1])
+print(json.dumps([[c.kernel, sorted(c.asm), "ttg.nvidia_mma" in c.asm.get("ttgir", "")]
+                  for c in out]))
+"""
+
+
+@pytest.mark.slow
+def test_compile_launches_gives_each_launch_its_stages():
+    """A cache write (no dot) compiled for sm90 and gfx942 in a subprocess (the interpreter
+    stays off there): one launch, its text stages named as Triton names them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for target, final in (("sm90", "ptx"), ("gfx942", "amdgcn")):
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_CACHE_WRITE, target],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ((kernel, stages, has_mma),) = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert kernel.endswith("_kernel") and not has_mma
+        assert {"ttir", "ttgir", "llir", final} <= set(stages)

@@ -6,15 +6,12 @@ views; compiled for sm90, the score dots really get the key-split layout; real s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,13 +91,8 @@ def sm90_wgmma_layouts(config_kwargs: dict) -> list[list[str]]:
     """``[warpsPerCTA, instruction N]`` of every wgmma result layout of the production-size
     decode kernel compiled for sm90 (ahead of time, no GPU needed) with
     ``LaunchConfig(**config_kwargs)``. Run with ``TRITON_INTERPRET`` unset."""
-    import triton
-    from triton import knobs
-    from triton.compiler import ASTSource
+    from kvcore.testing import compile_launches
 
-    from kvcore.testing import compile_check
-
-    target = compile_check.TARGETS["sm90"]
     rank, rope, page, heads = 512, 64, 64, 128
     q = torch.empty(2, heads, rank + rope, dtype=torch.bfloat16)
     cache = torch.empty(8, page, 1, rank + rope, dtype=torch.bfloat16)
@@ -109,17 +101,11 @@ def sm90_wgmma_layouts(config_kwargs: dict) -> list[list[str]]:
     table = torch.zeros(2, 4, dtype=torch.int32)
     lens = torch.full((2,), 200, dtype=torch.int32)
     config = kernels.LaunchConfig(**config_kwargs)
-    with compile_check.capture_launches() as launches:
-        kernels.decode_attention_fwd(q, cache, cache[..., :rank], o, lse, table, lens,
-                                     torch.empty(2, heads, 1, rank + 1), 1, 0.1, page, is_mla=True,
-                                     config=config)
-    (launch,) = [x for x in launches if x.fn.fn.__name__ == "_mla_decode_kernel"]
-    job = compile_check._specialize(launch, target)
-    with tempfile.TemporaryDirectory() as cache_dir, knobs.cache.scope(), \
-            contextlib.redirect_stdout(io.StringIO()):
-        knobs.cache.dir = cache_dir
-        compiled = triton.compile(ASTSource(launch.fn, job.signature, job.constexprs, job.attrs),
-                                  target=target.gpu_target(), options=job.options)
+    (compiled,) = [c for c in compile_launches(
+        lambda: kernels.decode_attention_fwd(
+            q, cache, cache[..., :rank], o, lse, table, lens,
+            torch.empty(2, heads, 1, rank + 1), 1, 0.1, page, is_mla=True, config=config),
+        "sm90") if c.kernel == "_mla_decode_kernel"]
     return [list(m) for m in re.findall(
         r"nvidia_mma<\{versionMajor = 3[^}]*warpsPerCTA = \[(\d+, \d+)\], "
         r"instrShape = \[16, (\d+), 16\]", compiled.asm["ttgir"])]
