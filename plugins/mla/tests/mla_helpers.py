@@ -107,6 +107,26 @@ def decode_case(gen: torch.Generator, heads: int, page: int, lens: list[int],
     return randn((len(lens), heads, rank + DECODE_ROPE), dtype, gen), cache, table, seq_lens
 
 
+#: DeepSeek's sizes for the real-size GPU tests: latent 512 + rope 64, pages of 64 tokens, and
+#: the softmax scale of its 128 + 64 query dims.
+REAL_RANK, REAL_ROPE, REAL_PAGE = 512, 64, 64
+REAL_SCALE = (128 + REAL_ROPE) ** -0.5
+
+
+def real_size_decode_case(gen: torch.Generator
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A real-size decode batch on :data:`DEVICE`: 4 requests of 1024 tokens (one of 1000,
+    ending inside a page), 128 heads, bf16; ``(q, cache, table, seq_lens)`` as
+    :func:`decode_case` gives them."""
+    lens = [1024, 1024, 1000, 1024]
+    pages = sum(-(-n // REAL_PAGE) for n in lens) + 4
+    cache = randn((pages, REAL_PAGE, REAL_RANK + REAL_ROPE), torch.bfloat16, gen)
+    table = block_tables(lens, REAL_PAGE, pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return randn((len(lens), 128, REAL_RANK + REAL_ROPE), torch.bfloat16, gen), cache, table, \
+        seq_lens
+
+
 def run_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
                splits: int, config=None, rank: int = DECODE_RANK, scale: float = 0.1,
                **scales) -> tuple[torch.Tensor, torch.Tensor]:

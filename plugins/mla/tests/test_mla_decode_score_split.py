@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from mla_helpers import (
+    REAL_RANK,
+    REAL_SCALE,
     assert_close,
     assert_decode_close,
-    block_tables,
     cross_layer_view,
     decode_case,
     generator,
-    randn,
+    real_size_decode_case,
     run_decode,
 )
 
@@ -147,14 +148,9 @@ def test_key_split_scores_real_size_on_the_gpu(config: dict, splits: int) -> Non
     """DeepSeek sizes: B4 x 1024 tokens (one request ends inside a page), 128 heads, latent
     512 + rope 64, bf16, pages of 64, 64-head programs of 8 warps; against the float64
     reference and the default layout."""
-    rank, rope, page, lens = 512, 64, 64, [1024, 1024, 1000, 1024]
-    gen = generator("mla-decode-keysplit-gpu", tuple(config.items()), splits)
-    pages = sum(-(-n // page) for n in lens) + 4
-    cache = randn((pages, page, rank + rope), torch.bfloat16, gen)
-    table = block_tables(lens, page, pages, gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = randn((len(lens), 128, rank + rope), torch.bfloat16, gen)
-    scale = (128 + rope) ** -0.5
+    q, cache, table, seq_lens = real_size_decode_case(
+        generator("mla-decode-keysplit-gpu", tuple(config.items()), splits))
+    rank, scale = REAL_RANK, REAL_SCALE
     key_split = kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, split_score_keys=True,
                                      **config)
     o, lse = run_decode(q, cache, table, seq_lens, splits, key_split, rank=rank, scale=scale)

@@ -15,6 +15,8 @@ from mla_helpers import (
     DECODE_RANK,
     DECODE_ROPE,
     DEVICE,
+    REAL_RANK,
+    REAL_SCALE,
     assert_close,
     assert_decode_close,
     block_tables,
@@ -22,6 +24,7 @@ from mla_helpers import (
     decode_case,
     generator,
     randn,
+    real_size_decode_case,
     run_decode,
 )
 
@@ -262,14 +265,9 @@ def test_tma_real_size_on_the_gpu(config: dict, splits: int) -> None:
     """DeepSeek sizes on the GPU: B4 x 1024 tokens (ragged: one request ends inside a page),
     128 heads, latent 512 + rope 64, bf16, pages of 64, 64-head TMA programs; against the
     float64 reference and the default path; the scratch allocator set for the launch only."""
-    rank, rope, page, lens = 512, 64, 64, [1024, 1024, 1000, 1024]
-    gen = generator("mla-decode-tma-gpu", tuple(config.items()), splits)
-    pages = sum(-(-n // page) for n in lens) + 4
-    cache = randn((pages, page, rank + rope), torch.bfloat16, gen)
-    table = block_tables(lens, page, pages, gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = randn((len(lens), 128, rank + rope), torch.bfloat16, gen)
-    scale = (128 + rope) ** -0.5
+    q, cache, table, seq_lens = real_size_decode_case(
+        generator("mla-decode-tma-gpu", tuple(config.items()), splits))
+    rank, scale = REAL_RANK, REAL_SCALE
     tma_config = kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, tma=True, **config)
     allocator = _current_allocator()
     o, lse = run_decode(q, cache, table, seq_lens, splits, tma_config, rank=rank, scale=scale)
