@@ -40,13 +40,17 @@ def _config(block_h: int, block_n: int, *, tma: bool, split_latent: bool = False
                                 split_score_keys=split_score_keys)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
-@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
-    (16, 16, 16, 16, 1),
-    (64, 64, 32, 64, 3),   # one 64-head group (the production shape, scaled down), split
-    (64, 32, 16, 32, 2),   # two head groups
-], ids=lambda v: str(v))
+# Both load paths and both latent forms, each beside another head grouping (the interpreter
+# runs every combination as the same float32 operations; the GPU tests compile them).
+@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits", "split_latent", "tma"), [
+    (16, 16, 16, 16, 1, False, False),
+    (16, 16, 16, 16, 1, True, True),
+    (64, 64, 32, 64, 3, False, True),   # one 64-head group (the production shape, scaled down)
+    (64, 64, 32, 64, 3, True, False),
+    (64, 32, 16, 32, 2, False, False),  # two head groups
+    (64, 32, 16, 32, 2, True, True),
+], ids=["h16-whole-pointers", "h16-halves-tma", "h64-group64-whole-tma",
+        "h64-group64-halves-pointers", "h64-group32-whole-pointers", "h64-group32-halves-tma"])
 def test_key_split_scores_match_float64_reference_and_default_layout(
         heads, block_h, block_n, page, splits, split_latent, tma) -> None:
     gen = generator("mla-decode-keysplit", heads, block_h, block_n, page, splits, split_latent,
