@@ -67,7 +67,8 @@ from kvcore.cli.harness import Run, rel_err  # noqa: E402
 from kvcore.ops.reference import paged_attention_ref  # noqa: E402
 
 DEVICE = "cpu" if CPU else "cuda"
-time_call = functools.partial(harness.time_call, device=DEVICE)
+# --smoke checks the script, not the speed: one timed sample a call.
+time_call = functools.partial(harness.time_call, device=DEVICE, samples=1 if SMOKE else None)
 DTYPE = torch.bfloat16
 HQ, HK, D, BS, LAYERS = 32, 8, 128, 16, 32
 STEP_SHAPES = [(16, 4096), (64, 4096)]
