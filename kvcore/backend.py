@@ -24,7 +24,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -536,6 +536,18 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
+    def extend(self, cls: type[_M], **fields: Any) -> _M:
+        """This step as ``cls``, a dataclass subclass of :class:`AttentionMetadata` that adds
+        a backend's own fields (a plan, split counts, a workspace), given as ``fields``; every
+        field of :class:`AttentionMetadata` is carried over. What a builder's ``build`` returns
+        after ``super().build`` has checked the step."""
+        return cls(**{name: getattr(self, name) for name in _BASE_FIELDS}, **fields)
+
+
+_M = TypeVar("_M", bound=AttentionMetadata)
+#: The fields :meth:`AttentionMetadata.extend` carries over (computed once: builders call it
+#: every step).
+_BASE_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionMetadata))
 
 #: Largest block id an int32 block table holds.
 _MAX_BLOCK_ID = 2**31 - 1

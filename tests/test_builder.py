@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -428,3 +429,21 @@ def test_step_facts_of_steps_without_requests_or_columns():
                                     torch.ones(1, dtype=torch.int32),
                                     torch.zeros(1, 0, dtype=torch.int32),
                                     torch.zeros(1, dtype=torch.int64), BS)
+
+
+@dataclasses.dataclass
+class _PlannedMetadata(kvcore.AttentionMetadata):
+    plan: str | None = None
+    splits: int = 1
+
+
+def test_extend_carries_every_common_field_into_a_backend_subclass():
+    common = kvcore.build_attention_metadata([3, 1], [5, 9], [[4, 7], [2]], 16, causal=False)
+    ours = common.extend(_PlannedMetadata, plan="p", splits=4)
+    assert type(ours) is _PlannedMetadata and (ours.plan, ours.splits) == ("p", 4)
+    for field in dataclasses.fields(kvcore.AttentionMetadata):
+        assert getattr(ours, field.name) is getattr(common, field.name), field.name
+    assert ours.causal is False and ours.num_seqs == 2
+    assert common.extend(_PlannedMetadata).plan is None  # the subclass's defaults
+    with pytest.raises(TypeError, match="nope"):
+        common.extend(_PlannedMetadata, nope=1)

@@ -160,9 +160,8 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         else:
             splits = self._splits(meta.num_actual_tokens, meta.num_seqs, self._num_kv_heads,
                                   meta.max_seq_len, self.device)
-        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        return TritonAttentionMetadata(**fields, num_kv_splits=splits,
-                                       workspace=self.workspace if splits > 1 else None)
+        return meta.extend(TritonAttentionMetadata, num_kv_splits=splits,
+                           workspace=self.workspace if splits > 1 else None)
 
 
 class TritonAttentionImpl(PagedAttentionImpl):

@@ -181,10 +181,9 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
                          self.num_kv_splits(meta.num_seqs))
         else:
             splits = 1
-        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        return TritonMLAMetadata(**fields, num_kv_splits=splits,
-                                 workspace=self.workspace if splits > 1 else None,
-                                 decode_config=self.decode_config if decode else None)
+        return meta.extend(TritonMLAMetadata, num_kv_splits=splits,
+                           workspace=self.workspace if splits > 1 else None,
+                           decode_config=self.decode_config if decode else None)
 
 
 def _check_runnable(kv_cache: torch.Tensor) -> None:

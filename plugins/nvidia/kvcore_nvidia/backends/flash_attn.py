@@ -338,12 +338,12 @@ class FlashAttentionMetadataBuilder(PersistentMetadataBuilder):
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> FlashAttentionMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
-        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
         cu_seqlens_k = None
         if self.kernels is None or self.kernels.library == "flash-attn 2":
             cu_seqlens_k = self.cu_seqlens_k[:meta.num_seqs + 1]
             torch.cumsum(meta.seq_lens, dim=0, out=cu_seqlens_k[1:])
-        return FlashAttentionMetadata(**fields, cu_seqlens_k=cu_seqlens_k, kernels=self.kernels)
+        return meta.extend(FlashAttentionMetadata, cu_seqlens_k=cu_seqlens_k,
+                           kernels=self.kernels)
 
 
 def _check_aligned(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:

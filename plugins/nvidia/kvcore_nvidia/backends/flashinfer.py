@@ -227,7 +227,6 @@ def _is_decode(attn_metadata: AttentionMetadata) -> bool:
             and attn_metadata.num_actual_tokens == attn_metadata.num_seqs)
 
 
-_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionMetadata))
 
 #: The last plan of the shared wrappers (every plan goes through it, so a hit means the
 #: wrapper it returns still holds that plan).
@@ -551,17 +550,16 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> FlashInferMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
-        fields = {name: getattr(meta, name) for name in _METADATA_FIELDS}
         if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
-            return FlashInferMetadata(**fields)
+            return meta.extend(FlashInferMetadata)
         slot = self._staging.acquire()
         try:
-            return self._build(meta, common, fields, graph_batch_size, slot)
+            return self._build(meta, common, graph_batch_size, slot)
         finally:
             # After the step's last copy from the slot (ours and those plan enqueued).
             self._staging.release()
 
-    def _build(self, meta: AttentionMetadata, common: AttentionMetadata, fields: dict,
+    def _build(self, meta: AttentionMetadata, common: AttentionMetadata,
                graph_batch_size: int | None, slot: StagingSlot) -> FlashInferMetadata:
         size = meta.num_seqs
         pages = self._host_pages(common, size, slot.tensors["lists"])
@@ -570,8 +568,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         planned = dict(dtype=self.spec.dtype)
         if graph_batch_size is not None:
             wrapper = self._plan_graph_decode(size, pages, counts, indices)
-            return FlashInferMetadata(**fields, decode_wrapper=wrapper, num_decodes=size,
-                                      planned=(self.scale, None, None), **planned)
+            return meta.extend(FlashInferMetadata, decode_wrapper=wrapper, num_decodes=size,
+                               planned=(self.scale, None, None), **planned)
         shape, options = self._options()
         k = pages.leading_decodes()
         qo_indptr, indptr = pages.qo_indptr.numpy(), pages.indptr.numpy()
@@ -588,8 +586,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                        rest.last_page_len, *shape, causal=meta.causal,
                        seq_lens=rest.seq_lens, **options)
         causal = None if prefill is None else meta.causal
-        return FlashInferMetadata(**fields, decode_wrapper=decode, prefill_wrapper=prefill,
-                                  num_decodes=k, planned=(self.scale, None, causal), **planned)
+        return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,
+                           num_decodes=k, planned=(self.scale, None, causal), **planned)
 
     def warmup(self) -> dict[str, float]:
         """Build (JIT-compile, or load from FlashInfer's cache) the modules this builder's

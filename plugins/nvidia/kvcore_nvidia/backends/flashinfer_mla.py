@@ -400,15 +400,14 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> FlashInferMLAMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
-        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
         if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
-            return FlashInferMLAMetadata(**fields)
+            return meta.extend(FlashInferMLAMetadata)
         wrapper = (self._eager if graph_batch_size is None
                    else self._graph_wrapper(graph_batch_size))
         plan = _plan(wrapper, meta, self.num_heads, self.spec.block_size, self.spec.dtype,
                      self.spec.cache_dtype, self.scale)
-        return FlashInferMLAMetadata(**fields, wrapper=wrapper, plan=plan, scale=self.scale,
-                                     builder=self, kv_scales=self._read_kv_scales())
+        return meta.extend(FlashInferMLAMetadata, wrapper=wrapper, plan=plan, scale=self.scale,
+                           builder=self, kv_scales=self._read_kv_scales())
 
 
 @functools.cache

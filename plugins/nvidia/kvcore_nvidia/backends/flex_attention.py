@@ -354,8 +354,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> FlexAttentionMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
-        return FlexAttentionMetadata(
-            **{f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)})
+        return meta.extend(FlexAttentionMetadata)
 
 
 @functools.cache
