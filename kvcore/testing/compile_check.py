@@ -298,23 +298,27 @@ def parse_amdgcn_metadata(asm: str) -> tuple[int, int]:
     return field("vgpr_count") + field("agpr_count"), 4 * field("vgpr_spill_count")
 
 
-def _compile(job: _Job) -> dict[str, Any]:
-    """Compile one job (in a worker process); metrics or the error."""
+def _triton_compile(fn: Any, job: _Job, log: io.StringIO) -> Any:
+    """``fn`` compiled as ``job`` says, in a private Triton cache (so ptxas runs and writes its
+    register report, with Triton's other output, to ``log``)."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
 
-    fn = _import_path(job.kernel)
+    with tempfile.TemporaryDirectory() as cache_dir, knobs.cache.scope(), \
+            knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.cache.dir = cache_dir
+        knobs.nvidia.dump_ptxas_log = True
+        return triton.compile(ASTSource(fn, job.signature, job.constexprs, job.attrs),
+                              target=job.target.gpu_target(), options=job.options)
+
+
+def _compile(job: _Job) -> dict[str, Any]:
+    """Compile one job (in a worker process); metrics or the error."""
     log = io.StringIO()
     start = time.perf_counter()
     try:
-        # A private Triton cache: ptxas must run to report registers and spills.
-        with tempfile.TemporaryDirectory() as cache_dir, knobs.cache.scope(), \
-                knobs.nvidia.scope(), contextlib.redirect_stdout(log):
-            knobs.cache.dir = cache_dir
-            knobs.nvidia.dump_ptxas_log = True
-            compiled = triton.compile(ASTSource(fn, job.signature, job.constexprs, job.attrs),
-                                      target=job.target.gpu_target(), options=job.options)
+        compiled = _triton_compile(_import_path(job.kernel), job, log)
         if job.target.is_rocm:
             registers, spills = parse_amdgcn_metadata(compiled.asm["amdgcn"])
         else:
@@ -342,22 +346,12 @@ def compile_launches(launch: Callable[[], None],
     launches recorded instead of run, and compile each for ``target`` (a name of
     :data:`TARGETS` or a :class:`CompileTarget`) ahead of time, no GPU needed, as ``kvcore
     kernels`` does. Needs ``TRITON_INTERPRET`` unset (a RuntimeError says so otherwise)."""
-    import triton
-    from triton import knobs
-    from triton.compiler import ASTSource
-
     resolved = target if isinstance(target, CompileTarget) else _target(target)
     with capture_launches() as launches:
         launch()
     compiled = []
     for recorded in launches:
-        job = _specialize(recorded, resolved)
-        with tempfile.TemporaryDirectory() as cache_dir, knobs.cache.scope(), \
-                contextlib.redirect_stdout(io.StringIO()):
-            knobs.cache.dir = cache_dir
-            kernel = triton.compile(ASTSource(recorded.fn, job.signature, job.constexprs,
-                                              job.attrs),
-                                    target=resolved.gpu_target(), options=job.options)
+        kernel = _triton_compile(recorded.fn, _specialize(recorded, resolved), io.StringIO())
         compiled.append(CompiledLaunch(recorded.fn.fn.__name__,
                                        {k: v for k, v in kernel.asm.items()
                                         if isinstance(v, str)}))

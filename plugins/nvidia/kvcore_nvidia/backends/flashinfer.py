@@ -227,7 +227,6 @@ def _is_decode(attn_metadata: AttentionMetadata) -> bool:
             and attn_metadata.num_actual_tokens == attn_metadata.num_seqs)
 
 
-
 #: The last plan of the shared wrappers (every plan goes through it, so a hit means the
 #: wrapper it returns still holds that plan).
 _PLANS = StepCache()
