@@ -303,13 +303,12 @@ def _triton_compile(fn: Any, job: _Job, log: io.StringIO) -> Any:
     register report, with Triton's other output, to ``log``)."""
     import triton
     from triton import knobs
-    from triton.compiler import ASTSource
 
     with tempfile.TemporaryDirectory() as cache_dir, knobs.cache.scope(), \
             knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.cache.dir = cache_dir
         knobs.nvidia.dump_ptxas_log = True
-        return triton.compile(ASTSource(fn, job.signature, job.constexprs, job.attrs),
+        return triton.compile(_source_class(fn)(fn, job.signature, job.constexprs, job.attrs),
                               target=job.target.gpu_target(), options=job.options)
 
 
@@ -328,6 +327,17 @@ def _compile(job: _Job) -> dict[str, Any]:
         return {"error": message[-2000:], "seconds": time.perf_counter() - start}
     return {"registers": registers, "spills": spills, "shared": compiled.metadata.shared,
             "seconds": time.perf_counter() - start, "error": None}
+
+
+def _source_class(fn: Any) -> Any:
+    """Triton's compile source for ``fn``: Gluon kernels (``gluon.jit``) have their own."""
+    from triton.compiler import ASTSource
+
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    except ImportError:  # a Triton without Gluon
+        return ASTSource
+    return GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""EXPERIMENTAL (branch wt/gluon-mla): the Gluon MLA decode kernel for Hopper
+(``kvcore_mla.ops.gluon_mla_decode``). Compiled ahead of time for sm90 here (no GPU: Gluon has
+no interpreter); on an H200 against the float64 reference at DeepSeek sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mla_helpers import (
+    REAL_RANK,
+    REAL_SCALE,
+    assert_decode_close,
+    generator,
+    real_size_decode_case,
+)
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+_COMPILE = """
+import json, torch
+from kvcore.testing import compile_launches
+from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
+q = torch.empty(4, 128, 576, dtype=torch.bfloat16)
+cache = torch.empty(80, 64, 576, dtype=torch.bfloat16)
+out = torch.empty(4, 128, 512, dtype=torch.bfloat16)
+lse = torch.empty(4, 128, dtype=torch.float32)
+lens = torch.full((4,), 1000, dtype=torch.int32)
+table = torch.zeros(4, 16, dtype=torch.int32)
+(c,) = compile_launches(lambda: gluon_mla_decode(q, cache, 512, lens, table, 0.1, out, lse),
+                        "sm90")
+print(json.dumps([c.kernel, c.asm["ttgir"].count("warp_group_dot ")]))
+"""
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90_with_its_three_wgmmas() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernel, wgmmas = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert kernel == "_gluon_mla_decode_kernel" and wgmmas == 3
+
+
+@pytest.mark.gpu
+def test_real_size_matches_float64_reference() -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA decode kernel is written for Hopper (capability 9.x)")
+    from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
+
+    q, cache, table, seq_lens = real_size_decode_case(generator("mla-gluon-decode"))
+    out = torch.full((*q.shape[:2], REAL_RANK), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+    gluon_mla_decode(q, cache, REAL_RANK, seq_lens, table, REAL_SCALE, out, lse)
+    assert_decode_close(out, lse, q, cache, table, seq_lens, torch.bfloat16, rank=REAL_RANK,
+                        scale=REAL_SCALE)
