@@ -25,8 +25,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _LOG2E = 1.4426950408889634
 
 
@@ -144,4 +147,189 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), block_table.stride(0),
         D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_H=block_h, BLOCK_N=64, num_warps=8,
+    )
+
+
+# ---- step 1: TMA loads into two stages, one mbarrier per 64-column chunk ----------------------
+
+
+@gluon.jit
+def _issue_tile(kv_desc, k_s, kpe_s, bars, stage, row, pred,
+                D_NOPE: gl.constexpr, D_PE: gl.constexpr, BLOCK_N: gl.constexpr,
+                CHUNK_BARS: gl.constexpr):
+    """TMA copies of the tile of ``BLOCK_N`` cache rows from ``row`` into ``stage``: one per
+    64-column chunk of the latent, then the rope part. ``CHUNK_BARS``: each copy completes
+    its own barrier (the score loop starts on chunk 0 while later chunks are in flight);
+    otherwise all complete the stage's one barrier."""
+    NC: gl.constexpr = D_NOPE // 64
+    if CHUNK_BARS:
+        for c in gl.static_range(NC):
+            bar = bars.index(stage * (NC + 1) + c)
+            mbarrier.expect(bar, BLOCK_N * 64 * 2, pred)
+            _tma_load(kv_desc, [row, c * 64], bar, k_s.index(stage).slice(c * 64, 64, 1), pred)
+        bar = bars.index(stage * (NC + 1) + NC)
+        mbarrier.expect(bar, BLOCK_N * D_PE * 2, pred)
+        _tma_load(kv_desc, [row, D_NOPE], bar, kpe_s.index(stage), pred)
+    else:
+        bar = bars.index(stage * (NC + 1))
+        mbarrier.expect(bar, BLOCK_N * (D_NOPE + D_PE) * 2, pred)
+        for c in gl.static_range(NC):
+            _tma_load(kv_desc, [row, c * 64], bar, k_s.index(stage).slice(c * 64, 64, 1), pred)
+        _tma_load(kv_desc, [row, D_NOPE], bar, kpe_s.index(stage), pred)
+
+
+@gluon.jit
+def _tile_row(bt_row, t, page_rows, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The cache row (in units of the token stride) where tile ``t`` of a request starts."""
+    page = gl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(gl.int32)
+    return page * page_rows + (t * BLOCK_N) % PAGE_SIZE
+
+
+@gluon.jit
+def _gluon_mla_decode_tma_kernel(
+    q_ptr, kv_desc, out_ptr, lse_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
+    num_heads, num_head_blocks, page_rows,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_lb, stride_lh, stride_btb,
+    D_NOPE: gl.constexpr, D_PE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_BARS: gl.constexpr,
+):
+    NC: gl.constexpr = D_NOPE // 64
+    pid = gl.program_id(0)
+    head_block = pid % num_head_blocks
+    seq = (pid // num_head_blocks).to(gl.int64)
+
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, D_NOPE // 2, 16])
+    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                        warps_per_cta=[8, 1], order=[1, 0])
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                            rank=2)
+
+    seq_len = gl.load(seq_lens_ptr + seq)
+    num_tiles = gl.cdiv(seq_len, BLOCK_N)
+    bt_row = block_table_ptr + seq * stride_btb
+
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_NOPE], SH)
+    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE], SH)
+    bars = gl.allocate_shared_memory(gl.int64, [2 * (NC + 1), 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * (NC + 1)):
+        mbarrier.init(bars.index(i), count=1)
+    # The first two tiles' copies go out before the query is read.
+    _issue_tile(kv_desc, k_s, kpe_s, bars, 0, _tile_row(bt_row, 0, page_rows, PAGE_SIZE, BLOCK_N),
+                num_tiles > 0, D_NOPE, D_PE, BLOCK_N, CHUNK_BARS)
+    _issue_tile(kv_desc, k_s, kpe_s, bars, 1,
+                _tile_row(bt_row, gl.minimum(1, num_tiles - 1), page_rows, PAGE_SIZE, BLOCK_N),
+                num_tiles > 1, D_NOPE, D_PE, BLOCK_N, CHUNK_BARS)
+
+    rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
+    heads = head_block * BLOCK_H + rows
+    h_ok = heads < num_heads
+    c_nope = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
+    c_pe = D_NOPE + gl.arange(0, D_PE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
+    q_row = q_ptr + seq * stride_qb + heads.to(gl.int64) * stride_qh
+    q_nope = gl.load(q_row[:, None] + c_nope[None, :], mask=h_ok[:, None], other=0.0)
+    q_pe = gl.load(q_row[:, None] + c_pe[None, :], mask=h_ok[:, None], other=0.0)
+    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_NOPE], SH, q_nope)
+    q_pe_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_PE], SH, q_pe)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], SH)
+    hopper.fence_async_shared()
+    _cta_barrier()
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, layout=O_L)
+    s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    k_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    for t in range(0, num_tiles):
+        st = t % 2
+        phase = (t // 2) & 1
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+        for c in gl.static_range(NC):
+            if CHUNK_BARS or c == 0:
+                mbarrier.wait(bars.index(st * (NC + 1) + c), phase)
+            s = hopper.warpgroup_mma(q_nope_s.slice(c * 64, 64, 1),
+                                     k_s.index(st).slice(c * 64, 64, 1).permute((1, 0)), s,
+                                     is_async=True)
+        if CHUNK_BARS:
+            mbarrier.wait(bars.index(st * (NC + 1) + NC), phase)
+        s = hopper.warpgroup_mma(q_pe_s, kpe_s.index(st).permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        valid = (t * BLOCK_N + s_cols) < seq_len
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * gl.expand_dims(alpha, 1) + p
+        m_i = m_new
+        if (t + 1) * BLOCK_N > seq_len:
+            # The last tile ends inside its page: rows past seq_len hold stale cache bytes
+            # (NaN included) that P x V would read with P = 0; zero them.
+            v = k_s.index(st).load(LD)
+            k_s.index(st).store(gl.where(((t * BLOCK_N + k_rows) < seq_len)[:, None], v, 0.0))
+        p_s.store(p.to(gl.bfloat16))
+        hopper.fence_async_shared()
+        _cta_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        acc = hopper.warpgroup_mma(p_s, k_s.index(st), acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        _cta_barrier()  # both warpgroups are done with this stage and with p_s
+        nxt = t + 2
+        _issue_tile(kv_desc, k_s, kpe_s, bars, st,
+                    _tile_row(bt_row, gl.minimum(nxt, num_tiles - 1), page_rows, PAGE_SIZE,
+                              BLOCK_N),
+                    nxt < num_tiles, D_NOPE, D_PE, BLOCK_N, CHUNK_BARS)
+
+    for i in gl.static_range(2 * (NC + 1)):
+        mbarrier.invalidate(bars.index(i))
+    l_sum = gl.sum(l_i, axis=1)
+    has_keys = l_sum > 0
+    l_safe = gl.where(has_keys, l_sum, 1.0)
+    lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
+    o_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    o_cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, O_L)).to(gl.int64)
+    o_ptrs = (out_ptr + seq * stride_ob + o_rows.to(gl.int64)[:, None] * stride_oh
+              + o_cols[None, :])
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(o_rows < num_heads)[:, None])
+    l_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+    gl.store(lse_ptr + seq * stride_lb + l_rows.to(gl.int64) * stride_lh,
+             lse2 * 0.6931471805599453, mask=l_rows < num_heads)
+
+
+def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``kv_cache`` ``(num_pages, page_size, width)`` seen as rows of its token stride:
+    ``(rows, page_rows)``, page ``p``'s token ``j`` at row ``p * page_rows + j`` (any page
+    stride that is a multiple of the token stride, the cross-layer layout's included)."""
+    num_pages, page_size, width = kv_cache.shape
+    stride_page, stride_token = kv_cache.stride(0), kv_cache.stride(1)
+    assert stride_page % stride_token == 0
+    page_rows = stride_page // stride_token
+    rows = (num_pages - 1) * page_rows + page_size
+    return kv_cache.as_strided((rows, width), (stride_token, 1)), page_rows
+
+
+def gluon_mla_decode_tma(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                         seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                         out: torch.Tensor, lse: torch.Tensor, chunk_bars: bool = True) -> None:
+    """As :func:`gluon_mla_decode`, the cache read by TMA into two stages (page size a
+    multiple of 64, 16-byte aligned rows); ``chunk_bars``: one barrier per 64-column chunk
+    (else one per stage)."""
+    batch, num_heads, width = q.shape
+    assert q.dtype == kv_cache.dtype == torch.bfloat16 and q.stride(2) == 1
+    assert kv_cache.stride(2) == 1 and width == kv_cache.shape[2]
+    assert kv_cache.shape[1] % 64 == 0
+    block_h, block_n = 64, 64
+    rows, page_rows = cache_rows(kv_cache)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = TensorDescriptor.from_tensor(rows, [block_n, 64], layout)
+    num_head_blocks = -(-num_heads // block_h)
+    _gluon_mla_decode_tma_kernel[(num_head_blocks * batch,)](
+        q, desc, out, lse, seq_lens, block_table, float(scale) * _LOG2E,
+        num_heads, num_head_blocks, page_rows,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        block_table.stride(0),
+        D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
+        BLOCK_H=block_h, BLOCK_N=block_n, CHUNK_BARS=chunk_bars, num_warps=8,
     )
