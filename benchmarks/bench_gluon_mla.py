@@ -44,8 +44,7 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     calls = {"triton": triton_call}
     outs = {}
     for name, fn, kw in (("gluon0", gmd.gluon_mla_decode, {}),
-                         ("gluon1", gmd.gluon_mla_decode_tma, {}),
-                         ("gluon1a", gmd.gluon_mla_decode_tma, {"chunk_bars": False})):
+                         ("gluon1", gmd.gluon_mla_decode_tma, {})):
         out = torch.empty_like(ref)
         lse = torch.empty_like(ref_lse)
         outs[name] = out
@@ -70,7 +69,7 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     times = {}
     for name, fn in calls.items():
         times[name], _ = harness.time_call(fn, "cuda")
-    for name in ("triton", "gluon0", "gluon1", "gluon1a", "flashinfer"):
+    for name in ("triton", "gluon0", "gluon1", "flashinfer"):
         if name not in times:
             row += ["-", "-"]
             continue
@@ -86,8 +85,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [time_shape(*shape) for shape in SHAPES]
     print(harness.format_table(rows, ["shape", "triton us", "err", "gluon0 us", "err",
-                                      "gluon1 us", "err", "gluon1a us", "err",
-                                      "flashinfer us", "err",
+                                      "gluon1 us", "err", "flashinfer us", "err",
                                       "fi/gluon1 (time ratio)"]))
 
 

@@ -26,5 +26,4 @@ for _ in range(2):
                          PAGE, True)
     gmd.gluon_mla_decode(q, cache, RANK, lens, table, 0.1, out, lse)
     gmd.gluon_mla_decode_tma(q, cache, RANK, lens, table, 0.1, out, lse)
-    gmd.gluon_mla_decode_tma(q, cache, RANK, lens, table, 0.1, out, lse, chunk_bars=False)
 torch.cuda.synchronize()

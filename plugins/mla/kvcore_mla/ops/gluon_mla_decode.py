@@ -30,6 +30,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# Shared-memory views change type with ``reinterpret`` (Triton 3.9), ``_reinterpret`` (3.6).
+_NEW_REINTERPRET = hasattr(gl.shared_memory_descriptor, "reinterpret")
 _LOG2E = 1.4426950408889634
 
 
@@ -154,46 +156,45 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
 
 
 @gluon.jit
-def _issue_tile(kv_desc, k_s, kpe_s, bars, stage, row, pred,
-                D_NOPE: gl.constexpr, D_PE: gl.constexpr, BLOCK_N: gl.constexpr,
-                CHUNK_BARS: gl.constexpr):
-    """TMA copies of the tile of ``BLOCK_N`` cache rows from ``row`` into ``stage``: one per
-    64-column chunk of the latent, then the rope part. ``CHUNK_BARS``: each copy completes
-    its own barrier (the score loop starts on chunk 0 while later chunks are in flight);
-    otherwise all complete the stage's one barrier."""
-    NC: gl.constexpr = D_NOPE // 64
-    if CHUNK_BARS:
-        for c in gl.static_range(NC):
-            bar = bars.index(stage * (NC + 1) + c)
-            mbarrier.expect(bar, BLOCK_N * 64 * 2, pred)
-            _tma_load(kv_desc, [row, c * 64], bar, k_s.index(stage).slice(c * 64, 64, 1), pred)
-        bar = bars.index(stage * (NC + 1) + NC)
-        mbarrier.expect(bar, BLOCK_N * D_PE * 2, pred)
-        _tma_load(kv_desc, [row, D_NOPE], bar, kpe_s.index(stage), pred)
-    else:
-        bar = bars.index(stage * (NC + 1))
-        mbarrier.expect(bar, BLOCK_N * (D_NOPE + D_PE) * 2, pred)
-        for c in gl.static_range(NC):
-            _tma_load(kv_desc, [row, c * 64], bar, k_s.index(stage).slice(c * 64, 64, 1), pred)
-        _tma_load(kv_desc, [row, D_NOPE], bar, kpe_s.index(stage), pred)
+def _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, stage, row, pred,
+                BLOCK_N: gl.constexpr):
+    """Two TMA copies of the tile of ``BLOCK_N`` cache rows from ``row`` into ``stage``: the
+    descriptors see the latent and the rope part as ``(chunk of 64 channels, row, 64)``, so
+    one 3-d box lands as swizzled ``[BLOCK_N, 64]`` chunks, the layout of a ``[BLOCK_N, 64 *
+    chunks]`` tile. (Triton's lowering puts a CTA-wide bar.sync before every TMA and barrier
+    operation: a copy per chunk cost 10 of them a tile, and a barrier per chunk, so that the
+    scores could start on chunk 0, 19; both measured slower on the H200.)"""
+    bar = bars.index(stage)
+    mbarrier.expect(bar, BLOCK_N * (nope_s.shape[1] + pe_s.shape[1]) * 64 * 2, pred)
+    _tma_load(nope_desc, [0, row, 0], bar, nope_s.index(stage), pred)
+    _tma_load(pe_desc, [0, row, 0], bar, pe_s.index(stage), pred)
 
 
 @gluon.jit
-def _tile_row(bt_row, t, page_rows, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The cache row (in units of the token stride) where tile ``t`` of a request starts."""
-    page = gl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(gl.int32)
-    return page * page_rows + (t * BLOCK_N) % PAGE_SIZE
+def _view_2d(chunks, shape: gl.constexpr, layout: gl.constexpr, NEW_API: gl.constexpr):
+    """``chunks`` (``[n, rows, 64]`` swizzled chunks) as the ``[rows, 64 * n]`` tile they form."""
+    if NEW_API:
+        return chunks.reinterpret(gl.bfloat16, shape, layout)
+    else:
+        return chunks._reinterpret(gl.bfloat16, shape, layout)
+
+
+@gluon.jit
+def _tile_page(bt_row, t, num_tiles, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The page that holds tile ``t`` of a request (``t`` clamped into the request's tiles, so
+    the read stays inside its block-table row even past its end)."""
+    t = gl.maximum(gl.minimum(t, num_tiles - 1), 0)
+    return gl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(gl.int32)
 
 
 @gluon.jit
 def _gluon_mla_decode_tma_kernel(
-    q_ptr, kv_desc, out_ptr, lse_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
+    q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
     num_heads, num_head_blocks, page_rows,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_lb, stride_lh, stride_btb,
     D_NOPE: gl.constexpr, D_PE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK_BARS: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NEW_API: gl.constexpr,
 ):
-    NC: gl.constexpr = D_NOPE // 64
     pid = gl.program_id(0)
     head_block = pid % num_head_blocks
     seq = (pid // num_head_blocks).to(gl.int64)
@@ -211,17 +212,23 @@ def _gluon_mla_decode_tma_kernel(
     num_tiles = gl.cdiv(seq_len, BLOCK_N)
     bt_row = block_table_ptr + seq * stride_btb
 
-    k_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_NOPE], SH)
-    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE], SH)
-    bars = gl.allocate_shared_memory(gl.int64, [2 * (NC + 1), 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * (NC + 1)):
+    SH3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                             rank=3)
+    nope_s = gl.allocate_shared_memory(gl.bfloat16, [2, D_NOPE // 64, BLOCK_N, 64], SH3)
+    pe_s = gl.allocate_shared_memory(gl.bfloat16, [2, D_PE // 64, BLOCK_N, 64], SH3)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
     # The first two tiles' copies go out before the query is read.
-    _issue_tile(kv_desc, k_s, kpe_s, bars, 0, _tile_row(bt_row, 0, page_rows, PAGE_SIZE, BLOCK_N),
-                num_tiles > 0, D_NOPE, D_PE, BLOCK_N, CHUNK_BARS)
-    _issue_tile(kv_desc, k_s, kpe_s, bars, 1,
-                _tile_row(bt_row, gl.minimum(1, num_tiles - 1), page_rows, PAGE_SIZE, BLOCK_N),
-                num_tiles > 1, D_NOPE, D_PE, BLOCK_N, CHUNK_BARS)
+    page0 = _tile_page(bt_row, 0, num_tiles, PAGE_SIZE, BLOCK_N)
+    page1 = _tile_page(bt_row, 1, num_tiles, PAGE_SIZE, BLOCK_N)
+    # The page of the tile two ahead is read one iteration before its copy is issued, so the
+    # block-table read's latency never stalls the loop.
+    page_ahead = _tile_page(bt_row, 2, num_tiles, PAGE_SIZE, BLOCK_N)
+    _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, 0, page0 * page_rows, num_tiles > 0,
+                BLOCK_N)
+    _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, 1,
+                page1 * page_rows + BLOCK_N % PAGE_SIZE, num_tiles > 1, BLOCK_N)
 
     rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
     heads = head_block * BLOCK_H + rows
@@ -246,15 +253,14 @@ def _gluon_mla_decode_tma_kernel(
         st = t % 2
         phase = (t // 2) & 1
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-        for c in gl.static_range(NC):
-            if CHUNK_BARS or c == 0:
-                mbarrier.wait(bars.index(st * (NC + 1) + c), phase)
-            s = hopper.warpgroup_mma(q_nope_s.slice(c * 64, 64, 1),
-                                     k_s.index(st).slice(c * 64, 64, 1).permute((1, 0)), s,
-                                     is_async=True)
-        if CHUNK_BARS:
-            mbarrier.wait(bars.index(st * (NC + 1) + NC), phase)
-        s = hopper.warpgroup_mma(q_pe_s, kpe_s.index(st).permute((1, 0)), s, is_async=True)
+        mbarrier.wait(bars.index(st), phase)
+        k_nope = _view_2d(nope_s.index(st), [BLOCK_N, D_NOPE], SH, NEW_API)
+        k_pe = _view_2d(pe_s.index(st), [BLOCK_N, D_PE], SH, NEW_API)
+        # One wgmma call over the whole latent: its instructions address the chunks by
+        # immediate offsets from one descriptor (a call per chunk kept a descriptor per chunk
+        # live across the loop, and they spilled).
+        s = hopper.warpgroup_mma(q_nope_s, k_nope.permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
         valid = (t * BLOCK_N + s_cols) < seq_len
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -266,22 +272,21 @@ def _gluon_mla_decode_tma_kernel(
         if (t + 1) * BLOCK_N > seq_len:
             # The last tile ends inside its page: rows past seq_len hold stale cache bytes
             # (NaN included) that P x V would read with P = 0; zero them.
-            v = k_s.index(st).load(LD)
-            k_s.index(st).store(gl.where(((t * BLOCK_N + k_rows) < seq_len)[:, None], v, 0.0))
+            v = k_nope.load(LD)
+            k_nope.store(gl.where(((t * BLOCK_N + k_rows) < seq_len)[:, None], v, 0.0))
         p_s.store(p.to(gl.bfloat16))
         hopper.fence_async_shared()
         _cta_barrier()
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        acc = hopper.warpgroup_mma(p_s, k_s.index(st), acc, is_async=True)
+        acc = hopper.warpgroup_mma(p_s, k_nope, acc, is_async=True)
         acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         _cta_barrier()  # both warpgroups are done with this stage and with p_s
         nxt = t + 2
-        _issue_tile(kv_desc, k_s, kpe_s, bars, st,
-                    _tile_row(bt_row, gl.minimum(nxt, num_tiles - 1), page_rows, PAGE_SIZE,
-                              BLOCK_N),
-                    nxt < num_tiles, D_NOPE, D_PE, BLOCK_N, CHUNK_BARS)
+        row = page_ahead * page_rows + (nxt * BLOCK_N) % PAGE_SIZE
+        page_ahead = _tile_page(bt_row, t + 3, num_tiles, PAGE_SIZE, BLOCK_N)
+        _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, st, row, nxt < num_tiles, BLOCK_N)
 
-    for i in gl.static_range(2 * (NC + 1)):
+    for i in gl.static_range(2):
         mbarrier.invalidate(bars.index(i))
     l_sum = gl.sum(l_i, axis=1)
     has_keys = l_sum > 0
@@ -312,24 +317,32 @@ def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def gluon_mla_decode_tma(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
                          seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                         out: torch.Tensor, lse: torch.Tensor, chunk_bars: bool = True) -> None:
+                         out: torch.Tensor, lse: torch.Tensor) -> None:
     """As :func:`gluon_mla_decode`, the cache read by TMA into two stages (page size a
-    multiple of 64, 16-byte aligned rows); ``chunk_bars``: one barrier per 64-column chunk
-    (else one per stage)."""
+    multiple of 64, 16-byte aligned rows)."""
     batch, num_heads, width = q.shape
     assert q.dtype == kv_cache.dtype == torch.bfloat16 and q.stride(2) == 1
     assert kv_cache.stride(2) == 1 and width == kv_cache.shape[2]
     assert kv_cache.shape[1] % 64 == 0
     block_h, block_n = 64, 64
+    rope = width - kv_lora_rank
+    # TMA boxes have power-of-two sides.
+    assert all(n % 64 == 0 and (n // 64) & (n // 64 - 1) == 0 for n in (kv_lora_rank, rope))
     rows, page_rows = cache_rows(kv_cache)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = TensorDescriptor.from_tensor(rows, [block_n, 64], layout)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+
+    def chunked(part: torch.Tensor) -> TensorDescriptor:
+        """``part`` (rows, channels) as (chunk of 64 channels, row, channel): one box a tile."""
+        view = part.as_strided((part.shape[1] // 64, part.shape[0], 64), (64, part.stride(0), 1))
+        return TensorDescriptor.from_tensor(view, [part.shape[1] // 64, block_n, 64], layout)
+
+    nope_desc, pe_desc = chunked(rows[:, :kv_lora_rank]), chunked(rows[:, kv_lora_rank:])
     num_head_blocks = -(-num_heads // block_h)
     _gluon_mla_decode_tma_kernel[(num_head_blocks * batch,)](
-        q, desc, out, lse, seq_lens, block_table, float(scale) * _LOG2E,
+        q, nope_desc, pe_desc, out, lse, seq_lens, block_table, float(scale) * _LOG2E,
         num_heads, num_head_blocks, page_rows,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         block_table.stride(0),
         D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_N=block_n, CHUNK_BARS=chunk_bars, num_warps=8,
+        BLOCK_H=block_h, BLOCK_N=block_n, NEW_API=_NEW_REINTERPRET, num_warps=8,
     )
