@@ -1,17 +1,12 @@
-"""EXPERIMENTAL (branch wt/gluon-mla): run each MLA decode kernel twice at B64 x 4096 tokens,
-128 heads, for a profiler (ncu) to read. Usage: ncu ... python3 benchmarks/prof_gluon_mla.py"""
-
-import sys
-from pathlib import Path
+"""EXPERIMENTAL (branch wt/gluon-mla): run the Gluon and Triton MLA decode kernels twice at
+B64 x 4096 tokens, 128 heads, one split, for a profiler (ncu) to read.
+Usage: ncu ... python3 benchmarks/prof_gluon_mla.py"""
 
 import torch
+from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
+from kvcore_mla.ops.triton_mla_attention import decode_attention_fwd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gluon_mla import RANK, ROPE, PAGE  # noqa: E402
-
-from kvcore_mla.ops import gluon_mla_decode as gmd  # noqa: E402
-from kvcore_mla.ops.triton_mla_attention import decode_attention_fwd  # noqa: E402
-
+RANK, ROPE, PAGE = 512, 64, 64
 batch, heads, tokens = 64, 128, 4096
 pages = batch * tokens // PAGE
 cache = torch.randn(pages + 8, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
@@ -24,6 +19,5 @@ logits = torch.empty(batch, heads, 1, RANK + 1, dtype=torch.float32, device="cud
 for _ in range(2):
     decode_attention_fwd(q, cache, cache[..., :RANK], out, lse, table, lens, logits, 1, 0.1,
                          PAGE, True)
-    gmd.gluon_mla_decode(q, cache, RANK, lens, table, 0.1, out, lse)
-    gmd.gluon_mla_decode_tma(q, cache, RANK, lens, table, 0.1, out, lse)
+    gluon_mla_decode(q, cache, RANK, lens, table, 0.1, out, lse)
 torch.cuda.synchronize()

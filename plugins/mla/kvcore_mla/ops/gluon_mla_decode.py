@@ -1,22 +1,19 @@
-"""EXPERIMENTAL (branch wt/gluon-mla, not wired into TRITON_MLA): MLA decode for Hopper in
-Gluon (``triton.experimental.gluon``), where the program sets layouts, shared memory and wgmma
-waits itself instead of Triton's compiler choosing them.
+"""EXPERIMENTAL (branch wt/gluon-mla, not wired into TRITON_MLA yet): MLA decode for Hopper
+in Gluon (``triton.experimental.gluon``), where the program sets layouts, shared memory,
+barriers and wgmma waits itself instead of Triton's compiler choosing them.
+
+One program per (64-head group, KV split, request), 8 warps. The two warpgroups share each
+64-key score tile by keys (``warps_per_cta=[4, 2]``) and the ``[64, 512]`` float32 output by
+latent columns. The query sits in shared memory; latent tiles arrive by TMA into two stages
+(two 3-d boxes a tile, one mbarrier a stage), page ids read a tile ahead. Each step issues
+P x V of tile i and, behind it on the tensor cores, the scores of tile i + 1; once P x V is
+done the stage is refilled with tile i + 2 while the scores finish and their softmax runs.
 
 Why: ``triton_mla_attention``'s kernel reaches 0.62-0.67x of FlashInfer's time at 128 heads on
-the H200; what bounds it (benchmarks/RESULTS.md, seventh session) is that Triton waits every
-wgmma at once, so the softmax never overlaps the tensor cores. Gluon exposes
-``warpgroup_mma(..., is_async=True)`` and ``warpgroup_mma_wait(num_outstanding=N)``.
-
-Step 0 (this file): the same algorithm as the Triton kernel's sm90 row, written in Gluon, for
-correctness and to pin the API on both Triton versions we run (3.6 on the H200, 3.9 in CI):
-one program per (64-head group, request), one KV split, 8 warps; the two warpgroups share each
-64-key score tile by keys (``warps_per_cta=[4, 2]``) and the ``[64, 512]`` float32 accumulator
-by latent columns; the query in shared memory; the latent tile loaded through registers into
-shared memory (synchronous: step 1 is asynchronous copies into two stages, step 2 the FA3
-order: issue the next scores and this tile's P x V, wait for the scores only, run the softmax
-while P x V runs).
-
-API differences handled here: Triton 3.6 has ``gl.thread_barrier``, 3.9 ``gl.barrier``.
+the H200: Triton waits every wgmma at once, keeps every wgmma descriptor live (they spill) and
+places TMA copies itself. API differences handled here: Triton 3.6 (the H200) has
+``gl.thread_barrier``, ``tma.async_copy_global_to_shared`` and ``_reinterpret``; 3.9 (CI)
+``gl.barrier``, ``tma.async_load`` and ``reinterpret``.
 """
 
 from __future__ import annotations
@@ -33,126 +30,6 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # Shared-memory views change type with ``reinterpret`` (Triton 3.9), ``_reinterpret`` (3.6).
 _NEW_REINTERPRET = hasattr(gl.shared_memory_descriptor, "reinterpret")
 _LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _gluon_mla_decode_kernel(
-    q_ptr, kv_ptr, out_ptr, lse_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
-    num_heads, num_head_blocks,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_ob, stride_oh, stride_lb, stride_lh,
-    stride_btb,
-    D_NOPE: gl.constexpr, D_PE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-):
-    pid = gl.program_id(0)
-    head_block = pid % num_head_blocks
-    seq = (pid // num_head_blocks).to(gl.int64)
-
-    # Scores: warpgroup w computes keys [w * BLOCK_N / 2, (w + 1) * BLOCK_N / 2) for all rows.
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    # Output: warpgroup w owns latent columns [w * D_NOPE / 2, (w + 1) * D_NOPE / 2).
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, D_NOPE // 2, 16])
-    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                        warps_per_cta=[8, 1], order=[1, 0])
-    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                            rank=2)
-
-    rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
-    heads = head_block * BLOCK_H + rows
-    h_ok = heads < num_heads
-    c_nope = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
-    c_pe = D_NOPE + gl.arange(0, D_PE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
-    q_row = q_ptr + seq * stride_qb + heads.to(gl.int64) * stride_qh
-    q_nope = gl.load(q_row[:, None] + c_nope[None, :], mask=h_ok[:, None], other=0.0)
-    q_pe = gl.load(q_row[:, None] + c_pe[None, :], mask=h_ok[:, None], other=0.0)
-    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_NOPE], SH, q_nope)
-    q_pe_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_PE], SH, q_pe)
-    k_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D_NOPE], SH)
-    k_pe_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D_PE], SH)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], SH)
-
-    seq_len = gl.load(seq_lens_ptr + seq)
-    num_tiles = gl.cdiv(seq_len, BLOCK_N)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    # Running sums per key column, added up after the loop (no per-tile cross-warpgroup sum).
-    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-    acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, layout=O_L)
-    k_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    bt_row = block_table_ptr + seq * stride_btb
-    for t in range(0, num_tiles):
-        pos = t * BLOCK_N + k_rows
-        ok = pos < seq_len
-        page = gl.load(bt_row + pos // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
-        base = kv_ptr + page * stride_kb + (pos % PAGE_SIZE).to(gl.int64) * stride_ks
-        # Rows past seq_len read 0 (stale cache bytes, NaN included, never reach P x V).
-        k_nope = gl.load(base[:, None] + c_nope[None, :], mask=ok[:, None], other=0.0)
-        k_pe = gl.load(base[:, None] + c_pe[None, :], mask=ok[:, None], other=0.0)
-        _cta_barrier()  # the previous tile's wgmmas have read k_*_s and p_s (waited below)
-        k_nope_s.store(k_nope)
-        k_pe_s.store(k_pe)
-        hopper.fence_async_shared()
-        _cta_barrier()
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-        s = hopper.warpgroup_mma(q_nope_s, k_nope_s.permute((1, 0)), s, is_async=True)
-        s = hopper.warpgroup_mma(q_pe_s, k_pe_s.permute((1, 0)), s, is_async=True)
-        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        valid = (t * BLOCK_N + s_cols) < seq_len
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * gl.expand_dims(alpha, 1) + p
-        m_i = m_new
-        p_s.store(p.to(gl.bfloat16))
-        hopper.fence_async_shared()
-        _cta_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        acc = hopper.warpgroup_mma(p_s, k_nope_s, acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-
-    l_sum = gl.sum(l_i, axis=1)
-    has_keys = l_sum > 0
-    l_safe = gl.where(has_keys, l_sum, 1.0)
-    lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
-    o_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-    o_cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, O_L)).to(gl.int64)
-    o_ptrs = (out_ptr + seq * stride_ob + o_rows.to(gl.int64)[:, None] * stride_oh
-              + o_cols[None, :])
-    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(o_rows < num_heads)[:, None])
-    l_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
-    gl.store(lse_ptr + seq * stride_lb + l_rows.to(gl.int64) * stride_lh,
-             lse2 * 0.6931471805599453, mask=l_rows < num_heads)
-
-
-def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
-                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                     out: torch.Tensor, lse: torch.Tensor) -> None:
-    """MLA decode (one query per request, one KV split) into ``out`` ``(batch, heads,
-    kv_lora_rank)`` and the natural-log ``lse`` ``(batch, heads)``. ``q`` ``(batch, heads,
-    kv_lora_rank + rope)`` bf16, contiguous channels; ``kv_cache`` ``(num_pages, page_size,
-    kv_lora_rank + rope)`` bf16 with contiguous channels, any page and token strides;
-    ``block_table`` ``(batch, max_pages)`` int32; ``seq_lens`` ``(batch,)`` int32. Step 0:
-    no validation beyond asserts (see the module docstring)."""
-    batch, num_heads, width = q.shape
-    assert q.dtype == kv_cache.dtype == torch.bfloat16 and q.stride(2) == 1
-    assert kv_cache.stride(2) == 1 and width == kv_cache.shape[2]
-    block_h = 64
-    num_head_blocks = -(-num_heads // block_h)
-    _gluon_mla_decode_kernel[(num_head_blocks * batch,)](
-        q, kv_cache, out, lse, seq_lens, block_table, float(scale) * _LOG2E,
-        num_heads, num_head_blocks,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), block_table.stride(0),
-        D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_N=64, num_warps=8,
-    )
-
-
-# ---- step 1: TMA loads into two stages, one mbarrier per 64-column chunk ----------------------
 
 
 @gluon.jit
@@ -188,16 +65,65 @@ def _tile_page(bt_row, t, num_tiles, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _gluon_mla_decode_tma_kernel(
-    q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
-    num_heads, num_head_blocks, page_rows,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_lb, stride_lh, stride_btb,
+def _scores(q_nope_s, q_pe_s, nope_s, pe_s, stage, S_L: gl.constexpr, SH: gl.constexpr,
+            NEW_API: gl.constexpr):
+    """Issue (asynchronously) the scores of the tile in ``stage`` against the query group:
+    ``[BLOCK_H, BLOCK_N]`` in ``S_L`` (each warpgroup its half of the keys). One wgmma call
+    per part over its whole width: its instructions address the 64-column chunks by immediate
+    offsets from one descriptor (a call per chunk kept a descriptor per chunk live across the
+    loop, and they spilled)."""
+    BLOCK_H: gl.constexpr = q_nope_s.shape[0]
+    D_NOPE: gl.constexpr = q_nope_s.shape[1]
+    D_PE: gl.constexpr = q_pe_s.shape[1]
+    BLOCK_N: gl.constexpr = nope_s.shape[2]
+    k_nope = _view_2d(nope_s.index(stage), [BLOCK_N, D_NOPE], SH, NEW_API)
+    k_pe = _view_2d(pe_s.index(stage), [BLOCK_N, D_PE], SH, NEW_API)
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    s = hopper.warpgroup_mma(q_nope_s, k_nope.permute((1, 0)), s, is_async=True)
+    return hopper.warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, t, seq_len, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr):
+    """Online softmax of tile ``t``'s scores ``s`` (keys past ``seq_len`` masked): ``(p,
+    alpha, m_new, l_new)``, with base-2 running max ``m_i`` and per-key-column running sums
+    ``l_i`` (added up after the loop: a per-tile row sum would cross the warpgroups)."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    s = gl.where(((t * BLOCK_N + cols) < seq_len)[None, :], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * gl.expand_dims(alpha, 1) + p
+
+
+@gluon.jit
+def _zero_stale_rows(nope_s, stage, t, seq_len, LD: gl.constexpr, SH: gl.constexpr,
+                     NEW_API: gl.constexpr):
+    """When tile ``t`` is the last and ends inside its page, zero its rows past ``seq_len``:
+    they hold stale cache bytes (NaN included) that P x V would read with P = 0."""
+    BLOCK_N: gl.constexpr = nope_s.shape[2]
+    if (t + 1) * BLOCK_N > seq_len:
+        k_nope = _view_2d(nope_s.index(stage), [BLOCK_N, nope_s.shape[1] * 64], SH, NEW_API)
+        rows = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+        k_nope.store(gl.where((rows < seq_len)[:, None], k_nope.load(LD), 0.0))
+
+
+@gluon.jit
+def _gluon_mla_decode_kernel(
+    q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale, num_heads, num_head_blocks, num_splits, page_rows,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_lb, stride_lh,
+    stride_pb, stride_ph, stride_ps, stride_btb,
     D_NOPE: gl.constexpr, D_PE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NEW_API: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
+    WRITE_LSE: gl.constexpr, NEW_API: gl.constexpr,
 ):
+    """One (head group, KV split, request) of MLA decode; see :func:`gluon_mla_decode`."""
     pid = gl.program_id(0)
     head_block = pid % num_head_blocks
-    seq = (pid // num_head_blocks).to(gl.int64)
+    rest = pid // num_head_blocks
+    split = rest % num_splits
+    seq = (rest // num_splits).to(gl.int64)
 
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
@@ -207,28 +133,31 @@ def _gluon_mla_decode_tma_kernel(
                                         warps_per_cta=[8, 1], order=[1, 0])
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                             rank=2)
+    SH3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                             rank=3)
 
     seq_len = gl.load(seq_lens_ptr + seq)
     num_tiles = gl.cdiv(seq_len, BLOCK_N)
+    per_split = gl.cdiv(num_tiles, num_splits)
+    t_lo = split * per_split
+    n = gl.minimum(t_lo + per_split, num_tiles) - t_lo  # this split's tiles (may be <= 0)
     bt_row = block_table_ptr + seq * stride_btb
 
-    SH3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                             rank=3)
     nope_s = gl.allocate_shared_memory(gl.bfloat16, [2, D_NOPE // 64, BLOCK_N, 64], SH3)
     pe_s = gl.allocate_shared_memory(gl.bfloat16, [2, D_PE // 64, BLOCK_N, 64], SH3)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
-    # The first two tiles' copies go out before the query is read.
-    page0 = _tile_page(bt_row, 0, num_tiles, PAGE_SIZE, BLOCK_N)
-    page1 = _tile_page(bt_row, 1, num_tiles, PAGE_SIZE, BLOCK_N)
-    # The page of the tile two ahead is read one iteration before its copy is issued, so the
-    # block-table read's latency never stalls the loop.
-    page_ahead = _tile_page(bt_row, 2, num_tiles, PAGE_SIZE, BLOCK_N)
-    _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, 0, page0 * page_rows, num_tiles > 0,
-                BLOCK_N)
+    # The first two tiles' copies go out before the query is read. The page of the tile two
+    # ahead is read one step before its copy is issued, so the block-table read's latency
+    # never stalls the loop.
+    page0 = _tile_page(bt_row, t_lo, num_tiles, PAGE_SIZE, BLOCK_N)
+    page1 = _tile_page(bt_row, t_lo + 1, num_tiles, PAGE_SIZE, BLOCK_N)
+    page_ahead = _tile_page(bt_row, t_lo + 2, num_tiles, PAGE_SIZE, BLOCK_N)
+    _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, 0,
+                page0 * page_rows + (t_lo * BLOCK_N) % PAGE_SIZE, n > 0, BLOCK_N)
     _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, 1,
-                page1 * page_rows + BLOCK_N % PAGE_SIZE, num_tiles > 1, BLOCK_N)
+                page1 * page_rows + ((t_lo + 1) * BLOCK_N) % PAGE_SIZE, n > 1, BLOCK_N)
 
     rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
     heads = head_block * BLOCK_H + rows
@@ -246,45 +175,43 @@ def _gluon_mla_decode_tma_kernel(
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    alpha = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
     acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, layout=O_L)
-    s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    k_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    for t in range(0, num_tiles):
-        st = t % 2
-        phase = (t // 2) & 1
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-        mbarrier.wait(bars.index(st), phase)
-        k_nope = _view_2d(nope_s.index(st), [BLOCK_N, D_NOPE], SH, NEW_API)
-        k_pe = _view_2d(pe_s.index(st), [BLOCK_N, D_PE], SH, NEW_API)
-        # One wgmma call over the whole latent: its instructions address the chunks by
-        # immediate offsets from one descriptor (a call per chunk kept a descriptor per chunk
-        # live across the loop, and they spilled).
-        s = hopper.warpgroup_mma(q_nope_s, k_nope.permute((1, 0)), s, is_async=True)
-        s = hopper.warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
+    if n > 0:  # the first tile's scores and softmax, ahead of the loop
+        mbarrier.wait(bars.index(0), 0)
+        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 0, S_L, SH, NEW_API)
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        valid = (t * BLOCK_N + s_cols) < seq_len
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * gl.expand_dims(alpha, 1) + p
-        m_i = m_new
-        if (t + 1) * BLOCK_N > seq_len:
-            # The last tile ends inside its page: rows past seq_len hold stale cache bytes
-            # (NaN included) that P x V would read with P = 0; zero them.
-            v = k_nope.load(LD)
-            k_nope.store(gl.where(((t * BLOCK_N + k_rows) < seq_len)[:, None], v, 0.0))
+        p, alpha, m_i, l_i = _softmax(s, t_lo, seq_len, m_i, l_i, qk_scale, BLOCK_N)
+        _zero_stale_rows(nope_s, 0, t_lo, seq_len, LD, SH, NEW_API)
         p_s.store(p.to(gl.bfloat16))
         hopper.fence_async_shared()
         _cta_barrier()
+    # Step i: P x V of tile i (its P in p_s), with the next tile's scores issued behind it
+    # on the tensor cores; then, once P x V is done, this stage is refilled (tile i + 2)
+    # while the scores finish and their softmax runs.
+    for i in range(0, n - 1):
+        st = i % 2
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        acc = hopper.warpgroup_mma(p_s, k_nope, acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        v = _view_2d(nope_s.index(st), [BLOCK_N, D_NOPE], SH, NEW_API)
+        acc = hopper.warpgroup_mma(p_s, v, acc, is_async=True)
+        mbarrier.wait(bars.index(1 - st), ((i + 1) // 2) & 1)
+        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 1 - st, S_L, SH, NEW_API)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         _cta_barrier()  # both warpgroups are done with this stage and with p_s
-        nxt = t + 2
-        row = page_ahead * page_rows + (nxt * BLOCK_N) % PAGE_SIZE
-        page_ahead = _tile_page(bt_row, t + 3, num_tiles, PAGE_SIZE, BLOCK_N)
-        _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, st, row, nxt < num_tiles, BLOCK_N)
+        row = page_ahead * page_rows + ((t_lo + i + 2) * BLOCK_N) % PAGE_SIZE
+        page_ahead = _tile_page(bt_row, t_lo + i + 3, num_tiles, PAGE_SIZE, BLOCK_N)
+        _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, st, row, i + 2 < n, BLOCK_N)
+        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        p, alpha, m_i, l_i = _softmax(s, t_lo + i + 1, seq_len, m_i, l_i, qk_scale, BLOCK_N)
+        _zero_stale_rows(nope_s, 1 - st, t_lo + i + 1, seq_len, LD, SH, NEW_API)
+        p_s.store(p.to(gl.bfloat16))
+        hopper.fence_async_shared()
+        _cta_barrier()
+    if n > 0:  # the last tile's P x V
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        v = _view_2d(nope_s.index((n - 1) % 2), [BLOCK_N, D_NOPE], SH, NEW_API)
+        acc = hopper.warpgroup_mma(p_s, v, acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
     for i in gl.static_range(2):
         mbarrier.invalidate(bars.index(i))
@@ -293,14 +220,23 @@ def _gluon_mla_decode_tma_kernel(
     l_safe = gl.where(has_keys, l_sum, 1.0)
     lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
-    o_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    o_rows = (head_block * BLOCK_H
+              + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))).to(gl.int64)
     o_cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, O_L)).to(gl.int64)
-    o_ptrs = (out_ptr + seq * stride_ob + o_rows.to(gl.int64)[:, None] * stride_oh
-              + o_cols[None, :])
-    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(o_rows < num_heads)[:, None])
-    l_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
-    gl.store(lse_ptr + seq * stride_lb + l_rows.to(gl.int64) * stride_lh,
-             lse2 * 0.6931471805599453, mask=l_rows < num_heads)
+    o_ok = (o_rows < num_heads)[:, None]
+    l_rows = (head_block * BLOCK_H
+              + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))).to(gl.int64)
+    if SPLIT:
+        # Workspace (batch, heads, splits, D_NOPE + 1): normalised output, base-2 LSE.
+        part = part_ptr + seq * stride_pb + split * stride_ps
+        gl.store(part + o_rows[:, None] * stride_ph + o_cols[None, :], out, mask=o_ok)
+        gl.store(part + l_rows * stride_ph + D_NOPE, lse2, mask=l_rows < num_heads)
+    else:
+        gl.store(out_ptr + seq * stride_ob + o_rows[:, None] * stride_oh + o_cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_ok)
+        if WRITE_LSE:
+            gl.store(lse_ptr + seq * stride_lb + l_rows * stride_lh,
+                     lse2 * 0.6931471805599453, mask=l_rows < num_heads)
 
 
 def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -315,19 +251,29 @@ def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kv_cache.as_strided((rows, width), (stride_token, 1)), page_rows
 
 
-def gluon_mla_decode_tma(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
-                         seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                         out: torch.Tensor, lse: torch.Tensor) -> None:
-    """As :func:`gluon_mla_decode`, the cache read by TMA into two stages (page size a
-    multiple of 64, 16-byte aligned rows)."""
+def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                     out: torch.Tensor, lse: torch.Tensor | None = None, num_splits: int = 1,
+                     workspace: torch.Tensor | None = None) -> None:
+    """MLA decode (one query per request) into ``out`` ``(batch, heads, kv_lora_rank)`` and
+    the natural-log ``lse`` ``(batch, heads)`` when given. ``q`` ``(batch, heads,
+    kv_lora_rank + rope)`` bf16, contiguous channels; ``kv_cache`` ``(num_pages, page_size,
+    kv_lora_rank + rope)`` bf16 with contiguous channels, a page size that is a multiple of
+    64 and a page stride that is a multiple of the token stride (16-byte aligned);
+    ``block_table`` ``(batch, max_pages)`` int32; ``seq_lens`` ``(batch,)`` int32. With
+    ``num_splits`` > 1 each request's tiles are cut into that many parts, each written to
+    ``workspace`` (float32 ``(batch, heads, num_splits, kv_lora_rank + 1)``) and merged by
+    TRITON_MLA's merge kernel."""
+    from kvcore_mla.ops.triton_mla_attention import _merge_splits
+
     batch, num_heads, width = q.shape
     assert q.dtype == kv_cache.dtype == torch.bfloat16 and q.stride(2) == 1
     assert kv_cache.stride(2) == 1 and width == kv_cache.shape[2]
     assert kv_cache.shape[1] % 64 == 0
-    block_h, block_n = 64, 64
     rope = width - kv_lora_rank
     # TMA boxes have power-of-two sides.
     assert all(n % 64 == 0 and (n // 64) & (n // 64 - 1) == 0 for n in (kv_lora_rank, rope))
+    block_h, block_n = 64, 64
     rows, page_rows = cache_rows(kv_cache)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 
@@ -337,12 +283,25 @@ def gluon_mla_decode_tma(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: 
         return TensorDescriptor.from_tensor(view, [part.shape[1] // 64, block_n, 64], layout)
 
     nope_desc, pe_desc = chunked(rows[:, :kv_lora_rank]), chunked(rows[:, kv_lora_rank:])
+    split = num_splits > 1
+    if split:
+        assert workspace is not None and workspace.shape == (batch, num_heads, num_splits,
+                                                             kv_lora_rank + 1)
+        assert workspace.dtype == torch.float32 and workspace.stride(3) == 1
+    part = workspace if split else out
+    part_strides = workspace.stride()[:3] if split else (0, 0, 0)
+    lse_arg = lse if lse is not None else out
+    lse_strides = lse.stride() if lse is not None else (0, 0)
     num_head_blocks = -(-num_heads // block_h)
-    _gluon_mla_decode_tma_kernel[(num_head_blocks * batch,)](
-        q, nope_desc, pe_desc, out, lse, seq_lens, block_table, float(scale) * _LOG2E,
-        num_heads, num_head_blocks, page_rows,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+    _gluon_mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
+        q, nope_desc, pe_desc, out, lse_arg, part, seq_lens, block_table,
+        float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *lse_strides, *part_strides,
         block_table.stride(0),
-        D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_N=block_n, NEW_API=_NEW_REINTERPRET, num_warps=8,
+        D_NOPE=kv_lora_rank, D_PE=rope, PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h,
+        BLOCK_N=block_n, SPLIT=split, WRITE_LSE=lse is not None, NEW_API=_NEW_REINTERPRET,
+        num_warps=8,
     )
+    if split:
+        _merge_splits(workspace, out, lse, kv_lora_rank, num_splits,
+                      max(16, 1 << (kv_lora_rank - 1).bit_length()))
