@@ -44,8 +44,10 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     ws2 = torch.empty_like(ws)
 
     def triton_call() -> None:
-        tma.decode_attention_fwd(q, cache, cache[..., :RANK], ref, ref_lse, table, lens, ws,
-                                 splits, scale, PAGE, True, config=config)
+        # The launch itself, as TRITON_MLA's step makes it (decode_attention_fwd validates its
+        # inputs on the host first, which a CUDA graph cannot capture).
+        tma._launch_mla_decode(q, cache, RANK, ref, ref_lse, ws, lens, table, scale, None,
+                               splits, config)
 
     def gluon_call() -> None:
         gluon_mla_decode(q, cache, RANK, lens, table, scale, out, lse, num_splits=splits,

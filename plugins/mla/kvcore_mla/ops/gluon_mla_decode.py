@@ -65,13 +65,17 @@ def _tile_page(bt_row, t, num_tiles, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _scores(q_nope_s, q_pe_s, nope_s, pe_s, stage, S_L: gl.constexpr, SH: gl.constexpr,
-            NEW_API: gl.constexpr):
-    """Issue (asynchronously) the scores of the tile in ``stage`` against the query group:
-    ``[BLOCK_H, BLOCK_N]`` in ``S_L`` (each warpgroup its half of the keys). One wgmma call
-    per part over its whole width: its instructions address the 64-column chunks by immediate
-    offsets from one descriptor (a call per chunk kept a descriptor per chunk live across the
-    loop, and they spilled)."""
+def _scores(q_nope_all, q_pe_all, nope_s, pe_s, stage, t, S_L: gl.constexpr,
+            SH: gl.constexpr, NEW_API: gl.constexpr):
+    """Issue (asynchronously) the scores of tile ``t``, in ``stage``, against the query group:
+    ``[BLOCK_H, BLOCK_N]`` in ``S_L`` (each warpgroup its half of the keys). The query parts
+    are ``[1, rows, width]`` buffers indexed by a zero the compiler cannot prove (``t < 0``,
+    never true): their wgmma descriptors (one a 16-column step, 36 of them) are then computed
+    where they are used instead of being hoisted out of the loop, where they stayed live and
+    spilled."""
+    never = (t < 0).to(gl.int32)
+    q_nope_s = q_nope_all.index(never)
+    q_pe_s = q_pe_all.index(never)
     BLOCK_H: gl.constexpr = q_nope_s.shape[0]
     D_NOPE: gl.constexpr = q_nope_s.shape[1]
     D_PE: gl.constexpr = q_pe_s.shape[1]
@@ -167,8 +171,10 @@ def _gluon_mla_decode_kernel(
     q_row = q_ptr + seq * stride_qb + heads.to(gl.int64) * stride_qh
     q_nope = gl.load(q_row[:, None] + c_nope[None, :], mask=h_ok[:, None], other=0.0)
     q_pe = gl.load(q_row[:, None] + c_pe[None, :], mask=h_ok[:, None], other=0.0)
-    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_NOPE], SH, q_nope)
-    q_pe_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_PE], SH, q_pe)
+    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, D_NOPE], SH)
+    q_pe_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, D_PE], SH)
+    q_nope_s.index(0).store(q_nope)
+    q_pe_s.index(0).store(q_pe)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], SH)
     hopper.fence_async_shared()
     _cta_barrier()
@@ -179,7 +185,7 @@ def _gluon_mla_decode_kernel(
     acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, layout=O_L)
     if n > 0:  # the first tile's scores and softmax, ahead of the loop
         mbarrier.wait(bars.index(0), 0)
-        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 0, S_L, SH, NEW_API)
+        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 0, t_lo, S_L, SH, NEW_API)
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, t_lo, seq_len, m_i, l_i, qk_scale, BLOCK_N)
         _zero_stale_rows(nope_s, 0, t_lo, seq_len, LD, SH, NEW_API)
@@ -195,7 +201,7 @@ def _gluon_mla_decode_kernel(
         v = _view_2d(nope_s.index(st), [BLOCK_N, D_NOPE], SH, NEW_API)
         acc = hopper.warpgroup_mma(p_s, v, acc, is_async=True)
         mbarrier.wait(bars.index(1 - st), ((i + 1) // 2) & 1)
-        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 1 - st, S_L, SH, NEW_API)
+        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 1 - st, t_lo + i + 1, S_L, SH, NEW_API)
         acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         _cta_barrier()  # both warpgroups are done with this stage and with p_s
         row = page_ahead * page_rows + ((t_lo + i + 2) * BLOCK_N) % PAGE_SIZE
