@@ -1,7 +1,8 @@
-"""EXPERIMENTAL (branch wt/gluon-mla): the Gluon MLA decode kernel against TRITON_MLA's decode
-kernel (its sm90 table row) and FlashInfer's MLA wrapper when it imports, on one H200, each
-with the split count TRITON_MLA's heuristic picks for the shape. Each output is checked
-against the Triton one before it is timed.
+"""The Gluon MLA decode kernel (TRITON_MLA's sm90 row at 64+ heads) against the Triton kernel's
+best row (TMA loads, key-split scores) and FlashInfer's MLA wrapper when it imports, on one
+H200, each with the split count TRITON_MLA's heuristic picks for the shape, plus the Gluon
+kernel at half and twice that count. Each output is checked against the Triton one before it
+is timed.
 
 Usage (device run, carry .whl for FlashInfer): python3 benchmarks/bench_gluon_mla.py
 """
@@ -33,7 +34,8 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     lens = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
     scale = (128 + ROPE) ** -0.5
-    config = tma.mla_decode_config(heads, tma.gpu_family(torch.device("cuda")), page_size=PAGE)
+    config = tma.mla_decode_config(heads, tma.gpu_family(torch.device("cuda")), page_size=PAGE,
+                                   gluon=False)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = tma.mla_decode_num_splits(batch, heads, tokens, config, sms)
     ref = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device="cuda")
@@ -55,6 +57,15 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
 
     calls = {"triton": triton_call, "gluon": gluon_call}
     outs = {"gluon": out}
+    for other in sorted({max(1, splits // 2), min(tma.MAX_KV_SPLITS, 2 * splits)} - {splits}):
+        ws_other = torch.empty(batch, heads, other, RANK + 1, dtype=torch.float32,
+                               device="cuda")
+        out_other = torch.empty_like(ref)
+        outs[f"gluon x{other}"] = out_other
+        calls[f"gluon x{other}"] = (
+            lambda other=other, ws_other=ws_other, out_other=out_other: gluon_mla_decode(
+                q, cache, RANK, lens, table, scale, out_other, None, num_splits=other,
+                workspace=ws_other))
     try:
         import flashinfer.mla  # noqa: F401
         from bench_flashinfer_mla import flashinfer_mla_direct
@@ -80,6 +91,10 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
         row += [f"{times[name] * 1e6:.1f}", f"{err:.1e}"]
     row.append(f"{times['triton'] / times['gluon']:.3f}")
     row.append(f"{times['flashinfer'] / times['gluon']:.3f}" if "flashinfer" in times else "-")
+    row.append(", ".join(
+        f"{name[7:]}: {times[name] * 1e6:.1f} us (err "
+        f"{((outs[name].float() - ref.float()).norm() / ref.float().norm()).item():.1e})"
+        for name in times if name.startswith("gluon x")))
     return row
 
 
@@ -87,7 +102,8 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [time_shape(*shape) for shape in SHAPES]
     print(harness.format_table(rows, ["shape", "splits", "triton us", "err", "gluon us", "err",
-                                      "flashinfer us", "err", "triton/gluon", "fi/gluon"]))
+                                      "flashinfer us", "err", "triton/gluon", "fi/gluon",
+                                      "gluon, other splits"]))
 
 
 if __name__ == "__main__":

@@ -509,22 +509,24 @@ def time_writes(run: Run) -> None:
 
 
 def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False,
-         warp_specialize: bool = False, tma_loads: bool = False, split_score_keys: bool = False):
+         warp_specialize: bool = False, tma_loads: bool = False, split_score_keys: bool = False,
+         gluon: bool = False):
     return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
                               num_stages=stages, split_latent=split_latent,
                               warp_specialize=warp_specialize, tma=tma_loads,
-                              split_score_keys=split_score_keys)
+                              split_score_keys=split_score_keys, gluon=gluon)
 
 
 def _cfg_tuple(cfg) -> tuple:
     return (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.split_latent,
-            cfg.warp_specialize, cfg.tma, cfg.split_score_keys)
+            cfg.warp_specialize, cfg.tma, cfg.split_score_keys, cfg.gluon)
 
 
 def _cfg_name(cfg) -> str:
     return (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             + (" halves" if cfg.split_latent else "") + (" ws" if cfg.warp_specialize else "")
-            + (" tma" if cfg.tma else "") + (" keysplit" if cfg.split_score_keys else ""))
+            + (" tma" if cfg.tma else "") + (" keysplit" if cfg.split_score_keys else "")
+            + (" gluon" if cfg.gluon else ""))
 
 
 #: Candidates whose compile crashed the compiler's process (filled by :func:`precompile`).

@@ -8,6 +8,7 @@ imports it at ``import kvcore`` or ``import kvcore.ops``.
 
 from __future__ import annotations
 
+import contextvars
 import os
 
 import torch
@@ -15,7 +16,10 @@ import triton
 import triton.language as tl
 
 __all__ = ["find_sequence", "fp8_format", "interpreting", "load_kv_scales", "next_power_of_2",
-           "round_to_fp8_grid", "scale_arg", "scale_args"]
+           "recording_launches", "round_to_fp8_grid", "scale_arg", "scale_args"]
+
+# Set by kvcore.testing's capture_launches while it records launches instead of running them.
+_RECORDING = contextvars.ContextVar("kvcore_recording_launches", default=False)
 
 
 @triton.jit
@@ -79,6 +83,14 @@ def next_power_of_2(n: int) -> int:
 def interpreting() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def recording_launches() -> bool:
+    """Whether Triton launches are being recorded, not run (inside
+    :func:`kvcore.testing.compile_launches` and ``kvcore kernels``, which compile them ahead
+    of time for a target GPU from CPU stand-in tensors): an op may then skip its checks of the
+    device its tensors are on, and only those."""
+    return _RECORDING.get()
 
 
 def fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:

@@ -186,6 +186,7 @@ def capture_launches() -> Iterator[list[KernelLaunch]]:
     """Record Triton launches instead of running them (nothing is compiled or launched)."""
     from triton.runtime.jit import JITFunction
 
+    from kvcore.ops import triton_utils
     from kvcore.ops.triton_utils import interpreting
 
     if interpreting():
@@ -198,9 +199,11 @@ def capture_launches() -> Iterator[list[KernelLaunch]]:
 
     original = JITFunction.run
     JITFunction.run = record
+    token = triton_utils._RECORDING.set(True)
     try:
         yield launches
     finally:
+        triton_utils._RECORDING.reset(token)
         JITFunction.run = original
 
 

@@ -22,6 +22,7 @@ from kvcore.testing.compile_check import (
     TARGETS,
     CompileResult,
     _judge,
+    capture_launches,
     parse_amdgcn_metadata,
     parse_ptxas_log,
 )
@@ -46,6 +47,18 @@ amdhsa.kernels:
     .vgpr_count:     116
     .vgpr_spill_count: 12
 """
+
+
+def test_ops_can_tell_that_launches_are_being_recorded(monkeypatch):
+    """Ops skip checks of their tensors' device while launches are recorded for an
+    ahead-of-time compile (the tensors are CPU stand-ins), and only then."""
+    from kvcore.ops.triton_utils import recording_launches
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not recording_launches()
+    with capture_launches():
+        assert recording_launches()
+    assert not recording_launches()
 
 
 def test_ptxas_log_gives_registers_and_spill_store_bytes():

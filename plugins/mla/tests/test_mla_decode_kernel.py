@@ -156,16 +156,26 @@ def test_the_config_table_rows_are_launchable() -> None:
 
 
 def test_a_table_row_keeps_tma_only_where_it_can_serve_the_cache() -> None:
-    """The sm90 128-head row loads through tensor descriptors, with key-split scores; a page
-    size its tile does not divide, an fp8 cache, or a cache TMA cannot address (``tma=False``)
-    take the pointer-load row of the same head count (latent halves, no key split)."""
-    tma_row, pointer_row = (c for least, c in kernels.MLA_DECODE_CONFIGS["sm90"] if least == 64)
+    """The sm90 128-head rows: the Gluon kernel, then the Triton kernel loading through tensor
+    descriptors with key-split scores, then pointer loads. Queries the Gluon kernel does not
+    take (float32) or ``gluon=False`` (what the entry points pass when :func:`gluon_unmet`
+    finds the tensors unfit) take the TMA row; a page size its tile does not divide, an fp8
+    cache, or a cache TMA cannot address (``tma=False``) take the pointer-load row."""
+    gluon_row, tma_row, pointer_row = (c for least, c in kernels.MLA_DECODE_CONFIGS["sm90"]
+                                       if least == 64)
     has_descriptors = hasattr(kernels.tl, "make_tensor_descriptor")
-    row = kernels.mla_decode_config(128, "sm90")
+    has_gluon = kernels.gluon_available() is None
+    row = kernels.mla_decode_config(128, "sm90", dtype=torch.float32)
     assert row == (tma_row if has_descriptors else pointer_row)
+    assert gluon_row.gluon and gluon_row.tma and not tma_row.gluon
+    assert kernels.mla_decode_config(128, "sm90") == (gluon_row if has_gluon else row)
+    assert kernels.mla_decode_config(128, "sm90", dtype=torch.bfloat16, page_size=128) == (
+        gluon_row if has_gluon else row)
+    assert kernels.mla_decode_config(128, "sm90", gluon=False) == row
     assert tma_row.tma and tma_row.split_score_keys
     assert not pointer_row.tma and pointer_row.split_latent and not pointer_row.split_score_keys
-    assert kernels.mla_decode_config(128, "sm90", page_size=2 * row.block_n) == row
+    assert kernels.mla_decode_config(128, "sm90", page_size=2 * row.block_n,
+                                     gluon=False) == row
     for fallback in (kernels.mla_decode_config(128, "sm90", page_size=tma_row.block_n // 2),
                      kernels.mla_decode_config(128, "sm90", fp8_cache=True),
                      kernels.mla_decode_config(128, "sm90", tma=False)):
@@ -179,6 +189,7 @@ def test_a_table_row_keeps_tma_only_where_it_can_serve_the_cache() -> None:
             tma_row, block_h=16, tma=False)
     if not has_descriptors:
         pytest.skip("this Triton has no tl.make_tensor_descriptor")
+    row = tma_row
     cache = torch.empty(4, 64, 576, dtype=torch.bfloat16)
     assert kernels.tma_unmet(cache, 512, row) is None
     assert "does not divide the cache's page size 32" in kernels.tma_unmet(cache[:, :32], 512, row)
@@ -298,3 +309,34 @@ def test_an_eager_step_never_splits_beyond_the_workspace() -> None:
                                                          device=DEVICE))
     assert meta.num_kv_splits == 8
     _check_latent_attention(16, q, cache, meta)
+
+
+def test_a_gluon_config_must_be_the_gluon_kernels_tile() -> None:
+    gluon_row = kernels.MLA_DECODE_CONFIGS["sm90"][0][1]
+    with pytest.raises(ValueError, match="this config has block_n=32, split_latent=True: set"):
+        dataclasses.replace(gluon_row, block_n=32, split_latent=True)
+    with pytest.raises(ValueError, match="has tma=False"):
+        dataclasses.replace(gluon_row, tma=False)
+
+
+def test_gluon_unmet_names_what_the_gluon_kernel_cannot_take() -> None:
+    q = torch.empty(2, 128, 576, dtype=torch.bfloat16)
+    cache = torch.empty(4, 64, 576, dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "gluon_available", lambda: "no Gluon here: use gluon=False")
+        assert kernels.gluon_unmet(q, cache, 512) == "no Gluon here: use gluon=False"
+        assert kernels.mla_decode_config(128, "sm90") == kernels.MLA_DECODE_CONFIGS["sm90"][1][1]
+    if kernels.gluon_available() is not None:
+        pytest.skip(kernels.gluon_available())
+    assert "got q torch.float32 and kv_cache torch.float32" in kernels.gluon_unmet(
+        q.float(), cache.float(), 512)
+    assert "got q torch.bfloat16 and kv_cache torch.float16" in kernels.gluon_unmet(
+        q, cache.half(), 512)
+    assert "kv_lora_rank = 64 x a power of two" in kernels.gluon_unmet(
+        q[..., :448 + 64], cache[..., :448 + 64], 448)
+    assert "rope width = 64 x a power of two" in kernels.gluon_unmet(q[..., :544],
+                                                                     cache[..., :544], 512)
+    assert "does not divide the cache's page size 32" in kernels.gluon_unmet(q, cache[:, :32],
+                                                                              512)
+    assert "runs on NVIDIA Hopper GPUs (compute capability 9.x); kv_cache is on cpu" in \
+        kernels.gluon_unmet(q, cache, 512)

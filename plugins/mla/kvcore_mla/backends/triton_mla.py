@@ -137,7 +137,7 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         #: The decode kernel's launch configuration for every decode step.
         self.decode_config = decode_config or mla_decode_config(
             num_heads, gpu_family(self.device), page_size=spec.block_size,
-            fp8_cache=spec.cache_dtype in FP8_DTYPES)
+            fp8_cache=spec.cache_dtype in FP8_DTYPES, dtype=spec.dtype)
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)

@@ -51,9 +51,9 @@ def _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, stage, row, pred,
 def _view_2d(chunks, shape: gl.constexpr, layout: gl.constexpr, NEW_API: gl.constexpr):
     """``chunks`` (``[n, rows, 64]`` swizzled chunks) as the ``[rows, 64 * n]`` tile they form."""
     if NEW_API:
-        return chunks.reinterpret(gl.bfloat16, shape, layout)
+        return chunks.reinterpret(chunks.dtype, shape, layout)
     else:
-        return chunks._reinterpret(gl.bfloat16, shape, layout)
+        return chunks._reinterpret(chunks.dtype, shape, layout)
 
 
 @gluon.jit
@@ -116,7 +116,7 @@ def _zero_stale_rows(nope_s, stage, t, seq_len, LD: gl.constexpr, SH: gl.constex
 def _gluon_mla_decode_kernel(
     q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, num_heads, num_head_blocks, num_splits, page_rows,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_lb, stride_lh,
+    stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
     stride_pb, stride_ph, stride_ps, stride_btb,
     D_NOPE: gl.constexpr, D_PE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
@@ -147,8 +147,9 @@ def _gluon_mla_decode_kernel(
     n = gl.minimum(t_lo + per_split, num_tiles) - t_lo  # this split's tiles (may be <= 0)
     bt_row = block_table_ptr + seq * stride_btb
 
-    nope_s = gl.allocate_shared_memory(gl.bfloat16, [2, D_NOPE // 64, BLOCK_N, 64], SH3)
-    pe_s = gl.allocate_shared_memory(gl.bfloat16, [2, D_PE // 64, BLOCK_N, 64], SH3)
+    DTYPE: gl.constexpr = q_ptr.dtype.element_ty
+    nope_s = gl.allocate_shared_memory(DTYPE, [2, D_NOPE // 64, BLOCK_N, 64], SH3)
+    pe_s = gl.allocate_shared_memory(DTYPE, [2, D_PE // 64, BLOCK_N, 64], SH3)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
@@ -169,13 +170,14 @@ def _gluon_mla_decode_kernel(
     c_nope = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
     c_pe = D_NOPE + gl.arange(0, D_PE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
     q_row = q_ptr + seq * stride_qb + heads.to(gl.int64) * stride_qh
-    q_nope = gl.load(q_row[:, None] + c_nope[None, :], mask=h_ok[:, None], other=0.0)
-    q_pe = gl.load(q_row[:, None] + c_pe[None, :], mask=h_ok[:, None], other=0.0)
-    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, D_NOPE], SH)
-    q_pe_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, D_PE], SH)
+    q_nope = gl.load(q_row[:, None] + c_nope[None, :] * stride_qd, mask=h_ok[:, None],
+                     other=0.0)
+    q_pe = gl.load(q_row[:, None] + c_pe[None, :] * stride_qd, mask=h_ok[:, None], other=0.0)
+    q_nope_s = gl.allocate_shared_memory(DTYPE, [1, BLOCK_H, D_NOPE], SH)
+    q_pe_s = gl.allocate_shared_memory(DTYPE, [1, BLOCK_H, D_PE], SH)
     q_nope_s.index(0).store(q_nope)
     q_pe_s.index(0).store(q_pe)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], SH)
+    p_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_N], SH)
     hopper.fence_async_shared()
     _cta_barrier()
 
@@ -189,7 +191,7 @@ def _gluon_mla_decode_kernel(
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, t_lo, seq_len, m_i, l_i, qk_scale, BLOCK_N)
         _zero_stale_rows(nope_s, 0, t_lo, seq_len, LD, SH, NEW_API)
-        p_s.store(p.to(gl.bfloat16))
+        p_s.store(p.to(DTYPE))
         hopper.fence_async_shared()
         _cta_barrier()
     # Step i: P x V of tile i (its P in p_s), with the next tile's scores issued behind it
@@ -210,7 +212,7 @@ def _gluon_mla_decode_kernel(
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, t_lo + i + 1, seq_len, m_i, l_i, qk_scale, BLOCK_N)
         _zero_stale_rows(nope_s, 1 - st, t_lo + i + 1, seq_len, LD, SH, NEW_API)
-        p_s.store(p.to(gl.bfloat16))
+        p_s.store(p.to(DTYPE))
         hopper.fence_async_shared()
         _cta_barrier()
     if n > 0:  # the last tile's P x V
@@ -238,8 +240,8 @@ def _gluon_mla_decode_kernel(
         gl.store(part + o_rows[:, None] * stride_ph + o_cols[None, :], out, mask=o_ok)
         gl.store(part + l_rows * stride_ph + D_NOPE, lse2, mask=l_rows < num_heads)
     else:
-        gl.store(out_ptr + seq * stride_ob + o_rows[:, None] * stride_oh + o_cols[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=o_ok)
+        gl.store(out_ptr + seq * stride_ob + o_rows[:, None] * stride_oh
+                 + o_cols[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=o_ok)
         if WRITE_LSE:
             gl.store(lse_ptr + seq * stride_lb + l_rows * stride_lh,
                      lse2 * 0.6931471805599453, mask=l_rows < num_heads)
@@ -251,7 +253,6 @@ def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     stride that is a multiple of the token stride, the cross-layer layout's included)."""
     num_pages, page_size, width = kv_cache.shape
     stride_page, stride_token = kv_cache.stride(0), kv_cache.stride(1)
-    assert stride_page % stride_token == 0
     page_rows = stride_page // stride_token
     rows = (num_pages - 1) * page_rows + page_size
     return kv_cache.as_strided((rows, width), (stride_token, 1)), page_rows
@@ -261,24 +262,25 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
                      out: torch.Tensor, lse: torch.Tensor | None = None, num_splits: int = 1,
                      workspace: torch.Tensor | None = None) -> None:
-    """MLA decode (one query per request) into ``out`` ``(batch, heads, kv_lora_rank)`` and
-    the natural-log ``lse`` ``(batch, heads)`` when given. ``q`` ``(batch, heads,
-    kv_lora_rank + rope)`` bf16, contiguous channels; ``kv_cache`` ``(num_pages, page_size,
-    kv_lora_rank + rope)`` bf16 with contiguous channels, a page size that is a multiple of
-    64 and a page stride that is a multiple of the token stride (16-byte aligned);
-    ``block_table`` ``(batch, max_pages)`` int32; ``seq_lens`` ``(batch,)`` int32. With
-    ``num_splits`` > 1 each request's tiles are cut into that many parts, each written to
-    ``workspace`` (float32 ``(batch, heads, num_splits, kv_lora_rank + 1)``) and merged by
-    TRITON_MLA's merge kernel."""
-    from kvcore_mla.ops.triton_mla_attention import _merge_splits
+    """MLA decode (one query per request) on Hopper into ``out`` ``(batch, heads,
+    kv_lora_rank)`` and the natural-log ``lse`` ``(batch, heads)`` when given.
 
+    ``q`` ``(batch, heads, kv_lora_rank + rope)`` and ``kv_cache`` ``(num_pages, page_size,
+    kv_lora_rank + rope)`` bf16 or fp16, as :func:`~kvcore_mla.ops.triton_mla_attention.
+    gluon_unmet` requires (which this checks first, raising ValueError with its reason);
+    ``block_table`` ``(batch, max_pages)`` and ``seq_lens`` ``(batch,)`` int32, already
+    validated by the caller (TRITON_MLA's decode entry points). With ``num_splits`` > 1 each
+    request's tiles are cut into that many parts, each written to ``workspace`` (float32
+    ``(batch, heads, num_splits, kv_lora_rank + 1)``, last stride 1) and merged by TRITON_MLA's
+    merge kernel."""
+    from kvcore_mla.ops.triton_mla_attention import _merge_splits, gluon_unmet
+
+    reason = gluon_unmet(q, kv_cache, kv_lora_rank)
+    if reason is not None:
+        raise ValueError(reason)
     batch, num_heads, width = q.shape
-    assert q.dtype == kv_cache.dtype == torch.bfloat16 and q.stride(2) == 1
-    assert kv_cache.stride(2) == 1 and width == kv_cache.shape[2]
-    assert kv_cache.shape[1] % 64 == 0
-    rope = width - kv_lora_rank
-    # TMA boxes have power-of-two sides.
-    assert all(n % 64 == 0 and (n // 64) & (n // 64 - 1) == 0 for n in (kv_lora_rank, rope))
+    if batch == 0:
+        return
     block_h, block_n = 64, 64
     rows, page_rows = cache_rows(kv_cache)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
@@ -290,10 +292,12 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
 
     nope_desc, pe_desc = chunked(rows[:, :kv_lora_rank]), chunked(rows[:, kv_lora_rank:])
     split = num_splits > 1
-    if split:
-        assert workspace is not None and workspace.shape == (batch, num_heads, num_splits,
-                                                             kv_lora_rank + 1)
-        assert workspace.dtype == torch.float32 and workspace.stride(3) == 1
+    want = (batch, num_heads, num_splits, kv_lora_rank + 1)
+    if split and (workspace is None or workspace.dtype != torch.float32
+                  or tuple(workspace.shape) != want or workspace.stride(3) != 1):
+        got = "None" if workspace is None else f"{workspace.dtype} {tuple(workspace.shape)}"
+        raise ValueError(f"workspace is {got}; num_splits={num_splits} needs a float32 "
+                         f"workspace of shape {want} with last stride 1")
     part = workspace if split else out
     part_strides = workspace.stride()[:3] if split else (0, 0, 0)
     lse_arg = lse if lse is not None else out
@@ -302,11 +306,10 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     _gluon_mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
         q, nope_desc, pe_desc, out, lse_arg, part, seq_lens, block_table,
         float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *lse_strides, *part_strides,
-        block_table.stride(0),
-        D_NOPE=kv_lora_rank, D_PE=rope, PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h,
-        BLOCK_N=block_n, SPLIT=split, WRITE_LSE=lse is not None, NEW_API=_NEW_REINTERPRET,
-        num_warps=8,
+        *q.stride(), *out.stride(), *lse_strides, *part_strides, block_table.stride(0),
+        D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
+        BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, WRITE_LSE=lse is not None,
+        NEW_API=_NEW_REINTERPRET, num_warps=8,
     )
     if split:
         _merge_splits(workspace, out, lse, kv_lora_rank, num_splits,

@@ -50,6 +50,18 @@ branch on a runtime condition that always holds (``seq_len > 0``), end that walk
 value dot. The results agree within rounding (each part is scaled before the sum). The sm90
 table's 64-head row uses it (a compile test checks the layout Triton gives it).
 
+The Gluon kernel for Hopper (``gluon``)
+--------------------------------------
+The sm90 table's 64-head row runs :mod:`kvcore_mla.ops.gluon_mla_decode` instead: the same
+algorithm (key-split scores, the latent as the value tile) written in Gluon, Triton's
+lower-level language where the program places shared memory, barriers and wgmma waits itself.
+Each step issues P x V of one tile with the next tile's scores behind it on the tensor cores,
+and refills the stage (one TMA box per part) as soon as P x V is done; on the H200 it is
+1.2-1.3x faster than ``_mla_decode_kernel``'s best row (``benchmarks/RESULTS.md``). It takes
+bf16/fp16 queries and caches that :func:`gluon_unmet` accepts; :func:`mla_decode_config`
+skips the row where Triton has no Gluon Hopper API (3.6 or newer has it) or the cache is fp8,
+and the decode entry points given no config where :func:`gluon_unmet` finds the tensors unfit.
+
 Mixed batches and GQA/MHA decode (``_attention_kernel``)
 --------------------------------------------------------
 A program owns ``BLOCK_Q`` consecutive query tokens of one request times ``BLOCK_H`` query
@@ -95,6 +107,7 @@ from kvcore.ops.triton_utils import (
     interpreting,
     load_kv_scales,
     next_power_of_2,
+    recording_launches,
     scale_arg,
 )
 from kvcore_mla.ops.triton_utils import is_rocm
@@ -112,6 +125,7 @@ __all__ = [
     "mla_attention",
     "mla_decode_config",
     "mla_decode_num_splits",
+    "gluon_unmet",
     "mla_workspace_numel",
     "tma_unmet",
 ]
@@ -151,7 +165,11 @@ class LaunchConfig:
     device, so a launch needs Triton's global scratch allocator: when none is set
     (``triton.set_allocator``), the launch sets a torch one for its own duration only.
     ``split_score_keys`` has the warps share the score tile by keys, not by head rows: see
-    "Warps of the score tile" in the module docstring.
+    "Warps of the score tile" in the module docstring. ``gluon`` runs the Gluon kernel for
+    Hopper instead (:mod:`kvcore_mla.ops.gluon_mla_decode`, "The Gluon kernel for Hopper" in
+    the module docstring): its tile is fixed (``block_h=64``, ``block_n=64``, 8 warps, two
+    stages, key-split scores, TMA loads, so ``tma`` must be True) and the Triton kernel's
+    variants (``split_latent``, ``warp_specialize``) do not apply to it.
     """
 
     block_q: int
@@ -164,6 +182,7 @@ class LaunchConfig:
     programs_per_sm: int = 1
     tma: bool = False
     split_score_keys: bool = False
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_h", "block_n"):
@@ -178,6 +197,15 @@ class LaunchConfig:
                 f"block_q * block_h = {self.block_q * self.block_h} and block_n = "
                 f"{self.block_n} must be >= 16 (tl.dot tiles)"
             )
+        gluon_tile = dict(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
+                          tma=True, split_latent=False, warp_specialize=False)
+        wrong = {k: getattr(self, k) for k, v in gluon_tile.items() if getattr(self, k) != v}
+        if self.gluon and wrong:
+            raise ValueError(
+                f"gluon=True runs the Gluon Hopper kernel's fixed tile "
+                f"({', '.join(f'{k}={v}' for k, v in gluon_tile.items())}); this config has "
+                f"{', '.join(f'{k}={v}' for k, v in wrong.items())}: set those fields so, or "
+                "gluon=False for the Triton kernel")
 
 
 def default_config(num_heads: int, num_kv_heads: int, k_main_dim: int, *,
@@ -253,8 +281,11 @@ MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # about 20% faster than the best layout where both compute it); caches TMA cannot serve take
     # the pointer-load row (the latent in two 256-wide halves; with key-split scores, pointer
     # loads of 2-byte latents need more shared memory than an SM has). 4 warps for 16-head
-    # programs (faster than 8).
+    # programs (faster than 8). First of all at 64+ heads, the Gluon kernel (same algorithm,
+    # its waits and copies placed by hand): 1.2-1.3x the Triton kernel's speed on the H200.
     "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
+                               tma=True, split_score_keys=True, gluon=True)),
+             (64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
                                tma=True, split_score_keys=True)),
              (64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
                                split_latent=True)),
@@ -299,7 +330,8 @@ def family_of(capability: tuple[int, int], *, rocm: bool) -> str:
 
 def mla_decode_config(num_heads: int, family: str = "default", *,
                       page_size: int | None = None, fp8_cache: bool = False,
-                      tma: bool = True) -> LaunchConfig:
+                      tma: bool = True, gluon: bool = True,
+                      dtype: torch.dtype | None = None) -> LaunchConfig:
     """The MLA decode launch configuration of :data:`MLA_DECODE_CONFIGS` for ``num_heads``
     query heads on a GPU of ``family`` (see :func:`gpu_family`); ``block_h`` never exceeds
     ``num_heads`` rounded up to a power of two (at least 16, as ``tl.dot`` needs).
@@ -318,24 +350,32 @@ def mla_decode_config(num_heads: int, family: str = "default", *,
     least = next((least for least, _ in rows if num_heads >= least), rows[-1][0])
     group = [config for row_least, config in rows if row_least == least]
     descriptors = tma and not fp8_cache and hasattr(tl, "make_tensor_descriptor")
+    gluon_ok = (gluon and tma and not fp8_cache
+                and (dtype is None or dtype in _GLUON_DTYPES) and gluon_available() is None)
 
     def serves(config: LaunchConfig) -> bool:
+        if config.gluon:
+            return gluon_ok and (page_size is None or page_size % config.block_n == 0)
         return not config.tma or (descriptors and (page_size is None
                                                    or page_size % config.block_n == 0))
 
-    config = next((c for c in group if serves(c)), dataclasses.replace(group[0], tma=False))
+    config = next((c for c in group if serves(c)),
+                  dataclasses.replace(group[0], tma=False, gluon=False))
     block_h = min(config.block_h, max(16, next_power_of_2(num_heads)))
     return dataclasses.replace(config, block_h=block_h)
 
 
-def _table_config(num_heads: int, kv_cache: torch.Tensor, kv_lora_rank: int,
-                  device: torch.device) -> LaunchConfig:
-    """The table's decode config for this cache: its TMA rows only where they can serve it."""
-    family, fp8 = gpu_family(device), kv_cache.dtype in FP8_DTYPES
-    config = mla_decode_config(num_heads, family, page_size=kv_cache.shape[1], fp8_cache=fp8)
-    if config.tma and tma_unmet(kv_cache, kv_lora_rank, config) is not None:
-        config = mla_decode_config(num_heads, family, page_size=kv_cache.shape[1],
-                                   fp8_cache=fp8, tma=False)
+def _table_config(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> LaunchConfig:
+    """The table's decode config for these queries and cache: its Gluon and TMA rows only where
+    they can serve them."""
+    rows = functools.partial(mla_decode_config, q.shape[1], gpu_family(q.device),
+                             page_size=kv_cache.shape[1], fp8_cache=kv_cache.dtype in FP8_DTYPES,
+                             dtype=q.dtype)
+    config = rows()
+    if config.gluon and gluon_unmet(q, kv_cache, kv_lora_rank) is not None:
+        config = rows(gluon=False)
+    if config.tma and not config.gluon and tma_unmet(kv_cache, kv_lora_rank, config) is not None:
+        config = rows(gluon=False, tma=False)
     return config
 
 
@@ -942,16 +982,24 @@ def tma_unmet(kv_cache: torch.Tensor, kv_lora_rank: int, config: LaunchConfig) -
     if not hasattr(tl, "make_tensor_descriptor"):
         return (f"config.tma=True needs tl.make_tensor_descriptor (Triton 3.4 or newer); Triton "
                 f"{triton.__version__} lacks it: upgrade Triton or use tma=False")
+    return _descriptor_unmet(kv_cache, kv_lora_rank, config.block_n, "the TMA path",
+                             "tma=False")
+
+
+def _descriptor_unmet(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, path: str,
+                      fix: str) -> str | None:
+    """Why tensor descriptors over ``kv_cache`` seen as rows of its token stride, in tiles of
+    ``block_n`` rows, cannot read it (``path`` names the kernel, ``fix`` the config change);
+    ``None`` when they can."""
     num_pages, page_size, width = kv_cache.shape
     item = kv_cache.element_size()
-    if page_size % config.block_n:
-        return (f"config.block_n={config.block_n} does not divide the cache's page size "
-                f"{page_size}: the TMA path loads tiles that lie in one page (use a block_n "
-                "that divides the page size, or tma=False)")
+    if page_size % block_n:
+        return (f"config.block_n={block_n} does not divide the cache's page size "
+                f"{page_size}: {path} loads tiles that lie in one page (use a block_n "
+                f"that divides the page size, or {fix})")
     if kv_cache.stride(2) != 1 and width > 1:
-        return (f"kv_cache has last stride {kv_cache.stride(2)}; the TMA path needs contiguous "
-                "channels (stride 1): pass a cache whose last dim is contiguous, or use "
-                "tma=False")
+        return (f"kv_cache has last stride {kv_cache.stride(2)}; {path} needs contiguous "
+                f"channels (stride 1): pass a cache whose last dim is contiguous, or use {fix}")
     stride_page, stride_token = kv_cache.stride(0), kv_cache.stride(1)
     unaligned = [what for what, nbytes in (
         (f"base address {kv_cache.data_ptr():#x}", kv_cache.data_ptr()),
@@ -960,14 +1008,66 @@ def tma_unmet(kv_cache: torch.Tensor, kv_lora_rank: int, config: LaunchConfig) -
     ) if nbytes % 16]
     if unaligned:
         return (f"kv_cache's {' and '.join(unaligned)} is not a multiple of 16 bytes, as "
-                "tensor descriptors (TMA) need: use a 16-byte aligned cache, or tma=False")
+                f"tensor descriptors (TMA) need: use a 16-byte aligned cache, or {fix}")
     if stride_token <= 0 or stride_page % stride_token:
         return (f"kv_cache's page stride {stride_page} is not a multiple of its token stride "
-                f"{stride_token}; the TMA path addresses the cache as rows of the token "
-                "stride: use tma=False for this layout")
+                f"{stride_token}; {path} addresses the cache as rows of the token "
+                f"stride: use {fix} for this layout")
     if (num_pages - 1) * (stride_page // stride_token) + page_size > _TMA_MAX_ROWS:
         return ("kv_cache spans more than 2**31 - 1 rows of its token stride, past what TMA "
-                "coordinates reach: use tma=False for this cache")
+                f"coordinates reach: use {fix} for this cache")
+    return None
+
+
+#: Query and cache dtypes the Gluon decode kernel takes.
+_GLUON_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def gluon_available() -> str | None:
+    """``None`` when the installed Triton can build the Gluon decode kernel for Hopper
+    (:mod:`kvcore_mla.ops.gluon_mla_decode` imports), else why not, as a sentence."""
+    try:
+        importlib.import_module("kvcore_mla.ops.gluon_mla_decode")
+    except (ImportError, AttributeError) as exc:
+        return (f"config.gluon=True needs Triton's Gluon API for Hopper (Triton 3.6 or newer); "
+                f"Triton {triton.__version__} lacks it ({exc}): upgrade Triton or use "
+                "gluon=False")
+    return None
+
+
+def gluon_unmet(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """Why the Gluon decode kernel (``config.gluon``) cannot serve queries ``q`` ``(batch,
+    heads, kv_lora_rank + rope)`` on ``kv_cache`` (3-dim ``(num_pages, page_size,
+    kv_lora_rank + rope)``), as a sentence naming the unmet condition and the fix; ``None``
+    when it can: Triton has Gluon's Hopper API, the tensors are on a GPU of compute
+    capability 9.x, both bf16 or both fp16, ``kv_lora_rank`` and the rope width are 64 times
+    a power of two (TMA boxes of 64-channel chunks), the page size a multiple of 64 and the
+    cache addressable by tensor descriptors (as :func:`tma_unmet` checks). The device is not
+    checked while launches are recorded for an ahead-of-time compile
+    (:func:`kvcore.ops.triton_utils.recording_launches`)."""
+    reason = gluon_available()
+    if reason is not None:
+        return reason
+    if q.dtype not in _GLUON_DTYPES or kv_cache.dtype != q.dtype:
+        return (f"config.gluon=True takes bf16 or fp16 queries and a cache of the same dtype; "
+                f"got q {q.dtype} and kv_cache {kv_cache.dtype}: use gluon=False")
+    for name, width in (("kv_lora_rank", kv_lora_rank), ("rope width", q.shape[2] - kv_lora_rank)):
+        chunks = width // 64
+        if width % 64 or chunks < 1 or chunks & (chunks - 1):
+            return (f"config.gluon=True needs {name} = 64 x a power of two (TMA boxes of "
+                    f"64-channel chunks); it is {width}: use gluon=False")
+    reason = _descriptor_unmet(kv_cache, kv_lora_rank, 64, "the Gluon kernel", "gluon=False")
+    if reason is not None:
+        return reason
+    device = kv_cache.device
+    if recording_launches():  # compiled ahead of time for a target: no device to check
+        return None
+    if device.type != "cuda" or is_rocm() or torch.cuda.get_device_capability(device)[0] != 9:
+        where = (f"{device} (compute capability {torch.cuda.get_device_capability(device)})"
+                 if device.type == "cuda" and not is_rocm() else str(device))
+        return (f"config.gluon=True runs on NVIDIA Hopper GPUs (compute capability 9.x); "
+                f"kv_cache is on {where}: use gluon=False")
     return None
 
 
@@ -1042,6 +1142,15 @@ def _launch_mla_decode(
     strides; ``q`` ``(batch, heads, kv_lora_rank + rope)``; k_scale is used for fp8 caches."""
     batch, num_heads, k_dim = q.shape
     if batch == 0:
+        return
+    if config.gluon:
+        reason = gluon_available()
+        if reason is not None:
+            raise ValueError(reason)
+        from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
+
+        gluon_mla_decode(q, kv_cache, kv_lora_rank, seq_lens, block_table, scale, out, lse,
+                         num_splits, workspace)
         return
     page_size = kv_cache.shape[1]
     pe_dim = k_dim - kv_lora_rank
@@ -1139,8 +1248,7 @@ def decode_attention_fwd(
                         "(use kvcore_mla.ops.reference.decode_attention_ref)")
     mla = is_mla and k_buffer.shape[2] == 1  # one latent per token: the MLA decode kernel
     if mla:
-        cfg = config or _table_config(q.shape[1], k_buffer[:, :, 0], v_buffer.shape[3],
-                                      q.device)
+        cfg = config or _table_config(q, k_buffer[:, :, 0], v_buffer.shape[3])
     else:
         cfg = config or default_config(q.shape[1], k_buffer.shape[2],
                                        v_buffer.shape[3] if is_mla else k_buffer.shape[3],
@@ -1207,7 +1315,7 @@ def mla_attention(
         num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     decode = max_query_len == 1 and num_tokens == num_seqs
     if decode:
-        cfg = config or _table_config(num_heads, kv_cache, kv_lora_rank, q.device)
+        cfg = config or _table_config(q, kv_cache, kv_lora_rank)
     else:
         cfg = config or default_config(num_heads, 1, kv_lora_rank, decode=False)
     if decode and cfg.block_q != 1:
