@@ -40,10 +40,14 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     splits = tma.mla_decode_num_splits(batch, heads, tokens, config, sms)
     ref = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device="cuda")
     ref_lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
-    ws = torch.empty(batch, heads, splits, RANK + 1, dtype=torch.float32, device="cuda")
+    def workspace(n: int) -> torch.Tensor:
+        """A split workspace as TRITON_MLA's steps pass it (rows padded to 16 floats)."""
+        return torch.empty(batch, heads, n, 528, dtype=torch.float32, device="cuda")[..., :513]
+
+    ws = workspace(splits)
     out = torch.empty_like(ref)
     lse = torch.empty_like(ref_lse)
-    ws2 = torch.empty_like(ws)
+    ws2 = workspace(splits)
 
     def triton_call() -> None:
         # The launch itself, as TRITON_MLA's step makes it (decode_attention_fwd validates its
@@ -58,8 +62,7 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     calls = {"triton": triton_call, "gluon": gluon_call}
     outs = {"gluon": out}
     for other in sorted({max(1, splits // 2), min(tma.MAX_KV_SPLITS, 2 * splits)} - {splits}):
-        ws_other = torch.empty(batch, heads, other, RANK + 1, dtype=torch.float32,
-                               device="cuda")
+        ws_other = workspace(other)
         out_other = torch.empty_like(ref)
         outs[f"gluon x{other}"] = out_other
         calls[f"gluon x{other}"] = (

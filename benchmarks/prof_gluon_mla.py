@@ -18,7 +18,7 @@ lens = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
 q = torch.randn(batch, heads, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
 out = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device="cuda")
 lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
-logits = torch.empty(batch, heads, splits, RANK + 1, dtype=torch.float32, device="cuda")
+logits = torch.empty(batch, heads, splits, 528, dtype=torch.float32, device="cuda")[..., :513]
 for _ in range(2):
     decode_attention_fwd(q, cache, cache[..., :RANK], out, lse, table, lens, logits, splits,
                          0.1, PAGE, True)

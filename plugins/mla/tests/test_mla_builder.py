@@ -136,7 +136,8 @@ def test_the_op_refuses_a_workspace_it_cannot_use() -> None:
                 seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12,
                 max_query_len=1, num_kv_splits=2)
     needed = tma.mla_workspace_numel(1, HEADS, RANK, 2)
-    assert needed == HEADS * 2 * (RANK + 1)
+    # Each split's row (output and LSE) padded to a multiple of 16 floats (aligned stores).
+    assert needed == HEADS * 2 * -(-(RANK + 1) // 16) * 16
     with pytest.raises(ValueError, match=f"workspace has 10 elements but this call's split-KV "
                                          f"path needs {needed}"):
         tma.mla_attention(q, cache, workspace=torch.empty(10, device=DEVICE), **args)

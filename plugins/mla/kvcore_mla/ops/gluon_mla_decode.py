@@ -228,20 +228,29 @@ def _gluon_mla_decode_kernel(
     l_safe = gl.where(has_keys, l_sum, 1.0)
     lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
+    # Stored from a blocked layout of 16 bytes a thread along the row (vector stores where the
+    # rows are 16-byte aligned, as TRITON_MLA's padded workspace rows are): straight from the
+    # accumulator's layout every thread stores 8-byte pieces of 8 rows, and at 128 KB of
+    # float32 partial output a program (splits) the store queue throttled the epilogue.
+    VEC: gl.constexpr = 4 if SPLIT else 8
+    ST: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[1, 32],
+                                        warps_per_cta=[8, 1], order=[1, 0])
     o_rows = (head_block * BLOCK_H
-              + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))).to(gl.int64)
-    o_cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, O_L)).to(gl.int64)
+              + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ST))).to(gl.int64)
+    o_cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ST)).to(gl.int64)
     o_ok = (o_rows < num_heads)[:, None]
     l_rows = (head_block * BLOCK_H
               + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))).to(gl.int64)
     if SPLIT:
         # Workspace (batch, heads, splits, D_NOPE + 1): normalised output, base-2 LSE.
         part = part_ptr + seq * stride_pb + split * stride_ps
-        gl.store(part + o_rows[:, None] * stride_ph + o_cols[None, :], out, mask=o_ok)
+        gl.store(part + o_rows[:, None] * stride_ph + o_cols[None, :],
+                 gl.convert_layout(out, ST), mask=o_ok)
         gl.store(part + l_rows * stride_ph + D_NOPE, lse2, mask=l_rows < num_heads)
     else:
         gl.store(out_ptr + seq * stride_ob + o_rows[:, None] * stride_oh
-                 + o_cols[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=o_ok)
+                 + o_cols[None, :] * stride_od,
+                 gl.convert_layout(out.to(out_ptr.dtype.element_ty), ST), mask=o_ok)
         if WRITE_LSE:
             gl.store(lse_ptr + seq * stride_lb + l_rows * stride_lh,
                      lse2 * 0.6931471805599453, mask=l_rows < num_heads)

@@ -1329,11 +1329,11 @@ def mla_attention(
                                                   _num_sms(q.device))
     part = None
     if num_kv_splits > 1:
-        shape = (num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)
+        needed = mla_workspace_numel(num_tokens, num_heads, kv_lora_rank, num_kv_splits)
+        padded = (num_tokens, num_heads, num_kv_splits, _part_row(kv_lora_rank))
         if workspace is None:
-            part = torch.empty(shape, dtype=torch.float32, device=q.device)
+            workspace = torch.empty(needed, dtype=torch.float32, device=q.device)
         else:
-            needed = mla_workspace_numel(num_tokens, num_heads, kv_lora_rank, num_kv_splits)
             if not isinstance(workspace, torch.Tensor):
                 raise TypeError(f"workspace must be a tensor, got {type(workspace).__name__}")
             if (workspace.dtype != torch.float32 or workspace.device != q.device
@@ -1344,7 +1344,7 @@ def mla_attention(
             if workspace.numel() < needed:
                 raise ValueError(f"workspace has {workspace.numel()} elements but this call's "
                                  f"split-KV path needs {needed} (see mla_workspace_numel)")
-            part = workspace.reshape(-1)[:needed].view(shape)
+        part = workspace.reshape(-1)[:needed].view(padded)[..., :kv_lora_rank + 1]
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     scale_used = k_scale if fp8 else None
     if decode:
@@ -1361,8 +1361,15 @@ def mla_attention(
 def mla_workspace_numel(num_tokens: int, num_heads: int, kv_lora_rank: int,
                         num_kv_splits: int) -> int:
     """float32 elements of :func:`mla_attention`'s split-KV workspace: each split's normalised
-    output and log-sum-exp, ``(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)`` (0
-    without splits)."""
+    output and log-sum-exp, ``(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)``, each
+    row padded to a multiple of 16 elements (0 without splits)."""
     if num_kv_splits <= 1:
         return 0
-    return num_tokens * num_heads * num_kv_splits * (kv_lora_rank + 1)
+    return num_tokens * num_heads * num_kv_splits * _part_row(kv_lora_rank)
+
+
+def _part_row(kv_lora_rank: int) -> int:
+    """float32 elements a workspace row takes: ``kv_lora_rank + 1`` rounded up to a multiple
+    of 16, so every row starts 64-byte aligned and Triton (which specialises integer arguments
+    divisible by 16) can store partial outputs 16 bytes at a time."""
+    return -(-(kv_lora_rank + 1) // 16) * 16
