@@ -591,8 +591,10 @@ def format_markdown(results: Sequence[CompileResult]) -> str:
         "hundred bytes); above it the tile's accumulator usually no longer fits (the 128-row "
         "head_size 256 prefill tile that `default_config` avoids spills 2.9 KiB on sm90, 3.3 "
         "KiB on sm100, 15.7 KiB on sm80). A case may allow more (`KernelCase.max_spills`) for a "
-        "tile measured to be the fastest anyway, as kvcore_mla's 128-head decode case does for "
-        "the sm90 tile with key-split scores.",
+        "tile measured to be the fastest anyway, as kvcore_mla's 128-head decode cases do for "
+        "the Triton kernel's sm90 tile with key-split scores. Gluon kernels (kvcore_mla's "
+        "Hopper decode kernel) are compiled the same way, for the targets whose configs pick "
+        "them.",
         "",
         format_summary(results),
         "",

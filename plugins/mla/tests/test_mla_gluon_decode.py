@@ -1,6 +1,8 @@
-"""EXPERIMENTAL (branch wt/gluon-mla): the Gluon MLA decode kernel for Hopper
-(``kvcore_mla.ops.gluon_mla_decode``). Compiled ahead of time for sm90 here (no GPU: Gluon has
-no interpreter); on an H200 against the float64 reference at DeepSeek sizes."""
+"""The Gluon MLA decode kernel for Hopper (``kvcore_mla.ops.gluon_mla_decode``), TRITON_MLA's
+sm90 row at 64+ heads. Compiled ahead of time for sm90 here (no GPU: Gluon has no
+interpreter); on an H200 against the float64 reference at DeepSeek sizes, NaN in the stale
+slots of a partial last page, with one split, uneven splits and splits left empty. The
+TRITON_MLA GPU tests and the conformance suite run it too (it is the table's row there)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,28 @@
-"""EXPERIMENTAL (branch wt/gluon-mla, not wired into TRITON_MLA yet): MLA decode for Hopper
-in Gluon (``triton.experimental.gluon``), where the program sets layouts, shared memory,
-barriers and wgmma waits itself instead of Triton's compiler choosing them.
+"""MLA decode for Hopper in Gluon (``triton.experimental.gluon``), Triton's lower-level
+language where the program places layouts, shared memory, barriers and wgmma waits itself.
+TRITON_MLA runs it for 64+ heads on sm90 (``LaunchConfig.gluon``, the first sm90 row of
+:data:`~kvcore_mla.ops.triton_mla_attention.MLA_DECODE_CONFIGS`); it needs Triton 3.6 or newer
+and imports nothing at ``import kvcore_mla``.
 
 One program per (64-head group, KV split, request), 8 warps. The two warpgroups share each
 64-key score tile by keys (``warps_per_cta=[4, 2]``) and the ``[64, 512]`` float32 output by
 latent columns. The query sits in shared memory; latent tiles arrive by TMA into two stages
-(two 3-d boxes a tile, one mbarrier a stage), page ids read a tile ahead. Each step issues
+(two 3-d boxes a tile, one mbarrier a stage) with page ids read a tile ahead. Each step issues
 P x V of tile i and, behind it on the tensor cores, the scores of tile i + 1; once P x V is
 done the stage is refilled with tile i + 2 while the scores finish and their softmax runs.
+Splits write TRITON_MLA's workspace rows and its merge kernel reduces them.
 
-Why: ``triton_mla_attention``'s kernel reaches 0.62-0.67x of FlashInfer's time at 128 heads on
-the H200: Triton waits every wgmma at once, keeps every wgmma descriptor live (they spill) and
-places TMA copies itself. API differences handled here: Triton 3.6 (the H200) has
-``gl.thread_barrier``, ``tma.async_copy_global_to_shared`` and ``_reinterpret``; 3.9 (CI)
-``gl.barrier``, ``tma.async_load`` and ``reinterpret``.
+Why not the Triton kernel (``_mla_decode_kernel``, same algorithm): Triton waits every wgmma at
+once, hoists every wgmma descriptor out of the loop (they spill) and puts a CTA-wide barrier
+before each TMA copy; here the waits, descriptors and copies are placed by hand. On the H200
+this kernel is 1.2-1.3x faster (``benchmarks/RESULTS.md``, eighth session). Shared memory is
+the limit of the design: query 72 KiB + two 72 KiB stages + P leave no room for a third stage,
+so the softmax cannot overlap the tensor cores further without giving the warpgroups
+different roles (FlashMLA's "seesaw", warp specialisation).
+
+Triton API differences handled here: 3.6 (the H200) has ``gl.thread_barrier``,
+``tma.async_copy_global_to_shared`` and ``_reinterpret``; 3.9 (CI) ``gl.barrier``,
+``tma.async_load`` and ``reinterpret``.
 """
 
 from __future__ import annotations
