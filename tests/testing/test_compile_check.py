@@ -129,13 +129,15 @@ def _kvcore_kernels(*args: str, cache: Path) -> subprocess.CompletedProcess:
 
 
 def _triton_kernels_in_source() -> set[str]:
-    """Every launched ``@triton.jit`` kernel (named ``*_kernel``) of kvcore and the plugins."""
+    """Every launched ``@triton.jit`` or ``@gluon.jit`` kernel (named ``*_kernel``) of kvcore
+    and the plugins."""
     names = set()
     for root in (REPO / "kvcore", REPO / "plugins"):
         for path in root.rglob("*.py"):
             if "tests" in path.parts:
                 continue
-            names |= set(re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", path.read_text()))
+            names |= set(re.findall(r"@(?:triton|gluon)\.jit\s*\ndef (\w+_kernel)\(",
+                                    path.read_text()))
     return names
 
 
