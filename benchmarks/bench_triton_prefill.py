@@ -11,9 +11,11 @@ One run does, in order, each section isolated (an error is logged and the run go
 3. the prefill sweep: every candidate of :func:`prefill_candidates`
    (:class:`~kvcore.ops.triton_attention.PrefillTile`: rows = query tokens x padded GQA
    group, keys per step, warps, stages, and the kernel variants ``const_block``,
-   ``edge_stages``, ``warp_specialize``) on every case; us and TFLOP/s. The
-   ``warp_specialize`` candidates are first compiled in a child process
-   (``--probe-warp-specialize``), so a Triton that crashes on them cannot end this run;
+   ``edge_stages``, ``warp_specialize``, ``gluon``: the Hopper kernel of
+   :mod:`kvcore.ops.gluon_prefill`) on every case; us and TFLOP/s. The ``warp_specialize``
+   and ``gluon`` candidates are first compiled, run and checked against SDPA in a child
+   process (``--probe``), so a Triton that crashes on them, or a kernel that faults, cannot
+   end this run;
 4. the decode sweep on the four decode shapes through the production entry point
    (``paged_attention`` with an explicit ``AttentionConfig`` and a preallocated split-KV
    workspace, as the builder passes): split counts around the heuristic's (x1/2, x1, x2, and
@@ -80,8 +82,9 @@ FLASHINFER_BEFORE_US = {"4x2048": 311.1, "1x8192": 1031.2, "4x512+16k": 973.3}
 FLASHINFER_DECODE_BEFORE_US = {"64x4096": 245.8, "8x32768": 245.8, "256x1024": 259.9,
                                "16x4096": 71.6}
 MATMUL_N = 8192
-#: The probe's shape for the warp-specialised candidates (compile + one run in a child).
-PROBE = (1, 256, 0)
+#: The probe's shape for the warp-specialised and Gluon candidates (compile + one checked run
+#: in a child); 300 new over 100 cached tokens: partial tiles, a causal diagonal, a prefix.
+PROBE = (1, 300, 100)
 if SMOKE:
     DTYPE = torch.float32
     HQ, HK, D = 8, 2, 32
@@ -121,7 +124,17 @@ def prefill_candidates() -> list:
                    tile(64, 32, 4, 3, **e, warp_specialize=True),
                    tile(128, 64, 8, 3, **e, warp_specialize=True),
                    tile(128, 128, 8, 2, **e, warp_specialize=True)]
-    return list(dict.fromkeys([table_rows()[0], *shapes, *variants, *specialised]))
+    # The Gluon kernel's tiles (128 rows, 8 warps; keys a step x shared-memory stages) come
+    # right after the table row, so the budget never cuts them.
+    gluon = [tile(128, n, 8, st, const_block=True, gluon=True)
+             for n, st in ((128, 2), (64, 3), (64, 2), (64, 4))]
+    return list(dict.fromkeys([table_rows()[0], *gluon, *shapes, *variants, *specialised]))
+
+
+def risky(tile) -> bool:
+    """Candidates first run in a child process (``--probe``): warp-specialised loops (a
+    Triton may crash compiling them) and the Gluon kernel (a fault would end the run)."""
+    return tile.warp_specialize or tile.gluon
 
 
 def table_rows() -> tuple:
@@ -220,7 +233,7 @@ def config_for(tile):
                               block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                               num_stages=tile.num_stages, prefill=True,
                               const_block=tile.const_block, edge_stages=tile.edge_stages,
-                              warp_specialize=tile.warp_specialize)
+                              warp_specialize=tile.warp_specialize, gluon=tile.gluon)
 
 
 def tile_of(cfg) -> str:
@@ -228,7 +241,7 @@ def tile_of(cfg) -> str:
     ta = triton_attention()
     return label(ta.PrefillTile(cfg.block_q * cfg.g_pad, cfg.block_n, cfg.num_warps,
                                 cfg.num_stages, cfg.const_block, cfg.edge_stages,
-                                cfg.warp_specialize))
+                                cfg.warp_specialize, cfg.gluon))
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -255,48 +268,57 @@ def check_default(run: Run, name: str, batch: Batch, ref: torch.Tensor) -> None:
               tile=tile_of(cfg), **err)
 
 
-def probe_warp_specialize() -> int:
-    """Child process: compile and run each warp-specialised candidate once on a small
-    prefill; prints ``OK <label>`` per candidate that ran (a crash ends the child only)."""
+def probe_candidates() -> int:
+    """Child process: compile and run each :func:`risky` candidate once on a small prefill
+    and check it against SDPA; prints ``OK <label>`` per candidate that ran and matched,
+    ``FAIL <label> <why>`` per one that did not (a crash ends the child only)."""
     ta = triton_attention()
     torch.manual_seed(0)
     batch = Batch(*PROBE)
+    ref = batch.sdpa_reference()
     for tile in prefill_candidates():
-        if tile.warp_specialize:
-            ta.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(),
-                               config=config_for(tile))
+        if not risky(tile):
+            continue
+        try:
+            out = ta.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                     **batch.kwargs(), config=config_for(tile))
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
-            print("OK", label(tile), flush=True)
+        except ValueError as exc:  # refused before any launch (e.g. not this GPU)
+            print("FAIL", label(tile), str(exc)[:300], flush=True)
+            continue
+        err = errors(out, ref)
+        ok = err["rel_err"] < tolerance()
+        print("OK" if ok else "FAIL", label(tile), "" if ok else err, flush=True)
     return 0
 
 
 def usable_candidates(run: Run) -> list:
-    """The candidates this Triton can run: warp-specialised ones only where ``tl.range``
-    takes the flag and the child process compiled and ran them."""
+    """The candidates this Triton and GPU can run: :func:`risky` ones only where the child
+    process compiled, ran and checked them (warp-specialised ones where ``tl.range`` takes
+    the flag, Gluon ones where the Gluon kernel's conditions are met)."""
     ta = triton_attention()
     cands = prefill_candidates()
-    if not any(t.warp_specialize for t in cands):
-        return cands
-    ok: set[str] = set()
     if not ta.warp_specialize_supported():
         run.log("warp_specialize: this Triton's tl.range does not take it; those candidates "
                 "are left out")
-    else:
-        cmd = [sys.executable, __file__, "--probe-warp-specialize"] + (["--smoke"] if SMOKE
-                                                                       else [])
-        try:
-            child = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
-            out = child.stdout + child.stderr
-            ok = {line[3:].strip() for line in child.stdout.splitlines()
-                  if line.startswith("OK ")}
-            run.log(f"warp_specialize probe: rc {child.returncode}, {len(ok)} ran; "
-                    f"{out[-1500:] if child.returncode else ''}")
-        except subprocess.TimeoutExpired:
-            run.log("warp_specialize probe: timed out after 150 s; those candidates are "
-                    "left out")
-    run.results["meta"]["warp_specialize_ok"] = sorted(ok)
-    return [t for t in cands if not t.warp_specialize or label(t) in ok]
+        cands = [t for t in cands if not t.warp_specialize]
+    if not any(risky(t) for t in cands):
+        return cands
+    ok: set[str] = set()
+    cmd = [sys.executable, __file__, "--probe"] + (["--smoke"] if SMOKE else [])
+    try:
+        child = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        ok = {line[3:].strip() for line in child.stdout.splitlines() if line.startswith("OK ")}
+        failed = [line for line in child.stdout.splitlines() if line.startswith("FAIL ")]
+        run.log(f"probe: rc {child.returncode}, {len(ok)} ran and matched; "
+                + "; ".join(failed)
+                + (f" {(child.stdout + child.stderr)[-1500:]}" if child.returncode else ""))
+    except subprocess.TimeoutExpired:
+        run.log("probe: timed out after 300 s; the warp-specialised and Gluon candidates are "
+                "left out")
+    run.results["meta"]["probe_ok"] = sorted(ok)
+    return [t for t in cands if not risky(t) or label(t) in ok]
 
 
 def check_candidates(run: Run, cands: list, batches: dict, refs: dict, budget_s: float
@@ -553,11 +575,10 @@ def main() -> int:
                              "limit)")
     parser.add_argument("--flashinfer-decode", action="store_true",
                         help="also time FlashInfer's decode (a ~30 s JIT build when cold)")
-    parser.add_argument("--probe-warp-specialize", action="store_true",
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.probe_warp_specialize:
-        return probe_warp_specialize()
+    if args.probe:
+        return probe_candidates()
     run = Run(Path(args.out), "bench_triton_prefill",
               ("correctness", "sweeps", "decode", "flashinfer"), checks="correctness",
               device=DEVICE)
@@ -576,7 +597,7 @@ def main() -> int:
     with run.section("ceiling"):
         measure_ceiling(run)
     cands: list = []
-    with run.section("warp_specialize probe"):
+    with run.section("probe of the warp-specialised and Gluon candidates"):
         cands = usable_candidates(run)
     batches, refs, outs = {}, {}, {}
     for name, shape in CASES.items():
@@ -586,7 +607,7 @@ def main() -> int:
             check_default(run, name, batches[name], refs[name])
     passed: list = []
     with run.section("correctness of every candidate"):
-        cands = cands or [t for t in prefill_candidates() if not t.warp_specialize]
+        cands = cands or [t for t in prefill_candidates() if not risky(t)]
         passed = check_candidates(run, cands, batches, refs, args.budget_s)
     refs.clear()
     for name in CASES:

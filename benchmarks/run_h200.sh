@@ -28,6 +28,9 @@
 #   compiled on the GPU, then the gpu-marked real size), then bench_mla's sweep (the TMA
 #   candidates first; MLA_SWEEP_HEADS=128 limits it to those shapes; carry .whl so FlashInfer
 #   MLA is timed beside it).
+#   gluon_prefill: TRITON_ATTN's Gluon Hopper prefill kernel: its GPU tests, then
+#   bench_triton_prefill (its Gluon tiles are probed in a child, then swept beside the table's
+#   Triton row; carry .whl so FlashInfer is timed beside them).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -145,6 +148,12 @@ if has mla_tma; then
         plugins/mla/tests/test_mla_decode_score_split.py
     step bench_mla_sweep ${MLA_SWEEP_LIMIT:-240} python3 benchmarks/bench_mla.py --sweep-only \
         --budget-s ${MLA_SWEEP_BUDGET:-170} ${MLA_SWEEP_HEADS:+--heads $MLA_SWEEP_HEADS}
+fi
+if has gluon_prefill; then
+    step gluon_prefill_tests ${GLUON_PREFILL_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
+        -p no:cacheprovider -o addopts="" tests/ops/test_gluon_prefill.py
+    step bench_triton_prefill ${PREFILL_BENCH_LIMIT:-330} python3 \
+        benchmarks/bench_triton_prefill.py --budget-s ${PREFILL_BENCH_BUDGET:-120}
 fi
 has nixl_matrix && step bench_nixl_matrix ${NIXL_MATRIX_LIMIT:-560} python3 \
     benchmarks/bench_nixl.py --device cuda --mib "${NIXL_MATRIX_MIB:-1024}" --trials 3 --matrix \

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 
 import torch
@@ -90,6 +91,7 @@ from kvcore.ops.triton_utils import (
     interpreting,
     load_kv_scales,
     next_power_of_2,
+    recording_launches,
     scale_args,
 )
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
@@ -106,6 +108,8 @@ __all__ = [
     "decode_tile",
     "default_num_kv_splits",
     "device_arch",
+    "gluon_prefill_available",
+    "gluon_prefill_unmet",
     "paged_attention",
     "prefill_tile",
     "warp_specialize_supported",
@@ -135,6 +139,11 @@ class AttentionConfig:
     (causal diagonal, window edge) that deep instead of ``num_stages``, and
     ``warp_specialize`` asks Triton to warp-specialise the unmasked key loop (needs a Triton
     whose ``tl.range`` takes ``warp_specialize``: :func:`warp_specialize_supported`).
+    ``gluon`` runs the Hopper prefill kernel written in Gluon instead
+    (:mod:`kvcore.ops.gluon_prefill`: softmax overlapped with the tensor cores); it takes
+    128 rows, 8 warps, ``block_n`` 64 or 128, ``num_stages`` 2 or 3 and always compiles the
+    block size in (``const_block=True``), and runs where :func:`gluon_prefill_unmet` finds
+    nothing unmet.
     """
 
     block_q: int
@@ -147,6 +156,7 @@ class AttentionConfig:
     const_block: bool = False
     edge_stages: int = 0
     warp_specialize: bool = False
+    gluon: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +164,7 @@ class PrefillTile:
     """One entry of :data:`PREFILL_TILES`: ``rows`` = query tokens x padded GQA group per
     program, ``block_n`` keys per step, the launch's warps and pipeline stages, and the
     kernel variants of :class:`AttentionConfig` (``const_block``, ``edge_stages``,
-    ``warp_specialize``)."""
+    ``warp_specialize``, ``gluon``)."""
 
     rows: int
     block_n: int
@@ -163,6 +173,7 @@ class PrefillTile:
     const_block: bool = False
     edge_stages: int = 0
     warp_specialize: bool = False
+    gluon: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +238,111 @@ def warp_specialize_supported() -> bool:
     """Whether the installed Triton's ``tl.range`` takes ``warp_specialize`` (Triton >= 3.4;
     whether it pays off on a GPU is for the sweep to say)."""
     return "warp_specialize" in inspect.signature(tl.range).parameters
+
+
+#: Query and cache dtypes of the Gluon prefill kernel, and its head sizes.
+_GLUON_DTYPES = (torch.bfloat16, torch.float16)
+_GLUON_HEAD_SIZES = (64, 128)
+#: Shared memory one program of the Gluon prefill kernel may take (an H100/H200 SM's 227 KiB).
+_GLUON_SMEM = 227 * 1024
+
+
+@functools.cache
+def gluon_prefill_available() -> str | None:
+    """``None`` when the installed Triton can build the Gluon prefill kernel for Hopper
+    (:mod:`kvcore.ops.gluon_prefill` imports), else why not, as a sentence."""
+    try:
+        importlib.import_module("kvcore.ops.gluon_prefill")
+    except (ImportError, AttributeError) as exc:
+        return (f"config.gluon=True needs Triton's Gluon API for Hopper (Triton 3.6 or newer); "
+                f"Triton {triton.__version__} lacks it ({exc}): upgrade Triton or use "
+                "gluon=False")
+    return None
+
+
+def _gluon_config_unmet(cfg: AttentionConfig, head_size: int) -> str | None:
+    from kvcore.ops.gluon_prefill import BLOCK_M, NUM_WARPS
+
+    if not cfg.prefill or cfg.num_splits != 1:
+        return (f"config has gluon=True with prefill={cfg.prefill} and num_splits="
+                f"{cfg.num_splits}: the Gluon kernel is a prefill kernel (set prefill=True, "
+                "num_splits=1, or gluon=False)")
+    if cfg.block_q * cfg.g_pad != BLOCK_M or cfg.num_warps != NUM_WARPS:
+        return (f"config has gluon=True with block_q * g_pad = {cfg.block_q * cfg.g_pad} rows "
+                f"and num_warps={cfg.num_warps}; the Gluon kernel runs {BLOCK_M} rows with "
+                f"{NUM_WARPS} warps (64 rows a warpgroup): set block_q = {BLOCK_M} // g_pad "
+                f"and num_warps={NUM_WARPS}")
+    if cfg.block_n not in (64, 128) or not 2 <= cfg.num_stages <= 4:
+        return (f"config has gluon=True with block_n={cfg.block_n} and num_stages="
+                f"{cfg.num_stages}; the Gluon kernel takes block_n 64 or 128 and 2 to 4 "
+                "stages: set them in that range, or use gluon=False")
+    if not cfg.const_block or cfg.edge_stages or cfg.warp_specialize:
+        return (f"config has gluon=True with const_block={cfg.const_block}, edge_stages="
+                f"{cfg.edge_stages}, warp_specialize={cfg.warp_specialize}; the Gluon kernel "
+                "always compiles the block size in and has no Triton loop variants: set "
+                "const_block=True, edge_stages=0, warp_specialize=False")
+    smem = (2 * cfg.num_stages * cfg.block_n + BLOCK_M) * head_size * 2
+    if smem > _GLUON_SMEM:
+        return (f"config has gluon=True with block_n={cfg.block_n} and num_stages="
+                f"{cfg.num_stages}: at head_size {head_size} its K/V stages and query tile "
+                f"take {smem} bytes of shared memory, more than the {_GLUON_SMEM} an SM has; "
+                "use fewer stages or block_n=64")
+    return None
+
+
+def gluon_prefill_unmet(query: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, kv_cache_dtype: str,
+                        config: AttentionConfig) -> str | None:
+    """Why the Gluon prefill kernel (``config.gluon``) cannot run this call, as a sentence
+    naming the unmet condition and the fix; ``None`` when it can: Triton has Gluon's Hopper
+    API; ``config`` is one of its tiles (:class:`AttentionConfig`); the query bf16 or fp16
+    with a cache of the same dtype (no fp8); ``head_size`` 64 or 128; both caches with
+    contiguous channels and 16-byte aligned base and strides (``cp.async`` copies 16 bytes);
+    the tensors on a GPU of compute capability 9.x. The device is not checked while launches
+    are recorded for an ahead-of-time compile (:func:`kvcore.ops.triton_utils.
+    recording_launches`)."""
+    reason = gluon_prefill_available()
+    if reason is not None:
+        return reason
+    head_size = query.shape[-1]
+    reason = _gluon_config_unmet(config, head_size)
+    if reason is not None:
+        return reason
+    if (query.dtype not in _GLUON_DTYPES or key_cache.dtype != query.dtype
+            or value_cache.dtype != query.dtype or kv_cache_dtype != "auto"):
+        return (f"config.gluon=True takes bf16 or fp16 queries and caches of the same dtype "
+                f"(kv_cache_dtype='auto'); got query {query.dtype}, key_cache "
+                f"{key_cache.dtype}, value_cache {value_cache.dtype}, kv_cache_dtype="
+                f"{kv_cache_dtype!r}: use gluon=False")
+    if head_size not in _GLUON_HEAD_SIZES:
+        return (f"config.gluon=True takes head_size 64 or 128; it is {head_size}: use "
+                "gluon=False")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        item = cache.element_size()
+        if cache.stride(3) != 1:
+            return (f"{name} has channel stride {cache.stride(3)}; config.gluon=True copies "
+                    "16 contiguous bytes at a time: pass a cache whose last dim is contiguous, "
+                    "or use gluon=False")
+        unaligned = [what for what, nbytes in (
+            (f"base address {cache.data_ptr():#x}", cache.data_ptr()),
+            *((f"stride({dim}) ({cache.stride(dim)} x {item} bytes)", cache.stride(dim) * item)
+              for dim in range(3)),
+        ) if nbytes % 16]
+        if unaligned:
+            return (f"{name}'s {' and '.join(unaligned)} is not a multiple of 16 bytes, as "
+                    "config.gluon=True's 16-byte copies need: use a 16-byte aligned cache, "
+                    "or gluon=False")
+    device = query.device
+    if recording_launches():  # compiled ahead of time for a target: no device to check
+        return None
+    if interpreting():
+        return ("config.gluon=True cannot run under TRITON_INTERPRET=1 (Gluon kernels have no "
+                "interpreter): unset it on a Hopper GPU, or use gluon=False")
+    if (device.type != "cuda" or getattr(torch.version, "hip", None)
+            or torch.cuda.get_device_capability(device)[0] != 9):
+        return (f"config.gluon=True runs on NVIDIA Hopper GPUs (compute capability 9.x); the "
+                f"query is on {device} ({device_arch(device)}): use gluon=False")
+    return None
 
 
 @triton.jit
@@ -755,7 +871,7 @@ def default_config(
                                block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                                num_stages=tile.num_stages, prefill=True,
                                const_block=tile.const_block, edge_stages=tile.edge_stages,
-                               warp_specialize=tile.warp_specialize)
+                               warp_specialize=tile.warp_specialize, gluon=tile.gluon)
     # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), split prefill tiles 128
     # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill).
     rows = 16 if decode_only else (128 if head_size <= 128 else 64)
@@ -878,6 +994,16 @@ def paged_attention(
     if cfg.edge_stages < 0:
         raise ValueError(f"config has edge_stages={cfg.edge_stages}; it must be >= 0 (0: the "
                          "launch's num_stages)")
+    if cfg.gluon:
+        reason = gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg)
+        if reason is not None:
+            raise ValueError(reason)
+        from kvcore.ops.gluon_prefill import gluon_prefill_attention
+
+        gluon_prefill_attention(query, key_cache, value_cache, out, query_start_loc, seq_lens,
+                                block_table, scale, causal, sliding_window, cfg.block_q,
+                                cfg.g_pad, cfg.block_n, cfg.num_stages)
+        return out
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
 

@@ -10,6 +10,8 @@ signature. Registered by ``kvcore.backends``' ``kvcore_register_kernel_compile_c
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvcore.allocate import allocate_kv_caches
@@ -45,8 +47,11 @@ def _skip(backend: str, target: CompileTarget, head_size: int, dtype: torch.dtyp
 def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
                     context: int, num_heads: int, num_kv_heads: int, head_size: int,
                     dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                    backend: str = "TRITON_ATTN", sliding_window: int | None = None
-                    ) -> KernelCase:
+                    backend: str = "TRITON_ATTN", sliding_window: int | None = None,
+                    gluon_tile: tuple[int, int] | None = None) -> KernelCase:
+    """``gluon_tile`` ``(block_n, num_stages)``: the Gluon prefill kernel's config with that
+    tile instead of the table's (sm90 targets only)."""
+
     def launch() -> None:
         from kvcore.ops.triton_attention import default_config, paged_attention
 
@@ -62,14 +67,21 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
         config = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
                                 pages * _BLOCK_SIZE, query.device, num_sms=target.num_sms,
                                 rocm=target.is_rocm, arch=target.name)
+        if gluon_tile is not None:
+            config = dataclasses.replace(
+                config, block_q=128 // config.g_pad, block_n=gluon_tile[0], num_warps=8,
+                num_stages=gluon_tile[1], const_block=True, edge_stages=0,
+                warp_specialize=False, gluon=True)
         scale = torch.ones(1) if fp8 else None
         paged_attention(query, k_cache, v_cache, query_start_loc=query_start_loc,
                         seq_lens=seq_lens, block_table=block_table, scale=head_size ** -0.5,
                         sliding_window=sliding_window, kv_cache_dtype=kv_cache_dtype,
                         k_scale=scale, v_scale=scale, config=config)
 
-    return KernelCase(name, launch,
-                      skip=_skip(backend, target, head_size, dtype, kv_cache_dtype))
+    skip = _skip(backend, target, head_size, dtype, kv_cache_dtype)
+    if gluon_tile is not None and target.name != "sm90":
+        skip = f"the Gluon prefill kernel is for Hopper (sm90); the target is {target.name}"
+    return KernelCase(name, launch, skip=skip)
 
 
 def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_kv_heads: int,
@@ -125,6 +137,12 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
         _attention_case(target, "mixed 2x2048+62x1 Hq16/Hk8 D256 bf16 window 4096",
                         q_lens=mixed, context=2048, num_heads=16, num_kv_heads=8,
                         head_size=256, dtype=bf16, sliding_window=4096),
+        _attention_case(target, "prefill 4x2048 Hq32/Hk8 D128 bf16 Gluon 128 keys 2 stages",
+                        q_lens=[2048] * 4, context=0, dtype=bf16, gluon_tile=(128, 2),
+                        **llama8b),
+        _attention_case(target, "prefill 4x2048 Hq32/Hk8 D128 bf16 Gluon 64 keys 3 stages",
+                        q_lens=[2048] * 4, context=0, dtype=bf16, gluon_tile=(64, 3),
+                        **llama8b),
         _cache_write_case(target, "cache write 2048 tok Hk8 D128 bf16 -> fp8-e4m3", num_tokens=2048,
                           num_kv_heads=8, head_size=128, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
         _cache_write_case(target, "cache write 2048 tok Hk8 D256 bf16", num_tokens=2048,

@@ -270,7 +270,7 @@ def _specialize(launch: KernelLaunch, target: CompileTarget) -> _Job:
 def _config_text(fn: Any, job: _Job) -> str:
     names = fn.arg_names
     shown = [f"{names[path[0]]}={value}" for path, value in sorted(job.constexprs.items())
-             if re.search(r"BLOCK|PAD|SPLITS", names[path[0]])
+             if re.search(r"BLOCK|PAD|SPLITS|STAGES", names[path[0]])
              and isinstance(value, int) and not isinstance(value, bool)]
     shown.append(f"w{job.options.get('num_warps')}/s{job.options.get('num_stages')}")
     return " ".join(shown)

@@ -1,0 +1,283 @@
+"""Prefill and chunked-prefill attention for Hopper in Gluon (``triton.experimental.gluon``),
+Triton's lower-level language where the program places layouts, shared memory, copies,
+barriers and wgmma waits itself. It computes what :func:`kvcore.ops.triton_attention.
+paged_attention`'s prefill kernel computes (same program tile, same masks) and runs when its
+:class:`~kvcore.ops.triton_attention.AttentionConfig` has ``gluon=True``; it needs Triton 3.6
+or newer and is imported only then.
+
+One program per (query tile, KV head), 8 warps: ``BLOCK_Q`` query tokens x the ``G_PAD``
+query heads that share the KV head, 128 rows, each warpgroup 64 of them (a warpgroup owns its
+rows whole, so the softmax never crosses warpgroups). The query tile sits in shared memory; K
+and V tiles of ``BLOCK_N`` keys are gathered through the block table by ``cp.async`` (any page
+size, any page stride) into ``STAGES`` shared-memory stages, K and V in separate copy groups
+so the scores of a tile wait for its K only; masked rows are zero-filled, so no byte past a
+request's visible keys is read and stale cache bytes never reach a product.
+
+Each step overlaps the softmax with the tensor cores, as FlashAttention-3 does within a
+warpgroup: the scores of tile ``i + 1`` are issued, then P x V of tile ``i`` (P from
+registers), the program waits for the scores only and runs their softmax while P x V runs,
+then waits for P x V, rescales the accumulator and refills the stage of tile ``i`` with tile
+``i + STAGES``. Only tiles on the causal diagonal, on the window's lower edge or past the last
+key compute a mask.
+
+Why not the Triton kernel (``_prefill_attention_kernel``): Triton waits every wgmma at once
+(``pendings = 0``) when its result feeds the next dot, so its softmax never overlaps the
+tensor cores on Hopper (``benchmarks/RESULTS.md``, sixth and seventh sessions).
+
+Triton API differences handled here: 3.6 has ``gl.thread_barrier`` and
+``async_copy.async_copy_global_to_shared``; 3.9 ``gl.barrier`` and ``async_copy.async_load``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# 3.9 keeps the old name only to raise, so the new one is looked up first.
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+#: The rows of one program (query tokens x padded GQA group) and its warps.
+BLOCK_M = 128
+NUM_WARPS = 8
+
+
+@gluon.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: gl.constexpr):
+    """The request owning query tile ``tile``: request ``s`` owns the tiles from
+    ``query_start_loc[s] // BLOCK_Q + s`` on (as :func:`kvcore.ops.triton_utils.
+    find_sequence`)."""
+    # From ``tile`` (a program id, never specialised to a constant, as ``num_seqs == 1`` is).
+    lo = tile * 0
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@gluon.jit
+def _tile_pages(bt_row, t, kv_end, stride_btb, LD: gl.constexpr, BLOCK_N: gl.constexpr,
+                PAGE: gl.constexpr):
+    """Block ids of key tile ``t``'s rows (0 past ``kv_end``: those rows are never read)."""
+    k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    return gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb, mask=k_pos < kv_end,
+                   other=0)
+
+
+@gluon.jit
+def _issue_kv(k_ptr, v_ptr, k_s, v_s, stage, pages, t, kv_end, kv_head64,
+              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              LD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              PAGE: gl.constexpr):
+    """``cp.async`` copies of key tile ``t`` (rows in blocks ``pages``) into ``stage``: K, then
+    V, each its own copy group. Rows at or past ``kv_end`` are zero-filled, not read."""
+    k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    ok = (k_pos < kv_end)[:, None]
+    slot = (k_pos % PAGE).to(gl.int64)
+    page = pages.to(gl.int64)
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD))[None, :]
+    k_rows = k_ptr + (page * stride_kb + slot * stride_ks + kv_head64 * stride_kh)[:, None]
+    _async_load(k_s.index(stage), k_rows + dims, mask=ok)
+    async_copy.commit_group()
+    v_rows = v_ptr + (page * stride_vb + slot * stride_vs + kv_head64 * stride_vh)[:, None]
+    _async_load(v_s.index(stage), v_rows + dims, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _copies_landed(pending: gl.constexpr):
+    """Wait until at most ``pending`` copy groups of this thread are in flight, then make
+    every thread's landed copies visible to the tensor cores (wgmma reads shared memory
+    through the async proxy; ``cp.async`` writes through the generic one)."""
+    async_copy.wait_group(pending)
+    hopper.fence_async_shared()
+    _cta_barrier()
+
+
+@gluon.jit
+def _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL: gl.constexpr,
+                 USE_WINDOW: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Scores of key tile ``t`` with the keys a row must not see set to ``-inf``: past
+    ``kv_end``, after the row's position (causal), before its window."""
+    k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    ok = (k_pos < kv_end)[None, :]
+    if CAUSAL:
+        ok = ok & (k_pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        ok = ok & ((q_pos[:, None] - k_pos[None, :]) < sliding_window)
+    return gl.where(ok, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale):
+    """Online softmax step (base 2, ``qk_scale`` = softmax scale x log2(e), > 0 so the scale
+    folds into one multiply-add per score): ``(p, alpha, m_new, l_new)``. A row that has seen
+    no key yet keeps ``m = -inf`` and gets ``p = 0``."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _gluon_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale, num_seqs, num_queries_per_kv, sliding_window,
+    stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_od, stride_bts, stride_btb,
+    CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, BLOCK_Q: gl.constexpr,
+    G_PAD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One (query tile, KV head) of prefill attention; see :func:`gluon_prefill_attention`."""
+    BLOCK_M: gl.constexpr = BLOCK_Q * G_PAD
+    # Last tiles first: under a causal mask they have the most keys, the short ones then fill
+    # the last wave.
+    tile = gl.num_programs(0) - 1 - gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
+        return
+    seq_len = gl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    first_q = context_len + q_tile * BLOCK_Q
+    last_q = context_len + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
+
+    # Key tiles [lo, hi) hold every key some row sees, [full_lo, full_hi) those every row sees
+    # (no mask), as in the Triton prefill kernel.
+    if CAUSAL:
+        kv_end = last_q + 1
+        full_hi = (first_q + 1) // BLOCK_N
+    else:
+        kv_end = seq_len
+        full_hi = seq_len // BLOCK_N
+    hi = gl.cdiv(kv_end, BLOCK_N)
+    lo = hi * 0
+    full_lo = hi * 0
+    if USE_WINDOW:
+        lo = gl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
+        full_lo = gl.cdiv(gl.maximum(last_q - sliding_window + 1, 0), BLOCK_N)
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
+    n = hi - lo
+
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                  instr_shape=[16, HEAD_D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    # Loads and stores: 16 bytes a thread along a row.
+    ROW_THREADS: gl.constexpr = HEAD_D // 8
+    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
+                                        threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
+                                        warps_per_cta=[8, 1], order=[1, 0])
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                            rank=2)
+    DTYPE: gl.constexpr = q_ptr.dtype.element_ty
+
+    k_s = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_D], SH)
+    v_s = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_D], SH)
+    q_s = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HEAD_D], SH)
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bts
+    kv_head64 = kv_head.to(gl.int64)
+    # The first STAGES tiles' copies go out before the query is read. Block ids are read one
+    # tile ahead of their copies, so the copies never wait on a block-table read.
+    for j in gl.static_range(STAGES):
+        _issue_kv(k_ptr, v_ptr, k_s, v_s, j,
+                  _tile_pages(bt_row, lo + j, kv_end, stride_btb, LD, BLOCK_N, PAGE),
+                  lo + j, kv_end, kv_head64, stride_kb, stride_ks, stride_kh,
+                  stride_vb, stride_vs, stride_vh, LD, BLOCK_N, HEAD_D, PAGE)
+    pages_ahead = _tile_pages(bt_row, lo + STAGES, kv_end, stride_btb, LD, BLOCK_N, PAGE)
+
+    # Row r is query token r // G_PAD of the tile, query head r % G_PAD of the KV head's group.
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
+    q_idx = q_tile * BLOCK_Q + rows // G_PAD
+    group = rows % G_PAD
+    row_ok = (q_idx < q_len) & (group < num_queries_per_kv)
+    head = (kv_head * num_queries_per_kv + group).to(gl.int64)
+    token = (q_start + q_idx).to(gl.int64)
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD)).to(gl.int64)
+    q = gl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None]
+                + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    q_s.store(q)
+    q_pos = first_q + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L)) // G_PAD
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=O_L)
+    zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+    # In flight from here on: K and V of STAGES tiles, two copy groups a tile.
+    _copies_landed(2 * STAGES - 1)  # K of tile lo (and the query's store)
+    s = hopper.warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros, is_async=True)
+    s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    if (lo < full_lo) | (lo >= full_hi):
+        s = _mask_scores(s, lo, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+    p = gl.convert_layout(p.to(DTYPE), P_L)
+    for i in range(0, n - 1):
+        t = lo + i + 1
+        stage = i % STAGES
+        _copies_landed(2 * STAGES - 3)  # V of tile i, K of tile i + 1
+        s = hopper.warpgroup_mma(q_s, k_s.index((i + 1) % STAGES).permute((1, 0)), zeros,
+                                 is_async=True)
+        acc = hopper.warpgroup_mma(p, v_s.index(stage), acc, is_async=True)
+        s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s])
+        if (t < full_lo) | (t >= full_hi):
+            s = _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
+        p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+        acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        p = gl.convert_layout(p_next.to(DTYPE), P_L)
+        _cta_barrier()  # every warp is done with this stage
+        pages = pages_ahead
+        pages_ahead = _tile_pages(bt_row, lo + i + STAGES + 1, kv_end, stride_btb, LD,
+                                  BLOCK_N, PAGE)
+        _issue_kv(k_ptr, v_ptr, k_s, v_s, stage, pages, lo + i + STAGES, kv_end, kv_head64,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  LD, BLOCK_N, HEAD_D, PAGE)
+    _copies_landed(2 * STAGES - 2)  # V of the last tile
+    acc = hopper.warpgroup_mma(p, v_s.index((n - 1) % STAGES), acc, is_async=True)
+    acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
+    async_copy.wait_group(0)  # the zero-filled copies past the last tile
+
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
+    gl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + dims[None, :] * stride_od,
+             gl.convert_layout(out.to(out_ptr.dtype.element_ty), LD), mask=row_ok[:, None])
+
+
+def gluon_prefill_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    block_table: torch.Tensor, scale: float, causal: bool, sliding_window: int | None,
+    block_q: int, g_pad: int, block_n: int, num_stages: int,
+) -> None:
+    """Prefill attention into ``out`` with the Gluon kernel; arguments as
+    :func:`kvcore.ops.triton_attention.paged_attention` takes them, already validated there
+    (its ``gluon_prefill_unmet`` check included), with the tile of its config: ``block_q``
+    tokens x ``g_pad`` heads = :data:`BLOCK_M` rows, ``block_n`` keys a step, ``num_stages``
+    shared-memory stages."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _gluon_prefill_kernel[grid](
+        query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
+        float(scale) * 1.4426950408889634, num_seqs, num_heads // num_kv_heads,
+        sliding_window or 0, *query.stride(), *key_cache.stride()[:3],
+        *value_cache.stride()[:3], *out.stride(), *block_table.stride(),
+        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, BLOCK_Q=block_q,
+        G_PAD=g_pad, BLOCK_N=block_n, HEAD_D=head_size, PAGE=key_cache.shape[1],
+        STAGES=num_stages, num_warps=NUM_WARPS,
+    )

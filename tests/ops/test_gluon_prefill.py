@@ -1,0 +1,266 @@
+"""The Gluon Hopper prefill kernel (``AttentionConfig.gluon``, :mod:`kvcore.ops.gluon_prefill`).
+
+On the CPU: what :func:`gluon_prefill_unmet` refuses, and (slow) an ahead-of-time compile for
+sm90 that checks the schedule the kernel exists for. On an sm90 GPU (``gpu``): the kernel
+against the float64 and fp32 references on prefill, chunked-prefill and mixed batches, GQA
+groups with padded rows, both head sizes and tiles, windows, non-causal, caches seen through
+cross-layer views (bit-exact against contiguous copies) and NaN in every slot a request does
+not own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_triton_attention import check_against_references, make_batch
+
+from kvcore.ops import paged_attention_ref
+
+triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
+AttentionConfig = triton_attention.AttentionConfig
+
+
+def gluon_config(num_heads: int, num_kv_heads: int, block_n: int = 128,
+                 num_stages: int = 2) -> AttentionConfig:
+    g_pad = triton_attention.next_power_of_2(num_heads // num_kv_heads)
+    return AttentionConfig(block_q=128 // g_pad, g_pad=g_pad, block_n=block_n, num_splits=1,
+                           num_warps=8, num_stages=num_stages, prefill=True,
+                           const_block=True, gluon=True)
+
+
+def _cpu_args(dtype=torch.bfloat16, head_size=128, cache_dtype=None):
+    query = torch.randn(40, 8, head_size).to(dtype)
+    k = torch.randn(6, 16, 2, head_size).to(cache_dtype or dtype)
+    return query, k, k.clone()
+
+
+REFUSALS = {
+    "not-prefill": (dict(prefill=False), {}, "prefill kernel"),
+    "rows": (dict(block_q=16), {}, "128 rows"),
+    "warps": (dict(num_warps=4), {}, "num_warps=8"),
+    "block-n": (dict(block_n=32), {}, "block_n 64 or 128"),
+    "stages": (dict(num_stages=5), {}, "2 to 4 stages"),
+    "const-block": (dict(const_block=False), {}, "const_block=True"),
+    "smem": (dict(num_stages=4), {}, "shared memory"),
+    "fp32-query": ({}, dict(dtype=torch.float32), "bf16 or fp16"),
+    "fp8-cache": ({}, dict(cache_dtype=torch.float8_e4m3fn), "bf16 or fp16"),
+    "head-size": ({}, dict(head_size=96), "head_size 64 or 128"),
+    "cpu-device": ({}, {}, "Hopper|TRITON_INTERPRET"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unmet_conditions_are_named_with_the_fix(case: str) -> None:
+    if triton_attention.gluon_prefill_available() is not None:
+        pytest.skip(triton_attention.gluon_prefill_available())
+    change, args, match = REFUSALS[case]
+    query, k, v = _cpu_args(**args)
+    cfg = dataclasses.replace(gluon_config(8, 2), **change)
+    kv_dtype = "fp8_e4m3" if case == "fp8-cache" else "auto"
+    reason = triton_attention.gluon_prefill_unmet(query, k, v, kv_dtype, cfg)
+    assert reason is not None and re.search(match, reason), reason
+    assert "gluon=False" in reason or "set " in reason or "use " in reason, reason
+
+
+def test_cache_layouts_the_copies_cannot_read_are_refused() -> None:
+    if triton_attention.gluon_prefill_available() is not None:
+        pytest.skip(triton_attention.gluon_prefill_available())
+    query, k, v = _cpu_args()
+    cfg = gluon_config(8, 2)
+    # Channels strided: the heads and channels dims swapped in memory.
+    swapped = k.transpose(2, 3).contiguous().transpose(2, 3)
+    reason = triton_attention.gluon_prefill_unmet(query, swapped, v, "auto", cfg)
+    assert "key_cache has channel stride" in reason, reason
+    # A token stride of 260 elements (520 bytes): not a multiple of 16 bytes.
+    odd = torch.randn(6, 16, 260).to(torch.bfloat16)[..., :256].unflatten(-1, (2, 128))
+    reason = triton_attention.gluon_prefill_unmet(query, k, odd, "auto", cfg)
+    assert "value_cache's stride(1)" in reason and "16 bytes" in reason, reason
+
+
+def test_the_gluon_config_on_the_cpu_raises_before_any_launch() -> None:
+    if triton_attention.gluon_prefill_available() is not None:
+        pytest.skip(triton_attention.gluon_prefill_available())
+    batch = make_batch(torch.Generator().manual_seed(3), q_lens=[20], seq_lens=[20],
+                       num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.bfloat16)
+    if batch.query.is_cuda:
+        pytest.skip("checks the CPU refusal")
+    with pytest.raises(ValueError, match="Hopper|TRITON_INTERPRET"):
+        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                         **batch.kwargs(), config=gluon_config(8, 2, 64))
+
+
+_COMPILE = """
+import json, re, sys, torch
+from kvcore.testing import compile_launches
+from kvcore.ops import triton_attention
+block_n, stages = int(sys.argv[1]), int(sys.argv[2])
+query = torch.empty(4096, 32, 128, dtype=torch.bfloat16)
+k = torch.empty(300, 16, 8, 128, dtype=torch.bfloat16)
+v = torch.empty_like(k)
+config = triton_attention.AttentionConfig(
+    block_q=32, g_pad=4, block_n=block_n, num_splits=1, num_warps=8, num_stages=stages,
+    prefill=True, const_block=True, gluon=True)
+(c,) = compile_launches(lambda: triton_attention.paged_attention(
+    query, k, v, query_start_loc=torch.tensor([0, 2048, 4096], dtype=torch.int32),
+    seq_lens=torch.tensor([2048, 2048], dtype=torch.int32),
+    block_table=torch.arange(256, dtype=torch.int32).reshape(2, 128), scale=0.088,
+    config=config), "sm90")
+ptx, ttgir = c.asm["ptx"], c.asm["ttgir"]
+print(json.dumps(dict(
+    kernel=c.kernel,
+    wait_one="wgmma.wait_group.sync.aligned 1;" in ptx,
+    p_from_registers=bool(re.search(
+        r"ttng\\.warp_group_dot .*: tensor<128x%dx\\w+, #ttg\\.dot_op" % block_n, ttgir)),
+    copies=len(re.findall(r"cp\\.async\\.cg\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], "
+                          r"0x10, %r\\d+;", ptx)))))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_n,stages", [(128, 2), (64, 3)], ids=["n128-s2", "n64-s3"])
+def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int) -> None:
+    """Compiled ahead of time for sm_90a (no GPU; in a subprocess, since Gluon has no
+    interpreter and the suite sets ``TRITON_INTERPRET``): P x V takes P from registers, the
+    loop waits for the scores alone (``wgmma.wait_group 1``) before their softmax, and K/V
+    arrive by 16-byte ``cp.async`` copies whose source size zero-fills masked rows."""
+    if triton_attention.gluon_prefill_available() is not None:
+        pytest.skip(triton_attention.gluon_prefill_available())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["kernel"] == "_gluon_prefill_kernel"
+    assert facts["wait_one"] and facts["p_from_registers"], facts
+    # Per copy site (STAGES in the prologue, one in the loop), K and V tiles of
+    # block_n x 128 bf16 in 16-byte pieces over 256 threads.
+    assert facts["copies"] == (stages + 1) * 2 * block_n * 128 * 2 // 16 // 256, facts
+
+
+def _gpu_or_skip() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an NVIDIA Hopper GPU (compute capability 9.x)")
+    reason = triton_attention.gluon_prefill_available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+# name: (q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype)
+GPU_CASES = {
+    "fresh-4-prefills-bs16-gqa4-D128-bf16": ([300, 1, 129, 64], [300, 1, 129, 64], 32, 8, 128,
+                                            16, torch.bfloat16),
+    "chunked-over-1000-cached-bs16-gqa4-D128-bf16": ([200, 37], [1200, 1037], 32, 8, 128, 16,
+                                                     torch.bfloat16),
+    "mixed-with-decodes-bs32-gqa8-D64-fp16": ([1, 77, 1, 300], [500, 77, 33, 1300], 16, 2, 64,
+                                              32, torch.float16),
+    "mha-gqa1-bs64-D128-bf16": ([257, 3], [700, 3], 4, 4, 128, 64, torch.bfloat16),
+    "padded-group-gqa5-bs16-D128-bf16": ([150, 40], [150, 400], 10, 2, 128, 16,
+                                         torch.bfloat16),
+    "odd-block-size-8-gqa4-D64-bf16": ([333], [999], 8, 2, 64, 8, torch.bfloat16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(128, 2), (64, 3), (64, 2)], ids=["n128-s2", "n64-s3",
+                                                                     "n64-s2"])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gluon_prefill_matches_the_references(name: str, tile: tuple[int, int]) -> None:
+    _gpu_or_skip()
+    q_lens, seq_lens, hq, hk, d, bs, dtype = GPU_CASES[name]
+    batch = make_batch(torch.Generator().manual_seed(len(name)), q_lens=q_lens,
+                       seq_lens=seq_lens, num_heads=hq, num_kv_heads=hk, head_size=d,
+                       block_size=bs, dtype=dtype)
+    cfg = gluon_config(hq, hk, *tile)
+    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                           **batch.kwargs(), config=cfg)
+    check_against_references(out, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,window", [(True, 100), (True, 1000), (False, None),
+                                           (False, 300)],
+                         ids=["causal-window100", "causal-window1000", "noncausal",
+                              "noncausal-window300"])
+def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None) -> None:
+    _gpu_or_skip()
+    batch = make_batch(torch.Generator().manual_seed(5), q_lens=[700, 129, 1],
+                       seq_lens=[1500, 129, 900], num_heads=32, num_kv_heads=8,
+                       head_size=128, block_size=16, dtype=torch.bfloat16)
+    for tile in ((128, 2), (64, 3)):
+        out = triton_attention.paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
+            sliding_window=window, config=gluon_config(32, 8, *tile))
+        check_against_references(out, batch, causal=causal, sliding_window=window)
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output() -> None:
+    """Layer 2 of a 4-layer cross-layer pool: the same bits as on contiguous copies, the pool
+    unchanged; the output written in place into a strided view, its other heads untouched."""
+    _gpu_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, layers, bs, hk, d = 600, 4, 16, 8, 128
+    pool = torch.randn(num_blocks, layers, 2, bs, hk, d, generator=gen).to(
+        torch.bfloat16).cuda()
+    k, v = pool[:, 2].unbind(1)
+    table = torch.randperm(num_blocks, generator=gen)[:2 * 250].to(torch.int32).reshape(2, 250)
+    query = torch.randn(1100, 32, d, generator=gen).to(torch.bfloat16).cuda()
+    kwargs = dict(query_start_loc=torch.tensor([0, 1000, 1100], dtype=torch.int32).cuda(),
+                  seq_lens=torch.tensor([3000, 1100], dtype=torch.int32).cuda(),
+                  block_table=table.cuda(), scale=d ** -0.5, config=gluon_config(32, 8))
+    before = pool.clone()
+    strided = triton_attention.paged_attention(query, k, v, **kwargs)
+    flat = triton_attention.paged_attention(query, k.contiguous(), v.contiguous(), **kwargs)
+    assert torch.equal(strided, flat)
+    assert torch.equal(pool, before)  # attention reads the pool, never writes it
+    out = torch.full((1100, 64, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    triton_attention.paged_attention(query, k, v, **kwargs, output=out[:, ::2])
+    assert torch.equal(out[:, ::2], flat)
+    assert torch.isnan(out[:, 1::2]).all()  # the other heads of the output untouched
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_never_reads_slots_a_request_does_not_own() -> None:
+    _gpu_or_skip()
+    batch = make_batch(torch.Generator().manual_seed(12), q_lens=[1, 77, 300],
+                       seq_lens=[37, 100, 301], num_heads=32, num_kv_heads=8, head_size=128,
+                       block_size=16, dtype=torch.bfloat16)
+    owned = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
+    for blocks, n in zip(batch.block_table.tolist(), batch.seq_lens.tolist(), strict=True):
+        for pos in range(n):
+            owned[blocks[pos // 16], pos % 16] = True
+    cfg = gluon_config(32, 8, 64, 3)
+    clean = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), config=cfg)
+    for cache in (batch.key_cache, batch.value_cache):
+        cache[~owned.cuda()] = float("nan")
+    dirty = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), config=cfg)
+    assert torch.isfinite(dirty).all()
+    assert torch.equal(dirty, clean)
+    ref = paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, **batch.kwargs())
+    torch.testing.assert_close(dirty, ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_real_size_against_the_triton_kernel() -> None:
+    """4 x 2048 fresh prompts (Llama-3-8B heads): within bf16 rounding of the Triton prefill
+    kernel and of the fp32 reference."""
+    _gpu_or_skip()
+    batch = make_batch(torch.Generator().manual_seed(13), q_lens=[2048] * 4,
+                       seq_lens=[2048] * 4, num_heads=32, num_kv_heads=8, head_size=128,
+                       block_size=16, dtype=torch.bfloat16)
+    gluon = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), config=gluon_config(32, 8))
+    plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs())
+    torch.testing.assert_close(gluon, plain, atol=2e-2, rtol=2e-2)
+    check_against_references(gluon, batch)
