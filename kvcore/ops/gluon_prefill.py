@@ -72,23 +72,17 @@ def _tile_pages(bt_row, t, kv_end, stride_btb, LD: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _issue_kv(k_ptr, v_ptr, k_s, v_s, stage, pages, t, kv_end, kv_head64,
-              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-              LD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              PAGE: gl.constexpr):
-    """``cp.async`` copies of key tile ``t`` (rows in blocks ``pages``) into ``stage``: K, then
-    V, each its own copy group. Rows at or past ``kv_end`` are zero-filled, not read."""
+def _issue_tile(cache_ptr, buf, pages, t, kv_end, kv_head64, stride_b, stride_s, stride_h,
+                LD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                PAGE: gl.constexpr):
+    """``cp.async`` copies of key tile ``t`` of one cache (K or V; rows in blocks ``pages``)
+    into ``buf``, not yet committed. Rows at or past ``kv_end`` are zero-filled, not read."""
     k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    ok = (k_pos < kv_end)[:, None]
     slot = (k_pos % PAGE).to(gl.int64)
-    page = pages.to(gl.int64)
+    rows = cache_ptr + (pages.to(gl.int64) * stride_b + slot * stride_s
+                        + kv_head64 * stride_h)[:, None]
     dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD))[None, :]
-    k_rows = k_ptr + (page * stride_kb + slot * stride_ks + kv_head64 * stride_kh)[:, None]
-    _async_load(k_s.index(stage), k_rows + dims, mask=ok)
-    async_copy.commit_group()
-    v_rows = v_ptr + (page * stride_vb + slot * stride_vs + kv_head64 * stride_vh)[:, None]
-    _async_load(v_s.index(stage), v_rows + dims, mask=ok)
-    async_copy.commit_group()
+    _async_load(buf, rows + dims, mask=(k_pos < kv_end)[:, None])
 
 
 @gluon.jit
@@ -191,14 +185,21 @@ def _gluon_prefill_kernel(
     q_s = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HEAD_D], SH)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bts
     kv_head64 = kv_head.to(gl.int64)
-    # The first STAGES tiles' copies go out before the query is read. Block ids are read one
-    # tile ahead of their copies, so the copies never wait on a block-table read.
+    # Copy groups, in commit order: K and V of the first STAGES tiles (before the query is
+    # read); then two a step: V of the tile before the step's (an empty group in the first
+    # step) and K of the tile STAGES ahead, each into the stage its tile's last reader freed.
     for j in gl.static_range(STAGES):
-        _issue_kv(k_ptr, v_ptr, k_s, v_s, j,
-                  _tile_pages(bt_row, lo + j, kv_end, stride_btb, LD, BLOCK_N, PAGE),
-                  lo + j, kv_end, kv_head64, stride_kb, stride_ks, stride_kh,
-                  stride_vb, stride_vs, stride_vh, LD, BLOCK_N, HEAD_D, PAGE)
+        pages = _tile_pages(bt_row, lo + j, kv_end, stride_btb, LD, BLOCK_N, PAGE)
+        _issue_tile(k_ptr, k_s.index(j), pages, lo + j, kv_end, kv_head64, stride_kb,
+                    stride_ks, stride_kh, LD, BLOCK_N, HEAD_D, PAGE)
+        async_copy.commit_group()
+        _issue_tile(v_ptr, v_s.index(j), pages, lo + j, kv_end, kv_head64, stride_vb,
+                    stride_vs, stride_vh, LD, BLOCK_N, HEAD_D, PAGE)
+        async_copy.commit_group()
+    # Block ids are read a step before the copies that use them (K's), and V's reuse K's of
+    # the step before, so no copy waits on a block-table read.
     pages_ahead = _tile_pages(bt_row, lo + STAGES, kv_end, stride_btb, LD, BLOCK_N, PAGE)
+    pages_v = pages_ahead
 
     # Row r is query token r // G_PAD of the tile, query head r % G_PAD of the KV head's group.
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
@@ -217,7 +218,6 @@ def _gluon_prefill_kernel(
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=O_L)
     zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
-    # In flight from here on: K and V of STAGES tiles, two copy groups a tile.
     _copies_landed(2 * STAGES - 1)  # K of tile lo (and the query's store)
     s = hopper.warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros, is_async=True)
     s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
@@ -228,10 +228,24 @@ def _gluon_prefill_kernel(
     for i in range(0, n - 1):
         t = lo + i + 1
         stage = i % STAGES
-        _copies_landed(2 * STAGES - 3)  # V of tile i, K of tile i + 1
+        # V of tile i and K of tile i + 1 (the count holds from the first step on, where it
+        # waits a little more than it must); every warp is then past step i - 1, so the K
+        # stage of tile i (its scores are done) and the V stage of tile i - 1 are free.
+        _copies_landed(2 * STAGES - 4)
         s = hopper.warpgroup_mma(q_s, k_s.index((i + 1) % STAGES).permute((1, 0)), zeros,
                                  is_async=True)
         acc = hopper.warpgroup_mma(p, v_s.index(stage), acc, is_async=True)
+        # The refills go out while the tensor cores run.
+        if i > 0:
+            _issue_tile(v_ptr, v_s.index((i + STAGES - 1) % STAGES), pages_v, t + STAGES - 2,
+                        kv_end, kv_head64, stride_vb, stride_vs, stride_vh, LD, BLOCK_N,
+                        HEAD_D, PAGE)
+        async_copy.commit_group()
+        _issue_tile(k_ptr, k_s.index(stage), pages_ahead, t + STAGES - 1, kv_end, kv_head64,
+                    stride_kb, stride_ks, stride_kh, LD, BLOCK_N, HEAD_D, PAGE)
+        async_copy.commit_group()
+        pages_v = pages_ahead
+        pages_ahead = _tile_pages(bt_row, t + STAGES, kv_end, stride_btb, LD, BLOCK_N, PAGE)
         s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s])
         if (t < full_lo) | (t >= full_hi):
             s = _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
@@ -239,14 +253,7 @@ def _gluon_prefill_kernel(
         acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
         p = gl.convert_layout(p_next.to(DTYPE), P_L)
-        _cta_barrier()  # every warp is done with this stage
-        pages = pages_ahead
-        pages_ahead = _tile_pages(bt_row, lo + i + STAGES + 1, kv_end, stride_btb, LD,
-                                  BLOCK_N, PAGE)
-        _issue_kv(k_ptr, v_ptr, k_s, v_s, stage, pages, lo + i + STAGES, kv_end, kv_head64,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  LD, BLOCK_N, HEAD_D, PAGE)
-    _copies_landed(2 * STAGES - 2)  # V of the last tile
+    _copies_landed(2 * STAGES - 3)  # V of the last tile
     acc = hopper.warpgroup_mma(p, v_s.index((n - 1) % STAGES), acc, is_async=True)
     acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
     async_copy.wait_group(0)  # the zero-filled copies past the last tile
