@@ -58,7 +58,10 @@ lookup (:func:`_page_ids`, :func:`_in_page`). ``AttentionConfig.const_block`` co
 block size in (shifts instead of integer divisions per key row); the prefill kernel can also
 pipeline its masked edge loops at their own depth (``edge_stages``) and warp-specialise its
 unmasked loop (``warp_specialize``, where Triton has it). They change speed only, never the
-result; the tables say which ones a GPU uses.
+result; the tables say which ones a GPU uses. On Hopper, ``AttentionConfig.gluon`` runs the
+prefill tile in a kernel written in Gluon instead (:mod:`kvcore.ops.gluon_prefill`: its
+softmax overlaps the tensor cores, which no Triton-level schedule does), taken by
+:func:`default_config` where :data:`GLUON_PREFILL_TILES` has a row.
 
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
@@ -102,6 +105,7 @@ __all__ = [
     "AttentionConfig",
     "DECODE_TILES",
     "DecodeTile",
+    "GLUON_PREFILL_TILES",
     "PREFILL_TILES",
     "PrefillTile",
     "default_config",
@@ -215,6 +219,15 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
     "rocm": (PrefillTile(128, 32, 4, 3), PrefillTile(64, 32, 4, 2)),
 }
+
+#: Gluon prefill tiles per GPU architecture (keys as in :data:`PREFILL_TILES`; rows of 128
+#: query tokens x padded GQA group, 8 warps, ``gluon=True``): where a row exists,
+#: :func:`default_config` picks it for prefill at head sizes 64 and 128, and
+#: :func:`paged_attention` falls back to the :data:`PREFILL_TILES` row for any call the Gluon
+#: kernel cannot run (:func:`gluon_prefill_unmet`: dtype, fp8 cache, cache alignment, a
+#: Triton without Gluon, not a Hopper GPU). No row yet: the kernel enters the table after an
+#: H200 sweep (``bench_triton_prefill.py``) times it ahead of the Triton row.
+GLUON_PREFILL_TILES: dict[str, PrefillTile] = {}
 
 #: Decode tiles and split-KV heuristic per GPU architecture (keys as in
 #: :data:`PREFILL_TILES`), filled from the decode sweep of ``benchmarks/bench_triton_prefill.py``.
@@ -845,11 +858,14 @@ def default_config(
     num_sms: int | None = None,
     rocm: bool | None = None,
     arch: str | None = None,
+    gluon: bool = True,
 ) -> AttentionConfig:
     """The launch configuration :func:`paged_attention` uses (see the module docstring).
 
     Decode-only batches (``num_tokens == num_seqs``) and forced splits run the decode kernel;
-    other batches the prefill kernel with the :func:`prefill_tile` of the GPU.
+    other batches the prefill kernel with the :func:`prefill_tile` of the GPU, or, when
+    ``gluon`` and the GPU has a :data:`GLUON_PREFILL_TILES` row that takes ``head_size``, the
+    Gluon kernel with that tile.
     ``max_seq_len_bound`` is an upper bound on every request's length
     (``block_table.shape[1] * block_size``); only the split heuristic uses it, with
     ``num_sms`` (default: ``device``'s SM count). ``rocm`` picks the AMD configs (default: the
@@ -867,6 +883,9 @@ def default_config(
                                               arch=arch, rocm=rocm)
     if not decode_only and num_kv_splits == 1:
         tile = prefill_tile(head_size, arch, rocm)
+        if (gluon and not rocm and arch in GLUON_PREFILL_TILES
+                and head_size in _GLUON_HEAD_SIZES and g_pad <= GLUON_PREFILL_TILES[arch].rows):
+            tile = GLUON_PREFILL_TILES[arch]
         return AttentionConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,
                                block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                                num_stages=tile.num_stages, prefill=True,
@@ -980,6 +999,11 @@ def paged_attention(
     cfg = config or default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
                                    block_table.shape[1] * block_size, query.device,
                                    num_kv_splits)
+    if config is None and cfg.gluon and gluon_prefill_unmet(
+            query, key_cache, value_cache, kv_cache_dtype, cfg) is not None:
+        cfg = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
+                             block_table.shape[1] * block_size, query.device, num_kv_splits,
+                             gluon=False)
     if cfg.prefill and cfg.num_splits != 1:
         raise ValueError(f"config has prefill=True and num_splits={cfg.num_splits}: the "
                          "prefill kernel does not split keys (set num_splits=1 or prefill=False)")

@@ -97,6 +97,47 @@ def test_the_gluon_config_on_the_cpu_raises_before_any_launch() -> None:
                                          **batch.kwargs(), config=gluon_config(8, 2, 64))
 
 
+def test_default_config_picks_the_gluon_row_where_the_table_has_one(monkeypatch) -> None:
+    ta = triton_attention
+    row = ta.PrefillTile(128, 128, 8, 2, const_block=True, gluon=True)
+    monkeypatch.setattr(ta, "GLUON_PREFILL_TILES", {"sm90": row})
+    cpu = torch.device("cpu")
+
+    def config(num_tokens=8192, num_seqs=4, head_size=128, **kw):
+        kw = dict(num_sms=132, rocm=False, arch="sm90") | kw
+        return ta.default_config(num_tokens, num_seqs, 32, 8, head_size, 8192, cpu, **kw)
+
+    cfg = config()
+    assert cfg.gluon and (cfg.block_q, cfg.g_pad, cfg.block_n, cfg.num_warps,
+                          cfg.num_stages) == (32, 4, 128, 8, 2)
+    assert ta._gluon_config_unmet(cfg, 128) is None  # the table's row is a valid tile
+    for other in (config(head_size=256), config(num_tokens=4), config(rocm=True),
+                  config(arch="sm80"), config(gluon=False), config(num_kv_splits=2)):
+        assert not other.gluon, other
+
+
+def test_calls_the_gluon_kernel_cannot_run_fall_back_to_the_triton_row(monkeypatch) -> None:
+    """With a Gluon row for this machine's arch, a call the Gluon kernel cannot run (here:
+    no Hopper GPU, or the interpreter) runs the Triton prefill kernel with the table's row,
+    not an error; an explicit Gluon config is still refused."""
+    ta = triton_attention
+    batch = make_batch(torch.Generator().manual_seed(8), q_lens=[40, 7], seq_lens=[40, 30],
+                       num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.bfloat16)
+    arch = ta.device_arch(batch.query.device)
+    monkeypatch.setattr(ta, "GLUON_PREFILL_TILES", {
+        arch: ta.PrefillTile(128, 64, 8, 2, const_block=True, gluon=True)})
+    if ta.gluon_prefill_unmet(batch.query, batch.key_cache, batch.value_cache, "auto",
+                              gluon_config(8, 2, 64)) is None:
+        pytest.skip("the Gluon kernel can run here: nothing falls back")
+    out = ta.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                             **batch.kwargs())
+    check_against_references(out, batch)
+    with pytest.raises(ValueError, match="gluon=False"):
+        ta.paged_attention(batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(),
+                           config=gluon_config(8, 2, 64))
+
+
 _COMPILE = """
 import json, re, sys, torch
 from kvcore.testing import compile_launches
@@ -264,3 +305,29 @@ def test_gluon_prefill_real_size_against_the_triton_kernel() -> None:
                                              **batch.kwargs())
     torch.testing.assert_close(gluon, plain, atol=2e-2, rtol=2e-2)
     check_against_references(gluon, batch)
+
+
+@pytest.mark.gpu
+def test_a_table_row_runs_the_gluon_kernel_and_fp8_falls_back(monkeypatch) -> None:
+    """With a :data:`GLUON_PREFILL_TILES` row for this GPU, ``paged_attention`` without a
+    config runs the Gluon kernel (the same bits as the explicit config); an fp8 cache, which
+    it cannot read, runs the Triton row instead."""
+    _gpu_or_skip()
+    ta = triton_attention
+    row = ta.PrefillTile(128, 64, 8, 3, const_block=True, gluon=True)
+    monkeypatch.setattr(ta, "GLUON_PREFILL_TILES",
+                        {ta.device_arch(torch.device("cuda")): row})
+    batch = make_batch(torch.Generator().manual_seed(14), q_lens=[500, 3], seq_lens=[900, 3],
+                       num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                       dtype=torch.bfloat16)
+    by_table = ta.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                  **batch.kwargs())
+    explicit = ta.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                  **batch.kwargs(), config=gluon_config(32, 8, 64, 3))
+    assert torch.equal(by_table, explicit)
+    fp8 = make_batch(torch.Generator().manual_seed(15), q_lens=[500, 3], seq_lens=[900, 3],
+                     num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                     dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+    out = ta.paged_attention(fp8.query, fp8.key_cache, fp8.value_cache, **fp8.kwargs(),
+                             kv_cache_dtype="fp8_e4m3", k_scale=1.0, v_scale=1.0)
+    check_against_references(out, fp8, kv_cache_dtype="fp8_e4m3", k_scale=1.0, v_scale=1.0)
