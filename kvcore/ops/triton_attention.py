@@ -145,9 +145,9 @@ class AttentionConfig:
     whose ``tl.range`` takes ``warp_specialize``: :func:`warp_specialize_supported`).
     ``gluon`` runs the Hopper prefill kernel written in Gluon instead
     (:mod:`kvcore.ops.gluon_prefill`: softmax overlapped with the tensor cores); it takes
-    128 rows, 8 warps, ``block_n`` 64 or 128, ``num_stages`` 2 or 3 and always compiles the
-    block size in (``const_block=True``), and runs where :func:`gluon_prefill_unmet` finds
-    nothing unmet.
+    128 rows, 8 warps, ``block_n`` 64 or 128, 2 to 4 ``num_stages`` (as shared memory allows)
+    and always compiles the block size in (``const_block=True``), and runs where
+    :func:`gluon_prefill_unmet` finds nothing unmet.
     """
 
     block_q: int
