@@ -1,7 +1,8 @@
 """The Gluon Hopper prefill kernel (``AttentionConfig.gluon``, :mod:`kvcore.ops.gluon_prefill`).
 
-On the CPU: what :func:`gluon_prefill_unmet` refuses, and (slow) an ahead-of-time compile for
-sm90 that checks the schedule the kernel exists for. On an sm90 GPU (``gpu``): the kernel
+On the CPU: what :func:`gluon_prefill_unmet` refuses, how a :data:`GLUON_PREFILL_TILES` row
+is picked and falls back to the Triton row, and (slow) an ahead-of-time compile for sm90 that
+checks the schedule the kernel exists for. On an sm90 GPU (``gpu``): the kernel
 against the float64 and fp32 references on prefill, chunked-prefill and mixed batches, GQA
 groups with padded rows, both head sizes and tiles, windows, non-causal, caches seen through
 cross-layer views (bit-exact against contiguous copies) and NaN in every slot a request does
