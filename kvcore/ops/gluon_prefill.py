@@ -26,6 +26,11 @@ tensor cores on Hopper (``benchmarks/RESULTS.md``, sixth and seventh sessions).
 
 Triton API differences handled here: 3.6 has ``gl.thread_barrier`` and
 ``async_copy.async_copy_global_to_shared``; 3.9 ``gl.barrier`` and ``async_copy.async_load``.
+
+Status (2026-12-02): compiled for sm_90a with Triton 3.6 and 3.9 (``kvcore kernels``, the slow
+test in ``tests/ops/test_gluon_prefill.py``) but not yet run on a GPU: its GPU tests and an H200
+sweep come before :data:`~kvcore.ops.triton_attention.GLUON_PREFILL_TILES` gets a row, so until
+then only an explicit ``AttentionConfig(gluon=True)`` runs it.
 """
 
 from __future__ import annotations
