@@ -39,8 +39,11 @@ written as the ``PrefillTile(...)`` / ``DecodeTile(...)`` rows to paste into
 prefill candidates after that many seconds. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` to check the script.
 
+``--gluon-only`` keeps the table's row and the Gluon tiles and skips the decode sweep (a short
+run while working on the Gluon kernel).
+
 Usage: ``python benchmarks/bench_triton_prefill.py [--out DIR] [--json] [--smoke]
-[--budget-s S] [--flashinfer-decode]``
+[--budget-s S] [--flashinfer-decode] [--gluon-only]``
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ import sys
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
+#: --gluon-only: the table row and the Gluon tiles, no decode sweep (a short run to iterate on
+#: the Gluon kernel).
+GLUON_ONLY = "--gluon-only" in sys.argv
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -128,6 +134,8 @@ def prefill_candidates() -> list:
     # right after the table row, so the budget never cuts them.
     gluon = [tile(128, n, 8, st, const_block=True, gluon=True)
              for n, st in ((128, 2), (64, 3), (64, 2), (64, 4))]
+    if GLUON_ONLY:
+        return [table_rows()[0], *gluon]
     return list(dict.fromkeys([table_rows()[0], *gluon, *shapes, *variants, *specialised]))
 
 
@@ -306,7 +314,8 @@ def usable_candidates(run: Run) -> list:
     if not any(risky(t) for t in cands):
         return cands
     ok: set[str] = set()
-    cmd = [sys.executable, __file__, "--probe"] + (["--smoke"] if SMOKE else [])
+    cmd = ([sys.executable, __file__, "--probe"] + (["--smoke"] if SMOKE else [])
+           + (["--gluon-only"] if GLUON_ONLY else []))
     try:
         child = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         ok = {line[3:].strip() for line in child.stdout.splitlines() if line.startswith("OK ")}
@@ -510,8 +519,10 @@ def prefill_table(res: dict) -> list[str]:
              tabulate(rows, headers=["candidate", *CASES, "geomean FI/this"],
                       disable_numparse=True)]
     if winner:
-        lines.append(f"prefill winner (best geomean time): {winner}  -> "
-                     "PREFILL_TILES['sm90'][0] in kvcore/ops/triton_attention.py")
+        table = ("GLUON_PREFILL_TILES['sm90']" if "gluon=True" in winner
+                 else "PREFILL_TILES['sm90'][0]")
+        lines.append(f"prefill winner (best geomean time): {winner}  -> {table} in "
+                     "kvcore/ops/triton_attention.py")
     return lines
 
 
@@ -575,6 +586,8 @@ def main() -> int:
                              "limit)")
     parser.add_argument("--flashinfer-decode", action="store_true",
                         help="also time FlashInfer's decode (a ~30 s JIT build when cold)")
+    parser.add_argument("--gluon-only", action="store_true",
+                        help="only the table's row and the Gluon tiles, no decode sweep")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -616,8 +629,9 @@ def main() -> int:
             outs[name] = triton_attention().paged_attention(
                 batches[name].query, batches[name].k_cache, batches[name].v_cache,
                 **batches[name].kwargs())
-    with run.section("decode sweep (production entry point)"):
-        sweep_decodes(run)
+    if not GLUON_ONLY:
+        with run.section("decode sweep (production entry point)"):
+            sweep_decodes(run)
     for name in CASES:
         with run.section(f"flashinfer {name}"):
             time_flashinfer(run, name, batches[name], outs[name])

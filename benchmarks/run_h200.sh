@@ -30,7 +30,8 @@
 #   MLA is timed beside it).
 #   gluon_prefill: TRITON_ATTN's Gluon Hopper prefill kernel: its GPU tests, then
 #   bench_triton_prefill (its Gluon tiles are probed in a child, then swept beside the table's
-#   Triton row; carry .whl so FlashInfer is timed beside them).
+#   Triton row; carry .whl so FlashInfer is timed beside them). PREFILL_BENCH_ARGS=--gluon-only
+#   keeps only the table row and the Gluon tiles and skips the decode sweep.
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -153,7 +154,8 @@ if has gluon_prefill; then
     step gluon_prefill_tests ${GLUON_PREFILL_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
         -p no:cacheprovider -o addopts="" tests/ops/test_gluon_prefill.py
     step bench_triton_prefill ${PREFILL_BENCH_LIMIT:-330} python3 \
-        benchmarks/bench_triton_prefill.py --budget-s ${PREFILL_BENCH_BUDGET:-120}
+        benchmarks/bench_triton_prefill.py --budget-s ${PREFILL_BENCH_BUDGET:-120} \
+        ${PREFILL_BENCH_ARGS:-}
 fi
 has nixl_matrix && step bench_nixl_matrix ${NIXL_MATRIX_LIMIT:-560} python3 \
     benchmarks/bench_nixl.py --device cuda --mib "${NIXL_MATRIX_MIB:-1024}" --trials 3 --matrix \
