@@ -16,9 +16,12 @@ request's visible keys is read and stale cache bytes never reach a product.
 Each step overlaps the softmax with the tensor cores, as FlashAttention-3 does within a
 warpgroup: the scores of tile ``i + 1`` are issued, then P x V of tile ``i`` (P from
 registers), the program waits for the scores only and runs their softmax while P x V runs,
-then waits for P x V, rescales the accumulator and refills the stage of tile ``i`` with tile
-``i + STAGES``. Only tiles on the causal diagonal, on the window's lower edge or past the last
-key compute a mask.
+then waits for P x V and rescales the accumulator. Right behind the step's wgmmas go the
+refills: the K stage of tile ``i`` (its scores are done) and the V stage of tile ``i - 1`` (its
+P x V is done) take the tiles ``STAGES`` ahead, so at two stages a copy has a whole step to
+land; one CTA barrier a step makes the landed copies visible and the freed stages safe to
+overwrite. Only tiles on the causal diagonal, on the window's lower edge or past the last key
+compute a mask.
 
 Why not the Triton kernel (``_prefill_attention_kernel``): Triton waits every wgmma at once
 (``pendings = 0``) when its result feeds the next dot, so its softmax never overlaps the
