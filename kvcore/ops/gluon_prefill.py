@@ -44,6 +44,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+# Scalar Triton helpers run in Gluon kernels too: request lookup and key-tile ranges are shared.
+from kvcore.ops.triton_attention import _locate_tile, prefill_key_tiles
+
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # 3.9 keeps the old name only to raise, so the new one is looked up first.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -51,23 +54,6 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 #: The rows of one program (query tokens x padded GQA group) and its warps.
 BLOCK_M = 128
 NUM_WARPS = 8
-
-
-@gluon.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: gl.constexpr):
-    """The request owning query tile ``tile``: request ``s`` owns the tiles from
-    ``query_start_loc[s] // BLOCK_Q + s`` on (as :func:`kvcore.ops.triton_utils.
-    find_sequence`)."""
-    # From ``tile`` (a program id, never specialised to a constant, as ``num_seqs == 1`` is).
-    lo = tile * 0
-    hi = lo + num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @gluon.jit
@@ -145,33 +131,15 @@ def _gluon_prefill_kernel(
     # the last wave.
     tile = gl.num_programs(0) - 1 - gl.program_id(0)
     kv_head = gl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
         return
     seq_len = gl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
     first_q = context_len + q_tile * BLOCK_Q
     last_q = context_len + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
-
-    # Key tiles [lo, hi) hold every key some row sees, [full_lo, full_hi) those every row sees
-    # (no mask), as in the Triton prefill kernel.
-    if CAUSAL:
-        kv_end = last_q + 1
-        full_hi = (first_q + 1) // BLOCK_N
-    else:
-        kv_end = seq_len
-        full_hi = seq_len // BLOCK_N
-    hi = gl.cdiv(kv_end, BLOCK_N)
-    lo = hi * 0
-    full_lo = hi * 0
-    if USE_WINDOW:
-        lo = gl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
-        full_lo = gl.cdiv(gl.maximum(last_q - sliding_window + 1, 0), BLOCK_N)
-    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
-    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
+    kv_end, lo, hi, full_lo, full_hi = prefill_key_tiles(
+        first_q, last_q, seq_len, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
     n = hi - lo
 
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],

@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 
 import torch
@@ -91,6 +90,7 @@ import triton.language as tl
 
 from kvcore.ops.triton_utils import (
     find_sequence,
+    gluon_kernels_unavailable,
     interpreting,
     load_kv_scales,
     next_power_of_2,
@@ -260,17 +260,10 @@ _GLUON_HEAD_SIZES = (64, 128)
 _GLUON_SMEM = 227 * 1024
 
 
-@functools.cache
 def gluon_prefill_available() -> str | None:
     """``None`` when the installed Triton can build the Gluon prefill kernel for Hopper
     (:mod:`kvcore.ops.gluon_prefill` imports), else why not, as a sentence."""
-    try:
-        importlib.import_module("kvcore.ops.gluon_prefill")
-    except (ImportError, AttributeError) as exc:
-        return (f"config.gluon=True needs Triton's Gluon API for Hopper (Triton 3.6 or newer); "
-                f"Triton {triton.__version__} lacks it ({exc}): upgrade Triton or use "
-                "gluon=False")
-    return None
+    return gluon_kernels_unavailable("kvcore.ops.gluon_prefill")
 
 
 def _gluon_config_unmet(cfg: AttentionConfig, head_size: int) -> str | None:
@@ -434,6 +427,32 @@ def _in_page(k_pos, block_size, PAGE: tl.constexpr):
     else:
         slot = k_pos % block_size
     return slot.to(tl.int64)
+
+
+@triton.jit
+def prefill_key_tiles(first_q, last_q, seq_len, sliding_window, CAUSAL: tl.constexpr,
+                      USE_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles of a prefill query tile whose queries sit at positions ``first_q`` to
+    ``last_q`` of a request of ``seq_len`` keys: ``(kv_end, lo, hi, full_lo, full_hi)``.
+    Tiles ``[lo, hi)`` hold every key some query sees (keys before ``kv_end``), tiles
+    ``[full_lo, full_hi)`` those every query sees: after the window's lower edge of the last
+    query, up to the first query's position (causal) or the last full tile (not causal). The
+    Triton and the Gluon prefill kernels both call it."""
+    if CAUSAL:
+        kv_end = last_q + 1
+        full_hi = (first_q + 1) // BLOCK_N
+    else:
+        kv_end = seq_len
+        full_hi = seq_len // BLOCK_N
+    hi = tl.cdiv(kv_end, BLOCK_N)
+    lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_q - sliding_window + 1, 0), BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return kv_end, lo, hi, full_lo, full_hi
 
 
 @triton.jit
@@ -695,23 +714,8 @@ def _prefill_attention_kernel(
         ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
-    # Key tiles [lo, hi) hold every key some query of the tile sees; [full_lo, full_hi) those
-    # every query sees: after the window's lower edge of the last query, up to the first
-    # query's position (causal) or the last full tile (not causal).
-    if CAUSAL:
-        kv_end = last_q + 1
-        full_hi = (first_q + 1) // BLOCK_N
-    else:
-        kv_end = seq_len
-        full_hi = seq_len // BLOCK_N
-    hi = tl.cdiv(kv_end, BLOCK_N)
-    lo = 0
-    full_lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(last_q - sliding_window + 1, 0), BLOCK_N)
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    kv_end, lo, hi, full_lo, full_hi = prefill_key_tiles(
+        first_q, last_q, seq_len, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -9,14 +9,17 @@ imports it at ``import kvcore`` or ``import kvcore.ops``.
 from __future__ import annotations
 
 import contextvars
+import functools
+import importlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["find_sequence", "fp8_format", "interpreting", "load_kv_scales", "next_power_of_2",
-           "recording_launches", "round_to_fp8_grid", "scale_arg", "scale_args"]
+__all__ = ["find_sequence", "fp8_format", "gluon_kernels_unavailable", "interpreting",
+           "load_kv_scales", "next_power_of_2", "recording_launches", "round_to_fp8_grid",
+           "scale_arg", "scale_args"]
 
 # Set by kvcore.testing's capture_launches while it records launches instead of running them.
 _RECORDING = contextvars.ContextVar("kvcore_recording_launches", default=False)
@@ -45,8 +48,10 @@ def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr
 def find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The request owning query tile ``tile`` of a varlen batch: request ``s`` owns the tiles
     starting at ``query_start_loc[s] // BLOCK_Q + s`` (strictly increasing in ``s``)."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    # Scalars made from ``tile`` (a program id, never a compile-time constant as ``num_seqs``
+    # can be): no ``tl.full``, so Gluon kernels can call this too.
+    lo = tile * 0
+    hi = lo + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -83,6 +88,21 @@ def next_power_of_2(n: int) -> int:
 def interpreting() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def gluon_kernels_unavailable(module: str) -> str | None:
+    """``None`` when ``module`` (a module of Gluon kernels for Hopper, e.g.
+    ``"kvcore.ops.gluon_prefill"``) imports with the installed Triton, else why not, as a
+    sentence for a ``config.gluon=True`` refusal (Gluon's Hopper API needs Triton 3.6 or newer).
+    Cached: the import is tried once per module."""
+    try:
+        importlib.import_module(module)
+    except (ImportError, AttributeError) as exc:
+        return (f"config.gluon=True needs Triton's Gluon API for Hopper (Triton 3.6 or newer); "
+                f"Triton {triton.__version__} lacks it ({exc}): upgrade Triton or use "
+                "gluon=False")
+    return None
 
 
 def recording_launches() -> bool:

@@ -104,6 +104,7 @@ import triton.language as tl
 from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_mla_attention
 from kvcore.ops.triton_utils import (
     find_sequence,
+    gluon_kernels_unavailable,
     interpreting,
     load_kv_scales,
     next_power_of_2,
@@ -1023,17 +1024,10 @@ def _descriptor_unmet(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, p
 _GLUON_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@functools.cache
 def gluon_available() -> str | None:
     """``None`` when the installed Triton can build the Gluon decode kernel for Hopper
     (:mod:`kvcore_mla.ops.gluon_mla_decode` imports), else why not, as a sentence."""
-    try:
-        importlib.import_module("kvcore_mla.ops.gluon_mla_decode")
-    except (ImportError, AttributeError) as exc:
-        return (f"config.gluon=True needs Triton's Gluon API for Hopper (Triton 3.6 or newer); "
-                f"Triton {triton.__version__} lacks it ({exc}): upgrade Triton or use "
-                "gluon=False")
-    return None
+    return gluon_kernels_unavailable("kvcore_mla.ops.gluon_mla_decode")
 
 
 def gluon_unmet(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
