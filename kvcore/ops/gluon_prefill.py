@@ -173,9 +173,13 @@ def _gluon_prefill_kernel(
                     stride_vs, stride_vh, LD, BLOCK_N, HEAD_D, PAGE)
         async_copy.commit_group()
     # Block ids are read a step before the copies that use them (K's), and V's reuse K's of
-    # the step before, so no copy waits on a block-table read.
+    # the step before, so no copy waits on a block-table read: at the start of step i,
+    # ``pages_v`` holds tile lo + i + STAGES - 1's (the newest K issued), ``pages_ahead`` the
+    # next tile's. (``pages_v`` must not start as the same value as ``pages_ahead``: Triton
+    # carries a variable through a loop only if its value differs after the body from before
+    # the loop, and ``pages_v = pages_ahead`` would then pin it to its first value.)
+    pages_v = pages
     pages_ahead = _tile_pages(bt_row, lo + STAGES, kv_end, stride_btb, LD, BLOCK_N, PAGE)
-    pages_v = pages_ahead
 
     # Row r is query token r // G_PAD of the tile, query head r % G_PAD of the KV head's group.
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))

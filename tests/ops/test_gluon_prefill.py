@@ -162,7 +162,9 @@ print(json.dumps(dict(
     p_from_registers=bool(re.search(
         r"ttng\\.warp_group_dot .*: tensor<128x%dx\\w+, #ttg\\.dot_op" % block_n, ttgir)),
     copies=len(re.findall(r"cp\\.async\\.cg\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], "
-                          r"0x10, %r\\d+;", ptx)))))
+                          r"0x10, %r\\d+;", ptx)),
+    loop_carries=re.findall(r"%(\\w+?)(?:_\\d+)? = ", re.search(
+        r"scf\\.for %i = .*? iter_args\\((.*?)\\) ->", ttgir).group(1)))))
 """
 
 
@@ -185,6 +187,10 @@ def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: 
     # Per copy site (STAGES in the prologue, one in the loop), K and V tiles of
     # block_n x 128 bf16 in 16-byte pieces over 256 threads.
     assert facts["copies"] == (stages + 1) * 2 * block_n * 128 * 2 // 16 // 256, facts
+    # Both block-id registers ride the key loop: V's refills read the ids K's used a step
+    # before (once, pages_v was dropped from the loop and every V refill re-read its first
+    # tile's blocks; only the H200 run showed it).
+    assert {"pages_v", "pages_ahead", "acc", "m_i", "l_i"} <= set(facts["loop_carries"]), facts
 
 
 def _gpu_or_skip() -> None:
