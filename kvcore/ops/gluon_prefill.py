@@ -43,6 +43,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 # Scalar Triton helpers run in Gluon kernels too: request lookup and key-tile ranges are shared.
 from kvcore.ops.triton_attention import _locate_tile, prefill_key_tiles
@@ -248,7 +249,7 @@ def gluon_prefill_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     block_table: torch.Tensor, scale: float, causal: bool, sliding_window: int | None,
-    block_q: int, g_pad: int, block_n: int, num_stages: int,
+    block_q: int, g_pad: int, block_n: int, num_stages: int, warp_specialize: bool = False,
 ) -> None:
     """Prefill attention into ``out`` with the Gluon kernel; arguments as
     :func:`kvcore.ops.triton_attention.paged_attention` takes them, already validated there
@@ -259,12 +260,196 @@ def gluon_prefill_attention(
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _gluon_prefill_kernel[grid](
+    kernel = _gluon_prefill_ws_kernel if warp_specialize else _gluon_prefill_kernel
+    # The warp-specialised kernel launches its default partition (the first consumer
+    # warpgroup); its other two warpgroups come with gl.warp_specialize.
+    kernel[grid](
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
         float(scale) * 1.4426950408889634, num_seqs, num_heads // num_kv_heads,
         sliding_window or 0, *query.stride(), *key_cache.stride()[:3],
         *value_cache.stride()[:3], *out.stride(), *block_table.stride(),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, BLOCK_Q=block_q,
         G_PAD=g_pad, BLOCK_N=block_n, HEAD_D=head_size, PAGE=key_cache.shape[1],
-        STAGES=num_stages, num_warps=NUM_WARPS,
+        STAGES=num_stages, num_warps=4 if warp_specialize else NUM_WARPS,
     )
+
+
+# --- Warp-specialised variant ------------------------------------------------------------
+#: Registers a thread of each worker partition gets (the second consumer warpgroup, the copy
+#: warpgroup); the default partition (the first consumer) gets the rest of the SM's 64K: the
+#: three warpgroups' shares add up to 512 a thread-slot.
+WS_CONSUMER_REGS = gl.constexpr(232)
+WS_LOADER_REGS = gl.constexpr(48)
+
+
+@gluon.jit
+def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_head64,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+               BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
+               STAGES: gl.constexpr):
+    """The copy warpgroup: K and V of each key tile gathered by ``cp.async`` into the stage
+    its consumers released (``empty``), announced on ``full`` once landed. Landing is
+    checked one tile behind (``wait_group(1)``), so a tile's copies are in flight while the
+    next tile's are issued; the fence before the arrive orders the copies (generic proxy)
+    before the consumers' wgmma reads (async proxy)."""
+    ROW_THREADS: gl.constexpr = HEAD_D // 8
+    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
+                                        threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
+                                        warps_per_cta=[4, 1], order=[1, 0])
+    CHUNK: gl.constexpr = 32
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD))[None, :]
+    for j in range(0, n):
+        st = j % STAGES
+        if j >= STAGES:
+            mbarrier.wait(empty.index(st), (j // STAGES - 1) & 1)
+        # In chunks of CHUNK keys, so that a chunk's addresses are all a thread holds.
+        for c in gl.static_range(BLOCK_N // CHUNK):
+            k_pos = (lo + j) * BLOCK_N + c * CHUNK + gl.arange(
+                0, CHUNK, layout=gl.SliceLayout(1, LD))
+            pages = gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb,
+                            mask=k_pos < kv_end, other=0).to(gl.int64)
+            slot = (k_pos % PAGE).to(gl.int64)
+            ok = (k_pos < kv_end)[:, None]
+            rows = (pages * stride_kb + slot * stride_ks + kv_head64 * stride_kh)[:, None]
+            _async_load(k_s.index(st).slice(c * CHUNK, CHUNK), k_ptr + rows + dims, mask=ok)
+            rows = (pages * stride_vb + slot * stride_vs + kv_head64 * stride_vh)[:, None]
+            _async_load(v_s.index(st).slice(c * CHUNK, CHUNK), v_ptr + rows + dims, mask=ok)
+        async_copy.commit_group()
+        if j > 0:
+            async_copy.wait_group(1)
+            hopper.fence_async_shared()
+            _cta_barrier()  # every copy thread's part of tile j - 1 has landed
+            mbarrier.arrive(full.index((j - 1) % STAGES), count=1)
+    async_copy.wait_group(0)
+    hopper.fence_async_shared()
+    _cta_barrier()
+    mbarrier.arrive(full.index((n - 1) % STAGES), count=1)
+
+
+@gluon.jit
+def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_tile, first_q,
+                 kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n, full_lo,
+                 full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
+                 stride_od, WG: gl.constexpr, CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr,
+                 BLOCK_Q: gl.constexpr, G_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup: rows ``64 * WG`` to ``64 * WG + 63`` of the program's tile, the
+    same schedule as :func:`_gluon_prefill_kernel`'s (the next tile's scores and this tile's
+    P x V on the tensor cores while the softmax runs), with the stages' readiness and release
+    signalled through mbarriers instead of CTA barriers, so the two consumers never wait on
+    each other."""
+    ROWS: gl.constexpr = 64
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HEAD_D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_THREADS: gl.constexpr = HEAD_D // 8
+    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
+                                        threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
+                                        warps_per_cta=[4, 1], order=[1, 0])
+    DTYPE: gl.constexpr = q_ptr.dtype.element_ty
+    q_my = q_s.index(WG)
+
+    rows = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
+    q_idx = q_tile * BLOCK_Q + rows // G_PAD
+    group = rows % G_PAD
+    row_ok = (q_idx < q_len) & (group < num_queries_per_kv)
+    head = (kv_head * num_queries_per_kv + group).to(gl.int64)
+    token = (q_start + q_idx).to(gl.int64)
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD)).to(gl.int64)
+    q = gl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None]
+                + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    q_my.store(q)
+    hopper.fence_async_shared()
+    _cta_barrier()  # this warpgroup's query rows are in place for its wgmmas
+    q_pos = first_q + (WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_L))) // G_PAD
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=O_L)
+    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=S_L)
+    mbarrier.wait(full.index(0), 0)
+    s = hopper.warpgroup_mma(q_my, k_s.index(0).permute((1, 0)), zeros, is_async=True)
+    s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    if (lo < full_lo) | (lo >= full_hi):
+        s = _mask_scores(s, lo, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+    p = gl.convert_layout(p.to(DTYPE), P_L)
+    for i in range(0, n - 1):
+        t = lo + i + 1
+        nxt = (i + 1) % STAGES
+        mbarrier.wait(full.index(nxt), ((i + 1) // STAGES) & 1)
+        s = hopper.warpgroup_mma(q_my, k_s.index(nxt).permute((1, 0)), zeros, is_async=True)
+        acc = hopper.warpgroup_mma(p, v_s.index(i % STAGES), acc, is_async=True)
+        s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s])
+        if (t < full_lo) | (t >= full_hi):
+            s = _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
+        p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+        acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
+        _cta_barrier()  # all four warps are done with tile i's stage
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        p = gl.convert_layout(p_next.to(DTYPE), P_L)
+    acc = hopper.warpgroup_mma(p, v_s.index((n - 1) % STAGES), acc, is_async=True)
+    acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
+
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
+    gl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + dims[None, :] * stride_od,
+             gl.convert_layout(out.to(out_ptr.dtype.element_ty), LD), mask=row_ok[:, None])
+
+
+@gluon.jit
+def _gluon_prefill_ws_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale, num_seqs, num_queries_per_kv, sliding_window,
+    stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_od, stride_bts, stride_btb,
+    CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, BLOCK_Q: gl.constexpr,
+    G_PAD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One (query tile, KV head) of prefill attention, warp-specialised: two consumer
+    warpgroups (64 rows each) and a copy warpgroup; see :func:`gluon_prefill_attention`."""
+    tile = gl.num_programs(0) - 1 - gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = gl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    first_q = context_len + q_tile * BLOCK_Q
+    last_q = context_len + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
+    kv_end, lo, hi, full_lo, full_hi = prefill_key_tiles(
+        first_q, last_q, seq_len, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
+    n = hi - lo
+
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                            rank=2)
+    DTYPE: gl.constexpr = q_ptr.dtype.element_ty
+    k_s = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_D], SH)
+    v_s = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_D], SH)
+    q_s = gl.allocate_shared_memory(DTYPE, [2, 64, HEAD_D], SH)
+    # full: the copy warpgroup's one arrive a tile; empty: one arrive from each consumer.
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bts
+    gl.warp_specialize(
+        [(_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_tile,
+                         first_q, kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n,
+                         full_lo, full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot,
+                         stride_oh, stride_od, 0, CAUSAL, USE_WINDOW, BLOCK_Q, G_PAD, BLOCK_N,
+                         HEAD_D, STAGES)),
+         (_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_tile,
+                         first_q, kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n,
+                         full_lo, full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot,
+                         stride_oh, stride_od, 1, CAUSAL, USE_WINDOW, BLOCK_Q, G_PAD, BLOCK_N,
+                         HEAD_D, STAGES)),
+         (_ws_loader, (k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end,
+                       kv_head.to(gl.int64), stride_kb, stride_ks, stride_kh, stride_vb,
+                       stride_vs, stride_vh, stride_btb, BLOCK_N, HEAD_D, PAGE, STAGES))],
+        [4, 4], [WS_CONSUMER_REGS, WS_LOADER_REGS])

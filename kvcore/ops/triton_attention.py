@@ -147,7 +147,9 @@ class AttentionConfig:
     (:mod:`kvcore.ops.gluon_prefill`: softmax overlapped with the tensor cores); it takes
     128 rows, 8 warps, ``block_n`` 64 or 128, 2 to 4 ``num_stages`` (as shared memory allows)
     and always compiles the block size in (``const_block=True``), and runs where
-    :func:`gluon_prefill_unmet` finds nothing unmet.
+    :func:`gluon_prefill_unmet` finds nothing unmet. With ``warp_specialize`` as well, its
+    warp-specialised variant runs: the 8 warps are two consumer warpgroups (64 rows each), and
+    a third warpgroup issues the K/V copies.
     """
 
     block_q: int
@@ -282,11 +284,10 @@ def _gluon_config_unmet(cfg: AttentionConfig, head_size: int) -> str | None:
         return (f"config has gluon=True with block_n={cfg.block_n} and num_stages="
                 f"{cfg.num_stages}; the Gluon kernel takes block_n 64 or 128 and 2 to 4 "
                 "stages: set them in that range, or use gluon=False")
-    if not cfg.const_block or cfg.edge_stages or cfg.warp_specialize:
-        return (f"config has gluon=True with const_block={cfg.const_block}, edge_stages="
-                f"{cfg.edge_stages}, warp_specialize={cfg.warp_specialize}; the Gluon kernel "
-                "always compiles the block size in and has no Triton loop variants: set "
-                "const_block=True, edge_stages=0, warp_specialize=False")
+    if not cfg.const_block or cfg.edge_stages:
+        return (f"config has gluon=True with const_block={cfg.const_block} and edge_stages="
+                f"{cfg.edge_stages}; the Gluon kernel always compiles the block size in and "
+                "has no masked-edge pipeline: set const_block=True and edge_stages=0")
     smem = (2 * cfg.num_stages * cfg.block_n + BLOCK_M) * head_size * 2
     if smem > _GLUON_SMEM:
         return (f"config has gluon=True with block_n={cfg.block_n} and num_stages="
@@ -1030,7 +1031,7 @@ def paged_attention(
 
         gluon_prefill_attention(query, key_cache, value_cache, out, query_start_loc, seq_lens,
                                 block_table, scale, causal, sliding_window, cfg.block_q,
-                                cfg.g_pad, cfg.block_n, cfg.num_stages)
+                                cfg.g_pad, cfg.block_n, cfg.num_stages, cfg.warp_specialize)
         return out
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)

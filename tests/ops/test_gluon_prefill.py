@@ -29,11 +29,17 @@ AttentionConfig = triton_attention.AttentionConfig
 
 
 def gluon_config(num_heads: int, num_kv_heads: int, block_n: int = 128,
-                 num_stages: int = 2) -> AttentionConfig:
+                 num_stages: int = 2, ws: bool = False) -> AttentionConfig:
+    """A Gluon prefill config; ``ws`` picks the warp-specialised variant."""
     g_pad = triton_attention.next_power_of_2(num_heads // num_kv_heads)
     return AttentionConfig(block_q=128 // g_pad, g_pad=g_pad, block_n=block_n, num_splits=1,
                            num_warps=8, num_stages=num_stages, prefill=True,
-                           const_block=True, gluon=True)
+                           const_block=True, gluon=True, warp_specialize=ws)
+
+
+#: (block_n, num_stages, warp-specialised) of the GPU tests, with their ids.
+TILES = {"n128-s2": (128, 2, False), "n64-s3": (64, 3, False), "n64-s2": (64, 2, False),
+         "ws-n128-s2": (128, 2, True), "ws-n64-s3": (64, 3, True), "ws-n64-s2": (64, 2, True)}
 
 
 def _cpu_args(dtype=torch.bfloat16, head_size=128, cache_dtype=None):
@@ -143,13 +149,13 @@ _COMPILE = """
 import json, re, sys, torch
 from kvcore.testing import compile_launches
 from kvcore.ops import triton_attention
-block_n, stages = int(sys.argv[1]), int(sys.argv[2])
+block_n, stages, ws = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "ws"
 query = torch.empty(4096, 32, 128, dtype=torch.bfloat16)
 k = torch.empty(300, 16, 8, 128, dtype=torch.bfloat16)
 v = torch.empty_like(k)
 config = triton_attention.AttentionConfig(
     block_q=32, g_pad=4, block_n=block_n, num_splits=1, num_warps=8, num_stages=stages,
-    prefill=True, const_block=True, gluon=True)
+    prefill=True, const_block=True, gluon=True, warp_specialize=ws)
 (c,) = compile_launches(lambda: triton_attention.paged_attention(
     query, k, v, query_start_loc=torch.tensor([0, 2048, 4096], dtype=torch.int32),
     seq_lens=torch.tensor([2048, 2048], dtype=torch.int32),
@@ -160,33 +166,54 @@ print(json.dumps(dict(
     kernel=c.kernel,
     wait_one="wgmma.wait_group.sync.aligned 1;" in ptx,
     p_from_registers=bool(re.search(
-        r"ttng\\.warp_group_dot .*: tensor<128x%dx\\w+, #ttg\\.dot_op" % block_n, ttgir)),
+        r"ttng\\.warp_group_dot .*: tensor<\\d+x%dx\\w+, #ttg\\.dot_op" % block_n, ttgir)),
     copies=len(re.findall(r"cp\\.async\\.cg\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], "
                           r"0x10, %r\\d+;", ptx)),
+    setmaxnreg=sorted(set(re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+);",
+                                    ptx))),
+    cta_barriers=len(re.findall(r"bar\\.sync\\s+0;|barrier\\.sync\\s+0;", ptx)),
     loop_carries=re.findall(r"%(\\w+?)(?:_\\d+)? = ", re.search(
         r"scf\\.for %i = .*? iter_args\\((.*?)\\) ->", ttgir).group(1)))))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_n,stages", [(128, 2), (64, 3)], ids=["n128-s2", "n64-s3"])
-def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int) -> None:
+@pytest.mark.parametrize("block_n,stages,ws", [(128, 2, False), (64, 3, False), (128, 2, True),
+                                              (64, 3, True)],
+                         ids=["n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3"])
+def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int,
+                                                          ws: bool) -> None:
     """Compiled ahead of time for sm_90a (no GPU; in a subprocess, since Gluon has no
     interpreter and the suite sets ``TRITON_INTERPRET``): P x V takes P from registers, the
     loop waits for the scores alone (``wgmma.wait_group 1``) before their softmax, and K/V
-    arrive by 16-byte ``cp.async`` copies whose source size zero-fills masked rows."""
+    arrive by 16-byte ``cp.async`` copies whose source size zero-fills masked rows. The
+    warp-specialised variant hands its warpgroups their registers (``setmaxnreg``: the copy
+    warpgroup few, the consumers the rest) and has no CTA-wide barrier: its warpgroups meet
+    only on mbarriers."""
     if triton_attention.gluon_prefill_available() is not None:
         pytest.skip(triton_attention.gluon_prefill_available())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages)],
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages),
+                           "ws" if ws else "plain"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert facts["kernel"] == "_gluon_prefill_kernel"
     assert facts["wait_one"] and facts["p_from_registers"], facts
-    # Per copy site (STAGES in the prologue, one in the loop), K and V tiles of
-    # block_n x 128 bf16 in 16-byte pieces over 256 threads.
-    assert facts["copies"] == (stages + 1) * 2 * block_n * 128 * 2 // 16 // 256, facts
+    vectors = 2 * block_n * 128 * 2 // 16  # K and V of a tile, in 16-byte pieces
+    if ws:
+        from kvcore.ops import gluon_prefill
+
+        assert facts["kernel"] == "_gluon_prefill_ws_kernel"
+        # One copy site (the copy warpgroup's 128 threads); its registers and the consumers'.
+        assert facts["copies"] == vectors // 128, facts
+        assert {str(gluon_prefill.WS_LOADER_REGS.value),
+                str(gluon_prefill.WS_CONSUMER_REGS.value)} <= set(facts["setmaxnreg"]), facts
+        assert facts["cta_barriers"] == 0, facts
+        assert {"acc", "m_i", "l_i"} <= set(facts["loop_carries"]), facts
+        return
+    assert facts["kernel"] == "_gluon_prefill_kernel"
+    # Per copy site (STAGES in the prologue, one in the loop) over 256 threads.
+    assert facts["copies"] == (stages + 1) * vectors // 256, facts
     # Both block-id registers ride the key loop: V's refills read the ids K's used a step
     # before (once, pages_v was dropped from the loop and every V refill re-read its first
     # tile's blocks; only the H200 run showed it).
@@ -217,16 +244,15 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(128, 2), (64, 3), (64, 2)], ids=["n128-s2", "n64-s3",
-                                                                     "n64-s2"])
+@pytest.mark.parametrize("tile", list(TILES))
 @pytest.mark.parametrize("name", list(GPU_CASES))
-def test_gluon_prefill_matches_the_references(name: str, tile: tuple[int, int]) -> None:
+def test_gluon_prefill_matches_the_references(name: str, tile: str) -> None:
     _gpu_or_skip()
     q_lens, seq_lens, hq, hk, d, bs, dtype = GPU_CASES[name]
     batch = make_batch(torch.Generator().manual_seed(len(name)), q_lens=q_lens,
                        seq_lens=seq_lens, num_heads=hq, num_kv_heads=hk, head_size=d,
                        block_size=bs, dtype=dtype)
-    cfg = gluon_config(hq, hk, *tile)
+    cfg = gluon_config(hq, hk, *TILES[tile])
     out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                            **batch.kwargs(), config=cfg)
     check_against_references(out, batch)
@@ -242,15 +268,16 @@ def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None) 
     batch = make_batch(torch.Generator().manual_seed(5), q_lens=[700, 129, 1],
                        seq_lens=[1500, 129, 900], num_heads=32, num_kv_heads=8,
                        head_size=128, block_size=16, dtype=torch.bfloat16)
-    for tile in ((128, 2), (64, 3)):
+    for tile in ("n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3"):
         out = triton_attention.paged_attention(
             batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
-            sliding_window=window, config=gluon_config(32, 8, *tile))
+            sliding_window=window, config=gluon_config(32, 8, *TILES[tile]))
         check_against_references(out, batch, causal=causal, sliding_window=window)
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output() -> None:
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
+def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws: bool) -> None:
     """Layer 2 of a 4-layer cross-layer pool: the same bits as on contiguous copies, the pool
     unchanged; the output written in place into a strided view, its other heads untouched."""
     _gpu_or_skip()
@@ -263,7 +290,7 @@ def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output() -
     query = torch.randn(1100, 32, d, generator=gen).to(torch.bfloat16).cuda()
     kwargs = dict(query_start_loc=torch.tensor([0, 1000, 1100], dtype=torch.int32).cuda(),
                   seq_lens=torch.tensor([3000, 1100], dtype=torch.int32).cuda(),
-                  block_table=table.cuda(), scale=d ** -0.5, config=gluon_config(32, 8))
+                  block_table=table.cuda(), scale=d ** -0.5, config=gluon_config(32, 8, ws=ws))
     before = pool.clone()
     strided = triton_attention.paged_attention(query, k, v, **kwargs)
     flat = triton_attention.paged_attention(query, k.contiguous(), v.contiguous(), **kwargs)
@@ -276,7 +303,8 @@ def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output() -
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_never_reads_slots_a_request_does_not_own() -> None:
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
+def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool) -> None:
     _gpu_or_skip()
     batch = make_batch(torch.Generator().manual_seed(12), q_lens=[1, 77, 300],
                        seq_lens=[37, 100, 301], num_heads=32, num_kv_heads=8, head_size=128,
@@ -285,7 +313,7 @@ def test_gluon_prefill_never_reads_slots_a_request_does_not_own() -> None:
     for blocks, n in zip(batch.block_table.tolist(), batch.seq_lens.tolist(), strict=True):
         for pos in range(n):
             owned[blocks[pos // 16], pos % 16] = True
-    cfg = gluon_config(32, 8, 64, 3)
+    cfg = gluon_config(32, 8, 64, 3, ws)
     clean = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                              **batch.kwargs(), config=cfg)
     for cache in (batch.key_cache, batch.value_cache):
@@ -299,7 +327,8 @@ def test_gluon_prefill_never_reads_slots_a_request_does_not_own() -> None:
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_real_size_against_the_triton_kernel() -> None:
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
+def test_gluon_prefill_real_size_against_the_triton_kernel(ws: bool) -> None:
     """4 x 2048 fresh prompts (Llama-3-8B heads): within bf16 rounding of the Triton prefill
     kernel and of the fp32 reference."""
     _gpu_or_skip()
@@ -307,7 +336,7 @@ def test_gluon_prefill_real_size_against_the_triton_kernel() -> None:
                        seq_lens=[2048] * 4, num_heads=32, num_kv_heads=8, head_size=128,
                        block_size=16, dtype=torch.bfloat16)
     gluon = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), config=gluon_config(32, 8))
+                                             **batch.kwargs(), config=gluon_config(32, 8, ws=ws))
     plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                              **batch.kwargs())
     torch.testing.assert_close(gluon, plain, atol=2e-2, rtol=2e-2)
