@@ -288,10 +288,11 @@ def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_he
                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
                STAGES: gl.constexpr):
     """The copy warpgroup: K and V of each key tile gathered by ``cp.async`` into the stage
-    its consumers released (``empty``), announced on ``full`` once landed. Landing is
-    checked one tile behind (``wait_group(1)``), so a tile's copies are in flight while the
-    next tile's are issued; the fence before the arrive orders the copies (generic proxy)
-    before the consumers' wgmma reads (async proxy)."""
+    its consumers released (``empty``). Each copy thread's ``cp.async.mbarrier.arrive`` lands
+    on the tile's ``full`` barrier (count: the warpgroup's 128 threads) once its copies have,
+    so the warpgroup never blocks on a copy and runs up to ``STAGES`` tiles ahead. (Arriving
+    only after waiting for a tile's copies deadlocks at two stages: the wait for a released
+    stage would come before the arrive the consumers need to release it.)"""
     ROW_THREADS: gl.constexpr = HEAD_D // 8
     LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
                                         threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
@@ -314,16 +315,7 @@ def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_he
             _async_load(k_s.index(st).slice(c * CHUNK, CHUNK), k_ptr + rows + dims, mask=ok)
             rows = (pages * stride_vb + slot * stride_vs + kv_head64 * stride_vh)[:, None]
             _async_load(v_s.index(st).slice(c * CHUNK, CHUNK), v_ptr + rows + dims, mask=ok)
-        async_copy.commit_group()
-        if j > 0:
-            async_copy.wait_group(1)
-            hopper.fence_async_shared()
-            _cta_barrier()  # every copy thread's part of tile j - 1 has landed
-            mbarrier.arrive(full.index((j - 1) % STAGES), count=1)
-    async_copy.wait_group(0)
-    hopper.fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(full.index((n - 1) % STAGES), count=1)
+        async_copy.mbarrier_arrive(full.index(st), increment_count=False)
 
 
 @gluon.jit
@@ -370,6 +362,7 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_t
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=O_L)
     zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=S_L)
     mbarrier.wait(full.index(0), 0)
+    hopper.fence_async_shared()  # the copies (generic proxy) before the wgmma reads (async)
     s = hopper.warpgroup_mma(q_my, k_s.index(0).permute((1, 0)), zeros, is_async=True)
     s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
     if (lo < full_lo) | (lo >= full_hi):
@@ -380,6 +373,7 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_t
         t = lo + i + 1
         nxt = (i + 1) % STAGES
         mbarrier.wait(full.index(nxt), ((i + 1) // STAGES) & 1)
+        hopper.fence_async_shared()
         s = hopper.warpgroup_mma(q_my, k_s.index(nxt).permute((1, 0)), zeros, is_async=True)
         acc = hopper.warpgroup_mma(p, v_s.index(i % STAGES), acc, is_async=True)
         s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s])
@@ -431,11 +425,12 @@ def _gluon_prefill_ws_kernel(
     k_s = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_D], SH)
     v_s = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_D], SH)
     q_s = gl.allocate_shared_memory(DTYPE, [2, 64, HEAD_D], SH)
-    # full: the copy warpgroup's one arrive a tile; empty: one arrive from each consumer.
+    # full: an arrive from each of the copy warpgroup's threads a tile; empty: one from each
+    # consumer warpgroup.
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
-        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(full.index(j), count=128)
         mbarrier.init(empty.index(j), count=2)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bts
     gl.warp_specialize(
