@@ -30,10 +30,21 @@ tensor cores on Hopper (``benchmarks/RESULTS.md``, sixth and seventh sessions).
 Triton API differences handled here: 3.6 has ``gl.thread_barrier`` and
 ``async_copy.async_copy_global_to_shared``; 3.9 ``gl.barrier`` and ``async_copy.async_load``.
 
-Status (2026-12-02): compiled for sm_90a with Triton 3.6 and 3.9 (``kvcore kernels``, the slow
-test in ``tests/ops/test_gluon_prefill.py``) but not yet run on a GPU: its GPU tests and an H200
-sweep come before :data:`~kvcore.ops.triton_attention.GLUON_PREFILL_TILES` gets a row, so until
-then only an explicit ``AttentionConfig(gluon=True)`` runs it.
+Two kernels. :func:`_gluon_prefill_kernel` is the one described above: eight warps that both
+copy and compute, meeting at one CTA barrier a step. :func:`_gluon_prefill_ws_kernel`
+(``warp_specialize`` in the config as well as ``gluon``) splits them with
+``gl.warp_specialize``: two consumer warpgroups of 64 rows run the same schedule, and a copy
+warpgroup (48 registers a thread, the consumers 232) gathers K/V by ``cp.async`` into the
+stages. Stages are handed over on mbarriers: ``full`` receives each copy thread's
+``cp.async.mbarrier.arrive``, ``empty`` one arrive from each consumer. There is no CTA-wide
+barrier, so neither consumer waits for the other, and copies run up to ``STAGES`` tiles ahead.
+
+Status (2026-12-02, H200, Triton 3.6): both kernels pass their GPU tests
+(``tests/ops/test_gluon_prefill.py``: 47 of 47). The warp-specialised one with 64 keys and 3
+stages is sm90's :data:`~kvcore.ops.triton_attention.GLUON_PREFILL_TILES` row: 0.86-0.93x the
+Triton row's time on the three prefill cases of ``bench_triton_prefill.py``. The other kernel
+is 1.03-1.10x slower than the Triton row and runs only when a config asks for it
+(``benchmarks/RESULTS.md``, tenth session).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ unmasked loop (``warp_specialize``, where Triton has it). They change speed only
 result; the tables say which ones a GPU uses. On Hopper, ``AttentionConfig.gluon`` runs the
 prefill tile in a kernel written in Gluon instead (:mod:`kvcore.ops.gluon_prefill`: its
 softmax overlaps the tensor cores, which no Triton-level schedule does), taken by
-:func:`default_config` where :data:`GLUON_PREFILL_TILES` has a row.
+:func:`default_config` where :data:`GLUON_PREFILL_TILES` has a row (sm90: the
+warp-specialised Gluon kernel).
 
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
@@ -227,9 +228,15 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
 #: :func:`default_config` picks it for prefill at head sizes 64 and 128, and
 #: :func:`paged_attention` falls back to the :data:`PREFILL_TILES` row for any call the Gluon
 #: kernel cannot run (:func:`gluon_prefill_unmet`: dtype, fp8 cache, cache alignment, a
-#: Triton without Gluon, not a Hopper GPU). No row yet: the kernel enters the table after an
-#: H200 sweep (``bench_triton_prefill.py``) times it ahead of the Triton row.
-GLUON_PREFILL_TILES: dict[str, PrefillTile] = {}
+#: Triton without Gluon, not a Hopper GPU).
+#: sm90: the warp-specialised kernel (two consumer warpgroups, a copy warpgroup), 64 keys a
+#: step, 3 stages. In the H200 sweep of 2026-12-02 (benchmarks/RESULTS.md, tenth session) it
+#: took 386.9 / 1291.5 / 1314.3 us on the three prefill cases, against the Triton row's
+#: 447.8 / 1395.0 / 1432.9 us; 4 stages tied it (388.9 / 1278.4 / 1307.8) with more shared
+#: memory, the 128-key and non-specialised tiles were slower than the Triton row.
+GLUON_PREFILL_TILES: dict[str, PrefillTile] = {
+    "sm90": PrefillTile(128, 64, 8, 3, const_block=True, warp_specialize=True, gluon=True),
+}
 
 #: Decode tiles and split-KV heuristic per GPU architecture (keys as in
 #: :data:`PREFILL_TILES`), filled from the decode sweep of ``benchmarks/bench_triton_prefill.py``.

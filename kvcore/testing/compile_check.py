@@ -593,9 +593,9 @@ def format_markdown(results: Sequence[CompileResult]) -> str:
         "KiB on sm100, 15.7 KiB on sm80). A case may allow more (`KernelCase.max_spills`) for a "
         "tile measured to be the fastest anyway, as kvcore_mla's 128-head decode cases do for "
         "the Triton kernel's sm90 tile with key-split scores. Gluon kernels (kvcore_mla's "
-        "Hopper decode kernel, TRITON_ATTN's opt-in Hopper prefill kernel) are compiled the "
-        "same way, for the targets whose configs pick them (the prefill kernel's cases name "
-        "its tile and run on sm90 only).",
+        "Hopper decode kernel, TRITON_ATTN's Hopper prefill kernels: the warp-specialised one "
+        "is sm90's default prefill tile) are compiled the same way, for the targets whose "
+        "configs pick them (the cases that name a Gluon tile run on sm90 only).",
         "",
         format_summary(results),
         "",

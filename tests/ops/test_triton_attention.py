@@ -212,10 +212,17 @@ def test_prefill_batches_route_to_the_prefill_kernel_with_the_gpus_tile() -> Non
     decode = cfg(8, 8, 32, 8, 128, 4096, cpu, arch="sm90")
     assert not decode.prefill and (decode.block_q, decode.block_n) == (4, 32)  # unchanged
     tile = triton_attention.PREFILL_TILES["sm90"][0]
-    prefill = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90")
-    assert prefill.prefill and prefill.num_splits == 1
+    prefill = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", gluon=False)
+    assert prefill.prefill and prefill.num_splits == 1 and not prefill.gluon
     assert (prefill.block_q * prefill.g_pad, prefill.block_n, prefill.num_warps,
             prefill.num_stages) == (tile.rows, tile.block_n, tile.num_warps, tile.num_stages)
+    # Without gluon=False, sm90 takes its Gluon row (paged_attention falls back to the Triton
+    # row for calls the Gluon kernel cannot run).
+    row = triton_attention.GLUON_PREFILL_TILES["sm90"]
+    gluon = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90")
+    assert gluon.prefill and gluon.gluon and gluon.warp_specialize == row.warp_specialize
+    assert (gluon.block_q * gluon.g_pad, gluon.block_n, gluon.num_stages) == \
+        (row.rows, row.block_n, row.num_stages)
     big = triton_attention.PREFILL_TILES["sm90"][1]
     assert cfg(4096, 2, 16, 8, 256, 4096, cpu, arch="sm90").block_n == big.block_n
     # An architecture without a row gets its platform's default; forced splits keep the
@@ -395,7 +402,7 @@ def test_default_configs_come_from_the_tables(monkeypatch) -> None:
     monkeypatch.setitem(triton_attention.PREFILL_TILES, "sm90",
                         (prefill, triton_attention.PREFILL_TILES["sm90"][1]))
     monkeypatch.setitem(triton_attention.DECODE_TILES, "sm90", decode)
-    p = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132)
+    p = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132, gluon=False)
     assert (p.block_q * p.g_pad, p.block_n, p.num_warps, p.num_stages, p.const_block,
             p.edge_stages, p.warp_specialize) == (64, 64, 8, 2, True, 1, True)
     d = cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132)
