@@ -275,6 +275,7 @@ def gluon_prefill_available() -> str | None:
     return gluon_kernels_unavailable("kvcore.ops.gluon_prefill")
 
 
+@functools.cache  # configs are frozen: the answer is one dict lookup after the first call
 def _gluon_config_unmet(cfg: AttentionConfig, head_size: int) -> str | None:
     from kvcore.ops.gluon_prefill import BLOCK_M, NUM_WARPS
 
@@ -332,31 +333,49 @@ def gluon_prefill_unmet(query: torch.Tensor, key_cache: torch.Tensor,
         return (f"config.gluon=True takes head_size 64 or 128; it is {head_size}: use "
                 "gluon=False")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        item = cache.element_size()
-        if cache.stride(3) != 1:
-            return (f"{name} has channel stride {cache.stride(3)}; config.gluon=True copies "
-                    "16 contiguous bytes at a time: pass a cache whose last dim is contiguous, "
-                    "or use gluon=False")
-        unaligned = [what for what, nbytes in (
-            (f"base address {cache.data_ptr():#x}", cache.data_ptr()),
-            *((f"stride({dim}) ({cache.stride(dim)} x {item} bytes)", cache.stride(dim) * item)
-              for dim in range(3)),
-        ) if nbytes % 16]
-        if unaligned:
-            return (f"{name}'s {' and '.join(unaligned)} is not a multiple of 16 bytes, as "
-                    "config.gluon=True's 16-byte copies need: use a 16-byte aligned cache, "
-                    "or gluon=False")
+        reason = _gluon_cache_unmet(name, cache)
+        if reason is not None:
+            return reason
     device = query.device
     if recording_launches():  # compiled ahead of time for a target: no device to check
         return None
     if interpreting():
         return ("config.gluon=True cannot run under TRITON_INTERPRET=1 (Gluon kernels have no "
                 "interpreter): unset it on a Hopper GPU, or use gluon=False")
-    if (device.type != "cuda" or getattr(torch.version, "hip", None)
-            or torch.cuda.get_device_capability(device)[0] != 9):
+    if device.type != "cuda" or not _is_hopper(
+            device.index if device.index is not None else torch.cuda.current_device()):
         return (f"config.gluon=True runs on NVIDIA Hopper GPUs (compute capability 9.x); the "
                 f"query is on {device} ({device_arch(device)}): use gluon=False")
     return None
+
+
+def _gluon_cache_unmet(name: str, cache: torch.Tensor) -> str | None:
+    """Why ``cache`` cannot feed the Gluon kernel's 16-byte copies, or ``None``. It runs once
+    per call and layer, so the messages are built only on a refusal."""
+    item = cache.element_size()
+    if cache.stride(3) != 1:
+        return (f"{name} has channel stride {cache.stride(3)}; config.gluon=True copies "
+                "16 contiguous bytes at a time: pass a cache whose last dim is contiguous, "
+                "or use gluon=False")
+    strides = cache.stride()
+    if cache.data_ptr() % 16 == 0 and all(strides[dim] * item % 16 == 0 for dim in range(3)):
+        return None
+    unaligned = [what for what, nbytes in (
+        (f"base address {cache.data_ptr():#x}", cache.data_ptr()),
+        *((f"stride({dim}) ({strides[dim]} x {item} bytes)", strides[dim] * item)
+          for dim in range(3)),
+    ) if nbytes % 16]
+    return (f"{name}'s {' and '.join(unaligned)} is not a multiple of 16 bytes, as "
+            "config.gluon=True's 16-byte copies need: use a 16-byte aligned cache, "
+            "or gluon=False")
+
+
+@functools.cache
+def _is_hopper(cuda_index: int) -> bool:
+    """Whether CUDA device ``cuda_index`` is an NVIDIA GPU of compute capability 9.x (cached
+    per device)."""
+    return (not getattr(torch.version, "hip", None)
+            and torch.cuda.get_device_capability(cuda_index)[0] == 9)
 
 
 @triton.jit
@@ -1011,8 +1030,11 @@ def paged_attention(
     cfg = config or default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
                                    block_table.shape[1] * block_size, query.device,
                                    num_kv_splits)
-    if config is None and cfg.gluon and gluon_prefill_unmet(
-            query, key_cache, value_cache, kv_cache_dtype, cfg) is not None:
+    # Checked once a call: a default Gluon config the call cannot run falls back to the
+    # Triton row; an explicit one is refused below.
+    gluon_reason = (gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg)
+                    if cfg.gluon else None)
+    if config is None and gluon_reason is not None:
         cfg = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
                              block_table.shape[1] * block_size, query.device, num_kv_splits,
                              gluon=False)
@@ -1031,9 +1053,8 @@ def paged_attention(
         raise ValueError(f"config has edge_stages={cfg.edge_stages}; it must be >= 0 (0: the "
                          "launch's num_stages)")
     if cfg.gluon:
-        reason = gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg)
-        if reason is not None:
-            raise ValueError(reason)
+        if gluon_reason is not None:
+            raise ValueError(gluon_reason)
         from kvcore.ops.gluon_prefill import gluon_prefill_attention
 
         gluon_prefill_attention(query, key_cache, value_cache, out, query_start_loc, seq_lens,

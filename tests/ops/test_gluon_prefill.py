@@ -228,6 +228,30 @@ def _gpu_or_skip() -> None:
         pytest.skip(reason)
 
 
+@pytest.mark.parametrize("layout", ["base-offset", "token-stride", "channel-stride"])
+def test_caches_the_16_byte_copies_cannot_read_are_refused(layout: str) -> None:
+    """The alignment checks (run on every call with a Gluon config) name the cache, what is
+    off and the fix."""
+    if triton_attention.gluon_prefill_available() is not None:
+        pytest.skip(triton_attention.gluon_prefill_available())
+    query, k, _ = _cpu_args()
+    if layout == "base-offset":  # one element past a 16-byte boundary
+        v = torch.randn(k.numel() + 1).to(k.dtype)[1:].view(k.shape)
+        match = r"value_cache's base address 0x[0-9a-f]+ is not a multiple of 16 bytes"
+    elif layout == "token-stride":  # 2 bf16 of padding per token row: 260-byte strides
+        v = torch.randn(*k.shape[:3], k.shape[3] + 2).to(k.dtype)[..., :k.shape[3]]
+        match = r"value_cache's stride\(1\) \(260 x 2 bytes\) and stride\(2\) \(130 x 2 bytes\)"
+    else:
+        v = torch.randn(*k.shape[:3], 2 * k.shape[3]).to(k.dtype)[..., ::2]
+        match = "value_cache has channel stride 2"
+    reason = triton_attention.gluon_prefill_unmet(query, k, v, "auto", gluon_config(8, 2))
+    assert reason is not None and re.search(match, reason), reason
+    assert "gluon=False" in reason, reason
+    # The same call with a well-laid-out cache gets past these checks (to the device's).
+    clean = triton_attention.gluon_prefill_unmet(query, k, k.clone(), "auto", gluon_config(8, 2))
+    assert clean is None or "value_cache" not in clean, clean
+
+
 # name: (q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype)
 GPU_CASES = {
     "fresh-4-prefills-bs16-gqa4-D128-bf16": ([300, 1, 129, 64], [300, 1, 129, 64], 32, 8, 128,
