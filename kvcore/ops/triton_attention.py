@@ -91,6 +91,7 @@ import triton.language as tl
 
 from kvcore.ops.triton_utils import (
     find_sequence,
+    gluon_defaults_enabled,
     gluon_kernels_unavailable,
     interpreting,
     load_kv_scales,
@@ -896,7 +897,8 @@ def default_config(
     Decode-only batches (``num_tokens == num_seqs``) and forced splits run the decode kernel;
     other batches the prefill kernel with the :func:`prefill_tile` of the GPU, or, when
     ``gluon`` and the GPU has a :data:`GLUON_PREFILL_TILES` row that takes ``head_size``, the
-    Gluon kernel with that tile.
+    Gluon kernel with that tile (unless ``KVCORE_GLUON=0``:
+    :func:`~kvcore.ops.triton_utils.gluon_defaults_enabled`).
     ``max_seq_len_bound`` is an upper bound on every request's length
     (``block_table.shape[1] * block_size``); only the split heuristic uses it, with
     ``num_sms`` (default: ``device``'s SM count). ``rocm`` picks the AMD configs (default: the
@@ -914,7 +916,7 @@ def default_config(
                                               arch=arch, rocm=rocm)
     if not decode_only and num_kv_splits == 1:
         tile = prefill_tile(head_size, arch, rocm)
-        if (gluon and not rocm and arch in GLUON_PREFILL_TILES
+        if (gluon and not rocm and arch in GLUON_PREFILL_TILES and gluon_defaults_enabled()
                 and head_size in _GLUON_HEAD_SIZES and g_pad <= GLUON_PREFILL_TILES[arch].rows):
             tile = GLUON_PREFILL_TILES[arch]
         return AttentionConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["find_sequence", "fp8_format", "gluon_kernels_unavailable", "interpreting",
+__all__ = ["find_sequence", "fp8_format", "gluon_defaults_enabled", "gluon_kernels_unavailable",
+           "interpreting",
            "load_kv_scales", "next_power_of_2", "recording_launches", "round_to_fp8_grid",
            "scale_arg", "scale_args"]
 
@@ -88,6 +89,14 @@ def next_power_of_2(n: int) -> int:
 def interpreting() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def gluon_defaults_enabled() -> bool:
+    """Whether default configs may pick Gluon kernels (the tables' Gluon rows: TRITON_ATTN's
+    Hopper prefill, TRITON_MLA's Hopper decode). ``KVCORE_GLUON=0`` turns them off, so the
+    Triton kernels run instead: an operator's switch, read at every choice. Explicit
+    ``gluon=True`` configs are not affected."""
+    return os.environ.get("KVCORE_GLUON", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @functools.cache

@@ -228,6 +228,20 @@ def _gpu_or_skip() -> None:
         pytest.skip(reason)
 
 
+@pytest.mark.parametrize("value", ["0", "false"])
+def test_kvcore_gluon_0_keeps_default_prefill_on_the_triton_row(monkeypatch, value: str) -> None:
+    """sm90's default prefill config is its Gluon row, or with ``KVCORE_GLUON=0`` (the
+    operator's switch) the Triton row; decode configs are the same either way."""
+    ta, cpu = triton_attention, torch.device("cpu")
+    args = (4096, 2, 32, 8, 128, 4096, cpu)
+    decode = ta.default_config(8, 8, 32, 8, 128, 4096, cpu, arch="sm90")
+    assert ta.default_config(*args, arch="sm90").gluon
+    monkeypatch.setenv("KVCORE_GLUON", value)
+    chosen = ta.default_config(*args, arch="sm90")
+    assert chosen == ta.default_config(*args, arch="sm90", gluon=False) and not chosen.gluon
+    assert ta.default_config(8, 8, 32, 8, 128, 4096, cpu, arch="sm90") == decode
+
+
 @pytest.mark.parametrize("layout", ["base-offset", "token-stride", "channel-stride"])
 def test_caches_the_16_byte_copies_cannot_read_are_refused(layout: str) -> None:
     """The alignment checks (run on every call with a Gluon config) name the cache, what is

@@ -155,6 +155,19 @@ def test_the_config_table_rows_are_launchable() -> None:
         kernels.mla_decode_config(16, "tpu")
 
 
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_kvcore_gluon_0_keeps_the_table_on_the_triton_kernel(monkeypatch, value: str) -> None:
+    """The operator's switch: with ``KVCORE_GLUON=0`` the 128-head sm90 choice is the row
+    ``gluon=False`` gives, and an explicit Gluon config is not the chooser's business."""
+    without = kernels.mla_decode_config(128, "sm90", gluon=False)
+    monkeypatch.setenv("KVCORE_GLUON", value)
+    assert kernels.mla_decode_config(128, "sm90") == without
+    assert not without.gluon
+    monkeypatch.setenv("KVCORE_GLUON", "1")
+    if kernels.gluon_available() is None:
+        assert kernels.mla_decode_config(128, "sm90").gluon
+
+
 def test_a_table_row_keeps_tma_only_where_it_can_serve_the_cache() -> None:
     """The sm90 128-head rows: the Gluon kernel, then the Triton kernel loading through tensor
     descriptors with key-split scores, then pointer loads. Queries the Gluon kernel does not

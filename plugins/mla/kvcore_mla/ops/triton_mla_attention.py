@@ -104,6 +104,7 @@ import triton.language as tl
 from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_mla_attention
 from kvcore.ops.triton_utils import (
     find_sequence,
+    gluon_defaults_enabled,
     gluon_kernels_unavailable,
     interpreting,
     load_kv_scales,
@@ -344,6 +345,8 @@ def mla_decode_config(num_heads: int, family: str = "default", *,
     widened in registers, and on sm90 the 128-head program then spills twice as much through
     descriptors, ``kvcore kernels``). Otherwise the next row of the same ``min_heads`` applies,
     or, when there is none, the same config with ``tma=False`` (same result, pointer loads).
+    Gluon rows are skipped when ``KVCORE_GLUON=0``
+    (:func:`~kvcore.ops.triton_utils.gluon_defaults_enabled`).
     The decode entry points given no config check the cache with :func:`tma_unmet`."""
     if family not in MLA_DECODE_CONFIGS:
         raise ValueError(f"family={family!r} (known: {', '.join(MLA_DECODE_CONFIGS)})")
@@ -351,7 +354,7 @@ def mla_decode_config(num_heads: int, family: str = "default", *,
     least = next((least for least, _ in rows if num_heads >= least), rows[-1][0])
     group = [config for row_least, config in rows if row_least == least]
     descriptors = tma and not fp8_cache and hasattr(tl, "make_tensor_descriptor")
-    gluon_ok = (gluon and tma and not fp8_cache
+    gluon_ok = (gluon and tma and not fp8_cache and gluon_defaults_enabled()
                 and (dtype is None or dtype in _GLUON_DTYPES) and gluon_available() is None)
 
     def serves(config: LaunchConfig) -> bool:
