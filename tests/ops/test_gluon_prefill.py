@@ -56,6 +56,7 @@ REFUSALS = {
     "stages": (dict(num_stages=5), {}, "2 to 4 stages"),
     "const-block": (dict(const_block=False), {}, "const_block=True"),
     "smem": (dict(num_stages=4), {}, "shared memory"),
+    "ws-smem": (dict(num_stages=3, warp_specialize=True), {}, "shared memory"),
     "fp32-query": ({}, dict(dtype=torch.float32), "bf16 or fp16"),
     "fp8-cache": ({}, dict(cache_dtype=torch.float8_e4m3fn), "bf16 or fp16"),
     "head-size": ({}, dict(head_size=96), "head_size 64 or 128"),
