@@ -38,6 +38,9 @@ warpgroup (48 registers a thread, the consumers 232) gathers K/V by ``cp.async``
 stages. Stages are handed over on mbarriers: ``full`` receives each copy thread's
 ``cp.async.mbarrier.arrive``, ``empty`` one arrive from each consumer. There is no CTA-wide
 barrier, so neither consumer waits for the other, and copies run up to ``STAGES`` tiles ahead.
+With ``pingpong`` as well, the two consumers take turns issuing their wgmmas (an mbarrier
+``turn`` each, FlashAttention-3's warpgroup schedule), so that one's softmax runs while the
+other's products do; compiled for sm_90a on Triton 3.6 and 3.9 but not yet run on a GPU.
 
 Status (2026-12-02, H200, Triton 3.6): both kernels pass their GPU tests
 (``tests/ops/test_gluon_prefill.py``: 47 of 47). The warp-specialised one with 64 keys and 3
@@ -261,12 +264,14 @@ def gluon_prefill_attention(
     out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     block_table: torch.Tensor, scale: float, causal: bool, sliding_window: int | None,
     block_q: int, g_pad: int, block_n: int, num_stages: int, warp_specialize: bool = False,
+    pingpong: bool = False,
 ) -> None:
     """Prefill attention into ``out`` with the Gluon kernel; arguments as
     :func:`kvcore.ops.triton_attention.paged_attention` takes them, already validated there
     (its ``gluon_prefill_unmet`` check included), with the tile of its config: ``block_q``
     tokens x ``g_pad`` heads = :data:`BLOCK_M` rows, ``block_n`` keys a step, ``num_stages``
-    shared-memory stages."""
+    shared-memory stages; ``warp_specialize`` runs :func:`_gluon_prefill_ws_kernel`, whose
+    consumers take turns issuing their wgmmas with ``pingpong``."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -282,6 +287,7 @@ def gluon_prefill_attention(
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, BLOCK_Q=block_q,
         G_PAD=g_pad, BLOCK_N=block_n, HEAD_D=head_size, PAGE=key_cache.shape[1],
         STAGES=num_stages, num_warps=4 if warp_specialize else NUM_WARPS,
+        **({"PINGPONG": pingpong} if warp_specialize else {}),
     )
 
 
@@ -330,17 +336,35 @@ def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_he
 
 
 @gluon.jit
-def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_tile, first_q,
+def _take_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: before its ``k``-th issue of wgmmas, consumer ``WG`` waits until the other
+    consumer has issued its previous ones (consumer 0's first turn is given at launch)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), k & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this consumer's wgmmas are issued; the other consumer's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_len, q_tile,
+                 first_q,
                  kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n, full_lo,
                  full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                  stride_od, WG: gl.constexpr, CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr,
                  BLOCK_Q: gl.constexpr, G_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """One consumer warpgroup: rows ``64 * WG`` to ``64 * WG + 63`` of the program's tile, the
     same schedule as :func:`_gluon_prefill_kernel`'s (the next tile's scores and this tile's
     P x V on the tensor cores while the softmax runs), with the stages' readiness and release
     signalled through mbarriers instead of CTA barriers, so the two consumers never wait on
-    each other."""
+    each other. With ``PINGPONG`` they take turns issuing their wgmmas (``turn``, as
+    FlashAttention-3 schedules its warpgroups), so that one's softmax runs while the other's
+    products do."""
     ROWS: gl.constexpr = 64
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -374,7 +398,9 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_t
     zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=S_L)
     mbarrier.wait(full.index(0), 0)
     hopper.fence_async_shared()  # the copies (generic proxy) before the wgmma reads (async)
+    _take_turn(turn, 0, WG, PINGPONG)
     s = hopper.warpgroup_mma(q_my, k_s.index(0).permute((1, 0)), zeros, is_async=True)
+    _pass_turn(turn, WG, PINGPONG)
     s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
     if (lo < full_lo) | (lo >= full_hi):
         s = _mask_scores(s, lo, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
@@ -385,8 +411,10 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_t
         nxt = (i + 1) % STAGES
         mbarrier.wait(full.index(nxt), ((i + 1) // STAGES) & 1)
         hopper.fence_async_shared()
+        _take_turn(turn, i + 1, WG, PINGPONG)
         s = hopper.warpgroup_mma(q_my, k_s.index(nxt).permute((1, 0)), zeros, is_async=True)
         acc = hopper.warpgroup_mma(p, v_s.index(i % STAGES), acc, is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
         s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s])
         if (t < full_lo) | (t >= full_hi):
             s = _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
@@ -396,7 +424,9 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_t
         mbarrier.arrive(empty.index(i % STAGES), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
         p = gl.convert_layout(p_next.to(DTYPE), P_L)
+    _take_turn(turn, n, WG, PINGPONG)
     acc = hopper.warpgroup_mma(p, v_s.index((n - 1) % STAGES), acc, is_async=True)
+    _pass_turn(turn, WG, PINGPONG)
     acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
 
     l_safe = gl.where(l_i > 0, l_i, 1.0)
@@ -413,7 +443,7 @@ def _gluon_prefill_ws_kernel(
     stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_od, stride_bts, stride_btb,
     CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, BLOCK_Q: gl.constexpr,
     G_PAD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """One (query tile, KV head) of prefill attention, warp-specialised: two consumer
     warpgroups (64 rows each) and a copy warpgroup; see :func:`gluon_prefill_attention`."""
@@ -443,18 +473,25 @@ def _gluon_prefill_ws_kernel(
     for j in gl.static_range(STAGES):
         mbarrier.init(full.index(j), count=128)
         mbarrier.init(empty.index(j), count=2)
+    # turn (ping-pong only): consumer w issues its wgmmas after turn[w] completes a phase;
+    # the first phase of consumer 0's is completed here.
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if PINGPONG:
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        mbarrier.arrive(turn.index(0), count=1)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bts
     gl.warp_specialize(
-        [(_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_tile,
+        [(_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_len, q_tile,
                          first_q, kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n,
                          full_lo, full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot,
                          stride_oh, stride_od, 0, CAUSAL, USE_WINDOW, BLOCK_Q, G_PAD, BLOCK_N,
-                         HEAD_D, STAGES)),
-         (_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, q_start, q_len, q_tile,
+                         HEAD_D, STAGES, PINGPONG)),
+         (_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_len, q_tile,
                          first_q, kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n,
                          full_lo, full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot,
                          stride_oh, stride_od, 1, CAUSAL, USE_WINDOW, BLOCK_Q, G_PAD, BLOCK_N,
-                         HEAD_D, STAGES)),
+                         HEAD_D, STAGES, PINGPONG)),
          (_ws_loader, (k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end,
                        kv_head.to(gl.int64), stride_kb, stride_ks, stride_kh, stride_vb,
                        stride_vs, stride_vh, stride_btb, BLOCK_N, HEAD_D, PAGE, STAGES))],

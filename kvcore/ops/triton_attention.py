@@ -151,7 +151,9 @@ class AttentionConfig:
     and always compiles the block size in (``const_block=True``), and runs where
     :func:`gluon_prefill_unmet` finds nothing unmet. With ``warp_specialize`` as well, its
     warp-specialised variant runs: the 8 warps are two consumer warpgroups (64 rows each), and
-    a third warpgroup issues the K/V copies.
+    a third warpgroup issues the K/V copies; ``pingpong`` (that kernel only) has its two
+    consumer warpgroups take turns issuing their matrix products, so one's softmax overlaps
+    the other's products (FlashAttention-3's schedule; not yet measured on a GPU).
     """
 
     block_q: int
@@ -165,6 +167,7 @@ class AttentionConfig:
     edge_stages: int = 0
     warp_specialize: bool = False
     gluon: bool = False
+    pingpong: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +175,7 @@ class PrefillTile:
     """One entry of :data:`PREFILL_TILES`: ``rows`` = query tokens x padded GQA group per
     program, ``block_n`` keys per step, the launch's warps and pipeline stages, and the
     kernel variants of :class:`AttentionConfig` (``const_block``, ``edge_stages``,
-    ``warp_specialize``, ``gluon``)."""
+    ``warp_specialize``, ``gluon``, ``pingpong``)."""
 
     rows: int
     block_n: int
@@ -182,6 +185,7 @@ class PrefillTile:
     edge_stages: int = 0
     warp_specialize: bool = False
     gluon: bool = False
+    pingpong: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +297,10 @@ def _gluon_config_unmet(cfg: AttentionConfig, head_size: int) -> str | None:
         return (f"config has gluon=True with block_n={cfg.block_n} and num_stages="
                 f"{cfg.num_stages}; the Gluon kernel takes block_n 64 or 128 and 2 to 4 "
                 "stages: set them in that range, or use gluon=False")
+    if cfg.pingpong and not cfg.warp_specialize:
+        return ("config has gluon=True and pingpong=True with warp_specialize=False; only the "
+                "warp-specialised Gluon kernel has consumers to take turns: set "
+                "warp_specialize=True or pingpong=False")
     if not cfg.const_block or cfg.edge_stages:
         return (f"config has gluon=True with const_block={cfg.const_block} and edge_stages="
                 f"{cfg.edge_stages}; the Gluon kernel always compiles the block size in and "
@@ -927,7 +935,8 @@ def default_config(
                                block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
                                num_stages=tile.num_stages, prefill=True,
                                const_block=tile.const_block, edge_stages=tile.edge_stages,
-                               warp_specialize=tile.warp_specialize, gluon=tile.gluon)
+                               warp_specialize=tile.warp_specialize, gluon=tile.gluon,
+                               pingpong=tile.pingpong)
     # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), split prefill tiles 128
     # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill).
     rows = 16 if decode_only else (128 if head_size <= 128 else 64)
@@ -1051,6 +1060,10 @@ def paged_attention(
         raise ValueError(f"config has edge_stages={cfg.edge_stages} and warp_specialize="
                          f"{cfg.warp_specialize} with prefill=False: only the prefill kernel "
                          "has these variants (set prefill=True or leave them at 0/False)")
+    if cfg.pingpong and not cfg.gluon:
+        raise ValueError("config has pingpong=True with gluon=False: only the warp-specialised "
+                         "Gluon kernel has it (set gluon=True and warp_specialize=True, or "
+                         "pingpong=False)")
     if cfg.warp_specialize and not warp_specialize_supported():
         raise ValueError(f"config has warp_specialize=True but Triton {triton.__version__}'s "
                          "tl.range does not take warp_specialize (Triton >= 3.4 does); set "
@@ -1065,7 +1078,8 @@ def paged_attention(
 
         gluon_prefill_attention(query, key_cache, value_cache, out, query_start_loc, seq_lens,
                                 block_table, scale, causal, sliding_window, cfg.block_q,
-                                cfg.g_pad, cfg.block_n, cfg.num_stages, cfg.warp_specialize)
+                                cfg.g_pad, cfg.block_n, cfg.num_stages, cfg.warp_specialize,
+                                cfg.pingpong)
         return out
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)

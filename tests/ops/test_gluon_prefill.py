@@ -29,17 +29,21 @@ AttentionConfig = triton_attention.AttentionConfig
 
 
 def gluon_config(num_heads: int, num_kv_heads: int, block_n: int = 128,
-                 num_stages: int = 2, ws: bool = False) -> AttentionConfig:
-    """A Gluon prefill config; ``ws`` picks the warp-specialised variant."""
+                 num_stages: int = 2, ws: bool = False, pingpong: bool = False
+                 ) -> AttentionConfig:
+    """A Gluon prefill config; ``ws`` picks the warp-specialised variant, ``pingpong`` its
+    consumers taking turns."""
     g_pad = triton_attention.next_power_of_2(num_heads // num_kv_heads)
     return AttentionConfig(block_q=128 // g_pad, g_pad=g_pad, block_n=block_n, num_splits=1,
                            num_warps=8, num_stages=num_stages, prefill=True,
-                           const_block=True, gluon=True, warp_specialize=ws)
+                           const_block=True, gluon=True, warp_specialize=ws, pingpong=pingpong)
 
 
-#: (block_n, num_stages, warp-specialised) of the GPU tests, with their ids.
-TILES = {"n128-s2": (128, 2, False), "n64-s3": (64, 3, False), "n64-s2": (64, 2, False),
-         "ws-n128-s2": (128, 2, True), "ws-n64-s3": (64, 3, True), "ws-n64-s2": (64, 2, True)}
+#: (block_n, num_stages, warp-specialised, ping-pong) of the GPU tests, with their ids.
+TILES = {"n128-s2": (128, 2, False, False), "n64-s3": (64, 3, False, False),
+         "n64-s2": (64, 2, False, False), "ws-n128-s2": (128, 2, True, False),
+         "ws-n64-s3": (64, 3, True, False), "ws-n64-s2": (64, 2, True, False),
+         "ws-pp-n64-s3": (64, 3, True, True), "ws-pp-n128-s2": (128, 2, True, True)}
 
 
 def _cpu_args(dtype=torch.bfloat16, head_size=128, cache_dtype=None):
@@ -57,6 +61,7 @@ REFUSALS = {
     "const-block": (dict(const_block=False), {}, "const_block=True"),
     "smem": (dict(num_stages=4), {}, "shared memory"),
     "ws-smem": (dict(num_stages=3, warp_specialize=True), {}, "shared memory"),
+    "pingpong": (dict(pingpong=True), {}, "warp_specialize=True or pingpong=False"),
     "fp32-query": ({}, dict(dtype=torch.float32), "bf16 or fp16"),
     "fp8-cache": ({}, dict(cache_dtype=torch.float8_e4m3fn), "bf16 or fp16"),
     "head-size": ({}, dict(head_size=96), "head_size 64 or 128"),
@@ -150,13 +155,14 @@ _COMPILE = """
 import json, re, sys, torch
 from kvcore.testing import compile_launches
 from kvcore.ops import triton_attention
-block_n, stages, ws = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "ws"
+block_n, stages, ws, pp = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] != "plain",
+                          sys.argv[3] == "ws-pp")
 query = torch.empty(4096, 32, 128, dtype=torch.bfloat16)
 k = torch.empty(300, 16, 8, 128, dtype=torch.bfloat16)
 v = torch.empty_like(k)
 config = triton_attention.AttentionConfig(
     block_q=32, g_pad=4, block_n=block_n, num_splits=1, num_warps=8, num_stages=stages,
-    prefill=True, const_block=True, gluon=True, warp_specialize=ws)
+    prefill=True, const_block=True, gluon=True, warp_specialize=ws, pingpong=pp)
 (c,) = compile_launches(lambda: triton_attention.paged_attention(
     query, k, v, query_start_loc=torch.tensor([0, 2048, 4096], dtype=torch.int32),
     seq_lens=torch.tensor([2048, 2048], dtype=torch.int32),
@@ -172,6 +178,8 @@ print(json.dumps(dict(
                           r"0x10, %r\\d+;", ptx)),
     setmaxnreg=sorted(set(re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+);",
                                     ptx))),
+    mbarrier_waits=len(re.findall(r"mbarrier\\.try_wait", ptx)),
+    mbarrier_arrives=len(re.findall(r"mbarrier\\.arrive\\.shared", ptx)),
     cta_barriers=len(re.findall(r"bar\\.sync\\s+0;|barrier\\.sync\\s+0;", ptx)),
     loop_carries=re.findall(r"%(\\w+?)(?:_\\d+)? = ", re.search(
         r"scf\\.for %i = .*? iter_args\\((.*?)\\) ->", ttgir).group(1)))))
@@ -179,23 +187,23 @@ print(json.dumps(dict(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_n,stages,ws", [(128, 2, False), (64, 3, False), (128, 2, True),
-                                              (64, 3, True)],
-                         ids=["n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3"])
+@pytest.mark.parametrize("block_n,stages,variant", [
+    (128, 2, "plain"), (64, 3, "plain"), (128, 2, "ws"), (64, 3, "ws"), (64, 3, "ws-pp")])
 def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int,
-                                                          ws: bool) -> None:
+                                                          variant: str) -> None:
     """Compiled ahead of time for sm_90a (no GPU; in a subprocess, since Gluon has no
     interpreter and the suite sets ``TRITON_INTERPRET``): P x V takes P from registers, the
     loop waits for the scores alone (``wgmma.wait_group 1``) before their softmax, and K/V
     arrive by 16-byte ``cp.async`` copies whose source size zero-fills masked rows. The
     warp-specialised variant hands its warpgroups their registers (``setmaxnreg``: the copy
     warpgroup few, the consumers the rest) and has no CTA-wide barrier: its warpgroups meet
-    only on mbarriers."""
+    only on mbarriers (with ping-pong, three more waits and arrives per consumer: the turns
+    around its prologue, loop and last product)."""
     if triton_attention.gluon_prefill_available() is not None:
         pytest.skip(triton_attention.gluon_prefill_available())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages),
-                           "ws" if ws else "plain"],
+    ws = variant != "plain"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages), variant],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -210,6 +218,12 @@ def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: 
         assert {str(gluon_prefill.WS_LOADER_REGS.value),
                 str(gluon_prefill.WS_CONSUMER_REGS.value)} <= set(facts["setmaxnreg"]), facts
         assert facts["cta_barriers"] == 0, facts
+        # Waits: full (prologue, loop) per consumer, empty in the copy loop; arrives: empty
+        # per consumer. Ping-pong adds a wait and an arrive at each of a consumer's three
+        # issue sites, and the launch's first turn.
+        pp = variant == "ws-pp"
+        assert (facts["mbarrier_waits"], facts["mbarrier_arrives"]) == (
+            (11, 9) if pp else (5, 2)), facts
         assert {"acc", "m_i", "l_i"} <= set(facts["loop_carries"]), facts
         return
     assert facts["kernel"] == "_gluon_prefill_kernel"
@@ -227,6 +241,17 @@ def _gpu_or_skip() -> None:
     reason = triton_attention.gluon_prefill_available()
     if reason is not None:
         pytest.skip(reason)
+
+
+def test_pingpong_outside_the_gluon_kernel_is_refused_before_any_launch() -> None:
+    query, k, v = _cpu_args(dtype=torch.float32)
+    cfg = AttentionConfig(block_q=8, g_pad=4, block_n=32, num_splits=1, num_warps=4,
+                          num_stages=2, prefill=True, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong=True with gluon=False"):
+        triton_attention.paged_attention(
+            query, k, v, query_start_loc=torch.tensor([0, 40], dtype=torch.int32),
+            seq_lens=torch.tensor([40], dtype=torch.int32),
+            block_table=torch.arange(6, dtype=torch.int32)[None], scale=0.1, config=cfg)
 
 
 @pytest.mark.parametrize("value", ["0", "false"])
@@ -307,7 +332,7 @@ def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None) 
     batch = make_batch(torch.Generator().manual_seed(5), q_lens=[700, 129, 1],
                        seq_lens=[1500, 129, 900], num_heads=32, num_kv_heads=8,
                        head_size=128, block_size=16, dtype=torch.bfloat16)
-    for tile in ("n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3"):
+    for tile in ("n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3", "ws-pp-n64-s3"):
         out = triton_attention.paged_attention(
             batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
             sliding_window=window, config=gluon_config(32, 8, *TILES[tile]))
@@ -315,8 +340,10 @@ def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None) 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
-def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws: bool) -> None:
+@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "ws", "ws-pp"])
+def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws: bool,
+                                                                            pp: bool) -> None:
     """Layer 2 of a 4-layer cross-layer pool: the same bits as on contiguous copies, the pool
     unchanged; the output written in place into a strided view, its other heads untouched."""
     _gpu_or_skip()
@@ -329,7 +356,8 @@ def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws:
     query = torch.randn(1100, 32, d, generator=gen).to(torch.bfloat16).cuda()
     kwargs = dict(query_start_loc=torch.tensor([0, 1000, 1100], dtype=torch.int32).cuda(),
                   seq_lens=torch.tensor([3000, 1100], dtype=torch.int32).cuda(),
-                  block_table=table.cuda(), scale=d ** -0.5, config=gluon_config(32, 8, ws=ws))
+                  block_table=table.cuda(), scale=d ** -0.5,
+                  config=gluon_config(32, 8, ws=ws, pingpong=pp))
     before = pool.clone()
     strided = triton_attention.paged_attention(query, k, v, **kwargs)
     flat = triton_attention.paged_attention(query, k.contiguous(), v.contiguous(), **kwargs)
@@ -342,8 +370,9 @@ def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
-def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool) -> None:
+@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "ws", "ws-pp"])
+def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool, pp: bool) -> None:
     _gpu_or_skip()
     batch = make_batch(torch.Generator().manual_seed(12), q_lens=[1, 77, 300],
                        seq_lens=[37, 100, 301], num_heads=32, num_kv_heads=8, head_size=128,
@@ -352,7 +381,7 @@ def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool) -> Non
     for blocks, n in zip(batch.block_table.tolist(), batch.seq_lens.tolist(), strict=True):
         for pos in range(n):
             owned[blocks[pos // 16], pos % 16] = True
-    cfg = gluon_config(32, 8, 64, 3, ws)
+    cfg = gluon_config(32, 8, 64, 3, ws, pp)
     clean = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                              **batch.kwargs(), config=cfg)
     for cache in (batch.key_cache, batch.value_cache):
@@ -366,8 +395,9 @@ def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
-def test_gluon_prefill_real_size_against_the_triton_kernel(ws: bool) -> None:
+@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "ws", "ws-pp"])
+def test_gluon_prefill_real_size_against_the_triton_kernel(ws: bool, pp: bool) -> None:
     """4 x 2048 fresh prompts (Llama-3-8B heads): within bf16 rounding of the Triton prefill
     kernel and of the fp32 reference."""
     _gpu_or_skip()
@@ -375,7 +405,8 @@ def test_gluon_prefill_real_size_against_the_triton_kernel(ws: bool) -> None:
                        seq_lens=[2048] * 4, num_heads=32, num_kv_heads=8, head_size=128,
                        block_size=16, dtype=torch.bfloat16)
     gluon = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), config=gluon_config(32, 8, ws=ws))
+                                             **batch.kwargs(),
+                                             config=gluon_config(32, 8, ws=ws, pingpong=pp))
     plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                              **batch.kwargs())
     torch.testing.assert_close(gluon, plain, atol=2e-2, rtol=2e-2)
