@@ -28,7 +28,8 @@
 #   compiled on the GPU, then the gpu-marked real size), then bench_mla's sweep (the TMA
 #   candidates first; MLA_SWEEP_HEADS=128 limits it to those shapes; carry .whl so FlashInfer
 #   MLA is timed beside it).
-#   gluon_prefill: TRITON_ATTN's Gluon Hopper prefill kernel: its GPU tests, then
+#   gluon_prefill: TRITON_ATTN's Gluon Hopper prefill kernels: their GPU tests (ping-pong's
+#   apart, under GLUON_PINGPONG_TESTS_LIMIT), then
 #   bench_triton_prefill (its Gluon tiles are probed in a child, then swept beside the table's
 #   Triton row; carry .whl so FlashInfer is timed beside them). PREFILL_BENCH_ARGS=--gluon-only
 #   keeps only the table row and the Gluon tiles and skips the decode sweep.
@@ -152,7 +153,10 @@ if has mla_tma; then
 fi
 if has gluon_prefill; then
     step gluon_prefill_tests ${GLUON_PREFILL_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
-        -p no:cacheprovider -o addopts="" tests/ops/test_gluon_prefill.py
+        -p no:cacheprovider -o addopts="" tests/ops/test_gluon_prefill.py -k "not pp"
+    # The ping-pong variant apart, under its own limit: a deadlock there costs only this step.
+    step gluon_prefill_pingpong_tests ${GLUON_PINGPONG_TESTS_LIMIT:-90} python3 -m pytest \
+        -m gpu -q -p no:cacheprovider -o addopts="" tests/ops/test_gluon_prefill.py -k pp
     step bench_triton_prefill ${PREFILL_BENCH_LIMIT:-330} python3 \
         benchmarks/bench_triton_prefill.py --budget-s ${PREFILL_BENCH_BUDGET:-120} \
         ${PREFILL_BENCH_ARGS:-}

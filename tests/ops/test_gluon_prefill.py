@@ -327,12 +327,15 @@ def test_gluon_prefill_matches_the_references(name: str, tile: str) -> None:
                                            (False, 300)],
                          ids=["causal-window100", "causal-window1000", "noncausal",
                               "noncausal-window300"])
-def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None) -> None:
+@pytest.mark.parametrize("tiles", [("n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3"),
+                                   ("ws-pp-n64-s3",)], ids=["plain-ws", "ws-pp"])
+def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None,
+                                              tiles: tuple[str, ...]) -> None:
     _gpu_or_skip()
     batch = make_batch(torch.Generator().manual_seed(5), q_lens=[700, 129, 1],
                        seq_lens=[1500, 129, 900], num_heads=32, num_kv_heads=8,
                        head_size=128, block_size=16, dtype=torch.bfloat16)
-    for tile in ("n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3", "ws-pp-n64-s3"):
+    for tile in tiles:
         out = triton_attention.paged_attention(
             batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
             sliding_window=window, config=gluon_config(32, 8, *TILES[tile]))
