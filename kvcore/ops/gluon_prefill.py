@@ -59,8 +59,10 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-# Scalar Triton helpers run in Gluon kernels too: request lookup and key-tile ranges are shared.
-from kvcore.ops.triton_attention import _locate_tile, prefill_key_tiles
+# Scalar Triton helpers run in Gluon kernels too: request lookup and key-tile ranges are shared
+# with the Triton prefill kernel (kvcore.ops.triton_attention, which imports this module, never
+# the other way round).
+from kvcore.ops.triton_utils import locate_query_tile, prefill_key_tiles
 
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # 3.9 keeps the old name only to raise, so the new one is looked up first.
@@ -146,7 +148,7 @@ def _gluon_prefill_kernel(
     # the last wave.
     tile = gl.num_programs(0) - 1 - gl.program_id(0)
     kv_head = gl.program_id(1)
-    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    seq, q_start, q_len, q_tile = locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
         return
     seq_len = gl.load(seq_lens_ptr + seq)
@@ -449,7 +451,7 @@ def _gluon_prefill_ws_kernel(
     warpgroups (64 rows each) and a copy warpgroup; see :func:`gluon_prefill_attention`."""
     tile = gl.num_programs(0) - 1 - gl.program_id(0)
     kv_head = gl.program_id(1)
-    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    seq, q_start, q_len, q_tile = locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:
         return
     seq_len = gl.load(seq_lens_ptr + seq)

@@ -53,9 +53,10 @@ pairs at each of those shapes (``benchmarks/RESULTS.md``).
 
 Kernel variants
 ---------------
-Both kernels share their prologue (:func:`_locate_tile`, :func:`_load_query_tile`) and page
-lookup (:func:`_page_ids`, :func:`_in_page`). ``AttentionConfig.const_block`` compiles the
-block size in (shifts instead of integer divisions per key row); the prefill kernel can also
+Both kernels share their prologue (:func:`~kvcore.ops.triton_utils.locate_query_tile`,
+:func:`_load_query_tile`) and page lookup (:func:`_page_ids`, :func:`_in_page`).
+``AttentionConfig.const_block`` compiles the block size in (shifts instead of integer
+divisions per key row); the prefill kernel can also
 pipeline its masked edge loops at their own depth (``edge_stages``) and warp-specialise its
 unmasked loop (``warp_specialize``, where Triton has it). They change speed only, never the
 result; the tables say which ones a GPU uses. On Hopper, ``AttentionConfig.gluon`` runs the
@@ -90,12 +91,13 @@ import triton
 import triton.language as tl
 
 from kvcore.ops.triton_utils import (
-    find_sequence,
     gluon_defaults_enabled,
     gluon_kernels_unavailable,
     interpreting,
     load_kv_scales,
+    locate_query_tile,
     next_power_of_2,
+    prefill_key_tiles,
     recording_launches,
     scale_args,
 )
@@ -405,18 +407,6 @@ def _to_output(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """(request, its first token, its query length, the tile's index in it) of query tile
-    ``tile``; ``q_tile * BLOCK_Q >= q_len`` past the last tile of the batch or for an empty
-    request (the caller returns)."""
-    seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + seq)
-    return seq, q_start, q_len, q_tile
-
-
-@triton.jit
 def _load_query_tile(
     q_ptr, seq_lens_ptr, seq, q_start, q_len, q_tile, kv_head, num_queries_per_kv, head_size,
     stride_qt, stride_qh, stride_qd,
@@ -470,32 +460,6 @@ def _in_page(k_pos, block_size, PAGE: tl.constexpr):
 
 
 @triton.jit
-def prefill_key_tiles(first_q, last_q, seq_len, sliding_window, CAUSAL: tl.constexpr,
-                      USE_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The key tiles of a prefill query tile whose queries sit at positions ``first_q`` to
-    ``last_q`` of a request of ``seq_len`` keys: ``(kv_end, lo, hi, full_lo, full_hi)``.
-    Tiles ``[lo, hi)`` hold every key some query sees (keys before ``kv_end``), tiles
-    ``[full_lo, full_hi)`` those every query sees: after the window's lower edge of the last
-    query, up to the first query's position (causal) or the last full tile (not causal). The
-    Triton and the Gluon prefill kernels both call it."""
-    if CAUSAL:
-        kv_end = last_q + 1
-        full_hi = (first_q + 1) // BLOCK_N
-    else:
-        kv_end = seq_len
-        full_hi = seq_len // BLOCK_N
-    hi = tl.cdiv(kv_end, BLOCK_N)
-    lo = 0
-    full_lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(last_q - sliding_window + 1, 0), BLOCK_N)
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    return kv_end, lo, hi, full_lo, full_hi
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -517,7 +481,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    seq, q_start, q_len, q_tile = locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
         return
     q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q, last_q = \
@@ -742,7 +706,7 @@ def _prefill_attention_kernel(
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    seq, q_start, q_len, q_tile = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    seq, q_start, q_len, q_tile = locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
         return
     q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q, last_q = \

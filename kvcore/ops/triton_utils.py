@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["find_sequence", "fp8_format", "gluon_defaults_enabled", "gluon_kernels_unavailable",
-           "interpreting",
+           "interpreting", "locate_query_tile", "prefill_key_tiles",
            "load_kv_scales", "next_power_of_2", "recording_launches", "round_to_fp8_grid",
            "scale_arg", "scale_args"]
 
@@ -61,6 +61,45 @@ def find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """(request, its first token, its query length, the tile's index in it) of query tile
+    ``tile`` of a varlen batch (:func:`find_sequence`'s numbering); ``q_tile * BLOCK_Q >=
+    q_len`` past the last tile of the batch or for an empty request (the caller returns).
+    Scalar-only, so Gluon kernels call it too."""
+    seq = find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    return seq, q_start, q_len, q_tile
+
+
+@triton.jit
+def prefill_key_tiles(first_q, last_q, seq_len, sliding_window, CAUSAL: tl.constexpr,
+                      USE_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles of a prefill query tile whose queries sit at positions ``first_q`` to
+    ``last_q`` of a request of ``seq_len`` keys: ``(kv_end, lo, hi, full_lo, full_hi)``.
+    Tiles ``[lo, hi)`` hold every key some query sees (keys before ``kv_end``), tiles
+    ``[full_lo, full_hi)`` those every query sees: after the window's lower edge of the last
+    query, up to the first query's position (causal) or the last full tile (not causal).
+    TRITON_ATTN's Triton and Gluon prefill kernels both call it (scalar-only)."""
+    if CAUSAL:
+        kv_end = last_q + 1
+        full_hi = (first_q + 1) // BLOCK_N
+    else:
+        kv_end = seq_len
+        full_hi = seq_len // BLOCK_N
+    hi = tl.cdiv(kv_end, BLOCK_N)
+    lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_q - sliding_window + 1, 0), BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return kv_end, lo, hi, full_lo, full_hi
 
 
 @triton.jit
