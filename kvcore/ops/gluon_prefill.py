@@ -133,6 +133,64 @@ def _softmax(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _tile_keys(seq_lens_ptr, seq, q_len, q_tile, sliding_window, CAUSAL: gl.constexpr,
+               USE_WINDOW: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key tiles of query tile ``q_tile`` of request ``seq`` (:func:`prefill_key_tiles`):
+    ``(first_q, kv_end, lo, n, full_lo, full_hi)``, ``n`` tiles from ``lo`` on, positions
+    counted in the request's keys."""
+    seq_len = gl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    first_q = context_len + q_tile * BLOCK_Q
+    last_q = context_len + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
+    kv_end, lo, hi, full_lo, full_hi = prefill_key_tiles(
+        first_q, last_q, seq_len, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
+    return first_q, kv_end, lo, hi - lo, full_lo, full_hi
+
+
+@gluon.jit
+def _stage_query(q_ptr, q_s, q_tile, q_start, q_len, kv_head, num_queries_per_kv, stride_qt,
+                 stride_qh, stride_qd, ROW0: gl.constexpr, ROWS: gl.constexpr,
+                 LD: gl.constexpr, BLOCK_Q: gl.constexpr, G_PAD: gl.constexpr,
+                 HEAD_D: gl.constexpr):
+    """Rows ``ROW0`` to ``ROW0 + ROWS - 1`` of the program's query tile into ``q_s`` (row r:
+    query token r // G_PAD of the tile, query head r % G_PAD of the KV head's group; rows past
+    the request or the group read 0): ``(token, head, row_ok, dims)`` of those rows, in ``LD``,
+    for :func:`_store_rows`."""
+    rows = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
+    q_idx = q_tile * BLOCK_Q + rows // G_PAD
+    group = rows % G_PAD
+    row_ok = (q_idx < q_len) & (group < num_queries_per_kv)
+    head = (kv_head * num_queries_per_kv + group).to(gl.int64)
+    token = (q_start + q_idx).to(gl.int64)
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD)).to(gl.int64)
+    q = gl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None]
+                + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    q_s.store(q)
+    return token, head, row_ok, dims
+
+
+@gluon.jit
+def _masked_softmax(s, t, full_lo, full_hi, q_pos, kv_end, sliding_window, m_i, l_i, qk_scale,
+                    CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, BLOCK_N: gl.constexpr):
+    """:func:`_softmax` of key tile ``t``'s scores, masked (:func:`_mask_scores`) only where
+    some row does not see the whole tile."""
+    if (t < full_lo) | (t >= full_hi):
+        s = _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
+    return _softmax(s, m_i, l_i, qk_scale)
+
+
+@gluon.jit
+def _store_rows(out_ptr, acc, l_i, token, head, dims, row_ok, stride_ot, stride_oh, stride_od,
+                O_L: gl.constexpr, LD: gl.constexpr):
+    """The normalised output (``acc / l``; a row that saw no key stores 0) at the rows
+    :func:`_stage_query` read."""
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
+    gl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + dims[None, :] * stride_od,
+             gl.convert_layout(out.to(out_ptr.dtype.element_ty), LD), mask=row_ok[:, None])
+
+
+@gluon.jit
 def _gluon_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, num_seqs, num_queries_per_kv, sliding_window,
@@ -151,13 +209,8 @@ def _gluon_prefill_kernel(
     seq, q_start, q_len, q_tile = locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
         return
-    seq_len = gl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
-    first_q = context_len + q_tile * BLOCK_Q
-    last_q = context_len + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
-    kv_end, lo, hi, full_lo, full_hi = prefill_key_tiles(
-        first_q, last_q, seq_len, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
-    n = hi - lo
+    first_q, kv_end, lo, n, full_lo, full_hi = _tile_keys(
+        seq_lens_ptr, seq, q_len, q_tile, sliding_window, CAUSAL, USE_WINDOW, BLOCK_Q, BLOCK_N)
 
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -198,17 +251,9 @@ def _gluon_prefill_kernel(
     pages_v = pages
     pages_ahead = _tile_pages(bt_row, lo + STAGES, kv_end, stride_btb, LD, BLOCK_N, PAGE)
 
-    # Row r is query token r // G_PAD of the tile, query head r % G_PAD of the KV head's group.
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
-    q_idx = q_tile * BLOCK_Q + rows // G_PAD
-    group = rows % G_PAD
-    row_ok = (q_idx < q_len) & (group < num_queries_per_kv)
-    head = (kv_head * num_queries_per_kv + group).to(gl.int64)
-    token = (q_start + q_idx).to(gl.int64)
-    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD)).to(gl.int64)
-    q = gl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None]
-                + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    q_s.store(q)
+    token, head, row_ok, dims = _stage_query(
+        q_ptr, q_s, q_tile, q_start, q_len, kv_head, num_queries_per_kv, stride_qt, stride_qh,
+        stride_qd, 0, BLOCK_M, LD, BLOCK_Q, G_PAD, HEAD_D)
     q_pos = first_q + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L)) // G_PAD
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -218,9 +263,8 @@ def _gluon_prefill_kernel(
     _copies_landed(2 * STAGES - 1)  # K of tile lo (and the query's store)
     s = hopper.warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros, is_async=True)
     s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-    if (lo < full_lo) | (lo >= full_hi):
-        s = _mask_scores(s, lo, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+    p, alpha, m_i, l_i = _masked_softmax(s, lo, full_lo, full_hi, q_pos, kv_end, sliding_window,
+                                         m_i, l_i, qk_scale, CAUSAL, USE_WINDOW, BLOCK_N)
     p = gl.convert_layout(p.to(DTYPE), P_L)
     for i in range(0, n - 1):
         t = lo + i + 1
@@ -244,9 +288,9 @@ def _gluon_prefill_kernel(
         pages_v = pages_ahead
         pages_ahead = _tile_pages(bt_row, t + STAGES, kv_end, stride_btb, LD, BLOCK_N, PAGE)
         s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s])
-        if (t < full_lo) | (t >= full_hi):
-            s = _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
-        p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+        p_next, alpha, m_i, l_i = _masked_softmax(s, t, full_lo, full_hi, q_pos, kv_end,
+                                                  sliding_window, m_i, l_i, qk_scale, CAUSAL,
+                                                  USE_WINDOW, BLOCK_N)
         acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
         p = gl.convert_layout(p_next.to(DTYPE), P_L)
@@ -254,11 +298,8 @@ def _gluon_prefill_kernel(
     acc = hopper.warpgroup_mma(p, v_s.index((n - 1) % STAGES), acc, is_async=True)
     acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
     async_copy.wait_group(0)  # the zero-filled copies past the last tile
-
-    l_safe = gl.where(l_i > 0, l_i, 1.0)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
-    gl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + dims[None, :] * stride_od,
-             gl.convert_layout(out.to(out_ptr.dtype.element_ty), LD), mask=row_ok[:, None])
+    _store_rows(out_ptr, acc, l_i, token, head, dims, row_ok, stride_ot, stride_oh, stride_od,
+                O_L, LD)
 
 
 def gluon_prefill_attention(
@@ -380,16 +421,9 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
     DTYPE: gl.constexpr = q_ptr.dtype.element_ty
     q_my = q_s.index(WG)
 
-    rows = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
-    q_idx = q_tile * BLOCK_Q + rows // G_PAD
-    group = rows % G_PAD
-    row_ok = (q_idx < q_len) & (group < num_queries_per_kv)
-    head = (kv_head * num_queries_per_kv + group).to(gl.int64)
-    token = (q_start + q_idx).to(gl.int64)
-    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD)).to(gl.int64)
-    q = gl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None]
-                + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    q_my.store(q)
+    token, head, row_ok, dims = _stage_query(
+        q_ptr, q_my, q_tile, q_start, q_len, kv_head, num_queries_per_kv, stride_qt, stride_qh,
+        stride_qd, WG * ROWS, ROWS, LD, BLOCK_Q, G_PAD, HEAD_D)
     hopper.fence_async_shared()
     _cta_barrier()  # this warpgroup's query rows are in place for its wgmmas
     q_pos = first_q + (WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_L))) // G_PAD
@@ -404,9 +438,8 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
     s = hopper.warpgroup_mma(q_my, k_s.index(0).permute((1, 0)), zeros, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-    if (lo < full_lo) | (lo >= full_hi):
-        s = _mask_scores(s, lo, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+    p, alpha, m_i, l_i = _masked_softmax(s, lo, full_lo, full_hi, q_pos, kv_end, sliding_window,
+                                         m_i, l_i, qk_scale, CAUSAL, USE_WINDOW, BLOCK_N)
     p = gl.convert_layout(p.to(DTYPE), P_L)
     for i in range(0, n - 1):
         t = lo + i + 1
@@ -418,9 +451,9 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
         acc = hopper.warpgroup_mma(p, v_s.index(i % STAGES), acc, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
         s = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s])
-        if (t < full_lo) | (t >= full_hi):
-            s = _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
-        p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
+        p_next, alpha, m_i, l_i = _masked_softmax(s, t, full_lo, full_hi, q_pos, kv_end,
+                                                  sliding_window, m_i, l_i, qk_scale, CAUSAL,
+                                                  USE_WINDOW, BLOCK_N)
         acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
         _cta_barrier()  # all four warps are done with tile i's stage
         mbarrier.arrive(empty.index(i % STAGES), count=1)
@@ -430,11 +463,8 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
     acc = hopper.warpgroup_mma(p, v_s.index((n - 1) % STAGES), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
-
-    l_safe = gl.where(l_i > 0, l_i, 1.0)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
-    gl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + dims[None, :] * stride_od,
-             gl.convert_layout(out.to(out_ptr.dtype.element_ty), LD), mask=row_ok[:, None])
+    _store_rows(out_ptr, acc, l_i, token, head, dims, row_ok, stride_ot, stride_oh, stride_od,
+                O_L, LD)
 
 
 @gluon.jit
@@ -454,13 +484,8 @@ def _gluon_prefill_ws_kernel(
     seq, q_start, q_len, q_tile = locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:
         return
-    seq_len = gl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
-    first_q = context_len + q_tile * BLOCK_Q
-    last_q = context_len + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
-    kv_end, lo, hi, full_lo, full_hi = prefill_key_tiles(
-        first_q, last_q, seq_len, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
-    n = hi - lo
+    first_q, kv_end, lo, n, full_lo, full_hi = _tile_keys(
+        seq_lens_ptr, seq, q_len, q_tile, sliding_window, CAUSAL, USE_WINDOW, BLOCK_Q, BLOCK_N)
 
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                             rank=2)
