@@ -112,6 +112,7 @@ __all__ = [
     "GLUON_PREFILL_TILES",
     "PREFILL_TILES",
     "PrefillTile",
+    "call_config",
     "default_config",
     "decode_tile",
     "default_num_kv_splits",
@@ -915,6 +916,25 @@ def default_config(
                            num_stages=num_stages, const_block=tile.const_block)
 
 
+def call_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                kv_cache_dtype: str, num_seqs: int, max_seq_len_bound: int,
+                num_kv_splits: int | None = None, **target) -> AttentionConfig:
+    """The config :func:`paged_attention` uses when given none: :func:`default_config` for
+    these tensors (``query`` ``(tokens, heads, head_size)``, caches ``(blocks, block_size,
+    kv_heads, head_size)``), with its Gluon row only where :func:`gluon_prefill_unmet` finds
+    nothing unmet, the Triton row otherwise. ``target`` (``num_sms``, ``rocm``, ``arch``) as
+    :func:`default_config` takes it: an ahead-of-time compile passes its target's."""
+    num_tokens, num_heads, head_size = query.shape
+    choose = functools.partial(default_config, num_tokens, num_seqs, num_heads,
+                               key_cache.shape[2], head_size, max_seq_len_bound, query.device,
+                               num_kv_splits, **target)
+    cfg = choose()
+    if cfg.gluon and gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype,
+                                         cfg) is not None:
+        cfg = choose(gluon=False)
+    return cfg
+
+
 def _check_workspace(workspace: object, device: torch.device,
                      needed: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(workspace, (tuple, list)) and len(workspace) == 2
@@ -1006,17 +1026,14 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    cfg = config or default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
-                                   block_table.shape[1] * block_size, query.device,
-                                   num_kv_splits)
-    # Checked once a call: a default Gluon config the call cannot run falls back to the
-    # Triton row; an explicit one is refused below.
-    gluon_reason = (gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg)
-                    if cfg.gluon else None)
-    if config is None and gluon_reason is not None:
-        cfg = default_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
-                             block_table.shape[1] * block_size, query.device, num_kv_splits,
-                             gluon=False)
+    if config is None:
+        cfg = call_config(query, key_cache, value_cache, kv_cache_dtype, num_seqs,
+                          block_table.shape[1] * block_size, num_kv_splits)
+        gluon_reason = None  # call_config has checked its Gluon row against these tensors
+    else:
+        cfg = config
+        gluon_reason = (gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg)
+                        if cfg.gluon else None)
     if cfg.prefill and cfg.num_splits != 1:
         raise ValueError(f"config has prefill=True and num_splits={cfg.num_splits}: the "
                          "prefill kernel does not split keys (set num_splits=1 or prefill=False)")
@@ -1028,7 +1045,7 @@ def paged_attention(
         raise ValueError("config has pingpong=True with gluon=False: only the warp-specialised "
                          "Gluon kernel has it (set gluon=True and warp_specialize=True, or "
                          "pingpong=False)")
-    if cfg.warp_specialize and not warp_specialize_supported():
+    if cfg.warp_specialize and not cfg.gluon and not warp_specialize_supported():
         raise ValueError(f"config has warp_specialize=True but Triton {triton.__version__}'s "
                          "tl.range does not take warp_specialize (Triton >= 3.4 does); set "
                          "warp_specialize=False")

@@ -11,7 +11,6 @@ signature. Registered by ``kvcore.backends``' ``kvcore_register_kernel_compile_c
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -54,11 +53,7 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
     tile instead of the table's (sm90 targets only)."""
 
     def launch() -> None:
-        from kvcore.ops.triton_attention import (
-            default_config,
-            gluon_prefill_unmet,
-            paged_attention,
-        )
+        from kvcore.ops.triton_attention import call_config, paged_attention
 
         fp8 = kv_cache_dtype != "auto"
         k_cache, v_cache = _caches(backend, num_kv_heads, head_size, dtype, kv_cache_dtype)
@@ -69,15 +64,9 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
         block_table = (torch.arange(num_seqs * pages, dtype=torch.int32)
                        % _NUM_BLOCKS).reshape(num_seqs, pages)
         query = torch.empty(num_tokens, num_heads, head_size, dtype=dtype)
-        choose = functools.partial(default_config, num_tokens, num_seqs, num_heads,
-                                   num_kv_heads, head_size, pages * _BLOCK_SIZE, query.device,
-                                   num_sms=target.num_sms, rocm=target.is_rocm,
-                                   arch=target.name)
-        config = choose()
-        # As paged_attention does without a config: the Triton row where Gluon cannot run.
-        if config.gluon and gluon_prefill_unmet(query, k_cache, v_cache, kv_cache_dtype,
-                                                config) is not None:
-            config = choose(gluon=False)
+        config = call_config(query, k_cache, v_cache, kv_cache_dtype, num_seqs,
+                             pages * _BLOCK_SIZE, num_sms=target.num_sms, rocm=target.is_rocm,
+                             arch=target.name)
         if gluon_tile is not None:
             config = dataclasses.replace(
                 config, block_q=128 // config.g_pad, block_n=gluon_tile[0], num_warps=8,

@@ -254,6 +254,26 @@ def test_pingpong_outside_the_gluon_kernel_is_refused_before_any_launch() -> Non
             block_table=torch.arange(6, dtype=torch.int32)[None], scale=0.1, config=cfg)
 
 
+def test_call_config_keeps_the_gluon_row_only_for_tensors_it_can_run(monkeypatch) -> None:
+    """What paged_attention and the compile cases take when given no config: sm90's Gluon row
+    for bf16 caches while launches are recorded for an sm90 compile (no device to check), the
+    Triton row for an fp8 cache, and for CPU tensors outside a recording."""
+    if triton_attention.gluon_prefill_available() is not None:
+        pytest.skip(triton_attention.gluon_prefill_available())
+    ta = triton_attention
+    query, k, v = _cpu_args()
+    fp8_k = k.to(torch.float8_e4m3fn)
+    triton_row = ta.default_config(40, 1, 8, 2, 128, 96, torch.device("cpu"), arch="sm90",
+                                   gluon=False)
+    assert ta.call_config(query, k, v, "auto", 1, 96, arch="sm90") == triton_row
+    # As while kvcore.testing.compile_launches records (it refuses to under the interpreter).
+    monkeypatch.setattr(ta, "recording_launches", lambda: True)
+    chosen = ta.call_config(query, k, v, "auto", 1, 96, arch="sm90")
+    fp8 = ta.call_config(query, fp8_k, fp8_k.clone(), "fp8_e4m3", 1, 96, arch="sm90")
+    assert chosen.gluon and chosen.block_n == ta.GLUON_PREFILL_TILES["sm90"].block_n
+    assert fp8 == triton_row
+
+
 @pytest.mark.parametrize("value", ["0", "false"])
 def test_kvcore_gluon_0_keeps_default_prefill_on_the_triton_row(monkeypatch, value: str) -> None:
     """sm90's default prefill config is its Gluon row, or with ``KVCORE_GLUON=0`` (the
