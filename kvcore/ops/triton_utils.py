@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 __all__ = ["find_sequence", "fp8_format", "gluon_defaults_enabled", "gluon_kernels_unavailable",
-           "interpreting", "locate_query_tile", "prefill_key_tiles",
-           "load_kv_scales", "next_power_of_2", "recording_launches", "round_to_fp8_grid",
-           "scale_arg", "scale_args"]
+           "interpreting", "load_kv_scales", "locate_query_tile", "next_power_of_2",
+           "prefill_key_tiles", "recording_launches", "round_to_fp8_grid", "scale_arg",
+           "scale_args"]
 
 # Set by kvcore.testing's capture_launches while it records launches instead of running them.
 _RECORDING = contextvars.ContextVar("kvcore_recording_launches", default=False)

@@ -123,11 +123,12 @@ __all__ = [
     "default_config",
     "default_num_kv_splits",
     "family_of",
+    "gluon_available",
+    "gluon_unmet",
     "gpu_family",
     "mla_attention",
     "mla_decode_config",
     "mla_decode_num_splits",
-    "gluon_unmet",
     "mla_workspace_numel",
     "tma_unmet",
 ]
