@@ -266,10 +266,12 @@ def test_call_config_keeps_the_gluon_row_only_for_tensors_it_can_run(monkeypatch
     triton_row = ta.default_config(40, 1, 8, 2, 128, 96, torch.device("cpu"), arch="sm90",
                                    gluon=False)
     assert ta.call_config(query, k, v, "auto", 1, 96, arch="sm90") == triton_row
-    # As while kvcore.testing.compile_launches records (it refuses to under the interpreter).
-    monkeypatch.setattr(ta, "recording_launches", lambda: True)
-    chosen = ta.call_config(query, k, v, "auto", 1, 96, arch="sm90")
-    fp8 = ta.call_config(query, fp8_k, fp8_k.clone(), "fp8_e4m3", 1, 96, arch="sm90")
+    from kvcore.testing.compile_check import capture_launches
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # capture_launches refuses under it
+    with capture_launches():
+        chosen = ta.call_config(query, k, v, "auto", 1, 96, arch="sm90")
+        fp8 = ta.call_config(query, fp8_k, fp8_k.clone(), "fp8_e4m3", 1, 96, arch="sm90")
     assert chosen.gluon and chosen.block_n == ta.GLUON_PREFILL_TILES["sm90"].block_n
     assert fp8 == triton_row
 
