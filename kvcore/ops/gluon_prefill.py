@@ -181,13 +181,23 @@ def _masked_softmax(s, t, full_lo, full_hi, q_pos, kv_end, sliding_window, m_i, 
 
 @gluon.jit
 def _store_rows(out_ptr, acc, l_i, token, head, dims, row_ok, stride_ot, stride_oh, stride_od,
-                O_L: gl.constexpr, LD: gl.constexpr):
+                staging, O_L: gl.constexpr, LD: gl.constexpr, STAGED: gl.constexpr):
     """The normalised output (``acc / l``; a row that saw no key stores 0) at the rows
-    :func:`_stage_query` read."""
+    :func:`_stage_query` read. ``STAGED``: the rows go from the accumulator's layout to
+    ``LD`` through ``staging``, the warpgroup's own query tile (free once its last wgmma is
+    waited), instead of a layout conversion, whose shared-memory scratch the compiler would
+    reserve on top of the stages for the whole kernel."""
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
+    out = out.to(out_ptr.dtype.element_ty)
+    if STAGED:
+        staging.store(out)
+        _cta_barrier()
+        out = staging.load(LD)
+    else:
+        out = gl.convert_layout(out, LD)
     gl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + dims[None, :] * stride_od,
-             gl.convert_layout(out.to(out_ptr.dtype.element_ty), LD), mask=row_ok[:, None])
+             out, mask=row_ok[:, None])
 
 
 @gluon.jit
@@ -299,7 +309,7 @@ def _gluon_prefill_kernel(
     acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
     async_copy.wait_group(0)  # the zero-filled copies past the last tile
     _store_rows(out_ptr, acc, l_i, token, head, dims, row_ok, stride_ot, stride_oh, stride_od,
-                O_L, LD)
+                q_s, O_L, LD, False)
 
 
 def gluon_prefill_attention(
@@ -464,7 +474,7 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
     _pass_turn(turn, WG, PINGPONG)
     acc, p = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, p])
     _store_rows(out_ptr, acc, l_i, token, head, dims, row_ok, stride_ot, stride_oh, stride_od,
-                O_L, LD)
+                q_my, O_L, LD, True)
 
 
 @gluon.jit

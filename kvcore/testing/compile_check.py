@@ -346,11 +346,14 @@ def _source_class(fn: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class CompiledLaunch:
     """One Triton launch compiled ahead of time by :func:`compile_launches`: the kernel's
-    name and its text stages by name (``ttir``, ``ttgir``, ``llir``, then ``ptx`` on NVIDIA or
-    ``amdgcn`` on AMD), e.g. to check the layouts the compiler chose for a tile."""
+    name, its text stages by name (``ttir``, ``ttgir``, ``llir``, then ``ptx`` on NVIDIA or
+    ``amdgcn`` on AMD), e.g. to check the layouts the compiler chose for a tile, and the bytes
+    of shared memory a program of it takes (``shared``: explicit buffers and the compiler's
+    scratch), e.g. to check a shared-memory bound a config check computes."""
 
     kernel: str
     asm: dict[str, str]
+    shared: int = 0
 
 
 def compile_launches(launch: Callable[[], None],
@@ -367,7 +370,8 @@ def compile_launches(launch: Callable[[], None],
         kernel = _triton_compile(recorded.fn, _specialize(recorded, resolved), io.StringIO())
         compiled.append(CompiledLaunch(recorded.fn.fn.__name__,
                                        {k: v for k, v in kernel.asm.items()
-                                        if isinstance(v, str)}))
+                                        if isinstance(v, str)},
+                                       int(kernel.metadata.shared)))
     return compiled
 
 
