@@ -63,7 +63,7 @@ result; the tables say which ones a GPU uses. On Hopper, ``AttentionConfig.gluon
 prefill tile in a kernel written in Gluon instead (:mod:`kvcore.ops.gluon_prefill`: its
 softmax overlaps the tensor cores, which no Triton-level schedule does), taken by
 :func:`default_config` where :data:`GLUON_PREFILL_TILES` has a row (sm90: the
-warp-specialised Gluon kernel).
+warp-specialised Gluon kernel with ping-pong).
 
 Masking: K/V loads are masked beyond each query tile's last visible key, so no byte outside
 a request's first ``seq_len`` tokens (the tail of its last block, other blocks) is read; masked
@@ -156,7 +156,8 @@ class AttentionConfig:
     warp-specialised variant runs: the 8 warps are two consumer warpgroups (64 rows each), and
     a third warpgroup issues the K/V copies; ``pingpong`` (that kernel only) has its two
     consumer warpgroups take turns issuing their matrix products, so one's softmax overlaps
-    the other's products (FlashAttention-3's schedule; not yet measured on a GPU).
+    the other's products (FlashAttention-3's schedule; 1-2% faster at 128 keys on the H200,
+    slower at 64).
     """
 
     block_q: int
@@ -237,13 +238,16 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
 #: :func:`paged_attention` falls back to the :data:`PREFILL_TILES` row for any call the Gluon
 #: kernel cannot run (:func:`gluon_prefill_unmet`: dtype, fp8 cache, cache alignment, a
 #: Triton without Gluon, not a Hopper GPU).
-#: sm90: the warp-specialised kernel (two consumer warpgroups, a copy warpgroup), 64 keys a
-#: step, 3 stages. In the H200 sweep of 2026-12-02 (benchmarks/RESULTS.md, tenth session) it
-#: took 386.9 / 1291.5 / 1314.3 us on the three prefill cases, against the Triton row's
-#: 447.8 / 1395.0 / 1432.9 us; 4 stages tied it (388.9 / 1278.4 / 1307.8) with more shared
-#: memory, the 128-key and non-specialised tiles were slower than the Triton row.
+#: sm90: the warp-specialised kernel (two consumer warpgroups taking turns on the tensor
+#: cores, a copy warpgroup), 128 keys a step, 3 stages (224 KiB of shared memory). In the H200
+#: sweep of 2026-12-02 (benchmarks/RESULTS.md, eleventh session) it took 383.5 / 1252.6 /
+#: 1293.7 us on the three prefill cases, against 389.1 / 1275.2 / 1303.0 without ping-pong,
+#: 387.0 / 1305.7 / 1342.9 for the previous row (64 keys, 3 stages, no ping-pong) and the
+#: Triton row's 445.5 / 1395.3 / 1414.2; two stages and the non-specialised kernel were
+#: slower than the Triton row.
 GLUON_PREFILL_TILES: dict[str, PrefillTile] = {
-    "sm90": PrefillTile(128, 64, 8, 3, const_block=True, warp_specialize=True, gluon=True),
+    "sm90": PrefillTile(128, 128, 8, 3, const_block=True, warp_specialize=True, gluon=True,
+                        pingpong=True),
 }
 
 #: Decode tiles and split-KV heuristic per GPU architecture (keys as in
