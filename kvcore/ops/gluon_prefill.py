@@ -40,14 +40,17 @@ stages. Stages are handed over on mbarriers: ``full`` receives each copy thread'
 barrier, so neither consumer waits for the other, and copies run up to ``STAGES`` tiles ahead.
 With ``pingpong`` as well, the two consumers take turns issuing their wgmmas (an mbarrier
 ``turn`` each, FlashAttention-3's warpgroup schedule), so that one's softmax runs while the
-other's products do; compiled for sm_90a on Triton 3.6 and 3.9 but not yet run on a GPU.
+other's products do. The consumers store their output through their own query tile, so the
+kernel needs no shared memory beyond its buffers (a layout conversion's scratch would stay
+reserved for the whole kernel and leave no room for 128 keys x 3 stages).
 
 Status (2026-12-02, H200, Triton 3.6): both kernels pass their GPU tests
-(``tests/ops/test_gluon_prefill.py``: 47 of 47). The warp-specialised one with 64 keys and 3
-stages is sm90's :data:`~kvcore.ops.triton_attention.GLUON_PREFILL_TILES` row: 0.86-0.93x the
-Triton row's time on the three prefill cases of ``bench_triton_prefill.py``. The other kernel
-is 1.03-1.10x slower than the Triton row and runs only when a config asks for it
-(``benchmarks/RESULTS.md``, tenth session).
+(``tests/ops/test_gluon_prefill.py``), ping-pong included. sm90's
+:data:`~kvcore.ops.triton_attention.GLUON_PREFILL_TILES` row is the warp-specialised kernel
+with ping-pong, 128 keys, 3 stages: 0.86-0.92x the Triton row's time on the three prefill
+cases of ``bench_triton_prefill.py``, 0.76-0.85x FlashInfer's speed. The plain kernel is
+slower than the Triton row and runs only when a config asks for it (``benchmarks/RESULTS.md``,
+tenth and eleventh sessions).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
             config = dataclasses.replace(
                 config, block_q=128 // config.g_pad, block_n=gluon_tile[0], num_warps=8,
                 num_stages=gluon_tile[1], const_block=True, edge_stages=0,
-                warp_specialize=False, gluon=True)
+                warp_specialize=False, pingpong=False, gluon=True)
         scale = torch.ones(1) if fp8 else None
         paged_attention(query, k_cache, v_cache, query_start_loc=query_start_loc,
                         seq_lens=seq_lens, block_table=block_table, scale=head_size ** -0.5,
