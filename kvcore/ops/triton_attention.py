@@ -312,9 +312,10 @@ def _gluon_config_unmet(cfg: AttentionConfig, head_size: int) -> str | None:
         return (f"config has gluon=True with const_block={cfg.const_block} and edge_stages="
                 f"{cfg.edge_stages}; the Gluon kernel always compiles the block size in and "
                 "has no masked-edge pipeline: set const_block=True and edge_stages=0")
-    # Stages, query tile, and room for the mbarriers (288 bytes compiled, either kernel); the
-    # kernels keep the compiler's layout-conversion scratch out of the main loop and stage
-    # their output through the query tile, so nothing else is allocated.
+    # Stages, query tile, and room for the mbarriers (288 bytes compiled). Nothing else: the
+    # warp-specialised kernel stages its output through the query tile, and the plain
+    # kernel's output conversion reuses the stages, free by then (the slow sm90 compile test
+    # checks this bound against what the compiler allocated).
     smem = (2 * cfg.num_stages * cfg.block_n + BLOCK_M) * head_size * 2 + 1024
     if smem > _GLUON_SMEM:
         return (f"config has gluon=True with block_n={cfg.block_n} and num_stages="

@@ -357,7 +357,8 @@ def test_gluon_prefill_matches_the_references(name: str, tile: str) -> None:
                          ids=["causal-window100", "causal-window1000", "noncausal",
                               "noncausal-window300"])
 @pytest.mark.parametrize("tiles", [("n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3",
-                                    "ws-n128-s3"), ("ws-pp-n64-s3",)], ids=["plain-ws", "ws-pp"])
+                                    "ws-n128-s3"), ("ws-pp-n64-s3", "ws-pp-n128-s3")],
+                         ids=["plain-ws", "ws-pp"])
 def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None,
                                               tiles: tuple[str, ...]) -> None:
     _gpu_or_skip()
