@@ -191,7 +191,7 @@ print(json.dumps(dict(
 @pytest.mark.slow
 @pytest.mark.parametrize("block_n,stages,variant", [
     (128, 2, "plain"), (64, 3, "plain"), (128, 2, "ws"), (64, 3, "ws"), (128, 3, "ws"),
-    (64, 3, "ws-pp")])
+    (64, 3, "ws-pp"), (128, 3, "ws-pp")])
 def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int,
                                                           variant: str) -> None:
     """Compiled ahead of time for sm_90a (no GPU; in a subprocess, since Gluon has no
