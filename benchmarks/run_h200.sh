@@ -187,7 +187,7 @@ fi
 # profiles: ncu on the kernels the open speed targets hinge on, with the stall reasons
 # (SourceCounters' warp-state sampling) the default sections leave out: TRITON_ATTN's sm90
 # prefill row (ping-pong, 128 x 3) at chunked prefill (4 x 512 over 16k), and TRITON_MLA's
-# Gluon decode kernel and merge at B8 x 32768 (8 splits) beside B64 x 4096 (one split).
+# Gluon decode kernel and merge at B8 x 32768 (8 splits) beside B64 x 4096 (one split, two).
 if has profiles; then
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats
@@ -195,7 +195,7 @@ if has profiles; then
     PROF_SHAPE=4,512,16384 PROF_TILE=128,3 PROF_VARIANT=ws-pp step ncu_prefill_row \
         ${PROFILE_LIMIT:-150} "$NCU" -k regex:gluon_prefill_ws --launch-count 1 "${sections[@]}" \
         python3 benchmarks/prof_gluon_prefill.py
-    for shape in 8,32768,8 64,4096,1; do
+    for shape in 8,32768,8 64,4096,1 64,4096,2; do
         PROF_SHAPE=$shape step "ncu_mla_${shape//,/x}" ${PROFILE_LIMIT:-150} "$NCU" \
             -k regex:"gluon_mla_decode|merge_splits" --launch-skip 2 --launch-count 2 \
             "${sections[@]}" python3 benchmarks/prof_gluon_mla.py
