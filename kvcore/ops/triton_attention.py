@@ -156,8 +156,8 @@ class AttentionConfig:
     warp-specialised variant runs: the 8 warps are two consumer warpgroups (64 rows each), and
     a third warpgroup issues the K/V copies; ``pingpong`` (that kernel only) has its two
     consumer warpgroups take turns issuing their matrix products, so one's softmax overlaps
-    the other's products (FlashAttention-3's schedule; 1-2% faster at 128 keys on the H200,
-    slower at 64).
+    the other's products (FlashAttention-3's schedule; on the H200 up to 3% faster at 128
+    keys, slower at 64).
     """
 
     block_q: int
