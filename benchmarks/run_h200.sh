@@ -33,6 +33,8 @@
 #   bench_triton_prefill (its Gluon tiles are probed in a child, then swept beside the table's
 #   Triton row; carry .whl so FlashInfer is timed beside them). PREFILL_BENCH_ARGS=--gluon-only
 #   keeps only the table row and the Gluon tiles and skips the decode sweep.
+#   mla_table: bench_mla's production sweep cut to TRITON_MLA's table config (--table-only) at
+#   the 128-head shapes, FlashInfer MLA beside it when .whl is carried.
 #   profiles: ncu (stall reasons included) on sm90's prefill row at chunked prefill and on
 #   TRITON_MLA's Gluon decode (and merge) at B8 x 32768 with 8 splits beside B64 x 4096.
 set -u
@@ -152,6 +154,12 @@ if has mla_tma; then
         plugins/mla/tests/test_mla_decode_score_split.py
     step bench_mla_sweep ${MLA_SWEEP_LIMIT:-240} python3 benchmarks/bench_mla.py --sweep-only \
         --budget-s ${MLA_SWEEP_BUDGET:-170} ${MLA_SWEEP_HEADS:+--heads $MLA_SWEEP_HEADS}
+fi
+# mla_table: TRITON_MLA's table config re-timed at the 128-head shapes (its split variants, the
+# merge, cross-layer in interleaved rounds, FlashInfer MLA when .whl is carried): ~1 min.
+if has mla_table; then
+    step bench_mla_table ${MLA_TABLE_LIMIT:-240} python3 benchmarks/bench_mla.py --sweep-only \
+        --table-only --heads 128 --budget-s 150
 fi
 if has gluon_prefill; then
     step gluon_prefill_tests ${GLUON_PREFILL_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
