@@ -1006,12 +1006,13 @@ def _descriptor_unmet(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, p
         return (f"kv_cache has last stride {kv_cache.stride(2)}; {path} needs contiguous "
                 f"channels (stride 1): pass a cache whose last dim is contiguous, or use {fix}")
     stride_page, stride_token = kv_cache.stride(0), kv_cache.stride(1)
-    unaligned = [what for what, nbytes in (
-        (f"base address {kv_cache.data_ptr():#x}", kv_cache.data_ptr()),
-        (f"token stride ({stride_token} x {item} bytes)", stride_token * item),
-        (f"rope offset (kv_lora_rank={kv_lora_rank} x {item} bytes)", kv_lora_rank * item),
-    ) if nbytes % 16]
-    if unaligned:
+    base = kv_cache.data_ptr()
+    if (base | stride_token * item | kv_lora_rank * item) % 16:  # messages only on a refusal
+        unaligned = [what for what, nbytes in (
+            (f"base address {base:#x}", base),
+            (f"token stride ({stride_token} x {item} bytes)", stride_token * item),
+            (f"rope offset (kv_lora_rank={kv_lora_rank} x {item} bytes)", kv_lora_rank * item),
+        ) if nbytes % 16]
         return (f"kv_cache's {' and '.join(unaligned)} is not a multiple of 16 bytes, as "
                 f"tensor descriptors (TMA) need: use a 16-byte aligned cache, or {fix}")
     if stride_token <= 0 or stride_page % stride_token:
