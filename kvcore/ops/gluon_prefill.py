@@ -76,6 +76,24 @@ BLOCK_M = 128
 NUM_WARPS = 8
 
 
+@gluon.constexpr_function
+def _row_layout(warps, head_d):
+    """Loads and stores of ``warps`` warps: 16 bytes a thread along a row of ``head_d``
+    16-bit channels, rows across the warps."""
+    row_threads = head_d // 8
+    return gl.BlockedLayout(size_per_thread=[1, 8],
+                            threads_per_warp=[32 // row_threads, row_threads],
+                            warps_per_cta=[warps, 1], order=[1, 0])
+
+
+@gluon.constexpr_function
+def _mma_layout(warps, n):
+    """A wgmma result of ``warps`` warps (rows 16 a warp) and ``n`` columns: the scores
+    (``n`` = keys a step) or the accumulator (``n`` = head size)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                     instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _tile_pages(bt_row, t, kv_end, stride_btb, LD: gl.constexpr, BLOCK_N: gl.constexpr,
                 PAGE: gl.constexpr):
@@ -225,16 +243,10 @@ def _gluon_prefill_kernel(
     first_q, kv_end, lo, n, full_lo, full_hi = _tile_keys(
         seq_lens_ptr, seq, q_len, q_tile, sliding_window, CAUSAL, USE_WINDOW, BLOCK_Q, BLOCK_N)
 
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                  instr_shape=[16, HEAD_D, 16])
+    S_L: gl.constexpr = _mma_layout(8, BLOCK_N)
+    O_L: gl.constexpr = _mma_layout(8, HEAD_D)
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    # Loads and stores: 16 bytes a thread along a row.
-    ROW_THREADS: gl.constexpr = HEAD_D // 8
-    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
-                                        threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
-                                        warps_per_cta=[8, 1], order=[1, 0])
+    LD: gl.constexpr = _row_layout(8, HEAD_D)
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                             rank=2)
     DTYPE: gl.constexpr = q_ptr.dtype.element_ty
@@ -366,10 +378,7 @@ def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_he
     so the warpgroup never blocks on a copy and runs up to ``STAGES`` tiles ahead. (Arriving
     only after waiting for a tile's copies deadlocks at two stages: the wait for a released
     stage would come before the arrive the consumers need to release it.)"""
-    ROW_THREADS: gl.constexpr = HEAD_D // 8
-    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
-                                        threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
-                                        warps_per_cta=[4, 1], order=[1, 0])
+    LD: gl.constexpr = _row_layout(4, HEAD_D)
     CHUNK: gl.constexpr = 32
     dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD))[None, :]
     for j in range(0, n):
@@ -422,15 +431,10 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
     FlashAttention-3 schedules its warpgroups), so that one's softmax runs while the other's
     products do."""
     ROWS: gl.constexpr = 64
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, HEAD_D, 16])
+    S_L: gl.constexpr = _mma_layout(4, BLOCK_N)
+    O_L: gl.constexpr = _mma_layout(4, HEAD_D)
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    ROW_THREADS: gl.constexpr = HEAD_D // 8
-    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
-                                        threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
-                                        warps_per_cta=[4, 1], order=[1, 0])
+    LD: gl.constexpr = _row_layout(4, HEAD_D)
     DTYPE: gl.constexpr = q_ptr.dtype.element_ty
     q_my = q_s.index(WG)
 

@@ -353,7 +353,7 @@ class CompiledLaunch:
 
     kernel: str
     asm: dict[str, str]
-    shared: int = 0
+    shared: int
 
 
 def compile_launches(launch: Callable[[], None],
