@@ -71,6 +71,8 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # 3.9 keeps the old name only to raise, so the new one is looked up first.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
+#: Scores use exp2: the softmax scale is multiplied by log2(e).
+_LOG2E = 1.4426950408889634
 #: The rows of one program (query tokens x padded GQA group) and its warps.
 BLOCK_M = 128
 NUM_WARPS = 8
@@ -349,7 +351,7 @@ def gluon_prefill_attention(
     # warpgroup); its other two warpgroups come with gl.warp_specialize.
     kernel[grid](
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-        float(scale) * 1.4426950408889634, num_seqs, num_heads // num_kv_heads,
+        float(scale) * _LOG2E, num_seqs, num_heads // num_kv_heads,
         sliding_window or 0, *query.stride(), *key_cache.stride()[:3],
         *value_cache.stride()[:3], *out.stride(), *block_table.stride(),
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, BLOCK_Q=block_q,

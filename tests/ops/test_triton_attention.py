@@ -221,6 +221,7 @@ def test_prefill_batches_route_to_the_prefill_kernel_with_the_gpus_tile() -> Non
     row = triton_attention.GLUON_PREFILL_TILES["sm90"]
     gluon = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90")
     assert gluon.prefill and gluon.gluon and gluon.warp_specialize == row.warp_specialize
+    assert gluon.pingpong == row.pingpong
     assert (gluon.block_q * gluon.g_pad, gluon.block_n, gluon.num_stages) == \
         (row.rows, row.block_n, row.num_stages)
     big = triton_attention.PREFILL_TILES["sm90"][1]
