@@ -40,9 +40,13 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     splits = tma.mla_decode_num_splits(batch, heads, tokens, config, sms)
     ref = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device="cuda")
     ref_lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
-    def workspace(n: int) -> torch.Tensor:
-        """A split workspace as TRITON_MLA's steps pass it (rows padded to 16 floats)."""
-        return torch.empty(batch, heads, n, 528, dtype=torch.float32, device="cuda")[..., :513]
+    def workspace(n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Split partials as TRITON_MLA's decode steps carve them (decode_partials: bf16
+        outputs, float32 log-sum-exps); ``None`` for one split."""
+        if n <= 1:
+            return None
+        flat = torch.empty(tma.mla_workspace_numel(batch, heads, RANK, n), device="cuda")
+        return tma.decode_partials(flat, batch, heads, RANK, n, q.dtype)
 
     ws = workspace(splits)
     out = torch.empty_like(ref)
@@ -56,8 +60,8 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
                                splits, config)
 
     def gluon_call() -> None:
-        gluon_mla_decode(q, cache, RANK, lens, table, scale, out, lse, num_splits=splits,
-                         workspace=ws2)
+        gluon_mla_decode(q, cache, RANK, lens, table, scale, out, lse, splits,
+                         *(ws2 or ()))
 
     calls = {"triton": triton_call, "gluon": gluon_call}
     outs = {"gluon": out}
@@ -67,8 +71,8 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
         outs[f"gluon x{other}"] = out_other
         calls[f"gluon x{other}"] = (
             lambda other=other, ws_other=ws_other, out_other=out_other: gluon_mla_decode(
-                q, cache, RANK, lens, table, scale, out_other, None, num_splits=other,
-                workspace=ws_other))
+                q, cache, RANK, lens, table, scale, out_other, None, other,
+                *(ws_other or ())))
     try:
         import flashinfer.mla  # noqa: F401
         from bench_flashinfer_mla import flashinfer_mla_direct

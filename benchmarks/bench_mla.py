@@ -860,14 +860,23 @@ def _programs_per_sm(case: ProdCase, cfg, splits: int) -> int | None:
 
 
 def _time_merge(run: Run, case: ProdCase, splits: int) -> None:
-    """The split reduction alone (its share of the best time), on a workspace of this shape's
-    size."""
-    workspace = randn(case.batch, case.heads, splits, RANK + 1, dtype=torch.float32)
-    out = torch.empty(case.batch, case.heads, RANK, dtype=DTYPE, device=DEVICE)
+    """The split reduction alone (its share of the best time) on partials of this shape's
+    size: as TRITON_MLA's decode carves them (``decode_partials``: 16-bit outputs) and as
+    float32 rows of an ``attn_logits`` workspace (``split_rows``)."""
+    b, h = case.batch, case.heads
+    out = torch.empty(b, h, RANK, dtype=DTYPE, device=DEVICE)
     block_d = max(16, 1 << (RANK - 1).bit_length())
-    t, how = time_call(lambda: tma()._merge_splits(workspace, out, None, RANK, splits, block_d))
-    _prod_row(run, case, "merge only", f"{splits} splits", t, rates=False, splits=splits,
-              method=how)
+    flat = torch.empty(tma().mla_workspace_numel(b, h, RANK, splits), device=DEVICE)
+    carved = tma().decode_partials(flat, b, h, RANK, splits, DTYPE)
+    carved[0].copy_(randn(b, h, splits, RANK))
+    carved[1].copy_(randn(b, h, splits, dtype=torch.float32))
+    rows = tma().split_rows(randn(b, h, splits, RANK + 1, dtype=torch.float32), RANK)
+    for what, (part, part_lse) in ((f"{str(DTYPE)[6:]} partials", carved),
+                                   ("float32 rows", rows)):
+        t, how = time_call(lambda part=part, part_lse=part_lse: tma()._merge_splits(
+            part, part_lse, out, None, splits, block_d))
+        _prod_row(run, case, "merge only", f"{splits} splits, {what}", t, rates=False,
+                  splits=splits, method=how)
 
 
 def _prod_point(run: Run, case: ProdCase, cfg, forced: int | None, reference: torch.Tensor,

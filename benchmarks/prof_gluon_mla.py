@@ -6,7 +6,11 @@ import os
 
 import torch
 from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
-from kvcore_mla.ops.triton_mla_attention import decode_attention_fwd
+from kvcore_mla.ops.triton_mla_attention import (
+    decode_attention_fwd,
+    decode_partials,
+    mla_workspace_numel,
+)
 
 RANK, ROPE, PAGE = 512, 64, 64
 batch, tokens, splits = (int(v) for v in os.environ.get("PROF_SHAPE", "64,4096,1").split(","))
@@ -19,9 +23,10 @@ q = torch.randn(batch, heads, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
 out = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device="cuda")
 lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
 logits = torch.empty(batch, heads, splits, 528, dtype=torch.float32, device="cuda")[..., :513]
+flat = torch.empty(mla_workspace_numel(batch, heads, RANK, splits) or 1, device="cuda")
+partials = decode_partials(flat, batch, heads, RANK, splits, q.dtype) if splits > 1 else ()
 for _ in range(2):
     decode_attention_fwd(q, cache, cache[..., :RANK], out, lse, table, lens, logits, splits,
                          0.1, PAGE, True)
-    gluon_mla_decode(q, cache, RANK, lens, table, 0.1, out, lse, num_splits=splits,
-                     workspace=logits if splits > 1 else None)
+    gluon_mla_decode(q, cache, RANK, lens, table, 0.1, out, lse, splits, *partials)
 torch.cuda.synchronize()

@@ -196,17 +196,42 @@ fi
 # (SourceCounters' warp-state sampling) the default sections leave out: TRITON_ATTN's sm90
 # prefill row (ping-pong, 128 x 3) at chunked prefill (4 x 512 over 16k), and TRITON_MLA's
 # Gluon decode kernel and merge at B8 x 32768 (8 splits) beside B64 x 4096 (one split, two).
+# Each profile is kept as a report, then printed three ways: the sections, the stall-reason
+# metrics of the raw page, and the SASS with its per-instruction stall samples (CSV).
+# PROFILES picks some of: prefill mla_8x32768x8 mla_64x4096x1 mla_64x4096x2.
 if has profiles; then
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats
               --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis)
-    PROF_SHAPE=4,512,16384 PROF_TILE=128,3 PROF_VARIANT=ws-pp step ncu_prefill_row \
-        ${PROFILE_LIMIT:-150} "$NCU" -k regex:gluon_prefill_ws --launch-count 1 "${sections[@]}" \
-        python3 benchmarks/prof_gluon_prefill.py
-    for shape in 8,32768,8 64,4096,1 64,4096,2; do
-        PROF_SHAPE=$shape step "ncu_mla_${shape//,/x}" ${PROFILE_LIMIT:-150} "$NCU" \
-            -k regex:"gluon_mla_decode|merge_splits" --launch-skip 2 --launch-count 2 \
-            "${sections[@]}" python3 benchmarks/prof_gluon_mla.py
+    profile() {  # profile NAME NCU-ARGS... CMD...
+        local name=$1; shift
+        step "ncu_$name" ${PROFILE_LIMIT:-150} "$NCU" "${sections[@]}" -f -o "$OUT/ncu_$name" "$@"
+        [ -f "$OUT/ncu_$name.ncu-rep" ] || return
+        "$NCU" --import "$OUT/ncu_$name.ncu-rep" --print-details all > "$OUT/ncu_${name}_details.txt" 2>&1
+        "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page raw --csv 2>&1 | python3 -c '
+import csv, sys
+rows = list(csv.reader(sys.stdin))
+head = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
+for row in rows[head + 2:] if head is not None else []:
+    got = dict(zip(rows[head], row))
+    print("##", got["Kernel Name"][:60], got.get("gpu__time_duration.sum", ""), "ns")
+    stalls = [(float(v.replace(",", "")), k) for k, v in got.items()
+              if "issue_stalled" in k and v.replace(",", "").replace(".", "").isdigit()]
+    for value, key in sorted(stalls, reverse=True)[:40]:
+        print(f"{value:14.2f}  {key}")' > "$OUT/ncu_${name}_stalls.txt"
+        head -n 16 "$OUT/ncu_${name}_stalls.txt"
+        "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv \
+            > "$OUT/ncu_${name}_sass.csv" 2>&1
+    }
+    for what in ${PROFILES:-prefill mla_8x32768x8 mla_64x4096x1 mla_64x4096x2}; do
+        if [ "$what" = prefill ]; then
+            PROF_SHAPE=4,512,16384 PROF_TILE=128,3 PROF_VARIANT=ws-pp profile prefill_row \
+                -k regex:gluon_prefill_ws --launch-count 1 python3 benchmarks/prof_gluon_prefill.py
+        else
+            shape=${what#mla_}
+            PROF_SHAPE=${shape//x/,} profile "$what" -k regex:"gluon_mla_decode|merge_splits" \
+                --launch-skip 2 --launch-count 2 python3 benchmarks/prof_gluon_mla.py
+        fi
     done
 fi
 if has demos; then

@@ -136,8 +136,9 @@ def test_the_op_refuses_a_workspace_it_cannot_use() -> None:
                 seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12,
                 max_query_len=1, num_kv_splits=2)
     needed = tma.mla_workspace_numel(1, HEADS, RANK, 2)
-    # Each split's row (output and LSE) padded to a multiple of 16 floats (aligned stores).
-    assert needed == HEADS * 2 * -(-(RANK + 1) // 16) * 16
+    # Room for the mixed kernel's rows (output and LSE padded to a multiple of 16 floats,
+    # aligned stores) and, ahead of them, the decode path's LSE block (16-float aligned).
+    assert needed == -(-HEADS * 2 // 16) * 16 + HEADS * 2 * -(-(RANK + 1) // 16) * 16
     with pytest.raises(ValueError, match=f"workspace has 10 elements but this call's split-KV "
                                          f"path needs {needed}"):
         tma.mla_attention(q, cache, workspace=torch.empty(10, device=DEVICE), **args)
@@ -146,21 +147,46 @@ def test_the_op_refuses_a_workspace_it_cannot_use() -> None:
                                                           device=DEVICE), **args)
 
 
-def test_a_bf16_decode_split_through_a_nan_workspace_matches_the_reference() -> None:
-    """bf16 queries and cache, split 3 ways through a NaN-filled workspace: within bf16
-    rounding of the one-split result and of the float64 reference."""
-    gen = generator("mla-bf16-splits")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+def test_decode_partials_fit_the_workspace_without_overlap(dtype: torch.dtype) -> None:
+    """The decode path's split buffers, carved from a workspace of mla_workspace_numel
+    elements: float32 LSEs first, then the outputs in the query's 16-bit dtype (float32 for
+    float32 queries), rows on 64-byte boundaries, the two regions disjoint and inside it."""
+    tokens, splits, rank = 3, 5, 72  # 72 channels: rows padded (16-bit: to 96, float32: 80)
+    flat = torch.zeros(tma.mla_workspace_numel(tokens, HEADS, rank, splits))
+    partials, partial_lse = tma.decode_partials(flat, tokens, HEADS, rank, splits, dtype)
+    assert partials.shape == (tokens, HEADS, splits, rank)
+    assert partial_lse.shape == (tokens, HEADS, splits)
+    assert partials.dtype == dtype and partial_lse.dtype == torch.float32
+    base = flat.data_ptr()
+    lse_end = partial_lse.data_ptr() - base + partial_lse.numel() * 4
+    start = partials.data_ptr() - base
+    assert lse_end <= start and start % 64 == 0
+    assert partials.stride(2) * dtype.itemsize % 64 == 0
+    end = start + (partials[-1, -1, -1, -1].data_ptr() - partials.data_ptr()) + dtype.itemsize
+    assert end <= flat.numel() * 4
+    partials.fill_(7)
+    partial_lse.fill_(-3)
+    assert (partial_lse == -3).all() and (partials == 7).all()  # neither overwrote the other
+
+
+def test_a_bf16_decode_split_through_16_bit_partials_matches_the_reference() -> None:
+    """bf16 queries and cache, split 3 ways through a NaN-filled workspace: the bf16 partial
+    outputs add no more than bf16 rounding to the one-split result and the float64 reference."""
+    gen = generator("mla-bf16-partials")
     meta = decode(gen, [120, 47])
     q = randn((2, HEADS, RANK + ROPE), torch.float32, gen).to(torch.bfloat16)
     cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen).to(torch.bfloat16)
     args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
-                seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12)
+                seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12,
+                max_query_len=1)
     workspace = torch.full((tma.mla_workspace_numel(2, HEADS, RANK, 3),), float("nan"),
                            device=DEVICE)
-    split = tma.mla_attention(q, cache, num_kv_splits=3, workspace=workspace,
-                              max_query_len=1, **args)
-    whole = tma.mla_attention(q, cache, num_kv_splits=1, max_query_len=1, **args)
-    expected = mla_attention_ref(q.double(), cache.double(), **args)
-    assert_close(split, expected, torch.bfloat16, "3 splits")
+    split = tma.mla_attention(q, cache, num_kv_splits=3, workspace=workspace, **args)
+    whole = tma.mla_attention(q, cache, num_kv_splits=1, **args)
+    expected = mla_attention_ref(q.double(), cache.double(), **{
+        k: v for k, v in args.items() if k != "max_query_len"})
+    assert_close(split, expected, torch.bfloat16, "3 splits, bf16 partials")
     assert_close(whole, expected, torch.bfloat16, "one split")
     torch.testing.assert_close(split, whole, atol=2e-2, rtol=2e-2)

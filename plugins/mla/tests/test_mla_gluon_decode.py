@@ -54,11 +54,16 @@ def test_compiles_for_sm90_with_its_wgmmas() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 3, 40], ids=["one-split", "3-splits",
-                                                         "40-splits-some-empty"])
-def test_real_size_matches_float64_reference(num_splits: int) -> None:
+@pytest.mark.parametrize("num_splits,partials", [(1, None), (3, "bf16"), (40, "bf16"),
+                                                 (3, "fp32")],
+                         ids=["one-split", "3-splits", "40-splits-some-empty",
+                              "3-splits-fp32-rows"])
+def test_real_size_matches_float64_reference(num_splits: int, partials: str | None) -> None:
+    """bf16 partials as TRITON_MLA's decode carves them (decode_partials), and float32 rows
+    of an ``attn_logits`` workspace (split_rows), all from NaN-filled memory."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA decode kernel is written for Hopper (capability 9.x)")
+    from kvcore_mla.ops import triton_mla_attention as tma
     from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
 
     q, cache, table, seq_lens = real_size_decode_case(generator("mla-gluon-decode"))
@@ -67,9 +72,16 @@ def test_real_size_matches_float64_reference(num_splits: int) -> None:
     cache[last_page, int(seq_lens[2]) % cache.shape[1]:] = float("nan")
     out = torch.full((*q.shape[:2], REAL_RANK), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    workspace = torch.full((*q.shape[:2], num_splits, REAL_RANK + 1), float("nan"),
-                           device=q.device)
+    parts = ()  # one split: the kernel writes out and lse itself
+    if partials == "bf16":
+        workspace = torch.full((tma.mla_workspace_numel(*q.shape[:2], REAL_RANK, num_splits),),
+                               float("nan"), device=q.device)
+        parts = tma.decode_partials(workspace, *q.shape[:2], REAL_RANK, num_splits, q.dtype)
+        assert parts[0].dtype == torch.bfloat16
+    elif partials == "fp32":
+        parts = tma.split_rows(torch.full((*q.shape[:2], num_splits, REAL_RANK + 1),
+                                          float("nan"), device=q.device), REAL_RANK)
     gluon_mla_decode(q, cache, REAL_RANK, seq_lens, table, REAL_SCALE, out, lse,
-                     num_splits=num_splits, workspace=workspace)
+                     num_splits, *parts)
     assert_decode_close(out, lse, q, cache, table, seq_lens, torch.bfloat16, rank=REAL_RANK,
                         scale=REAL_SCALE)

@@ -10,7 +10,7 @@ latent columns. The query sits in shared memory; latent tiles arrive by TMA into
 (two 3-d boxes a tile, one mbarrier a stage) with page ids read a tile ahead. Each step issues
 P x V of tile i and, behind it on the tensor cores, the scores of tile i + 1; once P x V is
 done the stage is refilled with tile i + 2 while the scores finish and their softmax runs.
-Splits write TRITON_MLA's workspace rows and its merge kernel reduces them.
+Splits write their partial rows (TRITON_MLA's decode_partials) and its merge kernel reduces them.
 
 Why not the Triton kernel (``_mla_decode_kernel``, same algorithm): Triton waits every wgmma at
 once, hoists every wgmma descriptor out of the loop (they spill) and puts a CTA-wide barrier
@@ -123,10 +123,10 @@ def _zero_stale_rows(nope_s, stage, t, seq_len, LD: gl.constexpr, SH: gl.constex
 
 @gluon.jit
 def _gluon_mla_decode_kernel(
-    q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
-    qk_scale, num_heads, num_head_blocks, num_splits, page_rows,
+    q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq_lens_ptr,
+    block_table_ptr, qk_scale, num_heads, num_head_blocks, num_splits, page_rows,
     stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
-    stride_pb, stride_ph, stride_ps, stride_btb,
+    stride_pb, stride_ph, stride_ps, stride_sb, stride_sh, stride_ss, stride_btb,
     D_NOPE: gl.constexpr, D_PE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
     WRITE_LSE: gl.constexpr, NEW_API: gl.constexpr,
@@ -241,7 +241,7 @@ def _gluon_mla_decode_kernel(
     # rows are 16-byte aligned, as TRITON_MLA's padded workspace rows are): straight from the
     # accumulator's layout every thread stores 8-byte pieces of 8 rows, and at 128 KB of
     # float32 partial output a program (splits) the store queue throttled the epilogue.
-    VEC: gl.constexpr = 4 if SPLIT else 8
+    VEC: gl.constexpr = 128 // part_ptr.dtype.element_ty.primitive_bitwidth if SPLIT else 8
     ST: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[1, 32],
                                         warps_per_cta=[8, 1], order=[1, 0])
     o_rows = (head_block * BLOCK_H
@@ -251,11 +251,13 @@ def _gluon_mla_decode_kernel(
     l_rows = (head_block * BLOCK_H
               + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))).to(gl.int64)
     if SPLIT:
-        # Workspace (batch, heads, splits, D_NOPE + 1): normalised output, base-2 LSE.
+        # Partials (batch, heads, splits, D_NOPE): normalised output (float32 or the query's
+        # 16-bit dtype); (batch, heads, splits): base-2 LSE, float32.
         part = part_ptr + seq * stride_pb + split * stride_ps
         gl.store(part + o_rows[:, None] * stride_ph + o_cols[None, :],
-                 gl.convert_layout(out, ST), mask=o_ok)
-        gl.store(part + l_rows * stride_ph + D_NOPE, lse2, mask=l_rows < num_heads)
+                 gl.convert_layout(out.to(part_ptr.dtype.element_ty), ST), mask=o_ok)
+        gl.store(part_lse_ptr + seq * stride_sb + split * stride_ss + l_rows * stride_sh, lse2,
+                 mask=l_rows < num_heads)
     else:
         gl.store(out_ptr + seq * stride_ob + o_rows[:, None] * stride_oh
                  + o_cols[None, :] * stride_od,
@@ -279,7 +281,8 @@ def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
                      out: torch.Tensor, lse: torch.Tensor | None = None, num_splits: int = 1,
-                     workspace: torch.Tensor | None = None) -> None:
+                     partials: torch.Tensor | None = None,
+                     partial_lse: torch.Tensor | None = None) -> None:
     """MLA decode (one query per request) on Hopper into ``out`` ``(batch, heads,
     kv_lora_rank)`` and the natural-log ``lse`` ``(batch, heads)`` when given.
 
@@ -288,9 +291,12 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     gluon_unmet` requires (which this checks first, raising ValueError with its reason);
     ``block_table`` ``(batch, max_pages)`` and ``seq_lens`` ``(batch,)`` int32, already
     validated by the caller (TRITON_MLA's decode entry points). With ``num_splits`` > 1 each
-    request's tiles are cut into that many parts, each written to ``workspace`` (float32
-    ``(batch, heads, num_splits, kv_lora_rank + 1)``, last stride 1) and merged by TRITON_MLA's
-    merge kernel."""
+    request's tiles are cut into that many parts, each part's normalised output written to
+    ``partials`` (``(batch, heads, num_splits, kv_lora_rank)``, float32 or ``q``'s dtype, last
+    stride 1) and its base-2 log-sum-exp to ``partial_lse`` (``(batch, heads, num_splits)``,
+    float32), then merged by TRITON_MLA's merge kernel
+    (:func:`~kvcore_mla.ops.triton_mla_attention.decode_partials` carves both from a
+    workspace)."""
     from kvcore_mla.ops.triton_mla_attention import _merge_splits, gluon_unmet
 
     reason = gluon_unmet(q, kv_cache, kv_lora_rank)
@@ -310,25 +316,35 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
 
     nope_desc, pe_desc = chunked(rows[:, :kv_lora_rank]), chunked(rows[:, kv_lora_rank:])
     split = num_splits > 1
-    want = (batch, num_heads, num_splits, kv_lora_rank + 1)
-    if split and (workspace is None or workspace.dtype != torch.float32
-                  or tuple(workspace.shape) != want or workspace.stride(3) != 1):
-        got = "None" if workspace is None else f"{workspace.dtype} {tuple(workspace.shape)}"
-        raise ValueError(f"workspace is {got}; num_splits={num_splits} needs a float32 "
-                         f"workspace of shape {want} with last stride 1")
-    part = workspace if split else out
-    part_strides = workspace.stride()[:3] if split else (0, 0, 0)
+    if split:
+        want = (batch, num_heads, num_splits, kv_lora_rank)
+        if (partials is None or partials.dtype not in (torch.float32, q.dtype)
+                or tuple(partials.shape) != want or partials.stride(3) != 1):
+            got = "None" if partials is None else f"{partials.dtype} {tuple(partials.shape)}"
+            raise ValueError(f"partials is {got}; num_splits={num_splits} needs a float32 or "
+                             f"{q.dtype} tensor of shape {want} with last stride 1")
+        if (partial_lse is None or partial_lse.dtype != torch.float32
+                or tuple(partial_lse.shape) != want[:3]):
+            got = ("None" if partial_lse is None
+                   else f"{partial_lse.dtype} {tuple(partial_lse.shape)}")
+            raise ValueError(f"partial_lse is {got}; num_splits={num_splits} needs a float32 "
+                             f"tensor of shape {want[:3]}")
+    part = partials if split else out
+    part_lse = partial_lse if split else out
+    part_strides = partials.stride()[:3] if split else (0, 0, 0)
+    part_lse_strides = partial_lse.stride() if split else (0, 0, 0)
     lse_arg = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0)
     num_head_blocks = -(-num_heads // block_h)
     _gluon_mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
-        q, nope_desc, pe_desc, out, lse_arg, part, seq_lens, block_table,
+        q, nope_desc, pe_desc, out, lse_arg, part, part_lse, seq_lens, block_table,
         float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
-        *q.stride(), *out.stride(), *lse_strides, *part_strides, block_table.stride(0),
+        *q.stride(), *out.stride(), *lse_strides, *part_strides, *part_lse_strides,
+        block_table.stride(0),
         D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, WRITE_LSE=lse is not None,
         NEW_API=_NEW_REINTERPRET, num_warps=8,
     )
     if split:
-        _merge_splits(workspace, out, lse, kv_lora_rank, num_splits,
+        _merge_splits(partials, partial_lse, out, lse, num_splits,
                       max(16, 1 << (kv_lora_rank - 1).bit_length()))

@@ -95,6 +95,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -120,6 +121,7 @@ __all__ = [
     "MLA_DECODE_CONFIGS",
     "LaunchConfig",
     "decode_attention_fwd",
+    "decode_partials",
     "default_config",
     "default_num_kv_splits",
     "family_of",
@@ -130,6 +132,7 @@ __all__ = [
     "mla_decode_config",
     "mla_decode_num_splits",
     "mla_workspace_numel",
+    "split_rows",
     "tma_unmet",
 ]
 
@@ -565,8 +568,9 @@ def _attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, out_ptr, lse_ptr, v_dim,
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr, v_dim,
     stride_pt, stride_ph, stride_ps, stride_pd,
+    stride_qt, stride_qh, stride_qs,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -575,19 +579,25 @@ def _merge_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD).to(tl.int64)
-    s_valid = splits < NUM_SPLITS
+    part_lse = part_lse_ptr + token * stride_qt + head * stride_qh
+    m = tl.max(tl.load(part_lse + splits * stride_qs, mask=splits < NUM_SPLITS,
+                       other=float("-inf")), 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, BLOCK_DV).to(tl.int64)
     d_valid = d < v_dim
-    part = part_ptr + token * stride_pt + head * stride_ph + splits * stride_ps
-    lse2 = tl.load(part + v_dim * stride_pd, mask=s_valid, other=float("-inf"))
-    m = tl.max(lse2, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse2 - m_use)  # 0 for empty splits
-    o = tl.load(part[:, None] + d[None, :] * stride_pd, mask=s_valid[:, None] & d_valid[None, :],
-                other=0.0)
-    total = tl.sum(w, 0)
+    part = part_ptr + token * stride_pt + head * stride_ph + d * stride_pd
+    # One 1-D row a split, the splits unrolled: every thread sums its own channels over the
+    # splits in registers. A [splits, channels] tile let Triton spread 16-bit rows over warps
+    # on the splits axis, and its sum then crossed warps through shared memory (2x slower).
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    total = 0.0
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_lse + s * stride_qs) - m_use)  # 0 for an empty split
+        row = tl.load(part + s * stride_ps, mask=d_valid, other=0.0).to(tl.float32)
+        acc += w * row
+        total += w
     has_keys = total > 0
-    out = tl.sum(w[:, None] * o, 0) / tl.where(has_keys, total, 1.0)
+    out = acc / tl.where(has_keys, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_valid)
     if WRITE_LSE:
@@ -707,13 +717,14 @@ def _tma_tile(q0, q1, q_pe, nope_desc, pe_desc, row, m_i, l_i, acc0, acc1, valid
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, kv_ptr, out_ptr, lse_ptr, part_ptr, seq_lens_ptr, block_table_ptr,
+    q_ptr, kv_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq_lens_ptr, block_table_ptr,
     k_scale, qk_scale, num_heads, num_head_blocks, num_splits, kv_rows, page_rows,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
     stride_ob, stride_oh, stride_od,
     stride_lb, stride_lh,
     stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_sb, stride_sh, stride_ss,
     stride_btb, stride_btp,
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -876,12 +887,14 @@ def _mla_decode_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)[:, None]
     lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     if SPLIT:
-        # Workspace (batch, heads, splits, D_NOPE + 1): normalised output, base-2 LSE.
+        # Partials (batch, heads, splits, D_NOPE): normalised output; (batch, heads, splits):
+        # base-2 LSE.
         part = part_ptr + seq * stride_pb + heads64 * stride_ph + split * stride_ps
         _store_rows(part, c0, stride_pd, acc0 / l_safe, h_valid, D_NOPE)
         if SPLIT_LATENT:
             _store_rows(part, c1, stride_pd, acc1 / l_safe, h_valid, D_NOPE)
-        tl.store(part + D_NOPE * stride_pd, lse2, mask=h_valid)
+        tl.store(part_lse_ptr + seq * stride_sb + heads64 * stride_sh + split * stride_ss, lse2,
+                 mask=h_valid)
     else:
         o_rows = out_ptr + seq * stride_ob + heads64 * stride_oh
         _store_rows(o_rows, c0, stride_od, acc0 / l_safe, h_valid, D_NOPE)
@@ -893,19 +906,50 @@ def _mla_decode_kernel(
                      mask=h_valid)
 
 
-def _merge_splits(workspace: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                  v_dim: int, num_splits: int, block_dv: int) -> None:
-    """Reduce the split workspace ``(tokens, heads, num_splits, v_dim + 1)`` into ``out``
-    ``(tokens, heads, v_dim)`` (and the natural-log ``lse`` ``(tokens, heads)`` if given): one
-    program per (token, head). ``benchmarks/bench_mla.py`` times it alone."""
-    num_tokens, num_heads = out.shape[0], out.shape[1]
+def _merge_splits(partials: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor | None, num_splits: int, block_dv: int) -> None:
+    """Reduce each split's normalised output ``partials`` ``(tokens, heads, num_splits,
+    v_dim)`` (float32, or the output's 16-bit dtype) and base-2 log-sum-exp ``partial_lse``
+    ``(tokens, heads, num_splits)`` (float32) into ``out`` ``(tokens, heads, v_dim)`` (and the
+    natural-log ``lse`` ``(tokens, heads)`` if given): one program per (token, head), sums in
+    float32. ``benchmarks/bench_mla.py`` times it alone."""
+    num_tokens, num_heads, v_dim = out.shape
     lse_arg = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0)
     _merge_splits_kernel[(num_tokens, num_heads)](
-        workspace, out, lse_arg, v_dim, *workspace.stride(), *out.stride(), *lse_strides,
-        WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
-        SPLITS_PAD=next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4,
+        partials, partial_lse, out, lse_arg, v_dim, *partials.stride(), *partial_lse.stride(),
+        *out.stride(), *lse_strides, WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
+        SPLITS_PAD=next_power_of_2(num_splits), BLOCK_DV=block_dv,
+        # 16 bytes a thread a row: 4 warps on float32 rows of 512, 2 on 16-bit ones.
+        num_warps=max(1, min(8, block_dv * partials.element_size() // 512)),
     )
+
+
+def split_rows(workspace: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials, partial_lse)`` views of a float32 split workspace ``(tokens, heads,
+    splits, >= v_dim + 1)`` whose rows hold a split's normalised output then its base-2
+    log-sum-exp (``decode_attention_fwd``'s ``attn_logits``): ``[..., :v_dim]`` and
+    ``[..., v_dim]``, as the split kernels and :func:`_merge_splits` take them."""
+    return workspace[..., :v_dim], workspace[..., v_dim]
+
+
+def decode_partials(workspace: torch.Tensor, num_tokens: int, num_heads: int, v_dim: int,
+                    num_splits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials, partial_lse)`` carved out of a flat float32 workspace of
+    :func:`mla_workspace_numel` elements for the MLA decode path: the base-2 log-sum-exps
+    first, float32 ``(tokens, heads, splits)``; then the normalised outputs ``(tokens, heads,
+    splits, v_dim)`` in ``dtype`` when it is 16-bit (the output's: half the bytes written and
+    merged, rounding the merge adds is below the output's own), else float32, rows padded to
+    64 bytes for vector stores."""
+    rows = num_tokens * num_heads * num_splits
+    partial_lse = workspace[:rows].view(num_tokens, num_heads, num_splits)
+    part_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    per_float = 4 // part_dtype.itemsize
+    row = -(-v_dim // (16 * per_float)) * 16 * per_float
+    start = -(-rows // 16) * 16
+    partials = workspace[start:start + rows * row // per_float].view(part_dtype).view(
+        num_tokens, num_heads, num_splits, row)[..., :v_dim]
+    return partials, partial_lse
 
 
 def _launch(
@@ -973,7 +1017,7 @@ def _launch(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _merge_splits(workspace, out, lse, v_dim, num_splits, block_dv)
+        _merge_splits(*split_rows(workspace, v_dim), out, lse, num_splits, block_dv)
 
 
 #: TMA coordinates are signed 32-bit: the rows a descriptor spans.
@@ -1122,7 +1166,7 @@ def _launch_mla_decode(
     kv_lora_rank: int,
     out: torch.Tensor,
     lse: torch.Tensor | None,
-    workspace: torch.Tensor | None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
@@ -1136,12 +1180,15 @@ def _launch_mla_decode(
     head group with ``tl.dot`` (``[block_h, kv_lora_rank] x [kv_lora_rank, block_n]`` plus the
     rope part), online softmax in float32 with ``exp2``, and the same tile as the value
     (``acc += p x latent``). With splits, each split's normalised output and base-2 LSE go to
-    ``workspace`` ``(batch, heads, splits, kv_lora_rank + 1)`` and :func:`_merge_splits_kernel`
-    reduces them. ``kv_cache`` is 3-dim ``(num_pages, page_size, kv_lora_rank + rope)`` of any
-    strides; ``q`` ``(batch, heads, kv_lora_rank + rope)``; k_scale is used for fp8 caches."""
+    ``partials`` (``(batch, heads, splits, kv_lora_rank)`` float32 or 16-bit, ``(batch, heads,
+    splits)`` float32: :func:`decode_partials`, :func:`split_rows`) and
+    :func:`_merge_splits_kernel` reduces them. ``kv_cache`` is 3-dim ``(num_pages, page_size,
+    kv_lora_rank + rope)`` of any strides; ``q`` ``(batch, heads, kv_lora_rank + rope)``;
+    k_scale is used for fp8 caches."""
     batch, num_heads, k_dim = q.shape
     if batch == 0:
         return
+    part, part_lse = partials if num_splits > 1 else (None, None)
     if config.gluon:
         reason = gluon_available()
         if reason is not None:
@@ -1149,7 +1196,7 @@ def _launch_mla_decode(
         from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
 
         gluon_mla_decode(q, kv_cache, kv_lora_rank, seq_lens, block_table, scale, out, lse,
-                         num_splits, workspace)
+                         num_splits, part, part_lse)
         return
     page_size = kv_cache.shape[1]
     pe_dim = k_dim - kv_lora_rank
@@ -1159,18 +1206,20 @@ def _launch_mla_decode(
     split = num_splits > 1
     lse_arg = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0)
-    part = workspace if split else out
-    part_strides = workspace.stride() if split else (0, 0, 0, 0)
+    part_strides = part.stride() if split else (0, 0, 0, 0)
+    part_lse_strides = part_lse.stride() if split else (0, 0, 0)
+    if not split:
+        part = part_lse = out
     block_d = max(16, next_power_of_2(kv_lora_rank))
     kv_rows = page_rows = 0
     if config.tma:
         kv_rows, page_rows = _tma_rows(kv_cache, kv_lora_rank, config)
     launch = functools.partial(
         _mla_decode_kernel[(num_head_blocks * num_splits * batch,)],
-        q, kv_cache, out, lse_arg, part, seq_lens, block_table,
+        q, kv_cache, out, lse_arg, part, part_lse, seq_lens, block_table,
         ks, float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, kv_rows, page_rows,
         *q.stride(), *kv_cache.stride(), *out.stride(), *lse_strides, *part_strides,
-        *block_table.stride(),
+        *part_lse_strides, *block_table.stride(),
         D_NOPE=kv_lora_rank, D_PE=pe_dim, BLOCK_D=block_d,
         BLOCK_PE=max(16, next_power_of_2(max(pe_dim, 1))),
         PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
@@ -1188,7 +1237,7 @@ def _launch_mla_decode(
     else:
         launch()
     if split:
-        _merge_splits(workspace, out, lse, kv_lora_rank, num_splits, block_d)
+        _merge_splits(part, part_lse, out, lse, num_splits, block_d)
 
 
 def decode_attention_fwd(
@@ -1255,8 +1304,9 @@ def decode_attention_fwd(
     if cfg.block_q != 1:
         raise ValueError(f"config.block_q={cfg.block_q}; decode runs one query per program (1)")
     if mla:
-        _launch_mla_decode(q, k_buffer[:, :, 0], v_buffer.shape[3], o, lse, attn_logits,
-                           b_seq_len, req_to_page, sm_scale, k_scale, num_kv_splits, cfg)
+        _launch_mla_decode(q, k_buffer[:, :, 0], v_buffer.shape[3], o, lse,
+                           split_rows(attn_logits, v_buffer.shape[3]), b_seq_len, req_to_page,
+                           sm_scale, k_scale, num_kv_splits, cfg)
         return
     _launch(q, k_buffer, v_buffer, o, lse, attn_logits, None, b_seq_len, req_to_page,
             sm_scale, k_scale, v_scale, num_kv_splits, is_mla, cfg)
@@ -1326,10 +1376,8 @@ def mla_attention(
                 block_table.shape[1] * kv_cache.shape[1])
             num_kv_splits = mla_decode_num_splits(num_seqs, num_heads, bound, cfg,
                                                   _num_sms(q.device))
-    part = None
     if num_kv_splits > 1:
         needed = mla_workspace_numel(num_tokens, num_heads, kv_lora_rank, num_kv_splits)
-        padded = (num_tokens, num_heads, num_kv_splits, _part_row(kv_lora_rank))
         if workspace is None:
             workspace = torch.empty(needed, dtype=torch.float32, device=q.device)
         else:
@@ -1343,13 +1391,21 @@ def mla_attention(
             if workspace.numel() < needed:
                 raise ValueError(f"workspace has {workspace.numel()} elements but this call's "
                                  f"split-KV path needs {needed} (see mla_workspace_numel)")
-        part = workspace.reshape(-1)[:needed].view(padded)[..., :kv_lora_rank + 1]
+        workspace = workspace.reshape(-1)
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     scale_used = k_scale if fp8 else None
     if decode:
-        _launch_mla_decode(q, kv_cache, kv_lora_rank, out, None, part, seq_lens, block_table,
-                           scale, scale_used, num_kv_splits, cfg)
+        partials = None
+        if num_kv_splits > 1:
+            partials = decode_partials(workspace, num_tokens, num_heads, kv_lora_rank,
+                                       num_kv_splits, q.dtype)
+        _launch_mla_decode(q, kv_cache, kv_lora_rank, out, None, partials, seq_lens,
+                           block_table, scale, scale_used, num_kv_splits, cfg)
         return out
+    part = None
+    if num_kv_splits > 1:  # the mixed kernel's rows: output then base-2 LSE, float32
+        padded = (num_tokens, num_heads, num_kv_splits, _part_row(kv_lora_rank))
+        part = workspace[:math.prod(padded)].view(padded)[..., :kv_lora_rank + 1]
     k_cache = kv_cache.unsqueeze(2)
     _launch(q, k_cache, k_cache[..., :kv_lora_rank], out, None, part,
             query_start_loc, seq_lens, block_table, scale,
@@ -1359,12 +1415,15 @@ def mla_attention(
 
 def mla_workspace_numel(num_tokens: int, num_heads: int, kv_lora_rank: int,
                         num_kv_splits: int) -> int:
-    """float32 elements of :func:`mla_attention`'s split-KV workspace: each split's normalised
-    output and log-sum-exp, ``(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)``, each
-    row padded to a multiple of 16 elements (0 without splits)."""
+    """float32 elements of :func:`mla_attention`'s split-KV workspace (0 without splits):
+    room for either layout it takes. Mixed batches: each split's normalised output and
+    log-sum-exp, ``(num_tokens, num_heads, num_kv_splits, kv_lora_rank + 1)``, rows padded to
+    a multiple of 16 elements. Decode: :func:`decode_partials` (the log-sum-exps, then the
+    outputs in the query's 16-bit dtype or float32, rows padded to 64 bytes)."""
     if num_kv_splits <= 1:
         return 0
-    return num_tokens * num_heads * num_kv_splits * _part_row(kv_lora_rank)
+    rows = num_tokens * num_heads * num_kv_splits
+    return -(-rows // 16) * 16 + rows * _part_row(kv_lora_rank)
 
 
 def _part_row(kv_lora_rank: int) -> int:
