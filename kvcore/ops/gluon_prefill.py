@@ -357,7 +357,9 @@ def gluon_prefill_attention(
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, BLOCK_Q=block_q,
         G_PAD=g_pad, BLOCK_N=block_n, HEAD_D=head_size, PAGE=key_cache.shape[1],
         STAGES=num_stages, num_warps=4 if warp_specialize else NUM_WARPS,
-        **({"PINGPONG": pingpong} if warp_specialize else {}),
+        **({"PINGPONG": pingpong,
+            "KV_SAME": key_cache.stride()[:3] == value_cache.stride()[:3]}
+           if warp_specialize else {}),
     )
 
 
@@ -373,7 +375,7 @@ WS_LOADER_REGS = gl.constexpr(48)
 def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_head64,
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
-               STAGES: gl.constexpr):
+               STAGES: gl.constexpr, KV_SAME: gl.constexpr):
     """The copy warpgroup: K and V of each key tile gathered by ``cp.async`` into the stage
     its consumers released (``empty``). Each copy thread's ``cp.async.mbarrier.arrive`` lands
     on the tile's ``full`` barrier (count: the warpgroup's 128 threads) once its copies have,
@@ -382,23 +384,51 @@ def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_he
     stage would come before the arrive the consumers need to release it.)"""
     LD: gl.constexpr = _row_layout(4, HEAD_D)
     CHUNK: gl.constexpr = 32
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LD))
     dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD))[None, :]
+    # Address arithmetic is most of this warpgroup's instructions, and they take issue slots
+    # from the consumers, so what does not change is computed once: the head's offset goes
+    # into the base pointers; a row's slot offset is fixed when pages divide the chunk, and a
+    # chunk lies in one page (one block id) when the chunk divides pages; with KV_SAME (K and
+    # V caches of equal strides, the usual allocation) V's copies reuse K's offsets.
+    k_head = k_ptr + kv_head64 * stride_kh
+    v_head = v_ptr + kv_head64 * stride_vh
+    if PAGE % CHUNK == 0:
+        in_page = (rows.to(gl.int64) * stride_ks)[:, None] + dims
+    else:
+        in_page = ((rows % PAGE).to(gl.int64) * stride_ks)[:, None] + dims
     for j in range(0, n):
         st = j % STAGES
         if j >= STAGES:
             mbarrier.wait(empty.index(st), (j // STAGES - 1) & 1)
         # In chunks of CHUNK keys, so that a chunk's addresses are all a thread holds.
         for c in gl.static_range(BLOCK_N // CHUNK):
-            k_pos = (lo + j) * BLOCK_N + c * CHUNK + gl.arange(
-                0, CHUNK, layout=gl.SliceLayout(1, LD))
-            pages = gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb,
-                            mask=k_pos < kv_end, other=0).to(gl.int64)
-            slot = (k_pos % PAGE).to(gl.int64)
-            ok = (k_pos < kv_end)[:, None]
-            rows = (pages * stride_kb + slot * stride_ks + kv_head64 * stride_kh)[:, None]
-            _async_load(k_s.index(st).slice(c * CHUNK, CHUNK), k_ptr + rows + dims, mask=ok)
-            rows = (pages * stride_vb + slot * stride_vs + kv_head64 * stride_vh)[:, None]
-            _async_load(v_s.index(st).slice(c * CHUNK, CHUNK), v_ptr + rows + dims, mask=ok)
+            start = (lo + j) * BLOCK_N + c * CHUNK
+            k_pos = start + rows
+            ok = k_pos < kv_end
+            if PAGE % CHUNK == 0:
+                page = gl.load(bt_row + (start // PAGE).to(gl.int64) * stride_btb,
+                               mask=start < kv_end, other=0).to(gl.int64)
+                k_off = page * stride_kb + (start % PAGE).to(gl.int64) * stride_ks + in_page
+            else:
+                pages = gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb, mask=ok,
+                                other=0).to(gl.int64)
+                if CHUNK % PAGE == 0:
+                    k_off = (pages * stride_kb)[:, None] + in_page
+                else:
+                    slot = (k_pos % PAGE).to(gl.int64)
+                    k_off = (pages * stride_kb + slot * stride_ks)[:, None] + dims
+            _async_load(k_s.index(st).slice(c * CHUNK, CHUNK), k_head + k_off,
+                        mask=ok[:, None])
+            if KV_SAME:
+                v_off = k_off
+            else:
+                pages = gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb, mask=ok,
+                                other=0).to(gl.int64)
+                slot = (k_pos % PAGE).to(gl.int64)
+                v_off = (pages * stride_vb + slot * stride_vs)[:, None] + dims
+            _async_load(v_s.index(st).slice(c * CHUNK, CHUNK), v_head + v_off,
+                        mask=ok[:, None])
         async_copy.mbarrier_arrive(full.index(st), increment_count=False)
 
 
@@ -494,7 +524,7 @@ def _gluon_prefill_ws_kernel(
     stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_od, stride_bts, stride_btb,
     CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, BLOCK_Q: gl.constexpr,
     G_PAD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
-    STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    STAGES: gl.constexpr, PINGPONG: gl.constexpr, KV_SAME: gl.constexpr,
 ):
     """One (query tile, KV head) of prefill attention, warp-specialised: two consumer
     warpgroups (64 rows each) and a copy warpgroup; see :func:`gluon_prefill_attention`."""
@@ -540,5 +570,6 @@ def _gluon_prefill_ws_kernel(
                          HEAD_D, STAGES, PINGPONG)),
          (_ws_loader, (k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end,
                        kv_head.to(gl.int64), stride_kb, stride_ks, stride_kh, stride_vb,
-                       stride_vs, stride_vh, stride_btb, BLOCK_N, HEAD_D, PAGE, STAGES))],
+                       stride_vs, stride_vh, stride_btb, BLOCK_N, HEAD_D, PAGE, STAGES,
+                       KV_SAME))],
         [4, 4], [WS_CONSUMER_REGS, WS_LOADER_REGS])

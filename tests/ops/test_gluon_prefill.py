@@ -334,6 +334,8 @@ GPU_CASES = {
     "padded-group-gqa5-bs16-D128-bf16": ([150, 40], [150, 400], 10, 2, 128, 16,
                                          torch.bfloat16),
     "odd-block-size-8-gqa4-D64-bf16": ([333], [999], 8, 2, 64, 8, torch.bfloat16),
+    # 48 neither divides nor is divided by the copy warpgroup's 32-key chunks.
+    "block-size-48-gqa4-D128-bf16": ([260, 9], [700, 9], 32, 8, 128, 48, torch.bfloat16),
 }
 
 
@@ -401,6 +403,30 @@ def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws:
     triton_attention.paged_attention(query, k, v, **kwargs, output=out[:, ::2])
     assert torch.equal(out[:, ::2], flat)
     assert torch.isnan(out[:, 1::2]).all()  # the other heads of the output untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "ws", "ws-pp"])
+def test_gluon_prefill_with_k_and_v_caches_of_different_strides(ws: bool, pp: bool) -> None:
+    """A value cache whose blocks are padded (block stride unlike the key cache's): the copy
+    warpgroup computes V's offsets on their own; the same bits as on contiguous copies."""
+    _gpu_or_skip()
+    batch = make_batch(torch.Generator().manual_seed(16), q_lens=[300, 45], seq_lens=[900, 45],
+                       num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                       dtype=torch.bfloat16)
+    k = batch.key_cache
+    padded = torch.full((k.shape[0], k.shape[1] + 2, *k.shape[2:]), float("nan"),
+                        dtype=k.dtype, device=k.device)
+    v = padded[:, :k.shape[1]]
+    v.copy_(batch.value_cache)
+    assert v.stride() != k.stride()
+    cfg = gluon_config(32, 8, ws=ws, pingpong=pp, num_stages=3 if ws else 2)
+    strided = triton_attention.paged_attention(batch.query, k, v, **batch.kwargs(), config=cfg)
+    flat = triton_attention.paged_attention(batch.query, k, batch.value_cache,
+                                            **batch.kwargs(), config=cfg)
+    assert torch.equal(strided, flat)
+    check_against_references(flat, batch)
 
 
 @pytest.mark.gpu
