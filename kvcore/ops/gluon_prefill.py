@@ -47,10 +47,12 @@ reserved for the whole kernel and leave no room for 128 keys x 3 stages).
 Status (2026-12-02, H200, Triton 3.6): both kernels pass their GPU tests
 (``tests/ops/test_gluon_prefill.py``), ping-pong included. sm90's
 :data:`~kvcore.ops.triton_attention.GLUON_PREFILL_TILES` row is the warp-specialised kernel
-with ping-pong, 128 keys, 3 stages: 0.86-0.92x the Triton row's time on the three prefill
-cases of ``bench_triton_prefill.py``, 0.76-0.85x FlashInfer's speed. The plain kernel is
-slower than the Triton row and runs only when a config asks for it (``benchmarks/RESULTS.md``,
-tenth and eleventh sessions).
+with ping-pong, 128 keys, 3 stages: 0.94x / 1.01x / 0.95x FlashInfer's speed on the three
+prefill cases of ``bench_triton_prefill.py`` (4 x 2048, 1 x 8192, 4 x 512 over 16k cached).
+Most of that came from the copy warpgroup's address arithmetic: its instructions share the
+SMs' schedulers with the consumers, and halving them (769 to 403 a tile) took 17-20% off.
+The plain kernel is slower than the Triton row and runs only when a config asks for it
+(``benchmarks/RESULTS.md``, tenth to twelfth sessions).
 """
 
 from __future__ import annotations
