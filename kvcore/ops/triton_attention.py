@@ -240,11 +240,11 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
 #: Triton without Gluon, not a Hopper GPU).
 #: sm90: the warp-specialised kernel (two consumer warpgroups taking turns on the tensor
 #: cores, a copy warpgroup), 128 keys a step, 3 stages (224 KiB of shared memory). In the H200
-#: sweep of 2026-12-02 (benchmarks/RESULTS.md, eleventh session) it took 383.5 / 1252.6 /
-#: 1293.7 us on the three prefill cases, against 389.1 / 1275.2 / 1303.0 without ping-pong,
-#: 387.0 / 1305.7 / 1342.9 for the previous row (64 keys, 3 stages, no ping-pong) and the
-#: Triton row's 445.5 / 1395.3 / 1414.2; two stages and the non-specialised kernel were
-#: slower than the Triton row.
+#: sweep of 2026-12-02 (benchmarks/RESULTS.md, twelfth session, s12d) it took 326.1 / 1021.2 /
+#: 1064.6 us on the three prefill cases (FlashInfer direct 305.6 / 1033.7 / 1006.8), against
+#: 338.5 / 1081.9 / 1102.0 without ping-pong, the 64-key WS tile's 340.6 / 1144.5 / 1155.5
+#: and the Triton row's 453.1 / 1407.2 / 1424.8, same call; two stages and the non-specialised
+#: kernel were slower than the Triton row.
 GLUON_PREFILL_TILES: dict[str, PrefillTile] = {
     "sm90": PrefillTile(128, 128, 8, 3, const_block=True, warp_specialize=True, gluon=True,
                         pingpong=True),
