@@ -2,13 +2,19 @@
 best row (TMA loads, key-split scores) and FlashInfer's MLA wrapper when it imports, on one
 H200, each with the split count TRITON_MLA's heuristic picks for the shape, plus the Gluon
 kernel at half and twice that count. Each output is checked against the Triton one before it
-is timed.
+is timed. With ``--rounds N`` every call is timed N times, the calls of a shape interleaved
+round by round: the table shows medians, and the last column the spread of the per-round
+FlashInfer / Gluon ratio (one sample of each moved our B8 and B128 times by up to 10% between
+calls, benchmarks/RESULTS.md, twelfth session).
 
 Usage (device run, carry .whl for FlashInfer): python3 benchmarks/bench_gluon_mla.py
+[--rounds N]
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -23,7 +29,7 @@ RANK, ROPE, PAGE = 512, 64, 64
 SHAPES = [(64, 128, 4096), (8, 128, 32768), (128, 128, 2048), (64, 128, 4000)]
 
 
-def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
+def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str]:
     """One row: each kernel's time on the same cache, relative error against Triton's."""
     from kvcore_mla.ops import triton_mla_attention as tma
     from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
@@ -87,7 +93,11 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
     if "flashinfer" in calls:
         outs["flashinfer"] = calls["flashinfer"]()
     torch.cuda.synchronize()
-    times = {name: harness.time_call(fn, "cuda")[0] for name, fn in calls.items()}
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            samples[name].append(harness.time_call(fn, "cuda")[0])
+    times = {name: statistics.median(values) for name, values in samples.items()}
     row = [f"B{batch} H{heads} L{tokens}", str(splits)]
     for name in ("triton", "gluon", "flashinfer"):
         if name not in times:
@@ -102,15 +112,24 @@ def time_shape(batch: int, heads: int, tokens: int) -> list[str]:
         f"{name[7:]}: {times[name] * 1e6:.1f} us (err "
         f"{((outs[name].float() - ref.float()).norm() / ref.float().norm()).item():.1e})"
         for name in times if name.startswith("gluon x")))
+    if "flashinfer" in samples:
+        ratios = [f / g for f, g in zip(samples["flashinfer"], samples["gluon"], strict=True)]
+        row.append(f"{min(ratios):.3f}-{max(ratios):.3f}")
+    else:
+        row.append("-")
     return row
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every call this many times, interleaved (medians shown)")
+    args = parser.parse_args()
     torch.manual_seed(0)
-    rows = [time_shape(*shape) for shape in SHAPES]
+    rows = [time_shape(*shape, rounds=args.rounds) for shape in SHAPES]
     print(harness.format_table(rows, ["shape", "splits", "triton us", "err", "gluon us", "err",
                                       "flashinfer us", "err", "triton/gluon", "fi/gluon",
-                                      "gluon, other splits"]))
+                                      "gluon, other splits", "fi/gluon per round"]))
 
 
 if __name__ == "__main__":

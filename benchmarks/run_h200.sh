@@ -33,6 +33,8 @@
 #   bench_triton_prefill (its Gluon tiles are probed in a child, then swept beside the table's
 #   Triton row; carry .whl so FlashInfer is timed beside them). PREFILL_BENCH_ARGS=--gluon-only
 #   keeps only the table row and the Gluon tiles and skips the decode sweep.
+#   mla_rounds: bench_gluon_mla.py --rounds 5 (the Gluon MLA kernel and FlashInfer MLA timed in
+#   interleaved rounds: medians and the spread of their ratio).
 #   mla_table: bench_mla's production sweep cut to TRITON_MLA's table config (--table-only) at
 #   the 128-head shapes, FlashInfer MLA beside it when .whl is carried.
 #   profiles: ncu (stall reasons included) on sm90's prefill row at chunked prefill and on
@@ -161,6 +163,10 @@ if has mla_table; then
     step bench_mla_table ${MLA_TABLE_LIMIT:-240} python3 benchmarks/bench_mla.py --sweep-only \
         --table-only --heads 128 --budget-s 150
 fi
+# mla_rounds: the Gluon MLA kernel beside FlashInfer MLA, five interleaved rounds a shape
+# (bench_gluon_mla.py --rounds 5: medians and the spread of the ratio), carry .whl: ~2 min.
+has mla_rounds && step bench_gluon_mla_rounds ${MLA_ROUNDS_LIMIT:-240} python3 \
+    benchmarks/bench_gluon_mla.py --rounds ${MLA_ROUNDS:-5}
 if has gluon_prefill; then
     step gluon_prefill_tests ${GLUON_PREFILL_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
         -p no:cacheprovider -o addopts="" tests/ops/test_gluon_prefill.py -k "not pp"
