@@ -408,27 +408,26 @@ def _ws_loader(k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end, kv_he
             start = (lo + j) * BLOCK_N + c * CHUNK
             k_pos = start + rows
             ok = k_pos < kv_end
+            # block: the chunk's one block id, or each row's; slot: each row's in its block.
             if PAGE % CHUNK == 0:
-                page = gl.load(bt_row + (start // PAGE).to(gl.int64) * stride_btb,
-                               mask=start < kv_end, other=0).to(gl.int64)
-                k_off = page * stride_kb + (start % PAGE).to(gl.int64) * stride_ks + in_page
+                block = gl.load(bt_row + (start // PAGE).to(gl.int64) * stride_btb,
+                                mask=start < kv_end, other=0).to(gl.int64)
+                slot = start % PAGE + rows
+                k_off = block * stride_kb + (start % PAGE).to(gl.int64) * stride_ks + in_page
             else:
-                pages = gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb, mask=ok,
+                block = gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb, mask=ok,
                                 other=0).to(gl.int64)
+                slot = k_pos % PAGE
                 if CHUNK % PAGE == 0:
-                    k_off = (pages * stride_kb)[:, None] + in_page
+                    k_off = (block * stride_kb)[:, None] + in_page
                 else:
-                    slot = (k_pos % PAGE).to(gl.int64)
-                    k_off = (pages * stride_kb + slot * stride_ks)[:, None] + dims
+                    k_off = (block * stride_kb + slot.to(gl.int64) * stride_ks)[:, None] + dims
             _async_load(k_s.index(st).slice(c * CHUNK, CHUNK), k_head + k_off,
                         mask=ok[:, None])
             if KV_SAME:
                 v_off = k_off
             else:
-                pages = gl.load(bt_row + (k_pos // PAGE).to(gl.int64) * stride_btb, mask=ok,
-                                other=0).to(gl.int64)
-                slot = (k_pos % PAGE).to(gl.int64)
-                v_off = (pages * stride_vb + slot * stride_vs)[:, None] + dims
+                v_off = (block * stride_vb + slot.to(gl.int64) * stride_vs)[:, None] + dims
             _async_load(v_s.index(st).slice(c * CHUNK, CHUNK), v_head + v_off,
                         mask=ok[:, None])
         async_copy.mbarrier_arrive(full.index(st), increment_count=False)
