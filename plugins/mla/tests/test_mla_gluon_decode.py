@@ -54,11 +54,13 @@ def test_compiles_for_sm90_with_its_wgmmas() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["symmetric", "ws"])
 @pytest.mark.parametrize("num_splits,partials", [(1, None), (3, "bf16"), (40, "bf16"),
                                                  (3, "fp32")],
                          ids=["one-split", "3-splits", "40-splits-some-empty",
                               "3-splits-fp32-rows"])
-def test_real_size_matches_float64_reference(num_splits: int, partials: str | None) -> None:
+def test_real_size_matches_float64_reference(num_splits: int, partials: str | None,
+                                             warp_specialize: bool) -> None:
     """bf16 partials as TRITON_MLA's decode carves them (decode_partials), and float32 rows
     of an ``attn_logits`` workspace (split_rows), all from NaN-filled memory."""
     if torch.cuda.get_device_capability()[0] != 9:
@@ -82,6 +84,6 @@ def test_real_size_matches_float64_reference(num_splits: int, partials: str | No
         parts = tma.split_rows(torch.full((*q.shape[:2], num_splits, REAL_RANK + 1),
                                           float("nan"), device=q.device), REAL_RANK)
     gluon_mla_decode(q, cache, REAL_RANK, seq_lens, table, REAL_SCALE, out, lse,
-                     num_splits, *parts)
+                     num_splits, *parts, warp_specialize=warp_specialize)
     assert_decode_close(out, lse, q, cache, table, seq_lens, torch.bfloat16, rank=REAL_RANK,
                         scale=REAL_SCALE)
