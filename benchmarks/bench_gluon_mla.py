@@ -69,15 +69,8 @@ def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str
         gluon_mla_decode(q, cache, RANK, lens, table, scale, out, lse, splits,
                          *(ws2 or ()))
 
-    out_ws = torch.empty_like(ref)
-    ws3 = workspace(splits)
-
-    def gluon_ws_call() -> None:
-        gluon_mla_decode(q, cache, RANK, lens, table, scale, out_ws, None, splits,
-                         *(ws3 or ()), warp_specialize=True)
-
-    calls = {"triton": triton_call, "gluon": gluon_call, "gluon ws": gluon_ws_call}
-    outs = {"gluon": out, "gluon ws": out_ws}
+    calls = {"triton": triton_call, "gluon": gluon_call}
+    outs = {"gluon": out}
     for other in sorted({max(1, splits // 2), min(tma.MAX_KV_SPLITS, 2 * splits)} - {splits}):
         ws_other = workspace(other)
         out_other = torch.empty_like(ref)
@@ -106,7 +99,7 @@ def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str
             samples[name].append(harness.time_call(fn, "cuda")[0])
     times = {name: statistics.median(values) for name, values in samples.items()}
     row = [f"B{batch} H{heads} L{tokens}", str(splits)]
-    for name in ("triton", "gluon", "gluon ws", "flashinfer"):
+    for name in ("triton", "gluon", "flashinfer"):
         if name not in times:
             row += ["-", "-"]
             continue
@@ -115,18 +108,15 @@ def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str
         row += [f"{times[name] * 1e6:.1f}", f"{err:.1e}"]
     row.append(f"{times['triton'] / times['gluon']:.3f}")
     row.append(f"{times['flashinfer'] / times['gluon']:.3f}" if "flashinfer" in times else "-")
-    row.append(f"{times['flashinfer'] / times['gluon ws']:.3f}" if "flashinfer" in times
-               else "-")
     row.append(", ".join(
         f"{name[7:]}: {times[name] * 1e6:.1f} us (err "
         f"{((outs[name].float() - ref.float()).norm() / ref.float().norm()).item():.1e})"
         for name in times if name.startswith("gluon x")))
-    for kernel in ("gluon", "gluon ws"):
-        if "flashinfer" in samples:
-            ratios = [f / g for f, g in zip(samples["flashinfer"], samples[kernel], strict=True)]
-            row.append(f"{min(ratios):.3f}-{max(ratios):.3f}")
-        else:
-            row.append("-")
+    if "flashinfer" in samples:
+        ratios = [f / g for f, g in zip(samples["flashinfer"], samples["gluon"], strict=True)]
+        row.append(f"{min(ratios):.3f}-{max(ratios):.3f}")
+    else:
+        row.append("-")
     return row
 
 
@@ -138,10 +128,8 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [time_shape(*shape, rounds=args.rounds) for shape in SHAPES]
     print(harness.format_table(rows, ["shape", "splits", "triton us", "err", "gluon us", "err",
-                                      "gluon ws us", "err", "flashinfer us", "err",
-                                      "triton/gluon", "fi/gluon", "fi/gluon ws",
-                                      "gluon, other splits", "fi/gluon per round",
-                                      "fi/gluon ws per round"]))
+                                      "flashinfer us", "err", "triton/gluon", "fi/gluon",
+                                      "gluon, other splits", "fi/gluon per round"]))
 
 
 if __name__ == "__main__":

@@ -822,7 +822,7 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                   split_latent=cfg.split_latent,
                                   warp_specialize=cfg.warp_specialize, tma=cfg.tma,
-                                  split_score_keys=cfg.split_score_keys,
+                                  split_score_keys=cfg.split_score_keys, gluon=cfg.gluon,
                                   programs_per_sm=_programs_per_sm(case, cfg, s)))
         fi = None
         if flashinfer:
@@ -932,6 +932,7 @@ def prod_table(run: Run) -> list[str]:
                      + (", warp_specialize=True" if c.get("warp_specialize") else "")
                      + (", tma=True" if c.get("tma") else "")
                      + (", split_score_keys=True" if c.get("split_score_keys") else "")
+                     + (", gluon=True" if c.get("gluon") else "")
                      + (f", programs_per_sm={c['programs_per_sm']}"
                         if (c.get("programs_per_sm") or 1) > 1 else "") + "))"
                      + ("" if c.get("programs_per_sm") else

@@ -345,8 +345,14 @@ def test_gluon_unmet_names_what_the_gluon_kernel_cannot_take() -> None:
         q.float(), cache.float(), 512)
     assert "got q torch.bfloat16 and kv_cache torch.float16" in kernels.gluon_unmet(
         q, cache.half(), 512)
-    assert "kv_lora_rank = 64 x a power of two" in kernels.gluon_unmet(
+    assert "kv_lora_rank = 128, 256 or 512" in kernels.gluon_unmet(
         q[..., :448 + 64], cache[..., :448 + 64], 448)
+    assert "kv_lora_rank = 128, 256 or 512" in kernels.gluon_unmet(
+        q[..., :64 + 64], cache[..., :64 + 64], 64)
+    wide_q = torch.empty(2, 128, 512 + 128, dtype=torch.bfloat16)
+    wide_cache = torch.empty(4, 64, 512 + 128, dtype=torch.bfloat16)
+    assert "640 channels in shared memory, 240 KiB, more than Hopper's 227 KiB" in \
+        kernels.gluon_unmet(wide_q, wide_cache, 512)
     assert "rope width = 64 x a power of two" in kernels.gluon_unmet(q[..., :544],
                                                                      cache[..., :544], 512)
     assert "does not divide the cache's page size 32" in kernels.gluon_unmet(q, cache[:, :32],

@@ -4,21 +4,32 @@ TRITON_MLA runs it for 64+ heads on sm90 (``LaunchConfig.gluon``, the first sm90
 :data:`~kvcore_mla.ops.triton_mla_attention.MLA_DECODE_CONFIGS`); it needs Triton 3.6 or newer
 and imports nothing at ``import kvcore_mla``.
 
-One program per (64-head group, KV split, request), 8 warps. The two warpgroups share each
-64-key score tile by keys (``warps_per_cta=[4, 2]``) and the ``[64, 512]`` float32 output by
-latent columns. The query sits in shared memory; latent tiles arrive by TMA into two stages
-(two 3-d boxes a tile, one mbarrier a stage) with page ids read a tile ahead. Each step issues
-P x V of tile i and, behind it on the tensor cores, the scores of tile i + 1; once P x V is
-done the stage is refilled with tile i + 2 while the scores finish and their softmax runs.
-Splits write their partial rows (TRITON_MLA's decode_partials) and its merge kernel reduces them.
+One program per (64-head group, KV split, request), warp-specialised (``gl.warp_specialize``)
+into the roles FlashMLA and FlashInfer's Hopper MLA kernels give their warpgroups:
 
-Why not the Triton kernel (``_mla_decode_kernel``, same algorithm): Triton waits every wgmma at
-once, hoists every wgmma descriptor out of the loop (they spill) and puts a CTA-wide barrier
-before each TMA copy; here the waits, descriptors and copies are placed by hand. On the H200
-this kernel is 1.2-1.3x faster (``benchmarks/RESULTS.md``, eighth session). Shared memory is
-the limit of the design: query 72 KiB + two 72 KiB stages + P leave no room for a third stage,
-so the softmax cannot overlap the tensor cores further without giving the warpgroups
-different roles (FlashMLA's "seesaw", warp specialisation).
+- the scores warpgroup (the default partition) stages the query in shared memory, computes
+  each 64-key tile's scores whole (``[64 heads, 64 keys]`` wgmmas over the 576 channels), runs
+  the online softmax, and publishes P and the rows' rescale factors for both warpgroups
+  (``pready``); it also does P x V of the upper half of the latent columns;
+- the values warpgroup does P x V of the lower half once P is published;
+- a copy warpgroup (one warp's worth of work) issues each tile's TMA copies (two 3-d boxes of
+  64-channel chunks) into one of two stages as soon as both warpgroups have released the tile
+  before it there (``empty``).
+
+P lives in the tile's first rope chunk: once its scores are done the rope part is never read
+again (FlashInfer's union), which leaves room for the query (72 KiB) and two 72 KiB stages.
+Splits write their partial rows (TRITON_MLA's decode_partials) and its merge kernel reduces
+them.
+
+Why this split of roles: splitting each tile's scores by keys between two symmetric
+warpgroups (the first version of this kernel, and the Triton kernel's best row) makes each
+issue ``64 x 32`` wgmmas that read the whole query from shared memory, twice a tile in all;
+shared-memory bandwidth, not the tensor cores, then bounds the scores. On the H200 at 128
+heads the symmetric kernel ran at 0.86-0.89x FlashInfer's speed, this one at 0.96-1.02x
+(``benchmarks/RESULTS.md``, thirteenth session). Why Gluon and not Triton
+(``_mla_decode_kernel``): Triton waits every wgmma at once, hoists every wgmma descriptor out
+of the loop (they spill) and puts a CTA-wide barrier before each TMA copy; here the waits,
+descriptors, copies and roles are placed by hand.
 
 Triton API differences handled here: 3.6 (the H200) has ``gl.thread_barrier``,
 ``tma.async_copy_global_to_shared`` and ``_reinterpret``; 3.9 (CI) ``gl.barrier``,
@@ -77,7 +88,7 @@ def _tile_page(bt_row, t, num_tiles, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.conste
 def _scores(q_nope_all, q_pe_all, nope_s, pe_s, stage, t, S_L: gl.constexpr,
             SH: gl.constexpr, NEW_API: gl.constexpr):
     """Issue (asynchronously) the scores of tile ``t``, in ``stage``, against the query group:
-    ``[BLOCK_H, BLOCK_N]`` in ``S_L`` (each warpgroup its half of the keys). The query parts
+    ``[BLOCK_H, BLOCK_N]`` in ``S_L`` (one warpgroup's accumulator). The query parts
     are ``[1, rows, width]`` buffers indexed by a zero the compiler cannot prove (``t < 0``,
     never true): their wgmma descriptors (one a 16-column step, 36 of them) are then computed
     where they are used instead of being hoisted out of the loop, where they stayed live and
@@ -94,185 +105,6 @@ def _scores(q_nope_all, q_pe_all, nope_s, pe_s, stage, t, S_L: gl.constexpr,
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
     s = hopper.warpgroup_mma(q_nope_s, k_nope.permute((1, 0)), s, is_async=True)
     return hopper.warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _softmax(s, t, seq_len, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr):
-    """Online softmax of tile ``t``'s scores ``s`` (keys past ``seq_len`` masked): ``(p,
-    alpha, m_new, l_new)``, with base-2 running max ``m_i`` and per-key-column running sums
-    ``l_i`` (added up after the loop: a per-tile row sum would cross the warpgroups)."""
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    s = gl.where(((t * BLOCK_N + cols) < seq_len)[None, :], s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * gl.expand_dims(alpha, 1) + p
-
-
-@gluon.jit
-def _zero_stale_rows(nope_s, stage, t, seq_len, LD: gl.constexpr, SH: gl.constexpr,
-                     NEW_API: gl.constexpr):
-    """When tile ``t`` is the last and ends inside its page, zero its rows past ``seq_len``:
-    they hold stale cache bytes (NaN included) that P x V would read with P = 0."""
-    BLOCK_N: gl.constexpr = nope_s.shape[2]
-    if (t + 1) * BLOCK_N > seq_len:
-        k_nope = _view_2d(nope_s.index(stage), [BLOCK_N, nope_s.shape[1] * 64], SH, NEW_API)
-        rows = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-        k_nope.store(gl.where((rows < seq_len)[:, None], k_nope.load(LD), 0.0))
-
-
-@gluon.jit
-def _gluon_mla_decode_kernel(
-    q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq_lens_ptr,
-    block_table_ptr, qk_scale, num_heads, num_head_blocks, num_splits, page_rows,
-    stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
-    stride_pb, stride_ph, stride_ps, stride_sb, stride_sh, stride_ss, stride_btb,
-    D_NOPE: gl.constexpr, D_PE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-    WRITE_LSE: gl.constexpr, NEW_API: gl.constexpr,
-):
-    """One (head group, KV split, request) of MLA decode; see :func:`gluon_mla_decode`."""
-    pid = gl.program_id(0)
-    head_block = pid % num_head_blocks
-    rest = pid // num_head_blocks
-    split = rest % num_splits
-    seq = (rest // num_splits).to(gl.int64)
-
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, D_NOPE // 2, 16])
-    LD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                        warps_per_cta=[8, 1], order=[1, 0])
-    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                            rank=2)
-    SH3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                             rank=3)
-
-    seq_len = gl.load(seq_lens_ptr + seq)
-    num_tiles = gl.cdiv(seq_len, BLOCK_N)
-    per_split = gl.cdiv(num_tiles, num_splits)
-    t_lo = split * per_split
-    n = gl.minimum(t_lo + per_split, num_tiles) - t_lo  # this split's tiles (may be <= 0)
-    bt_row = block_table_ptr + seq * stride_btb
-
-    DTYPE: gl.constexpr = q_ptr.dtype.element_ty
-    nope_s = gl.allocate_shared_memory(DTYPE, [2, D_NOPE // 64, BLOCK_N, 64], SH3)
-    pe_s = gl.allocate_shared_memory(DTYPE, [2, D_PE // 64, BLOCK_N, 64], SH3)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(bars.index(i), count=1)
-    # The first two tiles' copies go out before the query is read. The page of the tile two
-    # ahead is read one step before its copy is issued, so the block-table read's latency
-    # never stalls the loop.
-    page0 = _tile_page(bt_row, t_lo, num_tiles, PAGE_SIZE, BLOCK_N)
-    page1 = _tile_page(bt_row, t_lo + 1, num_tiles, PAGE_SIZE, BLOCK_N)
-    page_ahead = _tile_page(bt_row, t_lo + 2, num_tiles, PAGE_SIZE, BLOCK_N)
-    _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, 0,
-                page0 * page_rows + (t_lo * BLOCK_N) % PAGE_SIZE, n > 0, BLOCK_N)
-    _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, 1,
-                page1 * page_rows + ((t_lo + 1) * BLOCK_N) % PAGE_SIZE, n > 1, BLOCK_N)
-
-    rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
-    heads = head_block * BLOCK_H + rows
-    h_ok = heads < num_heads
-    c_nope = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
-    c_pe = D_NOPE + gl.arange(0, D_PE, layout=gl.SliceLayout(0, LD)).to(gl.int64)
-    q_row = q_ptr + seq * stride_qb + heads.to(gl.int64) * stride_qh
-    q_nope = gl.load(q_row[:, None] + c_nope[None, :] * stride_qd, mask=h_ok[:, None],
-                     other=0.0)
-    q_pe = gl.load(q_row[:, None] + c_pe[None, :] * stride_qd, mask=h_ok[:, None], other=0.0)
-    q_nope_s = gl.allocate_shared_memory(DTYPE, [1, BLOCK_H, D_NOPE], SH)
-    q_pe_s = gl.allocate_shared_memory(DTYPE, [1, BLOCK_H, D_PE], SH)
-    q_nope_s.index(0).store(q_nope)
-    q_pe_s.index(0).store(q_pe)
-    p_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_N], SH)
-    hopper.fence_async_shared()
-    _cta_barrier()
-
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-    alpha = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
-    acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, layout=O_L)
-    if n > 0:  # the first tile's scores and softmax, ahead of the loop
-        mbarrier.wait(bars.index(0), 0)
-        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 0, t_lo, S_L, SH, NEW_API)
-        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        p, alpha, m_i, l_i = _softmax(s, t_lo, seq_len, m_i, l_i, qk_scale, BLOCK_N)
-        _zero_stale_rows(nope_s, 0, t_lo, seq_len, LD, SH, NEW_API)
-        p_s.store(p.to(DTYPE))
-        hopper.fence_async_shared()
-        _cta_barrier()
-    # Step i: P x V of tile i (its P in p_s), with the next tile's scores issued behind it
-    # on the tensor cores; then, once P x V is done, this stage is refilled (tile i + 2)
-    # while the scores finish and their softmax runs.
-    for i in range(0, n - 1):
-        st = i % 2
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        v = _view_2d(nope_s.index(st), [BLOCK_N, D_NOPE], SH, NEW_API)
-        acc = hopper.warpgroup_mma(p_s, v, acc, is_async=True)
-        mbarrier.wait(bars.index(1 - st), ((i + 1) // 2) & 1)
-        s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 1 - st, t_lo + i + 1, S_L, SH, NEW_API)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        _cta_barrier()  # both warpgroups are done with this stage and with p_s
-        row = page_ahead * page_rows + ((t_lo + i + 2) * BLOCK_N) % PAGE_SIZE
-        page_ahead = _tile_page(bt_row, t_lo + i + 3, num_tiles, PAGE_SIZE, BLOCK_N)
-        _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, st, row, i + 2 < n, BLOCK_N)
-        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        p, alpha, m_i, l_i = _softmax(s, t_lo + i + 1, seq_len, m_i, l_i, qk_scale, BLOCK_N)
-        _zero_stale_rows(nope_s, 1 - st, t_lo + i + 1, seq_len, LD, SH, NEW_API)
-        p_s.store(p.to(DTYPE))
-        hopper.fence_async_shared()
-        _cta_barrier()
-    if n > 0:  # the last tile's P x V
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        v = _view_2d(nope_s.index((n - 1) % 2), [BLOCK_N, D_NOPE], SH, NEW_API)
-        acc = hopper.warpgroup_mma(p_s, v, acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-
-    for i in gl.static_range(2):
-        mbarrier.invalidate(bars.index(i))
-    l_sum = gl.sum(l_i, axis=1)
-    has_keys = l_sum > 0
-    l_safe = gl.where(has_keys, l_sum, 1.0)
-    lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
-    # Stored from a blocked layout of 16 bytes a thread along the row (vector stores where the
-    # rows are 16-byte aligned, as TRITON_MLA's padded workspace rows are): straight from the
-    # accumulator's layout every thread stores 8-byte pieces of 8 rows, and at 128 KB of
-    # float32 partial output a program (splits) the store queue throttled the epilogue.
-    VEC: gl.constexpr = 128 // part_ptr.dtype.element_ty.primitive_bitwidth if SPLIT else 8
-    ST: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[1, 32],
-                                        warps_per_cta=[8, 1], order=[1, 0])
-    o_rows = (head_block * BLOCK_H
-              + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ST))).to(gl.int64)
-    o_cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ST)).to(gl.int64)
-    o_ok = (o_rows < num_heads)[:, None]
-    l_rows = (head_block * BLOCK_H
-              + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))).to(gl.int64)
-    if SPLIT:
-        # Partials (batch, heads, splits, D_NOPE): normalised output (float32 or the query's
-        # 16-bit dtype); (batch, heads, splits): base-2 LSE, float32.
-        part = part_ptr + seq * stride_pb + split * stride_ps
-        gl.store(part + o_rows[:, None] * stride_ph + o_cols[None, :],
-                 gl.convert_layout(out.to(part_ptr.dtype.element_ty), ST), mask=o_ok)
-        gl.store(part_lse_ptr + seq * stride_sb + split * stride_ss + l_rows * stride_sh, lse2,
-                 mask=l_rows < num_heads)
-    else:
-        gl.store(out_ptr + seq * stride_ob + o_rows[:, None] * stride_oh
-                 + o_cols[None, :] * stride_od,
-                 gl.convert_layout(out.to(out_ptr.dtype.element_ty), ST), mask=o_ok)
-        if WRITE_LSE:
-            gl.store(lse_ptr + seq * stride_lb + l_rows * stride_lh,
-                     lse2 * 0.6931471805599453, mask=l_rows < num_heads)
-
-
-
-# The warp-specialised kernel (``warp_specialize=True``): the roles FlashMLA and FlashInfer's
-# Hopper MLA kernels give their two warpgroups. One warpgroup computes each tile's scores
-# whole (a 64 x 64 wgmma over the 576 channels) and its softmax; the symmetric kernel above
-# splits the scores by keys, so each warpgroup issues 64 x 32 wgmmas that read the query from
-# shared memory twice per tile, and shared memory, not the tensor cores, bounds them.
 
 
 @gluon.jit
@@ -293,9 +125,9 @@ def _v_half(nope_s, stage, half: gl.constexpr, SH: gl.constexpr, NEW_API: gl.con
 
 
 @gluon.jit
-def _ws_loader(nope_desc, pe_desc, nope_s, pe_s, full, empty, bt_row, t_lo, n, num_tiles,
-               page_rows, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The copy warp: tile ``j`` by TMA into stage ``j % 2`` once both warpgroups have
+def _copy_tiles(nope_desc, pe_desc, nope_s, pe_s, full, empty, bt_row, t_lo, n, num_tiles,
+                page_rows, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The copy warpgroup: tile ``j`` by TMA into stage ``j % 2`` once both warpgroups have
     released the tile before it there (``empty``); its page id is read before that wait."""
     for j in range(0, n):
         st = j % 2
@@ -303,13 +135,13 @@ def _ws_loader(nope_desc, pe_desc, nope_s, pe_s, full, empty, bt_row, t_lo, n, n
         if j >= 2:
             mbarrier.wait(empty.index(st), (j // 2 - 1) & 1)
         _issue_tile(nope_desc, pe_desc, nope_s, pe_s, full, st,
-                    page * page_rows + ((t_lo + j) * BLOCK_N) % PAGE_SIZE, j >= 0, BLOCK_N)
+                    page * page_rows + ((t_lo + j) * BLOCK_N) % PAGE_SIZE, True, BLOCK_N)
 
 
 @gluon.jit
-def _ws_store_half(acc, half: gl.constexpr, scratch, seq, split, head_block, num_heads,
-                   out_ptr, part_ptr, stride_ob, stride_oh, stride_od, stride_pb, stride_ph,
-                   stride_ps, SPLIT: gl.constexpr):
+def _store_half(acc, half: gl.constexpr, scratch, seq, split, head_block, num_heads,
+                out_ptr, part_ptr, stride_ob, stride_oh, stride_od, stride_pb, stride_ph,
+                stride_ps, SPLIT: gl.constexpr):
     """Write a warpgroup's normalised ``[64, D/2]`` output (latent columns of ``half``) to
     ``out`` or, with splits, to its partial row. 16-bit rows go through ``scratch`` (a
     ``[64, D/2]`` shared buffer of the query's, free once the scores are done) so that each
@@ -340,8 +172,8 @@ def _ws_store_half(acc, half: gl.constexpr, scratch, seq, split, head_block, num
 
 
 @gluon.jit
-def _ws_publish(p, alpha, nope_s, pe_s, alpha_s, pready, stage, t, seq_len, SH: gl.constexpr,
-                NEW_API: gl.constexpr):
+def _publish_p(p, alpha, nope_s, pe_s, alpha_s, pready, stage, t, seq_len, SH: gl.constexpr,
+               NEW_API: gl.constexpr):
     """Tile ``t``'s P and rescale factors into shared memory for both warpgroups' P x V,
     after zeroing the tile's latent rows past ``seq_len`` when it is the last one (stale
     cache bytes, NaN included, that P x V would read with P = 0): a 64-channel chunk at a
@@ -362,7 +194,7 @@ def _ws_publish(p, alpha, nope_s, pe_s, alpha_s, pready, stage, t, seq_len, SH: 
 
 
 @gluon.jit
-def _ws_softmax(s, t, seq_len, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr):
+def _softmax(s, t, seq_len, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr):
     """Online softmax of tile ``t``'s whole ``[64, BLOCK_N]`` scores (keys past ``seq_len``
     masked): ``(p, alpha, m_new, l_new)`` with base-2 running max and row sums."""
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -374,12 +206,13 @@ def _ws_softmax(s, t, seq_len, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _ws_scores(q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done, alpha_s, l_s,
-               out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq, split, head_block, num_heads,
-               seq_len, t_lo, n, qk_scale, stride_qb, stride_qh, stride_qd, stride_ob,
-               stride_oh, stride_od, stride_lb, stride_lh, stride_pb, stride_ph, stride_ps,
-               stride_sb, stride_sh, stride_ss, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-               WRITE_LSE: gl.constexpr, NEW_API: gl.constexpr):
+def _scores_warpgroup(q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done,
+                      alpha_s, l_s, out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq, split,
+                      head_block, num_heads, seq_len, t_lo, n, qk_scale, stride_qb, stride_qh,
+                      stride_qd, stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
+                      stride_pb, stride_ph, stride_ps, stride_sb, stride_sh, stride_ss,
+                      BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
+                      NEW_API: gl.constexpr):
     """The scores warpgroup (the default partition): stages the query, then for each tile
     the whole scores, the softmax, P and the rescale factors for both warpgroups, and P x V
     of the upper latent half; the row sums for the other warpgroup (``done``) and the LSE."""
@@ -417,8 +250,8 @@ def _ws_scores(q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done,
         mbarrier.wait(full.index(0), 0)
         s = _scores(q_nope_s, q_pe_s, nope_s, pe_s, 0, t_lo, S_L, SH, NEW_API)
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        p, alpha, m_i, l_i = _ws_softmax(s, t_lo, seq_len, m_i, l_i, qk_scale, BLOCK_N)
-        _ws_publish(p, alpha, nope_s, pe_s, alpha_s, pready, 0, t_lo, seq_len, SH, NEW_API)
+        p, alpha, m_i, l_i = _softmax(s, t_lo, seq_len, m_i, l_i, qk_scale, BLOCK_N)
+        _publish_p(p, alpha, nope_s, pe_s, alpha_s, pready, 0, t_lo, seq_len, SH, NEW_API)
     # Step i: P x V of tile i (upper half), the scores of tile i + 1 behind it on the tensor
     # cores; tile i's stage is released as soon as its P x V is done, before the softmax.
     for i in range(0, n - 1):
@@ -431,9 +264,9 @@ def _ws_scores(q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done,
         acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         mbarrier.arrive(empty.index(st), count=1)
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        p, alpha, m_i, l_i = _ws_softmax(s, t_lo + i + 1, seq_len, m_i, l_i, qk_scale, BLOCK_N)
-        _ws_publish(p, alpha, nope_s, pe_s, alpha_s, pready, 1 - st, t_lo + i + 1, seq_len, SH,
-                    NEW_API)
+        p, alpha, m_i, l_i = _softmax(s, t_lo + i + 1, seq_len, m_i, l_i, qk_scale, BLOCK_N)
+        _publish_p(p, alpha, nope_s, pe_s, alpha_s, pready, 1 - st, t_lo + i + 1, seq_len, SH,
+                   NEW_API)
     if n > 0:
         last = (n - 1) % 2
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
@@ -447,9 +280,9 @@ def _ws_scores(q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done,
     mbarrier.arrive(done.index(0), count=1)
     lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, O_L)), 1)
-    _ws_store_half(out, 1, q_nope_s.index(0).slice(D_NOPE // 2, D_NOPE // 2, dim=1), seq,
-                   split, head_block, num_heads, out_ptr, part_ptr, stride_ob, stride_oh,
-                   stride_od, stride_pb, stride_ph, stride_ps, SPLIT)
+    _store_half(out, 1, q_nope_s.index(0).slice(D_NOPE // 2, D_NOPE // 2, dim=1), seq, split,
+                head_block, num_heads, out_ptr, part_ptr, stride_ob, stride_oh, stride_od,
+                stride_pb, stride_ph, stride_ps, SPLIT)
     l_rows = (head_block * BLOCK_H
               + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))).to(gl.int64)
     if SPLIT:
@@ -461,9 +294,10 @@ def _ws_scores(q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done,
 
 
 @gluon.jit
-def _ws_values(q_nope_s, nope_s, pe_s, full, empty, pready, done, alpha_s, l_s, out_ptr,
-               part_ptr, seq, split, head_block, num_heads, n, stride_ob, stride_oh, stride_od,
-               stride_pb, stride_ph, stride_ps, SPLIT: gl.constexpr, NEW_API: gl.constexpr):
+def _values_warpgroup(q_nope_s, nope_s, pe_s, full, empty, pready, done, alpha_s, l_s,
+                      out_ptr, part_ptr, seq, split, head_block, num_heads, n, stride_ob,
+                      stride_oh, stride_od, stride_pb, stride_ph, stride_ps,
+                      SPLIT: gl.constexpr, NEW_API: gl.constexpr):
     """The values warpgroup: P x V of the lower latent half of each tile once the scores
     warpgroup has published its P, then that half of the output."""
     BLOCK_H: gl.constexpr = pe_s.shape[2]
@@ -485,20 +319,20 @@ def _ws_values(q_nope_s, nope_s, pe_s, full, empty, pready, done, alpha_s, l_s, 
         mbarrier.arrive(empty.index(st), count=1)
     mbarrier.wait(done.index(0), 0)
     l_safe = l_s.load(gl.SliceLayout(1, O_L))
-    _ws_store_half(acc / gl.expand_dims(l_safe, 1), 0,
-                   q_nope_s.index(0).slice(0, D_NOPE // 2, dim=1), seq, split, head_block,
-                   num_heads, out_ptr, part_ptr, stride_ob, stride_oh, stride_od, stride_pb,
-                   stride_ph, stride_ps, SPLIT)
+    _store_half(acc / gl.expand_dims(l_safe, 1), 0,
+                q_nope_s.index(0).slice(0, D_NOPE // 2, dim=1), seq, split, head_block,
+                num_heads, out_ptr, part_ptr, stride_ob, stride_oh, stride_od, stride_pb,
+                stride_ph, stride_ps, SPLIT)
 
 
 #: Registers a thread of the values warpgroup and of the copy warpgroup may hold (setmaxnreg);
 #: the scores warpgroup gets the rest of the SM's 64K (512 a thread-slot over the three).
-WS_VALUES_REGS = gl.constexpr(240)
-WS_LOADER_REGS = gl.constexpr(24)
+VALUES_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _gluon_mla_decode_ws_kernel(
+def _gluon_mla_decode_kernel(
     q_ptr, nope_desc, pe_desc, out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq_lens_ptr,
     block_table_ptr, qk_scale, num_heads, num_head_blocks, num_splits, page_rows,
     stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
@@ -545,18 +379,19 @@ def _gluon_mla_decode_ws_kernel(
         mbarrier.init(empty.index(j), count=2)
     mbarrier.init(done.index(0), count=1)
     gl.warp_specialize(
-        [(_ws_scores, (q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done,
-                       alpha_s, l_s, out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq, split,
-                       head_block, num_heads, seq_len, t_lo, n, qk_scale, stride_qb, stride_qh,
-                       stride_qd, stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
-                       stride_pb, stride_ph, stride_ps, stride_sb, stride_sh, stride_ss,
-                       BLOCK_N, SPLIT, WRITE_LSE, NEW_API)),
-         (_ws_values, (q_nope_s, nope_s, pe_s, full, empty, pready, done, alpha_s, l_s, out_ptr,
-                       part_ptr, seq, split, head_block, num_heads, n, stride_ob, stride_oh,
-                       stride_od, stride_pb, stride_ph, stride_ps, SPLIT, NEW_API)),
-         (_ws_loader, (nope_desc, pe_desc, nope_s, pe_s, full, empty, bt_row, t_lo, n,
-                       num_tiles, page_rows, PAGE_SIZE, BLOCK_N))],
-        [4, 4], [WS_VALUES_REGS, WS_LOADER_REGS])
+        [(_scores_warpgroup, (q_ptr, q_nope_s, q_pe_s, nope_s, pe_s, full, empty, pready, done,
+                              alpha_s, l_s, out_ptr, lse_ptr, part_ptr, part_lse_ptr, seq,
+                              split, head_block, num_heads, seq_len, t_lo, n, qk_scale,
+                              stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
+                              stride_lb, stride_lh, stride_pb, stride_ph, stride_ps, stride_sb,
+                              stride_sh, stride_ss, BLOCK_N, SPLIT, WRITE_LSE, NEW_API)),
+         (_values_warpgroup, (q_nope_s, nope_s, pe_s, full, empty, pready, done, alpha_s, l_s,
+                              out_ptr, part_ptr, seq, split, head_block, num_heads, n,
+                              stride_ob, stride_oh, stride_od, stride_pb, stride_ph, stride_ps,
+                              SPLIT, NEW_API)),
+         (_copy_tiles, (nope_desc, pe_desc, nope_s, pe_s, full, empty, bt_row, t_lo, n,
+                        num_tiles, page_rows, PAGE_SIZE, BLOCK_N))],
+        [4, 4], [VALUES_REGS, LOADER_REGS])
 
 
 def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -574,8 +409,7 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
                      out: torch.Tensor, lse: torch.Tensor | None = None, num_splits: int = 1,
                      partials: torch.Tensor | None = None,
-                     partial_lse: torch.Tensor | None = None,
-                     warp_specialize: bool = False) -> None:
+                     partial_lse: torch.Tensor | None = None) -> None:
     """MLA decode (one query per request) on Hopper into ``out`` ``(batch, heads,
     kv_lora_rank)`` and the natural-log ``lse`` ``(batch, heads)`` when given.
 
@@ -629,15 +463,14 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     lse_arg = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0)
     num_head_blocks = -(-num_heads // block_h)
-    kernel = _gluon_mla_decode_ws_kernel if warp_specialize else _gluon_mla_decode_kernel
-    kernel[(num_head_blocks * num_splits * batch,)](
+    _gluon_mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
         q, nope_desc, pe_desc, out, lse_arg, part, part_lse, seq_lens, block_table,
         float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
         *q.stride(), *out.stride(), *lse_strides, *part_strides, *part_lse_strides,
         block_table.stride(0),
         D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, WRITE_LSE=lse is not None,
-        NEW_API=_NEW_REINTERPRET, num_warps=4 if warp_specialize else 8,
+        NEW_API=_NEW_REINTERPRET, num_warps=4,
     )
     if split:
         _merge_splits(partials, partial_lse, out, lse, num_splits,

@@ -52,12 +52,14 @@ table's 64-head row uses it (a compile test checks the layout Triton gives it).
 
 The Gluon kernel for Hopper (``gluon``)
 --------------------------------------
-The sm90 table's 64-head row runs :mod:`kvcore_mla.ops.gluon_mla_decode` instead: the same
-algorithm (key-split scores, the latent as the value tile) written in Gluon, Triton's
-lower-level language where the program places shared memory, barriers and wgmma waits itself.
-Each step issues P x V of one tile with the next tile's scores behind it on the tensor cores,
-and refills the stage (one TMA box per part) as soon as P x V is done; on the H200 it is
-1.2-1.3x faster than ``_mla_decode_kernel``'s best row (``benchmarks/RESULTS.md``). It takes
+The sm90 table's 64-head row runs :mod:`kvcore_mla.ops.gluon_mla_decode` instead, written in
+Gluon, Triton's lower-level language where the program places shared memory, barriers, wgmma
+waits and warp roles itself. It is warp-specialised as FlashMLA and FlashInfer's Hopper MLA
+kernels are: one warpgroup computes each tile's scores whole (64 x 64 wgmmas, the query read
+from shared memory once a tile, where key-split scores read it twice in 64 x 32 pieces) and
+its softmax, a second does P x V of the other latent half, and a copy warpgroup issues the TMA
+loads. On the H200 at 128 heads it runs at 0.96-1.02x FlashInfer MLA's speed and 1.3-1.4x
+``_mla_decode_kernel``'s best row (``benchmarks/RESULTS.md``, thirteenth session). It takes
 bf16/fp16 queries and caches that :func:`gluon_unmet` accepts; :func:`mla_decode_config`
 skips the row where Triton has no Gluon Hopper API (3.6 or newer has it) or the cache is fp8,
 and the decode entry points given no config where :func:`gluon_unmet` finds the tensors unfit.
@@ -117,6 +119,7 @@ from kvcore_mla.ops.triton_utils import is_rocm
 from kvcore_mla.ops.validation import FP8_DTYPES, validate_decode_attention
 
 __all__ = [
+    "GLUON_MAX_WIDTH",
     "MAX_KV_SPLITS",
     "MLA_DECODE_CONFIGS",
     "LaunchConfig",
@@ -173,9 +176,9 @@ class LaunchConfig:
     ``split_score_keys`` has the warps share the score tile by keys, not by head rows: see
     "Warps of the score tile" in the module docstring. ``gluon`` runs the Gluon kernel for
     Hopper instead (:mod:`kvcore_mla.ops.gluon_mla_decode`, "The Gluon kernel for Hopper" in
-    the module docstring): its tile is fixed (``block_h=64``, ``block_n=64``, 8 warps, two
-    stages, key-split scores, TMA loads, so ``tma`` must be True) and the Triton kernel's
-    variants (``split_latent``, ``warp_specialize``) do not apply to it.
+    the module docstring): its tile is fixed (``block_h=64``, ``block_n=64``, 12 warps in
+    three warpgroups, two stages, TMA loads, so ``tma`` must be True) and the Triton kernel's
+    variants (``split_latent``, ``warp_specialize``, ``split_score_keys``) do not apply to it.
     """
 
     block_q: int
@@ -203,8 +206,9 @@ class LaunchConfig:
                 f"block_q * block_h = {self.block_q * self.block_h} and block_n = "
                 f"{self.block_n} must be >= 16 (tl.dot tiles)"
             )
-        gluon_tile = dict(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
-                          tma=True, split_latent=False, warp_specialize=False)
+        gluon_tile = dict(block_q=1, block_h=64, block_n=64, num_warps=12, num_stages=2,
+                          tma=True, split_latent=False, split_score_keys=False,
+                          warp_specialize=False)
         wrong = {k: getattr(self, k) for k, v in gluon_tile.items() if getattr(self, k) != v}
         if self.gluon and wrong:
             raise ValueError(
@@ -287,10 +291,11 @@ MLA_DECODE_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     # about 20% faster than the best layout where both compute it); caches TMA cannot serve take
     # the pointer-load row (the latent in two 256-wide halves; with key-split scores, pointer
     # loads of 2-byte latents need more shared memory than an SM has). 4 warps for 16-head
-    # programs (faster than 8). First of all at 64+ heads, the Gluon kernel (same algorithm,
-    # its waits and copies placed by hand): 1.2-1.3x the Triton kernel's speed on the H200.
-    "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
-                               tma=True, split_score_keys=True, gluon=True)),
+    # programs (faster than 8). First of all at 64+ heads, the Gluon kernel (three
+    # warpgroups: whole-tile scores and softmax, values, copies): 1.3-1.4x the Triton
+    # kernel's speed on the H200, 0.96-1.02x FlashInfer MLA's.
+    "sm90": ((64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=12, num_stages=2,
+                               tma=True, gluon=True)),
              (64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
                                tma=True, split_score_keys=True)),
              (64, LaunchConfig(block_q=1, block_h=64, block_n=64, num_warps=8, num_stages=2,
@@ -1071,6 +1076,9 @@ def _descriptor_unmet(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, p
 
 #: Query and cache dtypes the Gluon decode kernel takes.
 _GLUON_DTYPES = (torch.bfloat16, torch.float16)
+#: The widest query / cache row (kv_lora_rank + rope) the Gluon kernel takes: the query and two
+#: 64-row stages of 16-bit channels, plus 1 KiB of barriers and row factors, within 227 KiB.
+GLUON_MAX_WIDTH = (227 * 1024 - 1024) // (3 * 64 * 2)
 
 
 def gluon_available() -> str | None:
@@ -1084,9 +1092,12 @@ def gluon_unmet(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> s
     heads, kv_lora_rank + rope)`` on ``kv_cache`` (3-dim ``(num_pages, page_size,
     kv_lora_rank + rope)``), as a sentence naming the unmet condition and the fix; ``None``
     when it can: Triton has Gluon's Hopper API, the tensors are on a GPU of compute
-    capability 9.x, both bf16 or both fp16, ``kv_lora_rank`` and the rope width are 64 times
-    a power of two (TMA boxes of 64-channel chunks), the page size a multiple of 64 and the
-    cache addressable by tensor descriptors (as :func:`tma_unmet` checks). The device is not
+    capability 9.x, both bf16 or both fp16, ``kv_lora_rank`` 128, 256 or 512 (two
+    warpgroups' halves of at most 256 columns) and the rope width 64 times a power of two (TMA
+    boxes of 64-channel chunks), the query and two 64-row stages within Hopper's 227 KiB of
+    shared memory (:data:`GLUON_MAX_WIDTH` channels at most, DeepSeek's 576 included), the page
+    size a multiple of 64 and the cache addressable by tensor descriptors (as
+    :func:`tma_unmet` checks). The device is not
     checked while launches are recorded for an ahead-of-time compile
     (:func:`kvcore.ops.triton_utils.recording_launches`)."""
     reason = gluon_available()
@@ -1095,11 +1106,18 @@ def gluon_unmet(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> s
     if q.dtype not in _GLUON_DTYPES or kv_cache.dtype != q.dtype:
         return (f"config.gluon=True takes bf16 or fp16 queries and a cache of the same dtype; "
                 f"got q {q.dtype} and kv_cache {kv_cache.dtype}: use gluon=False")
-    for name, width in (("kv_lora_rank", kv_lora_rank), ("rope width", q.shape[2] - kv_lora_rank)):
-        chunks = width // 64
-        if width % 64 or chunks < 1 or chunks & (chunks - 1):
-            return (f"config.gluon=True needs {name} = 64 x a power of two (TMA boxes of "
-                    f"64-channel chunks); it is {width}: use gluon=False")
+    if kv_lora_rank not in (128, 256, 512):
+        return (f"config.gluon=True needs kv_lora_rank = 128, 256 or 512 (each of the Gluon "
+                f"kernel's two warpgroups holds half the latent columns, at most 256); it is "
+                f"{kv_lora_rank}: use gluon=False")
+    rope = q.shape[2] - kv_lora_rank
+    if rope % 64 or rope < 64 or (rope // 64) & (rope // 64 - 1):
+        return (f"config.gluon=True needs rope width = 64 x a power of two (TMA boxes of "
+                f"64-channel chunks); it is {rope}: use gluon=False")
+    if q.shape[2] > GLUON_MAX_WIDTH:
+        return (f"config.gluon=True keeps the query and two 64-row stages of {q.shape[2]} "
+                f"channels in shared memory, {3 * 64 * 2 * q.shape[2] // 1024} KiB, more than "
+                f"Hopper's 227 KiB (at most {GLUON_MAX_WIDTH} channels): use gluon=False")
     reason = _descriptor_unmet(kv_cache, kv_lora_rank, 64, "the Gluon kernel", "gluon=False")
     if reason is not None:
         return reason
