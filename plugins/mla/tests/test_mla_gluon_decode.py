@@ -18,7 +18,9 @@ from mla_helpers import (
     REAL_RANK,
     REAL_SCALE,
     assert_decode_close,
+    block_tables,
     generator,
+    randn,
     real_size_decode_case,
 )
 
@@ -86,3 +88,45 @@ def test_real_size_matches_float64_reference(num_splits: int, partials: str | No
                      num_splits, *parts)
     assert_decode_close(out, lse, q, cache, table, seq_lens, torch.bfloat16, rank=REAL_RANK,
                         scale=REAL_SCALE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,rank,rope,dtype,num_splits", [
+    (80, 512, 64, torch.bfloat16, 1),
+    (64, 512, 64, torch.float16, 2),
+    (128, 256, 64, torch.bfloat16, 3),
+    (64, 128, 128, torch.bfloat16, 1),
+], ids=["80-heads-partial-group", "fp16-2-splits", "rank-256-3-splits", "rank-128-rope-128"])
+def test_other_shapes_it_accepts_match_float64_reference(heads: int, rank: int, rope: int,
+                                                         dtype: torch.dtype,
+                                                         num_splits: int) -> None:
+    """Shapes :func:`gluon_unmet` accepts besides DeepSeek's: a head count that leaves the last
+    64-head group partly empty, fp16, and latents of 256 and 128 (each warpgroup's half 128
+    and 64 columns) with a wider rope; requests end inside a page, NaN in the slots after."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA decode kernel is written for Hopper (capability 9.x)")
+    from kvcore_mla.ops import triton_mla_attention as tma
+    from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
+
+    gen = generator("mla-gluon-shapes", heads, rank, rope, str(dtype))
+    lens = [700, 1024, 130]
+    page = 64
+    pages = sum(-(-n // page) for n in lens) + 3
+    cache = randn((pages, page, rank + rope), dtype, gen)
+    table = block_tables(lens, page, pages, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=cache.device)
+    for i, n in enumerate(lens):
+        cache[table[i, (n - 1) // page], n % page or page:] = float("nan")
+    q = randn((len(lens), heads, rank + rope), dtype, gen)
+    assert tma.gluon_unmet(q, cache, rank) is None
+    scale = (128 + rope) ** -0.5
+    out = torch.full((len(lens), heads, rank), float("nan"), dtype=dtype, device=q.device)
+    lse = torch.full((len(lens), heads), float("nan"), dtype=torch.float32, device=q.device)
+    parts = ()
+    if num_splits > 1:
+        workspace = torch.full((tma.mla_workspace_numel(len(lens), heads, rank, num_splits),),
+                               float("nan"), device=q.device)
+        parts = tma.decode_partials(workspace, len(lens), heads, rank, num_splits, dtype)
+    gluon_mla_decode(q, cache, rank, seq_lens, table, scale, out, lse, num_splits, *parts)
+    clean = torch.nan_to_num(cache)  # the reference must not see the NaN either
+    assert_decode_close(out, lse, q, clean, table, seq_lens, dtype, rank=rank, scale=scale)
