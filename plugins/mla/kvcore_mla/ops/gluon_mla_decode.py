@@ -53,18 +53,17 @@ _LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, stage, row, pred,
-                BLOCK_N: gl.constexpr):
+def _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, stage, row, BLOCK_N: gl.constexpr):
     """Two TMA copies of the tile of ``BLOCK_N`` cache rows from ``row`` into ``stage``: the
     descriptors see the latent and the rope part as ``(chunk of 64 channels, row, 64)``, so
     one 3-d box lands as swizzled ``[BLOCK_N, 64]`` chunks, the layout of a ``[BLOCK_N, 64 *
-    chunks]`` tile. (Triton's lowering puts a CTA-wide bar.sync before every TMA and barrier
-    operation: a copy per chunk cost 10 of them a tile, and a barrier per chunk, so that the
-    scores could start on chunk 0, 19; both measured slower on the H200.)"""
+    chunks]`` tile. (Triton's lowering puts a barrier before every TMA and mbarrier
+    operation: in the kernel's first, non-specialised version a copy per chunk cost 10 of them
+    a tile, and a barrier per chunk 19; both measured slower on the H200.)"""
     bar = bars.index(stage)
-    mbarrier.expect(bar, BLOCK_N * (nope_s.shape[1] + pe_s.shape[1]) * 64 * 2, pred)
-    _tma_load(nope_desc, [0, row, 0], bar, nope_s.index(stage), pred)
-    _tma_load(pe_desc, [0, row, 0], bar, pe_s.index(stage), pred)
+    mbarrier.expect(bar, BLOCK_N * (nope_s.shape[1] + pe_s.shape[1]) * 64 * 2)
+    _tma_load(nope_desc, [0, row, 0], bar, nope_s.index(stage))
+    _tma_load(pe_desc, [0, row, 0], bar, pe_s.index(stage))
 
 
 @gluon.jit
@@ -135,7 +134,7 @@ def _copy_tiles(nope_desc, pe_desc, nope_s, pe_s, full, empty, bt_row, t_lo, n, 
         if j >= 2:
             mbarrier.wait(empty.index(st), (j // 2 - 1) & 1)
         _issue_tile(nope_desc, pe_desc, nope_s, pe_s, full, st,
-                    page * page_rows + ((t_lo + j) * BLOCK_N) % PAGE_SIZE, True, BLOCK_N)
+                    page * page_rows + ((t_lo + j) * BLOCK_N) % PAGE_SIZE, BLOCK_N)
 
 
 @gluon.jit
@@ -309,6 +308,8 @@ def _values_warpgroup(q_nope_s, nope_s, pe_s, full, empty, pready, done, alpha_s
     acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, layout=O_L)
     for i in range(0, n):
         st = i % 2
+        # Already complete when P is (the scores warpgroup waited for it), but it is this
+        # warpgroup's own acquire of the TMA's writes before its wgmma reads them.
         mbarrier.wait(full.index(st), (i // 2) & 1)
         mbarrier.wait(pready.index(st), (i // 2) & 1)
         alpha = alpha_s.index(st).load(gl.SliceLayout(1, O_L))
