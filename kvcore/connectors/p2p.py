@@ -151,24 +151,35 @@ def _sockets() -> dict[str, int]:
     return found
 
 
-def _shut_down_sockets_to(port: int, existing: dict[str, int]) -> None:
-    """Shut down the sockets not in ``existing`` that are connected to ``port``: wakes a
-    thread blocked reading one of them (the fd stays its owner's to close)."""
-    for inode, fd in _sockets().items():
-        if inode in existing:
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            peer = sock.getpeername()
-            if isinstance(peer, tuple) and peer[1] == port:
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # not connected, or closed meanwhile
-        finally:
-            sock.close()
+def _shut_down_socket_read_by(thread_id: int, port: int, existing: dict[str, int]) -> None:
+    """Shut down the socket that thread ``thread_id`` (a native id) is blocked on, if it is
+    one that appeared after ``existing`` was taken and is connected to ``port``: that wakes
+    the thread (the fd stays its owner's to close). Other sockets of the process, to the same
+    host and port or not, are left alone. Linux only (``/proc``); elsewhere nothing happens."""
+    try:
+        with open(f"/proc/self/task/{thread_id}/syscall") as f:
+            # "<nr> <arg0> ...": a thread in recv/read/connect on a socket has its fd as arg0
+            # ("running" when it is not in a system call).
+            fields = f.read().split()
+        fd = int(fields[1], 16)
+        inode = os.readlink(f"/proc/self/fd/{fd}")
+    except (OSError, IndexError, ValueError):
+        return
+    if not inode.startswith("socket:") or inode in existing:
+        return
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        peer = sock.getpeername()
+        same = inode == f"socket:[{os.fstat(sock.fileno()).st_ino}]"  # fd not reused meanwhile
+        if same and isinstance(peer, tuple) and peer[1] == port:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected, or closed meanwhile
+    finally:
+        sock.close()
 
 
 def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -176,8 +187,8 @@ def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
     torch's client waits for the server's answer to its handshake without a timeout, so a port
     whose server accepts but never answers would hang it: it connects on a helper thread,
-    and when that thread is still waiting at the deadline its socket is shut down, which ends
-    the wait (with an error) and the thread.
+    and when that thread is still waiting at the deadline the socket it is blocked on (that
+    one only) is shut down, which ends the wait (with an error) and the thread.
     """
     existing = _sockets()
     box: dict[str, Any] = {}
@@ -195,7 +206,7 @@ def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     thread.join(timeout_s)
     if thread.is_alive():
         for _ in range(5):  # again if the client, still inside its own timeout, reconnected
-            _shut_down_sockets_to(port, existing)
+            _shut_down_socket_read_by(thread.native_id, port, existing)
             thread.join(0.2)
             if not thread.is_alive():
                 break

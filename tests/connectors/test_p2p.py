@@ -239,6 +239,42 @@ def test_port_that_accepts_but_never_answers_fails_within_connect_timeout():
     assert [t for t in threading.enumerate() if t.name == "kvcore-p2p-connect"] == []
 
 
+def test_giving_up_on_a_silent_rendezvous_leaves_other_sockets_to_its_port_alone():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    box: dict = {}
+    connecting = threading.Thread(target=lambda: box.update(bounded(
+        lambda: get_connector("p2p", rank=1, port=port, connect_timeout_s=1.5), 30)))
+    connecting.start()
+    time.sleep(0.5)  # opened while rank 1 waits: another user of the same host and port
+    other = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        connecting.join(30)
+        assert isinstance(box.get("error"), ConnectionError)
+        other.sendall(b"still open")  # a shut-down socket raises BrokenPipeError here
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            received = []
+            for sock in list(accepted):
+                sock.settimeout(0.05)
+                with contextlib.suppress(OSError):
+                    received.append(sock.recv(64))
+            if b"still open" in received:
+                break
+        assert b"still open" in received
+    finally:
+        for sock in (other, *accepted, server):
+            sock.close()
+
+
 # -- a pair in one process --------------------------------------------------------------------
 
 
