@@ -4,7 +4,10 @@ Files live at ``<root>/<namespace>/<key[:2]>/<key>.safetensors``. The namespace 
 the cache layout (everything but the number of blocks), so engines whose pages differ never
 read each other's blocks; keys are content hashes (include the model in them, see
 :func:`~kvcore.connectors.hash_block_tokens`'s ``extra``). Keys are validated as hex digests,
-so no key can name a path outside the root.
+so no key can name a path outside the root, and no symbolic link below the root is followed:
+a namespace or shard directory that is a link fails the blocks that would go through it
+(nothing is read, written or deleted there; remove the link), and a block file that is a link
+is not offered, loaded or trusted (a save replaces the link with a real file).
 
 Each file holds one uint8 tensor ``kv`` of shape ``(num_layers, page_size_bytes)`` (the bytes
 of the block, layer-major: exact for every dtype, fp8 included) and metadata: the format, the
@@ -57,6 +60,11 @@ class _BadFile(Exception):
     """A block file that exists but must not be loaded (the message says why)."""
 
 
+class _LinkedDir(Exception):
+    """A directory on a block's path below the root is a symbolic link (the message says
+    which): the block is refused, and nothing is touched there."""
+
+
 def _safetensors() -> Any:
     """The ``safetensors.torch`` module, or an ``ImportError`` saying how to install it."""
     try:
@@ -96,7 +104,9 @@ class StorageConnector(KVConnector):
         signature = json.dumps(_layout_signature(layout), sort_keys=True)
         digest = hashlib.sha256(signature.encode()).hexdigest()[:16]
         self._dir = self.root / f"{str(layout.dtype).removeprefix('torch.')}-{digest}"
-        self._dir.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self._dir.is_symlink():
+            self._dir.mkdir(exist_ok=True)  # a link here fails every block, with the reason
         self._layout = layout
         self._row_shape = (reg.kv_caches.num_layers, reg.kv_caches.page_size_bytes)
         self._metadata = {
@@ -115,6 +125,22 @@ class StorageConnector(KVConnector):
     def _path(self, key: str) -> Path:
         return self._dir / key[:2] / f"{key}.safetensors"
 
+    def _check_dirs(self, path: Path) -> None:
+        """Raise :class:`_LinkedDir` when the namespace or shard directory of ``path`` is a
+        symbolic link (checked before every use: the root is shared)."""
+        for directory in (self._dir, path.parent):
+            if directory.is_symlink():
+                raise _LinkedDir(f"{directory} is a symbolic link; the storage connector "
+                                 "follows no link below its root (remove it)")
+
+    def _is_block_file(self, path: Path) -> bool:
+        """Whether ``path`` is a regular file reached through no symbolic link below the root."""
+        try:
+            self._check_dirs(path)
+        except _LinkedDir:
+            return False
+        return path.is_file() and not path.is_symlink()
+
     # -- transfers --------------------------------------------------------------------------
 
     def _save(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
@@ -127,7 +153,7 @@ class StorageConnector(KVConnector):
 
     def _lookup(self, keys: list[str]) -> int:
         for i, key in enumerate(keys):
-            if not self._path(key).is_file():
+            if not self._is_block_file(self._path(key)):
                 return i
         return len(keys)
 
@@ -159,15 +185,17 @@ class StorageConnector(KVConnector):
         check is deleted, so that a save rewrites it and a failed rewrite leaves nothing."""
         try:
             self._read_file(path)
-        except FileNotFoundError:
-            return False
+        except (FileNotFoundError, _LinkedDir):
+            return False  # a linked directory fails the write, with the reason
         except _BadFile:
-            _unlink(path)
+            self._unlink(path)
             return False
         return True
 
     def _write_file(self, path: Path, row: torch.Tensor) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._check_dirs(path)
+        path.parent.mkdir(exist_ok=True)
+        self._check_dirs(path)  # created by another process meanwhile
         metadata = {**self._metadata, "sha256": hashlib.sha256(_host_buffer(row)).hexdigest()}
         # Same directory as the target, so the rename is atomic (one file system).
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
@@ -189,9 +217,11 @@ class StorageConnector(KVConnector):
                 loaded.append(block)
             except FileNotFoundError:
                 failed[block] = f"no file for key {key} ({path})"
+            except _LinkedDir as exc:
+                failed[block] = f"key {key}: {exc}"
             except _BadFile as exc:
                 failed[block] = f"{path}: {exc}"
-                _unlink(path)  # garbage: stop offering it to lookup()
+                self._unlink(path)  # garbage: stop offering it to lookup()
         if loaded:
             self._write_blocks(loaded, torch.stack(rows).flatten(1), "storage load")
             storage = self._reg.kv_caches.storage
@@ -203,6 +233,10 @@ class StorageConnector(KVConnector):
 
     def _read_file(self, path: Path) -> torch.Tensor:
         """The verified ``(num_layers, page_size_bytes)`` bytes of a block file."""
+        self._check_dirs(path)
+        if path.is_symlink():
+            raise _BadFile("is a symbolic link; the storage connector follows no link below "
+                           "its root")
         if not path.is_file():
             raise FileNotFoundError(path)
         try:
@@ -236,12 +270,13 @@ class StorageConnector(KVConnector):
                            f"to {digest})")
         return tensor
 
-
-def _unlink(path: Path) -> None:
-    """Delete a bad block file; one that cannot be deleted (read-only share) stays, and the
-    next load or save checks it again."""
-    with contextlib.suppress(OSError):
-        path.unlink(missing_ok=True)
+    def _unlink(self, path: Path) -> None:
+        """Delete a bad block file (a link itself, never its target); one that cannot be
+        deleted (read-only share, or its directory became a link) stays, and the next load or
+        save checks it again."""
+        with contextlib.suppress(OSError, _LinkedDir):
+            self._check_dirs(path)
+            path.unlink(missing_ok=True)
 
 
 def _block_size(layout: KVCacheLayout) -> int:

@@ -254,6 +254,47 @@ def test_path_escaping_keys_are_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
 
 
+@pytest.mark.parametrize("where", ["namespace", "shard", "file"])
+def test_symbolic_links_below_the_root_are_never_followed(tmp_path, where):
+    """A link at the namespace dir, the two-character shard dir or the block file itself:
+    lookup does not offer the key, load refuses it and deletes nothing outside the root, and
+    save writes nothing there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    kv = make_caches(cross_layer=True)
+    (key,) = keys_for(random.randrange(2**31), 1)
+    with storage_for(kv, tmp_path / "root") as conn:
+        path = conn.path_of(key)
+        if where == "file":  # a valid block file of this key, outside the root
+            assert conn.save([key], [2]).wait().ok
+            target = elsewhere / path.name
+            path.rename(target)
+            path.symlink_to(target)
+        else:  # a damaged file where the link leads: a load would delete it, a save rewrite it
+            link = path.parent if where == "shard" else path.parent.parent
+            target = elsewhere / path.relative_to(link)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(b"not a block")
+            if link.exists():
+                shutil.rmtree(link)
+            link.symlink_to(elsewhere, target_is_directory=True)
+        before = target.read_bytes()
+        assert conn.lookup([key]) == 0
+        result = conn.load([key], [5]).wait()
+        assert list(result.failed) == [5] and "symbolic link" in result.failed[5]
+        assert target.read_bytes() == before
+        result = conn.save([key], [2]).wait()
+        assert target.read_bytes() == before
+        assert sorted(p.name for p in elsewhere.rglob("*")) == sorted(
+            p.name for p in [target, *target.relative_to(elsewhere).parents][:-1])
+        if where == "file":  # the link is replaced by a real file under the root
+            assert result.ok and path.is_file() and not path.is_symlink()
+            assert conn.lookup([key]) == 1
+        else:
+            assert list(result.failed) == [2] and "symbolic link" in result.failed[2]
+            assert conn.lookup([key]) == 0
+
+
 def test_bad_config_names_the_option():
     with pytest.raises(ValueError, match="num_workers=0 must be a positive integer"):
         get_connector("storage", root="/tmp/x", num_workers=0)
