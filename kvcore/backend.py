@@ -30,7 +30,12 @@ import torch
 
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
-from kvcore.step_facts import StepFacts, mark_step_checked
+from kvcore.step_facts import (
+    StepFacts,
+    context_overwrite_error,
+    context_overwrites,
+    mark_step_checked,
+)
 
 __all__ = [
     "AttentionBackend",
@@ -592,7 +597,9 @@ def build_attention_metadata(
     """Build :class:`AttentionMetadata` from per-request counts and block tables.
 
     The value checks happen here, once per step, on the host lists: lengths and block
-    coverage, ids not negative and, with ``num_blocks``, below it. The tensors are marked
+    coverage, ids not negative and, with ``num_blocks``, below it, no slot given to two new
+    tokens, and no new token written to a slot a request of the step reads as context (the
+    write would land before attention reads it). The tensors are marked
     with the step's :class:`kvcore.ops.StepFacts` (:func:`kvcore.ops.mark_step_checked`), so
     the ops of every layer compare those facts with their cache instead of reading the
     tensors back from the device. The tensors are made outside inference mode (inference
@@ -675,11 +682,18 @@ def build_attention_metadata(
                 table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
         starts_cpu = torch.tensor(starts, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        slots_cpu = torch.tensor(slots, dtype=torch.int64)
+        if slots and any(context_lens):
+            ctx = torch.tensor([int(c) for c in context_lens], dtype=torch.int64)
+            hits = context_overwrites(slots_cpu, ctx, table, block_size)
+            if hits.any():
+                raise context_overwrite_error(slots_cpu, starts_cpu, ctx, table, block_size,
+                                              hits)
         metadata = AttentionMetadata(
             query_start_loc=starts_cpu.to(device, copy=True),
             seq_lens=seq_lens_cpu.to(device, copy=True),
             block_table=table.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=slots_cpu.to(device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             num_actual_tokens=starts[-1],

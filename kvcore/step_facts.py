@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepFacts", "checked_step_facts", "mark_step_checked"]
+__all__ = ["StepFacts", "checked_step_facts", "context_overwrite_error", "context_overwrites",
+           "mark_step_checked"]
 
 
 def _require_tensor(name: str, value: object) -> None:
@@ -128,3 +129,61 @@ def checked_step_facts(*tensors: torch.Tensor) -> StepFacts | None:
             return None
         found = facts
     return found
+
+
+def context_overwrites(slot_mapping: torch.Tensor, context_lens: torch.Tensor,
+                       block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Which block-table entries a new token of the step overwrites while they are context.
+
+    A request reads its first ``context_lens[i]`` tokens from the cache through
+    ``block_table[i]``; a new token written to one of those slots in the same step changes
+    what it reads (the write lands before attention, so the request sees the new token in
+    place of its own). The slots are sorted once and each entry's context slots
+    ``[block * block_size, block * block_size + covered)`` are looked up in them: vectorised,
+    no host read, on the tensors' device.
+
+    Args:
+        slot_mapping: ``(num_tokens,)`` the new tokens' slots (negative: padding).
+        context_lens: ``(num_seqs,)`` cached tokens per request (``seq_lens - query lens``).
+        block_table: ``(num_seqs, max_blocks_per_seq)`` block ids.
+
+    Returns:
+        ``(num_seqs, max_blocks_per_seq)`` bool, ``True`` where the entry's context slots
+        receive a new token (see :func:`context_overwrite_error` for the message).
+    """
+    ordered = slot_mapping.to(torch.int64).sort().values
+    cols = torch.arange(block_table.shape[1], device=block_table.device, dtype=torch.int64)
+    covered = (context_lens.to(torch.int64)[:, None] - cols[None, :] * block_size).clamp(
+        0, block_size)
+    ids = block_table.to(torch.int64)
+    lo = ids * block_size
+    written = (torch.searchsorted(ordered, lo + covered)
+               - torch.searchsorted(ordered, lo))
+    return (written > 0) & (ids >= 0)
+
+
+def context_overwrite_error(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, block_table: torch.Tensor,
+                            block_size: int, hits: torch.Tensor) -> ValueError:
+    """The message for the first entry of ``hits`` (:func:`context_overwrites`), naming the
+    new token, its request, the slot and the request that reads it. Reads the tensors back:
+    for a failing step only."""
+    i, col = (int(x) for x in hits.nonzero()[0].tolist())
+    block = int(block_table[i, col])
+    covered = min(int(context_lens[i]) - col * block_size, block_size)
+    slots = slot_mapping.tolist()
+    token, slot = next((t, s) for t, s in enumerate(slots)
+                       if block * block_size <= s < block * block_size + covered)
+    starts = query_start_loc.tolist()
+    writer = next((r for r in range(len(starts) - 1) if starts[r] <= token < starts[r + 1]),
+                  None)
+    what = (f"padding row {token}" if writer is None else
+            f"request {writer}'s new token {token - starts[writer]} (row {token})")
+    reader = "the same request" if writer == i else f"request {i}"
+    return ValueError(
+        f"{what} is written to slot {slot} (block {block}, offset "
+        f"{slot - block * block_size}), which {reader} reads as context (its token "
+        f"{col * block_size + slot - block * block_size}) in the same step: the write would "
+        "replace what it attends to. A step's new tokens need slots no request of the step "
+        "reads as context; give them blocks of their own (a block shared as a cached prefix "
+        "is read-only)")

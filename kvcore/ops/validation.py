@@ -30,7 +30,13 @@ import os
 import torch
 
 from kvcore.dtypes import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, cache_torch_dtype
-from kvcore.step_facts import StepFacts, checked_step_facts, mark_step_checked
+from kvcore.step_facts import (
+    StepFacts,
+    checked_step_facts,
+    context_overwrite_error,
+    context_overwrites,
+    mark_step_checked,
+)
 
 # The dtype tables live in kvcore.dtypes (the contract uses them too); they stay importable
 # from here and from kvcore.ops.
@@ -311,8 +317,9 @@ def step_facts_from_tensors(
     detailed message. With ``mark`` the tensors are then marked (:func:`mark_step_checked`).
 
     Raises:
-        ValueError: a length rule of :class:`StepFacts` is broken (naming the request), or a
-            used block id is negative.
+        ValueError: a length rule of :class:`StepFacts` is broken (naming the request), a
+            used block id is negative, two new tokens share a slot, or a new token is written
+            to a slot a request of the step reads as context (:func:`context_overwrites`).
     """
     for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table), ("slot_mapping", slot_mapping)):
@@ -341,17 +348,19 @@ def step_facts_from_tensors(
         used = torch.arange(width, device=block_table.device)[None, :] < needed[:, None]
         ids = block_table.to(torch.int64)
         big = torch.iinfo(torch.int64).max
+        ctx_lens = lens - q_lens
+        overwrites = context_overwrites(slot_mapping, ctx_lens, block_table, block_size)
         stats = torch.stack([
-            qsl[0], qsl[-1], q_lens.min(), (lens - q_lens).min(), needed.max(),
+            qsl[0], qsl[-1], q_lens.min(), ctx_lens.min(), needed.max(),
             torch.where(used, ids, big).min(), torch.where(used, ids, -1).max(), slot_max[0],
-            repeats,
+            repeats, overwrites.sum(),
         ]).tolist()
-        first, last, min_q, min_ctx, most, lo, hi, top_slot, repeated = stats
+        first, last, min_q, min_ctx, most, lo, hi, top_slot, repeated, overwritten = stats
     else:  # no requests, or no block-table columns (only empty requests fit): read them
         qsl_list = query_start_loc.tolist()
         first, last = qsl_list[0], qsl_list[-1]
         _check_lengths(qsl_list, seq_lens.tolist(), last, block_size, width)
-        min_q = min_ctx = most = lo = 0
+        min_q = min_ctx = most = lo = overwritten = 0
         hi, top_slot, repeated = -1, int(slot_max), int(repeats)
     if first != 0 or min_q < 0 or min_ctx < 0 or most > width:  # read again, name the request
         _check_lengths(query_start_loc.tolist(), seq_lens.tolist(), last, block_size, width)
@@ -360,6 +369,9 @@ def step_facts_from_tensors(
                          "must be >= 0")
     if repeated:
         check_distinct_slots(slot_mapping)  # read again for the message
+    if overwritten:
+        raise context_overwrite_error(slot_mapping, query_start_loc, ctx_lens, block_table,
+                                      block_size, overwrites)
     facts = StepFacts(num_tokens=last, num_seqs=num_seqs, block_size=block_size,
                       max_blocks_per_seq=most, max_block_id=hi, max_slot=top_slot)
     if mark:

@@ -25,6 +25,7 @@ from kvcore.ops.validation import KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType, DeviceCapability
 from kvcore.testing import checks
 from kvcore.testing.batch import CaseConfig, short_dtype
+from kvcore.testing.step_refusals import check_overlapping_new_tokens_refused
 
 __all__ = ["ConformanceCase", "conformance_cases", "resolve_backend_spec"]
 
@@ -377,6 +378,8 @@ def conformance_cases(
                     numeric("cross-layer", "cross-layer-bit-exact", checks.check_cross_layer,
                             config, excuse=unverified)
         numeric("builder", "builder-reference", checks.check_builder, base)
+        numeric("overwrites", "overlapping-new-tokens-refused",
+                check_overlapping_new_tokens_refused, base)
         if cls.CUDA_GRAPH_SUPPORT is not CudaGraphSupport.NEVER:
             numeric("builder-buffers", "builder-persistent-buffers",
                     checks.check_builder_buffers, base)

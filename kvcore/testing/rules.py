@@ -84,6 +84,10 @@ _RULES = (
          "forward with the metadata of the backend's builder (get_builder_cls(), build() once "
          "per step) matches the float64 reference, and one builder serves steps of different "
          "shapes one after another"),
+    Rule("overlapping-new-tokens-refused",
+         "the backend's builder refuses, with a ValueError from build(), a step whose new "
+         "tokens are written to slots the same step reads as context or to one slot twice "
+         "(the write would replace a key attention reads)"),
     Rule("builder-persistent-buffers",
          "a backend declaring CUDA_GRAPH_SUPPORT other than NEVER has a builder with persistent "
          "buffers: steps built for one graph batch size give the same tensors (addresses, "

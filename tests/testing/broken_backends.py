@@ -232,6 +232,24 @@ class BuilderDropsAToken(CorrectBackend):
         return OffByOneBuilder
 
 
+class UncheckedBuilder(kvcore.AttentionMetadataBuilder):
+    """THE BUG: "saves" the step's value checks by returning the step as it came."""
+
+    def build(self, common, *, graph_batch_size=None):
+        return common
+
+
+class BuilderSkipsStepChecks(CorrectBackend):
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_STEP_CHECKS"
+
+    @staticmethod
+    def get_builder_cls():
+        return UncheckedBuilder
+
+
 # -- MLA ---------------------------------------------------------------------------------------
 
 

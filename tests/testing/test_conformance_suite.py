@@ -86,6 +86,10 @@ def test_correct_reference_backend_passes(pytester):
                  ["forward with builder.build()'s metadata for the mixed batch raised "
                   "ValueError: seq_lens[3]=16 is shorter than its 17 query tokens"],
                  id="builder-changes-the-step"),
+    pytest.param("BuilderSkipsStepChecks", "overlapping-new-tokens-refused", {"overwrites"},
+                 ["builder.build() accepted a step where request 1's new token is written to "
+                  "slot 16, the first token of request 0's cached block 1"],
+                 id="builder-skips-the-step-checks"),
     pytest.param("DeclaresABlockSizeItRefuses", "validation-accepts-declared",
                  {"validation-accepts-declared"},
                  ["with 'block_size=16 with dtype=float32: the kernel tiles 64 tokens': "
