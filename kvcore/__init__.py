@@ -41,6 +41,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.plugins": (
         "PluginInfo", "list_plugins", "register_plugin", "reset_plugins", "unregister_plugin",
     ),
+    "kvcore.progress": ("long_step", "progress_enabled", "set_progress"),
     "kvcore.registry": (
         "DuplicateRegistrationError", "ResolveError", "UnknownNameError", "backend_registry",
         "block_copier_registry", "connector_registry", "platform_registry",
@@ -54,7 +55,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 #: Modules that import neither torch nor the rest of kvcore: their names load alone.
-_LEAF_MODULES = frozenset({"kvcore.platform_types"})
+_LEAF_MODULES = frozenset({"kvcore.platform_types", "kvcore.progress"})
 #: Backend modules: loaded only when one of their names is used (after the rest of the API),
 #: so that registering the backends still imports none of them.
 _ON_DEMAND_MODULES = frozenset({"kvcore.backends.triton_attn"})
@@ -97,6 +98,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         reset_plugins,
         unregister_plugin,
     )
+    from kvcore.progress import long_step, progress_enabled, set_progress
     from kvcore.registry import (
         DuplicateRegistrationError,
         ResolveError,
@@ -173,13 +175,16 @@ __all__ = [
     "is_supported",
     "latent_cache_shape",
     "list_plugins",
+    "long_step",
     "parse_dtype",
     "platform_registry",
     "plugin_status_reports",
+    "progress_enabled",
     "register_plugin",
     "require_present_platform",
     "reset_plugins",
     "resolve_backend",
+    "set_progress",
     "unregister_plugin",
     "__version__",
 ]
