@@ -456,7 +456,12 @@ class AttentionBackend:
         return reasons
 
     @classmethod
-    def _capability_reasons(cls, capability: DeviceCapability | None) -> list[str]:
+    def _capability_reasons(cls, capability: DeviceCapability | None,
+                            simulate: str | None = None) -> list[str]:
+        """The reason ``capability`` is outside the declared bounds (``[]``: inside).
+        Unknown (``None``), the reason says how to simulate a device: ``simulate`` (the
+        settings, spelled for the platform at hand; the selector knows it), by default
+        ``KVCORE_DEVICE_CAPABILITY`` set to the bound."""
         lo, hi = cls.MIN_DEVICE_CAPABILITY, cls.MAX_DEVICE_CAPABILITY
         if lo is None and hi is None:
             return []
@@ -468,9 +473,10 @@ class AttentionBackend:
             # (gfx942 on ROCm, 9.0 on CUDA).
             bound = lo or hi
             example = bound.arch or f"{bound.major}.{bound.minor}"
+            simulate = simulate or f"KVCORE_DEVICE_CAPABILITY={example}"
             return [
                 f"device capability unknown; {cls.get_name()} needs {wanted} "
-                f"(set KVCORE_DEVICE_CAPABILITY={example} to simulate such a device)"
+                f"(set {simulate} to simulate such a device)"
             ]
         if (lo and not capability.at_least(lo)) or (hi and not hi.at_least(capability)):
             return [f"device capability {capability} (supported: {wanted})"]

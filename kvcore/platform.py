@@ -102,11 +102,30 @@ class Platform(ABC):
         """The device's capability as the hardware reports it (``None``: not applicable)."""
         return None
 
+    def check_device_capability(self, capability: DeviceCapability) -> str | None:
+        """``None`` if ``capability`` names a device of this platform, else a sentence saying
+        why not (a gfx name on CUDA, a CUDA compute capability on ROCm, any on the CPU), so
+        a simulated device cannot be one no such platform has. Accepts anything by default."""
+        return None
+
     def get_device_capability(self, device_id: int = 0) -> DeviceCapability | None:
-        """``KVCORE_DEVICE_CAPABILITY`` if set, else the hardware's (``None`` if absent)."""
+        """``KVCORE_DEVICE_CAPABILITY`` if set, else the hardware's (``None`` if absent).
+
+        Raises ``ValueError`` naming the variable when its value is not a capability or not
+        one of this platform's (:meth:`check_device_capability`).
+        """
         override = os.environ.get("KVCORE_DEVICE_CAPABILITY")
         if override:
-            return DeviceCapability.parse(override)
+            try:
+                capability = DeviceCapability.parse(override)
+            except ValueError as exc:
+                raise ValueError(f"KVCORE_DEVICE_CAPABILITY={override}: {exc}") from None
+            why_not = self.check_device_capability(capability)
+            if why_not is not None:
+                raise ValueError(
+                    f"KVCORE_DEVICE_CAPABILITY={override} does not belong to platform "
+                    f"{self.name}: {why_not}; unset it or set another KVCORE_PLATFORM")
+            return capability
         if self.probe() is not None:
             return None
         return self.query_device_capability(device_id)
@@ -269,7 +288,10 @@ def current_platform() -> Platform:
             return _current
         forced = os.environ.get("KVCORE_PLATFORM", "").strip()
         if forced:
-            _current = get_platform(forced)
+            try:
+                _current = get_platform(forced)
+            except ValueError as exc:  # an unknown name: say which setting holds it
+                raise type(exc)(f"KVCORE_PLATFORM={forced}: {exc}") from None
             if _current.is_simulated:
                 logger.info("KVCORE_PLATFORM=%s: simulating (%s)", forced, _current.probe())
             return _current

@@ -220,6 +220,13 @@ def _evaluate(
         reasons.append(f"{name} could not check the config: {type(exc).__name__}: {exc}")
     except Exception as exc:  # a plugin's bug must not break selection of the others
         reasons.append(f"{name}.validate_configuration raised {type(exc).__name__}: {exc}")
+    if capability is None:
+        # The backend's "capability unknown" line cannot know the platform: say what would
+        # change the result here (this platform's spelling, or the backend's own platform).
+        generic = cls._capability_reasons(None)
+        if generic and generic[0] in reasons:
+            here = cls._capability_reasons(None, _how_to_simulate(cls, platform))[0]
+            reasons = [here if r == generic[0] else r for r in reasons]
     notes = []
     if platform.name in cls.PLATFORMS and cls.supports_cross_layer() and not (
             cls.supports_cross_layer(platform.name)):
@@ -227,6 +234,26 @@ def _evaluate(
     graphs = getattr(cls, "CUDA_GRAPH_SUPPORT", None)
     return CandidateReport(name, plugin, reasons, in_priority_list,
                            cuda_graphs=getattr(graphs, "value", None), notes=notes), cls
+
+
+def _how_to_simulate(cls: type[AttentionBackend], platform: Platform) -> str:
+    """The settings that simulate a device ``cls`` accepts, seen from ``platform``: its
+    ``KVCORE_DEVICE_CAPABILITY`` spelled as ``platform`` names devices, and, when ``cls`` does
+    not run on ``platform``, the ``KVCORE_PLATFORM`` of one it runs on."""
+    bound = cls.MIN_DEVICE_CAPABILITY or cls.MAX_DEVICE_CAPABILITY
+    example = bound.arch or f"{bound.major}.{bound.minor}"
+    if platform.name in cls.PLATFORMS:
+        if platform.check_device_capability(bound) is None or not platform.CAPABILITY_EXAMPLE:
+            return f"KVCORE_DEVICE_CAPABILITY={example}"
+        return f"KVCORE_DEVICE_CAPABILITY={platform.CAPABILITY_EXAMPLE}"
+    for name in cls.PLATFORMS:
+        try:
+            other = get_platform(name)
+        except RegistryError:
+            continue
+        if other.check_device_capability(bound) is None:
+            return f"KVCORE_PLATFORM={name} KVCORE_DEVICE_CAPABILITY={example}"
+    return f"KVCORE_DEVICE_CAPABILITY={example}"
 
 
 def _importable(candidate: CandidateReport) -> bool:

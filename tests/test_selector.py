@@ -134,7 +134,7 @@ def test_unknown_capability_says_how_to_set_it(with_plugins):
     aiter = next(c for c in report.candidates if c.name == "ROCM_AITER_UNIFIED_ATTN")
     assert aiter.reasons == [
         "device capability unknown; ROCM_AITER_UNIFIED_ATTN needs >= 9.4 "
-        "(set KVCORE_DEVICE_CAPABILITY=9.4 to simulate such a device)"]
+        "(set KVCORE_DEVICE_CAPABILITY=gfx942 to simulate such a device)"]  # rocm's spelling
 
 
 def test_forced_backend_that_is_invalid_raises_with_reasons(with_plugins, monkeypatch):

@@ -138,7 +138,7 @@ def cmd_select(args: argparse.Namespace) -> int:
         _check_platform_name(args.platform, present=False)
     if not args.capability:
         return _select(args)
-    DeviceCapability.parse(args.capability)  # fail early with a clear message
+    _check_capability(args.capability, args.platform)
     # The platform reads the capability from the environment; restore it afterwards so an
     # in-process caller of main() is not left simulating this device.
     previous = os.environ.get("KVCORE_DEVICE_CAPABILITY")
@@ -152,16 +152,36 @@ def cmd_select(args: argparse.Namespace) -> int:
             os.environ["KVCORE_DEVICE_CAPABILITY"] = previous
 
 
+def _check_capability(text: str, platform_name: str | None) -> None:
+    """``--capability text`` parsed and checked against the platform it simulates (a gfx name
+    on cuda, a CUDA capability on rocm or any on cpu is a ``ValueError`` naming both)."""
+    try:
+        capability = DeviceCapability.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"--capability {text}: {exc}") from None
+    platform = (kvcore.get_platform(platform_name) if platform_name
+                else kvcore.current_platform())
+    why_not = platform.check_device_capability(capability)
+    if why_not is None:
+        return
+    where = f"--platform {platform.name}" if platform_name else f"platform {platform.name}"
+    fix = (f"give one of {platform.name}'s, e.g. --capability {platform.CAPABILITY_EXAMPLE}, "
+           "or the --platform it belongs to" if platform.CAPABILITY_EXAMPLE
+           else "leave out --capability, or simulate a GPU with --platform cuda or rocm")
+    raise ValueError(f"--capability {text} does not belong to {where}: {why_not}; {fix}")
+
+
 def _capability_note(report: kvcore.SelectionReport) -> str | None:
-    """When backends were rejected only for want of a device capability: how to give one."""
-    if report.device_capability is not None or not any(
+    """When backends were rejected only for want of a device capability: how to give one
+    (nothing on a platform without capabilities, such as the CPU)."""
+    example = kvcore.get_platform(report.platform).CAPABILITY_EXAMPLE
+    if example is None or report.device_capability is not None or not any(
             r.startswith("device capability unknown") for c in report.candidates
             for r in c.reasons):
         return None
-    example = kvcore.get_platform(report.platform).CAPABILITY_EXAMPLE
     return (f"note: {report.platform}'s device capability is unknown (no {report.platform} "
             "device here to ask), so backends that need one are rejected; pass --capability "
-            "to simulate a device" + (f", e.g. --capability {example}" if example else ""))
+            f"to simulate a device, e.g. --capability {example}")
 
 
 def _select(args: argparse.Namespace) -> int:

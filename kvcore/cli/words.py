@@ -12,6 +12,9 @@ __all__ = ["in_cli_words"]
 _CLI_WORDS: tuple[tuple[tuple[str, ...], re.Pattern[str], str], ...] = (
     (("select", "demo"), re.compile(r"requested by the backend argument"),
      "requested by --backend"),
+    (("select",), re.compile(r"set KVCORE_PLATFORM=(\S+) KVCORE_DEVICE_CAPABILITY=(\S+) to "
+                             r"simulate"),
+     r"pass --platform \1 --capability \2 to simulate"),
     (("select",), re.compile(r"set KVCORE_DEVICE_CAPABILITY=(\S+) to simulate"),
      r"pass --capability \1 to simulate"),
 )

@@ -15,6 +15,10 @@ class CpuPlatform(Platform):
     def probe(self) -> str | None:
         return None
 
+    def check_device_capability(self, capability: DeviceCapability) -> str | None:
+        return (f"a CPU has no device capability ({capability} is a GPU's: cuda takes 9.0 "
+                "style, rocm gfx942 style)")
+
     def get_backend_priorities(
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:

@@ -32,6 +32,12 @@ class CudaPlatform(Platform):
             return "torch.cuda.is_available() is False (no NVIDIA GPU or driver visible)"
         return None
 
+    def check_device_capability(self, capability: DeviceCapability) -> str | None:
+        if capability.arch is None:
+            return None
+        return (f"{capability.arch} is an AMD GPU architecture (platform rocm); a CUDA device "
+                "capability is spelled 9.0, 90 or sm_90")
+
     def query_device_capability(self, device_id: int = 0) -> DeviceCapability | None:
         major, minor = torch.cuda.get_device_capability(device_id)
         return DeviceCapability(major, minor)

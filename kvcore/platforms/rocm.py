@@ -35,6 +35,12 @@ class RocmPlatform(Platform):
             return "no AMD GPU is visible to torch"
         return None
 
+    def check_device_capability(self, capability: DeviceCapability) -> str | None:
+        if capability.arch is not None:
+            return None
+        return (f"{capability} is an NVIDIA compute capability (platform cuda); ROCm devices "
+                "are named by their gfx architecture, e.g. gfx90a, gfx942, gfx950")
+
     def query_device_capability(self, device_id: int = 0) -> DeviceCapability | None:
         arch = torch.cuda.get_device_properties(device_id).gcnArchName.split(":")[0]
         try:

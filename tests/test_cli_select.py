@@ -1,0 +1,80 @@
+"""``kvcore select`` as a newcomer meets it: simulated platforms that cannot lie, a refused
+forced backend that says why first and what would run, a flag for every config field."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvcore
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """``kvcore ARGS`` in this process: (exit status, stdout, stderr)."""
+    from kvcore.cli import main
+
+    try:
+        status = main(list(args))
+    except SystemExit as exc:  # argparse's errors
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--platform", "cuda", "--capability", "gfx942"],
+     "--capability gfx942 does not belong to --platform cuda: gfx942 is an AMD GPU "
+     "architecture (platform rocm)"),
+    (["--platform", "rocm", "--capability", "sm_90"],
+     "--capability sm_90 does not belong to --platform rocm: 9.0 is an NVIDIA compute "
+     "capability (platform cuda); ROCm devices are named by their gfx architecture"),
+    (["--platform", "cpu", "--capability", "8.0"],
+     "--capability 8.0 does not belong to --platform cpu: a CPU has no device capability"),
+    (["--capability", "8.0"], "--capability 8.0 does not belong to platform cpu"),
+    (["--capability", "9"], "--capability 9: device capability '9' is not of the form"),
+], ids=["gfx-on-cuda", "sm-on-rocm", "any-on-cpu", "any-on-detected-cpu", "malformed"])
+def test_a_capability_of_another_platform_is_refused_naming_both(fresh_kvcore, capsys, args,
+                                                                   says):
+    status, out, err = _cli(capsys, "select", *args)
+    assert (status, out) == (2, "") and says in err, err
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"KVCORE_PLATFORM": "cuda", "KVCORE_DEVICE_CAPABILITY": "gfx942"},
+     "KVCORE_DEVICE_CAPABILITY=gfx942 does not belong to platform cuda: gfx942 is an AMD GPU "
+     "architecture"),
+    ({"KVCORE_PLATFORM": "rocm", "KVCORE_DEVICE_CAPABILITY": "sm_90"},
+     "KVCORE_DEVICE_CAPABILITY=sm_90 does not belong to platform rocm"),
+    ({"KVCORE_PLATFORM": "cpu", "KVCORE_DEVICE_CAPABILITY": "8.0"},
+     "KVCORE_DEVICE_CAPABILITY=8.0 does not belong to platform cpu"),
+    ({"KVCORE_PLATFORM": "cuda", "KVCORE_DEVICE_CAPABILITY": "9"},
+     "KVCORE_DEVICE_CAPABILITY=9: device capability '9' is not of the form"),
+    ({"KVCORE_PLATFORM": "tpu"}, "KVCORE_PLATFORM=tpu: unknown platform 'tpu'; valid options"),
+], ids=["gfx-on-cuda", "sm-on-rocm", "any-on-cpu", "malformed", "unknown-platform"])
+def test_the_environment_cannot_simulate_a_device_its_platform_lacks(fresh_kvcore, capsys,
+                                                                      monkeypatch, env, says):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    kvcore.clear_platform_cache()
+    status, out, err = _cli(capsys, "select")
+    assert (status, out) == (2, "") and says in err, err
+    with pytest.raises(ValueError, match=says.split(":")[0]):
+        kvcore.explain_selection(kvcore.AttentionSelectorConfig(head_size=128))
+
+
+def test_unknown_capability_lines_say_what_would_change_the_result(fresh_kvcore, capsys):
+    # On the CPU the platform is the blocker: the fix names the backend's platform too.
+    status, out, err = _cli(capsys, "select", "--explain", "--platform", "cpu")
+    assert status == 0 and err == ""
+    assert ("device capability unknown; TRITON_ATTN needs >= 8.0 (pass --platform cuda "
+            "--capability 8.0 to simulate such a device)") in out
+    assert ("ROCM_AITER_FA needs >= gfx942 (9.4) and <= gfx950 (9.5) (pass --platform rocm "
+            "--capability gfx942 to simulate such a device)") in out
+    assert "(pass --capability" not in out and "note:" not in out.replace("    note:", "")
+    # On ROCm, a bound written the CUDA way is simulated with a ROCm device name.
+    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "rocm", "--mla")
+    assert ("TRITON_MLA needs >= 8.0 (pass --capability gfx942 to simulate such a device)"
+            in out)
+
+
+def test_select_on_a_cpu_prints_no_note_about_a_capability(fresh_kvcore, capsys):
+    assert _cli(capsys, "select") == (0, "CPU_ATTN\n", "")
