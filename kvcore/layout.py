@@ -20,6 +20,7 @@ layers of one block form one contiguous run.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,11 @@ KV_DIM_NAMES = ("B", "2", "N", "H", "D")
 LEGACY_KV_DIM_NAMES = ("2", "B", "N", "H", "D")
 MLA_DIM_NAMES = ("B", "N", "D")
 _LAYOUT_VERSION = 1
+# Bounds from_dict checks untrusted layouts against: a layer's cache has 3 (MLA) or 5 dims,
+# plus the layer dim.
+_MIN_DIMS, _MAX_DIMS = 3, 6
+_MAX_DIM_SIZE = 2**48
+_MAX_ELEMENTS = 2**62
 
 
 class LayoutMismatchError(ValueError):
@@ -279,24 +285,46 @@ class KVCacheLayout:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVCacheLayout:
+    def from_dict(cls, data: Any) -> KVCacheLayout:
+        """The layout that :meth:`to_dict` wrote, read defensively: ``data`` may come from
+        another process or a shared file. Every field is type- and range-checked (``version``
+        this kvcore's; ``logical_shape`` 3 to 6 ints in ``[0, 2**48]`` whose product stays
+        below ``2**62``; ``stride_order`` as many ints; ``dim_names`` as many short strings;
+        ``dtype`` a dtype name) before anything is computed from it.
+
+        Raises:
+            ValueError: for anything that is not such a layout (a non-dict, a missing or
+                mistyped field, a value out of range, JSON ``Infinity`` or deep nesting where an
+                int belongs), naming the field. No other exception type escapes.
+        """
         if not isinstance(data, dict):
-            raise TypeError(f"data must be a dict from KVCacheLayout.to_dict(), got {type(data)}")
+            raise ValueError(f"a layout must be a dict from KVCacheLayout.to_dict(), got "
+                             f"{type(data).__name__}")
         version = data.get("version")
-        if version != _LAYOUT_VERSION:
+        if type(version) is not int or version != _LAYOUT_VERSION:
             raise ValueError(
-                f"layout version {version!r} is not supported (this kvcore reads version "
+                f"layout version {_brief(version)} is not supported (this kvcore reads version "
                 f"{_LAYOUT_VERSION}); upgrade kvcore on both sides"
             )
         missing = {"logical_shape", "stride_order", "dim_names", "dtype"} - set(data)
         if missing:
             raise ValueError(f"layout dict lacks {sorted(missing)}")
-        return cls(
-            tuple(data["logical_shape"]),
-            tuple(data["stride_order"]),
-            tuple(data["dim_names"]),
-            parse_dtype(data["dtype"]),
-        )
+        shape = _int_list(data["logical_shape"], "logical_shape", 0, _MAX_DIM_SIZE)
+        if not _MIN_DIMS <= len(shape) <= _MAX_DIMS:
+            raise ValueError(f"layout logical_shape has {len(shape)} dims, expected "
+                             f"{_MIN_DIMS} to {_MAX_DIMS}")
+        if math.prod(shape) >= _MAX_ELEMENTS:
+            raise ValueError(f"layout logical_shape {tuple(shape)} holds 2**62 elements or more")
+        order = _int_list(data["stride_order"], "stride_order", 0, len(shape) - 1)
+        names = data["dim_names"]
+        if (not isinstance(names, list) or len(names) != len(shape)
+                or not all(type(n) is str and 0 < len(n) <= 8 for n in names)):
+            raise ValueError(f"layout dim_names must be a list of {len(shape)} short strings, "
+                             f"got {_brief(names)}")
+        dtype = data["dtype"]
+        if type(dtype) is not str or len(dtype) > 32:
+            raise ValueError(f"layout dtype must be a dtype name, got {_brief(dtype)}")
+        return cls(tuple(shape), tuple(order), tuple(names), parse_dtype(dtype))
 
     def differences(self, other: KVCacheLayout, *, ignore_num_blocks: bool = False) -> list[str]:
         """What differs from ``other``, one sentence each; empty when the layouts agree.
@@ -329,6 +357,20 @@ class KVCacheLayout:
                 f"KV cache layouts differ ({names[0]} {self.describe()}; {names[1]} "
                 f"{other.describe()}): " + "; ".join(diffs)
             )
+
+
+def _brief(value: Any) -> str:
+    """A short repr of untrusted data: bounded in length and depth (never recurses far)."""
+    return reprlib.repr(value)
+
+
+def _int_list(value: Any, field: str, low: int, high: int) -> list[int]:
+    """``value`` as a list of ints in ``[low, high]`` (bools, floats and nesting refused)."""
+    if (not isinstance(value, list) or len(value) > _MAX_DIMS
+            or not all(type(v) is int and low <= v <= high for v in value)):
+        raise ValueError(f"layout {field} must be a list of at most {_MAX_DIMS} ints in "
+                         f"[{low}, {high}], got {_brief(value)}")
+    return value
 
 
 def _check_backend_order(name: str, order: tuple[int, ...], ndim: int) -> None:

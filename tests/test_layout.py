@@ -126,6 +126,51 @@ def test_from_dict_rejects_other_versions_and_missing_fields():
         KVCacheLayout.from_dict({k: v for k, v in data.items() if k != "dtype"})
 
 
+def _deep(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logical_shape", [float("inf"), 2, 16, 1, 8]),  # JSON Infinity
+    ("logical_shape", [float("nan"), 2, 16, 1, 8]),
+    ("logical_shape", [1.0, 2, 16, 1, 8]),
+    ("logical_shape", [True, 2, 16, 1, 8]),
+    ("logical_shape", [-1, 2, 16, 1, 8]),
+    ("logical_shape", [2**70, 2, 16, 1, 8]),
+    ("logical_shape", [2**40, 2, 2**20, 1, 8]),  # each fits, the product does not
+    ("logical_shape", [1, 2]),
+    ("logical_shape", _deep(50_000)),
+    ("logical_shape", "1,2,16,1,8"),
+    ("stride_order", [0, 1, 2, 3, float("inf")]),
+    ("stride_order", [0, 1, 2, 3, 9]),
+    ("stride_order", _deep(50_000)),
+    ("dim_names", _deep(50_000)),
+    ("dim_names", ["B", "2", "N", "H", 4]),
+    ("dim_names", ["B", "2", "N", "H", "D" * 10_000]),
+    ("dtype", _deep(50_000)),
+    ("dtype", float("inf")),
+    ("dtype", "f" * 10_000),
+    ("version", float("inf")),
+    ("version", True),
+    ("version", _deep(50_000)),
+], ids=lambda v: str(v)[:20] if not isinstance(v, list) or len(v) > 1 else "deep")
+def test_from_dict_refuses_malformed_data_with_a_value_error_naming_the_field(field, value):
+    data = KVCacheLayout((1, 2, 16, 1, 8), (0, 1, 2, 3, 4), KV_DIM_NAMES, torch.float32).to_dict()
+    with pytest.raises(ValueError, match=field.replace("_", ".")) as info:
+        KVCacheLayout.from_dict({**data, field: value})
+    assert len(str(info.value)) < 500
+
+
+@pytest.mark.parametrize("data", [None, [1, 2], "layout", _deep(50_000)],
+                         ids=["none", "list", "str", "deep"])
+def test_from_dict_refuses_what_is_not_a_dict(data):
+    with pytest.raises(ValueError, match="must be a dict from KVCacheLayout.to_dict"):
+        KVCacheLayout.from_dict(data)
+
+
 def test_cross_layer_requires_the_backend_to_opt_in():
     class NoCross(CPU):  # type: ignore[misc,valid-type]
         @staticmethod

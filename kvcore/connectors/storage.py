@@ -252,10 +252,11 @@ class StorageConnector(KVConnector):
             raise _BadFile(f"format {metadata.get('format')!r}, expected {FILE_FORMAT!r}")
         if tensor is None:
             raise _BadFile(f"holds tensors {names}, expected exactly [{_TENSOR!r}]")
-        try:
+        try:  # json raises RecursionError on deep nesting; from_dict only ValueError
             theirs = KVCacheLayout.from_dict(json.loads(metadata.get("layout", "")))
-        except (ValueError, TypeError) as exc:
-            raise _BadFile(f"unreadable layout metadata ({exc})") from exc
+        except (ValueError, RecursionError) as exc:
+            raise _BadFile(f"unreadable layout metadata ({type(exc).__name__}: "
+                           f"{str(exc)[:300]})") from exc
         diffs = theirs.differences(self._layout, ignore_num_blocks=True)
         if diffs:
             raise _BadFile(f"layout mismatch (file {theirs.describe()}; this cache "

@@ -306,6 +306,23 @@ def test_mismatched_peers_are_refused_before_any_block(theirs, difference):
     assert difference in str(info.value)
 
 
+def test_a_hello_whose_layout_cannot_be_read_is_a_layout_mismatch(monkeypatch):
+    real = P2PConnector._hello
+
+    def hello(self: P2PConnector) -> dict:
+        message = real(self)
+        if self.rank == 1:  # JSON Infinity where a size belongs
+            shape = [float("inf"), *message["layout"]["logical_shape"][1:]]
+            message["layout"] = {**message["layout"], "logical_shape": shape}
+        return message
+
+    monkeypatch.setattr(P2PConnector, "_hello", hello)
+    with pytest.raises(LayoutMismatchError, match="remote rank 1 sent a layout this kvcore "
+                                                  "cannot read .*logical_shape"), \
+            pair(make_caches(cross_layer=False), make_caches(cross_layer=False)):
+        pass
+
+
 def test_silent_peer_times_out_then_late_blocks_still_load():
     kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
     keys = keys_for(random.randrange(2**31), 2)

@@ -201,6 +201,38 @@ def test_saving_over_a_corrupted_file_rewrites_it(tmp_path, damage):
     assert torch.equal(block_bytes(kv, [5, 6]), block_bytes(kv, [1, 2]))
 
 
+@pytest.mark.parametrize("layout", [
+    '{"version": 1, "logical_shape": [Infinity, 4, 2, 4, 2, 8], "stride_order": [1, 0, 2, 3, '
+    '4, 5], "dim_names": ["L", "B", "2", "N", "H", "D"], "dtype": "float32"}',
+    "[" * 100_000 + "]" * 100_000,
+    '{"version": 1, "logical_shape": ' + "[" * 5000 + "]" * 5000 + "}",
+], ids=["infinity", "deep_json", "deep_field"])
+def test_a_file_with_malformed_layout_metadata_is_one_failed_block(tmp_path, layout):
+    """Bad metadata fails its block and removes its file; the other blocks of the same load
+    and save go through, and lookup stops offering it."""
+    import safetensors.torch
+
+    kv = make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 3)
+    with storage_for(kv, tmp_path) as conn:
+        assert conn.save(keys, [0, 1, 2]).wait().ok
+        path = conn.path_of(keys[1])
+        with safe_open(str(path), framework="pt") as f:
+            metadata, tensor = f.metadata(), f.get_tensor("kv")
+        safetensors.torch.save_file({"kv": tensor}, str(path),
+                                    metadata={**metadata, "layout": layout})
+        result = conn.load(keys, [5, 6, 7]).wait()
+        assert result.succeeded == (5, 7) and list(result.failed) == [6]
+        assert "unreadable layout metadata" in result.failed[6]
+        assert not path.exists() and conn.lookup(keys) == 1
+        safetensors.torch.save_file({"kv": tensor}, str(path),
+                                    metadata={**metadata, "layout": layout})
+        result = conn.save(keys, [0, 1, 2]).wait()  # rewrites the bad file
+        assert result.ok and result.num_bytes == conn.block_bytes
+        assert conn.lookup(keys) == 3 and conn.load(keys[1:2], [6]).wait().ok
+    assert torch.equal(block_bytes(kv, [5, 6, 7]), block_bytes(kv, [0, 1, 2]))
+
+
 def test_a_failed_rewrite_of_a_corrupted_file_is_reported_and_leaves_no_file(tmp_path,
                                                                               monkeypatch):
     import safetensors.torch
