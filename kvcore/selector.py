@@ -91,6 +91,23 @@ class SelectionReport:
         return (f"no backend in {self.platform}'s priority list ({order}) is valid; first valid "
                 f"of the other backends registered for {self.platform}")
 
+    def alternatives(self) -> list[str]:
+        """The backends valid for the config here other than the forced one, best first: what
+        a refused forced backend could be replaced with."""
+        return [c.name for c in self.candidates if c.valid and c.name != self.forced]
+
+    def refusal_lines(self) -> list[str]:
+        """A forced backend that cannot run the config: its reasons, then the backends that
+        can (``[]`` when nothing was forced or the forced one runs)."""
+        if not self.forced or self.selected is not None:
+            return []
+        forced = next(c for c in self.candidates if c.name == self.forced)
+        others = self.alternatives()
+        return [f"{self.forced} cannot run this config on {self.platform}:",
+                *(f"  - {r}" for r in forced.reasons),
+                f"valid for this config on {self.platform}: {', '.join(others)}" if others
+                else f"no other backend can run this config on {self.platform} either"]
+
     def phase_lines(self) -> list[str]:
         """The measured order per phase, where the selected backend stands in it, and a note
         when the fastest backends differ between phases (``[]``: nothing measured)."""
@@ -125,6 +142,7 @@ class SelectionReport:
         lines = [header, f"config: {self.config.describe()}"]
         if self.forced:
             lines.append(f"forced backend: {self.forced}")
+            lines.extend(self.refusal_lines())  # a refused one's reasons lead
         pick = self.selected
         lines.append(f"selected: {pick.name if pick else 'none'}")
         if pick:
@@ -385,9 +403,12 @@ def get_attn_backend(
     pick = report.selected
     if forced is not None and pick is None:
         candidate = next(c for c in report.candidates if c.name == report.forced)
+        others = report.alternatives()
         raise BackendSelectionError(
             f"attention backend {candidate.name} was requested by {source} but cannot run "
             f"this config on {plat.name}: " + "; ".join(candidate.reasons)
+            + (f". Valid for this config on {plat.name}: {', '.join(others)}" if others
+               else f". No other backend can run this config on {plat.name} either")
             + f" (config: {config.describe()})",
             report,
         )

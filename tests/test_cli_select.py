@@ -78,3 +78,30 @@ def test_unknown_capability_lines_say_what_would_change_the_result(fresh_kvcore,
 
 def test_select_on_a_cpu_prints_no_note_about_a_capability(fresh_kvcore, capsys):
     assert _cli(capsys, "select") == (0, "CPU_ATTN\n", "")
+
+
+def test_a_refused_forced_backend_leads_with_its_reasons_and_names_what_runs(fresh_kvcore,
+                                                                             capsys):
+    status, out, err = _cli(capsys, "select", "--backend", "CPU_ATTN", "--mla")
+    assert (status, out) == (1, "")
+    assert err.splitlines() == [
+        "error: backend CPU_ATTN cannot run this config on cpu:",
+        "  - use_mla=True but CPU_ATTN is not an MLA backend (choose an MLA backend)",
+        "valid for this config on cpu: CPU_MLA",
+        "pass --backend CPU_MLA, or leave out --backend for cpu's pick"]
+    status, out, err = _cli(capsys, "select", "--explain", "--backend", "CPU_ATTN", "--mla")
+    assert status == 1
+    assert out.splitlines()[2:6] == [
+        "forced backend: CPU_ATTN",
+        "CPU_ATTN cannot run this config on cpu:",
+        "  - use_mla=True but CPU_ATTN is not an MLA backend (choose an MLA backend)",
+        "valid for this config on cpu: CPU_MLA"]
+    assert err.splitlines()[0] == "error: backend CPU_ATTN cannot run this config on cpu"
+
+
+def test_a_refused_forced_backend_names_what_runs_in_the_library_error(fresh_kvcore):
+    config = kvcore.AttentionSelectorConfig(head_size=576, use_mla=True)
+    with pytest.raises(kvcore.BackendSelectionError,
+                       match=r"CPU_ATTN is not an MLA backend \(choose an MLA backend\)\. "
+                             r"Valid for this config on cpu: CPU_MLA \(config: "):
+        kvcore.get_attn_backend(config, backend="CPU_ATTN", platform="cpu")

@@ -199,10 +199,20 @@ def _select(args: argparse.Namespace) -> int:
         if note:
             print(note, file=sys.stderr)
     if report.selected is None:
-        if args.format != "json":
+        if args.format != "json" and report.forced:
+            # The forced backend's own reasons and what would run instead; --explain has
+            # printed them at the top of the report already.
+            refusal = "" if args.explain else "\n".join(report.refusal_lines()[1:])
+            others = report.alternatives()
+            fix = (f"pass --backend {others[0]}, or leave out --backend for "
+                   f"{report.platform}'s pick" if others else
+                   "kvcore select --explain without --backend lists every backend's reasons")
+            print(f"error: backend {report.forced} cannot run this config on "
+                  f"{report.platform}" + (f":\n{in_cli_words(refusal, 'select')}" if refusal
+                                          else "") + f"\n{fix}", file=sys.stderr)
+        elif args.format != "json":
             reasons = in_cli_words(report.format(), "select") if not args.explain else ""
-            what = f"backend {report.forced} cannot" if report.forced else "no backend can"
-            print(f"error: {what} run this config on {report.platform}" +
+            print(f"error: no backend can run this config on {report.platform}" +
                   (f"\n{reasons}" if reasons else "") +
                   (f"\n{note}" if note and not args.explain else ""), file=sys.stderr)
         return 1
