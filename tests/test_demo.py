@@ -102,7 +102,9 @@ def test_kvcore_demo_command_prints_the_summary_and_exits_0():
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
-    for expected in ("backend   CPU_ATTN: first valid backend in cpu's priority list",
+    for expected in ("dtype     float32 (no --dtype given: the first of float32, bfloat16, "
+                     "float16 that a backend on cpu runs this model in (CPU_ATTN: ",
+                     "backend   CPU_ATTN: first valid backend in cpu's priority list",
                      "layout    B,L,2,N,H,D", "prefix hits", "GB/s",
                      "check     tokens equal to a run without offload",
                      "check     tokens equal to the non-paged float64 reference",

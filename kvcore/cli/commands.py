@@ -304,7 +304,8 @@ def _demo_disaggregated(args: argparse.Namespace) -> int:
 
     result = run_disaggregated(DisaggOptions(
         model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
-        max_num_seqs=args.max_num_seqs, block_size=args.block_size, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+        dtype=args.dtype or DisaggOptions.dtype,
         platform=args.platform, backend=args.backend, seed=args.seed,
         prefill_device=args.prefill_device, decode_device=args.decode_device))
     _emit(args, result.to_dict(), format_result(result))

@@ -142,9 +142,10 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                            "default: %(default)s)")
     demo.add_argument("--block-size", type=positive_int, default=16,
                       help="tokens per KV-cache block (default: %(default)s)")
-    demo.add_argument("--dtype", default="float32", type=_dtype_name,
+    demo.add_argument("--dtype", default=None, type=_dtype_name,
                       choices=MODEL_DTYPE_CHOICES,
-                      help="the model's dtype: %(choices)s (default: %(default)s)")
+                      help="the model's dtype: %(choices)s (default: the first of float32, "
+                           "bfloat16, float16 that the selected backend supports)")
     demo.add_argument("--platform", default=None,
                       help="platform to run on (default: detected); must be present")
     demo.add_argument("--backend", default=None,

@@ -17,7 +17,7 @@ What it does, in the order an engine does it:
    without a connector, which recomputes everything, and (b) a non-paged reference: each
    finished sequence recomputed in float64 with plain causal attention over contiguous K/V,
    where every generated token must be the greedy choice. Both allow only near ties that
-   rounding in the model dtype may decide either way (:data:`TIE_TOLERANCE`; float32 leaves
+   rounding in the model dtype may decide either way (:func:`tie_tolerance`; float32 leaves
    essentially none).
 
 Any mismatch is printed and makes :func:`run_demo_cli`'s exit status 1.
@@ -44,6 +44,7 @@ from kvcore import (
     SelectionReport,
     allocate_kv_caches,
     explain_selection,
+    format_supported,
     get_attn_backend,
     parse_dtype,
     require_present_platform,
@@ -55,15 +56,38 @@ from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel, contiguous_attention
 from kvcore.testing import contiguous_mla_ref
 
-__all__ = ["TIE_TOLERANCE", "DemoOptions", "DemoResult", "TokenCheck", "check_against_reference",
-           "compare_runs", "format_summary", "reference_logits", "run_demo",
-           "run_demo_cli"]
+__all__ = ["DEMO_DTYPES", "TIE_EPS", "TIE_FLOAT32", "DemoOptions", "DemoResult", "DtypeChoice",
+           "TokenCheck", "check_against_reference", "choose_dtype", "compare_runs",
+           "demo_selector_config", "format_summary", "reference_logits", "run_demo",
+           "run_demo_cli", "tie_tolerance"]
 
 #: Largest gap between the float64 reference logits of two tokens, in standard deviations of
-#: that position's logits, for them to count as a tie that rounding in the model dtype may
-#: decide either way. The demo model's logits have std ~1 and top-2 gaps ~0.3, so float32
-#: ties are vanishingly rare; bf16 rounding flips a few in a few hundred tokens.
-TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+#: that position's logits, for them to count as a tie that rounding in float32 may decide
+#: either way: float32's logit error (~3e-6 std on the presets, from long sums rather than
+#: per-op rounding) is 30x below it, so float32 ties are vanishingly rare. The 16-bit dtypes:
+#: :func:`tie_tolerance`.
+TIE_FLOAT32 = 1e-4
+#: A near tie in a 16-bit dtype is a float64 gap of at most ``TIE_EPS * eps * sqrt(layers)``
+#: standard deviations of the position's logits (``eps`` the dtype's machine epsilon). Measured
+#: on the CPU (every non-MLA preset in bf16 and fp16 against float64, 96 positions each), the
+#: largest error of one logit is 2.6 ``eps * sqrt(layers)`` in both dtypes, from 2 layers to
+#: 16, so rounding may swap two tokens up to twice that apart (5.2); 6.4 leaves a quarter of
+#: headroom for kernels that round differently (0.1 std for bf16 on the 4-layer small model).
+TIE_EPS = 6.4
+
+
+def tie_tolerance(dtype: torch.dtype, num_layers: int) -> float:
+    """The near-tie gap of :data:`TIE_FLOAT32` (float32) or :data:`TIE_EPS` (16-bit), in
+    standard deviations of a position's logits, for a model of ``num_layers`` layers."""
+    if dtype == torch.float32:
+        return TIE_FLOAT32
+    return TIE_EPS * torch.finfo(dtype).eps * num_layers ** 0.5
+
+
+#: The demo's dtypes, in the order it tries them when none is given: float32 first (its
+#: checks against the float64 reference then leave essentially no ties), then the 16-bit
+#: dtypes, which many GPU backends declare alone.
+DEMO_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -75,7 +99,9 @@ class DemoOptions:
     max_new_tokens: int = 16
     max_num_seqs: int = 4
     block_size: int = 16
-    dtype: str = "float32"
+    #: ``None``: the first of :data:`DEMO_DTYPES` the selected backend supports
+    #: (:func:`choose_dtype`).
+    dtype: str | None = None
     platform: str | None = None
     backend: str | None = None
     seed: int = 0
@@ -89,7 +115,7 @@ class DemoOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if parse_dtype(self.dtype) not in TIE_TOLERANCE:
+        if self.dtype is not None and _dtype_str(self.dtype) not in DEMO_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} (supported: float32, bfloat16, float16)")
 
 
@@ -102,6 +128,8 @@ class DemoResult:
     model: str
     model_description: str
     dtype: str
+    #: How the dtype was chosen (:attr:`DtypeChoice.note`).
+    dtype_choice: str
     backend: str
     selection: dict[str, Any]
     layout: str
@@ -153,6 +181,97 @@ def _selection_summary(report: SelectionReport) -> dict[str, Any]:
             "report": report.to_dict()}
 
 
+def demo_selector_config(model: str, dtype: str, block_size: int) -> AttentionSelectorConfig:
+    """The selector config of the demo's ``model`` preset in ``dtype`` (a KV connector is in
+    use: the demo offloads)."""
+    preset = MODEL_PRESETS[model]
+    return AttentionSelectorConfig(head_size=preset.cache_head_size, dtype=parse_dtype(dtype),
+                                   block_size=block_size, use_mla=preset.is_mla,
+                                   use_kv_connector=True)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The demo's dtype and why: ``picked`` when the options gave none, with ``note`` (one
+    line, the summary's ``dtype`` line) saying how it was chosen."""
+
+    dtype: str
+    picked: bool
+    note: str
+
+
+def _dtype_str(name: str) -> str:
+    """``name`` (an alias such as ``bf16`` too) as :data:`DEMO_DTYPES` spells dtypes."""
+    return str(parse_dtype(name)).removeprefix("torch.")
+
+
+def _names(dtypes: list[str] | tuple[str, ...]) -> str:
+    return ", ".join(dtypes)
+
+
+def choose_dtype(options: DemoOptions, platform: Platform) -> DtypeChoice:
+    """The dtype the demo runs in on ``platform`` (which may be simulated: only declarations
+    and selection are consulted, no kernel runs).
+
+    Without ``options.dtype``: with a forced backend, the first of :data:`DEMO_DTYPES` that
+    its ``SUPPORTED_DTYPES`` declares and that passes its validation (else the first it
+    declares, so that selection reports the other reasons); otherwise the first of
+    :data:`DEMO_DTYPES` for which the platform selects a backend.
+
+    Raises:
+        ValueError: ``options.dtype`` is one the forced backend does not declare, or one no
+            backend of the platform runs while another dtype would: a first line naming
+            ``--dtype`` and the values that work, then the selection's full report.
+    """
+    def report(dtype: str) -> SelectionReport:
+        return explain_selection(demo_selector_config(options.model, dtype, options.block_size),
+                                 platform, options.backend)
+
+    forced = resolve_backend(options.backend) if options.backend else None
+    candidates = list(DEMO_DTYPES)
+    if forced is not None:
+        candidates = [d for d in DEMO_DTYPES if parse_dtype(d) in forced.SUPPORTED_DTYPES]
+        if not candidates:
+            raise ValueError(
+                f"backend={options.backend}: it supports the dtypes "
+                f"{format_supported(forced.SUPPORTED_DTYPES)} and the demo runs in "
+                f"{_names(DEMO_DTYPES)} only; choose another --backend")
+    if options.dtype is not None:
+        dtype = _dtype_str(options.dtype)
+        if forced is not None and dtype not in candidates:
+            works = candidates
+        elif report(dtype).selected is None:
+            works = [d for d in candidates if d != dtype and report(d).selected is not None]
+        else:
+            return DtypeChoice(dtype, False, f"{dtype} (--dtype)")
+        if works:
+            who = (f"{options.backend} supports" if forced is not None
+                   else f"no backend on {platform.name} runs this model in {dtype}; it runs in")
+            try:
+                get_attn_backend(demo_selector_config(options.model, dtype, options.block_size),
+                                 options.backend, platform)
+                full = ""
+            except ValueError as exc:
+                full = f"\n{exc}"
+            raise ValueError(f"--dtype {dtype}: {who} {_names(works)}; pass --dtype {works[0]} "
+                             f"(or leave out --dtype and the demo picks one){full}")
+        return DtypeChoice(dtype, False, f"{dtype} (--dtype)")
+    for dtype in candidates:
+        pick = report(dtype).selected
+        if pick is not None:
+            break
+    else:  # nothing runs: the first dtype, whose selection error gives every reason
+        who = f"{options.backend} runs" if forced is not None else "no backend runs"
+        return DtypeChoice(candidates[0], True, f"{candidates[0]} (no --dtype given; {who} the "
+                           f"{options.model} model on {platform.name} in none of "
+                           f"{_names(candidates)})")
+    declared = format_supported(resolve_backend(pick.name).SUPPORTED_DTYPES)
+    which = (f"{pick.name} supports ({declared})" if forced is not None else
+             f"a backend on {platform.name} runs this model in ({pick.name}: {declared})")
+    return DtypeChoice(dtype, True, f"{dtype} (no --dtype given: the first of "
+                       f"{_names(DEMO_DTYPES)} that {which})")
+
+
 def _conversations(rng: random.Random, vocab: int, n: int, block_size: int,
                    max_new_tokens: int, system_prompts: list[list[int]]) -> list[Request]:
     """Batch 1: each request is a system prompt (shared by every other request) plus its own
@@ -191,7 +310,7 @@ def _batch_dict(name: str, stats: BatchStats) -> dict[str, Any]:
 @dataclass
 class TokenCheck:
     """Outcome of comparing generated tokens with something: ``agreed`` of ``checked`` tokens
-    were equal, ``ties`` more differed only by a near tie (see :data:`TIE_TOLERANCE`), and
+    were equal, ``ties`` more differed only by a near tie (see :func:`tie_tolerance`), and
     ``problems`` has one ``MISMATCH`` line per request that really differs."""
 
     agreed: int = 0
@@ -200,9 +319,10 @@ class TokenCheck:
     problems: list[str] = field(default_factory=list)
 
 
-def _is_tie(logits: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> bool:
+def _is_tie(logits: torch.Tensor, a: int, b: int, dtype: torch.dtype, num_layers: int) -> bool:
     """Whether tokens ``a`` and ``b`` are within rounding of ``dtype`` of each other."""
-    return abs(float(logits[a] - logits[b])) <= TIE_TOLERANCE[dtype] * float(logits.std())
+    gap = abs(float(logits[a] - logits[b]))
+    return gap <= tie_tolerance(dtype, num_layers) * float(logits.std())
 
 
 @torch.inference_mode()
@@ -231,7 +351,7 @@ def reference_logits(model: DemoModel, requests: list[Request]) -> list[torch.Te
 
 
 def check_against_reference(requests: list[Request], logits: list[torch.Tensor],
-                            dtype: torch.dtype) -> TokenCheck:
+                            dtype: torch.dtype, *, num_layers: int = 4) -> TokenCheck:
     """Every generated token must be the reference's greedy choice, or a near tie with it.
     Checking a request stops at its first real mismatch: later tokens follow from it."""
     check = TokenCheck()
@@ -241,7 +361,7 @@ def check_against_reference(requests: list[Request], logits: list[torch.Tensor],
             check.checked += 1
             if best == tok:
                 check.agreed += 1
-            elif _is_tie(z[i], best, tok, dtype):
+            elif _is_tie(z[i], best, tok, dtype, num_layers):
                 check.ties += 1
             else:
                 gap = float(z[i][best] - z[i][tok])
@@ -253,7 +373,7 @@ def check_against_reference(requests: list[Request], logits: list[torch.Tensor],
 
 
 def compare_runs(main: list[Request], baseline: list[Request], logits: list[torch.Tensor],
-                 dtype: torch.dtype) -> TokenCheck:
+                 dtype: torch.dtype, *, num_layers: int = 4) -> TokenCheck:
     """Tokens of ``main`` against the same requests served by ``baseline``, up to each
     request's first difference. A difference where the reference ``logits`` (of ``main``)
     call the two tokens a near tie is counted in ``ties`` (the runs batch differently, so
@@ -268,7 +388,7 @@ def compare_runs(main: list[Request], baseline: list[Request], logits: list[torc
             continue
         check.agreed += first
         check.checked += first + 1
-        if _is_tie(z[first], a.output[first], b.output[first], dtype):
+        if _is_tie(z[first], a.output[first], b.output[first], dtype, num_layers):
             check.ties += 1
         else:
             check.problems.append(
@@ -322,14 +442,13 @@ def run_demo(options: DemoOptions) -> DemoResult:
 
 def _run(options: DemoOptions, platform: Platform) -> DemoResult:
     started = time.perf_counter()
-    dtype = parse_dtype(options.dtype)
+    choice = choose_dtype(options, platform)
+    dtype = parse_dtype(choice.dtype)
     preset = MODEL_PRESETS[options.model]
     device = platform.device()
     bs = options.block_size
 
-    config = AttentionSelectorConfig(head_size=preset.cache_head_size, dtype=dtype,
-                                     block_size=bs, use_mla=preset.is_mla,
-                                     use_kv_connector=True)
+    config = demo_selector_config(options.model, choice.dtype, bs)
     backend = get_attn_backend(config, options.backend, platform)
     selection = _selection_summary(explain_selection(config, platform, options.backend))
     cross_layer = get_connector_class("offload").cross_layer_for(backend, platform.name)
@@ -349,7 +468,7 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
     # Room for every full block batch 1 writes, twice over: the demo needs no CPU eviction.
     capacity_bytes = 2 * sum(-(-r.max_len // bs) for r in batch1) * block_bytes
     model = DemoModel(preset, seed=options.seed, dtype=dtype, device=device)
-    key_salt = f"kvcore-demo:{options.model}:seed={options.seed}:{options.dtype}"
+    key_salt = f"kvcore-demo:{options.model}:seed={options.seed}:{choice.dtype}"
 
     def noise() -> torch.Generator:
         return torch.Generator().manual_seed(options.seed + 1)
@@ -394,15 +513,17 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
 
     served = batch1 + batch2
     logits = reference_logits(model, served)
-    vs_baseline = compare_runs(served, base1 + base2, logits, dtype)
-    vs_reference = check_against_reference(served, logits, dtype)
+    layers = preset.num_layers
+    vs_baseline = compare_runs(served, base1 + base2, logits, dtype, num_layers=layers)
+    vs_reference = check_against_reference(served, logits, dtype, num_layers=layers)
     layout = engine.kv_caches.layout
     return DemoResult(
         platform=platform.name,
         device=str(device),
         model=options.model,
         model_description=preset.describe(),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=choice.dtype,
+        dtype_choice=choice.note,
         backend=backend.get_name(),
         selection=selection,
         layout=str(layout),
@@ -417,7 +538,7 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
         checks={
             "without_offload": asdict(vs_baseline), "reference": asdict(vs_reference),
             "generated_tokens": sum(len(r.output) for r in served),
-            "tie_tolerance_std": TIE_TOLERANCE[dtype],
+            "tie_tolerance_std": tie_tolerance(dtype, layers),
         },
         mismatches=vs_baseline.problems + vs_reference.problems,
         seconds=time.perf_counter() - started,
@@ -440,6 +561,7 @@ def format_summary(result: DemoResult) -> str:
         f"kvcore demo: {result.model} model ({result.model_description}), {result.dtype}, "
         f"on {result.platform} ({result.device})",
         "",
+        f"dtype     {result.dtype_choice}",
         f"backend   {result.backend}: {sel['why']}",
     ]
     lines += [f"          - {name}: {why}" for name, why in sel["others"].items()]
