@@ -33,9 +33,13 @@ Lifetimes, all bounded: a published block stays pinned until a consumer's READ o
 notified, or ``publish_timeout_s`` after the save (then the save reports it failed, naming
 the reason). A lease lasts twice the consumer's ``timeout_s``, longer than the consumer
 ever waits for its READ, so a producer does not hand a block back to its engine while the
-consumer may still count it as read. A consumer's load fails, within ``timeout_s``, every
-block it could not read whole: a producer that died, froze or never published the key; a
-READ that times out is cancelled (a failure to cancel is named in the block's reason).
+consumer may still count it as read; the producer refuses leases longer than its
+``max_lease_s``, and a consumer whose connection closes (killed, or closed) loses its leases
+at once: their blocks are published again. A consumer counts a READ only while its
+connection is up, so a block published again is never one it still reports as read. A
+consumer's load fails, within ``timeout_s``, every block it could not read whole: a producer
+that died, froze or never published the key; a READ that times out is cancelled (a failure
+to cancel is named in the block's reason).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 import socket
 import struct
 import threading
@@ -130,6 +135,10 @@ class _ChannelError(ConnectionError):
     """The side channel failed (closed, timed out, malformed); the message says why."""
 
 
+class _BadFrame(_ChannelError):
+    """A whole frame arrived but is not a JSON object (the stream is still in step)."""
+
+
 def _send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
     raw = json.dumps(message).encode()
     sock.sendall(struct.pack(">I", len(raw)) + raw)
@@ -152,10 +161,11 @@ def _recv_frame(sock: socket.socket) -> dict[str, Any]:
                             f"{_MAX_FRAME_BYTES})")
     try:
         message = json.loads(_recv_exact(sock, size))
-    except ValueError as exc:
-        raise _ChannelError(f"the peer sent a message that is not JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+        raise _BadFrame(f"the peer sent a message that is not JSON this side reads "
+                        f"({type(exc).__name__}: {str(exc)[:200]})") from exc
     if not isinstance(message, dict):
-        raise _ChannelError(f"the peer sent {str(message)[:200]!r}, not a JSON object")
+        raise _BadFrame(f"the peer sent {reprlib.repr(message)}, not a JSON object")
     return message
 
 
@@ -359,6 +369,7 @@ class _Lease:
     consumer: str
     publications: list[_Publication | None]
     deadline: float
+    link: int  # the connection that took it: closing it ends the lease
 
 
 class _Producer:
@@ -375,6 +386,7 @@ class _Producer:
         self.stopping = False
         self.threads: list[threading.Thread] = []
         self.lease_ids = itertools.count()
+        self.link_ids = itertools.count()
         self.agent: _Agent | None = None
         self.hello: dict[str, Any] | None = None
 
@@ -450,7 +462,16 @@ class _Producer:
                     return i
             return len(keys)
 
-    def fetch(self, consumer: str, keys: list[str], lease_s: float) -> tuple[str, list[Any]]:
+    def fetch(self, consumer: str, keys: list[str], lease_s: float, link: int = -1
+              ) -> tuple[str, list[Any]]:
+        """Lease the published blocks of ``keys`` to ``consumer`` (on connection ``link``)
+        for ``lease_s`` seconds, at most ``max_lease_s``."""
+        max_lease_s = self.conn.max_lease_s
+        if lease_s > max_lease_s:
+            raise ValueError(f"lease_s={lease_s} is longer than this producer's max_lease_s="
+                             f"{max_lease_s}: give the consumer a timeout_s of at most "
+                             f"{max_lease_s / 2:g} (a lease is twice it), or raise the "
+                             "producer's max_lease_s")
         lease_id = f"{next(self.lease_ids)}-{uuid.uuid4().hex[:8]}"
         with self.cond:
             blocks: list[Any] = []
@@ -463,7 +484,7 @@ class _Producer:
                 taken.append(pub)
             if any(p is not None for p in taken):
                 self.leases[lease_id] = _Lease(lease_id, consumer, taken,
-                                               time.monotonic() + lease_s)
+                                               time.monotonic() + lease_s, link)
                 self.cond.notify_all()
         return lease_id, blocks
 
@@ -503,13 +524,25 @@ class _Producer:
         if all(p is None for p in lease.publications):
             self.leases.pop(lease.lease_id, None)
 
+    def _end_lease(self, lease: _Lease) -> None:
+        """Publish a lease's unread blocks again (caller holds ``cond``)."""
+        del self.leases[lease.lease_id]
+        for pub in lease.publications:
+            if pub is not None:
+                pub.lease = None
+        self.cond.notify_all()
+
+    def release_link(self, link: int) -> None:
+        """The connection ``link`` closed: its leases end now (their blocks are published
+        again) instead of pinning them for the rest of the lease."""
+        with self.cond:
+            for lease in [le for le in self.leases.values() if le.link == link]:
+                self._end_lease(lease)
+
     def _expire(self, now: float) -> None:
         """Release what waited too long (caller holds ``cond``)."""
         for lease in [le for le in self.leases.values() if le.deadline <= now]:
-            del self.leases[lease.lease_id]
-            for pub in lease.publications:
-                if pub is not None:
-                    pub.lease = None
+            self._end_lease(lease)
             logger.warning("nixl producer: consumer %s did not confirm lease %s in time; its "
                            "blocks are published again", lease.consumer, lease.lease_id)
         expired = [pub for pubs in self.published.values() for pub in pubs
@@ -579,8 +612,9 @@ class _Producer:
             thread.start()
 
     def _serve(self, sock: socket.socket, addr: Any) -> None:
-        """Answer one consumer until it disconnects."""
+        """Answer one consumer until it disconnects; then its leases end."""
         consumer = None
+        link = next(self.link_ids)
         try:
             sock.settimeout(self.conn.connect_timeout_s)
             hello = _recv_frame(sock)
@@ -590,7 +624,12 @@ class _Producer:
             sock.settimeout(None)  # idle consumers are fine; close() shuts the socket
             while True:
                 request = _recv_frame(sock)
-                _send_frame(sock, self._answer(consumer, request))
+                _send_frame(sock, self._answer(consumer, request, link))
+        except (_BadFrame, RecursionError) as exc:  # answered, then the connection ends
+            logger.warning("nixl producer: refused %s (%s): %s", addr,
+                           consumer or "before hello", exc)
+            with contextlib.suppress(OSError):
+                _send_frame(sock, {"ok": False, "error": f"refused: {exc}"})
         except (OSError, _ChannelError) as exc:
             with self.cond:
                 stopping = self.stopping
@@ -602,13 +641,14 @@ class _Producer:
             with self.cond:
                 self.connections.discard(sock)
             _close_socket(sock)
+            self.release_link(link)
 
     def _answer_hello(self, sock: socket.socket, hello: dict[str, Any], addr: Any
                       ) -> str | None:
         layout = self.conn._layout
         if hello.get("op") != "hello" or hello.get("protocol") != _PROTOCOL:
             _send_frame(sock, {"ok": False, "error": f"expected a {_PROTOCOL} hello, got "
-                                                     f"{str(hello)[:200]}"})
+                                                     f"{reprlib.repr(hello)}"})
             return None
         try:
             theirs = KVCacheLayout.from_dict(hello.get("layout"))
@@ -628,14 +668,14 @@ class _Producer:
             self.consumers_seen += 1
         return consumer
 
-    def _answer(self, consumer: str, request: dict[str, Any]) -> dict[str, Any]:
+    def _answer(self, consumer: str, request: dict[str, Any], link: int) -> dict[str, Any]:
         op = request.get("op")
         try:
             if op == "lookup":
                 return {"ok": True, "hits": self.lookup(_keys(request))}
             if op == "fetch":
                 lease_s = _seconds("lease_s", request.get("lease_s"))
-                lease, blocks = self.fetch(consumer, _keys(request), lease_s)
+                lease, blocks = self.fetch(consumer, _keys(request), lease_s, link)
                 return {"ok": True, "lease": lease, "blocks": blocks}
             if op == "giveback":
                 self.give_back(consumer, str(request.get("lease")),
@@ -643,7 +683,7 @@ class _Producer:
                 return {"ok": True}
         except (TypeError, ValueError) as exc:
             return {"ok": False, "error": str(exc)}
-        return {"ok": False, "error": f"unknown request {str(request)[:200]!r}"}
+        return {"ok": False, "error": f"unknown request {reprlib.repr(request)}"}
 
 
 def _keys(request: dict[str, Any]) -> list[str]:
@@ -737,6 +777,12 @@ class _Consumer:
         if reply.get("protocol") != _PROTOCOL or "metadata" not in reply:
             raise ConnectionError(f"nixl consumer: {where} answered {str(reply)[:200]!r}, "
                                   f"not a {_PROTOCOL} producer")
+        max_lease_s = reply.get("max_lease_s")
+        if isinstance(max_lease_s, (int, float)) and 2 * self.conn.timeout_s > max_lease_s:
+            raise ValueError(f"nixl consumer: timeout_s={self.conn.timeout_s} needs leases of "
+                             f"{2 * self.conn.timeout_s:g} s, and the producer at {where} "
+                             f"grants at most max_lease_s={max_lease_s}: lower timeout_s to "
+                             f"{max_lease_s / 2:g} or raise the producer's max_lease_s")
         self.regions = _Regions.from_dict(reply.get("regions"))
         self.num_blocks = int(reply.get("num_blocks", 0))
 
@@ -828,6 +874,10 @@ class NixlConnector(KVConnector):
             ``publish_timeout_s``.
         publish_timeout_s: producer: how long a saved block waits for a consumer; then it is
             released and the save reports it failed.
+        max_lease_s: producer: the longest lease a consumer may take (a consumer asks for
+            twice its ``timeout_s``; a longer one is refused, naming this option). It bounds
+            how long a consumer that froze keeps blocks from other consumers; one whose
+            connection closes loses its leases at once.
         backends: NIXL transfer backends to create (``UCX`` by default).
         backend_params: per backend, its NIXL init parameters (strings), e.g.
             ``{"UCX": {"ucx_error_handling_mode": "none"}}``; NIXL lists a plugin's with
@@ -857,6 +907,7 @@ class NixlConnector(KVConnector):
         connect_timeout_s: float = 30.0,
         timeout_s: float = 10.0,
         publish_timeout_s: float = 60.0,
+        max_lease_s: float = 120.0,
         backends: Sequence[str] = ("UCX",),
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
         ucx_tls: str | None = None,
@@ -874,6 +925,7 @@ class NixlConnector(KVConnector):
         self.connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
         self.timeout_s = _seconds("timeout_s", timeout_s)
         self.publish_timeout_s = _seconds("publish_timeout_s", publish_timeout_s)
+        self.max_lease_s = _seconds("max_lease_s", max_lease_s)
         if isinstance(backends, str) or not isinstance(backends, Sequence) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
             raise TypeError(f"backends must be a non-empty list of NIXL backend names such as "
@@ -945,7 +997,8 @@ class NixlConnector(KVConnector):
                 hello = {"protocol": _PROTOCOL, "layout": self._layout.to_dict(),
                          "agent": agent.name, "regions": regions.to_dict(),
                          "metadata": base64.b64encode(agent.metadata()).decode(),
-                         "num_blocks": reg.kv_caches.num_blocks}
+                         "num_blocks": reg.kv_caches.num_blocks,
+                         "max_lease_s": self.max_lease_s}
                 self._producer.start(agent, hello)
             else:
                 consumer = _Consumer(self, agent)
@@ -1119,7 +1172,14 @@ class NixlConnector(KVConnector):
                         state = agent.agent.check_xfer_state(run.handle)
                     except Exception as exc:
                         state = f"ERR ({exc})"
-                    if state == "DONE":
+                    if state == "DONE" and consumer.failure is not None:
+                        # The producer ends the leases of a closed connection: the blocks
+                        # may have been handed on and rewritten during the READ.
+                        errors.update((j, f"the READ finished after the link went down "
+                                          f"({consumer.failure})")
+                                      for j in range(run.first, run.end))
+                        self._release_handle(run)
+                    elif state == "DONE":
                         read.extend(range(run.first, run.end))
                         self._release_handle(run)
                     elif state == "PROC":

@@ -101,6 +101,8 @@ def consumer(port: int, **config) -> NixlConnector:
     ({"role": "producer", "connect_timeout_s": float("inf")}, "connect_timeout_s=inf"),
     ({"role": "producer", "publish_timeout_s": -1}, "publish_timeout_s=-1"),
     ({"role": "producer", "publish_timeout_s": True}, "publish_timeout_s=True"),
+    ({"role": "producer", "max_lease_s": float("inf")}, "max_lease_s=inf must be a finite"),
+    ({"role": "producer", "max_lease_s": 0}, "max_lease_s=0 must be"),
     ({"role": "producer", "backends": "UCX"}, "backends must be a non-empty list"),
     ({"role": "producer", "backends": []}, "backends must be a non-empty list"),
     ({"role": "producer", "host": ""}, "host must be a non-empty str"),
@@ -329,6 +331,116 @@ def test_a_lease_nobody_confirms_is_published_again():
         assert conn.load(keys, [2]).wait(timeout=10).ok
         assert save.wait(timeout=10).ok
     assert torch.equal(block_bytes(kv_c, [2]), block_bytes(kv_p, [8]))
+
+
+def raw_consumer(port: int, hello: dict | bytes) -> tuple[socket.socket, dict]:
+    """A consumer speaking the side-channel protocol by hand: its socket and the answer to
+    its hello (``bytes``: a raw frame body)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if isinstance(hello, bytes):
+        sock.sendall(len(hello).to_bytes(4, "big") + hello)
+    else:
+        nixl_module._send_frame(sock, {"op": "hello", "protocol": nixl_module._PROTOCOL,
+                                       "agent": "raw-consumer", **hello})
+    return sock, nixl_module._recv_frame(sock)
+
+
+def request(sock: socket.socket, message: dict) -> dict:
+    nixl_module._send_frame(sock, message)
+    return nixl_module._recv_frame(sock)
+
+
+@needs_nixl
+def test_leases_are_bounded_by_the_producer_and_end_when_the_connection_closes():
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(11, 2)
+    with producer(max_lease_s=30.0) as prod, consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [3, 4])
+        sock, hello = raw_consumer(prod.port, {"layout": kv_c.layout.to_dict()})
+        try:
+            assert hello["ok"] and hello["max_lease_s"] == 30.0
+            refused = request(sock, {"op": "fetch", "keys": keys, "lease_s": 1e9})
+            assert not refused["ok"]
+            assert "lease_s=1000000000.0 is longer than this producer's max_lease_s=30.0" in (
+                refused["error"])
+            taken = request(sock, {"op": "fetch", "keys": keys, "lease_s": 30.0})
+            assert taken["ok"] and taken["blocks"] == [3, 4]
+            assert conn.lookup(keys) == 0  # leased to the raw consumer, which never READs
+        finally:
+            sock.close()  # what a killed consumer's kernel does
+        deadline = time.monotonic() + 5
+        while conn.lookup(keys) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert conn.lookup(keys) == 2  # published again at once, not after 30 s
+        assert conn.load(keys, [0, 1]).wait(timeout=10).ok
+        assert save.wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv_c, [0, 1]), block_bytes(kv_p, [3, 4]))
+
+
+@needs_nixl
+def test_a_read_that_finishes_after_the_link_went_down_is_not_counted(monkeypatch):
+    """The producer ends a closed connection's leases, so it may hand those blocks on while
+    the READ runs: a READ seen finished only after the link went down fails its blocks."""
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(12, 1)
+    with producer() as prod, consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        prod.save(keys, [3])
+        agent = conn._agent.agent
+        real = agent.check_xfer_state
+
+        def check(handle):
+            state = real(handle)
+            if state == "DONE":
+                conn._consumer.disconnect()  # the link is lost while the READ runs
+            return state
+
+        monkeypatch.setattr(agent, "check_xfer_state", check)
+        result = conn.load(keys, [0]).wait(timeout=10)
+    assert list(result.failed) == [0]
+    assert "the READ finished after the link went down" in result.failed[0]
+
+
+@needs_nixl
+def test_a_consumer_needing_longer_leases_than_the_producer_grants_is_refused():
+    with producer(max_lease_s=8.0) as prod:
+        prod.register_kv_caches(make_caches(cross_layer=True))
+        conn = consumer(prod.port, timeout_s=5.0)
+        with pytest.raises(ValueError, match=r"timeout_s=5\.0 needs leases of 10 s.*"
+                                             r"max_lease_s=8\.0: lower timeout_s to 4"):
+            conn.register_kv_caches(make_caches(cross_layer=True))
+        conn.close()
+
+
+@needs_nixl
+@pytest.mark.parametrize("hello", [
+    {"layout": "infinity"},
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"op": "hello", "layout": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b"Infinity",
+], ids=["layout_with_infinity", "deep_frame", "deep_layout", "not_an_object"])
+def test_a_malformed_hello_gets_a_refusal_and_the_producer_serves_on(hello):
+    kv = make_caches(cross_layer=True)
+    with producer() as prod:
+        prod.register_kv_caches(kv)
+        if hello == {"layout": "infinity"}:
+            layout = kv.layout.to_dict()
+            hello = {"layout": {**layout, "logical_shape": [float("inf"),
+                                                            *layout["logical_shape"][1:]]}}
+        sock, reply = raw_consumer(prod.port, hello)
+        sock.close()
+        assert reply["ok"] is False and reply["error"]
+        sock, reply = raw_consumer(prod.port, {"layout": kv.layout.to_dict()})  # serves on
+        try:
+            assert reply["ok"]
+            deep = b"[" * 100_000 + b"]" * 100_000  # and a request like that is refused too
+            sock.sendall(len(deep).to_bytes(4, "big") + deep)
+            assert "refused" in nixl_module._recv_frame(sock)["error"]
+        finally:
+            sock.close()
 
 
 @needs_nixl
