@@ -36,6 +36,7 @@ would otherwise keep it pinned in its cache).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -43,6 +44,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from kvcore.progress import long_step
 
 __all__ = ["PIN_BACKGROUND_CHUNK_BYTES", "PIN_CHUNK_BYTES", "PIN_PAUSE_S", "PIN_WORKERS",
            "HostPool", "pinned_rows"]
@@ -123,13 +126,19 @@ class HostPool:
         self._chunks: list[torch.Tensor | None] = [None] * count
         self._pending = count  # chunks not yet allocated (nor failed nor skipped)
         self._ready = 0  # chunks 0 .. _ready - 1 are allocated
-        self._allocate(0)  # usable at once
-        if count > 1 and self.error is not None:  # the first chunk failed: nothing follows
-            self._pending = 0
-            self._finish()
-        elif not background:
-            self.start()
-            self._finished.wait()
+        # What the caller waits for here: the first chunk, or (not in the background) all.
+        waited = num_slots if not background else min(num_slots, self.chunk_slots)
+        step = (long_step(f"offload: pinning {waited * slot_bytes / 2**30:.2f} GiB of host "
+                          "memory for the CPU pool", estimate="seconds per tens of GiB")
+                if pin else contextlib.nullcontext())
+        with step:
+            self._allocate(0)  # usable at once
+            if count > 1 and self.error is not None:  # the first chunk failed: no more
+                self._pending = 0
+                self._finish()
+            elif not background:
+                self.start()
+                self._finished.wait()
         self.startup_seconds = time.perf_counter() - started
 
     def start(self) -> None:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,7 @@ from kvcore import (
     DeviceCapability,
     PersistentMetadataBuilder,
     build_attention_metadata,
+    long_step,
 )
 from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
@@ -204,6 +206,23 @@ def _new_wrappers(workspace: torch.Tensor, kernels: FlashInferKernels) -> tuple[
     decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_tensor_cores=kernels.decode_tensor_cores, backend="fa2")
     return prefill, decode
+
+
+def flashinfer_jit_cache() -> str:
+    """Where FlashInfer keeps its JIT-compiled modules: FlashInfer's own answer when it is
+    installed, else its documented default (``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``,
+    the base defaulting to the home directory)."""
+    try:
+        from flashinfer.jit import env as jit_env
+
+        where = getattr(jit_env, "FLASHINFER_JIT_DIR", None) or getattr(
+            jit_env, "FLASHINFER_WORKSPACE_DIR", None)
+        if where is not None:
+            return str(where)
+    except Exception:  # not installed, or another layout: the documented default
+        pass
+    base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
+    return os.path.join(base, ".cache", "flashinfer")
 
 
 @functools.cache
@@ -603,17 +622,22 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         if self.max_num_batched_tokens >= 2:
             steps["prefill"] = 2
         seconds = {}
+        shape = (f"{str(dtype).removeprefix('torch.')}, {self.num_heads}/{self.num_kv_heads} "
+                 f"heads of {self.spec.head_size}, block {block_size}")
         for phase, q_len in steps.items():
             t0 = time.perf_counter()
-            common = build_attention_metadata([q_len], [1], [[0]], block_size,
-                                              device=self.device)
-            meta = self.build(common)
-            query = torch.zeros(q_len, self.num_heads, self.spec.head_size, dtype=dtype,
-                                device=self.device)
-            wrapper = meta.decode_wrapper if phase == "decode" else meta.prefill_wrapper
-            wrapper.run(query, (key_cache, value_cache), out=torch.empty_like(query))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            # FlashInfer JIT-compiles a module per configuration on its first plan/run.
+            with long_step(f"FlashInfer: compiling the {phase} kernels ({shape})",
+                                  estimate="about 1-2 min", cache=flashinfer_jit_cache()):
+                common = build_attention_metadata([q_len], [1], [[0]], block_size,
+                                                  device=self.device)
+                meta = self.build(common)
+                query = torch.zeros(q_len, self.num_heads, self.spec.head_size, dtype=dtype,
+                                    device=self.device)
+                wrapper = meta.decode_wrapper if phase == "decode" else meta.prefill_wrapper
+                wrapper.run(query, (key_cache, value_cache), out=torch.empty_like(query))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             seconds[phase] = time.perf_counter() - t0
         return seconds
 

@@ -34,6 +34,8 @@ from types import ModuleType
 
 import torch
 
+import kvcore
+
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "kvcore_nvidia_C"
@@ -159,19 +161,21 @@ def load_or_reason() -> tuple[ModuleType | None, str | None]:
 
     directory.mkdir(parents=True, exist_ok=True)
     with _lock, _build_lock(directory):
-        if _library(directory) is None:
-            logger.warning("kvcore-nvidia: compiling the CUDA C++ extension once (nvcc, about "
-                           "a minute); cached in %s", directory)
+        # A build in progress announces itself; loading a built library is quick and silent.
+        step = kvcore.long_step("kvcore-nvidia: compiling the CUDA C++ extension (nvcc: cache "
+                                "writes, block copies)", estimate="about a minute",
+                                cache=directory, after_s=0 if _library(directory) is None else 1)
         try:
             # No fast math: the fp8 path rounds its multiply exactly as the reference does.
-            module = cpp_load(
-                name=EXTENSION_NAME,
-                sources=[str(CSRC / name) for name in SOURCES],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3"],
-                build_directory=str(directory),
-                verbose=os.environ.get("KVCORE_NVIDIA_BUILD_VERBOSE") == "1",
-            )
+            with step:
+                    module = cpp_load(
+                    name=EXTENSION_NAME,
+                    sources=[str(CSRC / name) for name in SOURCES],
+                    extra_cflags=["-O3"],
+                    extra_cuda_cflags=["-O3"],
+                    build_directory=str(directory),
+                    verbose=os.environ.get("KVCORE_NVIDIA_BUILD_VERBOSE") == "1",
+                )
         except Exception as exc:  # nvcc/ninja/loader errors: a reason, never a crash
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             message = f"{type(exc).__name__}: {first}"

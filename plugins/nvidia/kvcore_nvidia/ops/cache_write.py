@@ -125,5 +125,10 @@ def write_kv_cache(
 
 
 def status_report() -> dict[str, str]:
-    """kvcore-nvidia's lines in ``kvcore plugins`` and ``kvcore collect-env``."""
-    return {"cuda_extension": _build.status(), "cache_write": cache_write_status()}
+    """kvcore-nvidia's lines in ``kvcore plugins`` and ``kvcore collect-env``; the facts
+    named ``*_cache`` are the directories ``kvcore warmup`` lists."""
+    from kvcore_nvidia.backends.flashinfer import flashinfer_jit_cache
+
+    return {"cuda_extension": _build.status(), "cache_write": cache_write_status(),
+            "cuda_extension_cache": str(_build.build_directory()),
+            "flashinfer_jit_cache": flashinfer_jit_cache()}
