@@ -1030,6 +1030,9 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
+    # The kernels index these two densely (block_table goes with its strides); an engine's
+    # view of a larger buffer may have stride > 1 (contiguous() returns a dense tensor as is).
+    query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
     if config is None:
         cfg = call_config(query, key_cache, value_cache, kv_cache_dtype, num_seqs,
                           block_table.shape[1] * block_size, num_kv_splits)

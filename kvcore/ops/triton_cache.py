@@ -126,6 +126,9 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
+    # The kernel indexes slot_mapping densely; an engine's view of a larger buffer may have
+    # stride > 1 (contiguous() returns a dense tensor as it is).
+    slot_mapping = slot_mapping.contiguous()
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     fp8_max, mantissa_bits, min_exponent = fp8_format(key_cache.dtype)
     ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, key_cache.device)

@@ -12,7 +12,8 @@ with kvcore), or parametrise a test of your own::
 
 Helpers for a plugin's own tests: :func:`contiguous_attention_ref` (a float64 attention
 reference on contiguous K/V), :func:`random_block_tables` (shuffled block tables),
-:func:`run_mixed_step` (one engine step of a mixed batch through a backend) and the GPU /
+:func:`run_mixed_step` (one engine step of a mixed batch through a backend),
+:func:`strided_view` (a step tensor as a view of a larger buffer, as engines pass them) and the GPU /
 Triton-interpreter setup of a ``conftest.py`` (:class:`GpuTestSetup`, built on
 :func:`use_triton_interpreter_without_gpu` and :func:`skip_gpu_tests_without_gpu`).
 
@@ -44,6 +45,7 @@ from kvcore.testing.gpu import (
 from kvcore.testing.reference import contiguous_attention_ref, contiguous_mla_ref
 from kvcore.testing.rules import RULES, ConformanceError, Rule
 from kvcore.testing.steps import MixedStep, run_mixed_step
+from kvcore.testing.strided_steps import strided_view
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -67,6 +69,7 @@ __all__ = [
     "resolve_backend_spec",
     "run_mixed_step",
     "skip_gpu_tests_without_gpu",
+    "strided_view",
     "tolerance_for",
     "use_triton_interpreter_without_gpu",
 ]

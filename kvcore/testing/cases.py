@@ -26,6 +26,7 @@ from kvcore.platform_types import AttentionType, DeviceCapability
 from kvcore.testing import checks
 from kvcore.testing.batch import CaseConfig, short_dtype
 from kvcore.testing.step_refusals import check_overlapping_new_tokens_refused
+from kvcore.testing.strided_steps import check_strided_step_tensors
 
 __all__ = ["ConformanceCase", "conformance_cases", "resolve_backend_spec"]
 
@@ -343,6 +344,7 @@ def conformance_cases(
                     config)
         numeric("stale-bytes", "stale-bytes-masked", checks.check_stale_bytes, base,
                 excuse=cls.stale_bytes_reason(torch.device(device).type))
+        numeric("strided-steps", "strided-step-tensors", check_strided_step_tensors, base)
         if cls.SUPPORTS_NON_CAUSAL:
             noncausal = CaseConfig(base.dtype, base.head_size, base.block_size,
                                    base.kv_cache_dtype, causal=False)

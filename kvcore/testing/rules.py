@@ -70,6 +70,11 @@ _RULES = (
          "forward reads only the tokens each request owns: NaN bit patterns in the unused tail "
          "of a request's last block and in blocks it does not own leave its output unchanged "
          "(masked loads, not a multiply by zero)"),
+    Rule("strided-step-tensors",
+         "do_kv_cache_update and forward read slot_mapping, query_start_loc, seq_lens and "
+         "block_table through their strides: views of larger engine buffers (values at stride "
+         "2, other values between them) give the cache and output of dense tensors, directly "
+         "and through the builder"),
     Rule("batch-invariant",
          "a backend declaring SUPPORTS_BATCH_INVARIANT gives every request bit-identical "
          "results whether it runs alone or in a batch"),

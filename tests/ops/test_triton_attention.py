@@ -446,6 +446,37 @@ def test_output_in_place_with_strides() -> None:
     check_against_references(output, batch)
 
 
+@pytest.mark.parametrize(("kind", "splits"), [("decode", 1), ("decode", 3), ("mixed", 1),
+                                             ("prefill", None)])
+def test_step_tensors_as_views_of_larger_buffers(kind: str, splits: int | None) -> None:
+    """query_start_loc, seq_lens and block_table as stride-2 views whose gaps hold other
+    plausible values (as engines pass slices of persistent buffers): the output equals the
+    dense tensors' bit for bit. "prefill" takes the GPU's default prefill kernel (Gluon on
+    Hopper), the others the Triton decode/split kernels."""
+    from kvcore.testing import strided_view
+
+    gen = _seed(f"strided-steps-{kind}")
+    shape = dict(num_heads=8, num_kv_heads=2, block_size=16, dtype=torch.bfloat16)
+    if kind == "prefill":
+        batch = make_batch(gen, q_lens=[37, 20, 64], seq_lens=[37, 52, 64], head_size=128,
+                           **shape)
+    elif kind == "decode":
+        batch = make_batch(gen, q_lens=[1, 1, 1], seq_lens=[70, 17, 33], head_size=64, **shape)
+    else:
+        batch = mixed_batch(gen, 4, head_size=64, **shape)
+    dense = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), num_kv_splits=splits)
+    spare = batch.key_cache.shape[0] - 1  # an id inside the cache
+    views = dataclasses.replace(batch, query_start_loc=strided_view(batch.query_start_loc, 0),
+                                seq_lens=strided_view(batch.seq_lens, 0),
+                                block_table=strided_view(batch.block_table, spare))
+    assert not views.seq_lens.is_contiguous() and views.block_table.stride(1) == 2
+    out = triton_attention.paged_attention(views.query, views.key_cache, views.value_cache,
+                                           **views.kwargs(), num_kv_splits=splits)
+    assert torch.equal(out, dense)
+    check_against_references(out, batch)
+
+
 def test_key_and_value_views_with_different_strides() -> None:
     """K in the HND physical order, V a strided layer of a cross-layer pool: each view is read
     through its own strides."""

@@ -327,3 +327,33 @@ class MLAWritesIntoNeighbourLayer(CorrectMLABackend):
     @staticmethod
     def get_impl_cls():
         return MLANeighbourWritingImpl
+
+
+def _dense(t):
+    """``t`` as a kernel that indexes its raw pointer densely sees it (strides ignored)."""
+    strides = tuple(math.prod(t.shape[i + 1:]) for i in range(t.dim()))
+    return t.as_strided(t.shape, strides, t.storage_offset())
+
+
+class DenseStepTensorsImpl(ReferenceImpl):
+    """Broken: reads slot_mapping, query_start_loc, seq_lens and block_table as dense
+    memory, whatever their strides (a kernel given raw pointers and no strides)."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        super().do_kv_cache_update(layer, key, value, kv_cache, _dense(slot_mapping))
+
+    def attend(self, query, key_cache, value_cache, meta, output):
+        dense = dataclasses.replace(meta, query_start_loc=_dense(meta.query_start_loc),
+                                    seq_lens=_dense(meta.seq_lens),
+                                    block_table=_dense(meta.block_table))
+        super().attend(query, key_cache, value_cache, dense, output)
+
+
+class ReadsStepTensorsDensely(CorrectBackend):
+    @staticmethod
+    def get_name():
+        return "READS_STEP_TENSORS_DENSELY"
+
+    @staticmethod
+    def get_impl_cls():
+        return DenseStepTensorsImpl

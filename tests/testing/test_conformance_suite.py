@@ -96,6 +96,9 @@ def test_correct_reference_backend_passes(pytester):
                   "block_size=16 is refused with every other declared value of dtype too "
                   "(dtype: no other declared value)"],
                  id="declares-a-block-size-it-refuses"),
+    pytest.param("ReadsStepTensorsDensely", "strided-step-tensors", {"strided-steps"},
+                 ["do_kv_cache_update with slot_mapping a view at stride 2"],
+                 id="reads-step-tensors-densely"),
     pytest.param("VagueReasons", "validation-reasons", {"validation-refuses"},
                  ["for dtype=bfloat16, no reason names 'dtype': ['not supported']"],
                  id="reasons-name-no-field"),

@@ -130,3 +130,29 @@ def test_other_shapes_it_accepts_match_float64_reference(heads: int, rank: int, 
     gluon_mla_decode(q, cache, rank, seq_lens, table, scale, out, lse, num_splits, *parts)
     clean = torch.nan_to_num(cache)  # the reference must not see the NaN either
     assert_decode_close(out, lse, q, clean, table, seq_lens, dtype, rank=rank, scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_step_tensors_as_views_of_larger_buffers(num_splits: int) -> None:
+    """TRITON_MLA's decode (the Gluon kernel on Hopper, the Triton one elsewhere) with seq_lens
+    and the block table as stride-2 views whose gaps hold other values, as engines pass
+    slices of persistent buffers: bit-identical to the dense tensors."""
+    from kvcore_mla.ops.triton_mla_attention import mla_attention
+
+    from kvcore.testing import strided_view
+
+    q, cache, table, seq_lens = real_size_decode_case(generator("mla-strided-steps"))
+    batch = q.shape[0]
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+
+    def run(qsl: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return mla_attention(q, cache, kv_lora_rank=REAL_RANK, query_start_loc=qsl,
+                             seq_lens=lens, block_table=table, scale=REAL_SCALE,
+                             max_query_len=1, num_kv_splits=num_splits)
+
+    dense = run(qsl, seq_lens, table)
+    views = (strided_view(qsl, 0), strided_view(seq_lens, 0),
+             strided_view(table, cache.shape[0] - 1))
+    assert views[2].stride(1) == 2
+    assert torch.equal(run(*views), dense)

@@ -205,6 +205,27 @@ def test_write_is_bit_exact_for_every_stride_order(kernel, order, kv_cache_dtype
 
 @gpu
 @pytest.mark.parametrize("kernel", list(WRITES))
+def test_write_reads_slot_mapping_through_its_stride(kernel):
+    """slot_mapping as a column of a (tokens, 2) engine buffer whose other column holds a
+    valid slot no token names: the write lands where the view's values say, bit for bit."""
+    from kvcore.testing import strided_view
+
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, n = 96, 1000
+    cache = torch.randn(num_blocks, 2, BS, HK, D, generator=gen).to(torch.bfloat16).cuda()
+    key = torch.randn(n, HK, D, generator=gen).to(torch.bfloat16).cuda()
+    value = torch.randn(n, HK, D, generator=gen).to(torch.bfloat16).cuda()
+    slots = torch.randperm(num_blocks * BS, generator=gen).cuda()
+    view = strided_view(slots[:n], int(slots[n]))  # the gaps: a slot no token names
+    expected = cache.clone()
+    reshape_and_cache_ref(key, value, *expected.unbind(1), slots[:n])
+    WRITES[kernel](key, value, *cache.unbind(1), view)
+    torch.cuda.synchronize()
+    assert view.stride(0) == 2 and torch.equal(_bits(cache), _bits(expected))
+
+
+@gpu
+@pytest.mark.parametrize("kernel", list(WRITES))
 def test_write_on_an_interleaved_cross_layer_pool_beyond_2_pow_31_elements(kernel):
     """Layer 1 of a 2-layer interleaved cross-layer pool (4.3 GB of bf16): its last blocks sit
     more than 2**31 elements from the storage's start."""

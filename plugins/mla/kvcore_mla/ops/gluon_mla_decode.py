@@ -464,6 +464,8 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     lse_arg = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0)
     num_head_blocks = -(-num_heads // block_h)
+    if block_table.stride(1) != 1:  # the kernel steps along a row by 1 (rows by their stride)
+        block_table = block_table.contiguous()
     _gluon_mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
         q, nope_desc, pe_desc, out, lse_arg, part, part_lse, seq_lens, block_table,
         float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, page_rows,

@@ -109,6 +109,7 @@ def concat_and_cache_mla(
     num_tokens, kv_lora_rank = kv_c.shape
     if num_tokens == 0:
         return
+    slot_mapping = slot_mapping.contiguous()  # read densely; a view may have stride > 1
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     fp8_max, mantissa_bits, min_exponent = fp8_format(kv_cache.dtype)
     s = scale_arg(scale if fp8 else None, kv_cache.device)
@@ -194,6 +195,7 @@ def indexer_k_quant_and_cache(
     num_tokens, head_dim = k.shape
     if num_tokens == 0:
         return
+    slot_mapping = slot_mapping.contiguous()  # read densely; a view may have stride > 1
     _indexer_k_quant_and_cache_kernel[(num_tokens, head_dim // quant_block_size)](
         k, kv_cache, slot_mapping,
         *k.stride(), kv_cache.stride(0),

@@ -983,6 +983,11 @@ def _launch(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return
+    # The kernel indexes these densely (the block table goes with its strides); an engine's
+    # view of a larger buffer may have stride > 1 (contiguous() returns a dense tensor as is).
+    seq_lens = seq_lens.contiguous()
+    if query_start_loc is not None:
+        query_start_loc = query_start_loc.contiguous()
     group = num_heads // num_kv_heads
     blocks_per_kv_head = -(-group // config.block_h)
     num_head_blocks = num_kv_heads * blocks_per_kv_head
@@ -1206,6 +1211,7 @@ def _launch_mla_decode(
     batch, num_heads, k_dim = q.shape
     if batch == 0:
         return
+    seq_lens = seq_lens.contiguous()  # read densely (see _launch)
     part, part_lse = partials if num_splits > 1 else (None, None)
     if config.gluon:
         reason = gluon_available()

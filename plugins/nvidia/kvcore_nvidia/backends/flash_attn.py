@@ -403,27 +403,31 @@ class FlashAttentionImpl(AttentionImpl):
         kernels = getattr(attn_metadata, "kernels", None) or device_kernels(key_cache.device)
         causal = self.is_causal(attn_metadata)
         m = attn_metadata
+        # flash-attn reads these densely; an engine's view of a larger buffer may have
+        # stride > 1 (contiguous() returns a dense int32 tensor as it is).
+        cu_seqlens_q = m.query_start_loc.to(torch.int32).contiguous()
+        page_table = m.block_table.to(torch.int32).contiguous()
         if kernels.library == "flash-attn 2":
             from flash_attn import flash_attn_varlen_func
 
             cu_seqlens_k = getattr(m, "cu_seqlens_k", None)
             out = flash_attn_varlen_func(
                 query[:n], key_cache, value_cache,
-                cu_seqlens_q=m.query_start_loc.to(torch.int32),
+                cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cumulative(m.seq_lens) if cu_seqlens_k is None else cu_seqlens_k,
                 max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len,
                 softmax_scale=self.scale, causal=causal,
                 window_size=_window(self.sliding_window, causal, fa2=True),
-                block_table=m.block_table.to(torch.int32))
+                block_table=page_table)
         else:
             from flash_attn.cute.interface import flash_attn_varlen_func
 
             _check_aligned(key_cache, value_cache)
             out, _ = flash_attn_varlen_func(
                 query[:n], key_cache, value_cache,
-                cu_seqlens_q=m.query_start_loc.to(torch.int32), max_seqlen_q=m.max_query_len,
-                seqused_k=m.seq_lens.to(torch.int32), max_seqlen_k=m.max_seq_len,
-                page_table=m.block_table.to(torch.int32),
+                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=m.max_query_len,
+                seqused_k=m.seq_lens.to(torch.int32).contiguous(), max_seqlen_k=m.max_seq_len,
+                page_table=page_table,
                 softmax_scale=self.scale, causal=causal,
                 window_size=_window(self.sliding_window, causal, fa2=False))
         output[:n].copy_(out)

@@ -123,8 +123,10 @@ def reshape_and_cache_flash(
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     k_tensor, k_value = _scale_args(k_scale if fp8 else None, key_cache.device)
     v_tensor, v_value = _scale_args(v_scale if fp8 else None, key_cache.device)
+    # The kernel indexes slot_mapping densely; an engine's view of a larger buffer may have
+    # stride > 1 (contiguous() returns a dense tensor as it is).
     _build.load().reshape_and_cache_flash(
-        key, value, key_cache, value_cache, slot_mapping, _FP8_KIND[kv_cache_dtype],
+        key, value, key_cache, value_cache, slot_mapping.contiguous(), _FP8_KIND[kv_cache_dtype],
         k_tensor, v_tensor, k_value, v_value)
 
 

@@ -91,7 +91,8 @@ class AiterFlashAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         output = torch.empty_like(query) if output is None else output
         kwargs: dict[str, Any] = dict(
-            cu_seqlens_q=attn_metadata.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+            # aiter reads it densely; an engine's view may have stride > 1.
+            cu_seqlens_q=attn_metadata.query_start_loc.contiguous(), cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len,
             dropout_p=0.0, softmax_scale=self.scale, causal=self.is_causal(attn_metadata),
             window_size=window(self.sliding_window), out=output[:n],

@@ -96,14 +96,14 @@ class AiterUnifiedAttentionImpl(PagedAttentionImpl):
         n = attn_metadata.num_actual_tokens
         unified_attention(
             q=query[:n], k=key_cache, v=value_cache, out=output[:n],
-            cu_seqlens_q=attn_metadata.query_start_loc,
+            cu_seqlens_q=attn_metadata.query_start_loc.contiguous(),  # read densely
             max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=attn_metadata.seq_lens,
+            seqused_k=attn_metadata.seq_lens.contiguous(),
             max_seqlen_k=attn_metadata.max_seq_len,
             softmax_scale=self.scale,
             causal=self.is_causal(attn_metadata),
             window_size=window(self.sliding_window),
-            block_table=attn_metadata.block_table,
+            block_table=attn_metadata.block_table.contiguous(),
             softcap=0,
             q_descale=None, k_descale=None, v_descale=None,
         )

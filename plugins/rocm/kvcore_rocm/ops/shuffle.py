@@ -191,4 +191,6 @@ def reshape_and_cache_shuffle(
         return
     from kvcore_rocm.ops._triton_shuffle import launch_reshape_and_cache_shuffle
 
-    launch_reshape_and_cache_shuffle(key, value, key_cache, value_cache, slot_mapping, x)
+    # The kernel indexes slot_mapping densely; a view of a larger buffer may have stride > 1.
+    launch_reshape_and_cache_shuffle(key, value, key_cache, value_cache,
+                                     slot_mapping.contiguous(), x)
