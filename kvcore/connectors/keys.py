@@ -5,8 +5,15 @@ A key names what a block *holds*, not where it lives: the KV of a full block of
 block ``i`` hashes its tokens together with the key of block ``i - 1``. Two requests that
 share a prefix share the keys of its blocks, which is what makes a saved block reusable.
 
-Keys are lowercase hex digests (SHA-256, 64 characters). Connectors accept nothing else, so a
-key is always safe to use as a file name (see the ``storage`` connector).
+Keys are lowercase SHA-256 hex digests of exactly 64 characters. Connectors accept nothing
+else, so a key is always safe to use as a file name (see the ``storage`` connector), and a
+key of another length (a truncated digest, a digest with bytes appended) is refused rather
+than hashed: with one key length the parent field cannot absorb the start of the tokens.
+
+The hashed bytes are framed so that no two inputs share an encoding: a domain prefix, then
+each field as a presence byte and, when present, its length as little-endian uint64 before
+its bytes: the parent key (32 bytes), the tokens (their count, then each as little-endian
+int64) and ``extra`` (UTF-8).
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ import torch
 
 __all__ = ["hash_block_tokens", "hash_request_tokens", "check_block_keys"]
 
-_KEY = re.compile(r"[0-9a-f]{16,128}")
+#: The one key format: a SHA-256 digest in lowercase hex.
+_KEY = re.compile(r"[0-9a-f]{64}")
 _MAX_TOKEN_ID = 2**63 - 1
 # Domain separation: a kvcore block key can never equal a hash computed for another purpose.
-_KEY_PREFIX = b"kvcore-block-key-v1\0"
+# v2: every field length-framed and one key length (v1 keys of other lengths could collide).
+_KEY_PREFIX = b"kvcore-block-key-v2\0"
 
 
 def _check_key(name: str, key: object) -> str:
@@ -31,8 +40,8 @@ def _check_key(name: str, key: object) -> str:
         raise TypeError(f"{name} must be a str hex digest, got {type(key).__name__}")
     if not _KEY.fullmatch(key):
         raise ValueError(
-            f"{name}={key!r} is not a block key: keys are lowercase hex digests of 16 to 128 "
-            "characters (compute them with kvcore.connectors.hash_block_tokens)"
+            f"{name}={key!r} is not a block key: keys are lowercase SHA-256 hex digests of "
+            "exactly 64 characters (compute them with kvcore.connectors.hash_block_tokens)"
         )
     return key
 
@@ -87,14 +96,16 @@ def hash_block_tokens(
     if extra is not None and not isinstance(extra, str):
         raise TypeError(f"extra must be a str or None, got {type(extra).__name__}")
     h = hashlib.sha256(_KEY_PREFIX)
-    if parent_hash is None:
-        h.update(b"\0")
-    else:
-        h.update(b"\1" + bytes.fromhex(_check_key("parent_hash", parent_hash)))
-    h.update(struct.pack(f"<Q{len(tokens)}q", len(tokens), *tokens))
-    if extra is not None:
-        h.update(b"\1" + extra.encode())
+    h.update(_field(None if parent_hash is None
+                    else bytes.fromhex(_check_key("parent_hash", parent_hash))))
+    h.update(b"\1" + struct.pack(f"<Q{len(tokens)}q", len(tokens), *tokens))
+    h.update(_field(None if extra is None else extra.encode()))
     return h.hexdigest()
+
+
+def _field(data: bytes | None) -> bytes:
+    """One optional field of the hashed bytes: absent, or present with its length."""
+    return b"\0" if data is None else b"\1" + struct.pack("<Q", len(data)) + data
 
 
 def hash_request_tokens(

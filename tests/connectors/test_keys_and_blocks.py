@@ -26,8 +26,9 @@ def test_key_is_sha256_of_parent_tokens_and_extra():
     tokens = [random.randrange(2**40) for _ in range(16)]
     parent = hashlib.sha256(b"any parent").hexdigest()
     expected = hashlib.sha256(
-        b"kvcore-block-key-v1\0" + b"\1" + bytes.fromhex(parent)
-        + struct.pack("<Q16q", 16, *tokens) + b"\1" + b"model-a").hexdigest()
+        b"kvcore-block-key-v2\0" + b"\1" + struct.pack("<Q", 32) + bytes.fromhex(parent)
+        + b"\1" + struct.pack("<Q16q", 16, *tokens)
+        + b"\1" + struct.pack("<Q", 7) + b"model-a").hexdigest()
     assert hash_block_tokens(parent, tokens, extra="model-a") == expected
     assert hash_block_tokens(parent, torch.tensor(tokens)) == hash_block_tokens(parent, tokens)
 
@@ -69,6 +70,50 @@ def test_only_hex_digests_are_keys():
     for bad in ("../../etc/passwd", key.upper(), key[:15], "g" * 64, key + "/x", ""):
         with pytest.raises(ValueError, match=r"keys\[0\]=.* is not a block key"):
             check_block_keys([bad])
+
+
+@pytest.mark.parametrize("length", [16, 32, 48, 63, 65, 80, 128])
+def test_keys_have_exactly_one_length(length):
+    """A key of any other length is refused, as a key and as a parent: the parent field has
+    one size, so it cannot absorb the start of the tokens."""
+    bad = (hash_block_tokens(None, [7]) * 3)[:length]
+    with pytest.raises(ValueError, match="lowercase SHA-256 hex digests of exactly 64"):
+        check_block_keys([bad])
+    with pytest.raises(ValueError, match="parent_hash=.* is not a block key"):
+        hash_block_tokens(bad, [1, 2])
+
+
+def test_a_parent_cannot_absorb_tokens():
+    """The collision of parents accepted at several lengths: a 48-character parent with the
+    tokens [3, 101, 102, 103] hashed the same bytes as the 64-character parent made of those
+    48 characters and the count 4, with the tokens [101, 102, 103]."""
+    short = "ab" * 24
+    long = short + struct.pack("<Q", 4).hex()
+    results = []
+    for parent, tokens in ((short, [3, 101, 102, 103]), (long, [101, 102, 103])):
+        try:
+            results.append(hash_block_tokens(parent, tokens))
+        except ValueError:
+            results.append(None)
+    assert None in results or results[0] != results[1]
+
+
+def test_the_hashed_bytes_are_length_framed():
+    """The documented encoding, recomputed independently: presence byte and uint64 length
+    before the parent, the token count before the tokens, and the length before extra."""
+    parent = hash_block_tokens(None, [5])
+
+    def framed(data):
+        return b"\0" if data is None else b"\1" + struct.pack("<Q", len(data)) + data
+
+    for par, tokens, extra in ((None, [1, 2, 3], None), (parent, [9, 2**40], "model-a"),
+                               (parent, [], ""), (None, [0], "x" * 300)):
+        raw = (b"kvcore-block-key-v2\0" + framed(par and bytes.fromhex(par))
+               + b"\1" + struct.pack(f"<Q{len(tokens)}q", len(tokens), *tokens)
+               + framed(None if extra is None else extra.encode()))
+        assert hash_block_tokens(par, tokens, extra) == hashlib.sha256(raw).hexdigest()
+    # None and "" are different extras; the split between tokens and extra is fixed.
+    assert hash_block_tokens(None, [1], None) != hash_block_tokens(None, [1], "")
 
 
 # -- extract / inject -------------------------------------------------------------------------
