@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvcore
+from kvcore.cli.main import SELECT_CONFIG_FLAGS
 
 
 def _cli(capsys, *args) -> tuple[int, str, str]:
@@ -105,3 +106,78 @@ def test_a_refused_forced_backend_names_what_runs_in_the_library_error(fresh_kvc
                        match=r"CPU_ATTN is not an MLA backend \(choose an MLA backend\)\. "
                              r"Valid for this config on cpu: CPU_MLA \(config: "):
         kvcore.get_attn_backend(config, backend="CPU_ATTN", platform="cpu")
+
+
+def test_every_config_field_is_a_select_flag():
+    import argparse
+    from dataclasses import fields
+
+    from kvcore.cli.main import build_parser
+
+    names = [f.name for f in fields(kvcore.AttentionSelectorConfig)]
+    assert list(SELECT_CONFIG_FLAGS) == names
+    commands = next(a for a in build_parser(False)._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    dests = {a.dest for a in commands.choices["select"]._actions}
+    assert set(names) <= dests
+
+
+_BOOL_FIELDS = [f for f, (_, options) in SELECT_CONFIG_FLAGS.items()
+                if options.get("action") == "store_true"]
+
+
+@pytest.mark.parametrize("field", _BOOL_FIELDS)
+def test_each_flag_reaches_the_config(fresh_kvcore, capsys, field):
+    import json
+
+    extra = ["--kv-cache-dtype", "fp8"] if field == "use_per_head_quant_scales" else []
+    _, out, _ = _cli(capsys, "select", "--format", "json", SELECT_CONFIG_FLAGS[field][0],
+                     *extra)
+    config = json.loads(out)["config"]
+    assert [k for k in _BOOL_FIELDS if config[k]] == [field]
+
+
+def test_mla_head_size_is_the_latent_size(fresh_kvcore, capsys):
+    import json
+
+    _, out, _ = _cli(capsys, "select", "--format", "json", "--mla")
+    assert json.loads(out)["config"]["head_size"] == 576
+    _, out, _ = _cli(capsys, "select", "--format", "json", "--mla", "--head-size", "256")
+    assert json.loads(out)["config"]["head_size"] == 256
+    _, out, _ = _cli(capsys, "select", "--format", "json")
+    assert json.loads(out)["config"]["head_size"] == 128
+    _, help_text, _ = _cli(capsys, "select", "--help")
+    assert "(default: 128; with --mla 576). For MLA it is the latent size" in " ".join(
+        help_text.split())
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--sliding-window", "4096"],
+     "kvcore select: error: --sliding-window: a sliding window is the layer's"),
+    (["--logits-soft-cap=30"], "--logits-soft-cap: no kvcore backend has logits soft-capping"),
+    (["--per-head-quant-scales"],
+     "--per-head-quant-scales: per-head scales quantise an fp8 KV cache, and --kv-cache-dtype "
+     "is auto (the model's dtype, unscaled); add --kv-cache-dtype fp8"),
+    (["--mm-prefix", "--non-causal"],
+     "--mm-prefix with --non-causal: a multimodal prefix is attended bidirectionally inside a "
+     "causal decoder layer, and this layer is not causal at all; leave out --mm-prefix or "
+     "--non-causal"),
+    (["--mm-prefix", "--attn-type", "encoder_only"],
+     "--mm-prefix with --attn-type encoder_only:"),
+], ids=["sliding-window", "soft-cap", "per-head-scales-unquantised", "mm-prefix-non-causal",
+        "mm-prefix-encoder"])
+def test_impossible_or_unknown_select_options_are_refused_with_the_fix(fresh_kvcore, capsys,
+                                                                       args, says):
+    status, out, err = _cli(capsys, "select", *args)
+    assert (status, out) == (2, "") and says in err, err
+
+
+def test_both_fp8_spellings_are_accepted_and_printed_one_way(fresh_kvcore, capsys):
+    import json
+
+    _, out, _ = _cli(capsys, "select", "--format", "json", "--kv-cache-dtype", "float8_e4m3fn")
+    assert json.loads(out)["config"]["kv_cache_dtype"] == "fp8_e4m3"
+    for spelling in ("fp8_e4m3", "float8_e4m3fn"):
+        status, out, _ = _cli(capsys, "layout", "TRITON_ATTN", "--dtype", spelling,
+                              "--format", "json")
+        assert status == 0 and json.loads(out)["dtype"] == "float8_e4m3fn"

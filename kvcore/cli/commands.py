@@ -14,13 +14,14 @@ import json
 import os
 import platform as py_platform
 import sys
+from dataclasses import fields
 from importlib import metadata
 from typing import Any
 
 from tabulate import tabulate
 
 import kvcore
-from kvcore import AttentionSelectorConfig, AttentionType, DeviceCapability
+from kvcore import AttentionSelectorConfig, DeviceCapability
 from kvcore.cli.words import in_cli_words
 
 
@@ -116,19 +117,25 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _config_from_args(args: argparse.Namespace) -> AttentionSelectorConfig:
-    return AttentionSelectorConfig(
-        head_size=args.head_size,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        use_mla=args.mla,
-        has_sink=args.sink,
-        use_sparse=args.sparse,
-        attn_type=AttentionType(args.attn_type),
-        use_non_causal=args.non_causal,
-        use_batch_invariant=args.batch_invariant,
-        use_kv_connector=args.kv_connector,
-    )
+    """The config from ``select``'s flags, one per field (``SELECT_CONFIG_FLAGS``); combinations
+    no layer can have are a ``ValueError`` naming the flags and the fix."""
+    values = {f.name: getattr(args, f.name) for f in fields(AttentionSelectorConfig)}
+    if values["head_size"] is None:  # an MLA layer's head is its latent: kv_lora_rank + rope
+        values["head_size"] = 576 if values["use_mla"] else 128
+    if values["use_per_head_quant_scales"] and values["kv_cache_dtype"] == "auto":
+        raise ValueError(
+            "--per-head-quant-scales: per-head scales quantise an fp8 KV cache, and "
+            "--kv-cache-dtype is auto (the model's dtype, unscaled); add --kv-cache-dtype fp8 "
+            "(or fp8_e4m3, fp8_e5m2), or leave out --per-head-quant-scales")
+    bidirectional = ("--non-causal" if values["use_non_causal"] else
+                     f"--attn-type {values['attn_type']}" if values["attn_type"] != "decoder"
+                     else None)
+    if values["use_mm_prefix"] and bidirectional:
+        raise ValueError(
+            f"--mm-prefix with {bidirectional}: a multimodal prefix is attended "
+            "bidirectionally inside a causal decoder layer, and this layer is not causal at "
+            f"all; leave out --mm-prefix or {bidirectional}")
+    return AttentionSelectorConfig(**values)
 
 
 def cmd_select(args: argparse.Namespace) -> int:

@@ -11,14 +11,15 @@ import argparse
 import importlib.util
 import os
 import sys
+from typing import Any
 
 from kvcore import AttentionType, __version__
 from kvcore.cli.words import in_cli_words
 from kvcore.demo.config import MODEL_PRESETS
 
 __all__ = ["BENCH_SIZE_CHOICES", "CACHE_DTYPE_CHOICES", "CLI_DEPENDENCIES",
-           "KV_CACHE_DTYPE_CHOICES", "MODEL_DTYPE_CHOICES", "build_parser",
-           "main"]
+           "KV_CACHE_DTYPE_CHOICES", "MODEL_DTYPE_CHOICES", "SELECT_CONFIG_FLAGS",
+           "build_parser", "main"]
 
 #: ``--kv-cache-dtype`` values: kvcore's ``KV_CACHE_DTYPES`` (a test keeps the two equal),
 #: spelled out here because the module that defines them imports torch.
@@ -69,6 +70,84 @@ positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
 
 
+def _kv_cache_dtype_name(text: str) -> str:
+    """A ``--kv-cache-dtype`` with torch's fp8 names read as kvcore's (``float8_e4m3fn`` is
+    ``fp8_e4m3``); argparse then checks it against the choices."""
+    key = text.removeprefix("torch.").lower()
+    return {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(key, key)
+
+
+def _cache_dtype_name(text: str) -> str:
+    """A ``layout --dtype`` with kvcore's fp8 cache names read as torch's (``fp8_e4m3`` is
+    ``float8_e4m3fn``), so both spellings work in every command."""
+    key = _dtype_name(text)
+    return {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+            "fp8_e5m2": "float8_e5m2"}.get(key, key)
+
+
+#: ``kvcore select``'s flag for each field of :class:`kvcore.AttentionSelectorConfig`, keyed by
+#: the field's name (the flag's ``dest``; the command builds the config field by field, and a
+#: test keeps the two in step, so a new field cannot go without a flag). Spelled out here
+#: because the config's module imports torch.
+SELECT_CONFIG_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "head_size": ("--head-size", dict(
+        type=positive_int, default=None,
+        help="size of one attention head (default: 128; with --mla 576). For MLA it is the "
+             "latent size each token caches, kv_lora_rank + rope dims (DeepSeek: 512 + 64)")),
+    "dtype": ("--dtype", dict(
+        type=_dtype_name, default="bfloat16", choices=MODEL_DTYPE_CHOICES,
+        help="the model's dtype: %(choices)s (aliases bf16, fp16, fp32; default: "
+             "%(default)s)")),
+    "kv_cache_dtype": ("--kv-cache-dtype", dict(
+        type=_kv_cache_dtype_name, default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+        help="KV cache storage: auto (the model's dtype) or an fp8 format (fp8 is fp8_e4m3; "
+             "torch's names float8_e4m3fn and float8_e5m2 work too; default: %(default)s)")),
+    "block_size": ("--block-size", dict(
+        type=positive_int, default=16,
+        help="tokens per KV-cache block (default: %(default)s)")),
+    "use_mla": ("--mla", dict(
+        action="store_true",
+        help="an MLA layer (DeepSeek-style latent attention); its head size is the latent "
+             "size, so --head-size defaults to 576 with it")),
+    "has_sink": ("--sink", dict(action="store_true",
+                                help="attention sinks (a learned sink logit per head)")),
+    "use_sparse": ("--sparse", dict(
+        action="store_true", help="sparse attention (each query attends to selected keys)")),
+    "use_mm_prefix": ("--mm-prefix", dict(
+        action="store_true",
+        help="a multimodal prefix attended bidirectionally inside an otherwise causal layer")),
+    "use_per_head_quant_scales": ("--per-head-quant-scales", dict(
+        action="store_true",
+        help="an fp8 KV cache with a scale per KV head instead of one per layer (needs an fp8 "
+             "--kv-cache-dtype)")),
+    "attn_type": ("--attn-type", dict(
+        default="decoder", choices=[t.value for t in AttentionType],
+        help="what the layer attends over: %(choices)s (default: %(default)s)")),
+    "use_non_causal": ("--non-causal", dict(
+        action="store_true", help="queries also see later tokens (bidirectional attention)")),
+    "use_batch_invariant": ("--batch-invariant", dict(
+        action="store_true",
+        help="require batch-invariant numerics: a request gets the same bits whatever else is "
+             "in the batch")),
+    "use_kv_connector": ("--kv-connector", dict(
+        action="store_true",
+        help="a KV connector is in use (offload, transfer): backends that keep a layout "
+             "connectors cannot move are rejected")),
+}
+
+#: Options people reach for that are no part of selection, and why (argparse alone would
+#: answer "unrecognized arguments").
+_NOT_SELECTION_FLAGS = {
+    "--sliding-window": "a sliding window is the layer's (AttentionImpl(sliding_window=N)), "
+                        "not the selector's: every non-MLA backend applies one and MLA "
+                        "backends refuse one, so it changes no choice; leave it out (add --mla "
+                        "to see the MLA backends)",
+    "--logits-soft-cap": "no kvcore backend has logits soft-capping, so it is no field of "
+                         "the selector's config; leave it out",
+}
+_NOT_SELECTION_FLAGS["--soft-cap"] = _NOT_SELECTION_FLAGS["--logits-soft-cap"]
+
+
 def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     """The ``kvcore`` parser; without ``with_kernels_options`` the ``kernels`` command has no
     options yet (and nothing imports torch)."""
@@ -94,30 +173,8 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     sel.add_argument("--explain", action="store_true",
                      help="print every candidate with its rejection reasons, and why the "
                           "selected one won")
-    sel.add_argument("--head-size", type=positive_int, default=128,
-                     help="size of one attention head (default: 128)")
-    sel.add_argument("--dtype", type=_dtype_name, default="bfloat16",
-                     choices=MODEL_DTYPE_CHOICES,
-                     help="the model's dtype: %(choices)s (aliases bf16, fp16, fp32; "
-                          "default: %(default)s)")
-    sel.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
-                     help="KV cache storage: auto (the model's dtype) or an fp8 format "
-                          "(default: %(default)s)")
-    sel.add_argument("--block-size", type=positive_int, default=16,
-                     help="tokens per KV-cache block (default: %(default)s)")
-    sel.add_argument("--mla", action="store_true", help="an MLA layer")
-    sel.add_argument("--sink", action="store_true", help="attention sinks")
-    sel.add_argument("--sparse", action="store_true", help="sparse attention")
-    sel.add_argument("--non-causal", action="store_true",
-                     help="queries also see later tokens (bidirectional attention)")
-    sel.add_argument("--batch-invariant", action="store_true",
-                     help="require batch-invariant numerics: a request gets the same bits "
-                          "whatever else is in the batch")
-    sel.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType],
-                     help="what the layer attends over: %(choices)s (default: %(default)s)")
-    sel.add_argument("--kv-connector", action="store_true",
-                     help="a KV connector is in use (offload, transfer): backends that keep "
-                          "a layout connectors cannot move are rejected")
+    for dest, (flag, options) in SELECT_CONFIG_FLAGS.items():
+        sel.add_argument(flag, dest=dest, **options)
     sel.add_argument("--platform", default=None,
                      help="platform name, e.g. cpu, cuda, rocm (default: detected, or "
                           "KVCORE_PLATFORM); need not be present here")
@@ -198,9 +255,10 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                      help="KV heads (default: 2; MLA: 1)")
     lay.add_argument("--head-size", type=positive_int, default=None,
                      help="size of one head (default: 128; MLA: 576, the latent)")
-    lay.add_argument("--dtype", default="bfloat16", type=_dtype_name,
+    lay.add_argument("--dtype", default="bfloat16", type=_cache_dtype_name,
                      choices=CACHE_DTYPE_CHOICES,
-                     help="the cache's element type: %(choices)s (default: %(default)s)")
+                     help="the cache's element type: %(choices)s (select's names fp8, "
+                          "fp8_e4m3 and fp8_e5m2 work too; default: %(default)s)")
     lay.add_argument("--show-layers", type=positive_int, default=4,
                      help="layers in the block table and the picture (default: %(default)s)")
     lay.add_argument("--show-blocks", type=positive_int, default=3,
@@ -231,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     # The top level takes no option with a value: its first word that is no option is the
     # command.
     command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command == "select":
+        for arg in argv:
+            why = _NOT_SELECTION_FLAGS.get(arg.split("=")[0])
+            if why:
+                print(f"kvcore select: error: {arg.split('=')[0]}: {why}", file=sys.stderr)
+                return 2
     args = build_parser(with_kernels_options=command == "kernels").parse_args(argv)
     from kvcore.cli.commands import COMMANDS
 
