@@ -51,7 +51,8 @@ class StepFacts:
     Attributes:
         num_tokens: ``query_start_loc[-1]``, the query rows the step attends for.
         num_seqs: requests.
-        block_size: tokens per block the lengths were checked with.
+        block_size: tokens per block the lengths were checked with; the ops refuse the
+            step on a cache of another block size (``check_step_block_size``).
         max_blocks_per_seq: most block-table entries one request uses
             (``ceil(seq_len / block_size)``).
         max_block_id: largest block id a request uses (-1: none).

@@ -88,7 +88,9 @@ def test_graph_built_steps_equal_the_reference_with_empty_splits(context_lens):
     that 2 requests split on the CPU's single "SM" too."""
     kv = random_kv(hk=1)
     b = builder(max_model_len=1024, max_num_seqs=2, device=DEVICE, hk=1)
-    tables = [[3, 7, 1, 8, 0, 11][: -(-(c + 1) // BS)] for c in context_lens]
+    # Each request on blocks of its own (a new token must not land in another's context).
+    tables = [[3, 7, 1, 8, 0, 11][3 * i:][: -(-(c + 1) // BS)]
+              for i, c in enumerate(context_lens)]
     meta = b.build(decode(context_lens, tables, DEVICE), graph_batch_size=2)
     assert meta.num_kv_splits == 2  # as if each request were max_model_len long
     query = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(4)).to(DEVICE)

@@ -36,6 +36,7 @@ from kvcore.ops.validation import (
     check_scale,
     check_slots_in_range,
     check_softmax_scale,
+    check_step_block_size,
     checked_step_facts,
     require_float_dtype,
     require_int_dtype,
@@ -107,6 +108,7 @@ def validate_concat_and_cache_mla(
             f"kv_c of dtype {kv_c.dtype} needs {expected}"
         )
     check_scale("scale", scale, used=kv_cache_dtype in FP8_KV_CACHE_DTYPES)
+    check_step_block_size(kv_cache.shape[1], slot_mapping)
     check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
     check_distinct_slots(slot_mapping)
     return k_pe
@@ -191,6 +193,7 @@ def validate_mla_attention(
         if tuple(output.shape) != want or output.device != q.device:
             raise ValueError(f"output has shape {tuple(output.shape)} on {output.device}; "
                              f"expected {want} on {q.device}")
+    check_step_block_size(kv_cache.shape[1], query_start_loc, seq_lens, block_table)
     if not value_checks_enabled() or num_seqs == 0:
         return
     facts = checked_step_facts(query_start_loc, seq_lens, block_table)

@@ -59,6 +59,7 @@ __all__ = [
     "check_scale",
     "check_softmax_scale",
     "check_slots_in_range",
+    "check_step_block_size",
     "require_float_dtype",
     "require_int_dtype",
     "require_ndim",
@@ -210,6 +211,20 @@ def _check_cache_dtype(
             f"{name} has dtype {cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} with model "
             f"dtype {model_dtype} needs {expected}"
         )
+
+
+def check_step_block_size(block_size: int, *tensors: torch.Tensor) -> None:
+    """``ValueError`` if ``tensors`` carry step facts (:func:`mark_step_checked`) established
+    for a block size other than the cache's ``block_size``: their slots and block-table
+    columns count tokens of that other size, so every address would be wrong. A host compare
+    (no device read), done whether or not value checks are on."""
+    facts = checked_step_facts(*tensors)
+    if facts is not None and facts.block_size != block_size:
+        raise ValueError(
+            f"the step's metadata was built for block_size={facts.block_size} but the cache "
+            f"has block_size={block_size}: its slots and block-table columns would address "
+            "other tokens. Build the step with the block size of the cache it runs on (one "
+            "metadata per KV cache group)")
 
 
 def check_slots_in_range(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -428,6 +443,7 @@ def validate_reshape_and_cache(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
         )
+    check_step_block_size(block_size, slot_mapping)
     check_slots_in_range(slot_mapping, num_blocks, block_size)
     check_distinct_slots(slot_mapping)
 
@@ -509,6 +525,7 @@ def validate_paged_attention(
         if output.device != query.device:
             raise ValueError(f"output is on {output.device} but query is on {query.device}")
         require_float_dtype("output", output)
+    check_step_block_size(block_size, query_start_loc, seq_lens, block_table)
     if not _value_checks or num_seqs == 0:
         return
     max_blocks = block_table.shape[1]
