@@ -74,19 +74,46 @@ def cmd_list(args: argparse.Namespace) -> int:
         except Exception as exc:
             entry["error"] = str(exc)
         rows.append(entry)
-    table = tabulate(
-        [
-            [r["name"], r["plugin"], ",".join(r.get("platforms", [])) or "-",
-             _yes_no(r.get("cross_layer", False)), _yes_no(r.get("kv_connector", False)),
-             _yes_no(r.get("mla", False)), r.get("cuda_graphs", "-"),
-             ",".join(r.get("dtypes", [])), r.get("head_sizes", "-"), r["error"] or ""]
-            for r in rows
-        ],
-        headers=["backend", "plugin", "platforms", "cross-layer", "kv-connector", "mla",
-                 "cuda graphs", "dtypes", "head sizes", "error"],
-    )
-    _emit(args, rows, table)
+    _emit(args, rows, _list_table(rows, args.wide))
     return 0
+
+
+#: Short dtype names for ``kvcore list``'s narrow table.
+_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _list_table(rows: list[dict[str, Any]], wide: bool) -> str:
+    """``kvcore list``'s table: what selection turns on, in about 100 columns; ``wide`` adds
+    the plugin, cross-layer, connector and CUDA-graph columns and full dtype names. Backends
+    that failed to load are listed under the table."""
+    def dtypes(r: dict[str, Any]) -> str:
+        names = r.get("dtypes", [])
+        return ", ".join(names if wide else [_SHORT_DTYPES.get(n, n) for n in names]) or "-"
+
+    # (header, cell, the narrow table's most characters a line; longer cells wrap)
+    columns: list[tuple[str, Any, int | None]] = [
+        ("backend", lambda r: r["name"], None),
+        *([("plugin", lambda r: r["plugin"], None)] if wide else []),
+        ("platforms", lambda r: ",".join(r.get("platforms", [])) or "-", None),
+        ("mla", lambda r: _yes_no(r.get("mla", False)), None),
+        ("dtypes", dtypes, 10),
+        ("kv-cache dtypes", lambda r: ", ".join(r.get("kv_cache_dtypes", [])) or "-", 15),
+        ("head sizes", lambda r: r.get("head_sizes", "-"), 20),
+        ("block sizes", lambda r: r.get("block_sizes", "-"), 15),
+        *([("cross-layer", lambda r: _yes_no(r.get("cross_layer", False)), None),
+           ("kv-connector", lambda r: _yes_no(r.get("kv_connector", False)), None),
+           ("cuda graphs", lambda r: r.get("cuda_graphs", "-"), None)] if wide else []),
+    ]
+    table = tabulate([[cell(r) for _, cell, _ in columns] for r in rows],
+                     headers=[name for name, _, _ in columns],
+                     maxcolwidths=None if wide else [width for _, _, width in columns])
+    errors = [f"  {r['name']}: {r['error']}" for r in rows if r["error"]]
+    if errors:
+        table += "\n\nfailed to load:\n" + "\n".join(errors)
+    if not wide:
+        table += ("\n\n--wide adds the plugin, cross-layer, kv-connector and cuda-graph "
+                  "columns; --format json has every capability")
+    return table
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -319,6 +346,20 @@ def _demo_disaggregated(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from kvcore.demo.warmup import WarmupOptions, format_warmup, run_warmup
+
+    if args.backend:
+        _check_backend_name(args.backend, "--backend")
+    if args.platform:
+        _check_platform_name(args.platform, present=True)
+    result = run_warmup(WarmupOptions(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, platform=args.platform, backend=args.backend))
+    _emit(args, result.to_dict(), format_warmup(result))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcore.cli.bench import BenchOptions, run_bench_cli
 
@@ -353,6 +394,10 @@ def cmd_layout(args: argparse.Namespace) -> int:
             "--head-size")
     heads = args.num_kv_heads or (1 if backend.IS_MLA else 2)
     head_size = args.head_size or (576 if backend.IS_MLA else 128)
+    if not kvcore.is_supported(head_size, backend.SUPPORTED_HEAD_SIZES):
+        raise ValueError(
+            f"--head-size {head_size}: {backend.get_name()} supports head sizes "
+            f"{kvcore.format_supported(backend.SUPPORTED_HEAD_SIZES)}; pass one of those")
     view = describe_layout(
         backend, num_layers=args.num_layers, num_blocks=args.num_blocks,
         block_size=args.block_size, num_kv_heads=heads, head_size=head_size,
@@ -381,4 +426,5 @@ COMMANDS = {
     "bench": cmd_bench,
     "layout": cmd_layout,
     "kernels": cmd_kernels,
+    "warmup": cmd_warmup,
 }

@@ -164,7 +164,10 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                        help="output: a table for people (default) or JSON for programs")
         return p
 
-    with_format(sub.add_parser("list", help="registered attention backends and capabilities"))
+    lst = with_format(sub.add_parser("list",
+                                     help="registered attention backends and capabilities"))
+    lst.add_argument("--wide", action="store_true",
+                     help="also the plugin, cross-layer, kv-connector and cuda-graph columns")
     with_format(sub.add_parser("plugins", help="loaded plugins, versions and load errors"))
     with_format(sub.add_parser("collect-env", help="machine and installation facts"))
 
@@ -223,6 +226,22 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--decode-device", default=None, metavar="DEVICE",
                       help="--disaggregated: the decode engine's device, e.g. cuda:1 "
                            "(default: the platform's first device)")
+
+    warm = with_format(sub.add_parser(
+        "warmup", help="build ahead what the selected backend needs for a demo model's shapes "
+                       "(JIT modules, kernel compiles) and say where it is cached"))
+    warm.add_argument("--model", default="small", choices=tuple(MODEL_PRESETS),
+                      help="the shapes: a kvcore demo model (default: %(default)s)")
+    warm.add_argument("--dtype", default=None, type=_dtype_name, choices=MODEL_DTYPE_CHOICES,
+                      help="the model's dtype: %(choices)s (default: the demo's choice)")
+    warm.add_argument("--block-size", type=positive_int, default=16,
+                      help="tokens per KV-cache block (default: %(default)s)")
+    warm.add_argument("--max-num-seqs", type=positive_int, default=4,
+                      help="most requests in one step (default: %(default)s)")
+    warm.add_argument("--platform", default=None,
+                      help="platform to build for (default: detected); must be present")
+    warm.add_argument("--backend", default=None,
+                      help="force a backend by name (default: the platform's pick)")
 
     bench = with_format(sub.add_parser(
         "bench", help="kernels, cache writes and connector throughput against ceilings "

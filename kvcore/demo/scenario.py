@@ -49,6 +49,7 @@ from kvcore import (
     parse_dtype,
     require_present_platform,
     resolve_backend,
+    set_progress,
 )
 from kvcore.connectors import KVConnector, get_connector, get_connector_class
 from kvcore.demo.config import MODEL_PRESETS
@@ -436,8 +437,14 @@ def run_demo(options: DemoOptions) -> DemoResult:
     """
     options.validate()
     platform = require_present_platform(options.platform)
-    with _one_cpu_thread(platform.device()):
-        return _run(options, platform)
+    # Without progress output, the notices of long first-use steps are silent too.
+    previous = None if options.progress else set_progress(False)
+    try:
+        with _one_cpu_thread(platform.device()):
+            return _run(options, platform)
+    finally:
+        if not options.progress:
+            set_progress(previous)
 
 
 def _run(options: DemoOptions, platform: Platform) -> DemoResult:

@@ -60,6 +60,7 @@ __all__ = [
     "KernelCase",
     "capture_launches",
     "case_providers",
+    "compile_cache_dir",
     "compile_launches",
     "format_markdown",
     "format_summary",
@@ -375,7 +376,9 @@ def compile_launches(launch: Callable[[], None],
     return compiled
 
 
-def _cache_dir() -> Path:
+def compile_cache_dir() -> Path:
+    """Where ``kvcore kernels`` keeps its results: ``$KVCORE_COMPILE_CACHE``, else
+    ``$XDG_CACHE_HOME/kvcore/kernel-compile`` (``~/.cache`` without it)."""
     if "KVCORE_COMPILE_CACHE" in os.environ:
         return Path(os.environ["KVCORE_COMPILE_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -459,7 +462,7 @@ def run_check(
 
     if not compile:
         return results
-    cache = _cache_dir()
+    cache = compile_cache_dir()
     metrics: dict[str, dict[str, Any]] = {}
     for key in todo:
         path = cache / f"{key}.json"
