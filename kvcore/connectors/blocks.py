@@ -82,7 +82,10 @@ def inject_kv_into_layer(
         request_id: the request the blocks belong to, named in every error.
 
     A count mismatch is an error, not a partial write: a block left half-written would look
-    valid to the engine.
+    valid to the engine. ``kv`` may be a view of ``layer`` itself (moving blocks within a
+    cache, e.g. ``inject_kv_into_layer(layer, layer[2:5], [3, 4, 5], ...)``): when the two
+    share memory it is copied first, so every block receives the source as it was before the
+    call, not a block already overwritten by it.
     """
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
@@ -101,9 +104,28 @@ def inject_kv_into_layer(
     if ids.numel() and ids.unique().numel() != ids.numel():
         raise ValueError(f"request {request_id!r}: block_ids has duplicates: "
                          f"{sorted(ids.tolist())}")
+    if _may_overlap(kv, layer):
+        kv = kv.clone()  # index_copy_ reads the source while it writes the destination
     # non_blocking only towards a GPU: a GPU -> CPU copy that returned early could be read by
     # index_copy_ on the host before it landed.
     layer.index_copy_(0, ids, kv.to(layer.device, non_blocking=layer.device.type != "cpu"))
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share bytes: the same storage and overlapping address
+    ranges (from shapes and strides, no device read). Views of one cross-layer allocation
+    interleave, so two layers' views count as overlapping: copying then is only wasteful."""
+    if a.device != b.device or a.device.type == "meta" or not a.numel() or not b.numel():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    return a_lo < b_hi and b_lo < a_hi
 
 
 def virtually_split_kv_in_blocks(kv_caches: KVCaches) -> list[torch.Tensor]:

@@ -131,6 +131,27 @@ def test_extract_then_inject_moves_blocks_exactly(layout):
                            layer_src[[5, 0, 9]].view(torch.uint8))
 
 
+@pytest.mark.parametrize(("src", "dst"), [((2, 5), [3, 4, 5]), ((3, 6), [1, 2, 3]),
+                                         ((2, 5), [5, 4, 3])],
+                         ids=["shift-up", "shift-down", "reversed"])
+@pytest.mark.parametrize("cross", [True, False], ids=["cross-layer", "per-layer"])
+def test_inject_from_a_view_of_the_same_layer_copies_the_source_first(src, dst, cross):
+    """A source that aliases the destination (blocks moved within one cache) lands as it was
+    before the call: index_copy_ would otherwise read blocks it has already overwritten."""
+    kv = make_caches(cross_layer=cross)
+    layer = kv.layers[1]
+    before = [layer.clone() for layer in kv.layers]
+    inject_kv_into_layer(layer, layer[src[0]:src[1]], dst, "move")
+    expected = before[1].clone()
+    expected[dst] = before[1][src[0]:src[1]]
+    assert torch.equal(layer, expected)
+    for i in (0, 2):  # the other layers of the same storage are untouched
+        assert torch.equal(kv.layers[i], before[i])
+    # Another layer's blocks as the source: the same storage, no shared bytes.
+    inject_kv_into_layer(kv.layers[0], kv.layers[2][0:2], [7, 8], "copy")
+    assert torch.equal(kv.layers[0][7:9], before[2][0:2])
+
+
 def test_inject_writes_only_its_blocks_in_a_cross_layer_cache():
     kv = make_caches(cross_layer=True)
     before = kv.storage.clone()
