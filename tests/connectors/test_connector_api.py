@@ -35,7 +35,7 @@ def test_builtins_register_through_the_hook_lazily(fresh_kvcore):
 
     registry = kvcore.connector_registry()
     builtins = {n for n in registry.names() if registry.get(n).plugin == "builtin_connectors"}
-    assert builtins == {"nixl", "offload", "p2p", "storage"}
+    assert builtins == {"mooncake", "nixl", "offload", "p2p", "storage"}
     code = ("import sys, kvcore; kvcore.connector_registry()\n"
             "print(sorted(m for m in sys.modules if m.startswith(('kvcore.connectors.',"
             " 'safetensors'))))")
@@ -60,9 +60,9 @@ def test_unknown_connector_lists_the_valid_names(fresh_kvcore, monkeypatch):
     monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")  # only kvcore's own connectors
     kvcore.reset_plugins()
     with pytest.raises(kvcore.UnknownNameError,
-                       match="unknown KV connector 'mooncake'; valid options are: nixl, offload, "
-                             "p2p, storage$"):
-        get_connector("mooncake")
+                       match="unknown KV connector 'lmcache'; valid options are: mooncake, nixl, "
+                             "offload, p2p, storage$"):
+        get_connector("lmcache")
 
 
 def test_unknown_and_missing_options_are_named():

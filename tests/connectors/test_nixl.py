@@ -27,6 +27,7 @@ from kvcore import LayoutMismatchError
 from kvcore.connectors import get_connector
 from kvcore.connectors import nixl as nixl_module
 from kvcore.connectors.nixl import NixlConnector, nixl_unavailable_reason
+from kvcore.connectors.pull_producer import recv_frame, send_frame
 
 PEER = Path(__file__).with_name("nixl_peer.py")
 needs_nixl = pytest.mark.skipif(nixl_unavailable_reason() is not None,
@@ -340,14 +341,14 @@ def raw_consumer(port: int, hello: dict | bytes) -> tuple[socket.socket, dict]:
     if isinstance(hello, bytes):
         sock.sendall(len(hello).to_bytes(4, "big") + hello)
     else:
-        nixl_module._send_frame(sock, {"op": "hello", "protocol": nixl_module._PROTOCOL,
-                                       "agent": "raw-consumer", **hello})
-    return sock, nixl_module._recv_frame(sock)
+        send_frame(sock, {"op": "hello", "protocol": "kvcore-nixl-v1",
+                          "agent": "raw-consumer", **hello})
+    return sock, recv_frame(sock)
 
 
 def request(sock: socket.socket, message: dict) -> dict:
-    nixl_module._send_frame(sock, message)
-    return nixl_module._recv_frame(sock)
+    send_frame(sock, message)
+    return recv_frame(sock)
 
 
 @needs_nixl
@@ -389,7 +390,7 @@ def test_a_read_that_finishes_after_the_link_went_down_is_not_counted(monkeypatc
         prod.register_kv_caches(kv_p)
         conn.register_kv_caches(kv_c)
         prod.save(keys, [3])
-        agent = conn._agent.agent
+        agent = conn._engine.agent
         real = agent.check_xfer_state
 
         def check(handle):
@@ -438,7 +439,7 @@ def test_a_malformed_hello_gets_a_refusal_and_the_producer_serves_on(hello):
             assert reply["ok"]
             deep = b"[" * 100_000 + b"]" * 100_000  # and a request like that is refused too
             sock.sendall(len(deep).to_bytes(4, "big") + deep)
-            assert "refused" in nixl_module._recv_frame(sock)["error"]
+            assert "refused" in recv_frame(sock)["error"]
         finally:
             sock.close()
 

@@ -1,0 +1,646 @@
+"""Connectors whose consumers pull published blocks straight from a producer's cache.
+
+The machinery shared by the ``nixl`` and ``mooncake`` connectors (disaggregated
+prefill/decode): a **producer** engine publishes blocks with ``save``; a **consumer** engine
+finds them with ``lookup`` and READs them with ``load`` from the producer's registered cache
+into its own blocks through a transfer library. :class:`PullConnector` holds everything but
+the library: the side channel, the producer's publications and leases, the consumer's link,
+runs of blocks and the bounded read loop. A subclass supplies the library's engine (memory
+registration, starting, polling and cancelling a READ, its notifications).
+
+Memory: a block is one region per byte view of :class:`~kvcore.connectors.RegisteredCaches`:
+one region of ``num_layers * page_size_bytes`` for a cross-layer cache, one
+``page_size_bytes`` region per layer otherwise. A load issues one READ per run of blocks that
+are consecutive on both sides (a descriptor per region kind), so a run succeeds or fails
+whole, and blocks of other runs are not affected.
+
+Side channel (standard library sockets, no central server): the producer listens on
+``host:port``; any number of consumers connect. Frames are a 4-byte big-endian length and a
+JSON object. A consumer sends ``hello`` (its :meth:`kvcore.KVCacheLayout.to_dict` and its
+engine's name); the producer answers with its layout, what the library needs to reach it and
+the addresses of its block regions. Both sides compare the layouts (the number of blocks
+aside) and refuse a mismatch with :class:`kvcore.LayoutMismatchError` before any byte moves.
+Then:
+
+- ``lookup`` {keys}: how many leading keys are published and not taken by another consumer;
+- ``fetch`` {keys, lease_s}: take the published ones for ``lease_s`` seconds; the answer
+  names the producer's block of each key (``null``: not published yet). The consumer READs
+  them and confirms each run read whole, ``<lease>:<first>:<end>``: through the library's
+  notification where it has one (NIXL), else with ``done`` {lease, first, end} on the side
+  channel (:attr:`PullConnector.confirms_over_channel`). The producer then releases the
+  blocks and the save reports them done;
+- ``giveback`` {lease, indices}: runs whose READ failed go back to published (runs that
+  timed out stay leased until the lease ends, see below).
+
+Lifetimes, all bounded: a published block stays pinned until a consumer's READ of it is
+confirmed, or ``publish_timeout_s`` after the save (then the save reports it failed, naming
+the reason). A lease lasts twice the consumer's ``timeout_s``, longer than the consumer ever
+waits for its READ, so a producer does not hand a block back to its engine while the consumer
+may still count it as read; the producer refuses leases longer than its ``max_lease_s``, and
+a consumer whose connection closes (killed, or closed) loses its leases at once: their blocks
+are published again. A consumer counts a READ only while its connection is up (and, where it
+confirms over the side channel, only once the producer took the confirmation), so a block
+published again is never one it still reports as read. A consumer's load fails, within
+``timeout_s``, every block it could not read whole: a producer that died, froze or never
+published the key; a READ that times out is cancelled where the library can (a failure to
+cancel is named in the block's reason).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+import weakref
+from abc import abstractmethod
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from kvcore import KVCacheLayout, LayoutMismatchError
+from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
+from kvcore.connectors.pull_producer import (
+    ChannelError,
+    Producer,
+    check_seconds,
+    close_socket,
+    recv_frame,
+    send_frame,
+)
+
+__all__ = ["Engine", "PullConnector", "Regions", "Run", "memory_kind"]
+
+logger = logging.getLogger(__name__)
+
+_ROLES = ("producer", "consumer")
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def memory_kind(storage: torch.Tensor, transport: str) -> tuple[str, int]:
+    """The memory type and device id of a tensor: ``VRAM`` and the GPU, or ``DRAM``."""
+    if storage.is_cuda:
+        return "VRAM", storage.device.index or 0
+    if storage.device.type != "cpu":
+        raise ValueError(f"the {transport} connector moves CPU (DRAM) or CUDA (VRAM) caches; "
+                         f"this one is on {storage.device}")
+    return "DRAM", 0
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Where the blocks of a cache are: per byte view, the address of block 0, the distance
+    between blocks and the bytes of one block (one row)."""
+
+    addrs: tuple[int, ...]
+    strides: tuple[int, ...]
+    row_bytes: tuple[int, ...]
+    mem_type: str  # "DRAM" or "VRAM"
+    dev_id: int
+
+    @classmethod
+    def of(cls, reg: RegisteredCaches, transport: str) -> Regions:
+        views = reg.views
+        return cls(tuple(v.data_ptr() for v in views), tuple(v.stride(0) for v in views),
+                   tuple(v.shape[1] for v in views),
+                   *memory_kind(reg.kv_caches.storage, transport))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"addrs": list(self.addrs), "strides": list(self.strides),
+                "row_bytes": list(self.row_bytes), "mem_type": self.mem_type,
+                "dev_id": self.dev_id}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Regions:
+        try:
+            regions = cls(tuple(int(a) for a in data["addrs"]),
+                          tuple(int(s) for s in data["strides"]),
+                          tuple(int(r) for r in data["row_bytes"]), str(data["mem_type"]),
+                          int(data["dev_id"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ChannelError(f"the producer sent unreadable block regions ({exc})") from exc
+        if not len(regions.addrs) == len(regions.strides) == len(regions.row_bytes) \
+                or regions.mem_type not in ("DRAM", "VRAM"):
+            raise ChannelError(f"the producer sent inconsistent block regions {data!r}")
+        return regions
+
+    def run_descs(self, first: int, count: int) -> list[tuple[int, int, int]]:
+        """Descriptors ``(addr, bytes, dev_id)`` of ``count`` blocks from ``first``: one per
+        view when a view's rows are back to back, else one per view and block."""
+        descs = []
+        for addr, stride, row in zip(self.addrs, self.strides, self.row_bytes, strict=True):
+            start = addr + first * stride
+            if stride == row:
+                descs.append((start, count * row, self.dev_id))
+            else:
+                descs.extend((start + i * stride, row, self.dev_id) for i in range(count))
+        return descs
+
+
+class Engine(Protocol):
+    """One side's transfer engine, with the cache's storage registered (what
+    :meth:`PullConnector._open_engine` returns). Every call into the library goes through
+    it; it serialises them where the library is not thread-safe."""
+
+    #: How the peer names this engine: the consumer's name in a producer's leases and
+    #: notifications.
+    name: str
+
+    def hello(self) -> dict[str, Any]:
+        """Producer: the :attr:`PullConnector.hello_fields` consumers need to reach it."""
+
+    def connect(self, reply: dict[str, Any]) -> Any:
+        """Consumer: reach the producer's engine from its hello; returns what
+        :meth:`start_read` and :meth:`forget` call it."""
+
+    def forget(self, remote: Any) -> None:
+        """Consumer: drop the producer's engine (after the last READ)."""
+
+    def start_read(self, run: Run, lease: str, local: Regions, remote_regions: Regions,
+                   remote: Any) -> None:
+        """Start the READ of ``run`` (set ``run.handle``); raise with the reason if it cannot
+        start (then :meth:`release` releases what was set)."""
+
+    def poll(self, run: Run) -> str:
+        """``"DONE"``, ``"PROC"`` (in flight) or why the READ failed."""
+
+    def release(self, run: Run) -> bool:
+        """Release ``run.handle`` (cancelling a READ in flight, where the library can);
+        ``False`` if the READ may still write the blocks."""
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Producer: the READ notifications that arrived, as ``(consumer, message)``;
+        ``[]`` where READs are confirmed over the side channel."""
+
+    def close(self) -> None:
+        """Deregister the memory and let the engine go (idempotent)."""
+
+
+# -- consumer -------------------------------------------------------------------------------
+
+
+class _Consumer:
+    """The consumer's link to one producer: the socket, the producer's regions and engine."""
+
+    def __init__(self, conn: PullConnector, engine: Engine) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.who = f"{conn.transport} consumer"
+        self.lock = threading.Lock()  # one request/answer at a time on the socket
+        self.sock: socket.socket | None = None
+        self.failure: str | None = None  # why the link is down
+        self.remote: Any = None  # what the engine calls the producer
+        self.regions: Regions | None = None
+        self.num_blocks = 0
+
+    def connect(self, local: Regions) -> None:
+        conn = self.conn
+        deadline = time.monotonic() + conn.connect_timeout_s
+        where = f"{conn.host}:{conn.port}"
+        last: Exception | None = None
+        sock = None
+        while sock is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectionError(
+                    f"{self.who}: no producer answered at {where} within connect_timeout_s="
+                    f"{conn.connect_timeout_s} (last error: {last}); start the producer "
+                    "first, check the address and port, and that a firewall lets TCP to that "
+                    "port through")
+            try:
+                sock = socket.create_connection((conn.host, conn.port), timeout=min(left, 2.0))
+            except OSError as exc:
+                last = exc
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            send_frame(sock, {"op": "hello", "protocol": conn.channel_protocol,
+                               "agent": self.engine.name, "layout": conn._layout.to_dict()})
+            reply = recv_frame(sock)
+        except (OSError, ChannelError) as exc:
+            close_socket(sock)
+            raise ConnectionError(
+                f"{self.who}: the producer at {where} did not complete the handshake within "
+                f"connect_timeout_s={conn.connect_timeout_s}: {exc}") from exc
+        try:
+            self._check_reply(reply, where)
+            self.remote = self.engine.connect(reply)
+        except BaseException:
+            close_socket(sock)
+            raise
+        if self.regions.mem_type != local.mem_type:
+            logger.info("%s: reading %s blocks into %s", self.who, self.regions.mem_type,
+                        local.mem_type)
+        sock.settimeout(conn.timeout_s)
+        self.sock = sock
+
+    def _check_reply(self, reply: dict[str, Any], where: str) -> None:
+        layout = self.conn._layout
+        names = ("consumer", f"producer {where}")
+        if "layout" in reply:
+            try:
+                theirs = KVCacheLayout.from_dict(reply["layout"])
+            except (TypeError, ValueError) as exc:
+                raise LayoutMismatchError(f"{names[1]} sent a layout this kvcore cannot read "
+                                          f"({exc}); {names[0]} has {layout.describe()}"
+                                          ) from exc
+            layout.check_compatible(theirs, ignore_num_blocks=True, names=names)
+        if not reply.get("ok"):
+            raise ConnectionError(f"{self.who}: the producer at {where} refused the "
+                                  f"connection: {reply.get('error')}")
+        missing = [k for k in self.conn.hello_fields if k not in reply]
+        if reply.get("protocol") != self.conn.channel_protocol or missing:
+            raise ConnectionError(f"{self.who}: {where} answered {str(reply)[:200]!r}, "
+                                  f"not a {self.conn.channel_protocol} producer")
+        self.regions = Regions.from_dict(reply.get("regions"))
+        self.num_blocks = int(reply.get("num_blocks", 0))
+        max_lease_s = reply.get("max_lease_s")
+        if isinstance(max_lease_s, (int, float)) and 2 * self.conn.timeout_s > max_lease_s:
+            raise ValueError(f"{self.who}: timeout_s={self.conn.timeout_s} needs leases of "
+                             f"{2 * self.conn.timeout_s:g} s, and the producer at {where} "
+                             f"grants at most max_lease_s={max_lease_s}: lower timeout_s to "
+                             f"{max_lease_s / 2:g} or raise the producer's max_lease_s")
+
+    def request(self, message: dict[str, Any], timeout: float | None = None
+                ) -> dict[str, Any]:
+        """One request and its answer within ``timeout`` (default ``timeout_s``); a failure
+        downs the link (a late answer would desynchronise the stream)."""
+        with self.lock:
+            if self.failure is not None:
+                raise ChannelError(self.failure)
+            try:
+                self.sock.settimeout(timeout or self.conn.timeout_s)
+                send_frame(self.sock, message)
+                reply = recv_frame(self.sock)
+            except (OSError, ChannelError) as exc:
+                kind = "no answer" if isinstance(exc, TimeoutError) else "lost"
+                self.failure = (f"link to the producer at {self.conn.host}:{self.conn.port} "
+                                f"{kind} (timeout_s={self.conn.timeout_s}): {exc}")
+                close_socket(self.sock)
+                raise ChannelError(self.failure) from exc
+        if not reply.get("ok"):
+            raise ChannelError(f"the producer refused {message.get('op')}: "
+                                f"{reply.get('error')}")
+        return reply
+
+    def disconnect(self) -> None:
+        """Down the link: requests in flight fail now, later ones at once."""
+        if self.failure is None:
+            self.failure = "the connector is closed"
+        if self.sock is not None:
+            close_socket(self.sock)  # (without the lock: it wakes a request holding it)
+
+
+@dataclass
+class Run:
+    """Blocks ``first..end-1`` of a fetch, consecutive on both sides, read by one READ."""
+
+    first: int
+    end: int
+    src: int  # producer block of ``first``
+    dst: int  # consumer block of ``first``
+    handle: Any = None  # the engine's, while the READ is in flight
+
+
+def _runs(pairs: list[tuple[int, int, int]]) -> list[Run]:
+    """Group ``(fetch index, producer block, consumer block)`` into runs consecutive in all
+    three."""
+    runs: list[Run] = []
+    for i, src, dst in pairs:
+        last = runs[-1] if runs else None
+        if last is not None and i == last.end and src == last.src + (i - last.first) \
+                and dst == last.dst + (i - last.first):
+            last.end += 1
+        else:
+            runs.append(Run(i, i + 1, src, dst))
+    return runs
+
+
+# -- the connector --------------------------------------------------------------------------
+
+
+class PullConnector(KVConnector):
+    """Publish KV blocks to other engines, or READ them from one, through a transfer library.
+
+    Subclasses name the library (:attr:`transport`, :attr:`label`), say whether READs are
+    confirmed over the side channel (:attr:`confirms_over_channel`) and what the producer's
+    hello carries for it (:attr:`hello_fields`), and implement :meth:`unavailable_reason`
+    and :meth:`_open_engine` (an :class:`Engine`). They check their own arguments, call
+    ``PullConnector.__init__`` with the common ones (see
+    :class:`~kvcore.connectors.nixl.NixlConnector` for their meaning), then :meth:`_start`.
+    """
+
+    #: The connector's name: in messages, thread names and the side channel's protocol tag.
+    transport: ClassVar[str]
+    #: The library's name in a block's failure reason ("NIXL READ ...").
+    label: ClassVar[str]
+    #: Whether a consumer confirms a READ with ``done`` on the side channel (the library has
+    #: no notification that arrives with the data).
+    confirms_over_channel: ClassVar[bool] = False
+    #: Keys the producer's hello carries besides the common ones (what reaches its engine).
+    hello_fields: ClassVar[tuple[str, ...]] = ()
+
+    # Both sides must agree on the layout; cross-layer moves a whole block in one region.
+    prefer_cross_layer_blocks = True
+
+    def __init__(self, *, role: str, host: str, port: int, connect_timeout_s: float,
+                 timeout_s: float, publish_timeout_s: float, max_lease_s: float,
+                 failure_policy: str) -> None:
+        if role not in _ROLES:
+            raise ValueError(f"role={role!r} must be 'producer' (publishes blocks) or "
+                             "'consumer' (reads them)")
+        if not isinstance(host, str) or not host:
+            raise TypeError(f"host must be a non-empty str, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port={port!r} must be an int in 0..65535")
+        if role == "consumer" and port == 0:
+            raise ValueError("port=0 for a consumer: pass the port the producer listens on")
+        self.connect_timeout_s = check_seconds("connect_timeout_s", connect_timeout_s)
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        self.publish_timeout_s = check_seconds("publish_timeout_s", publish_timeout_s)
+        self.max_lease_s = check_seconds("max_lease_s", max_lease_s)
+
+    def _start(self, role: str, host: str, port: int, failure_policy: str) -> None:
+        """The rest of ``__init__``, after the subclass checked its own arguments: refuse a
+        missing library, then listen (a producer)."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"the {self.transport} connector is unavailable: {reason}")
+        super().__init__(failure_policy=failure_policy)
+        self.channel_protocol = f"kvcore-{self.transport}-v1"
+        self.role = role
+        self.host = host
+        self.port = port
+        self.agent_name = f"kvcore-{role}-{uuid.uuid4().hex[:12]}"
+        self._engine: Engine | None = None
+        self._producer: Producer | None = None
+        self._consumer: _Consumer | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        if role == "producer":
+            listener = socket.create_server((host, port), backlog=64)
+            self.port = listener.getsockname()[1]
+            self._producer = Producer(self, listener)
+        # Close what the engine holds even if the owner forgets to (and before interpreter
+        # exit, while the library is still whole).
+        self._finalizer = weakref.finalize(self, PullConnector._release, self._producer,
+                                           [None, None, None], self.timeout_s)
+
+    # -- what a library supplies ------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the library cannot run here (with how to install it), or ``None``."""
+
+    @abstractmethod
+    def _open_engine(self, reg: RegisteredCaches, regions: Regions) -> Engine:
+        """Create this side's :class:`Engine`, named :attr:`agent_name`, with the cache's
+        storage registered; raise with the reason (the library's own error in it)."""
+
+    # -- registration -----------------------------------------------------------------------
+
+    def _register(self, reg: RegisteredCaches) -> None:
+        self._layout = reg.kv_caches.layout
+        regions = Regions.of(reg, self.transport)
+        engine = self._open_engine(reg, regions)
+        try:
+            if self.role == "producer":
+                hello = {"protocol": self.channel_protocol, "layout": self._layout.to_dict(),
+                         "agent": engine.name, "regions": regions.to_dict(),
+                         "num_blocks": reg.kv_caches.num_blocks,
+                         "max_lease_s": self.max_lease_s,
+                         **engine.hello()}
+                self._producer.start(engine, hello)
+            else:
+                consumer = _Consumer(self, engine)
+                consumer.connect(regions)
+                self._consumer = consumer
+                self._loader = ThreadPoolExecutor(
+                    2, thread_name_prefix=f"kvcore-{self.transport}-load")
+        except BaseException:
+            engine.close()
+            raise
+        self._engine = engine
+        self._regions = regions
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(
+            self, PullConnector._release, self._producer,
+            [self._consumer, self._loader, engine], self.timeout_s)
+
+    @staticmethod
+    def _release(producer: Producer | None, parts: list[Any], join_s: float) -> None:
+        consumer, loader, engine = parts
+        if producer is not None:
+            producer.stop(join_s)
+        if consumer is not None:
+            consumer.disconnect()  # queued loads fail at once
+        if loader is not None:
+            loader.shutdown(wait=True)  # a READ in flight ends within timeout_s
+        if consumer is not None and consumer.remote is not None:
+            engine.forget(consumer.remote)
+        if engine is not None:
+            engine.close()
+
+    def _close(self) -> None:
+        self._finalizer()
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def _lookup(self, keys: list[str]) -> int:
+        if self.role == "producer" or not keys:
+            return 0
+        try:
+            hits = self._consumer.request({"op": "lookup", "keys": keys}).get("hits")
+        except ChannelError as exc:
+            logger.warning("%s consumer: lookup failed: %s", self.transport, exc)
+            return 0
+        return hits if isinstance(hits, int) and 0 <= hits <= len(keys) else 0
+
+    # -- producer ---------------------------------------------------------------------------
+
+    def _save(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        if self.role != "producer":
+            return self._all_failed("save", block_ids, "role='consumer' only loads; blocks "
+                                    "are published by a producer (role='producer')")
+        self._caller_fence()()  # what the engine queued into these blocks has landed
+        producer = self._producer
+        record = producer.publish(keys, block_ids, self.publish_timeout_s)
+
+        def block(timeout: float | None) -> bool:
+            with producer.cond:
+                return producer.cond.wait_for(lambda: record.pending == 0, timeout)
+
+        def collect() -> TransferResult:
+            with producer.cond:
+                done, failed = set(record.done), dict(record.failed)
+            seconds = time.perf_counter() - record.started
+            return self._record(self._result("save", [b for b in block_ids if b in done],
+                                             failed, len(done) * self.block_bytes, seconds))
+
+        return TransferHandle("save", self.failure_policy, lambda: record.pending == 0, block,
+                              collect)
+
+    # -- consumer ---------------------------------------------------------------------------
+
+    def _load(self, keys: list[str], block_ids: list[int]) -> TransferHandle:
+        if self.role != "consumer":
+            return self._all_failed("load", block_ids, "role='producer' only publishes; a "
+                                    "consumer (role='consumer') loads")
+        future = self._loader.submit(self._read_blocks_from_producer, keys, block_ids)
+        return TransferHandle.from_future("load", self.failure_policy, future)
+
+    def _read_blocks_from_producer(self, keys: list[str], block_ids: list[int]
+                                   ) -> TransferResult:
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        todo = OrderedDict((i, None) for i in range(len(keys)))  # indices not read yet
+        loaded: list[int] = []
+        failed: dict[int, str] = {}
+        pause = 0.002
+        while todo:
+            wanted = list(todo)
+            try:
+                reply = self._consumer.request(
+                    {"op": "fetch", "keys": [keys[i] for i in wanted],
+                     "lease_s": 2 * self.timeout_s},
+                    timeout=max(deadline - time.monotonic(), 0.001))
+            except ChannelError as exc:
+                failed.update((block_ids[i], str(exc)) for i in todo)
+                break
+            lease, blocks = reply.get("lease"), reply.get("blocks")
+            if not isinstance(blocks, list) or len(blocks) != len(wanted):
+                failed.update((block_ids[i], f"the producer answered {str(reply)[:200]!r}")
+                              for i in todo)
+                break
+            pairs = []
+            for j, (i, src) in enumerate(zip(wanted, blocks, strict=True)):
+                if src is None:
+                    continue
+                if not (isinstance(src, int) and 0 <= src < self._consumer.num_blocks):
+                    failed[block_ids[i]] = f"the producer named block {src!r}"
+                    del todo[i]
+                    continue
+                pairs.append((j, src, block_ids[i]))
+            if pairs:
+                read, errors = self._read_runs(lease, _runs(pairs), deadline)
+                for j in read:
+                    del todo[wanted[j]]
+                    loaded.append(block_ids[wanted[j]])
+                for j, why in errors.items():
+                    del todo[wanted[j]]
+                    failed[block_ids[wanted[j]]] = why
+            if not todo:
+                break
+            # Poll again only with time left for an answer and a READ.
+            if time.monotonic() + max(pause, min(0.25, self.timeout_s / 4)) >= deadline:
+                why = (f"not published by the producer at {self.host}:{self.port} within "
+                       f"timeout_s={self.timeout_s}")
+                failed.update((block_ids[i], why) for i in todo)
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        order = {b: n for n, b in enumerate(block_ids)}
+        loaded.sort(key=order.__getitem__)
+        return self._record(self._result("load", loaded, failed,
+                                         len(loaded) * self.block_bytes,
+                                         time.perf_counter() - started))
+
+    def _read_runs(self, lease: str, runs: list[Run], deadline: float
+                   ) -> tuple[list[int], dict[int, str]]:
+        """READ every run (one READ each) until done, failed or ``deadline``. Returns the
+        fetch indices read whole and those that failed with why."""
+        consumer, engine, label = self._consumer, self._engine, self.label
+        read: list[int] = []
+        errors: dict[int, str] = {}
+        timed_out: set[int] = set()
+        active: list[Run] = []
+        for run in runs:
+            try:
+                engine.start_read(run, lease, self._regions, consumer.regions,
+                                  consumer.remote)
+                active.append(run)
+            except Exception as exc:
+                errors.update((j, f"{label} READ could not start: {exc}")
+                              for j in range(run.first, run.end))
+                engine.release(run)
+        pause = 0.0001
+        while active:
+            still = []
+            for run in active:
+                state = engine.poll(run)
+                if state == "DONE" and consumer.failure is not None:
+                    # The producer ends the leases of a closed connection: the blocks may
+                    # have been handed on and rewritten during the READ.
+                    errors.update((j, f"the READ finished after the link went down "
+                                      f"({consumer.failure})")
+                                  for j in range(run.first, run.end))
+                    engine.release(run)
+                elif state == "DONE":
+                    engine.release(run)
+                    unconfirmed = self._confirm(consumer, lease, run)
+                    if unconfirmed is None:
+                        read.extend(range(run.first, run.end))
+                    else:
+                        errors.update((j, f"{label} READ finished, but the producer did not "
+                                          f"take the confirmation ({unconfirmed}), so its "
+                                          "blocks may have changed meanwhile")
+                                      for j in range(run.first, run.end))
+                elif state == "PROC":
+                    still.append(run)
+                else:
+                    errors.update((j, f"{label} READ from the producer failed: {state}")
+                                  for j in range(run.first, run.end))
+                    engine.release(run)
+            active = still
+            if active and time.monotonic() >= deadline:
+                for run in active:
+                    why = f"{label} READ did not finish within timeout_s={self.timeout_s}"
+                    if not engine.release(run):
+                        why += ("; the READ could not be cancelled, so these blocks may "
+                                "still change: do not reuse them before close()")
+                    errors.update((j, why) for j in range(run.first, run.end))
+                    # Not given back: the producer keeps them until the lease ends, beyond
+                    # any READ that could not be cancelled.
+                    timed_out.update(range(run.first, run.end))
+                break
+            if active:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.005)
+        finished = sorted(set(errors) - timed_out)  # failed and over: readable again
+        if finished:
+            try:
+                consumer.request({"op": "giveback", "lease": lease, "indices": finished})
+            except ChannelError:
+                pass  # the lease expires on the producer
+        if read and self._regions.mem_type == "VRAM":
+            torch.cuda.synchronize(self._reg.kv_caches.storage.device)
+        return read, errors
+
+    def _confirm(self, consumer: _Consumer, lease: str, run: Run) -> str | None:
+        """Tell the producer that ``run`` was read, where the library's notification does not
+        (:attr:`confirms_over_channel`). Returns why the producer did not take it, or
+        ``None``: a run the producer no longer leased (expired, or released with a lost
+        link) may have been handed to another consumer and reused."""
+        if not self.confirms_over_channel:
+            return None
+        try:
+            consumer.request({"op": "done", "lease": lease, "first": run.first,
+                              "end": run.end})
+        except ChannelError as exc:
+            return str(exc)
+        return None
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _all_failed(self, op: str, block_ids: list[int], why: str) -> TransferHandle:
+        return self._finished(op, [], dict.fromkeys(block_ids, why), 0, time.perf_counter())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role!r}, {self.host}:{self.port}, " \
+               f"{super().__repr__()})"

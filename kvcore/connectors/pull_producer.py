@@ -1,0 +1,452 @@
+"""The producer's side of the pull connectors (:mod:`kvcore.connectors.pull`): the side
+channel's frames, the published blocks, the leases consumers take on them, and the threads
+that answer consumers and expire what waited too long."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import math
+import reprlib
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcore import KVCacheLayout
+from kvcore.connectors.keys import check_block_keys
+
+if TYPE_CHECKING:
+    from kvcore.connectors.pull import Engine, PullConnector
+
+__all__ = ["BadFrame", "ChannelError", "Producer", "SaveRecord", "check_seconds", "close_socket",
+           "recv_frame", "send_frame"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_FRAME_BYTES = 64 << 20  # engine metadata is the largest payload (kilobytes)
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """``value`` as a float, or a ``ValueError`` naming ``name`` unless finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
+    return float(value)
+
+
+# -- side channel ---------------------------------------------------------------------------
+
+
+class ChannelError(ConnectionError):
+    """The side channel failed (closed, timed out, malformed); the message says why."""
+
+
+class BadFrame(ChannelError):
+    """A whole frame arrived but is not a JSON object (the stream is still in step)."""
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+    raw = json.dumps(message).encode()
+    sock.sendall(struct.pack(">I", len(raw)) + raw)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            raise ChannelError("the peer closed the connection")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any]:
+    (size,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if not 0 < size <= _MAX_FRAME_BYTES:
+        raise ChannelError(f"the peer announced a {size}-byte message (limit "
+                            f"{_MAX_FRAME_BYTES})")
+    try:
+        message = json.loads(_recv_exact(sock, size))
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+        raise BadFrame(f"the peer sent a message that is not JSON this side reads "
+                       f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+    if not isinstance(message, dict):
+        raise BadFrame(f"the peer sent {reprlib.repr(message)}, not a JSON object")
+    return message
+
+
+def close_socket(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+# -- producer -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Publication:
+    """One published block: the producer's ``block`` holds ``key`` for ``save``."""
+
+    key: str
+    block: int
+    save: SaveRecord
+    deadline: float  # when it is released unread
+    lease: str | None = None
+
+
+@dataclass(eq=False)
+class SaveRecord:
+    """The per-block outcome of one ``save``."""
+
+    block_ids: list[int]
+    started: float
+    pending: int
+    done: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Lease:
+    lease_id: str
+    consumer: str
+    publications: list[_Publication | None]
+    deadline: float
+    link: int  # the connection that took it: closing it ends the lease
+
+
+class Producer:
+    """The producer's state: published blocks, leases, the listener and its threads."""
+
+    def __init__(self, conn: PullConnector, listener: socket.socket) -> None:
+        self.conn = conn
+        self.who = f"{conn.transport} producer"
+        self.listener = listener
+        self.cond = threading.Condition()
+        self.published: dict[str, deque[_Publication]] = {}
+        self.leases: dict[str, _Lease] = {}
+        self.consumers_seen = 0
+        self.connections: set[socket.socket] = set()
+        self.stopping = False
+        self.threads: list[threading.Thread] = []
+        self.lease_ids = itertools.count()
+        self.link_ids = itertools.count()
+        self.engine: Engine | None = None
+        self.hello: dict[str, Any] | None = None
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def start(self, engine: Engine, hello: dict[str, Any]) -> None:
+        self.engine, self.hello = engine, hello
+        for target, name in ((self._accept_loop, "accept"), (self._notif_loop, "notifs")):
+            thread = threading.Thread(target=target, daemon=True,
+                                      name=f"kvcore-{self.conn.transport}-{name}")
+            thread.start()
+            self.threads.append(thread)
+
+    def stop(self, join_s: float) -> None:
+        with self.cond:
+            self.stopping = True
+            connections = list(self.connections)
+            self.cond.notify_all()
+        close_socket(self.listener)
+        for sock in connections:
+            close_socket(sock)
+        deadline = time.monotonic() + join_s
+        for thread in list(self.threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self.cond:
+            for pubs in self.published.values():
+                for pub in pubs:
+                    self._settle(pub, "the producer was closed before a consumer read it")
+            self.published.clear()
+            self.leases.clear()
+            self.cond.notify_all()
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def publish(self, keys: list[str], block_ids: list[int], timeout_s: float) -> SaveRecord:
+        now = time.monotonic()
+        record = SaveRecord(list(block_ids), time.perf_counter(), len(block_ids))
+        with self.cond:
+            for key, block in zip(keys, block_ids, strict=True):
+                self.published.setdefault(key, deque()).append(
+                    _Publication(key, block, record, now + timeout_s))
+            self.cond.notify_all()
+        return record
+
+    def _settle(self, pub: _Publication, failure: str | None) -> None:
+        """Record ``pub``'s outcome (caller holds ``cond``)."""
+        record = pub.save
+        if failure is None:
+            record.done.append(pub.block)
+        else:
+            record.failed[pub.block] = failure
+        record.pending -= 1
+
+    def _unpublish(self, pub: _Publication) -> None:
+        pubs = self.published.get(pub.key)
+        if pubs is not None:
+            try:
+                pubs.remove(pub)
+            except ValueError:
+                pass
+            if not pubs:
+                del self.published[pub.key]
+
+    def _available(self, key: str) -> _Publication | None:
+        for pub in self.published.get(key, ()):
+            if pub.lease is None:
+                return pub
+        return None
+
+    def lookup(self, keys: list[str]) -> int:
+        with self.cond:
+            for i, key in enumerate(keys):
+                if self._available(key) is None:
+                    return i
+            return len(keys)
+
+    def fetch(self, consumer: str, keys: list[str], lease_s: float, link: int = -1
+              ) -> tuple[str, list[Any]]:
+        """Lease the published blocks of ``keys`` to ``consumer`` (on connection ``link``)
+        for ``lease_s`` seconds, at most ``max_lease_s``."""
+        max_lease_s = self.conn.max_lease_s
+        if lease_s > max_lease_s:
+            raise ValueError(f"lease_s={lease_s} is longer than this producer's max_lease_s="
+                             f"{max_lease_s}: give the consumer a timeout_s of at most "
+                             f"{max_lease_s / 2:g} (a lease is twice it), or raise the "
+                             "producer's max_lease_s")
+        lease_id = f"{next(self.lease_ids)}-{uuid.uuid4().hex[:8]}"
+        with self.cond:
+            blocks: list[Any] = []
+            taken: list[_Publication | None] = []
+            for key in keys:
+                pub = self._available(key)  # after the previous keys took theirs
+                if pub is not None:
+                    pub.lease = lease_id
+                blocks.append(None if pub is None else pub.block)
+                taken.append(pub)
+            if any(p is not None for p in taken):
+                self.leases[lease_id] = _Lease(lease_id, consumer, taken,
+                                               time.monotonic() + lease_s, link)
+                self.cond.notify_all()
+        return lease_id, blocks
+
+    def read_done(self, consumer: str, lease_id: str, first: int, end: int) -> bool:
+        """A consumer's confirmation: it READ entries ``first..end-1`` of the lease. Returns
+        whether the lease still held them (else their blocks may have changed meanwhile)."""
+        with self.cond:
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.consumer != consumer:
+                logger.warning("%s: confirmation for unknown lease %r from %s", self.who,
+                               lease_id, consumer)
+                return False
+            for i in range(max(0, first), min(end, len(lease.publications))):
+                pub = lease.publications[i]
+                if pub is not None:
+                    lease.publications[i] = None
+                    self._unpublish(pub)
+                    self._settle(pub, None)
+            self._drop_if_empty(lease)
+            self.cond.notify_all()
+            return True
+
+    def give_back(self, consumer: str, lease_id: str, indices: list[int]) -> None:
+        """Entries a consumer could not read: published again (until their deadline)."""
+        with self.cond:
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.consumer != consumer:
+                return
+            for i in indices:
+                if isinstance(i, int) and 0 <= i < len(lease.publications):
+                    pub = lease.publications[i]
+                    if pub is not None:
+                        lease.publications[i] = None
+                        pub.lease = None
+            self._drop_if_empty(lease)
+            self.cond.notify_all()
+
+    def _drop_if_empty(self, lease: _Lease) -> None:
+        if all(p is None for p in lease.publications):
+            self.leases.pop(lease.lease_id, None)
+
+    def _end_lease(self, lease: _Lease) -> None:
+        """Publish a lease's unread blocks again (caller holds ``cond``)."""
+        del self.leases[lease.lease_id]
+        for pub in lease.publications:
+            if pub is not None:
+                pub.lease = None
+        self.cond.notify_all()
+
+    def release_link(self, link: int) -> None:
+        """The connection ``link`` closed: its leases end now (their blocks are published
+        again) instead of pinning them for the rest of the lease."""
+        with self.cond:
+            for lease in [le for le in self.leases.values() if le.link == link]:
+                self._end_lease(lease)
+
+    def _expire(self, now: float) -> None:
+        """Release what waited too long (caller holds ``cond``)."""
+        for lease in [le for le in self.leases.values() if le.deadline <= now]:
+            self._end_lease(lease)
+            logger.warning("%s: consumer %s did not confirm lease %s in time; its blocks are "
+                           "published again", self.who, lease.consumer, lease.lease_id)
+        expired = [pub for pubs in self.published.values() for pub in pubs
+                   if pub.lease is None and pub.deadline <= now]
+        for pub in expired:
+            self._unpublish(pub)
+            self._settle(pub, self._unread_reason())
+        if expired:
+            self.cond.notify_all()
+
+    def _unread_reason(self) -> str:
+        conn = self.conn
+        who = (f"none of the {self.consumers_seen} consumer(s) that connected read it"
+               if self.consumers_seen else
+               f"no consumer connected to {conn.host}:{conn.port}")
+        return f"not read within publish_timeout_s={conn.publish_timeout_s}: {who}"
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _notif_loop(self) -> None:
+        """Expire what waited too long and collect READ notifications (where the engine sends
+        them); polls the engine often while leases are out, rarely otherwise."""
+        notifying = not self.conn.confirms_over_channel
+        while True:
+            with self.cond:
+                if self.stopping:
+                    return
+                self._expire(time.monotonic())
+                if not (notifying and self.leases):
+                    self.cond.wait(0.05)
+                    continue
+            notifs = self.engine.notifications()
+            for consumer, raw in notifs:
+                self._on_notif(consumer, raw)
+            if not notifs:
+                time.sleep(0.0005)
+
+    def _on_notif(self, consumer: str, raw: bytes) -> None:
+        try:
+            lease_id, first, end = raw.decode().split(":")
+            self.read_done(consumer, lease_id, int(first), int(end))
+        except (UnicodeDecodeError, ValueError):
+            logger.warning("%s: unreadable notification %r from %s", self.who, raw[:100],
+                           consumer)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self.listener.accept()
+            except OSError:
+                return  # the listener was closed
+            with self.cond:
+                if self.stopping:
+                    close_socket(sock)
+                    return
+                self.connections.add(sock)
+            thread = threading.Thread(target=self._serve, args=(sock, addr), daemon=True,
+                                      name=f"kvcore-{self.conn.transport}-peer-"
+                                           f"{addr[0]}:{addr[1]}")
+            with self.cond:
+                self.threads = [t for t in self.threads if t.is_alive()]
+                self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, sock: socket.socket, addr: Any) -> None:
+        """Answer one consumer until it disconnects; then its leases end."""
+        consumer = None
+        link = next(self.link_ids)
+        try:
+            sock.settimeout(self.conn.connect_timeout_s)
+            hello = recv_frame(sock)
+            consumer = self._answer_hello(sock, hello, addr)
+            if consumer is None:
+                return
+            sock.settimeout(None)  # idle consumers are fine; close() shuts the socket
+            while True:
+                request = recv_frame(sock)
+                send_frame(sock, self._answer(consumer, request, link))
+        except (BadFrame, RecursionError) as exc:  # answered, then the connection ends
+            logger.warning("%s: refused %s (%s): %s", self.who, addr,
+                           consumer or "before hello", exc)
+            with contextlib.suppress(OSError):
+                send_frame(sock, {"ok": False, "error": f"refused: {exc}"})
+        except (OSError, ChannelError) as exc:
+            with self.cond:
+                stopping = self.stopping
+            if not stopping and not (isinstance(exc, ChannelError)
+                                     and "closed the connection" in str(exc)):
+                logger.warning("%s: connection from %s (%s) ended: %s", self.who, addr,
+                               consumer or "before hello", exc)
+        finally:
+            with self.cond:
+                self.connections.discard(sock)
+            close_socket(sock)
+            self.release_link(link)
+
+    def _answer_hello(self, sock: socket.socket, hello: dict[str, Any], addr: Any
+                      ) -> str | None:
+        layout = self.conn._layout
+        protocol = self.conn.channel_protocol
+        if hello.get("op") != "hello" or hello.get("protocol") != protocol:
+            send_frame(sock, {"ok": False, "error": f"expected a {protocol} hello, got "
+                                                     f"{reprlib.repr(hello)}"})
+            return None
+        try:
+            theirs = KVCacheLayout.from_dict(hello.get("layout"))
+            layout.check_compatible(theirs, ignore_num_blocks=True,
+                                    names=("producer", f"consumer {addr[0]}"))
+        except (TypeError, ValueError) as exc:  # LayoutMismatchError is a ValueError
+            logger.warning("%s: refused consumer %s: %s", self.who, addr, exc)
+            send_frame(sock, {"ok": False, "error": str(exc), "protocol": protocol,
+                               "layout": layout.to_dict()})
+            return None
+        consumer = hello.get("agent")
+        if not isinstance(consumer, str) or not consumer:
+            send_frame(sock, {"ok": False, "error": "hello without an agent name"})
+            return None
+        send_frame(sock, {**self.hello, "ok": True})
+        with self.cond:
+            self.consumers_seen += 1
+        return consumer
+
+    def _answer(self, consumer: str, request: dict[str, Any], link: int) -> dict[str, Any]:
+        op = request.get("op")
+        try:
+            if op == "lookup":
+                return {"ok": True, "hits": self.lookup(_keys(request))}
+            if op == "fetch":
+                lease_s = check_seconds("lease_s", request.get("lease_s"))
+                lease, blocks = self.fetch(consumer, _keys(request), lease_s, link)
+                return {"ok": True, "lease": lease, "blocks": blocks}
+            if op == "giveback":
+                self.give_back(consumer, str(request.get("lease")),
+                               list(request.get("indices") or []))
+                return {"ok": True}
+            if op == "done" and self.conn.confirms_over_channel:
+                first, end = request.get("first"), request.get("end")
+                if not (isinstance(first, int) and isinstance(end, int)):
+                    raise TypeError(f"done needs int first and end, got {first!r}, {end!r}")
+                lease = str(request.get("lease"))
+                if not self.read_done(consumer, lease, first, end):
+                    return {"ok": False, "error": f"lease {lease!r} has ended (it expired or "
+                                                  "its connection closed)"}
+                return {"ok": True}
+        except (TypeError, ValueError) as exc:
+            return {"ok": False, "error": str(exc)}
+        return {"ok": False, "error": f"unknown request {reprlib.repr(request)}"}
+
+
+def _keys(request: dict[str, Any]) -> list[str]:
+    return check_block_keys(request.get("keys"))
