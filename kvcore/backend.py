@@ -578,17 +578,22 @@ def _check_block_ids(i: int, blocks: Sequence[int] | torch.Tensor) -> None:
     if isinstance(blocks, torch.Tensor):
         if blocks.dtype.is_floating_point or blocks.dtype.is_complex:
             raise TypeError(f"block_tables[{i}] has dtype {blocks.dtype}; block ids must be ints")
-        hi = int(blocks.max()) if blocks.numel() else 0
+        lo, hi = (int(blocks.min()), int(blocks.max())) if blocks.numel() else (0, 0)
     else:
         for b in blocks:
             if isinstance(b, bool) or not _is_index(b):
                 raise TypeError(f"block_tables[{i}] contains {b!r} ({type(b).__name__}); "
                                 "block ids must be ints")
+        lo = min((int(b) for b in blocks), default=0)
         hi = max((int(b) for b in blocks), default=0)
     if hi > _MAX_BLOCK_ID:
         raise ValueError(
             f"block_tables[{i}] contains block id {hi}, above {_MAX_BLOCK_ID}: the block table "
             "is int32, as the kernels read it (no cache has that many blocks)")
+    if lo < -_MAX_BLOCK_ID - 1:
+        raise ValueError(
+            f"block_tables[{i}] contains {lo}, below {-_MAX_BLOCK_ID - 1}: the block table is "
+            "int32, as the kernels read it; block ids are >= 0 (pad unused entries with 0)")
 
 
 def build_attention_metadata(
@@ -789,8 +794,11 @@ class AttentionImpl(ABC):
             raise ValueError(
                 f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
             )
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not _is_index(sliding_window)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1 "
+                             "(how many positions each query sees, itself included)")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
                 math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale={scale!r} must be a finite, positive float "
@@ -799,7 +807,7 @@ class AttentionImpl(ABC):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
-        self.sliding_window = sliding_window
+        self.sliding_window = None if sliding_window is None else operator.index(sliding_window)
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = AttentionType(attn_type)
 

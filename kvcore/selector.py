@@ -296,19 +296,23 @@ def _candidate_names(
     for name in registry.names():
         if name in preferred or name in platform.BACKEND_PROVIDERS:
             continue
-        try:
-            cls = resolve_backend(name)
+        try:  # from the registration when declared there: nothing imported
+            platforms = backend_platforms(name)
         except RegistryError:
             continue
-        if platform.name in cls.PLATFORMS:
+        if platform.name in platforms:
             extra.append(name)
     return preferred + extra, set(preferred)
 
 
 def _forced_name(backend: str | type[AttentionBackend] | None) -> tuple[str | None, str]:
     if backend is not None:
-        name = backend if isinstance(backend, str) else backend.get_name()
-        return name, "the backend argument"
+        if isinstance(backend, str):
+            return backend, "the backend argument"
+        if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+            raise TypeError(f"backend={backend!r} must be a backend name (e.g. 'CPU_ATTN'), an "
+                            f"AttentionBackend subclass or None, got {type(backend).__name__}")
+        return backend.get_name(), "the backend argument"
     env = os.environ.get("KVCORE_ATTENTION_BACKEND", "").strip()
     return (env or None), f"KVCORE_ATTENTION_BACKEND={env}"
 

@@ -70,6 +70,28 @@ positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
 
 
+def _int_between(minimum: int, maximum: int, why: str):
+    """An argparse ``type``: an integer in ``minimum..maximum``; ``why`` says what the maximum
+    protects (argparse names the flag on error, before anything is allocated)."""
+    at_least = _int_at_least(minimum)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is more than {maximum} ({why})")
+        return value
+
+    parse.__name__ = f"integer in {minimum}..{maximum}"
+    return parse
+
+
+#: Largest sizes of ``kvcore demo`` and ``kvcore layout``: far above what either shows well,
+#: far below what would exhaust a machine before the memory check
+#: (:func:`kvcore.demo.scenario.DemoOptions.memory_bytes`) gets to look.
+_DEMO_MAX = "the demo's most; it serves small models"
+_BLOCK_ID_MAX = 2**31 - 1  # block tables hold int32 ids
+
+
 def _kv_cache_dtype_name(text: str) -> str:
     """A ``--kv-cache-dtype`` with torch's fp8 names read as kvcore's (``float8_e4m3fn`` is
     ``fp8_e4m3``); argparse then checks it against the choices."""
@@ -193,14 +215,14 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                      "reload prefixes, and check every token"))
     demo.add_argument("--model", default="small", choices=tuple(MODEL_PRESETS),
                       help="model size (tiny/small: seconds on a CPU; medium/large: a GPU)")
-    demo.add_argument("--batch", type=positive_int, default=8,
+    demo.add_argument("--batch", type=_int_between(1, 1024, _DEMO_MAX), default=8,
                       help="requests per batch (two batches; default: %(default)s)")
-    demo.add_argument("--new-tokens", type=positive_int, default=16,
+    demo.add_argument("--new-tokens", type=_int_between(1, 4096, _DEMO_MAX), default=16,
                       help="most tokens generated per request (default: %(default)s)")
-    demo.add_argument("--max-num-seqs", type=positive_int, default=4,
+    demo.add_argument("--max-num-seqs", type=_int_between(1, 1024, _DEMO_MAX), default=4,
                       help="most requests in one step (the rest wait: continuous batching; "
                            "default: %(default)s)")
-    demo.add_argument("--block-size", type=positive_int, default=16,
+    demo.add_argument("--block-size", type=_int_between(1, 1024, _DEMO_MAX), default=16,
                       help="tokens per KV-cache block (default: %(default)s)")
     demo.add_argument("--dtype", default=None, type=_dtype_name,
                       choices=MODEL_DTYPE_CHOICES,
@@ -210,7 +232,8 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                       help="platform to run on (default: detected); must be present")
     demo.add_argument("--backend", default=None,
                       help="force a backend by name (default: the platform's pick)")
-    demo.add_argument("--seed", type=non_negative_int, default=0,
+    demo.add_argument("--seed", type=_int_between(0, 2**32 - 1, "seeds are 32-bit"),
+                      default=0,
                       help="seed of weights and prompts (default: %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--corrupt-loaded-block", action="store_true",
@@ -218,8 +241,11 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                            "checks fail (exit status 1)")
     demo.add_argument("--disaggregated", action="store_true",
                       help="prefill in a second process and decode here, the KV read through "
-                           "the nixl connector (needs kvcore[nixl]); tokens checked against "
-                           "one engine alone")
+                           "the --transport connector; tokens checked against one engine alone")
+    demo.add_argument("--transport", default="nixl", choices=("nixl", "mooncake"),
+                      help="--disaggregated: the connector the KV moves through: nixl (needs "
+                           "kvcore[nixl]) or mooncake (needs kvcore[mooncake]) (default: "
+                           "%(default)s)")
     demo.add_argument("--prefill-device", default=None, metavar="DEVICE",
                       help="--disaggregated: the prefill engine's device, e.g. cuda:0 "
                            "(default: the platform's first device)")
@@ -234,9 +260,9 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                       help="the shapes: a kvcore demo model (default: %(default)s)")
     warm.add_argument("--dtype", default=None, type=_dtype_name, choices=MODEL_DTYPE_CHOICES,
                       help="the model's dtype: %(choices)s (default: the demo's choice)")
-    warm.add_argument("--block-size", type=positive_int, default=16,
+    warm.add_argument("--block-size", type=_int_between(1, 1024, _DEMO_MAX), default=16,
                       help="tokens per KV-cache block (default: %(default)s)")
-    warm.add_argument("--max-num-seqs", type=positive_int, default=4,
+    warm.add_argument("--max-num-seqs", type=_int_between(1, 1024, _DEMO_MAX), default=4,
                       help="most requests in one step (default: %(default)s)")
     warm.add_argument("--platform", default=None,
                       help="platform to build for (default: detected); must be present")
@@ -264,9 +290,12 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                           "only for backends that opt in")
     lay.add_argument("--plot", metavar="FILE.png", default=None,
                      help="draw where each layer's K and V of the first blocks lie")
-    lay.add_argument("--num-layers", type=positive_int, default=4,
+    lay.add_argument("--num-layers", type=_int_between(1, 1024, "models have fewer layers"),
+                     default=4,
                      help="layers in the allocation (default: %(default)s)")
-    lay.add_argument("--num-blocks", type=positive_int, default=8,
+    lay.add_argument("--num-blocks",
+                     type=_int_between(1, _BLOCK_ID_MAX, "block tables hold int32 block ids"),
+                     default=8,
                      help="blocks per layer (default: %(default)s)")
     lay.add_argument("--block-size", type=positive_int, default=16,
                      help="tokens per block (default: %(default)s)")
@@ -278,9 +307,11 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                      choices=CACHE_DTYPE_CHOICES,
                      help="the cache's element type: %(choices)s (select's names fp8, "
                           "fp8_e4m3 and fp8_e5m2 work too; default: %(default)s)")
-    lay.add_argument("--show-layers", type=positive_int, default=4,
+    lay.add_argument("--show-layers", type=_int_between(1, 32, "a readable table or picture"),
+                     default=4,
                      help="layers in the block table and the picture (default: %(default)s)")
-    lay.add_argument("--show-blocks", type=positive_int, default=3,
+    lay.add_argument("--show-blocks", type=_int_between(1, 32, "a readable table or picture"),
+                     default=3,
                      help="blocks per layer in the block table and the picture "
                           "(default: %(default)s)")
     kernels = sub.add_parser(

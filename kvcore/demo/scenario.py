@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -43,6 +44,7 @@ from kvcore import (
     Platform,
     SelectionReport,
     allocate_kv_caches,
+    backend_platforms,
     explain_selection,
     format_supported,
     get_attn_backend,
@@ -170,7 +172,7 @@ def _selection_summary(report: SelectionReport) -> dict[str, Any]:
         if c.selected:
             continue
         try:
-            elsewhere = report.platform not in resolve_backend(c.name).PLATFORMS
+            elsewhere = report.platform not in backend_platforms(c.name)  # imports nothing
         except Exception:  # a broken plugin: show its reasons, which say what failed
             elsewhere = False
         if elsewhere:
@@ -412,6 +414,59 @@ def _cross_layer_reason(backend: type[AttentionBackend], cross_layer: bool,
     return "the offload connector does not prefer cross-layer blocks"
 
 
+def _available_bytes(device: torch.device) -> int | None:
+    """Free memory for new allocations on ``device``: MemAvailable on the host (Linux), the
+    free device memory on a CUDA device; ``None`` where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(options: DemoOptions, platform: Platform, dtype: torch.dtype, *, longest: int,
+                  pools_bytes: int, capacity_bytes: int) -> None:
+    """Refuse, before allocating, sizes whose memory the machine does not have: the device
+    pools of both engines and the model on the device; the offload pool, the float64 model,
+    its logits and one request's attention scores on the host (the same memory on a CPU)."""
+    preset = MODEL_PRESETS[options.model]
+    # An upper bound of the weights: embeddings and head, an MLP and four attention
+    # projections of the widest head per layer.
+    head = max(preset.head_size + preset.qk_rope_head_dim, preset.cache_head_size)
+    params = 2 * preset.vocab_size * preset.hidden_size + preset.num_layers * (
+        3 * preset.hidden_size * preset.intermediate_size
+        + 4 * preset.hidden_size * preset.num_heads * head)
+    device_bytes = pools_bytes + params * dtype.itemsize
+    requests = 2 * options.batch
+    host_bytes = (capacity_bytes + params * 8
+                  + requests * options.max_new_tokens * preset.vocab_size * 8
+                  + 3 * longest * longest * preset.num_heads * 8)
+    device = platform.device()
+    checks = ([("device and host", device, device_bytes + host_bytes)] if device.type == "cpu"
+              else [("device", device, device_bytes),
+                    ("host", torch.device("cpu"), host_bytes)])
+    for where, dev, need in checks:
+        free = _available_bytes(dev)
+        if free is not None and need > free:
+            raise ValueError(
+                f"--batch {options.batch} --new-tokens {options.max_new_tokens} --max-num-seqs "
+                f"{options.max_num_seqs} --block-size {options.block_size}: the demo would need "
+                f"about {need / 1e9:.1f} GB of {where} memory for the {options.model} model but "
+                f"{free / 1e9:.1f} GB is free; lower --batch or --new-tokens (the reference "
+                "logits and the offload pool grow with both), or --max-num-seqs and "
+                "--block-size (the device pools)")
+
+
 @contextlib.contextmanager
 def _one_cpu_thread(device: torch.device) -> Iterator[None]:
     """Run CPU ops on one thread. The demo's ops are tiny: intra-op threads cost more in
@@ -474,6 +529,8 @@ def _run(options: DemoOptions, platform: Platform) -> DemoResult:
     block_bytes = preset.num_layers * bs * per_token * dtype.itemsize
     # Room for every full block batch 1 writes, twice over: the demo needs no CPU eviction.
     capacity_bytes = 2 * sum(-(-r.max_len // bs) for r in batch1) * block_bytes
+    _check_memory(options, platform, dtype, longest=longest,
+                  pools_bytes=2 * num_blocks * block_bytes, capacity_bytes=capacity_bytes)
     model = DemoModel(preset, seed=options.seed, dtype=dtype, device=device)
     key_salt = f"kvcore-demo:{options.model}:seed={options.seed}:{choice.dtype}"
 

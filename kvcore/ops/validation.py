@@ -121,11 +121,18 @@ def require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> No
             )
 
 
+#: float32's smallest normal and largest finite values: an fp8 scale outside them has no
+#: finite, exact float32 reciprocal (what the cache write multiplies by).
+_F32_TINY = torch.finfo(torch.float32).tiny
+_F32_MAX = torch.finfo(torch.float32).max
+
+
 def check_scale(name: str, scale: object, *, used: bool = False) -> None:
     """A per-tensor fp8 scale: ``None``, a number or a 1-element tensor.
 
     With ``used=True`` (the cache is fp8, so the scale is applied) it must also be finite and
-    positive: a 0, NaN or inf scale stores garbage. A number is checked always; a tensor's
+    positive, and a normal float32 (the kernels multiply by ``float32(1 / scale)``): a 0, NaN,
+    inf or subnormal scale stores garbage. A number is checked always; a tensor's
     value only when value checks are on (reading it synchronises with the device).
     """
     if scale is None:
@@ -145,6 +152,11 @@ def check_scale(name: str, scale: object, *, used: bool = False) -> None:
     if used and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={value} must be a finite, positive fp8 scale (the cache stores "
                          "x / scale); check the checkpoint's KV scales")
+    if used and not _F32_TINY <= value <= _F32_MAX:
+        raise ValueError(
+            f"{name}={value} is outside float32's normal range ({_F32_TINY:.4g} to "
+            f"{_F32_MAX:.4g}): the kernels compute float32(1 / scale), which is not finite or "
+            "loses its precision for such a scale; check the checkpoint's KV scales")
 
 
 def check_softmax_scale(scale: object) -> None:
@@ -514,8 +526,11 @@ def validate_paged_attention(
         raise ValueError(
             f"block_table has {block_table.shape[0]} rows but seq_lens has {num_seqs} sequences"
         )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1 "
+                         "(how many positions each query sees, itself included)")
     if output is not None:
         require_tensor("output", output)
         if output.shape != query.shape:
