@@ -209,18 +209,10 @@ def _new_wrappers(workspace: torch.Tensor, kernels: FlashInferKernels) -> tuple[
 
 
 def flashinfer_jit_cache() -> str:
-    """Where FlashInfer keeps its JIT-compiled modules: FlashInfer's own answer when it is
-    installed, else its documented default (``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``,
-    the base defaulting to the home directory)."""
-    try:
-        from flashinfer.jit import env as jit_env
-
-        where = getattr(jit_env, "FLASHINFER_JIT_DIR", None) or getattr(
-            jit_env, "FLASHINFER_WORKSPACE_DIR", None)
-        if where is not None:
-            return str(where)
-    except Exception:  # not installed, or another layout: the documented default
-        pass
+    """Where FlashInfer keeps its JIT-compiled modules (one folder per version and GPU
+    architecture below it): ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``, the base
+    defaulting to the home directory. Read without importing FlashInfer (status reports stay
+    cheap)."""
     base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
     return os.path.join(base, ".cache", "flashinfer")
 
