@@ -113,7 +113,7 @@ def test_impl_rejects_bad_head_counts():
     with pytest.raises(ValueError, match="num_heads=6 must be a positive multiple of "
                                          "num_kv_heads=4"):
         impl_cls(6, 64, 0.125, 4)
-    with pytest.raises(ValueError, match="sliding_window=0 must be >= 1 or None"):
+    with pytest.raises(ValueError, match="sliding_window=0 must be None or an int >= 1"):
         impl_cls(4, 64, 0.125, 4, sliding_window=0)
 
 
