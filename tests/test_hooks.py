@@ -111,7 +111,7 @@ def test_hook_kvcore_register_backends(acme, capsys):
     report = kvcore.explain_selection(config, platform="cpu")
     (candidate,) = [c for c in report.candidates if c.name == "ACME_ATTN"]
     assert candidate.reasons == ["platform=cpu (supported: acme)"]
-    assert kvcore_cli(["list"]) == 0
+    assert kvcore_cli(["list", "--wide"]) == 0
     assert any(line.split()[:2] == ["ACME_ATTN", "acme"]
                for line in capsys.readouterr().out.splitlines())
 

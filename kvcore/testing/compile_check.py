@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_SPILLS",
+    "SUMMARY_LEGEND",
     "TARGETS",
     "CompileResult",
     "CompileTarget",
@@ -534,6 +535,12 @@ def format_table(results: Sequence[CompileResult]) -> str:
                                    "spills", "shared KiB", "limit KiB", "compile", "status"])
 
 
+#: What a cell of :func:`format_summary` holds, printed under it by ``kvcore kernels``.
+SUMMARY_LEGEND = ("cells: registers per thread / spilled bytes per thread / shared memory KiB, "
+                  "the largest over the kernel's cases for that target; FAIL: a case failed "
+                  "(the table above says why)")
+
+
 def format_summary(results: Sequence[CompileResult]) -> str:
     """Kernel x target: the largest registers / spills / shared memory over its cases."""
     from tabulate import tabulate
@@ -663,6 +670,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print(format_table(results))
         print()
         print(format_summary(results))
+        print(SUMMARY_LEGEND)
     distinct = {r.key: r.cached for r in results if r.key}
     if args.list:
         print(f"{len(results)} kernel launches, {len(distinct)} distinct compiles (--list: "

@@ -69,6 +69,25 @@ class CorrectBackend(kvcore.AttentionBackend):
         return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
 
 
+class ZeroTimesStaleImpl(ReferenceImpl):
+    def attend(self, query, key_cache, value_cache, meta, output):
+        super().attend(query, key_cache, value_cache, meta, output)
+        # THE BUG: the tail of each request's blocks "masked" by a multiply by zero, which
+        # keeps a NaN left in an unowned slot (0 * NaN is NaN).
+        read = key_cache[meta.block_table.long().flatten()].sum()
+        output.add_((0 * read).to(output.dtype))
+
+
+class MasksStaleSlotsByMultiplying(CorrectBackend):
+    @staticmethod
+    def get_name():
+        return "MASKS_BY_MULTIPLYING"
+
+    @staticmethod
+    def get_impl_cls():
+        return ZeroTimesStaleImpl
+
+
 class StrideOrderNotPermutation(CorrectBackend):
     """Meant HND, typed (0, 1, 3, 3, 4): dim 2 is never placed."""
 

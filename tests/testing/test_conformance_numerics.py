@@ -42,10 +42,12 @@ def forward_ids(spec: str, monkeypatch: pytest.MonkeyPatch) -> set[str]:
 def test_a_one_percent_error_fails_every_forward_case_in_every_dtype(pytester, monkeypatch):
     spec = "broken_numerics:ScaledOutput"
     failed, messages, passed = failures(pytester, spec)
-    forwards = forward_ids(spec, monkeypatch)  # the builder and stale-bytes cases run forward
-    assert set(failed) == forwards
-    assert set(failed.values()) == {"forward-reference", "builder-reference",
-                                    "stale-bytes-masked"}
+    forwards = forward_ids(spec, monkeypatch)  # the builder cases run forward too
+    # The poisoned slots change nothing: the error is the forward's, not a stale read.
+    stale = {case for case in forwards if "-stale-bytes-" in case}
+    assert forwards - stale <= set(failed) and stale and stale <= set(passed)
+    assert {"forward-reference", "builder-reference"} <= set(failed.values())
+    assert "stale-bytes-masked" not in failed.values()
     for label in ("-forward-bf16-D64-bs16", "-forward-fp16-", "-forward-fp32-",
                   "-bf16-D64-bs16-fp8_e4m3", "-bf16-D64-bs16-fp8_e5m2", "-window19",
                   "-noncausal", "-encoder_only"):

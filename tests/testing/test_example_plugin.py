@@ -44,7 +44,7 @@ def test_kvcore_list_shows_its_backend(example_installed, capsys):
     sdpa = rows["SDPA_GATHER"]
     assert (sdpa["plugin"], sdpa["error"], sdpa["cross_layer"], sdpa["stride_order"]) == (
         "example", None, True, [0, 1, 3, 2, 4])
-    assert kvcore_cli(["list"]) == 0
+    assert kvcore_cli(["list", "--wide"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("SDPA_GATHER")]
     assert line.split()[1:3] == ["example", "cpu,cuda,rocm"]
 
