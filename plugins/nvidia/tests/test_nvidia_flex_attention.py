@@ -145,8 +145,10 @@ def test_block_mask_lists_each_needed_page_once(layout, page_stride):
     gen, kv_cache, impl = _setup(torch.float32, seed=4)
     if layout == "nhd":
         kv_cache = kv_cache.contiguous()
-    batch = mixed_batch(impl, kv_cache, gen, q_lens=(1, 1, 3, 30, 1), ctx_lens=(60, 16, 20, 17, 0),
-                        shared_prefix=1)
+    # Every request caches at least the shared page: a new token written into it would
+    # overwrite the others' context (refused).
+    batch = mixed_batch(impl, kv_cache, gen, q_lens=(1, 1, 3, 30, 1),
+                        ctx_lens=(60, 16, 20, 17, 16), shared_prefix=1)
     key_cache, value_cache = kv_cache.unbind(1)
     _, _, m = paged_sequence_views(key_cache, value_cache)
     assert m == page_stride
@@ -164,8 +166,8 @@ def test_block_mask_lists_each_needed_page_once(layout, page_stride):
         assert needed <= set(listed), (tile, needed - set(listed))
     # Each query sees exactly its own request's keys up to its position.
     assert int(dense.sum()) == sum(
-        sum(range(ctx + 1, ctx + q + 1)) for q, ctx in zip((1, 1, 3, 30, 1), (60, 16, 20, 17, 0),
-                                                           strict=True))
+        sum(range(ctx + 1, ctx + q + 1)) for q, ctx in zip((1, 1, 3, 30, 1),
+                                                           (60, 16, 20, 17, 16), strict=True))
 
 
 def test_sequence_views_address_every_page_of_the_cache():
