@@ -1,11 +1,13 @@
 """``kvcore demo --disaggregated``: prefill in one process, decode in another, KV through
-``nixl``; the tokens match one engine alone, and the check catches KV that did not arrive."""
+``nixl`` (or ``mooncake``); the tokens match one engine alone, and the check catches KV that
+did not arrive."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvcore.connectors.mooncake import mooncake_unavailable_reason
 from kvcore.connectors.nixl import NixlConnector, nixl_unavailable_reason
 from kvcore.demo.disagg import (
     DisaggOptions,
@@ -89,6 +91,8 @@ def test_blocks_reported_loaded_but_never_read_are_caught(monkeypatch):
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="batch=0 must be a positive integer"):
         run_disaggregated(options(batch=0))
+    with pytest.raises(ValueError, match=r"transport='ucx' \(choose from: nixl, mooncake\)"):
+        run_disaggregated(options(transport="ucx"))
     with pytest.raises(ValueError, match="timeout_s=nan"):
         run_disaggregated(options(timeout_s=float("nan")))
 
@@ -101,6 +105,19 @@ def test_the_demo_command_runs_disaggregated(capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert "disaggregated prefill/decode over nixl" in out
+    assert "tokens identical to the same steps in one process" in out and ": yes" in out
+
+
+@pytest.mark.skipif(mooncake_unavailable_reason() is not None,
+                    reason=str(mooncake_unavailable_reason()))
+def test_the_demo_command_runs_disaggregated_over_mooncake(capsys):
+    from kvcore.cli import main as kvcore_cli
+
+    status = kvcore_cli(["demo", "--disaggregated", "--transport", "mooncake", "--model",
+                         "tiny", "--batch", "2", "--new-tokens", "3", "--platform", "cpu"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "disaggregated prefill/decode over mooncake" in out
     assert "tokens identical to the same steps in one process" in out and ": yes" in out
 
 

@@ -118,6 +118,11 @@ def _list_table(rows: list[dict[str, Any]], wide: bool) -> str:
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     infos = kvcore.list_plugins()
+    for name in kvcore.backend_registry().names():  # a class that fails to load (import or
+        try:                                       # declarations) becomes its plugin's error
+            kvcore.resolve_backend(name)
+        except (kvcore.ResolveError, kvcore.DuplicateRegistrationError):
+            pass
     registration_errors = [
         {"registry": registry.kind, "plugin": plugin, "error": error}
         for registry in (kvcore.backend_registry(), kvcore.platform_registry(),
@@ -341,7 +346,8 @@ def _demo_disaggregated(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         dtype=args.dtype or DisaggOptions.dtype,
         platform=args.platform, backend=args.backend, seed=args.seed,
-        prefill_device=args.prefill_device, decode_device=args.decode_device))
+        prefill_device=args.prefill_device, decode_device=args.decode_device,
+        transport=args.transport))
     _emit(args, result.to_dict(), format_result(result))
     return 0 if result.ok else 1
 

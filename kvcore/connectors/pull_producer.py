@@ -242,24 +242,37 @@ class Producer:
                 self.cond.notify_all()
         return lease_id, blocks
 
-    def read_done(self, consumer: str, lease_id: str, first: int, end: int) -> bool:
-        """A consumer's confirmation: it READ entries ``first..end-1`` of the lease. Returns
-        whether the lease still held them (else their blocks may have changed meanwhile)."""
+    def read_done(self, consumer: str, lease_id: str, first: int, end: int) -> None:
+        """A consumer's notification: it READ entries ``first..end-1`` of the lease."""
+        taken = self._take_read(consumer, lease_id, first, end)
+        if taken:
+            self._settle_read(taken, None)
+
+    def _take_read(self, consumer: str, lease_id: str, first: int, end: int
+                   ) -> list[_Publication] | None:
+        """Unpublish entries ``first..end-1`` of the lease, read by ``consumer``; ``None``
+        when the lease has ended (its blocks may have changed meanwhile)."""
         with self.cond:
             lease = self.leases.get(lease_id)
             if lease is None or lease.consumer != consumer:
                 logger.warning("%s: confirmation for unknown lease %r from %s", self.who,
                                lease_id, consumer)
-                return False
+                return None
+            taken = []
             for i in range(max(0, first), min(end, len(lease.publications))):
                 pub = lease.publications[i]
                 if pub is not None:
                     lease.publications[i] = None
                     self._unpublish(pub)
-                    self._settle(pub, None)
+                    taken.append(pub)
             self._drop_if_empty(lease)
+            return taken
+
+    def _settle_read(self, taken: list[_Publication], failure: str | None) -> None:
+        with self.cond:
+            for pub in taken:
+                self._settle(pub, failure)
             self.cond.notify_all()
-            return True
 
     def give_back(self, consumer: str, lease_id: str, indices: list[int]) -> None:
         """Entries a consumer could not read: published again (until their deadline)."""
@@ -376,7 +389,10 @@ class Producer:
             sock.settimeout(None)  # idle consumers are fine; close() shuts the socket
             while True:
                 request = recv_frame(sock)
-                send_frame(sock, self._answer(consumer, request, link))
+                if request.get("op") == "done" and self.conn.confirms_over_channel:
+                    self._answer_done(sock, consumer, request)
+                else:
+                    send_frame(sock, self._answer(consumer, request, link))
         except (BadFrame, RecursionError) as exc:  # answered, then the connection ends
             logger.warning("%s: refused %s (%s): %s", self.who, addr,
                            consumer or "before hello", exc)
@@ -434,18 +450,35 @@ class Producer:
                 self.give_back(consumer, str(request.get("lease")),
                                list(request.get("indices") or []))
                 return {"ok": True}
-            if op == "done" and self.conn.confirms_over_channel:
-                first, end = request.get("first"), request.get("end")
-                if not (isinstance(first, int) and isinstance(end, int)):
-                    raise TypeError(f"done needs int first and end, got {first!r}, {end!r}")
-                lease = str(request.get("lease"))
-                if not self.read_done(consumer, lease, first, end):
-                    return {"ok": False, "error": f"lease {lease!r} has ended (it expired or "
-                                                  "its connection closed)"}
-                return {"ok": True}
         except (TypeError, ValueError) as exc:
             return {"ok": False, "error": str(exc)}
         return {"ok": False, "error": f"unknown request {reprlib.repr(request)}"}
+
+
+    def _answer_done(self, sock: socket.socket, consumer: str, request: dict[str, Any]
+                     ) -> None:
+        """A consumer's confirmation on the side channel, ``done`` {lease, first, end}. The
+        blocks count as read (their save as done) only once the answer is sent: a producer
+        that closes when its saves are done must not cut off the answer the consumer counts
+        its READ by."""
+        lease, first, end = str(request.get("lease")), request.get("first"), request.get("end")
+        if isinstance(first, bool) or isinstance(end, bool) \
+                or not (isinstance(first, int) and isinstance(end, int)):
+            send_frame(sock, {"ok": False, "error": f"done needs int first and end, got "
+                                                    f"{first!r}, {end!r}"})
+            return
+        taken = self._take_read(consumer, lease, first, end)
+        if taken is None:
+            send_frame(sock, {"ok": False, "error": f"lease {lease!r} has ended (it expired "
+                                                    "or its connection closed)"})
+            return
+        try:
+            send_frame(sock, {"ok": True})
+        except OSError:
+            self._settle_read(taken, "the consumer read it, but its confirmation could not be "
+                                     "answered (the link broke), so it does not count it")
+            raise
+        self._settle_read(taken, None)
 
 
 def _keys(request: dict[str, Any]) -> list[str]:

@@ -1,9 +1,10 @@
-"""Disaggregated prefill/decode with the demo engine: KV moves between processes through NIXL.
+"""Disaggregated prefill/decode with the demo engine: KV moves between processes through NIXL
+or Mooncake's transfer engine (``transport``: the ``nixl`` or ``mooncake`` connector).
 
 Two engines, two processes, one model (same weights from the same seed):
 
 1. The **prefill** process (a child) serves every request for one token. Each finished
-   request publishes its full prompt blocks through the ``nixl`` connector
+   request publishes its full prompt blocks through the ``transport`` connector
    (``role="producer"``), which pins them until the decode engine has read them.
 2. The **decode** process (the caller) connects to it (``role="consumer"``), overwrites its
    free blocks with noise (so only KV that really arrives can be right), and serves the same
@@ -60,9 +61,13 @@ from kvcore.demo.config import MODEL_PRESETS
 from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel
 
-__all__ = ["DisaggOptions", "DisaggResult", "format_result", "run_disaggregated"]
+__all__ = ["TRANSPORTS", "DisaggOptions", "DisaggResult", "format_result", "run_disaggregated"]
 
-#: Allowance for the prefill process to start (Python, torch, NIXL) on top of ``timeout_s``.
+#: The connectors the KV can move through (both pull blocks from the prefill engine's cache).
+TRANSPORTS = ("nixl", "mooncake")
+
+#: Allowance for the prefill process to start (Python, torch, the transfer library) on top
+#: of ``timeout_s``.
 _STARTUP_S = 60.0
 
 
@@ -85,8 +90,13 @@ class DisaggOptions:
     prefill_device: str | None = None
     #: The decode engine's device, e.g. ``"cuda:1"`` (default: the platform's first device).
     decode_device: str | None = None
+    #: The connector the KV moves through, one of :data:`TRANSPORTS`.
+    transport: str = "nixl"
 
     def validate(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} (choose from: "
+                             f"{', '.join(TRANSPORTS)})")
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model={self.model!r} (choose from: {', '.join(MODEL_PRESETS)})")
         for name in ("batch", "max_new_tokens", "max_num_seqs", "block_size"):
@@ -116,6 +126,8 @@ class DisaggResult:
     mismatches: list[str] = field(default_factory=list)
     #: The prefill engine's device (``device`` is the decode engine's).
     prefill_device: str = ""
+    #: The connector the KV came through.
+    transport: str = "nixl"
     #: Differences that are no failure (one engine alone in a low-precision dtype).
     notes: list[str] = field(default_factory=list)
 
@@ -181,8 +193,8 @@ class _Setup:
         config = AttentionSelectorConfig(head_size=self.preset.head_size, dtype=self.dtype,
                                          block_size=options.block_size, use_kv_connector=True)
         self.backend = get_attn_backend(config, options.backend, platform)
-        self.cross_layer = get_connector_class("nixl").cross_layer_for(self.backend,
-                                                                          platform.name)
+        self.cross_layer = get_connector_class(options.transport).cross_layer_for(
+            self.backend, platform.name)
         self.requests = _requests(options, self.preset.vocab_size)
         longest = max(len(r.prompt) for r in self.requests) + options.max_new_tokens
         # Every request's blocks at once: the prefill engine holds them until they are read.
@@ -220,7 +232,7 @@ def _prefill_main(options: DisaggOptions, pipe: Any) -> None:
         if setup.device.type == "cuda":  # this process's GPU is its current device
             torch.cuda.set_device(setup.device)
         requests = [Request(r.request_id, r.prompt, 1) for r in setup.requests]
-        with get_connector("nixl", role="producer", host=options.host, port=0,
+        with get_connector(options.transport, role="producer", host=options.host, port=0,
                            publish_timeout_s=options.timeout_s) as producer:
             sent = []
 
@@ -252,7 +264,8 @@ def _receive(pipe: Any, proc: Any, what: str, timeout_s: float) -> Any:
 
 
 def run_disaggregated(options: DisaggOptions) -> DisaggResult:
-    """Prefill in a child process, decode here, KV through ``nixl``; see the module doc."""
+    """Prefill in a child process, decode here, KV through ``options.transport``; see the
+    module doc."""
     options.validate()
     started = time.perf_counter()
     before = torch.get_num_threads()
@@ -280,11 +293,11 @@ def run_disaggregated(options: DisaggOptions) -> DisaggResult:
 
 def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult:
     options = setup.options
-    # The prefill process also starts Python, imports torch and NIXL and runs the prompts.
+    # The prefill process also starts Python, imports torch and the library, runs the prompts.
     wait_s = options.timeout_s + _STARTUP_S
     port = _receive(pipe, proc, "port", wait_s)
     decode_reqs = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
-    with get_connector("nixl", role="consumer", host=options.host, port=port,
+    with get_connector(options.transport, role="consumer", host=options.host, port=port,
                        timeout_s=min(10.0, options.timeout_s),
                        connect_timeout_s=options.timeout_s) as consumer:
         engine = setup.engine(consumer)
@@ -319,10 +332,12 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
                           "they did not run the same steps")
     if stats.prefix_blocks_hit != stats.prefix_blocks_eligible:
         mismatches.append(f"only {stats.prefix_blocks_hit} of {stats.prefix_blocks_eligible} "
-                          f"prompt blocks came through nixl ({stats.load_failures} failed)")
+                          f"prompt blocks came through {options.transport} "
+                          f"({stats.load_failures} failed)")
     return DisaggResult(
         backend=setup.backend.get_name(), device=str(setup.device),
-        layout=str(engine.kv_caches.layout), requests=len(decode_reqs),
+        transport=options.transport, layout=str(engine.kv_caches.layout),
+        requests=len(decode_reqs),
         generated_tokens=sum(len(r.output) for r in decode_reqs),
         blocks_eligible=stats.prefix_blocks_eligible, blocks_loaded=stats.prefix_blocks_hit,
         loaded_bytes=loaded_bytes, load_seconds=load_seconds,
@@ -331,7 +346,7 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
 
 
 class _Handover(KVConnector):
-    """The ``nixl`` producer/consumer pair's semantics in one process, copies in host memory.
+    """The pull connectors' producer/consumer semantics in one process, copies in host memory.
 
     The one-process reference must repeat exactly what the two engines compute, and the
     ``offload`` connector does not: its lookups also serve the prefill engine (a later prompt
@@ -398,7 +413,7 @@ def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request], Batc
 
 def format_result(result: DisaggResult) -> str:
     lines = [
-        f"disaggregated prefill/decode over nixl: {result.backend} on "
+        f"disaggregated prefill/decode over {result.transport}: {result.backend} on "
         + (f"{result.device}" if result.prefill_device in ("", result.device) else
            f"{result.prefill_device} (prefill) -> {result.device} (decode)")
         + f", layout {result.layout}",
