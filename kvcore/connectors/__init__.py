@@ -10,6 +10,8 @@ by name with :func:`get_connector`. Built-ins (registered through the same
              (:mod:`kvcore.connectors.storage`)
 ``nixl``     another engine's cache, read through NIXL, for disaggregated prefill/decode
              (:mod:`kvcore.connectors.nixl`; needs ``pip install 'kvcore[nixl]'``)
+``mooncake`` the same through Mooncake's transfer engine (:mod:`kvcore.connectors.mooncake`;
+             needs ``pip install 'kvcore[mooncake]'``)
 
 Block copiers (:mod:`kvcore.connectors.copiers`) are vendor ways to move many blocks between a
 device and pinned memory, registered by plugins; ``offload`` can use one.
