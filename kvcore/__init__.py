@@ -43,8 +43,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "kvcore.progress": ("long_step", "progress_enabled", "set_progress"),
     "kvcore.registry": (
-        "DuplicateRegistrationError", "ResolveError", "UnknownNameError", "backend_registry",
-        "block_copier_registry", "connector_registry", "platform_registry",
+        "DuplicateRegistrationError", "ResolveError", "UnknownNameError", "backend_platforms",
+        "backend_registry", "block_copier_registry", "connector_registry", "platform_registry",
         "plugin_status_reports", "resolve_backend",
     ),
     "kvcore.selector": (
@@ -103,6 +103,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         DuplicateRegistrationError,
         ResolveError,
         UnknownNameError,
+        backend_platforms,
         backend_registry,
         block_copier_registry,
         connector_registry,
@@ -159,6 +160,7 @@ __all__ = [
     "UnknownNameError",
     "allocate_kv_caches",
     "available_platforms",
+    "backend_platforms",
     "backend_registry",
     "block_copier_registry",
     "build_attention_metadata",

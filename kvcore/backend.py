@@ -352,7 +352,7 @@ class AttentionBackend:
                 continue  # unavailable_reasons() already says so
             try:
                 importlib.import_module(module)
-            except Exception as exc:  # whatever a broken package raises
+            except (Exception, SystemExit) as exc:  # whatever a broken package raises
                 reasons.append(f"{requirement} is installed but importing {module} fails: "
                                f"{type(exc).__name__}: {exc} (reinstall {requirement})")
         return reasons

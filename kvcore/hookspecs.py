@@ -34,17 +34,25 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class RegisterFn(Protocol):
     """The ``register`` callback a registration hook receives."""
 
-    def __call__(self, name: str, target: str) -> None:
-        """Register ``name`` as the class at ``target`` (``"package.module:ClassName"``)."""
+    def __call__(self, name: str, target: str, *,
+                 platforms: tuple[str, ...] | None = None) -> None:
+        """Register ``name`` as the class at ``target`` (``"package.module:ClassName"``).
+
+        ``platforms`` (backends only): the platform names the class declares in ``PLATFORMS``.
+        The selector then decides platform fit without importing ``target``, so selection on
+        another platform never imports the module; the class's ``PLATFORMS`` must agree (a
+        mismatch is the backend's load error). Without it, the module is imported to read them.
+        """
 
 
 @hookspec
 def kvcore_register_backends(register: RegisterFn) -> None:
     """Register attention backends.
 
-    Call ``register(NAME, "module:Class")`` once per backend. ``NAME`` is the upper-case name
-    engines and ``KVCORE_ATTENTION_BACKEND`` use and must equal the class's ``get_name()``; the
-    class must subclass :class:`kvcore.AttentionBackend`.
+    Call ``register(NAME, "module:Class", platforms=("cuda", ...))`` once per backend.
+    ``NAME`` is the upper-case name engines and ``KVCORE_ATTENTION_BACKEND`` use and must equal
+    the class's ``get_name()``; the class must subclass :class:`kvcore.AttentionBackend`;
+    ``platforms`` repeats its ``PLATFORMS`` so that selection elsewhere never imports it.
     """
 
 

@@ -102,7 +102,7 @@ def _register_module(
         except pluggy.PluginValidationError:
             pm.unregister(name=name)
             raise
-    except Exception as exc:  # isolate any failure of third-party code
+    except (Exception, SystemExit) as exc:  # isolate any failure of third-party code
         info.status = "failed"
         info.error = f"{type(exc).__name__}: {exc}"
         logger.warning("kvcore plugin %r (%s) failed to load: %s", name, info.module, info.error)

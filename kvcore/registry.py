@@ -1,9 +1,14 @@
 """Lazy ``"module:Class"`` registries of backends, platforms and connectors.
 
 Plugins register names and import paths through the hooks; a class is imported only when it
-is resolved (chosen, listed in detail, or forced). Each plugin's registration hook runs on its
-own, so one plugin that raises loses only its own entries. Two plugins registering one name is
-a conflict: the name then resolves to an error naming both plugins.
+is resolved (chosen, listed in detail, or forced). A backend may also register the platforms
+it runs on (``register(NAME, "module:Class", platforms=("cuda",))``): the selector then
+decides platform fit without importing it, so selection on another platform never imports
+the module. Each plugin's registration hook runs on its own, so one plugin that raises loses
+only its own entries. Two plugins registering one name is a conflict: the name then resolves
+to an error naming both plugins. A class that fails to load (its import raises, even
+``SystemExit``, or its declarations are invalid) is an error of that name only, recorded in
+:attr:`Registry.errors` for ``kvcore plugins``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = [
     "connector_registry",
     "plugin_status_reports",
     "resolve_backend",
+    "backend_platforms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +71,8 @@ class Registration:
     target: str
     plugin: str
     conflicts_with: tuple[str, ...] = ()
+    #: A backend's platforms as registered (``None``: not declared, known only after import).
+    platforms: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -75,7 +83,8 @@ class Registry:
     hook_name: str
     upper_case: bool
     entries: dict[str, Registration] = field(default_factory=dict)
-    #: (plugin, error) for registration hooks that raised or registered something invalid.
+    #: (plugin, error) for registration hooks that raised or registered something invalid,
+    #: and for registered classes that failed to load (import or declarations).
     errors: list[tuple[str, str]] = field(default_factory=list)
     _classes: dict[str, Any] = field(default_factory=dict)
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -117,32 +126,49 @@ class Registry:
                 obj: Any = importlib.import_module(module_name)
                 for part in attr.split("."):
                     obj = getattr(obj, part)
-            except Exception as exc:
-                raise ResolveError(
+            except (Exception, SystemExit) as exc:  # a plugin module may even sys.exit()
+                raise self.load_error(reg, ResolveError(
                     f"{self.kind} {reg.name!r} (plugin {reg.plugin!r}) failed to import from "
                     f"{reg.target!r}: {type(exc).__name__}: {exc}"
-                ) from exc
+                )) from exc
             self._classes[reg.name] = obj
             return obj
 
-    def _add(self, name: str, target: str, plugin: str, pending: dict[str, Registration]) -> None:
+    def load_error(self, reg: Registration, error: ResolveError) -> ResolveError:
+        """Record ``error`` (a class of ``reg`` that cannot be used) once in :attr:`errors`,
+        for ``kvcore plugins``, and return it."""
+        with self._lock:
+            entry = (reg.plugin, str(error))
+            if entry not in self.errors:
+                self.errors.append(entry)
+        return error
+
+    def _add(self, name: str, target: str, plugin: str, pending: dict[str, Registration],
+             platforms: Any = None) -> None:
         key = self.normalize(name)
         if not isinstance(target, str) or not _TARGET.match(target):
             raise ValueError(
                 f"{self.kind} {name!r}: target {target!r} must be a 'package.module:ClassName' "
                 "string (registration is lazy: pass the path, not the class)"
             )
+        if platforms is not None:
+            if self.kind != "attention backend":
+                raise ValueError(f"{self.kind} {name!r}: platforms= is declared by attention "
+                                 "backends only; leave it out")
+            platforms = _platform_names(platforms, f"{self.kind} {name!r}: platforms",
+                                        empty=False)
         if key in pending:
             raise ValueError(f"{self.kind} {key!r} is registered twice by plugin {plugin!r}")
-        pending[key] = Registration(self.kind, key, target, plugin)
+        pending[key] = Registration(self.kind, key, target, plugin, platforms=platforms)
 
     def _collect(self, pm) -> None:
         hook = getattr(pm.hook, self.hook_name)
         for impl in hook.get_hookimpls():  # registration order
             pending: dict[str, Registration] = {}
 
-            def register(name: str, target: str, _p=impl.plugin_name, _pending=pending) -> None:
-                self._add(name, target, _p, _pending)
+            def register(name: str, target: str, *, platforms: Any = None,
+                         _p=impl.plugin_name, _pending=pending) -> None:
+                self._add(name, target, _p, _pending, platforms)
 
             try:
                 impl.function(register=register)
@@ -174,12 +200,21 @@ class Registry:
                     continue
                 self.entries[key] = Registration(
                     existing.kind, key, existing.target, existing.plugin,
-                    (*existing.conflicts_with, reg.plugin),
+                    (*existing.conflicts_with, reg.plugin), existing.platforms,
                 )
                 self.errors.append((
                     reg.plugin,
                     f"{self.kind} {key!r} is also registered by plugin {existing.plugin!r}",
                 ))
+
+
+def _platform_names(value: Any, what: str, *, empty: bool = True) -> tuple[str, ...]:
+    """``value`` as a tuple of platform names, or a ``ValueError`` saying what it must be."""
+    if not isinstance(value, (tuple, list)) or not (value or empty) or not all(
+            isinstance(p, str) and p and p == p.strip().lower() for p in value):
+        raise ValueError(f"{what}={value!r} must be a {'' if empty else 'non-empty '}tuple of "
+                         "lower-case platform names, e.g. ('cuda', 'rocm')")
+    return tuple(value)
 
 
 _KINDS = {
@@ -261,27 +296,57 @@ def resolve_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered as ``name`` (case-insensitive)."""
     registry = backend_registry()
     cls = registry.resolve(name)
+    reg = registry.get(name)
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-        reg = registry.get(name)
-        raise ResolveError(
+        raise registry.load_error(reg, ResolveError(
             f"attention backend {reg.name!r} (plugin {reg.plugin!r}) resolves to {cls!r}, "
             "which is not an AttentionBackend subclass"
-        )
-    if cls.get_name() != registry.normalize(name):
-        raise ResolveError(
+        ))
+    if (cls, reg) in _valid_declarations:
+        return cls
+    try:
+        own_name = cls.get_name()
+    except Exception as exc:  # a plugin's code, whatever it raises
+        own_name = f"<get_name() raised {type(exc).__name__}: {exc}>"
+    if own_name != registry.normalize(name):
+        raise registry.load_error(reg, ResolveError(
             f"attention backend registered as {registry.normalize(name)!r} reports "
-            f"get_name() == {cls.get_name()!r}; the two must match"
-        )
-    if cls not in _valid_layouts:
-        problem = _layout_problem(cls)
-        if problem:
-            reg = registry.get(name)
-            raise ResolveError(
-                f"attention backend {reg.name!r} (plugin {reg.plugin!r}) declares an invalid KV "
-                f"cache layout: {problem}"
-            )
-        _valid_layouts.add(cls)
+            f"get_name() == {own_name!r}; the two must match"
+        ))
+    problem = _declaration_problem(cls, reg) or _layout_problem(cls)
+    if problem:
+        raise registry.load_error(reg, ResolveError(
+            f"attention backend {reg.name!r} (plugin {reg.plugin!r}) declares {problem}"
+        ))
+    _valid_declarations.add((cls, reg))
     return cls
+
+
+def backend_platforms(name: str) -> tuple[str, ...]:
+    """The platforms backend ``name`` runs on: as registered when the plugin declared them
+    (nothing is imported), else its class's ``PLATFORMS`` (imported and checked:
+    :class:`RegistryError` if it cannot be loaded)."""
+    reg = backend_registry().get(name)
+    if reg.platforms is not None:
+        return reg.platforms
+    return tuple(resolve_backend(name).PLATFORMS)
+
+
+def _declaration_problem(cls: type[AttentionBackend], reg: Registration) -> str:
+    """What is wrong with the declarations selection reads before anything else ("" if
+    nothing): the platform lists, which must agree with the registration's."""
+    for attr, optional in (("PLATFORMS", False), ("CROSS_LAYER_PLATFORMS", True)):
+        value = getattr(cls, attr, None)
+        if optional and value is None:
+            continue
+        try:
+            _platform_names(value, attr)
+        except ValueError as exc:
+            return f"an invalid {attr}: {exc}"
+    if reg.platforms is not None and set(reg.platforms) != set(cls.PLATFORMS):
+        return (f"PLATFORMS={tuple(cls.PLATFORMS)!r} but was registered with "
+                f"platforms={reg.platforms!r}: make the two agree")
+    return ""
 
 
 def _smallest(supported: tuple | None, default: int) -> int:
@@ -292,8 +357,8 @@ def _smallest(supported: tuple | None, default: int) -> int:
     return first if isinstance(first, int) else first.base
 
 
-# Backend classes whose declared layout passed :func:`_layout_problem` (checked once each).
-_valid_layouts: set[type] = set()
+# (class, registration) pairs whose declarations passed the checks (checked once each).
+_valid_declarations: set[tuple[type, Registration]] = set()
 
 
 def _layout_problem(cls: type[AttentionBackend]) -> str:
@@ -312,7 +377,7 @@ def _layout_problem(cls: type[AttentionBackend]) -> str:
                                        num_kv_heads=1, head_size=head_size, dtype=dtype,
                                        num_layers=2, cross_layer=cross)
     except Exception as exc:  # a plugin's declaration, whatever it raises
-        return f"{type(exc).__name__}: {exc}"
+        return f"an invalid KV cache layout: {type(exc).__name__}: {exc}"
     return ""
 
 

@@ -20,7 +20,13 @@ from kvcore.backend import AttentionBackend
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform import Platform, current_platform, get_platform
 from kvcore.platform_types import DeviceCapability, PhaseRanking
-from kvcore.registry import RegistryError, UnknownNameError, backend_registry, resolve_backend
+from kvcore.registry import (
+    RegistryError,
+    UnknownNameError,
+    backend_platforms,
+    backend_registry,
+    resolve_backend,
+)
 
 __all__ = [
     "AttentionSelectorConfig",
@@ -221,15 +227,19 @@ def _evaluate(
             name, None, [f"{name} is not registered by any installed plugin{hint}"],
             in_priority_list,
         ), None
-    plugin = registry.get(name).plugin
+    reg = registry.get(name)
+    if reg.platforms is not None and platform.name not in reg.platforms:
+        # Decided from the registration: a backend for other platforms is not imported.
+        return CandidateReport(name, reg.plugin, [_platform_reason(platform, reg.platforms)],
+                               in_priority_list), None
+    plugin = reg.plugin
     try:
         cls = resolve_backend(name)
     except RegistryError as exc:
         return CandidateReport(name, plugin, [str(exc)], in_priority_list), None
     reasons: list[str] = []
     if platform.name not in cls.PLATFORMS:
-        supported = ", ".join(cls.PLATFORMS) or "none declared"
-        reasons.append(f"platform={platform.name} (supported: {supported})")
+        reasons.append(_platform_reason(platform, cls.PLATFORMS))
     try:
         reasons.extend(
             cls.validate_configuration(**config.as_kwargs(), device_capability=capability)
@@ -254,6 +264,10 @@ def _evaluate(
                            cuda_graphs=getattr(graphs, "value", None), notes=notes), cls
 
 
+def _platform_reason(platform: Platform, supported: tuple[str, ...]) -> str:
+    return f"platform={platform.name} (supported: {', '.join(supported) or 'none declared'})"
+
+
 def _how_to_simulate(cls: type[AttentionBackend], platform: Platform) -> str:
     """The settings that simulate a device ``cls`` accepts, seen from ``platform``: its
     ``KVCORE_DEVICE_CAPABILITY`` spelled as ``platform`` names devices, and, when ``cls`` does
@@ -276,8 +290,13 @@ def _how_to_simulate(cls: type[AttentionBackend], platform: Platform) -> str:
 
 def _importable(candidate: CandidateReport) -> bool:
     """Import the packages of a valid candidate about to be picked; a package that fails to
-    import becomes its reason (see :meth:`AttentionBackend.import_reasons`)."""
-    candidate.reasons.extend(resolve_backend(candidate.name).import_reasons())
+    import becomes its reason (see :meth:`AttentionBackend.import_reasons`), and so does a
+    probe that raises (a plugin's override)."""
+    try:
+        candidate.reasons.extend(resolve_backend(candidate.name).import_reasons())
+    except (Exception, SystemExit) as exc:  # a plugin's probe must not break selection
+        candidate.reasons.append(f"{candidate.name}.import_reasons raised "
+                                 f"{type(exc).__name__}: {exc}")
     return candidate.valid
 
 

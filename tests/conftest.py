@@ -15,7 +15,8 @@ _setup = GpuTestSetup()
 pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
 
 
-FIXTURE_PLUGINS = ("standin_rocm", "broken_import", "broken_register", "duplicate_cpu")
+FIXTURE_PLUGINS = ("standin_rocm", "broken_import", "broken_register", "duplicate_cpu",
+                   "bad_backends", "exits_on_import")
 
 
 @pytest.fixture(scope="session")

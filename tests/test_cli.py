@@ -93,6 +93,18 @@ def test_plugins_reports_load_errors(fixture_plugins_dir):
     assert "testfixture_broken_import" in table and "failed" in table
 
 
+def test_plugins_lists_backends_that_fail_to_load(fixture_plugins_dir):
+    result = kvcore_cmd("plugins", "--format", "json", plugins_dir=fixture_plugins_dir,
+                        env={"KVCORE_PLUGINS": "testfixture_bad_backends"})
+    errors = [e["error"] for e in json.loads(result.stdout)["registration_errors"]
+              if e["plugin"] == "testfixture_bad_backends"]
+    assert result.returncode == 0 and len(errors) == 4  # every backend is loaded here
+    assert any("'NO_PLATFORMS'" in e and "invalid PLATFORMS" in e for e in errors)
+    assert any("'PLATFORMS_DISAGREE'" in e and "make the two agree" in e for e in errors)
+    for name in ("EXIT_ANYWHERE", "EXIT_ON_CUDA"):
+        assert any(f"'{name}'" in e and "SystemExit: 7" in e for e in errors)
+
+
 def test_collect_env():
     data = json.loads(kvcore_cmd("collect-env", "--format", "json").stdout)
     assert data["python"] == sys.version.split()[0]

@@ -74,10 +74,16 @@ def test_selection_takes_the_first_valid_candidate_and_explains_the_rest(platfor
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_selector_reasons_include_every_validation_reason(platform, config):
+    """For backends of this platform; one registered for others is refused by its
+    registration alone (its module is not imported), with that one reason."""
     capability = platform.get_device_capability()
     report = kvcore.explain_selection(config)
     for candidate in report.candidates:
         if candidate.name not in kvcore.backend_registry():
+            continue
+        if platform.name not in kvcore.backend_platforms(candidate.name):
+            assert candidate.reasons == [f"platform={platform.name} (supported: "
+                                         f"{', '.join(kvcore.backend_platforms(candidate.name))})"]
             continue
         try:
             backend = kvcore.resolve_backend(candidate.name)

@@ -193,3 +193,68 @@ def test_registry_built_while_plugins_change_is_rebuilt(fresh_kvcore, monkeypatc
     registry.backend_registry()  # built from the manager that was just discarded
     monkeypatch.setattr(registry.plugins, "get_plugin_manager", real)
     assert "LATE_ATTN" not in registry.backend_registry()
+
+
+# -- faults of one backend stay its own ------------------------------------------------------
+
+
+def test_a_plugin_module_calling_sys_exit_is_a_load_error(with_plugins):
+    with_plugins("exits_on_import")
+    info = _plugin("testfixture_exits_on_import")
+    assert (info.status, info.error) == ("failed", "SystemExit: 3")
+    assert kvcore.get_attn_backend(kvcore.AttentionSelectorConfig(head_size=64),
+                                   platform="cpu").get_name() == "CPU_ATTN"
+
+
+def test_bad_backends_do_not_break_selection_of_the_others(with_plugins):
+    import sys
+
+    with_plugins("bad_backends")
+    config = kvcore.AttentionSelectorConfig(head_size=64, dtype=torch.float32)
+    assert kvcore.get_attn_backend(config, platform="cpu").get_name() == "CPU_ATTN"
+    # Registered for cuda: decided from the registration, never imported on a CPU.
+    assert "kvcore_bad_backends.exit_on_cuda" not in sys.modules
+    report = kvcore.explain_selection(config, platform="cpu")
+    reasons = {c.name: c.reasons for c in report.candidates}
+    assert reasons["EXIT_ON_CUDA"] == ["platform=cpu (supported: cuda)"]
+    assert "kvcore_bad_backends.exit_on_cuda" not in sys.modules
+    assert reasons["NO_PLATFORMS"] == [
+        "attention backend 'NO_PLATFORMS' (plugin 'testfixture_bad_backends') declares an "
+        "invalid PLATFORMS: PLATFORMS=None must be a tuple of lower-case platform names, "
+        "e.g. ('cuda', 'rocm')"]
+    assert "failed to import from 'kvcore_bad_backends.exit_anywhere:ExitBackend': " \
+           "SystemExit: 7" in reasons["EXIT_ANYWHERE"][0]
+    assert "declares PLATFORMS=('cuda',) but was registered with platforms=('cpu',)" in (
+        reasons["PLATFORMS_DISAGREE"][0])
+    # Each is a load error of its own plugin, as `kvcore plugins` lists them.
+    errors = kvcore.backend_registry().errors
+    assert {p for p, _ in errors} == {"testfixture_bad_backends"} and len(errors) == 3
+
+
+def test_a_forced_backend_whose_import_probe_raises_is_refused_with_the_reason(with_plugins):
+    with_plugins("bad_backends")
+    config = kvcore.AttentionSelectorConfig(head_size=64, dtype=torch.float32)
+    with pytest.raises(kvcore.BackendSelectionError,
+                       match="RAISING_PROBE.import_reasons raised RuntimeError: acme probe "
+                             "crashed.*Valid for this config on cpu: CPU_ATTN"):
+        kvcore.get_attn_backend(config, backend="RAISING_PROBE", platform="cpu")
+
+
+@pytest.mark.parametrize("platforms", ["cuda", (), ("CUDA",), (None,)],
+                         ids=["str", "empty", "upper_case", "none"])
+def test_registered_platforms_are_validated_at_registration(fresh_kvcore, platforms):
+    class Plugin:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register("ODD_PLATFORMS", "acme:Backend", platforms=platforms)
+
+    kvcore.register_plugin(Plugin(), "odd")
+    try:
+        registry = kvcore.backend_registry()
+        assert "ODD_PLATFORMS" not in registry
+        assert registry.errors == [("odd", f"ValueError: attention backend 'ODD_PLATFORMS': "
+                                           f"platforms={platforms!r} must be a non-empty "
+                                           "tuple of lower-case platform names, e.g. "
+                                           "('cuda', 'rocm')")]
+    finally:
+        kvcore.unregister_plugin("odd")

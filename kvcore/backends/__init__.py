@@ -8,10 +8,13 @@ from kvcore.hookspecs import hookimpl
 
 @hookimpl
 def kvcore_register_backends(register):
-    register("CPU_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend")
-    register("CPU_MLA", "kvcore.backends.cpu_mla:CpuMLABackend")
-    register("TRITON_ATTN", "kvcore.backends.triton_attn:TritonAttentionBackend")
-    register("TRITON_ATTN_HND", "kvcore.backends.triton_attn:TritonAttentionHNDBackend")
+    # platforms= repeats each class's PLATFORMS: selection elsewhere imports nothing.
+    register("CPU_ATTN", "kvcore.backends.cpu_attn:CpuAttentionBackend", platforms=("cpu",))
+    register("CPU_MLA", "kvcore.backends.cpu_mla:CpuMLABackend", platforms=("cpu",))
+    register("TRITON_ATTN", "kvcore.backends.triton_attn:TritonAttentionBackend",
+             platforms=("cuda", "rocm"))
+    register("TRITON_ATTN_HND", "kvcore.backends.triton_attn:TritonAttentionHNDBackend",
+             platforms=("cuda", "rocm"))
 
 
 @hookimpl

@@ -15,8 +15,11 @@ _CONNECTORS = "kvcore_example_plugin.connectors"
 
 
 @kvcore.hookimpl
-def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
-    register("SDPA_GATHER", f"{_BACKENDS}.sdpa_gather:SdpaGatherBackend")
+def kvcore_register_backends(register: Callable[..., None]) -> None:
+    # platforms= repeats the class's PLATFORMS, so that selection on another platform never
+    # imports the module.
+    register("SDPA_GATHER", f"{_BACKENDS}.sdpa_gather:SdpaGatherBackend",
+             platforms=("cpu", "cuda", "rocm"))
 
 
 @kvcore.hookimpl

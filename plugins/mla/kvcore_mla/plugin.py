@@ -11,8 +11,9 @@ _BACKENDS = "kvcore_mla.backends"
 
 
 @kvcore.hookimpl
-def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
-    register("TRITON_MLA", f"{_BACKENDS}.triton_mla:TritonMLABackend")
+def kvcore_register_backends(register: Callable[..., None]) -> None:
+    register("TRITON_MLA", f"{_BACKENDS}.triton_mla:TritonMLABackend",
+             platforms=("cuda", "rocm"))
 
 
 @kvcore.hookimpl

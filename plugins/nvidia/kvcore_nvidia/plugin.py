@@ -13,11 +13,14 @@ _OPS = "kvcore_nvidia.ops"
 
 
 @kvcore.hookimpl
-def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
-    register("FLASHINFER", f"{_BACKENDS}.flashinfer:FlashInferBackend")
-    register("FLASH_ATTN", f"{_BACKENDS}.flash_attn:FlashAttentionBackend")
-    register("FLEX_ATTENTION", f"{_BACKENDS}.flex_attention:FlexAttentionBackend")
-    register("FLASHINFER_MLA", f"{_BACKENDS}.flashinfer_mla:FlashInferMLABackend")
+def kvcore_register_backends(register: Callable[..., None]) -> None:
+    # platforms= repeats each class's PLATFORMS: selection elsewhere imports nothing.
+    register("FLASHINFER", f"{_BACKENDS}.flashinfer:FlashInferBackend", platforms=("cuda",))
+    register("FLASH_ATTN", f"{_BACKENDS}.flash_attn:FlashAttentionBackend", platforms=("cuda",))
+    register("FLEX_ATTENTION", f"{_BACKENDS}.flex_attention:FlexAttentionBackend",
+             platforms=("cuda", "cpu"))
+    register("FLASHINFER_MLA", f"{_BACKENDS}.flashinfer_mla:FlashInferMLABackend",
+             platforms=("cuda",))
 
 
 @kvcore.hookimpl

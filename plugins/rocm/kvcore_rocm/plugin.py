@@ -11,11 +11,13 @@ _BACKENDS = "kvcore_rocm.backends"
 
 
 @kvcore.hookimpl
-def kvcore_register_backends(register: Callable[[str, str], None]) -> None:
-    register("ROCM_ATTN", f"{_BACKENDS}.rocm_attn:RocmAttentionBackend")
+def kvcore_register_backends(register: Callable[..., None]) -> None:
+    # platforms= repeats each class's PLATFORMS: selection elsewhere imports nothing.
+    register("ROCM_ATTN", f"{_BACKENDS}.rocm_attn:RocmAttentionBackend", platforms=("rocm",))
     register("ROCM_AITER_UNIFIED_ATTN",
-             f"{_BACKENDS}.aiter_unified_attn:AiterUnifiedAttentionBackend")
-    register("ROCM_AITER_FA", f"{_BACKENDS}.aiter_fa:AiterFlashAttentionBackend")
+             f"{_BACKENDS}.aiter_unified_attn:AiterUnifiedAttentionBackend", platforms=("rocm",))
+    register("ROCM_AITER_FA", f"{_BACKENDS}.aiter_fa:AiterFlashAttentionBackend",
+             platforms=("rocm",))
 
 
 @kvcore.hookimpl
