@@ -151,11 +151,12 @@ def _sockets() -> dict[str, int]:
     return found
 
 
-def _shut_down_socket_read_by(thread_id: int, port: int, existing: dict[str, int]) -> None:
+def _shut_down_socket_read_by(thread_id: int, port: int, existing: dict[str, int]) -> bool:
     """Shut down the socket that thread ``thread_id`` (a native id) is blocked on, if it is
     one that appeared after ``existing`` was taken and is connected to ``port``: that wakes
     the thread (the fd stays its owner's to close). Other sockets of the process, to the same
-    host and port or not, are left alone. Linux only (``/proc``); elsewhere nothing happens."""
+    host and port or not, are left alone. Linux only (``/proc``); elsewhere nothing happens.
+    Returns whether it shut one down (something at ``port`` accepted the connection)."""
     try:
         with open(f"/proc/self/task/{thread_id}/syscall") as f:
             # "<nr> <arg0> ...": a thread in recv/read/connect on a socket has its fd as arg0
@@ -164,22 +165,24 @@ def _shut_down_socket_read_by(thread_id: int, port: int, existing: dict[str, int
         fd = int(fields[1], 16)
         inode = os.readlink(f"/proc/self/fd/{fd}")
     except (OSError, IndexError, ValueError):
-        return
+        return False
     if not inode.startswith("socket:") or inode in existing:
-        return
+        return False
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return
+        return False
     try:
         peer = sock.getpeername()
         same = inode == f"socket:[{os.fstat(sock.fileno()).st_ino}]"  # fd not reused meanwhile
         if same and isinstance(peer, tuple) and peer[1] == port:
             sock.shutdown(socket.SHUT_RDWR)
+            return True
     except OSError:
         pass  # not connected, or closed meanwhile
     finally:
         sock.close()
+    return False
 
 
 def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -205,15 +208,21 @@ def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        answered = False  # whether something at the port accepted the connection
         for _ in range(5):  # again if the client, still inside its own timeout, reconnected
-            _shut_down_socket_read_by(thread.native_id, port, existing)
+            answered |= _shut_down_socket_read_by(thread.native_id, port, existing)
             thread.join(0.2)
             if not thread.is_alive():
                 break
+        if answered:
+            raise ConnectionError(
+                f"p2p rank 1: {host}:{port} accepted the connection but did not answer the "
+                f"rendezvous handshake within connect_timeout_s={timeout_s} (is it rank 0's "
+                "p2p port?)")
         raise ConnectionError(
-            f"p2p rank 1: {host}:{port} accepted the connection but did not answer the "
-            f"rendezvous handshake within connect_timeout_s={timeout_s} (is it rank 0's "
-            "p2p port?)")
+            f"p2p rank 1: nothing accepted a connection at {host}:{port} within "
+            f"connect_timeout_s={timeout_s}; start rank 0 first (it listens on that port), "
+            "check the host and port, or raise connect_timeout_s")
     if "error" in box:
         raise ConnectionError(f"p2p rank 1: no rendezvous at {host}:{port} within "
                               f"connect_timeout_s={timeout_s}: {box['error']}") from box["error"]

@@ -239,6 +239,21 @@ def test_port_that_accepts_but_never_answers_fails_within_connect_timeout():
     assert [t for t in threading.enumerate() if t.name == "kvcore-p2p-connect"] == []
 
 
+def test_a_closed_port_is_not_reported_as_one_that_accepted():
+    """Nothing listens at the port: the message says so (not that something accepted the
+    connection and then kept silent)."""
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    box = bounded(lambda: get_connector("p2p", rank=1, port=port, connect_timeout_s=1.0), 30)
+    assert isinstance(box.get("error"), ConnectionError)
+    message = str(box["error"])
+    assert "accepted" not in message.replace("nothing accepted", "")
+    assert (f"nothing accepted a connection at 127.0.0.1:{port} within connect_timeout_s=1.0; "
+            "start rank 0 first" in message) or "no rendezvous at" in message, message
+    assert box["seconds"] < 10.0
+
+
 def test_giving_up_on_a_silent_rendezvous_leaves_other_sockets_to_its_port_alone():
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
