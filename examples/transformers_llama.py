@@ -222,12 +222,16 @@ def device_problem(device: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # The docstring's first paragraph, without its reStructuredText literal marks.
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--backend", default=None, help="force a kvcore backend by name")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the model's dtype (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=4,
+                        help="prompts generated for (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=16,
+                        help="tokens generated per prompt (default: %(default)s)")
     args = parser.parse_args(argv)
     problem = device_problem(args.device)
     if problem:

@@ -58,3 +58,43 @@ def test_list_json_keeps_every_capability(fresh_kvcore, capsys):
     _, out, _ = _cli(capsys, "list", "--format", "json")
     row = next(r for r in json.loads(out) if r["name"] == "CPU_ATTN")
     assert {"kv_cache_dtypes", "block_sizes", "plugin", "cuda_graphs"} <= set(row)
+
+
+def test_readme_demo_sample_has_every_line_the_demo_prints(fresh_kvcore, capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    sample = readme.split("## See it work: `kvcore demo`", 1)[1].split("```text\n", 1)[1]
+    sample = sample.split("```", 1)[0]
+    status, out, _ = _cli(capsys, "demo", "--model", "tiny", "--batch", "2", "--new-tokens",
+                          "2", "--no-progress")
+    label = re.compile(r"^([a-z]+) {2,}\S", re.MULTILINE)
+    assert status == 0 and "graphs" in label.findall(out)
+    assert set(label.findall(out)) <= set(label.findall(sample))
+
+
+def test_readme_setup_names_everything_it_installs():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    setup = readme.split("## Set up\n", 1)[1].split("<!-- ci:setup -->", 1)[0]
+    extras = re.search(r"^-e \.\[([\w,]+)\]", (root / "requirements-dev.txt").read_text(),
+                       re.MULTILINE).group(1).split(",")
+    words = " ".join(setup.split())
+    assert all(f"`{extra}`" in words for extra in extras if extra != "test"), words
+    assert "`transformers`" in words
+
+
+def test_transformers_example_help_has_no_rst_marks():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "transformers_llama.py"
+    out = subprocess.run([sys.executable, str(example), "--help"], capture_output=True,
+                         text=True, timeout=120).stdout
+    assert "A Hugging Face transformers Llama served through kvcore" in out
+    assert "``" not in out and "tokens generated per prompt" in out
