@@ -218,10 +218,21 @@ def case_providers() -> list[tuple[str, str, Callable]]:
             for name in registry.names()]
 
 
-def _import_path(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(module)
+def _import_path(path: str, name: str = "path") -> Any:
+    """The object ``"module:qualname"`` names; ``ValueError`` naming ``name`` (the option or
+    argument it came from) when it is malformed, cannot be imported or does not exist."""
+    module, sep, attr = path.partition(":")
+    if not (sep and module and attr):
+        raise ValueError(f"{name} {path!r} is not MODULE:FUNCTION, e.g. "
+                         "kvcore.testing.compile_cases:compile_cases")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"{name} {path!r}: cannot import {module!r} ({exc}); name a module "
+                         "that is installed or on PYTHONPATH") from exc
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{name} {path!r}: {module} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -429,7 +440,7 @@ def run_check(
             raise ValueError(f"unknown kernel owner(s) {sorted(unknown)}; registered: {valid}")
     providers = [p for p in registered
                  if (owners is None and not extra_providers) or (owners and p[0] in owners)]
-    providers += [("extra", path, _import_path(path)) for path in extra_providers]
+    providers += [("extra", path, _import_path(path, "--cases")) for path in extra_providers]
 
     results: list[CompileResult] = []
     pending: dict[str, list[tuple[CompileResult, int]]] = {}

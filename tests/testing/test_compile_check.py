@@ -254,3 +254,18 @@ def test_compile_launches_gives_each_launch_its_stages():
         ((kernel, stages, has_mma),) = json.loads(proc.stdout.strip().splitlines()[-1])
         assert kernel.endswith("_kernel") and not has_mma
         assert {"ttir", "ttgir", "llir", final} <= set(stages)
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("nonexistent:fn", "--cases 'nonexistent:fn': cannot import 'nonexistent'"),
+    ("kvcore.testing.compile_cases:nope",
+     "--cases 'kvcore.testing.compile_cases:nope': kvcore.testing.compile_cases has no "
+     "attribute 'nope'"),
+    ("compile_cases", "--cases 'compile_cases' is not MODULE:FUNCTION"),
+], ids=["no-module", "no-function", "no-colon"])
+def test_kernels_names_a_bad_cases_path_without_a_traceback(path, message, capsys):
+    from kvcore.cli.main import main
+
+    assert main(["kernels", "--cases", path, "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
