@@ -135,7 +135,12 @@ class AttentionMetadataBuilder:
         if common.max_seq_len > self.max_model_len:
             raise ValueError(f"the step has a request of {common.max_seq_len} tokens but the "
                              f"builder was made for max_model_len={self.max_model_len}")
+        lens = common.seq_lens_cpu  # a host copy: its maximum costs no device read
+        longest = int(lens.max()) if lens is not None and lens.numel() else None
         if not value_checks_enabled():
+            if longest is not None and longest > common.max_seq_len:
+                raise _understated(common.max_seq_len, f"seq_lens_cpu has a request of "
+                                                       f"{longest} tokens")
             return None
         facts = checked_step_facts(common.query_start_loc, common.seq_lens, common.block_table,
                                    common.slot_mapping)
@@ -146,6 +151,9 @@ class AttentionMetadataBuilder:
         if facts.block_size != self.spec.block_size:
             raise ValueError(f"the step's metadata was built for block_size={facts.block_size} "
                              f"but the builder's spec has block_size={self.spec.block_size}")
+        if facts.max_blocks_per_seq > -(-common.max_seq_len // facts.block_size):
+            raise _understated(common.max_seq_len, f"a request uses {facts.max_blocks_per_seq} "
+                                                   f"blocks of {facts.block_size} tokens")
         if facts.num_tokens != common.num_actual_tokens:
             raise ValueError(f"query_start_loc ends at {facts.num_tokens} but "
                              f"num_actual_tokens={common.num_actual_tokens}")
@@ -240,6 +248,16 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
         seq_lens = self.seq_lens[:size]
         table = self.block_table[:size]
         slots = self.slot_mapping[:total]
+        if (facts is None and common.seq_lens_cpu is None
+                and common.block_table.shape[1] > table.shape[1]):
+            # Value checks off and no host lengths: the columns beyond the buffer cannot be
+            # shown unused without a device read, and copying would cut them silently.
+            raise ValueError(
+                f"block_table has {common.block_table.shape[1]} columns but the builder's "
+                f"buffer holds {table.shape[1]} (max_model_len={self.max_model_len}, "
+                f"block_size={self.spec.block_size}); with value checks off the columns "
+                "beyond cannot be checked unused, so they would be dropped. Make the block "
+                "table at most that wide, pass seq_lens_cpu, or turn value checks on")
         width = min(common.block_table.shape[1], table.shape[1])
         qsl[:n + 1].copy_(common.query_start_loc)
         seq_lens[:n].copy_(common.seq_lens)
@@ -270,6 +288,12 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
                           max_slot=facts.max_slot),
                 query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots)
         return meta
+
+
+def _understated(max_seq_len: int, what: str) -> ValueError:
+    return ValueError(f"max_seq_len={max_seq_len} understates the step: {what}. Pass the "
+                      "longest request's length (cached plus new tokens): builders size "
+                      "buffers and choose kernels from it")
 
 
 # AttentionBackend.get_builder_cls() returns this class unless a backend overrides it.
