@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import run_cli
 
 
 def kvcore_cmd(*args, env=None, plugins_dir=None):
@@ -183,16 +184,6 @@ def test_kv_cache_dtype_choices_are_kvcores():
     assert KV_CACHE_DTYPE_CHOICES == kvcore.ops.KV_CACHE_DTYPES
 
 
-def _cli(capsys, *args) -> tuple[int, str, str]:
-    """``kvcore ARGS`` in this process: (exit status, stdout, stderr)."""
-    from kvcore.cli import main
-
-    try:
-        status = main(list(args))
-    except SystemExit as exc:  # argparse's errors
-        status = exc.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.mark.parametrize(("args", "says", "not_says"), [
@@ -219,17 +210,17 @@ def _cli(capsys, *args) -> tuple[int, str, str]:
         "layout-mla-heads", "layout-unknown-backend", "demo-unknown-backend",
         "demo-invalid-backend", "demo-absent-platform", "bench-size", "select-dtype"])
 def test_errors_name_the_flags_the_user_typed(fresh_kvcore, capsys, args, says, not_says):
-    status, _, err = _cli(capsys, *args)
+    status, _, err = run_cli(capsys, *args)
     assert status == 2 and says in err and not_says not in err, err
 
 
 def test_dtype_aliases_are_accepted(fresh_kvcore, capsys):
-    assert _cli(capsys, "select", "--dtype", "bf16", "--format", "json")[0] == 0
+    assert run_cli(capsys, "select", "--dtype", "bf16", "--format", "json")[0] == 0
 
 
 def test_select_explain_says_why_the_winner_beat_the_other_valid_backends(fresh_kvcore,
                                                                            capsys):
-    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "cpu")
+    status, out, _ = run_cli(capsys, "select", "--explain", "--platform", "cpu")
     assert status == 0
     assert ("selected: CPU_ATTN\nwhy: first valid backend in cpu's priority list (CPU_ATTN)"
             in out)
@@ -239,7 +230,7 @@ def test_select_explain_says_why_the_winner_beat_the_other_valid_backends(fresh_
 def test_select_without_capability_suggests_the_flag_with_the_platforms_spelling(
         fresh_kvcore, capsys, monkeypatch):
     monkeypatch.delenv("KVCORE_DEVICE_CAPABILITY", raising=False)
-    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "rocm", "--kv-connector")
+    status, out, _ = run_cli(capsys, "select", "--explain", "--platform", "rocm", "--kv-connector")
     assert status == 0 and "KVCORE_DEVICE_CAPABILITY" not in out
     assert ("ROCM_AITER_UNIFIED_ATTN needs >= gfx942 (9.4) and <= gfx950 (9.5) (pass "
             "--capability gfx942 to simulate such a device)") in out
@@ -249,9 +240,9 @@ def test_select_without_capability_suggests_the_flag_with_the_platforms_spelling
             "other backends registered for rocm") in out
     assert out.rstrip().endswith("pass --capability to simulate a device, e.g. --capability "
                                  "gfx942")
-    _, out, err = _cli(capsys, "select", "--platform", "cuda")
+    _, out, err = run_cli(capsys, "select", "--platform", "cuda")
     assert "e.g. --capability 9.0" in err
-    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "rocm", "--kv-connector",
+    status, out, _ = run_cli(capsys, "select", "--explain", "--platform", "rocm", "--kv-connector",
                           "--capability", "gfx942")
     assert "selected: ROCM_AITER_UNIFIED_ATTN\nwhy: first valid backend" in out
     assert "pass --capability" not in out

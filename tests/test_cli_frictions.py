@@ -4,36 +4,26 @@ from __future__ import annotations
 
 import json
 
-
-def _cli(capsys, *args) -> tuple[int, str, str]:
-    """``kvcore ARGS`` in this process: (exit status, stdout, stderr)."""
-    from kvcore.cli import main
-
-    try:
-        status = main(list(args))
-    except SystemExit as exc:  # argparse's errors
-        status = exc.code
-    out, err = capsys.readouterr()
-    return status, out, err
+from cli_helpers import run_cli
 
 
 def test_layout_refuses_a_head_size_the_backend_does_not_support(fresh_kvcore, capsys):
-    status, out, err = _cli(capsys, "layout", "TRITON_ATTN", "--head-size", "1000")
+    status, out, err = run_cli(capsys, "layout", "TRITON_ATTN", "--head-size", "1000")
     assert (status, out) == (2, "")
     assert ("--head-size 1000: TRITON_ATTN supports head sizes multiples of 8 up to 256; pass "
             "one of those") in err
-    assert _cli(capsys, "layout", "TRITON_ATTN", "--head-size", "256")[0] == 0
+    assert run_cli(capsys, "layout", "TRITON_ATTN", "--head-size", "256")[0] == 0
 
 
 def test_list_is_narrow_by_default_and_wide_on_request(fresh_kvcore, capsys):
-    status, out, _ = _cli(capsys, "list")
+    status, out, _ = run_cli(capsys, "list")
     assert status == 0
     header = out.splitlines()[0].split()
     assert header[:3] == ["backend", "platforms", "mla"]
     assert "kv-cache" in header and header[-2:] == ["block", "sizes"]
     assert "plugin" not in header and max(len(line) for line in out.splitlines()) <= 120
     assert "--wide adds the plugin" in out
-    status, out, _ = _cli(capsys, "list", "--wide")
+    status, out, _ = run_cli(capsys, "list", "--wide")
     header = out.splitlines()[0]
     assert status == 0 and all(word in header for word in (
         "plugin", "kv-cache dtypes", "block sizes", "cross-layer", "kv-connector", "cuda graphs"))
@@ -48,14 +38,14 @@ def test_kernels_summary_has_a_legend(fresh_kvcore, capsys, monkeypatch):
                                          key="x", registers=255, spills=856, shared=225 << 10,
                                          shared_limit=227 << 10, cached=True)
     monkeypatch.setattr(compile_check, "run_check", lambda *a, **k: [result])
-    status, out, _ = _cli(capsys, "kernels", "--target", "sm90")
+    status, out, _ = run_cli(capsys, "kernels", "--target", "sm90")
     assert status == 0 and "255 / 856 / 225" in out
     assert ("cells: registers per thread / spilled bytes per thread / shared memory KiB, the "
             "largest over the kernel's cases for that target") in out
 
 
 def test_list_json_keeps_every_capability(fresh_kvcore, capsys):
-    _, out, _ = _cli(capsys, "list", "--format", "json")
+    _, out, _ = run_cli(capsys, "list", "--format", "json")
     row = next(r for r in json.loads(out) if r["name"] == "CPU_ATTN")
     assert {"kv_cache_dtypes", "block_sizes", "plugin", "cuda_graphs"} <= set(row)
 
@@ -67,7 +57,7 @@ def test_readme_demo_sample_has_every_line_the_demo_prints(fresh_kvcore, capsys)
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     sample = readme.split("## See it work: `kvcore demo`", 1)[1].split("```text\n", 1)[1]
     sample = sample.split("```", 1)[0]
-    status, out, _ = _cli(capsys, "demo", "--model", "tiny", "--batch", "2", "--new-tokens",
+    status, out, _ = run_cli(capsys, "demo", "--model", "tiny", "--batch", "2", "--new-tokens",
                           "2", "--no-progress")
     label = re.compile(r"^([a-z]+) {2,}\S", re.MULTILINE)
     assert status == 0 and "graphs" in label.findall(out)

@@ -4,21 +4,10 @@ forced backend that says why first and what would run, a flag for every config f
 from __future__ import annotations
 
 import pytest
+from cli_helpers import run_cli
 
 import kvcore
 from kvcore.cli.main import SELECT_CONFIG_FLAGS
-
-
-def _cli(capsys, *args) -> tuple[int, str, str]:
-    """``kvcore ARGS`` in this process: (exit status, stdout, stderr)."""
-    from kvcore.cli import main
-
-    try:
-        status = main(list(args))
-    except SystemExit as exc:  # argparse's errors
-        status = exc.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -35,7 +24,7 @@ def _cli(capsys, *args) -> tuple[int, str, str]:
 ], ids=["gfx-on-cuda", "sm-on-rocm", "any-on-cpu", "any-on-detected-cpu", "malformed"])
 def test_a_capability_of_another_platform_is_refused_naming_both(fresh_kvcore, capsys, args,
                                                                    says):
-    status, out, err = _cli(capsys, "select", *args)
+    status, out, err = run_cli(capsys, "select", *args)
     assert (status, out) == (2, "") and says in err, err
 
 
@@ -56,7 +45,7 @@ def test_the_environment_cannot_simulate_a_device_its_platform_lacks(fresh_kvcor
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     kvcore.clear_platform_cache()
-    status, out, err = _cli(capsys, "select")
+    status, out, err = run_cli(capsys, "select")
     assert (status, out) == (2, "") and says in err, err
     with pytest.raises(ValueError, match=says.split(":")[0]):
         kvcore.explain_selection(kvcore.AttentionSelectorConfig(head_size=128))
@@ -64,30 +53,30 @@ def test_the_environment_cannot_simulate_a_device_its_platform_lacks(fresh_kvcor
 
 def test_unknown_capability_lines_say_what_would_change_the_result(fresh_kvcore, capsys):
     # On the CPU the platform is the blocker: no line suggests a capability alone.
-    status, out, err = _cli(capsys, "select", "--explain", "--platform", "cpu")
+    status, out, err = run_cli(capsys, "select", "--explain", "--platform", "cpu")
     assert status == 0 and err == ""
     assert "    - platform=cpu (supported: cuda, rocm)\n" in out
     assert "(pass --capability" not in out and "note:" not in out.replace("    note:", "")
     # On ROCm, a bound written the CUDA way is simulated with a ROCm device name.
-    status, out, _ = _cli(capsys, "select", "--explain", "--platform", "rocm", "--mla")
+    status, out, _ = run_cli(capsys, "select", "--explain", "--platform", "rocm", "--mla")
     assert ("TRITON_MLA needs >= 8.0 (pass --capability gfx942 to simulate such a device)"
             in out)
 
 
 def test_select_on_a_cpu_prints_no_note_about_a_capability(fresh_kvcore, capsys):
-    assert _cli(capsys, "select") == (0, "CPU_ATTN\n", "")
+    assert run_cli(capsys, "select") == (0, "CPU_ATTN\n", "")
 
 
 def test_a_refused_forced_backend_leads_with_its_reasons_and_names_what_runs(fresh_kvcore,
                                                                              capsys):
-    status, out, err = _cli(capsys, "select", "--backend", "CPU_ATTN", "--mla")
+    status, out, err = run_cli(capsys, "select", "--backend", "CPU_ATTN", "--mla")
     assert (status, out) == (1, "")
     assert err.splitlines() == [
         "error: backend CPU_ATTN cannot run this config on cpu:",
         "  - use_mla=True but CPU_ATTN is not an MLA backend (choose an MLA backend)",
         "valid for this config on cpu: CPU_MLA",
         "pass --backend CPU_MLA, or leave out --backend for cpu's pick"]
-    status, out, err = _cli(capsys, "select", "--explain", "--backend", "CPU_ATTN", "--mla")
+    status, out, err = run_cli(capsys, "select", "--explain", "--backend", "CPU_ATTN", "--mla")
     assert status == 1
     assert out.splitlines()[2:6] == [
         "forced backend: CPU_ATTN",
@@ -128,7 +117,7 @@ def test_each_flag_reaches_the_config(fresh_kvcore, capsys, field):
     import json
 
     extra = ["--kv-cache-dtype", "fp8"] if field == "use_per_head_quant_scales" else []
-    _, out, _ = _cli(capsys, "select", "--format", "json", SELECT_CONFIG_FLAGS[field][0],
+    _, out, _ = run_cli(capsys, "select", "--format", "json", SELECT_CONFIG_FLAGS[field][0],
                      *extra)
     config = json.loads(out)["config"]
     assert [k for k in _BOOL_FIELDS if config[k]] == [field]
@@ -137,13 +126,13 @@ def test_each_flag_reaches_the_config(fresh_kvcore, capsys, field):
 def test_mla_head_size_is_the_latent_size(fresh_kvcore, capsys):
     import json
 
-    _, out, _ = _cli(capsys, "select", "--format", "json", "--mla")
+    _, out, _ = run_cli(capsys, "select", "--format", "json", "--mla")
     assert json.loads(out)["config"]["head_size"] == 576
-    _, out, _ = _cli(capsys, "select", "--format", "json", "--mla", "--head-size", "256")
+    _, out, _ = run_cli(capsys, "select", "--format", "json", "--mla", "--head-size", "256")
     assert json.loads(out)["config"]["head_size"] == 256
-    _, out, _ = _cli(capsys, "select", "--format", "json")
+    _, out, _ = run_cli(capsys, "select", "--format", "json")
     assert json.loads(out)["config"]["head_size"] == 128
-    _, help_text, _ = _cli(capsys, "select", "--help")
+    _, help_text, _ = run_cli(capsys, "select", "--help")
     assert "(default: 128; with --mla 576). For MLA it is the latent size" in " ".join(
         help_text.split())
 
@@ -165,16 +154,16 @@ def test_mla_head_size_is_the_latent_size(fresh_kvcore, capsys):
         "mm-prefix-encoder"])
 def test_impossible_or_unknown_select_options_are_refused_with_the_fix(fresh_kvcore, capsys,
                                                                        args, says):
-    status, out, err = _cli(capsys, "select", *args)
+    status, out, err = run_cli(capsys, "select", *args)
     assert (status, out) == (2, "") and says in err, err
 
 
 def test_both_fp8_spellings_are_accepted_and_printed_one_way(fresh_kvcore, capsys):
     import json
 
-    _, out, _ = _cli(capsys, "select", "--format", "json", "--kv-cache-dtype", "float8_e4m3fn")
+    _, out, _ = run_cli(capsys, "select", "--format", "json", "--kv-cache-dtype", "float8_e4m3fn")
     assert json.loads(out)["config"]["kv_cache_dtype"] == "fp8_e4m3"
     for spelling in ("fp8_e4m3", "float8_e4m3fn"):
-        status, out, _ = _cli(capsys, "layout", "TRITON_ATTN", "--dtype", spelling,
+        status, out, _ = run_cli(capsys, "layout", "TRITON_ATTN", "--dtype", spelling,
                               "--format", "json")
         assert status == 0 and json.loads(out)["dtype"] == "float8_e4m3fn"
