@@ -195,6 +195,12 @@ class AttentionBackend:
     SUPPORTS_PER_HEAD_QUANT_SCALES: ClassVar[bool] = False
     SUPPORTS_NON_CAUSAL: ClassVar[bool] = False
     SUPPORTS_BATCH_INVARIANT: ClassVar[bool] = False
+    #: Why a non-causal layer (an encoder-only one, or a step with ``causal=False``) cannot
+    #: have a sliding window on this backend, as a sentence with the alternative; ``None``:
+    #: such layers get kvcore's symmetric window ``|q_pos - k_pos| < sliding_window`` (causal
+    #: layers keep ``q_pos - k_pos < sliding_window``). With a reason, the impl refuses the
+    #: combination where it becomes known (:meth:`check_non_causal_window`).
+    NON_CAUSAL_WINDOW_UNSUPPORTED: ClassVar[str | None] = None
     #: Attention types the backend implements.
     SUPPORTED_ATTN_TYPES: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     #: Platform names the backend runs on (``"cpu"``, ``"cuda"``, ``"rocm"``, a plugin's).
@@ -481,6 +487,16 @@ class AttentionBackend:
         if (lo and not capability.at_least(lo)) or (hi and not hi.at_least(capability)):
             return [f"device capability {capability} (supported: {wanted})"]
         return []
+
+    @classmethod
+    def check_non_causal_window(cls, sliding_window: int | None, causal: bool) -> None:
+        """``ValueError`` with :attr:`NON_CAUSAL_WINDOW_UNSUPPORTED` when a non-causal layer
+        has a sliding window and the backend declares it cannot run that. Host values only:
+        an impl calls it at construction (encoder-only layers) and in ``forward``."""
+        reason = cls.NON_CAUSAL_WINDOW_UNSUPPORTED
+        if reason and sliding_window is not None and not causal:
+            raise ValueError(f"sliding_window={sliding_window} on a non-causal layer: "
+                             f"{cls.get_name()} cannot run it: {reason}")
 
     @classmethod
     def check_combination(

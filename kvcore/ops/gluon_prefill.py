@@ -135,13 +135,16 @@ def _copies_landed(pending: gl.constexpr):
 def _mask_scores(s, t, q_pos, kv_end, sliding_window, CAUSAL: gl.constexpr,
                  USE_WINDOW: gl.constexpr, BLOCK_N: gl.constexpr):
     """Scores of key tile ``t`` with the keys a row must not see set to ``-inf``: past
-    ``kv_end``, after the row's position (causal), before its window."""
+    ``kv_end``, after the row's position (causal), outside its window (before it; after it
+    too when not causal: the window is symmetric)."""
     k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
     ok = (k_pos < kv_end)[None, :]
     if CAUSAL:
         ok = ok & (k_pos[None, :] <= q_pos[:, None])
     if USE_WINDOW:
         ok = ok & ((q_pos[:, None] - k_pos[None, :]) < sliding_window)
+        if not CAUSAL:
+            ok = ok & ((k_pos[None, :] - q_pos[:, None]) < sliding_window)
     return gl.where(ok, s, float("-inf"))
 
 

@@ -150,7 +150,10 @@ def paged_attention_ref(
         scale: softmax scale, usually ``head_size ** -0.5``.
         causal: mask keys after each query's position; ``False`` lets every query of a request
             see all ``seq_lens[i]`` keys.
-        sliding_window: keep only the last ``sliding_window`` keys up to each query.
+        sliding_window: keep only the keys within ``sliding_window`` positions of each query,
+            itself included: causal, ``q_pos - k_pos < sliding_window`` (the query and the
+            ``sliding_window - 1`` keys before it); not causal, the symmetric window
+            ``|q_pos - k_pos| < sliding_window`` (as many keys after it as before).
         output: optional ``(num_tokens, num_heads, head_size)`` tensor written in place.
 
     Returns:
@@ -187,7 +190,8 @@ def paged_attention_ref(
         if causal:
             allowed &= k_pos <= q_pos
         if sliding_window is not None:
-            allowed &= (q_pos - k_pos) < sliding_window
+            distance = q_pos - k_pos if causal else (q_pos - k_pos).abs()
+            allowed &= distance < sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))  # NaN keys masked: exactly out
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = _weighted_values(probs, v, allowed).to(out.dtype)

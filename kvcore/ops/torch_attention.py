@@ -147,7 +147,10 @@ def paged_attention_torch(
         if causal:
             allowed = allowed & (k_pos <= q_pos[:, :, None])
         if sliding_window is not None:
-            allowed = allowed & (q_pos[:, :, None] - k_pos < sliding_window)
+            distance = q_pos[:, :, None] - k_pos
+            if not causal:  # the symmetric window of non-causal layers
+                distance = distance.abs()
+            allowed = allowed & (distance < sliding_window)
         rows = torch.stack([query[starts[i]:starts[i] + num_q] for i in seqs]).to(compute)
         return _attend(rows, k, v, allowed, scale, chunk)
 

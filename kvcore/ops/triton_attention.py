@@ -494,9 +494,12 @@ def _paged_attention_kernel(
                          num_queries_per_kv, head_size, stride_qt, stride_qh, stride_qd,
                          INTERPRET=INTERPRET, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_D=BLOCK_D)
 
-    # Keys this tile can see: up to its last query (causal) and from its first query's window.
+    # Keys this tile can see: up to its last query (causal) or its window's end (non-causal
+    # windows are symmetric), and from its first query's window.
     if CAUSAL:
         kv_end = last_q + 1
+    elif USE_WINDOW:
+        kv_end = last_q + tl.minimum(seq_len - last_q, sliding_window)
     else:
         kv_end = seq_len
     tile_lo = 0
@@ -547,6 +550,8 @@ def _paged_attention_kernel(
             mask &= k_pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
             mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+            if not CAUSAL:
+                mask &= (k_pos[None, :] - q_pos[:, None]) < sliding_window
         s = tl.where(mask, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -622,6 +627,8 @@ def _prefill_step(
             mask &= k_pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
             mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+            if not CAUSAL:
+                mask &= (k_pos[None, :] - q_pos[:, None]) < sliding_window
         s = tl.where(mask, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet

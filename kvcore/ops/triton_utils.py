@@ -83,11 +83,15 @@ def prefill_key_tiles(first_q, last_q, seq_len, sliding_window, CAUSAL: tl.const
     ``last_q`` of a request of ``seq_len`` keys: ``(kv_end, lo, hi, full_lo, full_hi)``.
     Tiles ``[lo, hi)`` hold every key some query sees (keys before ``kv_end``), tiles
     ``[full_lo, full_hi)`` those every query sees: after the window's lower edge of the last
-    query, up to the first query's position (causal) or the last full tile (not causal).
+    query, up to the first query's position (causal), or the window's upper edge of the first
+    query (not causal: the window is symmetric) or the last full tile.
     TRITON_ATTN's Triton and Gluon prefill kernels both call it (scalar-only)."""
     if CAUSAL:
         kv_end = last_q + 1
         full_hi = (first_q + 1) // BLOCK_N
+    elif USE_WINDOW:  # min() on the distances: position + window may not fit int32
+        kv_end = last_q + tl.minimum(seq_len - last_q, sliding_window)
+        full_hi = (first_q + tl.minimum(seq_len - first_q, sliding_window)) // BLOCK_N
     else:
         kv_end = seq_len
         full_hi = seq_len // BLOCK_N

@@ -27,6 +27,7 @@ from kvcore.testing import checks
 from kvcore.testing.batch import CaseConfig, short_dtype
 from kvcore.testing.step_refusals import check_overlapping_new_tokens_refused
 from kvcore.testing.strided_steps import check_strided_step_tensors
+from kvcore.testing.window_rules import check_window_non_causal
 
 __all__ = ["ConformanceCase", "conformance_cases", "resolve_backend_spec"]
 
@@ -357,6 +358,18 @@ def conformance_cases(
             if attn_type is not AttentionType.DECODER:
                 numeric("forward", "forward-reference", checks.check_forward,
                         dataclasses.replace(base, attn_type=attn_type))
+        if not cls.IS_MLA:
+            # Non-causal layers with a window: symmetric, or refused as declared.
+            window = base.block_size + 3
+            noncausal_windows = [dataclasses.replace(base, attn_type=t, sliding_window=window)
+                                 for t in cls.SUPPORTED_ATTN_TYPES
+                                 if t is not AttentionType.DECODER]
+            if cls.SUPPORTS_NON_CAUSAL:
+                noncausal_windows.insert(0, dataclasses.replace(base, causal=False,
+                                                                sliding_window=window))
+            for config in noncausal_windows:
+                numeric("window-non-causal", "window-non-causal", check_window_non_causal,
+                        config)
         for flag, attr, feature in FEATURE_FLAGS:
             if getattr(cls, attr) and flag in _UNCHECKED_FEATURES:
                 add("feature", "forward-reference", _noop, device=device, suffix=flag,

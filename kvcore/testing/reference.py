@@ -31,7 +31,9 @@ def contiguous_attention_ref(
             of ``num_kv_heads`` (GQA: each KV head serves ``num_heads // num_kv_heads``).
         scale: softmax scale of ``q . k``.
         causal: a query sees the keys at or before its position.
-        sliding_window: a query sees only the last ``sliding_window`` of those positions.
+        sliding_window: a query sees only the positions within ``sliding_window`` of its
+            own: the last ``sliding_window`` up to it (causal), or ``|q_pos - k_pos| <
+            sliding_window`` on both sides (not causal).
         allowed: ``(q_len, seq_len)`` bool mask that replaces ``causal`` and
             ``sliding_window`` when given.
 
@@ -50,7 +52,8 @@ def contiguous_attention_ref(
         if causal:
             allowed &= k_pos <= q_pos
         if sliding_window:
-            allowed &= q_pos - k_pos < sliding_window
+            distance = q_pos - k_pos if causal else (q_pos - k_pos).abs()
+            allowed &= distance < sliding_window
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 

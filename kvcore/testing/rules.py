@@ -66,6 +66,11 @@ _RULES = (
          "tolerances and, token by token, within the model dtype's rounding "
          "(NORM_TOLERANCES), for every declared configuration, sliding window and attention "
          "type; it writes into the given output and leaves the KV cache unchanged"),
+    Rule("window-non-causal",
+         "a sliding window on a non-causal layer (causal=False, or an encoder attention type) "
+         "is symmetric: forward matches the float64 reference with |q_pos - k_pos| < "
+         "sliding_window, unless the backend declares NON_CAUSAL_WINDOW_UNSUPPORTED and "
+         "refuses the combination with a ValueError carrying that reason"),
     Rule("stale-bytes-masked",
          "forward reads only the tokens each request owns: NaN bit patterns in the unused tail "
          "of a request's last block and in blocks it does not own leave its output unchanged "

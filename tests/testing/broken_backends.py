@@ -269,6 +269,29 @@ class BuilderSkipsStepChecks(CorrectBackend):
         return UncheckedBuilder
 
 
+class WindowOnlyWhenCausalImpl(ReferenceImpl):
+    def attend(self, query, key_cache, value_cache, meta, output):
+        # THE BUG: the window applied with the causal mask only (a kernel whose window code
+        # sits inside its causal branch): non-causal layers see every key.
+        paged_attention_ref(query, key_cache, value_cache, query_start_loc=meta.query_start_loc,
+                            seq_lens=meta.seq_lens, block_table=meta.block_table,
+                            scale=self.scale, causal=self.is_causal(meta),
+                            sliding_window=self.sliding_window if self.is_causal(meta) else None,
+                            output=output)
+
+
+class DropsNonCausalWindow(CorrectBackend):
+    SUPPORTS_NON_CAUSAL = True
+
+    @staticmethod
+    def get_name():
+        return "BROKEN_NONCAUSAL_WINDOW"
+
+    @staticmethod
+    def get_impl_cls():
+        return WindowOnlyWhenCausalImpl
+
+
 # -- MLA ---------------------------------------------------------------------------------------
 
 

@@ -90,6 +90,10 @@ def test_correct_reference_backend_passes(pytester):
                  ["builder.build() accepted a step where request 1's new token is written to "
                   "slot 16, the first token of request 0's cached block 1"],
                  id="builder-skips-the-step-checks"),
+    pytest.param("DropsNonCausalWindow", "window-non-causal", {"window-non-causal"},
+                 ["forward on a non-causal layer with sliding_window=19 does not match the "
+                  "symmetric window |q_pos - k_pos| < sliding_window"],
+                 id="drops-the-window-on-non-causal-layers"),
     pytest.param("DeclaresABlockSizeItRefuses", "validation-accepts-declared",
                  {"validation-accepts-declared"},
                  ["with 'block_size=16 with dtype=float32: the kernel tiles 64 tokens': "

@@ -113,8 +113,11 @@ class SdpaGatherImpl(kvcore.AttentionImpl):
         k, v = k.masked_fill(beyond, 0), v.masked_fill(beyond, 0)
         if self.is_causal(m):
             allowed = allowed & (k_pos[None, None, :] <= q_pos[:, :, None])
-        if self.sliding_window is not None:
-            allowed = allowed & (q_pos[:, :, None] - k_pos[None, None, :] < self.sliding_window)
+        if self.sliding_window is not None:  # symmetric on non-causal layers
+            distance = q_pos[:, :, None] - k_pos[None, None, :]
+            if not self.is_causal(m):
+                distance = distance.abs()
+            allowed = allowed & (distance < self.sliding_window)
 
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -362,13 +362,14 @@ def _check_aligned(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 
 def _window(sliding_window: int | None, causal: bool, fa2: bool) -> tuple[Any, Any]:
-    """kvcore's window (the last ``sliding_window`` keys up to the query, and, non-causal,
-    every key after it) as FlashAttention's ``(left, right)``: keys in ``[q - left, q +
-    right]``; unbounded is ``-1`` in flash-attn 2, ``None`` in flash-attn-4."""
+    """kvcore's window (the last ``sliding_window`` keys up to the query; non-causal, the
+    symmetric ``|q_pos - k_pos| < sliding_window``) as FlashAttention's ``(left, right)``:
+    keys in ``[q - left, q + right]``; unbounded is ``-1`` in flash-attn 2, ``None`` in
+    flash-attn-4."""
     unbounded = -1 if fa2 else None
     if sliding_window is None:
         return (unbounded, unbounded)
-    return (sliding_window - 1, 0 if causal else unbounded)
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
 class FlashAttentionImpl(AttentionImpl):

@@ -107,6 +107,10 @@ class FlashInferBackend(AttentionBackend):
     # bf16 and the fa2 tensor-core paths need Ampere.
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
     SUPPORTS_NON_CAUSAL = True
+    NON_CAUSAL_WINDOW_UNSUPPORTED = (
+        "FlashInfer's window (window_left) is one-sided, so it would not cut the keys after "
+        "each query that the symmetric window of a non-causal layer excludes; run such layers "
+        "on FLASH_ATTN or TRITON_ATTN")
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda",)
     REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
@@ -636,7 +640,13 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
 
 class FlashInferImpl(AttentionImpl):
     """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache`. Attention: FlashInfer (see
-    module)."""
+    module). A sliding window on a non-causal layer is refused
+    (``FlashInferBackend.NON_CAUSAL_WINDOW_UNSUPPORTED``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            FlashInferBackend.check_non_causal_window(self.sliding_window, causal=False)
 
     def do_kv_cache_update(
         self,
@@ -711,6 +721,8 @@ class FlashInferImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        FlashInferBackend.check_non_causal_window(self.sliding_window,
+                                                  self.is_causal(attn_metadata))
         kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
         key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
                                                           output)

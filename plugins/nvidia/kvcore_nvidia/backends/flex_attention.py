@@ -254,7 +254,8 @@ def build_block_mask(
         num_blocks, block_size: the cache's.
         page_stride: ``m`` from :func:`paged_sequence_views`.
         causal: bottom-right aligned causal masking within each request.
-        sliding_window: keep keys with ``q_pos - k_pos < sliding_window`` (``None``: all).
+        sliding_window: keep keys with ``q_pos - k_pos < sliding_window`` (``None``: all);
+            not causal, the symmetric ``|q_pos - k_pos| < sliding_window``.
 
     Returns:
         A ``BlockMask`` with ``Q_TILE x block_size`` tiles: each query tile lists the virtual
@@ -306,7 +307,8 @@ def build_block_mask(
         if causal:
             keep = keep & (k_pos <= q_pos[q_idx])
         if window is not None:
-            keep = keep & (q_pos[q_idx] - k_pos < window)
+            distance = q_pos[q_idx] - k_pos
+            keep = keep & ((distance if causal else distance.abs()) < window)
         return keep
 
     length = (num_blocks - 1) * span + block_size
