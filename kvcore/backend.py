@@ -35,6 +35,7 @@ from kvcore.step_facts import (
     context_overwrite_error,
     context_overwrites,
     mark_step_checked,
+    overwrites_context,
 )
 
 __all__ = [
@@ -710,12 +711,11 @@ def build_attention_metadata(
         starts_cpu = torch.tensor(starts, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         slots_cpu = torch.tensor(slots, dtype=torch.int64)
-        if slots and any(context_lens):
-            ctx = torch.tensor([int(c) for c in context_lens], dtype=torch.int64)
-            hits = context_overwrites(slots_cpu, ctx, table, block_size)
-            if hits.any():
-                raise context_overwrite_error(slots_cpu, starts_cpu, ctx, table, block_size,
-                                              hits)
+        ctx_lens = [int(c) for c in context_lens]
+        if slots and any(ctx_lens) and overwrites_context(slots, ctx_lens, rows, block_size):
+            ctx = torch.tensor(ctx_lens, dtype=torch.int64)  # the message names the first
+            raise context_overwrite_error(slots_cpu, starts_cpu, ctx, table, block_size,
+                                          context_overwrites(slots_cpu, ctx, table, block_size))
         metadata = AttentionMetadata(
             query_start_loc=starts_cpu.to(device, copy=True),
             seq_lens=seq_lens_cpu.to(device, copy=True),

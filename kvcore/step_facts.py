@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["StepFacts", "checked_step_facts", "context_overwrite_error", "context_overwrites",
-           "mark_step_checked"]
+           "mark_step_checked", "overwrites_context"]
 
 
 def _require_tensor(name: str, value: object) -> None:
@@ -161,6 +161,29 @@ def context_overwrites(slot_mapping: torch.Tensor, context_lens: torch.Tensor,
     written = (torch.searchsorted(ordered, lo + covered)
                - torch.searchsorted(ordered, lo))
     return (written > 0) & (ids >= 0)
+
+
+def overwrites_context(slots: list[int], context_lens: list[int], rows: list[list[int]],
+                       block_size: int) -> bool:
+    """:func:`context_overwrites` on host lists, set-based: whether any new token's slot
+    (``slots``, negative: padding) is one a request reads as context (its first
+    ``context_lens[i]`` tokens through the block ids ``rows[i]``). The blocks new tokens write
+    go into a dict (block -> lowest offset written); each request's wholly cached blocks are
+    tested against it in one C-level pass and its partly cached block by offset."""
+    lowest: dict[int, int] = {}
+    for s in slots:
+        if s >= 0:
+            block, offset = divmod(s, block_size)
+            if offset < lowest.get(block, block_size):
+                lowest[block] = offset
+    written = lowest.keys()
+    for ctx_len, blocks in zip(context_lens, rows, strict=True):
+        whole, part = divmod(ctx_len, block_size)
+        if not written.isdisjoint(blocks[:whole]):
+            return True
+        if part and lowest.get(blocks[whole], block_size) < part:
+            return True
+    return False
 
 
 def context_overwrite_error(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,

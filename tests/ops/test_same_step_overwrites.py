@@ -79,3 +79,29 @@ def test_the_check_is_vectorised_over_a_large_step():
     slots[-1] = int(blocks[7, 1]) * bs + 3  # the last request writes request 7's context
     with pytest.raises(ValueError, match=r"request 2047's new token 0 .* which request 7 "):
         ops.step_facts_from_tensors(*_engine_tensors(meta, slots.tolist()), bs)
+
+
+def test_the_host_and_tensor_checks_agree():
+    """build_attention_metadata's set-based check and the tensor one (step_facts_from_tensors)
+    find the same steps, over random steps whose requests draw blocks from a small pool."""
+    from kvcore.step_facts import context_overwrites, overwrites_context
+
+    gen = torch.Generator().manual_seed(5)
+    found = 0
+    for _ in range(300):
+        bs = int(torch.randint(1, 6, (1,), generator=gen))
+        n = int(torch.randint(1, 5, (1,), generator=gen))
+        ctx = torch.randint(0, 12, (n,), generator=gen).tolist()
+        q = torch.randint(0, 4, (n,), generator=gen).tolist()
+        rows = [torch.randint(0, 10, (-(-(c + k) // bs),), generator=gen).tolist()
+                for c, k in zip(ctx, q, strict=True)]
+        slots = [rows[i][p // bs] * bs + p % bs
+                 for i in range(n) for p in range(ctx[i], ctx[i] + q[i])]
+        width = max(max(len(r) for r in rows), 1)
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        host = overwrites_context(slots, ctx, rows, bs)
+        tensor = bool(context_overwrites(torch.tensor(slots, dtype=torch.int64),
+                                         torch.tensor(ctx), table, bs).any())
+        assert host == tensor, (bs, ctx, q, rows)
+        found += host
+    assert 30 < found < 270  # both outcomes were exercised
