@@ -188,12 +188,18 @@ DECODE = dict(q_lens=(1, 1, 1), ctx_lens=(37, 15, 0))
 
 
 @pytest.mark.parametrize(("shape", "causal", "window"), [
-    (MIXED, True, None), (MIXED, False, None), (MIXED, True, 6), (MIXED, False, 6),
-    (DECODE, True, None), (DECODE, True, 6)], ids=[
-    "mixed", "mixed-noncausal", "mixed-window", "mixed-noncausal-window", "decode",
-    "decode-window"])
+    (MIXED, True, None), (MIXED, False, None), (MIXED, True, 6), (DECODE, True, None),
+    (DECODE, True, 6)], ids=["mixed", "mixed-noncausal", "mixed-window", "decode",
+                             "decode-window"])
 def test_flashinfer_glue_matches_the_reference(fake_flashinfer, shape, causal, window):
     _run(FlashInferBackend, 16, 24, window, causal, shape, seed=1)
+
+
+def test_flashinfer_refuses_a_window_on_non_causal_layers(fake_flashinfer):
+    """FlashInfer's window_left is one-sided; the symmetric window of a non-causal layer is
+    refused with the backend's declared reason instead of computed wrong."""
+    with pytest.raises(ValueError, match="on a non-causal layer: FLASHINFER cannot run it"):
+        _run(FlashInferBackend, 16, 24, 6, False, MIXED, seed=1)
 
 
 def test_flashinfer_plans_the_decode_wrapper_only_for_one_token_per_request(fake_flashinfer):
