@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it (imported on first access).
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "kvcore.adopt": ("adopt_kv_caches", "from_vllm_layer_view"),
     "kvcore.allocate": ("KVCaches", "allocate_kv_caches"),
     "kvcore.backends.triton_attn": ("TritonAttentionMetadata", "TritonAttentionMetadataBuilder"),
     "kvcore.backend": (
@@ -32,6 +33,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.dtypes": ("parse_dtype",),
     "kvcore.hookspecs": ("hookimpl",),
     "kvcore.layout": ("KVCacheLayout", "LayoutMismatchError"),
+    "kvcore.layout_names": ("VLLM_LAYOUTS", "vllm_layout_name", "vllm_layout_order"),
     "kvcore.mla": ("MLACommonBackend", "MLACommonImpl", "latent_cache_shape"),
     "kvcore.platform": (
         "Platform", "available_platforms", "clear_platform_cache", "current_platform",
@@ -55,12 +57,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 #: Modules that import neither torch nor the rest of kvcore: their names load alone.
-_LEAF_MODULES = frozenset({"kvcore.platform_types", "kvcore.progress"})
+_LEAF_MODULES = frozenset({"kvcore.layout_names", "kvcore.platform_types", "kvcore.progress"})
 #: Backend modules: loaded only when one of their names is used (after the rest of the API),
 #: so that registering the backends still imports none of them.
 _ON_DEMAND_MODULES = frozenset({"kvcore.backends.triton_attn"})
 
 if TYPE_CHECKING:  # what type checkers and import-linter see
+    from kvcore.adopt import adopt_kv_caches, from_vllm_layer_view
     from kvcore.allocate import KVCaches, allocate_kv_caches
     from kvcore.backend import (
         FEATURE_FLAGS,
@@ -81,6 +84,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.dtypes import parse_dtype
     from kvcore.hookspecs import hookimpl
     from kvcore.layout import KVCacheLayout, LayoutMismatchError
+    from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_name, vllm_layout_order
     from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
     from kvcore.platform import (
         Platform,
@@ -158,6 +162,8 @@ __all__ = [
     "TritonAttentionMetadata",
     "TritonAttentionMetadataBuilder",
     "UnknownNameError",
+    "VLLM_LAYOUTS",
+    "adopt_kv_caches",
     "allocate_kv_caches",
     "available_platforms",
     "backend_platforms",
@@ -171,6 +177,7 @@ __all__ = [
     "current_platform",
     "explain_selection",
     "format_supported",
+    "from_vllm_layer_view",
     "get_attn_backend",
     "get_platform",
     "hookimpl",
@@ -188,6 +195,8 @@ __all__ = [
     "resolve_backend",
     "set_progress",
     "unregister_plugin",
+    "vllm_layout_name",
+    "vllm_layout_order",
     "__version__",
 ]
 

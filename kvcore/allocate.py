@@ -142,12 +142,7 @@ def allocate_kv_caches(
         ValueError, TypeError: a size, dtype, head size or block size the backend does not
             declare, or a cross-layer request the backend cannot honour here.
     """
-    if isinstance(backend, str) and _resolve_backend_name is not None:
-        backend = _resolve_backend_name(backend)
-    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
-        raise TypeError(
-            f"backend must be an AttentionBackend subclass or a registered name, got {backend!r}"
-        )
+    backend = _backend_class(backend)
     for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                         ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_size", head_size)):
@@ -178,18 +173,7 @@ def allocate_kv_caches(
         head_size=head_size, dtype=storage_dtype, num_layers=num_layers,
         cross_layer=use_cross_layer, cache_dtype_str=kv_cache_dtype,
     )
-    limit = backend.MAX_KV_CACHE_SPAN
-    if limit is not None and layout.layer_span() > limit:
-        # The span grows by a fixed step per block, so the largest fit is one division.
-        one_block = _span_for(layout, 1)
-        fits = max(0, (limit - one_block) // (_span_for(layout, 2) - one_block) + 1)
-        raise ValueError(
-            f"num_blocks={num_blocks}: one layer's view of this {layout} cache would span "
-            f"{layout.layer_span()} elements, over {backend.get_name()}'s MAX_KV_CACHE_SPAN of "
-            f"{limit}; allocate at most {fits} blocks"
-            + (" (or cross_layer=False)" if layout.is_cross_layer else "")
-            + " or use another backend"
-        )
+    _check_span(backend, layout)
     storage = torch.zeros(layout.physical_shape, dtype=storage_dtype, device=device)
     logical = storage.permute(layout.inverse_stride_order())
     note = "" if backend.supports_kv_connector() else backend.kv_connector_unsupported_reason()
@@ -200,6 +184,33 @@ def allocate_kv_caches(
         backend_name=backend.get_name(),
         _kv_connector_note=note,
     )
+
+
+def _backend_class(backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
+    """A backend class, or the class a registered name resolves to."""
+    if isinstance(backend, str) and _resolve_backend_name is not None:
+        backend = _resolve_backend_name(backend)
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        raise TypeError(
+            f"backend must be an AttentionBackend subclass or a registered name, got {backend!r}"
+        )
+    return backend
+
+
+def _check_span(backend: type[AttentionBackend], layout: KVCacheLayout) -> None:
+    """Refuse a layout one layer's view of which spans more than ``MAX_KV_CACHE_SPAN``."""
+    limit = backend.MAX_KV_CACHE_SPAN
+    if limit is not None and layout.layer_span() > limit:
+        # The span grows by a fixed step per block, so the largest fit is one division.
+        one_block = _span_for(layout, 1)
+        fits = max(0, (limit - one_block) // (_span_for(layout, 2) - one_block) + 1)
+        raise ValueError(
+            f"num_blocks={layout.num_blocks}: one layer's view of this {layout} cache would "
+            f"span {layout.layer_span()} elements, over {backend.get_name()}'s "
+            f"MAX_KV_CACHE_SPAN of {limit}; allocate at most {fits} blocks"
+            + (" (or cross_layer=False)" if layout.is_cross_layer else "")
+            + " or use another backend"
+        )
 
 
 def _platform_of(device: torch.device) -> str:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 import torch
 
 from kvcore.config import AttentionSelectorConfig
+from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_order
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
 from kvcore.step_facts import (
     StepFacts,
@@ -224,6 +225,12 @@ class AttentionBackend:
     #: :class:`CudaGraphSupport`); anything but ``NEVER`` needs a builder with persistent
     #: buffers (:class:`kvcore.PersistentMetadataBuilder`) from :meth:`get_builder_cls`.
     CUDA_GRAPH_SUPPORT: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+    #: Per-layer stride orders (of ``(B, 2, N, H, D)``) the kernels also read, beyond their own
+    #: :meth:`get_kv_cache_stride_order`: memory an engine allocated in another order
+    #: (:func:`kvcore.adopt_kv_caches`), e.g. the K-and-V-side-by-side orders of vLLM's named
+    #: layouts (:func:`kvcore.vllm_layout_order`). The conformance rule ``adopted-orders``
+    #: runs the backend on each one against the reference.
+    EXTRA_STRIDE_ORDERS: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -290,6 +297,32 @@ class AttentionBackend:
         means "no cross-layer": the safe choice for unverified kernels.
         """
         return tuple(range(6 if include_num_layers_dimension else 5))
+
+    @classmethod
+    def readable_stride_orders(cls) -> tuple[tuple[int, ...], ...]:
+        """Every per-layer stride order the kernels read: :meth:`get_kv_cache_stride_order`
+        (``False``) first, then :attr:`EXTRA_STRIDE_ORDERS`."""
+        own = tuple(cls.get_kv_cache_stride_order(False))
+        return (own, *(tuple(o) for o in cls.EXTRA_STRIDE_ORDERS if tuple(o) != own))
+
+    @classmethod
+    def supported_vllm_layouts(cls, platform: str | None = None) -> tuple[str, ...]:
+        """vLLM's layout names (``LBNHC``, ...) this backend reads, most preferred first.
+
+        Derived from :meth:`readable_stride_orders`: a name whose order within a layer is one
+        of them, and, for the names that interleave layers inside a block (``BLHNC``,
+        ``BLNHC``, ``BHLNC``: a layer's pages are strided), only when the backend opts in to
+        cross-layer caches (:meth:`supports_cross_layer`, on ``platform`` when given).
+        """
+        names = []
+        cross_ok = cls.supports_cross_layer(platform)
+        for order in cls.readable_stride_orders():
+            for name in VLLM_LAYOUTS:
+                full = vllm_layout_order(name)
+                if (vllm_layout_order(name, include_num_layers_dimension=False) == order
+                        and (full[0] == 0 or cross_ok)):
+                    names.append(name)
+        return tuple(sorted(names, key=lambda n: vllm_layout_order(n)[0] != 0))
 
     @classmethod
     def supports_cross_layer(cls, platform: str | None = None) -> bool:
@@ -387,6 +420,7 @@ class AttentionBackend:
             "kv_connector": cls.supports_kv_connector(),
             "max_kv_cache_span": cls.MAX_KV_CACHE_SPAN,
             "stride_order": list(cls.get_kv_cache_stride_order()),
+            "vllm_layouts": list(cls.supported_vllm_layouts()),
             "cuda_graphs": cls.CUDA_GRAPH_SUPPORT.value,
         }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.backend import AttentionBackend, PagedAttentionImpl
+from kvcore.layout_names import vllm_layout_order
 from kvcore.ops.reference import reshape_and_cache_ref
 from kvcore.ops.torch_attention import paged_attention_torch
 from kvcore.platform_types import AttentionType
@@ -26,6 +27,10 @@ class CpuAttentionBackend(AttentionBackend):
     SUPPORTS_BATCH_INVARIANT = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cpu",)
+    # The ops index through the views' strides, so K and V side by side per token and head
+    # (vLLM's layouts) read as well as the split halves; also with heads outside the blocks.
+    EXTRA_STRIDE_ORDERS = tuple(vllm_layout_order(name, include_num_layers_dimension=False)
+                                for name in ("LBHNC", "LBNHC", "LHBNC"))
 
     NAME = "CPU_ATTN"
     IMPL_CLS = "CpuAttentionImpl"

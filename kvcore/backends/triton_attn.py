@@ -33,6 +33,7 @@ from kvcore.backend import (
 )
 from kvcore.builder import PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
+from kvcore.layout_names import vllm_layout_order
 from kvcore.ops import (
     triton_fp8_reasons,
     triton_paged_attention,
@@ -60,6 +61,10 @@ class TritonAttentionBackend(AttentionBackend):
     # The launch depends only on shapes and the builder's choices: no host sync, no
     # allocation with the builder's workspace and a given output.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+    # Strides come from the views: K and V side by side per token and head (vLLM's LBHNC and
+    # LBNHC, and their cross-layer forms where cross-layer is verified) read too.
+    EXTRA_STRIDE_ORDERS = tuple(vllm_layout_order(name, include_num_layers_dimension=False)
+                                for name in ("LBNHC", "LBHNC"))
 
     NAME = "TRITON_ATTN"
     IMPL_CLS = "TritonAttentionImpl"
