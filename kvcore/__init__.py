@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it (imported on first access).
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "kvcore.adopt": ("adopt_kv_caches", "from_vllm_layer_view"),
+    "kvcore.adopt": ("adopt_kv_caches", "attention_metadata_from_engine", "from_vllm_layer_view"),
     "kvcore.allocate": ("KVCaches", "allocate_kv_caches"),
     "kvcore.backends.triton_attn": ("TritonAttentionMetadata", "TritonAttentionMetadataBuilder"),
     "kvcore.backend": (
@@ -63,7 +63,7 @@ _LEAF_MODULES = frozenset({"kvcore.layout_names", "kvcore.platform_types", "kvco
 _ON_DEMAND_MODULES = frozenset({"kvcore.backends.triton_attn"})
 
 if TYPE_CHECKING:  # what type checkers and import-linter see
-    from kvcore.adopt import adopt_kv_caches, from_vllm_layer_view
+    from kvcore.adopt import adopt_kv_caches, attention_metadata_from_engine, from_vllm_layer_view
     from kvcore.allocate import KVCaches, allocate_kv_caches
     from kvcore.backend import (
         FEATURE_FLAGS,
@@ -165,6 +165,7 @@ __all__ = [
     "VLLM_LAYOUTS",
     "adopt_kv_caches",
     "allocate_kv_caches",
+    "attention_metadata_from_engine",
     "available_platforms",
     "backend_platforms",
     "backend_registry",

@@ -10,6 +10,8 @@ cuts per-layer views out of it in one of its named layouts (``LBNHC``, ``BLHNC``
   returns, over the engine's bytes (``data_ptr`` equal, nothing copied).
 - :func:`from_vllm_layer_view` turns one layer's vLLM view ``[B, H, N, C]`` (any of vLLM's
   strides) into kvcore's logical ``(B, 2, N, H, D)`` view of the same memory.
+- :func:`attention_metadata_from_engine` makes a step's metadata from the engine's device
+  tensors plus the host facts it has, and reads nothing back from the device.
 
 Both check, before anything runs, everything the kernels rely on and raise a ``ValueError`` or
 ``TypeError`` naming the argument, the value, what is supported and the fix: sizes and dtypes
@@ -20,6 +22,7 @@ by other layers only for a backend that opts in to cross-layer caches).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -32,12 +35,14 @@ from kvcore.allocate import (
     _check_span,
     _platform_of,
 )
-from kvcore.backend import AttentionBackend
+from kvcore.backend import AttentionBackend, AttentionMetadata
 from kvcore.dtypes import cache_torch_dtype, parse_dtype
 from kvcore.layout import KV_DIM_NAMES, KVCacheLayout
 from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_name, vllm_layout_order
+from kvcore.step_facts import StepFacts, mark_step_checked
 
-__all__ = ["adopt_kv_caches", "check_readable_order", "from_vllm_layer_view", "physical_order"]
+__all__ = ["adopt_kv_caches", "attention_metadata_from_engine", "check_readable_order",
+           "from_vllm_layer_view", "physical_order"]
 
 _RAW_DTYPES = (torch.uint8, torch.int8)
 
@@ -288,3 +293,103 @@ def _kvcore_name(order: tuple[int, ...]) -> str:
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
+
+
+def attention_metadata_from_engine(
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc_cpu: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    block_size: int,
+    num_blocks: int,
+    seq_lens_cpu: torch.Tensor | None = None,
+    causal: bool = True,
+    check_on_device: bool = False,
+) -> AttentionMetadata:
+    """A step's :class:`~kvcore.AttentionMetadata` from the engine's own device tensors and
+    the host facts it already has, without reading the device.
+
+    Engines keep a step's metadata on the device (vLLM's ``CommonAttentionMetadata``) and a
+    few facts on the host: ``query_start_loc_cpu``, the maxima, sometimes ``seq_lens_cpu``.
+    Rows of ``slot_mapping`` beyond ``query_start_loc_cpu[-1]`` are padding (slot ``-1``,
+    never written; their output rows are left alone).
+
+    Value-check policy: what the host facts state is checked here, on the host (shapes,
+    dtypes, devices; ``query_start_loc_cpu`` starts at 0, never decreases, covers at most the
+    rows; ``max_query_len`` is its largest query; ``seq_lens_cpu``, when given, covers each
+    query and stays within ``max_seq_len``). What only the device holds (block ids, slots) is
+    the engine's word: the tensors are marked as checked with the bounds the engine vouches
+    for (ids below ``num_blocks``, requests within ``max_seq_len``), so a builder's ``build``
+    and every layer's ops read nothing back. ``check_on_device=True`` (an engine's debug mode)
+    leaves them unmarked: the builder then reads them once per step and checks every value.
+
+    Raises:
+        ValueError, TypeError: a host fact that contradicts the tensors' shapes or itself,
+            a per-request ``causal`` tensor, a tensor of the wrong dtype or device.
+    """
+    tensors = {"query_start_loc": (query_start_loc, 1, (torch.int32,)),
+               "seq_lens": (seq_lens, 1, (torch.int32,)),
+               "block_table": (block_table, 2, (torch.int32,)),
+               "slot_mapping": (slot_mapping, 1, (torch.int64, torch.int32))}
+    device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
+    for arg, (t, ndim, dtypes) in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim or t.dtype not in dtypes:
+            raise TypeError(f"{arg} has shape {tuple(t.shape)} and dtype {_name(t.dtype)}; "
+                            f"expected {ndim} dims of {' or '.join(map(_name, dtypes))}")
+        if t.device != device:
+            raise ValueError(f"{arg} is on {t.device} but query_start_loc is on {device}; the "
+                             "step's tensors must share a device")
+    if isinstance(causal, torch.Tensor):
+        raise ValueError("causal is a tensor (per-request causal flags); kvcore's backends "
+                         "take one causal flag per step: split the step by causality")
+    for arg, value in (("block_size", block_size), ("num_blocks", num_blocks),
+                       ("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{arg}={value!r} must be an int >= 0")
+    num_seqs = seq_lens.shape[0]
+    if not isinstance(query_start_loc_cpu, torch.Tensor) or query_start_loc_cpu.is_cuda:
+        raise TypeError("query_start_loc_cpu must be a host (CPU) tensor, the engine's copy of "
+                        "query_start_loc")
+    starts = query_start_loc_cpu.tolist()
+    if len(starts) != num_seqs + 1 or query_start_loc.shape[0] != num_seqs + 1 \
+            or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"seq_lens has {num_seqs} requests but query_start_loc_cpu has {len(starts)} "
+            f"entries, query_start_loc {query_start_loc.shape[0]} and block_table "
+            f"{block_table.shape[0]} rows; pass the step's requests only (num_reqs + 1 "
+            "starts)")
+    q_lens = [b - a for a, b in itertools.pairwise(starts)]
+    rows = slot_mapping.shape[0]
+    if starts[0] != 0 or min(q_lens, default=0) < 0 or starts[-1] > rows:
+        raise ValueError(f"query_start_loc_cpu={starts[:8]}... must start at 0, never "
+                         f"decrease and end at most at the {rows} rows of slot_mapping")
+    if max(q_lens, default=0) != max_query_len:
+        raise ValueError(f"max_query_len={max_query_len} but query_start_loc_cpu's longest "
+                         f"query has {max(q_lens, default=0)} tokens")
+    if seq_lens_cpu is not None:
+        lens = seq_lens_cpu.tolist()
+        short = [i for i, (s, q) in enumerate(zip(lens, q_lens, strict=False)) if s < q]
+        if len(lens) != num_seqs or short or max(lens, default=0) > max_seq_len:
+            raise ValueError(
+                f"seq_lens_cpu={lens[:8]} must have {num_seqs} entries, each at least its "
+                f"query length (requests {short[:4]} are shorter) and at most max_seq_len="
+                f"{max_seq_len}")
+    metadata = AttentionMetadata(
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+        slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        num_actual_tokens=starts[-1], causal=bool(causal),
+        query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
+    if not check_on_device and block_size > 0:
+        facts = StepFacts(
+            num_tokens=starts[-1], num_seqs=num_seqs, block_size=block_size,
+            max_blocks_per_seq=min(-(-max_seq_len // block_size), block_table.shape[1]),
+            max_block_id=num_blocks - 1, max_slot=num_blocks * block_size - 1)
+        mark_step_checked(facts, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                          block_table=block_table, slot_mapping=slot_mapping)
+    return metadata
