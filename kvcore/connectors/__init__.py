@@ -13,6 +13,10 @@ by name with :func:`get_connector`. Built-ins (registered through the same
 ``mooncake`` the same through Mooncake's transfer engine (:mod:`kvcore.connectors.mooncake`;
              needs ``pip install 'kvcore[mooncake]'``)
 
+Layout conversion (:mod:`kvcore.connectors.convert`): :func:`plan_conversion` plans how KV moves
+between caches of different layouts (block size, order, cross-layer, TP head slices, fp8) and
+:meth:`ConversionPlan.apply` moves it.
+
 Block copiers (:mod:`kvcore.connectors.copiers`) are vendor ways to move many blocks between a
 device and pinned memory, registered by plugins; ``offload`` can use one.
 """
@@ -36,6 +40,14 @@ from kvcore.connectors.blocks import (
     inject_kv_into_layer,
     virtually_split_kv_in_blocks,
 )
+from kvcore.connectors.convert import (
+    ConversionPlan,
+    LayoutConversionError,
+    TPRank,
+    block_rows_layout,
+    heads_of_rank,
+    plan_conversion,
+)
 from kvcore.connectors.copiers import BlockCopier, block_copier_names, get_block_copier
 from kvcore.connectors.keys import check_block_keys, hash_block_tokens, hash_request_tokens
 from kvcore.registry import ResolveError, connector_registry
@@ -44,12 +56,16 @@ __all__ = [
     "FAILURE_POLICIES",
     "BlockCopier",
     "ConnectorStats",
+    "ConversionPlan",
     "KVConnector",
     "KVTransferError",
+    "LayoutConversionError",
     "RegisteredCaches",
+    "TPRank",
     "TransferHandle",
     "TransferResult",
     "block_copier_names",
+    "block_rows_layout",
     "check_block_keys",
     "extract_kv_from_layer",
     "get_block_copier",
@@ -57,7 +73,9 @@ __all__ = [
     "get_connector_class",
     "hash_block_tokens",
     "hash_request_tokens",
+    "heads_of_rank",
     "inject_kv_into_layer",
+    "plan_conversion",
     "virtually_split_kv_in_blocks",
 ]
 
