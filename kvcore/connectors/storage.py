@@ -21,6 +21,12 @@ directory, whatever exception the file library raises) fails the blocks it hit, 
 reason, never the whole transfer; the blocks written before it are reported saved.
 No pickle is involved anywhere: safetensors stores raw tensors and string metadata. safetensors
 is the ``kvcore[storage]`` extra, imported when a connector is made.
+
+With ``convert=True`` a connector also
+looks up and loads blocks that engines of another layout wrote under the same root (another
+stride order, per-layer or cross-layer: :func:`~kvcore.connectors.plan_conversion` with the
+same block size, heads and dtype, since keys name blocks of tokens), converting each on load;
+what it writes stays in its own layout.
 """
 
 from __future__ import annotations
@@ -41,6 +47,12 @@ import torch
 from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
 from kvcore.connectors.blocks import _host_buffer
+from kvcore.connectors.convert import (
+    ConversionPlan,
+    LayoutConversionError,
+    block_rows_layout,
+    plan_conversion,
+)
 from kvcore.connectors.keys import check_block_keys
 
 __all__ = ["StorageConnector", "FILE_FORMAT"]
@@ -83,17 +95,25 @@ class StorageConnector(KVConnector):
     Args:
         root: the shared directory (created if missing).
         num_workers: threads doing file I/O; each save or load call runs on one of them.
+        convert: also look up and load blocks written by engines of another layout under the
+            same root (same block size, heads and dtype; another stride order, per-layer or
+            cross-layer), converted on load. Default ``False``: only this layout's blocks.
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
     """
 
     prefer_cross_layer_blocks = True  # a whole block is then one gather
 
     def __init__(self, *, root: str | os.PathLike[str], num_workers: int = 4,
-                 failure_policy: str = "recompute") -> None:
+                 convert: bool = False, failure_policy: str = "recompute") -> None:
         if not isinstance(root, (str, os.PathLike)) or not str(root):
             raise TypeError(f"root must be a directory path, got {root!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} must be a positive integer")
+        if not isinstance(convert, bool):
+            raise TypeError(f"convert must be a bool, got {convert!r}")
+        self.convert = convert
+        #: Namespace directory name -> the plan from its files' rows, or None (not convertible).
+        self._plans: dict[str, ConversionPlan | None] = {}
         self._st = _safetensors()
         super().__init__(failure_policy=failure_policy)
         self.root = Path(root)
@@ -115,6 +135,60 @@ class StorageConnector(KVConnector):
             "dtype": str(layout.dtype).removeprefix("torch."),
             "block_size": str(_block_size(layout)),
         }
+
+    def _sources(self) -> list[tuple[Path, ConversionPlan]]:
+        """Other namespaces under the root whose blocks convert into this cache (``convert``
+        only; a namespace's layout is read once, from one of its files)."""
+        if not self.convert:
+            return []
+        try:
+            names = sorted(entry.name for entry in os.scandir(self.root)
+                           if entry.is_dir(follow_symlinks=False) and entry.name != self._dir.name)
+        except OSError:
+            return []
+        found = []
+        for name in names:
+            if name not in self._plans:
+                plan = self._plan_for(self.root / name)
+                if plan is False:
+                    continue
+                self._plans[name] = plan
+            if self._plans[name] is not None:
+                found.append((self.root / name, self._plans[name]))
+        return found
+
+    def _plan_for(self, directory: Path) -> ConversionPlan | bool | None:
+        """The plan from ``directory``'s block rows into this cache; None when its layout does
+        not convert with the same block size (keys name blocks of tokens) or is unreadable;
+        False while it holds no block file to read the layout from (asked again later)."""
+        try:
+            path = next((f for shard in sorted(directory.iterdir())
+                         if shard.is_dir() and not shard.is_symlink()
+                         for f in sorted(shard.glob("*.safetensors")) if not f.is_symlink()),
+                        None)
+            if path is None:
+                return False
+            with self._st.safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+            theirs = KVCacheLayout.from_dict(json.loads(metadata.get("layout", "")))
+            plan = plan_conversion(block_rows_layout(theirs), self._layout)
+        except (LayoutConversionError, ValueError, RecursionError):
+            return None
+        except Exception:  # a file vanishing or garbage: safetensors raises many types
+            return False
+        return plan if plan.src_block_size == plan.dst_block_size else None
+
+    def _find(self, key: str) -> tuple[Path, ConversionPlan | None] | None:
+        """Where ``key``'s block is: this namespace's file (plan None), else another
+        namespace's with the plan that converts it (``convert``); None when nowhere."""
+        path = self._path(key)
+        if self._is_block_file(path):
+            return path, None
+        for directory, plan in self._sources():
+            other = directory / key[:2] / f"{key}.safetensors"
+            if not other.parent.is_symlink() and other.is_file() and not other.is_symlink():
+                return other, plan
+        return None
 
     def path_of(self, key: str) -> Path:
         """The file that holds ``key`` (validated: a hex digest, so always under the root)."""
@@ -153,7 +227,8 @@ class StorageConnector(KVConnector):
 
     def _lookup(self, keys: list[str]) -> int:
         for i, key in enumerate(keys):
-            if not self._is_block_file(self._path(key)):
+            if (self._find(key) if self.convert else
+                    self._is_block_file(self._path(key)) or None) is None:
                 return i
         return len(keys)
 
@@ -210,8 +285,22 @@ class StorageConnector(KVConnector):
         rows: list[torch.Tensor] = []
         loaded: list[int] = []
         failed: dict[int, str] = {}
+        # Blocks of other layouts, by plan: (plan, rows, block ids).
+        converted: dict[int, tuple[ConversionPlan, list[torch.Tensor], list[int]]] = {}
         for key, block in zip(keys, block_ids, strict=True):
             path = self._path(key)
+            found = self._find(key) if self.convert else None
+            if found is not None and found[1] is not None:
+                path, plan = found
+                try:
+                    row = self._read_file(path, plan.src)
+                except (FileNotFoundError, _LinkedDir, _BadFile) as exc:
+                    failed[block] = f"{path} (another layout's block): {exc}"
+                    continue
+                entry = converted.setdefault(id(plan), (plan, [], []))
+                entry[1].append(row)
+                entry[2].append(block)
+                continue
             try:
                 rows.append(self._read_file(path))
                 loaded.append(block)
@@ -224,6 +313,11 @@ class StorageConnector(KVConnector):
                 self._unlink(path)  # garbage: stop offering it to lookup()
         if loaded:
             self._write_blocks(loaded, torch.stack(rows).flatten(1), "storage load")
+        for plan, plan_rows, plan_blocks in converted.values():
+            plan.apply(torch.stack(plan_rows), self._reg.kv_caches, list(range(len(plan_rows))),
+                       plan_blocks)
+            loaded.extend(plan_blocks)
+        if loaded:
             storage = self._reg.kv_caches.storage
             if storage.is_cuda:  # written on this worker thread's stream
                 torch.cuda.current_stream(storage.device).synchronize()
@@ -231,8 +325,11 @@ class StorageConnector(KVConnector):
                               time.perf_counter() - started)
         return self._record(result)
 
-    def _read_file(self, path: Path) -> torch.Tensor:
-        """The verified ``(num_layers, page_size_bytes)`` bytes of a block file."""
+    def _read_file(self, path: Path, layout: KVCacheLayout | None = None) -> torch.Tensor:
+        """The verified ``(num_layers, page_size_bytes)`` bytes of a block file of ``layout``
+        (default: this cache's)."""
+        layout = self._layout if layout is None else layout
+        row_shape = (layout.num_layers, layout.page_size_bytes)
         self._check_dirs(path)
         if path.is_symlink():
             raise _BadFile("is a symbolic link; the storage connector follows no link below "
@@ -257,13 +354,15 @@ class StorageConnector(KVConnector):
         except (ValueError, RecursionError) as exc:
             raise _BadFile(f"unreadable layout metadata ({type(exc).__name__}: "
                            f"{str(exc)[:300]})") from exc
-        diffs = theirs.differences(self._layout, ignore_num_blocks=True)
+        # Files hold block rows, alike for per-layer and cross-layer caches of one order.
+        diffs = block_rows_layout(theirs).differences(block_rows_layout(layout),
+                                                      ignore_num_blocks=True)
         if diffs:
             raise _BadFile(f"layout mismatch (file {theirs.describe()}; this cache "
-                           f"{self._layout.describe()}): {'; '.join(diffs)}")
-        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != self._row_shape:
+                           f"{layout.describe()}): {'; '.join(diffs)}")
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != row_shape:
             raise _BadFile(f"tensor is {tensor.dtype} {tuple(tensor.shape)}, expected uint8 "
-                           f"{self._row_shape}")
+                           f"{row_shape}")
         tensor = tensor.contiguous()
         digest = hashlib.sha256(_host_buffer(tensor)).hexdigest()
         if digest != metadata.get("sha256"):
