@@ -379,6 +379,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_layout(args: argparse.Namespace) -> int:
     from kvcore.cli.layout_view import describe_layout, format_layout, plot_layout
 
+    if args.convert:
+        if args.backend or args.plot or args.cross_layer:
+            raise ValueError("--convert SRC DST names both backends (cross_layer=yes inside "
+                             "a side); leave out the BACKEND argument, --cross-layer and --plot")
+        from kvcore.cli.convert_view import conversion_plan
+
+        plan = conversion_plan(args)
+        _emit(args, plan.to_dict(), str(plan))
+        return 0
+    if args.backend is None:
+        raise ValueError("kvcore layout needs a BACKEND (e.g. TRITON_ATTN; see kvcore list), "
+                         "or --convert SRC DST")
     if args.plot:
         from kvcore.cli.plotting import check_plot_path
 

@@ -284,7 +284,13 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
 
     lay = with_format(sub.add_parser(
         "layout", help="a backend's KV-cache shapes, strides and where its blocks lie"))
-    lay.add_argument("backend", help="backend name, e.g. TRITON_ATTN (see kvcore list)")
+    lay.add_argument("backend", nargs="?",
+                     help="backend name, e.g. TRITON_ATTN (see kvcore list)")
+    lay.add_argument("--convert", nargs=2, metavar=("SRC", "DST"), default=None,
+                     help="print the plan that converts SRC's cache into DST's instead, each "
+                          "BACKEND[:key=value,...] with keys block_size, cross_layer (yes/no), "
+                          "tp (DEGREE/RANK; --num-kv-heads counts all ranks) and dtype, e.g. "
+                          "TRITON_ATTN:block_size=16 FLASHINFER:block_size=64,tp=2/1")
     lay.add_argument("--cross-layer", action="store_true",
                      help="the cross-layer allocation (all layers of a block contiguous); "
                           "only for backends that opt in")
