@@ -1,0 +1,78 @@
+"""Serve a random-weight Llama through vLLM's own engine and print the greedy tokens as JSON.
+
+Run in a fresh process per configuration (vLLM keeps global state: its backend overrides, its
+plugins, its config): ``python vllm_run.py MODEL_DIR '{"block_size": 16, ...}'``. The options:
+
+- ``block_size``, ``enable_prefix_caching``, ``max_num_batched_tokens`` (small: chunked
+  prefill), ``multiprocessing`` (vLLM's engine core in its own process), ``layout`` (vLLM's
+  ``VLLM_KV_CACHE_LAYOUT``), ``break_mask`` (the negative control: kvcore's causal flag turned
+  off in every step, which must change the tokens);
+- the environment picks the backend: ``VLLM_PLUGINS=`` (empty) runs vLLM's own CPU_ATTN, the
+  plugin installed and allowed runs kvcore's through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def prompts() -> list[list[int]]:
+    """Token-id prompts; the later ones share the first's 40-token prefix (prefix caching)."""
+    shared = [(7 * j + 3) % 500 + 1 for j in range(40)]
+    own = [[(11 * j + 5 * i) % 500 + 1 for j in range(6 + 13 * i)] for i in range(4)]
+    return [shared + own[0], shared + own[1], own[2], shared + own[3]]
+
+
+def main() -> None:
+    model_dir, options = sys.argv[1], json.loads(sys.argv[2])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if options.get("multiprocessing") else "0"
+    if options.get("layout"):
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = options["layout"]
+    if options.get("break_mask"):
+        import dataclasses
+
+        import kvcore
+
+        build = kvcore.AttentionMetadataBuilder.build  # CPU_ATTN's builder
+
+        def broken(self, common, **kwargs):  # every query sees its whole request: no mask
+            return build(self, dataclasses.replace(common, causal=False), **kwargs)
+
+        kvcore.AttentionMetadataBuilder.build = broken
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=options.get("dtype", "float32"),
+              enforce_eager=True, block_size=options.get("block_size", 32), max_model_len=256,
+              max_num_seqs=4, seed=0, kv_cache_memory_bytes=32 << 20,
+              enable_prefix_caching=options.get("enable_prefix_caching", False),
+              max_num_batched_tokens=options.get("max_num_batched_tokens", 256),
+              enable_chunked_prefill=True)
+    params = SamplingParams(max_tokens=options.get("max_tokens", 32), temperature=0.0,
+                            detokenize=False)
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
+    if options.get("enable_prefix_caching"):  # the first request fills the cache first
+        first = llm.generate(batch[:1], params, use_tqdm=False)
+        rest = llm.generate(batch[1:], params, use_tqdm=False)
+        outputs = first + rest
+    else:
+        outputs = llm.generate(batch, params, use_tqdm=False)
+    impl = _attention_impl(llm)
+    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                                  "impl": impl}), flush=True)
+
+
+def _attention_impl(llm) -> str:
+    """The class name of the attention impl of the first layer (in-process engines only)."""
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        layers = runner.vllm_config.compilation_config.static_forward_context
+        return type(next(iter(layers.values())).impl).__name__
+    except AttributeError:
+        return "unknown (engine in another process)"
+
+
+if __name__ == "__main__":
+    main()
