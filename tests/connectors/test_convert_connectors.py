@@ -58,3 +58,35 @@ def test_storage_does_not_offer_blocks_it_cannot_convert(tmp_path):
         conn.register_kv_caches(make_caches(layout="hnd", cross_layer=True))
         assert conn.lookup(keys) == 0
         assert "no file for key" in conn.load(keys, [2, 3]).wait().failed[2]
+
+
+def test_offload_loads_into_caches_reallocated_with_another_backend():
+    before = make_caches(layout="nhd", cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 4)
+    with get_connector("offload", capacity_bytes=1 << 20) as conn:
+        conn.register_kv_caches(before)
+        assert conn.save(keys[:3], [2, 5, 6]).wait().ok
+        after = make_caches(layout="hnd", cross_layer=False)  # the engine switched backends
+        conn.reregister_kv_caches(after)
+        assert conn.save(keys[3:], [0]).wait().ok  # saved in the new layout
+        untouched = logical_blocks(after, [1, 3])
+        result = conn.load(keys, [7, 8, 9, 10]).wait()
+        assert result.ok and set(result.succeeded) == {7, 8, 9, 10}
+        assert torch.equal(logical_blocks(after, [7, 8, 9]), logical_blocks(before, [2, 5, 6]))
+        assert torch.equal(logical_blocks(after, [10]), logical_blocks(after, [0]))
+        assert torch.equal(logical_blocks(after, [1, 3]), untouched)
+        # Back to the first backend: the first blocks load as they were, the later converted.
+        again = make_caches(layout="nhd", cross_layer=True)
+        conn.reregister_kv_caches(again)
+        assert conn.load(keys, [1, 2, 3, 4]).wait().ok
+        assert torch.equal(logical_blocks(again, [1, 2, 3]), logical_blocks(before, [2, 5, 6]))
+        assert torch.equal(logical_blocks(again, [4]), logical_blocks(after, [0]))
+
+
+def test_offload_reregistration_keeps_the_block_size():
+    with get_connector("offload", capacity_bytes=1 << 20) as conn:
+        conn.register_kv_caches(make_caches(layout="nhd", cross_layer=True))
+        with pytest.raises(ValueError, match=r"differ in size from the pool's"):
+            conn.reregister_kv_caches(make_caches(layout="hnd", cross_layer=True, block_size=8))
+        with pytest.raises(ValueError, match=r"an MLA latent cache and a K/V cache"):
+            conn.reregister_kv_caches(make_caches(layout="mla", cross_layer=False))

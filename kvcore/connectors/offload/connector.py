@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from kvcore import KVCaches
 from kvcore.connectors.base import (
     KVConnector,
     KVTransferError,
@@ -16,6 +17,7 @@ from kvcore.connectors.base import (
     TransferHandle,
     TransferResult,
 )
+from kvcore.connectors.convert import ConversionPlan, block_rows_layout, plan_conversion
 from kvcore.connectors.copiers import BlockCopier, get_block_copier
 from kvcore.connectors.offload.cuda import (
     IdUploader,
@@ -107,6 +109,30 @@ class OffloadConnector(KVConnector):
                 raise ValueError(f"block_copier={self.block_copier!r} cannot move the blocks of "
                                  f"this cache: {reason}")
         self._async = device.type == "cuda"
+        #: Keys whose slots hold blocks of caches registered before (reregister_kv_caches),
+        #: with the plan that converts them on load.
+        self._foreign: dict[str, ConversionPlan] = {}
+        started = time.perf_counter()
+        self._pool = HostPool(num_slots, block_bytes, pin=self._async,
+                              background=self.pin_in_background)
+        if self._pool.ready_slots() == 0:
+            error = self._pool.error
+            self._pool.close()
+            raise RuntimeError(f"the CPU pool could not be allocated: {error}")
+        self._index = SlotIndex(num_slots, available=self._pool.ready_slots())
+        self._setup_device(reg)
+        # Only now the rest of the pool: pinning holds a CUDA driver lock that the set-up
+        # above would otherwise wait behind (pinning.py).
+        self._pool.start()
+        self.register_seconds = time.perf_counter() - started
+
+    def _setup_device(self, reg: RegisteredCaches) -> None:
+        """The device side of a registration: word views of the cache, staging, streams,
+        the id ring, kernels warmed up."""
+        kv = reg.kv_caches
+        device = kv.storage.device
+        num_slots = self._index.num_slots
+        block_bytes = kv.num_layers * kv.page_size_bytes
         row_bytes = reg.views[0].shape[1]
         word = WORD_DTYPES[word_size(row_bytes, reg.views)]
         # The cache's rows as words, and (when the layers are equally spaced) all layers as one
@@ -117,16 +143,6 @@ class OffloadConnector(KVConnector):
         #: the layers lie back to back (see _copy_with_copier); else None.
         self._flat: torch.Tensor | None = None
         row_words = self._dev_views[0].shape[1]
-        # Pinned host memory is what lets a device copy run asynchronously; it is allocated in
-        # chunks, the pool growing as they arrive (pinning.py). Slot-major: a run of
-        # consecutive slots within a chunk is one contiguous region whatever the layout.
-        started = time.perf_counter()
-        self._pool = HostPool(num_slots, block_bytes, pin=self._async,
-                              background=self.pin_in_background)
-        if self._pool.ready_slots() == 0:
-            error = self._pool.error
-            self._pool.close()
-            raise RuntimeError(f"the CPU pool could not be allocated: {error}")
         self._word = word
         self._row_words = row_words
         dev3 = self._dev3
@@ -134,7 +150,6 @@ class OffloadConnector(KVConnector):
             self._flat = dev3.as_strided((dev3.shape[0] * dev3.shape[1], dev3.shape[2]),
                                          (dev3.stride(0), dev3.stride(2)),
                                          dev3.storage_offset())
-        self._index = SlotIndex(num_slots, available=self._pool.ready_slots())
         self._chunk_blocks = max(1, min(num_slots, self.chunk_bytes // block_bytes))
         shape = (self._chunk_blocks, len(reg.views), row_words)
         self._staging = ({} if self._copier is not None else
@@ -147,10 +162,54 @@ class OffloadConnector(KVConnector):
         self._ids = IdUploader(device, ID_RING_ENTRIES) if self._async else None
         if self._async:
             self._warm_up(device)
-        # Only now the rest of the pool: pinning holds a CUDA driver lock that the set-up
-        # above would otherwise wait behind (pinning.py).
-        self._pool.start()
-        self.register_seconds = time.perf_counter() - started
+
+    def reregister_kv_caches(self, kv_caches: KVCaches) -> None:
+        """Attach caches re-allocated in place of the registered ones (another backend, or
+        per-layer instead of cross-layer), keeping the pool: blocks saved before load into the
+        new caches converted (:func:`~kvcore.connectors.plan_conversion`), new saves store the
+        new layout.
+
+        Waits for every transfer in flight first. The new caches must be on the same device
+        with blocks of the same bytes (same block size, heads, head size, layers and dtype):
+        another stride order or allocation only.
+
+        Raises:
+            ValueError: the new caches' blocks have another size, or their layout does not
+                convert from the old one (nothing changes then).
+        """
+        old = self._registered()
+        if not isinstance(kv_caches, KVCaches):
+            raise TypeError(f"kv_caches must be a kvcore.KVCaches, got "
+                            f"{type(kv_caches).__name__}")
+        if kv_caches.storage.device != old.kv_caches.storage.device:
+            raise ValueError(f"the new caches are on {kv_caches.storage.device}, the pool was "
+                             f"set up for {old.kv_caches.storage.device}; make a new connector")
+        old_rows = block_rows_layout(old.kv_caches.layout)
+        plan = plan_conversion(old_rows, kv_caches.layout)
+        if plan.src_block_size != plan.dst_block_size or (
+                kv_caches.num_layers * kv_caches.page_size_bytes != self.block_bytes):
+            raise ValueError(f"the new caches' blocks ({kv_caches.layout.describe()}) differ "
+                             f"in size from the pool's ({old.kv_caches.layout.describe()}); "
+                             "re-registering keeps the block size, heads and dtype (another "
+                             "order or allocation only): make a new connector")
+        views = ([kv_caches.block_view()] if kv_caches.is_cross_layer
+                 else kv_caches.layer_block_views())
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for handle in pending:
+            try:
+                handle.wait()
+            except KVTransferError:
+                pass
+        reg = RegisteredCaches(kv_caches, views)
+        with self._lock:
+            for key in self._index.keys():
+                previous = self._foreign.get(key)
+                # A block converted before keeps its first layout: plan from that one.
+                self._foreign[key] = plan if previous is None else plan_conversion(
+                    previous.src, kv_caches.layout)
+            self._setup_device(reg)
+            self._reg = reg
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
         """Block until the whole pool is pinned (see ``pin_in_background``); False on
@@ -261,6 +320,7 @@ class OffloadConnector(KVConnector):
                                         else ""))
                     continue
                 entry.pins += 1
+                self._foreign.pop(key, None)  # this save writes the current layout
                 todo.append((block, key, entry))
             evicted = self._index.evictions - evictions
             try:
@@ -282,6 +342,7 @@ class OffloadConnector(KVConnector):
         started = time.perf_counter()
         failed: dict[int, str] = {}
         todo: list[tuple[int, SlotEntry]] = []
+        converted: list[tuple[int, SlotEntry, ConversionPlan]] = []
         with self._lock:
             for key, block in zip(keys, block_ids, strict=True):
                 entry = self._index.get(key)
@@ -290,17 +351,41 @@ class OffloadConnector(KVConnector):
                                      "evicted)")
                     continue
                 entry.pins += 1
+                plan = self._foreign.get(key)
+                if plan is not None:
+                    converted.append((block, entry, plan))
+                    continue
                 todo.append((block, entry))
             saves = list({id(e.ready): e.ready for _, e in todo if e.ready is not None}.values())
+        done = [(b, e) for b, e, _ in converted]
         try:
+            if converted:
+                self._load_converted(converted)
             event = self._copy("load", [(b, e.slot) for b, e in todo], saves)
         except BaseException:
             with self._lock:
-                for _, entry in todo:
+                for _, entry in todo + done:
                     entry.pins -= 1
             raise
+        todo += done  # counted and released with the copied ones
         return self._handle("load", [b for b, _ in todo], failed, [e for _, e in todo], event,
                             started)
+
+    def _load_converted(self, converted: list[tuple[int, SlotEntry, ConversionPlan]]) -> None:
+        """Blocks saved under a previous registration, converted into the current caches now,
+        synchronously (their saves finished before re-registration; the entries are pinned)."""
+        kv = self._reg.kv_caches
+        if self._async:  # the engine's stream may still use the blocks being overwritten
+            torch.cuda.current_stream(kv.storage.device).synchronize()
+        by_plan: dict[int, tuple[ConversionPlan, list[int], list[int]]] = {}
+        for block, entry, plan in converted:
+            group = by_plan.setdefault(id(plan), (plan, [], []))
+            group[1].append(entry.slot)
+            group[2].append(block)
+        for plan, slots, blocks in by_plan.values():
+            plan.apply(self._pool.rows(slots), kv, list(range(len(slots))), blocks)
+        if self._async:
+            torch.cuda.current_stream(kv.storage.device).synchronize()
 
     def _lookup(self, keys: list[str]) -> int:
         with self._lock:
