@@ -1,0 +1,96 @@
+"""kvcore-vllm against the installed vLLM, in process: registration, capabilities, refusals,
+and every private vLLM attribute the plugin reads."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import kvcore
+
+vllm = pytest.importorskip("vllm")
+
+from kvcore_vllm import backends, plugin, vllm_private  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def registered():
+    plugin.register()
+    return vllm_private.backend_enum()
+
+
+def test_every_kvcore_backend_is_a_vllm_backend(registered):
+    for name in kvcore.backend_registry().names():
+        member = registered[f"KVCORE_{name}"]
+        cls = member.get_class()
+        assert cls.get_name() == f"KVCORE_{name}" and cls.KVCORE_NAME == name
+    assert registered["KVCORE"].get_class().KVCORE_NAME is None
+
+
+def test_cpu_attn_stands_in_through_kvcore(registered):
+    assert registered.CPU_ATTN.get_class().get_name() == "KVCORE"
+
+
+def test_kvcore_reasons_surface_in_vllm_validation(registered):
+    triton = registered["KVCORE_TRITON_ATTN"].get_class()
+    reasons = triton.validate_configuration(
+        head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=16,
+        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=None, attn_type="decoder")
+    assert any("kvcore cannot run" in r and "TRITON_ATTN" in r for r in reasons), reasons
+    cpu = registered["KVCORE_CPU_ATTN"].get_class()
+    assert cpu.validate_configuration(
+        head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=16,
+        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=None, attn_type="decoder") == []
+
+
+def test_layouts_and_graph_levels_follow_kvcore_declarations(registered):
+    cpu = registered["KVCORE_CPU_ATTN"].get_class()
+    names = [layout.name for layout in cpu.supported_kv_cache_layouts()]
+    assert names == list(kvcore.resolve_backend("CPU_ATTN").supported_vllm_layouts("cpu"))
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    assert backends.CUDA_GRAPH_LEVELS[kvcore.CudaGraphSupport.UNIFORM_DECODE] is (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert set(backends.CUDA_GRAPH_LEVELS) == set(kvcore.CudaGraphSupport)
+
+
+def test_vllm_layout_names_are_vllms():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    assert {m.name: m.value for m in KVCacheLayout} == kvcore.VLLM_LAYOUTS
+
+
+@pytest.mark.parametrize("owner, attribute, why", vllm_private.PRIVATE_ATTRIBUTES,
+                         ids=[a for _, a, _ in vllm_private.PRIVATE_ATTRIBUTES])
+def test_private_vllm_attribute_still_exists(owner, attribute, why):
+    """Fails when vLLM renames or drops a private attribute the plugin reads."""
+    module, _, name = owner.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    layer = torch.nn.Module()
+    set_default_quant_scales(layer, register_buffer=True)
+    assert hasattr(layer, attribute), f"vLLM no longer sets {owner}.{attribute} ({why})"
+    from vllm.v1.attention.backend import AttentionLayer
+
+    assert attribute in AttentionLayer.__annotations__, (
+        f"vLLM's AttentionLayer protocol no longer declares {attribute} ({why}); "
+        f"{cls.__name__} may have moved it")
+    assert vllm_private.layer_scales(layer) == (1.0, 1.0)
+
+
+def test_vllm_interface_points_exist():
+    """The public vLLM names the plugin builds on (renamed between minors before)."""
+    from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+    fields = CommonAttentionMetadata.__dataclass_fields__
+    for field in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs",
+                  "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping",
+                  "causal"):
+        assert field in fields, f"CommonAttentionMetadata lost {field}"
+    assert hasattr(AttentionBackend, "supported_kv_cache_layouts")
+    assert hasattr(vllm.forward_context, "is_forward_context_available")
