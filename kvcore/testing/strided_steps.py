@@ -99,12 +99,22 @@ def check_strided_step_tensors(backend: type, config: CaseConfig, device: torch.
         raise run.fail(RULE, "forward with query_start_loc, seq_lens and block_table views at "
                              f"stride 2 (other values between theirs): {diff}")
     builder = _make_builder(run, max_model_len=8 * config.block_size)
-    outputs = []
-    for step in (batch, strided):
-        meta = run.call("builder.build", builder.build, step.metadata)
-        outputs.append(run.call("forward", impl.forward, scales, step.query, step.key,
-                                step.value, layer, meta)[:n])
-    diff = _first_difference(outputs[1], outputs[0])
+
+    def built_forward(step: MixedBatch) -> torch.Tensor:
+        meta = builder.build(step.metadata)
+        return impl.forward(scales, step.query, step.key, step.value, layer, meta)[:n]
+
+    try:
+        dense = built_forward(batch)
+    except Exception:  # a builder failing on dense tensors is builder-reference's finding
+        return
+    try:
+        got = built_forward(strided)
+    except Exception as exc:
+        raise run.fail(RULE, "builder.build() and forward with step tensors that are views at "
+                             f"stride 2 raised {type(exc).__name__}: {exc} (with the dense "
+                             "tensors they ran)") from exc
+    diff = _first_difference(got, dense)
     if diff:
         raise run.fail(RULE, "forward with builder.build()'s metadata for step tensors that "
                              f"are views at stride 2: {diff}")
