@@ -39,6 +39,8 @@
 #   the 128-head shapes, FlashInfer MLA beside it when .whl is carried.
 #   profiles: ncu (stall reasons included) on sm90's prefill row at chunked prefill and on
 #   TRITON_MLA's Gluon decode (and merge) at B8 x 32768 with 8 splits beside B64 x 4096.
+#   ab: bench_ab.py, the public ops of an earlier tree (.ab/before, carried) against this one.
+#   readme: the README's kvcore commands as written, timed cold and warm (carry .whl).
 set -u
 STEPS=${STEPS:-gpu_tests conformance benches}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -239,6 +241,34 @@ for row in rows[head + 2:] if head is not None else []:
                 --launch-skip 2 --launch-count 2 python3 benchmarks/prof_gluon_mla.py
         fi
     done
+fi
+# ab: bench_ab.py, the public ops of the tree in AB_BEFORE (default .ab/before, carried: e.g.
+# `git archive REV kvcore plugins/*/kvcore_*` unpacked with the plugin packages at its top)
+# against this tree, AB_ROUNDS rounds taking turns (~2 min a round on an H100).
+has ab && step ab ${AB_LIMIT:-330} python3 benchmarks/bench_ab.py --before "${AB_BEFORE:-.ab/before}" \
+    --rounds ${AB_ROUNDS:-2} --out "$OUT"
+# readme: the README's kvcore commands as written, each timed (wall seconds in the log's last
+# line): the demos twice (the first run builds what the second loads from the caches), FlashInfer
+# warmed ahead by `kvcore warmup`, then the commands that only look around.
+if has readme; then
+    timed() {  # timed NAME LIMIT CMD...
+        local name=$1 limit=$2; shift 2
+        local start=$SECONDS
+        step "$name" "$limit" "$@"
+        echo "=== $name wall_s=$((SECONDS - start))" | tee -a "$OUT/readme_times.txt"
+    }
+    export KVCORE_PROGRESS=1
+    for run in cold warm; do
+        timed "demo_$run" 120 kvcore demo
+        timed "demo_mla_small_$run" 120 kvcore demo --model mla-small
+    done
+    timed warmup_flashinfer_cold 240 kvcore warmup --backend FLASHINFER
+    timed demo_flashinfer_warm 120 kvcore demo --backend FLASHINFER
+    timed select_explain 60 kvcore select --explain --head-size 128 --dtype bfloat16
+    timed layout_hnd 60 kvcore layout TRITON_ATTN_HND --cross-layer
+    timed list 60 kvcore list
+    timed plugins 60 kvcore plugins
+    timed transformers_example 180 python3 examples/transformers_llama.py --device cuda
 fi
 if has demos; then
     for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
