@@ -83,6 +83,7 @@ def test_tokens_equal_on_every_declared_vllm_layout(model_dir, vllm_tokens, layo
     kvcore reads its memory in place, cross-layer layouts included."""
     result = _run(model_dir, {"block_size": 16, "layout": layout}, plugin=True)
     assert result["impl"] == KVCORE_IMPL
+    assert result["layout"] == layout, f"vLLM allocated {result['layout']}, not {layout}"
     same, total = _equal(f"kvcore CPU_ATTN, layout {layout}", result["tokens"], vllm_tokens)
     assert same == total
 

@@ -59,19 +59,21 @@ def main() -> None:
         outputs = first + rest
     else:
         outputs = llm.generate(batch, params, use_tqdm=False)
-    impl = _attention_impl(llm)
+    impl, layout = _attention_impl(llm)
     print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                                  "impl": impl}), flush=True)
+                                  "impl": impl, "layout": layout}), flush=True)
 
 
-def _attention_impl(llm) -> str:
-    """The class name of the attention impl of the first layer (in-process engines only)."""
+def _attention_impl(llm) -> tuple[str, str | None]:
+    """The class name of the first layer's attention impl and the KV-cache layout vLLM
+    resolved (in-process engines only)."""
     try:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         layers = runner.vllm_config.compilation_config.static_forward_context
-        return type(next(iter(layers.values())).impl).__name__
+        return (type(next(iter(layers.values())).impl).__name__,
+                runner.vllm_config.cache_config.kv_cache_layout)
     except AttributeError:
-        return "unknown (engine in another process)"
+        return "unknown (engine in another process)", None
 
 
 if __name__ == "__main__":
