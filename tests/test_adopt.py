@@ -155,3 +155,16 @@ def test_vllm_layer_view_refusals():
     with pytest.raises(ValueError, match="strided by other layers"):
         kvcore.from_vllm_layer_view("TRITON_ATTN", phys[:, :, 0], head_size=8,
                                     platform="rocm")
+
+
+def test_kvcore_layout_shows_a_vllm_named_layout(capsys):
+    from cli_helpers import run_cli
+
+    code, out, _ = run_cli(capsys, "layout", "CPU_ATTN", "--vllm-layout", "blnhc",
+                           "--num-layers", "2", "--num-blocks", "2", "--head-size", "8")
+    assert code == 0
+    assert "layout: B,L,N,H,2,D" in out and "vLLM name: BLNHC" in out
+    code, out, _ = run_cli(capsys, "layout", "CPU_ATTN")
+    assert "vLLM name: none (K and V halves apart)" in out
+    code, _, err = run_cli(capsys, "layout", "TRITON_ATTN", "--vllm-layout", "LHBNC")
+    assert code != 0 and "TRITON_ATTN does not read it; it reads LBNHC, LBHNC" in err

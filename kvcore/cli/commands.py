@@ -396,6 +396,17 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
         check_plot_path(args.plot)
     backend = kvcore.resolve_backend(_check_backend_name(args.backend, "layout"))
+    if args.vllm_layout is not None:
+        name = args.vllm_layout.upper()
+        kvcore.vllm_layout_order(name)  # a ValueError listing the names for an unknown one
+        if args.cross_layer:
+            raise ValueError(f"--vllm-layout {name} fixes where the layers lie; leave out "
+                             "--cross-layer")
+        if name not in backend.supported_vllm_layouts():
+            raise ValueError(
+                f"--vllm-layout {name}: {backend.get_name()} does not read it; it reads "
+                f"{', '.join(backend.supported_vllm_layouts()) or 'no vLLM layout'}")
+        args.vllm_layout = name
     if args.cross_layer and not backend.supports_cross_layer():
         raise ValueError(
             f"--cross-layer: {backend.get_name()} does not opt in to cross-layer KV caches "
@@ -420,7 +431,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         backend, num_layers=args.num_layers, num_blocks=args.num_blocks,
         block_size=args.block_size, num_kv_heads=heads, head_size=head_size,
         dtype=args.dtype, cross_layer=args.cross_layer, show_layers=args.show_layers,
-        show_blocks=args.show_blocks)
+        show_blocks=args.show_blocks, vllm_layout=args.vllm_layout)
     _emit(args, view.to_dict(), format_layout(view))
     if args.plot:
         path = plot_layout(view, args.plot)

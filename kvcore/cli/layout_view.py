@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore import AttentionBackend, KVCacheLayout, parse_dtype, resolve_backend
+from kvcore import (
+    AttentionBackend,
+    KVCacheLayout,
+    parse_dtype,
+    resolve_backend,
+    vllm_layout_name,
+    vllm_layout_order,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -96,6 +103,7 @@ class LayoutView:
             "physical_dim_names": list(lay.physical_dim_names),
             "physical_shape": list(lay.physical_shape),
             "stride_order": list(lay.stride_order),
+            "vllm_layout": vllm_layout_name(lay.stride_order),
             "logical_strides": list(lay.logical_strides()),
             "layer_shape": list(lay.layer_shape),
             "layer_strides": list(lay.logical_strides()[1:]),
@@ -162,8 +170,10 @@ def describe_layout(
     cross_layer: bool = False,
     show_layers: int = 4,
     show_blocks: int = 3,
+    vllm_layout: str | None = None,
 ) -> LayoutView:
-    """The layout :func:`kvcore.allocate_kv_caches` would give ``backend`` for these sizes.
+    """The layout :func:`kvcore.allocate_kv_caches` would give ``backend`` for these sizes
+    (with ``vllm_layout``, vLLM's named layout, as :func:`kvcore.adopt_kv_caches` adopts it).
 
     ``cross_layer=True`` asks for the backend's cross-layer order (``ValueError`` naming the
     backend if it does not opt in). Regions are computed for the first ``show_blocks`` blocks
@@ -179,6 +189,9 @@ def describe_layout(
         backend, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
         head_size=head_size, dtype=parse_dtype(dtype), num_layers=num_layers,
         cross_layer=cross_layer)
+    if vllm_layout is not None:
+        layout = KVCacheLayout(layout.logical_shape, vllm_layout_order(vllm_layout),
+                               layout.dim_names, layout.dtype)
     layers, blocks = min(show_layers, num_layers), min(show_blocks, num_blocks)
     return LayoutView(
         backend=backend.get_name(),
@@ -214,6 +227,7 @@ def format_layout(view: LayoutView) -> str:
         f"physical shape: {_shape(lay.physical_dim_names, lay.physical_shape)}",
         f"stride order: {lay.stride_order} (backend: per layer "
         f"{view.per_layer_stride_order}, with layers {view.cross_layer_stride_order})",
+        f"vLLM name: {vllm_layout_name(lay.stride_order) or 'none (K and V halves apart)'}",
         f"logical strides (elements): {_shape(lay.dim_names, strides)}",
         f"layer view: kv_caches.layers[i] shape {tuple(lay.layer_shape)} "
         f"strides {tuple(strides[1:])}",

@@ -294,6 +294,10 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     lay.add_argument("--cross-layer", action="store_true",
                      help="the cross-layer allocation (all layers of a block contiguous); "
                           "only for backends that opt in")
+    lay.add_argument("--vllm-layout", metavar="NAME", default=None,
+                     help="vLLM's named layout instead of the backend's own (LBHNC, LBNHC, "
+                          "LHBNC, BLHNC, BLNHC, BHLNC: what the backend adopts from vLLM); "
+                          "only one the backend reads")
     lay.add_argument("--plot", metavar="FILE.png", default=None,
                      help="draw where each layer's K and V of the first blocks lie")
     lay.add_argument("--num-layers", type=_int_between(1, 1024, "models have fewer layers"),
