@@ -2,7 +2,7 @@
 ``|q_pos - k_pos| < sliding_window`` (bidirectional windows, e.g. EmbeddingGemma), where a
 causal layer sees ``0 <= q_pos - k_pos < sliding_window``. Checked against a dense float64
 computation written here, for the reference op, CPU_ATTN's torch path, the Triton prefill
-and split-KV kernels (under the interpreter on the CPU) and an encoder-only layer."""
+and split-KV kernels (on the GPU, else under the interpreter) and an encoder-only layer."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from kvcore.testing import random_block_tables
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
 
 HEADS, KV_HEADS, D, BS = 4, 2, 16, 8
+#: Where the Triton kernels run: the GPU when there is one, else the CPU under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _batch(q_lens, ctx_lens, seed):
@@ -63,10 +65,13 @@ def _reference(query, kc, vc, meta, window, **_):
 
 
 def _triton(query, kc, vc, meta, window, splits=None):
+    def on(t):
+        return t.to(DEVICE)
+
     return triton_attention.paged_attention(
-        query, kc, vc, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-        block_table=meta.block_table, scale=D**-0.5, causal=False, sliding_window=window,
-        num_kv_splits=splits)
+        on(query), on(kc), on(vc), query_start_loc=on(meta.query_start_loc),
+        seq_lens=on(meta.seq_lens), block_table=on(meta.block_table), scale=D**-0.5,
+        causal=False, sliding_window=window, num_kv_splits=splits).cpu()
 
 
 @pytest.mark.parametrize("window", [1, 5, 40, 90], ids=lambda w: f"window{w}")
@@ -106,17 +111,21 @@ def test_encoder_only_layers_get_the_symmetric_window(name):
     impl = backend.get_impl_cls()(num_heads=HEADS, head_size=D, scale=D**-0.5,
                                   num_kv_heads=KV_HEADS, sliding_window=6,
                                   attn_type=kvcore.AttentionType.ENCODER_ONLY)
+    device = "cpu" if name == "CPU_ATTN" else DEVICE
     gen = torch.Generator().manual_seed(11)
     q_lens = [30, 9]
-    meta = kvcore.build_attention_metadata(q_lens, [0, 0], [[0, 1, 2, 3], [4, 5]], BS)
+    meta = kvcore.build_attention_metadata(q_lens, [0, 0], [[0, 1, 2, 3], [4, 5]], BS,
+                                           device=device)
     n = sum(q_lens)
     query = torch.randn(n, HEADS, D, generator=gen)
     key, value = torch.randn(n, KV_HEADS, D, generator=gen), torch.randn(n, KV_HEADS, D,
                                                                          generator=gen)
     caches = kvcore.allocate_kv_caches(backend, num_layers=1, num_blocks=8, block_size=BS,
                                        num_kv_heads=KV_HEADS, head_size=D,
-                                       dtype=torch.float32, device="cpu")
-    out = impl.forward(kvcore.LayerScales(), query, key, value, caches.layers[0], meta)
+                                       dtype=torch.float32, device=device)
+    out = impl.forward(kvcore.LayerScales(), query.to(device), key.to(device),
+                       value.to(device), caches.layers[0], meta).cpu()
+    meta = kvcore.build_attention_metadata(q_lens, [0, 0], [[0, 1, 2, 3], [4, 5]], BS)
     # The step's own tokens, as a cache of one-token blocks in order.
     kc, vc = key.view(n, 1, KV_HEADS, D), value.view(n, 1, KV_HEADS, D)
     tables = [list(range(0, 30)), list(range(30, 39))]
