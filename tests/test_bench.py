@@ -102,7 +102,6 @@ def test_bench_on_the_gpu_runs_every_case_of_its_backends():
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("script", "args", "lists"), [
     ("bench_triton", ["--budget-s", "0"], {"correctness", "timings", "sweeps"}),
     ("bench_mla", ["--budget-s", "0", "--no-flashinfer"], {"correctness", "timings", "sweeps"}),

@@ -78,7 +78,6 @@ def test_p2p_scattered_per_layer_moves_every_block_bit_exact(tmp_path):
     assert "p2p send/receive (gloo)" in done.stdout and "scattered" in done.stdout
 
 
-@pytest.mark.slow
 def test_grid_runs_every_case_and_prints_a_table(tmp_path):
     # One connector: the grid's cases do not depend on it (nixl's scattered and contiguous
     # reads have tests of their own), and each case costs two processes.

@@ -396,7 +396,6 @@ def test_uncaptured_runner_runs_steps_eagerly_through_the_builder():
     assert pointers(seen[0]) == [t.data_ptr() for t in builder.buffers().values()]
 
 
-@pytest.mark.slow
 def test_bench_step_smoke_runs_on_the_cpu(tmp_path):
     """benchmarks/bench_step.py --smoke: the script's CPU path, end to end."""
     import json

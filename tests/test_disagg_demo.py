@@ -77,7 +77,6 @@ def test_the_one_process_reference_publishes_a_copy_per_save_and_reads_them_in_o
         assert not handover.load(["a" * 64], [2]).wait().ok
 
 
-@pytest.mark.slow
 def test_blocks_reported_loaded_but_never_read_are_caught(monkeypatch):
     def pretend_to_read(self, lease, runs, deadline):  # reports success, moves nothing
         return [i for run in runs for i in range(run.first, run.end)], {}

@@ -188,7 +188,6 @@ print(json.dumps(dict(
 """
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("block_n,stages,variant", [
     (128, 2, "plain"), (64, 3, "plain"), (128, 2, "ws"), (64, 3, "ws"), (128, 3, "ws"),
     (64, 3, "ws-pp"), (128, 3, "ws-pp")])

@@ -141,7 +141,6 @@ def _triton_kernels_in_source() -> set[str]:
     return names
 
 
-@pytest.mark.slow
 def test_every_triton_kernel_is_launched_by_a_case_on_some_target(tmp_path):
     proc = _kvcore_kernels("--list", "--format", "json", cache=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -152,7 +151,6 @@ def test_every_triton_kernel_is_launched_by_a_case_on_some_target(tmp_path):
     assert {row["target"] for row in rows} == set(TARGETS)
 
 
-@pytest.mark.slow
 def test_a_tile_that_needs_more_lds_than_gfx942_has_fails_the_check(tmp_path):
     proc = _kvcore_kernels("--target", "gfx942", "--format", "json",
                            "--cases", "broken_compile_cases:too_much_lds",
@@ -242,7 +240,6 @@ print(json.dumps([[c.kernel, sorted(c.asm), "ttg.nvidia_mma" in c.asm.get("ttgir
 """
 
 
-@pytest.mark.slow
 def test_compile_launches_gives_each_launch_its_stages():
     """A cache write (no dot) compiled for sm90 and gfx942 in a subprocess (the interpreter
     stays off there): one launch, its text stages named as Triton names them."""

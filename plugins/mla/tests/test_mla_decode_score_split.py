@@ -128,7 +128,6 @@ def _compiled_layouts(config_kwargs: dict) -> list[list[str]]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 def test_compiled_for_sm90_no_score_is_computed_by_both_warpgroups() -> None:
     """The production 64-head program (8 warps, 64 keys a tile): with the default layout the
     score dots lay all 8 warps along the 64 head rows (both warpgroups compute them); with

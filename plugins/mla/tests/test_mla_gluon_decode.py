@@ -42,7 +42,6 @@ print(json.dumps([c.kernel, c.asm["ttgir"].count("warp_group_dot ")]))
 """
 
 
-@pytest.mark.slow
 def test_compiles_for_sm90_with_its_wgmmas() -> None:
     """The scores warpgroup's scores (latent and rope parts, the first tile's ahead of the
     loop and the rest in it) and P x V of its half (in the loop and the last tile's after it),
