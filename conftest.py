@@ -6,6 +6,10 @@ are in groups, one marker each: pyproject.toml deselects them by default (``addo
 replaces that default, so ``python -m pytest -m triton`` runs one group and ``-m ""`` runs
 everything. The README lists the groups with their times, and ``.ci/run`` runs each of them.
 
+A command line that names test files or node ids (``pytest tests/ops/test_triton_attention.py``)
+and no ``-m`` runs them whatever their group: the default leaves out groups, not tests asked
+for by name. A directory keeps the default.
+
 A test's group is its own group marker (``@pytest.mark.slow``, say) if it has one, else the
 first rule of :data:`GROUP_RULES` that its node id matches, else none: a new test joins the
 group of its module's rule, and a new module joins the fast suite. Tests marked ``gpu`` stay
@@ -16,6 +20,7 @@ are reached (``pytest``, ``pytest plugins/mla/tests``, ``pytest -m triton``).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -71,6 +76,22 @@ def group_of(nodeid: str, own_markers: set[str]) -> str | None:
     if own or "gpu" in own_markers:
         return own[0] if own else None
     return next((group for group, rule in _RULES if rule.match(nodeid)), None)
+
+
+def names_tests_without_m(args: list[str], paths: list[str], cwd: Path) -> bool:
+    """Whether a command line (``args``, its test ``paths``) names only test files or node ids
+    and gives no ``-m``: then the default deselection of the groups does not apply."""
+    if not paths or any(a.startswith("-m") for a in args):
+        return False
+    return all((cwd / path.partition("::")[0]).is_file() for path in paths)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    args = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    if config.args_source == pytest.Config.ArgsSource.ARGS and names_tests_without_m(
+            args, config.args, config.invocation_params.dir):
+        config.option.markexpr = ""
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

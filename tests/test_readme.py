@@ -92,3 +92,18 @@ def test_a_test_s_group_is_its_own_marker_else_the_first_rule_it_matches(nodeid,
 def test_a_test_in_two_groups_is_refused_naming_both():
     with pytest.raises(pytest.UsageError, match="tests/x.py::t is marked compile and slow"):
         root_conftest().group_of("tests/x.py::t", {"slow", "compile"})
+
+
+@pytest.mark.parametrize(("args", "paths", "default_off"), [
+    ([], [], False),  # the README's command: testpaths, the groups left out
+    (["tests/test_demo.py"], ["tests/test_demo.py"], True),
+    (["tests/test_demo.py::test_x[a]"], ["tests/test_demo.py::test_x[a]"], True),
+    (["-q", "tests/test_demo.py", "tests/test_readme.py"],
+     ["tests/test_demo.py", "tests/test_readme.py"], True),
+    (["tests/ops"], ["tests/ops"], False),  # a directory: the fast suite's part of it
+    (["tests/test_demo.py", "tests/ops"], ["tests/test_demo.py", "tests/ops"], False),
+    (["-m", "slow", "tests/test_demo.py"], ["tests/test_demo.py"], False),
+    (["-mslow", "tests/test_demo.py"], ["tests/test_demo.py"], False),
+])
+def test_tests_named_by_file_or_node_id_run_whatever_their_group(args, paths, default_off):
+    assert root_conftest().names_tests_without_m(args, paths, REPO) == default_off
