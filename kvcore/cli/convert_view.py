@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import kvcore
 from kvcore.connectors import ConversionPlan, TPRank, heads_of_rank, plan_conversion
-from kvcore.dtypes import parse_dtype
 
 __all__ = ["Side", "conversion_plan", "parse_side"]
 
@@ -68,7 +67,7 @@ def _layout(side: Side, args: argparse.Namespace, num_kv_heads: int) -> kvcore.K
     return kvcore.KVCacheLayout.from_backend(
         backend, num_blocks=args.num_blocks, block_size=side.block_size or args.block_size,
         num_kv_heads=heads, head_size=args.head_size or (576 if backend.IS_MLA else 128),
-        dtype=parse_dtype(_FP8_ALIASES.get(dtype, dtype)), num_layers=args.num_layers,
+        dtype=kvcore.parse_dtype(_FP8_ALIASES.get(dtype, dtype)), num_layers=args.num_layers,
         cross_layer=side.cross_layer)
 
 

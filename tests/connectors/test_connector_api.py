@@ -41,10 +41,11 @@ def test_builtins_register_through_the_hook_lazily(fresh_kvcore):
             " 'safetensors'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    # Registering imported the hook module, not a connector (nor safetensors).
+    # Registering imported the hook module and the public API's modules (the layout
+    # conversion plan among them), not a connector (nor safetensors).
     assert out == "['kvcore.connectors.base', 'kvcore.connectors.blocks', " \
-                  "'kvcore.connectors.builtin', 'kvcore.connectors.copiers', " \
-                  "'kvcore.connectors.keys']"
+                  "'kvcore.connectors.builtin', 'kvcore.connectors.convert', " \
+                  "'kvcore.connectors.copiers', 'kvcore.connectors.keys']"
 
 
 @pytest.mark.parametrize(("name", "cls"), [("offload", OffloadConnector),

@@ -60,9 +60,12 @@ def test_a_one_percent_error_fails_every_forward_case_in_every_dtype(pytester, m
     assert bf16 in failed
 
 
-def test_an_ignored_sliding_window_fails_the_window_case_only(pytester):
+def test_an_ignored_sliding_window_fails_the_window_cases_only(pytester):
     failed, messages, passed = failures(pytester, "broken_numerics:IgnoresSlidingWindow")
+    window = "BROKEN_SLIDING_WINDOW-cpu-window-non-causal-bf16-D64-bs16"
     assert failed == {"BROKEN_SLIDING_WINDOW-cpu-forward-bf16-D64-bs16-window19":
-                      "forward-reference"}
+                      "forward-reference",
+                      f"{window}-noncausal-window19": "window-non-causal",
+                      f"{window}-window19-encoder_only": "window-non-causal"}
     assert "sliding_window=19" in messages
     assert "BROKEN_SLIDING_WINDOW-cpu-forward-bf16-D64-bs16" in passed

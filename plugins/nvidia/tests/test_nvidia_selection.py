@@ -148,7 +148,8 @@ def test_forced_backend_that_cannot_run_raises_with_its_reasons(cuda, monkeypatc
         kvcore.get_attn_backend(_config(), backend="FLASH_ATTN")
     assert str(err.value).startswith(
         "attention backend FLASH_ATTN was requested by the backend argument but cannot run "
-        f"this config on cuda: {FLASH_ATTN_MISSING} (config: ")
+        f"this config on cuda: {FLASH_ATTN_MISSING}. Valid for this config on cuda: "
+        "TRITON_ATTN, ")
     monkeypatch.setenv("KVCORE_ATTENTION_BACKEND", "FLASHINFER")
     kvcore.clear_selection_cache()
     with pytest.raises(kvcore.BackendSelectionError, match="pip install flashinfer-python"):
