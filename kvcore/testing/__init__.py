@@ -13,8 +13,8 @@ with kvcore), or parametrise a test of your own::
 Helpers for a plugin's own tests: :func:`contiguous_attention_ref` (a float64 attention
 reference on contiguous K/V), :func:`random_block_tables` (shuffled block tables),
 :func:`run_mixed_step` (one engine step of a mixed batch through a backend),
-:func:`strided_view` (a step tensor as a view of a larger buffer, as engines pass them) and the GPU /
-Triton-interpreter setup of a ``conftest.py`` (:class:`GpuTestSetup`, built on
+:func:`strided_view` (a step tensor as a view of a larger buffer, as engines pass them) and
+the GPU / Triton-interpreter setup of a ``conftest.py`` (:class:`GpuTestSetup`, built on
 :func:`use_triton_interpreter_without_gpu` and :func:`skip_gpu_tests_without_gpu`).
 
 Every failure is a :class:`ConformanceError` that names the rule of the contract that was
