@@ -229,7 +229,7 @@ class AttentionBackend:
     #: :meth:`get_kv_cache_stride_order`: memory an engine allocated in another order
     #: (:func:`kvcore.adopt_kv_caches`), e.g. the K-and-V-side-by-side orders of vLLM's named
     #: layouts (:func:`kvcore.vllm_layout_order`). The conformance rule ``adopted-orders``
-    #: runs the backend on each one against the reference.
+    #: runs the backend on each one and requires the bits it gives on its own order.
     EXTRA_STRIDE_ORDERS: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -24,6 +24,7 @@ from kvcore.backend import FEATURE_FLAGS, AttentionBackend, CudaGraphSupport, is
 from kvcore.ops.validation import KV_CACHE_DTYPES
 from kvcore.platform_types import AttentionType, DeviceCapability
 from kvcore.testing import checks
+from kvcore.testing.adopted_orders import check_adopted_order, order_label
 from kvcore.testing.batch import CaseConfig, short_dtype
 from kvcore.testing.step_refusals import check_overlapping_new_tokens_refused
 from kvcore.testing.strided_steps import check_strided_step_tensors
@@ -392,6 +393,14 @@ def conformance_cases(
                         and (not config.is_fp8 or config is fp8)):
                     numeric("cross-layer", "cross-layer-bit-exact", checks.check_cross_layer,
                             config, excuse=unverified)
+        if not cls.IS_MLA:
+            # One case per order the kernels read beyond their own (none declared: none).
+            for order in cls.readable_stride_orders()[1:]:
+                suffix = f"{order_label(order)}-{base.label()}"
+                add("adopted-orders", "adopted-orders", _gated, cls,
+                    functools.partial(check_adopted_order, order=order), base, device,
+                    _seed(f"{name}-{device}-adopted-orders-{suffix}"), device=device,
+                    suffix=suffix, skip=skip)
         numeric("builder", "builder-reference", checks.check_builder, base)
         numeric("overwrites", "overlapping-new-tokens-refused",
                 check_overlapping_new_tokens_refused, base)

@@ -90,6 +90,11 @@ _RULES = (
          "on a per-layer view of a cross-layer allocation, do_kv_cache_update and forward give "
          "results bit-identical to the same call on a contiguous per-layer cache (kernels take "
          "the page stride from the tensor, never from the sizes)"),
+    Rule("adopted-orders",
+         "on a cache adopted (kvcore.adopt_kv_caches) in each per-layer stride order of "
+         "EXTRA_STRIDE_ORDERS, do_kv_cache_update and forward give, compared through the "
+         "logical views, the cache and output bit-identical to those of a cache in the "
+         "backend's own order holding the same data, and touch no byte around the cache"),
     Rule("builder-reference",
          "forward with the metadata of the backend's builder (get_builder_cls(), build() once "
          "per step) matches the float64 reference, and one builder serves steps of different "

@@ -399,3 +399,31 @@ class ReadsStepTensorsDensely(CorrectBackend):
     @staticmethod
     def get_impl_cls():
         return DenseStepTensorsImpl
+
+
+class OwnOrderImpl(ReferenceImpl):
+    """Broken: reads and writes the cache as if it lay densely in the backend's own order
+    (NHD), whatever its strides (a kernel given a raw pointer and the sizes)."""
+
+    def kv_views(self, kv_cache, writing):
+        return _dense(kv_cache).unbind(1)
+
+
+class ReadsAdoptedOrderAsItsOwn(CorrectBackend):
+    """Declares it reads vLLM's LBNHC (K and V side by side per token and head), but its
+    kernels assume their own NHD order. Per-layer (not cross-layer), so only that claim is
+    wrong."""
+
+    EXTRA_STRIDE_ORDERS = (kvcore.vllm_layout_order("LBNHC", include_num_layers_dimension=False),)
+
+    @staticmethod
+    def get_name():
+        return "READS_ADOPTED_ORDER_AS_ITS_OWN"
+
+    @staticmethod
+    def get_impl_cls():
+        return OwnOrderImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension=False):
+        return tuple(range(6 if include_num_layers_dimension else 5))

@@ -2,8 +2,8 @@
 
 A meta-test over the declarations: for each registered backend, and for one that declares
 everything, each declared dtype, KV-cache dtype, feature flag, attention type, the sliding
-window every K/V ``AttentionImpl`` takes, cross-layer support and a device-capability range
-maps to a case. A declaration without a case is a claim nobody checks.
+window every K/V ``AttentionImpl`` takes, cross-layer support, each extra stride order and a
+device-capability range maps to a case. A declaration without a case is a claim nobody checks.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import kvcore
 from kvcore.backend import FEATURE_FLAGS
 from kvcore.ops.validation import FP8_KV_CACHE_DTYPES
 from kvcore.testing import ConformanceCase, conformance_cases
+from kvcore.testing.adopted_orders import order_label
 from kvcore.testing.batch import short_dtype
 
 
@@ -27,6 +28,8 @@ class DeclaresEverything(kvcore.AttentionBackend):
     MAX_DEVICE_CAPABILITY = kvcore.DeviceCapability(12, 0)
     SUPPORTED_ATTN_TYPES = tuple(kvcore.AttentionType)
     PLATFORMS = ("cpu",)
+    EXTRA_STRIDE_ORDERS = ((0, 1, 3, 2, 4),
+                           kvcore.vllm_layout_order("LBNHC", include_num_layers_dimension=False))
     locals().update({attr: True for _, attr, _ in FEATURE_FLAGS})
 
     @staticmethod
@@ -59,6 +62,11 @@ def kind(name: str, suffix: str = "") -> Predicate:
     return lambda case: case.kind == name and case.id.endswith(suffix)
 
 
+def adopted_in(label: str) -> Predicate:
+    """An ``adopted-orders`` case of the order labelled ``label`` (``LBNHC``, ``B2HND``)."""
+    return lambda case: case.kind == "adopted-orders" and f"-{label}-" in case.id
+
+
 def declarations(backend: type[kvcore.AttentionBackend]) -> dict[str, Predicate]:
     """What ``backend`` declares -> which case checks it."""
     found: dict[str, Predicate] = {}
@@ -85,6 +93,8 @@ def declarations(backend: type[kvcore.AttentionBackend]) -> dict[str, Predicate]
         found["sliding_window (every K/V AttentionImpl takes one)"] = forward_with("window*")
     if backend.supports_cross_layer():
         found["cross-layer stride order"] = kind("cross-layer")
+    for order in backend.readable_stride_orders()[1:]:
+        found[f"EXTRA_STRIDE_ORDERS: {order}"] = adopted_in(order_label(order))
     if backend.MIN_DEVICE_CAPABILITY or backend.MAX_DEVICE_CAPABILITY:
         found["device capability range"] = kind("validation-refuses", "-device_capability")
     return found
@@ -108,6 +118,7 @@ def test_the_everything_backend_declares_every_kind_of_capability():
     assert {attr for _, attr, _ in FEATURE_FLAGS} <= set(found)
     assert len([k for k in found if k.startswith("SUPPORTED_ATTN_TYPES")]) == len(
         kvcore.AttentionType)
+    assert len([k for k in found if k.startswith("EXTRA_STRIDE_ORDERS")]) == 2
 
 
 def test_a_feature_forward_cannot_receive_is_a_skipped_case_saying_so():

@@ -108,6 +108,11 @@ def test_correct_reference_backend_passes(pytester):
     pytest.param("ReadsStepTensorsDensely", "strided-step-tensors", {"strided-steps"},
                  ["do_kv_cache_update with slot_mapping a view at stride 2"],
                  id="reads-step-tensors-densely"),
+    pytest.param("ReadsAdoptedOrderAsItsOwn", "adopted-orders", {"adopted-orders"},
+                 ["do_kv_cache_update on a cache adopted in the per-layer order (0, 2, 3, 1, 4) "
+                  "(physical B,N,H,2,D; vLLM LBNHC), strides (4096, 64, 256, 128, 1), against a "
+                  "cache in READS_ADOPTED_ORDER_AS_ITS_OWN's own order (0, 1, 2, 3, 4)"],
+                 id="reads-an-adopted-order-as-its-own"),
     pytest.param("MasksStaleSlotsByMultiplying", "stale-bytes-masked", {"stale-bytes"},
                  ["output elements changed from this backend's output before the poisoning",
                   "non-finite): forward read slots it does not own"],
