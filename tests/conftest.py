@@ -7,11 +7,20 @@ import, before any ``@triton.jit`` runs).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvcore.testing import GpuTestSetup
 
 _setup = GpuTestSetup()
+
+# The nixl wheel's UCX carries its own libnl; where the system's libibverbs is installed (the
+# mooncake tests need it), UCX's InfiniBand modules load it beside a second libnl, and every
+# process that used nixl crashes at exit (SIGSEGV in libnl-route's destructor), pytest
+# included. The tests move DRAM over TCP and need no InfiniBand: keep those modules out, in
+# this process and the peers it starts. docs/connector.md tells users the same.
+os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
 pytest_collection_modifyitems = _setup.pytest_collection_modifyitems
 
 
