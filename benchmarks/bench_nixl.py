@@ -80,6 +80,9 @@ import kvcore
 from kvcore.connectors import get_connector, hash_block_tokens
 
 SEED = 1234
+#: The nixl consumer's timeout_s; its leases last twice that, so the producer's max_lease_s
+#: must grant them (it refuses the consumer at registration otherwise).
+CONSUMER_TIMEOUT_S = 120.0
 
 
 def make_cache(args: argparse.Namespace, fill: bool,
@@ -333,6 +336,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"served {ok}", flush=True)
         return 0 if ok else 1
     with get_connector("nixl", role="producer", port=0, publish_timeout_s=600.0,
+                       max_lease_s=2 * CONSUMER_TIMEOUT_S,
                        **transport_options(args)) as producer:
         producer.register_kv_caches(kv)
         handles = [producer.save(trial_keys(t, kv.num_blocks), ids) for t in range(args.trials)]
@@ -451,8 +455,8 @@ def main() -> int:
             connector = get_connector("p2p", rank=1, port=port, timeout_s=120.0,
                                       connect_timeout_s=120.0, inbox_bytes=inbox_bytes(kv))
         else:
-            connector = get_connector("nixl", role="consumer", port=port, timeout_s=120.0,
-                                      **transport_options(args))
+            connector = get_connector("nixl", role="consumer", port=port,
+                                      timeout_s=CONSUMER_TIMEOUT_S, **transport_options(args))
         with connector as consumer:
             consumer.register_kv_caches(kv)
             for t in range(args.trials):
@@ -469,6 +473,9 @@ def main() -> int:
                                        f"{next(iter(result.failed.values()))}")
             if p2p:
                 proc.stdin.close()  # the producer closes its end, then this one closes
+    except BaseException:
+        proc.kill()  # its saves would wait publish_timeout_s for reads that never come
+        raise
     finally:
         if p2p and not proc.stdin.closed:
             proc.stdin.close()

@@ -38,9 +38,10 @@ the reason). A lease lasts twice the consumer's ``timeout_s``, longer than the c
 waits for its READ, so a producer does not hand a block back to its engine while the consumer
 may still count it as read; the producer refuses leases longer than its ``max_lease_s``, and
 a consumer whose connection closes (killed, or closed) loses its leases at once: their blocks
-are published again. A consumer counts a READ only while its connection is up (and, where it
-confirms over the side channel, only once the producer took the confirmation), so a block
-published again is never one it still reports as read. A consumer's load fails, within
+are published again (after the READ notifications that arrived are applied). A consumer
+counts a READ only while its connection is up (and, where it confirms over the side
+channel, only once the producer took the confirmation), so a block published again is never
+one it still reports as read. A consumer's load fails, within
 ``timeout_s``, every block it could not read whole: a producer that died, froze or never
 published the key; a READ that times out is cancelled where the library can (a failure to
 cancel is named in the block's reason).

@@ -132,6 +132,9 @@ class Producer:
         self.who = f"{conn.transport} producer"
         self.listener = listener
         self.cond = threading.Condition()
+        # Held while notifications are fetched and applied, and while a closed connection's
+        # leases end: a READ confirmed before the close is never read after its lease ended.
+        self.notif_lock = threading.Lock()
         self.published: dict[str, deque[_Publication]] = {}
         self.leases: dict[str, _Lease] = {}
         self.consumers_seen = 0
@@ -303,10 +306,15 @@ class Producer:
 
     def release_link(self, link: int) -> None:
         """The connection ``link`` closed: its leases end now (their blocks are published
-        again) instead of pinning them for the rest of the lease."""
-        with self.cond:
-            for lease in [le for le in self.leases.values() if le.link == link]:
-                self._end_lease(lease)
+        again) instead of pinning them for the rest of the lease. READ notifications that
+        arrived before are applied first: a consumer that closes right after its last load
+        sent them before it closed, and counted those blocks as read."""
+        with self.notif_lock:
+            if not self.conn.confirms_over_channel:
+                self._apply_notifications()
+            with self.cond:
+                for lease in [le for le in self.leases.values() if le.link == link]:
+                    self._end_lease(lease)
 
     def _expire(self, now: float) -> None:
         """Release what waited too long (caller holds ``cond``)."""
@@ -343,11 +351,18 @@ class Producer:
                 if not (notifying and self.leases):
                     self.cond.wait(0.05)
                     continue
-            notifs = self.engine.notifications()
-            for consumer, raw in notifs:
-                self._on_notif(consumer, raw)
-            if not notifs:
+            with self.notif_lock:
+                applied = self._apply_notifications()
+            if not applied:
                 time.sleep(0.0005)
+
+    def _apply_notifications(self) -> int:
+        """Fetch the engine's READ notifications and settle them (caller holds
+        ``notif_lock``); returns how many arrived."""
+        notifs = self.engine.notifications()
+        for consumer, raw in notifs:
+            self._on_notif(consumer, raw)
+        return len(notifs)
 
     def _on_notif(self, consumer: str, raw: bytes) -> None:
         try:

@@ -406,6 +406,40 @@ def test_a_read_that_finishes_after_the_link_went_down_is_not_counted(monkeypatc
 
 
 @needs_nixl
+def test_a_consumer_closing_right_after_its_last_load_completes_the_save(monkeypatch):
+    """A consumer closes at once after its loads; the producer sees the connection close
+    before its notification loop fetched the READ's notification. The blocks were read and
+    the consumer counted them, so the save is done (not published again until
+    publish_timeout_s)."""
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(14, 3)
+    with producer(publish_timeout_s=600.0) as prod:
+        prod.register_kv_caches(kv_p)
+        save = prod.save(keys, [2, 3, 4])  # published before any consumer connects
+        engine, producer_state = prod._producer.engine, prod._producer
+        closed = threading.Event()
+        real_notifications, real_release_link = engine.notifications, producer_state.release_link
+
+        def late_notifications():  # the notification loop fetches only after the close
+            if threading.current_thread().name.endswith("-notifs"):
+                closed.wait(10)
+            return real_notifications()
+
+        def release_link(link):
+            closed.set()
+            real_release_link(link)
+
+        monkeypatch.setattr(engine, "notifications", late_notifications)
+        monkeypatch.setattr(producer_state, "release_link", release_link)
+        with consumer(prod.port) as conn:
+            conn.register_kv_caches(kv_c)
+            assert conn.load(keys, [5, 6, 7]).wait(timeout=10).ok
+        result = save.wait(timeout=5)  # TimeoutError when the READs went unnoticed
+        assert result.ok and sorted(result.succeeded) == [2, 3, 4], result.failed
+    assert torch.equal(block_bytes(kv_c, [5, 6, 7]), block_bytes(kv_p, [2, 3, 4]))
+
+
+@needs_nixl
 def test_a_consumer_needing_longer_leases_than_the_producer_grants_is_refused():
     with producer(max_lease_s=8.0) as prod:
         prod.register_kv_caches(make_caches(cross_layer=True))
