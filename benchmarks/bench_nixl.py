@@ -21,13 +21,15 @@ of ``src`` regenerated in this process). ``--scattered``: each side moves its bl
 random permutation of its own block ids (the producer's and the consumer's differ), so a
 transfer is hundreds of runs of one block instead of one run; bit-exactness is then checked
 block by block (consumer block ``c[i]`` against producer block ``p[i]``, every layer).
-``--connector p2p`` measures the ``p2p`` connector instead (torch.distributed: NCCL between
+``--connector mooncake`` measures the ``mooncake`` connector the same way (Mooncake's transfer
+engine, TCP between DRAM caches with the non-cuda wheel). ``--connector p2p`` measures the
+``p2p`` connector instead (torch.distributed: NCCL between
 CUDA caches, gloo otherwise): the producer, rank 0, sends a trial's blocks when the consumer,
 rank 1, writes ``go`` on its stdin; the consumer times from that line to its ``load()``'s
 result (receive, then writing the blocks into its cache).
 
 Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
-one)] [--serve-device DEV] [--connector nixl|p2p] [--scattered] [--mib N] [--trials N]
+one)] [--serve-device DEV] [--connector nixl|mooncake|p2p] [--scattered] [--mib N] [--trials N]
 [--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--out DIR]``; JSON goes to
 ``--out`` (default ``$OUT``, else the temp dir) as ``bench_nixl.json``. Set
 ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
@@ -335,7 +337,7 @@ def serve(args: argparse.Namespace) -> int:
                 ok &= producer.save(trial_keys(trial, kv.num_blocks), ids).wait(timeout=600).ok
         print(f"served {ok}", flush=True)
         return 0 if ok else 1
-    with get_connector("nixl", role="producer", port=0, publish_timeout_s=600.0,
+    with get_connector(args.connector, role="producer", port=0, publish_timeout_s=600.0,
                        max_lease_s=2 * CONSUMER_TIMEOUT_S,
                        **transport_options(args)) as producer:
         producer.register_kv_caches(kv)
@@ -371,7 +373,7 @@ def main() -> int:
     parser.add_argument("--serve-device", default=None,
                         help="the producer's device (default: --device), e.g. cuda:0 with "
                              "--device cuda:1")
-    parser.add_argument("--connector", choices=("nixl", "p2p"), default="nixl")
+    parser.add_argument("--connector", choices=("nixl", "mooncake", "p2p"), default="nixl")
     parser.add_argument("--scattered", action="store_true",
                         help="both sides move their blocks under shuffled block ids")
     parser.add_argument("--mib", type=int, default=256)
@@ -455,7 +457,7 @@ def main() -> int:
             connector = get_connector("p2p", rank=1, port=port, timeout_s=120.0,
                                       connect_timeout_s=120.0, inbox_bytes=inbox_bytes(kv))
         else:
-            connector = get_connector("nixl", role="consumer", port=port,
+            connector = get_connector(args.connector, role="consumer", port=port,
                                       timeout_s=CONSUMER_TIMEOUT_S, **transport_options(args))
         with connector as consumer:
             consumer.register_kv_caches(kv)
@@ -506,7 +508,7 @@ def main() -> int:
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
-    what = ("nixl READ" if name == "nixl" else
+    what = (f"{name} READ" if name in ("nixl", "mooncake") else
             f"p2p send/receive ({'nccl' if kv.storage.is_cuda else 'gloo'})")
     print(f"{what} between two processes, {record['device']}, layout {record['layout']}, "
           f"{nbytes / 2**20:.0f} MiB in {kv.num_blocks} blocks of "
