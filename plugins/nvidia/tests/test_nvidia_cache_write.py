@@ -132,7 +132,8 @@ def test_kvcore_plugins_and_collect_env_show_the_extension_and_the_write(command
                          text=True, check=True).stdout
     lines = {line.split(": ", 1)[0].strip(): line.split(": ", 1)[1]
              for line in out.splitlines() if line.strip().startswith("nvidia.")}
-    assert set(lines) == {"nvidia.cuda_extension", "nvidia.cache_write"}
+    assert set(lines) == {"nvidia.cuda_extension", "nvidia.cache_write",
+                          "nvidia.cuda_extension_cache", "nvidia.flashinfer_jit_cache"}
     if torch.version.cuda is None:  # the same answer in every process here
         assert lines["nvidia.cuda_extension"] == _build.status()
         assert lines["nvidia.cache_write"] == ops.cache_write_status()
