@@ -25,12 +25,16 @@ from kvcore.connectors.keys import check_block_keys
 if TYPE_CHECKING:
     from kvcore.connectors.pull import Engine, PullConnector
 
-__all__ = ["BadFrame", "ChannelError", "Producer", "SaveRecord", "check_seconds", "close_socket",
-           "recv_frame", "send_frame"]
+__all__ = ["CLOSED_LINK_GRACE_S", "BadFrame", "ChannelError", "Producer", "SaveRecord",
+           "check_seconds", "close_socket", "recv_frame", "send_frame"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_FRAME_BYTES = 64 << 20  # engine metadata is the largest payload (kilobytes)
+#: Seconds a closed connection's leases outlive it where the engine notifies READs itself
+#: (NIXL): the consumer's last notifications may arrive after the close (they do over
+#: loopback within milliseconds); the blocks not confirmed by then are published again.
+CLOSED_LINK_GRACE_S = 2.0
 
 
 def check_seconds(name: str, value: Any) -> float:
@@ -122,6 +126,7 @@ class _Lease:
     publications: list[_Publication | None]
     deadline: float
     link: int  # the connection that took it: closing it ends the lease
+    closed: bool = False  # that connection closed; the lease ends at its (shortened) deadline
 
 
 class Producer:
@@ -305,23 +310,39 @@ class Producer:
         self.cond.notify_all()
 
     def release_link(self, link: int) -> None:
-        """The connection ``link`` closed: its leases end now (their blocks are published
-        again) instead of pinning them for the rest of the lease. READ notifications that
-        arrived before are applied first: a consumer that closes right after its last load
-        sent them before it closed, and counted those blocks as read."""
+        """The connection ``link`` closed: its leases end (their blocks are published again)
+        instead of pinning them for the rest of the lease.
+
+        Where confirmations travel on that connection, nothing can confirm them any more:
+        they end now. Where the engine notifies READs itself, a consumer that closes right
+        after its last load sent those notifications before it closed, but they may reach this
+        side after the close: its leases end :data:`CLOSED_LINK_GRACE_S` later, the
+        notifications that arrive meanwhile counting as usual."""
         with self.notif_lock:
-            if not self.conn.confirms_over_channel:
+            notifying = not self.conn.confirms_over_channel
+            if notifying:
                 self._apply_notifications()
             with self.cond:
+                grace_end = time.monotonic() + CLOSED_LINK_GRACE_S
                 for lease in [le for le in self.leases.values() if le.link == link]:
-                    self._end_lease(lease)
+                    if notifying:
+                        lease.closed = True
+                        lease.deadline = min(lease.deadline, grace_end)
+                    else:
+                        self._end_lease(lease)
+                self.cond.notify_all()
 
     def _expire(self, now: float) -> None:
         """Release what waited too long (caller holds ``cond``)."""
         for lease in [le for le in self.leases.values() if le.deadline <= now]:
             self._end_lease(lease)
-            logger.warning("%s: consumer %s did not confirm lease %s in time; its blocks are "
-                           "published again", self.who, lease.consumer, lease.lease_id)
+            if lease.closed:
+                logger.info("%s: consumer %s closed its connection without reading all of "
+                            "lease %s; the rest is published again", self.who, lease.consumer,
+                            lease.lease_id)
+            else:
+                logger.warning("%s: consumer %s did not confirm lease %s in time; its blocks "
+                               "are published again", self.who, lease.consumer, lease.lease_id)
         expired = [pub for pubs in self.published.values() for pub in pubs
                    if pub.lease is None and pub.deadline <= now]
         for pub in expired:

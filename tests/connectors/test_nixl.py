@@ -440,6 +440,38 @@ def test_a_consumer_closing_right_after_its_last_load_completes_the_save(monkeyp
 
 
 @needs_nixl
+def test_a_read_notified_only_after_the_producer_handled_the_close_still_counts(monkeypatch):
+    """The READ's notification reaches the producer after it handled the consumer's close (a
+    notification and the side channel travel apart, and over a network the socket's close can
+    come first): the closed connection's leases last CLOSED_LINK_GRACE_S longer, so the READ
+    still completes the save."""
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(15, 3)
+    with producer(publish_timeout_s=600.0) as prod:
+        prod.register_kv_caches(kv_p)
+        save = prod.save(keys, [2, 3, 4])
+        engine, producer_state = prod._producer.engine, prod._producer
+        released = threading.Event()
+        real_notifications, real_release_link = engine.notifications, producer_state.release_link
+
+        def late_notifications():  # nothing arrives until the close has been handled
+            return real_notifications() if released.is_set() else []
+
+        def release_link(link):
+            real_release_link(link)
+            released.set()
+
+        monkeypatch.setattr(engine, "notifications", late_notifications)
+        monkeypatch.setattr(producer_state, "release_link", release_link)
+        with consumer(prod.port) as conn:
+            conn.register_kv_caches(kv_c)
+            assert conn.load(keys, [5, 6, 7]).wait(timeout=10).ok
+        result = save.wait(timeout=5)  # TimeoutError when the lease ended with the close
+        assert result.ok and sorted(result.succeeded) == [2, 3, 4], result.failed
+    assert torch.equal(block_bytes(kv_c, [5, 6, 7]), block_bytes(kv_p, [2, 3, 4]))
+
+
+@needs_nixl
 def test_a_consumer_needing_longer_leases_than_the_producer_grants_is_refused():
     with producer(max_lease_s=8.0) as prod:
         prod.register_kv_caches(make_caches(cross_layer=True))
