@@ -7,10 +7,7 @@ rest pair connectors inside this process, which runs the same protocol faster.
 
 from __future__ import annotations
 
-import os
-import queue
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from kv_helpers import block_bytes, keys_for, make_caches
+from peer_process import Peer
 from pull_peer import LARGE
 
 from kvcore import LayoutMismatchError
@@ -32,40 +30,12 @@ needs_mooncake = pytest.mark.skipif(mooncake_unavailable_reason() is not None,
                                     reason=str(mooncake_unavailable_reason()))
 
 
-class Peer:
-    """A producer subprocess; its stdout lines arrive on a queue (readable with a timeout)."""
-
-    def __init__(self, *args: str) -> None:
-        # Mooncake logs (glog) INFO lines to stderr unless told otherwise.
-        env = {**os.environ, "GLOG_minloglevel": "2"}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), "mooncake", *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def line(self, timeout: float = 30.0) -> str:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            self.proc.kill()
-            raise AssertionError(f"the producer said nothing within {timeout} s; stderr: "
-                                 f"{self.proc.stderr.read()[-2000:]}") from None
-
-    def port(self) -> int:
-        line = self.line()
-        assert line.startswith("port "), line
-        return int(line.split()[1])
-
-
 @contextmanager
 def producer_process(scenario: str, seed: int, *, layout: str = "nhd", cross: bool = False,
                      dtype: str = "bf16") -> Iterator[Peer]:
-    peer = Peer(scenario, str(seed), layout, "1" if cross else "0", dtype)
+    # Mooncake logs (glog) INFO lines to stderr unless told otherwise.
+    peer = Peer(PEER, "mooncake", scenario, str(seed), layout, "1" if cross else "0", dtype,
+                env={"GLOG_minloglevel": "2"}, timeout=30.0)
     try:
         yield peer
     finally:

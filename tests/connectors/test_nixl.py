@@ -8,7 +8,6 @@ DRAM caches; the rest pair connectors inside this process, which runs the same p
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from kv_helpers import block_bytes, keys_for, make_caches
+from peer_process import Peer
 
 from kvcore import LayoutMismatchError
 from kvcore.connectors import get_connector
@@ -34,40 +34,12 @@ needs_nixl = pytest.mark.skipif(nixl_unavailable_reason() is not None,
                                 reason=str(nixl_unavailable_reason()))
 
 
-class Peer:
-    """A producer subprocess; its stdout lines arrive on a queue (readable with a timeout)."""
-
-    def __init__(self, *args: str) -> None:
-        # NIXL logs INFO lines to stdout unless told otherwise.
-        env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def line(self, timeout: float = 60.0) -> str:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            self.proc.kill()
-            raise AssertionError(f"the producer said nothing within {timeout} s; stderr: "
-                                 f"{self.proc.stderr.read()[-2000:]}") from None
-
-    def port(self) -> int:
-        line = self.line()
-        assert line.startswith("port "), line
-        return int(line.split()[1])
-
-
 @contextmanager
 def producer_process(scenario: str, seed: int, *, layout: str = "nhd", cross: bool = False,
                      dtype: str = "bf16", device: str = "cpu") -> Iterator[Peer]:
-    peer = Peer(scenario, str(seed), layout, "1" if cross else "0", dtype, device)
+    # NIXL logs INFO lines to stdout unless told otherwise.
+    peer = Peer(PEER, scenario, str(seed), layout, "1" if cross else "0", dtype, device,
+                env={"NIXL_LOG_LEVEL": "WARN"})
     try:
         yield peer
     finally:
