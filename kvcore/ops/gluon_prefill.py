@@ -25,7 +25,7 @@ compute a mask.
 
 Why not the Triton kernel (``_prefill_attention_kernel``): Triton waits every wgmma at once
 (``pendings = 0``) when its result feeds the next dot, so its softmax never overlaps the
-tensor cores on Hopper (``benchmarks/RESULTS.md``, sixth and seventh sessions).
+tensor cores on Hopper (``benchmarks/RESULTS.md``, the Gluon prefill sections).
 
 Triton API differences handled here: 3.6 has ``gl.thread_barrier`` and
 ``async_copy.async_copy_global_to_shared``; 3.9 ``gl.barrier`` and ``async_copy.async_load``.
@@ -52,7 +52,7 @@ prefill cases of ``bench_triton_prefill.py`` (4 x 2048, 1 x 8192, 4 x 512 over 1
 Most of that came from the copy warpgroup's address arithmetic: its instructions share the
 SMs' schedulers with the consumers, and halving them (769 to 403 a tile) took 17-20% off.
 The plain kernel is slower than the Triton row and runs only when a config asks for it
-(``benchmarks/RESULTS.md``, tenth to twelfth sessions).
+(``benchmarks/RESULTS.md``, the Gluon prefill sections).
 """
 
 from __future__ import annotations

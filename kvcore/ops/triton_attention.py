@@ -239,8 +239,8 @@ PREFILL_TILES: dict[str, tuple[PrefillTile, PrefillTile]] = {
 #: kernel cannot run (:func:`gluon_prefill_unmet`: dtype, fp8 cache, cache alignment, a
 #: Triton without Gluon, not a Hopper GPU).
 #: sm90: the warp-specialised kernel (two consumer warpgroups taking turns on the tensor
-#: cores, a copy warpgroup), 128 keys a step, 3 stages (224 KiB of shared memory). In the H200
-#: sweep of 2026-12-02 (benchmarks/RESULTS.md, twelfth session, s12d) it took 326.1 / 1021.2 /
+#: cores, a copy warpgroup), 128 keys a step, 3 stages (224 KiB of shared memory). On an H200
+#: (benchmarks/RESULTS.md, the Gluon prefill sweep) it took 326.1 / 1021.2 /
 #: 1064.6 us on the three prefill cases (FlashInfer direct 305.6 / 1033.7 / 1006.8), against
 #: 338.5 / 1081.9 / 1102.0 without ping-pong, the 64-key WS tile's 340.6 / 1144.5 / 1155.5
 #: and the Triton row's 453.1 / 1407.2 / 1424.8, same call; two stages and the non-specialised
