@@ -111,10 +111,17 @@ class Platform(ABC):
     def get_device_capability(self, device_id: int = 0) -> DeviceCapability | None:
         """``KVCORE_DEVICE_CAPABILITY`` if set, else the hardware's (``None`` if absent).
 
+        The variable simulates the current platform's device: with ``KVCORE_PLATFORM`` naming
+        another platform it is that platform's, and this one reports its own hardware (a CUDA
+        simulation does not give the CPU platform a capability).
+
         Raises ``ValueError`` naming the variable when its value is not a capability or not
         one of this platform's (:meth:`check_device_capability`).
         """
         override = os.environ.get("KVCORE_DEVICE_CAPABILITY")
+        forced = os.environ.get("KVCORE_PLATFORM", "").strip().lower()
+        if override and forced and forced != self.name:
+            override = None
         if override:
             try:
                 capability = DeviceCapability.parse(override)

@@ -159,3 +159,18 @@ def test_plugin_changes_forget_platform_instances(fresh_kvcore):
     kvcore.unregister_plugin("exploding")
     with pytest.raises(kvcore.UnknownNameError, match="exploding"):
         kvcore.get_platform("exploding")
+
+
+def test_a_simulated_capability_belongs_to_the_forced_platform_only(fresh_kvcore, monkeypatch):
+    """KVCORE_DEVICE_CAPABILITY simulates KVCORE_PLATFORM's device: asking another platform
+    (a CPU selection during a CUDA simulation) sees that platform's own hardware, not an error;
+    without KVCORE_PLATFORM the capability is the current platform's and checked there."""
+    monkeypatch.setenv("KVCORE_PLATFORM", "cuda")
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "8.0")
+    assert fresh_kvcore.get_platform("cuda").get_device_capability() == \
+        fresh_kvcore.DeviceCapability(8, 0)
+    assert fresh_kvcore.get_platform("cpu").get_device_capability() is None
+    monkeypatch.delenv("KVCORE_PLATFORM")
+    with pytest.raises(ValueError, match="KVCORE_DEVICE_CAPABILITY=8.0 does not belong to "
+                                         "platform cpu"):
+        fresh_kvcore.get_platform("cpu").get_device_capability()
