@@ -17,16 +17,14 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvcore import KVCacheLayout
 from kvcore.connectors.keys import check_block_keys
 
-if TYPE_CHECKING:
-    from kvcore.connectors.pull import Engine, PullConnector
-
-__all__ = ["CLOSED_LINK_GRACE_S", "BadFrame", "ChannelError", "Producer", "SaveRecord",
-           "check_seconds", "close_socket", "recv_frame", "send_frame"]
+__all__ = ["CLOSED_LINK_GRACE_S", "BadFrame", "ChannelError", "Notifier", "Producer",
+           "ProducerSide", "SaveRecord", "check_seconds", "close_socket", "recv_frame",
+           "send_frame"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +117,28 @@ class SaveRecord:
     failed: dict[int, str] = field(default_factory=dict)
 
 
+class ProducerSide(Protocol):
+    """What the producer reads of its connector (a
+    :class:`~kvcore.connectors.pull.PullConnector`, which imports this module)."""
+
+    transport: str
+    confirms_over_channel: bool
+    channel_protocol: str
+    host: str
+    port: int
+    connect_timeout_s: float
+    publish_timeout_s: float
+    max_lease_s: float
+    _layout: KVCacheLayout
+
+
+class Notifier(Protocol):
+    """What the producer calls of its engine (a :class:`~kvcore.connectors.pull.Engine`)."""
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """The READ notifications that arrived, as ``(consumer, message)``."""
+
+
 @dataclass
 class _Lease:
     lease_id: str
@@ -132,7 +152,7 @@ class _Lease:
 class Producer:
     """The producer's state: published blocks, leases, the listener and its threads."""
 
-    def __init__(self, conn: PullConnector, listener: socket.socket) -> None:
+    def __init__(self, conn: ProducerSide, listener: socket.socket) -> None:
         self.conn = conn
         self.who = f"{conn.transport} producer"
         self.listener = listener
@@ -148,12 +168,12 @@ class Producer:
         self.threads: list[threading.Thread] = []
         self.lease_ids = itertools.count()
         self.link_ids = itertools.count()
-        self.engine: Engine | None = None
+        self.engine: Notifier | None = None
         self.hello: dict[str, Any] | None = None
 
     # -- lifetime -------------------------------------------------------------------------
 
-    def start(self, engine: Engine, hello: dict[str, Any]) -> None:
+    def start(self, engine: Notifier, hello: dict[str, Any]) -> None:
         self.engine, self.hello = engine, hello
         for target, name in ((self._accept_loop, "accept"), (self._notif_loop, "notifs")):
             thread = threading.Thread(target=target, daemon=True,
