@@ -30,4 +30,4 @@ def kvcore_register_block_copiers(register: Callable[[str, str], None]) -> None:
 
 @kvcore.hookimpl
 def kvcore_register_status_reports(register: Callable[[str, str], None]) -> None:
-    register("nvidia", f"{_OPS}.cache_write:status_report")
+    register("nvidia", f"{_OPS}.status:status_report")

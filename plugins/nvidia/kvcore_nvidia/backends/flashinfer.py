@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -91,6 +90,7 @@ from kvcore_nvidia.backends.common import (
     used_blocks,
     write_cache,
 )
+from kvcore_nvidia.caches import flashinfer_jit_cache
 
 __all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferKernels", "FlashInferMetadata",
            "FlashInferMetadataBuilder", "flashinfer_kernels", "flashinfer_page_table"]
@@ -210,15 +210,6 @@ def _new_wrappers(workspace: torch.Tensor, kernels: FlashInferKernels) -> tuple[
     decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_tensor_cores=kernels.decode_tensor_cores, backend="fa2")
     return prefill, decode
-
-
-def flashinfer_jit_cache() -> str:
-    """Where FlashInfer keeps its JIT-compiled modules (one folder per version and GPU
-    architecture below it): ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``, the base
-    defaulting to the home directory. Read without importing FlashInfer (status reports stay
-    cheap)."""
-    base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
-    return os.path.join(base, ".cache", "flashinfer")
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from kvcore.ops import reshape_and_cache
 from kvcore_nvidia.ops import _build
 
 __all__ = ["CACHE_WRITE_KERNELS", "DEFAULT_CACHE_WRITE", "cache_write_kernel",
-           "cache_write_status", "status_report", "write_kv_cache"]
+           "cache_write_status", "write_kv_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +122,3 @@ def write_kv_cache(
     else:  # kvcore's own dispatch: Triton on a GPU, the reference on the CPU
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                           k_scale, v_scale)
-
-
-def status_report() -> dict[str, str]:
-    """kvcore-nvidia's lines in ``kvcore plugins`` and ``kvcore collect-env``; the facts
-    named ``*_cache`` are the directories ``kvcore warmup`` lists."""
-    from kvcore_nvidia.backends.flashinfer import flashinfer_jit_cache
-
-    return {"cuda_extension": _build.status(), "cache_write": cache_write_status(),
-            "cuda_extension_cache": str(_build.build_directory()),
-            "flashinfer_jit_cache": flashinfer_jit_cache()}
