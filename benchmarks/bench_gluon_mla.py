@@ -5,7 +5,7 @@ kernel at half and twice that count. Each output is checked against the Triton o
 is timed. With ``--rounds N`` every call is timed N times, the calls of a shape interleaved
 round by round: the table shows medians, and the last column the spread of the per-round
 FlashInfer / Gluon ratio (one sample of each moved our B8 and B128 times by up to 10% between
-calls, benchmarks/RESULTS.md, twelfth session).
+calls on the H200, 2026-12-02, benchmarks/RESULTS.md).
 
 Usage (device run, carry .whl for FlashInfer): python3 benchmarks/bench_gluon_mla.py
 [--rounds N]

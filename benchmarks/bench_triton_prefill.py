@@ -82,7 +82,7 @@ CASES = {"4x2048": (4, 2048, 0), "1x8192": (1, 8192, 0), "4x512+16k": (4, 512, 1
 #: name -> (requests, context): the decode shapes
 DECODES = {"64x4096": (64, 4096), "8x32768": (8, 32768), "256x1024": (256, 1024),
            "16x4096": (16, 4096)}
-#: FlashInfer direct, measured before (RESULTS.md, 2026-12-01 third session), for the ratios
+#: FlashInfer direct, measured on the H200 on 2026-12-01 (RESULTS.md), for the ratios
 #: when it is not measured in this run.
 FLASHINFER_BEFORE_US = {"4x2048": 311.1, "1x8192": 1031.2, "4x512+16k": 973.3}
 FLASHINFER_DECODE_BEFORE_US = {"64x4096": 245.8, "8x32768": 245.8, "256x1024": 259.9,
@@ -133,7 +133,7 @@ def prefill_candidates() -> list:
     # The Gluon kernel's tiles (128 rows, 8 warps; keys a step x shared-memory stages) come
     # right after the table row, so the budget never cuts them: sm90's row (warp-specialised,
     # ping-pong, 128 x 3) and its nearest rivals first; --gluon-only stops there. The full
-    # sweep adds the tiles that lost in the tenth and eleventh sessions (two stages starve
+    # sweep adds the tiles that lost in earlier H200 sweeps (two stages starve
     # the consumers; the plain kernel is slower than the Triton row; 64 x 4 ties 64 x 3).
     g = dict(const_block=True, gluon=True)
     gluon = [tile(128, 128, 8, 3, **g, warp_specialize=True, pingpong=True),

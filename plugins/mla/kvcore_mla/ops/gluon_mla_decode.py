@@ -26,7 +26,7 @@ warpgroups (the first version of this kernel, and the Triton kernel's best row) 
 issue ``64 x 32`` wgmmas that read the whole query from shared memory, twice a tile in all;
 shared-memory bandwidth, not the tensor cores, then bounds the scores. On the H200 at 128
 heads the symmetric kernel ran at 0.86-0.89x FlashInfer's speed, this one at 0.96-1.02x
-(``benchmarks/RESULTS.md``, thirteenth session). Why Gluon and not Triton
+(``benchmarks/RESULTS.md``, the Gluon MLA decode sections). Why Gluon and not Triton
 (``_mla_decode_kernel``): Triton waits every wgmma at once, hoists every wgmma descriptor out
 of the loop (they spill) and puts a CTA-wide barrier before each TMA copy; here the waits,
 descriptors, copies and roles are placed by hand.

@@ -59,7 +59,7 @@ kernels are: one warpgroup computes each tile's scores whole (64 x 64 wgmmas, th
 from shared memory once a tile, where key-split scores read it twice in 64 x 32 pieces) and
 its softmax, a second does P x V of the other latent half, and a copy warpgroup issues the TMA
 loads. On the H200 at 128 heads it runs at 0.96-1.02x FlashInfer MLA's speed and 1.3-1.4x
-``_mla_decode_kernel``'s best row (``benchmarks/RESULTS.md``, thirteenth session). It takes
+``_mla_decode_kernel``'s best row (``benchmarks/RESULTS.md``, Gluon MLA decode). It takes
 bf16/fp16 queries and caches that :func:`gluon_unmet` accepts; :func:`mla_decode_config`
 skips the row where Triton has no Gluon Hopper API (3.6 or newer has it) or the cache is fp8,
 and the decode entry points given no config where :func:`gluon_unmet` finds the tensors unfit.
