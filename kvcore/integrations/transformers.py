@@ -1,0 +1,495 @@
+"""transformers' continuous batching on a kvcore backend, viewing transformers' own paged cache.
+
+::
+
+    from kvcore.integrations.transformers import use_kvcore
+
+    with use_kvcore(model):                       # kvcore's selector picks; or backend="..."
+        outputs = model.generate_batch(prompts, generation_config)
+
+Inside the block, every continuous-batching step (``generate_batch``,
+``init_continuous_batching`` / ``ContinuousBatchingManager``, ``transformers serve`` in the same
+process) runs attention through the chosen kvcore backend; scheduling, chunked prefill, prefix
+sharing, forks and offload stay transformers'. What happens per step:
+
+- **Memory.** transformers' ``PagedAttentionCache`` holds one flat byte tensor; its
+  full-attention allocator lays each block out as ``[layer][K page | V page]``, a page being
+  ``(page_size, num_kv_heads, head_dim)``: kvcore's cross-layer NHD order ``B,L,2,N,H,D``
+  (stride order ``(1, 0, 2, 3, 4, 5)``). The whole tensor is adopted with
+  :func:`kvcore.adopt_kv_caches` (no copy, ``data_ptr`` equal), its two leading "trash"
+  sectors included, so transformers' block ids are kvcore's block ids. Forks and prefix
+  sharing copy or share blocks inside that tensor; kvcore sees them.
+- **Metadata, once per step.** A forward pre-hook on the first attention layer turns the step's
+  kwargs into :class:`kvcore.AttentionMetadata`: ``cu_seq_lens_q`` is ``query_start_loc``;
+  sequence lengths come from ``cu_seq_lens_k``; a row index ``w`` of transformers' write or
+  read index (``block * block_physical_stride + offset``) becomes the slot ``(w // S) * N + w %
+  S`` (``S`` the stride, ``N`` the page size); block tables are the read index's rows at every
+  page start of each request. All of it is device arithmetic; the host copy of
+  ``cu_seq_lens_q`` is the one device read (nothing on a CPU model). The backend's builder
+  then runs once; every layer reuses the result.
+- **Per layer.** Each attention module's pre-hook takes ``cache`` out of its kwargs (so
+  transformers neither writes nor gathers K/V) and hands the layer's cache view and impl to the
+  attention function registered under :data:`ATTENTION_NAME`, which calls the backend's
+  ``do_kv_cache_update`` and ``forward``.
+
+Refused up front, each with its reason: sliding-window layers (a ring buffer, not blocks of a
+table), hybrid models (several cache groups), MLA (compressed latents), attention sinks and
+logit soft-capping, backends that cannot read a cross-layer NHD cache on this platform. The
+plain ``model.generate`` path (transformers' ``DynamicCache``) is not served: leave the block
+first. ``examples/transformers_llama.py`` is the minimal form of the other direction: kvcore's
+own cache and a hand-written batching loop around a transformers model. CB's CUDA graphs
+(``use_cuda_graph``) and ``torch.compile`` are not served yet (the step reads its host facts):
+pass ``ContinuousBatchingConfig(use_cuda_graph=False)``.
+
+Which transformers internals this relies on, and the supported versions:
+:mod:`kvcore.integrations.transformers_internals`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcore.adopt import adopt_kv_caches, attention_metadata_from_engine, check_readable_order
+from kvcore.backend import AttentionBackend, AttentionImpl, AttentionMetadata, LayerScales
+from kvcore.config import AttentionSelectorConfig
+from kvcore.integrations.transformers_internals import (
+    SUPPORTED_RANGE,
+    check_internals,
+    version_problem,
+)
+from kvcore.selector import explain_selection, get_attn_backend
+from kvcore.spec import FullAttentionSpec
+
+__all__ = ["ATTENTION_NAME", "CROSS_LAYER_NHD", "KVCoreAttention", "select_backend",
+           "use_kvcore"]
+
+#: The attention implementation name the model runs under. Continuous batching accepts only
+#: ``paged|eager``, ``sdpa`` or a name containing "flash"; with "flash" it builds no masks
+#: and passes varlen kwargs, and without a version digit after it its flash-only decode fast
+#: path stays off.
+ATTENTION_NAME = "kvcore_flash"
+
+#: transformers' full-attention block ``[layer][K page | V page]`` as a kvcore stride order of
+#: ``(L, B, 2, N, H, D)``: block outermost, then layer (cross-layer NHD).
+CROSS_LAYER_NHD = (1, 0, 2, 3, 4, 5)
+
+_UNIT_SCALES = LayerScales()  # transformers' paged cache is unquantised
+_FULL = "full_attention"
+_registered = threading.Lock()
+_is_registered = False
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "kvcore.integrations.transformers needs transformers, which is not installed; "
+            f"install the extra: pip install 'kvcore[transformers]' (transformers{SUPPORTED_RANGE})"
+        ) from exc
+    return transformers
+
+
+def _register() -> None:
+    """Register :data:`ATTENTION_NAME` with transformers' attention and mask interfaces."""
+    global _is_registered
+    with _registered:
+        if _is_registered:
+            return
+        transformers = _import_transformers()
+        transformers.AttentionInterface.register(ATTENTION_NAME, _kvcore_attention)
+        transformers.AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+        _is_registered = True
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """kvcore's metadata carries causality and request boundaries: no 4-D mask is built."""
+    return None
+
+
+@dataclass
+class _LayerCall:
+    """What one attention layer's call needs, passed as the ``kvcore_layer`` kwarg."""
+
+    cache: torch.Tensor  # the layer's (num_blocks, 2, N, H, D) view of transformers' tensor
+    impl: AttentionImpl
+    metadata: Any  # what the builder returned for this step
+
+
+def _kvcore_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvcore_layer: _LayerCall | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for :data:`ATTENTION_NAME`.
+
+    ``query`` is ``(1, num_heads, num_tokens, head_dim)``, ``key``/``value`` ``(1,
+    num_kv_heads, num_tokens, head_dim)`` (the step's packed new tokens, rotary applied).
+    Returns ``(1, num_tokens, num_heads, head_dim)``.
+    """
+    if kvcore_layer is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTENTION_NAME!r} runs only inside "
+            "kvcore.integrations.transformers.use_kvcore(model) and only for continuous "
+            "batching (generate_batch, init_continuous_batching); this call came without "
+            "kvcore's per-layer state (another model, or model.generate): leave the block or "
+            "use generate_batch")
+    if query.shape[0] != 1:
+        raise ValueError(f"query has batch size {query.shape[0]}; continuous batching packs "
+                         "every request's tokens into batch dimension 1")
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    impl, cache, meta = kvcore_layer.impl, kvcore_layer.cache, kvcore_layer.metadata
+    impl.do_kv_cache_update(_UNIT_SCALES, k, v, cache, meta.slot_mapping)
+    return impl.forward(_UNIT_SCALES, q, k, v, cache, meta).unsqueeze(0), None
+
+
+def model_problems(model: torch.nn.Module) -> list[str]:
+    """Why transformers' continuous batching of ``model`` cannot run on kvcore (empty: it
+    can): cache groups other than one full-attention group, MLA, sinks, soft-capping."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    problems = []
+    if getattr(config, "kv_lora_rank", None) is not None:
+        problems.append(
+            f"the model uses MLA (kv_lora_rank={config.kv_lora_rank}): transformers caches "
+            "compressed latents, which kvcore's K/V backends cannot view; run it with "
+            "transformers' own attention")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        layer_types = ["sliding_attention"] * config.num_hidden_layers
+    kinds = sorted(set(layer_types or [_FULL]))
+    if kinds != [_FULL]:
+        problems.append(
+            f"the model's layer types are {', '.join(kinds)}: transformers keeps sliding-window "
+            "layers in a ring buffer (rows recycled, not blocks of a table) and a hybrid model "
+            "in several cache groups; kvcore serves models whose every layer is "
+            "full_attention")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        problems.append(f"attn_logit_softcapping={softcap}: kvcore's backends do not "
+                        "soft-cap logits")
+    if any(hasattr(m, "sinks") for m in _attention_modules(model).values()):
+        problems.append("the model's attention has sinks (module.sinks): kvcore's K/V "
+                        "backends run without them")
+    return problems
+
+
+def _attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The model's attention modules by layer index (modules with an int ``layer_idx`` whose
+    class name ends in ``Attention``)."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and type(module).__name__.endswith("Attention"):
+            found[idx] = module
+    return found
+
+
+def select_backend(
+    model: torch.nn.Module,
+    backend: str | type[AttentionBackend] | None = None,
+    *,
+    page_size: int | None = None,
+    platform: str | None = None,
+) -> type[AttentionBackend]:
+    """The kvcore backend that serves ``model``'s continuous batching with pages of
+    ``page_size`` tokens (default: ``ContinuousBatchingConfig``'s).
+
+    kvcore's selector picks unless ``backend`` names one; only a backend that reads a
+    cross-layer NHD cache on the platform can view transformers' tensor, so the first valid
+    one that does is taken. A named backend that cannot is refused with its reasons.
+
+    Raises:
+        ValueError: the model cannot be served (:func:`model_problems`), or no backend (or
+            not the named one) can run it on transformers' cache.
+    """
+    transformers = _import_transformers()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    if page_size is None:
+        page_size = transformers.ContinuousBatchingConfig.page_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    selector_config = AttentionSelectorConfig(head_size=head_dim, dtype=model.dtype,
+                                              block_size=page_size)
+    plat = platform or ("cpu" if model.device.type == "cpu" else None)
+    if backend is not None:
+        chosen = get_attn_backend(selector_config, backend=backend, platform=plat)
+        reason = _view_problem(chosen, plat)
+        if reason:
+            raise ValueError(f"backend={chosen.get_name()!r} cannot serve transformers' "
+                             f"continuous batching: {reason}")
+        return chosen
+    report = explain_selection(selector_config, platform=plat)
+    valid = [c for c in report.candidates if c.valid]
+    valid.sort(key=lambda c: not c.in_priority_list)  # the priority list first, in its order
+    refused = []
+    for candidate in valid:
+        try:
+            chosen = get_attn_backend(selector_config, backend=candidate.name, platform=plat)
+        except ValueError as exc:
+            refused.append(f"{candidate.name}: {exc}")
+            continue
+        reason = _view_problem(chosen, plat)
+        if reason is None:
+            return chosen
+        refused.append(f"{candidate.name}: {reason}")
+    invalid = [f"{c.name}: {'; '.join(c.reasons)}" for c in report.candidates
+               if c.reasons and c.in_priority_list]
+    raise ValueError(
+        f"no kvcore backend can serve transformers' continuous batching of this model "
+        f"({selector_config.describe()}) on platform {report.platform}: "
+        f"{' | '.join(refused + invalid) or 'none is registered'}. Pick a page_size and dtype "
+        "a backend supports (kvcore select --explain), or use transformers' own attention")
+
+
+def _view_problem(backend: type[AttentionBackend], platform: str | None) -> str | None:
+    """Why ``backend`` cannot read transformers' cross-layer NHD tensor, or ``None``."""
+    try:
+        check_readable_order(backend, CROSS_LAYER_NHD, platform,
+                             what="transformers' paged cache (cross-layer NHD, B,L,2,N,H,D)")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass
+class _Adopted:
+    """One transformers cache, adopted: the kvcore views, the backend's pieces and geometry."""
+
+    cache: Any  # the PagedAttentionCache (kept so a new one is noticed)
+    backend: type[AttentionBackend]
+    layers: list[torch.Tensor]
+    impls: dict[int, AttentionImpl]
+    builder: Any
+    allocator_index: int
+    page_size: int
+    row_stride: int  # transformers' block_physical_stride
+    num_blocks: int
+
+
+class KVCoreAttention:
+    """The state of :func:`use_kvcore`: hooks on the model, the adopted cache, the step.
+
+    Attributes:
+        backend: the backend selected at entry (for the default page size, or ``page_size``).
+        steps: forward passes served so far.
+        adopted: the transformers cache currently viewed (``None`` before the first step).
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: str | type[AttentionBackend] | None,
+                 page_size: int | None, platform: str | None) -> None:
+        transformers = _import_transformers()
+        problem = version_problem()
+        if problem:
+            raise RuntimeError(problem)
+        changed = check_internals()
+        if changed:
+            raise RuntimeError(
+                f"transformers {transformers.__version__} changed what kvcore's integration "
+                f"relies on: {' | '.join(changed)}; install transformers{SUPPORTED_RANGE}")
+        problems = model_problems(model)
+        if problems:
+            raise ValueError(f"{type(model).__name__} cannot run on kvcore under transformers' "
+                             f"continuous batching: {' | '.join(problems)}")
+        self.model = model
+        self._requested = backend
+        self._platform = platform
+        self._page_size = page_size or transformers.ContinuousBatchingConfig.page_size
+        self.backend = select_backend(model, backend, page_size=self._page_size,
+                                      platform=platform)
+        self._modules = _attention_modules(model)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        expected = list(range(config.num_hidden_layers))
+        if sorted(self._modules) != expected:
+            raise ValueError(
+                f"found attention modules for layers {sorted(self._modules)} but the model has "
+                f"{config.num_hidden_layers} layers; kvcore hooks one module per layer (a "
+                "module with an int layer_idx whose class name ends in Attention)")
+        self._first = expected[0]
+        self.steps = 0
+        self.adopted: _Adopted | None = None
+        self._step_meta: Any = None
+        self._handles: list[Any] = []
+        self._previous: str | None = None
+
+    # -- entering and leaving ---------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Register the attention function, switch the model to it and hook its layers."""
+        _register()
+        self._previous = self.model.config._attn_implementation
+        # set_attn_implementation would try to load a hub kernel for a name containing "flash".
+        self.model.config._attn_implementation = ATTENTION_NAME
+        for idx, module in self._modules.items():
+            self._handles.append(module.register_forward_pre_hook(
+                self._hook(idx), with_kwargs=True))
+
+    def detach(self) -> None:
+        """Remove the hooks and restore the model's attention implementation."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._previous is not None:
+            self.model.config._attn_implementation = self._previous
+        self.adopted = None
+        self._step_meta = None
+
+    # -- per layer and per step ---------------------------------------------------------------
+
+    def _hook(self, idx: int):
+        def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            cache = kwargs.get("cache")
+            if idx == self._first:
+                self._step_meta = self._build_step(cache, kwargs)
+            adopted = self.adopted
+            kwargs["cache"] = None  # transformers neither writes nor gathers: kvcore does
+            kwargs["kvcore_layer"] = _LayerCall(adopted.layers[idx], adopted.impls[idx],
+                                                self._step_meta)
+            return args, kwargs
+
+        return pre_hook
+
+    def _build_step(self, cache: Any, kwargs: dict) -> Any:
+        transformers = _import_transformers()
+        paged = transformers.generation.continuous_batching.PagedAttentionCache
+        if not isinstance(cache, paged):
+            raise RuntimeError(
+                f"use_kvcore serves transformers' continuous batching, but this forward pass "
+                f"got cache={type(cache).__name__} (model.generate or a plain forward); leave "
+                "the use_kvcore block for those, or call model.generate_batch")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "transformers is capturing a CUDA graph of a continuous-batching step, which "
+                "kvcore's step (it reads cu_seq_lens_q on the host) cannot be part of yet; pass "
+                "ContinuousBatchingConfig(use_cuda_graph=False) to generate_batch")
+        if self.adopted is None or self.adopted.cache is not cache:
+            self.adopted = self._adopt(cache)
+        self.steps += 1
+        return self.adopted.builder.build(self._common_metadata(kwargs))
+
+    def _adopt(self, cache: Any) -> _Adopted:
+        """View ``cache``'s tensor as kvcore caches and make the backend's impls and builder."""
+        groups = list(cache.cache_allocators.items())
+        if [name for name, _ in groups] != [_FULL]:
+            raise ValueError(f"transformers' cache has the groups {[n for n, _ in groups]}; "
+                             "kvcore serves one full_attention group")
+        allocator = groups[0][1]
+        if type(allocator).__name__ != "FullAttentionCacheAllocator":
+            raise ValueError(f"transformers' full-attention cache is a "
+                             f"{type(allocator).__name__}; kvcore views only "
+                             "FullAttentionCacheAllocator's [layer][K page | V page] blocks")
+        num_layers = len(allocator.layer_indices)
+        if list(allocator.layer_indices) != list(range(num_layers)):
+            raise ValueError(f"transformers' allocator holds layers {allocator.layer_indices} "
+                             "in that order; kvcore views a cache whose pages follow the layers")
+        page_size = allocator.tokens_per_page
+        backend = self.backend
+        if page_size != self._page_size:  # the batching config chose another page size
+            backend = select_backend(self.model, self._requested, page_size=page_size,
+                                     platform=self._platform)
+            self.backend, self._page_size = backend, page_size
+        tensor = cache.cache_tensor
+        num_blocks = tensor.numel() // allocator.bytes_per_block
+        caches = adopt_kv_caches(
+            backend, tensor, layout=CROSS_LAYER_NHD, num_layers=num_layers,
+            num_blocks=num_blocks, block_size=page_size,
+            num_kv_heads=allocator.num_key_value_heads, head_size=allocator.head_dim,
+            dtype=allocator.cache_dtype, device=tensor.device, platform=self._platform)
+        impls = {}
+        for idx, module in self._modules.items():
+            impls[idx] = backend.get_impl_cls()(
+                num_heads=module.config.num_attention_heads, head_size=allocator.head_dim,
+                scale=float(module.scaling), num_kv_heads=allocator.num_key_value_heads)
+        first = self._modules[self._first]
+        spec = FullAttentionSpec(block_size=page_size, dtype=allocator.cache_dtype,
+                                 num_kv_heads=allocator.num_key_value_heads,
+                                 head_size=allocator.head_dim)
+        max_tokens = int(cache.max_batch_tokens)
+        builder = backend.get_builder_cls()(
+            spec, num_heads=first.config.num_attention_heads, max_num_seqs=max_tokens,
+            max_num_batched_tokens=max_tokens, max_model_len=int(cache.max_tokens_read),
+            device=tensor.device)
+        return _Adopted(cache=cache, backend=backend, layers=caches.layers, impls=impls,
+                        builder=builder, allocator_index=allocator.index, page_size=page_size,
+                        row_stride=allocator.block_physical_stride, num_blocks=num_blocks)
+
+    def _common_metadata(self, kwargs: dict) -> AttentionMetadata:
+        """kvcore's metadata of one step from transformers' kwargs (see the module docstring)."""
+        a = self.adopted
+        n, stride = a.page_size, a.row_stride
+        cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+        cu_k = kwargs["cu_seq_lens_k"][_FULL].to(torch.int32)
+        write = kwargs["write_index"][a.allocator_index]
+        read = kwargs["read_index"][a.allocator_index]
+        device = cu_q.device
+        seq_lens = cu_k[1:] - cu_k[:-1]
+        starts_cpu = cu_q.cpu()
+        q_lens = starts_cpu[1:] - starts_cpu[:-1]
+        max_query_len = int(q_lens.max()) if q_lens.numel() else 0
+        max_seq_len = int(kwargs["max_length_k"][_FULL])  # an upper bound once padded
+        # A request's rows in the read index cover all its tokens (past and new); a step that
+        # reads no past (only first prefills) has an empty read index and its write index then
+        # covers every token, at the same offsets (cu_seq_lens_k equals cu_seq_lens_q).
+        rows = read if read.numel() else write
+        width = max(1, -(-max_seq_len // n))
+        page_starts = torch.arange(width, device=device, dtype=torch.int64) * n
+        pos = cu_k[:-1, None].long() + page_starts
+        used = page_starts < seq_lens[:, None]
+        pos = pos.clamp_(max=max(rows.numel() - 1, 0))
+        block_table = torch.where(used, rows[pos] // stride, 0).to(torch.int32)
+        slots = (write // stride) * n + write % stride
+        real = torch.arange(write.numel(), device=device) < cu_q[-1]
+        slot_mapping = torch.where(real, slots, -1)
+        return attention_metadata_from_engine(
+            query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
+            num_blocks=a.num_blocks)
+
+
+@contextlib.contextmanager
+def use_kvcore(
+    model: torch.nn.Module,
+    backend: str | type[AttentionBackend] | None = None,
+    *,
+    page_size: int | None = None,
+    platform: str | None = None,
+) -> Iterator[KVCoreAttention]:
+    """Run ``model``'s continuous batching on a kvcore backend inside the block.
+
+    Args:
+        model: a transformers causal LM whose every layer is full attention.
+        backend: a kvcore backend name or class; default: kvcore's selector, limited to the
+            backends that can view transformers' cache.
+        page_size: the ``ContinuousBatchingConfig.page_size`` the batching will use (default:
+            transformers' default); the backend is checked against it up front, and
+            re-selected at the first step if the cache turns out to use another.
+        platform: force a kvcore platform (default: ``cpu`` for a CPU model, else detected).
+
+    Yields:
+        the :class:`KVCoreAttention` state (``backend``, ``steps``, ``adopted``).
+
+    Raises:
+        ImportError: transformers is not installed (the ``kvcore[transformers]`` extra).
+        RuntimeError: an unsupported transformers version, or one whose internals changed.
+        ValueError: a model or backend that cannot be served, with the reasons.
+    """
+    state = KVCoreAttention(model, backend, page_size, platform)
+    state.attach()
+    try:
+        yield state
+    finally:
+        state.detach()
