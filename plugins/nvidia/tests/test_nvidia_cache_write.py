@@ -290,8 +290,8 @@ def test_backend_forward_runs_on_the_cuda_write(backend, monkeypatch):
 
 
 def test_a_lock_file_left_by_a_killed_build_does_not_block_the_next(fresh_choice, monkeypatch):
-    """torch's build lock file outlives a build killed mid-way (seen on the H200: every later
-    build waited on it); under kvcore's OS lock a leftover one is stale and is removed."""
+    """torch's build lock file outlives a build killed mid-way (and every later build waits on
+    it); under kvcore's OS lock a leftover one is stale and is removed."""
     _buildable(monkeypatch)
     directory = _build.build_directory()
     directory.mkdir(parents=True, exist_ok=True)

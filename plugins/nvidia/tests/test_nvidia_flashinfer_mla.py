@@ -361,8 +361,8 @@ def test_a_builder_without_a_scale_plans_for_the_first_layer_s_from_the_next_ste
 def test_a_captured_step_keeps_the_scale_it_was_planned_for(fake_flashinfer):
     """Once a CUDA-graph step was built, a layer's scale no longer changes the plan: the graph
     holds the layers' query rescaling for the scale it was captured with, and a replay planned
-    for the layer's own scale would apply the ratio twice (what the conformance rule
-    ``cuda-graph-replay`` caught on the H200)."""
+    for the layer's own scale would apply the ratio twice (the conformance rule
+    ``cuda-graph-replay`` checks this on a GPU)."""
     gen = torch.Generator().manual_seed(22)
     cache = torch.randn(12, 16, RANK + ROPE, generator=gen).to(torch.bfloat16)
     tables = random_block_tables([40, 17, 3], 16, 12, gen)

@@ -317,8 +317,8 @@ def test_forward_on_a_cross_layer_allocation_equals_layers_outermost():
     the other layers untouched.
 
     Both allocations are filled layer by layer (:func:`nvidia_helpers.fill_layers`): filled
-    through ``caches.storage`` they held different histories (the physical orders differ),
-    which is how this test failed on its first H200 run while the view-based tests passed;
+    through ``caches.storage`` they would hold different histories (the physical orders
+    differ) and the comparison would fail where the view-based tests pass;
     ``test_nvidia_flashinfer_mla.py`` runs the same comparison on the CPU."""
     gen = _gen("xl-forward")
     impl = _impl(128, gen)
