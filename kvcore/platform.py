@@ -12,6 +12,7 @@ Environment overrides (so CUDA and ROCm selection logic is testable on a CPU mac
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -71,6 +72,22 @@ def _check_block_copy_args(
         src_cache, dst_cache, src_block_indices, dst_block_indices,
         names=("src_cache", "dst_cache", "src_block_indices", "dst_block_indices"),
     )
+
+
+@functools.cache
+def _cpu_model_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``'s ``model name``), else its
+    architecture."""
+    import platform as py_platform
+
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return f"CPU {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return f"CPU {py_platform.processor() or py_platform.machine()}"
 
 
 class Platform(ABC):
@@ -136,6 +153,18 @@ class Platform(ABC):
         if self.probe() is not None:
             return None
         return self.query_device_capability(device_id)
+
+    def device_name(self, device_id: int = 0) -> str | None:
+        """The device's name as its driver reports it (``NVIDIA H200``; on the CPU the
+        processor's model name), or ``None`` when the device is absent. Measured rankings
+        (:mod:`kvcore.ranking`) are kept per device name."""
+        if self.probe() is not None:
+            return None
+        if self.device_type == "cpu":
+            return _cpu_model_name()
+        module = getattr(torch, self.device_type, None)
+        get_name = getattr(module, "get_device_name", None)
+        return get_name(device_id) if get_name is not None else None
 
     @property
     def is_simulated(self) -> bool:

@@ -1,10 +1,11 @@
 """Pick an attention backend for a platform and config, and explain every rejection.
 
 :func:`get_attn_backend` returns the first valid backend of the platform's priority list (then
-any other backend registered for the platform). A forced backend (argument or
-``KVCORE_ATTENTION_BACKEND``) that is unknown or invalid raises with its reasons: never a silent
-fallback. :func:`explain_selection` returns every candidate with its reasons, and
-:class:`NoValidBackendError` carries the same report in one message.
+any other backend registered for the platform); where ``kvcore tune`` measured this device
+for the config (:mod:`kvcore.ranking`), the measured backends come first, fastest first. A
+forced backend (argument or ``KVCORE_ATTENTION_BACKEND``) that is unknown or invalid raises
+with its reasons: never a silent fallback. :func:`explain_selection` returns every candidate
+with its reasons, and :class:`NoValidBackendError` carries the same report in one message.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore import plugins
+from kvcore import plugins, ranking
 from kvcore.backend import AttentionBackend
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform import Platform, current_platform, get_platform
@@ -79,6 +80,10 @@ class SelectionReport:
     forced: str | None = None
     #: The platform's measured speed per phase for this config (:meth:`Platform.phase_rankings`).
     phase_rankings: tuple[PhaseRanking, ...] = ()
+    #: The order measured on this device by ``kvcore tune`` that the candidates follow, if any.
+    measured: ranking.MeasuredOrder | None = None
+    #: Why a ranking file that exists does not apply (another device, stale, malformed, ...).
+    ranking_notes: list[str] = field(default_factory=list)
 
     @property
     def selected(self) -> CandidateReport | None:
@@ -92,6 +97,10 @@ class SelectionReport:
         if self.forced:
             return "forced by name (backend argument or KVCORE_ATTENTION_BACKEND), and valid"
         order = ", ".join(c.name for c in self.candidates if c.in_priority_list)
+        if self.measured is not None and pick.name in self.measured.order:
+            return (f"fastest valid backend measured on this machine on {self.measured.date} "
+                    f"(order {', '.join(self.measured.order)}; ranking file "
+                    f"{self.measured.path}), ahead of {self.platform}'s static order")
         if pick.in_priority_list:
             return f"first valid backend in {self.platform}'s priority list ({order})"
         return (f"no backend in {self.platform}'s priority list ({order}) is valid; first valid "
@@ -114,19 +123,30 @@ class SelectionReport:
                 f"valid for this config on {self.platform}: {', '.join(others)}" if others
                 else f"no other backend can run this config on {self.platform} either"]
 
+    def measured_lines(self) -> list[str]:
+        """What ``kvcore tune`` measured on this device for this config, per phase, or why a
+        ranking file does not apply (``[]``: no ranking file)."""
+        lines = [f"note: {n}" for n in self.ranking_notes]
+        if self.measured is not None:
+            m = self.measured
+            lines.append(f"measured on this machine on {m.date} ({m.device.name}; {m.path}):")
+            lines.extend(f"  {line}" for line in m.phase_lines())
+        return lines
+
     def phase_lines(self) -> list[str]:
         """The measured order per phase, where the selected backend stands in it, and a note
-        when the fastest backends differ between phases (``[]``: nothing measured)."""
-        if not self.phase_rankings:
+        when the fastest backends differ between phases (``[]``: nothing measured). A ranking
+        measured on this machine (:meth:`measured_lines`) replaces the platform's."""
+        if not self.phase_rankings or self.measured is not None:
             return []
         pick = self.selected
         lines = []
-        for ranking in self.phase_rankings:
-            line = f"{ranking.phase} (measured): {ranking.describe()}"
+        for phase in self.phase_rankings:
+            line = f"{phase.phase} (measured): {phase.describe()}"
             if pick is not None:
-                rank = ranking.rank(pick.name)
+                rank = phase.rank(pick.name)
                 where = ("not measured" if rank is None else "among the fastest" if rank == 0
-                         else f"in group {rank + 1} of {len(ranking.tiers)}")
+                         else f"in group {rank + 1} of {len(phase.tiers)}")
                 line += f"; selected {pick.name} is {where}"
             lines.append(line)
         if len({frozenset(r.fastest) for r in self.phase_rankings}) > 1:
@@ -156,6 +176,7 @@ class SelectionReport:
         if pick is not None and pick.cuda_graphs is not None:
             lines.append(f"cuda graphs: {pick.cuda_graphs} (the selected backend's "
                          "CUDA_GRAPH_SUPPORT)")
+        lines.extend(self.measured_lines())
         lines.extend(self.phase_lines())
         for c in self.candidates:
             status = ("SELECTED" if c.selected else "rejected" if not c.valid
@@ -180,6 +201,8 @@ class SelectionReport:
             "candidates": [c.to_dict() for c in self.candidates],
             "phase_rankings": [{"phase": r.phase, "tiers": [list(t) for t in r.tiers],
                                 "measured": r.measured} for r in self.phase_rankings],
+            "measured_ranking": self.measured.to_dict() if self.measured else None,
+            "ranking_notes": list(self.ranking_notes),
         }
 
 
@@ -301,11 +324,14 @@ def _importable(candidate: CandidateReport) -> bool:
 
 
 def _candidate_names(
-    config: AttentionSelectorConfig, platform: Platform, capability: DeviceCapability | None
+    config: AttentionSelectorConfig, platform: Platform, capability: DeviceCapability | None,
+    measured: ranking.MeasuredOrder | None = None,
 ) -> tuple[list[str], set[str]]:
     """The platform's priority list, then backends registered for the platform that it does
     not know of (third-party ones). A backend the platform knows but left out of its list for
-    this config (e.g. ROCM_ATTN with a KV connector) stays out."""
+    this config (e.g. ROCM_ATTN with a KV connector) stays out. With a ``measured`` order, the
+    measured candidates come first in that order (they join the priority list), then the
+    others in the static order."""
     registry = backend_registry()
     # dict.fromkeys: a name listed twice is one candidate, tried at its first position.
     preferred = list(dict.fromkeys(
@@ -321,7 +347,12 @@ def _candidate_names(
             continue
         if platform.name in platforms:
             extra.append(name)
-    return preferred + extra, set(preferred)
+    names = preferred + extra
+    if measured is None:
+        return names, set(preferred)
+    first = [n for n in (registry.normalize(m) for m in measured.order if m in registry)
+             if n in names]
+    return first + [n for n in names if n not in first], set(preferred) | set(first)
 
 
 def _forced_name(backend: str | type[AttentionBackend] | None) -> tuple[str | None, str]:
@@ -359,10 +390,12 @@ def explain_selection(
             registry.get(forced)
         except UnknownNameError as exc:
             raise BackendSelectionError(f"{source}: {exc}") from None
+    measured, notes = ranking.measured_order(config, plat, capability)
     report = SelectionReport(config, plat.name, plat.is_simulated, capability,
                              forced=registry.normalize(forced) if forced else None,
-                             phase_rankings=tuple(plat.phase_rankings(config, capability)))
-    names, preferred = _candidate_names(config, plat, capability)
+                             phase_rankings=tuple(plat.phase_rankings(config, capability)),
+                             measured=measured, ranking_notes=notes)
+    names, preferred = _candidate_names(config, plat, capability, measured)
     rest = [n for n in registry.names() if n not in names]
     for name in names + rest:
         candidate, _ = _evaluate(name, config, plat, capability, name in preferred)
@@ -417,7 +450,8 @@ def get_attn_backend(
         raise TypeError(f"config must be an AttentionSelectorConfig, got {type(config).__name__}")
     plat = _resolve_platform(platform)
     forced, source = _forced_name(backend)
-    key = (config, forced, plat.name, plat.get_device_capability(), type(plat))
+    key = (config, forced, plat.name, plat.get_device_capability(), type(plat),
+           ranking.ranking_state())
     with _cache_lock:
         generation = _current_cache_generation()
         if key in _cache:
