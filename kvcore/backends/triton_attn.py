@@ -14,8 +14,9 @@ than that leave some splits empty, which the kernel and the merge handle), eager
 the step's longest request. The phase picks the kernel: decode-only steps run the decode
 kernel with the builder's split count; steps with more tokens than requests (prefill, chunked
 prefill, mixed) are never split and run the prefill kernel with the GPU's tile
-(:data:`kvcore.ops.triton_attention.PREFILL_TILES`; the decode tile and the split rule are the
-GPU's row of :data:`kvcore.ops.triton_attention.DECODE_TILES`).
+(:data:`kvcore.ops.attention_config.PREFILL_TILES`; the decode tile and the split rule are the
+GPU's row of :data:`kvcore.ops.attention_config.DECODE_TILES`). The builder's choices reach the
+op as a :class:`kvcore.ops.TritonAttentionPlan` (``TritonAttentionMetadata.plan``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from kvcore.builder import PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
 from kvcore.layout_names import vllm_layout_order
 from kvcore.ops import (
+    TritonAttentionPlan,
+    default_num_kv_splits,
     triton_fp8_reasons,
     triton_paged_attention,
     triton_reshape_and_cache,
     triton_unavailable_reasons,
+    workspace_numel,
 )
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
 
@@ -94,24 +98,27 @@ class TritonAttentionHNDBackend(TritonAttentionBackend):
         return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
 
 
+#: The plan of a step that does not split (frozen: one instance serves every such step).
+_NO_SPLIT = TritonAttentionPlan(num_kv_splits=1)
+
+
 @dataclasses.dataclass
 class TritonAttentionMetadata(AttentionMetadata):
     """:class:`~kvcore.AttentionMetadata` plus the builder's launch choices for the step.
 
     Attributes:
-        num_kv_splits: split-KV count for every layer of the step (1: no split).
-        workspace: the builder's float32 split-KV workspace ``(partial outputs,
-            log-sum-exps)``, or ``None`` when the step does not split.
+        plan: what every layer of the step passes to :func:`kvcore.ops.triton_paged_attention`
+            as ``plan=``: the split-KV count (1: no split; the kernel config is left to the
+            op, ``config=None``) and, for a split step, the builder's float32 workspace
+            ``(partial outputs, log-sum-exps)``.
     """
 
-    num_kv_splits: int = 1
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    plan: TritonAttentionPlan = _NO_SPLIT
 
     def attend_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`kvcore.ops.triton_paged_attention` that carry the
-        builder's choices (what a :class:`kvcore.PagedAttentionImpl` over the Triton kernels
-        returns from ``attend_options``)."""
-        return {"num_kv_splits": self.num_kv_splits, "workspace": self.workspace}
+        builder's choices: ``{"plan": self.plan}``."""
+        return {"plan": self.plan}
 
 
 class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
@@ -120,7 +127,7 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
     The workspace is sized at construction for the largest split decode any step up to the
     maxima can choose, so no step allocates. Public (``kvcore.TritonAttentionMetadataBuilder``)
     for plugins whose backends run kvcore's Triton kernels: their
-    :class:`kvcore.PagedAttentionImpl` passes ``TritonAttentionMetadata.attend_options()`` on.
+    :class:`kvcore.PagedAttentionImpl` passes ``TritonAttentionMetadata.plan`` on as ``plan=``.
     """
 
     def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
@@ -128,8 +135,6 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
-        from kvcore.ops.triton_attention import default_num_kv_splits, workspace_numel
-
         num_kv_heads = getattr(spec, "num_kv_heads", None)
         if num_kv_heads is None:
             raise TypeError(f"spec must be a kvcore.FullAttentionSpec (K/V heads), got "
@@ -165,8 +170,8 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         else:
             splits = self._splits(meta.num_actual_tokens, meta.num_seqs, self._num_kv_heads,
                                   meta.max_seq_len, self.device)
-        return meta.extend(TritonAttentionMetadata, num_kv_splits=splits,
-                           workspace=self.workspace if splits > 1 else None)
+        return meta.extend(TritonAttentionMetadata, plan=TritonAttentionPlan(
+            num_kv_splits=splits, workspace=self.workspace if splits > 1 else None))
 
 
 class TritonAttentionImpl(PagedAttentionImpl):

@@ -20,6 +20,15 @@ Block movement by id (:mod:`kvcore.blocks`): :func:`check_block_mapping` validat
 ``src[src_ids[i]] -> dst[dst_ids[i]]`` between two blocks-first caches (messages name the
 caller's arguments), and :func:`block_runs` merges it into ``(first_src, first_dst, count)``
 runs, one copy each. Block copiers and platforms use them instead of their own checks.
+
+TRITON_ATTN's kernels by name (:data:`KERNELS`, :mod:`kvcore.ops.attention_config`): each has a
+frozen config class (:class:`TritonDecodeConfig`, :class:`TritonSplitKVConfig`,
+:class:`TritonPrefillConfig`, :class:`GluonPrefillConfig`); a builder hands its choices to the
+op as a :class:`TritonAttentionPlan`. Split-KV (:mod:`kvcore.ops.split_kv`), for any kernel
+that writes partial outputs and base-2 log-sum-exps: the split rule (:func:`kv_split_count`,
+TRITON_ATTN's :func:`default_num_kv_splits`), :func:`num_sms`, :func:`workspace_numel`, the
+merge (:func:`merge_kv_splits`) and the constants :data:`LOG2E`, :data:`LN2`,
+:data:`MAX_KV_SPLITS`.
 """
 
 from __future__ import annotations
@@ -30,6 +39,15 @@ import importlib.util
 import torch
 
 from kvcore.blocks import block_runs, check_block_mapping
+from kvcore.ops.attention_config import (
+    KERNELS,
+    AttentionConfig,
+    GluonPrefillConfig,
+    TritonAttentionPlan,
+    TritonDecodeConfig,
+    TritonPrefillConfig,
+    TritonSplitKVConfig,
+)
 from kvcore.ops.mla_reference import (
     check_block_table,
     concat_and_cache_mla_ref,
@@ -45,6 +63,16 @@ from kvcore.ops.reference import (
     quantize_to_cache,
     reshape_and_cache_ref,
     scale_value,
+)
+from kvcore.ops.split_kv import (
+    LN2,
+    LOG2E,
+    MAX_KV_SPLITS,
+    default_num_kv_splits,
+    kv_split_count,
+    merge_kv_splits,
+    num_sms,
+    workspace_numel,
 )
 from kvcore.ops.torch_attention import paged_attention_torch
 from kvcore.ops.validation import (
@@ -75,11 +103,21 @@ from kvcore.ops.validation import (
 from kvcore.platform_types import DeviceCapability
 
 __all__ = [
+    "KERNELS",
+    "LN2",
+    "LOG2E",
+    "MAX_KV_SPLITS",
     "MIN_TRITON_VERSION",
     "TRITON_FP8_CAPABILITY",
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
+    "AttentionConfig",
+    "GluonPrefillConfig",
     "StepFacts",
+    "TritonAttentionPlan",
+    "TritonDecodeConfig",
+    "TritonPrefillConfig",
+    "TritonSplitKVConfig",
     "block_runs",
     "cache_torch_dtype",
     "check_block_indices",
@@ -93,11 +131,15 @@ __all__ = [
     "check_slots_in_range",
     "checked_step_facts",
     "concat_and_cache_mla_ref",
+    "default_num_kv_splits",
     "fp8_inverse_scale",
     "gather_kv_ref",
+    "kv_split_count",
     "mark_step_checked",
+    "merge_kv_splits",
     "mla_attention_ref",
     "mla_forward_ref",
+    "num_sms",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_torch",
@@ -122,6 +164,7 @@ __all__ = [
     "validate_paged_attention",
     "validate_reshape_and_cache",
     "value_checks_enabled",
+    "workspace_numel",
 ]
 
 #: Oldest triton the kernels are tested with (the H200 image's); CI runs 3.8+.
@@ -189,8 +232,8 @@ def triton_reshape_and_cache(*args, **kwargs) -> None:
 
 
 def triton_paged_attention(*args, **kwargs) -> torch.Tensor:
-    """:func:`paged_attention` on the Triton kernel, whatever the device; also takes
-    ``num_kv_splits``, ``config`` and ``workspace`` (see :mod:`kvcore.ops.triton_attention`)."""
+    """:func:`paged_attention` on the Triton kernels, whatever the device (CPU tensors need
+    ``TRITON_INTERPRET=1``)."""
     from kvcore.ops.triton_attention import paged_attention as impl
 
     return impl(*args, **kwargs)
@@ -240,8 +283,7 @@ def paged_attention(
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
     output: torch.Tensor | None = None,
-    num_kv_splits: int | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plan: TritonAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention over a paged KV cache for a batch mixing prefill and decode requests.
 
@@ -250,9 +292,8 @@ def paged_attention(
     any strides, varlen ``query_start_loc``/``seq_lens``, ``block_table`` ``(num_seqs,
     max_blocks_per_seq)``). Runs :func:`kvcore.ops.triton_attention.paged_attention` when the
     tensors are on a GPU and ``query`` is fp16/bf16/fp32; the reference otherwise (CPU
-    tensors, float64 queries). ``num_kv_splits`` forces the Triton split-KV path and
-    ``workspace`` gives it preallocated partial-result buffers (both ignored by the
-    reference).
+    tensors, float64 queries). ``plan`` (:class:`TritonAttentionPlan`: kernel config, split
+    count, split-KV workspace) goes to the Triton kernels; the reference ignores it.
     """
     common = dict(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                   scale=scale, causal=causal, sliding_window=sliding_window,
@@ -261,6 +302,5 @@ def paged_attention(
     if _on_gpu(key_cache) and _on_gpu(query) and query.dtype != torch.float64:
         from kvcore.ops.triton_attention import paged_attention as impl
 
-        return impl(query, key_cache, value_cache, num_kv_splits=num_kv_splits,
-                    workspace=workspace, **common)
+        return impl(query, key_cache, value_cache, plan=plan, **common)
     return paged_attention_ref(query, key_cache, value_cache, **common)

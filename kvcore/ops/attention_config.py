@@ -1,0 +1,259 @@
+"""TRITON_ATTN's kernels by name, their launch configs, and the per-GPU tables that pick them.
+
+Each kernel of :func:`kvcore.ops.triton_attention.paged_attention` has a name and a frozen
+config class holding only the parameters that kernel takes:
+
+=====================  =====================  ===============================================
+kernel                 config                 what runs
+=====================  =====================  ===============================================
+``triton_decode``      :class:`TritonDecodeConfig`   the paged kernel, one program per (query
+                                              tile, KV head) over all its keys
+``triton_split_kv``    :class:`TritonSplitKVConfig`  the paged kernel with the key range cut in
+                                              ``num_splits`` parts, then the merge
+                                              (:mod:`kvcore.ops.split_kv`)
+``triton_prefill``     :class:`TritonPrefillConfig`  the prefill kernel: unmasked key tiles
+                                              apart from the masked edges
+``gluon_ws_pingpong``  :class:`GluonPrefillConfig`   the Hopper prefill kernel in Gluon: two
+                                              consumer warpgroups taking turns on the tensor
+                                              cores, a copy warpgroup
+=====================  =====================  ===============================================
+
+A launch config's rows are ``block_q`` query tokens x ``g_pad`` query heads (the GQA group
+padded to a power of two). The tables hold rows independent of the model
+(:class:`TritonPrefillTile`, :class:`GluonPrefillTile`, :class:`DecodeTile`), per GPU
+architecture (:func:`device_arch`'s names; ``cuda`` and ``rocm`` for the others); the
+measurements that chose them are in ``docs/kernels.md`` (Tuned table rows). No autotuning runs
+inside a step or a CUDA-graph capture.
+
+This module imports no kernel library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+__all__ = [
+    "DECODE_TILES",
+    "GLUON_PREFILL_TILES",
+    "KERNELS",
+    "PREFILL_TILES",
+    "AttentionConfig",
+    "DecodeTile",
+    "GluonPrefillConfig",
+    "GluonPrefillTile",
+    "TritonAttentionPlan",
+    "TritonDecodeConfig",
+    "TritonPrefillConfig",
+    "TritonPrefillTile",
+    "TritonSplitKVConfig",
+    "decode_tile",
+    "device_arch",
+    "is_rocm",
+    "prefill_tile",
+]
+
+
+def _kernel(name: str) -> dataclasses.Field:
+    """The ``kernel`` field of a config or tile: fixed per class, shown in its repr."""
+    return dataclasses.field(default=name, init=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonDecodeConfig:
+    """``triton_decode``: ``block_n`` keys a loop step, the launch's warps and pipeline
+    stages; ``const_block`` compiles the cache's block size in (page lookups by shifts, one
+    compiled kernel per block size)."""
+
+    kernel: str = _kernel("triton_decode")
+    block_q: int
+    g_pad: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    const_block: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonSplitKVConfig:
+    """``triton_split_kv``: :class:`TritonDecodeConfig`'s parameters, and ``num_splits`` (2
+    to :data:`kvcore.ops.split_kv.MAX_KV_SPLITS`) parts of every query tile's key range,
+    each run by its own program."""
+
+    kernel: str = _kernel("triton_split_kv")
+    block_q: int
+    g_pad: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    const_block: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonPrefillConfig:
+    """``triton_prefill``: as :class:`TritonDecodeConfig`, and ``edge_stages`` > 0 pipelines
+    the masked edge loops (causal diagonal, window edge) that deep instead of
+    ``num_stages``."""
+
+    kernel: str = _kernel("triton_prefill")
+    block_q: int
+    g_pad: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    const_block: bool = False
+    edge_stages: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonPrefillConfig:
+    """``gluon_ws_pingpong`` (:mod:`kvcore.ops.gluon_prefill`): ``block_q * g_pad`` = 128 rows
+    (two consumer warpgroups of 64), ``block_n`` 64 or 128 keys a step, 2 to 4 shared-memory
+    ``num_stages``; the block size is always compiled in. Runs where
+    :func:`kvcore.ops.attention_dispatch.gluon_prefill_unmet` finds nothing unmet."""
+
+    kernel: str = _kernel("gluon_ws_pingpong")
+    block_q: int
+    g_pad: int
+    block_n: int
+    num_stages: int
+
+
+#: A launch config of any TRITON_ATTN kernel.
+AttentionConfig = (TritonDecodeConfig | TritonSplitKVConfig | TritonPrefillConfig
+                   | GluonPrefillConfig)
+
+#: Every TRITON_ATTN kernel by name, with its config class.
+KERNELS: dict[str, type] = {cls.kernel: cls for cls in (
+    TritonDecodeConfig, TritonSplitKVConfig, TritonPrefillConfig, GluonPrefillConfig)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttentionPlan:
+    """What a step's builder chose for :func:`kvcore.ops.triton_attention.paged_attention`.
+
+    Attributes:
+        config: the launch config (its class names the kernel), or ``None`` for the GPU's
+            default (:func:`kvcore.ops.attention_dispatch.default_config`).
+        num_kv_splits: with ``config=None``, the split-KV count (1: no split; ``None``: the
+            heuristic of :func:`kvcore.ops.split_kv.default_num_kv_splits`).
+        workspace: preallocated float32 ``(partial outputs, log-sum-exps)`` for a split
+            launch, contiguous, on the query's device, at least
+            :func:`kvcore.ops.split_kv.workspace_numel` elements each (a builder owns them, so
+            a step allocates nothing and can be captured in a CUDA graph); ``None`` allocates
+            per call.
+    """
+
+    config: AttentionConfig | None = None
+    num_kv_splits: int | None = None
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonPrefillTile:
+    """A :data:`PREFILL_TILES` row for ``triton_prefill``: ``rows`` = query tokens x padded
+    GQA group per program, and :class:`TritonPrefillConfig`'s other parameters."""
+
+    kernel: str = _kernel("triton_prefill")
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    const_block: bool = False
+    edge_stages: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonPrefillTile:
+    """A :data:`GLUON_PREFILL_TILES` row for ``gluon_ws_pingpong`` (128 rows, 8 warps):
+    ``block_n`` keys a step, ``num_stages`` shared-memory stages."""
+
+    kernel: str = _kernel("gluon_ws_pingpong")
+    block_n: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """A :data:`DECODE_TILES` row: ``triton_decode``'s keys a step, warps, stages and
+    ``const_block``, and the split rule (:func:`kvcore.ops.split_kv.default_num_kv_splits`):
+    split while the grid has fewer than ``split_waves`` programs per SM, at most one split per
+    ``min_split_tokens`` tokens. ``split_block_n``: keys a step of ``triton_split_kv``
+    (``None``: ``block_n``); with longer steps each split program keeps more bytes in flight,
+    so fewer splits (a lower ``split_waves``) fill the GPU."""
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    const_block: bool = False
+    split_waves: int = 4
+    min_split_tokens: int = 512
+    split_block_n: int | None = None
+
+
+#: ``triton_prefill`` rows: (head sizes up to 128, above 128). Above 128 the tile keeps 64
+#: rows: a 128-row fp32 accumulator of 256 columns spills (so does 128 x 64 with 4 warps on
+#: sm80, ``kvcore kernels``). sm100 has not been measured: it takes the sm90 row.
+PREFILL_TILES: dict[str, tuple[TritonPrefillTile, TritonPrefillTile]] = {
+    "sm90": (TritonPrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1),
+             TritonPrefillTile(64, 32, 4, 3)),
+    "sm100": (TritonPrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1),
+              TritonPrefillTile(64, 32, 4, 3)),
+    "cuda": (TritonPrefillTile(128, 32, 4, 3), TritonPrefillTile(64, 32, 4, 3)),
+    # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
+    # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
+    "rocm": (TritonPrefillTile(128, 32, 4, 3), TritonPrefillTile(64, 32, 4, 2)),
+}
+
+#: ``gluon_ws_pingpong`` rows: where a row exists, prefill at head sizes 64 and 128 runs it;
+#: a call it cannot run (dtype, fp8 cache, cache alignment, a Triton without Gluon, not a
+#: Hopper GPU) runs the :data:`PREFILL_TILES` row. 128 keys x 3 stages take 224 KiB of
+#: shared memory.
+GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
+    "sm90": GluonPrefillTile(block_n=128, num_stages=3),
+}
+
+#: ``triton_decode`` / ``triton_split_kv`` rows and the split rule. Above head size 128 on
+#: ROCm the decode kernel keeps one tile in flight (LDS, as in :data:`PREFILL_TILES`).
+DECODE_TILES: dict[str, DecodeTile] = {
+    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64),
+    "cuda": DecodeTile(),
+    "rocm": DecodeTile(),
+}
+
+
+def device_arch(device: torch.device) -> str:
+    """The table key of ``device``: ``sm<major><minor>`` on NVIDIA, the gfx name on AMD
+    (``gfx942``), ``cpu`` otherwise."""
+    return _device_arch(device.type, device.index)
+
+
+@functools.cache
+def _device_arch(device_type: str, index: int | None) -> str:
+    if device_type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(index or 0)
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+def is_rocm(rocm: bool | None = None) -> bool:
+    """``rocm`` if given, else whether torch is a ROCm build."""
+    return getattr(torch.version, "hip", None) is not None if rocm is None else rocm
+
+
+def prefill_tile(head_size: int, arch: str, rocm: bool) -> TritonPrefillTile:
+    """The :data:`PREFILL_TILES` row for ``arch`` (the platform's default when the table has
+    no row for it)."""
+    row = PREFILL_TILES.get(arch) or PREFILL_TILES["rocm" if rocm else "cuda"]
+    return row[0] if head_size <= 128 else row[1]
+
+
+def decode_tile(arch: str, rocm: bool) -> DecodeTile:
+    """The :data:`DECODE_TILES` row for ``arch`` (the platform's default when the table has
+    no row for it)."""
+    return DECODE_TILES.get(arch) or DECODE_TILES["rocm" if rocm else "cuda"]

@@ -1,0 +1,205 @@
+"""TRITON_ATTN's paged kernel: ``triton_decode``, and ``triton_split_kv`` with ``SPLIT_KV``.
+
+A program owns one *query tile* of one request and one KV head: ``BLOCK_Q`` consecutive query
+tokens times the ``num_heads // num_kv_heads`` query heads that share the KV head (padded to
+``G_PAD``), i.e. ``BLOCK_M = BLOCK_Q * G_PAD`` rows. It streams the request's keys in tiles of
+``BLOCK_N`` tokens gathered through the block table (each token's page looked up on its own, so
+a tile may span pages and block ids are arbitrary), so every K/V byte is read once per
+(request, KV head, query tile). The page ids of the next tile are loaded one iteration ahead,
+so the K/V loads of a tile depend only on loop-carried values and Triton's pipeliner keeps
+``num_stages - 1`` tiles in flight. Tiles entirely before the sliding window or after the last
+query's position (causal) are never visited. Programs find their request by a binary search
+over ``query_start_loc``, so the grid needs no host-side metadata and no device sync.
+
+Split-KV: with ``SPLIT_KV`` the key range of every (query tile, KV head) is cut into
+``num_splits`` contiguous parts processed by separate programs, each writing a normalised
+partial output and its base-2 log-sum-exp to a float32 workspace
+``(num_tokens, num_heads, num_splits, head_size)`` / ``(num_tokens, num_heads, num_splits)``,
+which :func:`kvcore.ops.split_kv.merge_kv_splits` merges. Each request is split by its *own*
+length, read on the device.
+
+The prologue (:func:`load_query_tile`) and page lookup (:func:`page_ids`, :func:`page_slots`) are
+shared with the prefill kernel (:mod:`kvcore.ops.triton_prefill`). ``PAGE`` > 0 compiles the
+block size in (shifts instead of integer divisions per key row).
+
+This module imports triton; :mod:`kvcore.ops` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcore.ops.triton_utils import load_kv_scales, locate_query_tile, to_output
+
+__all__ = ["load_query_tile", "page_ids", "page_slots", "paged_attention_kernel"]
+
+
+@triton.jit
+def load_query_tile(
+    q_ptr, seq_lens_ptr, seq, q_start, q_len, q_tile, kv_head, num_queries_per_kv, head_size,
+    stride_qt, stride_qh, stride_qd,
+    INTERPRET: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The program's rows (``BLOCK_Q`` tokens x ``G_PAD`` query heads of ``kv_head``) and its
+    query tile: ``(q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q,
+    last_q)``, positions counted in the request's keys."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // G_PAD
+    g = rows % G_PAD
+    row_valid = (q_idx < q_len) & (g < num_queries_per_kv)
+    head = (kv_head * num_queries_per_kv + g).to(tl.int64)
+    q_pos = context_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dims64 = dims.to(tl.int64)
+    d_valid = dims < head_size
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims64[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    first_q = context_len + q_tile * BLOCK_Q
+    last_q = context_len + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q) - 1
+    return q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q, last_q
+
+
+@triton.jit
+def page_ids(bt_row, k_pos, kv_end, block_size, stride_btb, PAGE: tl.constexpr):
+    """Block ids of key positions ``k_pos`` (0 past ``kv_end``, never read). ``PAGE`` > 0 is
+    the block size as a compile-time constant (shifts instead of integer divisions)."""
+    if PAGE > 0:
+        idx = k_pos // PAGE
+    else:
+        idx = k_pos // block_size
+    return tl.load(bt_row + idx * stride_btb, mask=k_pos < kv_end, other=0)
+
+
+@triton.jit
+def page_slots(k_pos, block_size, PAGE: tl.constexpr):
+    """int64 slots of key positions ``k_pos`` in their blocks."""
+    if PAGE > 0:
+        slot = k_pos % PAGE
+    else:
+        slot = k_pos % block_size
+    return slot.to(tl.int64)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    k_scale, v_scale, qk_scale,
+    num_seqs, num_heads, num_queries_per_kv, block_size, head_size, sliding_window, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bts, stride_btb,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
+    INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_KV: tl.constexpr, PAGE: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq, q_start, q_len, q_tile = locate_query_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    if q_tile * BLOCK_Q >= q_len:  # past the last tile of the batch, or an empty request
+        return
+    q, q_pos, token, head, row_valid, dims64, d_valid, seq_len, first_q, last_q = \
+        load_query_tile(q_ptr, seq_lens_ptr, seq, q_start, q_len, q_tile, kv_head,
+                         num_queries_per_kv, head_size, stride_qt, stride_qh, stride_qd,
+                         INTERPRET=INTERPRET, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_D=BLOCK_D)
+
+    # Keys this tile can see: up to its last query (causal) or its window's end (non-causal
+    # windows are symmetric), and from its first query's window.
+    if CAUSAL:
+        kv_end = last_q + 1
+    elif USE_WINDOW:
+        kv_end = last_q + tl.minimum(seq_len - last_q, sliding_window)
+    else:
+        kv_end = seq_len
+    tile_lo = 0
+    if USE_WINDOW:
+        tile_lo = tl.maximum(first_q - sliding_window + 1, 0) // BLOCK_N
+    tile_hi = tl.cdiv(kv_end, BLOCK_N)
+    if SPLIT_KV:
+        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+    if FP8:
+        ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
+        qk_scale = qk_scale * ks
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bts
+    kv_head64 = kv_head.to(tl.int64)
+    # Page ids are fetched one tile ahead and carried, so the K/V addresses of a tile do not
+    # wait on a load issued in the same iteration and the K/V loads can be pipelined deeper.
+    offs_n = tl.arange(0, BLOCK_N)
+    page = page_ids(bt_row, tile_lo * BLOCK_N + offs_n, kv_end, block_size, stride_btb, PAGE)
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * BLOCK_N + offs_n
+        k_valid = k_pos < kv_end
+        page64 = page.to(tl.int64)
+        page = page_ids(bt_row, k_pos + BLOCK_N, kv_end, block_size, stride_btb, PAGE)
+        in_page = page_slots(k_pos, block_size, PAGE)
+        kv_mask = k_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + (page64 * stride_kb + in_page * stride_ks
+                                   + kv_head64 * stride_kh)[:, None]
+                    + dims64[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (page64 * stride_vb + in_page * stride_vs
+                                   + kv_head64 * stride_vh)[:, None]
+                    + dims64[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
+            v = v.to(q.dtype)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        mask = row_valid[:, None] & k_valid[None, :]
+        if CAUSAL:
+            mask &= k_pos[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+            if not CAUSAL:
+                mask &= (k_pos[None, :] - q_pos[:, None]) < sliding_window
+        s = tl.where(mask, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if FP8:
+        acc = acc * vs
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    if not SPLIT_KV:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + dims64[None, :] * stride_od,
+                 to_output(out, out_ptr.dtype.element_ty, INTERPRET), mask=store_mask)
+    else:
+        # Workspace (num_tokens, num_heads, num_splits, head_size), contiguous float32.
+        part = (token * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * head_size + dims64[None, :], out,
+                 mask=store_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_valid)
+
