@@ -3,14 +3,14 @@
 Each case calls :func:`kvcore.ops.triton_attention.paged_attention` or
 :func:`kvcore.ops.triton_cache.reshape_and_cache` on CPU tensors of a real model's shapes, in
 caches allocated by the backends that use them (TRITON_ATTN, TRITON_ATTN_HND; cross-layer
-where the backend opts in), with the launch config :func:`default_config` picks for the
-target's SM count. Only the allocation's block count is small: it is not part of any kernel
-signature. Registered by ``kvcore.backends``' ``kvcore_register_kernel_compile_cases``.
+where the backend opts in), with the launch config
+:func:`kvcore.ops.attention_dispatch.call_config` picks for the target (its SM count and
+architecture), and returns the name of the kernel that config runs. Only the allocation's
+block count is small: it is not part of any kernel signature. Registered by
+``kvcore.backends``' ``kvcore_register_kernel_compile_cases``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -47,13 +47,12 @@ def _skip(backend: str, target: CompileTarget, head_size: int, dtype: torch.dtyp
 def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
                     context: int, num_heads: int, num_kv_heads: int, head_size: int,
                     dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                    backend: str = "TRITON_ATTN", sliding_window: int | None = None,
-                    gluon_tile: tuple[int, int] | None = None) -> KernelCase:
-    """``gluon_tile`` ``(block_n, num_stages)``: the Gluon prefill kernel's config with that
-    tile instead of the table's (sm90 targets only)."""
-
-    def launch() -> None:
-        from kvcore.ops.triton_attention import call_config, paged_attention
+                    backend: str = "TRITON_ATTN",
+                    sliding_window: int | None = None) -> KernelCase:
+    def launch() -> str:
+        from kvcore.ops import TritonAttentionPlan
+        from kvcore.ops.attention_dispatch import call_config
+        from kvcore.ops.triton_attention import paged_attention
 
         fp8 = kv_cache_dtype != "auto"
         k_cache, v_cache = _caches(backend, num_kv_heads, head_size, dtype, kv_cache_dtype)
@@ -67,27 +66,21 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
         config = call_config(query, k_cache, v_cache, kv_cache_dtype, num_seqs,
                              pages * _BLOCK_SIZE, num_sms=target.num_sms, rocm=target.is_rocm,
                              arch=target.name)
-        if gluon_tile is not None:
-            config = dataclasses.replace(
-                config, block_q=128 // config.g_pad, block_n=gluon_tile[0], num_warps=8,
-                num_stages=gluon_tile[1], const_block=True, edge_stages=0,
-                warp_specialize=False, pingpong=False, gluon=True)
         scale = torch.ones(1) if fp8 else None
         paged_attention(query, k_cache, v_cache, query_start_loc=query_start_loc,
                         seq_lens=seq_lens, block_table=block_table, scale=head_size ** -0.5,
                         sliding_window=sliding_window, kv_cache_dtype=kv_cache_dtype,
-                        k_scale=scale, v_scale=scale, config=config)
+                        k_scale=scale, v_scale=scale, plan=TritonAttentionPlan(config=config))
+        return config.kernel
 
-    skip = _skip(backend, target, head_size, dtype, kv_cache_dtype)
-    if gluon_tile is not None and target.name != "sm90":
-        skip = f"the Gluon prefill kernel is for Hopper (sm90); the target is {target.name}"
-    return KernelCase(name, launch, skip=skip)
+    return KernelCase(name, launch,
+                      skip=_skip(backend, target, head_size, dtype, kv_cache_dtype))
 
 
 def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_kv_heads: int,
                       head_size: int, dtype: torch.dtype,
                       kv_cache_dtype: str = "auto") -> KernelCase:
-    def launch() -> None:
+    def launch() -> str:
         from kvcore.ops.triton_cache import reshape_and_cache
 
         fp8 = kv_cache_dtype != "auto"
@@ -100,6 +93,7 @@ def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_
         slots = torch.arange(num_tokens)
         scale = torch.ones(1) if fp8 else None
         reshape_and_cache(key, value, k_cache, v_cache, slots, kv_cache_dtype, scale, scale)
+        return "triton_cache_write"
 
     return KernelCase(name, launch,
                       skip=_skip("TRITON_ATTN", target, head_size, dtype, kv_cache_dtype))
@@ -137,12 +131,6 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
         _attention_case(target, "mixed 2x2048+62x1 Hq16/Hk8 D256 bf16 window 4096",
                         q_lens=mixed, context=2048, num_heads=16, num_kv_heads=8,
                         head_size=256, dtype=bf16, sliding_window=4096),
-        _attention_case(target, "prefill 4x2048 Hq32/Hk8 D128 bf16 Gluon 128 keys 2 stages",
-                        q_lens=[2048] * 4, context=0, dtype=bf16, gluon_tile=(128, 2),
-                        **llama8b),
-        _attention_case(target, "prefill 4x2048 Hq32/Hk8 D128 bf16 Gluon 64 keys 3 stages",
-                        q_lens=[2048] * 4, context=0, dtype=bf16, gluon_tile=(64, 3),
-                        **llama8b),
         _cache_write_case(target, "cache write 2048 tok Hk8 D128 bf16 -> fp8-e4m3", num_tokens=2048,
                           num_kv_heads=8, head_size=128, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
         _cache_write_case(target, "cache write 2048 tok Hk8 D256 bf16", num_tokens=2048,

@@ -134,14 +134,16 @@ class KernelCase:
     """One real call of an op, whose Triton launches are compiled.
 
     ``launch`` calls the op's public function (CPU tensors of the real shapes, the config its
-    chooser picks for the target); it may launch several kernels (an attention kernel and its
-    split merge). ``max_spills`` overrides :data:`MAX_SPILLS` for this case. ``skip`` says why
-    the case does not apply to the target (the backend's own validation reason, e.g. fp8 before
-    sm_89): it is listed, not compiled.
+    chooser picks for the target); it may launch several Triton functions (an attention kernel
+    and its split merge), and returns the name of the kernel it ran (a config's ``kernel``,
+    e.g. ``"triton_split_kv"``), which the tables list the functions under; ``None`` lists
+    them under their function names. ``max_spills`` overrides :data:`MAX_SPILLS` for this
+    case. ``skip`` says why the case does not apply to the target (the backend's own
+    validation reason, e.g. fp8 before sm_89): it is listed, not compiled.
     """
 
     name: str
-    launch: Callable[[], object]
+    launch: Callable[[], str | None]
     max_spills: int = MAX_SPILLS
     skip: str | None = None
 
@@ -157,13 +159,15 @@ class KernelLaunch:
 
 @dataclasses.dataclass
 class CompileResult:
-    """One kernel of one case compiled for one target, with what the check found."""
+    """One Triton function of one case compiled for one target, with what the check found.
+    ``kernel``: the function's name; ``name``: the kernel the case ran (:class:`KernelCase`)."""
 
     owner: str
     case: str
     kernel: str
     target: str
     config: str = ""
+    name: str = "-"
     key: str = ""  # the compile's cache key: equal keys are one compile
     registers: int | None = None
     spills: int | None = None
@@ -454,7 +458,7 @@ def run_check(
                     continue
                 try:
                     with capture_launches() as launches:
-                        case.launch()
+                        ran = case.launch()
                     if not launches:
                         raise RuntimeError("the case launched no Triton kernel")
                     specialised = [(launch, _specialize(launch, target)) for launch in launches]
@@ -465,9 +469,11 @@ def run_check(
                     results.append(result)
                     continue
                 for launch, job in specialised:
-                    result = CompileResult(owner, case.name, launch.fn.fn.__name__, target.name,
+                    function = launch.fn.fn.__name__
+                    result = CompileResult(owner, case.name, function, target.name,
                                            config=_config_text(launch.fn, job), key=job.key,
-                                           shared_limit=target.shared_memory_limit)
+                                           shared_limit=target.shared_memory_limit,
+                                           name=ran if isinstance(ran, str) else function)
                     results.append(result)
                     pending.setdefault(job.key, []).append((result, case.max_spills))
                     todo[job.key] = job
@@ -534,16 +540,17 @@ def _status(result: CompileResult) -> str:
 
 
 def format_table(results: Sequence[CompileResult]) -> str:
-    """One row per (case, kernel, target): config, registers, spills, shared memory."""
+    """One row per (case, function, target): config, registers, spills, shared memory."""
     from tabulate import tabulate
 
-    rows = [[r.owner, r.kernel, r.case, r.target, r.config,
+    rows = [[r.owner, r.name, r.kernel, r.case, r.target, r.config,
              "-" if r.registers is None else r.registers, "-" if r.spills is None else r.spills,
              _kib(r.shared), _kib(r.shared_limit),
              "cached" if r.cached else f"{r.seconds:.1f}s", _status(r)]
             for r in results]
-    return tabulate(rows, headers=["owner", "kernel", "case", "target", "config", "regs",
-                                   "spills", "shared KiB", "limit KiB", "compile", "status"])
+    return tabulate(rows, headers=["owner", "kernel", "function", "case", "target", "config",
+                                   "regs", "spills", "shared KiB", "limit KiB", "compile",
+                                   "status"])
 
 
 #: What a cell of :func:`format_summary` holds, printed under it by ``kvcore kernels``.
@@ -553,18 +560,20 @@ SUMMARY_LEGEND = ("cells: registers per thread / spilled bytes per thread / shar
 
 
 def format_summary(results: Sequence[CompileResult]) -> str:
-    """Kernel x target: the largest registers / spills / shared memory over its cases."""
+    """(Kernel, function) x target: the largest registers / spills / shared memory over its
+    cases."""
     from tabulate import tabulate
 
     targets = list(dict.fromkeys(r.target for r in results))
-    kernels = list(dict.fromkeys((r.owner, r.kernel) for r in results))
+    kernels = sorted(dict.fromkeys((r.owner, r.name, r.kernel) for r in results))
     rows = []
-    for owner, kernel in kernels:
+    for owner, name, kernel in kernels:
         if kernel == "-":  # skipped or broken cases: listed in the full table
             continue
-        row = [owner, kernel]
+        row = [owner, name, kernel]
         for target in targets:
-            mine = [r for r in results if (r.owner, r.kernel, r.target) == (owner, kernel, target)]
+            mine = [r for r in results
+                    if (r.owner, r.name, r.kernel, r.target) == (owner, name, kernel, target)]
             if not mine:
                 row.append("-")
                 continue
@@ -575,7 +584,7 @@ def format_summary(results: Sequence[CompileResult]) -> str:
                          f"{max(r.shared for r in good) / _KIB:.0f}")
             row.append(cell.strip() or "FAIL")
         rows.append(row)
-    return tabulate(rows, headers=["owner", "kernel", *targets], tablefmt="github")
+    return tabulate(rows, headers=["owner", "kernel", "function", *targets], tablefmt="github")
 
 
 def format_markdown(results: Sequence[CompileResult]) -> str:
@@ -626,12 +635,12 @@ def format_markdown(results: Sequence[CompileResult]) -> str:
         "",
         "## Every case",
         "",
-        tabulate([[r.owner, r.kernel, r.case, r.target, r.config,
+        tabulate([[r.owner, r.name, r.kernel, r.case, r.target, r.config,
                    r.registers if r.registers is not None else "-",
                    r.spills if r.spills is not None else "-", _kib(r.shared),
                    _status(r)] for r in results],
-                 headers=["owner", "kernel", "case", "target", "config", "regs", "spills",
-                          "shared KiB", "status"], tablefmt="github"),
+                 headers=["owner", "kernel", "function", "case", "target", "config", "regs",
+                          "spills", "shared KiB", "status"], tablefmt="github"),
         "",
     ]
     return "\n".join(lines)
@@ -671,10 +680,11 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     elif args.list:
         from tabulate import tabulate
 
-        print(tabulate([[r.owner, r.kernel, r.case, r.target, r.config,
+        print(tabulate([[r.owner, r.name, r.kernel, r.case, r.target, r.config,
                          f"skipped: {r.skipped}" if r.skipped else "; ".join(r.failures)]
                         for r in results],
-                       headers=["owner", "kernel", "case", "target", "config", "note"]))
+                       headers=["owner", "kernel", "function", "case", "target", "config",
+                                "note"]))
     elif args.format == "markdown":
         print(format_markdown(results))
     else:
