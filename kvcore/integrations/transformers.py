@@ -55,16 +55,24 @@ from typing import Any
 
 import torch
 
-from kvcore.adopt import adopt_kv_caches, attention_metadata_from_engine, check_readable_order
-from kvcore.backend import AttentionBackend, AttentionImpl, AttentionMetadata, LayerScales
-from kvcore.config import AttentionSelectorConfig
+from kvcore import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionSelectorConfig,
+    FullAttentionSpec,
+    LayerScales,
+    adopt_kv_caches,
+    attention_metadata_from_engine,
+    explain_selection,
+    get_attn_backend,
+)
+from kvcore.adopt import check_readable_order
 from kvcore.integrations.transformers_internals import (
     SUPPORTED_RANGE,
     check_internals,
     version_problem,
 )
-from kvcore.selector import explain_selection, get_attn_backend
-from kvcore.spec import FullAttentionSpec
 
 __all__ = ["ATTENTION_NAME", "CROSS_LAYER_NHD", "KVCoreAttention", "select_backend",
            "use_kvcore"]

@@ -99,28 +99,27 @@ STEP_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                "write_index", "cache")
 
 
-def transformers_version() -> tuple[int, int] | None:
-    """The installed transformers' (major, minor), or ``None`` when it is not installed."""
+def transformers_version() -> str | None:
+    """The installed transformers' version string, or ``None`` when it is not installed."""
     try:
-        version = importlib.import_module("transformers").__version__
+        return importlib.import_module("transformers").__version__
     except ImportError:
         return None
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0)
-                    for part in version.split(".")[:2])
-    return major, minor
 
 
-def version_problem() -> str | None:
-    """Why the installed transformers is outside :data:`SUPPORTED_RANGE`, or ``None``."""
-    import transformers
-
-    found = transformers_version()
-    if found is None or MIN_VERSION <= found < MAX_VERSION_EXCLUSIVE:
+def version_problem(version: str | None = None) -> str | None:
+    """Why transformers ``version`` (default: the installed one) is outside
+    :data:`SUPPORTED_RANGE`, or ``None`` (also when transformers is not installed)."""
+    version = version or transformers_version()
+    if version is None:
         return None
-    return (f"transformers {transformers.__version__} is installed but kvcore's transformers "
-            f"integration supports transformers{SUPPORTED_RANGE} (its continuous batching "
-            "internals change between minor releases); install that range: pip install "
-            "'kvcore[transformers]'")
+    found = tuple(int("".join(c for c in part if c.isdigit()) or 0)
+                  for part in version.split(".")[:2])
+    if MIN_VERSION <= found < MAX_VERSION_EXCLUSIVE:
+        return None
+    return (f"transformers {version} is installed but kvcore's transformers integration "
+            f"supports transformers{SUPPORTED_RANGE} (its continuous batching internals change "
+            "between minor releases); install that range: pip install 'kvcore[transformers]'")
 
 
 def check_internals() -> list[str]:

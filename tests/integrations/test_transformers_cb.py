@@ -1,0 +1,260 @@
+"""kvcore.integrations.transformers: transformers' continuous batching (``generate_batch``) on a
+kvcore backend that views transformers' own paged cache.
+
+A random-weight Llama (``LlamaConfig``, nothing downloaded) serves 8 prompts of mixed lengths,
+two of them sharing a 40-token prefix, with 32-token batches (chunked prefill) and 16-token
+pages. Tokens must equal transformers' own continuous batching with ``sdpa`` and plain
+``model.generate``; a wrong block mapping must change them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvcore.ops
+
+transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
+
+from kvcore.integrations import transformers as kvt  # noqa: E402
+from kvcore.integrations.transformers_internals import (  # noqa: E402
+    check_internals,
+    version_problem,
+)
+
+PAGE = 16
+NEW_TOKENS = 10
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32):
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=512, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def prompts() -> list[list[int]]:
+    """6 prompts of 5 to 60 tokens (some longer than a 32-token batch: chunked prefill), then
+    two that share a 40-token prefix (2 full pages: shared blocks)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 61, (6,), generator=gen).tolist()
+    out = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+    prefix = torch.randint(0, 512, (40,), generator=gen).tolist()
+    return [*out, [*prefix, 1, 2, 3], [*prefix, 4, 5, 6, 7, 8]]
+
+
+def cb_config(**overrides) -> transformers.ContinuousBatchingConfig:
+    kwargs = dict(page_size=PAGE, num_blocks=64, max_batch_tokens=32, use_cuda_graph=False,
+                  return_logprobs=True)
+    return transformers.ContinuousBatchingConfig(**{**kwargs, **overrides})
+
+
+def greedy(**overrides) -> transformers.GenerationConfig:
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                  pad_token_id=None)
+    return transformers.GenerationConfig(**{**kwargs, **overrides})
+
+
+def run(model, gen_config=None, **cb_overrides) -> dict:
+    out = model.generate_batch(prompts(), gen_config or greedy(),
+                               continuous_batching_config=cb_config(**cb_overrides))
+    errors = {k: r.error for k, r in out.items() if r.error is not None}
+    assert not errors, errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return run(model)
+
+
+def tokens(out: dict) -> list[list[int]]:
+    return [out[k].generated_tokens for k in sorted(out)]
+
+
+def test_tokens_and_logprobs_equal_transformers_sdpa_and_the_cache_is_aliased(model, reference):
+    with kvt.use_kvcore(model, page_size=PAGE) as state:
+        assert model.config._attn_implementation == kvt.ATTENTION_NAME
+        out = run(model)
+        adopted = state.adopted
+        tensor = adopted.cache.cache_tensor
+        # kvcore's caches are views of transformers' tensor: no second cache exists.
+        first = tensor.data_ptr()
+        assert adopted.layers[0].data_ptr() == first
+        assert all(first <= layer.data_ptr() < first + tensor.numel() for layer in adopted.layers)
+        assert state.backend.get_name() == "CPU_ATTN"
+        assert state.steps > NEW_TOKENS  # chunked prefill took extra steps
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert tokens(out) == tokens(reference)
+    diff = max(abs(a - b) for k in out
+               for a, b in zip(out[k].logprobs, reference[k].logprobs, strict=True))
+    assert diff <= 1e-4
+
+
+def test_tokens_equal_plain_generate(model, reference):
+    with torch.inference_mode():
+        plain = []
+        for prompt in prompts():
+            ids = torch.tensor([prompt])
+            plain.append(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                        eos_token_id=None, pad_token_id=None)[0, len(prompt):]
+                         .tolist())
+    with kvt.use_kvcore(model, page_size=PAGE):
+        out = run(model)
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(plain))] == plain
+
+
+def test_forks_copy_blocks_in_transformers_tensor(model):
+    # num_return_sequences=2 forks each request after its prefill: full blocks are shared and
+    # the partial one is copied inside transformers' tensor; top_k=1 keeps sampling greedy.
+    forking = greedy(do_sample=True, top_k=1, num_return_sequences=2)
+    expected = run(model, forking)
+    with kvt.use_kvcore(model, page_size=PAGE):
+        out = run(model, forking)
+    assert len(out) == 2 * len(prompts())
+    assert tokens(out) == tokens(expected)
+
+
+#: Largest bfloat16 logit gap counted as a tie: 2 units in the last place of logits in
+#: [4, 8) (bfloat16 keeps 8 significant bits). Different summation orders flip such ties.
+BF16_TIE = 2 * 2.0 ** -5
+
+
+def test_bfloat16_under_inference_mode():
+    model = tiny_llama(torch.bfloat16)
+    with torch.inference_mode():
+        expected = run(model)
+        with kvt.use_kvcore(model, page_size=PAGE) as state:
+            out = run(model)
+            assert state.adopted.layers[0].dtype == torch.bfloat16
+        identical = 0
+        for key, prompt in zip(sorted(out, key=lambda k: int(k[4:])), prompts(), strict=True):
+            got, want = out[key].generated_tokens, expected[key].generated_tokens
+            if got == want:
+                identical += 1
+                continue
+            # Tokens may part only at a near-tie of transformers' own logits.
+            split = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            logits = model(torch.tensor([prompt + want[:split]])).logits[0, -1].float()
+            assert abs(logits[got[split]] - logits[want[split]]) <= BF16_TIE, key
+    assert identical >= len(prompts()) // 2
+
+
+def shift_block_tables(monkeypatch) -> None:
+    """Make every step read each request's pages from the next block (a wrong mapping)."""
+    build = kvt.KVCoreAttention._common_metadata
+
+    def shifted(self, kwargs):
+        meta = build(self, kwargs)
+        return dataclasses.replace(meta, block_table=(meta.block_table + 1)
+                                   % self.adopted.num_blocks)
+
+    monkeypatch.setattr(kvt.KVCoreAttention, "_common_metadata", shifted)
+
+
+def test_a_wrong_block_mapping_changes_the_tokens(model, reference, monkeypatch):
+    # Negative control: with kvcore's value checks off, reading the wrong blocks must be seen
+    # in the tokens, or equality above would prove nothing about the mapping.
+    shift_block_tables(monkeypatch)
+    kvcore.ops.set_value_checks(False)
+    try:
+        with kvt.use_kvcore(model, page_size=PAGE):
+            out = run(model)
+    finally:
+        kvcore.ops.set_value_checks(True)
+    assert tokens(out) != tokens(reference)
+
+
+def test_kvcore_refuses_a_mapping_that_writes_what_the_step_reads(model, monkeypatch):
+    shift_block_tables(monkeypatch)
+    with kvt.use_kvcore(model, page_size=PAGE):
+        out = model.generate_batch(prompts(), greedy(), continuous_batching_config=cb_config())
+    errors = [r.error for r in out.values() if r.error is not None]
+    assert errors and "the write would replace what it attends to" in errors[0]
+
+
+def test_another_page_size_reselects_at_the_first_step(model, reference):
+    with kvt.use_kvcore(model) as state:  # checked for transformers' default page size
+        out = run(model)
+        assert state.adopted.page_size == PAGE
+    assert tokens(out) == tokens(reference)
+
+
+@pytest.mark.parametrize("name", ["FLEX_ATTENTION", "SDPA_GATHER"])
+def test_backends_that_cannot_view_the_cache_are_refused(model, name):
+    with pytest.raises(ValueError, match=rf"backend='{name}' cannot serve transformers' "
+                                         r"continuous batching: .*does not read the per-layer "
+                                         r"order \(0, 1, 2, 3, 4\)"):
+        kvt.use_kvcore(model, name, page_size=PAGE).__enter__()
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(("attr", "value", "reason"), [
+    ("sliding_window", 8, "ring buffer"),
+    ("layer_types", ["full_attention", "sliding_attention"], "hybrid model"),
+    ("kv_lora_rank", 16, "uses MLA"),
+    ("attn_logit_softcapping", 30.0, "soft-cap"),
+])
+def test_models_it_cannot_serve_are_refused_with_reasons(attr, value, reason):
+    model = tiny_llama()
+    setattr(model.config, attr, value)
+    with pytest.raises(ValueError, match=reason):
+        kvt.use_kvcore(model, page_size=PAGE).__enter__()
+
+
+def test_plain_generate_inside_the_block_says_what_to_do(model):
+    with kvt.use_kvcore(model, page_size=PAGE), pytest.raises(
+            RuntimeError, match="serves transformers' continuous batching.*generate_batch"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_installed_transformers_has_every_internal_used():
+    assert version_problem() is None
+    assert check_internals() == []
+
+
+def test_a_changed_internal_is_reported(monkeypatch):
+    from transformers.generation.continuous_batching.cache_allocators import (
+        FullAttentionCacheAllocator,
+    )
+
+    monkeypatch.delattr(FullAttentionCacheAllocator, "layer_type")
+    problems = check_internals()
+    assert len(problems) == 1 and "FullAttentionCacheAllocator lacks layer_type" \
+        in problems[0]
+    with pytest.raises(RuntimeError, match="changed what kvcore's integration relies on"):
+        kvt.use_kvcore(tiny_llama(), page_size=PAGE).__enter__()
+
+
+def test_a_version_outside_the_range_is_refused():
+    assert version_problem("5.25.0") is None
+    for version in ("5.24.1", "5.26.0", "6.0.0.dev0"):
+        problem = version_problem(version)
+        assert f"transformers {version} is installed but" in problem
+        assert "supports transformers>=5.25,<5.26" in problem and "kvcore[transformers]" in problem
+
+
+def test_importable_without_transformers_and_says_which_extra(tmp_path):
+    # kvcore and the integration module import without transformers; using it names the extra.
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import kvcore, kvcore.integrations.transformers as t\n"
+            "try:\n    t.use_kvcore(None).__enter__()\n"
+            "except ImportError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert "pip install 'kvcore[transformers]'" in result.stdout
