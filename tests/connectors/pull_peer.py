@@ -1,6 +1,7 @@
-"""The producer side of the two-process ``mooncake`` tests, run as ``python pull_peer.py
-CONNECTOR SCENARIO SEED LAYOUT CROSS DTYPE``. It prints ``port <n>`` once it listens, then
-one line per event for the parent to read.
+"""The producer side of the two-process tests of the pull connectors (``nixl``,
+``mooncake``), run as ``python pull_peer.py CONNECTOR SCENARIO SEED LAYOUT CROSS DTYPE
+[DEVICE]``. It prints ``port <n>`` once it listens, then one line per event for the parent to
+read.
 
 Scenarios:
     serve: publish blocks 3, 4, 5, 9 of its cache (random from SEED) under ``keys_for(SEED,
@@ -29,9 +30,11 @@ LARGE = {"num_layers": 2, "num_blocks": 4, "block_size": 1024, "num_kv_heads": 8
 
 def main() -> int:
     name, scenario, seed, layout, cross, dtype = sys.argv[1:7]
+    device = sys.argv[7] if len(sys.argv) > 7 else "cpu"
     seed = int(seed)
     sizes = LARGE if scenario == "large" else {"num_blocks": 12}
-    kv = make_caches(cross_layer=cross == "1", dtype=dtype, layout=layout, seed=seed, **sizes)
+    kv = make_caches(cross_layer=cross == "1", dtype=dtype, layout=layout, seed=seed,
+                     device=device, **sizes)
     conn = get_connector(name, role="producer", port=0, publish_timeout_s=30.0)
     conn.register_kv_caches(kv)
     print(f"port {conn.port}", flush=True)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from kv_helpers import InterleavedBackend, block_bytes, keys_for, make_caches, randomize
-from test_nixl import needs_nixl, round_trip_between_two_processes
+from pull_cases import NIXL, round_trip_between_two_processes
 from test_p2p import pair
 
 import kvcore
@@ -137,7 +137,7 @@ def test_p2p_refuses_a_peer_with_the_nhd_order():
     assert "physical order L,B,N,2,H,D vs L,B,2,N,H,D" in ours.differences(theirs)
 
 
-@needs_nixl
+@NIXL.needs
 @CROSS
 def test_nixl_round_trip_between_two_processes_is_bit_exact(cross):
-    round_trip_between_two_processes(13, layout="interleaved", cross=cross)
+    round_trip_between_two_processes(NIXL, 13, layout="interleaved", cross=cross)

@@ -1,8 +1,9 @@
 """The ``nixl`` connector: a producer publishes blocks, consumers READ them through NIXL.
 
-Two-process tests run the producer as a real subprocess on loopback (``nixl_peer.py``) with
-DRAM caches; the rest pair connectors inside this process, which runs the same protocol
-(sockets and NIXL agents) faster.
+What it shares with ``mooncake`` is tested on both in ``test_pull_connectors.py``; this module
+holds what is NIXL's own. Two-process tests run the producer as a real subprocess on loopback
+(``pull_peer.py``) with DRAM caches; the rest pair connectors inside this process, which runs
+the same protocol (sockets and NIXL agents) faster.
 """
 
 from __future__ import annotations
@@ -14,51 +15,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 from kv_helpers import block_bytes, keys_for, make_caches
-from peer_process import Peer
+from pull_cases import NIXL, PEER, round_trip_between_two_processes
 
-from kvcore import LayoutMismatchError
 from kvcore.connectors import get_connector
 from kvcore.connectors import nixl as nixl_module
-from kvcore.connectors.nixl import NixlConnector, nixl_unavailable_reason
+from kvcore.connectors.nixl import nixl_unavailable_reason
 from kvcore.connectors.pull_producer import recv_frame, send_frame
 
-PEER = Path(__file__).with_name("nixl_peer.py")
-needs_nixl = pytest.mark.skipif(nixl_unavailable_reason() is not None,
-                                reason=str(nixl_unavailable_reason()))
-
-
-@contextmanager
-def producer_process(scenario: str, seed: int, *, layout: str = "nhd", cross: bool = False,
-                     dtype: str = "bf16", device: str = "cpu") -> Iterator[Peer]:
-    # NIXL logs INFO lines to stdout unless told otherwise.
-    peer = Peer(PEER, scenario, str(seed), layout, "1" if cross else "0", dtype, device,
-                env={"NIXL_LOG_LEVEL": "WARN"})
-    try:
-        yield peer
-    finally:
-        if peer.proc.poll() is None:
-            try:
-                os.kill(peer.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            peer.proc.stdin.close()
-            try:
-                peer.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                peer.proc.kill()
-                peer.proc.wait(timeout=30)
-
-
-def consumer(port: int, **config) -> NixlConnector:
-    return get_connector("nixl", role="consumer", port=port,
-                         **{"timeout_s": 5.0, "connect_timeout_s": 30.0, **config})
+needs_nixl = NIXL.needs
+consumer, producer, producer_process = NIXL.consumer, NIXL.producer, NIXL.producer_process
 
 
 # -- arguments and availability ---------------------------------------------------------------
@@ -109,60 +78,6 @@ def test_missing_nixl_is_a_clear_reason(monkeypatch):
 
 
 @needs_nixl
-@pytest.mark.parametrize(("layout", "cross", "dtype"),
-                         [("nhd", True, "fp8"), ("hnd", False, "bf16")],
-                         ids=["cross_layer-nhd-fp8", "per_layer-hnd-bf16"])
-def test_round_trip_between_two_processes_is_bit_exact(layout, cross, dtype):
-    round_trip_between_two_processes(11, layout=layout, cross=cross, dtype=dtype)
-
-
-def round_trip_between_two_processes(seed: int, *, layout: str, cross: bool,
-                                     dtype: str = "bf16") -> None:
-    """A producer process publishes blocks 3, 4, 5, 9 of a cache drawn from ``seed``; this
-    process loads them into blocks 0, 1, 2, 7 of a fresh one, bit-exactly, and nothing else
-    changes."""
-    with producer_process("serve", seed, layout=layout, cross=cross, dtype=dtype) as peer:
-        port = peer.port()
-        kv = make_caches(cross_layer=cross, dtype=dtype, layout=layout)  # fresh random data
-        before = block_bytes(kv, list(range(kv.num_blocks)))
-        keys = keys_for(seed, 4)
-        with consumer(port) as conn:
-            conn.register_kv_caches(kv)
-            deadline = time.monotonic() + 30
-            while conn.lookup(keys) < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert conn.lookup(keys) == 4
-            # 3, 4, 5 -> 0, 1, 2 is one run (one transfer); 9 -> 7 another.
-            result = conn.load(keys, [0, 1, 2, 7]).wait(timeout=30)
-            assert result.ok, result.failed
-            assert result.succeeded == (0, 1, 2, 7)
-            assert result.num_bytes == 4 * conn.block_bytes
-            assert peer.line() == "saved True 4 0"  # the READ notifications released them
-            assert conn.lookup(keys) == 0  # taken: published once, read once
-        theirs = make_caches(cross_layer=cross, dtype=dtype, layout=layout, seed=seed)
-        after = block_bytes(kv, list(range(kv.num_blocks)))
-        assert torch.equal(after[[0, 1, 2, 7]], block_bytes(theirs, [3, 4, 5, 9]))
-        untouched = [b for b in range(kv.num_blocks) if b not in (0, 1, 2, 7)]
-        assert torch.equal(after[untouched], before[untouched])
-
-
-@needs_nixl
-def test_layout_mismatch_is_refused_before_any_byte_moves():
-    with producer_process("serve", 3, layout="nhd") as peer:
-        port = peer.port()
-        kv = make_caches(cross_layer=False, layout="hnd")
-        before = kv.storage.clone()
-        conn = consumer(port)
-        with pytest.raises(LayoutMismatchError, match=r"consumer .*producer 127\.0\.0\.1:"
-                                                      r"\d+.*physical order"):
-            conn.register_kv_caches(kv)
-        conn.close()
-        assert torch.equal(kv.storage.view(torch.uint8), before.view(torch.uint8))
-        peer.proc.kill()  # (it would wait for a consumer until publish_timeout_s)
-        assert "nixl producer: refused consumer" in peer.proc.stderr.read()
-
-
-@needs_nixl
 @pytest.mark.parametrize("fault", ["killed", pytest.param("frozen", marks=pytest.mark.slow)])
 def test_dead_or_frozen_producer_fails_exactly_the_unread_blocks(fault):
     seed, timeout_s = 5, 3.0
@@ -198,7 +113,7 @@ def test_dead_or_frozen_producer_fails_exactly_the_unread_blocks(fault):
         assert sorted(later.failed) == [4, 5]
         assert time.monotonic() - started < 2 * timeout_s + 1.5
         conn.close()
-        assert not [t.name for t in threading.enumerate() if t.name.startswith("kvcore-nixl")]
+        assert not NIXL.threads()
 
 
 CONSUMER_WITHOUT_CLOSE = """
@@ -233,12 +148,6 @@ def test_interpreter_exits_cleanly_without_close():
 
 
 # -- in one process ---------------------------------------------------------------------------
-
-
-@contextmanager
-def producer(**config) -> Iterator[NixlConnector]:
-    with get_connector("nixl", role="producer", port=0, **config) as conn:
-        yield conn
 
 
 def test_never_connecting_producer_is_a_clear_error_within_the_timeout():
@@ -285,25 +194,6 @@ def test_closing_the_producer_fails_what_nobody_read():
     result = handle.wait(timeout=5)
     assert sorted(result.failed) == [0, 1]
     assert "closed before a consumer read it" in result.failed[0]
-
-
-@needs_nixl
-def test_a_lease_nobody_confirms_is_published_again():
-    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
-    keys = keys_for(4, 1)
-    with producer() as prod, consumer(prod.port) as conn:
-        prod.register_kv_caches(kv_p)
-        conn.register_kv_caches(kv_c)
-        save = prod.save(keys, [8])
-        # A consumer that took the block and froze before reading it.
-        prod._producer.fetch("frozen-consumer", keys, lease_s=0.3)
-        assert conn.lookup(keys) == 0
-        deadline = time.monotonic() + 5
-        while conn.lookup(keys) == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert conn.load(keys, [2]).wait(timeout=10).ok
-        assert save.wait(timeout=10).ok
-    assert torch.equal(block_bytes(kv_c, [2]), block_bytes(kv_p, [8]))
 
 
 def raw_consumer(port: int, hello: dict | bytes) -> tuple[socket.socket, dict]:
@@ -502,7 +392,7 @@ def test_several_consumers_and_a_key_published_twice():
             assert c2.lookup(keys) == 0
     assert torch.equal(block_bytes(kv1, [6, 7, 8]), block_bytes(kv_p, [0, 1, 2]))
     assert torch.equal(block_bytes(kv2, [3]), block_bytes(kv_p, [5]))
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvcore-nixl")]
+    assert not NIXL.threads()
 
 
 @needs_nixl
@@ -517,16 +407,6 @@ def test_a_key_repeated_in_one_load_takes_two_publications():
         assert result.succeeded == (0, 1)
         assert all(s.wait(timeout=10).ok for s in saves)
     assert torch.equal(block_bytes(kv_c, [0, 1]), block_bytes(kv_p, [2, 6]))
-
-
-@needs_nixl
-def test_in_process_dtype_mismatch_is_refused():
-    with producer() as prod:
-        prod.register_kv_caches(make_caches(cross_layer=False, dtype="bf16"))
-        conn = consumer(prod.port)
-        with pytest.raises(LayoutMismatchError, match="dtype"):
-            conn.register_kv_caches(make_caches(cross_layer=False, dtype="fp16"))
-        conn.close()
 
 
 @needs_nixl
@@ -662,19 +542,6 @@ def test_unknown_nixl_backend_is_refused_at_registration():
     conn.close()
 
 
-@needs_nixl
-def test_roles_that_do_not_apply_fail_per_block_with_the_reason():
-    with producer() as prod:
-        prod.register_kv_caches(make_caches(cross_layer=True))
-        assert prod.lookup(keys_for(1, 2)) == 0
-        loaded = prod.load(keys_for(1, 2), [0, 1]).wait()
-        assert sorted(loaded.failed) == [0, 1] and "role='producer'" in loaded.failed[0]
-        with consumer(prod.port) as conn:
-            conn.register_kv_caches(make_caches(cross_layer=True))
-            saved = conn.save(keys_for(2, 1), [4]).wait()
-            assert saved.failed[4].startswith("role='consumer' only loads")
-
-
 # -- GPU --------------------------------------------------------------------------------------
 
 
@@ -683,24 +550,7 @@ def test_roles_that_do_not_apply_fail_per_block_with_the_reason():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cross", [True, False], ids=["cross_layer", "per_layer"])
 def test_vram_round_trip_between_two_processes_on_one_gpu(cross):
-    seed = 21
-    with producer_process("serve", seed, cross=cross, dtype="bf16", device="cuda") as peer:
-        port = peer.port()
-        kv = make_caches(cross_layer=cross, dtype="bf16", device="cuda")
-        before = block_bytes(kv, list(range(kv.num_blocks))).cpu()
-        keys = keys_for(seed, 4)
-        with consumer(port, timeout_s=20.0) as conn:
-            conn.register_kv_caches(kv)
-            while conn.lookup(keys) < 4:
-                time.sleep(0.01)
-            result = conn.load(keys, [0, 1, 2, 7]).wait(timeout=30)
-            assert result.ok, result.failed
-            assert peer.line() == "saved True 4 0"
-        theirs = make_caches(cross_layer=cross, dtype="bf16", seed=seed)  # same bytes on CPU
-        after = block_bytes(kv, list(range(kv.num_blocks))).cpu()
-        assert torch.equal(after[[0, 1, 2, 7]], block_bytes(theirs, [3, 4, 5, 9]))
-        untouched = [b for b in range(kv.num_blocks) if b not in (0, 1, 2, 7)]
-        assert torch.equal(after[untouched], before[untouched])
+    round_trip_between_two_processes(NIXL, 21, layout="nhd", cross=cross, device="cuda")
 
 
 @pytest.mark.parametrize(("cuda", "first"), [("13.0", "nixl_cu13._api"), ("12.8", "nixl_cu12._api"),

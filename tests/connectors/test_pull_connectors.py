@@ -1,0 +1,90 @@
+"""The protocol both pull connectors (``nixl``, ``mooncake``) implement, run on each: a
+producer publishes blocks, consumers READ them (``pull_cases.py`` describes the connectors).
+
+Two-process tests run the producer as a real subprocess on loopback (``pull_peer.py``) with
+DRAM caches; the rest pair connectors inside this process, which runs the same protocol faster.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kv_helpers import block_bytes, keys_for, make_caches
+from pull_cases import PULLS, round_trip_between_two_processes
+
+from kvcore import LayoutMismatchError
+
+pytestmark = pytest.mark.parametrize("pull", PULLS)
+
+
+# -- two processes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("layout", "cross", "dtype", "dst"), [
+    ("nhd", True, "fp8", [0, 1, 2, 7]),
+    ("hnd", False, "bf16", [0, 1, 2, 7]),
+    ("nhd", False, "fp16", [11, 0, 6, 5]),
+], ids=["cross_layer-nhd-fp8", "per_layer-hnd-bf16", "per_layer-scattered-fp16"])
+def test_round_trip_between_two_processes_is_bit_exact(pull, layout, cross, dtype, dst):
+    round_trip_between_two_processes(pull, 11, layout=layout, cross=cross, dtype=dtype, dst=dst)
+
+
+def test_layout_mismatch_is_refused_before_any_byte_moves(pull):
+    with pull.producer_process("serve", 3, layout="nhd") as peer:
+        port = peer.port()
+        kv = make_caches(cross_layer=False, layout="hnd")
+        before = kv.storage.clone()
+        conn = pull.consumer(port)
+        with pytest.raises(LayoutMismatchError, match=r"consumer .*producer 127\.0\.0\.1:"
+                                                      r"\d+.*physical order"):
+            conn.register_kv_caches(kv)
+        conn.close()
+        assert torch.equal(kv.storage.view(torch.uint8), before.view(torch.uint8))
+        peer.proc.kill()  # (it would wait for a consumer until publish_timeout_s)
+        assert f"{pull.name} producer: refused consumer" in peer.proc.stderr.read()
+
+
+# -- in one process ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cross", [True, False], ids=["cross_layer", "per_layer"])
+def test_a_lease_nobody_confirms_is_published_again(pull, cross):
+    kv_p, kv_c = make_caches(cross_layer=cross), make_caches(cross_layer=cross)
+    keys = keys_for(4, 1)
+    with pull.producer() as prod, pull.consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [8])
+        # A consumer that took the block and froze before reading it.
+        prod._producer.fetch("frozen-consumer", keys, lease_s=0.3)
+        assert conn.lookup(keys) == 0
+        deadline = time.monotonic() + 5
+        while conn.lookup(keys) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert conn.load(keys, [2]).wait(timeout=10).ok
+        assert save.wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv_c, [2]), block_bytes(kv_p, [8]))
+
+
+def test_in_process_dtype_mismatch_is_refused(pull):
+    with pull.producer() as prod:
+        prod.register_kv_caches(make_caches(cross_layer=False, dtype="bf16"))
+        conn = pull.consumer(prod.port)
+        with pytest.raises(LayoutMismatchError, match="dtype"):
+            conn.register_kv_caches(make_caches(cross_layer=False, dtype="fp16"))
+        conn.close()
+
+
+def test_roles_that_do_not_apply_fail_per_block_with_the_reason(pull):
+    with pull.producer() as prod:
+        prod.register_kv_caches(make_caches(cross_layer=True))
+        assert prod.lookup(keys_for(1, 2)) == 0
+        loaded = prod.load(keys_for(1, 2), [0, 1]).wait()
+        assert sorted(loaded.failed) == [0, 1] and "role='producer'" in loaded.failed[0]
+        with pull.consumer(prod.port) as conn:
+            conn.register_kv_caches(make_caches(cross_layer=True))
+            saved = conn.save(keys_for(2, 1), [4]).wait()
+            assert saved.failed[4].startswith("role='consumer' only loads")
+    assert not pull.threads()
