@@ -198,14 +198,9 @@ class Platform(ABC):
         """
         return ()
 
-    def _copy_blocks(
-        self,
-        src_cache: torch.Tensor,
-        dst_cache: torch.Tensor,
-        src_block_indices: torch.Tensor,
-        dst_block_indices: torch.Tensor,
-        layout: KVCacheLayout,
-    ) -> None:
+    def _copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                     src_block_indices: torch.Tensor, dst_block_indices: torch.Tensor,
+                     layout: KVCacheLayout) -> None:
         src_idx, dst_idx = _check_block_copy_args(
             src_cache, dst_cache, src_block_indices, dst_block_indices, layout
         )
@@ -217,15 +212,9 @@ class Platform(ABC):
             0, dst_idx.to(dst_cache.device), blocks.to(dst_cache.device, non_blocking=non_blocking)
         )
 
-    def insert_blocks_to_device(
-        self,
-        src_cache: torch.Tensor,
-        dst_cache: torch.Tensor,
-        src_block_indices: torch.Tensor,
-        dst_block_indices: torch.Tensor,
-        *,
-        layout: KVCacheLayout,
-    ) -> None:
+    def insert_blocks_to_device(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                                src_block_indices: torch.Tensor, dst_block_indices: torch.Tensor,
+                                *, layout: KVCacheLayout) -> None:
         """Copy host blocks ``src_cache[src_block_indices]`` into ``dst_cache[dst_block_indices]``.
 
         ``layout`` (required, keyword-only) is the caches' :class:`~kvcore.KVCacheLayout`
@@ -235,15 +224,9 @@ class Platform(ABC):
         """
         self._copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices, layout)
 
-    def swap_out_blocks_to_host(
-        self,
-        src_cache: torch.Tensor,
-        dst_cache: torch.Tensor,
-        src_block_indices: torch.Tensor,
-        dst_block_indices: torch.Tensor,
-        *,
-        layout: KVCacheLayout,
-    ) -> None:
+    def swap_out_blocks_to_host(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                                src_block_indices: torch.Tensor, dst_block_indices: torch.Tensor,
+                                *, layout: KVCacheLayout) -> None:
         """Copy device blocks ``src_cache[src_block_indices]`` to host ``dst_cache[...]``.
 
         Same contract as :meth:`insert_blocks_to_device`, in the other direction.

@@ -25,45 +25,30 @@ class _TestBackend(kvcore.AttentionBackend):
         raise NotImplementedError("layout-only test backend")
 
 
-class HndBackend(_TestBackend):
-    """Pages HND (``B,2,H,N,D``), cross-layer capable."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "TEST_HND"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False):
-        return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
-
-
-class TokenInterleavedBackend(_TestBackend):
-    """K and V interleaved per token (``B,N,2,H,D``): blocks-first, but halves not contiguous."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "TEST_INTERLEAVED"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False):
-        return (0, 1, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
+def _backend(name: str, doc: str, *, orders: tuple[tuple[int, ...], ...] | None = None,
+             legacy: bool = False) -> type[kvcore.AttentionBackend]:
+    """A layout-only test backend named ``name``: ``orders`` its (per-layer, cross-layer)
+    stride orders; ``legacy`` the ``(2, num_blocks, ...)`` shape, which opts out of
+    connectors."""
+    attrs: dict = {"__doc__": doc, "get_name": staticmethod(lambda: name)}
+    if orders is not None:
+        attrs["get_kv_cache_stride_order"] = staticmethod(
+            lambda include_num_layers_dimension=False: orders[include_num_layers_dimension])
+    if legacy:
+        attrs["get_kv_cache_shape"] = staticmethod(
+            lambda num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto":
+            (2, num_blocks, block_size, num_kv_heads, head_size))
+        attrs["supports_kv_connector"] = classmethod(lambda cls: False)
+    return type(name, (_TestBackend,), attrs)
 
 
-class LegacyBackend(_TestBackend):
-    """The legacy ``(2, num_blocks, ...)`` shape: not blocks-first, so no connectors."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "TEST_LEGACY"
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size,
-                           cache_dtype_str="auto"):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return False
+HndBackend = _backend("TEST_HND", "Pages HND (``B,2,H,N,D``), cross-layer capable.",
+                      orders=((0, 1, 3, 2, 4), (1, 0, 2, 4, 3, 5)))
+TokenInterleavedBackend = _backend(
+    "TEST_INTERLEAVED", "K and V interleaved per token (``B,N,2,H,D``): blocks-first, but "
+    "halves not contiguous.", orders=((0, 2, 1, 3, 4), (0, 1, 3, 2, 4, 5)))
+LegacyBackend = _backend("TEST_LEGACY", "The legacy ``(2, num_blocks, ...)`` shape: not "
+                         "blocks-first, so no connectors.", legacy=True)
 
 
 CASES = [("CPU_ATTN", False), ("CPU_ATTN", True), (HndBackend, False), (HndBackend, True),
