@@ -20,21 +20,13 @@ points, a prefill, and one mixed chunked-prefill step (decodes beside a prompt c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from kvcore.config import AttentionSelectorConfig
 
-__all__ = ["BENCH_BLOCK_SIZES", "BENCH_KV_CACHE_DTYPES", "MODELS", "PEER_BLOCK_SIZE",
-           "LayerAttention", "MLADims", "ModelCase", "ModelPreset", "get_model"]
-
-#: The KV-cache dtypes every preset is benchmarked with: the model's dtype and fp8 e4m3 (the
-#: most common production setting).
-BENCH_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-#: The block size the peers prefer: 64 is the largest FLASHINFER and FLASHINFER_MLA accept and
-#: the only one FlashMLA takes; 16 is kvcore's (and vLLM's) default.
-PEER_BLOCK_SIZE = 64
-BENCH_BLOCK_SIZES = (16, PEER_BLOCK_SIZE)
+__all__ = ["MODELS", "LayerAttention", "MLADims", "ModelCase", "ModelPreset", "get_model"]
 
 
 @dataclass(frozen=True)
@@ -221,6 +213,15 @@ class ModelPreset:
     source: str
     dtype: torch.dtype = torch.bfloat16
     cases_full: tuple[ModelCase, ...] = field(default=FULL_CASES, repr=False)
+
+    #: The KV-cache dtypes every preset is benchmarked with: the model's dtype and fp8 e4m3
+    #: (the most common production setting).
+    KV_CACHE_DTYPES: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3")
+    #: The block size the peers prefer: 64 is the largest FLASHINFER and FLASHINFER_MLA accept
+    #: and the only one FlashMLA takes.
+    PEER_BLOCK_SIZE: ClassVar[int] = 64
+    #: Block sizes every preset is benchmarked with: kvcore's (and vLLM's) default 16, and 64.
+    BLOCK_SIZES: ClassVar[tuple[int, ...]] = (16, 64)
 
     @property
     def num_layers(self) -> int:

@@ -39,8 +39,9 @@ from kvcore.platform_types import DeviceCapability
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PHASES", "RANKING_FILE_ENV", "VERSIONED_DISTRIBUTIONS",
            "DeviceIdentity", "MeasuredCase", "MeasuredOrder", "Ranking", "RankingFileError",
-           "config_key", "current_identity", "library_versions", "load_rankings",
-           "measured_order", "ranking_path", "ranking_state", "write_ranking"]
+           "current_identity", "library_versions", "load_rankings", "measured_order",
+           "ranking_config_key", "ranking_path", "ranking_shape_class", "ranking_state",
+           "write_ranking"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Ranking:
                 for n in names if self.versions.get(n) != current.get(n)]
 
 
-def config_key(config: AttentionSelectorConfig) -> dict[str, Any]:
+def ranking_config_key(config: AttentionSelectorConfig) -> dict[str, Any]:
     """The config as the file stores it and matches it: JSON values, without the fields that
     do not change speed."""
     out: dict[str, Any] = {}
@@ -133,7 +134,7 @@ def config_key(config: AttentionSelectorConfig) -> dict[str, Any]:
     return out
 
 
-def shape_class(config: AttentionSelectorConfig) -> str:
+def ranking_shape_class(config: AttentionSelectorConfig) -> str:
     """``D128 bfloat16 kv=auto bs16`` (plus ``mla``/``sinks``): the cases a config matches."""
     text = (f"D{config.head_size} {str(config.dtype).removeprefix('torch.')} "
             f"kv={config.kv_cache_dtype} bs{config.block_size}")
@@ -328,6 +329,13 @@ class MeasuredOrder:
     path: str
     device: DeviceIdentity
 
+    @classmethod
+    def from_cases(cls, cases: list[MeasuredCase], date: str, path: str,
+                   device: DeviceIdentity) -> MeasuredOrder:
+        """The order of the backends measured in ``cases`` (see the module docstring)."""
+        order, speed, counts = _order(cases)
+        return cls(order, speed, counts, date, path, device)
+
     def phase_lines(self) -> list[str]:
         """``decode (2 cases): FLASHINFER fastest; TRITON_ATTN 0.98x of FLASHINFER`` per phase."""
         lines = []
@@ -401,8 +409,10 @@ def measured_order(config: AttentionSelectorConfig, platform: Platform,
         return None, []
     identity = current_identity(platform, capability)
     if identity is None:
-        return None, [f"ranking file {path}: {platform.name} is simulated here, so no measured "
-                      "ranking applies; static order used"]
+        if not any(r.device.platform == platform.name for r in rankings):
+            return None, []
+        return None, [f"ranking file {path}: {platform.name} is simulated here, so its "
+                      "measured rankings do not apply; static order used"]
     mine = [r for r in rankings if r.device == identity]
     if not mine:
         others = "; ".join(r.device.describe() for r in rankings)
@@ -417,12 +427,11 @@ def measured_order(config: AttentionSelectorConfig, platform: Platform,
                 "rerun kvcore tune")
         _warn_once((str(path), ranking.date, tuple(changes)), note)
         return None, [note]
-    key = config_key(config)
+    key = ranking_config_key(config)
     cases = [c for c in ranking.cases if c.config == key and c.times_us]
     if not cases:
         classes = sorted({c.shape_class for c in ranking.cases})
         return None, [f"ranking file {path} (measured on {ranking.date}) has no case for this "
-                      f"config ({shape_class(config)}; measured: {', '.join(classes) or 'none'})"
-                      "; static order used"]
-    order, speed, counts = _order(cases)
-    return MeasuredOrder(order, speed, counts, ranking.date, str(path), identity), []
+                      f"config ({ranking_shape_class(config)}; measured: "
+                      f"{', '.join(classes) or 'none'}); static order used"]
+    return MeasuredOrder.from_cases(cases, ranking.date, str(path), identity), []

@@ -371,9 +371,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.platform:
         _check_platform_name(args.platform, present=True)
+    if args.model:
+        return _bench_models(args)
+    used = [flag for flag, value in (("--small", args.small), ("--phase", args.phases),
+                                     ("--kv-cache-dtype", args.kv_cache_dtypes),
+                                     ("--block-size", args.block_sizes),
+                                     ("--budget-s", args.budget_s)) if value]
+    if used:
+        raise ValueError(f"{', '.join(used)} choose what bench --model times; add --model NAME "
+                         "or leave them out")
     options = BenchOptions(size=args.size, dtype=args.dtype, platform=args.platform,
                            progress=not args.no_progress)
     return run_bench_cli(options, args.format, args.plot)
+
+
+def _bench_models(args: argparse.Namespace) -> int:
+    from kvcore.cli.model_bench import ModelBenchOptions, format_model_report, run_model_bench
+    from kvcore.models import ModelPreset
+
+    if args.plot or args.size:
+        raise ValueError("--plot and --size are for the bench without --model; leave them out")
+    log = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_model_bench(ModelBenchOptions(
+        models=args.model, small=args.small, dtype=args.dtype, platform=args.platform,
+        kv_cache_dtypes=args.kv_cache_dtypes or ModelPreset.KV_CACHE_DTYPES,
+        block_sizes=args.block_sizes or ModelPreset.BLOCK_SIZES,
+        phases=args.phases or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
+        log=log))
+    _emit(args, report.to_dict(), format_model_report(report))
+    return 1 if any(r.error for r in report.rows) else 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from kvcore.cli.tune import TuneOptions, custom_preset, format_tune, run_tune
+    from kvcore.models import ModelPreset
+
+    if args.platform:
+        _check_platform_name(args.platform, present=True)
+    custom = (args.num_heads, args.num_kv_heads, args.head_size)
+    models: list = list(args.model or [])
+    if any(v is not None for v in custom):
+        if None in custom:
+            raise ValueError("--num-heads, --num-kv-heads and --head-size describe the engine's "
+                             "own layer together; give all three (or --model NAME instead)")
+        models.append(custom_preset(*custom, sliding_window=args.sliding_window,
+                                    dtype=args.dtype))
+    elif args.sliding_window is not None:
+        raise ValueError("--sliding-window belongs to the engine's own layer; add --num-heads, "
+                         "--num-kv-heads and --head-size, or leave it out")
+    result = run_tune(TuneOptions(
+        models=models, small=args.small or None, platform=args.platform, output=args.output,
+        kv_cache_dtypes=args.kv_cache_dtypes or ModelPreset.KV_CACHE_DTYPES,
+        block_sizes=args.block_sizes or ModelPreset.BLOCK_SIZES,
+        phases=args.phases or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
+        progress=args.verbose))
+    _emit(args, result.to_dict(), format_tune(result, verbose=args.verbose))
+    return 0
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
@@ -456,4 +509,5 @@ COMMANDS = {
     "layout": cmd_layout,
     "kernels": cmd_kernels,
     "warmup": cmd_warmup,
+    "tune": cmd_tune,
 }

@@ -17,9 +17,9 @@ from kvcore import AttentionType, __version__
 from kvcore.cli.words import in_cli_words
 from kvcore.demo.config import MODEL_PRESETS
 
-__all__ = ["BENCH_SIZE_CHOICES", "CACHE_DTYPE_CHOICES", "CLI_DEPENDENCIES",
-           "KV_CACHE_DTYPE_CHOICES", "MODEL_DTYPE_CHOICES", "SELECT_CONFIG_FLAGS",
-           "build_parser", "main"]
+__all__ = ["BENCH_MODEL_CHOICES", "BENCH_SIZE_CHOICES", "CACHE_DTYPE_CHOICES",
+           "CLI_DEPENDENCIES", "KV_CACHE_DTYPE_CHOICES", "MODEL_DTYPE_CHOICES",
+           "SELECT_CONFIG_FLAGS", "build_parser", "main"]
 
 #: ``--kv-cache-dtype`` values: kvcore's ``KV_CACHE_DTYPES`` (a test keeps the two equal),
 #: spelled out here because the module that defines them imports torch.
@@ -41,6 +41,11 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 #: ``bench --size`` values: the keys of :data:`kvcore.cli.bench.SIZES` (a test keeps them
 #: equal; that module imports torch).
 BENCH_SIZE_CHOICES = ("small", "full")
+#: ``bench --model`` and ``tune --model`` values: the keys of :data:`kvcore.models.MODELS` (a
+#: test keeps them equal; that module imports torch).
+BENCH_MODEL_CHOICES = ("llama-3.1-8b", "llama-3.1-70b-tp8", "qwen2.5-7b", "mistral-7b",
+                       "gemma-2-9b", "gpt-oss-20b", "qwen3-30b-a3b", "deepseek-v3-tp8",
+                       "deepseek-v3-tp1")
 
 
 def _dtype_name(text: str) -> str:
@@ -170,6 +175,30 @@ _NOT_SELECTION_FLAGS = {
 _NOT_SELECTION_FLAGS["--soft-cap"] = _NOT_SELECTION_FLAGS["--logits-soft-cap"]
 
 
+def _model_bench_options(p: argparse.ArgumentParser, budget_default: float) -> None:
+    """The options ``bench --model`` and ``tune`` share."""
+    p.add_argument("--model", action="append", default=None, choices=BENCH_MODEL_CHOICES,
+                   metavar="NAME",
+                   help="a model preset's attention shapes per rank (repeatable): "
+                        f"{', '.join(BENCH_MODEL_CHOICES)}")
+    p.add_argument("--small", action="store_true",
+                   help="with --model: few heads and small steps, for a CPU in seconds "
+                        "(default on a CPU for tune)")
+    p.add_argument("--kv-cache-dtype", action="append", default=None, dest="kv_cache_dtypes",
+                   type=_kv_cache_dtype_name, choices=KV_CACHE_DTYPE_CHOICES,
+                   help="with --model: KV-cache dtypes to time (repeatable; default: auto and "
+                        "fp8_e4m3)")
+    p.add_argument("--block-size", action="append", default=None, dest="block_sizes",
+                   type=positive_int,
+                   help="with --model: block sizes to time (repeatable; default: 16 and 64)")
+    p.add_argument("--phase", action="append", default=None, dest="phases",
+                   choices=("decode", "prefill", "mixed"),
+                   help="with --model: steps to time (repeatable; default: all)")
+    p.add_argument("--budget-s", type=float, default=budget_default,
+                   help="with --model: stop starting new steps after this many seconds (0: no "
+                        "limit; default: %(default)s)")
+
+
 def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     """The ``kvcore`` parser; without ``with_kernels_options`` the ``kernels`` command has no
     options yet (and nothing imports torch)."""
@@ -281,6 +310,31 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", default=None,
                        help="bar chart of achieved bandwidth against its ceiling per case")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _model_bench_options(bench, budget_default=0.0)
+
+    tune = with_format(sub.add_parser(
+        "tune", help="time the valid backends on this machine for model presets and write the "
+                     "ranking the selector follows here"))
+    _model_bench_options(tune, budget_default=300.0)
+    tune.add_argument("--output", metavar="PATH", default=None,
+                      help="the ranking file to write (default: KVCORE_RANKING_FILE, else "
+                           "~/.cache/kvcore/ranking.json); other devices' rankings in it stay")
+    tune.add_argument("--platform", default=None,
+                      help="platform to measure (default: detected); must be present")
+    tune.add_argument("--num-heads", type=positive_int, default=None,
+                      help="time an engine's own layer instead of a preset: query heads per "
+                           "rank (with --num-kv-heads and --head-size)")
+    tune.add_argument("--num-kv-heads", type=positive_int, default=None,
+                      help="KV heads per rank of the engine's layer")
+    tune.add_argument("--head-size", type=positive_int, default=None,
+                      help="head size of the engine's layer")
+    tune.add_argument("--sliding-window", type=positive_int, default=None,
+                      help="sliding window of the engine's layer (default: none)")
+    tune.add_argument("--dtype", default="bfloat16", type=_dtype_name,
+                      choices=MODEL_DTYPE_CHOICES,
+                      help="the engine's layer's dtype (default: %(default)s; presets keep their "
+                           "own)")
+    tune.add_argument("--verbose", action="store_true", help="also print every timing")
 
     lay = with_format(sub.add_parser(
         "layout", help="a backend's KV-cache shapes, strides and where its blocks lie"))
