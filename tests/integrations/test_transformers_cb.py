@@ -10,8 +10,10 @@ pages. Tokens must equal transformers' own continuous batching with ``sdpa`` and
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +260,11 @@ def test_importable_without_transformers_and_says_which_extra(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, check=True)
     assert "pip install 'kvcore[transformers]'" in result.stdout
+
+
+def test_the_readme_example_runs(capsys):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    text = readme.split("\n## Use it in transformers\n", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("CPU_ATTN [[")
