@@ -16,7 +16,10 @@ token for token, greedy ``generate`` with transformers' own attention (``sdpa``)
     python examples/transformers_llama.py --device cuda        # best backend on the GPU
     python examples/transformers_llama.py --device cuda --backend TRITON_ATTN
 
-Only kvcore's public API is used (``kvcore``): this is the code an engine copies.
+Only kvcore's public API is used (``kvcore``): this is the code an engine copies. It is the
+minimal form with kvcore's own cache and a hand-written batching loop; to keep transformers'
+own serving loop (``generate_batch``: its scheduler, cache, prefix sharing and forks) and run
+only attention on kvcore, use ``kvcore.integrations.transformers.use_kvcore(model)``.
 """
 
 from __future__ import annotations
