@@ -1,0 +1,109 @@
+"""Model presets: their shapes, their selector configs (valid, and runnable on a simulated
+H100 by at least one backend except where no kvcore backend has the feature yet), and
+``kvcore bench --model --small`` on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvcore
+from kvcore.cli import main as kvcore_cli
+from kvcore.cli.main import BENCH_MODEL_CHOICES
+from kvcore.models import MODELS, ModelPreset, get_model
+
+
+def test_the_cli_offers_every_preset():
+    assert BENCH_MODEL_CHOICES == tuple(MODELS)
+
+
+@pytest.mark.parametrize(("name", "layers", "shapes"), [
+    ("llama-3.1-8b", 32, {("full", 32, 8, 128, None)}),
+    ("llama-3.1-70b-tp8", 80, {("full", 8, 1, 128, None)}),
+    ("qwen2.5-7b", 28, {("full", 28, 4, 128, None)}),
+    ("mistral-7b", 32, {("sliding", 32, 8, 128, 4096)}),
+    ("gemma-2-9b", 42, {("sliding", 16, 8, 256, 4096), ("full", 16, 8, 256, None)}),
+    ("gpt-oss-20b", 24, {("sliding", 64, 8, 64, 128), ("full", 64, 8, 64, None)}),
+    ("qwen3-30b-a3b", 48, {("full", 32, 4, 128, None)}),
+    ("deepseek-v3-tp8", 61, {("mla", 16, 1, 576, None)}),
+    ("deepseek-v3-tp1", 61, {("mla", 128, 1, 576, None)}),
+])
+def test_preset_shapes_per_rank(name, layers, shapes):
+    preset = get_model(name)
+    assert preset.num_layers == layers
+    assert {(x.kind, x.num_heads, x.num_kv_heads, x.head_size, x.sliding_window)
+            for x in preset.layers} == shapes
+    assert preset.source.startswith("huggingface.co/")
+
+
+def test_features_beyond_the_shapes():
+    gemma, oss = get_model("gemma-2-9b"), get_model("gpt-oss-20b")
+    assert {x.logits_soft_cap for x in gemma.layers} == {50.0}
+    assert all(x.has_sink for x in oss.layers)
+    mla = get_model("deepseek-v3-tp8").layer("mla")
+    assert (mla.mla.kv_lora_rank, mla.mla.qk_rope_head_dim, mla.head_size_v) == (512, 64, 128)
+    assert mla.softmax_scale == pytest.approx(192 ** -0.5)
+    with pytest.raises(ValueError, match="not a preset; choose from: llama-3.1-8b"):
+        get_model("llama-2")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_selector_configs_are_valid_and_some_backend_runs_them(name, monkeypatch):
+    monkeypatch.setenv("KVCORE_RANKING_FILE", "none")
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "9.0")
+    preset = get_model(name)
+    for kv in ModelPreset.KV_CACHE_DTYPES:
+        for block in ModelPreset.BLOCK_SIZES:
+            configs = preset.selector_configs(kv, block)
+            assert set(configs) == {x.kind for x in preset.layers}
+            for kind, config in configs.items():
+                layer = preset.layer(kind)
+                assert (config.head_size, config.block_size, config.kv_cache_dtype,
+                        config.use_mla, config.has_sink) == (
+                    layer.head_size, block, kv, layer.mla is not None, layer.has_sink)
+                report = kvcore.explain_selection(config, "cuda")
+                if not layer.has_sink:  # no kvcore backend has sinks yet
+                    assert report.selected is not None, report.format()
+
+
+def test_scaled_down_keeps_what_decides_the_backend():
+    for preset in MODELS.values():
+        for big, small in zip(preset.layers, preset.scaled_down().layers, strict=True):
+            assert small.num_heads <= 4 and small.num_heads % small.num_kv_heads == 0
+            assert (small.head_size, small.has_sink, small.mla) == (
+                big.head_size, big.has_sink, big.mla)
+            assert (small.sliding_window is None) == (big.sliding_window is None)
+    for case in ModelPreset.cases(get_model("llama-3.1-8b"), small=False):
+        assert case.phase in ("decode", "prefill", "mixed")
+
+
+def test_bench_model_small_runs_on_the_cpu(capsys, monkeypatch):
+    monkeypatch.setenv("KVCORE_RANKING_FILE", "none")
+    status = kvcore_cli(["bench", "--model", "mistral-7b", "--model", "deepseek-v3-tp8",
+                         "--small", "--platform", "cpu", "--kv-cache-dtype", "auto",
+                         "--block-size", "16", "--phase", "decode", "--phase", "mixed",
+                         "--no-progress", "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert status in (0, 1)  # 1: a backend failed a step; its row says why
+    rows = data["rows"]
+    assert {(r["model"], r["phase"]) for r in rows} == {
+        (m, p) for m in ("mistral-7b", "deepseek-v3-tp8") for p in ("decode", "mixed")}
+    timed = [r for r in rows if r["error"] is None and r["skipped"] is None]
+    assert {r["model"] for r in timed} == {"mistral-7b", "deepseek-v3-tp8"}
+    for r in timed:
+        assert r["us"] > 0 and 0 < r["fraction_of_roofline"] and r["num_bytes"] > 0
+    assert any(r["selected"] for r in timed)
+    assert all(r["layer_shape"].endswith("window=32") for r in rows
+               if r["model"] == "mistral-7b")
+
+
+def test_bench_model_table_and_flag_checks(capsys, monkeypatch):
+    monkeypatch.setenv("KVCORE_RANKING_FILE", "none")
+    kvcore_cli(["bench", "--model", "gpt-oss-20b", "--small", "--platform", "cpu",
+                "--kv-cache-dtype", "auto", "--block-size", "16", "--phase", "decode",
+                "--no-progress"])
+    out = capsys.readouterr().out
+    assert "skipped: no valid kvcore backend" in out and "sinks" in out
+    assert kvcore_cli(["bench", "--small"]) == 2
+    assert "add --model NAME" in capsys.readouterr().err
