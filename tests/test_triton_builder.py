@@ -65,8 +65,8 @@ def test_graph_split_count_depends_only_on_the_batch_size():
     # On the CPU the heuristic sees one "SM": only a single request (2 KV heads) is split.
     assert [b.graph_num_kv_splits(n) for n in (1, 2, 3, 4)] == [2, 1, 1, 1]
     short = b.build(decode([0], [[5]]), graph_batch_size=1)
-    assert short.num_kv_splits == 2
-    assert b.build(decode([0], [[5]])).num_kv_splits == 1  # eagerly: by the step's length
+    assert short.plan.num_kv_splits == 2
+    assert b.build(decode([0], [[5]])).plan.num_kv_splits == 1  # eagerly: by the step's length
     assert builder(max_model_len=256).graph_num_kv_splits(1) == 1
 
 
@@ -75,7 +75,7 @@ def test_builder_owns_the_workspace_and_reuses_every_buffer(kv):
     assert b.workspace is not None
     first = b.build(decode([2, 5, 9], [[1], [2, 3], [4, 5, 6]]))
     second = b.build(decode([30], [[0, 1, 2, 3, 4, 5, 6, 7]]), graph_batch_size=1)
-    assert second.workspace is b.workspace and first.workspace is None
+    assert second.plan.workspace is b.workspace and first.plan.workspace is None
     tensors = [first.query_start_loc, first.seq_lens, first.block_table, first.slot_mapping]
     again = [second.query_start_loc, second.seq_lens, second.block_table, second.slot_mapping]
     assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in again]
@@ -92,7 +92,7 @@ def test_graph_built_steps_equal_the_reference_with_empty_splits(context_lens):
     tables = [[3, 7, 1, 8, 0, 11][3 * i:][: -(-(c + 1) // BS)]
               for i, c in enumerate(context_lens)]
     meta = b.build(decode(context_lens, tables, DEVICE), graph_batch_size=2)
-    assert meta.num_kv_splits == 2  # as if each request were max_model_len long
+    assert meta.plan.num_kv_splits == 2  # as if each request were max_model_len long
     query = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     out = forward(meta, kv, query)
     n = len(context_lens)
@@ -103,7 +103,7 @@ def test_graph_built_steps_equal_the_reference_with_empty_splits(context_lens):
 def test_forced_splits_use_the_workspace_and_equal_the_reference(kv):
     b = builder(device=DEVICE)
     meta = b.build(decode([13], [[4, 9, 2, 6]], DEVICE), graph_batch_size=1)
-    assert meta.num_kv_splits == 2 and meta.workspace is b.workspace
+    assert meta.plan.num_kv_splits == 2 and meta.plan.workspace is b.workspace
     b.workspace[0].fill_(float("nan"))  # stale partials must be overwritten, never read
     query = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     out = forward(meta, kv, query)
@@ -118,11 +118,12 @@ def test_prefill_steps_are_never_split_and_run_the_prefill_kernel(kv):
     meta = b.build(kvcore.build_attention_metadata([6, 5, 1], [7, 0, 20],
                                                    [[3, 7, 1, 8], [2, 5], [0, 4, 6, 9, 10, 11]],
                                                    BS, device=DEVICE))
-    assert meta.num_kv_splits == 1 and meta.workspace is None
-    from kvcore.ops.triton_attention import default_config
+    assert meta.plan == kvcore.ops.TritonAttentionPlan(num_kv_splits=1)
+    from kvcore.ops.attention_dispatch import default_config
 
     assert default_config(12, 3, HQ, HK, D, 6 * BS, torch.device(DEVICE),
-                          num_kv_splits=meta.num_kv_splits).prefill
+                          num_kv_splits=meta.plan.num_kv_splits, gluon=False).kernel == \
+        "triton_prefill"
     query = torch.randn(12, HQ, D, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     out = forward(meta, kv, query)
     k, v = kv.unbind(1)
@@ -134,20 +135,22 @@ def test_prefill_steps_are_never_split_and_run_the_prefill_kernel(kv):
 
 
 def test_the_op_refuses_a_workspace_it_cannot_use(kv):
+    from kvcore.ops import TritonAttentionPlan as Plan
     from kvcore.ops.triton_attention import paged_attention
 
     meta = decode([13], [[4, 9, 2, 6]], DEVICE)
     k, v = kv.unbind(1)
     query = torch.randn(1, HQ, D, device=DEVICE)
     args = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                block_table=meta.block_table, scale=0.25, num_kv_splits=2)
+                block_table=meta.block_table, scale=0.25)
     small = (torch.empty(10, device=DEVICE), torch.empty(10, device=DEVICE))
-    with pytest.raises(ValueError, match=r"workspace\[0\] has 10 elements but this call's "
-                                         "split-KV path needs 128"):
-        paged_attention(query, k, v, workspace=small, **args)
+    with pytest.raises(ValueError, match=r"plan.workspace\[0\] has 10 elements but this "
+                                         "call's split-KV path needs 128"):
+        paged_attention(query, k, v, plan=Plan(num_kv_splits=2, workspace=small), **args)
     wrong = (torch.empty(256, dtype=torch.float16, device=DEVICE),
              torch.empty(16, device=DEVICE))
-    with pytest.raises(ValueError, match=r"workspace\[0\] must be a contiguous float32 tensor"):
-        paged_attention(query, k, v, workspace=wrong, **args)
-    with pytest.raises(TypeError, match="workspace must be a pair of tensors"):
-        paged_attention(query, k, v, workspace=torch.empty(256, device=DEVICE), **args)
+    with pytest.raises(ValueError, match=r"plan.workspace\[0\] must be a contiguous float32"):
+        paged_attention(query, k, v, plan=Plan(num_kv_splits=2, workspace=wrong), **args)
+    with pytest.raises(TypeError, match="plan.workspace must be a pair of tensors"):
+        paged_attention(query, k, v, **args, plan=Plan(
+            num_kv_splits=2, workspace=torch.empty(256, device=DEVICE)))

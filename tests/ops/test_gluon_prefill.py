@@ -1,4 +1,5 @@
-"""The Gluon Hopper prefill kernel (``AttentionConfig.gluon``, :mod:`kvcore.ops.gluon_prefill`).
+"""The Gluon Hopper prefill kernel ``gluon_ws_pingpong`` (:class:`GluonPrefillConfig`,
+:mod:`kvcore.ops.gluon_prefill`).
 
 On the CPU: what :func:`gluon_prefill_unmet` refuses, how a :data:`GLUON_PREFILL_TILES` row
 is picked and falls back to the Triton row, and (slow) an ahead-of-time compile for sm90 that
@@ -22,29 +23,28 @@ import pytest
 import torch
 from test_triton_attention import check_against_references, make_batch
 
-from kvcore.ops import paged_attention_ref
+from kvcore.ops import GluonPrefillConfig, paged_attention_ref
+from kvcore.ops import TritonAttentionPlan as Plan
+from kvcore.ops import attention_config as tables
 
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
-AttentionConfig = triton_attention.AttentionConfig
+dispatch = pytest.importorskip("kvcore.ops.attention_dispatch")
 
 
 def gluon_config(num_heads: int, num_kv_heads: int, block_n: int = 128,
-                 num_stages: int = 2, ws: bool = False, pingpong: bool = False
-                 ) -> AttentionConfig:
-    """A Gluon prefill config; ``ws`` picks the warp-specialised variant, ``pingpong`` its
-    consumers taking turns."""
-    g_pad = triton_attention.next_power_of_2(num_heads // num_kv_heads)
-    return AttentionConfig(block_q=128 // g_pad, g_pad=g_pad, block_n=block_n, num_splits=1,
-                           num_warps=8, num_stages=num_stages, prefill=True,
-                           const_block=True, gluon=True, warp_specialize=ws, pingpong=pingpong)
+                 num_stages: int = 3) -> GluonPrefillConfig:
+    """A ``gluon_ws_pingpong`` config for this GQA group."""
+    g_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
+    return GluonPrefillConfig(block_q=128 // g_pad, g_pad=g_pad, block_n=block_n,
+                              num_stages=num_stages)
 
 
-#: (block_n, num_stages, warp-specialised, ping-pong) of the GPU tests, with their ids.
-TILES = {"n128-s2": (128, 2, False, False), "n64-s3": (64, 3, False, False),
-         "n64-s2": (64, 2, False, False), "ws-n128-s2": (128, 2, True, False),
-         "ws-n64-s3": (64, 3, True, False), "ws-n64-s2": (64, 2, True, False),
-         "ws-n128-s3": (128, 3, True, False), "ws-pp-n64-s3": (64, 3, True, True),
-         "ws-pp-n128-s3": (128, 3, True, True)}
+def gluon_plan(*args, **kwargs) -> Plan:
+    return Plan(config=gluon_config(*args, **kwargs))
+
+
+#: (block_n, num_stages) of the GPU tests, with their ids.
+TILES = {"n64-s3": (64, 3), "n128-s3": (128, 3)}
 
 
 def _cpu_args(dtype=torch.bfloat16, head_size=128, cache_dtype=None):
@@ -54,15 +54,10 @@ def _cpu_args(dtype=torch.bfloat16, head_size=128, cache_dtype=None):
 
 
 REFUSALS = {
-    "not-prefill": (dict(prefill=False), {}, "prefill kernel"),
-    "rows": (dict(block_q=16), {}, "128 rows"),
-    "warps": (dict(num_warps=4), {}, "num_warps=8"),
+    "rows": (dict(block_q=16), {}, "runs 128"),
     "block-n": (dict(block_n=32), {}, "block_n 64 or 128"),
     "stages": (dict(num_stages=5), {}, "2 to 4 stages"),
-    "const-block": (dict(const_block=False), {}, "const_block=True"),
     "smem": (dict(num_stages=4), {}, "shared memory"),
-    "ws-smem": (dict(num_stages=4, warp_specialize=True), {}, "shared memory"),
-    "pingpong": (dict(pingpong=True), {}, "warp_specialize=True or pingpong=False"),
     "fp32-query": ({}, dict(dtype=torch.float32), "bf16 or fp16"),
     "fp8-cache": ({}, dict(cache_dtype=torch.float8_e4m3fn), "bf16 or fp16"),
     "head-size": ({}, dict(head_size=96), "head_size 64 or 128"),
@@ -72,35 +67,35 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_unmet_conditions_are_named_with_the_fix(case: str) -> None:
-    if triton_attention.gluon_prefill_available() is not None:
-        pytest.skip(triton_attention.gluon_prefill_available())
+    if dispatch.gluon_prefill_available() is not None:
+        pytest.skip(dispatch.gluon_prefill_available())
     change, args, match = REFUSALS[case]
     query, k, v = _cpu_args(**args)
-    cfg = dataclasses.replace(gluon_config(8, 2), **change)
+    cfg = dataclasses.replace(gluon_config(8, 2, num_stages=2), **change)
     kv_dtype = "fp8_e4m3" if case == "fp8-cache" else "auto"
-    reason = triton_attention.gluon_prefill_unmet(query, k, v, kv_dtype, cfg)
+    reason = dispatch.gluon_prefill_unmet(query, k, v, kv_dtype, cfg)
     assert reason is not None and re.search(match, reason), reason
-    assert "gluon=False" in reason or "set " in reason or "use " in reason, reason
+    assert "TritonPrefillConfig" in reason or "set " in reason or "use " in reason, reason
 
 
 def test_cache_layouts_the_copies_cannot_read_are_refused() -> None:
-    if triton_attention.gluon_prefill_available() is not None:
-        pytest.skip(triton_attention.gluon_prefill_available())
+    if dispatch.gluon_prefill_available() is not None:
+        pytest.skip(dispatch.gluon_prefill_available())
     query, k, v = _cpu_args()
     cfg = gluon_config(8, 2)
     # Channels strided: the heads and channels dims swapped in memory.
     swapped = k.transpose(2, 3).contiguous().transpose(2, 3)
-    reason = triton_attention.gluon_prefill_unmet(query, swapped, v, "auto", cfg)
+    reason = dispatch.gluon_prefill_unmet(query, swapped, v, "auto", cfg)
     assert "key_cache has channel stride" in reason, reason
     # A token stride of 260 elements (520 bytes): not a multiple of 16 bytes.
     odd = torch.randn(6, 16, 260).to(torch.bfloat16)[..., :256].unflatten(-1, (2, 128))
-    reason = triton_attention.gluon_prefill_unmet(query, k, odd, "auto", cfg)
+    reason = dispatch.gluon_prefill_unmet(query, k, odd, "auto", cfg)
     assert "value_cache's stride(1)" in reason and "16 bytes" in reason, reason
 
 
 def test_the_gluon_config_on_the_cpu_raises_before_any_launch() -> None:
-    if triton_attention.gluon_prefill_available() is not None:
-        pytest.skip(triton_attention.gluon_prefill_available())
+    if dispatch.gluon_prefill_available() is not None:
+        pytest.skip(dispatch.gluon_prefill_available())
     batch = make_batch(torch.Generator().manual_seed(3), q_lens=[20], seq_lens=[20],
                        num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                        dtype=torch.bfloat16)
@@ -108,67 +103,61 @@ def test_the_gluon_config_on_the_cpu_raises_before_any_launch() -> None:
         pytest.skip("checks the CPU refusal")
     with pytest.raises(ValueError, match="Hopper|TRITON_INTERPRET"):
         triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                         **batch.kwargs(), config=gluon_config(8, 2, 64))
+                                         **batch.kwargs(), plan=gluon_plan(8, 2, 64))
 
 
 def test_default_config_picks_the_gluon_row_where_the_table_has_one(monkeypatch) -> None:
-    ta = triton_attention
-    row = ta.PrefillTile(128, 128, 8, 2, const_block=True, gluon=True)
-    monkeypatch.setattr(ta, "GLUON_PREFILL_TILES", {"sm90": row})
+    row = tables.GluonPrefillTile(block_n=128, num_stages=2)
+    monkeypatch.setitem(tables.GLUON_PREFILL_TILES, "sm90", row)
     cpu = torch.device("cpu")
 
     def config(num_tokens=8192, num_seqs=4, head_size=128, **kw):
         kw = dict(num_sms=132, rocm=False, arch="sm90") | kw
-        return ta.default_config(num_tokens, num_seqs, 32, 8, head_size, 8192, cpu, **kw)
+        return dispatch.default_config(num_tokens, num_seqs, 32, 8, head_size, 8192, cpu, **kw)
 
     cfg = config()
-    assert cfg.gluon and (cfg.block_q, cfg.g_pad, cfg.block_n, cfg.num_warps,
-                          cfg.num_stages) == (32, 4, 128, 8, 2)
-    assert ta._gluon_config_unmet(cfg, 128) is None  # the table's row is a valid tile
+    assert cfg == GluonPrefillConfig(block_q=32, g_pad=4, block_n=128, num_stages=2)
+    assert dispatch._gluon_config_unmet(cfg, 128) is None  # the table's row is a valid tile
     for other in (config(head_size=256), config(num_tokens=4), config(rocm=True),
                   config(arch="sm80"), config(gluon=False), config(num_kv_splits=2)):
-        assert not other.gluon, other
+        assert other.kernel != "gluon_ws_pingpong", other
 
 
 def test_calls_the_gluon_kernel_cannot_run_fall_back_to_the_triton_row(monkeypatch) -> None:
     """With a Gluon row for this machine's arch, a call the Gluon kernel cannot run (here:
     no Hopper GPU, or the interpreter) runs the Triton prefill kernel with the table's row,
     not an error; an explicit Gluon config is still refused."""
-    ta = triton_attention
     batch = make_batch(torch.Generator().manual_seed(8), q_lens=[40, 7], seq_lens=[40, 30],
                        num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                        dtype=torch.bfloat16)
-    arch = ta.device_arch(batch.query.device)
-    monkeypatch.setattr(ta, "GLUON_PREFILL_TILES", {
-        arch: ta.PrefillTile(128, 64, 8, 2, const_block=True, gluon=True)})
-    if ta.gluon_prefill_unmet(batch.query, batch.key_cache, batch.value_cache, "auto",
-                              gluon_config(8, 2, 64)) is None:
+    arch = tables.device_arch(batch.query.device)
+    monkeypatch.setitem(tables.GLUON_PREFILL_TILES, arch,
+                        tables.GluonPrefillTile(block_n=64, num_stages=2))
+    if dispatch.gluon_prefill_unmet(batch.query, batch.key_cache, batch.value_cache, "auto",
+                                    gluon_config(8, 2, 64)) is None:
         pytest.skip("the Gluon kernel can run here: nothing falls back")
-    out = ta.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                             **batch.kwargs())
+    out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                           **batch.kwargs())
     check_against_references(out, batch)
-    with pytest.raises(ValueError, match="gluon=False"):
-        ta.paged_attention(batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(),
-                           config=gluon_config(8, 2, 64))
+    with pytest.raises(ValueError, match="use a TritonPrefillConfig"):
+        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                         **batch.kwargs(), plan=gluon_plan(8, 2, 64))
 
 
 _COMPILE = """
 import json, re, sys, torch
 from kvcore.testing import compile_launches
-from kvcore.ops import triton_attention
-block_n, stages, ws, pp = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] != "plain",
-                          sys.argv[3] == "ws-pp")
+from kvcore.ops import GluonPrefillConfig, TritonAttentionPlan, triton_attention
+block_n, stages = int(sys.argv[1]), int(sys.argv[2])
 query = torch.empty(4096, 32, 128, dtype=torch.bfloat16)
 k = torch.empty(300, 16, 8, 128, dtype=torch.bfloat16)
 v = torch.empty_like(k)
-config = triton_attention.AttentionConfig(
-    block_q=32, g_pad=4, block_n=block_n, num_splits=1, num_warps=8, num_stages=stages,
-    prefill=True, const_block=True, gluon=True, warp_specialize=ws, pingpong=pp)
+config = GluonPrefillConfig(block_q=32, g_pad=4, block_n=block_n, num_stages=stages)
 (c,) = compile_launches(lambda: triton_attention.paged_attention(
     query, k, v, query_start_loc=torch.tensor([0, 2048, 4096], dtype=torch.int32),
     seq_lens=torch.tensor([2048, 2048], dtype=torch.int32),
     block_table=torch.arange(256, dtype=torch.int32).reshape(2, 128), scale=0.088,
-    config=config), "sm90")
+    plan=TritonAttentionPlan(config=config)), "sm90")
 ptx, ttgir = c.asm["ptx"], c.asm["ttgir"]
 print(json.dumps(dict(
     kernel=c.kernel,
@@ -188,24 +177,19 @@ print(json.dumps(dict(
 """
 
 
-@pytest.mark.parametrize("block_n,stages,variant", [
-    (128, 2, "plain"), (64, 3, "plain"), (128, 2, "ws"), (64, 3, "ws"), (128, 3, "ws"),
-    (64, 3, "ws-pp"), (128, 3, "ws-pp")])
-def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int,
-                                                          variant: str) -> None:
+@pytest.mark.parametrize("block_n,stages", [(64, 3), (128, 3)])
+def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int) -> None:
     """Compiled ahead of time for sm_90a (no GPU; in a subprocess, since Gluon has no
     interpreter and the suite sets ``TRITON_INTERPRET``): P x V takes P from registers, the
     loop waits for the scores alone (``wgmma.wait_group 1``) before their softmax, and K/V
     arrive by 16-byte ``cp.async`` copies whose source size zero-fills masked rows. The
-    warp-specialised variant hands its warpgroups their registers (``setmaxnreg``: the copy
-    warpgroup few, the consumers the rest) and has no CTA-wide barrier: its warpgroups meet
-    only on mbarriers (with ping-pong, three more waits and arrives per consumer: the turns
-    around its prologue, loop and last product)."""
-    if triton_attention.gluon_prefill_available() is not None:
-        pytest.skip(triton_attention.gluon_prefill_available())
+    warpgroups get their registers (``setmaxnreg``: the copy warpgroup few, the consumers the
+    rest) and meet only on mbarriers, no CTA-wide barrier; the consumers' turns add a wait and
+    an arrive around each of a consumer's three issue sites, and the launch's first turn."""
+    if dispatch.gluon_prefill_available() is not None:
+        pytest.skip(dispatch.gluon_prefill_available())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    ws = variant != "plain"
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages), variant],
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -216,58 +200,35 @@ def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: 
     buffers = (2 * stages * block_n + 128) * 128 * 2  # K/V stages and the query tile
     assert buffers <= facts["shared"] <= buffers + 1024, facts
     vectors = 2 * block_n * 128 * 2 // 16  # K and V of a tile, in 16-byte pieces
-    if ws:
-        from kvcore.ops import gluon_prefill
+    from kvcore.ops import gluon_prefill
 
-        assert facts["kernel"] == "_gluon_prefill_ws_kernel"
-        # One copy site (the copy warpgroup's 128 threads); its registers and the consumers'.
-        assert facts["copies"] == vectors // 128, facts
-        assert {str(gluon_prefill.WS_LOADER_REGS.value),
-                str(gluon_prefill.WS_CONSUMER_REGS.value)} <= set(facts["setmaxnreg"]), facts
-        assert facts["cta_barriers"] == 0, facts
-        # Waits: full (prologue, loop) per consumer, empty in the copy loop; arrives: empty
-        # per consumer. Ping-pong adds a wait and an arrive at each of a consumer's three
-        # issue sites, and the launch's first turn.
-        pp = variant == "ws-pp"
-        assert (facts["mbarrier_waits"], facts["mbarrier_arrives"]) == (
-            (11, 9) if pp else (5, 2)), facts
-        assert {"acc", "m_i", "l_i"} <= set(facts["loop_carries"]), facts
-        return
-    assert facts["kernel"] == "_gluon_prefill_kernel"
-    # Per copy site (STAGES in the prologue, one in the loop) over 256 threads.
-    assert facts["copies"] == (stages + 1) * vectors // 256, facts
-    # Both block-id registers ride the key loop: V's refills read the ids K's used a step
-    # before (once, pages_v was dropped from the loop and every V refill re-read its first
-    # tile's blocks; only the H200 run showed it).
-    assert {"pages_v", "pages_ahead", "acc", "m_i", "l_i"} <= set(facts["loop_carries"]), facts
+    assert facts["kernel"] == "_gluon_prefill_ws_kernel"
+    # One copy site (the copy warpgroup's 128 threads); its registers and the consumers'.
+    assert facts["copies"] == vectors // 128, facts
+    assert {str(gluon_prefill.WS_LOADER_REGS.value),
+            str(gluon_prefill.WS_CONSUMER_REGS.value)} <= set(facts["setmaxnreg"]), facts
+    assert facts["cta_barriers"] == 0, facts
+    # Waits: full (prologue, loop) per consumer, empty in the copy loop, and the turns;
+    # arrives: empty per consumer, and the turns.
+    assert (facts["mbarrier_waits"], facts["mbarrier_arrives"]) == (11, 9), facts
+    assert {"acc", "m_i", "l_i"} <= set(facts["loop_carries"]), facts
 
 
 def _gpu_or_skip() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an NVIDIA Hopper GPU (compute capability 9.x)")
-    reason = triton_attention.gluon_prefill_available()
+    reason = dispatch.gluon_prefill_available()
     if reason is not None:
         pytest.skip(reason)
-
-
-def test_pingpong_outside_the_gluon_kernel_is_refused_before_any_launch() -> None:
-    query, k, v = _cpu_args(dtype=torch.float32)
-    cfg = AttentionConfig(block_q=8, g_pad=4, block_n=32, num_splits=1, num_warps=4,
-                          num_stages=2, prefill=True, pingpong=True)
-    with pytest.raises(ValueError, match="pingpong=True with gluon=False"):
-        triton_attention.paged_attention(
-            query, k, v, query_start_loc=torch.tensor([0, 40], dtype=torch.int32),
-            seq_lens=torch.tensor([40], dtype=torch.int32),
-            block_table=torch.arange(6, dtype=torch.int32)[None], scale=0.1, config=cfg)
 
 
 def test_call_config_keeps_the_gluon_row_only_for_tensors_it_can_run(monkeypatch) -> None:
     """What paged_attention and the compile cases take when given no config: sm90's Gluon row
     for bf16 caches while launches are recorded for an sm90 compile (no device to check), the
     Triton row for an fp8 cache, and for CPU tensors outside a recording."""
-    if triton_attention.gluon_prefill_available() is not None:
-        pytest.skip(triton_attention.gluon_prefill_available())
-    ta = triton_attention
+    if dispatch.gluon_prefill_available() is not None:
+        pytest.skip(dispatch.gluon_prefill_available())
+    ta = dispatch
     query, k, v = _cpu_args()
     fp8_k = k.to(torch.float8_e4m3fn)
     triton_row = ta.default_config(40, 1, 8, 2, 128, 96, torch.device("cpu"), arch="sm90",
@@ -279,7 +240,8 @@ def test_call_config_keeps_the_gluon_row_only_for_tensors_it_can_run(monkeypatch
     with capture_launches():
         chosen = ta.call_config(query, k, v, "auto", 1, 96, arch="sm90")
         fp8 = ta.call_config(query, fp8_k, fp8_k.clone(), "fp8_e4m3", 1, 96, arch="sm90")
-    assert chosen.gluon and chosen.block_n == ta.GLUON_PREFILL_TILES["sm90"].block_n
+    assert chosen.kernel == "gluon_ws_pingpong"
+    assert chosen.block_n == tables.GLUON_PREFILL_TILES["sm90"].block_n
     assert fp8 == triton_row
 
 
@@ -287,13 +249,14 @@ def test_call_config_keeps_the_gluon_row_only_for_tensors_it_can_run(monkeypatch
 def test_kvcore_gluon_0_keeps_default_prefill_on_the_triton_row(monkeypatch, value: str) -> None:
     """sm90's default prefill config is its Gluon row, or with ``KVCORE_GLUON=0`` (the
     operator's switch) the Triton row; decode configs are the same either way."""
-    ta, cpu = triton_attention, torch.device("cpu")
+    ta, cpu = dispatch, torch.device("cpu")
     args = (4096, 2, 32, 8, 128, 4096, cpu)
     decode = ta.default_config(8, 8, 32, 8, 128, 4096, cpu, arch="sm90")
-    assert ta.default_config(*args, arch="sm90").gluon
+    assert ta.default_config(*args, arch="sm90").kernel == "gluon_ws_pingpong"
     monkeypatch.setenv("KVCORE_GLUON", value)
     chosen = ta.default_config(*args, arch="sm90")
-    assert chosen == ta.default_config(*args, arch="sm90", gluon=False) and not chosen.gluon
+    assert chosen == ta.default_config(*args, arch="sm90", gluon=False)
+    assert chosen.kernel == "triton_prefill"
     assert ta.default_config(8, 8, 32, 8, 128, 4096, cpu, arch="sm90") == decode
 
 
@@ -301,8 +264,8 @@ def test_kvcore_gluon_0_keeps_default_prefill_on_the_triton_row(monkeypatch, val
 def test_caches_the_16_byte_copies_cannot_read_are_refused(layout: str) -> None:
     """The alignment checks (run on every call with a Gluon config) name the cache, what is
     off and the fix."""
-    if triton_attention.gluon_prefill_available() is not None:
-        pytest.skip(triton_attention.gluon_prefill_available())
+    if dispatch.gluon_prefill_available() is not None:
+        pytest.skip(dispatch.gluon_prefill_available())
     query, k, _ = _cpu_args()
     if layout == "base-offset":  # one element past a 16-byte boundary
         v = torch.randn(k.numel() + 1).to(k.dtype)[1:].view(k.shape)
@@ -313,11 +276,11 @@ def test_caches_the_16_byte_copies_cannot_read_are_refused(layout: str) -> None:
     else:
         v = torch.randn(*k.shape[:3], 2 * k.shape[3]).to(k.dtype)[..., ::2]
         match = "value_cache has channel stride 2"
-    reason = triton_attention.gluon_prefill_unmet(query, k, v, "auto", gluon_config(8, 2))
+    reason = dispatch.gluon_prefill_unmet(query, k, v, "auto", gluon_config(8, 2))
     assert reason is not None and re.search(match, reason), reason
-    assert "gluon=False" in reason, reason
+    assert "TritonPrefillConfig" in reason, reason
     # The same call with a well-laid-out cache gets past these checks (to the device's).
-    clean = triton_attention.gluon_prefill_unmet(query, k, k.clone(), "auto", gluon_config(8, 2))
+    clean = dispatch.gluon_prefill_unmet(query, k, k.clone(), "auto", gluon_config(8, 2))
     assert clean is None or "value_cache" not in clean, clean
 
 
@@ -349,7 +312,7 @@ def test_gluon_prefill_matches_the_references(name: str, tile: str) -> None:
                        block_size=bs, dtype=dtype)
     cfg = gluon_config(hq, hk, *TILES[tile])
     out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                           **batch.kwargs(), config=cfg)
+                                           **batch.kwargs(), plan=Plan(config=cfg))
     check_against_references(out, batch)
 
 
@@ -358,27 +321,20 @@ def test_gluon_prefill_matches_the_references(name: str, tile: str) -> None:
                                            (False, 300)],
                          ids=["causal-window100", "causal-window1000", "noncausal",
                               "noncausal-window300"])
-@pytest.mark.parametrize("tiles", [("n128-s2", "n64-s3", "ws-n128-s2", "ws-n64-s3",
-                                    "ws-n128-s3"), ("ws-pp-n64-s3", "ws-pp-n128-s3")],
-                         ids=["plain-ws", "ws-pp"])
-def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None,
-                                              tiles: tuple[str, ...]) -> None:
+def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None) -> None:
     _gpu_or_skip()
     batch = make_batch(torch.Generator().manual_seed(5), q_lens=[700, 129, 1],
                        seq_lens=[1500, 129, 900], num_heads=32, num_kv_heads=8,
                        head_size=128, block_size=16, dtype=torch.bfloat16)
-    for tile in tiles:
+    for tile in TILES.values():
         out = triton_attention.paged_attention(
             batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
-            sliding_window=window, config=gluon_config(32, 8, *TILES[tile]))
+            sliding_window=window, plan=gluon_plan(32, 8, *tile))
         check_against_references(out, batch, causal=causal, sliding_window=window)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "ws", "ws-pp"])
-def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws: bool,
-                                                                            pp: bool) -> None:
+def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output() -> None:
     """Layer 2 of a 4-layer cross-layer pool: the same bits as on contiguous copies, the pool
     unchanged; the output written in place into a strided view, its other heads untouched."""
     _gpu_or_skip()
@@ -391,8 +347,7 @@ def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws:
     query = torch.randn(1100, 32, d, generator=gen).to(torch.bfloat16).cuda()
     kwargs = dict(query_start_loc=torch.tensor([0, 1000, 1100], dtype=torch.int32).cuda(),
                   seq_lens=torch.tensor([3000, 1100], dtype=torch.int32).cuda(),
-                  block_table=table.cuda(), scale=d ** -0.5,
-                  config=gluon_config(32, 8, ws=ws, pingpong=pp))
+                  block_table=table.cuda(), scale=d ** -0.5, plan=gluon_plan(32, 8))
     before = pool.clone()
     strided = triton_attention.paged_attention(query, k, v, **kwargs)
     flat = triton_attention.paged_attention(query, k.contiguous(), v.contiguous(), **kwargs)
@@ -405,9 +360,7 @@ def test_gluon_prefill_on_a_cross_layer_view_is_bit_exact_and_strided_output(ws:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "ws", "ws-pp"])
-def test_gluon_prefill_with_k_and_v_caches_of_different_strides(ws: bool, pp: bool) -> None:
+def test_gluon_prefill_with_k_and_v_caches_of_different_strides() -> None:
     """A value cache whose blocks are padded (block stride unlike the key cache's): the copy
     warpgroup computes V's offsets on their own; the same bits as on contiguous copies."""
     _gpu_or_skip()
@@ -420,18 +373,16 @@ def test_gluon_prefill_with_k_and_v_caches_of_different_strides(ws: bool, pp: bo
     v = padded[:, :k.shape[1]]
     v.copy_(batch.value_cache)
     assert v.stride() != k.stride()
-    cfg = gluon_config(32, 8, ws=ws, pingpong=pp, num_stages=3 if ws else 2)
-    strided = triton_attention.paged_attention(batch.query, k, v, **batch.kwargs(), config=cfg)
+    plan = gluon_plan(32, 8)
+    strided = triton_attention.paged_attention(batch.query, k, v, **batch.kwargs(), plan=plan)
     flat = triton_attention.paged_attention(batch.query, k, batch.value_cache,
-                                            **batch.kwargs(), config=cfg)
+                                            **batch.kwargs(), plan=plan)
     assert torch.equal(strided, flat)
     check_against_references(flat, batch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "ws", "ws-pp"])
-def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool, pp: bool) -> None:
+def test_gluon_prefill_never_reads_slots_a_request_does_not_own() -> None:
     _gpu_or_skip()
     batch = make_batch(torch.Generator().manual_seed(12), q_lens=[1, 77, 300],
                        seq_lens=[37, 100, 301], num_heads=32, num_kv_heads=8, head_size=128,
@@ -440,13 +391,13 @@ def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool, pp: bo
     for blocks, n in zip(batch.block_table.tolist(), batch.seq_lens.tolist(), strict=True):
         for pos in range(n):
             owned[blocks[pos // 16], pos % 16] = True
-    cfg = gluon_config(32, 8, 64, 3, ws, pp)
+    plan = gluon_plan(32, 8, 64, 3)
     clean = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), config=cfg)
+                                             **batch.kwargs(), plan=plan)
     for cache in (batch.key_cache, batch.value_cache):
         cache[~owned.cuda()] = float("nan")
     dirty = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), config=cfg)
+                                             **batch.kwargs(), plan=plan)
     assert torch.isfinite(dirty).all()
     assert torch.equal(dirty, clean)
     ref = paged_attention_ref(batch.query, batch.key_cache, batch.value_cache, **batch.kwargs())
@@ -454,9 +405,7 @@ def test_gluon_prefill_never_reads_slots_a_request_does_not_own(ws: bool, pp: bo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws,pp", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "ws", "ws-pp"])
-def test_gluon_prefill_real_size_against_the_triton_kernel(ws: bool, pp: bool) -> None:
+def test_gluon_prefill_real_size_against_the_triton_kernel() -> None:
     """4 x 2048 fresh prompts (Llama-3-8B heads): within bf16 rounding of the Triton prefill
     kernel and of the fp32 reference."""
     _gpu_or_skip()
@@ -464,10 +413,11 @@ def test_gluon_prefill_real_size_against_the_triton_kernel(ws: bool, pp: bool) -
                        seq_lens=[2048] * 4, num_heads=32, num_kv_heads=8, head_size=128,
                        block_size=16, dtype=torch.bfloat16)
     gluon = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(),
-                                             config=gluon_config(32, 8, ws=ws, pingpong=pp))
-    plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs())
+                                             **batch.kwargs(), plan=gluon_plan(32, 8))
+    plain = triton_attention.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(),
+        plan=Plan(config=dispatch.default_config(
+            8192, 4, 32, 8, 128, 2048, batch.query.device, gluon=False)))
     torch.testing.assert_close(gluon, plain, atol=2e-2, rtol=2e-2)
     check_against_references(gluon, batch)
 
@@ -479,16 +429,15 @@ def test_a_table_row_runs_the_gluon_kernel_and_fp8_falls_back(monkeypatch) -> No
     it cannot read, runs the Triton row instead."""
     _gpu_or_skip()
     ta = triton_attention
-    row = ta.PrefillTile(128, 64, 8, 3, const_block=True, gluon=True)
-    monkeypatch.setattr(ta, "GLUON_PREFILL_TILES",
-                        {ta.device_arch(torch.device("cuda")): row})
+    monkeypatch.setitem(tables.GLUON_PREFILL_TILES, tables.device_arch(torch.device("cuda")),
+                        tables.GluonPrefillTile(block_n=64, num_stages=3))
     batch = make_batch(torch.Generator().manual_seed(14), q_lens=[500, 3], seq_lens=[900, 3],
                        num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
                        dtype=torch.bfloat16)
     by_table = ta.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                   **batch.kwargs())
     explicit = ta.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                  **batch.kwargs(), config=gluon_config(32, 8, 64, 3))
+                                  **batch.kwargs(), plan=gluon_plan(32, 8, 64, 3))
     assert torch.equal(by_table, explicit)
     fp8 = make_batch(torch.Generator().manual_seed(15), q_lens=[500, 3], seq_lens=[900, 3],
                      num_heads=32, num_kv_heads=8, head_size=128, block_size=16,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvcore
+import kvcore.ops
 from kvcore.ops import paged_attention_ref, paged_attention_torch
 from kvcore.testing import random_block_tables
 
@@ -71,7 +72,8 @@ def _triton(query, kc, vc, meta, window, splits=None):
     return triton_attention.paged_attention(
         on(query), on(kc), on(vc), query_start_loc=on(meta.query_start_loc),
         seq_lens=on(meta.seq_lens), block_table=on(meta.block_table), scale=D**-0.5,
-        causal=False, sliding_window=window, num_kv_splits=splits).cpu()
+        causal=False, sliding_window=window,
+        plan=kvcore.ops.TritonAttentionPlan(num_kv_splits=splits)).cpu()
 
 
 @pytest.mark.parametrize("window", [1, 5, 40, 90], ids=lambda w: f"window{w}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.ops import paged_attention_ref
+from kvcore.ops import TritonAttentionPlan, paged_attention_ref
 
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
 
@@ -49,9 +49,10 @@ def _poison_unowned(cache: torch.Tensor, kwargs: dict, value: float) -> torch.Te
 def _paths():
     return {
         "reference": paged_attention_ref,
-        "triton": lambda *a, **kw: triton_attention.paged_attention(*a, num_kv_splits=1, **kw),
+        "triton": lambda *a, **kw: triton_attention.paged_attention(
+            *a, plan=TritonAttentionPlan(num_kv_splits=1), **kw),
         "triton-split-kv": lambda *a, **kw: triton_attention.paged_attention(
-            *a, num_kv_splits=3, **kw),
+            *a, plan=TritonAttentionPlan(num_kv_splits=3), **kw),
     }
 
 

@@ -13,10 +13,20 @@ import pytest
 import torch
 
 import kvcore.ops
-from kvcore.ops import paged_attention_ref, reshape_and_cache_ref
+from kvcore.ops import TritonAttentionPlan as Plan
+from kvcore.ops import (
+    TritonDecodeConfig,
+    TritonPrefillConfig,
+    TritonSplitKVConfig,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+)
+from kvcore.ops import attention_config as tables
+from kvcore.ops.attention_config import DecodeTile, TritonPrefillTile
 from kvcore.testing import random_block_tables
 
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
+dispatch = pytest.importorskip("kvcore.ops.attention_dispatch")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||out - ref|| / ||ref|| against the float64 reference, and elementwise against the fp32 one.
@@ -181,9 +191,9 @@ def test_split_kv_equals_unsplit(splits: int, kind: str) -> None:
     else:
         batch = mixed_batch(gen, 3, **shape)
     whole = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), num_kv_splits=1)
+                                             **batch.kwargs(), plan=Plan(num_kv_splits=1))
     split = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), num_kv_splits=splits,
+                                             **batch.kwargs(), plan=Plan(num_kv_splits=splits),
                                              sliding_window=None)
     torch.testing.assert_close(split, whole, atol=2e-6, rtol=2e-6)
     check_against_references(split, batch)
@@ -193,53 +203,53 @@ def test_split_kv_with_window_and_bf16() -> None:
     batch = make_batch(_seed("splitwin"), q_lens=[1, 1], seq_lens=[200, 33], block_size=32,
                        num_heads=4, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                           **batch.kwargs(), num_kv_splits=3, sliding_window=70)
+                                           **batch.kwargs(), plan=Plan(num_kv_splits=3),
+                                           sliding_window=70)
     check_against_references(out, batch, sliding_window=70)
 
 
 def test_split_heuristic() -> None:
-    cfg = triton_attention.default_config
-    cpu = torch.device("cpu")  # one "SM": target = _SPLIT_TARGET_WAVES programs
-    assert cfg(1, 1, 8, 2, 128, 32768, cpu).num_splits == 2  # decode, 2 programs < 4
-    assert cfg(1, 1, 8, 2, 128, 600, cpu).num_splits == 1  # too short to split
-    assert cfg(9, 1, 8, 2, 128, 32768, cpu).num_splits == 1  # a prefill is never split
-    assert cfg(8, 8, 8, 2, 128, 32768, cpu).num_splits == 1  # enough programs
+    cfg = dispatch.default_config
+    cpu = torch.device("cpu")  # one "SM": target = split_waves programs
+    assert cfg(1, 1, 8, 2, 128, 32768, cpu) == TritonSplitKVConfig(
+        block_q=4, g_pad=4, block_n=32, num_splits=2, num_warps=4, num_stages=3)  # 2 < 4
+    assert cfg(1, 1, 8, 2, 128, 600, cpu).kernel == "triton_decode"  # too short to split
+    assert cfg(9, 1, 8, 2, 128, 32768, cpu).kernel == "triton_prefill"  # never split
+    assert cfg(8, 8, 8, 2, 128, 32768, cpu).kernel == "triton_decode"  # enough programs
     assert cfg(1, 1, 8, 2, 128, 32768, cpu, num_kv_splits=7).num_splits == 7
 
 
 def test_prefill_batches_route_to_the_prefill_kernel_with_the_gpus_tile() -> None:
-    cfg, cpu = triton_attention.default_config, torch.device("cpu")
+    cfg, cpu = dispatch.default_config, torch.device("cpu")
     decode = cfg(8, 8, 32, 8, 128, 4096, cpu, arch="sm90")
-    assert not decode.prefill and (decode.block_q, decode.block_n) == (4, 32)  # unchanged
-    tile = triton_attention.PREFILL_TILES["sm90"][0]
+    assert decode.kernel == "triton_decode" and (decode.block_q, decode.block_n) == (4, 32)
+    tile = tables.PREFILL_TILES["sm90"][0]
     prefill = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", gluon=False)
-    assert prefill.prefill and prefill.num_splits == 1 and not prefill.gluon
-    assert (prefill.block_q * prefill.g_pad, prefill.block_n, prefill.num_warps,
-            prefill.num_stages) == (tile.rows, tile.block_n, tile.num_warps, tile.num_stages)
+    assert prefill == TritonPrefillConfig(
+        block_q=tile.rows // 4, g_pad=4, block_n=tile.block_n, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, const_block=tile.const_block, edge_stages=tile.edge_stages)
     # Without gluon=False, sm90 takes its Gluon row (paged_attention falls back to the Triton
     # row for calls the Gluon kernel cannot run).
-    row = triton_attention.GLUON_PREFILL_TILES["sm90"]
+    row = tables.GLUON_PREFILL_TILES["sm90"]
     gluon = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90")
-    assert gluon.prefill and gluon.gluon and gluon.warp_specialize == row.warp_specialize
-    assert gluon.pingpong == row.pingpong
-    assert (gluon.block_q * gluon.g_pad, gluon.block_n, gluon.num_stages) == \
-        (row.rows, row.block_n, row.num_stages)
-    big = triton_attention.PREFILL_TILES["sm90"][1]
+    assert gluon == kvcore.ops.GluonPrefillConfig(block_q=32, g_pad=4, block_n=row.block_n,
+                                                  num_stages=row.num_stages)
+    assert gluon.kernel == row.kernel == "gluon_ws_pingpong"
+    big = tables.PREFILL_TILES["sm90"][1]
     assert cfg(4096, 2, 16, 8, 256, 4096, cpu, arch="sm90").block_n == big.block_n
-    # An architecture without a row gets its platform's default; forced splits keep the
-    # decode kernel, which has the split-KV path.
+    # An architecture without a row gets its platform's default; forced splits run the
+    # split-KV kernel.
     assert cfg(99, 2, 32, 8, 128, 4096, cpu, arch="sm75").block_n == \
-        triton_attention.PREFILL_TILES["cuda"][0].block_n
+        tables.PREFILL_TILES["cuda"][0].block_n
     assert cfg(99, 2, 32, 8, 128, 4096, cpu, arch="gfx1100", rocm=True).num_stages == \
-        triton_attention.PREFILL_TILES["rocm"][0].num_stages
-    assert not cfg(99, 2, 32, 8, 128, 4096, cpu, num_kv_splits=2).prefill
+        tables.PREFILL_TILES["rocm"][0].num_stages
+    assert cfg(99, 2, 32, 8, 128, 4096, cpu, num_kv_splits=2).kernel == "triton_split_kv"
 
 
 def _prefill_config(rows: int, block_n: int, num_heads: int, num_kv_heads: int):
     g_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
-    return triton_attention.AttentionConfig(block_q=rows // g_pad, g_pad=g_pad, block_n=block_n,
-                                            num_splits=1, num_warps=4, num_stages=2,
-                                            prefill=True)
+    return TritonPrefillConfig(block_q=rows // g_pad, g_pad=g_pad, block_n=block_n,
+                               num_warps=4, num_stages=2)
 
 
 # (query tokens, cached tokens) per request: a decode, fresh prefills of one tile and of one
@@ -267,7 +277,7 @@ def test_prefill_kernel_tiles_match_references(name: str) -> None:
                        dtype=dtype)
     out = triton_attention.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(),
-        config=_prefill_config(rows, block_n, num_heads, num_kv_heads))
+        plan=Plan(config=_prefill_config(rows, block_n, num_heads, num_kv_heads)))
     check_against_references(out, batch)
 
 
@@ -284,26 +294,17 @@ def test_prefill_kernel_window_edges_and_non_causal_tails(causal: bool, window: 
                        block_size=16, dtype=torch.float32)
     out = triton_attention.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
-        sliding_window=window, config=_prefill_config(16, 16, 4, 1))
+        sliding_window=window, plan=Plan(config=_prefill_config(16, 16, 4, 1)))
     check_against_references(out, batch, causal=causal, sliding_window=window)
 
 
-def test_prefill_config_with_splits_is_refused() -> None:
-    batch = make_batch(_seed("prefill-splits"), q_lens=[4], seq_lens=[4], num_heads=2,
-                       num_kv_heads=1, head_size=32, block_size=16, dtype=torch.float32)
-    config = dataclasses.replace(_prefill_config(16, 16, 2, 1), num_splits=2)
-    with pytest.raises(ValueError, match="prefill=True and num_splits=2"):
-        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                         **batch.kwargs(), config=config)
-
-
-#: Kernel variants of AttentionConfig: each changes speed only, never a bit of the output.
+#: Compile parameters of TritonPrefillConfig: each changes speed only, never a bit of the
+#: output.
 VARIANTS = {
     "const-block": dict(const_block=True),
     "edge-stages1": dict(edge_stages=1),
     "edge-stages3": dict(edge_stages=3),
-    "warp-specialize": dict(warp_specialize=True),
-    "all": dict(const_block=True, edge_stages=1, warp_specialize=True),
+    "all": dict(const_block=True, edge_stages=1),
 }
 # (kernel kwargs, heads, kv heads, block size, rows, block_n, cache dtype): causal GQA over
 # ragged requests with key tiles wider / narrower than a block, a window, non-causal, fp8.
@@ -317,7 +318,7 @@ VARIANT_CASES = {
 }
 
 
-def _variant_batch(case: str) -> tuple[Batch, dict, triton_attention.AttentionConfig]:
+def _variant_batch(case: str) -> tuple[Batch, dict, TritonPrefillConfig]:
     kwargs, num_heads, num_kv_heads, block_size, rows, block_n, cache_dtype = \
         VARIANT_CASES[case]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
@@ -336,10 +337,10 @@ def test_prefill_kernel_variants_equal_the_plain_kernel(case: str, variant: str)
     the interpreter (on a GPU another schedule may round differently: tolerances only)."""
     batch, kwargs, base = _variant_batch(case)
     plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), **kwargs, config=base)
+                                             **batch.kwargs(), **kwargs, plan=Plan(config=base))
     out = triton_attention.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), **kwargs,
-        config=dataclasses.replace(base, **VARIANTS[variant]))
+        plan=Plan(config=dataclasses.replace(base, **VARIANTS[variant])))
     check_against_references(out, batch, **kwargs)
     if DEVICE == "cpu":
         assert torch.equal(out, plain)
@@ -356,64 +357,61 @@ def test_decode_kernel_with_the_block_size_compiled_in(splits: int, block_n: int
     batch = mixed_batch(_seed(f"const-block{splits}{block_n}{block_size}"), 4,
                         block_size=block_size, num_heads=8, num_kv_heads=2, head_size=32,
                         dtype=torch.bfloat16)
-    cfg = triton_attention.AttentionConfig(block_q=4, g_pad=4, block_n=block_n,
-                                           num_splits=splits,
-                                           num_warps=4, num_stages=2)
+    cfg = (TritonSplitKVConfig(block_q=4, g_pad=4, block_n=block_n, num_splits=splits,
+                               num_warps=4, num_stages=2) if splits > 1 else
+           TritonDecodeConfig(block_q=4, g_pad=4, block_n=block_n, num_warps=4, num_stages=2))
     outs = [triton_attention.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), sliding_window=50,
-        config=dataclasses.replace(cfg, const_block=const)) for const in (False, True)]
+        plan=Plan(config=dataclasses.replace(cfg, const_block=const))) for const in (False, True)]
     check_against_references(outs[1], batch, sliding_window=50)
     if DEVICE == "cpu":
         assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    (dict(edge_stages=2), "edge_stages=2 and warp_specialize=False with prefill=False"),
-    (dict(warp_specialize=True), "only the prefill kernel has these variants"),
-    (dict(prefill=True, edge_stages=-1), "edge_stages=-1; it must be >= 0"),
-], ids=["edge-stages-on-decode", "warp-specialize-on-decode", "negative-edge-stages"])
-def test_variant_configs_the_kernel_cannot_run_are_refused(change: dict, match: str) -> None:
+@pytest.mark.parametrize(("config", "match"), [
+    (TritonPrefillConfig(block_q=16, g_pad=2, block_n=16, num_warps=4, num_stages=2,
+                         edge_stages=-1), "edge_stages=-1; it must be >= 0"),
+    (TritonSplitKVConfig(block_q=16, g_pad=2, block_n=16, num_splits=65, num_warps=4,
+                         num_stages=2), "num_splits=65 must be an int in 1..64"),
+], ids=["negative-edge-stages", "too-many-splits"])
+def test_configs_the_kernels_cannot_run_are_refused(config, match: str) -> None:
     batch = make_batch(_seed("variant-refused"), q_lens=[4], seq_lens=[9], num_heads=2,
                        num_kv_heads=1, head_size=32, block_size=16, dtype=torch.float32)
-    cfg = dataclasses.replace(_prefill_config(16, 16, 2, 1), **{"prefill": False, **change})
     with pytest.raises(ValueError, match=match):
         triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                         **batch.kwargs(), config=cfg)
+                                         **batch.kwargs(), plan=Plan(config=config))
 
 
-def test_warp_specialize_without_triton_support_is_refused(monkeypatch) -> None:
-    batch = make_batch(_seed("ws-refused"), q_lens=[4], seq_lens=[9], num_heads=2,
+def test_a_plan_of_another_type_is_refused() -> None:
+    batch = make_batch(_seed("plan-refused"), q_lens=[1], seq_lens=[9], num_heads=2,
                        num_kv_heads=1, head_size=32, block_size=16, dtype=torch.float32)
-    monkeypatch.setattr(triton_attention, "warp_specialize_supported", lambda: False)
-    cfg = dataclasses.replace(_prefill_config(16, 16, 2, 1), warp_specialize=True)
-    with pytest.raises(ValueError, match="does not take warp_specialize"):
+    with pytest.raises(TypeError, match="plan must be a kvcore.ops.TritonAttentionPlan"):
         triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                         **batch.kwargs(), config=cfg)
+                                         **batch.kwargs(), plan={"num_kv_splits": 2})
+    with pytest.raises(ValueError, match=r"plan.num_kv_splits=0 must be an int in 1..64"):
+        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                         **batch.kwargs(), plan=Plan(num_kv_splits=0))
 
 
 def test_default_configs_come_from_the_tables(monkeypatch) -> None:
     """Editing one row of PREFILL_TILES / DECODE_TILES changes the launches and the split
     heuristic for that GPU, and only for it."""
-    cfg, cpu = triton_attention.default_config, torch.device("cpu")
-    prefill = triton_attention.PrefillTile(64, 64, 8, 2, const_block=True, edge_stages=1,
-                                           warp_specialize=True)
-    decode = triton_attention.DecodeTile(block_n=64, num_warps=8, num_stages=2,
-                                         const_block=True, split_waves=1,
-                                         min_split_tokens=2048)
-    monkeypatch.setitem(triton_attention.PREFILL_TILES, "sm90",
-                        (prefill, triton_attention.PREFILL_TILES["sm90"][1]))
-    monkeypatch.setitem(triton_attention.DECODE_TILES, "sm90", decode)
+    cfg, cpu = dispatch.default_config, torch.device("cpu")
+    prefill = TritonPrefillTile(64, 64, 8, 2, const_block=True, edge_stages=1)
+    decode = DecodeTile(block_n=64, num_warps=8, num_stages=2, const_block=True, split_waves=1,
+                        min_split_tokens=2048)
+    monkeypatch.setitem(tables.PREFILL_TILES, "sm90", (prefill, tables.PREFILL_TILES["sm90"][1]))
+    monkeypatch.setitem(tables.DECODE_TILES, "sm90", decode)
     p = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132, gluon=False)
     assert (p.block_q * p.g_pad, p.block_n, p.num_warps, p.num_stages, p.const_block,
-            p.edge_stages, p.warp_specialize) == (64, 64, 8, 2, True, 1, True)
+            p.edge_stages) == (64, 64, 8, 2, True, 1)
     d = cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm90", num_sms=132)
     # 128 programs, 1 wave of 132 SMs: split by the table's 1 wave (1 split), not 4 (4).
-    assert (d.block_n, d.num_warps, d.num_stages, d.const_block, d.num_splits) == \
-        (64, 8, 2, True, 1)
+    assert d == TritonDecodeConfig(block_q=4, g_pad=4, block_n=64, num_warps=8, num_stages=2,
+                                   const_block=True)
     assert cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm80", num_sms=132).num_splits == 4
     # 8 programs: 16 fit a wave, but 4096 tokens allow 2 splits of 2048.
-    assert triton_attention.default_num_kv_splits(1, 1, 8, 4096, cpu, num_sms=16,
-                                                  arch="sm90") == 2
+    assert kvcore.ops.default_num_kv_splits(1, 1, 8, 4096, cpu, num_sms=16, arch="sm90") == 2
     other = cfg(16, 16, 32, 8, 128, 4096, cpu, arch="sm80", num_sms=132)
     assert (other.block_n, other.const_block) == (32, False)
 
@@ -423,13 +421,13 @@ def test_default_configs_come_from_the_tables(monkeypatch) -> None:
     (32, 4096, 1, 32), (4, 8192, 8, 64)], ids=lambda v: str(v))
 def test_sm90_decode_rule_at_the_benchmark_shapes(batch, length, splits, block_n) -> None:
     """The H200's row (132 SMs, Hk 8): unsplit launches keep 32 keys a step; split launches
-    take 64 keys at 2 waves (the decode sweep's fastest pairs, benchmarks/RESULTS.md), while
-    other NVIDIA GPUs keep 32 keys at 4 waves."""
-    cfg, cpu = triton_attention.default_config, torch.device("cpu")
+    take 64 keys at 2 waves (docs/kernels.md, tuned table rows), while other NVIDIA GPUs keep
+    32 keys at 4 waves."""
+    cfg, cpu = dispatch.default_config, torch.device("cpu")
     d = cfg(batch, batch, 32, 8, 128, length, cpu, arch="sm90", num_sms=132)
-    assert (d.num_splits, d.block_n) == (splits, block_n)
+    assert (getattr(d, "num_splits", 1), d.block_n) == (splits, block_n)
     other = cfg(batch, batch, 32, 8, 128, length, cpu, arch="sm80", num_sms=132)
-    assert other.block_n == 32 and other.num_splits >= d.num_splits
+    assert other.block_n == 32 and getattr(other, "num_splits", 1) >= splits
 
 
 def test_output_in_place_with_strides() -> None:
@@ -465,14 +463,14 @@ def test_step_tensors_as_views_of_larger_buffers(kind: str, splits: int | None) 
     else:
         batch = mixed_batch(gen, 4, head_size=64, **shape)
     dense = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), num_kv_splits=splits)
+                                             **batch.kwargs(), plan=Plan(num_kv_splits=splits))
     spare = batch.key_cache.shape[0] - 1  # an id inside the cache
     views = dataclasses.replace(batch, query_start_loc=strided_view(batch.query_start_loc, 0),
                                 seq_lens=strided_view(batch.seq_lens, 0),
                                 block_table=strided_view(batch.block_table, spare))
     assert not views.seq_lens.is_contiguous() and views.block_table.stride(1) == 2
     out = triton_attention.paged_attention(views.query, views.key_cache, views.value_cache,
-                                           **views.kwargs(), num_kv_splits=splits)
+                                           **views.kwargs(), plan=Plan(num_kv_splits=splits))
     assert torch.equal(out, dense)
     check_against_references(out, batch)
 
@@ -515,9 +513,9 @@ def test_layout_views_bit_exact(layout: str, splits: int) -> None:
     assert vc.storage_offset() > 0
     snapshot = pool.clone()
     strided = triton_attention.paged_attention(batch.query, kc, vc, **batch.kwargs(),
-                                               num_kv_splits=splits)
+                                               plan=Plan(num_kv_splits=splits))
     flat = triton_attention.paged_attention(batch.query, kc.contiguous(), vc.contiguous(),
-                                            **batch.kwargs(), num_kv_splits=splits)
+                                            **batch.kwargs(), plan=Plan(num_kv_splits=splits))
     assert torch.equal(strided, flat)
     assert torch.equal(pool, snapshot)
 
@@ -602,17 +600,19 @@ def test_int64_offsets_in_a_32_layer_cross_layer_pool() -> None:
                   scale=d ** -0.5)
     for splits in (1, 4):
         strided = triton_attention.paged_attention(query.cuda(), kc, vc, **kwargs,
-                                                   num_kv_splits=splits)
+                                                   plan=Plan(num_kv_splits=splits))
         flat = triton_attention.paged_attention(query.cuda(), kc.contiguous(), vc.contiguous(),
-                                                **kwargs, num_kv_splits=splits)
+                                                **kwargs, plan=Plan(num_kv_splits=splits))
         assert torch.equal(strided, flat)
     # The block size compiled in (shifts, not divisions), on both kernels.
     for num_tokens, splits in ((42, 1), (42, 4)):
-        cfg = triton_attention.default_config(num_tokens, 3, 32, hk, d, 50 * bs,
-                                              torch.device("cuda"), splits)
-        plain = triton_attention.paged_attention(query.cuda(), kc, vc, **kwargs, config=cfg)
+        cfg = dispatch.default_config(num_tokens, 3, 32, hk, d, 50 * bs, torch.device("cuda"),
+                                      splits, gluon=False)
+        plain = triton_attention.paged_attention(query.cuda(), kc, vc, **kwargs,
+                                                 plan=Plan(config=cfg))
         const = triton_attention.paged_attention(
-            query.cuda(), kc, vc, **kwargs, config=dataclasses.replace(cfg, const_block=True))
+            query.cuda(), kc, vc, **kwargs,
+            plan=Plan(config=dataclasses.replace(cfg, const_block=True)))
         torch.testing.assert_close(const, plain, atol=0, rtol=0)
 
 

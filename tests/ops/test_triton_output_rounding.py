@@ -13,6 +13,7 @@ from kvcore.ops import paged_attention_ref
 
 triton = pytest.importorskip("triton")
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
+to_output = pytest.importorskip("kvcore.ops.triton_utils").to_output
 tl = triton.language
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,8 +23,7 @@ INTERPRET = DEVICE == "cpu"
 @triton.jit
 def _store(x_ptr, y_ptr, N: tl.constexpr, INTERPRET: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(y_ptr + i, triton_attention._to_output(tl.load(x_ptr + i), y_ptr.dtype.element_ty,
-                                                    INTERPRET))
+    tl.store(y_ptr + i, to_output(tl.load(x_ptr + i), y_ptr.dtype.element_ty, INTERPRET))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],

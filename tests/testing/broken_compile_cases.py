@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.ops import TritonAttentionPlan, TritonPrefillConfig
 from kvcore.testing import CompileTarget, KernelCase
 
 
@@ -23,16 +24,13 @@ def _paged_attention(config) -> None:
         k_cache, torch.empty_like(k_cache),
         query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32) * q_len,
         seq_lens=torch.full((num_seqs,), context + q_len, dtype=torch.int32),
-        block_table=block_table, scale=0.0625, config=config)
+        block_table=block_table, scale=0.0625, plan=TritonAttentionPlan(config=config))
 
 
 def too_much_lds(target: CompileTarget) -> list[KernelCase]:
     """THE BUG: 128 query rows x 64 keys x head_size 256, three stages: two K/V tiles of
     64 x 256 bf16 in flight (128 KiB) beside the query tile; gfx942 has 64 KiB of LDS."""
-    from kvcore.ops.triton_attention import AttentionConfig
-
-    config = AttentionConfig(block_q=32, g_pad=4, block_n=64, num_splits=1, num_warps=8,
-                             num_stages=3)
+    config = TritonPrefillConfig(block_q=32, g_pad=4, block_n=64, num_warps=8, num_stages=3)
     return [KernelCase("prefill 128x64 tile D256 3 stages", lambda: _paged_attention(config))]
 
 
