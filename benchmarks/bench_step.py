@@ -366,10 +366,8 @@ def op_direct(model: Model) -> Callable[[], torch.Tensor]:
 
 def op_splits(model: Model) -> int:
     """The split count TRITON_ATTN's op chooses by itself for the model's step."""
-    from kvcore.ops.triton_attention import default_num_kv_splits
-
     m = model.common
-    return default_num_kv_splits(m.num_actual_tokens, m.num_seqs, HK,
+    return ops.default_num_kv_splits(m.num_actual_tokens, m.num_seqs, HK,
                                  m.block_table.shape[1] * BS, torch.device(DEVICE))
 
 
@@ -394,9 +392,10 @@ def time_layer(run: Run, b: int, length: int, names: list[str], flashinfer: bool
 
             meta = (model.builder.build(model.common, graph_batch_size=b) if model.graphs
                     else model.builder.build(model.common))
+            plan = getattr(meta, "plan", None)
             variants[f"kvcore {name}"] = (forward(meta), "graph" if name == "FLASHINFER"
                                           else "plain", model,
-                                          getattr(meta, "num_kv_splits", None))
+                                          getattr(plan, "num_kv_splits", None))
             if name.startswith("TRITON_ATTN"):
                 # The same kernel without the builder: what a difference between the two
                 # rows owes to the builder's metadata (splits, buffers) and not to the kernel.
