@@ -107,3 +107,26 @@ def test_bench_model_table_and_flag_checks(capsys, monkeypatch):
     assert "skipped: no valid kvcore backend" in out and "sinks" in out
     assert kvcore_cli(["bench", "--small"]) == 2
     assert "add --model NAME" in capsys.readouterr().err
+
+
+@pytest.mark.engine
+def test_bench_matrix_script_runs_small_on_the_cpu(tmp_path):
+    """``benchmarks/bench_matrix.py --small``: the run log, the JSON with a row per backend and
+    step, and the gaps list come out (peers need a GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_matrix.py"
+    env = {**os.environ, "KVCORE_RANKING_FILE": "none"}
+    result = subprocess.run([sys.executable, str(script), "--small", "--model", "llama-3.1-8b",
+                             "--kv-cache-dtype", "auto", "--block-size", "16", "--phase",
+                             "decode", "--out", str(tmp_path)], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_matrix.json").read_text())
+    assert {r["case"] for r in data["rows"]} == {"decode 4x256", "decode 2x1024"}
+    assert data["gaps"] == [] and data["ceilings"]["read_GBps"] > 0
+    assert "selected backend below 0.95x the best peer" in (tmp_path / "bench_matrix_log.txt"
+                                                            ).read_text()

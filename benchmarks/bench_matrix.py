@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""The model-shape matrix: model presets (``kvcore.models``) x every valid kvcore backend, and
+beside them FlashInfer and flash-attn-4 called directly wherever they run the step.
+
+For each preset, layer kind (full, sliding, MLA), KV-cache dtype (bf16 and fp8 e4m3), block
+size (16 and 64) and step (decode at two batch x context points, a prefill, a mixed
+chunked-prefill step), :func:`kvcore.cli.model_bench.run_model_bench` times every valid
+kvcore backend as an engine calls it (builder once, the layer's ``forward``; CUDA graphs where
+the backend declares them) and the peers below, on the same shapes, against the read
+bandwidth and matmul rate measured in the same run (the roofline: ``max(bytes / bandwidth,
+FLOPs / matmul)``). The peers:
+
+- **flashinfer direct**: ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) for decode
+  steps and ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for prefill and mixed steps on a
+  standard NHD cache, planned once, with the layer's window (``window_left``) and soft-cap;
+  MLA decode through ``bench_flashinfer_mla.flashinfer_mla_direct`` (the call bench_mla.py
+  times); the same wrapper calls as ``bench_backends.flashinfer_direct``, with the preset's
+  shapes;
+- **flash-attn-4 direct**: ``flash_attn.cute.interface.flash_attn_varlen_func`` on the cache
+  halves with the block table (bf16/fp16 caches), with the window and soft-cap.
+
+Sinks (gpt-oss) are run by no peer here: those steps time only kvcore's backends that take
+them. The table printed last gives, per step, each implementation's time, % of the roofline
+and its speed against the fastest other implementation; then every step where the backend
+kvcore selects is below 0.95x the best peer. JSON and the log go to ``--out`` (default
+``$OUT``, else ``benchmarks/results``).
+
+Usage: ``python benchmarks/bench_matrix.py [--model NAME ...] [--kv-cache-dtype auto|fp8_e4m3]
+[--block-size N] [--phase decode|prefill|mixed] [--budget-s S] [--small] [--no-peers]``.
+``--small`` scales every preset down and runs on the CPU in seconds (no peers there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_ROOT), str(Path(__file__).resolve().parent)]
+from kvcore.cli import harness  # noqa: E402
+from kvcore.cli.model_bench import (  # noqa: E402
+    ModelBenchOptions,
+    ModelBenchReport,
+    PeerUnsupported,
+    StepInputs,
+    format_model_report,
+    run_model_bench,
+)
+from kvcore.models import MODELS, ModelPreset  # noqa: E402
+from kvcore.ranking import library_versions  # noqa: E402
+
+#: The ratio to the best peer under which a selected backend's step is listed as a gap.
+GAP = 0.95
+PeerList = list[tuple[str, Callable[[], object], bool]]
+
+
+def flashinfer_direct(inputs: StepInputs) -> Callable[[], object]:
+    """FlashInfer's wrapper on the standard NHD cache, planned once for the step."""
+    import flashinfer
+    from kvcore_nvidia.backends.flashinfer import flashinfer_page_table
+
+    layer, config, common = inputs.layer, inputs.config, inputs.common
+    if layer.has_sink:
+        raise PeerUnsupported("flashinfer direct: sinks are not timed here")
+    if layer.mla is not None:
+        if inputs.case.phase != "decode" or config.kv_cache_dtype != "auto":
+            raise PeerUnsupported("flashinfer direct MLA: bf16 decode steps only here")
+        from bench_flashinfer_mla import flashinfer_mla_direct
+
+        q = torch.randn(common.num_actual_tokens, layer.num_heads, layer.head_size,
+                        device=inputs.device, dtype=config.dtype)
+        return flashinfer_mla_direct(q, inputs.kv_cache, common, layer.softmax_scale)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=inputs.device)
+    indptr, indices, last = flashinfer_page_table(common, config.block_size)
+    options = dict(q_data_type=config.dtype, kv_data_type=inputs.kv_cache.dtype,
+                   sm_scale=layer.softmax_scale,
+                   window_left=(layer.sliding_window - 1) if layer.sliding_window else -1,
+                   logits_soft_cap=layer.logits_soft_cap or 0.0)
+    heads = (layer.num_heads, layer.num_kv_heads, layer.head_size, config.block_size)
+    if inputs.case.phase == "decode":
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                use_tensor_cores=True)
+        wrapper.plan(indptr, indices, last, *heads, **options)
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(common.query_start_loc, indptr, indices, last, *heads, causal=True,
+                     **options)
+    out = torch.empty(common.num_actual_tokens, layer.num_heads, layer.head_size,
+                      dtype=config.dtype, device=inputs.device)
+    query = inputs.query
+    return lambda: wrapper.run(query, inputs.kv_cache, out=out)
+
+
+def flash_attn_4_direct(inputs: StepInputs) -> Callable[[], object]:
+    """flash-attn-4 on the cache halves, its metadata made once."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    layer, common = inputs.layer, inputs.common
+    if layer.mla is not None or layer.has_sink:
+        raise PeerUnsupported("flash-attn-4 direct: MLA and sinks are not timed here")
+    if inputs.kv_cache.dtype not in (torch.bfloat16, torch.float16):
+        raise PeerUnsupported(f"flash-attn-4 direct: a {inputs.kv_cache.dtype} cache is not "
+                              "timed here (bf16/fp16 only)")
+    key_cache, value_cache = inputs.kv_cache.unbind(1)
+    window = (layer.sliding_window - 1, 0) if layer.sliding_window else (None, None)
+    extra = {"softcap": layer.logits_soft_cap} if layer.logits_soft_cap else {}
+
+    def call() -> object:
+        return flash_attn_varlen_func(
+            inputs.query, key_cache, value_cache, cu_seqlens_q=common.query_start_loc,
+            max_seqlen_q=common.max_query_len, seqused_k=common.seq_lens,
+            max_seqlen_k=common.max_seq_len, page_table=common.block_table,
+            softmax_scale=layer.softmax_scale, causal=True, window_size=window, **extra)
+
+    return call
+
+
+def peers(inputs: StepInputs) -> PeerList:
+    """The library calls available here for the step (none on the CPU)."""
+    if inputs.device.type != "cuda":
+        return []
+    found: PeerList = []
+    for name, make in (("flashinfer direct", flashinfer_direct),
+                       ("flash-attn-4 direct", flash_attn_4_direct)):
+        try:
+            found.append((name, make(inputs), True))
+        except ImportError:
+            continue
+        except PeerUnsupported:
+            continue
+        except Exception as exc:  # a peer that cannot even plan: its row says why
+            message = f"{type(exc).__name__}: {exc}"
+
+            def failing(message: str = message) -> object:
+                raise RuntimeError(message)
+
+            found.append((name, failing, False))
+    return found
+
+
+def gaps(report: ModelBenchReport) -> list[str]:
+    """Steps where the selected backend is below ``GAP`` x the best peer of the same step."""
+    groups: dict[tuple, list] = {}
+    for row in report.rows:
+        if row.ok:
+            groups.setdefault(row.group, []).append(row)
+    lines = []
+    for group, rows in groups.items():
+        pick = next((r for r in rows if r.selected), None)
+        peer_times = [r.seconds for r in rows if not r.kvcore]
+        if pick is None or not peer_times:
+            continue
+        ratio = min(peer_times) / pick.seconds
+        if ratio < GAP:
+            best = min((r for r in rows if not r.kvcore), key=lambda r: r.seconds)
+            lines.append(f"{' '.join(map(str, group))}: {pick.impl} {ratio:.2f}x of "
+                         f"{best.impl} ({pick.seconds * 1e6:.1f} vs {best.seconds * 1e6:.1f} us)")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", default=None,
+                        help="a preset (repeatable; default: every preset)")
+    parser.add_argument("--kv-cache-dtype", action="append", default=None)
+    parser.add_argument("--block-size", action="append", type=int, default=None)
+    parser.add_argument("--phase", action="append", default=None,
+                        choices=("decode", "prefill", "mixed"))
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="stop starting new steps after this many seconds (0: no limit)")
+    parser.add_argument("--small", action="store_true", help="scaled-down presets (CPU)")
+    parser.add_argument("--no-peers", action="store_true", help="kvcore's backends only")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "")
+                                                         or _ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    on_gpu = torch.cuda.is_available() and not args.small
+    if not on_gpu and not args.small:
+        print("bench_matrix needs a GPU (or --small for the CPU)")
+        return 1
+    run = harness.Run(args.out, "bench_matrix", ("rows",), device="cuda" if on_gpu else "cpu")
+    run.results["meta"] = harness.run_meta("cuda" if on_gpu else "cpu")
+    run.results["meta"]["versions"] = library_versions()
+    report = None
+    with run.section("matrix"):
+        report = run_model_bench(ModelBenchOptions(
+            models=args.model or list(MODELS), small=args.small,
+            kv_cache_dtypes=args.kv_cache_dtype or ModelPreset.KV_CACHE_DTYPES,
+            block_sizes=args.block_size or ModelPreset.BLOCK_SIZES,
+            phases=args.phase or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
+            platform="cuda" if on_gpu else "cpu", log=run.log),
+            peers=None if args.no_peers else peers)
+        run.results["rows"] = [r.to_dict() for r in report.rows]
+        run.results["ceilings"] = {"read_GBps": report.read_gbps,
+                                   "matmul_TFLOPs": report.matmul_tflops}
+        run.results["gaps"] = gaps(report)
+    if report is not None:
+        run.log("\n" + format_model_report(report))
+        below = run.results["gaps"]
+        run.log(f"\nselected backend below {GAP}x the best peer: {len(below)} step(s)"
+                + "".join(f"\n  {line}" for line in below))
+    run.save()
+    print(json.dumps({"json": str(args.out / "bench_matrix.json")}))
+    return 1 if run.results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
