@@ -83,9 +83,7 @@ class LegacyBackend(HndBackend):
                            cache_dtype_str="auto"):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        return tuple(range(6 if include_num_layers_dimension else 5))
+    get_kv_cache_stride_order = AttentionBackend.get_kv_cache_stride_order  # the identity
 
     @classmethod
     def supports_kv_connector(cls) -> bool:

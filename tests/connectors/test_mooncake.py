@@ -11,8 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-from kv_helpers import block_bytes, keys_for, make_caches
+from kv_helpers import keys_for, make_caches
 from pull_cases import MOONCAKE
 from pull_peer import LARGE
 
@@ -61,38 +60,6 @@ def test_a_missing_rdma_library_names_the_system_package(monkeypatch):
 
 
 # -- two processes ----------------------------------------------------------------------------
-
-
-@needs_mooncake
-def test_dead_producer_fails_exactly_the_unread_blocks_within_the_timeout():
-    seed, timeout_s = 5, 3.0
-    with producer_process("partial", seed) as peer:
-        port = peer.port()
-        kv = make_caches(cross_layer=False)
-        before = block_bytes(kv, list(range(kv.num_blocks)))
-        keys = keys_for(seed, 4)
-        conn = consumer(port, timeout_s=timeout_s)
-        conn.register_kv_caches(kv)
-        while conn.lookup(keys[:2]) < 2:
-            time.sleep(0.01)
-        assert conn.load(keys[:2], [0, 1]).wait(timeout=timeout_s + 5).ok
-        assert peer.line() == "served"
-        started = time.monotonic()
-        handle = conn.load(keys[2:], [2, 3])  # never published: polls for them
-        peer.proc.kill()
-        result = handle.wait(timeout=timeout_s + 5)
-        assert sorted(result.failed) == [2, 3] and not result.succeeded
-        assert time.monotonic() - started < timeout_s + 1.5
-        after = block_bytes(kv, list(range(kv.num_blocks)))
-        assert torch.equal(after[[0, 1]], block_bytes(make_caches(cross_layer=False, seed=seed),
-                                                      [3, 4]))
-        assert torch.equal(after[2:], before[2:])  # nothing written
-        started = time.monotonic()
-        later = conn.load(keys[2:], [4, 5]).wait(timeout=timeout_s + 5)
-        assert sorted(later.failed) == [4, 5]
-        assert time.monotonic() - started < timeout_s + 1.5
-        conn.close()
-        assert not MOONCAKE.threads()
 
 
 @needs_mooncake

@@ -9,7 +9,6 @@ the same protocol (sockets and NIXL agents) faster.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -75,45 +74,6 @@ def test_missing_nixl_is_a_clear_reason(monkeypatch):
 
 
 # -- two processes ----------------------------------------------------------------------------
-
-
-@needs_nixl
-@pytest.mark.parametrize("fault", ["killed", pytest.param("frozen", marks=pytest.mark.slow)])
-def test_dead_or_frozen_producer_fails_exactly_the_unread_blocks(fault):
-    seed, timeout_s = 5, 3.0
-    with producer_process("partial", seed) as peer:
-        port = peer.port()
-        kv = make_caches(cross_layer=False)
-        before = block_bytes(kv, list(range(kv.num_blocks)))
-        keys = keys_for(seed, 4)
-        conn = consumer(port, timeout_s=timeout_s)
-        conn.register_kv_caches(kv)
-        while conn.lookup(keys[:2]) < 2:
-            time.sleep(0.01)
-        started = time.monotonic()
-        handle = conn.load(keys, [0, 1, 2, 3])  # reads the two published, polls for the rest
-        assert peer.line(timeout=30) == "served"
-        if fault == "killed":
-            peer.proc.kill()
-        else:
-            os.kill(peer.proc.pid, signal.SIGSTOP)
-        result = handle.wait(timeout=timeout_s + 5)
-        elapsed = time.monotonic() - started
-        assert result.succeeded == (0, 1)
-        assert sorted(result.failed) == [2, 3]
-        assert elapsed < timeout_s + 1.5, elapsed
-        theirs = make_caches(cross_layer=False, seed=seed)
-        after = block_bytes(kv, list(range(kv.num_blocks)))
-        assert torch.equal(after[[0, 1]], block_bytes(theirs, [3, 4]))
-        assert torch.equal(after[2:], before[2:])  # nothing partial written
-        # Later requests fail within the timeout too, and closing leaves no thread behind.
-        started = time.monotonic()
-        assert conn.lookup(keys) == 0
-        later = conn.load(keys[2:], [4, 5]).wait(timeout=timeout_s + 5)
-        assert sorted(later.failed) == [4, 5]
-        assert time.monotonic() - started < 2 * timeout_s + 1.5
-        conn.close()
-        assert not NIXL.threads()
 
 
 CONSUMER_WITHOUT_CLOSE = """

@@ -7,21 +7,24 @@ DRAM caches; the rest pair connectors inside this process, which runs the same p
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 import torch
 from kv_helpers import block_bytes, keys_for, make_caches
-from pull_cases import PULLS, round_trip_between_two_processes
+from pull_cases import NIXL, PULLS, round_trip_between_two_processes
 
 from kvcore import LayoutMismatchError
 
-pytestmark = pytest.mark.parametrize("pull", PULLS)
+EACH = pytest.mark.parametrize("pull", PULLS)
 
 
 # -- two processes ----------------------------------------------------------------------------
 
 
+@EACH
 @pytest.mark.parametrize(("layout", "cross", "dtype", "dst"), [
     ("nhd", True, "fp8", [0, 1, 2, 7]),
     ("hnd", False, "bf16", [0, 1, 2, 7]),
@@ -31,6 +34,7 @@ def test_round_trip_between_two_processes_is_bit_exact(pull, layout, cross, dtyp
     round_trip_between_two_processes(pull, 11, layout=layout, cross=cross, dtype=dtype, dst=dst)
 
 
+@EACH
 def test_layout_mismatch_is_refused_before_any_byte_moves(pull):
     with pull.producer_process("serve", 3, layout="nhd") as peer:
         port = peer.port()
@@ -46,9 +50,65 @@ def test_layout_mismatch_is_refused_before_any_byte_moves(pull):
         assert f"{pull.name} producer: refused consumer" in peer.proc.stderr.read()
 
 
+#: Each connector with its producer killed; NIXL's also stopped (SIGSTOP), which looks the same
+#: to a consumer only once the timeout passes.
+FAULTS = [*(pytest.param(p.values[0], "killed", marks=p.marks, id=f"{p.id}-killed")
+            for p in PULLS),
+          pytest.param(NIXL, "frozen", marks=[NIXL.needs, pytest.mark.slow], id="nixl-frozen")]
+
+
+@pytest.mark.parametrize(("pull", "fault"), FAULTS)
+@pytest.mark.parametrize("one_load", [True, False], ids=["one-load", "after-the-published"])
+def test_a_dead_producer_fails_exactly_the_unread_blocks_within_the_timeout(pull, fault,
+                                                                              one_load):
+    """Two of four keys are published: a load of all four (``one_load``), or of the two never
+    published after the published two were read, fails exactly the unread blocks within the
+    timeout once the producer dies; later loads fail too, and closing leaves no thread."""
+    seed, timeout_s = 5, 3.0
+    with pull.producer_process("partial", seed) as peer:
+        port = peer.port()
+        kv = make_caches(cross_layer=False)
+        before = block_bytes(kv, list(range(kv.num_blocks)))
+        keys = keys_for(seed, 4)
+        conn = pull.consumer(port, timeout_s=timeout_s)
+        conn.register_kv_caches(kv)
+        while conn.lookup(keys[:2]) < 2:
+            time.sleep(0.01)
+        if one_load:
+            started = time.monotonic()
+            handle = conn.load(keys, [0, 1, 2, 3])  # reads the two published, polls for the rest
+            assert peer.line(timeout=30) == "served"
+        else:
+            assert conn.load(keys[:2], [0, 1]).wait(timeout=timeout_s + 5).ok
+            assert peer.line() == "served"
+            started = time.monotonic()
+            handle = conn.load(keys[2:], [2, 3])  # never published: polls for them
+        if fault == "killed":
+            peer.proc.kill()
+        else:
+            os.kill(peer.proc.pid, signal.SIGSTOP)
+        result = handle.wait(timeout=timeout_s + 5)
+        elapsed = time.monotonic() - started
+        assert result.succeeded == ((0, 1) if one_load else ())
+        assert sorted(result.failed) == [2, 3]
+        assert elapsed < timeout_s + 1.5, elapsed
+        theirs = make_caches(cross_layer=False, seed=seed)
+        after = block_bytes(kv, list(range(kv.num_blocks)))
+        assert torch.equal(after[[0, 1]], block_bytes(theirs, [3, 4]))
+        assert torch.equal(after[2:], before[2:])  # nothing partial written
+        started = time.monotonic()
+        assert conn.lookup(keys) == 0
+        later = conn.load(keys[2:], [4, 5]).wait(timeout=timeout_s + 5)
+        assert sorted(later.failed) == [4, 5]
+        assert time.monotonic() - started < 2 * timeout_s + 1.5
+        conn.close()
+        assert not pull.threads()
+
+
 # -- in one process ---------------------------------------------------------------------------
 
 
+@EACH
 @pytest.mark.parametrize("cross", [True, False], ids=["cross_layer", "per_layer"])
 def test_a_lease_nobody_confirms_is_published_again(pull, cross):
     kv_p, kv_c = make_caches(cross_layer=cross), make_caches(cross_layer=cross)
@@ -68,6 +128,7 @@ def test_a_lease_nobody_confirms_is_published_again(pull, cross):
     assert torch.equal(block_bytes(kv_c, [2]), block_bytes(kv_p, [8]))
 
 
+@EACH
 def test_in_process_dtype_mismatch_is_refused(pull):
     with pull.producer() as prod:
         prod.register_kv_caches(make_caches(cross_layer=False, dtype="bf16"))
@@ -77,6 +138,7 @@ def test_in_process_dtype_mismatch_is_refused(pull):
         conn.close()
 
 
+@EACH
 def test_roles_that_do_not_apply_fail_per_block_with_the_reason(pull):
     with pull.producer() as prod:
         prod.register_kv_caches(make_caches(cross_layer=True))
