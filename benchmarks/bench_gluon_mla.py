@@ -4,8 +4,8 @@ H200, each with the split count TRITON_MLA's heuristic picks for the shape, plus
 kernel at half and twice that count. Each output is checked against the Triton one before it
 is timed. With ``--rounds N`` every call is timed N times, the calls of a shape interleaved
 round by round: the table shows medians, and the last column the spread of the per-round
-FlashInfer / Gluon ratio (one sample of each moved our B8 and B128 times by up to 10% between
-calls on the H200, 2026-12-02, benchmarks/RESULTS.md).
+FlashInfer / Gluon ratio (one sample of each can move the B8 and B128 times by up to 10%
+between calls).
 
 Usage (device run, carry .whl for FlashInfer): python3 benchmarks/bench_gluon_mla.py
 [--rounds N]
@@ -31,8 +31,12 @@ SHAPES = [(64, 128, 4096), (8, 128, 32768), (128, 128, 2048), (64, 128, 4000)]
 
 def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str]:
     """One row: each kernel's time on the same cache, relative error against Triton's."""
+    from kvcore_mla.ops import mla_configs
     from kvcore_mla.ops import triton_mla_attention as tma
     from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
+    from kvcore_mla.ops.triton_mla_decode import launch_triton_mla_decode
+
+    import kvcore.ops
 
     pages = batch * (-(-tokens // PAGE))
     cache = torch.randn(pages + 8, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
@@ -40,10 +44,10 @@ def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str
     lens = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
     scale = (128 + ROPE) ** -0.5
-    config = tma.mla_decode_config(heads, tma.gpu_family(torch.device("cuda")), page_size=PAGE,
-                                   gluon=False)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = tma.mla_decode_num_splits(batch, heads, tokens, config, sms)
+    config = mla_configs.mla_decode_config(heads, mla_configs.gpu_family(torch.device("cuda")),
+                                           page_size=PAGE, gluon=False)
+    sms = kvcore.ops.num_sms(torch.device("cuda"))
+    splits = mla_configs.mla_decode_num_splits(batch, heads, tokens, config, sms)
     ref = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device="cuda")
     ref_lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
     def workspace(n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -62,8 +66,8 @@ def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str
     def triton_call() -> None:
         # The launch itself, as TRITON_MLA's step makes it (decode_attention_fwd validates its
         # inputs on the host first, which a CUDA graph cannot capture).
-        tma._launch_mla_decode(q, cache, RANK, ref, ref_lse, ws, lens, table, scale, None,
-                               splits, config)
+        launch_triton_mla_decode(q, cache, RANK, ref, ref_lse, ws, lens, table, scale, None,
+                                 splits, config)
 
     def gluon_call() -> None:
         gluon_mla_decode(q, cache, RANK, lens, table, scale, out, lse, splits,
@@ -71,7 +75,8 @@ def time_shape(batch: int, heads: int, tokens: int, rounds: int = 1) -> list[str
 
     calls = {"triton": triton_call, "gluon": gluon_call}
     outs = {"gluon": out}
-    for other in sorted({max(1, splits // 2), min(tma.MAX_KV_SPLITS, 2 * splits)} - {splits}):
+    others = {max(1, splits // 2), min(kvcore.ops.MAX_KV_SPLITS, 2 * splits)} - {splits}
+    for other in sorted(others):
         ws_other = workspace(other)
         out_other = torch.empty_like(ref)
         outs[f"gluon x{other}"] = out_other

@@ -102,40 +102,41 @@ else:
 # first shape is also timed on a cross-layer view.
 PROD_SHAPES = ([(2, 16, 64), (2, 64, 96)] if SMOKE else
                [(64, 16, 4096), (64, 128, 4096), (8, 128, 32768), (128, 128, 2048)])
-# Candidate decode configs (block_h, block_n, warps, stages[, split_latent[, warp_specialize[, tma[,
-# split_score_keys]]]]) by head count; the table's own row is always timed first. Many heads
-# (compute-bound): the 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps and
-# the score tile is held by both warpgroups, so smaller key tiles spill less (``kvcore kernels
-# --target sm90`` reports registers and spills per launch; latent halves spill more, 16 warps spill
-# several hundred bytes and 128-head programs do not compile for lack of registers: both left out),
-# 32-head programs (no spills, the latent read four times per 128 heads), one warp-specialised loop.
-# Few heads (memory-bound): more bytes in flight (stages, tile size) or more programs an SM (smaller
-# tiles). Compiles dominate the sweep's time (a 64-head tile takes ~15 s of one CPU core for sm90):
-# one process per candidate compiles it first, many at once (``--compile-workers``), filling
-# Triton's disk cache; a candidate whose compiler crashed is left out of the sweep. The TMA
-# candidates (``LaunchConfig.tma``: latent tiles through tensor descriptors, fewer address
-# registers) come first so the budget never skips them; 64-key tiles take two stages at most (three
-# need ~295 KiB of shared memory beside the query tile, more than an SM has). Before them, the
-# candidates whose warpgroups share the score tile by keys (``split_score_keys``: no score computed
-# twice); with pointer loads, 64-key tiles then need more shared memory than an SM has.
+# Candidate decode configs (kernel, block_h, block_n, warps, stages) by head count: "plain" is
+# triton_mla_decode (pointer loads, whole latent), "halves" triton_mla_decode_halves, "tma"
+# triton_mla_decode_tma_keysplit; the table's own row is always timed first. Many heads
+# (compute-bound): the 64 x 512 float32 accumulator takes 128 registers a thread with 8 warps,
+# so smaller key tiles spill less (``kvcore kernels --target sm90`` reports registers and spills
+# per launch; 16 warps spill several hundred bytes and 128-head programs do not compile for lack
+# of registers: both left out), and 32-head programs (no spills, the latent read four times per
+# 128 heads). Few heads (memory-bound): more bytes in flight (stages, tile size) or more
+# programs an SM (smaller tiles). Compiles dominate the sweep's time (a 64-head tile takes ~15 s
+# of one CPU core for sm90): one process per candidate compiles it first, many at once
+# (``--compile-workers``), filling Triton's disk cache; a candidate whose compiler crashed is
+# left out of the sweep. The TMA candidates come first so the budget never skips them; 64-key
+# tiles take two stages at most (three need ~295 KiB of shared memory beside the query tile,
+# more than an SM has).
 PROD_CANDIDATES = {
-    "many": [(64, 32, 8, 3, True, False, True, True), (64, 64, 8, 2, True, False, True, True),
-             (64, 32, 8, 4, True, False, True, True), (64, 32, 8, 3, False, False, True, True),
-             (64, 64, 8, 2, False, False, True, True), (64, 32, 8, 3, True, False, False, True),
-             (64, 64, 8, 2, True, False, True), (64, 64, 8, 2, False, False, True),
-             (64, 32, 8, 3, False, False, True), (64, 32, 8, 4, False, False, True),
-             (64, 32, 8, 4, True, False, True), (64, 16, 8, 4, False, False, True),
-             (64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 4), (64, 16, 8, 3),
-             (64, 64, 8, 2, True), (64, 32, 8, 3, True), (32, 64, 8, 3), (32, 32, 8, 4),
-             (64, 64, 8, 2, False, True)],
-    "few": [(16, 64, 4, 3), (16, 64, 8, 2), (16, 32, 4, 4), (16, 32, 4, 3), (16, 32, 8, 5),
-            (16, 64, 8, 3, True), (32, 32, 8, 3), (16, 16, 4, 8), (16, 64, 8, 3, False, True),
-            (16, 64, 4, 3, False, False, True)],
+    "many": [("tma", 64, 32, 8, 3), ("tma", 64, 64, 8, 2), ("tma", 64, 32, 8, 4),
+             ("plain", 64, 32, 8, 2), ("plain", 64, 32, 8, 3), ("plain", 64, 16, 8, 4),
+             ("plain", 64, 16, 8, 3), ("halves", 64, 64, 8, 2), ("halves", 64, 32, 8, 3),
+             ("plain", 32, 64, 8, 3), ("plain", 32, 32, 8, 4)],
+    "few": [("plain", 16, 64, 4, 3), ("plain", 16, 64, 8, 2), ("plain", 16, 32, 4, 4),
+            ("plain", 16, 32, 4, 3), ("plain", 16, 32, 8, 5), ("halves", 16, 64, 8, 3),
+            ("plain", 32, 32, 8, 3), ("plain", 16, 16, 4, 8)],
 }
+_KERNELS = {"plain": "triton_mla_decode", "halves": "triton_mla_decode_halves",
+            "tma": "triton_mla_decode_tma_keysplit"}
 
 
 def tma():
     from kvcore_mla.ops import triton_mla_attention as mod
+
+    return mod
+
+
+def configs():
+    from kvcore_mla.ops import mla_configs as mod
 
     return mod
 
@@ -259,10 +260,9 @@ class DecodeBatch:
 
     def default_splits(self) -> int:
         """The split count TRITON_MLA's builder picks for this batch on this GPU."""
-        cfg = tma().mla_decode_config(self.heads, tma().gpu_family(DEVICE))
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" \
-            else 1
-        return tma().mla_decode_num_splits(self.batch, self.heads, self.tokens, cfg, sms)
+        cfg = configs().mla_decode_config(self.heads, configs().gpu_family(DEVICE))
+        return configs().mla_decode_num_splits(self.batch, self.heads, self.tokens, cfg,
+                                               _num_sms())
 
     def torch_decode(self) -> Callable[[], torch.Tensor]:
         """Plain torch: gather each request's latents, then two batched matmuls."""
@@ -511,32 +511,31 @@ def time_writes(run: Run) -> None:
 # ----------------------------------------------------------------------------- production sweep
 
 
-def _cfg(block_h: int, block_n: int, warps: int, stages: int, split_latent: bool = False,
-         warp_specialize: bool = False, tma_loads: bool = False, split_score_keys: bool = False,
-         gluon: bool = False):
-    return tma().LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
-                              num_stages=stages, split_latent=split_latent,
-                              warp_specialize=warp_specialize, tma=tma_loads,
-                              split_score_keys=split_score_keys, gluon=gluon)
+def _cfg(kernel: str, *tile: int):
+    """A decode config from a candidate tuple (:data:`PROD_CANDIDATES`' or
+    :func:`_cfg_tuple`'s): the kernel's short or full name, then its tile."""
+    kernel = _KERNELS.get(kernel, kernel)
+    cls = configs().DECODE_CONFIG_TYPES[kernel]
+    if not tile:
+        return cls()
+    block_h, block_n, warps, stages = tile
+    return cls(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
 def _cfg_tuple(cfg) -> tuple:
-    return (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.split_latent,
-            cfg.warp_specialize, cfg.tma, cfg.split_score_keys, cfg.gluon)
+    if isinstance(cfg, configs().GluonMLAWSConfig):
+        return (cfg.kernel,)
+    return (cfg.kernel, cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages)
 
 
 def _cfg_name(cfg) -> str:
-    return (f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-            + (" halves" if cfg.split_latent else "") + (" ws" if cfg.warp_specialize else "")
-            + (" tma" if cfg.tma else "") + (" keysplit" if cfg.split_score_keys else "")
-            + (" gluon" if cfg.gluon else ""))
+    if isinstance(cfg, configs().GluonMLAWSConfig):
+        return cfg.kernel
+    return f"{cfg.kernel} h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 #: Candidates whose compile crashed the compiler's process (filled by :func:`precompile`).
 _CRASHED: set = set()
-#: Whether :func:`precompile` ran: without it, warp-specialised candidates (whose compiler may
-#: abort the process on some triton versions) stay out of the sweep.
-_PRECOMPILED = [SMOKE]
 
 
 class ProdCase:
@@ -578,7 +577,7 @@ class ProdCase:
         return 2.0 * self.batch * self.heads * self.tokens * (ENTRY + RANK)
 
     def default_config(self):
-        return tma().mla_decode_config(self.heads, tma().gpu_family(DEVICE))
+        return configs().mla_decode_config(self.heads, configs().gpu_family(DEVICE))
 
     def call(self, config=None, cross_layer: bool = False, splits: int | None = None):
         """``(fn, out, splits)``: one forward of the step through the builder's metadata;
@@ -588,11 +587,14 @@ class ProdCase:
             max_num_batched_tokens=self.batch, max_model_len=self.tokens, device=DEVICE,
             decode_config=config)
         meta = builder.build(self.common, graph_batch_size=self.batch)
-        n, workspace = meta.num_kv_splits, meta.workspace
+        plan = meta.plan
+        n = plan.num_kv_splits
         if splits is not None and splits != n:
             n = splits
             numel = tma().mla_workspace_numel(self.batch, self.heads, RANK, n)
-            workspace = torch.empty(numel, dtype=torch.float32, device=DEVICE) if numel else None
+            plan = configs().TritonMLAPlan(
+                plan.config, n,
+                torch.empty(numel, dtype=torch.float32, device=DEVICE) if numel else None)
         cache = self.cache(cross_layer)
         out = torch.empty(self.batch, self.heads, RANK, dtype=DTYPE, device=DEVICE)
 
@@ -601,7 +603,7 @@ class ProdCase:
                 self.q, cache, kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
                 seq_lens=meta.seq_lens, block_table=meta.block_table, scale=self.scale,
                 output=out, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                num_kv_splits=n, workspace=workspace, config=meta.decode_config)
+                plan=plan)
 
         return fn, out, n
 
@@ -660,21 +662,20 @@ def check_prod(run: Run) -> None:
 def _candidates(heads: int) -> list:
     """The table's config for ``heads``, then ``PROD_CANDIDATES``' (no duplicates, none with
     more head rows than the heads need)."""
-    default = tma().mla_decode_config(heads, tma().gpu_family(DEVICE))
-    configs = [default]
+    default = configs().mla_decode_config(heads, configs().gpu_family(DEVICE))
+    found = [default]
     for c in () if TABLE_ONLY else PROD_CANDIDATES["many" if heads >= 64 else "few"]:
         cfg = _cfg(*c)
-        if (cfg not in configs and cfg.block_h <= max(16, heads) and cfg not in _CRASHED
-                and (_PRECOMPILED[0] or not cfg.warp_specialize)):
-            configs.append(cfg)
-    return configs
+        if cfg not in found and cfg.block_h <= max(16, heads) and cfg not in _CRASHED:
+            found.append(cfg)
+    return found
 
 
 def _split_variants(heads: int, splits: int) -> list[int]:
     """Split counts tried beside the best config's own: half and twice (four times too for
     memory-bound shapes, where two programs an SM may stream better than one)."""
     variants = {max(1, splits // 2), 2 * splits} | ({4 * splits} if heads < 64 else set())
-    return sorted({min(tma().MAX_KV_SPLITS, v) for v in variants} - {splits})
+    return sorted({min(kvcore.ops.MAX_KV_SPLITS, v) for v in variants} - {splits})
 
 
 def _compile_job(job: tuple) -> str:
@@ -701,7 +702,7 @@ def _compile_job(job: tuple) -> str:
     try:
         tma().mla_attention(q, cache, kv_lora_rank=RANK, query_start_loc=starts, seq_lens=one,
                             block_table=table, scale=0.1, max_query_len=1, max_seq_len=1,
-                            num_kv_splits=splits, config=cfg)
+                            plan=configs().TritonMLAPlan(cfg, splits))
         if DEVICE == "cuda":
             torch.cuda.synchronize()
     except Exception as exc:  # e.g. out of shared memory: the sweep reports it
@@ -729,13 +730,12 @@ def precompile(run: Run, workers: int, flashinfer: bool) -> None:
             return job, "timeout", ""
         return job, r.returncode, (r.stdout.strip().splitlines() or [""])[-1]
 
-    _PRECOMPILED[0] = True  # before the jobs: they list the warp-specialised candidates too
     jobs: list[tuple] = [("flashinfer",)] if flashinfer else []
     seen = set()
     for batch, heads, tokens in PROD_SHAPES:
         pages = -(-tokens // BLOCK)
         for cfg in _candidates(heads):
-            splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg, _num_sms())
+            splits = configs().mla_decode_num_splits(batch, heads, tokens, cfg, _num_sms())
             splits = 1 if splits == 1 else 16 if splits % 16 == 0 else 2
             key = (heads, pages % 16 == 0, cfg, splits)
             if key not in seen:
@@ -784,7 +784,7 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
                 break
             best = _prod_point(run, case, cfg, None, reference, best)
             if heads < 64:  # memory-bound: smaller tiles may fit two programs an SM
-                builder_splits = tma().mla_decode_num_splits(batch, heads, tokens, cfg,
+                builder_splits = configs().mla_decode_num_splits(batch, heads, tokens, cfg,
                                                              _num_sms())
                 best = _prod_point(run, case, cfg, 2 * builder_splits, reference, best)
         t, cfg, s = best
@@ -800,8 +800,8 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
             fn_std()
             run.check(f"sweep.{case.shape()}.{_cfg_name(cfg)}.s{s}.cross_layer.bit_exact",
                       torch.equal(out_xl, out_std))
-            # Three interleaved rounds, the median of each layout's: one pair of samples
-            # moved the ratio by 4% between runs (s8b 1.0005, s10d 1.039).
+            # Three interleaved rounds, the median of each layout's: one pair of samples can
+            # move the ratio by a few percent.
             stds, xls = [], []
             for _ in range(3):
                 stds.append(time_call(fn_std)[0])
@@ -818,12 +818,9 @@ def sweep_prod(run: Run, deadline: float, flashinfer: bool) -> None:
         winner = dict(shape=case.shape(), heads=heads, config=_cfg_name(cfg), splits=s,
                       time_us=t * 1e6, default_time_us=t_default * 1e6,
                       speedup_vs_table=t_default / t,
-                      launch=dict(block_h=cfg.block_h, block_n=cfg.block_n,
-                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                  split_latent=cfg.split_latent,
-                                  warp_specialize=cfg.warp_specialize, tma=cfg.tma,
-                                  split_score_keys=cfg.split_score_keys, gluon=cfg.gluon,
-                                  programs_per_sm=_programs_per_sm(case, cfg, s)))
+                      launch={"kernel": cfg.kernel, "class_name": type(cfg).__name__,
+                              **dataclasses.asdict(cfg),
+                              "programs_per_sm": _programs_per_sm(case, cfg, s)})
         fi = None
         if flashinfer:
             try:
@@ -849,11 +846,14 @@ def _num_sms() -> int:
 
 
 def _programs_per_sm(case: ProdCase, cfg, splits: int) -> int | None:
-    """The smallest ``LaunchConfig.programs_per_sm`` (1-4) for which the split chooser picks
-    ``splits`` at this shape (``None``: none does; the table row then keeps 1)."""
+    """The smallest ``programs_per_sm`` (1-4) of a Triton decode config for which the split
+    chooser picks ``splits`` at this shape (``None``: none does, or the Gluon kernel's fixed
+    tile; the table row then keeps 1)."""
+    if isinstance(cfg, configs().GluonMLAWSConfig):
+        return None
     for p in range(1, 5):
         trial = dataclasses.replace(cfg, programs_per_sm=p)
-        if tma().mla_decode_num_splits(case.batch, case.heads, case.tokens, trial,
+        if configs().mla_decode_num_splits(case.batch, case.heads, case.tokens, trial,
                                        _num_sms()) == splits:
             return p
     return None
@@ -862,19 +862,19 @@ def _programs_per_sm(case: ProdCase, cfg, splits: int) -> int | None:
 def _time_merge(run: Run, case: ProdCase, splits: int) -> None:
     """The split reduction alone (its share of the best time) on partials of this shape's
     size: as TRITON_MLA's decode carves them (``decode_partials``: 16-bit outputs) and as
-    float32 rows of an ``attn_logits`` workspace (``split_rows``)."""
+    float32 rows of an ``attn_logits`` workspace."""
     b, h = case.batch, case.heads
     out = torch.empty(b, h, RANK, dtype=DTYPE, device=DEVICE)
-    block_d = max(16, 1 << (RANK - 1).bit_length())
     flat = torch.empty(tma().mla_workspace_numel(b, h, RANK, splits), device=DEVICE)
     carved = tma().decode_partials(flat, b, h, RANK, splits, DTYPE)
     carved[0].copy_(randn(b, h, splits, RANK))
     carved[1].copy_(randn(b, h, splits, dtype=torch.float32))
-    rows = tma().split_rows(randn(b, h, splits, RANK + 1, dtype=torch.float32), RANK)
+    logits = randn(b, h, splits, RANK + 1, dtype=torch.float32)
+    rows = logits[..., :RANK], logits[..., RANK]
     for what, (part, part_lse) in ((f"{str(DTYPE)[6:]} partials", carved),
                                    ("float32 rows", rows)):
-        t, how = time_call(lambda part=part, part_lse=part_lse: tma()._merge_splits(
-            part, part_lse, out, None, splits, block_d))
+        t, how = time_call(lambda part=part, part_lse=part_lse: kvcore.ops.merge_kv_splits(
+            part, part_lse, out))
         _prod_row(run, case, "merge only", f"{splits} splits, {what}", t, rates=False,
                   splits=splits, method=how)
 
@@ -921,21 +921,17 @@ def prod_table(run: Run) -> list[str]:
               if "time_over_flashinfer" in w else "")
         lines.append(f"best {w['shape']}: {w['config']} splits={w['splits']} "
                      f"{w['time_us']:.1f} us (table {w['default_time_us']:.1f} us){fi}")
-    family = tma().gpu_family(DEVICE) if DEVICE == "cuda" else "default"
+    family = configs().gpu_family(DEVICE) if DEVICE == "cuda" else "default"
     for w in run.results["sweep_best"]:
-        c = w["launch"]
+        c = dict(w["launch"])
+        name, per_sm = c.pop("class_name"), c.pop("programs_per_sm")
+        c.pop("kernel")
+        fields = [f"{k}={v}" for k, v in c.items()]
+        if (per_sm or 1) > 1:
+            fields.append(f"programs_per_sm={per_sm}")
         lines.append(f"suggested {family!r} row for {w['heads']} heads ({w['shape']}): "
-                     f"({w['heads']}, LaunchConfig(block_q=1, block_h={c['block_h']}, "
-                     f"block_n={c['block_n']}, num_warps={c['num_warps']}, "
-                     f"num_stages={c['num_stages']}"
-                     + (", split_latent=True" if c.get("split_latent") else "")
-                     + (", warp_specialize=True" if c.get("warp_specialize") else "")
-                     + (", tma=True" if c.get("tma") else "")
-                     + (", split_score_keys=True" if c.get("split_score_keys") else "")
-                     + (", gluon=True" if c.get("gluon") else "")
-                     + (f", programs_per_sm={c['programs_per_sm']}"
-                        if (c.get("programs_per_sm") or 1) > 1 else "") + "))"
-                     + ("" if c.get("programs_per_sm") else
+                     f"({w['heads']}, {name}({', '.join(fields)}))"
+                     + ("" if per_sm or name == "GluonMLAWSConfig" else
                         f" (its {w['splits']} splits: no programs_per_sm reproduces them)"))
     return lines
 

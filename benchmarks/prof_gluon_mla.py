@@ -6,6 +6,7 @@ import os
 
 import torch
 from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
+from kvcore_mla.ops.mla_configs import mla_decode_config
 from kvcore_mla.ops.triton_mla_attention import (
     decode_attention_fwd,
     decode_partials,
@@ -25,8 +26,9 @@ lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
 logits = torch.empty(batch, heads, splits, 528, dtype=torch.float32, device="cuda")[..., :513]
 flat = torch.empty(mla_workspace_numel(batch, heads, RANK, splits) or 1, device="cuda")
 partials = decode_partials(flat, batch, heads, RANK, splits, q.dtype) if splits > 1 else ()
+triton_row = mla_decode_config(heads, "sm90", page_size=PAGE, gluon=False)
 for _ in range(2):
     decode_attention_fwd(q, cache, cache[..., :RANK], out, lse, table, lens, logits, splits,
-                         0.1, PAGE, True)
+                         0.1, PAGE, True, config=triton_row)
     gluon_mla_decode(q, cache, RANK, lens, table, 0.1, out, lse, splits, *partials)
 torch.cuda.synchronize()

@@ -195,3 +195,82 @@ def test_every_kvcore_module_is_on_a_floor_of_the_layers_contract():
     assert "kvcore.dtypes" in modules
     missing = sorted(modules - named)
     assert not missing, f"not on any floor of the kvcore-layers contract: {', '.join(missing)}"
+
+
+#: Packages whose modules must not import each other in a loop (kvcore and the in-repo plugins
+#: requirements-dev.txt installs).
+ACYCLIC_PACKAGES = ("kvcore", "kvcore_nvidia", "kvcore_rocm", "kvcore_mla")
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """The import cycles among ``package``'s modules, each as the sorted modules of one
+    strongly connected component of grimp's import graph. grimp reads every import statement,
+    those inside functions included, so a loop closed by a lazy import counts too."""
+    import grimp
+
+    graph = grimp.build_graph(package, cache_dir=None)
+    inside = {m for m in graph.modules if m == package or m.startswith(package + ".")}
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m) & inside) for m in inside}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    # Tarjan's strongly connected components, iteratively (no recursion limit on deep chains).
+    for root in sorted(inside):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            if i < len(edges[node]):
+                work.append((node, i + 1))
+                nxt = edges[node][i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return sorted(cycles)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grimp") is None,
+                    reason="grimp is not installed (it comes with import-linter)")
+@pytest.mark.parametrize("package", ACYCLIC_PACKAGES)
+def test_no_import_cycle_inside_a_package(package):
+    """No module of ``package`` imports, directly or through others, a module that imports it
+    back, not even from inside a function: each concern sits above what it uses."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+    cycles = import_cycles(package)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grimp") is None,
+                    reason="grimp is not installed (it comes with import-linter)")
+def test_the_cycle_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    package = tmp_path / "loopy"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from loopy import b\n")
+    (package / "b.py").write_text("def f():\n    from loopy import a\n")
+    (package / "c.py").write_text("from loopy import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("loopy") == [["loopy.a", "loopy.b"]]

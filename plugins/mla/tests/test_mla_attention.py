@@ -1,5 +1,5 @@
-"""MLA attention against float64 references: the decode kernel (MLA, GQA, MHA), the
-mixed-batch latent kernel, and TRITON_MLA end to end against the unabsorbed model math."""
+"""MLA attention against float64 references: the decode entry point, the mixed-batch latent
+kernel, and TRITON_MLA end to end against the unabsorbed model math."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mla_helpers import DEVICE, assert_close, block_tables, generator, randn
 import kvcore
 
 tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+configs = pytest.importorskip("kvcore_mla.ops.mla_configs")
 triton_cache = pytest.importorskip("kvcore_mla.ops.triton_cache")
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -62,8 +63,6 @@ DECODE_SHAPES = {
     "MLA-H16-576": (16, 1, 576, 512, True),
     "MLA-H128-576": (128, 1, 576, 512, True),  # default config: 64-head programs (wgmma)
     "MLA-H32-80": (32, 1, 80, 64, True),
-    "GQA-H8-KV2-D64": (8, 2, 64, 64, False),
-    "MHA-H4-D32-V48": (4, 4, 32, 48, False),
 }
 
 
@@ -95,15 +94,15 @@ def test_decode_attention_low_precision_within_tolerance(dtype: torch.dtype) -> 
 @pytest.mark.parametrize("scale_kind", ["tensor", "float"])
 def test_decode_attention_on_fp8_caches(kv_cache_dtype: str, scale_kind: str) -> None:
     gen = generator("decode-fp8", kv_cache_dtype, scale_kind)
-    for shape in (DECODE_SHAPES["MLA-H32-80"], DECODE_SHAPES["GQA-H8-KV2-D64"]):
-        case = _decode_case(shape, torch.bfloat16, [40, 3], 16, gen, FP8[kv_cache_dtype])
-        ks, vs = (0.5, 2.0) if not shape[4] else (0.5, 0.5)
-        if scale_kind == "tensor":
-            ks, vs = (torch.tensor([x], device=DEVICE) for x in (ks, vs))
-        o, lse = _run_decode(case, 2, torch.bfloat16, k_scale=ks, v_scale=vs)
-        o_ref, lse_ref = _reference(case, k_scale=float(ks), v_scale=float(vs))
-        assert_close(o, o_ref, torch.bfloat16, "o")
-        assert_close(lse, lse_ref, torch.bfloat16, "lse")
+    case = _decode_case(DECODE_SHAPES["MLA-H32-80"], torch.bfloat16, [40, 3], 16, gen,
+                        FP8[kv_cache_dtype])
+    ks = vs = 0.5
+    if scale_kind == "tensor":
+        ks, vs = (torch.tensor([x], device=DEVICE) for x in (ks, vs))
+    o, lse = _run_decode(case, 2, torch.bfloat16, k_scale=ks, v_scale=vs)
+    o_ref, lse_ref = _reference(case, k_scale=float(ks), v_scale=float(vs))
+    assert_close(o, o_ref, torch.bfloat16, "o")
+    assert_close(lse, lse_ref, torch.bfloat16, "lse")
 
 
 def _mixed_batch(gen: torch.Generator, page_size: int, num_pages: int) -> kvcore.AttentionMetadata:
@@ -118,7 +117,8 @@ def _mixed_batch(gen: torch.Generator, page_size: int, num_pages: int) -> kvcore
 
 @pytest.mark.parametrize(("config", "num_kv_splits"), [
     (None, None),
-    (tma.LaunchConfig(block_q=4, block_h=4, block_n=16, num_warps=4, num_stages=1), None),
+    (configs.TritonMLAMixedConfig(block_q=4, block_h=4, block_n=16, num_warps=4,
+                                  num_stages=1), None),
     (None, 3),
 ], ids=["default", "small-tiles", "split"])
 def test_mixed_batch_latent_attention_matches_float64_reference(config, num_kv_splits) -> None:
@@ -130,7 +130,7 @@ def test_mixed_batch_latent_attention_matches_float64_reference(config, num_kv_s
     args = dict(kv_lora_rank=rank, query_start_loc=meta.query_start_loc,
                 seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12)
     out = tma.mla_attention(q, cache, **args, max_query_len=meta.max_query_len,
-                            num_kv_splits=num_kv_splits, config=config)
+                            plan=configs.TritonMLAPlan(config, num_kv_splits))
     expected = mla_attention_ref(q.double(), cache.double(), **args)
     assert_close(out, expected, torch.float32, "latent output")
 
@@ -216,6 +216,9 @@ def _decode_args() -> dict:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"v_buffer": torch.zeros(4, 16, 1, 64)}, "is_mla=True needs v_buffer = k_buffer"),
+    ({"is_mla": False}, "is_mla=False and a cache of 1 KV heads; it computes MLA decode only "
+                        r"\(is_mla=True, one latent per token\): for GQA/MHA caches use "
+                        "kvcore.ops.paged_attention"),
     ({"attn_logits": torch.zeros(2, 16, 3, 65)}, "attn_logits has shape"),
     ({"page_size": 8}, "page_size=8 but k_buffer has pages of 16 tokens"),
     ({"o": torch.zeros(2, 16, 80)}, "o has shape"),

@@ -17,6 +17,7 @@ import kvcore
 from kvcore import ops
 
 tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+TritonMLAPlan = pytest.importorskip("kvcore_mla.ops.mla_configs").TritonMLAPlan
 
 HEADS, RANK, ROPE, PAGE, PAGES = 16, 64, 16, 8, 24
 SPEC = kvcore.MLAAttentionSpec(block_size=PAGE, dtype=torch.float32, kv_lora_rank=RANK,
@@ -74,14 +75,15 @@ def test_graph_steps_split_by_batch_size_and_reuse_every_buffer() -> None:
     # One request of 16 heads on 16 SMs: split.
     short = b.build(decode(gen, [3]), graph_batch_size=1)
     longer = b.build(decode(gen, [40]), graph_batch_size=1)
-    assert short.num_kv_splits == longer.num_kv_splits == b.num_kv_splits(1) > 1
-    assert short.workspace is b.workspace and longer.workspace is b.workspace
+    assert short.plan.num_kv_splits == longer.plan.num_kv_splits == b.num_kv_splits(1) > 1
+    assert short.plan.workspace is b.workspace and longer.plan.workspace is b.workspace
     fields = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
     assert [getattr(short, f).data_ptr() for f in fields] == \
         [getattr(longer, f).data_ptr() for f in fields]
     # Eagerly the split count follows the step's longest request (never above the graph's).
     eager = b.build(decode(gen, [3]))
-    assert eager.num_kv_splits == b.num_kv_splits(1, eager.max_seq_len) <= b.num_kv_splits(1)
+    assert eager.plan.num_kv_splits == b.num_kv_splits(1, eager.max_seq_len) <= \
+        b.num_kv_splits(1)
 
 
 @pytest.mark.parametrize(("context_lens", "size"), [([40], 1), ([0], 1), ([9], 2)],
@@ -93,9 +95,9 @@ def test_graph_built_steps_equal_the_reference_with_empty_splits(context_lens, s
     b = builder(max_model_len=1024, max_num_seqs=2)
     gen = generator("mla-builder-graph", context_lens)
     meta = b.build(decode(gen, context_lens), graph_batch_size=size)
-    assert meta.num_kv_splits == b.num_kv_splits(size)
+    assert meta.plan.num_kv_splits == b.num_kv_splits(size)
     if size == 1:
-        assert meta.num_kv_splits > 1 and meta.workspace is b.workspace
+        assert meta.plan.num_kv_splits > 1 and meta.plan.workspace is b.workspace
         b.workspace.fill_(float("nan"))
     q = randn((size, HEADS, RANK + ROPE), torch.float32, gen)
     cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen)
@@ -134,17 +136,18 @@ def test_the_op_refuses_a_workspace_it_cannot_use() -> None:
     cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen)
     args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
                 seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.12,
-                max_query_len=1, num_kv_splits=2)
+                max_query_len=1)
     needed = tma.mla_workspace_numel(1, HEADS, RANK, 2)
     # Room for the mixed kernel's rows (output and LSE padded to a multiple of 16 floats,
     # aligned stores) and, ahead of them, the decode path's LSE block (16-float aligned).
     assert needed == -(-HEADS * 2 // 16) * 16 + HEADS * 2 * -(-(RANK + 1) // 16) * 16
     with pytest.raises(ValueError, match=f"workspace has 10 elements but this call's split-KV "
                                          f"path needs {needed}"):
-        tma.mla_attention(q, cache, workspace=torch.empty(10, device=DEVICE), **args)
+        tma.mla_attention(q, cache, plan=TritonMLAPlan(num_kv_splits=2, workspace=torch.empty(
+            10, device=DEVICE)), **args)
     with pytest.raises(ValueError, match="workspace must be a contiguous float32 tensor"):
-        tma.mla_attention(q, cache, workspace=torch.empty(needed, dtype=torch.float16,
-                                                          device=DEVICE), **args)
+        tma.mla_attention(q, cache, plan=TritonMLAPlan(num_kv_splits=2, workspace=torch.empty(
+            needed, dtype=torch.float16, device=DEVICE)), **args)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
@@ -183,8 +186,9 @@ def test_a_bf16_decode_split_through_16_bit_partials_matches_the_reference() -> 
                 max_query_len=1)
     workspace = torch.full((tma.mla_workspace_numel(2, HEADS, RANK, 3),), float("nan"),
                            device=DEVICE)
-    split = tma.mla_attention(q, cache, num_kv_splits=3, workspace=workspace, **args)
-    whole = tma.mla_attention(q, cache, num_kv_splits=1, **args)
+    split = tma.mla_attention(q, cache, plan=TritonMLAPlan(num_kv_splits=3, workspace=workspace),
+                              **args)
+    whole = tma.mla_attention(q, cache, plan=TritonMLAPlan(num_kv_splits=1), **args)
     expected = mla_attention_ref(q.double(), cache.double(), **{
         k: v for k, v in args.items() if k != "max_query_len"})
     assert_close(split, expected, torch.bfloat16, "3 splits, bf16 partials")

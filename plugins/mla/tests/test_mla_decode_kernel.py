@@ -26,8 +26,11 @@ from mla_helpers import (
 )
 
 import kvcore
+import kvcore.ops
 
 kernels = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+configs = pytest.importorskip("kvcore_mla.ops.mla_configs")
+descriptors = pytest.importorskip("kvcore_mla.ops.descriptors")
 
 RANK, ROPE = DECODE_RANK, DECODE_ROPE
 LENS = [0, 1, 17, 64, 130]  # empty, one token, inside a page, a page boundary, several pages
@@ -35,8 +38,9 @@ LENS = [0, 1, 17, 64, 130]  # empty, one token, inside a page, a page boundary, 
 
 def _config(block_h: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
             split_latent: bool = False):
-    return kernels.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=num_warps,
-                            num_stages=num_stages, split_latent=split_latent)
+    """A pointer-load decode config: the latent whole, or in halves."""
+    cls = configs.TritonMLAHalvesConfig if split_latent else configs.TritonMLADecodeConfig
+    return cls(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 @pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
@@ -81,18 +85,6 @@ def test_mla_decode_split_latent_matches_float64_reference(heads, block_h, block
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
 
 
-@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
-def test_mla_decode_warp_specialized_loop_matches_float64_reference(split_latent: bool) -> None:
-    """The warp-specialise request reaches the loop (a hint: the interpreter runs the loop as
-    it is; the GPU tests compile it) and changes no result."""
-    gen = generator("mla-decode-kernel-ws", split_latent)
-    q, cache, table, lens = decode_case(gen, 16, 16, LENS)
-    config = kernels.LaunchConfig(block_q=1, block_h=16, block_n=16, num_warps=4, num_stages=2,
-                              split_latent=split_latent, warp_specialize=True)
-    o, lse = run_decode(q, cache, table, lens, 2, config)
-    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_mla_decode_split_latent_low_precision_within_tolerance(dtype: torch.dtype) -> None:
     gen = generator("mla-decode-kernel-halves-dtype", dtype)
@@ -135,107 +127,108 @@ def test_mla_attention_decode_path_takes_the_decode_kernel() -> None:
                                            device=DEVICE)
     args = dict(kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
                 seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.1)
-    out = kernels.mla_attention(q, cache, **args, max_query_len=1, num_kv_splits=3)
+    out = kernels.mla_attention(q, cache, **args, max_query_len=1,
+                                plan=configs.TritonMLAPlan(num_kv_splits=3))
     expected = mla_attention_ref(q.double(), cache.double(), **args)
     assert_close(out, expected, torch.float32, "latent output")
 
 
 def test_the_config_table_rows_are_launchable() -> None:
-    for family, rows in kernels.MLA_DECODE_CONFIGS.items():
+    for family, rows in configs.MLA_DECODE_CONFIGS.items():
         assert rows[-1][0] == 1, f"{family}: the last row must cover every head count"
         assert [least for least, _ in rows] == sorted((least for least, _ in rows),
                                                       reverse=True), family
+        for least in {least for least, _ in rows}:
+            group = [config for row_least, config in rows if row_least == least]
+            assert not group[-1].uses_tma, f"{family}: {least}+ heads end on a TMA kernel"
         for _, config in rows:
-            assert config.block_q == 1 and config.block_h >= 16 and config.block_n >= 16
-    assert kernels.mla_decode_config(128, "sm90").block_h == 64
-    assert kernels.mla_decode_config(16, "sm90").block_h == 16
+            assert configs.DECODE_CONFIG_TYPES[config.kernel] is type(config)
+            assert config.block_h >= 16 and config.block_n >= 16
+    assert configs.mla_decode_config(128, "sm90").block_h == 64
+    assert configs.mla_decode_config(16, "sm90").block_h == 16
     # block_h never exceeds the heads (rounded up to a power of two, at least 16).
-    assert kernels.mla_decode_config(20, "sm80").block_h == 16
+    assert configs.mla_decode_config(20, "sm80").block_h == 16
     with pytest.raises(ValueError, match="family='tpu' \\(known: sm90"):
-        kernels.mla_decode_config(16, "tpu")
+        configs.mla_decode_config(16, "tpu")
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
 def test_kvcore_gluon_0_keeps_the_table_on_the_triton_kernel(monkeypatch, value: str) -> None:
     """The operator's switch: with ``KVCORE_GLUON=0`` the 128-head sm90 choice is the row
     ``gluon=False`` gives, and an explicit Gluon config is not the chooser's business."""
-    without = kernels.mla_decode_config(128, "sm90", gluon=False)
+    without = configs.mla_decode_config(128, "sm90", gluon=False)
     monkeypatch.setenv("KVCORE_GLUON", value)
-    assert kernels.mla_decode_config(128, "sm90") == without
-    assert not without.gluon
+    assert configs.mla_decode_config(128, "sm90") == without
+    assert without.kernel != "gluon_mla_ws"
     monkeypatch.setenv("KVCORE_GLUON", "1")
-    if kernels.gluon_available() is None:
-        assert kernels.mla_decode_config(128, "sm90").gluon
+    if descriptors.gluon_available() is None:
+        assert configs.mla_decode_config(128, "sm90").kernel == "gluon_mla_ws"
 
 
 def test_a_table_row_keeps_tma_only_where_it_can_serve_the_cache() -> None:
-    """The sm90 128-head rows: the Gluon kernel, then the Triton kernel loading through tensor
-    descriptors with key-split scores, then pointer loads. Queries the Gluon kernel does not
-    take (float32) or ``gluon=False`` (what the entry points pass when :func:`gluon_unmet`
-    finds the tensors unfit) take the TMA row; a page size its tile does not divide, an fp8
-    cache, or a cache TMA cannot address (``tma=False``) take the pointer-load row."""
-    gluon_row, tma_row, pointer_row = (c for least, c in kernels.MLA_DECODE_CONFIGS["sm90"]
+    """The sm90 128-head rows: gluon_mla_ws, then triton_mla_decode_tma_keysplit, then
+    triton_mla_decode_halves (pointer loads). Queries the Gluon kernel does not take (float32)
+    or ``gluon=False`` (what the entry points pass when :func:`gluon_unmet` finds the tensors
+    unfit) take the TMA row; a page size its tile does not divide, an fp8 cache, or a cache
+    TMA cannot address (``tma=False``) take the pointer-load row."""
+    gluon_row, tma_row, pointer_row = (c for least, c in configs.MLA_DECODE_CONFIGS["sm90"]
                                        if least == 64)
-    has_descriptors = hasattr(kernels.tl, "make_tensor_descriptor")
-    has_gluon = kernels.gluon_available() is None
-    row = kernels.mla_decode_config(128, "sm90", dtype=torch.float32)
+    assert [gluon_row.kernel, tma_row.kernel, pointer_row.kernel] == [
+        "gluon_mla_ws", "triton_mla_decode_tma_keysplit", "triton_mla_decode_halves"]
+    has_descriptors = descriptors.descriptors_available()
+    has_gluon = descriptors.gluon_available() is None
+    row = configs.mla_decode_config(128, "sm90", dtype=torch.float32)
     assert row == (tma_row if has_descriptors else pointer_row)
-    assert gluon_row.gluon and gluon_row.tma and not tma_row.gluon
-    assert kernels.mla_decode_config(128, "sm90") == (gluon_row if has_gluon else row)
-    assert kernels.mla_decode_config(128, "sm90", dtype=torch.bfloat16, page_size=128) == (
+    assert configs.mla_decode_config(128, "sm90") == (gluon_row if has_gluon else row)
+    assert configs.mla_decode_config(128, "sm90", dtype=torch.bfloat16, page_size=128) == (
         gluon_row if has_gluon else row)
-    assert kernels.mla_decode_config(128, "sm90", gluon=False) == row
-    assert tma_row.tma and tma_row.split_score_keys
-    assert not pointer_row.tma and pointer_row.split_latent and not pointer_row.split_score_keys
-    assert kernels.mla_decode_config(128, "sm90", page_size=2 * row.block_n,
+    assert configs.mla_decode_config(128, "sm90", gluon=False) == row
+    assert configs.mla_decode_config(128, "sm90", page_size=2 * row.block_n,
                                      gluon=False) == row
-    for fallback in (kernels.mla_decode_config(128, "sm90", page_size=tma_row.block_n // 2),
-                     kernels.mla_decode_config(128, "sm90", fp8_cache=True),
-                     kernels.mla_decode_config(128, "sm90", tma=False)):
+    for fallback in (configs.mla_decode_config(128, "sm90", page_size=tma_row.block_n // 2),
+                     configs.mla_decode_config(128, "sm90", fp8_cache=True),
+                     configs.mla_decode_config(128, "sm90", tma=False)):
         assert fallback == pointer_row
-    # A family whose only row at a head count loads through descriptors falls back to it
-    # without them.
+    # A table whose rows for a head count all need TMA is refused, naming the fix.
     lone = {"only": ((1, dataclasses.replace(tma_row, block_h=16)),)}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "MLA_DECODE_CONFIGS", lone)
-        assert kernels.mla_decode_config(16, "only", tma=False) == dataclasses.replace(
-            tma_row, block_h=16, tma=False)
+        patch.setattr(configs, "MLA_DECODE_CONFIGS", lone)
+        with pytest.raises(ValueError, match="no row for 16 heads that loads without TMA"):
+            configs.mla_decode_config(16, "only", tma=False)
     if not has_descriptors:
         pytest.skip("this Triton has no tl.make_tensor_descriptor")
-    row = tma_row
     cache = torch.empty(4, 64, 576, dtype=torch.bfloat16)
-    assert kernels.tma_unmet(cache, 512, row) is None
-    assert "does not divide the cache's page size 32" in kernels.tma_unmet(cache[:, :32], 512, row)
+    assert descriptors.tma_unmet(cache, 512, tma_row.block_n) is None
+    assert "does not divide the cache's page size 32" in descriptors.tma_unmet(
+        cache[:, :32], 512, tma_row.block_n)
     odd = torch.empty(4 * 64 * 577 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 577)[..., :576]
-    assert "not a multiple of 16 bytes" in kernels.tma_unmet(odd, 512, row)
+    assert "not a multiple of 16 bytes" in descriptors.tma_unmet(odd, 512, tma_row.block_n)
 
 
 def test_the_split_choice_fills_the_gpu_and_no_more() -> None:
     """On 132 SMs (an H200): a batch with a program per SM is not split; few long requests
     are; never more splits than tiles or MAX_KV_SPLITS."""
-    many = kernels.mla_decode_config(128, "sm90")
-    few = kernels.mla_decode_config(16, "sm90")
-    assert kernels.mla_decode_num_splits(64, 128, 4096, many, 132) == 1
-    assert kernels.mla_decode_num_splits(128, 128, 2048, many, 132) == 1
-    assert kernels.mla_decode_num_splits(8, 128, 32768, many, 132) == 8
-    assert kernels.mla_decode_num_splits(64, 16, 4096, few, 132) == 2
-    assert kernels.mla_decode_num_splits(1, 16, 1 << 20, few, 132) == kernels.MAX_KV_SPLITS
-    assert kernels.mla_decode_num_splits(1, 16, 320, few, 132) == 5  # 5 tiles of 64
-    assert kernels.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
+    many = configs.mla_decode_config(128, "sm90")
+    few = configs.mla_decode_config(16, "sm90")
+    assert configs.mla_decode_num_splits(64, 128, 4096, many, 132) == 1
+    assert configs.mla_decode_num_splits(128, 128, 2048, many, 132) == 1
+    assert configs.mla_decode_num_splits(8, 128, 32768, many, 132) == 8
+    assert configs.mla_decode_num_splits(64, 16, 4096, few, 132) == 2
+    assert configs.mla_decode_num_splits(1, 16, 1 << 20, few, 132) == kvcore.ops.MAX_KV_SPLITS
+    assert configs.mla_decode_num_splits(1, 16, 320, few, 132) == 5  # 5 tiles of 64
+    assert configs.mla_decode_num_splits(1, 16, 4096, few, 1) == 1  # one SM: splitting only costs
 
 
 def test_the_split_choice_counts_programs_an_sm_runs_at_once() -> None:
     """A config whose programs fit two to an SM fills twice the slots: 64 requests of 4096
     tokens at 16 heads in tiles of 32 take 4 splits (256 programs on 264 slots), not 2."""
     one = _config(16, 32, num_warps=4, num_stages=3)
-    two = kernels.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
-                           programs_per_sm=2)
-    assert kernels.mla_decode_num_splits(64, 16, 4096, one, 132) == 2
-    assert kernels.mla_decode_num_splits(64, 16, 4096, two, 132) == 4
+    two = dataclasses.replace(one, programs_per_sm=2)
+    assert configs.mla_decode_num_splits(64, 16, 4096, one, 132) == 2
+    assert configs.mla_decode_num_splits(64, 16, 4096, two, 132) == 4
     with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1: the programs of "
                                          "this config one SM runs at once"):
-        kernels.LaunchConfig(block_q=1, block_h=16, block_n=32, num_warps=4, num_stages=3,
-                         programs_per_sm=0)
+        dataclasses.replace(one, programs_per_sm=0)
 
 
 def _check_latent_attention(num_heads: int, q: torch.Tensor, cache: torch.Tensor,
@@ -266,17 +259,18 @@ def test_the_builder_hands_its_config_and_splits_to_the_kernel() -> None:
     q, cache, table, _ = decode_case(gen, 64, 16, [100, 7])
     step = kvcore.build_attention_metadata([1, 1], [99, 6], table.tolist(), 16, device=DEVICE)
     meta = builder.build(step, graph_batch_size=2)
-    assert meta.decode_config == config
-    assert meta.num_kv_splits == builder.num_kv_splits(2) > 1
+    assert meta.plan.config == config
+    assert meta.plan.num_kv_splits == builder.num_kv_splits(2) > 1
     _check_latent_attention(64, q, cache, meta)
     prefill = builder.build(kvcore.build_attention_metadata([3], [4], table[:1].tolist(), 16,
                                                             device=DEVICE))
-    assert prefill.decode_config is None and prefill.num_kv_splits == 1
-    with pytest.raises(ValueError, match="decode_config=.* must be a LaunchConfig with "
-                                         "block_q=1"):
+    assert prefill.plan == configs.TritonMLAPlan(builder.mixed_config, 1)
+    assert prefill.plan.config.kernel == "triton_mla_mixed"
+    with pytest.raises(ValueError, match="decode_config=.* must be a decode kernel's "
+                                         "configuration"):
         TritonMLABackend.get_builder_cls()(
             spec, num_heads=64, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=256,
-            device=DEVICE, decode_config=kernels.LaunchConfig(2, 16, 16, 4, 1))
+            device=DEVICE, decode_config=configs.mixed_config(64, RANK))
 
 
 @pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
@@ -320,42 +314,35 @@ def test_an_eager_step_never_splits_beyond_the_workspace() -> None:
     q, cache, table, _ = decode_case(gen, 16, 16, [257])
     meta = builder.build(kvcore.build_attention_metadata([1], [256], table.tolist(), 16,
                                                          device=DEVICE))
-    assert meta.num_kv_splits == 8
+    assert meta.plan.num_kv_splits == 8
     _check_latent_attention(16, q, cache, meta)
-
-
-def test_a_gluon_config_must_be_the_gluon_kernels_tile() -> None:
-    gluon_row = kernels.MLA_DECODE_CONFIGS["sm90"][0][1]
-    with pytest.raises(ValueError, match="this config has block_n=32, split_latent=True: set"):
-        dataclasses.replace(gluon_row, block_n=32, split_latent=True)
-    with pytest.raises(ValueError, match="has tma=False"):
-        dataclasses.replace(gluon_row, tma=False)
 
 
 def test_gluon_unmet_names_what_the_gluon_kernel_cannot_take() -> None:
     q = torch.empty(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.empty(4, 64, 576, dtype=torch.bfloat16)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "gluon_available", lambda: "no Gluon here: use gluon=False")
-        assert kernels.gluon_unmet(q, cache, 512) == "no Gluon here: use gluon=False"
-        assert kernels.mla_decode_config(128, "sm90") == kernels.MLA_DECODE_CONFIGS["sm90"][1][1]
-    if kernels.gluon_available() is not None:
-        pytest.skip(kernels.gluon_available())
-    assert "got q torch.float32 and kv_cache torch.float32" in kernels.gluon_unmet(
+        patch.setattr(descriptors, "gluon_available", lambda: "no Gluon here")
+        patch.setattr(configs, "gluon_available", lambda: "no Gluon here")
+        assert descriptors.gluon_unmet(q, cache, 512) == "no Gluon here"
+        assert configs.mla_decode_config(128, "sm90") == configs.MLA_DECODE_CONFIGS["sm90"][1][1]
+    if descriptors.gluon_available() is not None:
+        pytest.skip(descriptors.gluon_available())
+    assert "got q torch.float32 and kv_cache torch.float32" in descriptors.gluon_unmet(
         q.float(), cache.float(), 512)
-    assert "got q torch.bfloat16 and kv_cache torch.float16" in kernels.gluon_unmet(
+    assert "got q torch.bfloat16 and kv_cache torch.float16" in descriptors.gluon_unmet(
         q, cache.half(), 512)
-    assert "kv_lora_rank = 128, 256 or 512" in kernels.gluon_unmet(
+    assert "kv_lora_rank = 128, 256 or 512" in descriptors.gluon_unmet(
         q[..., :448 + 64], cache[..., :448 + 64], 448)
-    assert "kv_lora_rank = 128, 256 or 512" in kernels.gluon_unmet(
+    assert "kv_lora_rank = 128, 256 or 512" in descriptors.gluon_unmet(
         q[..., :64 + 64], cache[..., :64 + 64], 64)
     wide_q = torch.empty(2, 128, 512 + 128, dtype=torch.bfloat16)
     wide_cache = torch.empty(4, 64, 512 + 128, dtype=torch.bfloat16)
     assert "640 channels in shared memory, 240 KiB, more than Hopper's 227 KiB" in \
-        kernels.gluon_unmet(wide_q, wide_cache, 512)
-    assert "rope width = 64 x a power of two" in kernels.gluon_unmet(q[..., :544],
+        descriptors.gluon_unmet(wide_q, wide_cache, 512)
+    assert "rope width = 64 x a power of two" in descriptors.gluon_unmet(q[..., :544],
                                                                      cache[..., :544], 512)
-    assert "does not divide the cache's page size 32" in kernels.gluon_unmet(q, cache[:, :32],
+    assert "does not divide the cache's page size 32" in descriptors.gluon_unmet(q, cache[:, :32],
                                                                               512)
     assert "runs on NVIDIA Hopper GPUs (compute capability 9.x); kv_cache is on cpu" in \
-        kernels.gluon_unmet(q, cache, 512)
+        descriptors.gluon_unmet(q, cache, 512)

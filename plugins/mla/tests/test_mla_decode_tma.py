@@ -1,8 +1,9 @@
-"""The MLA decode kernel's TMA path (``LaunchConfig(tma=True)``: latent tiles through tensor
-descriptors) against the float64 reference and against the default path: page sizes 16, 32
-and 64, one and several splits, 16 heads and 128 scaled down to 64, stale NaN bytes past a
-request's last key, cross-layer views; the refusals of caches and configs it cannot take; the
-scoped scratch allocator; and a real-size GPU case (``gpu``, skipped without one)."""
+"""The MLA decode kernel's TMA path (``"triton_mla_decode_tma_keysplit"``: latent tiles
+through tensor descriptors) against the float64 reference and against pointer loads: page
+sizes 16, 32 and 64, one and several splits, 16 heads and 128 scaled down to 64, stale NaN
+bytes past a request's last key, cross-layer views; the refusals of caches and configs it
+cannot take; the scoped scratch allocator; and a real-size GPU case (``gpu``, skipped without
+one)."""
 
 from __future__ import annotations
 
@@ -31,27 +32,26 @@ from mla_helpers import (
 import kvcore
 
 kernels = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+configs = pytest.importorskip("kvcore_mla.ops.mla_configs")
+descriptors = pytest.importorskip("kvcore_mla.ops.descriptors")
 
 RANK, ROPE = DECODE_RANK, DECODE_ROPE
 # Empty, one token, a partial tile, whole pages, several pages with a partial last tile.
 LENS = [0, 1, 17, 64, 130]
 
 
-def _config(block_h: int, block_n: int, *, tma: bool = True, split_latent: bool = False,
-            num_warps: int = 4, num_stages: int = 2):
-    return kernels.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n,
-                                num_warps=num_warps, num_stages=num_stages,
-                                split_latent=split_latent, tma=tma)
+def _config(block_h: int, block_n: int, *, tma: bool = True, num_warps: int = 4,
+            num_stages: int = 2):
+    """The TMA kernel's config, or with ``tma=False`` the same tile on pointer loads."""
+    cls = configs.TritonMLATMAKeySplitConfig if tma else configs.TritonMLADecodeConfig
+    return cls(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def _assert_same_as_default(ours, default, dtype) -> None:
-    """The interpreter runs both paths as the same float32 operations: bit-identical. A
-    compiled kernel may order a dot's reduction differently per path: within tolerance."""
+    """The TMA kernel scales each score part before the sum (key-split scores), the pointer
+    path after it: the same results within rounding."""
     for a, b, what in zip(ours, default, ("o", "lse"), strict=True):
-        if DEVICE == "cpu":
-            assert torch.equal(a, b), f"{what} differs from the default path"
-        else:
-            assert_close(a, b.double(), dtype, what)
+        assert_close(a, b.double(), dtype, what)
 
 
 @pytest.mark.parametrize("splits", [1, 4], ids=["splits1", "splits4"])
@@ -67,24 +67,6 @@ def test_tma_matches_float64_reference_and_default_path(heads, block_h, page, bl
     assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
     default = run_decode(q, cache, table, lens, splits, _config(block_h, block_n, tma=False))
-    _assert_same_as_default((o, lse), default, torch.float32)
-
-
-@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
-    (16, 16, 64, 64, 1),   # one tile a page
-    (64, 32, 16, 32, 3),   # two head groups, several tiles a page
-], ids=lambda v: str(v))
-def test_tma_split_latent_matches_float64_reference_and_default_path(heads, block_h, block_n,
-                                                                     page, splits) -> None:
-    """Latent halves: the second half's tile is loaded at column offset ``kv_lora_rank / 2``
-    of the same descriptor."""
-    gen = generator("mla-decode-tma-halves", heads, block_h, block_n, page, splits)
-    q, cache, table, lens = decode_case(gen, heads, page, LENS)
-    o, lse = run_decode(q, cache, table, lens, splits,
-                     _config(block_h, block_n, split_latent=True))
-    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
-    default = run_decode(q, cache, table, lens, splits,
-                      _config(block_h, block_n, tma=False, split_latent=True))
     _assert_same_as_default((o, lse), default, torch.float32)
 
 
@@ -129,16 +111,15 @@ def test_tma_ignores_stale_nan_bytes_past_the_last_key(splits: int) -> None:
                         torch.float32)
 
 
-@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
-def test_tma_on_a_cross_layer_view_is_bit_exact(split_latent: bool) -> None:
+def test_tma_on_a_cross_layer_view_is_bit_exact() -> None:
     """A layer of a cross-layer pool (page stride 3 pages): the descriptor's rows step a page
     every ``3 * page_size`` rows; same bits as the contiguous cache, the pool untouched."""
-    gen = generator("mla-decode-tma-xl", split_latent)
+    gen = generator("mla-decode-tma-xl")
     q, cache, table, lens = decode_case(gen, 16, 16, [70, 5, 33])
     pool, view = cross_layer_view(tuple(cache.shape), 3, 1, torch.float32, gen)
     view.copy_(cache)
     before = pool.clone()
-    config = _config(16, 16, split_latent=split_latent)
+    config = _config(16, 16)
     ours = run_decode(q, view, table, lens, 3, config)
     contiguous = run_decode(q, cache, table, lens, 3, config)
     assert view.stride(0) == 3 * cache.stride(0)
@@ -164,15 +145,15 @@ def _refused(cache, config, match: str, rank: int = RANK) -> None:
 
 def test_tma_refuses_a_tile_larger_than_the_page() -> None:
     cache = randn((8, 16, RANK + ROPE), torch.float32, generator("tma-page"))
-    _refused(cache, _config(16, 32), r"config.block_n=32 does not divide the cache's page "
-                                     r"size 16: the TMA path loads tiles that lie in one page "
-                                     r"\(use a block_n that divides the page size, or "
-                                     r"tma=False\)")
+    _refused(cache, _config(16, 32), r"block_n=32 does not divide the cache's page size 16: "
+                                     r"the TMA kernel loads tiles that lie in one page \(use a "
+                                     r"block_n that divides the page size, or a pointer-load "
+                                     r"config")
 
 
 def test_tma_refuses_a_cache_with_strided_channels() -> None:
     wide = randn((8, 16, 2 * (RANK + ROPE)), torch.float32, generator("tma-stride"))
-    _refused(wide[..., ::2], _config(16, 16), r"kv_cache has last stride 2; the TMA path needs "
+    _refused(wide[..., ::2], _config(16, 16), r"kv_cache has last stride 2; the TMA kernel needs "
                                               r"contiguous channels \(stride 1\)")
 
 
@@ -181,7 +162,7 @@ def test_tma_refuses_an_unaligned_base_address() -> None:
     cache = flat[1:].view(8, 16, RANK + ROPE)  # 4 bytes past an aligned address
     _refused(cache, _config(16, 16), r"kv_cache's base address 0x[0-9a-f]+ is not a multiple "
                                      r"of 16 bytes, as tensor descriptors \(TMA\) need: use a "
-                                     r"16-byte aligned cache, or tma=False")
+                                     r"16-byte aligned cache, or a pointer-load config")
 
 
 def test_tma_refuses_an_unaligned_token_stride() -> None:
@@ -195,15 +176,16 @@ def test_tma_refuses_a_page_stride_that_is_not_whole_tokens() -> None:
     storage = randn((8 * (page * width + 4),), torch.float32, generator("tma-page-stride"))
     cache = storage.as_strided((8, page, width), (page * width + 4, width, 1))
     _refused(cache, _config(16, 16), r"kv_cache's page stride 1284 is not a multiple of its "
-                                     r"token stride 80; the TMA path addresses the cache as rows")
+                                     r"token stride 80; the TMA kernel addresses the cache as rows")
 
 
 def test_tma_refuses_a_triton_without_tensor_descriptors(monkeypatch) -> None:
-    monkeypatch.delattr(kernels.tl, "make_tensor_descriptor")
+    monkeypatch.delattr(descriptors.tl, "make_tensor_descriptor")
     cache = randn((8, 16, RANK + ROPE), torch.float32, generator("tma-triton"))
-    _refused(cache, _config(16, 16), r"config.tma=True needs tl.make_tensor_descriptor \(Triton "
-                                     r"3.4 or newer\); Triton \S+ lacks it: upgrade Triton or "
-                                     r"use tma=False")
+    _refused(cache, _config(16, 16), r"the kernel triton_mla_decode_tma_keysplit needs "
+                                     r"tl.make_tensor_descriptor \(Triton 3.4 or newer\); "
+                                     r"Triton \S+ lacks it: upgrade Triton or use a "
+                                     r"pointer-load config")
 
 
 def _current_allocator():
@@ -220,8 +202,8 @@ def test_the_scratch_allocator_is_scoped_to_the_launch() -> None:
     def check() -> list:
         seen = []
         before = type(_current_allocator())
-        kernels._with_scratch_allocator(torch.device("cpu"),
-                                        lambda: seen.append(_current_allocator()))
+        descriptors.with_scratch_allocator(torch.device("cpu"),
+                                           lambda: seen.append(_current_allocator()))
         assert type(_current_allocator()) is before  # nothing leaks out of the launch
         return seen
 
@@ -248,19 +230,19 @@ def test_the_builder_refuses_a_tma_config_whose_tiles_cross_pages() -> None:
                 device=DEVICE)
     builder_cls = TritonMLABackend.get_builder_cls()
     with pytest.raises(ValueError, match=r"decode_config.block_n=32 does not divide the block "
-                                         r"size 16: its TMA loads \(tma=True\) take tiles that "
-                                         r"lie in one page"):
+                                         r"size 16: the kernel triton_mla_decode_tma_keysplit "
+                                         r"loads tiles that lie in one page"):
         builder_cls(spec, **args, decode_config=_config(16, 32))
-    assert builder_cls(spec, **args, decode_config=_config(16, 16)).decode_config.tma
+    assert builder_cls(spec, **args, decode_config=_config(16, 16)).decode_config.uses_tma
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("config", "splits"), [
-    (dict(block_n=64, num_stages=2, split_latent=True), 1),
-    (dict(block_n=64, num_stages=2, split_latent=False), 4),
-    (dict(block_n=32, num_stages=4, split_latent=False), 1),
-    (dict(block_n=32, num_stages=3, split_latent=True), 4),
-], ids=["n64-s2-halves", "n64-s2-splits4", "n32-s4", "n32-s3-halves-splits4"])
+    (dict(block_n=64, num_stages=2), 1),
+    (dict(block_n=64, num_stages=2), 4),
+    (dict(block_n=32, num_stages=4), 1),
+    (dict(block_n=32, num_stages=3), 4),
+], ids=["n64-s2", "n64-s2-splits4", "n32-s4", "n32-s3-splits4"])
 def test_tma_real_size_on_the_gpu(config: dict, splits: int) -> None:
     """DeepSeek sizes on the GPU: B4 x 1024 tokens (ragged: one request ends inside a page),
     128 heads, latent 512 + rope 64, bf16, pages of 64, 64-head TMA programs; against the
@@ -268,7 +250,7 @@ def test_tma_real_size_on_the_gpu(config: dict, splits: int) -> None:
     q, cache, table, seq_lens = real_size_decode_case(
         generator("mla-decode-tma-gpu", tuple(config.items()), splits))
     rank, scale = REAL_RANK, REAL_SCALE
-    tma_config = kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, tma=True, **config)
+    tma_config = _config(64, num_warps=8, **config)
     allocator = _current_allocator()
     o, lse = run_decode(q, cache, table, seq_lens, splits, tma_config, rank=rank, scale=scale)
     torch.cuda.synchronize()
@@ -276,6 +258,6 @@ def test_tma_real_size_on_the_gpu(config: dict, splits: int) -> None:
     assert_decode_close(o, lse, q, cache, table, seq_lens, torch.bfloat16, rank=rank,
                         scale=scale)
     default = run_decode(q, cache, table, seq_lens, splits,
-                      kernels.LaunchConfig(block_q=1, block_h=64, num_warps=8, **config),
+                      _config(64, num_warps=8, tma=False, **config),
                       rank=rank, scale=scale)
     assert_close(o, default[0].double(), torch.bfloat16, "o vs default path")

@@ -62,7 +62,7 @@ def test_compiles_for_sm90_with_its_wgmmas() -> None:
                               "3-splits-fp32-rows"])
 def test_real_size_matches_float64_reference(num_splits: int, partials: str | None) -> None:
     """bf16 partials as TRITON_MLA's decode carves them (decode_partials), and float32 rows
-    of an ``attn_logits`` workspace (split_rows), all from NaN-filled memory."""
+    of an ``attn_logits`` workspace, all from NaN-filled memory."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA decode kernel is written for Hopper (capability 9.x)")
     from kvcore_mla.ops import triton_mla_attention as tma
@@ -81,8 +81,9 @@ def test_real_size_matches_float64_reference(num_splits: int, partials: str | No
         parts = tma.decode_partials(workspace, *q.shape[:2], REAL_RANK, num_splits, q.dtype)
         assert parts[0].dtype == torch.bfloat16
     elif partials == "fp32":
-        parts = tma.split_rows(torch.full((*q.shape[:2], num_splits, REAL_RANK + 1),
-                                          float("nan"), device=q.device), REAL_RANK)
+        rows = torch.full((*q.shape[:2], num_splits, REAL_RANK + 1), float("nan"),
+                          device=q.device)
+        parts = rows[..., :REAL_RANK], rows[..., REAL_RANK]
     gluon_mla_decode(q, cache, REAL_RANK, seq_lens, table, REAL_SCALE, out, lse,
                      num_splits, *parts)
     assert_decode_close(out, lse, q, cache, table, seq_lens, torch.bfloat16, rank=REAL_RANK,
@@ -105,6 +106,7 @@ def test_other_shapes_it_accepts_match_float64_reference(heads: int, rank: int, 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA decode kernel is written for Hopper (capability 9.x)")
     from kvcore_mla.ops import triton_mla_attention as tma
+    from kvcore_mla.ops.descriptors import gluon_unmet
     from kvcore_mla.ops.gluon_mla_decode import gluon_mla_decode
 
     gen = generator("mla-gluon-shapes", heads, rank, rope, str(dtype))
@@ -117,7 +119,7 @@ def test_other_shapes_it_accepts_match_float64_reference(heads: int, rank: int, 
     for i, n in enumerate(lens):
         cache[table[i, (n - 1) // page], n % page or page:] = float("nan")
     q = randn((len(lens), heads, rank + rope), dtype, gen)
-    assert tma.gluon_unmet(q, cache, rank) is None
+    assert gluon_unmet(q, cache, rank) is None
     scale = (128 + rope) ** -0.5
     out = torch.full((len(lens), heads, rank), float("nan"), dtype=dtype, device=q.device)
     lse = torch.full((len(lens), heads), float("nan"), dtype=torch.float32, device=q.device)
@@ -137,6 +139,7 @@ def test_step_tensors_as_views_of_larger_buffers(num_splits: int) -> None:
     """TRITON_MLA's decode (the Gluon kernel on Hopper, the Triton one elsewhere) with seq_lens
     and the block table as stride-2 views whose gaps hold other values, as engines pass
     slices of persistent buffers: bit-identical to the dense tensors."""
+    from kvcore_mla.ops.mla_configs import TritonMLAPlan
     from kvcore_mla.ops.triton_mla_attention import mla_attention
 
     from kvcore.testing import strided_view
@@ -148,7 +151,7 @@ def test_step_tensors_as_views_of_larger_buffers(num_splits: int) -> None:
     def run(qsl: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return mla_attention(q, cache, kv_lora_rank=REAL_RANK, query_start_loc=qsl,
                              seq_lens=lens, block_table=table, scale=REAL_SCALE,
-                             max_query_len=1, num_kv_splits=num_splits)
+                             max_query_len=1, plan=TritonMLAPlan(num_kv_splits=num_splits))
 
     dense = run(qsl, seq_lens, table)
     views = (strided_view(qsl, 0), strided_view(seq_lens, 0),

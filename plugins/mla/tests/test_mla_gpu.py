@@ -116,13 +116,11 @@ def test_mla_decode_real_sizes(num_heads: int, page_size: int) -> None:
         assert_close(lse, lse_ref, torch.bfloat16, f"lse (splits={splits})")
 
 
-@pytest.mark.parametrize("shape", [(16, 1, 576, 512, True), (32, 8, 128, 128, False),
-                                   (32, 32, 128, 128, False)], ids=["MLA", "GQA", "MHA"])
-def test_decode_cross_layer_upstream_shapes(shape: tuple) -> None:
-    """The upstream decode kernel's own test sizes: 3 requests of 1027 tokens, a 16384-token
-    cache."""
-    num_heads, num_kv_heads, qk_dim, v_dim, is_mla = shape
-    gen = generator("gpu-upstream", shape)
+def test_decode_cross_layer_upstream_shapes() -> None:
+    """The upstream decode kernel's own MLA test sizes: 3 requests of 1027 tokens, a
+    16384-token cache."""
+    num_heads, num_kv_heads, qk_dim, v_dim = 16, 1, 576, 512
+    gen = generator("gpu-upstream", (num_heads, num_kv_heads, qk_dim, v_dim, True))
     page_size, num_pages, lens = 16, 16384 // 16, [1027, 1027, 1027]
     table = block_tables(lens, page_size, num_pages, gen)
     b_seq_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -130,14 +128,9 @@ def test_decode_cross_layer_upstream_shapes(shape: tuple) -> None:
     _, k_view = cross_layer_view((num_pages, page_size, num_kv_heads, qk_dim), 3, 1,
                                       torch.bfloat16, gen)
     k = k_view.contiguous()
-    if is_mla:
-        v, v_view = k[..., :v_dim], k_view[..., :v_dim]
-    else:
-        _, v_view = cross_layer_view((num_pages, page_size, num_kv_heads, v_dim), 3, 1,
-                                          torch.bfloat16, gen)
-        v = v_view.contiguous()
-    o, lse = _decode(q, k, v, table, b_seq_len, page_size, 8, is_mla)
-    o_xl, lse_xl = _decode(q, k_view, v_view, table, b_seq_len, page_size, 8, is_mla)
+    v, v_view = k[..., :v_dim], k_view[..., :v_dim]
+    o, lse = _decode(q, k, v, table, b_seq_len, page_size, 8, True)
+    o_xl, lse_xl = _decode(q, k_view, v_view, table, b_seq_len, page_size, 8, True)
     assert torch.equal(o, o_xl) and torch.equal(lse, lse_xl)
 
 
@@ -188,11 +181,12 @@ _VARIANTS = [(64, 64, 8, 2, True), (64, 32, 8, 3, False), (32, 64, 8, 3, False),
 def test_mla_decode_launch_variants_real_sizes(variant: tuple) -> None:
     """Each variant at 128 heads, blocks of 64: against float64, cross-layer bit-exact, and
     on a pool of more than 2**31 elements (its high blocks) bit-exact against a small cache."""
+    from kvcore_mla.ops import mla_configs
     from kvcore_mla.ops import triton_mla_attention as tma
 
     block_h, block_n, warps, stages, halves = variant
-    config = tma.LaunchConfig(block_q=1, block_h=block_h, block_n=block_n, num_warps=warps,
-                              num_stages=stages, split_latent=halves)
+    cls = mla_configs.TritonMLAHalvesConfig if halves else mla_configs.TritonMLADecodeConfig
+    config = cls(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
     gen = generator("gpu-decode-variant", variant)
     page, lens = 64, [4096, 3001, 1, 777]
     num_pages = sum(-(-n // page) for n in lens) + 7
@@ -314,8 +308,7 @@ def test_mla_decode_graph_replays_a_later_step(num_heads: int) -> None:
         mla_attention(q, cache, kv_lora_rank=RANK, query_start_loc=meta.query_start_loc,
                       seq_lens=meta.seq_lens, block_table=meta.block_table, scale=0.07,
                       output=out, max_query_len=meta.max_query_len,
-                      max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits,
-                      workspace=meta.workspace, config=meta.decode_config)
+                      max_seq_len=meta.max_seq_len, plan=meta.plan)
 
     meta = step([4096, 1, 700, 8192, 63, 2000])
     q.copy_(randn((batch, num_heads, ENTRY), torch.bfloat16, gen))

@@ -12,6 +12,7 @@ from mla_helpers import DEVICE, block_tables, generator, randn
 import kvcore
 
 tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
+TritonMLAPlan = pytest.importorskip("kvcore_mla.ops.mla_configs").TritonMLAPlan
 
 RANK, ROPE, PAGE, PAGES, HEADS = 32, 16, 8, 24, 4
 
@@ -48,7 +49,7 @@ def test_unowned_latent_slots_never_reach_the_output(path, q_lens, ctx_lens):
 
         def run(c):
             return tma.mla_attention(q, c, **args, max_query_len=meta.max_query_len,
-                                     num_kv_splits=splits)
+                                     plan=TritonMLAPlan(num_kv_splits=splits))
     clean = run(cache)
     dirty = run(_poisoned(cache, meta))
     assert torch.isfinite(dirty).all()

@@ -8,11 +8,12 @@ through the cache's real strides and are verified bit-exact on per-layer views o
 pools, so this backend opts in to cross-layer KV caches.
 
 The builder (:class:`TritonMLAMetadataBuilder`) keeps the step in persistent buffers, chooses
-the decode launch configuration (the GPU's row of
-:data:`~kvcore_mla.ops.triton_mla_attention.MLA_DECODE_CONFIGS`) at start-up and the decode
-split count once per step (from the batch size, the head count, the longest request and the SM
-count), and owns the split-KV workspace, so uniform-decode steps
-can be captured in CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the split
+the kernels' configurations (the decode one from the GPU's row of
+:data:`~kvcore_mla.ops.mla_configs.MLA_DECODE_CONFIGS`) at start-up and the decode split count
+once per step (from the batch size, the head count, the longest request and the SM count), and
+owns the split-KV workspace; it hands all three to the forward as the step's
+:class:`~kvcore_mla.ops.mla_configs.TritonMLAPlan`. Uniform-decode steps can be captured in
+CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the split
 count depends only on the captured batch size and ``max_model_len``, eagerly on the step's
 longest request. With its metadata a layer's forward launches only (the value checks were done
 once for the step, nothing is allocated for the splits).
@@ -23,10 +24,11 @@ Importing this module imports no kernel library: triton is imported when the imp
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+import kvcore.ops
 from kvcore import (
     AttentionLayer,
     AttentionMetadata,
@@ -40,60 +42,24 @@ from kvcore import (
 )
 from kvcore.ops import triton_fp8_reasons, triton_unavailable_reasons
 
+if TYPE_CHECKING:
+    from kvcore_mla.ops.mla_configs import TritonMLAPlan
+
 __all__ = ["TritonMLABackend", "TritonMLAImpl", "TritonMLAMetadata", "TritonMLAMetadataBuilder"]
-
-
-class TritonMLABackend(MLACommonBackend):
-    """MLA on Triton kernels; cross-layer KV caches supported (verified)."""
-
-    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-    # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability kvcore knows is above.
-    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
-    PLATFORMS = ("cuda", "rocm")
-    # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
-    # ROCm run passes them.
-    CROSS_LAYER_PLATFORMS = ("cuda",)
-    # With the builder's metadata the launch depends only on shapes and the builder's choices:
-    # no host sync, no split-KV allocation (module docstring).
-    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
-
-    NAME = "TRITON_MLA"
-    IMPL_CLS = "TritonMLAImpl"
-    BUILDER_CLS = "TritonMLAMetadataBuilder"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): both kernels take the page stride
-        from the cache and pass the cross-layer tests."""
-        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
-
-    @classmethod
-    def check_combination(
-        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
-    ) -> list[str]:
-        """fp8 caches need Triton's fp8 conversions, which NVIDIA GPUs have from 8.9 on."""
-        return triton_fp8_reasons(config.kv_cache_dtype, device_capability)
 
 
 @dataclasses.dataclass
 class TritonMLAMetadata(AttentionMetadata):
-    """:class:`~kvcore.AttentionMetadata` plus the builder's launch choices for the step.
+    """:class:`~kvcore.AttentionMetadata` plus the builder's plan for the step.
 
     Attributes:
-        num_kv_splits: split count of a decode step (1 for other steps).
-        workspace: the builder's float32 split-KV workspace, or ``None`` without splits.
-        decode_config: the decode kernel's launch configuration (a
-            :class:`kvcore_mla.ops.triton_mla_attention.LaunchConfig`), ``None`` for other
-            steps.
+        plan: the :class:`kvcore_mla.ops.mla_configs.TritonMLAPlan` the forward hands to
+            :func:`~kvcore_mla.ops.triton_mla_attention.mla_attention`: the kernel's
+            configuration (the decode one for a decode step, the mixed kernel's otherwise),
+            the split count and the builder's workspace. ``None``: the op plans the call.
     """
 
-    num_kv_splits: int = 1
-    workspace: torch.Tensor | None = None
-    decode_config: Any = None
+    plan: TritonMLAPlan | None = None
 
 
 def _is_decode(meta: AttentionMetadata) -> bool:
@@ -118,29 +84,35 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
-        from kvcore_mla.ops.triton_mla_attention import (
+        from kvcore_mla.ops.mla_configs import (
+            DECODE_CONFIG_TYPES,
             gpu_family,
+            mixed_config,
             mla_decode_config,
-            mla_workspace_numel,
         )
+        from kvcore_mla.ops.triton_mla_attention import mla_workspace_numel
         from kvcore_mla.ops.validation import FP8_DTYPES
 
-        # Checked by its fields, not its class: a reloaded module makes a second class.
-        if decode_config is not None and getattr(decode_config, "block_q", None) != 1:
-            raise ValueError(f"decode_config={decode_config!r} must be a LaunchConfig with "
-                             "block_q=1 (decode runs one query per program)")
-        if getattr(decode_config, "tma", False) and spec.block_size % decode_config.block_n:
+        # Checked by its kernel name, not its class: a reloaded module makes a second class.
+        if decode_config is not None and getattr(decode_config, "kernel", None) not in (
+                DECODE_CONFIG_TYPES):
+            raise ValueError(f"decode_config={decode_config!r} must be a decode kernel's "
+                             f"configuration (kernels: {', '.join(DECODE_CONFIG_TYPES)})")
+        if (getattr(decode_config, "uses_tma", False)
+                and spec.block_size % decode_config.block_n):
             raise ValueError(f"decode_config.block_n={decode_config.block_n} does not divide "
-                             f"the block size {spec.block_size}: its TMA loads (tma=True) take "
-                             "tiles that lie in one page; use a block_n that divides the block "
-                             "size, or tma=False")
+                             f"the block size {spec.block_size}: the kernel "
+                             f"{decode_config.kernel} loads tiles that lie in one page "
+                             "through TMA; use a block_n that divides the block size, or a "
+                             "pointer-load kernel's config")
         #: The decode kernel's launch configuration for every decode step.
         self.decode_config = decode_config or mla_decode_config(
             num_heads, gpu_family(self.device), page_size=spec.block_size,
             fp8_cache=spec.cache_dtype in FP8_DTYPES, dtype=spec.dtype)
+        #: The mixed kernel's configuration for every step with prefill tokens.
+        self.mixed_config = mixed_config(num_heads, spec.kv_lora_rank)
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                       if self.device.type == "cuda" else 1)
+            num_sms = kvcore.ops.num_sms(self.device)
         elif isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
             raise ValueError(f"num_sms={num_sms!r} must be a positive integer or None")
         #: SM count the decode split choice assumes.
@@ -158,7 +130,7 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         """The split count of a decode step of ``num_seqs`` requests no longer than
         ``max_seq_len`` (default ``max_model_len``: what a step captured for ``num_seqs``
         uses)."""
-        from kvcore_mla.ops.triton_mla_attention import mla_decode_num_splits
+        from kvcore_mla.ops.mla_configs import mla_decode_num_splits
 
         bound = self.max_model_len if max_seq_len is None else max_seq_len
         return mla_decode_num_splits(num_seqs, self.num_heads, bound, self.decode_config,
@@ -181,9 +153,11 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
                          self.num_kv_splits(meta.num_seqs))
         else:
             splits = 1
-        return meta.extend(TritonMLAMetadata, num_kv_splits=splits,
-                           workspace=self.workspace if splits > 1 else None,
-                           decode_config=self.decode_config if decode else None)
+        from kvcore_mla.ops.mla_configs import TritonMLAPlan
+
+        plan = TritonMLAPlan(self.decode_config if decode else self.mixed_config, splits,
+                             self.workspace if splits > 1 else None)
+        return meta.extend(TritonMLAMetadata, plan=plan)
 
 
 def _check_runnable(kv_cache: torch.Tensor) -> None:
@@ -199,7 +173,7 @@ def _check_runnable(kv_cache: torch.Tensor) -> None:
 class TritonMLAImpl(MLACommonImpl):
     """:class:`kvcore.MLACommonImpl` on the Triton kernels (the same arguments as CPU_MLA's)."""
 
-    def do_kv_cache_update(
+    def write_kv_cache(
         self,
         layer: AttentionLayer,
         key: torch.Tensor,
@@ -225,13 +199,47 @@ class TritonMLAImpl(MLACommonImpl):
         _check_runnable(kv_cache)
         from kvcore_mla.ops.triton_mla_attention import mla_attention
 
+        plan = attn_metadata.plan if isinstance(attn_metadata, TritonMLAMetadata) else None
         return mla_attention(
             q, kv_cache, kv_lora_rank=self.kv_lora_rank,
             query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
             block_table=attn_metadata.block_table, scale=self.scale,
             kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
             max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
-            **({"num_kv_splits": attn_metadata.num_kv_splits,
-                "workspace": attn_metadata.workspace, "config": attn_metadata.decode_config}
-               if isinstance(attn_metadata, TritonMLAMetadata) else {}),
-        )
+            plan=plan)
+
+
+class TritonMLABackend(MLACommonBackend):
+    """MLA on Triton kernels; cross-layer KV caches supported (verified)."""
+
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability kvcore knows is above.
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
+    PLATFORMS = ("cuda", "rocm")
+    # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
+    # ROCm run passes them.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
+    # With the builder's metadata the launch depends only on shapes and the builder's choices:
+    # no host sync, no split-KV allocation (module docstring).
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+
+    NAME = "TRITON_MLA"
+    IMPL_CLS = TritonMLAImpl
+    BUILDER_CLS = TritonMLAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): both kernels take the page stride
+        from the cache and pass the cross-layer tests."""
+        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        """fp8 caches need Triton's fp8 conversions, which NVIDIA GPUs have from 8.9 on."""
+        return triton_fp8_reasons(config.kv_cache_dtype, device_capability)

@@ -93,12 +93,12 @@ def decode_attention_fwd(
     num_kv_splits: int,
     sm_scale: float,
     page_size: int,
-    is_mla: bool = False,
+    is_mla: bool = True,
     *,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
 ) -> None:
-    """Split-KV decode attention (MLA, GQA, MHA) over a paged cache, writing ``o`` and ``lse``.
+    """Split-KV MLA decode over a paged latent cache, writing ``o`` and ``lse``.
 
     See :func:`kvcore_mla.ops.triton_mla_attention.decode_attention_fwd` for the arguments.
     """

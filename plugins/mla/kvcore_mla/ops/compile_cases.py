@@ -2,12 +2,12 @@
 
 Each case calls an op of :mod:`kvcore_mla.ops` on CPU tensors of DeepSeek-V3/V3.2 shapes
 (``kv_lora_rank`` 512, rope 64; 128 query heads on one GPU, 16 with 8-way tensor parallelism;
-the indexer's 128-dim keys), with the launch config and split count the ops' choosers pick
-for the target (its vendor, capability and SM/CU count): for MLA decode the table row
-(:func:`~kvcore_mla.ops.triton_mla_attention.mla_decode_config`) and
-:func:`~kvcore_mla.ops.triton_mla_attention.mla_decode_num_splits`, as TRITON_MLA's builder
-does; :func:`~kvcore_mla.ops.triton_mla_attention.default_config` for the rest. Registered by
-:mod:`kvcore_mla.plugin`.
+the indexer's 128-dim keys), with the kernel configuration and split count the ops' choosers
+pick for the target (its vendor, capability and SM/CU count): for MLA decode the table row
+(:func:`~kvcore_mla.ops.mla_configs.mla_decode_config`) and
+:func:`~kvcore_mla.ops.mla_configs.mla_decode_num_splits`, as TRITON_MLA's builder does;
+:func:`~kvcore_mla.ops.mla_configs.mixed_config` for mixed batches. Each attention case's
+launch returns the name of the kernel it ran. Registered by :mod:`kvcore_mla.plugin`.
 """
 
 from __future__ import annotations
@@ -56,14 +56,15 @@ def _skip(backend: str, target: CompileTarget, dtype: torch.dtype,
 def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: int,
               num_heads: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
               max_spills: int | None = None, gluon: bool = True) -> KernelCase:
-    def launch() -> None:
-        from kvcore_mla.ops.triton_mla_attention import (
-            default_config,
+    def launch() -> str:
+        from kvcore_mla.ops.mla_configs import (
+            TritonMLAPlan,
             family_of,
-            mla_attention,
+            mixed_config,
             mla_decode_config,
             mla_decode_num_splits,
         )
+        from kvcore_mla.ops.triton_mla_attention import mla_attention
 
         fp8 = kv_cache_dtype != "auto"
         head_dim = _KV_LORA_RANK + _ROPE_DIM
@@ -73,58 +74,27 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
         seq_lens = torch.tensor([context + n for n in q_lens], dtype=torch.int32)
         query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).int()
         max_seq_len = int(seq_lens.max())
-        decode = max(q_lens) == 1
-        splits = 1
-        if decode:  # as TRITON_MLA's builder does, with the target's table row and SM count
+        if max(q_lens) == 1:  # as TRITON_MLA's builder does, with the target's row and SMs
             cap = target.device_capability
             config = mla_decode_config(num_heads, family_of((cap.major, cap.minor),
                                                             rocm=target.is_rocm),
                                        page_size=_BLOCK_SIZE, fp8_cache=fp8, gluon=gluon)
-            splits = mla_decode_num_splits(num_seqs, num_heads, max_seq_len, config,
-                                           target.num_sms)
+            plan = TritonMLAPlan(config, mla_decode_num_splits(num_seqs, num_heads, max_seq_len,
+                                                               config, target.num_sms))
         else:
-            config = default_config(num_heads, 1, _KV_LORA_RANK, decode=False,
-                                    rocm=target.is_rocm)
+            plan = TritonMLAPlan(mixed_config(num_heads, _KV_LORA_RANK, rocm=target.is_rocm))
         q = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
         mla_attention(q, kv_cache, kv_lora_rank=_KV_LORA_RANK, query_start_loc=query_start_loc,
                       seq_lens=seq_lens, block_table=_block_table(num_seqs, max_seq_len,
                                                                   _BLOCK_SIZE),
                       scale=head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype,
                       k_scale=torch.ones(1) if fp8 else None, max_query_len=max(q_lens),
-                      max_seq_len=max_seq_len, num_kv_splits=splits, config=config)
+                      max_seq_len=max_seq_len, plan=plan)
+        return plan.config.kernel
 
     allowance = {} if max_spills is None else {"max_spills": max_spills}
     return KernelCase(name, launch, skip=_skip("TRITON_MLA", target, dtype, kv_cache_dtype),
                       **allowance)
-
-
-def _gqa_decode_case(target: CompileTarget, name: str, *, batch: int, context: int,
-                     num_heads: int, num_kv_heads: int, head_size: int,
-                     dtype: torch.dtype) -> KernelCase:
-    """:func:`decode_attention_fwd` on a K/V cache (the SGLang-style API, GQA)."""
-    def launch() -> None:
-        from kvcore_mla.ops.triton_mla_attention import (
-            decode_attention_fwd,
-            default_config,
-            default_num_kv_splits,
-        )
-
-        config = default_config(num_heads, num_kv_heads, head_size, decode=True,
-                                rocm=target.is_rocm)
-        head_blocks = num_kv_heads * -(-(num_heads // num_kv_heads) // config.block_h)
-        splits = default_num_kv_splits(batch, head_blocks, context, torch.device("cpu"),
-                                       block_h=config.block_h, num_sms=target.num_sms)
-        k = torch.empty(_NUM_BLOCKS, _BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype)
-        v = torch.empty_like(k)
-        q = torch.empty(batch, num_heads, head_size, dtype=dtype)
-        o = torch.empty_like(q)
-        lse = torch.empty(batch, num_heads, dtype=torch.float32)
-        logits = torch.empty(batch, num_heads, splits, head_size + 1, dtype=torch.float32)
-        decode_attention_fwd(q, k, v, o, lse, _block_table(batch, context, _BLOCK_SIZE),
-                             torch.full((batch,), context, dtype=torch.int32), logits, splits,
-                             head_size ** -0.5, _BLOCK_SIZE, config=config)
-
-    return KernelCase(name, launch)
 
 
 def _latent_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype,
@@ -163,15 +133,15 @@ def _indexer_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype,
 
 def compile_cases(target: CompileTarget) -> list[KernelCase]:
     """MLA decode (128 and 16 heads, split-KV as chosen for the target), mixed prefill+decode,
-    fp8 latent caches, the GQA decode API, the latent and indexer cache writes."""
+    fp8 latent caches, the latent and indexer cache writes."""
     bf16, fp16 = torch.bfloat16, torch.float16
     mixed = [2048, 2048] + [1] * 62
     return [
-        # On sm90 the first case runs the Gluon kernel (its table row); the second the Triton
-        # kernel's row that follows it (64-key tiles through TMA, key-split scores), which
-        # spills 856 bytes a thread with Triton 3.9 (300 with 3.6) and was still the fastest
-        # Triton candidate on the H200 (benchmarks/RESULTS.md); spilling more than that is a
-        # regression. (Without Gluon, Triton before 3.6, the first case runs that row too.)
+        # On sm90 the first case runs gluon_mla_ws (its table row); the second the row that
+        # follows it, triton_mla_decode_tma_keysplit, which spills 856 bytes a thread with
+        # Triton 3.9 (300 with 3.6) and is still the fastest Triton kernel at 128 heads
+        # (MEASUREMENTS.md); spilling more than that is a regression. (Without Gluon, Triton
+        # before 3.6, the first case runs that row too.)
         _mla_case(target, "MLA decode 64x4096 H128 bf16", q_lens=[1] * 64, context=4095,
                   num_heads=128, dtype=bf16, max_spills=896),
         _mla_case(target, "MLA decode 64x4096 H128 bf16 Triton kernel", q_lens=[1] * 64,
@@ -186,9 +156,6 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
                   context=2048, num_heads=16, dtype=bf16),
         _mla_case(target, "MLA mixed 2x2048+62x1 ctx2048 H128 bf16 fp8-e4m3 KV", q_lens=mixed,
                   context=2048, num_heads=128, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
-        _gqa_decode_case(target, "GQA decode 64x4096 Hq32/Hk8 D128 bf16", batch=64,
-                         context=4096, num_heads=32, num_kv_heads=8, head_size=128,
-                         dtype=bf16),
         _latent_write_case(target, "latent write 2048 tok bf16", dtype=bf16),
         _latent_write_case(target, "latent write 2048 tok fp16", dtype=fp16),
         _latent_write_case(target, "latent write 2048 tok bf16 -> fp8-e4m3", dtype=bf16,

@@ -1,8 +1,8 @@
-"""MLA decode for Hopper in Gluon (``triton.experimental.gluon``), Triton's lower-level
-language where the program places layouts, shared memory, barriers and wgmma waits itself.
-TRITON_MLA runs it for 64+ heads on sm90 (``LaunchConfig.gluon``, the first sm90 row of
-:data:`~kvcore_mla.ops.triton_mla_attention.MLA_DECODE_CONFIGS`); it needs Triton 3.6 or newer
-and imports nothing at ``import kvcore_mla``.
+"""The Gluon kernel ``"gluon_mla_ws"``: MLA decode for Hopper in Gluon
+(``triton.experimental.gluon``), Triton's lower-level language where the program places
+layouts, shared memory, barriers and wgmma waits itself. TRITON_MLA runs it for 64+ heads on
+sm90 (the first sm90 row of :data:`~kvcore_mla.ops.mla_configs.MLA_DECODE_CONFIGS`); it needs
+Triton 3.6 or newer and imports nothing at ``import kvcore_mla``.
 
 One program per (64-head group, KV split, request), warp-specialised (``gl.warp_specialize``)
 into the roles FlashMLA and FlashInfer's Hopper MLA kernels give their warpgroups:
@@ -18,21 +18,19 @@ into the roles FlashMLA and FlashInfer's Hopper MLA kernels give their warpgroup
 
 P lives in the tile's first rope chunk: once its scores are done the rope part is never read
 again (FlashInfer's union), which leaves room for the query (72 KiB) and two 72 KiB stages.
-Splits write their partial rows (TRITON_MLA's decode_partials) and its merge kernel reduces
-them.
+Splits write their partial rows (:func:`~kvcore_mla.ops.triton_mla_attention.decode_partials`)
+and :func:`kvcore.ops.merge_kv_splits` reduces them.
 
 Why this split of roles: splitting each tile's scores by keys between two symmetric
-warpgroups (the first version of this kernel, and the Triton kernel's best row) makes each
-issue ``64 x 32`` wgmmas that read the whole query from shared memory, twice a tile in all;
-shared-memory bandwidth, not the tensor cores, then bounds the scores. On the H200 at 128
-heads the symmetric kernel ran at 0.86-0.89x FlashInfer's speed, this one at 0.96-1.02x
-(``benchmarks/RESULTS.md``, the Gluon MLA decode sections). Why Gluon and not Triton
-(``_mla_decode_kernel``): Triton waits every wgmma at once, hoists every wgmma descriptor out
-of the loop (they spill) and puts a CTA-wide barrier before each TMA copy; here the waits,
-descriptors, copies and roles are placed by hand.
+warpgroups (as the Triton kernel's key-split variant does) makes each issue ``64 x 32``
+wgmmas that read the whole query from shared memory, twice a tile in all; shared-memory
+bandwidth, not the tensor cores, then bounds the scores (``MEASUREMENTS.md`` has the
+numbers). Why Gluon and not Triton: Triton waits every wgmma at once, hoists every wgmma
+descriptor out of the loop (they spill) and puts a CTA-wide barrier before each TMA copy; here
+the waits, descriptors, copies and roles are placed by hand.
 
-Triton API differences handled here: 3.6 (the H200) has ``gl.thread_barrier``,
-``tma.async_copy_global_to_shared`` and ``_reinterpret``; 3.9 (CI) ``gl.barrier``,
+Triton API differences handled here: 3.6 has ``gl.thread_barrier``,
+``tma.async_copy_global_to_shared`` and ``_reinterpret``; 3.9 ``gl.barrier``,
 ``tma.async_load`` and ``reinterpret``.
 """
 
@@ -45,11 +43,13 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kvcore.ops import LOG2E, merge_kv_splits
+from kvcore_mla.ops.descriptors import gluon_unmet
+
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # Shared-memory views change type with ``reinterpret`` (Triton 3.9), ``_reinterpret`` (3.6).
 _NEW_REINTERPRET = hasattr(gl.shared_memory_descriptor, "reinterpret")
-_LOG2E = 1.4426950408889634
 
 
 @gluon.jit
@@ -58,8 +58,7 @@ def _issue_tile(nope_desc, pe_desc, nope_s, pe_s, bars, stage, row, BLOCK_N: gl.
     descriptors see the latent and the rope part as ``(chunk of 64 channels, row, 64)``, so
     one 3-d box lands as swizzled ``[BLOCK_N, 64]`` chunks, the layout of a ``[BLOCK_N, 64 *
     chunks]`` tile. (Triton's lowering puts a barrier before every TMA and mbarrier
-    operation: in the kernel's first, non-specialised version a copy per chunk cost 10 of them
-    a tile, and a barrier per chunk 19; both measured slower on the H200.)"""
+    operation, so a copy per chunk would cost a barrier per chunk.)"""
     bar = bars.index(stage)
     mbarrier.expect(bar, BLOCK_N * (nope_s.shape[1] + pe_s.shape[1]) * 64 * 2)
     _tma_load(nope_desc, [0, row, 0], bar, nope_s.index(stage))
@@ -415,18 +414,16 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     kv_lora_rank)`` and the natural-log ``lse`` ``(batch, heads)`` when given.
 
     ``q`` ``(batch, heads, kv_lora_rank + rope)`` and ``kv_cache`` ``(num_pages, page_size,
-    kv_lora_rank + rope)`` bf16 or fp16, as :func:`~kvcore_mla.ops.triton_mla_attention.
-    gluon_unmet` requires (which this checks first, raising ValueError with its reason);
+    kv_lora_rank + rope)`` bf16 or fp16, as :func:`~kvcore_mla.ops.descriptors.gluon_unmet`
+    requires (which this checks first, raising ValueError with its reason);
     ``block_table`` ``(batch, max_pages)`` and ``seq_lens`` ``(batch,)`` int32, already
     validated by the caller (TRITON_MLA's decode entry points). With ``num_splits`` > 1 each
     request's tiles are cut into that many parts, each part's normalised output written to
     ``partials`` (``(batch, heads, num_splits, kv_lora_rank)``, float32 or ``q``'s dtype, last
     stride 1) and its base-2 log-sum-exp to ``partial_lse`` (``(batch, heads, num_splits)``,
-    float32), then merged by TRITON_MLA's merge kernel
+    float32), then merged by :func:`kvcore.ops.merge_kv_splits`
     (:func:`~kvcore_mla.ops.triton_mla_attention.decode_partials` carves both from a
     workspace)."""
-    from kvcore_mla.ops.triton_mla_attention import _merge_splits, gluon_unmet
-
     reason = gluon_unmet(q, kv_cache, kv_lora_rank)
     if reason is not None:
         raise ValueError(reason)
@@ -468,7 +465,7 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
         block_table = block_table.contiguous()
     _gluon_mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
         q, nope_desc, pe_desc, out, lse_arg, part, part_lse, seq_lens, block_table,
-        float(scale) * _LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
+        float(scale) * LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
         *q.stride(), *out.stride(), *lse_strides, *part_strides, *part_lse_strides,
         block_table.stride(0),
         D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
@@ -476,5 +473,4 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
         NEW_API=_NEW_REINTERPRET, num_warps=4,
     )
     if split:
-        _merge_splits(partials, partial_lse, out, lse, num_splits,
-                      max(16, 1 << (kv_lora_rank - 1).bit_length()))
+        merge_kv_splits(partials, partial_lse, out, lse)

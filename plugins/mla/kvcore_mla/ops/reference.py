@@ -189,7 +189,7 @@ def decode_attention_ref(
     num_kv_splits: int,
     sm_scale: float,
     page_size: int,
-    is_mla: bool = False,
+    is_mla: bool = True,
     *,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,

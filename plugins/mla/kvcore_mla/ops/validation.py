@@ -126,8 +126,8 @@ def validate_decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``decode_attention_fwd``'s arguments.
 
-    Returns ``(k_buffer, v_buffer)`` as 4-dim ``(num_pages, page_size, num_kv_heads, dim)``
-    views (a 3-dim MLA cache gains its single KV-head dim). ``attn_logits=None`` is accepted
+    Returns ``(k_buffer, v_buffer)`` as 4-dim ``(num_pages, page_size, 1, dim)`` views (a
+    3-dim latent cache gains its single KV-head dim). ``attn_logits=None`` is accepted
     by the reference, which needs no workspace.
     """
     for n, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o),
@@ -169,28 +169,29 @@ def validate_decode_attention(
             f"v_buffer has (num_pages, page_size, num_kv_heads)={tuple(v_buffer.shape[:3])} "
             f"but k_buffer has {tuple(k_buffer.shape[:3])}"
         )
-    if num_heads % num_kv_heads:
-        raise ValueError(f"q has {num_heads} heads, not a multiple of the cache's "
-                         f"{num_kv_heads} KV heads")
+    if not is_mla or num_kv_heads != 1:
+        raise ValueError(
+            f"decode_attention_fwd got is_mla={is_mla!r} and a cache of {num_kv_heads} KV heads; "
+            "it computes MLA decode only (is_mla=True, one latent per token): for GQA/MHA "
+            "caches use kvcore.ops.paged_attention")
     if k_buffer.dtype != v_buffer.dtype:
         raise TypeError(f"v_buffer has dtype {v_buffer.dtype} but k_buffer has {k_buffer.dtype}")
     if k_buffer.dtype != q.dtype and k_buffer.dtype not in FP8_DTYPES:
         raise TypeError(f"k_buffer has dtype {k_buffer.dtype}; expected q's dtype {q.dtype} or "
                         "fp8 (float8_e4m3fn / float8_e5m2)")
-    if is_mla:
-        # MLA's values are the first v_head_dim channels of the latent cache: v_buffer must be
-        # that view, so the kernel reads every latent once and uses it for both K and V.
-        # Strides of size-1 dims are arbitrary (an unsqueezed KV-head dim), so they are skipped.
-        same_strides = all(vs == ks for vs, ks, n in zip(v_buffer.stride(), k_buffer.stride(),
-                                                          k_buffer.shape, strict=True) if n > 1)
-        aliased = v_buffer.data_ptr() == k_buffer.data_ptr() and same_strides and v_dim <= k_dim
-        if not aliased:
-            raise ValueError(
-                "is_mla=True needs v_buffer = k_buffer[..., :v_head_dim] (the latent's first "
-                f"channels, same storage and strides); got v_buffer of shape "
-                f"{tuple(v_buffer.shape)} and strides {v_buffer.stride()} for k_buffer of shape "
-                f"{tuple(k_buffer.shape)} and strides {k_buffer.stride()}"
-            )
+    # MLA's values are the first v_head_dim channels of the latent cache: v_buffer must be
+    # that view, so the kernel reads every latent once and uses it for both K and V. Strides
+    # of size-1 dims are arbitrary (an unsqueezed KV-head dim), so they are skipped.
+    same_strides = all(vs == ks for vs, ks, n in zip(v_buffer.stride(), k_buffer.stride(),
+                                                      k_buffer.shape, strict=True) if n > 1)
+    aliased = v_buffer.data_ptr() == k_buffer.data_ptr() and same_strides and v_dim <= k_dim
+    if not aliased:
+        raise ValueError(
+            "is_mla=True needs v_buffer = k_buffer[..., :v_head_dim] (the latent's first "
+            f"channels, same storage and strides); got v_buffer of shape "
+            f"{tuple(v_buffer.shape)} and strides {v_buffer.stride()} for k_buffer of shape "
+            f"{tuple(k_buffer.shape)} and strides {k_buffer.stride()}"
+        )
     if o.shape != (batch, num_heads, v_dim):
         raise ValueError(f"o has shape {tuple(o.shape)}; expected (batch, num_heads, v_head_dim)"
                          f" = {(batch, num_heads, v_dim)}")
