@@ -77,3 +77,15 @@ def fill_layers(caches: kvcore.KVCaches, gen: torch.Generator) -> None:
     its physical order differs between the two, so the same draws land in other layers.)"""
     for view in caches.layers:
         view.copy_(torch.randn(view.shape, generator=gen).to(view.dtype))
+
+
+def plan_lists(decode: bool, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """The page lists a fake FlashInfer wrapper's ``plan`` is given, for its prefill or decode
+    wrapper alike: ``(qo_indptr, kv_indptr, kv_indices, last_page_len, page_size)``. A decode
+    plan has one query a request and is not causal (``kwargs`` gets ``causal=False``)."""
+    if decode:
+        indptr, indices, last, _, _, _, page = args
+        kwargs.setdefault("causal", False)
+        return torch.arange(indptr.numel(), dtype=torch.int32), indptr, indices, last, page
+    qo, indptr, indices, last, _, _, _, page = args
+    return qo, indptr, indices, last, page

@@ -25,7 +25,7 @@ from kvcore_nvidia.backends.flashinfer import (
     HostPages,
     flashinfer_kernels,
 )
-from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
+from nvidia_helpers import REL_ERR, mixed_batch, plan_lists, reference, rel_err
 
 import kvcore
 from kvcore.testing import contiguous_attention_ref
@@ -48,12 +48,7 @@ class _Wrapper:
         _Wrapper.made.append(self)
 
     def plan(self, *args: object, **kwargs: object) -> None:
-        if self.decode:
-            indptr, indices, last, _, _, _, page = args
-            qo = torch.arange(indptr.numel(), dtype=torch.int32)
-            kwargs.setdefault("causal", False)
-        else:
-            qo, indptr, indices, last, _, _, _, page = args
+        qo, indptr, indices, last, page = plan_lists(self.decode, args, kwargs)
         assert not any(t.device.type == "cuda" for t in (qo, indptr, last)), \
             "host lists are planned on the host"
         if self.graph:

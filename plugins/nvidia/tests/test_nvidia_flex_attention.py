@@ -85,17 +85,27 @@ def test_encoder_only_layers_ignore_the_causal_flag_and_never_write_the_cache():
     assert rel_err(out, reference(impl, batch, scratch)) < REL_ERR[torch.float32]
 
 
-def test_the_block_mask_is_built_once_per_step(monkeypatch):
-    # Patched where the impl looks it up (another test may have re-imported the module).
+def _mask_builds(monkeypatch) -> list[int | None]:
+    """The sliding window of every block mask the impl builds from now on (patched where the
+    impl looks it up: another test may have re-imported the module)."""
     namespace = FlexAttentionBackend.get_impl_cls().forward.__globals__
     builds = []
     build = namespace["build_block_mask"]
     monkeypatch.setitem(namespace, "build_block_mask",
                         lambda *a: (builds.append(a[-1]), build(*a))[1])
-    gen, kv_cache, impl = _setup(torch.float32, seed=6)
-    windowed = FlexAttentionBackend.get_impl_cls()(
+    return builds
+
+
+def _windowed(window: int) -> kvcore.AttentionImpl:
+    return FlexAttentionBackend.get_impl_cls()(
         num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
-        num_kv_heads=NUM_KV_HEADS, sliding_window=5)
+        num_kv_heads=NUM_KV_HEADS, sliding_window=window)
+
+
+def test_the_block_mask_is_built_once_per_step(monkeypatch):
+    builds = _mask_builds(monkeypatch)
+    gen, kv_cache, impl = _setup(torch.float32, seed=6)
+    windowed = _windowed(5)
     batch = mixed_batch(impl, kv_cache, gen)
     for layer in (impl, impl, windowed, windowed):
         out = layer.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
@@ -111,15 +121,9 @@ def test_the_block_mask_is_built_once_per_step(monkeypatch):
 def test_the_builders_steps_build_each_layer_kinds_mask_once(monkeypatch):
     """With the builder's metadata, layers alternating a sliding window and none build two
     masks per step (not one per layer); a new step builds them again."""
-    namespace = FlexAttentionBackend.get_impl_cls().forward.__globals__
-    builds = []
-    build = namespace["build_block_mask"]
-    monkeypatch.setitem(namespace, "build_block_mask",
-                        lambda *a: (builds.append(a[-1]), build(*a))[1])
+    builds = _mask_builds(monkeypatch)
     gen, kv_cache, impl = _setup(torch.float32, seed=8)
-    windowed = FlexAttentionBackend.get_impl_cls()(
-        num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
-        num_kv_heads=NUM_KV_HEADS, sliding_window=5)
+    windowed = _windowed(5)
     batch = mixed_batch(impl, kv_cache, gen)
     spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
                                     num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE)

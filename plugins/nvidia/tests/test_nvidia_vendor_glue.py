@@ -22,7 +22,7 @@ from kvcore_nvidia.backends import flash_attn as fa_backend
 from kvcore_nvidia.backends import flashinfer as fi_backend
 from kvcore_nvidia.backends.flash_attn import FlashAttentionBackend
 from kvcore_nvidia.backends.flashinfer import FlashInferBackend, flashinfer_page_table
-from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
+from nvidia_helpers import REL_ERR, mixed_batch, plan_lists, reference, rel_err
 
 import kvcore
 from kvcore.testing import contiguous_attention_ref
@@ -74,12 +74,7 @@ class _FakeWrapper:
         self.planned: dict[str, object] = {}
 
     def plan(self, *args: object, **kwargs: object) -> None:
-        if self.decode:
-            indptr, indices, last, _, _, _, page = args
-            qo = torch.arange(indptr.numel(), dtype=torch.int32)
-            kwargs.setdefault("causal", False)
-        else:
-            qo, indptr, indices, last, _, _, _, page = args
+        qo, indptr, indices, last, page = plan_lists(self.decode, args, kwargs)
         self.planned = dict(qo=qo.cpu(), indptr=indptr.cpu(), indices=indices.cpu(),
                             last=last.cpu(), page=page, **kwargs)
 
