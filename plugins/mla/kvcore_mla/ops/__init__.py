@@ -81,31 +81,18 @@ def indexer_k_quant_and_cache(
     impl(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)
 
 
-def decode_attention_fwd(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    req_to_page: torch.Tensor,
-    b_seq_len: torch.Tensor,
-    attn_logits: torch.Tensor,
-    num_kv_splits: int,
-    sm_scale: float,
-    page_size: int,
-    is_mla: bool = True,
-    *,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Split-KV MLA decode over a paged latent cache, writing ``o`` and ``lse``.
+def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, *args: object,
+                         **scales: torch.Tensor | float | None) -> None:
+    """Split-KV MLA decode over a paged latent cache, writing ``o`` and ``lse``: the Triton
+    kernels for GPU tensors (a query not float64), else
+    :func:`~kvcore_mla.ops.reference.decode_attention_ref`.
 
-    See :func:`kvcore_mla.ops.triton_mla_attention.decode_attention_fwd` for the arguments.
+    Arguments as :func:`kvcore_mla.ops.triton_mla_attention.decode_attention_fwd` takes them
+    (``v_buffer, o, lse, req_to_page, b_seq_len, attn_logits, num_kv_splits, sm_scale,
+    page_size, is_mla`` after ``q`` and ``k_buffer``; ``k_scale``, ``v_scale`` by keyword).
     """
     if _on_gpu(k_buffer) and q.dtype != torch.float64:
         from kvcore_mla.ops.triton_mla_attention import decode_attention_fwd as impl
     else:
         impl = decode_attention_ref
-    impl(q, k_buffer, v_buffer, o, lse, req_to_page, b_seq_len, attn_logits, num_kv_splits,
-         sm_scale, page_size, is_mla, k_scale=k_scale, v_scale=v_scale)
-
+    impl(q, k_buffer, *args, **scales)
