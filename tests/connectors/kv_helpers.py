@@ -17,6 +17,10 @@ DTYPES = {
     "fp8": (torch.bfloat16, "fp8"),
 }
 SIZES = {"num_layers": 3, "num_blocks": 12, "block_size": 4, "num_kv_heads": 2, "head_size": 8}
+#: A 64 MiB bf16 cache (4 layers of 256 blocks of 16 tokens, 8 heads of 128), for the CUDA
+#: transfer tests: large enough that a copy is still running when the host checks.
+CUDA_SIZES = {"num_layers": 4, "num_blocks": 256, "block_size": 16, "num_kv_heads": 8,
+              "head_size": 128}
 
 
 class HndBackend(AttentionBackend):

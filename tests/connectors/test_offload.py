@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from kv_helpers import DTYPES, block_bytes, keys_for, make_caches, randomize
+from kv_helpers import CUDA_SIZES, DTYPES, block_bytes, keys_for, make_caches, randomize
 
 from kvcore.connectors import get_connector
 from kvcore.connectors.offload import OffloadConnector
@@ -105,12 +105,7 @@ def test_bad_capacity_is_refused(capacity):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
 def test_cuda_roundtrip_is_asynchronous_and_bit_exact(cross):
-    import kvcore
-
-    kv = kvcore.allocate_kv_caches("CPU_ATTN", num_layers=4, num_blocks=256, block_size=16,
-                                   num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                                   device="cuda", cross_layer=cross)
-    kv.storage.copy_(torch.randn(kv.storage.shape, device="cuda"))
+    kv = make_caches(cross_layer=cross, device="cuda", **CUDA_SIZES)
     keys = keys_for(random.randrange(2**31), 128)
     src = list(range(0, 256, 2))
     dst = random.sample(range(256), 128)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_helpers import DTYPES, block_bytes, keys_for, make_caches, randomize
+from kv_helpers import CUDA_SIZES, DTYPES, block_bytes, keys_for, make_caches, randomize
 
 from kvcore.connectors import get_connector
 from kvcore.connectors.offload import OffloadConnector
@@ -215,12 +215,7 @@ def test_any_sequence_of_saves_and_loads_matches_a_dictionary(cross, chunk_block
 @pytest.mark.gpu
 @pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
 def test_cuda_staged_transfers_back_to_back_and_concurrent_are_bit_exact(cross):
-    import kvcore
-
-    kv = kvcore.allocate_kv_caches("CPU_ATTN", num_layers=4, num_blocks=256, block_size=16,
-                                   num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                                   device="cuda", cross_layer=cross)
-    kv.storage.copy_(torch.randn(kv.storage.shape, device="cuda"))
+    kv = make_caches(cross_layer=cross, device="cuda", **CUDA_SIZES)
     with offload_for(kv, 192, chunk_blocks=7) as conn:
         assert conn._pool.is_pinned()
         groups = [random.sample(range(128), 40) for _ in range(3)]
@@ -253,14 +248,11 @@ def test_cuda_overlapping_transfers_behind_a_busy_engine_match_a_dictionary(cros
     before its copy ran would move the wrong blocks."""
     import time
 
-    import kvcore
     from kvcore.connectors.offload import connector
 
     monkeypatch.setattr(connector, "ID_RING_ENTRIES", 48)
     rnd = random.Random(1234)
-    kv = kvcore.allocate_kv_caches("CPU_ATTN", num_layers=4, num_blocks=256, block_size=16,
-                                   num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                                   device="cuda", cross_layer=cross)
+    kv = make_caches(cross_layer=cross, device="cuda", **CUDA_SIZES)
     sources, targets = range(128), range(128, 256)
     model: dict[str, torch.Tensor] = {}  # key -> the bytes saved under it
     with offload_for(kv, 200, chunk_blocks=9) as conn:
