@@ -387,15 +387,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_models(args: argparse.Namespace) -> int:
     from kvcore.cli.model_bench import ModelBenchOptions, format_model_report, run_model_bench
-    from kvcore.models import ModelPreset
 
     if args.plot or args.size:
         raise ValueError("--plot and --size are for the bench without --model; leave them out")
     log = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
     report = run_model_bench(ModelBenchOptions(
         models=args.model, small=args.small, dtype=args.dtype, platform=args.platform,
-        kv_cache_dtypes=args.kv_cache_dtypes or ModelPreset.KV_CACHE_DTYPES,
-        block_sizes=args.block_sizes or ModelPreset.BLOCK_SIZES,
+        kv_cache_dtypes=args.kv_cache_dtypes or kvcore.ModelPreset.KV_CACHE_DTYPES,
+        block_sizes=args.block_sizes or kvcore.ModelPreset.BLOCK_SIZES,
         phases=args.phases or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
         log=log))
     _emit(args, report.to_dict(), format_model_report(report))
@@ -404,7 +403,6 @@ def _bench_models(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from kvcore.cli.tune import TuneOptions, custom_preset, format_tune, run_tune
-    from kvcore.models import ModelPreset
 
     if args.platform:
         _check_platform_name(args.platform, present=True)
@@ -421,8 +419,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                          "--num-kv-heads and --head-size, or leave it out")
     result = run_tune(TuneOptions(
         models=models, small=args.small or None, platform=args.platform, output=args.output,
-        kv_cache_dtypes=args.kv_cache_dtypes or ModelPreset.KV_CACHE_DTYPES,
-        block_sizes=args.block_sizes or ModelPreset.BLOCK_SIZES,
+        kv_cache_dtypes=args.kv_cache_dtypes or kvcore.ModelPreset.KV_CACHE_DTYPES,
+        block_sizes=args.block_sizes or kvcore.ModelPreset.BLOCK_SIZES,
         phases=args.phases or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
         progress=args.verbose))
     _emit(args, result.to_dict(), format_tune(result, verbose=args.verbose))

@@ -25,9 +25,15 @@ from typing import Any
 import torch
 
 import kvcore
-from kvcore import AttentionSelectorConfig, build_attention_metadata
+from kvcore import (
+    AttentionSelectorConfig,
+    LayerAttention,
+    ModelCase,
+    ModelPreset,
+    build_attention_metadata,
+    get_model,
+)
 from kvcore.cli import harness
-from kvcore.models import LayerAttention, ModelCase, ModelPreset, get_model
 
 __all__ = ["ModelBenchOptions", "ModelBenchReport", "ModelBenchRow", "PeerUnsupported",
            "StepInputs", "format_model_report", "run_model_bench", "valid_backends"]

@@ -17,17 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import kvcore
-from kvcore import AttentionSelectorConfig
-from kvcore.cli.model_bench import (
-    ModelBenchOptions,
-    ModelBenchReport,
-    format_model_report,
-    run_model_bench,
-)
-from kvcore.models import MODELS, LayerAttention, ModelPreset
-from kvcore.ranking import (
+from kvcore import (
+    MODELS,
+    AttentionSelectorConfig,
+    LayerAttention,
     MeasuredCase,
     MeasuredOrder,
+    ModelPreset,
     Ranking,
     current_identity,
     library_versions,
@@ -35,6 +31,12 @@ from kvcore.ranking import (
     ranking_path,
     ranking_shape_class,
     write_ranking,
+)
+from kvcore.cli.model_bench import (
+    ModelBenchOptions,
+    ModelBenchReport,
+    format_model_report,
+    run_model_bench,
 )
 
 __all__ = ["TuneOptions", "TuneResult", "custom_preset", "format_tune", "run_tune"]
