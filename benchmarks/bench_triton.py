@@ -131,6 +131,20 @@ def triton_attention():
     return mod
 
 
+def default_config(*args, **kwargs):
+    """:func:`kvcore.ops.attention_dispatch.default_config` (imports triton)."""
+    from kvcore.ops.attention_dispatch import default_config as choose
+
+    return choose(*args, **kwargs)
+
+
+def config_from_dict(row: dict):
+    """The launch config a sweep row's ``config`` dict describes (its ``kernel`` names the
+    class)."""
+    fields = dict(row)
+    return ops.KERNELS[fields.pop("kernel")](**fields)
+
+
 def triton_cache():
     from kvcore.ops import triton_cache as mod
 
@@ -143,7 +157,7 @@ def triton_cache():
 def measure_ceilings(run: Run, tag: str) -> None:
     """Copy and read bandwidth after a one-second warm-up, at the start and at the end of a
     run; the ratios use the higher of the two. Copy is the faster of torch's ``copy_`` and a
-    Triton streaming copy: on the H200 (2026-11-29) ``copy_`` of a contiguous tensor goes
+    Triton streaming copy: on the H200 ``copy_`` of a contiguous tensor goes
     through ``cudaMemcpyAsync`` and moved only 2.7 TB/s, less than the cache-write kernels, so
     it is no ceiling on its own."""
     nbytes = (1 << 16) if SMOKE else (2 << 30)
@@ -246,8 +260,9 @@ def check_int64_pool(run: Run) -> None:
     kwargs = dict(query_start_loc=qsl, seq_lens=seq_lens, block_table=table, scale=D ** -0.5)
     kflat, vflat = kc.contiguous(), vc.contiguous()
     for splits in (1, 4):
-        strided = ta.paged_attention(query, kc, vc, **kwargs, num_kv_splits=splits)
-        flat = ta.paged_attention(query, kflat, vflat, **kwargs, num_kv_splits=splits)
+        plan = ops.TritonAttentionPlan(num_kv_splits=splits)
+        strided = ta.paged_attention(query, kc, vc, **kwargs, plan=plan)
+        flat = ta.paged_attention(query, kflat, vflat, **kwargs, plan=plan)
         run.check(f"int64_pool.attention.splits{splits}.bit_exact", torch.equal(strided, flat))
     ref = paged_attention_ref(query, kflat, vflat, **kwargs)
     err = rel_err(strided, ref)
@@ -270,13 +285,14 @@ def check_attention(run: Run) -> None:
     b, length = (2, 1024) if SMOKE else (8, 32768)
     batch = DecodeBatch(b, length)
     kc, vc = batch.caches(False)
-    cfg = ta.default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
-                            torch.device(DEVICE))
+    cfg = default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
+                         torch.device(DEVICE))
     split = ta.paged_attention(batch.query, kc, vc, **batch.kwargs())
-    whole = ta.paged_attention(batch.query, kc, vc, **batch.kwargs(), num_kv_splits=1)
+    whole = ta.paged_attention(batch.query, kc, vc, **batch.kwargs(),
+                               plan=ops.TritonAttentionPlan(num_kv_splits=1))
     ref = paged_attention_ref(batch.query, kc, vc, **batch.kwargs())
     run.check(f"attention.split_kv.{b}x{length}", rel_err(split, ref) < 1e-2,
-              heuristic_splits=cfg.num_splits, rel_err_split=rel_err(split, ref),
+              heuristic_splits=getattr(cfg, "num_splits", 1), rel_err_split=rel_err(split, ref),
               rel_err_unsplit=rel_err(whole, ref), split_vs_unsplit=rel_err(split, whole))
     # mixed batch: prefill with a cached prefix + fresh prefill + decodes, sliding window, fp8
     q_lens = [300, 1, 1, 512, 1] if not SMOKE else [20, 1, 1, 33, 1]
@@ -376,15 +392,16 @@ def time_decode(run: Run, b: int, length: int, config=None) -> None:
     batch = DecodeBatch(b, length, cross_layer=True)
     shape = f"{b}x{length}"
     nbytes = batch.kv_bytes() + 2 * batch.query.numel() * DTYPE.itemsize
-    cfg = config or ta.default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
-                                      torch.device(DEVICE))
+    cfg = config or default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
+                                   torch.device(DEVICE))
     impl = "kvcore-triton" if config is None else "kvcore-triton-best"
     outs = {}
     for layout in ("standard", "cross_layer"):
         kc, vc = batch.caches(layout == "cross_layer")
         out = torch.empty_like(batch.query)
         fn = lambda kc=kc, vc=vc, out=out: ta.paged_attention(  # noqa: E731
-            batch.query, kc, vc, **batch.kwargs(), output=out, config=cfg)
+            batch.query, kc, vc, **batch.kwargs(), output=out,
+            plan=ops.TritonAttentionPlan(config=cfg))
         fn()
         outs[layout] = out
         t, how = time_call(fn)
@@ -490,7 +507,7 @@ def time_prefill(run: Run, flashinfer: bool = False, config=None) -> None:
     flops = 4 * b * HQ * D * length * (length + 1) / 2  # QK^T and PV, causal half
     out = torch.empty_like(batch.query)
     fn = lambda: ta.paged_attention(batch.query, kc, vc, **batch.kwargs(), output=out,  # noqa: E731
-                                    config=config)
+                                    plan=ops.TritonAttentionPlan(config=config))
     fn()
     if flashinfer:
         fi = flashinfer_module()
@@ -517,7 +534,7 @@ def time_prefill(run: Run, flashinfer: bool = False, config=None) -> None:
         run.check(f"prefill.{shape}.vs_reference", rel_err(out, ref) < 1e-2,
                   rel_err_fp32_ref=rel_err(out, ref))
     t, how = time_call(fn)
-    used = config or ta.default_config(b * length, b, HQ, HK, D, batch.block_table.shape[1] * BS,
+    used = config or default_config(b * length, b, HQ, HK, D, batch.block_table.shape[1] * BS,
                                        torch.device(DEVICE))
     add_timing(run, "prefill", shape, "standard", impl, t, how, flops=flops,
                config=dataclass_dict(used))
@@ -552,12 +569,16 @@ def sweep(run: Run, tiles: list[tuple], splits: dict, prefill_tiles: list[tuple]
         batch = batches[shape] if op == "decode" else pre
         b, length = shape
         kc, vc = batch.caches(False)
-        base = ta.default_config(batch.query.shape[0], b, HQ, HK, D,
-                                 batch.block_table.shape[1] * BS, device)
+        base = default_config(batch.query.shape[0], b, HQ, HK, D,
+                              batch.block_table.shape[1] * BS, device, gluon=False)
         if op == "decode":
             block_n, warps, stages = tile
-            cfg = dataclasses.replace(base, block_n=block_n, num_warps=warps,
-                                      num_stages=stages, num_splits=split)
+            cfg = (ops.TritonSplitKVConfig(
+                block_q=base.block_q, g_pad=base.g_pad, block_n=block_n, num_splits=split,
+                num_warps=warps, num_stages=stages, const_block=base.const_block)
+                if split > 1 else ops.TritonDecodeConfig(
+                block_q=base.block_q, g_pad=base.g_pad, block_n=block_n, num_warps=warps,
+                num_stages=stages, const_block=base.const_block))
         else:
             block_q, block_n, warps, stages = tile
             cfg = dataclasses.replace(base, block_q=block_q, block_n=block_n, num_warps=warps,
@@ -566,7 +587,8 @@ def sweep(run: Run, tiles: list[tuple], splits: dict, prefill_tiles: list[tuple]
         try:
             t, how = time_call(lambda cfg=cfg, batch=batch, kc=kc, vc=vc, out=out:
                                ta.paged_attention(batch.query, kc, vc, **batch.kwargs(),
-                                                  output=out, config=cfg))
+                                                  output=out,
+                                                  plan=ops.TritonAttentionPlan(config=cfg)))
         except Exception as exc:
             run.log(f"sweep {op} {shape} {cfg} failed: {type(exc).__name__}: {exc}")
             continue
@@ -586,7 +608,7 @@ def best_config(run: Run, op: str, shape: tuple[int, int]):
             if r["op"] == op and r["shape"] == f"{shape[0]}x{shape[1]}"]
     if not rows:
         return None
-    return triton_attention().AttentionConfig(**min(rows, key=lambda r: r["time_us"])["config"])
+    return config_from_dict(min(rows, key=lambda r: r["time_us"])["config"])
 
 
 # ----------------------------------------------------------------------------- report
@@ -596,7 +618,7 @@ def _short(cfg: dict | None) -> str:
     if not cfg:
         return ""
     return (f"q{cfg['block_q']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}"
-            f"x{cfg['num_splits']}")
+            f"x{cfg.get('num_splits', 1)}")
 
 
 def summary_table(run: Run) -> str:

@@ -8,19 +8,19 @@ One run does, in order, each section isolated (an error is logged and the run go
 2. correctness of the default prefill configuration and of EVERY prefill candidate on the
    three prefill cases against torch SDPA in float32 on the gathered K/V (max abs error and
    relative error); a candidate that fails or does not compile is not timed;
-3. the prefill sweep: every candidate of :func:`prefill_candidates`
-   (:class:`~kvcore.ops.triton_attention.PrefillTile`: rows = query tokens x padded GQA
-   group, keys per step, warps, stages, and the kernel variants ``const_block``,
-   ``edge_stages``, ``warp_specialize``, ``gluon``: the Hopper kernel of
-   :mod:`kvcore.ops.gluon_prefill`) on every case; us and TFLOP/s. The ``warp_specialize``
-   and ``gluon`` candidates are first compiled, run and checked against SDPA in a child
-   process (``--probe``), so a Triton that crashes on them, or a kernel that faults, cannot
-   end this run;
+3. the prefill sweep: every candidate of :func:`prefill_candidates` on every case, us and
+   TFLOP/s: ``triton_prefill`` tiles (:class:`~kvcore.ops.attention_config.TritonPrefillTile`:
+   rows = query tokens x padded GQA group, keys per step, warps, stages, ``const_block``,
+   ``edge_stages``) and ``gluon_ws_pingpong`` tiles
+   (:class:`~kvcore.ops.attention_config.GluonPrefillTile`, the Hopper kernel of
+   :mod:`kvcore.ops.gluon_prefill`). The Gluon candidates are first compiled, run and checked
+   against SDPA in a child process (``--probe``), so a kernel that faults cannot end this
+   run;
 4. the decode sweep on the four decode shapes through the production entry point
-   (``paged_attention`` with an explicit ``AttentionConfig`` and a preallocated split-KV
-   workspace, as the builder passes): split counts around the heuristic's (x1/2, x1, x2, and
-   1) times the tiles of :func:`decode_candidates`, each output checked against SDPA before
-   it is timed; the default configuration's time beside the best;
+   (``paged_attention`` with a ``TritonAttentionPlan`` naming the config and a preallocated
+   split-KV workspace, as the builder passes): split counts around the heuristic's (x1/2,
+   x1, x2, and 1) times the tiles of :func:`decode_candidates`, each output checked against
+   SDPA before it is timed; the default configuration's time beside the best;
 5. FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (default backend, planned once,
    timed in a CUDA graph) on the same caches, when ``flashinfer`` imports, checked against
    kvcore's output; with ``--flashinfer-decode`` also its tensor-core decode on the decode
@@ -33,8 +33,9 @@ the attention FLOPs (QK^T and PV over the keys each query sees). Timings are CUD
 replays of one call (median; :func:`kvcore.cli.harness.time_call`).
 
 The tables are printed last (``--json``: the JSON instead), each ending with the winners
-written as the ``PrefillTile(...)`` / ``DecodeTile(...)`` rows to paste into
-``PREFILL_TILES`` / ``DECODE_TILES`` of ``kvcore/ops/triton_attention.py``. Log and JSON go to
+written as the ``TritonPrefillTile(...)`` / ``GluonPrefillTile(...)`` / ``DecodeTile(...)``
+rows to paste into ``PREFILL_TILES`` / ``GLUON_PREFILL_TILES`` / ``DECODE_TILES`` of
+``kvcore/ops/attention_config.py``. Log and JSON go to
 ``--out`` (default ``$OUT``, else ``benchmarks/results``). ``--budget-s`` stops starting new
 prefill candidates after that many seconds. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` to check the script.
@@ -71,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvcore.ops as ops  # noqa: E402
 from kvcore.cli import harness  # noqa: E402
 from kvcore.cli.harness import Run, Skip, rel_err  # noqa: E402
+from kvcore.ops import attention_config as tables  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
 # --smoke checks the script, not the speed: one timed sample a call.
@@ -82,7 +84,7 @@ CASES = {"4x2048": (4, 2048, 0), "1x8192": (1, 8192, 0), "4x512+16k": (4, 512, 1
 #: name -> (requests, context): the decode shapes
 DECODES = {"64x4096": (64, 4096), "8x32768": (8, 32768), "256x1024": (256, 1024),
            "16x4096": (16, 4096)}
-#: FlashInfer direct, measured on the H200 on 2026-12-01 (RESULTS.md), for the ratios
+#: FlashInfer direct, measured on the H200 (RESULTS.md), for the ratios
 #: when it is not measured in this run.
 FLASHINFER_BEFORE_US = {"4x2048": 311.1, "1x8192": 1031.2, "4x512+16k": 973.3}
 FLASHINFER_DECODE_BEFORE_US = {"64x4096": 245.8, "8x32768": 245.8, "256x1024": 259.9,
@@ -106,17 +108,22 @@ def triton_attention():
     return mod
 
 
+def dispatch():
+    from kvcore.ops import attention_dispatch as mod
+
+    return mod
+
+
 def prefill_candidates() -> list:
-    """The prefill candidates, the current table row first: tile shapes around it, then the
-    kernel variants on the strongest shapes (warp-specialised ones last)."""
-    tile = triton_attention().PrefillTile
+    """The prefill candidates, the current table row first: the Gluon tiles, tile shapes
+    around the Triton row, then its compile parameters on the strongest shapes."""
+    tile, gluon_tile = tables.TritonPrefillTile, tables.GluonPrefillTile
     if SMOKE:
-        return [tile(32, 16, 4, 2), tile(16, 32, 4, 2, const_block=True, edge_stages=1),
-                tile(32, 16, 4, 2, const_block=True, warp_specialize=True)]
+        return [tile(32, 16, 4, 2), tile(16, 32, 4, 2, const_block=True, edge_stages=1)]
     # Compiled for sm_90a by Triton 3.9 with its register report (compile_check), the
-    # 128 x 32 x 4 x 3 tile (the sm90 row before 256 x 32 x 8 x 3) uses 255 registers and
-    # spills 44 bytes; the block size compiled in leaves 20, unpipelined edge loops 0. 4-warp
-    # 128-row tiles run 2 programs per SM; 64 x 32 x 4 (153 registers, 64 KiB) 3.
+    # 128 x 32 x 4 x 3 tile uses 255 registers and spills 44 bytes; the block size compiled
+    # in leaves 20, unpipelined edge loops 0. 4-warp 128-row tiles run 2 programs per SM;
+    # 64 x 32 x 4 (153 registers, 64 KiB) 3.
     shapes = [tile(128, 32, 4, 3), tile(128, 64, 8, 3), tile(128, 128, 8, 2),
               tile(64, 64, 4, 3), tile(128, 32, 4, 3, const_block=True),
               tile(128, 32, 4, 3, edge_stages=1)]
@@ -126,45 +133,33 @@ def prefill_candidates() -> list:
                 tile(64, 64, 4, 2, **e), tile(128, 64, 8, 3, **e), tile(128, 64, 8, 2, **e),
                 tile(128, 128, 8, 2, **e), tile(128, 32, 8, 3, **e), tile(256, 32, 8, 3, **e),
                 tile(128, 64, 8, 3, **c)]
-    specialised = [tile(128, 32, 4, 3, **e, warp_specialize=True),
-                   tile(64, 32, 4, 3, **e, warp_specialize=True),
-                   tile(128, 64, 8, 3, **e, warp_specialize=True),
-                   tile(128, 128, 8, 2, **e, warp_specialize=True)]
-    # The Gluon kernel's tiles (128 rows, 8 warps; keys a step x shared-memory stages) come
-    # right after the table row, so the budget never cuts them: sm90's row (warp-specialised,
-    # ping-pong, 128 x 3) and its nearest rivals first; --gluon-only stops there. The full
-    # sweep adds the tiles that lost in earlier H200 sweeps (two stages starve
-    # the consumers; the plain kernel is slower than the Triton row; 64 x 4 ties 64 x 3).
-    g = dict(const_block=True, gluon=True)
-    gluon = [tile(128, 128, 8, 3, **g, warp_specialize=True, pingpong=True),
-             tile(128, 128, 8, 3, **g, warp_specialize=True),
-             tile(128, 64, 8, 3, **g, warp_specialize=True)]
-    gluon_lost = [tile(128, 64, 8, 4, **g, warp_specialize=True),
-                  tile(128, 128, 8, 2, **g, warp_specialize=True),
-                  *(tile(128, n, 8, st, **g) for n, st in ((128, 3), (64, 3)))]
+    # The Gluon kernel's tiles (keys a step x shared-memory stages) come right after the
+    # table row, so the budget never cuts them: sm90's row (128 x 3) and its nearest rival
+    # first; --gluon-only stops there. The full sweep adds the tiles that lost (two stages
+    # starve the consumers; 64 x 4 ties 64 x 3).
+    gluon = [gluon_tile(128, 3), gluon_tile(64, 3)]
+    gluon_lost = [gluon_tile(64, 4), gluon_tile(128, 2)]
     if GLUON_ONLY:
         return [table_rows()[0], *gluon]
-    return list(dict.fromkeys([table_rows()[0], *gluon, *gluon_lost, *shapes, *variants,
-                               *specialised]))
+    return list(dict.fromkeys([table_rows()[0], *gluon, *gluon_lost, *shapes, *variants]))
 
 
 def risky(tile) -> bool:
-    """Candidates first run in a child process (``--probe``): warp-specialised loops (a
-    Triton may crash compiling them) and the Gluon kernel (a fault would end the run)."""
-    return tile.warp_specialize or tile.gluon
+    """Candidates first run in a child process (``--probe``): the Gluon kernel's (a fault
+    would end the run)."""
+    return isinstance(tile, tables.GluonPrefillTile)
 
 
 def table_rows() -> tuple:
     """This GPU's current :data:`PREFILL_TILES` and :data:`DECODE_TILES` entries."""
-    ta = triton_attention()
-    arch = ta.device_arch(torch.device(DEVICE))
-    rocm = getattr(torch.version, "hip", None) is not None
-    return ta.prefill_tile(D, arch, rocm), ta.decode_tile(arch, rocm)
+    arch = tables.device_arch(torch.device(DEVICE))
+    rocm = tables.is_rocm()
+    return tables.prefill_tile(D, arch, rocm), tables.decode_tile(arch, rocm)
 
 
 def decode_candidates() -> list:
     """Decode tiles (keys per step, warps, stages, const_block), the current one first."""
-    tile = triton_attention().DecodeTile
+    tile = tables.DecodeTile
     if SMOKE:
         return [tile(), tile(16, 4, 2, const_block=True)]
     return list(dict.fromkeys([
@@ -179,8 +174,8 @@ def label(tile) -> str:
     """A candidate as the row to paste into its table: the constructor with its positional
     fields and the variant fields that differ from the defaults."""
     cls = type(tile)
-    fields = dataclasses.fields(cls)
-    if cls.__name__ == "PrefillTile":
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    if cls is tables.TritonPrefillTile:
         parts = [str(getattr(tile, f.name)) for f in fields[:4]]
         rest = fields[4:]
     else:
@@ -242,24 +237,27 @@ class Batch:
 
 
 def config_for(tile):
-    """The prefill kernel's :class:`~kvcore.ops.triton_attention.AttentionConfig` of a
-    candidate."""
-    ta = triton_attention()
+    """The launch config of a prefill candidate."""
     g_pad = 1 << (HQ // HK - 1).bit_length()
-    return ta.AttentionConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,
-                              block_n=tile.block_n, num_splits=1, num_warps=tile.num_warps,
-                              num_stages=tile.num_stages, prefill=True,
-                              const_block=tile.const_block, edge_stages=tile.edge_stages,
-                              warp_specialize=tile.warp_specialize, gluon=tile.gluon,
-                              pingpong=tile.pingpong)
+    if isinstance(tile, tables.GluonPrefillTile):
+        return ops.GluonPrefillConfig(block_q=128 // g_pad, g_pad=g_pad, block_n=tile.block_n,
+                                      num_stages=tile.num_stages)
+    return ops.TritonPrefillConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,
+                                   block_n=tile.block_n, num_warps=tile.num_warps,
+                                   num_stages=tile.num_stages, const_block=tile.const_block,
+                                   edge_stages=tile.edge_stages)
+
+
+def plan_for(tile) -> ops.TritonAttentionPlan:
+    return ops.TritonAttentionPlan(config=config_for(tile))
 
 
 def tile_of(cfg) -> str:
-    """The :class:`PrefillTile` a prefill config came from, as its label."""
-    ta = triton_attention()
-    return label(ta.PrefillTile(cfg.block_q * cfg.g_pad, cfg.block_n, cfg.num_warps,
-                                cfg.num_stages, cfg.const_block, cfg.edge_stages,
-                                cfg.warp_specialize, cfg.gluon, cfg.pingpong))
+    """The table row a prefill config came from, as its label."""
+    if isinstance(cfg, ops.GluonPrefillConfig):
+        return label(tables.GluonPrefillTile(cfg.block_n, cfg.num_stages))
+    return label(tables.TritonPrefillTile(cfg.block_q * cfg.g_pad, cfg.block_n, cfg.num_warps,
+                                          cfg.num_stages, cfg.const_block, cfg.edge_stages))
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -279,11 +277,12 @@ def measure_ceiling(run: Run) -> None:
 def check_default(run: Run, name: str, batch: Batch, ref: torch.Tensor) -> None:
     ta = triton_attention()
     # What paged_attention runs without a config (on sm90 the Gluon row, where it can).
-    cfg = ta.call_config(batch.query, batch.k_cache, batch.v_cache, "auto", batch.b,
+    cfg = dispatch().call_config(batch.query, batch.k_cache, batch.v_cache, "auto", batch.b,
                          batch.block_table.shape[1] * BS)
     out = ta.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
     err = errors(out, ref)
-    run.check(f"prefill.{name}.default_vs_sdpa", cfg.prefill and err["rel_err"] < tolerance(),
+    prefill = cfg.kernel in ("triton_prefill", "gluon_ws_pingpong")
+    run.check(f"prefill.{name}.default_vs_sdpa", prefill and err["rel_err"] < tolerance(),
               tile=tile_of(cfg), **err)
 
 
@@ -302,7 +301,7 @@ def probe_candidates() -> int:
         print("TRY", label(tile), flush=True)  # the last TRY of a child that hangs is the culprit
         try:
             out = ta.paged_attention(batch.query, batch.k_cache, batch.v_cache,
-                                     **batch.kwargs(), config=config_for(tile))
+                                     **batch.kwargs(), plan=plan_for(tile))
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
         except ValueError as exc:  # refused before any launch (e.g. not this GPU)
@@ -316,14 +315,8 @@ def probe_candidates() -> int:
 
 def usable_candidates(run: Run) -> list:
     """The candidates this Triton and GPU can run: :func:`risky` ones only where the child
-    process compiled, ran and checked them (warp-specialised ones where ``tl.range`` takes
-    the flag, Gluon ones where the Gluon kernel's conditions are met)."""
-    ta = triton_attention()
+    process compiled, ran and checked them (where the Gluon kernel's conditions are met)."""
     cands = prefill_candidates()
-    if not ta.warp_specialize_supported():
-        run.log("warp_specialize: this Triton's tl.range does not take it; those candidates "
-                "are left out")
-        cands = [t for t in cands if not t.warp_specialize]
     if not any(risky(t) for t in cands):
         return cands
     ok: set[str] = set()
@@ -369,7 +362,7 @@ def check_candidates(run: Run, cands: list, batches: dict, refs: dict, budget_s:
             out = torch.empty_like(batch.query)
             try:
                 ta.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(),
-                                   output=out, config=config_for(tile))
+                                   output=out, plan=plan_for(tile))
                 err = errors(out, refs[name])
             except Exception as exc:  # a tile that does not compile here (shared memory)
                 run.check(f"prefill.{name}.{label(tile)}_runs", False,
@@ -388,10 +381,10 @@ def sweep_case(run: Run, name: str, batch: Batch, cands: list) -> None:
     ta = triton_attention()
     out = torch.empty_like(batch.query)
     for tile in cands:
-        cfg = config_for(tile)
-        t, how = time_call(lambda cfg=cfg: ta.paged_attention(
+        plan = plan_for(tile)
+        t, how = time_call(lambda plan=plan: ta.paged_attention(
             batch.query, batch.k_cache, batch.v_cache, **batch.kwargs(), output=out,
-            config=cfg))
+            plan=plan))
         row = {"case": name, "tile": label(tile), "time_us": t * 1e6,
                "TFLOPs": batch.flops() / t / 1e12, "method": how}
         run.results["sweeps"].append(row)
@@ -412,25 +405,27 @@ def sweep_decodes(run: Run) -> None:
         batch = Batch(b, 1, length - 1)
         ref = batch.sdpa_reference()
         out = torch.empty_like(batch.query)
-        default = ta.default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
-                                    torch.device(DEVICE))
+        default = dispatch().default_config(b, b, HQ, HK, D, batch.block_table.shape[1] * BS,
+                                            torch.device(DEVICE))
+        heuristic = getattr(default, "num_splits", 1)
         for tile in decode_candidates():
-            for splits in split_options(default.num_splits):
+            for splits in split_options(heuristic):
                 # As default_config launches a tile: split launches take split_block_n keys.
-                block_n = tile.split_block_n if splits > 1 and tile.split_block_n else \
-                    tile.block_n
-                cfg = ta.AttentionConfig(block_q=default.block_q, g_pad=default.g_pad,
-                                         block_n=block_n, num_splits=splits,
-                                         num_warps=tile.num_warps, num_stages=tile.num_stages,
-                                         const_block=tile.const_block)
-                numel = ta.workspace_numel(b, HQ, D, splits)
+                common = dict(block_q=default.block_q, g_pad=default.g_pad,
+                              num_warps=tile.num_warps, num_stages=tile.num_stages,
+                              const_block=tile.const_block)
+                cfg = (ops.TritonSplitKVConfig(block_n=tile.split_block_n or tile.block_n,
+                                               num_splits=splits, **common)
+                       if splits > 1 else ops.TritonDecodeConfig(block_n=tile.block_n, **common))
+                numel = ops.workspace_numel(b, HQ, D, splits)
                 ws = (torch.empty(max(1, numel[0]), device=DEVICE),
                       torch.empty(max(1, numel[1]), device=DEVICE))
                 tag = f"decode.{name}.{label(tile)}.splits{splits}"
+                plan = ops.TritonAttentionPlan(config=cfg, workspace=ws)
 
-                def call(cfg=cfg, ws=ws, batch=batch, out=out) -> None:
+                def call(plan=plan, batch=batch, out=out) -> None:
                     ta.paged_attention(batch.query, batch.k_cache, batch.v_cache,
-                                       **batch.kwargs(), output=out, config=cfg, workspace=ws)
+                                       **batch.kwargs(), output=out, plan=plan)
                 try:
                     call()
                     err = errors(out, ref)
@@ -444,8 +439,8 @@ def sweep_decodes(run: Run) -> None:
                 t, how = time_call(call)
                 kv_bytes = 2 * b * length * HK * D * DTYPE.itemsize
                 row = {"case": name, "tile": label(tile), "splits": splits,
-                       "default": tile == table_rows()[1] and splits == default.num_splits,
-                       "heuristic_splits": default.num_splits, "time_us": t * 1e6,
+                       "default": tile == table_rows()[1] and splits == heuristic,
+                       "heuristic_splits": heuristic, "time_us": t * 1e6,
                        "GBps": kv_bytes / t / 1e9, "method": how}
                 run.results["decode"].append(row)
                 run.log(f"decode {name} {row['tile']} splits {splits}: {row['time_us']:.1f} "
@@ -543,10 +538,10 @@ def prefill_table(res: dict) -> list[str]:
              tabulate(rows, headers=["candidate", *CASES, "geomean FI/this"],
                       disable_numparse=True)]
     if winner:
-        table = ("GLUON_PREFILL_TILES['sm90']" if "gluon=True" in winner
+        table = ("GLUON_PREFILL_TILES['sm90']" if winner.startswith("GluonPrefillTile")
                  else "PREFILL_TILES['sm90'][0]")
         lines.append(f"prefill winner (best geomean time): {winner}  -> {table} in "
-                     "kvcore/ops/triton_attention.py")
+                     "kvcore/ops/attention_config.py")
     return lines
 
 
@@ -626,7 +621,7 @@ def main() -> int:
 
     meta["triton"] = triton.__version__
     if DEVICE == "cuda":
-        meta["arch"] = triton_attention().device_arch(torch.device("cuda"))
+        meta["arch"] = tables.device_arch(torch.device("cuda"))
     run.log(json.dumps(meta))
     torch.manual_seed(0)
     ops.set_value_checks(False)  # timing: no host syncs inside the calls
@@ -634,7 +629,7 @@ def main() -> int:
     with run.section("ceiling"):
         measure_ceiling(run)
     cands: list = []
-    with run.section("probe of the warp-specialised and Gluon candidates"):
+    with run.section("probe of the Gluon candidates"):
         cands = usable_candidates(run)
     batches, refs, outs = {}, {}, {}
     for name, shape in CASES.items():
