@@ -49,10 +49,11 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # Carried wheels: .whl (FlashInfer and apache-tvm-ffi), .whl_fi (FlashInfer alone, beside .fa4b,
-# which holds the same apache-tvm-ffi), .whl_nixl (nixl-cu13). Each folder is installed into
+# which holds the same apache-tvm-ffi), .whl_nixl (nixl-cu13), .whl_tf (transformers 5.25 and its
+# pure-Python dependencies, for bench_transformers). Each folder is installed into
 # /tmp/site once per warm machine; later calls reuse it without carrying it again.
 mkdir -p /tmp/site
-for w in .whl .whl_fi .whl_nixl; do
+for w in .whl .whl_fi .whl_nixl .whl_tf; do
     [ -d $w ] && [ ! -f /tmp/site/.done$w ] && python3 -m pip install -q --no-index --no-deps \
         --no-compile --no-cache-dir --upgrade --target /tmp/site $w/*.whl && touch /tmp/site/.done$w
 done
@@ -269,6 +270,23 @@ if has readme; then
     timed list 60 kvcore list
     timed plugins 60 kvcore plugins
     timed transformers_example 180 python3 examples/transformers_llama.py --device cuda
+fi
+# transformers: bench_transformers.py (transformers' continuous batching on kvcore's backends
+# against its own sdpa path; carry .whl_tf, and .whl for FLASHINFER). TRANSFORMERS_ARGS narrows it.
+has transformers && step bench_transformers ${TRANSFORMERS_LIMIT:-420} python3 \
+    benchmarks/bench_transformers.py --json "$OUT/bench_transformers.json" ${TRANSFORMERS_ARGS:-}
+# matrix: bench_matrix.py over MATRIX_MODELS (model presets), every valid backend beside the
+# peers; tune: `kvcore tune` writes this device's ranking, then `select --explain` quotes it.
+if has matrix; then
+    models=(); for m in ${MATRIX_MODELS:-llama-3.1-8b}; do models+=(--model "$m"); done
+    step bench_matrix ${MATRIX_LIMIT:-300} python3 benchmarks/bench_matrix.py "${models[@]}" \
+        --budget-s $(( ${MATRIX_LIMIT:-300} - 30 )) ${MATRIX_ARGS:-}
+fi
+if has tune; then
+    step tune ${TUNE_LIMIT:-200} kvcore tune --budget-s $(( ${TUNE_LIMIT:-200} - 30 )) \
+        --output "$OUT/ranking.json" --verbose
+    KVCORE_RANKING_FILE="$OUT/ranking.json" step select_measured 60 kvcore select --explain \
+        --head-size 128 --dtype bfloat16
 fi
 if has demos; then
     for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
