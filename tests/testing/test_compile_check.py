@@ -158,7 +158,7 @@ def test_a_tile_that_needs_more_lds_than_gfx942_has_fails_the_check(tmp_path):
     assert proc.returncode == 1, proc.stderr
     rows = {(r["case"], r["target"]): r for r in json.loads(proc.stdout)}
     broken = rows["prefill 128x64 tile D256 3 stages", "gfx942"]
-    assert broken["kernel"] == "_paged_attention_kernel"
+    assert broken["kernel"] == "prefill_attention_kernel"
     assert broken["shared"] > 64 * 1024
     assert any("KiB of LDS per program; gfx942 (MI300X) has 64 KiB" in failure
                for failure in broken["failures"])
