@@ -5,9 +5,8 @@ The public API (what plugins may import) is what this module, :mod:`kvcore.ops`,
 :mod:`kvcore.connectors` and :mod:`kvcore.testing` export. Importing kvcore loads no plugin
 and no kernel library: backends are resolved when selected. The names below are imported on
 first use (PEP 562), so ``import kvcore`` alone, as the ``kvcore`` command's ``--help`` does,
-does not import torch: the first name used imports the whole API at once (the modules wire
-themselves together as they are imported: the registry gives ``allocate_kv_caches`` its
-backend-name resolver), except the names of :data:`_LEAF_MODULES`, which import nothing else.
+does not import torch: the first name used imports the whole API at once, except the names
+of :data:`_LEAF_MODULES`, which import nothing else.
 """
 
 from __future__ import annotations
@@ -21,20 +20,28 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.adopt": ("adopt_kv_caches", "attention_metadata_from_engine", "from_vllm_layer_view"),
     "kvcore.allocate": ("KVCaches", "allocate_kv_caches"),
-    "kvcore.backends.triton_attn": ("TritonAttentionMetadata", "TritonAttentionMetadataBuilder"),
+    "kvcore.backends.triton_attn": (
+        "TritonAttentionImpl", "TritonAttentionMetadata", "TritonAttentionMetadataBuilder",
+    ),
     "kvcore.backend": (
-        "FEATURE_FLAGS", "AttentionBackend", "AttentionImpl", "AttentionLayer",
-        "AttentionMetadata", "CudaGraphSupport", "LayerScales", "PagedAttentionImpl",
-        "build_attention_metadata", "encoder_only_cache", "format_supported", "is_supported",
+        "FEATURE_FLAGS", "AttentionBackend", "CudaGraphSupport", "format_supported",
+        "is_supported",
     ),
     "kvcore.builder": ("AttentionMetadataBuilder", "PersistentMetadataBuilder"),
+    "kvcore.impl": ("AttentionImpl", "PagedAttentionImpl"),
     "kvcore.config": ("AttentionSelectorConfig",),
     "kvcore.cuda_graphs": ("CudaGraphRunner",),
     "kvcore.dtypes": ("parse_dtype",),
     "kvcore.hookspecs": ("hookimpl",),
     "kvcore.layout": ("KVCacheLayout", "LayoutMismatchError"),
     "kvcore.layout_names": ("VLLM_LAYOUTS", "vllm_layout_name", "vllm_layout_order"),
+    "kvcore.metadata": (
+        "AttentionLayer", "AttentionMetadata", "LayerScales", "build_attention_metadata",
+        "encoder_only_cache",
+    ),
     "kvcore.mla": ("MLACommonBackend", "MLACommonImpl", "latent_cache_shape"),
+    "kvcore.models": ("LayerAttention", "MLADims", "MODELS", "ModelCase", "ModelPreset",
+                      "get_model"),
     "kvcore.platform": (
         "Platform", "available_platforms", "clear_platform_cache", "current_platform",
         "get_platform", "require_present_platform",
@@ -44,6 +51,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "PluginInfo", "list_plugins", "register_plugin", "reset_plugins", "unregister_plugin",
     ),
     "kvcore.progress": ("long_step", "progress_enabled", "set_progress"),
+    "kvcore.ranking": (
+        "DeviceIdentity", "MeasuredCase", "MeasuredOrder", "Ranking", "RankingFileError",
+        "current_identity", "library_versions", "load_rankings", "ranking_config_key",
+        "ranking_path", "ranking_shape_class", "write_ranking",
+    ),
     "kvcore.registry": (
         "DuplicateRegistrationError", "ResolveError", "UnknownNameError", "backend_platforms",
         "backend_registry", "block_copier_registry", "connector_registry", "platform_registry",
@@ -68,24 +80,32 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.backend import (
         FEATURE_FLAGS,
         AttentionBackend,
-        AttentionImpl,
-        AttentionLayer,
-        AttentionMetadata,
         CudaGraphSupport,
-        LayerScales,
-        PagedAttentionImpl,
-        build_attention_metadata,
-        encoder_only_cache,
+        format_supported,
+        is_supported,
     )
-    from kvcore.backends.triton_attn import TritonAttentionMetadata, TritonAttentionMetadataBuilder
+    from kvcore.backends.triton_attn import (
+        TritonAttentionImpl,
+        TritonAttentionMetadata,
+        TritonAttentionMetadataBuilder,
+    )
     from kvcore.builder import AttentionMetadataBuilder, PersistentMetadataBuilder
     from kvcore.config import AttentionSelectorConfig
     from kvcore.cuda_graphs import CudaGraphRunner
     from kvcore.dtypes import parse_dtype
     from kvcore.hookspecs import hookimpl
+    from kvcore.impl import AttentionImpl, PagedAttentionImpl
     from kvcore.layout import KVCacheLayout, LayoutMismatchError
     from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_name, vllm_layout_order
+    from kvcore.metadata import (
+        AttentionLayer,
+        AttentionMetadata,
+        LayerScales,
+        build_attention_metadata,
+        encoder_only_cache,
+    )
     from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
+    from kvcore.models import MODELS, LayerAttention, MLADims, ModelCase, ModelPreset, get_model
     from kvcore.platform import (
         Platform,
         available_platforms,
@@ -103,6 +123,20 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         unregister_plugin,
     )
     from kvcore.progress import long_step, progress_enabled, set_progress
+    from kvcore.ranking import (
+        DeviceIdentity,
+        MeasuredCase,
+        MeasuredOrder,
+        Ranking,
+        RankingFileError,
+        current_identity,
+        library_versions,
+        load_rankings,
+        ranking_config_key,
+        ranking_path,
+        ranking_shape_class,
+        write_ranking,
+    )
     from kvcore.registry import (
         DuplicateRegistrationError,
         ResolveError,
@@ -127,7 +161,6 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 
 __all__ = [
-    "FEATURE_FLAGS",
     "AttentionBackend",
     "AttentionImpl",
     "AttentionLayer",
@@ -140,16 +173,25 @@ __all__ = [
     "CudaGraphRunner",
     "CudaGraphSupport",
     "DeviceCapability",
+    "DeviceIdentity",
     "DuplicateRegistrationError",
+    "FEATURE_FLAGS",
     "FullAttentionSpec",
     "KVCacheLayout",
     "KVCacheSpec",
     "KVCaches",
+    "LayerAttention",
     "LayerScales",
     "LayoutMismatchError",
     "MLAAttentionSpec",
     "MLACommonBackend",
     "MLACommonImpl",
+    "MLADims",
+    "MODELS",
+    "MeasuredCase",
+    "MeasuredOrder",
+    "ModelCase",
+    "ModelPreset",
     "MultipleOf",
     "NoValidBackendError",
     "PagedAttentionImpl",
@@ -157,8 +199,11 @@ __all__ = [
     "PhaseRanking",
     "Platform",
     "PluginInfo",
+    "Ranking",
+    "RankingFileError",
     "ResolveError",
     "SelectionReport",
+    "TritonAttentionImpl",
     "TritonAttentionMetadata",
     "TritonAttentionMetadataBuilder",
     "UnknownNameError",
@@ -174,22 +219,29 @@ __all__ = [
     "clear_platform_cache",
     "clear_selection_cache",
     "connector_registry",
-    "encoder_only_cache",
+    "current_identity",
     "current_platform",
+    "encoder_only_cache",
     "explain_selection",
     "format_supported",
     "from_vllm_layer_view",
     "get_attn_backend",
+    "get_model",
     "get_platform",
     "hookimpl",
     "is_supported",
     "latent_cache_shape",
+    "library_versions",
     "list_plugins",
+    "load_rankings",
     "long_step",
     "parse_dtype",
     "platform_registry",
     "plugin_status_reports",
     "progress_enabled",
+    "ranking_config_key",
+    "ranking_path",
+    "ranking_shape_class",
     "register_plugin",
     "require_present_platform",
     "reset_plugins",
@@ -198,6 +250,7 @@ __all__ = [
     "unregister_plugin",
     "vllm_layout_name",
     "vllm_layout_order",
+    "write_ranking",
     "__version__",
 ]
 

@@ -35,10 +35,11 @@ from kvcore.allocate import (
     _check_span,
     _platform_of,
 )
-from kvcore.backend import AttentionBackend, AttentionMetadata
+from kvcore.backend import AttentionBackend
 from kvcore.dtypes import cache_torch_dtype, parse_dtype
 from kvcore.layout import KV_DIM_NAMES, KVCacheLayout
 from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_name, vllm_layout_order
+from kvcore.metadata import AttentionMetadata
 from kvcore.step_facts import StepFacts, mark_step_checked
 
 __all__ = ["adopt_kv_caches", "attention_metadata_from_engine", "check_readable_order",

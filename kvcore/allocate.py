@@ -8,7 +8,6 @@ contiguous run, and a connector moves a block of the whole model with one copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,18 +16,9 @@ import torch
 from kvcore.backend import AttentionBackend, format_supported, is_supported
 from kvcore.dtypes import cache_torch_dtype, parse_dtype
 from kvcore.layout import KVCacheLayout
+from kvcore.registry import resolve_backend
 
-__all__ = ["KVCaches", "allocate_kv_caches", "set_backend_name_resolver"]
-
-# How a backend name becomes its class. The registry that knows the names sits above this
-# module, so it installs its resolver here when it is imported (``import kvcore`` imports it).
-_resolve_backend_name: Callable[[str], type[AttentionBackend]] | None = None
-
-
-def set_backend_name_resolver(resolver: Callable[[str], type[AttentionBackend]]) -> None:
-    """Make :func:`allocate_kv_caches` accept backend names, resolved by ``resolver``."""
-    global _resolve_backend_name
-    _resolve_backend_name = resolver
+__all__ = ["KVCaches", "allocate_kv_caches"]
 
 
 @dataclass
@@ -188,8 +178,8 @@ def allocate_kv_caches(
 
 def _backend_class(backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
     """A backend class, or the class a registered name resolves to."""
-    if isinstance(backend, str) and _resolve_backend_name is not None:
-        backend = _resolve_backend_name(backend)
+    if isinstance(backend, str):
+        backend = resolve_backend(backend)
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         raise TypeError(
             f"backend must be an AttentionBackend subclass or a registered name, got {backend!r}"

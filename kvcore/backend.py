@@ -9,46 +9,30 @@ The KV cache of a backend is **blocks-first**: its logical shape is
 ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` (MLA: ``(num_blocks, block_size,
 head_size)``), and ``get_kv_cache_stride_order`` fixes how those logical dims are laid out in
 memory. Kernels get ``kv_cache.unbind(1)`` views and must take strides from them.
+
+The backend names its two other halves as classes: the per-layer :class:`kvcore.AttentionImpl`
+(:mod:`kvcore.impl`) and the per-step :class:`kvcore.AttentionMetadataBuilder`
+(:mod:`kvcore.builder`); the step's :class:`kvcore.AttentionMetadata` is :mod:`kvcore.metadata`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import importlib
 import importlib.util
-import itertools
-import math
-import operator
-import sys
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar
 
 import torch
 
+from kvcore.builder import AttentionMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
+from kvcore.impl import AttentionImpl
 from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_order
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
-from kvcore.step_facts import (
-    StepFacts,
-    context_overwrite_error,
-    context_overwrites,
-    mark_step_checked,
-    overwrites_context,
-)
 
 __all__ = [
     "AttentionBackend",
-    "AttentionImpl",
-    "AttentionLayer",
-    "AttentionMetadata",
-    "AttentionType",
     "CudaGraphSupport",
-    "LayerScales",
-    "build_attention_metadata",
-    "encoder_only_cache",
     "format_supported",
     "is_supported",
     "FEATURE_FLAGS",
@@ -92,52 +76,6 @@ def is_supported(value: Any, supported: Any) -> bool:
     return any(value in s if isinstance(s, MultipleOf) else value == s for s in supported)
 
 
-#: The default builder class. kvcore.builder (a layer above this module, importing it) fills
-#: the slot when it is imported, and ``import kvcore`` imports it, so it is set before any
-#: backend can be used.
-_default_builder: list[type] = []
-
-
-def _resolve_class(backend: type, attr: str) -> type:
-    """The class ``backend.<attr>`` names (see :attr:`AttentionBackend.IMPL_CLS`)."""
-    value = getattr(backend, attr)
-    if isinstance(value, type):
-        return value
-    where = f"{backend.__qualname__}.{attr}={value!r}"
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"{where} is not a class or a class name; set it to the class, its "
-                        "name in the backend's module or 'package.module:Class'")
-    if ":" in value:
-        module_name, _, name = value.partition(":")
-        if not module_name or not name:
-            raise ValueError(f"{where} lacks a module or a class name; write it as "
-                             "'package.module:Class'")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not f"{module_name}.".startswith(f"{exc.name}."):
-                raise  # a module it imports (a kernel library) is missing: say that one
-            raise ModuleNotFoundError(f"{where}: there is no module {module_name!r}; correct "
-                                      "the module path", name=module_name) from None
-    else:
-        # The module of the class that declares the name, not of a subclass inheriting it;
-        # the one it was defined in (kept at definition: sys.modules may have dropped it since,
-        # as pytest's in-process runs do).
-        owner = next(k for k in backend.__mro__ if attr in vars(k))
-        module, name = vars(owner).get("_defining_module"), value
-        if module is None:
-            module = importlib.import_module(owner.__module__)
-    try:
-        found = getattr(module, name)
-    except AttributeError:
-        raise AttributeError(f"{where}: module {module.__name__} has no class {name!r}; define "
-                             "it there or name its module as 'package.module:Class'") from None
-    if not isinstance(found, type):
-        raise TypeError(f"{where} names {found!r}, which is not a class; name the class "
-                        "itself")
-    return found
-
-
 class CudaGraphSupport(enum.Enum):
     """How much of a step a backend's ``forward`` lets an engine capture in a CUDA graph
     (declared as ``AttentionBackend.CUDA_GRAPH_SUPPORT``; see :mod:`kvcore.builder`).
@@ -168,14 +106,13 @@ class AttentionBackend:
 
     #: The registry name, e.g. ``"FLASH_ATTN"`` (upper case, stable): :meth:`get_name`.
     NAME: ClassVar[str | None] = None
-    #: The :class:`AttentionImpl` subclass (:meth:`get_impl_cls`): the class itself, or its
-    #: name, resolved when it is asked for: a class of the module that declares the attribute
-    #: (``"AcmeImpl"``, for a class defined below the backend) or ``"package.module:Class"``
-    #: (imported then, so kernel libraries are not imported with the backend).
-    IMPL_CLS: ClassVar[type[AttentionImpl] | str | None] = None
-    #: The per-step metadata builder (:meth:`get_builder_cls`), in the same forms as
-    #: :attr:`IMPL_CLS`; ``None``: :class:`kvcore.AttentionMetadataBuilder`.
-    BUILDER_CLS: ClassVar[type | str | None] = None
+    #: The :class:`~kvcore.AttentionImpl` subclass (:meth:`get_impl_cls`), a class: define it
+    #: above the backend in the backend's module, whose kernel libraries are imported inside
+    #: the impl's methods (so importing the backend imports none).
+    IMPL_CLS: ClassVar[type[AttentionImpl] | None] = None
+    #: The per-step metadata builder (:meth:`get_builder_cls`), a class; the default checks
+    #: the step once and returns it unchanged.
+    BUILDER_CLS: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
 
     #: Model (query/key/value) dtypes the kernels accept.
     SUPPORTED_DTYPES: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
@@ -232,10 +169,6 @@ class AttentionBackend:
     #: runs the backend on each one and requires the bits it gives on its own order.
     EXTRA_STRIDE_ORDERS: ClassVar[tuple[tuple[int, ...], ...]] = ()
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._defining_module = sys.modules.get(cls.__module__)
-
     @classmethod
     def get_name(cls) -> str:
         """The registry name, e.g. ``"FLASH_ATTN"`` (upper case, stable): :attr:`NAME`."""
@@ -246,15 +179,16 @@ class AttentionBackend:
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
-        """The implementation class, :attr:`IMPL_CLS`; kernel libraries are imported by it
-        (or when this resolves its ``"module:Class"``), not at the backend's import."""
-        if cls.IMPL_CLS is None:
-            raise NotImplementedError(f"{cls.__qualname__} declares no IMPL_CLS; set the class "
-                                      "attribute IMPL_CLS (or override get_impl_cls())")
-        return _resolve_class(cls, "IMPL_CLS")
+        """The implementation class, :attr:`IMPL_CLS`."""
+        impl = cls.IMPL_CLS
+        if not isinstance(impl, type):
+            raise TypeError(f"{cls.__qualname__}.IMPL_CLS={impl!r} is not a class; set it to "
+                            "the AttentionImpl subclass itself, defined above the backend "
+                            "(or override get_impl_cls())")
+        return impl
 
     @classmethod
-    def get_builder_cls(cls) -> type:
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
         """The per-step metadata builder (a :class:`kvcore.AttentionMetadataBuilder`
         subclass) the engine makes once and calls once per step: :attr:`BUILDER_CLS`.
 
@@ -262,9 +196,12 @@ class AttentionBackend:
         once and returns the metadata unchanged. Declare your own for per-step work (a kernel
         library's plan, split choices, workspaces) and for CUDA-graph support.
         """
-        if cls.BUILDER_CLS is None:
-            return _default_builder[0]
-        return _resolve_class(cls, "BUILDER_CLS")
+        builder = cls.BUILDER_CLS
+        if not isinstance(builder, type):
+            raise TypeError(f"{cls.__qualname__}.BUILDER_CLS={builder!r} is not a class; set "
+                            "it to the AttentionMetadataBuilder subclass itself, defined above "
+                            "the backend (or override get_builder_cls())")
+        return builder
 
     @staticmethod
     def get_kv_cache_shape(
@@ -544,448 +481,3 @@ class AttentionBackend:
         """
         return []
 
-
-@runtime_checkable
-class AttentionLayer(Protocol):
-    """What a backend reads from the engine's attention layer: the KV quantisation scales."""
-
-    k_scale: torch.Tensor | float
-    v_scale: torch.Tensor | float
-
-
-@dataclass
-class LayerScales:
-    """A minimal :class:`AttentionLayer` for engines without their own layer object."""
-
-    k_scale: torch.Tensor | float = 1.0
-    v_scale: torch.Tensor | float = 1.0
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step batch description shared by every backend.
-
-    A batch mixes prefill requests (possibly with a cached prefix) and decode requests; their
-    new tokens are packed along dim 0 of query/key/value.
-
-    Attributes:
-        query_start_loc: ``(num_seqs + 1,)`` int32, cumulative new-token counts.
-        seq_lens: ``(num_seqs,)`` int32, cached + new tokens per request.
-        block_table: ``(num_seqs, max_blocks_per_seq)`` int32 block ids (padding is 0).
-        slot_mapping: ``(num_tokens,)`` int64 cache slot of each new token
-            (``block_id * block_size + offset``; negative = padding, not written).
-        max_query_len, max_seq_len: maxima of the above, on the host.
-        num_actual_tokens: new tokens in the batch (rows of query beyond are padding).
-        causal: whether queries are masked to earlier positions.
-        query_start_loc_cpu, seq_lens_cpu: optional host (CPU) copies of ``query_start_loc``
-            and ``seq_lens`` with the same values, for builders that plan on the host (e.g.
-            FlashInfer's ``plan``): with them a builder needs no device read. ``None`` when
-            the engine has none; :func:`build_attention_metadata` fills them.
-    """
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    num_actual_tokens: int
-    causal: bool = True
-    query_start_loc_cpu: torch.Tensor | None = None
-    seq_lens_cpu: torch.Tensor | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-    def extend(self, cls: type[_M], **fields: Any) -> _M:
-        """This step as ``cls``, a dataclass subclass of :class:`AttentionMetadata` that adds
-        a backend's own fields (a plan, split counts, a workspace), given as ``fields``; every
-        field of :class:`AttentionMetadata` is carried over. What a builder's ``build`` returns
-        after ``super().build`` has checked the step."""
-        return cls(**{name: getattr(self, name) for name in _BASE_FIELDS}, **fields)
-
-
-_M = TypeVar("_M", bound=AttentionMetadata)
-#: The fields :meth:`AttentionMetadata.extend` carries over (computed once: builders call it
-#: every step).
-_BASE_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionMetadata))
-
-#: Largest block id an int32 block table holds.
-_MAX_BLOCK_ID = 2**31 - 1
-
-
-def _is_index(value: object) -> bool:
-    """An integer in any form (int, numpy int, 0-dim integer tensor), not a float."""
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _check_block_ids(i: int, blocks: Sequence[int] | torch.Tensor) -> None:
-    """Block ids must be integers that fit the int32 block table."""
-    if isinstance(blocks, torch.Tensor):
-        if blocks.dtype.is_floating_point or blocks.dtype.is_complex:
-            raise TypeError(f"block_tables[{i}] has dtype {blocks.dtype}; block ids must be ints")
-        lo, hi = (int(blocks.min()), int(blocks.max())) if blocks.numel() else (0, 0)
-    else:
-        for b in blocks:
-            if isinstance(b, bool) or not _is_index(b):
-                raise TypeError(f"block_tables[{i}] contains {b!r} ({type(b).__name__}); "
-                                "block ids must be ints")
-        lo = min((int(b) for b in blocks), default=0)
-        hi = max((int(b) for b in blocks), default=0)
-    if hi > _MAX_BLOCK_ID:
-        raise ValueError(
-            f"block_tables[{i}] contains block id {hi}, above {_MAX_BLOCK_ID}: the block table "
-            "is int32, as the kernels read it (no cache has that many blocks)")
-    if lo < -_MAX_BLOCK_ID - 1:
-        raise ValueError(
-            f"block_tables[{i}] contains {lo}, below {-_MAX_BLOCK_ID - 1}: the block table is "
-            "int32, as the kernels read it; block ids are >= 0 (pad unused entries with 0)")
-
-
-def build_attention_metadata(
-    query_lens: Sequence[int],
-    context_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-    causal: bool = True,
-    num_blocks: int | None = None,
-) -> AttentionMetadata:
-    """Build :class:`AttentionMetadata` from per-request counts and block tables.
-
-    The value checks happen here, once per step, on the host lists: lengths and block
-    coverage, ids not negative and, with ``num_blocks``, below it, no slot given to two new
-    tokens, and no new token written to a slot a request of the step reads as context (the
-    write would land before attention reads it). The tensors are marked
-    with the step's :class:`kvcore.ops.StepFacts` (:func:`kvcore.ops.mark_step_checked`), so
-    the ops of every layer compare those facts with their cache instead of reading the
-    tensors back from the device. The tensors are made outside inference mode (inference
-    tensors cannot be marked).
-
-    Args:
-        query_lens: new tokens per request (1 for decode, the prompt chunk for prefill).
-        context_lens: tokens already in the cache per request (the cached prefix).
-        block_tables: block ids per request; must cover ``context_len + query_len`` tokens.
-        block_size: tokens per block.
-        device: where the tensors are placed.
-        causal: forwarded to :attr:`AttentionMetadata.causal`.
-        num_blocks: blocks of the KV cache, to refuse out-of-range ids here, with the
-            request named (otherwise each op refuses them against its cache).
-    """
-    if len(query_lens) != len(context_lens) or len(query_lens) != len(block_tables):
-        raise ValueError(
-            f"query_lens ({len(query_lens)}), context_lens ({len(context_lens)}) and "
-            f"block_tables ({len(block_tables)}) must have one entry per request"
-        )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size={block_size!r} must be a positive integer")
-    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
-                                   or num_blocks <= 0):
-        raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer or None")
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    rows: list[Sequence[int]] = []
-    max_needed, max_block = 0, -1
-    for i, (q_len, ctx_len, blocks) in enumerate(
-        zip(query_lens, context_lens, block_tables, strict=True)
-    ):
-        for arg, n in (("query_lens", q_len), ("context_lens", ctx_len)):
-            if isinstance(n, bool) or not _is_index(n):
-                raise TypeError(f"{arg}[{i}]={n!r} must be an int (a token count), got "
-                                f"{type(n).__name__}")
-        _check_block_ids(i, blocks)
-        if q_len < 0 or ctx_len < 0:
-            raise ValueError(
-                f"request {i}: query_lens={q_len} and context_lens={ctx_len} must be >= 0"
-            )
-        if isinstance(blocks, torch.Tensor):
-            blocks = blocks.tolist()
-        rows.append(blocks)
-        seq_len = ctx_len + q_len
-        needed = -(-seq_len // block_size)
-        if len(blocks) < needed:
-            raise ValueError(
-                f"block_tables[{i}] has {len(blocks)} blocks but {seq_len} tokens need "
-                f"{needed} blocks of {block_size}"
-            )
-        if needed:
-            used = blocks[:needed]
-            if min(used) < 0:
-                raise ValueError(f"block_tables[{i}] contains a negative block id: {list(blocks)}")
-            top = max(used)
-            if num_blocks is not None and top >= num_blocks:
-                raise ValueError(
-                    f"block_tables[{i}] refers to block id {top}, but the cache has "
-                    f"{num_blocks} blocks (valid ids: 0..{num_blocks - 1})"
-                )
-            max_block = max(max_block, top)
-            max_needed = max(max_needed, needed)
-        seq_lens.append(seq_len)
-        for pos in range(ctx_len, seq_len):
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    if len(set(slots)) != len(slots):  # two new tokens in one slot: which lands is a race
-        seen: set[int] = set()
-        repeated = sorted({s for s in slots if s in seen or seen.add(s)})
-        raise ValueError(f"the block tables give slots {repeated[:8]} to more than one new "
-                         "token of the step; every new token needs its own slot")
-    width = max((len(b) for b in rows), default=0)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    with torch.inference_mode(False):
-        table = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
-        for i, blocks in enumerate(rows):
-            if len(blocks):
-                table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
-        starts_cpu = torch.tensor(starts, dtype=torch.int32)
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        slots_cpu = torch.tensor(slots, dtype=torch.int64)
-        ctx_lens = [int(c) for c in context_lens]
-        if slots and any(ctx_lens) and overwrites_context(slots, ctx_lens, rows, block_size):
-            ctx = torch.tensor(ctx_lens, dtype=torch.int64)  # the message names the first
-            raise context_overwrite_error(slots_cpu, starts_cpu, ctx, table, block_size,
-                                          context_overwrites(slots_cpu, ctx, table, block_size))
-        metadata = AttentionMetadata(
-            query_start_loc=starts_cpu.to(device, copy=True),
-            seq_lens=seq_lens_cpu.to(device, copy=True),
-            block_table=table.to(device),
-            slot_mapping=slots_cpu.to(device),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-            num_actual_tokens=starts[-1],
-            causal=causal,
-            query_start_loc_cpu=starts_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-        )
-    facts = StepFacts(num_tokens=starts[-1], num_seqs=len(rows), block_size=block_size,
-                      max_blocks_per_seq=max_needed, max_block_id=max_block,
-                      max_slot=max(slots, default=-1))
-    mark_step_checked(facts, query_start_loc=metadata.query_start_loc,
-                      seq_lens=metadata.seq_lens, block_table=metadata.block_table,
-                      slot_mapping=metadata.slot_mapping)
-    return metadata
-
-
-def encoder_only_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    attn_metadata: AttentionMetadata,
-    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """A private paged cache holding only this step's tokens, for encoder-only layers.
-
-    An encoder-only layer must not write the engine's cache (:meth:`AttentionImpl.
-    writes_kv_cache`) but its kernels read K/V through a block table. This returns a fresh
-    ``(num_blocks', *kv_cache.shape[1:])`` cache (contiguous, ``kv_cache``'s dtype), filled
-    with ``key[:n]`` / ``value[:n]`` by ``write(key, value, cache, slot_mapping)`` (the
-    backend's own cache write, so fp8 is quantised as usual), each request in its own run of
-    blocks, and a copy of ``attn_metadata`` whose ``block_table`` and ``slot_mapping`` point
-    into it. Reads the query lengths on the host (one sync per layer: encoder-only steps
-    are not graph-captured).
-
-    Raises:
-        ValueError: a request has a cached prefix (``seq_lens`` must equal its query length).
-    """
-    n = attn_metadata.num_actual_tokens
-    block_size = kv_cache.shape[2] if kv_cache.dim() == 5 else kv_cache.shape[1]
-    starts = attn_metadata.query_start_loc.tolist()
-    q_lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
-    seq_lens = attn_metadata.seq_lens.tolist()
-    if seq_lens != q_lens:
-        raise ValueError(
-            f"encoder-only layers attend over the step's own tokens, but seq_lens={seq_lens} "
-            f"differ from the query lengths {q_lens}; give every request context length 0"
-        )
-    counts = [-(-q // block_size) for q in q_lens]
-    first = [0]
-    for c in counts:
-        first.append(first[-1] + c)
-    table = torch.zeros(len(q_lens), max(max(counts, default=0), 1), dtype=torch.int32)
-    slots: list[int] = []
-    for i, (q_len, c) in enumerate(zip(q_lens, counts, strict=True)):
-        table[i, :c] = torch.arange(first[i], first[i] + c, dtype=torch.int32)
-        slots.extend(range(first[i] * block_size, first[i] * block_size + q_len))
-    device = kv_cache.device
-    cache = torch.zeros((max(first[-1], 1), *kv_cache.shape[1:]), dtype=kv_cache.dtype,
-                        device=device)
-    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-    write(key[:n], value[:n], cache, slot_mapping)
-    return cache, dataclasses.replace(attn_metadata, block_table=table.to(device),
-                                      slot_mapping=slot_mapping)
-
-
-class AttentionImpl(ABC):
-    """Per-layer state of a backend and the two calls an engine makes every step.
-
-    Shapes: ``query`` is ``(num_tokens, num_heads, head_size)``; ``key``/``value`` are
-    ``(num_tokens, num_kv_heads, head_size)``; ``kv_cache`` is the layer's logical view from
-    :func:`kvcore.allocate_kv_caches` (for K/V backends ``(num_blocks, 2, block_size,
-    num_kv_heads, head_size)`` of any strides).
-    """
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        attn_type: AttentionType | str = AttentionType.DECODER,
-    ) -> None:
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
-            )
-        if sliding_window is not None and (isinstance(sliding_window, bool)
-                                           or not _is_index(sliding_window)
-                                           or sliding_window < 1):
-            raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1 "
-                             "(how many positions each query sees, itself included)")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-                math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale={scale!r} must be a finite, positive float "
-                             "(usually head_size ** -0.5)")
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.sliding_window = None if sliding_window is None else operator.index(sliding_window)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = AttentionType(attn_type)
-
-    def is_causal(self, attn_metadata: AttentionMetadata) -> bool:
-        """Whether this layer masks each query to the keys at or before its position.
-
-        The one causal rule of every backend: the step's metadata asks for it
-        (:attr:`AttentionMetadata.causal`) and the layer is a decoder; an encoder-only layer
-        sees every key of its request.
-        """
-        return attn_metadata.causal and self.attn_type == AttentionType.DECODER
-
-    def writes_kv_cache(self) -> bool:
-        """Whether :meth:`do_kv_cache_update` writes anything: the one cache-write rule of
-        every backend. An encoder-only layer keeps nothing across steps, so it never writes
-        the paged cache (its ``forward`` attends over the step's own ``key``/``value``,
-        e.g. through :func:`encoder_only_cache`)."""
-        return self.attn_type != AttentionType.ENCODER_ONLY
-
-    @abstractmethod
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Write the new tokens' K and V into ``kv_cache`` at ``slot_mapping`` (negative: skip)."""
-
-    @abstractmethod
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of ``query`` over the paged cache (already updated for this step).
-
-        Returns ``(num_tokens, num_heads, head_size)``, written into ``output`` when given.
-        """
-
-
-class PagedAttentionImpl(AttentionImpl):
-    """An :class:`AttentionImpl` over two ops with the signatures of :mod:`kvcore.ops`.
-
-    Subclasses set :meth:`write_kv` (``reshape_and_cache``'s signature) and :meth:`attend`
-    (``paged_attention``'s) and get ``do_kv_cache_update`` / ``forward`` on the standard
-    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` cache split with ``unbind(1)``
-    (override :meth:`split_kv` for another layout), output written in place, padding rows
-    beyond ``num_actual_tokens`` left untouched.
-    """
-
-    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V ``(num_blocks, block_size, num_kv_heads, head_size)`` views."""
-        key_cache, value_cache = kv_cache.unbind(1)
-        return key_cache, value_cache
-
-    @staticmethod
-    @abstractmethod
-    def write_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                 v_scale) -> None:
-        """Scatter new tokens into the K and V caches (see ``kvcore.ops.reshape_and_cache``)."""
-
-    @staticmethod
-    @abstractmethod
-    def attend(query, key_cache, value_cache, **kwargs) -> torch.Tensor:
-        """Paged attention with ``kvcore.ops.paged_attention``'s keyword arguments."""
-
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        if not self.writes_kv_cache():
-            return
-        key_cache, value_cache = self.split_kv(kv_cache)
-        self.write_kv(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
-                      layer.k_scale, layer.v_scale)
-
-    def attend_options(self, attn_metadata: AttentionMetadata) -> dict[str, Any]:
-        """Extra keyword arguments of :meth:`attend` for this step: what a backend's builder
-        chose for the step, e.g. split counts and workspaces. Metadata that carries such
-        choices has an ``attend_options()`` method (e.g. ``kvcore.TritonAttentionMetadata``);
-        other metadata adds none."""
-        options = getattr(attn_metadata, "attend_options", None)
-        return options() if callable(options) else {}
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if not self.writes_kv_cache():
-            def write(k, v, cache, slots):
-                self.write_kv(k, v, *self.split_kv(cache), slots, self.kv_cache_dtype,
-                              layer.k_scale, layer.v_scale)
-
-            kv_cache, attn_metadata = encoder_only_cache(key, value, kv_cache, attn_metadata,
-                                                         write)
-        key_cache, value_cache = self.split_kv(kv_cache)
-        n = attn_metadata.num_actual_tokens
-        if output is None:
-            output = torch.empty_like(query)
-        self.attend(
-            query[:n], key_cache, value_cache,
-            query_start_loc=attn_metadata.query_start_loc,
-            seq_lens=attn_metadata.seq_lens,
-            block_table=attn_metadata.block_table,
-            scale=self.scale,
-            causal=self.is_causal(attn_metadata),
-            sliding_window=self.sliding_window,
-            kv_cache_dtype=self.kv_cache_dtype,
-            k_scale=layer.k_scale,
-            v_scale=layer.v_scale,
-            output=output[:n],
-            **self.attend_options(attn_metadata),
-        )
-        return output

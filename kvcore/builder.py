@@ -9,18 +9,17 @@ step, before the layers; what it returns is passed to every layer's ``forward``.
 (the value checks, a kernel library's plan, split-KV choices, workspaces) happens there, never
 per layer.
 
-:class:`CudaGraphSupport` is what a backend declares as ``CUDA_GRAPH_SUPPORT``. A backend that
-supports graphs has a builder that keeps the step's device tensors in persistent buffers
-(:class:`PersistentMetadataBuilder`), so a step captured once for a batch size replays for any
-later step of that size; :class:`kvcore.CudaGraphRunner` does the capture and the replays.
+:class:`kvcore.CudaGraphSupport` is what a backend declares as ``CUDA_GRAPH_SUPPORT``. A backend
+that supports graphs has a builder that keeps the step's device tensors in persistent buffers
+(:class:`PersistentMetadataBuilder`), so a step captured once for a batch size replays for
+any later step of that size; :class:`kvcore.CudaGraphRunner` does the capture and the replays.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcore import backend as _backend
-from kvcore.backend import AttentionMetadata, CudaGraphSupport
+from kvcore.metadata import AttentionMetadata
 from kvcore.ops.validation import (
     StepFacts,
     checked_step_facts,
@@ -30,8 +29,8 @@ from kvcore.ops.validation import (
 )
 from kvcore.spec import KVCacheSpec
 
-__all__ = ["AttentionMetadataBuilder", "CudaGraphSupport", "PersistentMetadataBuilder",
-           "graph_batch_sizes", "is_uniform_decode"]
+__all__ = ["AttentionMetadataBuilder", "PersistentMetadataBuilder", "graph_batch_sizes",
+           "is_uniform_decode"]
 
 
 def _positive(name: str, value: object) -> int:
@@ -294,10 +293,6 @@ def _understated(max_seq_len: int, what: str) -> ValueError:
     return ValueError(f"max_seq_len={max_seq_len} understates the step: {what}. Pass the "
                       "longest request's length (cached plus new tokens): builders size "
                       "buffers and choose kernels from it")
-
-
-# AttentionBackend.get_builder_cls() returns this class unless a backend overrides it.
-_backend._default_builder[:] = [AttentionMetadataBuilder]
 
 
 def is_uniform_decode(common: AttentionMetadata) -> bool:

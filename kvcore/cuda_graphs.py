@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from kvcore.backend import AttentionMetadata, build_attention_metadata
 from kvcore.builder import PersistentMetadataBuilder, graph_batch_sizes, is_uniform_decode
+from kvcore.metadata import AttentionMetadata, build_attention_metadata
 from kvcore.ops.validation import checked_step_facts, value_checks_enabled
 
 __all__ = ["CudaGraphRunner", "StepFn"]

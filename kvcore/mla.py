@@ -26,7 +26,9 @@ from abc import abstractmethod
 
 import torch
 
-from kvcore.backend import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore.backend import AttentionBackend
+from kvcore.impl import AttentionImpl
+from kvcore.metadata import AttentionLayer, AttentionMetadata
 from kvcore.platform_types import AttentionType
 
 __all__ = ["MLACommonBackend", "MLACommonImpl", "latent_cache_shape"]
@@ -86,7 +88,9 @@ class MLACommonImpl(AttentionImpl):
     ``(num_tokens, num_heads, v_head_dim)``. For :meth:`do_kv_cache_update` the ``key`` is
     ``kv_c`` ``(num_tokens, kv_lora_rank)`` and the ``value`` is ``k_pe`` ``(num_tokens,
     qk_rope_head_dim)`` (or ``(num_tokens, 1, qk_rope_head_dim)``); the fp8 scale of the
-    latent cache is ``layer.k_scale``.
+    latent cache is ``layer.k_scale``. :meth:`forward` does not read ``key`` and ``value``
+    (the latents come from the cache): pass ``None``. A backend implements
+    :meth:`write_kv_cache` and :meth:`_latent_attention`.
 
     Args:
         num_heads: query heads of this layer (on this rank).
@@ -155,22 +159,11 @@ class MLACommonImpl(AttentionImpl):
         #: ``(num_heads, kv_lora_rank, v_head_dim)``: ``out = o_latent @ W_UV^T``.
         self.w_uv_t = w[:, qk_nope_head_dim:].transpose(1, 2)
 
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """MLA attention over the latent cache (already updated for this step).
-
-        ``key`` and ``value`` are not read (the latents come from the cache). Returns
-        ``(num_tokens, num_heads, v_head_dim)``; rows past ``attn_metadata.num_actual_tokens``
-        are padding and are left untouched in ``output``.
-        """
+    def check_forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      attn_metadata: AttentionMetadata, output: torch.Tensor | None) -> None:
+        """``query`` ``(num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim)`` in the
+        model dtype (``kv_b_proj_weight``'s), ``output`` ``(num_tokens, num_heads,
+        v_head_dim)``."""
         qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         if query.dim() != 3 or tuple(query.shape[1:]) != (self.num_heads, qk_dim):
             raise ValueError(
@@ -181,19 +174,22 @@ class MLACommonImpl(AttentionImpl):
             raise TypeError(f"query has dtype {query.dtype} but kv_b_proj_weight has "
                             f"{self.w_uk.dtype}; both must be the model dtype")
         want = (query.shape[0], self.num_heads, self.v_head_dim)
-        if output is None:
-            output = query.new_empty(want)
-        elif tuple(output.shape) != want:
+        if output is not None and tuple(output.shape) != want:
             raise ValueError(f"output has shape {tuple(output.shape)}; expected {want}")
-        n = attn_metadata.num_actual_tokens
-        if n == 0:
-            return output
-        q_nope, q_pe = query[:n].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+    def new_output(self, query: torch.Tensor) -> torch.Tensor:
+        """``(num_tokens, num_heads, v_head_dim)`` in the query's dtype."""
+        return query.new_empty((query.shape[0], self.num_heads, self.v_head_dim))
+
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        """The absorbed attention (module docstring): ``query`` into latent space,
+        :meth:`_latent_attention` (the backend's kernels), ``W_UV`` into ``output``."""
+        q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         q = torch.cat([q_latent, q_pe], dim=-1)
         o_latent = self._latent_attention(layer, q, kv_cache, attn_metadata)
-        output[:n] = torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)
-        return output
+        output.copy_(torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1))
 
     @abstractmethod
     def _latent_attention(

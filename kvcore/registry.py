@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvcore import allocate, plugins
+from kvcore import plugins
 from kvcore.backend import AttentionBackend
 from kvcore.layout import KVCacheLayout
 
@@ -380,5 +380,3 @@ def _layout_problem(cls: type[AttentionBackend]) -> str:
         return f"an invalid KV cache layout: {type(exc).__name__}: {exc}"
     return ""
 
-
-allocate.set_backend_name_resolver(resolve_backend)

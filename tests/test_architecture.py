@@ -14,6 +14,7 @@ import ast
 import configparser
 import importlib
 import importlib.util
+import itertools
 import re
 import subprocess
 import sys
@@ -195,6 +196,31 @@ def test_every_kvcore_module_is_on_a_floor_of_the_layers_contract():
     assert "kvcore.dtypes" in modules
     missing = sorted(modules - named)
     assert not missing, f"not on any floor of the kvcore-layers contract: {', '.join(missing)}"
+
+
+def layer_floors() -> list[set[str]]:
+    """``.importlinter``'s kvcore-layers contract, top floor first: each floor's modules."""
+    config = configparser.ConfigParser()
+    config.read(REPO / ".importlinter")
+    lines = config["importlinter:contract:kvcore-layers"]["layers"].strip().splitlines()
+    return [set(re.findall(r"kvcore\.\w+", line)) for line in lines]
+
+
+def test_the_architecture_page_shows_the_floors_of_the_layers_contract():
+    """docs/architecture.md's floor table names the contract's modules, top to bottom in the
+    contract's order (modules of one floor in any order among themselves)."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    table = re.search(r"## The floors\n\n```text\n(.*?)```", page, re.S)
+    assert table, "docs/architecture.md has no ```text floor table under '## The floors'"
+    shown = list(dict.fromkeys(re.findall(r"kvcore\.\w+", table.group(1))))
+    floors = layer_floors()
+    floor_of = {module: i for i, floor in enumerate(floors) for module in floor}
+    assert set(shown) == set(floor_of), (
+        f"the table lacks {sorted(set(floor_of) - set(shown))} and shows "
+        f"{sorted(set(shown) - set(floor_of))}, which are not floors of .importlinter")
+    order = [floor_of[m] for m in shown]
+    wrong = [(a, b) for a, b in itertools.pairwise(shown) if floor_of[b] < floor_of[a]]
+    assert order == sorted(order), f"the table shows these above the floor they sit on: {wrong}"
 
 
 #: Packages whose modules must not import each other in a loop (kvcore and the in-repo plugins

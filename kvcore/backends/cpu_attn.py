@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.backend import AttentionBackend, PagedAttentionImpl
+from kvcore.backend import AttentionBackend
+from kvcore.impl import PagedAttentionImpl
 from kvcore.layout_names import vllm_layout_order
 from kvcore.ops.reference import reshape_and_cache_ref
 from kvcore.ops.torch_attention import paged_attention_torch
 from kvcore.platform_types import AttentionType
+
+
+class CpuAttentionImpl(PagedAttentionImpl):
+    reshape_and_cache = staticmethod(reshape_and_cache_ref)
+    paged_attention = staticmethod(paged_attention_torch)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -33,14 +39,9 @@ class CpuAttentionBackend(AttentionBackend):
                                 for name in ("LBHNC", "LBNHC", "LHBNC"))
 
     NAME = "CPU_ATTN"
-    IMPL_CLS = "CpuAttentionImpl"
+    IMPL_CLS = CpuAttentionImpl
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
         # The ops index through the views' strides: cross-layer is safe.
         return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
-
-
-class CpuAttentionImpl(PagedAttentionImpl):
-    write_kv = staticmethod(reshape_and_cache_ref)
-    attend = staticmethod(paged_attention_torch)

@@ -13,34 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.backend import AttentionLayer, AttentionMetadata
+from kvcore.metadata import AttentionLayer, AttentionMetadata
 from kvcore.mla import MLACommonBackend, MLACommonImpl
 from kvcore.ops.mla_reference import concat_and_cache_mla_ref, mla_attention_ref
 
 __all__ = ["CpuMLABackend", "CpuMLAImpl"]
 
 
-class CpuMLABackend(MLACommonBackend):
-    """MLA in pure torch on any device; cross-layer KV caches supported (verified)."""
-
-    SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-    PLATFORMS = ("cpu",)
-
-    NAME = "CPU_MLA"
-    IMPL_CLS = "CpuMLAImpl"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): the reference ops index through
-        the view's strides."""
-        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
-
-
 class CpuMLAImpl(MLACommonImpl):
     """:class:`~kvcore.MLACommonImpl` on the pure-torch ops (same arguments as TRITON_MLA's)."""
 
-    def do_kv_cache_update(
+    def write_kv_cache(
         self,
         layer: AttentionLayer,
         key: torch.Tensor,
@@ -65,3 +48,20 @@ class CpuMLAImpl(MLACommonImpl):
             query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
             block_table=attn_metadata.block_table, scale=self.scale,
             kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale)
+
+
+class CpuMLABackend(MLACommonBackend):
+    """MLA in pure torch on any device; cross-layer KV caches supported (verified)."""
+
+    SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    PLATFORMS = ("cpu",)
+
+    NAME = "CPU_MLA"
+    IMPL_CLS = CpuMLAImpl
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): the reference ops index through
+        the view's strides."""
+        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)

@@ -22,19 +22,15 @@ op as a :class:`kvcore.ops.TritonAttentionPlan` (``TritonAttentionMetadata.plan`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
-from kvcore.backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    CudaGraphSupport,
-    PagedAttentionImpl,
-)
+from kvcore.backend import AttentionBackend, CudaGraphSupport
 from kvcore.builder import PersistentMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
+from kvcore.impl import PagedAttentionImpl
 from kvcore.layout_names import vllm_layout_order
+from kvcore.metadata import AttentionLayer, AttentionMetadata
 from kvcore.ops import (
     TritonAttentionPlan,
     default_num_kv_splits,
@@ -45,58 +41,6 @@ from kvcore.ops import (
     workspace_numel,
 )
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
-
-
-class TritonAttentionBackend(AttentionBackend):
-    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-    # Any head size up to 256: the kernel pads to a power of two and masks.
-    SUPPORTED_HEAD_SIZES = (MultipleOf(8, max=256),)
-    # Every token's page is looked up on its own, so any block size works.
-    SUPPORTED_BLOCK_SIZES = None
-    # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability we know is above.
-    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
-    SUPPORTS_NON_CAUSAL = True
-    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
-    PLATFORMS = ("cuda", "rocm")
-    # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
-    # ROCm run passes them.
-    CROSS_LAYER_PLATFORMS = ("cuda",)
-    # The launch depends only on shapes and the builder's choices: no host sync, no
-    # allocation with the builder's workspace and a given output.
-    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
-    # Strides come from the views: K and V side by side per token and head (vLLM's LBHNC and
-    # LBNHC, and their cross-layer forms where cross-layer is verified) read too.
-    EXTRA_STRIDE_ORDERS = tuple(vllm_layout_order(name, include_num_layers_dimension=False)
-                                for name in ("LBNHC", "LBHNC"))
-
-    NAME = "TRITON_ATTN"
-    IMPL_CLS = "TritonAttentionImpl"
-    BUILDER_CLS = "TritonAttentionMetadataBuilder"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # NHD; with layers, blocks outermost: verified bit-exact on cross-layer views.
-        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
-
-    @classmethod
-    def check_combination(
-        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
-    ) -> list[str]:
-        return triton_fp8_reasons(config.kv_cache_dtype, device_capability)
-
-
-class TritonAttentionHNDBackend(TritonAttentionBackend):
-    NAME = "TRITON_ATTN_HND"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)
-
 
 #: The plan of a step that does not split (frozen: one instance serves every such step).
 _NO_SPLIT = TritonAttentionPlan(num_kv_splits=1)
@@ -114,11 +58,6 @@ class TritonAttentionMetadata(AttentionMetadata):
     """
 
     plan: TritonAttentionPlan = _NO_SPLIT
-
-    def attend_options(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`kvcore.ops.triton_paged_attention` that carry the
-        builder's choices: ``{"plan": self.plan}``."""
-        return {"plan": self.plan}
 
 
 class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
@@ -175,7 +114,78 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
 
 
 class TritonAttentionImpl(PagedAttentionImpl):
+    """The Triton ops on the ``unbind(1)`` halves, with the builder's
+    :class:`kvcore.ops.TritonAttentionPlan` for the step when it has one.
+
+    Public (``kvcore.TritonAttentionImpl``) for plugins whose backends run kvcore's Triton
+    kernels with :class:`TritonAttentionMetadataBuilder` (override :meth:`split_kv` for
+    another cache layout)."""
+
     # Called on any device (CPU tensors run under TRITON_INTERPRET=1); triton is imported on
     # first call, not when the backend is registered or selected.
-    write_kv = staticmethod(triton_reshape_and_cache)
-    attend = staticmethod(triton_paged_attention)
+    reshape_and_cache = staticmethod(triton_reshape_and_cache)
+    paged_attention = staticmethod(triton_paged_attention)
+
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        """The op with the builder's plan (``None`` for plain metadata: the op chooses the
+        split count and allocates its workspace)."""
+        m = attn_metadata
+        key_cache, value_cache = self.split_kv(kv_cache)
+        triton_paged_attention(
+            query, key_cache, value_cache, query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
+            causal=self.is_causal(m), sliding_window=self.sliding_window,
+            kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale, v_scale=layer.v_scale,
+            output=output, plan=m.plan if isinstance(m, TritonAttentionMetadata) else None)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    # Any head size up to 256: the kernel pads to a power of two and masks.
+    SUPPORTED_HEAD_SIZES = (MultipleOf(8, max=256),)
+    # Every token's page is looked up on its own, so any block size works.
+    SUPPORTED_BLOCK_SIZES = None
+    # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability we know is above.
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
+    SUPPORTS_NON_CAUSAL = True
+    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    PLATFORMS = ("cuda", "rocm")
+    # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
+    # ROCm run passes them.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
+    # The launch depends only on shapes and the builder's choices: no host sync, no
+    # allocation with the builder's workspace and a given output.
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+    # Strides come from the views: K and V side by side per token and head (vLLM's LBHNC and
+    # LBNHC, and their cross-layer forms where cross-layer is verified) read too.
+    EXTRA_STRIDE_ORDERS = tuple(vllm_layout_order(name, include_num_layers_dimension=False)
+                                for name in ("LBNHC", "LBHNC"))
+
+    NAME = "TRITON_ATTN"
+    IMPL_CLS = TritonAttentionImpl
+    BUILDER_CLS = TritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # NHD; with layers, blocks outermost: verified bit-exact on cross-layer views.
+        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        return triton_fp8_reasons(config.kv_cache_dtype, device_capability)
+
+
+class TritonAttentionHNDBackend(TritonAttentionBackend):
+    NAME = "TRITON_ATTN_HND"
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        return (1, 0, 2, 4, 3, 5) if include_num_layers_dimension else (0, 1, 3, 2, 4)

@@ -24,12 +24,6 @@ rules, the tolerances and the options.
 
 from kvcore.testing.batch import random_block_tables
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
-from kvcore.testing.checks import (
-    DEFAULT_TOLERANCES,
-    MLA_NORM_TOLERANCES,
-    NORM_TOLERANCES,
-    tolerance_for,
-)
 from kvcore.testing.compile_check import (
     CompiledLaunch,
     CompileTarget,
@@ -44,6 +38,12 @@ from kvcore.testing.gpu import (
 )
 from kvcore.testing.reference import contiguous_attention_ref, contiguous_mla_ref
 from kvcore.testing.rules import RULES, ConformanceError, Rule
+from kvcore.testing.runs import (
+    DEFAULT_TOLERANCES,
+    MLA_NORM_TOLERANCES,
+    NORM_TOLERANCES,
+    tolerance_for,
+)
 from kvcore.testing.steps import MixedStep, run_mixed_step
 from kvcore.testing.strided_steps import strided_view
 

@@ -21,7 +21,7 @@ from kvcore.backend import AttentionBackend
 from kvcore.layout import KV_DIM_NAMES
 from kvcore.layout_names import vllm_layout_name
 from kvcore.testing.batch import CaseConfig, random_like
-from kvcore.testing.checks import _bits, _cache_diff, _run
+from kvcore.testing.runs import bits, cache_diff, case_run
 
 __all__ = ["check_adopted_order", "order_label"]
 
@@ -54,7 +54,7 @@ def check_adopted_order(backend: type[AttentionBackend], config: CaseConfig,
     ``cache-write-reference`` and ``forward-reference``.
     """
     order = tuple(order)
-    run = _run(backend, config, device, seed)
+    run = case_run(backend, config, device, seed)
     batch = run.make_batch()
     own = run.allocate(batch.num_blocks, fill=False)
     own_order = tuple(backend.get_kv_cache_stride_order(False))
@@ -74,13 +74,13 @@ def check_adopted_order(backend: type[AttentionBackend], config: CaseConfig,
             f"but kvcore.adopt_kv_caches refused a buffer in it: {exc}")) from exc
     layer, own_layer = adopted.layers[0], own.layers[0]
     own_layer.copy_(layer)
-    guards = _bits(torch.cat([buffer[:page], buffer[page + size:]])).clone()
+    guards = bits(torch.cat([buffer[:page], buffer[page + size:]])).clone()
     where = (f"on a cache adopted in the per-layer order {_order_text(order)}, strides "
              f"{tuple(layer.stride())}, against a cache in {backend.get_name()}'s own order "
              f"{_order_text(own_order)} holding the same data")
 
     def check_guards(after: str) -> None:
-        changed = int((_bits(torch.cat([buffer[:page], buffer[page + size:]])) != guards).sum())
+        changed = int((bits(torch.cat([buffer[:page], buffer[page + size:]])) != guards).sum())
         if changed:
             raise run.fail(RULE, (
                 f"{after} {where} changed {changed} of the {2 * page} elements of the "
@@ -91,17 +91,17 @@ def check_adopted_order(backend: type[AttentionBackend], config: CaseConfig,
     run.write(impl, scales, batch, layer)
     run.write(impl, scales, batch, own_layer)
     check_guards("do_kv_cache_update")
-    diff = _cache_diff(layer, own_layer, own.layout, batch, config.block_size, None)
+    diff = cache_diff(layer, own_layer, own.layout, batch, config.block_size, None)
     if diff:
         raise run.fail(RULE, (
             f"do_kv_cache_update {where}, compared as logical views (the own order's result "
             f"is 'expected'): {diff}"))
-    before = _bits(layer).clone()
+    before = bits(layer).clone()
     n = batch.num_tokens
     got = run.forward(impl, scales, batch, layer, None)[:n]
     expected = run.forward(impl, scales, batch, own_layer, None)[:n]
     check_guards("forward")
-    bad = _bits(got) != _bits(expected)
+    bad = bits(got) != bits(expected)
     if bad.any():
         token, head, dim = bad.nonzero()[0].tolist()
         raise run.fail(RULE, (
@@ -110,7 +110,7 @@ def check_adopted_order(backend: type[AttentionBackend], config: CaseConfig,
             f"{got[token, head, dim].item():.6g}, the own order gives "
             f"{expected[token, head, dim].item():.6g}; read the cache through its strides "
             f"(or drop the order from EXTRA_STRIDE_ORDERS)\n{batch.describe()}"))
-    changed = int((_bits(layer) != before).sum())
+    changed = int((bits(layer) != before).sum())
     if changed:
         raise run.fail(RULE, f"forward {where} changed {changed} elements of the adopted "
                               "cache; it must only read it")

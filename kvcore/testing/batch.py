@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.backend import AttentionMetadata, build_attention_metadata
 from kvcore.config import parse_dtype
+from kvcore.metadata import AttentionMetadata, build_attention_metadata
 from kvcore.platform_types import AttentionType
 
 __all__ = ["CaseConfig", "MLADims", "MixedBatch", "make_mixed_batch", "mla_dims", "random_like",

@@ -26,6 +26,19 @@ from kvcore.platform_types import AttentionType, DeviceCapability
 from kvcore.testing import checks
 from kvcore.testing.adopted_orders import check_adopted_order, order_label
 from kvcore.testing.batch import CaseConfig, short_dtype
+from kvcore.testing.builder_checks import (
+    check_builder,
+    check_builder_buffers,
+    check_cuda_graph_replay,
+)
+from kvcore.testing.numeric_checks import (
+    check_batch_invariant,
+    check_cache_write,
+    check_cross_layer,
+    check_forward,
+    check_int64_offsets,
+    check_stale_bytes,
+)
 from kvcore.testing.step_refusals import check_overlapping_new_tokens_refused
 from kvcore.testing.strided_steps import check_strided_step_tensors
 from kvcore.testing.window_rules import check_window_non_causal
@@ -340,24 +353,24 @@ def conformance_cases(
 
         base = declared.base_config()
         for config in configs:
-            numeric("cache-write", "cache-write-reference", checks.check_cache_write, config)
+            numeric("cache-write", "cache-write-reference", check_cache_write, config)
             numeric("forward", "forward-reference",
-                    functools.partial(checks.check_forward, without_output=config == base),
+                    functools.partial(check_forward, without_output=config == base),
                     config)
-        numeric("stale-bytes", "stale-bytes-masked", checks.check_stale_bytes, base,
+        numeric("stale-bytes", "stale-bytes-masked", check_stale_bytes, base,
                 excuse=cls.stale_bytes_reason(torch.device(device).type))
         numeric("strided-steps", "strided-step-tensors", check_strided_step_tensors, base)
         if cls.SUPPORTS_NON_CAUSAL:
             noncausal = CaseConfig(base.dtype, base.head_size, base.block_size,
                                    base.kv_cache_dtype, causal=False)
-            numeric("forward", "forward-reference", checks.check_forward, noncausal)
+            numeric("forward", "forward-reference", check_forward, noncausal)
         if not cls.IS_MLA:
             # Every K/V AttentionImpl takes sliding_window; the window cuts inside a block.
             window = dataclasses.replace(base, sliding_window=base.block_size + 3)
-            numeric("forward", "forward-reference", checks.check_forward, window)
+            numeric("forward", "forward-reference", check_forward, window)
         for attn_type in cls.SUPPORTED_ATTN_TYPES:
             if attn_type is not AttentionType.DECODER:
-                numeric("forward", "forward-reference", checks.check_forward,
+                numeric("forward", "forward-reference", check_forward,
                         dataclasses.replace(base, attn_type=attn_type))
         if not cls.IS_MLA:
             # Non-causal layers with a window: symmetric, or refused as declared.
@@ -377,7 +390,7 @@ def conformance_cases(
                     skip=f"{name} declares {attr}, but kvcore's AttentionImpl API has no way "
                     f"to pass {feature} to forward yet, so the suite cannot check the claim")
         if cls.SUPPORTS_BATCH_INVARIANT:
-            numeric("batch-invariant", "batch-invariant", checks.check_batch_invariant, base)
+            numeric("batch-invariant", "batch-invariant", check_batch_invariant, base)
         if cross_layer:
             # Each model dtype, and one fp8 cache: strides, not values, are what is checked.
             # One of the backend's platforms where it has not verified its cross-layer order
@@ -391,7 +404,7 @@ def conformance_cases(
             for config in configs:
                 if ((config.head_size, config.block_size) == (base.head_size, base.block_size)
                         and (not config.is_fp8 or config is fp8)):
-                    numeric("cross-layer", "cross-layer-bit-exact", checks.check_cross_layer,
+                    numeric("cross-layer", "cross-layer-bit-exact", check_cross_layer,
                             config, excuse=unverified)
         if not cls.IS_MLA:
             # One case per order the kernels read beyond their own (none declared: none).
@@ -401,19 +414,19 @@ def conformance_cases(
                     functools.partial(check_adopted_order, order=order), base, device,
                     _seed(f"{name}-{device}-adopted-orders-{suffix}"), device=device,
                     suffix=suffix, skip=skip)
-        numeric("builder", "builder-reference", checks.check_builder, base)
+        numeric("builder", "builder-reference", check_builder, base)
         numeric("overwrites", "overlapping-new-tokens-refused",
                 check_overlapping_new_tokens_refused, base)
         if cls.CUDA_GRAPH_SUPPORT is not CudaGraphSupport.NEVER:
             numeric("builder-buffers", "builder-persistent-buffers",
-                    checks.check_builder_buffers, base)
+                    check_builder_buffers, base)
             if device == "cuda":
                 numeric("cuda-graph-replay", "cuda-graph-replay",
-                        checks.check_cuda_graph_replay, base)
+                        check_cuda_graph_replay, base)
         if device == "cuda":
-            numeric("int64-offsets", "int64-offsets", checks.check_int64_offsets, base)
+            numeric("int64-offsets", "int64-offsets", check_int64_offsets, base)
         else:
-            add("int64-offsets", "int64-offsets", checks.check_int64_offsets, cls, base,
+            add("int64-offsets", "int64-offsets", check_int64_offsets, cls, base,
                 device, 0, device=device, suffix=base.label(),
                 skip="a cache over 2**31 elements takes GiBs: checked on GPUs only")
     return cases

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.backend import AttentionMetadata
 from kvcore.builder import AttentionMetadataBuilder
+from kvcore.metadata import AttentionMetadata
 from kvcore.ops.validation import set_value_checks, value_checks_enabled
 from kvcore.testing.batch import CaseConfig
-from kvcore.testing.checks import _make_builder, _run
+from kvcore.testing.builder_checks import make_builder
+from kvcore.testing.runs import case_run
 
 __all__ = ["check_overlapping_new_tokens_refused"]
 
@@ -50,9 +51,9 @@ def check_overlapping_new_tokens_refused(backend: type, config: CaseConfig,
     """The builder accepts a well-formed decode step and refuses, with ``ValueError``, the
     same step with request 1's new token in request 0's cached block, and with both new
     tokens in one slot (value checks on, as they are by default)."""
-    run = _run(backend, config, device, seed)
+    run = case_run(backend, config, device, seed)
     bs = config.block_size
-    builder = _make_builder(run, max_model_len=8 * bs)
+    builder = make_builder(run, max_model_len=8 * bs)
     was_on = value_checks_enabled()
     set_value_checks(True)
     try:

@@ -8,12 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.allocate import KVCaches, allocate_kv_caches
-from kvcore.backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    LayerScales,
-    build_attention_metadata,
-)
+from kvcore.backend import AttentionBackend
+from kvcore.metadata import AttentionMetadata, LayerScales, build_attention_metadata
 from kvcore.registry import resolve_backend
 from kvcore.testing.batch import random_block_tables
 from kvcore.testing.reference import contiguous_attention_ref

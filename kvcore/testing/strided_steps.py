@@ -16,9 +16,10 @@ import dataclasses
 
 import torch
 
-from kvcore.backend import AttentionMetadata
+from kvcore.metadata import AttentionMetadata
 from kvcore.testing.batch import CaseConfig, MixedBatch
-from kvcore.testing.checks import _bits, _make_builder, _run
+from kvcore.testing.builder_checks import make_builder
+from kvcore.testing.runs import bits, case_run
 
 __all__ = ["check_strided_step_tensors", "strided_view"]
 
@@ -62,7 +63,7 @@ def _strided_metadata(meta: AttentionMetadata, free_block: int) -> AttentionMeta
 
 def _first_difference(got: torch.Tensor, dense: torch.Tensor) -> str | None:
     """Where ``got`` differs bit for bit from ``dense`` (None where it does not)."""
-    same = _bits(got) == _bits(dense)
+    same = bits(got) == bits(dense)
     if bool(same.all()):
         return None
     where = tuple(int(i) for i in (~same).nonzero()[0])
@@ -78,7 +79,7 @@ def check_strided_step_tensors(backend: type, config: CaseConfig, device: torch.
     dense tensors, with the plain metadata and through the backend's builder. The comparison
     is with the backend itself, not the reference: this rule is about reading the step, and
     ``cache-write-reference`` / ``forward-reference`` hold the numbers to the reference."""
-    run = _run(backend, config, device, seed)
+    run = case_run(backend, config, device, seed)
     batch = run.make_batch()
     _, layer, scales, impl = run.setup_layer(batch.num_blocks)
     strided = dataclasses.replace(
@@ -98,7 +99,7 @@ def check_strided_step_tensors(backend: type, config: CaseConfig, device: torch.
     if diff:
         raise run.fail(RULE, "forward with query_start_loc, seq_lens and block_table views at "
                              f"stride 2 (other values between theirs): {diff}")
-    builder = _make_builder(run, max_model_len=8 * config.block_size)
+    builder = make_builder(run, max_model_len=8 * config.block_size)
 
     def built_forward(step: MixedBatch) -> torch.Tensor:
         meta = builder.build(step.metadata)

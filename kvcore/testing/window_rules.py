@@ -17,8 +17,10 @@ import torch
 
 from kvcore.backend import AttentionBackend
 from kvcore.testing.batch import CaseConfig, random_like
-from kvcore.testing.checks import _fail, _run, check_forward
+from kvcore.testing.checks import fail
+from kvcore.testing.numeric_checks import check_forward
 from kvcore.testing.rules import ConformanceError
+from kvcore.testing.runs import case_run
 
 __all__ = ["check_window_non_causal"]
 
@@ -38,7 +40,7 @@ def check_window_non_causal(backend: type[AttentionBackend], config: CaseConfig,
     except ConformanceError as exc:
         if exc.rule.id != "forward-reference":
             raise
-        raise _fail(backend, RULE, (
+        raise fail(backend, RULE, (
             f"forward on a non-causal layer with sliding_window={config.sliding_window} does "
             "not match the symmetric window |q_pos - k_pos| < sliding_window (keys after the "
             "query are cut as far as keys before it); implement it, or declare "
@@ -47,7 +49,7 @@ def check_window_non_causal(backend: type[AttentionBackend], config: CaseConfig,
 
 def _check_refused(backend: type[AttentionBackend], config: CaseConfig, device: torch.device,
                    seed: int, reason: str) -> None:
-    run = _run(backend, config, device, seed)
+    run = case_run(backend, config, device, seed)
     batch = run.make_batch()
     caches = run.allocate(batch.num_blocks)
     layer, scales = caches.layers[0], run.scales()

@@ -29,21 +29,18 @@ def assume_contiguous_pages(cache: torch.Tensor) -> torch.Tensor:
 class ReferenceImpl(kvcore.AttentionImpl):
     """Correct: the pure-torch reference ops on the views it is given."""
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+    def write_kv_cache(self, layer, key, value, kv_cache, slot_mapping):
         key_cache, value_cache = self.kv_views(kv_cache, writing=True)
         reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+    def attend(self, layer, query, kv_cache, attn_metadata, output):
         key_cache, value_cache = self.kv_views(kv_cache, writing=False)
-        n = attn_metadata.num_actual_tokens
-        output = torch.empty_like(query) if output is None else output
-        self.attend(query[:n], key_cache, value_cache, attn_metadata, output[:n])
-        return output
+        self.run(query, key_cache, value_cache, attn_metadata, output)
 
     def kv_views(self, kv_cache, writing):
         return kv_cache.unbind(1)
 
-    def attend(self, query, key_cache, value_cache, meta, output):
+    def run(self, query, key_cache, value_cache, meta, output):
         paged_attention_ref(query, key_cache, value_cache, query_start_loc=meta.query_start_loc,
                             seq_lens=meta.seq_lens, block_table=meta.block_table,
                             scale=self.scale, causal=self.is_causal(meta),
@@ -70,8 +67,8 @@ class CorrectBackend(kvcore.AttentionBackend):
 
 
 class ZeroTimesStaleImpl(ReferenceImpl):
-    def attend(self, query, key_cache, value_cache, meta, output):
-        super().attend(query, key_cache, value_cache, meta, output)
+    def run(self, query, key_cache, value_cache, meta, output):
+        super().run(query, key_cache, value_cache, meta, output)
         # THE BUG: the tail of each request's blocks "masked" by a multiply by zero, which
         # keeps a NaN left in an unowned slot (0 * NaN is NaN).
         read = key_cache[meta.block_table.long().flatten()].sum()
@@ -153,10 +150,10 @@ class WritesIntoNeighbourLayer(CorrectBackend):
 
 
 class PowerOfTwoImpl(ReferenceImpl):
-    def attend(self, query, key_cache, value_cache, meta, output):
+    def run(self, query, key_cache, value_cache, meta, output):
         if self.head_size & (self.head_size - 1):
             raise RuntimeError(f"tile size {self.head_size} is not a power of two")
-        super().attend(query, key_cache, value_cache, meta, output)
+        super().run(query, key_cache, value_cache, meta, output)
 
 
 class ClaimsAnyHeadSize(CorrectBackend):
@@ -270,7 +267,7 @@ class BuilderSkipsStepChecks(CorrectBackend):
 
 
 class WindowOnlyWhenCausalImpl(ReferenceImpl):
-    def attend(self, query, key_cache, value_cache, meta, output):
+    def run(self, query, key_cache, value_cache, meta, output):
         # THE BUG: the window applied with the causal mask only (a kernel whose window code
         # sits inside its causal branch): non-causal layers see every key.
         paged_attention_ref(query, key_cache, value_cache, query_start_loc=meta.query_start_loc,
@@ -384,11 +381,11 @@ class DenseStepTensorsImpl(ReferenceImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         super().do_kv_cache_update(layer, key, value, kv_cache, _dense(slot_mapping))
 
-    def attend(self, query, key_cache, value_cache, meta, output):
+    def run(self, query, key_cache, value_cache, meta, output):
         dense = dataclasses.replace(meta, query_start_loc=_dense(meta.query_start_loc),
                                     seq_lens=_dense(meta.seq_lens),
                                     block_table=_dense(meta.block_table))
-        super().attend(query, key_cache, value_cache, dense, output)
+        super().run(query, key_cache, value_cache, dense, output)
 
 
 class ReadsStepTensorsDensely(CorrectBackend):

@@ -22,7 +22,7 @@ def ignoring_the_window(query, key_cache, value_cache, *, sliding_window, **kwar
 
 
 class ScaledOutputImpl(CpuAttentionImpl):
-    attend = staticmethod(scaled_by_1_01)
+    paged_attention = staticmethod(scaled_by_1_01)
 
 
 class ScaledOutput(CpuAttentionBackend):
@@ -38,7 +38,7 @@ class ScaledOutput(CpuAttentionBackend):
 
 
 class IgnoresWindowImpl(CpuAttentionImpl):
-    attend = staticmethod(ignoring_the_window)
+    paged_attention = staticmethod(ignoring_the_window)
 
 
 class IgnoresSlidingWindow(CpuAttentionBackend):

@@ -12,14 +12,13 @@ from kvcore.testing import ConformanceError, conformance_cases
 
 
 class _Impl(kvcore.PagedAttentionImpl):
-    write_kv = staticmethod(reshape_and_cache_ref)
-    attend = staticmethod(paged_attention_ref)
+    reshape_and_cache = staticmethod(reshape_and_cache_ref)
+    paged_attention = staticmethod(paged_attention_ref)
 
 
 class _RefusingImpl(_Impl):
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+    def check_forward(self, query, kv_cache, attn_metadata, output):
         _Declares.check_non_causal_window(self.sliding_window, self.is_causal(attn_metadata))
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
 
 class _Declares(kvcore.AttentionBackend):

@@ -88,7 +88,7 @@ def test_encoder_only_layers_ignore_the_causal_flag_and_never_write_the_cache():
 def _mask_builds(monkeypatch) -> list[int | None]:
     """The sliding window of every block mask the impl builds from now on (patched where the
     impl looks it up: another test may have re-imported the module)."""
-    namespace = FlexAttentionBackend.get_impl_cls().forward.__globals__
+    namespace = FlexAttentionBackend.get_impl_cls().attend.__globals__
     builds = []
     build = namespace["build_block_mask"]
     monkeypatch.setitem(namespace, "build_block_mask",

@@ -1,4 +1,5 @@
-"""Helpers shared by the NVIDIA backends: metadata conversions and the common cache write."""
+"""Helpers shared by the NVIDIA backends: metadata conversions, the kernel hooks of the K/V
+backends (:class:`PagedCacheImpl`), host staging and the per-step cache."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, encoder_only_cache
+from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata
 from kvcore.ops import validate_paged_attention
 
 T = TypeVar("T")
@@ -37,51 +38,40 @@ def used_blocks(seq_lens: torch.Tensor, block_table: torch.Tensor,
     return pages, block_table.to(torch.int32)[used]
 
 
-def write_cache(
-    impl: AttentionImpl,
-    layer: AttentionLayer,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """The plugin's stride-aware cache write on the ``kv_cache.unbind(1)`` halves.
+class PagedCacheImpl(AttentionImpl):
+    """The kernel hooks the plugin's K/V backends share: the cache write on the
+    ``kv_cache.unbind(1)`` halves, and those halves checked against the step before a vendor
+    kernel reads them (:meth:`checked_halves`, first thing in each backend's ``attend``)."""
 
-    On GPU tensors the CUDA C++ kernel where the extension builds, else kvcore's Triton
-    kernel (:func:`kvcore_nvidia.ops.write_kv_cache` says which and why); the reference on
-    CPU tensors. All use int64 offsets and the view's strides, so every stride order the
-    backends declare (per layer and cross-layer) is written in place.
-    """
-    if not impl.writes_kv_cache():  # encoder-only layers keep nothing in the cache
-        return
-    _write(impl, layer, key, value, kv_cache, slot_mapping)
+    def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The plugin's stride-aware cache write.
 
+        On GPU tensors the CUDA C++ kernel where the extension builds, else kvcore's Triton
+        kernel (:func:`kvcore_nvidia.ops.write_kv_cache` says which and why); the reference
+        on CPU tensors. All use int64 offsets and the view's strides, so every stride order
+        the backends declare (per layer and cross-layer) is written in place.
+        """
+        # Imported here: validating a backend loads none of the extension's build machinery.
+        from kvcore_nvidia.ops.cache_write import write_kv_cache
 
-def _write(impl: AttentionImpl, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
-           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # Imported here: validating a backend loads none of the extension's build machinery.
-    from kvcore_nvidia.ops.cache_write import write_kv_cache
+        key_cache, value_cache = kv_cache.unbind(1)
+        write_kv_cache(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
+                       layer.k_scale, layer.v_scale)
 
-    key_cache, value_cache = kv_cache.unbind(1)
-    write_kv_cache(key, value, key_cache, value_cache, slot_mapping, impl.kv_cache_dtype,
-                   layer.k_scale, layer.v_scale)
-
-
-def step_kv(
-    impl: AttentionImpl,
-    layer: AttentionLayer,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    attn_metadata: AttentionMetadata,
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """The cache and metadata a forward reads: the layer's own for decoders; for an
-    encoder-only layer (which never writes the cache) a private cache of this step's tokens
-    (:func:`kvcore.encoder_only_cache`)."""
-    if impl.writes_kv_cache():
-        return kv_cache, attn_metadata
-    return encoder_only_cache(key, value, kv_cache, attn_metadata,
-                              lambda k, v, c, s: _write(impl, layer, k, v, c, s))
+    def checked_halves(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                       attn_metadata: AttentionMetadata,
+                       output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_cache, value_cache)``, the ``unbind(1)`` halves, once
+        :func:`kvcore.ops.validate_paged_attention` accepts them with this step's ``query``
+        and ``output`` rows (no device read: the step's tensors carry their checked facts)."""
+        key_cache, value_cache = kv_cache.unbind(1)
+        validate_paged_attention(
+            query, key_cache, value_cache, attn_metadata.query_start_loc,
+            attn_metadata.seq_lens, attn_metadata.block_table,
+            kv_cache_dtype=self.kv_cache_dtype, sliding_window=self.sliding_window,
+            output=output, scale=self.scale)
+        return key_cache, value_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,25 +202,3 @@ class StepCache:
             self._snapshots = tuple(t.clone() if t.is_inference() else None
                                     for t in self._tensors(attn_metadata))
         return self._value  # type: ignore[return-value]
-
-
-def begin_forward(
-    impl: AttentionImpl,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    attn_metadata: AttentionMetadata,
-    output: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """What every forward of this plugin does first: split K/V with ``unbind(1)``, validate
-    the batch against the cache (before any kernel), and allocate ``output`` if not given.
-
-    Returns ``(key_cache, value_cache, num_actual_tokens, output)``.
-    """
-    key_cache, value_cache = kv_cache.unbind(1)
-    n = attn_metadata.num_actual_tokens
-    validate_paged_attention(
-        query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
-        attn_metadata.seq_lens, attn_metadata.block_table,
-        kv_cache_dtype=impl.kv_cache_dtype, sliding_window=impl.sliding_window,
-        output=None if output is None else output[:n], scale=impl.scale)
-    return key_cache, value_cache, n, torch.empty_like(query) if output is None else output

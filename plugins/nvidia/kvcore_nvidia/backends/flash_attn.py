@@ -70,7 +70,6 @@ import torch
 
 from kvcore import (
     AttentionBackend,
-    AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
     AttentionSelectorConfig,
@@ -83,12 +82,7 @@ from kvcore import (
     is_supported,
 )
 from kvcore.ops import triton_unavailable_reasons
-from kvcore_nvidia.backends.common import (
-    begin_forward,
-    cumulative,
-    step_kv,
-    write_cache,
-)
+from kvcore_nvidia.backends.common import PagedCacheImpl, cumulative
 
 __all__ = ["FlashAttentionBackend", "FlashAttentionImpl", "FlashAttentionMetadata",
            "FlashAttentionMetadataBuilder", "FlashAttnKernels", "device_kernels",
@@ -151,129 +145,6 @@ class FlashAttnKernels:
 
 _FA4 = ("flash-attn-4", "kvcore-nvidia[flash-attn]", "flash_attn.cute")
 _FA2 = ("flash-attn 2", "flash-attn", "flash_attn.flash_attn_interface")
-
-
-class FlashAttentionBackend(AttentionBackend):
-    """FlashAttention (flash-attn-4, else flash-attn 2) paged varlen attention (see module)."""
-
-    #: The libraries FLASH_ATTN runs, in preference order; a device takes the first one that
-    #: covers it and is installed. Validation, reasons and the kernel choice derive from this.
-    KERNELS: tuple[FlashAttnKernels, ...] = (
-        FlashAttnKernels(*_FA4, DeviceCapability(9, 0), DeviceCapability(9, 9),
-                         (MultipleOf(8, max=256),), None),
-        FlashAttnKernels(*_FA4, DeviceCapability(10, 0), DeviceCapability(11, 9),
-                         (MultipleOf(8, max=128), 256), None),
-        FlashAttnKernels(*_FA2, DeviceCapability(8, 0), None, (MultipleOf(8, max=256),),
-                         (MultipleOf(256),)),
-    )
-    # The envelope of KERNELS (what some library accepts on some device), for allocation and
-    # `kvcore list`; check_combination narrows it to the library that runs on the device.
-    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
-    SUPPORTED_HEAD_SIZES = (MultipleOf(8, max=256),)
-    SUPPORTED_BLOCK_SIZES = None
-    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
-    SUPPORTS_NON_CAUSAL = True
-    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
-    PLATFORMS = ("cuda",)
-    # Both verified with flash-attn-4 on an H200 (the bit-exact cross-layer and the graph
-    # replay GPU tests); per backend, so flash-attn 2 inherits them unverified.
-    CROSS_LAYER_PLATFORMS = ("cuda",)
-    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
-
-    NAME = "FLASH_ATTN"
-    IMPL_CLS = "FlashAttentionImpl"
-    BUILDER_CLS = "FlashAttentionMetadataBuilder"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # Physical B,N,2,H,D (a token's K and V side by side), as upstream FlashAttention
-        # backends lay blocks out; with layers B,L,N,2,H,D.
-        return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
-
-    @classmethod
-    def kernels_for(cls, capability: DeviceCapability | None) -> FlashAttnKernels | None:
-        """The library FLASH_ATTN runs on ``capability``: the first of :attr:`KERNELS` that
-        covers it and is installed, else the first that covers it (``None``: none does)."""
-        covering = [k for k in cls.KERNELS if capability is None or k.covers(capability)]
-        return next((k for k in covering if k.installed()), covering[0] if covering else None)
-
-    @classmethod
-    def capabilities(cls) -> dict[str, Any]:
-        """The envelope (the base class's fields) plus each library of :attr:`KERNELS`."""
-        return {**super().capabilities(), "libraries": [
-            {"library": k.library, "devices": k.devices(),
-             "head_sizes": format_supported(k.head_sizes),
-             "block_sizes": "any" if k.block_sizes is None else format_supported(k.block_sizes),
-             "installed": k.installed()} for k in cls.KERNELS]}
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        reasons = []
-        if not any(k.installed() for k in cls.KERNELS):
-            reasons.append("neither flash-attn-4 (Hopper/Blackwell: pip install "
-                           "'kvcore-nvidia[flash-attn]') nor flash-attn 2 (Ampere: pip install "
-                           "flash-attn) is installed")
-        # The cache write is kvcore's Triton kernel.
-        return [*reasons, *triton_unavailable_reasons()]
-
-    @classmethod
-    def import_reasons(cls) -> list[str]:
-        # The library this machine's GPU runs, else every installed one.
-        libraries = [k for k in cls.KERNELS if k.installed()]
-        if torch.cuda.is_available():
-            chosen = cls.kernels_for(DeviceCapability(*torch.cuda.get_device_capability()))
-            libraries = [chosen] if chosen in libraries else libraries
-        reasons = []
-        for k in {k.module: k for k in libraries}.values():
-            try:
-                importlib.import_module(k.module)
-            except Exception as exc:  # whatever a broken package raises
-                reasons.append(f"{k.library} is installed but importing {k.module} fails: "
-                               f"{type(exc).__name__}: {exc} (reinstall {k.requirement})")
-        return reasons
-
-    @classmethod
-    def check_combination(
-        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
-    ) -> list[str]:
-        if device_capability is None:
-            return []  # the base class already asks for the capability
-        kernels = cls.kernels_for(device_capability)
-        if kernels is None:
-            return []  # below every library's minimum: the base class says so
-        # Each is a clash of two fields, both within the envelope: named as field=value.
-        on = (f"with device_capability={device_capability}: {kernels.library} (the kernels "
-              f"there, devices {kernels.devices()})")
-        reasons = []
-        # Values outside the envelope already have the base class's reason.
-        if is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES) and not is_supported(
-                config.head_size, kernels.head_sizes):
-            reasons.append(f"head_size={config.head_size} {on} supports "
-                           f"{format_supported(kernels.head_sizes)}")
-        if not is_supported(config.block_size, kernels.block_sizes):
-            assert kernels.block_sizes is not None
-            reasons.append(f"block_size={config.block_size} {on} supports "
-                           f"{format_supported(kernels.block_sizes)}"
-                           + ("; flash-attn-4 takes any block size on Hopper and Blackwell "
-                              "(9.x-11.x)" if kernels.library == "flash-attn 2" else ""))
-        installed = [k for k in cls.KERNELS if k.installed()]
-        if not kernels.installed() and installed:
-            library = installed[0].library
-            devices = ", ".join(k.devices() for k in installed if k.library == library)
-            reasons.append(f"device_capability={device_capability}: {library} is installed "
-                           f"but its paged kernels run on device capability {devices} only; "
-                           f"there FLASH_ATTN needs {kernels.library} "
-                           f"(pip install {kernels.requirement})")
-        return reasons
-
-    @classmethod
-    def stale_bytes_reason(cls, device_type: str) -> str | None:
-        if device_type != "cuda":
-            return None
-        return ("flash-attn-4 loads whole pages by TMA when a page holds whole key tiles and "
-                "weights masked rows by zero, and 0 * NaN is NaN: NaN/Inf in the unused tail of "
-                "a request's last page reach its output (flash_attn.cute.interface documents it)")
 
 
 def device_kernels(device: torch.device | str) -> FlashAttnKernels:
@@ -372,38 +243,17 @@ def _window(sliding_window: int | None, causal: bool, fa2: bool) -> tuple[Any, A
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-class FlashAttentionImpl(AttentionImpl):
+class FlashAttentionImpl(PagedCacheImpl):
     """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache` (stride-aware). Attention:
     flash-attn-4's or flash-attn 2's ``flash_attn_varlen_func`` (see the module docstring)."""
 
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        write_cache(self, layer, key, value, kv_cache, slot_mapping)
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
-        key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
-                                                          output)
-        if n == 0:
-            return output
-        kernels = getattr(attn_metadata, "kernels", None) or device_kernels(key_cache.device)
-        causal = self.is_causal(attn_metadata)
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        key_cache, value_cache = self.checked_halves(query, kv_cache, attn_metadata, output)
         m = attn_metadata
+        built = isinstance(m, FlashAttentionMetadata)  # else plain metadata: choose here
+        kernels = (m.kernels if built else None) or device_kernels(key_cache.device)
+        causal = self.is_causal(m)
         # flash-attn reads these densely; an engine's view of a larger buffer may have
         # stride > 1 (contiguous() returns a dense int32 tensor as it is).
         cu_seqlens_q = m.query_start_loc.to(torch.int32).contiguous()
@@ -411,9 +261,9 @@ class FlashAttentionImpl(AttentionImpl):
         if kernels.library == "flash-attn 2":
             from flash_attn import flash_attn_varlen_func
 
-            cu_seqlens_k = getattr(m, "cu_seqlens_k", None)
+            cu_seqlens_k = m.cu_seqlens_k if built else None
             out = flash_attn_varlen_func(
-                query[:n], key_cache, value_cache,
+                query, key_cache, value_cache,
                 cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cumulative(m.seq_lens) if cu_seqlens_k is None else cu_seqlens_k,
                 max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len,
@@ -425,11 +275,133 @@ class FlashAttentionImpl(AttentionImpl):
 
             _check_aligned(key_cache, value_cache)
             out, _ = flash_attn_varlen_func(
-                query[:n], key_cache, value_cache,
+                query, key_cache, value_cache,
                 cu_seqlens_q=cu_seqlens_q, max_seqlen_q=m.max_query_len,
                 seqused_k=m.seq_lens.to(torch.int32).contiguous(), max_seqlen_k=m.max_seq_len,
                 page_table=page_table,
                 softmax_scale=self.scale, causal=causal,
                 window_size=_window(self.sliding_window, causal, fa2=False))
-        output[:n].copy_(out)
-        return output
+        output.copy_(out)
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """FlashAttention (flash-attn-4, else flash-attn 2) paged varlen attention (see module)."""
+
+    #: The libraries FLASH_ATTN runs, in preference order; a device takes the first one that
+    #: covers it and is installed. Validation, reasons and the kernel choice derive from this.
+    KERNELS: tuple[FlashAttnKernels, ...] = (
+        FlashAttnKernels(*_FA4, DeviceCapability(9, 0), DeviceCapability(9, 9),
+                         (MultipleOf(8, max=256),), None),
+        FlashAttnKernels(*_FA4, DeviceCapability(10, 0), DeviceCapability(11, 9),
+                         (MultipleOf(8, max=128), 256), None),
+        FlashAttnKernels(*_FA2, DeviceCapability(8, 0), None, (MultipleOf(8, max=256),),
+                         (MultipleOf(256),)),
+    )
+    # The envelope of KERNELS (what some library accepts on some device), for allocation and
+    # `kvcore list`; check_combination narrows it to the library that runs on the device.
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+    SUPPORTED_HEAD_SIZES = (MultipleOf(8, max=256),)
+    SUPPORTED_BLOCK_SIZES = None
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
+    SUPPORTS_NON_CAUSAL = True
+    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    PLATFORMS = ("cuda",)
+    # Both verified with flash-attn-4 on an H200 (the bit-exact cross-layer and the graph
+    # replay GPU tests); per backend, so flash-attn 2 inherits them unverified.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+
+    NAME = "FLASH_ATTN"
+    IMPL_CLS = FlashAttentionImpl
+    BUILDER_CLS = FlashAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # Physical B,N,2,H,D (a token's K and V side by side), as upstream FlashAttention
+        # backends lay blocks out; with layers B,L,N,2,H,D.
+        return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
+
+    @classmethod
+    def kernels_for(cls, capability: DeviceCapability | None) -> FlashAttnKernels | None:
+        """The library FLASH_ATTN runs on ``capability``: the first of :attr:`KERNELS` that
+        covers it and is installed, else the first that covers it (``None``: none does)."""
+        covering = [k for k in cls.KERNELS if capability is None or k.covers(capability)]
+        return next((k for k in covering if k.installed()), covering[0] if covering else None)
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The envelope (the base class's fields) plus each library of :attr:`KERNELS`."""
+        return {**super().capabilities(), "libraries": [
+            {"library": k.library, "devices": k.devices(),
+             "head_sizes": format_supported(k.head_sizes),
+             "block_sizes": "any" if k.block_sizes is None else format_supported(k.block_sizes),
+             "installed": k.installed()} for k in cls.KERNELS]}
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        reasons = []
+        if not any(k.installed() for k in cls.KERNELS):
+            reasons.append("neither flash-attn-4 (Hopper/Blackwell: pip install "
+                           "'kvcore-nvidia[flash-attn]') nor flash-attn 2 (Ampere: pip install "
+                           "flash-attn) is installed")
+        # The cache write is kvcore's Triton kernel.
+        return [*reasons, *triton_unavailable_reasons()]
+
+    @classmethod
+    def import_reasons(cls) -> list[str]:
+        # The library this machine's GPU runs, else every installed one.
+        libraries = [k for k in cls.KERNELS if k.installed()]
+        if torch.cuda.is_available():
+            chosen = cls.kernels_for(DeviceCapability(*torch.cuda.get_device_capability()))
+            libraries = [chosen] if chosen in libraries else libraries
+        reasons = []
+        for k in {k.module: k for k in libraries}.values():
+            try:
+                importlib.import_module(k.module)
+            except Exception as exc:  # whatever a broken package raises
+                reasons.append(f"{k.library} is installed but importing {k.module} fails: "
+                               f"{type(exc).__name__}: {exc} (reinstall {k.requirement})")
+        return reasons
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        if device_capability is None:
+            return []  # the base class already asks for the capability
+        kernels = cls.kernels_for(device_capability)
+        if kernels is None:
+            return []  # below every library's minimum: the base class says so
+        # Each is a clash of two fields, both within the envelope: named as field=value.
+        on = (f"with device_capability={device_capability}: {kernels.library} (the kernels "
+              f"there, devices {kernels.devices()})")
+        reasons = []
+        # Values outside the envelope already have the base class's reason.
+        if is_supported(config.head_size, cls.SUPPORTED_HEAD_SIZES) and not is_supported(
+                config.head_size, kernels.head_sizes):
+            reasons.append(f"head_size={config.head_size} {on} supports "
+                           f"{format_supported(kernels.head_sizes)}")
+        if not is_supported(config.block_size, kernels.block_sizes):
+            assert kernels.block_sizes is not None
+            reasons.append(f"block_size={config.block_size} {on} supports "
+                           f"{format_supported(kernels.block_sizes)}"
+                           + ("; flash-attn-4 takes any block size on Hopper and Blackwell "
+                              "(9.x-11.x)" if kernels.library == "flash-attn 2" else ""))
+        installed = [k for k in cls.KERNELS if k.installed()]
+        if not kernels.installed() and installed:
+            library = installed[0].library
+            devices = ", ".join(k.devices() for k in installed if k.library == library)
+            reasons.append(f"device_capability={device_capability}: {library} is installed "
+                           f"but its paged kernels run on device capability {devices} only; "
+                           f"there FLASH_ATTN needs {kernels.library} "
+                           f"(pip install {kernels.requirement})")
+        return reasons
+
+    @classmethod
+    def stale_bytes_reason(cls, device_type: str) -> str | None:
+        if device_type != "cuda":
+            return None
+        return ("flash-attn-4 loads whole pages by TMA when a page holds whole key tiles and "
+                "weights masked rows by zero, and 0 * NaN is NaN: NaN/Inf in the unused tail of "
+                "a request's last page reach its output (flash_attn.cute.interface documents it)")

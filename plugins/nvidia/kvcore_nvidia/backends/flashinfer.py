@@ -69,7 +69,6 @@ import torch
 
 from kvcore import (
     AttentionBackend,
-    AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
     AttentionType,
@@ -82,58 +81,16 @@ from kvcore import (
 from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import (
     HostStaging,
+    PagedCacheImpl,
     StagingSlot,
     StepCache,
-    begin_forward,
     cumulative,
-    step_kv,
     used_blocks,
-    write_cache,
 )
 from kvcore_nvidia.caches import flashinfer_jit_cache
 
 __all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferKernels", "FlashInferMetadata",
            "FlashInferMetadataBuilder", "flashinfer_kernels", "flashinfer_page_table"]
-
-
-class FlashInferBackend(AttentionBackend):
-    """FlashInfer paged prefill/decode (``flashinfer-python``) on the NHD blocks-first cache."""
-
-    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
-    # The head dims FlashInfer's fa2 paged kernels are instantiated for.
-    SUPPORTED_HEAD_SIZES = (64, 128, 256)
-    SUPPORTED_BLOCK_SIZES = (16, 32, 64)
-    # bf16 and the fa2 tensor-core paths need Ampere.
-    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
-    SUPPORTS_NON_CAUSAL = True
-    NON_CAUSAL_WINDOW_UNSUPPORTED = (
-        "FlashInfer's window (window_left) is one-sided, so it would not cut the keys after "
-        "each query that the symmetric window of a non-causal layer excludes; run such layers "
-        "on FLASH_ATTN or TRITON_ATTN")
-    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
-    PLATFORMS = ("cuda",)
-    REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
-    #: Bytes of the float workspace shared by the wrappers of one builder (or device).
-    WORKSPACE_BYTES = 128 * 1024 * 1024
-    # The builder plans every step (graph-mode decode wrappers per batch size) and forward
-    # only launches: no host sync, no allocation for a contiguous output.
-    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
-
-    NAME = "FLASHINFER"
-    IMPL_CLS = "FlashInferImpl"
-    BUILDER_CLS = "FlashInferMetadataBuilder"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # NHD, FlashInfer's native paged layout; with layers, blocks outermost (cross-layer):
-        # shown bit-exact on per-layer views (module docstring).
-        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        # The cache write is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
 
 def flashinfer_page_table(
@@ -629,7 +586,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         return seconds
 
 
-class FlashInferImpl(AttentionImpl):
+class FlashInferImpl(PagedCacheImpl):
     """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache`. Attention: FlashInfer (see
     module). A sliding window on a non-causal layer is refused
     (``FlashInferBackend.NON_CAUSAL_WINDOW_UNSUPPORTED``)."""
@@ -638,16 +595,6 @@ class FlashInferImpl(AttentionImpl):
         super().__init__(*args, **kwargs)
         if self.attn_type == AttentionType.ENCODER_ONLY:
             FlashInferBackend.check_non_causal_window(self.sliding_window, causal=False)
-
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        write_cache(self, layer, key, value, kv_cache, slot_mapping)
 
     def plan(self, query: torch.Tensor, key_cache: torch.Tensor,
              attn_metadata: AttentionMetadata) -> Any:
@@ -702,26 +649,16 @@ class FlashInferImpl(AttentionImpl):
                              f"step was planned for {attn_metadata.dtype} (the builder's "
                              "spec.dtype)")
 
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def check_forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      attn_metadata: AttentionMetadata, output: torch.Tensor | None) -> None:
         FlashInferBackend.check_non_causal_window(self.sliding_window,
                                                   self.is_causal(attn_metadata))
-        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
-        key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
-                                                          output)
-        if n == 0:
-            return output
-        q = query[:n].contiguous()
-        target = output[:n]
-        out = target if target.is_contiguous() else torch.empty_like(q)
+
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        key_cache, value_cache = self.checked_halves(query, kv_cache, attn_metadata, output)
+        q = query.contiguous()
+        out = output if output.is_contiguous() else torch.empty_like(q)
         kv = (key_cache, value_cache)
         if isinstance(attn_metadata, FlashInferMetadata) and (
                 attn_metadata.decode_wrapper is not None
@@ -734,6 +671,45 @@ class FlashInferImpl(AttentionImpl):
                 attn_metadata.prefill_wrapper.run(q[k:], kv, out=out[k:])
         else:
             self.plan(q, key_cache, attn_metadata).run(q, kv, out=out)
-        if out is not target:
-            target.copy_(out)
-        return output
+        if out is not output:
+            output.copy_(out)
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer paged prefill/decode (``flashinfer-python``) on the NHD blocks-first cache."""
+
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+    # The head dims FlashInfer's fa2 paged kernels are instantiated for.
+    SUPPORTED_HEAD_SIZES = (64, 128, 256)
+    SUPPORTED_BLOCK_SIZES = (16, 32, 64)
+    # bf16 and the fa2 tensor-core paths need Ampere.
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
+    SUPPORTS_NON_CAUSAL = True
+    NON_CAUSAL_WINDOW_UNSUPPORTED = (
+        "FlashInfer's window (window_left) is one-sided, so it would not cut the keys after "
+        "each query that the symmetric window of a non-causal layer excludes; run such layers "
+        "on FLASH_ATTN or TRITON_ATTN")
+    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    PLATFORMS = ("cuda",)
+    REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
+    #: Bytes of the float workspace shared by the wrappers of one builder (or device).
+    WORKSPACE_BYTES = 128 * 1024 * 1024
+    # The builder plans every step (graph-mode decode wrappers per batch size) and forward
+    # only launches: no host sync, no allocation for a contiguous output.
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+
+    NAME = "FLASHINFER"
+    IMPL_CLS = FlashInferImpl
+    BUILDER_CLS = FlashInferMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # NHD, FlashInfer's native paged layout; with layers, blocks outermost (cross-layer):
+        # shown bit-exact on per-layer views (module docstring).
+        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        # The cache write is kvcore's Triton kernel.
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]

@@ -112,75 +112,6 @@ _FP8_CAPABILITY = DeviceCapability(9, 0)
 DEFAULT_SCALE = (128 + ROPE_DIM) ** -0.5
 
 
-class FlashInferMLABackend(MLACommonBackend):
-    """FlashInfer's paged MLA kernels (``flashinfer-python``) on the latent cache."""
-
-    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-    # FlashInfer's fp8 MLA cache is e4m3 (``"fp8"`` is e4m3 in kvcore); e5m2 is not read.
-    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-    # kv_lora_rank 512 + rope 64: the dims FlashInfer's MLA kernels are built and tested for.
-    SUPPORTED_HEAD_SIZES = (KV_LORA_RANK + ROPE_DIM,)
-    # FlashInfer's kernels take any page size; these are the ones the GPU tests run.
-    SUPPORTED_BLOCK_SIZES = (16, 32, 64)
-    #: Query heads per layer (per rank): FlashInfer tiles (query x head) rows by 64 or 128, and
-    #: its causal tiling is exact only when the head count divides the tile.
-    SUPPORTED_NUM_HEADS: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
-    # FlashInfer's fa2 MLA kernels need Ampere; Hopper runs its fa3 kernels.
-    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
-    PLATFORMS = ("cuda",)
-    REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
-    #: Bytes of the float workspace of one builder (or device): FlashInfer's recommended size.
-    WORKSPACE_BYTES: ClassVar[int] = 128 * 1024 * 1024
-    # The builder plans every step (graph-mode wrappers per batch size) and reads the fp8
-    # scales; forward only launches: no host sync, no plan.
-    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
-    # The cross-layer tests ran on NVIDIA (module docstring); CUDA is this backend's platform.
-    CROSS_LAYER_PLATFORMS = ("cuda",)
-
-    NAME = "FLASHINFER_MLA"
-    IMPL_CLS = "FlashInferMLAImpl"
-    BUILDER_CLS = "FlashInferMLAMetadataBuilder"
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): FlashInfer reads the page stride
-        of each layer's view."""
-        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        # The cache write is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
-
-    @classmethod
-    def check_combination(
-        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
-    ) -> list[str]:
-        """FlashInfer reads an fp8 MLA cache with bf16 queries on Hopper (9.x) only."""
-        if config.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
-            return []
-        reasons = []
-        if config.dtype != torch.bfloat16:
-            reasons.append(f"kv_cache_dtype={config.kv_cache_dtype} with dtype="
-                           f"{str(config.dtype).removeprefix('torch.')}: FlashInfer's fp8 MLA "
-                           "kernels take bfloat16 queries only; use dtype=bfloat16 or "
-                           "kv_cache_dtype=auto")
-        if device_capability is not None and device_capability.major != 9:
-            reasons.append(f"kv_cache_dtype={config.kv_cache_dtype} needs device capability "
-                           f"9.x (Hopper) for FlashInfer's fp8 MLA kernels (got "
-                           f"{device_capability}); use kv_cache_dtype=auto")
-        return reasons
-
-    @classmethod
-    def num_heads_reason(cls, num_heads: int) -> str | None:
-        """Why ``num_heads`` query heads per layer cannot run, or ``None``."""
-        if num_heads in cls.SUPPORTED_NUM_HEADS:
-            return None
-        return (f"num_heads={num_heads} (FLASHINFER_MLA supports "
-                f"{', '.join(map(str, cls.SUPPORTED_NUM_HEADS))} query heads per layer: "
-                "FlashInfer's causal MLA tiles are exact only for these); use TRITON_MLA")
-
-
 def _check_num_heads(num_heads: int) -> None:
     reason = FlashInferMLABackend.num_heads_reason(num_heads)
     if reason:
@@ -437,7 +368,7 @@ class FlashInferMLAImpl(MLACommonImpl):
                 f"kv_cache_dtype={self.kv_cache_dtype!r} (FLASHINFER_MLA supports "
                 f"{', '.join(FlashInferMLABackend.SUPPORTED_KV_CACHE_DTYPES)})")
 
-    def do_kv_cache_update(
+    def write_kv_cache(
         self,
         layer: AttentionLayer,
         key: torch.Tensor,
@@ -533,3 +464,72 @@ class FlashInferMLAImpl(MLACommonImpl):
         out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
         _run(wrapper, planned_scale, self.scale, q, kv_cache, out, kv_scale)
         return out
+
+
+class FlashInferMLABackend(MLACommonBackend):
+    """FlashInfer's paged MLA kernels (``flashinfer-python``) on the latent cache."""
+
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+    # FlashInfer's fp8 MLA cache is e4m3 (``"fp8"`` is e4m3 in kvcore); e5m2 is not read.
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+    # kv_lora_rank 512 + rope 64: the dims FlashInfer's MLA kernels are built and tested for.
+    SUPPORTED_HEAD_SIZES = (KV_LORA_RANK + ROPE_DIM,)
+    # FlashInfer's kernels take any page size; these are the ones the GPU tests run.
+    SUPPORTED_BLOCK_SIZES = (16, 32, 64)
+    #: Query heads per layer (per rank): FlashInfer tiles (query x head) rows by 64 or 128, and
+    #: its causal tiling is exact only when the head count divides the tile.
+    SUPPORTED_NUM_HEADS: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # FlashInfer's fa2 MLA kernels need Ampere; Hopper runs its fa3 kernels.
+    MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
+    PLATFORMS = ("cuda",)
+    REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
+    #: Bytes of the float workspace of one builder (or device): FlashInfer's recommended size.
+    WORKSPACE_BYTES: ClassVar[int] = 128 * 1024 * 1024
+    # The builder plans every step (graph-mode wrappers per batch size) and reads the fp8
+    # scales; forward only launches: no host sync, no plan.
+    CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
+    # The cross-layer tests ran on NVIDIA (module docstring); CUDA is this backend's platform.
+    CROSS_LAYER_PLATFORMS = ("cuda",)
+
+    NAME = "FLASHINFER_MLA"
+    IMPL_CLS = FlashInferMLAImpl
+    BUILDER_CLS = FlashInferMLAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): FlashInfer reads the page stride
+        of each layer's view."""
+        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        # The cache write is kvcore's Triton kernel.
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        """FlashInfer reads an fp8 MLA cache with bf16 queries on Hopper (9.x) only."""
+        if config.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            return []
+        reasons = []
+        if config.dtype != torch.bfloat16:
+            reasons.append(f"kv_cache_dtype={config.kv_cache_dtype} with dtype="
+                           f"{str(config.dtype).removeprefix('torch.')}: FlashInfer's fp8 MLA "
+                           "kernels take bfloat16 queries only; use dtype=bfloat16 or "
+                           "kv_cache_dtype=auto")
+        if device_capability is not None and device_capability.major != 9:
+            reasons.append(f"kv_cache_dtype={config.kv_cache_dtype} needs device capability "
+                           f"9.x (Hopper) for FlashInfer's fp8 MLA kernels (got "
+                           f"{device_capability}); use kv_cache_dtype=auto")
+        return reasons
+
+    @classmethod
+    def num_heads_reason(cls, num_heads: int) -> str | None:
+        """Why ``num_heads`` query heads per layer cannot run, or ``None``."""
+        if num_heads in cls.SUPPORTED_NUM_HEADS:
+            return None
+        return (f"num_heads={num_heads} (FLASHINFER_MLA supports "
+                f"{', '.join(map(str, cls.SUPPORTED_NUM_HEADS))} query heads per layer: "
+                "FlashInfer's causal MLA tiles are exact only for these); use TRITON_MLA")

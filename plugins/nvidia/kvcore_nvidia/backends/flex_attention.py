@@ -80,7 +80,6 @@ import torch
 
 from kvcore import (
     AttentionBackend,
-    AttentionImpl,
     AttentionLayer,
     AttentionMetadata,
     AttentionMetadataBuilder,
@@ -89,12 +88,7 @@ from kvcore import (
     DeviceCapability,
 )
 from kvcore.ops import triton_unavailable_reasons
-from kvcore_nvidia.backends.common import (
-    StepCache,
-    begin_forward,
-    step_kv,
-    write_cache,
-)
+from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache
 
 __all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "FlexAttentionMetadata",
            "FlexAttentionMetadataBuilder", "build_block_mask", "paged_sequence_views"]
@@ -110,84 +104,6 @@ def _span(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-
-
-class FlexAttentionBackend(AttentionBackend):
-    """torch ``flex_attention`` on the blocks-first ``B,N,2,H,D`` cache; CUDA compiled, CPU
-    eager."""
-
-    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
-    # Powers of two: the CUDA kernel tiles head_size with tl.arange.
-    SUPPORTED_HEAD_SIZES = (32, 64, 128, 256)
-    # The block mask's KV tile is one page and the CUDA kernel's BLOCK_N equals it: a power
-    # of two of at least 16 (the smallest tl.dot tile).
-    SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
-    SUPPORTS_NON_CAUSAL = True
-    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
-    PLATFORMS = ("cuda", "cpu")
-    #: Most elements one layer's ``kv_cache`` view may span (see the module docstring): its
-    #: largest element offset must fit in int32.
-    MAX_KV_CACHE_SPAN = 2**31
-
-    NAME = "FLEX_ATTENTION"
-    IMPL_CLS = "FlexAttentionImpl"
-    BUILDER_CLS = "FlexAttentionMetadataBuilder"
-
-    # The order opts in to cross-layer, but no platform is verified yet (module docstring).
-    CROSS_LAYER_PLATFORMS: tuple[str, ...] = ()
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # Physical B,N,2,H,D (a token's K and V side by side), with layers B,L,N,2,H,D: the
-        # upstream FlexAttention order. The kernel takes the token stride from the view.
-        return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        # The cache write on GPU tensors is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
-
-    @classmethod
-    def check_combination(
-        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
-    ) -> list[str]:
-        if (config.dtype == torch.bfloat16 and device_capability is not None
-                and not device_capability.at_least(_BF16_CAPABILITY)):
-            return [f"dtype=bfloat16 needs device capability >= {_BF16_CAPABILITY} (got "
-                    f"{device_capability}); use dtype=float16"]
-        return []
-
-    @classmethod
-    def stale_bytes_reason(cls, device_type: str) -> str | None:
-        if device_type != "cuda":
-            return None
-        return ("torch's compiled flex_attention kernel weights masked keys of a visited page "
-                "by zero, and 0 * NaN is NaN: NaN/Inf in the unused tail of a request's last "
-                "page reach its output (see the module docstring)")
-
-    @classmethod
-    def max_num_blocks(cls, block_size: int, num_kv_heads: int, head_size: int) -> int:
-        """Most blocks a contiguous per-layer cache may have under :data:`MAX_KV_CACHE_SPAN`."""
-        return cls.MAX_KV_CACHE_SPAN // (2 * block_size * num_kv_heads * head_size)
-
-    @classmethod
-    def kv_cache_size_reasons(
-        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> list[str]:
-        """Why a contiguous per-layer cache of these sizes cannot run (empty: it can).
-
-        For engines to call before allocating; :meth:`FlexAttentionImpl.forward` applies the
-        same limit to the actual view (its strides included).
-        """
-        elements = num_blocks * 2 * block_size * num_kv_heads * head_size
-        if elements <= cls.MAX_KV_CACHE_SPAN:
-            return []
-        limit = cls.max_num_blocks(block_size, num_kv_heads, head_size)
-        return [f"num_blocks={num_blocks}: one layer's cache would hold {elements} elements, "
-                f"over FLEX_ATTENTION's limit of 2**31 ({_INT32_ISSUE}); use at most "
-                f"{limit} blocks per layer at block_size={block_size}, "
-                f"num_kv_heads={num_kv_heads}, head_size={head_size}, or another backend"]
 
 
 def _refuse_int32_overflow(kv_cache: torch.Tensor) -> None:
@@ -384,39 +300,20 @@ def _run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
                               enable_gqa=gqa)
 
 
-class FlexAttentionImpl(AttentionImpl):
+class FlexAttentionImpl(PagedCacheImpl):
     """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache` (GPU) or the reference (CPU).
 
     Attention: ``flex_attention`` over :func:`paged_sequence_views` with the block mask of
     :func:`build_block_mask`; refuses caches beyond :data:`FlexAttentionBackend.MAX_KV_CACHE_SPAN`.
     """
 
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        write_cache(self, layer, key, value, kv_cache, slot_mapping)
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def check_forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      attn_metadata: AttentionMetadata, output: torch.Tensor | None) -> None:
         _refuse_int32_overflow(kv_cache)
-        kv_cache, attn_metadata = step_kv(self, layer, key, value, kv_cache, attn_metadata)
-        key_cache, value_cache, n, output = begin_forward(self, query, kv_cache, attn_metadata,
-                                                          output)
-        if n == 0:
-            return output
+
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        key_cache, value_cache = self.checked_halves(query, kv_cache, attn_metadata, output)
         num_blocks, block_size = key_cache.shape[:2]
         k_seq, v_seq, page_stride = paged_sequence_views(key_cache, value_cache)
         causal = self.is_causal(attn_metadata)
@@ -440,7 +337,84 @@ class FlexAttentionImpl(AttentionImpl):
             # The eager path multiplies every cache position's V by its (zero) weight: stale
             # NaN/Inf anywhere would poison every output. Unowned positions read as zero.
             v_seq = v_seq.masked_fill(~owned[None, None, :, None], 0)
-        q = query[:n].transpose(0, 1).unsqueeze(0)  # (1, num_heads, n, head_size)
+        q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, num_tokens, head_size)
         out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size)
-        output[:n].copy_(out[0].transpose(0, 1))
-        return output
+        output.copy_(out[0].transpose(0, 1))
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """torch ``flex_attention`` on the blocks-first ``B,N,2,H,D`` cache; CUDA compiled, CPU
+    eager."""
+
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+    # Powers of two: the CUDA kernel tiles head_size with tl.arange.
+    SUPPORTED_HEAD_SIZES = (32, 64, 128, 256)
+    # The block mask's KV tile is one page and the CUDA kernel's BLOCK_N equals it: a power
+    # of two of at least 16 (the smallest tl.dot tile).
+    SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+    SUPPORTS_NON_CAUSAL = True
+    SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    PLATFORMS = ("cuda", "cpu")
+    #: Most elements one layer's ``kv_cache`` view may span (see the module docstring): its
+    #: largest element offset must fit in int32.
+    MAX_KV_CACHE_SPAN = 2**31
+
+    NAME = "FLEX_ATTENTION"
+    IMPL_CLS = FlexAttentionImpl
+    BUILDER_CLS = FlexAttentionMetadataBuilder
+
+    # The order opts in to cross-layer, but no platform is verified yet (module docstring).
+    CROSS_LAYER_PLATFORMS: tuple[str, ...] = ()
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # Physical B,N,2,H,D (a token's K and V side by side), with layers B,L,N,2,H,D: the
+        # upstream FlexAttention order. The kernel takes the token stride from the view.
+        return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        # The cache write on GPU tensors is kvcore's Triton kernel.
+        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        if (config.dtype == torch.bfloat16 and device_capability is not None
+                and not device_capability.at_least(_BF16_CAPABILITY)):
+            return [f"dtype=bfloat16 needs device capability >= {_BF16_CAPABILITY} (got "
+                    f"{device_capability}); use dtype=float16"]
+        return []
+
+    @classmethod
+    def stale_bytes_reason(cls, device_type: str) -> str | None:
+        if device_type != "cuda":
+            return None
+        return ("torch's compiled flex_attention kernel weights masked keys of a visited page "
+                "by zero, and 0 * NaN is NaN: NaN/Inf in the unused tail of a request's last "
+                "page reach its output (see the module docstring)")
+
+    @classmethod
+    def max_num_blocks(cls, block_size: int, num_kv_heads: int, head_size: int) -> int:
+        """Most blocks a contiguous per-layer cache may have under :data:`MAX_KV_CACHE_SPAN`."""
+        return cls.MAX_KV_CACHE_SPAN // (2 * block_size * num_kv_heads * head_size)
+
+    @classmethod
+    def kv_cache_size_reasons(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> list[str]:
+        """Why a contiguous per-layer cache of these sizes cannot run (empty: it can).
+
+        For engines to call before allocating; :meth:`FlexAttentionImpl.forward` applies the
+        same limit to the actual view (its strides included).
+        """
+        elements = num_blocks * 2 * block_size * num_kv_heads * head_size
+        if elements <= cls.MAX_KV_CACHE_SPAN:
+            return []
+        limit = cls.max_num_blocks(block_size, num_kv_heads, head_size)
+        return [f"num_blocks={num_blocks}: one layer's cache would hold {elements} elements, "
+                f"over FLEX_ATTENTION's limit of 2**31 ({_INT32_ISSUE}); use at most "
+                f"{limit} blocks per layer at block_size={block_size}, "
+                f"num_kv_heads={num_kv_heads}, head_size={head_size}, or another backend"]

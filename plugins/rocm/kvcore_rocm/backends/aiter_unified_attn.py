@@ -12,17 +12,45 @@ import torch
 from kvcore import (
     AttentionLayer,
     AttentionMetadata,
-    PagedAttentionImpl,
+    TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
-from kvcore.ops import (
-    triton_paged_attention,
-    triton_reshape_and_cache,
-    triton_unavailable_reasons,
-)
+from kvcore.ops import triton_unavailable_reasons
 from kvcore_rocm.backends.common import AiterBackend, aiter_installed, use_aiter, window
 
 __all__ = ["AiterUnifiedAttentionBackend", "AiterUnifiedAttentionImpl"]
+
+
+class AiterUnifiedAttentionImpl(TritonAttentionImpl):
+    """Cache write: kvcore's Triton ``reshape_and_cache`` on ``kv_cache.unbind(1)`` (both paths).
+
+    Attention: aiter's ``unified_attention`` (UNVERIFIED, see the module docstring) for GPU
+    tensors when aiter is installed, TRITON_ATTN's (the portable Triton ``paged_attention``
+    with the builder's plan) otherwise.
+    """
+
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        if not use_aiter(kv_cache):
+            super().attend(layer, query, kv_cache, attn_metadata, output)
+            return
+        # UNVERIFIED: aiter's Triton unified attention (vLLM's argument convention).
+        from aiter.ops.triton.unified_attention import unified_attention
+
+        key_cache, value_cache = kv_cache.unbind(1)
+        unified_attention(
+            q=query, k=key_cache, v=value_cache, out=output,
+            cu_seqlens_q=attn_metadata.query_start_loc.contiguous(),  # read densely
+            max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=attn_metadata.seq_lens.contiguous(),
+            max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=self.scale,
+            causal=self.is_causal(attn_metadata),
+            window_size=window(self.sliding_window),
+            block_table=attn_metadata.block_table.contiguous(),
+            softcap=0,
+            q_descale=None, k_descale=None, v_descale=None,
+        )
 
 
 class AiterUnifiedAttentionBackend(AiterBackend):
@@ -42,7 +70,7 @@ class AiterUnifiedAttentionBackend(AiterBackend):
     CROSS_LAYER_PLATFORMS = ("cuda",)
 
     NAME = "ROCM_AITER_UNIFIED_ATTN"
-    IMPL_CLS = "AiterUnifiedAttentionImpl"
+    IMPL_CLS = AiterUnifiedAttentionImpl
     BUILDER_CLS = TritonAttentionMetadataBuilder
 
     @staticmethod
@@ -57,53 +85,3 @@ class AiterUnifiedAttentionBackend(AiterBackend):
         if aiter_installed():
             return super().unavailable_reasons()
         return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
-
-
-class AiterUnifiedAttentionImpl(PagedAttentionImpl):
-    """Cache write: kvcore's Triton ``reshape_and_cache`` on ``kv_cache.unbind(1)`` (both paths).
-
-    Attention: aiter's ``unified_attention`` (UNVERIFIED, see the module docstring) for GPU
-    tensors when aiter is installed, the portable Triton ``paged_attention`` otherwise.
-    """
-
-    write_kv = staticmethod(triton_reshape_and_cache)
-    attend = staticmethod(triton_paged_attention)
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        key_cache, value_cache = self.split_kv(kv_cache)
-        if not use_aiter(key_cache):
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        output = torch.empty_like(query) if output is None else output
-        self._aiter_forward(query, key_cache, value_cache, attn_metadata, output)
-        return output
-
-    def _aiter_forward(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata, output: torch.Tensor,
-    ) -> None:
-        """UNVERIFIED: aiter's Triton unified attention (vLLM's argument convention)."""
-        from aiter.ops.triton.unified_attention import unified_attention
-
-        n = attn_metadata.num_actual_tokens
-        unified_attention(
-            q=query[:n], k=key_cache, v=value_cache, out=output[:n],
-            cu_seqlens_q=attn_metadata.query_start_loc.contiguous(),  # read densely
-            max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=attn_metadata.seq_lens.contiguous(),
-            max_seqlen_k=attn_metadata.max_seq_len,
-            softmax_scale=self.scale,
-            causal=self.is_causal(attn_metadata),
-            window_size=window(self.sliding_window),
-            block_table=attn_metadata.block_table.contiguous(),
-            softcap=0,
-            q_descale=None, k_descale=None, v_descale=None,
-        )

@@ -11,17 +11,31 @@ from kvcore import (
     AttentionBackend,
     CudaGraphSupport,
     MultipleOf,
-    PagedAttentionImpl,
+    TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
-from kvcore.ops import (
-    triton_paged_attention,
-    triton_reshape_and_cache,
-    triton_unavailable_reasons,
-)
+from kvcore.ops import triton_unavailable_reasons
 from kvcore_rocm.backends.common import GFX90A
 
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
+
+
+class RocmAttentionImpl(TritonAttentionImpl):
+    """TRITON_ATTN's kernels and plan on ``kv_cache.unbind(0)``: K and V ``(num_blocks, N, H,
+    D)`` halves."""
+
+    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _legacy_halves(kv_cache)
+
+
+def _legacy_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; ROCM_ATTN expects the legacy "
+            "(2, num_blocks, block_size, num_kv_heads, head_size)"
+        )
+    key_cache, value_cache = kv_cache.unbind(0)
+    return key_cache, value_cache
 
 
 class RocmAttentionBackend(AttentionBackend):
@@ -44,7 +58,7 @@ class RocmAttentionBackend(AttentionBackend):
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
 
     NAME = "ROCM_ATTN"
-    IMPL_CLS = "RocmAttentionImpl"
+    IMPL_CLS = RocmAttentionImpl
     BUILDER_CLS = TritonAttentionMetadataBuilder
 
     @staticmethod
@@ -70,23 +84,3 @@ class RocmAttentionBackend(AttentionBackend):
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
         return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
-
-
-class RocmAttentionImpl(PagedAttentionImpl):
-    """Triton kernels on ``kv_cache.unbind(0)``: K and V ``(num_blocks, N, H, D)`` halves."""
-
-    write_kv = staticmethod(triton_reshape_and_cache)
-    attend = staticmethod(triton_paged_attention)
-
-    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _legacy_halves(kv_cache)
-
-
-def _legacy_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}; ROCM_ATTN expects the legacy "
-            "(2, num_blocks, block_size, num_kv_heads, head_size)"
-        )
-    key_cache, value_cache = kv_cache.unbind(0)
-    return key_cache, value_cache

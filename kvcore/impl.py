@@ -1,0 +1,231 @@
+"""The per-layer half of the backend contract: :class:`AttentionImpl`, whose ``forward`` and
+``do_kv_cache_update`` are templates around a backend's two kernel hooks, and
+:class:`PagedAttentionImpl`, the impl over two ops with :mod:`kvcore.ops`' signatures.
+
+The template is what vLLM's attention layer does around an impl that declares
+``accept_output_buffer = True`` and ``forward_includes_kv_cache_update = False``: the engine
+writes the step's K/V first (:meth:`AttentionImpl.do_kv_cache_update`), then
+:meth:`AttentionImpl.forward` checks the arguments, applies the encoder-only rule, allocates
+the output when none is given, returns at once on an empty batch, and hands the backend's
+kernel hook (:meth:`AttentionImpl.attend`) the rows that are real tokens and the output rows
+to fill. A backend writes only its kernel calls: :meth:`AttentionImpl.write_kv_cache` and
+:meth:`AttentionImpl.attend`. What its builder planned for the step (split counts, a library's
+plan, workspaces) is a typed field of the metadata class that builder returns; ``attend``
+receives the step's metadata and reads its own plan there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvcore.metadata import AttentionLayer, AttentionMetadata, encoder_only_cache, is_index
+from kvcore.platform_types import AttentionType
+
+__all__ = ["AttentionImpl", "PagedAttentionImpl"]
+
+
+class AttentionImpl(ABC):
+    """Per-layer state of a backend and the two calls an engine makes every step.
+
+    Shapes: ``query`` is ``(num_tokens, num_heads, head_size)``; ``key``/``value`` are
+    ``(num_tokens, num_kv_heads, head_size)``; ``kv_cache`` is the layer's logical view from
+    :func:`kvcore.allocate_kv_caches` (for K/V backends ``(num_blocks, 2, block_size,
+    num_kv_heads, head_size)`` of any strides).
+
+    The engine calls :meth:`do_kv_cache_update` then :meth:`forward`; both are templates. A
+    backend implements :meth:`write_kv_cache` and :meth:`attend` (its kernels), and where it
+    needs them :meth:`check_forward` (checks its kernels cannot make themselves) and
+    :meth:`new_output` (an output whose shape is not the query's).
+    """
+
+    #: vLLM's name for what :meth:`forward` does: it takes the caller's ``output`` buffer
+    #: and writes the result into it (allocating one only when none is given).
+    accept_output_buffer: bool = True
+    #: vLLM's name for the cache-write contract: ``forward`` never writes the step's K/V;
+    #: the engine calls :meth:`do_kv_cache_update` before it.
+    forward_includes_kv_cache_update: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType | str = AttentionType.DECODER,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+            )
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not is_index(sliding_window)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1 "
+                             "(how many positions each query sees, itself included)")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+                math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale={scale!r} must be a finite, positive float "
+                             "(usually head_size ** -0.5)")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = None if sliding_window is None else operator.index(sliding_window)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = AttentionType(attn_type)
+
+    def is_causal(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether this layer masks each query to the keys at or before its position.
+
+        The one causal rule of every backend: the step's metadata asks for it
+        (:attr:`AttentionMetadata.causal`) and the layer is a decoder; an encoder-only layer
+        sees every key of its request.
+        """
+        return attn_metadata.causal and self.attn_type == AttentionType.DECODER
+
+    def writes_kv_cache(self) -> bool:
+        """Whether :meth:`do_kv_cache_update` writes anything: the one cache-write rule of
+        every backend. An encoder-only layer keeps nothing across steps, so it never writes
+        the paged cache (its ``forward`` attends over the step's own ``key``/``value``,
+        through :func:`kvcore.encoder_only_cache`)."""
+        return self.attn_type != AttentionType.ENCODER_ONLY
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write the new tokens' K and V into ``kv_cache`` at ``slot_mapping`` (negative: skip):
+        :meth:`write_kv_cache`, for a layer that :meth:`writes_kv_cache`."""
+        if self.writes_kv_cache():
+            self.write_kv_cache(layer, key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query`` over the paged cache (already updated for this step).
+
+        Returns ``(num_tokens, num_heads, head_size)`` (:meth:`new_output`'s shape), written
+        into ``output`` when given; rows past ``attn_metadata.num_actual_tokens`` are padding
+        and are left untouched. In order: :meth:`check_forward`; for an encoder-only layer, a
+        private cache of this step's ``key``/``value`` written by :meth:`write_kv_cache`
+        (:func:`kvcore.encoder_only_cache`); the output; nothing more for an empty batch;
+        else :meth:`attend` on the real rows.
+        """
+        self.check_forward(query, kv_cache, attn_metadata, output)
+        if not self.writes_kv_cache():
+            kv_cache, attn_metadata = encoder_only_cache(
+                key, value, kv_cache, attn_metadata, functools.partial(self.write_kv_cache, layer))
+        if output is None:
+            output = self.new_output(query)
+        n = attn_metadata.num_actual_tokens
+        if n:
+            self.attend(layer, query[:n], kv_cache, attn_metadata, output[:n])
+        return output
+
+    @abstractmethod
+    def write_kv_cache(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """The backend's cache write (kernel hook): token ``i`` of ``key``/``value`` into slot
+        ``slot_mapping[i]`` of ``kv_cache`` (negative: skip; fp8 caches scaled by
+        ``layer.k_scale``/``layer.v_scale``). Called for every layer that writes the cache,
+        and on an encoder-only layer's private cache."""
+
+    @abstractmethod
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        """The backend's attention (kernel hook): write the attention of ``query`` into
+        ``output``.
+
+        ``query`` and ``output`` hold the step's ``num_actual_tokens`` real rows (at least
+        one); ``kv_cache`` and ``attn_metadata`` are the layer's (an encoder-only layer's
+        private ones). ``attn_metadata`` is what the backend's builder returned (its typed plan
+        included) or plain :class:`~kvcore.AttentionMetadata` from an engine or test without
+        the builder: then the kernels choose for themselves. Must not write ``kv_cache``.
+        """
+
+    def check_forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      attn_metadata: AttentionMetadata, output: torch.Tensor | None) -> None:
+        """Refuse arguments the kernels would misread, before anything runs (hook; the
+        default checks nothing, for kernels that check their own arguments). Raise with the
+        argument, its value, what is supported and the fix."""
+        return  # nothing to check by default
+
+    def new_output(self, query: torch.Tensor) -> torch.Tensor:
+        """The output :meth:`forward` allocates when none is given: ``query``'s shape and
+        dtype (hook: an impl whose output has another shape, MLA's, overrides it)."""
+        return torch.empty_like(query)
+
+
+class PagedAttentionImpl(AttentionImpl):
+    """An :class:`AttentionImpl` over two ops with the signatures of :mod:`kvcore.ops`.
+
+    Subclasses set :meth:`reshape_and_cache` (``kvcore.ops.reshape_and_cache``'s signature)
+    and :meth:`paged_attention` (``kvcore.ops.paged_attention``'s) and get the kernel hooks on
+    the standard ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` cache split with
+    ``unbind(1)`` (override :meth:`split_kv` for another layout), output written in place.
+    An op that takes a plan from the backend's builder is called by the backend's own
+    :meth:`attend` (``kvcore.TritonAttentionImpl``'s hands ``paged_attention`` its ``plan``).
+    """
+
+    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V ``(num_blocks, block_size, num_kv_heads, head_size)`` views."""
+        key_cache, value_cache = kv_cache.unbind(1)
+        return key_cache, value_cache
+
+    @staticmethod
+    @abstractmethod
+    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                          k_scale, v_scale) -> None:
+        """Scatter new tokens into the K and V caches (see ``kvcore.ops.reshape_and_cache``)."""
+
+    @staticmethod
+    @abstractmethod
+    def paged_attention(query, key_cache, value_cache, **kwargs) -> torch.Tensor:
+        """Paged attention with ``kvcore.ops.paged_attention``'s keyword arguments."""
+
+    def write_kv_cache(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        key_cache, value_cache = self.split_kv(kv_cache)
+        self.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                               self.kv_cache_dtype, layer.k_scale, layer.v_scale)
+
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        m = attn_metadata
+        key_cache, value_cache = self.split_kv(kv_cache)
+        self.paged_attention(query, key_cache, value_cache, query_start_loc=m.query_start_loc,
+                             seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
+                             causal=self.is_causal(m), sliding_window=self.sliding_window,
+                             kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
+                             v_scale=layer.v_scale, output=output)
