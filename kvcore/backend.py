@@ -204,13 +204,8 @@ class AttentionBackend:
         return builder
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
         """Logical (blocks-first) shape of one layer's KV cache.
 
         The default is ``(num_blocks, 2, block_size, num_kv_heads, head_size)``: dim 0 is the

@@ -98,14 +98,8 @@ class AttentionImpl(ABC):
         through :func:`kvcore.encoder_only_cache`)."""
         return self.attn_type != AttentionType.ENCODER_ONLY
 
-    def do_kv_cache_update(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def do_kv_cache_update(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write the new tokens' K and V into ``kv_cache`` at ``slot_mapping`` (negative: skip):
         :meth:`write_kv_cache`, for a layer that :meth:`writes_kv_cache`."""
         if self.writes_kv_cache():
@@ -142,14 +136,8 @@ class AttentionImpl(ABC):
         return output
 
     @abstractmethod
-    def write_kv_cache(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The backend's cache write (kernel hook): token ``i`` of ``key``/``value`` into slot
         ``slot_mapping[i]`` of ``kv_cache`` (negative: skip; fp8 caches scaled by
         ``layer.k_scale``/``layer.v_scale``). Called for every layer that writes the cache,
@@ -208,14 +196,8 @@ class PagedAttentionImpl(AttentionImpl):
     def paged_attention(query, key_cache, value_cache, **kwargs) -> torch.Tensor:
         """Paged attention with ``kvcore.ops.paged_attention``'s keyword arguments."""
 
-    def write_kv_cache(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         key_cache, value_cache = self.split_kv(kv_cache)
         self.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                self.kv_cache_dtype, layer.k_scale, layer.v_scale)

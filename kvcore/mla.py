@@ -63,13 +63,8 @@ class MLACommonBackend(AttentionBackend):
     SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
         """``(num_blocks, block_size, head_size)``; ``head_size = kv_lora_rank + rope_dim`` and
         ``num_kv_heads`` must be 1."""
         return latent_cache_shape("MLA", num_blocks, block_size, num_kv_heads, head_size)
@@ -192,13 +187,8 @@ class MLACommonImpl(AttentionImpl):
         output.copy_(torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1))
 
     @abstractmethod
-    def _latent_attention(
-        self,
-        layer: AttentionLayer,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _latent_attention(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                          attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Causal attention of latent queries ``q`` ``(num_tokens, num_heads, kv_lora_rank +
         rope_dim)`` over the latent cache; returns ``(num_tokens, num_heads, kv_lora_rank)``."""
 

@@ -114,7 +114,7 @@ def test_backend_plugin_doc_lists_every_attribute_an_impl_gets():
     import kvcore
 
     class Impl(kvcore.AttentionImpl):
-        do_kv_cache_update = forward = None
+        write_kv_cache = attend = None
 
     documented = set(re.findall(r"^\| `self\.([a-z_]+)` \|", (DOCS / "backend-plugin.md")
                                 .read_text(), re.MULTILINE))

@@ -32,8 +32,8 @@ def test_registering_plugins_imports_no_backend_module():
 
 def test_public_names_load_on_first_use_and_wire_the_whole_api():
     """``import kvcore`` imports no torch (the ``kvcore`` command's ``--help``); the first
-    public name imports the whole API, wired as an eager import would be: a backend name
-    works in ``allocate_kv_caches`` right away, with no registry call before it."""
+    public name imports the whole API, as an eager import would: a backend name works in
+    ``allocate_kv_caches`` right away, with no registry call before it."""
     code = (
         "import sys, kvcore\n"
         "print('torch' in sys.modules, kvcore.__version__)\n"
@@ -51,4 +51,5 @@ def test_public_names_load_on_first_use_and_wire_the_whole_api():
     # A backend module's names (the Triton builder, for plugins) load when used.
     assert result.stdout.splitlines() == [
         "False 0.1.0", "False",
-        "B,L,2,N,H,D ['TritonAttentionMetadata', 'TritonAttentionMetadataBuilder']", "[]"]
+        "B,L,2,N,H,D ['TritonAttentionImpl', 'TritonAttentionMetadata', "
+        "'TritonAttentionMetadataBuilder']", "[]"]

@@ -23,26 +23,15 @@ __all__ = ["CpuMLABackend", "CpuMLAImpl"]
 class CpuMLAImpl(MLACommonImpl):
     """:class:`~kvcore.MLACommonImpl` on the pure-torch ops (same arguments as TRITON_MLA's)."""
 
-    def write_kv_cache(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write latents: ``key`` = ``kv_c`` ``(num_tokens, kv_lora_rank)``, ``value`` =
         ``k_pe`` ``(num_tokens, [1,] qk_rope_head_dim)``; fp8 caches use ``layer.k_scale``."""
         concat_and_cache_mla_ref(key, value, kv_cache, slot_mapping, self.kv_cache_dtype,
                                  layer.k_scale)
 
-    def _latent_attention(
-        self,
-        layer: AttentionLayer,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _latent_attention(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                          attn_metadata: AttentionMetadata) -> torch.Tensor:
         return mla_attention_ref(
             q, kv_cache, kv_lora_rank=self.kv_lora_rank,
             query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,

@@ -78,8 +78,9 @@ class KvcoreBackend(AttentionBackend):
 
     KVCORE_NAME: ClassVar[str | None] = None
     VLLM_NAME: ClassVar[str] = SELECTED
+    # kvcore's forward never writes the cache (its contract declares it under vLLM's name):
     # vLLM calls do_kv_cache_update before forward, as kvcore's engines do.
-    forward_includes_kv_cache_update: bool = False
+    forward_includes_kv_cache_update: bool = kvcore.AttentionImpl.forward_includes_kv_cache_update
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]

@@ -21,27 +21,15 @@ from kvcore_example_plugin.ops.gather import gather_pages
 
 
 class SdpaGatherImpl(kvcore.AttentionImpl):
-    def write_kv_cache(
-        self,
-        layer: kvcore.AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv_cache(self, layer: kvcore.AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter ``key``/``value`` ``(num_tokens, num_kv_heads, head_size)`` into the cache."""
         key_cache, value_cache = kv_cache.unbind(1)
         reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping,
                               self.kv_cache_dtype, layer.k_scale, layer.v_scale)
 
-    def attend(
-        self,
-        layer: kvcore.AttentionLayer,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: kvcore.AttentionMetadata,
-        output: torch.Tensor,
-    ) -> None:
+    def attend(self, layer: kvcore.AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
+               attn_metadata: kvcore.AttentionMetadata, output: torch.Tensor) -> None:
         """Attention of ``query`` ``(num_tokens, num_heads, head_size)`` over the paged cache.
 
         ``forward`` (kvcore's template) calls this with the step's real tokens only and the

@@ -368,14 +368,8 @@ class FlashInferMLAImpl(MLACommonImpl):
                 f"kv_cache_dtype={self.kv_cache_dtype!r} (FLASHINFER_MLA supports "
                 f"{', '.join(FlashInferMLABackend.SUPPORTED_KV_CACHE_DTYPES)})")
 
-    def write_kv_cache(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write latents: ``key`` = ``kv_c`` ``(num_tokens, kv_lora_rank)``, ``value`` =
         ``k_pe`` ``(num_tokens, [1,] qk_rope_head_dim)``; fp8 caches use ``layer.k_scale``.
 
@@ -443,13 +437,8 @@ class FlashInferMLAImpl(MLACommonImpl):
 
         return _PLANS.get(meta, (kv_cache.device, want), plan)
 
-    def _latent_attention(
-        self,
-        layer: AttentionLayer,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _latent_attention(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                          attn_metadata: AttentionMetadata) -> torch.Tensor:
         m = attn_metadata
         kv_scale = self._fp8_scale(layer, m)
         # The float, not the tensor: the check then reads nothing back from the device.

@@ -26,14 +26,8 @@ class AiterFlashAttentionImpl(AttentionImpl):
     ``aiter.flash_attn_varlen_func`` with bottom-right causal alignment.
     """
 
-    def write_kv_cache(
-        self,
-        layer: AttentionLayer,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         from kvcore_rocm.ops import shuffle
 
         key_cache, value_cache = kv_cache.unbind(1)

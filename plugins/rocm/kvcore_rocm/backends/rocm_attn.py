@@ -62,13 +62,8 @@ class RocmAttentionBackend(AttentionBackend):
     BUILDER_CLS = TritonAttentionMetadataBuilder
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
         """Legacy ``(2, num_blocks, block_size, num_kv_heads, head_size)``: K/V split first."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
