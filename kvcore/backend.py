@@ -76,6 +76,16 @@ def is_supported(value: Any, supported: Any) -> bool:
     return any(value in s if isinstance(s, MultipleOf) else value == s for s in supported)
 
 
+def _declared_class(backend: type, attr: str, base: str, method: str) -> type:
+    """``backend.<attr>``, which must be a class (never a name resolved later)."""
+    value = getattr(backend, attr)
+    if not isinstance(value, type):
+        raise TypeError(f"{backend.__qualname__}.{attr}={value!r} is not a class; set it to the "
+                        f"{base} subclass itself, defined above the backend (or override "
+                        f"{method}())")
+    return value
+
+
 class CudaGraphSupport(enum.Enum):
     """How much of a step a backend's ``forward`` lets an engine capture in a CUDA graph
     (declared as ``AttentionBackend.CUDA_GRAPH_SUPPORT``; see :mod:`kvcore.builder`).
@@ -180,12 +190,7 @@ class AttentionBackend:
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
         """The implementation class, :attr:`IMPL_CLS`."""
-        impl = cls.IMPL_CLS
-        if not isinstance(impl, type):
-            raise TypeError(f"{cls.__qualname__}.IMPL_CLS={impl!r} is not a class; set it to "
-                            "the AttentionImpl subclass itself, defined above the backend "
-                            "(or override get_impl_cls())")
-        return impl
+        return _declared_class(cls, "IMPL_CLS", "AttentionImpl", "get_impl_cls")
 
     @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
@@ -196,12 +201,7 @@ class AttentionBackend:
         once and returns the metadata unchanged. Declare your own for per-step work (a kernel
         library's plan, split choices, workspaces) and for CUDA-graph support.
         """
-        builder = cls.BUILDER_CLS
-        if not isinstance(builder, type):
-            raise TypeError(f"{cls.__qualname__}.BUILDER_CLS={builder!r} is not a class; set "
-                            "it to the AttentionMetadataBuilder subclass itself, defined above "
-                            "the backend (or override get_builder_cls())")
-        return builder
+        return _declared_class(cls, "BUILDER_CLS", "AttentionMetadataBuilder", "get_builder_cls")
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
