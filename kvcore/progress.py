@@ -3,7 +3,7 @@
 A step that is slow only the first time (its result is cached) runs inside :func:`long_step`.
 If it ends quickly (the cache was warm) nothing is printed; if it is still running after
 ``after_s`` seconds, one line on ``sys.stderr`` says what is being built, about how long the
-first run takes and where the result is cached, and a second line says how long it took::
+first use takes and where the result is cached, and a second line says how long it took::
 
     kvcore: compiling FlashInfer's decode kernels (bfloat16, 4/2 heads of 64) -- first use
     only, about 1-2 min; cached in /root/.cache/flashinfer, reused by later runs
@@ -85,7 +85,7 @@ def long_step(what: str, *, estimate: str | None = None, cache: str | os.PathLik
     Args:
         what: what is being built, for a user: ``"compiling FlashInfer's decode kernels
             (bfloat16, 32/8 heads of 128)"``.
-        estimate: how long the first run usually takes, e.g. ``"about 1-2 min"``.
+        estimate: how long the first use usually takes, e.g. ``"about 1-2 min"``.
         cache: where the result is kept for later runs (a directory).
         after_s: seconds to wait before announcing: a step that ends sooner (its cache was
             warm) prints nothing. ``0`` announces at once.

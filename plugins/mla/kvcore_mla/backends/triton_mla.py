@@ -18,7 +18,7 @@ count depends only on the captured batch size and ``max_model_len``, eagerly on 
 longest request. With its metadata a layer's forward launches only (the value checks were done
 once for the step, nothing is allocated for the splits).
 
-Importing this module imports no kernel library: triton is imported when the impl first runs.
+Importing this module imports no kernel library: triton is imported when the impl is first called.
 """
 
 from __future__ import annotations
