@@ -22,10 +22,34 @@ A launch config's rows are ``block_q`` query tokens x ``g_pad`` query heads (the
 padded to a power of two). The tables hold rows independent of the model
 (:class:`TritonPrefillTile`, :class:`GluonPrefillTile`, :class:`DecodeTile`), per GPU
 architecture (:func:`device_arch`'s names; ``cuda`` and ``rocm`` for the others); the
-measurements that chose them are in ``docs/kernels.md`` (Tuned table rows). No autotuning runs
-inside a step or a CUDA-graph capture.
+measurements that chose them are below. No autotuning runs inside a step or a CUDA-graph
+capture; ``benchmarks/bench_triton_prefill.py`` sweeps candidates and prints its winners as rows
+to paste here.
 
-This module imports no kernel library.
+Tuned rows (Hq 32, Hk 8, D 128, bf16, block 16; times in us, CUDA-graph replays, one run each;
+``benchmarks/RESULTS.md`` has the runs):
+
+==========================  =======  ============================================================
+row                         device   measured
+==========================  =======  ============================================================
+sm90 ``gluon_ws_pingpong``  H200     128 keys x 3 stages: 326.1 / 1021.2 / 1064.6 on prefill 4 x
+                                     2048 / 1 x 8192 / 4 x 512 over 16k cached (FlashInfer 305.6
+                                     / 1033.7 / 1006.8), against 338.5 / 1081.9 / 1102.0 without
+                                     the consumers taking turns, 340.6 / 1144.5 / 1155.5 at 64
+                                     keys, and the Triton row's 453.1 / 1407.2 / 1424.8; two
+                                     stages and the kernel without warp specialisation were
+                                     slower than the Triton row
+sm90 ``triton_prefill``     H200     256 rows x 32 keys, 8 warps, 3 stages, block size compiled
+                                     in, one edge stage: fastest on all three prefill cases,
+                                     ahead of 128 x 32 x 4 x 3 (spills on sm_90a), 128 x 64 x 8
+                                     warps and warp-specialised Triton loops
+all ``DECODE_TILES``        H200     32 keys, 4 warps, 3 stages: the fastest tile at every decode
+                                     shape (64 x 4096, 8 x 32768, 256 x 1024, 16 x 4096); 4 waves
+                                     / 512 tokens a split the fastest split rule
+sm90 ``DECODE_TILES``       H200     block size compiled in: 0-2% faster at every shape; split
+                                     launches at 64 keys and 2 waves: 1.7-1.8% faster than 32
+                                     keys at 4 waves at 8 x 32768 (4 splits) and 16 x 4096 (2)
+==========================  =======  ============================================================
 """
 
 from __future__ import annotations

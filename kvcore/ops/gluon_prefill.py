@@ -30,7 +30,7 @@ Why not the Triton kernel: Triton waits every wgmma at once (``pendings = 0``) w
 feeds the next dot, so its softmax never overlaps the tensor cores on Hopper. Most of this
 kernel's lead came from the copy warpgroup's address arithmetic: its instructions share the
 SMs' schedulers with the consumers, so what does not change between tiles is computed once
-(:func:`_ws_loader`). Measurements: ``docs/kernels.md`` (Tuned table rows).
+(:func:`_ws_loader`). Measurements: :mod:`kvcore.ops.attention_config` (Tuned rows).
 
 Triton API differences handled here: 3.6 has ``gl.thread_barrier`` and
 ``async_copy.async_copy_global_to_shared``; 3.9 ``gl.barrier`` and ``async_copy.async_load``.

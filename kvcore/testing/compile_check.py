@@ -612,6 +612,22 @@ def format_markdown(results: Sequence[CompileResult]) -> str:
          for t in (TARGETS[name] for name in used if name in TARGETS)],
         headers=["target", "device", "triton target", "warp", "shared / LDS", "SMs / CUs"],
         tablefmt="github"))
+    from kvcore.ops import KERNELS
+
+    lines += [
+        "",
+        "## Kernels by name",
+        "",
+        "Each row of an op's config table names the kernel it runs, with a config class that "
+        "holds only that kernel's parameters; the tables below list every compiled function "
+        "under the kernel a case ran. TRITON_ATTN's kernels (`kvcore.ops.KERNELS`; the tuned "
+        "rows and the measurements behind them: `kvcore/ops/attention_config.py`):",
+        "",
+        tabulate([[f"`{name}`", f"`{cls.__name__}`",
+                   " ".join(line.strip() for line in cls.__doc__.split("\n\n")[0].splitlines())]
+                  for name, cls in KERNELS.items()],
+                 headers=["kernel", "config", "what it takes"], tablefmt="github"),
+    ]
     lines += [
         "",
         "## Summary: registers / spills / shared KiB (largest over the cases)",

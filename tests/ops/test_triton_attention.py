@@ -421,7 +421,7 @@ def test_default_configs_come_from_the_tables(monkeypatch) -> None:
     (32, 4096, 1, 32), (4, 8192, 8, 64)], ids=lambda v: str(v))
 def test_sm90_decode_rule_at_the_benchmark_shapes(batch, length, splits, block_n) -> None:
     """The H200's row (132 SMs, Hk 8): unsplit launches keep 32 keys a step; split launches
-    take 64 keys at 2 waves (docs/kernels.md, tuned table rows), while other NVIDIA GPUs keep
+    take 64 keys at 2 waves (kvcore.ops.attention_config, tuned rows), while other NVIDIA GPUs keep
     32 keys at 4 waves."""
     cfg, cpu = dispatch.default_config, torch.device("cpu")
     d = cfg(batch, batch, 32, 8, 128, length, cpu, arch="sm90", num_sms=132)
