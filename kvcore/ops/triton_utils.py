@@ -151,7 +151,7 @@ def gluon_defaults_enabled() -> bool:
     """Whether default configs may pick Gluon kernels (the tables' Gluon rows: TRITON_ATTN's
     Hopper prefill, TRITON_MLA's Hopper decode). ``KVCORE_GLUON=0`` turns them off, so the
     Triton kernels run instead: an operator's switch, read at every choice. Explicit
-    ``gluon=True`` configs are not affected."""
+    Gluon configs are not affected."""
     return os.environ.get("KVCORE_GLUON", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -159,14 +159,15 @@ def gluon_defaults_enabled() -> bool:
 def gluon_kernels_unavailable(module: str) -> str | None:
     """``None`` when ``module`` (a module of Gluon kernels for Hopper, e.g.
     ``"kvcore.ops.gluon_prefill"``) imports with the installed Triton, else why not, as a
-    sentence for a ``config.gluon=True`` refusal (Gluon's Hopper API needs Triton 3.6 or newer).
+    sentence for the refusal of a Gluon kernel's config (Gluon's Hopper API needs Triton 3.6 or
+    newer).
     Cached: the import is tried once per module."""
     try:
         importlib.import_module(module)
     except (ImportError, AttributeError) as exc:
-        return (f"config.gluon=True needs Triton's Gluon API for Hopper (Triton 3.6 or newer); "
-                f"Triton {triton.__version__} lacks it ({exc}): upgrade Triton or use "
-                "gluon=False")
+        return (f"{module}'s Gluon kernels need Triton's Gluon API for Hopper (Triton 3.6 or "
+                f"newer); Triton {triton.__version__} lacks it ({exc}): upgrade Triton or use "
+                "a Triton kernel's config")
     return None
 
 
