@@ -78,12 +78,16 @@ def test_tune_on_the_cpu_writes_the_ranking_and_the_selector_follows_it(ranking_
     assert case["shape_class"] == "D128 float32 kv=auto bs16" and case["preset"] == "llama-3.1-8b"
     measured = [b for c in entry["cases"] for b in c["times_us"]]
     assert measured and all(t > 0 for c in entry["cases"] for t in c["times_us"].values())
-    fastest = result.orders["D128 float32 kv=auto bs16"].order[0]
+    order = result.orders["D128 float32 kv=auto bs16"]
+    fastest = order.order[0]
     assert kvcore.get_attn_backend(CONFIG, platform="cpu").get_name() == fastest
+    # The explanation names each phase's own fastest, which on a noisy CPU need not be the
+    # backend first over both phases.
+    decode_fastest = max(order.speed["decode"], key=order.speed["decode"].get)
     assert kvcore_cli(["select", "--explain", "--platform", "cpu", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert f"measured on this machine on {entry['date']}" in out
-    assert f"decode (2 cases): {fastest} fastest" in out
+    assert f"decode (2 cases): {decode_fastest} fastest" in out
 
 
 def test_a_ranking_that_puts_a_backend_first_changes_the_pick_and_explain_quotes_it(
