@@ -24,7 +24,7 @@ GPU times are CUDA-graph replays of the call (``kvcore.cli.harness.time_call``);
 are wall time per call over 300 back-to-back calls after a warm-up. The table printed last
 gives both sides and after / before; the JSON goes to ``--out``.
 
-Usage: ``python benchmarks/bench_ab.py --before DIR [--rounds 3] [--out DIR]``
+Usage: ``python benchmarks/bench_ab.py --before DIR [--rounds 3] [--only TEXT] [--out DIR]``
 (``--side`` runs one side and prints its JSON: what the driver calls).
 """
 
@@ -121,8 +121,9 @@ def _host_seconds(fn, calls: int = 300) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def run_side() -> dict[str, float]:
-    """Every case once in this process; seconds by case name."""
+def run_side(only: list[str]) -> dict[str, float]:
+    """Every case (those whose name contains one of ``only``, when given) once in this
+    process; seconds by case name."""
     from kvcore.cli.harness import time_call
 
     cases = {
@@ -135,11 +136,14 @@ def run_side() -> dict[str, float]:
            for b, n in ((64, 4096), (8, 32768), (128, 2048))},
         "cache write 32768": lambda: _cache_write(32768),
     }
+    cases["host: attention call"] = lambda: _attention(_decode_case(1, 16))
+    cases["host: cache write call"] = lambda: _cache_write(16)
     found = {}
     for name, make in cases.items():
-        found[name] = time_call(make(), "cuda")[0]
-    found["host: attention call"] = _host_seconds(_attention(_decode_case(1, 16)))
-    found["host: cache write call"] = _host_seconds(_cache_write(16))
+        if only and not any(text in name for text in only):
+            continue
+        fn = make()
+        found[name] = _host_seconds(fn) if name.startswith("host:") else time_call(fn, "cuda")[0]
     return found
 
 
@@ -149,10 +153,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path,
                         default=Path(os.environ.get("OUT", "benchmarks/results")))
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="time only the cases whose name contains TEXT (repeatable)")
     parser.add_argument("--side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        print("AB-JSON " + json.dumps(run_side()), flush=True)
+        print("AB-JSON " + json.dumps(run_side(args.only)), flush=True)
         return
     if args.before is None or not (args.before / "kvcore").is_dir():
         parser.error(f"--before {args.before}: give a folder holding kvcore/ (and the plugins' "
@@ -168,7 +174,8 @@ def main() -> None:
             env = dict(os.environ)
             if path:
                 env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-            proc = subprocess.run([sys.executable, __file__, "--side"], env=env,
+            only = [arg for text in args.only for arg in ("--only", text)]
+            proc = subprocess.run([sys.executable, __file__, "--side", *only], env=env,
                                   capture_output=True, text=True, timeout=600)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("AB-JSON ")), None)
             if proc.returncode or line is None:

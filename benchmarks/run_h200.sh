@@ -245,9 +245,10 @@ for row in rows[head + 2:] if head is not None else []:
 fi
 # ab: bench_ab.py, the public ops of the tree in AB_BEFORE (default .ab/before, carried: e.g.
 # `git archive REV kvcore plugins/*/kvcore_*` unpacked with the plugin packages at its top)
-# against this tree, AB_ROUNDS rounds taking turns (~2 min a round on an H100).
+# against this tree, AB_ROUNDS rounds taking turns (~2 min a round on an H100); AB_ARGS passes
+# e.g. `--only MLA` (cases whose name holds the text).
 has ab && step ab ${AB_LIMIT:-330} python3 benchmarks/bench_ab.py --before "${AB_BEFORE:-.ab/before}" \
-    --rounds ${AB_ROUNDS:-2} --out "$OUT"
+    --rounds ${AB_ROUNDS:-2} --out "$OUT" ${AB_ARGS:-}
 # readme: the README's kvcore commands as written, each timed (wall seconds in the log's last
 # line): the demos twice (the first run builds what the second loads from the caches), FlashInfer
 # warmed ahead by `kvcore warmup`, then the commands that only look around.
