@@ -58,6 +58,7 @@ from kvcore.ops.mla_reference import (
 )
 from kvcore.ops.reference import (
     fp8_inverse_scale,
+    fp8_scale_values,
     gather_kv_ref,
     paged_attention_ref,
     quantize_to_cache,
@@ -78,6 +79,7 @@ from kvcore.ops.torch_attention import paged_attention_torch
 from kvcore.ops.validation import (
     FP8_KV_CACHE_DTYPES,
     KV_CACHE_DTYPES,
+    KVScale,
     StepFacts,
     cache_torch_dtype,
     check_block_indices,
@@ -112,6 +114,7 @@ __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
     "AttentionConfig",
+    "KVScale",
     "GluonPrefillConfig",
     "StepFacts",
     "TritonAttentionPlan",
@@ -133,6 +136,7 @@ __all__ = [
     "concat_and_cache_mla_ref",
     "default_num_kv_splits",
     "fp8_inverse_scale",
+    "fp8_scale_values",
     "gather_kv_ref",
     "kv_split_count",
     "mark_step_checked",
@@ -243,24 +247,13 @@ def _on_gpu(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Scatter new tokens into a paged cache, in place.
-
-    Shapes and semantics are those of :func:`reshape_and_cache_ref`: ``key``/``value``
-    ``(num_tokens, num_kv_heads, head_size)``; caches ``(num_blocks, block_size, num_kv_heads,
-    head_size)`` of any strides; negative slots skipped; fp8 caches store
-    ``x * float32(1 / scale)``. Runs :func:`kvcore.ops.triton_cache.reshape_and_cache` when
-    ``key_cache`` is on a GPU, the reference otherwise.
-    """
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_cache_dtype: str = "auto", k_scale: KVScale = None,
+                      v_scale: KVScale = None) -> None:
+    """:func:`reshape_and_cache_ref`'s cache write (arguments, shapes and result documented
+    there): :func:`kvcore.ops.triton_cache.reshape_and_cache` when ``key_cache`` is on a GPU,
+    the reference otherwise."""
     if _on_gpu(key_cache):
         from kvcore.ops.triton_cache import reshape_and_cache as impl
     else:
@@ -269,32 +262,17 @@ def reshape_and_cache(
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    *,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    output: torch.Tensor | None = None,
-    plan: TritonAttentionPlan | None = None,
+        query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+        scale: float, causal: bool = True, sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto", k_scale: KVScale = None, v_scale: KVScale = None,
+        output: torch.Tensor | None = None, plan: TritonAttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Attention over a paged KV cache for a batch mixing prefill and decode requests.
-
-    Shapes and semantics are those of :func:`paged_attention_ref` (``query`` ``(num_tokens,
-    num_heads, head_size)``, caches ``(num_blocks, block_size, num_kv_heads, head_size)`` of
-    any strides, varlen ``query_start_loc``/``seq_lens``, ``block_table`` ``(num_seqs,
-    max_blocks_per_seq)``). Runs :func:`kvcore.ops.triton_attention.paged_attention` when the
-    tensors are on a GPU and ``query`` is fp16/bf16/fp32; the reference otherwise (CPU
-    tensors, float64 queries). ``plan`` (:class:`TritonAttentionPlan`: kernel config, split
-    count, split-KV workspace) goes to the Triton kernels; the reference ignores it.
-    """
+    """:func:`paged_attention_ref`'s attention (arguments, shapes and result documented
+    there): :func:`kvcore.ops.triton_attention.paged_attention` when the tensors are on a GPU
+    and ``query`` is fp16/bf16/fp32, the reference otherwise (CPU tensors, float64 queries).
+    ``plan`` (:class:`TritonAttentionPlan`: kernel config, split count, split-KV workspace)
+    goes to the Triton kernels; the reference ignores it."""
     common = dict(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                   scale=scale, causal=causal, sliding_window=sliding_window,
                   kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,

@@ -25,12 +25,14 @@ import torch
 
 from kvcore.ops.validation import (
     FP8_KV_CACHE_DTYPES,
+    KVScale,
     validate_paged_attention,
     validate_reshape_and_cache,
 )
 
 __all__ = [
     "fp8_inverse_scale",
+    "fp8_scale_values",
     "gather_kv_ref",
     "paged_attention_ref",
     "quantize_to_cache",
@@ -39,13 +41,22 @@ __all__ = [
 ]
 
 
-def scale_value(scale: torch.Tensor | float | None) -> float:
+def scale_value(scale: KVScale) -> float:
     """A per-tensor scale as a Python float (1.0 when absent)."""
     if scale is None:
         return 1.0
     if isinstance(scale, torch.Tensor):
         return float(scale.reshape(()).item())
     return float(scale)
+
+
+def fp8_scale_values(kv_cache_dtype: str, k_scale: KVScale, v_scale: KVScale
+                     ) -> tuple[float, float]:
+    """``(k_scale, v_scale)`` as Python floats for an fp8 ``kv_cache_dtype``, ``(1.0, 1.0)``
+    for any other (the scales are ignored then)."""
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        return 1.0, 1.0
+    return scale_value(k_scale), scale_value(v_scale)
 
 
 def fp8_inverse_scale(scale: float) -> float:
@@ -73,23 +84,27 @@ def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -
     return x.to(cache_dtype)
 
 
-def reshape_and_cache_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Scatter new tokens into a paged cache, in place.
+def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          kv_cache_dtype: str = "auto", k_scale: KVScale = None,
+                          v_scale: KVScale = None) -> None:
+    """Scatter new tokens into a paged cache, in place: the definition every cache write
+    (:func:`kvcore.ops.reshape_and_cache`, plugins' kernels) meets.
 
     Args:
-        key, value: ``(num_tokens, num_kv_heads, head_size)``.
-        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)``, any strides.
-        slot_mapping: ``(num_tokens,)`` int32/int64; negative entries are skipped.
-        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``x / scale``.
+        key, value: ``(num_tokens, num_kv_heads, head_size)``, any strides.
+        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)``, any strides
+            (``kv_cache.unbind(1)``, per-layer views of a cross-layer cache included); the
+            model dtype, or fp8 (e4m3/e5m2) when ``kv_cache_dtype`` names one.
+        slot_mapping: ``(num_tokens,)`` int32/int64, ``block_id * block_size + offset``;
+            negative entries are skipped.
+        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``x * float32(1 / scale)``,
+            clamped to the fp8 range and rounded to nearest even.
+        k_scale, v_scale: per-tensor fp8 scales (:data:`~kvcore.ops.KVScale`).
+
+    Raises:
+        ValueError, TypeError: from :func:`kvcore.ops.validate_reshape_and_cache`, before
+            anything is written.
     """
     validate_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                kv_cache_dtype, k_scale, v_scale)
@@ -98,8 +113,7 @@ def reshape_and_cache_ref(
     keep = slots >= 0
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    ks = scale_value(k_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
-    vs = scale_value(v_scale) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 1.0
+    ks, vs = fp8_scale_values(kv_cache_dtype, k_scale, v_scale)
     # Advanced indexing on (block, offset) writes through the view's real strides.
     key_cache[blocks, offsets] = quantize_to_cache(key[keep], key_cache.dtype, ks)
     value_cache[blocks, offsets] = quantize_to_cache(value[keep], value_cache.dtype, vs)
@@ -123,22 +137,14 @@ def gather_kv_ref(
 
 
 def paged_attention_ref(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    *,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    output: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention over a paged KV cache for a batch mixing prefill and decode requests.
+        query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+        scale: float, causal: bool = True, sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto", k_scale: KVScale = None, v_scale: KVScale = None,
+        output: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over a paged KV cache for a batch mixing prefill and decode requests: the
+    definition every attention implementation (:func:`kvcore.ops.paged_attention`, backends'
+    kernels) meets, and the one place its arguments are documented.
 
     Args:
         query: ``(num_tokens, num_heads, head_size)``; ``num_heads`` a multiple of the cache's
@@ -154,6 +160,8 @@ def paged_attention_ref(
             itself included: causal, ``q_pos - k_pos < sliding_window`` (the query and the
             ``sliding_window - 1`` keys before it); not causal, the symmetric window
             ``|q_pos - k_pos| < sliding_window`` (as many keys after it as before).
+        kv_cache_dtype, k_scale, v_scale: ``"auto"`` or an fp8 name, and the per-tensor fp8
+            scales (:data:`~kvcore.ops.KVScale`) the cache is read back with.
         output: optional ``(num_tokens, num_heads, head_size)`` tensor written in place.
 
     Returns:
@@ -165,9 +173,7 @@ def paged_attention_ref(
                              sliding_window=sliding_window, output=output, scale=scale,
                              k_scale=k_scale, v_scale=v_scale)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    ks = scale_value(k_scale) if fp8 else 1.0
-    vs = scale_value(v_scale) if fp8 else 1.0
+    ks, vs = fp8_scale_values(kv_cache_dtype, k_scale, v_scale)
     num_heads = query.shape[1]
     group = num_heads // key_cache.shape[2]
     out = output if output is not None else torch.empty_like(query)

@@ -20,8 +20,8 @@ import itertools
 
 import torch
 
-from kvcore.ops.reference import scale_value
-from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
+from kvcore.ops.reference import fp8_scale_values
+from kvcore.ops.validation import KVScale, validate_paged_attention
 
 __all__ = ["CHUNK_TOKENS", "paged_attention_torch"]
 
@@ -82,37 +82,19 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
 
 
 def paged_attention_torch(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    *,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    output: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention over a paged KV cache for a batch mixing prefill and decode requests.
-
-    Arguments, shapes and result are those of :func:`kvcore.ops.paged_attention_ref`:
-    ``query`` ``(num_tokens, num_heads, head_size)``; caches ``(num_blocks, block_size,
-    num_kv_heads, head_size)`` of any strides; ``query_start_loc`` ``(num_seqs + 1,)``,
-    ``seq_lens`` ``(num_seqs,)``, ``block_table`` ``(num_seqs, max_blocks_per_seq)``.
-    Computed in float32 (float64 for float64 queries); returns ``(num_tokens, num_heads,
-    head_size)`` in ``query.dtype`` (``output`` if given).
-    """
+        query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+        scale: float, causal: bool = True, sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto", k_scale: KVScale = None, v_scale: KVScale = None,
+        output: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`kvcore.ops.paged_attention_ref`'s attention in a few large tensor ops (module
+    docstring): the same arguments, shapes and result, computed in float32 (float64 for
+    float64 queries)."""
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
                              sliding_window=sliding_window, output=output)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    ks = scale_value(k_scale) if fp8 else 1.0
-    vs = scale_value(v_scale) if fp8 else 1.0
+    ks, vs = fp8_scale_values(kv_cache_dtype, k_scale, v_scale)
     out = output if output is not None else torch.empty_like(query)
     device = query.device
     block_size = key_cache.shape[1]

@@ -29,7 +29,7 @@ from kvcore.ops.triton_utils import (
     round_to_fp8_grid,
     scale_args,
 )
-from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_reshape_and_cache
+from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, KVScale, validate_reshape_and_cache
 
 __all__ = ["reshape_and_cache"]
 
@@ -92,35 +92,13 @@ def _reshape_and_cache_kernel(
              v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Write ``key``/``value`` into the paged cache at ``slot_mapping``, in place (Triton).
-
-    Args:
-        key, value: ``(num_tokens, num_kv_heads, head_size)``, any strides (e.g. slices of a
-            fused QKV projection).
-        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)`` views of
-            any strides; the storage dtype is the model dtype, or fp8 (e4m3/e5m2) when
-            ``kv_cache_dtype`` names one.
-        slot_mapping: ``(num_tokens,)`` int32/int64, ``block_id * block_size + offset``;
-            negative slots are skipped.
-        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores ``clamp(x * (1 / scale))`` rounded to
-            nearest even, exactly like the reference.
-        k_scale, v_scale: per-tensor fp8 scales: a 1-element tensor (read on the device) or a
-            float; ignored unless the cache is fp8.
-
-    Raises:
-        ValueError, TypeError: from :func:`kvcore.ops.validation.validate_reshape_and_cache`,
-            before anything is launched.
-    """
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_cache_dtype: str = "auto", k_scale: KVScale = None,
+                      v_scale: KVScale = None) -> None:
+    """:func:`kvcore.ops.reshape_and_cache_ref`'s cache write on a Triton kernel, byte for
+    byte (arguments, shapes and errors documented there); ``key``/``value`` may be slices of
+    a fused QKV projection, and a tensor scale is read on the device (no host sync)."""
     validate_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                kv_cache_dtype, k_scale, v_scale)
     num_tokens, num_kv_heads, head_size = key.shape

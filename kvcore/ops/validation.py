@@ -43,6 +43,7 @@ from kvcore.step_facts import (
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "KV_CACHE_DTYPES",
+    "KVScale",
     "StepFacts",
     "cache_torch_dtype",
     "checked_step_facts",
@@ -68,6 +69,11 @@ __all__ = [
 ]
 
 _CACHE_DIMS = "(num_blocks, block_size, num_kv_heads, head_size)"
+
+#: A per-tensor fp8 scale argument (``k_scale``, ``v_scale``, MLA's ``scale``): a 1-element
+#: tensor (kernels read it on the device: no host sync), a float, or ``None`` (1.0). Ignored
+#: unless the cache dtype is fp8.
+KVScale = torch.Tensor | float | None
 
 _value_checks = os.environ.get("KVCORE_CHECK_INDICES", "1").lower() not in ("0", "false", "no")
 
@@ -407,17 +413,12 @@ def step_facts_from_tensors(
     return facts
 
 
-def validate_reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Validate the arguments of :func:`kvcore.ops.reshape_and_cache`."""
+def validate_reshape_and_cache(key: torch.Tensor, value: torch.Tensor,
+                               key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                               k_scale: KVScale = None, v_scale: KVScale = None) -> None:
+    """Validate the arguments of :func:`kvcore.ops.reshape_and_cache` (every cache write that
+    takes its arguments calls this, so a bad one gets the same message everywhere)."""
     for n, t in (("key", key), ("value", value), ("key_cache", key_cache),
                  ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         require_tensor(n, t)
@@ -472,8 +473,8 @@ def validate_paged_attention(
     sliding_window: int | None = None,
     output: torch.Tensor | None = None,
     scale: float | None = None,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
+    k_scale: KVScale = None,
+    v_scale: KVScale = None,
 ) -> None:
     """Validate the arguments of :func:`kvcore.ops.paged_attention` (``scale``, the softmax
     scale, is checked when given; every kvcore path gives it)."""

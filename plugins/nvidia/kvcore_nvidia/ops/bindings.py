@@ -23,6 +23,7 @@ import torch
 
 from kvcore.ops import (
     FP8_KV_CACHE_DTYPES,
+    KVScale,
     block_runs,
     check_block_mapping,
     validate_reshape_and_cache,
@@ -69,7 +70,7 @@ def build_extension() -> ModuleType:
     return _build.load()
 
 
-def _scale_args(scale: torch.Tensor | float | None,
+def _scale_args(scale: KVScale,
                 device: torch.device) -> tuple[torch.Tensor | None, float]:
     """A scale as the kernel takes it: a float32 device tensor read in the kernel (no host
     sync, CUDA-graph safe), or a float."""
@@ -82,30 +83,13 @@ def _scale_args(scale: torch.Tensor | float | None,
     return None, float(scale)
 
 
-def reshape_and_cache_flash(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Write ``key``/``value`` into the paged cache at ``slot_mapping``, in place (CUDA C++).
-
-    Args:
-        key, value: ``(num_tokens, num_kv_heads, head_size)`` float16/bfloat16/float32, any
-            strides.
-        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_size)`` views of
-            any strides (``kv_cache.unbind(1)``, per-layer views of a cross-layer cache
-            included); the model dtype, or fp8 when ``kv_cache_dtype`` names one.
-        slot_mapping: ``(num_tokens,)`` int32/int64 ``block * block_size + offset``; negative
-            slots are skipped.
-        kv_cache_dtype: ``"auto"`` or an fp8 name; fp8 stores
-            ``satfinite(x * float32(1 / scale))`` rounded to nearest even, exactly like
-            :func:`kvcore.ops.reshape_and_cache_ref`.
-        k_scale, v_scale: per-tensor fp8 scales (1-element tensors or floats).
+def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            kv_cache_dtype: str = "auto", k_scale: KVScale = None,
+                            v_scale: KVScale = None) -> None:
+    """:func:`kvcore.ops.reshape_and_cache_ref`'s cache write on the CUDA C++ kernel, bit for
+    bit (arguments and shapes documented there; fp8 stores ``satfinite(x * float32(1 /
+    scale))``), for float16/bfloat16/float32 ``key``/``value`` on CUDA tensors.
 
     Raises:
         ValueError, TypeError: a bad argument (kvcore's validator, same messages), before

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from kvcore.ops import reshape_and_cache
+from kvcore.ops import KVScale, reshape_and_cache
 from kvcore_nvidia.ops import _build
 
 __all__ = ["CACHE_WRITE_KERNELS", "DEFAULT_CACHE_WRITE", "cache_write_kernel",
@@ -95,24 +95,13 @@ def cache_write_status() -> str:
     return f"cuda ({source}; the CUDA C++ extension is {extension.split(' (')[0]})"
 
 
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Scatter new tokens into the paged cache, in place, with :func:`cache_write_kernel`.
-
-    Shapes and semantics are those of :func:`kvcore.ops.reshape_and_cache_ref`: ``key``/
-    ``value`` ``(num_tokens, num_kv_heads, head_size)``; caches ``(num_blocks, block_size,
-    num_kv_heads, head_size)`` of any strides (``kv_cache.unbind(1)`` of any stride order,
-    per-layer views of a cross-layer cache included); negative slots skipped; fp8 caches store
-    ``x * float32(1 / scale)``. Arguments are validated before any kernel runs.
-    """
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_cache_dtype: str = "auto", k_scale: KVScale = None,
+                   v_scale: KVScale = None) -> None:
+    """:func:`kvcore.ops.reshape_and_cache_ref`'s cache write (arguments, shapes and result
+    documented there) with :func:`cache_write_kernel`; arguments are validated before any
+    kernel runs."""
     if (key_cache.device.type == "cuda" and key.dtype in _CUDA_DTYPES
             and cache_write_kernel() == "cuda"):
         from kvcore_nvidia.ops.bindings import reshape_and_cache_flash

@@ -33,15 +33,6 @@ import torch
 
 from kvcore.ops import validate_reshape_and_cache
 
-__all__ = [
-    "gather_shuffled_kv",
-    "reshape_and_cache_shuffle",
-    "reshape_and_cache_shuffle_ref",
-    "shuffle_width",
-    "shuffled_views",
-    "validate_shuffle_caches",
-]
-
 
 def shuffle_width(dtype: torch.dtype) -> int:
     """``x``: elements per 16-byte vector of ``dtype`` (8 for fp16/bf16, 16 for fp8)."""
@@ -98,10 +89,9 @@ def shuffled_views(
     return k, v
 
 
-def _check_write_args(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
-) -> int:
+def _check_write_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_cache_dtype: str) -> int:
     if kv_cache_dtype != "auto":
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r}: the shuffled cache write supports only 'auto'"
@@ -110,14 +100,10 @@ def _check_write_args(
     return validate_shuffle_caches(key_cache, value_cache)
 
 
-def reshape_and_cache_shuffle_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-) -> None:
+def reshape_and_cache_shuffle_ref(key: torch.Tensor, value: torch.Tensor,
+                                  key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                  slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                                  ) -> None:
     """Pure-torch shuffled cache write (the definition :func:`reshape_and_cache_shuffle` meets).
 
     Args:
@@ -171,14 +157,9 @@ def gather_shuffled_kv(
     return torch.cat(keys), torch.cat(values), cu
 
 
-def reshape_and_cache_shuffle(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-) -> None:
+def reshape_and_cache_shuffle(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              kv_cache_dtype: str = "auto") -> None:
     """Triton shuffled cache write; same arguments and result as
     :func:`reshape_and_cache_shuffle_ref`, bit for bit.
 
