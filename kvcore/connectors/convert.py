@@ -287,9 +287,15 @@ class ConversionPlan:
         *,
         src_scales: torch.Tensor | Sequence[float] | float | None = None,
         dst_scales: torch.Tensor | Sequence[float] | float | None = None,
+        kernel: Literal["auto", "torch", "triton"] = "auto",
     ) -> int:
         """Convert ``num_tokens`` tokens from blocks ``src_ids`` of ``src`` into blocks
         ``dst_ids`` of ``dst``; returns the bytes written.
+
+        A conversion runs as one gather on the destination's device: the Triton kernel
+        (:func:`kvcore.ops.triton_convert_blocks`) for a destination on a GPU, a vectorised
+        torch gather/scatter otherwise (the kernel's reference). A plan whose layouts match
+        copies whole blocks, one copy per run.
 
         Args:
             src, dst: a :class:`~kvcore.KVCaches` (its storage), or a contiguous tensor
@@ -302,6 +308,8 @@ class ConversionPlan:
             src_scales, dst_scales: per-layer K/V scales, ``(num_layers, 2)`` (MLA:
                 ``(num_layers,)``) or one float: the destination's for ``"quantize"``, the
                 source's for ``"dequantize"``.
+            kernel: ``"auto"`` (Triton for a destination on a GPU, else torch), ``"torch"``
+                or ``"triton"`` (any device: CPU tensors run under ``TRITON_INTERPRET=1``).
 
         Raises:
             ValueError, TypeError: before anything is written: a tensor that is not an
@@ -331,8 +339,14 @@ class ConversionPlan:
         scales = self._scales(src_scales, dst_scales)
         if num_tokens == 0:
             return 0
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel={kernel!r} must be 'auto', 'torch' or 'triton'")
         if self.is_identity:
             return self._copy_blocks(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens)
+        if kernel == "triton" or (kernel == "auto" and dst_t.is_cuda):
+            if src_t.device != dst_t.device:
+                src_t = src_t.to(dst_t.device)
+            return self._launch(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens, scales)
         return self._gather(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens, scales)
 
     def index(self, src_num_blocks: int, dst_num_blocks: int,
@@ -422,6 +436,24 @@ class ConversionPlan:
             return torch.tensor([fp8_inverse_scale(float(s)) for s in flat],
                                 dtype=torch.float32)
         return flat.clone()
+
+    def _launch(self, src_t: torch.Tensor, src_n: int, dst_t: torch.Tensor, dst_n: int,
+                s_ids: torch.Tensor, d_ids: torch.Tensor, num_tokens: int,
+                scales: torch.Tensor | None) -> int:
+        """The conversion as one launch of the gather kernel on the destination's device."""
+        from kvcore.ops import triton_convert_blocks
+
+        def strides(layout: KVCacheLayout, n: int) -> tuple[int, ...]:
+            st = _strides(_with_blocks(layout, n))
+            return tuple(st[d] for d in ("B", "L", "2", "N", "H", "D"))
+
+        return triton_convert_blocks(
+            src_t.view(self.src.dtype), dst_t.view(self.dst.dtype), s_ids, d_ids,
+            num_tokens=num_tokens, src_block_size=self.src_block_size,
+            dst_block_size=self.dst_block_size, src_strides=strides(self.src, src_n),
+            dst_strides=strides(self.dst, dst_n), num_layers=self.num_layers,
+            num_kv=1 if self.is_mla else 2, head_pairs=list(self.head_map),
+            head_size=self.head_size, scales=scales)
 
     def _gather(self, src_t: torch.Tensor, src_n: int, dst_t: torch.Tensor, dst_n: int,
                 s_ids: torch.Tensor, d_ids: torch.Tensor, num_tokens: int,

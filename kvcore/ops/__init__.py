@@ -159,6 +159,7 @@ __all__ = [
     "set_value_checks",
     "step_facts_from_tensors",
     "triton_available",
+    "triton_convert_blocks",
     "triton_fp8_reasons",
     "triton_paged_attention",
     "triton_reshape_and_cache",
@@ -233,6 +234,14 @@ def triton_reshape_and_cache(*args, **kwargs) -> None:
     from kvcore.ops.triton_cache import reshape_and_cache as impl
 
     impl(*args, **kwargs)
+
+
+def triton_convert_blocks(*args, **kwargs) -> int:
+    """:func:`kvcore.ops.triton_convert.convert_blocks`: a layout conversion's gather in one
+    Triton launch, whatever the device (CPU tensors need ``TRITON_INTERPRET=1``)."""
+    from kvcore.ops.triton_convert import convert_blocks as impl
+
+    return impl(*args, **kwargs)
 
 
 def triton_paged_attention(*args, **kwargs) -> torch.Tensor:

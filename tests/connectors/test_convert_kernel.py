@@ -1,0 +1,149 @@
+"""The conversion gather kernel (kvcore.ops.triton_convert) against the pure-torch gather of
+ConversionPlan.apply, bit for bit, bytes outside the destination blocks untouched. On a CPU
+the kernel runs under the Triton interpreter: small shapes, the property tests in the
+``triton`` group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_convert import (
+    BLOCK_SIZES,
+    FP8,
+    KV_ORDERS,
+    MLA_ORDERS,
+    NUM_LAYERS,
+    TP_CASES,
+    make_layout,
+    noise,
+    pick_ids,
+)
+
+from kvcore.connectors.convert import LayoutConversionError, TPRank, heads_of_rank, plan_conversion
+from kvcore.ops import triton_available, triton_convert_blocks
+
+pytestmark = pytest.mark.skipif(not triton_available()[0], reason="needs triton")
+
+NHD, HND = (0, 1, 2, 3, 4), (0, 1, 3, 2, 4)
+
+
+def both_ways(plan, src, dst, src_ids, dst_ids, num_tokens, scales=None):
+    """Apply ``plan`` with the torch gather and with the kernel onto copies of ``dst``;
+    assert equal bytes, the source unchanged, and only destination blocks written."""
+    kw = {"dst_scales": scales} if plan.dtype_op == "quantize" else {}
+    before = src.clone()
+    expected, got = dst.clone(), dst.clone()
+    plan.apply(src, expected, src_ids, dst_ids, num_tokens, kernel="torch", **kw)
+    plan.apply(src, got, src_ids, dst_ids, num_tokens, kernel="triton", **kw)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(src.view(torch.uint8), before.view(torch.uint8))
+    # Outside the destination blocks nothing changed (through the logical view).
+    logical = got.view(plan.dst.physical_shape).permute(plan.dst.inverse_stride_order())
+    old = dst.view(plan.dst.physical_shape).permute(plan.dst.inverse_stride_order())
+    others = [b for b in range(plan.dst.num_blocks) if b not in set(dst_ids)]
+    block_dim = plan.dst.block_dim
+    idx = torch.tensor(others, dtype=torch.int64)
+    assert torch.equal(logical.index_select(block_dim, idx).contiguous().view(torch.uint8),
+                       old.index_select(block_dim, idx).contiguous().view(torch.uint8))
+
+
+def kv_case(orders, bs, cross, tp_case, fp8, num_tokens, seed, src_rank, dst_rank):
+    _, tp_s, tp_d, num_heads = tp_case
+    gen = torch.Generator().manual_seed(seed)
+    src_tp, dst_tp = TPRank(tp_s, src_rank % tp_s), TPRank(tp_d, dst_rank % tp_d)
+    need_s, need_d = -(-num_tokens // bs[0]), -(-num_tokens // bs[1])
+    src_l = make_layout(orders[0], bs[0], len(heads_of_rank(num_heads, src_tp)), cross[0],
+                        num_blocks=need_s + 2)
+    dst_l = make_layout(orders[1], bs[1], len(heads_of_rank(num_heads, dst_tp)), cross[1],
+                        FP8 if fp8 else torch.bfloat16, num_blocks=need_d + 2)
+    try:
+        plan = plan_conversion(src_l, dst_l, src_tp=src_tp, dst_tp=dst_tp,
+                               num_kv_heads=num_heads, quantize=fp8)
+    except LayoutConversionError as exc:
+        assert "none of the heads" in str(exc)
+        return
+    # Quantising needs finite values; a copy moves any bits (NaN patterns included).
+    src = (torch.randn(src_l.physical_shape, generator=gen).mul(200).to(torch.bfloat16)
+           if fp8 else noise(src_l, gen))
+    dst = noise(dst_l, gen)
+    scales = torch.rand(NUM_LAYERS, 2, generator=gen) + 0.25
+    both_ways(plan, src, dst, pick_ids(gen, need_s, need_s + 2),
+              pick_ids(gen, need_d, need_d + 2), num_tokens, scales)
+
+
+@pytest.mark.parametrize("orders, bs, cross, tp_case, fp8, num_tokens", [
+    ((NHD, HND), (16, 64), (False, True), TP_CASES[0], False, 41),
+    ((HND, NHD), (64, 16), (True, False), TP_CASES[2], True, 70),
+    ((NHD, NHD), (32, 32), (False, False), TP_CASES[3], False, 33),
+], ids=["16nhd->64hnd-tp1->2", "64hnd-cross->16nhd-tp4->2-fp8", "tp1->8-2heads"])
+def test_kernel_matches_torch_gather_smoke(orders, bs, cross, tp_case, fp8, num_tokens):
+    """A few fixed cases in the fast suite (each one launch under the interpreter)."""
+    kv_case(orders, bs, cross, tp_case, fp8, num_tokens, 7, 1, 1)
+
+
+@pytest.mark.triton
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bs=st.tuples(st.sampled_from(BLOCK_SIZES), st.sampled_from(BLOCK_SIZES)),
+    orders=st.tuples(st.sampled_from(KV_ORDERS), st.sampled_from(KV_ORDERS)),
+    cross=st.tuples(st.booleans(), st.booleans()),
+    tp_case=st.sampled_from(TP_CASES),
+    fp8=st.booleans(),
+    num_tokens=st.integers(1, 200),
+    seed=st.integers(0, 2**31 - 1),
+    ranks=st.tuples(st.integers(0, 7), st.integers(0, 7)),
+)
+def test_kernel_matches_torch_gather(bs, orders, cross, tp_case, fp8, num_tokens, seed, ranks):
+    kv_case(orders, bs, cross, tp_case, fp8, num_tokens, seed, *ranks)
+
+
+@pytest.mark.triton
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bs=st.tuples(st.sampled_from(BLOCK_SIZES), st.sampled_from(BLOCK_SIZES)),
+    orders=st.tuples(st.sampled_from(MLA_ORDERS), st.sampled_from(MLA_ORDERS)),
+    cross=st.tuples(st.booleans(), st.booleans()),
+    num_tokens=st.integers(1, 200),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_converts_mla(bs, orders, cross, num_tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    need_s, need_d = -(-num_tokens // bs[0]), -(-num_tokens // bs[1])
+    src_l = make_layout(orders[0], bs[0], None, cross[0], num_blocks=need_s + 2)
+    dst_l = make_layout(orders[1], bs[1], None, cross[1], num_blocks=need_d + 2)
+    plan = plan_conversion(src_l, dst_l)
+    both_ways(plan, noise(src_l, gen), noise(dst_l, gen), pick_ids(gen, need_s, need_s + 2),
+              pick_ids(gen, need_d, need_d + 2), num_tokens)
+
+
+def test_kernel_dequantizes_fp8_to_bf16():
+    gen = torch.Generator().manual_seed(3)
+    src_l = make_layout(NHD, 16, 2, True, FP8, num_blocks=4)
+    dst_l = make_layout(HND, 32, 2, False, num_blocks=3)
+    plan = plan_conversion(src_l, dst_l, dequantize=True)
+    src = torch.randn(src_l.physical_shape, generator=gen).mul(50).to(FP8)
+    dst = noise(dst_l, gen)
+    scales = torch.rand(NUM_LAYERS, 2, generator=gen) + 0.25
+    expected, got = dst.clone(), dst.clone()
+    plan.apply(src, expected, [3, 0, 1], [2, 0], 40, src_scales=scales, kernel="torch")
+    plan.apply(src, got, [3, 0, 1], [2, 0], 40, src_scales=scales, kernel="triton")
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_kernel_refuses_ids_past_the_tensor_and_moves_nothing():
+    src = torch.zeros(64, dtype=torch.bfloat16)
+    dst = torch.ones(64, dtype=torch.bfloat16)
+    kwargs = {"num_tokens": 4, "src_block_size": 4, "dst_block_size": 4,
+              "src_strides": (32, 0, 0, 8, 0, 1), "dst_strides": (32, 0, 0, 8, 0, 1),
+              "num_layers": 1, "num_kv": 1, "head_pairs": [(0, 0)], "head_size": 8}
+    with pytest.raises(ValueError, match=r"dst_ids address past dst.*too small"):
+        triton_convert_blocks(src, dst, [0], [2], **kwargs)
+    with pytest.raises(ValueError, match=r"need 1 source and 1 destination block ids"):
+        triton_convert_blocks(src, dst, [], [0], **kwargs)
+    with pytest.raises(ValueError, match=r"src is on .* and dst on"):
+        triton_convert_blocks(src.to("meta"), dst, [0], [0], **kwargs)
+    assert bool((dst == 1).all())
+    assert triton_convert_blocks(src, dst, [1], [0], **kwargs) == 4 * 8 * 2
+    assert bool((dst[:32] == 0).all()) and bool((dst[32:] == 1).all())
