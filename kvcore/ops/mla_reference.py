@@ -29,6 +29,7 @@ import torch
 from kvcore.ops.reference import quantize_to_cache, scale_value
 from kvcore.ops.validation import (
     FP8_KV_CACHE_DTYPES,
+    KVScale,
     cache_torch_dtype,
     check_block_indices,
     check_distinct_slots,
@@ -59,14 +60,9 @@ __all__ = [
 # -- checks ----------------------------------------------------------------------------------
 
 
-def validate_concat_and_cache_mla(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    scale: torch.Tensor | float | None,
-) -> torch.Tensor:
+def validate_concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                                  slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                                  scale: KVScale) -> torch.Tensor:
     """Validate ``concat_and_cache_mla``'s arguments; returns ``k_pe`` as ``(num_tokens, rope)``."""
     for n, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
                  ("slot_mapping", slot_mapping)):
@@ -139,18 +135,10 @@ def check_block_table(name: str, block_table: torch.Tensor, seq_lens: torch.Tens
     check_block_indices(name, ids, num_pages)
 
 
-def validate_mla_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_lora_rank: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor | float | None,
-    output: torch.Tensor | None,
-) -> None:
+def validate_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, scale: float, kv_cache_dtype: str,
+                           k_scale: KVScale, output: torch.Tensor | None) -> None:
     """Validate the arguments of the latent-space ``mla_attention`` (mixed batches)."""
     for n, t in (("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
                  ("seq_lens", seq_lens), ("block_table", block_table)):
@@ -228,14 +216,9 @@ def validate_mla_attention(
 # -- references ------------------------------------------------------------------------------
 
 
-def concat_and_cache_mla_ref(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    scale: torch.Tensor | float | None = None,
-) -> None:
+def concat_and_cache_mla_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                             scale: KVScale = None) -> None:
     """Write each token's latent ``[kv_c, k_pe]`` into the MLA cache, in place.
 
     Args:
@@ -289,19 +272,10 @@ def _attend(q: torch.Tensor, latents: torch.Tensor, allowed: torch.Tensor, scale
     return torch.einsum("nqhk,nkd->nqhd", probs, latents[..., :kv_lora_rank])
 
 
-def mla_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    output: torch.Tensor | None = None,
-) -> torch.Tensor:
+def mla_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, *, kv_lora_rank: int,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, scale: float, kv_cache_dtype: str = "auto",
+                      k_scale: KVScale = None, output: torch.Tensor | None = None) -> torch.Tensor:
     """Latent-space MLA attention for a batch mixing prefill and decode (reference).
 
     Vectorised: every single-token (decode) request of the batch in one gather and one batched
@@ -351,21 +325,11 @@ def mla_attention_ref(
     return output
 
 
-def mla_forward_ref(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_b_proj_weight: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-) -> torch.Tensor:
+def mla_forward_ref(query: torch.Tensor, kv_cache: torch.Tensor, kv_b_proj_weight: torch.Tensor, *,
+                    kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, scale: float, kv_cache_dtype: str = "auto",
+                    k_scale: KVScale = None) -> torch.Tensor:
     """MLA attention as the model defines it: latents expanded to per-head K and V (reference).
 
     Independent of the absorption the backends use: each cached latent ``[c, k_pe]`` is

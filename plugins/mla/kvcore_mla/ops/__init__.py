@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.ops import concat_and_cache_mla_ref, mla_attention_ref, mla_forward_ref
+from kvcore.ops import KVScale, concat_and_cache_mla_ref, mla_attention_ref, mla_forward_ref
 from kvcore_mla.ops.reference import (
     INDEXER_FP8_MAX,
     decode_attention_ref,
@@ -44,14 +44,9 @@ def _on_gpu(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
-def concat_and_cache_mla(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    scale: torch.Tensor | float | None = None,
-) -> None:
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                         scale: KVScale = None) -> None:
     """Write latents ``[kv_c, k_pe]`` into the MLA cache at ``slot_mapping``, in place.
 
     See :func:`kvcore.ops.concat_and_cache_mla_ref` for shapes and semantics.
@@ -63,13 +58,8 @@ def concat_and_cache_mla(
     impl(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
 
 
-def indexer_k_quant_and_cache(
-    k: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    quant_block_size: int = 128,
-    scale_fmt: str | None = None,
-) -> None:
+def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              quant_block_size: int = 128, scale_fmt: str | None = None) -> None:
     """Quantise DeepSeek-V3.2 indexer keys to fp8 (per-block scales) into their cache, in place.
 
     See :func:`kvcore_mla.ops.reference.indexer_k_quant_and_cache_ref` for the byte layout.
@@ -82,7 +72,7 @@ def indexer_k_quant_and_cache(
 
 
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, *args: object,
-                         **scales: torch.Tensor | float | None) -> None:
+                         **scales: KVScale) -> None:
     """Split-KV MLA decode over a paged latent cache, writing ``o`` and ``lse``: the Triton
     kernels for GPU tensors (a query not float64), else
     :func:`~kvcore_mla.ops.reference.decode_attention_ref`.

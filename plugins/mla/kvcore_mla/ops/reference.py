@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.ops import gather_kv_ref, scale_value
+from kvcore.ops import KVScale, gather_kv_ref, scale_value
 from kvcore_mla.ops.validation import (
     FP8_DTYPES,
     validate_decode_attention,
@@ -69,13 +69,9 @@ def _indexer_quantize(
     return q.to(torch.float8_e4m3fn).reshape(n, head_dim), scale
 
 
-def indexer_k_quant_and_cache_ref(
-    k: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    quant_block_size: int = 128,
-    scale_fmt: str | None = None,
-) -> None:
+def indexer_k_quant_and_cache_ref(k: torch.Tensor, kv_cache: torch.Tensor,
+                                  slot_mapping: torch.Tensor, quant_block_size: int = 128,
+                                  scale_fmt: str | None = None) -> None:
     """Quantise the DeepSeek-V3.2 indexer keys to fp8 and write them into its cache, in place.
 
     Every ``quant_block_size`` channels of a key share one float32 scale
@@ -137,17 +133,10 @@ def indexer_k_dequant_ref(
     return (keys.reshape(-1, groups, quant_block_size) * scale[..., None]).reshape(-1, head_dim)
 
 
-def _attention_with_lse(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    block_table: torch.Tensor,
-    scale: float,
-    k_scale: float,
-    v_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_with_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor,
+                        scale: float, k_scale: float,
+                        v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal paged attention returning ``(out, lse)``; caches ``(nb, bs, H_kv, D)``."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     num_tokens, num_heads, _ = q.shape
@@ -173,27 +162,15 @@ def _attention_with_lse(
     return out, lse
 
 
-def _fp8_scale(cache: torch.Tensor, scale: torch.Tensor | float | None) -> float:
+def _fp8_scale(cache: torch.Tensor, scale: KVScale) -> float:
     return scale_value(scale) if cache.dtype in FP8_DTYPES else 1.0
 
 
-def decode_attention_ref(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    req_to_page: torch.Tensor,
-    b_seq_len: torch.Tensor,
-    attn_logits: torch.Tensor | None,
-    num_kv_splits: int,
-    sm_scale: float,
-    page_size: int,
-    is_mla: bool = True,
-    *,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
+def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         o: torch.Tensor, lse: torch.Tensor, req_to_page: torch.Tensor,
+                         b_seq_len: torch.Tensor, attn_logits: torch.Tensor | None,
+                         num_kv_splits: int, sm_scale: float, page_size: int, is_mla: bool = True,
+                         *, k_scale: KVScale = None, v_scale: KVScale = None) -> None:
     """Reference of :func:`kvcore_mla.ops.triton_mla_attention.decode_attention_fwd`.
 
     Same arguments (``attn_logits`` and ``num_kv_splits`` are validated, not used); writes

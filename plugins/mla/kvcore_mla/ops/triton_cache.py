@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops import FP8_KV_CACHE_DTYPES, validate_concat_and_cache_mla
+from kvcore.ops import FP8_KV_CACHE_DTYPES, KVScale, validate_concat_and_cache_mla
 from kvcore.ops.triton_utils import (
     fp8_format,
     interpreting,
@@ -80,14 +80,9 @@ def _concat_and_cache_mla_kernel(
              mask=r_mask)
 
 
-def concat_and_cache_mla(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    scale: torch.Tensor | float | None = None,
-) -> None:
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                         scale: KVScale = None) -> None:
     """Write each token's latent ``[kv_c, k_pe]`` into the MLA cache, in place (Triton).
 
     Args:
@@ -175,13 +170,8 @@ def _indexer_k_quant_and_cache_kernel(
     tl.store(scale_ptr.to(tl.pointer_type(tl.float32)), scale)
 
 
-def indexer_k_quant_and_cache(
-    k: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    quant_block_size: int = 128,
-    scale_fmt: str | None = None,
-) -> None:
+def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              quant_block_size: int = 128, scale_fmt: str | None = None) -> None:
     """Quantise DeepSeek-V3.2 indexer keys to fp8 with per-block scales and cache them (Triton).
 
     Semantics and layout are those of

@@ -24,7 +24,13 @@ import math
 
 import torch
 
-from kvcore.ops import FP8_KV_CACHE_DTYPES, MAX_KV_SPLITS, num_sms, validate_mla_attention
+from kvcore.ops import (
+    FP8_KV_CACHE_DTYPES,
+    MAX_KV_SPLITS,
+    KVScale,
+    num_sms,
+    validate_mla_attention,
+)
 from kvcore_mla.ops.descriptors import gluon_available, gluon_unmet, tma_unmet
 from kvcore_mla.ops.mla_configs import (
     GluonMLAWSConfig,
@@ -47,7 +53,7 @@ __all__ = ["decode_attention_fwd", "decode_partials", "mla_attention", "mla_work
 def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
                    out: torch.Tensor, lse: torch.Tensor | None,
                    partials: tuple[torch.Tensor, torch.Tensor] | None, seq_lens: torch.Tensor,
-                   block_table: torch.Tensor, scale: float, k_scale: torch.Tensor | float | None,
+                   block_table: torch.Tensor, scale: float, k_scale: KVScale,
                    num_splits: int, config: MLADecodeConfig) -> None:
     """Run the decode kernel ``config`` names (arguments as
     :func:`~kvcore_mla.ops.triton_mla_decode.launch_triton_mla_decode` takes them)."""
@@ -91,24 +97,12 @@ def _check_decode_config(config: object) -> None:
                          "TritonMLAMixedConfig is for batches with prefill")
 
 
-def decode_attention_fwd(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    req_to_page: torch.Tensor,
-    b_seq_len: torch.Tensor,
-    attn_logits: torch.Tensor,
-    num_kv_splits: int,
-    sm_scale: float,
-    page_size: int,
-    is_mla: bool = True,
-    *,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    config: MLADecodeConfig | None = None,
-) -> None:
+def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         o: torch.Tensor, lse: torch.Tensor, req_to_page: torch.Tensor,
+                         b_seq_len: torch.Tensor, attn_logits: torch.Tensor, num_kv_splits: int,
+                         sm_scale: float, page_size: int, is_mla: bool = True, *,
+                         k_scale: KVScale = None, v_scale: KVScale = None,
+                         config: MLADecodeConfig | None = None) -> None:
     """Split-KV MLA decode over a paged latent cache, in place (Triton).
 
     Args:
@@ -189,22 +183,12 @@ def _workspace(plan: TritonMLAPlan, needed: int, device: torch.device) -> torch.
     return workspace.reshape(-1)
 
 
-def mla_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_cache_dtype: str = "auto",
-    k_scale: torch.Tensor | float | None = None,
-    output: torch.Tensor | None = None,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    plan: TritonMLAPlan | None = None,
-) -> torch.Tensor:
+def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, *, kv_lora_rank: int,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                  scale: float, kv_cache_dtype: str = "auto", k_scale: KVScale = None,
+                  output: torch.Tensor | None = None, max_query_len: int | None = None,
+                  max_seq_len: int | None = None,
+                  plan: TritonMLAPlan | None = None) -> torch.Tensor:
     """Latent-space MLA attention for a batch mixing prefill and decode requests (Triton).
 
     Semantics and shapes are those of :func:`kvcore.ops.mla_attention_ref`:

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops import LOG2E, merge_kv_splits
+from kvcore.ops import LOG2E, KVScale, merge_kv_splits
 from kvcore.ops.triton_utils import interpreting, next_power_of_2, scale_arg
 from kvcore_mla.ops.descriptors import tma_rows, with_scratch_allocator
 from kvcore_mla.ops.mla_configs import (
@@ -391,7 +391,7 @@ def launch_triton_mla_decode(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
-    k_scale: torch.Tensor | float | None,
+    k_scale: KVScale,
     num_splits: int,
     config: TritonMLADecodeConfig,
 ) -> None:

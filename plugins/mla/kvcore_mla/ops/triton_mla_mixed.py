@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops import LOG2E, merge_kv_splits
+from kvcore.ops import LOG2E, KVScale, merge_kv_splits
 from kvcore.ops.triton_utils import find_sequence, interpreting, next_power_of_2, scale_arg
 from kvcore_mla.ops.mla_configs import TritonMLAMixedConfig
 from kvcore_mla.ops.validation import FP8_DTYPES
@@ -174,7 +174,7 @@ def launch_triton_mla_mixed(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
-    k_scale: torch.Tensor | float | None,
+    k_scale: KVScale,
     num_splits: int,
     config: TritonMLAMixedConfig,
 ) -> None:

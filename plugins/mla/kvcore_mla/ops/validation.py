@@ -17,6 +17,7 @@ import math
 import torch
 
 from kvcore.ops import (
+    KVScale,
     check_block_table,
     check_scale,
     check_slots_in_range,
@@ -55,13 +56,9 @@ def indexer_cache_head_size(head_dim: int = 128, quant_block_size: int = 128) ->
     return head_dim + head_dim // quant_block_size * 4
 
 
-def validate_indexer_k_quant_and_cache(
-    k: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    quant_block_size: int,
-    scale_fmt: str | None,
-) -> None:
+def validate_indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor,
+                                       slot_mapping: torch.Tensor, quant_block_size: int,
+                                       scale_fmt: str | None) -> None:
     """Validate ``indexer_k_quant_and_cache``'s arguments."""
     for n, t in (("k", k), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
         require_tensor(n, t)
@@ -108,22 +105,12 @@ def validate_indexer_k_quant_and_cache(
     check_slots_in_range(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
 
 
-def validate_decode_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    req_to_page: torch.Tensor,
-    b_seq_len: torch.Tensor,
-    attn_logits: torch.Tensor | None,
-    num_kv_splits: int,
-    sm_scale: float,
-    page_size: int,
-    is_mla: bool,
-    k_scale: torch.Tensor | float | None,
-    v_scale: torch.Tensor | float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def validate_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                              o: torch.Tensor, lse: torch.Tensor, req_to_page: torch.Tensor,
+                              b_seq_len: torch.Tensor, attn_logits: torch.Tensor | None,
+                              num_kv_splits: int, sm_scale: float, page_size: int, is_mla: bool,
+                              k_scale: KVScale,
+                              v_scale: KVScale) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``decode_attention_fwd``'s arguments.
 
     Returns ``(k_buffer, v_buffer)`` as 4-dim ``(num_pages, page_size, 1, dim)`` views (a
