@@ -31,6 +31,7 @@ from kvcore.testing.builder_checks import (
     check_builder_buffers,
     check_cuda_graph_replay,
 )
+from kvcore.testing.engine_metadata import check_engine_metadata
 from kvcore.testing.numeric_checks import (
     check_batch_invariant,
     check_cache_write,
@@ -360,6 +361,7 @@ def conformance_cases(
         numeric("stale-bytes", "stale-bytes-masked", check_stale_bytes, base,
                 excuse=cls.stale_bytes_reason(torch.device(device).type))
         numeric("strided-steps", "strided-step-tensors", check_strided_step_tensors, base)
+        numeric("engine-metadata", "engine-metadata", check_engine_metadata, base)
         if cls.SUPPORTS_NON_CAUSAL:
             noncausal = CaseConfig(base.dtype, base.head_size, base.block_size,
                                    base.kv_cache_dtype, causal=False)

@@ -80,6 +80,12 @@ _RULES = (
          "block_table through their strides: views of larger engine buffers (values at stride "
          "2, other values between them) give the cache and output of dense tensors, directly "
          "and through the builder"),
+    Rule("engine-metadata",
+         "the backend's builder and forward fed metadata made from an engine's own tensors "
+         "(kvcore.attention_metadata_from_engine: a wider block table with stale ids, padded "
+         "requests, padding rows of slot -1, int32 slots, strided views) give bit for bit the "
+         "cache and output of kvcore's own metadata of the step, and leave the padding rows of "
+         "the output untouched"),
     Rule("batch-invariant",
          "a backend declaring SUPPORTS_BATCH_INVARIANT gives every request bit-identical "
          "results whether it runs alone or in a batch"),

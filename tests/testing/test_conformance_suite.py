@@ -57,13 +57,13 @@ def test_correct_reference_backend_passes(pytester):
 @pytest.mark.parametrize(("backend", "rule", "failing_checks", "says"), [
     pytest.param("StrideOrderNotPermutation", "stride-order-permutation",
                  {"stride-order", "cross-layer-claim", "cache-write", "forward", "stale-bytes",
-                  "cross-layer", "builder", "strided-steps", "overwrites"},
+                  "cross-layer", "builder", "strided-steps", "engine-metadata", "overwrites"},
                  ["get_kv_cache_stride_order(False) = (0, 1, 3, 3, 4) is not a permutation of "
                   "(0, 1, 2, 3, 4)"],
                  id="stride-order-not-a-permutation"),
     pytest.param("CrossLayerOrderSplitsPages", "cross-layer-claim",
                  {"cross-layer-claim", "cache-write", "forward", "stale-bytes", "cross-layer",
-                  "builder", "strided-steps", "overwrites"},
+                  "builder", "strided-steps", "engine-metadata", "overwrites"},
                  ["get_kv_cache_stride_order(True) = (1, 2, 0, 3, 4, 5) claims cross-layer, so "
                   "with the per-layer order (0, 1, 2, 3, 4) it must be (1, 0, 2, 3, 4, 5)"],
                  id="cross-layer-order-splits-pages"),
@@ -105,7 +105,9 @@ def test_correct_reference_backend_passes(pytester):
                   "block_size=16 is refused with every other declared value of dtype too "
                   "(dtype: no other declared value)"],
                  id="declares-a-block-size-it-refuses"),
-    pytest.param("ReadsStepTensorsDensely", "strided-step-tensors", {"strided-steps"},
+    # The engine's strided tensors (engine-metadata) catch it too.
+    pytest.param("ReadsStepTensorsDensely", {"strided-step-tensors", "engine-metadata"},
+                 {"strided-steps", "engine-metadata"},
                  ["do_kv_cache_update with slot_mapping a view at stride 2"],
                  id="reads-step-tensors-densely"),
     pytest.param("ReadsAdoptedOrderAsItsOwn", "adopted-orders", {"adopted-orders"},
@@ -121,9 +123,11 @@ def test_correct_reference_backend_passes(pytester):
                  ["for dtype=bfloat16, no reason names 'dtype': ['not supported']"],
                  id="reasons-name-no-field"),
     # The builder check runs forward too and catches it as well; the stale-bytes check sees
-    # the same output with and without the poison, so it is not a stale read.
-    pytest.param("MLAOnePercentOff", {"forward-reference", "builder-reference"},
-                 {"forward", "builder"},
+    # the same output with and without the poison, so it is not a stale read; the scaling
+    # also changes the output's padding rows (engine-metadata).
+    pytest.param("MLAOnePercentOff", {"forward-reference", "builder-reference",
+                                      "engine-metadata"},
+                 {"forward", "builder", "engine-metadata"},
                  ["tokens have a relative error norm over their heads above 0.007",
                   "MLA latent 64 = kv_lora_rank 48 + rope 16"],
                  id="mla-output-one-percent-off"),
