@@ -28,6 +28,7 @@ from kvcore.builder import AttentionMetadataBuilder
 from kvcore.config import AttentionSelectorConfig
 from kvcore.impl import AttentionImpl
 from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_order
+from kvcore.ops import triton_unavailable_reasons
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
 
 __all__ = [
@@ -157,6 +158,10 @@ class AttentionBackend:
     #: Importable modules the backend needs, with the pip requirement that provides each,
     #: e.g. ``(("flash_attn", "flash-attn"),)``. A missing one is a reason, not an ImportError.
     REQUIRED_PACKAGES: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: The kernels or the cache write are Triton's: :meth:`unavailable_reasons` then adds
+    #: :func:`kvcore.ops.triton_unavailable_reasons` (triton missing or older than
+    #: :data:`kvcore.ops.MIN_TRITON_VERSION`), without importing triton.
+    USES_TRITON: ClassVar[bool] = False
     #: Largest number of elements one layer's cache view may span (``None``: no limit, every
     #: offset int64). For kernels with 32-bit offsets; ``allocate_kv_caches`` refuses a larger
     #: cache with the limit and the largest ``num_blocks`` that fits.
@@ -293,13 +298,16 @@ class AttentionBackend:
     def unavailable_reasons(cls) -> list[str]:
         """Reasons this backend cannot run in this Python environment (missing packages).
 
-        Derived from ``REQUIRED_PACKAGES`` without importing them. Backends that need a
-        runtime check (a compiled extension, a driver feature) extend this.
+        Derived from ``REQUIRED_PACKAGES`` and ``USES_TRITON`` without importing them.
+        Backends that need a runtime check (a compiled extension, a driver feature) extend
+        this.
         """
         reasons = []
         for module, requirement in cls.REQUIRED_PACKAGES:
             if importlib.util.find_spec(module) is None:
                 reasons.append(f"{requirement} not installed (pip install {requirement})")
+        if cls.USES_TRITON:
+            reasons += triton_unavailable_reasons()
         return reasons
 
     @classmethod

@@ -73,6 +73,16 @@ def test_valid_config_has_only_the_missing_package_reason():
     assert validate() == [MISSING]
 
 
+def test_uses_triton_adds_the_triton_reasons_after_the_packages(monkeypatch):
+    class OnTriton(Declared):
+        USES_TRITON = True
+
+    too_old = "triton 3.0 is too old (need >= 3.6; pip install -U triton)"
+    monkeypatch.setattr(kvcore.backend, "triton_unavailable_reasons", lambda: [too_old])
+    assert OnTriton.unavailable_reasons() == [MISSING, too_old]
+    assert Declared.unavailable_reasons() == [MISSING]
+
+
 def test_cross_field_rule_comes_from_check_combination():
     reasons = validate(kv_cache_dtype="fp8", block_size=128)
     assert "fp8 KV cache needs block_size <= 64 on DECLARED" in reasons

@@ -37,7 +37,6 @@ from kvcore.ops import (
     triton_fp8_reasons,
     triton_paged_attention,
     triton_reshape_and_cache,
-    triton_unavailable_reasons,
     workspace_numel,
 )
 from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf
@@ -152,6 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
     SUPPORTS_NON_CAUSAL = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda", "rocm")
+    USES_TRITON = True
     # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
     # ROCm run passes them.
     CROSS_LAYER_PLATFORMS = ("cuda",)
@@ -171,10 +171,6 @@ class TritonAttentionBackend(AttentionBackend):
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
         # NHD; with layers, blocks outermost: verified bit-exact on cross-layer views.
         return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
     @classmethod
     def check_combination(

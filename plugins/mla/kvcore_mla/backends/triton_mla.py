@@ -40,7 +40,7 @@ from kvcore import (
     MLACommonImpl,
     PersistentMetadataBuilder,
 )
-from kvcore.ops import triton_fp8_reasons, triton_unavailable_reasons
+from kvcore.ops import triton_fp8_reasons
 
 if TYPE_CHECKING:
     from kvcore_mla.ops.mla_configs import TritonMLAPlan
@@ -216,6 +216,7 @@ class TritonMLABackend(MLACommonBackend):
     # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability kvcore knows is above.
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
     PLATFORMS = ("cuda", "rocm")
+    USES_TRITON = True
     # The cross-layer bit-exact tests have run on NVIDIA only; ROCm stays per-layer until a
     # ROCm run passes them.
     CROSS_LAYER_PLATFORMS = ("cuda",)
@@ -232,10 +233,6 @@ class TritonMLABackend(MLACommonBackend):
         """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): both kernels take the page stride
         from the cache and pass the cross-layer tests."""
         return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
     @classmethod
     def check_combination(

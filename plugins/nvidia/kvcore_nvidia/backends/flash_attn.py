@@ -81,7 +81,6 @@ from kvcore import (
     format_supported,
     is_supported,
 )
-from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import PagedCacheImpl, cumulative
 
 __all__ = ["FlashAttentionBackend", "FlashAttentionImpl", "FlashAttentionMetadata",
@@ -307,6 +306,8 @@ class FlashAttentionBackend(AttentionBackend):
     SUPPORTS_NON_CAUSAL = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda",)
+    # The cache write is kvcore's Triton kernel.
+    USES_TRITON = True
     # Both verified with flash-attn-4 on an H200 (the bit-exact cross-layer and the graph
     # replay GPU tests); per backend, so flash-attn 2 inherits them unverified.
     CROSS_LAYER_PLATFORMS = ("cuda",)
@@ -345,8 +346,7 @@ class FlashAttentionBackend(AttentionBackend):
             reasons.append("neither flash-attn-4 (Hopper/Blackwell: pip install "
                            "'kvcore-nvidia[flash-attn]') nor flash-attn 2 (Ampere: pip install "
                            "flash-attn) is installed")
-        # The cache write is kvcore's Triton kernel.
-        return [*reasons, *triton_unavailable_reasons()]
+        return [*reasons, *super().unavailable_reasons()]
 
     @classmethod
     def import_reasons(cls) -> list[str]:

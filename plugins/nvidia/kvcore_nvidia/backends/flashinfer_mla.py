@@ -94,7 +94,6 @@ from kvcore.ops import (
     check_softmax_scale,
     reshape_and_cache,
     scale_value,
-    triton_unavailable_reasons,
     validate_concat_and_cache_mla,
     validate_mla_attention,
 )
@@ -471,6 +470,8 @@ class FlashInferMLABackend(MLACommonBackend):
     # FlashInfer's fa2 MLA kernels need Ampere; Hopper runs its fa3 kernels.
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
     PLATFORMS = ("cuda",)
+    # The cache write is kvcore's Triton kernel.
+    USES_TRITON = True
     REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
     #: Bytes of the float workspace of one builder (or device): FlashInfer's recommended size.
     WORKSPACE_BYTES: ClassVar[int] = 128 * 1024 * 1024
@@ -489,11 +490,6 @@ class FlashInferMLABackend(MLACommonBackend):
         """``B,N,D``; with layers ``B,L,N,D`` (cross-layer): FlashInfer reads the page stride
         of each layer's view."""
         return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        # The cache write is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
     @classmethod
     def check_combination(

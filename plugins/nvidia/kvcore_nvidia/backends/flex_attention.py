@@ -87,7 +87,6 @@ from kvcore import (
     AttentionType,
     DeviceCapability,
 )
-from kvcore.ops import triton_unavailable_reasons
 from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache
 
 __all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "FlexAttentionMetadata",
@@ -356,6 +355,8 @@ class FlexAttentionBackend(AttentionBackend):
     SUPPORTS_NON_CAUSAL = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda", "cpu")
+    # The cache write on GPU tensors is kvcore's Triton kernel.
+    USES_TRITON = True
     #: Most elements one layer's ``kv_cache`` view may span (see the module docstring): its
     #: largest element offset must fit in int32.
     MAX_KV_CACHE_SPAN = 2**31
@@ -372,11 +373,6 @@ class FlexAttentionBackend(AttentionBackend):
         # Physical B,N,2,H,D (a token's K and V side by side), with layers B,L,N,2,H,D: the
         # upstream FlexAttention order. The kernel takes the token stride from the view.
         return (1, 0, 3, 2, 4, 5) if include_num_layers_dimension else (0, 2, 1, 3, 4)
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        # The cache write on GPU tensors is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
 
     @classmethod
     def check_combination(

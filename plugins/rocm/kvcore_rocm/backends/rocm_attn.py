@@ -14,7 +14,6 @@ from kvcore import (
     TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
-from kvcore.ops import triton_unavailable_reasons
 from kvcore_rocm.backends.common import GFX90A
 
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
@@ -53,6 +52,7 @@ class RocmAttentionBackend(AttentionBackend):
     SUPPORTED_BLOCK_SIZES = (MultipleOf(16),)
     MIN_DEVICE_CAPABILITY = GFX90A
     PLATFORMS = ("rocm",)
+    USES_TRITON = True
     # TRITON_ATTN's kernels and builder (persistent buffers, split choice, workspace): the
     # same launches as TRITON_ATTN's, on the other halves of the cache.
     CUDA_GRAPH_SUPPORT = CudaGraphSupport.UNIFORM_DECODE
@@ -75,7 +75,3 @@ class RocmAttentionBackend(AttentionBackend):
     def kv_connector_unsupported_reason(cls) -> str:
         return ("ROCM_ATTN keeps the legacy (2, num_blocks, ...) layout; "
                 "use ROCM_AITER_UNIFIED_ATTN")
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
