@@ -260,3 +260,65 @@ def test_default_builder_warmup_does_nothing():
                                               max_num_batched_tokens=64, max_model_len=64,
                                               device="cpu")
     assert builder.warmup() == {}
+
+
+def test_eager_decode_plans_only_when_the_page_counts_change():
+    """Eager decode-only steps run on a graph-mode wrapper of their size: the plan is skipped
+    while every request keeps its page count; at most MAX_EAGER_DECODE_WRAPPERS sizes keep
+    one (least recently used dropped), never dropping a size a graph step was built for."""
+    kv_cache, gen = _cache(5)
+    impl, builder = _impl(), _builder()
+    tables = [[3, 9, 4], [11, 12, 13], [20, 21, 22]]
+    for lengths, plans in [([17, 29], 1), ([18, 30], 1), ([19, 31], 1), ([33, 32], 2)]:
+        common = _decode_step(tables[:2], lengths)
+        meta = builder.build(common)
+        assert builder.plans == plans and meta.num_decodes == 2
+        q = torch.randn(2, HEADS, HEAD_SIZE, generator=gen)
+        out = torch.full_like(q, float("nan"))
+        impl.forward(kvcore.LayerScales(), q, q[:, :KV_HEADS], q[:, :KV_HEADS], kv_cache, meta,
+                     output=out)
+        ref = kvcore.ops.paged_attention_ref(
+            q.double(), *(c.double() for c in kv_cache.unbind(1)),
+            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
+            block_table=common.block_table, scale=impl.scale)
+        assert rel_err(out, ref) < REL_ERR[torch.float32]
+    graph_wrapper = builder.build(_decode_step(tables[:1], [5]), graph_batch_size=1).decode_wrapper
+    cap = fi_backend.MAX_EAGER_DECODE_WRAPPERS
+    for n in range(1, cap + 3):  # size 1 is a graph size: kept; sizes 2.. cycle through
+        builder.build(_decode_step([[i] for i in range(n)], [3] * n))
+    assert builder._graph_wrappers[1] is graph_wrapper
+    assert sorted(builder._eager_sizes) == list(range(3, cap + 3))  # the last cap sizes
+    assert set(builder._graph_wrappers) == {1, *builder._eager_sizes}
+
+
+def test_layers_after_the_first_skip_the_full_checks(monkeypatch):
+    """With the builder's metadata a layer checks its cache fully once per kind of plan (a
+    decode-only step's, a step with prefills); later steps and layers run the step's launch
+    straight away, and a layer whose call differs (another cache, a cache planned for other
+    heads) is checked in full again."""
+    from kvcore_nvidia.backends import common
+
+    calls = []
+    real = common.validate_paged_attention
+    monkeypatch.setattr(common, "validate_paged_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    kv_cache, _ = _cache(6)
+    impl, builder = _impl(), _builder()
+    for seed, shape in enumerate(["decode-only", "mixed-decodes-first", "prefill-only",
+                                  "decode-only"]):
+        batch = mixed_batch(impl, kv_cache, torch.Generator().manual_seed(seed),
+                            **SHAPES[shape])
+        meta = builder.build(batch.meta)
+        ref = reference(impl, batch, kv_cache)
+        for _ in range(3):  # three layers on the same cache
+            assert rel_err(_forward(impl, batch, kv_cache, meta), ref) < REL_ERR[torch.float32]
+    assert len(calls) == 2
+    other = kv_cache.clone()
+    _forward(impl, batch, other, meta)
+    assert len(calls) == 3
+    wide = torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, 2 * KV_HEADS, HEAD_SIZE)
+    wide_impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                                 scale=HEAD_SIZE**-0.5, num_kv_heads=2 * KV_HEADS)
+    with pytest.raises(ValueError, match="planned by FlashInferMetadataBuilder for 8 query "
+                                         "heads, blocks of 16 tokens, 2 K/V heads"):
+        _forward(wide_impl, batch, wide, meta)

@@ -243,6 +243,9 @@ class _Recorder:
             self.kwargs["paged_kv_last_page_len_buffer"].copy_(last)
             self.kwargs["paged_kv_indices_buffer"][:indices.numel()].copy_(indices)
 
+    def run(self, *args: object, **kwargs: object) -> None:
+        _LOG.append(("run", self))
+
 
 _LOG: list = []
 
@@ -318,8 +321,9 @@ def _assert_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_every_plan_and_refresh_gets_the_lists_of_its_step(block_size):
     """Random steps, CUDA-graph decode (plans, refreshes with the same page counts, sizes
-    sharing the indptr buffer) and eager mixed batches: the arguments of every plan, and the
-    graph buffers a replay reads after every build, equal the torch formulas on the step."""
+    sharing the indptr buffer) and eager batches (a decode-only one on the graph-mode wrapper
+    of its size, refreshed the same way): the arguments of every plan, and the graph buffers
+    a replay reads after every build, equal the torch formulas on the step."""
     rng = random.Random(block_size)
     builder = _builder(block_size)
     lens, last_size, refreshes = None, None, 0
@@ -332,7 +336,8 @@ def test_every_plan_and_refresh_gets_the_lists_of_its_step(block_size):
         ref = _reference(qo, seq, block_size, size)
         indices = _expected_indices(common, ref)
         plans = [w for _, w in _LOG]
-        if size is not None:
+        decode_only = bool((qo[1:] - qo[:-1] == 1).all()) and common.num_seqs > 0
+        if size is not None or decode_only:
             wrapper = meta.decode_wrapper
             refreshes += not plans
             if plans:

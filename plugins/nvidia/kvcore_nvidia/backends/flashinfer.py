@@ -31,9 +31,17 @@ on the device), one prefill and one decode wrapper, and for every batch size a s
 for with ``graph_batch_size`` a decode wrapper in FlashInfer's CUDA-graph mode over those
 buffers: so uniform-decode steps can be captured (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``).
 FlashInfer's plan of a decode wrapper depends on the pages per request, not on the tokens in
-the last page (its scheduler splits work by page counts): a CUDA-graph decode step with the
-same page counts as the last one planned on that wrapper refreshes the buffers and skips the
-plan (a request crosses into a new page once every ``block_size`` steps).
+the last page (its scheduler splits work by page counts): a decode step with the same page
+counts as the last one planned on that wrapper refreshes the buffers and skips the plan (a
+request crosses into a new page once every ``block_size`` steps). Only a CUDA-graph-mode
+wrapper reads its page lists from buffers the builder owns (an eager one keeps private device
+copies made by ``plan``), so an eager decode-only step runs on the graph-mode wrapper of its
+batch size too (:data:`MAX_EAGER_DECODE_WRAPPERS` such sizes beyond the graph ones).
+
+A layer's call is the step's :class:`FlashInferLaunch` (the planned wrappers' ``run``, the
+rows each serves, the facts checked for the step), resolved once in ``build()``; the layer's
+own tensors are checked in full on its first step and compared cheaply after that
+(:class:`FlashInferImpl`).
 :meth:`FlashInferMetadataBuilder.warmup` builds FlashInfer's JIT modules of the configuration
 at start-up.
 
@@ -59,9 +67,11 @@ kvcore's Triton ``reshape_and_cache`` by default, the plugin's CUDA C++ kernel w
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -78,7 +88,7 @@ from kvcore import (
     build_attention_metadata,
     long_step,
 )
-from kvcore.ops import triton_unavailable_reasons
+from kvcore.ops import checked_step_facts, triton_unavailable_reasons, value_checks_enabled
 from kvcore_nvidia.backends.common import (
     HostStaging,
     PagedCacheImpl,
@@ -89,8 +99,9 @@ from kvcore_nvidia.backends.common import (
 )
 from kvcore_nvidia.caches import flashinfer_jit_cache
 
-__all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferKernels", "FlashInferMetadata",
-           "FlashInferMetadataBuilder", "flashinfer_kernels", "flashinfer_page_table"]
+__all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferKernels", "FlashInferLaunch",
+           "FlashInferMetadata", "FlashInferMetadataBuilder", "flashinfer_kernels",
+           "flashinfer_page_table"]
 
 
 def flashinfer_page_table(
@@ -188,6 +199,18 @@ def _plan_args(num_heads: int, num_kv_heads: int, head_size: int, block_size: in
 def _is_decode(attn_metadata: AttentionMetadata) -> bool:
     return (attn_metadata.max_query_len == 1
             and attn_metadata.num_actual_tokens == attn_metadata.num_seqs)
+
+
+#: Batch sizes of eager decode-only steps that get a CUDA-graph-mode decode wrapper of their
+#: own (beyond the sizes graph steps were built for), least recently used dropped first: such
+#: a wrapper reads the builder's persistent page-list buffers, so a step whose page counts are
+#: those of its last plan refreshes the buffers and skips FlashInfer's ``plan``. Each costs
+#: FlashInfer's int workspace (8 MiB on the device and 8 MiB page-locked in FlashInfer 0.7).
+MAX_EAGER_DECODE_WRAPPERS = 4
+
+#: A block id no cache reaches: a step whose block range was not checked on the host never
+#: takes the layers' short path (they validate their tensors instead).
+_UNCHECKED_BLOCKS = 2**62
 
 
 #: The last plan of the shared wrappers (every plan goes through it, so a hit means the
@@ -323,6 +346,38 @@ class HostPages:
                                                           indptr_array, last[k:]))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlashInferLaunch:
+    """What every layer of a step launches, resolved once in
+    :meth:`FlashInferMetadataBuilder.build` (so a layer's ``attend`` makes no plan, builds no
+    arguments and repeats no check the step already passed).
+
+    Attributes:
+        decode_run: the planned decode wrapper's ``run`` (rows ``[0, num_decodes)``), or
+            ``None``.
+        prefill_run: the planned prefill wrapper's ``run`` (rows ``[num_decodes,
+            num_actual_tokens)``), or ``None``.
+        num_decodes: query rows the decode wrapper serves.
+        query_shape: ``(num_actual_tokens, num_heads, head_size)``: the query and output rows
+            a layer of this step passes (the plan's).
+        signature: the builder's ``(num_heads, num_kv_heads, head_size, block_size, dtype)``,
+            one object for all its steps: a layer whose cache was checked against it once
+            skips that check in later steps.
+        max_block_id: the largest block id the step uses (from the step's checked facts;
+            ``-1`` with value checks off): a layer's cache must have more blocks.
+        planned: ``(scale, sliding_window, causal)`` the plans were made for (as
+            :attr:`FlashInferMetadata.planned`).
+    """
+
+    decode_run: Any
+    prefill_run: Any
+    num_decodes: int
+    query_shape: tuple[int, int, int]
+    signature: tuple
+    max_block_id: int
+    planned: tuple[float, int | None, bool | None]
+
+
 @dataclasses.dataclass
 class FlashInferMetadata(AttentionMetadata):
     """:class:`~kvcore.AttentionMetadata` plus the wrappers :class:`FlashInferMetadataBuilder`
@@ -337,6 +392,7 @@ class FlashInferMetadata(AttentionMetadata):
         planned: ``(scale, sliding_window, causal)`` the plans were made for; ``causal`` is
             ``None`` for a decode-only step (one query per request: causal or not is the same).
         dtype: the query and cache dtype the plans were made for.
+        launch: the step's :class:`FlashInferLaunch` (``None`` for an empty step).
     """
 
     decode_wrapper: Any = None
@@ -344,6 +400,7 @@ class FlashInferMetadata(AttentionMetadata):
     num_decodes: int = 0
     planned: tuple[float, int | None, bool | None] = (0.0, None, None)
     dtype: torch.dtype | None = None
+    launch: FlashInferLaunch | None = None
 
 
 class FlashInferMetadataBuilder(PersistentMetadataBuilder):
@@ -409,6 +466,11 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         self._lists: dict[tuple[int, int], HostPages] = {}
         self._prefill, self._decode = _new_wrappers(self.workspace, self.kernels)
         self._graph_wrappers: dict[int, Any] = {}
+        # Sizes whose graph-mode wrapper only eager decode steps use, oldest first (see
+        # MAX_EAGER_DECODE_WRAPPERS); a graph build of a size makes its wrapper permanent.
+        self._eager_sizes: collections.OrderedDict[int, None] = collections.OrderedDict()
+        #: What a layer's cache is checked against once (FlashInferLaunch.signature).
+        self.signature = (num_heads, num_kv_heads, spec.head_size, spec.block_size, spec.dtype)
         # Page counts (HostPages.page_counts_key) each CUDA-graph wrapper was last planned for
         # (the plan depends on them).
         self._graph_plans: dict[int, bytes] = {}
@@ -421,19 +483,31 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         # wrapper waits for that copy (the previous step's), not for the device to be idle.
         self._plan_events: dict[int, Any] = {}
 
-    def _graph_wrapper(self, size: int) -> Any:
+    def _graph_wrapper(self, size: int, *, eager: bool = False) -> Any:
         wrapper = self._graph_wrappers.get(size)
-        if wrapper is None:
-            import flashinfer
+        if wrapper is not None:
+            if size in self._eager_sizes:
+                if eager:
+                    self._eager_sizes.move_to_end(size)
+                else:  # a graph step of this size: its wrapper stays for good
+                    del self._eager_sizes[size]
+            return wrapper
+        if eager:
+            if len(self._eager_sizes) >= MAX_EAGER_DECODE_WRAPPERS:
+                old, _ = self._eager_sizes.popitem(last=False)
+                dropped = self._graph_wrappers.pop(old)
+                self._graph_plans.pop(old, None)
+                self._plan_events.pop(id(dropped), None)
+            self._eager_sizes[size] = None
+        import flashinfer
 
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.kernels.decode_tensor_cores,
-                paged_kv_indptr_buffer=self._indptr[:size + 1],
-                paged_kv_indices_buffer=self._indices,
-                paged_kv_last_page_len_buffer=self._last_page_len[:size],
-                backend="fa2")
-            self._graph_wrappers[size] = wrapper
+        wrapper = self._graph_wrappers[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.kernels.decode_tensor_cores,
+            paged_kv_indptr_buffer=self._indptr[:size + 1],
+            paged_kv_indices_buffer=self._indices,
+            paged_kv_last_page_len_buffer=self._last_page_len[:size],
+            backend="fa2")
         return wrapper
 
     def _host_pages(self, common: AttentionMetadata, size: int, out: torch.Tensor) -> HostPages:
@@ -491,8 +565,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                           self.spec.dtype)
 
     def _plan_graph_decode(self, size: int, pages: HostPages, counts: bytes,
-                           indices: torch.Tensor) -> Any:
-        wrapper = self._graph_wrapper(size)
+                           indices: torch.Tensor, *, eager: bool = False) -> Any:
+        wrapper = self._graph_wrapper(size, eager=eager)
         if self._graph_plans.get(size) == counts:
             # Same page counts, same plan and same indptr: only the last pages' lengths are
             # new (indptr too if a step of another size overwrote the shared buffer).
@@ -527,11 +601,12 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         pages = self._host_pages(common, size, slot.tensors["lists"])
         counts = pages.page_counts_key()
         indices = self._gather_indices(pages, counts, slot)
-        planned = dict(dtype=self.spec.dtype)
-        if graph_batch_size is not None:
-            wrapper = self._plan_graph_decode(size, pages, counts, indices)
-            return meta.extend(FlashInferMetadata, decode_wrapper=wrapper, num_decodes=size,
-                               planned=(self.scale, None, None), **planned)
+        if graph_batch_size is not None or _is_decode(meta):
+            # A decode-only step, captured or eager, runs on a graph-mode wrapper of its size:
+            # planned only when the page counts change.
+            wrapper = self._plan_graph_decode(size, pages, counts, indices,
+                                              eager=graph_batch_size is None)
+            return self._metadata(meta, wrapper, None, size, None)
         shape, options = self._options()
         k = pages.leading_decodes()
         qo_indptr, indptr = pages.qo_indptr.numpy(), pages.indptr.numpy()
@@ -547,9 +622,23 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             self._plan(prefill, rest.qo_indptr, rest.indptr, indices[int(indptr[k]):],
                        rest.last_page_len, *shape, causal=meta.causal,
                        seq_lens=rest.seq_lens, **options)
-        causal = None if prefill is None else meta.causal
+        return self._metadata(meta, decode, prefill, k, None if prefill is None else meta.causal)
+
+    def _metadata(self, meta: AttentionMetadata, decode: Any, prefill: Any, k: int,
+                  causal: bool | None) -> FlashInferMetadata:
+        """The step's metadata with its wrappers and their :class:`FlashInferLaunch`."""
+        facts = checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table)
+        if facts is not None:
+            max_block_id = facts.max_block_id
+        else:  # checks off: nothing to compare; on but unmarked: the layers check
+            max_block_id = _UNCHECKED_BLOCKS if value_checks_enabled() else -1
+        planned = (self.scale, None, causal)
+        launch = FlashInferLaunch(
+            None if decode is None else decode.run, None if prefill is None else prefill.run,
+            k, (meta.num_actual_tokens, self.num_heads, self.spec.head_size), self.signature,
+            max_block_id, planned)
         return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,
-                           num_decodes=k, planned=(self.scale, None, causal), **planned)
+                           num_decodes=k, planned=planned, dtype=self.spec.dtype, launch=launch)
 
     def warmup(self) -> dict[str, float]:
         """Build (JIT-compile, or load from FlashInfer's cache) the modules this builder's
@@ -589,12 +678,25 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
 class FlashInferImpl(PagedCacheImpl):
     """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache`. Attention: FlashInfer (see
     module). A sliding window on a non-causal layer is refused
-    (``FlashInferBackend.NON_CAUSAL_WINDOW_UNSUPPORTED``)."""
+    (``FlashInferBackend.NON_CAUSAL_WINDOW_UNSUPPORTED``).
+
+    With the builder's metadata a layer's ``attend`` is the step's
+    :class:`FlashInferLaunch` called on its tensors: once a layer's cache passed the full
+    checks against a builder's plan (its first step), later steps compare only what can change
+    (the tensors' shapes, dtypes, devices and contiguity, the cache object, the step's largest
+    block id against the cache's blocks, the plan's parameters) and fall back to the full
+    checks on any difference.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.attn_type == AttentionType.ENCODER_ONLY:
             FlashInferBackend.check_non_causal_window(self.sliding_window, causal=False)
+        # (weak cache, builder signature, num_blocks, device, data pointer) of the cache that
+        # passed the full checks, and the plan parameters (FlashInferLaunch.planned: a
+        # decode-only step's and a prefill step's) this layer was found to fit.
+        self._checked_cache: tuple | None = None
+        self._checked_plans: set[tuple] = set()
 
     def plan(self, query: torch.Tensor, key_cache: torch.Tensor,
              attn_metadata: AttentionMetadata) -> Any:
@@ -648,14 +750,59 @@ class FlashInferImpl(PagedCacheImpl):
             raise ValueError(f"query is {query.dtype} and the cache {key_cache.dtype} but the "
                              f"step was planned for {attn_metadata.dtype} (the builder's "
                              "spec.dtype)")
+        launch = attn_metadata.launch
+        if launch is None:
+            return
+        heads, kv_heads, head_size, block_size, _ = launch.signature
+        have = (query.shape[1], *key_cache.shape[1:])
+        if have != (heads, block_size, kv_heads, head_size):
+            raise ValueError(
+                f"this layer has {have[0]} query heads and a cache of blocks of {have[1]} "
+                f"tokens with {have[2]} K/V heads of {have[3]}, but the step was planned by "
+                f"FlashInferMetadataBuilder for {heads} query heads, blocks of {block_size} "
+                f"tokens, {kv_heads} K/V heads of {head_size}: build the step with a builder "
+                "made for this layer's spec and num_heads")
 
     def check_forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                       attn_metadata: AttentionMetadata, output: torch.Tensor | None) -> None:
-        FlashInferBackend.check_non_causal_window(self.sliding_window,
-                                                  self.is_causal(attn_metadata))
+        if self.sliding_window is not None:
+            FlashInferBackend.check_non_causal_window(self.sliding_window,
+                                                      self.is_causal(attn_metadata))
+
+    def _fits(self, launch: FlashInferLaunch, query: torch.Tensor, kv_cache: torch.Tensor,
+              output: torch.Tensor) -> bool:
+        """Whether this call is one the full checks already accepted, up to the step: the
+        cache checked against this builder, the step's blocks inside it, these rows."""
+        seen = self._checked_cache
+        shape = launch.query_shape
+        return (seen is not None and seen[0]() is kv_cache and seen[1] is launch.signature
+                and launch.max_block_id < seen[2] and kv_cache.data_ptr() == seen[4]
+                and launch.planned in self._checked_plans
+                and query.shape == shape and output.shape == shape
+                and query.dtype == launch.signature[4] and output.dtype == query.dtype
+                and query.device == seen[3] and output.device == seen[3]
+                and query.is_contiguous() and output.is_contiguous())
 
     def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
                attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        launch = attn_metadata.launch if isinstance(attn_metadata, FlashInferMetadata) else None
+        if launch is not None and self._fits(launch, query, kv_cache, output):
+            kv = kv_cache.unbind(1)
+            if launch.prefill_run is None:
+                launch.decode_run(query, kv, out=output)
+            elif launch.decode_run is None:
+                launch.prefill_run(query, kv, out=output)
+            else:
+                k = launch.num_decodes
+                launch.decode_run(query[:k], kv, out=output[:k])
+                launch.prefill_run(query[k:], kv, out=output[k:])
+            return
+        self._checked_attend(query, kv_cache, attn_metadata, output)
+
+    def _checked_attend(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                        attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        """Every check, then the run; a builder step's cache that passes is remembered (see
+        the class docstring)."""
         key_cache, value_cache = self.checked_halves(query, kv_cache, attn_metadata, output)
         q = query.contiguous()
         out = output if output.is_contiguous() else torch.empty_like(q)
@@ -669,6 +816,11 @@ class FlashInferImpl(PagedCacheImpl):
                 attn_metadata.decode_wrapper.run(q[:k], kv, out=out[:k])
             if attn_metadata.prefill_wrapper is not None:
                 attn_metadata.prefill_wrapper.run(q[k:], kv, out=out[k:])
+            launch = attn_metadata.launch
+            if launch is not None:
+                self._checked_cache = (weakref.ref(kv_cache), launch.signature,
+                                       kv_cache.shape[0], kv_cache.device, kv_cache.data_ptr())
+                self._checked_plans.add(launch.planned)
         else:
             self.plan(q, key_cache, attn_metadata).run(q, kv, out=out)
         if out is not output:
