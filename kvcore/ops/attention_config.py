@@ -86,30 +86,36 @@ def _kernel(name: str) -> dataclasses.Field:
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonDecodeConfig:
-    """``triton_decode``: ``block_n`` keys a loop step, the launch's warps and pipeline
-    stages; ``const_block`` compiles the cache's block size in (page lookups by shifts, one
-    compiled kernel per block size)."""
+class _QueryTileConfig:
+    """The fields every TRITON_ATTN kernel's config starts with: the ``kernel`` name (each
+    config class sets its own) and its tile, ``block_q`` query tokens x ``g_pad`` query heads
+    a program, ``block_n`` keys a loop step."""
 
-    kernel: str = _kernel("triton_decode")
+    kernel: str = _kernel("")
     block_q: int
     g_pad: int
     block_n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonDecodeConfig(_QueryTileConfig):
+    """``triton_decode``: the tile, the launch's warps and pipeline stages; ``const_block``
+    compiles the cache's block size in (page lookups by shifts, one compiled kernel per block
+    size)."""
+
+    kernel: str = _kernel("triton_decode")
     num_warps: int
     num_stages: int
     const_block: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonSplitKVConfig:
+class TritonSplitKVConfig(_QueryTileConfig):
     """``triton_split_kv``: :class:`TritonDecodeConfig`'s parameters, and ``num_splits`` (2
     to :data:`kvcore.ops.split_kv.MAX_KV_SPLITS`) parts of every query tile's key range,
     each run by its own program."""
 
     kernel: str = _kernel("triton_split_kv")
-    block_q: int
-    g_pad: int
-    block_n: int
     num_splits: int
     num_warps: int
     num_stages: int
@@ -117,15 +123,12 @@ class TritonSplitKVConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonPrefillConfig:
+class TritonPrefillConfig(_QueryTileConfig):
     """``triton_prefill``: as :class:`TritonDecodeConfig`, and ``edge_stages`` > 0 pipelines
     the masked edge loops (causal diagonal, window edge) that deep instead of
     ``num_stages``."""
 
     kernel: str = _kernel("triton_prefill")
-    block_q: int
-    g_pad: int
-    block_n: int
     num_warps: int
     num_stages: int
     const_block: bool = False
@@ -133,16 +136,13 @@ class TritonPrefillConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class GluonPrefillConfig:
+class GluonPrefillConfig(_QueryTileConfig):
     """``gluon_ws_pingpong`` (:mod:`kvcore.ops.gluon_prefill`): ``block_q * g_pad`` = 128 rows
     (two consumer warpgroups of 64), ``block_n`` 64 or 128 keys a step, 2 to 4 shared-memory
     ``num_stages``; the block size is always compiled in. Runs where
     :func:`kvcore.ops.attention_dispatch.gluon_prefill_unmet` finds nothing unmet."""
 
     kernel: str = _kernel("gluon_ws_pingpong")
-    block_q: int
-    g_pad: int
-    block_n: int
     num_stages: int
 
 
