@@ -6,6 +6,12 @@ import subprocess
 import sys
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter (nothing imported yet), its output captured."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+
+
 def test_import_kvcore_loads_no_triton_and_no_plugin():
     code = (
         "import sys, kvcore, kvcore.ops\n"
@@ -14,8 +20,7 @@ def test_import_kvcore_loads_no_triton_and_no_plugin():
         "       or m.startswith(('flash_attn', 'flashinfer', 'aiter'))]\n"
         "print(bad)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
+    result = _python(code)
     assert result.stdout.strip() == "[]"
 
 
@@ -25,8 +30,7 @@ def test_registering_plugins_imports_no_backend_module():
         "kvcore.backend_registry(); kvcore.platform_registry()\n"
         "print([m for m in sys.modules if m.startswith('kvcore.backends.')])\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
+    result = _python(code)
     assert result.stdout.strip() == "[]"
 
 
@@ -46,8 +50,7 @@ def test_public_names_load_on_first_use_and_wire_the_whole_api():
         "kvcore.TritonAttentionMetadataBuilder\n"
         "print([n for n in kvcore.__all__ if n not in vars(kvcore)])\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
+    result = _python(code)
     # A backend module's names (the Triton builder, for plugins) load when used.
     assert result.stdout.splitlines() == [
         "False 0.1.0", "False",

@@ -43,53 +43,46 @@ def _config(block_h: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
     return cls(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
-@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
-    (16, 16, 16, 16, 1),
-    (16, 16, 32, 64, 3),   # tiles inside one page: one block-table read a tile
-    (16, 16, 64, 16, 2),   # tiles across pages: a block-table read per latent
-    (16, 32, 16, 8, 4),    # head rows padded past the head count
-    (64, 16, 32, 32, 1),   # 128 heads scaled down: four head groups
-    (64, 64, 16, 64, 5),   # one 64-head group, more splits than some requests have tiles
-    (64, 32, 32, 16, 2),
-], ids=lambda v: str(v))
-def test_mla_decode_matches_float64_reference(heads, block_h, block_n, page, splits) -> None:
-    gen = generator("mla-decode-kernel", heads, block_h, block_n, page, splits)
-    q, cache, table, lens = decode_case(gen, heads, page, LENS)
-    o, lse = run_decode(q, cache, table, lens, splits, _config(block_h, block_n))
-    assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
-    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
+# (split_latent, heads, block_h, block_n, page, splits); split_latent: two latent halves (two
+# accumulators, same probabilities) instead of the whole latent.
+DECODE_CASES = [
+    (False, 16, 16, 16, 16, 1),
+    (False, 16, 16, 32, 64, 3),   # tiles inside one page: one block-table read a tile
+    (False, 16, 16, 64, 16, 2),   # tiles across pages: a block-table read per latent
+    (False, 16, 32, 16, 8, 4),    # head rows padded past the head count
+    (False, 64, 16, 32, 32, 1),   # 128 heads scaled down: four head groups
+    (False, 64, 64, 16, 64, 5),   # one 64-head group, more splits than some requests have tiles
+    (False, 64, 32, 32, 16, 2),
+    (True, 16, 16, 32, 64, 1),
+    (True, 16, 16, 16, 8, 3),     # tiles across pages
+    (True, 64, 64, 32, 32, 4),    # one 64-head group, split
+    (True, 64, 32, 16, 16, 1),
+]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_mla_decode_low_precision_within_tolerance(dtype: torch.dtype) -> None:
-    gen = generator("mla-decode-kernel-dtype", dtype)
-    q, cache, table, lens = decode_case(gen, 16, 16, [50, 9, 33], dtype)
-    o, lse = run_decode(q, cache, table, lens, 2, _config(16, 32))
-    assert_decode_close(o, lse, q, cache, table, lens, dtype)
+def _key(split_latent: bool) -> str:
+    return "mla-decode-kernel-halves" if split_latent else "mla-decode-kernel"
 
 
-@pytest.mark.parametrize(("heads", "block_h", "block_n", "page", "splits"), [
-    (16, 16, 32, 64, 1),
-    (16, 16, 16, 8, 3),    # tiles across pages
-    (64, 64, 32, 32, 4),   # one 64-head group, split
-    (64, 32, 16, 16, 1),
-], ids=lambda v: str(v))
-def test_mla_decode_split_latent_matches_float64_reference(heads, block_h, block_n, page,
-                                                           splits) -> None:
-    """Two latent halves (two accumulators, same probabilities) give the reference result."""
-    gen = generator("mla-decode-kernel-halves", heads, block_h, block_n, page, splits)
+@pytest.mark.parametrize(("split_latent", "heads", "block_h", "block_n", "page", "splits"),
+                         DECODE_CASES, ids=lambda v: str(v))
+def test_mla_decode_matches_float64_reference(split_latent, heads, block_h, block_n, page,
+                                              splits) -> None:
+    gen = generator(_key(split_latent), heads, block_h, block_n, page, splits)
     q, cache, table, lens = decode_case(gen, heads, page, LENS)
     o, lse = run_decode(q, cache, table, lens, splits,
-                     _config(block_h, block_n, split_latent=True))
+                        _config(block_h, block_n, split_latent=split_latent))
     assert_decode_close(o, lse, q, cache, table, lens, torch.float32)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isinf(lse[0]).all()
 
 
+@pytest.mark.parametrize("split_latent", [False, True], ids=["whole", "halves"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_mla_decode_split_latent_low_precision_within_tolerance(dtype: torch.dtype) -> None:
-    gen = generator("mla-decode-kernel-halves-dtype", dtype)
+def test_mla_decode_low_precision_within_tolerance(dtype: torch.dtype,
+                                                   split_latent: bool) -> None:
+    gen = generator(f"{_key(split_latent)}-dtype", dtype)
     q, cache, table, lens = decode_case(gen, 16, 16, [50, 9, 33], dtype)
-    o, lse = run_decode(q, cache, table, lens, 2, _config(16, 32, split_latent=True))
+    o, lse = run_decode(q, cache, table, lens, 2, _config(16, 32, split_latent=split_latent))
     assert_decode_close(o, lse, q, cache, table, lens, dtype)
 
 
