@@ -6,7 +6,8 @@ plugins, its config): ``python vllm_run.py MODEL_DIR '{"block_size": 16, ...}'``
 - ``block_size``, ``enable_prefix_caching``, ``max_num_batched_tokens`` (small: chunked
   prefill), ``multiprocessing`` (vLLM's engine core in its own process), ``layout`` (vLLM's
   ``VLLM_KV_CACHE_LAYOUT``), ``break_mask`` (the negative control: kvcore's causal flag turned
-  off in every step, which must change the tokens);
+  off in every step, which must change the tokens), ``dtype`` (default float32), ``gaps``
+  (also print each token's top-two log-probability gap), ``max_tokens``;
 - the environment picks the backend: ``VLLM_PLUGINS=`` (empty) runs vLLM's own CPU_ATTN, the
   plugin installed and allowed runs kvcore's through it.
 """
@@ -51,7 +52,7 @@ def main() -> None:
               max_num_batched_tokens=options.get("max_num_batched_tokens", 256),
               enable_chunked_prefill=True)
     params = SamplingParams(max_tokens=options.get("max_tokens", 32), temperature=0.0,
-                            detokenize=False)
+                            detokenize=False, logprobs=2 if options.get("gaps") else None)
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
     if options.get("enable_prefix_caching"):  # the first request fills the cache first
         first = llm.generate(batch[:1], params, use_tqdm=False)
@@ -59,21 +60,36 @@ def main() -> None:
         outputs = first + rest
     else:
         outputs = llm.generate(batch, params, use_tqdm=False)
-    impl, layout = _attention_impl(llm)
-    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                                  "impl": impl, "layout": layout}), flush=True)
+    impl, backend, layout = _attention_impl(llm)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "impl": impl,
+              "kvcore_backend": backend, "layout": layout}
+    if options.get("gaps"):
+        result["gaps"] = [_gaps(o.outputs[0].logprobs) for o in outputs]
+    print("RESULT " + json.dumps(result), flush=True)
 
 
-def _attention_impl(llm) -> tuple[str, str | None]:
-    """The class name of the first layer's attention impl and the KV-cache layout vLLM
-    resolved (in-process engines only)."""
+def _gaps(logprobs: list[dict]) -> list[float]:
+    """Per generated token, the log-probability gap between the best and the second-best
+    token (a logit gap: how near the greedy choice was to a tie)."""
+    gaps = []
+    for position in logprobs:
+        best = sorted((lp.logprob for lp in position.values()), reverse=True)
+        gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+    return gaps
+
+
+def _attention_impl(llm) -> tuple[str, str | None, str | None]:
+    """The class name of the first layer's attention impl, the kvcore backend it runs (None
+    for vLLM's own) and the KV-cache layout vLLM resolved (in-process engines only)."""
     try:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         layers = runner.vllm_config.compilation_config.static_forward_context
-        return (type(next(iter(layers.values())).impl).__name__,
+        impl = next(iter(layers.values())).impl
+        backend = getattr(impl, "kvcore_backend", None)
+        return (type(impl).__name__, backend and backend.get_name(),
                 runner.vllm_config.cache_config.kv_cache_layout)
     except AttributeError:
-        return "unknown (engine in another process)", None
+        return "unknown (engine in another process)", None, None
 
 
 if __name__ == "__main__":
