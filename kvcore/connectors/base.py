@@ -230,6 +230,11 @@ class RegisteredCaches:
     views: list[torch.Tensor]
 
 
+def _block_size(kv_caches: KVCaches) -> int:
+    layout = kv_caches.layout
+    return layout.layer_shape[layout.layer_dim_names.index("N")]
+
+
 class KVConnector(ABC):
     """Base class of KV connectors.
 
@@ -458,10 +463,26 @@ class KVConnector(ABC):
                 raise ValueError(f"block_ids[{i}]={b} is outside the cache's {num_blocks} "
                                  f"blocks (valid: 0..{num_blocks - 1})")
             ids.append(b)
-        if len(ids) != len(keys):
-            raise ValueError(f"{op}: keys has {len(keys)} entries but block_ids has {len(ids)}; "
-                             "pass one key per block")
+        want = len(keys) if op == "save" else self._blocks_for_keys(len(keys))
+        if len(ids) != want:
+            if want == len(keys):
+                raise ValueError(f"{op}: keys has {len(keys)} entries but block_ids has "
+                                 f"{len(ids)}; pass one key per block")
+            raise ValueError(f"{op}: keys has {len(keys)} entries, blocks of the peer's "
+                             f"{self._key_tokens()} tokens, which fill {want} block(s) of this "
+                             f"cache's {_block_size(self.kv_caches)} tokens, but "
+                             f"block_ids has {len(ids)}; pass the blocks those tokens occupy "
+                             "here (see docs/connector.md, 'Block sizes that differ')")
         return keys, ids
+
+    def _blocks_for_keys(self, num_keys: int) -> int:
+        """How many of this cache's blocks a load of ``num_keys`` keys fills: one a key,
+        unless the keys name blocks of another size (a converting connector says so)."""
+        return num_keys
+
+    def _key_tokens(self) -> int:
+        """Tokens one key of a load names (this cache's block size unless overridden)."""
+        return _block_size(self.kv_caches)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (

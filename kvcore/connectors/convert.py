@@ -43,6 +43,7 @@ __all__ = [
     "ConversionPlan",
     "LayoutConversionError",
     "TPRank",
+    "as_tp_rank",
     "block_rows_layout",
     "heads_of_rank",
     "plan_conversion",
@@ -349,6 +350,74 @@ class ConversionPlan:
             return self._launch(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens, scales)
         return self._gather(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens, scales)
 
+    def blocks_for_keys(self, num_keys: int) -> int:
+        """Destination blocks that ``num_keys`` whole source blocks fill (the last maybe
+        partly): what a connector's load of ``num_keys`` keys takes as ``block_ids``."""
+        return -(-num_keys * self.src_block_size // self.dst_block_size)
+
+    def apply_keys(
+        self,
+        src: torch.Tensor | KVCaches,
+        dst: torch.Tensor | KVCaches,
+        src_slots: Sequence[int],
+        dst_ids: Sequence[int],
+        arrived: Sequence[bool],
+        *,
+        dst_scales: torch.Tensor | Sequence[float] | float | None = None,
+        kernel: Literal["auto", "torch", "triton"] = "auto",
+    ) -> tuple[list[int], dict[int, int], int]:
+        """A connector's converting load: key ``i`` names source block ``i`` of a request
+        (its tokens ``i * src_block_size ..``), held in block ``src_slots[i]`` of ``src``
+        when ``arrived[i]``; ``dst_ids`` are the :meth:`blocks_for_keys` destination blocks.
+
+        Tokens convert by groups of :attr:`group_tokens` (whole blocks on both sides): a
+        group whose keys all arrived is written, one :meth:`apply` per run of such groups
+        (one launch when everything arrived); the destination blocks of the other groups
+        are not touched. Returns ``(written destination blocks, {destination block: the
+        first key index of its group that did not arrive}, bytes written)``.
+
+        Raises:
+            ValueError: before anything is written, ``src_slots`` and ``arrived`` of
+                different lengths, or ``dst_ids`` not :meth:`blocks_for_keys` long.
+        """
+        n = len(src_slots)
+        if len(arrived) != n:
+            raise ValueError(f"arrived has {len(arrived)} entries for {n} src_slots")
+        if len(dst_ids) != self.blocks_for_keys(n):
+            raise ValueError(f"{n} keys of {self.src_block_size} tokens fill "
+                             f"{self.blocks_for_keys(n)} destination block(s) of "
+                             f"{self.dst_block_size}, but dst_ids has {len(dst_ids)}")
+        gs = self.group_tokens // self.src_block_size
+        gd = self.group_tokens // self.dst_block_size
+        written: list[int] = []
+        missing: dict[int, int] = {}
+        nbytes = 0
+        run: list[int] = []  # groups of the current run
+
+        def flush() -> None:
+            nonlocal nbytes
+            if not run:
+                return
+            k0, k1 = run[0] * gs, min(n, (run[-1] + 1) * gs)
+            d0, d1 = run[0] * gd, min(len(dst_ids), (run[-1] + 1) * gd)
+            nbytes += self.apply(src, dst, list(src_slots[k0:k1]), list(dst_ids[d0:d1]),
+                                 (k1 - k0) * self.src_block_size, dst_scales=dst_scales,
+                                 kernel=kernel)
+            written.extend(dst_ids[d0:d1])
+            run.clear()
+
+        for g in range(-(-n // gs)):
+            keys = range(g * gs, min(n, (g + 1) * gs))
+            lost = next((i for i in keys if not arrived[i]), None)
+            if lost is None:
+                run.append(g)
+                continue
+            flush()
+            for b in dst_ids[g * gd:min(len(dst_ids), (g + 1) * gd)]:
+                missing[b] = lost
+        flush()
+        return written, missing, nbytes
+
     def index(self, src_num_blocks: int, dst_num_blocks: int,
               src_ids: torch.Tensor, dst_ids: torch.Tensor, num_tokens: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -493,6 +562,25 @@ class ConversionPlan:
             moved += self._gather(src_t, src_n, dst_t, dst_n, s_ids[full:], d_ids[full:],
                                   num_tokens - full * self.src_block_size, None)
         return moved
+
+
+def as_tp_rank(value: TPRank | tuple[int, int] | None, name: str = "tp") -> TPRank:
+    """A connector's ``tp`` option as a :class:`TPRank`: ``None`` (TP 1), a ``TPRank`` or a
+    ``(degree, rank)`` pair.
+
+    Raises:
+        TypeError, ValueError: naming ``name``, e.g. a rank outside the degree.
+    """
+    if value is None:
+        return TPRank()
+    if isinstance(value, TPRank):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        try:
+            return TPRank(*value)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{name}={tuple(value)!r} (degree, rank): {exc}") from None
+    raise TypeError(f"{name}={value!r} must be None (TP 1), a TPRank or a (degree, rank) pair")
 
 
 def _span(heads: Sequence[int]) -> str:

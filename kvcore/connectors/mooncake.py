@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from kvcore.connectors.base import RegisteredCaches
-from kvcore.connectors.pull import PullConnector, Regions, Run
+from kvcore.connectors.convert import TPRank
+from kvcore.connectors.pull import DEFAULT_STAGING_BYTES, PullConnector, Regions, Run
 
 __all__ = ["MOONCAKE_PROTOCOLS", "MooncakeConnector", "mooncake_unavailable_reason"]
 
@@ -113,6 +114,7 @@ class _Engine:
                                f"returned {rc}")
         self._storage = storage  # the registered memory stays alive while the engine is
         self.orphans: list[int] = []  # batches of READs given up on, still in flight
+        self._staged: list[torch.Tensor] = []  # a converting consumer's staging buffers
 
     # -- producer -------------------------------------------------------------------------
 
@@ -188,6 +190,16 @@ class _Engine:
         """Free the orphaned batches that ended (caller holds ``lock``)."""
         self.orphans = [b for b in self.orphans if self.engine.transfer_check_status(b) == 0]
 
+    def register_staging(self, staging: torch.Tensor) -> None:
+        with self.lock:
+            rc = self.engine.register_memory(staging.data_ptr(),
+                                             staging.numel() * staging.element_size())
+        if rc != 0:
+            raise RuntimeError(f"Mooncake could not register the consumer's staging buffer "
+                               f"({staging.numel()} bytes on {staging.device}): "
+                               f"register_memory returned {rc}")
+        self._staged.append(staging)
+
     def close(self) -> None:
         deadline = time.monotonic() + self.reap_s
         with self.lock:
@@ -202,18 +214,20 @@ class _Engine:
                 logger.warning("mooncake engine %s: %d READ(s) still in flight after %.1f s; "
                                "the engine and its registered cache are kept until the "
                                "process exits", self.name, len(self.orphans), self.reap_s)
-                _KEPT.append((self.engine, self._storage))
+                _KEPT.append((self.engine, self._storage, *self._staged))
             else:
-                rc = self.engine.unregister_memory(self.addr)
-                if rc != 0:
-                    logger.warning("mooncake engine %s: unregistering memory returned %d",
-                                   self.name, rc)
+                for addr in (self.addr, *(t.data_ptr() for t in self._staged)):
+                    rc = self.engine.unregister_memory(addr)
+                    if rc != 0:
+                        logger.warning("mooncake engine %s: unregistering memory returned %d",
+                                       self.name, rc)
             self.engine = None
             self._storage = None
+            self._staged = []
 
 
 #: Engines closed with READs in flight, and their caches (see :meth:`_Engine.close`).
-_KEPT: list[tuple[Any, torch.Tensor]] = []
+_KEPT: list[tuple[Any, ...]] = []
 
 
 class MooncakeConnector(PullConnector):
@@ -232,6 +246,8 @@ class MooncakeConnector(PullConnector):
             ``None``: a producer uses ``host`` (or, when ``host`` is a wildcard such as
             ``"0.0.0.0"``, this machine's address by its host name); a consumer the local
             address that routes to the producer's ``host``.
+        tp, num_kv_heads, kv_scales, staging_bytes: layout conversion, as for
+            :class:`~kvcore.connectors.nixl.NixlConnector`.
     """
 
     transport = "mooncake"
@@ -253,10 +269,16 @@ class MooncakeConnector(PullConnector):
         device_name: str = "",
         engine_host: str | None = None,
         failure_policy: str = "recompute",
+        tp: TPRank | tuple[int, int] | None = None,
+        num_kv_heads: int | None = None,
+        kv_scales: torch.Tensor | float | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         super().__init__(role=role, host=host, port=port, connect_timeout_s=connect_timeout_s,
                          timeout_s=timeout_s, publish_timeout_s=publish_timeout_s,
-                         max_lease_s=max_lease_s, failure_policy=failure_policy)
+                         max_lease_s=max_lease_s, failure_policy=failure_policy, tp=tp,
+                         num_kv_heads=num_kv_heads, kv_scales=kv_scales,
+                         staging_bytes=staging_bytes)
         if protocol not in MOONCAKE_PROTOCOLS:
             raise ValueError(f"protocol={protocol!r} is not a Mooncake transport; use one of "
                              f"{', '.join(map(repr, MOONCAKE_PROTOCOLS))} ('tcp' works on any "

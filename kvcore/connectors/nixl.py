@@ -30,7 +30,14 @@ from typing import Any
 import torch
 
 from kvcore.connectors.base import RegisteredCaches
-from kvcore.connectors.pull import PullConnector, Regions, Run, memory_kind
+from kvcore.connectors.convert import TPRank
+from kvcore.connectors.pull import (
+    DEFAULT_STAGING_BYTES,
+    PullConnector,
+    Regions,
+    Run,
+    memory_kind,
+)
 
 __all__ = ["UCX_DEFAULTS", "NixlConnector", "nixl_unavailable_reason"]
 
@@ -168,6 +175,7 @@ class _Agent:
                                f"{self.mem_type} on {storage.device}) with backends "
                                f"{list(backends)}: {exc}") from exc
         self._storage = storage  # the registered memory stays alive while the agent is
+        self._staged: list[tuple[Any, torch.Tensor]] = []  # a converting consumer's buffers
 
     # -- producer -------------------------------------------------------------------------
 
@@ -237,16 +245,31 @@ class _Agent:
                 return False
         return True
 
+    def register_staging(self, staging: torch.Tensor) -> None:
+        nbytes = staging.numel() * staging.element_size()
+        with self.lock:
+            try:
+                descs = self.agent.register_memory(
+                    [(staging.data_ptr(), nbytes, memory_kind(staging, "nixl")[1], "")],
+                    self.mem_type)
+            except Exception as exc:
+                raise RuntimeError(f"NIXL could not register the consumer's staging buffer "
+                                   f"({nbytes} bytes on {staging.device}): {exc}") from exc
+            self._staged.append((descs, staging))
+
     def close(self) -> None:
         with self.lock:
             if self.agent is None:
                 return
-            try:
-                self.agent.deregister_memory(self._reg_descs)
-            except Exception as exc:  # closing must go on; the agent frees it anyway
-                logger.warning("nixl agent %s: deregistering memory failed: %s", self.name, exc)
+            for descs in (self._reg_descs, *(d for d, _ in self._staged)):
+                try:
+                    self.agent.deregister_memory(descs)
+                except Exception as exc:  # closing must go on; the agent frees it anyway
+                    logger.warning("nixl agent %s: deregistering memory failed: %s", self.name,
+                                   exc)
             self.agent = None
             self._storage = None
+            self._staged = []
 
 
 # -- the connector --------------------------------------------------------------------------
@@ -291,6 +314,25 @@ class NixlConnector(PullConnector):
             ``UCX_PROTO_INFO=y`` (``benchmarks/bench_nixl.py --matrix`` does); see
             ``docs/connector.md`` for what was measured.
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
+        tp: this engine's tensor-parallel ``(degree, rank)`` (or a
+            :class:`~kvcore.connectors.TPRank`; default TP 1): its cache holds that rank's
+            slice of the KV heads. Sent in the handshake.
+        num_kv_heads: the model's KV heads over all ranks, when the layouts cannot tell
+            (both sides one head per rank); sent in the handshake.
+        kv_scales: consumer: this cache's per-layer K/V fp8 scales, ``(num_layers, 2)`` or
+            one float; passing them allows a wider producer cache to be quantised into this
+            fp8 one on load (refused otherwise).
+        staging_bytes: consumer: the buffer a load READs into when the two layouts differ
+            (:data:`~kvcore.connectors.pull.DEFAULT_STAGING_BYTES`); a load converts as many
+            blocks at a time as it holds.
+
+    Layouts may differ: the handshake plans the conversion
+    (:func:`~kvcore.connectors.plan_conversion`, producer -> consumer, from both layouts and
+    ``tp``) and refuses, before any byte moves, what cannot convert. The bytes then cross
+    once in the producer's layout into the staging buffer, and one gather per load rearranges
+    them into the consumer's blocks (:attr:`plan`). With block sizes that differ, keys name
+    the producer's blocks (:attr:`key_block_size`) and ``block_ids`` the consumer's blocks
+    those tokens fill (``docs/connector.md``).
     """
 
     transport = "nixl"
@@ -311,10 +353,16 @@ class NixlConnector(PullConnector):
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
         ucx_tls: str | None = None,
         failure_policy: str = "recompute",
+        tp: TPRank | tuple[int, int] | None = None,
+        num_kv_heads: int | None = None,
+        kv_scales: torch.Tensor | float | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         super().__init__(role=role, host=host, port=port, connect_timeout_s=connect_timeout_s,
                          timeout_s=timeout_s, publish_timeout_s=publish_timeout_s,
-                         max_lease_s=max_lease_s, failure_policy=failure_policy)
+                         max_lease_s=max_lease_s, failure_policy=failure_policy, tp=tp,
+                         num_kv_heads=num_kv_heads, kv_scales=kv_scales,
+                         staging_bytes=staging_bytes)
         if isinstance(backends, str) or not isinstance(backends, Sequence) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
             raise TypeError(f"backends must be a non-empty list of NIXL backend names such as "

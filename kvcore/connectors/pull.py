@@ -65,6 +65,13 @@ import torch
 
 from kvcore import KVCacheLayout, LayoutMismatchError
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
+from kvcore.connectors.convert import (
+    ConversionPlan,
+    LayoutConversionError,
+    TPRank,
+    as_tp_rank,
+    plan_conversion,
+)
 from kvcore.connectors.pull_producer import (
     ChannelError,
     Producer,
@@ -74,11 +81,15 @@ from kvcore.connectors.pull_producer import (
     send_frame,
 )
 
-__all__ = ["Engine", "PullConnector", "Regions", "Run", "memory_kind"]
+__all__ = ["DEFAULT_STAGING_BYTES", "Engine", "PullConnector", "Regions", "Run", "memory_kind"]
 
 logger = logging.getLogger(__name__)
 
 _ROLES = ("producer", "consumer")
+
+#: A converting consumer's staging buffer (``staging_bytes``): READs of the producer's blocks
+#: land there in the producer's layout, then one gather converts them into the cache.
+DEFAULT_STAGING_BYTES = 256 << 20
 
 
 # -- memory ---------------------------------------------------------------------------------
@@ -179,6 +190,10 @@ class Engine(Protocol):
         """Producer: the READ notifications that arrived, as ``(consumer, message)``;
         ``[]`` where READs are confirmed over the side channel."""
 
+    def register_staging(self, staging: torch.Tensor) -> None:
+        """Consumer: register ``staging`` (local READs may land in it) beside the cache;
+        released by :meth:`close`."""
+
     def close(self) -> None:
         """Deregister the memory and let the engine go (idempotent)."""
 
@@ -199,6 +214,7 @@ class _Consumer:
         self.remote: Any = None  # what the engine calls the producer
         self.regions: Regions | None = None
         self.num_blocks = 0
+        self.plan: ConversionPlan | None = None  # producer's layout -> this cache's
 
     def connect(self, local: Regions) -> None:
         conn = self.conn
@@ -222,7 +238,10 @@ class _Consumer:
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             send_frame(sock, {"op": "hello", "protocol": conn.channel_protocol,
-                               "agent": self.engine.name, "layout": conn._layout.to_dict()})
+                               "agent": self.engine.name, "layout": conn._layout.to_dict(),
+                               "tp": [conn.tp.degree, conn.tp.rank],
+                               "num_kv_heads": conn.num_kv_heads,
+                               "quantize": conn._kv_scales is not None})
             reply = recv_frame(sock)
         except (OSError, ChannelError) as exc:
             close_socket(sock)
@@ -247,11 +266,17 @@ class _Consumer:
         if "layout" in reply:
             try:
                 theirs = KVCacheLayout.from_dict(reply["layout"])
+                src_tp = as_tp_rank(reply.get("tp"), "the producer's tp")
             except (TypeError, ValueError) as exc:
                 raise LayoutMismatchError(f"{names[1]} sent a layout this kvcore cannot read "
                                           f"({exc}); {names[0]} has {layout.describe()}"
                                           ) from exc
-            layout.check_compatible(theirs, ignore_num_blocks=True, names=names)
+            # The same plan the producer agreed to (or refused, naming the field).
+            try:
+                self.plan = self.conn._plan_from(theirs, src_tp, reply.get("num_kv_heads"))
+            except LayoutConversionError as exc:
+                raise LayoutConversionError(f"{names[0]} cannot load from {names[1]}: {exc}"
+                                            ) from None
         if not reply.get("ok"):
             raise ConnectionError(f"{self.who}: the producer at {where} refused the "
                                   f"connection: {reply.get('error')}")
@@ -352,7 +377,9 @@ class PullConnector(KVConnector):
 
     def __init__(self, *, role: str, host: str, port: int, connect_timeout_s: float,
                  timeout_s: float, publish_timeout_s: float, max_lease_s: float,
-                 failure_policy: str) -> None:
+                 failure_policy: str, tp: TPRank | tuple[int, int] | None = None,
+                 num_kv_heads: int | None = None, kv_scales: Any = None,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         if role not in _ROLES:
             raise ValueError(f"role={role!r} must be 'producer' (publishes blocks) or "
                              "'consumer' (reads them)")
@@ -366,6 +393,19 @@ class PullConnector(KVConnector):
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.publish_timeout_s = check_seconds("publish_timeout_s", publish_timeout_s)
         self.max_lease_s = check_seconds("max_lease_s", max_lease_s)
+        self.tp = as_tp_rank(tp)
+        if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(
+                num_kv_heads, int) or num_kv_heads < 1):
+            raise ValueError(f"num_kv_heads={num_kv_heads!r} must be None (from the layouts) "
+                             "or the model's KV head count, a positive int")
+        self.num_kv_heads = num_kv_heads
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) \
+                or staging_bytes <= 0:
+            raise ValueError(f"staging_bytes={staging_bytes!r} must be a positive int (bytes "
+                             "of the consumer's buffer for READs it converts)")
+        self.staging_bytes = staging_bytes
+        self._kv_scales = kv_scales
+        self._plan: ConversionPlan | None = None
 
     def _start(self, role: str, host: str, port: int, failure_policy: str) -> None:
         """The rest of ``__init__``, after the subclass checked its own arguments: refuse a
@@ -413,6 +453,8 @@ class PullConnector(KVConnector):
         try:
             if self.role == "producer":
                 hello = {"protocol": self.channel_protocol, "layout": self._layout.to_dict(),
+                         "tp": [self.tp.degree, self.tp.rank],
+                         "num_kv_heads": self.num_kv_heads,
                          "agent": engine.name, "regions": regions.to_dict(),
                          "num_blocks": reg.kv_caches.num_blocks,
                          "max_lease_s": self.max_lease_s,
@@ -422,6 +464,9 @@ class PullConnector(KVConnector):
                 consumer = _Consumer(self, engine)
                 consumer.connect(regions)
                 self._consumer = consumer
+                if consumer.plan is not None and not consumer.plan.is_identity:
+                    self._plan = consumer.plan
+                    self._stage(reg, consumer.regions, engine)
                 self._loader = ThreadPoolExecutor(
                     2, thread_name_prefix=f"kvcore-{self.transport}-load")
         except BaseException:
@@ -433,6 +478,53 @@ class PullConnector(KVConnector):
         self._finalizer = weakref.finalize(
             self, PullConnector._release, self._producer,
             [self._consumer, self._loader, engine], self.timeout_s)
+
+    def _stage(self, reg: RegisteredCaches, remote: Regions, engine: Engine) -> None:
+        """Allocate and register the buffer that converting READs land in: blocks of the
+        producer's layout, as many whole groups of the plan as ``staging_bytes`` holds (one
+        group at least), laid out like the producer's regions (one per layer, or one)."""
+        plan = self._plan
+        block_bytes = sum(remote.row_bytes)
+        per_group = plan.group_tokens // plan.src_block_size
+        groups = max(1, self.staging_bytes // (block_bytes * per_group))
+        count = groups * per_group
+        storage = reg.kv_caches.storage
+        self._staging = torch.empty(count * block_bytes, dtype=torch.uint8,
+                                    device=storage.device)
+        self._staging_blocks = count
+        base = self._staging.data_ptr()
+        if len(remote.row_bytes) == 1:  # cross-layer: a block is one row of every layer
+            addrs, strides = (base,), (block_bytes,)
+        else:  # per layer: layer l's blocks are one run, rows back to back
+            addrs = tuple(base + sum(remote.row_bytes[:i]) * count
+                          for i in range(len(remote.row_bytes)))
+            strides = remote.row_bytes
+        self._staging_regions = Regions(addrs, strides, remote.row_bytes,
+                                        *memory_kind(storage, self.transport))
+        engine.register_staging(self._staging)
+        logger.info("%s consumer: converting on load with a %d-block staging buffer:\n%s",
+                    self.transport, count, plan)
+
+    def _blocks_for_keys(self, num_keys: int) -> int:
+        return num_keys if self._plan is None else self._plan.blocks_for_keys(num_keys)
+
+    def _key_tokens(self) -> int:
+        return super()._key_tokens() if self._plan is None else self._plan.src_block_size
+
+    @property
+    def plan(self) -> ConversionPlan | None:
+        """Consumer: the conversion agreed with the producer at registration (``None``
+        before, and for a producer); :attr:`ConversionPlan.is_identity` when the layouts
+        match and blocks are READ straight into the cache."""
+        return self._plan if self._plan is not None or self._consumer is None \
+            else self._consumer.plan
+
+    @property
+    def key_block_size(self) -> int:
+        """Tokens one key of :meth:`load` names: the producer's block size for a consumer
+        (known once registered), this cache's otherwise. Compute keys with
+        ``hash_request_tokens(tokens, connector.key_block_size)``."""
+        return self._key_tokens()
 
     @staticmethod
     def _release(producer: Producer | None, parts: list[Any], join_s: float) -> None:
@@ -450,6 +542,15 @@ class PullConnector(KVConnector):
 
     def _close(self) -> None:
         self._finalizer()
+
+    def _plan_from(self, producer: KVCacheLayout, producer_tp: TPRank,
+                   producer_heads: Any) -> ConversionPlan:
+        """The conversion from the producer's cache into this consumer's (raises
+        :class:`LayoutConversionError` naming both layouts and the field)."""
+        heads = self.num_kv_heads if self.num_kv_heads is not None else producer_heads
+        return plan_conversion(producer, self._layout, src_tp=producer_tp, dst_tp=self.tp,
+                               num_kv_heads=heads if isinstance(heads, int) else None,
+                               quantize=self._kv_scales is not None)
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -500,8 +601,56 @@ class PullConnector(KVConnector):
                                    ) -> TransferResult:
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
-        todo = OrderedDict((i, None) for i in range(len(keys)))  # indices not read yet
+        if self._plan is None:
+            read, errors = self._pull(keys, block_ids, self._regions, deadline)
+            loaded = [block_ids[i] for i in sorted(read)]
+            failed = {block_ids[i]: why for i, why in errors.items()}
+            nbytes = len(loaded) * self.block_bytes
+        else:
+            loaded, failed, nbytes = self._read_converting(keys, block_ids, deadline)
+        order = {b: n for n, b in enumerate(block_ids)}
+        loaded.sort(key=order.__getitem__)
+        return self._record(self._result("load", loaded, failed, nbytes,
+                                         time.perf_counter() - started))
+
+    def _read_converting(self, keys: list[str], block_ids: list[int], deadline: float
+                         ) -> tuple[list[int], dict[int, str], int]:
+        """READ the producer's blocks into the staging buffer, as many whole groups of the
+        plan at a time as it holds, and convert each chunk into ``block_ids`` with one
+        gather (:meth:`ConversionPlan.apply_keys`)."""
+        plan, staging = self._plan, self._staging
+        per_group = plan.group_tokens // plan.src_block_size
+        dst_per_group = plan.group_tokens // plan.dst_block_size
+        chunk = self._staging_blocks // per_group * per_group
         loaded: list[int] = []
+        failed: dict[int, str] = {}
+        nbytes = 0
+        for k0 in range(0, len(keys), chunk):
+            part = keys[k0:k0 + chunk]
+            d0 = k0 // per_group * dst_per_group
+            dst = block_ids[d0:d0 + plan.blocks_for_keys(len(part))]
+            read, errors = self._pull(part, list(range(len(part))), self._staging_regions,
+                                      deadline)
+            arrived = [i in read for i in range(len(part))]
+            written, missing, moved = plan.apply_keys(
+                staging, self._reg.kv_caches, list(range(len(part))), dst, arrived,
+                dst_scales=self._kv_scales)
+            if written and staging.is_cuda:  # the gather ran on this thread's stream
+                torch.cuda.current_stream(staging.device).synchronize()
+            loaded.extend(written)
+            nbytes += moved
+            for block, i in missing.items():
+                why = errors.get(i, "not read")
+                failed[block] = f"source block {k0 + i} of the load (key {part[i][:12]}..): {why}"
+        return loaded, failed, nbytes
+
+    def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float
+              ) -> tuple[set[int], dict[int, str]]:
+        """READ the producer's blocks of ``keys`` into blocks ``local_ids`` of ``local``
+        (this cache, or the staging buffer); returns the indices read whole and why the
+        others failed."""
+        todo = OrderedDict((i, None) for i in range(len(keys)))  # indices not read yet
+        loaded: set[int] = set()
         failed: dict[int, str] = {}
         pause = 0.002
         while todo:
@@ -512,47 +661,42 @@ class PullConnector(KVConnector):
                      "lease_s": 2 * self.timeout_s},
                     timeout=max(deadline - time.monotonic(), 0.001))
             except ChannelError as exc:
-                failed.update((block_ids[i], str(exc)) for i in todo)
+                failed.update((i, str(exc)) for i in todo)
                 break
             lease, blocks = reply.get("lease"), reply.get("blocks")
             if not isinstance(blocks, list) or len(blocks) != len(wanted):
-                failed.update((block_ids[i], f"the producer answered {str(reply)[:200]!r}")
-                              for i in todo)
+                failed.update((i, f"the producer answered {str(reply)[:200]!r}") for i in todo)
                 break
             pairs = []
             for j, (i, src) in enumerate(zip(wanted, blocks, strict=True)):
                 if src is None:
                     continue
                 if not (isinstance(src, int) and 0 <= src < self._consumer.num_blocks):
-                    failed[block_ids[i]] = f"the producer named block {src!r}"
+                    failed[i] = f"the producer named block {src!r}"
                     del todo[i]
                     continue
-                pairs.append((j, src, block_ids[i]))
+                pairs.append((j, src, local_ids[i]))
             if pairs:
-                read, errors = self._read_runs(lease, _runs(pairs), deadline)
+                read, errors = self._read_runs(lease, _runs(pairs), deadline, local)
                 for j in read:
                     del todo[wanted[j]]
-                    loaded.append(block_ids[wanted[j]])
+                    loaded.add(wanted[j])
                 for j, why in errors.items():
                     del todo[wanted[j]]
-                    failed[block_ids[wanted[j]]] = why
+                    failed[wanted[j]] = why
             if not todo:
                 break
             # Poll again only with time left for an answer and a READ.
             if time.monotonic() + max(pause, min(0.25, self.timeout_s / 4)) >= deadline:
                 why = (f"not published by the producer at {self.host}:{self.port} within "
                        f"timeout_s={self.timeout_s}")
-                failed.update((block_ids[i], why) for i in todo)
+                failed.update((i, why) for i in todo)
                 break
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
-        order = {b: n for n, b in enumerate(block_ids)}
-        loaded.sort(key=order.__getitem__)
-        return self._record(self._result("load", loaded, failed,
-                                         len(loaded) * self.block_bytes,
-                                         time.perf_counter() - started))
+        return loaded, failed
 
-    def _read_runs(self, lease: str, runs: list[Run], deadline: float
+    def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions
                    ) -> tuple[list[int], dict[int, str]]:
         """READ every run (one READ each) until done, failed or ``deadline``. Returns the
         fetch indices read whole and those that failed with why."""
@@ -563,8 +707,7 @@ class PullConnector(KVConnector):
         active: list[Run] = []
         for run in runs:
             try:
-                engine.start_read(run, lease, self._regions, consumer.regions,
-                                  consumer.remote)
+                engine.start_read(run, lease, local, consumer.regions, consumer.remote)
                 active.append(run)
             except Exception as exc:
                 errors.update((j, f"{label} READ could not start: {exc}")
@@ -619,7 +762,7 @@ class PullConnector(KVConnector):
                 consumer.request({"op": "giveback", "lease": lease, "indices": finished})
             except ChannelError:
                 pass  # the lease expires on the producer
-        if read and self._regions.mem_type == "VRAM":
+        if read and local.mem_type == "VRAM":
             torch.cuda.synchronize(self._reg.kv_caches.storage.device)
         return read, errors
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcore import KVCacheLayout
+from kvcore.connectors.convert import TPRank, as_tp_rank, plan_conversion
 from kvcore.connectors.keys import check_block_keys
 
 __all__ = ["CLOSED_LINK_GRACE_S", "BadFrame", "ChannelError", "Notifier", "Producer",
@@ -129,6 +130,8 @@ class ProducerSide(Protocol):
     connect_timeout_s: float
     publish_timeout_s: float
     max_lease_s: float
+    tp: TPRank
+    num_kv_heads: int | None
     _layout: KVCacheLayout
 
 
@@ -477,9 +480,13 @@ class Producer:
             return None
         try:
             theirs = KVCacheLayout.from_dict(hello.get("layout"))
-            layout.check_compatible(theirs, ignore_num_blocks=True,
-                                    names=("producer", f"consumer {addr[0]}"))
-        except (TypeError, ValueError) as exc:  # LayoutMismatchError is a ValueError
+            heads = hello.get("num_kv_heads")
+            heads = heads if isinstance(heads, int) else self.conn.num_kv_heads
+            # The consumer converts on load; refuse here what it could not convert.
+            plan_conversion(layout, theirs, src_tp=self.conn.tp,
+                            dst_tp=as_tp_rank(hello.get("tp"), "the consumer's tp"),
+                            num_kv_heads=heads, quantize=hello.get("quantize") is True)
+        except (TypeError, ValueError) as exc:  # LayoutConversionError is a ValueError
             logger.warning("%s: refused consumer %s: %s", self.who, addr, exc)
             send_frame(sock, {"ok": False, "error": str(exc), "protocol": protocol,
                                "layout": layout.to_dict()})

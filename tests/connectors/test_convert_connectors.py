@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 from kv_helpers import keys_for, make_caches
+from pull_cases import PULLS
 
 from kvcore import KVCaches
-from kvcore.connectors import get_connector
+from kvcore.connectors import LayoutConversionError, get_connector
 
 
 def logical_blocks(kv: KVCaches, block_ids: list[int]) -> torch.Tensor:
@@ -90,3 +91,111 @@ def test_offload_reregistration_keeps_the_block_size():
             conn.reregister_kv_caches(make_caches(layout="hnd", cross_layer=True, block_size=8))
         with pytest.raises(ValueError, match=r"an MLA latent cache and a K/V cache"):
             conn.reregister_kv_caches(make_caches(layout="mla", cross_layer=False))
+
+
+# -- pull connectors (nixl, mooncake): the consumer converts on load ---------------------------
+
+
+def tokens_of(kv: KVCaches, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """``(layers, 2, num_tokens, heads, dim)`` values of the tokens held by ``block_ids`` in
+    order, through the logical views."""
+    idx = torch.tensor(block_ids)
+    out = []
+    for layer in kv.layers:
+        blocks = layer.index_select(0, idx)  # (n, 2, N, H, D)
+        out.append(blocks.transpose(0, 1).flatten(1, 2)[:, :num_tokens])
+    return torch.stack(out)
+
+
+#: (producer layout, cross, block size, heads, tp) -> (consumer ...), source blocks
+CONVERTING_PULLS = {
+    "4nhd->8hnd-cross, partial last block": (
+        ("nhd", False, 4, 2, None), ("hnd", True, 8, 2, None), 5),
+    "8hnd-cross->4nhd": (("hnd", True, 8, 2, None), ("nhd", False, 4, 2, None), 3),
+    "tp1->2 head slice": (("nhd", True, 4, 2, None), ("interleaved", False, 8, 1, (2, 1)), 6),
+}
+
+
+@pytest.mark.parametrize("pull, case, staging_bytes", [
+    # Every case on nixl, in one chunk and one group per chunk; one on mooncake (slower).
+    *(pytest.param(PULLS[0].values[0], case, staging, marks=PULLS[0].marks,
+                   id=f"nixl-{name}-{chunks}")
+      for name, case in CONVERTING_PULLS.items()
+      for staging, chunks in ((1 << 20, "one-chunk"), (1, "chunk-per-group"))),
+    pytest.param(PULLS[1].values[0], CONVERTING_PULLS["tp1->2 head slice"], 1,
+                 marks=PULLS[1].marks, id="mooncake-tp1->2 head slice-chunk-per-group"),
+])
+def test_pull_consumer_converts_on_load(pull, case, staging_bytes):
+    (p_layout, p_cross, p_bs, p_heads, p_tp), (c_layout, c_cross, c_bs, c_heads, c_tp), n = case
+    seed = random.randrange(2**31)
+    src = make_caches(layout=p_layout, cross_layer=p_cross, block_size=p_bs,
+                      num_kv_heads=p_heads, seed=seed)
+    dst = make_caches(layout=c_layout, cross_layer=c_cross, block_size=c_bs,
+                      num_kv_heads=c_heads)
+    before = {b: tokens_of(dst, [b], c_bs).clone() for b in range(dst.num_blocks)}
+    keys = keys_for(seed, n, block_size=p_bs)
+    src_ids = [3, 4, 5, 9, 10, 1][:n]
+    dst_ids = [7, 0, 2, 11, 5, 6][:-(-n * p_bs // c_bs)]
+    with pull.producer(tp=p_tp) as prod:
+        prod.register_kv_caches(src)
+        save = prod.save(keys, src_ids)
+        with pull.consumer(prod.port, tp=c_tp, staging_bytes=staging_bytes) as conn:
+            conn.register_kv_caches(dst)
+            assert conn.plan is not None and not conn.plan.is_identity
+            assert conn.key_block_size == p_bs
+            assert conn.lookup(keys) == n
+            result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
+            assert result.ok, result.failed
+            assert sorted(result.succeeded) == sorted(dst_ids)
+        assert save.wait(timeout=pull.wait_s).ok
+    num_tokens = n * p_bs
+    want = tokens_of(src, src_ids, num_tokens)
+    if c_tp is not None:  # this rank's slice of the heads
+        want = want[:, :, :, [c_tp[1]]]
+    assert torch.equal(tokens_of(dst, dst_ids, num_tokens).view(torch.uint8),
+                       want.contiguous().view(torch.uint8))
+    # The partial last block keeps its other tokens; other blocks are untouched.
+    last = dst_ids[-1]
+    filled = num_tokens - (len(dst_ids) - 1) * c_bs
+    assert torch.equal(tokens_of(dst, [last], c_bs)[:, :, filled:], before[last][:, :, filled:])
+    for b in set(range(dst.num_blocks)) - set(dst_ids):
+        assert torch.equal(tokens_of(dst, [b], c_bs), before[b])
+
+
+@pytest.mark.parametrize("pull", PULLS)
+def test_pull_consumer_refuses_what_cannot_convert_before_any_byte(pull):
+    src = make_caches(layout="nhd", cross_layer=False, num_kv_heads=2)
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        for kind, match in (({"layout": "mla"}, r"an MLA latent cache and a K/V cache"),
+                            ({"num_kv_heads": 3}, r"KV heads \(H\)"),
+                            ({"block_size": 6}, r"block size \(N\) 4 vs 6: one must divide")):
+            dst = make_caches(cross_layer=False, **kind)
+            with pull.consumer(prod.port) as conn, pytest.raises(LayoutConversionError,
+                                                                   match=match) as info:
+                conn.register_kv_caches(dst)
+            assert str(src.layout) in str(info.value) and str(dst.layout) in str(info.value)
+        # fp8 only with the consumer's scales (quantize is opt-in).
+        with pull.consumer(prod.port) as conn, pytest.raises(LayoutConversionError,
+                                                               match=r"pass quantize=True"):
+            conn.register_kv_caches(make_caches(cross_layer=False, dtype="fp8"))
+
+
+@pytest.mark.parametrize("pull", PULLS)
+def test_pull_bad_loads_are_refused_naming_the_argument(pull):
+    src = make_caches(layout="nhd", cross_layer=False)
+    keys = keys_for(random.randrange(2**31), 3)
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        with pull.consumer(prod.port) as conn:
+            conn.register_kv_caches(make_caches(layout="hnd", cross_layer=True, block_size=8))
+            # 3 blocks of 4 tokens fill 2 blocks of 8 here.
+            with pytest.raises(ValueError, match=r"keys has 3 entries, blocks of the peer's 4 "
+                                                 r"tokens, which fill 2 block\(s\) .* 8 tokens"
+                                                 r", but block_ids has 3"):
+                conn.load(keys, [0, 1, 2])
+            with pytest.raises(ValueError, match=r"block_ids\[1\]=12 is outside"):
+                conn.load(keys, [0, 12])
+    with pytest.raises(ValueError, match=r"tp=\(2, 2\) \(degree, rank\): TPRank.rank=2 is "
+                                         r"outside the tensor-parallel degree 2"):
+        pull.consumer(1234, tp=(2, 2))

@@ -38,11 +38,13 @@ def test_round_trip_between_two_processes_is_bit_exact(pull, layout, cross, dtyp
 def test_layout_mismatch_is_refused_before_any_byte_moves(pull):
     with pull.producer_process("serve", 3, layout="nhd") as peer:
         port = peer.port()
-        kv = make_caches(cross_layer=False, layout="hnd")
+        # NHD against HND converts on load (test_convert_connectors.py); MLA against K/V
+        # cannot.
+        kv = make_caches(cross_layer=False, layout="mla")
         before = kv.storage.clone()
         conn = pull.consumer(port)
         with pytest.raises(LayoutMismatchError, match=r"consumer .*producer 127\.0\.0\.1:"
-                                                      r"\d+.*physical order"):
+                                                      r"\d+.*MLA latent cache and a K/V"):
             conn.register_kv_caches(kv)
         conn.close()
         assert torch.equal(kv.storage.view(torch.uint8), before.view(torch.uint8))
