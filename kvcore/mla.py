@@ -18,10 +18,23 @@ one code path for mixed batches), and reads each latent once per head block; the
 compute on long prefills: per score it spends ``kv_lora_rank + rope_dim`` (576) multiply-adds
 instead of ``qk_nope + rope`` (192), which a prefill-specialised backend may avoid by expanding
 K/V instead.
+
+The pipeline of a layer is three launches and no allocation when the backend's builder gives
+the step's buffers (:class:`MLAStepBuffers`, made once per builder by
+:meth:`MLACommonBackend.new_step_buffers`, cut per step by :meth:`MLAStepBuffers.for_step`):
+``W_UK`` is applied with ``torch.bmm(..., out=)`` straight into the first ``kv_lora_rank``
+channels of the step's latent-query buffer; the backend's kernel hook
+(:meth:`MLACommonImpl._latent_attention_into`) reads the latent query and ``q_pe`` (a view of
+the layer's query) separately where its kernel takes them apart (FLASHINFER_MLA), or copies
+``q_pe`` into the buffer's last channels for a kernel that reads one query tensor
+(TRITON_MLA, CPU_MLA), and writes the latent output into the step's output buffer; ``W_UV``
+is applied with ``torch.bmm(..., out=)`` straight into the layer's ``output``. No
+``torch.cat``, no copy of the output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
 
 import torch
@@ -30,8 +43,10 @@ from kvcore.backend import AttentionBackend
 from kvcore.impl import AttentionImpl
 from kvcore.metadata import AttentionLayer, AttentionMetadata
 from kvcore.platform_types import AttentionType
+from kvcore.spec import MLAAttentionSpec
 
-__all__ = ["MLACommonBackend", "MLACommonImpl", "latent_cache_shape"]
+__all__ = ["MLACommonBackend", "MLACommonImpl", "MLAStepBuffers", "MLAStepViews",
+           "latent_cache_shape"]
 
 
 def latent_cache_shape(
@@ -48,6 +63,74 @@ def latent_cache_shape(
             "kv_lora_rank + rope_dim, e.g. 576)"
         )
     return (num_blocks, block_size, head_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MLAStepViews:
+    """One step's views of :class:`MLAStepBuffers` (made once per step, shared by its layers).
+
+    Attributes:
+        q_latent: ``(num_tokens, num_heads, kv_lora_rank + rope_dim)``: the absorbed query
+            ``[W_UK^T q_nope, q_pe]``.
+        q_nope: ``q_latent[..., :kv_lora_rank]``, the absorbed part.
+        q_nope_t: ``q_nope.transpose(0, 1)``, what ``W_UK``'s ``bmm`` writes.
+        q_rope: ``q_latent[..., kv_lora_rank:]``, where a one-tensor kernel's ``q_pe`` goes.
+        o_latent: ``(num_tokens, num_heads, kv_lora_rank)``: the latent attention output.
+        o_latent_t: ``o_latent.transpose(0, 1)``, what ``W_UV``'s ``bmm`` reads.
+    """
+
+    q_latent: torch.Tensor
+    q_nope: torch.Tensor
+    q_nope_t: torch.Tensor
+    q_rope: torch.Tensor
+    o_latent: torch.Tensor
+    o_latent_t: torch.Tensor
+
+    @classmethod
+    def of(cls, q_latent: torch.Tensor, o_latent: torch.Tensor) -> MLAStepViews:
+        """The views of a latent query ``(n, heads, kv_lora_rank + rope_dim)`` and a latent
+        output ``(n, heads, kv_lora_rank)``."""
+        rank = o_latent.shape[-1]
+        q_nope = q_latent[..., :rank]
+        return cls(q_latent, q_nope, q_nope.transpose(0, 1), q_latent[..., rank:], o_latent,
+                   o_latent.transpose(0, 1))
+
+    def fits(self, query: torch.Tensor, num_heads: int, latent_size: int) -> bool:
+        """Whether these views serve a layer of ``num_heads`` heads and latent size
+        ``latent_size`` on ``query``'s rows, dtype and device."""
+        q = self.q_latent
+        return (q.shape[0] == query.shape[0] and q.shape[1] == num_heads
+                and q.shape[2] == latent_size and q.dtype == query.dtype
+                and q.device == query.device)
+
+
+class MLAStepBuffers:
+    """The absorbed forward's intermediates, allocated once (by a backend's builder, with
+    :meth:`MLACommonBackend.new_step_buffers`) for every step and layer: a latent query
+    ``(max_num_tokens, num_heads, kv_lora_rank + rope_dim)`` and a latent output
+    ``(max_num_tokens, num_heads, kv_lora_rank)`` in the model dtype. Layers of one step run
+    one after another, so one pair serves them all; a step's views start at the buffers'
+    first row, so a step captured in a CUDA graph reads the same memory on every replay."""
+
+    def __init__(self, max_num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        with torch.inference_mode(False):
+            self.q_latent = torch.empty(max_num_tokens, num_heads, kv_lora_rank + rope_dim,
+                                        dtype=dtype, device=device)
+            self.o_latent = torch.empty(max_num_tokens, num_heads, kv_lora_rank, dtype=dtype,
+                                        device=device)
+        self._views: dict[int, MLAStepViews] = {}
+
+    def for_step(self, num_tokens: int) -> MLAStepViews:
+        """The views of a step of ``num_tokens`` query rows (made once per row count)."""
+        views = self._views.get(num_tokens)
+        if views is None:
+            if not 0 <= num_tokens <= self.q_latent.shape[0]:
+                raise ValueError(f"num_tokens={num_tokens} exceeds the {self.q_latent.shape[0]} "
+                                 "rows these buffers were made for (max_num_batched_tokens)")
+            views = self._views[num_tokens] = MLAStepViews.of(self.q_latent[:num_tokens],
+                                                              self.o_latent[:num_tokens])
+        return views
 
 
 class MLACommonBackend(AttentionBackend):
@@ -74,6 +157,15 @@ class MLACommonBackend(AttentionBackend):
         """Identity (``B,N,D``; with layers ``L,B,N,D``): not cross-layer, see the class doc."""
         return (0, 1, 2, 3) if include_num_layers_dimension else (0, 1, 2)
 
+    @staticmethod
+    def new_step_buffers(spec: MLAAttentionSpec, *, num_heads: int, max_num_tokens: int,
+                         device: torch.device | str) -> MLAStepBuffers:
+        """The :class:`MLAStepBuffers` a builder of this backend owns: ``max_num_tokens`` rows
+        of ``num_heads`` heads in ``spec``'s model dtype (latent query ``kv_lora_rank +
+        qk_rope_head_dim`` and latent output ``kv_lora_rank`` channels each)."""
+        return MLAStepBuffers(max_num_tokens, num_heads, spec.kv_lora_rank,
+                              spec.qk_rope_head_dim, spec.dtype, device)
+
 
 class MLACommonImpl(AttentionImpl):
     """Per-layer MLA state and the absorbed forward (see the module docstring).
@@ -85,7 +177,9 @@ class MLACommonImpl(AttentionImpl):
     qk_rope_head_dim)`` (or ``(num_tokens, 1, qk_rope_head_dim)``); the fp8 scale of the
     latent cache is ``layer.k_scale``. :meth:`forward` does not read ``key`` and ``value``
     (the latents come from the cache): pass ``None``. A backend implements
-    :meth:`write_kv_cache` and :meth:`_latent_attention`.
+    :meth:`write_kv_cache` and :meth:`_latent_attention`, and where its kernels allow it
+    :meth:`_latent_attention_into` (the query's two parts apart, the output given) and
+    :meth:`step_views` (its builder's buffers).
 
     Args:
         num_heads: query heads of this layer (on this rank).
@@ -176,15 +270,42 @@ class MLACommonImpl(AttentionImpl):
         """``(num_tokens, num_heads, v_head_dim)`` in the query's dtype."""
         return query.new_empty((query.shape[0], self.num_heads, self.v_head_dim))
 
+    def step_views(self, attn_metadata: AttentionMetadata) -> MLAStepViews | None:
+        """The step's buffer views from the backend's builder (hook; ``None``, the default:
+        :meth:`attend` allocates them for the call)."""
+        return None
+
     def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
                attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
-        """The absorbed attention (module docstring): ``query`` into latent space,
-        :meth:`_latent_attention` (the backend's kernels), ``W_UV`` into ``output``."""
-        q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-        q = torch.cat([q_latent, q_pe], dim=-1)
-        o_latent = self._latent_attention(layer, q, kv_cache, attn_metadata)
-        output.copy_(torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1))
+        """The absorbed attention (module docstring): ``W_UK`` into the step's latent query,
+        :meth:`_latent_attention_into` (the backend's kernels) into the step's latent output,
+        ``W_UV`` into ``output``."""
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        views = self.step_views(attn_metadata)
+        if views is None or not views.fits(query, self.num_heads, latent):
+            n = query.shape[0]
+            views = MLAStepViews.of(query.new_empty(n, self.num_heads, latent),
+                                    query.new_empty(n, self.num_heads, self.kv_lora_rank))
+        nope = self.qk_nope_head_dim
+        torch.bmm(query[..., :nope].transpose(0, 1), self.w_uk, out=views.q_nope_t)
+        self._latent_attention_into(layer, views, query[..., nope:], kv_cache, attn_metadata)
+        torch.bmm(views.o_latent_t, self.w_uv_t, out=output.transpose(0, 1))
+
+    def _latent_attention_into(self, layer: AttentionLayer, views: MLAStepViews,
+                               q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                               attn_metadata: AttentionMetadata) -> None:
+        """The backend's kernels on the step's views (hook): ``views.q_nope`` holds the
+        absorbed query, ``q_pe`` ``(num_tokens, num_heads, rope_dim)`` is the layer's rope
+        query (a view of its ``query``); write the latent attention into ``views.o_latent``.
+
+        The default serves a kernel that reads one query tensor: ``q_pe`` is copied into
+        ``views.q_rope`` (completing ``views.q_latent``) and :meth:`_latent_attention`'s
+        result into ``views.o_latent``. A backend whose kernel takes the two parts apart, or
+        writes into a given output, overrides it.
+        """
+        views.q_rope.copy_(q_pe)
+        views.o_latent.copy_(self._latent_attention(layer, views.q_latent, kv_cache,
+                                                    attn_metadata))
 
     @abstractmethod
     def _latent_attention(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,

@@ -214,7 +214,11 @@ def test_write_and_forward_on_a_cross_layer_allocation_equal_layers_outermost(mo
                                  query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
                                  block_table=m.block_table, scale=self.scale)
 
-    monkeypatch.setattr(FlashInferMLABackend.get_impl_cls(), "_latent_attention", latent_ref)
+    impl_cls = FlashInferMLABackend.get_impl_cls()
+    monkeypatch.setattr(impl_cls, "_latent_attention", latent_ref)
+    # the common pipeline's hook, which hands the whole latent query to _latent_attention
+    monkeypatch.setattr(impl_cls, "_latent_attention_into",
+                        kvcore.MLACommonImpl._latent_attention_into)
     gen = torch.Generator().manual_seed(11)
     impl = _impl()
     block_size, num_blocks, num_layers, index = 16, 12, 3, 1
@@ -309,7 +313,8 @@ def _latent(impl, meta, q, cache) -> torch.Tensor:
     refuses CPU tensors before reaching FlashInfer)."""
     wrapper, planned_scale = impl._planned(q, cache, meta)
     out = q.new_empty(q.shape[0], impl.num_heads, RANK)
-    flashinfer_mla._run(wrapper, planned_scale, impl.scale, q, cache, out, None)
+    flashinfer_mla._run(wrapper, planned_scale, impl.scale, q[..., :RANK], q[..., RANK:], cache,
+                        out, None)
     return out
 
 
@@ -479,3 +484,39 @@ def test_fp8_scale_tensors_are_read_once_per_step_by_the_builder_not_per_layer(
     gc.collect()
     assert replaced() is None
     assert _FakeFp8Wrapper.scales[-6:] == [0.5, 0.125, 4.0] * 2
+
+
+def test_the_pipeline_passes_the_query_parts_apart_into_the_step_buffers(fake_flashinfer,
+                                                                         monkeypatch):
+    """Through the builder: FlashInfer gets the absorbed query as the step buffer's first
+    channels and ``q_pe`` as a view of the layer's query (no concatenation), writes the step's
+    latent-output buffer, and the layer's output equals CPU_MLA's forward; a layer checks its
+    cache in full on its first step only (later layers and steps take the short path)."""
+    monkeypatch.setattr(flashinfer_mla, "_check_on_gpu", lambda kv_cache: None)
+    calls, runs = [], []
+    real_validate, real_run = flashinfer_mla.validate_mla_attention, _FakeMLAWrapper.run
+    monkeypatch.setattr(flashinfer_mla, "validate_mla_attention",
+                        lambda *a, **k: calls.append(1) or real_validate(*a, **k))
+    monkeypatch.setattr(_FakeMLAWrapper, "run",
+                        lambda self, **kw: runs.append(kw) or real_run(self, **kw))
+    cache, meta, _ = _scale_step()
+    gen = torch.Generator().manual_seed(23)
+    query = torch.randn(meta.num_actual_tokens, 16, NOPE + ROPE, generator=gen).to(torch.bfloat16)
+    impl = _impl()
+    cpu = kvcore.get_attn_backend(kvcore.AttentionSelectorConfig(**MLA),
+                                  backend="CPU_MLA", platform="cpu").get_impl_cls()(
+        16, RANK + ROPE, impl.scale, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE, v_head_dim=V_DIM,
+        kv_b_proj_weight=_weight(16, torch.Generator().manual_seed(16)))
+    expected = cpu.forward(kvcore.LayerScales(), query, None, None, cache, meta)
+    builder = _mla_builder()
+    for _ in range(2):  # two steps of three layers
+        step = builder.build(meta)
+        for _ in range(3):
+            out = impl.forward(kvcore.LayerScales(), query, None, None, cache, step)
+            assert rel_err(out.double(), expected.double()) < REL_ERR
+            q_nope, q_pe = runs[-1]["query"]
+            assert q_pe.data_ptr() == query[..., NOPE:].data_ptr()
+            assert q_nope.data_ptr() == builder.step_buffers.q_latent.data_ptr()
+            assert runs[-1]["out"].data_ptr() == builder.step_buffers.o_latent.data_ptr()
+    assert len(calls) == 1 and len(runs) == 6

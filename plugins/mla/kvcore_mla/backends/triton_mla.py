@@ -15,8 +15,12 @@ owns the split-KV workspace; it hands all three to the forward as the step's
 :class:`~kvcore_mla.ops.mla_configs.TritonMLAPlan`. Uniform-decode steps can be captured in
 CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the split
 count depends only on the captured batch size and ``max_model_len``, eagerly on the step's
-longest request. With its metadata a layer's forward launches only (the value checks were done
-once for the step, nothing is allocated for the splits).
+longest request. The builder also owns the absorbed forward's buffers
+(:class:`kvcore.MLACommonBackend.new_step_buffers`): ``W_UK`` writes the latent query into
+them, ``q_pe`` is copied beside it (the kernel reads one query tensor by pointer and strides),
+the kernel writes the latent output into them and ``W_UV`` writes the layer's output. With its
+metadata a layer's forward launches only (the value checks were done once for the step,
+nothing is allocated for the splits or the intermediates).
 
 Importing this module imports no kernel library: triton is imported when the impl is first called.
 """
@@ -24,7 +28,7 @@ Importing this module imports no kernel library: triton is imported when the imp
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +64,9 @@ class TritonMLAMetadata(AttentionMetadata):
     """
 
     plan: TritonMLAPlan | None = None
+    #: The step's :class:`kvcore.mla.MLAStepViews` of the builder's buffers (``None``: the
+    #: forward allocates its intermediates).
+    mla_views: Any = None
 
 
 def _is_decode(meta: AttentionMetadata) -> bool:
@@ -125,6 +132,9 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         if most:
             with torch.inference_mode(False):
                 self.workspace = torch.empty(most, dtype=torch.float32, device=self.device)
+        #: The absorbed forward's intermediates (latent query and output) for every step.
+        self.step_buffers = TritonMLABackend.new_step_buffers(
+            spec, num_heads=num_heads, max_num_tokens=max_num_batched_tokens, device=self.device)
 
     def num_kv_splits(self, num_seqs: int, max_seq_len: int | None = None) -> int:
         """The split count of a decode step of ``num_seqs`` requests no longer than
@@ -140,6 +150,8 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
         found = super().buffers()
         if self.workspace is not None:
             found["workspace"] = self.workspace
+        found["q_latent"] = self.step_buffers.q_latent
+        found["o_latent"] = self.step_buffers.o_latent
         return found
 
     def build(self, common: AttentionMetadata, *,
@@ -157,7 +169,8 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
 
         plan = TritonMLAPlan(self.decode_config if decode else self.mixed_config, splits,
                              self.workspace if splits > 1 else None)
-        return meta.extend(TritonMLAMetadata, plan=plan)
+        return meta.extend(TritonMLAMetadata, plan=plan,
+                           mla_views=self.step_buffers.for_step(meta.num_actual_tokens))
 
 
 def _check_runnable(kv_cache: torch.Tensor) -> None:
@@ -195,6 +208,7 @@ class TritonMLAImpl(MLACommonImpl):
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_runnable(kv_cache)
         from kvcore_mla.ops.triton_mla_attention import mla_attention
@@ -206,7 +220,19 @@ class TritonMLAImpl(MLACommonImpl):
             block_table=attn_metadata.block_table, scale=self.scale,
             kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
             max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
-            plan=plan)
+            plan=plan, output=output)
+
+    def step_views(self, attn_metadata: AttentionMetadata) -> Any:
+        return (attn_metadata.mla_views if isinstance(attn_metadata, TritonMLAMetadata)
+                else None)
+
+    def _latent_attention_into(self, layer: AttentionLayer, views: Any, q_pe: torch.Tensor,
+                               kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+        """``q_pe`` beside the absorbed query in the step's buffer (the kernels read one query
+        tensor by pointer and strides), the kernel's output straight into ``views.o_latent``."""
+        views.q_rope.copy_(q_pe)
+        self._latent_attention(layer, views.q_latent, kv_cache, attn_metadata,
+                               output=views.o_latent)
 
 
 class TritonMLABackend(MLACommonBackend):

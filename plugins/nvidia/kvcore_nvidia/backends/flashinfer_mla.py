@@ -5,8 +5,13 @@ kvcore's MLA cache ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` holds `
 per token; FlashInfer's MLA wrapper takes the compressed KV and the rope keys as two paged
 tensors ``(num_pages, page_size, 512)`` and ``(num_pages, page_size, 64)`` and reads the page
 and token strides from them. So the layer's cache is passed as the two views
-``kv_cache[..., :512]`` and ``kv_cache[..., 512:]``: nothing is copied, and the query is
-passed the same way (``[W_UK^T q_nope, q_pe]`` split at 512).
+``kv_cache[..., :512]`` and ``kv_cache[..., 512:]``: nothing is copied. The query's two parts
+are passed apart as well (FlashInfer reads each by its token and head strides): the absorbed
+``W_UK^T q_nope``, which :class:`kvcore.MLACommonImpl` writes into the builder's step buffer
+(:meth:`kvcore.MLACommonBackend.new_step_buffers`), and ``q_pe``, a view of the layer's query
+(copied into the buffer only when its channels are not contiguous or its rows not 16-byte
+aligned). The kernel writes the latent output into the step buffer and ``W_UV`` the layer's
+output: no concatenation, no intermediate allocated per layer.
 
 How a step runs. The kernels are FlashInfer's ``fa3`` MLA family on Hopper and ``fa2``
 elsewhere (named explicitly, :func:`_fa_backend`). Every request, prefill or decode, goes
@@ -73,6 +78,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -92,10 +98,12 @@ from kvcore.ops import (
     FP8_KV_CACHE_DTYPES,
     check_scale,
     check_softmax_scale,
+    checked_step_facts,
     reshape_and_cache,
     scale_value,
     validate_concat_and_cache_mla,
     validate_mla_attention,
+    value_checks_enabled,
 )
 from kvcore_nvidia.backends.common import StepCache, cumulative, used_blocks
 
@@ -109,6 +117,9 @@ _FP8_CAPABILITY = DeviceCapability(9, 0)
 #: The softmax scale a builder given none plans for until a layer has run one of its steps:
 #: DeepSeek's ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` without YaRN.
 DEFAULT_SCALE = (128 + ROPE_DIM) ** -0.5
+#: A block id no cache reaches: a step whose block range was not checked on the host never
+#: takes the layers' short path.
+_UNCHECKED_BLOCKS = 2**62
 
 
 def _check_num_heads(num_heads: int) -> None:
@@ -205,16 +216,26 @@ def _plan(wrapper: Any, meta: AttentionMetadata, num_heads: int, block_size: int
     return _Plan(num_heads, q_dtype, kv_dtype, block_size)
 
 
-def _run(wrapper: Any, planned_scale: float, scale: float, q: torch.Tensor,
-         kv_cache: torch.Tensor, out: torch.Tensor, kv_scale: float | None) -> None:
+def _run(wrapper: Any, planned_scale: float, scale: float, q_nope: torch.Tensor,
+         q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+         kv_scale: float | None) -> None:
     """Run ``wrapper`` (planned for softmax ``planned_scale``) for a layer of softmax
     ``scale``: a different scale is carried by the query (see the module docstring)."""
     if not math.isclose(scale, planned_scale, rel_tol=1e-6):
-        q = q * (scale / planned_scale)
+        ratio = scale / planned_scale
+        q_nope, q_pe = q_nope * ratio, q_pe * ratio
     fp8 = {} if kv_scale is None else {"ckv_scale": kv_scale, "kpe_scale": kv_scale}
-    wrapper.run(query=(q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]),
+    wrapper.run(query=(q_nope, q_pe),
                 kv_cache=(kv_cache[..., :KV_LORA_RANK], kv_cache[..., KV_LORA_RANK:]),
                 out=out, **fp8)
+
+
+def _readable(q_pe: torch.Tensor) -> bool:
+    """Whether FlashInfer's kernels can read ``q_pe`` in place: contiguous channels, rows and
+    heads 16-byte aligned (its loads are 16-byte vectors)."""
+    size = q_pe.element_size()
+    return (q_pe.stride(2) == 1 and q_pe.data_ptr() % 16 == 0
+            and (q_pe.stride(0) * size) % 16 == 0 and (q_pe.stride(1) * size) % 16 == 0)
 
 
 @dataclasses.dataclass
@@ -230,6 +251,10 @@ class FlashInferMLAMetadata(AttentionMetadata):
             its fp8 scale tensor).
         kv_scales: the values of the layers' fp8 scale tensors at this step, read by the
             builder, keyed by ``id(tensor)`` (see the module docstring).
+        mla_views: the step's :class:`kvcore.mla.MLAStepViews` of the builder's buffers.
+        max_block_id: the largest block id the step uses (from its checked facts; ``-1``
+            with value checks off): a layer whose cache passed the full checks once compares
+            only this with its block count.
     """
 
     wrapper: Any = None
@@ -237,6 +262,8 @@ class FlashInferMLAMetadata(AttentionMetadata):
     scale: float | None = None
     builder: FlashInferMLAMetadataBuilder | None = None
     kv_scales: dict[int, float] = dataclasses.field(default_factory=dict)
+    mla_views: Any = None
+    max_block_id: int = _UNCHECKED_BLOCKS
 
 
 class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
@@ -284,6 +311,12 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
                                          dtype=torch.uint8, device=self.device)
         self._eager = _new_wrapper(self.workspace)
         self._graph_wrappers: dict[int, Any] = {}
+        #: The absorbed forward's intermediates (latent query and output) for every step.
+        self.step_buffers = FlashInferMLABackend.new_step_buffers(
+            spec, num_heads=num_heads, max_num_tokens=max_num_batched_tokens, device=self.device)
+        # What every step is planned for, one object: a layer checked against it once
+        # compares it by identity afterwards.
+        self._planned = _Plan(self.num_heads, spec.dtype, spec.cache_dtype, spec.block_size)
         #: Each layer's current fp8 scale tensor, by ``id(layer)`` (the layer is held, so its
         #: id cannot be recycled).
         self._kv_scale_tensors: dict[int, tuple[AttentionLayer, torch.Tensor]] = {}
@@ -334,10 +367,17 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
             return meta.extend(FlashInferMLAMetadata)
         wrapper = (self._eager if graph_batch_size is None
                    else self._graph_wrapper(graph_batch_size))
-        plan = _plan(wrapper, meta, self.num_heads, self.spec.block_size, self.spec.dtype,
-                     self.spec.cache_dtype, self.scale)
-        return meta.extend(FlashInferMLAMetadata, wrapper=wrapper, plan=plan, scale=self.scale,
-                           builder=self, kv_scales=self._read_kv_scales())
+        _plan(wrapper, meta, self.num_heads, self.spec.block_size, self.spec.dtype,
+              self.spec.cache_dtype, self.scale)
+        facts = checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table)
+        if facts is not None:
+            max_block_id = facts.max_block_id
+        else:  # checks off: nothing to compare; on but unmarked: the layers check
+            max_block_id = _UNCHECKED_BLOCKS if value_checks_enabled() else -1
+        return meta.extend(FlashInferMLAMetadata, wrapper=wrapper, plan=self._planned,
+                           scale=self.scale, builder=self, kv_scales=self._read_kv_scales(),
+                           mla_views=self.step_buffers.for_step(meta.num_actual_tokens),
+                           max_block_id=max_block_id)
 
 
 @functools.cache
@@ -354,10 +394,18 @@ _PLANS = StepCache()
 
 class FlashInferMLAImpl(MLACommonImpl):
     """:class:`kvcore.MLACommonImpl` on FlashInfer's MLA kernels (the same arguments as
-    CPU_MLA's and TRITON_MLA's; see the module docstring)."""
+    CPU_MLA's and TRITON_MLA's; see the module docstring).
+
+    With the builder's metadata and a bf16/fp16 cache, a layer's latent attention is checked
+    in full on its first step; later steps on the same cache and builder plan compare only
+    what can change (the cache object, the step's largest block id against its blocks, the
+    planned scale, ``q_pe``'s dtype and strides) and call the planned wrapper's ``run``.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # (weak cache, data pointer, num_blocks, the builder's plan) that passed the checks.
+        self._checked_cache: tuple | None = None
         _check_num_heads(self.num_heads)
         if self.kv_lora_rank != KV_LORA_RANK:
             raise ValueError(f"kv_lora_rank={self.kv_lora_rank}: FLASHINFER_MLA supports "
@@ -436,8 +484,43 @@ class FlashInferMLAImpl(MLACommonImpl):
 
         return _PLANS.get(meta, (kv_cache.device, want), plan)
 
+    def step_views(self, attn_metadata: AttentionMetadata) -> Any:
+        return (attn_metadata.mla_views if isinstance(attn_metadata, FlashInferMLAMetadata)
+                else None)
+
     def _latent_attention(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
                           attn_metadata: AttentionMetadata) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
+        self._checked_run(layer, q, q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:], kv_cache,
+                          attn_metadata, out)
+        return out
+
+    def _latent_attention_into(self, layer: AttentionLayer, views: Any, q_pe: torch.Tensor,
+                               kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+        """FlashInfer reads the absorbed query (``views.q_nope``) and ``q_pe`` apart and writes
+        ``views.o_latent`` (see the class docstring for the short path)."""
+        m = attn_metadata
+        seen = self._checked_cache
+        if (seen is not None and isinstance(m, FlashInferMLAMetadata) and m.plan is seen[3]
+                and seen[0]() is kv_cache and kv_cache.data_ptr() == seen[1]
+                and m.max_block_id < seen[2] and m.scale == self.scale
+                and q_pe.dtype == m.plan.q_dtype and _readable(q_pe)):
+            m.wrapper.run(query=(views.q_nope, q_pe),
+                          kv_cache=(kv_cache[..., :KV_LORA_RANK], kv_cache[..., KV_LORA_RANK:]),
+                          out=views.o_latent)
+            return
+        if not _readable(q_pe):
+            views.q_rope.copy_(q_pe)
+            q_pe = views.q_rope
+        self._checked_run(layer, views.q_latent, views.q_nope, q_pe, kv_cache, m,
+                          views.o_latent)
+
+    def _checked_run(self, layer: AttentionLayer, q: torch.Tensor, q_nope: torch.Tensor,
+                     q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                     attn_metadata: AttentionMetadata, out: torch.Tensor) -> None:
+        """Every check (``q``: the ``(num_tokens, num_heads, 576)`` latent query the two
+        parts belong to, for the shape checks), then the run; a builder step's bf16/fp16
+        cache that passes at the planned scale is remembered for the short path."""
         m = attn_metadata
         kv_scale = self._fp8_scale(layer, m)
         # The float, not the tensor: the check then reads nothing back from the device.
@@ -449,9 +532,11 @@ class FlashInferMLAImpl(MLACommonImpl):
             raise ValueError(f"kv_cache has strides {kv_cache.stride()}; FlashInfer reads "
                              "each latent's channels contiguously (last stride 1)")
         wrapper, planned_scale = self._planned(q, kv_cache, m)
-        out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
-        _run(wrapper, planned_scale, self.scale, q, kv_cache, out, kv_scale)
-        return out
+        _run(wrapper, planned_scale, self.scale, q_nope, q_pe, kv_cache, out, kv_scale)
+        if (isinstance(m, FlashInferMLAMetadata) and m.wrapper is not None and kv_scale is None
+                and planned_scale == self.scale):
+            self._checked_cache = (weakref.ref(kv_cache), kv_cache.data_ptr(),
+                                   kv_cache.shape[0], m.plan)
 
 
 class FlashInferMLABackend(MLACommonBackend):
