@@ -170,19 +170,25 @@ def from_vllm_layer_view(
     kv_cache: torch.Tensor,
     *,
     head_size: int,
+    head_size_v: int | None = None,
     platform: str | None = None,
 ) -> torch.Tensor:
     """kvcore's logical view ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` of one
-    layer's vLLM cache view ``[num_blocks, num_kv_heads, block_size, C]`` (``C = 2 *
-    head_size``: K then V of each head and token), sharing its memory.
+    layer's vLLM cache view ``[num_blocks, num_kv_heads, block_size, C]`` (``C = head_size +
+    head_size_v``: K then V of each head and token), sharing its memory.
 
     vLLM cuts that view from its buffer with the strides of the model's layout; the result
     keeps them, so the backend's kernels read vLLM's memory in place. Host facts only (shape,
     strides, dtype): cheap enough to call per layer.
 
+    ``head_size_v`` (vLLM's V head size; ``None``: equal to ``head_size``) must equal
+    ``head_size``: kvcore's cache holds K and V of one head size in one tensor (the ``2`` dim
+    of ``(B, 2, N, H, D)``), and every backend's kernels read V with K's head size. A model
+    whose V heads differ from its K heads is refused, never read with the wrong width.
+
     Raises:
-        ValueError: not 4 dims; ``C`` is not ``2 * head_size`` (a V head size other than K's
-            is not supported); ``C`` not contiguous; an order the backend does not read.
+        ValueError: not 4 dims; ``head_size_v`` other than ``head_size``; ``C`` is not ``2 *
+            head_size``; ``C`` not contiguous; an order the backend does not read.
     """
     backend = _backend_class(backend)
     if not isinstance(kv_cache, torch.Tensor):
@@ -190,12 +196,15 @@ def from_vllm_layer_view(
     if kv_cache.dim() != 4:
         raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; a vLLM layer view is "
                          "[num_blocks, num_kv_heads, block_size, head_size + head_size_v]")
+    if head_size_v is not None and head_size_v != head_size:
+        raise ValueError(_head_size_v_refusal(head_size, head_size_v))
     content = kv_cache.shape[3]
     if content != 2 * head_size:
         raise ValueError(
             f"kv_cache's last dim is {content} but head_size={head_size}: kvcore reads K and V "
-            f"of one head size side by side (C = 2 * head_size = {2 * head_size}); a V head "
-            "size other than K's is not supported")
+            f"of one head size side by side (C = 2 * head_size = {2 * head_size}); "
+            + (_head_size_v_refusal(head_size, content - head_size)
+               if content > head_size else "pass the layer's K head size"))
     if kv_cache.stride(3) != 1 and content > 1:
         raise ValueError(f"kv_cache has strides {kv_cache.stride()}; the K and V of a head and "
                          "token (the last dim) must be contiguous")
@@ -206,6 +215,14 @@ def from_vllm_layer_view(
                          what=f"the vLLM view of strides {kv_cache.stride()}",
                          strided_pages=_pages_strided(view, order))
     return view
+
+
+def _head_size_v_refusal(head_size: int, head_size_v: int) -> str:
+    """Why a layer whose V head size differs from its K head size cannot be adopted."""
+    return (f"head_size_v={head_size_v} differs from head_size={head_size}: kvcore's KV caches "
+            "hold K and V of one head size ((num_blocks, 2, block_size, num_kv_heads, "
+            "head_size)) and its backends read V with K's head size, so a model with another V "
+            "head size is not supported; serve it with the engine's own attention backend")
 
 
 def physical_order(view: torch.Tensor) -> tuple[int, ...]:

@@ -182,6 +182,7 @@ class KvcoreBuilder(AttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        check_head_size_v(kv_cache_spec)
         model = vllm_config.model_config
         self.kvcore_backend = _select(self.BACKEND.KVCORE_NAME, _spec_config(
             kv_cache_spec, vllm_config))
@@ -226,6 +227,22 @@ class KvcoreBuilder(AttentionMetadataBuilder):
         return self.inner.build(common)
 
 
+def check_head_size_v(kv_cache_spec: Any) -> None:
+    """Refuse layers whose V head size (vLLM's ``head_size_v``) differs from their K head size:
+    kvcore's caches hold K and V of one head size, and its backends read V at K's width.
+
+    Raises:
+        NotImplementedError: naming both sizes and what to run instead.
+    """
+    head_size, head_size_v = kv_cache_spec.head_size, getattr(kv_cache_spec, "head_size_v", None)
+    if head_size_v is not None and head_size_v != head_size:
+        raise NotImplementedError(
+            f"kvcore-vllm: these attention layers have head_size_v={head_size_v} (V) and "
+            f"head_size={head_size} (K); kvcore's KV caches hold K and V of one head size "
+            "and its backends read V at K's width, so such a model runs only on vLLM's own "
+            "backends (--attention-backend, or KVCORE_VLLM_CPU=0 on a CPU)")
+
+
 def _spec_config(kv_cache_spec: Any, vllm_config: VllmConfig) -> kvcore.AttentionSelectorConfig:
     return selector_config(head_size=kv_cache_spec.head_size, dtype=vllm_config.model_config.dtype,
                            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
@@ -265,12 +282,13 @@ class KvcoreImpl(AttentionImpl):
             attn_type=config.attn_type)
         self._view_of: tuple[int, tuple, tuple, torch.Tensor] | None = None
 
-    def _view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _view(self, layer: Any, kv_cache: torch.Tensor) -> torch.Tensor:
         """kvcore's view of vLLM's cache view, checked once per tensor (host facts only)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
         if self._view_of is None or self._view_of[:3] != key:
-            view = kvcore.from_vllm_layer_view(self.kvcore_backend, kv_cache,
-                                               head_size=self.head_size)
+            view = kvcore.from_vllm_layer_view(
+                self.kvcore_backend, kv_cache, head_size=self.head_size,
+                head_size_v=getattr(layer, "head_size_v", self.head_size))
             self._view_of = (*key, view)
         return self._view_of[3]
 
@@ -285,7 +303,7 @@ class KvcoreImpl(AttentionImpl):
         rows = slot_mapping.shape[0]
         k_scale, v_scale = layer_scales(layer)
         self.inner.do_kv_cache_update(kvcore.LayerScales(k_scale, v_scale), key[:rows],
-                                      value[:rows], self._view(kv_cache), slot_mapping)
+                                      value[:rows], self._view(layer, kv_cache), slot_mapping)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: kvcore.AttentionMetadata | None,
@@ -298,7 +316,7 @@ class KvcoreImpl(AttentionImpl):
             return output
         k_scale, v_scale = layer_scales(layer)
         return self.inner.forward(kvcore.LayerScales(k_scale, v_scale), query, key, value,
-                                  self._view(kv_cache), attn_metadata, output=output)
+                                  self._view(layer, kv_cache), attn_metadata, output=output)
 
 
 @functools.cache

@@ -94,3 +94,23 @@ def test_vllm_interface_points_exist():
         assert field in fields, f"CommonAttentionMetadata lost {field}"
     assert hasattr(AttentionBackend, "supported_kv_cache_layouts")
     assert hasattr(vllm.forward_context, "is_forward_context_available")
+
+
+def test_a_v_head_size_other_than_k_is_refused():
+    """vLLM's head_size_v (some models' V heads differ from their K heads): kvcore's caches
+    hold K and V of one head size, so the builder refuses such layers, naming both sizes."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    assert "head_size_v" in FullAttentionSpec.__dataclass_fields__
+    differ = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, head_size_v=32,
+                               dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="head_size_v=32 \\(V\\) and head_size=64 "
+                                                  "\\(K\\); kvcore's KV caches hold K and V "
+                                                  "of one head size"):
+        backends.check_head_size_v(differ)
+    backends.check_head_size_v(FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                                 dtype=torch.float32))
+    # A layer view of such a layer (C = 64 + 32) is refused by kvcore itself too.
+    view = torch.zeros(4, 2, 16, 96)
+    with pytest.raises(ValueError, match="head_size_v=32 differs from head_size=64"):
+        kvcore.from_vllm_layer_view("CPU_ATTN", view, head_size=64, head_size_v=32)
