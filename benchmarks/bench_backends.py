@@ -55,7 +55,7 @@ from kvcore.cli import harness  # noqa: E402
 from kvcore.cli.harness import Skip, rel_err  # noqa: E402
 from kvcore.ops import paged_attention_ref  # noqa: E402
 
-DEVICE = "cpu" if SMOKE else "cuda"
+DEVICE, time_call = harness.script_timer(SMOKE)
 DTYPE = torch.float32 if SMOKE else torch.bfloat16
 HQ, HK, D, BS = (4, 2, 32, 16) if SMOKE else (32, 8, 128, 16)
 #: (requests, tokens each): the decode shapes of benchmarks/RESULTS.md.
@@ -68,8 +68,6 @@ BACKENDS = ["TRITON_ATTN"] if SMOKE else ["TRITON_ATTN", "FLASHINFER", "FLASH_AT
 CHECKED_REQUESTS = 2
 #: ||out - ref|| / ||ref|| a bf16 kernel must stay under (fp32 in --smoke).
 MAX_REL_ERR = 1e-4 if SMOKE else 2e-2
-# --smoke checks the script, not the speed: one timed sample a call.
-time_call = functools.partial(harness.time_call, device=DEVICE, samples=1 if SMOKE else None)
 
 
 class Run(harness.Run):

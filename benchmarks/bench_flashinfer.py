@@ -31,9 +31,7 @@ Usage: ``python benchmarks/bench_flashinfer.py [--out DIR] [--cpu]``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 import types
@@ -343,15 +341,12 @@ def summary_table(run: Run) -> str:
             [[f"{x['shape']} {x['build']}", f"{x['us_per_build']:.0f}",
               f"{x['plans_per_step']:.3f}"] for x in r["build_cpu"]]))
     if r["errors"]:
-        parts.append("errors: " + "; ".join(f"{e['section']}: {e['error']}"
-                                            for e in r["errors"]))
+        parts.append(harness.errors_line(r))
     return "\n\n".join(parts)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or
-                        str(Path(__file__).parent / "results"))
+    parser = harness.script_parser(__doc__, Path(__file__).parent / "results")
     parser.add_argument("--cpu", action="store_true",
                         help="time build() on the CPU against a no-op FlashInfer stand-in")
     args = parser.parse_args()

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import os
@@ -79,9 +78,7 @@ import kvcore.ops  # noqa: E402
 from kvcore.cli import harness  # noqa: E402
 from kvcore.cli.harness import Run, rel_err  # noqa: E402
 
-DEVICE = "cpu" if SMOKE else "cuda"
-# --smoke checks the script, not the speed: one timed sample a call.
-time_call = functools.partial(harness.time_call, device=DEVICE, samples=1 if SMOKE else None)
+DEVICE, time_call = harness.script_timer(SMOKE)
 DTYPE = torch.bfloat16
 RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
 ENTRY = RANK + ROPE

@@ -33,9 +33,7 @@ other work).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -55,9 +53,7 @@ from kvcore.cli import harness  # noqa: E402
 from kvcore.cli.harness import Run, rel_err  # noqa: E402
 from kvcore.ops import paged_attention_ref, reshape_and_cache_ref  # noqa: E402
 
-DEVICE = "cpu" if SMOKE else "cuda"
-# --smoke checks the script, not the speed: one timed sample a call.
-time_call = functools.partial(harness.time_call, device=DEVICE, samples=1 if SMOKE else None)
+DEVICE, time_call = harness.script_timer(SMOKE)
 DTYPE = torch.bfloat16
 HQ, HK, D, BS = 32, 8, 128, 16
 if SMOKE:
@@ -680,9 +676,7 @@ def flashinfer_warmup() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or
-                        str(Path(__file__).parent / "results"))
+    parser = harness.script_parser(__doc__, Path(__file__).parent / "results")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="stop optional sweeps after this many seconds")
     parser.add_argument("--smoke", action="store_true",

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -74,9 +73,7 @@ from kvcore.cli import harness  # noqa: E402
 from kvcore.cli.harness import Run, Skip, rel_err  # noqa: E402
 from kvcore.ops import attention_config as tables  # noqa: E402
 
-DEVICE = "cpu" if SMOKE else "cuda"
-# --smoke checks the script, not the speed: one timed sample a call.
-time_call = functools.partial(harness.time_call, device=DEVICE, samples=1 if SMOKE else None)
+DEVICE, time_call = harness.script_timer(SMOKE)
 DTYPE = torch.bfloat16
 HQ, HK, D, BS = 32, 8, 128, 16
 #: name -> (requests, new tokens per request, cached tokens per request)
@@ -594,9 +591,7 @@ def table(run: Run) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or
-                        str(Path(__file__).parent / "results"))
+    parser = harness.script_parser(__doc__, Path(__file__).parent / "results")
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1")

@@ -11,6 +11,9 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
   streaming read and copy kernels (:func:`triton_read_gbps`, :func:`triton_copy_gbps`),
   the pinned host<->device copies (:func:`pinned_copy_gbps`) and, for compute-bound work, a
   square matmul (:func:`matmul_tflops`).
+- **Scripts.** :func:`script_timer` (the device and timer, ``--smoke`` on the CPU) and
+  :func:`script_parser` (``--out``) set a ``benchmarks/*.py`` script up; :func:`errors_line`
+  ends its summary.
 - **Run log.** :class:`Run` writes a timestamped log to the terminal and a file, keeps the
   results as a dict saved as JSON after every section, and isolates sections: one that fails
   (or raises :class:`Skip`) is recorded and the run goes on; :func:`run_meta` is what its
@@ -22,10 +25,12 @@ way to time a call, one set of ceiling measurements, one run log with its JSON.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
 import math
+import os
 import statistics
 import time
 import traceback
@@ -127,6 +132,31 @@ def time_call(fn: Callable[[], object], device: str | torch.device, graph: bool 
         print(f"    (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing with "
               "events)", flush=True)
         return _events_median(fn, inner, samples), f"events x{inner} (capture failed)"
+
+
+def script_timer(smoke: bool) -> tuple[str, Callable[..., tuple[float, str]]]:
+    """A benchmark script's device and :func:`time_call`: with ``smoke`` (``--smoke`` checks
+    the script, not the speed) the CPU and one timed sample a call, else CUDA and the
+    default samples."""
+    device = "cpu" if smoke else "cuda"
+    return device, functools.partial(time_call, device=device, samples=1 if smoke else None)
+
+
+def script_parser(doc: str | None, results_dir: Path) -> argparse.ArgumentParser:
+    """A benchmark script's argument parser: its docstring's first line as the description,
+    and ``--out``, the folder of its log and JSON (``$OUT`` if set, else ``results_dir``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(results_dir))
+    return parser
+
+
+def errors_line(results: dict[str, Any]) -> str:
+    """``"errors: <section>: <error>; ..."`` for the sections of a :class:`Run`'s ``results``
+    that failed, ``""`` when none did (a summary's last line)."""
+    errors = results["errors"]
+    if not errors:
+        return ""
+    return "errors: " + "; ".join(f"{e['section']}: {e['error']}" for e in errors)
 
 
 class Clock:
