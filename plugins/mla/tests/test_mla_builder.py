@@ -194,3 +194,35 @@ def test_a_bf16_decode_split_through_16_bit_partials_matches_the_reference() -> 
     assert_close(split, expected, torch.bfloat16, "3 splits, bf16 partials")
     assert_close(whole, expected, torch.bfloat16, "one split")
     torch.testing.assert_close(split, whole, atol=2e-2, rtol=2e-2)
+
+
+def test_forward_through_the_builder_uses_its_step_buffers(monkeypatch) -> None:
+    """A layer's forward with the builder's metadata: the kernel reads the step's latent-query
+    buffer (W_UK's output and q_pe beside it) and writes the step's latent-output buffer, the
+    same memory every layer, and the output equals CPU_MLA's forward."""
+    gen = generator(9)
+    meta = decode(gen, [30, 7])
+    b = builder()
+    step = b.build(meta)
+    cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen)
+    query = randn((2, HEADS, 16 + ROPE), torch.float32, gen)
+    weight = randn((HEADS * 32, RANK), torch.float32, gen, RANK**-0.5)
+    dims = dict(kv_lora_rank=RANK, qk_nope_head_dim=16, qk_rope_head_dim=ROPE, v_head_dim=16,
+                kv_b_proj_weight=weight)
+    impl = TritonMLABackend.get_impl_cls()(HEADS, RANK + ROPE, 0.12, **dims)
+    seen = []
+    real = tma.mla_attention
+    monkeypatch.setattr(tma, "mla_attention", lambda q, *a, **k: seen.append(
+        (q.data_ptr(), k["output"].data_ptr())) or real(q, *a, **k))
+    outs = [impl.forward(kvcore.LayerScales(), query, None, None, cache, step) for _ in range(2)]
+    assert seen == [(b.step_buffers.q_latent.data_ptr(), b.step_buffers.o_latent.data_ptr())] * 2
+    cpu = kvcore.get_attn_backend(
+        kvcore.AttentionSelectorConfig(head_size=RANK + ROPE, dtype=torch.float32,
+                                       block_size=PAGE, use_mla=True),
+        backend="CPU_MLA", platform="cpu").get_impl_cls()(
+            HEADS, RANK + ROPE, 0.12, **{**dims, "kv_b_proj_weight": weight.cpu()})
+    expected = cpu.forward(kvcore.LayerScales(), query.cpu(), None, None, cache.cpu(),
+                           kvcore.build_attention_metadata(
+                               [1, 1], [30, 7], meta.block_table.cpu().tolist(), PAGE))
+    for out in outs:
+        assert_close(out.cpu(), expected.double(), torch.float32, "TRITON_MLA forward")
