@@ -10,11 +10,15 @@ Every message is an int64 pair (header bytes, payload bytes), a JSON header, the
 payload. Both sizes are checked against limits *before* anything is allocated.
 
 - ``hello``, at :meth:`~P2PConnector.register_kv_caches`: the layout
-  (:meth:`kvcore.KVCacheLayout.to_dict`), dtype and block size. Each side compares the
-  other's with its own and refuses a mismatch (NHD vs HND, cross-layer vs per-layer, another
-  dtype or block size) with a :class:`kvcore.LayoutMismatchError` naming both sides, before a
-  single block moves. The agreement holds for the session: a later hello that differs breaks
-  the link and drops the blocks received from that peer.
+  (:meth:`kvcore.KVCacheLayout.to_dict`), dtype, block size and tensor-parallel ``(degree,
+  rank)``. Each side plans the conversion of the other's blocks into its own cache
+  (:func:`~kvcore.connectors.plan_conversion`: block size, order, cross-layer, head slices)
+  and refuses what cannot convert (MLA against K/V, another dtype, block sizes of which
+  neither divides the other, head counts no TP split explains) with a
+  :class:`kvcore.LayoutMismatchError` naming both sides and the field, before a single block
+  moves. Blocks travel in the sender's layout; the receiver converts them at :meth:`load` with
+  one gather. The agreement holds for the session: a later hello that differs breaks the
+  link and drops the blocks received from that peer.
 - ``blocks``: keys, then the bytes of those blocks ``(n, block_bytes)``.
 - ``bye``: the sender is closing; the receiver answers with its own ``bye``.
 
@@ -54,6 +58,14 @@ import torch.distributed as dist
 from kvcore import KVCacheLayout, LayoutMismatchError
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
 from kvcore.connectors.blocks import _host_buffer
+from kvcore.connectors.convert import (
+    ConversionPlan,
+    LayoutConversionError,
+    TPRank,
+    as_tp_rank,
+    block_rows_layout,
+    plan_conversion,
+)
 from kvcore.connectors.keys import check_block_keys
 
 __all__ = ["P2PConnector"]
@@ -229,6 +241,15 @@ def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return box["store"]
 
 
+def _block_bytes_of(hello: dict[str, Any], default: int) -> int:
+    """Bytes of one of the peer's blocks (every layer), from its hello's layout."""
+    try:
+        layout = KVCacheLayout.from_dict(hello.get("layout"))
+    except (TypeError, ValueError):
+        return default  # the handshake refuses this hello
+    return layout.num_layers * layout.page_size_bytes
+
+
 class P2PConnector(KVConnector):
     """Send KV blocks to a peer process and load the blocks it sends (connector ``p2p``).
 
@@ -248,6 +269,16 @@ class P2PConnector(KVConnector):
         data_backend: ``"auto"`` (NCCL for CUDA caches, gloo otherwise), ``"gloo"`` (CUDA
             caches are staged through host memory) or ``"nccl"``.
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
+        tp: this engine's tensor-parallel ``(degree, rank)`` (or a
+            :class:`~kvcore.connectors.TPRank`; default TP 1), sent in the hello.
+        num_kv_heads: the model's KV heads over all ranks, when the layouts cannot tell.
+
+    Layouts may differ: each side plans the conversion of the peer's blocks into its own
+    cache from the hellos (:func:`~kvcore.connectors.plan_conversion`; :attr:`plan`) and
+    refuses at registration, naming both layouts and the field, what it cannot convert.
+    Blocks travel in the sender's layout and the receiver rearranges them at :meth:`load`
+    with one gather. With block sizes that differ, keys name the sender's blocks and a load's
+    ``block_ids`` are this cache's blocks those tokens fill (``docs/connector.md``).
     """
 
     # Both peers must agree on the layout, and per-layer is the one every blocks-first
@@ -265,6 +296,8 @@ class P2PConnector(KVConnector):
         inbox_bytes: int = 1 << 30,
         data_backend: str = "auto",
         failure_policy: str = "recompute",
+        tp: TPRank | tuple[int, int] | None = None,
+        num_kv_heads: int | None = None,
     ) -> None:
         if rank not in (0, 1) or isinstance(rank, bool):
             raise ValueError(f"rank={rank!r} must be 0 (hosts the rendezvous) or 1")
@@ -279,7 +312,15 @@ class P2PConnector(KVConnector):
         _positive("inbox_bytes", inbox_bytes)
         if data_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"data_backend={data_backend!r} must be 'auto', 'gloo' or 'nccl'")
+        tp = as_tp_rank(tp)
+        if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(
+                num_kv_heads, int) or num_kv_heads < 1):
+            raise ValueError(f"num_kv_heads={num_kv_heads!r} must be None (from the layouts) "
+                             "or the model's KV head count, a positive int")
         super().__init__(failure_policy=failure_policy)
+        self.tp, self.num_kv_heads = tp, num_kv_heads
+        #: The conversion of the peer's blocks into this cache (``None``: same layout).
+        self.plan: ConversionPlan | None = None
         self.rank, self.peer = rank, 1 - rank
         self.host = host
         self.timeout_s = timeout_s
@@ -315,6 +356,7 @@ class P2PConnector(KVConnector):
         kv = reg.kv_caches
         self._layout = kv.layout
         self._block_bytes = kv.num_layers * kv.page_size_bytes
+        self._peer_block_bytes = self._block_bytes  # until the peer's hello says otherwise
         if self.inbox_bytes < self._block_bytes:
             raise ValueError(f"inbox_bytes={self.inbox_bytes} holds no block: a block of this "
                              f"cache is {self._block_bytes} bytes")
@@ -369,6 +411,8 @@ class P2PConnector(KVConnector):
             "dtype": str(layout.dtype).removeprefix("torch."),
             "block_size": layout.logical_shape[layout.dim_names.index("N")],
             "inbox_bytes": self.inbox_bytes,
+            "tp": [self.tp.degree, self.tp.rank],
+            "num_kv_heads": self.num_kv_heads,
         }
 
     def _handshake(self, deadline: float) -> None:
@@ -400,17 +444,43 @@ class P2PConnector(KVConnector):
             raise LayoutMismatchError(f"{names[1]} sent a layout this kvcore cannot read "
                                       f"({exc}); {names[0]} has {self._layout.describe()}"
                                       ) from exc
-        # The layout holds dtype and block size (N) too; the error describes both sides.
-        self._layout.check_compatible(theirs, ignore_num_blocks=True, names=names)
+        try:
+            self.plan = self._plan_from(theirs, hello)
+        except (TypeError, ValueError) as exc:  # LayoutConversionError is a ValueError
+            raise LayoutConversionError(f"{names[0]} cannot load from {names[1]}: {exc}"
+                                        ) from None
         peer_inbox = hello.get("inbox_bytes")
         if not isinstance(peer_inbox, int) or peer_inbox < self._block_bytes:
             raise ValueError(f"{names[1]} has inbox_bytes={peer_inbox!r}, less than one block "
                              f"({self._block_bytes} bytes); raise inbox_bytes there")
         return min(self._payload_limit(peer_inbox) // self._block_bytes, _MAX_KEYS_PER_MESSAGE)
 
+    def _plan_from(self, theirs: KVCacheLayout, hello: dict[str, Any]
+                   ) -> ConversionPlan | None:
+        """The conversion of the peer's block rows into this cache; ``None`` when they are
+        this cache's own rows (same layout, same heads)."""
+        heads = self.num_kv_heads if self.num_kv_heads is not None else hello.get(
+            "num_kv_heads")
+        peer_tp = as_tp_rank(hello.get("tp"), "the peer's tp")
+        rows = block_rows_layout(theirs)
+        plan = plan_conversion(rows, block_rows_layout(self._layout), src_tp=peer_tp,
+                               dst_tp=self.tp,
+                               num_kv_heads=heads if isinstance(heads, int) else None)
+        if plan.is_identity:
+            return None
+        return plan_conversion(rows, self._layout, src_tp=peer_tp, dst_tp=self.tp,
+                               num_kv_heads=heads if isinstance(heads, int) else None)
+
     def _payload_limit(self, inbox_bytes: int) -> int:
         """Largest payload of one message to a peer with ``inbox_bytes``: one block at least."""
-        return min(inbox_bytes, max(_MAX_PAYLOAD_BYTES, self._block_bytes))
+        return min(inbox_bytes, max(_MAX_PAYLOAD_BYTES, self._block_bytes,
+                                    self._peer_block_bytes))
+
+    def _blocks_for_keys(self, num_keys: int) -> int:
+        return num_keys if self.plan is None else self.plan.blocks_for_keys(num_keys)
+
+    def _key_tokens(self) -> int:
+        return super()._key_tokens() if self.plan is None else self.plan.src_block_size
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -484,13 +554,13 @@ class P2PConnector(KVConnector):
                 keys = check_block_keys(header.get("keys"))
             except (TypeError, ValueError) as exc:
                 raise _LinkDown(f"peer sent invalid keys ({exc})") from exc
-            expected = len(keys) * self._block_bytes
+            expected = len(keys) * self._peer_block_bytes
         if payload_len != expected:
             raise _LinkDown(f"peer's {header['op']} message carries {payload_len} bytes, "
                             f"expected {expected}")
         if not payload_len:
             return header, None
-        payload = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8,
+        payload = torch.empty((len(keys), self._peer_block_bytes), dtype=torch.uint8,
                               device=self._wire_device)
         work = self._rx_data.recv([payload], self.peer, 0)
         if payload.is_cuda:  # NCCL: bounded by polling (see wait_bounded)
@@ -520,6 +590,7 @@ class P2PConnector(KVConnector):
                 with self._cond:
                     first = self._peer_hello
                     if first is None:  # checked by _handshake, on the registering thread
+                        self._peer_block_bytes = _block_bytes_of(header, self._block_bytes)
                         self._peer_hello = header
                         self._cond.notify_all()
                 if first is not None and header != first:
@@ -540,9 +611,10 @@ class P2PConnector(KVConnector):
         for the whole session, so the link goes down and the blocks received so far, from a
         peer that no longer agrees with them, are dropped."""
         try:
-            self._check_peer(hello)
-            why = "its options changed"
-        except Exception as exc:  # LayoutMismatchError, or a hello that cannot be read
+            first = KVCacheLayout.from_dict(self._peer_hello.get("layout"))
+            changed = first.differences(KVCacheLayout.from_dict(hello.get("layout")))
+            why = "; ".join(changed) if changed else "its options changed"
+        except Exception as exc:  # a hello that cannot be read
             why = str(exc)
         with self._cond:
             dropped = len(self._inbox)
@@ -563,7 +635,7 @@ class P2PConnector(KVConnector):
             message.live = len(rows)
             self._inbox_held += message.nbytes
             dropped = 0
-            while len(self._inbox) > self.inbox_bytes // self._block_bytes:
+            while len(self._inbox) > self.inbox_bytes // self._peer_block_bytes:
                 self._forget(next(iter(self._inbox)))
                 dropped += 1
             if self._inbox_held > self.inbox_bytes:  # then rows wait in partly loaded messages
@@ -709,6 +781,8 @@ class P2PConnector(KVConnector):
             rows = {k: self._forget(k) for k in keys if k in self._inbox}
             reason = self._failure or (f"not received from peer rank {self.peer} within "
                                        f"timeout_s={self.timeout_s}")
+        if self.plan is not None:
+            return self._take_converting(keys, block_ids, rows, reason, started)
         loaded = [b for k, b in zip(keys, block_ids, strict=True) if k in rows]
         failed = {b: reason for k, b in zip(keys, block_ids, strict=True) if k not in rows}
         if loaded:
@@ -720,6 +794,31 @@ class P2PConnector(KVConnector):
         result = self._result("load", loaded, failed, len(loaded) * self._block_bytes,
                               time.perf_counter() - started)
         return self._record(result)
+
+    def _take_converting(self, keys: list[str], block_ids: list[int],
+                         rows: dict[str, torch.Tensor], reason: str, started: float
+                         ) -> TransferResult:
+        """Convert the received rows of ``keys`` (the peer's blocks) into ``block_ids`` with
+        one gather (:meth:`ConversionPlan.apply_keys`)."""
+        present = [k for k in keys if k in rows]
+        slot = {k: i for i, k in enumerate(present)}
+        loaded: list[int] = []
+        failed: dict[int, str] = {}
+        nbytes = 0
+        if present:
+            data = torch.stack([rows[k] for k in present])  # (n, peer block bytes), contiguous
+            storage = self._reg.kv_caches.storage
+            loaded, missing, nbytes = self.plan.apply_keys(
+                data, self._reg.kv_caches, [slot.get(k, 0) for k in keys], block_ids,
+                [k in slot for k in keys])
+            if storage.is_cuda:  # written on this worker thread's stream
+                torch.cuda.current_stream(storage.device).synchronize()
+            failed = {b: f"key {keys[i][:12]}.. (the peer's block {i} of the load): {reason}"
+                      for b, i in missing.items()}
+        else:
+            failed = dict.fromkeys(block_ids, reason)
+        return self._record(self._result("load", loaded, failed, nbytes,
+                                         time.perf_counter() - started))
 
     def _close(self) -> None:
         if self._receiver is not None:

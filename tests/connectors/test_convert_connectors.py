@@ -4,6 +4,8 @@ of another, equal value for value through the logical views."""
 from __future__ import annotations
 
 import random
+import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -199,3 +201,69 @@ def test_pull_bad_loads_are_refused_naming_the_argument(pull):
     with pytest.raises(ValueError, match=r"tp=\(2, 2\) \(degree, rank\): TPRank.rank=2 is "
                                          r"outside the tensor-parallel degree 2"):
         pull.consumer(1234, tp=(2, 2))
+
+
+# -- p2p: the receiver converts on load -------------------------------------------------------
+
+
+@contextmanager
+def p2p_pair(kv0: KVCaches, kv1: KVCaches, tp0, tp1):
+    """p2p rank 0 (``tp0``) and rank 1 (``tp1``) in this process, registered concurrently."""
+    config = {"timeout_s": 5.0, "connect_timeout_s": 10.0}
+    c0 = get_connector("p2p", rank=0, tp=tp0, **config)
+    c1 = get_connector("p2p", rank=1, port=c0.port, tp=tp1, **config)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _register(c1, kv1, errors))
+    thread.start()
+    try:
+        try:
+            c0.register_kv_caches(kv0)
+        finally:
+            thread.join(30)
+        if errors:
+            raise errors[0]
+        yield c0, c1
+    finally:
+        c1.close()
+        c0.close()
+
+
+def _register(conn, kv: KVCaches, errors: list[BaseException]) -> None:
+    try:
+        conn.register_kv_caches(kv)
+    except BaseException as exc:
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("case", [
+    (("nhd", False, 4, 2, None), ("hnd", True, 8, 2, None), 5),
+    (("hnd", True, 8, 2, None), ("interleaved", False, 4, 2, None), 3),
+    (("nhd", False, 4, 2, (2, 0)), ("nhd", True, 4, 4, None), 4),
+], ids=["4nhd->8hnd-cross, partial last block", "8hnd-cross->4interleaved",
+        "tp2 rank 0 -> tp1 (its heads)"])
+def test_p2p_receiver_converts_on_load(case):
+    (s_layout, s_cross, s_bs, s_heads, s_tp), (r_layout, r_cross, r_bs, r_heads, r_tp), n = case
+    seed = random.randrange(2**31)
+    src = make_caches(layout=s_layout, cross_layer=s_cross, block_size=s_bs,
+                      num_kv_heads=s_heads, seed=seed)
+    dst = make_caches(layout=r_layout, cross_layer=r_cross, block_size=r_bs,
+                      num_kv_heads=r_heads)
+    before = tokens_of(dst, list(range(dst.num_blocks)), dst.num_blocks * r_bs).clone()
+    keys = keys_for(seed, n, block_size=s_bs)
+    src_ids, dst_ids = [3, 4, 5, 9, 10][:n], [7, 0, 2, 11, 5, 6][:-(-n * s_bs // r_bs)]
+    with p2p_pair(src, dst, s_tp, r_tp) as (sender, receiver):
+        assert receiver.plan is not None
+        assert sender.save(keys, src_ids).wait(timeout=5).ok
+        result = receiver.load(keys, dst_ids).wait(timeout=5)
+        assert result.ok, result.failed
+    num_tokens = n * s_bs
+    # Expected: the receiver's tokens as before, with the sent tokens (and heads) in place.
+    expected = before.view(*before.shape[:2], dst.num_blocks, r_bs, *before.shape[3:]).clone()
+    sent = tokens_of(src, src_ids, num_tokens)
+    heads = slice(0, sent.shape[3])  # TP2 rank 0 supplies heads 0-1 of 4
+    for j, b in enumerate(dst_ids):
+        t0, t1 = j * r_bs, min(num_tokens, (j + 1) * r_bs)
+        expected[:, :, b, :t1 - t0, heads] = sent[:, :, t0:t1]
+    after = tokens_of(dst, list(range(dst.num_blocks)), dst.num_blocks * r_bs)
+    assert torch.equal(after.contiguous().view(torch.uint8),
+                       expected.flatten(2, 3).contiguous().view(torch.uint8))

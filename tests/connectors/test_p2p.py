@@ -128,18 +128,20 @@ def test_two_processes_exchange_blocks_bit_exact(cross, dtype):
         assert (proc.returncode, out.strip()) == (0, "ok"), err
 
 
-def test_two_processes_refuse_nhd_vs_hnd_naming_both_sides():
+def test_two_processes_refuse_mla_vs_kv_naming_both_sides():
+    """NHD against HND converts (test_convert_connectors.py); an MLA latent cache against a K/V
+    cache cannot, and both sides say so at registration."""
     kv = make_caches(cross_layer=False, layout="nhd")
     with get_connector("p2p", rank=0, connect_timeout_s=30.0) as conn, \
-            peer_process("mismatch", conn.port, 1, layout="hnd") as proc:
+            peer_process("mismatch", conn.port, 1, layout="mla") as proc:
         with pytest.raises(LayoutMismatchError) as info:
             conn.register_kv_caches(kv)
         out, err = proc.communicate(timeout=30)
     ours = str(info.value)
-    assert "local rank 0" in ours and "remote rank 1" in ours
-    assert "physical order L,B,2,N,H,D vs L,B,2,H,N,D" in ours
+    assert "local rank 0 cannot load from remote rank 1" in ours
+    assert "an MLA latent cache and a K/V cache" in ours
     assert proc.returncode == 3, err
-    assert "physical order L,B,2,H,N,D vs L,B,2,N,H,D" in out and "local rank 1" in out
+    assert "an MLA latent cache and a K/V cache" in out and "local rank 1" in out
 
 
 def test_killed_peer_process_fails_exactly_the_blocks_and_never_hangs():
@@ -310,10 +312,11 @@ def test_blocks_arrive_bit_exact_in_other_block_ids(cross, dtype):
 
 @pytest.mark.parametrize(
     ("theirs", "difference"),
-    [({"cross_layer": True}, "physical order L,B,2,N,H,D vs B,L,2,N,H,D"),
-     ({"cross_layer": False, "dtype": "fp16"}, "dtype torch.bfloat16 vs torch.float16"),
-     ({"cross_layer": False, "block_size": 8}, "N size 4 vs 8")],
-    ids=["cross_layer", "dtype", "block_size"])
+    [({"cross_layer": False, "layout": "mla"}, "an MLA latent cache and a K/V cache"),
+     ({"cross_layer": False, "dtype": "fp16"}, "dtype float16 vs bfloat16"),
+     ({"cross_layer": False, "block_size": 6}, "block size (N) 6 vs 4: one must divide"),
+     ({"cross_layer": False, "num_kv_heads": 3}, "KV heads (H) 3 vs 2")],
+    ids=["mla", "dtype", "block_size", "heads"])
 def test_mismatched_peers_are_refused_before_any_block(theirs, difference):
     with pytest.raises(LayoutMismatchError, match="local rank 0.*remote rank 1") as info, \
             pair(make_caches(cross_layer=False), make_caches(**theirs)):
