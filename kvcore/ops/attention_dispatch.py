@@ -31,6 +31,7 @@ from kvcore.ops.attention_config import (
 )
 from kvcore.ops.split_kv import LOG2E, default_num_kv_splits
 from kvcore.ops.triton_decode import paged_attention_kernel
+from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
 from kvcore.ops.triton_merge import launch_merge
 from kvcore.ops.triton_prefill import prefill_attention_kernel
 from kvcore.ops.triton_utils import (
@@ -41,8 +42,8 @@ from kvcore.ops.triton_utils import (
     recording_launches,
 )
 
-__all__ = ["call_config", "default_config", "gluon_prefill_available", "gluon_prefill_unmet",
-           "launch"]
+__all__ = ["AttentionLaunch", "call_config", "default_config", "gluon_prefill_available",
+           "gluon_prefill_unmet"]
 
 #: Query and cache dtypes of ``gluon_ws_pingpong``, and its head sizes.
 _GLUON_DTYPES = (torch.bfloat16, torch.float16)
@@ -239,74 +240,106 @@ def _is_hopper(cuda_index: int) -> bool:
             and torch.cuda.get_device_capability(cuda_index)[0] == 9)
 
 
-def launch(cfg: AttentionConfig, query: torch.Tensor, key_cache: torch.Tensor,
-           value_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
-           seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, causal: bool,
-           sliding_window: int | None, fp8: bool, ks: torch.Tensor | float,
-           vs: torch.Tensor | float,
-           workspace: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """Run ``cfg``'s kernel on arguments :func:`kvcore.ops.triton_attention.paged_attention`
-    has validated (``query_start_loc`` and ``seq_lens`` dense, ``ks``/``vs`` as
-    :func:`~kvcore.ops.triton_utils.scale_args` gives them). ``workspace``: flat float32
-    ``(partial outputs, log-sum-exps)`` of at least
-    :func:`~kvcore.ops.split_kv.workspace_numel` elements for ``triton_split_kv``."""
-    num_tokens, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    num_seqs = seq_lens.shape[0]
-    if isinstance(cfg, GluonPrefillConfig):
-        from kvcore.ops.gluon_prefill import gluon_prefill_attention
+class AttentionLaunch:
+    """``cfg``'s kernel on one layer's caches with one call's scalar arguments fixed (the
+    launch :func:`kvcore.ops.triton_attention.paged_attention` makes once per layer and
+    config): calling it runs the kernel on arguments ``paged_attention`` has validated
+    (``query_start_loc`` and ``seq_lens`` dense, ``ks``/``vs`` as
+    :func:`~kvcore.ops.triton_utils.scale_args` gives them, of the types they had here).
+    ``workspace``: flat float32 ``(partial outputs, log-sum-exps)`` of at least
+    :func:`~kvcore.ops.split_kv.workspace_numel` elements for ``triton_split_kv``, or
+    ``None`` (allocated per call)."""
 
-        gluon_prefill_attention(query, key_cache, value_cache, out, query_start_loc, seq_lens,
-                                block_table, scale, causal, sliding_window, cfg.block_q,
-                                cfg.g_pad, cfg.block_n, cfg.num_stages)
-        return
-    block_d = max(16, next_power_of_2(head_size))
-    num_tiles = num_tokens // cfg.block_q + num_seqs
-    interpret = interpreting()
-    # fp32 queries get exact dots; fp16/bf16 the backend's default (the names of the other
-    # precisions differ between NVIDIA and AMD, so none is spelled out).
-    dot_precision = "ieee" if query.dtype == torch.float32 else None
-    if isinstance(cfg, TritonPrefillConfig):
-        prefill_attention_kernel[(num_tiles, num_kv_heads)](
-            query, key_cache, value_cache, out,
-            query_start_loc, seq_lens, block_table,
-            ks, vs, float(scale) * LOG2E,
-            num_seqs, num_heads // num_kv_heads, block_size, head_size, sliding_window or 0,
-            *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
-            *block_table.stride(),
-            CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
-            FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
-            INTERPRET=interpret, DOT_PRECISION=dot_precision,
-            BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            EVEN_D=block_d == head_size, PAGE=block_size if cfg.const_block else 0,
-            EDGE_STAGES=cfg.edge_stages,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return
-    num_splits = cfg.num_splits if isinstance(cfg, TritonSplitKVConfig) else 1
-    if num_splits > 1:
-        n = num_tokens * num_heads * num_splits
-        part_out, part_lse = workspace if workspace is not None else (
-            torch.empty(n * head_size, dtype=torch.float32, device=query.device),
-            torch.empty(n, dtype=torch.float32, device=query.device))
-    else:  # unused by the kernel; any tensor will do as the argument
-        part_out = part_lse = out
-    paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, out, part_out, part_lse,
-        query_start_loc, seq_lens, block_table,
-        ks, vs, float(scale) * LOG2E,
-        num_seqs, num_heads, num_heads // num_kv_heads, block_size, head_size,
-        sliding_window or 0, num_splits,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
-        *block_table.stride(),
-        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
-        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
-        INTERPRET=interpret, DOT_PRECISION=dot_precision,
-        BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        SPLIT_KV=num_splits > 1, PAGE=block_size if cfg.const_block else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if num_splits > 1:
-        n = num_tokens * num_heads * num_splits
-        launch_merge(part_out[:n * head_size].view(num_tokens, num_heads, num_splits, head_size),
-                     part_lse[:n].view(num_tokens, num_heads, num_splits), out, None)
+    def __init__(self, cfg: AttentionConfig, query: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, scale: float, causal: bool,
+                 sliding_window: int | None, fp8: bool, ks: torch.Tensor | float) -> None:
+        self.cfg = cfg
+        num_heads, head_size = query.shape[1:]
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.gluon = isinstance(cfg, GluonPrefillConfig)
+        self.args = (scale, causal, sliding_window)
+        if self.gluon:
+            return
+        self.prefill = isinstance(cfg, TritonPrefillConfig)
+        self.num_splits = cfg.num_splits if isinstance(cfg, TritonSplitKVConfig) else 1
+        self.block_q = cfg.block_q
+        self.qk_scale = float(scale) * LOG2E
+        block_d = max(16, next_power_of_2(head_size))
+        # fp32 queries get exact dots; fp16/bf16 the backend's default (the names of the
+        # other precisions differ between NVIDIA and AMD, so none is spelled out).
+        dot_precision = "ieee" if query.dtype == torch.float32 else None
+        constexprs = dict(CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, FP8=fp8,
+                          SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
+                          INTERPRET=interpreting(), DOT_PRECISION=dot_precision,
+                          BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,
+                          BLOCK_D=block_d)
+        window = sliding_window or 0
+        group = num_heads // num_kv_heads
+        if self.prefill:
+            fn = prefill_attention_kernel
+            self.ints = (group, block_size, head_size, window)
+            constexprs.update(EVEN_D=block_d == head_size,
+                              PAGE=block_size if cfg.const_block else 0,
+                              EDGE_STAGES=cfg.edge_stages)
+        else:
+            fn = paged_attention_kernel
+            self.ints = (num_heads, group, block_size, head_size, window, self.num_splits)
+            constexprs.update(SPLIT_KV=self.num_splits > 1,
+                              PAGE=block_size if cfg.const_block else 0)
+        self.cache_strides = (*key_cache.stride(), *value_cache.stride())
+        self.kernel = KernelLaunch(
+            fn, (query.dtype, key_cache.dtype, key_cache.data_ptr() & 15,
+                 value_cache.data_ptr() & 15, self.ints, self.cache_strides,
+                 type(ks), getattr(ks, "dtype", None)),
+            constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+                 seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 ks: torch.Tensor | float, vs: torch.Tensor | float,
+                 workspace: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        cfg = self.cfg
+        if self.gluon:
+            from kvcore.ops.gluon_prefill import gluon_prefill_attention
+
+            scale, causal, sliding_window = self.args
+            gluon_prefill_attention(query, key_cache, value_cache, out, query_start_loc,
+                                    seq_lens, block_table, scale, causal, sliding_window,
+                                    cfg.block_q, cfg.g_pad, cfg.block_n, cfg.num_stages)
+            return
+        num_tokens = query.shape[0]
+        num_seqs = seq_lens.shape[0]
+        grid = (num_tokens // self.block_q + num_seqs, self.num_kv_heads, self.num_splits)
+        ptrs = (query, key_cache, value_cache, out)
+        num_splits = self.num_splits
+        if self.prefill:
+            part_out = part_lse = None
+        elif num_splits > 1:
+            n = num_tokens * self.num_heads * num_splits
+            part_out, part_lse = workspace if workspace is not None else (
+                torch.empty(n * self.head_size, dtype=torch.float32, device=query.device),
+                torch.empty(n, dtype=torch.float32, device=query.device))
+            ptrs = (*ptrs, part_out, part_lse)
+        else:  # unused by the kernel; any tensor will do as the argument
+            part_out = part_lse = out
+            ptrs = (*ptrs, out, out)
+        q_strides, out_strides, bt_strides = query.stride(), out.stride(), block_table.stride()
+        self.kernel(
+            grid,
+            (*ptrs, query_start_loc, seq_lens, block_table, ks, vs, self.qk_scale, num_seqs,
+             *self.ints, *q_strides, *self.cache_strides, *out_strides, *bt_strides),
+            (query.data_ptr() & 15, out.dtype, out.data_ptr() & 15,
+             None if part_out is None else part_out.data_ptr() & 15,
+             None if part_lse is None else part_lse.data_ptr() & 15,
+             query_start_loc.dtype, query_start_loc.data_ptr() & 15, seq_lens.dtype,
+             seq_lens.data_ptr() & 15, block_table.dtype, block_table.data_ptr() & 15,
+             arg_class(ks), arg_class(vs), int_class(num_seqs), q_strides, out_strides,
+             bt_strides))
+        if num_splits > 1:
+            n = num_tokens * self.num_heads * num_splits
+            launch_merge(
+                part_out[:n * self.head_size].view(num_tokens, self.num_heads, num_splits,
+                                                   self.head_size),
+                part_lse[:n].view(num_tokens, self.num_heads, num_splits), out, None)
+

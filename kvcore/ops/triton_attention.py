@@ -30,15 +30,28 @@ from __future__ import annotations
 import torch
 
 from kvcore.ops.attention_config import (
+    AttentionConfig,
     GluonPrefillConfig,
     TritonAttentionPlan,
     TritonPrefillConfig,
     TritonSplitKVConfig,
 )
-from kvcore.ops.attention_dispatch import call_config, gluon_prefill_unmet, launch
+from kvcore.ops.attention_dispatch import AttentionLaunch, call_config, gluon_prefill_unmet
 from kvcore.ops.split_kv import MAX_KV_SPLITS, workspace_numel
-from kvcore.ops.triton_utils import scale_args
-from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, validate_paged_attention
+from kvcore.ops.triton_cache import scale_key
+from kvcore.ops.triton_utils import (
+    gluon_defaults_enabled,
+    interpreting,
+    recording_launches,
+    scale_args,
+)
+from kvcore.ops.validation import (
+    FP8_KV_CACHE_DTYPES,
+    KVScale,
+    check_paged_attention_values,
+    check_scale,
+    validate_paged_attention,
+)
 
 __all__ = ["MAX_HEAD_SIZE", "SUPPORTED_QUERY_DTYPES", "paged_attention"]
 
@@ -113,6 +126,64 @@ def paged_attention(
     Returns:
         ``output`` (or a new tensor like ``query``).
     """
+    try:
+        layer = _LAYERS.get((
+            key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+            key_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
+            value_cache.device, value_cache.data_ptr(), query.dtype, query.shape[1:],
+            kv_cache_dtype, scale, causal, sliding_window, scale_key(k_scale),
+            scale_key(v_scale), interpreting(), recording_launches(), gluon_defaults_enabled()))
+    except (AttributeError, TypeError, IndexError):  # the checks below say what is wrong
+        layer = None
+    if layer is not None and layer.takes(query, query_start_loc, seq_lens, block_table,
+                                         output):
+        if layer.fp8:  # a tensor scale's value is read each call, as the checks do
+            check_scale("k_scale", k_scale, used=True)
+            check_scale("v_scale", v_scale, used=True)
+        check_paged_attention_values(query, key_cache, query_start_loc, seq_lens, block_table)
+    else:
+        _check_call(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+                    scale, sliding_window, kv_cache_dtype, k_scale, v_scale, output)
+        layer = _Layer(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+                       scale, causal, sliding_window, kv_cache_dtype, k_scale, v_scale)
+        if len(_LAYERS) >= _MAX_LAYERS:
+            _LAYERS.clear()
+        _LAYERS[layer.key] = layer
+    plan = _DEFAULT_PLAN if plan is None else plan
+    if plan is not layer.plan:
+        _check_plan(plan)
+        layer.plan = plan
+
+    out = output if output is not None else torch.empty_like(query)
+    num_tokens = query.shape[0]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # The kernels index these two densely (block_table goes with its strides); an engine's
+    # view of a larger buffer may have stride > 1.
+    if query_start_loc.stride(0) != 1:
+        query_start_loc = query_start_loc.contiguous()
+    if seq_lens.stride(0) != 1:
+        seq_lens = seq_lens.contiguous()
+    cfg, workspace = layer.choose(plan, query, key_cache, value_cache, num_seqs,
+                                  block_table.shape[1])
+    ks, vs = scale_args(k_scale if layer.fp8 else None, v_scale if layer.fp8 else None,
+                        layer.device)
+    launch = layer.launches.get(cfg)
+    if launch is None:
+        launch = layer.launches[cfg] = AttentionLaunch(
+            cfg, query, key_cache, value_cache, scale, causal, sliding_window, layer.fp8, ks)
+    launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, ks, vs,
+           workspace)
+    return out
+
+
+def _check_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                block_table: torch.Tensor, scale: float, sliding_window: int | None,
+                kv_cache_dtype: str, k_scale: KVScale, v_scale: KVScale,
+                output: torch.Tensor | None) -> None:
+    """Every check of :func:`paged_attention`'s arguments but the plan's."""
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
                              sliding_window=sliding_window, output=output, scale=scale,
@@ -124,30 +195,125 @@ def paged_attention(
         )
     if output is not None and output.dtype not in SUPPORTED_QUERY_DTYPES:
         raise TypeError(f"output has dtype {output.dtype}; expected one of fp16/bf16/fp32")
-    num_tokens, num_heads, head_size = query.shape
-    block_size = key_cache.shape[1]
+    head_size = query.shape[2]
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size={head_size} (the Triton kernel supports up to "
                          f"{MAX_HEAD_SIZE})")
-    plan = _DEFAULT_PLAN if plan is None else plan
+
+
+def _check_plan(plan: object) -> None:
     if not isinstance(plan, TritonAttentionPlan):
         raise TypeError(f"plan must be a kvcore.ops.TritonAttentionPlan or None, got "
                         f"{type(plan).__name__}")
     if plan.num_kv_splits is not None:
         _check_splits(plan.num_kv_splits, "plan.num_kv_splits")
 
-    out = output if output is not None else torch.empty_like(query)
-    num_seqs = seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    # The kernels index these two densely (block_table goes with its strides); an engine's
-    # view of a larger buffer may have stride > 1 (contiguous() returns a dense tensor as is).
-    query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
+
+#: Checked layers by their signature (the key of :func:`paged_attention`'s lookup).
+_LAYERS: dict[tuple, _Layer] = {}
+_MAX_LAYERS = 1024
+#: The step metadata :meth:`_Layer.takes` last accepted: (tensors, their versions, device).
+_last_step: tuple = ()
+
+
+class _Layer:
+    """One cache pair's checked attention: what the checks established for it with one
+    query dtype, head count and the scalar arguments, its kernel choices (by plan and step
+    shape) and launches (by config)."""
+
+    def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_table: torch.Tensor, scale: float, causal: bool,
+                 sliding_window: int | None, kv_cache_dtype: str, k_scale: KVScale,
+                 v_scale: KVScale) -> None:
+        self.key = (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+                    key_cache.data_ptr(), value_cache.shape, value_cache.stride(),
+                    value_cache.dtype, value_cache.device, value_cache.data_ptr(), query.dtype,
+                    query.shape[1:], kv_cache_dtype, scale, causal, sliding_window,
+                    scale_key(k_scale), scale_key(v_scale), interpreting(),
+                    recording_launches(), gluon_defaults_enabled())
+        self.device = query.device
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        self.plan: TritonAttentionPlan | None = None
+        self.launches: dict[object, AttentionLaunch] = {}
+        self._configs: dict[tuple, AttentionConfig] = {}
+        self._workspace: tuple = ()
+        _accept_step(query_start_loc, seq_lens, block_table, self.device)
+
+    def takes(self, query: torch.Tensor, query_start_loc: torch.Tensor,
+              seq_lens: torch.Tensor, block_table: torch.Tensor,
+              output: torch.Tensor | None) -> bool:
+        """Whether the checks this layer passed cover a call with these tensors."""
+        device = self.device
+        if not (isinstance(query, torch.Tensor) and query.device == device):
+            return False
+        if output is not None and not (
+                isinstance(output, torch.Tensor) and output.shape == query.shape
+                and output.device == device and output.dtype in SUPPORTED_QUERY_DTYPES):
+            return False
+        last = _last_step
+        if (last and last[0] is query_start_loc and last[1] is seq_lens
+                and last[2] is block_table and last[3] == query_start_loc._version
+                and last[4] == seq_lens._version and last[5] == block_table._version
+                and last[6] == device):
+            return True
+        if not (isinstance(query_start_loc, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
+                and isinstance(block_table, torch.Tensor) and query_start_loc.dim() == 1
+                and seq_lens.dim() == 1 and block_table.dim() == 2
+                and query_start_loc.shape[0] == seq_lens.shape[0] + 1
+                and block_table.shape[0] == seq_lens.shape[0]
+                and query_start_loc.dtype in _INDEX_DTYPES and seq_lens.dtype in _INDEX_DTYPES
+                and block_table.dtype in _INDEX_DTYPES and query_start_loc.device == device
+                and seq_lens.device == device and block_table.device == device):
+            return False
+        _accept_step(query_start_loc, seq_lens, block_table, device)
+        return True
+
+    def choose(self, plan: TritonAttentionPlan, query: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, num_seqs: int, width: int
+               ) -> tuple[AttentionConfig, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The config and split-KV workspace of a call: ``plan``'s, or the defaults for the
+        batch and the GPU (checked or chosen once per plan and step shape)."""
+        num_tokens = query.shape[0]
+        found = (plan.config, plan.num_kv_splits, num_tokens, num_seqs, width)
+        cfg = self._configs.get(found)
+        if cfg is None:
+            cfg = _config(plan, query, key_cache, value_cache, self.kv_cache_dtype, num_seqs,
+                          width)
+            if len(self._configs) >= _MAX_LAYERS:
+                self._configs.clear()
+            self._configs[found] = cfg
+        if not (isinstance(cfg, TritonSplitKVConfig) and cfg.num_splits > 1
+                and plan.workspace is not None):
+            return cfg, None
+        needed = workspace_numel(num_tokens, *query.shape[1:], cfg.num_splits)
+        last = self._workspace
+        if not (last and last[0] is plan and last[1] == needed):
+            last = self._workspace = (plan, needed, _check_workspace(
+                plan.workspace, query.device, needed))
+        return cfg, last[2]
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _accept_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_table: torch.Tensor, device: torch.device) -> None:
+    global _last_step
+    _last_step = (query_start_loc, seq_lens, block_table, query_start_loc._version,
+                  seq_lens._version, block_table._version, device)
+
+
+def _config(plan: TritonAttentionPlan, query: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, kv_cache_dtype: str, num_seqs: int,
+            width: int) -> AttentionConfig:
+    """``plan.config`` checked against the call, or the default config for it."""
     cfg = plan.config
     if cfg is None:  # call_config checks its Gluon row against these tensors
-        cfg = call_config(query, key_cache, value_cache, kv_cache_dtype, num_seqs,
-                          block_table.shape[1] * block_size, plan.num_kv_splits)
-    elif isinstance(cfg, GluonPrefillConfig):
+        return call_config(query, key_cache, value_cache, kv_cache_dtype, num_seqs,
+                           width * key_cache.shape[1], plan.num_kv_splits)
+    if isinstance(cfg, GluonPrefillConfig):
         reason = gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg)
         if reason is not None:
             raise ValueError(reason)
@@ -156,12 +322,4 @@ def paged_attention(
     elif isinstance(cfg, TritonPrefillConfig) and cfg.edge_stages < 0:
         raise ValueError(f"TritonPrefillConfig has edge_stages={cfg.edge_stages}; it must be "
                          ">= 0 (0: the launch's num_stages)")
-    workspace = None
-    if isinstance(cfg, TritonSplitKVConfig) and cfg.num_splits > 1 and plan.workspace is not None:
-        workspace = _check_workspace(plan.workspace, query.device, workspace_numel(
-            num_tokens, num_heads, head_size, cfg.num_splits))
-    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, query.device)
-    launch(cfg, query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-           scale, causal, sliding_window, fp8, ks, vs, workspace)
-    return out
+    return cfg

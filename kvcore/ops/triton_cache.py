@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
 from kvcore.ops.triton_utils import (
     fp8_format,
     interpreting,
@@ -29,7 +30,13 @@ from kvcore.ops.triton_utils import (
     round_to_fp8_grid,
     scale_args,
 )
-from kvcore.ops.validation import FP8_KV_CACHE_DTYPES, KVScale, validate_reshape_and_cache
+from kvcore.ops.validation import (
+    FP8_KV_CACHE_DTYPES,
+    KVScale,
+    check_reshape_and_cache_values,
+    check_scale,
+    validate_reshape_and_cache,
+)
 
 __all__ = ["reshape_and_cache"]
 
@@ -98,31 +105,108 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       v_scale: KVScale = None) -> None:
     """:func:`kvcore.ops.reshape_and_cache_ref`'s cache write on a Triton kernel, byte for
     byte (arguments, shapes and errors documented there); ``key``/``value`` may be slices of
-    a fused QKV projection, and a tensor scale is read on the device (no host sync)."""
-    validate_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                               kv_cache_dtype, k_scale, v_scale)
-    num_tokens, num_kv_heads, head_size = key.shape
-    if num_tokens == 0:
-        return
-    # The kernel indexes slot_mapping densely; an engine's view of a larger buffer may have
-    # stride > 1 (contiguous() returns a dense tensor as it is).
-    slot_mapping = slot_mapping.contiguous()
-    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    fp8_max, mantissa_bits, min_exponent = fp8_format(key_cache.dtype)
-    ks, vs = scale_args(k_scale if fp8 else None, v_scale if fp8 else None, key_cache.device)
+    a fused QKV projection, and a tensor scale is read on the device (no host sync).
 
-    block_d = next_power_of_2(head_size)
-    block_h = max(1, min(next_power_of_2(num_kv_heads), _TILE // block_d))
-    block_t = max(1, min(_MAX_TOKENS_PER_PROGRAM, _TILE // (block_h * block_d)))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
-    _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        ks, vs,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        num_tokens, key_cache.shape[1], num_kv_heads, head_size,
-        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), FP8_MAX=fp8_max,
-        EXACT_FP8_ROUNDING=interpreting(), MANTISSA_BITS=mantissa_bits,
-        MIN_EXPONENT=min_exponent,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4,
-    )
+    The argument checks the caches decide run once per cache (:class:`_CacheWrite`); a call
+    compares its tokens with what the cache's checks saw and repeats only the value checks
+    (:func:`~kvcore.ops.validation.check_reshape_and_cache_values`), or runs every check
+    again when something differs, so a bad argument gets the same message as ever.
+    """
+    try:
+        found = _WRITES.get((key_cache.shape, key_cache.stride(), key_cache.dtype,
+                             key_cache.device, key_cache.data_ptr(), value_cache.shape,
+                             value_cache.stride(), value_cache.dtype, value_cache.device,
+                             value_cache.data_ptr(), key.dtype, kv_cache_dtype,
+                             scale_key(k_scale), scale_key(v_scale), interpreting()))
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+        found = None
+    if found is not None and found.takes(key, value, slot_mapping):
+        if found.fp8:  # a tensor scale's value is read each call, as the checks do
+            check_scale("k_scale", k_scale, used=True)
+            check_scale("v_scale", v_scale, used=True)
+        check_reshape_and_cache_values(key_cache, slot_mapping)
+    else:
+        validate_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                   kv_cache_dtype, k_scale, v_scale)
+        found = _CacheWrite(key, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+        if len(_WRITES) >= _MAX_WRITES:
+            _WRITES.clear()
+        _WRITES[found.key] = found
+    found.launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def scale_key(scale: KVScale) -> object:
+    """What the checks and the launch see of a scale: a number's type and value, a tensor's
+    size, dtype and device."""
+    if isinstance(scale, torch.Tensor):
+        return (scale.numel(), scale.dtype, scale.device)
+    return (type(scale), scale)
+
+
+#: Checked caches by their signature (the key of :func:`reshape_and_cache`'s lookup).
+_WRITES: dict[tuple, _CacheWrite] = {}
+_MAX_WRITES = 1024
+
+
+class _CacheWrite:
+    """One K/V cache pair's checked write: what the checks established for it (and the
+    dtype, scales and cache dtype of the call that made it), and its kernel launch."""
+
+    def __init__(self, key: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 kv_cache_dtype: str, k_scale: KVScale, v_scale: KVScale) -> None:
+        self.key = (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+                    key_cache.data_ptr(), value_cache.shape, value_cache.stride(),
+                    value_cache.dtype, value_cache.device, value_cache.data_ptr(), key.dtype,
+                    kv_cache_dtype, scale_key(k_scale), scale_key(v_scale), interpreting())
+        self.dtype, self.device = key.dtype, key_cache.device
+        self.heads = key_cache.shape[2:]
+        self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        num_kv_heads, head_size = self.heads
+        self.block_d = next_power_of_2(head_size)
+        self.block_h = max(1, min(next_power_of_2(num_kv_heads), _TILE // self.block_d))
+        self.block_t = max(1, min(_MAX_TOKENS_PER_PROGRAM, _TILE // (self.block_h * self.block_d)))
+        self.grid_h = -(-num_kv_heads // self.block_h)
+        ks, _ = scale_args(k_scale if self.fp8 else None, v_scale if self.fp8 else None,
+                           self.device)
+        fp8_max, mantissa_bits, min_exponent = fp8_format(key_cache.dtype)
+        self.fixed = (*key_cache.stride(), *value_cache.stride())
+        self.tail = (key_cache.shape[1], num_kv_heads, head_size)
+        self.kernel = KernelLaunch(
+            _reshape_and_cache_kernel, (self.key, self.fixed, self.tail),
+            dict(FP8=self.fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), FP8_MAX=fp8_max,
+                 EXACT_FP8_ROUNDING=interpreting(), MANTISSA_BITS=mantissa_bits,
+                 MIN_EXPONENT=min_exponent, BLOCK_T=self.block_t, BLOCK_H=self.block_h,
+                 BLOCK_D=self.block_d),
+            dict(num_warps=4))
+
+    def takes(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """Whether the checks this cache passed cover a call with these tokens."""
+        return (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+                and isinstance(slot_mapping, torch.Tensor) and key.dim() == 3
+                and key.shape[1:] == self.heads and value.shape == key.shape
+                and value.dtype == self.dtype and key.device == self.device
+                and value.device == self.device and slot_mapping.device == self.device
+                and slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0]
+                and slot_mapping.dtype in (torch.int32, torch.int64))
+
+    def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: KVScale,
+               v_scale: KVScale) -> None:
+        num_tokens = key.shape[0]
+        if num_tokens == 0:
+            return
+        # The kernel indexes slot_mapping densely; an engine's view of a larger buffer may
+        # have stride > 1.
+        if slot_mapping.stride(0) != 1:
+            slot_mapping = slot_mapping.contiguous()
+        ks, vs = scale_args(k_scale if self.fp8 else None, v_scale if self.fp8 else None,
+                            self.device)
+        ptrs = (key, value, key_cache, value_cache, slot_mapping, ks, vs)
+        strides = (*key.stride(), *value.stride())
+        self.kernel(
+            (-(-num_tokens // self.block_t), self.grid_h, 1),
+            (*ptrs, *strides, *self.fixed, num_tokens, *self.tail),
+            (key.data_ptr() & 15, value.data_ptr() & 15, slot_mapping.data_ptr() & 15,
+             slot_mapping.dtype, arg_class(ks), arg_class(vs), strides,
+             int_class(num_tokens)))
+

@@ -53,6 +53,10 @@ __all__ = [
     "value_checks_enabled",
     "validate_reshape_and_cache",
     "validate_paged_attention",
+    "check_paged_attention_args",
+    "check_paged_attention_values",
+    "check_reshape_and_cache_args",
+    "check_reshape_and_cache_values",
     "check_block_indices",
     "check_kv_cache_dtype",
     "check_distinct_pages",
@@ -418,7 +422,21 @@ def validate_reshape_and_cache(key: torch.Tensor, value: torch.Tensor,
                                slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
                                k_scale: KVScale = None, v_scale: KVScale = None) -> None:
     """Validate the arguments of :func:`kvcore.ops.reshape_and_cache` (every cache write that
-    takes its arguments calls this, so a bad one gets the same message everywhere)."""
+    takes its arguments calls this, so a bad one gets the same message everywhere):
+    :func:`check_reshape_and_cache_args`, then :func:`check_reshape_and_cache_values`."""
+    check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping,
+                                 kv_cache_dtype, k_scale, v_scale)
+    check_reshape_and_cache_values(key_cache, slot_mapping)
+
+
+def check_reshape_and_cache_args(key: torch.Tensor, value: torch.Tensor,
+                                 key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                 slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                                 k_scale: KVScale = None, v_scale: KVScale = None) -> None:
+    """The checks of :func:`validate_reshape_and_cache` that the tensors' types, shapes,
+    strides, dtypes, devices and addresses decide, with the scales' (see :func:`check_scale`):
+    a fast path that has passed them for one such signature repeats only
+    :func:`check_scale` on tensor scales and :func:`check_reshape_and_cache_values`."""
     for n, t in (("key", key), ("value", value), ("key_cache", key_cache),
                  ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         require_tensor(n, t)
@@ -446,7 +464,7 @@ def validate_reshape_and_cache(key: torch.Tensor, value: torch.Tensor,
     check_scale("k_scale", k_scale, used=fp8)
     check_scale("v_scale", v_scale, used=fp8)
     check_distinct_pages(key_cache, value_cache)
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    num_kv_heads, head_size = key_cache.shape[2:]
     if key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(
             f"key has (num_kv_heads, head_size)={tuple(key.shape[1:])} but the cache holds "
@@ -456,6 +474,13 @@ def validate_reshape_and_cache(key: torch.Tensor, value: torch.Tensor,
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
         )
+
+
+def check_reshape_and_cache_values(key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The checks of :func:`validate_reshape_and_cache` on ``slot_mapping``'s values: the
+    step's block size, slots in range, no slot twice (from the step's facts when it carries
+    them, else read; see :func:`set_value_checks`)."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     check_step_block_size(block_size, slot_mapping)
     check_slots_in_range(slot_mapping, num_blocks, block_size)
     check_distinct_slots(slot_mapping)
@@ -477,7 +502,35 @@ def validate_paged_attention(
     v_scale: KVScale = None,
 ) -> None:
     """Validate the arguments of :func:`kvcore.ops.paged_attention` (``scale``, the softmax
-    scale, is checked when given; every kvcore path gives it)."""
+    scale, is checked when given; every kvcore path gives it):
+    :func:`check_paged_attention_args`, then :func:`check_paged_attention_values`."""
+    check_paged_attention_args(query, key_cache, value_cache, query_start_loc, seq_lens,
+                               block_table, kv_cache_dtype=kv_cache_dtype,
+                               sliding_window=sliding_window, output=output, scale=scale,
+                               k_scale=k_scale, v_scale=v_scale)
+    check_paged_attention_values(query, key_cache, query_start_loc, seq_lens, block_table)
+
+
+def check_paged_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    kv_cache_dtype: str = "auto",
+    sliding_window: int | None = None,
+    output: torch.Tensor | None = None,
+    scale: float | None = None,
+    k_scale: KVScale = None,
+    v_scale: KVScale = None,
+) -> None:
+    """The checks of :func:`validate_paged_attention` that the tensors' types, shapes,
+    strides, dtypes, devices and addresses decide, with the scalar arguments' and the
+    scales' (see :func:`check_scale`): a fast path that has passed them for one such
+    signature repeats only :func:`check_scale` on tensor scales and
+    :func:`check_paged_attention_values`."""
     for n, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                  ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table)):
@@ -508,8 +561,8 @@ def validate_paged_attention(
     check_scale("k_scale", k_scale, used=fp8)
     check_scale("v_scale", v_scale, used=fp8)
     check_distinct_pages(key_cache, value_cache)
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
-    num_tokens, num_heads, q_head_size = query.shape
+    num_kv_heads, head_size = key_cache.shape[2:]
+    num_heads, q_head_size = query.shape[1:]
     if q_head_size != head_size:
         raise ValueError(f"query has head_size {q_head_size} but the cache has {head_size}")
     if num_heads % num_kv_heads:
@@ -541,9 +594,20 @@ def validate_paged_attention(
         if output.device != query.device:
             raise ValueError(f"output is on {output.device} but query is on {query.device}")
         require_float_dtype("output", output)
+
+
+def check_paged_attention_values(query: torch.Tensor, key_cache: torch.Tensor,
+                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                 block_table: torch.Tensor) -> None:
+    """The checks of :func:`validate_paged_attention` on the metadata's values: the step's
+    block size, lengths consistent and block ids in the cache (from the step's facts when the
+    tensors carry them, else read; see :func:`set_value_checks`)."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     check_step_block_size(block_size, query_start_loc, seq_lens, block_table)
+    num_seqs = seq_lens.shape[0]
     if not _value_checks or num_seqs == 0:
         return
+    num_tokens = query.shape[0]
     max_blocks = block_table.shape[1]
     facts = checked_step_facts(query_start_loc, seq_lens, block_table)
     if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (

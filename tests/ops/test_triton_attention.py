@@ -553,7 +553,7 @@ def test_bad_inputs_raise_naming_the_argument(change: str, error: type, names: s
         query = query.double()
         batch.key_cache, batch.value_cache = batch.key_cache.double(), batch.value_cache.double()
     elif change == "splits_zero":
-        kwargs["num_kv_splits"] = 0
+        kwargs["plan"] = Plan(num_kv_splits=0)
     elif change == "block_id":
         kwargs["block_table"] = batch.block_table.clone()
         kwargs["block_table"][0, 0] = 10_000
