@@ -10,7 +10,9 @@ the launch configurations the code really picks:
   ``kvcore_register_kernel_compile_cases`` hook: a function that takes a
   :class:`CompileTarget` and returns :class:`KernelCase` objects. A case calls the op's public
   function with CPU tensors of a real model's shapes, after asking the op's own config chooser
-  for the launch configuration on that target (its SM/CU count, NVIDIA or AMD).
+  for the launch configuration on that target (its SM/CU count, NVIDIA or AMD). The
+  provider's module may define ``KERNELS_BY_NAME``, a paragraph naming the owner's kernels
+  (which row runs which), that ``docs/kernels.md`` prints under "Kernels by name".
 - The checker runs each case with Triton's launcher replaced by a recorder, so the kernels,
   their arguments and their ``tl.constexpr`` values are exactly those of a real call; it
   specialises them as Triton's JIT would for the target (argument types, 16-byte alignment
@@ -628,6 +630,11 @@ def format_markdown(results: Sequence[CompileResult]) -> str:
                   for name, cls in KERNELS.items()],
                  headers=["kernel", "config", "what it takes"], tablefmt="github"),
     ]
+    owners = {r.owner for r in results}
+    for owner, _, provider in case_providers():
+        text = getattr(sys.modules.get(provider.__module__), "KERNELS_BY_NAME", None)
+        if owner in owners and text:
+            lines += ["", " ".join(text.split())]
     lines += [
         "",
         "## Summary: registers / spills / shared KiB (largest over the cases)",

@@ -17,7 +17,18 @@ import torch
 import kvcore
 from kvcore.testing import CompileTarget, KernelCase
 
-__all__ = ["compile_cases"]
+__all__ = ["KERNELS_BY_NAME", "compile_cases"]
+
+#: Printed under "Kernels by name" in ``docs/kernels.md`` (``kvcore kernels``).
+KERNELS_BY_NAME = """
+kvcore_mla's kernels by name: `triton_mla_decode` (pointer loads, whole latent: the default and
+sm80/ROCm rows, sm90 below 64 heads), `triton_mla_decode_halves` (the latent in two halves:
+sm90's 64+ head row for caches TMA cannot serve, fp8 included), `triton_mla_decode_tma_keysplit`
+(TMA loads, key-split scores: sm90's 64+ head Triton row; its 128-head case may spill up to 896
+bytes, 856 with Triton 3.9), `gluon_mla_ws` (warp-specialised Gluon, Hopper, sm90's first row at
+64+ heads), `triton_mla_mixed` (prefill+decode batches). The numbers behind the rows:
+plugins/mla/kvcore_mla/ops/MEASUREMENTS.md.
+"""
 
 _KV_LORA_RANK = 512
 _ROPE_DIM = 64
