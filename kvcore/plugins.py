@@ -84,6 +84,17 @@ def _allowlist() -> set[str] | None:
     return {part.strip() for part in raw.split(",") if part.strip()}
 
 
+def _register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Register ``plugin`` as ``name``, or raise (leaving ``pm`` as it was) when its hooks do
+    not match the specs."""
+    pm.register(plugin, name=name)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError:
+        pm.unregister(name=name)
+        raise
+
+
 def _register_module(
     pm: pluggy.PluginManager, name: str, load, info: PluginInfo
 ) -> None:
@@ -96,12 +107,7 @@ def _register_module(
                 f"plugin name {name!r} is already used by "
                 f"{other.distribution if other else 'another plugin'}; rename one entry point"
             )
-        pm.register(plugin, name=name)
-        try:
-            pm.check_pending()
-        except pluggy.PluginValidationError:
-            pm.unregister(name=name)
-            raise
+        _register_checked(pm, plugin, name)
     except (Exception, SystemExit) as exc:  # isolate any failure of third-party code
         info.status = "failed"
         info.error = f"{type(exc).__name__}: {exc}"
@@ -189,12 +195,7 @@ def register_plugin(plugin: object, name: str) -> None:
     with _lock:
         if pm.has_plugin(name):
             raise ValueError(f"a kvcore plugin named {name!r} is already registered")
-        pm.register(plugin, name=name)
-        try:
-            pm.check_pending()
-        except pluggy.PluginValidationError:
-            pm.unregister(name=name)
-            raise
+        _register_checked(pm, plugin, name)
         _infos.append(PluginInfo(name, None, None, getattr(plugin, "__name__", repr(plugin)),
                                  "runtime", "loaded"))
         _generation += 1
