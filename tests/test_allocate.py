@@ -84,9 +84,8 @@ def test_cross_layer_true_with_backend_that_does_not_opt_in():
         def get_name():
             return "NO_CROSS"
 
-        @staticmethod
-        def get_kv_cache_stride_order(include_num_layers_dimension=False):
-            return tuple(range(6 if include_num_layers_dimension else 5))
+        # The base class's order: the layer dim outermost, no cross-layer.
+        get_kv_cache_stride_order = staticmethod(kvcore.AttentionBackend.get_kv_cache_stride_order)
 
     with pytest.raises(ValueError, match="backend NO_CROSS does not opt in to cross-layer"):
         kvcore.allocate_kv_caches(NoCross, **SIZES, dtype=torch.float32, device="cpu",

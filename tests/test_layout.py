@@ -177,9 +177,8 @@ def test_cross_layer_requires_the_backend_to_opt_in():
         def get_name():
             return "NO_CROSS"
 
-        @staticmethod
-        def get_kv_cache_stride_order(include_num_layers_dimension=False):
-            return tuple(range(6 if include_num_layers_dimension else 5))
+        # The base class's order: the layer dim outermost, no cross-layer.
+        get_kv_cache_stride_order = staticmethod(kvcore.AttentionBackend.get_kv_cache_stride_order)
 
     with pytest.raises(ValueError, match="backend NO_CROSS does not opt in to cross-layer"):
         KVCacheLayout.from_backend(NoCross, num_blocks=4, block_size=16, num_kv_heads=1,
