@@ -12,6 +12,7 @@ with kvcore), or parametrise a test of your own::
 
 Helpers for a plugin's own tests: :func:`contiguous_attention_ref` (a float64 attention
 reference on contiguous K/V), :func:`random_block_tables` (shuffled block tables),
+:func:`random_slot_mapping` (a cache write's slots, with padding),
 :func:`run_mixed_step` (one engine step of a mixed batch through a backend),
 :func:`strided_view` (a step tensor as a view of a larger buffer, as engines pass them) and
 the GPU / Triton-interpreter setup of a ``conftest.py`` (:class:`GpuTestSetup`, built on
@@ -22,7 +23,7 @@ broken and the section of ``docs/conformance.md`` that documents it. See that do
 rules, the tolerances and the options.
 """
 
-from kvcore.testing.batch import random_block_tables
+from kvcore.testing.batch import random_block_tables, random_slot_mapping
 from kvcore.testing.cases import ConformanceCase, conformance_cases, resolve_backend_spec
 from kvcore.testing.compile_check import (
     CompiledLaunch,
@@ -66,6 +67,7 @@ __all__ = [
     "contiguous_attention_ref",
     "contiguous_mla_ref",
     "random_block_tables",
+    "random_slot_mapping",
     "resolve_backend_spec",
     "run_mixed_step",
     "skip_gpu_tests_without_gpu",

@@ -204,6 +204,17 @@ def make_mixed_batch(
     )
 
 
+def random_slot_mapping(num_tokens: int, num_slots: int, gen: torch.Generator,
+                        dtype: torch.dtype = torch.int64, *, pad: bool = True) -> torch.Tensor:
+    """``(num_tokens,)`` distinct random slots of ``range(num_slots)`` in ``dtype``, on the CPU;
+    every fifth token (from the first) is padding (``-1``) when ``pad``. For cache-write
+    tests."""
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    if pad:
+        slots[::5] = -1
+    return slots.to(dtype)
+
+
 def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
                         gen: torch.Generator, *, shared_prefix: int = 0) -> list[list[int]]:
     """Shuffled, distinct block ids for each request, as an engine's block tables.

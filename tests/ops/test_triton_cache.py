@@ -17,6 +17,7 @@ import torch
 
 import kvcore.ops
 from kvcore.ops import reshape_and_cache_ref
+from kvcore.testing import random_slot_mapping
 
 triton_cache = pytest.importorskip("kvcore.ops.triton_cache")
 
@@ -29,13 +30,9 @@ def _random_cache(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generat
     return (torch.randn(shape, generator=gen) * 4).to(dtype).to(DEVICE)
 
 
-def _slots(num_tokens: int, num_slots: int, gen: torch.Generator, dtype: torch.dtype,
-           pad: bool = True) -> torch.Tensor:
-    """Distinct random slots; every fifth token is padding (-1) when ``pad``."""
-    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
-    if pad:
-        slots[::5] = -1
-    return slots.to(dtype).to(DEVICE)
+def _slots(num_tokens: int, num_slots: int, gen: torch.Generator,
+           dtype: torch.dtype) -> torch.Tensor:
+    return random_slot_mapping(num_tokens, num_slots, gen, dtype).to(DEVICE)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

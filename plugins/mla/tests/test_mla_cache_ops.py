@@ -18,19 +18,16 @@ from kvcore_mla.ops import (
 from mla_helpers import DEVICE, generator, randn, random_bytes
 
 from kvcore.ops import fp8_inverse_scale
+from kvcore.testing import random_slot_mapping
 
 triton_cache = pytest.importorskip("kvcore_mla.ops.triton_cache")
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def _slots(num_tokens: int, num_slots: int, gen: torch.Generator, dtype: torch.dtype,
-           pad: bool = True) -> torch.Tensor:
-    """Distinct random slots; every fifth token is padding (-1) when ``pad``."""
-    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
-    if pad:
-        slots[::5] = -1
-    return slots.to(dtype).to(DEVICE)
+def _slots(num_tokens: int, num_slots: int, gen: torch.Generator,
+           dtype: torch.dtype) -> torch.Tensor:
+    return random_slot_mapping(num_tokens, num_slots, gen, dtype).to(DEVICE)
 
 
 def _latents(num_tokens: int, rank: int, rope: int, dtype: torch.dtype, gen: torch.Generator,
