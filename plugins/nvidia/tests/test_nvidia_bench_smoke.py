@@ -109,7 +109,10 @@ def test_flashinfer_bench_cpu_times_build_against_a_no_op_flashinfer(tmp_path):
         (shape, build) for shape in ("16x4096", "64x4096")
         for build in ("graph decode", "eager decode")]
     assert all(r["us_per_build"] > 0 for r in rows)
-    assert [r["plans_per_step"] for r in rows if r["build"] == "eager decode"] == [1.0, 1.0]
+    # eager decode-only steps re-plan only when page counts change, as graph-sized ones do
+    plans = {(r["shape"], r["build"]): r["plans_per_step"] for r in rows}
+    assert all(plans[shape, "eager decode"] == plans[shape, "graph decode"] < 0.2
+               for shape in ("16x4096", "64x4096"))
     table = result.stdout.splitlines()[-len(rows) - 2:]  # header, rule, one row each
     assert table[0].startswith("| build() on the CPU") and table[1].startswith("| --- |")
     assert [line.split(" | ")[0] for line in table[2:]] == [

@@ -88,7 +88,7 @@ from kvcore import (
     build_attention_metadata,
     long_step,
 )
-from kvcore.ops import checked_step_facts, triton_unavailable_reasons, value_checks_enabled
+from kvcore.ops import checked_step_facts, value_checks_enabled
 from kvcore_nvidia.backends.common import (
     HostStaging,
     PagedCacheImpl,
@@ -353,10 +353,9 @@ class FlashInferLaunch:
     arguments and repeats no check the step already passed).
 
     Attributes:
-        decode_run: the planned decode wrapper's ``run`` (rows ``[0, num_decodes)``), or
+        decode: the planned decode wrapper (rows ``[0, num_decodes)``), or ``None``.
+        prefill: the planned prefill wrapper (rows ``[num_decodes, num_actual_tokens)``), or
             ``None``.
-        prefill_run: the planned prefill wrapper's ``run`` (rows ``[num_decodes,
-            num_actual_tokens)``), or ``None``.
         num_decodes: query rows the decode wrapper serves.
         query_shape: ``(num_actual_tokens, num_heads, head_size)``: the query and output rows
             a layer of this step passes (the plan's).
@@ -369,8 +368,8 @@ class FlashInferLaunch:
             :attr:`FlashInferMetadata.planned`).
     """
 
-    decode_run: Any
-    prefill_run: Any
+    decode: Any
+    prefill: Any
     num_decodes: int
     query_shape: tuple[int, int, int]
     signature: tuple
@@ -633,10 +632,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         else:  # checks off: nothing to compare; on but unmarked: the layers check
             max_block_id = _UNCHECKED_BLOCKS if value_checks_enabled() else -1
         planned = (self.scale, None, causal)
-        launch = FlashInferLaunch(
-            None if decode is None else decode.run, None if prefill is None else prefill.run,
-            k, (meta.num_actual_tokens, self.num_heads, self.spec.head_size), self.signature,
-            max_block_id, planned)
+        rows = (meta.num_actual_tokens, self.num_heads, self.spec.head_size)
+        launch = FlashInferLaunch(decode, prefill, k, rows, self.signature, max_block_id, planned)
         return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,
                            num_decodes=k, planned=planned, dtype=self.spec.dtype, launch=launch)
 
@@ -788,14 +785,14 @@ class FlashInferImpl(PagedCacheImpl):
         launch = attn_metadata.launch if isinstance(attn_metadata, FlashInferMetadata) else None
         if launch is not None and self._fits(launch, query, kv_cache, output):
             kv = kv_cache.unbind(1)
-            if launch.prefill_run is None:
-                launch.decode_run(query, kv, out=output)
-            elif launch.decode_run is None:
-                launch.prefill_run(query, kv, out=output)
+            if launch.prefill is None:
+                launch.decode.run(query, kv, out=output)
+            elif launch.decode is None:
+                launch.prefill.run(query, kv, out=output)
             else:
                 k = launch.num_decodes
-                launch.decode_run(query[:k], kv, out=output[:k])
-                launch.prefill_run(query[k:], kv, out=output[k:])
+                launch.decode.run(query[:k], kv, out=output[:k])
+                launch.prefill.run(query[k:], kv, out=output[k:])
             return
         self._checked_attend(query, kv_cache, attn_metadata, output)
 
@@ -845,6 +842,8 @@ class FlashInferBackend(AttentionBackend):
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda",)
     REQUIRED_PACKAGES = (("flashinfer", "flashinfer-python"),)
+    # The cache write is kvcore's Triton kernel.
+    USES_TRITON = True
     #: Bytes of the float workspace shared by the wrappers of one builder (or device).
     WORKSPACE_BYTES = 128 * 1024 * 1024
     # The builder plans every step (graph-mode decode wrappers per batch size) and forward
@@ -861,7 +860,3 @@ class FlashInferBackend(AttentionBackend):
         # shown bit-exact on per-layer views (module docstring).
         return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
 
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        # The cache write is kvcore's Triton kernel.
-        return [*super().unavailable_reasons(), *triton_unavailable_reasons()]
