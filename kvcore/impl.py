@@ -37,10 +37,11 @@ class AttentionImpl(ABC):
     :func:`kvcore.allocate_kv_caches` (for K/V backends ``(num_blocks, 2, block_size,
     num_kv_heads, head_size)`` of any strides).
 
-    The engine calls :meth:`do_kv_cache_update` then :meth:`forward`; both are templates. A
-    backend implements :meth:`write_kv_cache` and :meth:`attend` (its kernels), and where it
-    needs them :meth:`check_forward` (checks its kernels cannot make themselves) and
-    :meth:`new_output` (an output whose shape is not the query's).
+    The engine calls :meth:`do_kv_cache_update` then :meth:`forward` (or both at once:
+    :meth:`update_and_forward`); both are templates. A backend implements
+    :meth:`write_kv_cache` and :meth:`attend` (its kernels), and where it needs them
+    :meth:`check_forward` (checks its kernels cannot make themselves) and :meth:`new_output`
+    (an output whose shape is not the query's).
     """
 
     #: vLLM's name for what :meth:`forward` does: it takes the caller's ``output`` buffer
@@ -131,9 +132,27 @@ class AttentionImpl(ABC):
         if output is None:
             output = self.new_output(query)
         n = attn_metadata.num_actual_tokens
-        if n:
-            self.attend(layer, query[:n], kv_cache, attn_metadata, output[:n])
+        if n:  # views of the real rows only where there are padding rows
+            self.attend(layer, query if query.shape[0] == n else query[:n], kv_cache,
+                        attn_metadata, output if output.shape[0] == n else output[:n])
         return output
+
+    def update_and_forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`do_kv_cache_update` at ``attn_metadata.slot_mapping``, then :meth:`forward`:
+        a layer's whole step in one call, which a backend may do with one set of checks and
+        views (``kvcore.TritonAttentionImpl``'s does). Same arguments, result and errors as
+        the two calls."""
+        self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+        return self.forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
     @abstractmethod
     def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,

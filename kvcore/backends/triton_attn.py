@@ -22,6 +22,8 @@ op as a :class:`kvcore.ops.TritonAttentionPlan` (``TritonAttentionMetadata.plan`
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -129,14 +131,58 @@ class TritonAttentionImpl(PagedAttentionImpl):
                attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
         """The op with the builder's plan (``None`` for plain metadata: the op chooses the
         split count and allocates its workspace)."""
-        m = attn_metadata
         key_cache, value_cache = self.split_kv(kv_cache)
-        triton_paged_attention(
-            query, key_cache, value_cache, query_start_loc=m.query_start_loc,
-            seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
-            causal=self.is_causal(m), sliding_window=self.sliding_window,
-            kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale, v_scale=layer.v_scale,
-            output=output, plan=m.plan if isinstance(m, TritonAttentionMetadata) else None)
+        self._attend(layer, query, key_cache, value_cache, attn_metadata, output)
+
+    def update_and_forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The cache write and the attention on one pair of K/V views, the ops called
+        without their lazy-import wrappers (same result and errors as the two calls)."""
+        if not self.writes_kv_cache():
+            return super().update_and_forward(layer, query, key, value, kv_cache,
+                                              attn_metadata, output)
+        write, _ = _ops()
+        if self.reshape_and_cache is not triton_reshape_and_cache:  # a subclass's own write
+            write = self.reshape_and_cache
+        key_cache, value_cache = self.split_kv(kv_cache)
+        write(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
+              self.kv_cache_dtype, layer.k_scale, layer.v_scale)
+        self.check_forward(query, kv_cache, attn_metadata, output)
+        if output is None:
+            output = self.new_output(query)
+        n = attn_metadata.num_actual_tokens
+        if n:
+            self._attend(layer, query if query.shape[0] == n else query[:n], key_cache,
+                         value_cache, attn_metadata,
+                         output if output.shape[0] == n else output[:n])
+        return output
+
+    def _attend(self, layer: AttentionLayer, query: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, m: AttentionMetadata, output: torch.Tensor) -> None:
+        _, attention = _ops()
+        attention(query, key_cache, value_cache, query_start_loc=m.query_start_loc,
+                  seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
+                  causal=self.is_causal(m), sliding_window=self.sliding_window,
+                  kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
+                  v_scale=layer.v_scale, output=output,
+                  plan=m.plan if isinstance(m, TritonAttentionMetadata) else None)
+
+
+@functools.cache
+def _ops() -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
+    """The Triton cache write and attention (importing triton, on first use)."""
+    from kvcore.ops.triton_attention import paged_attention
+    from kvcore.ops.triton_cache import reshape_and_cache
+
+    return reshape_and_cache, paged_attention
 
 
 class TritonAttentionBackend(AttentionBackend):

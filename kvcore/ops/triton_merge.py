@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.ops.triton_launch import KernelLaunch
 from kvcore.ops.triton_utils import interpreting, next_power_of_2, to_output
 
 __all__ = ["launch_merge"]
@@ -57,13 +58,28 @@ def launch_merge(partials: torch.Tensor, partial_lse: torch.Tensor, out: torch.T
     """Launch the merge on tensors :func:`~kvcore.ops.split_kv.merge_kv_splits` describes,
     unchecked (kernels that built the partials call this directly)."""
     num_tokens, num_heads, num_splits, v_dim = partials.shape
-    block_dv = max(16, next_power_of_2(v_dim))
-    _merge_splits_kernel[(num_tokens, num_heads)](
-        partials, partial_lse, out, lse if lse is not None else out, v_dim,
-        *partials.stride(), *partial_lse.stride(), *out.stride(),
-        *(lse.stride() if lse is not None else (0, 0)),
-        WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
-        SPLITS_PAD=next_power_of_2(num_splits), BLOCK_DV=block_dv, INTERPRET=interpreting(),
-        # 16 bytes a thread a row: 4 warps on float32 rows of 512, 2 on 16-bit ones.
-        num_warps=max(1, min(8, block_dv * partials.element_size() // 512)),
-    )
+    lse_arg = lse if lse is not None else out
+    found = (num_splits, v_dim, partials.dtype, partial_lse.dtype, out.dtype, lse_arg.dtype,
+             lse is not None, interpreting())
+    launch = _LAUNCHES.get(found)
+    if launch is None:
+        block_dv = max(16, next_power_of_2(v_dim))
+        launch = KernelLaunch(
+            _merge_splits_kernel, found,
+            dict(WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
+                 SPLITS_PAD=next_power_of_2(num_splits), BLOCK_DV=block_dv,
+                 INTERPRET=interpreting()),
+            # 16 bytes a thread a row: 4 warps on float32 rows of 512, 2 on 16-bit ones.
+            dict(num_warps=max(1, min(8, block_dv * partials.element_size() // 512))))
+        _LAUNCHES[found] = launch
+    strides = (partials.stride(), partial_lse.stride(), out.stride(),
+               lse.stride() if lse is not None else (0, 0))
+    launch((num_tokens, num_heads, 1),
+           (partials, partial_lse, out, lse_arg, v_dim, *strides[0], *strides[1], *strides[2],
+            *strides[3]),
+           (partials.data_ptr() & 15, partial_lse.data_ptr() & 15, out.data_ptr() & 15,
+            lse_arg.data_ptr() & 15, strides))
+
+
+#: Merge launches by what fixes their compile (split count, sizes, dtypes, flags).
+_LAUNCHES: dict[tuple, KernelLaunch] = {}

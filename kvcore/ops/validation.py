@@ -240,7 +240,10 @@ def check_step_block_size(block_size: int, *tensors: torch.Tensor) -> None:
     for a block size other than the cache's ``block_size``: their slots and block-table
     columns count tokens of that other size, so every address would be wrong. A host compare
     (no device read), done whether or not value checks are on."""
-    facts = checked_step_facts(*tensors)
+    _check_facts_block_size(checked_step_facts(*tensors), block_size)
+
+
+def _check_facts_block_size(facts: StepFacts | None, block_size: int) -> None:
     if facts is not None and facts.block_size != block_size:
         raise ValueError(
             f"the step's metadata was built for block_size={facts.block_size} but the cache "
@@ -481,9 +484,16 @@ def check_reshape_and_cache_values(key_cache: torch.Tensor, slot_mapping: torch.
     step's block size, slots in range, no slot twice (from the step's facts when it carries
     them, else read; see :func:`set_value_checks`)."""
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    check_step_block_size(block_size, slot_mapping)
-    check_slots_in_range(slot_mapping, num_blocks, block_size)
-    check_distinct_slots(slot_mapping)
+    facts = checked_step_facts(slot_mapping)
+    if facts is None:
+        check_slots_in_range(slot_mapping, num_blocks, block_size)
+        check_distinct_slots(slot_mapping)
+        return
+    # The marked step (one look-up instead of one per check): its block size, its largest
+    # slot; its slots were checked distinct when it was marked.
+    _check_facts_block_size(facts, block_size)
+    if _value_checks and slot_mapping.numel() and facts.max_slot >= num_blocks * block_size:
+        raise _slot_range_error(facts.max_slot, num_blocks, block_size)
 
 
 def validate_paged_attention(
@@ -603,13 +613,13 @@ def check_paged_attention_values(query: torch.Tensor, key_cache: torch.Tensor,
     block size, lengths consistent and block ids in the cache (from the step's facts when the
     tensors carry them, else read; see :func:`set_value_checks`)."""
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    check_step_block_size(block_size, query_start_loc, seq_lens, block_table)
+    facts = checked_step_facts(query_start_loc, seq_lens, block_table)
+    _check_facts_block_size(facts, block_size)
     num_seqs = seq_lens.shape[0]
     if not _value_checks or num_seqs == 0:
         return
     num_tokens = query.shape[0]
     max_blocks = block_table.shape[1]
-    facts = checked_step_facts(query_start_loc, seq_lens, block_table)
     if facts is not None and (facts.num_tokens, facts.num_seqs, facts.block_size) == (
             num_tokens, num_seqs, block_size):
         # Checked once for the step (see the module docstring); compare with this cache.

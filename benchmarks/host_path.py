@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Host time of TRITON_ATTN's layer call on a machine without a GPU: Triton's real launch path
+(argument binding, specialisation, cache look-up, kvcore's own checks and launch code) with a
+stand-in driver whose compiled kernels do nothing, so only the host's work is timed.
+
+:func:`fake_gpu` installs the stand-in: a driver that reports an sm_90 device on stream 0, and
+a compile step that returns a kernel whose launch does nothing (counted in :data:`COUNTS`).
+The tensors stay on the CPU; nothing is compiled or run. Tests use it to hold the host path
+to its promises (no re-specialisation per call, no allocation per layer); :func:`main` times
+the calls an engine makes per layer and per step.
+
+Usage: ``python benchmarks/host_path.py [--root DIR] [--calls N] [--rounds R]`` (``--root``:
+another checkout's kvcore, e.g. an earlier commit's, timed the same way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+#: Compiles the stand-in made and launches its kernels received, by kernel name.
+COUNTS: dict[str, int] = {"compiles": 0, "launches": 0}
+
+
+class _Kernel:
+    """A compiled kernel that launches nothing (the attributes a launch reads)."""
+
+    function = None
+    packed_metadata = None
+
+    def run(self, *args: object) -> None:
+        COUNTS["launches"] += 1
+
+    def launch_metadata(self, *args: object) -> None:
+        return None
+
+
+class _Driver:
+    """The calls Triton's launch path makes on its active driver."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+@contextlib.contextmanager
+def fake_gpu() -> Iterator[dict[str, int]]:
+    """Triton launches on CPU tensors through its real launch path, the kernels compiled and
+    run by nothing (see the module). Yields :data:`COUNTS`."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("fake_gpu needs compiled (not interpreted) kernels: unset "
+                           "TRITON_INTERPRET before triton is imported")
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction._do_compile
+
+    def compile_nothing(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = _Kernel()
+        self.device_caches[device][0][key] = kernel
+        COUNTS["compiles"] += 1
+        return kernel
+
+    previous = driver._active
+    JITFunction._do_compile = compile_nothing
+    driver.set_active(_Driver())
+    try:
+        yield COUNTS
+    finally:
+        JITFunction._do_compile = original
+        driver._active = previous
+
+
+class Layer:
+    """One TRITON_ATTN layer of a decode step (``b`` requests of ``length`` tokens; Hq 32,
+    Hk 8, D 128, bf16, block 16) through kvcore's engine path: builder, impl, per-layer
+    cache, output given."""
+
+    def __init__(self, b: int = 16, length: int = 4096, layers: int = 2) -> None:
+        import torch
+
+        import kvcore
+
+        hq, hk, d, bs = 32, 8, 128, 16
+        self.backend = kvcore.resolve_backend("TRITON_ATTN")
+        pages = -(-length // bs)
+        self.caches = kvcore.allocate_kv_caches(
+            self.backend, num_layers=layers, num_blocks=b * pages + 8, block_size=bs,
+            num_kv_heads=hk, head_size=d, dtype=torch.bfloat16, device="cpu")
+        tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]
+        self.common = kvcore.build_attention_metadata([1] * b, [length - 1] * b, tables, bs)
+        spec = kvcore.FullAttentionSpec(block_size=bs, dtype=torch.bfloat16, num_kv_heads=hk,
+                                        head_size=d)
+        self.builder = self.backend.get_builder_cls()(
+            spec, num_heads=hq, max_num_seqs=b, max_num_batched_tokens=b,
+            max_model_len=length, device="cpu")
+        self.impl = self.backend.get_impl_cls()(num_heads=hq, head_size=d, scale=d**-0.5,
+                                                num_kv_heads=hk)
+        self.scales = kvcore.LayerScales()
+        gen = torch.Generator().manual_seed(0)
+        self.q = torch.randn(b, hq, d, generator=gen).to(torch.bfloat16)
+        self.k = torch.randn(b, hk, d, generator=gen).to(torch.bfloat16)
+        self.v = torch.randn(b, hk, d, generator=gen).to(torch.bfloat16)
+        self.out = torch.empty_like(self.q)
+        self.meta = self.builder.build(self.common)
+
+    def calls(self) -> dict[str, Callable[[], object]]:
+        """The calls an engine makes, by name (each on layer 0 of the step built once)."""
+        impl, sc, q, k, v, out = self.impl, self.scales, self.q, self.k, self.v, self.out
+        cache, meta = self.caches.layers[0], self.meta
+
+        def write_then_forward() -> None:
+            impl.do_kv_cache_update(sc, k, v, cache, meta.slot_mapping)
+            impl.forward(sc, q, k, v, cache, meta, output=out)
+
+        found = {
+            "do_kv_cache_update": lambda: impl.do_kv_cache_update(sc, k, v, cache,
+                                                                  meta.slot_mapping),
+            "forward": lambda: impl.forward(sc, q, k, v, cache, meta, output=out),
+            "write + forward": write_then_forward,
+        }
+        if hasattr(impl, "update_and_forward"):
+            found["update_and_forward"] = lambda: impl.update_and_forward(sc, q, k, v, cache,
+                                                                          meta, output=out)
+        found["builder.build (per step)"] = lambda: self.builder.build(self.common)
+        return found
+
+
+def time_calls(calls: dict[str, Callable[[], object]], n: int, rounds: int
+               ) -> dict[str, float]:
+    """Microseconds per call of each: the fastest of ``rounds`` means of ``n`` calls, the
+    calls taking turns (a shared machine's load then touches all alike)."""
+    for fn in calls.values():
+        for _ in range(20):
+            fn()
+    best = {name: float("inf") for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            best[name] = min(best[name], (time.perf_counter_ns() - t0) / n / 1e3)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", help="a kvcore checkout to time instead of this one")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, str(Path(args.root).resolve() if args.root
+                           else Path(__file__).resolve().parent.parent))
+    import torch
+
+    torch.set_num_threads(1)
+    with fake_gpu() as counts:
+        layer = Layer()
+        calls = layer.calls()
+        compiles = counts["compiles"]
+        times = time_calls(calls, args.calls, args.rounds)
+        new_compiles = counts["compiles"] - compiles
+    import kvcore
+
+    print(f"kvcore at {Path(kvcore.__file__).parent.parent}; TRITON_ATTN decode 16x4096, "
+          "Hq 32, Hk 8, D 128, bf16, block 16; stand-in driver (host work only)")
+    for name, us in times.items():
+        print(f"  {name:28s} {us:8.1f} us")
+    print(f"  kernels compiled (all calls): {new_compiles}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
