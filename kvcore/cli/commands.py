@@ -320,9 +320,11 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.disaggregated:
         return _demo_disaggregated(args)
-    if args.prefill_device or args.decode_device:
-        raise ValueError("--prefill-device and --decode-device place the two engines of "
-                         "--disaggregated; add --disaggregated or drop them")
+    if args.prefill_device or args.decode_device or args.prefill_backend \
+            or args.prefill_block_size:
+        raise ValueError("--prefill-device, --decode-device, --prefill-backend and "
+                         "--prefill-block-size set up the two engines of --disaggregated; add "
+                         "--disaggregated or drop them")
     from kvcore.demo.scenario import DemoOptions, run_demo_cli
 
     if args.backend:
@@ -341,13 +343,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo_disaggregated(args: argparse.Namespace) -> int:
     from kvcore.demo.disagg import DisaggOptions, format_result, run_disaggregated
 
+    for name, value in (("--backend", args.backend), ("--prefill-backend", args.prefill_backend)):
+        if value:
+            _check_backend_name(value, name)
+
     result = run_disaggregated(DisaggOptions(
         model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         dtype=args.dtype or DisaggOptions.dtype,
         platform=args.platform, backend=args.backend, seed=args.seed,
         prefill_device=args.prefill_device, decode_device=args.decode_device,
-        transport=args.transport))
+        transport=args.transport, prefill_backend=args.prefill_backend,
+        prefill_block_size=args.prefill_block_size))
     _emit(args, result.to_dict(), format_result(result))
     return 0 if result.ok else 1
 

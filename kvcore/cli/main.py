@@ -281,6 +281,14 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--decode-device", default=None, metavar="DEVICE",
                       help="--disaggregated: the decode engine's device, e.g. cuda:1 "
                            "(default: the platform's first device)")
+    demo.add_argument("--prefill-backend", default=None, metavar="BACKEND",
+                      help="--disaggregated: the prefill engine's backend (default: "
+                           "--backend's); --backend and --block-size are the decode engine's")
+    demo.add_argument("--prefill-block-size", type=_int_between(1, 1024, _DEMO_MAX),
+                      default=None, metavar="N",
+                      help="--disaggregated: the prefill engine's block size (default: "
+                           "--block-size); the decode engine's connector converts the prefill "
+                           "engine's blocks (block size, layout) on load")
 
     warm = with_format(sub.add_parser(
         "warmup", help="build ahead what the selected backend needs for a demo model's shapes "

@@ -475,6 +475,22 @@ class KVConnector(ABC):
                              "here (see docs/connector.md, 'Block sizes that differ')")
         return keys, ids
 
+    @property
+    def key_block_size(self) -> int:
+        """Tokens one key of :meth:`load` names: this cache's block size, or, for a
+        connector that converts from a peer with another block size (``nixl``,
+        ``mooncake``, ``p2p``), the peer's (known once registered). Compute a load's keys
+        with ``hash_request_tokens(tokens, connector.key_block_size)``; its ``block_ids``
+        are this cache's blocks those tokens fill (see :meth:`blocks_for_keys`)."""
+        self._registered()
+        return self._key_tokens()
+
+    def blocks_for_keys(self, num_keys: int) -> int:
+        """How many of this cache's blocks a :meth:`load` of ``num_keys`` keys takes (the
+        last one maybe filled only in part): ``num_keys`` unless block sizes differ."""
+        self._registered()
+        return self._blocks_for_keys(num_keys)
+
     def _blocks_for_keys(self, num_keys: int) -> int:
         """How many of this cache's blocks a load of ``num_keys`` keys fills: one a key,
         unless the keys name blocks of another size (a converting connector says so)."""

@@ -519,13 +519,6 @@ class PullConnector(KVConnector):
         return self._plan if self._plan is not None or self._consumer is None \
             else self._consumer.plan
 
-    @property
-    def key_block_size(self) -> int:
-        """Tokens one key of :meth:`load` names: the producer's block size for a consumer
-        (known once registered), this cache's otherwise. Compute keys with
-        ``hash_request_tokens(tokens, connector.key_block_size)``."""
-        return self._key_tokens()
-
     @staticmethod
     def _release(producer: Producer | None, parts: list[Any], join_s: float) -> None:
         consumer, loader, engine = parts

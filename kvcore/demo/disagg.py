@@ -92,6 +92,25 @@ class DisaggOptions:
     decode_device: str | None = None
     #: The connector the KV moves through, one of :data:`TRANSPORTS`.
     transport: str = "nixl"
+    #: The prefill engine's backend (default: ``backend``, the decode engine's).
+    prefill_backend: str | None = None
+    #: The prefill engine's block size (default: ``block_size``, the decode engine's); one of
+    #: the two must divide the other.
+    prefill_block_size: int | None = None
+
+    @property
+    def converting(self) -> bool:
+        """Whether the two engines may differ in layout (then the decode engine's connector
+        converts the prefill engine's blocks on load)."""
+        return (self.prefill_backend not in (None, self.backend)
+                or self.prefill_block_size not in (None, self.block_size))
+
+    def side(self, role: str) -> tuple[str | None, int]:
+        """``(backend, block_size)`` of the ``prefill`` or ``decode`` engine."""
+        if role == "prefill":
+            return (self.prefill_backend or self.backend,
+                    self.prefill_block_size or self.block_size)
+        return self.backend, self.block_size
 
     def validate(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -99,10 +118,17 @@ class DisaggOptions:
                              f"{', '.join(TRANSPORTS)})")
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model={self.model!r} (choose from: {', '.join(MODEL_PRESETS)})")
-        for name in ("batch", "max_new_tokens", "max_num_seqs", "block_size"):
+        for name in ("batch", "max_new_tokens", "max_num_seqs", "block_size",
+                     "prefill_block_size"):
             value = getattr(self, name)
+            if value is None and name == "prefill_block_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        bs_p, bs_d = self.side("prefill")[1], self.block_size
+        if bs_p % bs_d and bs_d % bs_p:
+            raise ValueError(f"prefill_block_size={bs_p} and block_size={bs_d}: one must divide "
+                             "the other (the decode engine's connector converts between them)")
         parse_dtype(self.dtype)
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not 0 < self.timeout_s < float("inf"):
@@ -130,6 +156,9 @@ class DisaggResult:
     transport: str = "nixl"
     #: Differences that are no failure (one engine alone in a low-precision dtype).
     notes: list[str] = field(default_factory=list)
+    #: The prefill engine's backend, and its layout when it differs from the decode engine's.
+    prefill_backend: str = ""
+    prefill_layout: str = ""
 
     @property
     def ok(self) -> bool:
@@ -140,11 +169,12 @@ class DisaggResult:
 
 
 def _requests(options: DisaggOptions, vocab: int) -> list[Request]:
-    """Prompts on two shared system prompts; no prompt ends on a block boundary (its last
-    full block would be published, but the decode engine computes the last prompt token
-    itself, so nobody would read it and the producer would hold it until its timeout)."""
+    """Prompts on two shared system prompts; no prompt ends on a block boundary of the
+    prefill engine (its last full block would be published, but the decode engine computes
+    the last prompt token itself, so nobody would read it and the producer would hold it
+    until its timeout)."""
     rng = random.Random(options.seed)
-    bs = options.block_size
+    bs = options.side("prefill")[1]
     system = [[rng.randrange(vocab) for _ in range(2 * bs)] for _ in range(2)]
     requests = []
     for i in range(options.batch):
@@ -190,15 +220,16 @@ class _Setup:
         self.device = self.prefill_device if role == "prefill" else self.decode_device
         self.dtype = parse_dtype(options.dtype)
         self.preset = MODEL_PRESETS[options.model]
+        backend, self.block_size = options.side(role)
         config = AttentionSelectorConfig(head_size=self.preset.head_size, dtype=self.dtype,
-                                         block_size=options.block_size, use_kv_connector=True)
-        self.backend = get_attn_backend(config, options.backend, platform)
+                                         block_size=self.block_size, use_kv_connector=True)
+        self.backend = get_attn_backend(config, backend, platform)
         self.cross_layer = get_connector_class(options.transport).cross_layer_for(
             self.backend, platform.name)
         self.requests = _requests(options, self.preset.vocab_size)
         longest = max(len(r.prompt) for r in self.requests) + options.max_new_tokens
         # Every request's blocks at once: the prefill engine holds them until they are read.
-        self.num_blocks = len(self.requests) * -(-longest // options.block_size) + 1
+        self.num_blocks = len(self.requests) * -(-longest // self.block_size) + 1
         self.model = DemoModel(self.preset, seed=options.seed, dtype=self.dtype,
                                device=self.device)
         self.options = options
@@ -206,7 +237,7 @@ class _Setup:
     def caches(self) -> Any:
         return allocate_kv_caches(
             self.backend, num_layers=self.preset.num_layers, num_blocks=self.num_blocks,
-            block_size=self.options.block_size, num_kv_heads=self.preset.num_kv_heads,
+            block_size=self.block_size, num_kv_heads=self.preset.num_kv_heads,
             head_size=self.preset.head_size, dtype=self.dtype, device=self.device,
             cross_layer=self.cross_layer)
 
@@ -293,6 +324,7 @@ def run_disaggregated(options: DisaggOptions) -> DisaggResult:
 
 def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult:
     options = setup.options
+    prefill = _Setup(options, "prefill") if options.converting else setup
     # The prefill process also starts Python, imports torch and the library, runs the prompts.
     wait_s = options.timeout_s + _STARTUP_S
     port = _receive(pipe, proc, "port", wait_s)
@@ -306,21 +338,29 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         stats = engine.serve(decode_reqs)
         _receive(pipe, proc, "done", wait_s)
         loaded_bytes, load_seconds = consumer.stats.loaded_bytes, consumer.stats.load_seconds
-    same_first, same_steps, same_stats = _same_steps_reference(setup)
     # One engine alone, computing everything (batched differently).
     single = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
     setup.engine(None).serve(single)
+    if options.converting:
+        # Two layouts (backends, block sizes): no one-process run repeats both engines'
+        # arithmetic, so one engine alone is the reference.
+        same_first, same_steps = [r.output[0] for r in single], single
+        same_stats = stats
+    else:
+        same_first, same_steps, same_stats = _same_steps_reference(setup)
     mismatches, notes = [], []
     exact_single = setup.dtype == torch.float32
     for d, ref, s, first, ref_first in zip(decode_reqs, same_steps, single, first_tokens,
                                            same_first, strict=True):
-        if d.output != ref.output:
-            mismatches.append(f"MISMATCH {d.request_id}: disaggregated {d.output} vs the same "
-                              f"steps in one process {ref.output}")
-        if first != ref_first:
+        strict = exact_single or not options.converting
+        where = "one engine alone" if options.converting else "the same steps in one process"
+        if d.output != ref.output and strict:
+            mismatches.append(f"MISMATCH {d.request_id}: disaggregated {d.output} vs {where} "
+                              f"{ref.output}")
+        if first != ref_first and strict:
             mismatches.append(f"MISMATCH {d.request_id}: the prefill engine's first token "
-                              f"{first} vs the same steps in one process {ref_first}")
-        if d.output != s.output:
+                              f"{first} vs {where} {ref_first}")
+        if d.output != s.output and not (options.converting and exact_single):
             (mismatches if exact_single else notes).append(
                 f"{'MISMATCH' if exact_single else 'note'} {d.request_id}: disaggregated "
                 f"{d.output} vs one engine alone {s.output}" +
@@ -336,6 +376,8 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
                           f"({stats.load_failures} failed)")
     return DisaggResult(
         backend=setup.backend.get_name(), device=str(setup.device),
+        prefill_backend=prefill.backend.get_name(), prefill_layout=str(prefill.caches().layout)
+        if options.converting else "",
         transport=options.transport, layout=str(engine.kv_caches.layout),
         requests=len(decode_reqs),
         generated_tokens=sum(len(r.output) for r in decode_reqs),
@@ -413,7 +455,10 @@ def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request], Batc
 
 def format_result(result: DisaggResult) -> str:
     lines = [
-        f"disaggregated prefill/decode over {result.transport}: {result.backend} on "
+        f"disaggregated prefill/decode over {result.transport}: "
+        + (f"{result.prefill_backend} ({result.prefill_layout}) -> "
+           if result.prefill_layout else "")
+        + f"{result.backend} on "
         + (f"{result.device}" if result.prefill_device in ("", result.device) else
            f"{result.prefill_device} (prefill) -> {result.device} (decode)")
         + f", layout {result.layout}",
@@ -421,8 +466,9 @@ def format_result(result: DisaggResult) -> str:
         f"{result.blocks_loaded} of {result.blocks_eligible} prompt blocks READ from the "
         f"prefill engine ({result.loaded_bytes / 1e6:.2f} MB in "
         f"{result.load_seconds * 1e3:.1f} ms of loads)",
-        f"  tokens identical to the same steps in one process"
-        f"{'' if result.notes else ' and to one engine alone'}: "
-        f"{'yes' if result.ok else 'NO'} ({result.seconds:.1f} s)",
+        ("  tokens identical to one engine alone: " if result.prefill_layout else
+         f"  tokens identical to the same steps in one process"
+         f"{'' if result.notes else ' and to one engine alone'}: ")
+        + f"{'yes' if result.ok else 'NO'} ({result.seconds:.1f} s)",
     ]
     return "\n".join(lines + [f"  {m}" for m in result.mismatches + result.notes])

@@ -322,10 +322,13 @@ class Engine:
                 if need > self.pool.num_free:
                     break
             # At least one prompt token is computed: its logits give the first output token.
-            eligible = (len(req.prompt) - 1) // self.block_size
-            keys = self._keys(req.prompt)[:eligible]
+            # Keys name blocks of the connector's key block size (a producer's other block
+            # size when the connector converts), loaded into this cache's blocks.
+            key_bs = self.connector.key_block_size if self.connector else self.block_size
+            eligible = (len(req.prompt) - 1) // key_bs
+            keys = hash_request_tokens(req.prompt, key_bs, self.key_salt)[:eligible]
             hits = self.connector.lookup(keys) if (self.connector and keys) else 0
-            to_compute = len(req.prompt) - hits * self.block_size
+            to_compute = len(req.prompt) - hits * key_bs
             if to_compute > budget and (admitted or num_decodes):
                 break
             waiting.popleft()
@@ -333,7 +336,7 @@ class Engine:
             if hits:
                 wanted, hits = hits, self._load(req, keys[:hits])
                 stats.load_failures += wanted - hits
-            req.num_computed = hits * self.block_size
+            req.num_computed = hits * key_bs
             budget -= len(req.prompt) - req.num_computed
             stats.prompt_tokens += len(req.prompt)
             stats.computed_prompt_tokens += len(req.prompt) - req.num_computed
@@ -346,12 +349,16 @@ class Engine:
         """Load ``keys`` into the request's first blocks; returns how many leading blocks
         arrived (a failed block and everything after it is recomputed instead)."""
         assert self.connector is not None
-        targets = req.block_ids[:len(keys)]
+        targets = req.block_ids[:self.connector.blocks_for_keys(len(keys))]
         result = self.connector.load(keys, targets).wait()
-        loaded = next((i for i, block in enumerate(targets) if block in result.failed),
-                      len(targets))
-        if loaded and self.on_loaded is not None:
-            self.on_loaded(targets[:loaded])
+        failed = next((i for i, block in enumerate(targets) if block in result.failed), None)
+        if failed is None:
+            loaded, whole = len(keys), len(targets)
+        else:  # the keys whose tokens all lie before the first failed block
+            loaded = failed * self.block_size // self.connector.key_block_size
+            whole = loaded * self.connector.key_block_size // self.block_size
+        if whole and self.on_loaded is not None:
+            self.on_loaded(targets[:whole])
         return loaded
 
     def _finish(self, req: Request) -> int:
