@@ -1,0 +1,145 @@
+"""Checks of TRITON_ATTN's host path, run in a process of its own (compiled kernels, not the
+interpreter the test session uses) with ``benchmarks/host_path.py``'s stand-in driver; prints
+one JSON object with what it found (``tests/ops/test_host_path.py`` asserts on it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+from host_path import Layer, _Kernel, fake_gpu  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import kvcore  # noqa: E402
+from kvcore.ops import triton_attention, triton_cache, triton_launch, triton_merge  # noqa: E402
+
+RUNS: list[tuple[int, tuple]] = []  # (kernel id, arguments after the launcher's nine)
+
+
+def record(self: _Kernel, *args: object) -> None:
+    RUNS.append((id(self), tuple(_plain(a) for a in args[9:])))
+
+
+def _plain(a: object) -> object:
+    return ("tensor", a.data_ptr(), a.dtype) if isinstance(a, torch.Tensor) else a
+
+
+class NewStorage(TorchDispatchMode):
+    """Counts op outputs whose storage none of the op's inputs has (allocations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocated: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves(
+            (args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.allocated.append(str(func))
+        return out
+
+
+def forget() -> None:
+    """Drop every kept check, choice and launch (the next calls start afresh)."""
+    triton_attention._LAYERS.clear()
+    triton_cache._WRITES.clear()
+    triton_merge._LAUNCHES.clear()
+    triton_launch._BOUND.clear()
+
+
+def variants(layer: Layer) -> list:
+    """Calls that Triton specialises differently: aligned and unaligned queries, one and
+    seventeen requests, a split step (merge launched)."""
+    impl, sc = layer.impl, layer.scales
+    cache = layer.caches.layers[0]
+    found = []
+    for b in (1, 17):
+        meta = kvcore.build_attention_metadata([1] * b, [40] * b,
+                                               [[i * 3, i * 3 + 1, i * 3 + 2] for i in range(b)],
+                                               16)
+        q = torch.randn(b, 32, 128).to(torch.bfloat16)
+        k = torch.randn(b, 8, 128).to(torch.bfloat16)
+        out = torch.empty_like(q)
+        unaligned = torch.empty(b * 32 * 128 + 1, dtype=torch.bfloat16)[1:].view(b, 32, 128)
+        unaligned.copy_(q)
+        for query in (q, unaligned):
+            found.append(lambda query=query, meta=meta, k=k, out=out: impl.update_and_forward(
+                sc, query, k, k, cache, meta, output=out))
+        numel = kvcore.ops.workspace_numel(b, 32, 128, 2)
+        split = kvcore.ops.TritonAttentionPlan(num_kv_splits=2, workspace=(
+            torch.empty(numel[0]), torch.empty(numel[1])))
+        found.append(lambda q=q, meta=meta, out=out, split=split: kvcore.ops.triton_paged_attention(
+            q, *cache.unbind(1), query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+            block_table=meta.block_table, scale=0.1, output=out, plan=split))
+    return found
+
+
+def main() -> None:
+    result: dict = {}
+    _Kernel.run = record
+    with fake_gpu() as counts:
+        layer = Layer()
+        # Triton's own choice for every variant: direct launches off.
+        forget()
+        runtime, triton_launch._RUNTIME = triton_launch._RUNTIME, None
+        truth = []
+        cases = variants(layer)  # the same tensors in both runs
+        for call in cases:
+            RUNS.clear()
+            call()
+            truth.append(list(RUNS))
+        triton_launch._RUNTIME = runtime
+        forget()
+        same_kernel, same_args, direct_runs = [], [], 0
+        for call, expected in zip(cases, truth, strict=True):
+            for _ in range(2):  # through kernel[grid] first, then direct
+                RUNS.clear()
+                before = triton_launch.launch_counts().direct
+                call()
+                direct_runs += triton_launch.launch_counts().direct - before
+                same_kernel.append([r[0] for r in RUNS] == [r[0] for r in expected])
+                same_args.append([r[1] for r in RUNS] == [r[1] for r in expected])
+        result.update(same_kernel=same_kernel, same_args=same_args, direct_runs=direct_runs)
+
+        # Many calls of one shape: nothing compiled, bound or bound again; all direct.
+        calls = layer.calls()
+        for fn in calls.values():
+            fn()
+        counted = triton_launch.launch_counts()
+        start = (counts["compiles"], counted.bound, counted.triton, counted.direct)
+        for _ in range(200):
+            calls["update_and_forward"]()
+            calls["write + forward"]()
+            layer.meta = layer.builder.build(layer.common)
+        calls = layer.calls()
+        for _ in range(50):
+            calls["update_and_forward"]()
+        end = (counts["compiles"], counted.bound, counted.triton, counted.direct)
+        result["flat"] = dict(zip(("compiles", "bound", "triton", "direct"),
+                                  (e - s for s, e in zip(start, end, strict=True)),
+                                  strict=True))
+
+        # No tensor allocated by a layer's calls (output given, the builder's metadata).
+        allocated = {}
+        for name in ("update_and_forward", "write + forward"):
+            with NewStorage() as mode:
+                calls[name]()
+            allocated[name] = mode.allocated
+        with NewStorage() as mode:  # the counter sees an allocation
+            torch.empty_like(layer.q)
+        allocated["torch.empty_like"] = mode.allocated
+        result["allocated"] = allocated
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
