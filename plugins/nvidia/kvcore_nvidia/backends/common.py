@@ -4,6 +4,7 @@ backends (:class:`PagedCacheImpl`), host staging and the per-step cache."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,6 +39,15 @@ def used_blocks(seq_lens: torch.Tensor, block_table: torch.Tensor,
     return pages, block_table.to(torch.int32)[used]
 
 
+@functools.cache
+def _cache_write() -> Callable[..., None]:
+    """:func:`kvcore_nvidia.ops.write_kv_cache`, imported on the first write (validating a
+    backend loads none of the extension's build machinery), then looked up once."""
+    from kvcore_nvidia.ops.cache_write import write_kv_cache
+
+    return write_kv_cache
+
+
 class PagedCacheImpl(AttentionImpl):
     """The kernel hooks the plugin's K/V backends share: the cache write on the
     ``kv_cache.unbind(1)`` halves, and those halves checked against the step before a vendor
@@ -52,11 +62,8 @@ class PagedCacheImpl(AttentionImpl):
         on CPU tensors. All use int64 offsets and the view's strides, so every stride order
         the backends declare (per layer and cross-layer) is written in place.
         """
-        # Imported here: validating a backend loads none of the extension's build machinery.
-        from kvcore_nvidia.ops.cache_write import write_kv_cache
-
         key_cache, value_cache = kv_cache.unbind(1)
-        write_kv_cache(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
+        _cache_write()(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
                        layer.k_scale, layer.v_scale)
 
     def checked_halves(self, query: torch.Tensor, kv_cache: torch.Tensor,

@@ -306,11 +306,12 @@ class HostPages:
         np.floor_divide(pages, block_size, out=pages)
         indptr[0] = 0
         np.add.accumulate(pages, out=indptr[1:])
-        # seq - (pages - 1) * block_size, 0 for a request without pages
+        # seq - (pages - 1) * block_size; the minimum with seq makes it 0 for a request
+        # without pages (elsewhere it is at most seq already)
         np.multiply(pages, -block_size, out=last)
         last += seq
         last += block_size
-        last[pages <= 0] = 0
+        np.minimum(last, seq, out=last)
         return self
 
     @property
@@ -533,13 +534,13 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         """FlashInfer's ``indices``: the used entries of the persistent block table, gathered
         on the device (no sync); the gather positions are computed (in ``slot``) and copied
         only when the page counts (``counts``, :meth:`HostPages.page_counts_key`) changed."""
-        indptr = pages.indptr.numpy()
+        _, _, page_counts, indptr, _ = pages._arrays
         total = int(indptr[-1])
         if counts != self._gathered:
             width = self.block_table.shape[1]
             # position of entry j of request i: i * width + (j - indptr[i])
             starts = np.arange(pages.num_seqs, dtype=np.int64) * width - indptr[:-1]
-            np.add(np.repeat(starts, pages.pages.numpy()), np.arange(total, dtype=np.int64),
+            np.add(np.repeat(starts, page_counts), np.arange(total, dtype=np.int64),
                    out=slot.arrays["positions"][:total])
             self._positions[:total].copy_(slot.tensors["positions"][:total], non_blocking=True)
             self._gathered = counts
