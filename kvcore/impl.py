@@ -137,16 +137,10 @@ class AttentionImpl(ABC):
                         attn_metadata, output if output.shape[0] == n else output[:n])
         return output
 
-    def update_and_forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def update_and_forward(self, layer: AttentionLayer, query: torch.Tensor,
+                           key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           attn_metadata: AttentionMetadata,
+                           output: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`do_kv_cache_update` at ``attn_metadata.slot_mapping``, then :meth:`forward`:
         a layer's whole step in one call, which a backend may do with one set of checks and
         views (``kvcore.TritonAttentionImpl``'s does). Same arguments, result and errors as

@@ -134,16 +134,10 @@ class TritonAttentionImpl(PagedAttentionImpl):
         key_cache, value_cache = self.split_kv(kv_cache)
         self._attend(layer, query, key_cache, value_cache, attn_metadata, output)
 
-    def update_and_forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def update_and_forward(self, layer: AttentionLayer, query: torch.Tensor,
+                           key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           attn_metadata: AttentionMetadata,
+                           output: torch.Tensor | None = None) -> torch.Tensor:
         """The cache write and the attention on one pair of K/V views, the ops called
         without their lazy-import wrappers (same result and errors as the two calls)."""
         if not self.writes_kv_cache():

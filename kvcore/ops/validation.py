@@ -521,21 +521,12 @@ def validate_paged_attention(
     check_paged_attention_values(query, key_cache, query_start_loc, seq_lens, block_table)
 
 
-def check_paged_attention_args(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    kv_cache_dtype: str = "auto",
-    sliding_window: int | None = None,
-    output: torch.Tensor | None = None,
-    scale: float | None = None,
-    k_scale: KVScale = None,
-    v_scale: KVScale = None,
-) -> None:
+def check_paged_attention_args(query: torch.Tensor, key_cache: torch.Tensor,
+                               value_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                               seq_lens: torch.Tensor, block_table: torch.Tensor, *,
+                               kv_cache_dtype: str = "auto", sliding_window: int | None = None,
+                               output: torch.Tensor | None = None, scale: float | None = None,
+                               k_scale: KVScale = None, v_scale: KVScale = None) -> None:
     """The checks of :func:`validate_paged_attention` that the tensors' types, shapes,
     strides, dtypes, devices and addresses decide, with the scalar arguments' and the
     scales' (see :func:`check_scale`): a fast path that has passed them for one such
