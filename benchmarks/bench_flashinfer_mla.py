@@ -34,10 +34,8 @@ FlashInfer's JIT build on a cold cache.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
-import os
 import sys
 import time
 from pathlib import Path
@@ -323,15 +321,11 @@ def print_table(run: Run) -> None:
              f"{len(run.results['errors'])}"]
     lines.append(harness.format_table(rows, headers))
     lines.extend(f"FAILED check: {c}" for c in checks if not c["ok"])
-    text = "\n".join(lines)
-    run.log("\n" + text)
-    (run.out_dir / "bench_flashinfer_mla_table.txt").write_text(text + "\n")
+    run.write_summary(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path,
-                        default=Path(os.environ.get("OUT", _ROOT / "benchmarks" / "results")))
+    parser = harness.script_parser(__doc__, _ROOT / "benchmarks" / "results")
     parser.add_argument("--fp8", action="store_true",
                         help=f"also the fp8 cache at {shape_name(*FP8_SHAPE)} (Hopper only)")
     args = parser.parse_args()

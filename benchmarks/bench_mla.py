@@ -955,18 +955,12 @@ def print_table(run: Run) -> None:
              f"{len(run.results['errors'])}"]
     lines.append(harness.format_table(rows, headers))
     lines.extend(prod_table(run))
-    for check in checks:
-        if not check["ok"]:
-            lines.append(f"FAILED check: {check}")
-    text = "\n".join(lines)
-    run.log("\n" + text)
-    (run.out_dir / "bench_mla_table.txt").write_text(text + "\n")
+    lines.extend(f"FAILED check: {c}" for c in checks if not c["ok"])
+    run.write_summary(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path,
-                        default=Path(os.environ.get("OUT", _ROOT / "benchmarks" / "results")))
+    parser = harness.script_parser(__doc__, _ROOT / "benchmarks" / "results")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="stop starting new sweep points after this many seconds")
     parser.add_argument("--smoke", action="store_true",

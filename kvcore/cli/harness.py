@@ -146,7 +146,7 @@ def script_parser(doc: str | None, results_dir: Path) -> argparse.ArgumentParser
     """A benchmark script's argument parser: its docstring's first line as the description,
     and ``--out``, the folder of its log and JSON (``$OUT`` if set, else ``results_dir``)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(results_dir))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or results_dir))
     return parser
 
 
@@ -427,6 +427,14 @@ class Run:
     def save(self) -> None:
         with open(self.out_dir / f"{self.name}.json", "w") as fh:
             json.dump(self.results, fh, indent=1, default=str)
+
+    def write_summary(self, lines: Sequence[str]) -> str:
+        """Log the summary ``lines`` and write them to ``<out_dir>/<name>_table.txt``; returns
+        the text."""
+        text = "\n".join(lines)
+        self.log("\n" + text)
+        (self.out_dir / f"{self.name}_table.txt").write_text(text + "\n")
+        return text
 
     def check(self, name: str, ok: bool, **info: object) -> None:
         """Record a correctness check and log PASS or FAIL."""
