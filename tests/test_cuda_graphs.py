@@ -50,6 +50,13 @@ def engine():
     return builder, step_fn, caches
 
 
+def capture_inputs():
+    """One decode token's query, key and value (zeros): the inputs a capture runs on."""
+    return {"query": torch.zeros(1, HQ, D, dtype=torch.bfloat16, device="cuda"),
+            "key": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda"),
+            "value": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda")}
+
+
 def decode_step(gen, context_lens, device="cuda"):
     ids = torch.randperm(BLOCKS, generator=gen).tolist()
     tables, start = [], 0
@@ -75,9 +82,7 @@ def test_replayed_steps_equal_eager_steps_and_the_reference(engine):
     builder, step_fn, caches = engine
     runner = kvcore.CudaGraphRunner(builder, step_fn, num_blocks=BLOCKS,
                                     batch_sizes=[1, 2, 4, 8])
-    runner.capture({"query": torch.zeros(1, HQ, D, dtype=torch.bfloat16, device="cuda"),
-                    "key": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda"),
-                    "value": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda")})
+    runner.capture(capture_inputs())
     gen = torch.Generator().manual_seed(1)
     for context_lens in ([300], [5, 200, 31], [15, 16, 17, 100, 400], [7, 8]):
         meta, inputs = decode_step(gen, context_lens)
@@ -99,9 +104,7 @@ def test_replayed_steps_equal_eager_steps_and_the_reference(engine):
 def test_mixed_and_oversized_steps_run_eagerly(engine):
     builder, step_fn, _ = engine
     runner = kvcore.CudaGraphRunner(builder, step_fn, num_blocks=BLOCKS, batch_sizes=[2])
-    runner.capture({"query": torch.zeros(1, HQ, D, dtype=torch.bfloat16, device="cuda"),
-                    "key": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda"),
-                    "value": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda")})
+    runner.capture(capture_inputs())
     gen = torch.Generator().manual_seed(2)
     meta, inputs = decode_step(gen, [3, 4, 5])
     assert runner.graph_size(meta) is None
@@ -112,9 +115,7 @@ def test_mixed_and_oversized_steps_run_eagerly(engine):
 def test_a_replay_refuses_ids_beyond_the_cache(engine):
     builder, step_fn, _ = engine
     runner = kvcore.CudaGraphRunner(builder, step_fn, num_blocks=8, batch_sizes=[2])
-    runner.capture({"query": torch.zeros(1, HQ, D, dtype=torch.bfloat16, device="cuda"),
-                    "key": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda"),
-                    "value": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda")})
+    runner.capture(capture_inputs())
     meta = kvcore.build_attention_metadata([1], [3], [[9]], BS, device="cuda")
     inputs = decode_step(torch.Generator().manual_seed(3), [3])[1]
     with pytest.raises(ValueError, match="block_table refers to block id 9, but the cache has "
@@ -146,9 +147,7 @@ def test_a_builder_that_moves_its_tensors_cannot_replay(engine):
     moving = Moving(builder.spec, num_heads=HQ, max_num_seqs=8, max_num_batched_tokens=64,
                     max_model_len=512, device="cuda")
     runner = kvcore.CudaGraphRunner(moving, step_fn, num_blocks=BLOCKS, batch_sizes=[2])
-    runner.capture({"query": torch.zeros(1, HQ, D, dtype=torch.bfloat16, device="cuda"),
-                    "key": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda"),
-                    "value": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda")})
+    runner.capture(capture_inputs())
     meta, inputs = decode_step(torch.Generator().manual_seed(4), [3, 9])
     with pytest.raises(RuntimeError, match="returned other tensors or host values than at "
                                            "capture"):
@@ -169,6 +168,4 @@ def test_a_builder_that_leaves_its_tensors_unmarked_cannot_capture(engine):
     runner = kvcore.CudaGraphRunner(unmarked, step_fn, num_blocks=BLOCKS, batch_sizes=[2])
     with pytest.raises(ValueError, match=r"Unmarked.build\(graph_batch_size=2\) returned "
                                          "metadata tensors not marked"):
-        runner.capture({"query": torch.zeros(1, HQ, D, dtype=torch.bfloat16, device="cuda"),
-                        "key": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda"),
-                        "value": torch.zeros(1, HK, D, dtype=torch.bfloat16, device="cuda")})
+        runner.capture(capture_inputs())
