@@ -50,6 +50,17 @@ log goes to ``--out`` and the lines naming the transports UCX chose are printed.
 (GB/s, the fraction of the device copy measured in the same run, bit-exact) is printed last
 and written as ``bench_nixl_matrix.json``.
 
+``--convert``: the consumer's cache differs from the producer's (blocks 4 times larger, 16 ->
+64 tokens at the default ``--block-kib``, HND instead of NHD; the same bytes in all): the
+connector converts on load (``nixl``: READs into its staging buffer, then the gather kernel;
+``p2p``: the receiver's gather), checked token by token through the logical views.
+``--gather-only`` times the gather kernel alone between those two layouts in one process beside
+``dst.copy_(src)``. ``--convert-suite`` runs nixl and p2p with the same layout and with
+``--convert``, and ``--gather-only``, each in its own processes, and prints the table last
+(GB/s, of the device copy, of the same connector's same-layout transfer; written as
+``bench_nixl_convert.json``). One GPU, two processes, 1 GiB:
+``--convert-suite --mib 1024``.
+
 ``--grid`` runs, each in its own pair of processes with this call's devices and sizes, every
 connector of ``--grid-connectors`` (default ``nixl,p2p``; nixl rows say why they are skipped
 where it is not installed) x cross-layer/per-layer x contiguous/scattered block ids; the
@@ -87,16 +98,28 @@ SEED = 1234
 CONSUMER_TIMEOUT_S = 120.0
 
 
+#: ``--convert``: the consumer's blocks hold this many of the producer's (16 -> 64 tokens at
+#: the default --block-kib), in HND order.
+CONVERT_RATIO = 4
+
+
 def make_cache(args: argparse.Namespace, fill: bool,
-               device: str | None = None) -> kvcore.KVCaches:
+               device: str | None = None, converted: bool = False) -> kvcore.KVCaches:
     """The benchmark's cache on ``device`` (default ``--device``), random bytes from
-    :data:`SEED` when ``fill``."""
+    :data:`SEED` when ``fill``. ``converted``: the consumer's cache of ``--convert`` (blocks
+    :data:`CONVERT_RATIO` times larger, HND, the same bytes in all)."""
     # bf16, 8 KV heads of 128, block 16 -> 64 KiB per layer and block at --block-kib 64.
     block_size = max(1, args.block_kib * 1024 // (2 * 8 * 128 * 2))
     page = 2 * block_size * 8 * 128 * 2
     num_blocks = max(2, args.mib * (1 << 20) // (args.layers * page))
+    backend = "CPU_ATTN"
+    if args.convert or args.gather_only:
+        num_blocks = max(CONVERT_RATIO, num_blocks // CONVERT_RATIO * CONVERT_RATIO)
+    if converted:
+        backend, block_size = "TRITON_ATTN_HND", block_size * CONVERT_RATIO
+        num_blocks //= CONVERT_RATIO
     kv = kvcore.allocate_kv_caches(
-        "CPU_ATTN", num_layers=args.layers, num_blocks=num_blocks, block_size=block_size,
+        backend, num_layers=args.layers, num_blocks=num_blocks, block_size=block_size,
         num_kv_heads=8, head_size=128, dtype=torch.bfloat16, device=device or args.device,
         cross_layer=not args.per_layer)
     if fill:
@@ -142,6 +165,131 @@ def mismatched_blocks(kv: kvcore.KVCaches, ids: list[int], expected: kvcore.KVCa
     for got, want in views:
         bad |= (got[index] != want[expected_index].to(got.device)).any(dim=1)
     return int(bad.sum())
+
+
+def mismatched_tokens(kv: kvcore.KVCaches, ids: list[int], expected: kvcore.KVCaches,
+                      expected_ids: list[int]) -> int:
+    """How many tokens (of every layer, K and V, all heads) held by blocks ``kv[ids]`` in
+    order differ from those of ``expected[expected_ids]``, through the logical views (the
+    two caches may differ in block size and order)."""
+    bad = 0
+    index = torch.tensor(ids, device=kv.storage.device)
+    expected_index = torch.tensor(expected_ids, device=expected.storage.device)
+    for got, want in zip(kv.layers, expected.layers, strict=True):
+        a = got.index_select(0, index).transpose(0, 1).flatten(1, 2)  # (2, tokens, H, D)
+        b = want.index_select(0, expected_index).transpose(0, 1).flatten(1, 2).to(a.device)
+        bad += int((a.view(torch.int16) != b.view(torch.int16)).flatten(2).any(-1).sum())
+    return bad
+
+
+def gather_only(args: argparse.Namespace) -> int:
+    """``--gather-only``: the conversion's gather kernel alone (producer layout -> the
+    consumer's of ``--convert``) on ``--device``, beside ``dst.copy_(src)`` of the same
+    bytes; bit-exact through the logical views."""
+    from kvcore.connectors import plan_conversion
+
+    src = make_cache(args, fill=True)
+    dst = make_cache(args, fill=False, converted=True)
+    plan = plan_conversion(src.layout, dst.layout)
+    src_ids = block_ids(args, src.num_blocks, "producer")
+    dst_ids = block_ids(args, dst.num_blocks, "consumer")
+    nbytes = dst.storage.numel() * dst.storage.element_size()
+    cuda = dst.storage.is_cuda
+    times = []
+    for _ in range(args.trials):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan.apply(src, dst, src_ids, dst_ids)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    copies = copy_seconds(src, args.device, args.trials)
+    mismatched = mismatched_tokens(dst, dst_ids, src, src_ids)
+    gather_s, copy_s = statistics.median(times[1:]), statistics.median(copies[1:])
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "connector": "gather",
+        "layout": f"{src.layout} -> {dst.layout}", "bytes": nbytes, "trials": args.trials,
+        "first_gbps": nbytes / times[0] / 1e9, "gbps": nbytes / gather_s / 1e9,
+        "copy_gbps": nbytes / copy_s / 1e9, "fraction_of_copy": copy_s / gather_s,
+        "bit_exact": mismatched == 0, "mismatched_tokens": mismatched,
+        "consumer_runs": count_runs(dst_ids), "plan": str(plan),
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
+    print(f"conversion gather alone, {record['device']}, {record['layout']}, "
+          f"{nbytes / 2**20:.0f} MiB\n{plan}")
+    print(f"  gather:     {record['gbps']:8.2f} GB/s (median of {args.trials - 1}; first "
+          f"{record['first_gbps']:.2f} GB/s)")
+    print(f"  plain copy: {record['copy_gbps']:8.2f} GB/s (same bytes, one device)")
+    print(f"  ratio:      {record['fraction_of_copy']:8.2f}   bit-exact: {mismatched == 0}")
+    return 0 if mismatched == 0 else 1
+
+
+#: ``--convert-suite``: (label, connector, extra arguments).
+CONVERT_SUITE = (
+    ("nixl same layout", "nixl", []),
+    ("nixl 16->64 NHD->HND", "nixl", ["--convert"]),
+    ("p2p same layout", "p2p", []),
+    ("p2p 16->64 NHD->HND", "p2p", ["--convert"]),
+    ("gather kernel alone", "nixl", ["--gather-only"]),
+)
+
+
+def convert_suite(args: argparse.Namespace) -> int:
+    """Each case of :data:`CONVERT_SUITE` in its own pair of processes with this call's
+    devices and sizes; the table (GB/s, against the device copy and against the same-layout
+    transfer of the same connector) is printed last and written as
+    ``bench_nixl_convert.json``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for label, connector, extra in CONVERT_SUITE:
+        slug = label.replace(" ", "_").replace(">", "").replace("-", "_")
+        cmd = [sys.executable, __file__, "--connector", connector, "--device", args.device,
+               "--serve-device", args.serve_device, "--mib", str(args.mib),
+               "--layers", str(args.layers), "--block-kib", str(args.block_kib),
+               "--trials", str(args.trials), "--out", str(out / slug), *extra]
+        cmd += ["--per-layer"] if args.per_layer else []
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            log, rc = proc.communicate(timeout=args.run_timeout)[0], proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, rc = f"{proc.communicate()[0]}\nTIMED OUT after {args.run_timeout:.0f} s", None
+        (out / f"{slug}.log").write_text(log)
+        print(f"== {label}: rc {rc}, {time.perf_counter() - started:.0f} s")
+        print("\n".join(f"   {line}" for line in log.strip().splitlines()[-8:]))
+        record = {"case": label, "rc": rc}
+        result_file = out / slug / "bench_nixl.json"
+        if result_file.exists():
+            record.update(json.loads(result_file.read_text()))
+        records.append(record)
+    same = {r["connector"]: r.get("gbps") for r in records if "same layout" in r["case"]}
+    for r in records:
+        base = same.get(r.get("connector"))
+        if "16->64" in r["case"] and isinstance(base, float) and isinstance(r.get("gbps"), float):
+            r["fraction_of_same_layout"] = r["gbps"] / base
+    (out / "bench_nixl_convert.json").write_text(json.dumps(records, indent=2))
+
+    def num(v, fmt):
+        width = int(fmt.split(".")[0].rstrip("df") or 0)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
+
+    print(f"\nConverting transfers, {args.mib} MiB, {args.serve_device} -> {args.device}, "
+          f"{'per-layer' if args.per_layer else 'cross-layer'}, median of {args.trials - 1} "
+          "(first apart); copy = dst.copy_(src) of the same bytes, same run")
+    print(f"{'case':24} {'GB/s':>9} {'first':>9} {'copy GB/s':>10} {'of copy':>8} "
+          f"{'of same':>8} {'bit-exact':>9} {'rc':>4}")
+    for r in records:
+        print(f"{r['case']:24} {num(r.get('gbps'), '9.2f')} {num(r.get('first_gbps'), '9.2f')} "
+              f"{num(r.get('copy_gbps'), '10.1f')} {num(r.get('fraction_of_copy'), '8.3f')} "
+              f"{num(r.get('fraction_of_same_layout'), '8.3f')} {r.get('bit_exact')!s:>9} "
+              f"{r['rc']!s:>4}")
+    return 0 if all(r.get("bit_exact") is True and r["rc"] == 0 for r in records) else 1
 
 
 def inbox_bytes(kv: kvcore.KVCaches) -> int:
@@ -400,6 +548,15 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--grid: seconds for all cases; those not started in time are "
                              "listed as skipped")
+    parser.add_argument("--convert", action="store_true",
+                        help="the consumer's cache converts: blocks 4x larger, HND (the "
+                             "producer's NHD blocks are rearranged on load)")
+    parser.add_argument("--gather-only", action="store_true",
+                        help="time the conversion's gather kernel alone (--convert's layouts) "
+                             "beside a device copy, in this process")
+    parser.add_argument("--convert-suite", action="store_true",
+                        help="nixl and p2p, same layout and --convert, and --gather-only, each "
+                             "in its own processes; the table last")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trials < 2:
@@ -413,6 +570,10 @@ def main() -> int:
         torch.cuda.set_device(torch.device(own_device))
     if args.serve:
         return serve(args)
+    if args.gather_only:
+        return gather_only(args)
+    if args.convert_suite:
+        return convert_suite(args)
     if args.matrix:
         return matrix(args)
     if args.grid:
@@ -449,9 +610,10 @@ def main() -> int:
         if not line.startswith("port "):
             raise RuntimeError(f"the producer did not start (rc {proc.poll()})")
         port = int(line.split()[1])
-        kv = make_cache(args, fill=False)
+        kv = make_cache(args, fill=False, converted=args.convert)
         nbytes = kv.storage.numel() * kv.storage.element_size()
         ids = block_ids(args, kv.num_blocks, "consumer")
+        num_keys = kv.num_blocks * (CONVERT_RATIO if args.convert else 1)
         times = []
         if p2p:
             connector = get_connector("p2p", rank=1, port=port, timeout_s=120.0,
@@ -462,7 +624,7 @@ def main() -> int:
         with connector as consumer:
             consumer.register_kv_caches(kv)
             for t in range(args.trials):
-                keys = trial_keys(t, kv.num_blocks)
+                keys = trial_keys(t, num_keys)
                 t0 = time.perf_counter()
                 if p2p:
                     go(t)
@@ -485,8 +647,9 @@ def main() -> int:
         drainer.join(30)
     served = tagged.get("served", "served ?")
     expected = make_cache(args, fill=True, device=args.serve_device)
-    producer_ids = block_ids(args, kv.num_blocks, "producer")
-    mismatched = mismatched_blocks(kv, ids, expected, producer_ids)
+    producer_ids = block_ids(args, expected.num_blocks, "producer")
+    mismatched = (mismatched_tokens(kv, ids, expected, producer_ids) if args.convert else
+                  mismatched_blocks(kv, ids, expected, producer_ids))
     exact = mismatched == 0
     across = torch.device(args.serve_device) != kv.storage.device
     copies = copy_seconds(expected, args.device, args.trials)
@@ -505,7 +668,10 @@ def main() -> int:
         "copy": "across devices" if across else "same device",
         "scattered": args.scattered, "consumer_runs": count_runs(ids),
         "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
+        "converted": args.convert,
     }
+    if args.convert:
+        record["layout"] = f"{expected.layout} -> {kv.layout}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
     what = (f"{name} READ" if name in ("nixl", "mooncake") else
@@ -524,7 +690,8 @@ def main() -> int:
     print(f"  ratio:      {record['fraction_of_copy']:8.2f}   bit-exact: {exact}   "
           f"producer: {served}")
     if not exact:
-        print(f"  {mismatched} of {kv.num_blocks} blocks differ")
+        print(f"  {mismatched} {'tokens' if args.convert else f'of {kv.num_blocks} blocks'} "
+              "differ")
     return 0 if exact and served == "served True" else 1
 
 
