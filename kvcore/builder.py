@@ -134,9 +134,9 @@ class AttentionMetadataBuilder:
         if common.max_seq_len > self.max_model_len:
             raise ValueError(f"the step has a request of {common.max_seq_len} tokens but the "
                              f"builder was made for max_model_len={self.max_model_len}")
-        lens = common.seq_lens_cpu  # a host copy: its maximum costs no device read
-        longest = int(lens.max()) if lens is not None and lens.numel() else None
         if not value_checks_enabled():
+            lens = common.seq_lens_cpu  # a host copy: its maximum costs no device read
+            longest = int(lens.max()) if lens is not None and lens.numel() else None
             if longest is not None and longest > common.max_seq_len:
                 raise _understated(common.max_seq_len, f"seq_lens_cpu has a request of "
                                                        f"{longest} tokens")
@@ -208,6 +208,7 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
                                            device=dev)
             # Source of the padding requests' query_start_loc entries (one token each).
             self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=dev)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The persistent buffers by name (what a captured graph reads)."""
@@ -243,10 +244,14 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
                 raise ValueError(f"the step has {n} requests, more than "
                                  f"graph_batch_size={size}")
             total = size
-        qsl = self.query_start_loc[:size + 1]
-        seq_lens = self.seq_lens[:size]
-        table = self.block_table[:size]
-        slots = self.slot_mapping[:total]
+        views = self._views.get((size, total))
+        if views is None:  # the same view objects every step of this size (graph signatures)
+            if len(self._views) >= 1024:
+                self._views.clear()
+            views = self._views[size, total] = (
+                self.query_start_loc[:size + 1], self.seq_lens[:size], self.block_table[:size],
+                self.slot_mapping[:total])
+        qsl, seq_lens, table, slots = views
         if (facts is None and common.seq_lens_cpu is None
                 and common.block_table.shape[1] > table.shape[1]):
             # Value checks off and no host lengths: the columns beyond the buffer cannot be
@@ -258,11 +263,14 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
                 "beyond cannot be checked unused, so they would be dropped. Make the block "
                 "table at most that wide, pass seq_lens_cpu, or turn value checks on")
         width = min(common.block_table.shape[1], table.shape[1])
-        qsl[:n + 1].copy_(common.query_start_loc)
-        seq_lens[:n].copy_(common.seq_lens)
+        padded = size > n
+        (qsl[:n + 1] if padded else qsl).copy_(common.query_start_loc)
+        (seq_lens[:n] if padded else seq_lens).copy_(common.seq_lens)
         if n:
-            table[:n, :width].copy_(common.block_table[:, :width])
-        slots[:rows].copy_(common.slot_mapping)
+            source, dest = common.block_table, table[:n] if padded else table
+            dest = dest if dest.shape[1] == width else dest[:, :width]
+            dest.copy_(source if source.shape[1] == width else source[:, :width])
+        (slots[:rows] if total > rows else slots).copy_(common.slot_mapping)
         if size > n:  # padding requests (uniform decode: token i is request i)
             qsl[n + 1:].copy_(self._arange[n + 1:size + 1])
             seq_lens[n:].fill_(1)
@@ -278,7 +286,6 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
             num_actual_tokens=common.num_actual_tokens + (size - n), causal=common.causal,
         )
         if facts is not None:
-            padded = size > n
             mark_step_checked(
                 StepFacts(num_tokens=meta.num_actual_tokens, num_seqs=size,
                           block_size=facts.block_size,

@@ -86,6 +86,7 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         most = max(workspace_numel(b, num_heads, spec.head_size, self.graph_num_kv_splits(b))
                    for b in range(1, max_num_seqs + 1))
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._plans: dict[int, TritonAttentionPlan] = {}
         if most[0]:
             with torch.inference_mode(False):
                 self.workspace = (torch.empty(most[0], dtype=torch.float32, device=self.device),
@@ -110,8 +111,11 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         else:
             splits = self._splits(meta.num_actual_tokens, meta.num_seqs, self._num_kv_heads,
                                   meta.max_seq_len, self.device)
-        return meta.extend(TritonAttentionMetadata, plan=TritonAttentionPlan(
-            num_kv_splits=splits, workspace=self.workspace if splits > 1 else None))
+        plan = self._plans.get(splits)
+        if plan is None:  # one plan object per split count: the ops check a plan once
+            plan = self._plans[splits] = TritonAttentionPlan(
+                num_kv_splits=splits, workspace=self.workspace if splits > 1 else None)
+        return meta.extend(TritonAttentionMetadata, plan=plan)
 
 
 class TritonAttentionImpl(PagedAttentionImpl):
