@@ -27,7 +27,19 @@ One run does, in order, each section isolated (an error is logged and the run go
    all), and each kvcore row is compared with the direct call of the same mode;
 4. the eager 32-layer step (TRITON_ATTN, B16 x 4096) with the default value checks (the step's
    facts, checked once), without value checks, and with the per-op reads of metadata an engine
-   made itself (no builder, no marks: the behaviour before step facts).
+   made itself (no builder, no marks: the behaviour before step facts);
+5. the per-layer host table: one layer's calls, eager, on a step so small (one request of 64
+   tokens) that the GPU waits for the host: ``do_kv_cache_update``, ``forward``, both, and
+   ``update_and_forward``, host microseconds per call (launches back to back, no sync inside
+   the timed loop), for each backend through its builder, and FlashInfer called directly
+   (``append_paged_kv_cache`` + the decode wrapper's ``run``, planned once) when installed;
+6. the MLA pipeline comparison, from ``benchmarks/bench_mla_pipeline.py`` when it is there
+   (its ``bench_step_section(run, device=, smoke=)`` appends rows to
+   ``run.results["mla_pipeline"]``; the table prints them).
+
+Section 2 also times the *synchronous* step: the same ``CudaGraphRunner.run`` (or eager step)
+followed by a device sync every step, as an engine that samples every step runs; its time over
+the kernels' is the builder's and the runner's host work the GPU cannot hide.
 
 The table printed last has the step times and ratios. Logs and JSON go to ``--out`` (default
 ``$OUT``, else ``benchmarks/results``). ``--cpu`` runs section 4 on the CPU with CPU_ATTN
@@ -76,6 +88,10 @@ LAYER_SHAPES = [(64, 4096), (8, 32768), (256, 1024), (16, 4096)]
 CHECK_SHAPE = (5, 1024, 8)  # requests, tokens each, captured batch size
 CHECKS_SHAPE = (16, 4096)
 STEPS = 20
+#: The per-layer host table's step (one request: the kernels are shorter than the host's
+#: work) and calls per timed loop.
+HOST_SHAPE = (1, 64)
+HOST_CALLS = 200
 #: Steps per timed run of the 32-layer step: enough that filling the pipeline (the host
 #: builds and launches the first step while the device is idle, about 0.5 ms) is under 0.3%.
 TIMED_STEPS = 100
@@ -90,6 +106,7 @@ if SMOKE:
     LAYERS = 2
     CHECKS_SHAPE = (2, 64)
     STEPS = TIMED_STEPS = 2
+    HOST_CALLS = 2
 # --smoke runs only what runs on the CPU (FlashInfer needs a GPU even where it is installed).
 BACKENDS = (["CPU_ATTN"] if not SMOKE else ["TRITON_ATTN"]) if CPU else ["TRITON_ATTN",
                                                                        "FLASHINFER"]
@@ -193,6 +210,38 @@ def wall_per_step(fn: Callable[[], object], steps: int = STEPS) -> float:
         fn()
     sync()
     return (time.perf_counter() - t0) / steps
+
+
+def sync_step_us(fn: Callable[[], object], steps: int = STEPS) -> float:
+    """Median microseconds of ``fn`` followed by a device sync (nothing overlaps the next
+    call's host work), after three warm-up calls."""
+    for _ in range(min(3, steps)):
+        fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def host_us(fn: Callable[[], object], calls: int = HOST_CALLS, rounds: int = 5) -> float:
+    """Host microseconds per call of ``fn``: the fastest of ``rounds`` loops of ``calls``
+    calls back to back with no sync inside the timed loop (launches are asynchronous, so this
+    is the host's time while the device keeps up), a sync after each loop."""
+    for _ in range(min(10, calls)):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+        sync()
+    return best * 1e6
 
 
 def host_profile(fn: Callable[[], object], steps: int = STEPS, top: int = 18) -> str:
@@ -325,6 +374,12 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
                timing=f"{how_k}; {how_w}, {how_a}",
                isolated_kernels_us=LAYERS * (t_write + t_attn) * 1e6)
     row["host_overhead_pct"] = 100 * (row["step_us"] - row["kernels_us"]) / row["step_us"]
+    # The synchronous step: an engine that samples every step waits for the device, so the
+    # next step's builder and runner work is exposed (the kernels cannot hide it).
+    step = ((lambda: runner.run(model.inputs, model.common)) if model.graphs
+            else (lambda: model.step(model.inputs, model.builder.build(model.common))))
+    row["sync_step_us"] = sync_step_us(step)
+    row["sync_overhead_pct"] = 100 * (row["sync_step_us"] - row["kernels_us"]) / row["kernels_us"]
     row["host_overhead_vs_isolated_pct"] = (
         100 * (row["step_us"] - row["isolated_kernels_us"]) / row["step_us"])
     run.results["steps"].append(row)
@@ -496,6 +551,86 @@ def time_checks(run: Run, name: str) -> None:
         run.log(json.dumps(row))
 
 
+def flashinfer_direct_layer(model: Model) -> dict[str, Callable[[], object]]:
+    """FlashInfer called directly on the model's layer-0 cache (NHD): the decode step's
+    ``append_paged_kv_cache`` and the decode wrapper's ``run`` (planned once), as an engine
+    on FlashInfer alone makes them per layer."""
+    import flashinfer
+
+    b, pages = model.b, len(model.tables[0])
+    kv = model.caches.layers[0]
+    indices = torch.tensor(model.tables, dtype=torch.int32, device=DEVICE).flatten()
+    indptr = (torch.arange(b + 1, device=DEVICE) * pages).to(torch.int32)
+    last = torch.full((b,), model.length - (pages - 1) * BS, dtype=torch.int32, device=DEVICE)
+    batch = torch.arange(b, dtype=torch.int32, device=DEVICE)
+    positions = torch.full((b,), model.length - 1, dtype=torch.int32, device=DEVICE)
+    k, v = model.inputs["key"], model.inputs["value"]
+    attend = flashinfer_direct(model)
+
+    def write() -> None:
+        flashinfer.append_paged_kv_cache(k, v, batch, positions, kv, indices, indptr, last,
+                                         kv_layout="NHD")
+
+    def both() -> None:
+        write()
+        attend()
+
+    return {"write": write, "attend": attend, "write + attend": both}
+
+
+def time_host(run: Run, names: list[str], flashinfer: bool) -> None:
+    """Section 5: host microseconds per call of one layer's calls (see the module)."""
+    b, length = HOST_SHAPE
+    for name in names:
+        with run.section(f"per-layer host time {name}"):
+            model = Model(name, b, length, layers=1)
+            meta = model.builder.build(model.common)
+            impl, sc, layer, out = model.impl, model.scales, model.caches.layers[0], \
+                model.outputs[0]
+            q, k, v = (model.inputs[n] for n in ("query", "key", "value"))
+
+            def write(impl=impl, sc=sc, k=k, v=v, layer=layer, meta=meta) -> None:
+                impl.do_kv_cache_update(sc, k, v, layer, meta.slot_mapping)
+
+            def attend(impl=impl, sc=sc, q=q, k=k, v=v, layer=layer, meta=meta, out=out):
+                impl.forward(sc, q, k, v, layer, meta, output=out)
+
+            def both(write=write, attend=attend) -> None:
+                write()
+                attend()
+
+            row = {"impl": f"kvcore {name}", "shape": f"{b}x{length}",
+                   "write_us": host_us(write), "attend_us": host_us(attend),
+                   "write_attend_us": host_us(both)}
+            row["update_and_forward_us"] = host_us(
+                lambda impl=impl, sc=sc, q=q, k=k, v=v, layer=layer, meta=meta, out=out:
+                impl.update_and_forward(sc, q, k, v, layer, meta, output=out))
+            run.results["host"].append(row)
+            run.log(json.dumps(row))
+            if name == "FLASHINFER" and flashinfer:
+                calls = flashinfer_direct_layer(model)
+                row = {"impl": "flashinfer direct", "shape": f"{b}x{length}",
+                       "write_us": host_us(calls["write"]), "attend_us": host_us(calls["attend"]),
+                       "write_attend_us": host_us(calls["write + attend"])}
+                run.results["host"].append(row)
+                run.log(json.dumps(row))
+
+
+def mla_pipeline(run: Run) -> None:
+    """Section 6: ``benchmarks/bench_mla_pipeline.py``'s section, when that script is there."""
+    try:
+        import bench_mla_pipeline
+    except ImportError as exc:
+        run.log(f"MLA pipeline comparison skipped: {exc}")
+        return
+    section = getattr(bench_mla_pipeline, "bench_step_section", None)
+    if section is None:
+        run.log("MLA pipeline comparison skipped: benchmarks/bench_mla_pipeline.py has no "
+                "bench_step_section(run, device=, smoke=)")
+        return
+    section(run, device=DEVICE, smoke=SMOKE)
+
+
 # ----------------------------------------------------------------------------- summary
 
 
@@ -516,10 +651,13 @@ def summary_table(run: Run) -> str:
             [[s["backend"], s["shape"], s["path"], f"{s['step_us'] / 1e3:.3f}",
               f"{s['kernels_us'] / 1e3:.3f}", f"{s['host_overhead_pct']:.1f}%",
               f"{s['isolated_kernels_us'] / 1e3:.3f}",
-              f"{s.get('host_us_per_step', float('nan')):.0f}"] for s in r["steps"]],
+              f"{s.get('host_us_per_step', float('nan')):.0f}",
+              f"{s['sync_step_us'] / 1e3:.3f}", f"{s['sync_overhead_pct']:.1f}%"]
+             for s in r["steps"]],
             headers=[f"{LAYERS}-layer decode step", "shape", "path", "step ms",
                      "kernels ms (in the step)", "host overhead",
-                     "32 x one layer alone, ms", "host us/step"]))
+                     "32 x one layer alone, ms", "host us/step", "synchronous step ms",
+                     "synchronous over kernels"]))
     if r["layers"]:
         direct = {(x["shape"], x["mode"]): x for x in r["layers"]
                   if x["impl"].startswith("flashinfer direct")}
@@ -539,6 +677,18 @@ def summary_table(run: Run) -> str:
             [[c["backend"], c["shape"], c["variant"], f"{c['step_us'] / 1e3:.3f}",
               f"{c['vs_checks_off']:.2f}x"] for c in r["checks"]],
             headers=[f"eager {LAYERS}-layer step", "shape", "variant", "ms", "vs checks off"]))
+    if r["host"]:
+        parts.append(table(
+            [[h["impl"], h["shape"], f"{h['write_us']:.1f}", f"{h['attend_us']:.1f}",
+              f"{h['write_attend_us']:.1f}",
+              f"{h['update_and_forward_us']:.1f}" if "update_and_forward_us" in h else "-"]
+             for h in r["host"]],
+            headers=["per-layer host time (eager)", "shape", "write us", "attend us",
+                     "write + attend us", "update_and_forward us"]))
+    if r["mla_pipeline"]:
+        headers = list(r["mla_pipeline"][0])
+        parts.append(table([[row.get(h, "-") for h in headers] for row in r["mla_pipeline"]],
+                           headers=headers))
     if r["errors"]:
         parts.append("errors: " + "; ".join(f"{e['section']}: {e['error']}"
                                             for e in r["errors"]))
@@ -559,7 +709,8 @@ def main() -> int:
     if DEVICE == "cpu":
         # Tiny ops: intra-op threads cost more than they save on a shared machine.
         torch.set_num_threads(1)
-    run = Run(Path(args.out), "bench_step", ("correctness", "steps", "layers", "checks"),
+    run = Run(Path(args.out), "bench_step",
+              ("correctness", "steps", "layers", "checks", "host", "mla_pipeline"),
               checks="correctness", device=DEVICE)
     meta = run.results["meta"]
     meta.update(harness.run_meta(DEVICE), smoke=SMOKE, cpu=CPU,
@@ -601,6 +752,9 @@ def main() -> int:
         time_layer(run, b, length, names, has_flashinfer)
     with run.section("eager step: value checks"):
         time_checks(run, names[0])
+    time_host(run, names, has_flashinfer)
+    with run.section("MLA pipeline"):
+        mla_pipeline(run)
     run.log("\n" + summary_table(run))
     run.save()
     return 1 if run.results["errors"] else 0
