@@ -22,6 +22,7 @@ tensor values, no random numbers) and pass ``attn_metadata`` to every layer's ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -36,23 +37,39 @@ __all__ = ["CudaGraphRunner", "StepFn"]
 StepFn = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
-    """Every tensor of a metadata object (dataclass fields, tuples), in order."""
+#: Host values a signature keeps as they are (no tensors inside).
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _tensors(value: object, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor of a metadata object (dataclass fields, tuples), in order, appended to
+    ``found``."""
     if isinstance(value, torch.Tensor):
-        return [value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+        found.append(value)
+    elif isinstance(value, _SCALARS):
+        pass
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors(v, found)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for name in _field_names(type(value)):
+            _tensors(getattr(value, name), found)
+    return found
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names (looked up once per class: a replay reads them every step)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _signature(meta: AttentionMetadata) -> tuple:
     """What a captured graph depends on: every tensor's address, shape and strides, and the
     host-side values ``forward`` may read."""
-    scalars = tuple((f.name, getattr(meta, f.name)) for f in dataclasses.fields(meta)
-                    if isinstance(getattr(meta, f.name), (int, float, bool, str, type(None))))
-    return scalars + tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in _tensors(meta))
+    values = [getattr(meta, name) for name in _field_names(type(meta))]
+    scalars = tuple((name, v) for name, v in zip(_field_names(type(meta)), values, strict=True)
+                    if isinstance(v, _SCALARS))
+    return scalars + tuple((t.data_ptr(), t.shape, t.stride()) for t in _tensors(values, []))
 
 
 @dataclasses.dataclass
