@@ -27,6 +27,9 @@ from kvcore.ops import triton_available, triton_convert_blocks
 pytestmark = pytest.mark.skipif(not triton_available()[0], reason="needs triton")
 
 NHD, HND = (0, 1, 2, 3, 4), (0, 1, 3, 2, 4)
+#: Where the kernel runs: compiled on a GPU, else interpreted on the CPU (TRITON_INTERPRET=1,
+#: set by the test setup without a GPU).
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def both_ways(plan, src, dst, src_ids, dst_ids, num_tokens, scales=None):
@@ -34,9 +37,10 @@ def both_ways(plan, src, dst, src_ids, dst_ids, num_tokens, scales=None):
     assert equal bytes, the source unchanged, and only destination blocks written."""
     kw = {"dst_scales": scales} if plan.dtype_op == "quantize" else {}
     before = src.clone()
-    expected, got = dst.clone(), dst.clone()
+    expected, got = dst.clone(), dst.to(KERNEL_DEVICE, copy=True)
     plan.apply(src, expected, src_ids, dst_ids, num_tokens, kernel="torch", **kw)
-    plan.apply(src, got, src_ids, dst_ids, num_tokens, kernel="triton", **kw)
+    plan.apply(src.to(KERNEL_DEVICE), got, src_ids, dst_ids, num_tokens, kernel="triton", **kw)
+    got = got.cpu()
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(src.view(torch.uint8), before.view(torch.uint8))
     # Outside the destination blocks nothing changed (through the logical view).
@@ -126,15 +130,16 @@ def test_kernel_dequantizes_fp8_to_bf16():
     src = torch.randn(src_l.physical_shape, generator=gen).mul(50).to(FP8)
     dst = noise(dst_l, gen)
     scales = torch.rand(NUM_LAYERS, 2, generator=gen) + 0.25
-    expected, got = dst.clone(), dst.clone()
+    expected, got = dst.clone(), dst.to(KERNEL_DEVICE, copy=True)
     plan.apply(src, expected, [3, 0, 1], [2, 0], 40, src_scales=scales, kernel="torch")
-    plan.apply(src, got, [3, 0, 1], [2, 0], 40, src_scales=scales, kernel="triton")
-    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    plan.apply(src.to(KERNEL_DEVICE), got, [3, 0, 1], [2, 0], 40, src_scales=scales,
+               kernel="triton")
+    assert torch.equal(got.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_kernel_refuses_ids_past_the_tensor_and_moves_nothing():
-    src = torch.zeros(64, dtype=torch.bfloat16)
-    dst = torch.ones(64, dtype=torch.bfloat16)
+    src = torch.zeros(64, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    dst = torch.ones(64, dtype=torch.bfloat16, device=KERNEL_DEVICE)
     kwargs = {"num_tokens": 4, "src_block_size": 4, "dst_block_size": 4,
               "src_strides": (32, 0, 0, 8, 0, 1), "dst_strides": (32, 0, 0, 8, 0, 1),
               "num_layers": 1, "num_kv": 1, "head_pairs": [(0, 0)], "head_size": 8}
