@@ -26,7 +26,13 @@ sharing, forks and offload stay transformers'. What happens per step:
   S`` (``S`` the stride, ``N`` the page size); block tables are the read index's rows at every
   page start of each request. All of it is device arithmetic; the host copy of
   ``cu_seq_lens_q`` is the one device read (nothing on a CPU model). The backend's builder
-  then runs once; every layer reuses the result.
+  then runs once; every layer reuses the result. Its persistent buffers are sized to what the
+  steps so far needed (requests and longest request, rounded up to a power of two, at most
+  transformers' ``max_batch_tokens`` and ``max_tokens_read``); a step that needs more makes
+  a larger builder, so metadata memory follows the workload, not the whole cache.
+- **Lifetime.** kvcore holds transformers' cache only while transformers does: when
+  ``generate_batch`` (or a manager) drops its ``PagedAttentionCache``, the views and the
+  builder go with it, so the next batch's cache is sized from memory that is really free.
 - **Per layer.** Each attention module's pre-hook takes ``cache`` out of its kwargs (so
   transformers neither writes nor gathers K/V) and hands the layer's cache view and impl to the
   attention function registered under :data:`ATTENTION_NAME`, which calls the backend's
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -274,17 +281,36 @@ def _view_problem(backend: type[AttentionBackend], platform: str | None) -> str 
 
 @dataclass
 class _Adopted:
-    """One transformers cache, adopted: the kvcore views, the backend's pieces and geometry."""
+    """One transformers cache, adopted: the kvcore views, the backend's pieces and geometry.
 
-    cache: Any  # the PagedAttentionCache (kept so a new one is noticed)
+    ``cache`` is a weak reference: transformers owns the ``PagedAttentionCache``, and when it
+    drops it a finalizer drops this record (and with it the views that keep the tensor).
+    ``builder`` is ``None`` until the first step and grows with the steps (see
+    :meth:`KVCoreAttention._builder_for`), up to ``max_seqs`` requests and ``max_len`` tokens.
+    """
+
+    cache: weakref.ref
     backend: type[AttentionBackend]
     layers: list[torch.Tensor]
     impls: dict[int, AttentionImpl]
-    builder: Any
+    spec: FullAttentionSpec
+    num_heads: int
     allocator_index: int
     page_size: int
     row_stride: int  # transformers' block_physical_stride
     num_blocks: int
+    max_seqs: int  # transformers' max_batch_tokens: no step has more requests
+    max_len: int  # transformers' max_tokens_read: no request is longer
+    builder: Any = None
+    release: weakref.finalize | None = None
+
+
+def _grown(need: int, have: int, cap: int) -> int:
+    """A builder bound that holds ``need``: ``have`` if it does, else the next power of two
+    (at least twice ``have``), at most ``cap``."""
+    if need <= have:
+        return have
+    return min(cap, max(2 * have, 1 << (max(need, 1) - 1).bit_length()))
 
 
 class KVCoreAttention:
@@ -293,7 +319,8 @@ class KVCoreAttention:
     Attributes:
         backend: the backend selected at entry (for the default page size, or ``page_size``).
         steps: forward passes served so far.
-        adopted: the transformers cache currently viewed (``None`` before the first step).
+        adopted: the transformers cache currently viewed (``None`` before the first step and
+            once transformers has dropped that cache).
     """
 
     def __init__(self, model: torch.nn.Module, backend: str | type[AttentionBackend] | None,
@@ -352,8 +379,7 @@ class KVCoreAttention:
         self._handles.clear()
         if self._previous is not None:
             self.model.config._attn_implementation = self._previous
-        self.adopted = None
-        self._step_meta = None
+        self._forget(self.adopted)
 
     # -- per layer and per step ---------------------------------------------------------------
 
@@ -383,10 +409,38 @@ class KVCoreAttention:
                 "transformers is capturing a CUDA graph of a continuous-batching step, which "
                 "kvcore's step (it reads cu_seq_lens_q on the host) cannot be part of yet; pass "
                 "ContinuousBatchingConfig(use_cuda_graph=False) to generate_batch")
-        if self.adopted is None or self.adopted.cache is not cache:
+        if self.adopted is None or self.adopted.cache() is not cache:
+            self._forget(self.adopted)
             self.adopted = self._adopt(cache)
         self.steps += 1
-        return self.adopted.builder.build(self._common_metadata(kwargs))
+        common = self._common_metadata(kwargs)
+        return self._builder_for(common).build(common)
+
+    def _builder_for(self, common: AttentionMetadata) -> Any:
+        """The adopted cache's builder, made (or remade larger) when ``common`` has more
+        requests or a longer request than its buffers hold."""
+        a = self.adopted
+        builder = a.builder
+        seqs, length = (0, 0) if builder is None else (builder.max_num_seqs,
+                                                       builder.max_model_len)
+        if builder is None or common.num_seqs > seqs or common.max_seq_len > length:
+            seqs = _grown(common.num_seqs, seqs, a.max_seqs)
+            length = _grown(common.max_seq_len, length, a.max_len)
+            a.builder = a.backend.get_builder_cls()(
+                a.spec, num_heads=a.num_heads, max_num_seqs=seqs,
+                max_num_batched_tokens=a.max_seqs, max_model_len=length,
+                device=a.layers[0].device)
+        return a.builder
+
+    def _forget(self, adopted: _Adopted | None) -> None:
+        """Drop ``adopted`` (transformers dropped its cache, or a new one replaced it)."""
+        if adopted is None:
+            return
+        if adopted.release is not None:
+            adopted.release.detach()
+        if self.adopted is adopted:
+            self.adopted = None
+            self._step_meta = None
 
     def _adopt(self, cache: Any) -> _Adopted:
         """View ``cache``'s tensor as kvcore caches and make the backend's impls and builder."""
@@ -425,14 +479,16 @@ class KVCoreAttention:
         spec = FullAttentionSpec(block_size=page_size, dtype=allocator.cache_dtype,
                                  num_kv_heads=allocator.num_key_value_heads,
                                  head_size=allocator.head_dim)
-        max_tokens = int(cache.max_batch_tokens)
-        builder = backend.get_builder_cls()(
-            spec, num_heads=first.config.num_attention_heads, max_num_seqs=max_tokens,
-            max_num_batched_tokens=max_tokens, max_model_len=int(cache.max_tokens_read),
-            device=tensor.device)
-        return _Adopted(cache=cache, backend=backend, layers=caches.layers, impls=impls,
-                        builder=builder, allocator_index=allocator.index, page_size=page_size,
-                        row_stride=allocator.block_physical_stride, num_blocks=num_blocks)
+        adopted = _Adopted(
+            cache=weakref.ref(cache), backend=backend, layers=caches.layers, impls=impls,
+            spec=spec, num_heads=first.config.num_attention_heads,
+            allocator_index=allocator.index, page_size=page_size,
+            row_stride=allocator.block_physical_stride, num_blocks=num_blocks,
+            max_seqs=int(cache.max_batch_tokens), max_len=int(cache.max_tokens_read))
+        # The finalizer holds the record, not the cache: transformers' dropping its cache
+        # (end of generate_batch) drops kvcore's views of the tensor too.
+        adopted.release = weakref.finalize(cache, self._forget, adopted)
+        return adopted
 
     def _common_metadata(self, kwargs: dict) -> AttentionMetadata:
         """kvcore's metadata of one step from transformers' kwargs (see the module docstring)."""

@@ -10,9 +10,11 @@ pages. Tokens must equal transformers' own continuous batching with ``sdpa`` and
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -88,23 +90,65 @@ def tokens(out: dict) -> list[list[int]]:
     return [out[k].generated_tokens for k in sorted(out)]
 
 
+class Adoptions:
+    """What kvcore adopted, seen from inside the steps (after ``generate_batch`` transformers
+    has dropped its cache and kvcore with it): per step, the adopted record's facts."""
+
+    def __init__(self, model, state) -> None:
+        self.state = state
+        self.seen: list[dict] = []
+        first = next(m for m in model.modules() if getattr(m, "layer_idx", None) == 0)
+        self.handle = first.register_forward_hook(self.record)
+
+    def record(self, *_) -> None:
+        a = self.state.adopted
+        cache = a.cache()
+        self.seen.append({
+            "tensor": weakref.ref(cache.cache_tensor), "ptr": cache.cache_tensor.data_ptr(),
+            "numel": cache.cache_tensor.numel(), "layer_ptrs": [x.data_ptr() for x in a.layers],
+            "views": weakref.ref(a.layers[0]), "dtype": a.layers[0].dtype,
+            "page_size": a.page_size, "max_tokens_read": int(cache.max_tokens_read),
+            "builder": (a.builder.max_num_seqs, a.builder.max_model_len)})
+
+    def __enter__(self) -> Adoptions:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
 def test_tokens_and_logprobs_equal_transformers_sdpa_and_the_cache_is_aliased(model, reference):
-    with kvt.use_kvcore(model, page_size=PAGE) as state:
+    with kvt.use_kvcore(model, page_size=PAGE) as state, Adoptions(model, state) as seen:
         assert model.config._attn_implementation == kvt.ATTENTION_NAME
         out = run(model)
-        adopted = state.adopted
-        tensor = adopted.cache.cache_tensor
+        step = seen.seen[-1]
         # kvcore's caches are views of transformers' tensor: no second cache exists.
-        first = tensor.data_ptr()
-        assert adopted.layers[0].data_ptr() == first
-        assert all(first <= layer.data_ptr() < first + tensor.numel() for layer in adopted.layers)
+        first = step["ptr"]
+        assert step["layer_ptrs"][0] == first
+        assert all(first <= ptr < first + step["numel"] for ptr in step["layer_ptrs"])
         assert state.backend.get_name() == "CPU_ATTN"
         assert state.steps > NEW_TOKENS  # chunked prefill took extra steps
+        # transformers dropped its cache when generate_batch returned: kvcore did too, so
+        # the next batch's cache is sized from memory that is really free.
+        assert state.adopted is None
+        assert step["views"]() is None and step["tensor"]() is None
     assert model.config._attn_implementation == "sdpa"  # restored
     assert tokens(out) == tokens(reference)
     diff = max(abs(a - b) for k in out
                for a, b in zip(out[k].logprobs, reference[k].logprobs, strict=True))
     assert diff <= 1e-4
+
+
+def test_builder_buffers_follow_the_steps_not_the_whole_cache(model):
+    # 8 requests of at most 60 + 10 tokens: the step buffers hold 8 requests of 128 tokens,
+    # not transformers' max_batch_tokens requests of every cache token.
+    with kvt.use_kvcore(model, page_size=PAGE) as state, Adoptions(model, state) as seen:
+        run(model)
+        run(model)  # a second batch: a new cache, adopted afresh
+    assert seen.seen[-1]["builder"] == (8, 128)
+    assert seen.seen[-1]["max_tokens_read"] == 64 * PAGE
+    gc.collect()
+    assert all(step["tensor"]() is None for step in seen.seen)
 
 
 def test_tokens_equal_plain_generate(model, reference):
@@ -140,9 +184,9 @@ def test_bfloat16_under_inference_mode():
     model = tiny_llama(torch.bfloat16)
     with torch.inference_mode():
         expected = run(model)
-        with kvt.use_kvcore(model, page_size=PAGE) as state:
+        with kvt.use_kvcore(model, page_size=PAGE) as state, Adoptions(model, state) as seen:
             out = run(model)
-            assert state.adopted.layers[0].dtype == torch.bfloat16
+        assert seen.seen[0]["dtype"] == torch.bfloat16
         identical = 0
         for key, prompt in zip(sorted(out, key=lambda k: int(k[4:])), prompts(), strict=True):
             got, want = out[key].generated_tokens, expected[key].generated_tokens
@@ -190,9 +234,10 @@ def test_kvcore_refuses_a_mapping_that_writes_what_the_step_reads(model, monkeyp
 
 
 def test_another_page_size_reselects_at_the_first_step(model, reference):
-    with kvt.use_kvcore(model) as state:  # checked for transformers' default page size
+    # checked for transformers' default page size
+    with kvt.use_kvcore(model) as state, Adoptions(model, state) as seen:
         out = run(model)
-        assert state.adopted.page_size == PAGE
+    assert seen.seen[0]["page_size"] == PAGE
     assert tokens(out) == tokens(reference)
 
 
