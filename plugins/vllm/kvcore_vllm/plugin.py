@@ -28,12 +28,39 @@ def vllm_names() -> dict[str, str]:
     return names
 
 
+def unsupported_vllm(version: str | None = None) -> str | None:
+    """Why the installed vLLM (or ``version``) is outside :data:`SUPPORTED_VLLM`, else ``None``.
+
+    vLLM 0.31 and older resolve a backend's name through their fixed enum of names (a plugin
+    may only override a member or take ``CUSTOM``), so the ``KVCORE_<NAME>`` names cannot
+    exist there; later minors change the backend interface without notice.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from kvcore_vllm import SUPPORTED_VLLM
+
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if SpecifierSet(SUPPORTED_VLLM).contains(Version(version), prereleases=True):
+        return None
+    return (f"kvcore-vllm supports vLLM {SUPPORTED_VLLM} but vLLM {version} is installed; it "
+            "registers no backend, so vLLM runs its own (install a vLLM in that range, or "
+            "pip uninstall kvcore-vllm)")
+
+
 def register() -> None:
     """Register kvcore's backends with vLLM (idempotent: vLLM may call it more than once).
 
     On a CPU, vLLM's platform returns ``CPU_ATTN`` whatever ``--attention-backend`` says, so
     ``CPU_ATTN`` is pointed at ``KVCORE`` unless ``KVCORE_VLLM_CPU=0``.
     """
+    unsupported = unsupported_vllm()
+    if unsupported:
+        logger.error("%s", unsupported)
+        return
     from kvcore_vllm.vllm_private import backend_enum, cpu_platform_is_current, register_backend
 
     enum = backend_enum()

@@ -114,3 +114,19 @@ def test_a_v_head_size_other_than_k_is_refused():
     view = torch.zeros(4, 2, 16, 96)
     with pytest.raises(ValueError, match="head_size_v=32 differs from head_size=64"):
         kvcore.from_vllm_layer_view("CPU_ATTN", view, head_size=64, head_size_v=32)
+
+
+def test_a_vllm_outside_the_supported_range_gets_no_backend_and_a_reason(monkeypatch, caplog):
+    assert plugin.unsupported_vllm() is None  # the installed vLLM
+    assert plugin.unsupported_vllm("0.32.3.dev7+gabc") is None
+    reason = plugin.unsupported_vllm("0.31.0")
+    assert reason == ("kvcore-vllm supports vLLM >=0.32,<0.33 but vLLM 0.31.0 is installed; it "
+                      "registers no backend, so vLLM runs its own (install a vLLM in that "
+                      "range, or pip uninstall kvcore-vllm)")
+    assert plugin.unsupported_vllm("0.33.0") is not None
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    registered = []
+    monkeypatch.setattr(vllm_private, "register_backend", lambda *a: registered.append(a))
+    with caplog.at_level("ERROR", logger="kvcore_vllm.plugin"):
+        plugin.register()
+    assert registered == [] and reason in caplog.text
