@@ -2,7 +2,7 @@
 
 vLLM's attention-backend interface changes between minor releases, and some of what a backend
 needs is private (underscore names). Each such read goes through a function here, and
-:data:`PRIVATE_ATTRIBUTES` lists them; ``tests/test_vllm_private.py`` checks every one against
+:data:`PRIVATE_ATTRIBUTES` lists them; ``tests/test_vllm_plugin.py`` checks every one against
 the installed vLLM, so an upgrade that renames one fails there, not in a user's engine.
 """
 
