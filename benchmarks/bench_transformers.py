@@ -29,17 +29,18 @@ Per path:
   states. A random-weight model's logits are flat: the expected gap between the top two of
   n = 128256 logits of spread s is about s / sqrt(2 ln n), s / 4.9, so at many positions it
   is within a rounding step, one rounding difference flips a token and every later token
-  differs: positional equality means little. Per request: identical tokens; or the first position
-  where the path chose another token than ``sdpa``, where the referee's logits of the two
-  tokens are compared: a *near-tie* when they differ by at most the tie bound, a *non-tie*
-  (a bug) otherwise. The tie bound is ``--tie-ulps`` units in the last place of the model
-  dtype at the top logit (``sdpa`` picks the argmax of bfloat16 logits, so two tokens whose
-  logits round to one bfloat16 value are an exact tie for it), or the largest margin
-  (top logit minus the chosen token's) the referee finds among the ``sdpa`` path's own
-  tokens, if larger: that path chose each of them as its argmax, so its margins are what a
-  correct path's rounding differs from the referee's. Also per path: the largest margin
-  of any token it generated, in those units. ``--agreement tokens`` counts equal requests
-  only (no referee).
+  differs: positional equality means little. (Scaling the initialisation would not help:
+  bfloat16's steps scale with the logits, so the gap measured in steps stays the same.)
+  Per request: identical tokens; or the first position where the path chose another token
+  than ``sdpa``, where the referee's logits of the two tokens are compared: a *near-tie*
+  when they differ by at most the tie bound, a *non-tie* (a bug) otherwise. The tie bound
+  is ``--tie-ulps`` units in the last place of the model dtype at the top logit (``sdpa``
+  picks the argmax of bfloat16 logits, so two tokens whose logits round to one bfloat16
+  value are an exact tie for it), or the largest margin (top logit minus the chosen
+  token's) the referee finds among the ``sdpa`` path's own tokens, if larger: that path
+  chose each of them as its argmax, so its margins are what a correct path's rounding
+  differs from the referee's. Also per path: the largest margin of any token it generated,
+  in those units. ``--agreement tokens`` counts identical requests only (no referee).
 
 A table is printed last; JSON goes to ``--json`` (default ``$OUT/bench_transformers.json``
 when ``$OUT`` is set).
