@@ -43,13 +43,12 @@ from kvcore.connectors.blocks import (
 from kvcore.connectors.convert import (
     ConversionPlan,
     LayoutConversionError,
-    TPRank,
     block_rows_layout,
-    heads_of_rank,
     plan_conversion,
 )
 from kvcore.connectors.copiers import BlockCopier, block_copier_names, get_block_copier
 from kvcore.connectors.keys import check_block_keys, hash_block_tokens, hash_request_tokens
+from kvcore.connectors.tp import TPRank, heads_of_rank, reader_ranks, source_ranks
 from kvcore.registry import ResolveError, connector_registry
 
 __all__ = [
@@ -76,6 +75,8 @@ __all__ = [
     "heads_of_rank",
     "inject_kv_into_layer",
     "plan_conversion",
+    "reader_ranks",
+    "source_ranks",
     "virtually_split_kv_in_blocks",
 ]
 

@@ -23,7 +23,8 @@ Tensor parallelism follows the usual head split: with ``K`` KV heads over ``tp``
 head ``r // (tp / K)`` (heads replicated, ``tp % K == 0``). A plan is for one source rank and
 one destination rank: it moves the destination's heads that the source rank holds, and
 :attr:`ConversionPlan.source_ranks` lists the source ranks a destination rank reads to get all
-of its heads (TP 4 -> 2: two; TP 1 -> 8: one). MLA latents are the same on every rank.
+of its heads (TP 4 -> 2: two; TP 1 -> 8: one). MLA latents are the same on every rank. The
+rank arithmetic is :mod:`kvcore.connectors.tp`'s.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from kvcore import KVCacheLayout, KVCaches, LayoutMismatchError
 from kvcore.blocks import block_runs
+from kvcore.connectors.tp import TPRank, as_tp_rank, heads_of_rank, source_ranks
 from kvcore.ops import fp8_inverse_scale
 
 __all__ = [
@@ -57,48 +59,6 @@ _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 class LayoutConversionError(LayoutMismatchError):
     """Two layouts that kvcore cannot convert between (the message names both and the field)."""
-
-
-@dataclass(frozen=True)
-class TPRank:
-    """One side's tensor-parallel degree and this side's rank in it."""
-
-    degree: int = 1
-    rank: int = 0
-
-    def __post_init__(self) -> None:
-        for name, value in (("degree", self.degree), ("rank", self.rank)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"TPRank.{name} must be an int, got {value!r}")
-        if self.degree < 1:
-            raise ValueError(f"TPRank.degree={self.degree} must be >= 1")
-        if not 0 <= self.rank < self.degree:
-            raise ValueError(f"TPRank.rank={self.rank} is outside the tensor-parallel degree "
-                             f"{self.degree} (valid ranks: 0..{self.degree - 1})")
-
-    def __str__(self) -> str:
-        return f"TP{self.degree} rank {self.rank}"
-
-
-def heads_of_rank(num_kv_heads: int, tp: TPRank) -> tuple[int, ...]:
-    """The global KV heads rank ``tp.rank`` holds when ``num_kv_heads`` are split over
-    ``tp.degree`` ranks (replicated when there are fewer heads than ranks).
-
-    Raises:
-        ValueError: neither of ``num_kv_heads`` and ``tp.degree`` divides the other.
-    """
-    k, n = num_kv_heads, tp.degree
-    if k >= n:
-        if k % n:
-            raise ValueError(f"{k} KV heads cannot be split evenly over tensor-parallel degree "
-                             f"{n}: the degree must divide the head count (or the head count "
-                             "the degree, heads then replicated)")
-        per = k // n
-        return tuple(range(tp.rank * per, (tp.rank + 1) * per))
-    if n % k:
-        raise ValueError(f"{k} KV heads cannot be replicated over tensor-parallel degree {n}: "
-                         "with fewer heads than ranks the head count must divide the degree")
-    return (tp.rank // (n // k),)
 
 
 def block_rows_layout(layout: KVCacheLayout, num_blocks: int | None = None) -> KVCacheLayout:
@@ -564,25 +524,6 @@ class ConversionPlan:
         return moved
 
 
-def as_tp_rank(value: TPRank | tuple[int, int] | None, name: str = "tp") -> TPRank:
-    """A connector's ``tp`` option as a :class:`TPRank`: ``None`` (TP 1), a ``TPRank`` or a
-    ``(degree, rank)`` pair.
-
-    Raises:
-        TypeError, ValueError: naming ``name``, e.g. a rank outside the degree.
-    """
-    if value is None:
-        return TPRank()
-    if isinstance(value, TPRank):
-        return value
-    if isinstance(value, (tuple, list)) and len(value) == 2:
-        try:
-            return TPRank(*value)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{name}={tuple(value)!r} (degree, rank): {exc}") from None
-    raise TypeError(f"{name}={value!r} must be None (TP 1), a TPRank or a (degree, rank) pair")
-
-
 def _span(heads: Sequence[int]) -> str:
     heads = list(heads)
     if not heads:
@@ -792,9 +733,7 @@ def _plan_heads(hs: int, hd: int, src_tp: TPRank, dst_tp: TPRank, num_kv_heads: 
         sides.append(heads)
     src_heads, dst_heads = sides
     head_map = tuple((j, src_heads.index(g)) for j, g in enumerate(dst_heads) if g in src_heads)
-    ranks = tuple(sorted({next(r for r in range(src_tp.degree)
-                               if g in heads_of_rank(num_kv_heads, TPRank(src_tp.degree, r)))
-                          for g in dst_heads}))
+    ranks = source_ranks(num_kv_heads, dst_tp, src_tp.degree)
     if not head_map:
         raise refuse(f"KV heads: source {src_tp} holds heads {_span(src_heads)} of "
                      f"{num_kv_heads}, none of the heads {_span(dst_heads)} destination "

@@ -325,6 +325,11 @@ class NixlConnector(PullConnector):
         staging_bytes: consumer: the buffer a load READs into when the two layouts differ
             (:data:`~kvcore.connectors.pull.DEFAULT_STAGING_BYTES`); a load converts as many
             blocks at a time as it holds.
+        readers: producer: how many different consumers READ each published block before it
+            is released and its save reports it done (default 1). Tensor-parallel consumers
+            that read one producer rank each take its blocks: pass
+            ``len(kvcore.connectors.reader_ranks(num_kv_heads, tp, consumer_degree))``. A
+            consumer never reads a block twice.
 
     Layouts may differ: the handshake plans the conversion
     (:func:`~kvcore.connectors.plan_conversion`, producer -> consumer, from both layouts and
@@ -357,12 +362,13 @@ class NixlConnector(PullConnector):
         num_kv_heads: int | None = None,
         kv_scales: torch.Tensor | float | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        readers: int = 1,
     ) -> None:
         super().__init__(role=role, host=host, port=port, connect_timeout_s=connect_timeout_s,
                          timeout_s=timeout_s, publish_timeout_s=publish_timeout_s,
                          max_lease_s=max_lease_s, failure_policy=failure_policy, tp=tp,
                          num_kv_heads=num_kv_heads, kv_scales=kv_scales,
-                         staging_bytes=staging_bytes)
+                         staging_bytes=staging_bytes, readers=readers)
         if isinstance(backends, str) or not isinstance(backends, Sequence) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
             raise TypeError(f"backends must be a non-empty list of NIXL backend names such as "

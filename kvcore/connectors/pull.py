@@ -22,7 +22,7 @@ the addresses of its block regions. Both sides compare the layouts (the number o
 aside) and refuse a mismatch with :class:`kvcore.LayoutMismatchError` before any byte moves.
 Then:
 
-- ``lookup`` {keys}: how many leading keys are published and not taken by another consumer;
+- ``lookup`` {keys}: how many leading keys are published and open to this consumer;
 - ``fetch`` {keys, lease_s}: take the published ones for ``lease_s`` seconds; the answer
   names the producer's block of each key (``null``: not published yet). The consumer READs
   them and confirms each run read whole, ``<lease>:<first>:<end>``: through the library's
@@ -32,9 +32,15 @@ Then:
 - ``giveback`` {lease, indices}: runs whose READ failed go back to published (runs that
   timed out stay leased until the lease ends, see below).
 
-Lifetimes, all bounded: a published block stays pinned until a consumer's READ of it is
-confirmed, or ``publish_timeout_s`` after the save (then the save reports it failed, naming
-the reason). A lease lasts twice the consumer's ``timeout_s``, longer than the consumer ever
+Readers: a published block waits for ``readers`` different consumers (default 1), e.g. the
+tensor-parallel decode ranks that read one prefill rank's heads
+(:func:`~kvcore.connectors.reader_ranks`). It is open to a consumer that neither holds nor
+read it while fewer READs are done or in flight than ``readers``, so no consumer reads it
+twice and no more than ``readers`` do.
+
+Lifetimes, all bounded: a published block stays pinned until ``readers`` consumers' READs of
+it are confirmed, or ``publish_timeout_s`` after the save (then the save reports it failed,
+naming the reason). A lease lasts twice the consumer's ``timeout_s``, longer than the consumer ever
 waits for its READ, so a producer does not hand a block back to its engine while the consumer
 may still count it as read; the producer refuses leases longer than its ``max_lease_s``, and
 a consumer whose connection closes (killed, or closed) loses its leases at once: their blocks
@@ -379,7 +385,7 @@ class PullConnector(KVConnector):
                  timeout_s: float, publish_timeout_s: float, max_lease_s: float,
                  failure_policy: str, tp: TPRank | tuple[int, int] | None = None,
                  num_kv_heads: int | None = None, kv_scales: Any = None,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, readers: int = 1) -> None:
         if role not in _ROLES:
             raise ValueError(f"role={role!r} must be 'producer' (publishes blocks) or "
                              "'consumer' (reads them)")
@@ -404,6 +410,11 @@ class PullConnector(KVConnector):
             raise ValueError(f"staging_bytes={staging_bytes!r} must be a positive int (bytes "
                              "of the consumer's buffer for READs it converts)")
         self.staging_bytes = staging_bytes
+        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+            raise ValueError(f"readers={readers!r} must be a positive int (how many consumers "
+                             "READ each published block; kvcore.connectors.reader_ranks gives "
+                             "it for tensor-parallel consumers)")
+        self.readers = readers
         self._kv_scales = kv_scales
         self._plan: ConversionPlan | None = None
 

@@ -98,13 +98,16 @@ def close_socket(sock: socket.socket) -> None:
 
 @dataclass(eq=False)
 class _Publication:
-    """One published block: the producer's ``block`` holds ``key`` for ``save``."""
+    """One published block: the producer's ``block`` holds ``key`` for ``save``, until
+    ``readers`` different consumers READ it whole."""
 
     key: str
     block: int
     save: SaveRecord
-    deadline: float  # when it is released unread
-    lease: str | None = None
+    deadline: float  # when it is released, read by fewer consumers than it waits for
+    leases: set[str] = field(default_factory=set)  # the leases that hold it now
+    takers: set[str] = field(default_factory=set)  # consumers that hold or read it
+    reads: int = 0  # READs confirmed
 
 
 @dataclass(eq=False)
@@ -132,6 +135,7 @@ class ProducerSide(Protocol):
     max_lease_s: float
     tp: TPRank
     num_kv_heads: int | None
+    readers: int
     _layout: KVCacheLayout
 
 
@@ -234,16 +238,19 @@ class Producer:
             if not pubs:
                 del self.published[pub.key]
 
-    def _available(self, key: str) -> _Publication | None:
+    def _available(self, key: str, consumer: str) -> _Publication | None:
+        """The oldest publication of ``key`` that ``consumer`` may take: one it neither holds
+        nor read, with fewer READs done and in flight than the ``readers`` it waits for."""
+        readers = self.conn.readers
         for pub in self.published.get(key, ()):
-            if pub.lease is None:
+            if consumer not in pub.takers and pub.reads + len(pub.leases) < readers:
                 return pub
         return None
 
-    def lookup(self, keys: list[str]) -> int:
+    def lookup(self, keys: list[str], consumer: str) -> int:
         with self.cond:
             for i, key in enumerate(keys):
-                if self._available(key) is None:
+                if self._available(key, consumer) is None:
                     return i
             return len(keys)
 
@@ -262,9 +269,10 @@ class Producer:
             blocks: list[Any] = []
             taken: list[_Publication | None] = []
             for key in keys:
-                pub = self._available(key)  # after the previous keys took theirs
+                pub = self._available(key, consumer)  # after the previous keys took theirs
                 if pub is not None:
-                    pub.lease = lease_id
+                    pub.leases.add(lease_id)
+                    pub.takers.add(consumer)
                 blocks.append(None if pub is None else pub.block)
                 taken.append(pub)
             if any(p is not None for p in taken):
@@ -276,28 +284,44 @@ class Producer:
     def read_done(self, consumer: str, lease_id: str, first: int, end: int) -> None:
         """A consumer's notification: it READ entries ``first..end-1`` of the lease."""
         taken = self._take_read(consumer, lease_id, first, end)
-        if taken:
-            self._settle_read(taken, None)
+        if taken is not None and taken[0]:
+            self._settle_read(taken[0], None)
 
     def _take_read(self, consumer: str, lease_id: str, first: int, end: int
-                   ) -> list[_Publication] | None:
-        """Unpublish entries ``first..end-1`` of the lease, read by ``consumer``; ``None``
-        when the lease has ended (its blocks may have changed meanwhile)."""
+                   ) -> tuple[list[_Publication], list[_Publication]] | None:
+        """Count the READ of entries ``first..end-1`` of the lease by ``consumer``; returns
+        ``(read by every consumer they wait for: unpublished, to settle; still waiting for
+        others)``, or ``None`` when the lease has ended (its blocks may have changed
+        meanwhile)."""
         with self.cond:
             lease = self.leases.get(lease_id)
             if lease is None or lease.consumer != consumer:
                 logger.warning("%s: confirmation for unknown lease %r from %s", self.who,
                                lease_id, consumer)
                 return None
-            taken = []
+            complete, partial = [], []
             for i in range(max(0, first), min(end, len(lease.publications))):
                 pub = lease.publications[i]
                 if pub is not None:
                     lease.publications[i] = None
-                    self._unpublish(pub)
-                    taken.append(pub)
+                    pub.leases.discard(lease_id)
+                    pub.reads += 1
+                    if pub.reads >= self.conn.readers:  # no other lease holds it then
+                        self._unpublish(pub)
+                        complete.append(pub)
+                    else:
+                        partial.append(pub)
             self._drop_if_empty(lease)
-            return taken
+            return complete, partial
+
+    def _uncount_read(self, consumer: str, partial: list[_Publication]) -> None:
+        """READs counted by :meth:`_take_read` that the consumer does not count (its
+        confirmation's answer was lost): the blocks wait for another consumer instead."""
+        with self.cond:
+            for pub in partial:
+                pub.reads -= 1
+                pub.takers.discard(consumer)
+            self.cond.notify_all()
 
     def _settle_read(self, taken: list[_Publication], failure: str | None) -> None:
         with self.cond:
@@ -316,7 +340,8 @@ class Producer:
                     pub = lease.publications[i]
                     if pub is not None:
                         lease.publications[i] = None
-                        pub.lease = None
+                        pub.leases.discard(lease_id)
+                        pub.takers.discard(consumer)  # it may try again
             self._drop_if_empty(lease)
             self.cond.notify_all()
 
@@ -329,7 +354,8 @@ class Producer:
         del self.leases[lease.lease_id]
         for pub in lease.publications:
             if pub is not None:
-                pub.lease = None
+                pub.leases.discard(lease.lease_id)
+                pub.takers.discard(lease.consumer)
         self.cond.notify_all()
 
     def release_link(self, link: int) -> None:
@@ -367,15 +393,18 @@ class Producer:
                 logger.warning("%s: consumer %s did not confirm lease %s in time; its blocks "
                                "are published again", self.who, lease.consumer, lease.lease_id)
         expired = [pub for pubs in self.published.values() for pub in pubs
-                   if pub.lease is None and pub.deadline <= now]
+                   if not pub.leases and pub.deadline <= now]
         for pub in expired:
             self._unpublish(pub)
-            self._settle(pub, self._unread_reason())
+            self._settle(pub, self._unread_reason(pub))
         if expired:
             self.cond.notify_all()
 
-    def _unread_reason(self) -> str:
+    def _unread_reason(self, pub: _Publication) -> str:
         conn = self.conn
+        if pub.reads:
+            return (f"read by {pub.reads} of the readers={conn.readers} consumers it waits for "
+                    f"within publish_timeout_s={conn.publish_timeout_s}")
         who = (f"none of the {self.consumers_seen} consumer(s) that connected read it"
                if self.consumers_seen else
                f"no consumer connected to {conn.host}:{conn.port}")
@@ -504,7 +533,7 @@ class Producer:
         op = request.get("op")
         try:
             if op == "lookup":
-                return {"ok": True, "hits": self.lookup(_keys(request))}
+                return {"ok": True, "hits": self.lookup(_keys(request), consumer)}
             if op == "fetch":
                 lease_s = check_seconds("lease_s", request.get("lease_s"))
                 lease, blocks = self.fetch(consumer, _keys(request), lease_s, link)
@@ -535,13 +564,15 @@ class Producer:
             send_frame(sock, {"ok": False, "error": f"lease {lease!r} has ended (it expired "
                                                     "or its connection closed)"})
             return
+        complete, partial = taken
         try:
             send_frame(sock, {"ok": True})
         except OSError:
-            self._settle_read(taken, "the consumer read it, but its confirmation could not be "
-                                     "answered (the link broke), so it does not count it")
+            self._settle_read(complete, "the consumer read it, but its confirmation could not "
+                                        "be answered (the link broke), so it does not count it")
+            self._uncount_read(consumer, partial)
             raise
-        self._settle_read(taken, None)
+        self._settle_read(complete, None)
 
 
 def _keys(request: dict[str, Any]) -> list[str]:

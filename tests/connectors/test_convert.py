@@ -16,6 +16,7 @@ from kvcore.connectors.convert import (
     heads_of_rank,
     plan_conversion,
 )
+from kvcore.connectors.tp import reader_ranks, source_ranks
 from kvcore.ops import quantize_to_cache
 from kvcore.registry import backend_registry
 
@@ -101,6 +102,24 @@ def quantized(values: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor) ->
             out[layer, kv] = quantize_to_cache(values[layer, kv], dtype,
                                                float(scales[layer, kv]))
     return out
+
+
+@pytest.mark.parametrize(("num_heads", "src", "dst"), [(8, 1, 2), (8, 2, 1), (8, 4, 2), (2, 1, 8),
+                                                     (2, 4, 1), (1, 2, 4), (4, 2, 8)])
+def test_source_and_reader_ranks_are_the_plans_choice_seen_from_each_side(num_heads, src, dst):
+    """source_ranks is what each destination rank's plans list; reader_ranks inverts it (a
+    producer rank's readers), every destination rank reading each of its heads once."""
+    readers = {s: reader_ranks(num_heads, TPRank(src, s), dst) for s in range(src)}
+    for d in range(dst):
+        ranks = source_ranks(num_heads, TPRank(dst, d), src)
+        assert ranks == tuple(s for s in range(src) if d in readers[s])
+        heads = [h for s in ranks for h in heads_of_rank(num_heads, TPRank(src, s))]
+        assert set(heads_of_rank(num_heads, TPRank(dst, d))) <= set(heads)
+        layouts = [make_layout((0, 1, 2, 3, 4), 16, len(heads_of_rank(num_heads, t)), False)
+                   for t in (TPRank(src, ranks[0]), TPRank(dst, d))]
+        plan = plan_conversion(*layouts, src_tp=TPRank(src, ranks[0]), dst_tp=TPRank(dst, d),
+                               num_kv_heads=num_heads)
+        assert plan.source_ranks == ranks
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -131,6 +131,35 @@ def test_a_lease_nobody_confirms_is_published_again(pull, cross):
 
 
 @EACH
+def test_a_block_waits_for_its_readers_each_reading_it_once(pull):
+    """``readers=2`` (two tensor-parallel decode ranks on one prefill rank): the block stays
+    published until two different consumers READ it, neither reads it twice, and a block
+    only one of them read is released at publish_timeout_s, its save naming the count."""
+    kv_p = make_caches(cross_layer=True)
+    keys, other = keys_for(1, 2), keys_for(9, 1)
+    with pull.producer(readers=2, publish_timeout_s=1.5) as prod:
+        prod.register_kv_caches(kv_p)
+        with pull.consumer(prod.port) as a, pull.consumer(prod.port) as b:
+            kv_a, kv_b = make_caches(cross_layer=True), make_caches(cross_layer=True)
+            a.register_kv_caches(kv_a)
+            b.register_kv_caches(kv_b)
+            save = prod.save(keys, [3, 4])
+            assert a.load(keys, [0, 1]).wait(timeout=10).ok
+            assert a.lookup(keys) == 0 and not save.done()  # read by a, waiting for b
+            assert b.lookup(keys) == 2
+            assert b.load(keys, [5, 6]).wait(timeout=10).ok
+            assert save.wait(timeout=10).ok and b.lookup(keys) == 0
+            half = prod.save(other, [7])
+            assert a.load(other, [2]).wait(timeout=10).ok
+            result = half.wait(timeout=10)
+        assert "read by 1 of the readers=2 consumers" in result.failed[7]
+    for kv in (kv_a, kv_b):
+        assert torch.equal(block_bytes(kv, [0, 1] if kv is kv_a else [5, 6]),
+                           block_bytes(kv_p, [3, 4]))
+    assert not pull.threads()
+
+
+@EACH
 def test_in_process_dtype_mismatch_is_refused(pull):
     with pull.producer() as prod:
         prod.register_kv_caches(make_caches(cross_layer=False, dtype="bf16"))
