@@ -38,6 +38,7 @@ from kvcore.ops.validation import (
     check_slots_in_range,
     check_softmax_scale,
     check_step_block_size,
+    check_step_tensor_layout,
     checked_step_facts,
     require_float_dtype,
     require_int_dtype,
@@ -145,12 +146,7 @@ def validate_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank
         require_tensor(n, t)
     require_ndim("q", q, 3, "(num_tokens, num_heads, kv_lora_rank + rope_dim)")
     require_ndim("kv_cache", kv_cache, 3, "(num_blocks, block_size, kv_lora_rank + rope_dim)")
-    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
-    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
-    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
-    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                 ("block_table", block_table)):
-        require_int_dtype(n, t)
+    check_step_tensor_layout(query_start_loc, seq_lens, block_table)
     require_float_dtype("q", q)
     require_same_device([("q", q), ("kv_cache", kv_cache), ("query_start_loc", query_start_loc),
                          ("seq_lens", seq_lens), ("block_table", block_table)])

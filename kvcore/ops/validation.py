@@ -63,6 +63,7 @@ __all__ = [
     "check_distinct_slots",
     "check_scale",
     "check_softmax_scale",
+    "check_step_tensor_layout",
     "check_slots_in_range",
     "check_step_block_size",
     "require_float_dtype",
@@ -118,6 +119,19 @@ def require_float_dtype(name: str, t: torch.Tensor) -> None:
     """``TypeError`` unless ``t`` holds model values: a floating dtype that is not fp8."""
     if not t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got {t.dtype}")
+
+
+def check_step_tensor_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                             block_table: torch.Tensor) -> None:
+    """The dims and dtypes of a step's tensors (given as tensors): ``query_start_loc``
+    ``(num_seqs + 1,)``, ``seq_lens`` ``(num_seqs,)``, ``block_table`` ``(num_seqs,
+    max_blocks_per_seq)``, all int32/int64."""
+    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
+    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
+    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
+    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                 ("block_table", block_table)):
+        require_int_dtype(n, t)
 
 
 def require_same_device(names_and_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -539,12 +553,7 @@ def check_paged_attention_args(query: torch.Tensor, key_cache: torch.Tensor,
     require_ndim("query", query, 3, "(num_tokens, num_heads, head_size)")
     require_ndim("key_cache", key_cache, 4, _CACHE_DIMS)
     require_ndim("value_cache", value_cache, 4, _CACHE_DIMS)
-    require_ndim("query_start_loc", query_start_loc, 1, "(num_seqs + 1,)")
-    require_ndim("seq_lens", seq_lens, 1, "(num_seqs,)")
-    require_ndim("block_table", block_table, 2, "(num_seqs, max_blocks_per_seq)")
-    for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                 ("block_table", block_table)):
-        require_int_dtype(n, t)
+    check_step_tensor_layout(query_start_loc, seq_lens, block_table)
     require_same_device([("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                           ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                           ("block_table", block_table)])
