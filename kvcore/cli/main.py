@@ -94,6 +94,7 @@ def _int_between(minimum: int, maximum: int, why: str):
 #: far below what would exhaust a machine before the memory check
 #: (:func:`kvcore.demo.scenario.DemoOptions.memory_bytes`) gets to look.
 _DEMO_MAX = "the demo's most; it serves small models"
+_DEMO_TP_MAX = "one process simulates every rank, each with its own connectors"
 _BLOCK_ID_MAX = 2**31 - 1  # block tables hold int32 ids
 
 
@@ -289,6 +290,16 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                       help="--disaggregated: the prefill engine's block size (default: "
                            "--block-size); the decode engine's connector converts the prefill "
                            "engine's blocks (block size, layout) on load")
+    demo.add_argument("--prefill-tp", type=_int_between(1, 64, _DEMO_TP_MAX), default=1,
+                      metavar="N",
+                      help="--disaggregated: the prefill engine's tensor-parallel degree, "
+                           "ranks simulated in its process by KV head slices (default: "
+                           "%(default)s)")
+    demo.add_argument("--decode-tp", type=_int_between(1, 64, _DEMO_TP_MAX), default=1,
+                      metavar="N",
+                      help="--disaggregated: the decode engine's tensor-parallel degree "
+                           "(default: %(default)s); each decode rank reads its heads from the "
+                           "prefill ranks that hold them")
 
     warm = with_format(sub.add_parser(
         "warmup", help="build ahead what the selected backend needs for a demo model's shapes "

@@ -23,6 +23,16 @@ Two engines, two processes, one model (same weights from the same seed):
    ``float16`` a differently batched computation may round differently and flip a near tie,
    so there a difference is reported, not counted as a failure.
 
+**Tensor parallelism** (``prefill_tp``, ``decode_tp``) is simulated in each process by head
+slices (:mod:`kvcore.demo.tp`): an engine of degree ``T`` keeps one cache per rank, holding
+that rank's KV heads, and attends each rank's query heads over its own cache. Each prefill
+rank publishes through its own producer (``tp=(P, r)``), waiting for the decode ranks that
+read its heads (``readers``, :func:`kvcore.connectors.reader_ranks`); each decode rank reads
+through one consumer per prefill rank that holds its heads
+(:func:`kvcore.connectors.source_ranks`), every consumer writing its heads into the rank's
+blocks. Two layouts or tensor parallelism change the arithmetic (other kernels, other
+batching of heads), so one engine alone at TP 1 is then the reference, in ``float32``.
+
 Run it with ``kvcore demo --disaggregated`` (the demo's options apply). On a GPU both
 processes use the platform's first device and their caches are VRAM regions, unless
 ``prefill_device`` and ``decode_device`` (``--prefill-device cuda:0 --decode-device cuda:1``)
@@ -53,13 +63,18 @@ from kvcore import (
 from kvcore.connectors import (
     KVConnector,
     RegisteredCaches,
+    TPRank,
     TransferHandle,
     get_connector,
     get_connector_class,
+    heads_of_rank,
+    reader_ranks,
+    source_ranks,
 )
 from kvcore.demo.config import MODEL_PRESETS
 from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel
+from kvcore.demo.tp import ConnectorGroup
 
 __all__ = ["TRANSPORTS", "DisaggOptions", "DisaggResult", "format_result", "run_disaggregated"]
 
@@ -97,13 +112,23 @@ class DisaggOptions:
     #: The prefill engine's block size (default: ``block_size``, the decode engine's); one of
     #: the two must divide the other.
     prefill_block_size: int | None = None
+    #: The prefill engine's tensor-parallel degree (ranks simulated by head slices).
+    prefill_tp: int = 1
+    #: The decode engine's tensor-parallel degree (ranks simulated by head slices).
+    decode_tp: int = 1
 
     @property
     def converting(self) -> bool:
-        """Whether the two engines may differ in layout (then the decode engine's connector
-        converts the prefill engine's blocks on load)."""
+        """Whether the two engines may differ in layout or run tensor-parallel (then the
+        decode engine's connectors convert the prefill engine's blocks on load, and one
+        engine alone is the reference)."""
         return (self.prefill_backend not in (None, self.backend)
-                or self.prefill_block_size not in (None, self.block_size))
+                or self.prefill_block_size not in (None, self.block_size)
+                or (self.prefill_tp, self.decode_tp) != (1, 1))
+
+    def tp(self, role: str) -> int:
+        """The tensor-parallel degree of the ``prefill`` or ``decode`` engine."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
     def side(self, role: str) -> tuple[str | None, int]:
         """``(backend, block_size)`` of the ``prefill`` or ``decode`` engine."""
@@ -119,7 +144,7 @@ class DisaggOptions:
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model={self.model!r} (choose from: {', '.join(MODEL_PRESETS)})")
         for name in ("batch", "max_new_tokens", "max_num_seqs", "block_size",
-                     "prefill_block_size"):
+                     "prefill_block_size", "prefill_tp", "decode_tp"):
             value = getattr(self, name)
             if value is None and name == "prefill_block_size":
                 continue
@@ -129,6 +154,20 @@ class DisaggOptions:
         if bs_p % bs_d and bs_d % bs_p:
             raise ValueError(f"prefill_block_size={bs_p} and block_size={bs_d}: one must divide "
                              "the other (the decode engine's connector converts between them)")
+        preset = MODEL_PRESETS[self.model]
+        for name in ("prefill_tp", "decode_tp"):
+            tp = getattr(self, name)
+            if tp > 1 and preset.is_mla:
+                raise ValueError(f"{name}={tp} with model={self.model!r}: the demo simulates "
+                                 "tensor parallelism by K/V head slices, and an MLA model "
+                                 "has one latent; run it at TP 1")
+            if preset.num_heads % tp:
+                raise ValueError(f"{name}={tp} does not divide model {self.model!r}'s "
+                                 f"{preset.num_heads} query heads; choose a divisor")
+            try:
+                heads_of_rank(preset.num_kv_heads, TPRank(tp, 0))
+            except ValueError as exc:
+                raise ValueError(f"{name}={tp} with model {self.model!r}: {exc}") from None
         parse_dtype(self.dtype)
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not 0 < self.timeout_s < float("inf"):
@@ -159,6 +198,10 @@ class DisaggResult:
     #: The prefill engine's backend, and its layout when it differs from the decode engine's.
     prefill_backend: str = ""
     prefill_layout: str = ""
+    #: The two engines' tensor-parallel degrees (``layout`` and ``prefill_layout`` are
+    #: rank 0's).
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def ok(self) -> bool:
@@ -218,6 +261,7 @@ class _Setup:
         self.prefill_device = _device(platform, "prefill_device", options.prefill_device)
         self.decode_device = _device(platform, "decode_device", options.decode_device)
         self.device = self.prefill_device if role == "prefill" else self.decode_device
+        self.tp = options.tp(role)
         self.dtype = parse_dtype(options.dtype)
         self.preset = MODEL_PRESETS[options.model]
         backend, self.block_size = options.side(role)
@@ -234,12 +278,20 @@ class _Setup:
                                device=self.device)
         self.options = options
 
-    def caches(self) -> Any:
+    def caches(self, num_kv_heads: int | None = None) -> Any:
+        """A cache of every KV head (TP 1), or of ``num_kv_heads``."""
         return allocate_kv_caches(
             self.backend, num_layers=self.preset.num_layers, num_blocks=self.num_blocks,
-            block_size=self.block_size, num_kv_heads=self.preset.num_kv_heads,
+            block_size=self.block_size,
+            num_kv_heads=num_kv_heads or self.preset.num_kv_heads,
             head_size=self.preset.head_size, dtype=self.dtype, device=self.device,
             cross_layer=self.cross_layer)
+
+    def rank_caches(self) -> list[Any]:
+        """One cache per tensor-parallel rank, each of its rank's KV heads."""
+        heads = self.preset.num_kv_heads
+        return [self.caches(len(heads_of_rank(heads, TPRank(self.tp, r))))
+                for r in range(self.tp)]
 
     def engine(self, connector: Any, *, on_step: Any = None, kv: Any = None) -> Engine:
         """An engine on new caches (registered with ``connector``), or on ``kv`` (already
@@ -263,8 +315,25 @@ def _prefill_main(options: DisaggOptions, pipe: Any) -> None:
         if setup.device.type == "cuda":  # this process's GPU is its current device
             torch.cuda.set_device(setup.device)
         requests = [Request(r.request_id, r.prompt, 1) for r in setup.requests]
-        with get_connector(options.transport, role="producer", host=options.host, port=0,
-                           publish_timeout_s=options.timeout_s) as producer:
+        heads = setup.preset.num_kv_heads
+        with contextlib.ExitStack() as stack:
+            kv = setup.rank_caches()
+            ports: list[int | None] = []
+            producers = []
+            for r in range(setup.tp):
+                # The decode ranks that read this rank's heads; a rank nobody reads (its
+                # replicated head is read from a lower rank) publishes nothing.
+                readers = len(reader_ranks(heads, TPRank(setup.tp, r), options.decode_tp))
+                if not readers:
+                    ports.append(None)
+                    continue
+                producer = stack.enter_context(get_connector(
+                    options.transport, role="producer", host=options.host, port=0,
+                    publish_timeout_s=options.timeout_s, tp=(setup.tp, r),
+                    num_kv_heads=heads, readers=readers))
+                producer.register_kv_caches(kv[r])
+                producers.append(producer)
+                ports.append(producer.port)
             sent = []
 
             def on_step(_tokens: int) -> None:
@@ -273,10 +342,11 @@ def _prefill_main(options: DisaggOptions, pipe: Any) -> None:
                     pipe.send(("published", [r.output[0] for r in requests]))
                     sent.append(True)
 
-            engine = setup.engine(producer, on_step=on_step)
-            pipe.send(("port", producer.port))
+            engine = setup.engine(ConnectorGroup(producers), on_step=on_step,
+                                  kv=kv[0] if setup.tp == 1 else kv)
+            pipe.send(("port", ports))
             engine.serve(requests)  # returns once every published block was read
-            pipe.send(("done", producer.stats.to_dict()))
+            pipe.send(("done", [p.stats.to_dict() for p in producers]))
     except BaseException as exc:
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
@@ -327,23 +397,34 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
     prefill = _Setup(options, "prefill") if options.converting else setup
     # The prefill process also starts Python, imports torch and the library, runs the prompts.
     wait_s = options.timeout_s + _STARTUP_S
-    port = _receive(pipe, proc, "port", wait_s)
+    ports = _receive(pipe, proc, "port", wait_s)
     decode_reqs = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
-    with get_connector(options.transport, role="consumer", host=options.host, port=port,
-                       timeout_s=min(10.0, options.timeout_s),
-                       connect_timeout_s=options.timeout_s) as consumer:
-        engine = setup.engine(consumer)
+    heads = setup.preset.num_kv_heads
+    with contextlib.ExitStack() as stack:
+        kv = setup.rank_caches()
+        consumers = []
+        for d in range(setup.tp):
+            # One consumer per prefill rank holding some of this rank's heads.
+            for src in source_ranks(heads, TPRank(setup.tp, d), options.prefill_tp):
+                consumer = stack.enter_context(get_connector(
+                    options.transport, role="consumer", host=options.host, port=ports[src],
+                    timeout_s=min(10.0, options.timeout_s),
+                    connect_timeout_s=options.timeout_s, tp=(setup.tp, d), num_kv_heads=heads))
+                consumer.register_kv_caches(kv[d])
+                consumers.append(consumer)
+        group = ConnectorGroup(consumers)
+        engine = setup.engine(group, kv=kv[0] if setup.tp == 1 else kv)
         engine.poison_free_blocks(torch.Generator().manual_seed(options.seed + 1))
         first_tokens = _receive(pipe, proc, "published", wait_s)
         stats = engine.serve(decode_reqs)
         _receive(pipe, proc, "done", wait_s)
-        loaded_bytes, load_seconds = consumer.stats.loaded_bytes, consumer.stats.load_seconds
-    # One engine alone, computing everything (batched differently).
+        loaded_bytes, load_seconds = group.loaded()
+    # One engine alone at TP 1, computing everything (batched differently).
     single = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
     setup.engine(None).serve(single)
     if options.converting:
-        # Two layouts (backends, block sizes): no one-process run repeats both engines'
-        # arithmetic, so one engine alone is the reference.
+        # Two layouts (backends, block sizes) or tensor parallelism: no one-process run
+        # repeats both engines' arithmetic, so one engine alone is the reference.
         same_first, same_steps = [r.output[0] for r in single], single
         same_stats = stats
     else:
@@ -376,8 +457,9 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
                           f"({stats.load_failures} failed)")
     return DisaggResult(
         backend=setup.backend.get_name(), device=str(setup.device),
-        prefill_backend=prefill.backend.get_name(), prefill_layout=str(prefill.caches().layout)
-        if options.converting else "",
+        prefill_backend=prefill.backend.get_name(),
+        prefill_layout=str(prefill.rank_caches()[0].layout) if options.converting else "",
+        prefill_tp=options.prefill_tp, decode_tp=options.decode_tp,
         transport=options.transport, layout=str(engine.kv_caches.layout),
         requests=len(decode_reqs),
         generated_tokens=sum(len(r.output) for r in decode_reqs),
@@ -453,12 +535,17 @@ def _same_steps_reference(setup: _Setup) -> tuple[list[int], list[Request], Batc
     return [r.output[0] for r in prefill], decode, stats
 
 
+def _tp(degree: int) -> str:
+    return f", TP {degree}" if degree > 1 else ""
+
+
 def format_result(result: DisaggResult) -> str:
     lines = [
         f"disaggregated prefill/decode over {result.transport}: "
-        + (f"{result.prefill_backend} ({result.prefill_layout}) -> "
+        + (f"{result.prefill_backend} ({result.prefill_layout}{_tp(result.prefill_tp)}) -> "
            if result.prefill_layout else "")
-        + f"{result.backend} on "
+        + f"{result.backend}"
+        + (f" (TP {result.decode_tp})" if result.decode_tp > 1 else "") + " on "
         + (f"{result.device}" if result.prefill_device in ("", result.device) else
            f"{result.prefill_device} (prefill) -> {result.device} (decode)")
         + f", layout {result.layout}",

@@ -39,14 +39,38 @@ from kvcore import (
     MLAAttentionSpec,
     build_attention_metadata,
 )
-from kvcore.connectors import KVConnector, TransferHandle, hash_request_tokens
+from kvcore.connectors import (
+    KVConnector,
+    TPRank,
+    TransferHandle,
+    hash_request_tokens,
+    heads_of_rank,
+)
+from kvcore.demo.config import DemoModelConfig
 from kvcore.demo.model import DemoModel
+from kvcore.demo.tp import ConnectorGroup
 
 __all__ = ["BatchStats", "BlockPool", "Engine", "Request"]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _rank_heads(c: DemoModelConfig, tp: int) -> list[tuple[slice, tuple[int, ...]]]:
+    """Per tensor-parallel rank: the slice of the query heads it attends with and its KV
+    heads (MLA: every rank holds the latent; only TP 1 is simulated)."""
+    if tp == 1:
+        return [(slice(0, c.num_heads), tuple(range(c.num_kv_heads)))]
+    if c.is_mla:
+        raise ValueError(f"{tp} caches (tensor-parallel ranks) for an MLA model: the demo "
+                         "simulates tensor parallelism by K/V head slices; run MLA at TP 1")
+    if c.num_heads % tp:
+        raise ValueError(f"{tp} caches (tensor-parallel ranks) for {c.num_heads} query heads: "
+                         "the degree must divide the query head count")
+    per = c.num_heads // tp
+    return [(slice(r * per, (r + 1) * per), heads_of_rank(c.num_kv_heads, TPRank(tp, r)))
+            for r in range(tp)]
 
 
 @dataclass
@@ -151,11 +175,17 @@ class Engine:
     Args:
         model: the model; its sizes must match ``kv_caches``.
         backend: the selected attention backend (one ``AttentionImpl`` per layer is built).
-        kv_caches: from :func:`kvcore.allocate_kv_caches`, one layer per model layer.
+        kv_caches: from :func:`kvcore.allocate_kv_caches`, one layer per model layer; or one
+            such cache per tensor-parallel rank (tensor parallelism simulated in one process,
+            see :mod:`kvcore.demo.tp`): rank ``r``'s holds the KV heads
+            :func:`kvcore.connectors.heads_of_rank` gives it, and attends with the query heads
+            of its slice. :attr:`kv_caches` is then rank 0's, :attr:`rank_caches` all of them.
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: token budget of a step (a prompt longer than the budget runs
             alone).
-        connector: a KV connector with ``kv_caches`` registered, or ``None`` (no reuse).
+        connector: a KV connector with ``kv_caches`` registered, a
+            :class:`~kvcore.demo.tp.ConnectorGroup` (the connectors of every rank's cache), or
+            ``None`` (no reuse).
         key_salt: mixed into every block key (``extra`` of the key hash): the model's
             identity, so KV of another model or dtype never matches.
         on_loaded: called with the block ids of each successful load, before the blocks are
@@ -169,30 +199,44 @@ class Engine:
         self,
         model: DemoModel,
         backend: type[AttentionBackend],
-        kv_caches: KVCaches,
+        kv_caches: KVCaches | Sequence[KVCaches],
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        connector: KVConnector | None = None,
+        connector: KVConnector | ConnectorGroup | None = None,
         key_salt: str | None = None,
         on_loaded: Callable[[list[int]], None] | None = None,
         on_step: Callable[[int], None] | None = None,
         cuda_graphs: bool = True,
     ) -> None:
         c = model.config
-        if kv_caches.num_layers != c.num_layers:
-            raise ValueError(f"kv_caches has {kv_caches.num_layers} layers but the model has "
-                             f"{c.num_layers}")
-        layer_shape = kv_caches.layout.layer_shape
-        # Blocks-first: (blocks, 2, block_size, kv heads, head size); MLA (blocks, block_size,
-        # latent).
-        entry = (c.cache_head_size,) if c.is_mla else (c.num_kv_heads, c.head_size)
-        if layer_shape[-len(entry):] != entry:
-            raise ValueError(f"kv_caches layer shape {layer_shape} does not hold "
-                             f"{' x '.join(map(str, entry))} channels per token")
+        self.rank_caches = [kv_caches] if isinstance(kv_caches, KVCaches) else list(kv_caches)
+        tp = len(self.rank_caches)
+        self._heads = _rank_heads(c, tp)
+        for r, kv in enumerate(self.rank_caches):
+            name = "kv_caches" if tp == 1 else f"kv_caches[{r}]"
+            if kv.num_layers != c.num_layers:
+                raise ValueError(f"{name} has {kv.num_layers} layers but the model has "
+                                 f"{c.num_layers}")
+            layer_shape = kv.layout.layer_shape
+            # Blocks-first: (blocks, 2, block_size, kv heads, head size); MLA (blocks,
+            # block_size, latent).
+            entry = ((c.cache_head_size,) if c.is_mla else
+                     (len(self._heads[r][1]), c.head_size))
+            if layer_shape[-len(entry):] != entry:
+                raise ValueError(f"{name} layer shape {layer_shape} does not hold "
+                                 f"{' x '.join(map(str, entry))} channels per token")
+            if (kv.num_blocks, layer_shape[-len(entry) - 1]) != (
+                    self.rank_caches[0].num_blocks, self.rank_caches[0].layout.layer_shape[
+                        -len(entry) - 1]):
+                raise ValueError(f"{name} has {kv.num_blocks} blocks of "
+                                 f"{layer_shape[-len(entry) - 1]} tokens, rank 0's cache "
+                                 f"{self.rank_caches[0].num_blocks}: every rank's cache has "
+                                 "the same blocks")
+        kv_caches = self.rank_caches[0]
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = layer_shape[-len(entry) - 1]
+        self.block_size = kv_caches.layout.layer_shape[-len(entry) - 1]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
@@ -200,16 +244,17 @@ class Engine:
         self.on_loaded = on_loaded
         self.on_step = on_step
         impl_cls = backend.get_impl_cls()
+        q_heads, kv_heads = c.num_heads // tp, len(self._heads[0][1])
         if c.is_mla:  # the MLA impl interface: model dims and the layer's kv_b_proj weight
-            self.impls = [impl_cls(num_heads=c.num_heads, head_size=c.cache_head_size,
-                                   scale=c.attn_scale, kv_lora_rank=c.kv_lora_rank,
-                                   qk_nope_head_dim=c.head_size,
-                                   qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                                   kv_b_proj_weight=w["kv_b_proj"]) for w in model.layers]
-        else:
-            self.impls = [impl_cls(num_heads=c.num_heads, head_size=c.head_size,
-                                   scale=c.head_size ** -0.5, num_kv_heads=c.num_kv_heads)
-                          for _ in range(c.num_layers)]
+            self.rank_impls = [[impl_cls(
+                num_heads=c.num_heads, head_size=c.cache_head_size, scale=c.attn_scale,
+                kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.head_size,
+                qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                kv_b_proj_weight=w["kv_b_proj"]) for w in model.layers]]
+        else:  # one impl per rank and layer, each over its rank's heads
+            self.rank_impls = [[impl_cls(num_heads=q_heads, head_size=c.head_size,
+                                         scale=c.head_size ** -0.5, num_kv_heads=kv_heads)
+                                for _ in range(c.num_layers)] for _ in range(tp)]
         # The demo cache is unquantised: unit scales.
         self.scales = LayerScales()
         device = kv_caches.storage.device
@@ -220,10 +265,11 @@ class Engine:
                              kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
             if c.is_mla else
             FullAttentionSpec(block_size=self.block_size, dtype=model.dtype,
-                              num_kv_heads=c.num_kv_heads, head_size=c.head_size))
+                              num_kv_heads=kv_heads, head_size=c.head_size))
+        # One builder for every rank: ranks differ in heads, not in the step's metadata.
         self.builder = backend.get_builder_cls()(
             spec,
-            num_heads=c.num_heads, max_num_seqs=max_num_seqs,
+            num_heads=q_heads, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len, max_num_seqs),
             max_model_len=max_model_len, device=device)
         #: Seconds the builder's start-up preparation took, by part (JIT builds, say).
@@ -298,7 +344,7 @@ class Engine:
         ids = self.pool.free_ids()
         if ids:
             index = torch.tensor(ids, dtype=torch.int64, device=self.kv_caches.storage.device)
-            for layer in self.kv_caches.layers:
+            for layer in (layer for kv in self.rank_caches for layer in kv.layers):
                 noise = torch.randn((len(ids), *layer.shape[1:]), generator=generator)
                 layer.index_copy_(0, index, noise.to(device=layer.device, dtype=layer.dtype))
         return ids
@@ -431,9 +477,21 @@ class Engine:
     def _attend(self, meta: AttentionMetadata):
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    ) -> torch.Tensor:
-            cache = self.kv_caches.layers[layer]
-            impl = self.impls[layer]
-            impl.do_kv_cache_update(self.scales, k, v, cache, meta.slot_mapping)
-            return impl.forward(self.scales, q, k, v, cache, meta)
+            if len(self.rank_caches) == 1:
+                cache = self.kv_caches.layers[layer]
+                impl = self.rank_impls[0][layer]
+                impl.do_kv_cache_update(self.scales, k, v, cache, meta.slot_mapping)
+                return impl.forward(self.scales, q, k, v, cache, meta)
+            out = []
+            for kv, impls, (q_heads, kv_heads) in zip(self.rank_caches, self.rank_impls,
+                                                      self._heads, strict=True):
+                # The rank's KV heads are consecutive (one head when replicated).
+                h = slice(kv_heads[0], kv_heads[-1] + 1)
+                q_r, k_r, v_r = (q[:, q_heads].contiguous(), k[:, h].contiguous(),
+                                 v[:, h].contiguous())
+                cache, impl = kv.layers[layer], impls[layer]
+                impl.do_kv_cache_update(self.scales, k_r, v_r, cache, meta.slot_mapping)
+                out.append(impl.forward(self.scales, q_r, k_r, v_r, cache, meta))
+            return torch.cat(out, dim=1)
 
         return attend
