@@ -52,11 +52,13 @@ and written as ``bench_nixl_matrix.json``.
 
 ``--convert``: the consumer's cache differs from the producer's (blocks 4 times larger, 16 ->
 64 tokens at the default ``--block-kib``, HND instead of NHD; the same bytes in all): the
-connector converts on load (``nixl``: READs into its staging buffer, then the gather kernel;
+connector converts on load (``nixl``: READs into its staging buffer, the READ of a chunk
+overlapping the gather kernel of the previous one, or in turn with ``--staging-buffers 1``;
 ``p2p``: the receiver's gather), checked token by token through the logical views.
 ``--gather-only`` times the gather kernel alone between those two layouts in one process beside
 ``dst.copy_(src)``. ``--convert-suite`` runs nixl and p2p with the same layout and with
-``--convert``, and ``--gather-only``, each in its own processes, and prints the table last
+``--convert`` (nixl also with one staging buffer), and ``--gather-only``, each in its own
+processes, and prints the table last
 (GB/s, of the device copy, of the same connector's same-layout transfer; written as
 ``bench_nixl_convert.json``). One GPU, two processes, 1 GiB:
 ``--convert-suite --mib 1024``.
@@ -231,6 +233,7 @@ def gather_only(args: argparse.Namespace) -> int:
 CONVERT_SUITE = (
     ("nixl same layout", "nixl", []),
     ("nixl 16->64 NHD->HND", "nixl", ["--convert"]),
+    ("nixl 16->64 one buffer", "nixl", ["--convert", "--staging-buffers", "1"]),
     ("p2p same layout", "p2p", []),
     ("p2p 16->64 NHD->HND", "p2p", ["--convert"]),
     ("gather kernel alone", "nixl", ["--gather-only"]),
@@ -551,6 +554,10 @@ def main() -> int:
     parser.add_argument("--convert", action="store_true",
                         help="the consumer's cache converts: blocks 4x larger, HND (the "
                              "producer's NHD blocks are rearranged on load)")
+    parser.add_argument("--staging-buffers", type=int, choices=(1, 2), default=2,
+                        help="--convert, nixl/mooncake: the consumer's staging_buffers (2: the "
+                             "READ of a chunk overlaps the previous chunk's gather; 1: in turn) "
+                             "(default: %(default)s)")
     parser.add_argument("--gather-only", action="store_true",
                         help="time the conversion's gather kernel alone (--convert's layouts) "
                              "beside a device copy, in this process")
@@ -620,7 +627,9 @@ def main() -> int:
                                       connect_timeout_s=120.0, inbox_bytes=inbox_bytes(kv))
         else:
             connector = get_connector(args.connector, role="consumer", port=port,
-                                      timeout_s=CONSUMER_TIMEOUT_S, **transport_options(args))
+                                      timeout_s=CONSUMER_TIMEOUT_S,
+                                      staging_buffers=args.staging_buffers,
+                                      **transport_options(args))
         with connector as consumer:
             consumer.register_kv_caches(kv)
             for t in range(args.trials):

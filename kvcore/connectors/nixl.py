@@ -325,6 +325,10 @@ class NixlConnector(PullConnector):
         staging_bytes: consumer: the buffer a load READs into when the two layouts differ
             (:data:`~kvcore.connectors.pull.DEFAULT_STAGING_BYTES`); a load converts as many
             blocks at a time as it holds.
+        staging_buffers: consumer: ``2`` (the default) splits the staging buffer in two
+            parts when it holds two of the plan's block groups or more, so the READ of one
+            chunk overlaps the gather of the previous one (on a GPU the gather runs on the
+            connector's CUDA stream); ``1`` READs and gathers in turn.
         readers: producer: how many different consumers READ each published block before it
             is released and its save reports it done (default 1). Tensor-parallel consumers
             that read one producer rank each take its blocks: pass
@@ -362,13 +366,15 @@ class NixlConnector(PullConnector):
         num_kv_heads: int | None = None,
         kv_scales: torch.Tensor | float | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_buffers: int = 2,
         readers: int = 1,
     ) -> None:
         super().__init__(role=role, host=host, port=port, connect_timeout_s=connect_timeout_s,
                          timeout_s=timeout_s, publish_timeout_s=publish_timeout_s,
                          max_lease_s=max_lease_s, failure_policy=failure_policy, tp=tp,
                          num_kv_heads=num_kv_heads, kv_scales=kv_scales,
-                         staging_bytes=staging_bytes, readers=readers)
+                         staging_bytes=staging_bytes,
+                         staging_buffers=staging_buffers, readers=readers)
         if isinstance(backends, str) or not isinstance(backends, Sequence) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
             raise TypeError(f"backends must be a non-empty list of NIXL backend names such as "

@@ -55,6 +55,7 @@ cancel is named in the block's reason).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -385,7 +386,8 @@ class PullConnector(KVConnector):
                  timeout_s: float, publish_timeout_s: float, max_lease_s: float,
                  failure_policy: str, tp: TPRank | tuple[int, int] | None = None,
                  num_kv_heads: int | None = None, kv_scales: Any = None,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, readers: int = 1) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, staging_buffers: int = 2,
+                 readers: int = 1) -> None:
         if role not in _ROLES:
             raise ValueError(f"role={role!r} must be 'producer' (publishes blocks) or "
                              "'consumer' (reads them)")
@@ -410,6 +412,11 @@ class PullConnector(KVConnector):
             raise ValueError(f"staging_bytes={staging_bytes!r} must be a positive int (bytes "
                              "of the consumer's buffer for READs it converts)")
         self.staging_bytes = staging_bytes
+        if staging_buffers not in (1, 2) or isinstance(staging_buffers, bool):
+            raise ValueError(f"staging_buffers={staging_buffers!r} must be 2 (the READ of one "
+                             "chunk overlaps the gather of the previous one) or 1 (READ, then "
+                             "gather, in turn)")
+        self.staging_buffers = staging_buffers
         if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
             raise ValueError(f"readers={readers!r} must be a positive int (how many consumers "
                              "READ each published block; kvcore.connectors.reader_ranks gives "
@@ -513,8 +520,15 @@ class PullConnector(KVConnector):
         self._staging_regions = Regions(addrs, strides, remote.row_bytes,
                                         *memory_kind(storage, self.transport))
         engine.register_staging(self._staging)
-        logger.info("%s consumer: converting on load with a %d-block staging buffer:\n%s",
-                    self.transport, count, plan)
+        # One converting load at a time owns the buffer (the loader runs two loads at once).
+        self._staging_lock = threading.Lock()
+        # Two halves when the buffer holds two groups or more: a chunk's READ lands in one
+        # while the previous chunk's gather reads the other.
+        self._halves = 2 if self.staging_buffers == 2 and groups >= 2 else 1
+        self._gather_stream = (torch.cuda.Stream(storage.device) if storage.is_cuda
+                               else None)
+        logger.info("%s consumer: converting on load with a %d-block staging buffer in %d "
+                    "part(s):\n%s", self.transport, count, self._halves, plan)
 
     def _blocks_for_keys(self, num_keys: int) -> int:
         return num_keys if self._plan is None else self._plan.blocks_for_keys(num_keys)
@@ -620,32 +634,48 @@ class PullConnector(KVConnector):
     def _read_converting(self, keys: list[str], block_ids: list[int], deadline: float
                          ) -> tuple[list[int], dict[int, str], int]:
         """READ the producer's blocks into the staging buffer, as many whole groups of the
-        plan at a time as it holds, and convert each chunk into ``block_ids`` with one
-        gather (:meth:`ConversionPlan.apply_keys`)."""
-        plan, staging = self._plan, self._staging
+        plan at a time as a part of it holds, and convert each chunk into ``block_ids`` with
+        one gather (:meth:`ConversionPlan.apply_keys`).
+
+        With two parts (``staging_buffers=2`` and room for two groups), chunk ``i + 1`` is
+        READ into one part while chunk ``i``'s gather reads the other: on a GPU the gather
+        runs on the connector's stream, and an event per part tells when its last gather has
+        read it, before the next READ into it; on the CPU the gather runs between the READs.
+        """
+        plan, staging, stream = self._plan, self._staging, self._gather_stream
         per_group = plan.group_tokens // plan.src_block_size
         dst_per_group = plan.group_tokens // plan.dst_block_size
-        chunk = self._staging_blocks // per_group * per_group
+        chunk = self._staging_blocks // per_group // self._halves * per_group
         loaded: list[int] = []
         failed: dict[int, str] = {}
         nbytes = 0
-        for k0 in range(0, len(keys), chunk):
-            part = keys[k0:k0 + chunk]
-            d0 = k0 // per_group * dst_per_group
-            dst = block_ids[d0:d0 + plan.blocks_for_keys(len(part))]
-            read, errors = self._pull(part, list(range(len(part))), self._staging_regions,
-                                      deadline)
-            arrived = [i in read for i in range(len(part))]
-            written, missing, moved = plan.apply_keys(
-                staging, self._reg.kv_caches, list(range(len(part))), dst, arrived,
-                dst_scales=self._kv_scales)
-            if written and staging.is_cuda:  # the gather ran on this thread's stream
-                torch.cuda.current_stream(staging.device).synchronize()
-            loaded.extend(written)
-            nbytes += moved
-            for block, i in missing.items():
-                why = errors.get(i, "not read")
-                failed[block] = f"source block {k0 + i} of the load (key {part[i][:12]}..): {why}"
+        gathered: list[torch.cuda.Event | None] = [None] * self._halves
+        with self._staging_lock:
+            for n, k0 in enumerate(range(0, len(keys), chunk)):
+                part = keys[k0:k0 + chunk]
+                base = n % self._halves * chunk
+                slots = list(range(base, base + len(part)))
+                if gathered[n % self._halves] is not None:  # its last gather has read it
+                    gathered[n % self._halves].synchronize()
+                d0 = k0 // per_group * dst_per_group
+                dst = block_ids[d0:d0 + plan.blocks_for_keys(len(part))]
+                read, errors = self._pull(part, slots, self._staging_regions, deadline)
+                arrived = [i in read for i in range(len(part))]
+                with (torch.cuda.stream(stream) if stream is not None
+                      else contextlib.nullcontext()):
+                    written, missing, moved = plan.apply_keys(
+                        staging, self._reg.kv_caches, slots, dst, arrived,
+                        dst_scales=self._kv_scales)
+                    if written and stream is not None:
+                        gathered[n % self._halves] = stream.record_event()
+                loaded.extend(written)
+                nbytes += moved
+                for block, i in missing.items():
+                    why = errors.get(i, "not read")
+                    failed[block] = (f"source block {k0 + i} of the load (key "
+                                     f"{part[i][:12]}..): {why}")
+            if stream is not None:  # the blocks are converted when the load reports them
+                stream.synchronize()
         return loaded, failed, nbytes
 
     def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float

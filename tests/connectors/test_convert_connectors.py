@@ -165,6 +165,51 @@ def test_pull_consumer_converts_on_load(pull, case, staging_bytes):
 
 
 @pytest.mark.parametrize("pull", PULLS)
+def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
+    """A staging buffer of four block groups (two parts of two) and 23 source blocks: twelve
+    groups, six chunks READ into alternating parts while the previous chunk converts. Both
+    ways write the same bytes into the same blocks, equal to the producer's tokens, the
+    partial last block's other tokens and every other block untouched."""
+    n, p_bs, c_bs = 23, 4, 8  # a group: 8 tokens, two source blocks, one destination block
+    seed = random.randrange(2**31)
+    src = make_caches(layout="nhd", cross_layer=False, block_size=p_bs, num_blocks=32,
+                      seed=seed)
+    keys = keys_for(seed, n, block_size=p_bs)
+    src_ids = random.Random(seed).sample(range(32), n)
+    dst_ids = [13, 2, 7, 0, 9, 1, 14, 3, 5, 11, 4, 12]
+    group_bytes = 2 * src.num_layers * src.layout.page_size_bytes
+    results, caches = [], []
+    with pull.producer(readers=2) as prod:
+        prod.register_kv_caches(src)
+        save = prod.save(keys, src_ids)
+        for buffers in (1, 2):
+            dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                              seed=seed + 1)
+            with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
+                               staging_buffers=buffers) as conn:
+                conn.register_kv_caches(dst)
+                assert conn._halves == buffers and conn._staging_blocks == 8
+                results.append(conn.load(keys, dst_ids).wait(timeout=pull.wait_s))
+            caches.append(dst)
+        assert save.wait(timeout=pull.wait_s).ok
+    single, double = results
+    assert single.ok and double.ok, (single.failed, double.failed)
+    assert single.num_bytes == double.num_bytes > 0
+    assert single.succeeded == double.succeeded == tuple(dst_ids)
+    one, two = caches
+    assert torch.equal(logical_blocks(one, list(range(16))), logical_blocks(two, list(range(16))))
+    want = tokens_of(src, src_ids, n * p_bs)
+    assert torch.equal(tokens_of(two, dst_ids, n * p_bs).view(torch.uint8),
+                       want.contiguous().view(torch.uint8))
+    untouched = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                            seed=seed + 1)
+    others = sorted(set(range(16)) - set(dst_ids))
+    assert torch.equal(logical_blocks(two, others), logical_blocks(untouched, others))
+    assert torch.equal(tokens_of(two, [dst_ids[-1]], c_bs)[:, :, 4:],
+                       tokens_of(untouched, [dst_ids[-1]], c_bs)[:, :, 4:])
+
+
+@pytest.mark.parametrize("pull", PULLS)
 def test_pull_consumer_refuses_what_cannot_convert_before_any_byte(pull):
     src = make_caches(layout="nhd", cross_layer=False, num_kv_heads=2)
     with pull.producer() as prod:

@@ -45,6 +45,8 @@ consumer, producer, producer_process = NIXL.consumer, NIXL.producer, NIXL.produc
     ({"role": "producer", "max_lease_s": float("inf")}, "max_lease_s=inf must be a finite"),
     ({"role": "producer", "max_lease_s": 0}, "max_lease_s=0 must be"),
     ({"role": "producer", "readers": 0}, "readers=0 must be a positive int"),
+    ({"role": "consumer", "port": 1, "staging_buffers": 3},
+     r"staging_buffers=3 must be 2 \(the READ of one chunk overlaps"),
     ({"role": "producer", "backends": "UCX"}, "backends must be a non-empty list"),
     ({"role": "producer", "backends": []}, "backends must be a non-empty list"),
     ({"role": "producer", "host": ""}, "host must be a non-empty str"),
