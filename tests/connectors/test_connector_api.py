@@ -42,10 +42,12 @@ def test_builtins_register_through_the_hook_lazily(fresh_kvcore):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     # Registering imported the hook module and the public API's modules (the layout
-    # conversion plan among them), not a connector (nor safetensors).
+    # conversion plan and the TP rank arithmetic among them), not a connector (nor
+    # safetensors).
     assert out == "['kvcore.connectors.base', 'kvcore.connectors.blocks', " \
                   "'kvcore.connectors.builtin', 'kvcore.connectors.convert', " \
-                  "'kvcore.connectors.copiers', 'kvcore.connectors.keys']"
+                  "'kvcore.connectors.copiers', 'kvcore.connectors.keys', " \
+                  "'kvcore.connectors.tp']"
 
 
 @pytest.mark.parametrize(("name", "cls"), [("offload", OffloadConnector),
