@@ -241,7 +241,7 @@ def backend_runner(name: str, case: Case, kv_cache: torch.Tensor) -> list[Runner
 def flashinfer_direct(case: Case, kv_cache: torch.Tensor) -> Runner:
     """FlashInfer's wrapper on the FLASHINFER backend's NHD cache, planned once."""
     import flashinfer
-    from kvcore_nvidia.backends.flashinfer import flashinfer_page_table
+    from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
 
     step = case.step
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)

@@ -127,7 +127,7 @@ class Case:
 def direct_prefill(case: Case) -> Callable[[], object]:
     """FlashInfer's prefill wrapper with its default backend, planned once."""
     import flashinfer
-    from kvcore_nvidia.backends.flashinfer import flashinfer_page_table
+    from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
 
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
@@ -145,7 +145,7 @@ def direct_decode(case: Case, graph_mode: bool = False) -> Callable[[], object]:
     ``graph_mode`` in FlashInfer's CUDA-graph mode (what replays any later step of the batch
     size, as kvcore's builder needs: its plan is made for the worst case of that size)."""
     import flashinfer
-    from kvcore_nvidia.backends.flashinfer import flashinfer_page_table
+    from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
 
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     indptr, indices, last = flashinfer_page_table(case.common, BS)

@@ -63,7 +63,7 @@ PeerList = list[tuple[str, Callable[[], object], bool]]
 def flashinfer_direct(inputs: StepInputs) -> Callable[[], object]:
     """FlashInfer's wrapper on the standard NHD cache, planned once for the step."""
     import flashinfer
-    from kvcore_nvidia.backends.flashinfer import flashinfer_page_table
+    from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
 
     layer, config, common = inputs.layer, inputs.config, inputs.common
     if layer.has_sink:

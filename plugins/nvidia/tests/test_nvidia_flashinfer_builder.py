@@ -18,13 +18,14 @@ import types
 import pytest
 import torch
 from kvcore_nvidia.backends import flashinfer as fi_backend
-from kvcore_nvidia.backends.flashinfer import (
-    FlashInferBackend,
-    FlashInferKernels,
+from kvcore_nvidia.backends.flashinfer import FlashInferBackend
+from kvcore_nvidia.backends.flashinfer_builder import (
+    MAX_EAGER_DECODE_WRAPPERS,
     FlashInferMetadata,
-    HostPages,
-    flashinfer_kernels,
+    FlashInferMetadataBuilder,
 )
+from kvcore_nvidia.backends.flashinfer_kernels import FlashInferKernels, flashinfer_kernels
+from kvcore_nvidia.backends.flashinfer_pages import HostPages
 from nvidia_helpers import REL_ERR, mixed_batch, plan_lists, reference, rel_err
 
 import kvcore
@@ -98,7 +99,7 @@ def fake_flashinfer(monkeypatch):
     fi_backend._wrappers.cache_clear()
 
 
-def _builder(max_num_seqs: int = 8) -> fi_backend.FlashInferMetadataBuilder:
+def _builder(max_num_seqs: int = 8) -> FlashInferMetadataBuilder:
     spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
                                     num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
     return FlashInferBackend.get_builder_cls()(
@@ -283,7 +284,7 @@ def test_eager_decode_plans_only_when_the_page_counts_change():
             block_table=common.block_table, scale=impl.scale)
         assert rel_err(out, ref) < REL_ERR[torch.float32]
     graph_wrapper = builder.build(_decode_step(tables[:1], [5]), graph_batch_size=1).decode_wrapper
-    cap = fi_backend.MAX_EAGER_DECODE_WRAPPERS
+    cap = MAX_EAGER_DECODE_WRAPPERS
     for n in range(1, cap + 3):  # size 1 is a graph size: kept; sizes 2.. cycle through
         builder.build(_decode_step([[i] for i in range(n)], [3] * n))
     assert builder._graph_wrappers[1] is graph_wrapper

@@ -20,7 +20,9 @@ import pytest
 import torch
 from kvcore_nvidia.backends import flashinfer as fi_backend
 from kvcore_nvidia.backends.common import HostStaging
-from kvcore_nvidia.backends.flashinfer import FlashInferBackend, HostPages
+from kvcore_nvidia.backends.flashinfer import FlashInferBackend
+from kvcore_nvidia.backends.flashinfer_builder import FlashInferMetadataBuilder
+from kvcore_nvidia.backends.flashinfer_pages import HostPages
 
 import kvcore
 
@@ -264,7 +266,7 @@ def fake_flashinfer(monkeypatch):
 MAX_SEQS, MAX_LEN = 12, 300
 
 
-def _builder(block_size: int) -> fi_backend.FlashInferMetadataBuilder:
+def _builder(block_size: int) -> FlashInferMetadataBuilder:
     spec = kvcore.FullAttentionSpec(block_size=block_size, dtype=torch.float32,
                                     num_kv_heads=2, head_size=32)
     return FlashInferBackend.get_builder_cls()(

@@ -21,7 +21,8 @@ import torch
 from kvcore_nvidia.backends import flash_attn as fa_backend
 from kvcore_nvidia.backends import flashinfer as fi_backend
 from kvcore_nvidia.backends.flash_attn import FlashAttentionBackend
-from kvcore_nvidia.backends.flashinfer import FlashInferBackend, flashinfer_page_table
+from kvcore_nvidia.backends.flashinfer import FlashInferBackend
+from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
 from nvidia_helpers import REL_ERR, mixed_batch, plan_lists, reference, rel_err
 
 import kvcore

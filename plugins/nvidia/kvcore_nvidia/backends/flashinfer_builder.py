@@ -1,0 +1,373 @@
+"""FLASHINFER's builder: :class:`FlashInferMetadataBuilder` plans FlashInfer's wrappers once
+per step from host-side lengths, in page-locked staging, and resolves the step's
+:class:`FlashInferLaunch`, which every layer's ``attend`` runs (see
+:mod:`kvcore_nvidia.backends.flashinfer`)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcore import (
+    AttentionMetadata,
+    PersistentMetadataBuilder,
+    build_attention_metadata,
+    long_step,
+)
+from kvcore.ops import checked_step_facts, value_checks_enabled
+from kvcore_nvidia.backends.common import HostStaging, StagingSlot
+from kvcore_nvidia.backends.flashinfer_kernels import (
+    WORKSPACE_BYTES,
+    cuda_capability,
+    flashinfer_kernels,
+    is_decode_step,
+    new_wrappers,
+    plan_args,
+)
+from kvcore_nvidia.backends.flashinfer_pages import HostPages
+from kvcore_nvidia.caches import flashinfer_jit_cache
+
+__all__ = ["MAX_EAGER_DECODE_WRAPPERS", "FlashInferLaunch", "FlashInferMetadata",
+           "FlashInferMetadataBuilder"]
+
+
+#: Batch sizes of eager decode-only steps that get a CUDA-graph-mode decode wrapper of their
+#: own (beyond the sizes graph steps were built for), least recently used dropped first: such
+#: a wrapper reads the builder's persistent page-list buffers, so a step whose page counts are
+#: those of its last plan refreshes the buffers and skips FlashInfer's ``plan``. Each costs
+#: FlashInfer's int workspace (8 MiB on the device and 8 MiB page-locked in FlashInfer 0.7).
+MAX_EAGER_DECODE_WRAPPERS = 4
+
+#: A block id no cache reaches: a step whose block range was not checked on the host never
+#: takes the layers' short path (they validate their tensors instead).
+_UNCHECKED_BLOCKS = 2**62
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlashInferLaunch:
+    """What every layer of a step launches, resolved once in
+    :meth:`FlashInferMetadataBuilder.build` (so a layer's ``attend`` makes no plan, builds no
+    arguments and repeats no check the step already passed).
+
+    Attributes:
+        decode: the planned decode wrapper (rows ``[0, num_decodes)``), or ``None``.
+        prefill: the planned prefill wrapper (rows ``[num_decodes, num_actual_tokens)``), or
+            ``None``.
+        num_decodes: query rows the decode wrapper serves.
+        query_shape: ``(num_actual_tokens, num_heads, head_size)``: the query and output rows
+            a layer of this step passes (the plan's).
+        signature: the builder's ``(num_heads, num_kv_heads, head_size, block_size, dtype)``,
+            one object for all its steps: a layer whose cache was checked against it once
+            skips that check in later steps.
+        max_block_id: the largest block id the step uses (from the step's checked facts;
+            ``-1`` with value checks off): a layer's cache must have more blocks.
+        planned: ``(scale, sliding_window, causal)`` the plans were made for (as
+            :attr:`FlashInferMetadata.planned`).
+    """
+
+    decode: Any
+    prefill: Any
+    num_decodes: int
+    query_shape: tuple[int, int, int]
+    signature: tuple
+    max_block_id: int
+    planned: tuple[float, int | None, bool | None]
+
+
+@dataclasses.dataclass
+class FlashInferMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the wrappers :class:`FlashInferMetadataBuilder`
+    planned for the step.
+
+    Attributes:
+        decode_wrapper: planned for the first ``num_decodes`` requests (one query token each:
+            query rows ``[0, num_decodes)``), or ``None``.
+        prefill_wrapper: planned for the other requests (rows ``[num_decodes,
+            num_actual_tokens)``), or ``None``.
+        num_decodes: requests (and query rows) the decode wrapper serves.
+        planned: ``(scale, sliding_window, causal)`` the plans were made for; ``causal`` is
+            ``None`` for a decode-only step (one query per request: causal or not is the same).
+        dtype: the query and cache dtype the plans were made for.
+        launch: the step's :class:`FlashInferLaunch` (``None`` for an empty step).
+    """
+
+    decode_wrapper: Any = None
+    prefill_wrapper: Any = None
+    num_decodes: int = 0
+    planned: tuple[float, int | None, bool | None] = (0.0, None, None)
+    dtype: torch.dtype | None = None
+    launch: FlashInferLaunch | None = None
+
+
+class FlashInferMetadataBuilder(PersistentMetadataBuilder):
+    """Plans FlashInfer's wrappers once per step (see
+    :mod:`kvcore_nvidia.backends.flashinfer`).
+
+    The step's tensors live in the persistent buffers of
+    :class:`kvcore.PersistentMetadataBuilder`; FlashInfer's page lists are made on the host
+    from the step's host-side lengths, and the used block-table entries gathered on the device
+    into a buffer of ``max_num_seqs * ceil(max_model_len / block_size)`` int32 (beside it the
+    same number of int64 gather positions, and ``max_num_seqs + 1`` / ``max_num_seqs`` int32
+    for ``indptr`` / ``last_page_len``, the buffers of the CUDA-graph decode wrappers). A
+    step built with ``graph_batch_size`` is planned on that size's CUDA-graph wrapper, made on
+    the first build for that size, outside any capture (:class:`kvcore.CudaGraphRunner`
+    builds each size before capturing it).
+
+    Host side, a step costs little and allocates nothing: its host lists are computed with
+    numpy straight into a slot of :class:`~kvcore_nvidia.backends.common.HostStaging`
+    (page-locked on a GPU, two slots used in turn, each :meth:`HostPages.words`
+    ``(max_num_seqs)`` int32 plus the gather positions above), whose copies to the device
+    run asynchronously; the gather positions are recomputed and copied only when the page
+    counts change, and a CUDA-graph decode step with the page counts of its last plan copies
+    only ``last_page_len`` (and ``indptr`` when another batch size's step overwrote it).
+    FlashInfer's ``plan`` reads these host lists (its scheduler) and enqueues copies from
+    them; the slot's event is recorded after the last plan of the step, so a slot is
+    rewritten only once those copies have run.
+
+    Attributes:
+        kernels: the :class:`FlashInferKernels` the steps run on.
+        plans: plans made so far (a CUDA-graph decode step whose page counts did not change
+            refreshes the buffers instead).
+    """
+
+    def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, device) -> None:
+        super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, device=device)
+        num_kv_heads = getattr(spec, "num_kv_heads", None)
+        if num_kv_heads is None:
+            raise TypeError(f"spec must be a kvcore.FullAttentionSpec (K/V heads), got "
+                            f"{type(spec).__name__}")
+        self.num_kv_heads = num_kv_heads
+        #: The softmax scale every plan is made for (see the backend's module).
+        self.scale = spec.head_size ** -0.5
+        self.kernels = flashinfer_kernels(cuda_capability(self.device), num_heads, num_kv_heads)
+        self.plans = 0
+        dev = self.device
+        cuda = dev.type == "cuda"
+        entries = max_num_seqs * self.max_blocks_per_seq
+        with torch.inference_mode(False):
+            self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+            self._indices = torch.zeros(entries, dtype=torch.int32, device=dev)
+            self._positions = torch.zeros(entries, dtype=torch.int64, device=dev)
+            self._indptr = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=dev)
+            self._last_page_len = torch.zeros(max_num_seqs, dtype=torch.int32, device=dev)
+            self._staging = HostStaging(
+                {"lists": (HostPages.words(max_num_seqs), torch.int32),
+                 "positions": (entries, torch.int64)},
+                slots=2, pin=cuda, new_event=torch.cuda.Event if cuda else None)
+        self._flat_table = self.block_table.view(-1)
+        # The HostPages laid out in each staging slot, per batch size (refilled each step).
+        self._lists: dict[tuple[int, int], HostPages] = {}
+        self._prefill, self._decode = new_wrappers(self.workspace, self.kernels)
+        self._graph_wrappers: dict[int, Any] = {}
+        # Sizes whose graph-mode wrapper only eager decode steps use, oldest first (see
+        # MAX_EAGER_DECODE_WRAPPERS); a graph build of a size makes its wrapper permanent.
+        self._eager_sizes: collections.OrderedDict[int, None] = collections.OrderedDict()
+        #: What a layer's cache is checked against once (FlashInferLaunch.signature).
+        self.signature = (num_heads, num_kv_heads, spec.head_size, spec.block_size, spec.dtype)
+        # Page counts (HostPages.page_counts_key) each CUDA-graph wrapper was last planned for
+        # (the plan depends on them).
+        self._graph_plans: dict[int, bytes] = {}
+        # Page counts self._positions holds the gather positions of, and those whose indptr
+        # self._indptr holds (the graph wrappers of all sizes share it).
+        self._gathered: bytes | None = None
+        self._indptr_holds: bytes | None = None
+        # Per wrapper: an event after its last plan. FlashInfer stages a plan in the wrapper's
+        # page-locked buffer and copies it to the device asynchronously; the next plan of that
+        # wrapper waits for that copy (the previous step's), not for the device to be idle.
+        self._plan_events: dict[int, Any] = {}
+
+    def _graph_wrapper(self, size: int, *, eager: bool = False) -> Any:
+        wrapper = self._graph_wrappers.get(size)
+        if wrapper is not None:
+            if size in self._eager_sizes:
+                if eager:
+                    self._eager_sizes.move_to_end(size)
+                else:  # a graph step of this size: its wrapper stays for good
+                    del self._eager_sizes[size]
+            return wrapper
+        if eager:
+            if len(self._eager_sizes) >= MAX_EAGER_DECODE_WRAPPERS:
+                old, _ = self._eager_sizes.popitem(last=False)
+                dropped = self._graph_wrappers.pop(old)
+                self._graph_plans.pop(old, None)
+                self._plan_events.pop(id(dropped), None)
+            self._eager_sizes[size] = None
+        import flashinfer
+
+        wrapper = self._graph_wrappers[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.kernels.decode_tensor_cores,
+            paged_kv_indptr_buffer=self._indptr[:size + 1],
+            paged_kv_indices_buffer=self._indices,
+            paged_kv_last_page_len_buffer=self._last_page_len[:size],
+            backend="fa2")
+        return wrapper
+
+    def _host_pages(self, common: AttentionMetadata, size: int, out: torch.Tensor) -> HostPages:
+        """The step's page lists on the host, padded to ``size`` requests (one token each),
+        in ``out`` (a staging slot's lists, laid out once per size): from the metadata's host
+        copies, else one device read."""
+        n = common.num_seqs
+        qo, seq = common.query_start_loc_cpu, common.seq_lens_cpu
+        if qo is None or seq is None:
+            both = torch.cat([common.query_start_loc.to(torch.int32),
+                              common.seq_lens.to(torch.int32)]).cpu()
+            qo, seq = both[:n + 1], both[n + 1:]
+        elif tuple(qo.shape) != (n + 1,) or tuple(seq.shape) != (n,):
+            raise ValueError(f"query_start_loc_cpu {tuple(qo.shape)} and seq_lens_cpu "
+                             f"{tuple(seq.shape)} must have the shapes of query_start_loc "
+                             f"({n + 1},) and seq_lens ({n},)")
+        pages = self._lists.get((out.data_ptr(), size))
+        if pages is None:
+            pages = self._lists[out.data_ptr(), size] = HostPages.in_buffer(size, out)
+        return pages.refill(qo, seq, self.spec.block_size)
+
+    def _gather_indices(self, pages: HostPages, counts: bytes, slot: StagingSlot
+                        ) -> torch.Tensor:
+        """FlashInfer's ``indices``: the used entries of the persistent block table, gathered
+        on the device (no sync); the gather positions are computed (in ``slot``) and copied
+        only when the page counts (``counts``, :meth:`HostPages.page_counts_key`) changed."""
+        _, _, page_counts, indptr, _ = pages._arrays
+        total = int(indptr[-1])
+        if counts != self._gathered:
+            width = self.block_table.shape[1]
+            # position of entry j of request i: i * width + (j - indptr[i])
+            starts = np.arange(pages.num_seqs, dtype=np.int64) * width - indptr[:-1]
+            np.add(np.repeat(starts, page_counts), np.arange(total, dtype=np.int64),
+                   out=slot.arrays["positions"][:total])
+            self._positions[:total].copy_(slot.tensors["positions"][:total], non_blocking=True)
+            self._gathered = counts
+        indices = self._indices[:total]
+        torch.index_select(self._flat_table, 0, self._positions[:total], out=indices)
+        return indices
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        event = self._plan_events.get(id(wrapper))
+        if event is not None:
+            event.synchronize()
+        wrapper.plan(*args, **kwargs)
+        self.plans += 1
+        if self.device.type == "cuda":
+            if event is None:
+                event = self._plan_events[id(wrapper)] = torch.cuda.Event()
+            event.record()
+
+    def _options(self) -> tuple[tuple, dict]:
+        return plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
+                         self.spec.block_size, self.scale, None, self.spec.dtype,
+                         self.spec.dtype)
+
+    def _plan_graph_decode(self, size: int, pages: HostPages, counts: bytes,
+                           indices: torch.Tensor, *, eager: bool = False) -> Any:
+        wrapper = self._graph_wrapper(size, eager=eager)
+        if self._graph_plans.get(size) == counts:
+            # Same page counts, same plan and same indptr: only the last pages' lengths are
+            # new (indptr too if a step of another size overwrote the shared buffer).
+            if self._indptr_holds != counts:
+                self._indptr[:size + 1].copy_(pages.indptr, non_blocking=True)
+                self._indptr_holds = counts
+            self._last_page_len[:size].copy_(pages.last_page_len, non_blocking=True)
+            return wrapper
+        shape, options = self._options()
+        # FlashInfer copies indptr and last_page_len into the wrapper's buffers (unknown
+        # contents until the plan has returned).
+        self._indptr_holds = None
+        self._plan(wrapper, pages.indptr, indices, pages.last_page_len, *shape, **options)
+        self._graph_plans[size] = self._indptr_holds = counts
+        return wrapper
+
+    def build(self, common: AttentionMetadata, *,
+              graph_batch_size: int | None = None) -> FlashInferMetadata:
+        meta = super().build(common, graph_batch_size=graph_batch_size)
+        if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
+            return meta.extend(FlashInferMetadata)
+        slot = self._staging.acquire()
+        try:
+            return self._build(meta, common, graph_batch_size, slot)
+        finally:
+            # After the step's last copy from the slot (ours and those plan enqueued).
+            self._staging.release()
+
+    def _build(self, meta: AttentionMetadata, common: AttentionMetadata,
+               graph_batch_size: int | None, slot: StagingSlot) -> FlashInferMetadata:
+        size = meta.num_seqs
+        pages = self._host_pages(common, size, slot.tensors["lists"])
+        counts = pages.page_counts_key()
+        indices = self._gather_indices(pages, counts, slot)
+        if graph_batch_size is not None or is_decode_step(meta):
+            # A decode-only step, captured or eager, runs on a graph-mode wrapper of its size:
+            # planned only when the page counts change.
+            wrapper = self._plan_graph_decode(size, pages, counts, indices,
+                                              eager=graph_batch_size is None)
+            return self._metadata(meta, wrapper, None, size, None)
+        shape, options = self._options()
+        k = pages.leading_decodes()
+        qo_indptr, indptr = pages.qo_indptr.numpy(), pages.indptr.numpy()
+        decode = prefill = None
+        if k:
+            decode = self._decode
+            self._plan(decode, pages.indptr[:k + 1], indices[:int(indptr[k])],
+                       pages.last_page_len[:k],
+                       *shape, **options)
+        if int(qo_indptr[-1]) > int(qo_indptr[k]):  # query tokens after the decodes
+            rest = pages.tail(k)
+            prefill = self._prefill
+            self._plan(prefill, rest.qo_indptr, rest.indptr, indices[int(indptr[k]):],
+                       rest.last_page_len, *shape, causal=meta.causal,
+                       seq_lens=rest.seq_lens, **options)
+        return self._metadata(meta, decode, prefill, k, None if prefill is None else meta.causal)
+
+    def _metadata(self, meta: AttentionMetadata, decode: Any, prefill: Any, k: int,
+                  causal: bool | None) -> FlashInferMetadata:
+        """The step's metadata with its wrappers and their :class:`FlashInferLaunch`."""
+        facts = checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table)
+        if facts is not None:
+            max_block_id = facts.max_block_id
+        else:  # checks off: nothing to compare; on but unmarked: the layers check
+            max_block_id = _UNCHECKED_BLOCKS if value_checks_enabled() else -1
+        planned = (self.scale, None, causal)
+        rows = (meta.num_actual_tokens, self.num_heads, self.spec.head_size)
+        launch = FlashInferLaunch(decode, prefill, k, rows, self.signature, max_block_id, planned)
+        return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,
+                           num_decodes=k, planned=planned, dtype=self.spec.dtype, launch=launch)
+
+    def warmup(self) -> dict[str, float]:
+        """Build (JIT-compile, or load from FlashInfer's cache) the modules this builder's
+        steps run, by planning and running a one-request step of each phase on a two-block
+        scratch cache; returns the seconds each phase took (``"decode"``, ``"prefill"``), so
+        an engine calls it at start-up and the first request pays nothing."""
+        import time
+
+        block_size, dtype = self.spec.block_size, self.spec.dtype
+        cache = torch.zeros(2, 2, block_size, self.num_kv_heads, self.spec.head_size,
+                            dtype=dtype, device=self.device)
+        key_cache, value_cache = cache.unbind(1)
+        steps = {"decode": 1}
+        if self.max_num_batched_tokens >= 2:
+            steps["prefill"] = 2
+        seconds = {}
+        shape = (f"{str(dtype).removeprefix('torch.')}, {self.num_heads}/{self.num_kv_heads} "
+                 f"heads of {self.spec.head_size}, block {block_size}")
+        for phase, q_len in steps.items():
+            t0 = time.perf_counter()
+            # FlashInfer JIT-compiles a module per configuration on its first plan/run.
+            with long_step(f"FlashInfer: compiling the {phase} kernels ({shape})",
+                                  estimate="about 1-2 min", cache=flashinfer_jit_cache()):
+                common = build_attention_metadata([q_len], [1], [[0]], block_size,
+                                                  device=self.device)
+                meta = self.build(common)
+                query = torch.zeros(q_len, self.num_heads, self.spec.head_size, dtype=dtype,
+                                    device=self.device)
+                wrapper = meta.decode_wrapper if phase == "decode" else meta.prefill_wrapper
+                wrapper.run(query, (key_cache, value_cache), out=torch.empty_like(query))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            seconds[phase] = time.perf_counter() - t0
+        return seconds
