@@ -42,8 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -67,6 +65,7 @@ from kvcore.connectors.convert import (
     plan_conversion,
 )
 from kvcore.connectors.keys import check_block_keys
+from kvcore.connectors.p2p_transport import connect_store, wait_bounded
 
 __all__ = ["P2PConnector"]
 
@@ -89,34 +88,6 @@ _UNBLOCK_S = 0.05
 
 class _LinkDown(Exception):
     """The link cannot carry blocks any more; the message says why."""
-
-
-#: How often a bounded wait on a data-group transfer polls for completion.
-_POLL_S = 1e-3
-
-
-def wait_bounded(work: Any, group: Any, timeout_s: float, what: str) -> None:
-    """Wait for ``work`` (a send or receive on ``group``) at most ``timeout_s`` seconds by
-    polling its completion on the host; past that, abort ``group`` (so the transfer never
-    completes into memory reused later, and nothing is left to NCCL's watchdog, which would
-    take the process down) and raise ``TimeoutError``.
-
-    NCCL's ``Work.wait`` only orders the current stream after the transfer unless blocking
-    wait is enabled process-wide, so a receive from a peer that never sends would hang the
-    next synchronisation (or the watchdog would abort the process); polling bounds it.
-    """
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            abort = getattr(group, "abort", None) or getattr(group, "_abort", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception as exc:  # still failing the transfer below
-                    logger.warning("p2p: aborting the data group failed: %s", exc)
-            raise TimeoutError(f"{what} did not complete within timeout_s={timeout_s}")
-        time.sleep(_POLL_S)
-    work.wait()  # completed: orders the current stream after it (and raises its error)
 
 
 class _Message:
@@ -143,102 +114,6 @@ def _seconds(name: str, value: Any) -> float:
         raise ValueError(f"{name}={value!r} must be a positive finite number of seconds, at "
                          f"most {_MAX_SECONDS:.0f} (365 days)")
     return float(value)
-
-
-def _sockets() -> dict[str, int]:
-    """This process's sockets, ``"socket:[inode]"`` -> fd (Linux; empty where there is no
-    ``/proc``)."""
-    found: dict[str, int] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:"):
-            found[target] = int(name)
-    return found
-
-
-def _shut_down_socket_read_by(thread_id: int, port: int, existing: dict[str, int]) -> bool:
-    """Shut down the socket that thread ``thread_id`` (a native id) is blocked on, if it is
-    one that appeared after ``existing`` was taken and is connected to ``port``: that wakes
-    the thread (the fd stays its owner's to close). Other sockets of the process, to the same
-    host and port or not, are left alone. Linux only (``/proc``); elsewhere nothing happens.
-    Returns whether it shut one down (something at ``port`` accepted the connection)."""
-    try:
-        with open(f"/proc/self/task/{thread_id}/syscall") as f:
-            # "<nr> <arg0> ...": a thread in recv/read/connect on a socket has its fd as arg0
-            # ("running" when it is not in a system call).
-            fields = f.read().split()
-        fd = int(fields[1], 16)
-        inode = os.readlink(f"/proc/self/fd/{fd}")
-    except (OSError, IndexError, ValueError):
-        return False
-    if not inode.startswith("socket:") or inode in existing:
-        return False
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        peer = sock.getpeername()
-        same = inode == f"socket:[{os.fstat(sock.fileno()).st_ino}]"  # fd not reused meanwhile
-        if same and isinstance(peer, tuple) and peer[1] == port:
-            sock.shutdown(socket.SHUT_RDWR)
-            return True
-    except OSError:
-        pass  # not connected, or closed meanwhile
-    finally:
-        sock.close()
-    return False
-
-
-def _connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 1's client of rank 0's ``TCPStore``, within ``timeout_s`` in every case.
-
-    torch's client waits for the server's answer to its handshake without a timeout, so a port
-    whose server accepts but never answers would hang it: it connects on a helper thread,
-    and when that thread is still waiting at the deadline the socket it is blocked on (that
-    one only) is shut down, which ends the wait (with an error) and the thread.
-    """
-    existing = _sockets()
-    box: dict[str, Any] = {}
-
-    def connect() -> None:
-        try:
-            box["store"] = dist.TCPStore(host, port, 2, False,
-                                         timeout=timedelta(seconds=timeout_s),
-                                         wait_for_workers=False)
-        except Exception as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=connect, daemon=True, name="kvcore-p2p-connect")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        answered = False  # whether something at the port accepted the connection
-        for _ in range(5):  # again if the client, still inside its own timeout, reconnected
-            answered |= _shut_down_socket_read_by(thread.native_id, port, existing)
-            thread.join(0.2)
-            if not thread.is_alive():
-                break
-        if answered:
-            raise ConnectionError(
-                f"p2p rank 1: {host}:{port} accepted the connection but did not answer the "
-                f"rendezvous handshake within connect_timeout_s={timeout_s} (is it rank 0's "
-                "p2p port?)")
-        raise ConnectionError(
-            f"p2p rank 1: nothing accepted a connection at {host}:{port} within "
-            f"connect_timeout_s={timeout_s}; start rank 0 first (it listens on that port), "
-            "check the host and port, or raise connect_timeout_s")
-    if "error" in box:
-        raise ConnectionError(f"p2p rank 1: no rendezvous at {host}:{port} within "
-                              f"connect_timeout_s={timeout_s}: {box['error']}") from box["error"]
-    return box["store"]
 
 
 def _block_bytes_of(hello: dict[str, Any], default: int) -> int:
@@ -328,7 +203,7 @@ class P2PConnector(KVConnector):
         self.inbox_bytes = inbox_bytes
         self._data_backend = data_backend
         if rank == 1:
-            self._store = _connect_store(host, port, connect_timeout_s)
+            self._store = connect_store(host, port, connect_timeout_s)
         else:
             try:
                 self._store = dist.TCPStore(host, port, 2, True,

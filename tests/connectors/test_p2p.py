@@ -612,7 +612,7 @@ class _Group:
 
 @pytest.mark.parametrize("abort_name", ["abort", "_abort"])
 def test_a_data_transfer_that_never_completes_fails_within_the_timeout_and_aborts(abort_name):
-    from kvcore.connectors.p2p import wait_bounded
+    from kvcore.connectors.p2p_transport import wait_bounded
 
     work, group = _Work(None), _Group(abort_name)
     start = time.monotonic()
@@ -624,7 +624,7 @@ def test_a_data_transfer_that_never_completes_fails_within_the_timeout_and_abort
 
 
 def test_a_data_transfer_that_completes_is_waited_for_and_nothing_aborted():
-    from kvcore.connectors.p2p import wait_bounded
+    from kvcore.connectors.p2p_transport import wait_bounded
 
     work, group = _Work(3), _Group()
     wait_bounded(work, group, 5.0, "sending")
