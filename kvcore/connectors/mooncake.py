@@ -31,7 +31,8 @@ import torch
 
 from kvcore.connectors.base import RegisteredCaches
 from kvcore.connectors.convert import TPRank
-from kvcore.connectors.pull import DEFAULT_STAGING_BYTES, PullConnector, Regions, Run
+from kvcore.connectors.pull import DEFAULT_STAGING_BYTES, PullConnector
+from kvcore.connectors.pull_engine import Regions, Run
 
 __all__ = ["MOONCAKE_PROTOCOLS", "MooncakeConnector", "mooncake_unavailable_reason"]
 

@@ -31,13 +31,8 @@ import torch
 
 from kvcore.connectors.base import RegisteredCaches
 from kvcore.connectors.convert import TPRank
-from kvcore.connectors.pull import (
-    DEFAULT_STAGING_BYTES,
-    PullConnector,
-    Regions,
-    Run,
-    memory_kind,
-)
+from kvcore.connectors.pull import DEFAULT_STAGING_BYTES, PullConnector
+from kvcore.connectors.pull_engine import Regions, Run, memory_kind
 
 __all__ = ["UCX_DEFAULTS", "NixlConnector", "nixl_unavailable_reason"]
 

@@ -5,8 +5,11 @@ prefill/decode): a **producer** engine publishes blocks with ``save``; a **consu
 finds them with ``lookup`` and READs them with ``load`` from the producer's registered cache
 into its own blocks through a transfer library. :class:`PullConnector` holds everything but
 the library: the side channel, the producer's publications and leases, the consumer's link,
-runs of blocks and the bounded read loop. A subclass supplies the library's engine (memory
-registration, starting, polling and cancelling a READ, its notifications).
+runs of blocks and the bounded read loop (the producer's side in
+:mod:`~kvcore.connectors.pull_producer`, the consumer's link in
+:mod:`~kvcore.connectors.pull_consumer`). A subclass supplies the library's engine (memory
+registration, starting, polling and cancelling a READ, its notifications:
+:class:`~kvcore.connectors.pull_engine.Engine`).
 
 Memory: a block is one region per byte view of :class:`~kvcore.connectors.RegisteredCaches`:
 one region of ``num_layers * page_size_bytes`` for a cross-layer cache, one
@@ -65,28 +68,16 @@ import weakref
 from abc import abstractmethod
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
-from kvcore import KVCacheLayout, LayoutMismatchError
+from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
-from kvcore.connectors.convert import (
-    ConversionPlan,
-    LayoutConversionError,
-    TPRank,
-    as_tp_rank,
-    plan_conversion,
-)
-from kvcore.connectors.pull_producer import (
-    ChannelError,
-    Producer,
-    check_seconds,
-    close_socket,
-    recv_frame,
-    send_frame,
-)
+from kvcore.connectors.convert import ConversionPlan, TPRank, as_tp_rank, plan_conversion
+from kvcore.connectors.pull_consumer import Consumer
+from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs
+from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds
 
 __all__ = ["DEFAULT_STAGING_BYTES", "Engine", "PullConnector", "Regions", "Run", "memory_kind"]
 
@@ -97,262 +88,6 @@ _ROLES = ("producer", "consumer")
 #: A converting consumer's staging buffer (``staging_bytes``): READs of the producer's blocks
 #: land there in the producer's layout, then one gather converts them into the cache.
 DEFAULT_STAGING_BYTES = 256 << 20
-
-
-# -- memory ---------------------------------------------------------------------------------
-
-
-def memory_kind(storage: torch.Tensor, transport: str) -> tuple[str, int]:
-    """The memory type and device id of a tensor: ``VRAM`` and the GPU, or ``DRAM``."""
-    if storage.is_cuda:
-        return "VRAM", storage.device.index or 0
-    if storage.device.type != "cpu":
-        raise ValueError(f"the {transport} connector moves CPU (DRAM) or CUDA (VRAM) caches; "
-                         f"this one is on {storage.device}")
-    return "DRAM", 0
-
-
-@dataclass(frozen=True)
-class Regions:
-    """Where the blocks of a cache are: per byte view, the address of block 0, the distance
-    between blocks and the bytes of one block (one row)."""
-
-    addrs: tuple[int, ...]
-    strides: tuple[int, ...]
-    row_bytes: tuple[int, ...]
-    mem_type: str  # "DRAM" or "VRAM"
-    dev_id: int
-
-    @classmethod
-    def of(cls, reg: RegisteredCaches, transport: str) -> Regions:
-        views = reg.views
-        return cls(tuple(v.data_ptr() for v in views), tuple(v.stride(0) for v in views),
-                   tuple(v.shape[1] for v in views),
-                   *memory_kind(reg.kv_caches.storage, transport))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"addrs": list(self.addrs), "strides": list(self.strides),
-                "row_bytes": list(self.row_bytes), "mem_type": self.mem_type,
-                "dev_id": self.dev_id}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Regions:
-        try:
-            regions = cls(tuple(int(a) for a in data["addrs"]),
-                          tuple(int(s) for s in data["strides"]),
-                          tuple(int(r) for r in data["row_bytes"]), str(data["mem_type"]),
-                          int(data["dev_id"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ChannelError(f"the producer sent unreadable block regions ({exc})") from exc
-        if not len(regions.addrs) == len(regions.strides) == len(regions.row_bytes) \
-                or regions.mem_type not in ("DRAM", "VRAM"):
-            raise ChannelError(f"the producer sent inconsistent block regions {data!r}")
-        return regions
-
-    def run_descs(self, first: int, count: int) -> list[tuple[int, int, int]]:
-        """Descriptors ``(addr, bytes, dev_id)`` of ``count`` blocks from ``first``: one per
-        view when a view's rows are back to back, else one per view and block."""
-        descs = []
-        for addr, stride, row in zip(self.addrs, self.strides, self.row_bytes, strict=True):
-            start = addr + first * stride
-            if stride == row:
-                descs.append((start, count * row, self.dev_id))
-            else:
-                descs.extend((start + i * stride, row, self.dev_id) for i in range(count))
-        return descs
-
-
-class Engine(Protocol):
-    """One side's transfer engine, with the cache's storage registered (what
-    :meth:`PullConnector._open_engine` returns). Every call into the library goes through
-    it; it serialises them where the library is not thread-safe."""
-
-    #: How the peer names this engine: the consumer's name in a producer's leases and
-    #: notifications.
-    name: str
-
-    def hello(self) -> dict[str, Any]:
-        """Producer: the :attr:`PullConnector.hello_fields` consumers need to reach it."""
-
-    def connect(self, reply: dict[str, Any]) -> Any:
-        """Consumer: reach the producer's engine from its hello; returns what
-        :meth:`start_read` and :meth:`forget` call it."""
-
-    def forget(self, remote: Any) -> None:
-        """Consumer: drop the producer's engine (after the last READ)."""
-
-    def start_read(self, run: Run, lease: str, local: Regions, remote_regions: Regions,
-                   remote: Any) -> None:
-        """Start the READ of ``run`` (set ``run.handle``); raise with the reason if it cannot
-        start (then :meth:`release` releases what was set)."""
-
-    def poll(self, run: Run) -> str:
-        """``"DONE"``, ``"PROC"`` (in flight) or why the READ failed."""
-
-    def release(self, run: Run) -> bool:
-        """Release ``run.handle`` (cancelling a READ in flight, where the library can);
-        ``False`` if the READ may still write the blocks."""
-
-    def notifications(self) -> list[tuple[str, bytes]]:
-        """Producer: the READ notifications that arrived, as ``(consumer, message)``;
-        ``[]`` where READs are confirmed over the side channel."""
-
-    def register_staging(self, staging: torch.Tensor) -> None:
-        """Consumer: register ``staging`` (local READs may land in it) beside the cache;
-        released by :meth:`close`."""
-
-    def close(self) -> None:
-        """Deregister the memory and let the engine go (idempotent)."""
-
-
-# -- consumer -------------------------------------------------------------------------------
-
-
-class _Consumer:
-    """The consumer's link to one producer: the socket, the producer's regions and engine."""
-
-    def __init__(self, conn: PullConnector, engine: Engine) -> None:
-        self.conn = conn
-        self.engine = engine
-        self.who = f"{conn.transport} consumer"
-        self.lock = threading.Lock()  # one request/answer at a time on the socket
-        self.sock: socket.socket | None = None
-        self.failure: str | None = None  # why the link is down
-        self.remote: Any = None  # what the engine calls the producer
-        self.regions: Regions | None = None
-        self.num_blocks = 0
-        self.plan: ConversionPlan | None = None  # producer's layout -> this cache's
-
-    def connect(self, local: Regions) -> None:
-        conn = self.conn
-        deadline = time.monotonic() + conn.connect_timeout_s
-        where = f"{conn.host}:{conn.port}"
-        last: Exception | None = None
-        sock = None
-        while sock is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ConnectionError(
-                    f"{self.who}: no producer answered at {where} within connect_timeout_s="
-                    f"{conn.connect_timeout_s} (last error: {last}); start the producer "
-                    "first, check the address and port, and that a firewall lets TCP to that "
-                    "port through")
-            try:
-                sock = socket.create_connection((conn.host, conn.port), timeout=min(left, 2.0))
-            except OSError as exc:
-                last = exc
-                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            send_frame(sock, {"op": "hello", "protocol": conn.channel_protocol,
-                               "agent": self.engine.name, "layout": conn._layout.to_dict(),
-                               "tp": [conn.tp.degree, conn.tp.rank],
-                               "num_kv_heads": conn.num_kv_heads,
-                               "quantize": conn._kv_scales is not None})
-            reply = recv_frame(sock)
-        except (OSError, ChannelError) as exc:
-            close_socket(sock)
-            raise ConnectionError(
-                f"{self.who}: the producer at {where} did not complete the handshake within "
-                f"connect_timeout_s={conn.connect_timeout_s}: {exc}") from exc
-        try:
-            self._check_reply(reply, where)
-            self.remote = self.engine.connect(reply)
-        except BaseException:
-            close_socket(sock)
-            raise
-        if self.regions.mem_type != local.mem_type:
-            logger.info("%s: reading %s blocks into %s", self.who, self.regions.mem_type,
-                        local.mem_type)
-        sock.settimeout(conn.timeout_s)
-        self.sock = sock
-
-    def _check_reply(self, reply: dict[str, Any], where: str) -> None:
-        layout = self.conn._layout
-        names = ("consumer", f"producer {where}")
-        if "layout" in reply:
-            try:
-                theirs = KVCacheLayout.from_dict(reply["layout"])
-                src_tp = as_tp_rank(reply.get("tp"), "the producer's tp")
-            except (TypeError, ValueError) as exc:
-                raise LayoutMismatchError(f"{names[1]} sent a layout this kvcore cannot read "
-                                          f"({exc}); {names[0]} has {layout.describe()}"
-                                          ) from exc
-            # The same plan the producer agreed to (or refused, naming the field).
-            try:
-                self.plan = self.conn._plan_from(theirs, src_tp, reply.get("num_kv_heads"))
-            except LayoutConversionError as exc:
-                raise LayoutConversionError(f"{names[0]} cannot load from {names[1]}: {exc}"
-                                            ) from None
-        if not reply.get("ok"):
-            raise ConnectionError(f"{self.who}: the producer at {where} refused the "
-                                  f"connection: {reply.get('error')}")
-        missing = [k for k in self.conn.hello_fields if k not in reply]
-        if reply.get("protocol") != self.conn.channel_protocol or missing:
-            raise ConnectionError(f"{self.who}: {where} answered {str(reply)[:200]!r}, "
-                                  f"not a {self.conn.channel_protocol} producer")
-        self.regions = Regions.from_dict(reply.get("regions"))
-        self.num_blocks = int(reply.get("num_blocks", 0))
-        max_lease_s = reply.get("max_lease_s")
-        if isinstance(max_lease_s, (int, float)) and 2 * self.conn.timeout_s > max_lease_s:
-            raise ValueError(f"{self.who}: timeout_s={self.conn.timeout_s} needs leases of "
-                             f"{2 * self.conn.timeout_s:g} s, and the producer at {where} "
-                             f"grants at most max_lease_s={max_lease_s}: lower timeout_s to "
-                             f"{max_lease_s / 2:g} or raise the producer's max_lease_s")
-
-    def request(self, message: dict[str, Any], timeout: float | None = None
-                ) -> dict[str, Any]:
-        """One request and its answer within ``timeout`` (default ``timeout_s``); a failure
-        downs the link (a late answer would desynchronise the stream)."""
-        with self.lock:
-            if self.failure is not None:
-                raise ChannelError(self.failure)
-            try:
-                self.sock.settimeout(timeout or self.conn.timeout_s)
-                send_frame(self.sock, message)
-                reply = recv_frame(self.sock)
-            except (OSError, ChannelError) as exc:
-                kind = "no answer" if isinstance(exc, TimeoutError) else "lost"
-                self.failure = (f"link to the producer at {self.conn.host}:{self.conn.port} "
-                                f"{kind} (timeout_s={self.conn.timeout_s}): {exc}")
-                close_socket(self.sock)
-                raise ChannelError(self.failure) from exc
-        if not reply.get("ok"):
-            raise ChannelError(f"the producer refused {message.get('op')}: "
-                                f"{reply.get('error')}")
-        return reply
-
-    def disconnect(self) -> None:
-        """Down the link: requests in flight fail now, later ones at once."""
-        if self.failure is None:
-            self.failure = "the connector is closed"
-        if self.sock is not None:
-            close_socket(self.sock)  # (without the lock: it wakes a request holding it)
-
-
-@dataclass
-class Run:
-    """Blocks ``first..end-1`` of a fetch, consecutive on both sides, read by one READ."""
-
-    first: int
-    end: int
-    src: int  # producer block of ``first``
-    dst: int  # consumer block of ``first``
-    handle: Any = None  # the engine's, while the READ is in flight
-
-
-def _runs(pairs: list[tuple[int, int, int]]) -> list[Run]:
-    """Group ``(fetch index, producer block, consumer block)`` into runs consecutive in all
-    three."""
-    runs: list[Run] = []
-    for i, src, dst in pairs:
-        last = runs[-1] if runs else None
-        if last is not None and i == last.end and src == last.src + (i - last.first) \
-                and dst == last.dst + (i - last.first):
-            last.end += 1
-        else:
-            runs.append(Run(i, i + 1, src, dst))
-    return runs
 
 
 # -- the connector --------------------------------------------------------------------------
@@ -439,7 +174,7 @@ class PullConnector(KVConnector):
         self.agent_name = f"kvcore-{role}-{uuid.uuid4().hex[:12]}"
         self._engine: Engine | None = None
         self._producer: Producer | None = None
-        self._consumer: _Consumer | None = None
+        self._consumer: Consumer | None = None
         self._loader: ThreadPoolExecutor | None = None
         if role == "producer":
             listener = socket.create_server((host, port), backlog=64)
@@ -479,7 +214,7 @@ class PullConnector(KVConnector):
                          **engine.hello()}
                 self._producer.start(engine, hello)
             else:
-                consumer = _Consumer(self, engine)
+                consumer = Consumer(self, engine)
                 consumer.connect(regions)
                 self._consumer = consumer
                 if consumer.plan is not None and not consumer.plan.is_identity:
@@ -711,7 +446,7 @@ class PullConnector(KVConnector):
                     continue
                 pairs.append((j, src, local_ids[i]))
             if pairs:
-                read, errors = self._read_runs(lease, _runs(pairs), deadline, local)
+                read, errors = self._read_runs(lease, read_runs(pairs), deadline, local)
                 for j in read:
                     del todo[wanted[j]]
                     loaded.add(wanted[j])
@@ -800,7 +535,7 @@ class PullConnector(KVConnector):
             torch.cuda.synchronize(self._reg.kv_caches.storage.device)
         return read, errors
 
-    def _confirm(self, consumer: _Consumer, lease: str, run: Run) -> str | None:
+    def _confirm(self, consumer: Consumer, lease: str, run: Run) -> str | None:
         """Tell the producer that ``run`` was read, where the library's notification does not
         (:attr:`confirms_over_channel`). Returns why the producer did not take it, or
         ``None``: a run the producer no longer leased (expired, or released with a lost
