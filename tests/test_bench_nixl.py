@@ -27,7 +27,8 @@ def bench():
 
 
 def tiny_args(**overrides) -> argparse.Namespace:
-    args = dict(device="cpu", mib=1, layers=2, block_kib=16, per_layer=False, scattered=False)
+    args = dict(device="cpu", mib=1, layers=2, block_kib=16, per_layer=False, scattered=False,
+                convert=False, gather_only=False)
     return argparse.Namespace(**{**args, **overrides})
 
 
