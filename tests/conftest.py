@@ -72,6 +72,7 @@ def with_plugins(fixture_plugins_dir, fresh_kvcore, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.syspath_prepend(str(fixture_plugins_dir))
     importlib.invalidate_caches()
+    imported_before = set(sys.modules)
 
     def enable(*names: str) -> None:
         monkeypatch.setenv("KVCORE_PLUGINS", ",".join(f"testfixture_{n}" for n in names))
@@ -79,6 +80,9 @@ def with_plugins(fixture_plugins_dir, fresh_kvcore, monkeypatch: pytest.MonkeyPa
         fresh_kvcore.clear_platform_cache()
 
     yield enable
+    # Forget the plugin modules this test imported (the fixtures' are on a path that goes
+    # away), but not the installed plugins imported earlier: tests that already hold their
+    # classes must keep patching the same modules.
     for name in list(sys.modules):
-        if name.startswith("kvcore_"):
+        if name.startswith("kvcore_") and name not in imported_before:
             sys.modules.pop(name)
