@@ -86,6 +86,39 @@ def test_saving_a_stored_key_copies_nothing():
         assert again.succeeded == (0, 1) and again.num_bytes == 0
 
 
+@pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
+def test_a_save_never_evicts_a_key_it_counts_as_stored(cross):
+    """A save whose new key comes before a key it holds already, that key the least recently
+    used: the new key must evict another entry, not the held one (which would then be copied
+    again, from a block that need not hold the bytes saved under that key)."""
+    kv = make_caches(cross_layer=cross)
+    held, other, new = keys_for(random.randrange(2**31), 3)
+    with offload_for(kv, 2) as conn:
+        assert conn.save([held], [0]).wait().ok
+        expected = block_bytes(kv, [0])
+        assert conn.save([other], [1]).wait().ok
+        randomize(kv)
+        result = conn.save([new, held], [2, 3]).wait()
+        assert sorted(result.succeeded) == [2, 3]
+        assert result.num_bytes == conn.block_bytes  # one copy: `new`
+        assert sorted(conn.cached_keys()) == sorted([held, new])
+        assert conn.stats.evictions == 1  # `other`, nothing else
+        assert conn.load([held], [4]).wait().ok
+        assert torch.equal(block_bytes(kv, [4]), expected)
+
+
+def test_a_save_larger_than_what_it_may_evict_keeps_the_keys_it_holds():
+    kv = make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 3)
+    with offload_for(kv, 2) as conn:
+        assert conn.save(keys[1:], [1, 2]).wait().ok
+        result = conn.save(keys, [3, 4, 5]).wait()
+        assert result.succeeded == (4, 5) and result.num_bytes == 0
+        assert result.failed == {3: "CPU pool full: all 2 usable slots hold blocks with "
+                                    "transfers in flight or blocks this save keeps"}
+        assert conn.cached_keys() == keys[1:] and conn.stats.evictions == 0
+
+
 def test_capacity_below_one_block_names_capacity_bytes():
     kv = make_caches(cross_layer=True)
     conn = get_connector("offload", capacity_bytes=kv.num_layers * kv.page_size_bytes - 1)

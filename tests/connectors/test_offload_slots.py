@@ -21,6 +21,17 @@ def test_in_flight_blocks_are_never_evicted():
     assert index.keys() == ["a", "b", "d"] and index.evictions == 1
 
 
+def test_kept_entries_are_never_evicted():
+    index = SlotIndex(3)
+    for key in ("a", "b", "c"):
+        index.allocate(key)
+    entry = index.allocate("d", keep={"a"})  # "a" is least recently used, but kept
+    assert entry.slot == 1 and index.keys() == ["a", "c", "d"]
+    index.get("d").pins += 1
+    assert index.allocate("e", keep={"a", "c"}) is None  # the rest kept or in flight
+    assert index.keys() == ["a", "c", "d"] and index.evictions == 1
+
+
 def test_free_slots_are_handed_out_lowest_first():
     index = SlotIndex(6)
     assert [index.allocate(k).slot for k in "abcd"] == [0, 1, 2, 3]

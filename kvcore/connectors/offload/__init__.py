@@ -42,7 +42,8 @@ engines move each run of blocks. Direct transfers stay direct. Staging is the de
 it is faster; a copier takes less from the engine (numbers in ``benchmarks/RESULTS.md``).
 
 A block with a transfer in flight (a save not yet complete, a load reading its slot) is never
-evicted; if every slot is in flight, saving more fails for those blocks.
+evicted, and a save never evicts a key it holds already (such a key counts as saved, without
+a copy); if no other slot is left, saving more fails for those blocks.
 
 The package, one module per concern:
 

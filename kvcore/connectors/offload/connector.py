@@ -306,14 +306,19 @@ class OffloadConnector(KVConnector):
         with self._lock:
             self._grow()
             evictions = self._index.evictions
+            # Keys held already count as saved, without a copy: so the new blocks must not
+            # evict them (a held key evicted here would be copied again, or lost, while the
+            # result says it is stored). Touched first, they are also the last LRU victims.
+            held = {key for key in keys if self._index.get(key) is not None}
             for key, block in zip(keys, block_ids, strict=True):
-                if self._index.get(key) is not None:
+                if key in held:
                     present.append(block)
                     continue
-                entry = self._index.allocate(key)
+                entry = self._index.allocate(key, keep=held)
                 if entry is None:
                     failed[block] = (f"CPU pool full: all {self._index.available} usable "
                                      "slots hold blocks with transfers in flight"
+                                     + (" or blocks this save keeps" if held else "")
                                      + (f" ({self._index.num_slots - self._index.available} "
                                         "more are still being pinned)"
                                         if self._index.available < self._index.num_slots

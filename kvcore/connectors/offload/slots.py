@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ class SlotIndex:
     """Key -> host slot in least-recently-used order (oldest first). Callers hold a lock.
 
     Free slots are handed out lowest first; when none is free, the least recently used entry
-    without a transfer in flight (``pins == 0``) is evicted.
+    without a transfer in flight (``pins == 0``), and not one the caller keeps, is evicted.
     """
 
     def __init__(self, num_slots: int, available: int | None = None) -> None:
@@ -55,13 +56,15 @@ class SlotIndex:
             self._entries.move_to_end(key)
         return entry
 
-    def allocate(self, key: str) -> SlotEntry | None:
+    def allocate(self, key: str, keep: Container[str] = ()) -> SlotEntry | None:
         """A slot for ``key``: a free one, else the least recently used entry's that has no
-        transfer in flight; None if every slot is in flight."""
+        transfer in flight and is not in ``keep`` (e.g. the keys a save counts as stored);
+        None if there is no such entry."""
         if self._free:
             slot = heapq.heappop(self._free)
         else:
-            victim = next((k for k, e in self._entries.items() if e.pins == 0), None)
+            victim = next((k for k, e in self._entries.items()
+                           if e.pins == 0 and k not in keep), None)
             if victim is None:
                 return None
             slot = self._entries.pop(victim).slot
