@@ -99,9 +99,38 @@ def _cache_write_case(target: CompileTarget, name: str, *, num_tokens: int, num_
                       skip=_skip("TRITON_ATTN", target, head_size, dtype, kv_cache_dtype))
 
 
+def _convert_case(target: CompileTarget, name: str, *, dst_dtype: torch.dtype) -> KernelCase:
+    """A connector's layout conversion: 256 tokens of 2 layers from NHD blocks of 16 into HND
+    blocks of 64 (8 K/V heads of 128), bf16 bytes as they are or quantised to ``dst_dtype``."""
+    def launch() -> str:
+        from kvcore.ops.triton_convert import convert_blocks
+
+        layers, heads, dim, tokens = 2, 8, 128, 256
+        src_bs, dst_bs = 16, 64
+        page = 2 * heads * dim  # K and V of one token of one layer
+        src = torch.empty(tokens * layers * page, dtype=torch.bfloat16)
+        dst = torch.empty(tokens * layers * page, dtype=dst_dtype)
+        quantize = dst_dtype != torch.bfloat16
+        convert_blocks(
+            src, dst, list(range(tokens // src_bs)), list(range(tokens // dst_bs)),
+            num_tokens=tokens, src_block_size=src_bs, dst_block_size=dst_bs,
+            src_strides=(layers * src_bs * page, src_bs * page, src_bs * heads * dim,
+                         heads * dim, dim, 1),
+            dst_strides=(layers * dst_bs * page, dst_bs * page, dst_bs * heads * dim,
+                         dim, dst_bs * dim, 1),
+            num_layers=layers, num_kv=2, head_pairs=[(h, h) for h in range(heads)],
+            head_size=dim, scales=torch.ones(layers * 2) if quantize else None)
+        return "triton_convert"
+
+    fp8 = "fp8_e4m3" if dst_dtype != torch.bfloat16 else "auto"
+    return KernelCase(name, launch,
+                      skip=_skip("TRITON_ATTN", target, 128, torch.bfloat16, fp8))
+
+
 def compile_cases(target: CompileTarget) -> list[KernelCase]:
     """kvcore's cases: decode (with and without split-KV), mixed prefill+decode, fp8 caches,
-    head size 256 with a sliding window, the HND layout, and the cache writes."""
+    head size 256 with a sliding window, the HND layout, the cache writes and the connectors'
+    layout conversion."""
     bf16, fp16 = torch.bfloat16, torch.float16
     llama8b = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128}  # Llama-3-8B
     mixed = [2048, 2048] + [1] * 62  # two 2,048-token prefills among 62 decodes
@@ -135,5 +164,8 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
                           num_kv_heads=8, head_size=128, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
         _cache_write_case(target, "cache write 2048 tok Hk8 D256 bf16", num_tokens=2048,
                           num_kv_heads=8, head_size=256, dtype=bf16),
+        _convert_case(target, "convert 256 tok NHD/16 -> HND/64 bf16", dst_dtype=bf16),
+        _convert_case(target, "convert 256 tok NHD/16 -> HND/64 bf16 -> fp8-e4m3",
+                      dst_dtype=torch.float8_e4m3fn),
     ]
     return cases
