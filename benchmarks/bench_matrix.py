@@ -32,9 +32,7 @@ Usage: ``python benchmarks/bench_matrix.py [--model NAME ...] [--kv-cache-dtype 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -130,9 +128,7 @@ def peers(inputs: StepInputs) -> PeerList:
                        ("flash-attn-4 direct", flash_attn_4_direct)):
         try:
             found.append((name, make(inputs), True))
-        except ImportError:
-            continue
-        except PeerUnsupported:
+        except (ImportError, PeerUnsupported):
             continue
         except Exception as exc:  # a peer that cannot even plan: its row says why
             message = f"{type(exc).__name__}: {exc}"
@@ -165,7 +161,7 @@ def gaps(report: ModelBenchReport) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.script_parser(__doc__, _ROOT / "benchmarks" / "results")
     parser.add_argument("--model", action="append", default=None,
                         help="a preset (repeatable; default: every preset)")
     parser.add_argument("--kv-cache-dtype", action="append", default=None)
@@ -176,8 +172,6 @@ def main() -> int:
                         help="stop starting new steps after this many seconds (0: no limit)")
     parser.add_argument("--small", action="store_true", help="scaled-down presets (CPU)")
     parser.add_argument("--no-peers", action="store_true", help="kvcore's backends only")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "")
-                                                         or _ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available() and not args.small
     if not on_gpu and not args.small:
