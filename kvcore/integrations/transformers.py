@@ -170,11 +170,16 @@ def _kvcore_attention(
     return impl.forward(_UNIT_SCALES, q, k, v, cache, meta).unsqueeze(0), None
 
 
+def _text_config(model: torch.nn.Module) -> Any:
+    """The config of ``model``'s language model (a multimodal model's text part)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def model_problems(model: torch.nn.Module) -> list[str]:
     """Why transformers' continuous batching of ``model`` cannot run on kvcore (empty: it
     can): cache groups other than one full-attention group, MLA, sinks, soft-capping."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
+    config = _text_config(model)
     problems = []
     if getattr(config, "kv_lora_rank", None) is not None:
         problems.append(
@@ -231,8 +236,7 @@ def select_backend(
             not the named one) can run it on transformers' cache.
     """
     transformers = _import_transformers()
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
+    config = _text_config(model)
     if page_size is None:
         page_size = transformers.ContinuousBatchingConfig.page_size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -345,8 +349,7 @@ class KVCoreAttention:
         self.backend = select_backend(model, backend, page_size=self._page_size,
                                       platform=platform)
         self._modules = _attention_modules(model)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-            else model.config
+        config = _text_config(model)
         expected = list(range(config.num_hidden_layers))
         if sorted(self._modules) != expected:
             raise ValueError(
