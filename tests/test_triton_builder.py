@@ -154,3 +154,29 @@ def test_the_op_refuses_a_workspace_it_cannot_use(kv):
     with pytest.raises(TypeError, match="plan.workspace must be a pair of tensors"):
         paged_attention(query, k, v, **args, plan=Plan(
             num_kv_splits=2, workspace=torch.empty(256, device=DEVICE)))
+
+
+def test_update_and_forward_runs_a_subclass_s_own_kernel_hooks(kv):
+    # A plugin's impl over TRITON_ATTN (ROCm's aiter one) overrides attend or the op; the
+    # one-call path must run them as forward does.
+    seen = []
+
+    class OwnAttend(kvcore.TritonAttentionImpl):
+        def attend(self, layer, query, kv_cache, attn_metadata, output):
+            seen.append("attend")
+            output.zero_()
+
+    class OwnOp(kvcore.TritonAttentionImpl):
+        @staticmethod
+        def paged_attention(query, key_cache, value_cache, **kwargs):
+            seen.append("paged_attention")
+            kwargs["output"].zero_()
+
+    meta = decode([5], [[1, 2]], DEVICE)
+    query = torch.randn(1, HQ, D, device=DEVICE)
+    for cls in (OwnAttend, OwnOp):
+        impl = cls(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK)
+        out = impl.update_and_forward(kvcore.LayerScales(), query, query[:, :HK], query[:, :HK],
+                                      kv.clone(), meta, output=torch.ones_like(query))
+        assert not out.any()
+    assert seen == ["attend", "paged_attention"]

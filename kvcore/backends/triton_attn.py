@@ -143,8 +143,9 @@ class TritonAttentionImpl(PagedAttentionImpl):
                            attn_metadata: AttentionMetadata,
                            output: torch.Tensor | None = None) -> torch.Tensor:
         """The cache write and the attention on one pair of K/V views, the ops called
-        without their lazy-import wrappers (same result and errors as the two calls)."""
-        if not self.writes_kv_cache():
+        without their lazy-import wrappers (same result and errors as the two calls). An
+        encoder-only layer, or a subclass with its own :meth:`attend`, takes the two calls."""
+        if not self.writes_kv_cache() or type(self).attend is not TritonAttentionImpl.attend:
             return super().update_and_forward(layer, query, key, value, kv_cache,
                                               attn_metadata, output)
         write, _ = _ops()
@@ -165,7 +166,9 @@ class TritonAttentionImpl(PagedAttentionImpl):
 
     def _attend(self, layer: AttentionLayer, query: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, m: AttentionMetadata, output: torch.Tensor) -> None:
-        _, attention = _ops()
+        attention = self.paged_attention
+        if attention is triton_paged_attention:  # not a subclass's own: skip the wrapper
+            _, attention = _ops()
         attention(query, key_cache, value_cache, query_start_loc=m.query_start_loc,
                   seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
                   causal=self.is_causal(m), sliding_window=self.sliding_window,
