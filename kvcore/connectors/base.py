@@ -33,13 +33,16 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
-from kvcore import AttentionBackend, KVCaches
+from kvcore import AttentionBackend, KVCacheLayout, KVCaches
 from kvcore.connectors.blocks import extract_kv_from_layer, inject_kv_into_layer
 from kvcore.connectors.keys import check_block_keys
+
+if TYPE_CHECKING:
+    from kvcore.connectors.convert import ConversionPlan
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -230,9 +233,9 @@ class RegisteredCaches:
     views: list[torch.Tensor]
 
 
-def _block_size(kv_caches: KVCaches) -> int:
-    layout = kv_caches.layout
-    return layout.layer_shape[layout.layer_dim_names.index("N")]
+def layout_block_size(layout: KVCacheLayout) -> int:
+    """Tokens one block of ``layout`` holds (its ``N`` dim)."""
+    return layout.logical_shape[layout.dim_names.index("N")]
 
 
 class KVConnector(ABC):
@@ -470,7 +473,7 @@ class KVConnector(ABC):
                                  f"{len(ids)}; pass one key per block")
             raise ValueError(f"{op}: keys has {len(keys)} entries, blocks of the peer's "
                              f"{self._key_tokens()} tokens, which fill {want} block(s) of this "
-                             f"cache's {_block_size(self.kv_caches)} tokens, but "
+                             f"cache's {layout_block_size(self.kv_caches.layout)} tokens, but "
                              f"block_ids has {len(ids)}; pass the blocks those tokens occupy "
                              "here (see docs/connector.md, 'Block sizes that differ')")
         return keys, ids
@@ -491,14 +494,21 @@ class KVConnector(ABC):
         self._registered()
         return self._blocks_for_keys(num_keys)
 
+    def _load_plan(self) -> ConversionPlan | None:
+        """The conversion a load applies, when the keys may name a peer's blocks of another
+        size (a converting connector overrides this); ``None``: one key a block."""
+        return None
+
     def _blocks_for_keys(self, num_keys: int) -> int:
-        """How many of this cache's blocks a load of ``num_keys`` keys fills: one a key,
-        unless the keys name blocks of another size (a converting connector says so)."""
-        return num_keys
+        """How many of this cache's blocks a load of ``num_keys`` keys fills."""
+        plan = self._load_plan()
+        return num_keys if plan is None else plan.blocks_for_keys(num_keys)
 
     def _key_tokens(self) -> int:
-        """Tokens one key of a load names (this cache's block size unless overridden)."""
-        return _block_size(self.kv_caches)
+        """Tokens one key of a load names."""
+        plan = self._load_plan()
+        return layout_block_size(self.kv_caches.layout) if plan is None \
+            else plan.src_block_size
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (

@@ -54,7 +54,13 @@ import torch
 import torch.distributed as dist
 
 from kvcore import KVCacheLayout, LayoutMismatchError
-from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
+from kvcore.connectors.base import (
+    KVConnector,
+    RegisteredCaches,
+    TransferHandle,
+    TransferResult,
+    layout_block_size,
+)
 from kvcore.connectors.blocks import _host_buffer
 from kvcore.connectors.convert import (
     ConversionPlan,
@@ -284,7 +290,7 @@ class P2PConnector(KVConnector):
             "op": "hello",
             "layout": layout.to_dict(),
             "dtype": str(layout.dtype).removeprefix("torch."),
-            "block_size": layout.logical_shape[layout.dim_names.index("N")],
+            "block_size": layout_block_size(layout),
             "inbox_bytes": self.inbox_bytes,
             "tp": [self.tp.degree, self.tp.rank],
             "num_kv_heads": self.num_kv_heads,
@@ -351,11 +357,8 @@ class P2PConnector(KVConnector):
         return min(inbox_bytes, max(_MAX_PAYLOAD_BYTES, self._block_bytes,
                                     self._peer_block_bytes))
 
-    def _blocks_for_keys(self, num_keys: int) -> int:
-        return num_keys if self.plan is None else self.plan.blocks_for_keys(num_keys)
-
-    def _key_tokens(self) -> int:
-        return super()._key_tokens() if self.plan is None else self.plan.src_block_size
+    def _load_plan(self) -> ConversionPlan | None:
+        return self.plan
 
     # -- messages ---------------------------------------------------------------------------
 

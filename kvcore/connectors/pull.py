@@ -265,11 +265,8 @@ class PullConnector(KVConnector):
         logger.info("%s consumer: converting on load with a %d-block staging buffer in %d "
                     "part(s):\n%s", self.transport, count, self._halves, plan)
 
-    def _blocks_for_keys(self, num_keys: int) -> int:
-        return num_keys if self._plan is None else self._plan.blocks_for_keys(num_keys)
-
-    def _key_tokens(self) -> int:
-        return super()._key_tokens() if self._plan is None else self._plan.src_block_size
+    def _load_plan(self) -> ConversionPlan | None:
+        return self._plan
 
     @property
     def plan(self) -> ConversionPlan | None:

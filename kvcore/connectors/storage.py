@@ -45,7 +45,13 @@ from typing import Any
 import torch
 
 from kvcore import KVCacheLayout
-from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
+from kvcore.connectors.base import (
+    KVConnector,
+    RegisteredCaches,
+    TransferHandle,
+    TransferResult,
+    layout_block_size,
+)
 from kvcore.connectors.blocks import _host_buffer
 from kvcore.connectors.convert import (
     ConversionPlan,
@@ -133,7 +139,7 @@ class StorageConnector(KVConnector):
             "format": FILE_FORMAT,
             "layout": json.dumps(layout.to_dict()),
             "dtype": str(layout.dtype).removeprefix("torch."),
-            "block_size": str(_block_size(layout)),
+            "block_size": str(layout_block_size(layout)),
         }
 
     def _sources(self) -> list[tuple[Path, ConversionPlan]]:
@@ -377,7 +383,3 @@ class StorageConnector(KVConnector):
         with contextlib.suppress(OSError, _LinkedDir):
             self._check_dirs(path)
             path.unlink(missing_ok=True)
-
-
-def _block_size(layout: KVCacheLayout) -> int:
-    return layout.logical_shape[layout.dim_names.index("N")]
