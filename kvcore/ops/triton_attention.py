@@ -127,12 +127,8 @@ def paged_attention(
         ``output`` (or a new tensor like ``query``).
     """
     try:
-        layer = _LAYERS.get((
-            key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
-            key_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
-            value_cache.device, value_cache.data_ptr(), query.dtype, query.shape[1:],
-            kv_cache_dtype, scale, causal, sliding_window, scale_key(k_scale),
-            scale_key(v_scale), interpreting(), recording_launches(), gluon_defaults_enabled()))
+        layer = _LAYERS.get(_layer_key(query, key_cache, value_cache, scale, causal,
+                                       sliding_window, kv_cache_dtype, k_scale, v_scale))
     except (AttributeError, TypeError, IndexError):  # the checks below say what is wrong
         layer = None
     if layer is not None and layer.takes(query, query_start_loc, seq_lens, block_table,
@@ -216,6 +212,19 @@ _MAX_LAYERS = 1024
 _last_step: tuple = ()
 
 
+def _layer_key(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               scale: float, causal: bool, sliding_window: int | None, kv_cache_dtype: str,
+               k_scale: KVScale, v_scale: KVScale) -> tuple:
+    """What a :class:`_Layer`'s checks and choices hold for: the caches (shape, strides,
+    dtype, device, address), the query's dtype and head shape, the scalar arguments, and the
+    process switches that change the kernel choice."""
+    return (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+            key_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
+            value_cache.device, value_cache.data_ptr(), query.dtype, query.shape[1:],
+            kv_cache_dtype, scale, causal, sliding_window, scale_key(k_scale),
+            scale_key(v_scale), interpreting(), recording_launches(), gluon_defaults_enabled())
+
+
 class _Layer:
     """One cache pair's checked attention: what the checks established for it with one
     query dtype, head count and the scalar arguments, its kernel choices (by plan and step
@@ -226,12 +235,8 @@ class _Layer:
                  block_table: torch.Tensor, scale: float, causal: bool,
                  sliding_window: int | None, kv_cache_dtype: str, k_scale: KVScale,
                  v_scale: KVScale) -> None:
-        self.key = (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
-                    key_cache.data_ptr(), value_cache.shape, value_cache.stride(),
-                    value_cache.dtype, value_cache.device, value_cache.data_ptr(), query.dtype,
-                    query.shape[1:], kv_cache_dtype, scale, causal, sliding_window,
-                    scale_key(k_scale), scale_key(v_scale), interpreting(),
-                    recording_launches(), gluon_defaults_enabled())
+        self.key = _layer_key(query, key_cache, value_cache, scale, causal, sliding_window,
+                              kv_cache_dtype, k_scale, v_scale)
         self.device = query.device
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
