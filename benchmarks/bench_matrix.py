@@ -50,7 +50,7 @@ from kvcore.cli.model_bench import (  # noqa: E402
     format_model_report,
     run_model_bench,
 )
-from kvcore.models import MODELS, ModelPreset  # noqa: E402
+from kvcore.models import MODELS  # noqa: E402
 from kvcore.ranking import library_versions  # noqa: E402
 
 #: The ratio to the best peer under which a selected backend's step is listed as a gap.
@@ -184,9 +184,9 @@ def main() -> int:
     with run.section("matrix"):
         report = run_model_bench(ModelBenchOptions(
             models=args.model or list(MODELS), small=args.small,
-            kv_cache_dtypes=args.kv_cache_dtype or ModelPreset.KV_CACHE_DTYPES,
-            block_sizes=args.block_size or ModelPreset.BLOCK_SIZES,
-            phases=args.phase or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
+            kv_cache_dtypes=args.kv_cache_dtype or ModelBenchOptions.kv_cache_dtypes,
+            block_sizes=args.block_size or ModelBenchOptions.block_sizes,
+            phases=args.phase or ModelBenchOptions.phases, budget_s=args.budget_s,
             platform="cuda" if on_gpu else "cpu", log=run.log),
             peers=None if args.no_peers else peers)
         run.results["rows"] = [r.to_dict() for r in report.rows]

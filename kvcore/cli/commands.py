@@ -401,9 +401,9 @@ def _bench_models(args: argparse.Namespace) -> int:
     log = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
     report = run_model_bench(ModelBenchOptions(
         models=args.model, small=args.small, dtype=args.dtype, platform=args.platform,
-        kv_cache_dtypes=args.kv_cache_dtypes or kvcore.ModelPreset.KV_CACHE_DTYPES,
-        block_sizes=args.block_sizes or kvcore.ModelPreset.BLOCK_SIZES,
-        phases=args.phases or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
+        kv_cache_dtypes=args.kv_cache_dtypes or ModelBenchOptions.kv_cache_dtypes,
+        block_sizes=args.block_sizes or ModelBenchOptions.block_sizes,
+        phases=args.phases or ModelBenchOptions.phases, budget_s=args.budget_s,
         log=log))
     _emit(args, report.to_dict(), format_model_report(report))
     return 1 if any(r.error for r in report.rows) else 0
@@ -427,9 +427,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                          "--num-kv-heads and --head-size, or leave it out")
     result = run_tune(TuneOptions(
         models=models, small=args.small or None, platform=args.platform, output=args.output,
-        kv_cache_dtypes=args.kv_cache_dtypes or kvcore.ModelPreset.KV_CACHE_DTYPES,
-        block_sizes=args.block_sizes or kvcore.ModelPreset.BLOCK_SIZES,
-        phases=args.phases or ("decode", "prefill", "mixed"), budget_s=args.budget_s,
+        kv_cache_dtypes=args.kv_cache_dtypes or TuneOptions.kv_cache_dtypes,
+        block_sizes=args.block_sizes or TuneOptions.block_sizes,
+        phases=args.phases or TuneOptions.phases, budget_s=args.budget_s,
         progress=args.verbose))
     _emit(args, result.to_dict(), format_tune(result, verbose=args.verbose))
     return 0
