@@ -4,13 +4,12 @@ of another, equal value for value through the logical views."""
 from __future__ import annotations
 
 import random
-import threading
-from contextlib import contextmanager
 
 import pytest
 import torch
 from kv_helpers import keys_for, make_caches
 from pull_cases import PULLS
+from test_p2p import pair
 
 from kvcore import KVCaches
 from kvcore.connectors import LayoutConversionError, get_connector
@@ -251,35 +250,6 @@ def test_pull_bad_loads_are_refused_naming_the_argument(pull):
 # -- p2p: the receiver converts on load -------------------------------------------------------
 
 
-@contextmanager
-def p2p_pair(kv0: KVCaches, kv1: KVCaches, tp0, tp1):
-    """p2p rank 0 (``tp0``) and rank 1 (``tp1``) in this process, registered concurrently."""
-    config = {"timeout_s": 5.0, "connect_timeout_s": 10.0}
-    c0 = get_connector("p2p", rank=0, tp=tp0, **config)
-    c1 = get_connector("p2p", rank=1, port=c0.port, tp=tp1, **config)
-    errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _register(c1, kv1, errors))
-    thread.start()
-    try:
-        try:
-            c0.register_kv_caches(kv0)
-        finally:
-            thread.join(30)
-        if errors:
-            raise errors[0]
-        yield c0, c1
-    finally:
-        c1.close()
-        c0.close()
-
-
-def _register(conn, kv: KVCaches, errors: list[BaseException]) -> None:
-    try:
-        conn.register_kv_caches(kv)
-    except BaseException as exc:
-        errors.append(exc)
-
-
 @pytest.mark.parametrize("case", [
     (("nhd", False, 4, 2, None), ("hnd", True, 8, 2, None), 5),
     (("hnd", True, 8, 2, None), ("interleaved", False, 4, 2, None), 3),
@@ -296,7 +266,7 @@ def test_p2p_receiver_converts_on_load(case):
     before = tokens_of(dst, list(range(dst.num_blocks)), dst.num_blocks * r_bs).clone()
     keys = keys_for(seed, n, block_size=s_bs)
     src_ids, dst_ids = [3, 4, 5, 9, 10][:n], [7, 0, 2, 11, 5, 6][:-(-n * s_bs // r_bs)]
-    with p2p_pair(src, dst, s_tp, r_tp) as (sender, receiver):
+    with pair(src, dst, tp=(s_tp, r_tp)) as (sender, receiver):
         assert receiver.plan is not None
         assert sender.save(keys, src_ids).wait(timeout=5).ok
         result = receiver.load(keys, dst_ids).wait(timeout=5)

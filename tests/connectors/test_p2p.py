@@ -74,11 +74,13 @@ def peer_process(scenario: str, port: int, seed: int, *, layout: str = "nhd",
 
 
 @contextmanager
-def pair(kv0: KVCaches, kv1: KVCaches, **config) -> Iterator[tuple[P2PConnector, P2PConnector]]:
-    """Rank 0 and rank 1 connectors in this process, registered concurrently."""
+def pair(kv0: KVCaches, kv1: KVCaches, *, tp=(None, None), **config
+         ) -> Iterator[tuple[P2PConnector, P2PConnector]]:
+    """Rank 0 and rank 1 connectors in this process, registered concurrently; ``tp``: each
+    rank's ``(degree, rank)``."""
     config = {"timeout_s": 5.0, "connect_timeout_s": 10.0, **config}
-    c0 = get_connector("p2p", rank=0, **config)
-    c1 = get_connector("p2p", rank=1, port=c0.port, **config)
+    c0 = get_connector("p2p", rank=0, tp=tp[0], **config)
+    c1 = get_connector("p2p", rank=1, port=c0.port, tp=tp[1], **config)
     errors: list[BaseException] = []
 
     def register_peer() -> None:
