@@ -84,6 +84,20 @@ class AttentionMetadataBuilder:
         """Block-table columns a request of ``max_model_len`` tokens needs."""
         return -(-self.max_model_len // self.spec.block_size)
 
+    def spec_kv_heads(self) -> int:
+        """The spec's K/V heads per layer, for a builder that plans by head counts.
+
+        Raises:
+            TypeError: the spec declares no K/V heads (an MLA spec's latent has none).
+        """
+        num_kv_heads = getattr(self.spec, "num_kv_heads", None)
+        if num_kv_heads is None:
+            raise TypeError(f"spec must be a kvcore.FullAttentionSpec (K/V heads), got "
+                            f"{type(self.spec).__name__}: {type(self).__name__} plans by K/V "
+                            "heads; give it the layers' FullAttentionSpec, or use an MLA "
+                            "backend for latent caches")
+        return num_kv_heads
+
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> AttentionMetadata:
         """The metadata every layer's ``forward`` gets for this step.

@@ -75,10 +75,7 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
-        num_kv_heads = getattr(spec, "num_kv_heads", None)
-        if num_kv_heads is None:
-            raise TypeError(f"spec must be a kvcore.FullAttentionSpec (K/V heads), got "
-                            f"{type(spec).__name__}")
+        num_kv_heads = self.spec_kv_heads()
         self._splits = default_num_kv_splits
         self._num_kv_heads = num_kv_heads
         # Graph steps split by the captured size and max_model_len; eager ones by the step's

@@ -139,10 +139,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
-        num_kv_heads = getattr(spec, "num_kv_heads", None)
-        if num_kv_heads is None:
-            raise TypeError(f"spec must be a kvcore.FullAttentionSpec (K/V heads), got "
-                            f"{type(spec).__name__}")
+        num_kv_heads = self.spec_kv_heads()
         self.num_kv_heads = num_kv_heads
         #: The softmax scale every plan is made for (see the backend's module).
         self.scale = spec.head_size ** -0.5
