@@ -122,17 +122,20 @@ def test_source_and_reader_ranks_are_the_plans_choice_seen_from_each_side(num_he
         assert plan.source_ranks == ranks
 
 
+#: Hypothesis strategies of a K/V conversion case: block sizes, per-layer orders and
+#: cross-layer flags (source, destination), a TP case, fp8 destination, a seed.
+KV_CASES = {
+    "bs": st.tuples(st.sampled_from(BLOCK_SIZES), st.sampled_from(BLOCK_SIZES)),
+    "orders": st.tuples(st.sampled_from(KV_ORDERS), st.sampled_from(KV_ORDERS)),
+    "cross": st.tuples(st.booleans(), st.booleans()),
+    "tp_case": st.sampled_from(TP_CASES),
+    "fp8": st.booleans(),
+    "seed": st.integers(0, 2**31 - 1),
+}
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    bs=st.tuples(st.sampled_from(BLOCK_SIZES), st.sampled_from(BLOCK_SIZES)),
-    orders=st.tuples(st.sampled_from(KV_ORDERS), st.sampled_from(KV_ORDERS)),
-    cross=st.tuples(st.booleans(), st.booleans()),
-    tp_case=st.sampled_from(TP_CASES),
-    fp8=st.booleans(),
-    num_tokens=st.integers(1, 300),
-    seed=st.integers(0, 2**31 - 1),
-    data=st.data(),
-)
+@given(**KV_CASES, num_tokens=st.integers(1, 300), data=st.data())
 def test_kv_conversion_matches_reference(bs, orders, cross, tp_case, fp8, num_tokens, seed,
                                          data):
     _, tp_s, tp_d, num_heads = tp_case

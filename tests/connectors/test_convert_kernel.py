@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_convert import (
     BLOCK_SIZES,
     FP8,
-    KV_ORDERS,
+    KV_CASES,
     MLA_ORDERS,
     NUM_LAYERS,
     TP_CASES,
@@ -89,16 +89,8 @@ def test_kernel_matches_torch_gather_smoke(orders, bs, cross, tp_case, fp8, num_
 
 @pytest.mark.triton
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    bs=st.tuples(st.sampled_from(BLOCK_SIZES), st.sampled_from(BLOCK_SIZES)),
-    orders=st.tuples(st.sampled_from(KV_ORDERS), st.sampled_from(KV_ORDERS)),
-    cross=st.tuples(st.booleans(), st.booleans()),
-    tp_case=st.sampled_from(TP_CASES),
-    fp8=st.booleans(),
-    num_tokens=st.integers(1, 200),
-    seed=st.integers(0, 2**31 - 1),
-    ranks=st.tuples(st.integers(0, 7), st.integers(0, 7)),
-)
+@given(**KV_CASES, num_tokens=st.integers(1, 200),
+       ranks=st.tuples(st.integers(0, 7), st.integers(0, 7)))
 def test_kernel_matches_torch_gather(bs, orders, cross, tp_case, fp8, num_tokens, seed, ranks):
     kv_case(orders, bs, cross, tp_case, fp8, num_tokens, seed, *ranks)
 
