@@ -29,7 +29,7 @@ from kvcore.metadata import AttentionMetadata, build_attention_metadata
 from kvcore.testing.batch import NUM_PADDING_TOKENS, CaseConfig, MixedBatch
 from kvcore.testing.builder_checks import make_builder
 from kvcore.testing.runs import bits, case_run
-from kvcore.testing.strided_steps import _unowned_block, strided_view
+from kvcore.testing.strided_steps import strided_view, unowned_block
 
 __all__ = ["ENGINE_FORMS", "check_engine_metadata", "engine_step_tensors"]
 
@@ -128,7 +128,7 @@ def check_engine_metadata(backend: type, config: CaseConfig, device: torch.devic
             f"\n{batch.describe()}")) from exc
     host = own_meta.seq_lens_cpu
     for form, (strided, slot_dtype, host_lens) in ENGINE_FORMS.items():
-        tensors = engine_step_tensors(own_meta, stale_block=_unowned_block(batch),
+        tensors = engine_step_tensors(own_meta, stale_block=unowned_block(batch),
                                       block_size=bs, strided=strided, slot_dtype=slot_dtype)
         where = (f"metadata from kvcore.attention_metadata_from_engine over the engine's "
                  f"tensors ({form}; block_table {tuple(tensors['block_table'].shape)} with "

@@ -21,7 +21,7 @@ from kvcore.testing.batch import CaseConfig, MixedBatch
 from kvcore.testing.builder_checks import make_builder
 from kvcore.testing.runs import bits, case_run
 
-__all__ = ["check_strided_step_tensors", "strided_view"]
+__all__ = ["check_strided_step_tensors", "strided_view", "unowned_block"]
 
 RULE = "strided-step-tensors"
 
@@ -35,7 +35,7 @@ def strided_view(values: torch.Tensor, gap: int | float) -> torch.Tensor:
     return view
 
 
-def _unowned_block(batch: MixedBatch) -> int:
+def unowned_block(batch: MixedBatch) -> int:
     """A block id in the cache that no request of ``batch`` uses (the largest such)."""
     used = {int(b) for table in batch.block_tables for b in table}
     free = [b for b in range(batch.num_blocks) if b not in used]
@@ -83,7 +83,7 @@ def check_strided_step_tensors(backend: type, config: CaseConfig, device: torch.
     batch = run.make_batch()
     _, layer, scales, impl = run.setup_layer(batch.num_blocks)
     strided = dataclasses.replace(
-        batch, metadata=_strided_metadata(batch.metadata, _unowned_block(batch)))
+        batch, metadata=_strided_metadata(batch.metadata, unowned_block(batch)))
     before = layer.clone()
     run.write(impl, scales, batch, layer)
     dense_layer = layer.clone()
