@@ -31,7 +31,9 @@ class ConnectorGroup:
 
     def __init__(self, connectors: Sequence[KVConnector]) -> None:
         if not connectors:
-            raise ValueError("ConnectorGroup needs at least one connector")
+            raise ValueError("connectors is empty: a ConnectorGroup passes each call to its "
+                             "ranks' connectors, so give it one connector per rank (at least "
+                             "one)")
         self.connectors = list(connectors)
 
     @property
