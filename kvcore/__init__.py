@@ -46,7 +46,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Platform", "available_platforms", "clear_platform_cache", "current_platform",
         "get_platform", "require_present_platform",
     ),
-    "kvcore.platform_types": ("AttentionType", "DeviceCapability", "MultipleOf", "PhaseRanking"),
+    "kvcore.platform_types": (
+        "PHASES", "AttentionType", "DeviceCapability", "MultipleOf", "PhaseRanking",
+    ),
     "kvcore.plugins": (
         "PluginInfo", "list_plugins", "register_plugin", "reset_plugins", "unregister_plugin",
     ),
@@ -114,7 +116,13 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         get_platform,
         require_present_platform,
     )
-    from kvcore.platform_types import AttentionType, DeviceCapability, MultipleOf, PhaseRanking
+    from kvcore.platform_types import (
+        PHASES,
+        AttentionType,
+        DeviceCapability,
+        MultipleOf,
+        PhaseRanking,
+    )
     from kvcore.plugins import (
         PluginInfo,
         list_plugins,
@@ -194,6 +202,7 @@ __all__ = [
     "ModelPreset",
     "MultipleOf",
     "NoValidBackendError",
+    "PHASES",
     "PagedAttentionImpl",
     "PersistentMetadataBuilder",
     "PhaseRanking",

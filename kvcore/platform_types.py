@@ -10,7 +10,11 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["AttentionType", "DeviceCapability", "MultipleOf", "PhaseRanking"]
+__all__ = ["PHASES", "AttentionType", "DeviceCapability", "MultipleOf", "PhaseRanking"]
+
+#: The phases of a step that benchmarks time and rankings order backends by: a decode step
+#: (one new token per request), a prefill step and a mixed (chunked-prefill) step.
+PHASES = ("decode", "prefill", "mixed")
 
 
 class AttentionType(str, Enum):

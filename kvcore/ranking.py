@@ -35,7 +35,7 @@ import torch
 
 from kvcore.config import AttentionSelectorConfig
 from kvcore.platform import Platform
-from kvcore.platform_types import DeviceCapability
+from kvcore.platform_types import PHASES, DeviceCapability
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PHASES", "RANKING_FILE_ENV", "VERSIONED_DISTRIBUTIONS",
            "DeviceIdentity", "MeasuredCase", "MeasuredOrder", "Ranking", "RankingFileError",
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 RANKING_FILE_ENV = "KVCORE_RANKING_FILE"
 FORMAT = "kvcore-ranking"
 FORMAT_VERSION = 1
-PHASES = ("decode", "prefill", "mixed")
 #: Distributions whose versions a ranking records; one that differs (or is installed on one
 #: side only) makes the ranking stale.
 VERSIONED_DISTRIBUTIONS = ("kvcore", "kvcore-nvidia", "kvcore-rocm", "kvcore-mla", "torch",

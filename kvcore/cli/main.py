@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from kvcore import AttentionType, __version__
+from kvcore import PHASES, AttentionType, __version__
 from kvcore.cli.words import in_cli_words
 from kvcore.demo.config import MODEL_PRESETS
 
@@ -193,7 +193,7 @@ def _model_bench_options(p: argparse.ArgumentParser, budget_default: float) -> N
                    type=positive_int,
                    help="with --model: block sizes to time (repeatable; default: 16 and 64)")
     p.add_argument("--phase", action="append", default=None, dest="phases",
-                   choices=("decode", "prefill", "mixed"),
+                   choices=PHASES,
                    help="with --model: steps to time (repeatable; default: all)")
     p.add_argument("--budget-s", type=float, default=budget_default,
                    help="with --model: stop starting new steps after this many seconds (0: no "

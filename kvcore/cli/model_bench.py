@@ -26,6 +26,7 @@ import torch
 
 import kvcore
 from kvcore import (
+    PHASES,
     AttentionSelectorConfig,
     LayerAttention,
     ModelCase,
@@ -53,7 +54,7 @@ class ModelBenchOptions:
     models: Sequence[str | ModelPreset]
     kv_cache_dtypes: Sequence[str] = ModelPreset.KV_CACHE_DTYPES
     block_sizes: Sequence[int] = ModelPreset.BLOCK_SIZES
-    phases: Sequence[str] = ("decode", "prefill", "mixed")
+    phases: Sequence[str] = PHASES
     small: bool = False
     dtype: str | None = None
     platform: str | None = None
@@ -311,8 +312,8 @@ def _presets(options: ModelBenchOptions) -> list[ModelPreset]:
 
 def _check_options(options: ModelBenchOptions) -> None:
     for phase in options.phases:
-        if phase not in ("decode", "prefill", "mixed"):
-            raise ValueError(f"phase={phase!r} (choose from: decode, prefill, mixed)")
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r} (choose from: {', '.join(PHASES)})")
     for kv in options.kv_cache_dtypes:
         AttentionSelectorConfig(head_size=128, kv_cache_dtype=kv)  # a ValueError naming it
     for bs in options.block_sizes:
