@@ -170,7 +170,6 @@ def from_vllm_layer_view(
     kv_cache: torch.Tensor,
     *,
     head_size: int,
-    head_size_v: int | None = None,
     platform: str | None = None,
 ) -> torch.Tensor:
     """kvcore's logical view ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` of one
@@ -181,14 +180,16 @@ def from_vllm_layer_view(
     keeps them, so the backend's kernels read vLLM's memory in place. Host facts only (shape,
     strides, dtype): cheap enough to call per layer.
 
-    ``head_size_v`` (vLLM's V head size; ``None``: equal to ``head_size``) must equal
-    ``head_size``: kvcore's cache holds K and V of one head size in one tensor (the ``2`` dim
-    of ``(B, 2, N, H, D)``), and every backend's kernels read V with K's head size. A model
-    whose V heads differ from its K heads is refused, never read with the wrong width.
+    ``head_size`` is the layer's K head size. vLLM's V head size ``head_size_v`` must equal
+    it: kvcore's cache holds K and V of one head size in one tensor (the ``2`` dim of ``(B, 2,
+    N, H, D)``), and every backend's kernels read V with K's head size. The last dim says it:
+    ``C`` other than ``2 * head_size`` is refused, naming ``head_size_v = C - head_size``
+    where that is what differs, so a model whose V heads differ from its K heads is never
+    read with the wrong width.
 
     Raises:
-        ValueError: not 4 dims; ``head_size_v`` other than ``head_size``; ``C`` is not ``2 *
-            head_size``; ``C`` not contiguous; an order the backend does not read.
+        ValueError: not 4 dims; ``C`` is not ``2 * head_size``; ``C`` not contiguous; an
+            order the backend does not read.
     """
     backend = _backend_class(backend)
     if not isinstance(kv_cache, torch.Tensor):
@@ -196,8 +197,6 @@ def from_vllm_layer_view(
     if kv_cache.dim() != 4:
         raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; a vLLM layer view is "
                          "[num_blocks, num_kv_heads, block_size, head_size + head_size_v]")
-    if head_size_v is not None and head_size_v != head_size:
-        raise ValueError(_head_size_v_refusal(head_size, head_size_v))
     content = kv_cache.shape[3]
     if content != 2 * head_size:
         raise ValueError(

@@ -145,14 +145,14 @@ def test_vllm_layer_view_refusals():
     kv = torch.zeros(5, 2, 4, 16)
     with pytest.raises(ValueError, match="C = 2 \\* head_size = 12"):
         kvcore.from_vllm_layer_view("CPU_ATTN", kv, head_size=6)
-    # A V head size other than K's (vLLM's head_size_v): refused, never read at K's width.
-    with pytest.raises(ValueError, match="head_size_v=4 differs from head_size=12: kvcore's "
+    # A V head size other than K's (vLLM's head_size_v = C - head_size): the last dim shows
+    # it, and it is refused by name, never read at K's width.
+    with pytest.raises(ValueError, match="head_size_v=10 differs from head_size=6: kvcore's "
                                          "KV caches hold K and V of one head size"):
-        kvcore.from_vllm_layer_view("CPU_ATTN", kv, head_size=12, head_size_v=4)
-    with pytest.raises(ValueError, match="head_size_v=10 differs from head_size=6"):
         kvcore.from_vllm_layer_view("CPU_ATTN", kv, head_size=6)  # C = 16 = 6 + 10
-    assert kvcore.from_vllm_layer_view("CPU_ATTN", kv, head_size=8, head_size_v=8).shape == (
-        5, 2, 4, 2, 8)
+    with pytest.raises(TypeError, match="head_size_v"):  # no such argument
+        kvcore.from_vllm_layer_view("CPU_ATTN", kv, head_size=8, head_size_v=8)
+    assert kvcore.from_vllm_layer_view("CPU_ATTN", kv, head_size=8).shape == (5, 2, 4, 2, 8)
     with pytest.raises(ValueError, match="vLLM layer view is"):
         kvcore.from_vllm_layer_view("CPU_ATTN", kv[0], head_size=8)
     strided = torch.zeros(5, 2, 4, 32)[..., ::2]

@@ -282,13 +282,12 @@ class KvcoreImpl(AttentionImpl):
             attn_type=config.attn_type)
         self._view_of: tuple[int, tuple, tuple, torch.Tensor] | None = None
 
-    def _view(self, layer: Any, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """kvcore's view of vLLM's cache view, checked once per tensor (host facts only)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
         if self._view_of is None or self._view_of[:3] != key:
-            view = kvcore.from_vllm_layer_view(
-                self.kvcore_backend, kv_cache, head_size=self.head_size,
-                head_size_v=getattr(layer, "head_size_v", self.head_size))
+            view = kvcore.from_vllm_layer_view(self.kvcore_backend, kv_cache,
+                                               head_size=self.head_size)
             self._view_of = (*key, view)
         return self._view_of[3]
 
@@ -303,7 +302,7 @@ class KvcoreImpl(AttentionImpl):
         rows = slot_mapping.shape[0]
         k_scale, v_scale = layer_scales(layer)
         self.inner.do_kv_cache_update(kvcore.LayerScales(k_scale, v_scale), key[:rows],
-                                      value[:rows], self._view(layer, kv_cache), slot_mapping)
+                                      value[:rows], self._view(kv_cache), slot_mapping)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: kvcore.AttentionMetadata | None,
@@ -316,7 +315,7 @@ class KvcoreImpl(AttentionImpl):
             return output
         k_scale, v_scale = layer_scales(layer)
         return self.inner.forward(kvcore.LayerScales(k_scale, v_scale), query, key, value,
-                                  self._view(layer, kv_cache), attn_metadata, output=output)
+                                  self._view(kv_cache), attn_metadata, output=output)
 
 
 @functools.cache

@@ -113,7 +113,7 @@ def test_a_v_head_size_other_than_k_is_refused():
     # A layer view of such a layer (C = 64 + 32) is refused by kvcore itself too.
     view = torch.zeros(4, 2, 16, 96)
     with pytest.raises(ValueError, match="head_size_v=32 differs from head_size=64"):
-        kvcore.from_vllm_layer_view("CPU_ATTN", view, head_size=64, head_size_v=32)
+        kvcore.from_vllm_layer_view("CPU_ATTN", view, head_size=64)
 
 
 def test_a_vllm_outside_the_supported_range_gets_no_backend_and_a_reason(monkeypatch, caplog):
