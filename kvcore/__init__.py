@@ -39,7 +39,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "AttentionLayer", "AttentionMetadata", "LayerScales", "build_attention_metadata",
         "encoder_only_cache",
     ),
-    "kvcore.mla": ("MLACommonBackend", "MLACommonImpl", "latent_cache_shape"),
+    "kvcore.mla": ("MLACommonBackend", "MLACommonImpl", "MLAMetadata", "MLAStepBuffers",
+                   "MLAStepViews", "latent_cache_shape"),
     "kvcore.models": ("LayerAttention", "MLADims", "MODELS", "ModelCase", "ModelPreset",
                       "get_model"),
     "kvcore.platform": (
@@ -106,7 +107,14 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         build_attention_metadata,
         encoder_only_cache,
     )
-    from kvcore.mla import MLACommonBackend, MLACommonImpl, latent_cache_shape
+    from kvcore.mla import (
+        MLACommonBackend,
+        MLACommonImpl,
+        MLAMetadata,
+        MLAStepBuffers,
+        MLAStepViews,
+        latent_cache_shape,
+    )
     from kvcore.models import MODELS, LayerAttention, MLADims, ModelCase, ModelPreset, get_model
     from kvcore.platform import (
         Platform,
@@ -195,6 +203,9 @@ __all__ = [
     "MLACommonBackend",
     "MLACommonImpl",
     "MLADims",
+    "MLAMetadata",
+    "MLAStepBuffers",
+    "MLAStepViews",
     "MODELS",
     "MeasuredCase",
     "MeasuredOrder",

@@ -1,6 +1,7 @@
 """The MLA common base: the latent-cache layout and the absorbed forward of every MLA backend
 (CPU_MLA here, TRITON_MLA and others in plugins), public as ``kvcore.MLACommonBackend`` /
-``kvcore.MLACommonImpl``.
+``kvcore.MLACommonImpl``, with the step's intermediates a builder owns (``kvcore.MLAStepBuffers``,
+``kvcore.MLAStepViews``) and the metadata that hands them to the layers (``kvcore.MLAMetadata``).
 
 Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash) caches one latent per
 token, ``[kv_c, k_pe]`` of ``kv_lora_rank + rope_dim`` channels (512 + 64), shared by all heads:
@@ -21,7 +22,8 @@ K/V instead.
 
 The pipeline of a layer is three launches and no allocation when the backend's builder gives
 the step's buffers (:class:`MLAStepBuffers`, made once per builder by
-:meth:`MLACommonBackend.new_step_buffers`, cut per step by :meth:`MLAStepBuffers.for_step`):
+:meth:`MLACommonBackend.new_step_buffers`, cut per step by :meth:`MLAStepBuffers.for_step` into
+the ``mla_views`` of the :class:`MLAMetadata` its ``build`` returns):
 ``W_UK`` is applied with ``torch.bmm(..., out=)`` straight into the first ``kv_lora_rank``
 channels of the step's latent-query buffer; the backend's kernel hook
 (:meth:`MLACommonImpl._latent_attention_into`) reads the latent query and ``q_pe`` (a view of
@@ -45,7 +47,7 @@ from kvcore.metadata import AttentionLayer, AttentionMetadata
 from kvcore.platform_types import AttentionType
 from kvcore.spec import MLAAttentionSpec
 
-__all__ = ["MLACommonBackend", "MLACommonImpl", "MLAStepBuffers", "MLAStepViews",
+__all__ = ["MLACommonBackend", "MLACommonImpl", "MLAMetadata", "MLAStepBuffers", "MLAStepViews",
            "latent_cache_shape"]
 
 
@@ -133,6 +135,23 @@ class MLAStepBuffers:
         return views
 
 
+@dataclasses.dataclass
+class MLAMetadata(AttentionMetadata):
+    """:class:`~kvcore.AttentionMetadata` plus the step's views of the builder's
+    :class:`MLAStepBuffers`, which :meth:`MLACommonImpl.step_views` reads.
+
+    An MLA backend's builder returns it, or a dataclass subclass with its own fields (a plan,
+    a workspace), from ``build``: ``meta.extend(cls, mla_views=buffers.for_step(
+    meta.num_actual_tokens), ...)``.
+
+    Attributes:
+        mla_views: the step's :class:`MLAStepViews` (rows ``num_actual_tokens``); ``None``
+            (an empty step, or no buffers): each layer's forward allocates its intermediates.
+    """
+
+    mla_views: MLAStepViews | None = None
+
+
 class MLACommonBackend(AttentionBackend):
     """Base of the MLA backends: latent-cache layout and shared capabilities.
 
@@ -178,8 +197,8 @@ class MLACommonImpl(AttentionImpl):
     latent cache is ``layer.k_scale``. :meth:`forward` does not read ``key`` and ``value``
     (the latents come from the cache): pass ``None``. A backend implements
     :meth:`write_kv_cache` and :meth:`_latent_attention`, and where its kernels allow it
-    :meth:`_latent_attention_into` (the query's two parts apart, the output given) and
-    :meth:`step_views` (its builder's buffers).
+    :meth:`_latent_attention_into` (the query's two parts apart, the output given); its
+    builder hands the step's buffers to the layers in an :class:`MLAMetadata`.
 
     Args:
         num_heads: query heads of this layer (on this rank).
@@ -271,9 +290,10 @@ class MLACommonImpl(AttentionImpl):
         return query.new_empty((query.shape[0], self.num_heads, self.v_head_dim))
 
     def step_views(self, attn_metadata: AttentionMetadata) -> MLAStepViews | None:
-        """The step's buffer views from the backend's builder (hook; ``None``, the default:
-        :meth:`attend` allocates them for the call)."""
-        return None
+        """The step's buffer views from the backend's builder: ``attn_metadata.mla_views`` of
+        an :class:`MLAMetadata`; ``None`` for other metadata or a step without them
+        (:meth:`attend` then allocates them for the call)."""
+        return attn_metadata.mla_views if isinstance(attn_metadata, MLAMetadata) else None
 
     def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
                attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """The absorbed MLA pipeline of :class:`kvcore.MLACommonImpl`: ``W_UK`` and ``W_UV`` write into
 the step's buffers and the layer's output (``bmm(..., out=)``), the query's rope part goes to
-the kernel hook apart, and with a builder's buffers a layer's forward allocates nothing."""
+the kernel hook apart, and with a builder's buffers (handed over in :class:`kvcore.MLAMetadata`)
+a layer's forward allocates nothing."""
 
 from __future__ import annotations
 
@@ -9,17 +10,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcore
-from kvcore.mla import MLAStepBuffers, MLAStepViews
+from kvcore import MLAStepBuffers
 
 HEADS, RANK, ROPE, NOPE, V_DIM, BLOCK = 4, 32, 8, 16, 16, 8
 
 
 class _InPlaceImpl(kvcore.MLACommonImpl):
     """An MLA impl whose 'kernel' writes the step's latent output in place (the latent query's
-    first channels plus its rope channels' sum), and whose step views come from buffers given
-    to it, as a builder's metadata gives them."""
+    first channels plus its rope channels' sum)."""
 
-    buffers: MLAStepBuffers | None = None
     seen: list[tuple[int, ...]]
 
     def write_kv_cache(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -27,11 +26,6 @@ class _InPlaceImpl(kvcore.MLACommonImpl):
 
     def _latent_attention(self, layer, q, kv_cache, attn_metadata) -> torch.Tensor:
         return q[..., :RANK] + q[..., RANK:].sum(-1, keepdim=True)
-
-    def step_views(self, attn_metadata) -> MLAStepViews | None:
-        if self.buffers is None:
-            return None
-        return self.buffers.for_step(attn_metadata.num_actual_tokens)
 
     def _latent_attention_into(self, layer, views, q_pe, kv_cache, attn_metadata) -> None:
         self.seen.append((views.q_latent.data_ptr(), views.o_latent.data_ptr(),
@@ -48,8 +42,12 @@ def _impl(gen: torch.Generator) -> _InPlaceImpl:
     return impl
 
 
-def _step(n: int) -> kvcore.AttentionMetadata:
-    return kvcore.build_attention_metadata([1] * n, [3] * n, [[i] for i in range(n)], BLOCK)
+def _step(n: int, buffers: MLAStepBuffers | None = None) -> kvcore.MLAMetadata:
+    """A decode step of ``n`` requests carrying the views of ``buffers``, as an MLA builder's
+    ``build`` returns it."""
+    meta = kvcore.build_attention_metadata([1] * n, [3] * n, [[i] for i in range(n)], BLOCK)
+    return meta.extend(kvcore.MLAMetadata,
+                       mla_views=None if buffers is None else buffers.for_step(n))
 
 
 def _expected(impl: _InPlaceImpl, query: torch.Tensor) -> torch.Tensor:
@@ -78,8 +76,8 @@ def test_forward_with_step_buffers_allocates_nothing_and_keeps_its_intermediates
     gen = torch.Generator().manual_seed(0)
     impl = _impl(gen)
     n = 5
-    impl.buffers = MLAStepBuffers(16, HEADS, RANK, ROPE, torch.float64, "cpu")
-    meta = _step(n)
+    buffers = MLAStepBuffers(16, HEADS, RANK, ROPE, torch.float64, "cpu")
+    meta = _step(n, buffers)
     query = torch.randn(n, HEADS, NOPE + ROPE, generator=gen, dtype=torch.float64)
     output = torch.empty(n, HEADS, V_DIM, dtype=torch.float64)
     impl.forward(kvcore.LayerScales(), query, None, None, None, meta, output=output)  # warm
@@ -87,16 +85,16 @@ def test_forward_with_step_buffers_allocates_nothing_and_keeps_its_intermediates
         for _ in range(3):  # three layers of one step
             impl.forward(kvcore.LayerScales(), query, None, None, None, meta, output=output)
     assert allocations.ops == []
-    buffers, impl.buffers = impl.buffers, None
-    with _Allocations() as without:  # the counter sees what a call without buffers makes
-        impl.forward(kvcore.LayerScales(), query, None, None, None, meta, output=output)
-    assert without.ops == ["aten.new_empty.default"] * 2
-    impl.seen.pop()
-    impl.buffers = buffers
+    for plain in (_step(n), kvcore.build_attention_metadata([1] * n, [3] * n,
+                                                             [[i] for i in range(n)], BLOCK)):
+        with _Allocations() as without:  # the counter sees what a call without views makes
+            impl.forward(kvcore.LayerScales(), query, None, None, None, plain, output=output)
+        assert without.ops == ["aten.new_empty.default"] * 2
+        impl.seen.pop()
     assert len(set(impl.seen)) == 1  # the same buffers every layer
     q_latent_ptr, o_latent_ptr, q_pe_ptr = impl.seen[0]
-    assert q_latent_ptr == impl.buffers.q_latent.data_ptr()
-    assert o_latent_ptr == impl.buffers.o_latent.data_ptr()
+    assert q_latent_ptr == buffers.q_latent.data_ptr()
+    assert o_latent_ptr == buffers.o_latent.data_ptr()
     assert q_pe_ptr == query[..., NOPE:].data_ptr()  # the query's own rope part, no copy
     torch.testing.assert_close(output, _expected(impl, query), rtol=1e-12, atol=1e-12)
 
@@ -107,14 +105,15 @@ def test_forward_equals_the_concatenated_formula(buffers):
     kernel's result copied into the step's output) and the in-place hook give the formula."""
     gen = torch.Generator().manual_seed(1)
     impl = _impl(gen)
-    impl.buffers = MLAStepBuffers(8, HEADS, RANK, ROPE, torch.float64, "cpu") if buffers else None
+    step = _step(6, MLAStepBuffers(8, HEADS, RANK, ROPE, torch.float64, "cpu") if buffers
+                 else None)
     query = torch.randn(6, HEADS, NOPE + ROPE, generator=gen, dtype=torch.float64)
-    out = impl.forward(kvcore.LayerScales(), query, None, None, None, _step(6))
+    out = impl.forward(kvcore.LayerScales(), query, None, None, None, step)
     torch.testing.assert_close(out, _expected(impl, query), rtol=1e-12, atol=1e-12)
     default = kvcore.MLACommonImpl._latent_attention_into
     out_default = torch.empty_like(out)
     impl._latent_attention_into = lambda *a: default(impl, *a)
-    impl.forward(kvcore.LayerScales(), query, None, None, None, _step(6), output=out_default)
+    impl.forward(kvcore.LayerScales(), query, None, None, None, step, output=out_default)
     torch.testing.assert_close(out_default, out, rtol=1e-12, atol=1e-12)
 
 
@@ -123,13 +122,13 @@ def test_views_of_another_shape_are_not_used():
     a step larger than the buffers is refused by name."""
     gen = torch.Generator().manual_seed(2)
     impl = _impl(gen)
-    impl.buffers = MLAStepBuffers(8, HEADS, RANK, ROPE, torch.float32, "cpu")
+    buffers = MLAStepBuffers(8, HEADS, RANK, ROPE, torch.float32, "cpu")
     query = torch.randn(3, HEADS, NOPE + ROPE, generator=gen, dtype=torch.float64)
-    out = impl.forward(kvcore.LayerScales(), query, None, None, None, _step(3))
+    out = impl.forward(kvcore.LayerScales(), query, None, None, None, _step(3, buffers))
     torch.testing.assert_close(out, _expected(impl, query), rtol=1e-12, atol=1e-12)
-    assert impl.seen[-1][0] != impl.buffers.q_latent.data_ptr()
+    assert impl.seen[-1][0] != buffers.q_latent.data_ptr()
     with pytest.raises(ValueError, match="num_tokens=9 exceeds the 8 rows"):
-        impl.buffers.for_step(9)
+        buffers.for_step(9)
 
 
 def test_backends_make_step_buffers_from_the_spec():

@@ -28,7 +28,7 @@ Importing this module imports no kernel library: triton is imported when the imp
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +42,8 @@ from kvcore import (
     MLAAttentionSpec,
     MLACommonBackend,
     MLACommonImpl,
+    MLAMetadata,
+    MLAStepViews,
     PersistentMetadataBuilder,
 )
 from kvcore.ops import triton_fp8_reasons
@@ -53,8 +55,9 @@ __all__ = ["TritonMLABackend", "TritonMLAImpl", "TritonMLAMetadata", "TritonMLAM
 
 
 @dataclasses.dataclass
-class TritonMLAMetadata(AttentionMetadata):
-    """:class:`~kvcore.AttentionMetadata` plus the builder's plan for the step.
+class TritonMLAMetadata(MLAMetadata):
+    """:class:`~kvcore.MLAMetadata` (the step's views of the builder's buffers) plus the
+    builder's plan for the step.
 
     Attributes:
         plan: the :class:`kvcore_mla.ops.mla_configs.TritonMLAPlan` the forward hands to
@@ -64,9 +67,6 @@ class TritonMLAMetadata(AttentionMetadata):
     """
 
     plan: TritonMLAPlan | None = None
-    #: The step's :class:`kvcore.mla.MLAStepViews` of the builder's buffers (``None``: the
-    #: forward allocates its intermediates).
-    mla_views: Any = None
 
 
 def _is_decode(meta: AttentionMetadata) -> bool:
@@ -222,12 +222,9 @@ class TritonMLAImpl(MLACommonImpl):
             max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
             plan=plan, output=output)
 
-    def step_views(self, attn_metadata: AttentionMetadata) -> Any:
-        return (attn_metadata.mla_views if isinstance(attn_metadata, TritonMLAMetadata)
-                else None)
-
-    def _latent_attention_into(self, layer: AttentionLayer, views: Any, q_pe: torch.Tensor,
-                               kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+    def _latent_attention_into(self, layer: AttentionLayer, views: MLAStepViews,
+                               q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                               attn_metadata: AttentionMetadata) -> None:
         """``q_pe`` beside the absorbed query in the step's buffer (the kernels read one query
         tensor by pointer and strides), the kernel's output straight into ``views.o_latent``."""
         views.q_rope.copy_(q_pe)

@@ -92,6 +92,8 @@ from kvcore import (
     MLAAttentionSpec,
     MLACommonBackend,
     MLACommonImpl,
+    MLAMetadata,
+    MLAStepViews,
     PersistentMetadataBuilder,
 )
 from kvcore.ops import (
@@ -239,9 +241,9 @@ def _readable(q_pe: torch.Tensor) -> bool:
 
 
 @dataclasses.dataclass
-class FlashInferMLAMetadata(AttentionMetadata):
-    """:class:`~kvcore.AttentionMetadata` plus the wrapper
-    :class:`FlashInferMLAMetadataBuilder` planned for the step.
+class FlashInferMLAMetadata(MLAMetadata):
+    """:class:`~kvcore.MLAMetadata` (the step's views of the builder's buffers) plus the
+    wrapper :class:`FlashInferMLAMetadataBuilder` planned for the step.
 
     Attributes:
         wrapper: the planned ``BatchMLAPagedAttentionWrapper`` (``None`` for an empty step).
@@ -251,7 +253,6 @@ class FlashInferMLAMetadata(AttentionMetadata):
             its fp8 scale tensor).
         kv_scales: the values of the layers' fp8 scale tensors at this step, read by the
             builder, keyed by ``id(tensor)`` (see the module docstring).
-        mla_views: the step's :class:`kvcore.mla.MLAStepViews` of the builder's buffers.
         max_block_id: the largest block id the step uses (from its checked facts; ``-1``
             with value checks off): a layer whose cache passed the full checks once compares
             only this with its block count.
@@ -262,7 +263,6 @@ class FlashInferMLAMetadata(AttentionMetadata):
     scale: float | None = None
     builder: FlashInferMLAMetadataBuilder | None = None
     kv_scales: dict[int, float] = dataclasses.field(default_factory=dict)
-    mla_views: Any = None
     max_block_id: int = _UNCHECKED_BLOCKS
 
 
@@ -484,10 +484,6 @@ class FlashInferMLAImpl(MLACommonImpl):
 
         return _PLANS.get(meta, (kv_cache.device, want), plan)
 
-    def step_views(self, attn_metadata: AttentionMetadata) -> Any:
-        return (attn_metadata.mla_views if isinstance(attn_metadata, FlashInferMLAMetadata)
-                else None)
-
     def _latent_attention(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
                           attn_metadata: AttentionMetadata) -> torch.Tensor:
         out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
@@ -495,8 +491,9 @@ class FlashInferMLAImpl(MLACommonImpl):
                           attn_metadata, out)
         return out
 
-    def _latent_attention_into(self, layer: AttentionLayer, views: Any, q_pe: torch.Tensor,
-                               kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+    def _latent_attention_into(self, layer: AttentionLayer, views: MLAStepViews,
+                               q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                               attn_metadata: AttentionMetadata) -> None:
         """FlashInfer reads the absorbed query (``views.q_nope``) and ``q_pe`` apart and writes
         ``views.o_latent`` (see the class docstring for the short path)."""
         m = attn_metadata
