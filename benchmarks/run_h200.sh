@@ -68,17 +68,33 @@ export PATH=$(dirname "$(which python3)"):$PATH
 plugins=(); for p in plugins/*/ examples/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . "${plugins[@]}" \
     || echo "!!! editable install failed: plugins will not register"
-step() {  # step NAME TIMEOUT CMD...
-    local name=$1 limit=$2; shift 2
+step() {  # step NAME TIMEOUT CMD...: the command's exit code is the step's
+    local name=$1 limit=$2 rc; shift 2
     echo "=== $name"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "=== $name rc=$?"
+    rc=$?
+    echo "=== $name rc=$rc"
     tail -n 25 "$OUT/$name.log"
+    return $rc
 }
 # PARALLEL=1 runs the test steps side by side (correctness only: they share the GPU, and
 # FlashInfer's JIT compiles on the CPU cores); benchmarks always run alone, after them.
 test_step() {
     if [ -n "${PARALLEL:-}" ]; then step "$@" & else step "$@"; fi
+}
+# pytest_step NAME TIMEOUT PYTEST-ARGS...: with PYTEST_WORKERS=N the cases run in N
+# pytest-xdist workers (correctness only: they share the GPU), and when some fail they run again
+# alone (NAME_rerun), so a failure that sharing the GPU caused shows apart from a real one.
+pytest_step() {
+    local name=$1 limit=$2; shift 2
+    if [ -z "${PYTEST_WORKERS:-}" ]; then
+        test_step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider -o addopts="" "$@"
+        return
+    fi
+    step "$name" "$limit" python3 -m pytest -q -o addopts="" -o cache_dir="/tmp/pytest_$name" \
+        -n "$PYTEST_WORKERS" "$@"
+    [ $? -eq 1 ] && step "${name}_rerun" "$limit" python3 -m pytest -q -o addopts="" \
+        -o cache_dir="/tmp/pytest_$name" --last-failed --last-failed-no-failures none "$@"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && nvidia-smi topo -m
@@ -89,13 +105,17 @@ if has cuda_ext; then
     step cuda_ext ${CUDA_EXT_LIMIT:-200} python3 -c \
         "from kvcore_nvidia import ops; import time; t = time.time(); print(ops.build_extension(), time.time() - t)"
 fi
-has gpu_tests && test_step gpu_tests ${GPU_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q \
-    -p no:cacheprovider -o addopts="" ${GPU_TESTS_PATHS:-tests plugins/rocm/tests plugins/mla/tests}
-has step_tests && test_step step_tests ${STEP_TESTS_LIMIT:-150} python3 -m pytest -q \
-    -p no:cacheprovider -o addopts="" tests/test_builder.py tests/test_triton_builder.py \
-    tests/test_cuda_graphs.py plugins/mla/tests/test_mla_builder.py
-has nvidia_tests && test_step nvidia_tests ${NVIDIA_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q \
-    -p no:cacheprovider -o addopts="" ${NVIDIA_TESTS:-plugins/nvidia/tests}
+has gpu_tests && pytest_step gpu_tests ${GPU_TESTS_LIMIT:-200} -m gpu \
+    ${GPU_TESTS_PATHS:-tests plugins/rocm/tests plugins/mla/tests}
+has step_tests && pytest_step step_tests ${STEP_TESTS_LIMIT:-150} tests/test_builder.py \
+    tests/test_triton_builder.py tests/test_cuda_graphs.py plugins/mla/tests/test_mla_builder.py
+# lean_tests: the TRITON_ATTN engine path whole (op, cache write, builder, graphs, host path),
+# the CPU-written cases included: they must also pass where a GPU is present.
+has lean_tests && pytest_step lean_tests ${LEAN_TESTS_LIMIT:-150} tests/ops/test_triton_attention.py \
+    tests/ops/test_triton_cache.py tests/test_triton_builder.py tests/test_cuda_graphs.py \
+    tests/ops/test_host_path.py
+has nvidia_tests && pytest_step nvidia_tests ${NVIDIA_TESTS_LIMIT:-240} -m gpu \
+    ${NVIDIA_TESTS:-plugins/nvidia/tests}
 has sanitizer && step sanitizer ${SANITIZER_LIMIT:-200} env TORCH_CUDA_SANITIZER=1 \
     python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/connectors/test_offload.py tests/connectors/test_offload_staging.py
@@ -122,8 +142,8 @@ if has conformance; then
         done
         wait
     else
-        test_step conformance_gpu ${CONFORMANCE_LIMIT:-120} python3 -m pytest -q \
-            -p no:cacheprovider -o addopts="" "${conformance[@]}" --kvcore-device cuda
+        pytest_step conformance_gpu ${CONFORMANCE_LIMIT:-120} "${conformance[@]}" \
+            --kvcore-device cuda
     fi
 fi
 # FLASHINFER_MLA (FlashInfer carried): its GPU tests, the conformance suite on it, the benchmark.
@@ -289,6 +309,24 @@ if has tune; then
     KVCORE_RANKING_FILE="$OUT/ranking.json" step select_measured 60 kvcore select --explain \
         --head-size 128 --dtype bfloat16
 fi
+# engine_step: issue 44's standing measurements: bench_step (per-layer host table, the
+# synchronous step), the MLA pipeline against the same math around FlashInfer MLA, and
+# FlashInfer through kvcore against FlashInfer direct (carry FlashInfer).
+if has engine_step; then
+    step bench_step ${BENCH_STEP_LIMIT:-240} python3 benchmarks/bench_step.py --out "$OUT/bench_step"
+    step bench_mla_pipeline ${MLA_PIPELINE_LIMIT:-150} python3 benchmarks/bench_mla_pipeline.py \
+        --out "$OUT/bench_mla_pipeline"
+    step bench_flashinfer ${BENCH_FLASHINFER_LIMIT:-180} python3 benchmarks/bench_flashinfer.py
+fi
+# replay: vLLM's recorded steps (benchmarks/replay_vllm.py record, carried as REPLAY_DIR)
+# through kvcore's GPU backends, attention and greedy tokens compared with vLLM's.
+has replay && step replay_vllm ${REPLAY_LIMIT:-240} python3 benchmarks/replay_vllm.py replay \
+    --recording "${REPLAY_DIR:-build/replay_vllm}/steps.pt" \
+    --backends "${REPLAY_BACKENDS:-TRITON_ATTN,FLASHINFER,FLASH_ATTN}" --json "$OUT/replay_vllm.json"
+# docs: every kvcore command of the README and docs/ as written, timed, twice (cold, warm);
+# DOCS_SKIP (a regular expression) lists some without running them.
+has docs && step doc_commands ${DOCS_LIMIT:-420} python3 benchmarks/doc_commands.py --repeat \
+    --out "$OUT/docs" --limit-s ${DOCS_COMMAND_LIMIT:-150} ${DOCS_SKIP:+--skip "$DOCS_SKIP"}
 if has demos; then
     for b in ${DEMO_BACKENDS:-TRITON_ATTN FLASHINFER}; do
         step "demo_$b" ${DEMO_LIMIT:-60} kvcore demo --backend "$b" --no-progress
