@@ -48,6 +48,7 @@ FEATURE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("use_per_head_quant_scales", "SUPPORTS_PER_HEAD_QUANT_SCALES", "per-head KV quant scales"),
     ("use_non_causal", "SUPPORTS_NON_CAUSAL", "non-causal attention"),
     ("use_batch_invariant", "SUPPORTS_BATCH_INVARIANT", "batch-invariant numerics"),
+    ("has_logits_soft_cap", "SUPPORTS_LOGITS_SOFT_CAP", "logit soft-capping"),
 )
 
 
@@ -139,7 +140,12 @@ class AttentionBackend:
     MAX_DEVICE_CAPABILITY: ClassVar[DeviceCapability | None] = None
     #: Whether this backend runs MLA layers (and only those).
     IS_MLA: ClassVar[bool] = False
+    #: Attention sinks: the impl takes ``sinks`` (one learned logit per query head in the
+    #: softmax denominator, no value) and applies them (:class:`kvcore.AttentionImpl`).
     SUPPORTS_SINK: ClassVar[bool] = False
+    #: Logit soft-capping: the impl takes ``logits_soft_cap`` and scores with
+    #: ``cap * tanh(score / cap)`` before masking and the softmax.
+    SUPPORTS_LOGITS_SOFT_CAP: ClassVar[bool] = False
     SUPPORTS_SPARSE: ClassVar[bool] = False
     SUPPORTS_MM_PREFIX: ClassVar[bool] = False
     SUPPORTS_PER_HEAD_QUANT_SCALES: ClassVar[bool] = False
@@ -183,6 +189,15 @@ class AttentionBackend:
     #: layouts (:func:`kvcore.vllm_layout_order`). The conformance rule ``adopted-orders``
     #: runs the backend on each one and requires the bits it gives on its own order.
     EXTRA_STRIDE_ORDERS: ClassVar[tuple[tuple[int, ...], ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The impl refuses a feature its backend does not declare: the first backend that
+        # names an impl class is the one whose declarations the impl honours.
+        impl = cls.__dict__.get("IMPL_CLS")
+        if (isinstance(impl, type) and issubclass(impl, AttentionImpl)
+                and "BACKEND" not in impl.__dict__):
+            impl.BACKEND = cls
 
     @classmethod
     def get_name(cls) -> str:
@@ -381,6 +396,7 @@ class AttentionBackend:
         use_non_causal: bool = False,
         use_batch_invariant: bool = False,
         use_kv_connector: bool = False,
+        has_logits_soft_cap: bool = False,
     ) -> list[str]:
         """Every reason this backend cannot run the configuration; empty means valid.
 
@@ -396,6 +412,7 @@ class AttentionBackend:
             use_mm_prefix=use_mm_prefix, use_per_head_quant_scales=use_per_head_quant_scales,
             attn_type=attn_type, use_non_causal=use_non_causal,
             use_batch_invariant=use_batch_invariant, use_kv_connector=use_kv_connector,
+            has_logits_soft_cap=has_logits_soft_cap,
         )
         name = cls.get_name()
         reasons: list[str] = []

@@ -18,6 +18,8 @@ class AttentionSelectorConfig:
 
     Frozen and hashable, so selections can be cached per config. ``dtype`` accepts a
     ``torch.dtype`` or its name; ``attn_type`` an :class:`AttentionType` or its value.
+    ``has_sink``: a learned sink logit per query head joins the softmax (gpt-oss);
+    ``has_logits_soft_cap``: scores are capped as ``cap * tanh(score / cap)`` (Gemma 2).
     """
 
     head_size: int
@@ -33,6 +35,7 @@ class AttentionSelectorConfig:
     use_non_causal: bool = False
     use_batch_invariant: bool = False
     use_kv_connector: bool = False
+    has_logits_soft_cap: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))

@@ -20,6 +20,7 @@ import functools
 import math
 import operator
 from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,6 +51,11 @@ class AttentionImpl(ABC):
     #: vLLM's name for the cache-write contract: ``forward`` never writes the step's K/V;
     #: the engine calls :meth:`do_kv_cache_update` before it.
     forward_includes_kv_cache_update: bool = False
+    #: The backend whose feature declarations (``SUPPORTS_SINK``,
+    #: ``SUPPORTS_LOGITS_SOFT_CAP``) this impl honours: set on the class by the first
+    #: :class:`kvcore.AttentionBackend` subclass that names it as ``IMPL_CLS``. ``None`` (no
+    #: backend named it): the impl takes neither ``sinks`` nor ``logits_soft_cap``.
+    BACKEND: ClassVar[Any] = None
 
     def __init__(
         self,
@@ -60,7 +66,17 @@ class AttentionImpl(ABC):
         sliding_window: int | None = None,
         kv_cache_dtype: str = "auto",
         attn_type: AttentionType | str = AttentionType.DECODER,
+        logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
+        """The layer's shape and features, as vLLM's ``AttentionImpl`` takes them.
+
+        ``logits_soft_cap``: scores (already scaled) become ``cap * tanh(score / cap)``
+        before masking and the softmax (Gemma 2); ``sinks``: ``(num_heads,)`` floating, one
+        learned logit per query head that joins each row's softmax denominator and adds no
+        value (gpt-oss). Either needs a backend that declares it (``SUPPORTS_LOGITS_SOFT_CAP``,
+        ``SUPPORTS_SINK``); :attr:`attention_features` is what reaches the kernels.
+        """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
@@ -82,6 +98,30 @@ class AttentionImpl(ABC):
         self.sliding_window = None if sliding_window is None else operator.index(sliding_window)
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = AttentionType(attn_type)
+        self.logits_soft_cap = _check_soft_cap(logits_soft_cap)
+        self.sinks = _check_sinks(sinks, num_heads)
+        #: The keyword arguments this layer's features add to the attention op's call
+        #: (``logits_soft_cap``, ``sinks``; empty for a layer without them, so ops that take
+        #: neither keep working).
+        self.attention_features: dict[str, Any] = {}
+        for name, value, attr, feature in (
+                ("logits_soft_cap", self.logits_soft_cap, "SUPPORTS_LOGITS_SOFT_CAP",
+                 "logit soft-capping"),
+                ("sinks", self.sinks, "SUPPORTS_SINK", "attention sinks")):
+            if value is None:
+                continue
+            backend = type(self).BACKEND
+            if backend is None or not getattr(backend, attr, False):
+                owner = (f"{type(self).__name__} (backend {backend.get_name()})"
+                         if backend is not None else type(self).__name__)
+                shown = f"{value:g}" if name == "logits_soft_cap" else (
+                    f"a tensor of shape {tuple(value.shape)}")
+                raise NotImplementedError(
+                    f"{name}={shown}: {owner} does not support {feature} (its backend does "
+                    f"not declare {attr}); choose a backend that does (kvcore select "
+                    f"{'--soft-cap' if name == 'logits_soft_cap' else '--sink'} --explain "
+                    "lists them)")
+            self.attention_features[name] = value
 
     def is_causal(self, attn_metadata: AttentionMetadata) -> bool:
         """Whether this layer masks each query to the keys at or before its position.
@@ -223,4 +263,29 @@ class PagedAttentionImpl(AttentionImpl):
                              seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
                              causal=self.is_causal(m), sliding_window=self.sliding_window,
                              kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
-                             v_scale=layer.v_scale, output=output)
+                             v_scale=layer.v_scale, output=output, **self.attention_features)
+
+
+def _check_soft_cap(cap: object) -> float | None:
+    """``cap`` as a float (``None`` stays ``None``), or ``ValueError``."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
+            math.isfinite(cap) and cap > 0):
+        raise ValueError(f"logits_soft_cap={cap!r} must be None or a finite float > 0 (scores "
+                         "become cap * tanh(score / cap); Gemma 2 uses 50.0)")
+    return float(cap)
+
+
+def _check_sinks(sinks: object, num_heads: int) -> torch.Tensor | None:
+    """``sinks`` checked as ``(num_heads,)`` floating (``None`` stays ``None``)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a torch.Tensor of shape (num_heads,) = "
+                        f"({num_heads},), got {type(sinks).__name__}")
+    if sinks.dim() != 1 or sinks.shape[0] != num_heads or not sinks.is_floating_point():
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)} and dtype {sinks.dtype}; it "
+                         f"must be 1-D of length num_heads={num_heads} (one sink logit per "
+                         "query head of this rank), floating point (float32 as vLLM passes it)")
+    return sinks

@@ -29,6 +29,8 @@ class CpuAttentionBackend(AttentionBackend):
     SUPPORTED_HEAD_SIZES = None
     SUPPORTED_BLOCK_SIZES = None
     SUPPORTS_NON_CAUSAL = True
+    SUPPORTS_SINK = True
+    SUPPORTS_LOGITS_SOFT_CAP = True
     # paged_attention_torch gives a request the same bits alone as in any batch.
     SUPPORTS_BATCH_INVARIANT = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)

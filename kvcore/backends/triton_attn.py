@@ -171,7 +171,8 @@ class TritonAttentionImpl(PagedAttentionImpl):
                   causal=self.is_causal(m), sliding_window=self.sliding_window,
                   kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
                   v_scale=layer.v_scale, output=output,
-                  plan=m.plan if isinstance(m, TritonAttentionMetadata) else None)
+                  plan=m.plan if isinstance(m, TritonAttentionMetadata) else None,
+                  **self.attention_features)
 
 
 @functools.cache
@@ -193,6 +194,9 @@ class TritonAttentionBackend(AttentionBackend):
     # bf16 tensor-core dots need Ampere (CUDA 8.0); every ROCm capability we know is above.
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
     SUPPORTS_NON_CAUSAL = True
+    # Compile-time switches of both kernels (the sinks of a split launch go into the merge).
+    SUPPORTS_SINK = True
+    SUPPORTS_LOGITS_SOFT_CAP = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda", "rocm")
     USES_TRITON = True

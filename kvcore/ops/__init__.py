@@ -276,6 +276,7 @@ def paged_attention(
         scale: float, causal: bool = True, sliding_window: int | None = None,
         kv_cache_dtype: str = "auto", k_scale: KVScale = None, v_scale: KVScale = None,
         output: torch.Tensor | None = None, plan: TritonAttentionPlan | None = None,
+        logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention_ref`'s attention (arguments, shapes and result documented
     there): :func:`kvcore.ops.triton_attention.paged_attention` when the tensors are on a GPU
@@ -285,7 +286,7 @@ def paged_attention(
     common = dict(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                   scale=scale, causal=causal, sliding_window=sliding_window,
                   kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
-                  output=output)
+                  output=output, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if _on_gpu(key_cache) and _on_gpu(query) and query.dtype != torch.float64:
         from kvcore.ops.triton_attention import paged_attention as impl
 

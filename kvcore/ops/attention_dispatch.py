@@ -121,20 +121,22 @@ def default_config(
 
 def call_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 kv_cache_dtype: str, num_seqs: int, max_seq_len_bound: int,
-                num_kv_splits: int | None = None, **target) -> AttentionConfig:
+                num_kv_splits: int | None = None, *, features: bool = False,
+                **target) -> AttentionConfig:
     """The config :func:`kvcore.ops.triton_attention.paged_attention` uses when given none:
     :func:`default_config` for these tensors (``query`` ``(tokens, heads, head_size)``, caches
     ``(blocks, block_size, kv_heads, head_size)``), with its Gluon row only where
-    :func:`gluon_prefill_unmet` finds nothing unmet, the Triton row otherwise. ``target``
-    (``num_sms``, ``rocm``, ``arch``) as :func:`default_config` takes it: an ahead-of-time
-    compile passes its target's."""
+    :func:`gluon_prefill_unmet` finds nothing unmet (``features``: the call has a logit
+    soft-cap or sinks), the Triton row otherwise. ``target`` (``num_sms``, ``rocm``,
+    ``arch``) as :func:`default_config` takes it: an ahead-of-time compile passes its
+    target's."""
     num_tokens, num_heads, head_size = query.shape
     choose = functools.partial(default_config, num_tokens, num_seqs, num_heads,
                                key_cache.shape[2], head_size, max_seq_len_bound, query.device,
                                num_kv_splits, **target)
     cfg = choose()
     if isinstance(cfg, GluonPrefillConfig) and gluon_prefill_unmet(
-            query, key_cache, value_cache, kv_cache_dtype, cfg) is not None:
+            query, key_cache, value_cache, kv_cache_dtype, cfg, features=features) is not None:
         cfg = choose(gluon=False)
     return cfg
 
@@ -169,15 +171,20 @@ def _gluon_config_unmet(cfg: GluonPrefillConfig, head_size: int) -> str | None:
 
 def gluon_prefill_unmet(query: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, kv_cache_dtype: str,
-                        config: GluonPrefillConfig) -> str | None:
+                        config: GluonPrefillConfig, *, features: bool = False) -> str | None:
     """Why ``gluon_ws_pingpong`` cannot run this call with ``config``, as a sentence naming
-    the unmet condition and the fix; ``None`` when it can: Triton has Gluon's Hopper API;
+    the unmet condition and the fix; ``None`` when it can: no logit soft-cap and no sinks
+    (``features`` says the call has one; the Gluon kernel implements neither); Triton has
+    Gluon's Hopper API;
     ``config`` is one of its tiles (:class:`~kvcore.ops.attention_config.GluonPrefillConfig`);
     the query bf16 or fp16 with a cache of the same dtype (no fp8); ``head_size`` 64 or 128;
     both caches with contiguous channels and 16-byte aligned base and strides (``cp.async``
     copies 16 bytes); the tensors on a GPU of compute capability 9.x. The device is not
     checked while launches are recorded for an ahead-of-time compile
     (:func:`kvcore.ops.triton_utils.recording_launches`)."""
+    if features:
+        return ("gluon_ws_pingpong implements neither a logit soft-cap nor attention sinks, "
+                "and this call has one: use a TritonPrefillConfig")
     reason = gluon_prefill_available()
     if reason is not None:
         return reason
@@ -252,7 +259,9 @@ class AttentionLaunch:
 
     def __init__(self, cfg: AttentionConfig, query: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, scale: float, causal: bool,
-                 sliding_window: int | None, fp8: bool, ks: torch.Tensor | float) -> None:
+                 sliding_window: int | None, fp8: bool, ks: torch.Tensor | float,
+                 logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         self.cfg = cfg
         num_heads, head_size = query.shape[1:]
         _, block_size, num_kv_heads, _ = key_cache.shape
@@ -274,6 +283,10 @@ class AttentionLaunch:
                           INTERPRET=interpreting(), DOT_PRECISION=dot_precision,
                           BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,
                           BLOCK_D=block_d)
+        # The sinks go into the kernel's softmax, or, for a split launch, into the merge.
+        self.merge_sinks = sinks if self.num_splits > 1 else None
+        kernel_sinks = sinks is not None and self.num_splits == 1
+        features = dict(SOFT_CAP=float(logits_soft_cap or 0.0), HAS_SINKS=kernel_sinks)
         window = sliding_window or 0
         group = num_heads // num_kv_heads
         if self.prefill:
@@ -281,17 +294,20 @@ class AttentionLaunch:
             self.ints = (group, block_size, head_size, window)
             constexprs.update(EVEN_D=block_d == head_size,
                               PAGE=block_size if cfg.const_block else 0,
-                              EDGE_STAGES=cfg.edge_stages)
+                              EDGE_STAGES=cfg.edge_stages, **features)
         else:
             fn = paged_attention_kernel
             self.ints = (num_heads, group, block_size, head_size, window, self.num_splits)
             constexprs.update(SPLIT_KV=self.num_splits > 1,
-                              PAGE=block_size if cfg.const_block else 0)
+                              PAGE=block_size if cfg.const_block else 0, **features)
         self.cache_strides = (*key_cache.stride(), *value_cache.stride())
+        # Without sinks the kernel never reads its sinks argument: the query goes there.
+        self.sinks = sinks if kernel_sinks else None
         self.kernel = KernelLaunch(
             fn, (query.dtype, key_cache.dtype, key_cache.data_ptr() & 15,
                  value_cache.data_ptr() & 15, self.ints, self.cache_strides,
-                 type(ks), getattr(ks, "dtype", None)),
+                 type(ks), getattr(ks, "dtype", None),
+                 None if self.sinks is None else (self.sinks.dtype, self.sinks.data_ptr() & 15)),
             constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
@@ -327,7 +343,8 @@ class AttentionLaunch:
         q_strides, out_strides, bt_strides = query.stride(), out.stride(), block_table.stride()
         self.kernel(
             grid,
-            (*ptrs, query_start_loc, seq_lens, block_table, ks, vs, self.qk_scale, num_seqs,
+            (*ptrs, query_start_loc, seq_lens, block_table, ks, vs,
+             query if self.sinks is None else self.sinks, self.qk_scale, num_seqs,
              *self.ints, *q_strides, *self.cache_strides, *out_strides, *bt_strides),
             (query.data_ptr() & 15, out.dtype, out.data_ptr() & 15,
              None if part_out is None else part_out.data_ptr() & 15,
@@ -341,5 +358,6 @@ class AttentionLaunch:
             launch_merge(
                 part_out[:n * self.head_size].view(num_tokens, self.num_heads, num_splits,
                                                    self.head_size),
-                part_lse[:n].view(num_tokens, self.num_heads, num_splits), out, None)
+                part_lse[:n].view(num_tokens, self.num_heads, num_splits), out, None,
+                self.merge_sinks)
 

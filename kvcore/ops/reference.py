@@ -15,11 +15,17 @@ Conventions shared by every implementation:
   ``seq_lens[i]`` tokens in total (cached prefix plus its new tokens), so its query ``j`` sits at
   position ``seq_lens[i] - q_len + j``. Causal masking lets a query see keys at positions
   ``<=`` its own; a sliding window ``w`` keeps only the last ``w`` of those (``q_pos - k_pos < w``).
+- Logit soft-capping (``logits_soft_cap=cap``) turns each scaled score ``s`` into
+  ``cap * tanh(s / cap)`` before masking; attention sinks (``sinks``, one logit per query
+  head) add ``exp(sink)`` to every row's softmax denominator and no value
+  (:func:`apply_attention_features`).
 - fp8 caches store ``x * float32(1 / scale)`` (per-tensor ``k_scale`` / ``v_scale``), clamped to
   the fp8 range and rounded to nearest even, and are read back as ``stored * scale``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,6 +37,8 @@ from kvcore.ops.validation import (
 )
 
 __all__ = [
+    "apply_attention_features",
+    "check_attention_features",
     "fp8_inverse_scale",
     "fp8_scale_values",
     "gather_kv_ref",
@@ -136,12 +144,52 @@ def gather_kv_ref(
     return out
 
 
+def check_attention_features(query: torch.Tensor, logits_soft_cap: float | None,
+                             sinks: torch.Tensor | None) -> None:
+    """Refuse a soft-cap or sinks the attention ops cannot use: ``logits_soft_cap`` a finite
+    float > 0 (or ``None``); ``sinks`` a contiguous floating ``(num_heads,)`` tensor on the
+    query's device (or ``None``)."""
+    if logits_soft_cap is not None and (
+            isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float))
+            or not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0)):
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be None or a finite float "
+                         "> 0 (scores become cap * tanh(score / cap))")
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a torch.Tensor, got {type(sinks).__name__}")
+    num_heads = query.shape[1]
+    if (sinks.dim() != 1 or sinks.shape[0] != num_heads or not sinks.is_floating_point()
+            or sinks.device != query.device or sinks.stride(0) != 1):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}, dtype {sinks.dtype}, device "
+                         f"{sinks.device} and strides {sinks.stride()}; it must be a contiguous "
+                         f"floating (num_heads,) = ({num_heads},) tensor on the query's device "
+                         f"{query.device} (one sink logit per query head)")
+
+
+def apply_attention_features(scores: torch.Tensor, allowed: torch.Tensor,
+                             logits_soft_cap: float | None, sinks: torch.Tensor | None
+                             ) -> torch.Tensor:
+    """Softmax probabilities of scaled ``scores`` ``(heads, q, k)`` over the ``allowed``
+    ``(q, k)`` keys, with the soft-cap applied before the mask and each head's sink logit in
+    the denominator (the sink's own probability is dropped): the definition of both
+    features, in the scores' dtype."""
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    scores = scores.masked_fill(~allowed, float("-inf"))  # NaN keys masked: exactly out
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def paged_attention_ref(
         query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
         scale: float, causal: bool = True, sliding_window: int | None = None,
         kv_cache_dtype: str = "auto", k_scale: KVScale = None, v_scale: KVScale = None,
-        output: torch.Tensor | None = None) -> torch.Tensor:
+        output: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over a paged KV cache for a batch mixing prefill and decode requests: the
     definition every attention implementation (:func:`kvcore.ops.paged_attention`, backends'
     kernels) meets, and the one place its arguments are documented.
@@ -163,6 +211,11 @@ def paged_attention_ref(
         kv_cache_dtype, k_scale, v_scale: ``"auto"`` or an fp8 name, and the per-tensor fp8
             scales (:data:`~kvcore.ops.KVScale`) the cache is read back with.
         output: optional ``(num_tokens, num_heads, head_size)`` tensor written in place.
+        logits_soft_cap: ``cap``: each scaled score ``s`` becomes ``cap * tanh(s / cap)``
+            before masking (Gemma 2); ``None``: no cap.
+        sinks: ``(num_heads,)`` floating, contiguous, on the query's device: one logit per
+            query head that joins every row's softmax denominator as ``exp(sink)`` and adds
+            no value (gpt-oss); ``None``: no sinks.
 
     Returns:
         ``(num_tokens, num_heads, head_size)`` in ``query.dtype`` (``output`` if given).
@@ -172,6 +225,7 @@ def paged_attention_ref(
                              block_table, kv_cache_dtype=kv_cache_dtype,
                              sliding_window=sliding_window, output=output, scale=scale,
                              k_scale=k_scale, v_scale=v_scale)
+    check_attention_features(query, logits_soft_cap, sinks)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     ks, vs = fp8_scale_values(kv_cache_dtype, k_scale, v_scale)
     num_heads = query.shape[1]
@@ -198,8 +252,7 @@ def paged_attention_ref(
         if sliding_window is not None:
             distance = q_pos - k_pos if causal else (q_pos - k_pos).abs()
             allowed &= distance < sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))  # NaN keys masked: exactly out
-        probs = torch.softmax(scores, dim=-1)
+        probs = apply_attention_features(scores, allowed, logits_soft_cap, sinks)
         out[q_lo:q_hi] = _weighted_values(probs, v, allowed).to(out.dtype)
     return out
 

@@ -96,7 +96,8 @@ def workspace_numel(num_tokens: int, num_heads: int, head_size: int,
 
 
 def merge_kv_splits(partials: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor | None = None) -> torch.Tensor:
+                    lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Merge split-KV partial results into ``out``, in place (Triton; CPU tensors need
     ``TRITON_INTERPRET=1``).
 
@@ -109,6 +110,9 @@ def merge_kv_splits(partials: torch.Tensor, partial_lse: torch.Tensor, out: torc
             no split saw a key of).
         lse: optional ``(num_tokens, num_heads)``, any strides: the row's natural-log
             log-sum-exp (``-inf`` for a row without keys).
+        sinks: optional ``(num_heads,)`` contiguous floating tensor: each head's sink logit
+            (natural log) joins every row's denominator once (attention sinks; the splits
+            must not have applied it); ``lse`` then includes it.
 
     One program per (token, head); the sums run in float32. ``num_splits`` is a compile-time
     constant of the kernel (at most :data:`MAX_KV_SPLITS`). Returns ``out``.
@@ -122,10 +126,15 @@ def merge_kv_splits(partials: torch.Tensor, partial_lse: torch.Tensor, out: torc
             f"{tuple(partial_lse.shape)}, out {tuple(out.shape)} and lse "
             f"{None if lse is None else tuple(lse.shape)}; expected (T, H, S, D), (T, H, S), "
             "(T, H, D) and (T, H) or None")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads
+                              or not sinks.is_floating_point() or sinks.stride(0) != 1):
+        raise ValueError(f"merge_kv_splits got sinks of shape {tuple(sinks.shape)}, dtype "
+                         f"{sinks.dtype} and strides {sinks.stride()}; expected a contiguous "
+                         f"floating ({num_heads},) tensor (one sink logit per head) or None")
     if not 1 <= num_splits <= MAX_KV_SPLITS:
         raise ValueError(f"partials has {num_splits} splits; merge_kv_splits takes 1 to "
                          f"{MAX_KV_SPLITS}")
     from kvcore.ops.triton_merge import launch_merge
 
-    launch_merge(partials, partial_lse, out, lse)
+    launch_merge(partials, partial_lse, out, lse, sinks)
     return out

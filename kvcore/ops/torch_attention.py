@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from kvcore.ops.reference import fp8_scale_values
+from kvcore.ops.reference import check_attention_features, fp8_scale_values
 from kvcore.ops.validation import KVScale, validate_paged_attention
 
 __all__ = ["CHUNK_TOKENS", "paged_attention_torch"]
@@ -46,13 +46,16 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, scale: float,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-            scale: float, chunk: int) -> torch.Tensor:
+            scale: float, chunk: int, logits_soft_cap: float | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of ``n`` padded requests.
 
     Args:
         q: ``(n, Q, num_heads, D)``; k, v: ``(num_kv_heads, n, T, D)`` contiguous, ``T`` a
             multiple of ``chunk``; allowed: ``(n, Q, T)``, every query row allowing at least
             one key, and ``v`` zero where no row allows its key.
+        logits_soft_cap, sinks: as :func:`kvcore.ops.paged_attention_ref` takes them (the
+            sink joins the row's maximum and, once, the sum of the chunks).
 
     Returns:
         ``(n, Q, num_heads, D)`` in ``q.dtype``.
@@ -67,15 +70,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     v = v.view(num_kv_heads, n, chunks, chunk, d)
     scores = torch.matmul(rows, k.transpose(-1, -2))  # (Hk, n, chunks, Q * g, chunk)
     scores *= scale
+    if logits_soft_cap is not None:
+        scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
     mask = allowed.view(n, num_q, 1, chunks, chunk).expand(n, num_q, group, chunks, chunk)
     mask = mask.reshape(n, num_q * group, chunks, chunk).transpose(1, 2)
     scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # (Hk, n, 1, Q * g, 1)
+    if sinks is not None:  # each row's sink logit, (query, head in group) as the rows
+        sink = sinks.to(scores.dtype).view(num_kv_heads, 1, group).expand(
+            num_kv_heads, num_q, group).reshape(num_kv_heads, 1, 1, num_q * group, 1)
+        top = torch.maximum(top, sink)
+    probs = torch.exp(scores - top)
     sums = probs.sum(dim=-1)  # (Hk, n, chunks, Q * g)
     outs = torch.matmul(probs, v)  # (Hk, n, chunks, Q * g, D)
     total, out = sums[:, :, 0], outs[:, :, 0]
     for c in range(1, chunks):  # in chunk order: the same additions alone and in a batch
         total, out = total + sums[:, :, c], out + outs[:, :, c]
+    if sinks is not None:
+        total = total + torch.exp(sink - top)[:, :, 0, :, 0]
     out = out / total[..., None]  # (Hk, n, Q * g, D)
     return out.view(num_kv_heads, n, num_q, group, d).permute(1, 2, 0, 3, 4).reshape(
         n, num_q, num_heads, d)
@@ -86,13 +98,16 @@ def paged_attention_torch(
         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
         scale: float, causal: bool = True, sliding_window: int | None = None,
         kv_cache_dtype: str = "auto", k_scale: KVScale = None, v_scale: KVScale = None,
-        output: torch.Tensor | None = None) -> torch.Tensor:
+        output: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`kvcore.ops.paged_attention_ref`'s attention in a few large tensor ops (module
     docstring): the same arguments, shapes and result, computed in float32 (float64 for
     float64 queries)."""
     validate_paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                              block_table, kv_cache_dtype=kv_cache_dtype,
                              sliding_window=sliding_window, output=output)
+    if logits_soft_cap is not None or sinks is not None:
+        check_attention_features(query, logits_soft_cap, sinks)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     ks, vs = fp8_scale_values(kv_cache_dtype, k_scale, v_scale)
     out = output if output is not None else torch.empty_like(query)
@@ -134,7 +149,7 @@ def paged_attention_torch(
                 distance = distance.abs()
             allowed = allowed & (distance < sliding_window)
         rows = torch.stack([query[starts[i]:starts[i] + num_q] for i in seqs]).to(compute)
-        return _attend(rows, k, v, allowed, scale, chunk)
+        return _attend(rows, k, v, allowed, scale, chunk, logits_soft_cap, sinks)
 
     decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
     if decodes:

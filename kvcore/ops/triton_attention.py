@@ -37,6 +37,7 @@ from kvcore.ops.attention_config import (
     TritonSplitKVConfig,
 )
 from kvcore.ops.attention_dispatch import AttentionLaunch, call_config, gluon_prefill_unmet
+from kvcore.ops.reference import check_attention_features
 from kvcore.ops.split_kv import MAX_KV_SPLITS, workspace_numel
 from kvcore.ops.triton_cache import scale_key
 from kvcore.ops.triton_utils import (
@@ -101,6 +102,8 @@ def paged_attention(
     v_scale: torch.Tensor | float | None = None,
     output: torch.Tensor | None = None,
     plan: TritonAttentionPlan | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a paged KV cache for a batch mixing prefill and decode (Triton).
 
@@ -122,13 +125,18 @@ def paged_attention(
         plan: the kernel config, split count and split-KV workspace a builder chose
             (:class:`~kvcore.ops.attention_config.TritonAttentionPlan`); ``None``: the
             defaults for the batch and the GPU.
+        logits_soft_cap, sinks: a logit soft-cap and per-head sink logits, as in the
+            reference (compile-time switches of the kernels; the Gluon kernel takes neither,
+            so its prefill row is not used with them; a split launch adds the sinks in the
+            merge).
 
     Returns:
         ``output`` (or a new tensor like ``query``).
     """
     try:
         layer = _LAYERS.get(_layer_key(query, key_cache, value_cache, scale, causal,
-                                       sliding_window, kv_cache_dtype, k_scale, v_scale))
+                                       sliding_window, kv_cache_dtype, k_scale, v_scale,
+                                       logits_soft_cap, sinks))
     except (AttributeError, TypeError, IndexError):  # the checks below say what is wrong
         layer = None
     if layer is not None and layer.takes(query, query_start_loc, seq_lens, block_table,
@@ -140,8 +148,10 @@ def paged_attention(
     else:
         _check_call(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
                     scale, sliding_window, kv_cache_dtype, k_scale, v_scale, output)
+        check_attention_features(query, logits_soft_cap, sinks)
         layer = _Layer(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
-                       scale, causal, sliding_window, kv_cache_dtype, k_scale, v_scale)
+                       scale, causal, sliding_window, kv_cache_dtype, k_scale, v_scale,
+                       logits_soft_cap, sinks)
         if len(_LAYERS) >= _MAX_LAYERS:
             _LAYERS.clear()
         _LAYERS[layer.key] = layer
@@ -168,7 +178,8 @@ def paged_attention(
     launch = layer.launches.get(cfg)
     if launch is None:
         launch = layer.launches[cfg] = AttentionLaunch(
-            cfg, query, key_cache, value_cache, scale, causal, sliding_window, layer.fp8, ks)
+            cfg, query, key_cache, value_cache, scale, causal, sliding_window, layer.fp8, ks,
+            logits_soft_cap, sinks)
     launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, ks, vs,
            workspace)
     return out
@@ -214,15 +225,18 @@ _last_step: tuple = ()
 
 def _layer_key(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                scale: float, causal: bool, sliding_window: int | None, kv_cache_dtype: str,
-               k_scale: KVScale, v_scale: KVScale) -> tuple:
+               k_scale: KVScale, v_scale: KVScale, logits_soft_cap: float | None,
+               sinks: torch.Tensor | None) -> tuple:
     """What a :class:`_Layer`'s checks and choices hold for: the caches (shape, strides,
-    dtype, device, address), the query's dtype and head shape, the scalar arguments, and the
-    process switches that change the kernel choice."""
+    dtype, device, address), the query's dtype and head shape, the scalar arguments, the
+    sinks tensor (by identity: the launches keep it), and the process switches that change
+    the kernel choice."""
     return (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
             key_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
             value_cache.device, value_cache.data_ptr(), query.dtype, query.shape[1:],
             kv_cache_dtype, scale, causal, sliding_window, scale_key(k_scale),
-            scale_key(v_scale), interpreting(), recording_launches(), gluon_defaults_enabled())
+            scale_key(v_scale), interpreting(), recording_launches(), gluon_defaults_enabled(),
+            logits_soft_cap, None if sinks is None else id(sinks))
 
 
 class _Layer:
@@ -234,9 +248,12 @@ class _Layer:
                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, scale: float, causal: bool,
                  sliding_window: int | None, kv_cache_dtype: str, k_scale: KVScale,
-                 v_scale: KVScale) -> None:
+                 v_scale: KVScale, logits_soft_cap: float | None,
+                 sinks: torch.Tensor | None) -> None:
         self.key = _layer_key(query, key_cache, value_cache, scale, causal, sliding_window,
-                              kv_cache_dtype, k_scale, v_scale)
+                              kv_cache_dtype, k_scale, v_scale, logits_soft_cap, sinks)
+        self.features = logits_soft_cap is not None or sinks is not None
+        self.sinks = sinks  # held: the key names it by identity
         self.device = query.device
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
@@ -285,7 +302,7 @@ class _Layer:
         cfg = self._configs.get(found)
         if cfg is None:
             cfg = _config(plan, query, key_cache, value_cache, self.kv_cache_dtype, num_seqs,
-                          width)
+                          width, self.features)
             if len(self._configs) >= _MAX_LAYERS:
                 self._configs.clear()
             self._configs[found] = cfg
@@ -312,14 +329,16 @@ def _accept_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
 
 def _config(plan: TritonAttentionPlan, query: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, kv_cache_dtype: str, num_seqs: int,
-            width: int) -> AttentionConfig:
-    """``plan.config`` checked against the call, or the default config for it."""
+            width: int, features: bool) -> AttentionConfig:
+    """``plan.config`` checked against the call, or the default config for it
+    (``features``: the call has a logit soft-cap or sinks)."""
     cfg = plan.config
     if cfg is None:  # call_config checks its Gluon row against these tensors
         return call_config(query, key_cache, value_cache, kv_cache_dtype, num_seqs,
-                           width * key_cache.shape[1], plan.num_kv_splits)
+                           width * key_cache.shape[1], plan.num_kv_splits, features=features)
     if isinstance(cfg, GluonPrefillConfig):
-        reason = gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg)
+        reason = gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg,
+                                     features=features)
         if reason is not None:
             raise ValueError(reason)
     elif isinstance(cfg, TritonSplitKVConfig):

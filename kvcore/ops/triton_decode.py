@@ -18,6 +18,12 @@ partial output and its base-2 log-sum-exp to a float32 workspace
 which :func:`kvcore.ops.split_kv.merge_kv_splits` merges. Each request is split by its *own*
 length, read on the device.
 
+Features, compile-time switches that leave the kernel unchanged when off: ``SOFT_CAP`` > 0
+caps every scaled score at ``cap * tanh(score / cap)`` before masking
+(:func:`soft_cap_scores`); ``HAS_SINKS`` starts each row's online softmax with its head's sink
+logit (:func:`initial_row_state`). A split launch leaves ``HAS_SINKS`` off and the merge adds
+the sink once.
+
 The prologue (:func:`load_query_tile`) and page lookup (:func:`page_ids`, :func:`page_slots`) are
 shared with the prefill kernel (:mod:`kvcore.ops.triton_prefill`). ``PAGE`` > 0 compiles the
 block size in (shifts instead of integer divisions per key row).
@@ -32,7 +38,37 @@ import triton.language as tl
 
 from kvcore.ops.triton_utils import load_kv_scales, locate_query_tile, to_output
 
-__all__ = ["load_query_tile", "page_ids", "page_slots", "paged_attention_kernel"]
+__all__ = ["initial_row_state", "load_query_tile", "page_ids", "page_slots",
+           "paged_attention_kernel", "soft_cap_scores"]
+
+#: ``log2(e)`` (as :data:`kvcore.ops.split_kv.LOG2E`): scores here are in base 2.
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def soft_cap_scores(s, SOFT_CAP: tl.constexpr):
+    """Base-2 scores ``s`` (``score * LOG2E``) soft-capped: ``cap * tanh(score / cap)``,
+    in base 2. ``tanh`` from one ``exp2`` of ``-2|y|`` (never overflows), sign restored."""
+    cap2: tl.constexpr = SOFT_CAP * _LOG2E
+    y = s * (1.0 / cap2)
+    e = tl.exp2(tl.abs(y) * (-2.0 * _LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t) * cap2
+
+
+@triton.jit
+def initial_row_state(sinks_ptr, head, row_valid, HAS_SINKS: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """The online softmax's starting ``(m_i, l_i)`` of the program's rows: nothing seen
+    (``-inf``, 0), or with ``HAS_SINKS`` each row's sink logit already in (its base-2
+    logit, 1): the sink then sits in the denominator once and adds no value."""
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * _LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    return m_i, l_i
 
 
 @triton.jit
@@ -92,7 +128,7 @@ def page_slots(k_pos, block_size, PAGE: tl.constexpr):
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    k_scale, v_scale, qk_scale,
+    k_scale, v_scale, sinks_ptr, qk_scale,
     num_seqs, num_heads, num_queries_per_kv, block_size, head_size, sliding_window, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -104,6 +140,7 @@ def paged_attention_kernel(
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_KV: tl.constexpr, PAGE: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     tile = tl.program_id(0)
@@ -139,8 +176,7 @@ def paged_attention_kernel(
         ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = initial_row_state(sinks_ptr, head, row_valid, HAS_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bts
     kv_head64 = kv_head.to(tl.int64)
@@ -169,6 +205,8 @@ def paged_attention_kernel(
             v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP > 0:
+            s = soft_cap_scores(s, SOFT_CAP)
         mask = row_valid[:, None] & k_valid[None, :]
         if CAUSAL:
             mask &= k_pos[None, :] <= q_pos[:, None]

@@ -9,7 +9,9 @@ the tiles on the causal diagonal, on the window's lower edge and past the last k
 and loads. The dots take bf16/fp16 operands and accumulate in fp32 (``tl.dot(p, v, acc)``).
 Programs run last query tile first, so the longest causal tiles start first and the short ones
 fill the last wave. ``EDGE_STAGES`` > 0 pipelines the masked edge loops that deep instead of
-the launch's ``num_stages``.
+the launch's ``num_stages``. ``SOFT_CAP`` and ``HAS_SINKS`` as in the paged kernel
+(:mod:`kvcore.ops.triton_decode`); with the soft-cap on, unmasked tiles cap the scaled scores
+instead of folding the scale into ``exp2``.
 
 This module imports triton; :mod:`kvcore.ops` imports it lazily.
 """
@@ -19,7 +21,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcore.ops.triton_decode import load_query_tile, page_ids, page_slots
+from kvcore.ops.triton_decode import (
+    initial_row_state,
+    load_query_tile,
+    page_ids,
+    page_slots,
+    soft_cap_scores,
+)
 from kvcore.ops.triton_utils import load_kv_scales, locate_query_tile, prefill_key_tiles, to_output
 
 __all__ = ["prefill_attention_kernel"]
@@ -33,7 +41,7 @@ def _prefill_step(
     stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """Key tile ``t`` of one query tile (its block ids ``page``); returns the updated state
     and the next tile's block ids."""
@@ -74,11 +82,19 @@ def _prefill_step(
             mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
             if not CAUSAL:
                 mask &= (k_pos[None, :] - q_pos[:, None]) < sliding_window
-        s = tl.where(mask, s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        if SOFT_CAP > 0:
+            s = soft_cap_scores(s, SOFT_CAP)
+        s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
+    elif SOFT_CAP > 0:
+        s = soft_cap_scores(s * qk_scale, SOFT_CAP)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
     else:
         # qk_scale > 0 (validated), so the row maximum of the scaled scores is the scaled
         # maximum, and the scale folds into one multiply-add per score.
@@ -99,7 +115,7 @@ def _prefill_tiles(
     stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """Key tiles ``lo <= t < hi`` of one query tile. ``MASKED=False`` tiles are entirely
     visible to every query of the tile (no mask, no load guard); ``MASKED`` ones (the causal
@@ -115,7 +131,8 @@ def _prefill_tiles(
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
                 MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
-                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE,
+                SOFT_CAP=SOFT_CAP)
     else:
         for t in range(lo, hi):
             acc, l_i, m_i, page = _prefill_step(
@@ -124,7 +141,8 @@ def _prefill_tiles(
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
                 MASKED=MASKED, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW, EVEN_D=EVEN_D,
-                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE)
+                INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N, PAGE=PAGE,
+                SOFT_CAP=SOFT_CAP)
     return acc, l_i, m_i
 
 
@@ -132,7 +150,7 @@ def _prefill_tiles(
 def prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    k_scale, v_scale, qk_scale,
+    k_scale, v_scale, sinks_ptr, qk_scale,
     num_seqs, num_queries_per_kv, block_size, head_size, sliding_window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -144,6 +162,7 @@ def prefill_attention_kernel(
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, PAGE: tl.constexpr, EDGE_STAGES: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Last tiles first: under a causal mask they have the most keys, and the short ones then
@@ -166,8 +185,7 @@ def prefill_attention_kernel(
     kv_end, lo, hi, full_lo, full_hi = prefill_key_tiles(
         first_q, last_q, seq_len, sliding_window, CAUSAL, USE_WINDOW, BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = initial_row_state(sinks_ptr, head, row_valid, HAS_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bts
     kv_head64 = kv_head.to(tl.int64)
@@ -178,21 +196,21 @@ def prefill_attention_kernel(
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
             EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
-            PAGE=PAGE, STAGES=EDGE_STAGES)
+            PAGE=PAGE, STAGES=EDGE_STAGES, SOFT_CAP=SOFT_CAP)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
         d_valid, full_lo, full_hi, kv_end, block_size, sliding_window, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
         stride_vd, stride_btb, MASKED=False, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
         EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
-        PAGE=PAGE, STAGES=0)
+        PAGE=PAGE, STAGES=0, SOFT_CAP=SOFT_CAP)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head64, dims64,
         d_valid, full_hi, hi, kv_end, block_size, sliding_window, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
         stride_vd, stride_btb, MASKED=True, CAUSAL=CAUSAL, USE_WINDOW=USE_WINDOW,
         EVEN_D=EVEN_D, INTERPRET=INTERPRET, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
-        PAGE=PAGE, STAGES=EDGE_STAGES)
+        PAGE=PAGE, STAGES=EDGE_STAGES, SOFT_CAP=SOFT_CAP)
 
     if FP8:
         acc = acc * vs

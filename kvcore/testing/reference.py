@@ -21,6 +21,8 @@ def contiguous_attention_ref(
     causal: bool = True,
     sliding_window: int | None = None,
     allowed: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float64 softmax attention of one request over its contiguous keys and values.
 
@@ -36,6 +38,10 @@ def contiguous_attention_ref(
             sliding_window`` on both sides (not causal).
         allowed: ``(q_len, seq_len)`` bool mask that replaces ``causal`` and
             ``sliding_window`` when given.
+        logits_soft_cap: each scaled score ``s`` becomes ``cap * tanh(s / cap)`` before
+            masking (Gemma 2).
+        sinks: ``(num_heads,)``: each head's sink logit joins the softmax denominator as
+            ``exp(sink)`` and adds no value (gpt-oss).
 
     Returns:
         ``(q_len, num_heads, head_size)`` float64 on ``query``'s device.
@@ -44,6 +50,8 @@ def contiguous_attention_ref(
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     if allowed is None:
         seq_len = k.shape[0]
         q_pos = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)[:, None]
@@ -54,7 +62,14 @@ def contiguous_attention_ref(
         if sliding_window:
             distance = q_pos - k_pos if causal else (q_pos - k_pos).abs()
             allowed &= distance < sliding_window
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # exp(s) / (sum exp(s) + exp(sink)), shifted by the larger of both maxima
+        sink = sinks.double().to(q.device)[:, None, None]
+        top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+        weights = (scores - top).exp()
+        probs = weights / (weights.sum(-1, keepdim=True) + (sink - top).exp())
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
