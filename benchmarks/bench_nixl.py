@@ -63,6 +63,16 @@ processes, and prints the table last
 ``bench_nixl_convert.json``). One GPU, two processes, 1 GiB:
 ``--convert-suite --mib 1024``.
 
+``--phases`` (nixl, mooncake): the consumer also times where each load's wall time goes, per
+load (median over the loads after the first, in ms): ``channel`` (requests to the producer:
+fetch, confirmations), ``start_read`` (descriptors, the transfer request and its post),
+``poll`` (asking the library whether a READ finished), ``release`` (freeing its handle),
+``sleep`` (the connector's pauses between polls) and ``other`` (the rest: the loader thread,
+the device synchronisation, Python); written as ``phases_ms`` in the JSON.
+
+``--poll-spin-s S`` sets the nixl consumer's ``kvcore.connectors.nixl.POLL_SPIN_S`` (how long a
+READ into VRAM is checked without pausing; ``0``: the connector's pauses alone).
+
 ``--grid`` runs, each in its own pair of processes with this call's devices and sizes, every
 connector of ``--grid-connectors`` (default ``nixl,p2p``; nixl rows say why they are skipped
 where it is not installed) x cross-layer/per-layer x contiguous/scattered block ids; the
@@ -517,6 +527,52 @@ def copy_seconds(src_kv: kvcore.KVCaches, device: str, trials: int) -> list[floa
     return times
 
 
+class Phases:
+    """``--phases``: wall time per phase of a pull connector's loads, in the consumer (wraps
+    its engine's calls, its requests to the producer and the connector's pauses)."""
+
+    NAMES = ("channel", "start_read", "poll", "release", "sleep")
+
+    def __init__(self, consumer) -> None:
+        import types
+
+        from kvcore.connectors import pull
+
+        self.now: dict[str, float] = dict.fromkeys(self.NAMES, 0.0)
+        self.loads: list[dict[str, float]] = []
+        engine, link = consumer._engine, consumer._consumer
+        for name, owner in (("start_read", engine), ("poll", engine), ("release", engine),
+                            ("request", link)):
+            setattr(owner, name, self._timed("channel" if name == "request" else name,
+                                             getattr(owner, name)))
+        real = pull.time
+        pull.time = types.SimpleNamespace(monotonic=real.monotonic,
+                                          perf_counter=real.perf_counter,
+                                          sleep=self._timed("sleep", real.sleep))
+
+    def _timed(self, phase: str, call):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return call(*a, **k)
+            finally:
+                self.now[phase] += time.perf_counter() - t0
+        return timed
+
+    def end_load(self, seconds: float) -> None:
+        """Close one load that took ``seconds`` of wall time."""
+        spent = dict(self.now)
+        spent["other"] = seconds - sum(spent.values())
+        self.loads.append(spent)
+        self.now = dict.fromkeys(self.NAMES, 0.0)
+
+    def medians_ms(self) -> dict[str, float]:
+        """Per phase, the median over the loads after the first, in ms."""
+        later = self.loads[1:] or self.loads
+        return {k: 1e3 * statistics.median(load[k] for load in later)
+                for k in (*self.NAMES, "other")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -564,6 +620,12 @@ def main() -> int:
     parser.add_argument("--convert-suite", action="store_true",
                         help="nixl and p2p, same layout and --convert, and --gather-only, each "
                              "in its own processes; the table last")
+    parser.add_argument("--phases", action="store_true",
+                        help="nixl, mooncake: time where each load's wall time goes (see the "
+                             "module docstring)")
+    parser.add_argument("--poll-spin-s", type=float, default=None,
+                        help="nixl: the consumer's kvcore.connectors.nixl.POLL_SPIN_S (0: only "
+                             "the connector's pauses between polls)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trials < 2:
@@ -572,9 +634,15 @@ def main() -> int:
         args.serve_device = args.device
     if args.connector != "nixl" and (args.ucx_tls or args.ucx_error_mode or args.matrix):
         parser.error("--ucx-tls, --ucx-error-mode and --matrix are for --connector nixl")
+    if args.phases and args.connector == "p2p":
+        parser.error("--phases is for the pull connectors (--connector nixl or mooncake)")
     own_device = args.serve_device if args.serve else args.device
     if own_device.startswith("cuda:"):  # this process's GPU is its current device
         torch.cuda.set_device(torch.device(own_device))
+    if args.poll_spin_s is not None:
+        from kvcore.connectors import nixl
+
+        nixl.POLL_SPIN_S = args.poll_spin_s
     if args.serve:
         return serve(args)
     if args.gather_only:
@@ -632,6 +700,7 @@ def main() -> int:
                                       **transport_options(args))
         with connector as consumer:
             consumer.register_kv_caches(kv)
+            phases = Phases(consumer) if args.phases else None
             for t in range(args.trials):
                 keys = trial_keys(t, num_keys)
                 t0 = time.perf_counter()
@@ -641,6 +710,8 @@ def main() -> int:
                 if kv.storage.is_cuda:
                     torch.cuda.synchronize(kv.storage.device)
                 times.append(time.perf_counter() - t0)
+                if phases is not None:
+                    phases.end_load(times[-1])
                 if not result.ok:
                     raise RuntimeError(f"trial {t}: {len(result.failed)} blocks failed, e.g. "
                                        f"{next(iter(result.failed.values()))}")
@@ -677,10 +748,12 @@ def main() -> int:
         "copy": "across devices" if across else "same device",
         "scattered": args.scattered, "consumer_runs": count_runs(ids),
         "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
-        "converted": args.convert,
+        "converted": args.convert, "poll_spin_s": args.poll_spin_s,
     }
     if args.convert:
         record["layout"] = f"{expected.layout} -> {kv.layout}"
+    if phases is not None:
+        record["phases_ms"] = phases.medians_ms()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
     what = (f"{name} READ" if name in ("nixl", "mooncake") else
@@ -698,6 +771,9 @@ def main() -> int:
     print(f"  plain copy: {record['copy_gbps']:8.2f} GB/s (same bytes, {where})")
     print(f"  ratio:      {record['fraction_of_copy']:8.2f}   bit-exact: {exact}   "
           f"producer: {served}")
+    if phases is not None:
+        print("  per load (ms, median): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in record["phases_ms"].items()))
     if not exact:
         print(f"  {mismatched} {'tokens' if args.convert else f'of {kv.num_blocks} blocks'} "
               "differ")

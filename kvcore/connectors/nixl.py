@@ -24,6 +24,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from kvcore.connectors.convert import TPRank
 from kvcore.connectors.pull import DEFAULT_STAGING_BYTES, PullConnector
 from kvcore.connectors.pull_engine import Regions, Run, memory_kind
 
-__all__ = ["UCX_DEFAULTS", "NixlConnector", "nixl_unavailable_reason"]
+__all__ = ["POLL_SPIN_S", "UCX_DEFAULTS", "NixlConnector", "nixl_unavailable_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,13 @@ def _no_peer_failure_handling(ucx_tls: str) -> bool:
 UCX_DEFAULTS: Mapping[str, str] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
+#: How long the consumer keeps checking a READ into CUDA memory without pausing, from the
+#: moment it was posted: the copy engines move it (no CPU of this process is needed), and a
+#: same-host READ of a GiB finishes in about a millisecond, sooner than the connector's pauses
+#: between polls (0.1 ms doubling to 5 ms) would look again. After it the pauses take over.
+POLL_SPIN_S = 0.02
+
+
 class _Agent:
     """One NIXL agent with the cache's storage registered; every call into NIXL goes through
     it, under one lock (the Python API is not documented as thread-safe)."""
@@ -171,6 +179,7 @@ class _Agent:
                                f"{list(backends)}: {exc}") from exc
         self._storage = storage  # the registered memory stays alive while the agent is
         self._staged: list[tuple[Any, torch.Tensor]] = []  # a converting consumer's buffers
+        self._spin_until: dict[int, float] = {}  # per READ in flight (id of its run)
 
     # -- producer -------------------------------------------------------------------------
 
@@ -217,18 +226,27 @@ class _Agent:
                 f"{lease}:{run.first}:{run.end}".encode())
             if self.agent.transfer(run.handle) == "ERR":
                 raise RuntimeError("NIXL transfer() returned ERR")
+        if self.mem_type == "VRAM":
+            self._spin_until[id(run)] = time.monotonic() + POLL_SPIN_S
 
     def poll(self, run: Run) -> str:
-        with self.lock:
-            try:
-                state = self.agent.check_xfer_state(run.handle)
-            except Exception as exc:
-                return f"ERR ({exc})"
-        return state if state in ("DONE", "PROC") else str(state)
+        """The READ's state; one into CUDA memory is checked again at once while it is in
+        flight, up to :data:`POLL_SPIN_S` after it was posted."""
+        until = self._spin_until.get(id(run), 0.0)
+        while True:
+            with self.lock:
+                try:
+                    state = self.agent.check_xfer_state(run.handle)
+                except Exception as exc:
+                    return f"ERR ({exc})"
+            if state != "PROC" or time.monotonic() >= until:
+                return state if state in ("DONE", "PROC") else str(state)
+            time.sleep(0)  # other threads (the engine's) run between checks
 
     def release(self, run: Run) -> bool:
         """Free the transfer handle; NIXL cancels an active one. Returns whether that worked
         (NIXL keeps a handle it could not cancel)."""
+        self._spin_until.pop(id(run), None)
         if run.handle is None:
             return True
         handle, run.handle = run.handle, None

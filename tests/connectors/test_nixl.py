@@ -484,6 +484,72 @@ def test_a_failed_ucx_backend_names_the_settings_it_was_created_with(monkeypatch
     assert os.environ.get(name) == preset and "UCX_TLS" not in os.environ
 
 
+class _SlowReadAgent:
+    """A stand-in NIXL agent whose READs report ``PROC`` for ``checks_left`` checks."""
+
+    def __init__(self, checks_left: float) -> None:
+        self.checks_left, self.checks, self.released = checks_left, 0, []
+
+    def get_xfer_descs(self, descs, mem_type):
+        return descs
+
+    def initialize_xfer(self, op, local, remote, peer, notif):
+        return object()
+
+    def transfer(self, handle):
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        self.checks += 1
+        self.checks_left -= 1
+        return "DONE" if self.checks_left < 0 else "PROC"
+
+    def release_xfer_handle(self, handle):
+        self.released.append(handle)
+
+
+def _slow_read_engine(mem_type: str, checks_left: float):
+    import threading
+
+    from kvcore.connectors.pull_engine import Regions
+
+    engine = object.__new__(nixl_module._Agent)  # no NIXL: only the READ calls are used
+    engine.agent, engine.lock = _SlowReadAgent(checks_left), threading.Lock()
+    engine.mem_type, engine._spin_until = mem_type, {}
+    regions = Regions((0,), (64,), (64,), mem_type, 0)
+    return engine, regions
+
+
+@pytest.mark.parametrize(("mem_type", "checks", "state"), [("VRAM", 51, "DONE"),
+                                                          ("DRAM", 1, "PROC")])
+def test_a_read_into_cuda_memory_is_polled_until_it_finishes(mem_type, checks, state):
+    # A READ into VRAM is checked again without pausing while it is in flight (the copy
+    # engines move it), so the connector sees it finish at once; one into DRAM is checked
+    # once per poll, as the connector's pauses decide.
+    from kvcore.connectors.pull_engine import Run
+
+    engine, regions = _slow_read_engine(mem_type, checks_left=50)
+    run = Run(0, 2, 0, 0)
+    engine.start_read(run, "lease", regions, regions, "peer")
+    assert engine.poll(run) == state and engine.agent.checks == checks
+    assert engine.release(run) and engine._spin_until == {} and run.handle is None
+
+
+def test_a_read_into_cuda_memory_still_in_flight_after_the_spin_is_left_to_the_pauses(
+        monkeypatch):
+    from kvcore.connectors.pull_engine import Run
+
+    monkeypatch.setattr(nixl_module, "POLL_SPIN_S", 0.01)
+    engine, regions = _slow_read_engine("VRAM", checks_left=float("inf"))
+    run = Run(0, 1, 0, 0)
+    engine.start_read(run, "lease", regions, regions, "peer")
+    started = time.monotonic()
+    assert engine.poll(run) == "PROC" and 0.005 < time.monotonic() - started < 1.0
+    checks = engine.agent.checks
+    assert engine.poll(run) == "PROC" and engine.agent.checks == checks + 1  # spin is over
+    assert engine.release(run) and engine._spin_until == {}
+
+
 def test_shared_memory_transports_are_accepted_with_error_handling_off():
     from kvcore.connectors.nixl import _no_peer_failure_handling
 
