@@ -7,8 +7,8 @@ skipped); the table is printed last and written, with every case's log, under ``
 
 ``raw`` cases (one per UCX setting of :data:`RAW_CASES`): a producer process (spawned by the
 case) fills ``--mib`` MiB on ``--device``, registers it with its own NIXL agent and hands this
-process its agent metadata and the tensor itself (torch's CUDA IPC). The case then times, in
-this process, median of ``--trials`` after the first:
+process its agent metadata and a copy of the bytes in another allocation (torch's CUDA
+IPC). The case then times, in this process, median of ``--trials`` after the first:
 
 - ``copy local``: ``dst.copy_(src)`` of the same bytes within this process (the ceiling);
 - ``copy ipc``: ``dst.copy_(the producer's tensor)`` opened through CUDA IPC (what cuda_ipc
@@ -116,14 +116,17 @@ def _producer(device: str, nbytes: int, options: dict, conn) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     src = _fill(nbytes, device)
+    # The consumer opens a copy in its own allocation through torch's IPC: UCX maps src, and
+    # one process may not open the same CUDA IPC handle twice.
+    twin = src.clone()
     if src.is_cuda:
         torch.cuda.synchronize()
     else:
-        src.share_memory_()  # (moves it: registered after)
+        twin.share_memory_()
     agent = _agent("diag-producer", options)
     mem = "VRAM" if src.is_cuda else "DRAM"
     reg = agent.register_memory([(src.data_ptr(), nbytes, src.device.index or 0, "")], mem)
-    conn.send({"metadata": agent.get_agent_metadata(), "addr": src.data_ptr(), "tensor": src})
+    conn.send({"metadata": agent.get_agent_metadata(), "addr": src.data_ptr(), "tensor": twin})
     notifs = 0
     while not conn.poll(0.001):
         notifs += sum(len(v) for v in agent.get_new_notifs().values())
