@@ -37,7 +37,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.layout_names": ("VLLM_LAYOUTS", "vllm_layout_name", "vllm_layout_order"),
     "kvcore.metadata": (
         "AttentionLayer", "AttentionMetadata", "LayerScales", "build_attention_metadata",
-        "encoder_only_cache",
+        "encoder_only_cache", "is_uniform_decode",
     ),
     "kvcore.mla": ("MLACommonBackend", "MLACommonImpl", "MLAMetadata", "MLAStepBuffers",
                    "MLAStepViews", "latent_cache_shape"),
@@ -106,6 +106,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         LayerScales,
         build_attention_metadata,
         encoder_only_cache,
+        is_uniform_decode,
     )
     from kvcore.mla import (
         MLACommonBackend,
@@ -250,6 +251,7 @@ __all__ = [
     "get_platform",
     "hookimpl",
     "is_supported",
+    "is_uniform_decode",
     "latent_cache_shape",
     "library_versions",
     "list_plugins",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.metadata import AttentionMetadata
+from kvcore.metadata import AttentionMetadata, is_uniform_decode
 from kvcore.ops.validation import (
     StepFacts,
     checked_step_facts,
@@ -29,8 +29,7 @@ from kvcore.ops.validation import (
 )
 from kvcore.spec import KVCacheSpec
 
-__all__ = ["AttentionMetadataBuilder", "PersistentMetadataBuilder", "graph_batch_sizes",
-           "is_uniform_decode"]
+__all__ = ["AttentionMetadataBuilder", "PersistentMetadataBuilder", "graph_batch_sizes"]
 
 
 def _positive(name: str, value: object) -> int:
@@ -248,7 +247,7 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
             if size > self.max_num_seqs:
                 raise ValueError(f"graph_batch_size={size} exceeds max_num_seqs="
                                  f"{self.max_num_seqs}")
-            if not is_uniform_decode(common):
+            if not is_uniform_decode(common) or rows != n:
                 raise ValueError(
                     f"graph_batch_size={size} needs a uniform-decode step (one new token per "
                     f"request, no padding rows); this step has {common.num_actual_tokens} "
@@ -314,13 +313,6 @@ def _understated(max_seq_len: int, what: str) -> ValueError:
     return ValueError(f"max_seq_len={max_seq_len} understates the step: {what}. Pass the "
                       "longest request's length (cached plus new tokens): builders size "
                       "buffers and choose kernels from it")
-
-
-def is_uniform_decode(common: AttentionMetadata) -> bool:
-    """Every request has exactly one new token and there are no padding rows."""
-    n = common.num_seqs
-    return (common.num_actual_tokens == n and common.slot_mapping.shape[0] == n
-            and common.max_query_len <= 1)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

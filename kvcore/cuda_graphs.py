@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from kvcore.builder import PersistentMetadataBuilder, graph_batch_sizes, is_uniform_decode
-from kvcore.metadata import AttentionMetadata, build_attention_metadata
+from kvcore.builder import PersistentMetadataBuilder, graph_batch_sizes
+from kvcore.metadata import AttentionMetadata, build_attention_metadata, is_uniform_decode
 from kvcore.ops.validation import checked_step_facts, value_checks_enabled
 
 __all__ = ["CudaGraphRunner", "StepFn"]
@@ -183,7 +183,8 @@ class CudaGraphRunner:
     def replayable(self, common: AttentionMetadata) -> bool:
         """Whether a step like ``common`` replays once captured: uniform decode (one new token
         per request, no padding rows) of at most the largest batch size."""
-        return is_uniform_decode(common) and common.num_seqs <= self.batch_sizes[-1]
+        return (is_uniform_decode(common) and common.slot_mapping.shape[0] == common.num_seqs
+                and common.num_seqs <= self.batch_sizes[-1])
 
     def graph_size(self, common: AttentionMetadata) -> int | None:
         """The captured size that replays ``common``, or ``None`` (run eagerly)."""

@@ -1,7 +1,8 @@
 """The per-step batch every backend's ``forward`` reads: :class:`AttentionMetadata`, the helper
-that builds it from per-request counts (:func:`build_attention_metadata`), what a backend reads
-from the engine's layer (:class:`AttentionLayer`, :class:`LayerScales`), and the private cache
-of an encoder-only layer (:func:`encoder_only_cache`).
+that builds it from per-request counts (:func:`build_attention_metadata`), the one test of a
+decode step (:func:`is_uniform_decode`), what a backend reads from the engine's layer
+(:class:`AttentionLayer`, :class:`LayerScales`), and the private cache of an encoder-only layer
+(:func:`encoder_only_cache`).
 
 A batch mixes prefill requests (possibly with a cached prefix) and decode requests; their new
 tokens are packed along dim 0 of query/key/value, and each request reads its pages through a
@@ -33,6 +34,7 @@ __all__ = [
     "LayerScales",
     "build_attention_metadata",
     "encoder_only_cache",
+    "is_uniform_decode",
 ]
 
 
@@ -95,6 +97,22 @@ class AttentionMetadata:
         field of :class:`AttentionMetadata` is carried over. What a builder's ``build`` returns
         after ``super().build`` has checked the step."""
         return cls(**{name: getattr(self, name) for name in _BASE_FIELDS}, **fields)
+
+
+def is_uniform_decode(attn_metadata: AttentionMetadata) -> bool:
+    """Whether the step is a uniform decode: every request has exactly one new token.
+
+    kvcore's one test of "is this a decode step", for a backend's kernel or plan choice and
+    for CUDA graphs; it reads host values only (``num_actual_tokens``, ``num_seqs``,
+    ``max_query_len``). A step of no requests is one (no request has other than one token:
+    it is the padding-only step :class:`kvcore.CudaGraphRunner` captures on). Rows past
+    ``num_actual_tokens`` are padding, no request's, and do not count; a step built for a
+    CUDA graph must have none as well (:meth:`kvcore.PersistentMetadataBuilder.build`).
+    """
+    # num_actual_tokens new tokens over num_seqs requests, none with more than one: exactly
+    # one each (max_query_len is 0 for a step of no requests).
+    return (attn_metadata.num_actual_tokens == attn_metadata.num_seqs
+            and attn_metadata.max_query_len <= 1)
 
 
 _M = TypeVar("_M", bound=AttentionMetadata)

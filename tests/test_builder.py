@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvcore
-from kvcore import ops, step_facts
-from kvcore.builder import graph_batch_sizes, is_uniform_decode
+from kvcore import is_uniform_decode, ops, step_facts
+from kvcore.builder import graph_batch_sizes
 from kvcore.ops import validation
 from kvcore.ops.reference import paged_attention_ref, reshape_and_cache_ref
 

@@ -7,6 +7,8 @@ conftest only without a GPU); CUDA-graph replays of the backend are the conforma
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kvcore_mla import TritonMLABackend
@@ -18,6 +20,7 @@ from kvcore import ops
 
 tma = pytest.importorskip("kvcore_mla.ops.triton_mla_attention")
 TritonMLAPlan = pytest.importorskip("kvcore_mla.ops.mla_configs").TritonMLAPlan
+TritonMLAMixedConfig = pytest.importorskip("kvcore_mla.ops.mla_configs").TritonMLAMixedConfig
 
 HEADS, RANK, ROPE, PAGE, PAGES = 16, 64, 16, 8, 24
 SPEC = kvcore.MLAAttentionSpec(block_size=PAGE, dtype=torch.float32, kv_lora_rank=RANK,
@@ -226,3 +229,28 @@ def test_forward_through_the_builder_uses_its_step_buffers(monkeypatch) -> None:
                                [1, 1], [30, 7], meta.block_table.cpu().tolist(), PAGE))
     for out in outs:
         assert_close(out.cpu(), expected.double(), torch.float32, "TRITON_MLA forward")
+
+
+@pytest.mark.parametrize(("query_lens", "pad"), [([1, 1], 0), ([1, 1], 3), ([1, 3], 0),
+                                                 ([0, 2], 0)],
+                         ids=["decode", "decode-padded", "mixed", "two-tokens-and-none"])
+def test_the_plan_names_the_decode_kernel_exactly_for_uniform_decode_steps(query_lens, pad):
+    """The builder takes a step for decode by kvcore.is_uniform_decode (padding rows after the
+    tokens change nothing), and the op, given the layer's real rows, runs the kernel the plan
+    names (it refuses a plan of the other kind) with the reference's result."""
+    gen = generator(11)
+    context = [9, 20]
+    seq_lens = [c + q for c, q in zip(context, query_lens, strict=True)]
+    table = block_tables(seq_lens, PAGE, PAGES, gen).tolist()
+    common = kvcore.build_attention_metadata(query_lens, context, table, PAGE, device=DEVICE)
+    if pad:
+        slots = torch.cat([common.slot_mapping, common.slot_mapping.new_full((pad,), -1)])
+        common = dataclasses.replace(common, slot_mapping=slots)
+    step = builder().build(common)
+    assert (not isinstance(step.plan.config, TritonMLAMixedConfig)) is (
+        kvcore.is_uniform_decode(common))
+    assert kvcore.is_uniform_decode(common) is (query_lens == [1, 1])
+    n = step.num_actual_tokens
+    cache = randn((PAGES, PAGE, RANK + ROPE), torch.float32, gen)
+    out, expected = latent(step, randn((n, HEADS, RANK + ROPE), torch.float32, gen), cache, n)
+    assert_close(out, expected, torch.float32, "latent attention")

@@ -265,8 +265,9 @@ class _FakeMLAWrapper:
     def __init__(self, workspace, use_cuda_graph=False, backend="auto", **buffers) -> None:
         self.plans: list[dict] = []
 
-    def plan(self, *, metadata, sm_scale, page_size, **options) -> None:
-        self.plans.append(dict(metadata=metadata, sm_scale=sm_scale, page_size=page_size))
+    def plan(self, *, metadata, sm_scale, page_size, causal, **options) -> None:
+        self.plans.append(dict(metadata=metadata, sm_scale=sm_scale, page_size=page_size,
+                               causal=causal))
 
     def run(self, *, query, kv_cache, out):
         plan = self.plans[-1]
@@ -328,6 +329,20 @@ def _mla_builder(**kw):
     return FlashInferMLABackend.get_builder_cls()(
         spec, num_heads=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
         device="cpu", **kw)
+
+
+@pytest.mark.parametrize(("query_lens", "causal"), [([1, 1], False), ([1, 3], True),
+                                                    ([0, 2], True)],
+                         ids=["decode", "mixed", "two-tokens-and-none"])
+def test_a_step_is_planned_non_causal_exactly_when_it_is_uniform_decode(fake_flashinfer,
+                                                                        query_lens, causal):
+    gen = torch.Generator().manual_seed(23)
+    tables = random_block_tables([40, 20], 16, 12, gen)
+    common = kvcore.build_attention_metadata(query_lens, [39, 18], tables, 16)
+    assert kvcore.is_uniform_decode(common) is not causal
+    assert _mla_builder().build(common).wrapper.plans[-1]["causal"] is causal
+    # A step of no requests is planned by no one: the builder hands it on unplanned.
+    assert _mla_builder().build(kvcore.build_attention_metadata([], [], [], 16)).wrapper is None
 
 
 def test_a_builder_plans_for_the_scale_it_is_given(fake_flashinfer):

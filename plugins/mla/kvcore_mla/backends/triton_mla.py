@@ -45,6 +45,7 @@ from kvcore import (
     MLAMetadata,
     MLAStepViews,
     PersistentMetadataBuilder,
+    is_uniform_decode,
 )
 from kvcore.ops import triton_fp8_reasons
 
@@ -67,10 +68,6 @@ class TritonMLAMetadata(MLAMetadata):
     """
 
     plan: TritonMLAPlan | None = None
-
-
-def _is_decode(meta: AttentionMetadata) -> bool:
-    return meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_seqs
 
 
 class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
@@ -157,7 +154,7 @@ class TritonMLAMetadataBuilder(PersistentMetadataBuilder):
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> TritonMLAMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
-        decode = graph_batch_size is not None or _is_decode(meta)
+        decode = graph_batch_size is not None or is_uniform_decode(meta)
         if graph_batch_size is not None:
             splits = self.num_kv_splits(graph_batch_size)
         elif decode:  # never above the graph choice, which sized the workspace

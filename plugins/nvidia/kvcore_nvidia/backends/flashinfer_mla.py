@@ -95,6 +95,7 @@ from kvcore import (
     MLAMetadata,
     MLAStepViews,
     PersistentMetadataBuilder,
+    is_uniform_decode,
 )
 from kvcore.ops import (
     FP8_KV_CACHE_DTYPES,
@@ -146,10 +147,6 @@ def _check_on_gpu(kv_cache: torch.Tensor) -> None:
     if kv_cache.device.type != "cuda":
         raise ValueError(f"kv_cache is on {kv_cache.device}; FLASHINFER_MLA runs "
                          "FlashInfer's CUDA kernels on GPU tensors")
-
-
-def _is_decode(meta: AttentionMetadata) -> bool:
-    return meta.max_query_len <= 1 and meta.num_actual_tokens == meta.num_seqs
 
 
 def _new_wrapper(workspace: torch.Tensor, size: int | None = None,
@@ -207,9 +204,9 @@ def _plan(wrapper: Any, meta: AttentionMetadata, num_heads: int, block_size: int
         meta.seq_lens.to(torch.int32).contiguous())
     try:
         wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=KV_LORA_RANK,
-                     head_dim_kpe=ROPE_DIM, page_size=block_size, causal=not _is_decode(meta),
-                     sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
-                     query_layout="split", kv_cache_layout="split")
+                     head_dim_kpe=ROPE_DIM, page_size=block_size,
+                     causal=not is_uniform_decode(meta), sm_scale=scale, q_data_type=q_dtype,
+                     kv_data_type=kv_dtype, query_layout="split", kv_cache_layout="split")
     except ValueError as exc:  # FlashInfer's refusals (work-item capacity, shapes) are these
         raise ValueError(
             f"FlashInfer cannot plan this MLA step ({meta.num_seqs} requests, "
