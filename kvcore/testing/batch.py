@@ -46,6 +46,10 @@ class CaseConfig:
     sliding_window: int | None = None
     #: The layer's ``attn_type``; any other than ``DECODER`` attends without the causal mask.
     attn_type: AttentionType = AttentionType.DECODER
+    #: The layer's ``logits_soft_cap`` (``None``: no soft-cap).
+    logits_soft_cap: float | None = None
+    #: Whether the layer has attention sinks (random logits per query head, from the seed).
+    has_sink: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -66,6 +70,10 @@ class CaseConfig:
             parts.append(f"window{self.sliding_window}")
         if self.attn_type is not AttentionType.DECODER:
             parts.append(self.attn_type.value)
+        if self.logits_soft_cap is not None:
+            parts.append(f"softcap{self.logits_soft_cap:g}")
+        if self.has_sink:
+            parts.append("sinks")
         return "-".join(parts)
 
     def describe(self, mla: bool = False) -> str:
@@ -79,7 +87,10 @@ class CaseConfig:
         extra = "".join(
             [f", sliding_window={self.sliding_window}" if self.sliding_window else "",
              f", attn_type={self.attn_type.value}"
-             if self.attn_type is not AttentionType.DECODER else ""])
+             if self.attn_type is not AttentionType.DECODER else "",
+             f", logits_soft_cap={self.logits_soft_cap:g}"
+             if self.logits_soft_cap is not None else "",
+             ", sinks (one logit per query head)" if self.has_sink else ""])
         return (f"dtype={short_dtype(self.dtype)}, head_size={self.head_size}, "
                 f"block_size={self.block_size}, kv_cache_dtype={self.kv_cache_dtype}, "
                 f"causal={self.causal}{extra}, num_heads={NUM_HEADS}, "

@@ -55,7 +55,10 @@ _BLOCK_SIZE_PREFERENCE = (16, 32, 8, 64, 128, 256, 1)
 _UNUSUAL_HEAD_SIZE = 80
 _UNUSUAL_BLOCK_SIZE = 12
 # Declared features that forward has no argument for: reported as skipped cases.
-_UNCHECKED_FEATURES = ("has_sink", "use_sparse", "use_mm_prefix", "use_per_head_quant_scales")
+_UNCHECKED_FEATURES = ("use_sparse", "use_mm_prefix", "use_per_head_quant_scales")
+#: The soft-cap of the conformance cases: small, so that it changes every score of the random
+#: batches (about unit variance) and a kernel that skips it is far off.
+CONFORMANCE_SOFT_CAP = 2.0
 
 
 def resolve_backend_spec(spec: str | type[AttentionBackend]) -> type[AttentionBackend]:
@@ -145,6 +148,7 @@ class _Declared:
             "use_mm_prefix": False, "use_per_head_quant_scales": False,
             "device_capability": self.capability, "attn_type": self.attn_type,
             "use_non_causal": False, "use_batch_invariant": False, "use_kv_connector": False,
+            "has_logits_soft_cap": False,
         }
 
     def base_config(self) -> CaseConfig:
@@ -334,6 +338,12 @@ def conformance_cases(
     for field_name, change in _validation_probes(cls, declared):
         add("validation-refuses", "validation-reasons", checks.check_validation_refuses, cls,
             base_kwargs, change, field_name, suffix=next(iter(change)))
+    if not cls.IS_MLA:
+        for flag, attr, _, _ in checks.IMPL_FEATURES:
+            if not getattr(cls, attr):
+                add("undeclared-feature", "undeclared-features-refused",
+                    checks.check_undeclared_feature_refused, cls, declared.head_size, flag,
+                    suffix=flag)
 
     if devices is None:
         devices, no_device = _devices(cls)
@@ -386,6 +396,9 @@ def conformance_cases(
             for config in noncausal_windows:
                 numeric("window-non-causal", "window-non-causal", check_window_non_causal,
                         config)
+        if not cls.IS_MLA:
+            for config, excuse in _feature_configs(cls, base):
+                numeric("forward", "forward-reference", check_forward, config, excuse=excuse)
         for flag, attr, feature in FEATURE_FLAGS:
             if getattr(cls, attr) and flag in _UNCHECKED_FEATURES:
                 add("feature", "forward-reference", _noop, device=device, suffix=flag,
@@ -438,6 +451,27 @@ def _noop() -> None:
     return None
 
 
+def _feature_configs(backend: type[AttentionBackend], base: CaseConfig
+                     ) -> list[tuple[CaseConfig, str | None]]:
+    """``forward`` cases of the features an impl takes (sinks, a logit soft-cap), alone, with
+    a sliding window (gpt-oss: sinks on windowed layers; Gemma 2: a soft-cap on them) and
+    together, each with the reason it is skipped when the backend does not declare it."""
+    name = checks.backend_label(backend)
+    configs = []
+    for has_sink, soft_cap in ((True, None), (False, CONFORMANCE_SOFT_CAP),
+                               (True, CONFORMANCE_SOFT_CAP)):
+        missing = [f"{name} does not declare {attr}" for attr, wanted in (
+            ("SUPPORTS_SINK", has_sink), ("SUPPORTS_LOGITS_SOFT_CAP", soft_cap is not None))
+            if wanted and not getattr(backend, attr)]
+        excuse = "; ".join(missing) + " (the case runs for backends that do)" if missing \
+            else None
+        for sliding_window in (None, base.block_size + 3):
+            configs.append((dataclasses.replace(base, has_sink=has_sink,
+                                                logits_soft_cap=soft_cap,
+                                                sliding_window=sliding_window), excuse))
+    return configs
+
+
 def _accepts_capability(backend: type[AttentionBackend],
                         declared: _Declared) -> DeviceCapability | None:
     """The capability of the base case of ``validation-accepts-declared``: this machine's
@@ -474,10 +508,11 @@ def _gated(backend: type[AttentionBackend], fn: Callable[..., str | None], confi
     capability = _capability(backend, device)
     reasons = backend.validate_configuration(
         head_size=config.head_size, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-        block_size=config.block_size, use_mla=backend.IS_MLA, has_sink=False,
+        block_size=config.block_size, use_mla=backend.IS_MLA, has_sink=config.has_sink,
         use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
         device_capability=capability, attn_type=config.attn_type,
-        use_non_causal=not config.causal)
+        use_non_causal=not config.causal,
+        has_logits_soft_cap=config.logits_soft_cap is not None)
     if reasons:
         return (f"validate_configuration refuses {short_dtype(config.dtype)}/"
                 f"{config.kv_cache_dtype} on {device} (capability {capability}): "

@@ -28,6 +28,7 @@ __all__ = [
     "check_kv_connector_claim",
     "check_shape",
     "check_stride_order",
+    "check_undeclared_feature_refused",
     "check_validation_accepts",
     "check_validation_refuses",
     "fail",
@@ -327,3 +328,34 @@ def check_validation_accepts(backend: type[AttentionBackend], base: dict[str, An
                     f"validate_configuration({_kwargs_text(base)}) refused a configuration "
                     f"built from the declared capabilities with {reason!r}: {why}; narrow the "
                     "declaration or fix check_combination"))
+
+
+#: The impl arguments of each feature an impl must refuse unless its backend declares it:
+#: ``(config field, capability, AttentionImpl keyword, a value for it given num_heads)``.
+IMPL_FEATURES: tuple[tuple[str, str, str, Any], ...] = (
+    ("has_sink", "SUPPORTS_SINK", "sinks", lambda heads: torch.zeros(heads)),
+    ("has_logits_soft_cap", "SUPPORTS_LOGITS_SOFT_CAP", "logits_soft_cap", lambda heads: 30.0),
+)
+
+
+def check_undeclared_feature_refused(backend: type[AttentionBackend], head_size: int,
+                                     flag: str) -> None:
+    """Rule ``undeclared-features-refused``: the impl, given the feature of config field
+    ``flag`` (sinks, a logit soft-cap) that the backend does not declare, raises at
+    construction instead of running without it."""
+    _, attr, keyword, value = next(f for f in IMPL_FEATURES if f[0] == flag)
+    impl_cls = backend.get_impl_cls()
+    try:
+        impl_cls(num_heads=8, head_size=head_size, scale=head_size**-0.5, num_kv_heads=2,
+                 **{keyword: value(8)})
+    except (NotImplementedError, ValueError, TypeError) as exc:
+        if not _is_sentence(str(exc)):
+            raise fail(backend, "undeclared-features-refused", (
+                f"{impl_cls.__name__}({keyword}=...) raised {type(exc).__name__} without a "
+                f"message; say that {backend_label(backend)} does not support it")) from exc
+        return
+    raise fail(backend, "undeclared-features-refused", (
+        f"{backend_label(backend)} does not declare {attr}, but {impl_cls.__name__}"
+        f"({keyword}=...) was constructed: it would run without the feature and give wrong "
+        f"results; refuse it (kvcore.AttentionImpl.__init__ does, for an impl that passes "
+        "the keyword on to it) or declare and implement it"))

@@ -66,6 +66,10 @@ _RULES = (
          "tolerances and, token by token, within the model dtype's rounding "
          "(NORM_TOLERANCES), for every declared configuration, sliding window and attention "
          "type; it writes into the given output and leaves the KV cache unchanged"),
+    Rule("undeclared-features-refused",
+         "an AttentionImpl given sinks or a logits_soft_cap its backend does not declare "
+         "(SUPPORTS_SINK, SUPPORTS_LOGITS_SOFT_CAP) raises at construction with a sentence "
+         "saying so, never runs without the feature"),
     Rule("window-non-causal",
          "a sliding window on a non-causal layer (causal=False, or an encoder attention type) "
          "is symmetric: forward matches the float64 reference with |q_pos - k_pos| < "

@@ -144,6 +144,10 @@ class CaseRun:
         self.device = device
         self.gen = torch.Generator().manual_seed(seed)
         self.seed = seed
+        # Sinks near the log of a request's key count, so they take a large share of each
+        # row's softmax: a kernel that drops them (or adds them twice) is far off.
+        self.sinks = (torch.randn(NUM_HEADS, generator=self.gen) + 3.0).to(device) \
+            if config.has_sink else None
         # The numerical checks only make sense once the layout contract holds.
         check_shape(backend, config.block_size, config.head_size)
         check_cross_layer_claim(backend)
@@ -201,9 +205,12 @@ class CaseRun:
     def impl_kwargs(self) -> dict[str, Any]:
         """What the case's ``AttentionImpl`` is constructed with."""
         d = self.config.head_size
+        features = {k: v for k, v in (("logits_soft_cap", self.config.logits_soft_cap),
+                                      ("sinks", self.sinks)) if v is not None}
         return dict(num_heads=NUM_HEADS, head_size=d, scale=d**-0.5, num_kv_heads=NUM_KV_HEADS,
                     sliding_window=self.config.sliding_window,
-                    kv_cache_dtype=self.config.kv_cache_dtype, attn_type=self.config.attn_type)
+                    kv_cache_dtype=self.config.kv_cache_dtype, attn_type=self.config.attn_type,
+                    **features)
 
     def impl(self) -> AttentionImpl:
         return self.call("constructing the AttentionImpl", self.backend.get_impl_cls(),
@@ -256,7 +263,9 @@ class CaseRun:
             return torch.cat([
                 contiguous_attention_ref(batch.query[a:b], batch.key[a:b], batch.value[a:b],
                                          scale, causal=False,
-                                         sliding_window=self.config.sliding_window)
+                                         sliding_window=self.config.sliding_window,
+                                         logits_soft_cap=self.config.logits_soft_cap,
+                                         sinks=self.sinks)
                 for a, b in itertools.pairwise(starts)])
         key_cache, value_cache = split_kv_views(kv_cache, layout)
         if not self.config.is_fp8:
@@ -266,7 +275,8 @@ class CaseRun:
             query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
             scale=scale, causal=m.causal, sliding_window=self.config.sliding_window,
             kv_cache_dtype=self.config.kv_cache_dtype, k_scale=scales.k_scale,
-            v_scale=scales.v_scale)
+            v_scale=scales.v_scale, logits_soft_cap=self.config.logits_soft_cap,
+            sinks=None if self.sinks is None else self.sinks.double())
 
     def output_diff(self, out: torch.Tensor, ref: torch.Tensor, batch: MixedBatch) -> str | None:
         """Where ``out`` misses the float64 ``ref``, or ``None``.

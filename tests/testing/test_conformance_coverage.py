@@ -81,7 +81,8 @@ def declarations(backend: type[kvcore.AttentionBackend]) -> dict[str, Predicate]
     if backend.SUPPORTED_BLOCK_SIZES is None:
         found["SUPPORTED_BLOCK_SIZES: any"] = forward_with("bs12")
     special = {"use_non_causal": forward_with("noncausal"),
-               "use_batch_invariant": kind("batch-invariant")}
+               "use_batch_invariant": kind("batch-invariant"),
+               "has_sink": forward_with("sinks"), "has_logits_soft_cap": forward_with("softcap2")}
     for flag, attr, _ in FEATURE_FLAGS:
         if getattr(backend, attr):
             found[attr] = special.get(flag, kind("feature", f"-{flag}"))
@@ -123,7 +124,7 @@ def test_the_everything_backend_declares_every_kind_of_capability():
 
 def test_a_feature_forward_cannot_receive_is_a_skipped_case_saying_so():
     (case,) = [c for c in conformance_cases(DeclaresEverything, devices=["cpu"])
-               if c.id == "DECLARES_EVERYTHING-cpu-feature-has_sink"]
+               if c.id == "DECLARES_EVERYTHING-cpu-feature-use_sparse"]
     assert case.skip_reason == (
-        "DECLARES_EVERYTHING declares SUPPORTS_SINK, but kvcore's AttentionImpl API has no way "
-        "to pass attention sinks to forward yet, so the suite cannot check the claim")
+        "DECLARES_EVERYTHING declares SUPPORTS_SPARSE, but kvcore's AttentionImpl API has no "
+        "way to pass sparse attention to forward yet, so the suite cannot check the claim")

@@ -63,8 +63,11 @@ def test_a_one_percent_error_fails_every_forward_case_in_every_dtype(pytester, m
 def test_an_ignored_sliding_window_fails_the_window_cases_only(pytester):
     failed, messages, passed = failures(pytester, "broken_numerics:IgnoresSlidingWindow")
     window = "BROKEN_SLIDING_WINDOW-cpu-window-non-causal-bf16-D64-bs16"
-    assert failed == {"BROKEN_SLIDING_WINDOW-cpu-forward-bf16-D64-bs16-window19":
-                      "forward-reference",
+    forward = "BROKEN_SLIDING_WINDOW-cpu-forward-bf16-D64-bs16-window19"
+    assert failed == {forward: "forward-reference",
+                      f"{forward}-sinks": "forward-reference",
+                      f"{forward}-softcap2": "forward-reference",
+                      f"{forward}-softcap2-sinks": "forward-reference",
                       f"{window}-noncausal-window19": "window-non-causal",
                       f"{window}-window19-encoder_only": "window-non-causal"}
     assert "sliding_window=19" in messages
