@@ -39,8 +39,10 @@ sharing, forks and offload stay transformers'. What happens per step:
   ``do_kv_cache_update`` and ``forward``.
 
 Refused up front, each with its reason: sliding-window layers (a ring buffer, not blocks of a
-table), hybrid models (several cache groups), MLA (compressed latents), attention sinks and
-logit soft-capping, backends that cannot read a cross-layer NHD cache on this platform. The
+table), hybrid models (several cache groups), MLA (compressed latents), backends that cannot
+read a cross-layer NHD cache on this platform. An attention module's logit soft-cap
+(``attn_logit_softcapping``) and sinks (``sinks``) go to its impl, and the selector keeps the
+backends that declare them. The
 plain ``model.generate`` path (transformers' ``DynamicCache``) is not served: leave the block
 first. ``examples/transformers_llama.py`` is the minimal form of the other direction: kvcore's
 own cache and a hand-written batching loop around a transformers model. CB's CUDA graphs
@@ -178,7 +180,7 @@ def _text_config(model: torch.nn.Module) -> Any:
 
 def model_problems(model: torch.nn.Module) -> list[str]:
     """Why transformers' continuous batching of ``model`` cannot run on kvcore (empty: it
-    can): cache groups other than one full-attention group, MLA, sinks, soft-capping."""
+    can): cache groups other than one full-attention group, MLA."""
     config = _text_config(model)
     problems = []
     if getattr(config, "kv_lora_rank", None) is not None:
@@ -196,14 +198,21 @@ def model_problems(model: torch.nn.Module) -> list[str]:
             "layers in a ring buffer (rows recycled, not blocks of a table) and a hybrid model "
             "in several cache groups; kvcore serves models whose every layer is "
             "full_attention")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap:
-        problems.append(f"attn_logit_softcapping={softcap}: kvcore's backends do not "
-                        "soft-cap logits")
-    if any(hasattr(m, "sinks") for m in _attention_modules(model).values()):
-        problems.append("the model's attention has sinks (module.sinks): kvcore's K/V "
-                        "backends run without them")
     return problems
+
+
+def _layer_features(module: torch.nn.Module) -> dict[str, object]:
+    """The impl keywords of an attention module's soft-cap (Gemma 2's
+    ``module.attn_logit_softcapping``) and sinks (gpt-oss's ``module.sinks``), where it has
+    them: the selector then keeps the backends that declare them."""
+    features: dict[str, object] = {}
+    cap = getattr(module, "attn_logit_softcapping", None)
+    if cap:
+        features["logits_soft_cap"] = float(cap)
+    sinks = getattr(module, "sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        features["sinks"] = sinks.detach()
+    return features
 
 
 def _attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -240,8 +249,11 @@ def select_backend(
     if page_size is None:
         page_size = transformers.ContinuousBatchingConfig.page_size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    selector_config = AttentionSelectorConfig(head_size=head_dim, dtype=model.dtype,
-                                              block_size=page_size)
+    features = [_layer_features(m) for m in _attention_modules(model).values()]
+    selector_config = AttentionSelectorConfig(
+        head_size=head_dim, dtype=model.dtype, block_size=page_size,
+        has_sink=any("sinks" in f for f in features),
+        has_logits_soft_cap=any("logits_soft_cap" in f for f in features))
     plat = platform or ("cpu" if model.device.type == "cpu" else None)
     if backend is not None:
         chosen = get_attn_backend(selector_config, backend=backend, platform=plat)
@@ -477,7 +489,8 @@ class KVCoreAttention:
         for idx, module in self._modules.items():
             impls[idx] = backend.get_impl_cls()(
                 num_heads=module.config.num_attention_heads, head_size=allocator.head_dim,
-                scale=float(module.scaling), num_kv_heads=allocator.num_key_value_heads)
+                scale=float(module.scaling), num_kv_heads=allocator.num_key_value_heads,
+                **_layer_features(module))
         first = self._modules[self._first]
         spec = FullAttentionSpec(block_size=page_size, dtype=allocator.cache_dtype,
                                  num_kv_heads=allocator.num_key_value_heads,

@@ -254,7 +254,6 @@ def test_backends_that_cannot_view_the_cache_are_refused(model, name):
     ("sliding_window", 8, "ring buffer"),
     ("layer_types", ["full_attention", "sliding_attention"], "hybrid model"),
     ("kv_lora_rank", 16, "uses MLA"),
-    ("attn_logit_softcapping", 30.0, "soft-cap"),
 ])
 def test_models_it_cannot_serve_are_refused_with_reasons(attr, value, reason):
     model = tiny_llama()
@@ -313,3 +312,19 @@ def test_the_readme_example_runs(capsys):
     code = re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.startswith("CPU_ATTN [[")
+
+
+def test_a_modules_soft_cap_and_sinks_reach_the_selection_and_its_impls():
+    from kvcore.integrations.transformers import _attention_modules, _layer_features
+
+    model = tiny_llama()
+    modules = list(_attention_modules(model).values())
+    assert _layer_features(modules[0]) == {}  # llama's attention has neither
+    modules[0].attn_logit_softcapping = 30.0
+    modules[0].sinks = torch.nn.Parameter(torch.zeros(model.config.num_attention_heads))
+    features = _layer_features(modules[0])
+    assert features["logits_soft_cap"] == 30.0
+    assert features["sinks"].data_ptr() == modules[0].sinks.data_ptr()
+    assert kvt.select_backend(model, page_size=PAGE).SUPPORTS_SINK
+    with pytest.raises(kvcore.BackendSelectionError, match="does not support attention sinks"):
+        kvt.select_backend(model, "CPU_MLA", page_size=PAGE)

@@ -50,14 +50,14 @@ class KvcoreSelectionError(ValueError):
 
 def selector_config(*, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
                     block_size: int | None, use_mla: bool = False, has_sink: bool = False,
-                    attn_type: str = AttentionType.DECODER,
-                    use_kv_connector: bool = False) -> kvcore.AttentionSelectorConfig:
+                    attn_type: str = AttentionType.DECODER, use_kv_connector: bool = False,
+                    has_logits_soft_cap: bool = False) -> kvcore.AttentionSelectorConfig:
     """kvcore's selector config for what vLLM knows of a layer."""
     return kvcore.AttentionSelectorConfig(
         head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto",
         block_size=block_size or 16, use_mla=use_mla, has_sink=has_sink,
         attn_type=kvcore.AttentionType(str(getattr(attn_type, "value", attn_type))),
-        use_kv_connector=use_kv_connector)
+        use_kv_connector=use_kv_connector, has_logits_soft_cap=has_logits_soft_cap)
 
 
 @functools.cache
@@ -260,8 +260,8 @@ class KvcoreImpl(AttentionImpl):
                  attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None, **unsupported: Any) -> None:
-        for what, value in (("alibi_slopes", alibi_slopes), ("logits_soft_cap", logits_soft_cap),
-                            ("sinks", sinks), *unsupported.items()):
+        # The soft-cap and the sinks go to kvcore's impl (its backend must declare them).
+        for what, value in (("alibi_slopes", alibi_slopes), *unsupported.items()):
             if value is not None and value is not False:
                 raise NotImplementedError(f"kvcore-vllm: {what} is not supported by kvcore's "
                                           "backends; run this model with vLLM's own backend "
@@ -270,7 +270,8 @@ class KvcoreImpl(AttentionImpl):
         config = selector_config(head_size=head_size, dtype=vllm_config.model_config.dtype,
                                  kv_cache_dtype=kv_cache_dtype,
                                  block_size=vllm_config.cache_config.block_size,
-                                 attn_type=attn_type)
+                                 attn_type=attn_type, has_sink=sinks is not None,
+                                 has_logits_soft_cap=bool(logits_soft_cap))
         self.kvcore_backend = _select(self.BACKEND.KVCORE_NAME, config)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
@@ -279,7 +280,7 @@ class KvcoreImpl(AttentionImpl):
         self.inner = self.kvcore_backend.get_impl_cls()(
             num_heads=num_heads, head_size=head_size, scale=scale, num_kv_heads=num_kv_heads,
             sliding_window=sliding_window, kv_cache_dtype=kv_cache_dtype,
-            attn_type=config.attn_type)
+            attn_type=config.attn_type, logits_soft_cap=logits_soft_cap or None, sinks=sinks)
         self._view_of: tuple[int, tuple, tuple, torch.Tensor] | None = None
 
     def _view(self, kv_cache: torch.Tensor) -> torch.Tensor:
