@@ -120,12 +120,13 @@ class LayerAttention:
 
     def selector_config(self, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto",
                         block_size: int = 16) -> AttentionSelectorConfig:
-        """The selector config of this layer kind. The window is the layer's own
-        (``AttentionImpl(sliding_window=...)``), and the soft-cap is no selector field (no
-        kvcore backend applies one yet): neither is part of it."""
+        """The selector config of this layer kind: sinks and the soft-cap are fields (a
+        backend must declare them); the window is the layer's own
+        (``AttentionImpl(sliding_window=...)``), not part of it."""
         return AttentionSelectorConfig(head_size=self.head_size, dtype=dtype,
                                        kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                                       use_mla=self.mla is not None, has_sink=self.has_sink)
+                                       use_mla=self.mla is not None, has_sink=self.has_sink,
+                                       has_logits_soft_cap=self.logits_soft_cap is not None)
 
     def scaled_down(self) -> LayerAttention:
         """The same kind of layer with few heads (at most 4 query heads, the GQA ratio kept

@@ -140,7 +140,7 @@ def test_mla_head_size_is_the_latent_size(fresh_kvcore, capsys):
 @pytest.mark.parametrize(("args", "says"), [
     (["--sliding-window", "4096"],
      "kvcore select: error: --sliding-window: a sliding window is the layer's"),
-    (["--logits-soft-cap=30"], "--logits-soft-cap: no kvcore backend has logits soft-capping"),
+    (["--logits-soft-cap=30"], "--logits-soft-cap: the cap's value is the layer's"),
     (["--per-head-quant-scales"],
      "--per-head-quant-scales: per-head scales quantise an fp8 KV cache, and --kv-cache-dtype "
      "is auto (the model's dtype, unscaled); add --kv-cache-dtype fp8"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import kvcore
 from kvcore.cli import main as kvcore_cli
@@ -60,11 +61,24 @@ def test_selector_configs_are_valid_and_some_backend_runs_them(name, monkeypatch
             for kind, config in configs.items():
                 layer = preset.layer(kind)
                 assert (config.head_size, config.block_size, config.kv_cache_dtype,
-                        config.use_mla, config.has_sink) == (
-                    layer.head_size, block, kv, layer.mla is not None, layer.has_sink)
+                        config.use_mla, config.has_sink, config.has_logits_soft_cap) == (
+                    layer.head_size, block, kv, layer.mla is not None, layer.has_sink,
+                    layer.logits_soft_cap is not None)
                 report = kvcore.explain_selection(config, "cuda")
-                if not layer.has_sink:  # no kvcore backend has sinks yet
-                    assert report.selected is not None, report.format()
+                assert report.selected is not None, report.format()
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gemma-2-9b"])
+def test_sink_and_soft_cap_presets_have_two_valid_backends(name, monkeypatch):
+    """gpt-oss (sinks) and Gemma 2 (soft-cap) run on CPU_ATTN on a CPU and TRITON_ATTN on
+    CUDA, both checked against the float64 reference by the conformance suite."""
+    configs = [layer.selector_config(torch.bfloat16) for layer in get_model(name).layers]
+    for config in configs:
+        assert kvcore.explain_selection(config, "cpu").selected.name == "CPU_ATTN"
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "9.0")
+    for config in configs:
+        cuda = kvcore.explain_selection(config, "cuda")
+        assert "TRITON_ATTN" in {c.name for c in cuda.candidates if c.valid}, cuda.format()
 
 
 def test_scaled_down_keeps_what_decides_the_backend():
@@ -104,7 +118,7 @@ def test_bench_model_table_and_flag_checks(capsys, monkeypatch):
                 "--kv-cache-dtype", "auto", "--block-size", "16", "--phase", "decode",
                 "--no-progress"])
     out = capsys.readouterr().out
-    assert "skipped: no valid kvcore backend" in out and "sinks" in out
+    assert "CPU_ATTN*" in out and "skipped" not in out  # its sinks run on CPU_ATTN
     assert kvcore_cli(["bench", "--small"]) == 2
     assert "add --model NAME" in capsys.readouterr().err
 

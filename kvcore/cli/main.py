@@ -161,6 +161,9 @@ SELECT_CONFIG_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         action="store_true",
         help="a KV connector is in use (offload, transfer): backends that keep a layout "
              "connectors cannot move are rejected")),
+    "has_logits_soft_cap": ("--soft-cap", dict(
+        action="store_true", help="logit soft-capping (scores become cap * tanh(score / cap), "
+                                  "Gemma 2)")),
 }
 
 #: Options people reach for that are no part of selection, and why (argparse alone would
@@ -170,10 +173,9 @@ _NOT_SELECTION_FLAGS = {
                         "not the selector's: every non-MLA backend applies one and MLA "
                         "backends refuse one, so it changes no choice; leave it out (add --mla "
                         "to see the MLA backends)",
-    "--logits-soft-cap": "no kvcore backend has logits soft-capping, so it is no field of "
-                         "the selector's config; leave it out",
+    "--logits-soft-cap": "the cap's value is the layer's (AttentionImpl(logits_soft_cap=C)); "
+                         "what selection needs is whether there is one: use --soft-cap",
 }
-_NOT_SELECTION_FLAGS["--soft-cap"] = _NOT_SELECTION_FLAGS["--logits-soft-cap"]
 
 
 def _model_bench_options(p: argparse.ArgumentParser, budget_default: float) -> None:
