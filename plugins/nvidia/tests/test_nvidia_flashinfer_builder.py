@@ -214,13 +214,14 @@ def test_graph_decode_plans_only_when_the_page_counts_change():
              [33, 32],                                # request 0 enters page 3: plan
              [34, 33, 5]]                             # a third request (padding changes)
     expected_plans = [1, 1, 1, 1, 2, 3]
-    wrappers, pointers = set(), set()
+    wrappers, pointers, launches = set(), set(), []
     for lengths, plans in zip(steps, expected_plans, strict=True):
         common = _decode_step(tables[:len(lengths)], lengths)
         meta = builder.build(common, graph_batch_size=4)
         assert isinstance(meta, FlashInferMetadata) and meta.prefill_wrapper is None
         wrappers.add(id(meta.decode_wrapper))
         pointers.add(tuple(t.data_ptr() for t in (meta.seq_lens, meta.block_table)))
+        launches.append(meta.launch)
         assert builder.plans == plans
         n = len(lengths)
         q = torch.randn(4, HEADS, HEAD_SIZE, generator=gen)
@@ -233,6 +234,9 @@ def test_graph_decode_plans_only_when_the_page_counts_change():
             block_table=common.block_table, scale=impl.scale)
         assert rel_err(out[:n], ref) < REL_ERR[torch.float32]
     assert len(wrappers) == 1 and len(pointers) == 1
+    # What a forward reads on the host is frozen into a captured graph: it must not follow the
+    # steps' block tables (their largest block id differs from step to step).
+    assert all(launch == launches[0] for launch in launches)
 
 
 def test_builder_reused_across_steps_of_different_shapes():

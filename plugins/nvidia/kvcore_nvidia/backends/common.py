@@ -12,9 +12,28 @@ import numpy as np
 import torch
 
 from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata
-from kvcore.ops import validate_paged_attention
+from kvcore.ops import checked_step_facts, validate_paged_attention, value_checks_enabled
 
 T = TypeVar("T")
+
+#: A block id no cache reaches: a step whose block range was not checked on the host never
+#: takes the layers' short path (they validate their tensors instead).
+UNCHECKED_BLOCKS = 2**62
+
+
+def launch_block_bound(meta: AttentionMetadata, graph_batch_size: int | None) -> int:
+    """The largest block id a layer's short path (no per-layer checks) may assume the step
+    reads: the step's checked facts for an eager step; :data:`UNCHECKED_BLOCKS` (the layers
+    check in full) when they are unknown, and for a step built for a captured graph, whose host
+    values must not depend on its block table (a replay reuses what the capture saw;
+    ``CudaGraphRunner`` checks each replay's block ids); ``-1`` with value checks off."""
+    if not value_checks_enabled():
+        return -1
+    if graph_batch_size is None:
+        facts = checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table)
+        if facts is not None:
+            return facts.max_block_id
+    return UNCHECKED_BLOCKS
 
 
 def cumulative(lengths: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,7 @@ from kvcore import (
     build_attention_metadata,
     long_step,
 )
-from kvcore.ops import checked_step_facts, value_checks_enabled
-from kvcore_nvidia.backends.common import HostStaging, StagingSlot
+from kvcore_nvidia.backends.common import HostStaging, StagingSlot, launch_block_bound
 from kvcore_nvidia.backends.flashinfer_kernels import (
     WORKSPACE_BYTES,
     cuda_capability,
@@ -41,11 +40,6 @@ __all__ = ["MAX_EAGER_DECODE_WRAPPERS", "FlashInferLaunch", "FlashInferMetadata"
 #: those of its last plan refreshes the buffers and skips FlashInfer's ``plan``. Each costs
 #: FlashInfer's int workspace (8 MiB on the device and 8 MiB page-locked in FlashInfer 0.7).
 MAX_EAGER_DECODE_WRAPPERS = 4
-
-#: A block id no cache reaches: a step whose block range was not checked on the host never
-#: takes the layers' short path (they validate their tensors instead).
-_UNCHECKED_BLOCKS = 2**62
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FlashInferLaunch:
@@ -303,7 +297,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             # planned only when the page counts change.
             wrapper = self._plan_graph_decode(size, pages, counts, indices,
                                               eager=graph_batch_size is None)
-            return self._metadata(meta, wrapper, None, size, None)
+            return self._metadata(meta, wrapper, None, size, None, graph_batch_size)
         shape, options = self._options()
         k = pages.leading_decodes()
         qo_indptr, indptr = pages.qo_indptr.numpy(), pages.indptr.numpy()
@@ -319,16 +313,13 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             self._plan(prefill, rest.qo_indptr, rest.indptr, indices[int(indptr[k]):],
                        rest.last_page_len, *shape, causal=meta.causal,
                        seq_lens=rest.seq_lens, **options)
-        return self._metadata(meta, decode, prefill, k, None if prefill is None else meta.causal)
+        return self._metadata(meta, decode, prefill, k, None if prefill is None else meta.causal,
+                              graph_batch_size)
 
     def _metadata(self, meta: AttentionMetadata, decode: Any, prefill: Any, k: int,
-                  causal: bool | None) -> FlashInferMetadata:
+                  causal: bool | None, graph_batch_size: int | None) -> FlashInferMetadata:
         """The step's metadata with its wrappers and their :class:`FlashInferLaunch`."""
-        facts = checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table)
-        if facts is not None:
-            max_block_id = facts.max_block_id
-        else:  # checks off: nothing to compare; on but unmarked: the layers check
-            max_block_id = _UNCHECKED_BLOCKS if value_checks_enabled() else -1
+        max_block_id = launch_block_bound(meta, graph_batch_size)
         planned = (self.scale, None, causal)
         rows = (meta.num_actual_tokens, self.num_heads, self.spec.head_size)
         launch = FlashInferLaunch(decode, prefill, k, rows, self.signature, max_block_id, planned)
