@@ -369,13 +369,18 @@ def test_a_builder_without_a_scale_plans_for_the_first_layer_s_from_the_next_ste
     first = builder.build(meta)
     assert first.scale == flashinfer_mla.DEFAULT_SCALE == (NOPE + ROPE) ** -0.5
     layers = [_impl(scale=0.11), _impl(scale=0.3)]
+    outs = []
     for impl in layers:
-        out = _latent(impl, first, q, cache)
-        assert rel_err(out, _ref(q.double(), cache.double(), meta, impl.scale)) < REL_ERR
+        outs.append(_latent(impl, first, q, cache))
+        assert rel_err(outs[-1], _ref(q.double(), cache.double(), meta, impl.scale)) < REL_ERR
     assert builder.scale == 0.11
+    # The first layer re-planned the step at its scale: no query rescaling, so the first step
+    # gives bit for bit what later steps give (the second layer's scale still goes by ratio).
+    assert first.scale == 0.11 and first.wrapper.plans[-1]["sm_scale"] == 0.11
     second = builder.build(meta)
     assert second.scale == 0.11 and second.wrapper.plans[-1]["sm_scale"] == 0.11
     assert torch.equal(_latent(layers[0], second, q, cache), _ref(q, cache, meta, 0.11))
+    assert torch.equal(outs[0], _latent(layers[0], second, q, cache))
 
 
 def test_a_captured_step_keeps_the_scale_it_was_planned_for(fake_flashinfer):

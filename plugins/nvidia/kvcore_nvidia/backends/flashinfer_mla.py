@@ -101,14 +101,18 @@ from kvcore.ops import (
     FP8_KV_CACHE_DTYPES,
     check_scale,
     check_softmax_scale,
-    checked_step_facts,
     reshape_and_cache,
     scale_value,
     validate_concat_and_cache_mla,
     validate_mla_attention,
-    value_checks_enabled,
 )
-from kvcore_nvidia.backends.common import StepCache, cumulative, used_blocks
+from kvcore_nvidia.backends.common import (
+    UNCHECKED_BLOCKS,
+    StepCache,
+    cumulative,
+    launch_block_bound,
+    used_blocks,
+)
 
 __all__ = ["DEFAULT_SCALE", "FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadata",
            "FlashInferMLAMetadataBuilder", "mla_page_lists"]
@@ -120,9 +124,6 @@ _FP8_CAPABILITY = DeviceCapability(9, 0)
 #: The softmax scale a builder given none plans for until a layer has run one of its steps:
 #: DeepSeek's ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` without YaRN.
 DEFAULT_SCALE = (128 + ROPE_DIM) ** -0.5
-#: A block id no cache reaches: a step whose block range was not checked on the host never
-#: takes the layers' short path.
-_UNCHECKED_BLOCKS = 2**62
 
 
 def _check_num_heads(num_heads: int) -> None:
@@ -260,7 +261,7 @@ class FlashInferMLAMetadata(MLAMetadata):
     scale: float | None = None
     builder: FlashInferMLAMetadataBuilder | None = None
     kv_scales: dict[int, float] = dataclasses.field(default_factory=dict)
-    max_block_id: int = _UNCHECKED_BLOCKS
+    max_block_id: int = UNCHECKED_BLOCKS
 
 
 class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
@@ -366,15 +367,10 @@ class FlashInferMLAMetadataBuilder(PersistentMetadataBuilder):
                    else self._graph_wrapper(graph_batch_size))
         _plan(wrapper, meta, self.num_heads, self.spec.block_size, self.spec.dtype,
               self.spec.cache_dtype, self.scale)
-        facts = checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table)
-        if facts is not None:
-            max_block_id = facts.max_block_id
-        else:  # checks off: nothing to compare; on but unmarked: the layers check
-            max_block_id = _UNCHECKED_BLOCKS if value_checks_enabled() else -1
         return meta.extend(FlashInferMLAMetadata, wrapper=wrapper, plan=self._planned,
                            scale=self.scale, builder=self, kv_scales=self._read_kv_scales(),
                            mla_views=self.step_buffers.for_step(meta.num_actual_tokens),
-                           max_block_id=max_block_id)
+                           max_block_id=launch_block_bound(meta, graph_batch_size))
 
 
 @functools.cache
@@ -471,6 +467,14 @@ class FlashInferMLAImpl(MLACommonImpl):
                     "layer's spec and num_heads")
             if meta.builder is not None:
                 meta.builder.layer_scale(self.scale)
+                if (meta.scale != meta.builder.scale == self.scale
+                        and not (kv_cache.is_cuda and torch.cuda.is_current_stream_capturing())):
+                    # Planned before any layer told the builder the model's scale: plan the
+                    # step again at it, so a first step gives bit for bit what a later one
+                    # does (a query scaled by the ratio of the scales rounds differently).
+                    _plan(meta.wrapper, meta, self.num_heads, meta.plan.block_size,
+                          meta.plan.q_dtype, meta.plan.kv_dtype, self.scale)
+                    meta.scale = self.scale
             return meta.wrapper, meta.scale
 
         def plan() -> tuple[Any, float]:
