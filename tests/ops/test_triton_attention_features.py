@@ -142,12 +142,14 @@ def test_features_never_choose_the_gluon_prefill_kernel():
     ({"logits_soft_cap": 0.0}, r"logits_soft_cap=0\.0 must be None or a finite float > 0"),
     ({"logits_soft_cap": float("inf")}, "logits_soft_cap=inf"),
     ({"sinks": torch.zeros(3)}, r"sinks has shape \(3,\).*\(num_heads,\) = \(4,\)"),
-    ({"sinks": torch.zeros(8)[::2]}, r"strides \(2,\).*contiguous"),
+    ({"sinks": lambda: torch.zeros(8, device=DEVICE)[::2]}, r"strides \(2,\).*contiguous"),
 ], ids=["cap-zero", "cap-inf", "sinks-length", "sinks-strided"])
 def test_bad_features_are_refused_before_any_kernel(change, match):
     query, kc, vc, step = make_step(_gen("refused"), [1], [9], num_heads=4, num_kv_heads=2,
                                     head_size=16, block_size=8, dtype=torch.float32)
-    change = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in change.items()}
+    # A tensor made on the device (.to() of a strided CPU tensor is a dense copy there).
+    change = {k: v() if callable(v) else v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+              for k, v in change.items()}
     with pytest.raises(ValueError, match=match):
         triton_attention.paged_attention(query, kc, vc, **step, **change)
 
