@@ -1,7 +1,11 @@
 """Run every ``kvcore`` command that the README and ``docs/`` show, as written, and time it.
 
 A command is a line of a fenced ``bash``/``sh``/``console`` block that starts with ``kvcore``
-(a ``# comment`` after it is dropped). Each runs in its own process under a time limit; the
+(a ``# comment`` after it is dropped). The commands of ``docs/backend-plugin.md`` test the
+page's own plugin: they run with its minimal backend (the block after
+``<!-- ci:minimal-backend -->``) installed as the page says, entry point ``acme =
+"acme_kvcore"``, into a temporary folder on ``PYTHONPATH``. Each runs in its own process under
+a time limit; the
 table printed last gives where it is written, its exit code and its wall time, and a JSON file
 keeps the same rows with each command's last output lines. ``--repeat`` runs the list again
 (the first pass builds what the second loads from the caches: cold and warm times).
@@ -13,10 +17,12 @@ Usage: ``python benchmarks/doc_commands.py [--out DIR] [--skip REGEX] [--limit-s
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +34,22 @@ from kvcore.cli.harness import script_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_FENCES = ("bash", "sh", "console", "shell")
+PLUGIN_PAGE = "docs/backend-plugin.md"
+PLUGIN_PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "acme-kvcore"
+version = "0.0.0"
+
+[project.entry-points."kvcore.plugins"]
+acme = "acme_kvcore"
+
+[tool.setuptools]
+py-modules = ["acme_kvcore"]
+"""
 
 
 @dataclass
@@ -60,13 +82,36 @@ def doc_commands(root: Path = ROOT) -> list[DocCommand]:
     return list(found.values())
 
 
-def run_command(command: str, limit_s: float) -> dict:
+def install_page_plugin(folder: Path, root: Path = ROOT) -> dict[str, str]:
+    """Install :data:`PLUGIN_PAGE`'s minimal backend as a plugin distribution into
+    ``folder`` (offline, no dependencies); returns the environment its commands run in."""
+    page = (root / PLUGIN_PAGE).read_text()
+    match = re.search(r"<!-- ci:minimal-backend -->\n```python\n(.*?)```", page, re.DOTALL)
+    if match is None:
+        raise SystemExit(f"{PLUGIN_PAGE} has no python block after <!-- ci:minimal-backend -->")
+    source = folder / "acme-kvcore"
+    source.mkdir()
+    (source / "acme_kvcore.py").write_text(match.group(1))
+    (source / "pyproject.toml").write_text(PLUGIN_PYPROJECT)
+    site = folder / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", str(site), str(source)], check=True)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{path}" if path else str(site)}
+
+
+def run_command(command: str, limit_s: float, env: dict[str, str] | None = None) -> dict:
     """Run ``command`` (split like a shell would, no shell) in the repository root."""
+    env = dict(os.environ if env is None else env)
+    # `kvcore` is this interpreter's environment's (where a virtualenv is not activated).
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     start = time.perf_counter()
     try:
         done = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True,
-                              timeout=limit_s)
+                              timeout=limit_s, env=env)
         code, output = done.returncode, done.stdout + done.stderr
+    except OSError as exc:  # the program is missing
+        code, output = "not run", str(exc)
     except subprocess.TimeoutExpired as exc:
         code = "timeout"
         output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
@@ -86,11 +131,17 @@ def main() -> int:
     commands = doc_commands()
     skip = re.compile(args.skip) if args.skip else None
     console = Console(width=160)
+    scratch = tempfile.TemporaryDirectory(prefix="kvcore-doc-plugin-")
+    plugin_env = None
     for entry in commands:
         if args.list or (skip and skip.search(entry.command)):
             continue
+        env = None
+        if entry.where.startswith(PLUGIN_PAGE + ":"):
+            plugin_env = plugin_env or install_page_plugin(Path(scratch.name))
+            env = plugin_env
         for _ in range(2 if args.repeat else 1):
-            entry.runs.append(run_command(entry.command, args.limit_s))
+            entry.runs.append(run_command(entry.command, args.limit_s, env))
             run = entry.runs[-1]
             console.print(f"{entry.where}: {entry.command}: rc={run['rc']} {run['wall_s']} s")
             if run["rc"] != 0:
