@@ -88,6 +88,7 @@ from kvcore import (
     AttentionType,
     CudaGraphSupport,
     DeviceCapability,
+    is_uniform_decode,
 )
 from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache
 from kvcore_nvidia.backends.flashinfer_builder import (
@@ -100,7 +101,6 @@ from kvcore_nvidia.backends.flashinfer_kernels import (
     FlashInferKernels,
     cuda_capability,
     flashinfer_kernels,
-    is_decode_step,
     new_wrappers,
     plan_args,
 )
@@ -168,7 +168,7 @@ class FlashInferImpl(PagedCacheImpl):
         shape, options = plan_args(self.num_heads, self.num_kv_heads, self.head_size,
                                    block_size, self.scale, self.sliding_window, query.dtype,
                                    key_cache.dtype)
-        if is_decode_step(attn_metadata) and query.shape[0] == attn_metadata.num_seqs:
+        if is_uniform_decode(attn_metadata) and query.shape[0] == attn_metadata.num_seqs:
             # One query per request sees every key up to itself: causal or not is the same.
             decode.plan(indptr, indices, last_page_len, *shape, **options)
             return decode

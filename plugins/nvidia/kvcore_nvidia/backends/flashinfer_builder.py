@@ -16,6 +16,7 @@ from kvcore import (
     AttentionMetadata,
     PersistentMetadataBuilder,
     build_attention_metadata,
+    is_uniform_decode,
     long_step,
 )
 from kvcore_nvidia.backends.common import HostStaging, StagingSlot, launch_block_bound
@@ -23,7 +24,6 @@ from kvcore_nvidia.backends.flashinfer_kernels import (
     WORKSPACE_BYTES,
     cuda_capability,
     flashinfer_kernels,
-    is_decode_step,
     new_wrappers,
     plan_args,
 )
@@ -292,7 +292,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         pages = self._host_pages(common, size, slot.tensors["lists"])
         counts = pages.page_counts_key()
         indices = self._gather_indices(pages, counts, slot)
-        if graph_batch_size is not None or is_decode_step(meta):
+        if graph_batch_size is not None or is_uniform_decode(meta):
             # A decode-only step, captured or eager, runs on a graph-mode wrapper of its size:
             # planned only when the page counts change.
             wrapper = self._plan_graph_decode(size, pages, counts, indices,

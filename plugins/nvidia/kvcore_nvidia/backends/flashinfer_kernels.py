@@ -10,10 +10,8 @@ from typing import Any
 
 import torch
 
-from kvcore import AttentionMetadata
-
 __all__ = ["TENSOR_CORE_DECODE_MIN_GROUP", "WORKSPACE_BYTES", "FlashInferKernels",
-           "cuda_capability", "flashinfer_kernels", "is_decode_step", "new_wrappers",
+           "cuda_capability", "flashinfer_kernels", "new_wrappers",
            "plan_args"]
 
 #: Bytes of the float workspace shared by the wrappers of one builder (or device),
@@ -93,8 +91,3 @@ def plan_args(num_heads: int, num_kv_heads: int, head_size: int, block_size: int
             dict(window_left=window_left, sm_scale=scale, q_data_type=q_dtype,
                  kv_data_type=kv_dtype))
 
-
-def is_decode_step(attn_metadata: AttentionMetadata) -> bool:
-    """Whether every request of the step has exactly one query token (decode only)."""
-    return (attn_metadata.max_query_len == 1
-            and attn_metadata.num_actual_tokens == attn_metadata.num_seqs)
