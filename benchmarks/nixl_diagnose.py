@@ -114,7 +114,7 @@ def _producer(device: str, nbytes: int, options: dict, conn) -> None:
     """The producer: its buffer registered with its agent; answers with its metadata and the
     tensor, then progresses its agent (notifications) until told to stop."""
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # "cuda" names device 0
     src = _fill(nbytes, device)
     # The consumer opens a copy in its own allocation through torch's IPC: UCX maps src, and
     # one process may not open the same CUDA IPC handle twice.
@@ -165,7 +165,7 @@ def raw_case(args: argparse.Namespace, options: dict) -> int:
     device, nbytes = args.device, args.mib << 20
     cuda = device.startswith("cuda")
     if cuda:
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # "cuda" names device 0
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_producer, args=(device, nbytes, options, there), daemon=True)
@@ -322,6 +322,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         needs_nixl = name in raw or "nixl" in name
         if needs_nixl and missing:
             case["skipped"] = missing
+        elif (name.startswith("p2p") and args.device.startswith("cuda")
+              and torch.cuda.device_count() < 2):
+            # NCCL refuses two ranks on one device ("Duplicate GPU detected").
+            case["skipped"] = "p2p (NCCL) needs a GPU per process: run on two GPUs"
         elif left < 5:
             case["skipped"] = f"--budget-s {args.budget_s} spent before this case"
         if "skipped" in case:
