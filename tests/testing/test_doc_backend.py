@@ -54,4 +54,7 @@ def test_it_passes_the_conformance_suite(pytester, acme_dir):
     for kind in ("-cache-write-", "-forward-bf16-", "-forward-fp32-", "-stale-bytes-",
                  "-cross-layer-", "-builder-"):
         assert kind in ran, kind
-    assert all("-int64-offsets-" in r.nodeid for r in skipped)  # a GPU's cache size
+    # Skipped: a GPU's cache size, and the sinks / soft-cap cases of a backend that declares
+    # neither feature.
+    assert all("-int64-offsets-" in r.nodeid or "-softcap" in r.nodeid
+               or r.nodeid.endswith("-sinks]") for r in skipped)

@@ -63,4 +63,7 @@ def test_its_own_test_suite_passes(example_installed, pytester):
     assert not failed, "\n\n".join(r.longreprtext for r in failed)
     conformance = [r for r in passed if "test_sdpa_gather_conforms[" in r.nodeid]
     assert len(conformance) >= 30
-    assert all("-int64-offsets-" in r.nodeid for r in skipped)
+    # Skipped: a GPU's cache size, and the sinks / soft-cap cases of a backend that declares
+    # neither feature.
+    assert all("-int64-offsets-" in r.nodeid or "-softcap" in r.nodeid
+               or r.nodeid.endswith("-sinks]") for r in skipped)
