@@ -33,3 +33,27 @@ def test_warmup_runs_the_first_steps_and_lists_the_caches(capsys, monkeypatch, t
 def test_warmup_refuses_a_platform_that_is_not_present(capsys):
     assert kvcore_cli(["warmup", "--platform", "cuda"]) == 2
     assert "--platform cuda: not present on this machine" in capsys.readouterr().err
+
+
+def test_the_first_step_of_each_kind_says_it_may_compile(monkeypatch):
+    """The demo engine (under `kvcore demo` and `kvcore warmup`) wraps the first prefill, mixed
+    and decode step in kvcore.long_step, which prints only when the step is long (a compile);
+    later steps of a kind are not wrapped."""
+    import contextlib
+
+    from kvcore.demo import engine
+
+    announced = []
+
+    @contextlib.contextmanager
+    def recording(what, **kwargs):
+        announced.append((what, kwargs))
+        yield
+
+    monkeypatch.setattr(engine, "long_step", recording)
+    assert kvcore_cli(["warmup", "--model", "tiny", "--platform", "cpu"]) == 0
+    kinds = [what.rsplit(" for the first ", 1)[1] for what, _ in announced]
+    assert sorted(kinds) == ["decode step", "mixed step", "prefill step"], kinds
+    what, kwargs = announced[0]
+    assert what.startswith("compiling CPU_ATTN's kernels (float32, ")
+    assert kwargs["cache"] == engine.triton_cache_dir() and kwargs["estimate"]

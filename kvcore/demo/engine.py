@@ -20,6 +20,7 @@ waited for at admission instead of overlapping the next step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from kvcore import (
     LayerScales,
     MLAAttentionSpec,
     build_attention_metadata,
+    long_step,
 )
 from kvcore.connectors import (
     KVConnector,
@@ -55,6 +57,21 @@ __all__ = ["BatchStats", "BlockPool", "Engine", "Request"]
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def triton_cache_dir() -> str | None:
+    """Where Triton keeps the kernels it compiled (``TRITON_CACHE_DIR`` moves it); ``None``
+    without Triton."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return str(knobs.cache.dir)
+    from triton.runtime.cache import default_cache_dir  # Triton before knobs
+
+    return str(default_cache_dir())
 
 
 def _rank_heads(c: DemoModelConfig, tp: int) -> list[tuple[slice, tuple[int, ...]]]:
@@ -281,6 +298,10 @@ class Engine:
                                           num_blocks=kv_caches.num_blocks)
         self.pool = BlockPool(kv_caches.num_blocks)
         self._pending_saves: list[tuple[TransferHandle, list[int]]] = []
+        dtype = str(model.dtype).removeprefix("torch.")
+        self._compiles = (f"{backend.get_name()}'s kernels ({dtype}, {q_heads} heads, head size "
+                          f"{c.head_size}, block {self.block_size})")
+        self._step_kinds_run: set[str] = set()  # the first of each kind may compile kernels
 
     # -- public -----------------------------------------------------------------------------
 
@@ -453,19 +474,33 @@ class Engine:
         )
         ids, positions = ids.to(device), positions.to(device)
         replayed = self.graphs is not None and self.graphs.replayable(meta)
-        if replayed:
-            if not self.graphs.captured:
-                self.graphs.capture({"ids": ids[:1], "positions": positions[:1]})
-            logits = self.graphs.run({"ids": ids, "positions": positions}, meta)
-        else:
-            hidden = self.model.forward(ids, positions, self._attend(self.builder.build(meta)))
-            last = meta.query_start_loc[1:].to(torch.int64) - 1
-            logits = self.model.logits(hidden[last])
-        next_tokens = logits.argmax(dim=-1).tolist()
+        kind = ("decode" if all(len(t) == 1 for t in new_tokens) else
+                "prefill" if all(req.num_computed == 0 for req in batch) else "mixed")
+        kind += " (CUDA-graph capture)" if replayed and not self.graphs.captured else ""
+        with self._first_of_kind(kind):
+            if replayed:
+                if not self.graphs.captured:
+                    self.graphs.capture({"ids": ids[:1], "positions": positions[:1]})
+                logits = self.graphs.run({"ids": ids, "positions": positions}, meta)
+            else:
+                hidden = self.model.forward(ids, positions,
+                                            self._attend(self.builder.build(meta)))
+                last = meta.query_start_loc[1:].to(torch.int64) - 1
+                logits = self.model.logits(hidden[last])
+            next_tokens = logits.argmax(dim=-1).tolist()
         for req, toks, tok in zip(batch, new_tokens, next_tokens, strict=True):
             req.num_computed += len(toks)
             req.output.append(int(tok))
         return replayed
+
+    def _first_of_kind(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        """The first step of each kind (prefill, mixed, decode, the graph capture) compiles
+        the kernels it launches unless a cache has them: it says so when it takes long."""
+        if kind in self._step_kinds_run:
+            return contextlib.nullcontext()
+        self._step_kinds_run.add(kind)
+        return long_step(f"compiling {self._compiles} for the first {kind} step",
+                         estimate="seconds to a minute", cache=triton_cache_dir())
 
     def _graph_step(self, inputs: dict[str, torch.Tensor], meta: AttentionMetadata
                     ) -> torch.Tensor:

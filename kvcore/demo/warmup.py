@@ -20,13 +20,12 @@ from typing import Any
 from kvcore import (
     allocate_kv_caches,
     get_attn_backend,
-    long_step,
     parse_dtype,
     plugin_status_reports,
     require_present_platform,
 )
 from kvcore.demo.config import MODEL_PRESETS
-from kvcore.demo.engine import Engine, Request
+from kvcore.demo.engine import Engine, Request, triton_cache_dir
 from kvcore.demo.model import DemoModel
 from kvcore.demo.scenario import DemoOptions, choose_dtype, demo_selector_config
 
@@ -66,19 +65,6 @@ class WarmupResult:
         return asdict(self)
 
 
-def _triton_cache() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return str(knobs.cache.dir)
-    from triton.runtime.cache import default_cache_dir  # Triton before knobs
-
-    return str(default_cache_dir())
-
-
 def cache_locations() -> dict[str, str]:
     """Where first-use builds are kept, by name: Triton's kernel cache (``triton``;
     ``TRITON_CACHE_DIR`` moves it), ``kvcore kernels``' compile results
@@ -87,7 +73,7 @@ def cache_locations() -> dict[str, str]:
     from kvcore.testing.compile_check import compile_cache_dir
 
     caches = {}
-    triton_dir = _triton_cache()
+    triton_dir = triton_cache_dir()
     if triton_dir is not None:
         caches["triton"] = triton_dir
     caches["kvcore_compile_check"] = str(compile_cache_dir())
@@ -126,17 +112,14 @@ def run_warmup(options: WarmupOptions) -> WarmupResult:
                             head_size=preset.cache_head_size, dtype=dtype, device=device)
     model = DemoModel(preset, seed=0, dtype=dtype, device=device)
     started = time.perf_counter()
+    # A token budget of one prompt and a decode: the second request joins the first's decode.
     engine = Engine(model, backend, kv, max_num_seqs=options.max_num_seqs,
-                    max_num_batched_tokens=max(256, prompt))
+                    max_num_batched_tokens=prompt + 1)
     builder_seconds = time.perf_counter() - started
-    shape = (f"{choice.dtype}, {preset.num_heads} heads, head size {preset.cache_head_size}, "
-             f"block {bs}")
     started = time.perf_counter()
-    with long_step(f"compiling {backend.get_name()}'s kernels for the first prefill, mixed "
-                   f"and decode steps ({shape})", estimate="seconds to a minute",
-                   cache=_triton_cache()):
-        engine.serve([Request("warmup-0", list(range(prompt)), 4),
-                      Request("warmup-1", list(range(1, prompt + 1)), 4)])
+    # The engine announces each kind of step's first, compiling run (kvcore.long_step).
+    engine.serve([Request("warmup-0", list(range(prompt)), 4),
+                  Request("warmup-1", list(range(1, prompt + 1)), 4)])
     steps_seconds = time.perf_counter() - started
     return WarmupResult(
         platform=platform.name, device=str(device), model=options.model, dtype=choice.dtype,
