@@ -5,10 +5,10 @@ accepts an undeclared feature and runs without it."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
+from test_conformance_numerics import failures
 
 import kvcore
 from kvcore.testing import conformance_cases
@@ -17,19 +17,8 @@ pytest_plugins = ["pytester"]
 kvcore.get_platform("cpu")  # see test_conformance_numerics
 
 HERE = Path(__file__).parent
-RULE = re.compile(r"broke conformance rule '([a-z0-9-]+)'")
 
 
-def failures(pytester: pytest.Pytester, spec: str) -> tuple[dict[str, str], str, list[str]]:
-    """Failed case id -> rule, the failure messages, and the ids of the passed cases."""
-    pytester.syspathinsert(HERE)
-    recorder = pytester.inline_run("--kvcore-backend", spec, "-p", "no:cacheprovider",
-                                   "-p", "no:hypothesispytest")
-    failed = {r.nodeid.split("[", 1)[1].rstrip("]"): RULE.search(r.longreprtext).group(1)
-              for r in recorder.getfailures()}
-    passed, _, _ = recorder.listoutcomes()
-    return (failed, "\n".join(r.longreprtext for r in recorder.getfailures()),
-            [r.nodeid.split("[", 1)[1].rstrip("]") for r in passed])
 FEATURE_CASES = ("-sinks", "-softcap2")
 
 
