@@ -22,6 +22,12 @@ HERE = Path(__file__).parent
 FEATURE_CASES = ("-sinks", "-softcap2")
 
 
+def is_feature_case(nodeid: str) -> bool:
+    """Whether a conformance case runs with sinks or a soft-cap (skipped, with the reason, for
+    a backend that declares neither)."""
+    return any(label in nodeid for label in FEATURE_CASES)
+
+
 def _feature_forwards(spec: str, monkeypatch: pytest.MonkeyPatch, label: str) -> set[str]:
     monkeypatch.syspath_prepend(HERE)
     return {c.id for c in conformance_cases(spec) if c.kind == "forward" and label in c.id}
