@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[1]
-PUBLIC_MODULES = ("kvcore", "kvcore.ops", "kvcore.ops.triton_utils", "kvcore.connectors",
-                  "kvcore.testing")
+PUBLIC_MODULES = ("kvcore", "kvcore.ops", "kvcore.ops.triton_utils", "kvcore.ops.triton_launch",
+                  "kvcore.connectors", "kvcore.testing")
 PLUGIN_DIRS = ("plugins", "examples")
 _SKIP_PARTS = {"build", "dist", "__pycache__"}
 

@@ -18,6 +18,14 @@ launch hooks installed (profilers), no launch being recorded
 Triton's ``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
 launch_metadata, enter_hook, exit_hook, *args)`` is the same in Triton 3.4 to 3.9.
 
+Public API for plugins (like :mod:`kvcore.ops.triton_utils`): a plugin's op makes one
+:class:`KernelLaunch` per call site and choice of constexprs (kept per layer or per cache, or
+made anew per step: the compiled kernels are shared through a process-wide table), passes
+its arguments positionally in the kernel's order, and keys each call by what it lets change:
+``ptr_class`` of each tensor that may move, with its dtype where that may change,
+``int_class`` (or the value) of each int that may change. ``launch_counts`` lets a test check
+that many calls of one shape compile and bind nothing more.
+
 This module imports triton; :mod:`kvcore.ops` imports it lazily.
 """
 
