@@ -192,12 +192,21 @@ class AttentionBackend:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # The impl refuses a feature its backend does not declare: the first backend that
-        # names an impl class is the one whose declarations the impl honours.
-        impl = cls.__dict__.get("IMPL_CLS")
-        if (isinstance(impl, type) and issubclass(impl, AttentionImpl)
-                and "BACKEND" not in impl.__dict__):
+        # The impl refuses a feature its backend does not declare. The first backend that
+        # names an impl class binds it; a later backend (or subclass) that reuses it with other
+        # feature declarations gets a subclass bound to itself, so each backend's impl honours
+        # its own declarations whatever the order the classes were created in.
+        impl = cls.IMPL_CLS
+        if not (isinstance(impl, type) and issubclass(impl, AttentionImpl)):
+            return
+        owner = impl.__dict__.get("BACKEND")
+        if owner is None:
             impl.BACKEND = cls
+        elif any(getattr(owner, attr) != getattr(cls, attr)
+                 for attr in ("SUPPORTS_SINK", "SUPPORTS_LOGITS_SOFT_CAP")):
+            cls.IMPL_CLS = type(impl.__name__, (impl,), {
+                "BACKEND": cls, "__module__": impl.__module__, "__qualname__": impl.__qualname__,
+                "__doc__": impl.__doc__})
 
     @classmethod
     def get_name(cls) -> str:

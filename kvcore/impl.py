@@ -53,8 +53,10 @@ class AttentionImpl(ABC):
     forward_includes_kv_cache_update: bool = False
     #: The backend whose feature declarations (``SUPPORTS_SINK``,
     #: ``SUPPORTS_LOGITS_SOFT_CAP``) this impl honours: set on the class by the first
-    #: :class:`kvcore.AttentionBackend` subclass that names it as ``IMPL_CLS``. ``None`` (no
-    #: backend named it): the impl takes neither ``sinks`` nor ``logits_soft_cap``.
+    #: :class:`kvcore.AttentionBackend` subclass that names it as ``IMPL_CLS``; a backend that
+    #: reuses the class with other declarations gets a subclass of it bound to itself (its
+    #: ``get_impl_cls()``). ``None`` (no backend named it): the impl takes neither ``sinks``
+    #: nor ``logits_soft_cap``.
     BACKEND: ClassVar[Any] = None
 
     def __init__(

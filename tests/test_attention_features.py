@@ -82,6 +82,46 @@ def test_an_impl_refuses_a_feature_its_backend_does_not_declare():
     PlainImpl(8, 32, 0.1, 2)  # without the features it runs as before
 
 
+def test_a_backend_reusing_an_impl_honours_its_own_declarations_whatever_the_order():
+    class SharedImpl(CpuAttentionImpl):
+        pass
+
+    class First(kvcore.AttentionBackend):  # binds SharedImpl, declares nothing
+        NAME = "FIRST_ATTN"
+        IMPL_CLS = SharedImpl
+        PLATFORMS = ("cpu",)
+
+    class Capped(kvcore.AttentionBackend):  # reuses it, declares the soft-cap only
+        NAME = "CAPPED_ATTN"
+        IMPL_CLS = SharedImpl
+        PLATFORMS = ("cpu",)
+        SUPPORTS_LOGITS_SOFT_CAP = True
+
+    class Same(kvcore.AttentionBackend):  # reuses it with First's declarations
+        NAME = "SAME_ATTN"
+        IMPL_CLS = SharedImpl
+        PLATFORMS = ("cpu",)
+
+    class CappedChild(Capped):  # inherits Capped's impl and adds sinks
+        NAME = "CAPPED_CHILD_ATTN"
+        SUPPORTS_SINK = True
+
+    assert First.get_impl_cls() is SharedImpl and SharedImpl.BACKEND is First
+    assert Same.get_impl_cls() is SharedImpl
+    capped = Capped.get_impl_cls()
+    assert capped is not SharedImpl and issubclass(capped, SharedImpl)
+    assert capped.BACKEND is Capped and capped.__qualname__ == SharedImpl.__qualname__
+    assert capped(8, 32, 0.1, 2, logits_soft_cap=30.0).logits_soft_cap == 30.0
+    with pytest.raises(NotImplementedError, match=r"logits_soft_cap=30: SharedImpl \(backend "
+                                                  r"FIRST_ATTN\) does not support"):
+        First.get_impl_cls()(8, 32, 0.1, 2, logits_soft_cap=30.0)
+    with pytest.raises(NotImplementedError, match=r"sinks=.*\(backend CAPPED_ATTN\)"):
+        capped(8, 32, 0.1, 2, sinks=torch.zeros(8))
+    child = CappedChild.get_impl_cls()
+    assert child.BACKEND is CappedChild
+    assert child(8, 32, 0.1, 2, sinks=torch.zeros(8), logits_soft_cap=5.0).attention_features
+
+
 # -- selection ---------------------------------------------------------------------------------
 
 def test_the_selector_field_refuses_a_backend_without_the_capability():
