@@ -10,6 +10,12 @@ and head slice is one set of numbers; offsets are int64 (caches past 2**31 eleme
 Tokens past ``num_tokens`` (a partial last block) and everything outside the destination
 blocks are not written.
 
+Each program moves a ``[tokens, heads, head_size]`` tile of one layer and K/V half
+(:class:`GatherConfig`): the head's elements innermost and contiguous, so loads and stores
+are 16-byte vectors, and, when the tile height divides both block sizes, the tile's tokens
+lie in one source and one destination block, looked up once per program instead of per
+token.
+
 Bytes move as they are (as the widest integer words the strides allow), or, with ``scales``,
 are converted: wider -> fp8 (``x * scale`` clamped to the fp8 range, ``scale`` being the
 destination's inverse scale, :func:`kvcore.ops.fp8_inverse_scale`) or fp8 -> wider
@@ -20,6 +26,9 @@ caches on a GPU). This module imports triton; :mod:`kvcore.ops` imports it lazil
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,17 +42,51 @@ from kvcore.ops.triton_utils import (
     to_output,
 )
 
-__all__ = ["Strides", "convert_blocks"]
+__all__ = ["DEFAULT_GATHER_CONFIG", "GatherConfig", "GatherLaunch", "Strides", "convert_blocks",
+           "prepare_convert"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-#: Elements (words) one program moves: a [tokens, head_size] tile of about this many.
-_TILE_ELEMENTS = 2048
+#: A block-aligned tile is kept only this many tokens high or more (or the whole tile
+#: height); lower ones look their blocks up per token instead.
+_MIN_ALIGNED_TOKENS = 8
 
 
 #: Element strides of one side's allocation, by logical dim: ``(block, layer, kv, token,
 #: head, dim)``; 0 for a dim the side lacks (layer for one layer, kv and head for MLA).
 Strides = tuple[int, int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """How the gather kernel tiles a conversion.
+
+    Attributes:
+        tile_bytes: bytes (of the source) one program moves, about: ``[tokens, heads,
+            head_size]`` with every power-of-two size rounded down to fit.
+        max_heads: head pairs per program at most (1: one head per program).
+        num_warps: warps per program.
+        block_aligned: tiles whose height divides both block sizes look up one source and
+            one destination block per program; ``False`` looks blocks up per token.
+    """
+
+    tile_bytes: int = 32768
+    max_heads: int = 64
+    num_warps: int = 4
+    block_aligned: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tile_bytes", "max_heads", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GatherConfig.{name}={value!r} must be an int >= 1")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"GatherConfig.num_warps={self.num_warps} must be a power of two "
+                             "(1, 2, 4, 8, 16)")
+
+
+#: The tiling :func:`convert_blocks` uses unless given another.
+DEFAULT_GATHER_CONFIG = GatherConfig()
 
 
 @triton.jit
@@ -55,28 +98,65 @@ def _convert_blocks_kernel(
     SCALE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
     EXACT_FP8_ROUNDING: tl.constexpr, MANTISSA_BITS: tl.constexpr,
     MIN_EXPONENT: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ALIGNED: tl.constexpr, CONTIGUOUS: tl.constexpr, EVEN_H: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
-    # Axis 1 enumerates (layer, kv, head pair); axis 0 tiles the tokens.
-    lane = tl.program_id(1).to(tl.int64)
-    pair = lane % num_pairs
-    layer_kv = lane // num_pairs
-    kv = layer_kv % num_kv
-    layer = layer_kv // num_kv
-    dst_head = tl.load(heads_ptr + 2 * pair)
-    src_head = tl.load(heads_ptr + 2 * pair + 1)
+    # Axis 0 tiles the tokens (neighbouring programs, neighbouring tokens); axis 1
+    # enumerates (layer, kv, head tile). Token and tile indices fit int32 (num_tokens is
+    # below 2**31); every memory offset is int64.
+    head_tiles = tl.cdiv(num_pairs, BLOCK_H)
+    lane = tl.program_id(1)
+    h_tile = lane % head_tiles
+    layer_kv = lane // head_tiles
+    kv = (layer_kv % num_kv).to(tl.int64)
+    layer = (layer_kv // num_kv).to(tl.int64)
 
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    t_ok = t < num_tokens
-    s_blk = tl.load(src_ids_ptr + t // src_bs, mask=t_ok, other=0)
-    d_blk = tl.load(dst_ids_ptr + t // dst_bs, mask=t_ok, other=0)
-    s_row = (s_blk * s_block + layer * s_layer + kv * s_kv + (t % src_bs) * s_token
-             + src_head * s_head)
-    d_row = (d_blk * d_block + layer * d_layer + kv * d_kv + (t % dst_bs) * d_token
-             + dst_head * d_head)
-    d = tl.arange(0, BLOCK_D).to(tl.int64)
-    mask = t_ok[:, None] & (d < head_units)[None, :]
-    x = tl.load(src_ptr + s_row[:, None] + d[None, :] * s_dim, mask=mask)
+    p = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    if EVEN_H:
+        dst_head = tl.load(heads_ptr + 2 * p)
+        src_head = tl.load(heads_ptr + 2 * p + 1)
+    else:
+        dst_head = tl.load(heads_ptr + 2 * p, mask=p < num_pairs, other=0)
+        src_head = tl.load(heads_ptr + 2 * p + 1, mask=p < num_pairs, other=0)
+
+    t0 = tl.program_id(0) * BLOCK_T
+    i = tl.arange(0, BLOCK_T)
+    t_ok = t0 + i < num_tokens
+    if ALIGNED:
+        # BLOCK_T divides both block sizes: the tile is rows of one block on each side.
+        s_blk = tl.load(src_ids_ptr + t0 // src_bs)
+        d_blk = tl.load(dst_ids_ptr + t0 // dst_bs)
+        s_row = (s_blk * s_block + (t0 % src_bs).to(tl.int64) * s_token
+                 + i.to(tl.int64) * s_token)
+        d_row = (d_blk * d_block + (t0 % dst_bs).to(tl.int64) * d_token
+                 + i.to(tl.int64) * d_token)
+    else:
+        t = t0 + i
+        s_blk = tl.load(src_ids_ptr + t // src_bs, mask=t_ok, other=0)
+        d_blk = tl.load(dst_ids_ptr + t // dst_bs, mask=t_ok, other=0)
+        s_row = s_blk * s_block + (t % src_bs).to(tl.int64) * s_token
+        d_row = d_blk * d_block + (t % dst_bs).to(tl.int64) * d_token
+    s_row += layer * s_layer + kv * s_kv
+    d_row += layer * d_layer + kv * d_kv
+
+    d = tl.arange(0, BLOCK_D)
+    if CONTIGUOUS:  # unit stride known at compile time: 16-byte vectors
+        s_col = d
+        d_col = d
+    else:
+        s_col = d.to(tl.int64) * s_dim
+        d_col = d.to(tl.int64) * d_dim
+    s_off = (s_row[:, None, None] + (src_head.to(tl.int64) * s_head)[None, :, None]
+             + s_col[None, None, :])
+    d_off = (d_row[:, None, None] + (dst_head.to(tl.int64) * d_head)[None, :, None]
+             + d_col[None, None, :])
+    mask = t_ok[:, None, None]
+    if not EVEN_H:
+        mask = mask & (p < num_pairs)[None, :, None]
+    if not EVEN_D:
+        mask = mask & (d < head_units)[None, None, :]
+    x = tl.load(src_ptr + s_off, mask=mask)
     if SCALE:
         y = x.to(tl.float32) * tl.load(scales_ptr + layer_kv)
         if QUANTIZE:
@@ -86,7 +166,7 @@ def _convert_blocks_kernel(
             x = y.to(dst_ptr.dtype.element_ty)
         else:
             x = to_output(y, dst_ptr.dtype.element_ty, INTERPRET)
-    tl.store(dst_ptr + d_row[:, None] + d[None, :] * d_dim, x, mask=mask)
+    tl.store(dst_ptr + d_off, x, mask=mask)
 
 
 def _word_size(tensors: tuple[torch.Tensor, ...], itemsize: int, counts: tuple[int, ...]
@@ -109,7 +189,49 @@ def _as_ids(ids: torch.Tensor | list[int], name: str) -> torch.Tensor:
     return ids.to(device="cpu", dtype=torch.int64)
 
 
-def convert_blocks(
+def _floor_power_of_2(n: int) -> int:
+    """The largest power of two ``<= n`` (``n >= 1``)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def _tile(config: GatherConfig, word_bytes: int, units: int, num_pairs: int, num_tokens: int,
+          src_bs: int, dst_bs: int) -> tuple[int, int, int, bool]:
+    """``(BLOCK_T, BLOCK_H, BLOCK_D, ALIGNED)`` for ``config``: the whole head innermost,
+    then as many head pairs, then tokens, as ``tile_bytes`` holds."""
+    block_d = next_power_of_2(units)
+    room = max(1, config.tile_bytes // word_bytes // block_d)
+    block_h = min(next_power_of_2(num_pairs), _floor_power_of_2(config.max_heads),
+                  _floor_power_of_2(room))
+    block_t = min(_floor_power_of_2(max(1, room // block_h)), next_power_of_2(num_tokens))
+    common = math.gcd(src_bs, dst_bs)
+    align = common & -common  # the largest power of two dividing both block sizes
+    aligned = config.block_aligned and align >= min(block_t, _MIN_ALIGNED_TOKENS)
+    if aligned:
+        block_t = min(block_t, align)
+    return block_t, block_h, block_d, aligned
+
+
+class GatherLaunch:
+    """One prepared gather (:func:`prepare_convert`): the checked arguments on the device;
+    calling it launches the kernel (no host work but the launch, so it can be captured in
+    a CUDA graph) and returns the bytes written."""
+
+    def __init__(self, grid: tuple[int, int], args: tuple, constants: dict, nbytes: int
+                 ) -> None:
+        self.grid, self.args, self.constants, self.nbytes = grid, args, constants, nbytes
+
+    def __call__(self) -> int:
+        _convert_blocks_kernel[self.grid](*self.args, **self.constants)
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        c = self.constants
+        return (f"GatherLaunch(grid={self.grid}, tile=[{c['BLOCK_T']}, {c['BLOCK_H']}, "
+                f"{c['BLOCK_D']}], aligned={c['ALIGNED']}, contiguous={c['CONTIGUOUS']}, "
+                f"num_warps={c['num_warps']})")
+
+
+def prepare_convert(
     src: torch.Tensor,
     dst: torch.Tensor,
     src_ids: torch.Tensor | list[int],
@@ -125,29 +247,11 @@ def convert_blocks(
     head_pairs: torch.Tensor | list[tuple[int, int]],
     head_size: int,
     scales: torch.Tensor | None = None,
-) -> int:
-    """Rearrange ``num_tokens`` tokens from blocks ``src_ids`` of ``src`` into blocks
-    ``dst_ids`` of ``dst`` with one kernel launch; returns the bytes written.
-
-    Args:
-        src, dst: flat 1-D contiguous tensors on one device, each a whole allocation of its
-            side's layout, in that side's storage dtype (``dst`` is written in place).
-        src_ids, dst_ids: the blocks in token order, ``ceil(num_tokens / block_size)`` of
-            each side (distinct on the destination; checked by the caller, e.g.
-            :meth:`kvcore.connectors.ConversionPlan.apply`).
-        src_strides, dst_strides: element strides of each side, ``(block, layer, kv, token,
-            head, dim)``.
-        num_layers, num_kv: layers, and 2 (K and V) or 1 (MLA latents).
-        head_pairs: ``(dst_head, src_head)`` local head pairs to move (``[(0, 0)]`` for MLA).
-        head_size: elements per head (the ``D`` dim).
-        scales: ``None`` (bytes as they are; both sides one dtype) or a float32 tensor of
-            ``num_layers * num_kv`` multipliers, layer-major: the destination's inverse
-            scales for wider -> fp8, the source's scales for fp8 -> wider.
-
-    Raises:
-        TypeError, ValueError: tensors on different devices, not flat or contiguous, dtypes
-            that do not fit ``scales``, ids that address past either tensor.
-    """
+    config: GatherConfig | None = None,
+) -> GatherLaunch | None:
+    """:func:`convert_blocks`' checks and device arguments, without the launch: the
+    :class:`GatherLaunch` to call (``None`` when there is nothing to move). Arguments and
+    errors as :func:`convert_blocks`'."""
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"{name} must be a flat contiguous tensor (the whole allocation), "
@@ -165,12 +269,13 @@ def convert_blocks(
         if scales.numel() != num_layers * num_kv:
             raise ValueError(f"scales has {scales.numel()} values; expected num_layers * "
                              f"num_kv = {num_layers * num_kv}")
+    config = config or DEFAULT_GATHER_CONFIG
     device = dst.device
     s_ids = _as_ids(src_ids, "src_ids")
     d_ids = _as_ids(dst_ids, "dst_ids")
     pairs = torch.as_tensor(head_pairs, dtype=torch.int64).reshape(-1, 2).cpu()
     if num_tokens <= 0 or pairs.numel() == 0:
-        return 0
+        return None
     need_s, need_d = -(-num_tokens // src_block_size), -(-num_tokens // dst_block_size)
     if s_ids.numel() < need_s or d_ids.numel() < need_d:
         raise ValueError(f"{num_tokens} tokens need {need_s} source and {need_d} destination "
@@ -190,8 +295,9 @@ def convert_blocks(
             dst_strides = (*(s // ratio for s in dst_strides[:5]), 1)
             units = head_size // ratio
         src_w, dst_w = src.view(_WORDS[word]), dst.view(_WORDS[word])
-    sides = (("src", src_w, s_ids[:need_s], src_strides, src_block_size, pairs[:, 1]),
-             ("dst", dst_w, d_ids[:need_d], dst_strides, dst_block_size, pairs[:, 0]))
+    s_ids, d_ids = s_ids[:need_s], d_ids[:need_d]
+    sides = (("src", src_w, s_ids, src_strides, src_block_size, pairs[:, 1]),
+             ("dst", dst_w, d_ids, dst_strides, dst_block_size, pairs[:, 0]))
     for name, t, ids, st, bs, heads in sides:
         b, lay, kv, tok, h, d = st
         last = (int(ids.max()) * b + (num_layers - 1) * lay + (num_kv - 1) * kv
@@ -200,23 +306,79 @@ def convert_blocks(
             raise ValueError(f"{name}_ids address past {name}: the largest offset they reach is "
                              f"{last}, and {name} holds {t.numel()} elements; is {name} too "
                              "small, or an id out of range?")
-    s_ids, d_ids = s_ids.to(device), d_ids.to(device)
-    pairs = pairs.reshape(-1).to(device)
+    # One host -> device copy for the ids and head pairs.
+    packed = torch.cat([s_ids, d_ids, pairs.reshape(-1)]).to(device)
+    s_dev, d_dev, pairs_dev = packed.split([need_s, need_d, pairs.numel()])
 
+    num_pairs = pairs.shape[0]
+    block_t, block_h, block_d, aligned = _tile(config, src_w.dtype.itemsize, units, num_pairs,
+                                               num_tokens, src_block_size, dst_block_size)
     fp8_max, mantissa, min_exp = fp8_format(dst.dtype)
     quantize = scales is not None and dst.dtype in _FP8
-    block_d = max(16, next_power_of_2(units))
-    block_t = max(1, min(64, _TILE_ELEMENTS // block_d))
-    num_pairs = pairs.numel() // 2
-    grid = (triton.cdiv(num_tokens, block_t), num_layers * num_kv * num_pairs)
+    grid = (triton.cdiv(num_tokens, block_t),
+            num_layers * num_kv * triton.cdiv(num_pairs, block_h))
     scale_arg = (scales.to(device=device, dtype=torch.float32).contiguous()
-                 if scales is not None else s_ids)
-    _convert_blocks_kernel[grid](
-        src_w, dst_w, s_ids, d_ids, pairs, scale_arg,
-        num_tokens, src_block_size, dst_block_size, num_kv, num_pairs, units,
-        *src_strides, *dst_strides,
+                 if scales is not None else s_dev)
+    args = (src_w, dst_w, s_dev, d_dev, pairs_dev, scale_arg,
+            num_tokens, src_block_size, dst_block_size, num_kv, num_pairs, units,
+            *src_strides, *dst_strides)
+    constants = dict(
         SCALE=scales is not None, QUANTIZE=quantize, FP8_MAX=fp8_max,
         EXACT_FP8_ROUNDING=quantize and interpreting(), MANTISSA_BITS=mantissa,
         MIN_EXPONENT=min_exp, INTERPRET=interpreting(),
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
-    return num_tokens * num_layers * num_kv * num_pairs * head_size * dst.dtype.itemsize
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, ALIGNED=aligned,
+        CONTIGUOUS=src_strides[5] == 1 and dst_strides[5] == 1,
+        EVEN_H=num_pairs % block_h == 0, EVEN_D=units == block_d,
+        num_warps=config.num_warps)
+    nbytes = num_tokens * num_layers * num_kv * num_pairs * head_size * dst.dtype.itemsize
+    return GatherLaunch(grid, args, constants, nbytes)
+
+
+def convert_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: torch.Tensor | list[int],
+    dst_ids: torch.Tensor | list[int],
+    *,
+    num_tokens: int,
+    src_block_size: int,
+    dst_block_size: int,
+    src_strides: Strides,
+    dst_strides: Strides,
+    num_layers: int,
+    num_kv: int,
+    head_pairs: torch.Tensor | list[tuple[int, int]],
+    head_size: int,
+    scales: torch.Tensor | None = None,
+    config: GatherConfig | None = None,
+) -> int:
+    """Rearrange ``num_tokens`` tokens from blocks ``src_ids`` of ``src`` into blocks
+    ``dst_ids`` of ``dst`` with one kernel launch; returns the bytes written.
+
+    Args:
+        src, dst: flat 1-D contiguous tensors on one device, each a whole allocation of its
+            side's layout, in that side's storage dtype (``dst`` is written in place).
+        src_ids, dst_ids: the blocks in token order, ``ceil(num_tokens / block_size)`` of
+            each side (distinct on the destination; checked by the caller, e.g.
+            :meth:`kvcore.connectors.ConversionPlan.apply`).
+        src_strides, dst_strides: element strides of each side, ``(block, layer, kv, token,
+            head, dim)``.
+        num_layers, num_kv: layers, and 2 (K and V) or 1 (MLA latents).
+        head_pairs: ``(dst_head, src_head)`` local head pairs to move (``[(0, 0)]`` for MLA).
+        head_size: elements per head (the ``D`` dim).
+        scales: ``None`` (bytes as they are; both sides one dtype) or a float32 tensor of
+            ``num_layers * num_kv`` multipliers, layer-major: the destination's inverse
+            scales for wider -> fp8, the source's scales for fp8 -> wider.
+        config: the kernel's tiling (default :data:`DEFAULT_GATHER_CONFIG`); every config
+            writes the same bytes.
+
+    Raises:
+        TypeError, ValueError: tensors on different devices, not flat or contiguous, dtypes
+            that do not fit ``scales``, ids that address past either tensor.
+    """
+    launch = prepare_convert(
+        src, dst, src_ids, dst_ids, num_tokens=num_tokens, src_block_size=src_block_size,
+        dst_block_size=dst_block_size, src_strides=src_strides, dst_strides=dst_strides,
+        num_layers=num_layers, num_kv=num_kv, head_pairs=head_pairs, head_size=head_size,
+        scales=scales, config=config)
+    return 0 if launch is None else launch()

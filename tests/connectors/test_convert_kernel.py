@@ -21,6 +21,7 @@ from test_convert import (
     pick_ids,
 )
 
+import kvcore
 from kvcore.connectors.convert import LayoutConversionError, TPRank, heads_of_rank, plan_conversion
 from kvcore.ops import triton_available, triton_convert_blocks
 
@@ -144,3 +145,66 @@ def test_kernel_refuses_ids_past_the_tensor_and_moves_nothing():
     assert bool((dst == 1).all())
     assert triton_convert_blocks(src, dst, [1], [0], **kwargs) == 4 * 8 * 2
     assert bool((dst[:32] == 0).all()) and bool((dst[32:] == 1).all())
+
+
+#: Tilings of the gather kernel: each must write the same bytes as the torch gather.
+GATHER_CONFIGS = {
+    "default": None,
+    "per-token lookup": {"block_aligned": False},
+    "one head, tiny tiles": {"tile_bytes": 64, "max_heads": 1, "num_warps": 1},
+    "two heads": {"tile_bytes": 256, "max_heads": 2, "num_warps": 2},
+}
+DH_ORDER = (0, 1, 2, 4, 3)  # D outside H: the head's elements are strided
+
+
+def layout_of(order, block_size, heads, head_size, cross, dtype=torch.bfloat16, num_blocks=8):
+    """A K/V layout with ``heads`` heads of ``head_size`` (test_convert's ``make_layout``
+    with any head size)."""
+    full = (1, 0, *(d + 1 for d in order if d)) if cross else (0, *(d + 1 for d in order))
+    return kvcore.KVCacheLayout((NUM_LAYERS, num_blocks, 2, block_size, heads, head_size), full,
+                                ("L", "B", "2", "N", "H", "D"), dtype)
+
+
+@pytest.mark.parametrize("config", list(GATHER_CONFIGS), ids=list(GATHER_CONFIGS))
+@pytest.mark.parametrize("orders, bs, heads, head_size, cross, fp8, num_tokens", [
+    ((NHD, HND), (16, 64), 3, 8, (False, True), False, 70),
+    ((HND, NHD), (64, 16), 2, 6, (True, False), False, 41),
+    ((NHD, HND), (12, 24), 2, 8, (False, False), False, 50),
+    ((DH_ORDER, HND), (16, 32), 2, 8, (False, True), False, 37),
+    ((NHD, DH_ORDER), (32, 16), 3, 8, (True, True), True, 45),
+], ids=["3-heads", "head-6-elements", "block-12->24", "strided-head", "strided-head-fp8"])
+def test_every_tiling_matches_torch_gather(monkeypatch, config, orders, bs, heads, head_size,
+                                           cross, fp8, num_tokens):
+    """Odd head counts and sizes, block sizes whose tiles cannot align, strided heads, fp8:
+    bit for bit under every tiling (one launch each)."""
+    from kvcore.ops import triton_convert
+
+    if GATHER_CONFIGS[config] is not None:
+        monkeypatch.setattr(triton_convert, "DEFAULT_GATHER_CONFIG",
+                            triton_convert.GatherConfig(**GATHER_CONFIGS[config]))
+    gen = torch.Generator().manual_seed(num_tokens)
+    need_s, need_d = -(-num_tokens // bs[0]), -(-num_tokens // bs[1])
+    src_l = layout_of(orders[0], bs[0], heads, head_size, cross[0], num_blocks=need_s + 2)
+    dst_l = layout_of(orders[1], bs[1], heads, head_size, cross[1],
+                      FP8 if fp8 else torch.bfloat16, num_blocks=need_d + 2)
+    plan = plan_conversion(src_l, dst_l, quantize=fp8)
+    src = (torch.randn(src_l.physical_shape, generator=gen).mul(200).to(torch.bfloat16)
+           if fp8 else noise(src_l, gen))
+    both_ways(plan, src, noise(dst_l, gen), pick_ids(gen, need_s, need_s + 2),
+              pick_ids(gen, need_d, need_d + 2), num_tokens,
+              torch.rand(NUM_LAYERS, 2, generator=gen) + 0.25)
+
+
+def test_tiles_align_to_blocks_when_the_block_sizes_allow():
+    """A tile whose height divides both block sizes looks its blocks up once; 12 -> 24
+    (largest common power of two: 4) looks them up per token."""
+    from kvcore.ops.triton_convert import GatherConfig, _tile
+
+    config = GatherConfig()
+    # 8 heads of 128 bf16 as int64 words: [16 tokens, 8 heads, 32 words] = 32 KiB.
+    assert _tile(config, 8, 32, 8, 8192, 16, 64) == (16, 8, 32, True)
+    assert _tile(config, 8, 32, 8, 8192, 12, 24)[3] is False
+    assert _tile(GatherConfig(max_heads=1), 8, 32, 8, 8192, 64, 64) == (64, 1, 32, True)
+    assert _tile(config, 8, 32, 8, 5, 16, 64)[0] == 8  # no taller than the transfer
+    with pytest.raises(ValueError, match=r"num_warps=3 must be a power of two"):
+        GatherConfig(num_warps=3)
