@@ -133,6 +133,9 @@ def paged_attention(
     Returns:
         ``output`` (or a new tensor like ``query``).
     """
+    global _switches, _switches_step
+    if seq_lens is not _switches_step:  # a new step: read the process switches again
+        _switches_step, _switches = seq_lens, (interpreting(), gluon_defaults_enabled())
     try:
         layer = _LAYERS.get(_layer_key(query, key_cache, value_cache, scale, causal,
                                        sliding_window, kv_cache_dtype, k_scale, v_scale,
@@ -221,6 +224,10 @@ _LAYERS: dict[tuple, _Layer] = {}
 _MAX_LAYERS = 1024
 #: The step metadata :meth:`_Layer.takes` last accepted: (tensors, their versions, device).
 _last_step: tuple = ()
+#: The process switches that change the kernel choice (``TRITON_INTERPRET``,
+#: ``KVCORE_GLUON``), read once per step (a new ``seq_lens`` tensor), not per layer.
+_switches: tuple[bool, bool] = (False, True)
+_switches_step: object = None
 
 
 def _layer_key(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -230,12 +237,13 @@ def _layer_key(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     """What a :class:`_Layer`'s checks and choices hold for: the caches (shape, strides,
     dtype, device, address), the query's dtype and head shape, the scalar arguments, the
     sinks tensor (by identity: the launches keep it), and the process switches that change
-    the kernel choice."""
+    the kernel choice (those of the environment as read for this step)."""
     return (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
             key_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
             value_cache.device, value_cache.data_ptr(), query.dtype, query.shape[1:],
-            kv_cache_dtype, scale, causal, sliding_window, scale_key(k_scale),
-            scale_key(v_scale), interpreting(), recording_launches(), gluon_defaults_enabled(),
+            kv_cache_dtype, scale, causal, sliding_window,
+            None if k_scale is None else scale_key(k_scale),
+            None if v_scale is None else scale_key(v_scale), _switches, recording_launches(),
             logits_soft_cap, None if sinks is None else id(sinks))
 
 

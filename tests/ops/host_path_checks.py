@@ -1,6 +1,7 @@
-"""Checks of TRITON_ATTN's host path, run in a process of its own (compiled kernels, not the
-interpreter the test session uses) with ``benchmarks/host_path.py``'s stand-in driver; prints
-one JSON object with what it found (``tests/ops/test_host_path.py`` asserts on it)."""
+"""Checks of TRITON_ATTN's and TRITON_MLA's host paths, run in a process of its own (compiled
+kernels, not the interpreter the test session uses) with ``benchmarks/host_path.py``'s
+stand-in driver; prints one JSON object with what it found (``tests/ops/test_host_path.py``
+asserts on it). TRITON_MLA's ops are checked where the kvcore-mla plugin is installed."""
 
 from __future__ import annotations
 
@@ -54,6 +55,68 @@ def forget() -> None:
     triton_cache._WRITES.clear()
     triton_merge._LAUNCHES.clear()
     triton_launch._BOUND.clear()
+    for module in _mla_modules():
+        module._LAUNCHES.clear()
+
+
+def _mla_modules() -> list:
+    try:
+        from kvcore_mla.ops import triton_cache as mla_cache
+        from kvcore_mla.ops import triton_mla_decode, triton_mla_mixed
+    except ImportError:
+        return []
+    return [mla_cache, triton_mla_decode, triton_mla_mixed]
+
+
+def mla_calls() -> dict:
+    """TRITON_MLA's calls by name (the plugin installed), else none: the latent cache write,
+    decode on the pointer and the two-halves kernels with one and two splits (merge
+    launched), mixed batches with one and two splits; 128 heads, kv_lora_rank 512, rope 64,
+    bf16, block 64, with aligned and unaligned queries."""
+    if not _mla_modules():
+        return {}
+    from kvcore_mla.ops.mla_configs import (
+        TritonMLAHalvesConfig,
+        TritonMLAPlan,
+        mixed_config,
+        mla_decode_config,
+    )
+    from kvcore_mla.ops.triton_cache import concat_and_cache_mla
+    from kvcore_mla.ops.triton_mla_attention import mla_attention, mla_workspace_numel
+
+    heads, rank, rope, bs, b = 128, 512, 64, 64, 4
+    cache = torch.zeros(b * 4 + 2, bs, rank + rope, dtype=torch.bfloat16)
+    tables = [[i * 4 + j for j in range(4)] for i in range(b)]
+    found = {}
+    meta = kvcore.build_attention_metadata([1] * b, [200] * b, tables, bs)
+    kv_c = torch.randn(b, rank).to(torch.bfloat16)
+    k_pe = torch.randn(b, rope).to(torch.bfloat16)
+    found["mla cache write"] = lambda: concat_and_cache_mla(kv_c, k_pe, cache,
+                                                            meta.slot_mapping)
+    for name, tokens, cfgs in (
+            ("mla decode", 1, (mla_decode_config(heads, page_size=bs),
+                               TritonMLAHalvesConfig(block_h=64, block_n=64, num_warps=8,
+                                                     num_stages=2))),
+            ("mla mixed", 3, (mixed_config(heads, rank),))):
+        m = kvcore.build_attention_metadata([tokens] * b, [200] * b, tables, bs)
+        q = torch.randn(m.num_actual_tokens, heads, rank + rope).to(torch.bfloat16)
+        unaligned = torch.empty(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)
+        unaligned.copy_(q)
+        out = torch.empty(q.shape[0], heads, rank, dtype=torch.bfloat16)
+        for cfg in cfgs:
+            for splits in (1, 2):
+                workspace = torch.empty(max(1, mla_workspace_numel(q.shape[0], heads, rank,
+                                                                   splits)))
+                plan = TritonMLAPlan(cfg, splits, workspace if splits > 1 else None)
+                for query, which in ((q, "aligned"), (unaligned, "unaligned")):
+                    found[f"{name} {cfg.kernel} splits={splits} {which}"] = (
+                        lambda query=query, m=m, out=out, plan=plan: mla_attention(
+                            query, cache, kv_lora_rank=rank,
+                            query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
+                            block_table=m.block_table, scale=0.1, output=out,
+                            max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
+                            plan=plan))
+    return found
 
 
 def variants(layer: Layer) -> list:
@@ -92,7 +155,8 @@ def main() -> None:
         forget()
         runtime, triton_launch._RUNTIME = triton_launch._RUNTIME, None
         truth = []
-        cases = variants(layer)  # the same tensors in both runs
+        mla = mla_calls()
+        cases = variants(layer) + list(mla.values())  # the same tensors in both runs
         for call in cases:
             RUNS.clear()
             call()
@@ -108,7 +172,8 @@ def main() -> None:
                 direct_runs += triton_launch.launch_counts().direct - before
                 same_kernel.append([r[0] for r in RUNS] == [r[0] for r in expected])
                 same_args.append([r[1] for r in RUNS] == [r[1] for r in expected])
-        result.update(same_kernel=same_kernel, same_args=same_args, direct_runs=direct_runs)
+        result.update(same_kernel=same_kernel, same_args=same_args, direct_runs=direct_runs,
+                      mla_cases=len(mla))
 
         # Many calls of one shape: nothing compiled, bound or bound again; all direct.
         calls = layer.calls()
@@ -127,6 +192,16 @@ def main() -> None:
         result["flat"] = dict(zip(("compiles", "bound", "triton", "direct"),
                                   (e - s for s, e in zip(start, end, strict=True)),
                                   strict=True))
+
+        # The same for TRITON_MLA: each call 100 times after its first.
+        start = (counts["compiles"], counted.bound, counted.triton, counted.direct)
+        for _ in range(100):
+            for call in mla.values():
+                call()
+        end = (counts["compiles"], counted.bound, counted.triton, counted.direct)
+        result["mla_flat"] = dict(zip(("compiles", "bound", "triton", "direct"),
+                                      (e - s for s, e in zip(start, end, strict=True)),
+                                      strict=True))
 
         # No tensor allocated by a layer's calls (output given, the builder's metadata).
         allocated = {}

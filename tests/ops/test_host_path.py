@@ -1,7 +1,8 @@
-"""TRITON_ATTN's host path holds its promises (on the CPU: Triton's real launch path with a
-stand-in driver, in a process of its own, see ``host_path_checks.py``): a direct launch runs
-the kernel Triton would pick with the arguments Triton would pass, nothing is compiled or
-bound again over many calls of one shape, and a layer's calls allocate no tensor."""
+"""TRITON_ATTN's and TRITON_MLA's host paths hold their promises (on the CPU: Triton's real
+launch path with a stand-in driver, in a process of its own, see ``host_path_checks.py``): a
+direct launch runs the kernel Triton would pick with the arguments Triton would pass, nothing
+is compiled or bound again over many calls of one shape, and a layer's calls allocate no
+tensor."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ def test_direct_launches_run_the_kernel_triton_picks_with_its_arguments(found: d
 def test_many_calls_of_one_shape_compile_and_bind_nothing_more(found: dict) -> None:
     # 200 steps (a build each) of update_and_forward and write + forward, then 50 more.
     assert found["flat"] == {"compiles": 0, "bound": 0, "triton": 0, "direct": 900}
+
+
+def test_mla_direct_launches_run_the_kernel_triton_picks_with_its_arguments(found: dict) -> None:
+    # The latent cache write, decode (two kernels, one and two splits) and mixed batches
+    # (one and two splits), aligned and unaligned queries: each call twice, as above.
+    pytest.importorskip("kvcore_mla")
+    assert found["mla_cases"] == 13, found
+    assert all(found["same_kernel"][-2 * 13:]) and all(found["same_args"][-2 * 13:]), found
+
+
+def test_mla_many_calls_compile_and_bind_nothing_more(found: dict) -> None:
+    # Each of the 13 calls 100 times more: 19 launches a round (six merges), all direct.
+    pytest.importorskip("kvcore_mla")
+    assert found["mla_flat"] == {"compiles": 0, "bound": 0, "triton": 0, "direct": 1900}
 
 
 def test_a_layer_call_allocates_no_tensor(found: dict) -> None:

@@ -36,6 +36,8 @@ Triton API differences handled here: 3.6 has ``gl.thread_barrier``,
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -44,7 +46,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kvcore.ops import LOG2E, merge_kv_splits
+from kvcore.ops.triton_launch import KernelLaunch
+from kvcore.ops.triton_utils import recording_launches
 from kvcore_mla.ops.descriptors import gluon_unmet
+from kvcore_mla.ops.triton_utils import pointer_classes
 
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -424,22 +429,11 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     float32), then merged by :func:`kvcore.ops.merge_kv_splits`
     (:func:`~kvcore_mla.ops.triton_mla_attention.decode_partials` carves both from a
     workspace)."""
-    reason = gluon_unmet(q, kv_cache, kv_lora_rank)
-    if reason is not None:
-        raise ValueError(reason)
     batch, num_heads, width = q.shape
+    nope_desc, pe_desc, page_rows = _descriptors(q, kv_cache, kv_lora_rank)
     if batch == 0:
         return
-    block_h, block_n = 64, 64
-    rows, page_rows = cache_rows(kv_cache)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-
-    def chunked(part: torch.Tensor) -> TensorDescriptor:
-        """``part`` (rows, channels) as (chunk of 64 channels, row, channel): one box a tile."""
-        view = part.as_strided((part.shape[1] // 64, part.shape[0], 64), (64, part.stride(0), 1))
-        return TensorDescriptor.from_tensor(view, [part.shape[1] // 64, block_n, 64], layout)
-
-    nope_desc, pe_desc = chunked(rows[:, :kv_lora_rank]), chunked(rows[:, kv_lora_rank:])
+    block_h = 64
     split = num_splits > 1
     if split:
         want = (batch, num_heads, num_splits, kv_lora_rank)
@@ -463,14 +457,67 @@ def gluon_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     num_head_blocks = -(-num_heads // block_h)
     if block_table.stride(1) != 1:  # the kernel steps along a row by 1 (rows by their stride)
         block_table = block_table.contiguous()
-    _gluon_mla_decode_kernel[(num_head_blocks * num_splits * batch,)](
-        q, nope_desc, pe_desc, out, lse_arg, part, part_lse, seq_lens, block_table,
-        float(scale) * LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
-        *q.stride(), *out.stride(), *lse_strides, *part_strides, *part_lse_strides,
-        block_table.stride(0),
-        D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, WRITE_LSE=lse is not None,
-        NEW_API=_NEW_REINTERPRET, num_warps=4,
-    )
+    found = (kv_lora_rank, width - kv_lora_rank, kv_cache.shape[1], kv_cache.dtype, split,
+             lse is not None)
+    kernel = _LAUNCHES.get(found)
+    if kernel is None:
+        kernel = _LAUNCHES[found] = KernelLaunch(
+            _gluon_mla_decode_kernel, found,
+            dict(D_NOPE=kv_lora_rank, D_PE=width - kv_lora_rank, PAGE_SIZE=kv_cache.shape[1],
+                 BLOCK_H=block_h, BLOCK_N=_BLOCK_N, SPLIT=split, WRITE_LSE=lse is not None,
+                 NEW_API=_NEW_REINTERPRET),
+            dict(num_warps=4))
+    args = (q, nope_desc, pe_desc, out, lse_arg, part, part_lse, seq_lens, block_table,
+            float(scale) * LOG2E, num_heads, num_head_blocks, num_splits, page_rows,
+            *q.stride(), *out.stride(), *lse_strides, *part_strides, *part_lse_strides,
+            block_table.stride(0))
+    # Triton specialises the pointers (dtype, alignment) and the ints; the descriptors on
+    # their dtype, box and layout, which ``found`` fixes.
+    kernel((num_head_blocks * num_splits * batch, 1, 1), args,
+           (pointer_classes(q, out, lse_arg, part, part_lse, seq_lens, block_table),
+            args[10:]))
     if split:
         merge_kv_splits(partials, partial_lse, out, lse)
+
+
+#: Keys of a tile (the descriptors' box rows).
+_BLOCK_N = 64
+#: The kernel's launches by what fixes their compile (sizes, dtype, flags).
+_LAUNCHES: dict[tuple, KernelLaunch] = {}
+#: Per cache tensor (by ``id``, dropped when the tensor is collected): its weak reference,
+#: what the entry holds for, and the entry (descriptors, ``page_rows``).
+_DESCRIPTORS: dict[int, tuple] = {}
+
+
+def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int
+                 ) -> tuple[TensorDescriptor, TensorDescriptor, int]:
+    """The latent and rope parts of ``kv_cache`` as TMA descriptors of ``(chunk of 64
+    channels, row, channel)`` (one box a tile), and ``page_rows``, after
+    :func:`~kvcore_mla.ops.descriptors.gluon_unmet`'s checks (raising ValueError with its
+    reason). Kept per cache tensor while it lives and its address, shape, strides and the
+    query's dtype and width stay those the checks saw: a layer's calls build nothing. The
+    descriptors view the cache's storage through a tensor of their own, so the entry never
+    keeps the cache tensor alive (its weak reference drops the entry)."""
+    held = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
+            kv_lora_rank, q.dtype, q.shape[2], recording_launches())
+    entry = _DESCRIPTORS.get(id(kv_cache))
+    if entry is not None and entry[0]() is kv_cache and entry[1] == held:
+        return entry[2]
+    reason = gluon_unmet(q, kv_cache, kv_lora_rank)
+    if reason is not None:
+        raise ValueError(reason)
+    alias = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device).set_(
+        kv_cache.untyped_storage(), kv_cache.storage_offset(), kv_cache.shape, kv_cache.stride())
+    rows, page_rows = cache_rows(alias)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+
+    def chunked(part: torch.Tensor) -> TensorDescriptor:
+        """``part`` (rows, channels) as (chunk of 64 channels, row, channel): one box a tile."""
+        view = part.as_strided((part.shape[1] // 64, part.shape[0], 64), (64, part.stride(0), 1))
+        return TensorDescriptor.from_tensor(view, [part.shape[1] // 64, _BLOCK_N, 64], layout)
+
+    found = (chunked(rows[:, :kv_lora_rank]), chunked(rows[:, kv_lora_rank:]), page_rows)
+    key = id(kv_cache)
+    _DESCRIPTORS[key] = (weakref.ref(kv_cache, lambda _, key=key: _DESCRIPTORS.pop(key, None)),
+                         held, found)
+    return found

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import FP8_KV_CACHE_DTYPES, KVScale, validate_concat_and_cache_mla
+from kvcore.ops.triton_launch import KernelLaunch, arg_class
 from kvcore.ops.triton_utils import (
     fp8_format,
     interpreting,
@@ -27,6 +28,7 @@ from kvcore.ops.triton_utils import (
     scale_arg,
 )
 from kvcore_mla.ops.reference import INDEXER_FP8_MAX
+from kvcore_mla.ops.triton_utils import interpreted, pointer_classes
 from kvcore_mla.ops.validation import validate_indexer_k_quant_and_cache
 
 __all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache"]
@@ -106,19 +108,35 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         return
     slot_mapping = slot_mapping.contiguous()  # read densely; a view may have stride > 1
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-    fp8_max, mantissa_bits, min_exponent = fp8_format(kv_cache.dtype)
     s = scale_arg(scale if fp8 else None, kv_cache.device)
     rope_dim = k_pe.shape[1]
-    _concat_and_cache_mla_kernel[(num_tokens,)](
-        kv_c, k_pe, kv_cache, slot_mapping, s,
-        *kv_c.stride(), *k_pe.stride(), *kv_cache.stride(),
-        kv_cache.shape[1], kv_lora_rank, rope_dim,
-        FP8=fp8, SCALE_IS_TENSOR=isinstance(s, torch.Tensor), FP8_MAX=fp8_max,
-        EXACT_FP8_ROUNDING=fp8 and interpreting(), MANTISSA_BITS=mantissa_bits,
-        MIN_EXPONENT=min_exponent,
-        BLOCK_C=next_power_of_2(kv_lora_rank), BLOCK_R=next_power_of_2(rope_dim),
-        num_warps=4,
-    )
+    found = (fp8, isinstance(s, torch.Tensor), kv_cache.dtype, kv_lora_rank, rope_dim)
+    kernel = _LAUNCHES.get(found)
+    if kernel is None:
+        kernel = _LAUNCHES[found] = _concat_launch(found)
+    args = (kv_c, k_pe, kv_cache, slot_mapping, s, *kv_c.stride(), *k_pe.stride(),
+            *kv_cache.stride(), kv_cache.shape[1], kv_lora_rank, rope_dim)
+    # Triton specialises the pointers (dtype, alignment), the scale's kind and the ints.
+    kernel((num_tokens, 1, 1), args,
+           (pointer_classes(kv_c, k_pe, kv_cache, slot_mapping), arg_class(s), args[5:]))
+
+
+#: The cache write's launches by what fixes their compile (fp8, scale kind, sizes).
+_LAUNCHES: dict[tuple, KernelLaunch] = {}
+
+
+def _concat_launch(found: tuple) -> KernelLaunch:
+    """The launch of :func:`concat_and_cache_mla`'s lookup key ``found``: its constexprs and
+    options, exactly those the kernel has always been compiled with."""
+    fp8, scale_is_tensor, cache_dtype, kv_lora_rank, rope_dim = found
+    fp8_max, mantissa_bits, min_exponent = fp8_format(cache_dtype)
+    return KernelLaunch(
+        _concat_and_cache_mla_kernel, found,
+        dict(FP8=fp8, SCALE_IS_TENSOR=scale_is_tensor, FP8_MAX=fp8_max,
+             EXACT_FP8_ROUNDING=fp8 and interpreted(_concat_and_cache_mla_kernel),
+             MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent,
+             BLOCK_C=next_power_of_2(kv_lora_rank), BLOCK_R=next_power_of_2(rope_dim)),
+        dict(num_warps=4))
 
 
 @triton.jit

@@ -62,13 +62,15 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import LOG2E, KVScale, merge_kv_splits
-from kvcore.ops.triton_utils import interpreting, next_power_of_2, scale_arg
+from kvcore.ops.triton_launch import KernelLaunch, arg_class
+from kvcore.ops.triton_utils import next_power_of_2, scale_arg
 from kvcore_mla.ops.descriptors import tma_rows, with_scratch_allocator
 from kvcore_mla.ops.mla_configs import (
     TritonMLADecodeConfig,
     TritonMLAHalvesConfig,
     TritonMLATMAKeySplitConfig,
 )
+from kvcore_mla.ops.triton_utils import interpreted, pointer_classes
 from kvcore_mla.ops.validation import FP8_DTYPES
 
 __all__ = ["VARIANTS", "launch_triton_mla_decode"]
@@ -416,7 +418,7 @@ def launch_triton_mla_decode(
     if variant is None:
         raise ValueError(f"config names the kernel {config.kernel!r}; this launcher runs "
                          f"{', '.join(VARIANTS)}")
-    split_latent, tma, split_score_keys = variant
+    tma = variant[1]
     page_size = kv_cache.shape[1]
     pe_dim = k_dim - kv_lora_rank
     fp8 = kv_cache.dtype in FP8_DTYPES
@@ -429,29 +431,50 @@ def launch_triton_mla_decode(
     part_lse_strides = part_lse.stride() if split else (0, 0, 0)
     if not split:
         part = part_lse = out
-    block_d = max(16, next_power_of_2(kv_lora_rank))
     kv_rows = page_rows = 0
     if tma:
         kv_rows, page_rows = tma_rows(kv_cache, kv_lora_rank, config.block_n)
-    launch = functools.partial(
-        _mla_decode_kernel[(num_head_blocks * num_splits * batch,)],
-        q, kv_cache, out, lse_arg, part, part_lse, seq_lens, block_table,
-        ks, float(scale) * LOG2E, num_heads, num_head_blocks, num_splits, kv_rows, page_rows,
-        *q.stride(), *kv_cache.stride(), *out.stride(), *lse_strides, *part_strides,
-        *part_lse_strides, *block_table.stride(),
-        D_NOPE=kv_lora_rank, D_PE=pe_dim, BLOCK_D=block_d,
-        BLOCK_PE=max(16, next_power_of_2(max(pe_dim, 1))),
-        PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        SPLIT_LATENT=split_latent, BLOCK_C=block_d // 2 if split_latent else block_d,
-        TMA=tma, SPLIT_SCORE_KEYS=split_score_keys,
-        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), SPLIT=split,
-        WRITE_LSE=lse is not None, INTERPRET=interpreting(),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    scale_is_tensor = isinstance(ks, torch.Tensor)
+    found = (config, kv_lora_rank, pe_dim, page_size, fp8, scale_is_tensor, split,
+             lse is not None, q.dtype == torch.float32)
+    kernel = _LAUNCHES.get(found)
+    if kernel is None:
+        kernel = _LAUNCHES[found] = _decode_launch(found)
+    args = (q, kv_cache, out, lse_arg, part, part_lse, seq_lens, block_table,
+            ks, float(scale) * LOG2E, num_heads, num_head_blocks, num_splits, kv_rows,
+            page_rows, *q.stride(), *kv_cache.stride(), *out.stride(), *lse_strides,
+            *part_strides, *part_lse_strides, *block_table.stride())
+    # Triton specialises the pointers (dtype, alignment), the scale's kind and the ints.
+    key = (pointer_classes(q, kv_cache, out, lse_arg, part, part_lse, seq_lens, block_table),
+           arg_class(ks), args[10:])
+    grid = (num_head_blocks * num_splits * batch, 1, 1)
     if tma:
-        with_scratch_allocator(q.device, launch)
+        with_scratch_allocator(q.device, functools.partial(kernel, grid, args, key))
     else:
-        launch()
+        kernel(grid, args, key)
     if split:
         merge_kv_splits(part, part_lse, out, lse)
+
+
+#: The kernel's launches by what fixes their compile (config, sizes, dtypes' kinds, flags).
+_LAUNCHES: dict[tuple, KernelLaunch] = {}
+
+
+def _decode_launch(found: tuple) -> KernelLaunch:
+    """The launch of :func:`launch_triton_mla_decode`'s lookup key ``found``: its constexprs
+    and options, exactly those the kernel has always been compiled with."""
+    (config, kv_lora_rank, pe_dim, page_size, fp8, scale_is_tensor, split, write_lse,
+     fp32) = found
+    split_latent, tma, split_score_keys = VARIANTS[config.kernel]
+    block_d = max(16, next_power_of_2(kv_lora_rank))
+    return KernelLaunch(
+        _mla_decode_kernel, found,
+        dict(D_NOPE=kv_lora_rank, D_PE=pe_dim, BLOCK_D=block_d,
+             BLOCK_PE=max(16, next_power_of_2(max(pe_dim, 1))),
+             PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+             SPLIT_LATENT=split_latent, BLOCK_C=block_d // 2 if split_latent else block_d,
+             TMA=tma, SPLIT_SCORE_KEYS=split_score_keys,
+             FP8=fp8, SCALE_IS_TENSOR=scale_is_tensor, SPLIT=split,
+             WRITE_LSE=write_lse, INTERPRET=interpreted(_mla_decode_kernel),
+             DOT_PRECISION="ieee" if fp32 else None),
+        dict(num_warps=config.num_warps, num_stages=config.num_stages))

@@ -27,8 +27,10 @@ import triton
 import triton.language as tl
 
 from kvcore.ops import LOG2E, KVScale, merge_kv_splits
-from kvcore.ops.triton_utils import find_sequence, interpreting, next_power_of_2, scale_arg
+from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
+from kvcore.ops.triton_utils import find_sequence, next_power_of_2, scale_arg
 from kvcore_mla.ops.mla_configs import TritonMLAMixedConfig
+from kvcore_mla.ops.triton_utils import interpreted, pointer_classes
 from kvcore_mla.ops.validation import FP8_DTYPES
 
 __all__ = ["launch_triton_mla_mixed"]
@@ -202,21 +204,42 @@ def launch_triton_mla_mixed(
     split = num_splits > 1
     part = workspace if split else out
     part_strides = workspace.stride() if split else (0, 0, 0, 0)
-    _mla_mixed_kernel[(num_tiles * num_splits * num_head_blocks,)](
-        q, kv_cache, out, part, query_start_loc, seq_lens, block_table,
-        ks, float(scale) * LOG2E,
-        num_seqs, num_heads, num_head_blocks, kv_lora_rank, k_dim,
-        *q.stride(), *kv_cache.stride(), *out.stride(), *part_strides, *block_table.stride(),
-        PAGE_SIZE=page_size, HAS_PE=pe_dim > 0,
-        FP8=fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
-        INTERPRET=interpreting(),
-        # fp32 queries (tests) get exact dots; others the backend's default (names differ
-        # between NVIDIA and AMD, so none is spelled out).
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        BLOCK_Q=config.block_q, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        BLOCK_DK=block_dk, BLOCK_DPE=max(16, next_power_of_2(max(pe_dim, 1))),
-        NUM_SPLITS=num_splits,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    scale_is_tensor = isinstance(ks, torch.Tensor)
+    found = (config, page_size, pe_dim > 0, fp8, scale_is_tensor, q.dtype == torch.float32,
+             block_dk, pe_dim, num_splits)
+    kernel = _LAUNCHES.get(found)
+    if kernel is None:
+        kernel = _LAUNCHES[found] = _mixed_launch(found)
+    args = (q, kv_cache, out, part, query_start_loc, seq_lens, block_table,
+            ks, float(scale) * LOG2E,
+            num_seqs, num_heads, num_head_blocks, kv_lora_rank, k_dim,
+            *q.stride(), *kv_cache.stride(), *out.stride(), *part_strides, *block_table.stride())
+    # Triton specialises the pointers (dtype, alignment), the scale's kind and the ints (the
+    # request count, which changes every step, by its class).
+    kernel((num_tiles * num_splits * num_head_blocks, 1, 1), args,
+           (pointer_classes(q, kv_cache, out, part, query_start_loc, seq_lens, block_table),
+            arg_class(ks), int_class(num_seqs), args[10:]))
     if split:
         merge_kv_splits(workspace[..., :kv_lora_rank], workspace[..., kv_lora_rank], out)
+
+
+#: The kernel's launches by what fixes their compile (config, sizes, dtypes' kinds, flags).
+_LAUNCHES: dict[tuple, KernelLaunch] = {}
+
+
+def _mixed_launch(found: tuple) -> KernelLaunch:
+    """The launch of :func:`launch_triton_mla_mixed`'s lookup key ``found``: its constexprs
+    and options, exactly those the kernel has always been compiled with."""
+    config, page_size, has_pe, fp8, scale_is_tensor, fp32, block_dk, pe_dim, num_splits = found
+    return KernelLaunch(
+        _mla_mixed_kernel, found,
+        dict(PAGE_SIZE=page_size, HAS_PE=has_pe,
+             FP8=fp8, SCALE_IS_TENSOR=scale_is_tensor,
+             INTERPRET=interpreted(_mla_mixed_kernel),
+             # fp32 queries (tests) get exact dots; others the backend's default (names
+             # differ between NVIDIA and AMD, so none is spelled out).
+             DOT_PRECISION="ieee" if fp32 else None,
+             BLOCK_Q=config.block_q, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+             BLOCK_DK=block_dk, BLOCK_DPE=max(16, next_power_of_2(max(pe_dim, 1))),
+             NUM_SPLITS=num_splits),
+        dict(num_warps=config.num_warps, num_stages=config.num_stages))

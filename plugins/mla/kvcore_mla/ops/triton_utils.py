@@ -1,12 +1,28 @@
 """The plugin's own helpers for its Triton kernels; the shared ones (fp8 rounding, scales,
-the varlen tile lookup) are kvcore's public :mod:`kvcore.ops.triton_utils`."""
+the varlen tile lookup) are kvcore's public :mod:`kvcore.ops.triton_utils`, the pre-bound
+launches :mod:`kvcore.ops.triton_launch`. This module imports no kernel library."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["is_rocm"]
+__all__ = ["interpreted", "is_rocm", "pointer_classes"]
 
 
 def is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
+
+
+def interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter: decided
+    when it was decorated (``TRITON_INTERPRET=1`` then), so a launch's ``INTERPRET`` constexpr
+    is read once, not from the environment per call."""
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(kernel, JITFunction)
+
+
+def pointer_classes(*tensors: torch.Tensor) -> tuple:
+    """``(dtype, address modulo 16)`` of each tensor: what Triton specialises a pointer
+    argument on, for a :class:`kvcore.ops.triton_launch.KernelLaunch` call's dynamic key."""
+    return tuple([(t.dtype, t.data_ptr() & 15) for t in tensors])
