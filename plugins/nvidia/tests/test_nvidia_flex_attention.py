@@ -4,19 +4,23 @@ conformance suite."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from kvcore_nvidia.backends.flex_attention import (
     Q_TILE,
     FlexAttentionBackend,
     build_block_mask,
+    compiled_flex,
+    padded_rows,
     paged_sequence_views,
 )
 from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 import kvcore
-from kvcore.testing import conformance_cases
+from kvcore.testing import conformance_cases, random_block_tables
 
 BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_SIZE, NUM_BLOCKS = 16, 2, 8, 32, 24
 
@@ -92,7 +96,7 @@ def _mask_builds(monkeypatch) -> list[int | None]:
     builds = []
     build = namespace["build_block_mask"]
     monkeypatch.setitem(namespace, "build_block_mask",
-                        lambda *a: (builds.append(a[-1]), build(*a))[1])
+                        lambda *a, **k: (builds.append(a[-1]), build(*a, **k))[1])
     return builds
 
 
@@ -172,6 +176,63 @@ def test_block_mask_lists_each_needed_page_once(layout, page_stride):
     assert int(dense.sum()) == sum(
         sum(range(ctx + 1, ctx + q + 1)) for q, ctx in zip((1, 1, 3, 30, 1),
                                                            (60, 16, 20, 17, 16), strict=True))
+
+
+def test_padded_block_mask_adds_rows_that_attend_to_nothing():
+    """The compiled path's mask (``pad=True``): whole tiles, at least two, the rows past the
+    batch's tokens keep no key and their tiles list no page; the batch's rows are unchanged."""
+    gen, kv_cache, impl = _setup(torch.float32, seed=9)
+    batch = mixed_batch(impl, kv_cache, gen, q_lens=(1,), ctx_lens=(40,))
+    plain = build_block_mask(batch.meta, NUM_BLOCKS, BLOCK_SIZE, 1, True, None)
+    padded = build_block_mask(batch.meta, NUM_BLOCKS, BLOCK_SIZE, 1, True, None, pad=True)
+    assert [padded_rows(n) for n in (1, 16, 32, 33)] == [32, 32, 32, 48]
+    assert padded.seq_lengths == (32, plain.seq_lengths[1])
+    assert padded.kv_num_blocks[0, 0].tolist() == [3, 0]
+    dense = create_mask(padded.mask_mod, 1, 1, *padded.seq_lengths, device="cpu")[0, 0]
+    assert torch.equal(dense[:1], create_mask(plain.mask_mod, 1, 1, *plain.seq_lengths,
+                                              device="cpu")[0, 0])
+    assert not dense[1:].any()
+
+
+def _random_step(gen: torch.Generator, kv_cache: torch.Tensor, num_blocks: int,
+                 q_lens: list[int], ctx_lens: list[int]):
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
+    tables = random_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)
+    meta = kvcore.build_attention_metadata(q_lens, ctx_lens, tables, BLOCK_SIZE)
+    k_seq, v_seq, m = paged_sequence_views(*kv_cache[:num_blocks].unbind(1))
+    return meta, k_seq, v_seq, build_block_mask(meta, num_blocks, BLOCK_SIZE, m, True, None,
+                                                pad=True)
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(),
+                    reason="torch.compile is not supported on this Python")
+def test_compiled_flex_compiles_a_bounded_number_of_graphs_over_varying_shapes():
+    """Batch size, context length, query length and cache size change every step: each
+    configuration stays within three graphs (``fail_on_recompile_limit_hit`` raises past
+    them), and two configurations do not share one budget. Compiled with ``aot_eager``:
+    dynamo's guards are the same as on CUDA, without inductor's CPU compile time."""
+    gen = torch.Generator().manual_seed(10)
+    # (blocks, 2, block_size, H, D) in FLEX_ATTENTION's physical B,N,2,H,D order.
+    kv_cache = torch.randn(160, BLOCK_SIZE, 2, NUM_KV_HEADS, HEAD_SIZE,
+                           generator=gen).transpose(1, 2)
+    steps = [([1], [30]), ([1] * 4, [30, 40, 50, 17]), ([5, 1, 1], [0, 90, 3]),
+             ([1] * 8, [10] * 8), ([33, 1], [0, 100]), ([64], [0]), ([17, 2], [40, 60]),
+             ([1] * 16, [20] * 16), ([1], [3])]
+    with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+        for num_heads in (NUM_HEADS, 2 * NUM_HEADS):  # two configurations
+            run = compiled_flex(("test", num_heads), "aot_eager")
+            assert run is compiled_flex(("test", num_heads), "aot_eager")
+            for i, (q_lens, ctx_lens) in enumerate(steps):
+                meta, k_seq, v_seq, mask = _random_step(gen, kv_cache, 160 - 7 * i,
+                                                        q_lens, ctx_lens)
+                q = torch.randn(1, num_heads, mask.seq_lengths[0], HEAD_SIZE, generator=gen)
+                out = run(q, k_seq, v_seq, mask, 0.25, True, {})
+                with warnings.catch_warnings():  # flex's "use torch.compile" note
+                    warnings.simplefilter("ignore", UserWarning)
+                    eager = flex_attention(q, k_seq, v_seq, block_mask=mask, scale=0.25,
+                                           enable_gqa=True)
+                n = meta.num_actual_tokens
+                assert rel_err(out[0, :, :n], eager[0, :, :n]) < REL_ERR[torch.float32]
 
 
 def test_sequence_views_address_every_page_of_the_cache():

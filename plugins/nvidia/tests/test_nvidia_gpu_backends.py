@@ -166,3 +166,22 @@ def test_flex_attention_compiled_matches_float64_reference(shape):
     batch = mixed_batch(impl, kv_cache, gen, **(MIXED if shape == "mixed" else DECODE))
     out = _forward(impl, batch, kv_cache)
     assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR
+
+
+def test_flex_attention_stays_within_three_graphs_per_layer_kind_as_steps_vary():
+    """An engine's steps change batch size, context and query lengths and the cache's size;
+    a global and a windowed layer each compile their own entry point and stay within three
+    graphs (torch raises past them), every output against the float64 reference."""
+    gen = torch.Generator().manual_seed(13)
+    full = _cache(FlexAttentionBackend, NUM_BLOCKS, gen).layers[0]
+    layers = (_impl(FlexAttentionBackend), _impl(FlexAttentionBackend, sliding_window=256))
+    steps = [((1,), (30,)), ((1,) * 4, (300, 40, 5000, 17)), ((64, 1, 1), (0, 900, 3)),
+             ((1,) * 64, tuple(range(10, 64 * 30, 30))), ((333, 1), (0, 1000)),
+             ((1,), (2000,)), ((17,) * 8, (40,) * 8)]
+    with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+        for i, (q_lens, ctx_lens) in enumerate(steps):
+            kv_cache = full[:NUM_BLOCKS - 1000 * (i % 3)]
+            for impl in layers:
+                batch = mixed_batch(impl, kv_cache, gen, q_lens=q_lens, ctx_lens=ctx_lens)
+                out = _forward(impl, batch, kv_cache)
+                assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR, (i, impl)

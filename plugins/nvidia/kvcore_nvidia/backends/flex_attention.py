@@ -22,13 +22,16 @@ applies ``position < seq_len``, causality (bottom-right aligned: query ``j`` of 
 ``q_len`` new tokens sits at ``seq_len - q_len + j``) and the sliding window.
 
 Devices: on CUDA ``flex_attention`` runs compiled (``torch.compile``, Triton kernels, block
-sparse). On CPU it runs **eagerly**, for two reasons measured with torch 2.13: compiling it
-took 33 s for one small shape on a 2-core machine (and again for every new shape), and
-inductor's CPU template asserts that the block mask is as wide as the whole key sequence
-(``num_blocks * m`` columns per query tile instead of a few pages). The eager path is torch's
-unfused implementation: it evaluates ``mask_mod`` on the dense ``(num_tokens, S)`` score
-matrix, exact but memory-hungry (``num_heads * num_tokens * S`` floats). It exists for
-testing and portability; CPU_ATTN is the CPU platform's backend.
+sparse), one compiled entry point per static configuration with dynamic batch and context
+sizes (:func:`compiled_flex`): a few graphs per model shape, within dynamo's recompile limit
+however batch and context sizes vary. On CPU it runs **eagerly**, for reasons measured with
+torch 2.13: compiling it took 20-33 s for one small shape on a 2-core machine, its
+dynamic-shape recompile failed to build (a C++ compile error), and inductor's CPU template
+asserts that the block mask is as wide as the whole key sequence (``num_blocks * m`` columns
+per query tile instead of a few pages). The eager path is torch's unfused implementation: it
+evaluates ``mask_mod`` on the dense ``(num_tokens, S)`` score matrix, exact but memory-hungry
+(``num_heads * num_tokens * S`` floats). It exists for testing and portability; CPU_ATTN is
+the CPU platform's backend.
 
 Limits
 ------
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -90,7 +94,8 @@ from kvcore import (
 from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache
 
 __all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "FlexAttentionMetadata",
-           "FlexAttentionMetadataBuilder", "build_block_mask", "paged_sequence_views"]
+           "FlexAttentionMetadataBuilder", "build_block_mask", "compiled_flex",
+           "paged_sequence_views", "padded_rows"]
 
 #: Query tokens per row tile of the block mask (the kernel's ``BLOCK_M`` on CUDA).
 Q_TILE = 16
@@ -154,6 +159,12 @@ def paged_sequence_views(
     return k_seq, v_seq, m
 
 
+def padded_rows(num_tokens: int) -> int:
+    """Query rows the compiled kernel runs for ``num_tokens`` tokens: whole :data:`Q_TILE`
+    tiles, at least two (see :func:`_run_flex`)."""
+    return Q_TILE * max(2, -(-num_tokens // Q_TILE))
+
+
 def build_block_mask(
     attn_metadata: AttentionMetadata,
     num_blocks: int,
@@ -161,6 +172,8 @@ def build_block_mask(
     page_stride: int,
     causal: bool,
     sliding_window: int | None,
+    *,
+    pad: bool = False,
 ) -> Any:
     """The ``BlockMask`` of one batch over the virtual sequence of :func:`paged_sequence_views`.
 
@@ -171,10 +184,13 @@ def build_block_mask(
         causal: bottom-right aligned causal masking within each request.
         sliding_window: keep keys with ``q_pos - k_pos < sliding_window`` (``None``: all);
             not causal, the symmetric ``|q_pos - k_pos| < sliding_window``.
+        pad: cover :func:`padded_rows` query rows instead of ``num_actual_tokens``; the rows
+            past the batch's tokens belong to no request, attend to nothing and list no page.
 
     Returns:
         A ``BlockMask`` with ``Q_TILE x block_size`` tiles: each query tile lists the virtual
         blocks of every page of the requests it touches; ``mask_mod`` does the token masking.
+        Its ``seq_lengths`` are ``(query rows, S)``.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -184,23 +200,29 @@ def build_block_mask(
     seq_lens = attn_metadata.seq_lens.to(torch.int64)
     table = attn_metadata.block_table.to(torch.int64)
     num_seqs, width = table.shape
+    rows = padded_rows(n) if pad else n
     q_lens = qsl[1:] - qsl[:-1]
-    # Request and absolute position of every query token.
-    doc = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=n)
-    q_pos = seq_lens[doc] - q_lens[doc] + torch.arange(n, device=device) - qsl[doc]
+    # Request and absolute position of every query row. Padding rows belong to an extra
+    # request ``num_seqs`` of length 0 that owns no page (so they keep no key); it also
+    # keeps the per-request tensors at two rows or more (see _run_flex).
+    lens = torch.cat([q_lens, q_lens.new_full((1,), rows - n)])
+    doc = torch.repeat_interleave(torch.arange(num_seqs + 1, device=device), lens,
+                                  output_size=rows)
+    seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(1)])
+    q_pos = seq_lens[doc] - lens[doc] + torch.arange(rows, device=device) - qsl[doc]
     cols = torch.arange(width, device=device)
-    used = cols[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
+    used = cols[None, :] < (seq_lens[:num_seqs, None] + block_size - 1) // block_size
     # physical -> logical block per request; -1 where the page is not the request's. Unused
     # table entries are scattered into a spare column that is then dropped (no host sync).
-    p2l = torch.full((num_seqs, num_blocks + 1), -1, dtype=torch.int64, device=device)
-    p2l.scatter_(1, torch.where(used, table, num_blocks), torch.where(used, cols, -1))
+    p2l = torch.full((num_seqs + 1, num_blocks + 1), -1, dtype=torch.int64, device=device)
+    p2l[:num_seqs].scatter_(1, torch.where(used, table, num_blocks), torch.where(used, cols, -1))
     p2l = p2l[:, :num_blocks]
 
     # Pages each query tile must visit: the used pages of each of its tokens' requests,
     # sorted and deduplicated (num_blocks is the "empty" sentinel and sorts last).
-    tiles = -(-n // Q_TILE)
+    tiles = -(-rows // Q_TILE)
     pages = torch.full((tiles * Q_TILE, width), num_blocks, dtype=torch.int64, device=device)
-    pages[:n] = torch.where(used[doc], table[doc], num_blocks)
+    pages[:n] = torch.where(used[doc[:n]], table[doc[:n]], num_blocks)
     pages = pages.view(tiles, Q_TILE * width).sort(dim=1).values
     repeat = torch.zeros_like(pages, dtype=torch.bool)
     repeat[:, 1:] = pages[:, 1:] == pages[:, :-1]
@@ -229,7 +251,7 @@ def build_block_mask(
     length = (num_blocks - 1) * span + block_size
     return BlockMask.from_kv_blocks(
         kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=(Q_TILE, block_size),
-        mask_mod=mask_mod, seq_lengths=(n, length), compute_q_blocks=False)
+        mask_mod=mask_mod, seq_lengths=(rows, length), compute_q_blocks=False)
 
 
 def owned_positions(attn_metadata: AttentionMetadata, num_blocks: int, block_size: int,
@@ -274,23 +296,49 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         return meta.extend(FlexAttentionMetadata)
 
 
-@functools.cache
-def _compiled_flex() -> Callable[..., torch.Tensor]:
+def _flex_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+                scale: float, enable_gqa: bool, kernel_options: dict[str, Any]) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, fullgraph=True)
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa, kernel_options=kernel_options)
+
+
+@functools.cache
+def compiled_flex(config: tuple, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """``torch.compile(flex_attention)`` for one static configuration ``config`` (a hashable
+    key: dtype, head counts and size, page size and stride, scale, mask kind).
+
+    Dynamo keeps its graphs, and counts them against ``torch._dynamo.config.recompile_limit``
+    (8), per code object. One shared entry point would spend that budget on the model shapes
+    a process meets (``kvcore tune`` runs every preset; a Gemma layer alternates windows) and
+    then run eagerly. Each configuration therefore compiles its own copy of one small entry
+    function, and within it the sizes that change every step (query rows, cache length,
+    query tiles, pages per tile, requests) become dynamic after their first change
+    (automatic dynamic shapes); :func:`build_block_mask` with ``pad=True`` keeps them at two
+    or more, so none is specialised to 0 or 1 either. A configuration then holds at most
+    three graphs, whatever the batch and context sizes.
+    """
+    code = _flex_entry.__code__.replace(co_name=f"flex_attention_{len(_CONFIGS)}")
+    _CONFIGS.append(config)
+    entry = types.FunctionType(code, _flex_entry.__globals__, code.co_name)
+    return torch.compile(entry, fullgraph=True, backend=backend)
+
+
+#: The configurations :func:`compiled_flex` has compiled, in order (names its entry points).
+_CONFIGS: list[tuple] = []
 
 
 def _run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
-              scale: float, block_size: int) -> torch.Tensor:
+              scale: float, block_size: int, config: tuple) -> torch.Tensor:
+    """Attention of ``query`` ``(1, Hq, rows, D)``, ``rows = block_mask.seq_lengths[0]``."""
     from torch.nn.attention.flex_attention import flex_attention
 
     gqa = query.shape[1] != key.shape[1]
     if query.device.type == "cuda":
         # The kernel tiles must divide the block mask's tiles (Q_TILE x one page).
         options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_TILE, "BLOCK_N": block_size}
-        return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale,
-                                enable_gqa=gqa, kernel_options=options)
+        return compiled_flex(config)(query, key, value, block_mask, scale, gqa, options)
     with warnings.catch_warnings():
         # The eager path is the CPU choice (module docstring); its "use torch.compile" warning
         # would repeat on every call.
@@ -320,8 +368,9 @@ class FlexAttentionImpl(PagedCacheImpl):
         on_cpu = key_cache.device.type == "cpu"
 
         def make() -> Any:
+            # The compiled (CUDA) path runs padded query rows: see compiled_flex.
             return (build_block_mask(attn_metadata, num_blocks, block_size, page_stride, causal,
-                                     self.sliding_window),
+                                     self.sliding_window, pad=not on_cpu),
                     owned_positions(attn_metadata, num_blocks, block_size, page_stride)
                     if on_cpu else None)
 
@@ -336,9 +385,16 @@ class FlexAttentionImpl(PagedCacheImpl):
             # The eager path multiplies every cache position's V by its (zero) weight: stale
             # NaN/Inf anywhere would poison every output. Unowned positions read as zero.
             v_seq = v_seq.masked_fill(~owned[None, None, :, None], 0)
-        q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, num_tokens, head_size)
-        out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size)
-        output.copy_(out[0].transpose(0, 1))
+        n, rows = query.shape[0], block_mask.seq_lengths[0]
+        if rows > n:
+            padded = query.new_zeros((rows, *query.shape[1:]))
+            padded[:n] = query
+            query = padded
+        q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, rows, head_size)
+        config = (query.dtype, query.shape[1:], k_seq.shape[1], block_size, page_stride,
+                  self.scale, causal, self.sliding_window)
+        out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size, config)
+        output.copy_(out[0, :, :n].transpose(0, 1))
 
 
 class FlexAttentionBackend(AttentionBackend):
