@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
 from kvcore.ops.triton_utils import (
     fp8_format,
-    interpreting,
     load_kv_scales,
     next_power_of_2,
     round_to_fp8_grid,
@@ -117,7 +117,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                              key_cache.device, key_cache.data_ptr(), value_cache.shape,
                              value_cache.stride(), value_cache.dtype, value_cache.device,
                              value_cache.data_ptr(), key.dtype, kv_cache_dtype,
-                             scale_key(k_scale), scale_key(v_scale), interpreting()))
+                             scale_key(k_scale), scale_key(v_scale), _interpreted()))
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
         found = None
     if found is not None and found.takes(key, value, slot_mapping):
@@ -143,6 +143,12 @@ def scale_key(scale: KVScale) -> object:
     return (type(scale), scale)
 
 
+def _interpreted() -> bool:
+    """Whether the write kernel runs in Triton's interpreter: fixed when it was decorated
+    (``TRITON_INTERPRET=1`` then), so no environment read per call."""
+    return not isinstance(_reshape_and_cache_kernel, JITFunction)
+
+
 #: Checked caches by their signature (the key of :func:`reshape_and_cache`'s lookup).
 _WRITES: dict[tuple, _CacheWrite] = {}
 _MAX_WRITES = 1024
@@ -157,7 +163,7 @@ class _CacheWrite:
         self.key = (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
                     key_cache.data_ptr(), value_cache.shape, value_cache.stride(),
                     value_cache.dtype, value_cache.device, value_cache.data_ptr(), key.dtype,
-                    kv_cache_dtype, scale_key(k_scale), scale_key(v_scale), interpreting())
+                    kv_cache_dtype, scale_key(k_scale), scale_key(v_scale), _interpreted())
         self.dtype, self.device = key.dtype, key_cache.device
         self.heads = key_cache.shape[2:]
         self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
@@ -174,7 +180,7 @@ class _CacheWrite:
         self.kernel = KernelLaunch(
             _reshape_and_cache_kernel, (self.key, self.fixed, self.tail),
             dict(FP8=self.fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), FP8_MAX=fp8_max,
-                 EXACT_FP8_ROUNDING=interpreting(), MANTISSA_BITS=mantissa_bits,
+                 EXACT_FP8_ROUNDING=_interpreted(), MANTISSA_BITS=mantissa_bits,
                  MIN_EXPONENT=min_exponent, BLOCK_T=self.block_t, BLOCK_H=self.block_h,
                  BLOCK_D=self.block_d),
             dict(num_warps=4))
