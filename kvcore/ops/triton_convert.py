@@ -68,12 +68,15 @@ class GatherConfig:
         num_warps: warps per program.
         block_aligned: tiles whose height divides both block sizes look up one source and
             one destination block per program; ``False`` looks blocks up per token.
+        evict_first: loads and stores hint the caches to evict these lines first (every
+            byte is touched once).
     """
 
     tile_bytes: int = 32768
     max_heads: int = 64
     num_warps: int = 4
     block_aligned: bool = True
+    evict_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tile_bytes", "max_heads", "num_warps"):
@@ -100,7 +103,7 @@ def _convert_blocks_kernel(
     MIN_EXPONENT: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ALIGNED: tl.constexpr, CONTIGUOUS: tl.constexpr, EVEN_H: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, EVICTION: tl.constexpr,
 ):
     # Axis 0 tiles the tokens (neighbouring programs, neighbouring tokens); axis 1
     # enumerates (layer, kv, head tile). Token and tile indices fit int32 (num_tokens is
@@ -156,7 +159,7 @@ def _convert_blocks_kernel(
         mask = mask & (p < num_pairs)[None, :, None]
     if not EVEN_D:
         mask = mask & (d < head_units)[None, None, :]
-    x = tl.load(src_ptr + s_off, mask=mask)
+    x = tl.load(src_ptr + s_off, mask=mask, eviction_policy=EVICTION)
     if SCALE:
         y = x.to(tl.float32) * tl.load(scales_ptr + layer_kv)
         if QUANTIZE:
@@ -166,7 +169,7 @@ def _convert_blocks_kernel(
             x = y.to(dst_ptr.dtype.element_ty)
         else:
             x = to_output(y, dst_ptr.dtype.element_ty, INTERPRET)
-    tl.store(dst_ptr + d_off, x, mask=mask)
+    tl.store(dst_ptr + d_off, x, mask=mask, eviction_policy=EVICTION)
 
 
 def _word_size(tensors: tuple[torch.Tensor, ...], itemsize: int, counts: tuple[int, ...]
@@ -329,6 +332,7 @@ def prepare_convert(
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, ALIGNED=aligned,
         CONTIGUOUS=src_strides[5] == 1 and dst_strides[5] == 1,
         EVEN_H=num_pairs % block_h == 0, EVEN_D=units == block_d,
+        EVICTION="evict_first" if config.evict_first else "",
         num_warps=config.num_warps)
     nbytes = num_tokens * num_layers * num_kv * num_pairs * head_size * dst.dtype.itemsize
     return GatherLaunch(grid, args, constants, nbytes)

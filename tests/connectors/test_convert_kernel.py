@@ -152,7 +152,8 @@ GATHER_CONFIGS = {
     "default": None,
     "per-token lookup": {"block_aligned": False},
     "one head, tiny tiles": {"tile_bytes": 64, "max_heads": 1, "num_warps": 1},
-    "two heads": {"tile_bytes": 256, "max_heads": 2, "num_warps": 2},
+    "two heads, evict first": {"tile_bytes": 256, "max_heads": 2, "num_warps": 2,
+                               "evict_first": True},
 }
 DH_ORDER = (0, 1, 2, 4, 3)  # D outside H: the head's elements are strided
 
