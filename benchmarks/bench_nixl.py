@@ -30,7 +30,8 @@ result (receive, then writing the blocks into its cache).
 
 Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
 one)] [--serve-device DEV] [--connector nixl|mooncake|p2p] [--scattered] [--mib N] [--trials N]
-[--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--out DIR]``; JSON goes to
+[--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--progress-thread on|off]
+[--phases] [--out DIR]``; JSON goes to
 ``--out`` (default ``$OUT``, else the temp dir) as ``bench_nixl.json``. Set
 ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
 ``--ucx-tls`` and ``--ucx-error-mode`` reach both processes' connectors (``ucx_tls=`` and
@@ -64,14 +65,15 @@ processes, and prints the table last
 ``--convert-suite --mib 1024``.
 
 ``--phases`` (nixl, mooncake): the consumer also times where each load's wall time goes, per
-load (median over the loads after the first, in ms): ``channel`` (requests to the producer:
-fetch, confirmations), ``start_read`` (descriptors, the transfer request and its post),
-``poll`` (asking the library whether a READ finished), ``release`` (freeing its handle),
-``sleep`` (the connector's pauses between polls) and ``other`` (the rest: the loader thread,
-the device synchronisation, Python); written as ``phases_ms`` in the JSON.
+load (median over the loads after the first, in ms), through the connector's timing hook:
+``channel`` (requests to the producer: fetch, confirmations; ``round_trips`` counts them),
+``start_read`` (descriptors, the transfer request and its post), ``poll`` (asking the library
+whether a READ finished), ``release`` (freeing its handle), ``pause`` (the connector's pauses
+between polls) and ``other`` (the rest: the loader thread, the device synchronisation, the
+gather of a converting load, Python); written as ``phases_ms`` in the JSON.
 
-``--poll-spin-s S`` sets the nixl consumer's ``kvcore.connectors.nixl.POLL_SPIN_S`` (how long a
-READ into VRAM is checked without pausing; ``0``: the connector's pauses alone).
+``--progress-thread on|off`` sets both nixl connectors' ``progress_thread`` (default: the
+connector's, on for the producer and off for the consumer).
 
 ``--grid`` runs, each in its own pair of processes with this call's devices and sizes, every
 connector of ``--grid-connectors`` (default ``nixl,p2p``; nixl rows say why they are skipped
@@ -317,6 +319,8 @@ def transport_options(args: argparse.Namespace) -> dict:
         options["ucx_tls"] = args.ucx_tls
     if args.ucx_error_mode:
         options["backend_params"] = {"UCX": {"ucx_error_handling_mode": args.ucx_error_mode}}
+    if args.progress_thread:
+        options["progress_thread"] = args.progress_thread == "on"
     return options
 
 
@@ -528,49 +532,41 @@ def copy_seconds(src_kv: kvcore.KVCaches, device: str, trials: int) -> list[floa
 
 
 class Phases:
-    """``--phases``: wall time per phase of a pull connector's loads, in the consumer (wraps
-    its engine's calls, its requests to the producer and the connector's pauses)."""
+    """``--phases``: wall time per phase of a pull connector's loads, in the consumer, from the
+    connector's timing hook (:attr:`kvcore.connectors.pull.PullConnector.timing`); requests
+    on the side channel add up to ``channel`` and are counted (``round_trips``)."""
 
-    NAMES = ("channel", "start_read", "poll", "release", "sleep")
+    NAMES = ("channel", "start_read", "poll", "release", "pause")
+    REQUESTS = ("lookup", "fetch", "giveback", "done")
 
     def __init__(self, consumer) -> None:
-        import types
-
-        from kvcore.connectors import pull
-
         self.now: dict[str, float] = dict.fromkeys(self.NAMES, 0.0)
+        self.trips = 0
         self.loads: list[dict[str, float]] = []
-        engine, link = consumer._engine, consumer._consumer
-        for name, owner in (("start_read", engine), ("poll", engine), ("release", engine),
-                            ("request", link)):
-            setattr(owner, name, self._timed("channel" if name == "request" else name,
-                                             getattr(owner, name)))
-        real = pull.time
-        pull.time = types.SimpleNamespace(monotonic=real.monotonic,
-                                          perf_counter=real.perf_counter,
-                                          sleep=self._timed("sleep", real.sleep))
+        consumer.timing = self._add
 
-    def _timed(self, phase: str, call):
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return call(*a, **k)
-            finally:
-                self.now[phase] += time.perf_counter() - t0
-        return timed
+    def _add(self, phase: str, seconds: float) -> None:
+        if phase in self.REQUESTS:
+            self.trips += 1
+            phase = "channel"
+        self.now[phase] += seconds
 
     def end_load(self, seconds: float) -> None:
         """Close one load that took ``seconds`` of wall time."""
         spent = dict(self.now)
         spent["other"] = seconds - sum(spent.values())
+        spent["round_trips"] = self.trips
         self.loads.append(spent)
         self.now = dict.fromkeys(self.NAMES, 0.0)
+        self.trips = 0
 
     def medians_ms(self) -> dict[str, float]:
-        """Per phase, the median over the loads after the first, in ms."""
+        """Per phase, the median over the loads after the first, in ms (``round_trips``: the
+        median count)."""
         later = self.loads[1:] or self.loads
-        return {k: 1e3 * statistics.median(load[k] for load in later)
-                for k in (*self.NAMES, "other")}
+        return {k: (1 if k == "round_trips" else 1e3) * statistics.median(load[k]
+                                                                          for load in later)
+                for k in (*self.NAMES, "other", "round_trips")}
 
 
 def main() -> int:
@@ -623,26 +619,24 @@ def main() -> int:
     parser.add_argument("--phases", action="store_true",
                         help="nixl, mooncake: time where each load's wall time goes (see the "
                              "module docstring)")
-    parser.add_argument("--poll-spin-s", type=float, default=None,
-                        help="nixl: the consumer's kvcore.connectors.nixl.POLL_SPIN_S (0: only "
-                             "the connector's pauses between polls)")
+    parser.add_argument("--progress-thread", choices=("on", "off"), default=None,
+                        help="nixl: both connectors' progress_thread (default: the "
+                             "connector's, on for the producer, off for the consumer)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trials < 2:
         parser.error("--trials must be >= 2 (the first load is listed apart)")
     if args.serve_device is None:
         args.serve_device = args.device
-    if args.connector != "nixl" and (args.ucx_tls or args.ucx_error_mode or args.matrix):
-        parser.error("--ucx-tls, --ucx-error-mode and --matrix are for --connector nixl")
+    if args.connector != "nixl" and (args.ucx_tls or args.ucx_error_mode or args.matrix
+                                     or args.progress_thread):
+        parser.error("--ucx-tls, --ucx-error-mode, --progress-thread and --matrix are for "
+                     "--connector nixl")
     if args.phases and args.connector == "p2p":
         parser.error("--phases is for the pull connectors (--connector nixl or mooncake)")
     own_device = args.serve_device if args.serve else args.device
     if own_device.startswith("cuda:"):  # this process's GPU is its current device
         torch.cuda.set_device(torch.device(own_device))
-    if args.poll_spin_s is not None:
-        from kvcore.connectors import nixl
-
-        nixl.POLL_SPIN_S = args.poll_spin_s
     if args.serve:
         return serve(args)
     if args.gather_only:
@@ -748,7 +742,7 @@ def main() -> int:
         "copy": "across devices" if across else "same device",
         "scattered": args.scattered, "consumer_runs": count_runs(ids),
         "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
-        "converted": args.convert, "poll_spin_s": args.poll_spin_s,
+        "converted": args.convert, "progress_thread": args.progress_thread,
     }
     if args.convert:
         record["layout"] = f"{expected.layout} -> {kv.layout}"
@@ -773,7 +767,8 @@ def main() -> int:
           f"producer: {served}")
     if phases is not None:
         print("  per load (ms, median): " + ", ".join(
-            f"{k} {v:.3f}" for k, v in record["phases_ms"].items()))
+            f"round trips {v:g}" if k == "round_trips" else f"{k} {v:.3f}"
+            for k, v in record["phases_ms"].items()))
     if not exact:
         print(f"  {mismatched} {'tokens' if args.convert else f'of {kv.num_blocks} blocks'} "
               "differ")

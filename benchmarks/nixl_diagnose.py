@@ -20,16 +20,17 @@ IPC). The case then times, in this process, median of ``--trials`` after the fir
   the request once and time post -> ``DONE`` (polled without pause); ``init`` rows build the
   descriptors and the request every time (``initialize_xfer``, as the connector does) and
   include that; ``init+notif`` adds the connector's notification; ``init+notif+backoff``
-  polls with the connector's pauses (0.1 ms doubling to 5 ms) instead of at once.
+  polls with the connector's pauses (``kvcore.connectors.pull.poll_pause``) instead of at once.
 
 Every READ row is checked bit-exact against the producer's bytes (the destination is zeroed
 before each row). The first case also logs UCX's protocol choice (``UCX_PROTO_INFO=y``); the
 lines naming transports are printed and kept in the JSON.
 
 ``connector`` cases run ``bench_nixl.py`` (same layout with ``--phases``: the connector's
-load split into channel / start_read / poll / release / sleep / other, and again with
-``--poll-spin-s 0``: the connector's pauses between polls alone; ``--convert``: 16 -> 64
-tokens a block with NHD -> HND) for ``nixl`` and ``p2p``, and the conversion's gather alone.
+load split into channel (and its round trips) / start_read / poll / release / pause / other,
+and again with ``--progress-thread on``: NIXL's progress thread on in the consumer too, off
+by default; ``--convert``: 16 -> 64 tokens a block with NHD -> HND) for ``nixl`` and ``p2p``,
+and the conversion's gather alone.
 
 Usage: ``python benchmarks/nixl_diagnose.py [--device cuda] [--mib 1024] [--trials 6]
 [--budget-s 240] [--case-timeout 60] [--only TEXT] [--out DIR]``; on the CPU (DRAM, to check
@@ -72,14 +73,15 @@ RAW_CASES = (
 #: ``connector`` cases: (name, bench_nixl.py arguments), in the order they run.
 CONNECTOR_CASES = (
     ("nixl same layout", ["--connector", "nixl", "--phases"]),
-    ("nixl same layout, no spin", ["--connector", "nixl", "--phases", "--poll-spin-s", "0"]),
+    ("nixl same layout, progress thread on", ["--connector", "nixl", "--phases",
+                                              "--progress-thread", "on"]),
     ("nixl 16->64 NHD->HND", ["--connector", "nixl", "--convert", "--phases"]),
     ("p2p same layout", ["--connector", "p2p"]),
     ("p2p 16->64 NHD->HND", ["--connector", "p2p", "--convert"]),
     ("gather kernel alone", ["--gather-only"]),
 )
 #: The order cases run in: what answers the question first.
-ORDER = ("raw default", "nixl same layout", "nixl same layout, no spin",
+ORDER = ("raw default", "nixl same layout", "nixl same layout, progress thread on",
          "nixl 16->64 NHD->HND", "p2p same layout", "p2p 16->64 NHD->HND",
          "raw tls=cuda_ipc,cuda_copy,tcp", "raw no progress thread", "gather kernel alone",
          "raw tls=cuda_ipc,cuda_copy,sm,self err=none", "raw cuda_ipc streams=1",
@@ -147,16 +149,18 @@ def _descs(addr: int, nbytes: int, piece: int, dev: int):
 
 def _wait(agent, handle, backoff: bool) -> str:
     """Poll until the READ is no longer in flight: at once, or with the connector's pauses."""
-    limit, pause = time.monotonic() + READ_LIMIT_S, 0.0001
+    from kvcore.connectors.pull import poll_pause
+
+    started = time.monotonic()
     while True:
         state = agent.check_xfer_state(handle)
         if state != "PROC":
             return state
-        if time.monotonic() > limit:
+        now = time.monotonic()
+        if now - started > READ_LIMIT_S:
             return f"not done after {READ_LIMIT_S} s"
         if backoff:
-            time.sleep(pause)
-            pause = min(2 * pause, 0.005)
+            time.sleep(poll_pause(now - started))
 
 
 def raw_case(args: argparse.Namespace, options: dict) -> int:
@@ -415,7 +419,8 @@ def print_table(args: argparse.Namespace, cases: list[dict]) -> None:
                   + (f"  of same layout {of_same:.3f}" if of_same is not None else ""))
             if "phases_ms" in c:
                 print(f"{'':44}   per load ms: " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in c["phases_ms"].items()))
+                    f"round trips {v:g}" if k == "round_trips" else f"{k} {v:.3f}"
+                    for k, v in c["phases_ms"].items()))
         if "rows" not in c and "gbps" not in c:
             print(f"{c['case']:44} failed: rc {c.get('rc')} (see its log)")
 

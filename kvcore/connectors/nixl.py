@@ -24,7 +24,6 @@ import importlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ from kvcore.connectors.convert import TPRank
 from kvcore.connectors.pull import DEFAULT_STAGING_BYTES, PullConnector
 from kvcore.connectors.pull_engine import Regions, Run, memory_kind
 
-__all__ = ["POLL_SPIN_S", "UCX_DEFAULTS", "NixlConnector", "nixl_unavailable_reason"]
+__all__ = ["UCX_DEFAULTS", "NixlConnector", "nixl_unavailable_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,24 +126,18 @@ def _no_peer_failure_handling(ucx_tls: str) -> bool:
 UCX_DEFAULTS: Mapping[str, str] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
-#: How long the consumer keeps checking a READ into CUDA memory without pausing, from the
-#: moment it was posted: the copy engines move it (no CPU of this process is needed), and a
-#: same-host READ of a GiB finishes in about a millisecond, sooner than the connector's pauses
-#: between polls (0.1 ms doubling to 5 ms) would look again. After it the pauses take over.
-POLL_SPIN_S = 0.02
-
-
 class _Agent:
     """One NIXL agent with the cache's storage registered; every call into NIXL goes through
     it, under one lock (the Python API is not documented as thread-safe)."""
 
     def __init__(self, name: str, storage: torch.Tensor, backends: tuple[str, ...],
                  backend_params: Mapping[str, Mapping[str, str]] | None = None,
-                 ucx_tls: str | None = None) -> None:
+                 ucx_tls: str | None = None, progress_thread: bool = True) -> None:
         api = _nixl_api()
         self.name = name
         self.lock = threading.Lock()
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=[]))
         available = self.agent.get_plugin_list()
         missing = [b for b in backends if b not in available]
         if missing:
@@ -179,7 +172,6 @@ class _Agent:
                                f"{list(backends)}: {exc}") from exc
         self._storage = storage  # the registered memory stays alive while the agent is
         self._staged: list[tuple[Any, torch.Tensor]] = []  # a converting consumer's buffers
-        self._spin_until: dict[int, float] = {}  # per READ in flight (id of its run)
 
     # -- producer -------------------------------------------------------------------------
 
@@ -226,27 +218,18 @@ class _Agent:
                 f"{lease}:{run.first}:{run.end}".encode())
             if self.agent.transfer(run.handle) == "ERR":
                 raise RuntimeError("NIXL transfer() returned ERR")
-        if self.mem_type == "VRAM":
-            self._spin_until[id(run)] = time.monotonic() + POLL_SPIN_S
 
     def poll(self, run: Run) -> str:
-        """The READ's state; one into CUDA memory is checked again at once while it is in
-        flight, up to :data:`POLL_SPIN_S` after it was posted."""
-        until = self._spin_until.get(id(run), 0.0)
-        while True:
-            with self.lock:
-                try:
-                    state = self.agent.check_xfer_state(run.handle)
-                except Exception as exc:
-                    return f"ERR ({exc})"
-            if state != "PROC" or time.monotonic() >= until:
-                return state if state in ("DONE", "PROC") else str(state)
-            time.sleep(0)  # other threads (the engine's) run between checks
+        with self.lock:
+            try:
+                state = self.agent.check_xfer_state(run.handle)
+            except Exception as exc:
+                return f"ERR ({exc})"
+        return state if state in ("DONE", "PROC") else str(state)
 
     def release(self, run: Run) -> bool:
         """Free the transfer handle; NIXL cancels an active one. Returns whether that worked
         (NIXL keeps a handle it could not cancel)."""
-        self._spin_until.pop(id(run), None)
         if run.handle is None:
             return True
         handle, run.handle = run.handle, None
@@ -326,6 +309,13 @@ class NixlConnector(PullConnector):
             it is refused otherwise. Which transports UCX picked: run with
             ``UCX_PROTO_INFO=y`` (``benchmarks/bench_nixl.py --matrix`` does); see
             ``docs/connector.md`` for what was measured.
+        progress_thread: whether this side's NIXL agent runs NIXL's progress thread (a
+            thread that drives UCX in the background). ``None`` (the default): on for a
+            producer (it moves its notifications and UCX's connection messages while the
+            connector does not ask), off for a consumer, whose loads drive UCX themselves
+            while they poll their READs: the progress thread contends with them for UCX, and
+            without it one NIXL READ of 1 GiB between two processes on an H100 ran at 1466
+            instead of 1022 GB/s (``benchmarks/RESULTS.md``).
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
         tp: this engine's tensor-parallel ``(degree, rank)`` (or a
             :class:`~kvcore.connectors.TPRank`; default TP 1): its cache holds that rank's
@@ -374,6 +364,7 @@ class NixlConnector(PullConnector):
         backends: Sequence[str] = ("UCX",),
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
         ucx_tls: str | None = None,
+        progress_thread: bool | None = None,
         failure_policy: str = "recompute",
         tp: TPRank | tuple[int, int] | None = None,
         num_kv_heads: int | None = None,
@@ -423,6 +414,11 @@ class NixlConnector(PullConnector):
                     "'cuda_ipc,cuda_copy,tcp'), or pass backend_params={'UCX': "
                     "{'ucx_error_handling_mode': 'none'}} (UCX then no longer reports a dead "
                     "peer; the connector's timeouts still bound every wait)")
+        if progress_thread is not None and not isinstance(progress_thread, bool):
+            raise TypeError(f"progress_thread={progress_thread!r} must be True, False or None "
+                            "(None: on for a producer, off for a consumer)")
+        self.progress_thread = role == "producer" if progress_thread is None \
+            else progress_thread
         self.backends = tuple(backends)
         self.backend_params = {b: dict(p) for b, p in (backend_params or {}).items()}
         self.ucx_tls = ucx_tls
@@ -434,4 +430,4 @@ class NixlConnector(PullConnector):
 
     def _open_engine(self, reg: RegisteredCaches, regions: Regions) -> _Agent:
         return _Agent(self.agent_name, reg.kv_caches.storage, self.backends,
-                      self.backend_params, self.ucx_tls)
+                      self.backend_params, self.ucx_tls, self.progress_thread)

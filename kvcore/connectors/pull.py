@@ -54,6 +54,15 @@ one it still reports as read. A consumer's load fails, within
 ``timeout_s``, every block it could not read whole: a producer that died, froze or never
 published the key; a READ that times out is cancelled where the library can (a failure to
 cancel is named in the block's reason).
+
+Per load, a consumer makes one ``fetch`` round trip (a converting load too: it leases all its
+keys at once and READs them chunk by chunk), more only for keys the producer had not published
+yet (asked again with pauses of 2 ms doubling to 50 ms), plus a ``done`` per run where READs
+are confirmed over the side channel. While READs are in flight it polls the library, pausing
+between polls as :func:`poll_pause` says: an eighth of the time they have taken so far,
+between 20 us and 5 ms (a READ is seen finished about an eighth of its time late at most, and
+a long one costs few polls).
+:attr:`PullConnector.timing` reports where a load's time goes (:data:`PHASES`).
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ import time
 import uuid
 import weakref
 from abc import abstractmethod
-from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -79,7 +88,8 @@ from kvcore.connectors.pull_consumer import Consumer
 from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs
 from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds
 
-__all__ = ["DEFAULT_STAGING_BYTES", "Engine", "PullConnector", "Regions", "Run", "memory_kind"]
+__all__ = ["DEFAULT_STAGING_BYTES", "PHASES", "POLL_PAUSE_MAX_S", "POLL_PAUSE_MIN_S", "Engine",
+           "PullConnector", "Regions", "Run", "memory_kind", "poll_pause"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +98,27 @@ _ROLES = ("producer", "consumer")
 #: A converting consumer's staging buffer (``staging_bytes``): READs of the producer's blocks
 #: land there in the producer's layout, then one gather converts them into the cache.
 DEFAULT_STAGING_BYTES = 256 << 20
+
+#: The shortest and the longest pause between two polls of READs in flight (seconds).
+POLL_PAUSE_MIN_S = 20e-6
+POLL_PAUSE_MAX_S = 5e-3
+#: The pause between polls as a fraction of the time the READs have taken so far.
+_POLL_PAUSE_FRACTION = 0.125
+
+#: What :attr:`PullConnector.timing` is told of: a request on the side channel (one round
+#: trip each, named by its op: ``lookup``, ``fetch``, ``giveback``, ``done``), the library's
+#: ``start_read`` (descriptors, the request and its post), ``poll`` and ``release``, and
+#: ``pause`` (the connector's sleeps between polls, and between fetches of keys not published
+#: yet).
+PHASES = ("lookup", "fetch", "giveback", "done", "start_read", "poll", "release", "pause")
+
+
+def poll_pause(elapsed_s: float) -> float:
+    """Seconds to pause before polling READs again that have been in flight ``elapsed_s``: an
+    eighth of that, within :data:`POLL_PAUSE_MIN_S` .. :data:`POLL_PAUSE_MAX_S`. The same for
+    every library: a READ that a copy engine finishes in a millisecond is seen finished within
+    about 0.1 ms of it, one of a second costs some 200 polls, not thousands."""
+    return min(POLL_PAUSE_MAX_S, max(POLL_PAUSE_MIN_S, _POLL_PAUSE_FRACTION * elapsed_s))
 
 
 # -- the connector --------------------------------------------------------------------------
@@ -116,6 +147,12 @@ class PullConnector(KVConnector):
 
     # Both sides must agree on the layout; cross-layer moves a whole block in one region.
     prefer_cross_layer_blocks = True
+
+    #: Consumer: called as ``timing(phase, seconds)`` after each step of a load or lookup
+    #: named in :data:`PHASES`, on the thread that ran it (a load's: the connector's loader
+    #: thread); ``None`` (the default): not timed. For benchmarks and tests
+    #: (``benchmarks/bench_nixl.py --phases``); it must be quick and must not raise.
+    timing: Callable[[str, float], None] | None = None
 
     def __init__(self, *, role: str, host: str, port: int, connect_timeout_s: float,
                  timeout_s: float, publish_timeout_s: float, max_lease_s: float,
@@ -308,7 +345,7 @@ class PullConnector(KVConnector):
         if self.role == "producer" or not keys:
             return 0
         try:
-            hits = self._consumer.request({"op": "lookup", "keys": keys}).get("hits")
+            hits = self._request({"op": "lookup", "keys": keys}).get("hits")
         except ChannelError as exc:
             logger.warning("%s consumer: lookup failed: %s", self.transport, exc)
             return 0
@@ -353,13 +390,16 @@ class PullConnector(KVConnector):
         deadline = time.monotonic() + self.timeout_s
         if self._plan is None:
             read, errors = self._pull(keys, block_ids, self._regions, deadline)
-            loaded = [block_ids[i] for i in sorted(read)]
+            if len(read) == len(block_ids):  # all of them, in order
+                loaded = block_ids
+            else:
+                loaded = [block_ids[i] for i in sorted(read)]
             failed = {block_ids[i]: why for i, why in errors.items()}
             nbytes = len(loaded) * self.block_bytes
         else:
             loaded, failed, nbytes = self._read_converting(keys, block_ids, deadline)
-        order = {b: n for n, b in enumerate(block_ids)}
-        loaded.sort(key=order.__getitem__)
+            order = {b: n for n, b in enumerate(block_ids)}
+            loaded.sort(key=order.__getitem__)
         return self._record(self._result("load", loaded, failed, nbytes,
                                          time.perf_counter() - started))
 
@@ -369,10 +409,12 @@ class PullConnector(KVConnector):
         plan at a time as a part of it holds, and convert each chunk into ``block_ids`` with
         one gather (:meth:`ConversionPlan.apply_keys`).
 
-        With two parts (``staging_buffers=2`` and room for two groups), chunk ``i + 1`` is
-        READ into one part while chunk ``i``'s gather reads the other: on a GPU the gather
-        runs on the connector's stream, and an event per part tells when its last gather has
-        read it, before the next READ into it; on the CPU the gather runs between the READs.
+        One ``fetch`` leases every key of the load; the chunks are READ from that lease (keys
+        not published yet are asked for again while their chunk is read). With two parts
+        (``staging_buffers=2`` and room for two groups), chunk ``i + 1`` is READ into one part
+        while chunk ``i``'s gather reads the other: on a GPU the gather runs on the
+        connector's stream, and an event per part tells when its last gather has read it,
+        before the next READ into it; on the CPU the gather runs between the READs.
         """
         plan, staging, stream = self._plan, self._staging, self._gather_stream
         per_group = plan.group_tokens // plan.src_block_size
@@ -383,73 +425,100 @@ class PullConnector(KVConnector):
         nbytes = 0
         gathered: list[torch.cuda.Event | None] = [None] * self._halves
         with self._staging_lock:
-            for n, k0 in enumerate(range(0, len(keys), chunk)):
-                part = keys[k0:k0 + chunk]
-                base = n % self._halves * chunk
-                slots = list(range(base, base + len(part)))
-                if gathered[n % self._halves] is not None:  # its last gather has read it
-                    gathered[n % self._halves].synchronize()
-                d0 = k0 // per_group * dst_per_group
-                dst = block_ids[d0:d0 + plan.blocks_for_keys(len(part))]
-                read, errors = self._pull(part, slots, self._staging_regions, deadline)
-                arrived = [i in read for i in range(len(part))]
-                with (torch.cuda.stream(stream) if stream is not None
-                      else contextlib.nullcontext()):
-                    written, missing, moved = plan.apply_keys(
-                        staging, self._reg.kv_caches, slots, dst, arrived,
-                        dst_scales=self._kv_scales)
-                    if written and stream is not None:
-                        gathered[n % self._halves] = stream.record_event()
-                loaded.extend(written)
-                nbytes += moved
-                for block, i in missing.items():
-                    why = errors.get(i, "not read")
-                    failed[block] = (f"source block {k0 + i} of the load (key "
-                                     f"{part[i][:12]}..): {why}")
-            if stream is not None:  # the blocks are converted when the load reports them
-                stream.synchronize()
+            try:
+                lease, blocks = self._fetch(keys, deadline)
+            except ChannelError as exc:
+                lease, blocks, why = None, [None] * len(keys), str(exc)
+            untouched = 0  # the first key whose chunk was not READ yet
+            try:
+                for n, k0 in enumerate(range(0, len(keys), chunk)):
+                    part = keys[k0:k0 + chunk]
+                    base = n % self._halves * chunk
+                    slots = list(range(base, base + len(part)))
+                    if gathered[n % self._halves] is not None:  # its last gather has read it
+                        gathered[n % self._halves].synchronize()
+                    d0 = k0 // per_group * dst_per_group
+                    dst = block_ids[d0:d0 + plan.blocks_for_keys(len(part))]
+                    untouched = k0 + len(part)
+                    if lease is None:  # the fetch failed: nothing is READ
+                        read, errors = set(), dict.fromkeys(range(len(part)), why)
+                    else:
+                        read, errors = self._pull(part, slots, self._staging_regions, deadline,
+                                                  fetched=(lease, blocks[k0:k0 + chunk], k0))
+                    arrived = [i in read for i in range(len(part))]
+                    with (torch.cuda.stream(stream) if stream is not None
+                          else contextlib.nullcontext()):
+                        written, missing, moved = plan.apply_keys(
+                            staging, self._reg.kv_caches, slots, dst, arrived,
+                            dst_scales=self._kv_scales)
+                        if written and stream is not None:
+                            gathered[n % self._halves] = stream.record_event()
+                    loaded.extend(written)
+                    nbytes += moved
+                    for block, i in missing.items():
+                        why_not = errors.get(i, "not read")
+                        failed[block] = (f"source block {k0 + i} of the load (key "
+                                         f"{part[i][:12]}..): {why_not}")
+            finally:
+                if lease is not None and untouched < len(keys):  # raised: the rest goes back
+                    self._give_back(lease, [k for k in range(untouched, len(keys))
+                                            if blocks[k] is not None])
+                if stream is not None:  # the blocks are converted when the load reports them
+                    stream.synchronize()
         return loaded, failed, nbytes
 
-    def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float
+    def _fetch(self, keys: list[str], deadline: float) -> tuple[str, list[Any]]:
+        """Lease the producer's published blocks of ``keys`` (one round trip): the lease and,
+        per key, the producer's block or ``None`` (not published yet). Raises
+        :class:`ChannelError` when the link fails or the answer is malformed."""
+        reply = self._request({"op": "fetch", "keys": keys, "lease_s": 2 * self.timeout_s},
+                              timeout=max(deadline - time.monotonic(), 0.001))
+        lease, blocks = reply.get("lease"), reply.get("blocks")
+        if not isinstance(lease, str) or not isinstance(blocks, list) \
+                or len(blocks) != len(keys):
+            raise ChannelError(f"the producer answered {str(reply)[:200]!r}")
+        return lease, blocks
+
+    def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float,
+              fetched: tuple[str, list[Any], int] | None = None
               ) -> tuple[set[int], dict[int, str]]:
         """READ the producer's blocks of ``keys`` into blocks ``local_ids`` of ``local``
         (this cache, or the staging buffer); returns the indices read whole and why the
-        others failed."""
-        todo = OrderedDict((i, None) for i in range(len(keys)))  # indices not read yet
+        others failed. ``fetched``: ``(lease, blocks, first)``, a fetch made already whose
+        entries ``first ..`` are ``keys``' (else the first fetch is made here)."""
+        todo = range(len(keys))  # indices not read yet
         loaded: set[int] = set()
         failed: dict[int, str] = {}
+        num_blocks = self._consumer.num_blocks
         pause = 0.002
-        while todo:
-            wanted = list(todo)
-            try:
-                reply = self._consumer.request(
-                    {"op": "fetch", "keys": [keys[i] for i in wanted],
-                     "lease_s": 2 * self.timeout_s},
-                    timeout=max(deadline - time.monotonic(), 0.001))
-            except ChannelError as exc:
-                failed.update((i, str(exc)) for i in todo)
-                break
-            lease, blocks = reply.get("lease"), reply.get("blocks")
-            if not isinstance(blocks, list) or len(blocks) != len(wanted):
-                failed.update((i, f"the producer answered {str(reply)[:200]!r}") for i in todo)
-                break
-            pairs = []
-            for j, (i, src) in enumerate(zip(wanted, blocks, strict=True)):
+        while True:
+            if fetched is not None:
+                lease, blocks, first = fetched
+                fetched = None
+            else:
+                try:
+                    lease, blocks = self._fetch([keys[i] for i in todo], deadline)
+                except ChannelError as exc:
+                    failed.update((i, str(exc)) for i in todo)
+                    break
+                first = 0
+            # A fetch entry j (of the lease) names key todo[j - first].
+            pairs, later = [], []
+            for j, (i, src) in enumerate(zip(todo, blocks, strict=True), first):
                 if src is None:
-                    continue
-                if not (isinstance(src, int) and 0 <= src < self._consumer.num_blocks):
+                    later.append(i)
+                elif type(src) is int and 0 <= src < num_blocks:
+                    pairs.append((j, src, local_ids[i]))
+                else:
                     failed[i] = f"the producer named block {src!r}"
-                    del todo[i]
-                    continue
-                pairs.append((j, src, local_ids[i]))
             if pairs:
                 read, errors = self._read_runs(lease, read_runs(pairs), deadline, local)
-                for j in read:
-                    del todo[wanted[j]]
-                    loaded.add(wanted[j])
-                for j, why in errors.items():
-                    del todo[wanted[j]]
-                    failed[wanted[j]] = why
+                if len(read) == len(todo) == len(keys):
+                    loaded.update(todo)  # the common case: all of them at once
+                else:
+                    loaded.update(todo[j - first] for j in read)
+                    failed.update((todo[j - first], why) for j, why in errors.items())
+            todo = later
             if not todo:
                 break
             # Poll again only with time left for an answer and a READ.
@@ -458,42 +527,45 @@ class PullConnector(KVConnector):
                        f"timeout_s={self.timeout_s}")
                 failed.update((i, why) for i in todo)
                 break
-            time.sleep(pause)
+            self._pause(pause)
             pause = min(2 * pause, 0.05)
         return loaded, failed
 
     def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions
                    ) -> tuple[list[int], dict[int, str]]:
-        """READ every run (one READ each) until done, failed or ``deadline``. Returns the
-        fetch indices read whole and those that failed with why."""
+        """READ every run (one READ each) until done, failed or ``deadline``, polling as
+        :func:`poll_pause` says. Returns the fetch indices read whole and those that failed
+        with why."""
         consumer, engine, label = self._consumer, self._engine, self.label
+        timed = self._timed
         read: list[int] = []
         errors: dict[int, str] = {}
         timed_out: set[int] = set()
         active: list[Run] = []
         for run in runs:
             try:
-                engine.start_read(run, lease, local, consumer.regions, consumer.remote)
+                timed("start_read", engine.start_read, run, lease, local, consumer.regions,
+                      consumer.remote)
                 active.append(run)
             except Exception as exc:
                 errors.update((j, f"{label} READ could not start: {exc}")
                               for j in range(run.first, run.end))
-                engine.release(run)
-        pause = 0.0001
+                timed("release", engine.release, run)
+        posted = time.monotonic()
         while active:
             still = []
             for run in active:
-                state = engine.poll(run)
+                state = timed("poll", engine.poll, run)
                 if state == "DONE" and consumer.failure is not None:
                     # The producer ends the leases of a closed connection: the blocks may
                     # have been handed on and rewritten during the READ.
                     errors.update((j, f"the READ finished after the link went down "
                                       f"({consumer.failure})")
                                   for j in range(run.first, run.end))
-                    engine.release(run)
+                    timed("release", engine.release, run)
                 elif state == "DONE":
-                    engine.release(run)
-                    unconfirmed = self._confirm(consumer, lease, run)
+                    timed("release", engine.release, run)
+                    unconfirmed = self._confirm(lease, run)
                     if unconfirmed is None:
                         read.extend(range(run.first, run.end))
                     else:
@@ -506,12 +578,13 @@ class PullConnector(KVConnector):
                 else:
                     errors.update((j, f"{label} READ from the producer failed: {state}")
                                   for j in range(run.first, run.end))
-                    engine.release(run)
+                    timed("release", engine.release, run)
             active = still
-            if active and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if active and now >= deadline:
                 for run in active:
                     why = f"{label} READ did not finish within timeout_s={self.timeout_s}"
-                    if not engine.release(run):
+                    if not timed("release", engine.release, run):
                         why += ("; the READ could not be cancelled, so these blocks may "
                                 "still change: do not reuse them before close()")
                     errors.update((j, why) for j in range(run.first, run.end))
@@ -520,19 +593,23 @@ class PullConnector(KVConnector):
                     timed_out.update(range(run.first, run.end))
                 break
             if active:
-                time.sleep(pause)
-                pause = min(2 * pause, 0.005)
+                self._pause(min(poll_pause(now - posted), max(0.0, deadline - now)))
         finished = sorted(set(errors) - timed_out)  # failed and over: readable again
         if finished:
-            try:
-                consumer.request({"op": "giveback", "lease": lease, "indices": finished})
-            except ChannelError:
-                pass  # the lease expires on the producer
+            self._give_back(lease, finished)
         if read and local.mem_type == "VRAM":
             torch.cuda.synchronize(self._reg.kv_caches.storage.device)
         return read, errors
 
-    def _confirm(self, consumer: Consumer, lease: str, run: Run) -> str | None:
+    def _give_back(self, lease: str, indices: list[int]) -> None:
+        """Hand entries of ``lease`` that were not read back to the producer (published
+        again); without a link they go back when the lease ends."""
+        try:
+            self._request({"op": "giveback", "lease": lease, "indices": indices})
+        except ChannelError:
+            pass  # the lease expires on the producer
+
+    def _confirm(self, lease: str, run: Run) -> str | None:
         """Tell the producer that ``run`` was read, where the library's notification does not
         (:attr:`confirms_over_channel`). Returns why the producer did not take it, or
         ``None``: a run the producer no longer leased (expired, or released with a lost
@@ -540,11 +617,29 @@ class PullConnector(KVConnector):
         if not self.confirms_over_channel:
             return None
         try:
-            consumer.request({"op": "done", "lease": lease, "first": run.first,
-                              "end": run.end})
+            self._request({"op": "done", "lease": lease, "first": run.first, "end": run.end})
         except ChannelError as exc:
             return str(exc)
         return None
+
+    def _request(self, message: dict[str, Any], timeout: float | None = None
+                 ) -> dict[str, Any]:
+        """One request to the producer and its answer (see :meth:`Consumer.request`)."""
+        return self._timed(message["op"], self._consumer.request, message, timeout)
+
+    def _timed(self, phase: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, its time reported to :attr:`timing` as ``phase``."""
+        timing = self.timing
+        if timing is None:
+            return call(*args)
+        started = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            timing(phase, time.perf_counter() - started)
+
+    def _pause(self, seconds: float) -> None:
+        self._timed("pause", time.sleep, seconds)
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -166,9 +166,10 @@ def test_pull_consumer_converts_on_load(pull, case, staging_bytes):
 @pytest.mark.parametrize("pull", PULLS)
 def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
     """A staging buffer of four block groups (two parts of two) and 23 source blocks: twelve
-    groups, six chunks READ into alternating parts while the previous chunk converts. Both
-    ways write the same bytes into the same blocks, equal to the producer's tokens, the
-    partial last block's other tokens and every other block untouched."""
+    groups, six chunks READ into alternating parts while the previous chunk converts, all
+    leased by one fetch. Both ways write the same bytes into the same blocks, equal to the
+    producer's tokens, the partial last block's other tokens and every other block
+    untouched."""
     n, p_bs, c_bs = 23, 4, 8  # a group: 8 tokens, two source blocks, one destination block
     seed = random.randrange(2**31)
     src = make_caches(layout="nhd", cross_layer=False, block_size=p_bs, num_blocks=32,
@@ -188,7 +189,11 @@ def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
                                staging_buffers=buffers) as conn:
                 conn.register_kv_caches(dst)
                 assert conn._halves == buffers and conn._staging_blocks == 8
+                phases: list[str] = []
+                conn.timing = lambda phase, seconds, phases=phases: phases.append(phase)
                 results.append(conn.load(keys, dst_ids).wait(timeout=pull.wait_s))
+                # One fetch for the whole load (before: one per chunk).
+                assert phases.count("fetch") == 1 and "giveback" not in phases
             caches.append(dst)
         assert save.wait(timeout=pull.wait_s).ok
     single, double = results

@@ -62,6 +62,8 @@ consumer, producer, producer_process = NIXL.consumer, NIXL.producer, NIXL.produc
      r"handling .*_handling_mode 'peer' .* add tcp .*'ucx_error_handling_mode': 'none'"),
     ({"role": "producer", "ucx_tls": "sm", "backend_params": {"UCX": {
         "ucx_error_handling_mode": "peer"}}}, r"ucx_tls='sm' lists only transports"),
+    ({"role": "producer", "progress_thread": "off"},
+     r"progress_thread='off' must be True, False or None"),
 ], ids=lambda v: str(v) if isinstance(v, str) else None)
 def test_bad_arguments_are_named(config, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -485,10 +487,10 @@ def test_a_failed_ucx_backend_names_the_settings_it_was_created_with(monkeypatch
 
 
 class _SlowReadAgent:
-    """A stand-in NIXL agent whose READs report ``PROC`` for ``checks_left`` checks."""
+    """A stand-in NIXL agent whose READs report ``PROC`` until ``seconds`` after their post."""
 
-    def __init__(self, checks_left: float) -> None:
-        self.checks_left, self.checks, self.released = checks_left, 0, []
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.checks, self.released, self.posted = seconds, 0, [], None
 
     def get_xfer_descs(self, descs, mem_type):
         return descs
@@ -497,57 +499,89 @@ class _SlowReadAgent:
         return object()
 
     def transfer(self, handle):
+        self.posted = time.monotonic()
         return "PROC"
 
     def check_xfer_state(self, handle):
         self.checks += 1
-        self.checks_left -= 1
-        return "DONE" if self.checks_left < 0 else "PROC"
+        return "DONE" if time.monotonic() - self.posted >= self.seconds else "PROC"
 
     def release_xfer_handle(self, handle):
         self.released.append(handle)
 
 
-def _slow_read_engine(mem_type: str, checks_left: float):
+def _slow_read_engine(mem_type: str, seconds: float):
     import threading
 
     from kvcore.connectors.pull_engine import Regions
 
     engine = object.__new__(nixl_module._Agent)  # no NIXL: only the READ calls are used
-    engine.agent, engine.lock = _SlowReadAgent(checks_left), threading.Lock()
-    engine.mem_type, engine._spin_until = mem_type, {}
+    engine.agent, engine.lock = _SlowReadAgent(seconds), threading.Lock()
+    engine.mem_type = mem_type
     regions = Regions((0,), (64,), (64,), mem_type, 0)
     return engine, regions
 
 
-@pytest.mark.parametrize(("mem_type", "checks", "state"), [("VRAM", 51, "DONE"),
-                                                          ("DRAM", 1, "PROC")])
-def test_a_read_into_cuda_memory_is_polled_until_it_finishes(mem_type, checks, state):
-    # A READ into VRAM is checked again without pausing while it is in flight (the copy
-    # engines move it), so the connector sees it finish at once; one into DRAM is checked
-    # once per poll, as the connector's pauses decide.
+def test_a_poll_checks_the_read_once():
+    # How often to look again is the connector's (pull.poll_pause), the same for every library.
     from kvcore.connectors.pull_engine import Run
 
-    engine, regions = _slow_read_engine(mem_type, checks_left=50)
+    engine, regions = _slow_read_engine("VRAM", seconds=60.0)
     run = Run(0, 2, 0, 0)
     engine.start_read(run, "lease", regions, regions, "peer")
-    assert engine.poll(run) == state and engine.agent.checks == checks
-    assert engine.release(run) and engine._spin_until == {} and run.handle is None
+    assert engine.poll(run) == "PROC" and engine.agent.checks == 1
+    assert engine.release(run) and run.handle is None
 
 
-def test_a_read_into_cuda_memory_still_in_flight_after_the_spin_is_left_to_the_pauses(
-        monkeypatch):
+def test_a_read_in_flight_is_polled_with_pauses_of_a_fraction_of_its_time(monkeypatch):
+    """A READ that takes 60 ms: the consumer pauses between polls as ``poll_pause`` says (a
+    fraction of the time so far, never more than 5 ms), so it sees it finished soon after
+    it did, in tens of polls; the timing hook hears of every poll and pause."""
+    from types import SimpleNamespace
+
+    from kvcore.connectors import pull
     from kvcore.connectors.pull_engine import Run
 
-    monkeypatch.setattr(nixl_module, "POLL_SPIN_S", 0.01)
-    engine, regions = _slow_read_engine("VRAM", checks_left=float("inf"))
-    run = Run(0, 1, 0, 0)
-    engine.start_read(run, "lease", regions, regions, "peer")
-    started = time.monotonic()
-    assert engine.poll(run) == "PROC" and 0.005 < time.monotonic() - started < 1.0
-    checks = engine.agent.checks
-    assert engine.poll(run) == "PROC" and engine.agent.checks == checks + 1  # spin is over
-    assert engine.release(run) and engine._spin_until == {}
+    asked, schedule = [], pull.poll_pause
+
+    def recorded(elapsed_s):
+        asked.append(elapsed_s)
+        return schedule(elapsed_s)
+
+    monkeypatch.setattr(pull, "poll_pause", recorded)
+    engine, regions = _slow_read_engine("DRAM", seconds=0.06)
+    conn = object.__new__(nixl_module.NixlConnector)  # only what _read_runs reads
+    conn._engine, conn.timeout_s = engine, 5.0
+    conn._consumer = SimpleNamespace(regions=regions, remote="peer", failure=None)
+    phases = []
+    conn.timing = lambda phase, seconds: phases.append(phase)
+    read, errors = conn._read_runs("lease", [Run(0, 2, 0, 0)], time.monotonic() + 5, regions)
+    late = time.monotonic() - engine.agent.posted - 0.06
+    assert read == [0, 1] and errors == {}
+    assert asked == sorted(asked) and len(asked) == engine.agent.checks - 1
+    assert 10 <= engine.agent.checks <= 80, engine.agent.checks
+    assert late < 0.06 / 8 + 0.02, late  # (scheduling slack on a busy machine)
+    assert phases.count("poll") == engine.agent.checks and phases.count("pause") == len(asked)
+    assert set(phases) == {"start_read", "poll", "pause", "release"}
+
+
+def test_poll_pauses_grow_with_the_time_a_read_took_within_bounds():
+    from kvcore.connectors.pull import POLL_PAUSE_MAX_S, POLL_PAUSE_MIN_S, poll_pause
+
+    assert poll_pause(0.0) == POLL_PAUSE_MIN_S == 20e-6
+    assert poll_pause(0.001) == pytest.approx(0.001 / 8)
+    assert poll_pause(10.0) == POLL_PAUSE_MAX_S == 0.005
+    times = [i * 1e-4 for i in range(1000)]
+    assert [poll_pause(t) for t in times] == sorted(poll_pause(t) for t in times)
+
+
+@needs_nixl
+def test_the_progress_thread_is_off_for_a_consumer_and_on_for_a_producer_by_default():
+    assert get_connector("nixl", role="consumer", port=1).progress_thread is False
+    assert get_connector("nixl", role="consumer", port=1,
+                         progress_thread=True).progress_thread is True
+    with get_connector("nixl", role="producer") as prod:
+        assert prod.progress_thread is True
 
 
 def test_shared_memory_transports_are_accepted_with_error_handling_off():

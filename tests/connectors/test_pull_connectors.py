@@ -181,3 +181,30 @@ def test_roles_that_do_not_apply_fail_per_block_with_the_reason(pull):
             saved = conn.save(keys_for(2, 1), [4]).wait()
             assert saved.failed[4].startswith("role='consumer' only loads")
     assert not pull.threads()
+
+
+@EACH
+def test_a_load_makes_one_fetch_round_trip_and_reports_its_phases(pull):
+    """A load of two runs (blocks consecutive on both sides) makes one ``fetch`` on the side
+    channel, plus one ``done`` per run where READs are confirmed over it (mooncake), none
+    where the library notifies (nixl); the lookup before it is one ``lookup``. The timing
+    hook hears of each, with the library's calls and nothing else."""
+    from kvcore.connectors.pull import PHASES
+
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(6, 4)
+    with pull.producer() as prod, pull.consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [2, 3, 7, 8])
+        phases: list[str] = []
+        conn.timing = lambda phase, seconds: phases.append(phase)
+        assert conn.lookup(keys) == 4
+        assert conn.load(keys, [0, 1, 5, 6]).wait(timeout=pull.wait_s).ok
+        assert save.wait(timeout=pull.wait_s).ok
+    assert set(phases) <= set(PHASES)
+    runs = 2
+    assert phases.count("lookup") == 1 and phases.count("fetch") == 1
+    assert phases.count("done") == (runs if pull.name == "mooncake" else 0)
+    assert phases.count("start_read") == runs and "giveback" not in phases
+    assert torch.equal(block_bytes(kv_c, [0, 1, 5, 6]), block_bytes(kv_p, [2, 3, 7, 8]))
