@@ -55,13 +55,15 @@ def mixed_batch(impl: kvcore.AttentionImpl, kv_cache: torch.Tensor, gen: torch.G
 
 
 def reference(impl: kvcore.AttentionImpl, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
-    """float64 attention of the batch's queries over ``kv_cache`` (kvcore's reference)."""
+    """float64 attention of the batch's queries over ``kv_cache`` (kvcore's reference), with
+    the layer's window and logit soft-cap."""
     key_cache, value_cache = kv_cache.unbind(1)
     m = batch.meta
     return paged_attention_ref(
         batch.query.double(), key_cache.double(), value_cache.double(),
         query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
-        scale=impl.scale, causal=impl.is_causal(m), sliding_window=impl.sliding_window)
+        scale=impl.scale, causal=impl.is_causal(m), sliding_window=impl.sliding_window,
+        logits_soft_cap=impl.logits_soft_cap)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

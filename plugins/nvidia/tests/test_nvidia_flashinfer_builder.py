@@ -83,8 +83,9 @@ class _Wrapper:
             allowed = torch.ones(s_q, s_k, dtype=torch.bool)
             if p["causal"]:
                 allowed &= torch.arange(s_k)[None, :] <= qi
-            out[rows] = contiguous_attention_ref(q[rows], k, v, p["sm_scale"],
-                                                 allowed=allowed).to(out.dtype)
+            out[rows] = contiguous_attention_ref(
+                q[rows], k, v, p["sm_scale"], allowed=allowed,
+                logits_soft_cap=p.get("logits_soft_cap")).to(out.dtype)
         return out
 
 
@@ -99,17 +100,18 @@ def fake_flashinfer(monkeypatch):
     fi_backend._wrappers.cache_clear()
 
 
-def _builder(max_num_seqs: int = 8) -> FlashInferMetadataBuilder:
+def _builder(max_num_seqs: int = 8, **kwargs: object) -> FlashInferMetadataBuilder:
     spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
                                     num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
     return FlashInferBackend.get_builder_cls()(
         spec, num_heads=HEADS, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
-        max_model_len=512, device="cpu")
+        max_model_len=512, device="cpu", **kwargs)
 
 
-def _impl() -> kvcore.AttentionImpl:
+def _impl(**kwargs: object) -> kvcore.AttentionImpl:
     return FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
-                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS)
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS,
+                                            **kwargs)
 
 
 def _cache(seed: int) -> tuple[torch.Tensor, torch.Generator]:
@@ -327,3 +329,90 @@ def test_layers_after_the_first_skip_the_full_checks(monkeypatch):
     with pytest.raises(ValueError, match="planned by FlashInferMetadataBuilder for 8 query "
                                          "heads, blocks of 16 tokens, 2 K/V heads"):
         _forward(wide_impl, batch, wide, meta)
+
+
+# -- the logit soft-cap: planned per step, refused for a layer of another cap --------------
+
+CAP = 2.0  # small enough to change every score of these random batches
+
+
+@pytest.mark.parametrize("shape", ["mixed-decodes-first", "prefill-only", "decode-only"])
+def test_builder_plans_its_soft_cap_and_the_layer_matches_the_reference(shape):
+    kv_cache, gen = _cache(7)
+    impl, builder = _impl(logits_soft_cap=CAP), _builder(logits_soft_cap=CAP)
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES[shape])
+    meta = builder.build(batch.meta)
+    wrappers = [w for w in (meta.decode_wrapper, meta.prefill_wrapper) if w is not None]
+    assert wrappers and all(w.lists["logits_soft_cap"] == CAP for w in wrappers)
+    assert meta.planned[2] == CAP
+    out = _forward(impl, batch, kv_cache, meta)
+    ref = reference(impl, batch, kv_cache)
+    assert rel_err(out, ref) < REL_ERR[torch.float32]
+    # The cap changes the result: a dropped cap would not pass.
+    assert rel_err(reference(_impl(), batch, kv_cache), ref) > 100 * REL_ERR[torch.float32]
+
+
+@pytest.mark.parametrize(("planned", "layer", "fix"), [
+    (None, CAP, r"build the steps with FlashInferMetadataBuilder\(\.\.\., "
+                r"logits_soft_cap=2\.0\), the model's cap"),
+    (CAP, None, r"build the steps with FlashInferMetadataBuilder\(\.\.\., "
+                r"logits_soft_cap=None\), the model's cap"),
+    (CAP, 30.0, r"build the steps with FlashInferMetadataBuilder\(\.\.\., "
+                r"logits_soft_cap=30\.0\), the model's cap"),
+], ids=["uncapped-plan", "uncapped-layer", "other-cap"])
+def test_a_layer_of_another_soft_cap_is_refused(planned, layer, fix):
+    kv_cache, gen = _cache(8)
+    impl = _impl(logits_soft_cap=layer)
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES["mixed-decodes-first"])
+    meta = _builder(logits_soft_cap=planned).build(batch.meta)
+    with pytest.raises(ValueError, match=(
+            rf"this layer needs scale=.*, sliding_window=None, logits_soft_cap={layer}, "
+            rf"causal=True but the step was planned by FlashInferMetadataBuilder for "
+            rf"scale=.*, sliding_window=None, logits_soft_cap={planned}, causal=True \(a "
+            rf"FlashInfer plan fixes them for every layer of a step\): {fix}")):
+        _forward(impl, batch, kv_cache, meta)
+
+
+def test_a_windowed_layer_is_still_sent_to_a_backend_without_per_step_plans():
+    kv_cache, gen = _cache(9)
+    impl = _impl(sliding_window=8, logits_soft_cap=CAP)
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES["decode-only"])
+    meta = _builder(logits_soft_cap=CAP).build(batch.meta)
+    with pytest.raises(ValueError, match=r"sliding_window=8, logits_soft_cap=2\.0 but the step "
+                                         r".*: use a backend without per-step plans"):
+        _forward(impl, batch, kv_cache, meta)
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), True, "50"])
+def test_builder_refuses_a_soft_cap_that_is_not_a_positive_float(cap):
+    with pytest.raises(ValueError, match=rf"logits_soft_cap={cap!r} must be None or a finite "
+                                         r"float > 0"):
+        _builder(logits_soft_cap=cap)
+
+
+def test_layers_of_different_caps_on_plain_metadata_each_plan_their_own():
+    """Without the builder each layer plans for its own cap (and window): a step that
+    alternates capped and uncapped layers plans again when the cap changes and matches the
+    reference each time."""
+    kv_cache, gen = _cache(10)
+    capped, plain = _impl(logits_soft_cap=CAP), _impl()
+    batch = mixed_batch(plain, kv_cache, gen, **SHAPES["prefill-only"])
+    for impl in (capped, capped, plain, capped):
+        out = _forward(impl, batch, kv_cache, batch.meta)
+        assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+    prefill = [w for w in _Wrapper.made if not w.decode]
+    assert [w.lists["logits_soft_cap"] for w in prefill] == [CAP]
+    assert prefill[0].plans == 3  # capped, plain, capped: the repeat reuses the plan
+
+
+def test_flashinfer_declares_the_soft_cap_for_the_selector(monkeypatch):
+    """A soft-capped configuration (Gemma 2) has no soft-cap reason against FLASHINFER (the
+    stand-in module is removed: whether FlashInfer is installed is another reason)."""
+    monkeypatch.delitem(sys.modules, "flashinfer")
+    assert FlashInferBackend.SUPPORTS_LOGITS_SOFT_CAP
+    reasons = FlashInferBackend.validate_configuration(
+        head_size=256, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
+        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=kvcore.DeviceCapability(9, 0),
+        attn_type=kvcore.AttentionType.DECODER, has_logits_soft_cap=True)
+    assert not [r for r in reasons if "soft" in r], reasons

@@ -45,9 +45,12 @@ own tensors are checked in full on its first step and compared cheaply after tha
 :meth:`FlashInferMetadataBuilder.warmup` builds FlashInfer's JIT modules of the configuration
 at start-up.
 
-A plan fixes the softmax scale, the sliding window and, for prefill, the causal mask, which the
-builder's constructor does not receive: it plans for ``1 / sqrt(head_size)``, no window, and
-the step's ``causal``, and ``forward`` refuses a layer that needs other values (clear error).
+A plan fixes the softmax scale, the sliding window, the logit soft-cap and, for prefill, the
+causal mask. The builder's constructor does not receive the layers' scale and window: it plans
+for ``1 / sqrt(head_size)``, no window, the soft-cap it was given (its ``logits_soft_cap``
+keyword, the model's; none by default) and the step's ``causal``, and ``forward`` refuses a
+layer that needs other values (clear error). Soft-capping (``SUPPORTS_LOGITS_SOFT_CAP``) is
+FlashInfer's own: ``cap * tanh(s / cap)`` of the scaled score, on every kernel above.
 Metadata that did not come from the builder (``forward`` called with
 :class:`kvcore.AttentionMetadata` directly) is planned on its first layer (the whole batch on
 one wrapper, prefill or decode) and the plan kept for the next layers of the same step
@@ -154,7 +157,7 @@ class FlashInferImpl(PagedCacheImpl):
         """
         extra = (key_cache.device, key_cache.shape[1], key_cache.dtype, query.dtype,
                  self.num_heads, self.num_kv_heads, self.head_size, self.scale,
-                 self.sliding_window, self.is_causal(attn_metadata))
+                 self.sliding_window, self.logits_soft_cap, self.is_causal(attn_metadata))
         return _PLANS.get(attn_metadata, extra,
                           lambda: self._plan(query, key_cache, attn_metadata))
 
@@ -167,7 +170,7 @@ class FlashInferImpl(PagedCacheImpl):
         prefill, decode = _wrappers(key_cache.device, kernels)
         shape, options = plan_args(self.num_heads, self.num_kv_heads, self.head_size,
                                    block_size, self.scale, self.sliding_window, query.dtype,
-                                   key_cache.dtype)
+                                   key_cache.dtype, self.logits_soft_cap)
         if is_uniform_decode(attn_metadata) and query.shape[0] == attn_metadata.num_seqs:
             # One query per request sees every key up to itself: causal or not is the same.
             decode.plan(indptr, indices, last_page_len, *shape, **options)
@@ -179,18 +182,24 @@ class FlashInferImpl(PagedCacheImpl):
     def _check_plan(self, query: torch.Tensor, key_cache: torch.Tensor,
                     attn_metadata: FlashInferMetadata) -> None:
         """Refuse a layer the builder's plan does not fit."""
-        scale, window, causal = attn_metadata.planned
-        wanted = (self.scale, self.sliding_window,
+        scale, window, cap, causal = attn_metadata.planned
+        wanted = (self.scale, self.sliding_window, self.logits_soft_cap,
                   None if causal is None else self.is_causal(attn_metadata))
-        if (not math.isclose(self.scale, scale, rel_tol=1e-6)
-                or wanted[1:] != attn_metadata.planned[1:]):
+        same_scale = math.isclose(self.scale, scale, rel_tol=1e-6)
+        if not same_scale or wanted[1:] != attn_metadata.planned[1:]:
+            # Only the soft-cap differs: the builder takes the model's.
+            only_cap = same_scale and (self.sliding_window, wanted[3]) == (window, causal)
+            fix = (f"build the steps with FlashInferMetadataBuilder(..., logits_soft_cap="
+                   f"{self.logits_soft_cap}), the model's cap" if only_cap else
+                   "use a backend without per-step plans (e.g. TRITON_ATTN) for this model")
             raise ValueError(
-                f"this layer needs scale={self.scale}, sliding_window={self.sliding_window}"
-                f"{'' if causal is None else f', causal={wanted[2]}'} but the step was "
+                f"this layer needs scale={self.scale}, sliding_window={self.sliding_window}, "
+                f"logits_soft_cap={self.logits_soft_cap}"
+                f"{'' if causal is None else f', causal={wanted[3]}'} but the step was "
                 f"planned by FlashInferMetadataBuilder for scale={scale}, "
-                f"sliding_window={window}{'' if causal is None else f', causal={causal}'} "
-                "(a FlashInfer plan fixes them for every layer of a step): use a backend "
-                "without per-step plans (e.g. TRITON_ATTN) for this model")
+                f"sliding_window={window}, logits_soft_cap={cap}"
+                f"{'' if causal is None else f', causal={causal}'} (a FlashInfer plan fixes "
+                f"them for every layer of a step): {fix}")
         dtypes = (query.dtype, key_cache.dtype)
         if any(d != attn_metadata.dtype for d in dtypes):
             raise ValueError(f"query is {query.dtype} and the cache {key_cache.dtype} but the "
@@ -284,6 +293,8 @@ class FlashInferBackend(AttentionBackend):
     # bf16 and the fa2 tensor-core paths need Ampere.
     MIN_DEVICE_CAPABILITY = DeviceCapability(8, 0)
     SUPPORTS_NON_CAUSAL = True
+    # FlashInfer's plans take logits_soft_cap (its soft-capped kernel variants).
+    SUPPORTS_LOGITS_SOFT_CAP = True
     NON_CAUSAL_WINDOW_UNSUPPORTED = (
         "FlashInfer's window (window_left) is one-sided, so it would not cut the keys after "
         "each query that the symmetric window of a non-causal layer excludes; run such layers "

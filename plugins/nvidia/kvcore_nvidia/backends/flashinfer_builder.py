@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -59,8 +60,8 @@ class FlashInferLaunch:
             skips that check in later steps.
         max_block_id: the largest block id the step uses (from the step's checked facts;
             ``-1`` with value checks off): a layer's cache must have more blocks.
-        planned: ``(scale, sliding_window, causal)`` the plans were made for (as
-            :attr:`FlashInferMetadata.planned`).
+        planned: ``(scale, sliding_window, logits_soft_cap, causal)`` the plans were made
+            for (as :attr:`FlashInferMetadata.planned`).
     """
 
     decode: Any
@@ -69,7 +70,7 @@ class FlashInferLaunch:
     query_shape: tuple[int, int, int]
     signature: tuple
     max_block_id: int
-    planned: tuple[float, int | None, bool | None]
+    planned: tuple[float, int | None, float | None, bool | None]
 
 
 @dataclasses.dataclass
@@ -83,8 +84,9 @@ class FlashInferMetadata(AttentionMetadata):
         prefill_wrapper: planned for the other requests (rows ``[num_decodes,
             num_actual_tokens)``), or ``None``.
         num_decodes: requests (and query rows) the decode wrapper serves.
-        planned: ``(scale, sliding_window, causal)`` the plans were made for; ``causal`` is
-            ``None`` for a decode-only step (one query per request: causal or not is the same).
+        planned: ``(scale, sliding_window, logits_soft_cap, causal)`` the plans were made
+            for; ``causal`` is ``None`` for a decode-only step (one query per request: causal
+            or not is the same).
         dtype: the query and cache dtype the plans were made for.
         launch: the step's :class:`FlashInferLaunch` (``None`` for an empty step).
     """
@@ -92,7 +94,7 @@ class FlashInferMetadata(AttentionMetadata):
     decode_wrapper: Any = None
     prefill_wrapper: Any = None
     num_decodes: int = 0
-    planned: tuple[float, int | None, bool | None] = (0.0, None, None)
+    planned: tuple[float, int | None, float | None, bool | None] = (0.0, None, None, None)
     dtype: torch.dtype | None = None
     launch: FlashInferLaunch | None = None
 
@@ -122,6 +124,10 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     them; the slot's event is recorded after the last plan of the step, so a slot is
     rewritten only once those copies have run.
 
+    ``logits_soft_cap`` (keyword, beyond the builder contract): the soft-cap every plan is
+    made for, the model's (Gemma 2: 50.0); layers with another cap (or none, when one is
+    set) are refused by their ``forward``. ``None`` (the default): no cap.
+
     Attributes:
         kernels: the :class:`FlashInferKernels` the steps run on.
         plans: plans made so far (a CUDA-graph decode step whose page counts did not change
@@ -129,14 +135,22 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     """
 
     def __init__(self, spec, *, num_heads, max_num_seqs, max_num_batched_tokens,
-                 max_model_len, device) -> None:
+                 max_model_len, device, logits_soft_cap: float | None = None) -> None:
         super().__init__(spec, num_heads=num_heads, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
+        if logits_soft_cap is not None and (
+                isinstance(logits_soft_cap, bool)
+                or not isinstance(logits_soft_cap, (int, float))
+                or not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0)):
+            raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be None or a finite "
+                             "float > 0 (the layers' AttentionImpl logits_soft_cap)")
         num_kv_heads = self.spec_kv_heads()
         self.num_kv_heads = num_kv_heads
         #: The softmax scale every plan is made for (see the backend's module).
         self.scale = spec.head_size ** -0.5
+        #: The logit soft-cap every plan is made for (``None``: none).
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.kernels = flashinfer_kernels(cuda_capability(self.device), num_heads, num_kv_heads)
         self.plans = 0
         dev = self.device
@@ -253,7 +267,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     def _options(self) -> tuple[tuple, dict]:
         return plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
                          self.spec.block_size, self.scale, None, self.spec.dtype,
-                         self.spec.dtype)
+                         self.spec.dtype, self.logits_soft_cap)
 
     def _plan_graph_decode(self, size: int, pages: HostPages, counts: bytes,
                            indices: torch.Tensor, *, eager: bool = False) -> Any:
@@ -320,7 +334,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                   causal: bool | None, graph_batch_size: int | None) -> FlashInferMetadata:
         """The step's metadata with its wrappers and their :class:`FlashInferLaunch`."""
         max_block_id = launch_block_bound(meta, graph_batch_size)
-        planned = (self.scale, None, causal)
+        planned = (self.scale, None, self.logits_soft_cap, causal)
         rows = (meta.num_actual_tokens, self.num_heads, self.spec.head_size)
         launch = FlashInferLaunch(decode, prefill, k, rows, self.signature, max_block_id, planned)
         return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,

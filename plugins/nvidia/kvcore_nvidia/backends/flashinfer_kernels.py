@@ -46,10 +46,11 @@ def flashinfer_kernels(capability: tuple[int, int] | None, num_heads: int,
 
     - Prefill: on SM 9.x (Hopper: H100, H200) FlashInfer's SM90 kernels (``"fa3"``: wgmma and
       TMA), which take the cache's strides like fa2 and cover what this backend declares
-      (fp16/bf16, head sizes 64/128/256, causal or not, sliding window). On Ampere and Ada
-      (8.x) ``"fa2"``, FlashInfer's fastest there. On Blackwell (10.x, 12.x) ``"fa2"`` too:
-      FlashInfer's Blackwell prefill kernels (``"cutlass"``, ``"trtllm-gen"``) come with other
-      layout and option constraints and have not been verified on kvcore's cache.
+      (fp16/bf16, head sizes 64/128/256, causal or not, sliding window, logit soft-cap). On
+      Ampere and Ada (8.x) ``"fa2"``, FlashInfer's fastest there. On Blackwell (10.x, 12.x)
+      ``"fa2"`` too: FlashInfer's Blackwell prefill kernels (``"cutlass"``, ``"trtllm-gen"``)
+      come with other layout and option constraints and have not been verified on kvcore's
+      cache.
       ``capability`` ``None`` (no GPU: the CPU tests' stand-ins) gives ``"fa2"``.
     - Decode: tensor cores when a K/V head serves at least
       :data:`TENSOR_CORE_DECODE_MIN_GROUP` query heads, else the CUDA-core decode kernel.
@@ -82,12 +83,18 @@ def new_wrappers(workspace: torch.Tensor, kernels: FlashInferKernels) -> tuple[A
 
 def plan_args(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
               scale: float, sliding_window: int | None, q_dtype: torch.dtype,
-              kv_dtype: torch.dtype) -> tuple[tuple, dict]:
+              kv_dtype: torch.dtype, logits_soft_cap: float | None = None
+              ) -> tuple[tuple, dict]:
     """The ``plan`` arguments every FlashInfer wrapper of a layer takes after its page lists:
     ``(shape, options)``, ``shape`` the positional ``(num_heads, num_kv_heads, head_size,
-    block_size)`` and ``options`` the keywords (window, softmax scale, dtypes)."""
+    block_size)`` and ``options`` the keywords (window, softmax scale, logit soft-cap,
+    dtypes).
+
+    ``logits_soft_cap``: FlashInfer's ``cap * tanh(s / cap)`` of the scaled score ``s``,
+    kvcore's convention (``None``: none; FlashInfer reads ``None`` as 0, no cap, and builds
+    the capped variant of its kernels only for a positive cap)."""
     window_left = -1 if sliding_window is None else sliding_window - 1
     return ((num_heads, num_kv_heads, head_size, block_size),
-            dict(window_left=window_left, sm_scale=scale, q_data_type=q_dtype,
-                 kv_data_type=kv_dtype))
+            dict(window_left=window_left, sm_scale=scale, logits_soft_cap=logits_soft_cap,
+                 q_data_type=q_dtype, kv_data_type=kv_dtype))
 
