@@ -2,8 +2,9 @@
 blocks of 16): mixed batches against the float64 reference, cross-layer views bit-exact
 against a contiguous copy, a layer over 2**31 elements, and kvcore's conformance cases.
 
-Every FlashInfer case here is bf16, so the run builds four FlashInfer JIT modules (head sizes
-128 and 64, each with and without a sliding window; 64 for the conformance suite's cases)."""
+Every FlashInfer case here is bf16, so the run builds FlashInfer JIT modules for head sizes
+128 and 64, each with and without a sliding window (64 for the conformance suite's cases, whose
+soft-cap cases add the capped variants), and head size 256 with a soft-cap (Gemma 2)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,49 @@ def test_flashinfer_builder_plans_once_and_refuses_a_layer_it_did_not_plan_for(s
                                          "was planned by FlashInferMetadataBuilder"):
         _impl(FlashInferBackend, 256).forward(kvcore.LayerScales(), batch.query, batch.key,
                                               batch.value, kv_cache, meta)
+
+
+#: Gemma 2 (9B) per layer: 16 query heads, 8 K/V heads of 256, scores soft-capped at 50.
+GEMMA = dict(num_heads=16, num_kv_heads=8, head_size=256, logits_soft_cap=50.0)
+PREFILL = dict(q_lens=(300, 257, 64), ctx_lens=(0, 1000, 17))
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("builder", [True, False], ids=["builder", "plain-metadata"])
+@pytest.mark.parametrize("shape", ["decode", "prefill", "mixed"])
+def test_flashinfer_soft_cap_matches_float64_reference_at_gemma2_shapes(shape, builder):
+    """FlashInfer's soft-capped kernels (decode, prefill, a mixed step split between them),
+    planned by the builder for the model's cap or per layer from plain metadata. The queries
+    are scaled so the scores reach about +-100: the cap changes the result far beyond the
+    bf16 bound (checked), so a dropped cap fails."""
+    gen = torch.Generator().manual_seed(21)
+    caches = kvcore.allocate_kv_caches(
+        FlashInferBackend, num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        num_kv_heads=GEMMA["num_kv_heads"], head_size=GEMMA["head_size"],
+        dtype=torch.bfloat16, device="cuda")
+    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
+    kv_cache = caches.layers[0]
+    impl = FlashInferBackend.get_impl_cls()(scale=GEMMA["head_size"] ** -0.5, **GEMMA)
+    batch = mixed_batch(impl, kv_cache, gen,
+                        **{"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}[shape])
+    batch.query.mul_(30)
+    meta = batch.meta
+    if builder:
+        spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                                        num_kv_heads=GEMMA["num_kv_heads"],
+                                        head_size=GEMMA["head_size"])
+        meta = FlashInferBackend.get_builder_cls()(
+            spec, num_heads=GEMMA["num_heads"], max_num_seqs=64, max_num_batched_tokens=1024,
+            max_model_len=8192, device="cuda",
+            logits_soft_cap=GEMMA["logits_soft_cap"]).build(batch.meta)
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache, meta,
+                 output=out)
+    ref = reference(impl, batch, kv_cache)
+    assert rel_err(out, ref) < BF16_REL_ERR
+    uncapped = FlashInferBackend.get_impl_cls()(
+        scale=GEMMA["head_size"] ** -0.5, **{**GEMMA, "logits_soft_cap": None})
+    assert rel_err(reference(uncapped, batch, kv_cache), ref) > 10 * BF16_REL_ERR
 
 
 @pytest.mark.parametrize("shape", ["mixed", "decode"])
