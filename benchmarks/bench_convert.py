@@ -11,7 +11,9 @@ One run, in order (each section isolated: a failure is logged and the run goes o
    alone" converts) and per-layer, 16 -> 64 in one order, 64 -> 16 HND -> NHD. Each tiling's
    launch is timed alone (CUDA graph of back-to-back launches) beside ``dst.copy_(src)`` of
    the same bytes measured before it; ``ConversionPlan.apply`` with the default tiling is
-   timed too (events: its host work, the ids' copy to the device, included).
+   timed too, back to back (events: its host work hides behind the previous launch) and one
+   call between two synchronisations (wall clock, as ``bench_nixl.py --gather-only``: the
+   host's work, the ids' copy to the device, adds to the kernel's time).
 
 GB/s count the bytes moved once (as ``bench_nixl.py --gather-only`` does). The table is
 printed last, with the best tiling per case and the suggested
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -150,10 +153,26 @@ def run_case(run: harness.Run, name: str, src_side: tuple, dst_side: tuple,
     seconds, how = timer(lambda: plan.apply(src, dst, s_ids, d_ids, tokens, kernel="triton"),
                          graph=False)
     run.results["timings"].append({
-        "case": name, "config": "ConversionPlan.apply, default tiling",
+        "case": name, "config": "ConversionPlan.apply, back to back",
         "tile": repr(triton_convert.DEFAULT_GATHER_CONFIG), "seconds": seconds,
         "gbps": gbps(nbytes, seconds), "fraction_of_copy": copy_s / seconds, "how": how})
     run.check(f"{name} | ConversionPlan.apply", torch.equal(bits(dst), bits(expected)))
+    # One call between two synchronisations, as bench_nixl.py --gather-only times it: the
+    # host's work before the launch is not hidden behind an earlier launch.
+    clock = harness.Clock(torch.device(dev))
+
+    def one_call() -> float:
+        clock.sync()
+        start = time.perf_counter()
+        plan.apply(src, dst, s_ids, d_ids, tokens, kernel="triton")
+        clock.sync()
+        return time.perf_counter() - start
+
+    seconds = harness.median_of(3 if dev == "cpu" else 10, one_call)
+    run.results["timings"].append({
+        "case": name, "config": "ConversionPlan.apply, one synchronised call",
+        "tile": repr(triton_convert.DEFAULT_GATHER_CONFIG), "seconds": seconds,
+        "gbps": gbps(nbytes, seconds), "fraction_of_copy": copy_s / seconds, "how": "wall"})
 
 
 def summary(run: harness.Run) -> list[str]:

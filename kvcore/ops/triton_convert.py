@@ -192,6 +192,14 @@ def _as_ids(ids: torch.Tensor | list[int], name: str) -> torch.Tensor:
     return ids.to(device="cpu", dtype=torch.int64)
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a small CPU tensor) on ``device``: on a GPU copied from pinned memory without
+    blocking the host (the caching host allocator keeps the buffer until the copy is done)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _floor_power_of_2(n: int) -> int:
     """The largest power of two ``<= n`` (``n >= 1``)."""
     return 1 << (n.bit_length() - 1)
@@ -299,18 +307,22 @@ def prepare_convert(
             units = head_size // ratio
         src_w, dst_w = src.view(_WORDS[word]), dst.view(_WORDS[word])
     s_ids, d_ids = s_ids[:need_s], d_ids[:need_d]
-    sides = (("src", src_w, s_ids, src_strides, src_block_size, pairs[:, 1]),
-             ("dst", dst_w, d_ids, dst_strides, dst_block_size, pairs[:, 0]))
-    for name, t, ids, st, bs, heads in sides:
+    (d_head_lo, s_head_lo), (d_head_hi, s_head_hi) = (pairs.amin(0).tolist(),
+                                                      pairs.amax(0).tolist())
+    sides = (("src", src_w, s_ids, src_strides, src_block_size, s_head_lo, s_head_hi),
+             ("dst", dst_w, d_ids, dst_strides, dst_block_size, d_head_lo, d_head_hi))
+    for name, t, ids, st, bs, head_lo, head_hi in sides:
         b, lay, kv, tok, h, d = st
-        last = (int(ids.max()) * b + (num_layers - 1) * lay + (num_kv - 1) * kv
-                + (bs - 1) * tok + int(heads.max()) * h + (units - 1) * d)
-        if int(ids.min()) < 0 or int(heads.min()) < 0 or last >= t.numel():
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        last = (hi * b + (num_layers - 1) * lay + (num_kv - 1) * kv
+                + (bs - 1) * tok + head_hi * h + (units - 1) * d)
+        if lo < 0 or head_lo < 0 or last >= t.numel():
             raise ValueError(f"{name}_ids address past {name}: the largest offset they reach is "
                              f"{last}, and {name} holds {t.numel()} elements; is {name} too "
                              "small, or an id out of range?")
-    # One host -> device copy for the ids and head pairs.
-    packed = torch.cat([s_ids, d_ids, pairs.reshape(-1)]).to(device)
+    # One host -> device copy for the ids and head pairs, asynchronous from pinned memory:
+    # the launch does not wait for the device to finish earlier work.
+    packed = _to_device(torch.cat([s_ids, d_ids, pairs.reshape(-1)]), device)
     s_dev, d_dev, pairs_dev = packed.split([need_s, need_d, pairs.numel()])
 
     num_pairs = pairs.shape[0]
@@ -318,9 +330,10 @@ def prepare_convert(
                                                num_tokens, src_block_size, dst_block_size)
     fp8_max, mantissa, min_exp = fp8_format(dst.dtype)
     quantize = scales is not None and dst.dtype in _FP8
-    grid = (triton.cdiv(num_tokens, block_t),
-            num_layers * num_kv * triton.cdiv(num_pairs, block_h))
-    scale_arg = (scales.to(device=device, dtype=torch.float32).contiguous()
+    # Host-side ceil divisions: recent Triton's triton.cdiv is a constexpr function whose
+    # call costs microseconds.
+    grid = (-(-num_tokens // block_t), num_layers * num_kv * -(-num_pairs // block_h))
+    scale_arg = (_to_device(scales.to(dtype=torch.float32, device="cpu").contiguous(), device)
                  if scales is not None else s_dev)
     args = (src_w, dst_w, s_dev, d_dev, pairs_dev, scale_arg,
             num_tokens, src_block_size, dst_block_size, num_kv, num_pairs, units,
