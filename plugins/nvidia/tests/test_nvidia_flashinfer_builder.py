@@ -83,6 +83,8 @@ class _Wrapper:
             allowed = torch.ones(s_q, s_k, dtype=torch.bool)
             if p["causal"]:
                 allowed &= torch.arange(s_k)[None, :] <= qi
+            if p.get("window_left", -1) >= 0:  # the query and window_left keys before it
+                allowed &= torch.arange(s_k)[None, :] >= qi - p["window_left"]
             out[rows] = contiguous_attention_ref(
                 q[rows], k, v, p["sm_scale"], allowed=allowed,
                 logits_soft_cap=p.get("logits_soft_cap")).to(out.dtype)
@@ -360,11 +362,15 @@ def test_builder_plans_its_soft_cap_and_the_layer_matches_the_reference(shape):
     (CAP, 30.0, r"build the steps with FlashInferMetadataBuilder\(\.\.\., "
                 r"logits_soft_cap=30\.0\), the model's cap"),
 ], ids=["uncapped-plan", "uncapped-layer", "other-cap"])
-def test_a_layer_of_another_soft_cap_is_refused(planned, layer, fix):
+def test_once_a_layer_ran_on_the_plan_a_layer_of_another_soft_cap_is_refused(planned, layer,
+                                                                             fix):
     kv_cache, gen = _cache(8)
     impl = _impl(logits_soft_cap=layer)
     batch = mixed_batch(impl, kv_cache, gen, **SHAPES["mixed-decodes-first"])
-    meta = _builder(logits_soft_cap=planned).build(batch.meta)
+    builder = _builder(logits_soft_cap=planned)
+    meta = builder.build(batch.meta)
+    _forward(_impl(logits_soft_cap=planned), batch, kv_cache, meta)  # settles the plan
+    assert builder.settled
     with pytest.raises(ValueError, match=(
             rf"this layer needs scale=.*, sliding_window=None, logits_soft_cap={layer}, "
             rf"causal=True but the step was planned by FlashInferMetadataBuilder for "
@@ -373,14 +379,35 @@ def test_a_layer_of_another_soft_cap_is_refused(planned, layer, fix):
         _forward(impl, batch, kv_cache, meta)
 
 
-def test_a_windowed_layer_is_still_sent_to_a_backend_without_per_step_plans():
-    kv_cache, gen = _cache(9)
-    impl = _impl(sliding_window=8, logits_soft_cap=CAP)
-    batch = mixed_batch(impl, kv_cache, gen, **SHAPES["decode-only"])
-    meta = _builder(logits_soft_cap=CAP).build(batch.meta)
-    with pytest.raises(ValueError, match=r"sliding_window=8, logits_soft_cap=2\.0 but the step "
-                                         r".*: use a backend without per-step plans"):
-        _forward(impl, batch, kv_cache, meta)
+@pytest.mark.parametrize("shape", ["mixed-decodes-first", "prefill-only", "decode-only"])
+@pytest.mark.parametrize(("window", "cap"), [(None, CAP), (8, None), (8, CAP)],
+                         ids=["cap", "window", "window-and-cap"])
+def test_the_builder_learns_the_first_layer_s_window_and_cap(shape, window, cap):
+    """An engine that does not tell the builder the model's cap or window: the first layer's
+    step is planned again for them, bit for bit a step planned for them from the start, and
+    the later steps are planned for them."""
+    kv_cache, gen = _cache(11)
+    impl = _impl(sliding_window=window, logits_soft_cap=cap)
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES[shape])
+    told = _builder(logits_soft_cap=cap)
+    told.sliding_window = window  # what a builder that learned them plans with
+    expected = _forward(impl, batch, kv_cache, told.build(batch.meta))
+    builder = _builder()
+    meta = builder.build(batch.meta)
+    assert meta.planned[1:3] == (None, None) and not builder.settled
+    out = _forward(impl, batch, kv_cache, meta)
+    assert builder.settled and meta.planned[1:3] == (window, cap)
+    assert (builder.sliding_window, builder.logits_soft_cap) == (window, cap)
+    assert torch.equal(out, expected)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
+    later = builder.build(batch.meta)
+    assert later.planned[1:3] == (window, cap)
+    assert torch.equal(_forward(impl, batch, kv_cache, later), expected)
+    # Settled: a layer that needs other values is refused, naming the fix.
+    with pytest.raises(ValueError, match=r"this layer needs .* but the step was planned by "
+                                         r"FlashInferMetadataBuilder .*: (give layers of other "
+                                         r"windows their own builder|build the steps with)"):
+        _forward(_impl(sliding_window=16), batch, kv_cache, later)
 
 
 @pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), True, "50"])

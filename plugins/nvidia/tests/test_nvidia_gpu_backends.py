@@ -99,6 +99,40 @@ def test_flashinfer_builder_plans_once_and_refuses_a_layer_it_did_not_plan_for(s
                                               batch.value, kv_cache, meta)
 
 
+@needs_flashinfer
+@pytest.mark.parametrize("shape", ["mixed", "decode"])
+def test_flashinfer_builder_learns_the_first_layer_s_window(shape):
+    """A builder not told the model's window plans its first step again for the first
+    layer's (bit for bit a step planned for it from the start) and later steps for it."""
+    gen = torch.Generator().manual_seed(13 if shape == "mixed" else 14)
+    kv_cache = _cache(FlashInferBackend, NUM_BLOCKS, gen).layers[0]
+    impl = _impl(FlashInferBackend, 256)
+    batch = mixed_batch(impl, kv_cache, gen, **(MIXED if shape == "mixed" else DECODE))
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
+
+    def builder():
+        return FlashInferBackend.get_builder_cls()(
+            spec, num_heads=HEADS, max_num_seqs=64, max_num_batched_tokens=1024,
+            max_model_len=8192, device="cuda")
+
+    def run(meta):
+        out = torch.full_like(batch.query, float("nan"))
+        impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache, meta,
+                     output=out)
+        return out
+
+    told = builder()
+    told.sliding_window = 256
+    expected = run(told.build(batch.meta))
+    learner = builder()
+    out = run(learner.build(batch.meta))
+    assert learner.settled and learner.sliding_window == 256
+    assert torch.equal(out, expected)
+    assert rel_err(out, reference(impl, batch, kv_cache)) < BF16_REL_ERR
+    assert torch.equal(run(learner.build(batch.meta)), expected)
+
+
 #: Gemma 2 (9B) per layer: 16 query heads, 8 K/V heads of 256, scores soft-capped at 50.
 GEMMA = dict(num_heads=16, num_kv_heads=8, head_size=256, logits_soft_cap=50.0)
 PREFILL = dict(q_lens=(300, 257, 64), ctx_lens=(0, 1000, 17))

@@ -47,10 +47,12 @@ at start-up.
 
 A plan fixes the softmax scale, the sliding window, the logit soft-cap and, for prefill, the
 causal mask. The builder's constructor does not receive the layers' scale and window: it plans
-for ``1 / sqrt(head_size)``, no window, the soft-cap it was given (its ``logits_soft_cap``
-keyword, the model's; none by default) and the step's ``causal``, and ``forward`` refuses a
-layer that needs other values (clear error). Soft-capping (``SUPPORTS_LOGITS_SOFT_CAP``) is
-FlashInfer's own: ``cap * tanh(s / cap)`` of the scaled score, on every kernel above.
+for ``1 / sqrt(head_size)``, no window and the soft-cap it was given (its ``logits_soft_cap``
+keyword; none by default), learns the model's values from the first layer that runs (that
+step planned again for them) and settles them from then on; ``forward`` refuses a layer that
+needs other values than settled ones (clear error; see :class:`FlashInferMetadataBuilder`).
+Soft-capping (``SUPPORTS_LOGITS_SOFT_CAP``) is FlashInfer's own: ``cap * tanh(s / cap)`` of the
+scaled score, on every kernel above.
 Metadata that did not come from the builder (``forward`` called with
 :class:`kvcore.AttentionMetadata` directly) is planned on its first layer (the whole batch on
 one wrapper, prefill or decode) and the plan kept for the next layers of the same step
@@ -179,6 +181,21 @@ class FlashInferImpl(PagedCacheImpl):
                      last_page_len, *shape, causal=self.is_causal(attn_metadata), **options)
         return prefill
 
+    def _learn_plan(self, key_cache: torch.Tensor, attn_metadata: FlashInferMetadata) -> None:
+        """Let the step's builder learn this layer's scale, window and soft-cap when its plan
+        was made for others and its values are not settled yet (outside a graph capture); a
+        layer that runs on the plan settles them."""
+        builder = attn_metadata.builder
+        if builder is None or builder.settled:
+            return
+        scale, window, cap, _ = attn_metadata.planned
+        if (math.isclose(self.scale, scale, rel_tol=1e-6)
+                and (self.sliding_window, self.logits_soft_cap) == (window, cap)):
+            builder.settled = True
+        elif not (key_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+            builder.learn_layer(attn_metadata, self.scale, self.sliding_window,
+                                self.logits_soft_cap)
+
     def _check_plan(self, query: torch.Tensor, key_cache: torch.Tensor,
                     attn_metadata: FlashInferMetadata) -> None:
         """Refuse a layer the builder's plan does not fit."""
@@ -191,7 +208,8 @@ class FlashInferImpl(PagedCacheImpl):
             only_cap = same_scale and (self.sliding_window, wanted[3]) == (window, causal)
             fix = (f"build the steps with FlashInferMetadataBuilder(..., logits_soft_cap="
                    f"{self.logits_soft_cap}), the model's cap" if only_cap else
-                   "use a backend without per-step plans (e.g. TRITON_ATTN) for this model")
+                   "give layers of other windows their own builder (as vLLM's KV-cache groups "
+                   "do), or use a backend without per-step plans (e.g. TRITON_ATTN)")
             raise ValueError(
                 f"this layer needs scale={self.scale}, sliding_window={self.sliding_window}, "
                 f"logits_soft_cap={self.logits_soft_cap}"
@@ -265,6 +283,7 @@ class FlashInferImpl(PagedCacheImpl):
         if isinstance(attn_metadata, FlashInferMetadata) and (
                 attn_metadata.decode_wrapper is not None
                 or attn_metadata.prefill_wrapper is not None):
+            self._learn_plan(key_cache, attn_metadata)
             self._check_plan(q, key_cache, attn_metadata)
             k = attn_metadata.num_decodes
             if attn_metadata.decode_wrapper is not None:

@@ -89,6 +89,9 @@ class FlashInferMetadata(AttentionMetadata):
             or not is the same).
         dtype: the query and cache dtype the plans were made for.
         launch: the step's :class:`FlashInferLaunch` (``None`` for an empty step).
+        builder: the :class:`FlashInferMetadataBuilder` that planned the step (it learns the
+            model's scale, window and soft-cap from the first layer, see its docstring).
+        graph_batch_size: the ``graph_batch_size`` the step was built with.
     """
 
     decode_wrapper: Any = None
@@ -97,6 +100,8 @@ class FlashInferMetadata(AttentionMetadata):
     planned: tuple[float, int | None, float | None, bool | None] = (0.0, None, None, None)
     dtype: torch.dtype | None = None
     launch: FlashInferLaunch | None = None
+    builder: Any = None
+    graph_batch_size: int | None = None
 
 
 class FlashInferMetadataBuilder(PersistentMetadataBuilder):
@@ -124,9 +129,17 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     them; the slot's event is recorded after the last plan of the step, so a slot is
     rewritten only once those copies have run.
 
-    ``logits_soft_cap`` (keyword, beyond the builder contract): the soft-cap every plan is
-    made for, the model's (Gemma 2: 50.0); layers with another cap (or none, when one is
-    set) are refused by their ``forward``. ``None`` (the default): no cap.
+    A plan fixes the softmax scale, the sliding window and the logit soft-cap for every layer
+    of the step. The builder starts from ``1 / sqrt(head_size)``, no window and
+    ``logits_soft_cap`` (keyword, beyond the builder contract: the model's cap when the engine
+    knows it, e.g. Gemma 2's 50.0; ``None`` by default), and **learns the model's values from
+    the first layer that runs**: if that layer needs others, the step is planned again for
+    them (bit for bit what a step planned for them from the start gives) and every later step
+    is planned for them. Once a layer ran on the builder's values (or a step was captured into
+    a CUDA graph) they are settled: a layer that needs others is refused by its ``forward``
+    (layers of one builder share one plan; vLLM gives each window its own KV-cache group and
+    builder). A step whose first layer runs inside a graph capture is not re-planned there:
+    run one eager step first (``CudaGraphRunner`` does) or pass ``logits_soft_cap``.
 
     Attributes:
         kernels: the :class:`FlashInferKernels` the steps run on.
@@ -151,6 +164,11 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         self.scale = spec.head_size ** -0.5
         #: The logit soft-cap every plan is made for (``None``: none).
         self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+        #: The sliding window every plan is made for (``None``: none).
+        self.sliding_window: int | None = None
+        #: Whether the plan parameters above are the model's (a layer ran on them, or a step
+        #: was captured): from then on they are never changed (see the class docstring).
+        self.settled = False
         self.kernels = flashinfer_kernels(cuda_capability(self.device), num_heads, num_kv_heads)
         self.plans = 0
         dev = self.device
@@ -266,8 +284,30 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
 
     def _options(self) -> tuple[tuple, dict]:
         return plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
-                         self.spec.block_size, self.scale, None, self.spec.dtype,
-                         self.spec.dtype, self.logits_soft_cap)
+                         self.spec.block_size, self.scale, self.sliding_window,
+                         self.spec.dtype, self.spec.dtype, self.logits_soft_cap)
+
+    def learn_layer(self, meta: FlashInferMetadata, scale: float, sliding_window: int | None,
+                    logits_soft_cap: float | None) -> bool:
+        """Take a layer's plan parameters as the model's and plan ``meta``'s step again for
+        them (its wrappers and launch replaced in place), unless the builder's are settled;
+        returns whether it did. Called by the first layer of a step whose plan does not fit
+        it, outside any graph capture."""
+        if self.settled:
+            return False
+        self.scale, self.sliding_window, self.logits_soft_cap = (
+            scale, sliding_window, logits_soft_cap)
+        self.settled = True
+        # Graph-mode wrappers were planned for the old values: plan them again when used.
+        self._graph_plans.clear()
+        slot = self._staging.acquire()
+        try:
+            fresh = self._build(meta, meta, meta.graph_batch_size, slot)
+        finally:
+            self._staging.release()
+        for field in ("decode_wrapper", "prefill_wrapper", "num_decodes", "planned", "launch"):
+            setattr(meta, field, getattr(fresh, field))
+        return True
 
     def _plan_graph_decode(self, size: int, pages: HostPages, counts: bytes,
                            indices: torch.Tensor, *, eager: bool = False) -> Any:
@@ -334,11 +374,12 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                   causal: bool | None, graph_batch_size: int | None) -> FlashInferMetadata:
         """The step's metadata with its wrappers and their :class:`FlashInferLaunch`."""
         max_block_id = launch_block_bound(meta, graph_batch_size)
-        planned = (self.scale, None, self.logits_soft_cap, causal)
+        planned = (self.scale, self.sliding_window, self.logits_soft_cap, causal)
         rows = (meta.num_actual_tokens, self.num_heads, self.spec.head_size)
         launch = FlashInferLaunch(decode, prefill, k, rows, self.signature, max_block_id, planned)
         return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,
-                           num_decodes=k, planned=planned, dtype=self.spec.dtype, launch=launch)
+                           num_decodes=k, planned=planned, dtype=self.spec.dtype, launch=launch,
+                           builder=self, graph_batch_size=graph_batch_size)
 
     def warmup(self) -> dict[str, float]:
         """Build (JIT-compile, or load from FlashInfer's cache) the modules this builder's
