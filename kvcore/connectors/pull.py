@@ -121,6 +121,42 @@ def poll_pause(elapsed_s: float) -> float:
     return min(POLL_PAUSE_MAX_S, max(POLL_PAUSE_MIN_S, _POLL_PAUSE_FRACTION * elapsed_s))
 
 
+class _LoadTask:
+    """A load queued for the connector's loader thread, run by whichever comes first: that
+    thread, or a caller that waits for it (:meth:`wait` with ``inline``)."""
+
+    def __init__(self, call: Callable[..., TransferResult], *args: Any) -> None:
+        self._call, self._args = call, args
+        self._claim = threading.Lock()  # taken by whoever runs it
+        self.finished = threading.Event()
+        self._result: TransferResult | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        """Run the load unless another thread took it."""
+        if not self._claim.acquire(blocking=False):
+            return
+        try:
+            self._result = self._call(*self._args)
+        except BaseException as exc:  # handed to the waiter, as a future would
+            self._error = exc
+        finally:
+            self._call = self._args = None
+            self.finished.set()
+
+    def wait(self, timeout: float | None, inline: bool) -> bool:
+        """Whether the load finished within ``timeout``; ``inline``: run it in this thread
+        if the loader thread has not started it."""
+        if inline:
+            self.run()
+        return self.finished.wait(timeout)
+
+    def result(self) -> TransferResult:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 # -- the connector --------------------------------------------------------------------------
 
 
@@ -381,8 +417,16 @@ class PullConnector(KVConnector):
         if self.role != "consumer":
             return self._all_failed("load", block_ids, "role='producer' only publishes; a "
                                     "consumer (role='consumer') loads")
-        future = self._loader.submit(self._read_blocks_from_producer, keys, block_ids)
-        return TransferHandle.from_future("load", self.failure_policy, future)
+        task = _LoadTask(self._read_blocks_from_producer, keys, block_ids)
+        self._loader.submit(task.run)
+        # A caller that waits for the load before the loader thread took it runs it itself
+        # (no hand-off to the thread and back), when it waits at least as long as a load may
+        # take.
+        inline_from = self.timeout_s + 1.0
+        return TransferHandle(
+            "load", self.failure_policy, task.finished.is_set,
+            lambda timeout: task.wait(timeout, timeout is None or timeout >= inline_from),
+            task.result)
 
     def _read_blocks_from_producer(self, keys: list[str], block_ids: list[int]
                                    ) -> TransferResult:

@@ -77,6 +77,8 @@ class Consumer:
                 last = exc
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         try:
+            # Requests and answers are single frames, each waited for: send them at once.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             send_frame(sock, {"op": "hello", "protocol": conn.channel_protocol,
                                "agent": self.engine.name, "layout": conn._layout.to_dict(),

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 from kvcore import KVCacheLayout
 from kvcore.connectors.convert import TPRank, as_tp_rank, plan_conversion
-from kvcore.connectors.keys import check_block_keys
 
 __all__ = ["CLOSED_LINK_GRACE_S", "BadFrame", "ChannelError", "Notifier", "Producer",
            "ProducerSide", "SaveRecord", "check_seconds", "close_socket", "recv_frame",
@@ -268,11 +267,16 @@ class Producer:
         with self.cond:
             blocks: list[Any] = []
             taken: list[_Publication | None] = []
-            for key in keys:
-                pub = self._available(key, consumer)  # after the previous keys took theirs
-                if pub is not None:
-                    pub.leases.add(lease_id)
-                    pub.takers.add(consumer)
+            published, readers = self.published, self.conn.readers
+            for key in keys:  # (_available inlined: this loop runs per key of every load)
+                pub = None
+                for candidate in published.get(key, ()):  # after the previous keys took theirs
+                    if consumer not in candidate.takers \
+                            and candidate.reads + len(candidate.leases) < readers:
+                        pub = candidate
+                        pub.leases.add(lease_id)
+                        pub.takers.add(consumer)
+                        break
                 blocks.append(None if pub is None else pub.block)
                 taken.append(pub)
             if any(p is not None for p in taken):
@@ -451,6 +455,9 @@ class Producer:
                 sock, addr = self.listener.accept()
             except OSError:
                 return  # the listener was closed
+            # Answers are single frames a consumer waits for: send them at once (Nagle's
+            # algorithm would hold a frame's last segment until the previous ones are acked).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self.cond:
                 if self.stopping:
                     close_socket(sock)
@@ -576,4 +583,11 @@ class Producer:
 
 
 def _keys(request: dict[str, Any]) -> list[str]:
-    return check_block_keys(request.get("keys"))
+    """A request's keys: a list of str. Only looked up among the published keys (which
+    ``save`` checked), so one that is no key is simply not published; its format is not
+    checked again here, per key of every load."""
+    keys = request.get("keys")
+    if not isinstance(keys, list) or not all(type(k) is str for k in keys):
+        raise TypeError(f"keys must be a list of hex-digest strings, got "
+                        f"{reprlib.repr(keys)}")
+    return keys

@@ -208,3 +208,48 @@ def test_a_load_makes_one_fetch_round_trip_and_reports_its_phases(pull):
     assert phases.count("done") == (runs if pull.name == "mooncake" else 0)
     assert phases.count("start_read") == runs and "giveback" not in phases
     assert torch.equal(block_bytes(kv_c, [0, 1, 5, 6]), block_bytes(kv_p, [2, 3, 7, 8]))
+
+
+def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread():
+    """A caller that waits (long enough for any load) runs a load the loader thread has not
+    started itself, saving two thread hand-offs; one the loader runs is waited for, within
+    the caller's timeout; an error reaches the caller either way."""
+    import threading
+
+    from kvcore.connectors.pull import _LoadTask
+
+    ran_on: list[str] = []
+
+    def load(name):
+        ran_on.append(threading.current_thread().name)
+        if name == "bad":
+            raise ConnectionError("the link went down")
+        return name
+
+    task = _LoadTask(load, "a")
+    assert not task.wait(0.01, inline=False) and ran_on == []  # queued, not run
+    assert task.wait(None, inline=True) and task.result() == "a"
+    assert ran_on == [threading.current_thread().name]
+    task.run()  # the loader thread comes later: nothing to do
+    assert ran_on == [threading.current_thread().name]
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow(name):
+        started.set()
+        release.wait(5)
+        return load(name)
+
+    task = _LoadTask(slow, "b")
+    loader = threading.Thread(target=task.run, name="loader")
+    loader.start()
+    assert started.wait(5)
+    assert not task.wait(0.05, inline=True)  # the loader has it: wait, within the timeout
+    release.set()
+    assert task.wait(5, inline=True) and task.result() == "b" and ran_on[-1] == "loader"
+    loader.join(5)
+
+    task = _LoadTask(load, "bad")
+    assert task.wait(None, inline=True)
+    with pytest.raises(ConnectionError, match="the link went down"):
+        task.result()
