@@ -126,3 +126,19 @@ def kvcore_simulate(monkeypatch: pytest.MonkeyPatch):
     yield simulate
     monkeypatch.undo()
     reset()
+
+
+@pytest.fixture
+def kvcore_gluon(monkeypatch: pytest.MonkeyPatch):
+    """Set the operator's Gluon switch for one test: ``kvcore_gluon("0")`` sets
+    ``KVCORE_GLUON`` and makes kvcore read it again (it reads it once per process:
+    ``kvcore.ops.triton_utils.gluon_defaults_enabled``). Restored after the test."""
+    from kvcore.ops.triton_utils import gluon_defaults_enabled
+
+    def switch(value: str) -> None:
+        monkeypatch.setenv("KVCORE_GLUON", value)
+        gluon_defaults_enabled.cache_clear()
+
+    yield switch
+    monkeypatch.undo()
+    gluon_defaults_enabled.cache_clear()

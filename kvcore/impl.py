@@ -235,9 +235,25 @@ class PagedAttentionImpl(AttentionImpl):
     :meth:`attend` (``kvcore.TritonAttentionImpl``'s hands ``paged_attention`` its ``plan``).
     """
 
+    #: The last cache :meth:`split_kv` split and what it gave: ``(kv_cache, address, shape,
+    #: strides, dtype, device, (key_cache, value_cache))``; set per instance.
+    _split: tuple = ()
+
     def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V ``(num_blocks, block_size, num_kv_heads, head_size)`` views."""
+        """The K and V ``(num_blocks, block_size, num_kv_heads, head_size)`` views.
+
+        The views of the layer's last cache are kept and handed back while the same tensor
+        comes with the same address, shape, strides and dtype (an engine passes one cache
+        per layer every step): no views made per call, and the ops find their checks by
+        these view objects. The impl holds that one cache until another comes."""
+        seen = self._split
+        if (seen and seen[0] is kv_cache and kv_cache.data_ptr() == seen[1]
+                and kv_cache.stride() == seen[3] and kv_cache.shape == seen[2]
+                and kv_cache.dtype == seen[4] and kv_cache.device == seen[5]):
+            return seen[6]
         key_cache, value_cache = kv_cache.unbind(1)
+        self._split = (kv_cache, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
+                       kv_cache.dtype, kv_cache.device, (key_cache, value_cache))
         return key_cache, value_cache
 
     @staticmethod

@@ -37,7 +37,7 @@ from kvcore.ops.triton_prefill import prefill_attention_kernel
 from kvcore.ops.triton_utils import (
     gluon_defaults_enabled,
     gluon_kernels_unavailable,
-    interpreting,
+    is_interpreted,
     next_power_of_2,
     recording_launches,
 )
@@ -208,7 +208,7 @@ def gluon_prefill_unmet(query: torch.Tensor, key_cache: torch.Tensor,
     device = query.device
     if recording_launches():  # compiled ahead of time for a target: no device to check
         return None
-    if interpreting():
+    if is_interpreted(prefill_attention_kernel):  # this process's kernels are interpreted
         return ("gluon_ws_pingpong cannot run under TRITON_INTERPRET=1 (Gluon kernels have no "
                 "interpreter): unset it on a Hopper GPU, or use a TritonPrefillConfig")
     if device.type != "cuda" or not _is_hopper(
@@ -278,9 +278,10 @@ class AttentionLaunch:
         # fp32 queries get exact dots; fp16/bf16 the backend's default (the names of the
         # other precisions differ between NVIDIA and AMD, so none is spelled out).
         dot_precision = "ieee" if query.dtype == torch.float32 else None
+        fn = prefill_attention_kernel if self.prefill else paged_attention_kernel
         constexprs = dict(CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, FP8=fp8,
                           SCALE_IS_TENSOR=isinstance(ks, torch.Tensor),
-                          INTERPRET=interpreting(), DOT_PRECISION=dot_precision,
+                          INTERPRET=is_interpreted(fn), DOT_PRECISION=dot_precision,
                           BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,
                           BLOCK_D=block_d)
         # The sinks go into the kernel's softmax, or, for a split launch, into the merge.
@@ -290,13 +291,11 @@ class AttentionLaunch:
         window = sliding_window or 0
         group = num_heads // num_kv_heads
         if self.prefill:
-            fn = prefill_attention_kernel
             self.ints = (group, block_size, head_size, window)
             constexprs.update(EVEN_D=block_d == head_size,
                               PAGE=block_size if cfg.const_block else 0,
                               EDGE_STAGES=cfg.edge_stages, **features)
         else:
-            fn = paged_attention_kernel
             self.ints = (num_heads, group, block_size, head_size, window, self.num_splits)
             constexprs.update(SPLIT_KV=self.num_splits > 1,
                               PAGE=block_size if cfg.const_block else 0, **features)

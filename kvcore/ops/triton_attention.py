@@ -39,13 +39,8 @@ from kvcore.ops.attention_config import (
 from kvcore.ops.attention_dispatch import AttentionLaunch, call_config, gluon_prefill_unmet
 from kvcore.ops.reference import check_attention_features
 from kvcore.ops.split_kv import MAX_KV_SPLITS, workspace_numel
-from kvcore.ops.triton_cache import scale_key
-from kvcore.ops.triton_utils import (
-    gluon_defaults_enabled,
-    interpreting,
-    recording_launches,
-    scale_args,
-)
+from kvcore.ops.triton_cache import CacheViews, same_scale, scale_key
+from kvcore.ops.triton_utils import gluon_defaults_enabled, recording_launches, scale_args
 from kvcore.ops.validation import (
     FP8_KV_CACHE_DTYPES,
     KVScale,
@@ -133,15 +128,19 @@ def paged_attention(
     Returns:
         ``output`` (or a new tensor like ``query``).
     """
-    global _switches, _switches_step
-    if seq_lens is not _switches_step:  # a new step: read the process switches again
-        _switches_step, _switches = seq_lens, (interpreting(), gluon_defaults_enabled())
-    try:
-        layer = _LAYERS.get(_layer_key(query, key_cache, value_cache, scale, causal,
-                                       sliding_window, kv_cache_dtype, k_scale, v_scale,
-                                       logits_soft_cap, sinks))
-    except (AttributeError, TypeError, IndexError):  # the checks below say what is wrong
-        layer = None
+    seen = _RECENT.get(id(key_cache))
+    if seen is not None and seen[0].same(key_cache, value_cache) and seen[1].same_call(
+            query, scale, causal, sliding_window, kv_cache_dtype, k_scale, v_scale,
+            logits_soft_cap, sinks):
+        layer = seen[1]
+    else:
+        try:
+            layer = _LAYERS.get(_layer_key(query, key_cache, value_cache, scale, causal,
+                                           sliding_window, kv_cache_dtype, k_scale, v_scale,
+                                           logits_soft_cap, sinks))
+        except (AttributeError, TypeError, IndexError):  # the checks below say what is wrong
+            layer = None
+        seen = None
     if layer is not None and layer.takes(query, query_start_loc, seq_lens, block_table,
                                          output):
         if layer.fp8:  # a tensor scale's value is read each call, as the checks do
@@ -158,6 +157,10 @@ def paged_attention(
         if len(_LAYERS) >= _MAX_LAYERS:
             _LAYERS.clear()
         _LAYERS[layer.key] = layer
+    if seen is None:  # found by the full signature, or new: look it up by these views next
+        if len(_RECENT) >= _MAX_LAYERS:
+            _RECENT.clear()
+        _RECENT[id(key_cache)] = (CacheViews(key_cache, value_cache), layer)
     plan = _DEFAULT_PLAN if plan is None else plan
     if plan is not layer.plan:
         _check_plan(plan)
@@ -222,12 +225,12 @@ def _check_plan(plan: object) -> None:
 #: Checked layers by their signature (the key of :func:`paged_attention`'s lookup).
 _LAYERS: dict[tuple, _Layer] = {}
 _MAX_LAYERS = 1024
+#: By ``id`` of a key cache view: the views (:class:`~kvcore.ops.triton_cache.CacheViews`)
+#: and the checked layer of the last call on them (what :func:`paged_attention` looks up
+#: first).
+_RECENT: dict[int, tuple[CacheViews, _Layer]] = {}
 #: The step metadata :meth:`_Layer.takes` last accepted: (tensors, their versions, device).
 _last_step: tuple = ()
-#: The process switches that change the kernel choice (``TRITON_INTERPRET``,
-#: ``KVCORE_GLUON``), read once per step (a new ``seq_lens`` tensor), not per layer.
-_switches: tuple[bool, bool] = (False, True)
-_switches_step: object = None
 
 
 def _layer_key(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -235,16 +238,17 @@ def _layer_key(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
                k_scale: KVScale, v_scale: KVScale, logits_soft_cap: float | None,
                sinks: torch.Tensor | None) -> tuple:
     """What a :class:`_Layer`'s checks and choices hold for: the caches (shape, strides,
-    dtype, device, address), the query's dtype and head shape, the scalar arguments, the
-    sinks tensor (by identity: the launches keep it), and the process switches that change
-    the kernel choice (those of the environment as read for this step)."""
+    dtype, device, address), the query's dtype and head shape, the scalar arguments and
+    scales, the sinks tensor (by identity: the launches keep it), whether launches are
+    recorded, and the Gluon switch (read once per process; a test that changes it gets
+    new layers). Whether the kernels are interpreted is fixed when they were decorated, so
+    it is no part of it."""
     return (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
             key_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
             value_cache.device, value_cache.data_ptr(), query.dtype, query.shape[1:],
-            kv_cache_dtype, scale, causal, sliding_window,
-            None if k_scale is None else scale_key(k_scale),
-            None if v_scale is None else scale_key(v_scale), _switches, recording_launches(),
-            logits_soft_cap, None if sinks is None else id(sinks))
+            kv_cache_dtype, scale, causal, sliding_window, scale_key(k_scale),
+            scale_key(v_scale), logits_soft_cap, None if sinks is None else id(sinks),
+            recording_launches(), gluon_defaults_enabled())
 
 
 class _Layer:
@@ -262,6 +266,11 @@ class _Layer:
                               kv_cache_dtype, k_scale, v_scale, logits_soft_cap, sinks)
         self.features = logits_soft_cap is not None or sinks is not None
         self.sinks = sinks  # held: the key names it by identity
+        self.query_dtype, self.heads = query.dtype, query.shape[1:]
+        # What same_call compares: the scalars as the key holds them, and the scales
+        # (held: a number is compared by identity, else by scale_key).
+        self.scalars = self.key[12:16] + self.key[18:20]
+        self.scales = (k_scale, self.key[16], v_scale, self.key[17])
         self.device = query.device
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
@@ -270,6 +279,21 @@ class _Layer:
         self._configs: dict[tuple, AttentionConfig] = {}
         self._workspace: tuple = ()
         _accept_step(query_start_loc, seq_lens, block_table, self.device)
+
+    def same_call(self, query: torch.Tensor, scale: float, causal: bool,
+                  sliding_window: int | None, kv_cache_dtype: str, k_scale: KVScale,
+                  v_scale: KVScale, logits_soft_cap: float | None,
+                  sinks: torch.Tensor | None) -> bool:
+        """Whether a call on the cache views this layer was found by
+        (:class:`~kvcore.ops.triton_cache.CacheViews`) has the rest of its signature
+        (:func:`_layer_key` but the caches): a few comparisons, nothing built or hashed."""
+        scales, key = self.scales, self.key
+        return (query.dtype == self.query_dtype and query.shape[1:] == self.heads
+                and (kv_cache_dtype, scale, causal, sliding_window, logits_soft_cap,
+                     None if sinks is None else id(sinks)) == self.scalars
+                and same_scale(k_scale, scales[0], scales[1])
+                and same_scale(v_scale, scales[2], scales[3])
+                and recording_launches() == key[20] and gluon_defaults_enabled() == key[21])
 
     def takes(self, query: torch.Tensor, query_start_loc: torch.Tensor,
               seq_lens: torch.Tensor, block_table: torch.Tensor,

@@ -17,14 +17,16 @@ This module imports triton at import time; :mod:`kvcore.ops` imports it lazily.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
 from kvcore.ops.triton_utils import (
     fp8_format,
+    is_interpreted,
     load_kv_scales,
     next_power_of_2,
     round_to_fp8_grid,
@@ -110,16 +112,22 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     The argument checks the caches decide run once per cache (:class:`_CacheWrite`); a call
     compares its tokens with what the cache's checks saw and repeats only the value checks
     (:func:`~kvcore.ops.validation.check_reshape_and_cache_values`), or runs every check
-    again when something differs, so a bad argument gets the same message as ever.
+    again when something differs, so a bad argument gets the same message as ever. The
+    cache's checks are found by the cache view objects of the last call on them
+    (:class:`CacheViews`: the same objects, unchanged) and the call's dtype, cache dtype and
+    scales, else by the caches' full signature (:func:`_write_key`).
     """
-    try:
-        found = _WRITES.get((key_cache.shape, key_cache.stride(), key_cache.dtype,
-                             key_cache.device, key_cache.data_ptr(), value_cache.shape,
-                             value_cache.stride(), value_cache.dtype, value_cache.device,
-                             value_cache.data_ptr(), key.dtype, kv_cache_dtype,
-                             scale_key(k_scale), scale_key(v_scale), _interpreted()))
-    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-        found = None
+    seen = _RECENT.get(id(key_cache))
+    if seen is not None and seen[0].same(key_cache, value_cache) and seen[1].same_call(
+            key, kv_cache_dtype, k_scale, v_scale):
+        found = seen[1]
+    else:
+        try:
+            found = _WRITES.get(_write_key(key, key_cache, value_cache, kv_cache_dtype,
+                                           k_scale, v_scale))
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+            found = None
+        seen = None
     if found is not None and found.takes(key, value, slot_mapping):
         if found.fp8:  # a tensor scale's value is read each call, as the checks do
             check_scale("k_scale", k_scale, used=True)
@@ -132,6 +140,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         if len(_WRITES) >= _MAX_WRITES:
             _WRITES.clear()
         _WRITES[found.key] = found
+    if seen is None:  # found by the full signature, or new: look it up by these views next
+        if len(_RECENT) >= _MAX_WRITES:
+            _RECENT.clear()
+        _RECENT[id(key_cache)] = (CacheViews(key_cache, value_cache), found)
     found.launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -143,15 +155,60 @@ def scale_key(scale: KVScale) -> object:
     return (type(scale), scale)
 
 
-def _interpreted() -> bool:
-    """Whether the write kernel runs in Triton's interpreter: fixed when it was decorated
-    (``TRITON_INTERPRET=1`` then), so no environment read per call."""
-    return not isinstance(_reshape_and_cache_kernel, JITFunction)
+def same_scale(scale: KVScale, seen: KVScale, seen_key: object) -> bool:
+    """Whether ``scale`` passes wherever ``seen`` (whose :func:`scale_key` is ``seen_key``)
+    passed: the same number object, or the same :func:`scale_key`."""
+    if scale is seen and not isinstance(scale, torch.Tensor):
+        return True
+    return scale_key(scale) == seen_key
+
+
+class CacheViews:
+    """The K and V cache view objects a checked op last ran on, held weakly (a view freed
+    since is never matched, whatever takes its ``id``), with their addresses and version
+    counters. :meth:`same` is the per-call lookup of :func:`reshape_and_cache` and
+    :func:`kvcore.ops.triton_attention.paged_attention`: a few comparisons instead of the
+    caches' full signature, built and hashed."""
+
+    __slots__ = ("key_ref", "seen", "value_ref")
+
+    def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        self.key_ref = weakref.ref(key_cache)
+        self.value_ref = weakref.ref(value_cache)
+        # Inference tensors keep no version counter: such views are never matched (the
+        # full signature is looked up every call).
+        self.seen = None if key_cache.is_inference() or value_cache.is_inference() else (
+            key_cache.data_ptr(), value_cache.data_ptr(), key_cache._version,
+            value_cache._version)
+
+    def same(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+        """Whether these are the view objects seen, at the same addresses and versions: an
+        in-place ``set_``, ``resize_``, ``as_strided_`` or other in-place op since (which
+        could change a shape or stride the checks read) bumps the version, and then the
+        caller looks the full signature up again. Triton kernels' writes bump nothing."""
+        seen = self.seen
+        return (seen is not None and self.key_ref() is key_cache
+                and self.value_ref() is value_cache and key_cache.data_ptr() == seen[0]
+                and value_cache.data_ptr() == seen[1] and key_cache._version == seen[2]
+                and value_cache._version == seen[3])
+
+
+def _write_key(key: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               kv_cache_dtype: str, k_scale: KVScale, v_scale: KVScale) -> tuple:
+    """What a :class:`_CacheWrite`'s checks and launch hold for: the caches (shape, strides,
+    dtype, device, address), the tokens' dtype, the cache dtype and the scales."""
+    return (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+            key_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
+            value_cache.device, value_cache.data_ptr(), key.dtype, kv_cache_dtype,
+            scale_key(k_scale), scale_key(v_scale))
 
 
 #: Checked caches by their signature (the key of :func:`reshape_and_cache`'s lookup).
 _WRITES: dict[tuple, _CacheWrite] = {}
 _MAX_WRITES = 1024
+#: By ``id`` of a key cache view: the views (:class:`CacheViews`) and the checked write of
+#: the last call on them (what :func:`reshape_and_cache` looks up first).
+_RECENT: dict[int, tuple[CacheViews, _CacheWrite]] = {}
 
 
 class _CacheWrite:
@@ -160,11 +217,11 @@ class _CacheWrite:
 
     def __init__(self, key: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  kv_cache_dtype: str, k_scale: KVScale, v_scale: KVScale) -> None:
-        self.key = (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
-                    key_cache.data_ptr(), value_cache.shape, value_cache.stride(),
-                    value_cache.dtype, value_cache.device, value_cache.data_ptr(), key.dtype,
-                    kv_cache_dtype, scale_key(k_scale), scale_key(v_scale), _interpreted())
+        self.key = _write_key(key, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
         self.dtype, self.device = key.dtype, key_cache.device
+        self.kv_cache_dtype = kv_cache_dtype
+        # Held: same_call compares a number by identity, else by scale_key.
+        self.scales = (k_scale, scale_key(k_scale), v_scale, scale_key(v_scale))
         self.heads = key_cache.shape[2:]
         self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         num_kv_heads, head_size = self.heads
@@ -180,10 +237,19 @@ class _CacheWrite:
         self.kernel = KernelLaunch(
             _reshape_and_cache_kernel, (self.key, self.fixed, self.tail),
             dict(FP8=self.fp8, SCALE_IS_TENSOR=isinstance(ks, torch.Tensor), FP8_MAX=fp8_max,
-                 EXACT_FP8_ROUNDING=_interpreted(), MANTISSA_BITS=mantissa_bits,
-                 MIN_EXPONENT=min_exponent, BLOCK_T=self.block_t, BLOCK_H=self.block_h,
-                 BLOCK_D=self.block_d),
+                 EXACT_FP8_ROUNDING=is_interpreted(_reshape_and_cache_kernel),
+                 MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, BLOCK_T=self.block_t,
+                 BLOCK_H=self.block_h, BLOCK_D=self.block_d),
             dict(num_warps=4))
+
+    def same_call(self, key: torch.Tensor, kv_cache_dtype: str, k_scale: KVScale,
+                  v_scale: KVScale) -> bool:
+        """Whether a call on the cache views this write was found by (:class:`CacheViews`)
+        has the rest of its signature: the tokens' dtype, the cache dtype, the scales."""
+        scales = self.scales
+        return (key.dtype == self.dtype and kv_cache_dtype == self.kv_cache_dtype
+                and same_scale(k_scale, scales[0], scales[1])
+                and same_scale(v_scale, scales[2], scales[3]))
 
     def takes(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         """Whether the checks this cache passed cover a call with these tokens."""

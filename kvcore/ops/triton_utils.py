@@ -16,11 +16,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 __all__ = ["find_sequence", "fp8_format", "gluon_defaults_enabled", "gluon_kernels_unavailable",
-           "interpreting", "load_kv_scales", "locate_query_tile", "next_power_of_2",
-           "prefill_key_tiles", "recording_launches", "round_to_fp8_grid", "scale_arg",
-           "scale_args", "to_output"]
+           "interpreting", "is_interpreted", "load_kv_scales", "locate_query_tile",
+           "next_power_of_2", "prefill_key_tiles", "recording_launches", "round_to_fp8_grid",
+           "scale_arg", "scale_args", "to_output"]
 
 # Set by kvcore.testing's capture_launches while it records launches instead of running them.
 _RECORDING = contextvars.ContextVar("kvcore_recording_launches", default=False)
@@ -143,15 +144,31 @@ def next_power_of_2(n: int) -> int:
 
 
 def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    """Whether ``TRITON_INTERPRET=1`` is set now (an environment read). Kernels decorated
+    before a change keep what they were: for a kernel's own mode ask
+    :func:`is_interpreted`."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def is_interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter: fixed
+    when it was decorated (``TRITON_INTERPRET=1`` then), so launch code asks this, not the
+    environment, and a later change of the variable cannot split a kernel from its
+    launches' ``INTERPRET`` flags."""
+    return not isinstance(kernel, JITFunction)
+
+
+@functools.cache
 def gluon_defaults_enabled() -> bool:
     """Whether default configs may pick Gluon kernels (the tables' Gluon rows: TRITON_ATTN's
     Hopper prefill, TRITON_MLA's Hopper decode). ``KVCORE_GLUON=0`` turns them off, so the
-    Triton kernels run instead: an operator's switch, read at every choice. Explicit
-    Gluon configs are not affected."""
+    Triton kernels run instead: an operator's switch, set before the process starts. Explicit
+    Gluon configs are not affected.
+
+    Read once per process (the first choice that asks), so checked launches kept across
+    steps stay valid. A process that changes the variable later (a test) calls
+    ``gluon_defaults_enabled.cache_clear()`` after the change and again once it is undone;
+    the ``kvcore_gluon`` pytest fixture of kvcore's pytest plugin does both."""
     return os.environ.get("KVCORE_GLUON", "1").strip().lower() not in ("0", "false", "no", "off")
 
 

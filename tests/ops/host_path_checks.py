@@ -49,10 +49,36 @@ class NewStorage(TorchDispatchMode):
         return out
 
 
+class Dispatched(TorchDispatchMode):
+    """Records every torch op dispatched (a view, an unbind, a copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def counting(module: object, name: str, counts: dict[str, int]) -> None:
+    """Count the calls of ``module.name`` (a module-level function) in ``counts[name]``."""
+    fn = getattr(module, name)
+    counts[name] = 0
+
+    def counted(*args: object) -> object:
+        counts[name] += 1
+        return fn(*args)
+
+    setattr(module, name, counted)
+
+
 def forget() -> None:
     """Drop every kept check, choice and launch (the next calls start afresh)."""
     triton_attention._LAYERS.clear()
+    triton_attention._RECENT.clear()
     triton_cache._WRITES.clear()
+    triton_cache._RECENT.clear()
     triton_merge._LAUNCHES.clear()
     triton_launch._BOUND.clear()
     for module in _mla_modules():
@@ -192,6 +218,36 @@ def main() -> None:
         result["flat"] = dict(zip(("compiles", "bound", "triton", "direct"),
                                   (e - s for s, e in zip(start, end, strict=True)),
                                   strict=True))
+
+        # Steady state: each op finds its checks by the impl's cache views (no full
+        # signature built) and the impl hands back the views it made (no unbind): a layer's
+        # call dispatches no torch op at all.
+        keys: dict[str, int] = {}
+        counting(triton_attention, "_layer_key", keys)
+        counting(triton_cache, "_write_key", keys)
+        with Dispatched() as mode:
+            for _ in range(100):
+                calls["update_and_forward"]()
+                calls["write + forward"]()
+        result["steady"] = dict(full_keys=dict(keys), ops=sorted(set(mode.ops)))
+        keys.update(dict.fromkeys(keys, 0))
+        layer.meta = layer.builder.build(layer.common)  # a new step: the same
+        calls = layer.calls()
+        with Dispatched() as mode:
+            for _ in range(100):
+                calls["update_and_forward"]()
+        result["steady_next_step"] = dict(full_keys=dict(keys), ops=sorted(set(mode.ops)))
+        keys.update(dict.fromkeys(keys, 0))
+        # A new cache object for the layer (an engine that reallocated): split again, the
+        # full signature looked up once per op, then the views again.
+        kv = layer.caches.layers[0]
+        layer.caches.layers[0] = torch.empty_like(kv).copy_(kv)
+        calls = layer.calls()
+        with Dispatched() as mode:
+            for _ in range(100):
+                calls["update_and_forward"]()
+        result["new_cache"] = dict(full_keys=dict(keys), ops=sorted(set(mode.ops)))
+        keys.update(dict.fromkeys(keys, 0))
 
         # The same for TRITON_MLA: each call 100 times after its first.
         start = (counts["compiles"], counted.bound, counted.triton, counted.direct)

@@ -246,14 +246,14 @@ def test_call_config_keeps_the_gluon_row_only_for_tensors_it_can_run(monkeypatch
 
 
 @pytest.mark.parametrize("value", ["0", "false"])
-def test_kvcore_gluon_0_keeps_default_prefill_on_the_triton_row(monkeypatch, value: str) -> None:
+def test_kvcore_gluon_0_keeps_default_prefill_on_the_triton_row(kvcore_gluon, value: str) -> None:
     """sm90's default prefill config is its Gluon row, or with ``KVCORE_GLUON=0`` (the
     operator's switch) the Triton row; decode configs are the same either way."""
     ta, cpu = dispatch, torch.device("cpu")
     args = (4096, 2, 32, 8, 128, 4096, cpu)
     decode = ta.default_config(8, 8, 32, 8, 128, 4096, cpu, arch="sm90")
     assert ta.default_config(*args, arch="sm90").kernel == "gluon_ws_pingpong"
-    monkeypatch.setenv("KVCORE_GLUON", value)
+    kvcore_gluon(value)
     chosen = ta.default_config(*args, arch="sm90")
     assert chosen == ta.default_config(*args, arch="sm90", gluon=False)
     assert chosen.kernel == "triton_prefill"

@@ -1,8 +1,8 @@
 """TRITON_ATTN's and TRITON_MLA's host paths hold their promises (on the CPU: Triton's real
 launch path with a stand-in driver, in a process of its own, see ``host_path_checks.py``): a
 direct launch runs the kernel Triton would pick with the arguments Triton would pass, nothing
-is compiled or bound again over many calls of one shape, and a layer's calls allocate no
-tensor."""
+is compiled or bound again over many calls of one shape, a layer's calls find their checks
+without building the full signature and dispatch no torch op, and they allocate no tensor."""
 
 from __future__ import annotations
 
@@ -33,6 +33,18 @@ def test_direct_launches_run_the_kernel_triton_picks_with_its_arguments(found: d
 def test_many_calls_of_one_shape_compile_and_bind_nothing_more(found: dict) -> None:
     # 200 steps (a build each) of update_and_forward and write + forward, then 50 more.
     assert found["flat"] == {"compiles": 0, "bound": 0, "triton": 0, "direct": 900}
+
+
+def test_a_layer_call_builds_no_full_signature_and_dispatches_no_torch_op(found: dict) -> None:
+    # 100 rounds of update_and_forward and write + forward, then 100 more on the next step:
+    # the ops find their checks by the impl's cache views, the impl keeps its views.
+    none = {"full_keys": {"_layer_key": 0, "_write_key": 0}, "ops": []}
+    assert found["steady"] == none
+    assert found["steady_next_step"] == none
+    # A new cache object for the layer: one unbind, and each op's full signature looked up
+    # and built for the new checks once (two calls each), then by the views again.
+    assert found["new_cache"] == {"full_keys": {"_layer_key": 2, "_write_key": 2},
+                                  "ops": ["aten.unbind.int"]}
 
 
 def test_mla_direct_launches_run_the_kernel_triton_picks_with_its_arguments(found: dict) -> None:

@@ -146,14 +146,14 @@ def test_the_config_table_rows_are_launchable() -> None:
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
-def test_kvcore_gluon_0_keeps_the_table_on_the_triton_kernel(monkeypatch, value: str) -> None:
+def test_kvcore_gluon_0_keeps_the_table_on_the_triton_kernel(kvcore_gluon, value: str) -> None:
     """The operator's switch: with ``KVCORE_GLUON=0`` the 128-head sm90 choice is the row
     ``gluon=False`` gives, and an explicit Gluon config is not the chooser's business."""
     without = configs.mla_decode_config(128, "sm90", gluon=False)
-    monkeypatch.setenv("KVCORE_GLUON", value)
+    kvcore_gluon(value)
     assert configs.mla_decode_config(128, "sm90") == without
     assert without.kernel != "gluon_mla_ws"
-    monkeypatch.setenv("KVCORE_GLUON", "1")
+    kvcore_gluon("1")
     if descriptors.gluon_available() is None:
         assert configs.mla_decode_config(128, "sm90").kernel == "gluon_mla_ws"
 
