@@ -245,7 +245,9 @@ class PagedAttentionImpl(AttentionImpl):
         The views of the layer's last cache are kept and handed back while the same tensor
         comes with the same address, shape, strides and dtype (an engine passes one cache
         per layer every step): no views made per call, and the ops find their checks by
-        these view objects. The impl holds that one cache until another comes."""
+        these view objects. The views keep that one cache alive until another comes (an
+        engine's caches live as long as its layers; a view holds its base tensor, so a weak
+        reference would not let it go either)."""
         seen = self._split
         if (seen and seen[0] is kv_cache and kv_cache.data_ptr() == seen[1]
                 and kv_cache.stride() == seen[3] and kv_cache.shape == seen[2]
