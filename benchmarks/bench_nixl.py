@@ -55,6 +55,7 @@ and written as ``bench_nixl_matrix.json``.
 64 tokens at the default ``--block-kib``, HND instead of NHD; the same bytes in all): the
 connector converts on load (``nixl``: READs into its staging buffer, the READ of a chunk
 overlapping the gather kernel of the previous one, or in turn with ``--staging-buffers 1``;
+``--staging-mib N`` sizes its staging buffer, so a small load still converts in many chunks;
 ``p2p``: the receiver's gather), checked token by token through the logical views.
 ``--gather-only`` times the gather kernel alone between those two layouts in one process beside
 ``dst.copy_(src)``. ``--convert-suite`` runs nixl and p2p with the same layout and with
@@ -310,6 +311,11 @@ def convert_suite(args: argparse.Namespace) -> int:
 def inbox_bytes(kv: kvcore.KVCaches) -> int:
     """p2p: an inbox that holds a whole trial's blocks twice over (received, then loaded)."""
     return max(1 << 30, 2 * kv.storage.numel() * kv.storage.element_size())
+
+
+def staging_options(args: argparse.Namespace) -> dict:
+    """The consumer's ``staging_bytes`` from ``--staging-mib`` (none: the connector's)."""
+    return {} if args.staging_mib is None else {"staging_bytes": args.staging_mib << 20}
 
 
 def transport_options(args: argparse.Namespace) -> dict:
@@ -610,6 +616,9 @@ def main() -> int:
                         help="--convert, nixl/mooncake: the consumer's staging_buffers (2: the "
                              "READ of a chunk overlaps the previous chunk's gather; 1: in turn) "
                              "(default: %(default)s)")
+    parser.add_argument("--staging-mib", type=int, default=None,
+                        help="--convert, nixl/mooncake: the consumer's staging_bytes in MiB "
+                             "(default: the connector's, 256)")
     parser.add_argument("--gather-only", action="store_true",
                         help="time the conversion's gather kernel alone (--convert's layouts) "
                              "beside a device copy, in this process")
@@ -691,7 +700,7 @@ def main() -> int:
             connector = get_connector(args.connector, role="consumer", port=port,
                                       timeout_s=CONSUMER_TIMEOUT_S,
                                       staging_buffers=args.staging_buffers,
-                                      **transport_options(args))
+                                      **staging_options(args), **transport_options(args))
         with connector as consumer:
             consumer.register_kv_caches(kv)
             phases = Phases(consumer) if args.phases else None
