@@ -62,6 +62,8 @@ are confirmed over the side channel. While READs are in flight it polls the libr
 between polls as :func:`poll_pause` says: an eighth of the time they have taken so far,
 between 20 us and 5 ms (a READ is seen finished about an eighth of its time late at most, and
 a long one costs few polls).
+A load runs on the connector's loader thread, or on the caller's when it waits for the load
+(long enough for any load) before that thread took it; ``close`` waits for both.
 :attr:`PullConnector.timing` reports where a load's time goes (:data:`PHASES`).
 """
 
@@ -125,8 +127,11 @@ class _LoadTask:
     """A load queued for the connector's loader thread, run by whichever comes first: that
     thread, or a caller that waits for it (:meth:`wait` with ``inline``)."""
 
-    def __init__(self, call: Callable[..., TransferResult], *args: Any) -> None:
+    def __init__(self, unfinished: set[_LoadTask], call: Callable[..., TransferResult],
+                 *args: Any) -> None:
         self._call, self._args = call, args
+        self._unfinished = unfinished  # the connector's: close() waits for them
+        unfinished.add(self)
         self._claim = threading.Lock()  # taken by whoever runs it
         self.finished = threading.Event()
         self._result: TransferResult | None = None
@@ -143,6 +148,7 @@ class _LoadTask:
         finally:
             self._call = self._args = None
             self.finished.set()
+            self._unfinished.discard(self)
 
     def wait(self, timeout: float | None, inline: bool) -> bool:
         """Whether the load finished within ``timeout``; ``inline``: run it in this thread
@@ -249,6 +255,7 @@ class PullConnector(KVConnector):
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._loader: ThreadPoolExecutor | None = None
+        self._loads: set[_LoadTask] = set()  # not finished yet
         if role == "producer":
             listener = socket.create_server((host, port), backlog=64)
             self.port = listener.getsockname()[1]
@@ -256,7 +263,7 @@ class PullConnector(KVConnector):
         # Close what the engine holds even if the owner forgets to (and before interpreter
         # exit, while the library is still whole).
         self._finalizer = weakref.finalize(self, PullConnector._release, self._producer,
-                                           [None, None, None], self.timeout_s)
+                                           [None, None, None, None], self.timeout_s)
 
     # -- what a library supplies ------------------------------------------------------------
 
@@ -303,7 +310,7 @@ class PullConnector(KVConnector):
         self._finalizer.detach()
         self._finalizer = weakref.finalize(
             self, PullConnector._release, self._producer,
-            [self._consumer, self._loader, engine], self.timeout_s)
+            [self._consumer, self._loader, engine, self._loads], self.timeout_s)
 
     def _stage(self, reg: RegisteredCaches, remote: Regions, engine: Engine) -> None:
         """Allocate and register the buffer that converting READs land in: blocks of the
@@ -351,13 +358,15 @@ class PullConnector(KVConnector):
 
     @staticmethod
     def _release(producer: Producer | None, parts: list[Any], join_s: float) -> None:
-        consumer, loader, engine = parts
+        consumer, loader, engine, loads = parts
         if producer is not None:
             producer.stop(join_s)
         if consumer is not None:
             consumer.disconnect()  # queued loads fail at once
         if loader is not None:
             loader.shutdown(wait=True)  # a READ in flight ends within timeout_s
+        for task in list(loads or ()):  # and those that callers run themselves
+            task.finished.wait(join_s)
         if consumer is not None and consumer.remote is not None:
             engine.forget(consumer.remote)
         if engine is not None:
@@ -417,7 +426,7 @@ class PullConnector(KVConnector):
         if self.role != "consumer":
             return self._all_failed("load", block_ids, "role='producer' only publishes; a "
                                     "consumer (role='consumer') loads")
-        task = _LoadTask(self._read_blocks_from_producer, keys, block_ids)
+        task = _LoadTask(self._loads, self._read_blocks_from_producer, keys, block_ids)
         self._loader.submit(task.run)
         # A caller that waits for the load before the loader thread took it runs it itself
         # (no hand-off to the thread and back), when it waits at least as long as a load may

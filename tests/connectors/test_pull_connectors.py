@@ -226,9 +226,11 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
             raise ConnectionError("the link went down")
         return name
 
-    task = _LoadTask(load, "a")
+    unfinished: set = set()
+    task = _LoadTask(unfinished, load, "a")
     assert not task.wait(0.01, inline=False) and ran_on == []  # queued, not run
-    assert task.wait(None, inline=True) and task.result() == "a"
+    assert unfinished == {task}  # close() waits for it
+    assert task.wait(None, inline=True) and task.result() == "a" and not unfinished
     assert ran_on == [threading.current_thread().name]
     task.run()  # the loader thread comes later: nothing to do
     assert ran_on == [threading.current_thread().name]
@@ -240,7 +242,7 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
         release.wait(5)
         return load(name)
 
-    task = _LoadTask(slow, "b")
+    task = _LoadTask(unfinished, slow, "b")
     loader = threading.Thread(target=task.run, name="loader")
     loader.start()
     assert started.wait(5)
@@ -249,7 +251,7 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
     assert task.wait(5, inline=True) and task.result() == "b" and ran_on[-1] == "loader"
     loader.join(5)
 
-    task = _LoadTask(load, "bad")
+    task = _LoadTask(unfinished, load, "bad")
     assert task.wait(None, inline=True)
     with pytest.raises(ConnectionError, match="the link went down"):
         task.result()
