@@ -23,11 +23,11 @@ from kvcore.metadata import AttentionMetadata, is_uniform_decode
 from kvcore.ops.validation import (
     StepFacts,
     checked_step_facts,
-    mark_step_checked,
     step_facts_from_tensors,
     value_checks_enabled,
 )
 from kvcore.spec import KVCacheSpec
+from kvcore.step_facts import mark_views_checked
 
 __all__ = ["AttentionMetadataBuilder", "PersistentMetadataBuilder", "graph_batch_sizes"]
 
@@ -222,6 +222,12 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
             # Source of the padding requests' query_start_loc entries (one token each).
             self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=dev)
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        # A graph step's query_start_loc is 0, 1, ..., size (a token per request, padding
+        # included): once the buffer holds that, a step whose host copy shows it needs no copy.
+        # How many leading entries hold 0, 1, 2, ..., as of the buffer's version counter then
+        # (a write by anyone else bumps it).
+        self._arange_cpu = torch.arange(max_num_seqs + 1, dtype=torch.int32)
+        self._qsl_arange = (0, -1)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The persistent buffers by name (what a captured graph reads)."""
@@ -277,7 +283,7 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
                 "table at most that wide, pass seq_lens_cpu, or turn value checks on")
         width = min(common.block_table.shape[1], table.shape[1])
         padded = size > n
-        (qsl[:n + 1] if padded else qsl).copy_(common.query_start_loc)
+        self._copy_query_start_loc(common, qsl, n, graph_batch_size is not None)
         (seq_lens[:n] if padded else seq_lens).copy_(common.seq_lens)
         if n:
             source, dest = common.block_table, table[:n] if padded else table
@@ -285,7 +291,6 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
             dest.copy_(source if source.shape[1] == width else source[:, :width])
         (slots[:rows] if total > rows else slots).copy_(common.slot_mapping)
         if size > n:  # padding requests (uniform decode: token i is request i)
-            qsl[n + 1:].copy_(self._arange[n + 1:size + 1])
             seq_lens[n:].fill_(1)
             table[n:, :1].fill_(0)
             slots[rows:].fill_(-1)
@@ -299,14 +304,41 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
             num_actual_tokens=common.num_actual_tokens + (size - n), causal=common.causal,
         )
         if facts is not None:
-            mark_step_checked(
+            # The views have the facts' shapes by construction: marked without re-checking.
+            mark_views_checked(
                 StepFacts(num_tokens=meta.num_actual_tokens, num_seqs=size,
                           block_size=facts.block_size,
                           max_blocks_per_seq=max(facts.max_blocks_per_seq, int(padded)),
                           max_block_id=max(facts.max_block_id, 0 if padded else -1),
                           max_slot=facts.max_slot),
-                query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots)
+                views)
         return meta
+
+    def _copy_query_start_loc(self, common: AttentionMetadata, qsl: torch.Tensor, n: int,
+                              graph: bool) -> None:
+        """``common.query_start_loc`` into ``qsl[:n + 1]`` and, for a graph step, the padding
+        requests' entries ``n + 1, ..., size``; skipped for a graph step whose host copy
+        (``query_start_loc_cpu``) is ``0, 1, ..., n`` when the buffer already holds that up to
+        ``size`` (the buffer's version counter shows it has not been written since)."""
+        size = qsl.shape[0] - 1
+        buffer = self.query_start_loc
+        upto, version = self._qsl_arange
+        if buffer._version != version:
+            upto = 0
+        host = common.query_start_loc_cpu
+        counting = (graph and host is not None and host.shape == (n + 1,)
+                    and host.dtype == torch.int32 and torch.equal(host, self._arange_cpu[:n + 1]))
+        if counting and upto > size:
+            return
+        if graph:
+            (qsl[:n + 1] if size > n else qsl).copy_(common.query_start_loc)
+            if size > n:
+                qsl[n + 1:].copy_(self._arange[n + 1:size + 1])
+        else:
+            qsl.copy_(common.query_start_loc)
+        # Here the buffer held 0..k for some k <= size at most, so entries beyond size are
+        # not known to count on.
+        self._qsl_arange = (size + 1 if counting else 0, buffer._version)
 
 
 def _understated(max_seq_len: int, what: str) -> ValueError:

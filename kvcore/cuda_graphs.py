@@ -41,20 +41,28 @@ StepFn = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
 _SCALARS = (int, float, bool, str, type(None))
 
 
-def _tensors(value: object, found: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every tensor of a metadata object (dataclass fields, tuples), in order, appended to
-    ``found``."""
+def _tensors(value: object, found: list[torch.Tensor]) -> bool:
+    """Append every tensor of a metadata value (dataclass fields, tuples, lists), in order, to
+    ``found``; returns whether the value is immutable (tensors, host values, tuples and frozen
+    dataclasses of such, objects that are neither dataclasses nor containers): while the
+    object lives, it holds these very tensor objects."""
     if isinstance(value, torch.Tensor):
         found.append(value)
-    elif isinstance(value, _SCALARS):
-        pass
-    elif isinstance(value, (tuple, list)):
+        return True
+    if isinstance(value, _SCALARS):
+        return True
+    if isinstance(value, (tuple, list)):
+        fixed = isinstance(value, tuple)
         for v in value:
-            _tensors(v, found)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for name in _field_names(type(value)):
-            _tensors(getattr(value, name), found)
-    return found
+            fixed = _tensors(v, found) and fixed
+        return fixed
+    params = getattr(type(value), "__dataclass_params__", None)
+    if params is None or isinstance(value, type):
+        return True
+    fixed = params.frozen
+    for name in _field_names(type(value)):
+        fixed = _tensors(getattr(value, name), found) and fixed
+    return fixed
 
 
 @functools.cache
@@ -63,13 +71,49 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _signature(meta: AttentionMetadata) -> tuple:
-    """What a captured graph depends on: every tensor's address, shape and strides, and the
-    host-side values ``forward`` may read."""
-    values = [getattr(meta, name) for name in _field_names(type(meta))]
-    scalars = tuple((name, v) for name, v in zip(_field_names(type(meta)), values, strict=True)
-                    if isinstance(v, _SCALARS))
-    return scalars + tuple((t.data_ptr(), t.shape, t.stride()) for t in _tensors(values, []))
+class _Signatures:
+    """What a captured graph depends on: the metadata's host values (its own fields that are
+    ints, floats, bools, strings or ``None``) and every tensor's address, shape and strides
+    (nested ones too: a plan's workspace).
+
+    A builder returns the same objects step after step (its buffers' views, one plan object
+    per choice), so the tensors of an immutable field value (a tuple, a frozen dataclass) are
+    found once per object and kept with it (the signature still reads each tensor's address,
+    shape and strides every step); mutable ones are walked every step.
+    """
+
+    _MAX_PARTS = 256
+
+    def __init__(self) -> None:
+        # id(value) -> (value, its tensors): the value is kept, so its id is not reused.
+        self._parts: dict[int, tuple[object, tuple[torch.Tensor, ...]]] = {}
+
+    def __call__(self, meta: AttentionMetadata) -> tuple:
+        scalars: list[tuple[str, object]] = []
+        tensors: list[torch.Tensor] = []
+        for name in _field_names(type(meta)):
+            value = getattr(meta, name)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, _SCALARS):
+                scalars.append((name, value))
+            else:
+                tensors.extend(self._part(value))
+        return (*scalars, *((t.data_ptr(), t.shape, t.stride()) for t in tensors))
+
+    def _part(self, value: object) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
+        if not isinstance(value, (tuple, list)) and (
+                isinstance(value, type) or not hasattr(type(value), "__dataclass_params__")):
+            return ()  # neither a container nor a dataclass: no tensors to look for
+        known = self._parts.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        found: list[torch.Tensor] = []
+        if _tensors(value, found):
+            if len(self._parts) >= self._MAX_PARTS:
+                self._parts.clear()
+            self._parts[id(value)] = (value, tuple(found))
+        return found
 
 
 @dataclasses.dataclass
@@ -121,6 +165,7 @@ class CudaGraphRunner:
         self.eager_steps = 0
         self._inputs: dict[str, torch.Tensor] = {}
         self._graphs: dict[int, _Graph] = {}
+        self._signature = _Signatures()
 
     @property
     def captured(self) -> bool:
@@ -177,7 +222,7 @@ class CudaGraphRunner:
             if not isinstance(output, torch.Tensor) or output.shape[0] != size:
                 raise ValueError(f"step_fn must return a tensor with one row per token "
                                  f"({size}), got {getattr(output, 'shape', type(output))}")
-            self._graphs[size] = _Graph(graph, output, _signature(meta))
+            self._graphs[size] = _Graph(graph, output, self._signature(meta))
         torch.cuda.synchronize(self.builder.device)
 
     def replayable(self, common: AttentionMetadata) -> bool:
@@ -227,7 +272,7 @@ class CudaGraphRunner:
                 raise ValueError(f"slot_mapping contains slot {facts.max_slot}, but the cache "
                                  f"holds only {self.num_blocks} blocks x {block_size} tokens")
         entry = self._graphs[size]
-        if _signature(meta) != entry.signature:
+        if self._signature(meta) != entry.signature:
             raise RuntimeError(
                 f"{type(self.builder).__name__}.build(graph_batch_size={size}) returned other "
                 "tensors or host values than at capture: a replay would read stale memory "

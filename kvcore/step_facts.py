@@ -116,6 +116,18 @@ def mark_step_checked(
     return True
 
 
+def mark_views_checked(facts: StepFacts, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """:func:`mark_step_checked` for a builder's own views ``(query_start_loc, seq_lens,
+    block_table, slot_mapping)``, whose shapes fit ``facts`` by construction: marked with no
+    shape check (a builder marks its buffers every step)."""
+    versions = [None if t.is_inference() else t._version for t in tensors]
+    if None in versions:
+        return False
+    for t, version in zip(tensors, versions, strict=True):
+        setattr(t, _MARK, (facts, version, t.data_ptr()))
+    return True
+
+
 def checked_step_facts(*tensors: torch.Tensor) -> StepFacts | None:
     """The facts every one of ``tensors`` is validly marked with (one and the same record), or
     ``None``: unmarked, marked for different steps, or written since they were marked."""

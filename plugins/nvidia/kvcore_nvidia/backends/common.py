@@ -69,8 +69,33 @@ def _cache_write() -> Callable[..., None]:
 
 class PagedCacheImpl(AttentionImpl):
     """The kernel hooks the plugin's K/V backends share: the cache write on the
-    ``kv_cache.unbind(1)`` halves, and those halves checked against the step before a vendor
-    kernel reads them (:meth:`checked_halves`, first thing in each backend's ``attend``)."""
+    ``kv_cache.unbind(1)`` halves (:meth:`split_kv`), and those halves checked against the
+    step before a vendor kernel reads them (:meth:`checked_halves`, first thing in each
+    backend's ``attend``)."""
+
+    #: The last cache :meth:`split_kv` split and what it gave: ``(kv_cache, address, shape,
+    #: strides, dtype, device, (key_cache, value_cache))``; set per instance.
+    _split: tuple = ()
+
+    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``kv_cache.unbind(1)`` halves, ``(num_blocks, block_size, num_kv_heads,
+        head_size)`` each.
+
+        The views of the layer's last cache are kept and handed back (the same tuple object)
+        while the same tensor comes with the same address, shape, strides, dtype and device (an
+        engine passes one cache per layer every step): no views made per call, and the cache
+        write finds its checks by these view objects (``kvcore.ops.reshape_and_cache``'s
+        look-up by identity), a backend its own by the tuple. The views keep that one cache
+        alive until another comes (a view holds its base)."""
+        seen = self._split
+        if (seen and seen[0] is kv_cache and kv_cache.data_ptr() == seen[1]
+                and kv_cache.stride() == seen[3] and kv_cache.shape == seen[2]
+                and kv_cache.dtype == seen[4] and kv_cache.device == seen[5]):
+            return seen[6]
+        halves = kv_cache.unbind(1)
+        self._split = (kv_cache, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
+                       kv_cache.dtype, kv_cache.device, halves)
+        return halves
 
     def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -81,23 +106,22 @@ class PagedCacheImpl(AttentionImpl):
         on CPU tensors. All use int64 offsets and the view's strides, so every stride order
         the backends declare (per layer and cross-layer) is written in place.
         """
-        key_cache, value_cache = kv_cache.unbind(1)
+        key_cache, value_cache = self.split_kv(kv_cache)
         _cache_write()(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
                        layer.k_scale, layer.v_scale)
 
     def checked_halves(self, query: torch.Tensor, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata,
                        output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(key_cache, value_cache)``, the ``unbind(1)`` halves, once
+        """``(key_cache, value_cache)``, the :meth:`split_kv` halves, once
         :func:`kvcore.ops.validate_paged_attention` accepts them with this step's ``query``
         and ``output`` rows (no device read: the step's tensors carry their checked facts)."""
-        key_cache, value_cache = kv_cache.unbind(1)
+        halves = self.split_kv(kv_cache)
         validate_paged_attention(
-            query, key_cache, value_cache, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table,
-            kv_cache_dtype=self.kv_cache_dtype, sliding_window=self.sliding_window,
-            output=output, scale=self.scale)
-        return key_cache, value_cache
+            query, *halves, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            attn_metadata.block_table, kv_cache_dtype=self.kv_cache_dtype,
+            sliding_window=self.sliding_window, output=output, scale=self.scale)
+        return halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +152,15 @@ class HostStaging:
         new_event: makes a slot's event (``torch.cuda.Event``; anything with ``record()`` and
             ``synchronize()``), once per slot; ``None`` where copies are synchronous (a CPU
             device): nothing to wait for.
+        stream: returns the stream :meth:`release` records the event on (the current one,
+            e.g. :func:`current_cuda_stream`); ``None``: the event's ``record()`` default.
     """
 
     _ALIGN = 64
 
     def __init__(self, fields: dict[str, tuple[int, torch.dtype]], *, slots: int = 2,
-                 pin: bool = False, new_event: Callable[[], Any] | None = None) -> None:
+                 pin: bool = False, new_event: Callable[[], Any] | None = None,
+                 stream: Callable[[], Any] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
         offsets, nbytes = {}, 0
@@ -148,6 +175,7 @@ class HostStaging:
                        .view(dtype) for name, (numel, dtype) in fields.items()}
             self.slots.append(StagingSlot(tensors, {k: v.numpy() for k, v in tensors.items()}))
         self._new_event = new_event
+        self._stream = stream
         self._events: list[Any] = [None] * slots
         self._next = 0
         self._held: int | None = None
@@ -172,9 +200,30 @@ class HostStaging:
         if self._new_event is not None:
             if self._events[index] is None:
                 self._events[index] = self._new_event()
-            self._events[index].record()
+            if self._stream is None:
+                self._events[index].record()
+            else:
+                self._events[index].record(self._stream())
         self._held = None
         self._next = (index + 1) % len(self.slots)
+
+
+# (device index, raw stream) -> the torch.cuda.Stream of that stream.
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_cuda_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)``, its Python object made once per stream (a
+    builder records an event on it every step; ``current_stream`` builds a new object each
+    call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = torch._C._cuda_getCurrentRawStream(index)
+    stream = _STREAMS.get((index, raw))
+    if stream is None:
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        stream = _STREAMS[index, raw] = torch.cuda.current_stream(index)
+    return stream
 
 
 class StepCache:

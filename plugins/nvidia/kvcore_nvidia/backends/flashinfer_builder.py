@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -20,7 +21,12 @@ from kvcore import (
     is_uniform_decode,
     long_step,
 )
-from kvcore_nvidia.backends.common import HostStaging, StagingSlot, launch_block_bound
+from kvcore_nvidia.backends.common import (
+    HostStaging,
+    StagingSlot,
+    current_cuda_stream,
+    launch_block_bound,
+)
 from kvcore_nvidia.backends.flashinfer_kernels import (
     WORKSPACE_BYTES,
     cuda_capability,
@@ -183,7 +189,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             self._staging = HostStaging(
                 {"lists": (HostPages.words(max_num_seqs), torch.int32),
                  "positions": (entries, torch.int64)},
-                slots=2, pin=cuda, new_event=torch.cuda.Event if cuda else None)
+                slots=2, pin=cuda, new_event=torch.cuda.Event if cuda else None,
+                stream=functools.partial(current_cuda_stream, dev) if cuda else None)
         self._flat_table = self.block_table.view(-1)
         # The HostPages laid out in each staging slot, per batch size (refilled each step).
         self._lists: dict[tuple[int, int], HostPages] = {}
@@ -205,6 +212,9 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         # page-locked buffer and copies it to the device asynchronously; the next plan of that
         # wrapper waits for that copy (the previous step's), not for the device to be idle.
         self._plan_events: dict[int, Any] = {}
+        # The FlashInferLaunch of each choice (_metadata), keyed by the wrappers' ids (the
+        # launch keeps its wrappers, so their ids are not reused while it is here).
+        self._launches: dict[tuple, FlashInferLaunch] = {}
 
     def _graph_wrapper(self, size: int, *, eager: bool = False) -> Any:
         wrapper = self._graph_wrappers.get(size)
@@ -221,6 +231,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                 dropped = self._graph_wrappers.pop(old)
                 self._graph_plans.pop(old, None)
                 self._plan_events.pop(id(dropped), None)
+                self._launches = {key: launch for key, launch in self._launches.items()
+                                  if launch.decode is not dropped}
             self._eager_sizes[size] = None
         import flashinfer
 
@@ -374,12 +386,21 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                   causal: bool | None, graph_batch_size: int | None) -> FlashInferMetadata:
         """The step's metadata with its wrappers and their :class:`FlashInferLaunch`."""
         max_block_id = launch_block_bound(meta, graph_batch_size)
-        planned = (self.scale, self.sliding_window, self.logits_soft_cap, causal)
-        rows = (meta.num_actual_tokens, self.num_heads, self.spec.head_size)
-        launch = FlashInferLaunch(decode, prefill, k, rows, self.signature, max_block_id, planned)
+        key = (id(decode), id(prefill), k, meta.num_actual_tokens, max_block_id, self.scale,
+               self.sliding_window, self.logits_soft_cap, causal)
+        launch = self._launches.get(key)
+        if launch is None:
+            # One launch per choice (a graph step's is the same every step: the runner finds
+            # its contents once, and the layers' check of it too).
+            if len(self._launches) >= 256:
+                self._launches.clear()
+            planned = (self.scale, self.sliding_window, self.logits_soft_cap, causal)
+            rows = (meta.num_actual_tokens, self.num_heads, self.spec.head_size)
+            launch = self._launches[key] = FlashInferLaunch(
+                decode, prefill, k, rows, self.signature, max_block_id, planned)
         return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,
-                           num_decodes=k, planned=planned, dtype=self.spec.dtype, launch=launch,
-                           builder=self, graph_batch_size=graph_batch_size)
+                           num_decodes=k, planned=launch.planned, dtype=self.spec.dtype,
+                           launch=launch, builder=self, graph_batch_size=graph_batch_size)
 
     def warmup(self) -> dict[str, float]:
         """Build (JIT-compile, or load from FlashInfer's cache) the modules this builder's
