@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Host time of TRITON_ATTN's layer call on a machine without a GPU: Triton's real launch path
-(argument binding, specialisation, cache look-up, kvcore's own checks and launch code) with a
-stand-in driver whose compiled kernels do nothing, so only the host's work is timed.
+"""Host time of TRITON_ATTN's and FLASHINFER's layer calls on a machine without a GPU.
+
+Triton's real launch path (argument binding, specialisation, cache look-up, kvcore's own
+checks and launch code) runs with a stand-in driver whose compiled kernels do nothing, so only
+the host's work is timed.
 
 :func:`fake_gpu` installs the stand-in: a driver that reports an sm_90 device on stream 0, and
 a compile step that returns a kernel whose launch does nothing (counted in :data:`COUNTS`).
@@ -9,8 +11,13 @@ The tensors stay on the CPU; nothing is compiled or run. Tests use it to hold th
 to its promises (no re-specialisation per call, no allocation per layer); :func:`main` times
 the calls an engine makes per layer and per step.
 
-Usage: ``python benchmarks/host_path.py [--root DIR] [--calls N] [--rounds R]`` (``--root``:
-another checkout's kvcore, e.g. an earlier commit's, timed the same way).
+FLASHINFER (where the kvcore-nvidia plugin is installed) is timed the same way with
+:func:`fake_flashinfer`: FlashInfer's wrappers plan and run nothing, the cache write is the
+Triton kernel's launch path.
+
+Usage: ``python benchmarks/host_path.py [--root DIR] [--calls N] [--rounds R] [--backend NAME]
+[--profile]`` (``--root``: another checkout's kvcore and kvcore-nvidia, e.g. an earlier
+commit's, timed the same way; ``--profile``: a cProfile of each backend's write + forward).
 """
 
 from __future__ import annotations
@@ -84,17 +91,18 @@ def fake_gpu() -> Iterator[dict[str, int]]:
 
 
 class Layer:
-    """One TRITON_ATTN layer of a decode step (``b`` requests of ``length`` tokens; Hq 32,
-    Hk 8, D 128, bf16, block 16) through kvcore's engine path: builder, impl, per-layer
-    cache, output given."""
+    """One layer of a decode step (``b`` requests of ``length`` tokens; Hq 32, Hk 8, D 128,
+    bf16, block 16) through kvcore's engine path: builder, impl, per-layer cache, output
+    given. TRITON_ATTN by default; ``backend="FLASHINFER"`` needs :func:`fake_flashinfer`."""
 
-    def __init__(self, b: int = 16, length: int = 4096, layers: int = 2) -> None:
+    def __init__(self, b: int = 16, length: int = 4096, layers: int = 2,
+                 backend: str = "TRITON_ATTN") -> None:
         import torch
 
         import kvcore
 
         hq, hk, d, bs = 32, 8, 128, 16
-        self.backend = kvcore.resolve_backend("TRITON_ATTN")
+        self.backend = kvcore.resolve_backend(backend)
         pages = -(-length // bs)
         self.caches = kvcore.allocate_kv_caches(
             self.backend, num_layers=layers, num_blocks=b * pages + 8, block_size=bs,
@@ -138,6 +146,49 @@ class Layer:
         return found
 
 
+class _FlashInferWrapper:
+    """FlashInfer's paged prefill and decode wrappers, planning and running nothing."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        return
+
+    def plan(self, *args: object, **kwargs: object) -> None:
+        return
+
+    def run(self, q: object, paged_kv_cache: object, out: object = None) -> object:
+        COUNTS["launches"] += 1
+        return out
+
+
+@contextlib.contextmanager
+def fake_flashinfer() -> Iterator[None]:
+    """FLASHINFER on CPU tensors through its GPU path (inside :func:`fake_gpu`): a
+    ``flashinfer`` module whose wrappers plan and run nothing, and the plugin's cache write on
+    kvcore's Triton ``reshape_and_cache`` (the GPU write; the stand-in driver launches it)
+    instead of the CPU reference."""
+    from kvcore_nvidia.backends import flashinfer as backend
+    from kvcore_nvidia.ops import cache_write
+
+    from kvcore.ops.triton_cache import reshape_and_cache
+
+    module = type(sys)("flashinfer")
+    module.BatchPrefillWithPagedKVCacheWrapper = _FlashInferWrapper
+    module.BatchDecodeWithPagedKVCacheWrapper = _FlashInferWrapper
+    previous = sys.modules.get("flashinfer"), cache_write.reshape_and_cache
+    sys.modules["flashinfer"] = module
+    cache_write.reshape_and_cache = reshape_and_cache
+    backend._wrappers.cache_clear()
+    try:
+        yield
+    finally:
+        backend._wrappers.cache_clear()
+        cache_write.reshape_and_cache = previous[1]
+        if previous[0] is None:
+            sys.modules.pop("flashinfer", None)
+        else:
+            sys.modules["flashinfer"] = previous[0]
+
+
 def time_calls(calls: dict[str, Callable[[], object]], n: int, rounds: int
                ) -> dict[str, float]:
     """Microseconds per call of each: the fastest of ``rounds`` means of ``n`` calls, the
@@ -160,27 +211,60 @@ def main() -> int:
     parser.add_argument("--root", help="a kvcore checkout to time instead of this one")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--backend", action="append", choices=("TRITON_ATTN", "FLASHINFER"),
+                        help="backends to time (repeatable; default: both where the "
+                        "kvcore-nvidia plugin is installed)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a cProfile of write + forward (self time)")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, str(Path(args.root).resolve() if args.root
-                           else Path(__file__).resolve().parent.parent))
+    root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parent.parent
+    sys.path[:0] = [str(root), str(root / "plugins" / "nvidia")]  # kvcore, kvcore-nvidia
     import torch
 
-    torch.set_num_threads(1)
-    with fake_gpu() as counts:
-        layer = Layer()
-        calls = layer.calls()
-        compiles = counts["compiles"]
-        times = time_calls(calls, args.calls, args.rounds)
-        new_compiles = counts["compiles"] - compiles
     import kvcore
 
-    print(f"kvcore at {Path(kvcore.__file__).parent.parent}; TRITON_ATTN decode 16x4096, "
-          "Hq 32, Hk 8, D 128, bf16, block 16; stand-in driver (host work only)")
-    for name, us in times.items():
-        print(f"  {name:28s} {us:8.1f} us")
-    print(f"  kernels compiled (all calls): {new_compiles}")
+    torch.set_num_threads(1)
+    names = args.backend or ["TRITON_ATTN", "FLASHINFER"]
+    print(f"kvcore at {Path(kvcore.__file__).parent.parent}; decode 16x4096, Hq 32, Hk 8, "
+          "D 128, bf16, block 16; stand-in driver (host work only)")
+    for name in names:
+        with contextlib.ExitStack() as stack:
+            counts = stack.enter_context(fake_gpu())
+            if name == "FLASHINFER":
+                try:
+                    stack.enter_context(fake_flashinfer())
+                except ImportError as exc:
+                    print(f"{name}: skipped ({exc})")
+                    continue
+            layer = Layer(backend=name)
+            calls = layer.calls()
+            compiles = counts["compiles"]
+            times = time_calls(calls, args.calls, args.rounds)
+            new_compiles = counts["compiles"] - compiles
+            print(f"{name}")
+            for call, us in times.items():
+                print(f"  {call:28s} {us:8.1f} us")
+            print(f"  kernels compiled (all calls): {new_compiles}")
+            if args.profile:
+                profile(calls["write + forward"], args.calls)
     return 0
+
+
+def profile(fn: Callable[[], object], n: int, top: int = 20) -> None:
+    """Print the functions with the most time of their own over ``n`` calls of ``fn``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    print(text.getvalue())
 
 
 if __name__ == "__main__":

@@ -143,9 +143,12 @@ class FlashInferImpl(PagedCacheImpl):
         super().__init__(*args, **kwargs)
         if self.attn_type == AttentionType.ENCODER_ONLY:
             FlashInferBackend.check_non_causal_window(self.sliding_window, causal=False)
-        # (weak cache, builder signature, num_blocks, device, data pointer) of the cache that
-        # passed the full checks, and the plan parameters (FlashInferLaunch.planned: a
-        # decode-only step's and a prefill step's) this layer was found to fit.
+        # (weak key view of the split_kv halves, builder signature, num_blocks, device) of the
+        # cache that passed the full checks (split_kv hands those halves back only while the
+        # cache object, address, shape, strides and dtype are unchanged; the weak reference
+        # dies when another cache's halves replace them), and the plan parameters
+        # (FlashInferLaunch.planned: a decode-only step's and a prefill step's) this layer
+        # was found to fit.
         self._checked_cache: tuple | None = None
         self._checked_plans: set[tuple] = set()
 
@@ -242,15 +245,15 @@ class FlashInferImpl(PagedCacheImpl):
             FlashInferBackend.check_non_causal_window(self.sliding_window,
                                                       self.is_causal(attn_metadata))
 
-    def _fits(self, launch: FlashInferLaunch, query: torch.Tensor, kv_cache: torch.Tensor,
+    def _fits(self, launch: FlashInferLaunch, query: torch.Tensor, kv: tuple,
               output: torch.Tensor) -> bool:
         """Whether this call is one the full checks already accepted, up to the step: the
-        cache checked against this builder, the step's blocks inside it, these rows."""
+        cache (its :meth:`split_kv` halves ``kv``) checked against this builder, the step's
+        blocks inside it, these rows."""
         seen = self._checked_cache
         shape = launch.query_shape
-        return (seen is not None and seen[0]() is kv_cache and seen[1] is launch.signature
-                and launch.max_block_id < seen[2] and kv_cache.data_ptr() == seen[4]
-                and launch.planned in self._checked_plans
+        return (seen is not None and seen[0]() is kv[0] and seen[1] is launch.signature
+                and launch.max_block_id < seen[2] and launch.planned in self._checked_plans
                 and query.shape == shape and output.shape == shape
                 and query.dtype == launch.signature[4] and output.dtype == query.dtype
                 and query.device == seen[3] and output.device == seen[3]
@@ -259,27 +262,28 @@ class FlashInferImpl(PagedCacheImpl):
     def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
                attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
         launch = attn_metadata.launch if isinstance(attn_metadata, FlashInferMetadata) else None
-        if launch is not None and self._fits(launch, query, kv_cache, output):
-            kv = kv_cache.unbind(1)
-            if launch.prefill is None:
-                launch.decode.run(query, kv, out=output)
-            elif launch.decode is None:
-                launch.prefill.run(query, kv, out=output)
-            else:
-                k = launch.num_decodes
-                launch.decode.run(query[:k], kv, out=output[:k])
-                launch.prefill.run(query[k:], kv, out=output[k:])
-            return
+        if launch is not None:
+            kv = self.split_kv(kv_cache)
+            if self._fits(launch, query, kv, output):
+                if launch.prefill is None:
+                    launch.decode.run(query, kv, out=output)
+                elif launch.decode is None:
+                    launch.prefill.run(query, kv, out=output)
+                else:
+                    k = launch.num_decodes
+                    launch.decode.run(query[:k], kv, out=output[:k])
+                    launch.prefill.run(query[k:], kv, out=output[k:])
+                return
         self._checked_attend(query, kv_cache, attn_metadata, output)
 
     def _checked_attend(self, query: torch.Tensor, kv_cache: torch.Tensor,
                         attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
         """Every check, then the run; a builder step's cache that passes is remembered (see
         the class docstring)."""
-        key_cache, value_cache = self.checked_halves(query, kv_cache, attn_metadata, output)
+        kv = self.checked_halves(query, kv_cache, attn_metadata, output)
+        key_cache = kv[0]
         q = query.contiguous()
         out = output if output.is_contiguous() else torch.empty_like(q)
-        kv = (key_cache, value_cache)
         if isinstance(attn_metadata, FlashInferMetadata) and (
                 attn_metadata.decode_wrapper is not None
                 or attn_metadata.prefill_wrapper is not None):
@@ -292,8 +296,8 @@ class FlashInferImpl(PagedCacheImpl):
                 attn_metadata.prefill_wrapper.run(q[k:], kv, out=out[k:])
             launch = attn_metadata.launch
             if launch is not None:
-                self._checked_cache = (weakref.ref(kv_cache), launch.signature,
-                                       kv_cache.shape[0], kv_cache.device, kv_cache.data_ptr())
+                self._checked_cache = (weakref.ref(key_cache), launch.signature,
+                                       kv_cache.shape[0], kv_cache.device)
                 self._checked_plans.add(launch.planned)
         else:
             self.plan(q, key_cache, attn_metadata).run(q, kv, out=out)
