@@ -446,3 +446,81 @@ def test_extend_carries_every_common_field_into_a_backend_subclass():
     assert common.extend(_PlannedMetadata).plan is None  # the subclass's defaults
     with pytest.raises(TypeError, match="nope"):
         common.extend(_PlannedMetadata, nope=1)
+
+
+def decode_step(context_lens, tables, **kw):
+    return step([1] * len(context_lens), context_lens, tables, **kw)
+
+
+def test_graph_steps_copy_query_start_loc_only_when_the_buffer_does_not_count(monkeypatch):
+    """A graph step's query_start_loc is 0..size: copied while the buffer may hold anything
+    else (first step, after an eager step, after a write by anyone, without a host copy that
+    shows 0..n), skipped otherwise; the buffer's contents are those of a copy either way."""
+    builder = kvcore.PersistentMetadataBuilder(SPEC, **LIMITS)
+    copies = []
+    copy = torch.Tensor.copy_
+
+    def counting(self, src, *args, **kwargs):
+        if self.data_ptr() == builder.query_start_loc.data_ptr():
+            copies.append(tuple(self.shape))
+        return copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    expected = torch.arange(5, dtype=torch.int32)
+
+    def graph_step(common, *, copied):
+        copies.clear()
+        meta = builder.build(common, graph_batch_size=4)
+        assert torch.equal(meta.query_start_loc, expected)
+        assert bool(copies) == copied
+        assert facts_of(meta) is not None  # marked as before
+
+    graph_step(decode_step([5, 9], [[2, 4], [7, 1, 3]]), copied=True)
+    graph_step(decode_step([6, 10, 2], [[2, 4], [7, 1, 3], [5]]), copied=False)
+    builder.build(step())  # eager: writes 0, 1, 4
+    graph_step(decode_step([5, 9], [[2, 4], [7, 1, 3]]), copied=True)
+    graph_step(decode_step([5], [[2, 4]]), copied=False)
+    builder.query_start_loc[2].fill_(7)  # someone else's write
+    graph_step(decode_step([5], [[2, 4]]), copied=True)
+    no_host = dataclasses.replace(decode_step([5], [[2, 4]]), query_start_loc_cpu=None)
+    graph_step(no_host, copied=True)
+    graph_step(no_host, copied=True)
+    graph_step(decode_step([5], [[2, 4]]), copied=True)
+    graph_step(decode_step([5, 9], [[2, 4], [7, 1, 3]]), copied=False)
+    copies.clear()
+    builder.build(decode_step([5, 9], [[2, 4], [7, 1, 3]]), graph_batch_size=8)
+    assert copies  # a larger size than the buffer is known to count to
+
+
+def test_graph_signature_finds_nested_tensors_once_and_still_reads_them():
+    """The runner's signature of a step: the metadata's own host values and every tensor's
+    address, shape and strides, nested ones included (a plan's workspace); the tensors of an
+    immutable part are found once, their addresses read every step."""
+    from kvcore.cuda_graphs import _Signatures
+
+    @dataclasses.dataclass(frozen=True)
+    class Plan:
+        splits: int
+        workspace: tuple
+
+    @dataclasses.dataclass
+    class Meta(kvcore.AttentionMetadata):
+        plan: object = None
+        other: object = None
+
+    workspace = (torch.zeros(4), torch.zeros(2, 3))
+    plan = Plan(2, workspace)
+    base = kvcore.PersistentMetadataBuilder(SPEC, **LIMITS).build(step())
+    meta = base.extend(Meta, plan=plan, other=[torch.zeros(1)])
+    signature = _Signatures()
+    first = signature(meta)
+    tensors = [meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping,
+               *workspace, meta.other[0]]
+    assert first[:6] == (("max_query_len", 3), ("max_seq_len", 6), ("num_actual_tokens", 4),
+                         ("causal", True), ("query_start_loc_cpu", None), ("seq_lens_cpu", None))
+    assert first[-len(tensors):] == tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
+    assert signature(meta) == first
+    workspace[1].set_(torch.zeros(6).view(2, 3))  # same object, other memory
+    assert signature(meta) != first
+    meta.other[0] = torch.zeros(1)  # a mutable part is walked every step
+    assert signature(meta)[-1] == (meta.other[0].data_ptr(), (1,), (1,))

@@ -443,3 +443,17 @@ def test_flashinfer_declares_the_soft_cap_for_the_selector(monkeypatch):
         use_per_head_quant_scales=False, device_capability=kvcore.DeviceCapability(9, 0),
         attn_type=kvcore.AttentionType.DECODER, has_logits_soft_cap=True)
     assert not [r for r in reasons if "soft" in r], reasons
+
+
+def test_graph_steps_of_one_choice_share_their_launch():
+    """A graph decode step's launch (wrappers, rows, bounds, plan parameters) is one object
+    per choice, so the runner and the layers find its contents once; another size or plan
+    parameters give another."""
+    builder = _builder()
+    first = builder.build(_decode_step([[1, 2], [3]], [20, 9]), graph_batch_size=4)
+    second = builder.build(_decode_step([[4], [5, 6]], [3, 30]), graph_batch_size=4)
+    assert second.launch is first.launch and second.planned is first.launch.planned
+    other = builder.build(_decode_step([[4], [5, 6]], [3, 30]), graph_batch_size=2)
+    assert other.launch is not first.launch and other.launch.num_decodes == 2
+    builder.scale = 0.5
+    assert builder.build(_decode_step([[4]], [3]), graph_batch_size=4).launch.planned[0] == 0.5
