@@ -134,9 +134,11 @@ class FlashInferImpl(PagedCacheImpl):
     With the builder's metadata a layer's ``attend`` is the step's
     :class:`FlashInferLaunch` called on its tensors: once a layer's cache passed the full
     checks against a builder's plan (its first step), later steps compare only what can change
-    (the tensors' shapes, dtypes, devices and contiguity, the cache object, the step's largest
-    block id against the cache's blocks, the plan's parameters) and fall back to the full
-    checks on any difference.
+    (the tensors' shapes, dtypes, devices and contiguity, the cache by the K/V views
+    :meth:`split_kv` keeps for it (the same object, address, shape and strides), the step's
+    largest block id against the cache's blocks, the plan's parameters) and fall back to the
+    full checks on any difference. The layer's calls make no views of the cache after its
+    first: the cache write finds its checks by the kept views too.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

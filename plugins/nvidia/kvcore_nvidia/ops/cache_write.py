@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -103,19 +102,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     """:func:`kvcore.ops.reshape_and_cache_ref`'s cache write (arguments, shapes and result
     documented there) with :func:`cache_write_kernel`; arguments are validated before any
     kernel runs."""
-    if not key_cache.is_cuda:  # kvcore's own dispatch: the reference on the CPU
-        write = reshape_and_cache
-    elif key.dtype in _CUDA_DTYPES and cache_write_kernel() == "cuda":
+    if key_cache.is_cuda and key.dtype in _CUDA_DTYPES and cache_write_kernel() == "cuda":
         from kvcore_nvidia.ops.bindings import reshape_and_cache_flash as write
-    else:
-        write = _triton_write()
+    else:  # kvcore's own dispatch: Triton on a GPU, the reference on the CPU
+        write = reshape_and_cache
     write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
-
-
-@functools.cache
-def _triton_write() -> Callable[..., None]:
-    """kvcore's Triton cache write, imported on the first GPU write (importing this module
-    imports no Triton), then looked up once."""
-    from kvcore.ops.triton_cache import reshape_and_cache as triton_write
-
-    return triton_write

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("flashinfer_host_path_checks.py")
+pytest.importorskip("kvcore_nvidia")
 NONE = {"validate_paged_attention": 0, "_write_key": 0, "_checked_attend": 0}
 
 

@@ -2,7 +2,7 @@
 kernels, not the interpreter the test session uses) with ``benchmarks/host_path.py``'s
 stand-in driver and stand-in FlashInfer (wrappers that plan and run nothing, the cache write on
 kvcore's Triton launch path); prints one JSON object with what it found
-(``test_nvidia_flashinfer_host_path.py`` asserts on it)."""
+(``test_flashinfer_host_path.py`` asserts on it; it needs the kvcore-nvidia plugin)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
-ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests" / "ops")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from host_path import Layer, fake_flashinfer, fake_gpu  # noqa: E402
