@@ -458,14 +458,16 @@ class KVConnector(ABC):
         elif isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
             raise TypeError(f"block_ids must be a sequence of ints or a 1-D integer tensor, "
                             f"got {type(block_ids).__name__}")
-        ids = []
-        for i, b in enumerate(block_ids):
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise TypeError(f"block_ids[{i}]={b!r} must be an int")
-            if not 0 <= b < num_blocks:
-                raise ValueError(f"block_ids[{i}]={b} is outside the cache's {num_blocks} "
-                                 f"blocks (valid: 0..{num_blocks - 1})")
-            ids.append(b)
+        ids = list(block_ids)
+        # Ints within the cache, checked in a few passes of C code; otherwise the loop below
+        # names the first bad entry.
+        if not ids or set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= num_blocks:
+            for i, b in enumerate(ids):
+                if isinstance(b, bool) or not isinstance(b, int):
+                    raise TypeError(f"block_ids[{i}]={b!r} must be an int")
+                if not 0 <= b < num_blocks:
+                    raise ValueError(f"block_ids[{i}]={b} is outside the cache's {num_blocks} "
+                                     f"blocks (valid: 0..{num_blocks - 1})")
         want = len(keys) if op == "save" else self._blocks_for_keys(len(keys))
         if len(ids) != want:
             if want == len(keys):

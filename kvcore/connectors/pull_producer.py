@@ -95,7 +95,7 @@ def close_socket(sock: socket.socket) -> None:
 # -- producer -------------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Publication:
     """One published block: the producer's ``block`` holds ``key`` for ``save``, until
     ``readers`` different consumers READ it whole."""
@@ -152,6 +152,7 @@ class _Lease:
     publications: list[_Publication | None]
     deadline: float
     link: int  # the connection that took it: closing it ends the lease
+    held: int  # entries of publications not None (read, given back or not taken: None)
     closed: bool = False  # that connection closed; the lease ends at its (shortened) deadline
 
 
@@ -176,6 +177,9 @@ class Producer:
         self.link_ids = itertools.count()
         self.engine: Notifier | None = None
         self.hello: dict[str, Any] | None = None
+        # No lease ends and no publication expires before this (monotonic seconds): the notif
+        # loop looks for what expired only then, not over every publication each turn.
+        self.next_expiry = math.inf
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -215,8 +219,14 @@ class Producer:
             for key, block in zip(keys, block_ids, strict=True):
                 self.published.setdefault(key, deque()).append(
                     _Publication(key, block, record, now + timeout_s))
+            self._due(now + timeout_s)
             self.cond.notify_all()
         return record
+
+    def _due(self, deadline: float) -> None:
+        """Something may expire at ``deadline`` (caller holds ``cond``)."""
+        if deadline < self.next_expiry:
+            self.next_expiry = deadline
 
     def _settle(self, pub: _Publication, failure: str | None) -> None:
         """Record ``pub``'s outcome (caller holds ``cond``)."""
@@ -229,13 +239,14 @@ class Producer:
 
     def _unpublish(self, pub: _Publication) -> None:
         pubs = self.published.get(pub.key)
-        if pubs is not None:
-            try:
-                pubs.remove(pub)
-            except ValueError:
-                pass
-            if not pubs:
+        if pubs is None:
+            return
+        if len(pubs) == 1:  # the common case: one publication of the key
+            if pubs[0] is pub:
                 del self.published[pub.key]
+            return
+        with contextlib.suppress(ValueError):
+            pubs.remove(pub)
 
     def _available(self, key: str, consumer: str) -> _Publication | None:
         """The oldest publication of ``key`` that ``consumer`` may take: one it neither holds
@@ -279,9 +290,11 @@ class Producer:
                         break
                 blocks.append(None if pub is None else pub.block)
                 taken.append(pub)
-            if any(p is not None for p in taken):
-                self.leases[lease_id] = _Lease(lease_id, consumer, taken,
-                                               time.monotonic() + lease_s, link)
+            held = len(taken) - taken.count(None)
+            if held:
+                deadline = time.monotonic() + lease_s
+                self.leases[lease_id] = _Lease(lease_id, consumer, taken, deadline, link, held)
+                self._due(deadline)
                 self.cond.notify_all()
         return lease_id, blocks
 
@@ -304,17 +317,20 @@ class Producer:
                                lease_id, consumer)
                 return None
             complete, partial = [], []
-            for i in range(max(0, first), min(end, len(lease.publications))):
-                pub = lease.publications[i]
+            pubs, readers = lease.publications, self.conn.readers
+            for i in range(max(0, first), min(end, len(pubs))):
+                pub = pubs[i]
                 if pub is not None:
-                    lease.publications[i] = None
+                    pubs[i] = None
                     pub.leases.discard(lease_id)
                     pub.reads += 1
-                    if pub.reads >= self.conn.readers:  # no other lease holds it then
+                    if pub.reads >= readers:  # no other lease holds it then
                         self._unpublish(pub)
                         complete.append(pub)
                     else:
                         partial.append(pub)
+                        self._due(pub.deadline)  # it may expire once no lease holds it
+            lease.held -= len(complete) + len(partial)
             self._drop_if_empty(lease)
             return complete, partial
 
@@ -329,8 +345,13 @@ class Producer:
 
     def _settle_read(self, taken: list[_Publication], failure: str | None) -> None:
         with self.cond:
-            for pub in taken:
-                self._settle(pub, failure)
+            if failure is None:  # (_settle inlined: a READ settles every block of a load)
+                for pub in taken:
+                    pub.save.done.append(pub.block)
+                    pub.save.pending -= 1
+            else:
+                for pub in taken:
+                    self._settle(pub, failure)
             self.cond.notify_all()
 
     def give_back(self, consumer: str, lease_id: str, indices: list[int]) -> None:
@@ -344,13 +365,15 @@ class Producer:
                     pub = lease.publications[i]
                     if pub is not None:
                         lease.publications[i] = None
+                        lease.held -= 1
                         pub.leases.discard(lease_id)
                         pub.takers.discard(consumer)  # it may try again
+                        self._due(pub.deadline)
             self._drop_if_empty(lease)
             self.cond.notify_all()
 
     def _drop_if_empty(self, lease: _Lease) -> None:
-        if all(p is None for p in lease.publications):
+        if not lease.held:
             self.leases.pop(lease.lease_id, None)
 
     def _end_lease(self, lease: _Lease) -> None:
@@ -360,6 +383,7 @@ class Producer:
             if pub is not None:
                 pub.leases.discard(lease.lease_id)
                 pub.takers.discard(lease.consumer)
+                self._due(pub.deadline)
         self.cond.notify_all()
 
     def release_link(self, link: int) -> None:
@@ -381,12 +405,16 @@ class Producer:
                     if notifying:
                         lease.closed = True
                         lease.deadline = min(lease.deadline, grace_end)
+                        self._due(lease.deadline)
                     else:
                         self._end_lease(lease)
                 self.cond.notify_all()
 
     def _expire(self, now: float) -> None:
-        """Release what waited too long (caller holds ``cond``)."""
+        """Release what waited too long (caller holds ``cond``); nothing to look at before
+        :attr:`next_expiry`."""
+        if now < self.next_expiry:
+            return
         for lease in [le for le in self.leases.values() if le.deadline <= now]:
             self._end_lease(lease)
             if lease.closed:
@@ -403,6 +431,12 @@ class Producer:
             self._settle(pub, self._unread_reason(pub))
         if expired:
             self.cond.notify_all()
+        # What may expire next: a lease, or a publication no lease holds (one that a lease
+        # holds is looked at again when that lease lets it go, see _due).
+        self.next_expiry = min(
+            itertools.chain((le.deadline for le in self.leases.values()),
+                            (pub.deadline for pubs in self.published.values() for pub in pubs
+                             if not pub.leases)), default=math.inf)
 
     def _unread_reason(self, pub: _Publication) -> str:
         conn = self.conn
