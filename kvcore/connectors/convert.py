@@ -30,7 +30,7 @@ rank arithmetic is :mod:`kvcore.connectors.tp`'s.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -277,6 +277,32 @@ class ConversionPlan:
                 allocation of its layout, ids out of range or not as many as the tokens
                 need, repeated destination ids, missing or bad scales.
         """
+        return self.prepare(src, dst, src_ids, dst_ids, num_tokens, src_scales=src_scales,
+                            dst_scales=dst_scales, kernel=kernel)()
+
+    def prepare(
+        self,
+        src: torch.Tensor | KVCaches,
+        dst: torch.Tensor | KVCaches,
+        src_ids: Sequence[int] | torch.Tensor,
+        dst_ids: Sequence[int] | torch.Tensor,
+        num_tokens: int | None = None,
+        *,
+        src_scales: torch.Tensor | Sequence[float] | float | None = None,
+        dst_scales: torch.Tensor | Sequence[float] | float | None = None,
+        kernel: Literal["auto", "torch", "triton"] = "auto",
+    ) -> Callable[[], int]:
+        """:meth:`apply` in two steps: its checks, ids and index work now, the conversion
+        when the returned callable is called (it returns the bytes written, as :meth:`apply`
+        does, and may be called again for the same blocks).
+
+        A connector prepares the gather of a chunk while that chunk's bytes are still on the
+        wire, then only launches it. On a GPU the call is one kernel launch on the current
+        stream (the ids reached the device, without blocking the host, on the stream current
+        at :meth:`prepare`: prepare and call on the same stream), and the host never waits
+        for the device. ``src`` and ``dst`` must stay allocated until the last call. Arguments
+        and errors as :meth:`apply`'s.
+        """
         src_t, src_n = _storage(src, self.src, "src")
         dst_t, dst_n = _storage(dst, self.dst, "dst")
         if src_t.device == dst_t.device and _overlap(src_t, dst_t):
@@ -299,7 +325,7 @@ class ConversionPlan:
                              "destination block is written once")
         scales = self._scales(src_scales, dst_scales)
         if num_tokens == 0:
-            return 0
+            return _nothing
         if kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel={kernel!r} must be 'auto', 'torch' or 'triton'")
         if self.is_identity:
@@ -468,25 +494,31 @@ class ConversionPlan:
 
     def _launch(self, src_t: torch.Tensor, src_n: int, dst_t: torch.Tensor, dst_n: int,
                 s_ids: torch.Tensor, d_ids: torch.Tensor, num_tokens: int,
-                scales: torch.Tensor | None) -> int:
+                scales: torch.Tensor | None) -> Callable[[], int]:
         """The conversion as one launch of the gather kernel on the destination's device."""
-        from kvcore.ops import triton_convert_blocks
+        from kvcore.ops.triton_convert import prepare_convert
 
-        def strides(layout: KVCacheLayout, n: int) -> tuple[int, ...]:
-            st = _strides(_with_blocks(layout, n))
-            return tuple(st[d] for d in ("B", "L", "2", "N", "H", "D"))
-
-        return triton_convert_blocks(
+        key = ("strides", src_n, dst_n)
+        strides = self._templates.get(key)
+        if strides is None:  # (a layout per pool size: computed once)
+            strides = self._templates[key] = tuple(
+                tuple(_strides(_with_blocks(layout, n))[d] for d in ("B", "L", "2", "N", "H",
+                                                                      "D"))
+                for layout, n in ((self.src, src_n), (self.dst, dst_n)))
+        launch = prepare_convert(
             src_t.view(self.src.dtype), dst_t.view(self.dst.dtype), s_ids, d_ids,
             num_tokens=num_tokens, src_block_size=self.src_block_size,
-            dst_block_size=self.dst_block_size, src_strides=strides(self.src, src_n),
-            dst_strides=strides(self.dst, dst_n), num_layers=self.num_layers,
+            dst_block_size=self.dst_block_size, src_strides=strides[0],
+            dst_strides=strides[1], num_layers=self.num_layers,
             num_kv=1 if self.is_mla else 2, head_pairs=list(self.head_map),
             head_size=self.head_size, scales=scales)
+        return _nothing if launch is None else launch
 
     def _gather(self, src_t: torch.Tensor, src_n: int, dst_t: torch.Tensor, dst_n: int,
                 s_ids: torch.Tensor, d_ids: torch.Tensor, num_tokens: int,
-                scales: torch.Tensor | None) -> int:
+                scales: torch.Tensor | None) -> Callable[[], int]:
+        """The conversion as a torch gather/scatter (the kernel's reference), its rows
+        indexed now."""
         src_rows, dst_rows, scale_rows, unit = self.index(src_n, dst_n, s_ids, d_ids,
                                                           num_tokens)
         src_bytes, dst_bytes = unit * self.src.itemsize, unit * self.dst.itemsize
@@ -497,31 +529,48 @@ class ConversionPlan:
         # Rows move as integer words: exact bits, and index_copy_ has no fp8 kernel on CPU.
         src_v = src_t.view(src_word).view(-1, src_bytes // src_word.itemsize)
         dst_v = dst_t.view(dst_word).view(-1, dst_bytes // dst_word.itemsize)
-        moved = src_v.index_select(0, src_rows.to(src_t.device))
-        if self.dtype_op != "copy":
-            values = moved.view(self.src.dtype).float()
-            values = values * scales.to(src_t.device)[scale_rows.to(src_t.device)][:, None]
-            if self.dtype_op == "quantize":
-                limit = torch.finfo(self.dst.dtype).max
-                values = values.clamp(-limit, limit)
-            moved = values.to(self.dst.dtype).view(dst_word)
-        dst_v.index_copy_(0, dst_rows.to(dst_t.device), moved.to(dst_t.device))
-        return dst_rows.numel() * unit * self.dst.itemsize
+        src_rows, dst_rows = src_rows.to(src_t.device), dst_rows.to(dst_t.device)
+        row_scales = (None if scales is None
+                      else scales.to(src_t.device)[scale_rows.to(src_t.device)][:, None])
+        nbytes = dst_rows.numel() * unit * self.dst.itemsize
+        limit = torch.finfo(self.dst.dtype).max if self.dtype_op == "quantize" else None
+
+        def gather() -> int:
+            moved = src_v.index_select(0, src_rows)
+            if row_scales is not None:
+                values = moved.view(self.src.dtype).float() * row_scales
+                if limit is not None:
+                    values = values.clamp(-limit, limit)
+                moved = values.to(self.dst.dtype).view(dst_word)
+            dst_v.index_copy_(0, dst_rows, moved.to(dst_t.device))
+            return nbytes
+
+        return gather
 
     def _copy_blocks(self, src_t: torch.Tensor, src_n: int, dst_t: torch.Tensor, dst_n: int,
-                     s_ids: torch.Tensor, d_ids: torch.Tensor, num_tokens: int) -> int:
+                     s_ids: torch.Tensor, d_ids: torch.Tensor, num_tokens: int
+                     ) -> Callable[[], int]:
         """Whole blocks, one copy per run; a partial last block through the gather."""
         full = num_tokens // self.src_block_size
         src_rows = _block_rows(src_t, self.src, src_n)
         dst_rows = _block_rows(dst_t, self.dst, dst_n)
-        moved = 0
-        for s, d, n in block_runs(s_ids[:full], d_ids[:full]).tolist():
-            dst_rows[d:d + n].copy_(src_rows[s:s + n])
-            moved += n * dst_rows.shape[1] * dst_rows.shape[2]
-        if full < s_ids.numel():
-            moved += self._gather(src_t, src_n, dst_t, dst_n, s_ids[full:], d_ids[full:],
-                                  num_tokens - full * self.src_block_size, None)
-        return moved
+        runs = block_runs(s_ids[:full], d_ids[:full]).tolist()
+        rest = (self._gather(src_t, src_n, dst_t, dst_n, s_ids[full:], d_ids[full:],
+                             num_tokens - full * self.src_block_size, None)
+                if full < s_ids.numel() else _nothing)
+        nbytes = sum(n for _, _, n in runs) * dst_rows.shape[1] * dst_rows.shape[2]
+
+        def copy() -> int:
+            for s, d, n in runs:
+                dst_rows[d:d + n].copy_(src_rows[s:s + n])
+            return nbytes + rest()
+
+        return copy
+
+
+def _nothing() -> int:
+    """A prepared conversion that moves nothing."""
+    return 0
 
 
 def _span(heads: Sequence[int]) -> str:
@@ -572,12 +621,17 @@ def _ids(value: Sequence[int] | torch.Tensor, name: str, num_blocks: int, side: 
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got "
                             f"{type(value).__name__}")
-        for i, b in enumerate(value):
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise TypeError(f"{name}[{i}]={b!r} must be an int")
-        ids = torch.tensor(list(value), dtype=torch.int64)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        if set(map(type, value)) - {int}:  # (one pass of C code when they are all ints)
+            for i, b in enumerate(value):
+                if isinstance(b, bool) or not isinstance(b, int):
+                    raise TypeError(f"{name}[{i}]={b!r} must be an int")
+        ids = torch.tensor(value if isinstance(value, list) else list(value),
+                           dtype=torch.int64)
+    if not ids.numel():
+        return ids
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
         raise ValueError(f"{name} contains {bad}, outside the {side}'s {num_blocks} blocks "
                          f"(valid: 0..{num_blocks - 1}); is the {side} too small?")
     return ids

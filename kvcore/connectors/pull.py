@@ -99,7 +99,7 @@ _ROLES = ("producer", "consumer")
 
 #: A converting consumer's staging buffer (``staging_bytes``): READs of the producer's blocks
 #: land there in the producer's layout, then one gather converts them into the cache.
-DEFAULT_STAGING_BYTES = 256 << 20
+DEFAULT_STAGING_BYTES = 512 << 20
 
 #: The shortest and the longest pause between two polls of READs in flight (seconds).
 POLL_PAUSE_MIN_S = 20e-6
@@ -443,6 +443,9 @@ class PullConnector(KVConnector):
         deadline = time.monotonic() + self.timeout_s
         if self._plan is None:
             read, errors = self._pull(keys, block_ids, self._regions, deadline)
+            if read and self._regions.mem_type == "VRAM":
+                # The blocks are the caller's once the load reports them.
+                torch.cuda.synchronize(self._reg.kv_caches.storage.device)
             if len(read) == len(block_ids):  # all of them, in order
                 loaded = block_ids
             else:
@@ -467,9 +470,15 @@ class PullConnector(KVConnector):
         (``staging_buffers=2`` and room for two groups), chunk ``i + 1`` is READ into one part
         while chunk ``i``'s gather reads the other: on a GPU the gather runs on the
         connector's stream, and an event per part tells when its last gather has read it,
-        before the next READ into it; on the CPU the gather runs between the READs.
+        before the next READ into it; on the CPU the gather runs between the READs. A chunk's
+        gather is prepared (:meth:`ConversionPlan.prepare`: checks, ids on the device) while
+        its READ is in flight, and launched once it is read whole; the host never waits for
+        the device but for a part's last gather before the next READ into it (that part's
+        event), and for the connector's stream when the load ends.
         """
         plan, staging, stream = self._plan, self._staging, self._gather_stream
+        on_stream = ((lambda: torch.cuda.stream(stream)) if stream is not None
+                     else contextlib.nullcontext)
         per_group = plan.group_tokens // plan.src_block_size
         dst_per_group = plan.group_tokens // plan.dst_block_size
         chunk = self._staging_blocks // per_group // self._halves * per_group
@@ -493,17 +502,33 @@ class PullConnector(KVConnector):
                     d0 = k0 // per_group * dst_per_group
                     dst = block_ids[d0:d0 + plan.blocks_for_keys(len(part))]
                     untouched = k0 + len(part)
+                    prepared: list[Callable[[], int]] = []
+
+                    def prepare(slots: list[int] = slots, dst: list[int] = dst,
+                                tokens: int = len(part) * plan.src_block_size,
+                                prepared: list[Callable[[], int]] = prepared) -> None:
+                        try:
+                            with on_stream():  # the ids' copy on the stream the gather runs on
+                                prepared.append(plan.prepare(
+                                    staging, self._reg.kv_caches, slots, dst, tokens,
+                                    dst_scales=self._kv_scales))
+                        except Exception:  # READs are in flight here:
+                            pass  # apply_keys raises it again once they are over
+
                     if lease is None:  # the fetch failed: nothing is READ
                         read, errors = set(), dict.fromkeys(range(len(part)), why)
                     else:
                         read, errors = self._pull(part, slots, self._staging_regions, deadline,
-                                                  fetched=(lease, blocks[k0:k0 + chunk], k0))
-                    arrived = [i in read for i in range(len(part))]
-                    with (torch.cuda.stream(stream) if stream is not None
-                          else contextlib.nullcontext()):
-                        written, missing, moved = plan.apply_keys(
-                            staging, self._reg.kv_caches, slots, dst, arrived,
-                            dst_scales=self._kv_scales)
+                                                  fetched=(lease, blocks[k0:k0 + chunk], k0),
+                                                  while_reading=prepare)
+                    with on_stream():
+                        if len(read) == len(part) and prepared:  # the common case
+                            written, missing, moved = dst, {}, prepared[0]()
+                        else:  # some keys failed: the groups they leave whole
+                            written, missing, moved = plan.apply_keys(
+                                staging, self._reg.kv_caches, slots, dst,
+                                [i in read for i in range(len(part))],
+                                dst_scales=self._kv_scales)
                         if written and stream is not None:
                             gathered[n % self._halves] = stream.record_event()
                     loaded.extend(written)
@@ -533,12 +558,15 @@ class PullConnector(KVConnector):
         return lease, blocks
 
     def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float,
-              fetched: tuple[str, list[Any], int] | None = None
+              fetched: tuple[str, list[Any], int] | None = None,
+              while_reading: Callable[[], None] | None = None
               ) -> tuple[set[int], dict[int, str]]:
         """READ the producer's blocks of ``keys`` into blocks ``local_ids`` of ``local``
         (this cache, or the staging buffer); returns the indices read whole and why the
         others failed. ``fetched``: ``(lease, blocks, first)``, a fetch made already whose
-        entries ``first ..`` are ``keys``' (else the first fetch is made here)."""
+        entries ``first ..`` are ``keys``' (else the first fetch is made here).
+        ``while_reading``: called once, while the first READs are in flight (it must not
+        raise)."""
         todo = range(len(keys))  # indices not read yet
         loaded: set[int] = set()
         failed: dict[int, str] = {}
@@ -565,7 +593,9 @@ class PullConnector(KVConnector):
                 else:
                     failed[i] = f"the producer named block {src!r}"
             if pairs:
-                read, errors = self._read_runs(lease, read_runs(pairs), deadline, local)
+                read, errors = self._read_runs(lease, read_runs(pairs), deadline, local,
+                                               while_reading)
+                while_reading = None
                 if len(read) == len(todo) == len(keys):
                     loaded.update(todo)  # the common case: all of them at once
                 else:
@@ -584,11 +614,12 @@ class PullConnector(KVConnector):
             pause = min(2 * pause, 0.05)
         return loaded, failed
 
-    def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions
+    def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions,
+                   while_reading: Callable[[], None] | None = None
                    ) -> tuple[list[int], dict[int, str]]:
         """READ every run (one READ each) until done, failed or ``deadline``, polling as
-        :func:`poll_pause` says. Returns the fetch indices read whole and those that failed
-        with why."""
+        :func:`poll_pause` says; ``while_reading()`` runs once they are posted. Returns the
+        fetch indices read whole and those that failed with why."""
         consumer, engine, label = self._consumer, self._engine, self.label
         timed = self._timed
         read: list[int] = []
@@ -604,6 +635,8 @@ class PullConnector(KVConnector):
                 errors.update((j, f"{label} READ could not start: {exc}")
                               for j in range(run.first, run.end))
                 timed("release", engine.release, run)
+        if while_reading is not None:
+            while_reading()
         posted = time.monotonic()
         while active:
             still = []
@@ -650,8 +683,6 @@ class PullConnector(KVConnector):
         finished = sorted(set(errors) - timed_out)  # failed and over: readable again
         if finished:
             self._give_back(lease, finished)
-        if read and local.mem_type == "VRAM":
-            torch.cuda.synchronize(self._reg.kv_caches.storage.device)
         return read, errors
 
     def _give_back(self, lease: str, indices: list[int]) -> None:

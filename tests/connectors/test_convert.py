@@ -339,3 +339,36 @@ def test_quantize_without_scales_is_refused():
         plan.apply(src, dst, [0], [0])
     with pytest.raises(ValueError, match=r"dst_scales has shape \(3,\)"):
         plan.apply(src, dst, [0], [0], dst_scales=[1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("kernel", ["torch", "same-layout"])
+def test_prepare_converts_when_called_and_again_with_the_bytes_then(kernel):
+    """A prepared conversion moves nothing until called; each call moves what the source
+    holds then, the same bytes as apply (a connector prepares a chunk while it is READ)."""
+    gen = torch.Generator().manual_seed(6)
+    src_layout = NHD16 if kernel == "torch" else DST64
+    plan = plan_conversion(src_layout, DST64)
+    src, dst = noise(src_layout, gen), noise(DST64, gen)
+    src_ids, dst_ids, tokens = ([4, 0, 2, 7, 5], [2, 0], 72) if kernel == "torch" \
+        else ([2, 0], [1, 2], 100)
+    before = dst.clone()
+    run = plan.prepare(src, dst, src_ids, dst_ids, tokens, kernel="torch")
+    assert torch.equal(dst.view(torch.uint8), before.view(torch.uint8))
+    for _ in range(2):
+        expected = before.clone()
+        plan.apply(src, expected, src_ids, dst_ids, tokens, kernel="torch")
+        assert run() == plan.apply(src, before.clone(), src_ids, dst_ids, tokens) > 0
+        assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+        src.copy_(noise(src_layout, gen))  # the next call reads these
+
+
+def test_ids_that_are_not_ints_are_named():
+    """Ids are checked in C passes when all are ints; otherwise the first bad one is named."""
+    plan = plan_conversion(NHD16, DST64)
+    gen = torch.Generator().manual_seed(7)
+    src, dst = noise(NHD16, gen), noise(DST64, gen)
+    before = dst.clone()
+    for bad, text in ((True, "True"), (1.0, "1.0")):
+        with pytest.raises(TypeError, match=rf"src_ids\[1\]={text} must be an int"):
+            plan.apply(src, dst, [0, bad], [0], 20)
+    assert torch.equal(dst.view(torch.uint8), before.view(torch.uint8))

@@ -214,6 +214,55 @@ def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
 
 
 @pytest.mark.parametrize("pull", PULLS)
+def test_a_chunk_read_whole_launches_the_gather_prepared_while_it_was_read(pull, monkeypatch):
+    """Each chunk's gather is prepared while its READ is in flight (between the READ's start
+    and its end) and only launched once the chunk arrived whole: no per-key work after the
+    READ (apply_keys, for chunks that lost keys, is not called)."""
+    from kvcore.connectors.convert import ConversionPlan
+
+    n, p_bs, c_bs = 23, 4, 8
+    seed = random.randrange(2**31)
+    src = make_caches(layout="nhd", cross_layer=False, block_size=p_bs, num_blocks=32,
+                      seed=seed)
+    keys = keys_for(seed, n, block_size=p_bs)
+    src_ids = random.Random(seed).sample(range(32), n)
+    dst_ids = [13, 2, 7, 0, 9, 1, 14, 3, 5, 11, 4, 12]
+    group_bytes = 2 * src.num_layers * src.layout.page_size_bytes
+    phases: list[str] = []
+    prepare = ConversionPlan.prepare
+
+    def prepare_noting(self, *args, **kwargs):
+        phases.append("prepare")
+        return prepare(self, *args, **kwargs)
+
+    def apply_keys(*args, **kwargs):
+        raise AssertionError("apply_keys after a chunk read whole")
+
+    monkeypatch.setattr(ConversionPlan, "prepare", prepare_noting)
+    monkeypatch.setattr(ConversionPlan, "apply_keys", apply_keys)
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        save = prod.save(keys, src_ids)
+        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                          seed=seed + 1)
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+            conn.register_kv_caches(dst)
+            conn.timing = lambda phase, seconds: phases.append(phase)
+            result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
+        assert save.wait(timeout=pull.wait_s).ok
+    assert result.ok, result.failed
+    assert result.succeeded == tuple(dst_ids)
+    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
+                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+    # Six chunks (two groups each, the last one group): each prepared after its READ started
+    # and before it was last polled.
+    chunks = [i for i, phase in enumerate(phases) if phase == "prepare"]
+    assert len(chunks) == 6
+    for i in chunks:
+        assert phases[i - 1] == "start_read" and "poll" in phases[i + 1:]
+
+
+@pytest.mark.parametrize("pull", PULLS)
 def test_pull_consumer_refuses_what_cannot_convert_before_any_byte(pull):
     src = make_caches(layout="nhd", cross_layer=False, num_kv_heads=2)
     with pull.producer() as prod:

@@ -232,3 +232,21 @@ def test_split_returns_whole_blocks_where_k_and_v_are_not_halves(layout, cross, 
 def test_split_refuses_a_non_cache():
     with pytest.raises(TypeError, match="kv_caches must be a kvcore.KVCaches, got Tensor"):
         virtually_split_kv_in_blocks(torch.zeros(2))
+
+
+def test_a_list_of_keys_is_checked_without_a_check_per_key(monkeypatch):
+    """Hundreds of keys per load are checked in a few passes of C code; the per-key check
+    only runs to name a bad one."""
+    import kvcore.connectors.keys as keys_module
+
+    keys = [hash_block_tokens(None, [i]) for i in range(512)]
+    checked = keys_module._check_key
+    calls = []
+    monkeypatch.setattr(keys_module, "_check_key",
+                        lambda *args: calls.append(args) or checked(*args))
+    assert check_block_keys(tuple(keys)) == keys and not calls
+    for bad in (keys[3].upper(), keys[3][:63] + " ", keys[3][:63] + "\u00e9", keys[3] + "0"):
+        with pytest.raises(ValueError, match=r"keys\[3\]=.* is not a block key"):
+            check_block_keys([*keys[:3], bad, *keys[4:]])
+    with pytest.raises(TypeError, match=r"keys\[1\] must be a str hex digest, got bytes"):
+        check_block_keys([keys[0], keys[1].encode()])

@@ -255,3 +255,44 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
     assert task.wait(None, inline=True)
     with pytest.raises(ConnectionError, match="the link went down"):
         task.result()
+
+
+def test_the_producer_looks_for_expired_blocks_only_when_one_is_due():
+    """The notification loop expires leases and publications each turn; it looks over them
+    only once the earliest deadline has passed (not over every publication each turn), and
+    what a lease lets go of past its deadline still expires."""
+    from types import SimpleNamespace
+
+    from kvcore.connectors.pull_producer import Producer
+
+    conn = SimpleNamespace(transport="test", readers=1, max_lease_s=60.0,
+                           confirms_over_channel=True, publish_timeout_s=0.2, host="h",
+                           port=1)
+    producer = Producer(conn, listener=None)
+    keys = keys_for(0, 4)
+    early = producer.publish(keys[:2], [0, 1], timeout_s=0.2)
+    late = producer.publish(keys[2:], [2, 3], timeout_s=60.0)
+    lease, blocks = producer.fetch("consumer", keys[:1], lease_s=30.0)
+    assert blocks == [0]
+
+    class Watched(dict):
+        looked = 0
+
+        def values(self):
+            Watched.looked += 1
+            return super().values()
+
+    with producer.cond:
+        producer.published = Watched(producer.published)
+        producer.leases = Watched(producer.leases)
+        producer._expire(time.monotonic())
+        assert Watched.looked == 0  # nothing due yet
+        producer._expire(time.monotonic() + 0.3)
+        assert Watched.looked > 0
+    assert early.failed.keys() == {1} and early.pending == 1  # block 0 is leased
+    assert late.pending == 2
+    producer.give_back("consumer", lease, [0])  # past its deadline: due at once
+    with producer.cond:
+        producer._expire(time.monotonic() + 0.3)
+    assert early.failed.keys() == {0, 1} and early.pending == 0
+    assert "not read within publish_timeout_s=0.2" in early.failed[0]
