@@ -82,16 +82,22 @@ def doc_commands(root: Path = ROOT) -> list[DocCommand]:
     return list(found.values())
 
 
-def install_page_plugin(folder: Path, root: Path = ROOT) -> dict[str, str]:
-    """Install :data:`PLUGIN_PAGE`'s minimal backend as a plugin distribution into
-    ``folder`` (offline, no dependencies); returns the environment its commands run in."""
+def page_backend(root: Path = ROOT) -> str:
+    """The source of :data:`PLUGIN_PAGE`'s minimal backend: the python block after its
+    ``<!-- ci:minimal-backend -->`` marker (what an author copies)."""
     page = (root / PLUGIN_PAGE).read_text()
     match = re.search(r"<!-- ci:minimal-backend -->\n```python\n(.*?)```", page, re.DOTALL)
     if match is None:
-        raise SystemExit(f"{PLUGIN_PAGE} has no python block after <!-- ci:minimal-backend -->")
+        raise ValueError(f"{PLUGIN_PAGE} has no python block after <!-- ci:minimal-backend -->")
+    return match.group(1)
+
+
+def install_page_plugin(folder: Path, root: Path = ROOT) -> dict[str, str]:
+    """Install :data:`PLUGIN_PAGE`'s minimal backend as a plugin distribution into
+    ``folder`` (offline, no dependencies); returns the environment its commands run in."""
     source = folder / "acme-kvcore"
     source.mkdir()
-    (source / "acme_kvcore.py").write_text(match.group(1))
+    (source / "acme_kvcore.py").write_text(page_backend(root))
     (source / "pyproject.toml").write_text(PLUGIN_PYPROJECT)
     site = folder / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
