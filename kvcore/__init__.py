@@ -56,8 +56,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.progress": ("long_step", "progress_enabled", "set_progress"),
     "kvcore.ranking": (
         "DeviceIdentity", "MeasuredCase", "MeasuredOrder", "Ranking", "RankingFileError",
-        "current_identity", "library_versions", "load_rankings", "ranking_config_key",
-        "ranking_path", "ranking_shape_class", "write_ranking",
+        "current_identity", "library_versions", "load_rankings", "merged_ranking",
+        "ranking_config_key", "ranking_path", "ranking_shape_class", "write_ranking",
     ),
     "kvcore.registry": (
         "DuplicateRegistrationError", "ResolveError", "UnknownNameError", "backend_platforms",
@@ -149,6 +149,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
         current_identity,
         library_versions,
         load_rankings,
+        merged_ranking,
         ranking_config_key,
         ranking_path,
         ranking_shape_class,
@@ -257,6 +258,7 @@ __all__ = [
     "list_plugins",
     "load_rankings",
     "long_step",
+    "merged_ranking",
     "parse_dtype",
     "platform_registry",
     "plugin_status_reports",

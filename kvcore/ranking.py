@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,8 @@ from kvcore.platform_types import PHASES, DeviceCapability
 __all__ = ["FORMAT", "FORMAT_VERSION", "PHASES", "RANKING_FILE_ENV", "VERSIONED_DISTRIBUTIONS",
            "DeviceIdentity", "MeasuredCase", "MeasuredOrder", "Ranking", "RankingFileError",
            "current_identity", "library_versions", "load_rankings", "measured_order",
-           "ranking_config_key", "ranking_path", "ranking_shape_class", "ranking_state",
-           "write_ranking"]
+           "merged_ranking", "ranking_config_key", "ranking_path", "ranking_shape_class",
+           "ranking_state", "write_ranking"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,12 @@ class MeasuredCase:
         return {"phase": self.phase, "shape_class": self.shape_class, "shape": self.shape,
                 "preset": self.preset, "layer": self.layer, "config": self.config,
                 "times_us": self.times_us, "errors": self.errors}
+
+    def step_key(self) -> tuple:
+        """What makes two cases the same step measured twice: the phase, the selector
+        config, the shape, the preset and the layer kind (a new measurement replaces it)."""
+        return (self.phase, json.dumps(self.config, sort_keys=True), self.shape, self.preset,
+                self.layer)
 
 
 @dataclass(frozen=True)
@@ -257,11 +263,25 @@ def load_rankings(path: str | Path) -> list[Ranking]:
                                "again to rewrite it") from None
 
 
+def merged_ranking(ranking: Ranking, earlier: Ranking | None) -> tuple[Ranking, int]:
+    """``ranking`` with the cases of ``earlier`` (this device's ranking in the file) that it
+    did not measure again, and how many it kept: only when ``earlier`` is of the same device
+    and library versions (else ``ranking`` alone, 0). Cases are the same step when their
+    :meth:`MeasuredCase.step_key` is; the new measurement wins."""
+    if (earlier is None or earlier.device != ranking.device
+            or earlier.version_changes(ranking.versions)):
+        return ranking, 0
+    measured = {case.step_key() for case in ranking.cases}
+    kept = tuple(case for case in earlier.cases if case.step_key() not in measured)
+    return replace(ranking, cases=kept + ranking.cases), len(kept)
+
+
 def write_ranking(ranking: Ranking, path: str | Path) -> Path:
     """Write ``ranking`` into the file at ``path``, replacing the ranking of the same device
     and keeping the others (a home directory shared by machines with different GPUs), in
-    one atomic rename. Raises :class:`RankingFileError` when the file exists but is not a
-    ranking file (it is left as it is)."""
+    one atomic rename (``kvcore tune`` passes :func:`merged_ranking`'s result, so this
+    device's earlier cases stay where they still apply). Raises :class:`RankingFileError`
+    when the file exists but is not a ranking file (it is left as it is)."""
     path = Path(path)
     kept = [r for r in load_rankings(path) if r.device != ranking.device]
     data = {"format": FORMAT, "version": FORMAT_VERSION,

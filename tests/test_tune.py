@@ -185,3 +185,41 @@ def test_measured_selection_can_be_turned_off(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="KVCORE_RANKING_FILE=none"):
         run_tune(TuneOptions(models=["llama-3.1-8b"], small=True, platform="cpu",
                              progress=False))
+
+
+def test_a_later_run_keeps_the_earlier_cases_it_did_not_measure_again(ranking_file):
+    """`kvcore tune --model A` then `--model B` ranks both: a case of the same step is
+    replaced, the others stay; not across library versions, and not with --replace."""
+    from kvcore.ranking import merged_ranking
+
+    def case(shape: str, times: dict[str, float]) -> MeasuredCase:
+        return MeasuredCase("decode", ranking_shape_class(CONFIG), shape,
+                            ranking_config_key(CONFIG), times, preset="a")
+
+    earlier = Ranking("2026-01-01", cpu_identity(), dict(library_versions()),
+                      (case("decode 4x256", {"X": 1.0}), case("decode 8x64", {"X": 2.0})))
+    later = Ranking("2026-01-02", cpu_identity(), dict(library_versions()),
+                    (case("decode 4x256", {"X": 3.0}),))
+    merged, kept = merged_ranking(later, earlier)
+    assert kept == 1 and merged.date == "2026-01-02"
+    assert [(c.shape, c.times_us["X"]) for c in merged.cases] == [
+        ("decode 8x64", 2.0), ("decode 4x256", 3.0)]
+    stale = dict(library_versions(), torch="0.0.1")
+    assert merged_ranking(later, Ranking("2026-01-01", cpu_identity(), stale,
+                                         earlier.cases)) == (later, 0)
+    other = DeviceIdentity("cuda", "NVIDIA H200", "9.0")
+    assert merged_ranking(later, Ranking("2026-01-01", other, dict(library_versions()),
+                                         earlier.cases)) == (later, 0)
+
+    write_ranking(earlier, ranking_file)
+    result = run_tune(TuneOptions(models=["llama-3.1-8b"], small=True, phases=("prefill",),
+                                  block_sizes=(16,), kv_cache_dtypes=("auto",), budget_s=60,
+                                  platform="cpu", progress=False, reps=1))
+    assert result.kept == 2 and result.kept_from == "2026-01-01"
+    shapes = [c.shape for c in load_rankings(ranking_file)[0].cases]
+    assert shapes[:2] == ["decode 4x256", "decode 8x64"] and len(shapes) > 2
+    replaced = run_tune(TuneOptions(models=["llama-3.1-8b"], small=True, phases=("prefill",),
+                                    block_sizes=(16,), kv_cache_dtypes=("auto",), budget_s=60,
+                                    platform="cpu", progress=False, reps=1, replace=True))
+    assert replaced.kept == 0
+    assert "decode 8x64" not in [c.shape for c in load_rankings(ranking_file)[0].cases]

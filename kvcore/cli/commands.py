@@ -427,6 +427,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                          "--num-kv-heads and --head-size, or leave it out")
     result = run_tune(TuneOptions(
         models=models, small=args.small or None, platform=args.platform, output=args.output,
+        replace=args.replace,
         kv_cache_dtypes=args.kv_cache_dtypes or TuneOptions.kv_cache_dtypes,
         block_sizes=args.block_sizes or TuneOptions.block_sizes,
         phases=args.phases or TuneOptions.phases, budget_s=args.budget_s,

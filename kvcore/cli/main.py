@@ -342,6 +342,9 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                            "~/.cache/kvcore/ranking.json); other devices' rankings in it stay")
     tune.add_argument("--platform", default=None,
                       help="platform to measure (default: detected); must be present")
+    tune.add_argument("--replace", action="store_true",
+                      help="drop this device's earlier cases (default: keep those this run "
+                           "does not measure again, while the library versions are the same)")
     tune.add_argument("--num-heads", type=positive_int, default=None,
                       help="time an engine's own layer instead of a preset: query heads per "
                            "rank (with --num-kv-heads and --head-size)")

@@ -4,7 +4,10 @@ own layer shape) within a time budget, and write the ranking file the selector f
 
 Every step of :mod:`kvcore.cli.model_bench` becomes one case of the ranking: its phase, the
 shape class of its selector config, the step's shape and each backend's median time. The
-ranking replaces this device's previous one in the file and keeps other devices' rankings.
+ranking replaces this device's previous one in the file and keeps other devices' rankings;
+this device's earlier cases that the run did not measure again stay in it while they still
+apply (same library versions: :func:`kvcore.merged_ranking`), unless ``replace`` is set, so
+``kvcore tune --model A`` then ``--model B`` ranks both.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from kvcore import (
     Ranking,
     current_identity,
     library_versions,
+    load_rankings,
+    merged_ranking,
     ranking_config_key,
     ranking_path,
     ranking_shape_class,
@@ -51,6 +56,8 @@ class TuneOptions:
 
     models: Sequence[str | ModelPreset] = ()
     small: bool | None = None
+    #: Drop this device's earlier cases instead of keeping those not measured again.
+    replace: bool = False
     kv_cache_dtypes: Sequence[str] = ModelPreset.KV_CACHE_DTYPES
     block_sizes: Sequence[int] = ModelPreset.BLOCK_SIZES
     phases: Sequence[str] = ("decode", "prefill", "mixed")
@@ -68,9 +75,13 @@ class TuneResult:
     path: Path
     report: ModelBenchReport
     orders: dict[str, MeasuredOrder] = field(default_factory=dict)
+    #: Cases of this device's earlier ranking kept beside the new ones, and its date.
+    kept: int = 0
+    kept_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "ranking": self.ranking.to_dict(),
+                "kept_cases": self.kept, "kept_from": self.kept_from,
                 "orders": {k: v.to_dict() for k, v in self.orders.items()},
                 "bench": self.report.to_dict()}
 
@@ -155,19 +166,26 @@ def run_tune(options: TuneOptions) -> TuneResult:
         phases=options.phases, small=small, dtype=options.dtype, platform=platform.name,
         budget_s=options.budget_s, reps=options.reps, log=log))
     ranking = _to_ranking(report, platform, options.budget_s)
+    earlier = None if options.replace else next(
+        (r for r in load_rankings(path) if r.device == ranking.device), None)
+    ranking, kept = merged_ranking(ranking, earlier)
     written = write_ranking(ranking, path)
     kvcore.clear_selection_cache()
-    return TuneResult(ranking, written, report, _orders(ranking, written))
+    return TuneResult(ranking, written, report, _orders(ranking, written), kept,
+                      earlier.date if kept else None)
 
 
 def format_tune(result: TuneResult, verbose: bool = False) -> str:
     """Where the ranking went, what it holds, and the order per shape class."""
     r = result.ranking
-    lines = [f"kvcore tune: {r.device.describe()}, {r.date}; {len(r.cases)} cases in "
-             f"{result.report.seconds:.1f} s"
+    lines = [f"kvcore tune: {r.device.describe()}, {r.date}; {len(r.cases) - result.kept} "
+             f"cases in {result.report.seconds:.1f} s"
              + (" (time budget spent: later steps left out)"
                 if result.report.stopped_by_budget else ""),
-             f"wrote {result.path}", ""]
+             f"wrote {result.path}"
+             + (f" (with {result.kept} earlier case(s) of this device measured on "
+                f"{result.kept_from} with the same library versions; --replace drops them)"
+                if result.kept else ""), ""]
     if verbose:
         lines += [format_model_report(result.report), ""]
     for shape, order in result.orders.items():
