@@ -72,6 +72,7 @@ from kvcore import (
     FullAttentionSpec,
     LayerScales,
     adopt_kv_caches,
+    allocate_kv_caches,
     attention_metadata_from_engine,
     explain_selection,
     get_attn_backend,
@@ -98,6 +99,7 @@ CROSS_LAYER_NHD = (1, 0, 2, 3, 4, 5)
 
 _UNIT_SCALES = LayerScales()  # transformers' paged cache is unquantised
 _FULL = "full_attention"
+_SLIDING = "sliding_attention"
 _registered = threading.Lock()
 _is_registered = False
 
@@ -136,7 +138,8 @@ class _LayerCall:
 
     cache: torch.Tensor  # the layer's (num_blocks, 2, N, H, D) view of transformers' tensor
     impl: AttentionImpl
-    metadata: Any  # what the builder returned for this step
+    metadata: Any  # what the builder returned for this step (for the layer's group)
+    staging: _Staging | None = None  # a sliding layer's copies around its scratch cache
 
 
 def _kvcore_attention(
@@ -168,8 +171,20 @@ def _kvcore_attention(
                          "every request's tokens into batch dimension 1")
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     impl, cache, meta = kvcore_layer.impl, kvcore_layer.cache, kvcore_layer.metadata
-    impl.do_kv_cache_update(_UNIT_SCALES, k, v, cache, meta.slot_mapping)
-    return impl.forward(_UNIT_SCALES, q, k, v, cache, meta).unsqueeze(0), None
+    staging = kvcore_layer.staging
+    if staging is None:
+        impl.do_kv_cache_update(_UNIT_SCALES, k, v, cache, meta.slot_mapping)
+        return impl.forward(_UNIT_SCALES, q, k, v, cache, meta).unsqueeze(0), None
+    # A sliding layer: its window gathered from transformers' ring into the scratch, the new
+    # tokens written there, attention on the scratch, then the new tokens into the ring.
+    scratch = staging.scratch
+    if staging.src_blocks is not None:
+        scratch[staging.dst_blocks, :, staging.dst_offsets] = \
+            cache[staging.src_blocks, :, staging.src_offsets]
+    impl.do_kv_cache_update(_UNIT_SCALES, k, v, scratch, meta.slot_mapping)
+    out = impl.forward(_UNIT_SCALES, q, k, v, scratch, meta)
+    impl.do_kv_cache_update(_UNIT_SCALES, k, v, cache, staging.ring_slots)
+    return out.unsqueeze(0), None
 
 
 def _text_config(model: torch.nn.Module) -> Any:
@@ -180,7 +195,7 @@ def _text_config(model: torch.nn.Module) -> Any:
 
 def model_problems(model: torch.nn.Module) -> list[str]:
     """Why transformers' continuous batching of ``model`` cannot run on kvcore (empty: it
-    can): cache groups other than one full-attention group, MLA."""
+    can): MLA, or a layer type other than full and sliding attention."""
     config = _text_config(model)
     problems = []
     if getattr(config, "kv_lora_rank", None) is not None:
@@ -191,13 +206,11 @@ def model_problems(model: torch.nn.Module) -> list[str]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None and getattr(config, "sliding_window", None) is not None:
         layer_types = ["sliding_attention"] * config.num_hidden_layers
-    kinds = sorted(set(layer_types or [_FULL]))
-    if kinds != [_FULL]:
+    other = sorted(set(layer_types or [_FULL]) - {_FULL, _SLIDING})
+    if other:
         problems.append(
-            f"the model's layer types are {', '.join(kinds)}: transformers keeps sliding-window "
-            "layers in a ring buffer (rows recycled, not blocks of a table) and a hybrid model "
-            "in several cache groups; kvcore serves models whose every layer is "
-            "full_attention")
+            f"the model has layers of type {', '.join(other)}: kvcore serves transformers' "
+            f"{_FULL} and {_SLIDING} cache groups only; run it with transformers' own attention")
     return problems
 
 
@@ -296,28 +309,64 @@ def _view_problem(backend: type[AttentionBackend], platform: str | None) -> str 
 
 
 @dataclass
+class _Group:
+    """One transformers cache group (allocator), viewed: its layers' kvcore caches and impls,
+    its geometry and its step builder.
+
+    A full-attention group's layers are read in place through block tables. A sliding group
+    (``window`` set) is staged: transformers keeps each request's last ``window`` tokens in a
+    ring (the token at position ``p`` in ring slot ``p % window``), and a step's new tokens
+    overwrite ring slots that the same step's earlier queries still attend to, so the window
+    is gathered into ``scratch`` (a kvcore cache of one layer, reused by every layer of the
+    group in turn), attention runs there, and the new tokens are written to the ring after.
+    """
+
+    name: str  # transformers' layer type: the key of cu_seq_lens_k and max_length_k
+    allocator_index: int
+    layers: dict[int, torch.Tensor]  # layer index -> (num_blocks, 2, N, H, D) view
+    impls: dict[int, AttentionImpl]
+    spec: FullAttentionSpec
+    row_stride: int  # transformers' block_physical_stride
+    num_blocks: int
+    window: int | None = None
+    sentinel: int = -1  # read-index row marking a new token (sliding groups)
+    write_trash: int = -1  # write-index row of a token not stored (sliding groups)
+    scratch: torch.Tensor | None = None  # (blocks, 2, N, H, D), sliding groups
+    builder: Any = None
+
+
+@dataclass
+class _Staging:
+    """A sliding group's per-step copies: rows of the ring gathered into the scratch cache
+    before attention (``src_*`` from the layer's view, ``dst_*`` into ``scratch``), and the
+    ring slots the new tokens go to after it (``-1``: not stored)."""
+
+    scratch: torch.Tensor
+    src_blocks: torch.Tensor | None
+    src_offsets: torch.Tensor | None
+    dst_blocks: torch.Tensor | None
+    dst_offsets: torch.Tensor | None
+    ring_slots: torch.Tensor
+
+
+@dataclass
 class _Adopted:
-    """One transformers cache, adopted: the kvcore views, the backend's pieces and geometry.
+    """One transformers cache, adopted: the kvcore views of each cache group, the backend.
 
     ``cache`` is a weak reference: transformers owns the ``PagedAttentionCache``, and when it
     drops it a finalizer drops this record (and with it the views that keep the tensor).
-    ``builder`` is ``None`` until the first step and grows with the steps (see
+    Each group's ``builder`` is ``None`` until the first step and grows with the steps (see
     :meth:`KVCoreAttention._builder_for`), up to ``max_seqs`` requests and ``max_len`` tokens.
     """
 
     cache: weakref.ref
     backend: type[AttentionBackend]
-    layers: list[torch.Tensor]
-    impls: dict[int, AttentionImpl]
-    spec: FullAttentionSpec
+    groups: list[_Group]
+    group_of: dict[int, _Group]  # layer index -> its group
     num_heads: int
-    allocator_index: int
     page_size: int
-    row_stride: int  # transformers' block_physical_stride
-    num_blocks: int
     max_seqs: int  # transformers' max_batch_tokens: no step has more requests
-    max_len: int  # transformers' max_tokens_read: no request is longer
-    builder: Any = None
+    max_len: int  # no request reads more tokens
     release: weakref.finalize | None = None
 
 
@@ -371,7 +420,7 @@ class KVCoreAttention:
         self._first = expected[0]
         self.steps = 0
         self.adopted: _Adopted | None = None
-        self._step_meta: Any = None
+        self._step: dict[str, tuple[Any, _Staging | None]] = {}
         self._handles: list[Any] = []
         self._previous: str | None = None
 
@@ -402,16 +451,17 @@ class KVCoreAttention:
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             cache = kwargs.get("cache")
             if idx == self._first:
-                self._step_meta = self._build_step(cache, kwargs)
-            adopted = self.adopted
+                self._step = self._build_step(cache, kwargs)
+            group = self.adopted.group_of[idx]
+            metadata, staging = self._step[group.name]
             kwargs["cache"] = None  # transformers neither writes nor gathers: kvcore does
-            kwargs["kvcore_layer"] = _LayerCall(adopted.layers[idx], adopted.impls[idx],
-                                                self._step_meta)
+            kwargs["kvcore_layer"] = _LayerCall(group.layers[idx], group.impls[idx], metadata,
+                                                staging)
             return args, kwargs
 
         return pre_hook
 
-    def _build_step(self, cache: Any, kwargs: dict) -> Any:
+    def _build_step(self, cache: Any, kwargs: dict) -> dict[str, tuple[Any, _Staging | None]]:
         transformers = _import_transformers()
         paged = transformers.generation.continuous_batching.PagedAttentionCache
         if not isinstance(cache, paged):
@@ -428,24 +478,32 @@ class KVCoreAttention:
             self._forget(self.adopted)
             self.adopted = self._adopt(cache)
         self.steps += 1
-        common = self._common_metadata(kwargs)
-        return self._builder_for(common).build(common)
+        cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+        starts_cpu = cu_q.cpu()
+        step = {}
+        for group in self.adopted.groups:
+            if group.window is None:
+                common, staging = self._full_metadata(group, kwargs, cu_q, starts_cpu), None
+            else:
+                common, staging = self._sliding_metadata(group, kwargs, cu_q, starts_cpu)
+            step[group.name] = (self._builder_for(group, common).build(common), staging)
+        return step
 
-    def _builder_for(self, common: AttentionMetadata) -> Any:
-        """The adopted cache's builder, made (or remade larger) when ``common`` has more
-        requests or a longer request than its buffers hold."""
+    def _builder_for(self, group: _Group, common: AttentionMetadata) -> Any:
+        """``group``'s builder, made (or remade larger) when ``common`` has more requests or a
+        longer request than its buffers hold."""
         a = self.adopted
-        builder = a.builder
+        builder = group.builder
         seqs, length = (0, 0) if builder is None else (builder.max_num_seqs,
                                                        builder.max_model_len)
         if builder is None or common.num_seqs > seqs or common.max_seq_len > length:
             seqs = _grown(common.num_seqs, seqs, a.max_seqs)
             length = _grown(common.max_seq_len, length, a.max_len)
-            a.builder = a.backend.get_builder_cls()(
-                a.spec, num_heads=a.num_heads, max_num_seqs=seqs,
+            group.builder = a.backend.get_builder_cls()(
+                group.spec, num_heads=a.num_heads, max_num_seqs=seqs,
                 max_num_batched_tokens=a.max_seqs, max_model_len=length,
-                device=a.layers[0].device)
-        return a.builder
+                device=next(iter(group.layers.values())).device)
+        return group.builder
 
     def _forget(self, adopted: _Adopted | None) -> None:
         """Drop ``adopted`` (transformers dropped its cache, or a new one replaced it)."""
@@ -455,71 +513,84 @@ class KVCoreAttention:
             adopted.release.detach()
         if self.adopted is adopted:
             self.adopted = None
-            self._step_meta = None
+            self._step = {}
 
     def _adopt(self, cache: Any) -> _Adopted:
-        """View ``cache``'s tensor as kvcore caches and make the backend's impls and builder."""
-        groups = list(cache.cache_allocators.items())
-        if [name for name, _ in groups] != [_FULL]:
-            raise ValueError(f"transformers' cache has the groups {[n for n, _ in groups]}; "
-                             "kvcore serves one full_attention group")
-        allocator = groups[0][1]
-        if type(allocator).__name__ != "FullAttentionCacheAllocator":
-            raise ValueError(f"transformers' full-attention cache is a "
-                             f"{type(allocator).__name__}; kvcore views only "
-                             "FullAttentionCacheAllocator's [layer][K page | V page] blocks")
-        num_layers = len(allocator.layer_indices)
-        if list(allocator.layer_indices) != list(range(num_layers)):
-            raise ValueError(f"transformers' allocator holds layers {allocator.layer_indices} "
-                             "in that order; kvcore views a cache whose pages follow the layers")
-        page_size = allocator.tokens_per_page
+        """View ``cache``'s tensor as kvcore caches, one set per cache group (each group lays
+        its blocks out over the whole tensor with its own block size), with the backend's
+        impls."""
+        allocators = list(cache.cache_allocators.items())
+        kinds = {_FULL: "FullAttentionCacheAllocator",
+                 _SLIDING: "SlidingAttentionCacheAllocator"}
+        for name, allocator in allocators:
+            if kinds.get(name) != type(allocator).__name__:
+                raise ValueError(
+                    f"transformers' {name!r} cache group is a {type(allocator).__name__}; "
+                    "kvcore views FullAttentionCacheAllocator's [layer][K page | V page] "
+                    "blocks (full_attention) and SlidingAttentionCacheAllocator's rings of "
+                    "such blocks (sliding_attention)")
+        page_size = allocators[0][1].tokens_per_page
         backend = self.backend
         if page_size != self._page_size:  # the batching config chose another page size
             backend = select_backend(self.model, self._requested, page_size=page_size,
                                      platform=self._platform)
             self.backend, self._page_size = backend, page_size
         tensor = cache.cache_tensor
-        num_blocks = tensor.numel() // allocator.bytes_per_block
-        caches = adopt_kv_caches(
-            backend, tensor, layout=CROSS_LAYER_NHD, num_layers=num_layers,
-            num_blocks=num_blocks, block_size=page_size,
-            num_kv_heads=allocator.num_key_value_heads, head_size=allocator.head_dim,
-            dtype=allocator.cache_dtype, device=tensor.device, platform=self._platform)
-        impls = {}
-        for idx, module in self._modules.items():
-            impls[idx] = backend.get_impl_cls()(
-                num_heads=module.config.num_attention_heads, head_size=allocator.head_dim,
-                scale=float(module.scaling), num_kv_heads=allocator.num_key_value_heads,
-                **_layer_features(module))
+        groups, group_of = [], {}
+        max_len = int(cache.max_tokens_read)
+        for name, allocator in allocators:
+            num_blocks = tensor.numel() // allocator.bytes_per_block
+            caches = adopt_kv_caches(
+                backend, tensor, layout=CROSS_LAYER_NHD,
+                num_layers=len(allocator.layer_indices), num_blocks=num_blocks,
+                block_size=page_size, num_kv_heads=allocator.num_key_value_heads,
+                head_size=allocator.head_dim, dtype=allocator.cache_dtype,
+                device=tensor.device, platform=self._platform)
+            window = getattr(allocator, "sliding_window", None) if name == _SLIDING else None
+            impls = {}
+            for idx in allocator.layer_indices:
+                module = self._modules[idx]
+                impls[idx] = backend.get_impl_cls()(
+                    num_heads=module.config.num_attention_heads, head_size=allocator.head_dim,
+                    scale=float(module.scaling), num_kv_heads=allocator.num_key_value_heads,
+                    sliding_window=window, **_layer_features(module))
+            group = _Group(
+                name=name, allocator_index=allocator.index,
+                layers=dict(zip(allocator.layer_indices, caches.layers, strict=True)),
+                impls=impls,
+                spec=FullAttentionSpec(block_size=page_size, dtype=allocator.cache_dtype,
+                                       num_kv_heads=allocator.num_key_value_heads,
+                                       head_size=allocator.head_dim),
+                row_stride=allocator.block_physical_stride, num_blocks=num_blocks,
+                window=window)
+            if window is not None:
+                group.sentinel = allocator.sentinel_index
+                group.write_trash = allocator.write_trash_index
+                max_len = max(max_len, window - 1 + int(cache.max_batch_tokens))
+            groups.append(group)
+            group_of.update(dict.fromkeys(allocator.layer_indices, group))
         first = self._modules[self._first]
-        spec = FullAttentionSpec(block_size=page_size, dtype=allocator.cache_dtype,
-                                 num_kv_heads=allocator.num_key_value_heads,
-                                 head_size=allocator.head_dim)
         adopted = _Adopted(
-            cache=weakref.ref(cache), backend=backend, layers=caches.layers, impls=impls,
-            spec=spec, num_heads=first.config.num_attention_heads,
-            allocator_index=allocator.index, page_size=page_size,
-            row_stride=allocator.block_physical_stride, num_blocks=num_blocks,
-            max_seqs=int(cache.max_batch_tokens), max_len=int(cache.max_tokens_read))
+            cache=weakref.ref(cache), backend=backend, groups=groups, group_of=group_of,
+            num_heads=first.config.num_attention_heads, page_size=page_size,
+            max_seqs=int(cache.max_batch_tokens), max_len=max_len)
         # The finalizer holds the record, not the cache: transformers' dropping its cache
         # (end of generate_batch) drops kvcore's views of the tensor too.
         adopted.release = weakref.finalize(cache, self._forget, adopted)
         return adopted
 
-    def _common_metadata(self, kwargs: dict) -> AttentionMetadata:
-        """kvcore's metadata of one step from transformers' kwargs (see the module docstring)."""
-        a = self.adopted
-        n, stride = a.page_size, a.row_stride
-        cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
-        cu_k = kwargs["cu_seq_lens_k"][_FULL].to(torch.int32)
-        write = kwargs["write_index"][a.allocator_index]
-        read = kwargs["read_index"][a.allocator_index]
+    def _full_metadata(self, group: _Group, kwargs: dict, cu_q: torch.Tensor,
+                       starts_cpu: torch.Tensor) -> AttentionMetadata:
+        """kvcore's metadata of one step for a full-attention group (module docstring)."""
+        n, stride = self.adopted.page_size, group.row_stride
+        cu_k = kwargs["cu_seq_lens_k"][group.name].to(torch.int32)
+        write = kwargs["write_index"][group.allocator_index]
+        read = kwargs["read_index"][group.allocator_index]
         device = cu_q.device
         seq_lens = cu_k[1:] - cu_k[:-1]
-        starts_cpu = cu_q.cpu()
         q_lens = starts_cpu[1:] - starts_cpu[:-1]
         max_query_len = int(q_lens.max()) if q_lens.numel() else 0
-        max_seq_len = int(kwargs["max_length_k"][_FULL])  # an upper bound once padded
+        max_seq_len = int(kwargs["max_length_k"][group.name])  # an upper bound once padded
         # A request's rows in the read index cover all its tokens (past and new); a step that
         # reads no past (only first prefills) has an empty read index and its write index then
         # covers every token, at the same offsets (cu_seq_lens_k equals cu_seq_lens_q).
@@ -537,7 +608,75 @@ class KVCoreAttention:
             query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table,
             slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
             max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
-            num_blocks=a.num_blocks)
+            num_blocks=group.num_blocks)
+
+    def _sliding_metadata(self, group: _Group, kwargs: dict, cu_q: torch.Tensor,
+                          starts_cpu: torch.Tensor) -> tuple[AttentionMetadata, _Staging]:
+        """kvcore's metadata of one step for a sliding group, on its scratch cache.
+
+        transformers' keys of request ``i`` are its last ``min(past, window - 1)`` cached
+        tokens (read-index rows, oldest first) then its new tokens (sentinel rows): its
+        ``cu_seq_lens_k`` span. kvcore numbers them ``0 .. seq_len - 1`` (positions shifted by
+        the dropped prefix: relative distances, and so the window and causality, are
+        unchanged) in scratch blocks ``i * width ..`` of the group's scratch cache. Every
+        read-index row is copied to its key's scratch slot (a sentinel's copy is then
+        overwritten by the new token's write); new tokens go to the scratch before attention
+        and to transformers' ring (its write index; rows it does not store: slot -1) after.
+        """
+        n, stride = self.adopted.page_size, group.row_stride
+        cu_k = kwargs["cu_seq_lens_k"][group.name].to(torch.int32)
+        write = kwargs["write_index"][group.allocator_index]
+        read = kwargs["read_index"][group.allocator_index]
+        device = cu_q.device
+        num_seqs = starts_cpu.numel() - 1
+        seq_lens = cu_k[1:] - cu_k[:-1]
+        q_lens_cpu = starts_cpu[1:] - starts_cpu[:-1]
+        max_query_len = int(q_lens_cpu.max()) if q_lens_cpu.numel() else 0
+        max_seq_len = int(kwargs["max_length_k"][group.name])
+        width = max(1, -(-max_seq_len // n))
+        scratch = self._scratch(group, num_seqs * width)
+        base = torch.arange(num_seqs, device=device, dtype=torch.int64) * width
+        block_table = (base[:, None] + torch.arange(width, device=device)).to(torch.int32)
+        past = (seq_lens - (cu_q[1:] - cu_q[:-1])).long()
+        rows = torch.arange(write.numel(), device=device)
+        real = rows < cu_q[-1]
+        req = torch.searchsorted(cu_q[1:], rows.to(torch.int32), right=True)
+        req = req.clamp_(max=max(num_seqs - 1, 0))
+        key = past[req] + rows - cu_q[req].long()
+        slot_mapping = torch.where(real, base[req] * n + key, -1)
+        ring = (write // stride) * n + write % stride
+        ring_slots = torch.where(real & (write != group.write_trash), ring, -1)
+        src_blocks = src_offsets = dst_blocks = dst_offsets = None
+        if read.numel():
+            entries = torch.arange(read.numel(), device=device)
+            owner = torch.searchsorted(cu_k[1:], entries.to(torch.int32), right=True)
+            owner = owner.clamp_(max=max(num_seqs - 1, 0))
+            dst = base[owner] * n + entries - cu_k[owner].long()
+            src_blocks, src_offsets = read // stride, read % stride
+            dst_blocks, dst_offsets = dst // n, dst % n
+        common = attention_metadata_from_engine(
+            query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
+            num_blocks=scratch.shape[0])
+        return common, _Staging(scratch, src_blocks, src_offsets, dst_blocks, dst_offsets,
+                                ring_slots)
+
+    def _scratch(self, group: _Group, blocks: int) -> torch.Tensor:
+        """``group``'s scratch cache, of at least ``blocks`` blocks (grown by powers of two).
+        Zeroed when made: a block's slots beyond a request's keys are never attended to but
+        may be loaded, and must hold finite values."""
+        have = 0 if group.scratch is None else group.scratch.shape[0]
+        if blocks > have:
+            view = next(iter(group.layers.values()))
+            made = allocate_kv_caches(
+                self.adopted.backend, num_layers=1, num_blocks=_grown(blocks, have, blocks * 2),
+                block_size=self.adopted.page_size, num_kv_heads=group.spec.num_kv_heads,
+                head_size=group.spec.head_size, dtype=view.dtype, device=view.device,
+                cross_layer=False)
+            group.scratch = made.layers[0]
+            group.scratch.zero_()
+        return group.scratch
 
 
 @contextlib.contextmanager

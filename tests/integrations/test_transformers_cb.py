@@ -103,12 +103,14 @@ class Adoptions:
     def record(self, *_) -> None:
         a = self.state.adopted
         cache = a.cache()
+        group = a.groups[0]
+        layers = list(group.layers.values())
         self.seen.append({
             "tensor": weakref.ref(cache.cache_tensor), "ptr": cache.cache_tensor.data_ptr(),
-            "numel": cache.cache_tensor.numel(), "layer_ptrs": [x.data_ptr() for x in a.layers],
-            "views": weakref.ref(a.layers[0]), "dtype": a.layers[0].dtype,
+            "numel": cache.cache_tensor.numel(), "layer_ptrs": [x.data_ptr() for x in layers],
+            "views": weakref.ref(layers[0]), "dtype": layers[0].dtype,
             "page_size": a.page_size, "max_tokens_read": int(cache.max_tokens_read),
-            "builder": (a.builder.max_num_seqs, a.builder.max_model_len)})
+            "builder": (group.builder.max_num_seqs, group.builder.max_model_len)})
 
     def __enter__(self) -> Adoptions:
         return self
@@ -202,14 +204,13 @@ def test_bfloat16_under_inference_mode():
 
 def shift_block_tables(monkeypatch) -> None:
     """Make every step read each request's pages from the next block (a wrong mapping)."""
-    build = kvt.KVCoreAttention._common_metadata
+    build = kvt.KVCoreAttention._full_metadata
 
-    def shifted(self, kwargs):
-        meta = build(self, kwargs)
-        return dataclasses.replace(meta, block_table=(meta.block_table + 1)
-                                   % self.adopted.num_blocks)
+    def shifted(self, group, *args):
+        meta = build(self, group, *args)
+        return dataclasses.replace(meta, block_table=(meta.block_table + 1) % group.num_blocks)
 
-    monkeypatch.setattr(kvt.KVCoreAttention, "_common_metadata", shifted)
+    monkeypatch.setattr(kvt.KVCoreAttention, "_full_metadata", shifted)
 
 
 def test_a_wrong_block_mapping_changes_the_tokens(model, reference, monkeypatch):
@@ -251,8 +252,7 @@ def test_backends_that_cannot_view_the_cache_are_refused(model, name):
 
 
 @pytest.mark.parametrize(("attr", "value", "reason"), [
-    ("sliding_window", 8, "ring buffer"),
-    ("layer_types", ["full_attention", "sliding_attention"], "hybrid model"),
+    ("layer_types", ["full_attention", "chunked_attention"], "layers of type chunked_attention"),
     ("kv_lora_rank", 16, "uses MLA"),
 ])
 def test_models_it_cannot_serve_are_refused_with_reasons(attr, value, reason):
@@ -328,3 +328,98 @@ def test_a_modules_soft_cap_and_sinks_reach_the_selection_and_its_impls():
     assert kvt.select_backend(model, page_size=PAGE).SUPPORTS_SINK
     with pytest.raises(kvcore.BackendSelectionError, match="does not support attention sinks"):
         kvt.select_backend(model, "CPU_MLA", page_size=PAGE)
+
+
+# -- sliding-window layers and hybrid models (two cache groups) --------------------------------
+
+WINDOW = 16
+SW_PAGE = 8
+
+
+def tiny_hybrid(kind: str, **overrides):
+    """A random-weight Gemma 2 (soft-cap) or gpt-oss (sinks, MoE) with 4 layers alternating
+    16-token sliding windows and full attention: two cache groups in transformers."""
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                  max_position_embeddings=512, initializer_range=0.2, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(intermediate_size=128, query_pre_attn_scalar=16,
+                                           **{**common, **overrides})
+    else:
+        config = transformers.GptOssConfig(intermediate_size=64, num_local_experts=4,
+                                           num_experts_per_tok=2, **{**common, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.set_attn_implementation("eager")  # Gemma 2 has no sdpa path
+    return model
+
+
+def run_hybrid(model) -> dict:
+    """Prompts of 5 to 60 tokens (all but one longer than the window: the ring wraps, in
+    prefill chunks of a 32-token batch and in decode), 24 new tokens each."""
+    gen = torch.Generator().manual_seed(0)
+    batch = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 20, 45, 60)]
+    config = cb_config(page_size=SW_PAGE, num_blocks=64, max_batch_tokens=32)
+    out = model.generate_batch(batch, greedy(max_new_tokens=24),
+                               continuous_batching_config=config)
+    errors = {k: r.error for k, r in out.items() if r.error is not None}
+    assert not errors, errors
+    return out
+
+
+def assert_same(out: dict, expected: dict) -> None:
+    assert tokens(out) == tokens(expected)
+    diff = max(abs(a - b) for k in out
+               for a, b in zip(out[k].logprobs, expected[k].logprobs, strict=True))
+    assert diff <= 1e-4
+
+
+def test_gpt_oss_sinks_and_windows_equal_transformers_eager():
+    model = tiny_hybrid("gpt_oss")
+    expected = run_hybrid(model)
+    with kvt.use_kvcore(model, page_size=SW_PAGE) as state, Adoptions(model, state) as seen:
+        out = run_hybrid(model)
+    assert_same(out, expected)
+    assert state.backend.get_name() == "CPU_ATTN"
+    assert seen.seen[-1]["layer_ptrs"][0] == seen.seen[-1]["ptr"]  # full group: in place
+
+
+def test_gemma2_windows_equal_transformers_eager_without_soft_cap():
+    # transformers' paged eager attention drops attn_logit_softcapping: compare without it.
+    model = tiny_hybrid("gemma2", attn_logit_softcapping=None)
+    expected = run_hybrid(model)
+    with kvt.use_kvcore(model, page_size=SW_PAGE):
+        out = run_hybrid(model)
+    assert_same(out, expected)
+
+
+def test_gemma2_soft_cap_and_windows_equal_plain_generate():
+    model = tiny_hybrid("gemma2", attn_logit_softcapping=50.0)
+    with kvt.use_kvcore(model, page_size=SW_PAGE):
+        out = run_hybrid(model)
+    gen = torch.Generator().manual_seed(0)
+    batch = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 20, 45, 60)]
+    with torch.inference_mode():
+        for i, prompt in enumerate(batch):
+            plain = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=None, pad_token_id=None)[0, len(prompt):]
+            assert out[f"req_{i}"].generated_tokens == plain.tolist()
+
+
+def test_a_wrong_ring_gather_changes_the_tokens(monkeypatch):
+    # Negative control: gathering each request's window from the next ring block must show.
+    model = tiny_hybrid("gpt_oss")
+    expected = run_hybrid(model)
+    build = kvt.KVCoreAttention._sliding_metadata
+
+    def shifted(self, group, *args):
+        common, staging = build(self, group, *args)
+        if staging.src_blocks is not None:
+            staging.src_blocks = (staging.src_blocks + 1) % group.num_blocks
+        return common, staging
+
+    monkeypatch.setattr(kvt.KVCoreAttention, "_sliding_metadata", shifted)
+    with kvt.use_kvcore(model, page_size=SW_PAGE):
+        out = run_hybrid(model)
+    assert tokens(out) != tokens(expected)
