@@ -37,10 +37,21 @@ sharing, forks and offload stay transformers'. What happens per step:
   transformers neither writes nor gathers K/V) and hands the layer's cache view and impl to the
   attention function registered under :data:`ATTENTION_NAME`, which calls the backend's
   ``do_kv_cache_update`` and ``forward``.
+- **Cache groups.** A hybrid model (gpt-oss, Gemma 2) has a ``full_attention`` and a
+  ``sliding_attention`` group, each laying its own blocks (a page per layer of the group) over
+  the whole tensor: each group is adopted, gets its impls (``sliding_window`` on the sliding
+  ones), its metadata and its builder per step, and each layer gets its group's.
+- **Sliding layers.** transformers keeps a request's last ``sliding_window`` tokens in a ring
+  (position ``p`` in slot ``p % sliding_window``) and reads before it writes: a step's new
+  tokens overwrite slots that its earlier queries still attend to, so kvcore cannot attend on
+  the ring in place. Per layer, the read index's rows (the window, oldest first) are gathered
+  into a scratch cache of one layer (kvcore's memory, shared by the group's layers, sized to
+  the step), the new tokens written there, attention runs there, and the new tokens are then
+  written to the ring through transformers' write index.
 
-Refused up front, each with its reason: sliding-window layers (a ring buffer, not blocks of a
-table), hybrid models (several cache groups), MLA (compressed latents), backends that cannot
-read a cross-layer NHD cache on this platform. An attention module's logit soft-cap
+Refused up front, each with its reason: MLA (compressed latents), layer types other than full
+and sliding attention, backends that cannot read a cross-layer NHD cache on this platform.
+An attention module's logit soft-cap
 (``attn_logit_softcapping``) and sinks (``sinks``) go to its impl, and the selector keeps the
 backends that declare them. The
 plain ``model.generate`` path (transformers' ``DynamicCache``) is not served: leave the block
@@ -690,7 +701,7 @@ def use_kvcore(
     """Run ``model``'s continuous batching on a kvcore backend inside the block.
 
     Args:
-        model: a transformers causal LM whose every layer is full attention.
+        model: a transformers causal LM whose layers are full or sliding-window attention.
         backend: a kvcore backend name or class; default: kvcore's selector, limited to the
             backends that can view transformers' cache.
         page_size: the ``ContinuousBatchingConfig.page_size`` the batching will use (default:

@@ -66,12 +66,17 @@ INTERNALS: tuple[Internal, ...] = (
                                "block_physical_stride", "num_key_value_heads", "head_dim",
                                "cache_dtype")),
     Internal(f"{_CB}.cache_allocators", "SlidingAttentionCacheAllocator",
-             "a sliding-window ring buffer: refused (its rows are not blocks of a table)"),
+             "a sliding group's ring: token p in slot p % sliding_window; its read index "
+             "lists the window's rows oldest first then a sentinel row per new token, its "
+             "write index the new tokens' rows (write_trash_index for tokens not stored), "
+             "and it reads before it writes",
+             members=("layer_type", "get_read_indices", "get_write_indices", "update"),
+             instance_members=("sliding_window", "sentinel_index", "write_trash_index")),
     Internal(f"{_CB}.cache_allocators", "MLACacheAllocator",
              "MLA's compressed latents: refused (not a K/V page)"),
     Internal(f"{_CB}.cache", "group_layers_by_attn_type",
-             "which allocator serves which layers (a model with one full-attention group is "
-             "the only one served)",
+             "which allocator serves which layers (cache_allocators by layer type, each "
+             "allocator's layer_indices)",
              parameters=("config",)),
     Internal(f"{_CB}.input_outputs", "PagedAttentionArgs",
              "the forward kwargs of a continuous-batching step: cu_seq_lens_q/k, "
