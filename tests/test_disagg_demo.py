@@ -78,7 +78,10 @@ def test_the_one_process_reference_publishes_a_copy_per_save_and_reads_them_in_o
 
 
 def test_blocks_reported_loaded_but_never_read_are_caught(monkeypatch):
-    def pretend_to_read(self, lease, runs, deadline, local):  # reports success, moves nothing
+    def pretend_to_read(self, lease, runs, deadline, local, while_reading=None):
+        """Reports every run read, moves nothing."""
+        if while_reading is not None:
+            while_reading()
         return [i for run in runs for i in range(run.first, run.end)], {}
 
     monkeypatch.setattr(NixlConnector, "_read_runs", pretend_to_read)
