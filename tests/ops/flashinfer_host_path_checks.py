@@ -17,7 +17,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from host_path import Layer, fake_flashinfer, fake_gpu  # noqa: E402
-from host_path_checks import Dispatched, NewStorage  # noqa: E402
+from host_path_checks import Dispatched, allocations  # noqa: E402
 from kvcore_nvidia.backends import common, flashinfer  # noqa: E402
 
 from kvcore.ops import triton_cache  # noqa: E402
@@ -77,16 +77,7 @@ def main() -> None:
                     shrunk.stride())
         result["changed_cache"] = rounds(layer, 1, counted)
 
-        calls = layer.calls()
-        allocated = {}
-        for name in NAMES:
-            with NewStorage() as mode:
-                calls[name]()
-            allocated[name] = mode.allocated
-        with NewStorage() as mode:  # the counter sees an allocation
-            torch.empty_like(layer.q)
-        allocated["torch.empty_like"] = mode.allocated
-        result["allocated"] = allocated
+        result["allocated"] = allocations(layer.calls(), NAMES, layer.q)
     print(json.dumps(result))
 
 

@@ -61,6 +61,20 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def allocations(calls: dict, names: tuple[str, ...], like: torch.Tensor) -> dict[str, int]:
+    """New storages each of ``calls[name]()`` makes, and, as the control that shows the
+    counter works, ``torch.empty_like(like)``'s."""
+    allocated = {}
+    for name in names:
+        with NewStorage() as mode:
+            calls[name]()
+        allocated[name] = mode.allocated
+    with NewStorage() as mode:
+        torch.empty_like(like)
+    allocated["torch.empty_like"] = mode.allocated
+    return allocated
+
+
 def counting(module: object, name: str, counts: dict[str, int]) -> None:
     """Count the calls of ``module.name`` (a module-level function) in ``counts[name]``."""
     fn = getattr(module, name)
@@ -260,15 +274,8 @@ def main() -> None:
                                       strict=True))
 
         # No tensor allocated by a layer's calls (output given, the builder's metadata).
-        allocated = {}
-        for name in ("update_and_forward", "write + forward"):
-            with NewStorage() as mode:
-                calls[name]()
-            allocated[name] = mode.allocated
-        with NewStorage() as mode:  # the counter sees an allocation
-            torch.empty_like(layer.q)
-        allocated["torch.empty_like"] = mode.allocated
-        result["allocated"] = allocated
+        result["allocated"] = allocations(calls, ("update_and_forward", "write + forward"),
+                                          layer.q)
     print(json.dumps(result))
 
 
