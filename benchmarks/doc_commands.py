@@ -153,9 +153,10 @@ def main() -> int:
             if run["rc"] != 0:
                 console.print("\n".join("    " + line for line in run["tail"]), markup=False,
                               highlight=False)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "doc_commands.json").write_text(json.dumps([asdict(c) for c in commands],
-                                                          indent=1))
+    if not args.list:  # a listing runs nothing: no results to keep
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "doc_commands.json").write_text(json.dumps([asdict(c) for c in commands],
+                                                              indent=1))
     table = Table("where", "command", "result", "first s", "again s")
     failed = False
     for entry in commands:

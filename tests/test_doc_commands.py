@@ -49,3 +49,11 @@ def test_the_plugin_page_commands_run_with_its_backend_installed(tmp_path):
     ran = {command: row for command, row in rows.items() if row["runs"]}
     assert ran and all(row["where"].startswith("docs/backend-plugin.md") for row in ran.values())
     assert "acme" in "\n".join(rows["kvcore plugins"]["runs"][0]["tail"])
+
+
+def test_a_listing_runs_nothing_and_writes_nothing(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--list"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kvcore demo" in done.stdout and "listed" in done.stdout
+    assert not list(tmp_path.iterdir())
