@@ -36,7 +36,7 @@ import triton.language as tl
 
 from kvcore.ops.triton_utils import (
     fp8_format,
-    interpreting,
+    is_interpreted,
     next_power_of_2,
     round_to_fp8_grid,
     to_output,
@@ -340,8 +340,9 @@ def prepare_convert(
             *src_strides, *dst_strides)
     constants = dict(
         SCALE=scales is not None, QUANTIZE=quantize, FP8_MAX=fp8_max,
-        EXACT_FP8_ROUNDING=quantize and interpreting(), MANTISSA_BITS=mantissa,
-        MIN_EXPONENT=min_exp, INTERPRET=interpreting(),
+        EXACT_FP8_ROUNDING=quantize and is_interpreted(_convert_blocks_kernel),
+        MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp,
+        INTERPRET=is_interpreted(_convert_blocks_kernel),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, ALIGNED=aligned,
         CONTIGUOUS=src_strides[5] == 1 and dst_strides[5] == 1,
         EVEN_H=num_pairs % block_h == 0, EVEN_D=units == block_d,

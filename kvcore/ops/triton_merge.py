@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from kvcore.ops.triton_launch import KernelLaunch
-from kvcore.ops.triton_utils import interpreting, next_power_of_2, to_output
+from kvcore.ops.triton_utils import is_interpreted, next_power_of_2, to_output
 
 __all__ = ["launch_merge"]
 
@@ -65,7 +65,7 @@ def launch_merge(partials: torch.Tensor, partial_lse: torch.Tensor, out: torch.T
     num_tokens, num_heads, num_splits, v_dim = partials.shape
     lse_arg = lse if lse is not None else out
     found = (num_splits, v_dim, partials.dtype, partial_lse.dtype, out.dtype, lse_arg.dtype,
-             lse is not None, interpreting(), None if sinks is None else sinks.dtype)
+             lse is not None, None if sinks is None else sinks.dtype)
     launch = _LAUNCHES.get(found)
     if launch is None:
         block_dv = max(16, next_power_of_2(v_dim))
@@ -73,7 +73,7 @@ def launch_merge(partials: torch.Tensor, partial_lse: torch.Tensor, out: torch.T
             _merge_splits_kernel, found,
             dict(WRITE_LSE=lse is not None, NUM_SPLITS=num_splits,
                  SPLITS_PAD=next_power_of_2(num_splits), BLOCK_DV=block_dv,
-                 INTERPRET=interpreting(), HAS_SINKS=sinks is not None),
+                 INTERPRET=is_interpreted(_merge_splits_kernel), HAS_SINKS=sinks is not None),
             # 16 bytes a thread a row: 4 warps on float32 rows of 512, 2 on 16-bit ones.
             dict(num_warps=max(1, min(8, block_dv * partials.element_size() // 512))))
         _LAUNCHES[found] = launch

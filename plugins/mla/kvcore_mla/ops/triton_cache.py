@@ -22,13 +22,13 @@ from kvcore.ops import FP8_KV_CACHE_DTYPES, KVScale, validate_concat_and_cache_m
 from kvcore.ops.triton_launch import KernelLaunch, arg_class
 from kvcore.ops.triton_utils import (
     fp8_format,
-    interpreting,
+    is_interpreted,
     next_power_of_2,
     round_to_fp8_grid,
     scale_arg,
 )
 from kvcore_mla.ops.reference import INDEXER_FP8_MAX
-from kvcore_mla.ops.triton_utils import interpreted, pointer_classes
+from kvcore_mla.ops.triton_utils import pointer_classes
 from kvcore_mla.ops.validation import validate_indexer_k_quant_and_cache
 
 __all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache"]
@@ -133,7 +133,7 @@ def _concat_launch(found: tuple) -> KernelLaunch:
     return KernelLaunch(
         _concat_and_cache_mla_kernel, found,
         dict(FP8=fp8, SCALE_IS_TENSOR=scale_is_tensor, FP8_MAX=fp8_max,
-             EXACT_FP8_ROUNDING=fp8 and interpreted(_concat_and_cache_mla_kernel),
+             EXACT_FP8_ROUNDING=fp8 and is_interpreted(_concat_and_cache_mla_kernel),
              MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent,
              BLOCK_C=next_power_of_2(kv_lora_rank), BLOCK_R=next_power_of_2(rope_dim)),
         dict(num_warps=4))
@@ -209,7 +209,7 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         *k.stride(), kv_cache.stride(0),
         kv_cache.shape[1], head_dim,
         QUANT_BLOCK=quant_block_size, UE8M0=scale_fmt == "ue8m0", FP8_MAX=INDEXER_FP8_MAX,
-        EXACT_FP8_ROUNDING=interpreting(),
+        EXACT_FP8_ROUNDING=is_interpreted(_indexer_k_quant_and_cache_kernel),
         BLOCK_Q=next_power_of_2(quant_block_size),
         num_warps=4,
     )

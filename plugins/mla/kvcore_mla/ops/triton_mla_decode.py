@@ -63,14 +63,14 @@ import triton.language as tl
 
 from kvcore.ops import LOG2E, KVScale, merge_kv_splits
 from kvcore.ops.triton_launch import KernelLaunch, arg_class
-from kvcore.ops.triton_utils import next_power_of_2, scale_arg
+from kvcore.ops.triton_utils import is_interpreted, next_power_of_2, scale_arg
 from kvcore_mla.ops.descriptors import tma_rows, with_scratch_allocator
 from kvcore_mla.ops.mla_configs import (
     TritonMLADecodeConfig,
     TritonMLAHalvesConfig,
     TritonMLATMAKeySplitConfig,
 )
-from kvcore_mla.ops.triton_utils import interpreted, pointer_classes
+from kvcore_mla.ops.triton_utils import pointer_classes
 from kvcore_mla.ops.validation import FP8_DTYPES
 
 __all__ = ["VARIANTS", "launch_triton_mla_decode"]
@@ -475,6 +475,6 @@ def _decode_launch(found: tuple) -> KernelLaunch:
              SPLIT_LATENT=split_latent, BLOCK_C=block_d // 2 if split_latent else block_d,
              TMA=tma, SPLIT_SCORE_KEYS=split_score_keys,
              FP8=fp8, SCALE_IS_TENSOR=scale_is_tensor, SPLIT=split,
-             WRITE_LSE=write_lse, INTERPRET=interpreted(_mla_decode_kernel),
+             WRITE_LSE=write_lse, INTERPRET=is_interpreted(_mla_decode_kernel),
              DOT_PRECISION="ieee" if fp32 else None),
         dict(num_warps=config.num_warps, num_stages=config.num_stages))

@@ -28,9 +28,9 @@ import triton.language as tl
 
 from kvcore.ops import LOG2E, KVScale, merge_kv_splits
 from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
-from kvcore.ops.triton_utils import find_sequence, next_power_of_2, scale_arg
+from kvcore.ops.triton_utils import find_sequence, is_interpreted, next_power_of_2, scale_arg
 from kvcore_mla.ops.mla_configs import TritonMLAMixedConfig
-from kvcore_mla.ops.triton_utils import interpreted, pointer_classes
+from kvcore_mla.ops.triton_utils import pointer_classes
 from kvcore_mla.ops.validation import FP8_DTYPES
 
 __all__ = ["launch_triton_mla_mixed"]
@@ -235,7 +235,7 @@ def _mixed_launch(found: tuple) -> KernelLaunch:
         _mla_mixed_kernel, found,
         dict(PAGE_SIZE=page_size, HAS_PE=has_pe,
              FP8=fp8, SCALE_IS_TENSOR=scale_is_tensor,
-             INTERPRET=interpreted(_mla_mixed_kernel),
+             INTERPRET=is_interpreted(_mla_mixed_kernel),
              # fp32 queries (tests) get exact dots; others the backend's default (names
              # differ between NVIDIA and AMD, so none is spelled out).
              DOT_PRECISION="ieee" if fp32 else None,

@@ -6,20 +6,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["interpreted", "is_rocm", "pointer_classes"]
+__all__ = ["is_rocm", "pointer_classes"]
 
 
 def is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
-
-
-def interpreted(kernel: object) -> bool:
-    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter: decided
-    when it was decorated (``TRITON_INTERPRET=1`` then), so a launch's ``INTERPRET`` constexpr
-    is read once, not from the environment per call."""
-    from triton.runtime.jit import JITFunction
-
-    return not isinstance(kernel, JITFunction)
 
 
 def pointer_classes(*tensors: torch.Tensor) -> tuple:
