@@ -163,14 +163,11 @@ def test_pull_consumer_converts_on_load(pull, case, staging_bytes):
         assert torch.equal(tokens_of(dst, [b], c_bs), before[b])
 
 
-@pytest.mark.parametrize("pull", PULLS)
-def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
-    """A staging buffer of four block groups (two parts of two) and 23 source blocks: twelve
-    groups, six chunks READ into alternating parts while the previous chunk converts, all
-    leased by one fetch. Both ways write the same bytes into the same blocks, equal to the
-    producer's tokens, the partial last block's other tokens and every other block
-    untouched."""
-    n, p_bs, c_bs = 23, 4, 8  # a group: 8 tokens, two source blocks, one destination block
+def staged_load() -> tuple:
+    """A converting load of 23 source blocks of 4 tokens (NHD, per layer, fresh random seed)
+    into 12 destination blocks of 8 (a group: 8 tokens, two source blocks, one destination
+    block): ``(n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes)``."""
+    n, p_bs, c_bs = 23, 4, 8
     seed = random.randrange(2**31)
     src = make_caches(layout="nhd", cross_layer=False, block_size=p_bs, num_blocks=32,
                       seed=seed)
@@ -178,6 +175,17 @@ def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
     src_ids = random.Random(seed).sample(range(32), n)
     dst_ids = [13, 2, 7, 0, 9, 1, 14, 3, 5, 11, 4, 12]
     group_bytes = 2 * src.num_layers * src.layout.page_size_bytes
+    return n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes
+
+
+@pytest.mark.parametrize("pull", PULLS)
+def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
+    """A staging buffer of four block groups (two parts of two) and 23 source blocks: twelve
+    groups, six chunks READ into alternating parts while the previous chunk converts, all
+    leased by one fetch. Both ways write the same bytes into the same blocks, equal to the
+    producer's tokens, the partial last block's other tokens and every other block
+    untouched."""
+    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
     results, caches = [], []
     with pull.producer(readers=2) as prod:
         prod.register_kv_caches(src)
@@ -220,14 +228,7 @@ def test_a_chunk_read_whole_launches_the_gather_prepared_while_it_was_read(pull,
     READ (apply_keys, for chunks that lost keys, is not called)."""
     from kvcore.connectors.convert import ConversionPlan
 
-    n, p_bs, c_bs = 23, 4, 8
-    seed = random.randrange(2**31)
-    src = make_caches(layout="nhd", cross_layer=False, block_size=p_bs, num_blocks=32,
-                      seed=seed)
-    keys = keys_for(seed, n, block_size=p_bs)
-    src_ids = random.Random(seed).sample(range(32), n)
-    dst_ids = [13, 2, 7, 0, 9, 1, 14, 3, 5, 11, 4, 12]
-    group_bytes = 2 * src.num_layers * src.layout.page_size_bytes
+    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
     phases: list[str] = []
     prepare = ConversionPlan.prepare
 

@@ -239,29 +239,26 @@ def main() -> None:
         keys: dict[str, int] = {}
         counting(triton_attention, "_layer_key", keys)
         counting(triton_cache, "_write_key", keys)
-        with Dispatched() as mode:
-            for _ in range(100):
-                calls["update_and_forward"]()
-                calls["write + forward"]()
-        result["steady"] = dict(full_keys=dict(keys), ops=sorted(set(mode.ops)))
-        keys.update(dict.fromkeys(keys, 0))
+
+        def hundred_rounds(*names: str) -> dict:
+            """Full signatures built and torch ops dispatched over 100 rounds of the calls."""
+            calls = layer.calls()
+            with Dispatched() as mode:
+                for _ in range(100):
+                    for name in names:
+                        calls[name]()
+            found = dict(full_keys=dict(keys), ops=sorted(set(mode.ops)))
+            keys.update(dict.fromkeys(keys, 0))
+            return found
+
+        result["steady"] = hundred_rounds("update_and_forward", "write + forward")
         layer.meta = layer.builder.build(layer.common)  # a new step: the same
-        calls = layer.calls()
-        with Dispatched() as mode:
-            for _ in range(100):
-                calls["update_and_forward"]()
-        result["steady_next_step"] = dict(full_keys=dict(keys), ops=sorted(set(mode.ops)))
-        keys.update(dict.fromkeys(keys, 0))
+        result["steady_next_step"] = hundred_rounds("update_and_forward")
         # A new cache object for the layer (an engine that reallocated): split again, the
         # full signature looked up once per op, then the views again.
         kv = layer.caches.layers[0]
         layer.caches.layers[0] = torch.empty_like(kv).copy_(kv)
-        calls = layer.calls()
-        with Dispatched() as mode:
-            for _ in range(100):
-                calls["update_and_forward"]()
-        result["new_cache"] = dict(full_keys=dict(keys), ops=sorted(set(mode.ops)))
-        keys.update(dict.fromkeys(keys, 0))
+        result["new_cache"] = hundred_rounds("update_and_forward")
 
         # The same for TRITON_MLA: each call 100 times after its first.
         start = (counts["compiles"], counted.bound, counted.triton, counted.direct)
