@@ -27,7 +27,7 @@ from kvcore.ops.validation import (
     value_checks_enabled,
 )
 from kvcore.spec import KVCacheSpec
-from kvcore.step_facts import mark_views_checked
+from kvcore.step_facts import mark_views_checked, window_covers
 
 __all__ = ["AttentionMetadataBuilder", "PersistentMetadataBuilder", "graph_batch_sizes"]
 
@@ -129,7 +129,9 @@ class AttentionMetadataBuilder:
 
     def check(self, common: AttentionMetadata) -> StepFacts | None:
         """The step's value checks, once: the facts its tensors are marked with, or one device
-        read that establishes and marks them; then the maxima of this builder.
+        read that establishes and marks them; then the maxima of this builder. The same-step
+        overwrite check allows for the spec's ``sliding_window`` (a marked step checked for a
+        narrower window is checked again for this one).
 
         Returns the facts (``None`` when value checks are off, see
         :func:`kvcore.ops.set_value_checks`).
@@ -154,12 +156,14 @@ class AttentionMetadataBuilder:
                 raise _understated(common.max_seq_len, f"seq_lens_cpu has a request of "
                                                        f"{longest} tokens")
             return None
+        window = getattr(self.spec, "sliding_window", None)
         facts = checked_step_facts(common.query_start_loc, common.seq_lens, common.block_table,
                                    common.slot_mapping)
-        if facts is None:
+        if facts is None or not window_covers(facts.sliding_window, window):
+            # Unchecked, or checked for a narrower window than this builder's layers see.
             facts = step_facts_from_tensors(common.query_start_loc, common.seq_lens,
                                             common.block_table, common.slot_mapping,
-                                            self.spec.block_size)
+                                            self.spec.block_size, sliding_window=window)
         if facts.block_size != self.spec.block_size:
             raise ValueError(f"the step's metadata was built for block_size={facts.block_size} "
                              f"but the builder's spec has block_size={self.spec.block_size}")
@@ -310,7 +314,7 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
                           block_size=facts.block_size,
                           max_blocks_per_seq=max(facts.max_blocks_per_seq, int(padded)),
                           max_block_id=max(facts.max_block_id, 0 if padded else -1),
-                          max_slot=facts.max_slot),
+                          max_slot=facts.max_slot, sliding_window=facts.sliding_window),
                 views)
         return meta
 

@@ -164,6 +164,7 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
     causal: bool = True,
     num_blocks: int | None = None,
+    sliding_window: int | None = None,
 ) -> AttentionMetadata:
     """Build :class:`AttentionMetadata` from per-request counts and block tables.
 
@@ -185,6 +186,10 @@ def build_attention_metadata(
         causal: forwarded to :attr:`AttentionMetadata.causal`.
         num_blocks: blocks of the KV cache, to refuse out-of-range ids here, with the
             request named (otherwise each op refuses them against its cache).
+        sliding_window: the window of the layers the step serves (``None``: full
+            attention). A new token may then replace context outside every query's window
+            (a ring buffer of the window's tokens, on decode); the facts record it, and a
+            builder for wider-window layers checks the step again.
     """
     if len(query_lens) != len(context_lens) or len(query_lens) != len(block_tables):
         raise ValueError(
@@ -196,6 +201,11 @@ def build_attention_metadata(
     if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
                                    or num_blocks <= 0):
         raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer or None")
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int)
+                                       or sliding_window <= 0):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None "
+                         "(full attention)")
     slots: list[int] = []
     seq_lens: list[int] = []
     rows: list[Sequence[int]] = []
@@ -255,10 +265,13 @@ def build_attention_metadata(
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         slots_cpu = torch.tensor(slots, dtype=torch.int64)
         ctx_lens = [int(c) for c in context_lens]
-        if slots and any(ctx_lens) and overwrites_context(slots, ctx_lens, rows, block_size):
+        if slots and any(ctx_lens) and overwrites_context(slots, ctx_lens, rows, block_size,
+                                                          sliding_window=sliding_window):
             ctx = torch.tensor(ctx_lens, dtype=torch.int64)  # the message names the first
-            raise context_overwrite_error(slots_cpu, starts_cpu, ctx, table, block_size,
-                                          context_overwrites(slots_cpu, ctx, table, block_size))
+            hits = context_overwrites(slots_cpu, ctx, table, block_size,
+                                      sliding_window=sliding_window)
+            raise context_overwrite_error(slots_cpu, starts_cpu, ctx, table, block_size, hits,
+                                          sliding_window=sliding_window)
         metadata = AttentionMetadata(
             query_start_loc=starts_cpu.to(device, copy=True),
             seq_lens=seq_lens_cpu.to(device, copy=True),
@@ -273,7 +286,7 @@ def build_attention_metadata(
         )
     facts = StepFacts(num_tokens=starts[-1], num_seqs=len(rows), block_size=block_size,
                       max_blocks_per_seq=max_needed, max_block_id=max_block,
-                      max_slot=max(slots, default=-1))
+                      max_slot=max(slots, default=-1), sliding_window=sliding_window)
     mark_step_checked(facts, query_start_loc=metadata.query_start_loc,
                       seq_lens=metadata.seq_lens, block_table=metadata.block_table,
                       slot_mapping=metadata.slot_mapping)

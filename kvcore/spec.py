@@ -49,15 +49,25 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
-    """K and V for every token: ``2 * block_size * num_kv_heads * head_size`` per block."""
+    """K and V for every token: ``2 * block_size * num_kv_heads * head_size`` per block.
+
+    ``sliding_window`` is the window of the layers this spec's builder serves (``None``:
+    full attention, or layers of mixed windows, one of them full). A builder's step check
+    then lets a new token replace context outside every query's window, as a ring buffer of
+    the window's tokens does on decode (:func:`kvcore.ops.step_facts_from_tensors`); layers
+    of another window need their own spec and builder. It does not change the storage.
+    """
 
     num_kv_heads: int = 1
     head_size: int = 128
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("num_kv_heads", self.num_kv_heads)
         _positive("head_size", self.head_size)
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
 
     @property
     def elements_per_block(self) -> int:

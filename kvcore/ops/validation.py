@@ -355,6 +355,14 @@ def _slot_range_error(hi: int, num_blocks: int, block_size: int) -> ValueError:
     )
 
 
+def _check_window(sliding_window: object) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None (full attention) or "
+                         "an int >= 1 (how many positions each query sees, itself included)")
+
+
 def step_facts_from_tensors(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -363,6 +371,7 @@ def step_facts_from_tensors(
     block_size: int,
     *,
     mark: bool = True,
+    sliding_window: int | None = None,
 ) -> StepFacts:
     """Check one step's metadata tensors with one device read and return their facts.
 
@@ -370,11 +379,20 @@ def step_facts_from_tensors(
     step, instead of one per op and layer); only a failing step is read again, for the
     detailed message. With ``mark`` the tensors are then marked (:func:`mark_step_checked`).
 
+    ``sliding_window`` is the window of the layers the step serves (``None``: full
+    attention): context outside every query's window may then be overwritten (a ring
+    buffer's decode), and the facts record the window (:attr:`StepFacts.sliding_window`).
+    Layers of different windows need the check once per distinct window (one builder per
+    window, each with its spec's ``sliding_window``) or once with the widest (``None`` if one
+    is full attention).
+
     Raises:
         ValueError: a length rule of :class:`StepFacts` is broken (naming the request), a
-            used block id is negative, two new tokens share a slot, or a new token is written
-            to a slot a request of the step reads as context (:func:`context_overwrites`).
+            used block id is negative, two new tokens share a slot, a new token is written
+            to a slot a request of the step reads as context that one of its queries can see
+            (:func:`context_overwrites`), or ``sliding_window`` is not None or an int >= 1.
     """
+    _check_window(sliding_window)
     for n, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                  ("block_table", block_table), ("slot_mapping", slot_mapping)):
         require_tensor(n, t)
@@ -403,7 +421,8 @@ def step_facts_from_tensors(
         ids = block_table.to(torch.int64)
         big = torch.iinfo(torch.int64).max
         ctx_lens = lens - q_lens
-        overwrites = context_overwrites(slot_mapping, ctx_lens, block_table, block_size)
+        overwrites = context_overwrites(slot_mapping, ctx_lens, block_table, block_size,
+                                        sliding_window=sliding_window)
         stats = torch.stack([
             qsl[0], qsl[-1], q_lens.min(), ctx_lens.min(), needed.max(),
             torch.where(used, ids, big).min(), torch.where(used, ids, -1).max(), slot_max[0],
@@ -425,9 +444,10 @@ def step_facts_from_tensors(
         check_distinct_slots(slot_mapping)  # read again for the message
     if overwritten:
         raise context_overwrite_error(slot_mapping, query_start_loc, ctx_lens, block_table,
-                                      block_size, overwrites)
+                                      block_size, overwrites, sliding_window=sliding_window)
     facts = StepFacts(num_tokens=last, num_seqs=num_seqs, block_size=block_size,
-                      max_blocks_per_seq=most, max_block_id=hi, max_slot=top_slot)
+                      max_blocks_per_seq=most, max_block_id=hi, max_slot=top_slot,
+                      sliding_window=sliding_window)
     if mark:
         mark_step_checked(facts, query_start_loc=query_start_loc, seq_lens=seq_lens,
                           block_table=block_table, slot_mapping=slot_mapping)
