@@ -42,12 +42,20 @@ sharing, forks and offload stay transformers'. What happens per step:
   the whole tensor: each group is adopted, gets its impls (``sliding_window`` on the sliding
   ones), its metadata and its builder per step, and each layer gets its group's.
 - **Sliding layers.** transformers keeps a request's last ``sliding_window`` tokens in a ring
-  (position ``p`` in slot ``p % sliding_window``) and reads before it writes: a step's new
-  tokens overwrite slots that its earlier queries still attend to, so kvcore cannot attend on
-  the ring in place. Per layer, the read index's rows (the window, oldest first) are gathered
-  into a scratch cache of one layer (kvcore's memory, shared by the group's layers, sized to
-  the step), the new tokens written there, attention runs there, and the new tokens are then
-  written to the ring through transformers' write index.
+  (position ``p`` in slot ``p % sliding_window``) and reads before it writes. A step in which
+  every request reads at most ``sliding_window`` keys (``max_length_k`` of the group, a host
+  value: decode steps, and prefill chunks that do not wrap the ring) attends on the ring **in
+  place**: a request's block table maps logical block ``j`` onto its ring's pages cyclically
+  (its first column at the page of the oldest key it sees), the new tokens are written to the
+  ring and attention reads it there. A decode's token replaces the one that just left the
+  window, which kvcore's step check allows for the group's window
+  (``FullAttentionSpec(sliding_window=...)``). In other steps a new token would replace a key
+  an earlier query of the step still sees, and in a ring whose size is not a multiple of the
+  page size a page's offsets do not follow the positions: those are **gathered**. Per layer,
+  the read index's rows (the window, oldest first) are copied into a scratch cache of one
+  layer (kvcore's memory, shared by the group's layers, sized to the step), the new tokens
+  written there, attention runs there, and the new tokens are then written to the ring
+  through transformers' write index.
 
 Refused up front, each with its reason: MLA (compressed latents), layer types other than full
 and sliding attention, backends that cannot read a cross-layer NHD cache on this platform.
@@ -325,10 +333,11 @@ class _Group:
     its geometry and its step builder.
 
     A full-attention group's layers are read in place through block tables. A sliding group
-    (``window`` set) is staged: transformers keeps each request's last ``window`` tokens in a
-    ring (the token at position ``p`` in ring slot ``p % window``), and a step's new tokens
-    overwrite ring slots that the same step's earlier queries still attend to, so the window
-    is gathered into ``scratch`` (a kvcore cache of one layer, reused by every layer of the
+    (``window`` set) keeps each request's last ``window`` tokens in a ring (the token at
+    position ``p`` in ring slot ``p % window``). Its steps are read in place too when
+    ``in_place`` (the ring is whole pages) and no new token replaces a key an earlier query
+    of the step sees (:meth:`KVCoreAttention._ring_metadata`); otherwise the window is
+    gathered into ``scratch`` (a kvcore cache of one layer, reused by every layer of the
     group in turn), attention runs there, and the new tokens are written to the ring after.
     """
 
@@ -342,6 +351,9 @@ class _Group:
     window: int | None = None
     sentinel: int = -1  # read-index row marking a new token (sliding groups)
     write_trash: int = -1  # write-index row of a token not stored (sliding groups)
+    # A sliding group's ring is whole pages (window % page size == 0): a position's page
+    # offset is its ring slot's, so block tables can map positions onto the ring.
+    in_place: bool = False
     scratch: torch.Tensor | None = None  # (blocks, 2, N, H, D), sliding groups
     builder: Any = None
 
@@ -395,6 +407,11 @@ class KVCoreAttention:
     Attributes:
         backend: the backend selected at entry (for the default page size, or ``page_size``).
         steps: forward passes served so far.
+        in_place_steps: steps whose sliding-window layers attended on transformers' ring in
+            place (one count per sliding group and step).
+        gathered_steps: steps whose sliding-window layers gathered their window into the
+            scratch cache instead (prefill chunks that wrap the ring, or a ring that is not
+            whole pages).
         adopted: the transformers cache currently viewed (``None`` before the first step and
             once transformers has dropped that cache).
     """
@@ -430,6 +447,8 @@ class KVCoreAttention:
                 "module with an int layer_idx whose class name ends in Attention)")
         self._first = expected[0]
         self.steps = 0
+        self.in_place_steps = 0
+        self.gathered_steps = 0
         self.adopted: _Adopted | None = None
         self._step: dict[str, tuple[Any, _Staging | None]] = {}
         self._handles: list[Any] = []
@@ -495,8 +514,13 @@ class KVCoreAttention:
         for group in self.adopted.groups:
             if group.window is None:
                 common, staging = self._full_metadata(group, kwargs, cu_q, starts_cpu), None
+            elif group.in_place and int(kwargs["max_length_k"][group.name]) <= group.window:
+                # No request reads more than the window: nothing a query sees is replaced.
+                common, staging = self._ring_metadata(group, kwargs, cu_q, starts_cpu), None
+                self.in_place_steps += 1
             else:
                 common, staging = self._sliding_metadata(group, kwargs, cu_q, starts_cpu)
+                self.gathered_steps += 1
             step[group.name] = (self._builder_for(group, common).build(common), staging)
         return step
 
@@ -571,13 +595,16 @@ class KVCoreAttention:
                 impls=impls,
                 spec=FullAttentionSpec(block_size=page_size, dtype=allocator.cache_dtype,
                                        num_kv_heads=allocator.num_key_value_heads,
-                                       head_size=allocator.head_dim),
+                                       head_size=allocator.head_dim, sliding_window=window),
                 row_stride=allocator.block_physical_stride, num_blocks=num_blocks,
                 window=window)
             if window is not None:
                 group.sentinel = allocator.sentinel_index
                 group.write_trash = allocator.write_trash_index
-                max_len = max(max_len, window - 1 + int(cache.max_batch_tokens))
+                group.in_place = window % page_size == 0
+                # gathered: the window and a step; in place: the window from mid-page
+                max_len = max(max_len, window - 1 + int(cache.max_batch_tokens),
+                              window + page_size - 1)
             groups.append(group)
             group_of.update(dict.fromkeys(allocator.layer_indices, group))
         first = self._modules[self._first]
@@ -617,6 +644,65 @@ class KVCoreAttention:
         slot_mapping = torch.where(real, slots, -1)
         return attention_metadata_from_engine(
             query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
+            num_blocks=group.num_blocks)
+
+    def _ring_metadata(self, group: _Group, kwargs: dict, cu_q: torch.Tensor,
+                       starts_cpu: torch.Tensor) -> AttentionMetadata:
+        """kvcore's metadata of one step for a sliding group, read in place on its ring.
+
+        For a step whose requests each read at most ``window`` keys (``_build_step`` checks
+        ``max_length_k``): a decode past the window, or a prefill chunk that does not wrap the
+        ring. transformers' keys of request ``i`` (its ``cu_seq_lens_k`` span) are its cached
+        tokens (read-index rows, oldest first) then its new tokens (the write index's rows, in
+        place of the read index's sentinels). kvcore numbers them from ``o``, the page offset
+        of the oldest one, so a key's kvcore position has its ring slot's page offset and
+        logical block ``j`` holds keys of one ring page: the block table takes, per column, the
+        page of the key that starts it (column 0: of the oldest key). Positions ``0 .. o - 1``
+        of column 0 are ring slots of no key the step's queries see (at least ``window`` back
+        from the first new token): one of them is where a decode writes, which the group's
+        builder allows for (its spec's ``sliding_window``). The new tokens go to their ring
+        slots (the write index) before attention, as a full-attention group's do.
+        """
+        n, stride = self.adopted.page_size, group.row_stride
+        cu_k = kwargs["cu_seq_lens_k"][group.name].to(torch.int32)
+        write = kwargs["write_index"][group.allocator_index]
+        read = kwargs["read_index"][group.allocator_index]
+        device = cu_q.device
+        num_seqs = starts_cpu.numel() - 1
+        q_lens_cpu = starts_cpu[1:] - starts_cpu[:-1]
+        max_query_len = int(q_lens_cpu.max()) if q_lens_cpu.numel() else 0
+        longest = int(kwargs["max_length_k"][group.name])
+        keys = cu_k[1:] - cu_k[:-1]
+        first = cu_k[:-1].long()
+        if read.numel():
+            # Each read-index entry's key: its own row while cached, else the write index's row
+            # of the same request's new token.
+            entries = torch.arange(read.numel(), device=device)
+            owner = torch.searchsorted(cu_k[1:], entries.to(torch.int32), right=True)
+            owner = owner.clamp_(max=max(num_seqs - 1, 0))
+            cached = (keys - (cu_q[1:] - cu_q[:-1])).long()
+            new = entries - first[owner] - cached[owner]
+            from_write = write[(cu_q[owner].long() + new).clamp_(0, max(write.numel() - 1, 0))]
+            rows = torch.where(new >= 0, from_write, read)
+        else:  # no request has cached tokens: its keys are its new tokens
+            rows = write
+        last = max(rows.numel() - 1, 0)
+        offset = rows[first.clamp(max=last)] % stride  # the oldest key's page offset
+        seq_lens = (offset + keys).to(torch.int32)
+        # Only a request that read a full window can start mid-page.
+        max_seq_len = longest + (n - 1 if longest >= group.window else 0)
+        width = max(1, -(-max_seq_len // n))
+        block_starts = torch.arange(width, device=device, dtype=torch.int64) * n
+        key = (block_starts[None, :] - offset[:, None]).clamp_(min=0) + first[:, None]
+        used = block_starts[None, :] < seq_lens[:, None]
+        block_table = torch.where(used, rows[key.clamp_(max=last)] // stride, 0)
+        ring = (write // stride) * n + write % stride
+        real = torch.arange(write.numel(), device=device) < cu_q[-1]
+        slot_mapping = torch.where(real & (write != group.write_trash), ring, -1)
+        return attention_metadata_from_engine(
+            query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table.to(torch.int32),
             slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
             max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
             num_blocks=group.num_blocks)

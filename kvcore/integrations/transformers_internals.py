@@ -69,7 +69,10 @@ INTERNALS: tuple[Internal, ...] = (
              "a sliding group's ring: token p in slot p % sliding_window; its read index "
              "lists the window's rows oldest first then a sentinel row per new token, its "
              "write index the new tokens' rows (write_trash_index for tokens not stored), "
-             "and it reads before it writes",
+             "and it reads before it writes; its cu_seq_lens_k span per request is "
+             "query + min(past, sliding_window - 1), so max_length_k <= sliding_window "
+             "means no new token replaces a key a query of the step sees (then read in "
+             "place, through block tables over the ring's pages)",
              members=("layer_type", "get_read_indices", "get_write_indices", "update"),
              instance_members=("sliding_window", "sentinel_index", "write_trash_index")),
     Internal(f"{_CB}.cache_allocators", "MLACacheAllocator",

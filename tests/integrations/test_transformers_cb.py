@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvcore.builder
 import kvcore.ops
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
@@ -355,12 +356,12 @@ def tiny_hybrid(kind: str, **overrides):
     return model
 
 
-def run_hybrid(model) -> dict:
+def run_hybrid(model, lengths=(5, 20, 45, 60), batch_tokens: int = 32) -> dict:
     """Prompts of 5 to 60 tokens (all but one longer than the window: the ring wraps, in
     prefill chunks of a 32-token batch and in decode), 24 new tokens each."""
     gen = torch.Generator().manual_seed(0)
-    batch = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 20, 45, 60)]
-    config = cb_config(page_size=SW_PAGE, num_blocks=64, max_batch_tokens=32)
+    batch = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+    config = cb_config(page_size=SW_PAGE, num_blocks=64, max_batch_tokens=batch_tokens)
     out = model.generate_batch(batch, greedy(max_new_tokens=24),
                                continuous_batching_config=config)
     errors = {k: r.error for k, r in out.items() if r.error is not None}
@@ -422,4 +423,83 @@ def test_a_wrong_ring_gather_changes_the_tokens(monkeypatch):
     monkeypatch.setattr(kvt.KVCoreAttention, "_sliding_metadata", shifted)
     with kvt.use_kvcore(model, page_size=SW_PAGE):
         out = run_hybrid(model)
+    assert tokens(out) != tokens(expected)
+
+
+class RingSteps:
+    """Spies on a run: the sliding group's in-place steps (their longest query) and the
+    windows kvcore's step check ran with (it reads the step when its tensors cannot be marked,
+    as under ``torch.inference_mode``)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.queries: list[int] = []
+        self.windows: list[int | None] = []
+        ring, check = kvt.KVCoreAttention._ring_metadata, kvcore.builder.step_facts_from_tensors
+
+        def ring_metadata(state, *args):
+            meta = ring(state, *args)
+            self.queries.append(meta.max_query_len)
+            return meta
+
+        def checked(*args, **kwargs):
+            self.windows.append(kwargs.get("sliding_window"))
+            return check(*args, **kwargs)
+
+        monkeypatch.setattr(kvt.KVCoreAttention, "_ring_metadata", ring_metadata)
+        monkeypatch.setattr(kvcore.builder, "step_facts_from_tensors", checked)
+
+
+@pytest.mark.parametrize(("lengths", "batch_tokens"), [
+    ((5, 20, 45, 60), 32),  # decodes past the window in place, wrapping prefill chunks gathered
+    ((3, 9, 14), 8),  # prefill chunks within the window (past and new tokens) in place too
+], ids=["wrapping", "within-window"])
+def test_sliding_layers_attend_on_the_ring_in_place(monkeypatch, lengths, batch_tokens):
+    # Under inference mode kvcore's step check reads every step, with the sliding group's
+    # window: a decode replaces the ring slot of the key that just left the window, which
+    # the window-aware check allows and a full-attention check would refuse.
+    model = tiny_hybrid("gpt_oss")
+    spy = RingSteps(monkeypatch)
+    with torch.inference_mode():
+        expected = run_hybrid(model, lengths, batch_tokens)
+        with kvt.use_kvcore(model, page_size=SW_PAGE) as state:
+            out = run_hybrid(model, lengths, batch_tokens)
+    assert_same(out, expected)
+    assert state.in_place_steps == len(spy.queries) > state.steps // 2
+    assert set(spy.windows) == {None, WINDOW}  # full group, sliding group
+    assert len(spy.windows) == 2 * state.steps
+    if max(lengths) > WINDOW:
+        assert state.gathered_steps > 0 and max(spy.queries) == 1
+    else:
+        assert state.gathered_steps == 0 and max(spy.queries) > 1
+
+
+def test_a_ring_of_partial_pages_is_gathered():
+    # A 12-token window over 8-token pages: a page's offsets do not follow the positions.
+    model = tiny_hybrid("gpt_oss", sliding_window=12)
+    expected = run_hybrid(model)
+    with kvt.use_kvcore(model, page_size=SW_PAGE) as state:
+        out = run_hybrid(model)
+    assert_same(out, expected)
+    assert state.in_place_steps == 0 and state.gathered_steps == state.steps
+
+
+def test_a_wrong_ring_mapping_changes_the_tokens(monkeypatch):
+    # Negative control of the in-place path: each block-table column one ring page on (value
+    # checks off, which would refuse some of it) must show in the tokens.
+    model = tiny_hybrid("gpt_oss")
+    expected = run_hybrid(model)
+    ring = kvt.KVCoreAttention._ring_metadata
+
+    def shifted(self, group, *args):
+        meta = ring(self, group, *args)
+        return dataclasses.replace(meta, block_table=meta.block_table.roll(1, dims=1))
+
+    monkeypatch.setattr(kvt.KVCoreAttention, "_ring_metadata", shifted)
+    kvcore.ops.set_value_checks(False)
+    try:
+        with kvt.use_kvcore(model, page_size=SW_PAGE) as state:
+            out = run_hybrid(model)
+    finally:
+        kvcore.ops.set_value_checks(True)
+    assert state.in_place_steps > 0
     assert tokens(out) != tokens(expected)
