@@ -28,7 +28,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "is_supported",
     ),
     "kvcore.builder": ("AttentionMetadataBuilder", "PersistentMetadataBuilder"),
-    "kvcore.impl": ("AttentionImpl", "PagedAttentionImpl"),
+    "kvcore.impl": ("AttentionImpl", "KVSplit", "PagedAttentionImpl"),
     "kvcore.config": ("AttentionSelectorConfig",),
     "kvcore.cuda_graphs": ("CudaGraphRunner",),
     "kvcore.dtypes": ("parse_dtype",),
@@ -97,7 +97,7 @@ if TYPE_CHECKING:  # what type checkers and import-linter see
     from kvcore.cuda_graphs import CudaGraphRunner
     from kvcore.dtypes import parse_dtype
     from kvcore.hookspecs import hookimpl
-    from kvcore.impl import AttentionImpl, PagedAttentionImpl
+    from kvcore.impl import AttentionImpl, KVSplit, PagedAttentionImpl
     from kvcore.layout import KVCacheLayout, LayoutMismatchError
     from kvcore.layout_names import VLLM_LAYOUTS, vllm_layout_name, vllm_layout_order
     from kvcore.metadata import (
@@ -198,6 +198,7 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheSpec",
     "KVCaches",
+    "KVSplit",
     "LayerAttention",
     "LayerScales",
     "LayoutMismatchError",

@@ -20,6 +20,7 @@ import functools
 import math
 import operator
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from kvcore.metadata import AttentionLayer, AttentionMetadata, encoder_only_cache, is_index
 from kvcore.platform_types import AttentionType
 
-__all__ = ["AttentionImpl", "PagedAttentionImpl"]
+__all__ = ["AttentionImpl", "KVSplit", "PagedAttentionImpl"]
 
 
 class AttentionImpl(ABC):
@@ -224,39 +225,75 @@ class AttentionImpl(ABC):
         return torch.empty_like(query)
 
 
+class KVSplit:
+    """A layer's K and V cache views, kept for the last cache it split.
+
+    :meth:`split` returns ``(key_cache, value_cache)``, :meth:`halves` of ``kv_cache``, and
+    while the same tensor comes again with the same address, shape, strides, dtype and device
+    (an engine passes one cache per layer every step) it returns the same tuple of the same
+    view objects: no views are made per call, and ops that find their checks by the view
+    objects (``kvcore.ops.reshape_and_cache``, ``kvcore.ops.paged_attention``) find them.
+    Another cache, or this one changed in place (``resize_``, ``set_``, ``.data =``), gets
+    new views. The kept views hold that one cache alive until another comes (a view holds
+    its base, so a weak reference would not free it either).
+
+    An impl keeps one per layer as its ``split_kv``, as :class:`PagedAttentionImpl` does::
+
+        @functools.cached_property
+        def split_kv(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+            return KVSplit().split
+
+    (the bound method lands in the instance on first use, so each later ``split_kv`` call
+    is one call of :meth:`split`). For another layout subclass it and override
+    :meth:`halves`.
+    """
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        #: The last cache split: ``(kv_cache, address, shape, strides, dtype, device,
+        #: halves)``; empty before the first.
+        self._seen: tuple = ()
+
+    def split(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_cache, value_cache)`` of ``kv_cache`` (:meth:`halves`), the kept ones
+        while ``kv_cache`` is the last cache split and unchanged."""
+        seen = self._seen
+        if (seen and seen[0] is kv_cache and kv_cache.data_ptr() == seen[1]
+                and kv_cache.stride() == seen[3] and kv_cache.shape == seen[2]
+                and kv_cache.dtype is seen[4] and kv_cache.device == seen[5]):
+            return seen[6]
+        halves = self.halves(kv_cache)
+        self._seen = (kv_cache, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
+                      kv_cache.dtype, kv_cache.device, halves)
+        return halves
+
+    def halves(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V views of a new cache (hook): ``kv_cache.unbind(1)``, the
+        ``(num_blocks, block_size, num_kv_heads, head_size)`` halves of the standard
+        ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` cache. Raise here to refuse
+        a cache of another shape."""
+        return kv_cache.unbind(1)
+
+
 class PagedAttentionImpl(AttentionImpl):
     """An :class:`AttentionImpl` over two ops with the signatures of :mod:`kvcore.ops`.
 
     Subclasses set :meth:`reshape_and_cache` (``kvcore.ops.reshape_and_cache``'s signature)
     and :meth:`paged_attention` (``kvcore.ops.paged_attention``'s) and get the kernel hooks on
     the standard ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` cache split with
-    ``unbind(1)`` (override :meth:`split_kv` for another layout), output written in place.
+    ``unbind(1)`` (:meth:`split_kv`; override it for another layout), output written in place.
     An op that takes a plan from the backend's builder is called by the backend's own
     :meth:`attend` (``kvcore.TritonAttentionImpl``'s hands ``paged_attention`` its ``plan``).
     """
 
-    #: The last cache :meth:`split_kv` split and what it gave: ``(kv_cache, address, shape,
-    #: strides, dtype, device, (key_cache, value_cache))``; set per instance.
-    _split: tuple = ()
-
-    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V ``(num_blocks, block_size, num_kv_heads, head_size)`` views.
-
-        The views of the layer's last cache are kept and handed back while the same tensor
-        comes with the same address, shape, strides and dtype (an engine passes one cache
-        per layer every step): no views made per call, and the ops find their checks by
-        these view objects. The views keep that one cache alive until another comes (an
-        engine's caches live as long as its layers; a view holds its base tensor, so a weak
-        reference would not let it go either)."""
-        seen = self._split
-        if (seen and seen[0] is kv_cache and kv_cache.data_ptr() == seen[1]
-                and kv_cache.stride() == seen[3] and kv_cache.shape == seen[2]
-                and kv_cache.dtype == seen[4] and kv_cache.device == seen[5]):
-            return seen[6]
-        key_cache, value_cache = kv_cache.unbind(1)
-        self._split = (kv_cache, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
-                       kv_cache.dtype, kv_cache.device, (key_cache, value_cache))
-        return key_cache, value_cache
+    @functools.cached_property
+    def split_kv(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """``split_kv(kv_cache)``: the K and V ``(num_blocks, block_size, num_kv_heads,
+        head_size)`` views, kept per layer by a :class:`KVSplit` (the same view objects while
+        the layer's cache is the same; the ops find their checks by them). Override it for
+        another layout, with a :class:`KVSplit` subclass or a method."""
+        return KVSplit().split
 
     @staticmethod
     @abstractmethod

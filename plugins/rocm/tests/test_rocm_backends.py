@@ -95,3 +95,16 @@ def test_block_movement_refuses_rocm_attn_layout(rocm, direction):
     dst = torch.zeros_like(ok.layers[0])
     move(ok.layers[0], dst, torch.tensor([2]), torch.tensor([0]), layout=ok.layout)
     assert torch.equal(dst[0], ok.layers[0][2])
+
+
+def test_rocm_attn_keeps_the_legacy_halves_per_cache():
+    """ROCM_ATTN's split_kv: ``unbind(0)`` views, the same objects while the cache is the same
+    (the ops find their checks by them); a cache of another shape refused."""
+    impl = kvcore.resolve_backend("ROCM_ATTN").get_impl_cls()(2, 64, 0.125, 2)
+    kv = torch.zeros(2, 4, 16, 2, 64)
+    halves = impl.split_kv(kv)
+    assert impl.split_kv(kv) is halves
+    assert [h.data_ptr() for h in halves] == [h.data_ptr() for h in kv.unbind(0)]
+    assert halves[0].shape == (4, 16, 2, 64)
+    with pytest.raises(ValueError, match=r"ROCM_ATTN expects the legacy \(2, num_blocks"):
+        impl.split_kv(torch.zeros(4, 2, 16, 2, 64))

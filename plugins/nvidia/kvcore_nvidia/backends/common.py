@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata
+from kvcore import AttentionImpl, AttentionLayer, AttentionMetadata, KVSplit
 from kvcore.ops import checked_step_facts, validate_paged_attention, value_checks_enabled
 
 T = TypeVar("T")
@@ -73,29 +73,15 @@ class PagedCacheImpl(AttentionImpl):
     step before a vendor kernel reads them (:meth:`checked_halves`, first thing in each
     backend's ``attend``)."""
 
-    #: The last cache :meth:`split_kv` split and what it gave: ``(kv_cache, address, shape,
-    #: strides, dtype, device, (key_cache, value_cache))``; set per instance.
-    _split: tuple = ()
-
-    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``kv_cache.unbind(1)`` halves, ``(num_blocks, block_size, num_kv_heads,
-        head_size)`` each.
-
-        The views of the layer's last cache are kept and handed back (the same tuple object)
-        while the same tensor comes with the same address, shape, strides, dtype and device (an
-        engine passes one cache per layer every step): no views made per call, and the cache
-        write finds its checks by these view objects (``kvcore.ops.reshape_and_cache``'s
-        look-up by identity), a backend its own by the tuple. The views keep that one cache
-        alive until another comes (a view holds its base)."""
-        seen = self._split
-        if (seen and seen[0] is kv_cache and kv_cache.data_ptr() == seen[1]
-                and kv_cache.stride() == seen[3] and kv_cache.shape == seen[2]
-                and kv_cache.dtype == seen[4] and kv_cache.device == seen[5]):
-            return seen[6]
-        halves = kv_cache.unbind(1)
-        self._split = (kv_cache, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
-                       kv_cache.dtype, kv_cache.device, halves)
-        return halves
+    @functools.cached_property
+    def split_kv(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """``split_kv(kv_cache)``: the ``kv_cache.unbind(1)`` halves, ``(num_blocks,
+        block_size, num_kv_heads, head_size)`` each, kept per layer by a
+        :class:`kvcore.KVSplit`: the same tuple of the same views while the layer's cache is
+        the same, so the cache write finds its checks by these view objects
+        (``kvcore.ops.reshape_and_cache``'s look-up by identity), a backend its own by the
+        tuple."""
+        return KVSplit().split
 
     def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -5,11 +5,15 @@ KV connectors are not supported: dim 0 splits K from V, so a block is not one ru
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from kvcore import (
     AttentionBackend,
     CudaGraphSupport,
+    KVSplit,
     MultipleOf,
     TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
@@ -19,22 +23,30 @@ from kvcore_rocm.backends.common import GFX90A
 __all__ = ["RocmAttentionBackend", "RocmAttentionImpl"]
 
 
+class _LegacyKVSplit(KVSplit):
+    """The K and V ``(num_blocks, N, H, D)`` halves of the legacy cache, ``kv_cache.unbind(0)``,
+    kept per cache as :class:`kvcore.KVSplit` keeps them (its shape checked once per cache)."""
+
+    __slots__ = ()
+
+    def halves(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(
+                f"kv_cache has shape {tuple(kv_cache.shape)}; ROCM_ATTN expects the legacy "
+                "(2, num_blocks, block_size, num_kv_heads, head_size)"
+            )
+        return kv_cache.unbind(0)
+
+
 class RocmAttentionImpl(TritonAttentionImpl):
     """TRITON_ATTN's kernels and plan on ``kv_cache.unbind(0)``: K and V ``(num_blocks, N, H,
     D)`` halves."""
 
-    def split_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _legacy_halves(kv_cache)
-
-
-def _legacy_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}; ROCM_ATTN expects the legacy "
-            "(2, num_blocks, block_size, num_kv_heads, head_size)"
-        )
-    key_cache, value_cache = kv_cache.unbind(0)
-    return key_cache, value_cache
+    @functools.cached_property
+    def split_kv(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """``split_kv(kv_cache)``: the legacy cache's halves (:class:`_LegacyKVSplit`), the same
+        view objects while the layer's cache is the same."""
+        return _LegacyKVSplit().split
 
 
 class RocmAttentionBackend(AttentionBackend):
