@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -238,47 +238,20 @@ class ConversionPlan:
 
     # -- moving bytes -------------------------------------------------------------------------
 
-    def apply(
-        self,
-        src: torch.Tensor | KVCaches,
-        dst: torch.Tensor | KVCaches,
-        src_ids: Sequence[int] | torch.Tensor,
-        dst_ids: Sequence[int] | torch.Tensor,
-        num_tokens: int | None = None,
-        *,
-        src_scales: torch.Tensor | Sequence[float] | float | None = None,
-        dst_scales: torch.Tensor | Sequence[float] | float | None = None,
-        kernel: Literal["auto", "torch", "triton"] = "auto",
-    ) -> int:
+    def apply(self, src: torch.Tensor | KVCaches, dst: torch.Tensor | KVCaches,
+              src_ids: Sequence[int] | torch.Tensor, dst_ids: Sequence[int] | torch.Tensor,
+              num_tokens: int | None = None, **options: Any) -> int:
         """Convert ``num_tokens`` tokens from blocks ``src_ids`` of ``src`` into blocks
         ``dst_ids`` of ``dst``; returns the bytes written.
 
         A conversion runs as one gather on the destination's device: the Triton kernel
         (:func:`kvcore.ops.triton_convert_blocks`) for a destination on a GPU, a vectorised
         torch gather/scatter otherwise (the kernel's reference). A plan whose layouts match
-        copies whole blocks, one copy per run.
-
-        Args:
-            src, dst: a :class:`~kvcore.KVCaches` (its storage), or a contiguous tensor
-                holding a whole allocation of that side's layout with any number of blocks
-                (its dtype, or uint8 bytes), e.g. :func:`block_rows_layout` rows received
-                from a peer. They must not share memory.
-            src_ids, dst_ids: the blocks, in token order: ``ceil(num_tokens /
-                block_size)`` of each side. Destination ids are distinct.
-            num_tokens: tokens to move; default ``len(src_ids) * src_block_size``.
-            src_scales, dst_scales: per-layer K/V scales, ``(num_layers, 2)`` (MLA:
-                ``(num_layers,)``) or one float: the destination's for ``"quantize"``, the
-                source's for ``"dequantize"``.
-            kernel: ``"auto"`` (Triton for a destination on a GPU, else torch), ``"torch"``
-                or ``"triton"`` (any device: CPU tensors run under ``TRITON_INTERPRET=1``).
-
-        Raises:
-            ValueError, TypeError: before anything is written: a tensor that is not an
-                allocation of its layout, ids out of range or not as many as the tokens
-                need, repeated destination ids, missing or bad scales.
+        copies whole blocks, one copy per run. This is :meth:`prepare`'s conversion, made and
+        called at once: the arguments (keyword ``options``: ``src_scales``, ``dst_scales``,
+        ``kernel``) and the errors are :meth:`prepare`'s.
         """
-        return self.prepare(src, dst, src_ids, dst_ids, num_tokens, src_scales=src_scales,
-                            dst_scales=dst_scales, kernel=kernel)()
+        return self.prepare(src, dst, src_ids, dst_ids, num_tokens, **options)()
 
     def prepare(
         self,
@@ -300,8 +273,26 @@ class ConversionPlan:
         wire, then only launches it. On a GPU the call is one kernel launch on the current
         stream (the ids reached the device, without blocking the host, on the stream current
         at :meth:`prepare`: prepare and call on the same stream), and the host never waits
-        for the device. ``src`` and ``dst`` must stay allocated until the last call. Arguments
-        and errors as :meth:`apply`'s.
+        for the device. ``src`` and ``dst`` must stay allocated until the last call.
+
+        Args:
+            src, dst: a :class:`~kvcore.KVCaches` (its storage), or a contiguous tensor
+                holding a whole allocation of that side's layout with any number of blocks
+                (its dtype, or uint8 bytes), e.g. :func:`block_rows_layout` rows received
+                from a peer. They must not share memory.
+            src_ids, dst_ids: the blocks, in token order: ``ceil(num_tokens /
+                block_size)`` of each side. Destination ids are distinct.
+            num_tokens: tokens to move; default ``len(src_ids) * src_block_size``.
+            src_scales, dst_scales: per-layer K/V scales, ``(num_layers, 2)`` (MLA:
+                ``(num_layers,)``) or one float: the destination's for ``"quantize"``, the
+                source's for ``"dequantize"``.
+            kernel: ``"auto"`` (Triton for a destination on a GPU, else torch), ``"torch"``
+                or ``"triton"`` (any device: CPU tensors run under ``TRITON_INTERPRET=1``).
+
+        Raises:
+            ValueError, TypeError: before anything is written: a tensor that is not an
+                allocation of its layout, ids out of range or not as many as the tokens
+                need, repeated destination ids, missing or bad scales.
         """
         src_t, src_n = _storage(src, self.src, "src")
         dst_t, dst_n = _storage(dst, self.dst, "dst")

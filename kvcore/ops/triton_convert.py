@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -260,9 +261,32 @@ def prepare_convert(
     scales: torch.Tensor | None = None,
     config: GatherConfig | None = None,
 ) -> GatherLaunch | None:
-    """:func:`convert_blocks`' checks and device arguments, without the launch: the
-    :class:`GatherLaunch` to call (``None`` when there is nothing to move). Arguments and
-    errors as :func:`convert_blocks`'."""
+    """Check the arguments of a gather that rearranges ``num_tokens`` tokens from blocks
+    ``src_ids`` of ``src`` into blocks ``dst_ids`` of ``dst``, and put them on the device:
+    the :class:`GatherLaunch` whose call is the one kernel launch (``None`` when there is
+    nothing to move). :func:`convert_blocks` calls it at once.
+
+    Args:
+        src, dst: flat 1-D contiguous tensors on one device, each a whole allocation of its
+            side's layout, in that side's storage dtype (``dst`` is written in place).
+        src_ids, dst_ids: the blocks in token order, ``ceil(num_tokens / block_size)`` of
+            each side (distinct on the destination; checked by the caller, e.g.
+            :meth:`kvcore.connectors.ConversionPlan.prepare`).
+        src_strides, dst_strides: element strides of each side, ``(block, layer, kv, token,
+            head, dim)``.
+        num_layers, num_kv: layers, and 2 (K and V) or 1 (MLA latents).
+        head_pairs: ``(dst_head, src_head)`` local head pairs to move (``[(0, 0)]`` for MLA).
+        head_size: elements per head (the ``D`` dim).
+        scales: ``None`` (bytes as they are; both sides one dtype) or a float32 tensor of
+            ``num_layers * num_kv`` multipliers, layer-major: the destination's inverse
+            scales for wider -> fp8, the source's scales for fp8 -> wider.
+        config: the kernel's tiling (default :data:`DEFAULT_GATHER_CONFIG`); every config
+            writes the same bytes.
+
+    Raises:
+        TypeError, ValueError: tensors on different devices, not flat or contiguous, dtypes
+            that do not fit ``scales``, ids that address past either tensor.
+    """
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"{name} must be a flat contiguous tensor (the whole allocation), "
@@ -357,46 +381,15 @@ def convert_blocks(
     dst: torch.Tensor,
     src_ids: torch.Tensor | list[int],
     dst_ids: torch.Tensor | list[int],
-    *,
-    num_tokens: int,
-    src_block_size: int,
-    dst_block_size: int,
-    src_strides: Strides,
-    dst_strides: Strides,
-    num_layers: int,
-    num_kv: int,
-    head_pairs: torch.Tensor | list[tuple[int, int]],
-    head_size: int,
-    scales: torch.Tensor | None = None,
-    config: GatherConfig | None = None,
+    **arguments: Any,
 ) -> int:
     """Rearrange ``num_tokens`` tokens from blocks ``src_ids`` of ``src`` into blocks
     ``dst_ids`` of ``dst`` with one kernel launch; returns the bytes written.
 
-    Args:
-        src, dst: flat 1-D contiguous tensors on one device, each a whole allocation of its
-            side's layout, in that side's storage dtype (``dst`` is written in place).
-        src_ids, dst_ids: the blocks in token order, ``ceil(num_tokens / block_size)`` of
-            each side (distinct on the destination; checked by the caller, e.g.
-            :meth:`kvcore.connectors.ConversionPlan.apply`).
-        src_strides, dst_strides: element strides of each side, ``(block, layer, kv, token,
-            head, dim)``.
-        num_layers, num_kv: layers, and 2 (K and V) or 1 (MLA latents).
-        head_pairs: ``(dst_head, src_head)`` local head pairs to move (``[(0, 0)]`` for MLA).
-        head_size: elements per head (the ``D`` dim).
-        scales: ``None`` (bytes as they are; both sides one dtype) or a float32 tensor of
-            ``num_layers * num_kv`` multipliers, layer-major: the destination's inverse
-            scales for wider -> fp8, the source's scales for fp8 -> wider.
-        config: the kernel's tiling (default :data:`DEFAULT_GATHER_CONFIG`); every config
-            writes the same bytes.
-
-    Raises:
-        TypeError, ValueError: tensors on different devices, not flat or contiguous, dtypes
-            that do not fit ``scales``, ids that address past either tensor.
+    :func:`prepare_convert`'s launch, made and called at once: the keyword arguments
+    (``num_tokens``, ``src_block_size``, ``dst_block_size``, ``src_strides``,
+    ``dst_strides``, ``num_layers``, ``num_kv``, ``head_pairs``, ``head_size``, ``scales``,
+    ``config``) and the errors are :func:`prepare_convert`'s.
     """
-    launch = prepare_convert(
-        src, dst, src_ids, dst_ids, num_tokens=num_tokens, src_block_size=src_block_size,
-        dst_block_size=dst_block_size, src_strides=src_strides, dst_strides=dst_strides,
-        num_layers=num_layers, num_kv=num_kv, head_pairs=head_pairs, head_size=head_size,
-        scales=scales, config=config)
+    launch = prepare_convert(src, dst, src_ids, dst_ids, **arguments)
     return 0 if launch is None else launch()
