@@ -1,10 +1,8 @@
 """FLEX_ATTENTION on CPU (eager flex_attention): numerics against the float64 reference and
-CPU_ATTN on mixed batches, the block mask it builds, its int32 limit, and kvcore's
-conformance suite."""
+CPU_ATTN on mixed batches, logit soft-capping and attention sinks, the block mask it builds,
+its compiled entry points' graphs, its int32 limit, and kvcore's conformance suite."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -17,9 +15,10 @@ from kvcore_nvidia.backends.flex_attention import (
     paged_sequence_views,
 )
 from nvidia_helpers import REL_ERR, mixed_batch, reference, rel_err
-from torch.nn.attention.flex_attention import create_mask, flex_attention
+from torch.nn.attention.flex_attention import create_mask
 
 import kvcore
+from kvcore.ops import paged_attention_ref
 from kvcore.testing import conformance_cases, random_block_tables
 
 BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_SIZE, NUM_BLOCKS = 16, 2, 8, 32, 24
@@ -143,6 +142,91 @@ def test_the_builders_steps_build_each_layer_kinds_mask_once(monkeypatch):
     assert builds == [None, 5, None, 5]
 
 
+def _featured(dtype: torch.dtype, gen: torch.Generator, soft_cap: float | None, sinks: bool,
+              sliding_window: int | None) -> kvcore.AttentionImpl:
+    """A layer with a soft-cap and/or sinks; sink logits near the rows' log-sum-exp (about
+    log of the keys they see), so each takes a visible share of the softmax."""
+    return FlexAttentionBackend.get_impl_cls()(
+        num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5,
+        num_kv_heads=NUM_KV_HEADS, sliding_window=sliding_window, logits_soft_cap=soft_cap,
+        sinks=(torch.randn(NUM_HEADS, generator=gen) + 3).to(dtype) if sinks else None)
+
+
+def _feature_reference(impl: kvcore.AttentionImpl, batch, kv_cache: torch.Tensor, *,
+                       soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float64 reference of the batch with the given features (the layer's window)."""
+    m = batch.meta
+    return paged_attention_ref(
+        batch.query.double(), *(c.double() for c in kv_cache.unbind(1)),
+        query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
+        scale=impl.scale, causal=impl.is_causal(m), sliding_window=impl.sliding_window,
+        logits_soft_cap=soft_cap, sinks=sinks)
+
+
+FEATURES = {"softcap": (2.0, False), "sinks": (None, True), "softcap-sinks": (2.0, True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 9], ids=["full", "window9"])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_soft_cap_and_sinks_match_float64_reference(feature, window, dtype):
+    """A mixed step (decodes, prefills with and without a cached prefix, GQA 4:1): the soft-cap
+    (score_mod) and the sinks (log-sum-exp) against the float64 reference, and the reference
+    without the feature is far off (a dropped feature fails)."""
+    soft_cap, sinks = FEATURES[feature]
+    gen, kv_cache, _ = _setup(dtype, seed=20 + 2 * list(FEATURES).index(feature)
+                              + (window is not None))
+    impl = _featured(dtype, gen, soft_cap, sinks, window)
+    batch = mixed_batch(impl, kv_cache, gen, q_lens=(1, 1, 19, 7, 1),
+                        ctx_lens=(37, 15, 16, 0, 60))
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                 batch.meta, output=out)
+    ref = _feature_reference(impl, batch, kv_cache, soft_cap=soft_cap, sinks=impl.sinks)
+    assert rel_err(out, ref) < REL_ERR[dtype]
+    dropped = ([{"soft_cap": None, "sinks": impl.sinks}] if soft_cap else []) + (
+        [{"soft_cap": soft_cap, "sinks": None}] if sinks else [])
+    for features in dropped:
+        other = _feature_reference(impl, batch, kv_cache, **features)
+        assert rel_err(other, ref) > 5 * REL_ERR[torch.bfloat16], features
+
+
+def test_capped_and_sink_layers_share_the_steps_block_mask(monkeypatch):
+    """The cap and the sinks leave the mask alone: a step's plain, capped and sink layers
+    (two with different sink values) of one window build one block mask."""
+    builds = _mask_builds(monkeypatch)
+    gen, kv_cache, plain = _setup(torch.float32, seed=30, sliding_window=9)
+    layers = [plain, _featured(torch.float32, gen, 2.0, False, 9),
+              _featured(torch.float32, gen, None, True, 9),
+              _featured(torch.float32, gen, None, True, 9)]
+    batch = mixed_batch(plain, kv_cache, gen)
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
+                                    num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE)
+    step = FlexAttentionBackend.get_builder_cls()(
+        spec, num_heads=NUM_HEADS, max_num_seqs=8, max_num_batched_tokens=256,
+        max_model_len=NUM_BLOCKS * BLOCK_SIZE, device="cpu").build(batch.meta)
+    for impl in layers:
+        out = impl.forward(kvcore.LayerScales(), batch.query, batch.key, batch.value, kv_cache,
+                           step)
+        ref = _feature_reference(impl, batch, kv_cache, soft_cap=impl.logits_soft_cap,
+                                 sinks=impl.sinks)
+        assert rel_err(out, ref) < REL_ERR[torch.float32]
+    assert builds == [9]
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "gemma-2-9b"])
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_sink_and_soft_cap_presets_can_select_flex_attention(model, platform, cuda):
+    """Every layer kind of gpt-oss (sinks, head 64) and Gemma 2 (soft-cap, head 256) is a
+    valid FLEX_ATTENTION configuration, on the CPU and on a simulated H100."""
+    if platform == "cuda":
+        cuda("9.0")
+    for layer in kvcore.get_model(model).layers:
+        report = kvcore.explain_selection(layer.selector_config(torch.bfloat16), platform)
+        flex = next(c for c in report.candidates if c.name == "FLEX_ATTENTION")
+        assert flex.valid, report.format()
+
+
 @pytest.mark.parametrize(("layout", "page_stride"), [("own", 1), ("nhd", 2)])
 def test_block_mask_lists_each_needed_page_once(layout, page_stride):
     """Every (query, key) pair the mask allows lies in a page its query tile lists, and no
@@ -204,13 +288,22 @@ def _random_step(gen: torch.Generator, kv_cache: torch.Tensor, num_blocks: int,
                                                 pad=True)
 
 
+def _graphs(run) -> int:
+    """Graphs dynamo holds for one compiled entry point (the cache entries of its code)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(run._torchdynamo_orig_callable.__code__))
+
+
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(),
                     reason="torch.compile is not supported on this Python")
 def test_compiled_flex_compiles_a_bounded_number_of_graphs_over_varying_shapes():
-    """Batch size, context length, query length and cache size change every step: each
-    configuration stays within three graphs (``fail_on_recompile_limit_hit`` raises past
-    them), and two configurations do not share one budget. Compiled with ``aot_eager``:
-    dynamo's guards are the same as on CUDA, without inductor's CPU compile time."""
+    """Batch size, context length, query length and cache size change every step, and so do
+    the sink values: each configuration (plain, soft-capped, with sinks, both) stays within
+    three graphs (``fail_on_recompile_limit_hit`` raises past them), configurations do not
+    share one budget, and sink values never add a graph. Every output against the float64
+    reference. Compiled with ``aot_eager``: dynamo's guards are the same as on CUDA, without
+    inductor's CPU compile time."""
     gen = torch.Generator().manual_seed(10)
     # (blocks, 2, block_size, H, D) in FLEX_ATTENTION's physical B,N,2,H,D order.
     kv_cache = torch.randn(160, BLOCK_SIZE, 2, NUM_KV_HEADS, HEAD_SIZE,
@@ -218,21 +311,33 @@ def test_compiled_flex_compiles_a_bounded_number_of_graphs_over_varying_shapes()
     steps = [([1], [30]), ([1] * 4, [30, 40, 50, 17]), ([5, 1, 1], [0, 90, 3]),
              ([1] * 8, [10] * 8), ([33, 1], [0, 100]), ([64], [0]), ([17, 2], [40, 60]),
              ([1] * 16, [20] * 16), ([1], [3])]
+    graphs = {}
     with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
-        for num_heads in (NUM_HEADS, 2 * NUM_HEADS):  # two configurations
-            run = compiled_flex(("test", num_heads), "aot_eager")
-            assert run is compiled_flex(("test", num_heads), "aot_eager")
+        for feature, num_heads in (("plain", NUM_HEADS), ("plain", 2 * NUM_HEADS),
+                                   ("softcap", NUM_HEADS), ("sinks", NUM_HEADS),
+                                   ("softcap-sinks", 2 * NUM_HEADS)):
+            soft_cap, has_sinks = FEATURES.get(feature, (None, False))
+            run = compiled_flex(("test", feature, num_heads), "aot_eager")
+            assert run is compiled_flex(("test", feature, num_heads), "aot_eager")
             for i, (q_lens, ctx_lens) in enumerate(steps):
-                meta, k_seq, v_seq, mask = _random_step(gen, kv_cache, 160 - 7 * i,
-                                                        q_lens, ctx_lens)
+                num_blocks = 160 - 7 * i
+                meta, k_seq, v_seq, mask = _random_step(gen, kv_cache, num_blocks, q_lens,
+                                                        ctx_lens)
                 q = torch.randn(1, num_heads, mask.seq_lengths[0], HEAD_SIZE, generator=gen)
-                out = run(q, k_seq, v_seq, mask, 0.25, True, {})
-                with warnings.catch_warnings():  # flex's "use torch.compile" note
-                    warnings.simplefilter("ignore", UserWarning)
-                    eager = flex_attention(q, k_seq, v_seq, block_mask=mask, scale=0.25,
-                                           enable_gqa=True)
+                sinks = torch.randn(num_heads, generator=gen) + 3 if has_sinks else None
+                out = run(q, k_seq, v_seq, mask, 0.25, True, {}, soft_cap, sinks)
                 n = meta.num_actual_tokens
-                assert rel_err(out[0, :, :n], eager[0, :, :n]) < REL_ERR[torch.float32]
+                ref = paged_attention_ref(
+                    q[0, :, :n].transpose(0, 1).double(),
+                    *(c.double() for c in kv_cache[:num_blocks].unbind(1)),
+                    query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                    block_table=meta.block_table, scale=0.25, logits_soft_cap=soft_cap,
+                    sinks=sinks)
+                assert rel_err(out[0, :, :n].transpose(0, 1), ref) < REL_ERR[torch.float32], (
+                    feature, i)
+            graphs[feature, num_heads] = _graphs(run)
+    assert set(graphs.values()) == {graphs["plain", NUM_HEADS]}, graphs
+    assert graphs["plain", NUM_HEADS] <= 3
 
 
 def test_sequence_views_address_every_page_of_the_cache():

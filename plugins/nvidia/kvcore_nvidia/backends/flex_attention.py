@@ -21,6 +21,16 @@ block of that page *in the query's own request* (``-1`` if the page is not the r
 applies ``position < seq_len``, causality (bottom-right aligned: query ``j`` of a request with
 ``q_len`` new tokens sits at ``seq_len - q_len + j``) and the sliding window.
 
+Layer features
+--------------
+- **Logit soft-capping** (``logits_soft_cap``, Gemma 2): a ``score_mod`` turns each scaled
+  score into ``cap * tanh(score / cap)``; flex applies it before ``mask_mod``, as kvcore's
+  reference does (:func:`kvcore.ops.reference.apply_attention_features`).
+- **Attention sinks** (``sinks``, gpt-oss): one logit per query head that joins each row's
+  softmax denominator and adds no value. flex also returns each row's natural-log
+  log-sum-exp ``lse`` of its kept scores, so the sink scales the output by
+  ``sum / (sum + exp(sink)) = sigmoid(lse - sink)``, computed in float32.
+
 Devices: on CUDA ``flex_attention`` runs compiled (``torch.compile``, Triton kernels, block
 sparse), one compiled entry point per static configuration with dynamic batch and context
 sizes (:func:`compiled_flex`): a few graphs per model shape, within dynamo's recompile limit
@@ -297,17 +307,38 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 def _flex_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
-                scale: float, enable_gqa: bool, kernel_options: dict[str, Any]) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import flex_attention
+                scale: float, enable_gqa: bool, kernel_options: dict[str, Any] | None,
+                soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``flex_attention`` with the layer's features: a soft-cap as ``score_mod`` (on the
+    scaled scores, before ``mask_mod``), sinks from the log-sum-exp (see :func:`_run_flex`)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
-                          enable_gqa=enable_gqa, kernel_options=kernel_options)
+    score_mod = None
+    if soft_cap is not None:
+        def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
+                      q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return soft_cap * torch.tanh(score / soft_cap)
+
+    if sinks is None:
+        return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                              scale=scale, enable_gqa=enable_gqa, kernel_options=kernel_options)
+    out, aux = flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                              scale=scale, enable_gqa=enable_gqa, kernel_options=kernel_options,
+                              return_aux=AuxRequest(lse=True))
+    # lse (natural log, float32) of the row's kept scores: exp(sink) joins the denominator,
+    # so the output shrinks by sum / (sum + exp(sink)) = sigmoid(lse - sink). A row that
+    # keeps no key has lse = -inf and stays 0.
+    kept = torch.sigmoid(aux.lse - sinks.float()[None, :, None])
+    return (out.float() * kept[..., None]).to(out.dtype)
 
 
 @functools.cache
 def compiled_flex(config: tuple, backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """``torch.compile(flex_attention)`` for one static configuration ``config`` (a hashable
-    key: dtype, head counts and size, page size and stride, scale, mask kind).
+    key: dtype, head counts and size, page size and stride, scale, mask kind, soft-cap value,
+    sinks' dtype or ``None``). The entry takes ``(query, key, value, block_mask, scale,
+    enable_gqa, kernel_options, soft_cap, sinks)``: the cap is a constant of its graphs, the
+    sinks a tensor argument, so layers that differ only in their sink values share them.
 
     Dynamo keeps its graphs, and counts them against ``torch._dynamo.config.recompile_limit``
     (8), per code object. One shared entry point would spend that budget on the model shapes
@@ -330,28 +361,35 @@ _CONFIGS: list[tuple] = []
 
 
 def _run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
-              scale: float, block_size: int, config: tuple) -> torch.Tensor:
-    """Attention of ``query`` ``(1, Hq, rows, D)``, ``rows = block_mask.seq_lengths[0]``."""
-    from torch.nn.attention.flex_attention import flex_attention
+              scale: float, block_size: int, config: tuple, soft_cap: float | None,
+              sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of ``query`` ``(1, Hq, rows, D)``, ``rows = block_mask.seq_lengths[0]``.
 
+    ``soft_cap``: scores (scaled) become ``soft_cap * tanh(score / soft_cap)`` before the
+    mask. ``sinks``: ``(Hq,)`` logits, one per query head, in each row's softmax denominator
+    only: the output is flex's times ``sigmoid(lse - sinks[h])`` in float32, ``lse`` being
+    flex's natural-log log-sum-exp of the row's kept (capped) scores. On CUDA both are part
+    of the compiled graph: the cap a constant of the configuration, sinks a tensor argument.
+    """
     gqa = query.shape[1] != key.shape[1]
     if query.device.type == "cuda":
         # The kernel tiles must divide the block mask's tiles (Q_TILE x one page).
         options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_TILE, "BLOCK_N": block_size}
-        return compiled_flex(config)(query, key, value, block_mask, scale, gqa, options)
+        return compiled_flex(config)(query, key, value, block_mask, scale, gqa, options,
+                                     soft_cap, sinks)
     with warnings.catch_warnings():
         # The eager path is the CPU choice (module docstring); its "use torch.compile" warning
         # would repeat on every call.
         warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
-                              enable_gqa=gqa)
+        return _flex_entry(query, key, value, block_mask, scale, gqa, None, soft_cap, sinks)
 
 
 class FlexAttentionImpl(PagedCacheImpl):
     """Cache write: :func:`kvcore_nvidia.ops.write_kv_cache` (GPU) or the reference (CPU).
 
     Attention: ``flex_attention`` over :func:`paged_sequence_views` with the block mask of
-    :func:`build_block_mask`; refuses caches beyond :data:`FlexAttentionBackend.MAX_KV_CACHE_SPAN`.
+    :func:`build_block_mask`, the layer's soft-cap and sinks applied as the module says;
+    refuses caches beyond :data:`FlexAttentionBackend.MAX_KV_CACHE_SPAN`.
     """
 
     def check_forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -391,9 +429,14 @@ class FlexAttentionImpl(PagedCacheImpl):
             padded[:n] = query
             query = padded
         q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, rows, head_size)
+        sinks = self.sinks
+        # The cap's value and whether (and in which dtype) sinks come are static: one entry
+        # point per model layer kind; the sinks' values are an argument (no recompile).
         config = (query.dtype, query.shape[1:], k_seq.shape[1], block_size, page_stride,
-                  self.scale, causal, self.sliding_window)
-        out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size, config)
+                  self.scale, causal, self.sliding_window, self.logits_soft_cap,
+                  None if sinks is None else sinks.dtype)
+        out = _run_flex(q, k_seq, v_seq, block_mask, self.scale, block_size, config,
+                        self.logits_soft_cap, sinks)
         output.copy_(out[0, :, :n].transpose(0, 1))
 
 
@@ -409,6 +452,9 @@ class FlexAttentionBackend(AttentionBackend):
     # of two of at least 16 (the smallest tl.dot tile).
     SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
     SUPPORTS_NON_CAUSAL = True
+    # score_mod (the cap) and the log-sum-exp output (sinks): see _run_flex.
+    SUPPORTS_SINK = True
+    SUPPORTS_LOGITS_SOFT_CAP = True
     SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
     PLATFORMS = ("cuda", "cpu")
     # The cache write on GPU tensors is kvcore's Triton kernel.
