@@ -26,7 +26,9 @@ kvcore selects is below 0.95x the best peer. JSON and the log go to ``--out`` (d
 ``$OUT``, else ``benchmarks/results``).
 
 Usage: ``python benchmarks/bench_matrix.py [--model NAME ...] [--kv-cache-dtype auto|fp8_e4m3]
-[--block-size N] [--phase decode|prefill|mixed] [--budget-s S] [--small] [--no-peers]``.
+[--block-size N] [--phase decode|prefill|mixed] [--budget-s S] [--small] [--no-peers]
+[--ranking PATH]``; ``--ranking`` also writes kvcore's rows as a ranking file (``kvcore tune``'s
+format; the CUDA platform's shipped order, ``kvcore/platforms/cuda_ranking.json``, is one).
 ``--small`` scales every preset down and runs on the CPU in seconds (no peers there).
 """
 
@@ -41,6 +43,7 @@ import torch
 
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(_ROOT), str(Path(__file__).resolve().parent)]
+import kvcore  # noqa: E402
 from kvcore.cli import harness  # noqa: E402
 from kvcore.cli.model_bench import (  # noqa: E402
     ModelBenchOptions,
@@ -50,8 +53,9 @@ from kvcore.cli.model_bench import (  # noqa: E402
     format_model_report,
     run_model_bench,
 )
+from kvcore.cli.tune import ranking_from_report  # noqa: E402
 from kvcore.models import MODELS  # noqa: E402
-from kvcore.ranking import library_versions  # noqa: E402
+from kvcore.ranking import library_versions, write_ranking  # noqa: E402
 
 #: The ratio to the best peer under which a selected backend's step is listed as a gap.
 GAP = 0.95
@@ -172,6 +176,9 @@ def main() -> int:
                         help="stop starting new steps after this many seconds (0: no limit)")
     parser.add_argument("--small", action="store_true", help="scaled-down presets (CPU)")
     parser.add_argument("--no-peers", action="store_true", help="kvcore's backends only")
+    parser.add_argument("--ranking", type=Path, default=None, metavar="PATH",
+                        help="also write kvcore's rows as this device's ranking into PATH "
+                             "(what kvcore tune writes, from the same timings)")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available() and not args.small
     if not on_gpu and not args.small:
@@ -193,6 +200,11 @@ def main() -> int:
         run.results["ceilings"] = {"read_GBps": report.read_gbps,
                                    "matmul_TFLOPs": report.matmul_tflops}
         run.results["gaps"] = gaps(report)
+        if args.ranking is not None:
+            platform = kvcore.get_platform("cuda" if on_gpu else "cpu")
+            ranking = ranking_from_report(report, platform, args.budget_s)
+            run.log(f"ranking of {len(ranking.cases)} cases written to "
+                    f"{write_ranking(ranking, args.ranking)}")
     if report is not None:
         run.log("\n" + format_model_report(report))
         below = run.results["gaps"]

@@ -96,8 +96,10 @@ def custom_preset(num_heads: int, num_kv_heads: int, head_size: int,
                        "the engine's own config", kvcore.parse_dtype(dtype))
 
 
-def _to_ranking(report: ModelBenchReport, platform: kvcore.Platform, budget_s: float
-                ) -> Ranking:
+def ranking_from_report(report: ModelBenchReport, platform: kvcore.Platform, budget_s: float
+                        ) -> Ranking:
+    """The ranking of ``report``'s kvcore rows (peers left out) on ``platform``'s device here,
+    dated today: what ``kvcore tune`` writes, and ``benchmarks/bench_matrix.py --ranking``."""
     groups: dict[tuple, dict[str, Any]] = {}
     for row in report.rows:
         if not row.kvcore or row.impl == "(kvcore)":
@@ -165,7 +167,7 @@ def run_tune(options: TuneOptions) -> TuneResult:
         models=models, kv_cache_dtypes=options.kv_cache_dtypes, block_sizes=options.block_sizes,
         phases=options.phases, small=small, dtype=options.dtype, platform=platform.name,
         budget_s=options.budget_s, reps=options.reps, log=log))
-    ranking = _to_ranking(report, platform, options.budget_s)
+    ranking = ranking_from_report(report, platform, options.budget_s)
     earlier = None if options.replace else next(
         (r for r in load_rankings(path) if r.device == ranking.device), None)
     ranking, kept = merged_ranking(ranking, earlier)
