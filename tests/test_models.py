@@ -126,7 +126,8 @@ def test_bench_model_table_and_flag_checks(capsys, monkeypatch):
 @pytest.mark.engine
 def test_bench_matrix_script_runs_small_on_the_cpu(tmp_path):
     """``benchmarks/bench_matrix.py --small``: the run log, the JSON with a row per backend and
-    step, and the gaps list come out (peers need a GPU)."""
+    step, and the gaps list come out (peers need a GPU); ``--ranking`` writes the kvcore rows
+    as this device's ranking."""
     import os
     import subprocess
     import sys
@@ -136,7 +137,8 @@ def test_bench_matrix_script_runs_small_on_the_cpu(tmp_path):
     env = {**os.environ, "KVCORE_RANKING_FILE": "none"}
     result = subprocess.run([sys.executable, str(script), "--small", "--model", "llama-3.1-8b",
                              "--kv-cache-dtype", "auto", "--block-size", "16", "--phase",
-                             "decode", "--out", str(tmp_path)], capture_output=True, text=True,
+                             "decode", "--out", str(tmp_path), "--ranking",
+                             str(tmp_path / "ranking.json")], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "bench_matrix.json").read_text())
@@ -144,3 +146,7 @@ def test_bench_matrix_script_runs_small_on_the_cpu(tmp_path):
     assert data["gaps"] == [] and data["ceilings"]["read_GBps"] > 0
     assert "selected backend below 0.95x the best peer" in (tmp_path / "bench_matrix_log.txt"
                                                             ).read_text()
+    (ranking,) = kvcore.load_rankings(tmp_path / "ranking.json")
+    assert ranking.device.platform == "cpu" and len(ranking.cases) == 2
+    assert {c.phase for c in ranking.cases} == {"decode"}
+    assert all(set(c.times_us) <= {r["impl"] for r in data["rows"]} for c in ranking.cases)
