@@ -102,9 +102,11 @@ def fake_flashinfer(monkeypatch):
     fi_backend._wrappers.cache_clear()
 
 
-def _builder(max_num_seqs: int = 8, **kwargs: object) -> FlashInferMetadataBuilder:
+def _builder(max_num_seqs: int = 8, sliding_window: int | None = None,
+             **kwargs: object) -> FlashInferMetadataBuilder:
     spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
-                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                    sliding_window=sliding_window)
     return FlashInferBackend.get_builder_cls()(
         spec, num_heads=HEADS, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
         max_model_len=512, device="cpu", **kwargs)
@@ -408,6 +410,22 @@ def test_the_builder_learns_the_first_layer_s_window_and_cap(shape, window, cap)
                                          r"FlashInferMetadataBuilder .*: (give layers of other "
                                          r"windows their own builder|build the steps with)"):
         _forward(_impl(sliding_window=16), batch, kv_cache, later)
+
+
+@pytest.mark.parametrize("shape", ["mixed-decodes-first", "decode-only"])
+def test_a_builder_whose_spec_names_the_window_plans_for_it_from_the_first_step(shape):
+    """An engine that gives a window its own builder (FullAttentionSpec(sliding_window=...)):
+    the first step is planned for the window, with no second plan when its first layer runs."""
+    kv_cache, gen = _cache(12)
+    impl = _impl(sliding_window=8)
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES[shape])
+    builder = _builder(sliding_window=8)
+    meta = builder.build(batch.meta)
+    assert meta.planned[1] == 8
+    plans = builder.plans
+    out = _forward(impl, batch, kv_cache, meta)
+    assert builder.plans == plans and builder.settled
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
 
 
 @pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), True, "50"])

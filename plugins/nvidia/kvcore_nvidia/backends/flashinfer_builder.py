@@ -136,9 +136,11 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     rewritten only once those copies have run.
 
     A plan fixes the softmax scale, the sliding window and the logit soft-cap for every layer
-    of the step. The builder starts from ``1 / sqrt(head_size)``, no window and
-    ``logits_soft_cap`` (keyword, beyond the builder contract: the model's cap when the engine
-    knows it, e.g. Gemma 2's 50.0; ``None`` by default), and **learns the model's values from
+    of the step. The builder starts from ``1 / sqrt(head_size)``, the spec's window
+    (``FullAttentionSpec.sliding_window``: an engine that gives each window its own builder
+    says it there; ``None``: none) and ``logits_soft_cap`` (keyword, beyond the builder
+    contract: the model's cap when the engine knows it, e.g. Gemma 2's 50.0; ``None`` by
+    default), and **learns the model's values from
     the first layer that runs**: if that layer needs others, the step is planned again for
     them (bit for bit what a step planned for them from the start gives) and every later step
     is planned for them. Once a layer ran on the builder's values (or a step was captured into
@@ -171,7 +173,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         #: The logit soft-cap every plan is made for (``None``: none).
         self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         #: The sliding window every plan is made for (``None``: none).
-        self.sliding_window: int | None = None
+        self.sliding_window: int | None = getattr(spec, "sliding_window", None)
         #: Whether the plan parameters above are the model's (a layer ran on them, or a step
         #: was captured): from then on they are never changed (see the class docstring).
         self.settled = False
