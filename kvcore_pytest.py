@@ -142,3 +142,42 @@ def kvcore_gluon(monkeypatch: pytest.MonkeyPatch):
     yield switch
     monkeypatch.undo()
     gluon_defaults_enabled.cache_clear()
+
+
+@pytest.fixture
+def kvcore_shipped_ranking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Ship rankings with a platform for one test, for tests of its shipped order.
+
+    ``kvcore_shipped_ranking("cuda", ranking, ...)`` writes the :class:`kvcore.Ranking` objects
+    into a ranking file in a package on a temporary path and points the platform's
+    ``SHIPPED_RANKING`` there (no ranking: the platform ships none). Restored after the test.
+    """
+    import json
+    import sys
+
+    import kvcore
+    from kvcore import ranking as rankings_module
+
+    package = tmp_path / "kvcore_shipped_ranking_under_test"
+
+    def ship(platform: str, *rankings: object) -> None:
+        cls = type(kvcore.get_platform(platform))
+        if not rankings:
+            monkeypatch.setattr(cls, "SHIPPED_RANKING", None)
+        else:
+            package.mkdir(exist_ok=True)
+            (package / "__init__.py").write_text("")
+            data = {"format": rankings_module.FORMAT, "version": rankings_module.FORMAT_VERSION,
+                    "rankings": [r.to_dict() for r in rankings]}
+            (package / f"{platform}.json").write_text(json.dumps(data))
+            monkeypatch.syspath_prepend(str(tmp_path))
+            # Another test's package of this name (another temporary path) must not answer.
+            monkeypatch.delitem(sys.modules, package.name, raising=False)
+            monkeypatch.setattr(cls, "SHIPPED_RANKING", (package.name, f"{platform}.json"))
+        rankings_module.load_shipped_rankings.cache_clear()
+        kvcore.clear_selection_cache()
+
+    yield ship
+    monkeypatch.undo()
+    rankings_module.load_shipped_rankings.cache_clear()
+    kvcore.clear_selection_cache()

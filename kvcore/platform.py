@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcore import plugins
+from kvcore import plugins, ranking
 from kvcore.blocks import check_block_mapping
 from kvcore.config import AttentionSelectorConfig
 from kvcore.layout import KVCacheLayout
@@ -75,6 +75,11 @@ def _check_block_copy_args(
 
 
 @functools.cache
+def _warn_broken_shipped_ranking(message: str) -> None:
+    logger.warning("%s; the platform's unmeasured order is used", message)
+
+
+@functools.cache
 def _cpu_model_name() -> str:
     """The processor's model name (``/proc/cpuinfo``'s ``model name``), else its
     architecture."""
@@ -110,6 +115,11 @@ class Platform(ABC):
     #: A device capability as this platform spells it (``"9.0"``, ``"gfx942"``), for
     #: messages that tell a user how to simulate a device; ``None``: no capabilities.
     CAPABILITY_EXAMPLE: ClassVar[str | None] = None
+    #: The ranking file ``kvcore tune`` wrote on this platform's devices, shipped as package
+    #: data: ``(package, file name)``, or ``None``. Where it has a ranking for a device's
+    #: capability, :meth:`shipped_order` orders the backends for a config from it and
+    #: :meth:`phase_rankings` reports its speeds; :meth:`get_backend_priorities` puts it first.
+    SHIPPED_RANKING: ClassVar[tuple[str, str] | None] = None
 
     @abstractmethod
     def probe(self) -> str | None:
@@ -194,9 +204,27 @@ class Platform(ABC):
 
         :func:`kvcore.explain_selection` reports them (``kvcore select --explain``), and says
         so when the fastest backends differ between phases: the priority list picks one
-        backend for both. Declare them where the benchmarks are, next to the priority list.
+        backend for both. By default the speed tiers of :meth:`shipped_order`.
         """
-        return ()
+        shipped = self.shipped_order(config, device_capability)
+        return shipped.phases if shipped is not None else ()
+
+    def shipped_order(
+        self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> ranking.ShippedOrder | None:
+        """The order :attr:`SHIPPED_RANKING` gives ``config`` on ``device_capability``
+        (:func:`kvcore.ranking.shipped_order`; the ranking of this very device when the file
+        has one), or ``None``: no file, or nothing measured for this capability and kind of
+        config; a file that cannot be read is logged once and treated as absent)."""
+        if self.SHIPPED_RANKING is None:
+            return None
+        try:
+            rankings = ranking.load_shipped_rankings(*self.SHIPPED_RANKING)
+        except ranking.RankingFileError as exc:  # a packaging fault must not break selection
+            _warn_broken_shipped_ranking(str(exc))
+            return None
+        name = None if self.is_simulated else self.device_name()
+        return ranking.shipped_order(rankings, config, device_capability, name)
 
     def _copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
                      src_block_indices: torch.Tensor, dst_block_indices: torch.Tensor,

@@ -27,21 +27,14 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field, replace
-from importlib import metadata
+from importlib import metadata, resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from kvcore.config import AttentionSelectorConfig
-from kvcore.platform import Platform
-from kvcore.platform_types import PHASES, DeviceCapability
-
-__all__ = ["FORMAT", "FORMAT_VERSION", "PHASES", "RANKING_FILE_ENV", "VERSIONED_DISTRIBUTIONS",
-           "DeviceIdentity", "MeasuredCase", "MeasuredOrder", "Ranking", "RankingFileError",
-           "current_identity", "library_versions", "load_rankings", "measured_order",
-           "merged_ranking", "ranking_config_key", "ranking_path", "ranking_shape_class",
-           "ranking_state", "write_ranking"]
+from kvcore.platform_types import PHASES, DeviceCapability, PhaseRanking
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +49,17 @@ VERSIONED_DISTRIBUTIONS = ("kvcore", "kvcore-nvidia", "kvcore-rocm", "kvcore-mla
 #: Config fields that do not change a backend's speed, left out of the match.
 _UNMATCHED_FIELDS = ("use_kv_connector",)
 _OFF = ("none", "off", "0")
+
+
+class _Platform(Protocol):
+    """What a ranking reads of a :class:`kvcore.Platform` (which imports this module)."""
+
+    name: str
+
+    @property
+    def is_simulated(self) -> bool: ...
+
+    def device_name(self, device_id: int = 0) -> str | None: ...
 
 
 class RankingFileError(ValueError):
@@ -178,7 +182,7 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def current_identity(platform: Platform, capability: DeviceCapability | None
+def current_identity(platform: _Platform, capability: DeviceCapability | None
                      ) -> DeviceIdentity | None:
     """The device ``platform`` runs on here, or ``None`` when it is simulated (absent)."""
     if platform.is_simulated:
@@ -411,7 +415,7 @@ def _order(cases: list[MeasuredCase]) -> tuple[tuple[str, ...], dict, dict]:
     return order, speed, counts
 
 
-def measured_order(config: AttentionSelectorConfig, platform: Platform,
+def measured_order(config: AttentionSelectorConfig, platform: _Platform,
                    capability: DeviceCapability | None
                    ) -> tuple[MeasuredOrder | None, list[str]]:
     """The measured order for ``config`` on ``platform``'s device here, and notes on any
@@ -454,3 +458,117 @@ def measured_order(config: AttentionSelectorConfig, platform: Platform,
                       f"config ({ranking_shape_class(config)}; measured: "
                       f"{', '.join(classes) or 'none'}); static order used"]
     return MeasuredOrder.from_cases(cases, ranking.date, str(path), identity), []
+
+
+# -- rankings shipped with a platform -------------------------------------------------------------
+
+#: Backends whose speeds are within this fraction of a tier's fastest share the tier.
+TIER_TOLERANCE = 0.05
+#: Config fields that must be equal for a shipped case to say anything about a config.
+_SAME_KIND = ("use_mla", "attn_type")
+#: The other fields, most telling of a backend's relative speed first: a shipped ranking's
+#: cases are narrowed field by field to those equal to the config, a field skipped where no
+#: case is equal (so the nearest measured cases speak for a config that was not measured).
+_NEAREST_BY = ("kv_cache_dtype", "has_sink", "has_logits_soft_cap", "head_size", "block_size",
+               "dtype", "use_sparse", "use_per_head_quant_scales", "use_mm_prefix",
+               "use_non_causal", "use_batch_invariant")
+
+
+@functools.cache
+def load_shipped_rankings(package: str, name: str) -> tuple[Ranking, ...]:
+    """The rankings of the ranking file ``name`` shipped inside ``package`` (package data,
+    written by ``kvcore tune`` on the devices a platform ships an order for); read once.
+
+    Raises:
+        RankingFileError: the file is missing or not in the ranking format (a packaging
+            fault: the message names the file).
+    """
+    try:
+        text = (resources.files(package) / name).read_text()
+        return tuple(_parse(json.loads(text)))
+    except (OSError, ModuleNotFoundError, json.JSONDecodeError, RankingFileError) as exc:
+        raise RankingFileError(f"shipped ranking {package}/{name} cannot be read ({exc}); "
+                               "reinstall the package that provides it") from None
+
+
+def nearest_cases(cases: tuple[MeasuredCase, ...] | list[MeasuredCase],
+                  config: AttentionSelectorConfig) -> list[MeasuredCase]:
+    """The cases that speak for ``config``: those of the same kind (MLA or not, attention
+    type), narrowed by each field of ``_NEAREST_BY`` in turn to those equal to the config's
+    where any is (so an unmeasured head size falls back to the measured ones). ``[]`` when no
+    case is of the config's kind."""
+    key = ranking_config_key(config)
+    chosen = [c for c in cases if c.times_us
+              and all(c.config.get(f) == key[f] for f in _SAME_KIND)]
+    for name in _NEAREST_BY:
+        same = [c for c in chosen if c.config.get(name) == key[name]]
+        if same:
+            chosen = same
+    return chosen
+
+
+def _tiers(speeds: dict[str, float]) -> tuple[tuple[str, ...], ...]:
+    """Backends fastest first, grouped while within :data:`TIER_TOLERANCE` of the group's
+    fastest."""
+    tiers: list[list[str]] = []
+    lead = 0.0
+    for backend in sorted(speeds, key=lambda b: (-speeds[b], b)):
+        if tiers and speeds[backend] >= lead * (1 - TIER_TOLERANCE):
+            tiers[-1].append(backend)
+        else:
+            tiers.append([backend])
+            lead = speeds[backend]
+    return tuple(tuple(t) for t in tiers)
+
+
+@dataclass(frozen=True)
+class ShippedOrder:
+    """The order a platform ships for a config: the backends of the nearest measured cases of
+    a ranking file ``kvcore tune`` wrote on a device of the same capability, fastest first,
+    and per phase their speed tiers (what ``kvcore select --explain`` quotes)."""
+
+    order: tuple[str, ...]
+    phases: tuple[PhaseRanking, ...]
+    device: DeviceIdentity
+    date: str
+    shape_classes: tuple[str, ...]
+    cases: int
+
+    def describe(self) -> str:
+        """``kvcore tune on NVIDIA H100 80GB HBM3 (cuda, capability 9.0) on 2026-12-06, 12
+        cases of D128 bfloat16 kv=auto bs16``."""
+        return (f"kvcore tune on {self.device.describe()} on {self.date}, {self.cases} "
+                f"case{'s' if self.cases != 1 else ''} of {', '.join(self.shape_classes)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"order": list(self.order), "date": self.date, "cases": self.cases,
+                "shape_classes": list(self.shape_classes),
+                "device": {"platform": self.device.platform, "name": self.device.name,
+                           "capability": self.device.capability}}
+
+
+def shipped_order(rankings: tuple[Ranking, ...] | list[Ranking], config: AttentionSelectorConfig,
+                  capability: DeviceCapability | None, device_name: str | None = None
+                  ) -> ShippedOrder | None:
+    """The order ``rankings`` (a platform's shipped file) give ``config`` on a device of
+    ``capability``: from the ranking of that capability (the one measured on ``device_name``
+    when there is one, else the latest), over its :func:`nearest_cases`. ``None`` when no
+    ranking is of this capability or none of its cases is of the config's kind. Versions are
+    not compared: a shipped order is the platform's default, not this machine's measurement."""
+    if capability is None:
+        return None
+    mine = [r for r in rankings if r.device.capability == str(capability)]
+    if not mine:
+        return None
+    named = [r for r in mine if r.device.name == device_name]
+    ranking = (named or sorted(mine, key=lambda r: r.date))[-1]
+    cases = nearest_cases(ranking.cases, config)
+    if not cases:
+        return None
+    order, speed, counts = _order(cases)
+    classes = tuple(sorted({c.shape_class for c in cases}))
+    what = (f"{ranking.device.describe()} by kvcore tune on {ranking.date} "
+            f"({', '.join(classes)})")
+    phases = tuple(PhaseRanking(phase, _tiers(speed[phase]), what)
+                   for phase in PHASES if speed.get(phase))
+    return ShippedOrder(order, phases, ranking.device, ranking.date, classes, sum(counts.values()))

@@ -80,6 +80,8 @@ class SelectionReport:
     forced: str | None = None
     #: The platform's measured speed per phase for this config (:meth:`Platform.phase_rankings`).
     phase_rankings: tuple[PhaseRanking, ...] = ()
+    #: The order the platform ships for this config (:meth:`Platform.shipped_order`), if any.
+    shipped: ranking.ShippedOrder | None = None
     #: The order measured on this device by ``kvcore tune`` that the candidates follow, if any.
     measured: ranking.MeasuredOrder | None = None
     #: Why a ranking file that exists does not apply (another device, stale, malformed, ...).
@@ -102,6 +104,9 @@ class SelectionReport:
                     f"(order {', '.join(self.measured.order)}; ranking file "
                     f"{self.measured.path}), ahead of {self.platform}'s static order")
         if pick.in_priority_list:
+            if self.shipped is not None and pick.name in self.shipped.order:
+                return (f"first valid backend in {self.platform}'s priority list ({order}), "
+                        f"led by the order measured by {self.shipped.describe()}")
             return f"first valid backend in {self.platform}'s priority list ({order})"
         return (f"no backend in {self.platform}'s priority list ({order}) is valid; first valid "
                 f"of the other backends registered for {self.platform}")
@@ -202,6 +207,7 @@ class SelectionReport:
             "phase_rankings": [{"phase": r.phase, "tiers": [list(t) for t in r.tiers],
                                 "measured": r.measured} for r in self.phase_rankings],
             "measured_ranking": self.measured.to_dict() if self.measured else None,
+            "shipped_ranking": self.shipped.to_dict() if self.shipped else None,
             "ranking_notes": list(self.ranking_notes),
         }
 
@@ -394,6 +400,7 @@ def explain_selection(
     report = SelectionReport(config, plat.name, plat.is_simulated, capability,
                              forced=registry.normalize(forced) if forced else None,
                              phase_rankings=tuple(plat.phase_rankings(config, capability)),
+                             shipped=plat.shipped_order(config, capability),
                              measured=measured, ranking_notes=notes)
     names, preferred = _candidate_names(config, plat, capability, measured)
     rest = [n for n in registry.names() if n not in names]

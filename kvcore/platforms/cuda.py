@@ -45,22 +45,33 @@ class CudaPlatform(Platform):
     def get_backend_priorities(
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> list[str]:
+        # A shipped ranking's order leads where it measured (Platform.SHIPPED_RANKING); the
+        # rest follows in this order.
         if config.use_mla:
             # FlashInfer's MLA kernels (fa3) lead on Hopper and later; before it, TRITON_MLA.
             if device_capability is not None and device_capability.major >= 9:
-                return ["FLASHINFER_MLA", "TRITON_MLA"]
-            return ["TRITON_MLA", "FLASHINFER_MLA"]
-        # Ordered by the H200 (9.0) measurements of _MEASURED_PHASES (the timings are in
-        # benchmarks/RESULTS.md): FLASHINFER is fastest or tied in both phases; FLASH_ATTN
-        # prefills as fast but decodes slower (flash-attn-4 has no split-KV on 9.0);
-        # TRITON_ATTN decodes as fast as FLASHINFER but prefills about 1.8x slower. Unmeasured
-        # on 8.x and 10.x, where the same order stands (on 8.x FLASH_ATTN's flash-attn 2 needs
-        # 256-token blocks).
-        return ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
+                order = ["FLASHINFER_MLA", "TRITON_MLA"]
+            else:
+                order = ["TRITON_MLA", "FLASHINFER_MLA"]
+        else:
+            # Ordered by the H200 (9.0) measurements of _MEASURED_PHASES (the timings are in
+            # benchmarks/RESULTS.md): FLASHINFER is fastest or tied in both phases; FLASH_ATTN
+            # prefills as fast but decodes slower (flash-attn-4 has no split-KV on 9.0);
+            # TRITON_ATTN decodes as fast as FLASHINFER but prefills about 1.8x slower.
+            # Unmeasured on 8.x and 10.x, where the same order stands (on 8.x FLASH_ATTN's
+            # flash-attn 2 needs 256-token blocks).
+            order = ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
+        shipped = self.shipped_order(config, device_capability)
+        if shipped is None:
+            return order
+        return [*shipped.order, *(b for b in order if b not in shipped.order)]
 
     def phase_rankings(
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> tuple[PhaseRanking, ...]:
+        shipped = self.shipped_order(config, device_capability)
+        if shipped is not None:
+            return shipped.phases
         if config.use_mla or device_capability is None or device_capability.major != 9:
             return ()
         return _MEASURED_PHASES

@@ -1,0 +1,120 @@
+"""A platform's shipped ranking: the order ``kvcore tune`` measured on its devices, which
+leads its priority list for the nearest measured config and gives ``select --explain`` its
+per-phase speed tiers (kvcore.ranking.shipped_order, Platform.SHIPPED_RANKING)."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+
+import kvcore
+from kvcore import ranking
+from kvcore.ranking import (
+    DeviceIdentity,
+    MeasuredCase,
+    Ranking,
+    nearest_cases,
+    ranking_config_key,
+    ranking_shape_class,
+    shipped_order,
+)
+
+Config = kvcore.AttentionSelectorConfig
+H100 = DeviceIdentity("cuda", "NVIDIA H100 80GB HBM3", "9.0")
+H200 = DeviceIdentity("cuda", "NVIDIA H200", "9.0")
+
+
+def case(config: Config, phase: str, times: dict[str, float]) -> MeasuredCase:
+    return MeasuredCase(phase, ranking_shape_class(config), f"{phase} 8x1024",
+                        ranking_config_key(config), dict(times))
+
+
+def measured(device: DeviceIdentity, *cases: MeasuredCase, date: str = "2026-01-02") -> Ranking:
+    return Ranking(date, device, {"torch": "0"}, tuple(cases))
+
+
+LLAMA = Config(head_size=128, block_size=16)
+GPT_OSS = Config(head_size=64, block_size=16, has_sink=True)
+FP8 = Config(head_size=128, block_size=16, kv_cache_dtype="fp8_e4m3")
+MLA = Config(head_size=576, block_size=64, use_mla=True)
+
+
+def test_nearest_cases_narrow_field_by_field_and_never_cross_the_kind():
+    cases = [case(LLAMA, "decode", {"A": 1.0}), case(FP8, "decode", {"B": 1.0}),
+             case(GPT_OSS, "decode", {"C": 1.0}), case(MLA, "decode", {"M": 1.0})]
+    assert nearest_cases(cases, LLAMA) == [cases[0]]
+    # Block 64 and head size 96 were not measured: the bf16-cache, no-sink cases speak.
+    assert nearest_cases(cases, Config(head_size=96, block_size=64)) == [cases[0]]
+    assert nearest_cases(cases, Config(head_size=128, kv_cache_dtype="fp8_e4m3")) == [cases[1]]
+    assert nearest_cases(cases, Config(head_size=128, has_sink=True)) == [cases[2]]
+    assert nearest_cases(cases, Config(head_size=512, use_mla=True)) == [cases[3]]
+    assert nearest_cases(cases[:3], MLA) == []
+
+
+def test_shipped_order_ranks_the_nearest_cases_and_groups_speeds_into_tiers():
+    rankings = [measured(H100,
+                         case(LLAMA, "decode", {"A": 100.0, "B": 103.0, "C": 150.0}),
+                         case(LLAMA, "prefill", {"A": 200.0, "B": 100.0, "C": 104.0}),
+                         case(MLA, "decode", {"M": 10.0, "N": 9.0}))]
+    order = shipped_order(rankings, Config(head_size=128, block_size=64),
+                          kvcore.DeviceCapability(9, 0))
+    assert order.order == ("B", "C", "A")  # geometric means 1.01, 1.25, 1.41
+    assert [(p.phase, p.tiers) for p in order.phases] == [
+        ("decode", (("A", "B"), ("C",))), ("prefill", (("B", "C"), ("A",)))]
+    assert order.cases == 2 and order.shape_classes == ("D128 bfloat16 kv=auto bs16",)
+    assert order.describe() == ("kvcore tune on NVIDIA H100 80GB HBM3 (cuda, capability 9.0) on "
+                                "2026-01-02, 2 cases of D128 bfloat16 kv=auto bs16")
+    assert "by kvcore tune on 2026-01-02" in order.phases[0].measured
+    assert shipped_order(rankings, MLA, kvcore.DeviceCapability(9, 0)).order == ("N", "M")
+
+
+def test_shipped_order_takes_the_devices_own_ranking_else_the_latest_of_its_capability():
+    old = measured(H100, case(LLAMA, "decode", {"A": 1.0, "B": 2.0}), date="2026-01-01")
+    new = measured(H200, case(LLAMA, "decode", {"A": 2.0, "B": 1.0}), date="2026-02-01")
+    nine = kvcore.DeviceCapability(9, 0)
+    assert shipped_order([old, new], LLAMA, nine, "NVIDIA H100 80GB HBM3").order == ("A", "B")
+    assert shipped_order([old, new], LLAMA, nine, "NVIDIA H200").order == ("B", "A")
+    assert shipped_order([old, new], LLAMA, nine, "NVIDIA GH200").order == ("B", "A")
+    assert shipped_order([old, new], LLAMA, nine).order == ("B", "A")
+    assert shipped_order([old, new], LLAMA, kvcore.DeviceCapability(10, 0)) is None
+    assert shipped_order([old, new], LLAMA, None) is None
+
+
+def test_the_shipped_order_leads_cudas_priority_list_where_it_was_measured(
+        kvcore_shipped_ranking):
+    kvcore_shipped_ranking("cuda", measured(
+        H100, case(LLAMA, "decode", {"TRITON_ATTN": 1.0, "FLASHINFER": 1.5}),
+        case(LLAMA, "prefill", {"TRITON_ATTN": 1.2, "FLASHINFER": 1.0})))
+    cuda = kvcore.get_platform("cuda")
+    assert cuda.get_backend_priorities(LLAMA, kvcore.DeviceCapability(9, 0)) == [
+        "TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"]
+    decode, prefill = cuda.phase_rankings(LLAMA, kvcore.DeviceCapability(9, 0))
+    assert decode.describe() == "TRITON_ATTN > FLASHINFER"
+    assert prefill.describe() == "FLASHINFER > TRITON_ATTN"
+    # Unmeasured: another capability, or MLA where only K/V layers were timed.
+    assert cuda.get_backend_priorities(LLAMA, kvcore.DeviceCapability(10, 0)) == [
+        "FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
+    assert cuda.phase_rankings(LLAMA, kvcore.DeviceCapability(8, 0)) == ()
+    assert cuda.get_backend_priorities(MLA, kvcore.DeviceCapability(9, 0)) == [
+        "FLASHINFER_MLA", "TRITON_MLA"]
+    assert cuda.get_backend_priorities(MLA, kvcore.DeviceCapability(8, 0)) == [
+        "TRITON_MLA", "FLASHINFER_MLA"]
+
+
+def test_a_broken_shipped_file_is_logged_and_the_unmeasured_order_used(
+        kvcore_shipped_ranking, caplog):
+    kvcore_shipped_ranking("cuda", measured(H100, case(LLAMA, "decode", {"TRITON_ATTN": 1.0})))
+    cuda = kvcore.get_platform("cuda")
+    package, name = type(cuda).SHIPPED_RANKING
+    (resources.files(package) / name).write_text("{")
+    ranking.load_shipped_rankings.cache_clear()
+    with pytest.raises(ranking.RankingFileError,
+                       match=f"shipped ranking {package}/{name} cannot be read .*reinstall the "
+                             "package"):
+        ranking.load_shipped_rankings(package, name)
+    with caplog.at_level("WARNING", logger="kvcore.platform"):
+        assert cuda.shipped_order(LLAMA, kvcore.DeviceCapability(9, 0)) is None
+        assert cuda.get_backend_priorities(LLAMA, kvcore.DeviceCapability(9, 0))[0] == (
+            "FLASHINFER")
+    assert "cannot be read" in caplog.text and "unmeasured order is used" in caplog.text
