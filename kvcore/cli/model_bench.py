@@ -231,10 +231,12 @@ class _Step:
                                            kv_cache_dtype=c.kv_cache_dtype,
                                            kv_lora_rank=self.layer.mla.kv_lora_rank,
                                            qk_rope_head_dim=self.layer.mla.qk_rope_head_dim)
+        # A window's layers get their own builder, told the window (as vLLM's KV-cache groups).
         return kvcore.FullAttentionSpec(block_size=c.block_size, dtype=c.dtype,
                                         kv_cache_dtype=c.kv_cache_dtype,
                                         num_kv_heads=self.layer.num_kv_heads,
-                                        head_size=self.layer.head_size)
+                                        head_size=self.layer.head_size,
+                                        sliding_window=self.layer.sliding_window)
 
     def impl(self, backend: type[kvcore.AttentionBackend]) -> kvcore.AttentionImpl:
         layer = self.layer
