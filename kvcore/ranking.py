@@ -540,6 +540,13 @@ class ShippedOrder:
         return (f"kvcore tune on {self.device.describe()} on {self.date}, {self.cases} "
                 f"case{'s' if self.cases != 1 else ''} of {', '.join(self.shape_classes)}")
 
+    def reorder(self, names: list[str]) -> list[str]:
+        """A platform's list ``names`` with its measured backends in the measured order, in
+        the slots they held; unmeasured ones keep their places, and measured ones the list
+        does not name stay out (the platform decides which backends it offers)."""
+        measured = iter([b for b in self.order if b in names])
+        return [next(measured) if name in self.order else name for name in names]
+
     def to_dict(self) -> dict[str, Any]:
         return {"order": list(self.order), "date": self.date, "cases": self.cases,
                 "shape_classes": list(self.shape_classes),

@@ -10,6 +10,8 @@ import sys
 import pytest
 from cli_helpers import run_cli
 
+import kvcore
+
 
 def kvcore_cmd(*args, env=None, plugins_dir=None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
@@ -60,8 +62,13 @@ def test_select_json_is_machine_readable():
     data = json.loads(kvcore_cmd("select", "--format", "json", "--platform", "cuda",
                                  "--capability", "9.0").stdout)
     assert data["platform"] == "cuda" and data["device_capability"] == "9.0"
-    assert [c["name"] for c in data["candidates"]][:2] == ["FLASHINFER", "FLASH_ATTN"]
-    assert [r["phase"] for r in data["phase_rankings"]] == ["decode", "prefill"]
+    cuda, nine = kvcore.get_platform("cuda"), kvcore.DeviceCapability(9, 0)
+    config = kvcore.AttentionSelectorConfig(head_size=128)
+    order = cuda.get_backend_priorities(config, nine)
+    assert [c["name"] for c in data["candidates"]][:len(order)] == order
+    shipped = cuda.shipped_order(config, nine)
+    assert data["shipped_ranking"]["order"] == list(shipped.order)
+    assert [r["phase"] for r in data["phase_rankings"]] == [p.phase for p in shipped.phases]
 
 
 @pytest.mark.parametrize(

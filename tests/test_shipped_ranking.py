@@ -10,6 +10,7 @@ import pytest
 
 import kvcore
 from kvcore import ranking
+from kvcore.platforms.cuda import CudaPlatform
 from kvcore.ranking import (
     DeviceIdentity,
     MeasuredCase,
@@ -38,6 +39,14 @@ LLAMA = Config(head_size=128, block_size=16)
 GPT_OSS = Config(head_size=64, block_size=16, has_sink=True)
 FP8 = Config(head_size=128, block_size=16, kv_cache_dtype="fp8_e4m3")
 MLA = Config(head_size=576, block_size=64, use_mla=True)
+
+
+def test_reorder_puts_the_measured_backends_in_their_slots_and_keeps_the_rest():
+    order = shipped_order([measured(H100, case(LLAMA, "decode", {"C": 1.0, "A": 2.0, "X": 1.5}))],
+                          LLAMA, kvcore.DeviceCapability(9, 0))
+    assert order.order == ("C", "X", "A")
+    assert order.reorder(["A", "B", "C", "D"]) == ["C", "B", "A", "D"]  # X: not offered
+    assert order.reorder(["B", "D"]) == ["B", "D"]
 
 
 def test_nearest_cases_narrow_field_by_field_and_never_cross_the_kind():
@@ -87,8 +96,9 @@ def test_the_shipped_order_leads_cudas_priority_list_where_it_was_measured(
         H100, case(LLAMA, "decode", {"TRITON_ATTN": 1.0, "FLASHINFER": 1.5}),
         case(LLAMA, "prefill", {"TRITON_ATTN": 1.2, "FLASHINFER": 1.0})))
     cuda = kvcore.get_platform("cuda")
+    # TRITON_ATTN and FLASHINFER swap slots; FLASH_ATTN and FLEX_ATTENTION were not timed.
     assert cuda.get_backend_priorities(LLAMA, kvcore.DeviceCapability(9, 0)) == [
-        "TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"]
+        "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION"]
     decode, prefill = cuda.phase_rankings(LLAMA, kvcore.DeviceCapability(9, 0))
     assert decode.describe() == "TRITON_ATTN > FLASHINFER"
     assert prefill.describe() == "FLASHINFER > TRITON_ATTN"
@@ -118,3 +128,24 @@ def test_a_broken_shipped_file_is_logged_and_the_unmeasured_order_used(
         assert cuda.get_backend_priorities(LLAMA, kvcore.DeviceCapability(9, 0))[0] == (
             "FLASHINFER")
     assert "cannot be read" in caplog.text and "unmeasured order is used" in caplog.text
+
+
+def test_cudas_shipped_ranking_is_a_tune_ranking_of_its_own_backends_on_hopper():
+    """The shipped file: kvcore tune's format, CUDA's own backends only, a 9.0 ranking whose
+    nearest cases speak for every K/V kind of config (the presets' head sizes, fp8, sinks,
+    soft-cap); CUDA's list follows it there."""
+    rankings = ranking.load_shipped_rankings(*CudaPlatform.SHIPPED_RANKING)
+    assert rankings and {r.device.capability for r in rankings} >= {"9.0"}
+    cuda = kvcore.get_platform("cuda")
+    offered = set(CudaPlatform.BACKEND_PROVIDERS) | {"TRITON_ATTN"}
+    for r in rankings:
+        assert r.device.platform == "cuda"
+        assert {b for c in r.cases for b in (*c.times_us, *c.errors)} <= offered, r.device
+    nine = kvcore.DeviceCapability(9, 0)
+    for config in (LLAMA, FP8, GPT_OSS, Config(head_size=256, has_logits_soft_cap=True),
+                   Config(head_size=128, block_size=64)):
+        order = cuda.shipped_order(config, nine)
+        assert order is not None and order.phases, config
+        assert cuda.get_backend_priorities(config, nine) == order.reorder(
+            ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"])
+        assert cuda.phase_rankings(config, nine) == order.phases

@@ -62,7 +62,7 @@ def _install_flash_attn(monkeypatch: pytest.MonkeyPatch, *libraries: str) -> Non
     kvcore.clear_selection_cache()
 
 
-# The H200 measurements' order (kvcore/platforms/cuda.py), on every capability.
+# CUDA's order for these configs on every capability (on 9.0 its shipped ranking keeps it).
 CUDA_ORDER = ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
 
 
