@@ -91,8 +91,6 @@ from kvcore import (
     FullAttentionSpec,
     LayerScales,
     adopt_kv_caches,
-    allocate_kv_caches,
-    attention_metadata_from_engine,
     explain_selection,
     get_attn_backend,
 )
@@ -101,6 +99,14 @@ from kvcore.integrations.transformers_internals import (
     SUPPORTED_RANGE,
     check_internals,
     version_problem,
+)
+from kvcore.integrations.transformers_steps import (
+    CacheGroup,
+    Staging,
+    full_metadata,
+    grown,
+    ring_metadata,
+    sliding_metadata,
 )
 
 __all__ = ["ATTENTION_NAME", "CROSS_LAYER_NHD", "KVCoreAttention", "select_backend",
@@ -158,7 +164,7 @@ class _LayerCall:
     cache: torch.Tensor  # the layer's (num_blocks, 2, N, H, D) view of transformers' tensor
     impl: AttentionImpl
     metadata: Any  # what the builder returned for this step (for the layer's group)
-    staging: _Staging | None = None  # a sliding layer's copies around its scratch cache
+    staging: Staging | None = None  # a sliding layer's copies around its scratch cache
 
 
 def _kvcore_attention(
@@ -328,51 +334,6 @@ def _view_problem(backend: type[AttentionBackend], platform: str | None) -> str 
 
 
 @dataclass
-class _Group:
-    """One transformers cache group (allocator), viewed: its layers' kvcore caches and impls,
-    its geometry and its step builder.
-
-    A full-attention group's layers are read in place through block tables. A sliding group
-    (``window`` set) keeps each request's last ``window`` tokens in a ring (the token at
-    position ``p`` in ring slot ``p % window``). Its steps are read in place too when
-    ``in_place`` (the ring is whole pages) and no new token replaces a key an earlier query
-    of the step sees (:meth:`KVCoreAttention._ring_metadata`); otherwise the window is
-    gathered into ``scratch`` (a kvcore cache of one layer, reused by every layer of the
-    group in turn), attention runs there, and the new tokens are written to the ring after.
-    """
-
-    name: str  # transformers' layer type: the key of cu_seq_lens_k and max_length_k
-    allocator_index: int
-    layers: dict[int, torch.Tensor]  # layer index -> (num_blocks, 2, N, H, D) view
-    impls: dict[int, AttentionImpl]
-    spec: FullAttentionSpec
-    row_stride: int  # transformers' block_physical_stride
-    num_blocks: int
-    window: int | None = None
-    sentinel: int = -1  # read-index row marking a new token (sliding groups)
-    write_trash: int = -1  # write-index row of a token not stored (sliding groups)
-    # A sliding group's ring is whole pages (window % page size == 0): a position's page
-    # offset is its ring slot's, so block tables can map positions onto the ring.
-    in_place: bool = False
-    scratch: torch.Tensor | None = None  # (blocks, 2, N, H, D), sliding groups
-    builder: Any = None
-
-
-@dataclass
-class _Staging:
-    """A sliding group's per-step copies: rows of the ring gathered into the scratch cache
-    before attention (``src_*`` from the layer's view, ``dst_*`` into ``scratch``), and the
-    ring slots the new tokens go to after it (``-1``: not stored)."""
-
-    scratch: torch.Tensor
-    src_blocks: torch.Tensor | None
-    src_offsets: torch.Tensor | None
-    dst_blocks: torch.Tensor | None
-    dst_offsets: torch.Tensor | None
-    ring_slots: torch.Tensor
-
-
-@dataclass
 class _Adopted:
     """One transformers cache, adopted: the kvcore views of each cache group, the backend.
 
@@ -384,21 +345,13 @@ class _Adopted:
 
     cache: weakref.ref
     backend: type[AttentionBackend]
-    groups: list[_Group]
-    group_of: dict[int, _Group]  # layer index -> its group
+    groups: list[CacheGroup]
+    group_of: dict[int, CacheGroup]  # layer index -> its group
     num_heads: int
     page_size: int
     max_seqs: int  # transformers' max_batch_tokens: no step has more requests
     max_len: int  # no request reads more tokens
     release: weakref.finalize | None = None
-
-
-def _grown(need: int, have: int, cap: int) -> int:
-    """A builder bound that holds ``need``: ``have`` if it does, else the next power of two
-    (at least twice ``have``), at most ``cap``."""
-    if need <= have:
-        return have
-    return min(cap, max(2 * have, 1 << (max(need, 1) - 1).bit_length()))
 
 
 class KVCoreAttention:
@@ -450,7 +403,7 @@ class KVCoreAttention:
         self.in_place_steps = 0
         self.gathered_steps = 0
         self.adopted: _Adopted | None = None
-        self._step: dict[str, tuple[Any, _Staging | None]] = {}
+        self._step: dict[str, tuple[Any, Staging | None]] = {}
         self._handles: list[Any] = []
         self._previous: str | None = None
 
@@ -491,7 +444,7 @@ class KVCoreAttention:
 
         return pre_hook
 
-    def _build_step(self, cache: Any, kwargs: dict) -> dict[str, tuple[Any, _Staging | None]]:
+    def _build_step(self, cache: Any, kwargs: dict) -> dict[str, tuple[Any, Staging | None]]:
         transformers = _import_transformers()
         paged = transformers.generation.continuous_batching.PagedAttentionCache
         if not isinstance(cache, paged):
@@ -513,18 +466,22 @@ class KVCoreAttention:
         step = {}
         for group in self.adopted.groups:
             if group.window is None:
-                common, staging = self._full_metadata(group, kwargs, cu_q, starts_cpu), None
+                common = full_metadata(group, self.adopted.page_size, kwargs, cu_q, starts_cpu)
+                staging = None
             elif group.in_place and int(kwargs["max_length_k"][group.name]) <= group.window:
                 # No request reads more than the window: nothing a query sees is replaced.
-                common, staging = self._ring_metadata(group, kwargs, cu_q, starts_cpu), None
+                common = ring_metadata(group, self.adopted.page_size, kwargs, cu_q, starts_cpu)
+                staging = None
                 self.in_place_steps += 1
             else:
-                common, staging = self._sliding_metadata(group, kwargs, cu_q, starts_cpu)
+                common, staging = sliding_metadata(group, self.adopted.backend,
+                                                   self.adopted.page_size, kwargs, cu_q,
+                                                   starts_cpu)
                 self.gathered_steps += 1
             step[group.name] = (self._builder_for(group, common).build(common), staging)
         return step
 
-    def _builder_for(self, group: _Group, common: AttentionMetadata) -> Any:
+    def _builder_for(self, group: CacheGroup, common: AttentionMetadata) -> Any:
         """``group``'s builder, made (or remade larger) when ``common`` has more requests or a
         longer request than its buffers hold."""
         a = self.adopted
@@ -532,8 +489,8 @@ class KVCoreAttention:
         seqs, length = (0, 0) if builder is None else (builder.max_num_seqs,
                                                        builder.max_model_len)
         if builder is None or common.num_seqs > seqs or common.max_seq_len > length:
-            seqs = _grown(common.num_seqs, seqs, a.max_seqs)
-            length = _grown(common.max_seq_len, length, a.max_len)
+            seqs = grown(common.num_seqs, seqs, a.max_seqs)
+            length = grown(common.max_seq_len, length, a.max_len)
             group.builder = a.backend.get_builder_cls()(
                 group.spec, num_heads=a.num_heads, max_num_seqs=seqs,
                 max_num_batched_tokens=a.max_seqs, max_model_len=length,
@@ -589,7 +546,7 @@ class KVCoreAttention:
                     num_heads=module.config.num_attention_heads, head_size=allocator.head_dim,
                     scale=float(module.scaling), num_kv_heads=allocator.num_key_value_heads,
                     sliding_window=window, **_layer_features(module))
-            group = _Group(
+            group = CacheGroup(
                 name=name, allocator_index=allocator.index,
                 layers=dict(zip(allocator.layer_indices, caches.layers, strict=True)),
                 impls=impls,
@@ -616,165 +573,6 @@ class KVCoreAttention:
         # (end of generate_batch) drops kvcore's views of the tensor too.
         adopted.release = weakref.finalize(cache, self._forget, adopted)
         return adopted
-
-    def _full_metadata(self, group: _Group, kwargs: dict, cu_q: torch.Tensor,
-                       starts_cpu: torch.Tensor) -> AttentionMetadata:
-        """kvcore's metadata of one step for a full-attention group (module docstring)."""
-        n, stride = self.adopted.page_size, group.row_stride
-        cu_k = kwargs["cu_seq_lens_k"][group.name].to(torch.int32)
-        write = kwargs["write_index"][group.allocator_index]
-        read = kwargs["read_index"][group.allocator_index]
-        device = cu_q.device
-        seq_lens = cu_k[1:] - cu_k[:-1]
-        q_lens = starts_cpu[1:] - starts_cpu[:-1]
-        max_query_len = int(q_lens.max()) if q_lens.numel() else 0
-        max_seq_len = int(kwargs["max_length_k"][group.name])  # an upper bound once padded
-        # A request's rows in the read index cover all its tokens (past and new); a step that
-        # reads no past (only first prefills) has an empty read index and its write index then
-        # covers every token, at the same offsets (cu_seq_lens_k equals cu_seq_lens_q).
-        rows = read if read.numel() else write
-        width = max(1, -(-max_seq_len // n))
-        page_starts = torch.arange(width, device=device, dtype=torch.int64) * n
-        pos = cu_k[:-1, None].long() + page_starts
-        used = page_starts < seq_lens[:, None]
-        pos = pos.clamp_(max=max(rows.numel() - 1, 0))
-        block_table = torch.where(used, rows[pos] // stride, 0).to(torch.int32)
-        slots = (write // stride) * n + write % stride
-        real = torch.arange(write.numel(), device=device) < cu_q[-1]
-        slot_mapping = torch.where(real, slots, -1)
-        return attention_metadata_from_engine(
-            query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table,
-            slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
-            num_blocks=group.num_blocks)
-
-    def _ring_metadata(self, group: _Group, kwargs: dict, cu_q: torch.Tensor,
-                       starts_cpu: torch.Tensor) -> AttentionMetadata:
-        """kvcore's metadata of one step for a sliding group, read in place on its ring.
-
-        For a step whose requests each read at most ``window`` keys (``_build_step`` checks
-        ``max_length_k``): a decode past the window, or a prefill chunk that does not wrap the
-        ring. transformers' keys of request ``i`` (its ``cu_seq_lens_k`` span) are its cached
-        tokens (read-index rows, oldest first) then its new tokens (the write index's rows, in
-        place of the read index's sentinels). kvcore numbers them from ``o``, the page offset
-        of the oldest one, so a key's kvcore position has its ring slot's page offset and
-        logical block ``j`` holds keys of one ring page: the block table takes, per column, the
-        page of the key that starts it (column 0: of the oldest key). Positions ``0 .. o - 1``
-        of column 0 are ring slots of no key the step's queries see (at least ``window`` back
-        from the first new token): one of them is where a decode writes, which the group's
-        builder allows for (its spec's ``sliding_window``). The new tokens go to their ring
-        slots (the write index) before attention, as a full-attention group's do.
-        """
-        n, stride = self.adopted.page_size, group.row_stride
-        cu_k = kwargs["cu_seq_lens_k"][group.name].to(torch.int32)
-        write = kwargs["write_index"][group.allocator_index]
-        read = kwargs["read_index"][group.allocator_index]
-        device = cu_q.device
-        num_seqs = starts_cpu.numel() - 1
-        q_lens_cpu = starts_cpu[1:] - starts_cpu[:-1]
-        max_query_len = int(q_lens_cpu.max()) if q_lens_cpu.numel() else 0
-        longest = int(kwargs["max_length_k"][group.name])
-        keys = cu_k[1:] - cu_k[:-1]
-        first = cu_k[:-1].long()
-        if read.numel():
-            # Each read-index entry's key: its own row while cached, else the write index's row
-            # of the same request's new token.
-            entries = torch.arange(read.numel(), device=device)
-            owner = torch.searchsorted(cu_k[1:], entries.to(torch.int32), right=True)
-            owner = owner.clamp_(max=max(num_seqs - 1, 0))
-            cached = (keys - (cu_q[1:] - cu_q[:-1])).long()
-            new = entries - first[owner] - cached[owner]
-            from_write = write[(cu_q[owner].long() + new).clamp_(0, max(write.numel() - 1, 0))]
-            rows = torch.where(new >= 0, from_write, read)
-        else:  # no request has cached tokens: its keys are its new tokens
-            rows = write
-        last = max(rows.numel() - 1, 0)
-        offset = rows[first.clamp(max=last)] % stride  # the oldest key's page offset
-        seq_lens = (offset + keys).to(torch.int32)
-        # Only a request that read a full window can start mid-page.
-        max_seq_len = longest + (n - 1 if longest >= group.window else 0)
-        width = max(1, -(-max_seq_len // n))
-        block_starts = torch.arange(width, device=device, dtype=torch.int64) * n
-        key = (block_starts[None, :] - offset[:, None]).clamp_(min=0) + first[:, None]
-        used = block_starts[None, :] < seq_lens[:, None]
-        block_table = torch.where(used, rows[key.clamp_(max=last)] // stride, 0)
-        ring = (write // stride) * n + write % stride
-        real = torch.arange(write.numel(), device=device) < cu_q[-1]
-        slot_mapping = torch.where(real & (write != group.write_trash), ring, -1)
-        return attention_metadata_from_engine(
-            query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table.to(torch.int32),
-            slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
-            num_blocks=group.num_blocks)
-
-    def _sliding_metadata(self, group: _Group, kwargs: dict, cu_q: torch.Tensor,
-                          starts_cpu: torch.Tensor) -> tuple[AttentionMetadata, _Staging]:
-        """kvcore's metadata of one step for a sliding group, on its scratch cache.
-
-        transformers' keys of request ``i`` are its last ``min(past, window - 1)`` cached
-        tokens (read-index rows, oldest first) then its new tokens (sentinel rows): its
-        ``cu_seq_lens_k`` span. kvcore numbers them ``0 .. seq_len - 1`` (positions shifted by
-        the dropped prefix: relative distances, and so the window and causality, are
-        unchanged) in scratch blocks ``i * width ..`` of the group's scratch cache. Every
-        read-index row is copied to its key's scratch slot (a sentinel's copy is then
-        overwritten by the new token's write); new tokens go to the scratch before attention
-        and to transformers' ring (its write index; rows it does not store: slot -1) after.
-        """
-        n, stride = self.adopted.page_size, group.row_stride
-        cu_k = kwargs["cu_seq_lens_k"][group.name].to(torch.int32)
-        write = kwargs["write_index"][group.allocator_index]
-        read = kwargs["read_index"][group.allocator_index]
-        device = cu_q.device
-        num_seqs = starts_cpu.numel() - 1
-        seq_lens = cu_k[1:] - cu_k[:-1]
-        q_lens_cpu = starts_cpu[1:] - starts_cpu[:-1]
-        max_query_len = int(q_lens_cpu.max()) if q_lens_cpu.numel() else 0
-        max_seq_len = int(kwargs["max_length_k"][group.name])
-        width = max(1, -(-max_seq_len // n))
-        scratch = self._scratch(group, num_seqs * width)
-        base = torch.arange(num_seqs, device=device, dtype=torch.int64) * width
-        block_table = (base[:, None] + torch.arange(width, device=device)).to(torch.int32)
-        past = (seq_lens - (cu_q[1:] - cu_q[:-1])).long()
-        rows = torch.arange(write.numel(), device=device)
-        real = rows < cu_q[-1]
-        req = torch.searchsorted(cu_q[1:], rows.to(torch.int32), right=True)
-        req = req.clamp_(max=max(num_seqs - 1, 0))
-        key = past[req] + rows - cu_q[req].long()
-        slot_mapping = torch.where(real, base[req] * n + key, -1)
-        ring = (write // stride) * n + write % stride
-        ring_slots = torch.where(real & (write != group.write_trash), ring, -1)
-        src_blocks = src_offsets = dst_blocks = dst_offsets = None
-        if read.numel():
-            entries = torch.arange(read.numel(), device=device)
-            owner = torch.searchsorted(cu_k[1:], entries.to(torch.int32), right=True)
-            owner = owner.clamp_(max=max(num_seqs - 1, 0))
-            dst = base[owner] * n + entries - cu_k[owner].long()
-            src_blocks, src_offsets = read // stride, read % stride
-            dst_blocks, dst_offsets = dst // n, dst % n
-        common = attention_metadata_from_engine(
-            query_start_loc=cu_q, seq_lens=seq_lens, block_table=block_table,
-            slot_mapping=slot_mapping, query_start_loc_cpu=starts_cpu,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=n,
-            num_blocks=scratch.shape[0])
-        return common, _Staging(scratch, src_blocks, src_offsets, dst_blocks, dst_offsets,
-                                ring_slots)
-
-    def _scratch(self, group: _Group, blocks: int) -> torch.Tensor:
-        """``group``'s scratch cache, of at least ``blocks`` blocks (grown by powers of two).
-        Zeroed when made: a block's slots beyond a request's keys are never attended to but
-        may be loaded, and must hold finite values."""
-        have = 0 if group.scratch is None else group.scratch.shape[0]
-        if blocks > have:
-            view = next(iter(group.layers.values()))
-            made = allocate_kv_caches(
-                self.adopted.backend, num_layers=1, num_blocks=_grown(blocks, have, blocks * 2),
-                block_size=self.adopted.page_size, num_kv_heads=group.spec.num_kv_heads,
-                head_size=group.spec.head_size, dtype=view.dtype, device=view.device,
-                cross_layer=False)
-            group.scratch = made.layers[0]
-            group.scratch.zero_()
-        return group.scratch
-
 
 @contextlib.contextmanager
 def use_kvcore(

@@ -205,13 +205,13 @@ def test_bfloat16_under_inference_mode():
 
 def shift_block_tables(monkeypatch) -> None:
     """Make every step read each request's pages from the next block (a wrong mapping)."""
-    build = kvt.KVCoreAttention._full_metadata
+    build = kvt.full_metadata
 
-    def shifted(self, group, *args):
-        meta = build(self, group, *args)
+    def shifted(group, *args):
+        meta = build(group, *args)
         return dataclasses.replace(meta, block_table=(meta.block_table + 1) % group.num_blocks)
 
-    monkeypatch.setattr(kvt.KVCoreAttention, "_full_metadata", shifted)
+    monkeypatch.setattr(kvt, "full_metadata", shifted)
 
 
 def test_a_wrong_block_mapping_changes_the_tokens(model, reference, monkeypatch):
@@ -412,15 +412,15 @@ def test_a_wrong_ring_gather_changes_the_tokens(monkeypatch):
     # Negative control: gathering each request's window from the next ring block must show.
     model = tiny_hybrid("gpt_oss")
     expected = run_hybrid(model)
-    build = kvt.KVCoreAttention._sliding_metadata
+    build = kvt.sliding_metadata
 
-    def shifted(self, group, *args):
-        common, staging = build(self, group, *args)
+    def shifted(group, *args):
+        common, staging = build(group, *args)
         if staging.src_blocks is not None:
             staging.src_blocks = (staging.src_blocks + 1) % group.num_blocks
         return common, staging
 
-    monkeypatch.setattr(kvt.KVCoreAttention, "_sliding_metadata", shifted)
+    monkeypatch.setattr(kvt, "sliding_metadata", shifted)
     with kvt.use_kvcore(model, page_size=SW_PAGE):
         out = run_hybrid(model)
     assert tokens(out) != tokens(expected)
@@ -434,10 +434,10 @@ class RingSteps:
     def __init__(self, monkeypatch) -> None:
         self.queries: list[int] = []
         self.windows: list[int | None] = []
-        ring, check = kvt.KVCoreAttention._ring_metadata, kvcore.builder.step_facts_from_tensors
+        ring, check = kvt.ring_metadata, kvcore.builder.step_facts_from_tensors
 
-        def ring_metadata(state, *args):
-            meta = ring(state, *args)
+        def ring_metadata(*args):
+            meta = ring(*args)
             self.queries.append(meta.max_query_len)
             return meta
 
@@ -445,7 +445,7 @@ class RingSteps:
             self.windows.append(kwargs.get("sliding_window"))
             return check(*args, **kwargs)
 
-        monkeypatch.setattr(kvt.KVCoreAttention, "_ring_metadata", ring_metadata)
+        monkeypatch.setattr(kvt, "ring_metadata", ring_metadata)
         monkeypatch.setattr(kvcore.builder, "step_facts_from_tensors", checked)
 
 
@@ -488,13 +488,13 @@ def test_a_wrong_ring_mapping_changes_the_tokens(monkeypatch):
     # checks off, which would refuse some of it) must show in the tokens.
     model = tiny_hybrid("gpt_oss")
     expected = run_hybrid(model)
-    ring = kvt.KVCoreAttention._ring_metadata
+    ring = kvt.ring_metadata
 
-    def shifted(self, group, *args):
-        meta = ring(self, group, *args)
+    def shifted(group, *args):
+        meta = ring(group, *args)
         return dataclasses.replace(meta, block_table=meta.block_table.roll(1, dims=1))
 
-    monkeypatch.setattr(kvt.KVCoreAttention, "_ring_metadata", shifted)
+    monkeypatch.setattr(kvt, "ring_metadata", shifted)
     kvcore.ops.set_value_checks(False)
     try:
         with kvt.use_kvcore(model, page_size=SW_PAGE) as state:
