@@ -117,8 +117,9 @@ class Platform(ABC):
     CAPABILITY_EXAMPLE: ClassVar[str | None] = None
     #: The ranking file ``kvcore tune`` wrote on this platform's devices, shipped as package
     #: data: ``(package, file name)``, or ``None``. Where it has a ranking for a device's
-    #: capability, :meth:`shipped_order` orders the backends for a config from it and
-    #: :meth:`phase_rankings` reports its speeds; :meth:`get_backend_priorities` puts it first.
+    #: capability, :meth:`shipped_order` orders the backends for a config from it
+    #: (``get_backend_priorities`` applies it with ``ShippedOrder.reorder``) and
+    #: :meth:`phase_rankings` reports its speeds.
     SHIPPED_RANKING: ClassVar[tuple[str, str] | None] = None
 
     @abstractmethod
@@ -215,7 +216,7 @@ class Platform(ABC):
         """The order :attr:`SHIPPED_RANKING` gives ``config`` on ``device_capability``
         (:func:`kvcore.ranking.shipped_order`; the ranking of this very device when the file
         has one), or ``None``: no file, or nothing measured for this capability and kind of
-        config; a file that cannot be read is logged once and treated as absent)."""
+        config. A file that cannot be read is logged once and treated as absent."""
         if self.SHIPPED_RANKING is None:
             return None
         try:

@@ -106,7 +106,7 @@ class SelectionReport:
         if pick.in_priority_list:
             if self.shipped is not None and pick.name in self.shipped.order:
                 return (f"first valid backend in {self.platform}'s priority list ({order}), "
-                        f"led by the order measured by {self.shipped.describe()}")
+                        f"in the order measured by {self.shipped.describe()}")
             return f"first valid backend in {self.platform}'s priority list ({order})"
         return (f"no backend in {self.platform}'s priority list ({order}) is valid; first valid "
                 f"of the other backends registered for {self.platform}")

@@ -351,6 +351,9 @@ def test_explain_says_the_fastest_backend_differs_between_decode_and_prefill(
     installed("FLASHINFER", "FLASH_ATTN")
     report = kvcore.explain_selection(_config())
     assert report.selected.name == "FLASHINFER"
+    assert report.why_selected().endswith(
+        "in the order measured by kvcore tune on NVIDIA H200 (cuda, capability 9.0) on "
+        "2026-01-02, 2 cases of D128 bfloat16 kv=auto bs16")
     assert [(r.phase, r.tiers) for r in report.phase_rankings] == [
         ("decode", (("TRITON_ATTN", "FLASHINFER"), ("FLASH_ATTN",))),
         ("prefill", (("FLASHINFER", "FLASH_ATTN"), ("TRITON_ATTN",)))]
