@@ -28,15 +28,18 @@ class Batch:
 def mixed_batch(impl: kvcore.AttentionImpl, kv_cache: torch.Tensor, gen: torch.Generator,
                 q_lens: tuple[int, ...] = (1, 1, 19, 7),
                 ctx_lens: tuple[int, ...] = (37, 15, 16, 0), shared_prefix: int = 0,
-                causal: bool = True) -> Batch:
+                causal: bool = True, layer: kvcore.AttentionLayer | None = None,
+                dtype: torch.dtype | None = None) -> Batch:
     """A batch of decodes and prefills (with and without a cached prefix) over random block
-    tables, its new K/V written into ``kv_cache`` through ``impl.do_kv_cache_update``.
+    tables, its new K/V written into ``kv_cache`` through ``impl.do_kv_cache_update`` with
+    ``layer``'s scales (default 1.0). ``dtype``: of the query and new K/V (default the
+    cache's; give the model dtype for an fp8 cache).
 
     The default requests: a decode after 37 cached tokens, a decode that fills its block, a
     prefill of 19 tokens after a 1-block prefix (crossing a block boundary), a fresh prefill.
     """
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    device, dtype = kv_cache.device, kv_cache.dtype
+    device, dtype = kv_cache.device, dtype or kv_cache.dtype
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
     tables = random_block_tables(seq_lens, block_size, num_blocks, gen,
                                  shared_prefix=shared_prefix)
@@ -49,21 +52,28 @@ def mixed_batch(impl: kvcore.AttentionImpl, kv_cache: torch.Tensor, gen: torch.G
 
     batch = Batch(meta, rand(n, impl.num_heads, head_size), rand(n, num_kv_heads, head_size),
                   rand(n, num_kv_heads, head_size))
-    impl.do_kv_cache_update(kvcore.LayerScales(), batch.key, batch.value, kv_cache,
+    impl.do_kv_cache_update(layer or kvcore.LayerScales(), batch.key, batch.value, kv_cache,
                             meta.slot_mapping)
     return batch
 
 
-def reference(impl: kvcore.AttentionImpl, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+def reference(impl: kvcore.AttentionImpl, batch: Batch, kv_cache: torch.Tensor,
+              layer: kvcore.AttentionLayer | None = None) -> torch.Tensor:
     """float64 attention of the batch's queries over ``kv_cache`` (kvcore's reference), with
-    the layer's window and logit soft-cap."""
+    the layer's window and logit soft-cap, and an fp8 cache read back with ``layer``'s
+    scales."""
     key_cache, value_cache = kv_cache.unbind(1)
     m = batch.meta
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not fp8:
+        key_cache, value_cache = key_cache.double(), value_cache.double()
+    layer = layer or kvcore.LayerScales()
     return paged_attention_ref(
-        batch.query.double(), key_cache.double(), value_cache.double(),
+        batch.query.double(), key_cache, value_cache,
         query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table,
         scale=impl.scale, causal=impl.is_causal(m), sliding_window=impl.sliding_window,
-        logits_soft_cap=impl.logits_soft_cap)
+        logits_soft_cap=impl.logits_soft_cap, kv_cache_dtype=impl.kv_cache_dtype,
+        k_scale=layer.k_scale, v_scale=layer.v_scale)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

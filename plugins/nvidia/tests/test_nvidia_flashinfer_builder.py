@@ -65,9 +65,14 @@ class _Wrapper:
         self.plans += 1
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, k_scale: float | None = None,
+            v_scale: float | None = None) -> torch.Tensor:
+        # FlashInfer's contract: the cache's dtype is the planned kv_data_type; k_scale
+        # multiplies the softmax scale and v_scale the output, host floats both.
         k_cache, v_cache = paged_kv_cache
         p = self.lists
+        assert k_cache.dtype == p["kv_data_type"] and q.dtype == p["q_data_type"]
+        assert all(s is None or type(s) is float for s in (k_scale, v_scale))
         indptr = p["indptr"]
         assert torch.equal(indptr[1:] - indptr[:-1], p["planned_pages"]), \
             "run on page counts the plan was not made for"
@@ -77,17 +82,20 @@ class _Wrapper:
             s_k = (pages.numel() - 1) * p["page"] + int(p["last"][b]) if pages.numel() else 0
             rows = slice(int(p["qo"][b]), int(p["qo"][b + 1]))
             s_q = rows.stop - rows.start
-            k = k_cache[pages].flatten(0, 1)[:s_k]
-            v = v_cache[pages].flatten(0, 1)[:s_k]
+            k = k_cache[pages].flatten(0, 1)[:s_k].to(q.dtype)
+            v = v_cache[pages].flatten(0, 1)[:s_k].to(q.dtype)
             qi = torch.arange(s_q)[:, None] + s_k - s_q
             allowed = torch.ones(s_q, s_k, dtype=torch.bool)
             if p["causal"]:
                 allowed &= torch.arange(s_k)[None, :] <= qi
             if p.get("window_left", -1) >= 0:  # the query and window_left keys before it
                 allowed &= torch.arange(s_k)[None, :] >= qi - p["window_left"]
+            sm_scale = p["sm_scale"] * (1.0 if k_scale is None else k_scale)
             out[rows] = contiguous_attention_ref(
-                q[rows], k, v, p["sm_scale"], allowed=allowed,
+                q[rows], k, v, sm_scale, allowed=allowed,
                 logits_soft_cap=p.get("logits_soft_cap")).to(out.dtype)
+        if v_scale is not None and v_scale != 1.0:
+            out *= v_scale
         return out
 
 
@@ -475,3 +483,97 @@ def test_graph_steps_of_one_choice_share_their_launch():
     assert other.launch is not first.launch and other.launch.num_decodes == 2
     builder.scale = 0.5
     assert builder.build(_decode_step([[4]], [3]), graph_batch_size=4).launch.planned[0] == 0.5
+
+
+# -- fp8 caches: FlashInfer's mixed-precision kernels, the layer's scales as host floats -----
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+#: fp8 rounding of K and V (the cache's, the same in the reference) leaves only the float32
+#: attention's error: the stand-in and the reference read the same stored values.
+FP8_REL_ERR = 1e-5
+
+
+def _fp8_setup(kv: str, seed: int, shape: str, layer: kvcore.LayerScales):
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                    kv_cache_dtype=kv)
+    builder = FlashInferBackend.get_builder_cls()(
+        spec, num_heads=HEADS, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+        device="cpu")
+    impl = _impl(kv_cache_dtype=kv)
+    kv_cache, gen = _cache(seed)
+    kv_cache = kv_cache.to(FP8[kv])
+    batch = mixed_batch(impl, kv_cache, gen, layer=layer, dtype=torch.float32, **SHAPES[shape])
+    return builder, impl, kv_cache, batch
+
+
+def _fp8_forward(impl, layer, batch, kv_cache, meta) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(layer, batch.query, batch.key, batch.value, kv_cache, meta, output=out)
+    return out
+
+
+@pytest.mark.parametrize("kv", list(FP8))
+@pytest.mark.parametrize("shape", ["mixed-decodes-first", "prefill-only", "decode-only"])
+def test_an_fp8_cache_runs_on_its_plan_with_the_layer_s_scales(shape, kv):
+    layer = kvcore.LayerScales(k_scale=torch.tensor(0.25), v_scale=torch.tensor(3.0))
+    builder, impl, kv_cache, batch = _fp8_setup(kv, 11, shape, layer)
+    meta = builder.build(batch.meta)
+    assert (meta.dtype, meta.cache_dtype) == (torch.float32, FP8[kv])
+    wrappers = [w for w in (meta.decode_wrapper, meta.prefill_wrapper) if w is not None]
+    assert wrappers and all(w.lists["kv_data_type"] == FP8[kv] for w in wrappers)
+    ref = reference(impl, batch, kv_cache, layer)
+    for _ in range(2):  # the full checks, then the layer's short path
+        assert rel_err(_fp8_forward(impl, layer, batch, kv_cache, meta), ref) < FP8_REL_ERR
+    # The scales matter: read with scale 1 the result is far off.
+    assert rel_err(reference(impl, batch, kv_cache), ref) > 0.1
+
+
+def test_fp8_scales_are_read_once_and_again_when_changed_in_place(monkeypatch):
+    layer = kvcore.LayerScales(k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0))
+    builder, impl, kv_cache, batch = _fp8_setup("fp8_e4m3", 12, "decode-only", layer)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
+    for _ in range(3):
+        _fp8_forward(impl, layer, batch, kv_cache, builder.build(batch.meta))
+    assert len(reads) == 2  # k and v, once
+    layer.v_scale.fill_(4.0)  # calibrated in place: its version counter moves
+    out = _fp8_forward(impl, layer, batch, kv_cache, builder.build(batch.meta))
+    assert len(reads) == 4
+    assert rel_err(out, reference(impl, batch, kv_cache, layer)) < FP8_REL_ERR
+
+
+@pytest.mark.parametrize(("k_scale", "match"), [
+    (torch.ones(KV_HEADS), r"layer\.k_scale has shape \(2,\): FLASHINFER takes one scale"),
+    (0.0, r"layer\.k_scale=0\.0: an fp8 cache's scale must be a finite float > 0"),
+], ids=["per-head", "zero"])
+def test_fp8_scales_flashinfer_cannot_take_are_refused(k_scale, match):
+    good = kvcore.LayerScales()
+    builder, impl, kv_cache, batch = _fp8_setup("fp8_e4m3", 13, "decode-only", good)
+    with pytest.raises(ValueError, match=match):
+        _fp8_forward(impl, kvcore.LayerScales(k_scale=k_scale), batch, kv_cache,
+                     builder.build(batch.meta))
+
+
+def test_fp8_prefill_runs_on_fa2_on_hopper():
+    """FlashInfer's SM90 prefill reads an fp8 cache only with fp8 queries."""
+    assert flashinfer_kernels((9, 0), 32, 8, torch.float8_e4m3fn) == FlashInferKernels("fa2",
+                                                                                       True)
+    assert flashinfer_kernels((9, 0), 32, 8, torch.bfloat16).prefill == "fa3"
+
+
+@pytest.mark.parametrize(("capability", "refused"), [((9, 0), False), ((8, 0), True)],
+                         ids=["hopper", "ampere"])
+def test_flashinfer_declares_fp8_caches_for_the_selector(monkeypatch, capability, refused):
+    """fp8 caches are FLASHINFER's where kvcore's Triton cache write converts to fp8."""
+    monkeypatch.delitem(sys.modules, "flashinfer")
+    reasons = FlashInferBackend.validate_configuration(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3", block_size=16,
+        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=kvcore.DeviceCapability(*capability),
+        attn_type=kvcore.AttentionType.DECODER)
+    fp8 = [r for r in reasons if "fp8" in r]
+    assert bool(fp8) == refused, reasons
+    if refused:
+        assert "needs device capability >= 8.9" in fp8[0]

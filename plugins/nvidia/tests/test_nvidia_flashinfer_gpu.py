@@ -3,7 +3,7 @@
 the GPU (SM90 prefill on Hopper) against the float64 reference; one builder reused across
 steps of different shapes; a captured decode step replayed after rebuilding with other
 lengths equals the eager step; steps built while the device lags behind (staging reuse);
-warmup."""
+warmup; fp8 caches (e4m3, e5m2) eager and replayed."""
 
 from __future__ import annotations
 
@@ -220,3 +220,55 @@ def test_steps_built_ahead_of_a_busy_device_stay_correct():
                 query_start_loc=step_meta.query_start_loc, seq_lens=step_meta.seq_lens,
                 block_table=step_meta.block_table, scale=impl.scale)
         assert rel_err(got, ref) < BF16_REL_ERR, f"step {i}"
+
+
+def _fp8_cache(gen: torch.Generator, kv: str) -> torch.Tensor:
+    caches = kvcore.allocate_kv_caches(FlashInferBackend, num_layers=1, num_blocks=NUM_BLOCKS,
+                                       block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS,
+                                       head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda",
+                                       kv_cache_dtype=kv)
+    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(
+        caches.storage.dtype))
+    return caches.layers[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="fp8 caches need capability >= 8.9 (kvcore's Triton cache write)")
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("shape", ["decode", "chunked-prefill", "mixed-decodes-first"])
+def test_an_fp8_cache_matches_float64_reference_eager_and_replayed(shape, kv):
+    """An fp8 cache (scales 0.5 and 2.0, written by the layer) on FlashInfer's
+    mixed-precision kernels, eager, then a decode step captured and replayed, against the
+    float64 reference reading the same stored values."""
+    gen = torch.Generator().manual_seed(9)
+    kv_cache = _fp8_cache(gen, kv)
+    layer = kvcore.LayerScales(k_scale=torch.tensor(0.5, device="cuda"),
+                               v_scale=torch.tensor(2.0, device="cuda"))
+    impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS,
+                                            kv_cache_dtype=kv)
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                    kv_cache_dtype=kv)
+    builder = FlashInferBackend.get_builder_cls()(
+        spec, num_heads=HEADS, max_num_seqs=64, max_num_batched_tokens=2048,
+        max_model_len=8192, device="cuda")
+    batch = mixed_batch(impl, kv_cache, gen, layer=layer, dtype=torch.bfloat16, **SHAPES[shape])
+    ref = reference(impl, batch, kv_cache, layer)
+    out = torch.full_like(batch.query, float("nan"))
+
+    def step(meta):
+        impl.forward(layer, batch.query, batch.key, batch.value, kv_cache, meta, output=out)
+
+    step(builder.build(batch.meta))
+    assert rel_err(out, ref) < BF16_REL_ERR
+    if shape != "decode":
+        return
+    meta = builder.build(batch.meta, graph_batch_size=batch.meta.num_seqs)
+    step(meta)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(meta)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert rel_err(out, ref) < BF16_REL_ERR

@@ -118,10 +118,11 @@ def test_flex_attention_is_the_fallback_of_last_resort(cuda):
 def test_exact_reasons_for_unsupported_configurations(cuda):
     cuda("9.0")
     assert _reasons("FLASHINFER", _config(head_size=80, kv_cache_dtype="fp8")) == [
-        "head_size=80 (supported: 64, 128, 256)", "kv_cache_dtype=fp8 (supported: auto)",
-        FLASHINFER_MISSING]
-    assert _reasons("FLASH_ATTN", _config(head_size=260, block_size=512)) == [
-        "head_size=260 (supported: multiples of 8 up to 256)", FLASH_ATTN_MISSING]
+        "head_size=80 (supported: 64, 128, 256)", FLASHINFER_MISSING]
+    assert _reasons("FLASH_ATTN", _config(head_size=260, block_size=512,
+                                          kv_cache_dtype="fp8")) == [
+        "head_size=260 (supported: multiples of 8 up to 256)",
+        "kv_cache_dtype=fp8 (supported: auto)", FLASH_ATTN_MISSING]
     assert _reasons("FLEX_ATTENTION", _config(head_size=80, block_size=24)) == [
         "head_size=80 (supported: 32, 64, 128, 256)",
         "block_size=24 (supported: 16, 32, 64, 128)"]

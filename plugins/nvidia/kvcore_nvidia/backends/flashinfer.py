@@ -59,6 +59,17 @@ one wrapper, prefill or decode) and the plan kept for the next layers of the sam
 (:class:`~kvcore_nvidia.backends.common.StepCache`); planning there reads the lengths back
 from the device, so that path is not capturable.
 
+fp8 caches (``kv_cache_dtype`` ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``) run on FlashInfer's
+mixed-precision kernels: fp16/bf16 queries and output, the fp8 K/V converted in registers, so
+a decode step reads half the bytes. The plans name the cache's storage dtype; prefill is
+FlashInfer's ``fa2`` then, also on Hopper (its SM90 kernels read an fp8 cache only with fp8
+queries). FlashInfer takes the layer's ``k_scale`` (folded into the softmax scale) and
+``v_scale`` (multiplying the output) as host floats: each layer reads its scale tensors once
+and again only when they change (:class:`~kvcore_nvidia.backends.flashinfer_kernels.HostScales`:
+another tensor, or the same one written in place), never inside a graph capture. The cache
+write stores ``x * (1 / scale)`` as kvcore's reference does; it is kvcore's Triton kernel,
+whose fp8 conversions need capability 8.9 (a selection reason below that).
+
 Cross-layer caches: FLASHINFER opts in. FlashInfer takes the page stride from the tensors: its
 prefill and decode kernels give bit-identical outputs on a layer of a cross-layer pool and on a
 contiguous copy and leave the other layers untouched
@@ -90,11 +101,13 @@ from kvcore import (
     AttentionBackend,
     AttentionLayer,
     AttentionMetadata,
+    AttentionSelectorConfig,
     AttentionType,
     CudaGraphSupport,
     DeviceCapability,
     is_uniform_decode,
 )
+from kvcore.ops import triton_fp8_reasons
 from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache
 from kvcore_nvidia.backends.flashinfer_builder import (
     FlashInferLaunch,
@@ -104,6 +117,7 @@ from kvcore_nvidia.backends.flashinfer_builder import (
 from kvcore_nvidia.backends.flashinfer_kernels import (
     WORKSPACE_BYTES,
     FlashInferKernels,
+    HostScales,
     cuda_capability,
     flashinfer_kernels,
     new_wrappers,
@@ -120,6 +134,9 @@ def _wrappers(device: torch.device, kernels: FlashInferKernels) -> tuple[Any, An
     return new_wrappers(torch.zeros(FlashInferBackend.WORKSPACE_BYTES, dtype=torch.uint8,
                                     device=device), kernels)
 
+
+#: ``run``'s keywords for a cache of the model's dtype (no scales).
+_NO_SCALES: dict[str, float] = {}
 
 #: The last plan of the shared wrappers (every plan goes through it, so a hit means the
 #: wrapper it returns still holds that plan).
@@ -153,6 +170,9 @@ class FlashInferImpl(PagedCacheImpl):
         # was found to fit.
         self._checked_cache: tuple | None = None
         self._checked_plans: set[tuple] = set()
+        # An fp8 cache's run takes the layer's K/V scales as host floats (read once, again
+        # only when they change: HostScales).
+        self._host_scales = HostScales() if self.kv_cache_dtype != "auto" else None
 
     def plan(self, query: torch.Tensor, key_cache: torch.Tensor,
              attn_metadata: AttentionMetadata) -> Any:
@@ -173,7 +193,7 @@ class FlashInferImpl(PagedCacheImpl):
         block_size = key_cache.shape[1]
         indptr, indices, last_page_len = flashinfer_page_table(attn_metadata, block_size)
         kernels = flashinfer_kernels(cuda_capability(key_cache.device), self.num_heads,
-                                     self.num_kv_heads)
+                                     self.num_kv_heads, key_cache.dtype)
         prefill, decode = _wrappers(key_cache.device, kernels)
         shape, options = plan_args(self.num_heads, self.num_kv_heads, self.head_size,
                                    block_size, self.scale, self.sliding_window, query.dtype,
@@ -223,15 +243,17 @@ class FlashInferImpl(PagedCacheImpl):
                 f"sliding_window={window}, logits_soft_cap={cap}"
                 f"{'' if causal is None else f', causal={causal}'} (a FlashInfer plan fixes "
                 f"them for every layer of a step): {fix}")
-        dtypes = (query.dtype, key_cache.dtype)
-        if any(d != attn_metadata.dtype for d in dtypes):
+        cache_dtype = attn_metadata.cache_dtype or attn_metadata.dtype
+        if (query.dtype, key_cache.dtype) != (attn_metadata.dtype, cache_dtype):
             raise ValueError(f"query is {query.dtype} and the cache {key_cache.dtype} but the "
-                             f"step was planned for {attn_metadata.dtype} (the builder's "
-                             "spec.dtype)")
+                             f"step was planned for a {attn_metadata.dtype} query on a "
+                             f"{cache_dtype} cache (the builder's spec.dtype and "
+                             "spec.kv_cache_dtype): build the step with a builder made for "
+                             "this layer's spec")
         launch = attn_metadata.launch
         if launch is None:
             return
-        heads, kv_heads, head_size, block_size, _ = launch.signature
+        heads, kv_heads, head_size, block_size, _, _ = launch.signature
         have = (query.shape[1], *key_cache.shape[1:])
         if have != (heads, block_size, kv_heads, head_size):
             raise ValueError(
@@ -267,23 +289,27 @@ class FlashInferImpl(PagedCacheImpl):
         if launch is not None:
             kv = self.split_kv(kv_cache)
             if self._fits(launch, query, kv, output):
+                scales = _NO_SCALES if self._host_scales is None else (
+                    self._host_scales.kwargs(layer))
                 if launch.prefill is None:
-                    launch.decode.run(query, kv, out=output)
+                    launch.decode.run(query, kv, out=output, **scales)
                 elif launch.decode is None:
-                    launch.prefill.run(query, kv, out=output)
+                    launch.prefill.run(query, kv, out=output, **scales)
                 else:
                     k = launch.num_decodes
-                    launch.decode.run(query[:k], kv, out=output[:k])
-                    launch.prefill.run(query[k:], kv, out=output[k:])
+                    launch.decode.run(query[:k], kv, out=output[:k], **scales)
+                    launch.prefill.run(query[k:], kv, out=output[k:], **scales)
                 return
-        self._checked_attend(query, kv_cache, attn_metadata, output)
+        self._checked_attend(layer, query, kv_cache, attn_metadata, output)
 
-    def _checked_attend(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                        attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
+    def _checked_attend(self, layer: AttentionLayer, query: torch.Tensor,
+                        kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                        output: torch.Tensor) -> None:
         """Every check, then the run; a builder step's cache that passes is remembered (see
         the class docstring)."""
         kv = self.checked_halves(query, kv_cache, attn_metadata, output)
         key_cache = kv[0]
+        scales = _NO_SCALES if self._host_scales is None else self._host_scales.kwargs(layer)
         q = query.contiguous()
         out = output if output.is_contiguous() else torch.empty_like(q)
         if isinstance(attn_metadata, FlashInferMetadata) and (
@@ -293,16 +319,16 @@ class FlashInferImpl(PagedCacheImpl):
             self._check_plan(q, key_cache, attn_metadata)
             k = attn_metadata.num_decodes
             if attn_metadata.decode_wrapper is not None:
-                attn_metadata.decode_wrapper.run(q[:k], kv, out=out[:k])
+                attn_metadata.decode_wrapper.run(q[:k], kv, out=out[:k], **scales)
             if attn_metadata.prefill_wrapper is not None:
-                attn_metadata.prefill_wrapper.run(q[k:], kv, out=out[k:])
+                attn_metadata.prefill_wrapper.run(q[k:], kv, out=out[k:], **scales)
             launch = attn_metadata.launch
             if launch is not None:
                 self._checked_cache = (weakref.ref(key_cache), launch.signature,
                                        kv_cache.shape[0], kv_cache.device)
                 self._checked_plans.add(launch.planned)
         else:
-            self.plan(q, key_cache, attn_metadata).run(q, kv, out=out)
+            self.plan(q, key_cache, attn_metadata).run(q, kv, out=out, **scales)
         if out is not output:
             output.copy_(out)
 
@@ -311,7 +337,9 @@ class FlashInferBackend(AttentionBackend):
     """FlashInfer paged prefill/decode (``flashinfer-python``) on the NHD blocks-first cache."""
 
     SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-    SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+    # fp8 caches on FlashInfer's mixed-precision kernels (fp16/bf16 queries, fp8 K/V read and
+    # converted in registers; the layer's scales folded into the softmax scale and output).
+    SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     # The head dims FlashInfer's fa2 paged kernels are instantiated for.
     SUPPORTED_HEAD_SIZES = (64, 128, 256)
     SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -338,6 +366,14 @@ class FlashInferBackend(AttentionBackend):
     NAME = "FLASHINFER"
     IMPL_CLS = FlashInferImpl
     BUILDER_CLS = FlashInferMetadataBuilder
+
+    @classmethod
+    def check_combination(
+        cls, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
+    ) -> list[str]:
+        # An fp8 cache is written by kvcore's Triton kernel (the default cache write), whose
+        # fp8 conversions need capability 8.9 on CUDA.
+        return triton_fp8_reasons(config.kv_cache_dtype, device_capability)
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:

@@ -61,7 +61,8 @@ class FlashInferLaunch:
         num_decodes: query rows the decode wrapper serves.
         query_shape: ``(num_actual_tokens, num_heads, head_size)``: the query and output rows
             a layer of this step passes (the plan's).
-        signature: the builder's ``(num_heads, num_kv_heads, head_size, block_size, dtype)``,
+        signature: the builder's ``(num_heads, num_kv_heads, head_size, block_size, dtype,
+            cache_dtype)``,
             one object for all its steps: a layer whose cache was checked against it once
             skips that check in later steps.
         max_block_id: the largest block id the step uses (from the step's checked facts;
@@ -93,7 +94,9 @@ class FlashInferMetadata(AttentionMetadata):
         planned: ``(scale, sliding_window, logits_soft_cap, causal)`` the plans were made
             for; ``causal`` is ``None`` for a decode-only step (one query per request: causal
             or not is the same).
-        dtype: the query and cache dtype the plans were made for.
+        dtype: the query (and output) dtype the plans were made for.
+        cache_dtype: the cache's storage dtype the plans were made for (``dtype``, or an fp8
+            dtype for an fp8 cache).
         launch: the step's :class:`FlashInferLaunch` (``None`` for an empty step).
         builder: the :class:`FlashInferMetadataBuilder` that planned the step (it learns the
             model's scale, window and soft-cap from the first layer, see its docstring).
@@ -105,6 +108,7 @@ class FlashInferMetadata(AttentionMetadata):
     num_decodes: int = 0
     planned: tuple[float, int | None, float | None, bool | None] = (0.0, None, None, None)
     dtype: torch.dtype | None = None
+    cache_dtype: torch.dtype | None = None
     launch: FlashInferLaunch | None = None
     builder: Any = None
     graph_batch_size: int | None = None
@@ -177,7 +181,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         #: Whether the plan parameters above are the model's (a layer ran on them, or a step
         #: was captured): from then on they are never changed (see the class docstring).
         self.settled = False
-        self.kernels = flashinfer_kernels(cuda_capability(self.device), num_heads, num_kv_heads)
+        self.kernels = flashinfer_kernels(cuda_capability(self.device), num_heads, num_kv_heads,
+                                          spec.cache_dtype)
         self.plans = 0
         dev = self.device
         cuda = dev.type == "cuda"
@@ -202,7 +207,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         # MAX_EAGER_DECODE_WRAPPERS); a graph build of a size makes its wrapper permanent.
         self._eager_sizes: collections.OrderedDict[int, None] = collections.OrderedDict()
         #: What a layer's cache is checked against once (FlashInferLaunch.signature).
-        self.signature = (num_heads, num_kv_heads, spec.head_size, spec.block_size, spec.dtype)
+        self.signature = (num_heads, num_kv_heads, spec.head_size, spec.block_size, spec.dtype,
+                          spec.cache_dtype)
         # Page counts (HostPages.page_counts_key) each CUDA-graph wrapper was last planned for
         # (the plan depends on them).
         self._graph_plans: dict[int, bytes] = {}
@@ -299,7 +305,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     def _options(self) -> tuple[tuple, dict]:
         return plan_args(self.num_heads, self.num_kv_heads, self.spec.head_size,
                          self.spec.block_size, self.scale, self.sliding_window,
-                         self.spec.dtype, self.spec.dtype, self.logits_soft_cap)
+                         self.spec.dtype, self.spec.cache_dtype, self.logits_soft_cap)
 
     def learn_layer(self, meta: FlashInferMetadata, scale: float, sliding_window: int | None,
                     logits_soft_cap: float | None) -> bool:
@@ -402,6 +408,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                 decode, prefill, k, rows, self.signature, max_block_id, planned)
         return meta.extend(FlashInferMetadata, decode_wrapper=decode, prefill_wrapper=prefill,
                            num_decodes=k, planned=launch.planned, dtype=self.spec.dtype,
+                           cache_dtype=self.spec.cache_dtype,
                            launch=launch, builder=self, graph_batch_size=graph_batch_size)
 
     def warmup(self) -> dict[str, float]:
@@ -413,13 +420,16 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
 
         block_size, dtype = self.spec.block_size, self.spec.dtype
         cache = torch.zeros(2, 2, block_size, self.num_kv_heads, self.spec.head_size,
-                            dtype=dtype, device=self.device)
+                            dtype=self.spec.cache_dtype, device=self.device)
         key_cache, value_cache = cache.unbind(1)
         steps = {"decode": 1}
         if self.max_num_batched_tokens >= 2:
             steps["prefill"] = 2
         seconds = {}
-        shape = (f"{str(dtype).removeprefix('torch.')}, {self.num_heads}/{self.num_kv_heads} "
+        cache_dtype = "" if self.spec.cache_dtype == dtype else (
+            f" ({str(self.spec.cache_dtype).removeprefix('torch.')} cache)")
+        shape = (f"{str(dtype).removeprefix('torch.')}{cache_dtype}, "
+                 f"{self.num_heads}/{self.num_kv_heads} "
                  f"heads of {self.spec.head_size}, block {block_size}")
         for phase, q_len in steps.items():
             t0 = time.perf_counter()

@@ -6,17 +6,21 @@ that run them and the arguments every plan takes (see :mod:`kvcore_nvidia.backen
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["TENSOR_CORE_DECODE_MIN_GROUP", "WORKSPACE_BYTES", "FlashInferKernels",
-           "cuda_capability", "flashinfer_kernels", "new_wrappers",
-           "plan_args"]
+__all__ = ["FP8_CACHE_DTYPES", "TENSOR_CORE_DECODE_MIN_GROUP", "WORKSPACE_BYTES",
+           "FlashInferKernels", "HostScales", "cuda_capability", "flashinfer_kernels",
+           "new_wrappers", "plan_args"]
 
 #: Bytes of the float workspace shared by the wrappers of one builder (or device),
 #: FlashInfer's recommended size (``FlashInferBackend.WORKSPACE_BYTES``).
 WORKSPACE_BYTES = 128 * 1024 * 1024
+
+#: The fp8 storage dtypes FlashInfer's fa2 kernels read with fp16/bf16 queries.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +45,16 @@ TENSOR_CORE_DECODE_MIN_GROUP = 4
 
 
 def flashinfer_kernels(capability: tuple[int, int] | None, num_heads: int,
-                       num_kv_heads: int) -> FlashInferKernels:
+                       num_kv_heads: int, kv_dtype: torch.dtype | None = None
+                       ) -> FlashInferKernels:
     """The fastest FlashInfer kernels per phase: the one place they are chosen.
 
     - Prefill: on SM 9.x (Hopper: H100, H200) FlashInfer's SM90 kernels (``"fa3"``: wgmma and
       TMA), which take the cache's strides like fa2 and cover what this backend declares
-      (fp16/bf16, head sizes 64/128/256, causal or not, sliding window, logit soft-cap). On
+      (fp16/bf16, head sizes 64/128/256, causal or not, sliding window, logit soft-cap) on a
+      cache of the model's dtype. An fp8 cache (``kv_dtype`` an fp8 dtype) with fp16/bf16
+      queries runs on ``"fa2"``: FlashInfer's SM90 kernels read an fp8 cache only with fp8
+      queries. On
       Ampere and Ada (8.x) ``"fa2"``, FlashInfer's fastest there. On Blackwell (10.x, 12.x)
       ``"fa2"`` too: FlashInfer's Blackwell prefill kernels (``"cutlass"``, ``"trtllm-gen"``)
       come with other layout and option constraints and have not been verified on kvcore's
@@ -58,7 +66,9 @@ def flashinfer_kernels(capability: tuple[int, int] | None, num_heads: int,
     A mixed batch runs its decode requests on the decode kernel and the rest on the prefill
     kernel (see :mod:`kvcore_nvidia.backends.flashinfer`).
     """
-    prefill = "fa3" if capability is not None and capability[0] == 9 else "fa2"
+    fp8_cache = kv_dtype in FP8_CACHE_DTYPES
+    prefill = ("fa3" if capability is not None and capability[0] == 9 and not fp8_cache
+               else "fa2")
     group = num_heads // max(num_kv_heads, 1)
     return FlashInferKernels(prefill=prefill,
                              decode_tensor_cores=group >= TENSOR_CORE_DECODE_MIN_GROUP)
@@ -92,9 +102,67 @@ def plan_args(num_heads: int, num_kv_heads: int, head_size: int, block_size: int
 
     ``logits_soft_cap``: FlashInfer's ``cap * tanh(s / cap)`` of the scaled score ``s``,
     kvcore's convention (``None``: none; FlashInfer reads ``None`` as 0, no cap, and builds
-    the capped variant of its kernels only for a positive cap)."""
+    the capped variant of its kernels only for a positive cap). ``kv_dtype`` is the cache's
+    storage dtype: an fp8 cache is read by FlashInfer's mixed-precision kernels (fp8 K/V
+    converted in registers, queries and output in ``q_dtype``), its scales passed to ``run``
+    (see :class:`HostScales`)."""
     window_left = -1 if sliding_window is None else sliding_window - 1
     return ((num_heads, num_kv_heads, head_size, block_size),
             dict(window_left=window_left, sm_scale=scale, logits_soft_cap=logits_soft_cap,
                  q_data_type=q_dtype, kv_data_type=kv_dtype))
 
+
+
+class HostScales:
+    """A layer's fp8 K/V scales as the host floats FlashInfer's ``run`` takes (``k_scale`` is
+    folded into the softmax scale on the host, ``v_scale`` multiplies the output; a tensor
+    there would not be), for one layer.
+
+    :meth:`kwargs` returns ``{"k_scale": k, "v_scale": v}`` for ``layer.k_scale`` and
+    ``layer.v_scale`` (floats, or one-element tensors read with one device read). A tensor is
+    read again only when it changed: another object, or the same one written in place (its
+    version counter, which every in-place op advances), so scales calibrated between steps
+    are seen. Reading a device tensor inside a CUDA graph capture is refused (a capture
+    cannot read the device): run one eager step first, as ``kvcore.CudaGraphRunner`` does.
+    """
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        #: ``(k_scale, v_scale, k_version, v_version, kwargs)`` of the last read; empty before.
+        self._seen: tuple = ()
+
+    def kwargs(self, layer: Any) -> dict[str, float]:
+        """``{"k_scale": ..., "v_scale": ...}`` of ``layer`` as floats (see the class)."""
+        k, v = layer.k_scale, layer.v_scale
+        seen = self._seen
+        if (seen and seen[0] is k and seen[1] is v and _version(k) == seen[2]
+                and _version(v) == seen[3]):
+            return seen[4]
+        kwargs = {"k_scale": _host_float(k, "k_scale"), "v_scale": _host_float(v, "v_scale")}
+        self._seen = (k, v, _version(k), _version(v), kwargs)
+        return kwargs
+
+
+def _version(scale: object) -> int | None:
+    return scale._version if isinstance(scale, torch.Tensor) else None
+
+
+def _host_float(scale: object, name: str) -> float:
+    """``scale`` (a float or a one-element tensor) as a positive finite float."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"layer.{name} has shape {tuple(scale.shape)}: FLASHINFER takes "
+                             "one scale per layer for an fp8 cache (a float or a one-element "
+                             "tensor); per-head scales are not supported")
+        if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"layer.{name} (a CUDA tensor) is read for the first time inside "
+                               "a CUDA graph capture, which cannot read the device: run one "
+                               "eager step before capturing (kvcore.CudaGraphRunner does)")
+        value = float(scale.item())
+    else:
+        value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"layer.{name}={value!r}: an fp8 cache's scale must be a finite "
+                         "float > 0 (the cache stores value / scale)")
+    return value
