@@ -225,7 +225,17 @@ class Platform(ABC):
             _warn_broken_shipped_ranking(str(exc))
             return None
         name = None if self.is_simulated else self.device_name()
-        return ranking.shipped_order(rankings, config, device_capability, name)
+        # Selection asks several times per config (priorities, phase tiers, explain): the
+        # answer is computed once per loaded file, config, capability and device name.
+        key = (id(rankings), config, device_capability, name)
+        memo = self.__dict__.setdefault("_shipped_orders", {})
+        hit = memo.get(key)
+        if hit is None or hit[0] is not rankings:  # (an id is reused only by another tuple)
+            if len(memo) >= 256:
+                memo.clear()
+            hit = memo[key] = (rankings,
+                               ranking.shipped_order(rankings, config, device_capability, name))
+        return hit[1]
 
     def _copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
                      src_block_indices: torch.Tensor, dst_block_indices: torch.Tensor,

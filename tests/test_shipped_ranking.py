@@ -149,3 +149,22 @@ def test_cudas_shipped_ranking_is_a_tune_ranking_of_its_own_backends_on_hopper()
         assert cuda.get_backend_priorities(config, nine) == order.reorder(
             ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"])
         assert cuda.phase_rankings(config, nine) == order.phases
+
+
+def test_a_config_s_shipped_order_is_computed_once_per_loaded_file(kvcore_shipped_ranking,
+                                                                    monkeypatch):
+    """Selection asks for the order several times per config (priorities, phase tiers,
+    explain); a new file (another test's, or a reinstall) is a new answer."""
+    calls = []
+    real = ranking.shipped_order
+    monkeypatch.setattr(ranking, "shipped_order", lambda *a: calls.append(a) or real(*a))
+    kvcore_shipped_ranking("cuda", measured(H100, case(LLAMA, "decode", {"TRITON_ATTN": 1.0,
+                                                                          "FLASHINFER": 2.0})))
+    cuda, cap = kvcore.get_platform("cuda"), kvcore.DeviceCapability(9, 0)
+    cuda.get_backend_priorities(LLAMA, cap)
+    cuda.phase_rankings(LLAMA, cap)
+    first = cuda.shipped_order(LLAMA, cap)
+    assert len(calls) == 1 and first.order[0] == "TRITON_ATTN"
+    kvcore_shipped_ranking("cuda", measured(H100, case(LLAMA, "decode", {"TRITON_ATTN": 2.0,
+                                                                          "FLASHINFER": 1.0})))
+    assert cuda.shipped_order(LLAMA, cap).order[0] == "FLASHINFER" and len(calls) == 2
