@@ -101,3 +101,15 @@ def plan_lists(decode: bool, args: tuple, kwargs: dict) -> tuple[torch.Tensor, .
         return torch.arange(indptr.numel(), dtype=torch.int32), indptr, indices, last, page
     qo, indptr, indices, last, _, _, _, page = args
     return qo, indptr, indices, last, page
+
+
+def random_caches(backend: type[kvcore.AttentionBackend] | str, gen: torch.Generator, *,
+                  dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                  **allocate: object) -> kvcore.KVCaches:
+    """``kvcore.allocate_kv_caches(backend, dtype=, device=, **allocate)`` filled with normal
+    random values from ``gen`` (drawn on the host, so a seed gives the same cache on any
+    device), in the storage dtype (fp8 for an fp8 ``kv_cache_dtype``)."""
+    caches = kvcore.allocate_kv_caches(backend, dtype=dtype, device=device, **allocate)
+    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(
+        caches.storage.dtype))
+    return caches

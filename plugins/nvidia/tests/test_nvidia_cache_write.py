@@ -15,7 +15,7 @@ import pytest
 import torch
 from kvcore_nvidia import ops
 from kvcore_nvidia.ops import _build, cache_write
-from nvidia_helpers import mixed_batch, reference, rel_err
+from nvidia_helpers import mixed_batch, random_caches, reference, rel_err
 
 import kvcore
 from kvcore.ops import reshape_and_cache_ref, triton_reshape_and_cache
@@ -271,11 +271,8 @@ def test_backend_forward_runs_on_the_cuda_write(backend, monkeypatch):
     cache_write.cache_write_kernel.cache_clear()
     assert ops.cache_write_kernel() == "cuda", ops.cache_write_status()
     gen = torch.Generator().manual_seed(5)
-    caches = kvcore.allocate_kv_caches(backend, num_layers=1, num_blocks=512, block_size=BS,
-                                       num_kv_heads=HK, head_size=D, dtype=torch.bfloat16,
-                                       device="cuda")
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
-    kv_cache = caches.layers[0]
+    kv_cache = random_caches(backend, gen, num_layers=1, num_blocks=512, block_size=BS,
+                             num_kv_heads=HK, head_size=D).layers[0]
     before = kv_cache.clone()
     impl = backend.get_impl_cls()(num_heads=32, head_size=D, scale=D**-0.5, num_kv_heads=HK)
     batch = mixed_batch(impl, kv_cache, gen, q_lens=(1, 1, 150, 33),

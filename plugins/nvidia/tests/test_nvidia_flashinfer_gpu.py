@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvcore_nvidia.backends.flashinfer import FlashInferBackend
-from nvidia_helpers import Batch, mixed_batch, reference, rel_err
+from nvidia_helpers import Batch, mixed_batch, random_caches, reference, rel_err
 
 import kvcore
 
@@ -35,11 +35,9 @@ def _impl() -> kvcore.AttentionImpl:
 
 
 def _cache(gen: torch.Generator) -> torch.Tensor:
-    caches = kvcore.allocate_kv_caches(FlashInferBackend, num_layers=1, num_blocks=NUM_BLOCKS,
-                                       block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS,
-                                       head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
-    return caches.layers[0]
+    return random_caches(FlashInferBackend, gen, num_layers=1, num_blocks=NUM_BLOCKS,
+                         block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS,
+                         head_size=HEAD_SIZE).layers[0]
 
 
 def _builder(max_num_seqs: int = 64) -> kvcore.AttentionMetadataBuilder:
@@ -223,13 +221,9 @@ def test_steps_built_ahead_of_a_busy_device_stay_correct():
 
 
 def _fp8_cache(gen: torch.Generator, kv: str) -> torch.Tensor:
-    caches = kvcore.allocate_kv_caches(FlashInferBackend, num_layers=1, num_blocks=NUM_BLOCKS,
-                                       block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS,
-                                       head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda",
-                                       kv_cache_dtype=kv)
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(
-        caches.storage.dtype))
-    return caches.layers[0]
+    return random_caches(FlashInferBackend, gen, num_layers=1, num_blocks=NUM_BLOCKS,
+                         block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                         kv_cache_dtype=kv).layers[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from kvcore_nvidia.backends.flashinfer import FlashInferBackend
 from kvcore_nvidia.backends.flex_attention import FlexAttentionBackend
-from nvidia_helpers import mixed_batch, reference, rel_err
+from nvidia_helpers import mixed_batch, random_caches, reference, rel_err
 
 import kvcore
 from kvcore.testing import conformance_cases
@@ -39,12 +39,10 @@ def _cache(backend: type[kvcore.AttentionBackend], num_blocks: int, gen: torch.G
            num_layers: int = 1, cross_layer: bool = False) -> kvcore.KVCaches:
     # Cross-layer pools take TRITON_ATTN's layout (same logical shape, blocks outermost), so
     # the check does not depend on the backend's own opt-in, which it is the evidence for.
-    caches = kvcore.allocate_kv_caches(
-        "TRITON_ATTN" if cross_layer else backend, num_layers=num_layers, num_blocks=num_blocks,
-        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-        dtype=torch.bfloat16, device="cuda", cross_layer=cross_layer)
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
-    return caches
+    return random_caches(
+        "TRITON_ATTN" if cross_layer else backend, gen, num_layers=num_layers,
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE, cross_layer=cross_layer)
 
 
 def _forward(impl: kvcore.AttentionImpl, batch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -147,12 +145,9 @@ def test_flashinfer_soft_cap_matches_float64_reference_at_gemma2_shapes(shape, b
     are scaled so the scores reach about +-100: the cap changes the result far beyond the
     bf16 bound (checked), so a dropped cap fails."""
     gen = torch.Generator().manual_seed(21)
-    caches = kvcore.allocate_kv_caches(
-        FlashInferBackend, num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-        num_kv_heads=GEMMA["num_kv_heads"], head_size=GEMMA["head_size"],
-        dtype=torch.bfloat16, device="cuda")
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
-    kv_cache = caches.layers[0]
+    kv_cache = random_caches(
+        FlashInferBackend, gen, num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        num_kv_heads=GEMMA["num_kv_heads"], head_size=GEMMA["head_size"]).layers[0]
     impl = FlashInferBackend.get_impl_cls()(scale=GEMMA["head_size"] ** -0.5, **GEMMA)
     batch = mixed_batch(impl, kv_cache, gen,
                         **{"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}[shape])

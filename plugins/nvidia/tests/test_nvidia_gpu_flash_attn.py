@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvcore_nvidia.backends.flash_attn import FlashAttentionBackend, module_installed
-from nvidia_helpers import mixed_batch, reference, rel_err
+from nvidia_helpers import mixed_batch, random_caches, reference, rel_err
 
 import kvcore
 from kvcore.testing import conformance_cases
@@ -57,10 +57,9 @@ def _random(caches: kvcore.KVCaches, gen: torch.Generator) -> kvcore.KVCaches:
 
 def _cache(gen: torch.Generator, block_size: int = 16, num_blocks: int = NUM_BLOCKS
            ) -> torch.Tensor:
-    return _random(kvcore.allocate_kv_caches(
-        FlashAttentionBackend, num_layers=1, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16, device="cuda"),
-        gen).layers[0]
+    return random_caches(FlashAttentionBackend, gen, num_layers=1, num_blocks=num_blocks,
+                         block_size=block_size, num_kv_heads=KV_HEADS,
+                         head_size=HEAD_SIZE).layers[0]
 
 
 def _cross_layer_cache(gen: torch.Generator, num_layers: int = 3) -> kvcore.KVCaches:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvcore_nvidia.backends.flex_attention import FlexAttentionBackend
-from nvidia_helpers import mixed_batch, rel_err
+from nvidia_helpers import mixed_batch, random_caches, rel_err
 
 import kvcore
 from kvcore.ops import paged_attention_ref
@@ -75,12 +75,9 @@ def test_flex_attention_features_stay_within_three_graphs_per_layer_kind(name, m
     (torch raises past them)."""
     model = MODELS[name]
     gen = torch.Generator().manual_seed(40 if name == "gpt-oss" else 41)
-    caches = kvcore.allocate_kv_caches(
-        FlexAttentionBackend, num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-        num_kv_heads=model["num_kv_heads"], head_size=model["head_size"],
-        dtype=torch.bfloat16, device="cuda")
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
-    full = caches.layers[0]
+    full = random_caches(
+        FlexAttentionBackend, gen, num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        num_kv_heads=model["num_kv_heads"], head_size=model["head_size"]).layers[0]
     layers = _layers(model, gen)
     # Where _run_flex looks it up (another test may have re-imported the module).
     namespace = FlexAttentionBackend.get_impl_cls().attend.__globals__

@@ -8,8 +8,8 @@ import pytest
 import torch
 from kvcore_nvidia import ops
 from kvcore_nvidia.ops import _build
+from nvidia_helpers import random_caches
 
-import kvcore
 from kvcore.ops import reshape_and_cache_ref
 
 # -- any machine -----------------------------------------------------------------------------
@@ -110,12 +110,10 @@ def test_cache_write_is_bit_exact_against_the_reference(layout, dtype, kv_cache_
     gen = _gen("write", layout, dtype, kv_cache_dtype)
     num_layers, num_blocks, block_size, heads, head_size, n = 3, 64, 16, 8, 128, 700
     backend = "TRITON_ATTN"  # opts in to cross-layer: the per-layer views get strided pages
-    caches = kvcore.allocate_kv_caches(
-        backend, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=heads, head_size=head_size, dtype=dtype, device="cuda",
+    caches = random_caches(
+        backend, gen, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+        num_kv_heads=heads, head_size=head_size, dtype=dtype,
         cross_layer=layout == "cross_layer", kv_cache_dtype=kv_cache_dtype)
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(
-        caches.storage.dtype))
     layer = caches.layers[1]
     before = [_bits(caches.layers[i]) for i in (0, 2)]
     if layout == "fused_qkv":  # K and V sliced out of a QKV projection: 16-byte vector path
@@ -172,10 +170,9 @@ def test_cache_write_beyond_2_pow_31_elements():
                          ids=["one_layer", "cross_layer_all_layers", "cross_layer_one_layer"])
 def test_copy_blocks_round_trip_through_pinned_memory(method, streams, cross_layer, layer):
     gen = _gen("copy", method, streams, cross_layer, layer)
-    caches = kvcore.allocate_kv_caches(
-        "TRITON_ATTN", num_layers=2, num_blocks=96, block_size=16, num_kv_heads=2,
-        head_size=64, dtype=torch.bfloat16, device="cuda", cross_layer=cross_layer)
-    caches.storage.copy_(torch.randn(caches.storage.shape, generator=gen).to(torch.bfloat16))
+    caches = random_caches(
+        "TRITON_ATTN", gen, num_layers=2, num_blocks=96, block_size=16, num_kv_heads=2,
+        head_size=64, cross_layer=cross_layer)
     device_blocks = caches.block_view(layer)
     host = torch.zeros((64, device_blocks.shape[1]), dtype=torch.uint8, pin_memory=True)
     # A run of 5 adjacent blocks, two singles, and three blocks whose order flips.
