@@ -24,6 +24,13 @@ caps every scaled score at ``cap * tanh(score / cap)`` before masking
 logit (:func:`initial_row_state`). A split launch leaves ``HAS_SINKS`` off and the merge adds
 the sink once.
 
+fp8 caches (``FP8``): K/V tiles are converted to a 16-bit dtype in the loop (exact) and the
+per-tensor scales go on the scores (``qk_scale * k_scale``) and the output (``* v_scale``), once
+each. With bf16 queries both products run in fp16 (:func:`fp16_query` scales each query row
+by a power of two into fp16's range), because fp8 -> fp16 is one conversion instruction per
+two elements and fp8 -> bf16 three; V is converted before it is staged in shared memory, so
+the ``P @ V`` operand is read back with 16-bit matrix loads.
+
 The prologue (:func:`load_query_tile`) and page lookup (:func:`page_ids`, :func:`page_slots`) are
 shared with the prefill kernel (:mod:`kvcore.ops.triton_prefill`). ``PAGE`` > 0 compiles the
 block size in (shifts instead of integer divisions per key row).
@@ -38,7 +45,7 @@ import triton.language as tl
 
 from kvcore.ops.triton_utils import load_kv_scales, locate_query_tile, to_output
 
-__all__ = ["initial_row_state", "load_query_tile", "page_ids", "page_slots",
+__all__ = ["fp16_query", "initial_row_state", "load_query_tile", "page_ids", "page_slots",
            "paged_attention_kernel", "soft_cap_scores"]
 
 #: ``log2(e)`` (as :data:`kvcore.ops.split_kv.LOG2E`): scores here are in base 2.
@@ -69,6 +76,27 @@ def initial_row_state(sinks_ptr, head, row_valid, HAS_SINKS: tl.constexpr,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     return m_i, l_i
+
+
+@triton.jit
+def fp16_query(q, INTERPRET: tl.constexpr):
+    """A bf16 query tile ``(BLOCK_M, BLOCK_D)`` for fp16 products with fp8 keys, and the power
+    of two per row that undoes its scaling: ``(q16, up)`` with ``q16 * up[:, None] == q``
+    (``q16`` fp16, fp32 holding fp16 values under the interpreter; ``up`` fp32
+    ``(BLOCK_M,)``). Each row is scaled by the power of two that puts its largest ``|q|`` in
+    ``[2**14, 2**15)``, where fp16 holds every bf16 value exactly (8 significant bits in 11,
+    none over 65504): elements down to ``2**-31`` of their row's largest stay exact, smaller
+    ones become fp16 subnormals and may round."""
+    qf = q.to(tl.float32)
+    exponent = (tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) - 127
+    # Clamped so both powers of two are normal float32 (rows of zeros, inf and NaN too).
+    shift = tl.minimum(tl.maximum(exponent - 14, -100), 113)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    q16 = (qf * down[:, None]).to(tl.float16)
+    if INTERPRET:
+        q16 = q16.to(tl.float32)
+    return q16, up
 
 
 @triton.jit
@@ -172,9 +200,14 @@ def paged_attention_kernel(
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
+    # fp8 K/V meet bf16 queries in fp16 products (see the module docstring).
+    FP16_DOTS: tl.constexpr = FP8 and q_ptr.dtype.element_ty == tl.bfloat16
     if FP8:
         ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
+    if FP16_DOTS:
+        q, row_up = fp16_query(q, INTERPRET)
+        row_scale = qk_scale * row_up
 
     m_i, l_i = initial_row_state(sinks_ptr, head, row_valid, HAS_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -200,11 +233,23 @@ def paged_attention_kernel(
         if INTERPRET:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif FP8:
+            # fp8 -> the products' dtype is exact; the scales go on the scores and output.
+            k = k.to(q.dtype)
+            # V converted where it was loaded, so it reaches shared memory as 16-bit rows that
+            # the P @ V operand is read from with transposing matrix loads: converted after
+            # shared memory (where Triton would move a bare conversion), the fp8 operand is
+            # read a byte at a time and its copies are 8 bytes wide. The select is always
+            # true (t < tile_hi); Triton does not move conversions past one, LLVM drops it.
+            v = tl.where(t < tile_hi, v.to(q.dtype), 0.0)
         else:
-            k = k.to(q.dtype)  # fp8 -> model dtype is exact; the scale is applied outside
+            k = k.to(q.dtype)
             v = v.to(q.dtype)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if FP16_DOTS:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFT_CAP > 0:
             s = soft_cap_scores(s, SOFT_CAP)
         mask = row_valid[:, None] & k_valid[None, :]

@@ -1,0 +1,160 @@
+"""TRITON_ATTN's decode kernel on fp8 caches: bf16 queries meet the fp8 K/V in fp16 products
+(:func:`kvcore.ops.triton_decode.fp16_query` rescales the query rows), V is converted before
+it is staged in shared memory.
+
+Runs on the CPU under ``TRITON_INTERPRET=1`` (set by ``tests/conftest.py``) on small shapes,
+and on a GPU when there is one; the compile test checks the sm_90a code without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from kvcore.ops import TritonAttentionPlan, paged_attention_ref, reshape_and_cache_ref
+from kvcore.testing import random_block_tables
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
+triton_decode = pytest.importorskip("kvcore.ops.triton_decode")
+from kvcore.ops.triton_utils import is_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 16, 8, 2, 64
+
+
+@triton.jit
+def _fp16_query_kernel(q_ptr, q16_ptr, up_ptr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    offs = rows[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    q16, up = triton_decode.fp16_query(tl.load(q_ptr + offs), INTERPRET)
+    tl.store(q16_ptr + offs, q16.to(tl.float32))
+    tl.store(up_ptr + rows, up)
+
+
+def test_fp16_query_scales_each_row_exactly_into_fp16() -> None:
+    """Rows of every magnitude bf16 holds: ``q16`` is fp16 (no value over 65504), each row's
+    largest in ``[2**14, 2**15)``, and ``q16 * up`` gives ``q`` back bit for bit; a row of
+    zeros stays zero, inf and NaN stay inf and NaN."""
+    gen = torch.Generator().manual_seed(0)
+    magnitudes = [1.0, 2.0 ** 20, 2.0 ** 100, 2.0 ** 125, 2.0 ** -20, 2.0 ** -80, 1e-3, 448.0,
+                  2.0 ** -10, 2.0 ** 10, 2.0 ** 30, 2.0 ** 60, 2.0 ** -50]
+    rows = [torch.randn(32, generator=gen) * m for m in magnitudes]
+    rows.append(torch.randn(32, generator=gen) * torch.logspace(-6, 6, 32, base=2.0))  # mixed
+    zeros, special = len(rows), len(rows) + 1
+    rows.append(torch.zeros(32))
+    rows.append(torch.randn(32, generator=gen))
+    rows[special][3], rows[special][7] = float("inf"), float("nan")
+    q = torch.stack(rows).to(torch.bfloat16).to(DEVICE)
+    q16 = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    up = torch.empty(q.shape[0], dtype=torch.float32, device=DEVICE)
+    _fp16_query_kernel[(1,)](q, q16, up, ROWS=q.shape[0], COLS=q.shape[1],
+                             INTERPRET=is_interpreted(_fp16_query_kernel))
+    q16, up, q = q16.cpu(), up.cpu(), q.float().cpu()
+    normal = torch.arange(q.shape[0]) < zeros
+    assert torch.equal(q16[normal].to(torch.float16).float(), q16[normal])  # fp16 values
+    assert (q16[normal].abs().amax(1) >= 2.0 ** 14).all()
+    assert (q16[normal].abs().amax(1) < 2.0 ** 15).all()
+    back = q16.double() * up.double()[:, None]
+    assert torch.equal(back[normal], q.double()[normal])
+    assert torch.equal(back[zeros], torch.zeros(32, dtype=torch.float64))
+    assert back[special, 3] == float("inf") and back[special, 7].isnan()
+
+
+def _decode_batch(name: str, cache_dtype: torch.dtype, seq_lens: list[int], q_magnitude: float,
+                  kv_magnitude: float):
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3
+    width = max(-(-s // BLOCK_SIZE) for s in seq_lens) + 1
+    table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    for i, ids in enumerate(random_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)):
+        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    key_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+    value_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+    # The cache holds real K/V written through the reference, scaled to use the fp8 range.
+    ks, vs = kv_magnitude / 64, 0.05
+    slots = num_blocks * BLOCK_SIZE
+    kv = torch.randn(2, slots, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    kv[0] *= kv_magnitude
+    kv = kv.to(torch.bfloat16).to(DEVICE)
+    kv_cache_dtype = "fp8_e5m2" if cache_dtype == torch.float8_e5m2 else "fp8"
+    scales = torch.tensor([ks], device=DEVICE), torch.tensor([vs], device=DEVICE)
+    reshape_and_cache_ref(kv[0], kv[1], key_cache, value_cache,
+                          torch.arange(slots, device=DEVICE), kv_cache_dtype, *scales)
+    query = torch.randn(len(seq_lens), NUM_HEADS, HEAD_SIZE, generator=gen) * q_magnitude
+    return dict(query=query.to(torch.bfloat16).to(DEVICE), key_cache=key_cache,
+                value_cache=value_cache, kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
+                v_scale=scales[1], scale=HEAD_SIZE ** -0.5, block_table=table.to(DEVICE),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32,
+                                             device=DEVICE))
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split3"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("magnitudes", [(1.0, 1.0), (2.0 ** 17, 2.0 ** -14)],
+                         ids=["unit", "query_beyond_fp16"])
+def test_decode_on_fp8_cache_matches_the_reference(magnitudes, cache_dtype, splits) -> None:
+    """Decode-only batches (the decode kernel, whole and split) on e4m3 and e5m2 caches with
+    tensor scales: the reference's output within bf16 tolerance. ``query_beyond_fp16`` holds
+    queries ~2**17 (fp16 overflows at 65504) against keys ~2**-14, logits of order one: the
+    per-row rescaling keeps them exact."""
+    call = _decode_batch(f"fp8decode{magnitudes}{cache_dtype}", cache_dtype, [150, 37, 64, 1],
+                         *magnitudes)
+    out = triton_attention.paged_attention(**call, plan=TritonAttentionPlan(num_kv_splits=splits))
+    ref = paged_attention_ref(**call)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+
+
+_COMPILE = """
+import json, re, torch
+from kvcore.testing import compile_launches
+from kvcore.ops import TritonAttentionPlan, TritonDecodeConfig, triton_attention
+blocks = 256
+key = torch.empty(blocks, 16, 8, 128, dtype=torch.float8_e4m3fn)
+config = TritonDecodeConfig(block_q=4, g_pad=4, block_n=32, num_warps=4, num_stages=3,
+                            const_block=True)
+(c,) = compile_launches(lambda: triton_attention.paged_attention(
+    torch.empty(64, 32, 128, dtype=torch.bfloat16), key, torch.empty_like(key),
+    query_start_loc=torch.arange(65, dtype=torch.int32),
+    seq_lens=torch.full((64,), 4096, dtype=torch.int32),
+    block_table=torch.arange(64 * 256, dtype=torch.int32).reshape(64, 256) % blocks,
+    scale=0.088, kv_cache_dtype="fp8", k_scale=torch.ones(1), v_scale=torch.ones(1),
+    plan=TritonAttentionPlan(config=config)), "sm90")
+ptx = c.asm["ptx"]
+print(json.dumps(dict(
+    copies=sorted(set(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]+\\], "
+                                 r"\\[[^]]+\\], (0x[0-9a-f]+)", ptx))),
+    byte_loads=len(re.findall(r"ld\\.shared\\.(?:u8|b8|s8)", ptx)),
+    transposed_loads=len(re.findall(r"ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans", ptx)),
+    fp16_mma=len(re.findall(r"mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.f16\\.f16", ptx)),
+    bf16_conversions=len(re.findall(r"cvt\\.\\w*\\.?bf16\\.f16|cvt\\.rn\\.bf16x2\\.e4m3", ptx)))))
+"""
+
+
+@pytest.mark.compile
+def test_sm90_compile_reads_fp8_tiles_in_16_byte_copies_and_16_bit_operands() -> None:
+    """Compiled ahead of time for sm_90a (no GPU; in a subprocess, the suite sets
+    ``TRITON_INTERPRET``) at Llama-3.1-8B's decode shape: K and V arrive by 16-byte
+    ``cp.async`` copies, no shared-memory load reads single bytes (V's ``P @ V`` operand comes
+    from transposing 16-bit matrix loads), both products are fp16 ``mma`` and nothing converts
+    to bf16."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["copies"] == ["0x10"], facts
+    assert facts["byte_loads"] == 0 and facts["transposed_loads"] > 0, facts
+    assert facts["fp16_mma"] > 0 and facts["bf16_conversions"] == 0, facts
