@@ -15,9 +15,16 @@ FLASHINFER (where the kvcore-nvidia plugin is installed) is timed the same way w
 :func:`fake_flashinfer`: FlashInfer's wrappers plan and run nothing, the cache write is the
 Triton kernel's launch path.
 
+Besides one layer called over and over (``Layer``: its step and tensors never change), it
+times the calls per layer of an engine's step (``Step``): ``--layers`` layers with their own
+caches and tensors on metadata built anew each step, so what is kept per step or per layer is
+found as in an engine, not only because nothing changed.
+
 Usage: ``python benchmarks/host_path.py [--root DIR] [--calls N] [--rounds R] [--backend NAME]
-[--profile]`` (``--root``: another checkout's kvcore and kvcore-nvidia, e.g. an earlier
-commit's, timed the same way; ``--profile``: a cProfile of each backend's write + forward).
+[--layers L] [--cpu-time] [--profile]`` (``--root``: another checkout's kvcore and
+kvcore-nvidia, e.g. an earlier commit's, timed the same way; ``--cpu-time``: this thread's CPU
+time, for a machine shared with other work; ``--profile``: a cProfile of each backend's write
++ forward).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from pathlib import Path
 
 #: Compiles the stand-in made and launches its kernels received, by kernel name.
 COUNTS: dict[str, int] = {"compiles": 0, "launches": 0}
+#: The clock the timings read (nanoseconds): wall time, or with ``--cpu-time`` this thread's
+#: CPU time (on a machine shared with other work, time spent descheduled is not counted).
+CLOCK = [time.perf_counter_ns]
 
 
 class _Kernel:
@@ -146,6 +156,54 @@ class Layer:
         return found
 
 
+class Step:
+    """A decode step as an engine runs it: ``layers`` layers, each with its own impl, cache
+    and ``q``/``k``/``v``/output tensors (``first``'s for layer 0), on one step's
+    metadata built anew per step (the builder's buffers written, so whatever a layer keeps
+    per step is found by the first layer and reused by the others, and whatever it keeps per
+    layer is found again each step). :meth:`time` gives host microseconds per layer of the
+    chosen call. Nothing may be kept by the identity of ``q``/``k``/``v``/output (an engine
+    makes them anew each step; here they are made once)."""
+
+    def __init__(self, first: Layer, layers: int = 32) -> None:
+        import torch
+
+        self.first = first
+        impl_cls = first.backend.get_impl_cls()
+        _, hq, d = first.q.shape
+        cache = first.caches.layers[0]
+        self.layers = [(first.impl, first.scales, first.q, first.k, first.v, first.out, cache)]
+        for _ in range(layers - 1):
+            impl = impl_cls(num_heads=hq, head_size=d, scale=d**-0.5,
+                            num_kv_heads=first.k.shape[1])
+            # Uninitialised (the stand-in kernels read nothing): no memory is touched.
+            self.layers.append((impl, type(first.scales)(), first.q.clone(), first.k.clone(),
+                                first.v.clone(), first.out.clone(), torch.empty_like(cache)))
+
+    def time(self, call: str, steps: int, rounds: int) -> float:
+        """Microseconds per layer of ``call`` (``"update_and_forward"`` or ``"write +
+        forward"``), the fastest of ``rounds`` runs of ``steps`` steps; each step's build
+        is not timed."""
+        build, common = self.first.builder.build, self.first.common
+        fused = call == "update_and_forward"
+        best = float("inf")
+        for r in range(rounds + 1):  # the first round warms up
+            total = 0
+            for _ in range(steps):
+                meta = build(common)
+                t0 = CLOCK[0]()
+                for impl, sc, q, k, v, out, cache in self.layers:
+                    if fused:
+                        impl.update_and_forward(sc, q, k, v, cache, meta, output=out)
+                    else:
+                        impl.do_kv_cache_update(sc, k, v, cache, meta.slot_mapping)
+                        impl.forward(sc, q, k, v, cache, meta, output=out)
+                total += CLOCK[0]() - t0
+            if r:
+                best = min(best, total / (steps * len(self.layers)) / 1e3)
+        return best
+
+
 class _FlashInferWrapper:
     """FlashInfer's paged prefill and decode wrappers, planning and running nothing."""
 
@@ -199,10 +257,10 @@ def time_calls(calls: dict[str, Callable[[], object]], n: int, rounds: int
     best = {name: float("inf") for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            t0 = time.perf_counter_ns()
+            t0 = CLOCK[0]()
             for _ in range(n):
                 fn()
-            best[name] = min(best[name], (time.perf_counter_ns() - t0) / n / 1e3)
+            best[name] = min(best[name], (CLOCK[0]() - t0) / n / 1e3)
     return best
 
 
@@ -211,12 +269,19 @@ def main() -> int:
     parser.add_argument("--root", help="a kvcore checkout to time instead of this one")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with this thread's CPU time instead of wall time (a "
+                        "machine shared with other work)")
+    parser.add_argument("--layers", type=int, default=32,
+                        help="layers of the engine step timed per layer (each its own cache)")
     parser.add_argument("--backend", action="append", choices=("TRITON_ATTN", "FLASHINFER"),
                         help="backends to time (repeatable; default: both where the "
                         "kvcore-nvidia plugin is installed)")
     parser.add_argument("--profile", action="store_true",
                         help="also print a cProfile of write + forward (self time)")
     args = parser.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = time.thread_time_ns
     os.environ.pop("TRITON_INTERPRET", None)
     root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(root), str(root / "plugins" / "nvidia")]  # kvcore, kvcore-nvidia
@@ -237,14 +302,19 @@ def main() -> int:
                 except ImportError as exc:
                     print(f"{name}: skipped ({exc})")
                     continue
-            layer = Layer(backend=name)
+            layer = Layer(backend=name, layers=1)
             calls = layer.calls()
             compiles = counts["compiles"]
             times = time_calls(calls, args.calls, args.rounds)
+            step = Step(layer, args.layers)
+            for call in ("update_and_forward", "write + forward"):
+                if call in calls:
+                    times[f"step of {args.layers}: {call}"] = step.time(
+                        call, max(1, args.calls // args.layers), args.rounds)
             new_compiles = counts["compiles"] - compiles
             print(f"{name}")
             for call, us in times.items():
-                print(f"  {call:28s} {us:8.1f} us")
+                print(f"  {call:38s} {us:8.1f} us")
             print(f"  kernels compiled (all calls): {new_compiles}")
             if args.profile:
                 profile(calls["write + forward"], args.calls)

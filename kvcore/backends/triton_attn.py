@@ -145,9 +145,9 @@ class TritonAttentionImpl(PagedAttentionImpl):
         if not self.writes_kv_cache() or type(self).attend is not TritonAttentionImpl.attend:
             return super().update_and_forward(layer, query, key, value, kv_cache,
                                               attn_metadata, output)
-        write, _ = _ops()
-        if self.reshape_and_cache is not triton_reshape_and_cache:  # a subclass's own write
-            write = self.reshape_and_cache
+        write = self.reshape_and_cache
+        if write is triton_reshape_and_cache:  # not a subclass's own: skip the wrapper
+            write = _ops()[0]
         key_cache, value_cache = self.split_kv(kv_cache)
         write(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
               self.kv_cache_dtype, layer.k_scale, layer.v_scale)
@@ -163,16 +163,25 @@ class TritonAttentionImpl(PagedAttentionImpl):
 
     def _attend(self, layer: AttentionLayer, query: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, m: AttentionMetadata, output: torch.Tensor) -> None:
+        plan = m.plan if isinstance(m, TritonAttentionMetadata) else None
         attention = self.paged_attention
-        if attention is triton_paged_attention:  # not a subclass's own: skip the wrapper
-            _, attention = _ops()
-        attention(query, key_cache, value_cache, query_start_loc=m.query_start_loc,
+        if attention is not triton_paged_attention:  # a subclass's own op
+            attention(query, key_cache, value_cache, query_start_loc=m.query_start_loc,
+                      seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
+                      causal=self.is_causal(m), sliding_window=self.sliding_window,
+                      kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
+                      v_scale=layer.v_scale, output=output, plan=plan,
+                      **self.attention_features)
+            return
+        # kvcore's op without its wrapper. The layer's features (what attention_features
+        # holds when not None) go as plain keywords: a ** merge costs more than the rest of
+        # the call's arguments together.
+        _ops()[1](query, key_cache, value_cache, query_start_loc=m.query_start_loc,
                   seq_lens=m.seq_lens, block_table=m.block_table, scale=self.scale,
                   causal=self.is_causal(m), sliding_window=self.sliding_window,
                   kv_cache_dtype=self.kv_cache_dtype, k_scale=layer.k_scale,
-                  v_scale=layer.v_scale, output=output,
-                  plan=m.plan if isinstance(m, TritonAttentionMetadata) else None,
-                  **self.attention_features)
+                  v_scale=layer.v_scale, output=output, plan=plan,
+                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ from kvcore.ops.attention_config import (
 )
 from kvcore.ops.split_kv import LOG2E, default_num_kv_splits
 from kvcore.ops.triton_decode import paged_attention_kernel
-from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
+from kvcore.ops.triton_launch import KernelLaunch, int_class
 from kvcore.ops.triton_merge import launch_merge
 from kvcore.ops.triton_prefill import prefill_attention_kernel
 from kvcore.ops.triton_utils import (
@@ -42,8 +42,8 @@ from kvcore.ops.triton_utils import (
     recording_launches,
 )
 
-__all__ = ["AttentionLaunch", "call_config", "default_config", "gluon_prefill_available",
-           "gluon_prefill_unmet"]
+__all__ = ["AttentionLaunch", "StepArgs", "call_config", "default_config",
+           "gluon_prefill_available", "gluon_prefill_unmet"]
 
 #: Query and cache dtypes of ``gluon_ws_pingpong``, and its head sizes.
 _GLUON_DTYPES = (torch.bfloat16, torch.float16)
@@ -251,7 +251,7 @@ class AttentionLaunch:
     """``cfg``'s kernel on one layer's caches with one call's scalar arguments fixed (the
     launch :func:`kvcore.ops.triton_attention.paged_attention` makes once per layer and
     config): calling it runs the kernel on arguments ``paged_attention`` has validated
-    (``query_start_loc`` and ``seq_lens`` dense, ``ks``/``vs`` as
+    (the step's metadata as a :class:`StepArgs`, ``ks``/``vs`` as
     :func:`~kvcore.ops.triton_utils.scale_args` gives them, of the types they had here).
     ``workspace``: flat float32 ``(partial outputs, log-sum-exps)`` of at least
     :func:`~kvcore.ops.split_kv.workspace_numel` elements for ``triton_split_kv``, or
@@ -310,48 +310,44 @@ class AttentionLaunch:
             constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
-                 seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 value_cache: torch.Tensor, out: torch.Tensor, step: StepArgs,
                  ks: torch.Tensor | float, vs: torch.Tensor | float,
                  workspace: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        cfg = self.cfg
+        """Launch on the call's ``query``/``out`` and caches, with the step's metadata
+        arguments (``step``, made once per step; see :class:`StepArgs`)."""
         if self.gluon:
             from kvcore.ops.gluon_prefill import gluon_prefill_attention
 
+            cfg = self.cfg
             scale, causal, sliding_window = self.args
-            gluon_prefill_attention(query, key_cache, value_cache, out, query_start_loc,
-                                    seq_lens, block_table, scale, causal, sliding_window,
-                                    cfg.block_q, cfg.g_pad, cfg.block_n, cfg.num_stages)
+            gluon_prefill_attention(query, key_cache, value_cache, out, *step.tensors, scale,
+                                    causal, sliding_window, cfg.block_q, cfg.g_pad,
+                                    cfg.block_n, cfg.num_stages)
             return
         num_tokens = query.shape[0]
-        num_seqs = seq_lens.shape[0]
-        grid = (num_tokens // self.block_q + num_seqs, self.num_kv_heads, self.num_splits)
-        ptrs = (query, key_cache, value_cache, out)
+        num_seqs = step.num_seqs
         num_splits = self.num_splits
+        q_strides, out_strides = query.stride(), out.stride()
         if self.prefill:
-            part_out = part_lse = None
+            parts, part_key = (), None
         elif num_splits > 1:
             n = num_tokens * self.num_heads * num_splits
             part_out, part_lse = workspace if workspace is not None else (
                 torch.empty(n * self.head_size, dtype=torch.float32, device=query.device),
                 torch.empty(n, dtype=torch.float32, device=query.device))
-            ptrs = (*ptrs, part_out, part_lse)
-        else:  # unused by the kernel; any tensor will do as the argument
-            part_out = part_lse = out
-            ptrs = (*ptrs, out, out)
-        q_strides, out_strides, bt_strides = query.stride(), out.stride(), block_table.stride()
+            parts, part_key = (part_out, part_lse), (part_out.data_ptr() & 15,
+                                                     part_lse.data_ptr() & 15)
+        else:  # unused by the kernel; any tensor will do as the argument (out: keyed already)
+            parts, part_key = (out, out), None
         self.kernel(
-            grid,
-            (*ptrs, query_start_loc, seq_lens, block_table, ks, vs,
+            (num_tokens // self.block_q + num_seqs, self.num_kv_heads, num_splits),
+            (query, key_cache, value_cache, out, *parts, *step.tensors, ks, vs,
              query if self.sinks is None else self.sinks, self.qk_scale, num_seqs,
-             *self.ints, *q_strides, *self.cache_strides, *out_strides, *bt_strides),
-            (query.data_ptr() & 15, out.dtype, out.data_ptr() & 15,
-             None if part_out is None else part_out.data_ptr() & 15,
-             None if part_lse is None else part_lse.data_ptr() & 15,
-             query_start_loc.dtype, query_start_loc.data_ptr() & 15, seq_lens.dtype,
-             seq_lens.data_ptr() & 15, block_table.dtype, block_table.data_ptr() & 15,
-             arg_class(ks), arg_class(vs), int_class(num_seqs), q_strides, out_strides,
-             bt_strides))
+             *self.ints, *q_strides, *self.cache_strides, *out_strides, *step.strides),
+            (query.data_ptr() & 15, out.dtype, out.data_ptr() & 15, part_key, step.key,
+             ks.data_ptr() & 15 if isinstance(ks, torch.Tensor) else type(ks),
+             vs.data_ptr() & 15 if isinstance(vs, torch.Tensor) else type(vs),
+             q_strides, out_strides))
         if num_splits > 1:
             n = num_tokens * self.num_heads * num_splits
             launch_merge(
@@ -360,3 +356,25 @@ class AttentionLaunch:
                 part_lse[:n].view(num_tokens, self.num_heads, num_splits), out, None,
                 self.merge_sinks)
 
+
+class StepArgs:
+    """A step's metadata tensors as every layer's :class:`AttentionLaunch` passes them, with
+    what a launch derives from them (their specialisation classes, the request count, the
+    block table's strides), made once per step instead of once per layer.
+
+    ``query_start_loc`` and ``seq_lens`` must be dense (stride 1, as the kernels index
+    them) and the three tensors checked as :func:`kvcore.ops.triton_attention.
+    paged_attention` checks them; they must not change shape, strides or address while the
+    object is used (its maker keeps it only while their version counters and addresses are
+    unchanged)."""
+
+    __slots__ = ("key", "num_seqs", "strides", "tensors")
+
+    def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_table: torch.Tensor) -> None:
+        self.tensors = (query_start_loc, seq_lens, block_table)
+        self.num_seqs = num_seqs = seq_lens.shape[0]
+        self.strides = strides = block_table.stride()
+        self.key = (query_start_loc.dtype, query_start_loc.data_ptr() & 15, seq_lens.dtype,
+                    seq_lens.data_ptr() & 15, block_table.dtype, block_table.data_ptr() & 15,
+                    int_class(num_seqs), strides)

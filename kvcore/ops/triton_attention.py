@@ -36,7 +36,12 @@ from kvcore.ops.attention_config import (
     TritonPrefillConfig,
     TritonSplitKVConfig,
 )
-from kvcore.ops.attention_dispatch import AttentionLaunch, call_config, gluon_prefill_unmet
+from kvcore.ops.attention_dispatch import (
+    AttentionLaunch,
+    StepArgs,
+    call_config,
+    gluon_prefill_unmet,
+)
 from kvcore.ops.reference import check_attention_features
 from kvcore.ops.split_kv import MAX_KV_SPLITS, workspace_numel
 from kvcore.ops.triton_cache import CacheViews, same_scale, scale_key
@@ -47,7 +52,9 @@ from kvcore.ops.validation import (
     check_paged_attention_values,
     check_scale,
     validate_paged_attention,
+    value_checks_enabled,
 )
+from kvcore.step_facts import checked_step_facts
 
 __all__ = ["MAX_HEAD_SIZE", "SUPPORTED_QUERY_DTYPES", "paged_attention"]
 
@@ -127,6 +134,13 @@ def paged_attention(
 
     Returns:
         ``output`` (or a new tensor like ``query``).
+
+    Host path: the checks the caches and scalar arguments decide run once per cache pair
+    (:class:`_Layer`, found by the cache view objects, else by the full signature); what the
+    step's metadata tensors give (their facts, the value checks for a cache's geometry, the
+    launch arguments) is derived by the first call on them and kept while they are unchanged
+    (:class:`_Step`), so every other layer of the step reuses it. A call repeats only the
+    checks of its own ``query`` and ``output``.
     """
     seen = _RECENT.get(id(key_cache))
     if seen is not None and seen[0].same(key_cache, value_cache) and seen[1].same_call(
@@ -141,22 +155,23 @@ def paged_attention(
         except (AttributeError, TypeError, IndexError):  # the checks below say what is wrong
             layer = None
         seen = None
-    if layer is not None and layer.takes(query, query_start_loc, seq_lens, block_table,
-                                         output):
+    step = None if layer is None else layer.takes(query, query_start_loc, seq_lens,
+                                                  block_table, output)
+    if step is not None:
         if layer.fp8:  # a tensor scale's value is read each call, as the checks do
             check_scale("k_scale", k_scale, used=True)
             check_scale("v_scale", v_scale, used=True)
-        check_paged_attention_values(query, key_cache, query_start_loc, seq_lens, block_table)
+        step.check_values(query, key_cache, layer.blocks)
     else:
         _check_call(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
                     scale, sliding_window, kv_cache_dtype, k_scale, v_scale, output)
         check_attention_features(query, logits_soft_cap, sinks)
-        layer = _Layer(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
-                       scale, causal, sliding_window, kv_cache_dtype, k_scale, v_scale,
-                       logits_soft_cap, sinks)
+        layer = _Layer(query, key_cache, value_cache, scale, causal, sliding_window,
+                       kv_cache_dtype, k_scale, v_scale, logits_soft_cap, sinks)
         if len(_LAYERS) >= _MAX_LAYERS:
             _LAYERS.clear()
         _LAYERS[layer.key] = layer
+        step = _take_step(query_start_loc, seq_lens, block_table, layer.device)
     if seen is None:  # found by the full signature, or new: look it up by these views next
         if len(_RECENT) >= _MAX_LAYERS:
             _RECENT.clear()
@@ -167,27 +182,26 @@ def paged_attention(
         layer.plan = plan
 
     out = output if output is not None else torch.empty_like(query)
-    num_tokens = query.shape[0]
-    num_seqs = seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
+    if query.shape[0] == 0 or step.num_seqs == 0:
         return out
-    # The kernels index these two densely (block_table goes with its strides); an engine's
-    # view of a larger buffer may have stride > 1.
-    if query_start_loc.stride(0) != 1:
-        query_start_loc = query_start_loc.contiguous()
-    if seq_lens.stride(0) != 1:
-        seq_lens = seq_lens.contiguous()
-    cfg, workspace = layer.choose(plan, query, key_cache, value_cache, num_seqs,
-                                  block_table.shape[1])
-    ks, vs = scale_args(k_scale if layer.fp8 else None, v_scale if layer.fp8 else None,
-                        layer.device)
+    args = step.args
+    if args is None:
+        # The kernels index these two densely (block_table goes with its strides); an
+        # engine's view of a larger buffer may have stride > 1. Copied per call: a copy
+        # kept for the step would go stale in a captured graph.
+        args = StepArgs(query_start_loc if query_start_loc.stride(0) == 1
+                        else query_start_loc.contiguous(),
+                        seq_lens if seq_lens.stride(0) == 1 else seq_lens.contiguous(),
+                        block_table)
+    cfg, workspace = layer.choose(plan, query, key_cache, value_cache, step.num_seqs,
+                                  step.width)
+    ks, vs = scale_args(k_scale, v_scale, layer.device) if layer.fp8 else _UNSCALED
     launch = layer.launches.get(cfg)
     if launch is None:
         launch = layer.launches[cfg] = AttentionLaunch(
             cfg, query, key_cache, value_cache, scale, causal, sliding_window, layer.fp8, ks,
             logits_soft_cap, sinks)
-    launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, ks, vs,
-           workspace)
+    launch(query, key_cache, value_cache, out, args, ks, vs, workspace)
     return out
 
 
@@ -229,8 +243,10 @@ _MAX_LAYERS = 1024
 #: and the checked layer of the last call on them (what :func:`paged_attention` looks up
 #: first).
 _RECENT: dict[int, tuple[CacheViews, _Layer]] = {}
-#: The step metadata :meth:`_Layer.takes` last accepted: (tensors, their versions, device).
-_last_step: tuple = ()
+#: The step metadata :meth:`_Layer.takes` last accepted (every layer of a step finds it).
+_last_step: _Step | None = None
+#: The kernels' scale arguments without an fp8 cache (see scale_args).
+_UNSCALED = scale_args(None, None, torch.device("cpu"))
 
 
 def _layer_key(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -257,10 +273,8 @@ class _Layer:
     shape) and launches (by config)."""
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                 block_table: torch.Tensor, scale: float, causal: bool,
-                 sliding_window: int | None, kv_cache_dtype: str, k_scale: KVScale,
-                 v_scale: KVScale, logits_soft_cap: float | None,
+                 scale: float, causal: bool, sliding_window: int | None, kv_cache_dtype: str,
+                 k_scale: KVScale, v_scale: KVScale, logits_soft_cap: float | None,
                  sinks: torch.Tensor | None) -> None:
         self.key = _layer_key(query, key_cache, value_cache, scale, causal, sliding_window,
                               kv_cache_dtype, k_scale, v_scale, logits_soft_cap, sinks)
@@ -271,14 +285,17 @@ class _Layer:
         # (held: a number is compared by identity, else by scale_key).
         self.scalars = self.key[12:16] + self.key[18:20]
         self.scales = (k_scale, self.key[16], v_scale, self.key[17])
+        # Both numbers: a call passing these very objects needs no scale_key compared.
+        self.numbers = not (isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor))
         self.device = query.device
+        #: The caches' (num_blocks, block_size): what the value checks compare the step with.
+        self.blocks = key_cache.shape[:2]
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self.plan: TritonAttentionPlan | None = None
         self.launches: dict[object, AttentionLaunch] = {}
         self._configs: dict[tuple, AttentionConfig] = {}
         self._workspace: tuple = ()
-        _accept_step(query_start_loc, seq_lens, block_table, self.device)
 
     def same_call(self, query: torch.Tensor, scale: float, causal: bool,
                   sliding_window: int | None, kv_cache_dtype: str, k_scale: KVScale,
@@ -287,31 +304,31 @@ class _Layer:
         """Whether a call on the cache views this layer was found by
         (:class:`~kvcore.ops.triton_cache.CacheViews`) has the rest of its signature
         (:func:`_layer_key` but the caches): a few comparisons, nothing built or hashed."""
-        scales, key = self.scales, self.key
-        return (query.dtype == self.query_dtype and query.shape[1:] == self.heads
+        scales, key, heads, shape = self.scales, self.key, self.heads, query.shape
+        return (query.dtype == self.query_dtype and len(shape) == 3 and shape[1] == heads[0]
+                and shape[2] == heads[1]
                 and (kv_cache_dtype, scale, causal, sliding_window, logits_soft_cap,
                      None if sinks is None else id(sinks)) == self.scalars
-                and same_scale(k_scale, scales[0], scales[1])
-                and same_scale(v_scale, scales[2], scales[3])
+                and ((self.numbers and k_scale is scales[0] and v_scale is scales[2])
+                     or (same_scale(k_scale, scales[0], scales[1])
+                         and same_scale(v_scale, scales[2], scales[3])))
                 and recording_launches() == key[20] and gluon_defaults_enabled() == key[21])
 
     def takes(self, query: torch.Tensor, query_start_loc: torch.Tensor,
               seq_lens: torch.Tensor, block_table: torch.Tensor,
-              output: torch.Tensor | None) -> bool:
-        """Whether the checks this layer passed cover a call with these tensors."""
+              output: torch.Tensor | None) -> _Step | None:
+        """The step of a call with these tensors when the checks this layer passed cover it
+        (the last step taken when it is the same, unchanged), else ``None``."""
         device = self.device
         if not (isinstance(query, torch.Tensor) and query.device == device):
-            return False
+            return None
         if output is not None and not (
                 isinstance(output, torch.Tensor) and output.shape == query.shape
                 and output.device == device and output.dtype in SUPPORTED_QUERY_DTYPES):
-            return False
+            return None
         last = _last_step
-        if (last and last[0] is query_start_loc and last[1] is seq_lens
-                and last[2] is block_table and last[3] == query_start_loc._version
-                and last[4] == seq_lens._version and last[5] == block_table._version
-                and last[6] == device):
-            return True
+        if last is not None and last.same(query_start_loc, seq_lens, block_table, device):
+            return last
         if not (isinstance(query_start_loc, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
                 and isinstance(block_table, torch.Tensor) and query_start_loc.dim() == 1
                 and seq_lens.dim() == 1 and block_table.dim() == 2
@@ -320,9 +337,8 @@ class _Layer:
                 and query_start_loc.dtype in _INDEX_DTYPES and seq_lens.dtype in _INDEX_DTYPES
                 and block_table.dtype in _INDEX_DTYPES and query_start_loc.device == device
                 and seq_lens.device == device and block_table.device == device):
-            return False
-        _accept_step(query_start_loc, seq_lens, block_table, device)
-        return True
+            return None
+        return _take_step(query_start_loc, seq_lens, block_table, device)
 
     def choose(self, plan: TritonAttentionPlan, query: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, num_seqs: int, width: int
@@ -352,11 +368,69 @@ class _Layer:
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _accept_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+class _Step:
+    """A call's metadata tensors (``query_start_loc``, ``seq_lens``, ``block_table``), checked
+    as :meth:`_Layer.takes` checks them, and what every layer of the step derives from them
+    once: the step's facts (:func:`~kvcore.step_facts.checked_step_facts`), the value checks
+    passed (:meth:`check_values`), the request count, the block table's width and the
+    launches' arguments (:class:`~kvcore.ops.attention_dispatch.StepArgs`; ``None`` when
+    ``query_start_loc`` or ``seq_lens`` is strided: copied per call)."""
+
+    __slots__ = ("args", "device", "facts", "num_seqs", "passed", "seen", "tensors", "width")
+
+    def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, device: torch.device) -> None:
+        self.tensors = (query_start_loc, seq_lens, block_table)
+        self.device = device
+        # Inference tensors keep no version counter: such a step is never found again.
+        self.seen = None if (query_start_loc.is_inference() or seq_lens.is_inference()
+                             or block_table.is_inference()) else (
+            query_start_loc._version, seq_lens._version, block_table._version,
+            query_start_loc.data_ptr(), seq_lens.data_ptr(), block_table.data_ptr())
+        self.facts = checked_step_facts(query_start_loc, seq_lens, block_table)
+        #: (query rows, the cache's (num_blocks, block_size), value checks on) passed.
+        self.passed: set[tuple] = set()
+        self.num_seqs = seq_lens.shape[0]
+        self.width = block_table.shape[1]
+        self.args = (StepArgs(query_start_loc, seq_lens, block_table)
+                     if query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1 else None)
+
+    def same(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+             block_table: torch.Tensor, device: torch.device) -> bool:
+        """Whether these are this step's tensors, unwritten since (versions and addresses:
+        what the step's facts and launch arguments hold for), on ``device``."""
+        seen, tensors = self.seen, self.tensors
+        return (seen is not None and tensors[0] is query_start_loc and tensors[1] is seq_lens
+                and tensors[2] is block_table and query_start_loc._version == seen[0]
+                and seq_lens._version == seen[1] and block_table._version == seen[2]
+                and query_start_loc.data_ptr() == seen[3] and seq_lens.data_ptr() == seen[4]
+                and block_table.data_ptr() == seen[5] and device == self.device)
+
+    def check_values(self, query: torch.Tensor, key_cache: torch.Tensor,
+                     blocks: torch.Size) -> None:
+        """:func:`~kvcore.ops.validation.check_paged_attention_values` for a call with
+        ``query`` on ``key_cache`` (whose ``(num_blocks, block_size)`` is ``blocks``): once
+        per row count, cache geometry and value-check switch for a step with facts (its
+        tensors unchanged, the answer is too), every call for one without (read, as
+        documented there)."""
+        if self.facts is None:
+            check_paged_attention_values(query, key_cache, *self.tensors)
+            return
+        found = (query.shape[0], blocks, value_checks_enabled())
+        if found not in self.passed:
+            check_paged_attention_values(query, key_cache, *self.tensors)
+            self.passed.add(found)
+
+
+def _take_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+               block_table: torch.Tensor, device: torch.device) -> _Step:
+    """A new :class:`_Step` for checked tensors, kept as the last step unless it can never be
+    found again (inference tensors)."""
     global _last_step
-    _last_step = (query_start_loc, seq_lens, block_table, query_start_loc._version,
-                  seq_lens._version, block_table._version, device)
+    step = _Step(query_start_loc, seq_lens, block_table, device)
+    if step.seen is not None:
+        _last_step = step
+    return step
 
 
 def _config(plan: TritonAttentionPlan, query: torch.Tensor, key_cache: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.ops.triton_launch import KernelLaunch, arg_class, int_class
+from kvcore.ops.triton_launch import KernelLaunch, int_class
 from kvcore.ops.triton_utils import (
     fp8_format,
     is_interpreted,
@@ -38,7 +38,9 @@ from kvcore.ops.validation import (
     check_reshape_and_cache_values,
     check_scale,
     validate_reshape_and_cache,
+    value_checks_enabled,
 )
+from kvcore.step_facts import checked_step_facts
 
 __all__ = ["reshape_and_cache"]
 
@@ -115,7 +117,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     again when something differs, so a bad argument gets the same message as ever. The
     cache's checks are found by the cache view objects of the last call on them
     (:class:`CacheViews`: the same objects, unchanged) and the call's dtype, cache dtype and
-    scales, else by the caches' full signature (:func:`_write_key`).
+    scales, else by the caches' full signature (:func:`_write_key`). What the step's
+    ``slot_mapping`` gives (its facts, the value checks for a cache's geometry, its launch
+    arguments) is derived by the first call on it and kept while it is unchanged
+    (:class:`_Slots`), so every other layer of the step reuses it.
     """
     seen = _RECENT.get(id(key_cache))
     if seen is not None and seen[0].same(key_cache, value_cache) and seen[1].same_call(
@@ -128,11 +133,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
             found = None
         seen = None
-    if found is not None and found.takes(key, value, slot_mapping):
+    slots = None if found is None else found.takes(key, value, slot_mapping)
+    if slots is not None:
         if found.fp8:  # a tensor scale's value is read each call, as the checks do
             check_scale("k_scale", k_scale, used=True)
             check_scale("v_scale", v_scale, used=True)
-        check_reshape_and_cache_values(key_cache, slot_mapping)
+        slots.check_values(key_cache, found.blocks)
     else:
         validate_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                    kv_cache_dtype, k_scale, v_scale)
@@ -140,11 +146,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         if len(_WRITES) >= _MAX_WRITES:
             _WRITES.clear()
         _WRITES[found.key] = found
+        slots = _take_slots(slot_mapping, found.device)
     if seen is None:  # found by the full signature, or new: look it up by these views next
         if len(_RECENT) >= _MAX_WRITES:
             _RECENT.clear()
         _RECENT[id(key_cache)] = (CacheViews(key_cache, value_cache), found)
-    found.launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    found.launch(key, value, key_cache, value_cache, slots, k_scale, v_scale)
 
 
 def scale_key(scale: KVScale) -> object:
@@ -209,6 +216,10 @@ _MAX_WRITES = 1024
 #: By ``id`` of a key cache view: the views (:class:`CacheViews`) and the checked write of
 #: the last call on them (what :func:`reshape_and_cache` looks up first).
 _RECENT: dict[int, tuple[CacheViews, _CacheWrite]] = {}
+#: The slot mapping :meth:`_CacheWrite.takes` last accepted (every layer of a step finds it).
+_last_slots: _Slots | None = None
+#: The kernel's scale arguments without an fp8 cache (see scale_args).
+_UNSCALED = scale_args(None, None, torch.device("cpu"))
 
 
 class _CacheWrite:
@@ -222,7 +233,11 @@ class _CacheWrite:
         self.kv_cache_dtype = kv_cache_dtype
         # Held: same_call compares a number by identity, else by scale_key.
         self.scales = (k_scale, scale_key(k_scale), v_scale, scale_key(v_scale))
+        # Both numbers: a call passing these very objects needs no scale_key compared.
+        self.numbers = not (isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor))
         self.heads = key_cache.shape[2:]
+        #: The caches' (num_blocks, block_size): what the value checks compare slots with.
+        self.blocks = key_cache.shape[:2]
         self.fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         num_kv_heads, head_size = self.heads
         self.block_d = next_power_of_2(head_size)
@@ -248,37 +263,105 @@ class _CacheWrite:
         has the rest of its signature: the tokens' dtype, the cache dtype, the scales."""
         scales = self.scales
         return (key.dtype == self.dtype and kv_cache_dtype == self.kv_cache_dtype
-                and same_scale(k_scale, scales[0], scales[1])
-                and same_scale(v_scale, scales[2], scales[3]))
+                and ((self.numbers and k_scale is scales[0] and v_scale is scales[2])
+                     or (same_scale(k_scale, scales[0], scales[1])
+                         and same_scale(v_scale, scales[2], scales[3]))))
 
-    def takes(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
-        """Whether the checks this cache passed cover a call with these tokens."""
-        return (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
-                and isinstance(slot_mapping, torch.Tensor) and key.dim() == 3
-                and key.shape[1:] == self.heads and value.shape == key.shape
-                and value.dtype == self.dtype and key.device == self.device
-                and value.device == self.device and slot_mapping.device == self.device
-                and slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0]
-                and slot_mapping.dtype in (torch.int32, torch.int64))
+    def takes(self, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> _Slots | None:
+        """The slots of a call with these tokens when the checks this cache passed cover it
+        (the last slots taken when they are the same, unchanged), else ``None``."""
+        device, heads = self.device, self.heads
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+            return None
+        shape = key.shape
+        if not (len(shape) == 3 and shape[1] == heads[0] and shape[2] == heads[1]
+                and value.shape == shape and value.dtype == self.dtype and key.device == device
+                and value.device == device):
+            return None
+        slots = _last_slots
+        if slots is None or not slots.same(slot_mapping, device):
+            if not (isinstance(slot_mapping, torch.Tensor) and slot_mapping.device == device
+                    and slot_mapping.dim() == 1
+                    and slot_mapping.dtype in (torch.int32, torch.int64)):
+                return None
+            slots = _take_slots(slot_mapping, device)
+        return slots if slots.num_tokens == shape[0] else None
 
     def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: KVScale,
+               value_cache: torch.Tensor, slots: _Slots, k_scale: KVScale,
                v_scale: KVScale) -> None:
-        num_tokens = key.shape[0]
+        num_tokens = slots.num_tokens
         if num_tokens == 0:
             return
-        # The kernel indexes slot_mapping densely; an engine's view of a larger buffer may
-        # have stride > 1.
-        if slot_mapping.stride(0) != 1:
+        slot_mapping, slot_key = slots.slot_mapping, slots.key
+        if slot_key is None:
+            # The kernel indexes slot_mapping densely; an engine's view of a larger buffer may
+            # have stride > 1. Copied per call: a copy kept for the step would go stale in a
+            # captured graph.
             slot_mapping = slot_mapping.contiguous()
-        ks, vs = scale_args(k_scale if self.fp8 else None, v_scale if self.fp8 else None,
-                            self.device)
-        ptrs = (key, value, key_cache, value_cache, slot_mapping, ks, vs)
-        strides = (*key.stride(), *value.stride())
+            slot_key = (slot_mapping.data_ptr() & 15, slot_mapping.dtype, int_class(num_tokens))
+        ks, vs = scale_args(k_scale, v_scale, self.device) if self.fp8 else _UNSCALED
+        k_strides, v_strides = key.stride(), value.stride()
         self.kernel(
             (-(-num_tokens // self.block_t), self.grid_h, 1),
-            (*ptrs, *strides, *self.fixed, num_tokens, *self.tail),
-            (key.data_ptr() & 15, value.data_ptr() & 15, slot_mapping.data_ptr() & 15,
-             slot_mapping.dtype, arg_class(ks), arg_class(vs), strides,
-             int_class(num_tokens)))
+            (key, value, key_cache, value_cache, slot_mapping, ks, vs, *k_strides, *v_strides,
+             *self.fixed, num_tokens, *self.tail),
+            (key.data_ptr() & 15, value.data_ptr() & 15, slot_key,
+             ks.data_ptr() & 15 if isinstance(ks, torch.Tensor) else type(ks),
+             vs.data_ptr() & 15 if isinstance(vs, torch.Tensor) else type(vs), k_strides,
+             v_strides))
 
+
+class _Slots:
+    """A write's ``slot_mapping``, checked as :meth:`_CacheWrite.takes` checks it, and what
+    every layer's write of the step derives from it once: the step's facts
+    (:func:`~kvcore.step_facts.checked_step_facts`), the value checks passed
+    (:meth:`check_values`), the token count and the launch's key of it (``None`` when it is
+    strided: copied per call)."""
+
+    __slots__ = ("device", "facts", "key", "num_tokens", "passed", "seen", "slot_mapping")
+
+    def __init__(self, slot_mapping: torch.Tensor, device: torch.device) -> None:
+        self.slot_mapping = slot_mapping
+        self.device = device
+        # Inference tensors keep no version counter: such slots are never found again.
+        self.seen = None if slot_mapping.is_inference() else (slot_mapping._version,
+                                                              slot_mapping.data_ptr())
+        self.facts = checked_step_facts(slot_mapping)
+        #: (the cache's (num_blocks, block_size), value checks on) passed.
+        self.passed: set[tuple] = set()
+        self.num_tokens = num_tokens = slot_mapping.shape[0]
+        self.key = ((slot_mapping.data_ptr() & 15, slot_mapping.dtype, int_class(num_tokens))
+                    if slot_mapping.stride(0) == 1 else None)
+
+    def same(self, slot_mapping: torch.Tensor, device: torch.device) -> bool:
+        """Whether this is the slot mapping seen, unwritten since (version and address: what
+        its facts and launch key hold for), on ``device``."""
+        seen = self.seen
+        return (seen is not None and self.slot_mapping is slot_mapping
+                and slot_mapping._version == seen[0] and slot_mapping.data_ptr() == seen[1]
+                and device == self.device)
+
+    def check_values(self, key_cache: torch.Tensor, blocks: torch.Size) -> None:
+        """:func:`~kvcore.ops.validation.check_reshape_and_cache_values` for a write into
+        ``key_cache`` (whose ``(num_blocks, block_size)`` is ``blocks``): once per cache
+        geometry and value-check switch for slots with facts (unchanged, so is the answer),
+        every call for slots without (read, as documented there)."""
+        if self.facts is None:
+            check_reshape_and_cache_values(key_cache, self.slot_mapping)
+            return
+        found = (blocks, value_checks_enabled())
+        if found not in self.passed:
+            check_reshape_and_cache_values(key_cache, self.slot_mapping)
+            self.passed.add(found)
+
+
+def _take_slots(slot_mapping: torch.Tensor, device: torch.device) -> _Slots:
+    """New :class:`_Slots` for a checked ``slot_mapping``, kept as the last ones unless they
+    can never be found again (inference tensors)."""
+    global _last_slots
+    slots = _Slots(slot_mapping, device)
+    if slots.seen is not None:
+        _last_slots = slots
+    return slots

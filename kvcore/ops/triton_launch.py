@@ -62,9 +62,10 @@ class LaunchCounts:
 
 
 _COUNTS = LaunchCounts()
-#: Compiled kernels by (function, compile-time key, alignment class), shared by every
-#: KernelLaunch with the same choices (a launch made anew each step finds its kernel here).
-_BOUND: dict[tuple, Any] = {}
+#: Compiled kernels' (launcher, function handle, packed metadata) by (function, compile-time
+#: key, alignment class), shared by every KernelLaunch with the same choices (a launch made
+#: anew each step finds its kernel here).
+_BOUND: dict[tuple, tuple[Any, Any, Any]] = {}
 #: Compiled kernels kept at most (a process seeing that many classes is an unusual one).
 _MAX_BOUND = 4096
 
@@ -84,15 +85,9 @@ def _runtime() -> Any | None:
 
 
 _RUNTIME = _runtime()
-
-
-def _hooked(runtime: Any) -> bool:
-    """Whether launch hooks are installed (a profiler's): Triton <= 3.6 keeps ``None`` when
-    there are none, later versions an empty ``HookChain`` (its ``calls``)."""
-    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
+#: Triton's driver configuration (its ``active`` driver is looked up per launch: a test may
+#: swap it).
+_DRIVER = triton.runtime.driver
 
 
 def ptr_class(t: torch.Tensor) -> int:
@@ -149,29 +144,35 @@ class KernelLaunch:
 
     def __call__(self, grid: tuple[int, int, int], args: tuple, dynamic_key: Hashable) -> None:
         """Launch on ``grid`` (three ints) with the positional ``args``; see the class."""
-        if not self.direct or _hooked(_RUNTIME) or recording_launches():
-            # A profiler's hooks and a recording see every launch through kernel[grid].
-            _COUNTS.triton += 1
-            self.fn[grid](*args, **self.kwargs)
-            return
-        driver = triton.runtime.driver.active
-        device = driver.get_current_device()
-        found = (device, dynamic_key)
-        kernel = self._kernels.get(found)
-        if kernel is None:
-            kernel = _BOUND.get((self.key, found))
-            if kernel is None:
-                self._launch_and_keep(grid, args, found)
+        if self.direct:
+            # A profiler's hooks and a recording see every launch through kernel[grid]
+            # (no hook: None up to Triton 3.6, an empty HookChain after).
+            enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+            if ((enter is None or not getattr(enter, "calls", True))
+                    and (leave is None or not getattr(leave, "calls", True))
+                    and not recording_launches()):
+                driver = _DRIVER.active
+                device = driver.get_current_device()
+                found = (device, dynamic_key)
+                kept = self._kernels.get(found)
+                if kept is None:
+                    kept = _BOUND.get((self.key, found))
+                    if kept is None:
+                        self._launch_and_keep(grid, args, found)
+                        return
+                    self._kernels[found] = kept
+                run, function, packed_metadata = kept
+                run(grid[0], grid[1], grid[2], driver.get_current_stream(device), function,
+                    packed_metadata, None, None, None, *args, *self.constexprs)
+                _COUNTS.direct += 1
                 return
-            self._kernels[found] = kernel
-        kernel.run(grid[0], grid[1], grid[2], driver.get_current_stream(device),
-                   kernel.function, kernel.packed_metadata, None, None, None, *args,
-                   *self.constexprs)
-        _COUNTS.direct += 1
+        _COUNTS.triton += 1
+        self.fn[grid](*args, **self.kwargs)
 
     def _launch_and_keep(self, grid: tuple[int, int, int], args: tuple,
                          found: Hashable) -> None:
-        """Launch through ``kernel[grid]`` and keep the compiled kernel it returns."""
+        """Launch through ``kernel[grid]`` and keep the compiled kernel it returns (its
+        launcher, function handle and packed metadata: what a direct launch passes)."""
         _COUNTS.triton += 1
         kernel = self.fn[grid](*args, **self.kwargs)
         if (kernel is None or hasattr(kernel, "result")
@@ -179,6 +180,9 @@ class KernelLaunch:
             return  # compiling asynchronously, or an unknown kind
         if len(_BOUND) >= _MAX_BOUND:
             _BOUND.clear()
-        _BOUND[(self.key, found)] = kernel
-        self._kernels[found] = kernel
+        # The launch above initialised the kernel's handles (``run`` first: reading it
+        # loads the module that sets ``function``).
+        run = kernel.run
+        kept = _BOUND[(self.key, found)] = (run, kernel.function, kernel.packed_metadata)
+        self._kernels[found] = kept
         _COUNTS.bound += 1

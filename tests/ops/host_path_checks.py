@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
-from host_path import Layer, _Kernel, fake_gpu  # noqa: E402
+from host_path import Layer, Step, _Kernel, fake_gpu  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import kvcore  # noqa: E402
@@ -273,6 +273,39 @@ def main() -> None:
         # No tensor allocated by a layer's calls (output given, the builder's metadata).
         result["allocated"] = allocations(calls, ("update_and_forward", "write + forward"),
                                           layer.q)
+
+        # An engine's step: 8 layers, each its own impl and cache, on metadata built anew per
+        # step. What the step's tensors give (facts, value checks) is derived by its first
+        # layer only; every launch is direct.
+        step = Step(layer, 8)
+        step.time("update_and_forward", 1, 1)
+        derived: dict[str, int] = {}
+        counting(triton_attention, "checked_step_facts", derived)
+        counting(triton_attention, "check_paged_attention_values", derived)
+        counting(triton_cache, "checked_step_facts", derived)
+        counting(triton_cache, "check_reshape_and_cache_values", derived)
+        start = (counts["compiles"], counted.bound, counted.triton, counted.direct)
+        step.time("update_and_forward", 5, 1)  # a warm-up round, then one timed: 10 steps
+        step.time("write + forward", 5, 1)  # 10 more
+        end = (counts["compiles"], counted.bound, counted.triton, counted.direct)
+        result["engine_step"] = dict(derived, **dict(zip(
+            ("compiles", "bound", "triton", "direct"),
+            (e - s for s, e in zip(start, end, strict=True)), strict=True)))
+
+        # Metadata made in inference mode (tensors without a version counter) is checked
+        # per call, never kept; the launches are direct all the same.
+        meta = layer.builder.build(layer.common)
+        with torch.inference_mode():
+            inference = type(meta)(**{name: t.clone() if isinstance(t, torch.Tensor) else t
+                                      for name, t in vars(meta).items()})
+            before = counted.direct
+            for _ in range(3):
+                layer.impl.update_and_forward(layer.scales, layer.q, layer.k, layer.v,
+                                              layer.caches.layers[0], inference,
+                                              output=layer.out)
+            result["inference_metadata"] = dict(
+                direct=counted.direct - before,
+                kept=triton_attention._last_step.tensors[0] is inference.query_start_loc)
     print(json.dumps(result))
 
 

@@ -61,6 +61,20 @@ def test_mla_many_calls_compile_and_bind_nothing_more(found: dict) -> None:
     assert found["mla_flat"] == {"compiles": 0, "bound": 0, "triton": 0, "direct": 1900}
 
 
+def test_an_engine_step_derives_its_metadata_once_for_all_its_layers(found: dict) -> None:
+    # 20 steps of 8 layers (each its own impl and cache), metadata built anew per step: each
+    # op looks the step's facts up and checks its values once per step (by the first layer);
+    # 2 launches a layer, all direct.
+    assert found["engine_step"] == {
+        "checked_step_facts": 40, "check_paged_attention_values": 20,
+        "check_reshape_and_cache_values": 20, "compiles": 0, "bound": 0, "triton": 0,
+        "direct": 320}
+
+
+def test_inference_mode_metadata_runs_checked_per_call(found: dict) -> None:
+    assert found["inference_metadata"] == {"direct": 6, "kept": False}
+
+
 def test_a_layer_call_allocates_no_tensor(found: dict) -> None:
     allocated = found["allocated"]
     assert allocated.pop("torch.empty_like")  # the counter sees allocations
