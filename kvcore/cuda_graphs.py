@@ -277,8 +277,9 @@ class CudaGraphRunner:
                 f"{type(self.builder).__name__}.build(graph_batch_size={size}) returned other "
                 "tensors or host values than at capture: a replay would read stale memory "
                 "(builders of graph-capable backends must reuse their buffers)")
-        for name, t in inputs.items():
-            self._inputs[name][:n].copy_(t)
+        if inputs:  # one foreach copy for all inputs (each slow-pathed as copy_ if need be)
+            torch._foreach_copy_([self._inputs[name][:n] for name in inputs],
+                                 list(inputs.values()))
         entry.graph.replay()
         self.replayed_steps += 1
         return entry.output[:n]

@@ -1,0 +1,54 @@
+"""CudaGraphRunner's replay on the CPU (capturing needs CUDA, so the captured state is set as
+``capture`` leaves it): a replayed step copies its inputs into the captured buffers with one
+foreach copy, converting dtypes and reading strided sources as ``copy_`` does, and leaves the
+padding rows alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcore
+from kvcore.cuda_graphs import _Graph
+
+
+class _Recorded:
+    """A captured graph that counts its replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_a_replay_copies_every_input_with_one_foreach_copy(monkeypatch) -> None:
+    spec = kvcore.FullAttentionSpec(block_size=4, dtype=torch.float32, num_kv_heads=1,
+                                    head_size=8)
+    builder = kvcore.PersistentMetadataBuilder(spec, num_heads=1, max_num_seqs=4,
+                                               max_num_batched_tokens=8, max_model_len=32,
+                                               device="cpu")
+    runner = kvcore.CudaGraphRunner(builder, lambda inputs, meta: None, num_blocks=16,
+                                    batch_sizes=[4])
+    graph = _Recorded()
+    empty = kvcore.build_attention_metadata([], [], [], 4)
+    runner._inputs = {"x": torch.zeros(4, 3), "ids": torch.zeros(4, dtype=torch.int64)}
+    runner._graphs[4] = _Graph(graph, torch.arange(4.0),
+                               runner._signature(builder.build(empty, graph_batch_size=4)))
+    calls = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_",
+                        lambda dst, src: (calls.append(len(dst)), foreach_copy(dst, src)))
+
+    x = torch.arange(6.0).view(3, 2).t()  # strided
+    ids = torch.tensor([7, 8], dtype=torch.int32)  # converted to the buffer's int64
+    out = runner.run({"x": x, "ids": ids}, kvcore.build_attention_metadata(
+        [1, 1], [5, 9], [[0, 1], [2, 3, 4]], 4))
+    assert calls == [2] and graph.replays == 1 and runner.replayed_steps == 1
+    assert out.tolist() == [0.0, 1.0]
+    assert runner._inputs["x"].tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0], [0.0] * 3,
+                                            [0.0] * 3]
+    assert runner._inputs["ids"].tolist() == [7, 8, 0, 0]
+    with pytest.raises(ValueError, match=r"inputs\['ids'\] has shape \(3,\)"):
+        runner.run({"x": x, "ids": torch.zeros(3, dtype=torch.int64)},
+                   kvcore.build_attention_metadata([1, 1], [5, 9], [[0, 1], [2, 3, 4]], 4))
