@@ -33,6 +33,8 @@ One run does, in order, each section isolated (an error is logged and the run go
    ``update_and_forward``, host microseconds per call (launches back to back, no sync inside
    the timed loop), for each backend through its builder, and FlashInfer called directly
    (``append_paged_kv_cache`` + the decode wrapper's ``run``, planned once) when installed;
+   beside them ``update_and_forward`` per layer of an engine's step (each layer its own impl
+   and cache, the step built anew each time, the build not counted);
 6. the MLA pipeline comparison, from ``benchmarks/bench_mla_pipeline.py`` when it is there
    (its ``bench_step_section(run, device=, smoke=)`` appends rows to
    ``run.results["mla_pipeline"]``; the table prints them).
@@ -46,7 +48,9 @@ The table printed last has the step times and ratios. Logs and JSON go to ``--ou
 (small shapes); ``--smoke`` runs tiny shapes on the CPU (Triton under ``TRITON_INTERPRET=1``)
 to check the script.
 
-Usage: ``python benchmarks/bench_step.py [--out DIR] [--cpu | --smoke]``.
+``--host`` runs section 5 alone.
+
+Usage: ``python benchmarks/bench_step.py [--out DIR] [--cpu | --smoke] [--host]``.
 """
 
 from __future__ import annotations
@@ -605,6 +609,7 @@ def time_host(run: Run, names: list[str], flashinfer: bool) -> None:
             row["update_and_forward_us"] = host_us(
                 lambda impl=impl, sc=sc, q=q, k=k, v=v, layer=layer, meta=meta, out=out:
                 impl.update_and_forward(sc, q, k, v, layer, meta, output=out))
+            row["step_update_and_forward_us"] = step_host_us(name, b, length)
             run.results["host"].append(row)
             run.log(json.dumps(row))
             if name == "FLASHINFER" and flashinfer:
@@ -614,6 +619,29 @@ def time_host(run: Run, names: list[str], flashinfer: bool) -> None:
                        "write_attend_us": host_us(calls["write + attend"])}
                 run.results["host"].append(row)
                 run.log(json.dumps(row))
+
+
+def step_host_us(name: str, b: int, length: int) -> float:
+    """Host microseconds per layer of an engine's eager step: ``LAYERS`` layers, each with its
+    own impl and cache, ``update_and_forward`` on metadata the builder builds anew every step
+    (what a layer's call keeps per step is found by the step's first layer, what it keeps per
+    layer is found again each step); the build's own time is taken out."""
+    model = Model(name, b, length)
+    layers = [(model.backend.get_impl_cls()(num_heads=HQ, head_size=D, scale=D**-0.5,
+                                            num_kv_heads=HK), cache, out[:b])
+              for cache, out in zip(model.caches.layers, model.outputs, strict=True)]
+    q, k, v = (model.inputs[n] for n in ("query", "key", "value"))
+
+    def build() -> kvcore.AttentionMetadata:
+        return model.builder.build(model.common)
+
+    def step() -> None:
+        meta = build()
+        for impl, cache, out in layers:
+            impl.update_and_forward(model.scales, q, k, v, cache, meta, output=out)
+
+    calls = max(1, HOST_CALLS // LAYERS)
+    return (host_us(step, calls) - host_us(build, calls)) / LAYERS
 
 
 def mla_pipeline(run: Run) -> None:
@@ -681,10 +709,13 @@ def summary_table(run: Run) -> str:
         parts.append(table(
             [[h["impl"], h["shape"], f"{h['write_us']:.1f}", f"{h['attend_us']:.1f}",
               f"{h['write_attend_us']:.1f}",
-              f"{h['update_and_forward_us']:.1f}" if "update_and_forward_us" in h else "-"]
+              f"{h['update_and_forward_us']:.1f}" if "update_and_forward_us" in h else "-",
+              f"{h['step_update_and_forward_us']:.1f}"
+              if "step_update_and_forward_us" in h else "-"]
              for h in r["host"]],
             headers=["per-layer host time (eager)", "shape", "write us", "attend us",
-                     "write + attend us", "update_and_forward us"]))
+                     "write + attend us", "update_and_forward us",
+                     f"same, a {LAYERS}-layer step, us/layer"]))
     if r["mla_pipeline"]:
         headers = list(r["mla_pipeline"][0])
         parts.append(table([[row.get(h, "-") for h in headers] for row in r["mla_pipeline"]],
@@ -705,6 +736,8 @@ def main() -> int:
                         help="only profile that backend's replayed step (e.g. FLASHINFER:16x4096)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU, Triton under TRITON_INTERPRET=1")
+    parser.add_argument("--host", action="store_true",
+                        help="only the per-layer host table (section 5)")
     args = parser.parse_args()
     if DEVICE == "cpu":
         # Tiny ops: intra-op threads cost more than they save on a shared machine.
@@ -739,6 +772,11 @@ def main() -> int:
         b, length = (int(x) for x in shape.split("x"))
         with run.section(f"profile {args.profile}"):
             profile_step(run, name, b, length)
+        run.save()
+        return 1 if run.results["errors"] else 0
+    if args.host:
+        time_host(run, names, has_flashinfer)
+        run.log("\n" + summary_table(run))
         run.save()
         return 1 if run.results["errors"] else 0
     for name in names:
