@@ -172,11 +172,15 @@ def test_update_and_forward_runs_a_subclass_s_own_kernel_hooks(kv):
             seen.append("paged_attention")
             kwargs["output"].zero_()
 
+    class OwnWrite(OwnOp):
+        def write_kv_cache(self, layer, key, value, kv_cache, slot_mapping):
+            seen.append("write_kv_cache")
+
     meta = decode([5], [[1, 2]], DEVICE)
     query = torch.randn(1, HQ, D, device=DEVICE)
-    for cls in (OwnAttend, OwnOp):
+    for cls in (OwnAttend, OwnOp, OwnWrite):
         impl = cls(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK)
         out = impl.update_and_forward(kvcore.LayerScales(), query, query[:, :HK], query[:, :HK],
                                       kv.clone(), meta, output=torch.ones_like(query))
         assert not out.any()
-    assert seen == ["attend", "paged_attention"]
+    assert seen == ["attend", "paged_attention", "write_kv_cache", "paged_attention"]

@@ -128,6 +128,13 @@ class TritonAttentionImpl(PagedAttentionImpl):
     reshape_and_cache = staticmethod(triton_reshape_and_cache)
     paged_attention = staticmethod(triton_paged_attention)
 
+    def write_kv_cache(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The cache write on :meth:`split_kv`'s views (kvcore's op without its lazy-import
+        wrapper, unless a subclass sets its own :meth:`reshape_and_cache`)."""
+        key_cache, value_cache = self.split_kv(kv_cache)
+        self._write(layer, key, value, key_cache, value_cache, slot_mapping)
+
     def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
                attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
         """The op with the builder's plan (``None`` for plain metadata: the op chooses the
@@ -141,16 +148,15 @@ class TritonAttentionImpl(PagedAttentionImpl):
                            output: torch.Tensor | None = None) -> torch.Tensor:
         """The cache write and the attention on one pair of K/V views, the ops called
         without their lazy-import wrappers (same result and errors as the two calls). An
-        encoder-only layer, or a subclass with its own :meth:`attend`, takes the two calls."""
-        if not self.writes_kv_cache() or type(self).attend is not TritonAttentionImpl.attend:
+        encoder-only layer, or a subclass with its own :meth:`write_kv_cache` or
+        :meth:`attend`, takes the two calls."""
+        cls = type(self)
+        if (not self.writes_kv_cache() or cls.attend is not TritonAttentionImpl.attend
+                or cls.write_kv_cache is not TritonAttentionImpl.write_kv_cache):
             return super().update_and_forward(layer, query, key, value, kv_cache,
                                               attn_metadata, output)
-        write = self.reshape_and_cache
-        if write is triton_reshape_and_cache:  # not a subclass's own: skip the wrapper
-            write = _ops()[0]
         key_cache, value_cache = self.split_kv(kv_cache)
-        write(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
-              self.kv_cache_dtype, layer.k_scale, layer.v_scale)
+        self._write(layer, key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         self.check_forward(query, kv_cache, attn_metadata, output)
         if output is None:
             output = self.new_output(query)
@@ -160,6 +166,15 @@ class TritonAttentionImpl(PagedAttentionImpl):
                          value_cache, attn_metadata,
                          output if output.shape[0] == n else output[:n])
         return output
+
+    def _write(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        write = self.reshape_and_cache
+        if write is triton_reshape_and_cache:  # not a subclass's own: skip the wrapper
+            write = _ops()[0]
+        write(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
+              layer.k_scale, layer.v_scale)
 
     def _attend(self, layer: AttentionLayer, query: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, m: AttentionMetadata, output: torch.Tensor) -> None:
