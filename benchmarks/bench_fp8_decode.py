@@ -9,7 +9,8 @@ Llama-3.1-8B's layer (Hq 32, Hk 8, D 128, bf16 queries, block 16) at B x L in {6
    backend's ``forward`` calls) with kvcore's default configuration on a bf16 cache and on an
    fp8 e4m3 cache holding the same values (per-tensor scales, one-element device tensors as an
    engine passes them), each checked against :func:`kvcore.ops.paged_attention_ref` on four
-   of the requests first;
+   of the requests first; and fp8 with the default config's ``fp8_fp16=False``, the fp8 path
+   as it was before fp16 products (fp8 tiles converted to bf16 after shared memory);
 3. fp8 with candidate tiles and split counts (explicit ``TritonDecodeConfig`` /
    ``TritonSplitKVConfig`` plans; time-boxed by ``--budget-s``), for choosing an fp8 row of
    ``DECODE_TILES``;
@@ -139,7 +140,7 @@ def short(cfg) -> str:
     if cfg is None:
         return ""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
-            f"x{getattr(cfg, 'num_splits', 1)}")
+            f"x{getattr(cfg, 'num_splits', 1)}{'' if cfg.fp8_fp16 else ' fp8->bf16'}")
 
 
 # ----------------------------------------------------------------------------- sections
@@ -195,7 +196,8 @@ def check_kvcore(run: Run, batch: Batch, fp8: bool) -> torch.Tensor:
 
 
 def time_kvcore(run: Run, batch: Batch) -> dict[str, torch.Tensor]:
-    """kvcore's default on the bf16 and the fp8 cache; their outputs."""
+    """kvcore's default on the bf16 and the fp8 cache, and fp8 with ``fp8_fp16=False``; the
+    defaults' outputs."""
     outs = {}
     cfg = default_config(batch)
     for fp8 in (False, True):
@@ -203,6 +205,12 @@ def time_kvcore(run: Run, batch: Batch) -> dict[str, torch.Tensor]:
         outs[cache] = check_kvcore(run, batch, fp8)
         t, how = time_call(kvcore_call(batch, fp8))
         add_timing(run, batch, cache, "kvcore", t, how, cfg)
+    before = dataclasses.replace(cfg, fp8_fp16=not cfg.fp8_fp16)
+    fn = kvcore_call(batch, True, before)
+    err = rel_err(fn(), outs["fp8"])
+    run.check(f"{batch.shape}.fp8.{short(before)}_vs_default", err < 1e-2, rel_err=err)
+    t, how = time_call(fn)
+    add_timing(run, batch, "fp8", f"kvcore fp8_fp16={before.fp8_fp16}", t, how, before)
     return outs
 
 

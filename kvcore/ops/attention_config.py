@@ -101,12 +101,17 @@ class _QueryTileConfig:
 class TritonDecodeConfig(_QueryTileConfig):
     """``triton_decode``: the tile, the launch's warps and pipeline stages; ``const_block``
     compiles the cache's block size in (page lookups by shifts, one compiled kernel per block
-    size)."""
+    size). ``fp8_fp16``: on an fp8 cache, bf16 queries meet K/V in fp16 products and V is
+    converted before shared memory (:mod:`kvcore.ops.triton_decode`); ``False`` converts the
+    fp8 tiles to the query's dtype after shared memory, as before (the ROCm row keeps that:
+    the fp16 path takes more registers there and has not been measured). Caches of the
+    model's dtype ignore it."""
 
     kernel: str = _kernel("triton_decode")
     num_warps: int
     num_stages: int
     const_block: bool = False
+    fp8_fp16: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +125,7 @@ class TritonSplitKVConfig(_QueryTileConfig):
     num_warps: int
     num_stages: int
     const_block: bool = False
+    fp8_fp16: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +213,8 @@ class DecodeTile:
     split while the grid has fewer than ``split_waves`` programs per SM, at most one split per
     ``min_split_tokens`` tokens. ``split_block_n``: keys a step of ``triton_split_kv``
     (``None``: ``block_n``); with longer steps each split program keeps more bytes in flight,
-    so fewer splits (a lower ``split_waves``) fill the GPU."""
+    so fewer splits (a lower ``split_waves``) fill the GPU. ``fp8_fp16``: the configs'
+    fp8 path (:class:`TritonDecodeConfig`)."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -216,6 +223,7 @@ class DecodeTile:
     split_waves: int = 4
     min_split_tokens: int = 512
     split_block_n: int | None = None
+    fp8_fp16: bool = True
 
 
 #: ``triton_prefill`` rows: (head sizes up to 128, above 128). Above 128 the tile keeps 64
@@ -245,7 +253,7 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 DECODE_TILES: dict[str, DecodeTile] = {
     "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64),
     "cuda": DecodeTile(),
-    "rocm": DecodeTile(),
+    "rocm": DecodeTile(fp8_fp16=False),
 }
 
 

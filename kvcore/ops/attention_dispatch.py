@@ -113,10 +113,11 @@ def default_config(
         return TritonSplitKVConfig(block_q=block_q, g_pad=g_pad,
                                    block_n=tile.split_block_n or tile.block_n,
                                    num_splits=num_kv_splits, num_warps=tile.num_warps,
-                                   num_stages=num_stages, const_block=tile.const_block)
+                                   num_stages=num_stages, const_block=tile.const_block,
+                                   fp8_fp16=tile.fp8_fp16)
     return TritonDecodeConfig(block_q=block_q, g_pad=g_pad, block_n=tile.block_n,
                               num_warps=tile.num_warps, num_stages=num_stages,
-                              const_block=tile.const_block)
+                              const_block=tile.const_block, fp8_fp16=tile.fp8_fp16)
 
 
 def call_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -298,7 +299,8 @@ class AttentionLaunch:
         else:
             self.ints = (num_heads, group, block_size, head_size, window, self.num_splits)
             constexprs.update(SPLIT_KV=self.num_splits > 1,
-                              PAGE=block_size if cfg.const_block else 0, **features)
+                              PAGE=block_size if cfg.const_block else 0,
+                              FP8_FP16=cfg.fp8_fp16, **features)
         self.cache_strides = (*key_cache.stride(), *value_cache.stride())
         # Without sinks the kernel never reads its sinks argument: the query goes there.
         self.sinks = sinks if kernel_sinks else None

@@ -24,12 +24,13 @@ caps every scaled score at ``cap * tanh(score / cap)`` before masking
 logit (:func:`initial_row_state`). A split launch leaves ``HAS_SINKS`` off and the merge adds
 the sink once.
 
-fp8 caches (``FP8``): K/V tiles are converted to a 16-bit dtype in the loop (exact) and the
+fp8 caches (``FP8``): K/V tiles are converted to the products' dtype in the loop (exact) and the
 per-tensor scales go on the scores (``qk_scale * k_scale``) and the output (``* v_scale``), once
-each. With bf16 queries both products run in fp16 (:func:`fp16_query` scales each query row
-by a power of two into fp16's range), because fp8 -> fp16 is one conversion instruction per
-two elements and fp8 -> bf16 three; V is converted before it is staged in shared memory, so
-the ``P @ V`` operand is read back with 16-bit matrix loads.
+each. With ``FP8_FP16`` (the config's ``fp8_fp16``) bf16 queries meet them in fp16 products
+(:func:`fp16_query` scales each query row by a power of two into fp16's range), because fp8 ->
+fp16 is one conversion instruction per two elements and fp8 -> bf16 three; and V is converted
+before it is staged in shared memory, so the ``P @ V`` operand is read back with 16-bit
+matrix loads instead of single bytes.
 
 The prologue (:func:`load_query_tile`) and page lookup (:func:`page_ids`, :func:`page_slots`) are
 shared with the prefill kernel (:mod:`kvcore.ops.triton_prefill`). ``PAGE`` > 0 compiles the
@@ -167,7 +168,7 @@ def paged_attention_kernel(
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_KV: tl.constexpr, PAGE: tl.constexpr,
+    SPLIT_KV: tl.constexpr, PAGE: tl.constexpr, FP8_FP16: tl.constexpr,
     SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
@@ -201,7 +202,7 @@ def paged_attention_kernel(
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     # fp8 K/V meet bf16 queries in fp16 products (see the module docstring).
-    FP16_DOTS: tl.constexpr = FP8 and q_ptr.dtype.element_ty == tl.bfloat16
+    FP16_DOTS: tl.constexpr = FP8 and FP8_FP16 and q_ptr.dtype.element_ty == tl.bfloat16
     if FP8:
         ks, vs = load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR)
         qk_scale = qk_scale * ks
@@ -233,7 +234,7 @@ def paged_attention_kernel(
         if INTERPRET:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        elif FP8:
+        elif FP8 and FP8_FP16:
             # fp8 -> the products' dtype is exact; the scales go on the scores and output.
             k = k.to(q.dtype)
             # V converted where it was loaded, so it reaches shared memory as 16-bit rows that

@@ -8,6 +8,7 @@ and on a GPU when there is one; the compile test checks the sm_90a code without 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
 triton_decode = pytest.importorskip("kvcore.ops.triton_decode")
+dispatch = pytest.importorskip("kvcore.ops.attention_dispatch")
 from kvcore.ops.triton_utils import is_interpreted  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,22 +101,41 @@ def _decode_batch(name: str, cache_dtype: torch.dtype, seq_lens: list[int], q_ma
                                              device=DEVICE))
 
 
+@pytest.mark.parametrize("fp8_fp16", [True, False], ids=["fp16", "query_dtype"])
 @pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split3"])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
                          ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("magnitudes", [(1.0, 1.0), (2.0 ** 17, 2.0 ** -14)],
                          ids=["unit", "query_beyond_fp16"])
-def test_decode_on_fp8_cache_matches_the_reference(magnitudes, cache_dtype, splits) -> None:
-    """Decode-only batches (the decode kernel, whole and split) on e4m3 and e5m2 caches with
-    tensor scales: the reference's output within bf16 tolerance. ``query_beyond_fp16`` holds
-    queries ~2**17 (fp16 overflows at 65504) against keys ~2**-14, logits of order one: the
-    per-row rescaling keeps them exact."""
-    call = _decode_batch(f"fp8decode{magnitudes}{cache_dtype}", cache_dtype, [150, 37, 64, 1],
+def test_decode_on_fp8_cache_matches_the_reference(magnitudes, cache_dtype, splits,
+                                                   fp8_fp16) -> None:
+    """Decode-only batches (the decode kernel, whole and split, both fp8 paths) on e4m3 and
+    e5m2 caches with tensor scales: the reference's output within bf16 tolerance.
+    ``query_beyond_fp16`` holds queries ~2**17 (fp16 overflows at 65504) against keys
+    ~2**-14, logits of order one: the per-row rescaling keeps them exact."""
+    seq_lens = [150, 37, 64, 1]
+    call = _decode_batch(f"fp8decode{magnitudes}{cache_dtype}", cache_dtype, seq_lens,
                          *magnitudes)
-    out = triton_attention.paged_attention(**call, plan=TritonAttentionPlan(num_kv_splits=splits))
+    config = dispatch.default_config(len(seq_lens), len(seq_lens), NUM_HEADS, NUM_KV_HEADS,
+                                     HEAD_SIZE, call["block_table"].shape[1] * BLOCK_SIZE,
+                                     torch.device(DEVICE), splits)
+    assert config.fp8_fp16  # the default rows but ROCm's
+    plan = TritonAttentionPlan(config=dataclasses.replace(config, fp8_fp16=fp8_fp16))
+    out = triton_attention.paged_attention(**call, plan=plan)
     ref = paged_attention_ref(**call)
     assert out.isfinite().all()
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_the_rocm_row_keeps_fp8_tiles_in_the_query_dtype() -> None:
+    """``fp8_fp16`` comes from the GPU's DECODE_TILES row: on for NVIDIA's, off for ROCm's
+    (more registers there, not measured), in unsplit and split configs alike."""
+    cpu = torch.device("cpu")
+    for splits in (1, 4):
+        args = (64, 64, 32, 8, 128, 4096, cpu, splits)
+        assert dispatch.default_config(*args, arch="sm90", rocm=False, num_sms=132).fp8_fp16
+        assert not dispatch.default_config(*args, arch="gfx942", rocm=True,
+                                           num_sms=304).fp8_fp16
 
 
 _COMPILE = """
