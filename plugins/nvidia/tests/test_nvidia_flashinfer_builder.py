@@ -141,13 +141,45 @@ def _forward(impl, batch, kv_cache, meta) -> torch.Tensor:
 @pytest.mark.parametrize(("capability", "heads", "expected"), [
     ((9, 0), (32, 8), FlashInferKernels("fa3", True)),
     ((8, 0), (32, 8), FlashInferKernels("fa2", True)),
-    ((8, 9), (32, 16), FlashInferKernels("fa2", False)),
+    ((8, 9), (32, 16), FlashInferKernels("fa2", True)),
+    ((8, 9), (32, 32), FlashInferKernels("fa2", False)),
     ((10, 0), (32, 8), FlashInferKernels("fa2", True)),
     ((12, 0), (8, 8), FlashInferKernels("fa2", False)),
     (None, (32, 8), FlashInferKernels("fa2", True)),
-], ids=["hopper", "ampere", "ada-gqa2", "blackwell", "blackwell-mha", "no-gpu"])
+], ids=["hopper", "ampere", "ada-gqa2", "ada-mha", "blackwell", "blackwell-mha", "no-gpu"])
 def test_kernels_per_gpu_and_phase(capability, heads, expected):
     assert flashinfer_kernels(capability, *heads) == expected
+
+
+def test_mha_decode_with_a_window_or_an_fp8_cache_runs_on_tensor_cores():
+    """FlashInfer's CUDA-core decode kernel reads the pages a window excludes and converts
+    fp8 slowly: a layer with either decodes on tensor cores, whatever its group."""
+    assert not flashinfer_kernels((9, 0), 8, 8).decode_tensor_cores
+    assert flashinfer_kernels((9, 0), 8, 8, sliding_window=4096).decode_tensor_cores
+    assert flashinfer_kernels((9, 0), 8, 8, torch.float8_e4m3fn).decode_tensor_cores
+
+
+def test_a_builder_that_learns_a_window_decodes_on_the_window_s_kernel():
+    """An MHA builder made without a window (CUDA-core decode) that learns one from its first
+    layer makes its wrappers again for tensor-core decode, before anything is captured."""
+    kv_cache, gen = _cache(14)
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.float32,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE)
+    builder = FlashInferBackend.get_builder_cls()(
+        spec, num_heads=KV_HEADS, max_num_seqs=8, max_num_batched_tokens=256,
+        max_model_len=512, device="cpu")
+    assert not builder.kernels.decode_tensor_cores
+    impl = FlashInferBackend.get_impl_cls()(num_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS,
+                                            sliding_window=20)
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES["decode-only"])
+    meta = builder.build(batch.meta)
+    assert "use_tensor_cores" in meta.decode_wrapper.kwargs
+    assert not meta.decode_wrapper.kwargs["use_tensor_cores"]
+    out = _forward(impl, batch, kv_cache, meta)
+    assert builder.kernels.decode_tensor_cores and builder.sliding_window == 20
+    assert meta.decode_wrapper.kwargs["use_tensor_cores"]
+    assert rel_err(out, reference(impl, batch, kv_cache)) < REL_ERR[torch.float32]
 
 
 SHAPES = {

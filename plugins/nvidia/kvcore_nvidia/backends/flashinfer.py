@@ -14,7 +14,8 @@ Kernels (chosen in one place, :func:`flashinfer_kernels`, per GPU and phase):
   as kvcore's convention requires;
 - decode (one new token per request) through ``BatchDecodeWithPagedKVCacheWrapper``, with
   tensor cores (FlashInfer's fa2 prefill kernel, the query heads of a K/V head packed into
-  one tile) when a K/V head serves at least 4 query heads, else its CUDA-core decode kernel;
+  one tile) when a K/V head serves at least 2 query heads, on a layer with a sliding window
+  and on an fp8 cache, else (MHA) its CUDA-core decode kernel;
 - a mixed batch whose decode requests come first (the order engines schedule them in) is
   split: the decode requests run on the decode kernel, the rest on the prefill kernel, each
   writing its own rows of the output. Otherwise the whole batch runs on the prefill kernel.
@@ -193,7 +194,7 @@ class FlashInferImpl(PagedCacheImpl):
         block_size = key_cache.shape[1]
         indptr, indices, last_page_len = flashinfer_page_table(attn_metadata, block_size)
         kernels = flashinfer_kernels(cuda_capability(key_cache.device), self.num_heads,
-                                     self.num_kv_heads, key_cache.dtype)
+                                     self.num_kv_heads, key_cache.dtype, self.sliding_window)
         prefill, decode = _wrappers(key_cache.device, kernels)
         shape, options = plan_args(self.num_heads, self.num_kv_heads, self.head_size,
                                    block_size, self.scale, self.sliding_window, query.dtype,

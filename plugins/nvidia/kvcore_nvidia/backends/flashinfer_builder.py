@@ -29,6 +29,7 @@ from kvcore_nvidia.backends.common import (
 )
 from kvcore_nvidia.backends.flashinfer_kernels import (
     WORKSPACE_BYTES,
+    FlashInferKernels,
     cuda_capability,
     flashinfer_kernels,
     new_wrappers,
@@ -181,8 +182,7 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         #: Whether the plan parameters above are the model's (a layer ran on them, or a step
         #: was captured): from then on they are never changed (see the class docstring).
         self.settled = False
-        self.kernels = flashinfer_kernels(cuda_capability(self.device), num_heads, num_kv_heads,
-                                          spec.cache_dtype)
+        self.kernels = self._kernels()
         self.plans = 0
         dev = self.device
         cuda = dev.type == "cuda"
@@ -201,21 +201,30 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         self._flat_table = self.block_table.view(-1)
         # The HostPages laid out in each staging slot, per batch size (refilled each step).
         self._lists: dict[tuple[int, int], HostPages] = {}
+        self._new_wrappers()
+        #: What a layer's cache is checked against once (FlashInferLaunch.signature).
+        self.signature = (num_heads, num_kv_heads, spec.head_size, spec.block_size, spec.dtype,
+                          spec.cache_dtype)
+        # Page counts self._positions holds the gather positions of, and those whose indptr
+        # self._indptr holds (the graph wrappers of all sizes share it).
+        self._gathered: bytes | None = None
+        self._indptr_holds: bytes | None = None
+
+    def _kernels(self) -> FlashInferKernels:
+        return flashinfer_kernels(cuda_capability(self.device), self.num_heads,
+                                  self.num_kv_heads, self.spec.cache_dtype, self.sliding_window)
+
+    def _new_wrappers(self) -> None:
+        """The eager wrappers for :attr:`kernels`, and no graph-mode ones yet (made per batch
+        size when first used)."""
         self._prefill, self._decode = new_wrappers(self.workspace, self.kernels)
         self._graph_wrappers: dict[int, Any] = {}
         # Sizes whose graph-mode wrapper only eager decode steps use, oldest first (see
         # MAX_EAGER_DECODE_WRAPPERS); a graph build of a size makes its wrapper permanent.
         self._eager_sizes: collections.OrderedDict[int, None] = collections.OrderedDict()
-        #: What a layer's cache is checked against once (FlashInferLaunch.signature).
-        self.signature = (num_heads, num_kv_heads, spec.head_size, spec.block_size, spec.dtype,
-                          spec.cache_dtype)
         # Page counts (HostPages.page_counts_key) each CUDA-graph wrapper was last planned for
         # (the plan depends on them).
         self._graph_plans: dict[int, bytes] = {}
-        # Page counts self._positions holds the gather positions of, and those whose indptr
-        # self._indptr holds (the graph wrappers of all sizes share it).
-        self._gathered: bytes | None = None
-        self._indptr_holds: bytes | None = None
         # Per wrapper: an event after its last plan. FlashInfer stages a plan in the wrapper's
         # page-locked buffer and copies it to the device asynchronously; the next plan of that
         # wrapper waits for that copy (the previous step's), not for the device to be idle.
@@ -318,6 +327,10 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         self.scale, self.sliding_window, self.logits_soft_cap = (
             scale, sliding_window, logits_soft_cap)
         self.settled = True
+        kernels = self._kernels()
+        if kernels != self.kernels:  # a window learned: its decode kernel (no graph yet)
+            self.kernels = kernels
+            self._new_wrappers()
         # Graph-mode wrappers were planned for the old values: plan them again when used.
         self._graph_plans.clear()
         slot = self._staging.acquire()

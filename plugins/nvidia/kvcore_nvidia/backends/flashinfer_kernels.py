@@ -37,16 +37,18 @@ class FlashInferKernels:
     decode_tensor_cores: bool
 
 
-#: Query heads per K/V head from which tensor-core decode is the faster decode kernel:
-#: FlashInfer packs the group's query heads into the rows of one tensor-core tile, so each
-#: K/V page is read once for the group; with fewer heads per group the tile is mostly empty
-#: and the CUDA-core decode kernel is faster (FlashInfer's own guidance, as in vLLM).
-TENSOR_CORE_DECODE_MIN_GROUP = 4
+#: Query heads per K/V head from which tensor-core decode is the faster decode kernel on a
+#: cache of the model's dtype without a window: FlashInfer packs the group's query heads into
+#: the rows of one tensor-core tile, so each K/V page is read once for the group. Measured on
+#: an H100 (2026-12-06, benchmarks/RESULTS.md): at 2 (Gemma 2's 16/8 heads of 256, decode
+#: 64 x 4096 bf16) tensor cores took 712 us, the CUDA-core decode kernel 733. With one query
+#: head per K/V head (MHA) the tile is mostly empty and the CUDA-core kernel is kept.
+TENSOR_CORE_DECODE_MIN_GROUP = 2
 
 
 def flashinfer_kernels(capability: tuple[int, int] | None, num_heads: int,
-                       num_kv_heads: int, kv_dtype: torch.dtype | None = None
-                       ) -> FlashInferKernels:
+                       num_kv_heads: int, kv_dtype: torch.dtype | None = None,
+                       sliding_window: int | None = None) -> FlashInferKernels:
     """The fastest FlashInfer kernels per phase: the one place they are chosen.
 
     - Prefill: on SM 9.x (Hopper: H100, H200) FlashInfer's SM90 kernels (``"fa3"``: wgmma and
@@ -61,7 +63,11 @@ def flashinfer_kernels(capability: tuple[int, int] | None, num_heads: int,
       cache.
       ``capability`` ``None`` (no GPU: the CPU tests' stand-ins) gives ``"fa2"``.
     - Decode: tensor cores when a K/V head serves at least
-      :data:`TENSOR_CORE_DECODE_MIN_GROUP` query heads, else the CUDA-core decode kernel.
+      :data:`TENSOR_CORE_DECODE_MIN_GROUP` query heads, on an fp8 cache and on a layer with a
+      ``sliding_window``, else the CUDA-core decode kernel. FlashInfer's CUDA-core decode
+      kernel reads every page of a request, also those a window excludes (H100, Gemma 2's
+      4096-token window at 8 x 32768: 715 us against 101 on tensor cores), and converts fp8
+      slowly (64 x 4096: 687 us, about its bf16 time, against 391).
 
     A mixed batch runs its decode requests on the decode kernel and the rest on the prefill
     kernel (see :mod:`kvcore_nvidia.backends.flashinfer`).
@@ -70,8 +76,9 @@ def flashinfer_kernels(capability: tuple[int, int] | None, num_heads: int,
     prefill = ("fa3" if capability is not None and capability[0] == 9 and not fp8_cache
                else "fa2")
     group = num_heads // max(num_kv_heads, 1)
-    return FlashInferKernels(prefill=prefill,
-                             decode_tensor_cores=group >= TENSOR_CORE_DECODE_MIN_GROUP)
+    tensor_cores = (group >= TENSOR_CORE_DECODE_MIN_GROUP or fp8_cache
+                    or sliding_window is not None)
+    return FlashInferKernels(prefill=prefill, decode_tensor_cores=tensor_cores)
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
