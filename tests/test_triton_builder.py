@@ -70,6 +70,38 @@ def test_graph_split_count_depends_only_on_the_batch_size():
     assert builder(max_model_len=256).graph_num_kv_splits(1) == 1
 
 
+def test_an_fp8_builder_splits_more_and_sizes_its_workspace_for_it(monkeypatch):
+    """On the sm90 row (132 SMs) a builder of Llama-3.1-8B's layer (Hq 32, Hk 8, D 128)
+    captures 8 requests with 16 splits on an fp8 cache and 4 on a bf16 one; each workspace
+    is the largest split decode of its own rule, so a graph step of 8 fits the fp8 one."""
+    from kvcore.ops import split_kv, workspace_numel
+
+    monkeypatch.setattr(split_kv, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(split_kv, "_num_sms", lambda device_type, index: 132)
+    cls = kvcore.resolve_backend("TRITON_ATTN").get_builder_cls()
+    built = {}
+    for kv_cache_dtype in ("auto", "fp8_e4m3"):
+        llama = kvcore.FullAttentionSpec(block_size=16, dtype=torch.bfloat16,
+                                         kv_cache_dtype=kv_cache_dtype, num_kv_heads=8,
+                                         head_size=128)
+        built[kv_cache_dtype] = cls(llama, num_heads=32, max_num_seqs=64,
+                                    max_num_batched_tokens=64, max_model_len=32768,
+                                    device="cpu")
+    bf16, fp8 = built["auto"], built["fp8_e4m3"]
+    assert [bf16.graph_num_kv_splits(n) for n in (1, 8, 16, 64)] == [33, 4, 2, 1]
+    assert [fp8.graph_num_kv_splits(n) for n in (1, 8, 16, 64)] == [64, 16, 8, 1]
+    for b in (bf16, fp8):
+        most = max(workspace_numel(n, 32, 128, b.graph_num_kv_splits(n)) for n in range(1, 65))
+        assert tuple(t.numel() for t in b.workspace) == most
+    assert bf16.workspace[0].numel() < workspace_numel(8, 32, 128, 16)[0]
+    assert fp8.workspace[0].numel() >= workspace_numel(8, 32, 128, 16)[0]
+    step = kvcore.build_attention_metadata([1] * 8, [5] * 8, [[i] for i in range(8)], 16,
+                                           device="cpu")
+    meta = fp8.build(step, graph_batch_size=8)
+    assert meta.plan.num_kv_splits == 16 and meta.plan.workspace is fp8.workspace
+    assert bf16.build(step, graph_batch_size=8).plan.num_kv_splits == 4
+
+
 def test_builder_owns_the_workspace_and_reuses_every_buffer(kv):
     b = builder()
     assert b.workspace is not None

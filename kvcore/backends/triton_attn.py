@@ -9,9 +9,10 @@ peers that use that layout. Both are blocks-first, so KV connectors can move the
 The builder (:class:`TritonAttentionMetadataBuilder`) keeps the step in persistent buffers,
 chooses the split-KV count once per step and owns the split-KV workspace, so uniform-decode
 steps can be captured in CUDA graphs (``CUDA_GRAPH_SUPPORT = UNIFORM_DECODE``): in a graph the
-split count depends only on the captured batch size and ``max_model_len`` (requests shorter
-than that leave some splits empty, which the kernel and the merge handle), eagerly it follows
-the step's longest request. The phase picks the kernel: decode-only steps run the decode
+split count depends only on the captured batch size, ``max_model_len`` and the spec's
+``kv_cache_dtype`` (an fp8 cache may split more; requests shorter than ``max_model_len`` leave
+some splits empty, which the kernel and the merge handle), eagerly it follows the step's
+longest request. The phase picks the kernel: decode-only steps run the decode
 kernel with the builder's split count; steps with more tokens than requests (prefill, chunked
 prefill, mixed) are never split and run the prefill kernel with the GPU's tile
 (:data:`kvcore.ops.attention_config.PREFILL_TILES`; the decode tile and the split rule are the
@@ -65,7 +66,8 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
     """Persistent step buffers, the split-KV choice and its workspace (see the module).
 
     The workspace is sized at construction for the largest split decode any step up to the
-    maxima can choose, so no step allocates. Public (``kvcore.TritonAttentionMetadataBuilder``)
+    maxima can choose with the spec's ``kv_cache_dtype`` (fp8 caches may split more), so no
+    step allocates. Public (``kvcore.TritonAttentionMetadataBuilder``)
     for plugins whose backends run kvcore's Triton kernels: their
     :class:`kvcore.PagedAttentionImpl` passes ``TritonAttentionMetadata.plan`` on as ``plan=``.
     """
@@ -76,7 +78,9 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
         num_kv_heads = self.spec_kv_heads()
-        self._splits = default_num_kv_splits
+        # The spec's cache dtype: an fp8 cache may take more splits (and a larger workspace).
+        self._splits = functools.partial(default_num_kv_splits,
+                                         kv_cache_dtype=spec.kv_cache_dtype)
         self._num_kv_heads = num_kv_heads
         # Graph steps split by the captured size and max_model_len; eager ones by the step's
         # longest request, never more: the graph choice bounds the workspace.

@@ -210,11 +210,15 @@ class GluonPrefillTile:
 class DecodeTile:
     """A :data:`DECODE_TILES` row: ``triton_decode``'s keys a step, warps, stages and
     ``const_block``, and the split rule (:func:`kvcore.ops.split_kv.default_num_kv_splits`):
-    split while the grid has fewer than ``split_waves`` programs per SM, at most one split per
-    ``min_split_tokens`` tokens. ``split_block_n``: keys a step of ``triton_split_kv``
-    (``None``: ``block_n``); with longer steps each split program keeps more bytes in flight,
-    so fewer splits (a lower ``split_waves``) fill the GPU. ``fp8_fp16``: the configs'
-    fp8 path (:class:`TritonDecodeConfig`)."""
+    split while the grid has fewer than ``split_waves`` programs per SM, into about
+    ``split_waves`` programs per SM, at most one split per ``min_split_tokens`` tokens.
+    ``fp8_split_waves``: the programs per SM a split launch on an fp8 cache aims at (``None``:
+    ``split_waves``); whether to split is still decided by ``split_waves``. An fp8 split
+    program reads half the bytes of a 16-bit one, so it finishes sooner and more of them keep
+    enough bytes in flight. ``split_block_n``: keys a step of ``triton_split_kv`` (``None``:
+    ``block_n``); with longer steps each split program keeps more bytes in flight, so fewer
+    splits (a lower ``split_waves``) fill the GPU. ``fp8_fp16``: the configs' fp8 path
+    (:class:`TritonDecodeConfig`)."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -224,6 +228,7 @@ class DecodeTile:
     min_split_tokens: int = 512
     split_block_n: int | None = None
     fp8_fp16: bool = True
+    fp8_split_waves: int | None = None
 
 
 #: ``triton_prefill`` rows: (head sizes up to 128, above 128). Above 128 the tile keeps 64
@@ -250,8 +255,15 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 
 #: ``triton_decode`` / ``triton_split_kv`` rows and the split rule. Above head size 128 on
 #: ROCm the decode kernel keeps one tile in flight (LDS, as in :data:`PREFILL_TILES`).
+#: sm90's fp8 splits (benchmarks/bench_fp8_decode.py on an H100, Llama-3.1-8B layer: Hq 32,
+#: Hk 8, D 128, block 16, bf16 queries; explicit plans): at 8 x 32768 (64 programs) the fp8
+#: cache took 332.8 us with the 16-bit rule's 4 splits of 64 keys a step (n64w4s3x4), 250.0
+#: with 16 (n64w4s3x16) and 252.6 with 8 splits of 32 keys (FlashInfer fp8 242.2; the bf16
+#: cache 363.2 with 4 splits, 95% of the read ceiling), so fp8 aims at 8 programs per SM
+#: (8 * 132 / 64 -> 16 splits). 64 x 4096 (512 programs, not split) stays unsplit: 249.7 us
+#: with 32 keys a step against 261.3 for 8 splits of 64 (FlashInfer fp8 244.7).
 DECODE_TILES: dict[str, DecodeTile] = {
-    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64),
+    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64, fp8_split_waves=8),
     "cuda": DecodeTile(),
     "rocm": DecodeTile(fp8_fp16=False),
 }

@@ -68,6 +68,7 @@ def default_config(
     rocm: bool | None = None,
     arch: str | None = None,
     gluon: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionConfig:
     """The launch config :func:`kvcore.ops.triton_attention.paged_attention` uses (see the
     module docstring).
@@ -76,7 +77,8 @@ def default_config(
     takes ``head_size`` (unless ``KVCORE_GLUON=0``:
     :func:`~kvcore.ops.triton_utils.gluon_defaults_enabled`). ``max_seq_len_bound`` is an
     upper bound on every request's length (``block_table.shape[1] * block_size``); only the
-    split rule uses it, with ``num_sms`` (default: ``device``'s SM count). ``rocm`` picks the
+    split rule uses it, with ``num_sms`` (default: ``device``'s SM count) and
+    ``kv_cache_dtype`` (an fp8 cache may take more splits). ``rocm`` picks the
     AMD rows (default: the torch build's platform), ``arch`` the tables' row (default:
     :func:`~kvcore.ops.attention_config.device_arch`). The compile check passes its target's
     values for all three.
@@ -88,7 +90,8 @@ def default_config(
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_tokens, num_seqs, num_kv_heads,
                                               max_seq_len_bound, device, num_sms=num_sms,
-                                              arch=arch, rocm=rocm)
+                                              arch=arch, rocm=rocm,
+                                              kv_cache_dtype=kv_cache_dtype)
     if not decode_only and num_kv_splits == 1:
         gluon_row = GLUON_PREFILL_TILES.get(arch) if gluon and not rocm else None
         if (gluon_row is not None and gluon_defaults_enabled()
@@ -126,15 +129,15 @@ def call_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                 **target) -> AttentionConfig:
     """The config :func:`kvcore.ops.triton_attention.paged_attention` uses when given none:
     :func:`default_config` for these tensors (``query`` ``(tokens, heads, head_size)``, caches
-    ``(blocks, block_size, kv_heads, head_size)``), with its Gluon row only where
-    :func:`gluon_prefill_unmet` finds nothing unmet (``features``: the call has a logit
-    soft-cap or sinks), the Triton row otherwise. ``target`` (``num_sms``, ``rocm``,
+    ``(blocks, block_size, kv_heads, head_size)``, ``kv_cache_dtype`` theirs), with its Gluon
+    row only where :func:`gluon_prefill_unmet` finds nothing unmet (``features``: the call has
+    a logit soft-cap or sinks), the Triton row otherwise. ``target`` (``num_sms``, ``rocm``,
     ``arch``) as :func:`default_config` takes it: an ahead-of-time compile passes its
     target's."""
     num_tokens, num_heads, head_size = query.shape
     choose = functools.partial(default_config, num_tokens, num_seqs, num_heads,
                                key_cache.shape[2], head_size, max_seq_len_bound, query.device,
-                               num_kv_splits, **target)
+                               num_kv_splits, kv_cache_dtype=kv_cache_dtype, **target)
     cfg = choose()
     if isinstance(cfg, GluonPrefillConfig) and gluon_prefill_unmet(
             query, key_cache, value_cache, kv_cache_dtype, cfg, features=features) is not None:

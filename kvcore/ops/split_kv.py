@@ -11,9 +11,10 @@ scores already scaled by ``softmax_scale * LOG2E``; ``-inf`` for a split that sa
 The split count: :func:`kv_split_count` is the rule (split a launch of too few programs until
 it has about ``target_programs``, never below ``min_split_tokens`` keys a split), which
 :func:`default_num_kv_splits` applies to TRITON_ATTN with the GPU's decode row
-(:data:`kvcore.ops.attention_config.DECODE_TILES`). Both depend only on their arguments, so a
-builder that passes a fixed length bound (``max_model_len``) gets a choice that is stable for a
-batch size (CUDA-graph replays).
+(:data:`kvcore.ops.attention_config.DECODE_TILES`; an fp8 cache may aim at more programs).
+Both depend only on their arguments, so a builder that passes a fixed length bound
+(``max_model_len``) and its cache dtype gets a choice that is stable for a batch size
+(CUDA-graph replays).
 
 This module imports no kernel library; :func:`merge_kv_splits` imports triton on first call.
 """
@@ -24,6 +25,7 @@ import functools
 
 import torch
 
+from kvcore.dtypes import FP8_KV_CACHE_DTYPES
 from kvcore.ops.attention_config import decode_tile, device_arch, is_rocm
 
 __all__ = ["LN2", "LOG2E", "MAX_KV_SPLITS", "default_num_kv_splits", "kv_split_count",
@@ -67,20 +69,27 @@ def kv_split_count(programs: int, max_seq_len: int, *, target_programs: int,
 def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
                           max_seq_len_bound: int, device: torch.device, *,
                           num_sms: int | None = None, arch: str | None = None,
-                          rocm: bool | None = None) -> int:
+                          rocm: bool | None = None, kv_cache_dtype: str = "auto") -> int:
     """TRITON_ATTN's split count: 1 unless the batch is decode-only (``num_tokens ==
     num_seqs``) and its ``num_seqs * num_kv_heads`` programs are fewer than ``split_waves``
     per SM; then :func:`kv_split_count` with ``split_waves * num_sms`` programs as the target
-    and the row's ``min_split_tokens``. The waves and tokens per split come from the
+    (``fp8_split_waves * num_sms`` for an fp8 ``kv_cache_dtype`` where the row sets it) and
+    the row's ``min_split_tokens``. The waves and tokens per split come from the
     :func:`~kvcore.ops.attention_config.decode_tile` of ``arch`` (default:
     :func:`~kvcore.ops.attention_config.device_arch`); ``num_sms`` defaults to ``device``'s
-    SM count; ``max_seq_len_bound`` bounds every request's length."""
+    SM count; ``max_seq_len_bound`` bounds every request's length; ``kv_cache_dtype`` is the
+    cache's (``"auto"``: the model's dtype)."""
     rule = decode_tile(arch or device_arch(device), is_rocm(rocm))
     if num_tokens != num_seqs:
         return 1
     sms = num_sms if num_sms is not None else _num_sms(device.type, device.index)
-    return kv_split_count(num_seqs * num_kv_heads, max_seq_len_bound,
-                          target_programs=rule.split_waves * sms,
+    programs = num_seqs * num_kv_heads
+    if programs >= rule.split_waves * sms:
+        return 1
+    waves = rule.split_waves
+    if rule.fp8_split_waves is not None and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        waves = rule.fp8_split_waves
+    return kv_split_count(programs, max_seq_len_bound, target_programs=waves * sms,
                           min_split_tokens=rule.min_split_tokens)
 
 
