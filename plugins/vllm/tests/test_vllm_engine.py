@@ -2,11 +2,14 @@
 kvcore's CPU_ATTN, and TRITON_ATTN under the Triton interpreter, compared token for token with
 vLLM's own CPU backend; in bfloat16, tokens may part only at near-ties of vLLM's own logits.
 
-Each configuration runs in a fresh process (``vllm_run.py``): ``VLLM_PLUGINS=`` (empty) gives
-vLLM's own backend, ``VLLM_PLUGINS=kvcore`` the plugin. Every comparison prints its
-token-equality count; the negative control (no causal mask) must change the tokens, so the
-comparison has teeth, and the in-process runs report the attention impl vLLM used, so a plugin
-that silently failed to load cannot pass.
+Each process (``vllm_run.py``) serves a list of configurations, one fresh ``LLM`` each:
+vLLM's import and start-up, most of a configuration's time, is paid once per process, and a
+process holds what must be equal for all of its configurations: ``VLLM_PLUGINS=`` (empty)
+gives vLLM's own backend, ``VLLM_PLUGINS=kvcore`` the plugin, the Triton runs their
+environment, the multiprocessing engine its own. Every comparison prints its token-equality
+count; the negative control (no causal mask) must change the tokens, so the comparison has
+teeth, and the in-process runs report the attention impl and layout vLLM used, so a plugin that
+silently failed to load, or a layout left over from the configuration before, cannot pass.
 """
 
 from __future__ import annotations
@@ -25,6 +28,29 @@ HERE = Path(__file__).parent
 KVCORE_IMPL = "KVCOREImpl"
 #: vLLM's own CPU_ATTN takes block sizes that are multiples of 32 only.
 BASELINE = {"block_size": 32}
+#: Prefix caching with chunked prefill: 24-token chunks, the shared 40-token prefix read from
+#: cached blocks by the later requests.
+PREFIX_CACHING = {"enable_prefix_caching": True, "max_num_batched_tokens": 24}
+BF16 = {"block_size": 32, "dtype": "bfloat16", "gaps": True}
+OPTIONS = [
+    {"block_size": 32},
+    {"block_size": 16},  # vLLM's own CPU backend refuses 16; kvcore's reads any size
+    {"block_size": 16, **PREFIX_CACHING},
+    {"block_size": 32, **PREFIX_CACHING},
+]
+#: vLLM allocates in the layout (VLLM_KV_CACHE_LAYOUT; LBHNC is its default here).
+LAYOUTS = ["LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+NEGATIVE_CONTROL = {"block_size": 32, "break_mask": True}
+#: TRITON_ATTN's kernels on a CPU: the Triton interpreter runs them on CPU tensors, and kvcore
+#: is told it runs on an sm90 GPU, so that its selector accepts TRITON_ATTN, which vLLM's
+#: CPU platform never asks for (it hard-codes CPU_ATTN, which kvcore-vllm stands in for).
+TRITON_ON_CPU = {"TRITON_INTERPRET": "1", "KVCORE_PLATFORM": "cuda",
+                 "KVCORE_DEVICE_CAPABILITY": "9.0", "KVCORE_ATTENTION_BACKEND": "TRITON_ATTN"}
+TRITON_OPTIONS = [{"block_size": 16}, {"block_size": 16, **PREFIX_CACHING}]
+
+
+def _name(options: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items())
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +62,51 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _run(model_dir: str, options: dict, *, plugin: bool, env: dict | None = None) -> dict:
-    env = {**os.environ, "VLLM_PLUGINS": "kvcore" if plugin else "",
-           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), model_dir,
-                           json.dumps(options)], capture_output=True, text=True, env=env,
-                          timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"vLLM run {options} (plugin={plugin}) failed:\n{proc.stdout[-3000:]}"
-        f"\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+class Runs:
+    """One ``vllm_run.py`` process serving ``configurations`` in turn; ``runs[options]`` is the
+    result of one of them. The process must exit cleanly and print every result, else each
+    test that asks for one of its results fails with the process's output."""
+
+    def __init__(self, model_dir: str, configurations: list[dict], *, plugin: bool,
+                 env: dict | None = None) -> None:
+        env = {**os.environ, "VLLM_PLUGINS": "kvcore" if plugin else "",
+               "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+               **(env or {})}
+        proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), model_dir,
+                               json.dumps(configurations)], capture_output=True, text=True,
+                              env=env, timeout=240 + 60 * len(configurations))
+        results = [json.loads(line.removeprefix("RESULT "))
+                   for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        self.results = {_name(o): r for o, r in zip(configurations, results, strict=False)}
+        self.failure = None
+        if proc.returncode != 0 or len(results) != len(configurations):
+            self.failure = (f"vLLM runs {configurations} (plugin={plugin}) failed after "
+                            f"{len(results)} results:\n{proc.stdout[-3000:]}"
+                            f"\n{proc.stderr[-6000:]}")
+
+    def __getitem__(self, options: dict) -> dict:
+        assert self.failure is None, self.failure
+        return self.results[_name(options)]
 
 
 @pytest.fixture(scope="module")
-def vllm_tokens(model_dir) -> list[list[int]]:
-    result = _run(model_dir, BASELINE, plugin=False)
+def vllm_runs(model_dir) -> Runs:
+    """vLLM's own CPU backend: the float32 baseline, its prefix-caching run, bfloat16."""
+    return Runs(model_dir, [BASELINE, {"block_size": 32, **PREFIX_CACHING}, BF16],
+                plugin=False)
+
+
+@pytest.fixture(scope="module")
+def kvcore_runs(model_dir) -> Runs:
+    """kvcore's CPU_ATTN through the plugin: every configuration of the tests below."""
+    return Runs(model_dir, [*OPTIONS, *({"block_size": 16, "layout": layout}
+                                        for layout in LAYOUTS), NEGATIVE_CONTROL, BF16],
+                plugin=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_tokens(vllm_runs) -> list[list[int]]:
+    result = vllm_runs[BASELINE]
     assert result["impl"] == "CPUAttentionBackendImpl", result["impl"]
     return result["tokens"]
 
@@ -63,37 +118,29 @@ def _equal(name: str, got: list[list[int]], want: list[list[int]]) -> tuple[int,
     return same, total
 
 
-@pytest.mark.parametrize("options", [
-    {"block_size": 32},
-    {"block_size": 16},  # vLLM's own CPU backend refuses 16; kvcore's reads any size
-    # Prefix caching with chunked prefill: 24-token chunks, the shared 40-token prefix
-    # read from cached blocks by the later requests.
-    {"block_size": 16, "enable_prefix_caching": True, "max_num_batched_tokens": 24},
-    {"block_size": 32, "enable_prefix_caching": True, "max_num_batched_tokens": 24},
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_tokens_equal_vllm_cpu_backend(model_dir, vllm_tokens, options):
-    result = _run(model_dir, options, plugin=True)
+@pytest.mark.parametrize("options", OPTIONS, ids=_name)
+def test_tokens_equal_vllm_cpu_backend(kvcore_runs, vllm_tokens, options):
+    result = kvcore_runs[options]
     assert result["impl"] == KVCORE_IMPL, f"vLLM ran {result['impl']}, not kvcore"
     same, total = _equal(f"kvcore CPU_ATTN {options}", result["tokens"], vllm_tokens)
     assert same == total
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
-def test_tokens_equal_on_every_declared_vllm_layout(model_dir, vllm_tokens, layout):
-    """vLLM allocates in the layout (VLLM_KV_CACHE_LAYOUT; LBHNC is its default here) and
-    kvcore reads its memory in place, cross-layer layouts included."""
-    result = _run(model_dir, {"block_size": 16, "layout": layout}, plugin=True)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tokens_equal_on_every_declared_vllm_layout(kvcore_runs, vllm_tokens, layout):
+    """vLLM allocates in the layout and kvcore reads its memory in place, cross-layer layouts
+    included."""
+    result = kvcore_runs[{"block_size": 16, "layout": layout}]
     assert result["impl"] == KVCORE_IMPL
     assert result["layout"] == layout, f"vLLM allocated {result['layout']}, not {layout}"
     same, total = _equal(f"kvcore CPU_ATTN, layout {layout}", result["tokens"], vllm_tokens)
     assert same == total
 
 
-def test_prefix_caching_baseline_is_vllms_plain_tokens(model_dir, vllm_tokens):
+def test_prefix_caching_baseline_is_vllms_plain_tokens(vllm_runs, vllm_tokens):
     """vLLM's own backend with prefix caching and chunked prefill gives its plain tokens: the
     baseline above stands for those runs too."""
-    result = _run(model_dir, {"block_size": 32, "enable_prefix_caching": True,
-                              "max_num_batched_tokens": 24}, plugin=False)
+    result = vllm_runs[{"block_size": 32, **PREFIX_CACHING}]
     same, total = _equal("vLLM's own, prefix caching + chunked prefill", result["tokens"],
                          vllm_tokens)
     assert same == total
@@ -101,37 +148,33 @@ def test_prefix_caching_baseline_is_vllms_plain_tokens(model_dir, vllm_tokens):
 
 def test_multiprocessing_engine(model_dir, vllm_tokens):
     """vLLM's engine core in its own process loads the plugin there too."""
-    result = _run(model_dir, {"block_size": 16, "multiprocessing": True}, plugin=True)
+    options = {"block_size": 16, "multiprocessing": True}
+    result = Runs(model_dir, [options], plugin=True)[options]
     same, total = _equal("kvcore CPU_ATTN, multiprocessing engine", result["tokens"],
                          vllm_tokens)
     assert same == total
 
 
-def test_negative_control_broken_mask_changes_tokens(model_dir, vllm_tokens):
+def test_negative_control_broken_mask_changes_tokens(kvcore_runs, vllm_tokens):
     """No causal mask (every query sees its whole request): the comparison must catch it."""
-    result = _run(model_dir, {"block_size": 32, "break_mask": True}, plugin=True)
+    result = kvcore_runs[NEGATIVE_CONTROL]
     assert result["impl"] == KVCORE_IMPL
     same, total = _equal("NEGATIVE CONTROL (no causal mask)", result["tokens"], vllm_tokens)
     assert same < total // 2, "a broken mask left the tokens equal: the comparison is blind"
 
 
-#: TRITON_ATTN's kernels on a CPU: the Triton interpreter runs them on CPU tensors, and kvcore
-#: is told it runs on an sm90 GPU, so that its selector accepts TRITON_ATTN, which vLLM's
-#: CPU platform never asks for (it hard-codes CPU_ATTN, which kvcore-vllm stands in for).
-TRITON_ON_CPU = {"TRITON_INTERPRET": "1", "KVCORE_PLATFORM": "cuda",
-                 "KVCORE_DEVICE_CAPABILITY": "9.0", "KVCORE_ATTENTION_BACKEND": "TRITON_ATTN"}
+@pytest.fixture(scope="module")
+def triton_runs(model_dir) -> Runs:
+    return Runs(model_dir, TRITON_OPTIONS, plugin=True, env=TRITON_ON_CPU)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [
-    {"block_size": 16},
-    {"block_size": 16, "enable_prefix_caching": True, "max_num_batched_tokens": 24},
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_triton_attn_under_the_interpreter_equals_vllm_cpu_backend(model_dir, vllm_tokens,
+@pytest.mark.parametrize("options", TRITON_OPTIONS, ids=_name)
+def test_triton_attn_under_the_interpreter_equals_vllm_cpu_backend(triton_runs, vllm_tokens,
                                                                    options):
     """TRITON_ATTN's Triton kernels (split-KV decode, prefill, cache write) in vLLM's engine,
-    interpreted on the CPU (about 25 s a run)."""
-    result = _run(model_dir, options, plugin=True, env=TRITON_ON_CPU)
+    interpreted on the CPU (about 20 s a configuration)."""
+    result = triton_runs[options]
     assert (result["impl"], result["kvcore_backend"]) == (KVCORE_IMPL, "TRITON_ATTN"), result
     same, total = _equal(f"kvcore TRITON_ATTN (interpreted) {options}", result["tokens"],
                          vllm_tokens)
@@ -144,13 +187,11 @@ def test_triton_attn_under_the_interpreter_equals_vllm_cpu_backend(model_dir, vl
 BF16_TIE = 2 * 2.0 ** -5
 
 
-def test_bfloat16_tokens_part_only_at_near_ties(model_dir):
+def test_bfloat16_tokens_part_only_at_near_ties(vllm_runs, kvcore_runs):
     """bfloat16: kvcore's CPU_ATTN sums in another order than vLLM's, so a greedy choice
     between two logits within bfloat16's rounding may flip; each request must equal vLLM's
     tokens up to such a near-tie of vLLM's own logits, and most must equal them throughout."""
-    options = {"block_size": 32, "dtype": "bfloat16", "gaps": True}
-    want = _run(model_dir, options, plugin=False)
-    got = _run(model_dir, options, plugin=True)
+    want, got = vllm_runs[BF16], kvcore_runs[BF16]
     assert got["kvcore_backend"] == "CPU_ATTN"
     identical = 0
     for i, (g, w, gaps) in enumerate(zip(got["tokens"], want["tokens"], want["gaps"],
