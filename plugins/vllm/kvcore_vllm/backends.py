@@ -186,10 +186,14 @@ class KvcoreBuilder(AttentionMetadataBuilder):
         model = vllm_config.model_config
         self.kvcore_backend = _select(self.BACKEND.KVCORE_NAME, _spec_config(
             kv_cache_spec, vllm_config))
-        spec = kvcore.FullAttentionSpec(block_size=kv_cache_spec.block_size,
-                                        dtype=kv_cache_spec.dtype,
-                                        num_kv_heads=kv_cache_spec.num_kv_heads,
-                                        head_size=kv_cache_spec.head_size)
+        # kvcore's spec names the model's dtype and the cache's kv_cache_dtype (vLLM's spec
+        # holds the storage dtype: fp8 for an fp8 cache), and the group's window, so a builder
+        # plans the layers' queries and cache as they are.
+        spec = kvcore.FullAttentionSpec(
+            block_size=kv_cache_spec.block_size, dtype=model.dtype,
+            kv_cache_dtype=vllm_config.cache_config.cache_dtype or "auto",
+            num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
+            sliding_window=getattr(kv_cache_spec, "sliding_window", None))
         scheduler = vllm_config.scheduler_config
         self.inner = self.kvcore_backend.get_builder_cls()(
             spec, num_heads=model.get_num_attention_heads(vllm_config.parallel_config),
