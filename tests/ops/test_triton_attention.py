@@ -7,6 +7,7 @@ and on a GPU when there is one; ``gpu``-marked tests need real sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import pytest
@@ -318,7 +319,10 @@ VARIANT_CASES = {
 }
 
 
-def _variant_batch(case: str) -> tuple[Batch, dict, TritonPrefillConfig]:
+@functools.cache
+def _variant_batch(case: str) -> tuple[Batch, dict, TritonPrefillConfig, torch.Tensor]:
+    """The case's batch, kernel kwargs and plain config, and the plain kernel's output (run
+    once per case, not once per variant)."""
     kwargs, num_heads, num_kv_heads, block_size, rows, block_n, cache_dtype = \
         VARIANT_CASES[case]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
@@ -327,7 +331,10 @@ def _variant_batch(case: str) -> tuple[Batch, dict, TritonPrefillConfig]:
                        seq_lens=[q + c for q, c in RAGGED], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_size=32, block_size=block_size,
                        dtype=dtype, cache_dtype=cache_dtype)
-    return batch, kwargs, _prefill_config(rows, block_n, num_heads, num_kv_heads)
+    base = _prefill_config(rows, block_n, num_heads, num_kv_heads)
+    plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                             **batch.kwargs(), **kwargs, plan=Plan(config=base))
+    return batch, kwargs, base, plain
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -335,9 +342,7 @@ def _variant_batch(case: str) -> tuple[Batch, dict, TritonPrefillConfig]:
 def test_prefill_kernel_variants_equal_the_plain_kernel(case: str, variant: str) -> None:
     """Each variant against the references, and bit for bit against the plain kernel under
     the interpreter (on a GPU another schedule may round differently: tolerances only)."""
-    batch, kwargs, base = _variant_batch(case)
-    plain = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                             **batch.kwargs(), **kwargs, plan=Plan(config=base))
+    batch, kwargs, base, plain = _variant_batch(case)
     out = triton_attention.paged_attention(
         batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), **kwargs,
         plan=Plan(config=dataclasses.replace(base, **VARIANTS[variant])))
