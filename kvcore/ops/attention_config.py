@@ -132,13 +132,16 @@ class TritonSplitKVConfig(_QueryTileConfig):
 class TritonPrefillConfig(_QueryTileConfig):
     """``triton_prefill``: as :class:`TritonDecodeConfig`, and ``edge_stages`` > 0 pipelines
     the masked edge loops (causal diagonal, window edge) that deep instead of
-    ``num_stages``."""
+    ``num_stages``. ``fp8_fp16``: on an fp8 cache, bf16 queries meet K/V in fp16 products
+    (:mod:`kvcore.ops.triton_prefill`); off by default and in every :data:`PREFILL_TILES` row
+    until it has been timed on a GPU (``benchmarks/bench_fp8_prefill.py``)."""
 
     kernel: str = _kernel("triton_prefill")
     num_warps: int
     num_stages: int
     const_block: bool = False
     edge_stages: int = 0
+    fp8_fp16: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +197,7 @@ class TritonPrefillTile:
     num_stages: int
     const_block: bool = False
     edge_stages: int = 0
+    fp8_fp16: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

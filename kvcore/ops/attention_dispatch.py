@@ -103,7 +103,7 @@ def default_config(
         return TritonPrefillConfig(block_q=max(1, tile.rows // g_pad), g_pad=g_pad,
                                    block_n=tile.block_n, num_warps=tile.num_warps,
                                    num_stages=tile.num_stages, const_block=tile.const_block,
-                                   edge_stages=tile.edge_stages)
+                                   edge_stages=tile.edge_stages, fp8_fp16=tile.fp8_fp16)
     # tl.dot needs >= 16 rows: decode tiles hold one query (16 rows), split prefill tiles 128
     # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill).
     rows = 16 if decode_only else (128 if head_size <= 128 else 64)
@@ -298,7 +298,7 @@ class AttentionLaunch:
             self.ints = (group, block_size, head_size, window)
             constexprs.update(EVEN_D=block_d == head_size,
                               PAGE=block_size if cfg.const_block else 0,
-                              EDGE_STAGES=cfg.edge_stages, **features)
+                              EDGE_STAGES=cfg.edge_stages, FP8_FP16=cfg.fp8_fp16, **features)
         else:
             self.ints = (num_heads, group, block_size, head_size, window, self.num_splits)
             constexprs.update(SPLIT_KV=self.num_splits > 1,
