@@ -109,7 +109,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
     ("bench_triton_prefill", [], {"correctness", "sweeps", "decode"}),
     ("bench_convert", [], {"correctness", "timings"}),
     ("bench_fp8_decode", [], {"correctness", "timings"}),
-], ids=["triton", "mla", "offload", "triton-prefill", "convert", "fp8-decode"])
+    ("bench_fp8_prefill", [], {"correctness", "timings"}),
+], ids=["triton", "mla", "offload", "triton-prefill", "convert", "fp8-decode", "fp8-prefill"])
 def test_benchmark_scripts_run_through_the_shared_harness(script, args, lists, tmp_path):
     """The GPU benchmarks on tiny shapes (``--smoke``, CPU): the run log, the JSON and the
     table come out, every correctness check passes (kvcore-nvidia's and kvcore-rocm's have
