@@ -98,7 +98,8 @@ def vllm_runs(model_dir) -> Runs:
 
 @pytest.fixture(scope="module")
 def kvcore_runs(model_dir) -> Runs:
-    """kvcore's CPU_ATTN through the plugin: every configuration of the tests below."""
+    """kvcore's CPU_ATTN through the plugin: every configuration of the tests below (a test
+    selected alone still waits for all of them)."""
     return Runs(model_dir, [*OPTIONS, *({"block_size": 16, "layout": layout}
                                         for layout in LAYOUTS), NEGATIVE_CONTROL, BF16],
                 plugin=True)
