@@ -16,6 +16,10 @@ FLOPs / matmul)``). The peers:
   MLA decode through ``bench_flashinfer_mla.flashinfer_mla_direct`` (the call bench_mla.py
   times); the same wrapper calls as ``bench_backends.flashinfer_direct``, with the preset's
   shapes;
+- **flashinfer direct (graph wrapper)**, decode steps: the same decode call on a
+  ``BatchDecodeWithPagedKVCacheWrapper`` made with ``use_cuda_graph=True`` and its page-list
+  buffers, the kind an engine must plan when it captures decode steps and re-plans them (vLLM's
+  and kvcore's FLASHINFER); beside the eager wrapper above, it shows what graph mode costs;
 - **flash-attn-4 direct**: ``flash_attn.cute.interface.flash_attn_varlen_func`` on the cache
   halves with the block table (bf16/fp16 caches), with the window and soft-cap.
 
@@ -99,6 +103,32 @@ def flashinfer_direct(inputs: StepInputs) -> Callable[[], object]:
     return lambda: wrapper.run(query, inputs.kv_cache, out=out)
 
 
+def flashinfer_graph_wrapper(inputs: StepInputs) -> Callable[[], object]:
+    """FlashInfer's tensor-core decode on a CUDA-graph-mode wrapper (decode steps only)."""
+    import flashinfer
+    from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
+
+    layer, config, common = inputs.layer, inputs.config, inputs.common
+    if inputs.case.phase != "decode" or layer.mla is not None or layer.has_sink:
+        raise PeerUnsupported("flashinfer graph wrapper: K/V decode steps without sinks only")
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=inputs.device)
+    indptr, indices, last = flashinfer_page_table(common, config.block_size)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=torch.empty_like(indptr),
+        paged_kv_indices_buffer=torch.empty_like(indices),
+        paged_kv_last_page_len_buffer=torch.empty_like(last))
+    wrapper.plan(indptr, indices, last, layer.num_heads, layer.num_kv_heads, layer.head_size,
+                 config.block_size, q_data_type=config.dtype,
+                 kv_data_type=inputs.kv_cache.dtype, sm_scale=layer.softmax_scale,
+                 window_left=(layer.sliding_window - 1) if layer.sliding_window else -1,
+                 logits_soft_cap=layer.logits_soft_cap or 0.0)
+    out = torch.empty(common.num_actual_tokens, layer.num_heads, layer.head_size,
+                      dtype=config.dtype, device=inputs.device)
+    query = inputs.query
+    return lambda: wrapper.run(query, inputs.kv_cache, out=out)
+
+
 def flash_attn_4_direct(inputs: StepInputs) -> Callable[[], object]:
     """flash-attn-4 on the cache halves, its metadata made once."""
     from flash_attn.cute.interface import flash_attn_varlen_func
@@ -129,6 +159,7 @@ def peers(inputs: StepInputs) -> PeerList:
         return []
     found: PeerList = []
     for name, make in (("flashinfer direct", flashinfer_direct),
+                       ("flashinfer direct (graph wrapper)", flashinfer_graph_wrapper),
                        ("flash-attn-4 direct", flash_attn_4_direct)):
         try:
             found.append((name, make(inputs), True))
