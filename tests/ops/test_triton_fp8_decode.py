@@ -17,9 +17,9 @@ import zlib
 
 import pytest
 import torch
+from fp8_batches import fp8_paged_batch
 
-from kvcore.ops import TritonAttentionPlan, paged_attention_ref, reshape_and_cache_ref
-from kvcore.testing import random_block_tables
+from kvcore.ops import TritonAttentionPlan, paged_attention_ref
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -74,31 +74,13 @@ def test_fp16_query_scales_each_row_exactly_into_fp16() -> None:
 def _decode_batch(name: str, cache_dtype: torch.dtype, seq_lens: list[int], q_magnitude: float,
                   kv_magnitude: float):
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3
-    width = max(-(-s // BLOCK_SIZE) for s in seq_lens) + 1
-    table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
-    for i, ids in enumerate(random_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)):
-        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-    key_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
-    value_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
-    # The cache holds real K/V written through the reference, scaled to use the fp8 range.
-    ks, vs = kv_magnitude / 64, 0.05
-    slots = num_blocks * BLOCK_SIZE
-    kv = torch.randn(2, slots, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
-    kv[0] *= kv_magnitude
-    kv = kv.to(torch.bfloat16).to(DEVICE)
-    kv_cache_dtype = "fp8_e5m2" if cache_dtype == torch.float8_e5m2 else "fp8"
-    scales = torch.tensor([ks], device=DEVICE), torch.tensor([vs], device=DEVICE)
-    reshape_and_cache_ref(kv[0], kv[1], key_cache, value_cache,
-                          torch.arange(slots, device=DEVICE), kv_cache_dtype, *scales)
-    query = torch.randn(len(seq_lens), NUM_HEADS, HEAD_SIZE, generator=gen) * q_magnitude
-    return dict(query=query.to(torch.bfloat16).to(DEVICE), key_cache=key_cache,
-                value_cache=value_cache, kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
-                v_scale=scales[1], scale=HEAD_SIZE ** -0.5, block_table=table.to(DEVICE),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32,
-                                             device=DEVICE))
+    batch = fp8_paged_batch(gen, cache_dtype, seq_lens, len(seq_lens), block_size=BLOCK_SIZE,
+                            num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+                            head_size=HEAD_SIZE, q_magnitude=q_magnitude,
+                            kv_magnitude=kv_magnitude, device=DEVICE)
+    batch["query_start_loc"] = torch.arange(len(seq_lens) + 1, dtype=torch.int32,
+                                            device=DEVICE)
+    return batch
 
 
 @pytest.mark.parametrize("fp8_fp16", [True, False], ids=["fp16", "query_dtype"])

@@ -17,15 +17,10 @@ import zlib
 
 import pytest
 import torch
+from fp8_batches import fp8_paged_batch
 
-from kvcore.ops import (
-    TritonAttentionPlan,
-    TritonPrefillConfig,
-    paged_attention_ref,
-    reshape_and_cache_ref,
-)
+from kvcore.ops import TritonAttentionPlan, TritonPrefillConfig, paged_attention_ref
 from kvcore.ops import attention_config as tables
-from kvcore.testing import random_block_tables
 
 triton_attention = pytest.importorskip("kvcore.ops.triton_attention")
 dispatch = pytest.importorskip("kvcore.ops.attention_dispatch")
@@ -45,32 +40,14 @@ def _prefill_batch(name: str, cache_dtype: torch.dtype, q_magnitude: float,
                    kv_magnitude: float, query_dtype: torch.dtype = torch.bfloat16) -> dict:
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     q_lens = [q for q, _ in REQUESTS]
-    seq_lens = [q + c for q, c in REQUESTS]
-    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3
-    width = max(-(-s // BLOCK_SIZE) for s in seq_lens) + 1
-    table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
-    for i, ids in enumerate(random_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)):
-        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-    key_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
-    value_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
-    # The cache holds real K/V written through the reference, scaled to use the fp8 range.
-    ks, vs = kv_magnitude / 64, 0.05
-    slots = num_blocks * BLOCK_SIZE
-    kv = torch.randn(2, slots, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
-    kv[0] *= kv_magnitude
-    kv = kv.to(torch.bfloat16).to(DEVICE)
-    kv_cache_dtype = "fp8_e5m2" if cache_dtype == torch.float8_e5m2 else "fp8"
-    scales = torch.tensor([ks], device=DEVICE), torch.tensor([vs], device=DEVICE)
-    reshape_and_cache_ref(kv[0], kv[1], key_cache, value_cache,
-                          torch.arange(slots, device=DEVICE), kv_cache_dtype, *scales)
-    query = torch.randn(sum(q_lens), NUM_HEADS, HEAD_SIZE, generator=gen) * q_magnitude
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return dict(query=query.to(query_dtype).to(DEVICE), key_cache=key_cache,
-                value_cache=value_cache, kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
-                v_scale=scales[1], scale=HEAD_SIZE ** -0.5, block_table=table.to(DEVICE),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                query_start_loc=qsl.to(DEVICE))
+    batch = fp8_paged_batch(gen, cache_dtype, [q + c for q, c in REQUESTS], sum(q_lens),
+                            block_size=BLOCK_SIZE, num_heads=NUM_HEADS,
+                            num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                            q_magnitude=q_magnitude, kv_magnitude=kv_magnitude,
+                            query_dtype=query_dtype, device=DEVICE)
+    batch["query_start_loc"] = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                            dtype=torch.int32, device=DEVICE)
+    return batch
 
 
 def _features(name: str) -> dict:
