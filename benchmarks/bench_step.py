@@ -34,7 +34,9 @@ One run does, in order, each section isolated (an error is logged and the run go
    the timed loop), for each backend through its builder, and FlashInfer called directly
    (``append_paged_kv_cache`` + the decode wrapper's ``run``, planned once) when installed;
    beside them ``update_and_forward`` per layer of an engine's step (each layer its own impl
-   and cache, the step built anew each time, the build not counted);
+   and cache, the step built anew each time, the build not counted), and the GPU time of one
+   attention call (CUDA events, the device idle before it): a host time at or under it means
+   the loop was paced by the device, not the host;
 6. the MLA pipeline comparison, from ``benchmarks/bench_mla_pipeline.py`` when it is there
    (its ``bench_step_section(run, device=, smoke=)`` appends rows to
    ``run.results["mla_pipeline"]``; the table prints them).
@@ -229,6 +231,25 @@ def sync_step_us(fn: Callable[[], object], steps: int = STEPS) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2] * 1e6
+
+
+def device_us(fn: Callable[[], object], calls: int = 21) -> float | None:
+    """GPU microseconds of one call of ``fn`` (CUDA events around it, the device idle before:
+    its kernels and the gaps between them; median of ``calls``), ``None`` off CUDA. Beside
+    :func:`host_us` it tells whether a loop of calls was paced by the host or by the device
+    (host time per call at or under this: the device's)."""
+    if DEVICE != "cuda":
+        return None
+    times = []
+    for _ in range(calls):
+        sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def host_us(fn: Callable[[], object], calls: int = HOST_CALLS, rounds: int = 5) -> float:
@@ -605,7 +626,7 @@ def time_host(run: Run, names: list[str], flashinfer: bool) -> None:
 
             row = {"impl": f"kvcore {name}", "shape": f"{b}x{length}",
                    "write_us": host_us(write), "attend_us": host_us(attend),
-                   "write_attend_us": host_us(both)}
+                   "write_attend_us": host_us(both), "attend_gpu_us": device_us(attend)}
             row["update_and_forward_us"] = host_us(
                 lambda impl=impl, sc=sc, q=q, k=k, v=v, layer=layer, meta=meta, out=out:
                 impl.update_and_forward(sc, q, k, v, layer, meta, output=out))
@@ -616,7 +637,8 @@ def time_host(run: Run, names: list[str], flashinfer: bool) -> None:
                 calls = flashinfer_direct_layer(model)
                 row = {"impl": "flashinfer direct", "shape": f"{b}x{length}",
                        "write_us": host_us(calls["write"]), "attend_us": host_us(calls["attend"]),
-                       "write_attend_us": host_us(calls["write + attend"])}
+                       "write_attend_us": host_us(calls["write + attend"]),
+                       "attend_gpu_us": device_us(calls["attend"])}
                 run.results["host"].append(row)
                 run.log(json.dumps(row))
 
@@ -711,11 +733,12 @@ def summary_table(run: Run) -> str:
               f"{h['write_attend_us']:.1f}",
               f"{h['update_and_forward_us']:.1f}" if "update_and_forward_us" in h else "-",
               f"{h['step_update_and_forward_us']:.1f}"
-              if "step_update_and_forward_us" in h else "-"]
+              if "step_update_and_forward_us" in h else "-",
+              f"{h['attend_gpu_us']:.1f}" if h.get("attend_gpu_us") is not None else "-"]
              for h in r["host"]],
             headers=["per-layer host time (eager)", "shape", "write us", "attend us",
                      "write + attend us", "update_and_forward us",
-                     f"same, a {LAYERS}-layer step, us/layer"]))
+                     f"same, a {LAYERS}-layer step, us/layer", "attend GPU us"]))
     if r["mla_pipeline"]:
         headers = list(r["mla_pipeline"][0])
         parts.append(table([[row.get(h, "-") for h in headers] for row in r["mla_pipeline"]],
