@@ -67,7 +67,6 @@ def test_flashinfer_matches_float64_reference(shape, causal, window):
 
 
 @needs_flashinfer
-@needs_flashinfer
 @pytest.mark.parametrize("shape", ["mixed", "decode"])
 def test_flashinfer_builder_plans_once_and_refuses_a_layer_it_did_not_plan_for(shape):
     """The builder's plan serves every layer with the planned parameters (no plan in forward);
