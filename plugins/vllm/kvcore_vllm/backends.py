@@ -186,14 +186,7 @@ class KvcoreBuilder(AttentionMetadataBuilder):
         model = vllm_config.model_config
         self.kvcore_backend = _select(self.BACKEND.KVCORE_NAME, _spec_config(
             kv_cache_spec, vllm_config))
-        # kvcore's spec names the model's dtype and the cache's kv_cache_dtype (vLLM's spec
-        # holds the storage dtype: fp8 for an fp8 cache), and the group's window, so a builder
-        # plans the layers' queries and cache as they are.
-        spec = kvcore.FullAttentionSpec(
-            block_size=kv_cache_spec.block_size, dtype=model.dtype,
-            kv_cache_dtype=vllm_config.cache_config.cache_dtype or "auto",
-            num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
-            sliding_window=getattr(kv_cache_spec, "sliding_window", None))
+        spec = kvcore_spec(kv_cache_spec, vllm_config)
         scheduler = vllm_config.scheduler_config
         self.inner = self.kvcore_backend.get_builder_cls()(
             spec, num_heads=model.get_num_attention_heads(vllm_config.parallel_config),
@@ -245,6 +238,17 @@ def check_head_size_v(kv_cache_spec: Any) -> None:
             f"head_size={head_size} (K); kvcore's KV caches hold K and V of one head size "
             "and its backends read V at K's width, so such a model runs only on vLLM's own "
             "backends (--attention-backend, or KVCORE_VLLM_CPU=0 on a CPU)")
+
+
+def kvcore_spec(kv_cache_spec: Any, vllm_config: VllmConfig) -> kvcore.FullAttentionSpec:
+    """kvcore's spec of a vLLM KV-cache group: the model's dtype and the cache's
+    ``kv_cache_dtype`` (vLLM's spec holds the storage dtype, fp8 for an fp8 cache), and the
+    group's window, so a builder plans the layers' queries and cache as they are."""
+    return kvcore.FullAttentionSpec(
+        block_size=kv_cache_spec.block_size, dtype=vllm_config.model_config.dtype,
+        kv_cache_dtype=vllm_config.cache_config.cache_dtype or "auto",
+        num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
+        sliding_window=getattr(kv_cache_spec, "sliding_window", None))
 
 
 def _spec_config(kv_cache_spec: Any, vllm_config: VllmConfig) -> kvcore.AttentionSelectorConfig:

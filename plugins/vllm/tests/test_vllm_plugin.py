@@ -96,6 +96,28 @@ def test_vllm_interface_points_exist():
     assert hasattr(vllm.forward_context, "is_forward_context_available")
 
 
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_the_builder_s_kvcore_spec_has_the_model_dtype_the_cache_dtype_and_the_window(
+        cache_dtype):
+    """vLLM's spec holds the cache's storage dtype (fp8 for an fp8 cache): kvcore's spec takes
+    the model's dtype and the kv_cache_dtype instead, and a sliding group's window."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    storage = torch.bfloat16 if cache_dtype == "auto" else torch.float8_e4m3fn
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16),
+                             cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+    full = backends.kvcore_spec(FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                                  dtype=storage), config)
+    assert (full.dtype, full.kv_cache_dtype, full.cache_dtype, full.sliding_window) == (
+        torch.bfloat16, cache_dtype, storage, None)
+    sliding = backends.kvcore_spec(SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=storage, sliding_window=128), config)
+    assert (sliding.dtype, sliding.cache_dtype, sliding.sliding_window) == (
+        torch.bfloat16, storage, 128)
+
+
 def test_a_v_head_size_other_than_k_is_refused():
     """vLLM's head_size_v (some models' V heads differ from their K heads): kvcore's caches
     hold K and V of one head size, so the builder refuses such layers, naming both sizes."""
