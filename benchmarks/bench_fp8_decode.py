@@ -306,12 +306,7 @@ def main() -> int:
     meta = run.results["meta"]
     meta.update(harness.run_meta(DEVICE), smoke=SMOKE,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, dtype=str(DTYPE), kv_fp8=str(FP8)))
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError as exc:
-        meta["triton"] = f"missing: {exc}"
+    meta["triton"] = harness.triton_version()
     run.log(json.dumps(meta))
     torch.manual_seed(0)
 

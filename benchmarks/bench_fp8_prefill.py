@@ -278,12 +278,7 @@ def main() -> int:
     meta.update(harness.run_meta(DEVICE), smoke=SMOKE, block_size=BS, dtype=str(DTYPE),
                 kv_fp8=str(FP8), layers={k: dataclasses.asdict(v) for k, v in LAYERS.items()},
                 cases=CASES)
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError as exc:
-        meta["triton"] = f"missing: {exc}"
+    meta["triton"] = harness.triton_version()
     run.log(json.dumps(meta))
     torch.manual_seed(0)
 

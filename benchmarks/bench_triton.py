@@ -691,12 +691,7 @@ def main() -> int:
     meta = run.results["meta"]
     meta.update(harness.run_meta(DEVICE), smoke=SMOKE,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, dtype=str(DTYPE)))
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError as exc:
-        meta["triton"] = f"missing: {exc}"
+    meta["triton"] = harness.triton_version()
     if DEVICE == "cuda":
         meta["memory_GiB"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     try:

@@ -612,9 +612,7 @@ def main() -> int:
     meta = run.results["meta"]
     meta.update(harness.run_meta(DEVICE), smoke=SMOKE,
                 shapes=dict(hq=HQ, hk=HK, d=D, bs=BS, dtype=str(DTYPE)))
-    import triton
-
-    meta["triton"] = triton.__version__
+    meta["triton"] = harness.triton_version()
     if DEVICE == "cuda":
         meta["arch"] = tables.device_arch(torch.device("cuda"))
     run.log(json.dumps(meta))

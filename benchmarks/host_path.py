@@ -180,14 +180,14 @@ class Step:
             self.layers.append((impl, type(first.scales)(), first.q.clone(), first.k.clone(),
                                 first.v.clone(), first.out.clone(), torch.empty_like(cache)))
 
-    def time(self, call: str, steps: int, rounds: int) -> float:
+    def time(self, call: str, steps: int, repeats: int) -> float:
         """Microseconds per layer of ``call`` (``"update_and_forward"`` or ``"write +
-        forward"``), the fastest of ``rounds`` runs of ``steps`` steps; each step's build
-        is not timed."""
+        forward"``), the fastest of ``repeats`` runs of ``steps`` steps after one untimed
+        warm-up run; each step's build is not timed."""
         build, common = self.first.builder.build, self.first.common
         fused = call == "update_and_forward"
         best = float("inf")
-        for r in range(rounds + 1):  # the first round warms up
+        for timed in [False] + [True] * repeats:
             total = 0
             for _ in range(steps):
                 meta = build(common)
@@ -199,7 +199,7 @@ class Step:
                         impl.do_kv_cache_update(sc, k, v, cache, meta.slot_mapping)
                         impl.forward(sc, q, k, v, cache, meta, output=out)
                 total += CLOCK[0]() - t0
-            if r:
+            if timed:
                 best = min(best, total / (steps * len(self.layers)) / 1e3)
         return best
 

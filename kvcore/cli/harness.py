@@ -249,6 +249,15 @@ def run_meta(device: str | torch.device) -> dict[str, Any]:
     return meta
 
 
+def triton_version() -> str:
+    """The installed Triton's version for a run's JSON, or ``"missing: <why>"``."""
+    try:
+        import triton
+    except ImportError as exc:
+        return f"missing: {exc}"
+    return triton.__version__
+
+
 # -- ceilings ----------------------------------------------------------------------------------
 
 
