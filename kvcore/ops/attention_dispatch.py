@@ -298,7 +298,9 @@ class AttentionLaunch:
             self.ints = (group, block_size, head_size, window)
             constexprs.update(EVEN_D=block_d == head_size,
                               PAGE=block_size if cfg.const_block else 0,
-                              EDGE_STAGES=cfg.edge_stages, FP8_FP16=cfg.fp8_fp16, **features)
+                              # Off for other caches: their prefill kernel stays one compile.
+                              EDGE_STAGES=cfg.edge_stages, FP8_FP16=cfg.fp8_fp16 and fp8,
+                              **features)
         else:
             self.ints = (num_heads, group, block_size, head_size, window, self.num_splits)
             constexprs.update(SPLIT_KV=self.num_splits > 1,

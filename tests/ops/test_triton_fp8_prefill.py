@@ -133,21 +133,27 @@ def test_fp16_queries_take_fp8_tiles_without_rescaling() -> None:
     _check(call, sinks=_features("sinks")["sinks"])
 
 
-def test_prefill_rows_leave_fp16_products_off_and_configs_carry_the_rows_switch(
+def test_prefill_rows_turn_fp16_products_on_where_measured_and_configs_carry_the_switch(
         monkeypatch) -> None:
-    """Off in every PREFILL_TILES row (not yet timed on a GPU); a row that turns it on gives
-    prefill configs that have it, at both head-size rows."""
-    assert not any(t.fp8_fp16 for row in tables.PREFILL_TILES.values() for t in row)
+    """On in sm90's and sm100's head <= 128 row (timed on an H100), off in the others; the
+    prefill configs carry their row's switch, at both head-size rows."""
+    on = {arch: tuple(t.fp8_fp16 for t in row) for arch, row in tables.PREFILL_TILES.items()}
+    assert on == {"sm90": (True, False), "sm100": (True, False), "cuda": (False, False),
+                  "rocm": (False, False)}
     cpu = torch.device("cpu")
-    args = (8192, 4, 64, 8, 64, 2048, cpu)
-    cfg = dispatch.default_config(*args, arch="sm90", rocm=False, num_sms=132, gluon=False)
+    for head_size, expected in ((64, True), (128, True), (256, False)):
+        cfg = dispatch.default_config(8192, 4, 32, 8, head_size, 2048, cpu, arch="sm90",
+                                      rocm=False, num_sms=132, gluon=False)
+        assert cfg.kernel == "triton_prefill" and cfg.fp8_fp16 is expected, head_size
+    cfg = dispatch.default_config(8192, 4, 64, 8, 64, 2048, cpu, arch="cuda", rocm=False,
+                                  num_sms=132, gluon=False)
     assert cfg.kernel == "triton_prefill" and not cfg.fp8_fp16
-    small, big = tables.PREFILL_TILES["sm90"]
-    monkeypatch.setitem(tables.PREFILL_TILES, "sm90",
+    small, big = tables.PREFILL_TILES["cuda"]
+    monkeypatch.setitem(tables.PREFILL_TILES, "cuda",
                         (dataclasses.replace(small, fp8_fp16=True),
                          dataclasses.replace(big, fp8_fp16=True)))
     for head_size in (64, 128, 256):
-        cfg = dispatch.default_config(8192, 4, 32, 8, head_size, 2048, cpu, arch="sm90",
+        cfg = dispatch.default_config(8192, 4, 32, 8, head_size, 2048, cpu, arch="cuda",
                                       rocm=False, num_sms=132, gluon=False)
         assert cfg.kernel == "triton_prefill" and cfg.fp8_fp16
 
