@@ -35,8 +35,9 @@ One run does, in order, each section isolated (an error is logged and the run go
    (``append_paged_kv_cache`` + the decode wrapper's ``run``, planned once) when installed;
    beside them ``update_and_forward`` per layer of an engine's step (each layer its own impl
    and cache, the step built anew each time, the build not counted), and the GPU time of one
-   attention call (CUDA events, the device idle before it): a host time at or under it means
-   the loop was paced by the device, not the host;
+   attention call (CUDA events, its launches queued behind a device sleep so the host's
+   launch time is not in it): a host time at or under it means the loop was paced by the
+   device, not the host;
 6. the MLA pipeline comparison, from ``benchmarks/bench_mla_pipeline.py`` when it is there
    (its ``bench_step_section(run, device=, smoke=)`` appends rows to
    ``run.results["mla_pipeline"]``; the table prints them).
@@ -234,15 +235,18 @@ def sync_step_us(fn: Callable[[], object], steps: int = STEPS) -> float:
 
 
 def device_us(fn: Callable[[], object], calls: int = 21) -> float | None:
-    """GPU microseconds of one call of ``fn`` (CUDA events around it, the device idle before:
-    its kernels and the gaps between them; median of ``calls``), ``None`` off CUDA. Beside
-    :func:`host_us` it tells whether a loop of calls was paced by the host or by the device
-    (host time per call at or under this: the device's)."""
+    """GPU microseconds of one call of ``fn``: its kernels and the gaps between them, with the
+    launches queued behind a short device sleep so that the host's launch time is not counted
+    (CUDA events; median of ``calls``); ``None`` off CUDA. Beside :func:`host_us` it tells
+    whether a loop of calls was paced by the host or by the device (host time per call at or
+    under this: the device's)."""
     if DEVICE != "cuda":
         return None
+    clock = harness.Clock(torch.device(DEVICE))
     times = []
     for _ in range(calls):
         sync()
+        clock.hold(200e-6)  # longer than the host takes to launch one call
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
