@@ -263,15 +263,16 @@ def test_block_mask_lists_each_needed_page_once(layout, page_stride):
 
 
 def test_padded_block_mask_adds_rows_that_attend_to_nothing():
-    """The compiled path's mask (``pad=True``): whole tiles, at least two, the rows past the
-    batch's tokens keep no key and their tiles list no page; the batch's rows are unchanged."""
+    """The compiled path's mask (``pad=True``): whole tiles, at least 128 rows, the rows past
+    the batch's tokens keep no key and their tiles list no page; the batch's rows are
+    unchanged."""
     gen, kv_cache, impl = _setup(torch.float32, seed=9)
     batch = mixed_batch(impl, kv_cache, gen, q_lens=(1,), ctx_lens=(40,))
     plain = build_block_mask(batch.meta, NUM_BLOCKS, BLOCK_SIZE, 1, True, None)
     padded = build_block_mask(batch.meta, NUM_BLOCKS, BLOCK_SIZE, 1, True, None, pad=True)
-    assert [padded_rows(n) for n in (1, 16, 32, 33)] == [32, 32, 32, 48]
-    assert padded.seq_lengths == (32, plain.seq_lengths[1])
-    assert padded.kv_num_blocks[0, 0].tolist() == [3, 0]
+    assert [padded_rows(n) for n in (1, 16, 128, 129, 150)] == [128, 128, 128, 144, 160]
+    assert padded.seq_lengths == (128, plain.seq_lengths[1])
+    assert padded.kv_num_blocks[0, 0].tolist() == [3] + [0] * 7
     dense = create_mask(padded.mask_mod, 1, 1, *padded.seq_lengths, device="cpu")[0, 0]
     assert torch.equal(dense[:1], create_mask(plain.mask_mod, 1, 1, *plain.seq_lengths,
                                               device="cpu")[0, 0])
@@ -295,21 +296,35 @@ def _graphs(run) -> int:
     return len(_debug_get_cache_entry_list(run._torchdynamo_orig_callable.__code__))
 
 
+def _aot_eager_with_cuda_lowering_guards(gm: torch.fx.GraphModule, example_inputs: list):
+    """``aot_eager`` plus the guard inductor's CUDA lowering of flex_attention adds to every
+    graph: it asks whether the query has fewer than 128 rows (the condition of its decoding
+    kernel) even under ``FORCE_USE_FLEX_ATTENTION``, so a graph with a dynamic row count
+    serves only one side of 128. The question is asked here of the same symbolic size."""
+    calls = gm.graph.find_nodes(op="call_function",
+                                target=torch.ops.higher_order.flex_attention)
+    assert calls, gm.graph
+    for call in calls:
+        bool(call.args[0].meta["example_value"].shape[-2] < 128)
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(),
                     reason="torch.compile is not supported on this Python")
 def test_compiled_flex_compiles_a_bounded_number_of_graphs_over_varying_shapes():
-    """Batch size, context length, query length and cache size change every step, and so do
-    the sink values: each configuration (plain, soft-capped, with sinks, both) stays within
-    three graphs (``fail_on_recompile_limit_hit`` raises past them), configurations do not
-    share one budget, and sink values never add a graph. Every output against the float64
-    reference. Compiled with ``aot_eager``: dynamo's guards are the same as on CUDA, without
-    inductor's CPU compile time."""
+    """Batch size, context length, query length (decodes, prefills past 128 tokens, mixed
+    steps) and cache size change every step, and so do the sink values: each configuration
+    (plain, soft-capped, with sinks, both) stays within three graphs
+    (``fail_on_recompile_limit_hit`` raises past them), configurations do not share one
+    budget, and sink values never add a graph. Every output against the float64 reference.
+    Compiled with ``aot_eager`` and the CUDA lowering's guard on the query rows: dynamo's
+    guards are those on CUDA, without inductor's CPU compile time."""
     gen = torch.Generator().manual_seed(10)
     # (blocks, 2, block_size, H, D) in FLEX_ATTENTION's physical B,N,2,H,D order.
     kv_cache = torch.randn(160, BLOCK_SIZE, 2, NUM_KV_HEADS, HEAD_SIZE,
                            generator=gen).transpose(1, 2)
     steps = [([1], [30]), ([1] * 4, [30, 40, 50, 17]), ([5, 1, 1], [0, 90, 3]),
-             ([1] * 8, [10] * 8), ([33, 1], [0, 100]), ([64], [0]), ([17, 2], [40, 60]),
+             ([1] * 8, [10] * 8), ([33, 1], [0, 100]), ([150], [0]), ([17, 2], [40, 60]),
              ([1] * 16, [20] * 16), ([1], [3])]
     graphs = {}
     with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
@@ -317,8 +332,9 @@ def test_compiled_flex_compiles_a_bounded_number_of_graphs_over_varying_shapes()
                                    ("softcap", NUM_HEADS), ("sinks", NUM_HEADS),
                                    ("softcap-sinks", 2 * NUM_HEADS)):
             soft_cap, has_sinks = FEATURES.get(feature, (None, False))
-            run = compiled_flex(("test", feature, num_heads), "aot_eager")
-            assert run is compiled_flex(("test", feature, num_heads), "aot_eager")
+            backend = _aot_eager_with_cuda_lowering_guards
+            run = compiled_flex(("test", feature, num_heads), backend)
+            assert run is compiled_flex(("test", feature, num_heads), backend)
             for i, (q_lens, ctx_lens) in enumerate(steps):
                 num_blocks = 160 - 7 * i
                 meta, k_seq, v_seq, mask = _random_step(gen, kv_cache, num_blocks, q_lens,

@@ -109,6 +109,9 @@ __all__ = ["Q_TILE", "FlexAttentionBackend", "FlexAttentionImpl", "FlexAttention
 
 #: Query tokens per row tile of the block mask (the kernel's ``BLOCK_M`` on CUDA).
 Q_TILE = 16
+#: Query rows below which inductor's CUDA lowering of ``flex_attention`` considers its
+#: decoding kernel (see :func:`padded_rows`); a multiple of :data:`Q_TILE`.
+_DECODE_ROWS = 128
 _BF16_CAPABILITY = DeviceCapability(8, 0)
 _INT32_ISSUE = "torch's flex_attention kernel computes K/V offsets in int32 (pytorch issue 185262)"
 
@@ -171,8 +174,16 @@ def paged_sequence_views(
 
 def padded_rows(num_tokens: int) -> int:
     """Query rows the compiled kernel runs for ``num_tokens`` tokens: whole :data:`Q_TILE`
-    tiles, at least two (see :func:`_run_flex`)."""
-    return Q_TILE * max(2, -(-num_tokens // Q_TILE))
+    tiles, at least 128 rows.
+
+    Inductor's CUDA lowering asks whether the query has fewer than 128 rows (its decoding
+    kernel's condition) before it reads ``FORCE_USE_FLEX_ATTENTION``, and so guards the graph
+    on the answer: with a dynamic row count, a graph compiled for a 48-row step does not serve
+    a 336-row one, and steps on both sides of 128 would take a graph each beyond the promised
+    three (:func:`compiled_flex`). From 128 rows up every step is on the same side. The rows
+    past the batch's tokens list no page, so their tiles visit no key block.
+    """
+    return max(_DECODE_ROWS, Q_TILE * -(-num_tokens // Q_TILE))
 
 
 def build_block_mask(
@@ -214,7 +225,7 @@ def build_block_mask(
     q_lens = qsl[1:] - qsl[:-1]
     # Request and absolute position of every query row. Padding rows belong to an extra
     # request ``num_seqs`` of length 0 that owns no page (so they keep no key); it also
-    # keeps the per-request tensors at two rows or more (see _run_flex).
+    # keeps the per-request tensors at two rows or more (see compiled_flex).
     lens = torch.cat([q_lens, q_lens.new_full((1,), rows - n)])
     doc = torch.repeat_interleave(torch.arange(num_seqs + 1, device=device), lens,
                                   output_size=rows)
@@ -333,7 +344,8 @@ def _flex_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blo
 
 
 @functools.cache
-def compiled_flex(config: tuple, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+def compiled_flex(config: tuple, backend: str | Callable[..., Any] = "inductor"
+                  ) -> Callable[..., torch.Tensor]:
     """``torch.compile(flex_attention)`` for one static configuration ``config`` (a hashable
     key: dtype, head counts and size, page size and stride, scale, mask kind, soft-cap value,
     sinks' dtype or ``None``). The entry takes ``(query, key, value, block_mask, scale,
@@ -347,8 +359,9 @@ def compiled_flex(config: tuple, backend: str = "inductor") -> Callable[..., tor
     function, and within it the sizes that change every step (query rows, cache length,
     query tiles, pages per tile, requests) become dynamic after their first change
     (automatic dynamic shapes); :func:`build_block_mask` with ``pad=True`` keeps them at two
-    or more, so none is specialised to 0 or 1 either. A configuration then holds at most
-    three graphs, whatever the batch and context sizes.
+    or more, so none is specialised to 0 or 1 either, and the query rows at 128 or more, so
+    inductor's guard on ``rows < 128`` holds for every step (:func:`padded_rows`). A
+    configuration then holds at most three graphs, whatever the batch and context sizes.
     """
     code = _flex_entry.__code__.replace(co_name=f"flex_attention_{len(_CONFIGS)}")
     _CONFIGS.append(config)
