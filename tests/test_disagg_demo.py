@@ -4,6 +4,8 @@ did not arrive."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from kvcore.demo.disagg import (
     format_result,
     run_disaggregated,
 )
+from kvcore.demo.engine import Engine
 
 pytestmark = pytest.mark.skipif(nixl_unavailable_reason() is not None,
                                 reason=str(nixl_unavailable_reason()))
@@ -88,6 +91,48 @@ def test_blocks_reported_loaded_but_never_read_are_caught(monkeypatch):
     result = run_disaggregated(options(timeout_s=3.0))  # the producer releases after 3 s
     assert not result.ok
     assert any(m.startswith("MISMATCH") for m in result.mismatches)
+
+
+def _slow_first(monkeypatch, method: str, seconds: float) -> None:
+    """The decode process's first call of ``Engine.<method>`` takes ``seconds`` longer, as a
+    cold kernel cache makes an engine's start (its builder's ``warmup()``) or first step
+    (FlashInfer's JIT modules: a minute or more); the prefill process is spawned, so it is not
+    patched."""
+    original, slow = getattr(Engine, method), [seconds]
+
+    def first_call_slow(self, *args, **kwargs):
+        if slow:
+            time.sleep(slow.pop())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, method, first_call_slow)
+
+
+def test_a_decode_engine_that_builds_kernels_first_still_reads_every_block(monkeypatch):
+    """The decode engine starts and runs its first steps before the prefill engine publishes,
+    so builds longer than the producer's hold (``timeout_s``) cost time, not the blocks.
+    Requests join while others decode (``max_num_seqs=2``), so later loads follow a step."""
+    _slow_first(monkeypatch, "__init__", 5.0)
+    _slow_first(monkeypatch, "_step", 5.0)
+    result = run_disaggregated(options(timeout_s=3.0, batch=4, max_num_seqs=2))
+    assert result.ok, result.mismatches
+    assert result.blocks_loaded == result.blocks_eligible > 0
+    assert not result.cause
+
+
+def test_blocks_released_unread_fail_the_run_naming_the_cause_and_the_fix(monkeypatch):
+    """Without its warm-up, the decode engine's slow first step outlasts the producer's hold
+    on the blocks of the requests admitted after it: the run fails and says why, and what to
+    raise."""
+    monkeypatch.setattr(Engine, "warm_up", lambda self, requests: 0.0)
+    _slow_first(monkeypatch, "_step", 5.0)
+    result = run_disaggregated(options(timeout_s=3.0, batch=4, max_num_seqs=2))
+    assert not result.ok
+    assert result.blocks_loaded < result.blocks_eligible
+    assert result.cause.startswith("the prefill engine released ")
+    assert "published blocks unread after timeout_s=3 s" in result.cause
+    assert result.cause.endswith("raise --timeout-s above that")
+    assert format_result(result).splitlines()[-1] == f"  cause: {result.cause}"
 
 
 def test_bad_options_are_named():

@@ -321,10 +321,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.disaggregated:
         return _demo_disaggregated(args)
     if args.prefill_device or args.decode_device or args.prefill_backend \
-            or args.prefill_block_size or args.prefill_tp != 1 or args.decode_tp != 1:
+            or args.prefill_block_size or args.prefill_tp != 1 or args.decode_tp != 1 \
+            or args.timeout_s is not None:
         raise ValueError("--prefill-device, --decode-device, --prefill-backend, "
                          "--prefill-block-size, --prefill-tp and --decode-tp set up the two "
-                         "engines of --disaggregated; add --disaggregated or drop them")
+                         "engines of --disaggregated, and --timeout-s bounds their waits for "
+                         "each other; add --disaggregated or drop them")
     from kvcore.demo.scenario import DemoOptions, run_demo_cli
 
     if args.backend:
@@ -355,7 +357,8 @@ def _demo_disaggregated(args: argparse.Namespace) -> int:
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         transport=args.transport, prefill_backend=args.prefill_backend,
         prefill_block_size=args.prefill_block_size, prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp))
+        decode_tp=args.decode_tp,
+        timeout_s=DisaggOptions.timeout_s if args.timeout_s is None else args.timeout_s))
     _emit(args, result.to_dict(), format_result(result))
     return 0 if result.ok else 1
 

@@ -302,6 +302,11 @@ def build_parser(with_kernels_options: bool = True) -> argparse.ArgumentParser:
                       help="--disaggregated: the decode engine's tensor-parallel degree "
                            "(default: %(default)s); each decode rank reads its heads from the "
                            "prefill ranks that hold them")
+    demo.add_argument("--timeout-s", type=float, default=None, metavar="SECONDS",
+                      help="--disaggregated: how long the prefill engine holds its published "
+                           "blocks for the decode engine (from once both engines have built "
+                           "their kernels), and the bound of the two processes' waits for each "
+                           "other (default: 60)")
 
     warm = with_format(sub.add_parser(
         "warmup", help="build ahead what the selected backend needs for a demo model's shapes "

@@ -12,6 +12,12 @@ Two engines, two processes, one model (same weights from the same seed):
    ``lookup`` and READs them straight from the prefill engine's cache with ``load``; only the
    prompt's last, partial block is computed again (the demo engine computes at least one
    prompt token to get the first token's logits).
+   Both engines first run their own steps once (:meth:`~kvcore.demo.engine.Engine.warm_up`:
+   the same prompts, nothing published or loaded), and the prefill engine publishes only once
+   the decode engine is ready: a published block is held for ``timeout_s`` from its save, and
+   a first step that builds kernels (FlashInfer's JIT modules on a cold cache: minutes) then
+   costs time, not the blocks. Blocks released unread still fail the run, the result naming
+   the cause and the fix (``cause``: raise ``timeout_s``, ``--timeout-s``).
 3. **Check**: every token, the prefill engine's first token included, equals a one-process
    run of the *same steps* (one engine prefills the prompts for one token, computing all of
    them as the producer's engine does; a second engine on poisoned blocks loads each request's
@@ -85,6 +91,11 @@ TRANSPORTS = ("nixl", "mooncake")
 #: of ``timeout_s``.
 _STARTUP_S = 60.0
 
+#: Allowance for the prefill engine to build its kernels before it publishes (its first steps
+#: run once ahead, see :meth:`Engine.warm_up`): a cold cache of FlashInfer's JIT modules takes
+#: minutes.
+_BUILD_S = 1800.0
+
 
 @dataclass
 class DisaggOptions:
@@ -100,6 +111,9 @@ class DisaggOptions:
     backend: str | None = None
     seed: int = 0
     host: str = "127.0.0.1"
+    #: Seconds the prefill engine holds its published blocks for the decode engine (the
+    #: producers' ``publish_timeout_s``; the clock starts once both engines have built their
+    #: kernels), and the bound of the two processes' waits for each other.
     timeout_s: float = 60.0
     #: The prefill engine's device, e.g. ``"cuda:0"`` (default: the platform's first device).
     prefill_device: str | None = None
@@ -171,7 +185,8 @@ class DisaggOptions:
         parse_dtype(self.dtype)
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not 0 < self.timeout_s < float("inf"):
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be a finite number > 0")
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be a finite number of seconds "
+                             "> 0 (kvcore demo's --timeout-s), e.g. 60")
 
 
 @dataclass
@@ -202,6 +217,9 @@ class DisaggResult:
     #: rank 0's).
     prefill_tp: int = 1
     decode_tp: int = 1
+    #: Why blocks did not come through, with the fix, where the run knows it (published
+    #: blocks released unread after ``timeout_s``); empty otherwise.
+    cause: str = ""
 
     @property
     def ok(self) -> bool:
@@ -307,8 +325,9 @@ class _Setup:
 
 
 def _prefill_main(options: DisaggOptions, pipe: Any) -> None:
-    """The prefill process: publish every request's prompt blocks, report the first tokens,
-    and stay until the decode engine has read them (or ``timeout_s`` releases them)."""
+    """The prefill process: build its engine's kernels, wait until the decode engine is ready
+    to read, publish every request's prompt blocks, report the first tokens, and stay until
+    the decode engine has read them (or ``timeout_s`` releases them)."""
     try:
         torch.set_num_threads(1)
         setup = _Setup(options, "prefill")
@@ -342,21 +361,38 @@ def _prefill_main(options: DisaggOptions, pipe: Any) -> None:
                     pipe.send(("published", [r.output[0] for r in requests]))
                     sent.append(True)
 
+            pipe.send(("port", ports))
             engine = setup.engine(ConnectorGroup(producers), on_step=on_step,
                                   kv=kv[0] if setup.tp == 1 else kv)
-            pipe.send(("port", ports))
+            # Kernels build now, not while published blocks wait (nothing is published).
+            engine.warm_up(requests)
+            # A published block is held for timeout_s from its save: publish only once the
+            # decode engine has built its kernels too and reads at once.
+            try:
+                kind, _ = pipe.recv()
+            except EOFError:
+                return  # the decode process ended before it was ready; it says why
+            if kind != "publish":
+                raise RuntimeError(f"the decode process sent {kind!r}, expected 'publish'")
             engine.serve(requests)  # returns once every published block was read
             pipe.send(("done", [p.stats.to_dict() for p in producers]))
     except BaseException as exc:
-        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        with contextlib.suppress(OSError):  # the decode process may have gone already
+            pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
 
 
-def _receive(pipe: Any, proc: Any, what: str, timeout_s: float) -> Any:
-    if not pipe.poll(timeout_s):
-        raise TimeoutError(f"the prefill process sent no {what} within timeout_s={timeout_s} "
-                           f"(alive: {proc.is_alive()})")
-    kind, payload = pipe.recv()
+def _receive(pipe: Any, proc: Any, what: str, wait_s: float) -> Any:
+    """The payload of the prefill process's next message, which must be ``what``."""
+    if not pipe.poll(wait_s):
+        raise TimeoutError(f"the prefill process sent no {what!r} message within {wait_s:g} s "
+                           f"(alive: {proc.is_alive()}); --timeout-s raises the bound")
+    try:
+        kind, payload = pipe.recv()
+    except EOFError:
+        proc.join(5.0)
+        raise RuntimeError(f"the prefill process ended (exit code {proc.exitcode}) before it "
+                           f"sent {what!r}; its error is printed above") from None
     if kind == "error":
         raise RuntimeError(f"the prefill process failed: {payload}")
     if kind != what:
@@ -378,11 +414,13 @@ def run_disaggregated(options: DisaggOptions) -> DisaggResult:
         proc = ctx.Process(target=_prefill_main, args=(options, theirs), daemon=True,
                            name="kvcore-disagg-prefill")
         proc.start()
+        theirs.close()  # the child's end: once the child ends, a read here sees EOF
         try:
             with (torch.cuda.device(setup.device) if setup.device.type == "cuda"
                   else contextlib.nullcontext()):
                 result = _decode(setup, ours, proc, started)
         finally:
+            ours.close()  # a prefill process still waiting for "publish" ends
             proc.join(options.timeout_s + _STARTUP_S)
             if proc.is_alive():
                 proc.kill()
@@ -414,10 +452,21 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
                 consumers.append(consumer)
         group = ConnectorGroup(consumers)
         engine = setup.engine(group, kv=kv[0] if setup.tp == 1 else kv)
+        # The producers hold each published block for timeout_s only: build this engine's
+        # kernels (its first steps, the same shapes) before the prefill engine publishes.
+        engine.warm_up(decode_reqs)
         engine.poison_free_blocks(torch.Generator().manual_seed(options.seed + 1))
-        first_tokens = _receive(pipe, proc, "published", wait_s)
+        try:
+            pipe.send(("publish", None))
+        except OSError:  # the prefill process ended meanwhile; its last message says why
+            _receive(pipe, proc, "published", 0.0)
+            raise
+        # The prefill engine may still be building its own kernels.
+        first_tokens = _receive(pipe, proc, "published", _BUILD_S + wait_s)
+        published = time.perf_counter()
         stats = engine.serve(decode_reqs)
-        _receive(pipe, proc, "done", wait_s)
+        served_s = time.perf_counter() - published
+        producer_stats = _receive(pipe, proc, "done", wait_s)
         loaded_bytes, load_seconds = group.loaded()
     # One engine alone at TP 1, computing everything (batched differently).
     single = [Request(r.request_id, r.prompt, r.max_new_tokens) for r in setup.requests]
@@ -451,10 +500,18 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         mismatches.append(f"the one-process reference loaded {same_stats.prefix_blocks_hit} "
                           f"prompt blocks, the disaggregated run {stats.prefix_blocks_hit}: "
                           "they did not run the same steps")
+    cause = ""
     if stats.prefix_blocks_hit != stats.prefix_blocks_eligible:
         mismatches.append(f"only {stats.prefix_blocks_hit} of {stats.prefix_blocks_eligible} "
                           f"prompt blocks came through {options.transport} "
                           f"({stats.load_failures} failed)")
+        # A producer's save fails only when its blocks are released unread.
+        released = sum(s["failed_blocks"] for s in producer_stats)
+        if released:
+            cause = (f"the prefill engine released {released} published blocks unread after "
+                     f"timeout_s={options.timeout_s:g} s, while the decode engine took "
+                     f"{served_s:.1f} s from their publication to the end of its run; raise "
+                     "--timeout-s above that")
     return DisaggResult(
         backend=setup.backend.get_name(), device=str(setup.device),
         prefill_backend=prefill.backend.get_name(),
@@ -466,7 +523,7 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         blocks_eligible=stats.prefix_blocks_eligible, blocks_loaded=stats.prefix_blocks_hit,
         loaded_bytes=loaded_bytes, load_seconds=load_seconds,
         seconds=time.perf_counter() - started, mismatches=mismatches, notes=notes,
-        prefill_device=str(setup.prefill_device))
+        prefill_device=str(setup.prefill_device), cause=cause)
 
 
 class _Handover(KVConnector):
@@ -558,4 +615,7 @@ def format_result(result: DisaggResult) -> str:
          f"{'' if result.notes else ' and to one engine alone'}: ")
         + f"{'yes' if result.ok else 'NO'} ({result.seconds:.1f} s)",
     ]
-    return "\n".join(lines + [f"  {m}" for m in result.mismatches + result.notes])
+    lines += [f"  {m}" for m in result.mismatches + result.notes]
+    if result.cause:
+        lines.append(f"  cause: {result.cause}")
+    return "\n".join(lines)

@@ -347,6 +347,32 @@ class Engine:
         stats.seconds = time.perf_counter() - started
         return stats
 
+    def warm_up(self, requests: Sequence[Request]) -> float:
+        """Serve copies of ``requests`` (same prompts and lengths) once, so that the first
+        step of each kind (a prefill, a step mixing prefill and decode, decode steps, the
+        CUDA-graph capture) has built its kernels before the real run; returns the seconds.
+
+        An engine that must keep a deadline once it starts serving calls it first: the decode
+        engine of ``kvcore demo --disaggregated``, whose producer holds the published blocks
+        for ``timeout_s`` only, while a cold cache makes a first step build for a minute or
+        more (FlashInfer's JIT modules). The copies run without the connector (nothing is
+        looked up, loaded or saved) and without ``on_step``, later requests joining while
+        earlier ones decode; their blocks go back to the pool, their tokens are dropped.
+        """
+        copies = [Request(f"warm-up:{r.request_id}", r.prompt, r.max_new_tokens)
+                  for r in requests]
+        if not copies:
+            return 0.0
+        saved = self.connector, self.on_step, self.max_num_batched_tokens
+        # A budget of the longest prompt and a decode: prompts join steps in which earlier
+        # requests decode (mixed steps), unless two fit in one step together.
+        self.max_num_batched_tokens = max(len(r.prompt) for r in copies) + 1
+        self.connector, self.on_step = None, None
+        try:
+            return self.serve(copies).seconds
+        finally:
+            self.connector, self.on_step, self.max_num_batched_tokens = saved
+
     def wait_for_saves(self) -> None:
         """Wait for every save in flight, then return its blocks to the pool."""
         for handle, blocks in self._pending_saves:
