@@ -12,6 +12,8 @@ launch returns the name of the kernel it ran. Registered by :mod:`kvcore_mla.plu
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import kvcore
@@ -66,7 +68,10 @@ def _skip(backend: str, target: CompileTarget, dtype: torch.dtype,
 
 def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: int,
               num_heads: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-              max_spills: int | None = None, gluon: bool = True) -> KernelCase:
+              max_spills: int | None = None, gluon: bool = True,
+              fp8_fp16: bool | None = None) -> KernelCase:
+    """``fp8_fp16``: the decode row's switch replaced (None: the row's own)."""
+
     def launch() -> str:
         from kvcore_mla.ops.mla_configs import (
             TritonMLAPlan,
@@ -90,6 +95,8 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
             config = mla_decode_config(num_heads, family_of((cap.major, cap.minor),
                                                             rocm=target.is_rocm),
                                        page_size=_BLOCK_SIZE, fp8_cache=fp8, gluon=gluon)
+            if fp8_fp16 is not None:
+                config = dataclasses.replace(config, fp8_fp16=fp8_fp16)
             plan = TritonMLAPlan(config, mla_decode_num_splits(num_seqs, num_heads, max_seq_len,
                                                                config, target.num_sms))
         else:
@@ -104,8 +111,10 @@ def _mla_case(target: CompileTarget, name: str, *, q_lens: list[int], context: i
         return plan.config.kernel
 
     allowance = {} if max_spills is None else {"max_spills": max_spills}
-    return KernelCase(name, launch, skip=_skip("TRITON_MLA", target, dtype, kv_cache_dtype),
-                      **allowance)
+    skip = _skip("TRITON_MLA", target, dtype, kv_cache_dtype)
+    if skip is None and fp8_fp16 and target.is_rocm:
+        skip = "TRITON_MLA: fp8_fp16 is NVIDIA's fp8 path (a PTX move)"
+    return KernelCase(name, launch, skip=skip, **allowance)
 
 
 def _latent_write_case(target: CompileTarget, name: str, *, dtype: torch.dtype,
@@ -163,6 +172,13 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
                   num_heads=16, dtype=fp16),
         _mla_case(target, "MLA decode 64x4096 H128 bf16 fp8-e4m3 KV", q_lens=[1] * 64,
                   context=4095, num_heads=128, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
+        # The fp8 path with fp16 products (TritonMLADecodeConfig.fp8_fp16), off in the rows
+        # until timed: the 16-head row with it on, beside the row as it is.
+        _mla_case(target, "MLA decode 64x4096 H16 bf16 fp8-e4m3 KV", q_lens=[1] * 64,
+                  context=4095, num_heads=16, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
+        _mla_case(target, "MLA decode 64x4096 H16 bf16 fp8-e4m3 KV fp8_fp16", q_lens=[1] * 64,
+                  context=4095, num_heads=16, dtype=bf16, kv_cache_dtype="fp8_e4m3",
+                  fp8_fp16=True),
         _mla_case(target, "MLA mixed 2x2048+62x1 ctx2048 H16 bf16", q_lens=mixed,
                   context=2048, num_heads=16, dtype=bf16),
         _mla_case(target, "MLA mixed 2x2048+62x1 ctx2048 H128 bf16 fp8-e4m3 KV", q_lens=mixed,

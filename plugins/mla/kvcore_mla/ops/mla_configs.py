@@ -74,6 +74,11 @@ class TritonMLADecodeConfig:
     a loop step, ``num_warps`` and ``num_stages`` as Triton takes them; ``programs_per_sm`` is
     how many programs of this config an SM runs at once (shared memory and registers
     permitting), which :func:`mla_decode_num_splits` counts as slots (1 when unsure).
+    ``fp8_fp16``: on an fp8 cache, bf16 queries meet the latents in fp16 products and each
+    tile is converted once, where it is loaded (:mod:`~kvcore_mla.ops.triton_mla_decode`;
+    NVIDIA only); ``False`` stages fp8 tiles in shared memory and converts each dot's operand
+    to the query's dtype. Off in every row of :data:`MLA_DECODE_CONFIGS` until timed on a GPU
+    (``benchmarks/bench_mla_fp8_decode.py``); caches of the model's dtype ignore it.
     """
 
     kernel: ClassVar[str] = "triton_mla_decode"
@@ -86,6 +91,7 @@ class TritonMLADecodeConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 1
+    fp8_fp16: bool = False
 
     def __post_init__(self) -> None:
         _check_tile(self, "block_h", "block_n")

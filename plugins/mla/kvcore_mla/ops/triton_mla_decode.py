@@ -44,6 +44,22 @@ chain of dots), and the softmax inside a branch on a runtime condition that alwa
 (``seq_len > 0``), end that walk before the value dot. The results agree within rounding (each
 part is scaled before the sum); a compile test checks the layout Triton gives it.
 
+fp8 caches: the tiles are converted in the loop (fp8 -> 16 bits is exact) and the per-tensor
+scale goes on the scores and the output, once each. Converted to the query's dtype (the
+config's ``fp8_fp16`` off), on sm_90a the latent tile is loaded in the loop without being
+pipelined, staged in shared memory as fp8, and each dot converts its own operand: every latent
+is converted twice, fp8 -> fp16 -> bf16 (the second step one conversion instruction per
+element), and one operand is read a byte at a time. With ``FP8_FP16`` (the config's
+``fp8_fp16``) the products run in fp16: bf16 queries are scaled per head by a power of two into
+fp16's range (:func:`_fp16_rows`, exact), fp8 -> fp16 is one instruction per two elements, and
+each tile is converted once, where it is loaded, and stored to shared memory once, in fp16, for
+both dots (:func:`_opaque_fp16`: without it Triton moves the conversion past shared memory,
+and it lays out both dots' operands for 8-bit data, the query's included, with a second fp16
+copy of the tile for the score dot). The sm_90a loop of the 16-head tile on pages of 16 is
+about 1200 instructions instead of 2800 (1770 for bf16), its latent tiles pipelined through
+``cp.async`` as bf16 ones are (``benchmarks/bench_mla_fp8_decode.py`` times the options). The
+PTX move makes the path NVIDIA's: the launcher refuses it on ROCm.
+
 Scores use ``exp2`` with ``log2(e)`` folded into the scale; each split's normalised output and
 base-2 log-sum-exp go to partial buffers that :func:`kvcore.ops.merge_kv_splits` reduces. All
 address arithmetic is int64. Under ``TRITON_INTERPRET=1`` tiles are cast to float32 before
@@ -70,7 +86,7 @@ from kvcore_mla.ops.mla_configs import (
     TritonMLAHalvesConfig,
     TritonMLATMAKeySplitConfig,
 )
-from kvcore_mla.ops.triton_utils import pointer_classes
+from kvcore_mla.ops.triton_utils import is_rocm, pointer_classes
 from kvcore_mla.ops.validation import FP8_DTYPES
 
 __all__ = ["VARIANTS", "launch_triton_mla_decode"]
@@ -84,17 +100,31 @@ VARIANTS: dict[str, tuple[bool, bool, bool]] = {
 
 
 @triton.jit
-def _load_latent(rows, cols, stride_d, valid, like, width: tl.constexpr, EVEN: tl.constexpr):
+def _load_latent(rows, cols, stride_d, valid, like, width: tl.constexpr, EVEN: tl.constexpr,
+                 CONVERT_AT_LOAD: tl.constexpr):
     """Columns ``cols`` of the latent rows ``rows`` (masked rows read 0) in ``like``'s dtype
     (the query tile's: fp8 -> model dtype is exact, the scale is applied outside; float32 under
     the interpreter). The column mask is left out when every column is inside ``width``, so
-    the loads stay 16-byte vectors."""
+    the loads stay 16-byte vectors. ``CONVERT_AT_LOAD`` (fp8 tiles into fp16 products): the
+    converted tile passes :func:`_opaque_fp16`, so it is stored to shared memory once, in
+    fp16, for both dots (module docstring)."""
     if EVEN:
         tile = tl.load(rows[:, None] + cols[None, :] * stride_d, mask=valid[:, None], other=0.0)
     else:
         tile = tl.load(rows[:, None] + cols[None, :] * stride_d,
                        mask=valid[:, None] & (cols < width)[None, :], other=0.0)
+    if CONVERT_AT_LOAD:
+        return _opaque_fp16(tile.to(like.dtype))
     return tile.to(like.dtype)
+
+
+@triton.jit
+def _opaque_fp16(tile):
+    """``tile`` (fp16) unchanged, through a PTX register move that Triton treats as having side
+    effects: Triton neither moves the conversion before it past it nor looks through it for the
+    dtype the dot operand came from (module docstring). ptxas drops the move."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.float16,
+                                     is_pure=False, pack=2)
 
 
 @triton.jit
@@ -106,6 +136,44 @@ def _load_query(q_rows, cols, stride_d, h_valid, width: tl.constexpr, INTERPRET:
     if INTERPRET:
         q = q.to(tl.float32)
     return q
+
+
+@triton.jit
+def _fp16_rows(q0, q1, q_pe, SPLIT_LATENT: tl.constexpr, HAS_PE: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """The query parts of a head group (bf16 ``[BLOCK_H, *]`` tiles; float32 under the
+    interpreter) for fp16 products with fp8 latents, and the power of two per head that undoes
+    their scaling: ``(q0, q1, q_pe, up)``, each part times ``1 / up[:, None]`` in fp16 (float32
+    holding fp16 values under the interpreter; a part that is absent is returned as it came).
+    A head's parts share one factor (the score sums them), the one that puts its largest
+    ``|q|`` in ``[2**14, 2**15)``, where fp16 holds every bf16 value exactly: elements down to
+    ``2**-31`` of the head's largest stay exact, smaller ones become fp16 subnormals and may
+    round."""
+    top = tl.max(tl.abs(q0.to(tl.float32)), 1)
+    if SPLIT_LATENT:
+        top = tl.maximum(top, tl.max(tl.abs(q1.to(tl.float32)), 1))
+    if HAS_PE:
+        top = tl.maximum(top, tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+    exponent = (top.to(tl.int32, bitcast=True) >> 23) - 127
+    # Clamped so both powers of two are normal float32 (heads of zeros, inf and NaN too).
+    shift = tl.minimum(tl.maximum(exponent - 14, -100), 113)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)[:, None]
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    q0 = _fp16_part(q0, down, INTERPRET)
+    if SPLIT_LATENT:
+        q1 = _fp16_part(q1, down, INTERPRET)
+    if HAS_PE:
+        q_pe = _fp16_part(q_pe, down, INTERPRET)
+    return q0, q1, q_pe, up
+
+
+@triton.jit
+def _fp16_part(q, down, INTERPRET: tl.constexpr):
+    """``q * down`` rounded to fp16 (held in float32 under the interpreter)."""
+    q16 = (q.to(tl.float32) * down).to(tl.float16)
+    if INTERPRET:
+        q16 = q16.to(tl.float32)
+    return q16
 
 
 @triton.jit
@@ -209,6 +277,7 @@ def _mla_decode_kernel(
     TMA: tl.constexpr, SPLIT_SCORE_KEYS: tl.constexpr,
     FP8: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_FP16: tl.constexpr,
 ):
     """One (head group, KV split, request) of MLA decode; see :func:`launch_triton_mla_decode`."""
     pid = tl.program_id(0)
@@ -250,6 +319,16 @@ def _mla_decode_kernel(
         else:
             ks = k_scale
         qk_scale = qk_scale * ks
+    # FP8_FP16 (module docstring): bf16 queries scaled per head into fp16, the power of two
+    # that undoes it goes on the scores with the softmax scale ([BLOCK_H, 1] from here on) ...
+    FP16_QUERY: tl.constexpr = FP8 and FP8_FP16 and q_ptr.dtype.element_ty == tl.bfloat16
+    if FP16_QUERY:
+        q0, q1, q_pe, up = _fp16_rows(q0, q1, q_pe, SPLIT_LATENT, D_PE > 0, INTERPRET)
+        qk_scale = (qk_scale * up)[:, None]
+    # ... and each pointer-loaded tile converted once, where it is loaded, for 16-bit queries
+    # (float32 ones keep float32 products; the interpreter's tiles are float32 already).
+    CONVERT_AT_LOAD: tl.constexpr = (FP8 and FP8_FP16 and not INTERPRET
+                                     and q_ptr.dtype.element_ty != tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     if SPLIT_SCORE_KEYS:  # per key column, summed after the loop (see _softmax_step)
@@ -338,13 +417,15 @@ def _mla_decode_kernel(
                                     mask=(pos_next < seq_len) & (pos_next < t_hi * BLOCK_N),
                                     other=0)
             # The latent tile, read once: keys (with the rope part) and values.
-            kv0 = _load_latent(rows, c0, stride_kd, valid, q0, D_NOPE, EVEN_D)
+            kv0 = _load_latent(rows, c0, stride_kd, valid, q0, D_NOPE, EVEN_D, CONVERT_AT_LOAD)
             s = _score_part(q0, kv0, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
             if SPLIT_LATENT:
-                kv1 = _load_latent(rows, c1, stride_kd, valid, q0, D_NOPE, EVEN_D)
+                kv1 = _load_latent(rows, c1, stride_kd, valid, q0, D_NOPE, EVEN_D,
+                                   CONVERT_AT_LOAD)
                 s += _score_part(q1, kv1, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
             if D_PE > 0:
-                kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE, BLOCK_PE == D_PE)
+                kpe = _load_latent(rows, dpe, stride_kd, valid, q0, D_NOPE + D_PE,
+                                   BLOCK_PE == D_PE, CONVERT_AT_LOAD)
                 s += _score_part(q_pe, kpe, qk_scale, SPLIT_SCORE_KEYS, DOT_PRECISION)
             if not SPLIT_SCORE_KEYS:
                 s = s * qk_scale
@@ -422,6 +503,9 @@ def launch_triton_mla_decode(
     page_size = kv_cache.shape[1]
     pe_dim = k_dim - kv_lora_rank
     fp8 = kv_cache.dtype in FP8_DTYPES
+    if fp8 and config.fp8_fp16 and is_rocm():
+        raise ValueError(f"config.fp8_fp16=True on ROCm: its fp8 path is NVIDIA's (a PTX "
+                         f"move); use dataclasses.replace(config, fp8_fp16=False) ({config})")
     ks = scale_arg(k_scale if fp8 else None, q.device)
     num_head_blocks = -(-num_heads // config.block_h)
     split = num_splits > 1
@@ -476,5 +560,5 @@ def _decode_launch(found: tuple) -> KernelLaunch:
              TMA=tma, SPLIT_SCORE_KEYS=split_score_keys,
              FP8=fp8, SCALE_IS_TENSOR=scale_is_tensor, SPLIT=split,
              WRITE_LSE=write_lse, INTERPRET=is_interpreted(_mla_decode_kernel),
-             DOT_PRECISION="ieee" if fp32 else None),
+             DOT_PRECISION="ieee" if fp32 else None, FP8_FP16=fp8 and config.fp8_fp16),
         dict(num_warps=config.num_warps, num_stages=config.num_stages))
