@@ -59,6 +59,17 @@ layer's forward. A captured step keeps the scale it was captured with (a graph r
 Plain metadata (no builder) reads the scale in every layer, as that path already reads the
 step back to plan it.
 
+An fp8 step is not faster than a bf16 one: FlashInfer's ``fa3`` kernel (0.7.2, what this
+backend runs on Hopper) dequantises inside the kernel, tile by tile, not the cache or the
+step's pages into a bf16 copy. Each 64-token tile reaches shared memory as fp8; one warpgroup
+then converts the whole tile to bf16 times the scale into a shared staging tile, between two
+block-wide barriers, and the bf16 tensor-core products read that. The conversion does not
+overlap the products, so a decode step takes about twice a bf16 one rather than half
+(``benchmarks/bench_mla_fp8_decode.py`` times both). Its other scale form, ``ckv_scale_arr``
+(one scale per 128 channels of each token), takes the same path, and Hopper has no fp8-query
+MLA kernel (those are Blackwell's). Nothing kvcore passes changes this (the cache's two views,
+as they are); where TRITON_MLA's fp8 path is faster, the platform's ranking is what picks it.
+
 Cross-layer caches: FLASHINFER_MLA declares the cross-layer order ``B,L,N,D`` on CUDA (the
 same as TRITON_MLA). FlashInfer takes the page and token strides from the two views (int64
 page offsets), and the cross-layer test families of ``test_nvidia_flashinfer_mla_gpu.py``
