@@ -9,7 +9,8 @@ heads (8-way tensor parallelism) for B x L in {64 x 4096, 8 x 32768} and at 128 
 
 0. precompile: every launch below compiled at once, one process each (``--compile-workers``,
    by default cores - 2, at most 14), and FlashInfer's bf16 and fp8 MLA modules built beside
-   them, so the budget goes to timing;
+   them, for at most ``--precompile-s`` seconds (60), so the budget goes to timing (FlashInfer
+   is left out if its build did not finish);
 1. the read ceiling (torch ``sum`` and a Triton streaming read of 2 GiB, the faster counts);
 2. per shape, TRITON_MLA's op (``kvcore_mla.ops.triton_mla_attention.mla_attention``, the
    launches of the backend's forward, with a plan of config, split count and workspace as its
@@ -38,8 +39,8 @@ one on the same cache; then, per shape, the fastest fp8 option. Logs and JSON go
 ``TRITON_INTERPRET=1`` to check the script.
 
 Usage: ``python benchmarks/bench_mla_fp8_decode.py [--out DIR] [--budget-s 90]
-[--block-size 16] [--no-flashinfer] [--compile-workers N] [--smoke]``; about a minute on an
-H100 with a cold Triton cache.
+[--block-size 16] [--no-flashinfer] [--compile-workers N] [--precompile-s 60] [--smoke]``;
+at most ``budget-s`` and the table's seconds.
 """
 
 from __future__ import annotations
@@ -205,16 +206,24 @@ def compile_job(job: list) -> str:
     return f"{batch.shape} {option} {'fp8' if fp8 else 'bf16'} {short(cfg)}"
 
 
-def precompile(run: Run, workers: int, block_size: int, flashinfer: bool) -> set[tuple]:
-    """Every launch compiled at once, one process each, ``workers`` at once; returns the
-    ``(shape, option, fp8)`` of those whose compile failed (left out of the timings: a
-    compiler crash aborts a process, so it costs one option, not the run)."""
+def precompile(run: Run, workers: int, block_size: int, flashinfer: bool,
+               deadline_s: float) -> tuple[set[tuple], bool]:
+    """Every launch compiled at once, one process each, ``workers`` at once, for at most
+    ``deadline_s`` seconds (unfinished processes are stopped: their Triton launches compile
+    when first timed). Returns the ``(shape, option, fp8)`` whose compile failed (left out of
+    the timings: a compiler crash aborts a process, so it costs one option, not the run) and
+    whether FlashInfer's modules were built (if not, FlashInfer is left out: a cold build can
+    take minutes)."""
     import concurrent.futures
+    import threading
 
     configs, _ = mla_ops()
     sms = ops.num_sms(torch.device(DEVICE))
     jobs, seen = [], set()
-    for heads, b, length in SHAPES:
+    if flashinfer:  # the longest jobs first: FlashInfer's builds, then the 64-head programs
+        heads, b, length = SHAPES[0]
+        jobs += [["flashinfer", heads, b, length, block_size, fp8] for fp8 in (0, 1)]
+    for heads, b, length in sorted(SHAPES, key=lambda shape: -shape[0]):
         for i, (_, _, cfg) in enumerate(launches(heads, block_size)):
             # Triton specialises an int on being 1 or a multiple of 16: one compile per class
             # of split counts (the merge kernel, compiled per count, takes a second).
@@ -223,35 +232,49 @@ def precompile(run: Run, workers: int, block_size: int, flashinfer: bool) -> set
             if key not in seen:
                 seen.add(key)
                 jobs.append(["triton", heads, b, length, block_size, i])
-    if flashinfer:
-        heads, b, length = SHAPES[0]
-        jobs += [["flashinfer", heads, b, length, block_size, fp8] for fp8 in (0, 1)]
 
-    def compile_one(job: list) -> tuple[list, object, str]:
+    lock, procs, stopped = threading.Lock(), [], threading.Event()
+
+    def compile_one(job: list) -> tuple[list, int | None, str]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-job", json.dumps(job),
                *(["--smoke"] if SMOKE else [])]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
-        except subprocess.TimeoutExpired:
-            return job, "timeout", ""
-        return job, r.returncode, ((r.stdout + r.stderr).strip().splitlines() or [""])[-1]
+        with lock:
+            if stopped.is_set():
+                return job, None, "not started"
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+            procs.append(proc)
+        said, _ = proc.communicate()
+        return job, proc.returncode, (said.strip().splitlines() or [""])[-1]
 
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(compile_one, jobs))
-    failed = set()
-    for job, rc, said in results:
-        if rc != 0:
+        futures = [pool.submit(compile_one, job) for job in jobs]
+        _, pending = concurrent.futures.wait(futures, timeout=deadline_s)
+        with lock:
+            stopped.set()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()  # this run's own compile process
+    failed, flashinfer_built, unfinished = set(), flashinfer, len(pending)
+    for future in futures:
+        job, rc, said = future.result()
+        done = rc == 0
+        if job[0] == "flashinfer":
+            flashinfer_built &= done
+        if not done and future not in pending:
             run.log(f"precompile {job}: rc {rc}: {said}")
             if job[0] == "triton":
                 option, fp8, _ = launches(job[1], block_size)[job[5]]
                 failed |= {(f"{b}x{length} H{heads}", option, fp8)
                            for heads, b, length in SHAPES if heads == job[1]}
-    run.results["meta"]["precompile"] = dict(seconds=time.time() - t0, jobs=len(jobs),
-                                             workers=workers, failed=len(failed))
+    run.results["meta"]["precompile"] = dict(
+        seconds=time.time() - t0, jobs=len(jobs), workers=workers, failed=len(failed),
+        unfinished=unfinished, flashinfer_built=flashinfer_built)
     run.log(f"precompiled {len(jobs)} launches in {time.time() - t0:.1f} s with {workers} "
-            f"processes; {len(failed)} failed")
-    return failed
+            f"processes; {len(failed)} failed, {unfinished} stopped at the {deadline_s:.0f} s "
+            f"deadline; FlashInfer built: {flashinfer_built}")
+    return failed, flashinfer_built
 
 
 # ----------------------------------------------------------------------------- sections
@@ -397,6 +420,8 @@ def main() -> int:
     parser.add_argument("--compile-workers", type=int,
                         default=0 if SMOKE else max(1, min(14, (os.cpu_count() or 4) - 2)),
                         help="processes compiling the launches before the timings (0: none)")
+    parser.add_argument("--precompile-s", type=float, default=60.0,
+                        help="stop the precompile after this many seconds")
     parser.add_argument("--compile-job", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1")
@@ -419,7 +444,12 @@ def main() -> int:
     failed: set[tuple] = set()
     if args.compile_workers > 0:
         with run.section("precompile"):
-            failed = precompile(run, args.compile_workers, block_size, flashinfer)
+            failed, built = precompile(run, args.compile_workers, block_size, flashinfer,
+                                       args.precompile_s)
+            if flashinfer and not built:
+                run.log("FlashInfer's modules were not built in the precompile: it is left "
+                        "out (--no-flashinfer skips it; a second run finds them cached)")
+                flashinfer = False
     with run.section("read ceiling"):
         measure_ceiling(run)
     batches, row_outs = {}, {}
