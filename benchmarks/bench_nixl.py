@@ -70,8 +70,10 @@ load (median over the loads after the first, in ms), through the connector's tim
 ``channel`` (requests to the producer: fetch, confirmations; ``round_trips`` counts them),
 ``start_read`` (descriptors, the transfer request and its post), ``poll`` (asking the library
 whether a READ finished), ``release`` (freeing its handle), ``pause`` (the connector's pauses
-between polls) and ``other`` (the rest: the loader thread, the device synchronisation, the
-gather of a converting load, Python); written as ``phases_ms`` in the JSON.
+between polls), for a converting load ``prepare`` (its gathers' checks and ids, while the
+fetch's answer is on the way), ``gather`` (launching them; the gather itself on the CPU) and
+``wait`` (the host waiting for the device), and ``other`` (the rest: the loader thread,
+Python); written as ``phases_ms`` in the JSON.
 
 ``--progress-thread on|off`` sets both nixl connectors' ``progress_thread`` (default: the
 connector's, on for the producer and off for the consumer).
@@ -542,7 +544,7 @@ class Phases:
     connector's timing hook (:attr:`kvcore.connectors.pull.PullConnector.timing`); requests
     on the side channel add up to ``channel`` and are counted (``round_trips``)."""
 
-    NAMES = ("channel", "start_read", "poll", "release", "pause")
+    NAMES = ("channel", "start_read", "poll", "release", "pause", "prepare", "gather", "wait")
     REQUESTS = ("lookup", "fetch", "giveback", "done")
 
     def __init__(self, consumer) -> None:
@@ -734,7 +736,7 @@ def main() -> int:
     mismatched = (mismatched_tokens(kv, ids, expected, producer_ids) if args.convert else
                   mismatched_blocks(kv, ids, expected, producer_ids))
     exact = mismatched == 0
-    across = torch.device(args.serve_device) != kv.storage.device
+    across = expected.storage.device != kv.storage.device
     copies = copy_seconds(expected, args.device, args.trials)
     moved_s, copy_s = statistics.median(times[1:]), statistics.median(copies[1:])
     name = args.connector

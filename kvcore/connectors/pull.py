@@ -18,9 +18,12 @@ are consecutive on both sides (a descriptor per region kind), so a run succeeds 
 whole, and blocks of other runs are not affected.
 
 Side channel (standard library sockets, no central server): the producer listens on
-``host:port``; any number of consumers connect. Frames are a 4-byte big-endian length and a
-JSON object. A consumer sends ``hello`` (its :meth:`kvcore.KVCacheLayout.to_dict` and its
-engine's name); the producer answers with its layout, what the library needs to reach it and
+``host:port``; any number of consumers connect. A frame is an 8-byte header (two big-endian
+lengths), a JSON object and raw bytes after it: a request's keys, their hex digits back to
+back (:func:`~kvcore.connectors.pull_producer.pack_keys`; JSON took as long to write them as
+the producer takes to find their blocks). A consumer sends ``hello`` (its
+:meth:`kvcore.KVCacheLayout.to_dict` and its engine's name); the producer answers with its
+layout, what the library needs to reach it and
 the addresses of its block regions. Both sides compare the layouts (the number of blocks
 aside) and refuse a mismatch with :class:`kvcore.LayoutMismatchError` before any byte moves.
 Then:
@@ -31,7 +34,10 @@ Then:
   them and confirms each run read whole, ``<lease>:<first>:<end>``: through the library's
   notification where it has one (NIXL), else with ``done`` {lease, first, end} on the side
   channel (:attr:`PullConnector.confirms_over_channel`). The producer then releases the
-  blocks and the save reports them done;
+  blocks and the save reports them done (it counts notifications right after answering a
+  fetch, when the consumer READs and waits for nothing from it, or
+  :data:`~kvcore.connectors.pull_producer.SETTLE_AFTER_S` after they arrived when no fetch
+  comes; always before a lease ends or the producer closes);
 - ``giveback`` {lease, indices}: runs whose READ failed go back to published (runs that
   timed out stay leased until the lease ends, see below).
 
@@ -87,7 +93,7 @@ from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
 from kvcore.connectors.convert import ConversionPlan, TPRank, as_tp_rank, plan_conversion
 from kvcore.connectors.pull_consumer import Consumer
-from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs
+from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs, spans
 from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds
 
 __all__ = ["DEFAULT_STAGING_BYTES", "PHASES", "POLL_PAUSE_MAX_S", "POLL_PAUSE_MIN_S", "Engine",
@@ -109,10 +115,14 @@ _POLL_PAUSE_FRACTION = 0.125
 
 #: What :attr:`PullConnector.timing` is told of: a request on the side channel (one round
 #: trip each, named by its op: ``lookup``, ``fetch``, ``giveback``, ``done``), the library's
-#: ``start_read`` (descriptors, the request and its post), ``poll`` and ``release``, and
+#: ``start_read`` (descriptors, the request and its post), ``poll`` and ``release``,
 #: ``pause`` (the connector's sleeps between polls, and between fetches of keys not published
-#: yet).
-PHASES = ("lookup", "fetch", "giveback", "done", "start_read", "poll", "release", "pause")
+#: yet), and for a converting load ``prepare`` (its gathers' checks and ids, while the fetch's
+#: answer is on the way: not counted in ``fetch``), ``gather`` (launching one; on the CPU, the
+#: gather itself) and ``wait`` (the host waiting for the device: a staging part's last
+#: gather, the gathers at the end).
+PHASES = ("lookup", "fetch", "giveback", "done", "start_read", "poll", "release", "pause",
+          "prepare", "gather", "wait")
 
 
 def poll_pause(elapsed_s: float) -> float:
@@ -246,7 +256,7 @@ class PullConnector(KVConnector):
         if reason is not None:
             raise RuntimeError(f"the {self.transport} connector is unavailable: {reason}")
         super().__init__(failure_policy=failure_policy)
-        self.channel_protocol = f"kvcore-{self.transport}-v1"
+        self.channel_protocol = f"kvcore-{self.transport}-v2"
         self.role = role
         self.host = host
         self.port = port
@@ -390,7 +400,7 @@ class PullConnector(KVConnector):
         if self.role == "producer" or not keys:
             return 0
         try:
-            hits = self._request({"op": "lookup", "keys": keys}).get("hits")
+            hits = self._request({"op": "lookup"}, keys=keys).get("hits")
         except ChannelError as exc:
             logger.warning("%s consumer: lookup failed: %s", self.transport, exc)
             return 0
@@ -442,10 +452,9 @@ class PullConnector(KVConnector):
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         if self._plan is None:
+            # No device synchronisation: a READ the library reports done has landed (UCX's
+            # CUDA transports report a copy done once its stream event completed).
             read, errors = self._pull(keys, block_ids, self._regions, deadline)
-            if read and self._regions.mem_type == "VRAM":
-                # The blocks are the caller's once the load reports them.
-                torch.cuda.synchronize(self._reg.kv_caches.storage.device)
             if len(read) == len(block_ids):  # all of them, in order
                 loaded = block_ids
             else:
@@ -463,74 +472,79 @@ class PullConnector(KVConnector):
                          ) -> tuple[list[int], dict[int, str], int]:
         """READ the producer's blocks into the staging buffer, as many whole groups of the
         plan at a time as a part of it holds, and convert each chunk into ``block_ids`` with
-        one gather (:meth:`ConversionPlan.apply_keys`).
+        one gather (:meth:`ConversionPlan.prepare`; :meth:`ConversionPlan.apply_keys` for a
+        chunk whose keys were not all read).
 
-        One ``fetch`` leases every key of the load; the chunks are READ from that lease (keys
-        not published yet are asked for again while their chunk is read). With two parts
-        (``staging_buffers=2`` and room for two groups), chunk ``i + 1`` is READ into one part
-        while chunk ``i``'s gather reads the other: on a GPU the gather runs on the
-        connector's stream, and an event per part tells when its last gather has read it,
-        before the next READ into it; on the CPU the gather runs between the READs. A chunk's
-        gather is prepared (:meth:`ConversionPlan.prepare`: checks, ids on the device) while
-        its READ is in flight, and launched once it is read whole; the host never waits for
-        the device but for a part's last gather before the next READ into it (that part's
-        event), and for the connector's stream when the load ends.
+        One ``fetch`` leases every key of the load, and every chunk's gather is prepared
+        (checks, ids on the device) while its answer is on the way: between the READs only
+        launches are left. The chunks are READ from that lease (keys not published yet are
+        asked for again while their chunk is read). With two parts (``staging_buffers=2`` and
+        room for two groups), chunk ``i + 1`` is READ into one part while chunk ``i``'s
+        gather reads the other: on a GPU the gather runs on the connector's stream, and an
+        event per part tells when its last gather has read it, before the next READ into it;
+        on the CPU the gather runs between the READs. The host never waits for the device but
+        for a part's last gather before the next READ into it, and for the connector's
+        stream when the load ends.
         """
         plan, staging, stream = self._plan, self._staging, self._gather_stream
+        cache, scales = self._reg.kv_caches, self._kv_scales
         on_stream = ((lambda: torch.cuda.stream(stream)) if stream is not None
                      else contextlib.nullcontext)
         per_group = plan.group_tokens // plan.src_block_size
         dst_per_group = plan.group_tokens // plan.dst_block_size
-        chunk = self._staging_blocks // per_group // self._halves * per_group
+        size = self._staging_blocks // per_group // self._halves * per_group
+        # Per chunk: its first key, the staging blocks its keys land in, its destination.
+        chunks: list[tuple[int, list[int], list[int]]] = []
+        for n, k0 in enumerate(range(0, len(keys), size)):
+            count, base = min(size, len(keys) - k0), n % self._halves * size
+            d0 = k0 // per_group * dst_per_group
+            chunks.append((k0, list(range(base, base + count)),
+                           block_ids[d0:d0 + plan.blocks_for_keys(count)]))
+        prepared: list[Callable[[], int] | None] = [None] * len(chunks)
+
+        def prepare() -> None:
+            with on_stream():  # the ids' copies on the stream the gathers run on
+                for n, (_, slots, dst) in enumerate(chunks):
+                    try:
+                        prepared[n] = plan.prepare(staging, cache, slots, dst,
+                                                   len(slots) * plan.src_block_size,
+                                                   dst_scales=scales)
+                    except Exception:  # apply_keys raises it again for that chunk
+                        pass
+
         loaded: list[int] = []
         failed: dict[int, str] = {}
         nbytes = 0
         gathered: list[torch.cuda.Event | None] = [None] * self._halves
         with self._staging_lock:
             try:
-                lease, blocks = self._fetch(keys, deadline)
+                lease, blocks = self._fetch(keys, deadline, while_waiting=prepare)
             except ChannelError as exc:
                 lease, blocks, why = None, [None] * len(keys), str(exc)
             untouched = 0  # the first key whose chunk was not READ yet
             try:
-                for n, k0 in enumerate(range(0, len(keys), chunk)):
-                    part = keys[k0:k0 + chunk]
-                    base = n % self._halves * chunk
-                    slots = list(range(base, base + len(part)))
-                    if gathered[n % self._halves] is not None:  # its last gather has read it
-                        gathered[n % self._halves].synchronize()
-                    d0 = k0 // per_group * dst_per_group
-                    dst = block_ids[d0:d0 + plan.blocks_for_keys(len(part))]
+                for n, (k0, slots, dst) in enumerate(chunks):
+                    part, half = keys[k0:k0 + len(slots)], n % self._halves
+                    if gathered[half] is not None:  # its last gather has read that part
+                        self._timed("wait", gathered[half].synchronize)
                     untouched = k0 + len(part)
-                    prepared: list[Callable[[], int]] = []
-
-                    def prepare(slots: list[int] = slots, dst: list[int] = dst,
-                                tokens: int = len(part) * plan.src_block_size,
-                                prepared: list[Callable[[], int]] = prepared) -> None:
-                        try:
-                            with on_stream():  # the ids' copy on the stream the gather runs on
-                                prepared.append(plan.prepare(
-                                    staging, self._reg.kv_caches, slots, dst, tokens,
-                                    dst_scales=self._kv_scales))
-                        except Exception:  # READs are in flight here:
-                            pass  # apply_keys raises it again once they are over
-
                     if lease is None:  # the fetch failed: nothing is READ
                         read, errors = set(), dict.fromkeys(range(len(part)), why)
                     else:
                         read, errors = self._pull(part, slots, self._staging_regions, deadline,
-                                                  fetched=(lease, blocks[k0:k0 + chunk], k0),
-                                                  while_reading=prepare)
+                                                  fetched=(lease, blocks[k0:k0 + len(part)],
+                                                           k0))
                     with on_stream():
-                        if len(read) == len(part) and prepared:  # the common case
-                            written, missing, moved = dst, {}, prepared[0]()
+                        if len(read) == len(part) and prepared[n] is not None:  # the common case
+                            written, missing = dst, {}
+                            moved = self._timed("gather", prepared[n])
                         else:  # some keys failed: the groups they leave whole
-                            written, missing, moved = plan.apply_keys(
-                                staging, self._reg.kv_caches, slots, dst,
-                                [i in read for i in range(len(part))],
-                                dst_scales=self._kv_scales)
+                            arrived = [i in read for i in range(len(part))]
+                            written, missing, moved = self._timed(
+                                "gather", lambda s=slots, d=dst, a=arrived: plan.apply_keys(
+                                    staging, cache, s, d, a, dst_scales=scales))
                         if written and stream is not None:
-                            gathered[n % self._halves] = stream.record_event()
+                            gathered[half] = stream.record_event()
                     loaded.extend(written)
                     nbytes += moved
                     for block, i in missing.items():
@@ -542,15 +556,18 @@ class PullConnector(KVConnector):
                     self._give_back(lease, [k for k in range(untouched, len(keys))
                                             if blocks[k] is not None])
                 if stream is not None:  # the blocks are converted when the load reports them
-                    stream.synchronize()
+                    self._timed("wait", stream.synchronize)
         return loaded, failed, nbytes
 
-    def _fetch(self, keys: list[str], deadline: float) -> tuple[str, list[Any]]:
+    def _fetch(self, keys: list[str], deadline: float,
+               while_waiting: Callable[[], None] | None = None) -> tuple[str, list[Any]]:
         """Lease the producer's published blocks of ``keys`` (one round trip): the lease and,
-        per key, the producer's block or ``None`` (not published yet). Raises
+        per key, the producer's block or ``None`` (not published yet). ``while_waiting()``
+        runs while the answer is on the way (timed as ``prepare``; it must not raise). Raises
         :class:`ChannelError` when the link fails or the answer is malformed."""
-        reply = self._request({"op": "fetch", "keys": keys, "lease_s": 2 * self.timeout_s},
-                              timeout=max(deadline - time.monotonic(), 0.001))
+        reply = self._request({"op": "fetch", "lease_s": 2 * self.timeout_s},
+                              timeout=max(deadline - time.monotonic(), 0.001), keys=keys,
+                              while_waiting=while_waiting)
         lease, blocks = reply.get("lease"), reply.get("blocks")
         if not isinstance(lease, str) or not isinstance(blocks, list) \
                 or len(blocks) != len(keys):
@@ -558,15 +575,12 @@ class PullConnector(KVConnector):
         return lease, blocks
 
     def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float,
-              fetched: tuple[str, list[Any], int] | None = None,
-              while_reading: Callable[[], None] | None = None
+              fetched: tuple[str, list[Any], int] | None = None
               ) -> tuple[set[int], dict[int, str]]:
         """READ the producer's blocks of ``keys`` into blocks ``local_ids`` of ``local``
         (this cache, or the staging buffer); returns the indices read whole and why the
         others failed. ``fetched``: ``(lease, blocks, first)``, a fetch made already whose
-        entries ``first ..`` are ``keys``' (else the first fetch is made here).
-        ``while_reading``: called once, while the first READs are in flight (it must not
-        raise)."""
+        entries ``first ..`` are ``keys``' (else the first fetch is made here)."""
         todo = range(len(keys))  # indices not read yet
         loaded: set[int] = set()
         failed: dict[int, str] = {}
@@ -584,18 +598,23 @@ class PullConnector(KVConnector):
                     break
                 first = 0
             # A fetch entry j (of the lease) names key todo[j - first].
-            pairs, later = [], []
-            for j, (i, src) in enumerate(zip(todo, blocks, strict=True), first):
-                if src is None:
-                    later.append(i)
-                elif type(src) is int and 0 <= src < num_blocks:
-                    pairs.append((j, src, local_ids[i]))
-                else:
-                    failed[i] = f"the producer named block {src!r}"
-            if pairs:
-                read, errors = self._read_runs(lease, read_runs(pairs), deadline, local,
-                                               while_reading)
-                while_reading = None
+            later = []
+            if len(todo) == len(keys) and blocks and set(map(type, blocks)) == {int} \
+                    and min(blocks) >= 0 and max(blocks) < num_blocks:
+                # The common case, checked in passes of C code: every key, each published.
+                runs = spans(first, blocks, local_ids)
+            else:
+                pairs = []
+                for j, (i, src) in enumerate(zip(todo, blocks, strict=True), first):
+                    if src is None:
+                        later.append(i)
+                    elif type(src) is int and 0 <= src < num_blocks:
+                        pairs.append((j, src, local_ids[i]))
+                    else:
+                        failed[i] = f"the producer named block {src!r}"
+                runs = read_runs(pairs)
+            if runs:
+                read, errors = self._read_runs(lease, runs, deadline, local)
                 if len(read) == len(todo) == len(keys):
                     loaded.update(todo)  # the common case: all of them at once
                 else:
@@ -614,12 +633,11 @@ class PullConnector(KVConnector):
             pause = min(2 * pause, 0.05)
         return loaded, failed
 
-    def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions,
-                   while_reading: Callable[[], None] | None = None
+    def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions
                    ) -> tuple[list[int], dict[int, str]]:
         """READ every run (one READ each) until done, failed or ``deadline``, polling as
-        :func:`poll_pause` says; ``while_reading()`` runs once they are posted. Returns the
-        fetch indices read whole and those that failed with why."""
+        :func:`poll_pause` says. Returns the fetch indices read whole and those that failed
+        with why."""
         consumer, engine, label = self._consumer, self._engine, self.label
         timed = self._timed
         read: list[int] = []
@@ -635,8 +653,6 @@ class PullConnector(KVConnector):
                 errors.update((j, f"{label} READ could not start: {exc}")
                               for j in range(run.first, run.end))
                 timed("release", engine.release, run)
-        if while_reading is not None:
-            while_reading()
         posted = time.monotonic()
         while active:
             still = []
@@ -706,10 +722,32 @@ class PullConnector(KVConnector):
             return str(exc)
         return None
 
-    def _request(self, message: dict[str, Any], timeout: float | None = None
-                 ) -> dict[str, Any]:
-        """One request to the producer and its answer (see :meth:`Consumer.request`)."""
-        return self._timed(message["op"], self._consumer.request, message, timeout)
+    def _request(self, message: dict[str, Any], timeout: float | None = None,
+                 keys: list[str] | None = None,
+                 while_waiting: Callable[[], None] | None = None) -> dict[str, Any]:
+        """One request to the producer and its answer (see :meth:`Consumer.request`); its
+        time less ``while_waiting``'s is the request's phase, ``while_waiting``'s is
+        ``prepare``."""
+        timing = self.timing
+        if timing is None:
+            return self._consumer.request(message, timeout, keys, while_waiting)
+        meanwhile = 0.0
+
+        def timed_while_waiting() -> None:
+            nonlocal meanwhile
+            started = time.perf_counter()
+            try:
+                while_waiting()
+            finally:
+                meanwhile = time.perf_counter() - started
+                timing("prepare", meanwhile)
+
+        started = time.perf_counter()
+        try:
+            return self._consumer.request(message, timeout, keys, while_waiting
+                                          and timed_while_waiting)
+        finally:
+            timing(message["op"], time.perf_counter() - started - meanwhile)
 
     def _timed(self, phase: str, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)``, its time reported to :attr:`timing` as ``phase``."""

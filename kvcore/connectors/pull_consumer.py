@@ -8,12 +8,19 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvcore import KVCacheLayout, LayoutMismatchError
 from kvcore.connectors.convert import ConversionPlan, LayoutConversionError, TPRank, as_tp_rank
 from kvcore.connectors.pull_engine import Engine, Regions
-from kvcore.connectors.pull_producer import ChannelError, close_socket, recv_frame, send_frame
+from kvcore.connectors.pull_producer import (
+    ChannelError,
+    close_socket,
+    pack_keys,
+    recv_frame,
+    send_frame,
+)
 
 __all__ = ["Consumer", "ConsumerSide"]
 
@@ -136,16 +143,22 @@ class Consumer:
                              f"grants at most max_lease_s={max_lease_s}: lower timeout_s to "
                              f"{max_lease_s / 2:g} or raise the producer's max_lease_s")
 
-    def request(self, message: dict[str, Any], timeout: float | None = None
-                ) -> dict[str, Any]:
+    def request(self, message: dict[str, Any], timeout: float | None = None,
+                keys: list[str] | None = None,
+                while_waiting: Callable[[], None] | None = None) -> dict[str, Any]:
         """One request and its answer within ``timeout`` (default ``timeout_s``); a failure
-        downs the link (a late answer would desynchronise the stream)."""
+        downs the link (a late answer would desynchronise the stream). ``keys``: the
+        request's block keys, sent as the frame's tail. ``while_waiting()``: called once the
+        request is sent, before the answer is read (it must not raise)."""
+        tail = b"" if keys is None else pack_keys(keys)
         with self.lock:
             if self.failure is not None:
                 raise ChannelError(self.failure)
             try:
                 self.sock.settimeout(timeout or self.conn.timeout_s)
-                send_frame(self.sock, message)
+                send_frame(self.sock, message, tail)
+                if while_waiting is not None:
+                    while_waiting()
                 reply = recv_frame(self.sock)
             except (OSError, ChannelError) as exc:
                 kind = "no answer" if isinstance(exc, TimeoutError) else "lost"

@@ -12,7 +12,7 @@ import torch
 from kvcore.connectors.base import RegisteredCaches
 from kvcore.connectors.pull_producer import ChannelError
 
-__all__ = ["Engine", "Regions", "Run", "memory_kind", "read_runs"]
+__all__ = ["Engine", "Regions", "Run", "memory_kind", "read_runs", "spans"]
 
 
 def memory_kind(storage: torch.Tensor, transport: str) -> tuple[str, int]:
@@ -133,7 +133,7 @@ class Run:
 
 def read_runs(pairs: list[tuple[int, int, int]]) -> list[Run]:
     """Group ``(fetch index, producer block, consumer block)`` into runs consecutive in all
-    three."""
+    three (:func:`spans` does it for a whole fetch at once)."""
     runs: list[Run] = []
     for i, src, dst in pairs:
         last = runs[-1] if runs else None
@@ -143,3 +143,13 @@ def read_runs(pairs: list[tuple[int, int, int]]) -> list[Run]:
         else:
             runs.append(Run(i, i + 1, src, dst))
     return runs
+
+
+def spans(first: int, src: list[int], dst: list[int]) -> list[Run]:
+    """:func:`read_runs` of fetch indices ``first, first + 1, ..`` with producer blocks
+    ``src`` and consumer blocks ``dst`` (as long): one comparison of C code when both are
+    ranges (the common case, one READ), the loop over pairs otherwise."""
+    n = len(src)
+    if n and src == list(range(src[0], src[0] + n)) and dst == list(range(dst[0], dst[0] + n)):
+        return [Run(first, first + n, src[0], dst[0])]
+    return read_runs(list(zip(range(first, first + n), src, dst, strict=True)))

@@ -15,24 +15,30 @@ import struct
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcore import KVCacheLayout
 from kvcore.connectors.convert import TPRank, as_tp_rank, plan_conversion
 
-__all__ = ["CLOSED_LINK_GRACE_S", "BadFrame", "ChannelError", "Notifier", "Producer",
-           "ProducerSide", "SaveRecord", "check_seconds", "close_socket", "recv_frame",
-           "send_frame"]
+__all__ = ["CLOSED_LINK_GRACE_S", "SETTLE_AFTER_S", "BadFrame", "ChannelError", "Notifier",
+           "Producer", "ProducerSide", "SaveRecord", "check_seconds", "close_socket",
+           "pack_keys", "recv_frame", "send_frame"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_FRAME_BYTES = 64 << 20  # engine metadata is the largest payload (kilobytes)
+_KEY_CHARS = 64  # a block key: a SHA-256 digest in hex (kvcore.connectors.keys)
 #: Seconds a closed connection's leases outlive it where the engine notifies READs itself
 #: (NIXL): the consumer's last notifications may arrive after the close (they do over
 #: loopback within milliseconds); the blocks not confirmed by then are published again.
 CLOSED_LINK_GRACE_S = 2.0
+#: Seconds READ notifications (NIXL) wait to be counted when no consumer asks for more. A
+#: producer counts them right after it answers a fetch (the consumer is READing then, and
+#: waits for nothing from the producer), not when they arrive: that is when the consumer's
+#: next fetch comes, and counting a load's hundreds of blocks in Python held it up. They are
+#: counted before any lease can end, and before a connection's leases or the producer close.
+SETTLE_AFTER_S = 0.002
 
 
 def check_seconds(name: str, value: Any) -> float:
@@ -54,9 +60,12 @@ class BadFrame(ChannelError):
     """A whole frame arrived but is not a JSON object (the stream is still in step)."""
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+def send_frame(sock: socket.socket, message: dict[str, Any], tail: bytes = b"") -> None:
+    """Send ``message`` (a JSON object) and ``tail``, raw bytes it carries besides (a
+    request's keys, :func:`pack_keys`): an 8-byte header (the JSON's length and the tail's,
+    big-endian), the JSON, the tail."""
     raw = json.dumps(message).encode()
-    sock.sendall(struct.pack(">I", len(raw)) + raw)
+    sock.sendall(struct.pack(">II", len(raw), len(tail)) + raw + tail)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -70,18 +79,32 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (size,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if not 0 < size <= _MAX_FRAME_BYTES:
-        raise ChannelError(f"the peer announced a {size}-byte message (limit "
-                            f"{_MAX_FRAME_BYTES})")
+    """One frame of :func:`send_frame`: the JSON object, with its tail (if any) as
+    ``"tail"`` (bytes)."""
+    size, tail_size = struct.unpack(">II", _recv_exact(sock, 8))
+    if not 0 < size <= _MAX_FRAME_BYTES or tail_size > _MAX_FRAME_BYTES:
+        raise ChannelError(f"the peer announced a message of {size} bytes and {tail_size} "
+                           f"more (limit {_MAX_FRAME_BYTES} each)")
+    raw = _recv_exact(sock, size)
+    tail = _recv_exact(sock, tail_size) if tail_size else b""  # (the stream stays in step)
     try:
-        message = json.loads(_recv_exact(sock, size))
+        message = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise BadFrame(f"the peer sent a message that is not JSON this side reads "
                        f"({type(exc).__name__}: {str(exc)[:200]})") from exc
     if not isinstance(message, dict):
         raise BadFrame(f"the peer sent {reprlib.repr(message)}, not a JSON object")
+    message.pop("tail", None)
+    if tail:
+        message["tail"] = tail
     return message
+
+
+def pack_keys(keys: list[str]) -> bytes:
+    """Block keys (64 lowercase hex digits each, checked already) as a frame's tail: their
+    characters back to back. JSON would spend about as long on a load's hundreds of keys as
+    the producer spends finding their blocks."""
+    return "".join(keys).encode("ascii")
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -98,15 +121,32 @@ def close_socket(sock: socket.socket) -> None:
 @dataclass(eq=False, slots=True)
 class _Publication:
     """One published block: the producer's ``block`` holds ``key`` for ``save``, until
-    ``readers`` different consumers READ it whole."""
+    ``readers`` different consumers READ it whole.
+
+    Counters rather than sets of leases, and a chain rather than a container per key: a
+    fetch looks at one of these per key of every load, and touching fewer objects keeps it
+    quick."""
 
     key: str
     block: int
     save: SaveRecord
     deadline: float  # when it is released, read by fewer consumers than it waits for
-    leases: set[str] = field(default_factory=set)  # the leases that hold it now
-    takers: set[str] = field(default_factory=set)  # consumers that hold or read it
+    held: int = 0  # leases that hold it now (a lease holds a publication once at most)
     reads: int = 0  # READs confirmed
+    # Consumers that hold or read it; only where several consumers read each block
+    # (readers > 1: none reads it twice), None until the first takes it.
+    takers: set[str] | None = None
+    later: _Publication | None = None  # the next publication of the same key
+
+
+def _open_to(pub: _Publication | None, consumer: str, readers: int) -> _Publication | None:
+    """The first publication from ``pub`` on along its key's chain that ``consumer`` may
+    take: one it neither holds nor read, with fewer READs done and in flight than
+    ``readers``."""
+    while pub is not None and (pub.reads + pub.held >= readers
+                               or (pub.takers is not None and consumer in pub.takers)):
+        pub = pub.later
+    return pub
 
 
 @dataclass(eq=False)
@@ -164,10 +204,16 @@ class Producer:
         self.who = f"{conn.transport} producer"
         self.listener = listener
         self.cond = threading.Condition()
-        # Held while notifications are fetched and applied, and while a closed connection's
-        # leases end: a READ confirmed before the close is never read after its lease ended.
+        # Held while notifications are fetched and counted, and while leases end (closed
+        # connections, expiry): a READ confirmed before that is never read after its lease
+        # ended.
         self.notif_lock = threading.Lock()
-        self.published: dict[str, deque[_Publication]] = {}
+        # Notifications fetched from the engine and not counted yet (SETTLE_AFTER_S), and
+        # since when the oldest waits (monotonic seconds); both under notif_lock.
+        self.unsettled: list[tuple[str, bytes]] = []
+        self.unsettled_since = 0.0
+        # Per key its oldest publication (later ones chained from it).
+        self.published: dict[str, _Publication] = {}
         self.leases: dict[str, _Lease] = {}
         self.consumers_seen = 0
         self.connections: set[socket.socket] = set()
@@ -202,10 +248,12 @@ class Producer:
         deadline = time.monotonic() + join_s
         for thread in list(self.threads):
             thread.join(max(0.0, deadline - time.monotonic()))
+        if self.engine is not None and not self.conn.confirms_over_channel:
+            with self.notif_lock:  # READs that were notified count as read
+                self._apply_notifications()
         with self.cond:
-            for pubs in self.published.values():
-                for pub in pubs:
-                    self._settle(pub, "the producer was closed before a consumer read it")
+            for pub in self._publications():
+                self._settle(pub, "the producer was closed before a consumer read it")
             self.published.clear()
             self.leases.clear()
             self.cond.notify_all()
@@ -216,9 +264,14 @@ class Producer:
         now = time.monotonic()
         record = SaveRecord(list(block_ids), time.perf_counter(), len(block_ids))
         with self.cond:
+            published = self.published
             for key, block in zip(keys, block_ids, strict=True):
-                self.published.setdefault(key, deque()).append(
-                    _Publication(key, block, record, now + timeout_s))
+                pub = _Publication(key, block, record, now + timeout_s)
+                last = published.setdefault(key, pub)
+                if last is not pub:  # the key is published already: chain it after
+                    while last.later is not None:
+                        last = last.later
+                    last.later = pub
             self._due(now + timeout_s)
             self.cond.notify_all()
         return record
@@ -238,24 +291,32 @@ class Producer:
         record.pending -= 1
 
     def _unpublish(self, pub: _Publication) -> None:
-        pubs = self.published.get(pub.key)
-        if pubs is None:
-            return
-        if len(pubs) == 1:  # the common case: one publication of the key
-            if pubs[0] is pub:
+        """Take ``pub`` out of its key's chain (caller holds ``cond``)."""
+        first = self.published.get(pub.key)
+        if first is pub:
+            if pub.later is None:
                 del self.published[pub.key]
+            else:
+                self.published[pub.key] = pub.later
             return
-        with contextlib.suppress(ValueError):
-            pubs.remove(pub)
+        while first is not None and first.later is not pub:
+            first = first.later
+        if first is not None:
+            first.later = pub.later
+
+    def _publications(self) -> list[_Publication]:
+        """Every publication (caller holds ``cond``)."""
+        out = []
+        for pub in self.published.values():
+            while pub is not None:
+                out.append(pub)
+                pub = pub.later
+        return out
 
     def _available(self, key: str, consumer: str) -> _Publication | None:
         """The oldest publication of ``key`` that ``consumer`` may take: one it neither holds
         nor read, with fewer READs done and in flight than the ``readers`` it waits for."""
-        readers = self.conn.readers
-        for pub in self.published.get(key, ()):
-            if consumer not in pub.takers and pub.reads + len(pub.leases) < readers:
-                return pub
-        return None
+        return _open_to(self.published.get(key), consumer, self.conn.readers)
 
     def lookup(self, keys: list[str], consumer: str) -> int:
         with self.cond:
@@ -276,20 +337,21 @@ class Producer:
                              "producer's max_lease_s")
         lease_id = f"{next(self.lease_ids)}-{uuid.uuid4().hex[:8]}"
         with self.cond:
-            blocks: list[Any] = []
-            taken: list[_Publication | None] = []
-            published, readers = self.published, self.conn.readers
-            for key in keys:  # (_available inlined: this loop runs per key of every load)
-                pub = None
-                for candidate in published.get(key, ()):  # after the previous keys took theirs
-                    if consumer not in candidate.takers \
-                            and candidate.reads + len(candidate.leases) < readers:
-                        pub = candidate
-                        pub.leases.add(lease_id)
+            readers = self.conn.readers
+            taken: list[_Publication | None] = list(map(self.published.get, keys))
+            blocks: list[Any] = [None] * len(keys)
+            for i, pub in enumerate(taken):  # (this loop runs per key of every load)
+                # (_open_to inlined for the common case: the key's first publication is open)
+                if pub is not None and (pub.reads + pub.held >= readers or (
+                        pub.takers is not None and consumer in pub.takers)):
+                    pub = taken[i] = _open_to(pub.later, consumer, readers)
+                if pub is not None:  # after the previous keys took theirs
+                    pub.held += 1
+                    blocks[i] = pub.block
+                    if readers > 1:
+                        if pub.takers is None:
+                            pub.takers = set()
                         pub.takers.add(consumer)
-                        break
-                blocks.append(None if pub is None else pub.block)
-                taken.append(pub)
             held = len(taken) - taken.count(None)
             if held:
                 deadline = time.monotonic() + lease_s
@@ -299,10 +361,12 @@ class Producer:
         return lease_id, blocks
 
     def read_done(self, consumer: str, lease_id: str, first: int, end: int) -> None:
-        """A consumer's notification: it READ entries ``first..end-1`` of the lease."""
-        taken = self._take_read(consumer, lease_id, first, end)
-        if taken is not None and taken[0]:
-            self._settle_read(taken[0], None)
+        """A consumer's notification: it READ entries ``first..end-1`` of the lease (the
+        blocks read by every consumer they wait for are released and their saves told)."""
+        with self.cond:
+            taken = self._take_read(consumer, lease_id, first, end)
+            if taken is not None and taken[0]:
+                self._settle_read(taken[0], None)
 
     def _take_read(self, consumer: str, lease_id: str, first: int, end: int
                    ) -> tuple[list[_Publication], list[_Publication]] | None:
@@ -317,19 +381,25 @@ class Producer:
                                lease_id, consumer)
                 return None
             complete, partial = [], []
-            pubs, readers = lease.publications, self.conn.readers
-            for i in range(max(0, first), min(end, len(pubs))):
-                pub = pubs[i]
-                if pub is not None:
-                    pubs[i] = None
-                    pub.leases.discard(lease_id)
-                    pub.reads += 1
-                    if pub.reads >= readers:  # no other lease holds it then
-                        self._unpublish(pub)
-                        complete.append(pub)
+            pubs, readers, published = lease.publications, self.conn.readers, self.published
+            first, end = max(0, first), min(end, len(pubs))
+            for pub in pubs[first:end]:  # (this loop runs per block of every load)
+                if pub is None:
+                    continue
+                pub.held -= 1
+                pub.reads += 1
+                if pub.reads >= readers:  # no other lease holds it then
+                    # (_unpublish inlined for the common case: the key's one publication)
+                    if pub.later is None and published.get(pub.key) is pub:
+                        del published[pub.key]
                     else:
-                        partial.append(pub)
-                        self._due(pub.deadline)  # it may expire once no lease holds it
+                        self._unpublish(pub)
+                    complete.append(pub)
+                else:
+                    partial.append(pub)
+                    self._due(pub.deadline)  # it may expire once no lease holds it
+            if end > first:
+                pubs[first:end] = [None] * (end - first)
             lease.held -= len(complete) + len(partial)
             self._drop_if_empty(lease)
             return complete, partial
@@ -340,7 +410,7 @@ class Producer:
         with self.cond:
             for pub in partial:
                 pub.reads -= 1
-                pub.takers.discard(consumer)
+                pub.takers.discard(consumer)  # (partial: readers > 1, so it has takers)
             self.cond.notify_all()
 
     def _settle_read(self, taken: list[_Publication], failure: str | None) -> None:
@@ -366,8 +436,9 @@ class Producer:
                     if pub is not None:
                         lease.publications[i] = None
                         lease.held -= 1
-                        pub.leases.discard(lease_id)
-                        pub.takers.discard(consumer)  # it may try again
+                        pub.held -= 1
+                        if pub.takers is not None:
+                            pub.takers.discard(consumer)  # it may try again
                         self._due(pub.deadline)
             self._drop_if_empty(lease)
             self.cond.notify_all()
@@ -381,8 +452,9 @@ class Producer:
         del self.leases[lease.lease_id]
         for pub in lease.publications:
             if pub is not None:
-                pub.leases.discard(lease.lease_id)
-                pub.takers.discard(lease.consumer)
+                pub.held -= 1
+                if pub.takers is not None:
+                    pub.takers.discard(lease.consumer)
                 self._due(pub.deadline)
         self.cond.notify_all()
 
@@ -424,8 +496,7 @@ class Producer:
             else:
                 logger.warning("%s: consumer %s did not confirm lease %s in time; its blocks "
                                "are published again", self.who, lease.consumer, lease.lease_id)
-        expired = [pub for pubs in self.published.values() for pub in pubs
-                   if not pub.leases and pub.deadline <= now]
+        expired = [pub for pub in self._publications() if not pub.held and pub.deadline <= now]
         for pub in expired:
             self._unpublish(pub)
             self._settle(pub, self._unread_reason(pub))
@@ -435,8 +506,8 @@ class Producer:
         # holds is looked at again when that lease lets it go, see _due).
         self.next_expiry = min(
             itertools.chain((le.deadline for le in self.leases.values()),
-                            (pub.deadline for pubs in self.published.values() for pub in pubs
-                             if not pub.leases)), default=math.inf)
+                            (pub.deadline for pub in self._publications() if not pub.held)),
+            default=math.inf)
 
     def _unread_reason(self, pub: _Publication) -> str:
         conn = self.conn
@@ -452,28 +523,58 @@ class Producer:
 
     def _notif_loop(self) -> None:
         """Expire what waited too long and collect READ notifications (where the engine sends
-        them); polls the engine often while leases are out, rarely otherwise."""
+        them); polls the engine often while leases are out, rarely otherwise. Collected
+        notifications are counted :data:`SETTLE_AFTER_S` later unless a fetch's answer or a
+        lease's end counts them first."""
         notifying = not self.conn.confirms_over_channel
         while True:
             with self.cond:
                 if self.stopping:
                     return
-                self._expire(time.monotonic())
-                if not (notifying and self.leases):
+                if not (notifying and (self.leases or self.unsettled)):
+                    self._expire(time.monotonic())
                     self.cond.wait(0.05)
                     continue
             with self.notif_lock:
-                applied = self._apply_notifications()
-            if not applied:
+                arrived = self._collect()
+                now = time.monotonic()
+                if self.unsettled and (now >= self.next_expiry
+                                       or now - self.unsettled_since >= SETTLE_AFTER_S):
+                    self._count_collected()  # (before any lease ends)
+                with self.cond:
+                    self._expire(now)
+            if not arrived:
                 time.sleep(0.0005)
 
-    def _apply_notifications(self) -> int:
-        """Fetch the engine's READ notifications and settle them (caller holds
+    def settle_after_answer(self) -> None:
+        """Count the collected READ notifications: called after a fetch was answered, when
+        its consumer READs and nothing waits for this producer."""
+        if self.unsettled:  # (read without the lock: one that is missed waits its turn)
+            with self.notif_lock:
+                self._count_collected()
+
+    def _collect(self) -> int:
+        """Fetch the engine's READ notifications, to count later (caller holds
         ``notif_lock``); returns how many arrived."""
         notifs = self.engine.notifications()
+        if notifs:
+            if not self.unsettled:
+                self.unsettled_since = time.monotonic()
+            self.unsettled.extend(notifs)
+        return len(notifs)
+
+    def _count_collected(self) -> None:
+        """Count the READs of the collected notifications (caller holds ``notif_lock``)."""
+        notifs, self.unsettled = self.unsettled, []
         for consumer, raw in notifs:
             self._on_notif(consumer, raw)
-        return len(notifs)
+
+    def _apply_notifications(self) -> int:
+        """Fetch the engine's READ notifications and count them with those collected before
+        (caller holds ``notif_lock``); returns how many arrived now."""
+        arrived = self._collect()
+        self._count_collected()
+        return arrived
 
     def _on_notif(self, consumer: str, raw: bytes) -> None:
         try:
@@ -518,10 +619,13 @@ class Producer:
             sock.settimeout(None)  # idle consumers are fine; close() shuts the socket
             while True:
                 request = recv_frame(sock)
-                if request.get("op") == "done" and self.conn.confirms_over_channel:
+                op = request.get("op")
+                if op == "done" and self.conn.confirms_over_channel:
                     self._answer_done(sock, consumer, request)
                 else:
                     send_frame(sock, self._answer(consumer, request, link))
+                    if op == "fetch":
+                        self.settle_after_answer()
         except (BadFrame, RecursionError) as exc:  # answered, then the connection ends
             logger.warning("%s: refused %s (%s): %s", self.who, addr,
                            consumer or "before hello", exc)
@@ -617,9 +721,16 @@ class Producer:
 
 
 def _keys(request: dict[str, Any]) -> list[str]:
-    """A request's keys: a list of str. Only looked up among the published keys (which
-    ``save`` checked), so one that is no key is simply not published; its format is not
-    checked again here, per key of every load."""
+    """A request's keys: the frame's tail (:func:`pack_keys`), or a JSON list of str. Only
+    looked up among the published keys (which ``save`` checked), so one that is no key is
+    simply not published; its format is not checked again here, per key of every load."""
+    tail = request.get("tail")
+    if tail is not None:
+        if len(tail) % _KEY_CHARS:
+            raise ValueError(f"a request's keys are {_KEY_CHARS} characters each; its tail "
+                             f"has {len(tail)} bytes")
+        text = tail.decode("ascii")  # (a UnicodeDecodeError is a ValueError)
+        return [text[i:i + _KEY_CHARS] for i in range(0, len(text), _KEY_CHARS)]
     keys = request.get("keys")
     if not isinstance(keys, list) or not all(type(k) is str for k in keys):
         raise TypeError(f"keys must be a list of hex-digest strings, got "

@@ -222,10 +222,12 @@ def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
 
 
 @pytest.mark.parametrize("pull", PULLS)
-def test_a_chunk_read_whole_launches_the_gather_prepared_while_it_was_read(pull, monkeypatch):
-    """Each chunk's gather is prepared while its READ is in flight (between the READ's start
-    and its end) and only launched once the chunk arrived whole: no per-key work after the
-    READ (apply_keys, for chunks that lost keys, is not called)."""
+def test_every_gather_is_prepared_while_the_fetch_is_answered_and_launched_once_read(
+        pull, monkeypatch):
+    """Every chunk's gather is prepared while the load's one fetch is on the way (before any
+    READ starts) and launched once its chunk arrived whole: no per-key work between or after
+    the READs (apply_keys, for chunks that lost keys, is not called). The timing hook tells
+    the preparing apart from the fetch."""
     from kvcore.connectors.convert import ConversionPlan
 
     n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
@@ -233,7 +235,7 @@ def test_a_chunk_read_whole_launches_the_gather_prepared_while_it_was_read(pull,
     prepare = ConversionPlan.prepare
 
     def prepare_noting(self, *args, **kwargs):
-        phases.append("prepare")
+        phases.append("plan.prepare")
         return prepare(self, *args, **kwargs)
 
     def apply_keys(*args, **kwargs):
@@ -255,12 +257,15 @@ def test_a_chunk_read_whole_launches_the_gather_prepared_while_it_was_read(pull,
     assert result.succeeded == tuple(dst_ids)
     assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
                        tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
-    # Six chunks (two groups each, the last one group): each prepared after its READ started
-    # and before it was last polled.
-    chunks = [i for i, phase in enumerate(phases) if phase == "prepare"]
-    assert len(chunks) == 6
-    for i in chunks:
-        assert phases[i - 1] == "start_read" and "poll" in phases[i + 1:]
+    # Six chunks (two groups each, the last one group), all prepared before the fetch ended.
+    assert phases[:8] == ["plan.prepare"] * 6 + ["prepare", "fetch"]
+    assert phases.count("plan.prepare") == 6 and phases.count("prepare") == 1
+    # Each launched once its READ is over (its handle released).
+    gathers = [i for i, phase in enumerate(phases) if phase == "gather"]
+    assert len(gathers) == 6
+    for i in gathers:
+        started = max(j for j in range(i) if phases[j] == "start_read")
+        assert "release" in phases[started:i]
 
 
 @pytest.mark.parametrize("pull", PULLS)

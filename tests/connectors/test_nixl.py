@@ -20,7 +20,7 @@ import torch
 from kv_helpers import block_bytes, keys_for, make_caches
 from pull_cases import NIXL, PEER, round_trip_between_two_processes
 
-from kvcore.connectors import get_connector
+from kvcore.connectors import get_connector, pull_producer
 from kvcore.connectors import nixl as nixl_module
 from kvcore.connectors.nixl import nixl_unavailable_reason
 from kvcore.connectors.pull_producer import recv_frame, send_frame
@@ -161,14 +161,19 @@ def test_closing_the_producer_fails_what_nobody_read():
     assert "closed before a consumer read it" in result.failed[0]
 
 
+def raw_frame(body: bytes) -> bytes:
+    """A side-channel frame around ``body`` (any bytes), with no tail."""
+    return len(body).to_bytes(4, "big") + bytes(4) + body
+
+
 def raw_consumer(port: int, hello: dict | bytes) -> tuple[socket.socket, dict]:
     """A consumer speaking the side-channel protocol by hand: its socket and the answer to
     its hello (``bytes``: a raw frame body)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     if isinstance(hello, bytes):
-        sock.sendall(len(hello).to_bytes(4, "big") + hello)
+        sock.sendall(raw_frame(hello))
     else:
-        send_frame(sock, {"op": "hello", "protocol": "kvcore-nixl-v1",
+        send_frame(sock, {"op": "hello", "protocol": "kvcore-nixl-v2",
                           "agent": "raw-consumer", **hello})
     return sock, recv_frame(sock)
 
@@ -298,6 +303,119 @@ def test_a_read_notified_only_after_the_producer_handled_the_close_still_counts(
     assert torch.equal(block_bytes(kv_c, [5, 6, 7]), block_bytes(kv_p, [2, 3, 4]))
 
 
+def _collected(prod, count: int = 1) -> None:
+    """Wait until the producer holds ``count`` READ notifications it has not counted yet."""
+    deadline = time.monotonic() + 5
+    while len(prod._producer.unsettled) < count:
+        assert time.monotonic() < deadline, "the notification never arrived"
+        time.sleep(0.002)
+
+
+@needs_nixl
+def test_notifications_are_counted_after_the_next_fetch_is_answered(monkeypatch):
+    """A READ's notification is not counted when it arrives (the consumer's next fetch comes
+    then) but right after the producer answered that fetch; without one it waits
+    SETTLE_AFTER_S."""
+    monkeypatch.setattr(pull_producer, "SETTLE_AFTER_S", 60.0)
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(16, 4)
+    with producer() as prod, consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        first, second = prod.save(keys[:2], [0, 1]), prod.save(keys[2:], [2, 3])
+        assert conn.load(keys[:2], [4, 5]).wait(timeout=10).ok
+        _collected(prod)
+        assert not first.done()  # arrived, not counted yet
+        assert conn.load(keys[2:], [6, 7]).wait(timeout=10).ok  # its fetch counts the first
+        assert first.wait(timeout=5).ok and not second.done()
+        monkeypatch.setattr(pull_producer, "SETTLE_AFTER_S", 0.01)  # no fetch comes
+        assert second.wait(timeout=5).ok
+    assert torch.equal(block_bytes(kv_c, [4, 5, 6, 7]), block_bytes(kv_p, [0, 1, 2, 3]))
+
+
+@needs_nixl
+def test_a_notification_not_counted_yet_counts_before_its_lease_expires(monkeypatch):
+    """A READ notified but not counted yet still counts when its lease runs out first: the
+    save reports the blocks read, none is published again."""
+    monkeypatch.setattr(pull_producer, "SETTLE_AFTER_S", 60.0)
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(17, 2)
+    with producer(publish_timeout_s=600.0) as prod, \
+            consumer(prod.port, timeout_s=0.5) as conn:  # a lease of 1 s
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [2, 3])
+        assert conn.load(keys, [0, 1]).wait(timeout=10).ok
+        _collected(prod)
+        assert not save.done()
+        result = save.wait(timeout=5)  # counted when the lease was due
+        assert conn.lookup(keys) == 0  # read, not published again
+    assert result.ok and sorted(result.succeeded) == [2, 3], result.failed
+    assert torch.equal(block_bytes(kv_c, [0, 1]), block_bytes(kv_p, [2, 3]))
+
+
+@needs_nixl
+def test_a_notification_not_counted_yet_counts_when_the_producer_closes(monkeypatch):
+    """The consumer left, its READ's notification arrived after the producer handled that
+    (so closing its link did not count it), and the producer closes before SETTLE_AFTER_S:
+    the READ counts, the save reports the blocks read rather than failed."""
+    monkeypatch.setattr(pull_producer, "SETTLE_AFTER_S", 60.0)
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(19, 2)
+    with producer(publish_timeout_s=600.0) as prod:
+        prod.register_kv_caches(kv_p)
+        save = prod.save(keys, [2, 3])
+        engine, state = prod._producer.engine, prod._producer
+        released = threading.Event()
+        real_notifications, real_release_link = engine.notifications, state.release_link
+
+        def late_notifications():  # nothing arrives until the close has been handled
+            return real_notifications() if released.is_set() else []
+
+        def release_link(link):
+            real_release_link(link)
+            released.set()
+
+        monkeypatch.setattr(engine, "notifications", late_notifications)
+        monkeypatch.setattr(state, "release_link", release_link)
+        with consumer(prod.port) as conn:
+            conn.register_kv_caches(kv_c)
+            assert conn.load(keys, [0, 1]).wait(timeout=10).ok
+        _collected(prod)
+        assert not save.done()
+        prod.close()
+        result = save.wait(timeout=5)
+    assert result.ok and sorted(result.succeeded) == [2, 3], result.failed
+    assert torch.equal(block_bytes(kv_c, [0, 1]), block_bytes(kv_p, [2, 3]))
+
+
+@needs_nixl
+def test_a_request_carries_its_keys_as_the_frame_tail_or_a_json_list():
+    """The consumer sends keys as raw hex digits after the JSON (pull_producer.pack_keys); a
+    JSON list is read too, and a tail that is not whole keys is refused with the reason."""
+    kv = make_caches(cross_layer=True)
+    keys = keys_for(18, 3)
+    with producer() as prod:
+        prod.register_kv_caches(kv)
+        save = prod.save(keys, [1, 2, 3])
+        sock, hello = raw_consumer(prod.port, {"layout": kv.layout.to_dict()})
+        try:
+            assert hello["ok"]
+            send_frame(sock, {"op": "lookup"}, pull_producer.pack_keys(keys))
+            assert recv_frame(sock) == {"ok": True, "hits": 3}
+            assert request(sock, {"op": "lookup", "keys": keys[:2]}) == {"ok": True, "hits": 2}
+            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys)[:-1])
+            refused = recv_frame(sock)
+            assert not refused["ok"]
+            assert "keys are 64 characters each; its tail has 191 bytes" in refused["error"]
+            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys))
+            assert recv_frame(sock)["blocks"] == [1, 2, 3]
+        finally:
+            sock.close()
+        prod.close()
+        assert not save.wait(timeout=5).ok  # leased, never read
+
+
 @needs_nixl
 def test_a_consumer_needing_longer_leases_than_the_producer_grants_is_refused():
     with producer(max_lease_s=8.0) as prod:
@@ -331,7 +449,7 @@ def test_a_malformed_hello_gets_a_refusal_and_the_producer_serves_on(hello):
         try:
             assert reply["ok"]
             deep = b"[" * 100_000 + b"]" * 100_000  # and a request like that is refused too
-            sock.sendall(len(deep).to_bytes(4, "big") + deep)
+            sock.sendall(raw_frame(deep))
             assert "refused" in recv_frame(sock)["error"]
         finally:
             sock.close()
