@@ -133,8 +133,8 @@ class TritonPrefillConfig(_QueryTileConfig):
     """``triton_prefill``: as :class:`TritonDecodeConfig`, and ``edge_stages`` > 0 pipelines
     the masked edge loops (causal diagonal, window edge) that deep instead of
     ``num_stages``. ``fp8_fp16``: on an fp8 cache, bf16 queries meet K/V in fp16 products
-    (:mod:`kvcore.ops.triton_prefill`); off by default, on in the sm90/sm100 rows for head
-    sizes up to 128 (:data:`PREFILL_TILES`)."""
+    (:mod:`kvcore.ops.triton_prefill`); off by default, on in sm90's row for head sizes up
+    to 128 (:data:`PREFILL_TILES`)."""
 
     kernel: str = _kernel("triton_prefill")
     num_warps: int
@@ -242,11 +242,12 @@ class DecodeTile:
 #: cache, bf16 queries): 1.08x / 1.12x faster at Llama-3.1-8B's prefill 4 x 2048 and mixed
 #: step, 1.02x / 1.08x at gpt-oss-20B's full layers; 0.92x / 0.94x at its 128-token-window
 #: layers (8-16 µs there against 15-134 µs gained on the full layers of the same model). The
-#: head-256 row has not been timed with it.
+#: head-256 row has not been timed with it; nor has sm100, where it compiles with a 36-byte
+#: spill (``kvcore kernels``), so sm100 keeps it off.
 PREFILL_TILES: dict[str, tuple[TritonPrefillTile, TritonPrefillTile]] = {
     "sm90": (TritonPrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1, fp8_fp16=True),
              TritonPrefillTile(64, 32, 4, 3)),
-    "sm100": (TritonPrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1, fp8_fp16=True),
+    "sm100": (TritonPrefillTile(256, 32, 8, 3, const_block=True, edge_stages=1),
               TritonPrefillTile(64, 32, 4, 3)),
     "cuda": (TritonPrefillTile(128, 32, 4, 3), TritonPrefillTile(64, 32, 4, 3)),
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
