@@ -164,9 +164,13 @@ class ConversionPlan:
     @property
     def is_identity(self) -> bool:
         """Same layout (block counts aside), same heads, same bytes: whole blocks are copied."""
-        return (not self.src.differences(self.dst, ignore_num_blocks=True)
+        same = self._templates.get("identity")  # (asked by every prepare: computed once)
+        if same is None:
+            same = self._templates["identity"] = (
+                not self.src.differences(self.dst, ignore_num_blocks=True)
                 and self.dtype_op == "copy"
                 and self.head_map == tuple((h, h) for h in range(_size(self.dst, "H"))))
+        return same
 
     def num_blocks_for(self, num_tokens: int) -> tuple[int, int]:
         """``(source blocks, destination blocks)`` that ``num_tokens`` tokens occupy."""
@@ -294,8 +298,12 @@ class ConversionPlan:
                 allocation of its layout, ids out of range or not as many as the tokens
                 need, repeated destination ids, missing or bad scales.
         """
-        src_t, src_n = _storage(src, self.src, "src")
-        dst_t, dst_n = _storage(dst, self.dst, "dst")
+        block_bytes = self._templates.get("block_bytes")  # (per side: computed once)
+        if block_bytes is None:
+            block_bytes = self._templates["block_bytes"] = tuple(
+                layout.num_layers * layout.page_size_bytes for layout in (self.src, self.dst))
+        src_t, src_n = _storage(src, self.src, "src", block_bytes[0])
+        dst_t, dst_n = _storage(dst, self.dst, "dst", block_bytes[1])
         if src_t.device == dst_t.device and _overlap(src_t, dst_t):
             raise ValueError("src and dst share memory; convert into a separate allocation")
         s_ids = _ids(src_ids, "src_ids", src_n, "source")
@@ -311,7 +319,8 @@ class ConversionPlan:
                 f"{self.src_block_size} and {want_dst} destination block(s) of "
                 f"{self.dst_block_size}, but src_ids has {s_ids.numel()} and dst_ids "
                 f"{d_ids.numel()}; pass the request's blocks on each side")
-        if d_ids.unique().numel() != d_ids.numel():
+        if (len(set(dst_ids)) if isinstance(dst_ids, list)  # (a list: one pass of C code)
+                else d_ids.unique().numel()) != d_ids.numel():
             raise ValueError(f"dst_ids repeats blocks ({sorted(d_ids.tolist())}); each "
                              "destination block is written once")
         scales = self._scales(src_scales, dst_scales)
@@ -579,9 +588,10 @@ def _strides(layout: KVCacheLayout) -> dict[str, int]:
             **dict(zip(layout.dim_names, layout.logical_strides(), strict=True))}
 
 
-def _storage(value: torch.Tensor | KVCaches, layout: KVCacheLayout, name: str
-             ) -> tuple[torch.Tensor, int]:
-    """A side's memory as a flat uint8 tensor, and how many blocks of ``layout`` it holds."""
+def _storage(value: torch.Tensor | KVCaches, layout: KVCacheLayout, name: str,
+             block_bytes: int) -> tuple[torch.Tensor, int]:
+    """A side's memory as a flat uint8 tensor, and how many blocks of ``layout`` (of
+    ``block_bytes``, every layer) it holds."""
     if isinstance(value, KVCaches):
         value = value.storage
     if not isinstance(value, torch.Tensor):
@@ -594,7 +604,6 @@ def _storage(value: torch.Tensor | KVCaches, layout: KVCacheLayout, name: str
         raise ValueError(f"{name} must be contiguous: a whole allocation of layout {layout} "
                          "(KVCaches.storage, or packed block rows)")
     raw = value.reshape(-1).view(torch.uint8)
-    block_bytes = layout.num_layers * layout.page_size_bytes
     if block_bytes == 0 or raw.numel() % block_bytes:
         raise ValueError(f"{name} holds {raw.numel()} bytes, not a whole number of blocks of "
                          f"{block_bytes} bytes (layout {layout.describe()}, every layer)")
