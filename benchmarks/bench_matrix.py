@@ -15,7 +15,19 @@ FLOPs / matmul)``). The peers:
   standard NHD cache, planned once, with the layer's window (``window_left``) and soft-cap;
   MLA decode through ``bench_flashinfer_mla.flashinfer_mla_direct`` (the call bench_mla.py
   times); the same wrapper calls as ``bench_backends.flashinfer_direct``, with the preset's
-  shapes;
+  shapes. Layers with sinks (gpt-oss) run every step through
+  ``BatchAttentionWithAttentionSinkWrapper`` (causal, with the window), FlashInfer's paged
+  wrapper for sinks on Hopper: a prefill wrapper whose JIT variant ``AttentionSink`` adds
+  ``exp(sink[h])`` to each row's denominator and no value, the sink an unscaled logit as in
+  kvcore; ``backend="auto"`` builds it with fa3 on sm90 for bf16 caches (head sizes 64, 128,
+  256) and fa2 for fp8 caches (FlashInfer's fa3 reads fp8 K/V only with an fp8 query). The
+  plain wrappers' ``run(..., sinks=...)`` is no peer for them: in FlashInfer 0.7.2 the
+  prefill wrapper hands the sinks to its trtllm-gen kernels only, the decode wrapper to
+  trtllm-gen, cuDNN and cute-dsl, and their fa2/fa3 paths drop them. Before it is timed, a
+  sink step's output is checked against kvcore's float64 reference on its first and last
+  requests (:func:`check_against_reference`; sink logits from -2 to 10 across the heads,
+  the larger ones outweighing a window's keys); a failed check is the row's error, not a
+  time;
 - **flashinfer direct (graph wrapper)**, decode steps: the same decode call on a
   ``BatchDecodeWithPagedKVCacheWrapper`` made with ``use_cuda_graph=True`` and its page-list
   buffers, the kind an engine must plan when it captures decode steps and re-plans them (vLLM's
@@ -23,10 +35,10 @@ FLOPs / matmul)``). The peers:
 - **flash-attn-4 direct**: ``flash_attn.cute.interface.flash_attn_varlen_func`` on the cache
   halves with the block table (bf16/fp16 caches), with the window and soft-cap.
 
-Sinks (gpt-oss) are run by no peer here: those steps time only kvcore's backends that take
-them. The table printed last gives, per step, each implementation's time, % of the roofline
-and its speed against the fastest other implementation; then every step where the backend
-kvcore selects is below 0.95x the best peer. JSON and the log go to ``--out`` (default
+flash-attn-4 and the graph wrapper take no sinks here: a sink step has one peer. The table
+printed last gives, per step, each implementation's time, % of the roofline and its speed
+against the fastest other implementation; then every step where the backend kvcore selects
+is below 0.95x the best peer. JSON and the log go to ``--out`` (default
 ``$OUT``, else ``benchmarks/results``).
 
 Usage: ``python benchmarks/bench_matrix.py [--model NAME ...] [--kv-cache-dtype auto|fp8_e4m3]
@@ -48,6 +60,7 @@ import torch
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(_ROOT), str(Path(__file__).resolve().parent)]
 import kvcore  # noqa: E402
+from kvcore import build_attention_metadata  # noqa: E402
 from kvcore.cli import harness  # noqa: E402
 from kvcore.cli.model_bench import (  # noqa: E402
     ModelBenchOptions,
@@ -59,21 +72,99 @@ from kvcore.cli.model_bench import (  # noqa: E402
 )
 from kvcore.cli.tune import ranking_from_report  # noqa: E402
 from kvcore.models import MODELS  # noqa: E402
+from kvcore.ops import paged_attention_ref  # noqa: E402
 from kvcore.ranking import library_versions, write_ranking  # noqa: E402
 
 #: The ratio to the best peer under which a selected backend's step is listed as a gap.
 GAP = 0.95
+#: Largest relative error norm of a checked peer's output against the float64 reference: a
+#: bf16 kernel's rounding stays near 3e-3, a dropped or rescaled sink is far above.
+MAX_REL_ERR = 2e-2
 PeerList = list[tuple[str, Callable[[], object], bool]]
 
 
-def flashinfer_direct(inputs: StepInputs) -> Callable[[], object]:
-    """FlashInfer's wrapper on the standard NHD cache, planned once for the step."""
+def sink_logits(num_heads: int, device: torch.device) -> torch.Tensor:
+    """``(num_heads,)`` float32 sink logits from -2 to 10: at 10 a sink outweighs a 128-token
+    window's keys, at -2 it barely counts, so a sink that is dropped or scaled moves the
+    output (the values do not change the time)."""
+    return torch.linspace(-2.0, 10.0, num_heads, device=device)
+
+
+def check_against_reference(inputs: StepInputs, out: torch.Tensor,
+                            sinks: torch.Tensor | None) -> float:
+    """``out``'s relative error norm on the step's first and last requests against kvcore's
+    float64 reference (the layer's scale, window, soft-cap and ``sinks``) on a compact copy
+    of their pages; a ``RuntimeError`` above :data:`MAX_REL_ERR`. ``out``: ``(num_tokens,
+    num_heads, head_size)``, the peer's output for the whole step."""
+    layer, case = inputs.layer, inputs.case
+    picked = sorted({0, len(case.q_lens) - 1})
+    tables = [inputs.tables[i] for i in picked]
+    used = sorted({b for t in tables for b in t})
+    renumber = {b: i for i, b in enumerate(used)}
+    compact = inputs.kv_cache[torch.tensor(used, device=inputs.device)].double()
+    meta = build_attention_metadata([case.q_lens[i] for i in picked],
+                                    [case.ctx_lens[i] for i in picked],
+                                    [[renumber[b] for b in t] for t in tables],
+                                    inputs.config.block_size, device=inputs.device)
+    starts = inputs.common.query_start_loc.tolist()
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in picked]).to(inputs.device)
+    reference = paged_attention_ref(
+        inputs.query[rows].double(), *compact.unbind(1), query_start_loc=meta.query_start_loc,
+        seq_lens=meta.seq_lens, block_table=meta.block_table, scale=layer.softmax_scale,
+        sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
+        sinks=None if sinks is None else sinks.double())
+    err = harness.rel_err(out[rows], reference)
+    if not err < MAX_REL_ERR:
+        raise RuntimeError(f"the output's relative error {err:.3g} against kvcore's float64 "
+                           f"reference (requests {picked}) is above {MAX_REL_ERR:g}: the "
+                           "library computes another attention than the step's; not timed")
+    return err
+
+
+def flashinfer_sink_direct(inputs: StepInputs) -> Callable[[], object]:
+    """FlashInfer's ``BatchAttentionWithAttentionSinkWrapper`` (causal, the layer's window)
+    on the standard NHD cache for every step of a layer with sinks, planned once and checked
+    against the float64 reference before it is timed."""
     import flashinfer
     from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
 
     layer, config, common = inputs.layer, inputs.config, inputs.common
-    if layer.has_sink:
-        raise PeerUnsupported("flashinfer direct: sinks are not timed here")
+    if layer.mla is not None or layer.logits_soft_cap is not None:
+        raise PeerUnsupported("flashinfer direct: BatchAttentionWithAttentionSinkWrapper runs "
+                              "K/V layers without a soft-cap (its AttentionSink variant has "
+                              "none): sinks beside MLA or a soft-cap are not timed")
+    window_left = (layer.sliding_window - 1) if layer.sliding_window else -1
+    wrapper = flashinfer.BatchAttentionWithAttentionSinkWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=inputs.device), "NHD",
+        q_data_type=config.dtype, kv_data_type=inputs.kv_cache.dtype,
+        head_dim_qk=layer.head_size, head_dim_vo=layer.head_size, window_left=window_left)
+    indptr, indices, last = flashinfer_page_table(common, config.block_size)
+    wrapper.plan(common.query_start_loc, indptr, indices, last, layer.num_heads,
+                 layer.num_kv_heads, layer.head_size, config.block_size, causal=True,
+                 window_left=window_left, q_data_type=config.dtype,
+                 kv_data_type=inputs.kv_cache.dtype, sm_scale=layer.softmax_scale)
+    sinks = sink_logits(layer.num_heads, inputs.device)
+    out = torch.empty(common.num_actual_tokens, layer.num_heads, layer.head_size,
+                      dtype=config.dtype, device=inputs.device)
+    query, scale = inputs.query, layer.softmax_scale
+
+    def call() -> object:
+        return wrapper.run(query, inputs.kv_cache, sinks, scale, out=out)
+
+    call()
+    check_against_reference(inputs, out, sinks)
+    return call
+
+
+def flashinfer_direct(inputs: StepInputs) -> Callable[[], object]:
+    """FlashInfer's wrapper on the standard NHD cache, planned once for the step (layers with
+    sinks: :func:`flashinfer_sink_direct`)."""
+    if inputs.layer.has_sink:
+        return flashinfer_sink_direct(inputs)
+    import flashinfer
+    from kvcore_nvidia.backends.flashinfer_pages import flashinfer_page_table
+
+    layer, config, common = inputs.layer, inputs.config, inputs.common
     if layer.mla is not None:
         if inputs.case.phase != "decode" or config.kv_cache_dtype != "auto":
             raise PeerUnsupported("flashinfer direct MLA: bf16 decode steps only here")
@@ -110,6 +201,7 @@ def flashinfer_graph_wrapper(inputs: StepInputs) -> Callable[[], object]:
 
     layer, config, common = inputs.layer, inputs.config, inputs.common
     if inputs.case.phase != "decode" or layer.mla is not None or layer.has_sink:
+        # Its run(..., sinks=...) drops the sinks on fa2 (FlashInfer 0.7.2).
         raise PeerUnsupported("flashinfer graph wrapper: K/V decode steps without sinks only")
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=inputs.device)
     indptr, indices, last = flashinfer_page_table(common, config.block_size)

@@ -150,3 +150,39 @@ def test_bench_matrix_script_runs_small_on_the_cpu(tmp_path):
     assert ranking.device.platform == "cpu" and len(ranking.cases) == 2
     assert {c.phase for c in ranking.cases} == {"decode"}
     assert all(set(c.times_us) <= {r["impl"] for r in data["rows"]} for c in ranking.cases)
+
+
+def test_bench_matrix_checks_a_sink_peer_against_the_float64_reference():
+    """The check bench_matrix.py runs before timing a peer on a layer with sinks: the step's
+    attention with the sinks passes; the same attention without them (what FlashInfer's
+    plain wrappers give on fa2/fa3) or with the sinks scaled like the scores fails."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvcore.cli.model_bench import ModelBenchOptions, run_model_bench
+    from kvcore.ops import paged_attention_ref
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_matrix.py"
+    spec = importlib.util.spec_from_file_location("bench_matrix", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    steps = []
+    run_model_bench(ModelBenchOptions(models=["gpt-oss-20b"], small=True, platform="cpu",
+                                      kv_cache_dtypes=("auto",), block_sizes=(16,),
+                                      phases=("mixed",), backends=()),
+                    peers=lambda inputs: steps.append(inputs) or [])
+    assert {s.layer.sliding_window is None for s in steps} == {True, False}
+    for inputs in steps:
+        sinks = bench.sink_logits(inputs.layer.num_heads, inputs.device)
+        c, layer = inputs.common, inputs.layer
+
+        def attention(sinks, c=c, layer=layer, inputs=inputs):
+            return paged_attention_ref(
+                inputs.query, *inputs.kv_cache.unbind(1), query_start_loc=c.query_start_loc,
+                seq_lens=c.seq_lens, block_table=c.block_table, scale=layer.softmax_scale,
+                sliding_window=layer.sliding_window, sinks=sinks)
+
+        assert bench.check_against_reference(inputs, attention(sinks), sinks) < 1e-5
+        for wrong in (None, sinks * layer.softmax_scale):
+            with pytest.raises(RuntimeError, match="relative error .* above 0.02"):
+                bench.check_against_reference(inputs, attention(wrong), sinks)
