@@ -173,6 +173,98 @@ class _LoadTask:
         return self._result
 
 
+class _Reads:
+    """The READs of one lease: started, then polled until each is read, failed, or still in
+    flight at ``deadline``. ``read``: the fetch indices read whole; ``errors``: why the
+    others failed; ``timed_out``: those whose READ did not finish in time (they stay
+    leased: a READ that could not be cancelled may still write)."""
+
+    def __init__(self, conn: PullConnector, lease: str, deadline: float) -> None:
+        self.conn, self.lease, self.deadline = conn, lease, deadline
+        self.read: list[int] = []
+        self.errors: dict[int, str] = {}
+        self.timed_out: set[int] = set()
+        self.active: list[Run] = []
+        self.posted = time.monotonic()  # when the last READs were started
+
+    def _fail(self, run: Run, why: str) -> None:
+        self.errors.update((j, why) for j in range(run.first, run.end))
+
+    def start(self, runs: list[Run], local: Regions) -> list[Run]:
+        """Start the READ of each run into ``local``; returns those that could not start
+        (failed, and over)."""
+        conn = self.conn
+        consumer, engine, timed = conn._consumer, conn._engine, conn._timed
+        unstarted = []
+        for run in runs:
+            try:
+                timed("start_read", engine.start_read, run, self.lease, local,
+                      consumer.regions, consumer.remote)
+                self.active.append(run)
+            except Exception as exc:
+                self._fail(run, f"{conn.label} READ could not start: {exc}")
+                timed("release", engine.release, run)
+                unstarted.append(run)
+        self.posted = time.monotonic()
+        return unstarted
+
+    def poll(self) -> list[Run]:
+        """Poll each READ in flight once; returns those that ended (read or failed)."""
+        conn = self.conn
+        consumer, engine, timed, label = conn._consumer, conn._engine, conn._timed, conn.label
+        ended, still = [], []
+        for run in self.active:
+            state = timed("poll", engine.poll, run)
+            if state == "PROC":
+                still.append(run)
+                continue
+            ended.append(run)
+            timed("release", engine.release, run)
+            if state == "DONE" and consumer.failure is not None:
+                # The producer ends the leases of a closed connection: the blocks may have
+                # been handed on and rewritten during the READ.
+                self._fail(run, f"the READ finished after the link went down "
+                                f"({consumer.failure})")
+            elif state == "DONE":
+                unconfirmed = conn._confirm(self.lease, run)
+                if unconfirmed is None:
+                    self.read.extend(range(run.first, run.end))
+                else:
+                    self._fail(run, f"{label} READ finished, but the producer did not take "
+                                    f"the confirmation ({unconfirmed}), so its blocks may "
+                                    "have changed meanwhile")
+            else:
+                self._fail(run, f"{label} READ from the producer failed: {state}")
+        self.active = still
+        return ended
+
+    def expire(self, why: str) -> None:
+        """Give up the READs still in flight (cancelled where the library can), failing
+        their blocks with ``why``."""
+        conn = self.conn
+        for run in self.active:
+            because = why
+            if not conn._timed("release", conn._engine.release, run):
+                because += ("; the READ could not be cancelled, so these blocks may still "
+                            "change: do not reuse them before close()")
+            self._fail(run, because)
+            # Not given back: the producer keeps them until the lease ends, beyond any READ
+            # that could not be cancelled.
+            self.timed_out.update(range(run.first, run.end))
+        self.active = []
+
+    def pause(self) -> None:
+        """Pause before the next poll as :func:`poll_pause` says (not past the deadline)."""
+        now = time.monotonic()
+        self.conn._pause(min(poll_pause(now - self.posted), max(0.0, self.deadline - now)))
+
+    def give_back(self) -> None:
+        """Hand the entries whose READ failed (and is over) back to the producer."""
+        finished = sorted(set(self.errors) - self.timed_out)  # readable again
+        if finished:
+            self.conn._give_back(self.lease, finished)
+
+
 # -- the connector --------------------------------------------------------------------------
 
 
@@ -477,26 +569,28 @@ class PullConnector(KVConnector):
 
         One ``fetch`` leases every key of the load, and every chunk's gather is prepared
         (checks, ids on the device) while its answer is on the way: between the READs only
-        launches are left. The chunks are READ from that lease (keys not published yet are
-        asked for again while their chunk is read). With two parts (``staging_buffers=2`` and
-        room for two groups), chunk ``i + 1`` is READ into one part while chunk ``i``'s
-        gather reads the other: on a GPU the gather runs on the connector's stream, and an
-        event per part tells when its last gather has read it, before the next READ into it;
-        on the CPU the gather runs between the READs. The host never waits for the device but
-        for a part's last gather before the next READ into it, and for the connector's
-        stream when the load ends.
+        launches are left. With two parts (``staging_buffers=2`` and room for two groups),
+        the chunks alternate between them: a chunk's READ starts as soon as its part is free
+        (the gather of the chunk before in it has read it), so the READs of the first two
+        start at once, and the READ of one chunk overlaps the gather of another. On a GPU the
+        gathers run on the connector's stream, an event per part telling when its last
+        gather has read it; on the CPU a gather runs when its chunk arrived. The host waits
+        for the device only for a part it is about to READ into while nothing else is in
+        flight, and for the connector's stream when the load ends. Keys the producer had not
+        published at the fetch are asked for again while their chunk is read (chunk by chunk,
+        in turn).
         """
         plan, staging, stream = self._plan, self._staging, self._gather_stream
-        cache, scales = self._reg.kv_caches, self._kv_scales
+        cache, scales, halves = self._reg.kv_caches, self._kv_scales, self._halves
         on_stream = ((lambda: torch.cuda.stream(stream)) if stream is not None
                      else contextlib.nullcontext)
         per_group = plan.group_tokens // plan.src_block_size
         dst_per_group = plan.group_tokens // plan.dst_block_size
-        size = self._staging_blocks // per_group // self._halves * per_group
+        size = self._staging_blocks // per_group // halves * per_group
         # Per chunk: its first key, the staging blocks its keys land in, its destination.
         chunks: list[tuple[int, list[int], list[int]]] = []
         for n, k0 in enumerate(range(0, len(keys), size)):
-            count, base = min(size, len(keys) - k0), n % self._halves * size
+            count, base = min(size, len(keys) - k0), n % halves * size
             d0 = k0 // per_group * dst_per_group
             chunks.append((k0, list(range(base, base + count)),
                            block_ids[d0:d0 + plan.blocks_for_keys(count)]))
@@ -515,49 +609,118 @@ class PullConnector(KVConnector):
         loaded: list[int] = []
         failed: dict[int, str] = {}
         nbytes = 0
-        gathered: list[torch.cuda.Event | None] = [None] * self._halves
+        gathered: list[torch.cuda.Event | None] = [None] * halves
+
+        def convert(n: int, read: set[int], errors: dict[int, str]) -> None:
+            """Convert chunk ``n``, of which keys ``read`` (indices in the chunk) arrived."""
+            nonlocal nbytes
+            k0, slots, dst = chunks[n]
+            with on_stream():
+                if len(read) == len(slots) and prepared[n] is not None:  # the common case
+                    written, missing = dst, {}
+                    moved = self._timed("gather", prepared[n])
+                else:  # some keys failed: the groups they leave whole
+                    arrived = [i in read for i in range(len(slots))]
+                    written, missing, moved = self._timed(
+                        "gather", lambda: plan.apply_keys(staging, cache, slots, dst, arrived,
+                                                          dst_scales=scales))
+                if written and stream is not None:
+                    gathered[n % halves] = stream.record_event()
+            loaded.extend(written)
+            nbytes += moved
+            for block, i in missing.items():
+                failed[block] = (f"source block {k0 + i} of the load (key "
+                                 f"{keys[k0 + i][:12]}..): {errors.get(i, 'not read')}")
+
         with self._staging_lock:
             try:
                 lease, blocks = self._fetch(keys, deadline, while_waiting=prepare)
             except ChannelError as exc:
                 lease, blocks, why = None, [None] * len(keys), str(exc)
-            untouched = 0  # the first key whose chunk was not READ yet
+            # Keys of chunks whose READs were not started: handed back if this raises.
+            untouched = [0]
             try:
-                for n, (k0, slots, dst) in enumerate(chunks):
-                    part, half = keys[k0:k0 + len(slots)], n % self._halves
-                    if gathered[half] is not None:  # its last gather has read that part
-                        self._timed("wait", gathered[half].synchronize)
-                    untouched = k0 + len(part)
-                    if lease is None:  # the fetch failed: nothing is READ
-                        read, errors = set(), dict.fromkeys(range(len(part)), why)
-                    else:
-                        read, errors = self._pull(part, slots, self._staging_regions, deadline,
-                                                  fetched=(lease, blocks[k0:k0 + len(part)],
-                                                           k0))
-                    with on_stream():
-                        if len(read) == len(part) and prepared[n] is not None:  # the common case
-                            written, missing = dst, {}
-                            moved = self._timed("gather", prepared[n])
-                        else:  # some keys failed: the groups they leave whole
-                            arrived = [i in read for i in range(len(part))]
-                            written, missing, moved = self._timed(
-                                "gather", lambda s=slots, d=dst, a=arrived: plan.apply_keys(
-                                    staging, cache, s, d, a, dst_scales=scales))
-                        if written and stream is not None:
-                            gathered[half] = stream.record_event()
-                    loaded.extend(written)
-                    nbytes += moved
-                    for block, i in missing.items():
-                        why_not = errors.get(i, "not read")
-                        failed[block] = (f"source block {k0 + i} of the load (key "
-                                         f"{part[i][:12]}..): {why_not}")
+                if lease is None:  # the fetch failed: nothing is READ
+                    for n, (_, slots, _) in enumerate(chunks):
+                        convert(n, set(), dict.fromkeys(range(len(slots)), why))
+                elif set(map(type, blocks)) == {int} and min(blocks) >= 0 \
+                        and max(blocks) < self._consumer.num_blocks:  # all published
+                    self._convert_overlapped(lease, blocks, chunks, deadline, convert,
+                                             gathered, untouched)
+                else:
+                    for n, (k0, slots, _) in enumerate(chunks):
+                        half = n % halves
+                        if gathered[half] is not None:  # its last gather has read that part
+                            self._timed("wait", gathered[half].synchronize)
+                        untouched[0] = k0 + len(slots)
+                        read, errors = self._pull(
+                            keys[k0:k0 + len(slots)], slots, self._staging_regions, deadline,
+                            fetched=(lease, blocks[k0:k0 + len(slots)], k0))
+                        convert(n, read, errors)
             finally:
-                if lease is not None and untouched < len(keys):  # raised: the rest goes back
-                    self._give_back(lease, [k for k in range(untouched, len(keys))
+                if lease is not None and untouched[0] < len(keys):  # the rest goes back
+                    self._give_back(lease, [k for k in range(untouched[0], len(keys))
                                             if blocks[k] is not None])
                 if stream is not None:  # the blocks are converted when the load reports them
                     self._timed("wait", stream.synchronize)
         return loaded, failed, nbytes
+
+    def _convert_overlapped(self, lease: str, blocks: list[int],
+                            chunks: list[tuple[int, list[int], list[int]]], deadline: float,
+                            convert: Callable[[int, set[int], dict[int, str]], None],
+                            gathered: list[torch.cuda.Event | None], untouched: list[int]
+                            ) -> None:
+        """:meth:`_read_converting` when the fetch leased every key: READ the chunks into
+        their parts of the staging buffer, each as soon as that part is free, and
+        ``convert`` each once its READs ended. ``untouched[0]``: the first key of the chunks
+        not started yet."""
+        halves = self._halves
+        runs = [spans(k0, blocks[k0:k0 + len(slots)], slots) for k0, slots, _ in chunks]
+        chunk_of = {run.first: n for n, chunk_runs in enumerate(runs) for run in chunk_runs}
+        left = [len(chunk_runs) for chunk_runs in runs]  # READs not ended, per chunk
+        reads = _Reads(self, lease, deadline)
+        started = converted = 0  # chunks whose READs started; chunks converted (in order)
+
+        def convert_read(n: int) -> None:
+            k0, slots, _ = chunks[n]
+            errors = {j - k0: why for j, why in reads.errors.items() if k0 <= j < k0 + len(slots)}
+            convert(n, set(range(len(slots))) - set(errors), errors)
+
+        try:
+            while converted < len(chunks):
+                # Start the next chunks while their part is free: the chunk before in it is
+                # converted, and its gather (on a GPU) has read it.
+                while started < len(chunks) and started - halves < converted:
+                    event = gathered[started % halves]
+                    if event is not None and not event.query():
+                        break
+                    for run in reads.start(runs[started], self._staging_regions):
+                        left[chunk_of[run.first]] -= 1
+                    started += 1
+                    untouched[0] = chunks[started - 1][0] + len(chunks[started - 1][1])
+                if not reads.active and converted == started:
+                    # Nothing in flight: the next part's last gather is all to wait for.
+                    self._timed("wait", gathered[started % halves].synchronize)
+                    continue
+                for run in reads.poll():
+                    left[chunk_of[run.first]] -= 1
+                while converted < started and not left[converted]:
+                    convert_read(converted)
+                    converted += 1
+                if reads.active and time.monotonic() >= deadline:
+                    reads.expire(f"{self.label} READ did not finish within "
+                                 f"timeout_s={self.timeout_s}")
+                    for n in range(converted, started):
+                        convert_read(n)
+                    why = f"{self.label} READ not started within timeout_s={self.timeout_s}"
+                    for n in range(started, len(chunks)):  # (the caller gives them back)
+                        convert(n, set(), dict.fromkeys(range(len(chunks[n][1])), why))
+                    break
+                if reads.active and left[converted]:
+                    reads.pause()
+        finally:
+            reads.expire("the load raised while this READ was in flight")
+            reads.give_back()
 
     def _fetch(self, keys: list[str], deadline: float,
                while_waiting: Callable[[], None] | None = None) -> tuple[str, list[Any]]:
@@ -638,68 +801,17 @@ class PullConnector(KVConnector):
         """READ every run (one READ each) until done, failed or ``deadline``, polling as
         :func:`poll_pause` says. Returns the fetch indices read whole and those that failed
         with why."""
-        consumer, engine, label = self._consumer, self._engine, self.label
-        timed = self._timed
-        read: list[int] = []
-        errors: dict[int, str] = {}
-        timed_out: set[int] = set()
-        active: list[Run] = []
-        for run in runs:
-            try:
-                timed("start_read", engine.start_read, run, lease, local, consumer.regions,
-                      consumer.remote)
-                active.append(run)
-            except Exception as exc:
-                errors.update((j, f"{label} READ could not start: {exc}")
-                              for j in range(run.first, run.end))
-                timed("release", engine.release, run)
-        posted = time.monotonic()
-        while active:
-            still = []
-            for run in active:
-                state = timed("poll", engine.poll, run)
-                if state == "DONE" and consumer.failure is not None:
-                    # The producer ends the leases of a closed connection: the blocks may
-                    # have been handed on and rewritten during the READ.
-                    errors.update((j, f"the READ finished after the link went down "
-                                      f"({consumer.failure})")
-                                  for j in range(run.first, run.end))
-                    timed("release", engine.release, run)
-                elif state == "DONE":
-                    timed("release", engine.release, run)
-                    unconfirmed = self._confirm(lease, run)
-                    if unconfirmed is None:
-                        read.extend(range(run.first, run.end))
-                    else:
-                        errors.update((j, f"{label} READ finished, but the producer did not "
-                                          f"take the confirmation ({unconfirmed}), so its "
-                                          "blocks may have changed meanwhile")
-                                      for j in range(run.first, run.end))
-                elif state == "PROC":
-                    still.append(run)
-                else:
-                    errors.update((j, f"{label} READ from the producer failed: {state}")
-                                  for j in range(run.first, run.end))
-                    timed("release", engine.release, run)
-            active = still
-            now = time.monotonic()
-            if active and now >= deadline:
-                for run in active:
-                    why = f"{label} READ did not finish within timeout_s={self.timeout_s}"
-                    if not timed("release", engine.release, run):
-                        why += ("; the READ could not be cancelled, so these blocks may "
-                                "still change: do not reuse them before close()")
-                    errors.update((j, why) for j in range(run.first, run.end))
-                    # Not given back: the producer keeps them until the lease ends, beyond
-                    # any READ that could not be cancelled.
-                    timed_out.update(range(run.first, run.end))
-                break
-            if active:
-                self._pause(min(poll_pause(now - posted), max(0.0, deadline - now)))
-        finished = sorted(set(errors) - timed_out)  # failed and over: readable again
-        if finished:
-            self._give_back(lease, finished)
-        return read, errors
+        reads = _Reads(self, lease, deadline)
+        reads.start(runs, local)
+        while reads.active:
+            reads.poll()
+            if reads.active and time.monotonic() >= deadline:
+                reads.expire(f"{self.label} READ did not finish within "
+                             f"timeout_s={self.timeout_s}")
+            elif reads.active:
+                reads.pause()
+        reads.give_back()
+        return reads.read, reads.errors
 
     def _give_back(self, lease: str, indices: list[int]) -> None:
         """Hand entries of ``lease`` that were not read back to the producer (published

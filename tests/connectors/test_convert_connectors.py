@@ -4,6 +4,7 @@ of another, equal value for value through the logical views."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -266,6 +267,108 @@ def test_every_gather_is_prepared_while_the_fetch_is_answered_and_launched_once_
     for i in gathers:
         started = max(j for j in range(i) if phases[j] == "start_read")
         assert "release" in phases[started:i]
+
+
+@pytest.mark.parametrize("pull", PULLS)
+def test_a_part_of_the_staging_buffer_is_read_into_again_only_after_its_gather(
+        pull, monkeypatch):
+    """Six chunks in two parts: the first two chunks' READs start at once (before any
+    gather), and chunk ``k`` (k >= 2) starts only once chunk ``k - 2``, the one before it
+    in its part, was converted."""
+    from kvcore.connectors import pull as pull_module
+
+    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
+    events: list[str] = []
+    start = pull_module._Reads.start
+
+    def start_noting(self, runs, local):
+        events.append("start")
+        return start(self, runs, local)
+
+    monkeypatch.setattr(pull_module._Reads, "start", start_noting)
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        save = prod.save(keys, src_ids)
+        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                          seed=seed + 1)
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+            conn.register_kv_caches(dst)
+            conn.timing = lambda phase, seconds: events.append(phase) if phase == "gather" \
+                else None
+            result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
+        assert save.wait(timeout=pull.wait_s).ok
+    assert result.ok, result.failed
+    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
+                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+    assert events.count("start") == events.count("gather") == 6
+    assert events[:2] == ["start", "start"]
+    starts = [i for i, event in enumerate(events) if event == "start"]
+    for k, i in enumerate(starts[2:], 2):
+        assert events[:i].count("gather") >= k - 1
+
+
+@pytest.mark.parametrize("pull", PULLS)
+def test_a_converting_load_reads_keys_published_after_its_fetch(pull):
+    """Keys the producer publishes only after the load's fetch are asked for again chunk by
+    chunk: the load completes, every token equal to the producer's."""
+    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        saves = [prod.save(keys[:10], src_ids[:10])]
+        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                          seed=seed + 1)
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+            conn.register_kv_caches(dst)
+            phases: list[str] = []
+            conn.timing = lambda phase, seconds: phases.append(phase)
+            handle = conn.load(keys, dst_ids)
+            deadline = time.monotonic() + pull.wait_s
+            while "fetch" not in phases and time.monotonic() < deadline:
+                time.sleep(0.005)
+            saves.append(prod.save(keys[10:], src_ids[10:]))
+            result = handle.wait(timeout=pull.wait_s)
+        assert all(save.wait(timeout=pull.wait_s).ok for save in saves)
+    assert result.ok, result.failed
+    assert phases.count("fetch") >= 2
+    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
+                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("pull", PULLS)
+def test_a_chunk_whose_read_fails_fails_its_groups_and_goes_back(pull, monkeypatch):
+    """The READs of one chunk (keys 4..7: groups 2 and 3) fail: exactly that chunk's
+    destination blocks fail, naming the library's error, its keys are published again for
+    the next load, and the other chunks convert as usual."""
+    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        save = prod.save(keys, src_ids)
+        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                          seed=seed + 1)
+        before = logical_blocks(dst, list(range(16)))
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+            conn.register_kv_caches(dst)
+            engine = conn._engine
+            real_poll = engine.poll
+
+            def poll(run):
+                state = real_poll(run)
+                return "ERR (injected)" if state == "DONE" and 4 <= run.first < 8 else state
+
+            monkeypatch.setattr(engine, "poll", poll)
+            result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
+            assert sorted(result.failed) == sorted(dst_ids[2:4])
+            assert "READ from the producer failed: ERR (injected)" in result.failed[dst_ids[2]]
+            assert result.succeeded == tuple(dst_ids[:2] + dst_ids[4:])
+            assert conn.lookup(keys[4:8]) == 4  # given back
+            monkeypatch.setattr(engine, "poll", real_poll)
+            again = conn.load(keys[4:8], dst_ids[2:4]).wait(timeout=pull.wait_s)
+            assert again.ok, again.failed
+        assert save.wait(timeout=pull.wait_s).ok
+    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
+                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+    others = sorted(set(range(16)) - set(dst_ids))
+    assert torch.equal(logical_blocks(dst, others), before[:, others])
 
 
 @pytest.mark.parametrize("pull", PULLS)
