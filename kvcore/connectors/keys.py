@@ -29,6 +29,8 @@ __all__ = ["hash_block_tokens", "hash_request_tokens", "check_block_keys"]
 
 #: The one key format: a SHA-256 digest in lowercase hex.
 _KEY = re.compile(r"[0-9a-f]{64}")
+#: Deletes the characters of a key (str.translate): what is left of keys is what is not.
+_NOT_HEX = str.maketrans("", "", "0123456789abcdef")
 _MAX_TOKEN_ID = 2**63 - 1
 # Domain separation: a kvcore block key can never equal a hash computed for another purpose.
 # v2: every field length-framed and one key length (v1 keys of other lengths could collide).
@@ -66,11 +68,7 @@ def _all_keys(keys: list[object]) -> bool:
     of keys); ``False`` leaves it to the per-key check, which names the first bad one."""
     if not keys or set(map(type, keys)) != {str} or set(map(len, keys)) != {64}:
         return False
-    joined = "".join(keys)
-    try:  # fromhex skips whitespace and reads upper case: only lowercase hex round-trips
-        return bytes.fromhex(joined).hex() == joined
-    except ValueError:
-        return False
+    return not "".join(keys).translate(_NOT_HEX)  # (nothing left: lowercase hex digits only)
 
 
 def _token_list(token_ids: Sequence[int] | torch.Tensor, name: str) -> list[int]:
