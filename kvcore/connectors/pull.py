@@ -30,12 +30,13 @@ Then:
 
 - ``lookup`` {keys}: how many leading keys are published and open to this consumer;
 - ``fetch`` {keys, lease_s}: take the published ones for ``lease_s`` seconds; the answer
-  names the producer's block of each key (``null``: not published yet). The consumer READs
-  them and confirms each run read whole, ``<lease>:<first>:<end>``: through the library's
-  notification where it has one (NIXL), else with ``done`` {lease, first, end} on the side
-  channel (:attr:`PullConnector.confirms_over_channel`). The producer then releases the
-  blocks and the save reports them done (it counts notifications right after answering a
-  fetch, when the consumer READs and waits for nothing from it, or
+  names the producer's block of each key (its tail,
+  :func:`~kvcore.connectors.pull_producer.pack_blocks`; ``-1``: not published yet). The
+  consumer READs them and confirms each run read whole, ``<lease>:<first>:<end>``: through
+  the library's notification where it has one (NIXL), else with ``done`` {lease, first,
+  end} on the side channel (:attr:`PullConnector.confirms_over_channel`). The producer then
+  releases the blocks and the save reports them done (it counts notifications right after
+  answering a fetch, when the consumer READs and waits for nothing from it, or
   :data:`~kvcore.connectors.pull_producer.SETTLE_AFTER_S` after they arrived when no fetch
   comes; always before a lease ends or the producer closes);
 - ``giveback`` {lease, indices}: runs whose READ failed go back to published (runs that
@@ -94,7 +95,7 @@ from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle
 from kvcore.connectors.convert import ConversionPlan, TPRank, as_tp_rank, plan_conversion
 from kvcore.connectors.pull_consumer import Consumer
 from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs, spans
-from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds
+from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds, unpack_blocks
 
 __all__ = ["DEFAULT_STAGING_BYTES", "PHASES", "POLL_PAUSE_MAX_S", "POLL_PAUSE_MIN_S", "Engine",
            "PullConnector", "Regions", "Run", "memory_kind", "poll_pause"]
@@ -731,10 +732,12 @@ class PullConnector(KVConnector):
         reply = self._request({"op": "fetch", "lease_s": 2 * self.timeout_s},
                               timeout=max(deadline - time.monotonic(), 0.001), keys=keys,
                               while_waiting=while_waiting)
-        lease, blocks = reply.get("lease"), reply.get("blocks")
-        if not isinstance(lease, str) or not isinstance(blocks, list) \
-                or len(blocks) != len(keys):
+        lease, tail = reply.get("lease"), reply.get("tail", b"")
+        if not isinstance(lease, str) or len(tail) != 8 * len(keys):
             raise ChannelError(f"the producer answered {str(reply)[:200]!r}")
+        blocks: list[Any] = unpack_blocks(tail)
+        if blocks and min(blocks) < 0:  # some not published yet
+            blocks = [None if b < 0 else b for b in blocks]
         return lease, blocks
 
     def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float,

@@ -12,9 +12,11 @@ import math
 import reprlib
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,7 +25,7 @@ from kvcore.connectors.convert import TPRank, as_tp_rank, plan_conversion
 
 __all__ = ["CLOSED_LINK_GRACE_S", "SETTLE_AFTER_S", "BadFrame", "ChannelError", "Notifier",
            "Producer", "ProducerSide", "SaveRecord", "check_seconds", "close_socket",
-           "pack_keys", "recv_frame", "send_frame"]
+           "pack_blocks", "pack_keys", "recv_frame", "send_frame", "unpack_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,25 @@ def pack_keys(keys: list[str]) -> bytes:
     characters back to back. JSON would spend about as long on a load's hundreds of keys as
     the producer spends finding their blocks."""
     return "".join(keys).encode("ascii")
+
+
+def pack_blocks(blocks: list[int]) -> bytes:
+    """A fetch's answer, the producer's block per key (``-1``: not published), as a frame's
+    tail: little-endian int64s (JSON took as long to write and read a load's hundreds of
+    them as the consumer takes to start its READ)."""
+    packed = array("q", blocks)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_blocks(tail: bytes) -> list[int]:
+    """:func:`pack_blocks`' list from its bytes (a ``ValueError`` unless whole int64s)."""
+    blocks = array("q")
+    blocks.frombytes(tail)
+    if sys.byteorder == "big":
+        blocks.byteswap()
+    return blocks.tolist()
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -326,9 +347,10 @@ class Producer:
             return len(keys)
 
     def fetch(self, consumer: str, keys: list[str], lease_s: float, link: int = -1
-              ) -> tuple[str, list[Any]]:
+              ) -> tuple[str, list[int]]:
         """Lease the published blocks of ``keys`` to ``consumer`` (on connection ``link``)
-        for ``lease_s`` seconds, at most ``max_lease_s``."""
+        for ``lease_s`` seconds, at most ``max_lease_s``: the lease and, per key, the block
+        leased (``-1``: none published that ``consumer`` may take)."""
         max_lease_s = self.conn.max_lease_s
         if lease_s > max_lease_s:
             raise ValueError(f"lease_s={lease_s} is longer than this producer's max_lease_s="
@@ -339,7 +361,7 @@ class Producer:
         with self.cond:
             readers = self.conn.readers
             taken: list[_Publication | None] = list(map(self.published.get, keys))
-            blocks: list[Any] = [None] * len(keys)
+            blocks = [-1] * len(keys)
             for i, pub in enumerate(taken):  # (this loop runs per key of every load)
                 # (_open_to inlined for the common case: the key's first publication is open)
                 if pub is not None and (pub.reads + pub.held >= readers or (
@@ -623,7 +645,8 @@ class Producer:
                 if op == "done" and self.conn.confirms_over_channel:
                     self._answer_done(sock, consumer, request)
                 else:
-                    send_frame(sock, self._answer(consumer, request, link))
+                    answer = self._answer(consumer, request, link)
+                    send_frame(sock, answer, answer.pop("tail", b""))
                     if op == "fetch":
                         self.settle_after_answer()
         except (BadFrame, RecursionError) as exc:  # answered, then the connection ends
@@ -682,7 +705,7 @@ class Producer:
             if op == "fetch":
                 lease_s = check_seconds("lease_s", request.get("lease_s"))
                 lease, blocks = self.fetch(consumer, _keys(request), lease_s, link)
-                return {"ok": True, "lease": lease, "blocks": blocks}
+                return {"ok": True, "lease": lease, "tail": pack_blocks(blocks)}
             if op == "giveback":
                 self.give_back(consumer, str(request.get("lease")),
                                list(request.get("indices") or []))

@@ -199,7 +199,7 @@ def test_leases_are_bounded_by_the_producer_and_end_when_the_connection_closes()
             assert "lease_s=1000000000.0 is longer than this producer's max_lease_s=30.0" in (
                 refused["error"])
             taken = request(sock, {"op": "fetch", "keys": keys, "lease_s": 30.0})
-            assert taken["ok"] and taken["blocks"] == [3, 4]
+            assert taken["ok"] and pull_producer.unpack_blocks(taken["tail"]) == [3, 4]
             assert conn.lookup(keys) == 0  # leased to the raw consumer, which never READs
         finally:
             sock.close()  # what a killed consumer's kernel does
@@ -392,7 +392,9 @@ def test_a_notification_not_counted_yet_counts_when_the_producer_closes(monkeypa
 @needs_nixl
 def test_a_request_carries_its_keys_as_the_frame_tail_or_a_json_list():
     """The consumer sends keys as raw hex digits after the JSON (pull_producer.pack_keys); a
-    JSON list is read too, and a tail that is not whole keys is refused with the reason."""
+    JSON list is read too, and a tail that is not whole keys is refused with the reason. The
+    answer to a fetch names the blocks the same way (pull_producer.pack_blocks; -1: none to
+    take)."""
     kv = make_caches(cross_layer=True)
     keys = keys_for(18, 3)
     with producer() as prod:
@@ -409,7 +411,9 @@ def test_a_request_carries_its_keys_as_the_frame_tail_or_a_json_list():
             assert not refused["ok"]
             assert "keys are 64 characters each; its tail has 191 bytes" in refused["error"]
             send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys))
-            assert recv_frame(sock)["blocks"] == [1, 2, 3]
+            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [1, 2, 3]
+            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys))
+            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [-1] * 3  # leased
         finally:
             sock.close()
         prod.close()
