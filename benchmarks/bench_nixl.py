@@ -620,7 +620,7 @@ def main() -> int:
                              "(default: %(default)s)")
     parser.add_argument("--staging-mib", type=int, default=None,
                         help="--convert, nixl/mooncake: the consumer's staging_bytes in MiB "
-                             "(default: the connector's, 256)")
+                             "(default: the connector's, 512)")
     parser.add_argument("--gather-only", action="store_true",
                         help="time the conversion's gather kernel alone (--convert's layouts) "
                              "beside a device copy, in this process")

@@ -27,7 +27,8 @@ before each row). The first case also logs UCX's protocol choice (``UCX_PROTO_IN
 lines naming transports are printed and kept in the JSON.
 
 ``connector`` cases run ``bench_nixl.py`` (same layout with ``--phases``: the connector's
-load split into channel (and its round trips) / start_read / poll / release / pause / other,
+load split into channel (and its round trips) / start_read / poll / release / pause /
+prepare / gather / wait (the last three: a converting load's gathers) / other,
 and again with ``--progress-thread on``: NIXL's progress thread on in the consumer too, off
 by default; ``--convert``: 16 -> 64 tokens a block with NHD -> HND) for ``nixl`` and ``p2p``,
 and the conversion's gather alone.
