@@ -638,7 +638,8 @@ class PullConnector(KVConnector):
                 lease, blocks = self._fetch(keys, deadline, while_waiting=prepare)
             except ChannelError as exc:
                 lease, blocks, why = None, [None] * len(keys), str(exc)
-            # Keys of chunks whose READs were not started: handed back if this raises.
+            # The first key of the chunks whose READs were not started: those go back to the
+            # producer if the load raises or runs out of time before them.
             untouched = [0]
             try:
                 if lease is None:  # the fetch failed: nothing is READ
