@@ -569,11 +569,17 @@ class Producer:
                 time.sleep(0.0005)
 
     def settle_after_answer(self) -> None:
-        """Count the collected READ notifications: called after a fetch was answered, when
-        its consumer READs and nothing waits for this producer."""
-        if self.unsettled:  # (read without the lock: one that is missed waits its turn)
-            with self.notif_lock:
-                self._count_collected()
+        """Count the READ notifications that arrived: called after a fetch was answered, when
+        its consumer READs and nothing waits for this producer (the previous load's
+        notification has arrived by then, often before the notification loop fetched it).
+        The loop holds the lock for a poll of the engine (microseconds); should the engine
+        hold it up, the connection's next request waits for it 50 ms at most (the loop counts
+        them within SETTLE_AFTER_S then)."""
+        if not self.conn.confirms_over_channel and self.notif_lock.acquire(timeout=0.05):
+            try:
+                self._apply_notifications()
+            finally:
+                self.notif_lock.release()
 
     def _collect(self) -> int:
         """Fetch the engine's READ notifications, to count later (caller holds

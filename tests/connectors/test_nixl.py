@@ -314,20 +314,30 @@ def _collected(prod, count: int = 1) -> None:
 @needs_nixl
 def test_notifications_are_counted_after_the_next_fetch_is_answered(monkeypatch):
     """A READ's notification is not counted when it arrives (the consumer's next fetch comes
-    then) but right after the producer answered that fetch; without one it waits
-    SETTLE_AFTER_S."""
+    then) but right after the producer answered that fetch; without one, the notification
+    loop counts it SETTLE_AFTER_S after it fetched it."""
     monkeypatch.setattr(pull_producer, "SETTLE_AFTER_S", 60.0)
     kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
     keys = keys_for(16, 4)
     with producer() as prod, consumer(prod.port) as conn:
         prod.register_kv_caches(kv_p)
         conn.register_kv_caches(kv_c)
+        engine = prod._producer.engine
+        real_notifications = engine.notifications
+
+        def notifications():  # the notification loop fetches none: the fetch's answer does
+            if threading.current_thread().name.endswith("-notifs"):
+                return []
+            return real_notifications()
+
+        monkeypatch.setattr(engine, "notifications", notifications)
         first, second = prod.save(keys[:2], [0, 1]), prod.save(keys[2:], [2, 3])
         assert conn.load(keys[:2], [4, 5]).wait(timeout=10).ok
-        _collected(prod)
-        assert not first.done()  # arrived, not counted yet
+        time.sleep(0.05)  # the notification arrives, and is not counted
+        assert not first.done()
         assert conn.load(keys[2:], [6, 7]).wait(timeout=10).ok  # its fetch counts the first
-        assert first.wait(timeout=5).ok and not second.done()
+        assert first.wait(timeout=5).ok
+        monkeypatch.setattr(engine, "notifications", real_notifications)
         monkeypatch.setattr(pull_producer, "SETTLE_AFTER_S", 0.01)  # no fetch comes
         assert second.wait(timeout=5).ok
     assert torch.equal(block_bytes(kv_c, [4, 5, 6, 7]), block_bytes(kv_p, [0, 1, 2, 3]))
