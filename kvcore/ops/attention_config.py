@@ -59,6 +59,8 @@ import functools
 
 import torch
 
+from kvcore.dtypes import FP8_KV_CACHE_DTYPES
+
 __all__ = [
     "DECODE_TILES",
     "GLUON_PREFILL_TILES",
@@ -105,13 +107,16 @@ class TritonDecodeConfig(_QueryTileConfig):
     converted before shared memory (:mod:`kvcore.ops.triton_decode`); ``False`` converts the
     fp8 tiles to the query's dtype after shared memory, as before (the ROCm row keeps that:
     the fp16 path takes more registers there and has not been measured). Caches of the
-    model's dtype ignore it."""
+    model's dtype ignore it. ``max_registers``: the registers a thread may take (Triton's
+    ``maxnreg``, passed to ``ptxas``; NVIDIA only), so more programs fit on an SM at once;
+    ``None`` leaves the choice to the compiler."""
 
     kernel: str = _kernel("triton_decode")
     num_warps: int
     num_stages: int
     const_block: bool = False
     fp8_fp16: bool = True
+    max_registers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +131,7 @@ class TritonSplitKVConfig(_QueryTileConfig):
     num_stages: int
     const_block: bool = False
     fp8_fp16: bool = True
+    max_registers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +227,11 @@ class DecodeTile:
     program reads half the bytes of a 16-bit one, so it finishes sooner and more of them keep
     enough bytes in flight. ``split_block_n``: keys a step of ``triton_split_kv`` (``None``:
     ``block_n``); with longer steps each split program keeps more bytes in flight, so fewer
-    splits (a lower ``split_waves``) fill the GPU. ``fp8_fp16``: the configs' fp8 path
-    (:class:`TritonDecodeConfig`)."""
+    splits (a lower ``split_waves``) fill the GPU. ``fp8_fp16`` and ``max_registers``: the
+    configs' fields (:class:`TritonDecodeConfig`). ``fp8_wide``: the tile an fp8 cache takes
+    above head size 128 (its ``block_n``, ``num_warps``, ``num_stages``, ``const_block``,
+    ``split_block_n``, ``fp8_fp16``, ``max_registers``; the split rule stays this row's);
+    ``None``: this row's tile."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -233,6 +242,8 @@ class DecodeTile:
     split_block_n: int | None = None
     fp8_fp16: bool = True
     fp8_split_waves: int | None = None
+    max_registers: int | None = None
+    fp8_wide: DecodeTile | None = None
 
 
 #: ``triton_prefill`` rows: (head sizes up to 128, above 128). Above 128 the tile keeps 64
@@ -272,8 +283,20 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 #: cache 363.2 with 4 splits, 95% of the read ceiling), so fp8 aims at 8 programs per SM
 #: (8 * 132 / 64 -> 16 splits). 64 x 4096 (512 programs, not split) stays unsplit: 249.7 us
 #: with 32 keys a step against 261.3 for 8 splits of 64 (FlashInfer fp8 244.7).
+#: sm90's ``fp8_wide`` (head sizes above 128 on fp8 caches): at Gemma-2-9B's sliding layer (Hq
+#: 16, Hk 8, D 256, soft-cap 50, window 4096, block 16) the row's 32-key tile takes 164
+#: registers and 57 KiB of shared memory on an fp8 cache (Triton 3.6, sm_90a), so 3 programs
+#: share an SM: 64 x 4096's 512 programs run as 396 at once, then 116 more alone on their SMs,
+#: where nothing hides a key step's latency (16 dependent mma.sync over D, eight
+#: barriers for the cross-warp row max and sum; 662 instructions a step, the bf16 cache's 710):
+#: 682.3 us on an H100, no faster than the bf16 cache (695.9, read-bound; FlashInfer fp8
+#: 386.5). Capped at 128 registers with one tile in flight (42 KiB, a 60-byte spill) 4
+#: programs fit an SM and the 512 run in one round; benchmarks/bench_fp8_decode.py
+#: ``--layer gemma2-sliding`` times it against the other ways (splits, 8 warps, 16 keys).
 DECODE_TILES: dict[str, DecodeTile] = {
-    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64, fp8_split_waves=8),
+    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64, fp8_split_waves=8,
+                       fp8_wide=DecodeTile(block_n=32, num_warps=4, num_stages=2,
+                                           const_block=True, max_registers=128)),
     "cuda": DecodeTile(),
     "rocm": DecodeTile(fp8_fp16=False),
 }
@@ -307,7 +330,13 @@ def prefill_tile(head_size: int, arch: str, rocm: bool) -> TritonPrefillTile:
     return row[0] if head_size <= 128 else row[1]
 
 
-def decode_tile(arch: str, rocm: bool) -> DecodeTile:
+def decode_tile(arch: str, rocm: bool, *, head_size: int = 0,
+                kv_cache_dtype: str = "auto") -> DecodeTile:
     """The :data:`DECODE_TILES` row for ``arch`` (the platform's default when the table has
-    no row for it)."""
-    return DECODE_TILES.get(arch) or DECODE_TILES["rocm" if rocm else "cuda"]
+    no row for it); its ``fp8_wide`` tile where it has one, ``kv_cache_dtype`` is fp8 and
+    ``head_size`` is above 128 (the split rule, :func:`kvcore.ops.split_kv.
+    default_num_kv_splits`, always reads the row itself)."""
+    row = DECODE_TILES.get(arch) or DECODE_TILES["rocm" if rocm else "cuda"]
+    if row.fp8_wide is not None and head_size > 128 and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return row.fp8_wide
+    return row

@@ -108,7 +108,7 @@ def default_config(
     # rows (64 above head_size 128, where a 128-row fp32 accumulator would spill).
     rows = 16 if decode_only else (128 if head_size <= 128 else 64)
     block_q = max(1, rows // g_pad)
-    tile = decode_tile(arch, rocm)
+    tile = decode_tile(arch, rocm, head_size=head_size, kv_cache_dtype=kv_cache_dtype)
     # Two 32-key K/V tiles in flight beside a 64 x 256 query tile take 68 KiB of LDS: more
     # than gfx942's 64 KiB (`kvcore kernels`), so one tile in flight above head_size 128.
     num_stages = min(tile.num_stages, 2) if rocm and head_size > 128 else tile.num_stages
@@ -117,10 +117,11 @@ def default_config(
                                    block_n=tile.split_block_n or tile.block_n,
                                    num_splits=num_kv_splits, num_warps=tile.num_warps,
                                    num_stages=num_stages, const_block=tile.const_block,
-                                   fp8_fp16=tile.fp8_fp16)
+                                   fp8_fp16=tile.fp8_fp16, max_registers=tile.max_registers)
     return TritonDecodeConfig(block_q=block_q, g_pad=g_pad, block_n=tile.block_n,
                               num_warps=tile.num_warps, num_stages=num_stages,
-                              const_block=tile.const_block, fp8_fp16=tile.fp8_fp16)
+                              const_block=tile.const_block, fp8_fp16=tile.fp8_fp16,
+                              max_registers=tile.max_registers)
 
 
 def call_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -309,12 +310,20 @@ class AttentionLaunch:
         self.cache_strides = (*key_cache.stride(), *value_cache.stride())
         # Without sinks the kernel never reads its sinks argument: the query goes there.
         self.sinks = sinks if kernel_sinks else None
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        max_registers = getattr(cfg, "max_registers", None)
+        if max_registers is not None:
+            if is_rocm():
+                raise ValueError(f"{type(cfg).__name__} has max_registers={max_registers}, a "
+                                 "register cap for NVIDIA's ptxas (Triton's maxnreg), which "
+                                 "ROCm's compiler does not take; pass max_registers=None.")
+            options["maxnreg"] = max_registers
         self.kernel = KernelLaunch(
             fn, (query.dtype, key_cache.dtype, key_cache.data_ptr() & 15,
                  value_cache.data_ptr() & 15, self.ints, self.cache_strides,
                  type(ks), getattr(ks, "dtype", None),
                  None if self.sinks is None else (self.sinks.dtype, self.sinks.data_ptr() & 15)),
-            constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            constexprs, options)
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, out: torch.Tensor, step: StepArgs,
