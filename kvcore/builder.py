@@ -309,13 +309,14 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
         )
         if facts is not None:
             # The views have the facts' shapes by construction: marked without re-checking.
-            mark_views_checked(
-                StepFacts(num_tokens=meta.num_actual_tokens, num_seqs=size,
-                          block_size=facts.block_size,
-                          max_blocks_per_seq=max(facts.max_blocks_per_seq, int(padded)),
-                          max_block_id=max(facts.max_block_id, 0 if padded else -1),
-                          max_slot=facts.max_slot, sliding_window=facts.sliding_window),
-                views)
+            # Unpadded, they hold the step's own values: its facts, as they are.
+            if padded:
+                facts = StepFacts(num_tokens=meta.num_actual_tokens, num_seqs=size,
+                                  block_size=facts.block_size,
+                                  max_blocks_per_seq=max(facts.max_blocks_per_seq, 1),
+                                  max_block_id=max(facts.max_block_id, 0),
+                                  max_slot=facts.max_slot, sliding_window=facts.sliding_window)
+            mark_views_checked(facts, views)
         return meta
 
     def _copy_query_start_loc(self, common: AttentionMetadata, qsl: torch.Tensor, n: int,
