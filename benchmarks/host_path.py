@@ -136,6 +136,8 @@ class Layer:
 
     def calls(self) -> dict[str, Callable[[], object]]:
         """The calls an engine makes, by name (each on layer 0 of the step built once)."""
+        import kvcore
+
         impl, sc, q, k, v, out = self.impl, self.scales, self.q, self.k, self.v, self.out
         cache, meta = self.caches.layers[0], self.meta
 
@@ -153,6 +155,11 @@ class Layer:
             found["update_and_forward"] = lambda: impl.update_and_forward(sc, q, k, v, cache,
                                                                           meta, output=out)
         found["builder.build (per step)"] = lambda: self.builder.build(self.common)
+        if self.backend.CUDA_GRAPH_SUPPORT is not kvcore.CudaGraphSupport.NEVER:
+            # What a replayed step builds (CudaGraphRunner.run): the captured size's views.
+            size = self.common.num_seqs
+            found["builder.build (graph step)"] = lambda: self.builder.build(
+                self.common, graph_batch_size=size)
         return found
 
 

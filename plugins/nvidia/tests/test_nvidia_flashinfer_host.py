@@ -11,6 +11,7 @@ page, 0 for an empty request).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import sys
@@ -23,6 +24,7 @@ from kvcore_nvidia.backends.common import HostStaging
 from kvcore_nvidia.backends.flashinfer import FlashInferBackend
 from kvcore_nvidia.backends.flashinfer_builder import FlashInferMetadataBuilder
 from kvcore_nvidia.backends.flashinfer_pages import HostPages
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcore
 
@@ -434,3 +436,78 @@ def test_graph_refresh_copies_only_what_changed():
     assert builder.plans == 2
     assert builder._indptr[:3].tolist() == [0, 2, 4]  # overwritten by size 4: copied again
     assert builder._last_page_len[:2].tolist() == [3, 15]
+
+
+def test_a_decode_refill_counts_its_query_rows_and_keeps_nothing_after_another_layout():
+    """``refill(None, ...)`` (a uniform decode) gives the lists of query rows 0, 1, ..., the
+    padding included, after a mixed step's refill of the same lists and before one; a refill
+    after another size's lists wrote the same memory (:meth:`HostPages.forget`) computes
+    every list again."""
+    rng = random.Random(3)
+    out = torch.full((HostPages.words(9),), -3, dtype=torch.int32)
+    small, large = HostPages.in_buffer(4, out), HostPages.in_buffer(9, out)
+    for n, mixed in [(4, False), (4, True), (3, False), (3, False), (2, True), (4, False)]:
+        qo, seq = _lengths(rng, n)
+        if not mixed:
+            qo, seq = torch.arange(n + 1), seq.clamp(min=1)
+        small.refill(qo if mixed else None, seq, 16)
+        _assert_lists(small, _reference(qo, seq, 16, 4))
+    for _ in range(2):  # the same page counts again, around the other layout's refill
+        large.refill(*_lengths(rng, 9), 16)
+        small.forget()
+        small.refill(None, seq, 16)
+        _assert_lists(small, _reference(qo, seq, 16, 4))
+
+
+class _TensorOps(TorchDispatchMode):
+    """Counts the torch ops dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tensor_ops(fn) -> collections.Counter[str]:
+    with _TensorOps() as mode:
+        fn()
+    return mode.ops
+
+
+@pytest.mark.parametrize("size", [None, 3, 4], ids=["eager", "graph", "graph-padded"])
+def test_a_decode_step_on_the_same_pages_costs_three_tensor_ops_beyond_the_base_builder(size):
+    """The host path held to its cost: a decode step whose page counts are those of the last
+    plan (every request still in its last page) runs the tensor ops of
+    :class:`kvcore.PersistentMetadataBuilder`'s build and three more: the host lengths into
+    staging, the gather of the used block-table entries and the last pages' lengths to the
+    device; no plan, nothing allocated. A request entering a new page adds the gather
+    positions' copy and one plan."""
+    builder = _builder(16)
+    base = kvcore.PersistentMetadataBuilder(
+        builder.spec, num_heads=8, max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
+        max_model_len=MAX_LEN, device="cpu")
+    tables = [[3, 9, 4], [11, 12, 13], [20, 21, 22]]
+
+    def step(lengths: list[int]) -> kvcore.AttentionMetadata:
+        return kvcore.build_attention_metadata([1] * 3, [x - 1 for x in lengths], tables, 16)
+
+    for i in range(2):  # both staging slots laid out, the views of the size made
+        builder.build(step([17 + i, 33 + i, 40 + i]), graph_batch_size=size)
+        base.build(step([17 + i, 33 + i, 40 + i]), graph_batch_size=size)
+    plans = builder.plans
+    for i in range(2, 8):
+        common = step([17 + i, 33 + i, 40 + i])
+        got = _tensor_ops(lambda common=common: builder.build(common, graph_batch_size=size))
+        want = _tensor_ops(lambda common=common: base.build(common, graph_batch_size=size))
+        assert got["aten.index_select.out"] == 1
+        assert sum(got.values()) == sum(want.values()) + 3
+    assert builder.plans == plans
+    common = step([33, 40, 48])  # request 0 enters its third page
+    got = _tensor_ops(lambda: builder.build(common, graph_batch_size=size))
+    assert builder.plans == plans + 1
+    want = _tensor_ops(lambda: base.build(common, graph_batch_size=size))
+    want.update({"aten.copy_.default": 2, "aten.index_select.out": 1})
+    assert got >= want  # and the stand-in plan's own copies

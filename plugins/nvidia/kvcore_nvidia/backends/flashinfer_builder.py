@@ -21,7 +21,9 @@ from kvcore import (
     is_uniform_decode,
     long_step,
 )
+from kvcore.ops import StepFacts
 from kvcore_nvidia.backends.common import (
+    UNCHECKED_BLOCKS,
     HostStaging,
     StagingSlot,
     current_cuda_stream,
@@ -136,6 +138,10 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     run asynchronously; the gather positions are recomputed and copied only when the page
     counts change, and a CUDA-graph decode step with the page counts of its last plan copies
     only ``last_page_len`` (and ``indptr`` when another batch size's step overwrote it).
+    Such a decode step (eager or captured) costs the base builder's tensor ops and three
+    more: the host lengths into staging, the gather of the used block-table entries and that
+    copy; ``indptr`` (and a decode's query rows) stay on the host from the slot's last step
+    with those page counts, and the views the copies take are made once.
     FlashInfer's ``plan`` reads these host lists (its scheduler) and enqueues copies from
     them; the slot's event is recorded after the last plan of the step, so a slot is
     rewritten only once those copies have run.
@@ -199,16 +205,26 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                 slots=2, pin=cuda, new_event=torch.cuda.Event if cuda else None,
                 stream=functools.partial(current_cuda_stream, dev) if cuda else None)
         self._flat_table = self.block_table.view(-1)
-        # The HostPages laid out in each staging slot, per batch size (refilled each step).
+        # The HostPages laid out in each staging slot, per batch size (refilled each step),
+        # and the one each slot (by address) was last refilled through: another size's
+        # layout of the same memory overwrote what a refill would keep.
         self._lists: dict[tuple[int, int], HostPages] = {}
+        self._slot_lists: dict[int, HostPages] = {}
+        # Per batch size, the views of _indptr and _last_page_len its graph-mode wrapper
+        # reads (made with the wrapper).
+        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._new_wrappers()
         #: What a layer's cache is checked against once (FlashInferLaunch.signature).
         self.signature = (num_heads, num_kv_heads, spec.head_size, spec.block_size, spec.dtype,
                           spec.cache_dtype)
-        # Page counts self._positions holds the gather positions of, and those whose indptr
-        # self._indptr holds (the graph wrappers of all sizes share it).
+        # Page counts self._positions holds the gather positions of (and the views of
+        # _positions and _indices their total takes), and those whose indptr self._indptr
+        # holds (the graph wrappers of all sizes share it).
         self._gathered: bytes | None = None
+        self._gather_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._indptr_holds: bytes | None = None
+        # The facts this step's check() established (None: value checks off).
+        self._facts: StepFacts | None = None
 
     def _kernels(self) -> FlashInferKernels:
         return flashinfer_kernels(cuda_capability(self.device), self.num_heads,
@@ -253,42 +269,47 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
             self._eager_sizes[size] = None
         import flashinfer
 
+        indptr, last_page_len = self._graph_buffers.setdefault(
+            size, (self._indptr[:size + 1], self._last_page_len[:size]))
         wrapper = self._graph_wrappers[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             use_tensor_cores=self.kernels.decode_tensor_cores,
-            paged_kv_indptr_buffer=self._indptr[:size + 1],
-            paged_kv_indices_buffer=self._indices,
-            paged_kv_last_page_len_buffer=self._last_page_len[:size],
-            backend="fa2")
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=self._indices,
+            paged_kv_last_page_len_buffer=last_page_len, backend="fa2")
         return wrapper
 
-    def _host_pages(self, common: AttentionMetadata, size: int, out: torch.Tensor) -> HostPages:
+    def _host_pages(self, common: AttentionMetadata, size: int, out: torch.Tensor,
+                    decode: bool) -> HostPages:
         """The step's page lists on the host, padded to ``size`` requests (one token each),
         in ``out`` (a staging slot's lists, laid out once per size): from the metadata's host
-        copies, else one device read."""
+        copies, else one device read. ``decode``: a uniform decode (query rows counting)."""
         n = common.num_seqs
         qo, seq = common.query_start_loc_cpu, common.seq_lens_cpu
         if qo is None or seq is None:
             both = torch.cat([common.query_start_loc.to(torch.int32),
                               common.seq_lens.to(torch.int32)]).cpu()
             qo, seq = both[:n + 1], both[n + 1:]
-        elif tuple(qo.shape) != (n + 1,) or tuple(seq.shape) != (n,):
+        elif qo.shape != (n + 1,) or seq.shape != (n,):
             raise ValueError(f"query_start_loc_cpu {tuple(qo.shape)} and seq_lens_cpu "
                              f"{tuple(seq.shape)} must have the shapes of query_start_loc "
                              f"({n + 1},) and seq_lens ({n},)")
-        pages = self._lists.get((out.data_ptr(), size))
+        ptr = out.data_ptr()
+        pages = self._lists.get((ptr, size))
         if pages is None:
-            pages = self._lists[out.data_ptr(), size] = HostPages.in_buffer(size, out)
-        return pages.refill(qo, seq, self.spec.block_size)
+            pages = self._lists[ptr, size] = HostPages.in_buffer(size, out)
+        if self._slot_lists.get(ptr) is not pages:
+            pages.forget()
+            self._slot_lists[ptr] = pages
+        return pages.refill(None if decode else qo, seq, self.spec.block_size)
 
     def _gather_indices(self, pages: HostPages, counts: bytes, slot: StagingSlot
                         ) -> torch.Tensor:
         """FlashInfer's ``indices``: the used entries of the persistent block table, gathered
         on the device (no sync); the gather positions are computed (in ``slot``) and copied
         only when the page counts (``counts``, :meth:`HostPages.page_counts_key`) changed."""
-        _, _, page_counts, indptr, _ = pages._arrays
-        total = int(indptr[-1])
         if counts != self._gathered:
+            _, _, page_counts, indptr, _ = pages._arrays
+            total = int(indptr[-1])
             width = self.block_table.shape[1]
             # position of entry j of request i: i * width + (j - indptr[i])
             starts = np.arange(pages.num_seqs, dtype=np.int64) * width - indptr[:-1]
@@ -296,8 +317,9 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                    out=slot.arrays["positions"][:total])
             self._positions[:total].copy_(slot.tensors["positions"][:total], non_blocking=True)
             self._gathered = counts
-        indices = self._indices[:total]
-        torch.index_select(self._flat_table, 0, self._positions[:total], out=indices)
+            self._gather_views = (self._positions[:total], self._indices[:total])
+        positions, indices = self._gather_views
+        torch.index_select(self._flat_table, 0, positions, out=indices)
         return indices
 
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
@@ -335,7 +357,8 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         self._graph_plans.clear()
         slot = self._staging.acquire()
         try:
-            fresh = self._build(meta, meta, meta.graph_batch_size, slot)
+            fresh = self._build(meta, meta, meta.graph_batch_size, slot,
+                                launch_block_bound(meta, meta.graph_batch_size))
         finally:
             self._staging.release()
         for field in ("decode_wrapper", "prefill_wrapper", "num_decodes", "planned", "launch"):
@@ -348,10 +371,11 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
         if self._graph_plans.get(size) == counts:
             # Same page counts, same plan and same indptr: only the last pages' lengths are
             # new (indptr too if a step of another size overwrote the shared buffer).
+            indptr, last_page_len = self._graph_buffers[size]
             if self._indptr_holds != counts:
-                self._indptr[:size + 1].copy_(pages.indptr, non_blocking=True)
+                indptr.copy_(pages.indptr, non_blocking=True)
                 self._indptr_holds = counts
-            self._last_page_len[:size].copy_(pages.last_page_len, non_blocking=True)
+            last_page_len.copy_(pages.last_page_len, non_blocking=True)
             return wrapper
         shape, options = self._options()
         # FlashInfer copies indptr and last_page_len into the wrapper's buffers (unknown
@@ -364,30 +388,44 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
     def build(self, common: AttentionMetadata, *,
               graph_batch_size: int | None = None) -> FlashInferMetadata:
         meta = super().build(common, graph_batch_size=graph_batch_size)
+        facts, self._facts = self._facts, None
         if meta.num_seqs == 0 or meta.num_actual_tokens == 0:
             return meta.extend(FlashInferMetadata)
+        # launch_block_bound's value without reading the views' marks back: an eager step
+        # is not padded, so its views were marked with the checked largest block id.
+        bound = (-1 if facts is None else facts.max_block_id if graph_batch_size is None
+                 else UNCHECKED_BLOCKS)
         slot = self._staging.acquire()
         try:
-            return self._build(meta, common, graph_batch_size, slot)
+            return self._build(meta, common, graph_batch_size, slot, bound)
         finally:
             # After the step's last copy from the slot (ours and those plan enqueued).
             self._staging.release()
 
+    def check(self, common: AttentionMetadata) -> StepFacts | None:
+        """:meth:`kvcore.AttentionMetadataBuilder.check`; :meth:`build` keeps the facts for
+        its launch (the step's largest block id)."""
+        facts = self._facts = super().check(common)
+        return facts
+
     def _build(self, meta: AttentionMetadata, common: AttentionMetadata,
-               graph_batch_size: int | None, slot: StagingSlot) -> FlashInferMetadata:
+               graph_batch_size: int | None, slot: StagingSlot,
+               max_block_id: int) -> FlashInferMetadata:
         size = meta.num_seqs
-        pages = self._host_pages(common, size, slot.tensors["lists"])
+        uniform = graph_batch_size is not None or is_uniform_decode(meta)
+        pages = self._host_pages(common, size, slot.tensors["lists"], uniform)
         counts = pages.page_counts_key()
         indices = self._gather_indices(pages, counts, slot)
-        if graph_batch_size is not None or is_uniform_decode(meta):
+        if uniform:
             # A decode-only step, captured or eager, runs on a graph-mode wrapper of its size:
             # planned only when the page counts change.
             wrapper = self._plan_graph_decode(size, pages, counts, indices,
                                               eager=graph_batch_size is None)
-            return self._metadata(meta, wrapper, None, size, None, graph_batch_size)
+            return self._metadata(meta, wrapper, None, size, None, graph_batch_size,
+                                  max_block_id)
         shape, options = self._options()
         k = pages.leading_decodes()
-        qo_indptr, indptr = pages.qo_indptr.numpy(), pages.indptr.numpy()
+        qo_indptr, indptr = pages._arrays[0], pages._arrays[3]
         decode = prefill = None
         if k:
             decode = self._decode
@@ -401,12 +439,13 @@ class FlashInferMetadataBuilder(PersistentMetadataBuilder):
                        rest.last_page_len, *shape, causal=meta.causal,
                        seq_lens=rest.seq_lens, **options)
         return self._metadata(meta, decode, prefill, k, None if prefill is None else meta.causal,
-                              graph_batch_size)
+                              graph_batch_size, max_block_id)
 
     def _metadata(self, meta: AttentionMetadata, decode: Any, prefill: Any, k: int,
-                  causal: bool | None, graph_batch_size: int | None) -> FlashInferMetadata:
-        """The step's metadata with its wrappers and their :class:`FlashInferLaunch`."""
-        max_block_id = launch_block_bound(meta, graph_batch_size)
+                  causal: bool | None, graph_batch_size: int | None,
+                  max_block_id: int) -> FlashInferMetadata:
+        """The step's metadata with its wrappers and their :class:`FlashInferLaunch`
+        (``max_block_id``: :func:`~kvcore_nvidia.backends.common.launch_block_bound`'s)."""
         key = (id(decode), id(prefill), k, meta.num_actual_tokens, max_block_id, self.scale,
                self.sliding_window, self.logits_soft_cap, causal)
         launch = self._launches.get(key)

@@ -34,11 +34,19 @@ def flashinfer_page_table(
     return cumulative(pages), indices, last_page_len.to(torch.int32)
 
 
-def _numpy(values: torch.Tensor | np.ndarray) -> np.ndarray:
-    return values.numpy() if isinstance(values, torch.Tensor) else values
+def _put(tensor: torch.Tensor, array: np.ndarray, values: torch.Tensor | np.ndarray) -> None:
+    """``values`` into the first entries of a list (``tensor`` and its numpy view
+    ``array``): one torch copy when a tensor fills it (no numpy view of the tensor to make)."""
+    n = values.shape[0]
+    if isinstance(values, torch.Tensor):
+        if n == tensor.shape[0]:
+            tensor.copy_(values)
+            return
+        values = values.numpy()
+    array[:n] = values
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class HostPages:
     """One step's FlashInfer page lists on the host (all int32, CPU).
 
@@ -57,14 +65,18 @@ class HostPages:
     last_page_len: torch.Tensor
     # (2n + 2,) int32 beside the lists, where tail() writes its rebased offsets (so they are
     # page-locked when the lists are); None: tail() allocates.
-    _spare: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    _spare: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     # numpy views of the five lists (the same memory), made once.
-    _arrays: tuple[np.ndarray, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    _arrays: tuple[np.ndarray, ...] = dataclasses.field(default=(), repr=False)
+    # What refill() may keep from the last refill: the page counts (bytes) indptr holds the
+    # cumulative sum of, and whether qo_indptr holds 0, 1, ..., n (a uniform decode's).
+    _indptr_of: bytes | None = dataclasses.field(default=None, repr=False)
+    _counting: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self._arrays:
             lists = (self.qo_indptr, self.seq_lens, self.pages, self.indptr, self.last_page_len)
-            object.__setattr__(self, "_arrays", tuple(t.numpy() for t in lists))
+            self._arrays = tuple(t.numpy() for t in lists)
 
     @staticmethod
     def words(size: int) -> int:
@@ -98,37 +110,56 @@ class HostPages:
             out = torch.empty(cls.words(size), dtype=torch.int32)
         return cls.in_buffer(size, out).refill(qo_indptr, seq_lens, block_size)
 
-    def refill(self, qo_indptr: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray,
-               block_size: int) -> HostPages:
+    def refill(self, qo_indptr: torch.Tensor | np.ndarray | None,
+               seq_lens: torch.Tensor | np.ndarray, block_size: int) -> HostPages:
         """Compute the lists of a step in place, from its host lengths (``(n + 1,)`` and
         ``(n,)`` integers on the CPU, ``n`` at most :attr:`num_seqs`), padded to
         :attr:`num_seqs` requests of one new token and one cached token each (the padding
         requests of :class:`kvcore.PersistentMetadataBuilder`); returns ``self``.
+        ``qo_indptr`` ``None``: a uniform decode (request ``i``'s one new token is row ``i``).
 
-        A few numpy calls on numpy views of the lists' memory: no torch op on tiny tensors,
-        no new host tensor.
+        A few numpy calls on numpy views of the lists' memory (the host lengths copied in by
+        torch when they fill a list): no new host tensor. What the last refill left and this
+        one would write again is kept:
+        ``qo_indptr`` of one uniform decode after another, ``indptr`` while the page counts
+        stay (call :meth:`forget` when anything else wrote the memory).
         """
         n, size = seq_lens.shape[0], self.num_seqs
         if size < n:
             raise ValueError(f"these lists hold {size} requests, fewer than the {n} of "
                              "seq_lens")
         qo, seq, pages, indptr, last = self._arrays
-        qo[:n + 1] = _numpy(qo_indptr)
-        seq[:n] = _numpy(seq_lens)
+        if qo_indptr is None:
+            if not self._counting:
+                qo[:] = np.arange(size + 1, dtype=np.int32)
+                self._counting = True
+        else:
+            _put(self.qo_indptr, qo, qo_indptr)
+            if size > n:
+                np.add(np.arange(1, size - n + 1, dtype=np.int32), qo[n], out=qo[n + 1:])
+            self._counting = False
+        _put(self.seq_lens, seq, seq_lens)
         if size > n:
-            np.add(np.arange(1, size - n + 1, dtype=np.int32), qo[n], out=qo[n + 1:])
             seq[n:] = 1
-        np.add(seq, block_size - 1, out=pages)
-        np.floor_divide(pages, block_size, out=pages)
-        indptr[0] = 0
-        np.add.accumulate(pages, out=indptr[1:])
-        # seq - (pages - 1) * block_size; the minimum with seq makes it 0 for a request
-        # without pages (elsewhere it is at most seq already)
-        np.multiply(pages, -block_size, out=last)
-        last += seq
-        last += block_size
+        # pages = ceil(seq / block_size) and the remainder r of seq + block_size - 1, so
+        # last = r + 1 = seq - (pages - 1) * block_size; its minimum with seq makes it 0 for
+        # a request without pages (elsewhere it is at most seq already)
+        np.add(seq, block_size - 1, out=last)
+        np.divmod(last, block_size, out=(pages, last))
+        last += 1
         np.minimum(last, seq, out=last)
+        counts = pages.tobytes()
+        if counts != self._indptr_of:
+            indptr[0] = 0
+            np.add.accumulate(pages, out=indptr[1:])
+            self._indptr_of = counts
         return self
+
+    def forget(self) -> None:
+        """Something else wrote the lists' memory (another layout of the same buffer): the
+        next :meth:`refill` computes every list."""
+        self._indptr_of = None
+        self._counting = False
 
     @property
     def num_seqs(self) -> int:
