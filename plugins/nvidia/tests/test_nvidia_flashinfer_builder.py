@@ -375,6 +375,68 @@ def test_layers_after_the_first_skip_the_full_checks(monkeypatch):
         _forward(wide_impl, batch, wide, meta)
 
 
+
+@pytest.mark.parametrize("built", [True, False], ids=["builder", "plain-metadata"])
+@pytest.mark.parametrize("shape", ["mixed-decodes-first", "decode-only", "prefill-only"])
+def test_update_and_forward_writes_and_attends_as_the_two_calls(monkeypatch, shape, built):
+    """The fused call gives the cache and the output of do_kv_cache_update then forward, on a
+    layer's first step (full checks) and on later ones (the step's launch right after the
+    write, checked once), with padding rows past the step's tokens left untouched; a layer
+    the plan does not fit gets the two calls' error."""
+    from kvcore_nvidia.backends import common
+
+    checks = []
+    real = common.validate_paged_attention
+    monkeypatch.setattr(common, "validate_paged_attention",
+                        lambda *a, **k: checks.append(1) or real(*a, **k))
+    kv_cache, gen = _cache(16)
+    impl = _impl()
+    batch = mixed_batch(impl, kv_cache, gen, **SHAPES[shape])
+    meta = _builder().build(batch.meta) if built else batch.meta
+    n = batch.query.shape[0]
+    query = torch.cat([batch.query, torch.randn(3, HEADS, HEAD_SIZE, generator=gen)])
+    new_k, new_v = (torch.randn_like(batch.key) for _ in range(2))  # overwrite the step's
+    fused, split = _impl(), _impl()
+    if built:  # one call: the two are not called
+        fused.forward = fused.do_kv_cache_update = lambda *a, **k: pytest.fail("called")
+    caches = {fused: kv_cache.clone(), split: kv_cache.clone()}
+    for _ in range(3):
+        outs = {}
+        for layer, cache in caches.items():
+            out = outs[layer] = torch.full_like(query, float("nan"))
+            if layer is fused:
+                got = layer.update_and_forward(kvcore.LayerScales(), query, new_k, new_v, cache,
+                                               meta, output=out)
+                assert got is out
+            else:
+                layer.do_kv_cache_update(kvcore.LayerScales(), new_k, new_v, cache,
+                                         meta.slot_mapping)
+                layer.forward(kvcore.LayerScales(), query, new_k, new_v, cache, meta,
+                              output=out)
+        assert torch.equal(caches[fused], caches[split])
+        assert not torch.equal(caches[fused], kv_cache)  # the new K/V were written
+        assert torch.equal(outs[fused][:n], outs[split][:n])
+        assert outs[fused][n:].isnan().all()
+    assert len(checks) == (2 if built else 6)  # once per layer after the builder's step
+    if not built:
+        return
+    wide = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=2 * KV_HEADS)
+    cache = torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, 2 * KV_HEADS, HEAD_SIZE)
+    k = torch.zeros(n, 2 * KV_HEADS, HEAD_SIZE)
+    errors = []
+    for call in (lambda: wide.update_and_forward(kvcore.LayerScales(), query, k, k, cache, meta,
+                                                 output=torch.empty_like(query)),
+                 lambda: (wide.do_kv_cache_update(kvcore.LayerScales(), k, k, cache,
+                                                  meta.slot_mapping),
+                          wide.forward(kvcore.LayerScales(), query, k, k, cache, meta,
+                                       output=torch.empty_like(query)))):
+        with pytest.raises(ValueError) as raised:
+            call()
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1] and "planned by FlashInferMetadataBuilder for" in errors[0]
+
+
 # -- the logit soft-cap: planned per step, refused for a layer of another cap --------------
 
 CAP = 2.0  # small enough to change every score of these random batches

@@ -109,7 +109,7 @@ from kvcore import (
     is_uniform_decode,
 )
 from kvcore.ops import triton_fp8_reasons
-from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache
+from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache, _cache_write
 from kvcore_nvidia.backends.flashinfer_builder import (
     FlashInferLaunch,
     FlashInferMetadata,
@@ -156,7 +156,8 @@ class FlashInferImpl(PagedCacheImpl):
     :meth:`split_kv` keeps for it (the same object, address, shape and strides), the step's
     largest block id against the cache's blocks, the plan's parameters) and fall back to the
     full checks on any difference. The layer's calls make no views of the cache after its
-    first: the cache write finds its checks by the kept views too.
+    first: the cache write finds its checks by the kept views too. :meth:`update_and_forward`
+    writes and runs the launch on one pair of those views, in one call.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -284,24 +285,58 @@ class FlashInferImpl(PagedCacheImpl):
                 and query.device == seen[3] and output.device == seen[3]
                 and query.is_contiguous() and output.is_contiguous())
 
+    def _run(self, layer: AttentionLayer, launch: FlashInferLaunch, query: torch.Tensor,
+             kv: tuple, output: torch.Tensor) -> bool:
+        """Run the step's launch on this call when it fits (:meth:`_fits`); returns whether
+        it did."""
+        if not self._fits(launch, query, kv, output):
+            return False
+        scales = _NO_SCALES if self._host_scales is None else self._host_scales.kwargs(layer)
+        if launch.prefill is None:
+            launch.decode.run(query, kv, out=output, **scales)
+        elif launch.decode is None:
+            launch.prefill.run(query, kv, out=output, **scales)
+        else:
+            k = launch.num_decodes
+            launch.decode.run(query[:k], kv, out=output[:k], **scales)
+            launch.prefill.run(query[k:], kv, out=output[k:], **scales)
+        return True
+
     def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,
                attn_metadata: AttentionMetadata, output: torch.Tensor) -> None:
         launch = attn_metadata.launch if isinstance(attn_metadata, FlashInferMetadata) else None
-        if launch is not None:
-            kv = self.split_kv(kv_cache)
-            if self._fits(launch, query, kv, output):
-                scales = _NO_SCALES if self._host_scales is None else (
-                    self._host_scales.kwargs(layer))
-                if launch.prefill is None:
-                    launch.decode.run(query, kv, out=output, **scales)
-                elif launch.decode is None:
-                    launch.prefill.run(query, kv, out=output, **scales)
-                else:
-                    k = launch.num_decodes
-                    launch.decode.run(query[:k], kv, out=output[:k], **scales)
-                    launch.prefill.run(query[k:], kv, out=output[k:], **scales)
-                return
-        self._checked_attend(layer, query, kv_cache, attn_metadata, output)
+        if launch is None or not self._run(layer, launch, query, self.split_kv(kv_cache),
+                                           output):
+            self._checked_attend(layer, query, kv_cache, attn_metadata, output)
+
+    def update_and_forward(self, layer: AttentionLayer, query: torch.Tensor,
+                           key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           attn_metadata: AttentionMetadata,
+                           output: torch.Tensor | None = None) -> torch.Tensor:
+        """The cache write and the attention on one pair of :meth:`split_kv` views, the
+        step's launch run straight after the write when the call fits it (same result and
+        errors as :meth:`do_kv_cache_update` then :meth:`forward`). Metadata not from the
+        builder, no ``output``, an encoder-only layer, or a subclass with its own
+        :meth:`write_kv_cache` or :meth:`attend` takes the two calls."""
+        launch = attn_metadata.launch if isinstance(attn_metadata, FlashInferMetadata) else None
+        cls = type(self)
+        if (launch is None or output is None or not self.writes_kv_cache()
+                or cls.write_kv_cache is not PagedCacheImpl.write_kv_cache
+                or cls.attend is not FlashInferImpl.attend):
+            return super().update_and_forward(layer, query, key, value, kv_cache,
+                                              attn_metadata, output)
+        kv = self.split_kv(kv_cache)
+        _cache_write()(key, value, kv[0], kv[1], attn_metadata.slot_mapping,
+                       self.kv_cache_dtype, layer.k_scale, layer.v_scale)
+        self.check_forward(query, kv_cache, attn_metadata, output)
+        n = attn_metadata.num_actual_tokens
+        if n:  # views of the real rows only where there are padding rows
+            rows = output if output.shape[0] == n else output[:n]
+            if query.shape[0] != n:
+                query = query[:n]
+            if not self._run(layer, launch, query, kv, rows):
+                self._checked_attend(layer, query, kv_cache, attn_metadata, rows)
+        return output
 
     def _checked_attend(self, layer: AttentionLayer, query: torch.Tensor,
                         kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
