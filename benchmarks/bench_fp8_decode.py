@@ -46,7 +46,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -265,9 +264,6 @@ def precompile(run: Run, layer: str, workers: int, flashinfer: bool,
     ``deadline_s`` seconds (unfinished processes are stopped: their Triton launches compile
     when first timed). Returns whether FlashInfer's modules were built (if not, FlashInfer
     is left out: a cold build can take minutes)."""
-    import concurrent.futures
-    import threading
-
     jobs = []
     if flashinfer:  # the longest jobs first
         b, length = SHAPES[0]
@@ -277,62 +273,29 @@ def precompile(run: Run, layer: str, workers: int, flashinfer: bool,
         count = 1 if SMOKE else len(launches(LAYERS[layer], b, length))
         jobs += [["triton", b, length, i] for i in range(count)]
 
-    lock, procs, stopped = threading.Lock(), [], threading.Event()
-
-    def compile_one(job: list) -> tuple[list, int | None, str]:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--layer", layer,
-               "--compile-job", json.dumps(job), *(["--smoke"] if SMOKE else [])]
-        with lock:
-            if stopped.is_set():
-                return job, None, "not started"
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
-            procs.append(proc)
-        said, _ = proc.communicate()
-        return job, proc.returncode, (said.strip().splitlines() or [""])[-1]
-
     t0 = time.time()
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(compile_one, job) for job in jobs]
-        _, pending = concurrent.futures.wait(futures, timeout=deadline_s)
-        with lock:
-            stopped.set()
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()  # this run's own compile process
+    commands = [[sys.executable, str(Path(__file__).resolve()), "--layer", layer,
+                 "--compile-job", json.dumps(job), *(["--smoke"] if SMOKE else [])]
+                for job in jobs]
+    results = harness.run_children(commands, workers, deadline_s)
     built, failed = flashinfer, 0
-    for future in futures:
-        job, rc, said = future.result()
+    for job, (rc, said, cut) in zip(jobs, results, strict=True):
         if job[0] == "flashinfer":
             built &= rc == 0
-        if rc not in (0, None) and future not in pending:
+        if rc not in (0, None) and not cut:
             failed += 1
             run.log(f"precompile {job}: rc {rc}: {said}")
+    unfinished = sum(cut for _, _, cut in results)
     run.results["meta"]["precompile"] = dict(
         seconds=time.time() - t0, jobs=len(jobs), workers=workers, failed=failed,
-        unfinished=len(pending), flashinfer_built=built)
+        unfinished=unfinished, flashinfer_built=built)
     run.log(f"precompiled {len(jobs)} launches in {time.time() - t0:.1f} s with {workers} "
-            f"processes; {failed} failed, {len(pending)} stopped at the {deadline_s:.0f} s "
+            f"processes; {failed} failed, {unfinished} stopped at the {deadline_s:.0f} s "
             f"deadline; FlashInfer built: {built}")
     return built
 
 
 # ----------------------------------------------------------------------------- sections
-
-
-def measure_ceiling(run: Run) -> None:
-    """Read bandwidth (the faster of ``torch.sum`` and a Triton streaming read) after a
-    one-second warm-up."""
-    nbytes = (1 << 16) if SMOKE else (2 << 30)
-    x = torch.empty(nbytes // 4, device=DEVICE).normal_()
-    harness.warm_up(torch.empty_like(x), x, 0.0 if SMOKE else 1.0)
-    torch_sum, how = harness.read_gbps(x, time_call)
-    triton_read, _ = harness.triton_read_gbps(x, time_call)
-    run.results["ceilings"] = {"read_GBps": max(torch_sum, triton_read),
-                               "read_torch_sum_GBps": torch_sum,
-                               "read_triton_GBps": triton_read, "method": how}
-    run.log(f"read ceiling {max(torch_sum, triton_read):.0f} GB/s (torch.sum {torch_sum:.0f}, "
-            f"triton {triton_read:.0f})")
 
 
 def add_timing(run: Run, batch: Batch, cache: str, impl: str, seconds: float, how: str,
@@ -510,7 +473,7 @@ def main() -> int:
                         "out (run again, or with a longer --precompile-s)")
                 flashinfer = False
     with run.section("read ceiling"):
-        measure_ceiling(run)
+        harness.read_ceiling(run, DEVICE, time_call, SMOKE)
     batches, outs = {}, {}
     for b, length in SHAPES:
         with run.section(f"kvcore decode {b}x{length}"):

@@ -49,7 +49,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -214,8 +213,6 @@ def precompile(run: Run, workers: int, block_size: int, flashinfer: bool,
     the timings: a compiler crash aborts a process, so it costs one option, not the run) and
     whether FlashInfer's modules were built (if not, FlashInfer is left out: a cold build can
     take minutes)."""
-    import concurrent.futures
-    import threading
 
     configs, _ = mla_ops()
     sms = ops.num_sms(torch.device(DEVICE))
@@ -233,36 +230,17 @@ def precompile(run: Run, workers: int, block_size: int, flashinfer: bool,
                 seen.add(key)
                 jobs.append(["triton", heads, b, length, block_size, i])
 
-    lock, procs, stopped = threading.Lock(), [], threading.Event()
-
-    def compile_one(job: list) -> tuple[list, int | None, str]:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-job", json.dumps(job),
-               *(["--smoke"] if SMOKE else [])]
-        with lock:
-            if stopped.is_set():
-                return job, None, "not started"
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
-            procs.append(proc)
-        said, _ = proc.communicate()
-        return job, proc.returncode, (said.strip().splitlines() or [""])[-1]
-
     t0 = time.time()
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(compile_one, job) for job in jobs]
-        _, pending = concurrent.futures.wait(futures, timeout=deadline_s)
-        with lock:
-            stopped.set()
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()  # this run's own compile process
-    failed, flashinfer_built, unfinished = set(), flashinfer, len(pending)
-    for future in futures:
-        job, rc, said = future.result()
+    commands = [[sys.executable, str(Path(__file__).resolve()), "--compile-job", json.dumps(job),
+                 *(["--smoke"] if SMOKE else [])] for job in jobs]
+    results = harness.run_children(commands, workers, deadline_s)
+    failed, flashinfer_built = set(), flashinfer
+    unfinished = sum(cut for _, _, cut in results)
+    for job, (rc, said, cut) in zip(jobs, results, strict=True):
         done = rc == 0
         if job[0] == "flashinfer":
             flashinfer_built &= done
-        if not done and future not in pending:
+        if not done and not cut:
             run.log(f"precompile {job}: rc {rc}: {said}")
             if job[0] == "triton":
                 option, fp8, _ = launches(job[1], block_size)[job[5]]
@@ -278,21 +256,6 @@ def precompile(run: Run, workers: int, block_size: int, flashinfer: bool,
 
 
 # ----------------------------------------------------------------------------- sections
-
-
-def measure_ceiling(run: Run) -> None:
-    """Read bandwidth (the faster of ``torch.sum`` and a Triton streaming read) after a
-    one-second warm-up."""
-    nbytes = (1 << 16) if SMOKE else (2 << 30)
-    x = torch.empty(nbytes // 4, device=DEVICE).normal_()
-    harness.warm_up(torch.empty_like(x), x, 0.0 if SMOKE else 1.0)
-    torch_sum, how = harness.read_gbps(x, time_call)
-    triton_read, _ = harness.triton_read_gbps(x, time_call)
-    run.results["ceilings"] = {"read_GBps": max(torch_sum, triton_read),
-                               "read_torch_sum_GBps": torch_sum,
-                               "read_triton_GBps": triton_read, "method": how}
-    run.log(f"read ceiling {max(torch_sum, triton_read):.0f} GB/s (torch.sum {torch_sum:.0f}, "
-            f"triton {triton_read:.0f})")
 
 
 def add_timing(run: Run, batch: Batch, cache: str, impl: str, option: str, seconds: float,
@@ -451,7 +414,7 @@ def main() -> int:
                         "out (--no-flashinfer skips it; a second run finds them cached)")
                 flashinfer = False
     with run.section("read ceiling"):
-        measure_ceiling(run)
+        harness.read_ceiling(run, DEVICE, time_call, SMOKE)
     batches, row_outs = {}, {}
     for heads, b, length in SHAPES:
         with run.section(f"TRITON_MLA decode {b}x{length} H{heads}"):

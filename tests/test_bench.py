@@ -181,3 +181,20 @@ def test_harness_alternating_timing_takes_turns_and_keeps_the_fastest_round(monk
     found = harness.time_alternating({"a": lambda: "a", "b": lambda: "b"}, "cpu", rounds=3)
     assert calls == ["a", "b"] * 3  # turns, not one variant's rounds in a row
     assert found == {"a": (1.0, [3.0, 1.0, 2.0], "fake"), "b": (4.0, [5.0, 6.0, 4.0], "fake")}
+
+
+def test_harness_run_children_reports_each_command_and_stops_at_the_deadline():
+    """Exit codes and last lines in order; at the deadline the running child is killed and
+    the one not yet started is skipped, both marked as cut off."""
+    from kvcore.cli import harness
+
+    py = sys.executable
+    commands = [[py, "-c", "print('first'); print('done')"],
+                [py, "-c", "import sys; print('bad'); sys.exit(3)"],
+                [py, "-c", "import time; time.sleep(60)"],
+                [py, "-c", "print('never')"]]
+    results = harness.run_children(commands, workers=1, deadline_s=5.0)
+    assert results[0] == (0, "done", False)
+    assert results[1] == (3, "bad", False)
+    assert results[2][2] and results[2][0] != 0  # killed at the deadline
+    assert results[3] == (None, "not started", True)

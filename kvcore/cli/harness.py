@@ -261,6 +261,58 @@ def triton_version() -> str:
 # -- ceilings ----------------------------------------------------------------------------------
 
 
+def run_children(commands: Sequence[Sequence[str]], workers: int,
+                 deadline_s: float) -> list[tuple[int | None, str, bool]]:
+    """Run each command in a process of its own, ``workers`` at a time, for at most
+    ``deadline_s`` seconds (a benchmark's parallel precompile: the launches a run will time,
+    compiled into the caches first). At the deadline, running processes are killed and
+    commands not yet started are skipped. Returns, per command in order: its exit code
+    (``None`` if it did not finish), the last line it printed, and whether it was cut off by
+    the deadline."""
+    import concurrent.futures
+    import subprocess
+    import threading
+
+    lock, procs, stopped = threading.Lock(), [], threading.Event()
+
+    def one(cmd: Sequence[str]) -> tuple[int | None, str]:
+        with lock:
+            if stopped.is_set():
+                return None, "not started"
+            proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            procs.append(proc)
+        said, _ = proc.communicate()
+        return proc.returncode, (said.strip().splitlines() or [""])[-1]
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        futures = [pool.submit(one, cmd) for cmd in commands]
+        _, pending = concurrent.futures.wait(futures, timeout=deadline_s)
+        with lock:
+            stopped.set()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()  # this run's own child
+    return [(*future.result(), future in pending) for future in futures]
+
+
+def read_ceiling(run: Run, device: str, timer: Timer, smoke: bool) -> float:
+    """The device's read bandwidth in GB/s, the faster of ``torch.sum`` and a Triton
+    streaming read over 2 GiB (64 KiB with ``smoke``) after a one-second warm-up; recorded as
+    ``run.results["ceilings"]`` and logged."""
+    nbytes = (1 << 16) if smoke else (2 << 30)
+    x = torch.empty(nbytes // 4, device=device).normal_()
+    warm_up(torch.empty_like(x), x, 0.0 if smoke else 1.0)
+    torch_sum, how = read_gbps(x, timer)
+    triton_read, _ = triton_read_gbps(x, timer)
+    best = max(torch_sum, triton_read)
+    run.results["ceilings"] = {"read_GBps": best, "read_torch_sum_GBps": torch_sum,
+                               "read_triton_GBps": triton_read, "method": how}
+    run.log(f"read ceiling {best:.0f} GB/s (torch.sum {torch_sum:.0f}, "
+            f"triton {triton_read:.0f})")
+    return best
+
+
 def warm_up(dst: torch.Tensor, src: torch.Tensor, seconds: float) -> None:
     """Copy ``src`` into ``dst`` for about ``seconds``: an idle GPU needs a moment to raise its
     clocks before a ceiling is measured."""
