@@ -282,25 +282,31 @@ def test_a_read_notified_only_after_the_producer_handled_the_close_still_counts(
     with producer(publish_timeout_s=600.0) as prod:
         prod.register_kv_caches(kv_p)
         save = prod.save(keys, [2, 3, 4])
-        engine, producer_state = prod._producer.engine, prod._producer
-        released = threading.Event()
-        real_notifications, real_release_link = engine.notifications, producer_state.release_link
-
-        def late_notifications():  # nothing arrives until the close has been handled
-            return real_notifications() if released.is_set() else []
-
-        def release_link(link):
-            real_release_link(link)
-            released.set()
-
-        monkeypatch.setattr(engine, "notifications", late_notifications)
-        monkeypatch.setattr(producer_state, "release_link", release_link)
+        _notify_after_close(monkeypatch, prod)
         with consumer(prod.port) as conn:
             conn.register_kv_caches(kv_c)
             assert conn.load(keys, [5, 6, 7]).wait(timeout=10).ok
         result = save.wait(timeout=5)  # TimeoutError when the lease ended with the close
         assert result.ok and sorted(result.succeeded) == [2, 3, 4], result.failed
     assert torch.equal(block_bytes(kv_c, [5, 6, 7]), block_bytes(kv_p, [2, 3, 4]))
+
+
+def _notify_after_close(monkeypatch, prod) -> None:
+    """Hold the producer's READ notifications back until it has handled a consumer's close
+    (as when the side channel's close overtakes a notification)."""
+    engine, state = prod._producer.engine, prod._producer
+    released = threading.Event()
+    real_notifications, real_release_link = engine.notifications, state.release_link
+
+    def late_notifications():
+        return real_notifications() if released.is_set() else []
+
+    def release_link(link):
+        real_release_link(link)
+        released.set()
+
+    monkeypatch.setattr(engine, "notifications", late_notifications)
+    monkeypatch.setattr(state, "release_link", release_link)
 
 
 def _collected(prod, count: int = 1) -> None:
@@ -375,19 +381,7 @@ def test_a_notification_not_counted_yet_counts_when_the_producer_closes(monkeypa
     with producer(publish_timeout_s=600.0) as prod:
         prod.register_kv_caches(kv_p)
         save = prod.save(keys, [2, 3])
-        engine, state = prod._producer.engine, prod._producer
-        released = threading.Event()
-        real_notifications, real_release_link = engine.notifications, state.release_link
-
-        def late_notifications():  # nothing arrives until the close has been handled
-            return real_notifications() if released.is_set() else []
-
-        def release_link(link):
-            real_release_link(link)
-            released.set()
-
-        monkeypatch.setattr(engine, "notifications", late_notifications)
-        monkeypatch.setattr(state, "release_link", release_link)
+        _notify_after_close(monkeypatch, prod)
         with consumer(prod.port) as conn:
             conn.register_kv_caches(kv_c)
             assert conn.load(keys, [0, 1]).wait(timeout=10).ok
