@@ -104,7 +104,7 @@ LAYERS = {
         Candidate(64, 4, 4), Candidate(64, 4, 3, 8), Candidate(32, 4, 3, 8),
         Candidate(64, 4, 3, 16), Candidate(128, 8, 3)), smoke=(8, 2, 64)),
     # The fp8_wide tile's alternatives: the sm90 row's own tiles (3 programs an SM), the tail
-    # of 64 x 4096's second round cut by splits, other ways to 4 programs (16 warps) an SM.
+    # of 64 x 4096's second wave cut by splits, other ways to 4 programs (16 warps) an SM.
     "gemma2-sliding": Layer("Gemma-2-9B sliding", 16, 8, 256, 50.0, 4096, (
         Candidate(32, 4, 3, 1, shapes=("64x4096",)),
         Candidate(64, 4, 3, -1, shapes=("8x32768",)),

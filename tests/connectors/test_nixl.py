@@ -649,7 +649,7 @@ def _slow_read_engine(mem_type: str, seconds: float):
 
 
 def test_a_poll_checks_the_read_once():
-    # How often to look again is the connector's (pull.poll_pause), the same for every library.
+    # How often to look again is the connector's (pull_reads.poll_pause), for every library.
     from kvcore.connectors.pull_engine import Run
 
     engine, regions = _slow_read_engine("VRAM", seconds=60.0)
@@ -665,16 +665,16 @@ def test_a_read_in_flight_is_polled_with_pauses_of_a_fraction_of_its_time(monkey
     it did, in tens of polls; the timing hook hears of every poll and pause."""
     from types import SimpleNamespace
 
-    from kvcore.connectors import pull
+    from kvcore.connectors import pull_reads
     from kvcore.connectors.pull_engine import Run
 
-    asked, schedule = [], pull.poll_pause
+    asked, schedule = [], pull_reads.poll_pause
 
     def recorded(elapsed_s):
         asked.append(elapsed_s)
         return schedule(elapsed_s)
 
-    monkeypatch.setattr(pull, "poll_pause", recorded)
+    monkeypatch.setattr(pull_reads, "poll_pause", recorded)
     engine, regions = _slow_read_engine("DRAM", seconds=0.06)
     conn = object.__new__(nixl_module.NixlConnector)  # only what _read_runs reads
     conn._engine, conn.timeout_s = engine, 5.0

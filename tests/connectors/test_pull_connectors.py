@@ -216,7 +216,7 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
     the caller's timeout; an error reaches the caller either way."""
     import threading
 
-    from kvcore.connectors.pull import _LoadTask
+    from kvcore.connectors.pull_reads import LoadTask
 
     ran_on: list[str] = []
 
@@ -227,7 +227,7 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
         return name
 
     unfinished: set = set()
-    task = _LoadTask(unfinished, load, "a")
+    task = LoadTask(unfinished, load, "a")
     assert not task.wait(0.01, inline=False) and ran_on == []  # queued, not run
     assert unfinished == {task}  # close() waits for it
     assert task.wait(None, inline=True) and task.result() == "a" and not unfinished
@@ -242,7 +242,7 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
         release.wait(5)
         return load(name)
 
-    task = _LoadTask(unfinished, slow, "b")
+    task = LoadTask(unfinished, slow, "b")
     loader = threading.Thread(target=task.run, name="loader")
     loader.start()
     assert started.wait(5)
@@ -251,7 +251,7 @@ def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread(
     assert task.wait(5, inline=True) and task.result() == "b" and ran_on[-1] == "loader"
     loader.join(5)
 
-    task = _LoadTask(unfinished, load, "bad")
+    task = LoadTask(unfinished, load, "bad")
     assert task.wait(None, inline=True)
     with pytest.raises(ConnectionError, match="the link went down"):
         task.result()
