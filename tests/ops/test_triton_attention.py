@@ -228,7 +228,8 @@ def test_prefill_batches_route_to_the_prefill_kernel_with_the_gpus_tile() -> Non
     prefill = cfg(4096, 2, 32, 8, 128, 4096, cpu, arch="sm90", gluon=False)
     assert prefill == TritonPrefillConfig(
         block_q=tile.rows // 4, g_pad=4, block_n=tile.block_n, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, const_block=tile.const_block, edge_stages=tile.edge_stages)
+        num_stages=tile.num_stages, const_block=tile.const_block, edge_stages=tile.edge_stages,
+        fp8_fp16=tile.fp8_fp16)
     # Without gluon=False, sm90 takes its Gluon row (paged_attention falls back to the Triton
     # row for calls the Gluon kernel cannot run).
     row = tables.GLUON_PREFILL_TILES["sm90"]
