@@ -489,18 +489,11 @@ def main() -> int:
                 time_flashinfer(run, batch, outs[key])
     ops.set_value_checks(True)
 
-    failed = [c["check"] for c in run.results["correctness"] if not c["ok"]]
-    run.results["summary"] = {"failed_checks": failed, "errors": len(run.results["errors"])}
-    run.save()
-    lines = [f"{layer.name} (Hq {hq}, Hk {hk}, D {d}, soft-cap {layer.soft_cap}, window "
-             f"{layer.window}, block {BS}, bf16 queries)",
-             f"correctness: {'all passed' if not failed else f'FAILED {failed}'}; section "
-             f"errors: {len(run.results['errors'])}",
-             f"read ceiling: {run.results['ceilings'].get('read_GBps', 0):.0f} GB/s",
-             summary_table(run)]
-    errors = harness.errors_line(run.results)
-    run.write_summary([*lines, *([errors] if errors else [])])
-    return 1 if failed else 0
+    return run.finish_checked(
+        before=[f"{layer.name} (Hq {hq}, Hk {hk}, D {d}, soft-cap {layer.soft_cap}, window "
+                f"{layer.window}, block {BS}, bf16 queries)"],
+        after=[f"read ceiling: {run.results['ceilings'].get('read_GBps', 0):.0f} GB/s",
+               summary_table(run)])
 
 
 if __name__ == "__main__":

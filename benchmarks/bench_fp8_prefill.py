@@ -292,16 +292,9 @@ def main() -> int:
                 time_layer_case(run, layer_name, case, Batch(layer, requests))
     ops.set_value_checks(True)
 
-    failed = [c["check"] for c in run.results["correctness"] if not c["ok"]]
-    run.results["summary"] = {"failed_checks": failed, "errors": len(run.results["errors"])}
-    run.save()
-    lines = [f"correctness: {'all passed' if not failed else f'FAILED {failed}'}; section "
-             f"errors: {len(run.results['errors'])}",
-             f"matmul ceiling: {run.results['ceilings'].get('matmul_tflops', 0):.0f} TFLOP/s",
-             *summary(run)]
-    errors = harness.errors_line(run.results)
-    run.write_summary([*lines, *([errors] if errors else [])])
-    return 1 if failed else 0
+    return run.finish_checked(after=[
+        f"matmul ceiling: {run.results['ceilings'].get('matmul_tflops', 0):.0f} TFLOP/s",
+        *summary(run)])
 
 
 if __name__ == "__main__":

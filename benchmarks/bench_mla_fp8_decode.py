@@ -429,17 +429,9 @@ def main() -> int:
                 time_flashinfer(run, batch, row_outs.get(key))
     ops.set_value_checks(True)
 
-    failed_checks = [c["check"] for c in run.results["correctness"] if not c["ok"]]
-    run.results["summary"] = {"failed_checks": failed_checks,
-                              "errors": len(run.results["errors"])}
-    run.save()
-    lines = [f"correctness: {'all passed' if not failed_checks else f'FAILED {failed_checks}'}"
-             f"; section errors: {len(run.results['errors'])}",
-             f"read ceiling: {run.results['ceilings'].get('read_GBps', 0):.0f} GB/s",
-             *summary_table(run)]
-    errors = harness.errors_line(run.results)
-    run.write_summary([*lines, *([errors] if errors else [])])
-    return 1 if failed_checks else 0
+    return run.finish_checked(after=[
+        f"read ceiling: {run.results['ceilings'].get('read_GBps', 0):.0f} GB/s",
+        *summary_table(run)])
 
 
 if __name__ == "__main__":

@@ -497,6 +497,21 @@ class Run:
         (self.out_dir / f"{self.name}_table.txt").write_text(text + "\n")
         return text
 
+    def finish_checked(self, before: Sequence[str] = (), after: Sequence[str] = ()) -> int:
+        """End a run that records correctness checks: the failed checks and the count of
+        section errors go into ``results["summary"]``, the JSON is saved, and the summary is
+        written (:meth:`write_summary`): ``before``, the correctness line, ``after``, the
+        errors line if a section failed. Returns the exit status: 1 when a check failed."""
+        failed = [c["check"] for c in self.results[self.checks] if not c["ok"]]
+        errors = len(self.results["errors"])
+        self.results["summary"] = {"failed_checks": failed, "errors": errors}
+        self.save()
+        correctness = (f"correctness: {'all passed' if not failed else f'FAILED {failed}'}; "
+                       f"section errors: {errors}")
+        why = errors_line(self.results)
+        self.write_summary([*before, correctness, *after, *([why] if why else [])])
+        return 1 if failed else 0
+
     def check(self, name: str, ok: bool, **info: object) -> None:
         """Record a correctness check and log PASS or FAIL."""
         self.results[self.checks].append({"check": name, "ok": bool(ok), **info})
