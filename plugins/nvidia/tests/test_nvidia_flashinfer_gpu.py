@@ -266,3 +266,60 @@ def test_an_fp8_cache_matches_float64_reference_eager_and_replayed(shape, kv):
     out.fill_(float("nan"))
     graph.replay()
     assert rel_err(out, ref) < BF16_REL_ERR
+
+
+@pytest.mark.parametrize("scales", [None, (1.0, 1.0), (0.5, 2.0)], ids=["bf16", "fp8-unit",
+                                                                       "fp8-scaled"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_recorded_runs_equal_flashinfer_run_bit_for_bit(shape, scales):
+    """A layer's later calls of a step go through the launch's recorded runs (FlashInfer's
+    compiled module called with the arguments its ``run`` built for the plan's first layer):
+    bit-identical to ``wrapper.run`` on two layers' caches, for every phase split, bf16 and
+    fp8 caches; a value scale other than 1 is not recorded (it goes through ``run``)."""
+    if scales is not None and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 caches need capability >= 8.9 (kvcore's Triton cache write)")
+    gen = torch.Generator().manual_seed(len(shape) * 7 + (scales is None))
+    kv = "auto" if scales is None else "fp8_e4m3"
+    caches = [_cache(gen) if scales is None else _fp8_cache(gen, kv) for _ in range(2)]
+    layer = kvcore.LayerScales() if scales is None else kvcore.LayerScales(*scales)
+    impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS,
+                                            kv_cache_dtype=kv)
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                    kv_cache_dtype=kv)
+    builder = FlashInferBackend.get_builder_cls()(
+        spec, num_heads=HEADS, max_num_seqs=64, max_num_batched_tokens=2048,
+        max_model_len=8192, device="cuda")
+    batch = mixed_batch(impl, caches[0], gen, layer=layer, dtype=torch.bfloat16,
+                        **SHAPES[shape])
+    impl.do_kv_cache_update(layer, batch.key, batch.value, caches[1], batch.meta.slot_mapping)
+    meta = builder.build(batch.meta)
+    run_kwargs = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
+    k = meta.num_decodes
+    for kv_cache in caches:
+        want = torch.full_like(batch.query, float("nan"))
+        halves = tuple(kv_cache.unbind(1))
+        if meta.decode_wrapper is not None:
+            meta.decode_wrapper.run(batch.query[:k], halves, out=want[:k], **run_kwargs)
+        if meta.prefill_wrapper is not None:
+            meta.prefill_wrapper.run(batch.query[k:], halves, out=want[k:], **run_kwargs)
+        for _ in range(3):  # the first call checks in full; the later ones take the launch
+            got = torch.full_like(batch.query, float("nan"))
+            impl.forward(layer, batch.query, batch.key, batch.value, kv_cache, meta,
+                         output=got)
+            assert torch.equal(got, want)
+    runs = list(meta.launch.runs.values())
+    assert runs and all(run.bound == (scales is None or scales[1] == 1.0) for run in runs)
+    # Planned again (other lengths, other page counts): recorded again, still exact.
+    batch2 = mixed_batch(impl, caches[0], gen, layer=layer, dtype=torch.bfloat16,
+                         q_lens=SHAPES[shape]["q_lens"],
+                         ctx_lens=tuple(c + 3 * BLOCK_SIZE for c in SHAPES[shape]["ctx_lens"]))
+    meta2 = builder.build(batch2.meta)
+    outs = []
+    for _ in range(2):
+        outs.append(torch.full_like(batch2.query, float("nan")))
+        impl.forward(layer, batch2.query, batch2.key, batch2.value, caches[0], meta2,
+                     output=outs[-1])
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], reference(impl, batch2, caches[0], layer)) < BF16_REL_ERR

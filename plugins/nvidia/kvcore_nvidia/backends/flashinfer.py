@@ -42,7 +42,11 @@ batch size too (:data:`MAX_EAGER_DECODE_WRAPPERS` such sizes beyond the graph on
 A layer's call is the step's :class:`FlashInferLaunch` (the planned wrappers' ``run``, the
 rows each serves, the facts checked for the step), resolved once in ``build()``; the layer's
 own tensors are checked in full on its first step and compared cheaply after that
-(:class:`FlashInferImpl`).
+(:class:`FlashInferImpl`). A wrapper's ``run`` is FlashInfer's argument work (some forty
+arguments derived from the plan) before its kernel: the first layer of a plan records the
+arguments and the other layers call FlashInfer's compiled module with them
+(:class:`~kvcore_nvidia.backends.flashinfer_bound.BoundRun`; a value scale other than 1
+goes through ``run``).
 :meth:`FlashInferMetadataBuilder.warmup` builds FlashInfer's JIT modules of the configuration
 at start-up.
 
@@ -110,6 +114,7 @@ from kvcore import (
 )
 from kvcore.ops import triton_fp8_reasons
 from kvcore_nvidia.backends.common import PagedCacheImpl, StepCache, _cache_write
+from kvcore_nvidia.backends.flashinfer_bound import BoundRun
 from kvcore_nvidia.backends.flashinfer_builder import (
     FlashInferLaunch,
     FlashInferMetadata,
@@ -138,6 +143,19 @@ def _wrappers(device: torch.device, kernels: FlashInferKernels) -> tuple[Any, An
 
 #: ``run``'s keywords for a cache of the model's dtype (no scales).
 _NO_SCALES: dict[str, float] = {}
+
+def _launch_run(launch: FlashInferLaunch, wrapper: Any, scales: dict[str, float],
+                query: torch.Tensor, kv: tuple[torch.Tensor, ...],
+                output: torch.Tensor) -> None:
+    """``wrapper.run(query, kv, out=output, **scales)`` through the launch's
+    :class:`~kvcore_nvidia.backends.flashinfer_bound.BoundRun` of the wrapper's current plan
+    (recorded on the step's first layer, again after the wrapper is planned again)."""
+    key = (id(wrapper), tuple(scales.values()))
+    run = launch.runs.get(key)
+    if run is None or not run.current(wrapper):
+        run = launch.runs[key] = BoundRun(wrapper, query, kv, output, scales)
+    run(query, kv, output)
+
 
 #: The last plan of the shared wrappers (every plan goes through it, so a hit means the
 #: wrapper it returns still holds that plan).
@@ -293,13 +311,13 @@ class FlashInferImpl(PagedCacheImpl):
             return False
         scales = _NO_SCALES if self._host_scales is None else self._host_scales.kwargs(layer)
         if launch.prefill is None:
-            launch.decode.run(query, kv, out=output, **scales)
+            _launch_run(launch, launch.decode, scales, query, kv, output)
         elif launch.decode is None:
-            launch.prefill.run(query, kv, out=output, **scales)
+            _launch_run(launch, launch.prefill, scales, query, kv, output)
         else:
             k = launch.num_decodes
-            launch.decode.run(query[:k], kv, out=output[:k], **scales)
-            launch.prefill.run(query[k:], kv, out=output[k:], **scales)
+            _launch_run(launch, launch.decode, scales, query[:k], kv, output[:k])
+            _launch_run(launch, launch.prefill, scales, query[k:], kv, output[k:])
         return True
 
     def attend(self, layer: AttentionLayer, query: torch.Tensor, kv_cache: torch.Tensor,

@@ -72,6 +72,10 @@ class FlashInferLaunch:
             ``-1`` with value checks off): a layer's cache must have more blocks.
         planned: ``(scale, sliding_window, logits_soft_cap, causal)`` the plans were made
             for (as :attr:`FlashInferMetadata.planned`).
+        runs: the wrappers' recorded runs
+            (:class:`~kvcore_nvidia.backends.flashinfer_bound.BoundRun`) by wrapper and
+            scales, filled by the layers' calls; each is checked against its wrapper's
+            current plan when used.
     """
 
     decode: Any
@@ -81,6 +85,7 @@ class FlashInferLaunch:
     signature: tuple
     max_block_id: int
     planned: tuple[float, int | None, float | None, bool | None]
+    runs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass
