@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from cli_helpers import run_cli
 
 
@@ -78,6 +79,7 @@ def test_readme_setup_names_everything_it_installs():
     assert "`transformers`" in words
 
 
+@pytest.mark.slow
 def test_transformers_example_help_has_no_rst_marks():
     import subprocess
     import sys

@@ -40,6 +40,7 @@ def test_the_real_pages_show_the_readme_demo_and_the_plugin_page_commands(script
     assert any(where.startswith(script.PLUGIN_PAGE) for where in commands.values())
 
 
+@pytest.mark.slow
 def test_the_plugin_page_commands_run_with_its_backend_installed(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--skip",
                            "^kvcore (demo|warmup|bench|tune|layout|select --explain --(head|pl"

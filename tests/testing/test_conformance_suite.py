@@ -201,6 +201,7 @@ def test_plugin_adds_no_tests_without_the_option(pytester):
     recorder.assertoutcome(passed=1)
 
 
+@pytest.mark.slow
 def test_fixtures_skip_without_the_option_and_parametrise_with_it(pytester):
     pytester.makepyfile(test_vendor=(
         "def test_name(kvcore_backend):\n"

@@ -50,6 +50,7 @@ def test_its_hook_registers_it_and_the_selector_picks_it(fresh_kvcore, acme_dir,
     assert capsys.readouterr().out == "ACME_ATTN\n"
 
 
+@pytest.mark.slow
 def test_it_passes_the_conformance_suite(pytester, acme_dir):
     pytester.syspathinsert(acme_dir)
     recorder = pytester.inline_run("--kvcore-backend", "acme_kvcore:AcmeBackend",

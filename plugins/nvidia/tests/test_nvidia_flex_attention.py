@@ -309,6 +309,7 @@ def _aot_eager_with_cuda_lowering_guards(gm: torch.fx.GraphModule, example_input
     return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(),
                     reason="torch.compile is not supported on this Python")
 def test_compiled_flex_compiles_a_bounded_number_of_graphs_over_varying_shapes():
