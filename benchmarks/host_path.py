@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 #: Compiles the stand-in made and launches its kernels received, by kernel name.
 COUNTS: dict[str, int] = {"compiles": 0, "launches": 0}
@@ -211,17 +212,34 @@ class Step:
         return best
 
 
+class _CompiledModule:
+    """A FlashInfer wrapper's compiled module: its ``paged_run`` launches nothing (counted)."""
+
+    def paged_run(self, *args: object) -> None:
+        COUNTS["launches"] += 1
+
+
 class _FlashInferWrapper:
-    """FlashInfer's paged prefill and decode wrappers, planning and running nothing."""
+    """FlashInfer's paged prefill and decode wrappers, planning and running nothing, shaped
+    like FlashInfer's: ``plan`` makes a new ``_plan_info``, ``run`` unpacks the cache and
+    builds its compiled module's argument list (about forty entries) before the call."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        return
+        self._cached_module = _CompiledModule()
+        self._plan_info: list[int] = []
 
     def plan(self, *args: object, **kwargs: object) -> None:
-        return
+        self._plan_info = [0] * 8
 
-    def run(self, q: object, paged_kv_cache: object, out: object = None) -> object:
-        COUNTS["launches"] += 1
+    def run(self, q: Any, paged_kv_cache: tuple, *, out: object = None,
+            k_scale: float | None = None, v_scale: float | None = None) -> object:
+        k_cache, v_cache = paged_kv_cache
+        sm_scale = q.shape[-1] ** -0.5 * (1.0 if k_scale is None else k_scale)
+        self._cached_module.paged_run(
+            None, None, self._plan_info, q, k_cache, v_cache, None, None, None, None, out,
+            None, 0, 0, -1, False, *([None] * 6), 0.0, sm_scale, None, None, None, 1.0, 1e4,
+            0, 0, q.shape[1], k_cache.shape[2], None, None, k_cache.shape[1], None, 0,
+            None, None, None, None, None, None, None, True)
         return out
 
 

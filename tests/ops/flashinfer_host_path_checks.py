@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
-from host_path import Layer, fake_flashinfer, fake_gpu  # noqa: E402
+from host_path import Layer, _FlashInferWrapper, fake_flashinfer, fake_gpu  # noqa: E402
 from host_path_checks import Dispatched, allocations  # noqa: E402
 from kvcore_nvidia.backends import common, flashinfer  # noqa: E402
 
@@ -61,6 +61,7 @@ def main() -> None:
         counting(common, "validate_paged_attention", counted)  # the layer's full check
         counting(triton_cache, "_write_key", counted)  # the write's full signature
         counting(flashinfer.FlashInferImpl, "_checked_attend", counted)
+        counting(_FlashInferWrapper, "run", counted)  # FlashInfer's argument work
         # Steady state: the impl hands back the cache views it made, the write finds its
         # checks by them, attend takes the short path: no torch op dispatched.
         result["steady"] = rounds(layer, 100, counted)

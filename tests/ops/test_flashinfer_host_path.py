@@ -1,8 +1,9 @@
 """FLASHINFER's layer call holds its host-path promises (on the CPU: Triton's real launch path
 for the cache write with a stand-in driver and stand-in FlashInfer wrappers, in a process of
 its own, see ``flashinfer_host_path_checks.py``): once a layer's cache passed the full checks,
-its calls split no cache, build no full signature, repeat no full check and dispatch no torch
-op; a new or changed cache is checked in full again; nothing is allocated."""
+its calls split no cache, build no full signature, repeat no full check, leave FlashInfer's
+``run`` (its argument work) to the plan's recorded call and dispatch no torch op; a new or
+changed cache is checked in full again; nothing is allocated."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("flashinfer_host_path_checks.py")
 pytest.importorskip("kvcore_nvidia")
-NONE = {"validate_paged_attention": 0, "_write_key": 0, "_checked_attend": 0}
+#: Counted calls: the layer's full check, the write's full signature, the attention's full
+#: checks and FlashInfer's ``run`` (its argument work; a recorded run calls the compiled
+#: module straight).
+NONE = {"validate_paged_attention": 0, "_write_key": 0, "_checked_attend": 0, "run": 0}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def test_a_layer_call_splits_nothing_checks_nothing_again_and_dispatches_no_op(f
 def test_a_new_or_changed_cache_is_checked_in_full_once(found):
     # A new cache object: split once, the write's signature built for its new checks (a
     # look-up and the checks' key), the layer's full checks once; then the short path.
-    new = {"validate_paged_attention": 1, "_write_key": 2, "_checked_attend": 1}
+    new = {"validate_paged_attention": 1, "_write_key": 2, "_checked_attend": 1, "run": 1}
     assert found["new_cache"]["counts"] == new
     assert "aten.unbind.int" in found["new_cache"]["ops"]
     # The same object made smaller in place: its blocks are checked against the step again.
