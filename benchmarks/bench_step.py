@@ -637,6 +637,9 @@ def time_host(run: Run, names: list[str], flashinfer: bool) -> None:
             row["step_update_and_forward_us"] = step_host_us(name, b, length)
             run.results["host"].append(row)
             run.log(json.dumps(row))
+            # Where the host time goes (self time): explains the row beside it.
+            run.log(f"cProfile of kvcore {name} write + attention:\n"
+                    + host_profile(both, steps=HOST_CALLS, top=14))
             if name == "FLASHINFER" and flashinfer:
                 calls = flashinfer_direct_layer(model)
                 row = {"impl": "flashinfer direct", "shape": f"{b}x{length}",
@@ -645,6 +648,8 @@ def time_host(run: Run, names: list[str], flashinfer: bool) -> None:
                        "attend_gpu_us": device_us(calls["attend"])}
                 run.results["host"].append(row)
                 run.log(json.dumps(row))
+                run.log("cProfile of flashinfer direct write + attention:\n"
+                        + host_profile(calls["write + attend"], steps=HOST_CALLS, top=14))
 
 
 def step_host_us(name: str, b: int, length: int) -> float:
