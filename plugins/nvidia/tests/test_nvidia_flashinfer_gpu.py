@@ -226,6 +226,22 @@ def _fp8_cache(gen: torch.Generator, kv: str) -> torch.Tensor:
                          kv_cache_dtype=kv).layers[0]
 
 
+def _impl_and_builder(kv_cache_dtype: str) -> tuple[kvcore.AttentionImpl,
+                                                    kvcore.AttentionMetadataBuilder]:
+    """A layer and a builder of the test's shapes with bf16 queries on a
+    ``kv_cache_dtype`` cache."""
+    impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
+                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS,
+                                            kv_cache_dtype=kv_cache_dtype)
+    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                    kv_cache_dtype=kv_cache_dtype)
+    builder = FlashInferBackend.get_builder_cls()(
+        spec, num_heads=HEADS, max_num_seqs=64, max_num_batched_tokens=2048,
+        max_model_len=8192, device="cuda")
+    return impl, builder
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="fp8 caches need capability >= 8.9 (kvcore's Triton cache write)")
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
@@ -238,15 +254,7 @@ def test_an_fp8_cache_matches_float64_reference_eager_and_replayed(shape, kv):
     kv_cache = _fp8_cache(gen, kv)
     layer = kvcore.LayerScales(k_scale=torch.tensor(0.5, device="cuda"),
                                v_scale=torch.tensor(2.0, device="cuda"))
-    impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
-                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS,
-                                            kv_cache_dtype=kv)
-    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
-                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                                    kv_cache_dtype=kv)
-    builder = FlashInferBackend.get_builder_cls()(
-        spec, num_heads=HEADS, max_num_seqs=64, max_num_batched_tokens=2048,
-        max_model_len=8192, device="cuda")
+    impl, builder = _impl_and_builder(kv)
     batch = mixed_batch(impl, kv_cache, gen, layer=layer, dtype=torch.bfloat16, **SHAPES[shape])
     ref = reference(impl, batch, kv_cache, layer)
     out = torch.full_like(batch.query, float("nan"))
@@ -282,15 +290,7 @@ def test_recorded_runs_equal_flashinfer_run_bit_for_bit(shape, scales):
     kv = "auto" if scales is None else "fp8_e4m3"
     caches = [_cache(gen) if scales is None else _fp8_cache(gen, kv) for _ in range(2)]
     layer = kvcore.LayerScales() if scales is None else kvcore.LayerScales(*scales)
-    impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=HEAD_SIZE,
-                                            scale=HEAD_SIZE**-0.5, num_kv_heads=KV_HEADS,
-                                            kv_cache_dtype=kv)
-    spec = kvcore.FullAttentionSpec(block_size=BLOCK_SIZE, dtype=torch.bfloat16,
-                                    num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                                    kv_cache_dtype=kv)
-    builder = FlashInferBackend.get_builder_cls()(
-        spec, num_heads=HEADS, max_num_seqs=64, max_num_batched_tokens=2048,
-        max_model_len=8192, device="cuda")
+    impl, builder = _impl_and_builder(kv)
     batch = mixed_batch(impl, caches[0], gen, layer=layer, dtype=torch.bfloat16,
                         **SHAPES[shape])
     impl.do_kv_cache_update(layer, batch.key, batch.value, caches[1], batch.meta.slot_mapping)
