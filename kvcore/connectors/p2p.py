@@ -4,22 +4,33 @@ Two peers pair up (disaggregated prefill and decode, or any two engines): rank 0
 ``TCPStore`` rendezvous at ``host:port``, rank 1 connects to it. Each direction gets process
 groups of its own (a send and a receive never queue behind each other in one communicator,
 the deadlock of two NCCL peers sending at once): message headers go over gloo, block bytes
-over NCCL when the cache is on a CUDA device and over gloo otherwise.
+over the data path both hellos agree on (:attr:`P2PConnector.transport`, from each side's
+``data_backend``, :func:`~kvcore.connectors.p2p_ipc.agree_data_backend`):
+
+``"nccl"`` (CUDA caches on two GPUs), ``"gloo"`` (CPU caches, or CUDA caches staged through
+host memory), or ``"ipc"`` (one host, :mod:`kvcore.connectors.p2p_ipc`: messages wait in
+staging slots of the sender's that the receiver maps, CUDA IPC or ``/dev/shm``, and gives
+back on a gloo channel of its own; ``"auto"``'s choice for CUDA caches on one GPU, where NCCL
+refuses two ranks).
 
 Every message is an int64 pair (header bytes, payload bytes), a JSON header, then the
 payload. Both sizes are checked against limits *before* anything is allocated.
 
 - ``hello``, at :meth:`~P2PConnector.register_kv_caches`: the layout
-  (:meth:`kvcore.KVCacheLayout.to_dict`), dtype, block size and tensor-parallel ``(degree,
-  rank)``. Each side plans the conversion of the other's blocks into its own cache
-  (:func:`~kvcore.connectors.plan_conversion`: block size, order, cross-layer, head slices)
-  and refuses what cannot convert (MLA against K/V, another dtype, block sizes of which
-  neither divides the other, head counts no TP split explains) with a
-  :class:`kvcore.LayoutMismatchError` naming both sides and the field, before a single block
-  moves. Blocks travel in the sender's layout; the receiver converts them at :meth:`load` with
-  one gather. The agreement holds for the session: a later hello that differs breaks the
-  link and drops the blocks received from that peer.
-- ``blocks``: keys, then the bytes of those blocks ``(n, block_bytes)``.
+  (:meth:`kvcore.KVCacheLayout.to_dict`), dtype, block size, tensor-parallel ``(degree,
+  rank)`` and the data path's facts (``data_backend``, host, GPU). Each side plans the
+  conversion of the other's blocks into its own cache (:func:`~kvcore.connectors.
+  plan_conversion`: block size, order, cross-layer, head slices) and refuses what cannot
+  convert (MLA against K/V, another dtype, block sizes of which neither divides the other,
+  head counts no TP split explains) with a :class:`kvcore.LayoutMismatchError` naming both
+  sides and the field, before a single block moves. Blocks travel in the sender's layout;
+  the receiver converts them at :meth:`load` with one gather. The agreement holds for the
+  session: a later hello that differs breaks the link and drops the blocks received from
+  that peer.
+- ``slots`` (``"ipc"`` only, after the hellos): the handle of the sender's staging slots;
+  registration ends once each side mapped the other's.
+- ``blocks``: keys, then the bytes of those blocks ``(n, block_bytes)`` (``"ipc"``: the slot
+  that holds them).
 - ``bye``: the sender is closing; the receiver answers with its own ``bye``.
 
 :meth:`save` sends blocks to the peer. A background thread receives the peer's blocks into an
@@ -32,16 +43,15 @@ that does not arrive whole within ``timeout_s``, a dead peer or a malformed mess
 link: waiting and later transfers fail at once with the reason, never hang. (gloo closes a
 connection whose receive timed out, so there is no resuming.)
 
-Every wait is bounded: connecting by ``connect_timeout_s``, messages by ``timeout_s``, and
-:meth:`close` by a few ``timeout_s`` even against a frozen peer; close leaves no thread and no
-pending receive behind.
+Every wait is bounded: connecting by ``connect_timeout_s``, messages (and, ``"ipc"``, a free
+staging slot) by ``timeout_s``, and :meth:`close` by a few ``timeout_s`` even against a frozen
+peer; close leaves no thread and no pending receive behind, and frees the staging slots.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -71,7 +81,16 @@ from kvcore.connectors.convert import (
     plan_conversion,
 )
 from kvcore.connectors.keys import check_block_keys
-from kvcore.connectors.p2p_transport import connect_store, wait_bounded
+from kvcore.connectors.p2p_ipc import IpcChannel, agree_data_backend, transport_facts
+from kvcore.connectors.p2p_transport import (
+    IDLE,
+    UNBLOCK_S,
+    connect_groups,
+    connect_store,
+    seconds_option,
+    unblock_receive,
+    wait_bounded,
+)
 
 __all__ = ["P2PConnector"]
 
@@ -80,16 +99,8 @@ logger = logging.getLogger(__name__)
 _MAX_HEADER_BYTES = 8 << 20
 _MAX_KEYS_PER_MESSAGE = 32768  # keeps a header far below _MAX_HEADER_BYTES
 _MAX_PAYLOAD_BYTES = 256 << 20  # per message (or one block if larger): bounds staging memory
-# Waiting for the next message is not a timeout: an idle peer is normal and a dead one
-# closes the connection. (A finite gloo timeout would close an idle link.) gloo waits without
-# an explicit timeout use the group's, which is the connect timeout: every wait passes one.
-_IDLE = timedelta(days=365)
-_MAX_SECONDS = _IDLE.total_seconds()
-_OPS = ("hello", "blocks", "bye")
-# A tag no message uses: a send on it that times out closes the gloo pair, which is how a
-# receive blocked on a frozen peer is woken (gloo has no way to cancel a receive).
-_UNBLOCK_TAG = 1
-_UNBLOCK_S = 0.05
+_OPS = ("hello", "slots", "blocks", "bye")
+_DATA_BACKENDS = ("auto", "gloo", "nccl", "ipc")
 
 
 class _LinkDown(Exception):
@@ -108,18 +119,14 @@ class _Message:
         self.nbytes = data.numel()
 
 
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-
-
-def _seconds(name: str, value: Any) -> float:
-    """A timeout option as float seconds: finite, > 0 and at most 365 days."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and 0 < value <= _MAX_SECONDS):
-        raise ValueError(f"{name}={value!r} must be a positive finite number of seconds, at "
-                         f"most {_MAX_SECONDS:.0f} (365 days)")
-    return float(value)
+def _rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``rows`` (blocks' bytes, 1-D) as one ``(n, row_bytes)`` tensor: a view of their message
+    when they are its consecutive rows (a message loaded whole, in order), else a copy."""
+    base, start, step = rows[0]._base, rows[0].data_ptr(), rows[0].numel()
+    if base is not None and all(r._base is base and r.data_ptr() == start + i * step
+                                for i, r in enumerate(rows)):
+        return rows[0].as_strided((len(rows), step), (step, 1))
+    return torch.stack(rows)
 
 
 def _block_bytes_of(hello: dict[str, Any], default: int) -> int:
@@ -147,8 +154,13 @@ class P2PConnector(KVConnector):
             at most 365 days.
         inbox_bytes: bound on the memory that received blocks not loaded yet hold (see
             :attr:`inbox_held_bytes`), and on one message.
-        data_backend: ``"auto"`` (NCCL for CUDA caches, gloo otherwise), ``"gloo"`` (CUDA
-            caches are staged through host memory) or ``"nccl"``.
+        data_backend: how block bytes travel (both peers agree at registration:
+            :attr:`transport`). ``"auto"``: NCCL for CUDA caches (``"ipc"`` on one GPU of one
+            host), gloo for CPU caches; a peer's explicit choice wins. ``"gloo"`` (CUDA caches
+            staged through host memory), ``"nccl"`` (CUDA caches on two GPUs) or ``"ipc"``
+            (one host: 2 staging slots of one message each, up to 256 MiB, that the sender
+            owns and the peer maps: CUDA IPC on the cache's GPU, which the peer must see, or
+            ``/dev/shm`` for CPU caches; peers on another host are refused).
         failure_policy: ``"recompute"`` or ``"fail"`` (see :data:`FAILURE_POLICIES`).
         tp: this engine's tensor-parallel ``(degree, rank)`` (or a
             :class:`~kvcore.connectors.TPRank`; default TP 1), sent in the hello.
@@ -188,11 +200,13 @@ class P2PConnector(KVConnector):
             raise ValueError(f"port={port!r} must be an int in 0..65535")
         if rank == 1 and port == 0:
             raise ValueError("port=0 on rank 1: pass the port rank 0 listens on")
-        connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
-        timeout_s = _seconds("timeout_s", timeout_s)
-        _positive("inbox_bytes", inbox_bytes)
-        if data_backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"data_backend={data_backend!r} must be 'auto', 'gloo' or 'nccl'")
+        connect_timeout_s = seconds_option("connect_timeout_s", connect_timeout_s)
+        timeout_s = seconds_option("timeout_s", timeout_s)
+        if isinstance(inbox_bytes, bool) or not isinstance(inbox_bytes, int) or inbox_bytes <= 0:
+            raise ValueError(f"inbox_bytes={inbox_bytes!r} must be a positive int")
+        if data_backend not in _DATA_BACKENDS:
+            raise ValueError(f"data_backend={data_backend!r} must be one of "
+                             f"{', '.join(map(repr, _DATA_BACKENDS))}")
         tp = as_tp_rank(tp)
         if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(
                 num_kv_heads, int) or num_kv_heads < 1):
@@ -230,6 +244,11 @@ class P2PConnector(KVConnector):
         self._inbox: OrderedDict[str, tuple[_Message, int]] = OrderedDict()
         self._inbox_held = 0
         self._receiver: threading.Thread | None = None
+        #: The data path agreed with the peer at registration: ``"gloo"``, ``"nccl"`` or
+        #: ``"ipc"`` (``None`` before).
+        self.transport: str | None = None
+        self._transport_error: str | None = None
+        self._ipc: IpcChannel | None = None  # the staging slots, once transport is "ipc"
 
     # -- connection -------------------------------------------------------------------------
 
@@ -242,47 +261,33 @@ class P2PConnector(KVConnector):
             raise ValueError(f"inbox_bytes={self.inbox_bytes} holds no block: a block of this "
                              f"cache is {self._block_bytes} bytes")
         device = kv.storage.device
-        backend = self._data_backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl" and device.type != "cuda":
+        requested = self._data_backend
+        if requested == "nccl" and device.type != "cuda":
             raise ValueError(f"data_backend='nccl' needs a CUDA cache, this one is on {device}")
-        self._wire_device = device if backend == "nccl" else torch.device("cpu")
+        self._cache_device, self._num_blocks = device, kv.num_blocks
+        self._facts = transport_facts(requested, device)
+        self._wire_device = torch.device("cpu")  # NCCL's (the cache's) once the hellos agree
         deadline = time.monotonic() + self.connect_timeout_s
-        self._connect(backend, device, deadline)
+        # NCCL groups only connect on first use: made now, used if the hellos pick NCCL.
+        nccl = requested == "nccl" or (requested == "auto" and device.type == "cuda")
+        try:
+            groups = connect_groups(self._store, self.rank, device if nccl else None, deadline)
+        except Exception as exc:
+            raise ConnectionError(
+                f"p2p rank {self.rank}: peer rank {self.peer} did not join through "
+                f"{self.host}:{self.port} within connect_timeout_s={self.connect_timeout_s} "
+                f"(waited for it to register its KV caches): {exc}") from exc
+        # Blocks go over the control groups (gloo) until the hellos agree on another path.
+        self._tx_ctrl = self._tx_data = groups[f"ctrl{self.rank}"]
+        self._rx_ctrl = self._rx_data = groups[f"ctrl{self.peer}"]
+        self._acks = groups[f"ack{self.peer}"], groups[f"ack{self.rank}"]  # (tx, rx)
+        self._nccl = (groups[f"nccl{self.rank}"], groups[f"nccl{self.peer}"]) if nccl else None
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="kvcore-p2p-send")
         self._loader = ThreadPoolExecutor(4, thread_name_prefix="kvcore-p2p-load")
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
                                           name=f"kvcore-p2p-recv-{self.rank}")
         self._receiver.start()
         self._handshake(deadline)
-
-    def _connect(self, backend: str, device: torch.device, deadline: float) -> None:
-        groups: dict[str, Any] = {}
-        try:
-            # Same creation order on both sides: each group is a rendezvous, which waits for
-            # the peer at most until the deadline.
-            for src in (0, 1):
-                name = f"kvcore-p2p/{src}to{1 - src}"
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("no time left")
-                groups[f"ctrl{src}"] = dist.ProcessGroupGloo(
-                    dist.PrefixStore(f"{name}/gloo", self._store), self.rank, 2,
-                    timedelta(seconds=left))
-                if backend == "nccl":
-                    with torch.cuda.device(device):
-                        groups[f"data{src}"] = dist.ProcessGroupNCCL(
-                            dist.PrefixStore(f"{name}/nccl", self._store), self.rank, 2)
-                else:
-                    groups[f"data{src}"] = groups[f"ctrl{src}"]
-        except Exception as exc:
-            raise ConnectionError(
-                f"p2p rank {self.rank}: peer rank {self.peer} did not join through "
-                f"{self.host}:{self.port} within connect_timeout_s={self.connect_timeout_s} "
-                f"(waited for it to register its KV caches): {exc}") from exc
-        self._tx_ctrl, self._tx_data = groups[f"ctrl{self.rank}"], groups[f"data{self.rank}"]
-        self._rx_ctrl, self._rx_data = groups[f"ctrl{self.peer}"], groups[f"data{self.peer}"]
 
     def _hello(self) -> dict[str, Any]:
         layout = self._layout
@@ -294,13 +299,14 @@ class P2PConnector(KVConnector):
             "inbox_bytes": self.inbox_bytes,
             "tp": [self.tp.degree, self.tp.rank],
             "num_kv_heads": self.num_kv_heads,
+            "transport": self._facts,
         }
 
     def _handshake(self, deadline: float) -> None:
         """Exchange hellos; refuse a peer whose cache differs from ours."""
         try:
             self._send_message(self._hello(), None,
-                               timeout=max(deadline - time.monotonic(), _UNBLOCK_S))
+                               timeout=max(deadline - time.monotonic(), UNBLOCK_S))
             with self._cond:
                 self._cond.wait_for(lambda: self._peer_hello is not None or not self._link_ok,
                                     timeout=max(deadline - time.monotonic(), 0.0))
@@ -311,9 +317,52 @@ class P2PConnector(KVConnector):
                                       f"{self.connect_timeout_s}" +
                                       (f" ({failure})" if failure else ""))
             self._blocks_per_message = self._check_peer(hello)
+            if self._transport_error is not None:  # (both set with _peer_hello, see _agree)
+                raise ValueError(f"p2p rank {self.rank}: {self._transport_error}")
+            with self._send_lock:
+                if self.transport == "nccl":
+                    self._tx_data = self._nccl[0]
+                self._nccl = None  # (unused NCCL groups never connected)
+            if self.transport == "ipc":
+                self._share_slots(deadline)
         except BaseException:
             self._shutdown_link()
             raise
+
+    def _agree(self, hello: dict[str, Any]) -> None:
+        """Pick the data path from the hellos (on the receiving thread, under ``_cond``, before
+        the peer's next message); :meth:`_handshake` refuses the peer if there is none."""
+        try:
+            transport = agree_data_backend(self._facts, hello.get("transport"),
+                                           f"local rank {self.rank}", f"remote rank {self.peer}")
+        except ValueError as exc:
+            self._transport_error = str(exc)
+            return
+        self.transport = transport
+        if transport == "nccl":
+            self._rx_data, self._wire_device = self._nccl[1], self._cache_device
+        elif transport == "ipc":
+            self._ipc = IpcChannel(
+                rank=self.rank, peer=self.peer, device=self._cache_device,
+                timeout_s=self.timeout_s, ack_tx=self._acks[0], ack_rx=self._acks[1],
+                cond=self._cond, failure=lambda: self._failure, fail=self._fail_link)
+        self._acks = None  # (the channel's now, or unused)
+
+    def _share_slots(self, deadline: float) -> None:
+        """ipc: make this side's staging slots, send their handle, and wait until each side
+        mapped the other's."""
+        handle = self._ipc.share(self._blocks_per_message * self._block_bytes)
+        self._send_message({"op": "slots", "slots": handle}, None,
+                           timeout=max(deadline - time.monotonic(), UNBLOCK_S))
+        with self._cond:
+            self._cond.wait_for(lambda: self._failure is not None or self._ipc.ready,
+                                timeout=max(deadline - time.monotonic(), 0.0))
+            failure, ready = self._failure, self._ipc.ready
+        if failure is not None or not ready:
+            raise ConnectionError(f"p2p rank {self.rank}: data_backend='ipc': the staging slots "
+                                  "were not mapped on both sides within connect_timeout_s="
+                                  f"{self.connect_timeout_s}" +
+                                  (f" ({failure})" if failure else ""))
 
     def _check_peer(self, hello: dict[str, Any]) -> int:
         """Raise unless the peer's hello matches our cache; return how many blocks one
@@ -334,7 +383,12 @@ class P2PConnector(KVConnector):
         if not isinstance(peer_inbox, int) or peer_inbox < self._block_bytes:
             raise ValueError(f"{names[1]} has inbox_bytes={peer_inbox!r}, less than one block "
                              f"({self._block_bytes} bytes); raise inbox_bytes there")
-        return min(self._payload_limit(peer_inbox) // self._block_bytes, _MAX_KEYS_PER_MESSAGE)
+        per_message = min(self._payload_limit(peer_inbox) // self._block_bytes,
+                          _MAX_KEYS_PER_MESSAGE)
+        with self._cond:
+            ipc = self.transport == "ipc"
+        # ipc: a slot holds one message, and one of more blocks than the cache has is no use.
+        return min(per_message, self._num_blocks) if ipc else per_message
 
     def _plan_from(self, theirs: KVCacheLayout, hello: dict[str, Any]
                    ) -> ConversionPlan | None:
@@ -370,6 +424,8 @@ class P2PConnector(KVConnector):
             if self._failure is None:
                 self._failure = reason
             self._cond.notify_all()
+        if self._ipc is not None:  # a send waiting for a slot fails now
+            self._ipc.wake()
         logger.warning("p2p rank %d: link to peer rank %d is down: %s", self.rank, self.peer,
                        reason)
         with self._send_lock:  # (reentrant: a failing send calls this while holding it)
@@ -378,11 +434,13 @@ class P2PConnector(KVConnector):
             self._tx_ctrl = self._tx_data = None
 
     def _send_message(self, header: dict[str, Any], payload: torch.Tensor | None,
-                      timeout: float | None = None) -> None:
-        """Send one message; on any error the link is down and the error re-raised."""
+                      timeout: float | None = None, nbytes: int = 0) -> None:
+        """Send one message (``nbytes``: the payload's size when it waits in a staging slot);
+        on any error the link is down and the error re-raised."""
         wait = timedelta(seconds=timeout or self.timeout_s)
         raw = json.dumps(header).encode()
-        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        if payload is not None:
+            nbytes = payload.numel() * payload.element_size()
         with self._send_lock:
             with self._cond:
                 if not self._link_ok:
@@ -407,7 +465,7 @@ class P2PConnector(KVConnector):
     def _recv_message(self) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Receive one message, validating sizes before allocating; raises on any fault."""
         sizes = torch.empty(2, dtype=torch.int64)
-        self._rx_ctrl.recv([sizes], self.peer, 0).wait(_IDLE)  # idle wait, see _IDLE
+        self._rx_ctrl.recv([sizes], self.peer, 0).wait(IDLE)  # idle wait, see IDLE
         header_len, payload_len = sizes.tolist()
         if not 0 < header_len <= _MAX_HEADER_BYTES:
             raise _LinkDown(f"peer announced a {header_len}-byte header (limit "
@@ -438,6 +496,10 @@ class P2PConnector(KVConnector):
                             f"expected {expected}")
         if not payload_len:
             return header, None
+        if self.transport in (None, "ipc"):  # (set by this thread, at the hello)
+            if self._ipc is None:
+                raise _LinkDown("peer sent blocks before agreeing on a data path")
+            return header, self._ipc.take(header.get("slot"), len(keys), self._peer_block_bytes)
         payload = torch.empty((len(keys), self._peer_block_bytes), dtype=torch.uint8,
                               device=self._wire_device)
         work = self._rx_data.recv([payload], self.peer, 0)
@@ -455,6 +517,8 @@ class P2PConnector(KVConnector):
             self._receive_messages()
         finally:  # nothing receives any more: release the groups (closing connections)
             self._rx_ctrl = self._rx_data = None
+            if self._ipc is not None:
+                self._ipc.stopped_receiving()
 
     def _receive_messages(self) -> None:
         while True:
@@ -470,9 +534,19 @@ class P2PConnector(KVConnector):
                     if first is None:  # checked by _handshake, on the registering thread
                         self._peer_block_bytes = _block_bytes_of(header, self._block_bytes)
                         self._peer_hello = header
+                        self._agree(header)
                         self._cond.notify_all()
                 if first is not None and header != first:
                     self._refuse_hello(header)
+                    return
+            elif op == "slots":
+                try:
+                    if self._ipc is None:
+                        raise ConnectionError(f"peer sent staging slots, the data path is "
+                                              f"{self.transport!r}")
+                    self._ipc.map_peer(header.get("slots"))
+                except ConnectionError as exc:
+                    self._fail_link(str(exc))
                     return
             elif op == "blocks":
                 self._store_blocks(header["keys"], payload)
@@ -481,6 +555,8 @@ class P2PConnector(KVConnector):
                     if self._failure is None:
                         self._failure = f"peer rank {self.peer} closed the connection"
                     self._cond.notify_all()
+                if self._ipc is not None:  # a send waiting for a slot fails now
+                    self._ipc.wake()
                 self._send_bye()
                 return
 
@@ -575,6 +651,8 @@ class P2PConnector(KVConnector):
             if self._failure is None:
                 self._failure = "the connector is closed"
             self._cond.notify_all()
+        if self._ipc is not None:  # a send waiting for a slot fails now
+            self._ipc.wake()
         answer_expected = self._send_bye()
         receiver = self._receiver
         if receiver is None:
@@ -584,24 +662,11 @@ class P2PConnector(KVConnector):
             # No bye came back: the peer is frozen, or the link broke one way only. The
             # receiver may wait forever on it, and a gloo receive left waiting at exit aborts
             # the process: end the wait.
-            self._unblock_receiver()
+            unblock_receive(self._rx_ctrl, self.peer)
             receiver.join(self.timeout_s)
         if receiver.is_alive():
             logger.warning("p2p rank %d: the receiver thread did not stop within timeout_s=%s "
                            "after close", self.rank, self.timeout_s)
-
-    def _unblock_receiver(self) -> None:
-        """End a receive from the peer that would wait forever: a send on a tag the peer never
-        receives times out at once, and gloo then closes the connection, failing the receive
-        too."""
-        group = self._rx_ctrl
-        if group is None:
-            return
-        try:
-            group.send([torch.zeros(1, dtype=torch.uint8)], self.peer,
-                       _UNBLOCK_TAG).wait(timedelta(seconds=_UNBLOCK_S))
-        except Exception:
-            pass  # the expected outcome: the timeout closed the connection
 
     # -- transfers --------------------------------------------------------------------------
 
@@ -639,8 +704,12 @@ class P2PConnector(KVConnector):
                 failure = self._failure
             if failure is None:
                 try:
-                    data = self._read_blocks(ids).to(self._wire_device)
-                    self._send_message({"op": "blocks", "keys": keys[i:i + step]}, data)
+                    header = {"op": "blocks", "keys": keys[i:i + step]}
+                    if self._ipc is not None:
+                        self._send_in_slot(header, ids)
+                    else:
+                        data = self._read_blocks(ids).to(self._wire_device)
+                        self._send_message(header, data)
                     sent.extend(ids)
                     continue
                 except _LinkDown as exc:
@@ -649,6 +718,15 @@ class P2PConnector(KVConnector):
         result = self._result("save", sent, failed, len(sent) * self._block_bytes,
                               time.perf_counter() - started)
         return self._record(result)
+
+    def _send_in_slot(self, header: dict[str, Any], block_ids: list[int]) -> None:
+        """ipc: wait for a free slot (outside the send lock: the peer's acknowledgements never
+        wait behind it), copy the blocks there, and send the header naming it."""
+        try:
+            index, nbytes = self._ipc.put(self._reg.views, block_ids)
+        except ConnectionError as exc:
+            raise _LinkDown(str(exc)) from None
+        self._send_message({**header, "slot": index}, None, nbytes=nbytes)
 
     def _take_blocks(self, keys: list[str], block_ids: list[int]) -> TransferResult:
         started = time.perf_counter()
@@ -664,7 +742,7 @@ class P2PConnector(KVConnector):
         loaded = [b for k, b in zip(keys, block_ids, strict=True) if k in rows]
         failed = {b: reason for k, b in zip(keys, block_ids, strict=True) if k not in rows}
         if loaded:
-            data = torch.stack([rows[k] for k in keys if k in rows])
+            data = _rows([rows[k] for k in keys if k in rows])
             self._write_blocks(loaded, data, f"p2p load from rank {self.peer}")
             storage = self._reg.kv_caches.storage
             if storage.is_cuda:  # written on this worker thread's stream
@@ -684,7 +762,7 @@ class P2PConnector(KVConnector):
         failed: dict[int, str] = {}
         nbytes = 0
         if present:
-            data = torch.stack([rows[k] for k in present])  # (n, peer block bytes), contiguous
+            data = _rows([rows[k] for k in present])  # (n, peer block bytes), contiguous
             storage = self._reg.kv_caches.storage
             loaded, missing, nbytes = self.plan.apply_keys(
                 data, self._reg.kv_caches, [slot.get(k, 0) for k in keys], block_ids,
@@ -703,8 +781,11 @@ class P2PConnector(KVConnector):
             self._sender.shutdown(wait=True)  # queued saves leave before the bye
             self._shutdown_link()
             self._loader.shutdown(wait=True)
+            if self._ipc is not None:  # the peer closes the channel at the bye, if it can
+                self._ipc.stop(0.0 if self._receiver.is_alive() else self.timeout_s)
+                self._ipc.close()
             with self._send_lock:
-                self._tx_ctrl = self._tx_data = None
+                self._tx_ctrl = self._tx_data = self._nccl = self._acks = None
         with self._cond:
             self._inbox.clear()
             self._inbox_held = 0

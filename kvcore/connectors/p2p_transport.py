@@ -1,11 +1,13 @@
 """The ``torch.distributed`` plumbing of the ``p2p`` connector (:mod:`kvcore.connectors.p2p`):
-rank 1's client of rank 0's rendezvous, connected within a hard deadline, and the bounded wait
-on a transfer of a data group.
+rank 1's client of rank 0's rendezvous, connected within a hard deadline, the process groups
+of a pair, the bounded wait on a transfer of a data group, and the end of a receive that
+would wait forever.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -13,15 +15,75 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["connect_store", "wait_bounded"]
+__all__ = ["IDLE", "connect_groups", "connect_store", "seconds_option", "unblock_receive",
+           "wait_bounded"]
 
 # The connector's logger: what goes wrong here is the connector's to report.
 logger = logging.getLogger("kvcore.connectors.p2p")
 
 #: How often a bounded wait on a data-group transfer polls for completion.
 _POLL_S = 1e-3
+#: Waiting for the next message is not a timeout: an idle peer is normal and a dead one
+#: closes the connection. (A finite gloo timeout would close an idle link.) gloo waits
+#: without an explicit timeout use the group's, which is the connect timeout: every wait
+#: passes one.
+IDLE = timedelta(days=365)
+#: A tag no message uses: a send on it that times out closes the gloo pair, which is how a
+#: receive blocked on a frozen peer is woken (gloo has no way to cancel a receive).
+_UNBLOCK_TAG = 1
+UNBLOCK_S = 0.05
+
+
+def seconds_option(name: str, value: Any) -> float:
+    """A timeout option as float seconds: finite, > 0 and at most 365 days (:data:`IDLE`)."""
+    most = IDLE.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 < value <= most):
+        raise ValueError(f"{name}={value!r} must be a positive finite number of seconds, at "
+                         f"most {most:.0f} (365 days)")
+    return float(value)
+
+
+def connect_groups(store: dist.Store, rank: int, nccl: torch.device | None,
+                   deadline: float) -> dict[str, Any]:
+    """The process groups of a pair, per direction ``src`` (rank ``src`` sends):
+    ``ctrl{src}`` (gloo: headers, and gloo's block bytes), ``ack{src}`` (gloo: the receiver
+    gives ``src``'s ipc staging slots back on it, so that no acknowledgement waits behind a
+    message) and, when ``nccl`` names a CUDA device, ``nccl{src}`` (NCCL groups connect on
+    first use: unused ones cost nothing). Same order on both sides: each gloo group is a
+    rendezvous, which waits for the peer at most until ``deadline`` (``time.monotonic()``);
+    ``TimeoutError`` past it."""
+    groups: dict[str, Any] = {}
+    for src in (0, 1):
+        name = f"kvcore-p2p/{src}to{1 - src}"
+        for kind in ("ctrl", "ack"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no time left")
+            prefix = f"{name}/gloo" if kind == "ctrl" else f"{name}/ack"
+            groups[f"{kind}{src}"] = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix, store), rank, 2, timedelta(seconds=left))
+        if nccl is not None:
+            with torch.cuda.device(nccl):
+                groups[f"nccl{src}"] = dist.ProcessGroupNCCL(
+                    dist.PrefixStore(f"{name}/nccl", store), rank, 2)
+    return groups
+
+
+def unblock_receive(group: Any, peer: int) -> None:
+    """End a receive on ``group`` from ``peer`` that would wait forever: a send on a tag the
+    peer never receives times out at once, and gloo then closes the connection, failing the
+    receive too."""
+    if group is None:
+        return
+    try:
+        group.send([torch.zeros(1, dtype=torch.uint8)], peer,
+                   _UNBLOCK_TAG).wait(timedelta(seconds=UNBLOCK_S))
+    except Exception:
+        pass  # the expected outcome: the timeout closed the connection
 
 
 def wait_bounded(work: Any, group: Any, timeout_s: float, what: str) -> None:

@@ -1,5 +1,6 @@
-"""Rank 0 of the frozen-peer test, run as ``python p2p_frozen.py SCENARIO``: starts a
-``p2p_peer.py idle`` peer, registers with it, freezes it with SIGSTOP, then
+"""Rank 0 of the frozen-peer test, run as ``python p2p_frozen.py SCENARIO [DATA_BACKEND]``:
+starts a ``p2p_peer.py idle`` peer (both with that ``data_backend``, ``auto`` by default),
+registers with it, freezes it with SIGSTOP, then
 
     send: saves blocks larger than the socket buffers (the send times out), then closes;
     idle: closes (the peer never answers the bye).
@@ -35,14 +36,17 @@ KEPT = []
 
 def main() -> int:
     scenario = sys.argv[1]
+    backend = sys.argv[2] if len(sys.argv) > 2 else "auto"
     kv = make_caches(cross_layer=False, **SIZES)
-    conn = get_connector("p2p", rank=0, timeout_s=TIMEOUT_S, connect_timeout_s=60.0)
+    conn = get_connector("p2p", rank=0, timeout_s=TIMEOUT_S, connect_timeout_s=60.0,
+                         data_backend=backend)
     KEPT.append(conn)
     # Not our stderr: the parent reads our output to its end, which a frozen peer holding it
     # open would delay until the peer is killed.
     peer = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("p2p_peer.py")), "idle", str(conn.port),
-         "1", "nhd", "0", "bf16", "cpu", json.dumps(SIZES)],
+         "1", "nhd", "0", "bf16", "cpu", json.dumps(SIZES),
+         json.dumps({"data_backend": backend})],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     report: dict = {"peer_pid": peer.pid}
     print(json.dumps(report), flush=True)  # the parent can kill the peer whatever happens

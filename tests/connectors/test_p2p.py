@@ -27,6 +27,7 @@ from kv_helpers import DTYPES, SIZES, block_bytes, keys_for, make_caches
 import kvcore
 from kvcore import KVCaches, LayoutMismatchError
 from kvcore.connectors import get_connector
+from kvcore.connectors import p2p as p2p_module
 from kvcore.connectors.p2p import P2PConnector
 
 PEER = Path(__file__).with_name("p2p_peer.py")
@@ -59,11 +60,15 @@ def p2p_threads() -> list[str]:
 
 @contextmanager
 def peer_process(scenario: str, port: int, seed: int, *, layout: str = "nhd",
-                 cross: bool = False, dtype: str = "bf16", device: str = "cpu"
+                 cross: bool = False, dtype: str = "bf16", device: str = "cpu",
+                 sizes: dict | None = None, options: dict | None = None
                  ) -> Iterator[subprocess.Popen]:
+    """``p2p_peer.py`` (rank 1); ``sizes`` replace its cache's, ``options`` go to its
+    connector."""
     proc = subprocess.Popen(
         [sys.executable, str(PEER), scenario, str(port), str(seed), layout,
-         "1" if cross else "0", dtype, device],
+         "1" if cross else "0", dtype, device, json.dumps(sizes or {}),
+         json.dumps(options or {})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc
@@ -107,15 +112,19 @@ def pair(kv0: KVCaches, kv1: KVCaches, *, tp=(None, None), **config
 # -- two processes ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["auto", "ipc"])
 @pytest.mark.parametrize(("cross", "dtype"), [(False, "fp16"), (True, "fp8")],
                          ids=["per_layer-fp16", "cross_layer-fp8"])
-def test_two_processes_exchange_blocks_bit_exact(cross, dtype):
+def test_two_processes_exchange_blocks_bit_exact(cross, dtype, backend):
     seed = random.randrange(2**31)  # the peer's cache is random from this seed
     kv = make_caches(cross_layer=cross, dtype=dtype)
     sent = block_bytes(kv, [2, 9])
-    with get_connector("p2p", rank=0, timeout_s=10.0, connect_timeout_s=30.0) as conn, \
-            peer_process("echo", conn.port, seed, cross=cross, dtype=dtype) as proc:
+    with get_connector("p2p", rank=0, timeout_s=10.0, connect_timeout_s=30.0,
+                       data_backend=backend) as conn, \
+            peer_process("echo", conn.port, seed, cross=cross, dtype=dtype,
+                         options={"data_backend": backend}) as proc:
         conn.register_kv_caches(kv)
+        assert conn.transport == ("gloo" if backend == "auto" else "ipc")
         assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=10).ok
 
         theirs = conn.load(keys_for(seed + 1, 2), [4, 1]).wait(timeout=10)
@@ -146,11 +155,13 @@ def test_two_processes_refuse_mla_vs_kv_naming_both_sides():
     assert "an MLA latent cache and a K/V cache" in out and "local rank 1" in out
 
 
-def test_killed_peer_process_fails_exactly_the_blocks_and_never_hangs():
+@pytest.mark.parametrize("backend", ["auto", "ipc"])
+def test_killed_peer_process_fails_exactly_the_blocks_and_never_hangs(backend):
     kv = make_caches(cross_layer=False)
     keys = keys_for(random.randrange(2**31), 3)
-    with get_connector("p2p", rank=0, timeout_s=1.0, connect_timeout_s=30.0) as conn, \
-            peer_process("idle", conn.port, 2) as proc:
+    with get_connector("p2p", rank=0, timeout_s=1.0, connect_timeout_s=30.0,
+                       data_backend=backend) as conn, \
+            peer_process("idle", conn.port, 2, options={"data_backend": backend}) as proc:
         conn.register_kv_caches(kv)
         assert proc.stdout.readline().strip() == "ok"
 
@@ -175,11 +186,14 @@ def test_killed_peer_process_fails_exactly_the_blocks_and_never_hangs():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["auto", "ipc"])
 @pytest.mark.parametrize("scenario", ["send", "idle"],
                          ids=["after_a_send_timed_out", "bye_unanswered"])
-def test_close_against_a_frozen_peer_is_bounded_and_the_process_exits_cleanly(scenario):
-    proc = subprocess.Popen([sys.executable, str(FROZEN), scenario], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=FROZEN.parent)
+def test_close_against_a_frozen_peer_is_bounded_and_the_process_exits_cleanly(scenario,
+                                                                               backend):
+    proc = subprocess.Popen([sys.executable, str(FROZEN), scenario, backend],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=FROZEN.parent)
     peer_pid = None
     try:
         peer_pid = json.loads(proc.stdout.readline())["peer_pid"]
@@ -523,6 +537,230 @@ def test_bad_config_names_the_option(config, message):
         get_connector("p2p", **config)
 
 
+# -- ipc: block bytes through staging slots both processes map --------------------------------
+
+
+def logical_tokens(kv: KVCaches, block_ids: list[int]) -> torch.Tensor:
+    """``(layers, 2, tokens, heads, dim)`` bytes of the tokens ``block_ids`` hold in order,
+    through the logical views (comparable across block sizes and orders)."""
+    idx = torch.tensor(block_ids, device=kv.storage.device)
+    return torch.stack([layer.index_select(0, idx).transpose(0, 1).flatten(1, 2)
+                        for layer in kv.layers]).contiguous().view(torch.uint8).cpu()
+
+
+def shm_files() -> set[str]:
+    """This process's staging-slot files in /dev/shm."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith(f"kvcore-p2p-{os.getpid()}-")}
+
+
+HND_CROSS = {"layout": "hnd", "cross": True}
+
+
+@pytest.mark.parametrize(("peer", "device", "backend"), [
+    (HND_CROSS, "cpu", "ipc"), ({"layout": "nhd"}, "cpu", "ipc"),
+    pytest.param(HND_CROSS, "cuda:0", "ipc", marks=pytest.mark.gpu),
+    pytest.param(HND_CROSS, "cuda:0", "auto", marks=pytest.mark.gpu)],
+    ids=["4nhd<->16hnd-cross", "4nhd<->16nhd", "one_gpu-ipc", "one_gpu-auto"])
+def test_two_processes_convert_over_ipc_bit_exact(peer, device, backend):
+    """Blocks travel in the sender's layout through the slots; each side converts on load
+    (block 4 <-> 16, NHD <-> HND and per-layer <-> cross-layer). On one GPU, ``"auto"``
+    picks ``"ipc"`` (NCCL refuses two ranks on one device)."""
+    seed = random.randrange(2**31)
+    kv = make_caches(cross_layer=False, device=device)
+    theirs = make_caches(cross_layer=peer.get("cross", False), layout=peer["layout"],
+                         block_size=16, seed=seed)
+    with get_connector("p2p", rank=0, timeout_s=10.0, connect_timeout_s=30.0,
+                       data_backend=backend) as conn, \
+            peer_process("echo", conn.port, seed, sizes={"block_size": 16}, device=device,
+                         options={"data_backend": backend}, **peer) as proc:
+        conn.register_kv_caches(kv)
+        assert conn.transport == "ipc" and conn.plan is not None
+        assert conn.blocks_for_keys(2) == 8
+        sent = logical_tokens(kv, [2, 9])
+        assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=10).ok
+        into = [0, 1, 3, 4, 5, 6, 7, 8]
+        got = conn.load(keys_for(seed + 1, 2), into).wait(timeout=10)
+        assert got.ok, got.failed
+        assert torch.equal(logical_tokens(kv, into), logical_tokens(theirs, [3, 7]))
+        # Our 8 tokens went into the peer's block 0 and came back: its first half.
+        echoed = conn.load(keys_for(seed + 2, 1), [10, 11, 0, 1]).wait(timeout=10)
+        assert echoed.ok, echoed.failed
+        assert torch.equal(logical_tokens(kv, [10, 11]), sent)
+        out, err = proc.communicate(timeout=30)
+        assert (proc.returncode, out.strip()) == (0, "ok"), err
+
+
+def test_a_save_waiting_for_slots_fails_within_the_timeout_when_the_peer_dies():
+    """The peer is frozen: its slots fill and the save waits; killed, the save fails its
+    pending blocks at once (not after timeout_s), and the blocks already handed over count as
+    sent."""
+    kv = make_caches(cross_layer=False)
+    block = kv.num_layers * kv.page_size_bytes
+    keys = keys_for(random.randrange(2**31), 8)
+    with get_connector("p2p", rank=0, timeout_s=5.0, connect_timeout_s=30.0,
+                       data_backend="ipc") as conn, \
+            peer_process("idle", conn.port, 3, options={"data_backend": "ipc",
+                                                        "inbox_bytes": block}) as proc:
+        conn.register_kv_caches(kv)  # one block a message: the peer's inbox holds one
+        assert proc.stdout.readline().strip() == "ok"
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        handle = conn.save(keys, list(range(8)))
+        time.sleep(0.5)
+        proc.kill()
+        result = handle.wait(timeout=20)
+        assert time.monotonic() - start < 4.0  # timeout_s=5.0: the death ended the wait
+    assert len(result.succeeded) + len(result.failed) == 8 and len(result.failed) >= 5
+    assert list(result.succeeded) == list(range(len(result.succeeded)))  # in order
+    assert all("peer rank 1" in why for why in result.failed.values()), result.failed
+    assert shm_files() == set() and p2p_threads() == []
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
+def test_ipc_pair_moves_blocks_bit_exact_and_leaves_nothing_behind(cross, dtype):
+    kv0, kv1 = (make_caches(cross_layer=cross, dtype=dtype) for _ in range(2))
+    keys = keys_for(random.randrange(2**31), 4)
+    with pair(kv0, kv1, data_backend="ipc") as (c0, c1):
+        assert (c0.transport, c1.transport) == ("ipc", "ipc")
+        assert shm_files() == set()  # unlinked once the peer mapped them
+        assert c0.save(keys, [8, 3, 5, 11]).wait(timeout=5).ok
+        assert c1.load(keys, [9, 4, 10, 6]).wait(timeout=5).ok
+        back = c1.save(keys[:2], [9, 4]).wait(timeout=5)  # the other way
+        assert back.ok and c0.load(keys[:2], [0, 1]).wait(timeout=5).ok
+    assert torch.equal(block_bytes(kv1, [9, 4, 10, 6]), block_bytes(kv0, [8, 3, 5, 11]))
+    assert torch.equal(block_bytes(kv0, [0, 1]), block_bytes(kv1, [9, 4]))
+    assert p2p_threads() == []
+
+
+@pytest.mark.parametrize("case", [(4, "nhd", False, 16, "hnd", True),
+                                  (16, "hnd", True, 4, "nhd", False),
+                                  (4, "nhd", True, 4, "interleaved", False)],
+                         ids=["4nhd->16hnd-cross", "16hnd-cross->4nhd", "nhd->interleaved"])
+def test_ipc_receiver_converts_on_load(case):
+    s_bs, s_layout, s_cross, r_bs, r_layout, r_cross = case
+    src = make_caches(layout=s_layout, cross_layer=s_cross, block_size=s_bs)
+    dst = make_caches(layout=r_layout, cross_layer=r_cross, block_size=r_bs)
+    n = 8 if s_bs < r_bs else 2  # 32 tokens either way
+    keys = keys_for(random.randrange(2**31), n, block_size=s_bs)
+    src_ids = list(range(1, n + 1))
+    with pair(src, dst, data_backend="ipc") as (sender, receiver):
+        dst_ids = [11, 2, 7, 5, 0, 9, 3, 1][:receiver.blocks_for_keys(n)]
+        assert sender.save(keys, src_ids).wait(timeout=5).ok
+        result = receiver.load(keys, dst_ids).wait(timeout=5)
+        assert result.ok, result.failed
+    assert torch.equal(logical_tokens(dst, dst_ids), logical_tokens(src, src_ids))
+
+
+@pytest.fixture
+def small_messages(monkeypatch):
+    """Messages of two blocks at most (the payload limit), so a save of many blocks is many
+    messages through the two slots."""
+    block = 3 * 2 * SIZES["block_size"] * SIZES["num_kv_heads"] * SIZES["head_size"] * 2
+    monkeypatch.setattr(p2p_module, "_MAX_PAYLOAD_BYTES", 2 * block)
+    return block
+
+
+def test_more_messages_than_slots_flow_through_them(small_messages):
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 12)
+    with pair(kv0, kv1, data_backend="ipc", inbox_bytes=12 * small_messages) as (c0, c1):
+        assert c0._blocks_per_message == 2 and c0._ipc.pool.count == 2
+        order = [7, 2, 9, 0, 11, 4, 1, 8, 3, 10, 5, 6]
+        assert c0.save(keys, order).wait(timeout=10).ok  # 6 messages, 2 slots
+        assert c1.load(keys, list(range(12))).wait(timeout=10).ok
+        assert sorted(c0._ipc.pool._free) == [0, 1]  # every slot came back
+    assert torch.equal(block_bytes(kv1, list(range(12))), block_bytes(kv0, order))
+
+
+def test_both_peers_sending_at_once_through_full_slots_never_deadlock(small_messages):
+    """Each side's receiver gives the other's slots back while its own sender waits for one:
+    the acknowledgements travel on a channel of their own, never behind a send."""
+    kv0, kv1 = make_caches(cross_layer=False), make_caches(cross_layer=False)
+    with pair(kv0, kv1, data_backend="ipc", inbox_bytes=48 * small_messages) as (c0, c1):
+        ids = list(range(12))
+        for round_ in range(3):
+            keys0, keys1 = (keys_for(random.randrange(2**31), 12) for _ in range(2))
+            box = bounded(lambda k0=keys0, k1=keys1: [h.wait(timeout=20) for h in (
+                c0.save(k0, ids), c1.save(k1, ids[::-1]))], 30)
+            assert "error" not in box and all(r.ok for r in box["value"]), box
+            assert box["seconds"] < 5.0, f"round {round_} took {box['seconds']:.1f} s"
+        sent0, sent1 = block_bytes(kv0, ids), block_bytes(kv1, ids[::-1])
+        assert c1.load(keys0, ids).wait(timeout=5).ok and c0.load(keys1, ids).wait(timeout=5).ok
+    assert torch.equal(block_bytes(kv1, ids), sent0)
+    assert torch.equal(block_bytes(kv0, ids), sent1)
+
+
+def test_slots_never_given_back_fail_the_pending_blocks_within_the_timeout(small_messages):
+    kv0, kv1 = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(random.randrange(2**31), 8)
+    with pair(kv0, kv1, data_backend="ipc", timeout_s=0.5,
+              inbox_bytes=12 * small_messages) as (c0, c1):
+        real = c1._ipc._ack
+        c1._ipc._ack = lambda value: real(value) if value < 0 else None  # a stuck receiver
+        start = time.monotonic()
+        result = c0.save(keys, list(range(8))).wait(timeout=10)
+        assert 0.5 <= time.monotonic() - start < 3.0
+        assert result.succeeded == (0, 1, 2, 3)  # two messages in the two slots
+        assert set(result.failed) == {4, 5, 6, 7}
+        assert "no staging slot came back within timeout_s=0.5" in result.failed[4]
+        assert c1.load(keys[:4], [0, 1, 2, 3]).wait(timeout=5).ok  # those arrived
+        assert set(c0.save(keys[:1], [0]).wait(timeout=5).failed) == {0}  # the link is down
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "patch", "message"),
+    [("ipc", "ipc", {"host": "elsewhere/boot"},
+      r"data_backend='ipc' maps the peer's memory, which needs both processes on one host: "
+      r".*'elsewhere/boot'; pass data_backend='nccl' \(CUDA caches on two GPUs\) or 'gloo'"),
+     ("auto", "ipc", {"host": "elsewhere/boot"}, r"needs both processes on one host"),
+     ("ipc", "gloo", {}, r"data_backend='ipc' on local rank \d but 'gloo' on remote rank \d: "
+                         r"pass the same data_backend to both peers"),
+     ("ipc", "ipc", {"device": "cuda", "gpu": "GPU-0000", "gpus": ["GPU-0000"]},
+      r"the cache of remote rank 1 is on GPU GPU-0000, which local rank 0 does not see")],
+    ids=["another_host", "auto_vs_ipc_on_another_host", "ipc_vs_gloo", "gpu_not_visible"])
+def test_peers_that_cannot_share_a_data_path_are_refused_before_any_byte(
+        monkeypatch, ours, theirs, patch, message):
+    real = p2p_module.transport_facts
+
+    def facts(requested: str, device: torch.device) -> dict:
+        found = real(requested, device)
+        if threading.current_thread().name == "elsewhere":  # rank 1: a peer elsewhere
+            found.update(patch)
+        return found
+
+    monkeypatch.setattr(p2p_module, "transport_facts", facts)
+    c0 = get_connector("p2p", rank=0, data_backend=ours, timeout_s=2.0, connect_timeout_s=10.0)
+    c1 = get_connector("p2p", rank=1, port=c0.port, data_backend=theirs, timeout_s=2.0,
+                       connect_timeout_s=10.0)
+    box: dict = {}
+
+    def register_peer() -> None:
+        try:
+            c1.register_kv_caches(make_caches(cross_layer=False))
+        except BaseException as exc:
+            box["error"] = exc
+
+    peer = threading.Thread(target=register_peer, name="elsewhere")
+    peer.start()
+    try:
+        with pytest.raises(ValueError, match=message):
+            c0.register_kv_caches(make_caches(cross_layer=False))
+        peer.join(30)
+    finally:
+        c1.close()
+        c0.close()
+    assert isinstance(box.get("error"), ValueError), box  # refused on both sides
+    assert str(box["error"]).startswith("p2p rank 1: data_backend=")
+    assert c0._ipc is None and c1._ipc is None
+    assert shm_files() == set() and p2p_threads() == []
+
+
+def test_auto_keeps_gloo_for_cpu_caches():
+    with pair(make_caches(cross_layer=False), make_caches(cross_layer=False)) as (c0, c1):
+        assert (c0.transport, c1.transport) == ("gloo", "gloo") and c0._ipc is None
+
+
 @pytest.mark.gpu
 def test_cuda_caches_over_gloo_are_staged_through_host_memory_bit_exact():
     kv0, kv1 = (kvcore.allocate_kv_caches("CPU_ATTN", **SIZES, dtype=torch.bfloat16,
@@ -582,6 +820,47 @@ def test_killed_peer_on_another_gpu_fails_exactly_the_blocks_and_never_hangs():
         unsent = conn.save(keys, [0, 1, 2]).wait(timeout=30)
         assert set(unsent.failed) == {0, 1, 2} and unsent.succeeded == ()
         assert time.monotonic() - start < 15.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["ipc", "auto"])
+@pytest.mark.parametrize("cross", [False, True], ids=["per_layer", "cross_layer"])
+def test_two_processes_on_one_gpu_exchange_blocks_over_ipc_bit_exact(cross, backend):
+    """Both processes on one GPU: ``"auto"`` picks ``"ipc"``, blocks move through the slots
+    (CUDA IPC) by device copies."""
+    seed = random.randrange(2**31)
+    kv = make_caches(cross_layer=cross, device="cuda:0")
+    sent = block_bytes(kv, [2, 9]).cpu()
+    with get_connector("p2p", rank=0, timeout_s=30.0, connect_timeout_s=60.0,
+                       data_backend=backend) as conn, \
+            peer_process("echo", conn.port, seed, cross=cross, device="cuda:0",
+                         options={"data_backend": backend}) as proc:
+        conn.register_kv_caches(kv)
+        assert conn.transport == "ipc" and conn._ipc.pool.slots.is_cuda
+        assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=30).ok
+        theirs = conn.load(keys_for(seed + 1, 2), [4, 1]).wait(timeout=30)
+        assert theirs.succeeded == (4, 1) and not theirs.failed
+        peer_cache = make_caches(cross_layer=cross, seed=seed)  # same values, on the CPU
+        assert torch.equal(block_bytes(kv, [4, 1]).cpu(), block_bytes(peer_cache, [3, 7]))
+        echoed = conn.load(keys_for(seed + 2, 2), [10, 11]).wait(timeout=30)
+        assert echoed.ok
+        assert torch.equal(block_bytes(kv, [10, 11]).cpu(), sent)
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out.strip()) == (0, "ok"), err
+    assert p2p_threads() == []
+
+
+@pytest.mark.gpu
+def test_an_ipc_pair_in_one_process_on_one_gpu_uses_its_own_slots():
+    """CUDA IPC cannot open a handle in the process that made it: a pair in one process (the
+    tests' ``pair``) reads the sender's slots as they are."""
+    kv0, kv1 = (make_caches(cross_layer=True, device="cuda") for _ in range(2))
+    keys = keys_for(random.randrange(2**31), 3)
+    with pair(kv0, kv1) as (c0, c1):
+        assert (c0.transport, c1.transport) == ("ipc", "ipc")
+        assert c0.save(keys, [1, 2, 3]).wait(timeout=10).ok
+        assert c1.load(keys, [7, 8, 9]).wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv1, [7, 8, 9]), block_bytes(kv0, [1, 2, 3]))
 
 
 # -- NCCL data transfers: bounded by polling, the group aborted past the timeout ---------------
