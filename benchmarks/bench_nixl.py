@@ -23,13 +23,16 @@ transfer is hundreds of runs of one block instead of one run; bit-exactness is t
 block by block (consumer block ``c[i]`` against producer block ``p[i]``, every layer).
 ``--connector mooncake`` measures the ``mooncake`` connector the same way (Mooncake's transfer
 engine, TCP between DRAM caches with the non-cuda wheel). ``--connector p2p`` measures the
-``p2p`` connector instead (torch.distributed: NCCL between
-CUDA caches, gloo otherwise): the producer, rank 0, sends a trial's blocks when the consumer,
-rank 1, writes ``go`` on its stdin; the consumer times from that line to its ``load()``'s
-result (receive, then writing the blocks into its cache).
+``p2p`` connector instead, over ``--p2p-backend`` (default ``auto``: NCCL between CUDA caches
+on two GPUs, ``ipc`` for two processes on one GPU, where NCCL refuses two ranks: staging
+slots both map through CUDA IPC; gloo between CPU caches; ``ipc`` on the CPU moves them
+through ``/dev/shm``): the producer, rank 0, sends a trial's blocks when the consumer, rank 1,
+writes ``go`` on its stdin; the consumer times from that line to its ``load()``'s result
+(receive, then writing the blocks into its cache).
 
 Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if there is
-one)] [--serve-device DEV] [--connector nixl|mooncake|p2p] [--scattered] [--mib N] [--trials N]
+one)] [--serve-device DEV] [--connector nixl|mooncake|p2p] [--p2p-backend auto|gloo|nccl|ipc]
+[--scattered] [--mib N] [--trials N]
 [--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--progress-thread on|off]
 [--phases] [--out DIR]``; JSON goes to
 ``--out`` (default ``$OUT``, else the temp dir) as ``bench_nixl.json``. Set
@@ -61,9 +64,10 @@ overlapping the gather kernel of the previous one, or in turn with ``--staging-b
 ``dst.copy_(src)``. ``--convert-suite`` runs nixl and p2p with the same layout and with
 ``--convert`` (nixl also with one staging buffer), and ``--gather-only``, each in its own
 processes, and prints the table last
-(GB/s, of the device copy, of the same connector's same-layout transfer; written as
-``bench_nixl_convert.json``). One GPU, two processes, 1 GiB:
-``--convert-suite --mib 1024``.
+(GB/s, of the device copy, of the same connector's same-layout transfer, the p2p data path;
+written as ``bench_nixl_convert.json``); ``--only TEXT`` keeps the cases whose label contains
+TEXT. One GPU, two processes, 1 GiB: ``--convert-suite --mib 1024`` (p2p over ``ipc``; its
+cases alone: ``--only p2p``).
 
 ``--phases`` (nixl, mooncake): the consumer also times where each load's wall time goes, per
 load (median over the loads after the first, in ms), through the connector's timing hook:
@@ -264,12 +268,15 @@ def convert_suite(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for label, connector, extra in CONVERT_SUITE:
+        if args.only and args.only not in label:
+            continue
         slug = label.replace(" ", "_").replace(">", "").replace("-", "_")
         cmd = [sys.executable, __file__, "--connector", connector, "--device", args.device,
                "--serve-device", args.serve_device, "--mib", str(args.mib),
                "--layers", str(args.layers), "--block-kib", str(args.block_kib),
                "--trials", str(args.trials), "--out", str(out / slug), *extra]
         cmd += ["--per-layer"] if args.per_layer else []
+        cmd += ["--p2p-backend", args.p2p_backend] if connector == "p2p" else []
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -301,12 +308,12 @@ def convert_suite(args: argparse.Namespace) -> int:
           f"{'per-layer' if args.per_layer else 'cross-layer'}, median of {args.trials - 1} "
           "(first apart); copy = dst.copy_(src) of the same bytes, same run")
     print(f"{'case':24} {'GB/s':>9} {'first':>9} {'copy GB/s':>10} {'of copy':>8} "
-          f"{'of same':>8} {'bit-exact':>9} {'rc':>4}")
+          f"{'of same':>8} {'bit-exact':>9} {'rc':>4}  via")
     for r in records:
         print(f"{r['case']:24} {num(r.get('gbps'), '9.2f')} {num(r.get('first_gbps'), '9.2f')} "
               f"{num(r.get('copy_gbps'), '10.1f')} {num(r.get('fraction_of_copy'), '8.3f')} "
               f"{num(r.get('fraction_of_same_layout'), '8.3f')} {r.get('bit_exact')!s:>9} "
-              f"{r['rc']!s:>4}")
+              f"{r['rc']!s:>4}  {r.get('transport') or ''}")
     return 0 if all(r.get("bit_exact") is True and r["rc"] == 0 for r in records) else 1
 
 
@@ -501,7 +508,8 @@ def serve(args: argparse.Namespace) -> int:
     ids = block_ids(args, kv.num_blocks, "producer")
     if args.connector == "p2p":
         with get_connector("p2p", rank=0, port=0, timeout_s=120.0, connect_timeout_s=120.0,
-                           inbox_bytes=inbox_bytes(kv)) as producer:
+                           inbox_bytes=inbox_bytes(kv),
+                           data_backend=args.p2p_backend) as producer:
             print(f"port {producer.port}", flush=True)
             producer.register_kv_caches(kv)  # waits for the consumer to join
             ok = True
@@ -585,6 +593,10 @@ def main() -> int:
                         help="the producer's device (default: --device), e.g. cuda:0 with "
                              "--device cuda:1")
     parser.add_argument("--connector", choices=("nixl", "mooncake", "p2p"), default="nixl")
+    parser.add_argument("--p2p-backend", choices=("auto", "gloo", "nccl", "ipc"),
+                        default="auto",
+                        help="p2p: both connectors' data_backend (default: %(default)s, ipc "
+                             "for two processes on one GPU, NCCL on two, gloo on the CPU)")
     parser.add_argument("--scattered", action="store_true",
                         help="both sides move their blocks under shuffled block ids")
     parser.add_argument("--mib", type=int, default=256)
@@ -627,6 +639,8 @@ def main() -> int:
     parser.add_argument("--convert-suite", action="store_true",
                         help="nixl and p2p, same layout and --convert, and --gather-only, each "
                              "in its own processes; the table last")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="--convert-suite: only the cases whose label contains TEXT")
     parser.add_argument("--phases", action="store_true",
                         help="nixl, mooncake: time where each load's wall time goes (see the "
                              "module docstring)")
@@ -697,7 +711,8 @@ def main() -> int:
         times = []
         if p2p:
             connector = get_connector("p2p", rank=1, port=port, timeout_s=120.0,
-                                      connect_timeout_s=120.0, inbox_bytes=inbox_bytes(kv))
+                                      connect_timeout_s=120.0, inbox_bytes=inbox_bytes(kv),
+                                      data_backend=args.p2p_backend)
         else:
             connector = get_connector(args.connector, role="consumer", port=port,
                                       timeout_s=CONSUMER_TIMEOUT_S,
@@ -705,6 +720,7 @@ def main() -> int:
                                       **staging_options(args), **transport_options(args))
         with connector as consumer:
             consumer.register_kv_caches(kv)
+            transport = getattr(consumer, "transport", None)  # p2p: the data path agreed
             phases = Phases(consumer) if args.phases else None
             for t in range(args.trials):
                 keys = trial_keys(t, num_keys)
@@ -754,6 +770,7 @@ def main() -> int:
         "scattered": args.scattered, "consumer_runs": count_runs(ids),
         "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
         "converted": args.convert, "progress_thread": args.progress_thread,
+        "transport": transport,
     }
     if args.convert:
         record["layout"] = f"{expected.layout} -> {kv.layout}"
@@ -762,7 +779,7 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
     what = (f"{name} READ" if name in ("nixl", "mooncake") else
-            f"p2p send/receive ({'nccl' if kv.storage.is_cuda else 'gloo'})")
+            f"p2p send/receive ({transport})")
     print(f"{what} between two processes, {record['device']}, layout {record['layout']}, "
           f"{nbytes / 2**20:.0f} MiB in {kv.num_blocks} blocks of "
           f"{record['block_bytes'] / 1024:.0f} KiB")
