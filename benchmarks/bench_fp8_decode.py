@@ -35,8 +35,8 @@ the bytes). Logs and JSON go to ``--out`` (default ``$OUT``, else ``benchmarks/r
 named ``bench_fp8_decode`` (``bench_fp8_decode_<layer>`` for a layer other than the default).
 ``--smoke`` runs tiny shapes on the CPU under ``TRITON_INTERPRET=1`` to check the script.
 
-Usage: ``python benchmarks/bench_fp8_decode.py [--layer llama3-8b|gemma2-sliding] [--out DIR]
-[--budget-s 150] [--compile-workers N] [--precompile-s 70] [--no-flashinfer] [--smoke]``
+Usage: ``python benchmarks/bench_fp8_decode.py [--layer llama3-8b|gemma2-sliding|gpt-oss-full]
+[--out DIR] [--budget-s 150] [--compile-workers N] [--precompile-s 70] [--no-flashinfer] [--smoke]``
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ LAYERS = {
         Candidate(64, 8, 3, -1, 128),
         Candidate(16, 4, 3, -1, 128),
         Candidate(32, 8, 3, -1)), smoke=(4, 2, 256)),
+    # gpt-oss-20B's full layers (sinks left out: they do not change the loop).
+    "gpt-oss-full": Layer("gpt-oss-20B full", 64, 8, 64, None, None, (
+        Candidate(32, 4, 4), Candidate(64, 4, 3), Candidate(64, 8, 3), Candidate(32, 4, 3),
+        Candidate(64, 4, 4), Candidate(64, 4, 3, 8), Candidate(32, 4, 3, 8),
+        Candidate(128, 8, 3), Candidate(128, 4, 3), Candidate(64, 4, 2, 2, 128)),
+        smoke=(8, 2, 64)),
 }
 SMOKE_CANDIDATES = (Candidate(32, 4, 4), Candidate(64, 4, 3, 2, 128))
 

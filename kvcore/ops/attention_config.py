@@ -231,7 +231,8 @@ class DecodeTile:
     configs' fields (:class:`TritonDecodeConfig`). ``fp8_wide``: the tile an fp8 cache takes
     above head size 128 (its ``block_n``, ``num_warps``, ``num_stages``, ``const_block``,
     ``split_block_n``, ``fp8_fp16``, ``max_registers``; the split rule stays this row's);
-    ``None``: this row's tile."""
+    ``None``: this row's tile. ``fp8_narrow``: likewise, the tile an fp8 cache takes at head
+    sizes up to 64."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -244,6 +245,7 @@ class DecodeTile:
     fp8_split_waves: int | None = None
     max_registers: int | None = None
     fp8_wide: DecodeTile | None = None
+    fp8_narrow: DecodeTile | None = None
 
 
 #: ``triton_prefill`` rows: (head sizes up to 128, above 128). Above 128 the tile keeps 64
@@ -292,11 +294,19 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 #: 682.3 us on an H100, no faster than the bf16 cache (695.9, read-bound; FlashInfer fp8
 #: 386.5). Capped at 128 registers with one tile in flight (42 KiB, a 60-byte spill) 4
 #: programs fit an SM and the 512 run in one round; benchmarks/bench_fp8_decode.py
-#: ``--layer gemma2-sliding`` times it against the other ways (splits, 8 warps, 16 keys).
+#: ``--layer gemma2-sliding`` times it against the other ways (splits, 8 warps, 16 keys):
+#: 442.2 us against the row's tile's 666.6 at 64 x 4096 (H100, FlashInfer fp8 394.2).
+#: sm90's ``fp8_narrow`` (head sizes up to 64 on fp8 caches): at gpt-oss-20B's full layers (Hq
+#: 64, Hk 8, D 64, block 16) a 32-key step of 64-wide heads leaves too little in flight: the
+#: fp8 cache took 207.7 us at 64 x 4096 with the row's tile, no faster than bf16 (212.9),
+#: and 148.3 with 64 keys a step (FlashInfer fp8 152.0; 8 warps 159.5, 128 keys 149.7;
+#: ``--layer gpt-oss-full``, H100). Split launches already take 64 keys (``split_block_n``).
 DECODE_TILES: dict[str, DecodeTile] = {
     "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64, fp8_split_waves=8,
                        fp8_wide=DecodeTile(block_n=32, num_warps=4, num_stages=2,
-                                           const_block=True, max_registers=128)),
+                                           const_block=True, max_registers=128),
+                       fp8_narrow=DecodeTile(block_n=64, num_warps=4, num_stages=3,
+                                             const_block=True, split_block_n=64)),
     "cuda": DecodeTile(),
     "rocm": DecodeTile(fp8_fp16=False),
 }
@@ -333,10 +343,13 @@ def prefill_tile(head_size: int, arch: str, rocm: bool) -> TritonPrefillTile:
 def decode_tile(arch: str, rocm: bool, *, head_size: int = 0,
                 kv_cache_dtype: str = "auto") -> DecodeTile:
     """The :data:`DECODE_TILES` row for ``arch`` (the platform's default when the table has
-    no row for it); its ``fp8_wide`` tile where it has one, ``kv_cache_dtype`` is fp8 and
-    ``head_size`` is above 128 (the split rule, :func:`kvcore.ops.split_kv.
-    default_num_kv_splits`, always reads the row itself)."""
+    no row for it); on an fp8 ``kv_cache_dtype`` its ``fp8_wide`` tile above head size 128
+    and its ``fp8_narrow`` tile at head sizes up to 64, where it has them (the split rule,
+    :func:`kvcore.ops.split_kv.default_num_kv_splits`, always reads the row itself)."""
     row = DECODE_TILES.get(arch) or DECODE_TILES["rocm" if rocm else "cuda"]
-    if row.fp8_wide is not None and head_size > 128 and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        return row.fp8_wide
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        if row.fp8_wide is not None and head_size > 128:
+            return row.fp8_wide
+        if row.fp8_narrow is not None and 0 < head_size <= 64:
+            return row.fp8_narrow
     return row

@@ -171,6 +171,55 @@ def test_fp8_caches_above_head_size_128_take_the_fp8_wide_tile() -> None:
         assert other.max_registers is None
 
 
+@pytest.mark.parametrize("splits", [None, 4], ids=["whole", "split"])
+def test_narrow_head_decode_on_fp8_cache_matches_the_float64_reference(splits) -> None:
+    """Decode at head size 64 on an e4m3 cache with sm90's config for it (the ``fp8_narrow``
+    tile, 64 keys a step), whole and split: the float64 reference's output within bf16
+    tolerance, the last blocks partly filled."""
+    seq_lens = [150, 37, 64, 1]
+    gen = torch.Generator().manual_seed(zlib.crc32(b"narrow"))
+    call = fp8_paged_batch(gen, torch.float8_e4m3fn, seq_lens, len(seq_lens),
+                           block_size=BLOCK_SIZE, num_heads=NUM_HEADS,
+                           num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, q_magnitude=1.0,
+                           kv_magnitude=1.0, device=DEVICE)
+    call.update(query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32,
+                                             device=DEVICE))
+    config = dispatch.default_config(len(seq_lens), len(seq_lens), NUM_HEADS, NUM_KV_HEADS,
+                                     HEAD_SIZE, call["block_table"].shape[1] * BLOCK_SIZE,
+                                     torch.device(DEVICE), splits, arch="sm90", rocm=False,
+                                     num_sms=132, kv_cache_dtype=call["kv_cache_dtype"])
+    assert config.block_n == 64
+    out = triton_attention.paged_attention(**call, plan=TritonAttentionPlan(config=config))
+    ref = paged_attention_ref(**{**call, "query": call["query"].double()})
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_fp8_caches_up_to_head_size_64_take_the_fp8_narrow_tile() -> None:
+    """sm90's row gives fp8 caches of head size 64 its ``fp8_narrow`` tile (64 keys a step)
+    unsplit and the row's split tile (64 keys, 16 splits at 8 x 32768) split; 16-bit caches
+    of head size 64 and fp8 caches of head size 128 keep the row's 32-key tile; rows
+    without ``fp8_narrow`` (other GPUs, ROCm) keep theirs."""
+    cpu = torch.device("cpu")
+    sm90 = dict(arch="sm90", rocm=False, num_sms=132)
+    narrow = dispatch.default_config(64, 64, 64, 8, 64, 4096, cpu, kv_cache_dtype="fp8",
+                                     **sm90)
+    assert (narrow.block_n, narrow.num_warps, narrow.num_stages, narrow.const_block) == \
+        (64, 4, 3, True)
+    assert getattr(narrow, "num_splits", 1) == 1
+    split = dispatch.default_config(8, 8, 64, 8, 64, 32768, cpu, kv_cache_dtype="fp8_e5m2",
+                                    **sm90)
+    assert (split.block_n, split.num_splits) == (64, 16)
+    for head_size, kv_cache_dtype in ((64, "auto"), (128, "fp8")):
+        kept = dispatch.default_config(64, 64, 64, 8, head_size, 4096, cpu,
+                                       kv_cache_dtype=kv_cache_dtype, **sm90)
+        assert kept.block_n == 32
+    for target in (dict(arch="sm80", rocm=False, num_sms=108),
+                   dict(arch="gfx942", rocm=True, num_sms=304)):
+        other = dispatch.default_config(64, 64, 64, 8, 64, 4096, cpu, kv_cache_dtype="fp8",
+                                        **target)
+        assert other.block_n == dispatch.decode_tile(target["arch"], target["rocm"]).block_n
+
+
 def test_max_registers_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
     """A register cap is an NVIDIA compile option: a ROCm build refuses a config with one,
     naming the field and the fix."""
