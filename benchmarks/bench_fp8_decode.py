@@ -2,8 +2,9 @@
 """TRITON_ATTN's decode on an fp8 e4m3 KV cache beside its bf16 decode and FlashInfer's, on one GPU.
 
 ``--layer`` picks the attention layer, bf16 queries, block 16, at B x L in {64 x 4096,
-8 x 32768}: ``llama3-8b`` (default; Hq 32, Hk 8, D 128) or ``gemma2-sliding`` (Gemma-2-9B's
-sliding-window layer: Hq 16, Hk 8, D 256, logit soft-cap 50, window 4096). One run, each
+8 x 32768}: ``llama3-8b`` (default; Hq 32, Hk 8, D 128), ``gemma2-sliding`` (Gemma-2-9B's
+sliding-window layer: Hq 16, Hk 8, D 256, logit soft-cap 50, window 4096) or
+``gpt-oss-full`` (gpt-oss-20B's full layers: Hq 64, Hk 8, D 64, sinks left out). One run, each
 section isolated (an error is logged and the run goes on):
 
 0. precompile: every Triton launch below (and FlashInfer's two modules) built at once, one
