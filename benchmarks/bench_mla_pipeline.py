@@ -171,7 +171,11 @@ def _backend(name: str) -> type[kvcore.AttentionBackend]:
     return kvcore.get_attn_backend(config, backend=name, platform="cpu")
 
 
-def run_shape(run: Run, case: Case, backends: tuple[str, ...], smoke: bool) -> None:
+def run_shape(run: Run, case: Case, backends: tuple[str, ...], smoke: bool,
+              rows: list[dict] | None = None) -> None:
+    """Check each backend's forward against direct, then time them all in the same rounds;
+    one row per path into ``rows`` (default ``run.results["timings"]``)."""
+    rows = run.results["timings"] if rows is None else rows
     direct = case.direct(smoke)
     want = direct().clone()
     calls = {"direct": direct}
@@ -194,7 +198,7 @@ def run_shape(run: Run, case: Case, backends: tuple[str, ...], smoke: bool) -> N
                    path=label, graph_us=t * 1e6, eager_us=eager[label] * 1e6,
                    rounds_us=[x * 1e6 for x in rounds], method=how,
                    direct_over_kvcore=None if label == "direct" else t_direct / t)
-        run.results["timings"].append(row)
+        rows.append(row)
         run.log(f"{case.name} {label}: {t * 1e6:.1f} us (graph), {eager[label] * 1e6:.1f} us "
                 f"(eager)" + ("" if label == "direct" else f", direct/kvcore {t_direct / t:.3f}"))
     run.save()
@@ -208,6 +212,25 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['shape']:<20} {r['path']:<16} {r['graph_us']:>9.1f} "
                      f"{r['eager_us']:>9.1f} {ratio:>13}")
     return "\n".join(lines)
+
+
+#: ``bench_step.py``'s shapes of the comparison: B64 x 4096 at 16 and 128 heads.
+STEP_SHAPES = [(64, 16, 4096), (64, 128, 4096)]
+
+
+def bench_step_section(run: Run, *, device: str, smoke: bool) -> None:
+    """``benchmarks/bench_step.py``'s MLA section: :func:`run_shape` at :data:`STEP_SHAPES`
+    (the first of :data:`SMOKE_SHAPES` with ``smoke``, CPU_MLA), rows in
+    ``run.results["mla_pipeline"]``."""
+    backends = ("CPU_MLA",) if smoke else ("TRITON_MLA", "FLASHINFER_MLA")
+    for batch, heads, tokens in SMOKE_SHAPES[:1] if smoke else STEP_SHAPES:
+        case = Case(batch, heads, tokens, device)
+        try:
+            run_shape(run, case, backends, smoke, rows=run.results["mla_pipeline"])
+        except Exception as exc:  # a shape's failure is logged, the next shape still runs
+            run.log(f"{case.name} failed: {type(exc).__name__}: {exc}")
+            run.results["errors"].append(f"{case.name}: {exc}")
+        del case
 
 
 def main() -> None:

@@ -412,6 +412,9 @@ def test_bench_step_smoke_runs_on_the_cpu(tmp_path):
     assert {c["variant"] for c in results["checks"]} >= {"value checks off",
                                                          "value checks on (step facts, default)"}
     assert "vs checks off" in done.stdout
+    # Section 6, the MLA pipeline: direct's row and CPU_MLA's, checked against direct.
+    assert [row["path"] for row in results["mla_pipeline"]] == ["direct", "CPU_MLA"]
+    assert "MLA pipeline" in done.stdout
 
 
 def test_step_facts_of_steps_without_requests_or_columns():
