@@ -179,7 +179,7 @@ def configs(batch: Batch) -> list[tuple[str, str, object]]:
     bound = batch.block_table.shape[1] * BS
     bf16 = batch.cache(False)
     default = d.call_config(batch.query, bf16["key_cache"], bf16["value_cache"], "auto",
-                            len(batch.requests), bound, features=layer.sinks)
+                            len(batch.requests), bound)
     row = d.default_config(batch.query.shape[0], len(batch.requests), layer.hq, layer.hk,
                            layer.d, bound, torch.device(DEVICE), gluon=False)
     row = dataclasses.replace(row, fp8_fp16=False)

@@ -269,9 +269,9 @@ PREFILL_TILES: dict[str, tuple[TritonPrefillTile, TritonPrefillTile]] = {
 }
 
 #: ``gluon_ws_pingpong`` rows: where a row exists, prefill at head sizes 64 and 128 runs it;
-#: a call it cannot run (dtype, fp8 cache, cache alignment, a Triton without Gluon, not a
-#: Hopper GPU) runs the :data:`PREFILL_TILES` row. 128 keys x 3 stages take 224 KiB of
-#: shared memory.
+#: a call it cannot run (dtype, fp8 cache, a logit soft-cap, cache alignment, a Triton
+#: without Gluon, not a Hopper GPU) runs the :data:`PREFILL_TILES` row; sinks it takes.
+#: 128 keys x 3 stages take 224 KiB of shared memory.
 GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
     "sm90": GluonPrefillTile(block_n=128, num_stages=3),
 }

@@ -126,13 +126,13 @@ def default_config(
 
 def call_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 kv_cache_dtype: str, num_seqs: int, max_seq_len_bound: int,
-                num_kv_splits: int | None = None, *, features: bool = False,
+                num_kv_splits: int | None = None, *, soft_cap: bool = False,
                 **target) -> AttentionConfig:
     """The config :func:`kvcore.ops.triton_attention.paged_attention` uses when given none:
     :func:`default_config` for these tensors (``query`` ``(tokens, heads, head_size)``, caches
     ``(blocks, block_size, kv_heads, head_size)``, ``kv_cache_dtype`` theirs), with its Gluon
-    row only where :func:`gluon_prefill_unmet` finds nothing unmet (``features``: the call has
-    a logit soft-cap or sinks), the Triton row otherwise. ``target`` (``num_sms``, ``rocm``,
+    row only where :func:`gluon_prefill_unmet` finds nothing unmet (``soft_cap``: the call has
+    a logit soft-cap), the Triton row otherwise. ``target`` (``num_sms``, ``rocm``,
     ``arch``) as :func:`default_config` takes it: an ahead-of-time compile passes its
     target's."""
     num_tokens, num_heads, head_size = query.shape
@@ -141,7 +141,7 @@ def call_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                                num_kv_splits, kv_cache_dtype=kv_cache_dtype, **target)
     cfg = choose()
     if isinstance(cfg, GluonPrefillConfig) and gluon_prefill_unmet(
-            query, key_cache, value_cache, kv_cache_dtype, cfg, features=features) is not None:
+            query, key_cache, value_cache, kv_cache_dtype, cfg, soft_cap=soft_cap) is not None:
         cfg = choose(gluon=False)
     return cfg
 
@@ -176,10 +176,10 @@ def _gluon_config_unmet(cfg: GluonPrefillConfig, head_size: int) -> str | None:
 
 def gluon_prefill_unmet(query: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, kv_cache_dtype: str,
-                        config: GluonPrefillConfig, *, features: bool = False) -> str | None:
+                        config: GluonPrefillConfig, *, soft_cap: bool = False) -> str | None:
     """Why ``gluon_ws_pingpong`` cannot run this call with ``config``, as a sentence naming
-    the unmet condition and the fix; ``None`` when it can: no logit soft-cap and no sinks
-    (``features`` says the call has one; the Gluon kernel implements neither); Triton has
+    the unmet condition and the fix; ``None`` when it can: no logit soft-cap (``soft_cap``
+    says the call has one; the Gluon kernel takes sinks but not a soft-cap); Triton has
     Gluon's Hopper API;
     ``config`` is one of its tiles (:class:`~kvcore.ops.attention_config.GluonPrefillConfig`);
     the query bf16 or fp16 with a cache of the same dtype (no fp8); ``head_size`` 64 or 128;
@@ -187,9 +187,9 @@ def gluon_prefill_unmet(query: torch.Tensor, key_cache: torch.Tensor,
     copies 16 bytes); the tensors on a GPU of compute capability 9.x. The device is not
     checked while launches are recorded for an ahead-of-time compile
     (:func:`kvcore.ops.triton_utils.recording_launches`)."""
-    if features:
-        return ("gluon_ws_pingpong implements neither a logit soft-cap nor attention sinks, "
-                "and this call has one: use a TritonPrefillConfig")
+    if soft_cap:
+        return ("gluon_ws_pingpong implements no logit soft-cap, and this call has one: use a "
+                "TritonPrefillConfig")
     reason = gluon_prefill_available()
     if reason is not None:
         return reason
@@ -274,6 +274,7 @@ class AttentionLaunch:
         self.gluon = isinstance(cfg, GluonPrefillConfig)
         self.args = (scale, causal, sliding_window)
         if self.gluon:
+            self.gluon_sinks = sinks  # in the kernel's softmax
             return
         self.prefill = isinstance(cfg, TritonPrefillConfig)
         self.num_splits = cfg.num_splits if isinstance(cfg, TritonSplitKVConfig) else 1
@@ -338,7 +339,7 @@ class AttentionLaunch:
             scale, causal, sliding_window = self.args
             gluon_prefill_attention(query, key_cache, value_cache, out, *step.tensors, scale,
                                     causal, sliding_window, cfg.block_q, cfg.g_pad,
-                                    cfg.block_n, cfg.num_stages)
+                                    cfg.block_n, cfg.num_stages, sinks=self.gluon_sinks)
             return
         num_tokens = query.shape[0]
         num_seqs = step.num_seqs

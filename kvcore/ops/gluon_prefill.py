@@ -1,9 +1,10 @@
 """``gluon_ws_pingpong``: prefill and chunked-prefill attention for Hopper in Gluon
 (``triton.experimental.gluon``), Triton's lower-level language where the program places
 layouts, shared memory, copies, barriers and wgmma waits itself. It computes what the Triton
-prefill kernel (:mod:`kvcore.ops.triton_prefill`) computes (same program tile, same masks) and
-runs for a :class:`~kvcore.ops.attention_config.GluonPrefillConfig`; it needs Triton 3.6 or
-newer and is imported only then.
+prefill kernel (:mod:`kvcore.ops.triton_prefill`) computes (same program tile, same masks,
+per-head sink logits; no logit soft-cap) and runs for a
+:class:`~kvcore.ops.attention_config.GluonPrefillConfig`; it needs Triton 3.6 or newer and is
+imported only then.
 
 One program per (query tile, KV head), 12 warps in three warpgroups (``gl.warp_specialize``):
 ``BLOCK_Q`` query tokens x the ``G_PAD`` query heads that share the KV head, 128 rows, each of
@@ -56,6 +57,7 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 
 #: The rows of one program: query tokens x padded GQA group.
 BLOCK_M = 128
+_LOG2E = gl.constexpr(LOG2E)
 
 
 @gluon.constexpr_function
@@ -143,6 +145,26 @@ def _stage_query(q_ptr, q_s, q_tile, q_start, q_len, kv_head, num_queries_per_kv
 
 
 @gluon.jit
+def _initial_rows(sinks_ptr, kv_head, num_queries_per_kv, ROW0: gl.constexpr,
+                  ROWS: gl.constexpr, S_L: gl.constexpr, HAS_SINKS: gl.constexpr,
+                  G_PAD: gl.constexpr):
+    """The online softmax's starting ``(m_i, l_i)`` of rows ``ROW0`` to ``ROW0 + ROWS - 1``
+    (in the scores' row layout): nothing seen (``-inf``, 0), or with ``HAS_SINKS`` each row's
+    sink logit already in (its base-2 logit, 1), as the Triton kernels start: the sink sits
+    in the denominator once and adds no value. Rows past the group read 0 (never stored)."""
+    if HAS_SINKS:
+        group = (ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_L))) % G_PAD
+        head = kv_head * num_queries_per_kv + group
+        m_i = gl.load(sinks_ptr + head, mask=group < num_queries_per_kv,
+                      other=0.0).to(gl.float32) * _LOG2E
+        l_i = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
+    else:
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, S_L))
+    return m_i, l_i
+
+
+@gluon.jit
 def _masked_softmax(s, t, full_lo, full_hi, q_pos, kv_end, sliding_window, m_i, l_i, qk_scale,
                     CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, BLOCK_N: gl.constexpr):
     """:func:`_softmax` of key tile ``t``'s scores, masked (:func:`_mask_scores`) only where
@@ -175,13 +197,15 @@ def gluon_prefill_attention(
     out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     block_table: torch.Tensor, scale: float, causal: bool, sliding_window: int | None,
     block_q: int, g_pad: int, block_n: int, num_stages: int,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Prefill attention into ``out`` with ``gluon_ws_pingpong``; arguments as
     :func:`kvcore.ops.triton_attention.paged_attention` takes them, already validated there
     (:func:`kvcore.ops.attention_dispatch.gluon_prefill_unmet` included), with the tile of its
     :class:`~kvcore.ops.attention_config.GluonPrefillConfig`: ``block_q`` tokens x ``g_pad``
     heads = :data:`BLOCK_M` rows, ``block_n`` keys a step, ``num_stages`` shared-memory
-    stages."""
+    stages; ``sinks`` ``(num_heads,)`` per-head sink logits in the softmax's denominator, or
+    ``None``."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -190,10 +214,12 @@ def gluon_prefill_attention(
     # warpgroups come with gl.warp_specialize.
     _gluon_prefill_ws_kernel[grid](
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-        float(scale) * LOG2E, num_seqs, num_heads // num_kv_heads,
+        query if sinks is None else sinks, float(scale) * LOG2E, num_seqs,
+        num_heads // num_kv_heads,
         sliding_window or 0, *query.stride(), *key_cache.stride()[:3],
         *value_cache.stride()[:3], *out.stride(), *block_table.stride(),
-        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, BLOCK_Q=block_q,
+        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None, BLOCK_Q=block_q,
         G_PAD=g_pad, BLOCK_N=block_n, HEAD_D=head_size, PAGE=key_cache.shape[1],
         STAGES=num_stages, KV_SAME=key_cache.stride()[:3] == value_cache.stride()[:3],
         num_warps=4,
@@ -281,13 +307,13 @@ def _pass_turn(turn, WG: gl.constexpr):
 
 
 @gluon.jit
-def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_len, q_tile,
-                 first_q,
+def _ws_consumer(q_ptr, out_ptr, sinks_ptr, q_s, k_s, v_s, full, empty, turn, q_start,
+                 q_len, q_tile, first_q,
                  kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n, full_lo,
                  full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                  stride_od, WG: gl.constexpr, CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr,
-                 BLOCK_Q: gl.constexpr, G_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                 HAS_SINKS: gl.constexpr, BLOCK_Q: gl.constexpr, G_PAD: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup: rows ``64 * WG`` to ``64 * WG + 63`` of the program's tile (the
     next tile's scores and this tile's P x V on the tensor cores while the softmax runs), with
     the stages' readiness and release signalled through mbarriers, so the two consumers never
@@ -308,8 +334,8 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
     _cta_barrier()  # this warpgroup's query rows are in place for its wgmmas
     q_pos = first_q + (WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_L))) // G_PAD
 
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, S_L))
+    m_i, l_i = _initial_rows(sinks_ptr, kv_head, num_queries_per_kv, WG * ROWS, ROWS, S_L,
+                             HAS_SINKS, G_PAD)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=O_L)
     zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=S_L)
     mbarrier.wait(full.index(0), 0)
@@ -350,12 +376,12 @@ def _ws_consumer(q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_le
 @gluon.jit
 def _gluon_prefill_ws_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    qk_scale, num_seqs, num_queries_per_kv, sliding_window,
+    sinks_ptr, qk_scale, num_seqs, num_queries_per_kv, sliding_window,
     stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_od, stride_bts, stride_btb,
-    CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, BLOCK_Q: gl.constexpr,
-    G_PAD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PAGE: gl.constexpr,
-    STAGES: gl.constexpr, KV_SAME: gl.constexpr,
+    CAUSAL: gl.constexpr, USE_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    BLOCK_Q: gl.constexpr, G_PAD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+    PAGE: gl.constexpr, STAGES: gl.constexpr, KV_SAME: gl.constexpr,
 ):
     """One (query tile, KV head) of prefill attention, warp-specialised: two consumer
     warpgroups (64 rows each) and a copy warpgroup; see :func:`gluon_prefill_attention`."""
@@ -388,16 +414,16 @@ def _gluon_prefill_ws_kernel(
     mbarrier.arrive(turn.index(0), count=1)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bts
     gl.warp_specialize(
-        [(_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_len, q_tile,
-                         first_q, kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n,
-                         full_lo, full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot,
-                         stride_oh, stride_od, 0, CAUSAL, USE_WINDOW, BLOCK_Q, G_PAD, BLOCK_N,
-                         HEAD_D, STAGES)),
-         (_ws_consumer, (q_ptr, out_ptr, q_s, k_s, v_s, full, empty, turn, q_start, q_len, q_tile,
-                         first_q, kv_head, num_queries_per_kv, qk_scale, sliding_window, lo, n,
-                         full_lo, full_hi, kv_end, stride_qt, stride_qh, stride_qd, stride_ot,
-                         stride_oh, stride_od, 1, CAUSAL, USE_WINDOW, BLOCK_Q, G_PAD, BLOCK_N,
-                         HEAD_D, STAGES)),
+        [(_ws_consumer, (q_ptr, out_ptr, sinks_ptr, q_s, k_s, v_s, full, empty, turn,
+                         q_start, q_len, q_tile, first_q, kv_head, num_queries_per_kv,
+                         qk_scale, sliding_window, lo, n, full_lo, full_hi, kv_end, stride_qt,
+                         stride_qh, stride_qd, stride_ot, stride_oh, stride_od, 0, CAUSAL,
+                         USE_WINDOW, HAS_SINKS, BLOCK_Q, G_PAD, BLOCK_N, HEAD_D, STAGES)),
+         (_ws_consumer, (q_ptr, out_ptr, sinks_ptr, q_s, k_s, v_s, full, empty, turn,
+                         q_start, q_len, q_tile, first_q, kv_head, num_queries_per_kv,
+                         qk_scale, sliding_window, lo, n, full_lo, full_hi, kv_end, stride_qt,
+                         stride_qh, stride_qd, stride_ot, stride_oh, stride_od, 1, CAUSAL,
+                         USE_WINDOW, HAS_SINKS, BLOCK_Q, G_PAD, BLOCK_N, HEAD_D, STAGES)),
          (_ws_loader, (k_ptr, v_ptr, k_s, v_s, full, empty, bt_row, lo, n, kv_end,
                        kv_head.to(gl.int64), stride_kb, stride_ks, stride_kh, stride_vb,
                        stride_vs, stride_vh, stride_btb, BLOCK_N, HEAD_D, PAGE, STAGES,

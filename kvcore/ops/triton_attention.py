@@ -128,9 +128,9 @@ def paged_attention(
             (:class:`~kvcore.ops.attention_config.TritonAttentionPlan`); ``None``: the
             defaults for the batch and the GPU.
         logits_soft_cap, sinks: a logit soft-cap and per-head sink logits, as in the
-            reference (compile-time switches of the kernels; the Gluon kernel takes neither,
-            so its prefill row is not used with them; a split launch adds the sinks in the
-            merge).
+            reference (compile-time switches of the kernels; the Gluon prefill kernel takes
+            sinks but no soft-cap, so its row is not used with one; a split launch adds the
+            sinks in the merge).
 
     Returns:
         ``output`` (or a new tensor like ``query``).
@@ -278,7 +278,7 @@ class _Layer:
                  sinks: torch.Tensor | None) -> None:
         self.key = _layer_key(query, key_cache, value_cache, scale, causal, sliding_window,
                               kv_cache_dtype, k_scale, v_scale, logits_soft_cap, sinks)
-        self.features = logits_soft_cap is not None or sinks is not None
+        self.soft_cap = logits_soft_cap is not None  # the Gluon prefill kernel has none
         self.sinks = sinks  # held: the key names it by identity
         self.query_dtype, self.heads = query.dtype, query.shape[1:]
         # What same_call compares: the scalars as the key holds them, and the scales
@@ -350,7 +350,7 @@ class _Layer:
         cfg = self._configs.get(found)
         if cfg is None:
             cfg = _config(plan, query, key_cache, value_cache, self.kv_cache_dtype, num_seqs,
-                          width, self.features)
+                          width, self.soft_cap)
             if len(self._configs) >= _MAX_LAYERS:
                 self._configs.clear()
             self._configs[found] = cfg
@@ -435,16 +435,16 @@ def _take_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
 
 def _config(plan: TritonAttentionPlan, query: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, kv_cache_dtype: str, num_seqs: int,
-            width: int, features: bool) -> AttentionConfig:
+            width: int, soft_cap: bool) -> AttentionConfig:
     """``plan.config`` checked against the call, or the default config for it
-    (``features``: the call has a logit soft-cap or sinks)."""
+    (``soft_cap``: the call has a logit soft-cap)."""
     cfg = plan.config
     if cfg is None:  # call_config checks its Gluon row against these tensors
         return call_config(query, key_cache, value_cache, kv_cache_dtype, num_seqs,
-                           width * key_cache.shape[1], plan.num_kv_splits, features=features)
+                           width * key_cache.shape[1], plan.num_kv_splits, soft_cap=soft_cap)
     if isinstance(cfg, GluonPrefillConfig):
         reason = gluon_prefill_unmet(query, key_cache, value_cache, kv_cache_dtype, cfg,
-                                     features=features)
+                                     soft_cap=soft_cap)
         if reason is not None:
             raise ValueError(reason)
     elif isinstance(cfg, TritonSplitKVConfig):

@@ -149,6 +149,7 @@ import json, re, sys, torch
 from kvcore.testing import compile_launches
 from kvcore.ops import GluonPrefillConfig, TritonAttentionPlan, triton_attention
 block_n, stages = int(sys.argv[1]), int(sys.argv[2])
+sinks = torch.empty(32, dtype=torch.bfloat16) if sys.argv[3:] == ["sinks"] else None
 query = torch.empty(4096, 32, 128, dtype=torch.bfloat16)
 k = torch.empty(300, 16, 8, 128, dtype=torch.bfloat16)
 v = torch.empty_like(k)
@@ -157,7 +158,7 @@ config = GluonPrefillConfig(block_q=32, g_pad=4, block_n=block_n, num_stages=sta
     query, k, v, query_start_loc=torch.tensor([0, 2048, 4096], dtype=torch.int32),
     seq_lens=torch.tensor([2048, 2048], dtype=torch.int32),
     block_table=torch.arange(256, dtype=torch.int32).reshape(2, 128), scale=0.088,
-    plan=TritonAttentionPlan(config=config)), "sm90")
+    sinks=sinks, plan=TritonAttentionPlan(config=config)), "sm90")
 ptx, ttgir = c.asm["ptx"], c.asm["ttgir"]
 print(json.dumps(dict(
     kernel=c.kernel,
@@ -177,19 +178,24 @@ print(json.dumps(dict(
 """
 
 
-@pytest.mark.parametrize("block_n,stages", [(64, 3), (128, 3)])
-def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int) -> None:
+@pytest.mark.parametrize("block_n,stages,sinks", [(64, 3, False), (128, 3, False),
+                                                  (128, 3, True)],
+                         ids=["n64s3", "n128s3", "n128s3-sinks"])
+def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: int,
+                                                          sinks: bool) -> None:
     """Compiled ahead of time for sm_90a (no GPU; in a subprocess, since Gluon has no
     interpreter and the suite sets ``TRITON_INTERPRET``): P x V takes P from registers, the
     loop waits for the scores alone (``wgmma.wait_group 1``) before their softmax, and K/V
     arrive by 16-byte ``cp.async`` copies whose source size zero-fills masked rows. The
     warpgroups get their registers (``setmaxnreg``: the copy warpgroup few, the consumers the
     rest) and meet only on mbarriers, no CTA-wide barrier; the consumers' turns add a wait and
-    an arrive around each of a consumer's three issue sites, and the launch's first turn."""
+    an arrive around each of a consumer's three issue sites, and the launch's first turn.
+    With sinks (their logits start the softmax's rows) the loop is the same."""
     if dispatch.gluon_prefill_available() is not None:
         pytest.skip(dispatch.gluon_prefill_available())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages)],
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(stages),
+                           *(["sinks"] if sinks else [])],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -331,6 +337,29 @@ def test_gluon_prefill_windows_and_non_causal(causal: bool, window: int | None) 
             batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), causal=causal,
             sliding_window=window, plan=gluon_plan(32, 8, *tile))
         check_against_references(out, batch, causal=causal, sliding_window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 128], ids=["full", "window128"])
+def test_gluon_prefill_with_sinks_matches_the_references_and_the_triton_kernel(window) -> None:
+    """gpt-oss's layer shape (64 query heads, 8 KV heads of 64): per-head sink logits start
+    each row's softmax, full and 128-token window layers, against the references and the
+    Triton prefill kernel on the same call."""
+    _gpu_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    batch = make_batch(gen, q_lens=[700, 1, 129], seq_lens=[1500, 900, 129], num_heads=64,
+                       num_kv_heads=8, head_size=64, block_size=16, dtype=torch.bfloat16)
+    sinks = (torch.rand(64, generator=gen) * 12 - 2).to("cuda", torch.bfloat16)
+    triton_row = dispatch.default_config(830, 3, 64, 8, 64, 1504, torch.device("cuda"),
+                                         gluon=False)
+    assert triton_row.kernel == "triton_prefill"
+    outs = {}
+    for name, plan in (("gluon", gluon_plan(64, 8)), ("triton", Plan(config=triton_row))):
+        outs[name] = triton_attention.paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(),
+            sliding_window=window, sinks=sinks, plan=plan)
+    check_against_references(outs["gluon"], batch, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(outs["gluon"], outs["triton"], atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -122,18 +122,20 @@ def test_the_sink_is_added_once_by_the_merge_whatever_the_split_count():
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
-def test_features_never_choose_the_gluon_prefill_kernel():
+def test_a_soft_cap_never_chooses_the_gluon_prefill_kernel():
     gen = _gen("gluon")
     query, kc, vc, step = make_step(gen, [64], [64], num_heads=8, num_kv_heads=2,
                                     head_size=64, block_size=16, dtype=torch.bfloat16)
-    cfg = dispatch.call_config(query, kc, vc, "auto", 1, 64, features=True, arch="sm90",
+    cfg = dispatch.call_config(query, kc, vc, "auto", 1, 64, soft_cap=True, arch="sm90",
                                rocm=False, num_sms=132)
     assert cfg.kernel == "triton_prefill"
     gluon = dispatch.GluonPrefillConfig(block_q=32, g_pad=4, block_n=128, num_stages=3)
-    reason = dispatch.gluon_prefill_unmet(query, kc, vc, "auto", gluon, features=True)
-    assert reason.startswith("gluon_ws_pingpong implements neither a logit soft-cap nor "
-                             "attention sinks")
-    with pytest.raises(ValueError, match="implements neither a logit soft-cap"):
+    reason = dispatch.gluon_prefill_unmet(query, kc, vc, "auto", gluon, soft_cap=True)
+    assert reason.startswith("gluon_ws_pingpong implements no logit soft-cap")
+    # Sinks are the Gluon kernel's: what stops it here is the CPU, not the sinks.
+    reason = dispatch.gluon_prefill_unmet(query, kc, vc, "auto", gluon)
+    assert reason is None or "sink" not in reason, reason
+    with pytest.raises(ValueError, match="implements no logit soft-cap"):
         triton_attention.paged_attention(query, kc, vc, **step, logits_soft_cap=30.0,
                                          plan=Plan(config=gluon))
 
