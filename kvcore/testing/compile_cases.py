@@ -128,9 +128,9 @@ def _convert_case(target: CompileTarget, name: str, *, dst_dtype: torch.dtype) -
 
 
 def compile_cases(target: CompileTarget) -> list[KernelCase]:
-    """kvcore's cases: decode (with and without split-KV), mixed prefill+decode, fp8 caches,
-    head size 256 with a sliding window, the HND layout, the cache writes and the connectors'
-    layout conversion."""
+    """kvcore's cases: decode (with and without split-KV), mixed prefill+decode, fp8 caches
+    (head sizes 64, 128 and 256), head size 256 with a sliding window, the HND layout, the
+    cache writes and the connectors' layout conversion."""
     bf16, fp16 = torch.bfloat16, torch.float16
     llama8b = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128}  # Llama-3-8B
     mixed = [2048, 2048] + [1] * 62  # two 2,048-token prefills among 62 decodes
@@ -164,6 +164,9 @@ def compile_cases(target: CompileTarget) -> list[KernelCase]:
                         q_lens=[1] * 64, context=4095, num_heads=16, num_kv_heads=8,
                         head_size=256, dtype=bf16, kv_cache_dtype="fp8_e4m3",
                         sliding_window=4096),
+        _attention_case(target, "decode 64x4096 Hq64/Hk8 D64 bf16 fp8-e4m3 KV",
+                        q_lens=[1] * 64, context=4095, num_heads=64, num_kv_heads=8,
+                        head_size=64, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
         _cache_write_case(target, "cache write 2048 tok Hk8 D128 bf16 -> fp8-e4m3", num_tokens=2048,
                           num_kv_heads=8, head_size=128, dtype=bf16, kv_cache_dtype="fp8_e4m3"),
         _cache_write_case(target, "cache write 2048 tok Hk8 D256 bf16", num_tokens=2048,
