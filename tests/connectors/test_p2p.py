@@ -786,21 +786,27 @@ def test_two_processes_on_two_gpus_exchange_blocks_over_nccl_bit_exact(cross):
     _two_gpus()
     seed = random.randrange(2**31)
     kv = make_caches(cross_layer=cross, device="cuda:0")
-    sent = block_bytes(kv, [2, 9]).cpu()
     with get_connector("p2p", rank=0, timeout_s=30.0, connect_timeout_s=60.0) as conn, \
             peer_process("echo", conn.port, seed, cross=cross, device="cuda:1") as proc:
         conn.register_kv_caches(kv)
         assert conn._tx_data is not conn._tx_ctrl  # blocks go over their own (NCCL) group
-        assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=30).ok
-        theirs = conn.load(keys_for(seed + 1, 2), [4, 1]).wait(timeout=30)
-        assert theirs.succeeded == (4, 1) and not theirs.failed
-        peer_cache = make_caches(cross_layer=cross, seed=seed)  # same values, on the CPU
-        assert torch.equal(block_bytes(kv, [4, 1]).cpu(), block_bytes(peer_cache, [3, 7]))
-        echoed = conn.load(keys_for(seed + 2, 2), [10, 11]).wait(timeout=30)
-        assert echoed.ok
-        assert torch.equal(block_bytes(kv, [10, 11]).cpu(), sent)
-        out, err = proc.communicate(timeout=60)
-        assert (proc.returncode, out.strip()) == (0, "ok"), err
+        _exchange_with_echo_peer(conn, kv, seed, cross, proc)
+
+
+def _exchange_with_echo_peer(conn, kv, seed: int, cross: bool, proc) -> None:
+    """Blocks 2 and 9 of ``kv`` saved to an ``echo`` peer, the two it sends loaded into 4 and
+    1, the two it echoes back into 10 and 11: all bit-exact; then the peer exits cleanly."""
+    sent = block_bytes(kv, [2, 9]).cpu()
+    assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=30).ok
+    theirs = conn.load(keys_for(seed + 1, 2), [4, 1]).wait(timeout=30)
+    assert theirs.succeeded == (4, 1) and not theirs.failed
+    peer_cache = make_caches(cross_layer=cross, seed=seed)  # same values, on the CPU
+    assert torch.equal(block_bytes(kv, [4, 1]).cpu(), block_bytes(peer_cache, [3, 7]))
+    echoed = conn.load(keys_for(seed + 2, 2), [10, 11]).wait(timeout=30)
+    assert echoed.ok
+    assert torch.equal(block_bytes(kv, [10, 11]).cpu(), sent)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out.strip()) == (0, "ok"), err
 
 
 @pytest.mark.gpu
@@ -830,23 +836,13 @@ def test_two_processes_on_one_gpu_exchange_blocks_over_ipc_bit_exact(cross, back
     (CUDA IPC) by device copies."""
     seed = random.randrange(2**31)
     kv = make_caches(cross_layer=cross, device="cuda:0")
-    sent = block_bytes(kv, [2, 9]).cpu()
     with get_connector("p2p", rank=0, timeout_s=30.0, connect_timeout_s=60.0,
                        data_backend=backend) as conn, \
             peer_process("echo", conn.port, seed, cross=cross, device="cuda:0",
                          options={"data_backend": backend}) as proc:
         conn.register_kv_caches(kv)
         assert conn.transport == "ipc" and conn._ipc.pool.slots.is_cuda
-        assert conn.save(keys_for(seed, 2), [2, 9]).wait(timeout=30).ok
-        theirs = conn.load(keys_for(seed + 1, 2), [4, 1]).wait(timeout=30)
-        assert theirs.succeeded == (4, 1) and not theirs.failed
-        peer_cache = make_caches(cross_layer=cross, seed=seed)  # same values, on the CPU
-        assert torch.equal(block_bytes(kv, [4, 1]).cpu(), block_bytes(peer_cache, [3, 7]))
-        echoed = conn.load(keys_for(seed + 2, 2), [10, 11]).wait(timeout=30)
-        assert echoed.ok
-        assert torch.equal(block_bytes(kv, [10, 11]).cpu(), sent)
-        out, err = proc.communicate(timeout=60)
-        assert (proc.returncode, out.strip()) == (0, "ok"), err
+        _exchange_with_echo_peer(conn, kv, seed, cross, proc)
     assert p2p_threads() == []
 
 
