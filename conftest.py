@@ -66,6 +66,16 @@ GROUP_RULES: tuple[tuple[str, str], ...] = (
     ("triton", "plugins/mla/tests/test_mla_decode_*.py::*"),
     ("triton", "plugins/mla/tests/test_mla_gluon_*.py::*"),
     ("triton", "plugins/nvidia/tests/test_nvidia_cache_write.py::*"),
+    # The slowest connector cases (3-5 s each, two processes): mooncake's parametrisations of
+    # cases the fast suite runs for nixl too.
+    ("slow", "tests/connectors/test_convert_connectors.py::"
+             "test_pull_consumer_refuses_what_cannot_convert_before_any_byte[mooncake]"),
+    ("slow", "tests/connectors/test_convert_connectors.py::"
+             "test_double_buffered_staging_moves_the_same_bytes_as_one_buffer[mooncake]"),
+    ("slow", "tests/connectors/test_pull_connectors.py::"
+             "test_a_block_waits_for_its_readers_each_reading_it_once[mooncake]"),
+    ("slow", "tests/connectors/test_pull_connectors.py::"
+             "test_round_trip_between_two_processes_is_bit_exact[*-mooncake]"),
 )
 
 _RULES = [(group, re.compile(".*".join(map(re.escape, pattern.split("*"))) + r"\Z"))
