@@ -88,7 +88,7 @@ from kvcore.connectors.p2p_transport import (
     connect_groups,
     connect_store,
     seconds_option,
-    unblock_receive,
+    stop_receiving_thread,
     wait_bounded,
 )
 
@@ -657,14 +657,11 @@ class P2PConnector(KVConnector):
         receiver = self._receiver
         if receiver is None:
             return
-        receiver.join(self.timeout_s if answer_expected else 0.0)
-        if receiver.is_alive():
-            # No bye came back: the peer is frozen, or the link broke one way only. The
-            # receiver may wait forever on it, and a gloo receive left waiting at exit aborts
-            # the process: end the wait.
-            unblock_receive(self._rx_ctrl, self.peer)
-            receiver.join(self.timeout_s)
-        if receiver.is_alive():
+        # No bye back means the peer is frozen, or the link broke one way only: the receiver
+        # may wait forever, and a gloo receive left waiting at exit aborts the process.
+        if not stop_receiving_thread(receiver, self._rx_ctrl, self.peer,
+                                     self.timeout_s if answer_expected else 0.0,
+                                     self.timeout_s):
             logger.warning("p2p rank %d: the receiver thread did not stop within timeout_s=%s "
                            "after close", self.rank, self.timeout_s)
 

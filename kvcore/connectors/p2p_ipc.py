@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvcore.connectors.p2p_transport import IDLE, unblock_receive
+from kvcore.connectors.p2p_transport import IDLE, stop_receiving_thread
 
 __all__ = ["ACK_MAPPED", "ACK_UNMAPPABLE", "SLOTS", "IpcChannel", "SlotPool",
            "agree_data_backend", "fill_slot", "map_slots", "transport_facts"]
@@ -530,11 +530,7 @@ class IpcChannel:
         thread = self._thread
         if thread is None:
             return
-        thread.join(wait_s)
-        if thread.is_alive():
-            unblock_receive(self._ack_rx, self.peer)
-            thread.join(self.timeout_s)
-        if thread.is_alive():
+        if not stop_receiving_thread(thread, self._ack_rx, self.peer, wait_s, self.timeout_s):
             logger.warning("p2p rank %d: the acknowledgement thread did not stop within "
                            "timeout_s=%s after close", self.rank, self.timeout_s)
 

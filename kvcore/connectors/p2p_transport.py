@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["IDLE", "connect_groups", "connect_store", "seconds_option", "unblock_receive",
+__all__ = ["IDLE", "connect_groups", "connect_store", "seconds_option", "stop_receiving_thread",
+           "unblock_receive",
            "wait_bounded"]
 
 # The connector's logger: what goes wrong here is the connector's to report.
@@ -84,6 +85,18 @@ def unblock_receive(group: Any, peer: int) -> None:
                    _UNBLOCK_TAG).wait(timedelta(seconds=UNBLOCK_S))
     except Exception:
         pass  # the expected outcome: the timeout closed the connection
+
+
+def stop_receiving_thread(thread: threading.Thread, group: Any, peer: int, wait_s: float,
+                          timeout_s: float) -> bool:
+    """Join ``thread``, which receives from ``peer`` on ``group``: wait ``wait_s`` for it to
+    end by itself (the peer closing its end), then end its receive
+    (:func:`unblock_receive`) and wait at most ``timeout_s`` more; returns whether it ended."""
+    thread.join(wait_s)
+    if thread.is_alive():
+        unblock_receive(group, peer)
+        thread.join(timeout_s)
+    return not thread.is_alive()
 
 
 def wait_bounded(work: Any, group: Any, timeout_s: float, what: str) -> None:
