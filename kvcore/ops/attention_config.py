@@ -306,7 +306,7 @@ DECODE_TILES: dict[str, DecodeTile] = {
                        fp8_wide=DecodeTile(block_n=32, num_warps=4, num_stages=2,
                                            const_block=True, max_registers=128),
                        fp8_narrow=DecodeTile(block_n=64, num_warps=4, num_stages=3,
-                                             const_block=True, split_block_n=64)),
+                                             const_block=True)),
     "cuda": DecodeTile(),
     "rocm": DecodeTile(fp8_fp16=False),
 }
