@@ -218,19 +218,29 @@ def table(rows: list[dict]) -> str:
 STEP_SHAPES = [(64, 16, 4096), (64, 128, 4096)]
 
 
-def bench_step_section(run: Run, *, device: str, smoke: bool) -> None:
-    """``benchmarks/bench_step.py``'s MLA section: :func:`run_shape` at :data:`STEP_SHAPES`
-    (the first of :data:`SMOKE_SHAPES` with ``smoke``, CPU_MLA), rows in
-    ``run.results["mla_pipeline"]``."""
+def run_shapes(run: Run, shapes: list[tuple[int, int, int]], device: str, smoke: bool,
+               rows: list[dict] | None = None) -> None:
+    """:func:`run_shape` at each ``(batch, heads, tokens)`` of ``shapes`` (CPU_MLA with
+    ``smoke``, else TRITON_MLA and FLASHINFER_MLA); a shape's failure is logged and the next
+    one still runs."""
     backends = ("CPU_MLA",) if smoke else ("TRITON_MLA", "FLASHINFER_MLA")
-    for batch, heads, tokens in SMOKE_SHAPES[:1] if smoke else STEP_SHAPES:
+    for batch, heads, tokens in shapes:
         case = Case(batch, heads, tokens, device)
         try:
-            run_shape(run, case, backends, smoke, rows=run.results["mla_pipeline"])
-        except Exception as exc:  # a shape's failure is logged, the next shape still runs
+            run_shape(run, case, backends, smoke, rows)
+        except Exception as exc:
             run.log(f"{case.name} failed: {type(exc).__name__}: {exc}")
             run.results["errors"].append(f"{case.name}: {exc}")
         del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_step_section(run: Run, *, device: str, smoke: bool) -> None:
+    """``benchmarks/bench_step.py``'s MLA section: :data:`STEP_SHAPES` (the first of
+    :data:`SMOKE_SHAPES` with ``smoke``), rows in ``run.results["mla_pipeline"]``."""
+    run_shapes(run, SMOKE_SHAPES[:1] if smoke else STEP_SHAPES, device, smoke,
+               rows=run.results["mla_pipeline"])
 
 
 def main() -> None:
@@ -247,17 +257,7 @@ def main() -> None:
     run.results["meta"].update(
         date=datetime.date.today().isoformat(), torch=torch.__version__, smoke=args.smoke,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
-    backends = ("CPU_MLA",) if args.smoke else ("TRITON_MLA", "FLASHINFER_MLA")
-    for batch, heads, tokens in SMOKE_SHAPES if args.smoke else SHAPES:
-        case = Case(batch, heads, tokens, device)
-        try:
-            run_shape(run, case, backends, args.smoke)
-        except Exception as exc:  # a shape's failure is logged, the next shape still runs
-            run.log(f"{case.name} failed: {type(exc).__name__}: {exc}")
-            run.results["errors"].append(f"{case.name}: {exc}")
-        del case
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    run_shapes(run, SMOKE_SHAPES if args.smoke else SHAPES, device, args.smoke)
     run.save()
     print(table(run.results["timings"]), flush=True)
 
