@@ -44,7 +44,10 @@ One run does, in order, each section isolated (an error is logged and the run go
 
 Section 2 also times the *synchronous* step: the same ``CudaGraphRunner.run`` (or eager step)
 followed by a device sync every step, as an engine that samples every step runs; its time over
-the kernels' is the builder's and the runner's host work the GPU cannot hide.
+the kernels' is the builder's and the runner's host work the GPU cannot hide. A second table
+splits it: the same 32 layers captured alone and replayed with a sync every step (the floor an
+engine cannot go under: the graph's launch latency and the sync's return), the host time of
+that replay call, and the builder's ``build`` alone.
 
 The table printed last has the step times and ratios. Logs and JSON go to ``--out`` (default
 ``$OUT``, else ``benchmarks/results``). ``--cpu`` runs section 4 on the CPU with CPU_ATTN
@@ -409,10 +412,48 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
             else (lambda: model.step(model.inputs, model.builder.build(model.common))))
     row["sync_step_us"] = sync_step_us(step)
     row["sync_overhead_pct"] = 100 * (row["sync_step_us"] - row["kernels_us"]) / row["kernels_us"]
+    if model.graphs:
+        row.update(sync_breakdown(model, meta))
     row["host_overhead_vs_isolated_pct"] = (
         100 * (row["step_us"] - row["isolated_kernels_us"]) / row["step_us"])
     run.results["steps"].append(row)
     run.log(json.dumps(row))
+
+
+def host_median_us(fn: Callable[[], object], steps: int = STEPS) -> float:
+    """Median host microseconds of one call of ``fn``, a device sync after each (outside the
+    timing), after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        sync()
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata) -> dict[str, float]:
+    """Where a synchronous replayed step's time over its kernels goes: the same 32 layers
+    captured alone in one graph (metadata built once, no builder, no runner), replayed and
+    synchronised every step (the floor: the graph's launch latency and the sync's return);
+    the host time of that replay call alone, and of the builder's ``build`` alone. The
+    synchronous step minus the bare replay is what the builder and the runner's copies add."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model.step(model.inputs, meta)  # allocations outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        model.step(model.inputs, meta)
+    b = model.b
+    return {"bare_replay_sync_us": sync_step_us(graph.replay),
+            "bare_replay_host_us": host_median_us(graph.replay),
+            "build_host_us": host_median_us(
+                lambda: model.builder.build(model.common, graph_batch_size=b))}
 
 
 def flashinfer_direct(model: Model, graph_mode: bool = False) -> Callable[[], torch.Tensor]:
@@ -711,6 +752,17 @@ def summary_table(run: Run) -> str:
                      "kernels ms (in the step)", "host overhead",
                      "32 x one layer alone, ms", "host us/step", "synchronous step ms",
                      "synchronous over kernels"]))
+        bare = [s for s in r["steps"] if "bare_replay_sync_us" in s]
+        if bare:
+            parts.append(table(
+                [[s["backend"], s["shape"], f"{s['sync_step_us'] - s['kernels_us']:.0f}",
+                  f"{s['bare_replay_sync_us'] - s['kernels_us']:.0f}",
+                  f"{s['sync_step_us'] - s['bare_replay_sync_us']:.0f}",
+                  f"{s['bare_replay_host_us']:.0f}", f"{s['build_host_us']:.0f}"]
+                 for s in bare],
+                headers=["synchronous step over kernels", "shape", "total us",
+                         "bare replay + sync us", "builder + runner us",
+                         "bare replay call, host us", "build, host us"]))
     if r["layers"]:
         direct = {(x["shape"], x["mode"]): x for x in r["layers"]
                   if x["impl"].startswith("flashinfer direct")}
