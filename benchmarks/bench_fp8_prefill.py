@@ -17,7 +17,7 @@ of 4096-token requests). Per layer and case, one run, each section isolated (an 
 logged and the run goes on):
 
 1. bf16 cache: what :func:`kvcore.ops.triton_attention.paged_attention` runs without a plan
-   (on sm90 the Gluon kernel where it applies: no sinks) and, where that is not
+   (on sm90 the Gluon kernel where it applies, sinks included) and, where that is not
    ``triton_prefill``, the ``PREFILL_TILES`` row;
 2. fp8 e4m3 cache holding the same values (per-tensor scales amax / 448, one-element device
    tensors as an engine passes them): the ``PREFILL_TILES`` row with ``fp8_fp16`` off and
