@@ -47,7 +47,8 @@ followed by a device sync every step, as an engine that samples every step runs;
 the kernels' is the builder's and the runner's host work the GPU cannot hide. A second table
 splits it: the same 32 layers captured alone and replayed with a sync every step (the floor an
 engine cannot go under: the graph's launch latency and the sync's return), the host time of
-that replay call, and the builder's ``build`` alone.
+that replay call (and of one layer's graph: what a layer's nodes add to the launch), and the
+builder's ``build`` alone.
 
 The table printed last has the step times and ratios. Logs and JSON go to ``--out`` (default
 ``$OUT``, else ``benchmarks/results``). ``--cpu`` runs section 4 on the CPU with CPU_ATTN
@@ -412,11 +413,11 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
             else (lambda: model.step(model.inputs, model.builder.build(model.common))))
     row["sync_step_us"] = sync_step_us(step)
     row["sync_overhead_pct"] = 100 * (row["sync_step_us"] - row["kernels_us"]) / row["kernels_us"]
-    if model.graphs:
-        row.update(sync_breakdown(model, meta))
     row["host_overhead_vs_isolated_pct"] = (
         100 * (row["step_us"] - row["isolated_kernels_us"]) / row["step_us"])
     run.results["steps"].append(row)
+    if model.graphs:  # after the row is kept: a failure here loses only the breakdown
+        row.update(sync_breakdown(model, meta))
     run.log(json.dumps(row))
 
 
@@ -441,17 +442,28 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata) -> dict[str, fl
     synchronised every step (the floor: the graph's launch latency and the sync's return);
     the host time of that replay call alone, and of the builder's ``build`` alone. The
     synchronous step minus the bare replay is what the builder and the runner's copies add."""
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        model.step(model.inputs, meta)  # allocations outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        model.step(model.inputs, meta)
+    def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # allocations outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+
+    graph = captured(lambda: model.step(model.inputs, meta))
+    q, k, v = (model.inputs[n] for n in ("query", "key", "value"))
+    layer, out = model.caches.layers[0], model.outputs[0]
+    # One layer's write and attention alone: with the 32-layer replay, the launch's cost per
+    # layer's nodes.
+    one = captured(lambda: model.impl.update_and_forward(model.scales, q, k, v, layer, meta,
+                                                         output=out))
     b = model.b
     return {"bare_replay_sync_us": sync_step_us(graph.replay),
             "bare_replay_host_us": host_median_us(graph.replay),
+            "one_layer_replay_host_us": host_median_us(one.replay),
             "build_host_us": host_median_us(
                 lambda: model.builder.build(model.common, graph_batch_size=b))}
 
@@ -758,11 +770,13 @@ def summary_table(run: Run) -> str:
                 [[s["backend"], s["shape"], f"{s['sync_step_us'] - s['kernels_us']:.0f}",
                   f"{s['bare_replay_sync_us'] - s['kernels_us']:.0f}",
                   f"{s['sync_step_us'] - s['bare_replay_sync_us']:.0f}",
-                  f"{s['bare_replay_host_us']:.0f}", f"{s['build_host_us']:.0f}"]
+                  f"{s['bare_replay_host_us']:.0f}", f"{s['one_layer_replay_host_us']:.0f}",
+                  f"{s['build_host_us']:.0f}"]
                  for s in bare],
                 headers=["synchronous step over kernels", "shape", "total us",
                          "bare replay + sync us", "builder + runner us",
-                         "bare replay call, host us", "build, host us"]))
+                         f"bare replay call ({LAYERS} layers), host us",
+                         "same, one layer", "build, host us"]))
     if r["layers"]:
         direct = {(x["shape"], x["mode"]): x for x in r["layers"]
                   if x["impl"].startswith("flashinfer direct")}
