@@ -82,6 +82,7 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         self._splits = functools.partial(default_num_kv_splits,
                                          kv_cache_dtype=spec.kv_cache_dtype)
         self._num_kv_heads = num_kv_heads
+        self._graph_splits: dict[int, int] = {}
         # Graph steps split by the captured size and max_model_len; eager ones by the step's
         # longest request, never more: the graph choice bounds the workspace.
         most = max(workspace_numel(b, num_heads, spec.head_size, self.graph_num_kv_splits(b))
@@ -94,9 +95,13 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
                                   torch.empty(most[1], dtype=torch.float32, device=self.device))
 
     def graph_num_kv_splits(self, batch_size: int) -> int:
-        """The split count of a uniform-decode step captured for ``batch_size`` requests."""
-        return self._splits(batch_size, batch_size, self._num_kv_heads, self.max_model_len,
-                            self.device)
+        """The split count of a uniform-decode step captured for ``batch_size`` requests
+        (worked out once per size: it depends only on the builder's fixed facts)."""
+        splits = self._graph_splits.get(batch_size)
+        if splits is None:
+            splits = self._graph_splits[batch_size] = self._splits(
+                batch_size, batch_size, self._num_kv_heads, self.max_model_len, self.device)
+        return splits
 
     def buffers(self) -> dict[str, torch.Tensor]:
         found = super().buffers()
