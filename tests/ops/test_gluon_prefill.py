@@ -160,6 +160,7 @@ config = GluonPrefillConfig(block_q=32, g_pad=4, block_n=block_n, num_stages=sta
     block_table=torch.arange(256, dtype=torch.int32).reshape(2, 128), scale=0.088,
     sinks=sinks, plan=TritonAttentionPlan(config=config)), "sm90")
 ptx, ttgir = c.asm["ptx"], c.asm["ttgir"]
+loop = re.search(r"scf\\.for %i(?:_\\d+)? = .*? iter_args\\((.*?)\\) ->", ttgir)
 print(json.dumps(dict(
     kernel=c.kernel,
     shared=c.shared,
@@ -173,8 +174,8 @@ print(json.dumps(dict(
     mbarrier_waits=len(re.findall(r"mbarrier\\.try_wait", ptx)),
     mbarrier_arrives=len(re.findall(r"mbarrier\\.arrive\\.shared", ptx)),
     cta_barriers=len(re.findall(r"bar\\.sync\\s+0;|barrier\\.sync\\s+0;", ptx)),
-    loop_carries=re.findall(r"%(\\w+?)(?:_\\d+)? = ", re.search(
-        r"scf\\.for %i = .*? iter_args\\((.*?)\\) ->", ttgir).group(1)))))
+    loop_carries=re.findall(r"%(\\w+?)(?:_\\d+)? = ", loop.group(1)) if loop else None,
+    loops=None if loop else re.findall(r"scf\\.for [^\\n]{0,200}", ttgir))))
 """
 
 
@@ -217,7 +218,8 @@ def test_sm90_compile_overlaps_the_softmax_with_p_times_v(block_n: int, stages: 
     # Waits: full (prologue, loop) per consumer, empty in the copy loop, and the turns;
     # arrives: empty per consumer, and the turns.
     assert (facts["mbarrier_waits"], facts["mbarrier_arrives"]) == (11, 9), facts
-    assert {"acc", "m_i", "l_i"} <= set(facts["loop_carries"]), facts
+    # (the loop headers are in the facts when the consumer's loop was not found)
+    assert {"acc", "m_i", "l_i"} <= set(facts["loop_carries"] or ()), facts
 
 
 def _gpu_or_skip() -> None:
