@@ -188,7 +188,8 @@ def run_shape(run: Run, case: Case, backends: tuple[str, ...], smoke: bool,
             calls[backend] = call
         except Exception as exc:  # a path's failure is logged, the others still run
             run.log(f"{case.name}: {backend} failed: {type(exc).__name__}: {exc}")
-            run.results["errors"].append(f"{case.name} {backend}: {exc}")
+            run.results["errors"].append({"section": f"{case.name} {backend}",
+                                          "error": f"{type(exc).__name__}: {exc}"})
     device = case.device
     graphs = harness.time_alternating(calls, device, rounds=3)
     eager = {label: harness.time_call(fn, device, graph=False)[0] for label, fn in calls.items()}
@@ -230,7 +231,9 @@ def run_shapes(run: Run, shapes: list[tuple[int, int, int]], device: str, smoke:
             run_shape(run, case, backends, smoke, rows)
         except Exception as exc:
             run.log(f"{case.name} failed: {type(exc).__name__}: {exc}")
-            run.results["errors"].append(f"{case.name}: {exc}")
+            # As Run.section records them (bench_step's summary prints these too).
+            run.results["errors"].append({"section": case.name,
+                                          "error": f"{type(exc).__name__}: {exc}"})
         del case
         if device == "cuda":
             torch.cuda.empty_cache()
