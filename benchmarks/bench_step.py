@@ -226,9 +226,11 @@ def wall_per_step(fn: Callable[[], object], steps: int = STEPS) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def sync_step_us(fn: Callable[[], object], steps: int = STEPS) -> float:
+def sync_step_us(fn: Callable[[], object], steps: int = STEPS, *,
+                 count_sync: bool = True) -> float:
     """Median microseconds of ``fn`` followed by a device sync (nothing overlaps the next
-    call's host work), after three warm-up calls."""
+    call's host work), after three warm-up calls; ``count_sync=False`` times the call alone
+    (its host time: the sync after it is not counted)."""
     for _ in range(min(3, steps)):
         fn()
     sync()
@@ -236,8 +238,10 @@ def sync_step_us(fn: Callable[[], object], steps: int = STEPS) -> float:
     for _ in range(steps):
         t0 = time.perf_counter()
         fn()
-        sync()
+        if count_sync:
+            sync()
         times.append(time.perf_counter() - t0)
+        sync()
     return sorted(times)[len(times) // 2] * 1e6
 
 
@@ -432,21 +436,6 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
     run.log(json.dumps(row))
 
 
-def host_median_us(fn: Callable[[], object], steps: int = STEPS) -> float:
-    """Median host microseconds of one call of ``fn``, a device sync after each (outside the
-    timing), after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    sync()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        sync()
-    return sorted(times)[len(times) // 2] * 1e6
-
-
 def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata) -> dict[str, float]:
     """Where a synchronous replayed step's time over its kernels goes: the same 32 layers
     captured alone in one graph (metadata built once, no builder, no runner), replayed and
@@ -473,10 +462,11 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata) -> dict[str, fl
                                                          output=out))
     b = model.b
     return {"bare_replay_sync_us": sync_step_us(graph.replay),
-            "bare_replay_host_us": host_median_us(graph.replay),
-            "one_layer_replay_host_us": host_median_us(one.replay),
-            "build_host_us": host_median_us(
-                lambda: model.builder.build(model.common, graph_batch_size=b))}
+            "bare_replay_host_us": sync_step_us(graph.replay, count_sync=False),
+            "one_layer_replay_host_us": sync_step_us(one.replay, count_sync=False),
+            "build_host_us": sync_step_us(
+                lambda: model.builder.build(model.common, graph_batch_size=b),
+                count_sync=False)}
 
 
 def flashinfer_direct(model: Model, graph_mode: bool = False) -> Callable[[], torch.Tensor]:
