@@ -245,7 +245,8 @@ def sync_step_us(fn: Callable[[], object], steps: int = STEPS, *,
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def device_us(fn: Callable[[], object], calls: int = 21) -> float | None:
+def device_us(fn: Callable[[], object], calls: int = 21, *,
+              hold_s: float = 200e-6) -> float | None:
     """GPU microseconds of one call of ``fn``: its kernels and the gaps between them, with the
     launches queued behind a short device sleep so that the host's launch time is not counted
     (CUDA events; median of ``calls``); ``None`` off CUDA. Beside :func:`host_us` it tells
@@ -257,7 +258,7 @@ def device_us(fn: Callable[[], object], calls: int = 21) -> float | None:
     times = []
     for _ in range(calls):
         sync()
-        clock.hold(200e-6)  # longer than the host takes to launch one call
+        clock.hold(hold_s)  # longer than the host takes to launch one call
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -432,16 +433,21 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
         100 * (row["step_us"] - row["isolated_kernels_us"]) / row["step_us"])
     run.results["steps"].append(row)
     if model.graphs:  # after the row is kept: a failure here loses only the breakdown
-        row.update(sync_breakdown(model, meta))
+        row.update(sync_breakdown(model, meta, runner))
     run.log(json.dumps(row))
 
 
-def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata) -> dict[str, float]:
+def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
+                   runner: kvcore.CudaGraphRunner) -> dict[str, float | None]:
     """Where a synchronous replayed step's time over its kernels goes: the same 32 layers
     captured alone in one graph (metadata built once, no builder, no runner), replayed and
     synchronised every step (the floor: the graph's launch latency and the sync's return);
-    the host time of that replay call alone, and of the builder's ``build`` alone. The
-    synchronous step minus the bare replay is what the builder and the runner's copies add."""
+    the host time of that replay call alone, of the builder's ``build`` alone and of the
+    runner's whole step (build, copies, replay) without the sync; and the GPU time of the
+    runner's step and of the bare replay (launches queued behind a device sleep, so no host
+    time is in them). The synchronous step minus the bare replay is what the builder and the
+    runner add: host time where the runner's host time accounts for it, else device time (the
+    runner's step running longer on the GPU than the bare replay)."""
     def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -466,7 +472,12 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata) -> dict[str, fl
             "one_layer_replay_host_us": sync_step_us(one.replay, count_sync=False),
             "build_host_us": sync_step_us(
                 lambda: model.builder.build(model.common, graph_batch_size=b),
-                count_sync=False)}
+                count_sync=False),
+            "runner_host_us": sync_step_us(lambda: runner.run(model.inputs, model.common),
+                                           count_sync=False),
+            "runner_device_us": device_us(lambda: runner.run(model.inputs, model.common),
+                                          hold_s=2e-3),
+            "bare_replay_device_us": device_us(graph.replay)}
 
 
 def flashinfer_direct(model: Model, graph_mode: bool = False) -> Callable[[], torch.Tensor]:
@@ -594,6 +605,16 @@ def time_checks(run: Run, name: str) -> None:
         finally:
             ops.set_value_checks(checks)
 
+    probe = model.builder.build(model.common)
+    if getattr(getattr(probe, "plan", None), "split_counters", None) is not None:
+        def merge_kernel() -> None:
+            # The same eager step with a merge kernel after each split launch (the plan
+            # without its split counters): the launch per layer the in-kernel merge saves.
+            meta = model.builder.build(model.common)
+            model.step(model.inputs, dataclasses.replace(
+                meta, plan=dataclasses.replace(meta.plan, split_counters=None)))
+
+        variants["value checks on, merge kernel after the split launch"] = merge_kernel
     times = interleaved({**variants, "value checks off": checks_off},
                         rounds=1 if SMOKE else 5)
     off = times["value checks off"]
@@ -775,18 +796,25 @@ def summary_table(run: Run) -> str:
                          "splits merged in the kernel, ms", "merge kernel after each, ms",
                          "speed-up"]))
         bare = [s for s in r["steps"] if "bare_replay_sync_us" in s]
+
+        def gpu_over(s: dict) -> str:
+            runner, alone = s.get("runner_device_us"), s.get("bare_replay_device_us")
+            return f"{runner - alone:.0f}" if runner is not None and alone is not None else "-"
+
         if bare:
             parts.append(table(
                 [[s["backend"], s["shape"], f"{s['sync_step_us'] - s['kernels_us']:.0f}",
                   f"{s['bare_replay_sync_us'] - s['kernels_us']:.0f}",
                   f"{s['sync_step_us'] - s['bare_replay_sync_us']:.0f}",
                   f"{s['bare_replay_host_us']:.0f}", f"{s['one_layer_replay_host_us']:.0f}",
-                  f"{s['build_host_us']:.0f}"]
+                  f"{s['build_host_us']:.0f}", f"{s['runner_host_us']:.0f}",
+                  gpu_over(s)]
                  for s in bare],
                 headers=["synchronous step over kernels", "shape", "total us",
                          "bare replay + sync us", "builder + runner us",
                          f"bare replay call ({LAYERS} layers), host us",
-                         "same, one layer", "build, host us"]))
+                         "same, one layer", "build, host us", "runner.run, host us",
+                         "runner's step over the bare replay, GPU us"]))
     if r["layers"]:
         direct = {(x["shape"], x["mode"]): x for x in r["layers"]
                   if x["impl"].startswith("flashinfer direct")}
