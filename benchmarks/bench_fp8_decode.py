@@ -4,7 +4,8 @@
 ``--layer`` picks the attention layer, bf16 queries, block 16, at B x L in {64 x 4096,
 8 x 32768}: ``llama3-8b`` (default; Hq 32, Hk 8, D 128), ``gemma2-sliding`` (Gemma-2-9B's
 sliding-window layer: Hq 16, Hk 8, D 256, logit soft-cap 50, window 4096) or
-``gpt-oss-full`` (gpt-oss-20B's full layers: Hq 64, Hk 8, D 64, sinks left out). One run, each
+``gpt-oss-full`` (gpt-oss-20B's full layers: Hq 64, Hk 8, D 64, sinks left out) or
+``llama3-70b-tp8`` (Llama-3.1-70B at tensor-parallel 8: Hq 8, Hk 1, D 128). One run, each
 section isolated (an error is logged and the run goes on):
 
 0. precompile: every Triton launch below (and FlashInfer's two modules) built at once, one
@@ -36,8 +37,8 @@ the bytes). Logs and JSON go to ``--out`` (default ``$OUT``, else ``benchmarks/r
 named ``bench_fp8_decode`` (``bench_fp8_decode_<layer>`` for a layer other than the default).
 ``--smoke`` runs tiny shapes on the CPU under ``TRITON_INTERPRET=1`` to check the script.
 
-Usage: ``python benchmarks/bench_fp8_decode.py [--layer llama3-8b|gemma2-sliding|gpt-oss-full]
-[--out DIR] [--budget-s 150] [--compile-workers N] [--precompile-s 70] [--no-flashinfer] [--smoke]``
+Usage: ``python benchmarks/bench_fp8_decode.py [--layer NAME] [--out DIR] [--budget-s 150]
+[--compile-workers N] [--precompile-s 70] [--no-flashinfer] [--smoke]``
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ LAYERS = {
         Candidate(64, 4, 4), Candidate(64, 4, 3, 8), Candidate(32, 4, 3, 8),
         Candidate(128, 8, 3), Candidate(128, 4, 3), Candidate(64, 4, 2, 2, 128)),
         smoke=(8, 2, 64)),
+    # Llama-3.1-70B at tensor-parallel 8: one KV head a rank, so a long request's grid is
+    # almost all splits; the candidates sweep the split count at the default tile.
+    "llama3-70b-tp8": Layer("Llama-3.1-70B TP8", 8, 1, 128, None, None, (
+        Candidate(64, 4, 3, 16), Candidate(64, 4, 3, 24), Candidate(64, 4, 3, 32),
+        Candidate(64, 4, 3, 48), Candidate(32, 4, 4, 32), Candidate(32, 4, 3, 64),
+        Candidate(128, 8, 3, 16), Candidate(128, 8, 3, 32), Candidate(64, 4, 3, 8)),
+        smoke=(4, 1, 64)),
 }
 SMOKE_CANDIDATES = (Candidate(32, 4, 4), Candidate(64, 4, 3, 2, 128))
 

@@ -447,7 +447,8 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
     runner's step and of the bare replay (launches queued behind a device sleep, so no host
     time is in them). The synchronous step minus the bare replay is what the builder and the
     runner add: host time where the runner's host time accounts for it, else device time (the
-    runner's step running longer on the GPU than the bare replay)."""
+    runner's step running longer on the GPU than the bare replay). Last, the synchronous step
+    of an engine that wrote the step into the builder's buffers itself (no copies in build)."""
     def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -467,7 +468,14 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
     one = captured(lambda: model.impl.update_and_forward(model.scales, q, k, v, layer, meta,
                                                          output=out))
     b = model.b
+    # The step an engine wrote straight into the builder's buffers: its tensors are the views
+    # build returns (the builder copies nothing).
+    views = model.builder.build(model.common, graph_batch_size=b)
+    in_place = dataclasses.replace(
+        model.common, query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
+        block_table=views.block_table, slot_mapping=views.slot_mapping)
     return {"bare_replay_sync_us": sync_step_us(graph.replay),
+            "sync_step_in_place_us": sync_step_us(lambda: runner.run(model.inputs, in_place)),
             "bare_replay_host_us": sync_step_us(graph.replay, count_sync=False),
             "one_layer_replay_host_us": sync_step_us(one.replay, count_sync=False),
             "build_host_us": sync_step_us(
@@ -808,13 +816,14 @@ def summary_table(run: Run) -> str:
                   f"{s['sync_step_us'] - s['bare_replay_sync_us']:.0f}",
                   f"{s['bare_replay_host_us']:.0f}", f"{s['one_layer_replay_host_us']:.0f}",
                   f"{s['build_host_us']:.0f}", f"{s['runner_host_us']:.0f}",
-                  gpu_over(s)]
+                  gpu_over(s), f"{s['sync_step_in_place_us'] - s['kernels_us']:.0f}"]
                  for s in bare],
                 headers=["synchronous step over kernels", "shape", "total us",
                          "bare replay + sync us", "builder + runner us",
                          f"bare replay call ({LAYERS} layers), host us",
                          "same, one layer", "build, host us", "runner.run, host us",
-                         "runner's step over the bare replay, GPU us"]))
+                         "runner's step over the bare replay, GPU us",
+                         "total, step written in place, us"]))
     if r["layers"]:
         direct = {(x["shape"], x["mode"]): x for x in r["layers"]
                   if x["impl"].startswith("flashinfer direct")}

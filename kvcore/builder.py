@@ -192,6 +192,10 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
     The metadata :meth:`build` returns is valid until the next :meth:`build`, which
     overwrites the buffers.
 
+    An engine may write a step straight into the buffers (:meth:`buffers`) and pass views of
+    them as the step's tensors (``seq_lens[:n]``, ``block_table[:n]``, ...): :meth:`build`
+    copies nothing that is already where it belongs, so such a step costs no device copies.
+
     Buffers: ``query_start_loc`` ``(max_num_seqs + 1,)`` and ``seq_lens`` ``(max_num_seqs,)``
     int32, ``block_table`` ``(max_num_seqs, ceil(max_model_len / block_size))`` int32,
     ``slot_mapping`` ``(max_num_batched_tokens,)`` int64.
@@ -288,12 +292,12 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
         width = min(common.block_table.shape[1], table.shape[1])
         padded = size > n
         self._copy_query_start_loc(common, qsl, n, graph_batch_size is not None)
-        (seq_lens[:n] if padded else seq_lens).copy_(common.seq_lens)
+        _copy_into(seq_lens[:n] if padded else seq_lens, common.seq_lens)
         if n:
             source, dest = common.block_table, table[:n] if padded else table
             dest = dest if dest.shape[1] == width else dest[:, :width]
-            dest.copy_(source if source.shape[1] == width else source[:, :width])
-        (slots[:rows] if total > rows else slots).copy_(common.slot_mapping)
+            _copy_into(dest, source if source.shape[1] == width else source[:, :width])
+        _copy_into(slots[:rows] if total > rows else slots, common.slot_mapping)
         if size > n:  # padding requests (uniform decode: token i is request i)
             seq_lens[n:].fill_(1)
             table[n:, :1].fill_(0)
@@ -336,14 +340,24 @@ class PersistentMetadataBuilder(AttentionMetadataBuilder):
         if counting and upto > size:
             return
         if graph:
-            (qsl[:n + 1] if size > n else qsl).copy_(common.query_start_loc)
+            _copy_into(qsl[:n + 1] if size > n else qsl, common.query_start_loc)
             if size > n:
                 qsl[n + 1:].copy_(self._arange[n + 1:size + 1])
         else:
-            qsl.copy_(common.query_start_loc)
+            _copy_into(qsl, common.query_start_loc)
         # Here the buffer held 0..k for some k <= size at most, so entries beyond size are
         # not known to count on.
         self._qsl_arange = (size + 1 if counting else 0, buffer._version)
+
+
+def _copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
+    """``dest.copy_(source)``, skipped when ``source`` is ``dest`` itself (an engine that
+    wrote the step straight into the builder's buffers): a launch saved per tensor."""
+    if (source.data_ptr() == dest.data_ptr() and source.shape == dest.shape
+            and source.stride() == dest.stride() and source.dtype == dest.dtype
+            and source.device == dest.device):
+        return
+    dest.copy_(source)
 
 
 def _understated(max_seq_len: int, what: str) -> ValueError:

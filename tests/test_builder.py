@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcore
 from kvcore import is_uniform_decode, ops, step_facts
@@ -323,6 +324,56 @@ def test_persistent_builder_reuses_its_buffers_for_steps_of_any_shape():
     assert second.block_table[:, :3].tolist()[1] == [5, 6, 0]
     assert second.slot_mapping.tolist() == [7, 1, 16]
     assert facts_of(second).max_block_id == 6
+
+
+class BufferCopies(TorchDispatchMode):
+    """Counts ``copy_`` calls into the storages of ``buffers``."""
+
+    def __init__(self, buffers) -> None:
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in buffers}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is torch.ops.aten.copy_.default
+                and args[0].untyped_storage().data_ptr() in self.storages):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph_batch_size=4"])
+def test_persistent_builder_copies_nothing_an_engine_wrote_in_place(graph):
+    builder = kvcore.PersistentMetadataBuilder(SPEC, **LIMITS)
+    buffers = builder.buffers()
+    fresh = decode([3, 9, 0], [[1], [5, 6, 0], [4]])
+    with BufferCopies(buffers.values()) as control:
+        expected = builder.build(fresh, graph_batch_size=4 if graph else None)
+    expected = dict(qsl=expected.query_start_loc.clone(), seq_lens=expected.seq_lens.clone(),
+                    table=expected.block_table.clone(), slots=expected.slot_mapping.clone())
+    assert control.count >= 4  # the control: a step in tensors of its own is copied
+    # The engine writes the same step into the buffers itself and passes views of them.
+    for name in buffers:
+        buffers[name].fill_(-7)
+    n, rows, width = 3, 3, fresh.block_table.shape[1]
+    buffers["query_start_loc"][:n + 1].copy_(fresh.query_start_loc)
+    buffers["seq_lens"][:n].copy_(fresh.seq_lens)
+    buffers["block_table"][:n, :width].copy_(fresh.block_table)
+    buffers["slot_mapping"][:rows].copy_(fresh.slot_mapping)
+    in_place = kvcore.AttentionMetadata(
+        buffers["query_start_loc"][:n + 1], buffers["seq_lens"][:n],
+        buffers["block_table"][:n, :width], buffers["slot_mapping"][:rows],
+        fresh.max_query_len, fresh.max_seq_len, fresh.num_actual_tokens,
+        query_start_loc_cpu=fresh.query_start_loc_cpu, seq_lens_cpu=fresh.seq_lens_cpu)
+    with BufferCopies(buffers.values()) as mode:
+        meta = builder.build(in_place, graph_batch_size=4 if graph else None)
+    assert meta.seq_lens.tolist() == expected["seq_lens"].tolist()
+    assert meta.slot_mapping.tolist() == expected["slots"].tolist()
+    assert meta.query_start_loc.tolist() == expected["qsl"].tolist()
+    # The real requests' rows; a padding request reads only its first column.
+    assert meta.block_table[:n, :width].tolist() == expected["table"][:n, :width].tolist()
+    assert meta.block_table[n:, :1].tolist() == expected["table"][n:, :1].tolist()
+    # Eager: nothing copied. Graph: only the padding request's query_start_loc entry.
+    assert mode.count == (1 if graph else 0)
 
 
 def test_persistent_builder_results_equal_the_steps_own():
