@@ -48,9 +48,7 @@ the kernels' is the builder's and the runner's host work the GPU cannot hide. A 
 splits it: the same 32 layers captured alone and replayed with a sync every step (the floor an
 engine cannot go under: the graph's launch latency and the sync's return), the host time of
 that replay call (and of one layer's graph: what a layer's nodes add to the launch), and the
-builder's ``build`` alone. Where the step splits the keys (TRITON_ATTN at 16 x 4096), its kernels
-are also timed with a merge kernel after each split launch (the builder's plan without its split
-counters), beside the default, where each launch's last split merges.
+builder's ``build`` alone.
 
 The table printed last has the step times and ratios. Logs and JSON go to ``--out`` (default
 ``$OUT``, else ``benchmarks/results``). ``--cpu`` runs section 4 on the CPU with CPU_ATTN
@@ -409,14 +407,6 @@ def time_step(run: Run, name: str, b: int, length: int) -> None:
             model.scales, k, v, layer, meta.slot_mapping))
         t_attn, how_a = time_call(lambda: model.impl.forward(model.scales, q, k, v, layer, meta,
                                                              output=out))
-        plan = getattr(meta, "plan", None)
-        if getattr(plan, "split_counters", None) is not None:
-            # The same step with a merge kernel after each split launch (the plan without
-            # its counters): what merging in the kernel saves.
-            merged = dataclasses.replace(meta, plan=dataclasses.replace(plan,
-                                                                        split_counters=None))
-            row["kernels_merge_kernel_us"] = time_call(
-                lambda: model.step(model.inputs, merged))[0] * 1e6
     finally:
         ops.set_value_checks(checks)
     row.update(kernels_us=t_kernels * 1e6, write_us=t_write * 1e6, attention_us=t_attn * 1e6,
@@ -613,16 +603,6 @@ def time_checks(run: Run, name: str) -> None:
         finally:
             ops.set_value_checks(checks)
 
-    probe = model.builder.build(model.common)
-    if getattr(getattr(probe, "plan", None), "split_counters", None) is not None:
-        def merge_kernel() -> None:
-            # The same eager step with a merge kernel after each split launch (the plan
-            # without its split counters): the launch per layer the in-kernel merge saves.
-            meta = model.builder.build(model.common)
-            model.step(model.inputs, dataclasses.replace(
-                meta, plan=dataclasses.replace(meta.plan, split_counters=None)))
-
-        variants["value checks on, merge kernel after the split launch"] = merge_kernel
     times = interleaved({**variants, "value checks off": checks_off},
                         rounds=1 if SMOKE else 5)
     off = times["value checks off"]
@@ -794,15 +774,6 @@ def summary_table(run: Run) -> str:
                      "kernels ms (in the step)", "host overhead",
                      "32 x one layer alone, ms", "host us/step", "synchronous step ms",
                      "synchronous over kernels"]))
-        fused = [s for s in r["steps"] if "kernels_merge_kernel_us" in s]
-        if fused:
-            parts.append(table(
-                [[s["backend"], s["shape"], f"{s['kernels_us'] / 1e3:.3f}",
-                  f"{s['kernels_merge_kernel_us'] / 1e3:.3f}",
-                  f"{s['kernels_merge_kernel_us'] / s['kernels_us']:.3f}x"] for s in fused],
-                headers=[f"{LAYERS}-layer split step (kernels)", "shape",
-                         "splits merged in the kernel, ms", "merge kernel after each, ms",
-                         "speed-up"]))
         bare = [s for s in r["steps"] if "bare_replay_sync_us" in s]
 
         def gpu_over(s: dict) -> str:

@@ -37,7 +37,6 @@ from kvcore.metadata import AttentionLayer, AttentionMetadata
 from kvcore.ops import (
     TritonAttentionPlan,
     default_num_kv_splits,
-    split_counters_numel,
     triton_fp8_reasons,
     triton_paged_attention,
     triton_reshape_and_cache,
@@ -89,17 +88,11 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         most = max(workspace_numel(b, num_heads, spec.head_size, self.graph_num_kv_splits(b))
                    for b in range(1, max_num_seqs + 1))
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: Zeroed int32 counters with which a split launch merges its own splits (see
-        #: ``TritonAttentionPlan.split_counters``): one launch fewer per layer.
-        self.split_counters: torch.Tensor | None = None
         self._plans: dict[int, TritonAttentionPlan] = {}
         if most[0]:
             with torch.inference_mode(False):
                 self.workspace = (torch.empty(most[0], dtype=torch.float32, device=self.device),
                                   torch.empty(most[1], dtype=torch.float32, device=self.device))
-                self.split_counters = torch.zeros(
-                    split_counters_numel(max_num_seqs, max_num_seqs, num_kv_heads),
-                    dtype=torch.int32, device=self.device)
 
     def graph_num_kv_splits(self, batch_size: int) -> int:
         """The split count of a uniform-decode step captured for ``batch_size`` requests
@@ -114,7 +107,6 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         found = super().buffers()
         if self.workspace is not None:
             found["workspace_out"], found["workspace_lse"] = self.workspace
-            found["split_counters"] = self.split_counters
         return found
 
     def build(self, common: AttentionMetadata, *,
@@ -128,8 +120,7 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
         plan = self._plans.get(splits)
         if plan is None:  # one plan object per split count: the ops check a plan once
             plan = self._plans[splits] = TritonAttentionPlan(
-                num_kv_splits=splits, workspace=self.workspace if splits > 1 else None,
-                split_counters=self.split_counters if splits > 1 else None)
+                num_kv_splits=splits, workspace=self.workspace if splits > 1 else None)
         return meta.extend(TritonAttentionMetadata, plan=plan)
 
 

@@ -26,8 +26,7 @@ frozen config class (:class:`TritonDecodeConfig`, :class:`TritonSplitKVConfig`,
 :class:`TritonPrefillConfig`, :class:`GluonPrefillConfig`); a builder hands its choices to the
 op as a :class:`TritonAttentionPlan`. Split-KV (:mod:`kvcore.ops.split_kv`), for any kernel
 that writes partial outputs and base-2 log-sum-exps: the split rule (:func:`kv_split_count`,
-TRITON_ATTN's :func:`default_num_kv_splits`), :func:`num_sms`, :func:`workspace_numel`,
-:func:`split_counters_numel` (a plan's counters for a split launch that merges itself), the
+TRITON_ATTN's :func:`default_num_kv_splits`), :func:`num_sms`, :func:`workspace_numel`, the
 merge (:func:`merge_kv_splits`) and the constants :data:`LOG2E`, :data:`LN2`,
 :data:`MAX_KV_SPLITS`.
 """
@@ -74,7 +73,6 @@ from kvcore.ops.split_kv import (
     kv_split_count,
     merge_kv_splits,
     num_sms,
-    split_counters_numel,
     workspace_numel,
 )
 from kvcore.ops.torch_attention import paged_attention_torch
@@ -159,7 +157,6 @@ __all__ = [
     "reshape_and_cache_ref",
     "scale_value",
     "set_value_checks",
-    "split_counters_numel",
     "step_facts_from_tensors",
     "triton_available",
     "triton_convert_blocks",

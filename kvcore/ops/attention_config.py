@@ -184,18 +184,11 @@ class TritonAttentionPlan:
             :func:`kvcore.ops.split_kv.workspace_numel` elements each (a builder owns them, so
             a step allocates nothing and can be captured in a CUDA graph); ``None`` allocates
             per call.
-        split_counters: with a ``workspace``, a zeroed contiguous int32 tensor on the query's
-            device of at least :func:`kvcore.ops.split_kv.split_counters_numel` elements: a
-            split launch then merges its splits itself (the last split of each query tile
-            and KV head to arrive merges them; no merge kernel is launched) and leaves the
-            counters zeroed again. The launches of one plan's counters must not run
-            concurrently (on two streams). ``None``: a merge kernel after each split launch.
     """
 
     config: AttentionConfig | None = None
     num_kv_splits: int | None = None
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-    split_counters: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -260,15 +260,13 @@ class AttentionLaunch:
     :func:`~kvcore.ops.triton_utils.scale_args` gives them, of the types they had here).
     ``workspace``: flat float32 ``(partial outputs, log-sum-exps)`` of at least
     :func:`~kvcore.ops.split_kv.workspace_numel` elements for ``triton_split_kv``, or
-    ``None`` (allocated per call); with ``fused_merge`` a third member, the plan's int32
-    split counters (:func:`~kvcore.ops.split_kv.split_counters_numel` elements, zeroed):
-    the split launch merges its own splits and no merge kernel follows."""
+    ``None`` (allocated per call)."""
 
     def __init__(self, cfg: AttentionConfig, query: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, scale: float, causal: bool,
                  sliding_window: int | None, fp8: bool, ks: torch.Tensor | float,
                  logits_soft_cap: float | None = None,
-                 sinks: torch.Tensor | None = None, *, fused_merge: bool = False) -> None:
+                 sinks: torch.Tensor | None = None) -> None:
         self.cfg = cfg
         num_heads, head_size = query.shape[1:]
         _, block_size, num_kv_heads, _ = key_cache.shape
@@ -292,10 +290,8 @@ class AttentionLaunch:
                           INTERPRET=is_interpreted(fn), DOT_PRECISION=dot_precision,
                           BLOCK_Q=cfg.block_q, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,
                           BLOCK_D=block_d)
-        # The sinks go into the kernel's softmax, or, for a split launch, into the merge (the
-        # merge kernel's, or the kernel's own last split's with fused_merge).
-        self.fused_merge = fused_merge = fused_merge and self.num_splits > 1
-        self.merge_sinks = sinks if self.num_splits > 1 and not fused_merge else None
+        # The sinks go into the kernel's softmax, or, for a split launch, into the merge.
+        self.merge_sinks = sinks if self.num_splits > 1 else None
         kernel_sinks = sinks is not None and self.num_splits == 1
         features = dict(SOFT_CAP=float(logits_soft_cap or 0.0), HAS_SINKS=kernel_sinks)
         window = sliding_window or 0
@@ -311,11 +307,10 @@ class AttentionLaunch:
             self.ints = (num_heads, group, block_size, head_size, window, self.num_splits)
             constexprs.update(SPLIT_KV=self.num_splits > 1,
                               PAGE=block_size if cfg.const_block else 0,
-                              FP8_FP16=cfg.fp8_fp16, **features, FUSED_MERGE=fused_merge,
-                              MERGE_SINKS=fused_merge and sinks is not None)
+                              FP8_FP16=cfg.fp8_fp16, **features)
         self.cache_strides = (*key_cache.stride(), *value_cache.stride())
         # Without sinks the kernel never reads its sinks argument: the query goes there.
-        self.sinks = sinks if kernel_sinks or (fused_merge and sinks is not None) else None
+        self.sinks = sinks if kernel_sinks else None
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         max_registers = getattr(cfg, "max_registers", None)
         if max_registers is not None:
@@ -354,16 +349,13 @@ class AttentionLaunch:
             parts, part_key = (), None
         elif num_splits > 1:
             n = num_tokens * self.num_heads * num_splits
-            part_out, part_lse = workspace[:2] if workspace is not None else (
+            part_out, part_lse = workspace if workspace is not None else (
                 torch.empty(n * self.head_size, dtype=torch.float32, device=query.device),
                 torch.empty(n, dtype=torch.float32, device=query.device))
-            # The counters, or (no fused merge) any tensor: the kernel does not read it.
-            counters = workspace[2] if self.fused_merge else part_lse
-            parts, part_key = (part_out, part_lse, counters), (
-                part_out.data_ptr() & 15, part_lse.data_ptr() & 15, counters.dtype,
-                counters.data_ptr() & 15)
+            parts, part_key = (part_out, part_lse), (part_out.data_ptr() & 15,
+                                                     part_lse.data_ptr() & 15)
         else:  # unused by the kernel; any tensor will do as the argument (out: keyed already)
-            parts, part_key = (out, out, out), None
+            parts, part_key = (out, out), None
         self.kernel(
             (num_tokens // self.block_q + num_seqs, self.num_kv_heads, num_splits),
             (query, key_cache, value_cache, out, *parts, *step.tensors, ks, vs,
@@ -373,7 +365,7 @@ class AttentionLaunch:
              ks.data_ptr() & 15 if isinstance(ks, torch.Tensor) else type(ks),
              vs.data_ptr() & 15 if isinstance(vs, torch.Tensor) else type(vs),
              q_strides, out_strides))
-        if num_splits > 1 and not self.fused_merge:
+        if num_splits > 1:
             n = num_tokens * self.num_heads * num_splits
             launch_merge(
                 part_out[:n * self.head_size].view(num_tokens, self.num_heads, num_splits,

@@ -29,7 +29,7 @@ from kvcore.dtypes import FP8_KV_CACHE_DTYPES
 from kvcore.ops.attention_config import decode_tile, device_arch, is_rocm
 
 __all__ = ["LN2", "LOG2E", "MAX_KV_SPLITS", "default_num_kv_splits", "kv_split_count",
-           "merge_kv_splits", "num_sms", "split_counters_numel", "workspace_numel"]
+           "merge_kv_splits", "num_sms", "workspace_numel"]
 
 #: ``log2(e)``: kernels score with ``exp2``, so the softmax scale is multiplied by it.
 LOG2E = 1.4426950408889634
@@ -102,13 +102,6 @@ def workspace_numel(num_tokens: int, num_heads: int, head_size: int,
         return 0, 0
     lse = num_tokens * num_heads * num_kv_splits
     return lse * head_size, lse
-
-
-def split_counters_numel(num_tokens: int, num_seqs: int, num_kv_heads: int) -> int:
-    """Elements of the int32 counters a TRITON_ATTN split launch that merges its own splits
-    needs (:attr:`kvcore.ops.TritonAttentionPlan.split_counters`): one per (query tile, KV
-    head) of its grid, at most ``(num_tokens + num_seqs) * num_kv_heads``."""
-    return (num_tokens + num_seqs) * num_kv_heads
 
 
 def merge_kv_splits(partials: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,

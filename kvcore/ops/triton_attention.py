@@ -43,7 +43,7 @@ from kvcore.ops.attention_dispatch import (
     gluon_prefill_unmet,
 )
 from kvcore.ops.reference import check_attention_features
-from kvcore.ops.split_kv import MAX_KV_SPLITS, split_counters_numel, workspace_numel
+from kvcore.ops.split_kv import MAX_KV_SPLITS, workspace_numel
 from kvcore.ops.triton_cache import CacheViews, same_scale, scale_key
 from kvcore.ops.triton_utils import gluon_defaults_enabled, recording_launches, scale_args
 from kvcore.ops.validation import (
@@ -196,12 +196,11 @@ def paged_attention(
     cfg, workspace = layer.choose(plan, query, key_cache, value_cache, step.num_seqs,
                                   step.width)
     ks, vs = scale_args(k_scale, v_scale, layer.device) if layer.fp8 else _UNSCALED
-    fused = workspace is not None and len(workspace) == 3  # the plan has split counters
-    launch = layer.launches.get((cfg, fused))
+    launch = layer.launches.get(cfg)
     if launch is None:
-        launch = layer.launches[cfg, fused] = AttentionLaunch(
+        launch = layer.launches[cfg] = AttentionLaunch(
             cfg, query, key_cache, value_cache, scale, causal, sliding_window, layer.fp8, ks,
-            logits_soft_cap, sinks, fused_merge=fused)
+            logits_soft_cap, sinks)
     launch(query, key_cache, value_cache, out, args, ks, vs, workspace)
     return out
 
@@ -235,27 +234,6 @@ def _check_plan(plan: object) -> None:
                         f"{type(plan).__name__}")
     if plan.num_kv_splits is not None:
         _check_splits(plan.num_kv_splits, "plan.num_kv_splits")
-    counters = plan.split_counters
-    if counters is not None:
-        if not isinstance(counters, torch.Tensor):
-            raise TypeError("plan.split_counters must be an int32 tensor or None, got "
-                            f"{type(counters).__name__}")
-        if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
-            raise ValueError(f"plan.split_counters must be a contiguous 1-D int32 tensor, got "
-                             f"{counters.dtype} of shape {tuple(counters.shape)} (contiguous: "
-                             f"{counters.is_contiguous()})")
-        if plan.workspace is None:
-            raise ValueError("plan.split_counters needs plan.workspace (the partials the "
-                             "launch merges itself): pass both, or neither")
-
-
-def _check_counters(counters: torch.Tensor, device: torch.device, needed: int) -> torch.Tensor:
-    if counters.device != device:
-        raise ValueError(f"plan.split_counters is on {counters.device}, the query on {device}")
-    if counters.numel() < needed:
-        raise ValueError(f"plan.split_counters has {counters.numel()} elements but this call's "
-                         f"split launch needs {needed} (see kvcore.ops.split_counters_numel)")
-    return counters
 
 
 #: Checked layers by their signature (the key of :func:`paged_attention`'s lookup).
@@ -381,14 +359,10 @@ class _Layer:
             return cfg, None
         needed = workspace_numel(num_tokens, *query.shape[1:], cfg.num_splits)
         last = self._workspace
-        if not (last and last[0] is plan and last[1] == needed and last[2] == num_seqs):
-            workspace = _check_workspace(plan.workspace, query.device, needed)
-            if plan.split_counters is not None:
-                workspace += (_check_counters(
-                    plan.split_counters, query.device,
-                    split_counters_numel(num_tokens, num_seqs, key_cache.shape[2])),)
-            last = self._workspace = (plan, needed, num_seqs, workspace)
-        return cfg, last[3]
+        if not (last and last[0] is plan and last[1] == needed):
+            last = self._workspace = (plan, needed, _check_workspace(
+                plan.workspace, query.device, needed))
+        return cfg, last[2]
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

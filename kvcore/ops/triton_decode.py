@@ -16,16 +16,13 @@ Split-KV: with ``SPLIT_KV`` the key range of every (query tile, KV head) is cut 
 partial output and its base-2 log-sum-exp to a float32 workspace
 ``(num_tokens, num_heads, num_splits, head_size)`` / ``(num_tokens, num_heads, num_splits)``,
 which :func:`kvcore.ops.split_kv.merge_kv_splits` merges. Each request is split by its *own*
-length, read on the device. With ``FUSED_MERGE`` (a plan's ``split_counters``) there is no merge
-launch: each (query tile, KV head) counts its arriving splits in an int32 counter, and the
-program of the split that arrives last merges the partials (:func:`merge_splits`) and zeroes
-the counter again, so a launch leaves every counter as it found it.
+length, read on the device.
 
 Features, compile-time switches that leave the kernel unchanged when off: ``SOFT_CAP`` > 0
 caps every scaled score at ``cap * tanh(score / cap)`` before masking
 (:func:`soft_cap_scores`); ``HAS_SINKS`` starts each row's online softmax with its head's sink
 logit (:func:`initial_row_state`). A split launch leaves ``HAS_SINKS`` off and the merge adds
-the sink once (``MERGE_SINKS`` in a fused merge).
+the sink once.
 
 fp8 caches (``FP8``): K/V tiles are converted to the products' dtype in the loop (exact) and the
 per-tensor scales go on the scores (``qk_scale * k_scale``) and the output (``* v_scale``), once
@@ -49,8 +46,8 @@ import triton.language as tl
 
 from kvcore.ops.triton_utils import load_kv_scales, locate_query_tile, to_output
 
-__all__ = ["fp16_query", "initial_row_state", "load_query_tile", "merge_splits", "page_ids",
-           "page_slots", "paged_attention_kernel", "soft_cap_scores"]
+__all__ = ["fp16_query", "initial_row_state", "load_query_tile", "page_ids", "page_slots",
+           "paged_attention_kernel", "soft_cap_scores"]
 
 #: ``log2(e)`` (as :data:`kvcore.ops.split_kv.LOG2E`): scores here are in base 2.
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -158,7 +155,7 @@ def page_slots(k_pos, block_size, PAGE: tl.constexpr):
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     k_scale, v_scale, sinks_ptr, qk_scale,
     num_seqs, num_heads, num_queries_per_kv, block_size, head_size, sliding_window, num_splits,
@@ -172,8 +169,7 @@ def paged_attention_kernel(
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_KV: tl.constexpr, PAGE: tl.constexpr, FP8_FP16: tl.constexpr,
-    SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    MERGE_SINKS: tl.constexpr,
+    SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     tile = tl.program_id(0)
@@ -290,53 +286,4 @@ def paged_attention_kernel(
                  mask=store_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_valid)
-        if FUSED_MERGE:
-            # Every thread's partial is stored before one thread announces the split; the
-            # split that arrives last merges them all (no merge kernel) and zeroes the
-            # counter for the next launch.
-            tl.debug_barrier()
-            group = tile * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counters_ptr + group, 1, sem="acq_rel")
-            if arrived == num_splits - 1:
-                tl.atomic_xchg(counters_ptr + group, 0)
-                merge_splits(out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, token, head,
-                             row_valid, dims64, store_mask, num_heads, num_splits, head_size,
-                             stride_ot, stride_oh, stride_od, INTERPRET=INTERPRET,
-                             MERGE_SINKS=MERGE_SINKS, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D)
-
-
-@triton.jit
-def merge_splits(out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, token, head, row_valid,
-                 dims64, store_mask, num_heads, num_splits, head_size,
-                 stride_ot, stride_oh, stride_od, INTERPRET: tl.constexpr,
-                 MERGE_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The rows' split partials merged into ``out`` (what :mod:`kvcore.ops.triton_merge`'s
-    kernel does for a whole launch), by the program whose split arrived last. The partials
-    of the other programs are read from L2 (``.cg``): this SM's L1 may hold none of them,
-    but nothing may be taken from it."""
-    first = (token * num_heads + head) * num_splits
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + first + s, mask=row_valid,
-                                  other=float("-inf"), cache_modifier=".cg"))
-    if MERGE_SINKS:  # the head's sink logit (base 2) joins the denominator once, here
-        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")).to(tl.float32)
-        sink = sink * _LOG2E
-        m = tl.maximum(m, sink)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(part_lse_ptr + first + s, mask=row_valid, other=float("-inf"),
-                            cache_modifier=".cg") - m_use)  # 0 for an empty split
-        row = tl.load(part_out_ptr + (first + s)[:, None] * head_size + dims64[None, :],
-                      mask=store_mask, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * row
-        total += w
-    if MERGE_SINKS:
-        total += tl.exp2(sink - m_use)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-             + dims64[None, :] * stride_od,
-             to_output(out, out_ptr.dtype.element_ty, INTERPRET), mask=store_mask)
 

@@ -50,7 +50,7 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
                     backend: str = "TRITON_ATTN",
                     sliding_window: int | None = None) -> KernelCase:
     def launch() -> str:
-        from kvcore.ops import TritonAttentionPlan, split_counters_numel, workspace_numel
+        from kvcore.ops import TritonAttentionPlan
         from kvcore.ops.attention_dispatch import call_config
         from kvcore.ops.triton_attention import paged_attention
 
@@ -67,19 +67,10 @@ def _attention_case(target: CompileTarget, name: str, *, q_lens: list[int],
                              pages * _BLOCK_SIZE, num_sms=target.num_sms, rocm=target.is_rocm,
                              arch=target.name)
         scale = torch.ones(1) if fp8 else None
-        plan = TritonAttentionPlan(config=config)
-        splits = getattr(config, "num_splits", 1)
-        if splits > 1:  # as a builder's plan: its workspace, the splits merged in the kernel
-            out_n, lse_n = workspace_numel(num_tokens, num_heads, head_size, splits)
-            plan = TritonAttentionPlan(
-                config=config, workspace=(torch.empty(out_n), torch.empty(lse_n)),
-                split_counters=torch.zeros(split_counters_numel(num_tokens, num_seqs,
-                                                                num_kv_heads),
-                                           dtype=torch.int32))
         paged_attention(query, k_cache, v_cache, query_start_loc=query_start_loc,
                         seq_lens=seq_lens, block_table=block_table, scale=head_size ** -0.5,
                         sliding_window=sliding_window, kv_cache_dtype=kv_cache_dtype,
-                        k_scale=scale, v_scale=scale, plan=plan)
+                        k_scale=scale, v_scale=scale, plan=TritonAttentionPlan(config=config))
         return config.kernel
 
     return KernelCase(name, launch,

@@ -182,18 +182,15 @@ def test_fp8_cache(kv_cache_dtype: str, scale_kind: str) -> None:
     check_against_references(out, batch, kv_cache_dtype=kv_cache_dtype, k_scale=ks, v_scale=vs)
 
 
-def split_batch(gen: torch.Generator, kind: str) -> Batch:
-    """Three decodes of uneven lengths (``decode``), or a mixed batch, 8 heads over 2."""
-    shape = dict(block_size=16, num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    if kind == "decode":
-        return make_batch(gen, q_lens=[1, 1, 1], seq_lens=[150, 7, 64], **shape)
-    return mixed_batch(gen, 3, **shape)
-
-
 @pytest.mark.parametrize("splits", [2, 5])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_split_kv_equals_unsplit(splits: int, kind: str) -> None:
-    batch = split_batch(_seed(f"split{splits}{kind}"), kind)
+    gen = _seed(f"split{splits}{kind}")
+    shape = dict(block_size=16, num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    if kind == "decode":
+        batch = make_batch(gen, q_lens=[1, 1, 1], seq_lens=[150, 7, 64], **shape)
+    else:
+        batch = mixed_batch(gen, 3, **shape)
     whole = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                              **batch.kwargs(), plan=Plan(num_kv_splits=1))
     split = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
@@ -210,72 +207,6 @@ def test_split_kv_with_window_and_bf16() -> None:
                                            **batch.kwargs(), plan=Plan(num_kv_splits=3),
                                            sliding_window=70)
     check_against_references(out, batch, sliding_window=70)
-
-
-def split_plan(batch: Batch, splits: int, *, counters: bool) -> Plan:
-    """A plan with its own workspace (as a builder's), with or without split counters."""
-    tokens, heads, size = batch.query.shape
-    out_n, lse_n = kvcore.ops.workspace_numel(tokens, heads, size, splits)
-    workspace = (torch.empty(out_n, device=DEVICE), torch.empty(lse_n, device=DEVICE))
-    found = None
-    if counters:
-        found = torch.zeros(kvcore.ops.split_counters_numel(
-            tokens, batch.seq_lens.shape[0], batch.key_cache.shape[2]), dtype=torch.int32,
-            device=DEVICE)
-    return Plan(num_kv_splits=splits, workspace=workspace, split_counters=found)
-
-
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
-@pytest.mark.parametrize("splits", [2, 5])
-def test_split_kv_merged_by_its_last_split_equals_the_merge_kernel(
-        splits: int, kind: str, sinks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plan with split counters: the last split of each (query tile, KV head) merges them
-    (no merge launch); the same output as the merge kernel's, the references', and the
-    counters zeroed again, so a second step on them is right too."""
-    gen = _seed(f"fused{splits}{kind}{sinks}")
-    batch = split_batch(gen, kind)
-    features = dict(sinks=torch.randn(8, generator=gen).to(DEVICE) * 2 if sinks else None,
-                    sliding_window=None)
-    merged = triton_attention.paged_attention(
-        batch.query, batch.key_cache, batch.value_cache, **batch.kwargs(), **features,
-        plan=split_plan(batch, splits, counters=False))
-    plan = split_plan(batch, splits, counters=True)
-
-    def no_merge(*args, **kwargs) -> None:
-        raise AssertionError("a merge kernel was launched beside split counters")
-
-    monkeypatch.setattr(dispatch, "launch_merge", no_merge)
-    for _ in range(2):
-        out = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                               **batch.kwargs(), **features, plan=plan)
-        torch.testing.assert_close(out, merged, atol=2e-6, rtol=2e-6)
-        assert not plan.split_counters.any(), "a launch left a counter non-zero"
-    check_against_references(out, batch, **features)
-
-
-def test_split_counters_refused_with_a_reason() -> None:
-    batch = make_batch(_seed("counters"), q_lens=[1, 1], seq_lens=[90, 40], block_size=16,
-                       num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    plan = split_plan(batch, 3, counters=True)
-
-    def call(**changes) -> None:
-        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                         **batch.kwargs(), plan=dataclasses.replace(plan,
-                                                                                   **changes))
-
-    with pytest.raises(ValueError, match=r"plan.split_counters must be a contiguous 1-D "
-                                         r"int32 tensor, got torch.int64"):
-        call(split_counters=plan.split_counters.long())
-    with pytest.raises(ValueError, match=r"plan.split_counters has 3 elements but this "
-                                         r"call's split launch needs 8 \(see "
-                                         r"kvcore.ops.split_counters_numel\)"):
-        call(split_counters=plan.split_counters[:3])
-    with pytest.raises(ValueError, match=r"plan.split_counters needs plan.workspace"):
-        call(workspace=None)
-    with pytest.raises(TypeError, match=r"plan.split_counters must be an int32 tensor or "
-                                        r"None, got list"):
-        call(split_counters=[0] * 8)
 
 
 def test_split_heuristic() -> None:
