@@ -104,7 +104,8 @@ LAYERS = {
     "llama3-8b": Layer("Llama-3.1-8B", 32, 8, 128, None, None, (
         Candidate(32, 4, 4), Candidate(64, 4, 3), Candidate(64, 8, 3), Candidate(32, 4, 3),
         Candidate(64, 4, 4), Candidate(64, 4, 3, 8), Candidate(32, 4, 3, 8),
-        Candidate(64, 4, 3, 16), Candidate(128, 8, 3)), smoke=(8, 2, 64)),
+        Candidate(64, 4, 3, 16), Candidate(128, 8, 3), Candidate(64, 4, 3, 12),
+        Candidate(64, 4, 3, 6), Candidate(64, 4, 3, 24)), smoke=(8, 2, 64)),
     # The fp8_wide tile's alternatives: the sm90 row's own tiles (3 programs an SM), the tail
     # of 64 x 4096's second wave cut by splits, other ways to 4 programs (16 warps) an SM.
     "gemma2-sliding": Layer("Gemma-2-9B sliding", 16, 8, 256, 50.0, 4096, (
@@ -128,7 +129,8 @@ LAYERS = {
     "llama3-70b-tp8": Layer("Llama-3.1-70B TP8", 8, 1, 128, None, None, (
         Candidate(64, 4, 3, 16), Candidate(64, 4, 3, 24), Candidate(64, 4, 3, 32),
         Candidate(64, 4, 3, 48), Candidate(32, 4, 4, 32), Candidate(32, 4, 3, 64),
-        Candidate(128, 8, 3, 16), Candidate(128, 8, 3, 32), Candidate(64, 4, 3, 8)),
+        Candidate(128, 8, 3, 16), Candidate(128, 8, 3, 32), Candidate(64, 4, 3, 8),
+        Candidate(64, 4, 3, 40), Candidate(64, 4, 3, 49), Candidate(64, 4, 3, 56)),
         smoke=(4, 1, 64)),
 }
 SMOKE_CANDIDATES = (Candidate(32, 4, 4), Candidate(64, 4, 3, 2, 128))

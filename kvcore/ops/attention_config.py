@@ -232,7 +232,8 @@ class DecodeTile:
     above head size 128 (its ``block_n``, ``num_warps``, ``num_stages``, ``const_block``,
     ``split_block_n``, ``fp8_fp16``, ``max_registers``; the split rule stays this row's);
     ``None``: this row's tile. ``fp8_narrow``: likewise, the tile an fp8 cache takes at head
-    sizes up to 64."""
+    sizes up to 64. The split rule is the row's, but for ``fp8_split_waves``, which a head-size
+    tile may set for its own head sizes (it holds another number of programs per SM)."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -278,13 +279,19 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 
 #: ``triton_decode`` / ``triton_split_kv`` rows and the split rule. Above head size 128 on
 #: ROCm the decode kernel keeps one tile in flight (LDS, as in :data:`PREFILL_TILES`).
-#: sm90's fp8 splits (benchmarks/bench_fp8_decode.py on an H100, Llama-3.1-8B layer: Hq 32,
-#: Hk 8, D 128, block 16, bf16 queries; explicit plans): at 8 x 32768 (64 programs) the fp8
-#: cache took 332.8 us with the 16-bit rule's 4 splits of 64 keys a step (n64w4s3x4), 250.0
-#: with 16 (n64w4s3x16) and 252.6 with 8 splits of 32 keys (FlashInfer fp8 242.2; the bf16
-#: cache 363.2 with 4 splits, 95% of the read ceiling), so fp8 aims at 8 programs per SM
-#: (8 * 132 / 64 -> 16 splits). 64 x 4096 (512 programs, not split) stays unsplit: 249.7 us
-#: with 32 keys a step against 261.3 for 8 splits of 64 (FlashInfer fp8 244.7).
+#: sm90's fp8 splits (benchmarks/bench_fp8_decode.py, H100, block 16, bf16 queries, explicit
+#: plans, 2026-12-07): a split program of the fp8 tile (64 keys a step, 4 warps, 3 stages)
+#: shares an SM with two others, so 3 * 132 = 396 programs run at once and a launch is best
+#: cut into about that many. Llama-3.1-8B (Hq 32, Hk 8, D 128) at 8 x 32768, 64 programs: 6
+#: splits 228.5 us, 12 232.6, 16 248.5, 24 245.6 (FlashInfer fp8 238.6); Llama-3.1-70B at TP 8
+#: (Hk 1) at 8 x 32768, 8 programs: 49 splits 39.4 us, 48 39.5, 40 43.7, 56 50.5, 64 49.8
+#: (a second, nearly empty round), 32 50.4 (FlashInfer fp8 44.5). So fp8 aims at 3 programs
+#: per SM (396 / 64 -> 6 splits; 396 / 8 -> 49). 64 x 4096 of the 8B layer (512 programs)
+#: stays unsplit: 245.9-249.8 us (FlashInfer fp8 242.9). The head-size tiles hold 4 programs
+#: an SM (their 528 at once): at 8 x 32768 on fp8 (64 programs), gpt-oss-20B's full layer
+#: (D 64) took 151.0 us with 8 splits, 155.0 with 16, 193.2 with 4 (FlashInfer fp8 145.9), and
+#: Gemma-2-9B's sliding layer (D 256, window 4096) 66.3 with 8 splits of the ``fp8_wide``
+#: tile, 72.8 with 16 (FlashInfer fp8 72.3): 528 / 64 -> 8 splits.
 #: sm90's ``fp8_wide`` (head sizes above 128 on fp8 caches): at Gemma-2-9B's sliding layer (Hq
 #: 16, Hk 8, D 256, soft-cap 50, window 4096, block 16) the row's 32-key tile takes 164
 #: registers and 57 KiB of shared memory on an fp8 cache (Triton 3.6, sm_90a), so 3 programs
@@ -302,11 +309,12 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 #: and 148.3 with 64 keys a step (FlashInfer fp8 152.0; 8 warps 159.5, 128 keys 149.7;
 #: ``--layer gpt-oss-full``, H100). Split launches already take 64 keys (``split_block_n``).
 DECODE_TILES: dict[str, DecodeTile] = {
-    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64, fp8_split_waves=8,
+    "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64, fp8_split_waves=3,
                        fp8_wide=DecodeTile(block_n=32, num_warps=4, num_stages=2,
-                                           const_block=True, max_registers=128),
+                                           const_block=True, max_registers=128,
+                                           fp8_split_waves=4),
                        fp8_narrow=DecodeTile(block_n=64, num_warps=4, num_stages=3,
-                                             const_block=True)),
+                                             const_block=True, fp8_split_waves=4)),
     "cuda": DecodeTile(),
     "rocm": DecodeTile(fp8_fp16=False),
 }
@@ -345,7 +353,8 @@ def decode_tile(arch: str, rocm: bool, *, head_size: int = 0,
     """The :data:`DECODE_TILES` row for ``arch`` (the platform's default when the table has
     no row for it); on an fp8 ``kv_cache_dtype`` its ``fp8_wide`` tile above head size 128
     and its ``fp8_narrow`` tile at head sizes up to 64, where it has them (the split rule,
-    :func:`kvcore.ops.split_kv.default_num_kv_splits`, always reads the row itself)."""
+    :func:`kvcore.ops.split_kv.default_num_kv_splits`, reads the row itself, but for the
+    tile's ``fp8_split_waves``)."""
     row = DECODE_TILES.get(arch) or DECODE_TILES["rocm" if rocm else "cuda"]
     if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         if row.fp8_wide is not None and head_size > 128:

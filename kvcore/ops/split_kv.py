@@ -69,12 +69,14 @@ def kv_split_count(programs: int, max_seq_len: int, *, target_programs: int,
 def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
                           max_seq_len_bound: int, device: torch.device, *,
                           num_sms: int | None = None, arch: str | None = None,
-                          rocm: bool | None = None, kv_cache_dtype: str = "auto") -> int:
+                          rocm: bool | None = None, kv_cache_dtype: str = "auto",
+                          head_size: int = 0) -> int:
     """TRITON_ATTN's split count: 1 unless the batch is decode-only (``num_tokens ==
     num_seqs``) and its ``num_seqs * num_kv_heads`` programs are fewer than ``split_waves``
     per SM; then :func:`kv_split_count` with ``split_waves * num_sms`` programs as the target
-    (``fp8_split_waves * num_sms`` for an fp8 ``kv_cache_dtype`` where the row sets it) and
-    the row's ``min_split_tokens``. The waves and tokens per split come from the
+    (``fp8_split_waves * num_sms`` for an fp8 ``kv_cache_dtype``: the ``fp8_wide`` or
+    ``fp8_narrow`` tile's for ``head_size`` where it sets it, else the row's, where that sets
+    it) and the row's ``min_split_tokens``. The waves and tokens per split come from the
     :func:`~kvcore.ops.attention_config.decode_tile` of ``arch`` (default:
     :func:`~kvcore.ops.attention_config.device_arch`); ``num_sms`` defaults to ``device``'s
     SM count; ``max_seq_len_bound`` bounds every request's length; ``kv_cache_dtype`` is the
@@ -87,8 +89,11 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
     if programs >= rule.split_waves * sms:
         return 1
     waves = rule.split_waves
-    if rule.fp8_split_waves is not None and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        waves = rule.fp8_split_waves
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        # The programs an SM holds at once depend on the tile: a head-size tile may say.
+        tile = decode_tile(arch or device_arch(device), is_rocm(rocm), head_size=head_size,
+                           kv_cache_dtype=kv_cache_dtype)
+        waves = tile.fp8_split_waves or rule.fp8_split_waves or waves
     return kv_split_count(programs, max_seq_len_bound, target_programs=waves * sms,
                           min_split_tokens=rule.min_split_tokens)
 

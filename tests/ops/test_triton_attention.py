@@ -437,13 +437,14 @@ def test_sm90_decode_rule_at_the_benchmark_shapes(batch, length, splits, block_n
 
 
 @pytest.mark.parametrize(("batch", "length", "bf16", "fp8"), [
-    (8, 32768, 4, 16), (64, 4096, 1, 1), (16, 4096, 2, 8), (1, 32768, 33, 64)],
+    (8, 32768, 4, 6), (64, 4096, 1, 1), (16, 4096, 2, 3), (1, 32768, 33, 49)],
     ids=lambda v: str(v))
 def test_sm90_fp8_caches_split_more(batch, length, bf16, fp8) -> None:
     """An fp8 split program reads half the bytes of a bf16 one: on the sm90 row (132 SMs,
-    Hk 8) a launch the rule splits aims at 8 programs per SM on an fp8 cache instead of 2
-    (8 x 32768: 16 splits of 64 keys a step, as benchmarks/bench_fp8_decode.py measured), one
-    it does not split (64 x 4096) stays unsplit; the other rows ignore the cache dtype."""
+    Hk 8) a launch the rule splits aims at 3 programs per SM on an fp8 cache instead of 2
+    (8 x 32768: 6 splits of 64 keys a step, one round of the 396 programs that fit at once,
+    as benchmarks/bench_fp8_decode.py measured), one it does not split (64 x 4096) stays
+    unsplit; the other rows ignore the cache dtype."""
     splits, cpu = kvcore.ops.default_num_kv_splits, torch.device("cpu")
     args = (batch, batch, 8, length, cpu)
     assert splits(*args, num_sms=132, arch="sm90") == bf16
@@ -464,13 +465,13 @@ def test_sm90_fp8_caches_split_more(batch, length, bf16, fp8) -> None:
 
 def test_the_ops_own_choice_splits_an_fp8_cache_more() -> None:
     """Without a plan the op picks by its caches' kv_cache_dtype: Llama-3.1-8B's layer at
-    8 x 32768 on the sm90 row (132 SMs) takes 16 splits on an fp8 cache, 4 on a bf16 one."""
+    8 x 32768 on the sm90 row (132 SMs) takes 6 splits on an fp8 cache, 4 on a bf16 one."""
     query = torch.empty(8, 32, 128, dtype=torch.bfloat16)
     bf16 = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
     fp8 = torch.empty(4, 16, 8, 128, dtype=torch.float8_e4m3fn)
     target = dict(arch="sm90", num_sms=132, rocm=False)
     assert dispatch.call_config(query, fp8, fp8, "fp8_e4m3", 8, 32768, **target) == (
-        TritonSplitKVConfig(block_q=4, g_pad=4, block_n=64, num_splits=16, num_warps=4,
+        TritonSplitKVConfig(block_q=4, g_pad=4, block_n=64, num_splits=6, num_warps=4,
                             num_stages=3, const_block=True))
     assert dispatch.call_config(query, bf16, bf16, "auto", 8, 32768, **target).num_splits == 4
 

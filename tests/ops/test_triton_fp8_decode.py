@@ -147,12 +147,13 @@ def test_wide_head_decode_on_fp8_cache_matches_the_float64_reference(magnitudes,
 
 def test_fp8_caches_above_head_size_128_take_the_fp8_wide_tile() -> None:
     """sm90's row gives fp8 caches above head size 128 its ``fp8_wide`` tile (32 keys, one
-    tile in flight, 128 registers), unsplit and split, with the split count of the row's own
-    rule; 16-bit caches and fp8 caches of head size 128 keep the row's tile; rows without
-    ``fp8_wide`` (other GPUs, ROCm) cap no registers."""
+    tile in flight, 128 registers), unsplit and split, split for the tile's 4 programs an SM
+    (8 splits at 8 x 32768; head size 128 takes 6); 16-bit caches and fp8 caches of head size
+    128 keep the row's tile; rows without ``fp8_wide`` (other GPUs, ROCm) cap no
+    registers."""
     cpu = torch.device("cpu")
     sm90 = dict(arch="sm90", rocm=False, num_sms=132)
-    for b, length, splits in ((64, 4096, 1), (8, 32768, 16)):
+    for b, length, splits in ((64, 4096, 1), (8, 32768, 8)):
         wide = dispatch.default_config(b, b, 16, 8, 256, length, cpu, kv_cache_dtype="fp8",
                                        **sm90)
         assert (wide.block_n, wide.num_warps, wide.num_stages, wide.max_registers) == \
@@ -196,9 +197,10 @@ def test_narrow_head_decode_on_fp8_cache_matches_the_float64_reference(splits) -
 
 def test_fp8_caches_up_to_head_size_64_take_the_fp8_narrow_tile() -> None:
     """sm90's row gives fp8 caches of head size 64 its ``fp8_narrow`` tile (64 keys a step)
-    unsplit and the row's split tile (64 keys, 16 splits at 8 x 32768) split; 16-bit caches
-    of head size 64 and fp8 caches of head size 128 keep the row's 32-key tile; rows
-    without ``fp8_narrow`` (other GPUs, ROCm) keep theirs."""
+    unsplit and the row's split tile (64 keys, 8 splits at 8 x 32768: the narrow tile's 4
+    programs an SM, not the row's 3) split; 16-bit caches of head size 64 and fp8 caches of
+    head size 128 keep the row's 32-key tile; rows without ``fp8_narrow`` (other GPUs, ROCm)
+    keep theirs."""
     cpu = torch.device("cpu")
     sm90 = dict(arch="sm90", rocm=False, num_sms=132)
     narrow = dispatch.default_config(64, 64, 64, 8, 64, 4096, cpu, kv_cache_dtype="fp8",
@@ -208,7 +210,7 @@ def test_fp8_caches_up_to_head_size_64_take_the_fp8_narrow_tile() -> None:
     assert getattr(narrow, "num_splits", 1) == 1
     split = dispatch.default_config(8, 8, 64, 8, 64, 32768, cpu, kv_cache_dtype="fp8_e5m2",
                                     **sm90)
-    assert (split.block_n, split.num_splits) == (64, 16)
+    assert (split.block_n, split.num_splits) == (64, 8)
     for head_size, kv_cache_dtype in ((64, "auto"), (128, "fp8")):
         kept = dispatch.default_config(64, 64, 64, 8, head_size, 4096, cpu,
                                        kv_cache_dtype=kv_cache_dtype, **sm90)
