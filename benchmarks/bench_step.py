@@ -437,8 +437,10 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
     runner's step and of the bare replay (launches queued behind a device sleep, so no host
     time is in them). The synchronous step minus the bare replay is what the builder and the
     runner add: host time where the runner's host time accounts for it, else device time (the
-    runner's step running longer on the GPU than the bare replay). Last, the synchronous step
-    of an engine that wrote the step into the builder's buffers itself (no copies in build)."""
+    runner's step running longer on the GPU than the bare replay). To place the runner's host
+    time: its own graph's replay call alone, and the bare replay right behind ``build`` (its
+    copies pending on the stream). Last, the synchronous step of an engine that wrote the step
+    into the builder's buffers itself (no copies in build)."""
     def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -473,6 +475,14 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
                 count_sync=False),
             "runner_host_us": sync_step_us(lambda: runner.run(model.inputs, model.common),
                                            count_sync=False),
+            # Where runner.run's host time goes beyond build: its own graph's replay call
+            # alone (the runner's private graph for this size), and the bare graph's replay
+            # right behind build's copies (a launch on a stream with work pending).
+            "runner_graph_replay_host_us": sync_step_us(runner._graphs[b].graph.replay,
+                                                        count_sync=False),
+            "build_then_bare_replay_host_us": sync_step_us(
+                lambda: (model.builder.build(model.common, graph_batch_size=b),
+                         graph.replay()), count_sync=False),
             "runner_device_us": device_us(lambda: runner.run(model.inputs, model.common),
                                           hold_s=2e-3),
             "bare_replay_device_us": device_us(graph.replay)}
@@ -787,12 +797,15 @@ def summary_table(run: Run) -> str:
                   f"{s['sync_step_us'] - s['bare_replay_sync_us']:.0f}",
                   f"{s['bare_replay_host_us']:.0f}", f"{s['one_layer_replay_host_us']:.0f}",
                   f"{s['build_host_us']:.0f}", f"{s['runner_host_us']:.0f}",
+                  f"{s['runner_graph_replay_host_us']:.0f}",
+                  f"{s['build_then_bare_replay_host_us']:.0f}",
                   gpu_over(s), f"{s['sync_step_in_place_us'] - s['kernels_us']:.0f}"]
                  for s in bare],
                 headers=["synchronous step over kernels", "shape", "total us",
                          "bare replay + sync us", "builder + runner us",
                          f"bare replay call ({LAYERS} layers), host us",
                          "same, one layer", "build, host us", "runner.run, host us",
+                         "its graph's replay call, host us", "build + bare replay, host us",
                          "runner's step over the bare replay, GPU us",
                          "total, step written in place, us"]))
     if r["layers"]:
