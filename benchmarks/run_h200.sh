@@ -52,6 +52,7 @@ export PYTHONUNBUFFERED=1
 # which holds the same apache-tvm-ffi), .whl_nixl (nixl-cu13), .whl_tf (transformers 5.25 and its
 # pure-Python dependencies, for bench_transformers). Each folder is installed into
 # /tmp/site once per warm machine; later calls reuse it without carrying it again.
+# benchmarks/carry_wheels.sh prepares .whl and .whl_nixl.
 mkdir -p /tmp/site
 for w in .whl .whl_fi .whl_nixl .whl_tf; do
     [ -d $w ] && [ ! -f /tmp/site/.done$w ] && python3 -m pip install -q --no-index --no-deps \
