@@ -7,6 +7,7 @@ pulling in platform detection.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -114,11 +115,16 @@ class PhaseRanking:
         tiers: backend names in groups, fastest group first; the backends of one group were
             within a few percent of each other.
         measured: what was measured, for the reader of the note (device, dtype, shapes).
+        cases: the measured cases behind the tiers, each ``(what, ((backend, µs), ...))``
+            (``what``: the model and shape, e.g. ``"llama-3.1-70b-tp8 full, decode 64x4096,
+            Hq=8 Hk=1 D=128"``); ``()`` when only the tiers are declared. The tiers average
+            over the cases; :meth:`faster_cases` finds those where the average misleads.
     """
 
     phase: str
     tiers: tuple[tuple[str, ...], ...]
     measured: str
+    cases: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tiers or not all(self.tiers):
@@ -137,3 +143,22 @@ class PhaseRanking:
     def describe(self) -> str:
         """``TRITON_ATTN = FLASHINFER > FLASH_ATTN``."""
         return " > ".join(" = ".join(tier) for tier in self.tiers)
+
+    def faster_cases(self, backend: str, others: Collection[str], tolerance: float
+                     ) -> list[tuple[str, str, float]]:
+        """The cases where one of ``others`` was measured more than ``tolerance`` (a
+        fraction) faster than ``backend``: ``(what, the fastest of them, its speed-up)``, the
+        largest speed-up first. A ranking's tiers average over shapes its config cannot tell
+        apart (one KV head a rank or eight), so these say where another backend is the
+        better choice."""
+        found = []
+        for what, times in self.cases:
+            timed = dict(times)
+            mine = timed.get(backend)
+            rivals = {b: t for b, t in timed.items() if b in others and b != backend}
+            if mine is None or not rivals:
+                continue
+            best = min(rivals, key=rivals.__getitem__)
+            if rivals[best] * (1 + tolerance) < mine:
+                found.append((what, best, mine / rivals[best]))
+        return sorted(found, key=lambda f: -f[2])

@@ -576,6 +576,8 @@ def shipped_order(rankings: tuple[Ranking, ...] | list[Ranking], config: Attenti
     classes = tuple(sorted({c.shape_class for c in cases}))
     what = (f"{ranking.device.describe()} by kvcore tune on {ranking.date} "
             f"({', '.join(classes)})")
-    phases = tuple(PhaseRanking(phase, _tiers(speed[phase]), what)
+    phases = tuple(PhaseRanking(phase, _tiers(speed[phase]), what, tuple(
+        (f"{c.preset} {c.layer}, {c.shape}" if c.preset else c.shape,
+         tuple(sorted(c.times_us.items()))) for c in cases if c.phase == phase))
                    for phase in PHASES if speed.get(phase))
     return ShippedOrder(order, phases, ranking.device, ranking.date, classes, sum(counts.values()))

@@ -42,6 +42,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Measured cases :meth:`SelectionReport.phase_lines` names where another backend was faster.
+_FASTER_SHOWN = 4
+
 
 @dataclass
 class CandidateReport:
@@ -154,6 +157,8 @@ class SelectionReport:
                          else f"in group {rank + 1} of {len(phase.tiers)}")
                 line += f"; selected {pick.name} is {where}"
             lines.append(line)
+            if pick is not None:
+                lines.extend(self._faster_lines(phase, pick.name))
         if len({frozenset(r.fastest) for r in self.phase_rankings}) > 1:
             phases = " and ".join(r.phase for r in self.phase_rankings)
             both = set.intersection(*(set(r.fastest) for r in self.phase_rankings))
@@ -162,6 +167,21 @@ class SelectionReport:
                 + (f" ({', '.join(sorted(both))} among the fastest in each)" if both else "")
                 + "; the priority list picks one for every step. Measured on "
                 + "; ".join(dict.fromkeys(r.measured for r in self.phase_rankings)))
+        return lines
+
+    def _faster_lines(self, phase: PhaseRanking, pick: str) -> list[str]:
+        """The measured cases of ``phase`` where another valid backend beat ``pick`` by more
+        than a tier's tolerance (at most :data:`_FASTER_SHOWN`, the largest gap first)."""
+        valid = {c.name for c in self.candidates if c.valid}
+        found = phase.faster_cases(pick, valid, ranking.TIER_TOLERANCE)
+        lines = [f"  {backend} {gain:.2f}x faster than {pick} on {what}"
+                 for what, backend, gain in found[:_FASTER_SHOWN]]
+        if len(found) > _FASTER_SHOWN:
+            lines.append(f"  ... and {len(found) - _FASTER_SHOWN} more such "
+                         f"case{'s' if len(found) - _FASTER_SHOWN != 1 else ''}")
+        if lines:
+            lines.append("  (the order averages over shapes this config does not tell apart; "
+                         "--backend picks another where those shapes are the model's)")
         return lines
 
     def format(self) -> str:

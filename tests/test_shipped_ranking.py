@@ -168,3 +168,41 @@ def test_a_config_s_shipped_order_is_computed_once_per_loaded_file(kvcore_shippe
     kvcore_shipped_ranking("cuda", measured(H100, case(LLAMA, "decode", {"TRITON_ATTN": 2.0,
                                                                           "FLASHINFER": 1.0})))
     assert cuda.shipped_order(LLAMA, cap).order[0] == "FLASHINFER" and len(calls) == 2
+
+
+def test_faster_cases_name_the_shapes_where_another_backend_beats_the_pick():
+    phase = kvcore.PhaseRanking("decode", (("A",), ("B",)), "test", (
+        ("eight KV heads", (("A", 100.0), ("B", 120.0))),
+        ("one KV head", (("A", 100.0), ("B", 80.0), ("C", 50.0))),
+        ("within the tolerance", (("A", 100.0), ("B", 96.0))),
+        ("A not timed", (("B", 10.0),))))
+    assert phase.faster_cases("A", {"A", "B"}, 0.05) == [("one KV head", "B", 1.25)]
+    # Only the backends asked about count (C is not valid here); and the largest gap first.
+    assert phase.faster_cases("A", {"B", "C"}, 0.05) == [("one KV head", "C", 2.0)]
+    assert phase.faster_cases("A", {"B"}, 0.01) == [("one KV head", "B", 1.25),
+                                                    ("within the tolerance", "B", 100 / 96)]
+    assert phase.faster_cases("B", {"A", "B"}, 0.05) == [("eight KV heads", "A", 1.2)]
+
+
+def test_explain_names_the_measured_shapes_where_a_valid_backend_beats_the_pick(
+        kvcore_shipped_ranking, monkeypatch):
+    """The tiers average over shapes a selector config cannot tell apart (one KV head a rank
+    or eight): --explain lists the cases where another valid backend was faster."""
+    monkeypatch.setenv("KVCORE_PLATFORM", "cuda")
+    monkeypatch.setenv("KVCORE_DEVICE_CAPABILITY", "9.0")
+
+    def timed(preset: str, times: dict[str, float]) -> MeasuredCase:
+        return MeasuredCase("decode", ranking_shape_class(LLAMA), f"decode 8x32768, {preset}",
+                            ranking_config_key(LLAMA), times, preset=preset, layer="full")
+
+    kvcore_shipped_ranking("cuda", measured(
+        H100, timed("Hk=8", {"TRITON_ATTN": 100.0, "FLEX_ATTENTION": 300.0}),
+        timed("Hk=4", {"TRITON_ATTN": 100.0, "FLEX_ATTENTION": 250.0}),
+        timed("Hk=1", {"TRITON_ATTN": 100.0, "FLEX_ATTENTION": 50.0})))
+    report = kvcore.explain_selection(LLAMA)
+    assert report.selected.name == "TRITON_ATTN"
+    text = report.format()
+    assert ("decode (measured): TRITON_ATTN > FLEX_ATTENTION; selected TRITON_ATTN is among "
+            "the fastest\n  FLEX_ATTENTION 2.00x faster than TRITON_ATTN on Hk=1 full, "
+            "decode 8x32768, Hk=1\n") in text
+    assert "Hk=8 full" not in text and "Hk=4 full" not in text
