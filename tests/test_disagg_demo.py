@@ -16,6 +16,7 @@ from kvcore.demo.disagg import (
     DisaggResult,
     _Handover,
     _Setup,
+    default_dtype,
     format_result,
     run_disaggregated,
 )
@@ -142,6 +143,26 @@ def test_bad_options_are_named():
         run_disaggregated(options(transport="ucx"))
     with pytest.raises(ValueError, match="timeout_s=nan"):
         run_disaggregated(options(timeout_s=float("nan")))
+
+
+def test_without_dtype_the_demo_runs_in_a_dtype_both_named_backends_declare():
+    """float32 (bit-exact against one engine) unless a named backend lacks it, as the
+    --dtype help says; FLASHINFER declares only 16-bit dtypes."""
+    assert default_dtype(None, None) == "float32"
+    assert default_dtype("TRITON_ATTN", "TRITON_ATTN_HND") == "float32"
+    assert default_dtype("FLASHINFER", "TRITON_ATTN") == "bfloat16"
+    assert default_dtype(None, "FLASHINFER") == "bfloat16"
+
+
+def test_backends_that_share_no_demo_dtype_are_named(monkeypatch):
+    import kvcore.demo.disagg as disagg
+
+    declared = {"A": (torch.float32,), "B": (torch.float16,)}
+    monkeypatch.setattr(disagg, "resolve_backend",
+                        lambda name: type(name, (), {"SUPPORTED_DTYPES": declared[name]}))
+    with pytest.raises(ValueError, match=r"share no dtype .*: A supports float32; B supports "
+                                         r"float16; choose other backends"):
+        default_dtype("A", "B")
 
 
 def test_the_demo_command_runs_disaggregated(capsys):

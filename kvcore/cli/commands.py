@@ -343,7 +343,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo_disaggregated(args: argparse.Namespace) -> int:
-    from kvcore.demo.disagg import DisaggOptions, format_result, run_disaggregated
+    from kvcore.demo.disagg import DisaggOptions, default_dtype, format_result, run_disaggregated
 
     for name, value in (("--backend", args.backend), ("--prefill-backend", args.prefill_backend)):
         if value:
@@ -352,7 +352,7 @@ def _demo_disaggregated(args: argparse.Namespace) -> int:
     result = run_disaggregated(DisaggOptions(
         model=args.model, batch=args.batch, max_new_tokens=args.new_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        dtype=args.dtype or DisaggOptions.dtype,
+        dtype=args.dtype or default_dtype(args.backend, args.prefill_backend),
         platform=args.platform, backend=args.backend, seed=args.seed,
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         transport=args.transport, prefill_backend=args.prefill_backend,

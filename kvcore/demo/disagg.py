@@ -65,6 +65,7 @@ from kvcore import (
     get_attn_backend,
     get_platform,
     parse_dtype,
+    resolve_backend,
 )
 from kvcore.connectors import (
     KVConnector,
@@ -82,7 +83,8 @@ from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel
 from kvcore.demo.tp import ConnectorGroup
 
-__all__ = ["TRANSPORTS", "DisaggOptions", "DisaggResult", "format_result", "run_disaggregated"]
+__all__ = ["TRANSPORTS", "DisaggOptions", "DisaggResult", "default_dtype", "format_result",
+           "run_disaggregated"]
 
 #: The connectors the KV can move through (both pull blocks from the prefill engine's cache).
 TRANSPORTS = ("nixl", "mooncake")
@@ -187,6 +189,26 @@ class DisaggOptions:
                 or not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"timeout_s={self.timeout_s!r} must be a finite number of seconds "
                              "> 0 (kvcore demo's --timeout-s), e.g. 60")
+
+
+def default_dtype(backend: str | None, prefill_backend: str | None) -> str:
+    """The dtype the demo runs in without ``--dtype``: the first of float32 (bit-exact
+    against one engine), bfloat16, float16 that both engines' named backends declare;
+    float32 where neither engine names one (the platform selects a backend for it).
+
+    Raises:
+        ValueError: the named backends share none of the three (a message naming each
+            one's dtypes).
+    """
+    named = [n for n in dict.fromkeys((backend, prefill_backend)) if n]
+    declared = {n: resolve_backend(n).SUPPORTED_DTYPES for n in named}
+    for dtype in ("float32", "bfloat16", "float16"):
+        if all(parse_dtype(dtype) in dtypes for dtypes in declared.values()):
+            return dtype
+    raise ValueError("the two engines' backends share no dtype the demo runs in (float32, "
+                     "bfloat16, float16): " + "; ".join(
+                         f"{n} supports {', '.join(str(d).removeprefix('torch.') for d in ds)}"
+                         for n, ds in declared.items()) + "; choose other backends")
 
 
 @dataclass
