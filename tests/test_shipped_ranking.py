@@ -185,7 +185,7 @@ def test_faster_cases_name_the_shapes_where_another_backend_beats_the_pick():
 
 
 def test_explain_names_the_measured_shapes_where_a_valid_backend_beats_the_pick(
-        kvcore_shipped_ranking, monkeypatch):
+        kvcore_shipped_ranking, fresh_kvcore, monkeypatch):
     """The tiers average over shapes a selector config cannot tell apart (one KV head a rank
     or eight): --explain lists the cases where another valid backend was faster."""
     monkeypatch.setenv("KVCORE_PLATFORM", "cuda")
