@@ -279,19 +279,19 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 
 #: ``triton_decode`` / ``triton_split_kv`` rows and the split rule. Above head size 128 on
 #: ROCm the decode kernel keeps one tile in flight (LDS, as in :data:`PREFILL_TILES`).
-#: sm90's fp8 splits (benchmarks/bench_fp8_decode.py, H100, block 16, bf16 queries, explicit
-#: plans, 2026-12-07): a split program of the fp8 tile (64 keys a step, 4 warps, 3 stages)
-#: shares an SM with two others, so 3 * 132 = 396 programs run at once and a launch is best
-#: cut into about that many. Llama-3.1-8B (Hq 32, Hk 8, D 128) at 8 x 32768, 64 programs: 6
-#: splits 228.5 us, 12 232.6, 16 248.5, 24 245.6 (FlashInfer fp8 238.6); Llama-3.1-70B at TP 8
-#: (Hk 1) at 8 x 32768, 8 programs: 49 splits 39.4 us, 48 39.5, 40 43.7, 56 50.5, 64 49.8
-#: (a second, nearly empty round), 32 50.4 (FlashInfer fp8 44.5). So fp8 aims at 3 programs
-#: per SM (396 / 64 -> 6 splits; 396 / 8 -> 49). 64 x 4096 of the 8B layer (512 programs)
-#: stays unsplit: 245.9-249.8 us (FlashInfer fp8 242.9). The head-size tiles hold 4 programs
-#: an SM (their 528 at once): at 8 x 32768 on fp8 (64 programs), gpt-oss-20B's full layer
-#: (D 64) took 151.0 us with 8 splits, 155.0 with 16, 193.2 with 4 (FlashInfer fp8 145.9), and
-#: Gemma-2-9B's sliding layer (D 256, window 4096) 66.3 with 8 splits of the ``fp8_wide``
-#: tile, 72.8 with 16 (FlashInfer fp8 72.3): 528 / 64 -> 8 splits.
+#: sm90's fp8 splits (benchmarks/bench_fp8_decode.py, H100, block 16, bf16 queries, explicit plans,
+#: 2026-12-07): the times fit three split programs of the fp8 tile (64 keys a step, 4 warps, 3
+#: stages) an SM, 3 * 132 = 396 at once, and a launch is best cut into about that many (more starts
+#: a second, nearly empty round). Llama-3.1-8B (Hq 32, Hk 8, D 128) at 8 x 32768, 64 programs: 6
+#: splits 228.5 us, 12 232.6, 16 248.5, 24 245.6 (FlashInfer fp8 238.6); Llama-3.1-70B at TP 8 (Hk
+#: 1) at 8 x 32768, 8 programs: 49 splits 39.4 us, 48 39.5, 40 43.7, 56 50.5, 64 49.8 (a second,
+#: nearly empty round), 32 50.4 (FlashInfer fp8 44.5). So fp8 aims at 3 programs per SM (396 / 64 ->
+#: 6 splits; 396 / 8 -> 49). 64 x 4096 of the 8B layer (512 programs) stays unsplit: 245.9-249.8 us
+#: (FlashInfer fp8 242.9). The head-size tiles hold 4 programs an SM (their 528 at once): at 8 x
+#: 32768 on fp8 (64 programs), gpt-oss-20B's full layer (D 64) took 151.0 us with 8 splits, 155.0
+#: with 16, 193.2 with 4 (FlashInfer fp8 145.9), and Gemma-2-9B's sliding layer (D 256, window 4096)
+#: 66.3 with 8 splits of the ``fp8_wide`` tile, 72.8 with 16 (FlashInfer fp8 72.3): 528 / 64 -> 8
+#: splits.
 #: sm90's ``fp8_wide`` (head sizes above 128 on fp8 caches): at Gemma-2-9B's sliding layer (Hq
 #: 16, Hk 8, D 256, soft-cap 50, window 4096, block 16) the row's 32-key tile takes 164
 #: registers and 57 KiB of shared memory on an fp8 cache (Triton 3.6, sm_90a), so 3 programs
