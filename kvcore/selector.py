@@ -169,11 +169,18 @@ class SelectionReport:
                 + "; ".join(dict.fromkeys(r.measured for r in self.phase_rankings)))
         return lines
 
-    def _faster_lines(self, phase: PhaseRanking, pick: str) -> list[str]:
-        """The measured cases of ``phase`` where another valid backend beat ``pick`` by more
-        than a tier's tolerance (at most :data:`_FASTER_SHOWN`, the largest gap first)."""
+    def _faster(self, phase: PhaseRanking) -> list[dict[str, Any]]:
+        """The measured cases of ``phase`` where another valid backend beat the selected one
+        by more than a tier's tolerance, the largest gap first (``[]``: none selected)."""
+        if self.selected is None:
+            return []
         valid = {c.name for c in self.candidates if c.valid}
-        found = phase.faster_cases(pick, valid, ranking.TIER_TOLERANCE)
+        return [{"case": what, "backend": backend, "speedup": gain} for what, backend, gain
+                in phase.faster_cases(self.selected.name, valid, ranking.TIER_TOLERANCE)]
+
+    def _faster_lines(self, phase: PhaseRanking, pick: str) -> list[str]:
+        """:meth:`_faster` as text (at most :data:`_FASTER_SHOWN` cases)."""
+        found = [(f["case"], f["backend"], f["speedup"]) for f in self._faster(phase)]
         lines = [f"  {backend} {gain:.2f}x faster than {pick} on {what}"
                  for what, backend, gain in found[:_FASTER_SHOWN]]
         if len(found) > _FASTER_SHOWN:
@@ -225,7 +232,9 @@ class SelectionReport:
             "selected": self.selected.name if self.selected else None,
             "candidates": [c.to_dict() for c in self.candidates],
             "phase_rankings": [{"phase": r.phase, "tiers": [list(t) for t in r.tiers],
-                                "measured": r.measured} for r in self.phase_rankings],
+                                "measured": r.measured,
+                                "faster_than_selected": self._faster(r)}
+                               for r in self.phase_rankings],
             "measured_ranking": self.measured.to_dict() if self.measured else None,
             "shipped_ranking": self.shipped.to_dict() if self.shipped else None,
             "ranking_notes": list(self.ranking_notes),
