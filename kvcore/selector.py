@@ -158,7 +158,7 @@ class SelectionReport:
                 line += f"; selected {pick.name} is {where}"
             lines.append(line)
             if pick is not None:
-                lines.extend(self._faster_lines(phase, pick.name))
+                lines.extend(self._faster_lines(phase))
         if len({frozenset(r.fastest) for r in self.phase_rankings}) > 1:
             phases = " and ".join(r.phase for r in self.phase_rankings)
             both = set.intersection(*(set(r.fastest) for r in self.phase_rankings))
@@ -178,11 +178,11 @@ class SelectionReport:
         return [{"case": what, "backend": backend, "speedup": gain} for what, backend, gain
                 in phase.faster_cases(self.selected.name, valid, ranking.TIER_TOLERANCE)]
 
-    def _faster_lines(self, phase: PhaseRanking, pick: str) -> list[str]:
+    def _faster_lines(self, phase: PhaseRanking) -> list[str]:
         """:meth:`_faster` as text (at most :data:`_FASTER_SHOWN` cases)."""
-        found = [(f["case"], f["backend"], f["speedup"]) for f in self._faster(phase)]
-        lines = [f"  {backend} {gain:.2f}x faster than {pick} on {what}"
-                 for what, backend, gain in found[:_FASTER_SHOWN]]
+        found = self._faster(phase)
+        lines = [f"  {f['backend']} {f['speedup']:.2f}x faster than {self.selected.name} on "
+                 f"{f['case']}" for f in found[:_FASTER_SHOWN]]
         if len(found) > _FASTER_SHOWN:
             lines.append(f"  ... and {len(found) - _FASTER_SHOWN} more such "
                          f"case{'s' if len(found) - _FASTER_SHOWN != 1 else ''}")

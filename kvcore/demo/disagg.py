@@ -62,6 +62,7 @@ from kvcore import (
     AttentionSelectorConfig,
     allocate_kv_caches,
     current_platform,
+    format_supported,
     get_attn_backend,
     get_platform,
     parse_dtype,
@@ -81,6 +82,7 @@ from kvcore.connectors import (
 from kvcore.demo.config import MODEL_PRESETS
 from kvcore.demo.engine import BatchStats, Engine, Request
 from kvcore.demo.model import DemoModel
+from kvcore.demo.scenario import DEMO_DTYPES
 from kvcore.demo.tp import ConnectorGroup
 
 __all__ = ["TRANSPORTS", "DisaggOptions", "DisaggResult", "default_dtype", "format_result",
@@ -192,8 +194,9 @@ class DisaggOptions:
 
 
 def default_dtype(backend: str | None, prefill_backend: str | None) -> str:
-    """The dtype the demo runs in without ``--dtype``: the first of float32 (bit-exact
-    against one engine), bfloat16, float16 that both engines' named backends declare;
+    """The dtype the demo runs in without ``--dtype``: the first of
+    :data:`~kvcore.demo.scenario.DEMO_DTYPES` (float32 first: bit-exact against one engine)
+    that both engines' named backends declare;
     float32 where neither engine names one (the platform selects a backend for it).
 
     Raises:
@@ -202,13 +205,13 @@ def default_dtype(backend: str | None, prefill_backend: str | None) -> str:
     """
     named = [n for n in dict.fromkeys((backend, prefill_backend)) if n]
     declared = {n: resolve_backend(n).SUPPORTED_DTYPES for n in named}
-    for dtype in ("float32", "bfloat16", "float16"):
+    for dtype in DEMO_DTYPES:
         if all(parse_dtype(dtype) in dtypes for dtypes in declared.values()):
             return dtype
-    raise ValueError("the two engines' backends share no dtype the demo runs in (float32, "
-                     "bfloat16, float16): " + "; ".join(
-                         f"{n} supports {', '.join(str(d).removeprefix('torch.') for d in ds)}"
-                         for n, ds in declared.items()) + "; choose other backends")
+    raise ValueError(f"the two engines' backends share no dtype the demo runs in "
+                     f"({', '.join(DEMO_DTYPES)}): " + "; ".join(
+                         f"{n} supports {format_supported(ds)}" for n, ds in declared.items())
+                     + "; choose other backends")
 
 
 @dataclass
