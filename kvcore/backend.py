@@ -406,6 +406,8 @@ class AttentionBackend:
         use_batch_invariant: bool = False,
         use_kv_connector: bool = False,
         has_logits_soft_cap: bool = False,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
     ) -> list[str]:
         """Every reason this backend cannot run the configuration; empty means valid.
 
@@ -421,7 +423,8 @@ class AttentionBackend:
             use_mm_prefix=use_mm_prefix, use_per_head_quant_scales=use_per_head_quant_scales,
             attn_type=attn_type, use_non_causal=use_non_causal,
             use_batch_invariant=use_batch_invariant, use_kv_connector=use_kv_connector,
-            has_logits_soft_cap=has_logits_soft_cap,
+            has_logits_soft_cap=has_logits_soft_cap, num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
         )
         name = cls.get_name()
         reasons: list[str] = []

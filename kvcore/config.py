@@ -9,17 +9,27 @@ import torch
 from kvcore.dtypes import KV_CACHE_DTYPES, parse_dtype
 from kvcore.platform_types import AttentionType
 
-__all__ = ["AttentionSelectorConfig"]
+__all__ = ["HEAD_COUNT_FIELDS", "AttentionSelectorConfig"]
+
+#: The config's optional per-rank head counts: facts about speed, not validity.
+HEAD_COUNT_FIELDS = ("num_heads", "num_kv_heads")
 
 
 @dataclass(frozen=True)
 class AttentionSelectorConfig:
-    """Everything about an attention layer that decides which backend may run it.
+    """Everything about an attention layer that decides which backend may run it (and, with
+    the head counts, which one runs it fastest).
 
     Frozen and hashable, so selections can be cached per config. ``dtype`` accepts a
     ``torch.dtype`` or its name; ``attn_type`` an :class:`AttentionType` or its value.
     ``has_sink``: a learned sink logit per query head joins the softmax (gpt-oss);
     ``has_logits_soft_cap``: scores are capped as ``cap * tanh(score / cap)`` (Gemma 2).
+    ``num_heads`` / ``num_kv_heads``: query and KV heads of the layer on this rank (after
+    tensor parallelism; an MLA layer caches one latent head), when the engine knows them.
+    They decide no backend's validity, only speed: a measured ranking prefers the cases
+    timed with the same head counts (Llama-3-70B at TP 8 keeps one KV head per rank, where
+    a different backend is fastest than at eight). ``None``: not given, all head counts
+    speak.
     """
 
     head_size: int
@@ -36,6 +46,8 @@ class AttentionSelectorConfig:
     use_batch_invariant: bool = False
     use_kv_connector: bool = False
     has_logits_soft_cap: bool = False
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -44,6 +56,18 @@ class AttentionSelectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in HEAD_COUNT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive integer or None "
+                                 "(not given)")
+        if self.num_heads is not None and self.num_kv_heads is not None \
+                and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}: each KV head serves a whole group of query heads; give "
+                "the per-rank counts of the layer")
         for f in fields(self):
             value = getattr(self, f.name)
             # A string such as "no" would read as True: the flags must be real booleans.
@@ -65,6 +89,8 @@ class AttentionSelectorConfig:
         """One line naming every field, for error messages and logs."""
         parts = []
         for key, value in self.as_kwargs().items():
+            if key in HEAD_COUNT_FIELDS and value is None:
+                continue  # not given: nothing to name
             if isinstance(value, torch.dtype):
                 value = str(value).removeprefix("torch.")
             elif isinstance(value, AttentionType):

@@ -121,12 +121,15 @@ class LayerAttention:
     def selector_config(self, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto",
                         block_size: int = 16) -> AttentionSelectorConfig:
         """The selector config of this layer kind: sinks and the soft-cap are fields (a
-        backend must declare them); the window is the layer's own
+        backend must declare them), the per-rank head counts too (they pick the measured
+        cases that speak for it); the window is the layer's own
         (``AttentionImpl(sliding_window=...)``), not part of it."""
         return AttentionSelectorConfig(head_size=self.head_size, dtype=dtype,
                                        kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                        use_mla=self.mla is not None, has_sink=self.has_sink,
-                                       has_logits_soft_cap=self.logits_soft_cap is not None)
+                                       has_logits_soft_cap=self.logits_soft_cap is not None,
+                                       num_heads=self.num_heads,
+                                       num_kv_heads=self.num_kv_heads)
 
     def scaled_down(self) -> LayerAttention:
         """The same kind of layer with few heads (at most 4 query heads, the GQA ratio kept

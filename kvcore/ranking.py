@@ -7,13 +7,14 @@ measured selection off) holds one ranking per device, each with the device it wa
 on, the library versions, the date, and per case (phase ``decode``/``prefill``/``mixed``,
 shape class, selector config) the measured time of every backend. docs/tune.md has the format.
 
-For a config, :func:`measured_order` takes the ranking of the current device (platform,
-device name and capability equal) and the cases whose selector config equals the config
-(``use_kv_connector`` aside: it changes which backends are valid, not their speed), and
-orders the measured backends by the geometric mean of their time over the fastest one's
-across those cases. A ranking measured with other library versions is stale: it is ignored,
-and the selector's report says so; so is a malformed file (the selector never fails because
-of it; :func:`load_rankings` raises :class:`RankingFileError` for ``kvcore tune``).
+For a config, :func:`measured_order` takes the ranking of the current device (platform, device
+name and capability equal) and the cases whose selector config equals the config
+(``use_kv_connector`` aside: it changes which backends are valid, not their speed; head counts
+the config gives narrow them to the cases measured with the same counts, where there are such
+cases), and orders the measured backends by the geometric mean of their time over the fastest
+one's across those cases. A ranking measured with other library versions is stale: it is
+ignored, and the selector's report says so; so is a malformed file (the selector never fails
+because of it; :func:`load_rankings` raises :class:`RankingFileError` for ``kvcore tune``).
 
 The file is read once per path and modification time: a selection costs one ``os.stat``.
 """
@@ -33,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvcore.config import AttentionSelectorConfig
+from kvcore.config import HEAD_COUNT_FIELDS, AttentionSelectorConfig
 from kvcore.platform_types import PHASES, DeviceCapability, PhaseRanking
 
 logger = logging.getLogger(__name__)
@@ -132,10 +133,10 @@ class Ranking:
 
 def ranking_config_key(config: AttentionSelectorConfig) -> dict[str, Any]:
     """The config as the file stores it and matches it: JSON values, without the fields that
-    do not change speed."""
+    do not change speed and without head counts that were not given."""
     out: dict[str, Any] = {}
     for key, value in config.as_kwargs().items():
-        if key in _UNMATCHED_FIELDS:
+        if key in _UNMATCHED_FIELDS or (key in HEAD_COUNT_FIELDS and value is None):
             continue
         if isinstance(value, torch.dtype):
             value = str(value).removeprefix("torch.")
@@ -144,10 +145,46 @@ def ranking_config_key(config: AttentionSelectorConfig) -> dict[str, Any]:
 
 
 def ranking_shape_class(config: AttentionSelectorConfig) -> str:
-    """``D128 bfloat16 kv=auto bs16`` (plus ``mla``/``sinks``): the cases a config matches."""
+    """``D128 bfloat16 kv=auto bs16`` (plus ``mla``/``sinks`` and the head counts given,
+    ``Hq=8 Hk=1``): the cases a config matches."""
     text = (f"D{config.head_size} {str(config.dtype).removeprefix('torch.')} "
             f"kv={config.kv_cache_dtype} bs{config.block_size}")
-    return text + (" mla" if config.use_mla else "") + (" sinks" if config.has_sink else "")
+    text += (" mla" if config.use_mla else "") + (" sinks" if config.has_sink else "")
+    if config.num_heads is not None:
+        text += f" Hq={config.num_heads}"
+    if config.num_kv_heads is not None:
+        text += f" Hk={config.num_kv_heads}"
+    return text
+
+
+def join_shape_classes(classes: list[str] | tuple[str, ...]) -> str:
+    """Shape classes in one phrase, those differing only in head counts as one:
+    ``D128 bfloat16 kv=auto bs16 (Hq=32 Hk=8; Hq=8 Hk=1)``."""
+    heads: dict[str, list[str]] = {}
+    for name in classes:
+        base, sep, counts = name.partition(" Hq=")
+        heads.setdefault(base, []).append(f"Hq={counts}" if sep else "")
+    parts = []
+    for base, counts in heads.items():
+        given = [c for c in counts if c]
+        if len(counts) == 1:
+            parts.append(f"{base} {given[0]}" if given else base)
+        else:
+            parts.append(f"{base} ({'; '.join(c or 'heads not given' for c in counts)})")
+    return ", ".join(parts)
+
+
+def same_heads(cases: list[MeasuredCase], config: AttentionSelectorConfig
+               ) -> list[MeasuredCase]:
+    """``cases`` narrowed, for each head count ``config`` gives (KV heads first: the count that
+    sets a decode kernel's parallelism), to those measured with the same count, where any
+    was; a count not given, or given but not measured, narrows nothing."""
+    for name in reversed(HEAD_COUNT_FIELDS):
+        value = getattr(config, name)
+        same = [c for c in cases if value is not None and c.config.get(name) == value]
+        if same:
+            cases = same
+    return cases
 
 
 # -- where the file is, and what this machine is ------------------------------------------------
@@ -415,6 +452,10 @@ def _order(cases: list[MeasuredCase]) -> tuple[tuple[str, ...], dict, dict]:
     return order, speed, counts
 
 
+def _without_heads(config_key: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config_key.items() if k not in HEAD_COUNT_FIELDS}
+
+
 def measured_order(config: AttentionSelectorConfig, platform: _Platform,
                    capability: DeviceCapability | None
                    ) -> tuple[MeasuredOrder | None, list[str]]:
@@ -450,13 +491,14 @@ def measured_order(config: AttentionSelectorConfig, platform: _Platform,
                 "rerun kvcore tune")
         _warn_once((str(path), ranking.date, tuple(changes)), note)
         return None, [note]
-    key = ranking_config_key(config)
-    cases = [c for c in ranking.cases if c.config == key and c.times_us]
+    key = _without_heads(ranking_config_key(config))
+    cases = same_heads([c for c in ranking.cases
+                        if _without_heads(c.config) == key and c.times_us], config)
     if not cases:
         classes = sorted({c.shape_class for c in ranking.cases})
         return None, [f"ranking file {path} (measured on {ranking.date}) has no case for this "
                       f"config ({ranking_shape_class(config)}; measured: "
-                      f"{', '.join(classes) or 'none'}); static order used"]
+                      f"{join_shape_classes(classes) or 'none'}); static order used"]
     return MeasuredOrder.from_cases(cases, ranking.date, str(path), identity), []
 
 
@@ -495,8 +537,9 @@ def nearest_cases(cases: tuple[MeasuredCase, ...] | list[MeasuredCase],
                   config: AttentionSelectorConfig) -> list[MeasuredCase]:
     """The cases that speak for ``config``: those of the same kind (MLA or not, attention
     type), narrowed by each field of ``_NEAREST_BY`` in turn to those equal to the config's
-    where any is (so an unmeasured head size falls back to the measured ones). ``[]`` when no
-    case is of the config's kind."""
+    where any is (so an unmeasured head size falls back to the measured ones), then by the
+    head counts the config gives (:func:`same_heads`). ``[]`` when no case is of the config's
+    kind."""
     key = ranking_config_key(config)
     chosen = [c for c in cases if c.times_us
               and all(c.config.get(f) == key[f] for f in _SAME_KIND)]
@@ -504,7 +547,7 @@ def nearest_cases(cases: tuple[MeasuredCase, ...] | list[MeasuredCase],
         same = [c for c in chosen if c.config.get(name) == key[name]]
         if same:
             chosen = same
-    return chosen
+    return same_heads(chosen, config)
 
 
 def _tiers(speeds: dict[str, float]) -> tuple[tuple[str, ...], ...]:
@@ -538,7 +581,8 @@ class ShippedOrder:
         """``kvcore tune on NVIDIA H100 80GB HBM3 (cuda, capability 9.0) on 2026-12-06, 12
         cases of D128 bfloat16 kv=auto bs16``."""
         return (f"kvcore tune on {self.device.describe()} on {self.date}, {self.cases} "
-                f"case{'s' if self.cases != 1 else ''} of {', '.join(self.shape_classes)}")
+                f"case{'s' if self.cases != 1 else ''} of "
+                f"{join_shape_classes(self.shape_classes)}")
 
     def reorder(self, names: list[str]) -> list[str]:
         """A platform's list ``names`` with its measured backends in the measured order, in
@@ -575,7 +619,7 @@ def shipped_order(rankings: tuple[Ranking, ...] | list[Ranking], config: Attenti
     order, speed, counts = _order(cases)
     classes = tuple(sorted({c.shape_class for c in cases}))
     what = (f"{ranking.device.describe()} by kvcore tune on {ranking.date} "
-            f"({', '.join(classes)})")
+            f"({join_shape_classes(classes)})")
     phases = tuple(PhaseRanking(phase, _tiers(speed[phase]), what, tuple(
         (f"{c.preset} {c.layer}, {c.shape}" if c.preset else c.shape,
          tuple(sorted(c.times_us.items()))) for c in cases if c.phase == phase))

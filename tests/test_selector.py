@@ -23,6 +23,18 @@ def test_config_is_frozen_hashable_and_normalised():
         a.head_size = 64  # type: ignore[misc]
 
 
+def test_head_counts_change_no_validity_and_are_named_only_when_given(fresh_kvcore):
+    plain = Config(head_size=128)
+    headed = Config(head_size=128, num_heads=8, num_kv_heads=1)
+    assert "num_heads" not in plain.describe()
+    assert headed.describe().endswith("num_heads=8, num_kv_heads=1")
+    for name in ("cpu", "cuda"):
+        a, b = kvcore.explain_selection(plain, name), kvcore.explain_selection(headed, name)
+        # The order may differ (a shipped ranking narrows to the same heads), not a reason.
+        assert {c.name: c.reasons for c in a.candidates} == \
+            {c.name: c.reasons for c in b.candidates}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -30,8 +42,13 @@ def test_config_is_frozen_hashable_and_normalised():
         ({"head_size": 64, "block_size": -16}, "block_size=-16 must be a positive integer"),
         ({"head_size": 64, "dtype": "int7"}, "dtype='int7' is not a known dtype name"),
         ({"head_size": 64, "kv_cache_dtype": "int4"}, "kv_cache_dtype='int4' (supported: auto"),
+        ({"head_size": 64, "num_kv_heads": 0}, "num_kv_heads=0 must be a positive integer or"),
+        ({"head_size": 64, "num_heads": True}, "num_heads=True must be a positive integer or"),
+        ({"head_size": 64, "num_heads": 12, "num_kv_heads": 8},
+         "num_heads=12 is not a multiple of num_kv_heads=8"),
     ],
-    ids=["head_size", "block_size", "dtype", "kv_cache_dtype"],
+    ids=["head_size", "block_size", "dtype", "kv_cache_dtype", "num_kv_heads", "num_heads-bool",
+         "heads-not-a-multiple"],
 )
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

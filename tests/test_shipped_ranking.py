@@ -61,6 +61,28 @@ def test_nearest_cases_narrow_field_by_field_and_never_cross_the_kind():
     assert nearest_cases(cases[:3], MLA) == []
 
 
+def test_head_counts_narrow_to_the_cases_of_the_same_heads_where_measured():
+    eight = Config(head_size=128, kv_cache_dtype="fp8_e4m3", num_heads=32, num_kv_heads=8)
+    one = Config(head_size=128, kv_cache_dtype="fp8_e4m3", num_heads=8, num_kv_heads=1)
+    cases = [case(eight, "decode", {"A": 1.0, "B": 2.0}), case(one, "decode", {"A": 2.0, "B": 1.0}),
+             case(FP8, "decode", {"A": 1.0})]  # measured without head counts
+    assert nearest_cases(cases, one) == [cases[1]]
+    assert nearest_cases(cases, eight) == [cases[0]]
+    # KV heads first: 64 query heads over one KV head were not measured, one KV head was.
+    assert nearest_cases(cases, Config(head_size=128, kv_cache_dtype="fp8_e4m3", num_heads=64,
+                                       num_kv_heads=1)) == [cases[1]]
+    # Heads not given, or not measured: every case of the class speaks.
+    assert nearest_cases(cases, FP8) == cases
+    assert nearest_cases(cases, Config(head_size=128, kv_cache_dtype="fp8_e4m3", num_heads=4,
+                                       num_kv_heads=4)) == cases
+    nine = kvcore.DeviceCapability(9, 0)
+    order = shipped_order([measured(H100, *cases)], one, nine)
+    assert order.order == ("B", "A")
+    assert order.describe().endswith("1 case of D128 bfloat16 kv=fp8_e4m3 bs16 Hq=8 Hk=1")
+    assert shipped_order([measured(H100, *cases)], FP8, nine).describe().endswith(
+        "3 cases of D128 bfloat16 kv=fp8_e4m3 bs16 (heads not given; Hq=32 Hk=8; Hq=8 Hk=1)")
+
+
 def test_shipped_order_ranks_the_nearest_cases_and_groups_speeds_into_tiers():
     rankings = [measured(H100,
                          case(LLAMA, "decode", {"A": 100.0, "B": 103.0, "C": 150.0}),
@@ -149,6 +171,13 @@ def test_cudas_shipped_ranking_is_a_tune_ranking_of_its_own_backends_on_hopper()
         assert cuda.get_backend_priorities(config, nine) == order.reorder(
             ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"])
         assert cuda.phase_rankings(config, nine) == order.phases
+    # Every case records the per-rank head counts it was measured with, so a config that
+    # gives them is ranked by those cases alone (Llama-3-70B at TP 8: one KV head per rank).
+    cases = [c for r in rankings for c in r.cases]
+    assert all(isinstance(c.config.get("num_kv_heads"), int) for c in cases)
+    tp8 = Config(head_size=128, kv_cache_dtype="fp8_e4m3", num_heads=8, num_kv_heads=1)
+    assert cuda.shipped_order(tp8, nine).cases == sum(
+        1 for c in nearest_cases(cases, FP8) if c.config["num_kv_heads"] == 1)
 
 
 def test_a_config_s_shipped_order_is_computed_once_per_loaded_file(kvcore_shipped_ranking,

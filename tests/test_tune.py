@@ -4,6 +4,7 @@ versions or in a malformed file is ignored with a note."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -74,11 +75,14 @@ def test_tune_on_the_cpu_writes_the_ranking_and_the_selector_follows_it(ranking_
     assert {"kvcore", "torch", "triton"} <= set(entry["versions"])
     assert {c["phase"] for c in entry["cases"]} == {"decode", "mixed"}
     case = entry["cases"][0]
-    assert case["config"] == ranking_config_key(CONFIG)
-    assert case["shape_class"] == "D128 float32 kv=auto bs16" and case["preset"] == "llama-3.1-8b"
+    # The small preset's layer, with its per-rank head counts (4 query heads over 1 KV head).
+    tuned = dataclasses.replace(CONFIG, num_heads=4, num_kv_heads=1)
+    assert case["config"] == ranking_config_key(tuned)
+    assert case["shape_class"] == "D128 float32 kv=auto bs16 Hq=4 Hk=1"
+    assert case["preset"] == "llama-3.1-8b"
     measured = [b for c in entry["cases"] for b in c["times_us"]]
     assert measured and all(t > 0 for c in entry["cases"] for t in c["times_us"].values())
-    order = result.orders["D128 float32 kv=auto bs16"]
+    order = result.orders["D128 float32 kv=auto bs16 Hq=4 Hk=1"]
     fastest = order.order[0]
     assert kvcore.get_attn_backend(CONFIG, platform="cpu").get_name() == fastest
     # The explanation names each phase's own fastest, which on a noisy CPU need not be the
@@ -110,6 +114,29 @@ def test_a_ranking_that_puts_a_backend_first_changes_the_pick_and_explain_quotes
                for n in report.ranking_notes)
     # A forced backend stays forced.
     assert kvcore.get_attn_backend(CONFIG, backend=static, platform="cpu").get_name() == static
+
+
+def test_a_config_with_head_counts_follows_the_cases_of_those_heads(ranking_file):
+    static = kvcore.get_attn_backend(CONFIG, platform="cpu").get_name()
+    other = other_valid_backend()
+    one = dataclasses.replace(CONFIG, num_heads=8, num_kv_heads=1)
+    eight = dataclasses.replace(CONFIG, num_heads=32, num_kv_heads=8)
+    slow_at_one = ranking_with({other: 300.0, static: 100.0}, config=one)
+    fast_at_eight = ranking_with({other: 50.0, static: 400.0}, config=eight)
+    write_ranking(Ranking(slow_at_one.date, slow_at_one.device, slow_at_one.versions,
+                          slow_at_one.cases + fast_at_eight.cases), ranking_file)
+    assert kvcore.get_attn_backend(one, platform="cpu").get_name() == static
+    assert kvcore.get_attn_backend(eight, platform="cpu").get_name() == other
+    report = kvcore.explain_selection(one, "cpu")
+    assert sum(report.measured.cases.values()) == 2  # its own heads' two phases, not all four
+    # No head counts, or counts not measured: all four cases (other 1.7x of the fastest in
+    # geometric mean, static 2.8x).
+    for config in (CONFIG, dataclasses.replace(CONFIG, num_heads=2, num_kv_heads=2)):
+        assert sum(kvcore.explain_selection(config, "cpu").measured.cases.values()) == 4
+        assert kvcore.get_attn_backend(config, platform="cpu").get_name() == other
+    # A ranking measured without head counts still speaks for a config that gives them.
+    write_ranking(ranking_with({other: 50.0, static: 100.0}), ranking_file)
+    assert kvcore.get_attn_backend(one, platform="cpu").get_name() == other
 
 
 def test_the_selection_follows_a_rewritten_file(ranking_file):

@@ -164,6 +164,14 @@ SELECT_CONFIG_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "has_logits_soft_cap": ("--soft-cap", dict(
         action="store_true", help="logit soft-capping (scores become cap * tanh(score / cap), "
                                   "Gemma 2)")),
+    "num_heads": ("--num-heads", dict(
+        type=positive_int, default=None,
+        help="query heads of the layer on one rank (after tensor parallelism); with "
+             "--num-kv-heads it picks the measured cases of the same head counts in a ranking "
+             "(it changes no backend's validity)")),
+    "num_kv_heads": ("--num-kv-heads", dict(
+        type=positive_int, default=None,
+        help="KV heads of the layer on one rank, e.g. 1 for Llama-3-70B at TP 8")),
 }
 
 #: Options people reach for that are no part of selection, and why (argparse alone would

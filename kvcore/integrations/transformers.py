@@ -291,7 +291,9 @@ def select_backend(
     selector_config = AttentionSelectorConfig(
         head_size=head_dim, dtype=model.dtype, block_size=page_size,
         has_sink=any("sinks" in f for f in features),
-        has_logits_soft_cap=any("logits_soft_cap" in f for f in features))
+        has_logits_soft_cap=any("logits_soft_cap" in f for f in features),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     plat = platform or ("cpu" if model.device.type == "cpu" else None)
     if backend is not None:
         chosen = get_attn_backend(selector_config, backend=backend, platform=plat)
