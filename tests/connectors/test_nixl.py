@@ -748,3 +748,102 @@ def test_the_nixl_build_matching_torchs_cuda_is_tried_first(monkeypatch, cuda, f
     monkeypatch.setattr(nixl_module.torch.version, "cuda", cuda)
     order = nixl_module._nixl_module_order()
     assert order[0] == first and sorted(order) == sorted(nixl_module._NIXL_MODULES)
+
+
+# -- a load's fetch split in two requests (fetch_split_keys) -----------------------------------
+
+
+@pytest.mark.parametrize("config", [{"fetch_split_keys": 3}, {"fetch_split_keys": True}],
+                         ids=["too-small", "bool"])
+def test_fetch_split_keys_is_checked(config):
+    with pytest.raises(ValueError, match="fetch_split_keys=.* must be None"):
+        get_connector("nixl", role="consumer", port=1, **config)
+
+
+@needs_nixl
+@pytest.mark.parametrize("cross", [True, False], ids=["cross_layer", "per_layer"])
+def test_a_split_fetch_reads_every_block_bit_exact(monkeypatch, cross):
+    """With ``fetch_split_keys``, a load sends two fetches back to back (the first marked
+    ``more``, so the producer counts notifications only after the second), READs the first
+    quarter as its answer arrives, and loads every block bit-exact into scattered blocks; a
+    load shorter than ``fetch_split_keys`` keeps one fetch."""
+    seen = []
+    real_answer = pull_producer.Producer._answer
+
+    def answer(self, consumer_name, request, link):
+        seen.append((request.get("op"), request.get("more"), len(request.get("tail", b""))))
+        return real_answer(self, consumer_name, request, link)
+
+    monkeypatch.setattr(pull_producer.Producer, "_answer", answer)
+    kv_p, kv_c = make_caches(cross_layer=cross, seed=3), make_caches(cross_layer=cross)
+    keys = keys_for(21, 8)
+    src, dst = [3, 4, 5, 9, 10, 0, 1, 2], [11, 7, 6, 0, 1, 2, 8, 9]
+    with producer() as prod, consumer(prod.port, fetch_split_keys=8) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        phases = []
+        conn.timing = lambda phase, seconds: phases.append(phase)
+        save = prod.save(keys, src)
+        result = conn.load(keys, dst).wait(timeout=10)
+        assert result.ok and result.succeeded == tuple(dst)
+        assert save.wait(timeout=10).ok
+        assert seen == [("fetch", True, 2 * 64), ("fetch", None, 6 * 64)]
+        assert phases.count("fetch") == 2
+        assert torch.equal(block_bytes(kv_c, dst), block_bytes(kv_p, src))
+        short = keys_for(22, 7)
+        seen.clear()
+        prod.save(short, [11, 10, 9, 8, 7, 6, 5])
+        assert conn.load(short, list(range(7))).wait(timeout=10).ok
+        assert seen == [("fetch", None, 7 * 64)]
+    assert torch.equal(block_bytes(kv_c, list(range(7))),
+                       block_bytes(kv_p, [11, 10, 9, 8, 7, 6, 5]))
+
+
+@needs_nixl
+@pytest.mark.parametrize("published", [range(0, 5), range(2, 8), range(1, 7)],
+                         ids=["head-and-some-of-the-rest", "the-rest-only", "parts-of-both"])
+def test_a_split_fetch_fails_exactly_the_keys_never_published(published):
+    """Keys the producer never published fail after the consumer's timeout, named as such,
+    in either part of a split fetch; the others are read bit-exact."""
+    kv_p, kv_c = make_caches(cross_layer=True, seed=4), make_caches(cross_layer=True)
+    keys = keys_for(23, 8)
+    dst = list(range(8))
+    with producer() as prod, consumer(prod.port, fetch_split_keys=4, timeout_s=1.0) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save([keys[i] for i in published], [i + 2 for i in published])
+        result = conn.load(keys, dst).wait(timeout=10)
+        assert result.succeeded == tuple(published)
+        assert set(result.failed) == set(dst) - set(published)
+        assert all("not published by the producer" in why for why in result.failed.values())
+        assert save.wait(timeout=10).ok
+    assert torch.equal(block_bytes(kv_c, list(published)),
+                       block_bytes(kv_p, [i + 2 for i in published]))
+
+
+@needs_nixl
+def test_a_split_fetch_whose_second_answer_is_lost_reads_nothing(monkeypatch):
+    """The link fails after the first answer: the first part's READ, started already, is not
+    counted (the producer ends the leases of a closed connection), and every block fails
+    naming the link; the producer publishes the blocks again."""
+    real_answer = pull_producer.Producer._answer
+
+    def answer(self, consumer_name, request, link):
+        if request.get("op") == "fetch" and request.get("more") is None:
+            raise OSError("the link broke")
+        return real_answer(self, consumer_name, request, link)
+
+    monkeypatch.setattr(pull_producer.Producer, "_answer", answer)
+    monkeypatch.setattr(pull_producer, "CLOSED_LINK_GRACE_S", 0.05)
+    kv_p, kv_c = make_caches(cross_layer=True, seed=5), make_caches(cross_layer=True)
+    keys = keys_for(24, 8)
+    with producer() as prod, consumer(prod.port, fetch_split_keys=4) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        prod.save(keys, list(range(8)))
+        result = conn.load(keys, list(range(8))).wait(timeout=10)
+        assert result.succeeded == ()
+        assert set(result.failed) == set(range(8))
+        assert all("link" in why for why in result.failed.values()), result.failed
+        with pytest.raises(ConnectionError):
+            conn._consumer.request({"op": "lookup"}, keys=keys)  # the link is down
