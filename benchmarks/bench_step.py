@@ -129,6 +129,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def spin_sync() -> None:
+    """Wait for the device by polling an event in a busy loop: the thread never blocks in
+    the driver, so the host stays awake (unlike ``torch.cuda.synchronize``)."""
+    if DEVICE == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            pass
+
+
 def available(name: str) -> str | None:
     """Why ``name`` cannot run here, or ``None``."""
     try:
@@ -225,22 +235,58 @@ def wall_per_step(fn: Callable[[], object], steps: int = STEPS) -> float:
 
 
 def sync_step_us(fn: Callable[[], object], steps: int = STEPS, *,
-                 count_sync: bool = True) -> float:
+                 count_sync: bool = True, wait: Callable[[], None] = sync) -> float:
     """Median microseconds of ``fn`` followed by a device sync (nothing overlaps the next
     call's host work), after three warm-up calls; ``count_sync=False`` times the call alone
-    (its host time: the sync after it is not counted)."""
+    (its host time: the sync after it is not counted). ``wait``: how the host waits for the
+    device (default ``torch.cuda.synchronize``; :func:`spin_sync` polls)."""
     for _ in range(min(3, steps)):
         fn()
-    sync()
+    wait()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         fn()
         if count_sync:
-            sync()
+            wait()
         times.append(time.perf_counter() - t0)
-        sync()
+        wait()
     return sorted(times)[len(times) // 2] * 1e6
+
+
+def wake_probe(build: Callable[[], object], steps: int = 21) -> list[dict[str, float]]:
+    """Host microseconds of a fixed piece of host work right after the host waited for the
+    device to finish ``busy_ms`` of work, by how it waited: ``torch.cuda.synchronize`` or a
+    busy poll (:func:`spin_sync`). Two pieces: pure Python (no CUDA call) and ``build`` (the
+    builder's step: Python and four small copies). If the same work takes longer after a
+    longer wait, the host, not kvcore's code, is what a synchronous step exposes."""
+    def python_work() -> int:
+        return sum(len(str(i)) for i in range(300))
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+    rows = []
+    for busy_ms in (0.0, 1.0, 3.0, 11.0):
+        for name, wait in (("synchronize", sync), ("spin", spin_sync)):
+            for work_name, work in (("python", python_work), ("build", build)):
+                times = []
+                for i in range(steps + 2):
+                    if busy_ms:
+                        torch.cuda._sleep(int(busy_ms * cycles_per_ms))
+                    wait()
+                    t0 = time.perf_counter()
+                    work()
+                    t = time.perf_counter() - t0
+                    if i >= 2:
+                        times.append(t * 1e6)
+                sync()
+                rows.append({"busy_ms": busy_ms, "wait": name, "work": work_name,
+                             "host_us": sorted(times)[len(times) // 2]})
+    return rows
 
 
 def device_us(fn: Callable[[], object], calls: int = 21, *,
@@ -485,7 +531,72 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
                          graph.replay()), count_sync=False),
             "runner_device_us": device_us(lambda: runner.run(model.inputs, model.common),
                                           hold_s=2e-3),
-            "bare_replay_device_us": device_us(graph.replay)}
+            "bare_replay_device_us": device_us(graph.replay),
+            "runner_stages_host_us": runner_stages_us(runner, model.inputs, model.common),
+            "runner_stages_spin_host_us": runner_stages_us(runner, model.inputs, model.common,
+                                                           wait=spin_sync),
+            "sync_step_spin_us": sync_step_us(lambda: runner.run(model.inputs, model.common),
+                                              wait=spin_sync),
+            "bare_replay_spin_us": sync_step_us(graph.replay, wait=spin_sync),
+            "wake": wake_probe(lambda: model.builder.build(model.common, graph_batch_size=b)),
+            "runner_runtime_api": runtime_api_us(
+                lambda: runner.run(model.inputs, model.common)),
+            "bare_replay_runtime_api": runtime_api_us(graph.replay)}
+
+
+def runner_stages_us(runner: kvcore.CudaGraphRunner, inputs: dict[str, torch.Tensor],
+                     common: kvcore.AttentionMetadata, steps: int = STEPS,
+                     wait: Callable[[], None] = sync) -> dict[str, float]:
+    """Host microseconds (median) of each stage of ``CudaGraphRunner.run``'s replayed step, in
+    its order and context (each step after a device sync, as in a synchronous engine):
+    ``build``, the checked-facts lookup, the capture-signature check, the inputs' foreach copy
+    and the graph's replay call. The stages are the runner's own (its private members: this
+    script places its time, it is no API)."""
+    from kvcore.step_facts import checked_step_facts
+
+    size, n = runner.graph_size(common), common.num_seqs
+    assert size is not None, "the step must replay"
+    entry = runner._graphs[size]
+    names = ("build", "facts", "signature", "copy inputs", "replay")
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for i in range(steps + 3):
+        wait()
+        marks = [time.perf_counter()]
+        meta = runner.builder.build(common, graph_batch_size=size)
+        marks.append(time.perf_counter())
+        checked_step_facts(meta.query_start_loc, meta.seq_lens, meta.block_table,
+                           meta.slot_mapping)
+        marks.append(time.perf_counter())
+        runner._signature(meta)
+        marks.append(time.perf_counter())
+        torch._foreach_copy_([runner._inputs[k][:n] for k in inputs], list(inputs.values()))
+        marks.append(time.perf_counter())
+        entry.graph.replay()
+        marks.append(time.perf_counter())
+        if i >= 3:  # warm-up
+            for k, a, b in zip(names, marks[:-1], marks[1:], strict=True):
+                samples[k].append((b - a) * 1e6)
+    sync()
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+
+
+def runtime_api_us(fn: Callable[[], object], steps: int = 20, top: int = 8
+                   ) -> list[tuple[str, int, float]]:
+    """The CUDA runtime and driver calls of ``fn`` under torch's profiler, a device sync after
+    each call: ``(name, calls per step, host microseconds per step)``, the costliest first (a
+    call that blocks on the device, or a launch that stalls, shows here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+            sync()
+    rows = [(e.key, e.count / steps, e.self_cpu_time_total / steps)
+            for e in prof.key_averages() if e.key.startswith("cu")]
+    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 def flashinfer_direct(model: Model, graph_mode: bool = False) -> Callable[[], torch.Tensor]:
@@ -808,6 +919,28 @@ def summary_table(run: Run) -> str:
                          "its graph's replay call, host us", "build + bare replay, host us",
                          "runner's step over the bare replay, GPU us",
                          "total, step written in place, us"]))
+            staged = [s for s in bare if "runner_stages_host_us" in s]
+            if staged:
+                stages = list(staged[0]["runner_stages_host_us"])
+                parts.append(table(
+                    [[s["backend"], s["shape"], wait,
+                      *(f"{s[key][k]:.1f}" for k in stages),
+                      "; ".join(f"{name} x{calls:g} {us:.0f}"
+                                for name, calls, us in s["runner_runtime_api"][:4])
+                      if wait == "synchronize" else
+                      f"{s['sync_step_spin_us'] - s['kernels_us']:.0f} "
+                      f"(bare replay {s['bare_replay_spin_us'] - s['kernels_us']:.0f})"]
+                     for s in staged
+                     for wait, key in (("synchronize", "runner_stages_host_us"),
+                                       ("spin", "runner_stages_spin_host_us"))],
+                    headers=["runner.run's stages, host us", "shape", "wait", *stages,
+                             "CUDA API per step (calls, host us); spin: synchronous step "
+                             "over kernels, us"]))
+                parts.append(table(
+                    [[s["backend"], s["shape"], f"{w['busy_ms']:g}", w["wait"], w["work"],
+                      f"{w['host_us']:.1f}"] for s in staged for w in s["wake"]],
+                    headers=["host work after a wait", "shape", "device busy ms", "wait",
+                             "work", "host us"]))
     if r["layers"]:
         direct = {(x["shape"], x["mode"]): x for x in r["layers"]
                   if x["impl"].startswith("flashinfer direct")}
@@ -862,6 +995,9 @@ def main() -> int:
                         help="tiny shapes on the CPU, Triton under TRITON_INTERPRET=1")
     parser.add_argument("--host", action="store_true",
                         help="only the per-layer host table (section 5)")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="only sections 1 and 2 (correctness, the 32-layer steps and where "
+                             "a synchronous step's time goes)")
     args = parser.parse_args()
     if DEVICE == "cpu":
         # Tiny ops: intra-op threads cost more than they save on a shared machine.
@@ -910,6 +1046,10 @@ def main() -> int:
         for b, length in STEP_SHAPES:
             with run.section(f"{LAYERS}-layer step {name} {b}x{length}"):
                 time_step(run, name, b, length)
+    if args.steps_only:
+        run.log("\n" + summary_table(run))
+        run.save()
+        return 1 if run.results["errors"] else 0
     for b, length in LAYER_SHAPES:
         time_layer(run, b, length, names, has_flashinfer)
     with run.section("eager step: value checks"):
