@@ -48,7 +48,11 @@ the kernels' is the builder's and the runner's host work the GPU cannot hide. A 
 splits it: the same 32 layers captured alone and replayed with a sync every step (the floor an
 engine cannot go under: the graph's launch latency and the sync's return), the host time of
 that replay call (and of one layer's graph: what a layer's nodes add to the launch), and the
-builder's ``build`` alone.
+builder's ``build`` alone. A third places ``CudaGraphRunner.run``'s host time stage by stage
+in its own context (after the sync), with the CUDA API calls torch's profiler sees, and again
+with the host waiting by a busy poll instead of ``torch.cuda.synchronize``; a fourth times
+the same host work (pure Python, ``build``) right after waits on 0-11 ms of device work, by
+both ways of waiting: whether a longer wait makes the same work slower.
 
 The table printed last has the step times and ratios. Logs and JSON go to ``--out`` (default
 ``$OUT``, else ``benchmarks/results``). ``--cpu`` runs section 4 on the CPU with CPU_ATTN
