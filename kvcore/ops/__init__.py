@@ -73,6 +73,7 @@ from kvcore.ops.split_kv import (
     kv_split_count,
     merge_kv_splits,
     num_sms,
+    round_filling_split_count,
     workspace_numel,
 )
 from kvcore.ops.torch_attention import paged_attention_torch
@@ -155,6 +156,7 @@ __all__ = [
     "require_tensor",
     "reshape_and_cache",
     "reshape_and_cache_ref",
+    "round_filling_split_count",
     "scale_value",
     "set_value_checks",
     "step_facts_from_tensors",

@@ -11,7 +11,8 @@ scores already scaled by ``softmax_scale * LOG2E``; ``-inf`` for a split that sa
 The split count: :func:`kv_split_count` is the rule (split a launch of too few programs until
 it has about ``target_programs``, never below ``min_split_tokens`` keys a split), which
 :func:`default_num_kv_splits` applies to TRITON_ATTN with the GPU's decode row
-(:data:`kvcore.ops.attention_config.DECODE_TILES`; an fp8 cache may aim at more programs).
+(:data:`kvcore.ops.attention_config.DECODE_TILES`; on an fp8 cache a row that says how many
+programs an SM holds uses :func:`round_filling_split_count`: whole rounds of them).
 Both depend only on their arguments, so a builder that passes a fixed length bound
 (``max_model_len``) and its cache dtype gets a choice that is stable for a batch size
 (CUDA-graph replays).
@@ -29,7 +30,7 @@ from kvcore.dtypes import FP8_KV_CACHE_DTYPES
 from kvcore.ops.attention_config import decode_tile, device_arch, is_rocm
 
 __all__ = ["LN2", "LOG2E", "MAX_KV_SPLITS", "default_num_kv_splits", "kv_split_count",
-           "merge_kv_splits", "num_sms", "workspace_numel"]
+           "merge_kv_splits", "num_sms", "round_filling_split_count", "workspace_numel"]
 
 #: ``log2(e)``: kernels score with ``exp2``, so the softmax scale is multiplied by it.
 LOG2E = 1.4426950408889634
@@ -66,6 +67,27 @@ def kv_split_count(programs: int, max_seq_len: int, *, target_programs: int,
     return max(1, min(per, by_length, max_splits))
 
 
+def round_filling_split_count(programs: int, max_seq_len: int, *, capacity: int,
+                              min_split_tokens: int, max_splits: int = MAX_KV_SPLITS) -> int:
+    """Splits for a launch of ``programs`` programs (1 split each) when ``capacity`` programs
+    run at once and each is paced by its own latency (an fp8 decode program: half the bytes
+    of a bf16 one, the dequantisation on its path), so a launch takes about ``rounds / s``
+    of the unsplit time, ``rounds = ceil(programs * s / capacity)``: the ``s`` that
+    minimises it (the fewest splits on a tie), up to two rounds, at most one split per
+    ``min_split_tokens`` keys of ``max_seq_len`` and at most ``max_splits``.
+
+    One round is the aim (what :func:`kv_split_count` gives), but where it is far from full
+    two full rounds beat it: 256 programs of 396 run at 65% in one round, and 3 splits (768
+    programs, two rounds of 396 and 372) take two thirds of the time; 2 splits (512 programs)
+    would run a second, nearly empty round for nothing. 1 when ``programs`` is 0 or at least
+    ``capacity``."""
+    if programs <= 0 or programs >= capacity:
+        return 1
+    limit = min(max(1, max_seq_len // min_split_tokens), max_splits, 2 * capacity // programs)
+    return min(range(1, limit + 1),
+               key=lambda s: (-(-programs * s // capacity) / s, s))
+
+
 def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
                           max_seq_len_bound: int, device: torch.device, *,
                           num_sms: int | None = None, arch: str | None = None,
@@ -74,9 +96,10 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
     """TRITON_ATTN's split count: 1 unless the batch is decode-only (``num_tokens ==
     num_seqs``) and its ``num_seqs * num_kv_heads`` programs are fewer than ``split_waves``
     per SM; then :func:`kv_split_count` with ``split_waves * num_sms`` programs as the target
-    (``fp8_split_waves * num_sms`` for an fp8 ``kv_cache_dtype``: the ``fp8_wide`` or
-    ``fp8_narrow`` tile's for ``head_size`` where it sets it, else the row's, where that sets
-    it) and the row's ``min_split_tokens``. The waves and tokens per split come from the
+    and the row's ``min_split_tokens``; for an fp8 ``kv_cache_dtype`` whose tile sets
+    ``fp8_split_waves`` (the ``fp8_wide`` or ``fp8_narrow`` tile's for ``head_size``, else the
+    row's), :func:`round_filling_split_count` with ``fp8_split_waves * num_sms`` programs at
+    once. The waves and tokens per split come from the
     :func:`~kvcore.ops.attention_config.decode_tile` of ``arch`` (default:
     :func:`~kvcore.ops.attention_config.device_arch`); ``num_sms`` defaults to ``device``'s
     SM count; ``max_seq_len_bound`` bounds every request's length; ``kv_cache_dtype`` is the
@@ -88,13 +111,15 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
     programs = num_seqs * num_kv_heads
     if programs >= rule.split_waves * sms:
         return 1
-    waves = rule.split_waves
     if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         # The programs an SM holds at once depend on the tile: a head-size tile may say.
         tile = decode_tile(arch or device_arch(device), is_rocm(rocm), head_size=head_size,
                            kv_cache_dtype=kv_cache_dtype)
-        waves = tile.fp8_split_waves or rule.fp8_split_waves or waves
-    return kv_split_count(programs, max_seq_len_bound, target_programs=waves * sms,
+        waves = tile.fp8_split_waves or rule.fp8_split_waves
+        if waves:
+            return round_filling_split_count(programs, max_seq_len_bound, capacity=waves * sms,
+                                             min_split_tokens=rule.min_split_tokens)
+    return kv_split_count(programs, max_seq_len_bound, target_programs=rule.split_waves * sms,
                           min_split_tokens=rule.min_split_tokens)
 
 

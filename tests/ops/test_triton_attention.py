@@ -463,6 +463,26 @@ def test_sm90_fp8_caches_split_more(batch, length, bf16, fp8) -> None:
             splits(*args, num_sms=132, arch=arch, rocm=rocm))
 
 
+@pytest.mark.parametrize(("programs", "length", "splits"), [
+    (256, 4096, 3), (200, 4096, 3), (128, 4096, 3), (64, 32768, 6), (8, 32768, 49),
+    (300, 4096, 1), (396, 4096, 1), (256, 1024, 1), (8, 1024, 2)], ids=lambda v: str(v))
+def test_fp8_splits_fill_whole_rounds(programs, length, splits) -> None:
+    """396 programs at once (3 an SM on 132 SMs): 256 programs take 3 splits (two full rounds,
+    2/3 of the unsplit time) where filling one round allows none, 2 splits would run a second
+    round nearly empty; 300 stay unsplit (2 splits: two rounds for half the work each, no
+    gain). 512 keys a split at least (1024 keys: 2 splits at most)."""
+    count = kvcore.ops.round_filling_split_count(programs, length, capacity=396,
+                                                 min_split_tokens=512)
+    assert count == splits
+    rounds = -(-programs * count // 396)
+    assert rounds <= 2 and all(rounds / count <= -(-programs * s // 396) / s
+                               for s in range(1, min(length // 512, 2 * 396 // programs) + 1))
+    # Qwen2.5-7B at 64 x 4096 (4 KV heads): 256 programs, on the sm90 row's fp8 decode tile.
+    assert kvcore.ops.default_num_kv_splits(64, 64, 4, 4096, torch.device("cpu"), num_sms=132,
+                                            arch="sm90", kv_cache_dtype="fp8_e4m3") == 3
+    assert kvcore.ops.round_filling_split_count(0, 4096, capacity=396, min_split_tokens=512) == 1
+
+
 def test_the_ops_own_choice_splits_an_fp8_cache_more() -> None:
     """Without a plan the op picks by its caches' kv_cache_dtype: Llama-3.1-8B's layer at
     8 x 32768 on the sm90 row (132 SMs) takes 6 splits on an fp8 cache, 4 on a bf16 one."""
