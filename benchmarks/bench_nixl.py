@@ -80,10 +80,7 @@ fetch's answer is on the way), ``gather`` (launching them; the gather itself on 
 Python); written as ``phases_ms`` in the JSON.
 
 ``--progress-thread on|off`` sets both nixl connectors' ``progress_thread`` (default: the
-connector's, on for the producer and off for the consumer). ``--fetch-split N`` sets the nixl
-consumer's ``fetch_split_keys`` (a same-layout load of N keys or more fetches its first
-quarter and the rest with two requests back to back, READing the first part while the
-producer answers for the rest; compare with and without it in one session).
+connector's, on for the producer and off for the consumer).
 
 ``--grid`` runs, each in its own pair of processes with this call's devices and sizes, every
 connector of ``--grid-connectors`` (default ``nixl,p2p``; nixl rows say why they are skipped
@@ -647,9 +644,6 @@ def main() -> int:
     parser.add_argument("--phases", action="store_true",
                         help="nixl, mooncake: time where each load's wall time goes (see the "
                              "module docstring)")
-    parser.add_argument("--fetch-split", type=int, default=None, metavar="N",
-                        help="nixl consumer: fetch_split_keys=N (a same-layout load of N keys "
-                             "or more fetches its first quarter and the rest back to back)")
     parser.add_argument("--progress-thread", choices=("on", "off"), default=None,
                         help="nixl: both connectors' progress_thread (default: the "
                              "connector's, on for the producer, off for the consumer)")
@@ -663,8 +657,6 @@ def main() -> int:
                                      or args.progress_thread):
         parser.error("--ucx-tls, --ucx-error-mode, --progress-thread and --matrix are for "
                      "--connector nixl")
-    if args.fetch_split is not None and args.connector != "nixl":
-        parser.error("--fetch-split is for --connector nixl")
     if args.phases and args.connector == "p2p":
         parser.error("--phases is for the pull connectors (--connector nixl or mooncake)")
     own_device = args.serve_device if args.serve else args.device
@@ -725,9 +717,7 @@ def main() -> int:
             connector = get_connector(args.connector, role="consumer", port=port,
                                       timeout_s=CONSUMER_TIMEOUT_S,
                                       staging_buffers=args.staging_buffers,
-                                      **staging_options(args), **transport_options(args),
-                                      **({} if args.fetch_split is None else
-                                         {"fetch_split_keys": args.fetch_split}))
+                                      **staging_options(args), **transport_options(args))
         with connector as consumer:
             consumer.register_kv_caches(kv)
             transport = getattr(consumer, "transport", None)  # p2p: the data path agreed
@@ -780,7 +770,6 @@ def main() -> int:
         "scattered": args.scattered, "consumer_runs": count_runs(ids),
         "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
         "converted": args.convert, "progress_thread": args.progress_thread,
-        "fetch_split": args.fetch_split,
         "transport": transport,
     }
     if args.convert:

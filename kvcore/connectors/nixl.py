@@ -337,13 +337,6 @@ class NixlConnector(PullConnector):
             that read one producer rank each take its blocks: pass
             ``len(kvcore.connectors.reader_ranks(num_kv_heads, tp, consumer_degree))``. A
             consumer never reads a block twice.
-        fetch_split_keys: consumer: ``None`` (the default): a load leases all its keys with one
-            ``fetch``. An int: a same-layout load of that many keys or more sends two fetches
-            back to back, its first quarter and the rest (two leases), and starts the first
-            part's READ as soon as its answer is in, while the producer answers for the rest
-            (its per-key work then delays the load by a quarter of the keys' only). On the
-            2-core CPU machine, where a DRAM READ runs inside its post, it was slower
-            (``benchmarks/bench_nixl.py --fetch-split``).
 
     Layouts may differ: the handshake plans the conversion
     (:func:`~kvcore.connectors.plan_conversion`, producer -> consumer, from both layouts and
@@ -379,15 +372,13 @@ class NixlConnector(PullConnector):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_buffers: int = 2,
         readers: int = 1,
-        fetch_split_keys: int | None = None,
     ) -> None:
         super().__init__(role=role, host=host, port=port, connect_timeout_s=connect_timeout_s,
                          timeout_s=timeout_s, publish_timeout_s=publish_timeout_s,
                          max_lease_s=max_lease_s, failure_policy=failure_policy, tp=tp,
                          num_kv_heads=num_kv_heads, kv_scales=kv_scales,
                          staging_bytes=staging_bytes,
-                         staging_buffers=staging_buffers, readers=readers,
-                         fetch_split_keys=fetch_split_keys)
+                         staging_buffers=staging_buffers, readers=readers)
         if isinstance(backends, str) or not isinstance(backends, Sequence) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
             raise TypeError(f"backends must be a non-empty list of NIXL backend names such as "

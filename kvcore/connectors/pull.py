@@ -127,18 +127,6 @@ PHASES = ("lookup", "fetch", "giveback", "done", "start_read", "poll", "release"
           "prepare", "gather", "wait")
 
 
-def _fetched(reply: dict[str, Any], count: int) -> tuple[str, list[Any]]:
-    """A fetch's answer for ``count`` keys: the lease and, per key, the producer's block or
-    ``None`` (not published yet). Raises :class:`ChannelError` when it is malformed."""
-    lease, tail = reply.get("lease"), reply.get("tail", b"")
-    if not isinstance(lease, str) or len(tail) != 8 * count:
-        raise ChannelError(f"the producer answered {str(reply)[:200]!r}")
-    blocks: list[Any] = unpack_blocks(tail)
-    if blocks and min(blocks) < 0:  # some not published yet
-        blocks = [None if b < 0 else b for b in blocks]
-    return lease, blocks
-
-
 # -- the connector --------------------------------------------------------------------------
 
 
@@ -177,7 +165,7 @@ class PullConnector(KVConnector):
                  failure_policy: str, tp: TPRank | tuple[int, int] | None = None,
                  num_kv_heads: int | None = None, kv_scales: Any = None,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, staging_buffers: int = 2,
-                 readers: int = 1, fetch_split_keys: int | None = None) -> None:
+                 readers: int = 1) -> None:
         if role not in _ROLES:
             raise ValueError(f"role={role!r} must be 'producer' (publishes blocks) or "
                              "'consumer' (reads them)")
@@ -212,12 +200,6 @@ class PullConnector(KVConnector):
                              "READ each published block; kvcore.connectors.reader_ranks gives "
                              "it for tensor-parallel consumers)")
         self.readers = readers
-        if fetch_split_keys is not None and (isinstance(fetch_split_keys, bool) or not isinstance(
-                fetch_split_keys, int) or fetch_split_keys < 4):
-            raise ValueError(f"fetch_split_keys={fetch_split_keys!r} must be None (one fetch a "
-                             "load) or an int >= 4 (loads of that many keys or more fetch their "
-                             "first quarter and the rest with two requests back to back)")
-        self.fetch_split_keys = fetch_split_keys
         self._kv_scales = kv_scales
         self._plan: ConversionPlan | None = None
 
@@ -612,48 +594,13 @@ class PullConnector(KVConnector):
         reply = self._request({"op": "fetch", "lease_s": 2 * self.timeout_s},
                               timeout=max(deadline - time.monotonic(), 0.001), keys=keys,
                               while_waiting=while_waiting)
-        return _fetched(reply, len(keys))
-
-    def _fetch_pair(self, head: list[str], rest: list[str], deadline: float,
-                    between: Callable[[tuple[str, list[Any]] | ChannelError], None]
-                    ) -> tuple[tuple[str, list[Any]] | ChannelError,
-                               tuple[str, list[Any]] | ChannelError]:
-        """:meth:`_fetch` of ``head`` and of ``rest``, two requests sent back to back (two
-        leases): ``between(head's lease and blocks, or its ChannelError)`` runs once the first
-        answer is in, while the producer answers the second (it must not raise). Returns
-        both, each a :class:`ChannelError` where that fetch failed; raises
-        :class:`ChannelError` when the link failed before the first answer."""
-        lease_s = 2 * self.timeout_s
-        timing = self.timing
-        clock = [time.perf_counter()]
-
-        def first_answer(reply: dict[str, Any] | ChannelError) -> None:
-            if timing is not None:
-                timing("fetch", time.perf_counter() - clock[0])
-            try:
-                fetched = reply if isinstance(reply, ChannelError) else _fetched(reply,
-                                                                                 len(head))
-            except ChannelError as exc:
-                fetched = exc
-            answers.append(fetched)
-            between(fetched)
-            clock[0] = time.perf_counter()
-
-        answers: list[tuple[str, list[Any]] | ChannelError] = []
-        try:
-            _, second = self._consumer.request_pair(
-                ({"op": "fetch", "lease_s": lease_s, "more": True},
-                 {"op": "fetch", "lease_s": lease_s}), (head, rest),
-                max(deadline - time.monotonic(), 0.001), first_answer)
-        finally:
-            if timing is not None:
-                timing("fetch", time.perf_counter() - clock[0])
-        try:
-            rest_fetched = second if isinstance(second, ChannelError) else _fetched(
-                second, len(rest))
-        except ChannelError as exc:
-            rest_fetched = exc
-        return answers[0], rest_fetched
+        lease, tail = reply.get("lease"), reply.get("tail", b"")
+        if not isinstance(lease, str) or len(tail) != 8 * len(keys):
+            raise ChannelError(f"the producer answered {str(reply)[:200]!r}")
+        blocks: list[Any] = unpack_blocks(tail)
+        if blocks and min(blocks) < 0:  # some not published yet
+            blocks = [None if b < 0 else b for b in blocks]
+        return lease, blocks
 
     def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float,
               fetched: tuple[str, list[Any], int] | None = None
@@ -662,9 +609,6 @@ class PullConnector(KVConnector):
         (this cache, or the staging buffer); returns the indices read whole and why the
         others failed. ``fetched``: ``(lease, blocks, first)``, a fetch made already whose
         entries ``first ..`` are ``keys``' (else the first fetch is made here)."""
-        split = self.fetch_split_keys
-        if fetched is None and split is not None and len(keys) >= split:
-            return self._pull_pipelined(keys, local_ids, local, deadline)
         todo = range(len(keys))  # indices not read yet
         loaded: set[int] = set()
         failed: dict[int, str] = {}
@@ -716,76 +660,6 @@ class PullConnector(KVConnector):
             self._pause(pause)
             pause = min(2 * pause, 0.05)
         return loaded, failed
-
-    def _pull_pipelined(self, keys: list[str], local_ids: list[int], local: Regions,
-                        deadline: float) -> tuple[set[int], dict[int, str]]:
-        """:meth:`_pull` of a load of ``fetch_split_keys`` keys or more: its first
-        quarter and the rest are fetched by two requests sent back to back
-        (:meth:`_fetch_pair`), and the READ of the first part starts as soon as its answer is
-        in, while the producer answers for the rest (the time it spends per key is then off
-        the load's path, but a quarter's). Where a part's answer is not the common case
-        (every key published, blocks in range), that part goes through :meth:`_pull` with
-        its answer, after the other part's READs."""
-        head = len(keys) // 4
-        parts = ((0, keys[:head], local_ids[:head]), (head, keys[head:], local_ids[head:]))
-        num_blocks = self._consumer.num_blocks
-        reads: list[Reads | None] = [None, None]
-
-        def start(n: int, fetched: tuple[str, list[Any]] | ChannelError) -> None:
-            """Start part ``n``'s READs when its answer is the common case."""
-            if isinstance(fetched, ChannelError):
-                return
-            lease, blocks = fetched
-            ids = parts[n][2]
-            if blocks and set(map(type, blocks)) == {int} and min(blocks) >= 0 \
-                    and max(blocks) < num_blocks:
-                reads[n] = Reads(self, lease, deadline)
-                reads[n].start(spans(0, blocks, ids), local)
-
-        try:
-            try:
-                first, rest = self._fetch_pair(parts[0][1], parts[1][1], deadline,
-                                               lambda fetched: start(0, fetched))
-            except ChannelError as exc:
-                return set(), dict.fromkeys(range(len(keys)), str(exc))
-            start(1, rest)
-            self._poll_reads([r for r in reads if r is not None], deadline)
-        finally:  # (READs still in flight only when this raised)
-            for r in reads:
-                if r is not None and r.active:
-                    r.expire("the load raised while this READ was in flight")
-        loaded: set[int] = set()
-        failed: dict[int, str] = {}
-        for n, fetched in enumerate((first, rest)):
-            k0, part_keys, ids = parts[n]
-            if reads[n] is not None:
-                read, errors = reads[n].read, reads[n].errors
-            elif isinstance(fetched, ChannelError):
-                read, errors = (), dict.fromkeys(range(len(part_keys)), str(fetched))
-            else:  # some keys not published yet, or blocks out of range: one by one
-                read, errors = self._pull(part_keys, ids, local, deadline,
-                                          fetched=(*fetched, 0))
-            loaded.update(k0 + j for j in read)
-            failed.update((k0 + j, why) for j, why in errors.items())
-        return loaded, failed
-
-    def _poll_reads(self, all_reads: list[Reads], deadline: float) -> None:
-        """Poll the READs of several leases until each is read, failed or past
-        ``deadline``, as :meth:`_read_runs` does for one, then give back what failed."""
-        active = [r for r in all_reads if r.active]
-        while active:
-            for reads in active:
-                reads.poll()
-            active = [r for r in active if r.active]
-            if active and time.monotonic() >= deadline:
-                for reads in active:
-                    reads.expire(f"{self.label} READ did not finish within "
-                                 f"timeout_s={self.timeout_s}")
-                break
-            if active:
-                active[-1].pause()
-        for reads in all_reads:
-            reads.give_back()
 
     def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions
                    ) -> tuple[list[int], dict[int, str]]:

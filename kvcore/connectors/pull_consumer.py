@@ -161,61 +161,15 @@ class Consumer:
                     while_waiting()
                 reply = recv_frame(self.sock)
             except (OSError, ChannelError) as exc:
-                raise self._down(exc) from exc
-        checked = self._checked(message, reply)
-        if isinstance(checked, ChannelError):
-            raise checked
-        return checked
-
-    def request_pair(self, messages: tuple[dict[str, Any], dict[str, Any]],
-                     keys: tuple[list[str], list[str]], timeout: float | None,
-                     between: Callable[[dict[str, Any] | ChannelError], None]
-                     ) -> tuple[dict[str, Any] | ChannelError, dict[str, Any] | ChannelError]:
-        """Two requests sent back to back, then their answers, each within ``timeout``: the
-        producer works on the second while the first answer travels and ``between(first
-        answer)`` runs (it must not raise). An answer that failed is a :class:`ChannelError`
-        in its place (a refusal, or a link that failed before it: the link is then down, as
-        with :meth:`request`); raises :class:`ChannelError` when the link was down already or
-        fails before the first answer."""
-        tails = tuple(pack_keys(k) for k in keys)
-        with self.lock:
-            if self.failure is not None:
-                raise ChannelError(self.failure)
-            try:
-                self.sock.settimeout(timeout or self.conn.timeout_s)
-                for message, tail in zip(messages, tails, strict=True):
-                    send_frame(self.sock, message, tail)
-                first = self._checked(messages[0], recv_frame(self.sock))
-            except (OSError, ChannelError) as exc:
-                raise self._down(exc) from exc
-            try:
-                between(first)
-            except BaseException as exc:  # (the second answer is not read: the link ends)
-                self._down(exc)
-                raise
-            try:
-                second = self._checked(messages[1], recv_frame(self.sock))
-            except (OSError, ChannelError) as exc:
-                second = self._down(exc)
-        return first, second
-
-    @staticmethod
-    def _checked(message: dict[str, Any], reply: dict[str, Any]
-                 ) -> dict[str, Any] | ChannelError:
-        """``reply``, or the refusal of ``message`` as a :class:`ChannelError`."""
+                kind = "no answer" if isinstance(exc, TimeoutError) else "lost"
+                self.failure = (f"link to the producer at {self.conn.host}:{self.conn.port} "
+                                f"{kind} (timeout_s={self.conn.timeout_s}): {exc}")
+                close_socket(self.sock)
+                raise ChannelError(self.failure) from exc
         if not reply.get("ok"):
-            return ChannelError(f"the producer refused {message.get('op')}: "
+            raise ChannelError(f"the producer refused {message.get('op')}: "
                                 f"{reply.get('error')}")
         return reply
-
-    def _down(self, exc: BaseException) -> ChannelError:
-        """Down the link after ``exc`` during a request (caller holds :attr:`lock`): a late
-        answer would desynchronise the stream. Returns the error to raise."""
-        kind = "no answer" if isinstance(exc, TimeoutError) else "lost"
-        self.failure = (f"link to the producer at {self.conn.host}:{self.conn.port} "
-                        f"{kind} (timeout_s={self.conn.timeout_s}): {exc}")
-        close_socket(self.sock)
-        return ChannelError(self.failure)
 
     def disconnect(self) -> None:
         """Down the link: requests in flight fail now, later ones at once."""

@@ -670,9 +670,7 @@ class Producer:
                 else:
                     answer = self._answer(consumer, request, link)
                     send_frame(sock, answer, answer.pop("tail", b""))
-                    if op == "fetch" and request.get("more") is not True:
-                        # (a consumer that sent another fetch right behind this one waits
-                        # for its answer: count after that one)
+                    if op == "fetch":
                         self.settle_after_answer()
         except (BadFrame, RecursionError) as exc:  # answered, then the connection ends
             logger.warning("%s: refused %s (%s): %s", self.who, addr,
