@@ -490,7 +490,8 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
     runner's step running longer on the GPU than the bare replay). To place the runner's host
     time: its own graph's replay call alone, and the bare replay right behind ``build`` (its
     copies pending on the stream). Last, the synchronous step of an engine that wrote the step
-    into the builder's buffers itself (no copies in build)."""
+    into the builder's buffers itself (no copies in build), and of one that also wrote its
+    inputs into the runner's (``input_buffers``: no input copy either)."""
     def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -516,8 +517,12 @@ def sync_breakdown(model: Model, meta: kvcore.AttentionMetadata,
     in_place = dataclasses.replace(
         model.common, query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
         block_table=views.block_table, slot_mapping=views.slot_mapping)
+    own_inputs = runner.input_buffers(model.common.num_seqs)
+    for name, view in own_inputs.items():
+        view.copy_(model.inputs[name])
     return {"bare_replay_sync_us": sync_step_us(graph.replay),
             "sync_step_in_place_us": sync_step_us(lambda: runner.run(model.inputs, in_place)),
+            "sync_step_all_in_place_us": sync_step_us(lambda: runner.run(own_inputs, in_place)),
             "bare_replay_host_us": sync_step_us(graph.replay, count_sync=False),
             "one_layer_replay_host_us": sync_step_us(one.replay, count_sync=False),
             "build_host_us": sync_step_us(
@@ -914,7 +919,8 @@ def summary_table(run: Run) -> str:
                   f"{s['build_host_us']:.0f}", f"{s['runner_host_us']:.0f}",
                   f"{s['runner_graph_replay_host_us']:.0f}",
                   f"{s['build_then_bare_replay_host_us']:.0f}",
-                  gpu_over(s), f"{s['sync_step_in_place_us'] - s['kernels_us']:.0f}"]
+                  gpu_over(s), f"{s['sync_step_in_place_us'] - s['kernels_us']:.0f}",
+                  f"{s.get('sync_step_all_in_place_us', float('nan')) - s['kernels_us']:.0f}"]
                  for s in bare],
                 headers=["synchronous step over kernels", "shape", "total us",
                          "bare replay + sync us", "builder + runner us",
@@ -922,7 +928,8 @@ def summary_table(run: Run) -> str:
                          "same, one layer", "build, host us", "runner.run, host us",
                          "its graph's replay call, host us", "build + bare replay, host us",
                          "runner's step over the bare replay, GPU us",
-                         "total, step written in place, us"]))
+                         "total, step written in place, us",
+                         "same, inputs too (input_buffers), us"]))
             staged = [s for s in bare if "runner_stages_host_us" in s]
             if staged:
                 stages = list(staged[0]["runner_stages_host_us"])

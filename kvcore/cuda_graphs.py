@@ -14,6 +14,10 @@ builder's copies of the step into its persistent buffers. It works with any back
     runner.capture({"token_ids": torch.zeros(1, dtype=torch.int64, device=device)})
     out = runner.run({"token_ids": ids}, common)   # replayed when common is uniform decode
 
+An engine that writes each step's inputs into ``runner.input_buffers(n)`` (after capture) and
+passes those views saves the runner's input copy, as one that writes the step's metadata into
+``builder.buffers()`` saves the builder's.
+
 ``step_fn(inputs, attn_metadata)`` runs the model for one step: every input and the output
 have one row per token. It must work on the device only (no host sync, no decision taken on
 tensor values, no random numbers) and pass ``attn_metadata`` to every layer's ``forward``.
@@ -114,6 +118,21 @@ class _Signatures:
                 self._parts.clear()
             self._parts[id(value)] = (value, tuple(found))
         return found
+
+
+def _is_buffer_view(name: str, t: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``t`` is the buffer's leading rows as :meth:`CudaGraphRunner.input_buffers`
+    gives them (same memory, dtype and strides); a tensor at the buffer's address in another
+    layout is refused (copying it onto the buffer would read what it overwrites)."""
+    if t.data_ptr() != buf.data_ptr() or t.device != buf.device:
+        return False
+    if t.dtype != buf.dtype or t.stride() != buf.stride():
+        raise ValueError(
+            f"inputs[{name!r}] starts at its captured buffer's address but as "
+            f"{t.dtype} with strides {t.stride()}, not the buffer's {buf.dtype} with "
+            f"{buf.stride()}: pass runner.input_buffers(n)[{name!r}] as it is, or a tensor "
+            "of its own")
+    return True
 
 
 @dataclasses.dataclass
@@ -225,6 +244,26 @@ class CudaGraphRunner:
             self._graphs[size] = _Graph(graph, output, self._signature(meta))
         torch.cuda.synchronize(self.builder.device)
 
+    def input_buffers(self, num_seqs: int) -> dict[str, torch.Tensor]:
+        """Views of the captured input buffers for a step of ``num_seqs`` requests (their
+        first ``num_seqs`` rows), by input name. An engine that writes a step's inputs there
+        and passes these views to :meth:`run` saves the step's input copy (a launch: what
+        a synchronous step exposes); other tensors are copied as always.
+
+        Raises:
+            RuntimeError: nothing was captured yet.
+            ValueError: ``num_seqs`` is not in ``1..`` the largest captured size.
+        """
+        if not self._graphs:
+            raise RuntimeError("input_buffers() needs capture() first: the buffers are made "
+                               "there")
+        largest = self.batch_sizes[-1]
+        if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) \
+                or not 1 <= num_seqs <= largest:
+            raise ValueError(f"num_seqs={num_seqs!r} must be an integer in 1..{largest} (the "
+                             "largest captured batch size)")
+        return {name: buf[:num_seqs] for name, buf in self._inputs.items()}
+
     def replayable(self, common: AttentionMetadata) -> bool:
         """Whether a step like ``common`` replays once captured: uniform decode (one new token
         per request, no padding rows) of at most the largest batch size."""
@@ -277,9 +316,12 @@ class CudaGraphRunner:
                 f"{type(self.builder).__name__}.build(graph_batch_size={size}) returned other "
                 "tensors or host values than at capture: a replay would read stale memory "
                 "(builders of graph-capable backends must reuse their buffers)")
-        if inputs:  # one foreach copy for all inputs (each slow-pathed as copy_ if need be)
-            torch._foreach_copy_([self._inputs[name][:n] for name in inputs],
-                                 list(inputs.values()))
+        # One foreach copy for the inputs not already in the buffers (input_buffers' views:
+        # nothing to move), each slow-pathed as copy_ if need be.
+        moved = [(self._inputs[name], t) for name, t in inputs.items()
+                 if not _is_buffer_view(name, t, self._inputs[name])]
+        if moved:
+            torch._foreach_copy_([buf[:n] for buf, _ in moved], [t for _, t in moved])
         entry.graph.replay()
         self.replayed_steps += 1
         return entry.output[:n]
