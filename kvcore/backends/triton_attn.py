@@ -78,11 +78,12 @@ class TritonAttentionMetadataBuilder(PersistentMetadataBuilder):
                          max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, device=device)
         num_kv_heads = self.spec_kv_heads()
-        # The spec's cache dtype and head size: an fp8 cache may take more splits (and a
-        # larger workspace), as many as its head size's tile fits on the GPU at once.
+        # The spec's cache dtype and head size, and the GQA group: an fp8 cache (or a wide
+        # group) may take more splits (and a larger workspace).
         self._splits = functools.partial(default_num_kv_splits,
                                          kv_cache_dtype=spec.kv_cache_dtype,
-                                         head_size=spec.head_size)
+                                         head_size=spec.head_size,
+                                         group_size=num_heads // num_kv_heads)
         self._num_kv_heads = num_kv_heads
         self._graph_splits: dict[int, int] = {}
         # Graph steps split by the captured size and max_model_len; eager ones by the step's

@@ -66,6 +66,7 @@ __all__ = [
     "GLUON_PREFILL_TILES",
     "KERNELS",
     "PREFILL_TILES",
+    "WIDE_GROUP",
     "AttentionConfig",
     "DecodeTile",
     "GluonPrefillConfig",
@@ -216,6 +217,11 @@ class GluonPrefillTile:
     num_stages: int
 
 
+#: Query heads per KV head from which a 16-bit cache's split launch takes
+#: ``DecodeTile.wide_group_split_waves``.
+WIDE_GROUP = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeTile:
     """A :data:`DECODE_TILES` row: ``triton_decode``'s keys a step, warps, stages and
@@ -233,7 +239,11 @@ class DecodeTile:
     ``split_block_n``, ``fp8_fp16``, ``max_registers``; the split rule stays this row's);
     ``None``: this row's tile. ``fp8_narrow``: likewise, the tile an fp8 cache takes at head
     sizes up to 64. The split rule is the row's, but for ``fp8_split_waves``, which a head-size
-    tile may set for its own head sizes (it holds another number of programs per SM)."""
+    tile may set for its own head sizes (it holds another number of programs per SM).
+    ``wide_group_split_waves``: the programs per SM a split launch on a 16-bit cache aims at
+    when each KV head serves :data:`WIDE_GROUP` query heads or more (``None``:
+    ``split_waves``): such a program does twice the work per byte of a group of 4, and more of
+    them in flight pay."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -244,6 +254,7 @@ class DecodeTile:
     split_block_n: int | None = None
     fp8_fp16: bool = True
     fp8_split_waves: int | None = None
+    wide_group_split_waves: int | None = None
     max_registers: int | None = None
     fp8_wide: DecodeTile | None = None
     fp8_narrow: DecodeTile | None = None
@@ -308,8 +319,15 @@ GLUON_PREFILL_TILES: dict[str, GluonPrefillTile] = {
 #: fp8 cache took 207.7 us at 64 x 4096 with the row's tile, no faster than bf16 (212.9),
 #: and 148.3 with 64 keys a step (FlashInfer fp8 152.0; 8 warps 159.5, 128 keys 149.7;
 #: ``--layer gpt-oss-full``, H100). Split launches already take 64 keys (``split_block_n``).
+#: sm90's ``wide_group_split_waves`` (a sweep of explicit plans, H100, 2026-12-07, bf16 cache,
+#: Llama-3.1-70B at TP 8: 8 query heads on one KV head): 49 splits at 8 x 32768 took 57.6 us
+#: against the 2-wave rule's 33 (61.1), 6 at 64 x 4096 55.7 against 4 (57.9) (and 12-25 at
+#: 16 x 4096 16.0-16.2 against 8's 18.4, but ``min_split_tokens`` keeps it at 8 there);
+#: Llama-3.1-8B's group of 4 is slower with more (6 splits at 8 x 32768 394.8 us against 4's
+#: 352.9; 3 at 16 x 4096 104.5 against 2's 95.4).
 DECODE_TILES: dict[str, DecodeTile] = {
     "sm90": DecodeTile(const_block=True, split_waves=2, split_block_n=64, fp8_split_waves=3,
+                       wide_group_split_waves=3,
                        fp8_wide=DecodeTile(block_n=32, num_warps=4, num_stages=2,
                                            const_block=True, max_registers=128,
                                            fp8_split_waves=4),

@@ -92,7 +92,8 @@ def default_config(
                                               max_seq_len_bound, device, num_sms=num_sms,
                                               arch=arch, rocm=rocm,
                                               kv_cache_dtype=kv_cache_dtype,
-                                              head_size=head_size)
+                                              head_size=head_size,
+                                              group_size=num_heads // num_kv_heads)
     if not decode_only and num_kv_splits == 1:
         gluon_row = GLUON_PREFILL_TILES.get(arch) if gluon and not rocm else None
         if (gluon_row is not None and gluon_defaults_enabled()

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from kvcore.dtypes import FP8_KV_CACHE_DTYPES
-from kvcore.ops.attention_config import decode_tile, device_arch, is_rocm
+from kvcore.ops.attention_config import WIDE_GROUP, decode_tile, device_arch, is_rocm
 
 __all__ = ["LN2", "LOG2E", "MAX_KV_SPLITS", "default_num_kv_splits", "kv_split_count",
            "merge_kv_splits", "num_sms", "round_filling_split_count", "workspace_numel"]
@@ -92,14 +92,16 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
                           max_seq_len_bound: int, device: torch.device, *,
                           num_sms: int | None = None, arch: str | None = None,
                           rocm: bool | None = None, kv_cache_dtype: str = "auto",
-                          head_size: int = 0) -> int:
+                          head_size: int = 0, group_size: int = 1) -> int:
     """TRITON_ATTN's split count: 1 unless the batch is decode-only (``num_tokens ==
     num_seqs``) and its ``num_seqs * num_kv_heads`` programs are fewer than ``split_waves``
     per SM; then :func:`kv_split_count` with ``split_waves * num_sms`` programs as the target
     and the row's ``min_split_tokens``; for an fp8 ``kv_cache_dtype`` whose tile sets
     ``fp8_split_waves`` (the ``fp8_wide`` or ``fp8_narrow`` tile's for ``head_size``, else the
     row's), :func:`round_filling_split_count` with ``fp8_split_waves * num_sms`` programs at
-    once. The waves and tokens per split come from the
+    once; on a 16-bit cache with ``group_size`` (query heads per KV head) of at least
+    :data:`~kvcore.ops.attention_config.WIDE_GROUP`, the row's ``wide_group_split_waves``
+    where it sets it. The waves and tokens per split come from the
     :func:`~kvcore.ops.attention_config.decode_tile` of ``arch`` (default:
     :func:`~kvcore.ops.attention_config.device_arch`); ``num_sms`` defaults to ``device``'s
     SM count; ``max_seq_len_bound`` bounds every request's length; ``kv_cache_dtype`` is the
@@ -119,7 +121,10 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
         if waves:
             return round_filling_split_count(programs, max_seq_len_bound, capacity=waves * sms,
                                              min_split_tokens=rule.min_split_tokens)
-    return kv_split_count(programs, max_seq_len_bound, target_programs=rule.split_waves * sms,
+    waves = rule.split_waves
+    if group_size >= WIDE_GROUP and rule.wide_group_split_waves:
+        waves = rule.wide_group_split_waves
+    return kv_split_count(programs, max_seq_len_bound, target_programs=waves * sms,
                           min_split_tokens=rule.min_split_tokens)
 
 

@@ -483,6 +483,22 @@ def test_fp8_splits_fill_whole_rounds(programs, length, splits) -> None:
     assert kvcore.ops.round_filling_split_count(0, 4096, capacity=396, min_split_tokens=512) == 1
 
 
+@pytest.mark.parametrize(("hk", "hq", "batch", "length", "splits"), [
+    (1, 8, 8, 32768, 49), (1, 8, 64, 4096, 6), (8, 64, 8, 32768, 6),
+    (8, 32, 8, 32768, 4), (8, 32, 16, 4096, 2), (4, 28, 8, 32768, 8)], ids=lambda v: str(v))
+def test_a_wide_gqa_group_splits_a_bf16_cache_into_three_programs_an_sm(hk, hq, batch, length,
+                                                                        splits) -> None:
+    """On the sm90 row (132 SMs), a 16-bit cache whose KV heads serve 8 query heads or more
+    aims at 3 programs an SM (Llama-3.1-70B at TP 8: 49 splits at 8 x 32768, 6 at
+    64 x 4096), a group of 4 (Llama-3.1-8B) or 7 (Qwen2.5-7B) keeps 2."""
+    cpu = torch.device("cpu")
+    assert dispatch.default_config(batch, batch, hq, hk, 128, length, cpu, arch="sm90",
+                                   num_sms=132).num_splits == splits
+    # The builder's own choice is the op's.
+    assert kvcore.ops.default_num_kv_splits(batch, batch, hk, length, cpu, num_sms=132,
+                                            arch="sm90", group_size=hq // hk) == splits
+
+
 def test_the_ops_own_choice_splits_an_fp8_cache_more() -> None:
     """Without a plan the op picks by its caches' kv_cache_dtype: Llama-3.1-8B's layer at
     8 x 32768 on the sm90 row (132 SMs) takes 6 splits on an fp8 cache, 4 on a bf16 one."""
