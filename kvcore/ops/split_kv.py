@@ -99,7 +99,8 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
     and the row's ``min_split_tokens``; for an fp8 ``kv_cache_dtype`` whose tile sets
     ``fp8_split_waves`` (the ``fp8_wide`` or ``fp8_narrow`` tile's for ``head_size``, else the
     row's), :func:`round_filling_split_count` with ``fp8_split_waves * num_sms`` programs at
-    once; on a 16-bit cache with ``group_size`` (query heads per KV head) of at least
+    once; on a 16-bit cache with ``group_size`` (query heads per KV head, padded to a power
+    of two as the kernel's tile holds them) of at least
     :data:`~kvcore.ops.attention_config.WIDE_GROUP`, the row's ``wide_group_split_waves``
     where it sets it. The waves and tokens per split come from the
     :func:`~kvcore.ops.attention_config.decode_tile` of ``arch`` (default:
@@ -122,7 +123,9 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
             return round_filling_split_count(programs, max_seq_len_bound, capacity=waves * sms,
                                              min_split_tokens=rule.min_split_tokens)
     waves = rule.split_waves
-    if group_size >= WIDE_GROUP and rule.wide_group_split_waves:
+    # The kernel's tile holds the group padded to a power of two (Qwen2.5's 7 as 8).
+    padded_group = 1 << (max(group_size, 1) - 1).bit_length()
+    if padded_group >= WIDE_GROUP and rule.wide_group_split_waves:
         waves = rule.wide_group_split_waves
     return kv_split_count(programs, max_seq_len_bound, target_programs=waves * sms,
                           min_split_tokens=rule.min_split_tokens)

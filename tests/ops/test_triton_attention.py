@@ -485,12 +485,14 @@ def test_fp8_splits_fill_whole_rounds(programs, length, splits) -> None:
 
 @pytest.mark.parametrize(("hk", "hq", "batch", "length", "splits"), [
     (1, 8, 8, 32768, 49), (1, 8, 64, 4096, 6), (8, 64, 8, 32768, 6),
-    (8, 32, 8, 32768, 4), (8, 32, 16, 4096, 2), (4, 28, 8, 32768, 8)], ids=lambda v: str(v))
+    (8, 32, 8, 32768, 4), (8, 32, 16, 4096, 2), (4, 28, 8, 32768, 12), (4, 32, 8, 32768, 12)],
+    ids=lambda v: str(v))
 def test_a_wide_gqa_group_splits_a_bf16_cache_into_three_programs_an_sm(hk, hq, batch, length,
                                                                         splits) -> None:
     """On the sm90 row (132 SMs), a 16-bit cache whose KV heads serve 8 query heads or more
-    aims at 3 programs an SM (Llama-3.1-70B at TP 8: 49 splits at 8 x 32768, 6 at
-    64 x 4096), a group of 4 (Llama-3.1-8B) or 7 (Qwen2.5-7B) keeps 2."""
+    (padded to a power of two: Qwen2.5-7B's 7 fill the same 8-row tile as Qwen3's 8) aims at
+    3 programs an SM (Llama-3.1-70B at TP 8: 49 splits at 8 x 32768, 6 at 64 x 4096; the
+    Qwens at 8 x 32768: 12); a group of 4 (Llama-3.1-8B) keeps 2."""
     cpu = torch.device("cpu")
     assert dispatch.default_config(batch, batch, hq, hk, 128, length, cpu, arch="sm90",
                                    num_sms=132).num_splits == splits
