@@ -34,7 +34,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 import kvcore
 from kvcore_vllm.plugin import PREFIX, SELECTED
-from kvcore_vllm.vllm_private import current_attn_metadata, layer_kv_caches, layer_scales
+from kvcore_vllm.vllm_private import (
+    current_attn_metadata,
+    layer_impls,
+    layer_kv_caches,
+    layer_scales,
+)
 
 #: kvcore's CUDA_GRAPH_SUPPORT -> vLLM's cudagraph support level.
 CUDA_GRAPH_LEVELS = {
@@ -51,13 +56,26 @@ class KvcoreSelectionError(ValueError):
 def selector_config(*, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
                     block_size: int | None, use_mla: bool = False, has_sink: bool = False,
                     attn_type: str = AttentionType.DECODER, use_kv_connector: bool = False,
-                    has_logits_soft_cap: bool = False) -> kvcore.AttentionSelectorConfig:
-    """kvcore's selector config for what vLLM knows of a layer."""
+                    has_logits_soft_cap: bool = False, num_heads: int | None = None,
+                    num_kv_heads: int | None = None) -> kvcore.AttentionSelectorConfig:
+    """kvcore's selector config for what vLLM knows of a layer (the head counts per rank,
+    where known, pick a ranking's cases of the same heads; counts that do not group, which
+    no layer has, are left out rather than refused: they decide no validity)."""
+    if num_heads and num_kv_heads and num_heads % num_kv_heads:
+        num_heads = num_kv_heads = None
     return kvcore.AttentionSelectorConfig(
         head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto",
         block_size=block_size or 16, use_mla=use_mla, has_sink=has_sink,
         attn_type=kvcore.AttentionType(str(getattr(attn_type, "value", attn_type))),
-        use_kv_connector=use_kv_connector, has_logits_soft_cap=has_logits_soft_cap)
+        use_kv_connector=use_kv_connector, has_logits_soft_cap=has_logits_soft_cap,
+        num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+def _model_heads(vllm_config: Any) -> dict[str, int]:
+    """The model's query and KV heads per rank (vLLM's tensor-parallel split)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return {"num_heads": model.get_num_attention_heads(parallel),
+            "num_kv_heads": model.get_num_kv_heads(parallel)}
 
 
 @functools.cache
@@ -100,8 +118,9 @@ class KvcoreBackend(AttentionBackend):
         model = None if vllm_config is None else vllm_config.model_config
         dtype = torch.bfloat16 if model is None else model.dtype
         head = 128 if model is None else model.get_head_size()
+        heads = {} if model is None else _model_heads(vllm_config)
         return _select(None, selector_config(head_size=head, dtype=dtype,
-                                             kv_cache_dtype=None, block_size=None))
+                                             kv_cache_dtype=None, block_size=None, **heads))
 
     @classmethod
     def get_name(cls) -> str:  # type: ignore[override]
@@ -184,8 +203,11 @@ class KvcoreBuilder(AttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_head_size_v(kv_cache_spec)
         model = vllm_config.model_config
-        self.kvcore_backend = _select(self.BACKEND.KVCORE_NAME, _spec_config(
-            kv_cache_spec, vllm_config))
+        # The backend its layers' impls chose (with everything they know: sinks, soft-cap,
+        # heads), so the metadata is theirs; the spec's own choice where none is kvcore's.
+        chosen = impls_backend(layer_impls(vllm_config, layer_names), layer_names)
+        self.kvcore_backend = chosen or _select(
+            self.BACKEND.KVCORE_NAME, _spec_config(kv_cache_spec, vllm_config))
         spec = kvcore_spec(kv_cache_spec, vllm_config)
         scheduler = vllm_config.scheduler_config
         self.inner = self.kvcore_backend.get_builder_cls()(
@@ -224,6 +246,23 @@ class KvcoreBuilder(AttentionMetadataBuilder):
         return self.inner.build(common)
 
 
+def impls_backend(impls: list[Any], layer_names: list[str]
+                  ) -> type[kvcore.AttentionBackend] | None:
+    """The kvcore backend the kvcore impls among ``impls`` (a KV-cache group's layers) chose,
+    or ``None`` when none is kvcore's.
+
+    Raises:
+        RuntimeError: they chose different backends (one builder serves them all).
+    """
+    chosen = {impl.kvcore_backend for impl in impls if isinstance(impl, KvcoreImpl)}
+    if len(chosen) > 1:
+        raise RuntimeError(
+            f"kvcore-vllm: the layers {layer_names[:4]} share a KV-cache group but chose "
+            f"different kvcore backends ({', '.join(sorted(b.get_name() for b in chosen))}); "
+            "pick one with --attention-backend KVCORE_<NAME>")
+    return chosen.pop() if chosen else None
+
+
 def check_head_size_v(kv_cache_spec: Any) -> None:
     """Refuse layers whose V head size (vLLM's ``head_size_v``) differs from their K head size:
     kvcore's caches hold K and V of one head size, and its backends read V at K's width.
@@ -252,9 +291,11 @@ def kvcore_spec(kv_cache_spec: Any, vllm_config: VllmConfig) -> kvcore.FullAtten
 
 
 def _spec_config(kv_cache_spec: Any, vllm_config: VllmConfig) -> kvcore.AttentionSelectorConfig:
+    heads = _model_heads(vllm_config)
     return selector_config(head_size=kv_cache_spec.head_size, dtype=vllm_config.model_config.dtype,
                            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
-                           block_size=kv_cache_spec.block_size)
+                           block_size=kv_cache_spec.block_size,
+                           num_heads=heads["num_heads"], num_kv_heads=kv_cache_spec.num_kv_heads)
 
 
 class KvcoreImpl(AttentionImpl):
@@ -279,7 +320,8 @@ class KvcoreImpl(AttentionImpl):
                                  kv_cache_dtype=kv_cache_dtype,
                                  block_size=vllm_config.cache_config.block_size,
                                  attn_type=attn_type, has_sink=sinks is not None,
-                                 has_logits_soft_cap=bool(logits_soft_cap))
+                                 has_logits_soft_cap=bool(logits_soft_cap),
+                                 num_heads=num_heads, num_kv_heads=num_kv_heads)
         self.kvcore_backend = _select(self.BACKEND.KVCORE_NAME, config)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype

@@ -118,6 +118,25 @@ def test_the_builder_s_kvcore_spec_has_the_model_dtype_the_cache_dtype_and_the_w
         torch.bfloat16, storage, 128)
 
 
+def test_a_builder_takes_the_backend_its_layers_impls_chose():
+    """One builder serves a KV-cache group: it takes the backend its layers' kvcore impls
+    chose (they know sinks, the soft-cap and the heads; the group's spec does not), refuses
+    a group whose impls disagree, and leaves the choice to the spec when none is kvcore's."""
+    triton, cpu = kvcore.resolve_backend("TRITON_ATTN"), kvcore.resolve_backend("CPU_ATTN")
+
+    def impl(backend):
+        made = object.__new__(backends.KvcoreImpl)
+        made.kvcore_backend = backend
+        return made
+
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    assert backends.impls_backend([impl(triton), impl(triton), object()], names) is triton
+    assert backends.impls_backend([object()], names) is None
+    with pytest.raises(RuntimeError, match="chose different kvcore backends .CPU_ATTN, "
+                                           "TRITON_ATTN."):
+        backends.impls_backend([impl(triton), impl(cpu)], names)
+
+
 def test_a_v_head_size_other_than_k_is_refused():
     """vLLM's head_size_v (some models' V heads differ from their K heads): kvcore's caches
     hold K and V of one head size, so the builder refuses such layers, naming both sizes."""
