@@ -22,19 +22,31 @@ class _Recorded:
         self.replays += 1
 
 
-def test_a_replay_copies_every_input_with_one_foreach_copy(monkeypatch) -> None:
+def uncaptured_runner() -> kvcore.CudaGraphRunner:
+    """A runner for batches of 4 over a CPU builder, not captured yet."""
     spec = kvcore.FullAttentionSpec(block_size=4, dtype=torch.float32, num_kv_heads=1,
                                     head_size=8)
     builder = kvcore.PersistentMetadataBuilder(spec, num_heads=1, max_num_seqs=4,
                                                max_num_batched_tokens=8, max_model_len=32,
                                                device="cpu")
-    runner = kvcore.CudaGraphRunner(builder, lambda inputs, meta: None, num_blocks=16,
-                                    batch_sizes=[4])
+    return kvcore.CudaGraphRunner(builder, lambda inputs, meta: None, num_blocks=16,
+                                  batch_sizes=[4])
+
+
+def captured(runner: kvcore.CudaGraphRunner) -> _Recorded:
+    """Set the state ``capture`` leaves (inputs ``x`` (4, 3) float32 and ``ids`` (4,) int64,
+    a graph for 4 requests) without CUDA; the graph that counts its replays."""
     graph = _Recorded()
     empty = kvcore.build_attention_metadata([], [], [], 4)
     runner._inputs = {"x": torch.zeros(4, 3), "ids": torch.zeros(4, dtype=torch.int64)}
-    runner._graphs[4] = _Graph(graph, torch.arange(4.0),
-                               runner._signature(builder.build(empty, graph_batch_size=4)))
+    runner._graphs[4] = _Graph(graph, torch.arange(4.0), runner._signature(
+        runner.builder.build(empty, graph_batch_size=4)))
+    return graph
+
+
+def test_a_replay_copies_every_input_with_one_foreach_copy(monkeypatch) -> None:
+    runner = uncaptured_runner()
+    graph = captured(runner)
     calls = []
     foreach_copy = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_",
@@ -55,20 +67,10 @@ def test_a_replay_copies_every_input_with_one_foreach_copy(monkeypatch) -> None:
 
 
 def test_inputs_written_into_the_runners_buffers_are_not_copied(monkeypatch) -> None:
-    spec = kvcore.FullAttentionSpec(block_size=4, dtype=torch.float32, num_kv_heads=1,
-                                    head_size=8)
-    builder = kvcore.PersistentMetadataBuilder(spec, num_heads=1, max_num_seqs=4,
-                                               max_num_batched_tokens=8, max_model_len=32,
-                                               device="cpu")
-    runner = kvcore.CudaGraphRunner(builder, lambda inputs, meta: None, num_blocks=16,
-                                    batch_sizes=[4])
+    runner = uncaptured_runner()
     with pytest.raises(RuntimeError, match="needs capture"):
         runner.input_buffers(2)
-    graph = _Recorded()
-    empty = kvcore.build_attention_metadata([], [], [], 4)
-    runner._inputs = {"x": torch.zeros(4, 3), "ids": torch.zeros(4, dtype=torch.int64)}
-    runner._graphs[4] = _Graph(graph, torch.arange(4.0),
-                               runner._signature(builder.build(empty, graph_batch_size=4)))
+    graph = captured(runner)
     copied = []
     foreach_copy = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_",
