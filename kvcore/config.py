@@ -27,9 +27,9 @@ class AttentionSelectorConfig:
     ``num_heads`` / ``num_kv_heads``: query and KV heads of the layer on this rank (after
     tensor parallelism; an MLA layer caches one latent head), when the engine knows them.
     They decide no backend's validity, only speed: a measured ranking prefers the cases
-    timed with the same head counts (Llama-3-70B at TP 8 keeps one KV head per rank, where
-    a different backend is fastest than at eight). ``None``: not given, all head counts
-    speak.
+    timed with the same head counts (Llama-3-70B at TP 8 keeps one KV head per rank, and
+    another backend is the fastest there than at eight). ``None``: not given, every head
+    count's cases speak.
     """
 
     head_size: int

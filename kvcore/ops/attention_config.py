@@ -242,9 +242,8 @@ class DecodeTile:
     tile may set for its own head sizes (it holds another number of programs per SM).
     ``wide_group_split_waves``: the programs per SM a split launch on a 16-bit cache aims at
     when each KV head serves :data:`WIDE_GROUP` query heads or more, padded to a power of two
-    (``None``:
-    ``split_waves``): such a program does twice the work per byte of a group of 4, and more of
-    them in flight pay."""
+    (``None``: ``split_waves``): such a program does twice the work per byte of a group of 4,
+    and more of them in flight pay."""
 
     block_n: int = 32
     num_warps: int = 4
