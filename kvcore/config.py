@@ -28,7 +28,7 @@ class AttentionSelectorConfig:
     tensor parallelism; an MLA layer caches one latent head), when the engine knows them.
     They decide no backend's validity, only speed: a measured ranking prefers the cases
     timed with the same head counts (Llama-3-70B at TP 8 keeps one KV head per rank, and
-    another backend is the fastest there than at eight). ``None``: not given, every head
+    the fastest backend there is not the one at eight). ``None``: not given, every head
     count's cases speak.
     """
 
