@@ -57,24 +57,23 @@ def current_attn_metadata(layer_name: str) -> Any:
     return metadata.get(layer_name) if isinstance(metadata, dict) else metadata
 
 
-def layer_impls(vllm_config: Any, layer_names: list[str]) -> list[Any]:
-    """The attention impls of these vLLM attention layers (made with the model, before any
-    builder)."""
+def _attention_layers(vllm_config: Any, layer_names: list[str]) -> list[Any]:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
-    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    return [layer.impl for layer in layers.values()]
+    return list(get_layers_from_vllm_config(vllm_config, Attention, layer_names).values())
+
+
+def layer_impls(vllm_config: Any, layer_names: list[str]) -> list[Any]:
+    """The attention impls of these vLLM attention layers (made with the model, before any
+    builder)."""
+    return [layer.impl for layer in _attention_layers(vllm_config, layer_names)]
 
 
 def layer_kv_caches(vllm_config: Any, layer_names: list[str]) -> list[torch.Tensor]:
     """The KV-cache tensors vLLM bound to these attention layers (empty before allocation)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
     caches = []
-    for layer in layers.values():
+    for layer in _attention_layers(vllm_config, layer_names):
         cache = layer.kv_cache
         if isinstance(cache, (list, tuple)):  # one per virtual engine in some releases
             cache = cache[0] if cache else None
