@@ -148,9 +148,9 @@ class PhaseRanking:
                      ) -> list[tuple[str, str, float]]:
         """The cases where one of ``others`` was measured more than ``tolerance`` (a
         fraction) faster than ``backend``: ``(what, the fastest of them, its speed-up)``, the
-        largest speed-up first. A ranking's tiers average over shapes its config cannot tell
-        apart (one KV head a rank or eight), so these say where another backend is the
-        better choice."""
+        largest speed-up first. A ranking's tiers average over a phase's shapes (and over
+        every head count when the config gives none), so these say where another backend is
+        the better choice."""
         found = []
         for what, times in self.cases:
             timed = dict(times)

@@ -179,7 +179,7 @@ def same_heads(cases: list[MeasuredCase], config: AttentionSelectorConfig
     """``cases`` narrowed, for each head count ``config`` gives (KV heads first: the count that
     sets a decode kernel's parallelism), to those measured with the same count, where any
     was; a count not given, or given but not measured, narrows nothing."""
-    for name in reversed(HEAD_COUNT_FIELDS):
+    for name in ("num_kv_heads", "num_heads"):
         value = getattr(config, name)
         same = [c for c in cases if value is not None and c.config.get(name) == value]
         if same:

@@ -186,9 +186,13 @@ class SelectionReport:
         if len(found) > _FASTER_SHOWN:
             lines.append(f"  ... and {len(found) - _FASTER_SHOWN} more such "
                          f"case{'s' if len(found) - _FASTER_SHOWN != 1 else ''}")
-        if lines:
-            lines.append("  (the order averages over shapes this config does not tell apart; "
-                         "--backend picks another where those shapes are the model's)")
+        if lines and self.config.num_kv_heads is None:
+            lines.append("  (the order averages over every head count measured; "
+                         "--num-heads/--num-kv-heads narrow it to the model's, --backend "
+                         "picks another where those shapes are the model's)")
+        elif lines:
+            lines.append("  (the order averages over the phase's shapes; --backend picks "
+                         "another where those shapes are the model's)")
         return lines
 
     def format(self) -> str:

@@ -235,6 +235,7 @@ def test_explain_names_the_measured_shapes_where_a_valid_backend_beats_the_pick(
             "the fastest\n  FLEX_ATTENTION 2.00x faster than TRITON_ATTN on Hk=1 full, "
             "decode 8x32768, Hk=1\n") in text
     assert "Hk=8 full" not in text and "Hk=4 full" not in text
+    assert "--num-heads/--num-kv-heads narrow it to the model's" in text  # LLAMA gives none
     (decode,) = report.to_dict()["phase_rankings"]
     assert decode["faster_than_selected"] == [
         {"case": "Hk=1 full, decode 8x32768, Hk=1", "backend": "FLEX_ATTENTION", "speedup": 2.0}]

@@ -79,8 +79,18 @@ __all__ = [
     "decode_tile",
     "device_arch",
     "is_rocm",
+    "next_power_of_2",
     "prefill_tile",
 ]
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``0`` for ``0``), as ``triton.next_power_of_2``
+    computes it, for launch parameters on the host: recent Triton makes that function a
+    constexpr function whose call costs microseconds, paid per layer per step."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n={n!r} must be a non-negative int")
+    return 1 << (n - 1).bit_length() if n else 0
 
 
 def _kernel(name: str) -> dataclasses.Field:

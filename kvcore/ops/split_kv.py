@@ -27,7 +27,13 @@ import functools
 import torch
 
 from kvcore.dtypes import FP8_KV_CACHE_DTYPES
-from kvcore.ops.attention_config import WIDE_GROUP, decode_tile, device_arch, is_rocm
+from kvcore.ops.attention_config import (
+    WIDE_GROUP,
+    decode_tile,
+    device_arch,
+    is_rocm,
+    next_power_of_2,
+)
 
 __all__ = ["LN2", "LOG2E", "MAX_KV_SPLITS", "default_num_kv_splits", "kv_split_count",
            "merge_kv_splits", "num_sms", "round_filling_split_count", "workspace_numel"]
@@ -124,8 +130,7 @@ def default_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
                                              min_split_tokens=rule.min_split_tokens)
     waves = rule.split_waves
     # The kernel's tile holds the group padded to a power of two (Qwen2.5's 7 as 8).
-    padded_group = 1 << (max(group_size, 1) - 1).bit_length()
-    if padded_group >= WIDE_GROUP and rule.wide_group_split_waves:
+    if next_power_of_2(group_size) >= WIDE_GROUP and rule.wide_group_split_waves:
         waves = rule.wide_group_split_waves
     return kv_split_count(programs, max_seq_len_bound, target_programs=waves * sms,
                           min_split_tokens=rule.min_split_tokens)

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from kvcore.ops.attention_config import next_power_of_2
+
 __all__ = ["find_sequence", "fp8_format", "gluon_defaults_enabled", "gluon_kernels_unavailable",
            "interpreting", "is_interpreted", "load_kv_scales", "locate_query_tile",
            "next_power_of_2", "prefill_key_tiles", "recording_launches", "round_to_fp8_grid",
@@ -132,15 +134,6 @@ def load_kv_scales(k_scale, v_scale, SCALE_IS_TENSOR: tl.constexpr):
         ks = k_scale
         vs = v_scale
     return ks, vs
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two ``>= n`` (``0`` for ``0``), as ``triton.next_power_of_2``
-    computes it, for launch parameters on the host: recent Triton makes that function a
-    constexpr function whose call costs microseconds, paid per layer per step."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n={n!r} must be a non-negative int")
-    return 1 << (n - 1).bit_length() if n else 0
 
 
 def interpreting() -> bool:
