@@ -34,7 +34,7 @@ Usage: ``python benchmarks/bench_nixl.py [--device cpu|cuda (default: cuda if th
 one)] [--serve-device DEV] [--connector nixl|mooncake|p2p] [--p2p-backend auto|gloo|nccl|ipc]
 [--scattered] [--mib N] [--trials N]
 [--per-layer] [--ucx-tls TLS] [--ucx-error-mode peer|none] [--progress-thread on|off]
-[--phases] [--out DIR]``; JSON goes to
+[--lookup] [--phases] [--out DIR]``; JSON goes to
 ``--out`` (default ``$OUT``, else the temp dir) as ``bench_nixl.json``. Set
 ``NIXL_LOG_LEVEL=WARN`` to silence NIXL's INFO lines.
 ``--ucx-tls`` and ``--ucx-error-mode`` reach both processes' connectors (``ucx_tls=`` and
@@ -76,8 +76,15 @@ load (median over the loads after the first, in ms), through the connector's tim
 whether a READ finished), ``release`` (freeing its handle), ``pause`` (the connector's pauses
 between polls), for a converting load ``prepare`` (its gathers' checks and ids, while the
 fetch's answer is on the way), ``gather`` (launching them; the gather itself on the CPU) and
-``wait`` (the host waiting for the device), and ``other`` (the rest: the loader thread,
-Python); written as ``phases_ms`` in the JSON.
+``wait`` (the host waiting for the device), ``notify`` (nixl, with ``--lookup``: confirming
+the READs started before the lease), and ``other`` (the rest: the loader thread, Python);
+written as ``phases_ms`` in the JSON.
+
+``--lookup`` (nixl, mooncake): before each load the consumer looks its keys up, untimed, as an
+engine's scheduler does before it asks for the load; the lookup's answer names the producer's
+blocks, so the load starts its READs from them while its fetch is on the way (and trusts them
+once the lease names the same blocks and serials). Without it, a load fetches first, then
+READs.
 
 ``--progress-thread on|off`` sets both nixl connectors' ``progress_thread`` (default: the
 connector's, on for the producer and off for the consumer).
@@ -552,7 +559,8 @@ class Phases:
     connector's timing hook (:attr:`kvcore.connectors.pull.PullConnector.timing`); requests
     on the side channel add up to ``channel`` and are counted (``round_trips``)."""
 
-    NAMES = ("channel", "start_read", "poll", "release", "pause", "prepare", "gather", "wait")
+    NAMES = ("channel", "start_read", "poll", "release", "pause", "prepare", "gather", "wait",
+             "notify")
     REQUESTS = ("lookup", "fetch", "giveback", "done")
 
     def __init__(self, consumer) -> None:
@@ -566,6 +574,11 @@ class Phases:
             self.trips += 1
             phase = "channel"
         self.now[phase] += seconds
+
+    def forget(self) -> None:
+        """Drop what was heard since the last load ended (a lookup before the next one)."""
+        self.now = dict.fromkeys(self.NAMES, 0.0)
+        self.trips = 0
 
     def end_load(self, seconds: float) -> None:
         """Close one load that took ``seconds`` of wall time."""
@@ -641,6 +654,11 @@ def main() -> int:
                              "in its own processes; the table last")
     parser.add_argument("--only", default=None, metavar="TEXT",
                         help="--convert-suite: only the cases whose label contains TEXT")
+    parser.add_argument("--lookup", action="store_true",
+                        help="nixl, mooncake: look each trial's keys up before its load, "
+                             "untimed (an engine's scheduler does before it asks for the "
+                             "load): the load READs from the blocks the lookup named while "
+                             "its fetch is on the way")
     parser.add_argument("--phases", action="store_true",
                         help="nixl, mooncake: time where each load's wall time goes (see the "
                              "module docstring)")
@@ -657,8 +675,9 @@ def main() -> int:
                                      or args.progress_thread):
         parser.error("--ucx-tls, --ucx-error-mode, --progress-thread and --matrix are for "
                      "--connector nixl")
-    if args.phases and args.connector == "p2p":
-        parser.error("--phases is for the pull connectors (--connector nixl or mooncake)")
+    if (args.phases or args.lookup) and args.connector == "p2p":
+        parser.error("--phases and --lookup are for the pull connectors (--connector nixl or "
+                     "mooncake)")
     own_device = args.serve_device if args.serve else args.device
     if own_device.startswith("cuda:"):  # this process's GPU is its current device
         torch.cuda.set_device(torch.device(own_device))
@@ -724,6 +743,12 @@ def main() -> int:
             phases = Phases(consumer) if args.phases else None
             for t in range(args.trials):
                 keys = trial_keys(t, num_keys)
+                if args.lookup:
+                    wait_until = time.monotonic() + 60
+                    while consumer.lookup(keys) < len(keys) and time.monotonic() < wait_until:
+                        time.sleep(0.001)
+                    if phases is not None:
+                        phases.forget()  # the lookup is the scheduler's, not the load's
                 t0 = time.perf_counter()
                 if p2p:
                     go(t)
@@ -770,7 +795,7 @@ def main() -> int:
         "scattered": args.scattered, "consumer_runs": count_runs(ids),
         "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
         "converted": args.convert, "progress_thread": args.progress_thread,
-        "transport": transport,
+        "transport": transport, "looked_up_first": args.lookup,
     }
     if args.convert:
         record["layout"] = f"{expected.layout} -> {kv.layout}"

@@ -145,7 +145,7 @@ class _Engine:
     def forget(self, remote: Any) -> None:
         pass  # the Python API keeps a producer's segment until the engine goes (close)
 
-    def start_read(self, run: Run, lease: str, local: Regions, remote_regions: Regions,
+    def start_read(self, run: Run, lease: str | None, local: Regions, remote_regions: Regions,
                    remote: str) -> None:
         n = run.end - run.first
         descs = zip(local.run_descs(run.dst, n), remote_regions.run_descs(run.src, n),

@@ -205,19 +205,25 @@ class _Agent:
                 except Exception as exc:
                     logger.info("nixl consumer: removing the producer's agent: %s", exc)
 
-    def start_read(self, run: Run, lease: str, local: Regions, remote_regions: Regions,
+    def start_read(self, run: Run, lease: str | None, local: Regions, remote_regions: Regions,
                    remote: str) -> None:
         n = run.end - run.first
+        # The producer counts the run read when the notification arrives (after the data);
+        # none before the lease exists (the consumer notifies once it checked the lease).
+        message = b"" if lease is None else f"{lease}:{run.first}:{run.end}".encode()
         with self.lock:
             local_descs = self.agent.get_xfer_descs(local.run_descs(run.dst, n),
                                                     local.mem_type)
             remote_descs = self.agent.get_xfer_descs(remote_regions.run_descs(run.src, n),
                                                      remote_regions.mem_type)
-            run.handle = self.agent.initialize_xfer(
-                "READ", local_descs, remote_descs, remote,
-                f"{lease}:{run.first}:{run.end}".encode())
+            run.handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, remote,
+                                                    message)
             if self.agent.transfer(run.handle) == "ERR":
                 raise RuntimeError("NIXL transfer() returned ERR")
+
+    def notify(self, remote: str, message: bytes) -> None:
+        with self.lock:
+            self.agent.send_notif(remote, message)
 
     def poll(self, run: Run) -> str:
         with self.lock:

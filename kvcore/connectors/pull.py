@@ -28,11 +28,13 @@ the addresses of its block regions. Both sides compare the layouts (the number o
 aside) and refuse a mismatch with :class:`kvcore.LayoutMismatchError` before any byte moves.
 Then:
 
-- ``lookup`` {keys}: how many leading keys are published and open to this consumer;
+- ``lookup`` {keys}: how many leading keys are published and open to this consumer, and
+  (the tail, :func:`~kvcore.connectors.pull_producer.pack_blocks`) their blocks and the
+  serials of those publications (a serial is never reused);
 - ``fetch`` {keys, lease_s}: take the published ones for ``lease_s`` seconds; the answer
-  names the producer's block of each key (its tail,
-  :func:`~kvcore.connectors.pull_producer.pack_blocks`; ``-1``: not published yet). The
-  consumer READs them and confirms each run read whole, ``<lease>:<first>:<end>``: through
+  names the producer's block of each key and its publication's serial (``-1``: not
+  published yet). The consumer READs them and confirms each run read whole,
+  ``<lease>:<first>:<end>``: through
   the library's notification where it has one (NIXL), else with ``done`` {lease, first,
   end} on the side channel (:attr:`PullConnector.confirms_over_channel`). The producer then
   releases the blocks and the save reports them done (it counts notifications right after
@@ -65,10 +67,20 @@ cancel is named in the block's reason).
 Per load, a consumer makes one ``fetch`` round trip (a converting load too: it leases all its
 keys at once and READs them chunk by chunk), more only for keys the producer had not published
 yet (asked again with pauses of 2 ms doubling to 50 ms), plus a ``done`` per run where READs
-are confirmed over the side channel. While READs are in flight it polls the library, pausing
-between polls as :func:`poll_pause` says: an eighth of the time they have taken so far,
-between 20 us and 5 ms (a READ is seen finished about an eighth of its time late at most, and
-a long one costs few polls).
+are confirmed over the side channel. A load whose keys a lookup found (as an engine's
+scheduler looks them up before it asks for the load) does not wait for the fetch's answer to
+READ: it starts the READs from the blocks the lookup named (kept for the last
+:data:`GUESSES_KEPT` keys, each for one load) right after sending the fetch, without
+notification, so the round trip runs under the data's time. A key whose leased block and
+serial are the ones the lookup named was published, so unchanged, from the lookup's answer
+until the lease held it: its bytes count once read, confirmed by a notification sent then
+(``<lease>:<first>:<end>``, as a READ carries it) or ``done``. Any other key of the load (a
+block published again elsewhere, a READ that failed) is READ from the lease after those READs
+ended, over what they wrote; one the producer no longer publishes fails as any other. A
+converting load fetches first (its READs land in the shared staging buffer).
+While READs are in flight it polls the library, pausing between polls as :func:`poll_pause`
+says: an eighth of the time they have taken so far, between 20 us and 5 ms (a READ is seen
+finished about an eighth of its time late at most, and a long one costs few polls).
 A load runs on the connector's loader thread, or on the caller's when it waits for the load
 (long enough for any load) before that thread took it; ``close`` waits for both.
 :attr:`PullConnector.timing` reports where a load's time goes (:data:`PHASES`).
@@ -76,6 +88,7 @@ A load runs on the connector's loader thread, or on the caller's when it waits f
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import socket
@@ -111,6 +124,9 @@ logger = logging.getLogger(__name__)
 
 _ROLES = ("producer", "consumer")
 
+#: Keys whose producer blocks a consumer keeps from its lookups for the loads that follow.
+GUESSES_KEPT = 1 << 16
+
 #: A converting consumer's staging buffer (``staging_bytes``): READs of the producer's blocks
 #: land there in the producer's layout, then one gather converts them into the cache.
 DEFAULT_STAGING_BYTES = 512 << 20
@@ -122,9 +138,10 @@ DEFAULT_STAGING_BYTES = 512 << 20
 #: yet), and for a converting load ``prepare`` (its gathers' checks and ids, while the fetch's
 #: answer is on the way: not counted in ``fetch``), ``gather`` (launching one; on the CPU, the
 #: gather itself) and ``wait`` (the host waiting for the device: a staging part's last
-#: gather, the gathers at the end).
+#: gather, the gathers at the end), and ``notify`` (confirming, through the library's
+#: notification, READs started before their lease: the module's "Per load").
 PHASES = ("lookup", "fetch", "giveback", "done", "start_read", "poll", "release", "pause",
-          "prepare", "gather", "wait")
+          "prepare", "gather", "wait", "notify")
 
 
 # -- the connector --------------------------------------------------------------------------
@@ -202,6 +219,12 @@ class PullConnector(KVConnector):
         self.readers = readers
         self._kv_scales = kv_scales
         self._plan: ConversionPlan | None = None
+        # Consumer: per key, the producer's block and its publication's serial as the last
+        # lookup that found it named them (a load READs from there while its fetch is on the
+        # way); the oldest go first past GUESSES_KEPT.
+        self._guesses: collections.OrderedDict[str, tuple[int, int]] = \
+            collections.OrderedDict()
+        self._guesses_lock = threading.Lock()
 
     def _start(self, role: str, host: str, port: int, failure_policy: str) -> None:
         """The rest of ``__init__``, after the subclass checked its own arguments: refuse a
@@ -210,7 +233,7 @@ class PullConnector(KVConnector):
         if reason is not None:
             raise RuntimeError(f"the {self.transport} connector is unavailable: {reason}")
         super().__init__(failure_policy=failure_policy)
-        self.channel_protocol = f"kvcore-{self.transport}-v2"
+        self.channel_protocol = f"kvcore-{self.transport}-v3"
         self.role = role
         self.host = host
         self.port = port
@@ -354,11 +377,34 @@ class PullConnector(KVConnector):
         if self.role == "producer" or not keys:
             return 0
         try:
-            hits = self._request({"op": "lookup"}, keys=keys).get("hits")
+            reply = self._request({"op": "lookup"}, keys=keys)
         except ChannelError as exc:
             logger.warning("%s consumer: lookup failed: %s", self.transport, exc)
             return 0
-        return hits if isinstance(hits, int) and 0 <= hits <= len(keys) else 0
+        hits, tail = reply.get("hits"), reply.get("tail", b"")
+        if not (isinstance(hits, int) and 0 <= hits <= len(keys) and len(tail) == 16 * hits):
+            return 0
+        if hits:
+            found = unpack_blocks(tail)
+            with self._guesses_lock:
+                guesses = self._guesses
+                for key, block, serial in zip(keys[:hits], found[:hits], found[hits:],
+                                              strict=True):
+                    guesses[key] = (block, serial)
+                    guesses.move_to_end(key)
+                while len(guesses) > GUESSES_KEPT:
+                    guesses.popitem(last=False)
+        return hits
+
+    def _take_guesses(self, keys: list[str]) -> list[tuple[int, int] | None] | None:
+        """The blocks and serials the lookups named for ``keys`` (each taken out: a guess
+        serves one load), ``None`` for a key none named; ``None`` when none did."""
+        with self._guesses_lock:
+            if not self._guesses:
+                return None
+            pop = self._guesses.pop
+            guesses = [pop(key, None) for key in keys]
+        return guesses if any(guesses) else None
 
     # -- producer ---------------------------------------------------------------------------
 
@@ -494,9 +540,10 @@ class PullConnector(KVConnector):
                 failed[block] = (f"source block {k0 + i} of the load (key "
                                  f"{keys[k0 + i][:12]}..): {errors.get(i, 'not read')}")
 
+        self._take_guesses(keys)  # (READs into the staging buffer wait for the lease)
         with self._staging_lock:
             try:
-                lease, blocks = self._fetch(keys, deadline, while_waiting=prepare)
+                lease, blocks, _ = self._fetch(keys, deadline, while_waiting=prepare)
             except ChannelError as exc:
                 lease, blocks, why = None, [None] * len(keys), str(exc)
             # The first key of the chunks whose READs were not started: those go back to the
@@ -586,21 +633,25 @@ class PullConnector(KVConnector):
             reads.give_back()
 
     def _fetch(self, keys: list[str], deadline: float,
-               while_waiting: Callable[[], None] | None = None) -> tuple[str, list[Any]]:
+               while_waiting: Callable[[], None] | None = None, *,
+               meanwhile_phase: str | None = "prepare") -> tuple[str, list[Any], list[int]]:
         """Lease the producer's published blocks of ``keys`` (one round trip): the lease and,
-        per key, the producer's block or ``None`` (not published yet). ``while_waiting()``
-        runs while the answer is on the way (timed as ``prepare``; it must not raise). Raises
-        :class:`ChannelError` when the link fails or the answer is malformed."""
+        per key, the producer's block or ``None`` (not published yet), and its publication's
+        serial (``-1``: not published). ``while_waiting()`` runs while the answer is on the
+        way (timed as ``meanwhile_phase``, ``None``: not timed apart from its own steps; it
+        must not raise). Raises :class:`ChannelError` when the link fails or the answer is
+        malformed."""
         reply = self._request({"op": "fetch", "lease_s": 2 * self.timeout_s},
                               timeout=max(deadline - time.monotonic(), 0.001), keys=keys,
-                              while_waiting=while_waiting)
+                              while_waiting=while_waiting, meanwhile_phase=meanwhile_phase)
         lease, tail = reply.get("lease"), reply.get("tail", b"")
-        if not isinstance(lease, str) or len(tail) != 8 * len(keys):
+        if not isinstance(lease, str) or len(tail) != 16 * len(keys):
             raise ChannelError(f"the producer answered {str(reply)[:200]!r}")
-        blocks: list[Any] = unpack_blocks(tail)
+        found = unpack_blocks(tail)
+        blocks: list[Any] = found[:len(keys)]
         if blocks and min(blocks) < 0:  # some not published yet
             blocks = [None if b < 0 else b for b in blocks]
-        return lease, blocks
+        return lease, blocks, found[len(keys):]
 
     def _pull(self, keys: list[str], local_ids: list[int], local: Regions, deadline: float,
               fetched: tuple[str, list[Any], int] | None = None
@@ -609,46 +660,29 @@ class PullConnector(KVConnector):
         (this cache, or the staging buffer); returns the indices read whole and why the
         others failed. ``fetched``: ``(lease, blocks, first)``, a fetch made already whose
         entries ``first ..`` are ``keys``' (else the first fetch is made here)."""
-        todo = range(len(keys))  # indices not read yet
+        todo: Any = range(len(keys))  # indices not read yet
         loaded: set[int] = set()
         failed: dict[int, str] = {}
-        num_blocks = self._consumer.num_blocks
         pause = 0.002
+        guesses = self._take_guesses(keys) if fetched is None else None
         while True:
-            if fetched is not None:
-                lease, blocks, first = fetched
-                fetched = None
+            if guesses is not None:  # READ from the lookups' blocks while the fetch is out
+                todo = self._pull_guessed(keys, local_ids, local, deadline, guesses, loaded,
+                                          failed)
+                guesses = None
             else:
-                try:
-                    lease, blocks = self._fetch([keys[i] for i in todo], deadline)
-                except ChannelError as exc:
-                    failed.update((i, str(exc)) for i in todo)
-                    break
-                first = 0
-            # A fetch entry j (of the lease) names key todo[j - first].
-            later = []
-            if len(todo) == len(keys) and blocks and set(map(type, blocks)) == {int} \
-                    and min(blocks) >= 0 and max(blocks) < num_blocks:
-                # The common case, checked in passes of C code: every key, each published.
-                runs = spans(first, blocks, local_ids)
-            else:
-                pairs = []
-                for j, (i, src) in enumerate(zip(todo, blocks, strict=True), first):
-                    if src is None:
-                        later.append(i)
-                    elif type(src) is int and 0 <= src < num_blocks:
-                        pairs.append((j, src, local_ids[i]))
-                    else:
-                        failed[i] = f"the producer named block {src!r}"
-                runs = read_runs(pairs)
-            if runs:
-                read, errors = self._read_runs(lease, runs, deadline, local)
-                if len(read) == len(todo) == len(keys):
-                    loaded.update(todo)  # the common case: all of them at once
+                if fetched is not None:
+                    lease, blocks, first = fetched
+                    fetched = None
                 else:
-                    loaded.update(todo[j - first] for j in read)
-                    failed.update((todo[j - first], why) for j, why in errors.items())
-            todo = later
+                    try:
+                        lease, blocks, _ = self._fetch([keys[i] for i in todo], deadline)
+                    except ChannelError as exc:
+                        failed.update((i, str(exc)) for i in todo)
+                        break
+                    first = 0
+                todo = self._read_fetched(todo, len(keys), lease, blocks, first, local_ids,
+                                          local, deadline, loaded, failed)
             if not todo:
                 break
             # Poll again only with time left for an answer and a READ.
@@ -661,6 +695,92 @@ class PullConnector(KVConnector):
             pause = min(2 * pause, 0.05)
         return loaded, failed
 
+    def _read_fetched(self, todo: Any, num_keys: int, lease: str, blocks: list[Any],
+                      first: int, local_ids: list[int], local: Regions, deadline: float,
+                      loaded: set[int], failed: dict[int, str]) -> list[int]:
+        """READ the keys ``todo`` (indices among ``num_keys``) from ``lease``, whose entry
+        ``j`` names key ``todo[j - first]`` with producer block ``blocks[j - first]``, into
+        ``local_ids`` of ``local``; adds to ``loaded`` and ``failed``, returns the keys the
+        producer had not published."""
+        num_blocks = self._consumer.num_blocks
+        later = []
+        if len(todo) == num_keys and blocks and set(map(type, blocks)) == {int} \
+                and min(blocks) >= 0 and max(blocks) < num_blocks:
+            # The common case, checked in passes of C code: every key, each published.
+            runs = spans(first, blocks, local_ids)
+        else:
+            pairs = []
+            for j, (i, src) in enumerate(zip(todo, blocks, strict=True), first):
+                if src is None:
+                    later.append(i)
+                elif type(src) is int and 0 <= src < num_blocks:
+                    pairs.append((j, src, local_ids[i]))
+                else:
+                    failed[i] = f"the producer named block {src!r}"
+            runs = read_runs(pairs)
+        if runs:
+            read, errors = self._read_runs(lease, runs, deadline, local)
+            if len(read) == len(todo) == num_keys:
+                loaded.update(todo)  # the common case: all of them at once
+            else:
+                loaded.update(todo[j - first] for j in read)
+                failed.update((todo[j - first], why) for j, why in errors.items())
+        return later
+
+    def _pull_guessed(self, keys: list[str], local_ids: list[int], local: Regions,
+                      deadline: float, guesses: list[tuple[int, int] | None],
+                      loaded: set[int], failed: dict[int, str]) -> list[int]:
+        """:meth:`_pull`'s first fetch where lookups named the producer's blocks of some
+        ``keys`` (``guesses``: block and serial per key): their READs start while the fetch
+        is on the way, without notification. Entries the lease holds with the same block and
+        serial were published, so unchanged, from the lookup's answer on: once read they
+        count and are confirmed. The rest (no guess, another block or serial, a READ that
+        failed) are READ from the lease once those READs ended, whose bytes they overwrite.
+        Adds to ``loaded`` and ``failed``; returns the keys the producer had not published."""
+        n, num_blocks = len(keys), self._consumer.num_blocks
+        pairs = [(i, guess[0], local_ids[i]) for i, guess in enumerate(guesses)
+                 if guess is not None and 0 <= guess[0] < num_blocks]
+        if len(pairs) == n:
+            runs = spans(0, [p[1] for p in pairs], local_ids)
+        else:
+            runs = read_runs(pairs)
+        reads = Reads(self, None, deadline)
+        try:
+            lease, blocks, serials = self._fetch(
+                keys, deadline, while_waiting=lambda: reads.start(runs, local),
+                meanwhile_phase=None)
+        except ChannelError as exc:
+            # Nothing counts without a lease; no READ may still write when the load ends.
+            reads.expire(str(exc))
+            failed.update((i, str(exc)) for i in range(n))
+            return []
+        redo = sorted(reads.errors)  # READs that could not start: from the lease instead
+        reads.errors.clear()
+        reads.lease = lease
+        reads.trusted = {i for i, guess in enumerate(guesses)
+                         if guess is not None and blocks[i] == guess[0]
+                         and serials[i] == guess[1]}
+        reads.wait()
+        loaded.update(reads.read)
+        failed.update(reads.errors)
+        guessed = {p[0] for p in pairs}
+        redo = sorted({*redo, *reads.redo, *(i for i in range(n) if i not in guessed)})
+        later, again = [], []  # (the lease's entry i is key i)
+        for i in redo:
+            src = blocks[i]
+            if src is None:
+                later.append(i)
+            elif type(src) is int and 0 <= src < num_blocks:
+                again.append((i, src, local_ids[i]))
+            else:
+                failed[i] = f"the producer named block {src!r}"
+        if again:
+            read, errors = self._read_runs(lease, read_runs(again), deadline, local)
+            loaded.update(read)
+            failed.update(errors)
+        reads.give_back()
+        return later
+
     def _read_runs(self, lease: str, runs: list[Run], deadline: float, local: Regions
                    ) -> tuple[list[int], dict[int, str]]:
         """READ every run (one READ each) until done, failed or ``deadline``, polling as
@@ -668,13 +788,7 @@ class PullConnector(KVConnector):
         with why."""
         reads = Reads(self, lease, deadline)
         reads.start(runs, local)
-        while reads.active:
-            reads.poll()
-            if reads.active and time.monotonic() >= deadline:
-                reads.expire(f"{self.label} READ did not finish within "
-                             f"timeout_s={self.timeout_s}")
-            elif reads.active:
-                reads.pause()
+        reads.wait()
         reads.give_back()
         return reads.read, reads.errors
 
@@ -685,6 +799,20 @@ class PullConnector(KVConnector):
             self._request({"op": "giveback", "lease": lease, "indices": indices})
         except ChannelError:
             pass  # the lease expires on the producer
+
+    def _confirm_entries(self, lease: str, first: int, end: int) -> str | None:
+        """Confirm entries ``first..end-1`` of ``lease``, read by a READ that carried no
+        notification (started before the lease): over the side channel where READs are
+        confirmed there, else through the library's notification (the message the READ
+        would have carried). Returns why that failed, or ``None``."""
+        if self.confirms_over_channel:
+            return self._confirm(lease, Run(first, end, -1, -1))
+        try:
+            self._timed("notify", self._engine.notify, self._consumer.remote,
+                        f"{lease}:{first}:{end}".encode())
+        except Exception as exc:
+            return f"{self.label} notification could not be sent: {exc}"
+        return None
 
     def _confirm(self, lease: str, run: Run) -> str | None:
         """Tell the producer that ``run`` was read, where the library's notification does not
@@ -701,10 +829,11 @@ class PullConnector(KVConnector):
 
     def _request(self, message: dict[str, Any], timeout: float | None = None,
                  keys: list[str] | None = None,
-                 while_waiting: Callable[[], None] | None = None) -> dict[str, Any]:
+                 while_waiting: Callable[[], None] | None = None,
+                 meanwhile_phase: str | None = "prepare") -> dict[str, Any]:
         """One request to the producer and its answer (see :meth:`Consumer.request`); its
         time less ``while_waiting``'s is the request's phase, ``while_waiting``'s is
-        ``prepare``."""
+        ``meanwhile_phase`` (``None``: not reported; its steps report themselves)."""
         timing = self.timing
         if timing is None:
             return self._consumer.request(message, timeout, keys, while_waiting)
@@ -717,7 +846,8 @@ class PullConnector(KVConnector):
                 while_waiting()
             finally:
                 meanwhile = time.perf_counter() - started
-                timing("prepare", meanwhile)
+                if meanwhile_phase is not None:
+                    timing(meanwhile_phase, meanwhile)
 
         started = time.perf_counter()
         try:

@@ -95,10 +95,17 @@ class Engine(Protocol):
     def forget(self, remote: Any) -> None:
         """Consumer: drop the producer's engine (after the last READ)."""
 
-    def start_read(self, run: Run, lease: str, local: Regions, remote_regions: Regions,
+    def start_read(self, run: Run, lease: str | None, local: Regions, remote_regions: Regions,
                    remote: Any) -> None:
         """Start the READ of ``run`` (set ``run.handle``); raise with the reason if it cannot
-        start (then :meth:`release` releases what was set)."""
+        start (then :meth:`release` releases what was set). Where READs notify the producer,
+        the READ carries ``<lease>:<run.first>:<run.end>``; none when ``lease`` is ``None``
+        (a READ started before its lease, confirmed later with :meth:`notify`)."""
+
+    def notify(self, remote: Any, message: bytes) -> None:
+        """Consumer, where READs notify the producer: send it ``message`` as a READ's
+        notification would carry it (raise if it cannot be sent). Not called where READs
+        are confirmed over the side channel."""
 
     def poll(self, run: Run) -> str:
         """``"DONE"``, ``"PROC"`` (in flight) or why the READ failed."""

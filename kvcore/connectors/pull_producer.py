@@ -117,9 +117,10 @@ def pack_keys(keys: list[str]) -> bytes:
 
 
 def pack_blocks(blocks: list[int]) -> bytes:
-    """A fetch's answer, the producer's block per key (``-1``: not published), as a frame's
-    tail: little-endian int64s (JSON took as long to write and read a load's hundreds of
-    them as the consumer takes to start its READ)."""
+    """Integers of a lookup's or a fetch's answer (per key its block, then per key its
+    publication's serial; ``-1``: not published) as a frame's tail: little-endian int64s
+    (JSON took as long to write and read a load's hundreds of them as the consumer takes to
+    start its READ)."""
     packed = array("q", blocks)
     if sys.byteorder == "big":
         packed.byteswap()
@@ -159,6 +160,10 @@ class _Publication:
     block: int
     save: SaveRecord
     deadline: float  # when it is released, read by fewer consumers than it waits for
+    # Unique among the producer's publications: a consumer that READ ``block`` before its
+    # lease trusts the bytes only if the lease names the same serial (the block was
+    # published, so unchanged, from the lookup that named it until the lease held it).
+    serial: int
     held: int = 0  # leases that hold it now (a lease holds a publication once at most)
     reads: int = 0  # READs confirmed
     # Consumers that hold or read it; only where several consumers read each block
@@ -249,6 +254,7 @@ class Producer:
         self.threads: list[threading.Thread] = []
         self.lease_ids = itertools.count()
         self.link_ids = itertools.count()
+        self.serials = itertools.count(1)
         self.engine: Notifier | None = None
         self.hello: dict[str, Any] | None = None
         # No lease ends and no publication expires before this (monotonic seconds): the notif
@@ -292,9 +298,9 @@ class Producer:
         now = time.monotonic()
         record = SaveRecord(list(block_ids), time.perf_counter(), len(block_ids))
         with self.cond:
-            published = self.published
+            published, serials = self.published, self.serials
             for key, block in zip(keys, block_ids, strict=True):
-                pub = _Publication(key, block, record, now + timeout_s)
+                pub = _Publication(key, block, record, now + timeout_s, next(serials))
                 last = published.setdefault(key, pub)
                 if last is not pub:  # the key is published already: chain it after
                     while last.later is not None:
@@ -346,18 +352,25 @@ class Producer:
         nor read, with fewer READs done and in flight than the ``readers`` it waits for."""
         return _open_to(self.published.get(key), consumer, self.conn.readers)
 
-    def lookup(self, keys: list[str], consumer: str) -> int:
+    def lookup(self, keys: list[str], consumer: str) -> tuple[list[int], list[int]]:
+        """The leading ``keys`` published and open to ``consumer``: their blocks and their
+        publications' serials (as long as each other: the number of hits)."""
+        blocks, serials = [], []
         with self.cond:
-            for i, key in enumerate(keys):
-                if self._available(key, consumer) is None:
-                    return i
-            return len(keys)
+            for key in keys:
+                pub = self._available(key, consumer)
+                if pub is None:
+                    break
+                blocks.append(pub.block)
+                serials.append(pub.serial)
+        return blocks, serials
 
     def fetch(self, consumer: str, keys: list[str], lease_s: float, link: int = -1
-              ) -> tuple[str, list[int]]:
+              ) -> tuple[str, list[int], list[int]]:
         """Lease the published blocks of ``keys`` to ``consumer`` (on connection ``link``)
         for ``lease_s`` seconds, at most ``max_lease_s``: the lease and, per key, the block
-        leased (``-1``: none published that ``consumer`` may take)."""
+        leased and its publication's serial (``-1`` both: none published that ``consumer``
+        may take)."""
         max_lease_s = self.conn.max_lease_s
         if lease_s > max_lease_s:
             raise ValueError(f"lease_s={lease_s} is longer than this producer's max_lease_s="
@@ -369,6 +382,7 @@ class Producer:
             readers = self.conn.readers
             taken: list[_Publication | None] = list(map(self.published.get, keys))
             blocks = [-1] * len(keys)
+            serials = [-1] * len(keys)
             for i, pub in enumerate(taken):  # (this loop runs per key of every load)
                 # (_open_to inlined for the common case: the key's first publication is open)
                 if pub is not None and (pub.reads + pub.held >= readers or (
@@ -377,6 +391,7 @@ class Producer:
                 if pub is not None:  # after the previous keys took theirs
                     pub.held += 1
                     blocks[i] = pub.block
+                    serials[i] = pub.serial
                     if readers > 1:
                         if pub.takers is None:
                             pub.takers = set()
@@ -387,7 +402,7 @@ class Producer:
                 self.leases[lease_id] = _Lease(lease_id, consumer, taken, deadline, link, held)
                 self._due(deadline)
                 self.cond.notify_all()
-        return lease_id, blocks
+        return lease_id, blocks, serials
 
     def read_done(self, consumer: str, lease_id: str, first: int, end: int) -> None:
         """A consumer's notification: it READ entries ``first..end-1`` of the lease (the
@@ -724,11 +739,12 @@ class Producer:
         op = request.get("op")
         try:
             if op == "lookup":
-                return {"ok": True, "hits": self.lookup(_keys(request), consumer)}
+                blocks, serials = self.lookup(_keys(request), consumer)
+                return {"ok": True, "hits": len(blocks), "tail": pack_blocks(blocks + serials)}
             if op == "fetch":
                 lease_s = check_seconds("lease_s", request.get("lease_s"))
-                lease, blocks = self.fetch(consumer, _keys(request), lease_s, link)
-                return {"ok": True, "lease": lease, "tail": pack_blocks(blocks)}
+                lease, blocks, serials = self.fetch(consumer, _keys(request), lease_s, link)
+                return {"ok": True, "lease": lease, "tail": pack_blocks(blocks + serials)}
             if op == "giveback":
                 self.give_back(consumer, str(request.get("lease")),
                                list(request.get("indices") or []))

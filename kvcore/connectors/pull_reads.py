@@ -79,15 +79,24 @@ class Reads:
     """The READs of one lease: started, then polled until each is read, failed, or still in
     flight at ``deadline``. ``read``: the fetch indices read whole; ``errors``: why the
     others failed; ``timed_out``: those whose READ did not finish in time (they stay
-    leased: a READ that could not be cancelled may still write)."""
+    leased: a READ that could not be cancelled may still write).
 
-    def __init__(self, conn: Any, lease: str, deadline: float) -> None:
+    READs started before the lease exists (``lease=None``: from the blocks a lookup named,
+    while the fetch is on the way) carry no notification. Once the fetch answered, the
+    caller sets :attr:`lease` and :attr:`trusted`, the indices whose leased block and
+    serial are the ones those READs were started from; when such a READ ends, the trusted
+    entries count as read and are confirmed (:meth:`~kvcore.connectors.pull.PullConnector.
+    _confirm_entries`), and the others join :attr:`redo`: READ them again from the lease."""
+
+    def __init__(self, conn: Any, lease: str | None, deadline: float) -> None:
         self.conn, self.lease, self.deadline = conn, lease, deadline
         self.read: list[int] = []
         self.errors: dict[int, str] = {}
         self.timed_out: set[int] = set()
         self.active: list[Run] = []
         self.posted = time.monotonic()  # when the last READs were started
+        self.trusted: set[int] | None = None
+        self.redo: list[int] = []
 
     def _fail(self, run: Run, why: str) -> None:
         self.errors.update((j, why) for j in range(run.first, run.end))
@@ -127,6 +136,8 @@ class Reads:
                 # been handed on and rewritten during the READ.
                 self._fail(run, f"the READ finished after the link went down "
                                 f"({consumer.failure})")
+            elif state == "DONE" and self.trusted is not None:
+                self._settle_guessed(run)
             elif state == "DONE":
                 unconfirmed = conn._confirm(self.lease, run)
                 if unconfirmed is None:
@@ -135,10 +146,45 @@ class Reads:
                     self._fail(run, f"{label} READ finished, but the producer did not take "
                                     f"the confirmation ({unconfirmed}), so its blocks may "
                                     "have changed meanwhile")
+            elif self.trusted is not None:  # the lease holds them: READ them from it
+                self.redo.extend(range(run.first, run.end))
             else:
                 self._fail(run, f"{label} READ from the producer failed: {state}")
         self.active = still
         return ended
+
+    def _settle_guessed(self, run: Run) -> None:
+        """A READ started before the lease ended: its trusted entries count as read once
+        confirmed, in stretches of consecutive ones; the others are to READ again."""
+        trusted, first = self.trusted, None
+        for j in range(run.first, run.end + 1):
+            if j < run.end and j in trusted:
+                if first is None:
+                    first = j
+                continue
+            if first is not None:
+                unconfirmed = self.conn._confirm_entries(self.lease, first, j)
+                if unconfirmed is None:
+                    self.read.extend(range(first, j))
+                else:
+                    self.errors.update(
+                        (i, f"{self.conn.label} READ finished, but the producer did not take "
+                            f"the confirmation ({unconfirmed}), so its blocks may have "
+                            "changed meanwhile") for i in range(first, j))
+                first = None
+            if j < run.end:
+                self.redo.append(j)
+
+    def wait(self) -> None:
+        """Poll until no READ is in flight; those still in flight at the deadline fail."""
+        conn = self.conn
+        while self.active:
+            self.poll()
+            if self.active and time.monotonic() >= self.deadline:
+                self.expire(f"{conn.label} READ did not finish within "
+                            f"timeout_s={conn.timeout_s}")
+            elif self.active:
+                self.pause()
 
     def expire(self, why: str) -> None:
         """Give up the READs still in flight (cancelled where the library can), failing

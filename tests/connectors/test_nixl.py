@@ -173,7 +173,7 @@ def raw_consumer(port: int, hello: dict | bytes) -> tuple[socket.socket, dict]:
     if isinstance(hello, bytes):
         sock.sendall(raw_frame(hello))
     else:
-        send_frame(sock, {"op": "hello", "protocol": "kvcore-nixl-v2",
+        send_frame(sock, {"op": "hello", "protocol": "kvcore-nixl-v3",
                           "agent": "raw-consumer", **hello})
     return sock, recv_frame(sock)
 
@@ -199,7 +199,10 @@ def test_leases_are_bounded_by_the_producer_and_end_when_the_connection_closes()
             assert "lease_s=1000000000.0 is longer than this producer's max_lease_s=30.0" in (
                 refused["error"])
             taken = request(sock, {"op": "fetch", "keys": keys, "lease_s": 30.0})
-            assert taken["ok"] and pull_producer.unpack_blocks(taken["tail"]) == [3, 4]
+            # Each key's block, then its publication's serial.
+            blocks_and_serials = pull_producer.unpack_blocks(taken["tail"])
+            assert taken["ok"] and blocks_and_serials[:2] == [3, 4]
+            assert min(blocks_and_serials[2:]) > 0 and len(set(blocks_and_serials[2:])) == 2
             assert conn.lookup(keys) == 0  # leased to the raw consumer, which never READs
         finally:
             sock.close()  # what a killed consumer's kernel does
@@ -397,8 +400,8 @@ def test_a_notification_not_counted_yet_counts_when_the_producer_closes(monkeypa
 def test_a_request_carries_its_keys_as_the_frame_tail_or_a_json_list():
     """The consumer sends keys as raw hex digits after the JSON (pull_producer.pack_keys); a
     JSON list is read too, and a tail that is not whole keys is refused with the reason. The
-    answer to a fetch names the blocks the same way (pull_producer.pack_blocks; -1: none to
-    take)."""
+    answers to a lookup and a fetch name the blocks and their publications' serials the same
+    way (pull_producer.pack_blocks; -1: none to take)."""
     kv = make_caches(cross_layer=True)
     keys = keys_for(18, 3)
     with producer() as prod:
@@ -407,17 +410,23 @@ def test_a_request_carries_its_keys_as_the_frame_tail_or_a_json_list():
         sock, hello = raw_consumer(prod.port, {"layout": kv.layout.to_dict()})
         try:
             assert hello["ok"]
+            # A lookup's answer names the hits' blocks, then their publications' serials.
             send_frame(sock, {"op": "lookup"}, pull_producer.pack_keys(keys))
-            assert recv_frame(sock) == {"ok": True, "hits": 3}
-            assert request(sock, {"op": "lookup", "keys": keys[:2]}) == {"ok": True, "hits": 2}
+            found = recv_frame(sock)
+            assert found["ok"] and found["hits"] == 3
+            serials = pull_producer.unpack_blocks(found["tail"])[3:]
+            assert pull_producer.unpack_blocks(found["tail"])[:3] == [1, 2, 3]
+            found = request(sock, {"op": "lookup", "keys": keys[:2]})
+            assert found["hits"] == 2
+            assert pull_producer.unpack_blocks(found["tail"]) == [1, 2, *serials[:2]]
             send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys)[:-1])
             refused = recv_frame(sock)
             assert not refused["ok"]
             assert "keys are 64 characters each; its tail has 191 bytes" in refused["error"]
             send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys))
-            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [1, 2, 3]
+            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [1, 2, 3, *serials]
             send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys))
-            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [-1] * 3  # leased
+            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [-1] * 6  # leased
         finally:
             sock.close()
         prod.close()

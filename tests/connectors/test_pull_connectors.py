@@ -184,11 +184,14 @@ def test_roles_that_do_not_apply_fail_per_block_with_the_reason(pull):
 
 
 @EACH
-def test_a_load_makes_one_fetch_round_trip_and_reports_its_phases(pull):
+@pytest.mark.parametrize("looked_up", [False, True], ids=["cold", "after_lookup"])
+def test_a_load_makes_one_fetch_round_trip_and_reports_its_phases(pull, looked_up):
     """A load of two runs (blocks consecutive on both sides) makes one ``fetch`` on the side
     channel, plus one ``done`` per run where READs are confirmed over it (mooncake), none
-    where the library notifies (nixl); the lookup before it is one ``lookup``. The timing
-    hook hears of each, with the library's calls and nothing else."""
+    where the library notifies (nixl). After a lookup (one ``lookup``), which named the
+    blocks, the READs start before the fetch's answer is read, and nixl confirms each with
+    one ``notify`` once the lease named the same blocks. The timing hook hears of each, with
+    the library's calls and nothing else."""
     from kvcore.connectors.pull import PHASES
 
     kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
@@ -199,15 +202,67 @@ def test_a_load_makes_one_fetch_round_trip_and_reports_its_phases(pull):
         save = prod.save(keys, [2, 3, 7, 8])
         phases: list[str] = []
         conn.timing = lambda phase, seconds: phases.append(phase)
-        assert conn.lookup(keys) == 4
+        if looked_up:
+            assert conn.lookup(keys) == 4
         assert conn.load(keys, [0, 1, 5, 6]).wait(timeout=pull.wait_s).ok
         assert save.wait(timeout=pull.wait_s).ok
     assert set(phases) <= set(PHASES)
     runs = 2
-    assert phases.count("lookup") == 1 and phases.count("fetch") == 1
+    assert phases.count("lookup") == looked_up and phases.count("fetch") == 1
     assert phases.count("done") == (runs if pull.name == "mooncake" else 0)
+    assert phases.count("notify") == (runs if looked_up and pull.name == "nixl" else 0)
     assert phases.count("start_read") == runs and "giveback" not in phases
+    first_read = phases.index("start_read")
+    assert (first_read < phases.index("fetch")) == looked_up
     assert torch.equal(block_bytes(kv_c, [0, 1, 5, 6]), block_bytes(kv_p, [2, 3, 7, 8]))
+
+
+@EACH
+def test_blocks_a_lookup_named_that_changed_before_the_lease_are_read_again_from_it(pull):
+    """A lookup named blocks 2 and 3 for two keys; before the load, another consumer leased
+    them and the producer published the keys again in blocks 7 and 8 (other bytes here, to
+    tell them apart). The load's READs from 2 and 3 are not trusted: the lease names other
+    blocks and serials, so it READs 7 and 8 over them. Nothing else changes."""
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(19, 2)
+    with pull.producer() as prod, pull.consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        assert not torch.equal(block_bytes(kv_p, [2, 3]), block_bytes(kv_p, [7, 8]))
+        prod.save(keys, [2, 3])
+        assert conn.lookup(keys) == 2
+        prod._producer.fetch("another-consumer", keys, lease_s=30.0)
+        again = prod.save(keys, [7, 8])
+        before = block_bytes(kv_c, list(range(kv_c.num_blocks)))
+        phases: list[str] = []
+        conn.timing = lambda phase, seconds: phases.append(phase)
+        result = conn.load(keys, [4, 5]).wait(timeout=pull.wait_s)
+        assert result.ok, result.failed
+        assert again.wait(timeout=pull.wait_s).ok
+    assert torch.equal(block_bytes(kv_c, [4, 5]), block_bytes(kv_p, [7, 8]))
+    others = [b for b in range(kv_c.num_blocks) if b not in (4, 5)]
+    assert torch.equal(block_bytes(kv_c, others), before[others])
+    assert phases.count("start_read") == 2 and phases.count("fetch") == 1
+    assert "notify" not in phases  # nothing was read from the blocks the lookup named
+
+
+@EACH
+def test_blocks_a_lookup_named_that_expired_before_the_load_fail_with_the_reason(pull):
+    """The producer let the blocks a lookup named go (nobody read them within
+    ``publish_timeout_s``) before the load: its READs from them count for nothing, the
+    fetch finds the keys unpublished, and the load fails them within ``timeout_s``."""
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(20, 2)
+    with pull.producer(publish_timeout_s=0.2) as prod, \
+            pull.consumer(prod.port, timeout_s=1.0) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [2, 3])
+        assert conn.lookup(keys) == 2
+        assert not save.wait(timeout=pull.wait_s).ok  # expired, unread
+        result = conn.load(keys, [4, 5]).wait(timeout=pull.wait_s)
+    assert sorted(result.failed) == [4, 5]
+    assert "not published by the producer" in result.failed[4]
 
 
 def test_a_load_waited_for_before_the_loader_took_it_runs_in_the_waiting_thread():
@@ -272,7 +327,7 @@ def test_the_producer_looks_for_expired_blocks_only_when_one_is_due():
     keys = keys_for(0, 4)
     early = producer.publish(keys[:2], [0, 1], timeout_s=0.2)
     late = producer.publish(keys[2:], [2, 3], timeout_s=60.0)
-    lease, blocks = producer.fetch("consumer", keys[:1], lease_s=30.0)
+    lease, blocks, _ = producer.fetch("consumer", keys[:1], lease_s=30.0)
     assert blocks == [0]
 
     class Watched(dict):
