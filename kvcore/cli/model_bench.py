@@ -130,9 +130,12 @@ class ModelBenchReport:
 
 @dataclass
 class StepInputs:
-    """One step's inputs as a peer library sees them: the metadata, the queries, a standard
-    blocks-first cache (``(num_blocks, 2, block_size, num_kv_heads, head_size)`` NHD; MLA
-    ``(num_blocks, block_size, latent)``) filled with random values, and an output buffer."""
+    """One step's inputs as a peer library sees them: the metadata, the queries (MLA: the
+    layer's ``(tokens, heads, qk_nope + qk_rope)`` query, as kvcore's backends get it), a
+    standard blocks-first cache (``(num_blocks, 2, block_size, num_kv_heads, head_size)`` NHD;
+    MLA ``(num_blocks, block_size, latent)``) filled with random values, and for MLA the
+    layer's ``kv_b_proj`` weight ``(heads * (qk_nope + v_head), kv_lora_rank)`` (``None``
+    otherwise), which kvcore's backends absorb."""
 
     preset: ModelPreset
     layer: LayerAttention
@@ -144,6 +147,7 @@ class StepInputs:
     num_blocks: int
     query: torch.Tensor
     kv_cache: torch.Tensor
+    kv_b_proj_weight: torch.Tensor | None = None
 
 
 #: ``peers(inputs) -> [(name, fn, graph)]``: library calls timed beside kvcore's backends;
@@ -301,7 +305,8 @@ class _Step:
         cache = torch.empty(shape, dtype=self.spec().cache_dtype, device=self.device)
         _fill(cache, self.dtype)
         return StepInputs(self.preset, self.layer, self.case, self.config, self.device,
-                          self.common, self.tables, self.num_blocks, self.query, cache)
+                          self.common, self.tables, self.num_blocks, self.query, cache,
+                          self.w_kv_b)
 
 
 def _presets(options: ModelBenchOptions) -> list[ModelPreset]:
