@@ -117,8 +117,9 @@ from kvcore.connectors.pull_reads import (
     poll_pause,
 )
 
-__all__ = ["DEFAULT_STAGING_BYTES", "PHASES", "POLL_PAUSE_MAX_S", "POLL_PAUSE_MIN_S", "Engine",
-           "PullConnector", "Regions", "Run", "memory_kind", "poll_pause"]
+__all__ = ["DEFAULT_STAGING_BYTES", "GUESSES_KEPT", "PHASES", "POLL_PAUSE_MAX_S",
+           "POLL_PAUSE_MIN_S", "Engine", "PullConnector", "Regions", "Run", "memory_kind",
+           "poll_pause"]
 
 logger = logging.getLogger(__name__)
 
