@@ -127,6 +127,7 @@ _ROLES = ("producer", "consumer")
 
 #: Keys whose producer blocks a consumer keeps from its lookups for the loads that follow.
 GUESSES_KEPT = 1 << 16
+_NO_GUESS = (-1, -1)  # (block, serial) of a key no lookup named
 
 #: A converting consumer's staging buffer (``staging_bytes``): READs of the producer's blocks
 #: land there in the producer's layout, then one gather converts them into the cache.
@@ -397,15 +398,18 @@ class PullConnector(KVConnector):
                     guesses.popitem(last=False)
         return hits
 
-    def _take_guesses(self, keys: list[str]) -> list[tuple[int, int] | None] | None:
+    def _take_guesses(self, keys: list[str]) -> tuple[list[int], list[int]] | None:
         """The blocks and serials the lookups named for ``keys`` (each taken out: a guess
-        serves one load), ``None`` for a key none named; ``None`` when none did."""
+        serves one load), ``-1`` both for a key none named; ``None`` when none did."""
         with self._guesses_lock:
             if not self._guesses:
                 return None
             pop = self._guesses.pop
-            guesses = [pop(key, None) for key in keys]
-        return guesses if any(guesses) else None
+            found = [pop(key, _NO_GUESS) for key in keys]
+        if found.count(_NO_GUESS) == len(found):
+            return None
+        blocks, serials = zip(*found, strict=True)
+        return list(blocks), list(serials)
 
     # -- producer ---------------------------------------------------------------------------
 
@@ -729,22 +733,26 @@ class PullConnector(KVConnector):
         return later
 
     def _pull_guessed(self, keys: list[str], local_ids: list[int], local: Regions,
-                      deadline: float, guesses: list[tuple[int, int] | None],
+                      deadline: float, guesses: tuple[list[int], list[int]],
                       loaded: set[int], failed: dict[int, str]) -> list[int]:
         """:meth:`_pull`'s first fetch where lookups named the producer's blocks of some
-        ``keys`` (``guesses``: block and serial per key): their READs start while the fetch
-        is on the way, without notification. Entries the lease holds with the same block and
-        serial were published, so unchanged, from the lookup's answer on: once read they
-        count and are confirmed. The rest (no guess, another block or serial, a READ that
-        failed) are READ from the lease once those READs ended, whose bytes they overwrite.
-        Adds to ``loaded`` and ``failed``; returns the keys the producer had not published."""
+        ``keys`` (``guesses``: per key the block and the serial, ``-1`` both where none
+        did): their READs start while the fetch is on the way, without notification. Entries
+        the lease holds with the same block and serial were published, so unchanged, from
+        the lookup's answer on: once read they count and are confirmed. The rest (no guess,
+        another block or serial, a READ that failed) are READ from the lease once those READs
+        ended, whose bytes they overwrite. Adds to ``loaded`` and ``failed``; returns the keys
+        the producer had not published."""
         n, num_blocks = len(keys), self._consumer.num_blocks
-        pairs = [(i, guess[0], local_ids[i]) for i, guess in enumerate(guesses)
-                 if guess is not None and 0 <= guess[0] < num_blocks]
-        if len(pairs) == n:
-            runs = spans(0, [p[1] for p in pairs], local_ids)
+        guessed_blocks, guessed_serials = guesses
+        guessed: set[int] | None = None  # the keys READ from a guess (None: every key)
+        if min(guessed_blocks) >= 0 and max(guessed_blocks) < num_blocks:  # (passes of C)
+            runs = spans(0, guessed_blocks, local_ids)
         else:
+            pairs = [(i, src, local_ids[i]) for i, src in enumerate(guessed_blocks)
+                     if 0 <= src < num_blocks]
             runs = read_runs(pairs)
+            guessed = {i for i, _, _ in pairs}
         reads = Reads(self, None, deadline)
         try:
             lease, blocks, serials = self._fetch(
@@ -758,14 +766,18 @@ class PullConnector(KVConnector):
         redo = sorted(reads.errors)  # READs that could not start: from the lease instead
         reads.errors.clear()
         reads.lease = lease
-        reads.trusted = {i for i, guess in enumerate(guesses)
-                         if guess is not None and blocks[i] == guess[0]
-                         and serials[i] == guess[1]}
+        if blocks == guessed_blocks and serials == guessed_serials:  # the common case
+            reads.trusted = range(n)
+        else:
+            reads.trusted = {i for i in range(n) if guessed_blocks[i] >= 0
+                             and blocks[i] == guessed_blocks[i]
+                             and serials[i] == guessed_serials[i]}
         reads.wait()
         loaded.update(reads.read)
         failed.update(reads.errors)
-        guessed = {p[0] for p in pairs}
-        redo = sorted({*redo, *reads.redo, *(i for i in range(n) if i not in guessed)})
+        if redo or reads.redo or guessed is not None:
+            unguessed = () if guessed is None else (i for i in range(n) if i not in guessed)
+            redo = sorted({*redo, *reads.redo, *unguessed})
         later, again = [], []  # (the lease's entry i is key i)
         for i in redo:
             src = blocks[i]

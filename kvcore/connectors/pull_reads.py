@@ -84,9 +84,10 @@ class Reads:
     READs started before the lease exists (``lease=None``: from the blocks a lookup named,
     while the fetch is on the way) carry no notification. Once the fetch answered, the
     caller sets :attr:`lease` and :attr:`trusted`, the indices whose leased block and
-    serial are the ones those READs were started from; when such a READ ends, the trusted
-    entries count as read and are confirmed (:meth:`~kvcore.connectors.pull.PullConnector.
-    _confirm_entries`), and the others join :attr:`redo`: READ them again from the lease."""
+    serial are the ones those READs were started from (a ``range``: all of them); when such
+    a READ ends, the trusted entries count as read and are confirmed
+    (:meth:`~kvcore.connectors.pull.PullConnector._confirm_entries`), and the others join
+    :attr:`redo`: READ them again from the lease."""
 
     def __init__(self, conn: Any, lease: str | None, deadline: float) -> None:
         self.conn, self.lease, self.deadline = conn, lease, deadline
@@ -95,7 +96,7 @@ class Reads:
         self.timed_out: set[int] = set()
         self.active: list[Run] = []
         self.posted = time.monotonic()  # when the last READs were started
-        self.trusted: set[int] | None = None
+        self.trusted: set[int] | range | None = None
         self.redo: list[int] = []
 
     def _fail(self, run: Run, why: str) -> None:
@@ -156,24 +157,33 @@ class Reads:
     def _settle_guessed(self, run: Run) -> None:
         """A READ started before the lease ended: its trusted entries count as read once
         confirmed, in stretches of consecutive ones; the others are to READ again."""
-        trusted, first = self.trusted, None
+        trusted = self.trusted
+        if isinstance(trusted, range) and trusted.start <= run.first \
+                and run.end <= trusted.stop:  # every entry (the common case): one stretch
+            self._confirm_stretch(run.first, run.end)
+            return
+        first = None
         for j in range(run.first, run.end + 1):
             if j < run.end and j in trusted:
                 if first is None:
                     first = j
                 continue
             if first is not None:
-                unconfirmed = self.conn._confirm_entries(self.lease, first, j)
-                if unconfirmed is None:
-                    self.read.extend(range(first, j))
-                else:
-                    self.errors.update(
-                        (i, f"{self.conn.label} READ finished, but the producer did not take "
-                            f"the confirmation ({unconfirmed}), so its blocks may have "
-                            "changed meanwhile") for i in range(first, j))
+                self._confirm_stretch(first, j)
                 first = None
             if j < run.end:
                 self.redo.append(j)
+
+    def _confirm_stretch(self, first: int, end: int) -> None:
+        """Entries ``first..end-1``, read: confirmed, they count; else they fail."""
+        unconfirmed = self.conn._confirm_entries(self.lease, first, end)
+        if unconfirmed is None:
+            self.read.extend(range(first, end))
+        else:
+            self.errors.update(
+                (i, f"{self.conn.label} READ finished, but the producer did not take the "
+                    f"confirmation ({unconfirmed}), so its blocks may have changed "
+                    "meanwhile") for i in range(first, end))
 
     def wait(self) -> None:
         """Poll until no READ is in flight; those still in flight at the deadline fail."""

@@ -247,6 +247,27 @@ def test_blocks_a_lookup_named_that_changed_before_the_lease_are_read_again_from
 
 
 @EACH
+def test_keys_no_lookup_named_are_read_from_the_lease_after_the_others(pull):
+    """A lookup named the first two keys of a load of four: those are READ while the fetch is
+    on the way, the last two from the lease once it answered; all arrive bit-exactly."""
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(21, 4)
+    with pull.producer() as prod, pull.consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [2, 3, 4, 5])
+        assert conn.lookup(keys[:2]) == 2
+        phases: list[str] = []
+        conn.timing = lambda phase, seconds: phases.append(phase)
+        result = conn.load(keys, [6, 7, 8, 9]).wait(timeout=pull.wait_s)
+        assert result.ok, result.failed
+        assert save.wait(timeout=pull.wait_s).ok
+    assert torch.equal(block_bytes(kv_c, [6, 7, 8, 9]), block_bytes(kv_p, [2, 3, 4, 5]))
+    assert phases.count("start_read") == 2 and phases.count("fetch") == 1
+    assert phases.index("start_read") < phases.index("fetch")  # the guessed run went first
+
+
+@EACH
 def test_blocks_a_lookup_named_that_expired_before_the_load_fail_with_the_reason(pull):
     """The producer let the blocks a lookup named go (nobody read them within
     ``publish_timeout_s``) before the load: its READs from them count for nothing, the
