@@ -75,8 +75,8 @@ notification, so the round trip runs under the data's time. A key whose leased b
 serial are the ones the lookup named was published, so unchanged, from the lookup's answer
 until the lease held it: its bytes count once read, confirmed by a notification sent then
 (``<lease>:<first>:<end>``, as a READ carries it) or ``done``. Any other key of the load (a
-block published again elsewhere, a READ that failed) is READ from the lease after those READs
-ended, over what they wrote; one the producer no longer publishes fails as any other. A
+block published again elsewhere) is READ from the lease after those READs ended, over what
+they wrote; one the producer no longer publishes fails as any other. A
 converting load fetches first (its READs land in the shared staging buffer).
 While READs are in flight it polls the library, pausing between polls as :func:`poll_pause`
 says: an eighth of the time they have taken so far, between 20 us and 5 ms (a READ is seen
@@ -739,10 +739,10 @@ class PullConnector(KVConnector):
         ``keys`` (``guesses``: per key the block and the serial, ``-1`` both where none
         did): their READs start while the fetch is on the way, without notification. Entries
         the lease holds with the same block and serial were published, so unchanged, from
-        the lookup's answer on: once read they count and are confirmed. The rest (no guess,
-        another block or serial, a READ that failed) are READ from the lease once those READs
-        ended, whose bytes they overwrite. Adds to ``loaded`` and ``failed``; returns the keys
-        the producer had not published."""
+        the lookup's answer on: once read they count and are confirmed (a READ of them that
+        fails fails them, as any READ). The rest (no guess, another block or serial) are READ
+        from the lease once those READs ended, over what they wrote. Adds to ``loaded`` and
+        ``failed``; returns the keys the producer had not published."""
         n, num_blocks = len(keys), self._consumer.num_blocks
         guessed_blocks, guessed_serials = guesses
         guessed: set[int] | None = None  # the keys READ from a guess (None: every key)

@@ -147,12 +147,24 @@ class Reads:
                     self._fail(run, f"{label} READ finished, but the producer did not take "
                                     f"the confirmation ({unconfirmed}), so its blocks may "
                                     "have changed meanwhile")
-            elif self.trusted is not None:  # the lease holds them: READ them from it
-                self.redo.extend(range(run.first, run.end))
             else:
-                self._fail(run, f"{label} READ from the producer failed: {state}")
+                self._failed(run, f"{label} READ from the producer failed: {state}")
         self.active = still
         return ended
+
+    def _failed(self, run: Run, why: str) -> None:
+        """A READ that ended in failure: its entries fail with ``why``; for a READ started
+        before the lease, only those the lease holds at the blocks it READ (the others are
+        to READ again from the lease)."""
+        trusted = self.trusted
+        if trusted is None or isinstance(trusted, range):
+            self._fail(run, why)
+            return
+        for j in range(run.first, run.end):
+            if j in trusted:
+                self.errors[j] = why
+            else:
+                self.redo.append(j)
 
     def _settle_guessed(self, run: Run) -> None:
         """A READ started before the lease ended: its trusted entries count as read once

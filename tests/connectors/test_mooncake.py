@@ -70,23 +70,29 @@ def test_producer_killed_mid_read_fails_the_run_within_the_timeout(monkeypatch):
         kv = make_caches(cross_layer=True, **LARGE)
         keys = keys_for(seed, 4)
         conn = consumer(port, timeout_s=timeout_s)
-        conn.register_kv_caches(kv)
-        while conn.lookup(keys) < 4:
-            time.sleep(0.01)
-        engine = conn._engine
-        start_read = engine.start_read
+        try:
+            conn.register_kv_caches(kv)
+            while conn.lookup(keys) < 4:
+                time.sleep(0.01)
+            engine = conn._engine
+            poll = engine.poll
 
-        def start_then_kill(*args):  # the READ (32 MiB, one run) is in flight: kill now
-            start_read(*args)
-            peer.proc.kill()
+            def poll_then_kill(run):  # the READ (32 MiB, one run) is in flight: kill now
+                state = poll(run)
+                if peer.proc.poll() is None:
+                    peer.proc.kill()
+                return state
 
-        monkeypatch.setattr(engine, "start_read", start_then_kill)
-        started = time.monotonic()
-        result = conn.load(keys, [0, 1, 2, 3]).wait(timeout=timeout_s + 5)
-        assert sorted(result.failed) == [0, 1, 2, 3]
-        assert "Mooncake READ from the producer failed: the transfer failed" in result.failed[0]
-        assert time.monotonic() - started < timeout_s + 1.5
-        conn.close()
+            # (polled once the fetch answered: the producer leased the blocks, then died)
+            monkeypatch.setattr(engine, "poll", poll_then_kill)
+            started = time.monotonic()
+            result = conn.load(keys, [0, 1, 2, 3]).wait(timeout=timeout_s + 5)
+            assert sorted(result.failed) == [0, 1, 2, 3]
+            assert "Mooncake READ from the producer failed: the transfer failed" in (
+                result.failed[0])
+            assert time.monotonic() - started < timeout_s + 1.5
+        finally:
+            conn.close()
         assert not MOONCAKE.threads()
 
 
