@@ -88,8 +88,8 @@ A load runs on the connector's loader thread, or on the caller's when it waits f
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import itertools
 import logging
 import socket
 import threading
@@ -223,9 +223,8 @@ class PullConnector(KVConnector):
         self._plan: ConversionPlan | None = None
         # Consumer: per key, the producer's block and its publication's serial as the last
         # lookup that found it named them (a load READs from there while its fetch is on the
-        # way); the oldest go first past GUESSES_KEPT.
-        self._guesses: collections.OrderedDict[str, tuple[int, int]] = \
-            collections.OrderedDict()
+        # way); the first looked up go first past GUESSES_KEPT.
+        self._guesses: dict[str, tuple[int, int]] = {}
         self._guesses_lock = threading.Lock()
 
     def _start(self, role: str, host: str, port: int, failure_policy: str) -> None:
@@ -390,12 +389,11 @@ class PullConnector(KVConnector):
             found = unpack_blocks(tail)
             with self._guesses_lock:
                 guesses = self._guesses
-                for key, block, serial in zip(keys[:hits], found[:hits], found[hits:],
-                                              strict=True):
-                    guesses[key] = (block, serial)
-                    guesses.move_to_end(key)
-                while len(guesses) > GUESSES_KEPT:
-                    guesses.popitem(last=False)
+                guesses.update(zip(keys[:hits], zip(found[:hits], found[hits:], strict=True),
+                                   strict=True))
+                if len(guesses) > GUESSES_KEPT:  # the oldest go first
+                    for key in list(itertools.islice(guesses, len(guesses) - GUESSES_KEPT)):
+                        del guesses[key]
         return hits
 
     def _take_guesses(self, keys: list[str]) -> tuple[list[int], list[int]] | None:

@@ -268,6 +268,27 @@ def test_keys_no_lookup_named_are_read_from_the_lease_after_the_others(pull):
 
 
 @EACH
+def test_a_consumer_keeps_the_blocks_of_its_last_looked_up_keys_only(pull, monkeypatch):
+    """Past ``GUESSES_KEPT`` keys the first looked up are forgotten; a load takes its keys'."""
+    from kvcore.connectors import pull as pull_module
+
+    monkeypatch.setattr(pull_module, "GUESSES_KEPT", 3)
+    kv_p, kv_c = make_caches(cross_layer=True), make_caches(cross_layer=True)
+    keys = keys_for(22, 5)
+    with pull.producer() as prod, pull.consumer(prod.port) as conn:
+        prod.register_kv_caches(kv_p)
+        conn.register_kv_caches(kv_c)
+        save = prod.save(keys, [2, 3, 4, 5, 6])
+        assert conn.lookup(keys[:2]) == 2 and conn.lookup(keys[2:]) == 3
+        assert list(conn._guesses) == keys[2:]
+        assert [b for b, _ in conn._guesses.values()] == [4, 5, 6]
+        assert conn.load(keys, [7, 8, 9, 10, 11]).wait(timeout=pull.wait_s).ok
+        assert not conn._guesses  # each serves one load
+        assert save.wait(timeout=pull.wait_s).ok
+    assert torch.equal(block_bytes(kv_c, [7, 8, 9, 10, 11]), block_bytes(kv_p, [2, 3, 4, 5, 6]))
+
+
+@EACH
 def test_blocks_a_lookup_named_that_expired_before_the_load_fail_with_the_reason(pull):
     """The producer let the blocks a lookup named go (nobody read them within
     ``publish_timeout_s``) before the load: its READs from them count for nothing, the
