@@ -214,9 +214,10 @@ class Platform(ABC):
         self, config: AttentionSelectorConfig, device_capability: DeviceCapability | None
     ) -> ranking.ShippedOrder | None:
         """The order :attr:`SHIPPED_RANKING` gives ``config`` on ``device_capability``
-        (:func:`kvcore.ranking.shipped_order`; the ranking of this very device when the file
-        has one), or ``None``: no file, or nothing measured for this capability and kind of
-        config. A file that cannot be read is logged once and treated as absent."""
+        (:func:`kvcore.ranking.shipped_order`: the ranking of that capability that measured
+        the closest cases, this very device's on a tie), or ``None``: no file, or nothing
+        measured for this capability and kind of config. A file that cannot be read is logged
+        once and treated as absent."""
         if self.SHIPPED_RANKING is None:
             return None
         try:

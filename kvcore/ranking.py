@@ -550,6 +550,17 @@ def nearest_cases(cases: tuple[MeasuredCase, ...] | list[MeasuredCase],
     return same_heads(chosen, config)
 
 
+def _match(case: MeasuredCase, config: AttentionSelectorConfig) -> tuple[bool, ...]:
+    """How close a case :func:`nearest_cases` chose is to ``config``: per field of
+    ``_NEAREST_BY`` (most telling first), then per head count the config gives, whether they
+    are equal (the chosen cases of one ranking share it: a field narrows all of them, or
+    none of them is equal)."""
+    key = ranking_config_key(config)
+    return (*(case.config.get(name) == key[name] for name in _NEAREST_BY),
+            *(case.config.get(name) == getattr(config, name)
+              for name in ("num_kv_heads", "num_heads")))
+
+
 def _tiers(speeds: dict[str, float]) -> tuple[tuple[str, ...], ...]:
     """Backends fastest first, grouped while within :data:`TIER_TOLERANCE` of the group's
     fastest."""
@@ -602,20 +613,28 @@ def shipped_order(rankings: tuple[Ranking, ...] | list[Ranking], config: Attenti
                   capability: DeviceCapability | None, device_name: str | None = None
                   ) -> ShippedOrder | None:
     """The order ``rankings`` (a platform's shipped file) give ``config`` on a device of
-    ``capability``: from the ranking of that capability (the one measured on ``device_name``
-    when there is one, else the latest), over its :func:`nearest_cases`. ``None`` when no
-    ranking is of this capability or none of its cases is of the config's kind. Versions are
-    not compared: a shipped order is the platform's default, not this machine's measurement."""
+    ``capability``: from a ranking of that capability, over its :func:`nearest_cases`: the
+    ranking whose nearest cases are closest to the config (equal in the most telling
+    fields of ``_NEAREST_BY``, then in the head counts), on a tie the one measured on
+    ``device_name``, then the latest. So a device's ranking that measured some kinds of
+    config leaves the others to the rankings of its capability that measured them. ``None``
+    when no ranking of this capability measured the config's kind. Versions are not
+    compared: a shipped order is the platform's default, not this machine's measurement."""
     if capability is None:
         return None
-    mine = [r for r in rankings if r.device.capability == str(capability)]
-    if not mine:
+    best: tuple[tuple, Ranking, list[MeasuredCase]] | None = None
+    for ranking in rankings:
+        if ranking.device.capability != str(capability):
+            continue
+        cases = nearest_cases(ranking.cases, config)
+        if cases:
+            # The closest measurement first, then the device's own, then the latest.
+            rank = (_match(cases[0], config), ranking.device.name == device_name, ranking.date)
+            if best is None or rank > best[0]:
+                best = (rank, ranking, cases)
+    if best is None:
         return None
-    named = [r for r in mine if r.device.name == device_name]
-    ranking = (named or sorted(mine, key=lambda r: r.date))[-1]
-    cases = nearest_cases(ranking.cases, config)
-    if not cases:
-        return None
+    _, ranking, cases = best
     order, speed, counts = _order(cases)
     classes = tuple(sorted({c.shape_class for c in cases}))
     what = (f"{ranking.device.describe()} by kvcore tune on {ranking.date} "

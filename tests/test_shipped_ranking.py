@@ -112,6 +112,20 @@ def test_shipped_order_takes_the_devices_own_ranking_else_the_latest_of_its_capa
     assert shipped_order([old, new], LLAMA, None) is None
 
 
+def test_a_devices_ranking_of_some_kinds_leaves_the_others_to_its_capabilitys_rankings():
+    """An H200 ranking that measured bf16 caches only: on an H200 an fp8 config takes the
+    H100's order (the latest other ranking of capability 9.0 that measured fp8), not none."""
+    h100 = measured(H100, case(LLAMA, "decode", {"A": 1.0, "B": 2.0}),
+                    case(FP8, "decode", {"A": 2.0, "B": 1.0}), date="2026-01-01")
+    h200 = measured(H200, case(LLAMA, "decode", {"A": 3.0, "B": 1.0}), date="2026-02-01")
+    nine = kvcore.DeviceCapability(9, 0)
+    assert shipped_order([h100, h200], LLAMA, nine, "NVIDIA H200").order == ("B", "A")
+    fp8 = shipped_order([h100, h200], FP8, nine, "NVIDIA H200")
+    assert fp8.order == ("B", "A") and fp8.device == H100
+    assert shipped_order([h100, h200], LLAMA, nine, "NVIDIA H100 80GB HBM3").order == ("A", "B")
+    assert shipped_order([h100, h200], MLA, nine, "NVIDIA H200") is None  # nobody measured it
+
+
 def test_the_shipped_order_leads_cudas_priority_list_where_it_was_measured(
         kvcore_shipped_ranking):
     kvcore_shipped_ranking("cuda", measured(
