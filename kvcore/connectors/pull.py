@@ -97,7 +97,7 @@ import time
 import uuid
 import weakref
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -712,14 +712,9 @@ class PullConnector(KVConnector):
             # The common case, checked in passes of C code: every key, each published.
             runs = spans(first, blocks, local_ids)
         else:
-            pairs = []
-            for j, (i, src) in enumerate(zip(todo, blocks, strict=True), first):
-                if src is None:
-                    later.append(i)
-                elif type(src) is int and 0 <= src < num_blocks:
-                    pairs.append((j, src, local_ids[i]))
-                else:
-                    failed[i] = f"the producer named block {src!r}"
+            later, pairs = self._sort_entries(
+                ((j, i, src) for j, (i, src) in enumerate(zip(todo, blocks, strict=True), first)),
+                local_ids, failed)
             runs = read_runs(pairs)
         if runs:
             read, errors = self._read_runs(lease, runs, deadline, local)
@@ -729,6 +724,22 @@ class PullConnector(KVConnector):
                 loaded.update(todo[j - first] for j in read)
                 failed.update((todo[j - first], why) for j, why in errors.items())
         return later
+
+    def _sort_entries(self, entries: Iterable[tuple[int, int, Any]], local_ids: list[int],
+                      failed: dict[int, str]) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Fetch entries ``(lease entry, key index, producer block)`` sorted: the keys the
+        producer had not published (block ``None``), and ``(lease entry, producer block,
+        this cache's block)`` to READ; a block the producer cannot have fails its key."""
+        num_blocks = self._consumer.num_blocks
+        later, pairs = [], []
+        for j, i, src in entries:
+            if src is None:
+                later.append(i)
+            elif type(src) is int and 0 <= src < num_blocks:
+                pairs.append((j, src, local_ids[i]))
+            else:
+                failed[i] = f"the producer named block {src!r}"
+        return later, pairs
 
     def _pull_guessed(self, keys: list[str], local_ids: list[int], local: Regions,
                       deadline: float, guesses: tuple[list[int], list[int]],
@@ -776,15 +787,8 @@ class PullConnector(KVConnector):
         if redo or reads.redo or guessed is not None:
             unguessed = () if guessed is None else (i for i in range(n) if i not in guessed)
             redo = sorted({*redo, *reads.redo, *unguessed})
-        later, again = [], []  # (the lease's entry i is key i)
-        for i in redo:
-            src = blocks[i]
-            if src is None:
-                later.append(i)
-            elif type(src) is int and 0 <= src < num_blocks:
-                again.append((i, src, local_ids[i]))
-            else:
-                failed[i] = f"the producer named block {src!r}"
+        # (the lease's entry i is key i)
+        later, again = self._sort_entries(((i, i, blocks[i]) for i in redo), local_ids, failed)
         if again:
             read, errors = self._read_runs(lease, read_runs(again), deadline, local)
             loaded.update(read)
