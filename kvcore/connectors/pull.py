@@ -7,7 +7,9 @@ into its own blocks through a transfer library. :class:`PullConnector` holds eve
 the library: the side channel, the producer's publications and leases, the consumer's link,
 runs of blocks and the bounded read loop (the producer's side in
 :mod:`~kvcore.connectors.pull_producer`, the consumer's link in
-:mod:`~kvcore.connectors.pull_consumer`). A subclass supplies the library's engine (memory
+:mod:`~kvcore.connectors.pull_consumer`, its READs in flight in
+:mod:`~kvcore.connectors.pull_reads`, a converting load in
+:mod:`~kvcore.connectors.pull_convert`). A subclass supplies the library's engine (memory
 registration, starting, polling and cancelling a READ, its notifications:
 :class:`~kvcore.connectors.pull_engine.Engine`).
 
@@ -88,7 +90,6 @@ A load runs on the connector's loader thread, or on the caller's when it waits f
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import socket
@@ -107,6 +108,7 @@ from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
 from kvcore.connectors.convert import ConversionPlan, TPRank, as_tp_rank, plan_conversion
 from kvcore.connectors.pull_consumer import Consumer
+from kvcore.connectors.pull_convert import read_converting
 from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs, spans
 from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds, unpack_blocks
 from kvcore.connectors.pull_reads import (
@@ -465,175 +467,11 @@ class PullConnector(KVConnector):
             failed = {block_ids[i]: why for i, why in errors.items()}
             nbytes = len(loaded) * self.block_bytes
         else:
-            loaded, failed, nbytes = self._read_converting(keys, block_ids, deadline)
+            loaded, failed, nbytes = read_converting(self, keys, block_ids, deadline)
             order = {b: n for n, b in enumerate(block_ids)}
             loaded.sort(key=order.__getitem__)
         return self._record(self._result("load", loaded, failed, nbytes,
                                          time.perf_counter() - started))
-
-    def _read_converting(self, keys: list[str], block_ids: list[int], deadline: float
-                         ) -> tuple[list[int], dict[int, str], int]:
-        """READ the producer's blocks into the staging buffer, as many whole groups of the
-        plan at a time as a part of it holds, and convert each chunk into ``block_ids`` with
-        one gather (:meth:`ConversionPlan.prepare`; :meth:`ConversionPlan.apply_keys` for a
-        chunk whose keys were not all read).
-
-        One ``fetch`` leases every key of the load, and every chunk's gather is prepared
-        (checks, ids on the device) while its answer is on the way: between the READs only
-        launches are left. With two parts (``staging_buffers=2`` and room for two groups),
-        the chunks alternate between them: a chunk's READ starts as soon as its part is free
-        (the gather of the chunk before in it has read it), so the READs of the first two
-        start at once, and the READ of one chunk overlaps the gather of another. On a GPU the
-        gathers run on the connector's stream, an event per part telling when its last
-        gather has read it; on the CPU a gather runs when its chunk arrived. The host waits
-        for the device only for a part it is about to READ into while nothing else is in
-        flight, and for the connector's stream when the load ends. Keys the producer had not
-        published at the fetch are asked for again while their chunk is read (chunk by chunk,
-        in turn).
-        """
-        plan, staging, stream = self._plan, self._staging, self._gather_stream
-        cache, scales, halves = self._reg.kv_caches, self._kv_scales, self._halves
-        on_stream = ((lambda: torch.cuda.stream(stream)) if stream is not None
-                     else contextlib.nullcontext)
-        per_group = plan.group_tokens // plan.src_block_size
-        dst_per_group = plan.group_tokens // plan.dst_block_size
-        size = self._staging_blocks // per_group // halves * per_group
-        # Per chunk: its first key, the staging blocks its keys land in, its destination.
-        chunks: list[tuple[int, list[int], list[int]]] = []
-        for n, k0 in enumerate(range(0, len(keys), size)):
-            count, base = min(size, len(keys) - k0), n % halves * size
-            d0 = k0 // per_group * dst_per_group
-            chunks.append((k0, list(range(base, base + count)),
-                           block_ids[d0:d0 + plan.blocks_for_keys(count)]))
-        prepared: list[Callable[[], int] | None] = [None] * len(chunks)
-
-        def prepare() -> None:
-            with on_stream():  # the ids' copies on the stream the gathers run on
-                for n, (_, slots, dst) in enumerate(chunks):
-                    try:
-                        prepared[n] = plan.prepare(staging, cache, slots, dst,
-                                                   len(slots) * plan.src_block_size,
-                                                   dst_scales=scales)
-                    except Exception:  # apply_keys raises it again for that chunk
-                        pass
-
-        loaded: list[int] = []
-        failed: dict[int, str] = {}
-        nbytes = 0
-        gathered: list[torch.cuda.Event | None] = [None] * halves
-
-        def convert(n: int, read: set[int], errors: dict[int, str]) -> None:
-            """Convert chunk ``n``, of which keys ``read`` (indices in the chunk) arrived."""
-            nonlocal nbytes
-            k0, slots, dst = chunks[n]
-            with on_stream():
-                if len(read) == len(slots) and prepared[n] is not None:  # the common case
-                    written, missing = dst, {}
-                    moved = self._timed("gather", prepared[n])
-                else:  # some keys failed: the groups they leave whole
-                    arrived = [i in read for i in range(len(slots))]
-                    written, missing, moved = self._timed(
-                        "gather", lambda: plan.apply_keys(staging, cache, slots, dst, arrived,
-                                                          dst_scales=scales))
-                if written and stream is not None:
-                    gathered[n % halves] = stream.record_event()
-            loaded.extend(written)
-            nbytes += moved
-            for block, i in missing.items():
-                failed[block] = (f"source block {k0 + i} of the load (key "
-                                 f"{keys[k0 + i][:12]}..): {errors.get(i, 'not read')}")
-
-        self._take_guesses(keys)  # (READs into the staging buffer wait for the lease)
-        with self._staging_lock:
-            try:
-                lease, blocks, _ = self._fetch(keys, deadline, while_waiting=prepare)
-            except ChannelError as exc:
-                lease, blocks, why = None, [None] * len(keys), str(exc)
-            # The first key of the chunks whose READs were not started: those go back to the
-            # producer if the load raises or runs out of time before them.
-            untouched = [0]
-            try:
-                if lease is None:  # the fetch failed: nothing is READ
-                    for n, (_, slots, _) in enumerate(chunks):
-                        convert(n, set(), dict.fromkeys(range(len(slots)), why))
-                elif set(map(type, blocks)) == {int} and min(blocks) >= 0 \
-                        and max(blocks) < self._consumer.num_blocks:  # all published
-                    self._convert_overlapped(lease, blocks, chunks, deadline, convert,
-                                             gathered, untouched)
-                else:
-                    for n, (k0, slots, _) in enumerate(chunks):
-                        half = n % halves
-                        if gathered[half] is not None:  # its last gather has read that part
-                            self._timed("wait", gathered[half].synchronize)
-                        untouched[0] = k0 + len(slots)
-                        read, errors = self._pull(
-                            keys[k0:k0 + len(slots)], slots, self._staging_regions, deadline,
-                            fetched=(lease, blocks[k0:k0 + len(slots)], k0))
-                        convert(n, read, errors)
-            finally:
-                if lease is not None and untouched[0] < len(keys):  # the rest goes back
-                    self._give_back(lease, [k for k in range(untouched[0], len(keys))
-                                            if blocks[k] is not None])
-                if stream is not None:  # the blocks are converted when the load reports them
-                    self._timed("wait", stream.synchronize)
-        return loaded, failed, nbytes
-
-    def _convert_overlapped(self, lease: str, blocks: list[int],
-                            chunks: list[tuple[int, list[int], list[int]]], deadline: float,
-                            convert: Callable[[int, set[int], dict[int, str]], None],
-                            gathered: list[torch.cuda.Event | None], untouched: list[int]
-                            ) -> None:
-        """:meth:`_read_converting` when the fetch leased every key: READ the chunks into
-        their parts of the staging buffer, each as soon as that part is free, and
-        ``convert`` each once its READs ended. ``untouched[0]``: the first key of the chunks
-        not started yet."""
-        halves = self._halves
-        runs = [spans(k0, blocks[k0:k0 + len(slots)], slots) for k0, slots, _ in chunks]
-        chunk_of = {run.first: n for n, chunk_runs in enumerate(runs) for run in chunk_runs}
-        left = [len(chunk_runs) for chunk_runs in runs]  # READs not ended, per chunk
-        reads = Reads(self, lease, deadline)
-        started = converted = 0  # chunks whose READs started; chunks converted (in order)
-
-        def convert_read(n: int) -> None:
-            k0, slots, _ = chunks[n]
-            errors = {j - k0: why for j, why in reads.errors.items() if k0 <= j < k0 + len(slots)}
-            convert(n, set(range(len(slots))) - set(errors), errors)
-
-        try:
-            while converted < len(chunks):
-                # Start the next chunks while their part is free: the chunk before in it is
-                # converted, and its gather (on a GPU) has read it.
-                while started < len(chunks) and started - halves < converted:
-                    event = gathered[started % halves]
-                    if event is not None and not event.query():
-                        break
-                    for run in reads.start(runs[started], self._staging_regions):
-                        left[chunk_of[run.first]] -= 1
-                    started += 1
-                    untouched[0] = chunks[started - 1][0] + len(chunks[started - 1][1])
-                if not reads.active and converted == started:
-                    # Nothing in flight: the next part's last gather is all to wait for.
-                    self._timed("wait", gathered[started % halves].synchronize)
-                    continue
-                for run in reads.poll():
-                    left[chunk_of[run.first]] -= 1
-                while converted < started and not left[converted]:
-                    convert_read(converted)
-                    converted += 1
-                if reads.active and time.monotonic() >= deadline:
-                    reads.expire(f"{self.label} READ did not finish within "
-                                 f"timeout_s={self.timeout_s}")
-                    for n in range(converted, started):
-                        convert_read(n)
-                    why = f"{self.label} READ not started within timeout_s={self.timeout_s}"
-                    for n in range(started, len(chunks)):  # (the caller gives them back)
-                        convert(n, set(), dict.fromkeys(range(len(chunks[n][1])), why))
-                    break
-                if reads.active and left[converted]:
-                    reads.pause()
-        finally:
-            reads.expire("the load raised while this READ was in flight")
-            reads.give_back()
 
     def _fetch(self, keys: list[str], deadline: float,
                while_waiting: Callable[[], None] | None = None, *,
