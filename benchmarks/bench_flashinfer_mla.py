@@ -160,6 +160,52 @@ def flashinfer_mla_direct(q: torch.Tensor, cache: torch.Tensor,
     return call
 
 
+def flashinfer_mla_layer(query: torch.Tensor, cache: torch.Tensor,
+                         common: kvcore.AttentionMetadata, kv_b_proj_weight: torch.Tensor,
+                         scale: float, *, qk_nope_head_dim: int, v_head_dim: int):
+    """An absorbed MLA layer's decode as a user writes it around FlashInfer's
+    ``BatchMLAPagedAttentionWrapper`` (planned once, every intermediate preallocated), the
+    math kvcore's MLA backends' ``forward`` does: ``q_nope^T W_UK`` into a buffer, the
+    wrapper's ``run`` on it and a view of the query's rope part, ``o^T W_UV^T`` into the
+    output. Returns ``run() -> out`` (``(batch, heads, v_head_dim)``).
+
+    ``query`` ``(batch, heads, qk_nope_head_dim + rope)``; ``cache`` ``(num_blocks, block,
+    kv_lora_rank + rope)`` bf16; ``kv_b_proj_weight`` ``(heads * (qk_nope_head_dim +
+    v_head_dim), kv_lora_rank)``; ``common`` the decode step's metadata. Shared by
+    ``bench_mla_pipeline.py`` and ``bench_matrix.py``."""
+    import flashinfer.mla
+
+    batch, heads, _ = query.shape
+    rank = kv_b_proj_weight.shape[1]
+    rope, block = cache.shape[-1] - rank, cache.shape[1]
+    nope, device, dtype = qk_nope_head_dim, query.device, query.dtype
+    w = kv_b_proj_weight.view(heads, nope + v_head_dim, rank)
+    w_uk, w_uv_t = w[:, :nope], w[:, nope:].transpose(1, 2)
+    kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    torch.cumsum((common.seq_lens + block - 1) // block, 0, out=kv_indptr[1:])
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
+    wrapper.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(
+                     common.query_start_loc, kv_indptr,
+                     common.block_table.flatten().contiguous(), common.seq_lens),
+                 num_heads=heads, head_dim_ckv=rank, head_dim_kpe=rope, page_size=block,
+                 causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=cache.dtype,
+                 query_layout="split", kv_cache_layout="split")
+    q_nope = torch.empty(heads, batch, rank, dtype=dtype, device=device)
+    o_latent = torch.empty(batch, heads, rank, dtype=dtype, device=device)
+    out = torch.empty(batch, heads, v_head_dim, dtype=dtype, device=device)
+    ckv, kpe = cache[..., :rank], cache[..., rank:]
+
+    def call() -> torch.Tensor:
+        torch.bmm(query[..., :nope].transpose(0, 1), w_uk, out=q_nope)
+        wrapper.run(query=(q_nope.transpose(0, 1), query[..., nope:]), kv_cache=(ckv, kpe),
+                    out=o_latent)
+        torch.bmm(o_latent.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
+        return out
+
+    return call
+
+
 def direct(d: Decode, graph_mode: bool = False, query_views: bool = False):
     """FlashInfer's wrapper as a user calls it, planned once: returns ``run() -> out``
     (the options: :func:`flashinfer_mla_direct`'s)."""

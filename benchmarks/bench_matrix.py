@@ -191,46 +191,18 @@ def flashinfer_direct(inputs: StepInputs) -> Callable[[], object]:
 
 
 def flashinfer_mla_pipeline(inputs: StepInputs) -> Callable[[], object]:
-    """An MLA layer's decode as a user writes it around FlashInfer's
-    ``BatchMLAPagedAttentionWrapper`` (planned once), the same math as kvcore's MLA backends'
-    ``forward`` (which the matrix times): ``q_nope^T W_UK`` into a preallocated buffer, the
-    wrapper's ``run`` on it and the query's rope part, ``o^T W_UV^T`` into the output (as
-    ``bench_mla_pipeline.py``'s direct path)."""
-    import flashinfer.mla
+    """An MLA layer's decode, the whole absorbed layer around FlashInfer's
+    ``BatchMLAPagedAttentionWrapper`` (``bench_flashinfer_mla.flashinfer_mla_layer``): the
+    same math as kvcore's MLA backends' ``forward``, which the matrix times."""
+    from bench_flashinfer_mla import flashinfer_mla_layer
 
-    layer, config, common = inputs.layer, inputs.config, inputs.common
+    layer, config = inputs.layer, inputs.config
     if inputs.case.phase != "decode" or config.kv_cache_dtype != "auto":
         raise PeerUnsupported("flashinfer direct MLA: bf16 decode steps only here")
-    m, heads, n = layer.mla, layer.num_heads, common.num_actual_tokens
-    rank, nope, rope = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim
-    device, dtype, cache = inputs.device, config.dtype, inputs.kv_cache
-    w = inputs.kv_b_proj_weight.view(heads, nope + m.v_head_dim, rank)
-    w_uk, w_uv_t = w[:, :nope], w[:, nope:].transpose(1, 2)
-    block = cache.shape[1]
-    kv_indptr = torch.zeros(n + 1, dtype=torch.int32, device=device)
-    torch.cumsum((common.seq_lens + block - 1) // block, 0, out=kv_indptr[1:])
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
-    wrapper.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(
-                     common.query_start_loc, kv_indptr,
-                     common.block_table.flatten().contiguous(), common.seq_lens),
-                 num_heads=heads, head_dim_ckv=rank, head_dim_kpe=rope, page_size=block,
-                 causal=False, sm_scale=layer.softmax_scale, q_data_type=dtype,
-                 kv_data_type=cache.dtype, query_layout="split", kv_cache_layout="split")
-    query = inputs.query
-    q_nope = torch.empty(heads, n, rank, dtype=dtype, device=device)
-    o_latent = torch.empty(n, heads, rank, dtype=dtype, device=device)
-    out = torch.empty(n, heads, m.v_head_dim, dtype=dtype, device=device)
-    ckv, kpe = cache[..., :rank], cache[..., rank:]
-
-    def call() -> torch.Tensor:
-        torch.bmm(query[..., :nope].transpose(0, 1), w_uk, out=q_nope)
-        wrapper.run(query=(q_nope.transpose(0, 1), query[..., nope:]), kv_cache=(ckv, kpe),
-                    out=o_latent)
-        torch.bmm(o_latent.transpose(0, 1), w_uv_t, out=out.transpose(0, 1))
-        return out
-
-    return call
+    return flashinfer_mla_layer(inputs.query, inputs.kv_cache, inputs.common,
+                                inputs.kv_b_proj_weight, layer.softmax_scale,
+                                qk_nope_head_dim=layer.mla.qk_nope_head_dim,
+                                v_head_dim=layer.mla.v_head_dim)
 
 
 def flashinfer_graph_wrapper(inputs: StepInputs) -> Callable[[], object]:

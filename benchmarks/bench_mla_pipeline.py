@@ -111,41 +111,26 @@ class Case:
         return call
 
     def direct(self, smoke: bool) -> Callable[[], torch.Tensor]:
-        """The same math written around FlashInfer's MLA wrapper (around the reference op in
-        ``--smoke``), every intermediate preallocated."""
+        """The same math written around FlashInfer's MLA wrapper
+        (``bench_flashinfer_mla.flashinfer_mla_layer``), or in ``--smoke`` around the
+        reference op in its place, every intermediate preallocated."""
+        if not smoke:
+            from bench_flashinfer_mla import flashinfer_mla_layer
+
+            return flashinfer_mla_layer(self.query, self.cache, self.common, self.weight,
+                                        self.scale, qk_nope_head_dim=NOPE, v_head_dim=V_DIM)
         b, h = self.batch, self.heads
         q_nope = torch.empty(h, b, RANK, dtype=torch.bfloat16, device=self.device)
         o_latent = torch.empty(b, h, RANK, dtype=torch.bfloat16, device=self.device)
         out = torch.empty(b, h, V_DIM, dtype=torch.bfloat16, device=self.device)
         query, cache, common = self.query, self.cache, self.common
         w_uk, w_uv_t = self.w_uk, self.w_uv_t
-        if smoke:
-            def latent() -> None:
-                q = torch.cat([q_nope.transpose(0, 1), query[..., NOPE:]], -1)
-                o_latent.copy_(kvcore.ops.mla_attention_ref(
-                    q, cache, kv_lora_rank=RANK, query_start_loc=common.query_start_loc,
-                    seq_lens=common.seq_lens, block_table=common.block_table,
-                    scale=self.scale))
-        else:
-            import flashinfer.mla
 
-            pages = (common.seq_lens + BLOCK - 1) // BLOCK
-            kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
-            torch.cumsum(pages, 0, out=kv_indptr[1:])
-            workspace = torch.empty(128 << 20, dtype=torch.uint8, device=self.device)
-            wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
-            wrapper.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(
-                             common.query_start_loc, kv_indptr,
-                             common.block_table.flatten().contiguous(), common.seq_lens),
-                         num_heads=h, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=BLOCK,
-                         causal=False, sm_scale=self.scale, q_data_type=torch.bfloat16,
-                         kv_data_type=torch.bfloat16, query_layout="split",
-                         kv_cache_layout="split")
-            ckv, kpe = cache[..., :RANK], cache[..., RANK:]
-
-            def latent() -> None:
-                wrapper.run(query=(q_nope.transpose(0, 1), query[..., NOPE:]),
-                            kv_cache=(ckv, kpe), out=o_latent)
+        def latent() -> None:
+            q = torch.cat([q_nope.transpose(0, 1), query[..., NOPE:]], -1)
+            o_latent.copy_(kvcore.ops.mla_attention_ref(
+                q, cache, kv_lora_rank=RANK, query_start_loc=common.query_start_loc,
+                seq_lens=common.seq_lens, block_table=common.block_table, scale=self.scale))
 
         def call() -> torch.Tensor:
             torch.bmm(query[..., :NOPE].transpose(0, 1), w_uk, out=q_nope)

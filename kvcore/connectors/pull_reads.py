@@ -86,8 +86,8 @@ class Reads:
     caller sets :attr:`lease` and :attr:`trusted`, the indices whose leased block and
     serial are the ones those READs were started from (a ``range``: all of them); when such
     a READ ends, the trusted entries count as read and are confirmed
-    (:meth:`~kvcore.connectors.pull.PullConnector._confirm_entries`), and the others join
-    :attr:`redo`: READ them again from the lease."""
+    (:meth:`~kvcore.connectors.pull.PullConnector._confirm_entries`), or fail where it
+    failed, and the others join :attr:`redo`: READ them again from the lease."""
 
     def __init__(self, conn: Any, lease: str | None, deadline: float) -> None:
         self.conn, self.lease, self.deadline = conn, lease, deadline
@@ -140,13 +140,7 @@ class Reads:
             elif state == "DONE" and self.trusted is not None:
                 self._settle_guessed(run)
             elif state == "DONE":
-                unconfirmed = conn._confirm(self.lease, run)
-                if unconfirmed is None:
-                    self.read.extend(range(run.first, run.end))
-                else:
-                    self._fail(run, f"{label} READ finished, but the producer did not take "
-                                    f"the confirmation ({unconfirmed}), so its blocks may "
-                                    "have changed meanwhile")
+                self._count(run.first, run.end, conn._confirm(self.lease, run))
             else:
                 self._failed(run, f"{label} READ from the producer failed: {state}")
         self.active = still
@@ -170,8 +164,7 @@ class Reads:
         """A READ started before the lease ended: its trusted entries count as read once
         confirmed, in stretches of consecutive ones; the others are to READ again."""
         trusted = self.trusted
-        if isinstance(trusted, range) and trusted.start <= run.first \
-                and run.end <= trusted.stop:  # every entry (the common case): one stretch
+        if isinstance(trusted, range):  # every entry (the common case): one stretch
             self._confirm_stretch(run.first, run.end)
             return
         first = None
@@ -187,15 +180,19 @@ class Reads:
                 self.redo.append(j)
 
     def _confirm_stretch(self, first: int, end: int) -> None:
-        """Entries ``first..end-1``, read: confirmed, they count; else they fail."""
-        unconfirmed = self.conn._confirm_entries(self.lease, first, end)
+        """Entries ``first..end-1``, read by a READ that carried no notification: confirmed
+        now (:meth:`_count`)."""
+        self._count(first, end, self.conn._confirm_entries(self.lease, first, end))
+
+    def _count(self, first: int, end: int, unconfirmed: str | None) -> None:
+        """Entries ``first..end-1``, read: they count where the producer took the
+        confirmation (``unconfirmed`` is ``None``), else they fail with why."""
         if unconfirmed is None:
             self.read.extend(range(first, end))
-        else:
-            self.errors.update(
-                (i, f"{self.conn.label} READ finished, but the producer did not take the "
-                    f"confirmation ({unconfirmed}), so its blocks may have changed "
-                    "meanwhile") for i in range(first, end))
+            return
+        why = (f"{self.conn.label} READ finished, but the producer did not take the "
+               f"confirmation ({unconfirmed}), so its blocks may have changed meanwhile")
+        self.errors.update((i, why) for i in range(first, end))
 
     def wait(self) -> None:
         """Poll until no READ is in flight; those still in flight at the deadline fail."""
