@@ -45,8 +45,9 @@ is below 0.95x the best peer. JSON and the log go to ``--out`` (default
 
 Usage: ``python benchmarks/bench_matrix.py [--model NAME ...] [--kv-cache-dtype auto|fp8_e4m3]
 [--block-size N] [--phase decode|prefill|mixed] [--budget-s S] [--small] [--no-peers]
-[--ranking PATH]``; ``--ranking`` also writes kvcore's rows as a ranking file (``kvcore tune``'s
-format; the CUDA platform's shipped order, ``kvcore/platforms/cuda_ranking.json``, is one).
+[--backend NAME ...] [--ranking PATH]``; ``--backend`` times only those kvcore backends;
+``--ranking`` also writes kvcore's rows as a ranking file (``kvcore tune``'s format; the
+CUDA platform's shipped order, ``kvcore/platforms/cuda_ranking.json``, is one).
 ``--small`` scales every preset down and runs on the CPU in seconds (no peers there).
 """
 
@@ -310,6 +311,9 @@ def main() -> int:
                         help="stop starting new steps after this many seconds (0: no limit)")
     parser.add_argument("--small", action="store_true", help="scaled-down presets (CPU)")
     parser.add_argument("--no-peers", action="store_true", help="kvcore's backends only")
+    parser.add_argument("--backend", action="append", default=None, metavar="NAME",
+                        help="time only these kvcore backends (repeatable; default: every "
+                             "valid one)")
     parser.add_argument("--ranking", type=Path, default=None, metavar="PATH",
                         help="also write kvcore's rows as this device's ranking into PATH "
                              "(what kvcore tune writes, from the same timings)")
@@ -328,7 +332,7 @@ def main() -> int:
             kv_cache_dtypes=args.kv_cache_dtype or ModelBenchOptions.kv_cache_dtypes,
             block_sizes=args.block_size or ModelBenchOptions.block_sizes,
             phases=args.phase or ModelBenchOptions.phases, budget_s=args.budget_s,
-            platform="cuda" if on_gpu else "cpu", log=run.log),
+            platform="cuda" if on_gpu else "cpu", backends=args.backend, log=run.log),
             peers=None if args.no_peers else peers)
         run.results["rows"] = [r.to_dict() for r in report.rows]
         run.results["ceilings"] = {"read_GBps": report.read_gbps,

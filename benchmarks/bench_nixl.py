@@ -56,13 +56,15 @@ and written as ``bench_nixl_matrix.json``.
 
 ``--convert``: the consumer's cache differs from the producer's (blocks 4 times larger, 16 ->
 64 tokens at the default ``--block-kib``, HND instead of NHD; the same bytes in all): the
-connector converts on load (``nixl``: READs into its staging buffer, the READ of a chunk
+connector converts on load (``nixl``: where the consumer maps the producer's cache, one gather
+from it in place; else, or with ``--staged``, READs into its staging buffer, the READ of a chunk
 overlapping the gather kernel of the previous one, or in turn with ``--staging-buffers 1``;
 ``--staging-mib N`` sizes its staging buffer, so a small load still converts in many chunks;
 ``p2p``: the receiver's gather), checked token by token through the logical views.
 ``--gather-only`` times the gather kernel alone between those two layouts in one process beside
 ``dst.copy_(src)``. ``--convert-suite`` runs nixl and p2p with the same layout and with
-``--convert`` (nixl also with one staging buffer), and ``--gather-only``, each in its own
+``--convert`` (nixl in place where it can, and staged with one staging buffer), and
+``--gather-only``, each in its own
 processes, and prints the table last
 (GB/s, of the device copy, of the same connector's same-layout transfer, the p2p data path;
 written as ``bench_nixl_convert.json``); ``--only TEXT`` keeps the cases whose label contains
@@ -259,7 +261,7 @@ def gather_only(args: argparse.Namespace) -> int:
 CONVERT_SUITE = (
     ("nixl same layout", "nixl", []),
     ("nixl 16->64 NHD->HND", "nixl", ["--convert"]),
-    ("nixl 16->64 one buffer", "nixl", ["--convert", "--staging-buffers", "1"]),
+    ("nixl 16->64 staged", "nixl", ["--convert", "--staged", "--staging-buffers", "1"]),
     ("p2p same layout", "p2p", []),
     ("p2p 16->64 NHD->HND", "p2p", ["--convert"]),
     ("gather kernel alone", "nixl", ["--gather-only"]),
@@ -330,8 +332,10 @@ def inbox_bytes(kv: kvcore.KVCaches) -> int:
 
 
 def staging_options(args: argparse.Namespace) -> dict:
-    """The consumer's ``staging_bytes`` from ``--staging-mib`` (none: the connector's)."""
-    return {} if args.staging_mib is None else {"staging_bytes": args.staging_mib << 20}
+    """The consumer's ``staging_bytes`` from ``--staging-mib`` (none: the connector's), and
+    ``map_producer=False`` with ``--staged``."""
+    options = {} if args.staging_mib is None else {"staging_bytes": args.staging_mib << 20}
+    return {**options, "map_producer": False} if args.staged else options
 
 
 def transport_options(args: argparse.Namespace) -> dict:
@@ -643,6 +647,10 @@ def main() -> int:
                         help="--convert, nixl/mooncake: the consumer's staging_buffers (2: the "
                              "READ of a chunk overlaps the previous chunk's gather; 1: in turn) "
                              "(default: %(default)s)")
+    parser.add_argument("--staged", action="store_true",
+                        help="--convert, nixl/mooncake: READ into the staging buffer even where "
+                             "the consumer could gather in place from the producer's mapped "
+                             "cache (map_producer=False)")
     parser.add_argument("--staging-mib", type=int, default=None,
                         help="--convert, nixl/mooncake: the consumer's staging_bytes in MiB "
                              "(default: the connector's, 512)")
@@ -796,6 +804,7 @@ def main() -> int:
         "producer_runs": count_runs(producer_ids), "mismatched_blocks": mismatched,
         "converted": args.convert, "progress_thread": args.progress_thread,
         "transport": transport, "looked_up_first": args.lookup,
+        "converts_in_place": getattr(consumer, "converts_in_place", None),
     }
     if args.convert:
         record["layout"] = f"{expected.layout} -> {kv.layout}"
@@ -803,8 +812,8 @@ def main() -> int:
         record["phases_ms"] = phases.medians_ms()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
-    what = (f"{name} READ" if name in ("nixl", "mooncake") else
-            f"p2p send/receive ({transport})")
+    what = ((f"{name} gather in place" if record["converts_in_place"] else f"{name} READ")
+            if name in ("nixl", "mooncake") else f"p2p send/receive ({transport})")
     print(f"{what} between two processes, {record['device']}, layout {record['layout']}, "
           f"{nbytes / 2**20:.0f} MiB in {kv.num_blocks} blocks of "
           f"{record['block_bytes'] / 1024:.0f} KiB")

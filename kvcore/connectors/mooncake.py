@@ -247,7 +247,8 @@ class MooncakeConnector(PullConnector):
             ``None``: a producer uses ``host`` (or, when ``host`` is a wildcard such as
             ``"0.0.0.0"``, this machine's address by its host name); a consumer the local
             address that routes to the producer's ``host``.
-        tp, num_kv_heads, kv_scales, staging_bytes, staging_buffers, readers: layout
+        tp, num_kv_heads, kv_scales, staging_bytes, staging_buffers, map_producer, readers:
+            layout
             conversion and tensor-parallel readers, as for
             :class:`~kvcore.connectors.nixl.NixlConnector`.
     """
@@ -276,14 +277,15 @@ class MooncakeConnector(PullConnector):
         kv_scales: torch.Tensor | float | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_buffers: int = 2,
+        map_producer: bool = True,
         readers: int = 1,
     ) -> None:
         super().__init__(role=role, host=host, port=port, connect_timeout_s=connect_timeout_s,
                          timeout_s=timeout_s, publish_timeout_s=publish_timeout_s,
                          max_lease_s=max_lease_s, failure_policy=failure_policy, tp=tp,
                          num_kv_heads=num_kv_heads, kv_scales=kv_scales,
-                         staging_bytes=staging_bytes,
-                         staging_buffers=staging_buffers, readers=readers)
+                         staging_bytes=staging_bytes, staging_buffers=staging_buffers,
+                         map_producer=map_producer, readers=readers)
         if protocol not in MOONCAKE_PROTOCOLS:
             raise ValueError(f"protocol={protocol!r} is not a Mooncake transport; use one of "
                              f"{', '.join(map(repr, MOONCAKE_PROTOCOLS))} ('tcp' works on any "

@@ -171,6 +171,7 @@ class _Agent:
                                f"{self.mem_type} on {storage.device}) with backends "
                                f"{list(backends)}: {exc}") from exc
         self._storage = storage  # the registered memory stays alive while the agent is
+        self._progress_thread = progress_thread
         self._staged: list[tuple[Any, torch.Tensor]] = []  # a converting consumer's buffers
 
     # -- producer -------------------------------------------------------------------------
@@ -224,6 +225,11 @@ class _Agent:
     def notify(self, remote: str, message: bytes) -> None:
         with self.lock:
             self.agent.send_notif(remote, message)
+            if not self._progress_thread:
+                # Nothing else drives UCX until the next READ's polls: push the message out
+                # now (NIXL's notification query progresses the worker), or it may wait there
+                # until the agent closes and is cancelled with it.
+                self.agent.get_new_notifs()
 
     def poll(self, run: Run) -> str:
         with self.lock:
@@ -338,6 +344,14 @@ class NixlConnector(PullConnector):
             parts when it holds two of the plan's block groups or more, so the READ of one
             chunk overlaps the gather of the previous one (on a GPU the gather runs on the
             connector's CUDA stream); ``1`` READs and gathers in turn.
+        map_producer: consumer, when the layouts differ: read the producer's cache where it
+            lies when this process can map it, the producer's cache on this cache's GPU of
+            one host (CUDA IPC) or the producer in this very process: each load is then one
+            gather from the producer's leased blocks into this cache, one pass over memory,
+            with no READ and no staging buffer (on one GPU a READ and a gather are two full
+            passes). ``True`` (the default) where possible (:attr:`converts_in_place` says
+            whether it is, :attr:`in_place_reason` why not); ``False``: always READ through
+            NIXL into the staging buffer.
         readers: producer: how many different consumers READ each published block before it
             is released and its save reports it done (default 1). Tensor-parallel consumers
             that read one producer rank each take its blocks: pass
@@ -348,9 +362,10 @@ class NixlConnector(PullConnector):
     (:func:`~kvcore.connectors.plan_conversion`, producer -> consumer, from both layouts and
     ``tp``) and refuses, before any byte moves, what cannot convert. The bytes then cross
     once in the producer's layout into the staging buffer, and one gather per load rearranges
-    them into the consumer's blocks (:attr:`plan`). With block sizes that differ, keys name
-    the producer's blocks (:attr:`key_block_size`) and ``block_ids`` the consumer's blocks
-    those tokens fill (``docs/connector.md``).
+    them into the consumer's blocks (:attr:`plan`); where the consumer maps the producer's
+    cache (``map_producer``), that gather reads the producer's blocks in place. With block
+    sizes that differ, keys name the producer's blocks (:attr:`key_block_size`) and
+    ``block_ids`` the consumer's blocks those tokens fill (``docs/connector.md``).
     """
 
     transport = "nixl"
@@ -377,14 +392,15 @@ class NixlConnector(PullConnector):
         kv_scales: torch.Tensor | float | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_buffers: int = 2,
+        map_producer: bool = True,
         readers: int = 1,
     ) -> None:
         super().__init__(role=role, host=host, port=port, connect_timeout_s=connect_timeout_s,
                          timeout_s=timeout_s, publish_timeout_s=publish_timeout_s,
                          max_lease_s=max_lease_s, failure_policy=failure_policy, tp=tp,
                          num_kv_heads=num_kv_heads, kv_scales=kv_scales,
-                         staging_bytes=staging_bytes,
-                         staging_buffers=staging_buffers, readers=readers)
+                         staging_bytes=staging_bytes, staging_buffers=staging_buffers,
+                         map_producer=map_producer, readers=readers)
         if isinstance(backends, str) or not isinstance(backends, Sequence) or not backends \
                 or not all(isinstance(b, str) and b for b in backends):
             raise TypeError(f"backends must be a non-empty list of NIXL backend names such as "

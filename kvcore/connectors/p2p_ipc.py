@@ -19,13 +19,11 @@ on both sides.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import itertools
 import logging
 import os
 import secrets
-import socket
 import tempfile
 import threading
 import time
@@ -37,6 +35,12 @@ from typing import Any
 import torch
 
 from kvcore.connectors.p2p_transport import IDLE, stop_receiving_thread
+from kvcore.connectors.shared_memory import (
+    host_identity,
+    map_allocation,
+    share_allocation,
+    visible_gpus,
+)
 
 __all__ = ["ACK_MAPPED", "ACK_UNMAPPABLE", "SLOTS", "IpcChannel", "SlotPool",
            "agree_data_backend", "fill_slot", "map_slots", "transport_facts"]
@@ -54,34 +58,7 @@ _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 #: A message's blocks are copied run by run (a slice copy per run of consecutive ids and
 #: view) up to this many copies; beyond, one gather per view.
 _MAX_RUN_COPIES = 64
-#: This process's own CUDA slots by token: a peer in the same process (tests) uses them as
-#: they are, since CUDA IPC cannot open a handle in the process that made it.
-_OWN_SLOTS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
-#: The fields of torch's CUDA IPC reduction (``rebuild_cuda_tensor``'s arguments), by position.
-_CUDA_FIELDS = ("tensor_cls", "size", "stride", "offset", "storage_cls", "dtype", "device",
-                "handle", "storage_bytes", "storage_offset", "requires_grad", "ref_counter",
-                "ref_counter_offset", "event", "event_sync")
-_FIXED_FIELDS = ("tensor_cls", "storage_cls", "dtype", "device")
 _FIX = "pass data_backend='nccl' (CUDA caches on two GPUs) or 'gloo' to both peers"
-
-
-def host_identity() -> str:
-    """This host as peers compare it: the hostname and, where Linux tells, the boot id (two
-    processes agree on both only on one machine)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
-
-
-def visible_gpus() -> list[str]:
-    """UUIDs of the CUDA devices this process sees, by device index (none without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    return [str(torch.cuda.get_device_properties(i).uuid)
-            for i in range(torch.cuda.device_count())]
 
 
 def transport_facts(requested: str, device: torch.device) -> dict[str, Any]:
@@ -175,36 +152,6 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _encode(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return {"bytes": base64.b64encode(value).decode()}
-    if isinstance(value, (tuple, list)):
-        return [_encode(v) for v in value]
-    return value
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, dict):
-        return base64.b64decode(value["bytes"])
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
-def _cuda_handle(slots: torch.Tensor) -> dict[str, Any]:
-    """The CUDA IPC handle of ``slots``' allocation, as JSON: the fields of torch's reduction
-    other than classes, dtype and device (which the peer supplies, the device by GPU UUID)."""
-    from torch.multiprocessing import reductions
-
-    rebuild, args = reductions.reduce_tensor(slots)
-    if rebuild is not reductions.rebuild_cuda_tensor or len(args) != len(_CUDA_FIELDS):
-        raise RuntimeError(f"torch {torch.__version__} shares CUDA tensors in a way kvcore "
-                           "does not know (reduce_tensor changed); data_backend='ipc' cannot "
-                           f"share its staging slots: {_FIX}")
-    return {k: _encode(v) for k, v in zip(_CUDA_FIELDS, args, strict=True)
-            if k not in _FIXED_FIELDS}
-
-
 class SlotPool:
     """A sender's staging slots, ``slots`` ``(count, slot_bytes)`` uint8 on ``device`` (a
     CUDA device, or the CPU: a shared-memory file), and which of them are free.
@@ -228,12 +175,14 @@ class SlotPool:
                 raise RuntimeError(f"data_backend='ipc': no room for {count} staging slots of "
                                    f"{slot_bytes} bytes on {device} ({exc}); lower inbox_bytes "
                                    "on the peer (a slot holds one message)") from exc
-            token = secrets.token_hex(8)
-            _OWN_SLOTS[token] = self.slots
-            self.handle: dict[str, Any] = {
-                "kind": "cuda", "gpu": str(torch.cuda.get_device_properties(device).uuid),
-                "count": count, "slot_bytes": slot_bytes, "ipc": _cuda_handle(self.slots),
-                "pid": os.getpid(), "token": token}
+            try:
+                self._flat = self.slots.view(-1)  # (what a peer in this process gets)
+                shared = share_allocation(self._flat)
+            except RuntimeError as exc:
+                raise RuntimeError(f"data_backend='ipc' cannot share its staging slots: {exc}; "
+                                   f"{_FIX}") from None
+            self.handle: dict[str, Any] = {"kind": "cuda", "count": count,
+                                           "slot_bytes": slot_bytes, "allocation": shared}
         elif device.type == "cpu":
             self._path = os.path.join(_SHM_DIR,
                                       f"kvcore-p2p-{os.getpid()}-{secrets.token_hex(8)}")
@@ -296,7 +245,7 @@ class SlotPool:
     def close(self) -> None:
         self.fail("the connector is closed")
         self.unlink()
-        self.slots = None
+        self.slots = self._flat = None
 
 
 def map_slots(handle: Any, device: torch.device) -> torch.Tensor:
@@ -333,24 +282,15 @@ def map_slots(handle: Any, device: torch.device) -> torch.Tensor:
             os.close(fd)
         return data.view(count, slot_bytes)
     if kind == "cuda":
-        from torch.multiprocessing import reductions
-
-        own = _OWN_SLOTS.get(handle.get("token")) if handle.get("pid") == os.getpid() else None
-        if own is not None:
-            return own
-        gpus = visible_gpus()
-        if handle.get("gpu") not in gpus:
-            raise ValueError(f"the peer's staging slots are on GPU {handle.get('gpu')}, which "
-                             f"this process does not see (visible: {gpus or 'none'}); {_FIX}")
-        fields = {k: _decode(v) for k, v in handle["ipc"].items()}
-        fields.update(tensor_cls=torch.Tensor, storage_cls=torch.storage.TypedStorage,
-                      dtype=torch.uint8, device=gpus.index(handle["gpu"]),
-                      size=torch.Size(fields["size"]), stride=tuple(fields["stride"]))
-        data = reductions.rebuild_cuda_tensor(*(fields[k] for k in _CUDA_FIELDS))
-        if data.shape != (count, slot_bytes):
-            raise ValueError(f"the peer's staging slots map as {tuple(data.shape)}, its hello "
+        try:
+            data = map_allocation(handle.get("allocation"))
+        except ValueError as exc:
+            raise ValueError(f"the peer's staging slots cannot be mapped here: {exc}; "
+                             f"{_FIX}") from None
+        if data.numel() != total:
+            raise ValueError(f"the peer's staging slots map as {data.numel()} bytes, its hello "
                              f"says ({count}, {slot_bytes})")
-        return data
+        return data.view(count, slot_bytes)
     raise ValueError(f"staging slots of kind {kind!r}: this kvcore maps 'shm' and 'cuda' ones")
 
 

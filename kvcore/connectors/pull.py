@@ -108,7 +108,7 @@ from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
 from kvcore.connectors.convert import ConversionPlan, TPRank, as_tp_rank, plan_conversion
 from kvcore.connectors.pull_consumer import Consumer
-from kvcore.connectors.pull_convert import read_converting
+from kvcore.connectors.pull_convert import gather_in_place, read_converting
 from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs, spans
 from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds, unpack_blocks
 from kvcore.connectors.pull_reads import (
@@ -118,6 +118,7 @@ from kvcore.connectors.pull_reads import (
     Reads,
     poll_pause,
 )
+from kvcore.connectors.shared_memory import map_allocation, share_allocation
 
 __all__ = ["DEFAULT_STAGING_BYTES", "GUESSES_KEPT", "PHASES", "POLL_PAUSE_MAX_S",
            "POLL_PAUSE_MIN_S", "Engine", "PullConnector", "Regions", "Run", "memory_kind",
@@ -186,7 +187,7 @@ class PullConnector(KVConnector):
                  failure_policy: str, tp: TPRank | tuple[int, int] | None = None,
                  num_kv_heads: int | None = None, kv_scales: Any = None,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, staging_buffers: int = 2,
-                 readers: int = 1) -> None:
+                 map_producer: bool = True, readers: int = 1) -> None:
         if role not in _ROLES:
             raise ValueError(f"role={role!r} must be 'producer' (publishes blocks) or "
                              "'consumer' (reads them)")
@@ -216,6 +217,19 @@ class PullConnector(KVConnector):
                              "chunk overlaps the gather of the previous one) or 1 (READ, then "
                              "gather, in turn)")
         self.staging_buffers = staging_buffers
+        if not isinstance(map_producer, bool):
+            raise TypeError(f"map_producer={map_producer!r} must be a bool: True converts in "
+                            "place from the producer's cache where this process can map it, "
+                            "False always READs into the staging buffer")
+        self.map_producer = map_producer
+        #: Consumer, once registered with a producer of another layout: whether each load
+        #: gathers straight from the producer's cache, mapped into this process
+        #: (``map_producer``), rather than READing into the staging buffer first.
+        self.converts_in_place = False
+        #: Why a converting consumer does not convert in place (``None`` where it does, or
+        #: before registration).
+        self.in_place_reason: str | None = None
+        self._source: torch.Tensor | None = None  # the producer's cache, mapped
         if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
             raise ValueError(f"readers={readers!r} must be a positive int (how many consumers "
                              "READ each published block; kvcore.connectors.reader_ranks gives "
@@ -281,6 +295,7 @@ class PullConnector(KVConnector):
                          "agent": engine.name, "regions": regions.to_dict(),
                          "num_blocks": reg.kv_caches.num_blocks,
                          "max_lease_s": self.max_lease_s,
+                         "allocation": self._shared_cache(reg),
                          **engine.hello()}
                 self._producer.start(engine, hello)
             else:
@@ -289,7 +304,9 @@ class PullConnector(KVConnector):
                 self._consumer = consumer
                 if consumer.plan is not None and not consumer.plan.is_identity:
                     self._plan = consumer.plan
-                    self._stage(reg, consumer.regions, engine)
+                    self._map_source(reg, consumer.allocation)
+                    if self._source is None:
+                        self._stage(reg, consumer.regions, engine)
                 self._loader = ThreadPoolExecutor(
                     2, thread_name_prefix=f"kvcore-{self.transport}-load")
         except BaseException:
@@ -301,6 +318,49 @@ class PullConnector(KVConnector):
         self._finalizer = weakref.finalize(
             self, PullConnector._release, self._producer,
             [self._consumer, self._loader, engine, self._loads], self.timeout_s)
+
+    def _shared_cache(self, reg: RegisteredCaches) -> dict[str, Any] | None:
+        """Producer: the handle consumers map this cache by (:func:`share_allocation`), or
+        ``None`` where it cannot be shared (then they READ)."""
+        self._shared = reg.kv_caches.storage.view(-1).view(torch.uint8)  # kept while shared
+        try:
+            return share_allocation(self._shared)
+        except (RuntimeError, ValueError) as exc:
+            logger.info("%s producer: consumers cannot map this cache (%s); they READ it",
+                        self.transport, exc)
+            return None
+
+    def _map_source(self, reg: RegisteredCaches, allocation: Any) -> None:
+        """Consumer of another layout: map the producer's cache (its hello's
+        ``allocation``) when ``map_producer`` and it lies on this cache's device, so each
+        load gathers from it in place; else say why not (:attr:`in_place_reason`)."""
+        device = reg.kv_caches.storage.device
+        why = None
+        if not self.map_producer:
+            why = "map_producer=False"
+        elif allocation is None:
+            why = "the producer did not share its cache"
+        else:
+            try:
+                source = map_allocation(allocation)
+            except ValueError as exc:
+                why = str(exc)
+            else:
+                if source.device != device:
+                    why = (f"the producer's cache is on {source.device}, this cache on "
+                           f"{device}: a gather reads the producer's blocks in place only on "
+                           "one device")
+                else:
+                    self._source = source
+        self.in_place_reason = why
+        self.converts_in_place = why is None
+        if why is None:
+            self._gather_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            logger.info("%s consumer: converting on load in place from the producer's cache, "
+                        "mapped into this process:\n%s", self.transport, self._plan)
+        else:
+            logger.info("%s consumer: converting on load through a staging buffer (the "
+                        "producer's cache is not read in place: %s)", self.transport, why)
 
     def _stage(self, reg: RegisteredCaches, remote: Regions, engine: Engine) -> None:
         """Allocate and register the buffer that converting READs land in: blocks of the
@@ -364,6 +424,7 @@ class PullConnector(KVConnector):
 
     def _close(self) -> None:
         self._finalizer()
+        self._source = None  # (no load runs any more) the mapping goes
 
     def _plan_from(self, producer: KVCacheLayout, producer_tp: TPRank,
                    producer_heads: Any) -> ConversionPlan:
@@ -467,7 +528,8 @@ class PullConnector(KVConnector):
             failed = {block_ids[i]: why for i, why in errors.items()}
             nbytes = len(loaded) * self.block_bytes
         else:
-            loaded, failed, nbytes = read_converting(self, keys, block_ids, deadline)
+            convert = gather_in_place if self._source is not None else read_converting
+            loaded, failed, nbytes = convert(self, keys, block_ids, deadline)
             order = {b: n for n, b in enumerate(block_ids)}
             loaded.sort(key=order.__getitem__)
         return self._record(self._result("load", loaded, failed, nbytes,
@@ -653,13 +715,15 @@ class PullConnector(KVConnector):
         except ChannelError:
             pass  # the lease expires on the producer
 
-    def _confirm_entries(self, lease: str, first: int, end: int) -> str | None:
-        """Confirm entries ``first..end-1`` of ``lease``, read by a READ that carried no
-        notification (started before the lease): over the side channel where READs are
-        confirmed there, else through the library's notification (the message the READ
-        would have carried). Returns why that failed, or ``None``."""
-        if self.confirms_over_channel:
-            return self._confirm(lease, Run(first, end, -1, -1))
+    def _confirm_entries(self, lease: str, first: int, end: int, *,
+                         over_channel: bool = False) -> str | None:
+        """Confirm entries ``first..end-1`` of ``lease``, read without a READ's notification
+        (a READ started before the lease, or a gather in place): over the side channel where
+        READs are confirmed there or ``over_channel`` asks for it, else through the library's
+        notification (the message the READ would have carried). Returns why that failed, or
+        ``None``."""
+        if over_channel or self.confirms_over_channel:
+            return self._done(lease, first, end)
         try:
             self._timed("notify", self._engine.notify, self._consumer.remote,
                         f"{lease}:{first}:{end}".encode())
@@ -669,13 +733,18 @@ class PullConnector(KVConnector):
 
     def _confirm(self, lease: str, run: Run) -> str | None:
         """Tell the producer that ``run`` was read, where the library's notification does not
-        (:attr:`confirms_over_channel`). Returns why the producer did not take it, or
-        ``None``: a run the producer no longer leased (expired, or released with a lost
-        link) may have been handed to another consumer and reused."""
+        (:attr:`confirms_over_channel`); ``None`` where it does."""
         if not self.confirms_over_channel:
             return None
+        return self._done(lease, run.first, run.end)
+
+    def _done(self, lease: str, first: int, end: int) -> str | None:
+        """``done``: entries ``first..end-1`` of ``lease`` were read, on the side channel.
+        Returns why the producer did not take it, or ``None``: a run the producer no longer
+        leased (expired, or released with a lost link) may have been handed to another
+        consumer and reused."""
         try:
-            self._request({"op": "done", "lease": lease, "first": run.first, "end": run.end})
+            self._request({"op": "done", "lease": lease, "first": first, "end": end})
         except ChannelError as exc:
             return str(exc)
         return None

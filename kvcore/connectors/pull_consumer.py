@@ -63,6 +63,7 @@ class Consumer:
         self.regions: Regions | None = None
         self.num_blocks = 0
         self.plan: ConversionPlan | None = None  # producer's layout -> this cache's
+        self.allocation: Any = None  # the producer's shared cache (its hello), if any
 
     def connect(self, local: Regions) -> None:
         conn = self.conn
@@ -136,6 +137,7 @@ class Consumer:
                                   f"not a {self.conn.channel_protocol} producer")
         self.regions = Regions.from_dict(reply.get("regions"))
         self.num_blocks = int(reply.get("num_blocks", 0))
+        self.allocation = reply.get("allocation")
         max_lease_s = reply.get("max_lease_s")
         if isinstance(max_lease_s, (int, float)) and 2 * self.conn.timeout_s > max_lease_s:
             raise ValueError(f"{self.who}: timeout_s={self.conn.timeout_s} needs leases of "

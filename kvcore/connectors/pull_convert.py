@@ -19,7 +19,7 @@ from kvcore.connectors.pull_engine import spans
 from kvcore.connectors.pull_producer import ChannelError
 from kvcore.connectors.pull_reads import Reads
 
-__all__ = ["read_converting"]
+__all__ = ["gather_in_place", "read_converting"]
 
 
 def read_converting(conn: Any, keys: list[str], block_ids: list[int], deadline: float
@@ -185,3 +185,136 @@ def _convert_overlapped(conn: Any, lease: str, blocks: list[int],
     finally:
         reads.expire("the load raised while this READ was in flight")
         reads.give_back()
+
+
+def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: float
+                    ) -> tuple[list[int], dict[int, str], int]:
+    """A converting load that reads the producer's cache where it lies (mapped into this
+    process: :attr:`~kvcore.connectors.pull.PullConnector.converts_in_place`): one gather
+    from the producer's leased blocks into ``block_ids``, one pass over the memory, no
+    READ and no staging buffer.
+
+    The fetch leases the keys; their gather is prepared from the blocks the lookups named
+    while its answer is on the way, and launched once it came (prepared again where the
+    lease names other blocks). Keys not published yet are asked for again, with pauses,
+    until ``deadline``; a group of the plan whose keys are not all leased by then is not
+    written and fails. Once the gather has run (the host waits for it), the leased entries
+    it read are confirmed (``done`` on the side channel), so the producer reuses
+    those blocks only after the gather read them; the entries of groups not written go back
+    to the producer. A destination block whose entries the producer did not take the
+    confirmation of fails with that reason (the blocks may have changed during the gather).
+    Returns the destination blocks written, the failed ones with why, and the bytes
+    written.
+    """
+    plan, source, cache, scales = conn._plan, conn._source, conn._reg.kv_caches, conn._kv_scales
+    stream = conn._gather_stream
+    on_stream = ((lambda: torch.cuda.stream(stream)) if stream is not None
+                 else contextlib.nullcontext)
+    n, num_tokens = len(keys), len(keys) * plan.src_block_size
+    num_blocks = conn._consumer.num_blocks
+    guesses = conn._take_guesses(keys)
+    guessed = guesses[0] if guesses is not None and min(guesses[0]) >= 0 else None
+    prepared: list[Callable[[], int] | None] = [None]
+
+    def prepare() -> None:
+        if guessed is not None and max(guessed) < num_blocks:
+            with on_stream(), contextlib.suppress(ValueError, TypeError):
+                prepared[0] = plan.prepare(source, cache, guessed, block_ids, num_tokens,
+                                           dst_scales=scales)
+
+    src: list[int | None] = [None] * n  # the producer's block of each key, once leased
+    where: list[tuple[str, int] | None] = [None] * n  # (lease, entry) of each leased key
+    errors: dict[int, str] = {}
+    todo, pause, first = list(range(n)), 0.002, True
+    try:
+        while todo:
+            try:
+                lease, blocks, _ = conn._fetch([keys[i] for i in todo], deadline,
+                                               while_waiting=prepare if first else None)
+            except ChannelError as exc:
+                errors.update((i, str(exc)) for i in todo)
+                break
+            first, later, refused = False, [], []
+            for j, (i, block) in enumerate(zip(todo, blocks, strict=True)):
+                if block is None:
+                    later.append(i)
+                elif type(block) is int and 0 <= block < num_blocks:
+                    src[i], where[i] = block, (lease, j)
+                else:
+                    errors[i] = f"the producer named block {block!r}"
+                    refused.append(j)
+            if refused:
+                conn._give_back(lease, refused)
+            todo = later
+            if todo and time.monotonic() + max(pause, min(0.25, conn.timeout_s / 4)) >= deadline:
+                why = (f"not published by the producer at {conn.host}:{conn.port} within "
+                       f"timeout_s={conn.timeout_s}")
+                errors.update((i, why) for i in todo)
+                break
+            if todo:
+                conn._pause(pause)
+                pause = min(2 * pause, 0.05)
+        with on_stream():
+            if src == guessed and prepared[0] is not None:  # every key where a lookup said
+                written, missing, nbytes = block_ids, {}, conn._timed("gather", prepared[0])
+            else:
+                arrived = [s is not None for s in src]
+                written, missing, nbytes = conn._timed(
+                    "gather", lambda: plan.apply_keys(
+                        source, cache, [s or 0 for s in src], block_ids, arrived,
+                        dst_scales=scales))
+        if stream is not None and written:  # read whole before the producer may reuse them
+            conn._timed("wait", stream.synchronize)
+    except BaseException:
+        _settle(conn, where, set())
+        raise
+    group_keys = plan.group_tokens // plan.src_block_size
+    group_dst = plan.group_tokens // plan.dst_block_size
+    if missing:  # the keys of the groups written
+        done = set(written)
+        kept = {i for i in range(n) if block_ids[i // group_keys * group_dst] in done}
+    else:
+        kept = set(range(n))
+    unconfirmed = _settle(conn, where, kept)
+    failed = {block: f"source block {i} of the load (key {keys[i][:12]}..): "
+                     f"{errors.get(i, 'not read')}" for block, i in missing.items()}
+    if unconfirmed:
+        lost = {i // group_keys for i in unconfirmed}
+        for g in sorted(lost):
+            i = min(k for k in unconfirmed if k // group_keys == g)
+            for block in block_ids[g * group_dst:(g + 1) * group_dst]:
+                failed[block] = (f"source block {i} of the load (key {keys[i][:12]}..) was "
+                                 f"gathered, but the producer did not take the confirmation "
+                                 f"({unconfirmed[i]}), so its block may have changed meanwhile")
+        counted = [b for b in written if b not in failed]
+        nbytes = nbytes * len(counted) // len(written)
+        written = counted
+    return list(written), failed, nbytes
+
+
+def _settle(conn: Any, where: list[tuple[str, int] | None], kept: set[int]
+            ) -> dict[int, str]:
+    """End the leases of a gather in place: confirm the entries of the keys ``kept`` (read
+    by it), in stretches of consecutive entries, and give the others back. Returns the kept
+    keys whose confirmation the producer did not take, with why."""
+    per_lease: dict[str, list[tuple[int, int]]] = {}
+    for i, place in enumerate(where):
+        if place is not None:
+            per_lease.setdefault(place[0], []).append((place[1], i))
+    unconfirmed: dict[int, str] = {}
+    for lease, entries in per_lease.items():
+        entries.sort()
+        back = [j for j, i in entries if i not in kept]
+        if back:
+            conn._give_back(lease, back)
+        confirm = [(j, i) for j, i in entries if i in kept]
+        start = 0
+        for end in range(1, len(confirm) + 1):
+            if end < len(confirm) and confirm[end][0] == confirm[end - 1][0] + 1:
+                continue
+            why = conn._confirm_entries(lease, confirm[start][0], confirm[end - 1][0] + 1,
+                                        over_channel=True)
+            if why is not None:
+                unconfirmed.update((i, why) for _, i in confirm[start:end])
+            start = end
+    return unconfirmed

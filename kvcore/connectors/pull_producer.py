@@ -680,7 +680,7 @@ class Producer:
             while True:
                 request = recv_frame(sock)
                 op = request.get("op")
-                if op == "done" and self.conn.confirms_over_channel:
+                if op == "done":  # (every consumer's gathers in place confirm this way)
                     self._answer_done(sock, consumer, request)
                 else:
                     answer = self._answer(consumer, request, link)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import block_bytes, keys_for, make_caches
+from kv_helpers import SIZES, block_bytes, keys_for, make_caches
 from peer_process import Peer
 
 from kvcore.connectors import get_connector
@@ -124,3 +124,40 @@ def round_trip_between_two_processes(pull: Pull, seed: int, *, layout: str, cros
         assert torch.equal(after[dst], block_bytes(theirs, [3, 4, 5, 9]))
         untouched = [b for b in range(kv.num_blocks) if b not in dst]
         assert torch.equal(after[untouched], before[untouched])
+
+
+def converting_between_two_processes(pull: Pull, seed: int, *, device: str = "cpu",
+                                     in_place: bool) -> None:
+    """A producer process publishes blocks 3, 4, 5, 9 (NHD, per layer, block size 4) of a
+    cache drawn from ``seed``; this process loads them into 2 blocks of 8 tokens of an HND
+    cross-layer cache on ``device``, in place from the producer's mapped cache
+    (``in_place``: the same GPU) or READ into a staging buffer. Every token equals the
+    producer's, every other block is untouched, and the save completes."""
+    with pull.producer_process("serve", seed, layout="nhd", cross=False,
+                               device=device) as peer:
+        port = peer.port()
+        bs = SIZES["block_size"]
+        kv = make_caches(cross_layer=True, layout="hnd", block_size=2 * bs, device=device)
+        before = block_bytes(kv, list(range(kv.num_blocks))).cpu()
+        keys = keys_for(seed, 4)
+        with pull.consumer(port, timeout_s=5.0 if device == "cpu" else 20.0) as conn:
+            conn.register_kv_caches(kv)
+            assert conn.converts_in_place is in_place, conn.in_place_reason
+            deadline = time.monotonic() + pull.wait_s
+            while conn.lookup(keys) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            result = conn.load(keys, [6, 1]).wait(timeout=pull.wait_s)
+            assert result.ok, result.failed
+            assert peer.line() == "saved True 4 0"  # the confirmations released them
+            reason = conn.in_place_reason
+        theirs = make_caches(cross_layer=False, layout="nhd", seed=seed)
+        want = torch.stack([layer[[3, 4, 5, 9]].transpose(0, 1).flatten(1, 2)
+                            for layer in theirs.layers])  # (L, 2, 16 tokens, H, D)
+        got = torch.stack([layer[[6, 1]].cpu().transpose(0, 1).flatten(1, 2)
+                           for layer in kv.layers])
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        after = block_bytes(kv, list(range(kv.num_blocks))).cpu()
+        untouched = [b for b in range(kv.num_blocks) if b not in (6, 1)]
+        assert torch.equal(after[untouched], before[untouched])
+    if not in_place and device == "cpu":
+        assert "CPU memory of process" in reason and "another process cannot map" in reason

@@ -119,15 +119,21 @@ CONVERTING_PULLS = {
 
 
 @pytest.mark.parametrize("pull, case, staging_bytes", [
-    # Every case on nixl, in one chunk and one group per chunk; one on mooncake (slower).
+    # Every case on nixl: in place (the producer's cache mapped: here, in this process), and
+    # READ into the staging buffer in one chunk and one group per chunk; mooncake (slower)
+    # in place and by chunks.
     *(pytest.param(PULLS[0].values[0], case, staging, marks=PULLS[0].marks,
                    id=f"nixl-{name}-{chunks}")
       for name, case in CONVERTING_PULLS.items()
-      for staging, chunks in ((1 << 20, "one-chunk"), (1, "chunk-per-group"))),
-    pytest.param(PULLS[1].values[0], CONVERTING_PULLS["tp1->2 head slice"], 1,
-                 marks=PULLS[1].marks, id="mooncake-tp1->2 head slice-chunk-per-group"),
+      for staging, chunks in ((None, "in-place"), (1 << 20, "one-chunk"),
+                              (1, "chunk-per-group"))),
+    *(pytest.param(PULLS[1].values[0], CONVERTING_PULLS["tp1->2 head slice"], staging,
+                   marks=PULLS[1].marks, id=f"mooncake-tp1->2 head slice-{chunks}")
+      for staging, chunks in ((None, "in-place"), (1, "chunk-per-group"))),
 ])
 def test_pull_consumer_converts_on_load(pull, case, staging_bytes):
+    """``staging_bytes=None``: the consumer maps the producer's cache and gathers from it in
+    place (one gather, no READ); else it READs into a staging buffer of that size."""
     (p_layout, p_cross, p_bs, p_heads, p_tp), (c_layout, c_cross, c_bs, c_heads, c_tp), n = case
     seed = random.randrange(2**31)
     src = make_caches(layout=p_layout, cross_layer=p_cross, block_size=p_bs,
@@ -141,14 +147,25 @@ def test_pull_consumer_converts_on_load(pull, case, staging_bytes):
     with pull.producer(tp=p_tp) as prod:
         prod.register_kv_caches(src)
         save = prod.save(keys, src_ids)
-        with pull.consumer(prod.port, tp=c_tp, staging_bytes=staging_bytes) as conn:
+        in_place = staging_bytes is None
+        staging = {} if in_place else {"staging_bytes": staging_bytes, "map_producer": False}
+        with pull.consumer(prod.port, tp=c_tp, **staging) as conn:
             conn.register_kv_caches(dst)
             assert conn.plan is not None and not conn.plan.is_identity
+            assert conn.converts_in_place is in_place
+            assert conn.in_place_reason == (None if in_place else "map_producer=False")
+            phases: list[str] = []
+            conn.timing = lambda phase, seconds: phases.append(phase)
             assert conn.key_block_size == p_bs
             assert conn.lookup(keys) == n
             result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
             assert result.ok, result.failed
             assert sorted(result.succeeded) == sorted(dst_ids)
+            if in_place:  # one fetch, one gather, one confirmation; no READ
+                assert [p for p in phases if p not in ("prepare", "wait")] == \
+                    ["lookup", "fetch", "gather", "done"]
+            else:
+                assert "start_read" in phases
         assert save.wait(timeout=pull.wait_s).ok
     num_tokens = n * p_bs
     want = tokens_of(src, src_ids, num_tokens)
@@ -195,7 +212,7 @@ def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
             dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
                               seed=seed + 1)
             with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
-                               staging_buffers=buffers) as conn:
+                               staging_buffers=buffers, map_producer=False) as conn:
                 conn.register_kv_caches(dst)
                 assert conn._halves == buffers and conn._staging_blocks == 8
                 phases: list[str] = []
@@ -249,7 +266,8 @@ def test_every_gather_is_prepared_while_the_fetch_is_answered_and_launched_once_
         save = prod.save(keys, src_ids)
         dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
                           seed=seed + 1)
-        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
+                           map_producer=False) as conn:
             conn.register_kv_caches(dst)
             conn.timing = lambda phase, seconds: phases.append(phase)
             result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
@@ -291,7 +309,8 @@ def test_a_part_of_the_staging_buffer_is_read_into_again_only_after_its_gather(
         save = prod.save(keys, src_ids)
         dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
                           seed=seed + 1)
-        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
+                           map_producer=False) as conn:
             conn.register_kv_caches(dst)
             conn.timing = lambda phase, seconds: events.append(phase) if phase == "gather" \
                 else None
@@ -308,17 +327,20 @@ def test_a_part_of_the_staging_buffer_is_read_into_again_only_after_its_gather(
 
 
 @pytest.mark.parametrize("pull", PULLS)
-def test_a_converting_load_reads_keys_published_after_its_fetch(pull):
-    """Keys the producer publishes only after the load's fetch are asked for again chunk by
-    chunk: the load completes, every token equal to the producer's."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
+def test_a_converting_load_reads_keys_published_after_its_fetch(pull, in_place):
+    """Keys the producer publishes only after the load's fetch are asked for again (staged:
+    chunk by chunk): the load completes, every token equal to the producer's."""
     n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         saves = [prod.save(keys[:10], src_ids[:10])]
         dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
                           seed=seed + 1)
-        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
+                           map_producer=in_place) as conn:
             conn.register_kv_caches(dst)
+            assert conn.converts_in_place is in_place
             phases: list[str] = []
             conn.timing = lambda phase, seconds: phases.append(phase)
             handle = conn.load(keys, dst_ids)
@@ -335,6 +357,64 @@ def test_a_converting_load_reads_keys_published_after_its_fetch(pull):
 
 
 @pytest.mark.parametrize("pull", PULLS)
+def test_in_place_groups_with_a_key_never_published_fail_and_their_leased_keys_go_back(pull):
+    """In place, keys 5 and 9 never published (groups 2 and 4 of two keys each): exactly
+    those groups' destination blocks fail, naming the key; the other keys of those groups
+    (4 and 8), leased but not gathered, are published again for another load; the other
+    groups convert, and the producer's save of them completes."""
+    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, _ = staged_load()
+    published = [i for i in range(n) if i not in (5, 9)]
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        save = prod.save([keys[i] for i in published], [src_ids[i] for i in published])
+        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                          seed=seed + 1)
+        before = logical_blocks(dst, list(range(16)))
+        with pull.consumer(prod.port, timeout_s=0.5) as conn:
+            conn.register_kv_caches(dst)
+            assert conn.converts_in_place
+            result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
+            assert sorted(result.failed) == sorted([dst_ids[2], dst_ids[4]])
+            assert "source block 5 of the load" in result.failed[dst_ids[2]]
+            assert "not published by the producer" in result.failed[dst_ids[2]]
+            assert "source block 9 of the load" in result.failed[dst_ids[4]]
+            good = [b for g, b in enumerate(dst_ids) if g not in (2, 4)]
+            assert result.succeeded == tuple(good)
+            assert conn.lookup([keys[4]]) == conn.lookup([keys[8]]) == 1  # given back
+    n_good = [g for g in range(len(dst_ids)) if g not in (2, 4)]
+    want = tokens_of(src, src_ids, n * p_bs)
+    got = tokens_of(dst, dst_ids, n * p_bs)
+    for g in n_good:
+        span = slice(g * c_bs, min((g + 1) * c_bs, n * p_bs))
+        assert torch.equal(got[:, :, span].view(torch.uint8), want[:, :, span].contiguous()
+                           .view(torch.uint8))
+    for b in (dst_ids[2], dst_ids[4], *sorted(set(range(16)) - set(dst_ids))):
+        assert torch.equal(logical_blocks(dst, [b]), before[:, [b]])
+    assert set(save.wait(timeout=pull.wait_s).failed) == {src_ids[4], src_ids[8]}
+
+
+@pytest.mark.parametrize("pull", PULLS)
+def test_in_place_blocks_whose_confirmation_the_producer_refused_fail(pull, monkeypatch):
+    """The producer does not take the confirmation of a gather in place (injected): every
+    destination block fails, saying its source blocks may have changed during the gather."""
+    _, _, c_bs, seed, src, keys, src_ids, dst_ids, _ = staged_load()
+    with pull.producer() as prod:
+        prod.register_kv_caches(src)
+        prod.save(keys, src_ids)
+        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
+                          seed=seed + 1)
+        with pull.consumer(prod.port) as conn:
+            conn.register_kv_caches(dst)
+            monkeypatch.setattr(conn, "_done", lambda lease, first, end: "refused (injected)")
+            result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
+    assert not result.succeeded and sorted(result.failed) == sorted(dst_ids)
+    assert result.num_bytes == 0
+    why = result.failed[dst_ids[3]]
+    assert "source block 6 of the load" in why and "refused (injected)" in why
+    assert "may have changed meanwhile" in why
+
+
+@pytest.mark.parametrize("pull", PULLS)
 def test_a_chunk_whose_read_fails_fails_its_groups_and_goes_back(pull, monkeypatch):
     """The READs of one chunk (keys 4..7: groups 2 and 3) fail: exactly that chunk's
     destination blocks fail, naming the library's error, its keys are published again for
@@ -346,7 +426,8 @@ def test_a_chunk_whose_read_fails_fails_its_groups_and_goes_back(pull, monkeypat
         dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
                           seed=seed + 1)
         before = logical_blocks(dst, list(range(16)))
-        with pull.consumer(prod.port, staging_bytes=4 * group_bytes) as conn:
+        with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
+                           map_producer=False) as conn:
             conn.register_kv_caches(dst)
             engine = conn._engine
             real_poll = engine.poll

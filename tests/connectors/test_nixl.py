@@ -18,7 +18,12 @@ import time
 import pytest
 import torch
 from kv_helpers import block_bytes, keys_for, make_caches
-from pull_cases import NIXL, PEER, round_trip_between_two_processes
+from pull_cases import (
+    NIXL,
+    PEER,
+    converting_between_two_processes,
+    round_trip_between_two_processes,
+)
 
 from kvcore.connectors import get_connector, pull_producer
 from kvcore.connectors import nixl as nixl_module
@@ -740,6 +745,13 @@ def test_unknown_nixl_backend_is_refused_at_registration():
     conn.close()
 
 
+@needs_nixl
+def test_a_consumer_in_another_process_reads_a_dram_cache_through_nixl_to_convert():
+    """A CPU producer in another process cannot be mapped: the consumer says why and
+    converts through NIXL READs into its staging buffer, bit-exact."""
+    converting_between_two_processes(NIXL, 22, in_place=False)
+
+
 # -- GPU --------------------------------------------------------------------------------------
 
 
@@ -749,6 +761,15 @@ def test_unknown_nixl_backend_is_refused_at_registration():
 @pytest.mark.parametrize("cross", [True, False], ids=["cross_layer", "per_layer"])
 def test_vram_round_trip_between_two_processes_on_one_gpu(cross):
     round_trip_between_two_processes(NIXL, 21, layout="nhd", cross=cross, device="cuda")
+
+
+@needs_nixl
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_consumer_on_the_producers_gpu_converts_in_place_from_its_mapped_cache():
+    """Block size 4 -> 8, NHD per layer -> HND cross-layer, two processes on one GPU: the
+    consumer maps the producer's cache (CUDA IPC) and gathers from it, bit-exact."""
+    converting_between_two_processes(NIXL, 23, device="cuda", in_place=True)
 
 
 @pytest.mark.parametrize(("cuda", "first"), [("13.0", "nixl_cu13._api"), ("12.8", "nixl_cu12._api"),
