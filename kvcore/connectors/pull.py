@@ -79,7 +79,10 @@ until the lease held it: its bytes count once read, confirmed by a notification 
 (``<lease>:<first>:<end>``, as a READ carries it) or ``done``. Any other key of the load (a
 block published again elsewhere) is READ from the lease after those READs ended, over what
 they wrote; one the producer no longer publishes fails as any other. A
-converting load fetches first (its READs land in the shared staging buffer).
+converting load fetches first (its READs land in the shared staging buffer); one whose
+consumer maps the producer's cache (the producer's hello carries its handle,
+:mod:`~kvcore.connectors.shared_memory`) gathers from the leased blocks in place and
+confirms them with ``done`` (:func:`~kvcore.connectors.pull_convert.gather_in_place`).
 While READs are in flight it polls the library, pausing between polls as :func:`poll_pause`
 says: an eighth of the time they have taken so far, between 20 us and 5 ms (a READ is seen
 finished about an eighth of its time late at most, and a long one costs few polls).

@@ -245,6 +245,9 @@ class DisaggResult:
     #: Why blocks did not come through, with the fix, where the run knows it (published
     #: blocks released unread after ``timeout_s``); empty otherwise.
     cause: str = ""
+    #: Whether the decode engine's consumers gathered the prefill engine's blocks in place
+    #: from its mapped cache (layouts differ, one GPU) rather than READing them.
+    in_place: bool = False
 
     @property
     def ok(self) -> bool:
@@ -548,7 +551,8 @@ def _decode(setup: _Setup, pipe: Any, proc: Any, started: float) -> DisaggResult
         blocks_eligible=stats.prefix_blocks_eligible, blocks_loaded=stats.prefix_blocks_hit,
         loaded_bytes=loaded_bytes, load_seconds=load_seconds,
         seconds=time.perf_counter() - started, mismatches=mismatches, notes=notes,
-        prefill_device=str(setup.prefill_device), cause=cause)
+        prefill_device=str(setup.prefill_device), cause=cause,
+        in_place=all(getattr(c, "converts_in_place", False) for c in consumers))
 
 
 class _Handover(KVConnector):
@@ -632,8 +636,9 @@ def format_result(result: DisaggResult) -> str:
            f"{result.prefill_device} (prefill) -> {result.device} (decode)")
         + f", layout {result.layout}",
         f"  {result.requests} requests, {result.generated_tokens} tokens decoded; "
-        f"{result.blocks_loaded} of {result.blocks_eligible} prompt blocks READ from the "
-        f"prefill engine ({result.loaded_bytes / 1e6:.2f} MB in "
+        f"{result.blocks_loaded} of {result.blocks_eligible} prompt blocks "
+        f"{'gathered in place from the mapped cache of' if result.in_place else 'READ from'} "
+        f"the prefill engine ({result.loaded_bytes / 1e6:.2f} MB in "
         f"{result.load_seconds * 1e3:.1f} ms of loads)",
         ("  tokens identical to one engine alone: " if result.prefill_layout else
          f"  tokens identical to the same steps in one process"
