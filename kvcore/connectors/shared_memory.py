@@ -100,11 +100,12 @@ def map_allocation(handle: Any) -> torch.Tensor:
     ``nbytes``, on the peer's GPU (this process's index of it) or the CPU. Raises
     ``ValueError`` with the reason when it cannot be opened in this process: another host,
     a GPU this process does not see, a CPU allocation of another process."""
-    try:
-        kind, nbytes, pid, token = (handle[k] for k in ("kind", "nbytes", "pid", "token"))
-    except (TypeError, KeyError) as exc:
+    missing = [k for k in ("kind", "nbytes", "pid", "token")
+               if not isinstance(handle, dict) or k not in handle]
+    if missing:
         raise ValueError(f"the shared allocation's handle {str(handle)[:200]!r} lacks "
-                         f"{exc}") from None
+                         f"{', '.join(missing)}")
+    kind, nbytes, pid, token = (handle[k] for k in ("kind", "nbytes", "pid", "token"))
     if pid == os.getpid():
         own = _OWN.get(token)
         if own is None:
