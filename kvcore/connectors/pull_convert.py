@@ -194,17 +194,20 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     from the producer's leased blocks into ``block_ids``, one pass over the memory, no
     READ and no staging buffer.
 
-    The fetch leases the keys; their gather is prepared from the blocks the lookups named
-    while its answer is on the way, and launched once it came (prepared again where the
-    lease names other blocks). Keys not published yet are asked for again, with pauses,
-    until ``deadline``; a group of the plan whose keys are not all leased by then is not
-    written and fails. Once the gather has run (the host waits for it), the leased entries
-    it read are confirmed (``done`` on the side channel), so the producer reuses
-    those blocks only after the gather read them; the entries of groups not written go back
-    to the producer. A destination block whose entries the producer did not take the
-    confirmation of fails with that reason (the blocks may have changed during the gather).
-    Returns the destination blocks written, the failed ones with why, and the bytes
-    written.
+    The fetch leases the keys. Where lookups named every key's block, the gather from those
+    blocks is launched while the fetch's answer is on the way (as READs start from them,
+    :meth:`~kvcore.connectors.pull.PullConnector._pull_guessed`); a group of the plan with a
+    key the lease holds elsewhere or under another publication serial is gathered again from
+    the lease, after it and over what it wrote. Otherwise the gather runs once the fetch
+    answered. Keys not published yet are asked for again, with pauses, until ``deadline``; a
+    group whose keys are not all leased by then fails (written or not). Once the gathers ran
+    (the host waits for them), the leased entries they read are confirmed with ``done`` on
+    the side channel, answered (a library's notification may sit unsent while no READ drives
+    the library), so the producer reuses those blocks only after the gather read them; the
+    entries of groups not written go back to the producer. A destination block whose entries
+    the producer did not take the confirmation of fails with that reason (its source may have
+    changed during the gather). Returns the destination blocks written, the failed ones with
+    why, and the bytes written.
     """
     plan, source, cache, scales = conn._plan, conn._source, conn._reg.kv_caches, conn._kv_scales
     stream = conn._gather_stream
@@ -213,24 +216,28 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     n, num_tokens = len(keys), len(keys) * plan.src_block_size
     num_blocks = conn._consumer.num_blocks
     guesses = conn._take_guesses(keys)
-    guessed = guesses[0] if guesses is not None and min(guesses[0]) >= 0 else None
-    prepared: list[Callable[[], int] | None] = [None]
+    if guesses is not None and not (min(guesses[0]) >= 0 and max(guesses[0]) < num_blocks):
+        guesses = None  # (not every key named: gather once the lease says where they are)
+    early = [0, False]  # bytes the gather from the lookups' blocks wrote; launched
 
-    def prepare() -> None:
-        if guessed is not None and max(guessed) < num_blocks:
-            with on_stream(), contextlib.suppress(ValueError, TypeError):
-                prepared[0] = plan.prepare(source, cache, guessed, block_ids, num_tokens,
-                                           dst_scales=scales)
+    def gather_early() -> None:
+        with on_stream(), contextlib.suppress(ValueError, TypeError):
+            run = plan.prepare(source, cache, guesses[0], block_ids, num_tokens,
+                               dst_scales=scales)
+            early[:] = conn._timed("gather", run), True
 
     src: list[int | None] = [None] * n  # the producer's block of each key, once leased
+    serial: list[int | None] = [None] * n  # and its publication's serial
     where: list[tuple[str, int] | None] = [None] * n  # (lease, entry) of each leased key
     errors: dict[int, str] = {}
     todo, pause, first = list(range(n)), 0.002, True
     try:
         while todo:
             try:
-                lease, blocks, _ = conn._fetch([keys[i] for i in todo], deadline,
-                                               while_waiting=prepare if first else None)
+                lease, blocks, serials = conn._fetch(
+                    [keys[i] for i in todo], deadline,
+                    while_waiting=gather_early if first and guesses is not None else None,
+                    meanwhile_phase=None)
             except ChannelError as exc:
                 errors.update((i, str(exc)) for i in todo)
                 break
@@ -239,7 +246,7 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
                 if block is None:
                     later.append(i)
                 elif type(block) is int and 0 <= block < num_blocks:
-                    src[i], where[i] = block, (lease, j)
+                    src[i], serial[i], where[i] = block, serials[j], (lease, j)
                 else:
                     errors[i] = f"the producer named block {block!r}"
                     refused.append(j)
@@ -255,15 +262,18 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
                 conn._pause(pause)
                 pause = min(2 * pause, 0.05)
         with on_stream():
-            if src == guessed and prepared[0] is not None:  # every key where a lookup said
-                written, missing, nbytes = block_ids, {}, conn._timed("gather", prepared[0])
+            if early[1] and src == guesses[0] and serial == guesses[1]:  # the common case
+                written, missing, nbytes = block_ids, {}, early[0]
+            elif early[1]:
+                written, missing, nbytes = _gather_again(conn, keys, block_ids, src, serial,
+                                                         guesses, early[0])
             else:
                 arrived = [s is not None for s in src]
                 written, missing, nbytes = conn._timed(
                     "gather", lambda: plan.apply_keys(
                         source, cache, [s or 0 for s in src], block_ids, arrived,
                         dst_scales=scales))
-        if stream is not None and written:  # read whole before the producer may reuse them
+        if stream is not None and (written or early[1]):  # read whole before any reuse
             conn._timed("wait", stream.synchronize)
     except BaseException:
         _settle(conn, where, set())
@@ -290,6 +300,41 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
         nbytes = nbytes * len(counted) // len(written)
         written = counted
     return list(written), failed, nbytes
+
+
+def _gather_again(conn: Any, keys: list[str], block_ids: list[int], src: list[int | None],
+                  serial: list[int | None], guesses: tuple[list[int], list[int]],
+                  early_bytes: int) -> tuple[list[int], dict[int, int], int]:
+    """After a gather from the blocks lookups named, where the lease differs: gather again,
+    from the lease, the groups with a key held elsewhere or under another serial (on the
+    current stream, after the first gather). Returns what
+    :meth:`~kvcore.connectors.convert.ConversionPlan.apply_keys` does for the whole load:
+    the destination blocks of the groups whose keys are all leased, the first unleased key
+    of each other group's blocks, and the bytes written."""
+    plan, n = conn._plan, len(keys)
+    gk = plan.group_tokens // plan.src_block_size
+    gd = plan.group_tokens // plan.dst_block_size
+    leased, stale = set(), set()  # groups with every key leased; with a key not as named
+    for g in range(-(-n // gk)):
+        members = range(g * gk, min(n, (g + 1) * gk))
+        if all(src[i] is not None for i in members):
+            leased.add(g)
+        if any(src[i] != guesses[0][i] or serial[i] != guesses[1][i] for i in members):
+            stale.add(g)
+    redo = leased & stale
+    nbytes = 0
+    if redo:
+        arrived = [i // gk in redo for i in range(n)]
+        _, _, nbytes = conn._timed("gather", lambda: plan.apply_keys(
+            conn._source, conn._reg.kv_caches, [s or 0 for s in src], block_ids, arrived,
+            dst_scales=conn._kv_scales))
+    groups = -(-n // gk)
+    written = [b for g in sorted(leased) for b in block_ids[g * gd:(g + 1) * gd]]
+    missing = {b: next(i for i in range(g * gk, min(n, (g + 1) * gk)) if src[i] is None)
+               for g in range(groups) if g not in leased for b in block_ids[g * gd:(g + 1) * gd]}
+    untouched = leased - redo  # written by the first gather alone
+    share = early_bytes * sum(len(block_ids[g * gd:(g + 1) * gd]) for g in untouched)
+    return written, missing, nbytes + share // max(1, len(block_ids))
 
 
 def _settle(conn: Any, where: list[tuple[str, int] | None], kept: set[int]
