@@ -9,6 +9,7 @@ which imports this one), as :mod:`~kvcore.connectors.pull_reads` does.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,9 @@ from kvcore.connectors.pull_producer import ChannelError
 from kvcore.connectors.pull_reads import Reads
 
 __all__ = ["gather_in_place", "read_converting"]
+
+# The connector's logger: what goes wrong here is the connector's to report.
+logger = logging.getLogger("kvcore.connectors.pull")
 
 
 def read_converting(conn: Any, keys: list[str], block_ids: list[int], deadline: float
@@ -221,10 +225,16 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     early = [0, False]  # bytes the gather from the lookups' blocks wrote; launched
 
     def gather_early() -> None:
-        with on_stream(), contextlib.suppress(ValueError, TypeError):
-            run = plan.prepare(source, cache, guesses[0], block_ids, num_tokens,
-                               dst_scales=scales)
-            early[:] = conn._timed("gather", run), True
+        # (it runs between the fetch and its answer, so it must not raise: a failure here
+        # leaves the gather to after the answer, which raises it again if it persists)
+        try:
+            with on_stream():
+                run = plan.prepare(source, cache, guesses[0], block_ids, num_tokens,
+                                   dst_scales=scales)
+                early[:] = conn._timed("gather", run), True
+        except Exception as exc:
+            logger.warning("%s consumer: the gather from the blocks a lookup named failed "
+                           "(%s); gathering once the fetch answered", conn.transport, exc)
 
     src: list[int | None] = [None] * n  # the producer's block of each key, once leased
     serial: list[int | None] = [None] * n  # and its publication's serial
