@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Which kernels a decode step launches, and for how long: kvcore's FLASHINFER and TRITON_ATTN
 (the builder's step for a CUDA graph of the batch, then the layer's ``forward``, as
-``bench_matrix.py`` times them) beside FlashInfer's decode wrapper called directly, planned
+``bench_matrix.py`` times them), TRITON_ATTN's op called directly on the same inputs with its
+own defaults, beside FlashInfer's decode wrapper called directly, planned
 eagerly and in its CUDA-graph mode (``bench_matrix.flashinfer_direct`` and
 ``flashinfer_graph_wrapper``), on the same random cache, at the preset's two decode points.
 
@@ -41,6 +42,20 @@ def kernels(fn, calls: int = 5) -> list[tuple[str, float, int]]:
             for e in prof.key_averages() if e.device_time_total > 0]
 
 
+def triton_op(inputs, kv_cache_dtype: str):
+    """TRITON_ATTN's op called directly on the peers' cache and metadata, its defaults
+    planning the call (no builder): tells the kernel apart from what the builder adds."""
+    from kvcore.ops import triton_attention
+
+    common, layer = inputs.common, inputs.layer
+    key_cache, value_cache = inputs.kv_cache.unbind(1)
+    out = torch.empty_like(inputs.query)
+    return lambda: triton_attention.paged_attention(
+        inputs.query, key_cache, value_cache, query_start_loc=common.query_start_loc,
+        seq_lens=common.seq_lens, block_table=common.block_table, scale=layer.softmax_scale,
+        kv_cache_dtype=kv_cache_dtype, k_scale=1.0, v_scale=1.0, output=out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b")
@@ -61,6 +76,7 @@ def main() -> int:
         step = _Step(preset, layer, case, config, device, 0)
         paths = {name: step.runner(name)[0] for name in ("FLASHINFER", "TRITON_ATTN")}
         inputs = step.inputs()
+        paths["TRITON_ATTN op, same inputs"] = triton_op(inputs, args.kv_cache_dtype)
         paths["flashinfer direct"] = bench_matrix.flashinfer_direct(inputs)
         paths["flashinfer direct (graph wrapper)"] = bench_matrix.flashinfer_graph_wrapper(
             inputs)
