@@ -121,7 +121,7 @@ from kvcore.connectors.pull_reads import (
     Reads,
     poll_pause,
 )
-from kvcore.connectors.shared_memory import map_allocation, share_allocation
+from kvcore.connectors.shared_memory import map_allocation
 
 __all__ = ["DEFAULT_STAGING_BYTES", "GUESSES_KEPT", "PHASES", "POLL_PAUSE_MAX_S",
            "POLL_PAUSE_MIN_S", "Engine", "PullConnector", "Regions", "Run", "memory_kind",
@@ -292,13 +292,15 @@ class PullConnector(KVConnector):
         engine = self._open_engine(reg, regions)
         try:
             if self.role == "producer":
+                # What converting consumers that can map it read in place (each is sent a
+                # handle of it made for that consumer: Producer._mapping).
+                self._shared = reg.kv_caches.storage.view(-1).view(torch.uint8)
                 hello = {"protocol": self.channel_protocol, "layout": self._layout.to_dict(),
                          "tp": [self.tp.degree, self.tp.rank],
                          "num_kv_heads": self.num_kv_heads,
                          "agent": engine.name, "regions": regions.to_dict(),
                          "num_blocks": reg.kv_caches.num_blocks,
                          "max_lease_s": self.max_lease_s,
-                         "allocation": self._shared_cache(reg),
                          **engine.hello()}
                 self._producer.start(engine, hello)
             else:
@@ -307,7 +309,7 @@ class PullConnector(KVConnector):
                 self._consumer = consumer
                 if consumer.plan is not None and not consumer.plan.is_identity:
                     self._plan = consumer.plan
-                    self._map_source(reg, consumer.allocation)
+                    self._map_source(reg, consumer)
                     if self._source is None:
                         self._stage(reg, consumer.regions, engine)
                 self._loader = ThreadPoolExecutor(
@@ -322,30 +324,20 @@ class PullConnector(KVConnector):
             self, PullConnector._release, self._producer,
             [self._consumer, self._loader, engine, self._loads], self.timeout_s)
 
-    def _shared_cache(self, reg: RegisteredCaches) -> dict[str, Any] | None:
-        """Producer: the handle consumers map this cache by (:func:`share_allocation`), or
-        ``None`` where it cannot be shared (then they READ)."""
-        self._shared = reg.kv_caches.storage.view(-1).view(torch.uint8)  # kept while shared
-        try:
-            return share_allocation(self._shared)
-        except (RuntimeError, ValueError) as exc:
-            logger.info("%s producer: consumers cannot map this cache (%s); they READ it",
-                        self.transport, exc)
-            return None
-
-    def _map_source(self, reg: RegisteredCaches, allocation: Any) -> None:
-        """Consumer of another layout: map the producer's cache (its hello's
-        ``allocation``) when ``map_producer`` and it lies on this cache's device, so each
-        load gathers from it in place; else say why not (:attr:`in_place_reason`)."""
+    def _map_source(self, reg: RegisteredCaches, consumer: Consumer) -> None:
+        """Consumer of another layout: map the producer's cache (the handle its hello's
+        answer made for this consumer) when ``map_producer`` and it lies on this cache's
+        device, so each load gathers from it in place; else say why not
+        (:attr:`in_place_reason`)."""
         device = reg.kv_caches.storage.device
         why = None
         if not self.map_producer:
             why = "map_producer=False"
-        elif allocation is None:
-            why = "the producer did not share its cache"
+        elif consumer.allocation is None:
+            why = consumer.unmappable or "the producer did not share its cache"
         else:
             try:
-                source = map_allocation(allocation)
+                source = map_allocation(consumer.allocation)
             except ValueError as exc:
                 why = str(exc)
             else:

@@ -21,6 +21,7 @@ from kvcore.connectors.pull_producer import (
     recv_frame,
     send_frame,
 )
+from kvcore.connectors.shared_memory import peer_facts
 
 __all__ = ["Consumer", "ConsumerSide"]
 
@@ -41,6 +42,7 @@ class ConsumerSide(Protocol):
     timeout_s: float
     tp: TPRank
     num_kv_heads: int | None
+    map_producer: bool
     _layout: KVCacheLayout
     _kv_scales: Any
 
@@ -63,7 +65,8 @@ class Consumer:
         self.regions: Regions | None = None
         self.num_blocks = 0
         self.plan: ConversionPlan | None = None  # producer's layout -> this cache's
-        self.allocation: Any = None  # the producer's shared cache (its hello), if any
+        self.allocation: Any = None  # the producer's cache, shared for this consumer
+        self.unmappable: str | None = None  # why the producer did not share it
 
     def connect(self, local: Regions) -> None:
         conn = self.conn
@@ -92,7 +95,9 @@ class Consumer:
                                "agent": self.engine.name, "layout": conn._layout.to_dict(),
                                "tp": [conn.tp.degree, conn.tp.rank],
                                "num_kv_heads": conn.num_kv_heads,
-                               "quantize": conn._kv_scales is not None})
+                               "quantize": conn._kv_scales is not None,
+                               # (asks a handle of the producer's cache, to convert in place)
+                               **({"map": peer_facts()} if conn.map_producer else {})})
             reply = recv_frame(sock)
         except (OSError, ChannelError) as exc:
             close_socket(sock)
@@ -138,6 +143,7 @@ class Consumer:
         self.regions = Regions.from_dict(reply.get("regions"))
         self.num_blocks = int(reply.get("num_blocks", 0))
         self.allocation = reply.get("allocation")
+        self.unmappable = reply.get("unmappable")
         max_lease_s = reply.get("max_lease_s")
         if isinstance(max_lease_s, (int, float)) and 2 * self.conn.timeout_s > max_lease_s:
             raise ValueError(f"{self.who}: timeout_s={self.conn.timeout_s} needs leases of "

@@ -227,11 +227,14 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     def gather_early() -> None:
         # (it runs between the fetch and its answer, so it must not raise: a failure here
         # leaves the gather to after the answer, which raises it again if it persists)
+        def launch() -> None:
+            early[:] = run(), True  # (set here: a timing hook that raises comes after)
+
         try:
             with on_stream():
                 run = plan.prepare(source, cache, guesses[0], block_ids, num_tokens,
                                    dst_scales=scales)
-                early[:] = conn._timed("gather", run), True
+                conn._timed("gather", launch)
         except Exception as exc:
             logger.warning("%s consumer: the gather from the blocks a lookup named failed "
                            "(%s); gathering once the fetch answered", conn.transport, exc)
@@ -286,6 +289,8 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
         if stream is not None and (written or early[1]):  # read whole before any reuse
             conn._timed("wait", stream.synchronize)
     except BaseException:
+        if stream is not None:  # no gather of this load may write after it failed
+            stream.synchronize()
         _settle(conn, where, set())
         raise
     group_keys = plan.group_tokens // plan.src_block_size
@@ -307,7 +312,9 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
                                  f"gathered, but the producer did not take the confirmation "
                                  f"({unconfirmed[i]}), so its block may have changed meanwhile")
         counted = [b for b in written if b not in failed]
-        nbytes = nbytes * len(counted) // len(written)
+        keys_of = {b: min(n, (k // group_dst + 1) * group_keys) - k // group_dst * group_keys
+                   for k, b in enumerate(block_ids)}  # (each block: its group's key count)
+        nbytes = nbytes * sum(keys_of[b] for b in counted) // sum(keys_of[b] for b in written)
         written = counted
     return list(written), failed, nbytes
 
@@ -342,9 +349,9 @@ def _gather_again(conn: Any, keys: list[str], block_ids: list[int], src: list[in
     written = [b for g in sorted(leased) for b in block_ids[g * gd:(g + 1) * gd]]
     missing = {b: next(i for i in range(g * gk, min(n, (g + 1) * gk)) if src[i] is None)
                for g in range(groups) if g not in leased for b in block_ids[g * gd:(g + 1) * gd]}
-    untouched = leased - redo  # written by the first gather alone
-    share = early_bytes * sum(len(block_ids[g * gd:(g + 1) * gd]) for g in untouched)
-    return written, missing, nbytes + share // max(1, len(block_ids))
+    untouched = leased - redo  # written by the first gather alone: their share of its bytes
+    share = early_bytes * sum(min(n, (g + 1) * gk) - g * gk for g in untouched) // n
+    return written, missing, nbytes + share
 
 
 def _settle(conn: Any, where: list[tuple[str, int] | None], kept: set[int]

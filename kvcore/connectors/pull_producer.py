@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import reprlib
 import socket
 import struct
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 from kvcore import KVCacheLayout
 from kvcore.connectors.convert import TPRank, as_tp_rank, plan_conversion
+from kvcore.connectors.shared_memory import host_identity, share_allocation, shareable_with
 
 __all__ = ["CLOSED_LINK_GRACE_S", "SETTLE_AFTER_S", "BadFrame", "ChannelError", "Notifier",
            "Producer", "ProducerSide", "SaveRecord", "check_seconds", "close_socket",
@@ -209,6 +211,7 @@ class ProducerSide(Protocol):
     num_kv_heads: int | None
     readers: int
     _layout: KVCacheLayout
+    _shared: Any  # the cache as flat bytes (a torch.Tensor), what converting consumers map
 
 
 class Notifier(Protocol):
@@ -718,9 +721,9 @@ class Producer:
             heads = hello.get("num_kv_heads")
             heads = heads if isinstance(heads, int) else self.conn.num_kv_heads
             # The consumer converts on load; refuse here what it could not convert.
-            plan_conversion(layout, theirs, src_tp=self.conn.tp,
-                            dst_tp=as_tp_rank(hello.get("tp"), "the consumer's tp"),
-                            num_kv_heads=heads, quantize=hello.get("quantize") is True)
+            plan = plan_conversion(layout, theirs, src_tp=self.conn.tp,
+                                   dst_tp=as_tp_rank(hello.get("tp"), "the consumer's tp"),
+                                   num_kv_heads=heads, quantize=hello.get("quantize") is True)
         except (TypeError, ValueError) as exc:  # LayoutConversionError is a ValueError
             logger.warning("%s: refused consumer %s: %s", self.who, addr, exc)
             send_frame(sock, {"ok": False, "error": str(exc), "protocol": protocol,
@@ -730,10 +733,27 @@ class Producer:
         if not isinstance(consumer, str) or not consumer:
             send_frame(sock, {"ok": False, "error": "hello without an agent name"})
             return None
-        send_frame(sock, {**self.hello, "ok": True})
+        send_frame(sock, {**self.hello, "ok": True,
+                          **self._mapping(hello.get("map"), plan.is_identity)})
         with self.cond:
             self.consumers_seen += 1
         return consumer
+
+    def _mapping(self, peer: Any, identity: bool) -> dict[str, Any]:
+        """The hello's answer to a converting consumer that asks to map this cache (its
+        :func:`~kvcore.connectors.shared_memory.peer_facts`): a handle of it made for that
+        consumer alone (``allocation``), or why it cannot map it (``unmappable``)."""
+        if peer is None or identity:  # (same layouts: READ straight into its cache)
+            return {}
+        shared = self.conn._shared
+        why = shareable_with(shared, peer)
+        if why is None:
+            try:
+                other = peer["pid"] != os.getpid() or peer["host"] != host_identity()
+                return {"allocation": share_allocation(shared, other_processes=other)}
+            except (RuntimeError, ValueError) as exc:
+                why = f"the producer could not share its cache: {exc}"
+        return {"unmappable": why}
 
     def _answer(self, consumer: str, request: dict[str, Any], link: int) -> dict[str, Any]:
         op = request.get("op")

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["host_identity", "map_allocation", "share_allocation", "visible_gpus"]
+__all__ = ["host_identity", "map_allocation", "peer_facts", "share_allocation",
+           "shareable_with", "visible_gpus"]
 
 #: This process's shared allocations by token: a peer in the same process maps them as they
 #: are. Weak: an allocation its owner dropped is not kept alive by having been shared.
@@ -68,13 +69,46 @@ def _decode(value: Any) -> Any:
     return value
 
 
-def share_allocation(data: torch.Tensor) -> dict[str, Any]:
+def peer_facts() -> dict[str, Any]:
+    """What a peer tells a sharer so it can decide whether an allocation can reach it
+    (:func:`shareable_with`): its process, host and visible GPUs."""
+    return {"pid": os.getpid(), "host": host_identity(), "gpus": visible_gpus()}
+
+
+def shareable_with(data: torch.Tensor, peer: Any) -> str | None:
+    """Why a peer with these :func:`peer_facts` could not map ``data``, or ``None`` if it
+    can: a peer in this process maps anything; one in another process only a CUDA
+    allocation of this host on a GPU it sees."""
+    if not isinstance(peer, dict) or not {"pid", "host", "gpus"} <= peer.keys():
+        return f"the peer sent no mapping facts (got {str(peer)[:100]!r})"
+    if peer["pid"] == os.getpid() and peer["host"] == host_identity():
+        return None
+    if not data.is_cuda:
+        return (f"the allocation is CPU memory of process {os.getpid()}, which another "
+                "process cannot map (only CUDA allocations are shared across processes)")
+    if peer["host"] != host_identity():
+        return (f"the peer runs on host {peer['host']!r}, the allocation is on "
+                f"{host_identity()!r}: CUDA IPC maps memory of one host only")
+    gpu = str(torch.cuda.get_device_properties(data.device).uuid)
+    if gpu not in (peer["gpus"] or ()):
+        return f"the allocation is on GPU {gpu}, which the peer does not see"
+    return None
+
+
+def share_allocation(data: torch.Tensor, *, other_processes: bool = True) -> dict[str, Any]:
     """A handle of ``data`` (a contiguous uint8 tensor on a CUDA device or the CPU) for a peer
     to map with :func:`map_allocation`: ``{"kind": "cuda" | "process", "nbytes", "pid",
     "token", "host", ...}`` (CUDA: the GPU's UUID and the IPC fields of torch's reduction,
     bytes in base64). A CPU tensor can be mapped only by a peer in this process. Keep this
     very tensor object referenced while peers use it: a peer in this process gets it (held
-    weakly here), one in another process maps its memory."""
+    weakly here), one in another process maps its memory.
+
+    A CUDA handle is for **one** peer process (``other_processes=False``: for peers in this
+    process only, made without CUDA IPC): torch counts each such handle as one reference,
+    which the peer gives back when its mapping goes (or :func:`map_allocation`, when it
+    cannot open it), and keeps the memory allocated, even after this process frees it,
+    until every handle made was given back. Make one per peer process that will map it,
+    never one that no process maps."""
     if data.dtype != torch.uint8 or not data.is_contiguous():
         raise ValueError(f"share_allocation takes a contiguous uint8 tensor, got "
                          f"{data.dtype} with strides {data.stride()}")
@@ -82,7 +116,7 @@ def share_allocation(data: torch.Tensor) -> dict[str, Any]:
     _OWN[token] = data
     handle: dict[str, Any] = {"kind": "process", "nbytes": data.numel(), "pid": os.getpid(),
                               "token": token, "host": host_identity()}
-    if data.is_cuda:
+    if data.is_cuda and other_processes:
         from torch.multiprocessing import reductions
 
         rebuild, args = reductions.reduce_tensor(data)
@@ -106,7 +140,7 @@ def map_allocation(handle: Any) -> torch.Tensor:
         raise ValueError(f"the shared allocation's handle {str(handle)[:200]!r} lacks "
                          f"{', '.join(missing)}")
     kind, nbytes, pid, token = (handle[k] for k in ("kind", "nbytes", "pid", "token"))
-    if pid == os.getpid():
+    if pid == os.getpid() and handle.get("host") == host_identity():
         own = _OWN.get(token)
         if own is None:
             raise ValueError("the shared allocation was made in this process and is freed")
@@ -118,6 +152,21 @@ def map_allocation(handle: Any) -> torch.Tensor:
     if kind != "cuda":
         raise ValueError(f"a shared allocation of kind {kind!r}: this kvcore maps 'cuda' and "
                          "'process' ones")
+    try:
+        data = _open_cuda(handle)
+    except ValueError:
+        _give_back(handle)
+        raise
+    except Exception as exc:  # the driver refused it (another IPC namespace, say)
+        _give_back(handle)
+        raise ValueError(f"CUDA IPC could not open the peer's allocation: {exc}") from None
+    if data.numel() != nbytes:
+        raise ValueError(f"the peer's allocation maps as {data.numel()} bytes, its handle "
+                         f"says {nbytes}")
+    return data.view(-1)
+
+
+def _open_cuda(handle: dict[str, Any]) -> torch.Tensor:
     if handle.get("host") != host_identity():
         raise ValueError(f"the peer's allocation is on host {handle.get('host')!r}, this "
                          f"process runs on {host_identity()!r}: CUDA IPC maps memory of one "
@@ -132,8 +181,16 @@ def map_allocation(handle: Any) -> torch.Tensor:
     fields.update(tensor_cls=torch.Tensor, storage_cls=torch.storage.TypedStorage,
                   dtype=torch.uint8, device=gpus.index(handle["gpu"]),
                   size=torch.Size(fields["size"]), stride=tuple(fields["stride"]))
-    data = reductions.rebuild_cuda_tensor(*(fields[k] for k in _CUDA_FIELDS))
-    if data.numel() != nbytes:
-        raise ValueError(f"the peer's allocation maps as {data.numel()} bytes, its handle "
-                         f"says {nbytes}")
-    return data.view(-1)
+    return reductions.rebuild_cuda_tensor(*(fields[k] for k in _CUDA_FIELDS))
+
+
+def _give_back(handle: dict[str, Any]) -> None:
+    """A CUDA handle this process will not map: give its reference back, so the sharer's
+    memory can be freed (torch's count, in shared memory of the host; a handle from another
+    host has no count here to give back)."""
+    try:
+        fields = {k: _decode(v) for k, v in handle["ipc"].items()}
+        torch.UntypedStorage._release_ipc_counter_cuda(fields["ref_counter"],
+                                                       fields["ref_counter_offset"])
+    except Exception:  # another host, or a malformed handle: nothing here to give back
+        pass

@@ -426,6 +426,8 @@ def test_in_place_groups_a_lookup_named_stale_blocks_for_are_gathered_again_from
     assert set(save.wait(timeout=pull.wait_s).failed) == {src_ids[6], src_ids[11]}
     assert phases.count("gather") == 2 and phases.count("fetch") == 1
     assert phases.index("gather") < phases.index("fetch")
+    # Every token's bytes counted once, gathered again or not.
+    assert result.num_bytes == tokens_of(src, src_ids, n * p_bs).numel() * 2
     now = list(src_ids)
     now[6], now[11] = spare
     assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),

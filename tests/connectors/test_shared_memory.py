@@ -9,7 +9,13 @@ import os
 import pytest
 import torch
 
-from kvcore.connectors.shared_memory import host_identity, map_allocation, share_allocation
+from kvcore.connectors.shared_memory import (
+    host_identity,
+    map_allocation,
+    peer_facts,
+    share_allocation,
+    shareable_with,
+)
 
 
 def test_a_peer_in_this_process_gets_the_very_allocation():
@@ -55,3 +61,18 @@ def test_a_malformed_handle_or_tensor_is_refused_naming_what_is_wrong():
         share_allocation(torch.ones(4))
     with pytest.raises(ValueError, match=r"contiguous uint8 tensor"):
         share_allocation(torch.ones(8, dtype=torch.uint8)[::2])
+
+
+def test_a_sharer_tells_which_peers_can_map_it_from_their_facts():
+    data = torch.zeros(32, dtype=torch.uint8)
+    assert shareable_with(data, peer_facts()) is None  # this process: anything
+    other = {**peer_facts(), "pid": os.getpid() + 1}
+    assert "CPU memory of process" in shareable_with(data, other)
+    assert "no mapping facts" in shareable_with(data, {"pid": 1})
+
+
+def test_the_same_pid_on_another_host_is_not_this_process():
+    """Containers reuse PIDs: a handle is this process's only with the host's identity too."""
+    handle = {**share_allocation(torch.ones(8, dtype=torch.uint8)), "host": "other/boot"}
+    with pytest.raises(ValueError, match="CPU memory of process"):
+        map_allocation(handle)
