@@ -710,14 +710,12 @@ class PullConnector(KVConnector):
         except ChannelError:
             pass  # the lease expires on the producer
 
-    def _confirm_entries(self, lease: str, first: int, end: int, *,
-                         over_channel: bool = False) -> str | None:
-        """Confirm entries ``first..end-1`` of ``lease``, read without a READ's notification
-        (a READ started before the lease, or a gather in place): over the side channel where
-        READs are confirmed there or ``over_channel`` asks for it, else through the library's
-        notification (the message the READ would have carried). Returns why that failed, or
-        ``None``."""
-        if over_channel or self.confirms_over_channel:
+    def _confirm_entries(self, lease: str, first: int, end: int) -> str | None:
+        """Confirm entries ``first..end-1`` of ``lease``, read by a READ that carried no
+        notification (started before the lease): over the side channel where READs are
+        confirmed there, else through the library's notification (the message the READ would
+        have carried). Returns why that failed, or ``None``."""
+        if self.confirms_over_channel:
             return self._done(lease, first, end)
         try:
             self._timed("notify", self._engine.notify, self._consumer.remote,
@@ -733,13 +731,18 @@ class PullConnector(KVConnector):
             return None
         return self._done(lease, run.first, run.end)
 
-    def _done(self, lease: str, first: int, end: int) -> str | None:
+    def _done(self, lease: str, first: int, end: int, *, quiet: bool = False) -> str | None:
         """``done``: entries ``first..end-1`` of ``lease`` were read, on the side channel.
         Returns why the producer did not take it, or ``None``: a run the producer no longer
         leased (expired, or released with a lost link) may have been handed to another
-        consumer and reused."""
+        consumer and reused. ``quiet`` (a gather in place): not answered, as a READ's
+        notification is not; it counts while the link is up."""
+        message = {"op": "done", "lease": lease, "first": first, "end": end}
         try:
-            self._request({"op": "done", "lease": lease, "first": first, "end": end})
+            if quiet:
+                self._timed("done", self._consumer.send, {**message, "quiet": True})
+            else:
+                self._request(message)
         except ChannelError as exc:
             return str(exc)
         return None

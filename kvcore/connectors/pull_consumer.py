@@ -179,6 +179,20 @@ class Consumer:
                                 f"{reply.get('error')}")
         return reply
 
+    def send(self, message: dict[str, Any]) -> None:
+        """Send a message the producer does not answer (a quiet ``done``); a failure downs
+        the link."""
+        with self.lock:
+            if self.failure is not None:
+                raise ChannelError(self.failure)
+            try:
+                send_frame(self.sock, message)
+            except OSError as exc:
+                self.failure = (f"link to the producer at {self.conn.host}:{self.conn.port} "
+                                f"lost (timeout_s={self.conn.timeout_s}): {exc}")
+                close_socket(self.sock)
+                raise ChannelError(self.failure) from exc
+
     def disconnect(self) -> None:
         """Down the link: requests in flight fail now, later ones at once."""
         if self.failure is None:

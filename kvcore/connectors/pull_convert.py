@@ -205,13 +205,14 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     the lease, after it and over what it wrote. Otherwise the gather runs once the fetch
     answered. Keys not published yet are asked for again, with pauses, until ``deadline``; a
     group whose keys are not all leased by then fails (written or not). Once the gathers ran
-    (the host waits for them), the leased entries they read are confirmed with ``done`` on
-    the side channel, answered (a library's notification may sit unsent while no READ drives
-    the library), so the producer reuses those blocks only after the gather read them; the
-    entries of groups not written go back to the producer. A destination block whose entries
-    the producer did not take the confirmation of fails with that reason (its source may have
-    changed during the gather). Returns the destination blocks written, the failed ones with
-    why, and the bytes written.
+    (the host waits for them), the leased entries they read are confirmed with a quiet
+    ``done`` on the side channel (no answer, as a READ's notification has none; a library's
+    notification could sit unsent here, where no READ drives the library), so the producer
+    reuses those blocks only after the gather read them; the entries of groups not written go
+    back to the producer. As a READ, they count while the link is up: a destination block
+    whose confirmation could not be sent, or whose link went down, fails with that reason (its
+    source may have changed during the gather). Returns the destination blocks written, the
+    failed ones with why, and the bytes written.
     """
     plan, source, cache, scales = conn._plan, conn._source, conn._reg.kv_caches, conn._kv_scales
     stream = conn._gather_stream
@@ -301,6 +302,9 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     else:
         kept = set(range(n))
     unconfirmed = _settle(conn, where, kept)
+    down = conn._consumer.failure
+    if down is not None:  # the producer ends a closed link's leases at once
+        unconfirmed.update((i, f"the link went down: {down}") for i in kept)
     failed = {block: f"source block {i} of the load (key {keys[i][:12]}..): "
                      f"{errors.get(i, 'not read')}" for block, i in missing.items()}
     if unconfirmed:
@@ -374,8 +378,7 @@ def _settle(conn: Any, where: list[tuple[str, int] | None], kept: set[int]
         for end in range(1, len(confirm) + 1):
             if end < len(confirm) and confirm[end][0] == confirm[end - 1][0] + 1:
                 continue
-            why = conn._confirm_entries(lease, confirm[start][0], confirm[end - 1][0] + 1,
-                                        over_channel=True)
+            why = conn._done(lease, confirm[start][0], confirm[end - 1][0] + 1, quiet=True)
             if why is not None:
                 unconfirmed.update((i, why) for _, i in confirm[start:end])
             start = end

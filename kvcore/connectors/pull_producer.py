@@ -776,24 +776,31 @@ class Producer:
 
     def _answer_done(self, sock: socket.socket, consumer: str, request: dict[str, Any]
                      ) -> None:
-        """A consumer's confirmation on the side channel, ``done`` {lease, first, end}. The
-        blocks count as read (their save as done) only once the answer is sent: a producer
-        that closes when its saves are done must not cut off the answer the consumer counts
-        its READ by."""
+        """A consumer's confirmation on the side channel, ``done`` {lease, first, end,
+        quiet}. Answered (``quiet`` false), the blocks count as read (their save as done)
+        only once the answer is sent: a producer that closes when its saves are done must not
+        cut off the answer the consumer counts its READ by. ``quiet`` (a gather in place,
+        which counts its blocks as a READ with a notification does, while its link is up):
+        no answer, and the blocks count when it arrives."""
         lease, first, end = str(request.get("lease")), request.get("first"), request.get("end")
+        quiet = request.get("quiet") is True
         if isinstance(first, bool) or isinstance(end, bool) \
                 or not (isinstance(first, int) and isinstance(end, int)):
-            send_frame(sock, {"ok": False, "error": f"done needs int first and end, got "
-                                                    f"{first!r}, {end!r}"})
+            why = f"done needs int first and end, got {first!r}, {end!r}"
+            if quiet:  # (nothing may be sent: the consumer reads no answer)
+                raise BadFrame(why)
+            send_frame(sock, {"ok": False, "error": why})
             return
         taken = self._take_read(consumer, lease, first, end)
         if taken is None:
-            send_frame(sock, {"ok": False, "error": f"lease {lease!r} has ended (it expired "
-                                                    "or its connection closed)"})
+            if not quiet:
+                send_frame(sock, {"ok": False, "error": f"lease {lease!r} has ended (it "
+                                                        "expired or its connection closed)"})
             return
         complete, partial = taken
         try:
-            send_frame(sock, {"ok": True})
+            if not quiet:
+                send_frame(sock, {"ok": True})
         except OSError:
             self._settle_read(complete, "the consumer read it, but its confirmation could not "
                                         "be answered (the link broke), so it does not count it")

@@ -438,8 +438,8 @@ def test_in_place_groups_a_lookup_named_stale_blocks_for_are_gathered_again_from
 
 @pytest.mark.parametrize("pull", PULLS)
 def test_in_place_blocks_whose_confirmation_the_producer_refused_fail(pull, monkeypatch):
-    """The producer does not take the confirmation of a gather in place (injected): every
-    destination block fails, saying its source blocks may have changed during the gather."""
+    """The confirmation of a gather in place cannot be sent (injected): every destination
+    block fails, saying its source blocks may have changed during the gather."""
     _, _, c_bs, seed, src, keys, src_ids, dst_ids, _ = staged_load()
     with pull.producer() as prod:
         prod.register_kv_caches(src)
@@ -448,7 +448,8 @@ def test_in_place_blocks_whose_confirmation_the_producer_refused_fail(pull, monk
                           seed=seed + 1)
         with pull.consumer(prod.port) as conn:
             conn.register_kv_caches(dst)
-            monkeypatch.setattr(conn, "_done", lambda lease, first, end: "refused (injected)")
+            monkeypatch.setattr(conn, "_done", lambda lease, first, end, quiet=False:
+                                "refused (injected)")
             result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
     assert not result.succeeded and sorted(result.failed) == sorted(dst_ids)
     assert result.num_bytes == 0
