@@ -460,8 +460,7 @@ class PullConnector(KVConnector):
         with self._guesses_lock:
             if not self._guesses:
                 return None
-            pop = self._guesses.pop
-            found = [pop(key, _NO_GUESS) for key in keys]
+            found = list(map(self._guesses.pop, keys, itertools.repeat(_NO_GUESS)))
         if found.count(_NO_GUESS) == len(found):
             return None
         blocks, serials = zip(*found, strict=True)

@@ -226,8 +226,8 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     early = [0, False]  # bytes the gather from the lookups' blocks wrote; launched
 
     def gather_early() -> None:
-        # (it runs between the fetch and its answer, so it must not raise: a failure here
-        # leaves the gather to after the answer, which raises it again if it persists)
+        # (a failure here leaves the gather to after the fetch's answer, which raises it
+        # again if it persists)
         def launch() -> None:
             early[:] = run(), True  # (set here: a timing hook that raises comes after)
 
@@ -242,18 +242,24 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
 
     src: list[int | None] = [None] * n  # the producer's block of each key, once leased
     serial: list[int | None] = [None] * n  # and its publication's serial
-    where: list[tuple[str, int] | None] = [None] * n  # (lease, entry) of each leased key
+    # (lease, entry) of each leased key; or, when the first fetch leased every key (entry i
+    # is key i), that lease alone
+    where: list[tuple[str, int] | None] | str = [None] * n
     errors: dict[int, str] = {}
     todo, pause, first = list(range(n)), 0.002, True
     try:
+        if guesses is not None:  # launched before the fetch: its round trip runs under it
+            gather_early()
         while todo:
             try:
-                lease, blocks, serials = conn._fetch(
-                    [keys[i] for i in todo], deadline,
-                    while_waiting=gather_early if first and guesses is not None else None,
-                    meanwhile_phase=None)
+                lease, blocks, serials = conn._fetch([keys[i] for i in todo] if not first
+                                                     else keys, deadline)
             except ChannelError as exc:
                 errors.update((i, str(exc)) for i in todo)
+                break
+            if first and blocks and set(map(type, blocks)) == {int} and min(blocks) >= 0 \
+                    and max(blocks) < num_blocks:  # the common case, in passes of C code
+                src, serial, where, todo = blocks, serials, lease, []
                 break
             first, later, refused = False, [], []
             for j, (i, block) in enumerate(zip(todo, blocks, strict=True)):
@@ -292,7 +298,7 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     except BaseException:
         if stream is not None:  # no gather of this load may write after it failed
             stream.synchronize()
-        _settle(conn, where, set())
+        _settle(conn, where, set(), n)
         raise
     group_keys = plan.group_tokens // plan.src_block_size
     group_dst = plan.group_tokens // plan.dst_block_size
@@ -300,8 +306,8 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
         done = set(written)
         kept = {i for i in range(n) if block_ids[i // group_keys * group_dst] in done}
     else:
-        kept = set(range(n))
-    unconfirmed = _settle(conn, where, kept)
+        kept = range(n)
+    unconfirmed = _settle(conn, where, kept, n)
     down = conn._consumer.failure
     if down is not None:  # the producer ends a closed link's leases at once
         unconfirmed.update((i, f"the link went down: {down}") for i in kept)
@@ -358,11 +364,18 @@ def _gather_again(conn: Any, keys: list[str], block_ids: list[int], src: list[in
     return written, missing, nbytes + share
 
 
-def _settle(conn: Any, where: list[tuple[str, int] | None], kept: set[int]
-            ) -> dict[int, str]:
+def _settle(conn: Any, where: list[tuple[str, int] | None] | str, kept: set[int] | range,
+            n: int) -> dict[int, str]:
     """End the leases of a gather in place: confirm the entries of the keys ``kept`` (read
-    by it), in stretches of consecutive entries, and give the others back. Returns the kept
-    keys whose confirmation the producer did not take, with why."""
+    by it), in stretches of consecutive entries, and give the others back. ``where``: each
+    of the ``n`` keys' ``(lease, entry)``, or one lease whose entry ``i`` is key ``i``.
+    Returns the kept
+    keys whose confirmation could not be sent, with why."""
+    if isinstance(where, str):
+        if isinstance(kept, range):  # every key read: one confirmation
+            why = conn._done(where, 0, len(kept), quiet=True) if kept else None
+            return {} if why is None else dict.fromkeys(kept, why)
+        where = [(where, i) for i in range(n)]
     per_lease: dict[str, list[tuple[int, int]]] = {}
     for i, place in enumerate(where):
         if place is not None:
