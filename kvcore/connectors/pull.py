@@ -22,7 +22,7 @@ whole, and blocks of other runs are not affected.
 Side channel (standard library sockets, no central server): the producer listens on
 ``host:port``; any number of consumers connect. A frame is an 8-byte header (two big-endian
 lengths), a JSON object and raw bytes after it: a request's keys, their hex digits back to
-back (:func:`~kvcore.connectors.pull_producer.pack_keys`; JSON took as long to write them as
+back (:func:`~kvcore.connectors.pull_channel.pack_keys`; JSON took as long to write them as
 the producer takes to find their blocks). A consumer sends ``hello`` (its
 :meth:`kvcore.KVCacheLayout.to_dict` and its engine's name); the producer answers with its
 layout, what the library needs to reach it and
@@ -31,7 +31,7 @@ aside) and refuse a mismatch with :class:`kvcore.LayoutMismatchError` before any
 Then:
 
 - ``lookup`` {keys}: how many leading keys are published and open to this consumer, and
-  (the tail, :func:`~kvcore.connectors.pull_producer.pack_blocks`) their blocks and the
+  (the tail, :func:`~kvcore.connectors.pull_channel.pack_blocks`) their blocks and the
   serials of those publications (a serial is never reused);
 - ``fetch`` {keys, lease_s}: take the published ones for ``lease_s`` seconds; the answer
   names the producer's block of each key and its publication's serial (``-1``: not
@@ -110,10 +110,11 @@ import torch
 from kvcore import KVCacheLayout
 from kvcore.connectors.base import KVConnector, RegisteredCaches, TransferHandle, TransferResult
 from kvcore.connectors.convert import ConversionPlan, TPRank, as_tp_rank, plan_conversion
+from kvcore.connectors.pull_channel import ChannelError, unpack_blocks
 from kvcore.connectors.pull_consumer import Consumer
 from kvcore.connectors.pull_convert import gather_in_place, read_converting
 from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs, spans
-from kvcore.connectors.pull_producer import ChannelError, Producer, check_seconds, unpack_blocks
+from kvcore.connectors.pull_producer import Producer, check_seconds
 from kvcore.connectors.pull_reads import (
     POLL_PAUSE_MAX_S,
     POLL_PAUSE_MIN_S,

@@ -13,14 +13,14 @@ from typing import Any, Protocol
 
 from kvcore import KVCacheLayout, LayoutMismatchError
 from kvcore.connectors.convert import ConversionPlan, LayoutConversionError, TPRank, as_tp_rank
-from kvcore.connectors.pull_engine import Engine, Regions
-from kvcore.connectors.pull_producer import (
+from kvcore.connectors.pull_channel import (
     ChannelError,
     close_socket,
     pack_keys,
     recv_frame,
     send_frame,
 )
+from kvcore.connectors.pull_engine import Engine, Regions
 from kvcore.connectors.shared_memory import peer_facts
 
 __all__ = ["Consumer", "ConsumerSide"]

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from kvcore.connectors.pull_channel import ChannelError
 from kvcore.connectors.pull_engine import spans
-from kvcore.connectors.pull_producer import ChannelError
 from kvcore.connectors.pull_reads import Reads
 
 __all__ = ["gather_in_place", "read_converting"]

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from kvcore.connectors.base import RegisteredCaches
-from kvcore.connectors.pull_producer import ChannelError
+from kvcore.connectors.pull_channel import ChannelError
 
 __all__ = ["Engine", "Regions", "Run", "memory_kind", "read_runs", "spans"]
 

@@ -1,37 +1,39 @@
-"""The producer's side of the pull connectors (:mod:`kvcore.connectors.pull`): the side
-channel's frames, the published blocks, the leases consumers take on them, and the threads
-that answer consumers and expire what waited too long."""
+"""The producer's side of the pull connectors (:mod:`kvcore.connectors.pull`): the published
+blocks, the leases consumers take on them, and the threads that answer consumers on the side
+channel (:mod:`~kvcore.connectors.pull_channel`) and expire what waited too long."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import math
 import os
 import reprlib
 import socket
-import struct
-import sys
 import threading
 import time
 import uuid
-from array import array
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcore import KVCacheLayout
 from kvcore.connectors.convert import TPRank, as_tp_rank, plan_conversion
+from kvcore.connectors.pull_channel import (
+    BadFrame,
+    ChannelError,
+    close_socket,
+    pack_blocks,
+    recv_frame,
+    send_frame,
+)
 from kvcore.connectors.shared_memory import host_identity, share_allocation, shareable_with
 
-__all__ = ["CLOSED_LINK_GRACE_S", "SETTLE_AFTER_S", "BadFrame", "ChannelError", "Notifier",
-           "Producer", "ProducerSide", "SaveRecord", "check_seconds", "close_socket",
-           "pack_blocks", "pack_keys", "recv_frame", "send_frame", "unpack_blocks"]
+__all__ = ["CLOSED_LINK_GRACE_S", "SETTLE_AFTER_S", "Notifier", "Producer", "ProducerSide",
+           "SaveRecord", "check_seconds"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_FRAME_BYTES = 64 << 20  # engine metadata is the largest payload (kilobytes)
 _KEY_CHARS = 64  # a block key: a SHA-256 digest in hex (kvcore.connectors.keys)
 #: Seconds a closed connection's leases outlive it where the engine notifies READs itself
 #: (NIXL): the consumer's last notifications may arrive after the close (they do over
@@ -58,92 +60,6 @@ def check_seconds(name: str, value: Any) -> float:
             or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
     return float(value)
-
-
-# -- side channel ---------------------------------------------------------------------------
-
-
-class ChannelError(ConnectionError):
-    """The side channel failed (closed, timed out, malformed); the message says why."""
-
-
-class BadFrame(ChannelError):
-    """A whole frame arrived but is not a JSON object (the stream is still in step)."""
-
-
-def send_frame(sock: socket.socket, message: dict[str, Any], tail: bytes = b"") -> None:
-    """Send ``message`` (a JSON object) and ``tail``, raw bytes it carries besides (a
-    request's keys, :func:`pack_keys`): an 8-byte header (the JSON's length and the tail's,
-    big-endian), the JSON, the tail."""
-    raw = json.dumps(message).encode()
-    sock.sendall(struct.pack(">II", len(raw), len(tail)) + raw + tail)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < n:
-        chunk = sock.recv(n - len(chunks))
-        if not chunk:
-            raise ChannelError("the peer closed the connection")
-        chunks += chunk
-    return bytes(chunks)
-
-
-def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    """One frame of :func:`send_frame`: the JSON object, with its tail (if any) as
-    ``"tail"`` (bytes)."""
-    size, tail_size = struct.unpack(">II", _recv_exact(sock, 8))
-    if not 0 < size <= _MAX_FRAME_BYTES or tail_size > _MAX_FRAME_BYTES:
-        raise ChannelError(f"the peer announced a message of {size} bytes and {tail_size} "
-                           f"more (limit {_MAX_FRAME_BYTES} each)")
-    raw = _recv_exact(sock, size)
-    tail = _recv_exact(sock, tail_size) if tail_size else b""  # (the stream stays in step)
-    try:
-        message = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
-        raise BadFrame(f"the peer sent a message that is not JSON this side reads "
-                       f"({type(exc).__name__}: {str(exc)[:200]})") from exc
-    if not isinstance(message, dict):
-        raise BadFrame(f"the peer sent {reprlib.repr(message)}, not a JSON object")
-    message.pop("tail", None)
-    if tail:
-        message["tail"] = tail
-    return message
-
-
-def pack_keys(keys: list[str]) -> bytes:
-    """Block keys (64 lowercase hex digits each, checked already) as a frame's tail: their
-    characters back to back. JSON would spend about as long on a load's hundreds of keys as
-    the producer spends finding their blocks."""
-    return "".join(keys).encode("ascii")
-
-
-def pack_blocks(blocks: list[int]) -> bytes:
-    """Integers of a lookup's or a fetch's answer (per key its block, then per key its
-    publication's serial; ``-1``: not published) as a frame's tail: little-endian int64s
-    (JSON took as long to write and read a load's hundreds of them as the consumer takes to
-    start its READ)."""
-    packed = array("q", blocks)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_blocks(tail: bytes) -> list[int]:
-    """:func:`pack_blocks`' list from its bytes (a ``ValueError`` unless whole int64s)."""
-    blocks = array("q")
-    blocks.frombytes(tail)
-    if sys.byteorder == "big":
-        blocks.byteswap()
-    return blocks.tolist()
-
-
-def close_socket(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
 
 
 # -- producer -------------------------------------------------------------------------------

@@ -25,10 +25,10 @@ from pull_cases import (
     round_trip_between_two_processes,
 )
 
-from kvcore.connectors import get_connector, pull_producer
+from kvcore.connectors import get_connector, pull_channel, pull_producer
 from kvcore.connectors import nixl as nixl_module
 from kvcore.connectors.nixl import nixl_unavailable_reason
-from kvcore.connectors.pull_producer import recv_frame, send_frame
+from kvcore.connectors.pull_channel import recv_frame, send_frame
 
 needs_nixl = NIXL.needs
 consumer, producer, producer_process = NIXL.consumer, NIXL.producer, NIXL.producer_process
@@ -205,7 +205,7 @@ def test_leases_are_bounded_by_the_producer_and_end_when_the_connection_closes()
                 refused["error"])
             taken = request(sock, {"op": "fetch", "keys": keys, "lease_s": 30.0})
             # Each key's block, then its publication's serial.
-            blocks_and_serials = pull_producer.unpack_blocks(taken["tail"])
+            blocks_and_serials = pull_channel.unpack_blocks(taken["tail"])
             assert taken["ok"] and blocks_and_serials[:2] == [3, 4]
             assert min(blocks_and_serials[2:]) > 0 and len(set(blocks_and_serials[2:])) == 2
             assert conn.lookup(keys) == 0  # leased to the raw consumer, which never READs
@@ -403,10 +403,10 @@ def test_a_notification_not_counted_yet_counts_when_the_producer_closes(monkeypa
 
 @needs_nixl
 def test_a_request_carries_its_keys_as_the_frame_tail_or_a_json_list():
-    """The consumer sends keys as raw hex digits after the JSON (pull_producer.pack_keys); a
+    """The consumer sends keys as raw hex digits after the JSON (pull_channel.pack_keys); a
     JSON list is read too, and a tail that is not whole keys is refused with the reason. The
     answers to a lookup and a fetch name the blocks and their publications' serials the same
-    way (pull_producer.pack_blocks; -1: none to take)."""
+    way (pull_channel.pack_blocks; -1: none to take)."""
     kv = make_caches(cross_layer=True)
     keys = keys_for(18, 3)
     with producer() as prod:
@@ -416,22 +416,22 @@ def test_a_request_carries_its_keys_as_the_frame_tail_or_a_json_list():
         try:
             assert hello["ok"]
             # A lookup's answer names the hits' blocks, then their publications' serials.
-            send_frame(sock, {"op": "lookup"}, pull_producer.pack_keys(keys))
+            send_frame(sock, {"op": "lookup"}, pull_channel.pack_keys(keys))
             found = recv_frame(sock)
             assert found["ok"] and found["hits"] == 3
-            serials = pull_producer.unpack_blocks(found["tail"])[3:]
-            assert pull_producer.unpack_blocks(found["tail"])[:3] == [1, 2, 3]
+            serials = pull_channel.unpack_blocks(found["tail"])[3:]
+            assert pull_channel.unpack_blocks(found["tail"])[:3] == [1, 2, 3]
             found = request(sock, {"op": "lookup", "keys": keys[:2]})
             assert found["hits"] == 2
-            assert pull_producer.unpack_blocks(found["tail"]) == [1, 2, *serials[:2]]
-            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys)[:-1])
+            assert pull_channel.unpack_blocks(found["tail"]) == [1, 2, *serials[:2]]
+            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_channel.pack_keys(keys)[:-1])
             refused = recv_frame(sock)
             assert not refused["ok"]
             assert "keys are 64 characters each; its tail has 191 bytes" in refused["error"]
-            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys))
-            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [1, 2, 3, *serials]
-            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_producer.pack_keys(keys))
-            assert pull_producer.unpack_blocks(recv_frame(sock)["tail"]) == [-1] * 6  # leased
+            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_channel.pack_keys(keys))
+            assert pull_channel.unpack_blocks(recv_frame(sock)["tail"]) == [1, 2, 3, *serials]
+            send_frame(sock, {"op": "fetch", "lease_s": 5.0}, pull_channel.pack_keys(keys))
+            assert pull_channel.unpack_blocks(recv_frame(sock)["tail"]) == [-1] * 6  # leased
         finally:
             sock.close()
         prod.close()
