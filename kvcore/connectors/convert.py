@@ -341,6 +341,17 @@ class ConversionPlan:
         partly): what a connector's load of ``num_keys`` keys takes as ``block_ids``."""
         return -(-num_keys * self.src_block_size // self.dst_block_size)
 
+    def key_groups(self, num_keys: int) -> list[tuple[range, slice]]:
+        """The groups of :attr:`group_tokens` of a load of ``num_keys`` keys (whole source
+        blocks): per group, the indices of its keys and the slice of the load's
+        :meth:`blocks_for_keys` destination blocks it writes (the last group maybe partial
+        on both sides). A group converts whole or not at all."""
+        gs = self.group_tokens // self.src_block_size
+        gd = self.group_tokens // self.dst_block_size
+        num_dst = self.blocks_for_keys(num_keys)
+        return [(range(g * gs, min(num_keys, (g + 1) * gs)),
+                 slice(g * gd, min(num_dst, (g + 1) * gd))) for g in range(-(-num_keys // gs))]
+
     def apply_keys(
         self,
         src: torch.Tensor | KVCaches,
@@ -373,8 +384,7 @@ class ConversionPlan:
             raise ValueError(f"{n} keys of {self.src_block_size} tokens fill "
                              f"{self.blocks_for_keys(n)} destination block(s) of "
                              f"{self.dst_block_size}, but dst_ids has {len(dst_ids)}")
-        gs = self.group_tokens // self.src_block_size
-        gd = self.group_tokens // self.dst_block_size
+        groups = self.key_groups(n)
         written: list[int] = []
         missing: dict[int, int] = {}
         nbytes = 0
@@ -384,22 +394,21 @@ class ConversionPlan:
             nonlocal nbytes
             if not run:
                 return
-            k0, k1 = run[0] * gs, min(n, (run[-1] + 1) * gs)
-            d0, d1 = run[0] * gd, min(len(dst_ids), (run[-1] + 1) * gd)
+            (first, lo), (last, hi) = groups[run[0]], groups[run[-1]]
+            k0, k1, d0, d1 = first.start, last.stop, lo.start, hi.stop
             nbytes += self.apply(src, dst, list(src_slots[k0:k1]), list(dst_ids[d0:d1]),
                                  (k1 - k0) * self.src_block_size, dst_scales=dst_scales,
                                  kernel=kernel)
             written.extend(dst_ids[d0:d1])
             run.clear()
 
-        for g in range(-(-n // gs)):
-            keys = range(g * gs, min(n, (g + 1) * gs))
+        for g, (keys, blocks) in enumerate(groups):
             lost = next((i for i in keys if not arrived[i]), None)
             if lost is None:
                 run.append(g)
                 continue
             flush()
-            for b in dst_ids[g * gd:min(len(dst_ids), (g + 1) * gd)]:
+            for b in dst_ids[blocks]:
                 missing[b] = lost
         flush()
         return written, missing, nbytes

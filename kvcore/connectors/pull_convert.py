@@ -300,11 +300,11 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
             stream.synchronize()
         _settle(conn, where, set(), n)
         raise
-    group_keys = plan.group_tokens // plan.src_block_size
-    group_dst = plan.group_tokens // plan.dst_block_size
+    groups = plan.key_groups(n)
     if missing:  # the keys of the groups written
         done = set(written)
-        kept = {i for i in range(n) if block_ids[i // group_keys * group_dst] in done}
+        kept = {i for keys_of_group, dst in groups if block_ids[dst.start] in done
+                for i in keys_of_group}
     else:
         kept = range(n)
     unconfirmed = _settle(conn, where, kept, n)
@@ -314,16 +314,17 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     failed = {block: f"source block {i} of the load (key {keys[i][:12]}..): "
                      f"{errors.get(i, 'not read')}" for block, i in missing.items()}
     if unconfirmed:
-        lost = {i // group_keys for i in unconfirmed}
-        for g in sorted(lost):
-            i = min(k for k in unconfirmed if k // group_keys == g)
-            for block in block_ids[g * group_dst:(g + 1) * group_dst]:
+        keys_of: dict[int, int] = {}  # each destination block: its group's key count
+        for keys_of_group, dst in groups:
+            keys_of.update(dict.fromkeys(block_ids[dst], len(keys_of_group)))
+            i = next((k for k in keys_of_group if k in unconfirmed), None)
+            if i is None:
+                continue
+            for block in block_ids[dst]:
                 failed[block] = (f"source block {i} of the load (key {keys[i][:12]}..) was "
                                  f"gathered, but the producer did not take the confirmation "
                                  f"({unconfirmed[i]}), so its block may have changed meanwhile")
         counted = [b for b in written if b not in failed]
-        keys_of = {b: min(n, (k // group_dst + 1) * group_keys) - k // group_dst * group_keys
-                   for k, b in enumerate(block_ids)}  # (each block: its group's key count)
         nbytes = nbytes * sum(keys_of[b] for b in counted) // sum(keys_of[b] for b in written)
         written = counted
     return list(written), failed, nbytes
@@ -339,11 +340,9 @@ def _gather_again(conn: Any, keys: list[str], block_ids: list[int], src: list[in
     the destination blocks of the groups whose keys are all leased, the first unleased key
     of each other group's blocks, and the bytes written."""
     plan, n = conn._plan, len(keys)
-    gk = plan.group_tokens // plan.src_block_size
-    gd = plan.group_tokens // plan.dst_block_size
+    groups = plan.key_groups(n)
     leased, stale = set(), set()  # groups with every key leased; with a key not as named
-    for g in range(-(-n // gk)):
-        members = range(g * gk, min(n, (g + 1) * gk))
+    for g, (members, _) in enumerate(groups):
         if all(src[i] is not None for i in members):
             leased.add(g)
         if any(src[i] != guesses[0][i] or serial[i] != guesses[1][i] for i in members):
@@ -351,16 +350,21 @@ def _gather_again(conn: Any, keys: list[str], block_ids: list[int], src: list[in
     redo = leased & stale
     nbytes = 0
     if redo:
-        arrived = [i // gk in redo for i in range(n)]
+        arrived = [False] * n
+        for g in redo:
+            arrived[groups[g][0].start:groups[g][0].stop] = [True] * len(groups[g][0])
         _, _, nbytes = conn._timed("gather", lambda: plan.apply_keys(
             conn._source, conn._reg.kv_caches, [s or 0 for s in src], block_ids, arrived,
             dst_scales=conn._kv_scales))
-    groups = -(-n // gk)
-    written = [b for g in sorted(leased) for b in block_ids[g * gd:(g + 1) * gd]]
-    missing = {b: next(i for i in range(g * gk, min(n, (g + 1) * gk)) if src[i] is None)
-               for g in range(groups) if g not in leased for b in block_ids[g * gd:(g + 1) * gd]}
+    written, missing = [], {}
+    for g, (members, dst) in enumerate(groups):
+        if g in leased:
+            written.extend(block_ids[dst])
+        else:
+            lost = next(i for i in members if src[i] is None)
+            missing.update(dict.fromkeys(block_ids[dst], lost))
     untouched = leased - redo  # written by the first gather alone: their share of its bytes
-    share = early_bytes * sum(min(n, (g + 1) * gk) - g * gk for g in untouched) // n
+    share = early_bytes * sum(len(groups[g][0]) for g in untouched) // n
     return written, missing, nbytes + share
 
 
@@ -369,8 +373,7 @@ def _settle(conn: Any, where: list[tuple[str, int] | None] | str, kept: set[int]
     """End the leases of a gather in place: confirm the entries of the keys ``kept`` (read
     by it), in stretches of consecutive entries, and give the others back. ``where``: each
     of the ``n`` keys' ``(lease, entry)``, or one lease whose entry ``i`` is key ``i``.
-    Returns the kept
-    keys whose confirmation could not be sent, with why."""
+    Returns the kept keys whose confirmation could not be sent, with why."""
     if isinstance(where, str):
         if isinstance(kept, range):  # every key read: one confirmation
             why = conn._done(where, 0, len(kept), quiet=True) if kept else None

@@ -372,3 +372,38 @@ def test_ids_that_are_not_ints_are_named():
         with pytest.raises(TypeError, match=rf"src_ids\[1\]={text} must be an int"):
             plan.apply(src, dst, [0, bad], [0], 20)
     assert torch.equal(dst.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("src_bs, dst_bs, num_keys", [
+    (16, 64, 9), (16, 64, 8), (64, 16, 3), (32, 32, 2)], ids=lambda v: str(v))
+def test_apply_keys_writes_whole_groups_and_names_the_first_lost_key(src_bs, dst_bs, num_keys):
+    """A load's keys convert by groups (key_groups: keys and destination blocks, the last
+    partial): a group with a key that did not arrive is not written and names that key;
+    the others equal a conversion of their keys alone; nothing else moves."""
+    src_l = make_layout((0, 1, 2, 3, 4), src_bs, 4, False, num_blocks=12)
+    dst_l = make_layout((0, 1, 3, 2, 4), dst_bs, 4, False, num_blocks=40)
+    plan = plan_conversion(src_l, dst_l)
+    groups = plan.key_groups(num_keys)
+    assert [i for keys, _ in groups for i in keys] == list(range(num_keys))
+    assert groups[-1][1].stop == plan.blocks_for_keys(num_keys)
+    assert [dst.start for _, dst in groups[1:]] == [dst.stop for _, dst in groups[:-1]]
+    gen = torch.Generator().manual_seed(8)
+    src, dst = noise(src_l, gen), noise(dst_l, gen)
+    slots = torch.randperm(12, generator=gen)[:num_keys].tolist()
+    dst_ids = torch.randperm(40, generator=gen)[:plan.blocks_for_keys(num_keys)].tolist()
+    lost = {num_keys - 1} if len(groups) == 1 else {groups[0][0][-1], num_keys - 1}
+    arrived = [i not in lost for i in range(num_keys)]
+    expected = dst.clone()
+    for keys, blocks in groups:
+        if all(arrived[i] for i in keys):
+            plan.apply(src, expected, slots[keys.start:keys.stop], dst_ids[blocks],
+                       len(keys) * src_bs, kernel="torch")
+    written, missing, nbytes = plan.apply_keys(src, dst, slots, dst_ids, arrived,
+                                               kernel="torch")
+    assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+    for keys, blocks in groups:
+        first_lost = next((i for i in keys if not arrived[i]), None)
+        for block in dst_ids[blocks]:
+            assert (block in written) == (first_lost is None)
+            assert missing.get(block) == first_lost
+    assert (nbytes > 0) == bool(written)
