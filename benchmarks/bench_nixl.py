@@ -82,6 +82,10 @@ fetch's answer is on the way), ``gather`` (launching them; the gather itself on 
 the READs started before the lease), and ``other`` (the rest: the loader thread, Python);
 written as ``phases_ms`` in the JSON.
 
+``--profile``: the consumer's loads after the first run under cProfile (a load runs in the
+thread that waits for it), the top functions by own and by cumulative time written to
+``profile.txt`` in ``--out``.
+
 ``--lookup`` (nixl, mooncake): before each load the consumer looks its keys up, untimed, as an
 engine's scheduler does before it asks for the load; the lookup's answer names the producer's
 blocks, so the load starts its READs from them while its fetch is on the way (and trusts them
@@ -103,10 +107,13 @@ Two GPUs of one host:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import itertools
 import json
 import os
+import pstats
 import queue
 import signal
 import statistics
@@ -297,7 +304,7 @@ def convert_suite(args: argparse.Namespace) -> int:
         (out / f"{slug}.log").write_text(log)
         print(f"== {label}: rc {rc}, {time.perf_counter() - started:.0f} s")
         print("\n".join(f"   {line}" for line in log.strip().splitlines()[-8:]))
-        record = {"case": label, "rc": rc}
+        record = {"case": label, "connector": connector, "rc": rc}
         result_file = out / slug / "bench_nixl.json"
         if result_file.exists():
             record.update(json.loads(result_file.read_text()))
@@ -670,6 +677,9 @@ def main() -> int:
     parser.add_argument("--phases", action="store_true",
                         help="nixl, mooncake: time where each load's wall time goes (see the "
                              "module docstring)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the consumer's loads after the first (cProfile: the "
+                             "load runs in the waiting thread) into OUT/profile.txt")
     parser.add_argument("--progress-thread", choices=("on", "off"), default=None,
                         help="nixl: both connectors' progress_thread (default: the "
                              "connector's, on for the producer, off for the consumer)")
@@ -749,6 +759,7 @@ def main() -> int:
             consumer.register_kv_caches(kv)
             transport = getattr(consumer, "transport", None)  # p2p: the data path agreed
             phases = Phases(consumer) if args.phases else None
+            profile = cProfile.Profile() if args.profile else None
             for t in range(args.trials):
                 keys = trial_keys(t, num_keys)
                 if args.lookup:
@@ -757,6 +768,8 @@ def main() -> int:
                         time.sleep(0.001)
                     if phases is not None:
                         phases.forget()  # the lookup is the scheduler's, not the load's
+                if profile is not None and t:
+                    profile.enable()
                 t0 = time.perf_counter()
                 if p2p:
                     go(t)
@@ -764,6 +777,8 @@ def main() -> int:
                 if kv.storage.is_cuda:
                     torch.cuda.synchronize(kv.storage.device)
                 times.append(time.perf_counter() - t0)
+                if profile is not None:
+                    profile.disable()
                 if phases is not None:
                     phases.end_load(times[-1])
                 if not result.ok:
@@ -811,6 +826,12 @@ def main() -> int:
     if phases is not None:
         record["phases_ms"] = phases.medians_ms()
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if profile is not None:
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(profile, stream=text).sort_stats(key).print_stats(30)
+        (Path(args.out) / "profile.txt").write_text(
+            f"{args.trials - 1} loads, {nbytes} bytes each\n{text.getvalue()}")
     (Path(args.out) / "bench_nixl.json").write_text(json.dumps(record, indent=2))
     what = ((f"{name} gather in place" if record["converts_in_place"] else f"{name} READ")
             if name in ("nixl", "mooncake") else f"p2p send/receive ({transport})")

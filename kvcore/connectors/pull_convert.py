@@ -287,6 +287,10 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
             elif early[1]:
                 written, missing, nbytes = _gather_again(conn, keys, block_ids, src, serial,
                                                          guesses, early[0])
+            elif isinstance(where, str):  # the first fetch leased every key: one gather
+                written, missing = block_ids, {}
+                nbytes = conn._timed("gather", lambda: plan.apply(
+                    source, cache, src, block_ids, num_tokens, dst_scales=scales))
             else:
                 arrived = [s is not None for s in src]
                 written, missing, nbytes = conn._timed(
