@@ -520,8 +520,9 @@ def grid(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """The producer, on ``--serve-device``. nixl: publish every block under each trial's keys;
-    wait until read. p2p: send every block under trial t's keys when this process reads
-    ``go t`` on its stdin (the consumer's clock starts then)."""
+    wait until read, then until the consumer closed (stdin ends). p2p: send every block under
+    trial t's keys when this process reads ``go t`` on its stdin (the consumer's clock starts
+    then)."""
     kv = make_cache(args, fill=True, device=args.serve_device)
     ids = block_ids(args, kv.num_blocks, "producer")
     if args.connector == "p2p":
@@ -543,7 +544,10 @@ def serve(args: argparse.Namespace) -> int:
         handles = [producer.save(trial_keys(t, kv.num_blocks), ids) for t in range(args.trials)]
         print(f"port {producer.port}", flush=True)
         ok = all(h.wait(timeout=600).ok for h in handles)
-    print(f"served {ok}", flush=True)
+        print(f"served {ok}", flush=True)
+        # Close once the consumer closed (its stdin ends): a consumer converting in place
+        # maps this cache until then.
+        sys.stdin.read()
     return 0 if ok else 1
 
 
@@ -713,8 +717,7 @@ def main() -> int:
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
     p2p = args.connector == "p2p"
     proc = subprocess.Popen([sys.executable, __file__, "--serve", *sys.argv[1:]],
-                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if p2p else None,
-                            text=True, env=env)
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, env=env)
     # The producer's stdout carries "port N" and "served ..." lines, and UCX's own log when
     # it is on (UCX logs to stdout): a thread drains it, so the producer never blocks on it.
     port_line: queue.Queue[str] = queue.Queue()
@@ -790,7 +793,7 @@ def main() -> int:
         proc.kill()  # its saves would wait publish_timeout_s for reads that never come
         raise
     finally:
-        if p2p and not proc.stdin.closed:
+        if not proc.stdin.closed:  # (the consumer closed: the producer may close now)
             proc.stdin.close()
         proc.wait(timeout=120)
         drainer.join(30)
