@@ -309,32 +309,34 @@ class ConversionPlan:
         s_ids = _ids(src_ids, "src_ids", src_n, "source")
         d_ids = _ids(dst_ids, "dst_ids", dst_n, "destination")
         if num_tokens is None:
-            num_tokens = s_ids.numel() * self.src_block_size
+            num_tokens = len(s_ids) * self.src_block_size
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
         want_src, want_dst = self.num_blocks_for(num_tokens)
-        if (s_ids.numel(), d_ids.numel()) != (want_src, want_dst):
+        if (len(s_ids), len(d_ids)) != (want_src, want_dst):
             raise ValueError(
                 f"{num_tokens} tokens occupy {want_src} source block(s) of "
                 f"{self.src_block_size} and {want_dst} destination block(s) of "
-                f"{self.dst_block_size}, but src_ids has {s_ids.numel()} and dst_ids "
-                f"{d_ids.numel()}; pass the request's blocks on each side")
-        if (len(set(dst_ids)) if isinstance(dst_ids, list)  # (a list: one pass of C code)
-                else d_ids.unique().numel()) != d_ids.numel():
-            raise ValueError(f"dst_ids repeats blocks ({sorted(d_ids.tolist())}); each "
-                             "destination block is written once")
+                f"{self.dst_block_size}, but src_ids has {len(s_ids)} and dst_ids "
+                f"{len(d_ids)}; pass the request's blocks on each side")
+        if (len(set(d_ids)) if isinstance(d_ids, list)  # (a list: one pass of C code)
+                else d_ids.unique().numel()) != len(d_ids):
+            raise ValueError(f"dst_ids repeats blocks ({sorted(_id_tensor(d_ids).tolist())}); "
+                             "each destination block is written once")
         scales = self._scales(src_scales, dst_scales)
         if num_tokens == 0:
             return _nothing
         if kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel={kernel!r} must be 'auto', 'torch' or 'triton'")
         if self.is_identity:
-            return self._copy_blocks(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens)
+            return self._copy_blocks(src_t, src_n, dst_t, dst_n, _id_tensor(s_ids),
+                                     _id_tensor(d_ids), num_tokens)
         if kernel == "triton" or (kernel == "auto" and dst_t.is_cuda):
             if src_t.device != dst_t.device:
                 src_t = src_t.to(dst_t.device)
             return self._launch(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens, scales)
-        return self._gather(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens, scales)
+        return self._gather(src_t, src_n, dst_t, dst_n, _id_tensor(s_ids), _id_tensor(d_ids),
+                            num_tokens, scales)
 
     def blocks_for_keys(self, num_keys: int) -> int:
         """Destination blocks that ``num_keys`` whole source blocks fill (the last maybe
@@ -502,8 +504,8 @@ class ConversionPlan:
         return flat.clone()
 
     def _launch(self, src_t: torch.Tensor, src_n: int, dst_t: torch.Tensor, dst_n: int,
-                s_ids: torch.Tensor, d_ids: torch.Tensor, num_tokens: int,
-                scales: torch.Tensor | None) -> Callable[[], int]:
+                s_ids: list[int] | torch.Tensor, d_ids: list[int] | torch.Tensor,
+                num_tokens: int, scales: torch.Tensor | None) -> Callable[[], int]:
         """The conversion as one launch of the gather kernel on the destination's device."""
         from kvcore.ops.triton_convert import prepare_convert
 
@@ -519,7 +521,7 @@ class ConversionPlan:
             num_tokens=num_tokens, src_block_size=self.src_block_size,
             dst_block_size=self.dst_block_size, src_strides=strides[0],
             dst_strides=strides[1], num_layers=self.num_layers,
-            num_kv=1 if self.is_mla else 2, head_pairs=list(self.head_map),
+            num_kv=1 if self.is_mla else 2, head_pairs=self.head_map,
             head_size=self.head_size, scales=scales)
         return _nothing if launch is None else launch
 
@@ -620,12 +622,15 @@ def _storage(value: torch.Tensor | KVCaches, layout: KVCacheLayout, name: str,
 
 
 def _ids(value: Sequence[int] | torch.Tensor, name: str, num_blocks: int, side: str
-         ) -> torch.Tensor:
+         ) -> list[int] | torch.Tensor:
+    """Checked block ids: an int64 CPU tensor for a tensor, a list of ints for a sequence
+    (checked in passes of C code; the gather kernel's launch packs lists in one tensor)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got {value.dtype} "
                             f"shape {tuple(value.shape)}")
-        ids = value.to("cpu", torch.int64)
+        ids: list[int] | torch.Tensor = value.to("cpu", torch.int64)
+        bounds = tuple(int(v) for v in torch.aminmax(ids)) if ids.numel() else None
     else:
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got "
@@ -634,16 +639,18 @@ def _ids(value: Sequence[int] | torch.Tensor, name: str, num_blocks: int, side: 
             for i, b in enumerate(value):
                 if isinstance(b, bool) or not isinstance(b, int):
                     raise TypeError(f"{name}[{i}]={b!r} must be an int")
-        ids = torch.tensor(value if isinstance(value, list) else list(value),
-                           dtype=torch.int64)
-    if not ids.numel():
-        return ids
-    lo, hi = (int(v) for v in torch.aminmax(ids))
-    if lo < 0 or hi >= num_blocks:
-        bad = lo if lo < 0 else hi
+        ids = value if type(value) is list else [int(b) for b in value]
+        bounds = (min(ids), max(ids)) if ids else None
+    if bounds is not None and (bounds[0] < 0 or bounds[1] >= num_blocks):
+        bad = bounds[0] if bounds[0] < 0 else bounds[1]
         raise ValueError(f"{name} contains {bad}, outside the {side}'s {num_blocks} blocks "
                          f"(valid: 0..{num_blocks - 1}); is the {side} too small?")
     return ids
+
+
+def _id_tensor(ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Checked ids (:func:`_ids`) as an int64 CPU tensor."""
+    return ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

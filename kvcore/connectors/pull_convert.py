@@ -304,10 +304,9 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
             stream.synchronize()
         _settle(conn, where, set(), n)
         raise
-    groups = plan.key_groups(n)
     if missing:  # the keys of the groups written
         done = set(written)
-        kept = {i for keys_of_group, dst in groups if block_ids[dst.start] in done
+        kept = {i for keys_of_group, dst in plan.key_groups(n) if block_ids[dst.start] in done
                 for i in keys_of_group}
     else:
         kept = range(n)
@@ -319,7 +318,7 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
                      f"{errors.get(i, 'not read')}" for block, i in missing.items()}
     if unconfirmed:
         keys_of: dict[int, int] = {}  # each destination block: its group's key count
-        for keys_of_group, dst in groups:
+        for keys_of_group, dst in plan.key_groups(n):
             keys_of.update(dict.fromkeys(block_ids[dst], len(keys_of_group)))
             i = next((k for k in keys_of_group if k in unconfirmed), None)
             if i is None:

@@ -27,7 +27,10 @@ caches on a GPU). This module imports triton; :mod:`kvcore.ops` imports it lazil
 
 from __future__ import annotations
 
+import functools
 import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,16 +176,6 @@ def _convert_blocks_kernel(
     tl.store(dst_ptr + d_off, x, mask=mask, eviction_policy=EVICTION)
 
 
-def _word_size(tensors: tuple[torch.Tensor, ...], itemsize: int, counts: tuple[int, ...]
-               ) -> int:
-    """The widest word (bytes) that every byte count and tensor address is a multiple of."""
-    for size in _WORDS:
-        if all(t.data_ptr() % size == 0 for t in tensors) \
-                and all((c * itemsize) % size == 0 for c in counts):
-            return size
-    return 1
-
-
 def _as_ids(ids: torch.Tensor | list[int], name: str) -> torch.Tensor:
     """Ids as an int64 CPU tensor (bounds are checked on the host)."""
     if not isinstance(ids, torch.Tensor):
@@ -256,7 +249,7 @@ def prepare_convert(
     dst_strides: Strides,
     num_layers: int,
     num_kv: int,
-    head_pairs: torch.Tensor | list[tuple[int, int]],
+    head_pairs: torch.Tensor | Sequence[tuple[int, int]],
     head_size: int,
     scales: torch.Tensor | None = None,
     config: GatherConfig | None = None,
@@ -304,76 +297,145 @@ def prepare_convert(
         if scales.numel() != num_layers * num_kv:
             raise ValueError(f"scales has {scales.numel()} values; expected num_layers * "
                              f"num_kv = {num_layers * num_kv}")
-    config = config or DEFAULT_GATHER_CONFIG
-    device = dst.device
-    s_ids = _as_ids(src_ids, "src_ids")
-    d_ids = _as_ids(dst_ids, "dst_ids")
-    pairs = torch.as_tensor(head_pairs, dtype=torch.int64).reshape(-1, 2).cpu()
-    if num_tokens <= 0 or pairs.numel() == 0:
+    if isinstance(head_pairs, torch.Tensor):
+        head_pairs = head_pairs.reshape(-1, 2).tolist()
+    pairs = tuple((int(d), int(s)) for d, s in head_pairs)
+    if num_tokens <= 0 or not pairs:
         return None
-    need_s, need_d = -(-num_tokens // src_block_size), -(-num_tokens // dst_block_size)
-    if s_ids.numel() < need_s or d_ids.numel() < need_d:
-        raise ValueError(f"{num_tokens} tokens need {need_s} source and {need_d} destination "
-                         f"block ids; got {s_ids.numel()} and {d_ids.numel()}")
-    src_w, dst_w = src, dst
-    units = head_size
-    if scales is None:
-        # Same bytes: move integer words (exact bits), as wide as the head's bytes, every
-        # stride and both addresses allow when the head is contiguous on both sides.
-        elem = src.dtype.itemsize
-        word = elem
-        src_strides, dst_strides = tuple(src_strides), tuple(dst_strides)
-        if src_strides[5] == 1 and dst_strides[5] == 1:
-            word = _word_size((src, dst), elem, (head_size, *src_strides[:5], *dst_strides[:5]))
-            ratio = word // elem
-            src_strides = (*(s // ratio for s in src_strides[:5]), 1)
-            dst_strides = (*(s // ratio for s in dst_strides[:5]), 1)
-            units = head_size // ratio
-        src_w, dst_w = src.view(_WORDS[word]), dst.view(_WORDS[word])
-    s_ids, d_ids = s_ids[:need_s], d_ids[:need_d]
-    (d_head_lo, s_head_lo), (d_head_hi, s_head_hi) = (pairs.amin(0).tolist(),
-                                                      pairs.amax(0).tolist())
-    sides = (("src", src_w, s_ids, src_strides, src_block_size, s_head_lo, s_head_hi),
-             ("dst", dst_w, d_ids, dst_strides, dst_block_size, d_head_lo, d_head_hi))
-    for name, t, ids, st, bs, head_lo, head_hi in sides:
+    # What depends only on the shapes and the two allocations' addresses: worked out once
+    # per combination (a connector's loads repeat it).
+    setup = _setup(src.dtype, dst.dtype, _alignment(src), _alignment(dst), num_tokens,
+                   src_block_size, dst_block_size, tuple(src_strides), tuple(dst_strides),
+                   num_layers, num_kv, pairs, head_size, scales is not None,
+                   config or DEFAULT_GATHER_CONFIG)
+    need_s, need_d = setup.need
+    host, bounds = _ids_on_host(src_ids, dst_ids, need_s, need_d, setup.pairs_flat,
+                                num_tokens)
+    src_w = src if setup.word is None else src.view(setup.word)
+    dst_w = dst if setup.word is None else dst.view(setup.word)
+    for name, t, (lo, hi), st, bs, (head_lo, head_hi) in (
+            ("src", src_w, bounds[0], setup.strides[0], src_block_size, setup.heads[0]),
+            ("dst", dst_w, bounds[1], setup.strides[1], dst_block_size, setup.heads[1])):
         b, lay, kv, tok, h, d = st
-        lo, hi = (int(v) for v in torch.aminmax(ids))
         last = (hi * b + (num_layers - 1) * lay + (num_kv - 1) * kv
-                + (bs - 1) * tok + head_hi * h + (units - 1) * d)
+                + (bs - 1) * tok + head_hi * h + (setup.units - 1) * d)
         if lo < 0 or head_lo < 0 or last >= t.numel():
             raise ValueError(f"{name}_ids address past {name}: the largest offset they reach is "
                              f"{last}, and {name} holds {t.numel()} elements; is {name} too "
                              "small, or an id out of range?")
     # One host -> device copy for the ids and head pairs, asynchronous from pinned memory:
     # the launch does not wait for the device to finish earlier work.
-    packed = _to_device(torch.cat([s_ids, d_ids, pairs.reshape(-1)]), device)
-    s_dev, d_dev, pairs_dev = packed.split([need_s, need_d, pairs.numel()])
-
-    num_pairs = pairs.shape[0]
-    block_t, block_h, block_d, aligned = _tile(config, src_w.dtype.itemsize, units, num_pairs,
-                                               num_tokens, src_block_size, dst_block_size)
-    fp8_max, mantissa, min_exp = fp8_format(dst.dtype)
-    quantize = scales is not None and dst.dtype in _FP8
-    # Host-side ceil divisions: recent Triton's triton.cdiv is a constexpr function whose
-    # call costs microseconds.
-    grid = (-(-num_tokens // block_t), num_layers * num_kv * -(-num_pairs // block_h))
+    device = dst.device
+    s_dev, d_dev, pairs_dev = _to_device(host, device).split(
+        [need_s, need_d, len(setup.pairs_flat)])
     scale_arg = (_to_device(scales.to(dtype=torch.float32, device="cpu").contiguous(), device)
                  if scales is not None else s_dev)
     args = (src_w, dst_w, s_dev, d_dev, pairs_dev, scale_arg,
-            num_tokens, src_block_size, dst_block_size, num_kv, num_pairs, units,
-            *src_strides, *dst_strides)
+            num_tokens, src_block_size, dst_block_size, num_kv, len(pairs), setup.units,
+            *setup.strides[0], *setup.strides[1])
+    return GatherLaunch(setup.grid, args, setup.constants, setup.nbytes)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """The shape-only part of a prepared gather (:func:`_setup`)."""
+
+    word: torch.dtype | None  # both sides viewed as this integer dtype (None: as they are)
+    strides: tuple[Strides, Strides]  # in those words
+    units: int  # words (or elements) per head
+    need: tuple[int, int]  # source and destination blocks the tokens occupy
+    heads: tuple[tuple[int, int], tuple[int, int]]  # (lowest, highest) head, src then dst
+    pairs_flat: list[int]
+    grid: tuple[int, int]
+    constants: dict[str, Any]
+    nbytes: int
+
+
+def _alignment(t: torch.Tensor) -> int:
+    """The largest word size (up to 8 bytes) that ``t``'s address is a multiple of."""
+    address = t.data_ptr()
+    return 8 if address % 8 == 0 else address & -address
+
+
+@functools.lru_cache(maxsize=256)
+def _setup(src_dtype: torch.dtype, dst_dtype: torch.dtype, src_align: int, dst_align: int,
+           num_tokens: int, src_block_size: int, dst_block_size: int, src_strides: Strides,
+           dst_strides: Strides, num_layers: int, num_kv: int,
+           pairs: tuple[tuple[int, int], ...], head_size: int, scaled: bool,
+           config: GatherConfig) -> _Setup:
+    units, word = head_size, None
+    if not scaled:
+        # Same bytes: move integer words (exact bits), as wide as the head's bytes, every
+        # stride and both addresses allow when the head is contiguous on both sides.
+        elem = src_dtype.itemsize
+        size = elem
+        if src_strides[5] == 1 and dst_strides[5] == 1:
+            counts = (head_size, *src_strides[:5], *dst_strides[:5])
+            size = next(w for w in _WORDS if src_align % w == 0 and dst_align % w == 0
+                        and all((c * elem) % w == 0 for c in counts))
+            ratio = size // elem
+            src_strides = (*(s // ratio for s in src_strides[:5]), 1)
+            dst_strides = (*(s // ratio for s in dst_strides[:5]), 1)
+            units = head_size // ratio
+        word = _WORDS[size]
+    word_bytes = word.itemsize if word is not None else src_dtype.itemsize
+    num_pairs = len(pairs)
+    block_t, block_h, block_d, aligned = _tile(config, word_bytes, units, num_pairs,
+                                               num_tokens, src_block_size, dst_block_size)
+    fp8_max, mantissa, min_exp = fp8_format(dst_dtype)
+    quantize = scaled and dst_dtype in _FP8
+    interpreted = is_interpreted(_convert_blocks_kernel)
     constants = dict(
-        SCALE=scales is not None, QUANTIZE=quantize, FP8_MAX=fp8_max,
-        EXACT_FP8_ROUNDING=quantize and is_interpreted(_convert_blocks_kernel),
-        MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp,
-        INTERPRET=is_interpreted(_convert_blocks_kernel),
+        SCALE=scaled, QUANTIZE=quantize, FP8_MAX=fp8_max,
+        EXACT_FP8_ROUNDING=quantize and interpreted,
+        MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp, INTERPRET=interpreted,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, ALIGNED=aligned,
         CONTIGUOUS=src_strides[5] == 1 and dst_strides[5] == 1,
         EVEN_H=num_pairs % block_h == 0, EVEN_D=units == block_d,
         EVICTION="evict_first" if config.evict_first else "",
         num_warps=config.num_warps)
-    nbytes = num_tokens * num_layers * num_kv * num_pairs * head_size * dst.dtype.itemsize
-    return GatherLaunch(grid, args, constants, nbytes)
+    # Host-side ceil divisions: recent Triton's triton.cdiv is a constexpr function whose
+    # call costs microseconds.
+    grid = (-(-num_tokens // block_t), num_layers * num_kv * -(-num_pairs // block_h))
+    dst_heads, src_heads = [d for d, _ in pairs], [s for _, s in pairs]
+    return _Setup(
+        word=word, strides=(src_strides, dst_strides), units=units,
+        need=(-(-num_tokens // src_block_size), -(-num_tokens // dst_block_size)),
+        heads=((min(src_heads), max(src_heads)), (min(dst_heads), max(dst_heads))),
+        pairs_flat=[h for pair in pairs for h in pair], grid=grid, constants=constants,
+        nbytes=num_tokens * num_layers * num_kv * num_pairs * head_size * dst_dtype.itemsize)
+
+
+def _ids_on_host(src_ids: torch.Tensor | Sequence[int], dst_ids: torch.Tensor | Sequence[int],
+                 need_s: int, need_d: int, pairs_flat: list[int], num_tokens: int
+                 ) -> tuple[torch.Tensor, tuple[tuple[int, int], tuple[int, int]]]:
+    """The first ``need_s`` source and ``need_d`` destination ids and the head pairs as one
+    int64 CPU tensor, and each side's ``(lowest, highest)`` id. Sequences of ints are packed
+    and bounded in passes of C code (no tensor op per side)."""
+    tensors = isinstance(src_ids, torch.Tensor) or isinstance(dst_ids, torch.Tensor)
+    if tensors:
+        s_ids, d_ids = _as_ids(src_ids, "src_ids"), _as_ids(dst_ids, "dst_ids")
+    else:
+        s_ids, d_ids = list(src_ids), list(dst_ids)
+    if len(s_ids) < need_s or len(d_ids) < need_d:
+        raise ValueError(f"{num_tokens} tokens need {need_s} source and {need_d} destination "
+                         f"block ids; got {len(s_ids)} and {len(d_ids)}")
+    s_ids, d_ids = s_ids[:need_s], d_ids[:need_d]
+    if tensors:
+        host = torch.cat([s_ids, d_ids, torch.tensor(pairs_flat, dtype=torch.int64)])
+        return host, tuple((int(lo), int(hi)) for lo, hi in (torch.aminmax(s_ids),
+                                                              torch.aminmax(d_ids)))
+    packed = array("q")
+    for name, ids in (("src_ids", s_ids), ("dst_ids", d_ids)):
+        try:
+            packed.extend(ids)  # (refuses what is not an int, or past int64)
+        except (TypeError, OverflowError):
+            bad = next(i for i, v in enumerate(ids)
+                       if not isinstance(v, int) or not -2**63 <= v < 2**63)
+            raise TypeError(f"{name}[{bad}]={ids[bad]!r} must be an int64") from None
+    packed.extend(pairs_flat)
+    return (torch.frombuffer(packed, dtype=torch.int64),
+            ((min(s_ids), max(s_ids)), (min(d_ids), max(d_ids))))
 
 
 def convert_blocks(

@@ -147,6 +147,31 @@ def test_kernel_refuses_ids_past_the_tensor_and_moves_nothing():
     assert bool((dst[:32] == 0).all()) and bool((dst[32:] == 1).all())
 
 
+def test_repeated_shapes_at_other_addresses_move_words_those_addresses_allow():
+    """Prepared gathers of one shape reuse its tiling, but the word the bytes move as
+    follows each allocation's address: 8-byte words at an aligned one, narrower ones where
+    the allocation starts 2 or 4 bytes past it; each writes the torch gather's bytes. Ids
+    that are not ints, or name blocks past the allocation, are refused on every call."""
+    plan = plan_conversion(make_layout(NHD, 16, 2, False), make_layout(HND, 32, 2, False))
+    gen = torch.Generator().manual_seed(9)
+    src = noise(plan.src, gen)
+    dst_bytes = plan.dst.total_bytes
+    buffer = torch.empty(dst_bytes + 16, dtype=torch.uint8, device=KERNEL_DEVICE)
+    for offset, word in ((0, torch.int64), (2, torch.int16), (4, torch.int32), (0, torch.int64)):
+        dst = buffer[offset:offset + dst_bytes]
+        dst.copy_(noise(plan.dst, gen).view(torch.uint8).reshape(-1))
+        expected = dst.cpu().view(plan.dst.dtype).view(plan.dst.physical_shape).clone()
+        plan.apply(src, expected, [5, 2, 7], [3, 1], 40, kernel="torch")
+        run = plan.prepare(src.to(KERNEL_DEVICE), dst, [5, 2, 7], [3, 1], 40, kernel="triton")
+        assert run.args[1].dtype == word
+        run()
+        assert torch.equal(dst.cpu(), expected.view(torch.uint8).reshape(-1))
+    with pytest.raises(TypeError, match=r"src_ids\[1\]=2.0 must be an int"):
+        plan.prepare(src.to(KERNEL_DEVICE), dst, [5, 2.0, 7], [3, 1], 40, kernel="triton")
+    with pytest.raises(ValueError, match=r"dst_ids contains 8, outside the destination's 8"):
+        plan.prepare(src.to(KERNEL_DEVICE), dst, [5, 2, 7], [3, 8], 40, kernel="triton")
+
+
 #: Tilings of the gather kernel: each must write the same bytes as the torch gather.
 GATHER_CONFIGS = {
     "default": None,
