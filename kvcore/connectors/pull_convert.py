@@ -233,8 +233,8 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
 
         try:
             with on_stream():
-                run = plan.prepare(source, cache, guesses[0], block_ids, num_tokens,
-                                   dst_scales=scales)
+                run = conn._timed("prepare", lambda: plan.prepare(
+                    source, cache, guesses[0], block_ids, num_tokens, dst_scales=scales))
                 conn._timed("gather", launch)
         except Exception as exc:
             logger.warning("%s consumer: the gather from the blocks a lookup named failed "
