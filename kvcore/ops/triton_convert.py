@@ -345,9 +345,9 @@ class _Setup:
     units: int  # words (or elements) per head
     need: tuple[int, int]  # source and destination blocks the tokens occupy
     heads: tuple[tuple[int, int], tuple[int, int]]  # (lowest, highest) head, src then dst
-    pairs_flat: list[int]
+    pairs_flat: tuple[int, ...]  # (dst, src) head pairs, flat
     grid: tuple[int, int]
-    constants: dict[str, Any]
+    constants: dict[str, Any]  # the kernel's constexprs (shared by launches: not mutated)
     nbytes: int
 
 
@@ -363,6 +363,9 @@ def _setup(src_dtype: torch.dtype, dst_dtype: torch.dtype, src_align: int, dst_a
            dst_strides: Strides, num_layers: int, num_kv: int,
            pairs: tuple[tuple[int, int], ...], head_size: int, scaled: bool,
            config: GatherConfig) -> _Setup:
+    """:func:`prepare_convert`'s work that depends on no id and no address beyond its
+    alignment: the integer word, strides in words, tiling, grid and constants (cached: a
+    connector's loads repeat one shape)."""
     units, word = head_size, None
     if not scaled:
         # Same bytes: move integer words (exact bits), as wide as the head's bytes, every
@@ -402,12 +405,12 @@ def _setup(src_dtype: torch.dtype, dst_dtype: torch.dtype, src_align: int, dst_a
         word=word, strides=(src_strides, dst_strides), units=units,
         need=(-(-num_tokens // src_block_size), -(-num_tokens // dst_block_size)),
         heads=((min(src_heads), max(src_heads)), (min(dst_heads), max(dst_heads))),
-        pairs_flat=[h for pair in pairs for h in pair], grid=grid, constants=constants,
+        pairs_flat=tuple(h for pair in pairs for h in pair), grid=grid, constants=constants,
         nbytes=num_tokens * num_layers * num_kv * num_pairs * head_size * dst_dtype.itemsize)
 
 
 def _ids_on_host(src_ids: torch.Tensor | Sequence[int], dst_ids: torch.Tensor | Sequence[int],
-                 need_s: int, need_d: int, pairs_flat: list[int], num_tokens: int
+                 need_s: int, need_d: int, pairs_flat: tuple[int, ...], num_tokens: int
                  ) -> tuple[torch.Tensor, tuple[tuple[int, int], tuple[int, int]]]:
     """The first ``need_s`` source and ``need_d`` destination ids and the head pairs as one
     int64 CPU tensor, and each side's ``(lowest, highest)`` id. Sequences of ints are packed
