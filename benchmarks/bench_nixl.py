@@ -76,11 +76,11 @@ load (median over the loads after the first, in ms), through the connector's tim
 ``channel`` (requests to the producer: fetch, confirmations; ``round_trips`` counts them),
 ``start_read`` (descriptors, the transfer request and its post), ``poll`` (asking the library
 whether a READ finished), ``release`` (freeing its handle), ``pause`` (the connector's pauses
-between polls), for a converting load ``prepare`` (its gathers' checks and ids, while the
-fetch's answer is on the way), ``gather`` (launching them; the gather itself on the CPU) and
-``wait`` (the host waiting for the device), ``notify`` (nixl, with ``--lookup``: confirming
-the READs started before the lease), and ``other`` (the rest: the loader thread, Python);
-written as ``phases_ms`` in the JSON.
+between polls), for a converting load ``prepare`` (its gathers' checks and ids: staged, while
+the fetch's answer is on the way; in place after a lookup, before the fetch), ``gather``
+(launching them; the gather itself on the CPU) and ``wait`` (the host waiting for the
+device), ``notify`` (nixl, with ``--lookup``: confirming the READs started before the lease),
+and ``other`` (the rest: the loader thread, Python); written as ``phases_ms`` in the JSON.
 
 ``--profile``: the consumer's loads after the first run under cProfile (a load runs in the
 thread that waits for it), the top functions by own and by cumulative time written to

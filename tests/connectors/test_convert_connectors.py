@@ -161,9 +161,9 @@ def test_pull_consumer_converts_on_load(pull, case, staging_bytes):
             result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
             assert result.ok, result.failed
             assert sorted(result.succeeded) == sorted(dst_ids)
-            if in_place:  # one gather, launched while the fetch is out; one confirmation
+            if in_place:  # one gather, prepared and launched before the fetch; one confirmation
                 assert [p for p in phases if p != "wait"] == \
-                    ["lookup", "gather", "fetch", "done"]
+                    ["lookup", "prepare", "gather", "fetch", "done"]
             else:
                 assert "start_read" in phases
         assert save.wait(timeout=pull.wait_s).ok
@@ -196,6 +196,21 @@ def staged_load() -> tuple:
     return n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes
 
 
+def destination(seed: int) -> KVCaches:
+    """A :func:`staged_load` destination: 16 HND cross-layer blocks of 8 tokens, random."""
+    return make_caches(layout="hnd", cross_layer=True, block_size=8, num_blocks=16,
+                       seed=seed + 1)
+
+
+def assert_converted(dst: KVCaches, dst_ids: list[int], src: KVCaches, src_ids: list[int]
+                     ) -> None:
+    """The tokens of a :func:`staged_load`'s 23 source blocks (4 tokens each) in ``dst_ids``
+    equal the producer's in ``src_ids``, bit for bit."""
+    num_tokens = len(src_ids) * 4
+    assert torch.equal(tokens_of(dst, dst_ids, num_tokens).view(torch.uint8),
+                       tokens_of(src, src_ids, num_tokens).contiguous().view(torch.uint8))
+
+
 @pytest.mark.parametrize("pull", PULLS)
 def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
     """A staging buffer of four block groups (two parts of two) and 23 source blocks: twelve
@@ -209,8 +224,7 @@ def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
         prod.register_kv_caches(src)
         save = prod.save(keys, src_ids)
         for buffers in (1, 2):
-            dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                              seed=seed + 1)
+            dst = destination(seed)
             with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
                                staging_buffers=buffers, map_producer=False) as conn:
                 conn.register_kv_caches(dst)
@@ -231,8 +245,7 @@ def test_double_buffered_staging_moves_the_same_bytes_as_one_buffer(pull):
     want = tokens_of(src, src_ids, n * p_bs)
     assert torch.equal(tokens_of(two, dst_ids, n * p_bs).view(torch.uint8),
                        want.contiguous().view(torch.uint8))
-    untouched = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                            seed=seed + 1)
+    untouched = destination(seed)
     others = sorted(set(range(16)) - set(dst_ids))
     assert torch.equal(logical_blocks(two, others), logical_blocks(untouched, others))
     assert torch.equal(tokens_of(two, [dst_ids[-1]], c_bs)[:, :, 4:],
@@ -248,7 +261,7 @@ def test_every_gather_is_prepared_while_the_fetch_is_answered_and_launched_once_
     the preparing apart from the fetch."""
     from kvcore.connectors.convert import ConversionPlan
 
-    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
+    _, _, _, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
     phases: list[str] = []
     prepare = ConversionPlan.prepare
 
@@ -264,8 +277,7 @@ def test_every_gather_is_prepared_while_the_fetch_is_answered_and_launched_once_
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         save = prod.save(keys, src_ids)
-        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                          seed=seed + 1)
+        dst = destination(seed)
         with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
                            map_producer=False) as conn:
             conn.register_kv_caches(dst)
@@ -274,8 +286,7 @@ def test_every_gather_is_prepared_while_the_fetch_is_answered_and_launched_once_
         assert save.wait(timeout=pull.wait_s).ok
     assert result.ok, result.failed
     assert result.succeeded == tuple(dst_ids)
-    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
-                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+    assert_converted(dst, dst_ids, src, src_ids)
     # Six chunks (two groups each, the last one group), all prepared before the fetch ended.
     assert phases[:8] == ["plan.prepare"] * 6 + ["prepare", "fetch"]
     assert phases.count("plan.prepare") == 6 and phases.count("prepare") == 1
@@ -295,7 +306,7 @@ def test_a_part_of_the_staging_buffer_is_read_into_again_only_after_its_gather(
     in its part, was converted."""
     from kvcore.connectors.pull_reads import Reads
 
-    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
+    _, _, _, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
     events: list[str] = []
     start = Reads.start
 
@@ -307,8 +318,7 @@ def test_a_part_of_the_staging_buffer_is_read_into_again_only_after_its_gather(
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         save = prod.save(keys, src_ids)
-        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                          seed=seed + 1)
+        dst = destination(seed)
         with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
                            map_producer=False) as conn:
             conn.register_kv_caches(dst)
@@ -317,8 +327,7 @@ def test_a_part_of_the_staging_buffer_is_read_into_again_only_after_its_gather(
             result = conn.load(keys, dst_ids).wait(timeout=pull.wait_s)
         assert save.wait(timeout=pull.wait_s).ok
     assert result.ok, result.failed
-    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
-                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+    assert_converted(dst, dst_ids, src, src_ids)
     assert events.count("start") == events.count("gather") == 6
     assert events[:2] == ["start", "start"]
     starts = [i for i, event in enumerate(events) if event == "start"]
@@ -331,12 +340,11 @@ def test_a_part_of_the_staging_buffer_is_read_into_again_only_after_its_gather(
 def test_a_converting_load_reads_keys_published_after_its_fetch(pull, in_place):
     """Keys the producer publishes only after the load's fetch are asked for again (staged:
     chunk by chunk): the load completes, every token equal to the producer's."""
-    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
+    _, _, _, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         saves = [prod.save(keys[:10], src_ids[:10])]
-        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                          seed=seed + 1)
+        dst = destination(seed)
         with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
                            map_producer=in_place) as conn:
             conn.register_kv_caches(dst)
@@ -352,8 +360,7 @@ def test_a_converting_load_reads_keys_published_after_its_fetch(pull, in_place):
         assert all(save.wait(timeout=pull.wait_s).ok for save in saves)
     assert result.ok, result.failed
     assert phases.count("fetch") >= 2
-    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
-                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+    assert_converted(dst, dst_ids, src, src_ids)
 
 
 @pytest.mark.parametrize("pull", PULLS)
@@ -367,8 +374,7 @@ def test_in_place_groups_with_a_key_never_published_fail_and_their_leased_keys_g
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         save = prod.save([keys[i] for i in published], [src_ids[i] for i in published])
-        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                          seed=seed + 1)
+        dst = destination(seed)
         before = logical_blocks(dst, list(range(16)))
         with pull.consumer(prod.port, timeout_s=0.5) as conn:
             conn.register_kv_caches(dst)
@@ -401,13 +407,12 @@ def test_in_place_groups_a_lookup_named_stale_blocks_for_are_gathered_again_from
     The gather from the named blocks runs while the fetch is out; the groups of keys 6 and
     11 (3 and 5) are gathered again from the lease, over what it wrote. Every token equals
     the producer's second publication; nothing else changes."""
-    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, _ = staged_load()
+    n, p_bs, _, seed, src, keys, src_ids, dst_ids, _ = staged_load()
     spare = sorted(set(range(32)) - set(src_ids))[:2]
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         save = prod.save(keys, src_ids)
-        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                          seed=seed + 1)
+        dst = destination(seed)
         before = logical_blocks(dst, list(range(16)))
         with pull.consumer(prod.port) as conn:
             conn.register_kv_caches(dst)
@@ -430,8 +435,7 @@ def test_in_place_groups_a_lookup_named_stale_blocks_for_are_gathered_again_from
     assert result.num_bytes == tokens_of(src, src_ids, n * p_bs).numel() * 2
     now = list(src_ids)
     now[6], now[11] = spare
-    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
-                       tokens_of(src, now, n * p_bs).contiguous().view(torch.uint8))
+    assert_converted(dst, dst_ids, src, now)
     others = sorted(set(range(16)) - set(dst_ids))
     assert torch.equal(logical_blocks(dst, others), before[:, others])
 
@@ -440,12 +444,11 @@ def test_in_place_groups_a_lookup_named_stale_blocks_for_are_gathered_again_from
 def test_in_place_blocks_whose_confirmation_the_producer_refused_fail(pull, monkeypatch):
     """The confirmation of a gather in place cannot be sent (injected): every destination
     block fails, saying its source blocks may have changed during the gather."""
-    _, _, c_bs, seed, src, keys, src_ids, dst_ids, _ = staged_load()
+    _, _, _, seed, src, keys, src_ids, dst_ids, _ = staged_load()
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         prod.save(keys, src_ids)
-        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                          seed=seed + 1)
+        dst = destination(seed)
         with pull.consumer(prod.port) as conn:
             conn.register_kv_caches(dst)
             monkeypatch.setattr(conn, "_done", lambda lease, first, end, quiet=False:
@@ -463,12 +466,11 @@ def test_a_chunk_whose_read_fails_fails_its_groups_and_goes_back(pull, monkeypat
     """The READs of one chunk (keys 4..7: groups 2 and 3) fail: exactly that chunk's
     destination blocks fail, naming the library's error, its keys are published again for
     the next load, and the other chunks convert as usual."""
-    n, p_bs, c_bs, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
+    _, _, _, seed, src, keys, src_ids, dst_ids, group_bytes = staged_load()
     with pull.producer() as prod:
         prod.register_kv_caches(src)
         save = prod.save(keys, src_ids)
-        dst = make_caches(layout="hnd", cross_layer=True, block_size=c_bs, num_blocks=16,
-                          seed=seed + 1)
+        dst = destination(seed)
         before = logical_blocks(dst, list(range(16)))
         with pull.consumer(prod.port, staging_bytes=4 * group_bytes,
                            map_producer=False) as conn:
@@ -501,8 +503,7 @@ def test_a_chunk_whose_read_fails_fails_its_groups_and_goes_back(pull, monkeypat
             again = conn.load(keys[4:8], dst_ids[2:4]).wait(timeout=pull.wait_s)
             assert again.ok, again.failed
         assert save.wait(timeout=pull.wait_s).ok
-    assert torch.equal(tokens_of(dst, dst_ids, n * p_bs).view(torch.uint8),
-                       tokens_of(src, src_ids, n * p_bs).contiguous().view(torch.uint8))
+    assert_converted(dst, dst_ids, src, src_ids)
     others = sorted(set(range(16)) - set(dst_ids))
     assert torch.equal(logical_blocks(dst, others), before[:, others])
 
