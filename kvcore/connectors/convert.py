@@ -38,6 +38,13 @@ import torch
 
 from kvcore import KVCacheLayout, KVCaches, LayoutMismatchError
 from kvcore.blocks import block_runs
+from kvcore.connectors.convert_args import (
+    checked_ids,
+    dtype_name,
+    id_tensor,
+    overlap,
+    storage_bytes,
+)
 from kvcore.connectors.tp import TPRank, as_tp_rank, heads_of_rank, source_ranks
 from kvcore.ops import fp8_inverse_scale
 
@@ -92,10 +99,6 @@ def _with_blocks(layout: KVCacheLayout, num_blocks: int) -> KVCacheLayout:
 def _size(layout: KVCacheLayout, name: str) -> int:
     names = layout.layer_dim_names
     return layout.layer_shape[names.index(name)] if name in names else 1
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _kind(layout: KVCacheLayout) -> str:
@@ -195,7 +198,7 @@ class ConversionPlan:
             out.append(f"KV heads {self._heads_text()}")
         if self.dtype_op != "copy":
             scales = "destination" if self.dtype_op == "quantize" else "source"
-            out.append(f"dtype {_dtype_name(src.dtype)} -> {_dtype_name(dst.dtype)} "
+            out.append(f"dtype {dtype_name(src.dtype)} -> {dtype_name(dst.dtype)} "
                        f"({self.dtype_op}, with the {scales}'s per-layer K/V scales)")
         return out
 
@@ -302,12 +305,12 @@ class ConversionPlan:
         if block_bytes is None:
             block_bytes = self._templates["block_bytes"] = tuple(
                 layout.num_layers * layout.page_size_bytes for layout in (self.src, self.dst))
-        src_t, src_n = _storage(src, self.src, "src", block_bytes[0])
-        dst_t, dst_n = _storage(dst, self.dst, "dst", block_bytes[1])
-        if src_t.device == dst_t.device and _overlap(src_t, dst_t):
+        src_t, src_n = storage_bytes(src, self.src, "src", block_bytes[0])
+        dst_t, dst_n = storage_bytes(dst, self.dst, "dst", block_bytes[1])
+        if src_t.device == dst_t.device and overlap(src_t, dst_t):
             raise ValueError("src and dst share memory; convert into a separate allocation")
-        s_ids = _ids(src_ids, "src_ids", src_n, "source")
-        d_ids = _ids(dst_ids, "dst_ids", dst_n, "destination")
+        s_ids = checked_ids(src_ids, "src_ids", src_n, "source")
+        d_ids = checked_ids(dst_ids, "dst_ids", dst_n, "destination")
         if num_tokens is None:
             num_tokens = len(s_ids) * self.src_block_size
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
@@ -321,7 +324,7 @@ class ConversionPlan:
                 f"{len(d_ids)}; pass the request's blocks on each side")
         if (len(set(d_ids)) if isinstance(d_ids, list)  # (a list: one pass of C code)
                 else d_ids.unique().numel()) != len(d_ids):
-            raise ValueError(f"dst_ids repeats blocks ({sorted(_id_tensor(d_ids).tolist())}); "
+            raise ValueError(f"dst_ids repeats blocks ({sorted(id_tensor(d_ids).tolist())}); "
                              "each destination block is written once")
         scales = self._scales(src_scales, dst_scales)
         if num_tokens == 0:
@@ -329,13 +332,13 @@ class ConversionPlan:
         if kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel={kernel!r} must be 'auto', 'torch' or 'triton'")
         if self.is_identity:
-            return self._copy_blocks(src_t, src_n, dst_t, dst_n, _id_tensor(s_ids),
-                                     _id_tensor(d_ids), num_tokens)
+            return self._copy_blocks(src_t, src_n, dst_t, dst_n, id_tensor(s_ids),
+                                     id_tensor(d_ids), num_tokens)
         if kernel == "triton" or (kernel == "auto" and dst_t.is_cuda):
             if src_t.device != dst_t.device:
                 src_t = src_t.to(dst_t.device)
             return self._launch(src_t, src_n, dst_t, dst_n, s_ids, d_ids, num_tokens, scales)
-        return self._gather(src_t, src_n, dst_t, dst_n, _id_tensor(s_ids), _id_tensor(d_ids),
+        return self._gather(src_t, src_n, dst_t, dst_n, id_tensor(s_ids), id_tensor(d_ids),
                             num_tokens, scales)
 
     def blocks_for_keys(self, num_keys: int) -> int:
@@ -481,8 +484,8 @@ class ConversionPlan:
         name, value = given[self.dtype_op]
         shape = (self.num_layers,) if self.is_mla else (self.num_layers, 2)
         if value is None:
-            raise ValueError(f"this plan {self.dtype_op}s ({_dtype_name(self.src.dtype)} -> "
-                             f"{_dtype_name(self.dst.dtype)}): pass {name}, the per-layer "
+            raise ValueError(f"this plan {self.dtype_op}s ({dtype_name(self.src.dtype)} -> "
+                             f"{dtype_name(self.dst.dtype)}): pass {name}, the per-layer "
                              f"K/V scales, shape {shape} or one float")
         try:
             scales = torch.as_tensor(value, dtype=torch.float32).cpu()
@@ -599,65 +602,6 @@ def _strides(layout: KVCacheLayout) -> dict[str, int]:
             **dict(zip(layout.dim_names, layout.logical_strides(), strict=True))}
 
 
-def _storage(value: torch.Tensor | KVCaches, layout: KVCacheLayout, name: str,
-             block_bytes: int) -> tuple[torch.Tensor, int]:
-    """A side's memory as a flat uint8 tensor, and how many blocks of ``layout`` (of
-    ``block_bytes``, every layer) it holds."""
-    if isinstance(value, KVCaches):
-        value = value.storage
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a KVCaches or a torch.Tensor, got "
-                        f"{type(value).__name__}")
-    if value.dtype not in (layout.dtype, torch.uint8):
-        raise TypeError(f"{name} is {_dtype_name(value.dtype)}, but its layout stores "
-                        f"{_dtype_name(layout.dtype)} (pass that dtype or uint8 bytes)")
-    if not value.is_contiguous():
-        raise ValueError(f"{name} must be contiguous: a whole allocation of layout {layout} "
-                         "(KVCaches.storage, or packed block rows)")
-    raw = value.reshape(-1).view(torch.uint8)
-    if block_bytes == 0 or raw.numel() % block_bytes:
-        raise ValueError(f"{name} holds {raw.numel()} bytes, not a whole number of blocks of "
-                         f"{block_bytes} bytes (layout {layout.describe()}, every layer)")
-    return raw, raw.numel() // block_bytes
-
-
-def _ids(value: Sequence[int] | torch.Tensor, name: str, num_blocks: int, side: str
-         ) -> list[int] | torch.Tensor:
-    """Checked block ids: an int64 CPU tensor for a tensor, a list of ints for a sequence
-    (checked in passes of C code; the gather kernel's launch packs lists in one tensor)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got {value.dtype} "
-                            f"shape {tuple(value.shape)}")
-        ids: list[int] | torch.Tensor = value.to("cpu", torch.int64)
-        bounds = tuple(int(v) for v in torch.aminmax(ids)) if ids.numel() else None
-    else:
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got "
-                            f"{type(value).__name__}")
-        if set(map(type, value)) - {int}:  # (one pass of C code when they are all ints)
-            for i, b in enumerate(value):
-                if isinstance(b, bool) or not isinstance(b, int):
-                    raise TypeError(f"{name}[{i}]={b!r} must be an int")
-        ids = value if type(value) is list else [int(b) for b in value]
-        bounds = (min(ids), max(ids)) if ids else None
-    if bounds is not None and (bounds[0] < 0 or bounds[1] >= num_blocks):
-        bad = bounds[0] if bounds[0] < 0 else bounds[1]
-        raise ValueError(f"{name} contains {bad}, outside the {side}'s {num_blocks} blocks "
-                         f"(valid: 0..{num_blocks - 1}); is the {side} too small?")
-    return ids
-
-
-def _id_tensor(ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """Checked ids (:func:`_ids`) as an int64 CPU tensor."""
-    return ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() and b_lo < a_lo + a.numel()
-
-
 def _word(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
     """The widest integer dtype whose size divides ``row_bytes`` and every tensor's address,
     so rows move as words, not bytes."""
@@ -759,7 +703,7 @@ def _dtype_op(s: torch.dtype, d: torch.dtype, quantize: bool, dequantize: bool, 
               ) -> str:
     if s == d:
         return "copy"
-    text = f"dtype {_dtype_name(s)} vs {_dtype_name(d)}"
+    text = f"dtype {dtype_name(s)} vs {dtype_name(d)}"
     if s in _WIDE and d in _FP8:
         if not quantize:
             raise refuse(f"{text}: quantizing to fp8 loses precision; pass quantize=True "
