@@ -46,7 +46,8 @@ def test_builtins_register_through_the_hook_lazily(fresh_kvcore):
     # safetensors).
     assert out == "['kvcore.connectors.base', 'kvcore.connectors.blocks', " \
                   "'kvcore.connectors.builtin', 'kvcore.connectors.convert', " \
-                  "'kvcore.connectors.copiers', 'kvcore.connectors.keys', " \
+                  "'kvcore.connectors.convert_args', 'kvcore.connectors.copiers', " \
+                  "'kvcore.connectors.keys', " \
                   "'kvcore.connectors.tp']"
 
 
