@@ -113,7 +113,15 @@ from kvcore.connectors.convert import ConversionPlan, TPRank, as_tp_rank, plan_c
 from kvcore.connectors.pull_channel import ChannelError, unpack_blocks
 from kvcore.connectors.pull_consumer import Consumer
 from kvcore.connectors.pull_convert import gather_in_place, read_converting
-from kvcore.connectors.pull_engine import Engine, Regions, Run, memory_kind, read_runs, spans
+from kvcore.connectors.pull_engine import (
+    Engine,
+    Regions,
+    Run,
+    all_published,
+    memory_kind,
+    read_runs,
+    spans,
+)
 from kvcore.connectors.pull_producer import Producer, check_seconds
 from kvcore.connectors.pull_reads import (
     POLL_PAUSE_MAX_S,
@@ -602,9 +610,8 @@ class PullConnector(KVConnector):
         producer had not published."""
         num_blocks = self._consumer.num_blocks
         later = []
-        if len(todo) == num_keys and blocks and set(map(type, blocks)) == {int} \
-                and min(blocks) >= 0 and max(blocks) < num_blocks:
-            # The common case, checked in passes of C code: every key, each published.
+        if len(todo) == num_keys and all_published(blocks, num_blocks):
+            # The common case: every key, each published.
             runs = spans(first, blocks, local_ids)
         else:
             later, pairs = self._sort_entries(

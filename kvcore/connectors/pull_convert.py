@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvcore.connectors.pull_channel import ChannelError
-from kvcore.connectors.pull_engine import spans
+from kvcore.connectors.pull_engine import all_published, spans
 from kvcore.connectors.pull_reads import Reads
 
 __all__ = ["gather_in_place", "read_converting"]
@@ -111,8 +111,7 @@ def read_converting(conn: Any, keys: list[str], block_ids: list[int], deadline: 
             if lease is None:  # the fetch failed: nothing is READ
                 for n, (_, slots, _) in enumerate(chunks):
                     convert(n, set(), dict.fromkeys(range(len(slots)), why))
-            elif set(map(type, blocks)) == {int} and min(blocks) >= 0 \
-                    and max(blocks) < conn._consumer.num_blocks:  # all published
+            elif all_published(blocks, conn._consumer.num_blocks):
                 _convert_overlapped(conn, lease, blocks, chunks, deadline, convert,
                                          gathered, untouched)
             else:
@@ -221,7 +220,7 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
     n, num_tokens = len(keys), len(keys) * plan.src_block_size
     num_blocks = conn._consumer.num_blocks
     guesses = conn._take_guesses(keys)
-    if guesses is not None and not (min(guesses[0]) >= 0 and max(guesses[0]) < num_blocks):
+    if guesses is not None and not all_published(guesses[0], num_blocks):
         guesses = None  # (not every key named: gather once the lease says where they are)
     early = [0, False]  # bytes the gather from the lookups' blocks wrote; launched
 
@@ -257,8 +256,7 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
             except ChannelError as exc:
                 errors.update((i, str(exc)) for i in todo)
                 break
-            if first and blocks and set(map(type, blocks)) == {int} and min(blocks) >= 0 \
-                    and max(blocks) < num_blocks:  # the common case, in passes of C code
+            if first and all_published(blocks, num_blocks):  # the common case
                 src, serial, where, todo = blocks, serials, lease, []
                 break
             first, later, refused = False, [], []
@@ -289,8 +287,9 @@ def gather_in_place(conn: Any, keys: list[str], block_ids: list[int], deadline: 
                                                          guesses, early[0])
             elif isinstance(where, str):  # the first fetch leased every key: one gather
                 written, missing = block_ids, {}
-                nbytes = conn._timed("gather", lambda: plan.apply(
+                run = conn._timed("prepare", lambda: plan.prepare(
                     source, cache, src, block_ids, num_tokens, dst_scales=scales))
+                nbytes = conn._timed("gather", run)
             else:
                 arrived = [s is not None for s in src]
                 written, missing, nbytes = conn._timed(

@@ -12,7 +12,7 @@ import torch
 from kvcore.connectors.base import RegisteredCaches
 from kvcore.connectors.pull_channel import ChannelError
 
-__all__ = ["Engine", "Regions", "Run", "memory_kind", "read_runs", "spans"]
+__all__ = ["Engine", "Regions", "Run", "all_published", "memory_kind", "read_runs", "spans"]
 
 
 def memory_kind(storage: torch.Tensor, transport: str) -> tuple[str, int]:
@@ -136,6 +136,14 @@ class Run:
     src: int  # producer block of ``first``
     dst: int  # consumer block of ``first``
     handle: Any = None  # the engine's, while the READ is in flight
+
+
+def all_published(blocks: list[Any], num_blocks: int) -> bool:
+    """Whether every entry of a fetch's (or lookups') answer names a block of the producer's
+    cache, an int in ``0..num_blocks - 1`` (none is ``None``: not published), checked in
+    passes of C code: the common case, which then needs no per-key work."""
+    return bool(blocks) and set(map(type, blocks)) == {int} and min(blocks) >= 0 \
+        and max(blocks) < num_blocks
 
 
 def read_runs(pairs: list[tuple[int, int, int]]) -> list[Run]:
