@@ -59,7 +59,7 @@ def checked_ids(value: Sequence[int] | torch.Tensor, name: str, num_blocks: int,
             for i, b in enumerate(value):
                 if isinstance(b, bool) or not isinstance(b, int):
                     raise TypeError(f"{name}[{i}]={b!r} must be an int")
-        ids = value if type(value) is list else [int(b) for b in value]
+        ids = value if type(value) is list else list(value)
         bounds = (min(ids), max(ids)) if ids else None
     if bounds is not None and (bounds[0] < 0 or bounds[1] >= num_blocks):
         bad = bounds[0] if bounds[0] < 0 else bounds[1]
