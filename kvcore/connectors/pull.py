@@ -19,32 +19,9 @@ one region of ``num_layers * page_size_bytes`` for a cross-layer cache, one
 are consecutive on both sides (a descriptor per region kind), so a run succeeds or fails
 whole, and blocks of other runs are not affected.
 
-Side channel (standard library sockets, no central server): the producer listens on
-``host:port``; any number of consumers connect. A frame is an 8-byte header (two big-endian
-lengths), a JSON object and raw bytes after it: a request's keys, their hex digits back to
-back (:func:`~kvcore.connectors.pull_channel.pack_keys`; JSON took as long to write them as
-the producer takes to find their blocks). A consumer sends ``hello`` (its
-:meth:`kvcore.KVCacheLayout.to_dict` and its engine's name); the producer answers with its
-layout, what the library needs to reach it and
-the addresses of its block regions. Both sides compare the layouts (the number of blocks
-aside) and refuse a mismatch with :class:`kvcore.LayoutMismatchError` before any byte moves.
-Then:
-
-- ``lookup`` {keys}: how many leading keys are published and open to this consumer, and
-  (the tail, :func:`~kvcore.connectors.pull_channel.pack_blocks`) their blocks and the
-  serials of those publications (a serial is never reused);
-- ``fetch`` {keys, lease_s}: take the published ones for ``lease_s`` seconds; the answer
-  names the producer's block of each key and its publication's serial (``-1``: not
-  published yet). The consumer READs them and confirms each run read whole,
-  ``<lease>:<first>:<end>``: through
-  the library's notification where it has one (NIXL), else with ``done`` {lease, first,
-  end} on the side channel (:attr:`PullConnector.confirms_over_channel`). The producer then
-  releases the blocks and the save reports them done (it counts notifications right after
-  answering a fetch, when the consumer READs and waits for nothing from it, or
-  :data:`~kvcore.connectors.pull_producer.SETTLE_AFTER_S` after they arrived when no fetch
-  comes; always before a lease ends or the producer closes);
-- ``giveback`` {lease, indices}: runs whose READ failed go back to published (runs that
-  timed out stay leased until the lease ends, see below).
+Side channel: standard library sockets, no central server; its frames and requests
+(``hello``, ``lookup``, ``fetch``, ``done``, ``giveback``) are in
+:mod:`~kvcore.connectors.pull_channel`.
 
 Readers: a published block waits for ``readers`` different consumers (default 1), e.g. the
 tensor-parallel decode ranks that read one prefill rank's heads

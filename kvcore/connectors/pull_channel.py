@@ -1,6 +1,32 @@
 """The side channel of the pull connectors (:mod:`kvcore.connectors.pull`): frames of a JSON
 object and raw bytes after it, over a TCP socket, and the packing of a request's keys and an
-answer's block numbers into those bytes."""
+answer's block numbers into those bytes.
+
+The producer listens on ``host:port``; any number of consumers connect. A frame is an 8-byte
+header (two big-endian lengths), a JSON object and raw bytes after it: a request's keys, their
+hex digits back to back (:func:`pack_keys`; JSON took as long to write them as the producer
+takes to find their blocks). A consumer sends ``hello`` (its
+:meth:`kvcore.KVCacheLayout.to_dict` and its engine's name); the producer answers with its
+layout, what the library needs to reach it and the addresses of its block regions. Both sides
+compare the layouts (the number of blocks aside) and refuse a mismatch with
+:class:`kvcore.LayoutMismatchError` before any byte moves. Then:
+
+- ``lookup`` {keys}: how many leading keys are published and open to this consumer, and (the
+  tail, :func:`pack_blocks`) their blocks and the serials of those publications (a serial is
+  never reused);
+- ``fetch`` {keys, lease_s}: take the published ones for ``lease_s`` seconds; the answer names
+  the producer's block of each key and its publication's serial (``-1``: not published yet).
+  The consumer READs them and confirms each run read whole, ``<lease>:<first>:<end>``:
+  through the library's notification where it has one (NIXL), else with ``done`` {lease,
+  first, end} on the side channel
+  (:attr:`~kvcore.connectors.pull.PullConnector.confirms_over_channel`; a gather in place
+  sends it ``quiet``, unanswered). The producer then releases the blocks and the save reports
+  them done (it counts notifications right after answering a fetch, when the consumer READs
+  and waits for nothing from it, or :data:`~kvcore.connectors.pull_producer.SETTLE_AFTER_S`
+  after they arrived when no fetch comes; always before a lease ends or the producer closes);
+- ``giveback`` {lease, indices}: runs whose READ failed go back to published (runs that timed
+  out stay leased until the lease ends: the lifetimes in :mod:`kvcore.connectors.pull`).
+"""
 
 from __future__ import annotations
 
